@@ -1,0 +1,71 @@
+"""Load an optimized BLAS before MLX is imported (Linux CPU).
+
+Why: the Linux MLX CPU wheel links a bundled reference BLAS (~2-4 GFLOP/s for an f32 GEMM).
+Loading OpenBLAS (or MKL) with RTLD_GLOBAL *before* `import mlx.core` makes MLX's `cblas_*`
+calls resolve to it: 20-150 GFLOP/s on the same machine. Results stay correct either way;
+only the summation order of a GEMM changes (see `batch_invariant` in fx_engine.nn).
+
+This module must not import mlx. `fx_engine/__init__.py` calls `preload()` first.
+Set FX_ENGINE_BLAS=reference to keep the bundled BLAS, or to a library path to choose one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import sysconfig
+
+_ACTIVE: dict[str, str] = {"name": "reference (bundled with mlx)", "path": ""}
+
+_CANDIDATES = (
+    # Debian/Ubuntu `libopenblas0-pthread` (the measured one), then other common layouts.
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+)
+
+
+def _pypi_candidates() -> list[str]:
+    """MKL from PyPI (`pip install mkl`) exports the standard cblas symbols."""
+    roots = {sysconfig.get_paths()["purelib"], os.path.join(sys.prefix, "lib")}
+    found: list[str] = []
+    for root in roots:
+        found += sorted(glob.glob(os.path.join(root, "libmkl_rt.so*")))
+        found += sorted(glob.glob(os.path.join(root, "..", "..", "libmkl_rt.so*")))
+    return found
+
+
+def preload() -> dict[str, str]:
+    """Load the best available BLAS globally; a no-op on macOS or once mlx is imported."""
+    if sys.platform != "linux":
+        _ACTIVE.update(name="Accelerate (macOS system BLAS)", path="")
+        return dict(_ACTIVE)
+    choice = os.environ.get("FX_ENGINE_BLAS", "auto")
+    if choice == "reference":
+        return dict(_ACTIVE)
+    if "mlx.core" in sys.modules:
+        # Too late to interpose; report honestly instead of pretending.
+        _ACTIVE["name"] = "unknown (mlx was imported before fx_engine; BLAS not preloaded)"
+        return dict(_ACTIVE)
+    paths = [choice] if choice != "auto" else [*_CANDIDATES, *_pypi_candidates()]
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        name = "MKL" if "mkl" in os.path.basename(path) else "OpenBLAS"
+        _ACTIVE.update(name=name, path=os.path.realpath(path))
+        break
+    return dict(_ACTIVE)
+
+
+def active() -> dict[str, str]:
+    """Which BLAS serves MLX's CPU matmuls in this process."""
+    return dict(_ACTIVE)

@@ -1,0 +1,1 @@
+"""The imperative shell: owns resources and row membership; calls the pure steps."""

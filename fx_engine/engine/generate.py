@@ -1,0 +1,231 @@
+"""Single-request generation in the shell: tokenize, chunked prefill, decode loop, stops.
+
+The shell owns the current cache and state and rebinds them after every step (so MLX can
+update the KV buffers in place); the compiled steps are pure. Batched, multi-request
+serving builds on the same steps (fx_engine.engine.scheduler, issue 3).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Sequence
+
+import attrs
+import mlx.core as mx
+
+from ..cache import init_cache, resize
+from ..model import Model
+from ..sampling import SamplingConfig
+from ..state import init_state
+from ..steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
+from ..tree import tree_leaves, tree_replace
+from .stops import StopMatcher
+
+PREFILL_CHUNK = 512
+MIN_CAPACITY = 256
+
+
+@attrs.frozen
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        n = self.completion_tokens
+        return n / self.generation_seconds if self.generation_seconds > 0 else 0.0
+
+
+@attrs.frozen
+class Completion:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" | "length"
+    logprobs: tuple[TokenLogprob, ...] | None
+    usage: Usage
+    prompt_token_ids: tuple[int, ...] = ()
+
+
+class TextDelta(str):
+    """A streamed text piece (a `str`), carrying the tokens and logprobs it came from.
+
+    `finish_reason` is set on the last delta; `usage` too.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None
+    usage: Usage | None
+
+    def __new__(cls, text: str, token_ids=(), logprobs=None, finish_reason=None, usage=None):
+        obj = super().__new__(cls, text)
+        obj.token_ids, obj.logprobs = tuple(token_ids), logprobs
+        obj.finish_reason, obj.usage = finish_reason, usage
+        return obj
+
+    @property
+    def text(self) -> str:
+        return str.__str__(self)
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """The power-of-two shape bucket holding n (so steady state never recompiles)."""
+    return max(minimum, 1 << max(0, (n - 1)).bit_length())
+
+
+def prompt_ids(model: Model, prompt: Any, chat: bool | None = None) -> list[int]:
+    """Token ids for a str prompt, a list of token ids, or a list of chat messages."""
+    tok = model.tokenizer
+    if isinstance(prompt, str):
+        if chat:
+            return list(tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True, tokenize=True))
+        return list(tok.encode(prompt))
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} outside [0, {model.config.vocab_size})")
+        return list(prompt)
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        return list(tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True))
+    raise ValueError(
+        "prompt: expected a non-empty string, a list of token ids, or a list of chat "
+        f"messages (dicts with 'role' and 'content'); got {type(prompt).__name__}"
+    )
+
+
+def _sampling_config(kw: dict[str, Any]) -> tuple[SamplingConfig, int]:
+    kw = dict(kw)
+    temp = kw.pop("temperature", kw.pop("temp", 0.0))
+    logprobs = kw.pop("logprobs", 0)
+    if logprobs is True:
+        logprobs = 1
+    top_n = kw.pop("top_logprobs", None)
+    n = int(top_n) if top_n is not None else int(logprobs or 0)
+    return SamplingConfig(temperature=temp, logprobs=n, **kw), n
+
+
+def stream_tokens(
+    model: Model, prompt: Any, *, max_tokens: int = 256, stop: Sequence[str] | str | None = None,
+    chat: bool | None = None, logprobs: int | bool = 0, prefill_chunk: int = PREFILL_CHUNK,
+    **sampling: Any,
+) -> Iterator[TextDelta]:
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if isinstance(stop, str):
+        stop = [stop]
+    stops = StopMatcher(list(stop or ()))
+    want_logprobs = bool(logprobs) or sampling.get("top_logprobs")
+    cfg, n_top = _sampling_config({**sampling, "logprobs": logprobs})
+    ids = prompt_ids(model, prompt, chat)
+    if not ids:
+        raise ValueError("prompt: encodes to zero tokens")
+    limit = model.config.max_position_embeddings
+    if len(ids) + 1 > limit:
+        raise ValueError(f"prompt: {len(ids)} tokens exceeds the model's context of {limit} tokens")
+    max_tokens = min(max_tokens, limit - len(ids))
+    tok = model.tokenizer
+    eos = set(model.eos_ids)
+    params = model.params
+    c = model.config
+    dtype = getattr(mx, params.dtype)
+
+    t0 = time.perf_counter()
+    chunk = bucket(min(prefill_chunk, len(ids)))
+    capacity = bucket(len(ids) + chunk, MIN_CAPACITY)  # room for the padded last chunk
+    cache = init_cache(c.num_layers, 1, c.num_kv_heads, capacity, c.head_dim, dtype)
+    logits = None
+    for start in range(0, len(ids), chunk):
+        piece = ids[start : start + chunk]
+        size = chunk if len(piece) == chunk else bucket(len(piece))
+        padded = piece + [0] * (size - len(piece))
+        logits, cache = prefill_step_compiled(
+            params, cache, mx.array([padded], mx.int32), mx.array([len(piece)], mx.int32)
+        )
+        mx.eval(logits, *tree_leaves(cache))
+    state = init_state([cfg], [ids], c.vocab_size, special_token_ids=sorted(eos))
+    state = sample_step_compiled(state, logits)
+    mx.eval(tree_leaves(state))
+    t1 = time.perf_counter()
+
+    detok = tok.detokenizer()
+    generated: list[int] = []
+    finish = "length"
+    gen_time_start = t1
+    while True:
+        token = int(state.tokens[0].item())
+        lp = None
+        if want_logprobs:
+            top = tuple(
+                (int(i), tok.decode([int(i)]), float(v))
+                for i, v in zip(state.top_ids[0].tolist(), state.top_logprobs[0].tolist())
+            )
+            lp = (TokenLogprob(token, tok.decode([token]), float(state.logprob[0].item()), top),)
+        if token in eos:
+            finish = "stop"
+            break
+        generated.append(token)
+        text = stops.feed(detok.add(token))
+        done_len = len(generated) >= max_tokens
+        if stops.stopped:
+            finish = "stop"
+        if text or lp:
+            yield TextDelta(text, (token,), lp)
+        if stops.stopped or done_len:
+            break
+        # Grow the cache by a bucket when full: one copy per doubling, never per step.
+        if len(ids) + len(generated) >= cache.capacity:
+            cache = resize(cache, capacity=cache.capacity * 2)
+        state, cache = decode_step_compiled(params, cache, state)
+        mx.eval(*tree_leaves(state), *tree_leaves(cache))
+    tail = "" if stops.stopped else stops.feed(detok.finalize())
+    tail += stops.flush()
+    t2 = time.perf_counter()
+    usage = Usage(
+        prompt_tokens=len(ids), completion_tokens=len(generated),
+        prompt_seconds=t1 - t0, generation_seconds=t2 - gen_time_start,
+    )
+    yield TextDelta(tail, (), None, finish, usage)
+
+
+def generate(model: Model, prompt: Any, **kwargs: Any) -> Completion:
+    """Generate a completion (see `stream` for the arguments)."""
+    ids = prompt_ids(model, prompt, kwargs.get("chat"))
+    text, tokens, lps = [], [], []
+    finish, usage = "length", None
+    for d in stream_tokens(model, prompt, **kwargs):
+        text.append(d.text)
+        tokens.extend(d.token_ids)
+        if d.logprobs:
+            lps.extend(d.logprobs)
+        if d.finish_reason:
+            finish, usage = d.finish_reason, d.usage
+    want = kwargs.get("logprobs") or kwargs.get("top_logprobs")
+    return Completion(
+        text="".join(text), token_ids=tuple(tokens), finish_reason=finish,
+        logprobs=tuple(lps) if want else None, usage=usage, prompt_token_ids=tuple(ids),
+    )
+
+
+def stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
+    """Yield text deltas (`TextDelta`, a str with .token_ids/.logprobs/.finish_reason)."""
+    yield from stream_tokens(model, prompt, **kwargs)

@@ -1,0 +1,1 @@
+"""Shell-side loading: weights (GGUF, safetensors, MLX-quantized), tokenizer, chat template."""

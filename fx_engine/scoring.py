@@ -1,0 +1,38 @@
+"""Teacher-forced logits (perplexity, parity checks): a thin shell over `score_step`."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from .cache import init_cache
+from .engine.generate import bucket
+from .model import Model
+from .steps import score_step_compiled
+from .tree import tree_leaves
+
+
+def logits(model: Model, token_ids: Sequence[int], chunk: int = 512) -> mx.array:
+    """Logits [T, V] (float32) of every position of `token_ids`, computed in chunks."""
+    ids = list(token_ids)
+    if not ids:
+        raise ValueError("token_ids: must not be empty")
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < model.config.vocab_size]
+    if bad:
+        raise ValueError(f"token_ids: {bad[0]!r} is not a token id in [0, {model.config.vocab_size})")
+    c = model.config
+    size = bucket(min(chunk, len(ids)))
+    cache = init_cache(c.num_layers, 1, c.num_kv_heads, bucket(len(ids) + size, 256),
+                       c.head_dim, getattr(mx, model.params.dtype))
+    out = []
+    for start in range(0, len(ids), size):
+        piece = ids[start : start + size]
+        padded = piece + [0] * (size - len(piece))
+        lg, cache = score_step_compiled(
+            model.params, cache, mx.array([padded], mx.int32), mx.array([len(piece)], mx.int32)
+        )
+        lg = lg[0, : len(piece)]
+        mx.eval(lg, *tree_leaves(cache))
+        out.append(lg)
+    return mx.concatenate(out, axis=0)

@@ -1,0 +1,56 @@
+"""The pure step functions users compose, and their compiled forms.
+
+    prefill_step(params, cache, tokens[B, C], n_valid[B]) -> (logits[B, V], cache)
+    decode_step(params, cache, state) -> (state, cache)
+    sample_step(state, logits[B, V]) -> state
+    score_step(params, cache, tokens[B, T], n_valid[B]) -> (logits[B, T, V], cache)
+
+Contracts: specs/steps.md. All are pure: same inputs, same outputs; no hidden state. The
+`*_compiled` objects are `fx_engine.tree.CompiledFunction`s keyed on the full static
+structure; their `.trace_log` counts (re)compiles.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from jaxtyping import Bool, Float, Int
+
+from .cache import KVCache
+from .models.llama import Params, forward, hidden_to_logits
+from .state import DecodeState, sample_step
+from .tree import CompiledFunction
+
+
+def prefill_step(
+    params: Params, cache: KVCache, tokens: Int[mx.array, "B C"], n_valid: Int[mx.array, "B"]
+) -> tuple[Float[mx.array, "B V"], KVCache]:
+    """Process a chunk of C tokens per row (rows at any positions; n_valid[b] <= C real
+    tokens, the rest padding). Returns logits of each row's last valid token (garbage for
+    rows with n_valid == 0, whose length does not move) and the cache with lengths += n_valid.
+    """
+    h, cache = forward(params, cache, tokens, n_valid)
+    last = mx.maximum(n_valid - 1, 0)
+    h_last = mx.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+    return hidden_to_logits(params, h_last), cache
+
+
+def score_step(
+    params: Params, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"]
+) -> tuple[Float[mx.array, "B T V"], KVCache]:
+    """Like prefill_step but returns logits at every position (teacher forcing, verify)."""
+    h, cache = forward(params, cache, tokens, n_valid)
+    return hidden_to_logits(params, h), cache
+
+
+def decode_step(params: Params, cache: KVCache, state: DecodeState) -> tuple[DecodeState, KVCache]:
+    """One token per active row: forward the last sampled token, sample the next one."""
+    n_valid = state.active.astype(mx.int32)
+    h, cache = forward(params, cache, state.tokens[:, None], n_valid)
+    logits = hidden_to_logits(params, h[:, 0])
+    return sample_step(state, logits), cache
+
+
+prefill_step_compiled = CompiledFunction(prefill_step, name="prefill_step")
+decode_step_compiled = CompiledFunction(decode_step, name="decode_step")
+sample_step_compiled = CompiledFunction(sample_step, name="sample_step")
+score_step_compiled = CompiledFunction(score_step, name="score_step")

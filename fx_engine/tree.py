@@ -1,0 +1,208 @@
+"""Frozen attrs classes as pytrees, and a compile wrapper keyed on the full static structure.
+
+Why this exists: `mx.compile` accepts only lists/tuples/dicts of arrays, rejects attrs
+instances as inputs and returns stale trace-time objects as outputs. Worse, its cache key
+ignores container lengths and list-vs-tuple, so two different structures can silently share
+one compiled entry (measured: a wrong result, no error). We flatten every argument into a
+flat list of array leaves plus a hashable *treedef* (types, field names, static values,
+container lengths) and key each compiled function on that treedef.
+
+Convention: an attrs field is an array leaf unless declared with `static_field()`; static
+fields (ints, strings, tuples of ints, dtypes, ...) become part of the treedef and therefore
+of the compile key.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import attrs
+import mlx.core as mx
+
+STATIC = "fx_static"
+
+
+def static_field(**kwargs: Any) -> Any:
+    """An attrs field that is compile-time metadata rather than an array leaf."""
+    metadata = dict(kwargs.pop("metadata", {}) or {})
+    metadata[STATIC] = True
+    return attrs.field(metadata=metadata, **kwargs)
+
+
+def _is_static(field: attrs.Attribute) -> bool:
+    return bool(field.metadata.get(STATIC, False))
+
+
+# A treedef is a nested tuple of hashable node descriptions:
+#   ("leaf",) | ("none",) | ("const", value) | ("list", (children...)) | ("tuple", ...)
+#   | ("dict", keys, children) | ("attrs", cls, leaf_names, static_items, children)
+TreeDef = tuple
+
+
+def tree_flatten(tree: Any) -> tuple[list[mx.array], TreeDef]:
+    leaves: list[mx.array] = []
+    treedef = _flatten(tree, leaves)
+    return leaves, treedef
+
+
+def _flatten(node: Any, leaves: list[mx.array]) -> TreeDef:
+    if isinstance(node, mx.array):
+        leaves.append(node)
+        return ("leaf",)
+    if node is None:
+        return ("none",)
+    if attrs.has(type(node)):
+        fields = attrs.fields(type(node))
+        dynamic = tuple(f.name for f in fields if not _is_static(f))
+        static = tuple((f.name, _freeze(getattr(node, f.name))) for f in fields if _is_static(f))
+        children = tuple(_flatten(getattr(node, name), leaves) for name in dynamic)
+        return ("attrs", type(node), dynamic, static, children)
+    if isinstance(node, tuple) and hasattr(node, "_fields"):  # NamedTuple
+        children = tuple(_flatten(x, leaves) for x in node)
+        return ("namedtuple", type(node), children)
+    if isinstance(node, (list, tuple)):
+        kind = "list" if isinstance(node, list) else "tuple"
+        return (kind, tuple(_flatten(x, leaves) for x in node))
+    if isinstance(node, dict):
+        keys = tuple(sorted(node))
+        return ("dict", keys, tuple(_flatten(node[k], leaves) for k in keys))
+    if isinstance(node, (bool, int, float, str)):
+        # Python scalars are compile-time constants: they belong to the key, never to leaves.
+        return ("const", type(node), node)
+    raise TypeError(
+        f"tree_flatten: unsupported node of type {type(node).__name__}; use mx.array, "
+        "attrs classes, NamedTuple, list, tuple, dict, None or a Python scalar"
+    )
+
+
+def _freeze(value: Any) -> Any:
+    """Make a static value hashable (lists become tuples, dicts sorted item tuples)."""
+    if isinstance(value, mx.array):
+        raise TypeError("an mx.array cannot be a static field; declare it as a leaf")
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (set, frozenset)):
+        return frozenset(value)
+    return value
+
+
+def tree_unflatten(treedef: TreeDef, leaves: list[mx.array]) -> Any:
+    it = iter(leaves)
+    out = _unflatten(treedef, it)
+    rest = list(it)
+    if rest:
+        raise ValueError(f"tree_unflatten: {len(rest)} leaves left over")
+    return out
+
+
+def _unflatten(td: TreeDef, it: Any) -> Any:
+    kind = td[0]
+    if kind == "leaf":
+        return next(it)
+    if kind == "none":
+        return None
+    if kind == "const":
+        return td[2]
+    if kind == "attrs":
+        _, cls, dynamic, static, children = td
+        values = {name: _unflatten(c, it) for name, c in zip(dynamic, children)}
+        values.update(dict(static))
+        # Bypass validators/converters: leaves inside a trace are tracers.
+        obj = object.__new__(cls)
+        for name, value in values.items():
+            object.__setattr__(obj, name, value)
+        return obj
+    if kind == "namedtuple":
+        return td[1](*(_unflatten(c, it) for c in td[2]))
+    if kind in ("list", "tuple"):
+        items = [_unflatten(c, it) for c in td[1]]
+        return items if kind == "list" else tuple(items)
+    if kind == "dict":
+        return {k: _unflatten(c, it) for k, c in zip(td[1], td[2])}
+    raise ValueError(f"bad treedef node {kind!r}")
+
+
+def tree_leaves(tree: Any) -> list[mx.array]:
+    return tree_flatten(tree)[0]
+
+
+def tree_map(fn: Callable[[mx.array], mx.array], tree: Any) -> Any:
+    leaves, td = tree_flatten(tree)
+    return tree_unflatten(td, [fn(x) for x in leaves])
+
+
+def tree_replace(obj: Any, **changes: Any) -> Any:
+    """attrs.evolve without running validators (safe on tracer leaves)."""
+    values = {f.name: getattr(obj, f.name) for f in attrs.fields(type(obj))}
+    values.update(changes)
+    new = object.__new__(type(obj))
+    for name, value in values.items():
+        object.__setattr__(new, name, value)
+    return new
+
+
+class CompiledFunction:
+    """`mx.compile` keyed on the full static structure of the arguments.
+
+    One underlying `mx.compile` per distinct input treedef, so MLX's own key (shapes,
+    dtypes, constants) is only ever asked to separate calls that already share a structure.
+    `trace_log` records every trace with the treedef and array signature that caused it,
+    which is how tests and tools/trace.py count recompiles.
+    """
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None, compile: bool = True):
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "fn")
+        self.compile = compile
+        self._entries: dict[TreeDef, Callable[..., Any]] = {}
+        self._out_treedefs: dict[TreeDef, TreeDef] = {}
+        self.trace_log: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def traces(self) -> int:
+        return len(self.trace_log)
+
+    def _make(self, in_td: TreeDef) -> Callable[..., Any]:
+        def flat(*leaves: mx.array) -> list[mx.array]:
+            args, kwargs = tree_unflatten(in_td, list(leaves))
+            self.trace_log.append(
+                {
+                    "function": self.name,
+                    "structure_id": list(self._entries).index(in_td)
+                    if in_td in self._entries
+                    else len(self._entries),
+                    "signature": tuple((tuple(x.shape), str(x.dtype)) for x in leaves),
+                }
+            )
+            out = self.fn(*args, **kwargs)
+            out_leaves, out_td = tree_flatten(out)
+            self._out_treedefs[in_td] = out_td
+            return out_leaves
+
+        return mx.compile(flat) if self.compile else flat
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, in_td = tree_flatten((args, kwargs))
+        entry = self._entries.get(in_td)
+        if entry is None:
+            with self._lock:
+                entry = self._entries.get(in_td)
+                if entry is None:
+                    entry = self._make(in_td)
+                    self._entries[in_td] = entry
+        out_leaves = entry(*leaves)
+        return tree_unflatten(self._out_treedefs[in_td], list(out_leaves))
+
+    def structures(self) -> int:
+        return len(self._entries)
+
+
+def jit(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
+    """Decorator form of CompiledFunction."""
+    if fn is None:
+        return lambda f: CompiledFunction(f, name=name)
+    return CompiledFunction(fn, name=name)
