@@ -373,21 +373,25 @@ def history_width(configs: Sequence[SamplingConfig], minimum: int = 16) -> int:
     return 1 << (need - 1).bit_length()
 
 
-def init_history(prompt_ids_per_row: Sequence[Sequence[int]], width: int) -> Int32[mx.array, "B W"]:
+def init_history(
+    prompt_ids_per_row: Sequence[Sequence[int]], width: int, vocab_size: int | None = None
+) -> Int32[mx.array, "B W"]:
     """Host side: the last ``width`` tokens of each row's prompt, right-aligned, -1 = empty.
 
     Feed it everything the penalties must see so far (mlx-lm: the whole prompt plus the
-    tokens generated so far), then ``push_history`` every sampled token.
+    tokens generated so far), then ``push_history`` every sampled token. Ids are checked
+    against ``vocab_size`` when given (an id >= V would index outside the logits).
     """
     width = _integer("width", width)
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
+    limit = 2**31 if vocab_size is None else _integer("vocab_size", vocab_size)
     rows = list(prompt_ids_per_row)
     out = np.full((len(rows), width), -1, dtype=np.int32)
     for r, ids in enumerate(rows):
         tail = np.asarray(list(ids), dtype=np.int64)[-width:] if len(ids) else np.zeros(0, np.int64)
-        if tail.size and (tail.min() < 0 or tail.max() >= 2**31):
-            raise ValueError(f"prompt_ids_per_row[{r}] holds a token id outside [0, 2**31)")
+        if tail.size and (tail.min() < 0 or tail.max() >= limit):
+            raise ValueError(f"prompt_ids_per_row[{r}] holds a token id outside [0, {limit})")
         if tail.size:
             out[r, width - tail.size :] = tail
     return mx.array(out)
@@ -480,7 +484,7 @@ def _top_p(x: mx.array, sorted_x: mx.array, top_p: mx.array) -> mx.array:
     total_mass = mass_above[..., :1] + sorted_probs[..., :1]
     num_dropped = (mass_above >= top_p * total_mass).sum(axis=-1, keepdims=True)
     threshold = mx.take_along_axis(sorted_x, num_dropped.astype(mx.int32), axis=-1)
-    return mx.where(x <= threshold, -mx.inf, x)
+    return mx.where(x < threshold, -mx.inf, x)
 
 
 def _min_p(x: mx.array, log_min_p: mx.array) -> mx.array:

@@ -189,10 +189,31 @@ def test_ids_match_oracle_on_random_text(tok: Tokenizer, oracle, text: str) -> N
     assert tok.encode(text, add_special_tokens=False) == oracle_encode(oracle, text)
 
 
+@pytest.fixture(scope="module")
+def unencodable_ascii(tok: Tokenizer) -> frozenset[str]:
+    """ASCII characters whose byte has no token: SmolLM2's vocabulary lacks six control bytes.
+
+    BPE without an unknown token drops them (so do llama.cpp and the oracle), which is the only
+    way decode(encode(s)) may differ from s for this byte-level vocabulary.
+    """
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spelled = bytes_to_unicode()
+    return frozenset(chr(b) for b in range(128) if tok.backend.token_to_id(spelled[b]) is None)
+
+
+def test_unencodable_bytes_are_dropped_like_the_oracle(tok: Tokenizer, oracle, unencodable_ascii) -> None:
+    assert unencodable_ascii == {chr(b) for b in (0x04, 0x06, 0x13, 0x14, 0x16, 0x1D)}
+    text = "a\x16b\x04"
+    # The dropped byte still separates pre-tokens: "a" and "b" are encoded apart.
+    assert tok.encode(text) == oracle_encode(oracle, text) == tok.encode("a") + tok.encode("b")
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=TEXT_WITH_SPECIALS)
-def test_round_trip(tok: Tokenizer, text: str) -> None:
-    assert tok.decode(tok.encode(text)) == text
+def test_round_trip(tok: Tokenizer, unencodable_ascii, text: str) -> None:
+    expected = "".join(c for c in text if c not in unencodable_ascii)
+    assert tok.decode(tok.encode(text)) == expected
 
 
 def test_gguf_reader_agrees_with_mx_load(metadata: dict, gguf_path: Path) -> None:
@@ -371,23 +392,18 @@ def test_stream_text_never_emits_broken_chars(tok: Tokenizer) -> None:
     assert "" in deltas[:-1]  # the emoji's bytes span tokens, so some deltas had to be held
 
 
-@st.composite
-def id_sequences(draw, tok: Tokenizer, partial: list[int]):
-    special = sorted(tok.special_ids)
-    fffd_ids = [i for i in range(tok.vocab_size) if i not in tok.special_ids and tok.decode([i]).endswith(FFFD)]
-    one = st.one_of(
-        st.integers(0, tok.vocab_size - 1),
-        st.sampled_from(partial),
-        st.sampled_from(partial),
-        st.sampled_from(special),
-        st.sampled_from(fffd_ids),
-    )
-    return draw(st.lists(one, max_size=40))
-
-
 @pytest.fixture(scope="module")
 def id_strategy(tok: Tokenizer, partial_utf8_ids: list[int]):
-    return id_sequences(tok, partial_utf8_ids)
+    """Random id sequences, biased towards the ids that make streaming hard: partial UTF-8
+    byte tokens, special tokens, and the literal U+FFFD token."""
+    one = st.one_of(
+        st.integers(0, tok.vocab_size - 1),
+        st.sampled_from(partial_utf8_ids),
+        st.sampled_from(partial_utf8_ids),
+        st.sampled_from(sorted(tok.special_ids)),
+        st.just(tok.encode(FFFD)[0]),
+    )
+    return st.lists(one, max_size=40)
 
 
 def test_stream_random_ids(tok: Tokenizer, id_strategy) -> None:
@@ -435,7 +451,8 @@ def test_stream_window_stays_small(tok: Tokenizer) -> None:
     for _ in range(500):
         emitted += detok.add(fffd_id[0])
         longest = max(longest, len(detok._window))
-    assert longest <= 8 and len(emitted) >= 490
+    # Bound: the previous chunk (max_hold + 1 tokens) as context plus max_hold + 1 held ones.
+    assert longest <= 2 * (4 + 1) and len(emitted) >= 490
     assert emitted + detok.finalize() == FFFD * 500
     # So must a long run of skipped special tokens.
     detok = tok.detokenizer(skip_special_tokens=True)
@@ -630,8 +647,54 @@ def test_spm_added_tokens(spm_pair) -> None:
     assert tok.decode(tok.encode("hello</s>"), skip_special_tokens=True) == "hello"
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ids=st.lists(st.integers(0, 399), max_size=30), skip=st.booleans())
-def test_spm_stream_random_ids(spm_pair, ids: list[int], skip: bool) -> None:
-    _, tok = spm_pair
-    check_stream(tok, ids, skip=skip)
+def _spm_byte_ids(sp, text: str) -> list[int]:
+    return [sp.piece_to_id(f"<0x{b:02X}>") for b in text.encode("utf-8")]
+
+
+@st.composite
+def spm_units(draw, sp) -> list[int]:
+    """Random ids made of pieces, special tokens and characters spelled as byte tokens, plus
+    maybe an incomplete character at the very end (a stream cut mid-character)."""
+    n = sp.get_piece_size()
+    unit = st.one_of(
+        st.integers(0, n - 1).filter(lambda i: not sp.is_byte(i)).map(lambda i: [i]),
+        st.sampled_from(list("aé€🤗日\n\x00")).map(lambda c: _spm_byte_ids(sp, c)),
+    )
+    ids = [i for u in draw(st.lists(unit, max_size=20)) for i in u]
+    if draw(st.booleans()):
+        ids += _spm_byte_ids(sp, "🤗")[: draw(st.integers(1, 3))]
+    return ids
+
+
+def test_spm_stream_random_ids(spm_pair) -> None:
+    sp, tok = spm_pair
+
+    @settings(max_examples=200, deadline=None)
+    @given(ids=spm_units(sp), skip=st.booleans(), max_hold=st.integers(1, 6))
+    def run(ids, skip, max_hold):
+        # Byte runs that end incomplete are only valid at the very end, where the stream must
+        # also hold the whole run; elsewhere every byte run here is valid UTF-8.
+        full = tok.decode(ids, skip_special_tokens=skip)
+        trailing = 0
+        while trailing < len(ids) and sp.is_byte(ids[len(ids) - 1 - trailing]):
+            trailing += 1
+        if trailing and full.endswith(FFFD):
+            # A broken final run: decode() turns the whole run into U+FFFD (documented deviation),
+            # so check only the part before the run.
+            check_stream(tok, ids[: len(ids) - trailing], skip=skip, max_hold=max_hold)
+            return
+        check_stream(tok, ids, skip=skip, max_hold=max_hold)
+
+    run()
+
+
+def test_spm_stream_broken_byte_run_deviation(spm_pair) -> None:
+    # Pins the documented deviation: "é" then a lone lead byte. decode() replaces the whole byte
+    # run by three U+FFFD; the stream has already shown "é" (valid when emitted), and the flush
+    # adds the rest of the run's replacement text.
+    sp, tok = spm_pair
+    ids = [sp.piece_to_id("▁the")] + _spm_byte_ids(sp, "é") + _spm_byte_ids(sp, "🤗")[:1]
+    assert tok.decode(ids) == "the" + FFFD * 3
+    detok = tok.detokenizer()
+    streamed = "".join(detok.add(i) for i in ids) + detok.finalize()
+    assert streamed == "theé" + FFFD * 2

@@ -300,9 +300,6 @@ def render_chat_template(
             if not isinstance(doc, Mapping):
                 raise ValueError(f"documents[{i}] must be a dict, got {type(doc).__name__}")
         documents = _plain(list(documents))
-    reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(template_kwargs)
-    if reserved:
-        raise ValueError(f"template_kwargs may not redefine {sorted(reserved)}: pass them as arguments")
     variables: dict[str, Any] = {k: v for k, v in (special_tokens or {}).items() if v is not None}
     variables.update(_plain(template_kwargs))
     compiled = compile_chat_template(DEFAULT_CHATML_TEMPLATE if template is None else template)

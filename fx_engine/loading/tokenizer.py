@@ -571,6 +571,12 @@ class Tokenizer:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self._vocab_size})")
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def _stream_probes(self) -> tuple[int, ...] | None:
+        # Computed once per tokenizer: every detokenizer of a server's requests needs them.
+        if not hasattr(self, "_probes"):
+            self._probes = _continuation_probes(self._backend)
+        return self._probes
+
     def detokenizer(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
         """A fresh streaming detokenizer for one generated sequence."""
         return StreamingDetokenizer(self, skip_special_tokens=skip_special_tokens)
@@ -714,6 +720,44 @@ def _read_chat_templates(folder: Path, config: Mapping[str, Any], config_path: P
 # --------------------------------------------------------------------------------------------
 
 
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte in byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    spelled = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in spelled:
+            spelled[b] = chr(256 + extra)
+            extra += 1
+    return spelled
+
+
+def _continuation_probes(backend: HFTokenizer) -> tuple[int, ...] | None:
+    """Ids of the single-byte tokens 0x80 and 0xBF, if the decoder is a lossy UTF-8 decoder.
+
+    With such a decoder (byte-level BPE) an incomplete trailing sequence shows as exactly one
+    U+FFFD, and appending a continuation byte either extends it (text unchanged or completed)
+    or, when the end is clean, adds one more U+FFFD; 0x80 and 0xBF together are valid second
+    bytes after every lead byte. SentencePiece's ByteFallback instead gives one U+FFFD per byte
+    of a broken sequence (an incomplete one included), so the probe cannot tell there: None.
+    """
+    alphabet = _byte_level_alphabet()
+
+    def byte_token(b: int) -> int | None:
+        for spelling in (alphabet[b], f"<0x{b:02X}>"):
+            i = backend.token_to_id(spelling)
+            if i is not None and backend.decode([i]) == _REPLACEMENT_CHAR:
+                return i
+        return None
+
+    c80, cbf, e2 = byte_token(0x80), byte_token(0xBF), byte_token(0xE2)
+    if c80 is None or cbf is None or e2 is None:
+        return None
+    if backend.decode([e2, c80]) != _REPLACEMENT_CHAR:  # E2 80 is an incomplete 3-byte sequence
+        return None
+    return (c80, cbf)
+
+
 class StreamingDetokenizer:
     """Turn generated ids into text deltas, one `add` per token, plus a final `finalize`.
 
@@ -729,16 +773,27 @@ class StreamingDetokenizer:
     then slides so that only the just-emitted tokens remain as context. Each token is decoded a
     bounded number of times, so the cost is O(1) amortized per token.
 
+    Exactness holds for byte-level BPE. With SentencePiece byte fallback it holds whenever each
+    run of byte tokens (`<0xNN>`) is valid UTF-8 (all text from `encode`, all well-formed output);
+    tokenizers' ByteFallback decoder turns a whole run into U+FFFDs as soon as one byte of it is
+    invalid, so a stream that already showed the run's valid characters then differs from
+    `decode` (it has shown them already). Holding every byte run until it
+    closes would avoid that but stall streaming of CJK text, which such models spell in bytes.
+
     A genuine U+FFFD at the end (the model produced the replacement character, or invalid bytes)
     would hold the window open forever; after `max_hold` held tokens we therefore check whether
-    the newest token starts a fresh character (decoding the window in two halves gives the same
-    text as decoding it whole; this is false while a character is split between the halves) and
-    if so emit everything before it.
+    it is final. For lossy UTF-8 decoders (byte-level BPE) we append a lone continuation byte:
+    it adds one more U+FFFD exactly when no character is pending. Otherwise (ByteFallback) we
+    check whether the newest token starts a fresh character (its own text starts with a real
+    character, and decoding the window in two halves gives the same text as decoding it whole,
+    which is false while a character is split between the halves) and if so emit everything
+    before it.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False, max_hold: int = 4) -> None:
         self._tokenizer = tokenizer
         self._decode_backend = tokenizer.backend.decode
+        self._probes = tokenizer._stream_probes()
         self._vocab_size = tokenizer.vocab_size
         self._skip = skip_special_tokens
         self._max_hold = max(1, int(max_hold))
@@ -768,9 +823,12 @@ class StreamingDetokenizer:
         self._window.append(token_id)
         text = self._decode(self._window)
         if text == self._prefix_text:
-            # The unemitted tokens produce no text at all (e.g. skipped special tokens); dropping
-            # them keeps the window from growing during long runs of such tokens.
-            del self._window[self._read :]
+            # The unemitted tokens add no text (e.g. skipped special tokens). Dropping them keeps
+            # the window from growing during long runs of such tokens, but only when the context
+            # has text of its own: a SentencePiece "▁" decodes to "" when it is the first token
+            # (its space is stripped) yet to " " after others, so it must stay.
+            if self._prefix_text:
+                del self._window[self._read :]
             return ""
         if text.endswith(_REPLACEMENT_CHAR):
             return self._maybe_emit_held(text)
@@ -782,13 +840,27 @@ class StreamingDetokenizer:
 
     def _maybe_emit_held(self, text: str) -> str:
         """Text ends with U+FFFD: hold it, unless the hold has lasted `max_hold` tokens and the
-        newest token provably starts a new character (see the class docstring)."""
+        U+FFFD provably is final (see the class docstring)."""
         cut = len(self._window) - 1
         if cut - self._read < self._max_hold:
             return ""
+        if self._probes is not None:
+            # Lossy UTF-8 decoder: the end is clean iff a continuation byte cannot extend it.
+            if all(self._decode(self._window + [p]) == text + _REPLACEMENT_CHAR for p in self._probes):
+                delta = text[len(self._prefix_text) :]
+                self._slide(len(self._window))
+                return delta
+            return ""
         head = self._decode(self._window[:cut])
         tail = self._decode(self._window[cut:])
-        if not tail or head + tail != text or len(head) < len(self._prefix_text):
+        # The newest token must begin with a whole character (its own text does not start with
+        # U+FFFD, so its first byte is not a continuation byte) and splitting there must not
+        # change the text (no character spans the cut). The first test is needed because
+        # SentencePiece's ByteFallback turns every byte of a broken sequence into its own U+FFFD,
+        # so a split in the middle of a character can leave the text unchanged.
+        if not tail or tail[0] == _REPLACEMENT_CHAR or head + tail != text:
+            return ""
+        if len(head) < len(self._prefix_text):
             return ""
         delta = head[len(self._prefix_text) :]
         self._slide(cut)

@@ -1,0 +1,160 @@
+"""fx-engine command line: generate | chat | info (trace, golden, serve come with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shutil
+import sys
+from typing import Any
+
+import fx_engine  # noqa: F401  (preloads the optimized BLAS before mlx)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="fixed-tile matmuls: bitwise-identical results across batch/chunk sizes")
+
+
+def _kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        max_tokens=a.max_tokens, temperature=a.temp, top_p=a.top_p, top_k=a.top_k,
+        min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop,
+    )
+
+
+def _load(a: argparse.Namespace):
+    return fx_engine.load(a.model, batch_invariant=a.batch_invariant)
+
+
+def _report(usage: Any) -> None:
+    import mlx.core as mx
+
+    print(
+        f"\n[prompt: {usage.prompt_tokens} tokens, {usage.prompt_tps:.1f} tok/s | "
+        f"generation: {usage.completion_tokens} tokens, {usage.generation_tps:.1f} tok/s | "
+        f"peak memory {mx.get_peak_memory() / 1e9:.2f} GB]",
+        file=sys.stderr,
+    )
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    model = _load(a)
+    prompt: Any = a.prompt
+    if not a.raw:
+        prompt = ([{"role": "system", "content": a.system}] if a.system else []) + [
+            {"role": "user", "content": a.prompt}
+        ]
+    last = None
+    for delta in fx_engine.stream(model, prompt, **_kwargs(a)):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        last = delta
+    sys.stdout.write("\n")
+    if last is not None and last.usage is not None:
+        _report(last.usage)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    model = _load(a)
+    messages: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("fx-engine chat: type a message; /reset clears the conversation, /exit quits.")
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except EOFError:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            messages = messages[:1] if a.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        reply, last = [], None
+        for delta in fx_engine.stream(model, messages, **_kwargs(a)):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            reply.append(delta.text)
+            last = delta
+        sys.stdout.write("\n")
+        if a.verbose and last is not None and last.usage is not None:
+            _report(last.usage)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    import mlx.core as mx
+
+    from .blas import active
+    from .loading.default_model import ModelNotFound, default_model_path
+
+    blas = active()
+    try:
+        default = str(default_model_path(fetch=False))
+    except ModelNotFound:
+        default = "not installed (fetched on first use)"
+    rows = [
+        ("fx-engine", fx_engine.__version__),
+        ("mlx", mx.__version__),
+        ("python", platform.python_version()),
+        ("platform", f"{platform.system()} {platform.machine()}"),
+        ("device", str(mx.default_device())),
+        ("BLAS", blas["name"] + (f" ({blas['path']})" if blas["path"] else "")),
+        ("mx.compile JIT (g++)", shutil.which("g++") or "missing: mx.compile silently does nothing"),
+        ("default model", default),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fx-engine", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt (streams tokens)")
+    g.add_argument("prompt")
+    g.add_argument("--system", default=None, help="system message")
+    g.add_argument("--raw", action="store_true", help="no chat template: complete the raw text")
+    _sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive multi-turn chat with the model's chat template")
+    c.add_argument("--system", default=None)
+    c.add_argument("--verbose", "-v", action="store_true", help="print speed after each reply")
+    _sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+    i = sub.add_parser("info", help="versions, device, BLAS, default model")
+    i.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fx-engine: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
