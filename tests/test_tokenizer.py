@@ -329,6 +329,8 @@ def test_other_pre_tokenizers_build(metadata: dict) -> None:
     assert Tokenizer.from_gguf_metadata(meta).add_bos is False  # the file's own flag wins
     meta.pop("tokenizer.ggml.add_bos_token")
     assert Tokenizer.from_gguf_metadata(meta).add_bos is True  # llama.cpp's default for llama3
+    meta["tokenizer.ggml.pre"] = "smollm"
+    assert Tokenizer.from_gguf_metadata(meta).add_bos is False  # and for other byte-level BPE
 
 
 # ---------------------------------------------------------------------------------------------

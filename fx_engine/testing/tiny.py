@@ -98,6 +98,10 @@ def _weights(cfg: dict[str, Any], dtype: mx.Dtype, seed: int) -> dict[str, mx.ar
         out[p + "mlp.gate_proj.weight"] = rand(ff, h)
         out[p + "mlp.up_proj.weight"] = rand(ff, h)
         out[p + "mlp.down_proj.weight"] = rand(h, ff)
+        if cfg.get("mlp_bias", False):
+            out[p + "mlp.gate_proj.bias"] = rand(ff)
+            out[p + "mlp.up_proj.bias"] = rand(ff)
+            out[p + "mlp.down_proj.bias"] = rand(h)
         out[p + "input_layernorm.weight"] = (1 + rand(h)).astype(dtype)
         out[p + "post_attention_layernorm.weight"] = (1 + rand(h)).astype(dtype)
     out["model.norm.weight"] = (1 + rand(h)).astype(dtype)

@@ -1,0 +1,37 @@
+import os
+
+import pytest
+
+import fx_engine  # noqa: F401  (BLAS preload before mlx)
+
+os.environ.setdefault("FX_ENGINE_OFFLINE", "1")  # tests never download
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real default model (SmolLM2-135M-Instruct GGUF), float32 on CPU."""
+    return fx_engine.load()
+
+
+@pytest.fixture(scope="session")
+def default_model_bi():
+    """The default model in batch-invariant mode."""
+    return fx_engine.load(batch_invariant=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    from fx_engine.testing import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir):
+    return fx_engine.load(tiny_dir)
+
+
+LONG_TEXT = (
+    "The quick brown fox jumps over the lazy dog. What is the capital of France? "
+    "The capital of France is Paris. def add(a, b): return a + b. Numbers 0123456789. "
+) * 4

@@ -1,0 +1,167 @@
+"""Parity with an independent implementation: mlx-lm's own model classes (test-only oracle).
+
+Tolerance: both sides compute in float32 from identical weights; the only differences are
+summation order (fused q|k|v and gate|up projections, OpenBLAS blocking) and RoPE/SDPA
+fallback composition. Float32 has a 2^-24 ~ 6e-8 relative epsilon; logits of these models
+have magnitudes up to ~30 and pass through 2-30 layers, so accumulated rounding stays below
+~1e-3 absolute. We assert max |diff| <= 2e-3 and identical argmax at every position (the
+argmax check is made only where the top-2 margin exceeds the tolerance, since a near tie
+may legitimately flip; the number of such positions is asserted to be small).
+"""
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import fx_engine
+from fx_engine.testing import write_tiny_model
+
+from .conftest import LONG_TEXT
+
+TOL = 2e-3
+
+
+def _compare(ours: mx.array, ref: mx.array, min_positions: int = 64):
+    assert ours.shape == ref.shape and ours.shape[0] >= min_positions
+    diff = mx.abs(ours - ref).max().item()
+    assert diff <= TOL, f"max |diff| = {diff}"
+    top2 = mx.topk(ref, 2, axis=-1)
+    margin = mx.abs(top2[:, 1] - top2[:, 0])
+    clear = margin > 2 * TOL
+    agree = ours.argmax(-1) == ref.argmax(-1)
+    assert bool(mx.all(agree | ~clear)), "argmax differs at a position with a clear margin"
+    assert int(mx.sum(~clear).item()) <= ours.shape[0] // 8
+    return diff
+
+
+CASES = [
+    ("llama", {}),
+    ("llama", {"num_key_value_heads": 4}),  # MHA (GQA ratio 1)
+    ("llama", {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 128}),  # ratio 4, hd 16
+    ("llama", {"head_dim": 32}),  # head_dim != hidden / heads
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    ("llama", {"rope_scaling": {"type": "linear", "factor": 4.0}}),
+    ("llama", {"tie_word_embeddings": False, "attention_bias": True, "mlp_bias": True}),
+    ("mistral", {"tie_word_embeddings": False, "rope_theta": 1e6}),
+    ("qwen2", {}),
+    ("qwen2", {"tie_word_embeddings": False}),
+    ("qwen3", {"head_dim": 32}),
+    ("qwen3", {"tie_word_embeddings": False, "num_key_value_heads": 1, "head_dim": 16}),
+]
+
+
+@pytest.mark.parametrize("model_type,overrides", CASES, ids=lambda x: str(x)[:60])
+def test_tiny_architectures_match_mlx_lm(tmp_path, model_type, overrides):
+    from mlx_lm.utils import load_model
+
+    path = write_tiny_model(tmp_path / "m", model_type, **overrides)
+    model = fx_engine.load(path)
+    ref_model, _ = load_model(Path(path))
+    ids = model.tokenizer.encode(LONG_TEXT)[:96]
+    _compare(fx_engine.logits(model, ids, chunk=32), ref_model(mx.array([ids]))[0])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_folders_load_and_match(tmp_path, dtype):
+    """Stored in f16/bf16; on CPU fx-engine computes in float32, so compare with mlx-lm's
+    model converted to float32 (same stored values)."""
+    from mlx_lm.utils import load_model
+
+    path = write_tiny_model(tmp_path / "m", "qwen2", dtype=dtype)
+    model = fx_engine.load(path)
+    ref_model, _ = load_model(Path(path))
+    ref_model.set_dtype(mx.float32)
+    ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    _compare(fx_engine.logits(model, ids), ref_model(mx.array([ids]))[0])
+
+
+@pytest.mark.parametrize("keep_quantized", [True, False])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
+def test_mlx_quantized_folder(tmp_path, keep_quantized, bits, group):
+    from mlx_lm.utils import load_model
+
+    path = write_tiny_model(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256,
+                            quantize={"group_size": group, "bits": bits})
+    model = fx_engine.load(path, keep_quantized=keep_quantized)
+    assert model.params.layers[0].qkv.quantized == keep_quantized
+    ref_model, _ = load_model(Path(path))
+    ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    _compare(fx_engine.logits(model, ids), ref_model(mx.array([ids]))[0])
+
+
+def test_sharded_folder(tmp_path):
+    from mlx_lm.utils import load_model
+
+    path = write_tiny_model(tmp_path / "m", "llama", shards=3)
+    model = fx_engine.load(path)
+    ref_model, _ = load_model(Path(path))
+    ids = model.tokenizer.encode(LONG_TEXT)[:72]
+    _compare(fx_engine.logits(model, ids), ref_model(mx.array([ids]))[0])
+
+
+def _mlx_lm_from_params(model):
+    """An mlx-lm llama Model holding exactly the (dequantized) tensors fx-engine loaded."""
+    from mlx_lm.models import llama
+
+    c, p = model.config, model.params
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+        intermediate_size=c.intermediate_size, num_attention_heads=c.num_heads,
+        rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size, num_key_value_heads=c.num_kv_heads,
+        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+        max_position_embeddings=c.max_position_embeddings,
+    )
+    ref = llama.Model(args)
+    hq, hk, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    w = {"model.embed_tokens.weight": p.embed.weight, "model.norm.weight": p.norm}
+    for i, lp in enumerate(p.layers):
+        pre = f"model.layers.{i}."
+        qkv = lp.qkv.weight
+        w[pre + "self_attn.q_proj.weight"] = qkv[:hq]
+        w[pre + "self_attn.k_proj.weight"] = qkv[hq : hq + hk]
+        w[pre + "self_attn.v_proj.weight"] = qkv[hq + hk :]
+        w[pre + "self_attn.o_proj.weight"] = lp.o.weight
+        w[pre + "mlp.gate_proj.weight"] = lp.gate_up.weight[:f]
+        w[pre + "mlp.up_proj.weight"] = lp.gate_up.weight[f:]
+        w[pre + "mlp.down_proj.weight"] = lp.down.weight
+        w[pre + "input_layernorm.weight"] = lp.attn_norm
+        w[pre + "post_attention_layernorm.weight"] = lp.mlp_norm
+    ref.load_weights(list(w.items()))
+    return ref
+
+
+def test_default_gguf_matches_mlx_lm(default_model):
+    """The real SmolLM2 GGUF: same dequantized tensors in mlx-lm's llama class."""
+    ref = _mlx_lm_from_params(default_model)
+    ids = default_model.tokenizer.encode(LONG_TEXT)[:128]
+    assert len(ids) >= 64
+    _compare(fx_engine.logits(default_model, ids, chunk=64), ref(mx.array([ids]))[0])
+
+
+def test_gguf_unpermute_inverts_llama_cpp_permutation():
+    """Independent check of the q/k row layout: mlx-lm's GGUF exporter permutes HF rows the
+    way llama.cpp's converter does; our loader must invert it exactly."""
+    from mlx_lm.gguf import permute_weights
+
+    from fx_engine.loading.weights import _unpermute_rows
+
+    for heads, kv in ((9, 3), (4, 4), (8, 2)):
+        hd = 16
+        w = mx.random.normal((heads * hd, 32))
+        assert mx.array_equal(_unpermute_rows(permute_weights(w, heads, heads), heads), w)
+        wk = mx.random.normal((kv * hd, 32))
+        assert mx.array_equal(_unpermute_rows(permute_weights(wk, heads, kv), kv), wk)
+
+
+def test_gguf_quantized_kept_quantized_matches_dequantized(default_model):
+    """GGUF Q4_1/Q8_0 tensors kept quantized (the GPU path) give the same logits as the
+    dequantized float32 path within quantized-matmul rounding."""
+    q = fx_engine.load(default_model.path, keep_quantized=True)
+    assert q.params.layers[0].qkv.bits == 4 and q.params.embed.bits == 8
+    ids = default_model.tokenizer.encode(LONG_TEXT)[:64]
+    a = fx_engine.logits(q, ids)
+    b = fx_engine.logits(default_model, ids)
+    assert mx.abs(a - b).max().item() < 2e-2
+    assert mx.mean((a.argmax(-1) == b.argmax(-1)).astype(mx.float32)).item() >= 0.95

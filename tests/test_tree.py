@@ -1,0 +1,143 @@
+"""Pytree flatten/unflatten and the structure-keyed compile wrapper."""
+
+import attrs
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fx_engine.tree import CompiledFunction, static_field, tree_flatten, tree_map, tree_unflatten
+
+
+@attrs.frozen
+class Inner:
+    a: mx.array
+    n: int = static_field(default=3)
+
+
+@attrs.frozen
+class Outer:
+    xs: tuple
+    inner: Inner
+    maybe: mx.array | None = None
+    tag: str = static_field(default="t")
+
+
+def _arrays(draw, n):
+    return [mx.array(draw(st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=4))) for _ in range(n)]
+
+
+@st.composite
+def trees(draw, depth=0):
+    kind = draw(st.sampled_from(["leaf", "list", "tuple", "dict", "attrs", "none"] if depth < 3 else ["leaf"]))
+    if kind == "leaf":
+        return _arrays(draw, 1)[0]
+    if kind == "none":
+        return None
+    if kind in ("list", "tuple"):
+        items = [draw(trees(depth + 1)) for _ in range(draw(st.integers(0, 3)))]
+        return items if kind == "list" else tuple(items)
+    if kind == "dict":
+        keys = draw(st.lists(st.text("abc", min_size=1, max_size=3), max_size=3, unique=True))
+        return {k: draw(trees(depth + 1)) for k in keys}
+    return Outer(
+        xs=tuple(draw(trees(depth + 1)) for _ in range(draw(st.integers(0, 2)))),
+        inner=Inner(a=_arrays(draw, 1)[0], n=draw(st.integers(0, 5))),
+        maybe=draw(st.one_of(st.none(), st.just(mx.array([1.0])))),
+        tag=draw(st.text("xyz", max_size=2)),
+    )
+
+
+def _same(a, b):
+    if isinstance(a, mx.array):
+        return isinstance(b, mx.array) and a.shape == b.shape and bool(mx.array_equal(a, b))
+    if attrs.has(type(a)):
+        return type(a) is type(b) and all(
+            _same(getattr(a, f.name), getattr(b, f.name)) for f in attrs.fields(type(a))
+        )
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@settings(max_examples=60, deadline=None)
+@given(trees())
+def test_flatten_unflatten_round_trip(tree):
+    leaves, td = tree_flatten(tree)
+    assert all(isinstance(x, mx.array) for x in leaves)
+    assert _same(tree_unflatten(td, leaves), tree)
+    hash(td)  # treedefs are hashable (they key the compile cache)
+
+
+@settings(max_examples=30, deadline=None)
+@given(trees(), trees())
+def test_treedef_equal_iff_structure_equal(a, b):
+    la, ta = tree_flatten(a)
+    lb, tb = tree_flatten(b)
+    if ta == tb:
+        assert len(la) == len(lb)
+        # Rebuilding b's leaves into a's structure yields b when the structures are equal.
+        assert _same(tree_unflatten(ta, lb), b)
+
+
+def test_static_fields_are_not_leaves():
+    leaves, td = tree_flatten(Inner(a=mx.array([1.0]), n=7))
+    assert len(leaves) == 1
+    assert tree_unflatten(td, leaves).n == 7
+
+
+def test_tree_map():
+    t = Outer(xs=(mx.array([1.0]),), inner=Inner(a=mx.array([2.0])))
+    out = tree_map(lambda x: x * 10, t)
+    assert out.xs[0].item() == 10 and out.inner.a.item() == 20 and out.tag == "t"
+
+
+def test_unsupported_node_is_a_clear_error():
+    with pytest.raises(TypeError, match="unsupported node"):
+        tree_flatten({"a": object()})
+
+
+def weighted(t):
+    # Weights elements by position: different structures must give different results.
+    xs, rest = t[0], t[1:]
+    total = mx.array(0.0)
+    for i, x in enumerate(xs):
+        total = total + (i + 1) * x
+    for x in rest:
+        total = total + 1000 * x
+    return total
+
+
+def test_structure_collision_is_impossible():
+    """MLX's own compile key ignores container lengths: g(([1,2],3)) and g(([1],2,3)) share
+    an entry and the second returns a wrong result. Our wrapper must not."""
+    a = (([mx.array(1.0), mx.array(2.0)], mx.array(3.0)))
+    b = (([mx.array(1.0)], mx.array(2.0), mx.array(3.0)))
+    eager_a, eager_b = weighted(a).item(), weighted(b).item()
+    assert eager_a != eager_b
+    f = CompiledFunction(weighted)
+    assert f(a).item() == eager_a
+    assert f(b).item() == eager_b
+    assert f.structures() == 2
+    # list vs tuple with the same leaves: distinct entries too
+    c = ((mx.array(1.0), mx.array(2.0)), mx.array(3.0))
+    assert f(c).item() == eager_a
+    assert f.structures() == 3
+
+
+def test_static_field_change_retraces_and_array_change_does_not():
+    f = CompiledFunction(lambda t: t.a * t.n)
+    assert f(Inner(a=mx.array([2.0]), n=3)).item() == 6
+    assert f(Inner(a=mx.array([5.0]), n=3)).item() == 15
+    assert f.traces == 1
+    assert f(Inner(a=mx.array([5.0]), n=4)).item() == 20
+    assert f.traces == 2
+
+
+def test_compiled_returns_attrs_objects():
+    f = CompiledFunction(lambda t: Inner(a=t.a + 1, n=t.n))
+    out = f(Inner(a=mx.array([1.0]), n=9))
+    mx.eval(out.a)
+    assert isinstance(out, Inner) and out.n == 9 and out.a.item() == 2.0
