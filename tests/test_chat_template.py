@@ -311,6 +311,26 @@ def test_features_match_transformers(tok: Tokenizer, hf, kwargs) -> None:
     assert "count=3" in ours and "think=hmm" in ours and "(bob)" in ours and " gen" in ours
 
 
+# Indented block tags without "-": only trim_blocks + lstrip_blocks make this render cleanly.
+WHITESPACE_TEMPLATE = """{% for m in messages %}
+    {% if m.role == 'user' %}
+U: {{ m.content }}
+    {% else %}
+A: {{ m.content }}
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+  A:{% endif %}"""
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_block_whitespace_matches_transformers(tok: Tokenizer, hf, add_generation_prompt) -> None:
+    msgs = CONVERSATIONS[1][1:]
+    ours, theirs = _both(tok, hf, WHITESPACE_TEMPLATE, msgs, add_generation_prompt=add_generation_prompt)
+    assert ours == theirs
+    assert ours.startswith("U: Hi!\nA: Hello.\nU: Count")
+
+
 def test_template_is_sandboxed() -> None:
     msgs = [{"role": "user", "content": "x"}]
     with pytest.raises(jinja2.exceptions.SecurityError):

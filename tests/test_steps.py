@@ -1,0 +1,180 @@
+"""The pure step functions: determinism, batch invariance, rollback, recompiles, typing."""
+
+import mlx.core as mx
+import pytest
+from beartype import beartype
+from jaxtyping import jaxtyped
+
+from fx_engine.cache import init_cache, with_lengths
+from fx_engine.sampling import SamplingConfig
+from fx_engine.state import init_state
+from fx_engine.steps import (
+    decode_step, decode_step_compiled, prefill_step, prefill_step_compiled,
+    sample_step_compiled, score_step,
+)
+from fx_engine.tree import tree_leaves
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the ocean and the moon.",
+    "List three prime numbers:",
+    "def fibonacci(n):",
+    "The history of the Roman Empire begins",
+]
+
+
+def run(model, prompts, configs, chunk, steps, capacity=256):
+    """Prefill rows (different lengths) in chunks of `chunk`, then decode `steps` tokens.
+
+    Returns (first-token logits [B, V], generated tokens [B, steps+1]).
+    """
+    c, p = model.config, model.params
+    ids = [model.tokenizer.encode(t) for t in prompts]
+    b = len(ids)
+    cache = init_cache(c.num_layers, b, c.num_kv_heads, capacity, c.head_dim)
+    logits = mx.zeros((b, c.vocab_size))
+    longest = max(len(x) for x in ids)
+    for start in range(0, longest, chunk):
+        toks = [(x[start : start + chunk] + [0] * chunk)[:chunk] for x in ids]
+        n = [max(0, min(chunk, len(x) - start)) for x in ids]
+        lg, cache = prefill_step_compiled(p, cache, mx.array(toks), mx.array(n))
+        # keep each row's logits from the chunk holding its last prompt token
+        done = mx.array([start < len(x) <= start + chunk for x in ids])
+        logits = mx.where(done[:, None], lg, logits)
+        mx.eval(logits, *tree_leaves(cache))
+    state = init_state(configs, ids, c.vocab_size)
+    state = sample_step_compiled(state, logits)
+    out = [state.tokens]
+    for _ in range(steps):
+        state, cache = decode_step_compiled(p, cache, state)
+        mx.eval(*tree_leaves(state), *tree_leaves(cache))
+        out.append(state.tokens)
+    return logits, mx.stack(out, axis=1)
+
+
+GREEDY = SamplingConfig()
+SEEDED = SamplingConfig(temperature=0.9, top_p=0.95, seed=1234)
+
+
+@pytest.mark.parametrize("config", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_batch_invariant_mode_is_bitwise(default_model_bi, config):
+    """Batch-invariant mode: a row's logits and tokens are bitwise identical alone or in a
+    batch (neighbours at other lengths and settings), and with any prefill chunk size."""
+    m = default_model_bi
+    target = PROMPTS[1]
+    lg_alone, tok_alone = run(m, [target], [config], chunk=64, steps=6)
+    lg_chunk, tok_chunk = run(m, [target], [config], chunk=4, steps=6)
+    others = [PROMPTS[0], target, PROMPTS[3], PROMPTS[4]]
+    cfgs = [SamplingConfig(temperature=0.7, seed=5), config, GREEDY, SamplingConfig(temperature=1.0, top_k=5, seed=9)]
+    lg_batch, tok_batch = run(m, others, cfgs, chunk=16, steps=6)
+    assert mx.array_equal(lg_alone[0], lg_chunk[0])
+    assert mx.array_equal(lg_alone[0], lg_batch[1])
+    assert tok_alone[0].tolist() == tok_chunk[0].tolist() == tok_batch[1].tolist()
+
+
+def test_default_mode_token_identity_with_clear_margins(default_model):
+    """Default (fastest BLAS) mode: arithmetic may differ in the last bits with batch and
+    chunk size, so we check greedy tokens where the top-2 margin is clear."""
+    m = default_model
+    lg_alone, tok_alone = run(m, [PROMPTS[0]], [GREEDY], chunk=64, steps=8)
+    lg_batch, tok_batch = run(m, PROMPTS[:3], [GREEDY] * 3, chunk=8, steps=8)
+    assert mx.abs(lg_alone[0] - lg_batch[0]).max().item() < 1e-3
+    top2 = mx.topk(lg_alone[0], 2)
+    assert abs((top2[1] - top2[0]).item()) > 0.05  # the first token has a clear margin
+    assert tok_alone[0].tolist() == tok_batch[0].tolist()
+
+
+def test_prefill_step_matches_score_step_and_rollback_is_exact(tiny_model):
+    m = tiny_model
+    c, p = m.config, m.params
+    ids = m.tokenizer.encode("The quick brown fox jumps over the lazy dog again and again.")[:24]
+    cache = init_cache(c.num_layers, 1, c.num_kv_heads, 64, c.head_dim)
+    all_logits, full = score_step(p, cache, mx.array([ids]), mx.array([len(ids)]))
+    # prefill the first 10, then write 8 junk tokens and roll back by length
+    cache = init_cache(c.num_layers, 1, c.num_kv_heads, 64, c.head_dim)
+    lg, cache = prefill_step(p, cache, mx.array([ids[:10]]), mx.array([10]))
+    assert mx.allclose(lg[0], all_logits[0, 9], atol=1e-5)
+    _, junk = prefill_step(p, cache, mx.array([[5] * 8]), mx.array([8]))
+    assert junk.lengths.tolist() == [18]
+    rolled = with_lengths(junk, mx.array([10]))
+    lg2, _ = prefill_step(p, rolled, mx.array([ids[10:]]), mx.array([len(ids) - 10]))
+    lg3, _ = prefill_step(p, cache, mx.array([ids[10:]]), mx.array([len(ids) - 10]))
+    assert mx.array_equal(lg2, lg3)  # stale entries past the length are never read
+    assert mx.allclose(lg2[0], all_logits[0, -1], atol=1e-4)
+
+
+def test_rows_with_zero_valid_tokens_are_untouched(tiny_model):
+    m = tiny_model
+    c, p = m.config, m.params
+    cache = init_cache(c.num_layers, 2, c.num_kv_heads, 32, c.head_dim)
+    _, cache = prefill_step(p, cache, mx.array([[3, 4, 5], [6, 7, 8]]), mx.array([3, 2]))
+    assert cache.lengths.tolist() == [3, 2]
+    _, cache2 = prefill_step(p, cache, mx.array([[9, 9, 9], [9, 9, 9]]), mx.array([0, 1]))
+    assert cache2.lengths.tolist() == [3, 3]
+    # row 0's valid entries unchanged
+    assert mx.array_equal(cache2.keys[0][0, :, :3], cache.keys[0][0, :, :3])
+
+
+def test_decode_loop_never_recompiles(tiny_model):
+    """After warm-up, 200 decode steps trigger zero traces (every per-step value is an
+    array, sampled tokens stay int32, shapes are fixed)."""
+    m = tiny_model
+    c, p = m.config, m.params
+    cfgs = [SamplingConfig(temperature=0.8, top_p=0.9, seed=1), SamplingConfig(temperature=0.5, top_p=0.5, seed=2)]
+    cache = init_cache(c.num_layers, 2, c.num_kv_heads, 256, c.head_dim)
+    lg, cache = prefill_step_compiled(p, cache, mx.array([[1, 2, 3, 4], [5, 6, 7, 8]]), mx.array([4, 3]))
+    state = sample_step_compiled(init_state(cfgs, [[1, 2, 3, 4], [5, 6, 7]], c.vocab_size), lg)
+    for _ in range(3):  # warm-up
+        state, cache = decode_step_compiled(p, cache, state)
+        mx.eval(*tree_leaves(state), *tree_leaves(cache))
+    before = decode_step_compiled.traces
+    for _ in range(200):
+        state, cache = decode_step_compiled(p, cache, state)
+        mx.eval(*tree_leaves(state), *tree_leaves(cache))
+    assert decode_step_compiled.traces == before
+    assert cache.lengths.tolist() == [4 + 203, 3 + 203]
+
+
+def test_recompile_is_detected_for_a_python_scalar(tiny_model):
+    """The counter is real: passing a Python int where an array belongs retraces."""
+    from fx_engine.tree import CompiledFunction
+
+    f = CompiledFunction(lambda x, n: x + n)
+    for i in range(3):
+        f(mx.array([1]), i)
+    assert f.traces == 3
+    for i in range(3):
+        f(mx.array([1]), mx.array(i))
+    assert f.traces == 4
+
+
+def test_compiled_equals_eager(tiny_model):
+    m = tiny_model
+    c, p = m.config, m.params
+    cache = init_cache(c.num_layers, 1, c.num_kv_heads, 32, c.head_dim)
+    toks, n = mx.array([[3, 4, 5, 6]]), mx.array([4])
+    a, ca = prefill_step(p, cache, toks, n)
+    b, cb = prefill_step_compiled(p, cache, toks, n)
+    assert mx.allclose(a, b, atol=1e-6)
+    state = init_state([SEEDED], [[3, 4, 5, 6]], c.vocab_size)
+    s1 = sample_step_compiled(state, a)
+    s2, _ = decode_step(p, ca, s1)
+    s3, _ = decode_step_compiled(p, cb, s1)
+    assert s2.tokens.tolist() == s3.tokens.tolist()
+
+
+def test_shape_annotations_are_checked(tiny_model):
+    """jaxtyping annotations on the public step functions, checked with beartype."""
+    m = tiny_model
+    c, p = m.config, m.params
+    checked = jaxtyped(typechecker=beartype)(prefill_step)
+    cache = init_cache(c.num_layers, 2, c.num_kv_heads, 32, c.head_dim)
+    logits, _ = checked(p, cache, mx.array([[1, 2], [3, 4]]), mx.array([2, 2]))
+    assert logits.shape == (2, c.vocab_size)
+    with pytest.raises(Exception, match="n_valid|B"):
+        checked(p, cache, mx.array([[1, 2], [3, 4]]), mx.array([2, 2, 2]))  # B mismatch
+    with pytest.raises(Exception):
+        checked(p, cache, mx.array([1, 2]), mx.array([2]))  # tokens must be [B, C]
+    checked_score = jaxtyped(typechecker=beartype)(score_step)
+    out, _ = checked_score(p, cache, mx.array([[1, 2], [3, 4]]), mx.array([2, 2]))
+    assert out.shape == (2, 2, c.vocab_size)

@@ -1,0 +1,959 @@
+#!/usr/bin/env python
+"""Benchmark fx-engine against mlx-lm (and llama.cpp when `llama_cpp` is importable).
+
+One process, one BLAS, the same weights for every engine:
+
+  fx            fx-engine as the shell runs it (GGUF dequantized to dense float32, compiled
+                steps, prefill chunks of 512), timed by driving the pure steps directly the way
+                fx_engine/engine/generate.py does.
+  fx-bi         the same with `load(..., batch_invariant=True)` (fixed-tile matmuls).
+  mlx-lm        mlx-lm's natural representation of the model. For a GGUF: the GGUF tensors as
+                `mx.load` returns them (MLX affine triples, group 32; Q4_1 -> 4-bit,
+                Q8_0 -> 8-bit) in `nn.QuantizedLinear` / `nn.QuantizedEmbedding`, scales and
+                biases cast to float32 so activations are float32 (float16 activations are
+                ~30x slower on MLX's CPU backend). attn_q/attn_k rows are un-permuted back to
+                the Hugging Face order (exact: whole rows move). For an HF folder:
+                `mlx_lm.utils.load_model` as is.
+  mlx-lm-f32    mlx-lm with the very dense float32 arrays fx-engine runs on (fused qkv and
+                gate_up split back into q/k/v and gate/up).
+  llama.cpp     llama-cpp-python on the GGUF file (only when importable and the model is a
+                GGUF; it is not measured otherwise).
+
+mlx-lm is timed through its own `generate_step` (its KVCache, its prefill chunking of 2048,
+its async pipelining); llama.cpp through `Llama.generate`. Per engine and workload:
+
+  prefill tok/s   prompt tokens / time to the first sampled token (fresh cache each run)
+  decode tok/s    decoded tokens / time from the first token to the last (greedy, one token
+                  fetched to the host per step)
+
+Workloads (default): a 64-token prompt then 64 decoded tokens ("decode@64"); a 512-token
+prefill; a 2048-token prefill then 64 decoded tokens ("prefill@2048", "decode@2048").
+Each workload: one warm-up run per engine (mx.compile tracing and the C++ JIT of fused CPU
+kernels happen here), then --runs measured rounds with the engine order rotated every
+round, so the shared machine's noise falls on every engine alike. Medians are reported.
+
+Memory: per measurement the MLX peak (mx.reset_peak_memory before, mx.get_peak_memory
+after) above the memory live before the run (i.e. KV cache + activations; the weights of
+every loaded engine are live throughout, so they are reported separately), and the
+process's peak RSS (VmHWM, reset through /proc/self/clear_refs where the kernel allows).
+
+Usage:
+  python tools/bench.py                             # full run on the default model
+  python tools/bench.py --quick                     # fewer tokens (128/512 prefill, 16 decode)
+  python tools/bench.py --model PATH.gguf|FOLDER --runs 5 --json out.json --markdown out.md
+  python tools/bench.py --smoke                     # tiny random model, seconds, no claims
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import fx_engine  # noqa: E402  first: preloads the optimized BLAS before mlx is imported
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+
+from fx_engine.cache import init_cache, resize  # noqa: E402
+from fx_engine.sampling import SamplingConfig  # noqa: E402
+from fx_engine.state import init_state  # noqa: E402
+from fx_engine.steps import (  # noqa: E402
+    decode_step_compiled, prefill_step_compiled, sample_step_compiled,
+)
+from fx_engine.tree import tree_leaves  # noqa: E402
+
+try:  # mirror the shell's bucketing exactly (fall back to its documented values)
+    from fx_engine.engine.generate import MIN_CAPACITY, PREFILL_CHUNK, bucket
+except ImportError:  # pragma: no cover
+    PREFILL_CHUNK, MIN_CAPACITY = 512, 256
+
+    def bucket(n: int, minimum: int = 16) -> int:
+        return max(minimum, 1 << max(0, (n - 1)).bit_length())
+
+
+# Published on these machines (2 vCPUs, llama.cpp with 2 threads, median of 3), for the
+# default model only: /work/shared/reference/default-model.md. NOT measured by this tool.
+LLAMA_CPP_REFERENCE = {"decode@64": 77.7, "prefill@512": 194.0, "prefill@2048": 159.0}
+REFERENCE_SOURCE = "shared/reference/default-model.md (llama.cpp, 2 threads, same machines)"
+
+ENGINE_LABELS = {
+    "fx": "fx-engine",
+    "fx-bi": "fx-engine (batch-invariant)",
+    "mlx-lm": "mlx-lm (natural: 4/8-bit GGUF)",
+    "mlx-lm-f32": "mlx-lm (dense f32, fx weights)",
+    "llama.cpp": "llama.cpp (llama-cpp-python)",
+}
+
+TEXT = (
+    "The history of computing is a story of abstraction layered upon abstraction. Early "
+    "machines were programmed by rewiring panels; then came stored programs, assemblers, "
+    "compilers, operating systems and networks. Each layer hid the details of the one below "
+    "it, and each made new kinds of programs possible. Today a language model running on a "
+    "laptop predicts the next word of a sentence by multiplying large matrices of numbers, "
+    "billions of times per second, while the person typing the question sees only a few "
+    "lines of text appear on the screen. What is the capital of France, and why did it "
+    "become the center of the country? Numbers like 3.14159 and 2.71828 appear everywhere. "
+)
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------- memory
+
+
+def _proc_status_kb(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+class MemProbe:
+    """MLX peak above the live baseline, and process peak RSS, around one measurement."""
+
+    def __enter__(self) -> "MemProbe":
+        mx.synchronize()
+        mx.clear_cache()
+        self.rss_reset = _reset_rss_peak()
+        self.rss_before_kb = _proc_status_kb("VmRSS") or 0
+        mx.reset_peak_memory()
+        self.active_before = mx.get_active_memory()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        mx.synchronize()
+        self.mlx_peak = mx.get_peak_memory()
+        self.mlx_extra = max(0, self.mlx_peak - self.active_before)
+        hwm = _proc_status_kb("VmHWM")
+        if hwm is None:
+            hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        self.rss_peak_kb = hwm
+        self.rss_extra_kb = max(0, hwm - self.rss_before_kb) if self.rss_reset else None
+
+
+def _unique_nbytes(arrays: list[mx.array]) -> int:
+    seen, total = set(), 0
+    for a in arrays:
+        if id(a) not in seen:
+            seen.add(id(a))
+            total += a.nbytes
+    return total
+
+
+# ------------------------------------------------------------------------------ engines
+
+
+class Engine:
+    key: str = ""
+    notes: str = ""
+
+    @property
+    def label(self) -> str:
+        return ENGINE_LABELS.get(self.key, self.key)
+
+    def weights_bytes(self) -> int:
+        raise NotImplementedError
+
+    def run(self, ids: list[int], n_decode: int) -> dict[str, Any]:
+        """Prefill `ids` into a fresh cache, sample greedily, decode n_decode more tokens.
+
+        Returns prefill_s (start -> first token on the host), decode_s (first -> last token)
+        and tokens (the first token and the n_decode decoded ones).
+        """
+        raise NotImplementedError
+
+    def last_logits(self, ids: list[int]) -> mx.array | None:
+        return None
+
+
+class FxEngine(Engine):
+    def __init__(self, model: Any, key: str):
+        self.model, self.key = model, key
+        self.notes = f"{model.weight_format}, prefill chunk {PREFILL_CHUNK}"
+
+    def weights_bytes(self) -> int:
+        return _unique_nbytes(tree_leaves(self.model.params))
+
+    def _prefill(self, ids: list[int]) -> tuple[mx.array, Any]:
+        m = self.model
+        c, params = m.config, m.params
+        chunk = bucket(min(PREFILL_CHUNK, len(ids)))
+        capacity = bucket(len(ids) + chunk, MIN_CAPACITY)
+        cache = init_cache(c.num_layers, 1, c.num_kv_heads, capacity, c.head_dim,
+                           getattr(mx, params.dtype))
+        logits = None
+        for start in range(0, len(ids), chunk):
+            piece = ids[start : start + chunk]
+            size = chunk if len(piece) == chunk else bucket(len(piece))
+            padded = piece + [0] * (size - len(piece))
+            logits, cache = prefill_step_compiled(
+                params, cache, mx.array([padded], mx.int32), mx.array([len(piece)], mx.int32)
+            )
+            mx.eval(logits, *tree_leaves(cache))
+        return logits, cache
+
+    def run(self, ids: list[int], n_decode: int) -> dict[str, Any]:
+        m = self.model
+        params = m.params
+        t0 = time.perf_counter()
+        logits, cache = self._prefill(ids)
+        state = init_state([SamplingConfig(temperature=0.0)], [ids], m.config.vocab_size,
+                           special_token_ids=sorted(m.eos_ids))
+        state = sample_step_compiled(state, logits)
+        mx.eval(tree_leaves(state))
+        tokens = [int(state.tokens[0].item())]
+        t1 = time.perf_counter()
+        for _ in range(n_decode):
+            if len(ids) + len(tokens) >= cache.capacity:
+                cache = resize(cache, capacity=cache.capacity * 2)
+            state, cache = decode_step_compiled(params, cache, state)
+            mx.eval(*tree_leaves(state), *tree_leaves(cache))
+            tokens.append(int(state.tokens[0].item()))
+        t2 = time.perf_counter()
+        return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": tokens}
+
+    def last_logits(self, ids: list[int]) -> mx.array:
+        logits, _ = self._prefill(ids)
+        return logits[0]
+
+
+class MlxLmEngine(Engine):
+    def __init__(self, model: nn.Module, key: str, notes: str, label: str | None = None):
+        self.model, self.key, self.notes, self._label = model, key, notes, label
+
+    @property
+    def label(self) -> str:
+        return self._label or ENGINE_LABELS.get(self.key, self.key)
+
+    def weights_bytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return _unique_nbytes([v for _, v in tree_flatten(self.model.parameters())])
+
+    def run(self, ids: list[int], n_decode: int) -> dict[str, Any]:
+        from mlx_lm.generate import generate_step
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        t0 = time.perf_counter()
+        gen = generate_step(mx.array(ids, mx.int32), self.model, max_tokens=n_decode + 1,
+                            prompt_cache=cache)
+        tok, _ = next(gen)
+        tokens = [int(tok)]
+        t1 = time.perf_counter()
+        for _ in range(n_decode):
+            tok, _ = next(gen)
+            tokens.append(int(tok))
+        t2 = time.perf_counter()
+        gen.close()
+        mx.synchronize()  # generate_step queues one step ahead: finish it outside the timing
+        return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": tokens}
+
+    def last_logits(self, ids: list[int]) -> mx.array:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        out = self.model(mx.array([ids], mx.int32), cache=make_prompt_cache(self.model))
+        return out[0, -1].astype(mx.float32)
+
+
+class LlamaCppEngine(Engine):
+    key = "llama.cpp"
+
+    def __init__(self, path: str, n_ctx: int):
+        import llama_cpp
+
+        self.path = path
+        self.threads = os.cpu_count() or 1
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=512,
+                                   n_threads=self.threads, n_threads_batch=self.threads,
+                                   logits_all=False, verbose=False)
+        self.notes = f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, " \
+                     f"{self.threads} threads, n_batch 512"
+
+    def weights_bytes(self) -> int:
+        return os.path.getsize(self.path)
+
+    def run(self, ids: list[int], n_decode: int) -> dict[str, Any]:
+        self.llm.reset()  # no prefix reuse between runs
+        t0 = time.perf_counter()
+        gen = self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                                repeat_penalty=1.0, reset=True)
+        tokens = [int(next(gen))]
+        t1 = time.perf_counter()
+        for _ in range(n_decode):
+            tokens.append(int(next(gen)))
+        t2 = time.perf_counter()
+        gen.close()
+        return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": tokens}
+
+
+# ------------------------------------------------------------- building the mlx-lm peers
+
+
+def _mlx_lm_config(cfg: Any) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "model_type": cfg.model_type, "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "vocab_size": cfg.vocab_size, "rope_theta": cfg.rope_theta,
+        "rope_traditional": cfg.rope_traditional,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": bool(cfg.qkv_bias and cfg.o_bias), "mlp_bias": cfg.mlp_bias,
+    }
+    if cfg.rope_scaling:
+        d["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v
+                             for k, v in dict(cfg.rope_scaling).items()}
+    return d
+
+
+def _mlx_lm_skeleton(cfg: Any) -> nn.Module:
+    from mlx_lm.utils import _get_classes
+
+    d = _mlx_lm_config(cfg)
+    model_cls, args_cls = _get_classes(d)
+    return model_cls(args_cls.from_dict(d))
+
+
+def mlx_lm_dense_from_fx(model: Any) -> nn.Module:
+    """mlx-lm Model holding fx-engine's own dense arrays (fused matrices split back)."""
+    cfg, p = model.config, model.params
+    if any(lin.quantized for lin in (p.embed, *[lp.qkv for lp in p.layers])):
+        raise ValueError("fx params are quantized; the dense peer needs dense weights")
+    hq, hk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    ff = cfg.intermediate_size
+    w: dict[str, mx.array] = {"model.embed_tokens.weight": p.embed.weight,
+                              "model.norm.weight": p.norm}
+    if p.lm_head is not None:
+        w["lm_head.weight"] = p.lm_head.weight
+    for i, lp in enumerate(p.layers):
+        pre = f"model.layers.{i}."
+        qkv = lp.qkv.weight
+        w[pre + "self_attn.q_proj.weight"] = qkv[:hq]
+        w[pre + "self_attn.k_proj.weight"] = qkv[hq : hq + hk]
+        w[pre + "self_attn.v_proj.weight"] = qkv[hq + hk :]
+        if lp.qkv.bias is not None:
+            b = lp.qkv.bias
+            w[pre + "self_attn.q_proj.bias"] = b[:hq]
+            w[pre + "self_attn.k_proj.bias"] = b[hq : hq + hk]
+            w[pre + "self_attn.v_proj.bias"] = b[hq + hk :]
+        w[pre + "self_attn.o_proj.weight"] = lp.o.weight
+        if lp.o.bias is not None:
+            w[pre + "self_attn.o_proj.bias"] = lp.o.bias
+        w[pre + "mlp.gate_proj.weight"] = lp.gate_up.weight[:ff]
+        w[pre + "mlp.up_proj.weight"] = lp.gate_up.weight[ff:]
+        if lp.gate_up.bias is not None:
+            w[pre + "mlp.gate_proj.bias"] = lp.gate_up.bias[:ff]
+            w[pre + "mlp.up_proj.bias"] = lp.gate_up.bias[ff:]
+        w[pre + "mlp.down_proj.weight"] = lp.down.weight
+        if lp.down.bias is not None:
+            w[pre + "mlp.down_proj.bias"] = lp.down.bias
+        w[pre + "input_layernorm.weight"] = lp.attn_norm
+        w[pre + "post_attention_layernorm.weight"] = lp.mlp_norm
+        if lp.q_norm is not None:
+            w[pre + "self_attn.q_norm.weight"] = lp.q_norm
+            w[pre + "self_attn.k_norm.weight"] = lp.k_norm
+    m = _mlx_lm_skeleton(cfg)
+    m.load_weights(list(w.items()), strict=True)
+    mx.eval(m.parameters())
+    return m
+
+
+_GGUF_TO_HF = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+
+
+def _unpermute_rows(x: mx.array, n_head: int) -> mx.array:
+    """Undo llama.cpp's q/k row permutation (interleaved -> half-split RoPE); exact."""
+    rows, rest = x.shape[0], x.shape[1:]
+    return x.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def mlx_lm_quantized_from_gguf(path: str, cfg: Any) -> tuple[nn.Module, int]:
+    """mlx-lm Model with the GGUF's own 4-/8-bit affine tensors in QuantizedLinear layers.
+
+    Returns the model and the GGUF tensors' stored size (quantized weights + float16
+    scales/biases + float32 norms), i.e. the bytes a GGUF-native kernel would stream.
+    """
+    tensors = mx.load(path)
+    stored = sum(t.nbytes for t in tensors.values())
+    w: dict[str, mx.array] = {}
+    for name, t in tensors.items():
+        if name.startswith("blk."):
+            _, i, rest = name.split(".", 2)
+            base, suffix = rest.rsplit(".", 1)
+            if cfg.model_type == "llama" and base in ("attn_q", "attn_k"):
+                t = _unpermute_rows(t, cfg.num_heads if base == "attn_q" else cfg.num_kv_heads)
+            hf = f"model.layers.{i}.{_GGUF_TO_HF[base]}.{suffix}"
+        elif name.startswith("token_embd."):
+            hf = "model.embed_tokens." + name.split(".", 1)[1]
+        elif name.startswith("output_norm."):
+            hf = "model.norm." + name.split(".", 1)[1]
+        elif name.startswith("output."):
+            hf = "lm_head." + name.split(".", 1)[1]
+        else:
+            continue
+        if t.dtype in (mx.float16, mx.bfloat16):
+            t = t.astype(mx.float32)  # float32 activations (f16 on MLX CPU: ~30x slower)
+        w[hf] = t
+    if cfg.tie_word_embeddings:
+        for s in ("weight", "scales", "biases"):
+            w.pop(f"lm_head.{s}", None)
+    # GGUF Q4_0/Q4_1/Q8_0 blocks hold 32 weights: group size 32; bits from the packed width.
+    quant: dict[str, dict[str, int]] = {}
+    for name, t in w.items():
+        if name.endswith(".scales"):
+            base = name[: -len(".scales")]
+            in_f = t.shape[1] * 32
+            quant[base] = {"group_size": 32, "bits": w[base + ".weight"].shape[1] * 32 // in_f}
+    m = _mlx_lm_skeleton(cfg)
+    nn.quantize(m, class_predicate=lambda p, _m: dict(quant[p]) if p in quant else False)
+    m.load_weights(list(w.items()), strict=True)
+    mx.eval(m.parameters())
+    return m, stored
+
+
+# ---------------------------------------------------------------------------- machine
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    flags: list[str] = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                f = line.split(":", 1)[1].split()
+                flags = [x for x in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16",
+                                     "amx_tile", "neon") if x in f]
+    except OSError:
+        pass
+    mem_gb = None
+    try:
+        mem_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    try:
+        import mlx_lm
+
+        mlx_lm_version = getattr(mlx_lm, "__version__", "?")
+    except ImportError:
+        mlx_lm_version = None
+    return {
+        "cpu": cpu, "cpu_flags": flags, "logical_cpus": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_gb": mem_gb, "python": platform.python_version(), "platform": platform.platform(),
+        "mlx": mx.__version__, "mlx_lm": mlx_lm_version, "fx_engine": fx_engine.__version__,
+        "blas": fx_engine.blas.active(), "device": str(mx.default_device()),
+        "loadavg_start": os.getloadavg(),
+    }
+
+
+def _median_time(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def measure_ceilings(reps: int = 5) -> dict[str, Any]:
+    """Memory bandwidth and GEMM throughput this process's MLX + BLAS can reach."""
+    out: dict[str, Any] = {}
+    n = 64 * 2**20  # 256 MiB of float32
+    a = mx.random.uniform(shape=(n,))
+    mx.eval(a)
+    t = _median_time(lambda: mx.eval(a + 1.0), reps)
+    out["elementwise_rw_gbs"] = 2 * a.nbytes / t / 1e9  # read + write, MLX's own kernel
+    t = _median_time(lambda: mx.eval(a.sum()), reps)
+    out["reduce_read_gbs"] = a.nbytes / t / 1e9
+    del a
+    w = mx.random.uniform(shape=(16384, 8192))  # 512 MiB
+    x = mx.random.uniform(shape=(1, 8192))
+    mx.eval(w, x)
+    t = _median_time(lambda: mx.eval(x @ w.T), reps)
+    out["gemv_weight_gbs"] = w.nbytes / t / 1e9  # M=1 through MLX's matmul (BLAS)
+    del w, x
+    for m_rows in (512, 2048):
+        xa = mx.random.uniform(shape=(m_rows, 576))
+        wb = mx.random.uniform(shape=(3072, 576))
+        mx.eval(xa, wb)
+        t = _median_time(lambda: mx.eval(xa @ wb.T), reps)
+        out[f"gemm_{m_rows}x576x3072_gflops"] = 2 * m_rows * 576 * 3072 / t / 1e9
+    mx.clear_cache()
+    return out
+
+
+# ---------------------------------------------------------------------------- benchmark
+
+
+def prompt_tokens(model: Any, n: int) -> list[int]:
+    tok = model.tokenizer
+    ids: list[int] = []
+    text = TEXT
+    while len(ids) < n:
+        ids = list(tok.encode(text, add_special_tokens=False))
+        text += TEXT
+    return ids[:n]
+
+
+def _chat_ids(model: Any) -> list[int]:
+    from fx_engine.engine.generate import prompt_ids
+
+    return prompt_ids(model, "What is the capital of France?", chat=True)
+
+
+def agreement(engines: list[Engine], ref: Engine, ids: list[int], n_tokens: int) -> dict[str, Any]:
+    """Greedy tokens and last-position logits of every engine against fx-engine's."""
+    ref_run = ref.run(ids, n_tokens - 1)
+    ref_logits = ref.last_logits(ids)
+    out: dict[str, Any] = {"prompt_tokens": len(ids), "reference": ref.key,
+                           "reference_tokens": ref_run["tokens"], "engines": {}}
+    for e in engines:
+        r = e.run(ids, n_tokens - 1)
+        same = 0
+        for a, b in zip(r["tokens"], ref_run["tokens"]):
+            if a != b:
+                break
+            same += 1
+        info: dict[str, Any] = {"tokens": r["tokens"], "matching_prefix": same}
+        lg = e.last_logits(ids)
+        if lg is not None:
+            diff = mx.abs(lg.astype(mx.float32) - ref_logits.astype(mx.float32))
+            info["max_abs_logit_diff"] = float(diff.max().item())
+            info["mean_abs_logit_diff"] = float(diff.mean().item())
+            info["argmax_equal"] = bool((lg.argmax() == ref_logits.argmax()).item())
+        out["engines"][e.key] = info
+        mx.synchronize()
+        mx.clear_cache()
+    return out
+
+
+def run_benchmark(engines: list[Engine], workloads: list[dict[str, Any]], ids: list[int],
+                  runs: int, warmup: int) -> dict[str, Any]:
+    results: dict[str, dict[str, Any]] = {e.key: {"metrics": {}, "memory": {}} for e in engines}
+    for wl in workloads:
+        prompt = ids[: wl["context"]]
+        n_dec = wl["decode"]
+        log(f"workload {wl['name']}: prompt {len(prompt)} tokens, decode {n_dec} "
+            f"({warmup} warm-up + {runs} runs per engine)")
+        for e in engines:
+            for _ in range(warmup):
+                t0 = time.perf_counter()
+                e.run(prompt, n_dec)
+                mx.synchronize()
+                log(f"  warm-up {e.key}: {time.perf_counter() - t0:.1f}s")
+        samples: dict[str, list[dict[str, Any]]] = {e.key: [] for e in engines}
+        for r in range(runs):
+            order = engines[r % len(engines):] + engines[: r % len(engines)]
+            for e in order:
+                with MemProbe() as mem:
+                    res = e.run(prompt, n_dec)
+                res.update(mlx_extra=mem.mlx_extra, mlx_peak=mem.mlx_peak,
+                           rss_peak_kb=mem.rss_peak_kb, rss_extra_kb=mem.rss_extra_kb)
+                samples[e.key].append(res)
+                pre = len(prompt) / res["prefill_s"]
+                dec = n_dec / res["decode_s"] if n_dec else float("nan")
+                log(f"  run {r + 1}/{runs} {e.key:11s} prefill {pre:8.1f} tok/s"
+                    + (f"  decode {dec:7.2f} tok/s" if n_dec else ""))
+        for e in engines:
+            s = samples[e.key]
+            res = results[e.key]
+            if wl.get("prefill_metric"):
+                v = [len(prompt) / x["prefill_s"] for x in s]
+                res["metrics"][wl["prefill_metric"]] = {"median": statistics.median(v), "runs": v}
+            if wl.get("decode_metric"):
+                v = [n_dec / x["decode_s"] for x in s]
+                res["metrics"][wl["decode_metric"]] = {"median": statistics.median(v), "runs": v}
+            res["memory"][wl["name"]] = {
+                "mlx_extra_bytes": max(x["mlx_extra"] for x in s),
+                "mlx_peak_bytes": max(x["mlx_peak"] for x in s),
+                "rss_peak_kb": max(x["rss_peak_kb"] for x in s),
+                "rss_extra_kb": max((x["rss_extra_kb"] or 0) for x in s)
+                if all(x["rss_extra_kb"] is not None for x in s) else None,
+            }
+    return results
+
+
+def _workloads(short_ctx: int, prefill_sizes: list[int], n_decode: int) -> list[dict[str, Any]]:
+    long_ctx = max(prefill_sizes)
+    wls = [{"name": f"decode@{short_ctx}", "context": short_ctx, "decode": n_decode,
+            "decode_metric": f"decode@{short_ctx}"}]
+    for n in sorted(prefill_sizes):
+        if n == long_ctx:
+            wls.append({"name": f"prefill+decode@{n}", "context": n, "decode": n_decode,
+                        "prefill_metric": f"prefill@{n}", "decode_metric": f"decode@{n}"})
+        else:
+            wls.append({"name": f"prefill@{n}", "context": n, "decode": 0,
+                        "prefill_metric": f"prefill@{n}"})
+    return wls
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def _label(report: dict[str, Any], key: str) -> str:
+    return report.get("engines", {}).get(key, {}).get("label") or ENGINE_LABELS.get(key, key)
+
+
+def _sci(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2e}"
+
+
+def _fmt(v: float | None, nd: int = 1) -> str:
+    if v is None or v != v:
+        return "n/a"
+    return f"{v:.{nd}f}"
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    """Ratios and target verdicts from the medians."""
+    res = report["results"]
+    metrics = report["metric_names"]
+    med = {k: {m: v["metrics"].get(m, {}).get("median") for m in metrics} for k, v in res.items()}
+    fx = med.get("fx", {})
+    ratios: dict[str, dict[str, float | None]] = {}
+    for peer in ("mlx-lm", "mlx-lm-f32", "llama.cpp", "fx-bi"):
+        if peer in med:
+            ratios[f"fx/{peer}"] = {
+                m: (fx.get(m) / med[peer][m]) if fx.get(m) and med[peer].get(m) else None
+                for m in metrics}
+    ref = report.get("llama_cpp_reference")
+    if ref and "llama.cpp" not in med:
+        ratios["fx/llama.cpp(reference)"] = {
+            m: (fx.get(m) / ref[m]) if fx.get(m) and m in ref else None for m in metrics}
+    short, long_ = report["short_context"], report["long_context"]
+    targets = []
+    llama = med.get("llama.cpp") or ref or {}
+    llama_src = "measured" if "llama.cpp" in med else ("reference" if ref else None)
+
+    def add(name: str, value: float | None, goal: float, higher: bool = True, note: str = "") -> None:
+        met = None if value is None else (value >= goal if higher else value <= goal)
+        targets.append({"target": name, "value": value, "goal": goal, "met": met, "note": note})
+
+    d_short = f"decode@{short}"
+    for peer in ("mlx-lm", "mlx-lm-f32"):
+        if peer in med:
+            r = ratios[f"fx/{peer}"].get(d_short)
+            add(f"batch-1 decode >= 3x {_label(report, peer)} (same BLAS)", r, 3.0)
+    if llama_src:
+        key = "fx/llama.cpp" if llama_src == "measured" else "fx/llama.cpp(reference)"
+        add("batch-1 decode >= 0.35x llama.cpp", ratios[key].get(d_short), 0.35, note=llama_src)
+        for n in report["prefill_sizes"]:
+            m = f"prefill@{n}"
+            if m in llama:
+                add(f"prefill@{n} >= 1.5x llama.cpp", ratios[key].get(m), 1.5, note=llama_src)
+    if report.get("smoke"):
+        targets = []  # a tiny random model: the tool ran, nothing to claim
+    if fx.get(d_short) and fx.get(f"decode@{long_}") and not report.get("smoke"):
+        add(f"decode@{long_} no more than 1.5x slower than decode@{short}",
+            fx[d_short] / fx[f"decode@{long_}"], 1.5, higher=False, note="slowdown factor")
+    return {"medians": med, "ratios": ratios, "targets": targets}
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    s = report["summary"]
+    keys = list(report["results"])
+    metrics = report["metric_names"]
+    lines = []
+    mi = report["machine"]
+    lines.append(f"Model: `{report['model']['path']}` ({report['model']['weight_format']}); "
+                 f"runs: median of {report['runs']} after {report['warmup']} warm-up; "
+                 f"decode {report['decode_tokens']} tokens.")
+    lines.append(f"Machine: {mi['cpu']}, {mi['logical_cpus']} logical CPUs; MLX {mi['mlx']}, "
+                 f"mlx-lm {mi['mlx_lm']}; BLAS {mi['blas']['name']}; "
+                 f"load average {tuple(round(x, 2) for x in mi['loadavg_start'])} at start, "
+                 f"{tuple(round(x, 2) for x in report.get('loadavg_end', ()))} at end.")
+    lines.append("")
+    lines.append("| tok/s (median) | " + " | ".join(_label(report, k) for k in keys) + " |")
+    lines.append("|---|" + "---:|" * len(keys))
+    for m in metrics:
+        row = [m]
+        for k in keys:
+            v = report["results"][k]["metrics"].get(m)
+            if v:
+                lo, hi = min(v["runs"]), max(v["runs"])
+                row.append(f"{_fmt(v['median'], 2 if v['median'] < 20 else 1)} "
+                           f"<sub>({_fmt(lo, 1)}-{_fmt(hi, 1)})</sub>")
+            else:
+                row.append("n/a")
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("| weights (MB) | " + " | ".join(
+        _fmt(report["weights_bytes"][k] / 1e6, 0) for k in keys) + " |")
+    long_wl = report["workloads"][-1]["name"]
+    lines.append(f"| KV + activations peak, {long_wl} (MB) | " + " | ".join(
+        _fmt(report["results"][k]["memory"][long_wl]["mlx_extra_bytes"] / 1e6, 0)
+        if k != "llama.cpp" else
+        _fmt((report["results"][k]["memory"][long_wl]["rss_extra_kb"] or 0) / 1e3, 0) + " (RSS)"
+        for k in keys) + " |")
+    lines.append(f"| process peak RSS, {long_wl} (MB) | " + " | ".join(
+        _fmt(report["results"][k]["memory"][long_wl]["rss_peak_kb"] / 1e3, 0) for k in keys)
+        + " |")
+    lines.append("")
+    lines.append("Ratios (fx-engine / peer, medians):")
+    lines.append("")
+    lines.append("| ratio | " + " | ".join(metrics) + " |")
+    lines.append("|---|" + "---:|" * len(metrics))
+    for name, vals in s["ratios"].items():
+        lines.append(f"| {name} | " + " | ".join(
+            (_fmt(vals.get(m), 2) + "x") if vals.get(m) else "n/a" for m in metrics) + " |")
+    if report.get("llama_cpp_reference"):
+        lines.append("")
+        lines.append("llama.cpp(reference): " + ", ".join(
+            f"{k} {v} tok/s" for k, v in report["llama_cpp_reference"].items())
+            + f", from {REFERENCE_SOURCE}; not measured in this run.")
+    lines.append("")
+    lines.append("| target | value | goal | met |")
+    lines.append("|---|---:|---:|:---:|")
+    for t in s["targets"]:
+        met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+        note = f" ({t['note']})" if t["note"] else ""
+        lines.append(f"| {t['target']}{note} | {_fmt(t['value'], 2)} | {t['goal']} | {met} |")
+    ag = report.get("agreement")
+    if ag:
+        lines.append("")
+        lines.append(f"Agreement with fx-engine on a {ag['prompt_tokens']}-token chat prompt "
+                     f"(greedy, {len(ag['reference_tokens'])} tokens):")
+        lines.append("")
+        lines.append("| engine | matching greedy prefix | argmax equal | max abs logit diff |")
+        lines.append("|---|---:|:---:|---:|")
+        for k, v in ag["engines"].items():
+            lines.append(f"| {_label(report, k)} | {v['matching_prefix']}/"
+                         f"{len(ag['reference_tokens'])} | {v.get('argmax_equal', 'n/a')} | "
+                         f"{_sci(v.get('max_abs_logit_diff'))} |")
+    c = report.get("ceilings")
+    if c:
+        lines.append("")
+        lines.append("Ceilings measured in this process: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in c.items()) + ".")
+    lines.append("")
+    lines.append(f"Command: `{report['command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def render_text(report: dict[str, Any]) -> str:
+    keys = list(report["results"])
+    metrics = report["metric_names"]
+    w = max(len(_label(report, k)) for k in keys) + 2
+    out = []
+    head = f"{'tok/s (median)':{w}s}" + "".join(f"{m:>15s}" for m in metrics) + f"{'weights MB':>12s}"
+    out.append(head)
+    out.append("-" * len(head))
+    for k in keys:
+        row = f"{_label(report, k):{w}s}"
+        for m in metrics:
+            v = report["results"][k]["metrics"].get(m)
+            row += f"{_fmt(v['median'] if v else None, 2):>15s}"
+        row += f"{report['weights_bytes'][k] / 1e6:12.0f}"
+        out.append(row)
+    out.append("")
+    for name, vals in report["summary"]["ratios"].items():
+        out.append(f"{name:{w}s}" + "".join(
+            f"{(_fmt(vals.get(m), 2) + 'x') if vals.get(m) else 'n/a':>15s}" for m in metrics))
+    out.append("")
+    for t in report["summary"]["targets"]:
+        met = {True: "MET", False: "NOT MET", None: "n/a"}[t["met"]]
+        out.append(f"[{met:7s}] {t['target']}: {_fmt(t['value'], 2)} (goal {t['goal']})"
+                   + (f" [{t['note']}]" if t["note"] else ""))
+    ag = report.get("agreement")
+    if ag:
+        out.append("")
+        for k, v in ag["engines"].items():
+            out.append(f"agreement {k}: greedy prefix {v['matching_prefix']}/"
+                       f"{len(ag['reference_tokens'])}, max|dlogit| "
+                       f"{_sci(v.get('max_abs_logit_diff'))}, argmax equal "
+                       f"{v.get('argmax_equal', 'n/a')}")
+    if report.get("ceilings"):
+        out.append("")
+        out.append("ceilings: " + ", ".join(f"{k}={v:.1f}" for k, v in report["ceilings"].items()))
+    return "\n".join(out)
+
+
+# -------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="GGUF file or HF folder (default: fx-engine's default model)")
+    ap.add_argument("--runs", type=int, default=3, help="measured runs per engine and workload")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up runs (compile + JIT)")
+    ap.add_argument("--quick", action="store_true", help="fewer tokens: prefill 128/512, decode 16")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny random model, a few tokens; checks the tool runs (no timing claims)")
+    ap.add_argument("--engines", default="fx,fx-bi,mlx-lm,mlx-lm-f32,llama.cpp",
+                    help="comma list among fx,fx-bi,mlx-lm,mlx-lm-f32,llama.cpp")
+    ap.add_argument("--short-context", type=int, default=None, help="prompt tokens for decode (64)")
+    ap.add_argument("--prefill-sizes", default=None,
+                    help="comma list (512,2048); the largest also carries the long-context decode")
+    ap.add_argument("--decode-tokens", type=int, default=None, help="decoded tokens per run (64)")
+    ap.add_argument("--no-ceilings", action="store_true", help="skip bandwidth/GEMM ceilings")
+    ap.add_argument("--no-agreement", action="store_true", help="skip the agreement check")
+    ap.add_argument("--json", help="write the full report as JSON here")
+    ap.add_argument("--markdown", help="write the tables as markdown here")
+    args = ap.parse_args(argv)
+
+    short, sizes, n_dec = 64, [512, 2048], 64
+    if args.quick:
+        sizes, n_dec = [128, 512], 16
+    if args.smoke:
+        short, sizes, n_dec = 8, [16, 32], 4
+        args.runs, args.warmup = min(args.runs, 1), min(args.warmup, 1)
+        args.no_ceilings = True
+    if args.short_context:
+        short = args.short_context
+    if args.prefill_sizes:
+        sizes = [int(x) for x in args.prefill_sizes.split(",") if x.strip()]
+    if args.decode_tokens is not None:
+        n_dec = args.decode_tokens
+    wanted = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in wanted if e not in ENGINE_LABELS]
+    if unknown:
+        ap.error(f"unknown engine(s): {', '.join(unknown)}")
+
+    tmp = None
+    if args.smoke and not args.model:
+        from fx_engine.testing import write_tiny_model
+
+        tmp = tempfile.TemporaryDirectory(prefix="fx-bench-")
+        path = str(write_tiny_model(Path(tmp.name) / "tiny"))
+    elif args.model:
+        path = str(Path(args.model).expanduser())
+    else:
+        from fx_engine.loading.default_model import DEFAULT_MODEL_FILE, default_model_path
+
+        path = str(default_model_path())
+    is_gguf = Path(path).is_file() and path.lower().endswith(".gguf")
+    is_default = Path(path).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+    info = machine_info()
+    log(f"model {path}; MLX {info['mlx']}, mlx-lm {info['mlx_lm']}, BLAS {info['blas']['name']}")
+    t0 = time.perf_counter()
+    fx_model = fx_engine.load(path)
+    log(f"loaded fx-engine model in {time.perf_counter() - t0:.1f}s ({fx_model.weight_format})")
+
+    engines: list[Engine] = []
+    skipped: dict[str, str] = {}
+    fx_eng = FxEngine(fx_model, "fx")
+    engines.append(fx_eng)  # the reference of every ratio: always measured
+    if "fx-bi" in wanted:
+        engines.append(FxEngine(fx_engine.load(path, batch_invariant=True), "fx-bi"))
+    gguf_stored = None
+    if "mlx-lm" in wanted:
+        try:
+            if is_gguf:
+                m, gguf_stored = mlx_lm_quantized_from_gguf(path, fx_model.config)
+                notes = "GGUF tensors as MLX affine triples in QuantizedLinear/QuantizedEmbedding" \
+                        " (group 32; Q4_1->4-bit, Q8_0->8-bit), float32 scales/activations"
+            else:
+                from mlx_lm.utils import load_model
+
+                m, _ = load_model(Path(path))
+                notes = "mlx_lm.utils.load_model on the folder"
+            label = None if is_gguf else "mlx-lm (natural: load_model)"
+            engines.append(MlxLmEngine(m, "mlx-lm", notes, label))
+        except Exception as e:  # report, don't die: the other engines still compare
+            skipped["mlx-lm"] = f"{type(e).__name__}: {e}"
+    if "mlx-lm-f32" in wanted:
+        try:
+            engines.append(MlxLmEngine(mlx_lm_dense_from_fx(fx_model), "mlx-lm-f32",
+                                       "fx-engine's dense float32 arrays, q/k/v and gate/up split"))
+        except Exception as e:
+            skipped["mlx-lm-f32"] = f"{type(e).__name__}: {e}"
+    if "llama.cpp" in wanted:
+        try:
+            import llama_cpp  # noqa: F401
+
+            if not is_gguf:
+                skipped["llama.cpp"] = "model is not a GGUF file"
+            else:
+                engines.append(LlamaCppEngine(path, n_ctx=max(sizes) + n_dec + 64))
+        except ImportError:
+            skipped["llama.cpp"] = "llama_cpp (llama-cpp-python) is not importable"
+        except Exception as e:
+            skipped["llama.cpp"] = f"{type(e).__name__}: {e}"
+    for k, why in skipped.items():
+        log(f"skipping {k}: {why}")
+
+    ceilings = None
+    if not args.no_ceilings:
+        log("measuring bandwidth / GEMM ceilings")
+        ceilings = measure_ceilings()
+
+    ag = None
+    if not args.no_agreement:
+        log("agreement check (greedy tokens, last-position logits)")
+        ag = agreement(engines[1:], fx_eng, _chat_ids(fx_model), 16 if not args.smoke else 4)
+
+    wls = _workloads(short, sizes, n_dec)
+    ids = prompt_tokens(fx_model, max(short, *sizes))
+    results = run_benchmark(engines, wls, ids, args.runs, args.warmup)
+
+    metric_names = [f"decode@{short}"] + [f"prefill@{n}" for n in sorted(sizes)] + [f"decode@{max(sizes)}"]
+    report: dict[str, Any] = {
+        "command": " ".join(["python", "tools/bench.py", *(argv if argv is not None else sys.argv[1:])]),
+        "smoke": args.smoke,
+        "machine": info,
+        "loadavg_end": os.getloadavg(),
+        "model": {"path": path, "weight_format": fx_model.weight_format,
+                  "fingerprint": fx_model.fingerprint, "config": {
+                      k: getattr(fx_model.config, k) for k in (
+                          "model_type", "num_layers", "hidden_size", "num_heads",
+                          "num_kv_heads", "intermediate_size", "vocab_size")},
+                  "gguf_tensor_bytes": gguf_stored},
+        "runs": args.runs, "warmup": args.warmup, "decode_tokens": n_dec,
+        "short_context": short, "long_context": max(sizes), "prefill_sizes": sorted(sizes),
+        "workloads": wls, "metric_names": metric_names,
+        "engines": {e.key: {"label": e.label, "notes": e.notes} for e in engines},
+        "skipped": skipped,
+        "weights_bytes": {e.key: e.weights_bytes() for e in engines},
+        "results": results, "agreement": ag, "ceilings": ceilings,
+        "llama_cpp_reference": (
+            {k: v for k, v in LLAMA_CPP_REFERENCE.items()
+             if k in metric_names} if is_default and "llama.cpp" not in {e.key for e in engines}
+            else None),
+    }
+    report["summary"] = summarize(report)
+    print(render_text(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+        log(f"wrote {args.json}")
+    if args.markdown:
+        Path(args.markdown).write_text(render_markdown(report))
+        log(f"wrote {args.markdown}")
+    if tmp is not None:
+        tmp.cleanup()
+    return report
+
+
+if __name__ == "__main__":
+    main()
