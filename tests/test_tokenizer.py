@@ -432,6 +432,23 @@ def test_stream_complete_emoji_from_byte_tokens(tok: Tokenizer) -> None:
     assert detok.finalize() == FFFD == tok.decode(byte_ids[:2])
 
 
+@pytest.mark.parametrize("char", ["🤗", "\u0800", "\U00010000", "\ud7ff", "\U0010ffff", "é"])
+@pytest.mark.parametrize("max_hold", [1, 2, 4])
+def test_stream_forced_release_keeps_pending_chars(tok: Tokenizer, char: str, max_hold: int) -> None:
+    # A long hold (genuine U+FFFDs) that ends in a lead byte must not be released while the
+    # character is incomplete: E0 and F0 take only A0..BF / 90..BF next, F4 only 80..8F, so a
+    # single probe byte would misjudge some of them.
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spelled = bytes_to_unicode()
+    byte_ids = [tok.backend.token_to_id(spelled[b]) for b in char.encode("utf-8")]
+    (fffd_id,) = tok.encode(FFFD)
+    for n in range(2 * max_hold + 2):  # puts the lead byte at every phase of the hold cycle
+        ids = tok.encode("x") + [fffd_id] * n + byte_ids + tok.encode("y")
+        deltas = check_stream(tok, ids, max_hold=max_hold)
+        assert "".join(deltas) == "x" + FFFD * n + char + "y"
+
+
 def test_stream_window_stays_small(tok: Tokenizer) -> None:
     rng = random.Random(0)
     words = ["alpha", "beta", " gamma", "日本", "🤗", "\n", "12", " x", "é"]

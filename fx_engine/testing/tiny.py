@@ -62,6 +62,8 @@ def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
         "eos_token_id": 2,
     }
     cfg.update(overrides)
+    if model_type == "qwen3":  # Qwen3 configs always state head_dim
+        cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     return cfg
 
 

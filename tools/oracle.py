@@ -1,0 +1,93 @@
+"""mlx-lm as an independent oracle (test/tool code only; fx_engine never imports mlx-lm).
+
+`mlx_lm_model(model)` builds mlx-lm's own model class holding exactly the tensors fx-engine
+loaded: for HF folders mlx-lm loads the folder itself (its own loader); for GGUF files it
+receives fx-engine's dequantized tensors (fused projections split back), since mlx-lm has
+no GGUF reader for these quantization types.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+
+def mlx_lm_model(model: Any) -> Any:
+    from mlx_lm.models import llama
+
+    path = Path(model.path)
+    if path.is_dir():
+        from mlx_lm.utils import load_model
+
+        ref, _ = load_model(path)
+        ref.set_dtype(mx.float32)
+        return ref
+    c, p = model.config, model.params
+    if c.model_type != "llama":
+        raise NotImplementedError("GGUF oracle: llama architecture only")
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+        intermediate_size=c.intermediate_size, num_attention_heads=c.num_heads,
+        rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size, num_key_value_heads=c.num_kv_heads,
+        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+        max_position_embeddings=c.max_position_embeddings,
+    )
+    ref = llama.Model(args)
+    hq, hk, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    w = {"model.embed_tokens.weight": p.embed.weight, "model.norm.weight": p.norm}
+    if p.lm_head is not None:
+        w["lm_head.weight"] = p.lm_head.weight
+    for i, lp in enumerate(p.layers):
+        pre = f"model.layers.{i}."
+        qkv = lp.qkv.weight
+        w[pre + "self_attn.q_proj.weight"] = qkv[:hq]
+        w[pre + "self_attn.k_proj.weight"] = qkv[hq : hq + hk]
+        w[pre + "self_attn.v_proj.weight"] = qkv[hq + hk :]
+        w[pre + "self_attn.o_proj.weight"] = lp.o.weight
+        w[pre + "mlp.gate_proj.weight"] = lp.gate_up.weight[:f]
+        w[pre + "mlp.up_proj.weight"] = lp.gate_up.weight[f:]
+        w[pre + "mlp.down_proj.weight"] = lp.down.weight
+        w[pre + "input_layernorm.weight"] = lp.attn_norm
+        w[pre + "post_attention_layernorm.weight"] = lp.mlp_norm
+    ref.load_weights(list(w.items()))
+    return ref
+
+
+def mlx_lm_generate(ref: Any, prompt_ids: list[int], *, max_tokens: int, eos_ids: set[int],
+                    sampling: dict[str, Any]) -> tuple[list[int], list[float], float]:
+    """Run mlx-lm's own generate_step; returns (tokens, chosen logprobs, min greedy margin)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    s = dict(sampling)
+    seed = s.pop("seed", None)
+    sampler = make_sampler(
+        temp=s.get("temperature", 0.0), top_p=s.get("top_p", 0.0) if s.get("top_p", 1.0) < 1 else 0.0,
+        min_p=s.get("min_p", 0.0), top_k=s.get("top_k", 0),
+        xtc_probability=s.get("xtc_probability", 0.0), xtc_threshold=s.get("xtc_threshold", 0.1),
+        xtc_special_tokens=sorted(eos_ids),
+    )
+    processors = make_logits_processors(
+        logit_bias={int(k): v for k, v in (s.get("logit_bias") or {}).items()} or None,
+        repetition_penalty=s.get("repetition_penalty"),
+        repetition_context_size=s.get("repetition_context_size", 20),
+        presence_penalty=s.get("presence_penalty") or None,
+        frequency_penalty=s.get("frequency_penalty") or None,
+    )
+    if seed is not None:
+        mx.random.seed(seed)
+    tokens, lps, margin = [], [], float("inf")
+    for (tok, logprobs), _ in zip(
+        generate_step(mx.array(prompt_ids), ref, max_tokens=max_tokens, sampler=sampler,
+                      logits_processors=processors), range(max_tokens)
+    ):
+        tok = int(tok)
+        top2 = mx.topk(logprobs, 2)
+        margin = min(margin, abs(top2[1].item() - top2[0].item()))
+        if tok in eos_ids:
+            break
+        tokens.append(tok)
+        lps.append(float(logprobs[tok].item()))
+    return tokens, lps, margin
