@@ -183,7 +183,7 @@ SPECIAL_STRINGS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<file_sep>"]
 TEXT_WITH_SPECIALS = st.lists(st.one_of(TEXT, st.sampled_from(SPECIAL_STRINGS)), max_size=6).map("".join)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=TEXT_WITH_SPECIALS)
 def test_ids_match_oracle_on_random_text(tok: Tokenizer, oracle, text: str) -> None:
     assert tok.encode(text, add_special_tokens=False) == oracle_encode(oracle, text)
@@ -209,7 +209,7 @@ def test_unencodable_bytes_are_dropped_like_the_oracle(tok: Tokenizer, oracle, u
     assert tok.encode(text) == oracle_encode(oracle, text) == tok.encode("a") + tok.encode("b")
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=TEXT_WITH_SPECIALS)
 def test_round_trip(tok: Tokenizer, unencodable_ascii, text: str) -> None:
     expected = "".join(c for c in text if c not in unencodable_ascii)
@@ -409,7 +409,7 @@ def id_strategy(tok: Tokenizer, partial_utf8_ids: list[int]):
 
 
 def test_stream_random_ids(tok: Tokenizer, id_strategy) -> None:
-    @settings(max_examples=300, deadline=None)
+    @settings(max_examples=300, deadline=None, database=None)
     @given(ids=id_strategy, skip=st.booleans(), max_hold=st.integers(1, 6))
     def run(ids, skip, max_hold):
         check_stream(tok, ids, skip=skip, max_hold=max_hold)
@@ -645,7 +645,7 @@ def spm_pair():
 SPM_TEXT = st.text(st.sampled_from(list("thequickbrownfoxjumps lazydog\nüéï日🤗")), max_size=40)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=SPM_TEXT)
 def test_spm_matches_sentencepiece(spm_pair, text: str) -> None:
     sp, tok = spm_pair
@@ -688,7 +688,7 @@ def spm_units(draw, sp) -> list[int]:
 def test_spm_stream_random_ids(spm_pair) -> None:
     sp, tok = spm_pair
 
-    @settings(max_examples=200, deadline=None)
+    @settings(max_examples=200, deadline=None, database=None)
     @given(ids=spm_units(sp), skip=st.booleans(), max_hold=st.integers(1, 6))
     def run(ids, skip, max_hold):
         # Byte runs that end incomplete are only valid at the very end, where the stream must

@@ -167,6 +167,9 @@ def _unique_nbytes(arrays: list[mx.array]) -> int:
 class Engine:
     key: str = ""
     notes: str = ""
+    # Compiled per input shape (mx.compile traces + C++ JIT per shape): warm up every
+    # workload. Eager engines (mlx-lm, llama.cpp) need one warm-up run in all.
+    warmup_every_workload: bool = False
 
     @property
     def label(self) -> str:
@@ -188,6 +191,8 @@ class Engine:
 
 
 class FxEngine(Engine):
+    warmup_every_workload = True
+
     def __init__(self, model: Any, key: str):
         self.model, self.key = model, key
         self.notes = f"{model.weight_format}, prefill chunk {PREFILL_CHUNK}"
@@ -504,6 +509,19 @@ def measure_ceilings(reps: int = 5) -> dict[str, Any]:
     t = _median_time(lambda: mx.eval(x @ w.T), reps)
     out["gemv_weight_gbs"] = w.nbytes / t / 1e9  # M=1 through MLX's matmul (BLAS)
     del w, x
+    try:  # numpy's own (threaded) BLAS, independent of MLX: a second opinion on the machine
+        import numpy as np
+
+        wn = np.full((16384, 8192), 0.5, np.float32)
+        xn = np.ones(8192, np.float32)
+        t = _median_time(lambda: wn @ xn, reps)
+        out["numpy_gemv_weight_gbs"] = wn.nbytes / t / 1e9
+        dst = np.empty_like(wn)
+        t = _median_time(lambda: np.copyto(dst, wn), reps)
+        out["numpy_copy_rw_gbs"] = 2 * wn.nbytes / t / 1e9
+        del wn, dst
+    except Exception:  # pragma: no cover
+        pass
     for m_rows in (512, 2048):
         xa = mx.random.uniform(shape=(m_rows, 576))
         wb = mx.random.uniform(shape=(3072, 576))
@@ -512,6 +530,38 @@ def measure_ceilings(reps: int = 5) -> dict[str, Any]:
         out[f"gemm_{m_rows}x576x3072_gflops"] = 2 * m_rows * 576 * 3072 / t / 1e9
     mx.clear_cache()
     return out
+
+
+def measure_matmul_floor(model: Any, reps: int = 5) -> dict[str, Any]:
+    """Only the model's weight matmuls, as MLX + BLAS run them: the floor of a step's time.
+
+    decode: one row through every linear of every layer plus the tied/untied head (all the
+    weight bytes once); prefill: a 512-row chunk through every layer's linears (the head
+    only sees the last row, so it is left out).
+    """
+    p = model.params
+    lins = [lin for lp in p.layers for lin in (lp.qkv, lp.o, lp.gate_up, lp.down)]
+    head = p.lm_head if p.lm_head is not None else p.embed
+    if any(lin.quantized for lin in [*lins, head]):
+        return {}
+    dt = getattr(mx, p.dtype)
+    xs = {n: mx.random.normal((1, n)).astype(dt) for n in {lin.weight.shape[1] for lin in lins}}
+    xs512 = {n: mx.random.normal((512, n)).astype(dt) for n in xs}
+    mx.eval(list(xs.values()), list(xs512.values()))
+    dec = lambda: mx.eval([xs[l.weight.shape[1]] @ l.weight.T for l in [*lins, head]])  # noqa: E731
+    pre = lambda: mx.eval([xs512[l.weight.shape[1]] @ l.weight.T for l in lins])  # noqa: E731
+    t_dec = _median_time(dec, reps)
+    t_pre = _median_time(pre, max(1, reps // 2))
+    nbytes = sum(l.weight.nbytes for l in [*lins, head])
+    flops = 2 * 512 * sum(l.weight.size for l in lins)
+    mx.clear_cache()
+    return {
+        "matmul_floor_decode_tok_s": 1 / t_dec,
+        "matmul_floor_decode_gbs": nbytes / t_dec / 1e9,
+        "matmul_floor_prefill512_tok_s": 512 / t_pre,
+        "matmul_floor_prefill512_gflops": flops / t_pre / 1e9,
+        "weight_bytes_per_token_mb": nbytes / 1e6,
+    }
 
 
 # ---------------------------------------------------------------------------- benchmark
@@ -568,6 +618,8 @@ def run_benchmark(engines: list[Engine], workloads: list[dict[str, Any]], ids: l
         log(f"workload {wl['name']}: prompt {len(prompt)} tokens, decode {n_dec} "
             f"({warmup} warm-up + {runs} runs per engine)")
         for e in engines:
+            if wl is not workloads[0] and not e.warmup_every_workload:
+                continue
             for _ in range(warmup):
                 t0 = time.perf_counter()
                 e.run(prompt, n_dec)
@@ -578,14 +630,18 @@ def run_benchmark(engines: list[Engine], workloads: list[dict[str, Any]], ids: l
             order = engines[r % len(engines):] + engines[: r % len(engines)]
             for e in order:
                 with MemProbe() as mem:
+                    c0, w0 = os.times(), time.perf_counter()
                     res = e.run(prompt, n_dec)
+                    c1, w1 = os.times(), time.perf_counter()
+                res["cpu_util"] = ((c1.user - c0.user) + (c1.system - c0.system)) / (w1 - w0)
                 res.update(mlx_extra=mem.mlx_extra, mlx_peak=mem.mlx_peak,
                            rss_peak_kb=mem.rss_peak_kb, rss_extra_kb=mem.rss_extra_kb)
                 samples[e.key].append(res)
                 pre = len(prompt) / res["prefill_s"]
                 dec = n_dec / res["decode_s"] if n_dec else float("nan")
                 log(f"  run {r + 1}/{runs} {e.key:11s} prefill {pre:8.1f} tok/s"
-                    + (f"  decode {dec:7.2f} tok/s" if n_dec else ""))
+                    + (f"  decode {dec:7.2f} tok/s" if n_dec else "")
+                    + f"  (cpu {res['cpu_util']:.2f} cores, load {os.getloadavg()[0]:.2f})")
         for e in engines:
             s = samples[e.key]
             res = results[e.key]
@@ -595,6 +651,8 @@ def run_benchmark(engines: list[Engine], workloads: list[dict[str, Any]], ids: l
             if wl.get("decode_metric"):
                 v = [n_dec / x["decode_s"] for x in s]
                 res["metrics"][wl["decode_metric"]] = {"median": statistics.median(v), "runs": v}
+            res.setdefault("cpu_util", {})[wl["name"]] = statistics.median(
+                x["cpu_util"] for x in s)
             res["memory"][wl["name"]] = {
                 "mlx_extra_bytes": max(x["mlx_extra"] for x in s),
                 "mlx_peak_bytes": max(x["mlx_peak"] for x in s),
@@ -716,6 +774,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         if k != "llama.cpp" else
         _fmt((report["results"][k]["memory"][long_wl]["rss_extra_kb"] or 0) / 1e3, 0) + " (RSS)"
         for k in keys) + " |")
+    lines.append(f"| CPU cores busy (median), {long_wl} | " + " | ".join(
+        _fmt(report["results"][k].get("cpu_util", {}).get(long_wl), 2) for k in keys) + " |")
     lines.append(f"| process peak RSS, {long_wl} (MB) | " + " | ".join(
         _fmt(report["results"][k]["memory"][long_wl]["rss_peak_kb"] / 1e3, 0) for k in keys)
         + " |")
@@ -818,9 +878,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--decode-tokens", type=int, default=None, help="decoded tokens per run (64)")
     ap.add_argument("--no-ceilings", action="store_true", help="skip bandwidth/GEMM ceilings")
     ap.add_argument("--no-agreement", action="store_true", help="skip the agreement check")
+    ap.add_argument("--render", metavar="JSON",
+                    help="no measurement: re-render a saved --json report (text, --markdown)")
     ap.add_argument("--json", help="write the full report as JSON here")
     ap.add_argument("--markdown", help="write the tables as markdown here")
     args = ap.parse_args(argv)
+    if args.render:
+        report = json.loads(Path(args.render).read_text())
+        report["summary"] = summarize(report)
+        print(render_text(report))
+        if args.markdown:
+            Path(args.markdown).write_text(render_markdown(report))
+        return report
 
     short, sizes, n_dec = 64, [512, 2048], 64
     if args.quick:
@@ -908,6 +977,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_ceilings:
         log("measuring bandwidth / GEMM ceilings")
         ceilings = measure_ceilings()
+        ceilings.update(measure_matmul_floor(fx_model))
 
     ag = None
     if not args.no_agreement:

@@ -198,6 +198,20 @@ def _config_ids(value: Any, path: Path, field: str, vocab_size: int) -> list[int
 # --------------------------------------------------------------------------------------------
 
 
+def _gguf_chat_templates(metadata: Mapping[str, Any]) -> dict[str, str]:
+    """`tokenizer.chat_template` is the default; `tokenizer.chat_template.NAME` are variants
+    (e.g. `tool_use`), as llama.cpp's converter writes them."""
+    templates = {}
+    default = metadata.get("tokenizer.chat_template")
+    if isinstance(default, str):
+        templates["default"] = default
+    prefix = "tokenizer.chat_template."
+    for key, value in metadata.items():
+        if key.startswith(prefix) and isinstance(value, str):
+            templates[key[len(prefix) :]] = value
+    return templates
+
+
 def _added_tokens_from_types(tokens: list[str], token_types: list[int], special_types: set[int]) -> tuple[list[AddedToken], list[AddedToken]]:
     """Control-like tokens become special added tokens, user-defined ones plain added tokens.
 
@@ -384,12 +398,10 @@ class Tokenizer:
             )
 
         n = len(tokens)
-        ids = {key: _meta_id(metadata, f"tokenizer.ggml.{key}", n, source) for key in (
-            "bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "padding_token_id", "unknown_token_id")}
+        id_keys = ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "padding_token_id", "unknown_token_id")
+        ids = {key: _meta_id(metadata, f"tokenizer.ggml.{key}", n, source) for key in id_keys}
         control = [i for i, ty in enumerate(token_types) if ty == TOKEN_CONTROL]
-        templates = {"default": t} if isinstance(t := _meta(metadata, "tokenizer.chat_template"), str) else {}
-        prefix = "tokenizer.chat_template."  # named variants, e.g. tokenizer.chat_template.tool_use
-        templates.update({k[len(prefix):]: v for k, v in metadata.items() if k.startswith(prefix) and isinstance(v, str)})
+        templates = _gguf_chat_templates(metadata)
 
         def name(i: int | None) -> str | None:
             return tokens[i] if i is not None else None
