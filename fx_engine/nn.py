@@ -93,46 +93,80 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return mx.fast.rms_norm(x, weight, eps)
 
 
-def rope(
-    x: mx.array, offsets: mx.array, *, base: float | None, scale: float,
-    traditional: bool, freqs: mx.array | None,
-) -> mx.array:
-    """RoPE on x [B, H, T, D] with a per-row start position offsets [B] (int32)."""
-    return mx.fast.rope(
-        x, x.shape[-1], traditional=traditional, base=base, scale=scale,
-        offset=offsets, freqs=freqs,
-    )
+def rope_tables(
+    positions: mx.array, head_dim: int, *, base: float | None, scale: float,
+    freqs: mx.array | None, traditional: bool,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """cos/sin tables for positions [B, T], computed once per step and shared by all layers.
+
+    Returns (cos [B, T, 1, D], signed sin [B, T, 1, D], pair permutation P [D, D]) such that
+    rope(x) = x * cos + (x @ P) * sin for x [B, T, H, D]. `x @ P` moves each element to
+    its rotation partner; every output of that matmul is one input times 1 plus exact
+    zeros, so it is exact whatever the BLAS. Why not mx.fast.rope: on CPU it is a ~15-node
+    fallback per call that recomputes cos/sin in every layer; this costs 2 nodes per layer.
+    """
+    half = head_dim // 2
+    if freqs is not None:
+        inv = 1.0 / freqs
+    else:
+        inv = mx.power(mx.array(base, mx.float32), -mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)
+    theta = (positions.astype(mx.float32) * scale)[..., None] * inv  # [B, T, D/2]
+    cos, sin = mx.cos(theta), mx.sin(theta)
+    idx = mx.arange(head_dim)
+    if traditional:  # rotate adjacent pairs (x0, x1)
+        cos_f = mx.repeat(cos, 2, axis=-1)
+        sin_f = mx.stack([-sin, sin], axis=-1).reshape(*sin.shape[:-1], head_dim)
+        partner = idx ^ 1
+    else:  # rotate the two halves
+        cos_f = mx.concatenate([cos, cos], axis=-1)
+        sin_f = mx.concatenate([-sin, sin], axis=-1)
+        partner = (idx + half) % head_dim
+    perm = (idx[:, None] == partner[None, :]).astype(mx.float32)  # (x @ P)[j] = x[partner[j]]
+    return cos_f[:, :, None, :], sin_f[:, :, None, :], perm
+
+
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, perm: mx.array) -> mx.array:
+    """x [B, T, H, D] rotated by the tables from `rope_tables`."""
+    return x * cos + (x @ perm.astype(x.dtype)) * sin
 
 
 def attention(
     q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float, numerics: Numerics
 ) -> mx.array:
-    """Softmax attention of q [B, Hq, T, D] over k/v [B, Hk, S, D] with a bool mask [B,1,T,S].
+    """Grouped-query softmax attention.
 
-    The default path is MLX's SDPA. The batch-invariant path spells out the same math with
-    the query axis cut into fixed tiles, so a query's scores never depend on the chunk size.
+    q [B, T, Hq, D] (token-major, as projected), k/v [B, Hk, S, D] (the cache), bool mask
+    [B, 1, T, S]. Returns [B, T, Hq*D]. The Hq/Hk query heads that share a KV head are
+    stacked into the rows of one matmul per (row, KV head), so K and V are never repeated.
+    In batch-invariant mode the query rows are cut into fixed tiles so that a query's
+    scores never depend on the chunk size (the BLAS kernel sees the same M every time).
     """
-    if not numerics.batch_invariant:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    b, hq, t, d = q.shape
+    b, t, hq, d = q.shape
     hk, s = k.shape[1], k.shape[2]
     rep = hq // hk
-    tile = numerics.tile
-    pad = (-t) % tile
-    if pad:
-        q = mx.concatenate([q, mx.zeros((b, hq, pad, d), q.dtype)], axis=2)
-        mask = mx.concatenate([mask, mx.ones((b, 1, pad, s), mx.bool_)], axis=2)
-    tp = t + pad
-    # [B, Hk, rep, nT, tile, D]: every GEMM has M = tile rows.
-    qt = (q * scale).reshape(b, hk, rep, tp // tile, tile, d)
-    kt = k[:, :, None, None]
-    vt = v[:, :, None, None]
-    scores = qt @ kt.swapaxes(-1, -2)  # [B, Hk, rep, nT, tile, S]
-    m = mask.reshape(b, 1, 1, tp // tile, tile, s)
+    qh = (q * scale).reshape(b, t, hk, rep, d).transpose(0, 2, 3, 1, 4)  # [B, Hk, rep, T, D]
+    m = mask[:, :, None]  # [B, 1, 1, T, S]
+    if numerics.batch_invariant:
+        tile = numerics.tile
+        pad = (-t) % tile
+        if pad:
+            qh = mx.pad(qh, [(0, 0), (0, 0), (0, 0), (0, pad), (0, 0)])
+            m = mx.pad(m, [(0, 0), (0, 0), (0, 0), (0, pad), (0, 0)], constant_values=True)
+        tp = t + pad
+        qt = qh.reshape(b, hk, rep * tp // tile, tile, d)
+        scores = qt @ k[:, :, None].swapaxes(-1, -2)  # M = tile for every GEMM
+        scores = scores.reshape(b, hk, rep, tp, s)
+    else:
+        tp = t
+        scores = (qh.reshape(b, hk, rep * t, d) @ k.swapaxes(-1, -2)).reshape(b, hk, rep, t, s)
     scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
-    probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)
-    out = (probs @ vt).reshape(b, hq, tp, d)
-    return out[:, :, :t] if pad else out
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    if numerics.batch_invariant:
+        out = probs.reshape(b, hk, rep * tp // numerics.tile, numerics.tile, s) @ v[:, :, None]
+        out = out.reshape(b, hk, rep, tp, d)[:, :, :, :t]
+    else:
+        out = (probs.reshape(b, hk, rep * t, s) @ v).reshape(b, hk, rep, t, d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq * d)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:

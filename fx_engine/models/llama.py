@@ -13,7 +13,7 @@ from jaxtyping import Float, Int
 
 from ..cache import KVCache, attention_mask, write_layer, write_positions
 from ..config import ModelConfig
-from ..nn import Linear, Numerics, attention, embed, linear, rms_norm, rope, swiglu
+from ..nn import Linear, Numerics, apply_rope, attention, embed, linear, rms_norm, rope_tables, swiglu
 from ..tree import static_field
 
 
@@ -41,40 +41,40 @@ class Params:
     dtype: str = static_field(default="float32")  # activation/cache dtype name
 
 
-def _rope_args(p: Params) -> dict:
+def _rope(p: Params, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     cfg = p.config
-    if p.rope_freqs is not None:
-        return dict(base=None, scale=1.0, freqs=p.rope_freqs, traditional=cfg.rope_traditional)
     scale = 1.0
     if cfg.rope_type == "linear":
         scale = 1.0 / float(dict(cfg.rope_scaling)["factor"])
-    return dict(base=cfg.rope_theta, scale=scale, freqs=None, traditional=cfg.rope_traditional)
+    return rope_tables(
+        positions, cfg.head_dim, base=cfg.rope_theta, scale=scale,
+        freqs=p.rope_freqs, traditional=cfg.rope_traditional,
+    )
 
 
 def _layer(
     p: Params, lp: LayerParams, h: mx.array, k_cache: mx.array, v_cache: mx.array,
-    lengths: mx.array, positions: mx.array, mask: mx.array,
+    rope: tuple[mx.array, mx.array, mx.array], positions: mx.array, mask: mx.array,
 ) -> tuple[mx.array, mx.array, mx.array]:
     cfg, num = p.config, p.numerics
     b, t, _ = h.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
-    qkv = linear(x, lp.qkv, num)
-    q = qkv[..., : hq * d].reshape(b, t, hq, d)
-    k = qkv[..., hq * d : (hq + hk) * d].reshape(b, t, hk, d)
-    v = qkv[..., (hq + hk) * d :].reshape(b, t, hk, d)
-    if lp.q_norm is not None:
-        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
-    q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
-    ra = _rope_args(p)
-    q = rope(q, lengths, **ra)
-    k = rope(k, lengths, **ra)
+    qkv = linear(x, lp.qkv, num).reshape(b, t, hq + 2 * hk, d)
+    if lp.q_norm is not None:  # qwen3: per-head RMSNorm on q and k before RoPE
+        qk = mx.concatenate(
+            [rms_norm(qkv[:, :, :hq], lp.q_norm, cfg.rms_norm_eps),
+             rms_norm(qkv[:, :, hq : hq + hk], lp.k_norm, cfg.rms_norm_eps)], axis=2)
+    else:
+        qk = qkv[:, :, : hq + hk]
+    qk = apply_rope(qk, *rope)  # q and k rotated together: one pass per layer
+    q = qk[:, :, :hq]
+    k = qk[:, :, hq:].transpose(0, 2, 1, 3)
+    v = qkv[:, :, hq + hk :].transpose(0, 2, 1, 3)
     # Write first, then attend over the written arrays (so the update can be in place).
     k_cache = write_layer(k_cache, k, positions)
     v_cache = write_layer(v_cache, v, positions)
     o = attention(q, k_cache, v_cache, mask, d**-0.5, num)
-    o = o.transpose(0, 2, 1, 3).reshape(b, t, hq * d)
     h = h + linear(o, lp.o, num)
     x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
     gu = linear(x, lp.gate_up, num)
@@ -96,9 +96,10 @@ def forward(
     positions = write_positions(lengths, t)
     mask = attention_mask(lengths, t, cache.capacity)
     h = embed(tokens, p.embed).astype(_dtype(p))
+    rope = _rope(p, positions)  # shared by every layer
     keys, values = [], []
     for i, lp in enumerate(p.layers):
-        h, kc, vc = _layer(p, lp, h, cache.keys[i], cache.values[i], lengths, positions, mask)
+        h, kc, vc = _layer(p, lp, h, cache.keys[i], cache.values[i], rope, positions, mask)
         keys.append(kc)
         values.append(vc)
     h = rms_norm(h, p.norm, p.config.rms_norm_eps)

@@ -1,0 +1,33 @@
+"""tools/bench.py runs end to end (--smoke: a tiny random model, a few tokens, no timing claims)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_smoke(tmp_path: Path) -> None:
+    out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench.py"), "--smoke",
+         "--json", str(out_json), "--markdown", str(out_md)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out_json.read_text())
+    assert report["smoke"] and report["summary"]["targets"] == []
+    for key in ("fx", "fx-bi", "mlx-lm", "mlx-lm-f32"):
+        metrics = report["results"][key]["metrics"]
+        assert set(metrics) == set(report["metric_names"])
+        assert all(m["median"] > 0 for m in metrics.values())
+    # The mlx-lm peers are built from the same weights: same greedy tokens, same logits.
+    for key, agree in report["agreement"]["engines"].items():
+        assert agree["matching_prefix"] == len(report["agreement"]["reference_tokens"]), key
+        assert agree["max_abs_logit_diff"] < 1e-3, key
+    assert "llama.cpp" in report["skipped"] or "llama.cpp" in report["results"]
+    md = out_md.read_text()
+    assert "| tok/s (median) |" in md and "fx/mlx-lm" in md
