@@ -38,6 +38,24 @@ class Model:
         return attrs.evolve(self, params=attrs.evolve(self.params, numerics=numerics))
 
 
+def model_fingerprint(meta: list[str], files: list[Path]) -> str:
+    """Identify a model by its source (config + weight files), not its in-memory layout.
+
+    Hashes the config text and, per file, its size and three 1 MiB samples (head, middle,
+    tail): cheap for multi-GB checkpoints, and any re-quantization or other checkpoint
+    changes it.
+    """
+    h = hashlib.sha256("|".join(meta).encode())
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            for offset in (0, max(0, size // 2 - (1 << 19)), max(0, size - (1 << 20))):
+                fh.seek(offset)
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
 def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
@@ -81,14 +99,10 @@ def load(
             f"{f.name}:{f.stat().st_size}" for f in sorted(p.glob("*.safetensors"))
         ]
     mx.eval(tree_leaves(params))
-    # Fingerprint: config + file sizes + a sample of every tensor's values (cheap, and any
-    # re-quantization or different checkpoint changes it).
-    h = hashlib.sha256("|".join(fp_src).encode())
-    for leaf in tree_leaves(params):
-        flat = leaf.reshape(-1)
-        h.update(memoryview(mx.array(flat[:: max(1, flat.size // 64)]).astype(mx.float32)))
+    files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
+    fingerprint = model_fingerprint(fp_src, files)
     quant_kinds = "quantized" if keep_quantized else str(params.dtype)
     return Model(
         config=cfg, params=params, tokenizer=tokenizer, path=str(p),
-        fingerprint=h.hexdigest()[:16], weight_format=f"{fmt} -> {quant_kinds}",
+        fingerprint=fingerprint, weight_format=f"{fmt} -> {quant_kinds}",
     )

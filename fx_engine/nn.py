@@ -28,7 +28,12 @@ class Numerics:
 
 @attrs.frozen
 class Linear:
-    """y = x @ W.T (+ bias). Dense (float weight [out, in]) or MLX affine-quantized."""
+    """y = x @ W.T (+ bias). Dense float or MLX affine-quantized ([out, in/packing]).
+
+    Dense weights are stored transposed ([in, out], `transposed=True`) when loaded for
+    matmul only: `x @ W` then needs no transpose node in the graph. Embedding tables stay
+    [vocab, hidden] so rows can be gathered.
+    """
 
     weight: mx.array
     bias: mx.array | None = None
@@ -36,6 +41,14 @@ class Linear:
     biases: mx.array | None = None
     group_size: int = static_field(default=0)
     bits: int = static_field(default=0)
+    transposed: bool = static_field(default=False)
+
+    @property
+    def dense_out_in(self) -> mx.array:
+        """The dense weight as [out, in] (a view; for tools and tests)."""
+        if self.quantized:
+            raise ValueError("dense_out_in: quantized weight (use mx.dequantize)")
+        return self.weight.T if self.transposed else self.weight
 
     @property
     def quantized(self) -> bool:
@@ -43,7 +56,7 @@ class Linear:
 
     @property
     def out_features(self) -> int:
-        return int(self.weight.shape[0])
+        return int(self.weight.shape[1] if self.transposed else self.weight.shape[0])
 
 
 def _matmul_rows(x: mx.array, lin: Linear) -> mx.array:
@@ -52,7 +65,7 @@ def _matmul_rows(x: mx.array, lin: Linear) -> mx.array:
             x, lin.weight, lin.scales, lin.biases,
             transpose=True, group_size=lin.group_size, bits=lin.bits,
         )
-    return x @ lin.weight.T
+    return x @ lin.weight if lin.transposed else x @ lin.weight.T
 
 
 def _tiled(fn, x2: mx.array, tile: int) -> mx.array:

@@ -118,14 +118,14 @@ def _mlx_lm_from_params(model):
     w = {"model.embed_tokens.weight": p.embed.weight, "model.norm.weight": p.norm}
     for i, lp in enumerate(p.layers):
         pre = f"model.layers.{i}."
-        qkv = lp.qkv.weight
+        qkv = lp.qkv.dense_out_in
         w[pre + "self_attn.q_proj.weight"] = qkv[:hq]
         w[pre + "self_attn.k_proj.weight"] = qkv[hq : hq + hk]
         w[pre + "self_attn.v_proj.weight"] = qkv[hq + hk :]
-        w[pre + "self_attn.o_proj.weight"] = lp.o.weight
-        w[pre + "mlp.gate_proj.weight"] = lp.gate_up.weight[:f]
-        w[pre + "mlp.up_proj.weight"] = lp.gate_up.weight[f:]
-        w[pre + "mlp.down_proj.weight"] = lp.down.weight
+        w[pre + "self_attn.o_proj.weight"] = lp.o.dense_out_in
+        w[pre + "mlp.gate_proj.weight"] = lp.gate_up.dense_out_in[:f]
+        w[pre + "mlp.up_proj.weight"] = lp.gate_up.dense_out_in[f:]
+        w[pre + "mlp.down_proj.weight"] = lp.down.dense_out_in
         w[pre + "input_layernorm.weight"] = lp.attn_norm
         w[pre + "post_attention_layernorm.weight"] = lp.mlp_norm
     ref.load_weights(list(w.items()))

@@ -463,6 +463,15 @@ def machine_info() -> dict[str, Any]:
                                      "amx_tile", "neon") if x in f]
     except OSError:
         pass
+    caches = {}
+    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = (idx / "level").read_text().strip()
+            kind = (idx / "type").read_text().strip()
+            if kind != "Instruction":
+                caches[f"L{level}"] = (idx / "size").read_text().strip()
+        except OSError:
+            pass
     mem_gb = None
     try:
         mem_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
@@ -475,7 +484,7 @@ def machine_info() -> dict[str, Any]:
     except ImportError:
         mlx_lm_version = None
     return {
-        "cpu": cpu, "cpu_flags": flags, "logical_cpus": os.cpu_count(),
+        "cpu": cpu, "cpu_flags": flags, "caches": caches, "logical_cpus": os.cpu_count(),
         "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "memory_gb": mem_gb, "python": platform.python_version(), "platform": platform.platform(),
         "mlx": mx.__version__, "mlx_lm": mlx_lm_version, "fx_engine": fx_engine.__version__,

@@ -128,19 +128,24 @@ def _fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: bool) -> Linear:
             group_size=parts[0].group_size, bits=parts[0].bits,
         )
     dense = [_dequantized(p, dtype) for p in parts]
-    return Linear(
+    return _finish(Linear(
         weight=mx.concatenate([p.weight for p in dense], axis=0),
         bias=None if dense[0].bias is None else mx.concatenate([p.bias for p in dense]),
-    )
+    ), dtype, keep_quantized)
 
 
-def _finish(lin: Linear, dtype: mx.Dtype, keep_quantized: bool) -> Linear:
+def _finish(lin: Linear, dtype: mx.Dtype, keep_quantized: bool, table: bool = False) -> Linear:
+    """Final representation: quantized kept as is, or dense; dense matmul-only weights are
+    stored transposed ([in, out]); embedding tables (`table`) stay [vocab, hidden]."""
     if lin.quantized and keep_quantized:
         return Linear(
             weight=lin.weight, bias=_cast(lin.bias, dtype), scales=lin.scales.astype(dtype),
             biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits,
         )
-    return _dequantized(lin, dtype)
+    dense = _dequantized(lin, dtype)
+    if table:
+        return dense
+    return Linear(weight=mx.contiguous(dense.weight.T), bias=dense.bias, transposed=True)
 
 
 # --------------------------------------------------------------------------- assembling
@@ -209,7 +214,7 @@ def assemble_params(
                 k_norm=vec(pre + names["k_norm"], hd) if cfg.qk_norm else None,
             )
         )
-    embed = _finish(lin(names["embed"], cfg.vocab_size, hid), dtype, keep_quantized)
+    embed = _finish(lin(names["embed"], cfg.vocab_size, hid), dtype, keep_quantized, table=True)
     lm_head = None
     if not cfg.tie_word_embeddings:
         lm_head = _finish(lin(names["lm_head"], cfg.vocab_size, hid), dtype, keep_quantized)

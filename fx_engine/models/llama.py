@@ -57,7 +57,7 @@ def _layer(
     rope: tuple[mx.array, mx.array, mx.array], positions: mx.array, mask: mx.array,
 ) -> tuple[mx.array, mx.array, mx.array]:
     cfg, num = p.config, p.numerics
-    b, t, _ = h.shape
+    b, t = positions.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
     qkv = linear(x, lp.qkv, num).reshape(b, t, hq + 2 * hk, d)
@@ -74,7 +74,7 @@ def _layer(
     # Write first, then attend over the written arrays (so the update can be in place).
     k_cache = write_layer(k_cache, k, positions)
     v_cache = write_layer(v_cache, v, positions)
-    o = attention(q, k_cache, v_cache, mask, d**-0.5, num)
+    o = attention(q, k_cache, v_cache, mask, d**-0.5, num).reshape(b * t, hq * d)
     h = h + linear(o, lp.o, num)
     x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
     gu = linear(x, lp.gate_up, num)
@@ -95,14 +95,16 @@ def forward(
     lengths = cache.lengths
     positions = write_positions(lengths, t)
     mask = attention_mask(lengths, t, cache.capacity)
-    h = embed(tokens, p.embed).astype(_dtype(p))
+    # The residual stream is kept 2-D [B*T, hidden]: matmuls on 2-D inputs need no
+    # flatten/unflatten nodes (each graph node costs ~10 us on CPU).
+    h = embed(tokens.reshape(-1), p.embed).astype(_dtype(p))
     rope = _rope(p, positions)  # shared by every layer
     keys, values = [], []
     for i, lp in enumerate(p.layers):
         h, kc, vc = _layer(p, lp, h, cache.keys[i], cache.values[i], rope, positions, mask)
         keys.append(kc)
         values.append(vc)
-    h = rms_norm(h, p.norm, p.config.rms_norm_eps)
+    h = rms_norm(h, p.norm, p.config.rms_norm_eps).reshape(b, t, -1)
     new_cache = KVCache(keys=tuple(keys), values=tuple(values), lengths=lengths + n_valid)
     return h, new_cache
 
