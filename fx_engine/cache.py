@@ -71,6 +71,18 @@ def attention_mask(lengths: mx.array, t: int, capacity: int) -> mx.array:
     return (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]
 
 
+def span_bucket(needed: int, capacity: int) -> int:
+    """The attention span (a static shape) for `needed` slots: rounded up to a multiple of a
+    quarter of the power of two below it (min 256), capped at capacity. CPU attention costs
+    time linear in the span, and each distinct span is one compiled graph: four per octave
+    keeps the waste under 25% (above 1024) and the compiles few."""
+    if needed >= capacity:
+        return capacity
+    lower = 1 << max(0, (needed - 1).bit_length() - 1)  # needed is in (lower, 2 * lower]
+    step = max(256, lower // 4)
+    return min(capacity, -(-needed // step) * step)
+
+
 def with_lengths(cache: KVCache, lengths: mx.array) -> KVCache:
     """Rollback (or commit) by length: entries past each row's length become stale."""
     return tree_replace(cache, lengths=lengths.astype(mx.int32))

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .cache import init_cache
+from .cache import init_cache, span_bucket
 from .engine.generate import bucket
 from .model import Model
 from .steps import score_step_compiled
@@ -30,7 +30,8 @@ def logits(model: Model, token_ids: Sequence[int], chunk: int = 512) -> mx.array
         piece = ids[start : start + size]
         padded = piece + [0] * (size - len(piece))
         lg, cache = score_step_compiled(
-            model.params, cache, mx.array([padded], mx.int32), mx.array([len(piece)], mx.int32)
+            model.params, cache, mx.array([padded], mx.int32), mx.array([len(piece)], mx.int32),
+            span=span_bucket(start + size, cache.capacity),
         )
         lg = lg[0, : len(piece)]
         mx.eval(lg, *tree_leaves(cache))

@@ -22,30 +22,36 @@ from .tree import CompiledFunction
 
 
 def prefill_step(
-    params: Params, cache: KVCache, tokens: Int[mx.array, "B C"], n_valid: Int[mx.array, "B"]
+    params: Params, cache: KVCache, tokens: Int[mx.array, "B C"], n_valid: Int[mx.array, "B"],
+    span: int | None = None,
 ) -> tuple[Float[mx.array, "B V"], KVCache]:
     """Process a chunk of C tokens per row (rows at any positions; n_valid[b] <= C real
     tokens, the rest padding). Returns logits of each row's last valid token (garbage for
     rows with n_valid == 0, whose length does not move) and the cache with lengths += n_valid.
+    span (static): attend over the first `span` cache slots (>= max(lengths) + C).
     """
-    h, cache = forward(params, cache, tokens, n_valid)
+    h, cache = forward(params, cache, tokens, n_valid, span)
     last = mx.maximum(n_valid - 1, 0)
     h_last = mx.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
     return hidden_to_logits(params, h_last), cache
 
 
 def score_step(
-    params: Params, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"]
+    params: Params, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
+    span: int | None = None,
 ) -> tuple[Float[mx.array, "B T V"], KVCache]:
     """Like prefill_step but returns logits at every position (teacher forcing, verify)."""
-    h, cache = forward(params, cache, tokens, n_valid)
+    h, cache = forward(params, cache, tokens, n_valid, span)
     return hidden_to_logits(params, h), cache
 
 
-def decode_step(params: Params, cache: KVCache, state: DecodeState) -> tuple[DecodeState, KVCache]:
-    """One token per active row: forward the last sampled token, sample the next one."""
+def decode_step(
+    params: Params, cache: KVCache, state: DecodeState, span: int | None = None
+) -> tuple[DecodeState, KVCache]:
+    """One token per active row: forward the last sampled token, sample the next one.
+    span (static): attend over the first `span` cache slots (>= max(lengths) + 1)."""
     n_valid = state.active.astype(mx.int32)
-    h, cache = forward(params, cache, state.tokens[:, None], n_valid)
+    h, cache = forward(params, cache, state.tokens[:, None], n_valid, span)
     logits = hidden_to_logits(params, h[:, 0])
     return sample_step(state, logits), cache
 

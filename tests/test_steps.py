@@ -178,3 +178,30 @@ def test_shape_annotations_are_checked(tiny_model):
     checked_score = jaxtyped(typechecker=beartype)(score_step)
     out, _ = checked_score(p, cache, mx.array([[1, 2], [3, 4]]), mx.array([2, 2]))
     assert out.shape == (2, 2, c.vocab_size)
+
+
+def test_attention_span_matches_full_capacity(tiny_model):
+    """Attending over a span bucket (>= every row's length) equals attending over the whole
+    capacity up to float rounding: slots past a row's length contribute exactly zero."""
+    from fx_engine.cache import span_bucket
+
+    m = tiny_model
+    c, p = m.config, m.params
+    cache = init_cache(c.num_layers, 2, c.num_kv_heads, 1024, c.head_dim)
+    toks = mx.array([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    full, cf = prefill_step(p, cache, toks, mx.array([6, 4]))
+    span = span_bucket(6, 1024)
+    assert span == 256
+    part, cp = prefill_step(p, cache, toks, mx.array([6, 4]), span=span)
+    assert mx.allclose(full, part, atol=1e-5)
+    assert mx.array_equal(cf.keys[1], cp.keys[1])
+
+
+def test_span_buckets_are_few():
+    from fx_engine.cache import span_bucket
+
+    spans = {span_bucket(n, 8192) for n in range(1, 8193)}
+    assert len(spans) <= 4 * 6  # four per octave from 256 to 8192
+    for n in range(1, 8193, 37):
+        s = span_bucket(n, 8192)
+        assert n <= s <= 8192 and s - n < max(256, n // 4 + 1)

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 import attrs
 import mlx.core as mx
 
-from ..cache import init_cache, resize
+from ..cache import init_cache, resize, span_bucket
 from ..model import Model
 from ..sampling import SamplingConfig
 from ..state import init_state
@@ -159,7 +159,8 @@ def stream_tokens(
         size = chunk if len(piece) == chunk else bucket(len(piece))
         padded = piece + [0] * (size - len(piece))
         logits, cache = prefill_step_compiled(
-            params, cache, mx.array([padded], mx.int32), mx.array([len(piece)], mx.int32)
+            params, cache, mx.array([padded], mx.int32), mx.array([len(piece)], mx.int32),
+            span=span_bucket(start + size, cache.capacity),
         )
         mx.eval(logits, *tree_leaves(cache))
     state = init_state([cfg], [ids], c.vocab_size, special_token_ids=sorted(eos))
@@ -195,7 +196,8 @@ def stream_tokens(
         # Grow the cache by a bucket when full: one copy per doubling, never per step.
         if len(ids) + len(generated) >= cache.capacity:
             cache = resize(cache, capacity=cache.capacity * 2)
-        state, cache = decode_step_compiled(params, cache, state)
+        span = span_bucket(len(ids) + len(generated), cache.capacity)
+        state, cache = decode_step_compiled(params, cache, state, span=span)
         mx.eval(*tree_leaves(state), *tree_leaves(cache))
     tail = "" if stops.stopped else stops.feed(detok.finalize())
     tail += stops.flush()

@@ -74,7 +74,10 @@ def _layer(
     # Write first, then attend over the written arrays (so the update can be in place).
     k_cache = write_layer(k_cache, k, positions)
     v_cache = write_layer(v_cache, v, positions)
-    o = attention(q, k_cache, v_cache, mask, d**-0.5, num).reshape(b * t, hq * d)
+    span = mask.shape[-1]  # attend over the first `span` slots only (cost is linear in it)
+    k_att = k_cache if span == k_cache.shape[2] else k_cache[:, :, :span]
+    v_att = v_cache if span == v_cache.shape[2] else v_cache[:, :, :span]
+    o = attention(q, k_att, v_att, mask, d**-0.5, num).reshape(b * t, hq * d)
     h = h + linear(o, lp.o, num)
     x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
     gu = linear(x, lp.gate_up, num)
@@ -84,9 +87,13 @@ def _layer(
 
 
 def forward(
-    p: Params, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"]
+    p: Params, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
+    span: int | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
     """Run T tokens per row from each row's current length; advance lengths by n_valid.
+
+    span (static): attend over cache slots [0, span) only; the caller guarantees
+    max(lengths) + T <= span <= capacity (see `span_bucket`). None: the whole capacity.
 
     Returns the final-norm hidden states [B, T, hidden] and the new cache. Positions past
     a row's n_valid are computed but land beyond its new length (stale, never read).
@@ -94,7 +101,7 @@ def forward(
     b, t = tokens.shape
     lengths = cache.lengths
     positions = write_positions(lengths, t)
-    mask = attention_mask(lengths, t, cache.capacity)
+    mask = attention_mask(lengths, t, cache.capacity if span is None else span)
     # The residual stream is kept 2-D [B*T, hidden]: matmuls on 2-D inputs need no
     # flatten/unflatten nodes (each graph node costs ~10 us on CPU).
     h = embed(tokens.reshape(-1), p.embed).astype(_dtype(p))
