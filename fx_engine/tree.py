@@ -15,6 +15,7 @@ of the compile key.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable
 
 import attrs
@@ -46,18 +47,41 @@ def tree_flatten(tree: Any) -> tuple[list[mx.array], TreeDef]:
     return leaves, treedef
 
 
+# Immutable trees that are flattened on every step (model params: hundreds of leaves) can
+# opt in to memoized flattening with a class attribute `__fx_memo_flatten__ = True`.
+_MEMO: dict[int, tuple[Any, list[mx.array], TreeDef]] = {}
+
+
 def _flatten(node: Any, leaves: list[mx.array]) -> TreeDef:
     if isinstance(node, mx.array):
         leaves.append(node)
         return ("leaf",)
     if node is None:
         return ("none",)
+    if getattr(type(node), "__fx_memo_flatten__", False):
+        hit = _MEMO.get(id(node))
+        if hit is not None and hit[0]() is node:
+            leaves.extend(hit[1])
+            return hit[2]
+        sub: list[mx.array] = []
+        td = _flatten_attrs(node, sub)
+        _MEMO[id(node)] = (weakref.ref(node, lambda _, k=id(node): _MEMO.pop(k, None)), sub, td)
+        leaves.extend(sub)
+        return td
     if attrs.has(type(node)):
-        fields = attrs.fields(type(node))
-        dynamic = tuple(f.name for f in fields if not _is_static(f))
-        static = tuple((f.name, _freeze(getattr(node, f.name))) for f in fields if _is_static(f))
-        children = tuple(_flatten(getattr(node, name), leaves) for name in dynamic)
-        return ("attrs", type(node), dynamic, static, children)
+        return _flatten_attrs(node, leaves)
+    return _flatten_other(node, leaves)
+
+
+def _flatten_attrs(node: Any, leaves: list[mx.array]) -> TreeDef:
+    fields = attrs.fields(type(node))
+    dynamic = tuple(f.name for f in fields if not _is_static(f))
+    static = tuple((f.name, _freeze(getattr(node, f.name))) for f in fields if _is_static(f))
+    children = tuple(_flatten(getattr(node, name), leaves) for name in dynamic)
+    return ("attrs", type(node), dynamic, static, children)
+
+
+def _flatten_other(node: Any, leaves: list[mx.array]) -> TreeDef:
     if isinstance(node, tuple) and hasattr(node, "_fields"):  # NamedTuple
         children = tuple(_flatten(x, leaves) for x in node)
         return ("namedtuple", type(node), children)

@@ -141,3 +141,20 @@ def test_compiled_returns_attrs_objects():
     out = f(Inner(a=mx.array([1.0]), n=9))
     mx.eval(out.a)
     assert isinstance(out, Inner) and out.n == 9 and out.a.item() == 2.0
+
+
+@attrs.frozen
+class Memo:
+    __fx_memo_flatten__ = True
+    a: mx.array
+    n: int = static_field(default=1)
+
+
+def test_memoized_flatten_is_per_object():
+    m1, m2 = Memo(a=mx.array([1.0])), Memo(a=mx.array([2.0]), n=2)
+    for _ in range(2):
+        l1, t1 = tree_flatten([m1, m2])
+        assert [x.item() for x in l1] == [1.0, 2.0]
+        assert tree_unflatten(t1, l1)[1].n == 2
+    f = CompiledFunction(lambda t: t.a * t.n)
+    assert f(m1).item() == 1.0 and f(m2).item() == 4.0

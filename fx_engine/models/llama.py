@@ -31,6 +31,7 @@ class LayerParams:
 
 @attrs.frozen
 class Params:
+    __fx_memo_flatten__ = True  # immutable and flattened every step: memoize (fx_engine.tree)
     embed: Linear
     layers: tuple[LayerParams, ...]
     norm: mx.array
