@@ -16,6 +16,7 @@ import pytest
 
 import fx_engine
 from fx_engine.testing import write_tiny_model
+from tools.oracle import mlx_lm_model
 
 from .conftest import LONG_TEXT
 
@@ -101,40 +102,9 @@ def test_sharded_folder(tmp_path):
     _compare(fx_engine.logits(model, ids), ref_model(mx.array([ids]))[0])
 
 
-def _mlx_lm_from_params(model):
-    """An mlx-lm llama Model holding exactly the (dequantized) tensors fx-engine loaded."""
-    from mlx_lm.models import llama
-
-    c, p = model.config, model.params
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
-        intermediate_size=c.intermediate_size, num_attention_heads=c.num_heads,
-        rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size, num_key_value_heads=c.num_kv_heads,
-        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
-        max_position_embeddings=c.max_position_embeddings,
-    )
-    ref = llama.Model(args)
-    hq, hk, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-    w = {"model.embed_tokens.weight": p.embed.weight, "model.norm.weight": p.norm}
-    for i, lp in enumerate(p.layers):
-        pre = f"model.layers.{i}."
-        qkv = lp.qkv.dense_out_in
-        w[pre + "self_attn.q_proj.weight"] = qkv[:hq]
-        w[pre + "self_attn.k_proj.weight"] = qkv[hq : hq + hk]
-        w[pre + "self_attn.v_proj.weight"] = qkv[hq + hk :]
-        w[pre + "self_attn.o_proj.weight"] = lp.o.dense_out_in
-        w[pre + "mlp.gate_proj.weight"] = lp.gate_up.dense_out_in[:f]
-        w[pre + "mlp.up_proj.weight"] = lp.gate_up.dense_out_in[f:]
-        w[pre + "mlp.down_proj.weight"] = lp.down.dense_out_in
-        w[pre + "input_layernorm.weight"] = lp.attn_norm
-        w[pre + "post_attention_layernorm.weight"] = lp.mlp_norm
-    ref.load_weights(list(w.items()))
-    return ref
-
-
 def test_default_gguf_matches_mlx_lm(default_model):
     """The real SmolLM2 GGUF: same dequantized tensors in mlx-lm's llama class."""
-    ref = _mlx_lm_from_params(default_model)
+    ref = mlx_lm_model(default_model)
     ids = default_model.tokenizer.encode(LONG_TEXT)[:128]
     assert len(ids) >= 64
     _compare(fx_engine.logits(default_model, ids, chunk=64), ref(mx.array([ids]))[0])
