@@ -7,6 +7,7 @@ serving builds on the same steps (fx_engine.engine.scheduler, issue 3).
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any, Iterator, Sequence
 
@@ -113,29 +114,58 @@ def prompt_ids(model: Model, prompt: Any, chat: bool | None = None) -> list[int]
     )
 
 
-def _sampling_config(kw: dict[str, Any]) -> tuple[SamplingConfig, int]:
-    kw = dict(kw)
-    temp = kw.pop("temperature", kw.pop("temp", 0.0))
-    logprobs = kw.pop("logprobs", 0)
-    if logprobs is True:
-        logprobs = 1
-    top_n = kw.pop("top_logprobs", None)
-    n = int(top_n) if top_n is not None else int(logprobs or 0)
-    return SamplingConfig(temperature=temp, logprobs=n, **kw), n
-
-
-def stream_tokens(
-    model: Model, prompt: Any, *, max_tokens: int = 256, stop: Sequence[str] | str | None = None,
-    chat: bool | None = None, logprobs: int | bool = 0, prefill_chunk: int = PREFILL_CHUNK,
-    **sampling: Any,
+def stream(
+    model: Model,
+    prompt: Any,
+    *,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    stop: Sequence[str] | str | None = None,
+    seed: int | None = None,
+    logprobs: int | bool = 0,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int = 20,
+    presence_penalty: float = 0.0,
+    presence_context_size: int = 20,
+    frequency_penalty: float = 0.0,
+    frequency_context_size: int = 20,
+    logit_bias: dict[int, float] | None = None,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    chat: bool | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> Iterator[TextDelta]:
+    """Generate from `prompt` and yield text deltas as they are decoded.
+
+    prompt: a string (completed as raw text, or as one user message when chat=True), a
+    list of token ids, or a list of chat messages ({"role", "content"} dicts; rendered
+    with the model's chat template and a generation prompt).
+    Sampling parameters follow mlx-lm's sample_utils (temperature 0 = greedy; top_p 1,
+    top_k 0, min_p 0, xtc_probability 0 = off). logprobs: N > 0 (or True = 1) reports the
+    chosen token's logprob and the N most likely alternatives. stop: strings that end the
+    generation; they are never emitted, not even partially.
+
+    Each delta is a `TextDelta` (a str) with `.token_ids` and `.logprobs`; the last one
+    carries `.finish_reason` ("stop" or "length") and `.usage`.
+    """
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     if isinstance(stop, str):
         stop = [stop]
     stops = StopMatcher(list(stop or ()))
-    want_logprobs = bool(logprobs) or sampling.get("top_logprobs")
-    cfg, n_top = _sampling_config({**sampling, "logprobs": logprobs})
+    n_top = 1 if logprobs is True else int(logprobs or 0)
+    cfg = SamplingConfig(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
+        presence_penalty=presence_penalty, presence_context_size=presence_context_size,
+        frequency_penalty=frequency_penalty, frequency_context_size=frequency_context_size,
+        logit_bias=logit_bias, seed=seed, logprobs=n_top,
+    )
+    want_logprobs = n_top > 0
     ids = prompt_ids(model, prompt, chat)
     if not ids:
         raise ValueError("prompt: encodes to zero tokens")
@@ -143,6 +173,13 @@ def stream_tokens(
     if len(ids) + 1 > limit:
         raise ValueError(f"prompt: {len(ids)} tokens exceeds the model's context of {limit} tokens")
     max_tokens = min(max_tokens, limit - len(ids))
+    yield from _run(model, ids, cfg, max_tokens, stops, want_logprobs, prefill_chunk)
+
+
+def _run(
+    model: Model, ids: list[int], cfg: SamplingConfig, max_tokens: int, stops: StopMatcher,
+    want_logprobs: bool, prefill_chunk: int,
+) -> Iterator[TextDelta]:
     tok = model.tokenizer
     eos = set(model.eos_ids)
     params = model.params
@@ -210,24 +247,24 @@ def stream_tokens(
 
 
 def generate(model: Model, prompt: Any, **kwargs: Any) -> Completion:
-    """Generate a completion (see `stream` for the arguments)."""
+    """Generate a whole completion; takes the same arguments as `stream`."""
     ids = prompt_ids(model, prompt, kwargs.get("chat"))
     text, tokens, lps = [], [], []
     finish, usage = "length", None
-    for d in stream_tokens(model, prompt, **kwargs):
+    for d in stream(model, prompt, **kwargs):
         text.append(d.text)
         tokens.extend(d.token_ids)
         if d.logprobs:
             lps.extend(d.logprobs)
         if d.finish_reason:
             finish, usage = d.finish_reason, d.usage
-    want = kwargs.get("logprobs") or kwargs.get("top_logprobs")
     return Completion(
         text="".join(text), token_ids=tuple(tokens), finish_reason=finish,
-        logprobs=tuple(lps) if want else None, usage=usage, prompt_token_ids=tuple(ids),
+        logprobs=tuple(lps) if kwargs.get("logprobs") else None, usage=usage,
+        prompt_token_ids=tuple(ids),
     )
 
 
-def stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
-    """Yield text deltas (`TextDelta`, a str with .token_ids/.logprobs/.finish_reason)."""
-    yield from stream_tokens(model, prompt, **kwargs)
+generate.__signature__ = inspect.signature(stream).replace(  # type: ignore[attr-defined]
+    return_annotation=Completion
+)
