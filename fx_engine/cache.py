@@ -5,6 +5,11 @@ are independent: row b holds `lengths[b]` valid positions; entries at or past th
 are stale and never read (attention masks them), which is what makes rollback by length
 exact and free: `with_lengths(cache, accepted)`.
 
+One extra slot past the capacity (index `capacity`) is a write sink: padding tokens, rows
+that do not advance (n_valid == 0) and anything that would land past the capacity are
+written there, so a step never touches a row's valid entries nor memory outside the array.
+Attention never reads it (spans are <= capacity).
+
 Why one array per layer (not a stacked [L, ...] array): MLX reuses an input buffer for an
 update only when nothing else references it; a stacked cache is copied whole every step.
 Why zero-initialised: a NaN in a masked V slot still poisons the row (0 * NaN).
@@ -31,7 +36,8 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return int(self.keys[0].shape[2])
+        """Usable slots per row (the array has one more: the write sink)."""
+        return int(self.keys[0].shape[2]) - 1
 
     @property
     def nbytes(self) -> int:
@@ -42,7 +48,7 @@ def init_cache(
     num_layers: int, rows: int, num_kv_heads: int, capacity: int, head_dim: int,
     dtype: mx.Dtype = mx.float32,
 ) -> KVCache:
-    shape = (rows, num_kv_heads, capacity, head_dim)
+    shape = (rows, num_kv_heads, capacity + 1, head_dim)  # + the write sink
     return KVCache(
         keys=tuple(mx.zeros(shape, dtype) for _ in range(num_layers)),
         values=tuple(mx.zeros(shape, dtype) for _ in range(num_layers)),
@@ -55,12 +61,21 @@ def write_positions(lengths: mx.array, t: int) -> mx.array:
     return lengths[:, None] + mx.arange(t, dtype=mx.int32)[None, :]
 
 
-def write_layer(cache_k: mx.array, new: mx.array, positions: mx.array) -> mx.array:
-    """Write new [B, H, T, D] at per-row positions [B, T] along the capacity axis.
+def write_slots(lengths: mx.array, n_valid: mx.array, t: int, capacity: int) -> mx.array:
+    """Cache slots [B, T] for a chunk: its position for a valid token inside the capacity,
+    else the write sink (index `capacity`). Computed once per step, shared by all layers."""
+    offs = mx.arange(t, dtype=mx.int32)[None, :]
+    pos = lengths[:, None] + offs
+    keep = (offs < n_valid[:, None]) & (pos < capacity)
+    return mx.where(keep, pos, capacity)
+
+
+def write_layer(cache_k: mx.array, new: mx.array, slots: mx.array) -> mx.array:
+    """Write new [B, H, T, D] at per-row slots [B, T] (from `write_slots`).
 
     put_along_axis reuses cache_k's buffer when the caller holds no other reference.
     """
-    idx = positions[:, None, :, None]
+    idx = slots[:, None, :, None]
     return mx.put_along_axis(cache_k, idx, new.astype(cache_k.dtype), axis=2)
 
 
@@ -93,13 +108,13 @@ def resize(cache: KVCache, rows: int | None = None, capacity: int | None = None)
 
     A shell operation between steps (copies once per bucket change, never per step).
     """
-    b, h, c, d = cache.keys[0].shape
+    b = cache.rows
     rows = b if rows is None else rows
-    capacity = c if capacity is None else capacity
+    capacity = cache.capacity if capacity is None else capacity
 
     def fit(x: mx.array) -> mx.array:
-        x = x[:rows, :, :capacity]
-        pad_b, pad_c = rows - x.shape[0], capacity - x.shape[2]
+        x = x[:rows, :, :capacity]  # drops the old sink; a fresh zero sink is padded on
+        pad_b, pad_c = rows - x.shape[0], capacity + 1 - x.shape[2]
         if pad_b or pad_c:
             x = mx.pad(x, [(0, pad_b), (0, 0), (0, pad_c), (0, 0)])
         return x

@@ -86,11 +86,16 @@ def cmd_chat(a: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line})
         reply, last = [], None
-        for delta in fx_engine.stream(model, messages, **_kwargs(a)):
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
-            reply.append(delta.text)
-            last = delta
+        try:
+            for delta in fx_engine.stream(model, messages, **_kwargs(a)):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                reply.append(delta.text)
+                last = delta
+        except ValueError as e:  # e.g. the conversation outgrew the context: keep the session
+            messages.pop()
+            print(f"\nfx-engine: error: {e} (try /reset)", file=sys.stderr)
+            continue
         sys.stdout.write("\n")
         if a.verbose and last is not None and last.usage is not None:
             _report(last.usage)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +73,19 @@ def _check_rope_scaling(scaling: dict[str, Any] | None, source: str) -> tuple | 
         factor = scaling.get("factor")
         if not isinstance(factor, (int, float)) or not factor > 0:
             raise ConfigError(f"{source}: rope_scaling.factor must be > 0, got {factor!r}")
+    if kind == "llama3":
+        low = scaling.get("low_freq_factor", 1.0)
+        high = scaling.get("high_freq_factor", 4.0)
+        orig = scaling.get("original_max_position_embeddings", 8192)
+        if not (isinstance(low, (int, float)) and isinstance(high, (int, float)) and 0 < low < high):
+            raise ConfigError(
+                f"{source}: rope_scaling needs 0 < low_freq_factor < high_freq_factor, "
+                f"got {low!r}, {high!r}"
+            )
+        if not isinstance(orig, (int, float)) or orig <= 0:
+            raise ConfigError(
+                f"{source}: rope_scaling.original_max_position_embeddings must be > 0, got {orig!r}"
+            )
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items()))
 
 
@@ -214,26 +226,3 @@ def config_from_gguf(md: dict[str, Any], source: str) -> ModelConfig:
         bos_token_id=int(bos.item()) if bos is not None else None,
         eos_token_ids=(int(eos.item()),) if eos is not None else (),
     )
-
-
-def rope_frequencies_llama3(cfg: ModelConfig) -> list[float] | None:
-    """Llama-3 frequency scaling, computed on the host (documented in specs/model.md)."""
-    if cfg.rope_type != "llama3":
-        return None
-    s = dict(cfg.rope_scaling or ())
-    factor = float(s["factor"])
-    low = float(s.get("low_freq_factor", 1.0))
-    high = float(s.get("high_freq_factor", 4.0))
-    old = float(s.get("original_max_position_embeddings", 8192))
-    out = []
-    for i in range(0, cfg.head_dim, 2):
-        freq = cfg.rope_theta ** (i / cfg.head_dim)
-        wavelen = 2 * math.pi * freq
-        if wavelen > old / low:
-            out.append(freq * factor)
-        elif wavelen > old / high:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(freq / ((1 - smooth) / factor + smooth))
-        else:
-            out.append(freq)
-    return out

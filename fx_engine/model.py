@@ -80,6 +80,8 @@ def load(
     p = Path(path) if path is not None else default_model_path()
     if not p.exists():
         raise FileNotFoundError(f"model path does not exist: {p}")
+    if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
     if keep_quantized is None:
         keep_quantized = not _on_cpu()
     mx_dtype = getattr(mx, dtype) if dtype else (mx.float32 if _on_cpu() else None)

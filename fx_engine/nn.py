@@ -140,7 +140,7 @@ def rope_tables(
 
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, perm: mx.array) -> mx.array:
     """x [B, T, H, D] rotated by the tables from `rope_tables`."""
-    return x * cos + (x @ perm.astype(x.dtype)) * sin
+    return x * cos + (x @ perm) * sin
 
 
 def attention(

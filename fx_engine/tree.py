@@ -183,6 +183,9 @@ class CompiledFunction:
         self.compile = compile
         self._entries: dict[TreeDef, Callable[..., Any]] = {}
         self._out_treedefs: dict[TreeDef, TreeDef] = {}
+        self._out_by_sig: dict[tuple, TreeDef] = {}
+        self._shape_dependent: set[TreeDef] = set()
+        self._ids: dict[TreeDef, int] = {}
         self.trace_log: list[dict[str, Any]] = []
         self._lock = threading.Lock()
 
@@ -193,18 +196,21 @@ class CompiledFunction:
     def _make(self, in_td: TreeDef) -> Callable[..., Any]:
         def flat(*leaves: mx.array) -> list[mx.array]:
             args, kwargs = tree_unflatten(in_td, list(leaves))
+            sig = _signature(leaves)
             self.trace_log.append(
-                {
-                    "function": self.name,
-                    "structure_id": list(self._entries).index(in_td)
-                    if in_td in self._entries
-                    else len(self._entries),
-                    "signature": tuple((tuple(x.shape), str(x.dtype)) for x in leaves),
-                }
+                {"function": self.name, "structure_id": self._ids.setdefault(in_td, len(self._ids)),
+                 "signature": sig}
             )
             out = self.fn(*args, **kwargs)
             out_leaves, out_td = tree_flatten(out)
-            self._out_treedefs[in_td] = out_td
+            # The output structure may depend on input shapes (e.g. a Python int derived
+            # from a shape): keep one per (structure, shapes) once two ever differ.
+            known = self._out_treedefs.get(in_td)
+            if known is None or known == out_td:
+                self._out_treedefs[in_td] = out_td
+            else:
+                self._shape_dependent.add(in_td)
+            self._out_by_sig[(in_td, sig)] = out_td
             return out_leaves
 
         return mx.compile(flat) if self.compile else flat
@@ -219,10 +225,18 @@ class CompiledFunction:
                     entry = self._make(in_td)
                     self._entries[in_td] = entry
         out_leaves = entry(*leaves)
-        return tree_unflatten(self._out_treedefs[in_td], list(out_leaves))
+        if in_td in self._shape_dependent:
+            out_td = self._out_by_sig[(in_td, _signature(leaves))]
+        else:
+            out_td = self._out_treedefs[in_td]
+        return tree_unflatten(out_td, list(out_leaves))
 
     def structures(self) -> int:
         return len(self._entries)
+
+
+def _signature(leaves: Any) -> tuple:
+    return tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
 
 
 def jit(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:

@@ -149,3 +149,44 @@ def test_stop_matcher_property(text, stops, cuts):
     # the matcher stops at the earliest completed stop as text arrives
     assert out == expected or (first >= 0 and m.stopped and expected.startswith(out))
     assert not any(s in out for s in stops)
+
+
+def test_held_back_text_never_loses_token_ids(default_model):
+    """Tokens whose text is held back (a stop-string prefix) still reach token_ids."""
+    full = fx_engine.generate(default_model, QUESTION, max_tokens=12)
+    out = fx_engine.generate(default_model, QUESTION, max_tokens=12, stop=["Paris is not"])
+    assert out.token_ids == full.token_ids
+    assert out.usage.completion_tokens == len(out.token_ids)
+
+
+def test_validation_happens_at_call_time(tiny_model):
+    with pytest.raises(ValueError, match="max_tokens"):
+        fx_engine.stream(tiny_model, "hi", max_tokens=0)  # no iteration needed
+    with pytest.raises(ValueError, match="stop"):
+        fx_engine.stream(tiny_model, "hi", stop=5)
+    with pytest.raises(ValueError, match="logprobs"):
+        fx_engine.stream(tiny_model, "hi", logprobs=2.5)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        fx_engine.stream(tiny_model, "hi", prefill_chunk=0)
+    with pytest.raises(ValueError, match="dtype"):
+        fx_engine.load(tiny_model.path, dtype="fp16")
+
+
+def test_padded_vocabulary_tokens_do_not_crash(tmp_path):
+    """A model vocabulary larger than the tokenizer's: ids past it decode to no text."""
+    from fx_engine.testing import write_tiny_model
+
+    m = fx_engine.load(write_tiny_model(tmp_path / "m", "llama", vocab_size=1024))
+    assert m.tokenizer.vocab_size < 1024
+    out = fx_engine.generate(m, [5, 6, 7], max_tokens=4, logit_bias={1000: 100.0})
+    assert out.token_ids == (1000,) * 4 and out.text == ""
+
+
+def test_prompt_filling_the_context_still_yields_one_token(tmp_path):
+    from fx_engine.testing import write_tiny_model
+
+    m = fx_engine.load(write_tiny_model(tmp_path / "m", "llama", max_position_embeddings=64))
+    out = fx_engine.generate(m, [5] * 64, max_tokens=10)
+    assert len(out.token_ids) <= 1 and out.finish_reason in ("length", "stop")
+    with pytest.raises(ValueError, match="context"):
+        fx_engine.generate(m, [5] * 65)

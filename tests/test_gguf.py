@@ -48,14 +48,28 @@ def _quant_roundtrip(w: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray]:
     return raw, gguf.quants.dequantize(raw, qtype).reshape(w.shape).astype(np.float32)
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
 @pytest.fixture(scope="module")
 def gguf_and_reference(tmp_path_factory):
-    from mlx_lm.models import llama
+    return _build(tmp_path_factory.mktemp("gguf"), rope_scaling=None)
 
-    d = tmp_path_factory.mktemp("gguf")
+
+@pytest.fixture(scope="module")
+def gguf_llama3_and_reference(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("gguf3"), rope_scaling=LLAMA3)
+
+
+def _build(d, rope_scaling):
+    from mlx_lm.models import llama
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    extra = {"rope_scaling": rope_scaling} if rope_scaling else {}
     folder = write_tiny_model(d / "hf", "llama", hidden_size=128, intermediate_size=256,
                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                              num_hidden_layers=2, rope_theta=50000.0)
+                              num_hidden_layers=2, rope_theta=50000.0, **extra)
     cfg = json.loads((folder / "config.json").read_text())
     hf = {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(folder / "model.safetensors")).items()}
     tok = json.loads((folder / "tokenizer.json").read_text())
@@ -105,6 +119,14 @@ def gguf_and_reference(tmp_path_factory):
         for g, h in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
             w.add_tensor(f"blk.{i}.{g}.weight", hf[f"model.layers.{i}.{h}.weight"])
             ref[f"model.layers.{i}.{h}.weight"] = mx.array(hf[f"model.layers.{i}.{h}.weight"])
+    if rope_scaling:
+        # llama.cpp's converter writes Llama-3 scaling as per-frequency factors
+        # (rope_freqs.weight) = scaled period / unscaled period; mlx-lm's Llama3RoPE is the
+        # independent source of the scaled periods.
+        hd = cfg["hidden_size"] // heads
+        rope = initialize_rope(hd, cfg["rope_theta"], False, rope_scaling, cfg["max_position_embeddings"])
+        base_periods = cfg["rope_theta"] ** (np.arange(0, hd, 2) / hd)
+        w.add_tensor("rope_freqs.weight", (np.array(rope._freqs) / base_periods).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -114,7 +136,8 @@ def gguf_and_reference(tmp_path_factory):
         model_type="llama", hidden_size=cfg["hidden_size"], num_hidden_layers=layers,
         intermediate_size=cfg["intermediate_size"], num_attention_heads=heads,
         rms_norm_eps=cfg["rms_norm_eps"], vocab_size=cfg["vocab_size"], num_key_value_heads=kv,
-        rope_theta=cfg["rope_theta"], tie_word_embeddings=False,
+        rope_theta=cfg["rope_theta"], tie_word_embeddings=False, rope_scaling=rope_scaling,
+        max_position_embeddings=cfg["max_position_embeddings"],
     )
     model = llama.Model(args)
     model.load_weights(list(ref.items()))
@@ -134,6 +157,18 @@ def test_gguf_all_tensor_types_match_reference(gguf_and_reference, keep_quantize
     tol = 5e-3 if keep_quantized else 2e-3
     assert mx.abs(ours - theirs).max().item() < tol
     assert mx.mean((ours.argmax(-1) == theirs.argmax(-1)).astype(mx.float32)).item() >= 0.95
+
+
+def test_gguf_llama3_rope_freqs(gguf_llama3_and_reference, gguf_and_reference):
+    """Llama-3.x GGUFs carry rope scaling as a rope_freqs tensor: it must be applied."""
+    path, ref = gguf_llama3_and_reference
+    m = fx_engine.load(path)
+    ids = m.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)[:80]
+    ours = fx_engine.logits(m, ids)
+    assert mx.abs(ours - ref(mx.array([ids]))[0]).max().item() < 2e-3
+    # and it matters: the unscaled model differs
+    plain = fx_engine.logits(fx_engine.load(gguf_and_reference[0]), ids)
+    assert mx.abs(ours - plain).max().item() > 1e-2
 
 
 def test_gguf_tokenizer_round_trip(gguf_and_reference):

@@ -205,3 +205,40 @@ def test_span_buckets_are_few():
     for n in range(1, 8193, 37):
         s = span_bucket(n, 8192)
         assert n <= s <= 8192 and s - n < max(256, n // 4 + 1)
+
+
+def test_write_sink_protects_full_and_inactive_rows(tiny_model):
+    """Padding, inactive rows and writes past the capacity go to the cache's sink slot:
+    a full, inactive row keeps its entries and nothing is written out of bounds."""
+    m = tiny_model
+    c, p = m.config, m.params
+    cache = init_cache(c.num_layers, 2, c.num_kv_heads, 16, c.head_dim)
+    full = list(range(3, 19))  # 16 tokens: row 0 is full
+    lg, cache = prefill_step(p, cache, mx.array([full, full[:16]]), mx.array([16, 5]))
+    before = [mx.array(k[0]) for k in cache.keys]
+    state = init_state([GREEDY, GREEDY], [full, full[:5]], c.vocab_size)
+    state = sample_step_compiled(state, lg)
+    from fx_engine.tree import tree_replace
+
+    state = tree_replace(state, active=mx.array([False, True]))
+    for _ in range(3):
+        state, cache = decode_step(p, cache, state)
+    assert cache.lengths.tolist() == [16, 8]
+    for k0, k in zip(before, cache.keys):
+        assert mx.array_equal(k0[:, :16], k[0, :, :16])
+    # a chunk that would run past the capacity stays in bounds (lengths capped)
+    _, over = prefill_step(p, cache, mx.array([[5] * 16, [5] * 16]), mx.array([16, 16]))
+    mx.eval(over.keys)
+    assert over.lengths.tolist() == [16, 16]
+
+
+def test_half_precision_activations_stay_half(tmp_path):
+    from fx_engine.testing import write_tiny_model
+    from fx_engine.models.llama import forward
+    import fx_engine
+
+    m = fx_engine.load(write_tiny_model(tmp_path / "m", "llama"), dtype="float16")
+    c = m.config
+    cache = init_cache(c.num_layers, 1, c.num_kv_heads, 32, c.head_dim, mx.float16)
+    h, cache = forward(m.params, cache, mx.array([[3, 4, 5]]), mx.array([3]))
+    assert h.dtype == mx.float16 and cache.keys[0].dtype == mx.float16

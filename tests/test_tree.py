@@ -158,3 +158,11 @@ def test_memoized_flatten_is_per_object():
         assert tree_unflatten(t1, l1)[1].n == 2
     f = CompiledFunction(lambda t: t.a * t.n)
     assert f(m1).item() == 1.0 and f(m2).item() == 4.0
+
+
+def test_output_structure_that_depends_on_shapes():
+    """A Python value computed from a shape is part of the output: never stale."""
+    f = CompiledFunction(lambda x: (x * 2, x.shape[0]))
+    assert f(mx.zeros((3,)))[1] == 3
+    assert f(mx.zeros((5,)))[1] == 5
+    assert f(mx.zeros((3,)))[1] == 3  # MLX reuses the first trace; our output def too

@@ -354,10 +354,10 @@ def mlx_lm_dense_from_fx(model: Any) -> nn.Module:
     w: dict[str, mx.array] = {"model.embed_tokens.weight": p.embed.weight,
                               "model.norm.weight": p.norm}
     if p.lm_head is not None:
-        w["lm_head.weight"] = p.lm_head.weight
+        w["lm_head.weight"] = p.lm_head.dense_out_in
     for i, lp in enumerate(p.layers):
         pre = f"model.layers.{i}."
-        qkv = lp.qkv.weight
+        qkv = lp.qkv.dense_out_in
         w[pre + "self_attn.q_proj.weight"] = qkv[:hq]
         w[pre + "self_attn.k_proj.weight"] = qkv[hq : hq + hk]
         w[pre + "self_attn.v_proj.weight"] = qkv[hq + hk :]
@@ -366,15 +366,15 @@ def mlx_lm_dense_from_fx(model: Any) -> nn.Module:
             w[pre + "self_attn.q_proj.bias"] = b[:hq]
             w[pre + "self_attn.k_proj.bias"] = b[hq : hq + hk]
             w[pre + "self_attn.v_proj.bias"] = b[hq + hk :]
-        w[pre + "self_attn.o_proj.weight"] = lp.o.weight
+        w[pre + "self_attn.o_proj.weight"] = lp.o.dense_out_in
         if lp.o.bias is not None:
             w[pre + "self_attn.o_proj.bias"] = lp.o.bias
-        w[pre + "mlp.gate_proj.weight"] = lp.gate_up.weight[:ff]
-        w[pre + "mlp.up_proj.weight"] = lp.gate_up.weight[ff:]
+        w[pre + "mlp.gate_proj.weight"] = lp.gate_up.dense_out_in[:ff]
+        w[pre + "mlp.up_proj.weight"] = lp.gate_up.dense_out_in[ff:]
         if lp.gate_up.bias is not None:
             w[pre + "mlp.gate_proj.bias"] = lp.gate_up.bias[:ff]
             w[pre + "mlp.up_proj.bias"] = lp.gate_up.bias[ff:]
-        w[pre + "mlp.down_proj.weight"] = lp.down.weight
+        w[pre + "mlp.down_proj.weight"] = lp.down.dense_out_in
         if lp.down.bias is not None:
             w[pre + "mlp.down_proj.bias"] = lp.down.bias
         w[pre + "input_layernorm.weight"] = lp.attn_norm
@@ -450,6 +450,32 @@ def mlx_lm_quantized_from_gguf(path: str, cfg: Any) -> tuple[nn.Module, int]:
 # ---------------------------------------------------------------------------- machine
 
 
+def openblas_info() -> dict[str, Any] | None:
+    """OpenBLAS's own view: the kernel set it picked (`corename`) and its thread count.
+
+    An OpenBLAS older than the CPU can fall back to generic kernels (e.g. Debian's 0.3.21
+    picks `Prescott`, SSE3, on Sapphire/Emerald Rapids); OPENBLAS_CORETYPE overrides it.
+    """
+    blas = fx_engine.blas.active()
+    if blas.get("name") != "OpenBLAS" or not blas.get("path"):
+        return None
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(blas["path"])  # the already-loaded library: same handle
+        out: dict[str, Any] = {"coretype_env": os.environ.get("OPENBLAS_CORETYPE")}
+        for fn, restype in (("openblas_get_corename", ctypes.c_char_p),
+                            ("openblas_get_config", ctypes.c_char_p),
+                            ("openblas_get_num_threads", ctypes.c_int)):
+            f = getattr(lib, fn)
+            f.restype = restype
+            v = f()
+            out[fn.replace("openblas_get_", "")] = v.decode() if isinstance(v, bytes) else v
+        return out
+    except (OSError, AttributeError):
+        return None
+
+
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     flags: list[str] = []
@@ -488,7 +514,8 @@ def machine_info() -> dict[str, Any]:
         "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "memory_gb": mem_gb, "python": platform.python_version(), "platform": platform.platform(),
         "mlx": mx.__version__, "mlx_lm": mlx_lm_version, "fx_engine": fx_engine.__version__,
-        "blas": fx_engine.blas.active(), "device": str(mx.default_device()),
+        "blas": fx_engine.blas.active(), "openblas": openblas_info(),
+        "device": str(mx.default_device()),
         "loadavg_start": os.getloadavg(),
     }
 
@@ -556,11 +583,12 @@ def measure_matmul_floor(model: Any, reps: int = 5) -> dict[str, Any]:
     if any(lin.quantized for lin in [*lins, head]):
         return {}
     dt = getattr(mx, p.dtype)
-    xs = {n: mx.random.normal((1, n)).astype(dt) for n in {lin.weight.shape[1] for lin in lins}}
+    w = {id(lin): lin.dense_out_in for lin in [*lins, head]}  # [out, in] views
+    xs = {n: mx.random.normal((1, n)).astype(dt) for n in {w[id(lin)].shape[1] for lin in lins}}
     xs512 = {n: mx.random.normal((512, n)).astype(dt) for n in xs}
     mx.eval(list(xs.values()), list(xs512.values()))
-    dec = lambda: mx.eval([xs[l.weight.shape[1]] @ l.weight.T for l in [*lins, head]])  # noqa: E731
-    pre = lambda: mx.eval([xs512[l.weight.shape[1]] @ l.weight.T for l in lins])  # noqa: E731
+    dec = lambda: mx.eval([xs[w[id(l)].shape[1]] @ w[id(l)].T for l in [*lins, head]])  # noqa: E731
+    pre = lambda: mx.eval([xs512[w[id(l)].shape[1]] @ w[id(l)].T for l in lins])  # noqa: E731
     t_dec = _median_time(dec, reps)
     t_pre = _median_time(pre, max(1, reps // 2))
     nbytes = sum(l.weight.nbytes for l in [*lins, head])
@@ -573,6 +601,47 @@ def measure_matmul_floor(model: Any, reps: int = 5) -> dict[str, Any]:
         "matmul_floor_prefill512_gflops": flops / t_pre / 1e9,
         "weight_bytes_per_token_mb": nbytes / 1e6,
     }
+
+
+def measure_decode_breakdown(model: Any, contexts: list[int], reps: int = 15) -> dict[str, Any]:
+    """Where a fx-engine decode step's time goes, at the cache capacity the shell would use.
+
+    step_ms: the compiled decode step (length pinned at the context, so every repetition
+    sees the same shapes and length); sdpa_ms: the model's layers' attention calls alone
+    (one query over the whole capacity, masked to the context), as in the step.
+    """
+    from fx_engine.cache import with_lengths
+
+    c, p = model.config, model.params
+    out: dict[str, Any] = {}
+    for ctx in contexts:
+        chunk = bucket(min(PREFILL_CHUNK, ctx))
+        cap = bucket(ctx + chunk, MIN_CAPACITY)
+        cache = with_lengths(init_cache(c.num_layers, 1, c.num_kv_heads, cap, c.head_dim,
+                                        getattr(mx, p.dtype)), mx.array([ctx], mx.int32))
+        box = {"state": init_state([SamplingConfig(temperature=0.0)], [[0]], c.vocab_size),
+               "cache": cache}
+
+        def step() -> None:
+            st, ca = decode_step_compiled(p, box["cache"], box["state"])
+            mx.eval(*tree_leaves(st), *tree_leaves(ca))
+            int(st.tokens[0].item())
+            box["state"], box["cache"] = st, with_lengths(ca, mx.array([ctx], mx.int32))
+
+        t_step = _median_time(step, reps)
+        q = mx.random.normal((1, c.num_heads, 1, c.head_dim))
+        k = mx.random.normal((1, c.num_kv_heads, cap, c.head_dim))
+        v = mx.random.normal((1, c.num_kv_heads, cap, c.head_dim))
+        mask = (mx.arange(cap) <= ctx)[None, None, None, :]
+        mx.eval(q, k, v, mask)
+        sc = c.head_dim ** -0.5
+        t_att = _median_time(lambda: mx.eval([mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=sc, mask=mask) for _ in range(c.num_layers)]), reps)
+        out[f"decode@{ctx}"] = {"capacity": cap, "step_ms": t_step * 1e3,
+                                "sdpa_ms": t_att * 1e3}
+        del box, cache
+        mx.clear_cache()
+    return out
 
 
 # ---------------------------------------------------------------------------- benchmark
@@ -764,7 +833,11 @@ def render_markdown(report: dict[str, Any]) -> str:
                  f"runs: median of {report['runs']} after {report['warmup']} warm-up; "
                  f"decode {report['decode_tokens']} tokens.")
     lines.append(f"Machine: {mi['cpu']}, {mi['logical_cpus']} logical CPUs; MLX {mi['mlx']}, "
-                 f"mlx-lm {mi['mlx_lm']}; BLAS {mi['blas']['name']}; "
+                 f"mlx-lm {mi['mlx_lm']}; BLAS {mi['blas']['name']}"
+                 + (f" (core {mi['openblas']['corename']}, {mi['openblas']['num_threads']} threads"
+                    + (f", OPENBLAS_CORETYPE={mi['openblas']['coretype_env']}"
+                       if mi['openblas'].get('coretype_env') else "") + ")"
+                    if mi.get("openblas") else "") + "; "
                  f"load average {tuple(round(x, 2) for x in mi['loadavg_start'])} at start, "
                  f"{tuple(round(x, 2) for x in report.get('loadavg_end', ()))} at end.")
     lines.append("")
@@ -834,6 +907,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append("")
         lines.append("Ceilings measured in this process: " + ", ".join(
             f"{k} {v:.1f}" for k, v in c.items()) + ".")
+    bd = report.get("decode_breakdown")
+    if bd and "error" not in bd:
+        lines.append("")
+        lines.append("fx-engine decode step: " + "; ".join(
+            f"{k}: capacity {v['capacity']}, step {v['step_ms']:.1f} ms, attention (all layers) "
+            f"{v['sdpa_ms']:.1f} ms" for k, v in bd.items()) + ".")
     lines.append("")
     lines.append(f"Command: `{report['command']}`")
     return "\n".join(lines) + "\n"
@@ -895,6 +974,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="comma list (512,2048); the largest also carries the long-context decode")
     ap.add_argument("--decode-tokens", type=int, default=None, help="decoded tokens per run (64)")
     ap.add_argument("--no-ceilings", action="store_true", help="skip bandwidth/GEMM ceilings")
+    ap.add_argument("--only-ceilings", action="store_true",
+                    help="measure only the bandwidth/GEMM ceilings and fx's decode breakdown")
     ap.add_argument("--no-agreement", action="store_true", help="skip the agreement check")
     ap.add_argument("--render", metavar="JSON",
                     help="no measurement: re-render a saved --json report (text, --markdown)")
@@ -923,6 +1004,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.decode_tokens is not None:
         n_dec = args.decode_tokens
     wanted = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if args.only_ceilings:
+        wanted = ["fx"]
     unknown = [e for e in wanted if e not in ENGINE_LABELS]
     if unknown:
         ap.error(f"unknown engine(s): {', '.join(unknown)}")
@@ -943,7 +1026,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     is_default = Path(path).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
 
     info = machine_info()
-    log(f"model {path}; MLX {info['mlx']}, mlx-lm {info['mlx_lm']}, BLAS {info['blas']['name']}")
+    log(f"model {path}; MLX {info['mlx']}, mlx-lm {info['mlx_lm']}, BLAS {info['blas']['name']} "
+        f"{info['openblas'] or ''}")
     t0 = time.perf_counter()
     fx_model = fx_engine.load(path)
     log(f"loaded fx-engine model in {time.perf_counter() - t0:.1f}s ({fx_model.weight_format})")
@@ -991,11 +1075,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for k, why in skipped.items():
         log(f"skipping {k}: {why}")
 
-    ceilings = None
-    if not args.no_ceilings:
+    ceilings, breakdown = None, None
+    if not args.no_ceilings or args.only_ceilings:
         log("measuring bandwidth / GEMM ceilings")
         ceilings = measure_ceilings()
         ceilings.update(measure_matmul_floor(fx_model))
+        try:
+            breakdown = measure_decode_breakdown(fx_model, [short, max(sizes)])
+        except Exception as e:  # a diagnostic only: never fail the benchmark for it
+            breakdown = {"error": f"{type(e).__name__}: {e}"}
+        log(f"ceilings {ceilings}; decode breakdown {breakdown}")
+    if args.only_ceilings:
+        print(json.dumps({"ceilings": ceilings, "decode_breakdown": breakdown,
+                          "machine": info}, indent=1, default=str))
+        return {"ceilings": ceilings, "decode_breakdown": breakdown}
 
     ag = None
     if not args.no_agreement:
@@ -1025,6 +1118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "skipped": skipped,
         "weights_bytes": {e.key: e.weights_bytes() for e in engines},
         "results": results, "agreement": ag, "ceilings": ceilings,
+        "decode_breakdown": breakdown,
         "llama_cpp_reference": (
             {k: v for k, v in LLAMA_CPP_REFERENCE.items()
              if k in metric_names} if is_default and "llama.cpp" not in {e.key for e in engines}

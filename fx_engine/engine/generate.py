@@ -93,6 +93,11 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, (n - 1)).bit_length())
 
 
+def xtc_special_tokens(model: Model) -> list[int]:
+    """Tokens XTC never removes: EOS and newline (as mlx-lm's generate and server do)."""
+    return sorted(set(model.eos_ids) | set(model.tokenizer.encode("\n", add_special_tokens=False)))
+
+
 def prompt_ids(model: Model, prompt: Any, chat: bool | None = None) -> list[int]:
     """Token ids for a str prompt, a list of token ids, or a list of chat messages."""
     tok = model.tokenizer
@@ -153,10 +158,19 @@ def stream(
     """
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
     if isinstance(stop, str):
         stop = [stop]
+    if stop is not None and not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
     stops = StopMatcher(list(stop or ()))
-    n_top = 1 if logprobs is True else int(logprobs or 0)
+    if isinstance(logprobs, bool):
+        n_top = int(logprobs)
+    elif isinstance(logprobs, int) and 0 <= logprobs <= 20:
+        n_top = logprobs
+    else:
+        raise ValueError(f"logprobs must be a bool or an integer in [0, 20], got {logprobs!r}")
     cfg = SamplingConfig(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
@@ -170,10 +184,12 @@ def stream(
     if not ids:
         raise ValueError("prompt: encodes to zero tokens")
     limit = model.config.max_position_embeddings
-    if len(ids) + 1 > limit:
+    if len(ids) > limit:
         raise ValueError(f"prompt: {len(ids)} tokens exceeds the model's context of {limit} tokens")
-    max_tokens = min(max_tokens, limit - len(ids))
-    yield from _run(model, ids, cfg, max_tokens, stops, want_logprobs, prefill_chunk)
+    # The last sampled token is never written to the cache: a full context still yields one.
+    max_tokens = min(max_tokens, limit - len(ids) + 1)
+    # Validation above runs at call time; generation runs lazily as the caller iterates.
+    return _run(model, ids, cfg, max_tokens, stops, want_logprobs, prefill_chunk)
 
 
 def _run(
@@ -188,7 +204,9 @@ def _run(
 
     t0 = time.perf_counter()
     chunk = bucket(min(prefill_chunk, len(ids)))
-    capacity = bucket(len(ids) + chunk, MIN_CAPACITY)  # room for the padded last chunk
+    # Padding of the last chunk goes to the cache's sink slot: room for the prompt and the
+    # first decoded token is enough; decode grows the cache by buckets.
+    capacity = bucket(len(ids) + 1, MIN_CAPACITY)
     cache = init_cache(c.num_layers, 1, c.num_kv_heads, capacity, c.head_dim, dtype)
     logits = None
     for start in range(0, len(ids), chunk):
@@ -200,12 +218,14 @@ def _run(
             span=span_bucket(start + size, cache.capacity),
         )
         mx.eval(logits, *tree_leaves(cache))
-    state = init_state([cfg], [ids], c.vocab_size, special_token_ids=sorted(eos))
+    state = init_state([cfg], [ids], c.vocab_size, special_token_ids=xtc_special_tokens(model))
     state = sample_step_compiled(state, logits)
     mx.eval(tree_leaves(state))
     t1 = time.perf_counter()
 
     detok = tok.detokenizer()
+    known = tok.vocab_size  # models may pad their vocabulary past the tokenizer's
+    piece = lambda i: tok.decode([i]) if i < known else ""  # noqa: E731
     generated: list[int] = []
     finish = "length"
     gen_time_start = t1
@@ -214,20 +234,21 @@ def _run(
         lp = None
         if want_logprobs:
             top = tuple(
-                (int(i), tok.decode([int(i)]), float(v))
+                (int(i), piece(int(i)), float(v))
                 for i, v in zip(state.top_ids[0].tolist(), state.top_logprobs[0].tolist())
             )
-            lp = (TokenLogprob(token, tok.decode([token]), float(state.logprob[0].item()), top),)
+            lp = (TokenLogprob(token, piece(token), float(state.logprob[0].item()), top),)
         if token in eos:
             finish = "stop"
             break
         generated.append(token)
-        text = stops.feed(detok.add(token))
+        text = stops.feed(detok.add(token) if token < known else "")
         done_len = len(generated) >= max_tokens
         if stops.stopped:
             finish = "stop"
-        if text or lp:
-            yield TextDelta(text, (token,), lp)
+        # One delta per token, even when its text is held back (a possible stop-string
+        # prefix, an incomplete UTF-8 sequence): token ids are never lost.
+        yield TextDelta(text, (token,), lp)
         if stops.stopped or done_len:
             break
         # Grow the cache by a bucket when full: one copy per doubling, never per step.

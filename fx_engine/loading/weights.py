@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import attrs
 from typing import Any
 
 import mlx.core as mx
@@ -265,9 +267,7 @@ def load_gguf(
     tensors, metadata = _mx_load(path, return_metadata=True)
     cfg = config_from_gguf(metadata, str(path))
     tied = "output.weight" not in tensors
-    import attrs as _attrs
-
-    cfg = _attrs.evolve(cfg, tie_word_embeddings=tied)
+    cfg = attrs.evolve(cfg, tie_word_embeddings=tied)
     if cfg.model_type == "llama":
         for i in range(cfg.num_layers):
             for part, heads in (("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads)):
@@ -278,6 +278,12 @@ def load_gguf(
     src = _TensorSource()
     src.add(path, tensors)
     params = assemble_params(cfg, src, _GGUF_NAMES, str(path), None, dtype, keep_quantized, numerics)
+    if "rope_freqs.weight" in tensors:
+        # llama.cpp stores Llama-3 rope scaling as per-frequency factors: the rotation
+        # period of pair i is base^(2i/d) * factor_i.
+        factors = src.get("rope_freqs.weight", (cfg.head_dim // 2,), str(path)).astype(mx.float32)
+        periods = cfg.rope_theta ** (mx.arange(0, cfg.head_dim, 2) / cfg.head_dim) * factors
+        params = attrs.evolve(params, rope_freqs=periods)
     return cfg, params, metadata
 
 
@@ -308,6 +314,9 @@ def load_hf_folder(
     quant = raw.get("quantization") or raw.get("quantization_config")
     if quant and ("group_size" not in quant or "bits" not in quant):
         raise ConfigError(f"{folder / 'config.json'}: quantization needs group_size and bits")
+    if "tie_word_embeddings" not in raw:
+        # Configs that do not say: tied unless the checkpoint has its own output head.
+        cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has("lm_head.weight"))
     dtype = dtype or stored_dtype or mx.float32
     params = assemble_params(cfg, src, _HF_NAMES, str(folder), quant, dtype, keep_quantized, numerics)
     return cfg, params, raw

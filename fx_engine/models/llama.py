@@ -11,7 +11,7 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-from ..cache import KVCache, attention_mask, write_layer, write_positions
+from ..cache import KVCache, attention_mask, write_layer, write_positions, write_slots
 from ..config import ModelConfig
 from ..nn import Linear, Numerics, apply_rope, attention, embed, linear, rms_norm, rope_tables, swiglu
 from ..tree import static_field
@@ -47,18 +47,20 @@ def _rope(p: Params, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]
     scale = 1.0
     if cfg.rope_type == "linear":
         scale = 1.0 / float(dict(cfg.rope_scaling)["factor"])
-    return rope_tables(
+    cos, sin, perm = rope_tables(
         positions, cfg.head_dim, base=cfg.rope_theta, scale=scale,
         freqs=p.rope_freqs, traditional=cfg.rope_traditional,
     )
+    dt = _dtype(p)  # tables in float32, applied in the activation dtype (no silent upcast)
+    return cos.astype(dt), sin.astype(dt), perm.astype(dt)
 
 
 def _layer(
     p: Params, lp: LayerParams, h: mx.array, k_cache: mx.array, v_cache: mx.array,
-    rope: tuple[mx.array, mx.array, mx.array], positions: mx.array, mask: mx.array,
+    rope: tuple[mx.array, mx.array, mx.array], slots: mx.array, mask: mx.array,
 ) -> tuple[mx.array, mx.array, mx.array]:
     cfg, num = p.config, p.numerics
-    b, t = positions.shape
+    b, t = slots.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
     qkv = linear(x, lp.qkv, num).reshape(b, t, hq + 2 * hk, d)
@@ -73,11 +75,10 @@ def _layer(
     k = qk[:, :, hq:].transpose(0, 2, 1, 3)
     v = qkv[:, :, hq + hk :].transpose(0, 2, 1, 3)
     # Write first, then attend over the written arrays (so the update can be in place).
-    k_cache = write_layer(k_cache, k, positions)
-    v_cache = write_layer(v_cache, v, positions)
+    k_cache = write_layer(k_cache, k, slots)
+    v_cache = write_layer(v_cache, v, slots)
     span = mask.shape[-1]  # attend over the first `span` slots only (cost is linear in it)
-    k_att = k_cache if span == k_cache.shape[2] else k_cache[:, :, :span]
-    v_att = v_cache if span == v_cache.shape[2] else v_cache[:, :, :span]
+    k_att, v_att = k_cache[:, :, :span], v_cache[:, :, :span]
     o = attention(q, k_att, v_att, mask, d**-0.5, num).reshape(b * t, hq * d)
     h = h + linear(o, lp.o, num)
     x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
@@ -97,11 +98,14 @@ def forward(
     max(lengths) + T <= span <= capacity (see `span_bucket`). None: the whole capacity.
 
     Returns the final-norm hidden states [B, T, hidden] and the new cache. Positions past
-    a row's n_valid are computed but land beyond its new length (stale, never read).
+    a row's n_valid (and past the capacity) are computed but written to the cache's sink
+    slot: a row's valid entries are never touched by another row's step.
     """
     b, t = tokens.shape
     lengths = cache.lengths
+    n_valid = n_valid.astype(mx.int32)
     positions = write_positions(lengths, t)
+    slots = write_slots(lengths, n_valid, t, cache.capacity)
     mask = attention_mask(lengths, t, cache.capacity if span is None else span)
     # The residual stream is kept 2-D [B*T, hidden]: matmuls on 2-D inputs need no
     # flatten/unflatten nodes (each graph node costs ~10 us on CPU).
@@ -109,11 +113,12 @@ def forward(
     rope = _rope(p, positions)  # shared by every layer
     keys, values = [], []
     for i, lp in enumerate(p.layers):
-        h, kc, vc = _layer(p, lp, h, cache.keys[i], cache.values[i], rope, positions, mask)
+        h, kc, vc = _layer(p, lp, h, cache.keys[i], cache.values[i], rope, slots, mask)
         keys.append(kc)
         values.append(vc)
     h = rms_norm(h, p.norm, p.config.rms_norm_eps).reshape(b, t, -1)
-    new_cache = KVCache(keys=tuple(keys), values=tuple(values), lengths=lengths + n_valid)
+    lengths = mx.minimum(lengths + n_valid, cache.capacity)  # past it: written to the sink
+    new_cache = KVCache(keys=tuple(keys), values=tuple(values), lengths=lengths)
     return h, new_cache
 
 

@@ -1,0 +1,890 @@
+"""The continuous-batching engine: row membership, chunked prefill interleaved with decode,
+cancellation, admission control, failure containment, trace events.
+
+    engine = fx_engine.engine.engine.Engine(model, max_rows=8, prefill_chunk=512)
+    with engine:                                  # start() a background thread; close() at exit
+        h = engine.submit("Hello", max_tokens=32) # thread-safe; any thread
+        for delta in h: print(delta, end="")      # TextDelta events (token ids, logprobs, ...)
+        out = h.result()                          # the Completion fx_engine.generate returns
+
+Without start(), iterating a handle or calling `.result()` drives `engine.step()` on the
+calling thread; `engine.step()` can also be called directly. All MLX work happens on the one
+thread that steps (MLX's compile cache is thread-local).
+
+JetStream-style layout: each request is prefilled chunk by chunk on its own 1-row cache, its
+first token sampled there, then its K/V (its `length` slots) and its DecodeState row are
+inserted into a free row of the decode batch (`insert_row`, `insert_state_row`); one
+`decode_step_compiled` per step advances every active row. Planning (which pieces, which
+buckets, admission) is pure Python in `scheduler.py`; the policy is in specs/engine.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+
+from ..cache import KVCache, init_cache, resize, span_bucket, take_rows, with_lengths
+from ..sampling import SamplingConfig, history_width, make_sampling_params
+from ..state import DecodeState, init_state
+from ..steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
+from ..tree import tree_leaves, tree_replace
+from . import scheduler as sched
+from .generate import Completion, TextDelta, TokenLogprob, Usage, prompt_ids
+
+try:  # EOS + newline, as fx_engine.generate uses (mlx-lm's xtc_special_tokens)
+    from .generate import xtc_special_tokens as _xtc_special
+except ImportError:  # pragma: no cover - older generate.py
+    def _xtc_special(model: Any) -> list[int]:
+        return sorted(model.eos_ids)
+from .stops import StopMatcher
+
+__all__ = [
+    "Engine", "RequestHandle", "QueueFull", "EngineClosed", "insert_row", "insert_state_row",
+]
+
+_GREEDY = SamplingConfig()
+_END = object()
+
+
+class QueueFull(RuntimeError):
+    """submit() found the engine's bounded wait queue full."""
+
+
+class EngineClosed(RuntimeError):
+    """submit() after close()."""
+
+
+# --------------------------------------------------------------------------------------
+# Pure row insertion helpers
+# --------------------------------------------------------------------------------------
+
+
+def insert_row(cache: KVCache, row_cache: KVCache, row_index: int, length: int | None = None) -> KVCache:
+    """Copy row 0 of `row_cache` (its first `length` slots; default its length) into row
+    `row_index` of `cache`, and set that row's length. Slice updates: MLX writes in place
+    when the caller holds no other reference to `cache` (rebind before eval)."""
+    if length is None:
+        length = int(row_cache.lengths[0].item())
+    if length > cache.capacity:
+        raise ValueError(f"insert_row: length {length} exceeds capacity {cache.capacity}")
+    start = mx.array([row_index, 0, 0, 0], mx.int32)
+    axes = (0, 1, 2, 3)
+    if length > 0:
+        keys = tuple(
+            mx.slice_update(k, rk[:1, :, :length].astype(k.dtype), start, axes)
+            for k, rk in zip(cache.keys, row_cache.keys)
+        )
+        values = tuple(
+            mx.slice_update(v, rv[:1, :, :length].astype(v.dtype), start, axes)
+            for v, rv in zip(cache.values, row_cache.values)
+        )
+    else:
+        keys, values = cache.keys, cache.values
+    lengths = mx.slice_update(
+        cache.lengths, mx.array([length], mx.int32), mx.array([row_index], mx.int32), (0,)
+    )
+    return KVCache(keys=keys, values=values, lengths=lengths)
+
+
+def _fit_cols(x: mx.array, width: int, fill: Any, left: bool) -> mx.array:
+    """Pad [B, w] to [B, width] (w <= width), on the left (right-aligned history) or right."""
+    pad = width - x.shape[1]
+    if pad <= 0:
+        return x
+    return mx.pad(x, [(0, 0), (pad, 0) if left else (0, pad)], constant_values=fill)
+
+
+def insert_state_row(
+    state: DecodeState, row_state: DecodeState, row_index: int, params: Any
+) -> DecodeState:
+    """Put row 0 of `row_state` into row `row_index` of `state` (rows of other requests are
+    unchanged), with `params` (the rebuilt per-row SamplingParams). The history width and the
+    number of top logprobs widen to the larger of the two (history is right-aligned, -1 =
+    empty, so widening is exact)."""
+    w = max(state.history.shape[1], row_state.history.shape[1])
+    n = max(state.n_top, row_state.n_top)
+
+    def put(x: mx.array, y: mx.array) -> mx.array:
+        start = mx.array([row_index] + [0] * (x.ndim - 1), mx.int32)
+        return mx.slice_update(x, y[:1].astype(x.dtype), start, tuple(range(x.ndim)))
+
+    return tree_replace(
+        state,
+        tokens=state.tokens,
+        keys=put(state.keys, row_state.keys),
+        history=put(_fit_cols(state.history, w, -1, True), _fit_cols(row_state.history, w, -1, True)),
+        params=params,
+        active=put(state.active, row_state.active),
+        logprob=put(state.logprob, row_state.logprob),
+        top_ids=put(_fit_cols(state.top_ids, n, 0, False), _fit_cols(row_state.top_ids, n, 0, False)),
+        top_logprobs=put(
+            _fit_cols(state.top_logprobs, n, 0.0, False), _fit_cols(row_state.top_logprobs, n, 0.0, False)
+        ),
+        n_top=n,
+    )
+
+
+def _take_state_rows(state: DecodeState, idx: mx.array, params: Any) -> DecodeState:
+    return tree_replace(
+        state, tokens=state.tokens[idx], keys=state.keys[idx], history=state.history[idx],
+        params=params, active=state.active[idx], logprob=state.logprob[idx],
+        top_ids=state.top_ids[idx], top_logprobs=state.top_logprobs[idx],
+    )
+
+
+def _pad_state_rows(state: DecodeState, rows: int, params: Any) -> DecodeState:
+    def pad(x: mx.array, fill: Any) -> mx.array:
+        extra = rows - x.shape[0]
+        return mx.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+
+    return tree_replace(
+        state, tokens=pad(state.tokens, 0), keys=pad(state.keys, 0), history=pad(state.history, -1),
+        params=params, active=pad(state.active, False), logprob=pad(state.logprob, 0.0),
+        top_ids=pad(state.top_ids, 0), top_logprobs=pad(state.top_logprobs, 0.0),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Requests and handles
+# --------------------------------------------------------------------------------------
+
+
+class RequestHandle:
+    """One submitted request. Iterate it for `TextDelta` events (a `str` with `.token_ids`,
+    `.logprobs`; the last one has `.finish_reason` and `.usage`); `.result()` waits for the
+    `Completion`; `.cancel()` cancels (finish_reason "cancelled", partial output kept).
+    A failed request raises its error from iteration and from `.result()`."""
+
+    def __init__(self, engine: "Engine", request_id: int, prompt_token_ids: tuple[int, ...]):
+        self.id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.timings: dict[str, float] = {"submitted": time.perf_counter()}
+        self._engine = engine
+        self._cond = threading.Condition()
+        self._events: collections.deque = collections.deque()
+        self._listener: Callable[[Any], None] | None = None
+        self._done = False
+        self._completion: Completion | None = None
+        self._error: BaseException | None = None
+        self._cancel = False
+
+    # ---- called by the engine (its thread) ----
+    def _emit(self, ev: Any) -> None:
+        with self._cond:
+            if self._listener is not None:
+                self._listener(ev)
+            else:
+                self._events.append(ev)
+            self._cond.notify_all()
+
+    def _finish(self, completion: Completion | None, error: BaseException | None) -> None:
+        with self._cond:
+            self._completion, self._error, self._done = completion, error, True
+            if self._listener is not None:
+                self._listener(_END)
+            self._cond.notify_all()
+
+    # ---- public ----
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def cancelled(self) -> bool:
+        return self._done and self._completion is not None and self._completion.finish_reason == "cancelled"
+
+    def cancel(self) -> None:
+        """Ask the engine to cancel; the row is freed at the start of the next step."""
+        self._cancel = True
+        self._engine._wake()
+
+    def _next(self, timeout: float | None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                if self._events:
+                    return self._events.popleft()
+                if self._done:
+                    if self._error is not None:
+                        raise self._error
+                    return _END
+                if self._engine.running:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"request {self.id}: no event within {timeout} s")
+                    self._cond.wait(0.05 if left is None else min(0.05, left))
+                    continue
+            self._engine.step()
+
+    def __iter__(self) -> Iterator[TextDelta]:
+        while True:
+            ev = self._next(None)
+            if ev is _END:
+                return
+            yield ev
+
+    def result(self, timeout: float | None = None) -> Completion:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                if self._done:
+                    if self._error is not None:
+                        raise self._error
+                    assert self._completion is not None
+                    return self._completion
+                if self._engine.running:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"request {self.id} not finished within {timeout} s")
+                    self._cond.wait(0.05 if left is None else min(0.05, left))
+                    continue
+            self._engine.step()
+
+    async def aiter(self):
+        """Async iteration: `async for delta in handle.aiter()`. With a started engine the
+        events arrive through loop.call_soon_threadsafe; otherwise this drives engine.step()
+        on the event loop's thread between awaits."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._cond:
+            pending = list(self._events)
+            self._events.clear()
+            done = self._done
+            if not done:
+                self._listener = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
+        for ev in pending:
+            yield ev
+        if not done:
+            while True:
+                if not self._engine.running and q.empty():
+                    self._engine.step()
+                    await asyncio.sleep(0)
+                    continue
+                ev = await q.get()
+                if ev is _END:
+                    break
+                yield ev
+        if self._error is not None:
+            raise self._error
+
+
+class _Request:
+    """Engine-side per-request state (dropped when the request finishes)."""
+
+    __slots__ = (
+        "handle", "ids", "cfg", "max_tokens", "stops", "detok", "want_logprobs", "need",
+        "prefilled", "pcache", "row", "cache_len", "generated", "text", "lps", "phase",
+        "t_admit", "t_first", "row_state",
+    )
+
+    def __init__(self, handle, ids, cfg, max_tokens, stops, want_logprobs):
+        self.handle = handle
+        self.ids = ids
+        self.cfg = cfg
+        self.max_tokens = max_tokens
+        self.stops = stops
+        self.detok = None
+        self.want_logprobs = want_logprobs
+        self.need = len(ids) + max_tokens
+        self.prefilled = 0
+        self.pcache: KVCache | None = None
+        self.row: int | None = None
+        self.cache_len = 0
+        self.generated: list[int] = []
+        self.text: list[str] = []
+        self.lps: list[TokenLogprob] = []
+        self.phase = "queued"
+        self.t_admit = 0.0
+        self.t_first = 0.0
+        self.row_state: DecodeState | None = None
+
+
+# --------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------
+
+
+class Engine:
+    """Continuous batching over the pure steps. See the module docstring and specs/engine.md.
+
+    max_rows: most requests admitted at once (prefilling + decoding); the decode batch uses
+      row buckets 1, 2, 4, ... up to max_rows.
+    kv_budget_tokens / kv_budget_bytes: bound on the rectangular decode cache
+      (row bucket x capacity bucket of the largest prompt + max_tokens); None = unbounded.
+    prefill_chunk: largest prefill piece per request per step (rounded down to a power of 2).
+    step_token_budget: tokens per step shared by decode rows (1 each) and prefill pieces
+      (padded size); default prefill_chunk + max_rows; must be >= max_rows + 16.
+    max_queue: most requests waiting for admission; submit beyond it raises QueueFull.
+    trace_capacity: size of the `trace_events` ring buffer.
+    fault_hook: testing hook, called as fault_hook(stage, handle) with stage "prefill" or
+      "token" while processing one request; an exception fails that request only.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        max_rows: int = 8,
+        kv_budget_tokens: int | None = None,
+        kv_budget_bytes: int | None = None,
+        prefill_chunk: int = 512,
+        step_token_budget: int | None = None,
+        max_queue: int = 256,
+        trace_capacity: int = 10_000,
+        fault_hook: Callable[[str, RequestHandle], None] | None = None,
+    ):
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows must be a positive integer, got {max_rows!r}")
+        if kv_budget_tokens is not None and kv_budget_bytes is not None:
+            raise ValueError("give kv_budget_tokens or kv_budget_bytes, not both")
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        self.model = model
+        self.params = model.params
+        c = model.config
+        self._c = c
+        self._dtype = getattr(mx, self.params.dtype)
+        self.bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self._dtype.size
+        if kv_budget_bytes is not None:
+            if kv_budget_bytes <= 0:
+                raise ValueError(f"kv_budget_bytes must be > 0, got {kv_budget_bytes!r}")
+            kv_budget_tokens = kv_budget_bytes // self.bytes_per_token
+        if kv_budget_tokens is not None and kv_budget_tokens <= 0:
+            raise ValueError(f"kv_budget_tokens must be > 0, got {kv_budget_tokens!r}")
+        self.max_rows = max_rows
+        self.kv_budget_tokens = kv_budget_tokens
+        self.prefill_chunk = sched.normalize_chunk(prefill_chunk)
+        if step_token_budget is None:
+            step_token_budget = self.prefill_chunk + max_rows
+        if step_token_budget < max_rows + sched.MIN_CHUNK:
+            raise ValueError(
+                f"step_token_budget must be >= max_rows + {sched.MIN_CHUNK} "
+                f"({max_rows + sched.MIN_CHUNK}), got {step_token_budget}"
+            )
+        self.step_token_budget = step_token_budget
+        self.max_queue = max_queue
+        self.context_length = c.max_position_embeddings
+        self.eos = frozenset(model.eos_ids)
+        self._special = list(_xtc_special(model))
+        self._known = model.tokenizer.vocab_size  # ids past it (padded vocab) decode to ""
+        self.fault_hook = fault_hook
+        self.trace_events: collections.deque = collections.deque(maxlen=trace_capacity)
+
+        self._lock = threading.Condition()
+        self._pending: collections.deque[_Request] = collections.deque()  # under _lock
+        self._closing = False
+        self._abort = False
+        self._thread: threading.Thread | None = None
+        self._step_lock = threading.Lock()
+        self._next_id = 0
+        self.steps = 0
+
+        # engine-thread state
+        self._prefilling: list[_Request] = []
+        self._rows: list[_Request | None] = []
+        self._cache: KVCache | None = None
+        self._state: DecodeState | None = None
+        self._active_dirty = False
+
+    # ---------------------------------------------------------------- public API
+    @property
+    def running(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    def submit(self, prompt: Any, **kwargs: Any) -> RequestHandle:
+        """Queue a request (thread-safe). Takes fx_engine.generate's arguments. Raises
+        ValueError for invalid arguments or a request that can never fit (context, KV
+        budget), QueueFull when the wait queue is full, EngineClosed after close()."""
+        req, ids = self._make_request(prompt, kwargs)
+        with self._lock:
+            if self._closing:
+                raise EngineClosed("engine is closed")
+            if len(self._pending) >= self.max_queue:
+                raise QueueFull(
+                    f"engine queue is full ({self.max_queue} requests waiting); retry later"
+                )
+            rid = self._next_id
+            self._next_id += 1
+            handle = RequestHandle(self, rid, tuple(ids))
+            req.handle = handle
+            self._pending.append(req)
+            self._lock.notify_all()
+        return handle
+
+    def start(self) -> "Engine":
+        """Run steps on a background thread (it owns all MLX state from now on)."""
+        with self._lock:
+            if self._closing:
+                raise EngineClosed("engine is closed")
+            if self.running:
+                return self
+            self._thread = threading.Thread(target=self._loop, name="fx-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, wait: bool = True) -> None:
+        """Stop accepting requests. wait=True finishes the submitted ones first; False
+        cancels them. Joins the background thread."""
+        with self._lock:
+            self._closing = True
+            if not wait:
+                self._abort = True
+            self._lock.notify_all()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join()
+        elif t is None:
+            while self.has_work():
+                self.step()
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, exc_type, *exc: Any) -> None:
+        self.close(wait=exc_type is None)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            pending = bool(self._pending)
+        return pending or bool(self._prefilling) or any(r is not None for r in self._rows)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            queued = len(self._pending)
+        cache = self._cache
+        return {
+            "queued": queued,
+            "prefilling": len(self._prefilling),
+            "decoding": sum(r is not None for r in self._rows),
+            "rows": len(self._rows),
+            "capacity": 0 if cache is None else cache.capacity,
+            "cache_bytes": 0 if cache is None else cache.nbytes,
+            "steps": self.steps,
+        }
+
+    # ---------------------------------------------------------------- submission
+    def _make_request(self, prompt: Any, kw: dict[str, Any]) -> tuple[_Request, list[int]]:
+        kw = dict(kw)
+        max_tokens = kw.pop("max_tokens", 256)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        stop = kw.pop("stop", None)
+        if isinstance(stop, str):
+            stop = [stop]
+        stops = StopMatcher(list(stop or ()))
+        logprobs = kw.pop("logprobs", 0)
+        n_top = 1 if logprobs is True else int(logprobs or 0)
+        chat = kw.pop("chat", None)
+        kw.pop("prefill_chunk", None)  # engine-level setting; accepted for generate parity
+        allowed = {
+            "temperature", "top_p", "top_k", "min_p", "xtc_probability", "xtc_threshold",
+            "repetition_penalty", "repetition_context_size", "presence_penalty",
+            "presence_context_size", "frequency_penalty", "frequency_context_size",
+            "logit_bias", "seed",
+        }
+        unknown = sorted(set(kw) - allowed)
+        if unknown:
+            raise TypeError(f"submit() got unexpected keyword arguments: {unknown}")
+        cfg = SamplingConfig(logprobs=n_top, **kw).validate(self._c.vocab_size)
+        ids = prompt_ids(self.model, prompt, chat)
+        if not ids:
+            raise ValueError("prompt: encodes to zero tokens")
+        limit = self.context_length
+        # The last sampled token is never written to the cache: prompt + max_tokens may be
+        # context + 1 (positions 0 .. context - 1 are used).
+        if len(ids) + max_tokens > limit + 1:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = "
+                f"{len(ids) + max_tokens} exceeds the model's context of {limit} tokens"
+            )
+        need = len(ids) + max_tokens
+        if not sched.ever_fits(need, self.max_rows, self.kv_budget_tokens):
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs a decode cache "
+                f"of {sched.kv_footprint([need], self.max_rows)} token slots "
+                f"({sched.kv_footprint([need], self.max_rows) * self.bytes_per_token} bytes), "
+                f"more than the KV budget of {self.kv_budget_tokens} tokens"
+            )
+        return _Request(None, ids, cfg, max_tokens, stops, n_top > 0), ids
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    # ---------------------------------------------------------------- the loop
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._pending or self._prefilling or self._live_rows()
+                           or self._closing):
+                    self._lock.wait()
+                if self._closing and not (self._abort or self._pending or self._prefilling
+                                          or self._live_rows()):
+                    return
+            try:
+                self.step()
+            except BaseException as e:  # a step-level failure: fail every request, go on
+                self._fail_all(e)
+            if self._abort and not self.has_work():
+                return
+
+    def _live_rows(self) -> bool:
+        return any(r is not None for r in self._rows)
+
+    def _trace(self, kind: str, **fields: Any) -> None:
+        self.trace_events.append({"t": time.perf_counter(), "step": self.steps, "kind": kind, **fields})
+
+    # ---------------------------------------------------------------- one step
+    def step(self) -> bool:
+        """One engine step: retire cancelled requests, admit, run at most
+        step_token_budget tokens of prefill pieces, one decode step over the batch.
+        Returns whether there is still work."""
+        t = self._thread
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            raise RuntimeError("engine.step() is driven by the background thread; do not call it")
+        with self._step_lock:
+            self._step()
+        return self.has_work()
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        self.steps += 1
+        if self._abort:
+            self._cancel_everything()
+        self._retire_cancelled()
+        self._admit()
+
+        decoding = [r for r in self._rows if r is not None]
+        plan = sched.plan_prefill(
+            len(decoding), [(i, len(r.ids) - r.prefilled) for i, r in enumerate(self._prefilling)],
+            self.prefill_chunk, self.step_token_budget,
+        )
+        finished_prefill: list[_Request] = []
+        for req, n in [(self._prefilling[i], n) for i, n in plan]:
+            try:
+                if self._prefill_piece(req, n):
+                    finished_prefill.append(req)
+            except Exception as e:
+                self._fail(req, e)
+        for req in finished_prefill:
+            if req.phase == "prefill":  # not finished by its first token
+                self._prefilling.remove(req)
+                self._insert(req)
+
+        if any(r is not None for r in self._rows):
+            self._decode()
+        self._maintain()
+        self._trace("step", seconds=time.perf_counter() - t0)
+
+    # ---------------------------------------------------------------- admission
+    def _admit(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                req = self._pending[0]
+                needs = [r.need for r in self._prefilling] + [r.need for r in self._rows if r is not None]
+                if not sched.can_admit(needs, req.need, self.max_rows, self.kv_budget_tokens):
+                    return
+                self._pending.popleft()
+            req.phase = "prefill"
+            req.t_admit = time.perf_counter()
+            req.handle.timings["admitted"] = req.t_admit
+            req.detok = self.model.tokenizer.detokenizer()
+            self._prefilling.append(req)
+            self._trace("admit", request=req.handle.id, prompt_tokens=len(req.ids),
+                        max_tokens=req.max_tokens)
+
+    # ---------------------------------------------------------------- prefill
+    def _prefill_piece(self, req: _Request, n: int) -> bool:
+        if self.fault_hook is not None:
+            self.fault_hook("prefill", req.handle)
+        c = self._c
+        if req.pcache is None:
+            chunk = sched.chunk_bucket(min(self.prefill_chunk, len(req.ids)))
+            cap = sched.capacity_bucket(len(req.ids) + chunk)
+            req.pcache = init_cache(c.num_layers, 1, c.num_kv_heads, cap, c.head_dim, self._dtype)
+        start = req.prefilled
+        piece = req.ids[start : start + n]
+        size = sched.chunk_bucket(n)
+        padded = piece + [0] * (size - n)
+        t0 = time.perf_counter()
+        logits, cache = prefill_step_compiled(
+            self.params, req.pcache, mx.array([padded], mx.int32), mx.array([n], mx.int32),
+            span=span_bucket(start + size, req.pcache.capacity),
+        )
+        req.pcache = None
+        req.prefilled = start + n
+        last = req.prefilled == len(req.ids)
+        if not last:
+            mx.eval(*tree_leaves(cache))
+            req.pcache = cache
+            self._trace("prefill", request=req.handle.id, tokens=n, padded=size, start=start,
+                        seconds=time.perf_counter() - t0)
+            return False
+        row_state = init_state([req.cfg], [req.ids], c.vocab_size, special_token_ids=self._special)
+        row_state = sample_step_compiled(row_state, logits)
+        mx.eval(*tree_leaves(cache), *tree_leaves(row_state))
+        req.pcache = cache
+        t1 = time.perf_counter()
+        self._trace("prefill", request=req.handle.id, tokens=n, padded=size, start=start,
+                    seconds=t1 - t0)
+        self._trace("sample", request=req.handle.id)
+        req.t_first = t1
+        req.handle.timings["first_token"] = t1
+        req.cache_len = len(req.ids)
+        token = int(row_state.tokens[0].item())
+        lp = None
+        if req.want_logprobs:
+            lp = self._logprob(req, token, float(row_state.logprob[0].item()),
+                               row_state.top_ids[0].tolist(), row_state.top_logprobs[0].tolist())
+        req.row_state = row_state
+        self._on_token(req, token, lp)
+        return True
+
+    # ---------------------------------------------------------------- insertion
+    def _row_params(self) -> Any:
+        cfgs = [r.cfg if r is not None else _GREEDY for r in self._rows]
+        return make_sampling_params(cfgs, self._c.vocab_size, self._special)
+
+    def _insert(self, req: _Request) -> None:
+        row_state, req.row_state = req.row_state, None
+        try:
+            if self._cache is None:
+                self._resize_rows(1, capacity=sched.capacity_bucket(req.cache_len + 1))
+            self._ensure_capacity(req.cache_len + 1)
+            row = self._free_row()
+            self._rows[row] = req
+            req.row = row
+            params = self._row_params()
+            self._cache = insert_row(self._cache, req.pcache, row, req.cache_len)
+            self._state = insert_state_row(self._state, row_state, row, params)
+            req.pcache = None
+            req.phase = "decode"
+            mx.eval(*tree_leaves(self._cache), *tree_leaves(self._state))
+        except Exception as e:
+            self._fail(req, e)
+            return
+        self._trace("insert", request=req.handle.id, row=row, rows=len(self._rows),
+                    capacity=self._cache.capacity)
+
+    def _free_row(self) -> int:
+        for i, r in enumerate(self._rows):
+            if r is None:
+                return i
+        live = len(self._rows)
+        new_rows = sched.row_bucket(live + 1, self.max_rows)
+        self._resize_rows(new_rows)
+        return live
+
+    def _resize_rows(self, rows: int, capacity: int = sched.MIN_CAPACITY) -> None:
+        c = self._c
+        old = len(self._rows)
+        self._rows = self._rows + [None] * (rows - old)
+        if self._cache is None:
+            self._cache = init_cache(c.num_layers, rows, c.num_kv_heads, capacity, c.head_dim, self._dtype)
+            self._state = init_state([_GREEDY] * rows, [[0]] * rows, c.vocab_size, self._special)
+            self._state = tree_replace(self._state, active=mx.zeros((rows,), mx.bool_))
+        else:
+            self._cache = resize(self._cache, rows=rows)
+            self._state = _pad_state_rows(self._state, rows, self._row_params())
+        self._trace("resize", rows=rows, capacity=self._cache.capacity)
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if self._cache is None or needed <= self._cache.capacity:
+            return
+        cap = sched.capacity_bucket(needed)
+        budget = self.kv_budget_tokens
+        if budget is not None and len(self._rows) * cap > budget:
+            live = sum(r is not None for r in self._rows)
+            self._compact(sched.row_bucket(live, self.max_rows))
+        self._cache = resize(self._cache, capacity=cap)
+        self._trace("resize", rows=len(self._rows), capacity=cap)
+
+    # ---------------------------------------------------------------- decode
+    def _decode(self) -> None:
+        active = [r is not None for r in self._rows]
+        live = [r for r in self._rows if r is not None]
+        max_len = max(r.cache_len for r in live)
+        self._ensure_capacity(max_len + 1)
+        state = tree_replace(self._state, active=mx.array(active))
+        self._state = None
+        span = span_bucket(max_len + 1, self._cache.capacity)
+        t0 = time.perf_counter()
+        state, cache = decode_step_compiled(self.params, self._cache, state, span=span)
+        self._cache = None
+        mx.eval(*tree_leaves(state), *tree_leaves(cache))
+        self._state, self._cache = state, cache
+        toks = state.tokens.tolist()
+        want_lp = any(r.want_logprobs for r in live)
+        if want_lp:
+            lps, top_ids, top_vals = state.logprob.tolist(), state.top_ids.tolist(), state.top_logprobs.tolist()
+        self._trace("decode", batch=len(live), rows=len(self._rows), capacity=cache.capacity,
+                    span=span, requests=[r.handle.id for r in live],
+                    seconds=time.perf_counter() - t0)
+        for row, req in enumerate(self._rows):
+            if req is None:
+                continue
+            req.cache_len += 1
+            try:
+                tok = toks[row]
+                lp = None
+                if req.want_logprobs:
+                    lp = self._logprob(req, tok, lps[row], top_ids[row], top_vals[row])
+                self._on_token(req, tok, lp)
+            except Exception as e:
+                self._fail(req, e)
+
+    def _logprob(self, req: _Request, token: int, value: float, ids: Sequence[int],
+                 vals: Sequence[float]) -> tuple[TokenLogprob, ...]:
+        known, decode = self._known, self.model.tokenizer.decode
+        dec = lambda ids: decode(ids) if ids[0] < known else ""  # noqa: E731
+        n = req.cfg.logprobs
+        top = tuple((int(i), dec([int(i)]), float(v)) for i, v in list(zip(ids, vals))[:n])
+        return (TokenLogprob(token, dec([token]), float(value), top),)
+
+    # ---------------------------------------------------------------- per-token shell logic
+    def _on_token(self, req: _Request, token: int, lp: Any) -> bool:
+        """Stops, detokenization, events for one sampled token. Returns True if finished."""
+        if self.fault_hook is not None:
+            self.fault_hook("token", req.handle)
+        if token in self.eos:
+            self._complete(req, "stop")
+            return True
+        req.generated.append(token)
+        text = req.stops.feed(req.detok.add(token) if token < self._known else "")
+        if lp:
+            req.lps.extend(lp)
+        req.text.append(text)
+        req.handle._emit(TextDelta(text, (token,), lp))
+        if req.stops.stopped:
+            self._complete(req, "stop")
+            return True
+        if len(req.generated) >= req.max_tokens:
+            self._complete(req, "length")
+            return True
+        return False
+
+    def _complete(self, req: _Request, reason: str) -> None:
+        if reason == "stop" and req.stops.stopped:
+            tail = ""
+        else:
+            tail = req.stops.feed(req.detok.finalize()) if req.detok is not None else ""
+        tail += req.stops.flush()
+        req.text.append(tail)
+        now = time.perf_counter()
+        t_first = req.t_first or now
+        usage = Usage(
+            prompt_tokens=len(req.ids), completion_tokens=len(req.generated), cached_tokens=0,
+            prompt_seconds=(t_first - req.t_admit) if req.t_admit else 0.0,
+            generation_seconds=now - t_first,
+        )
+        h = req.handle
+        h.timings["finished"] = now
+        completion = Completion(
+            text="".join(req.text), token_ids=tuple(req.generated), finish_reason=reason,
+            logprobs=tuple(req.lps) if req.want_logprobs else None, usage=usage,
+            prompt_token_ids=tuple(req.ids),
+        )
+        self._release(req, reason)
+        h._emit(TextDelta(tail, (), None, reason, usage))
+        h._finish(completion, None)
+
+    def _fail(self, req: _Request, error: BaseException) -> None:
+        if req.phase == "done":
+            return
+        self._release(req, "error", error=repr(error))
+        req.handle.timings["finished"] = time.perf_counter()
+        req.handle._finish(None, error)
+
+    def _release(self, req: _Request, reason: str, **fields: Any) -> None:
+        """Retire: free the row (inactive, length 0) or drop the prefill state."""
+        phase, req.phase = req.phase, "done"
+        if phase == "prefill" and req in self._prefilling:
+            self._prefilling.remove(req)
+        if req.row is not None and self._rows and self._rows[req.row] is req:
+            row = req.row
+            self._rows[row] = None
+            if self._cache is not None:
+                mask = mx.arange(len(self._rows)) == row
+                self._cache = with_lengths(self._cache, mx.where(mask, 0, self._cache.lengths))
+        req.pcache = None
+        self._trace("retire", request=req.handle.id, row=req.row, reason=reason,
+                    generated=len(req.generated), **fields)
+        req.row = None
+
+    def _retire_cancelled(self) -> None:
+        with self._lock:
+            gone = [r for r in self._pending if r.handle._cancel]
+            for r in gone:
+                self._pending.remove(r)
+        for r in gone:
+            r.phase = "queued"
+            self._complete(r, "cancelled")
+        for r in list(self._prefilling) + [r for r in self._rows if r is not None]:
+            if r.handle._cancel and r.phase != "done":
+                self._complete(r, "cancelled")
+
+    def _cancel_everything(self) -> None:
+        with self._lock:
+            for r in self._pending:
+                r.handle._cancel = True
+        for r in list(self._prefilling) + [r for r in self._rows if r is not None]:
+            r.handle._cancel = True
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            pending = list(self._pending)
+            self._pending.clear()
+        for r in pending + list(self._prefilling) + [r for r in self._rows if r is not None]:
+            if r.phase != "done":
+                self._fail(r, error)
+        self._cache, self._state, self._rows, self._prefilling = None, None, [], []
+
+    # ---------------------------------------------------------------- memory upkeep
+    def _compact(self, target: int) -> None:
+        """Gather the live rows into rows 0..live-1 of a `target`-row batch (a copy)."""
+        rows = len(self._rows)
+        live_idx = [i for i, r in enumerate(self._rows) if r is not None]
+        spare = [r for r in range(rows) if r not in live_idx]
+        idx = live_idx + spare[: max(0, target - len(live_idx))]
+        gather = mx.array(idx, mx.int32)
+        self._cache = take_rows(self._cache, gather)
+        self._rows = [self._rows[i] for i in live_idx] + [None] * (len(idx) - len(live_idx))
+        for i, r in enumerate(self._rows):
+            if r is not None:
+                r.row = i
+        self._state = _take_state_rows(self._state, gather, self._row_params())
+        mask = mx.arange(len(idx)) >= len(live_idx)
+        self._cache = with_lengths(self._cache, mx.where(mask, 0, self._cache.lengths))
+        if len(idx) < target:
+            self._resize_rows(target)
+        self._trace("compact", rows=len(self._rows), live=len(live_idx))
+
+    def _maintain(self) -> None:
+        if self._cache is None:
+            return
+        live_idx = [i for i, r in enumerate(self._rows) if r is not None]
+        if not live_idx:
+            if not self._prefilling:
+                self._cache, self._state, self._rows = None, None, []
+                self._trace("resize", rows=0, capacity=0)
+            return
+        rows = len(self._rows)
+        target = sched.shrink_rows_target(len(live_idx), rows, self.max_rows)
+        budget = self.kv_budget_tokens
+        over = budget is not None and rows * self._cache.capacity > budget
+        if target is None and over:
+            target = sched.row_bucket(len(live_idx), self.max_rows)
+        if target is not None and (target < rows or live_idx != list(range(len(live_idx)))):
+            self._compact(target)
+        max_len = max(r.cache_len for r in self._rows if r is not None)
+        cap = sched.shrink_capacity_target(max_len, self._cache.capacity)
+        if cap is not None:
+            self._cache = resize(self._cache, capacity=cap)
+            self._trace("resize", rows=len(self._rows), capacity=cap)

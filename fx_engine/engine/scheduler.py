@@ -1,0 +1,142 @@
+"""Pure-Python step planning for the continuous-batching engine (no MLX, property-testable).
+
+The engine (fx_engine/engine/engine.py) asks these functions, once per step:
+
+* which prefill pieces to run this step (`plan_prefill`): decode rows are served first, one
+  token each; what is left of the per-step token budget goes to prefill pieces, in FIFO
+  order, at most `prefill_chunk` tokens per request, each piece padded to a power-of-two
+  shape bucket and counted at its padded size;
+* which shape buckets to use for the decode batch (`row_bucket`, `capacity_bucket`) and the
+  prefill pieces (`chunk_bucket`);
+* whether a request can be admitted now (`kv_footprint` against the KV budget) or ever.
+
+The policy is documented in specs/engine.md.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+MIN_CHUNK = 16  # smallest prefill piece shape
+MIN_CAPACITY = 256  # smallest decode-cache capacity bucket
+
+
+def pow2_ceil(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def pow2_floor(n: int) -> int:
+    if n < 1:
+        raise ValueError(f"pow2_floor needs n >= 1, got {n}")
+    return 1 << (n.bit_length() - 1)
+
+
+def row_buckets(max_rows: int) -> tuple[int, ...]:
+    """Decode batch sizes: 1, 2, 4, ... below max_rows, then max_rows itself."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    out, b = [], 1
+    while b < max_rows:
+        out.append(b)
+        b *= 2
+    out.append(max_rows)
+    return tuple(out)
+
+
+def row_bucket(n: int, max_rows: int) -> int:
+    """The smallest row bucket holding n rows (n <= max_rows)."""
+    if not 0 <= n <= max_rows:
+        raise ValueError(f"row count {n} outside [0, {max_rows}]")
+    return min(max_rows, pow2_ceil(max(1, n)))
+
+
+def capacity_bucket(n: int, minimum: int = MIN_CAPACITY) -> int:
+    """Decode-cache capacity bucket (a power of two >= minimum) holding n slots."""
+    return max(minimum, pow2_ceil(n))
+
+
+def chunk_bucket(n: int) -> int:
+    """Padded shape of a prefill piece of n real tokens."""
+    return max(MIN_CHUNK, pow2_ceil(n))
+
+
+def normalize_chunk(prefill_chunk: int) -> int:
+    """Prefill chunks are powers of two (>= MIN_CHUNK) so full pieces need no padding."""
+    if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+    return max(MIN_CHUNK, pow2_floor(prefill_chunk))
+
+
+def plan_prefill(
+    decode_rows: int,
+    waiting: Sequence[tuple[Hashable, int]],
+    prefill_chunk: int,
+    step_token_budget: int,
+) -> list[tuple[Hashable, int]]:
+    """Prefill pieces for one step: [(key, n_tokens)] in FIFO order.
+
+    decode_rows: rows that decode this step (each costs one token of the budget).
+    waiting: (key, remaining prompt tokens) of admitted requests still prefilling, FIFO.
+    Each piece has n <= min(remaining, prefill_chunk) real tokens and costs its padded size
+    `chunk_bucket(n)`; the padded sizes sum to at most `step_token_budget - decode_rows`
+    (the engine guarantees that is >= MIN_CHUNK, so prefill always progresses). A piece that
+    does not finish its prompt is a power of two (no padding waste).
+    """
+    avail = step_token_budget - decode_rows
+    plan: list[tuple[Hashable, int]] = []
+    for key, remaining in waiting:
+        if remaining <= 0:
+            continue
+        if avail < MIN_CHUNK:
+            break
+        n = min(remaining, prefill_chunk, avail)
+        if chunk_bucket(n) > avail or (n < remaining and chunk_bucket(n) != n):
+            n = pow2_floor(min(n, avail))
+            if n < MIN_CHUNK:
+                break
+        plan.append((key, n))
+        avail -= chunk_bucket(n)
+    return plan
+
+
+def kv_footprint(needs: Sequence[int], max_rows: int) -> int:
+    """Token slots of the rectangular decode cache that can hold rows needing `needs` slots
+    each (prompt + max_tokens): row_bucket(len) x capacity_bucket(max need)."""
+    if not needs:
+        return 0
+    return row_bucket(len(needs), max_rows) * capacity_bucket(max(needs))
+
+
+def can_admit(
+    admitted_needs: Sequence[int], need: int, max_rows: int, budget_tokens: int | None
+) -> bool:
+    """A free row exists and the decode cache for every admitted request plus this one fits
+    the KV budget (None = unbounded)."""
+    if len(admitted_needs) >= max_rows:
+        return False
+    if budget_tokens is None:
+        return True
+    return kv_footprint([*admitted_needs, need], max_rows) <= budget_tokens
+
+
+def ever_fits(need: int, max_rows: int, budget_tokens: int | None) -> bool:
+    """Whether a request needing `need` slots fits the KV budget alone."""
+    return budget_tokens is None or kv_footprint([need], max_rows) <= budget_tokens
+
+
+def shrink_rows_target(live: int, rows: int, max_rows: int) -> int | None:
+    """Compaction with hysteresis: shrink the decode batch only when the live rows fit in a
+    quarter of it (so a batch oscillating around a bucket edge never copies every step)."""
+    target = row_bucket(max(live, 1), max_rows)
+    if live == 0 or target * 4 <= rows:
+        return target
+    return None
+
+
+def shrink_capacity_target(max_len: int, capacity: int) -> int | None:
+    """Shrink the decode-cache capacity when every live row fits in a quarter of it; the new
+    capacity keeps 2x headroom."""
+    target = capacity_bucket(2 * (max_len + 1))
+    if capacity_bucket(max_len + 1) * 4 <= capacity and target < capacity:
+        return target
+    return None
