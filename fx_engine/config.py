@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -158,19 +156,6 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfi
         bos_token_id=d.get("bos_token_id") if isinstance(d.get("bos_token_id"), int) else None,
         eos_token_ids=eos_ids,
     )
-
-
-def read_hf_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
-    path = folder / "config.json"
-    if not path.exists():
-        raise ConfigError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: invalid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return config_from_hf(raw, str(path)), raw
 
 
 def config_from_gguf(md: dict[str, Any], source: str) -> ModelConfig:

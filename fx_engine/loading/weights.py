@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import ConfigError, ModelConfig, config_from_gguf, read_hf_config
+from ..config import ConfigError, ModelConfig, config_from_gguf, config_from_hf
 from ..models.llama import LayerParams, Params
 from ..nn import Linear, Numerics
 
@@ -285,6 +285,19 @@ def load_gguf(
         periods = cfg.rope_theta ** (mx.arange(0, cfg.head_dim, 2) / cfg.head_dim) * factors
         params = attrs.evolve(params, rope_freqs=periods)
     return cfg, params, metadata
+
+
+def read_hf_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    path = folder / "config.json"
+    if not path.exists():
+        raise ConfigError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return config_from_hf(raw, str(path)), raw
 
 
 def load_hf_folder(
