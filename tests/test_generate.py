@@ -186,7 +186,7 @@ def test_prompt_filling_the_context_still_yields_one_token(tmp_path):
     from fx_engine.testing import write_tiny_model
 
     m = fx_engine.load(write_tiny_model(tmp_path / "m", "llama", max_position_embeddings=64))
-    out = fx_engine.generate(m, [5] * 64, max_tokens=10)
+    out = fx_engine.generate(m, [5] * 64, max_tokens=1)
     assert len(out.token_ids) <= 1 and out.finish_reason in ("length", "stop")
     with pytest.raises(ValueError, match="context"):
-        fx_engine.generate(m, [5] * 65)
+        fx_engine.generate(m, [5] * 64, max_tokens=2)

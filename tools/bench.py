@@ -603,22 +603,36 @@ def measure_matmul_floor(model: Any, reps: int = 5) -> dict[str, Any]:
     }
 
 
-def measure_decode_breakdown(model: Any, contexts: list[int], reps: int = 15) -> dict[str, Any]:
-    """Where a fx-engine decode step's time goes, at the cache capacity the shell would use.
+def measure_breakdown(model: Any, decode_contexts: list[int], prefill_sizes: list[int],
+                      reps: int = 9) -> dict[str, Any]:
+    """Where a fx-engine step's time goes, at the cache capacity the shell would use.
 
-    step_ms: the compiled decode step (length pinned at the context, so every repetition
-    sees the same shapes and length); sdpa_ms: the model's layers' attention calls alone
-    (one query over the whole capacity, masked to the context), as in the step.
+    step_ms: the compiled step alone (the cache length pinned, so every repetition sees the
+    same shapes and length): a decode step at the context, or the LAST 512-token prefill
+    chunk of a prompt of that size; sdpa_ms: the same step's attention calls alone (all
+    layers, MLX's fused SDPA over the whole capacity with a bool mask, as in the step).
     """
     from fx_engine.cache import with_lengths
 
     c, p = model.config, model.params
+    dt = getattr(mx, p.dtype)
+    sc = c.head_dim ** -0.5
     out: dict[str, Any] = {}
-    for ctx in contexts:
-        chunk = bucket(min(PREFILL_CHUNK, ctx))
-        cap = bucket(ctx + chunk, MIN_CAPACITY)
-        cache = with_lengths(init_cache(c.num_layers, 1, c.num_kv_heads, cap, c.head_dim,
-                                        getattr(mx, p.dtype)), mx.array([ctx], mx.int32))
+
+    def attention_ms(t: int, cap: int, length: int, n: int) -> float:
+        q = mx.random.normal((1, c.num_heads, t, c.head_dim)).astype(dt)
+        k = mx.random.normal((1, c.num_kv_heads, cap, c.head_dim)).astype(dt)
+        v = mx.random.normal((1, c.num_kv_heads, cap, c.head_dim)).astype(dt)
+        qpos = length + mx.arange(t)
+        mask = (mx.arange(cap)[None, :] <= qpos[:, None])[None, None]
+        mx.eval(q, k, v, mask)
+        return _median_time(lambda: mx.eval([mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=sc, mask=mask) for _ in range(c.num_layers)]), n) * 1e3
+
+    for ctx in decode_contexts:
+        cap = bucket(ctx + bucket(min(PREFILL_CHUNK, ctx)), MIN_CAPACITY)
+        cache = with_lengths(init_cache(c.num_layers, 1, c.num_kv_heads, cap, c.head_dim, dt),
+                             mx.array([ctx], mx.int32))
         box = {"state": init_state([SamplingConfig(temperature=0.0)], [[0]], c.vocab_size),
                "cache": cache}
 
@@ -628,17 +642,30 @@ def measure_decode_breakdown(model: Any, contexts: list[int], reps: int = 15) ->
             int(st.tokens[0].item())
             box["state"], box["cache"] = st, with_lengths(ca, mx.array([ctx], mx.int32))
 
-        t_step = _median_time(step, reps)
-        q = mx.random.normal((1, c.num_heads, 1, c.head_dim))
-        k = mx.random.normal((1, c.num_kv_heads, cap, c.head_dim))
-        v = mx.random.normal((1, c.num_kv_heads, cap, c.head_dim))
-        mask = (mx.arange(cap) <= ctx)[None, None, None, :]
-        mx.eval(q, k, v, mask)
-        sc = c.head_dim ** -0.5
-        t_att = _median_time(lambda: mx.eval([mx.fast.scaled_dot_product_attention(
-            q, k, v, scale=sc, mask=mask) for _ in range(c.num_layers)]), reps)
-        out[f"decode@{ctx}"] = {"capacity": cap, "step_ms": t_step * 1e3,
-                                "sdpa_ms": t_att * 1e3}
+        out[f"decode@{ctx}"] = {"capacity": cap, "step_ms": _median_time(step, reps) * 1e3,
+                                "sdpa_ms": attention_ms(1, cap, ctx, reps)}
+        del box, cache
+        mx.clear_cache()
+    for n in prefill_sizes:
+        chunk = bucket(min(PREFILL_CHUNK, n))
+        cap = bucket(n + chunk, MIN_CAPACITY)
+        start = ((n - 1) // chunk) * chunk
+        cache = with_lengths(init_cache(c.num_layers, 1, c.num_kv_heads, cap, c.head_dim, dt),
+                             mx.array([start], mx.int32))
+        toks = mx.zeros((1, chunk), mx.int32)
+        nv = mx.array([chunk], mx.int32)
+        box = {"cache": cache}
+
+        def pstep() -> None:
+            lg, ca = prefill_step_compiled(p, box["cache"], toks, nv)
+            mx.eval(lg, *tree_leaves(ca))
+            box["cache"] = with_lengths(ca, mx.array([start], mx.int32))
+
+        r = max(1, reps // 3)
+        out[f"prefill@{n}(last chunk)"] = {
+            "capacity": cap, "chunk": chunk, "start": start,
+            "step_ms": _median_time(pstep, r) * 1e3,
+            "sdpa_ms": attention_ms(chunk, cap, start, r)}
         del box, cache
         mx.clear_cache()
     return out
@@ -910,9 +937,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     bd = report.get("decode_breakdown")
     if bd and "error" not in bd:
         lines.append("")
-        lines.append("fx-engine decode step: " + "; ".join(
-            f"{k}: capacity {v['capacity']}, step {v['step_ms']:.1f} ms, attention (all layers) "
-            f"{v['sdpa_ms']:.1f} ms" for k, v in bd.items()) + ".")
+        lines.append("fx-engine step breakdown (compiled step alone / its attention calls alone): "
+                     + "; ".join(f"{k}: capacity {v['capacity']}, step {v['step_ms']:.1f} ms, "
+                                 f"attention {v['sdpa_ms']:.1f} ms" for k, v in bd.items()) + ".")
     lines.append("")
     lines.append(f"Command: `{report['command']}`")
     return "\n".join(lines) + "\n"
@@ -1081,7 +1108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ceilings = measure_ceilings()
         ceilings.update(measure_matmul_floor(fx_model))
         try:
-            breakdown = measure_decode_breakdown(fx_model, [short, max(sizes)])
+            breakdown = measure_breakdown(fx_model, [short, max(sizes)], sorted(sizes))
         except Exception as e:  # a diagnostic only: never fail the benchmark for it
             breakdown = {"error": f"{type(e).__name__}: {e}"}
         log(f"ceilings {ceilings}; decode breakdown {breakdown}")

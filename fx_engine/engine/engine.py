@@ -34,14 +34,8 @@ from ..state import DecodeState, init_state
 from ..steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
 from ..tree import tree_leaves, tree_replace
 from . import scheduler as sched
-from .generate import Completion, TextDelta, TokenLogprob, Usage, prompt_ids
-
-try:  # EOS + newline, as fx_engine.generate uses (mlx-lm's xtc_special_tokens)
-    from .generate import xtc_special_tokens as _xtc_special
-except ImportError:  # pragma: no cover - older generate.py
-    def _xtc_special(model: Any) -> list[int]:
-        return sorted(model.eos_ids)
-from .stops import StopMatcher
+from .request import Completion, TextDelta, TokenLogprob, Usage, parse_request
+from .request import xtc_special_tokens as _xtc_special
 
 __all__ = [
     "Engine", "RequestHandle", "QueueFull", "EngineClosed", "insert_row", "insert_state_row",
@@ -115,7 +109,7 @@ def insert_state_row(
 
     return tree_replace(
         state,
-        tokens=state.tokens,
+        tokens=put(state.tokens, row_state.tokens),
         keys=put(state.keys, row_state.keys),
         history=put(_fit_cols(state.history, w, -1, True), _fit_cols(row_state.history, w, -1, True)),
         params=params,
@@ -469,39 +463,9 @@ class Engine:
 
     # ---------------------------------------------------------------- submission
     def _make_request(self, prompt: Any, kw: dict[str, Any]) -> tuple[_Request, list[int]]:
-        kw = dict(kw)
-        max_tokens = kw.pop("max_tokens", 256)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        stop = kw.pop("stop", None)
-        if isinstance(stop, str):
-            stop = [stop]
-        stops = StopMatcher(list(stop or ()))
-        logprobs = kw.pop("logprobs", 0)
-        n_top = 1 if logprobs is True else int(logprobs or 0)
-        chat = kw.pop("chat", None)
-        kw.pop("prefill_chunk", None)  # engine-level setting; accepted for generate parity
-        allowed = {
-            "temperature", "top_p", "top_k", "min_p", "xtc_probability", "xtc_threshold",
-            "repetition_penalty", "repetition_context_size", "presence_penalty",
-            "presence_context_size", "frequency_penalty", "frequency_context_size",
-            "logit_bias", "seed",
-        }
-        unknown = sorted(set(kw) - allowed)
-        if unknown:
-            raise TypeError(f"submit() got unexpected keyword arguments: {unknown}")
-        cfg = SamplingConfig(logprobs=n_top, **kw).validate(self._c.vocab_size)
-        ids = prompt_ids(self.model, prompt, chat)
-        if not ids:
-            raise ValueError("prompt: encodes to zero tokens")
-        limit = self.context_length
-        # The last sampled token is never written to the cache: prompt + max_tokens may be
-        # context + 1 (positions 0 .. context - 1 are used).
-        if len(ids) + max_tokens > limit + 1:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = "
-                f"{len(ids) + max_tokens} exceeds the model's context of {limit} tokens"
-            )
+        # The same validation as fx_engine.generate (prefill_chunk is an engine setting here).
+        r = parse_request(self.model, prompt, **kw)
+        ids, max_tokens = r.ids, r.max_tokens
         need = len(ids) + max_tokens
         if not sched.ever_fits(need, self.max_rows, self.kv_budget_tokens):
             raise ValueError(
@@ -510,7 +474,7 @@ class Engine:
                 f"({sched.kv_footprint([need], self.max_rows) * self.bytes_per_token} bytes), "
                 f"more than the KV budget of {self.kv_budget_tokens} tokens"
             )
-        return _Request(None, ids, cfg, max_tokens, stops, n_top > 0), ids
+        return _Request(None, ids, r.sampling, max_tokens, r.stops, r.n_top > 0), ids
 
     def _wake(self) -> None:
         with self._lock:

@@ -1,17 +1,20 @@
-"""Single-request generation in the shell: tokenize, chunked prefill, decode loop, stops.
+"""Generation entry points.
+
+`stream`/`generate` run on the batching `Engine` (fx_engine.engine.engine) with one row.
+`reference_stream`/`reference_generate` are the minimal single-request loop over the pure
+steps (chunked prefill, decode, stops) with no scheduler: the independent reference the
+engine's tests compare against, and a readable example of driving the steps.
 
 The shell owns the current cache and state and rebinds them after every step (so MLX can
-update the KV buffers in place); the compiled steps are pure. Batched, multi-request
-serving builds on the same steps (fx_engine.engine.scheduler, issue 3).
+update the KV buffers in place); the compiled steps are pure.
 """
 
 from __future__ import annotations
 
 import inspect
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
-import attrs
 import mlx.core as mx
 
 from ..cache import init_cache, resize, span_bucket
@@ -19,104 +22,14 @@ from ..model import Model
 from ..sampling import SamplingConfig
 from ..state import init_state
 from ..steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
-from ..tree import tree_leaves, tree_replace
+from ..tree import tree_leaves
+from .request import (  # noqa: F401  (re-exported: public types)
+    PREFILL_CHUNK, Completion, TextDelta, TokenLogprob, Usage, bucket, parse_request,
+    prompt_ids, xtc_special_tokens,
+)
 from .stops import StopMatcher
 
-PREFILL_CHUNK = 512
 MIN_CAPACITY = 256
-
-
-@attrs.frozen
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
-    top: tuple[tuple[int, str, float], ...] = ()
-
-
-@attrs.frozen
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    prompt_seconds: float = 0.0
-    generation_seconds: float = 0.0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
-
-    @property
-    def generation_tps(self) -> float:
-        n = self.completion_tokens
-        return n / self.generation_seconds if self.generation_seconds > 0 else 0.0
-
-
-@attrs.frozen
-class Completion:
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str  # "stop" | "length"
-    logprobs: tuple[TokenLogprob, ...] | None
-    usage: Usage
-    prompt_token_ids: tuple[int, ...] = ()
-
-
-class TextDelta(str):
-    """A streamed text piece (a `str`), carrying the tokens and logprobs it came from.
-
-    `finish_reason` is set on the last delta; `usage` too.
-    """
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] | None
-    finish_reason: str | None
-    usage: Usage | None
-
-    def __new__(cls, text: str, token_ids=(), logprobs=None, finish_reason=None, usage=None):
-        obj = super().__new__(cls, text)
-        obj.token_ids, obj.logprobs = tuple(token_ids), logprobs
-        obj.finish_reason, obj.usage = finish_reason, usage
-        return obj
-
-    @property
-    def text(self) -> str:
-        return str.__str__(self)
-
-
-def bucket(n: int, minimum: int = 16) -> int:
-    """The power-of-two shape bucket holding n (so steady state never recompiles)."""
-    return max(minimum, 1 << max(0, (n - 1)).bit_length())
-
-
-def xtc_special_tokens(model: Model) -> list[int]:
-    """Tokens XTC never removes: EOS and newline (as mlx-lm's generate and server do)."""
-    return sorted(set(model.eos_ids) | set(model.tokenizer.encode("\n", add_special_tokens=False)))
-
-
-def prompt_ids(model: Model, prompt: Any, chat: bool | None = None) -> list[int]:
-    """Token ids for a str prompt, a list of token ids, or a list of chat messages."""
-    tok = model.tokenizer
-    if isinstance(prompt, str):
-        if chat:
-            return list(tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                                add_generation_prompt=True, tokenize=True))
-        return list(tok.encode(prompt))
-    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < model.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]} outside [0, {model.config.vocab_size})")
-        return list(prompt)
-    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        return list(tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True))
-    raise ValueError(
-        "prompt: expected a non-empty string, a list of token ids, or a list of chat "
-        f"messages (dicts with 'role' and 'content'); got {type(prompt).__name__}"
-    )
 
 
 def stream(
@@ -156,43 +69,21 @@ def stream(
     Each delta is a `TextDelta` (a str) with `.token_ids` and `.logprobs`; the last one
     carries `.finish_reason` ("stop" or "length") and `.usage`.
     """
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not isinstance(stop, (list, tuple)):
-        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-    stops = StopMatcher(list(stop or ()))
-    if isinstance(logprobs, bool):
-        n_top = int(logprobs)
-    elif isinstance(logprobs, int) and 0 <= logprobs <= 20:
-        n_top = logprobs
-    else:
-        raise ValueError(f"logprobs must be a bool or an integer in [0, 20], got {logprobs!r}")
-    cfg = SamplingConfig(
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
-        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
-        presence_penalty=presence_penalty, presence_context_size=presence_context_size,
-        frequency_penalty=frequency_penalty, frequency_context_size=frequency_context_size,
-        logit_bias=logit_bias, seed=seed, logprobs=n_top,
-    )
-    want_logprobs = n_top > 0
-    ids = prompt_ids(model, prompt, chat)
-    if not ids:
-        raise ValueError("prompt: encodes to zero tokens")
-    limit = model.config.max_position_embeddings
-    if len(ids) > limit:
-        raise ValueError(f"prompt: {len(ids)} tokens exceeds the model's context of {limit} tokens")
-    # The last sampled token is never written to the cache: a full context still yields one.
-    max_tokens = min(max_tokens, limit - len(ids) + 1)
-    # Validation above runs at call time; generation runs lazily as the caller iterates.
-    return _run(model, ids, cfg, max_tokens, stops, want_logprobs, prefill_chunk)
+    from .engine import Engine  # engine.py imports this module's types
+
+    kwargs = {k: v for k, v in locals().items() if k not in ("model", "prompt", "Engine")}
+    engine = Engine(model, max_rows=1, prefill_chunk=prefill_chunk)
+    return iter(engine.submit(prompt, **kwargs))  # validated now; steps run as you iterate
 
 
-def _run(
+
+def reference_stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
+    """`stream` without the Engine: the plain single-request loop (same arguments)."""
+    r = parse_request(model, prompt, **kwargs)
+    return _reference_run(model, r.ids, r.sampling, r.max_tokens, r.stops, r.n_top > 0, r.prefill_chunk)
+
+
+def _reference_run(
     model: Model, ids: list[int], cfg: SamplingConfig, max_tokens: int, stops: StopMatcher,
     want_logprobs: bool, prefill_chunk: int,
 ) -> Iterator[TextDelta]:
@@ -267,12 +158,10 @@ def _run(
     yield TextDelta(tail, (), None, finish, usage)
 
 
-def generate(model: Model, prompt: Any, **kwargs: Any) -> Completion:
-    """Generate a whole completion; takes the same arguments as `stream`."""
-    ids = prompt_ids(model, prompt, kwargs.get("chat"))
+def _collect(ids: tuple[int, ...], deltas: Iterator[TextDelta], want_logprobs: bool) -> Completion:
     text, tokens, lps = [], [], []
     finish, usage = "length", None
-    for d in stream(model, prompt, **kwargs):
+    for d in deltas:
         text.append(d.text)
         tokens.extend(d.token_ids)
         if d.logprobs:
@@ -281,9 +170,20 @@ def generate(model: Model, prompt: Any, **kwargs: Any) -> Completion:
             finish, usage = d.finish_reason, d.usage
     return Completion(
         text="".join(text), token_ids=tuple(tokens), finish_reason=finish,
-        logprobs=tuple(lps) if kwargs.get("logprobs") else None, usage=usage,
-        prompt_token_ids=tuple(ids),
+        logprobs=tuple(lps) if want_logprobs else None, usage=usage, prompt_token_ids=ids,
     )
+
+
+def generate(model: Model, prompt: Any, **kwargs: Any) -> Completion:
+    """Generate a whole completion; takes the same arguments as `stream`."""
+    ids = tuple(prompt_ids(model, prompt, kwargs.get("chat")))
+    return _collect(ids, stream(model, prompt, **kwargs), bool(kwargs.get("logprobs")))
+
+
+def reference_generate(model: Model, prompt: Any, **kwargs: Any) -> Completion:
+    """`generate` without the Engine (the reference loop)."""
+    ids = tuple(prompt_ids(model, prompt, kwargs.get("chat")))
+    return _collect(ids, reference_stream(model, prompt, **kwargs), bool(kwargs.get("logprobs")))
 
 
 generate.__signature__ = inspect.signature(stream).replace(  # type: ignore[attr-defined]

@@ -1,0 +1,225 @@
+"""Requests as the shell sees them: output types, prompt handling, argument validation.
+
+Shared by the reference single-request loop (`engine/generate.py`) and the batching
+`Engine` (`engine/engine.py`), so both accept and reject exactly the same arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+
+from ..model import Model
+from ..sampling import SamplingConfig
+from .stops import StopMatcher
+
+PREFILL_CHUNK = 512
+
+
+@attrs.frozen
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        n = self.completion_tokens
+        return n / self.generation_seconds if self.generation_seconds > 0 else 0.0
+
+
+@attrs.frozen
+class Completion:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" | "length"
+    logprobs: tuple[TokenLogprob, ...] | None
+    usage: Usage
+    prompt_token_ids: tuple[int, ...] = ()
+
+
+class TextDelta(str):
+    """A streamed text piece (a `str`), carrying the tokens and logprobs it came from.
+
+    `finish_reason` is set on the last delta; `usage` too.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None
+    usage: Usage | None
+
+    def __new__(cls, text: str, token_ids=(), logprobs=None, finish_reason=None, usage=None):
+        obj = super().__new__(cls, text)
+        obj.token_ids, obj.logprobs = tuple(token_ids), logprobs
+        obj.finish_reason, obj.usage = finish_reason, usage
+        return obj
+
+    @property
+    def text(self) -> str:
+        return str.__str__(self)
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """The power-of-two shape bucket holding n (so steady state never recompiles)."""
+    return max(minimum, 1 << max(0, (n - 1)).bit_length())
+
+
+def xtc_special_tokens(model: Model) -> list[int]:
+    """Tokens XTC never removes: EOS and newline (as mlx-lm's generate and server do)."""
+    return sorted(set(model.eos_ids) | set(model.tokenizer.encode("\n", add_special_tokens=False)))
+
+
+def prompt_ids(model: Model, prompt: Any, chat: bool | None = None) -> list[int]:
+    """Token ids for a str prompt, a list of token ids, or a list of chat messages."""
+    tok = model.tokenizer
+    if isinstance(prompt, str):
+        if chat:
+            return list(tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True, tokenize=True))
+        return list(tok.encode(prompt))
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} outside [0, {model.config.vocab_size})")
+        return list(prompt)
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        return list(tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True))
+    raise ValueError(
+        "prompt: expected a non-empty string, a list of token ids, or a list of chat "
+        f"messages (dicts with 'role' and 'content'); got {type(prompt).__name__}"
+    )
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """The power-of-two shape bucket holding n (so steady state never recompiles)."""
+    return max(minimum, 1 << max(0, (n - 1)).bit_length())
+
+
+def xtc_special_tokens(model: Model) -> list[int]:
+    """Tokens XTC never removes: EOS and newline (as mlx-lm's generate and server do)."""
+    return sorted(set(model.eos_ids) | set(model.tokenizer.encode("\n", add_special_tokens=False)))
+
+
+def prompt_ids(model: Model, prompt: Any, chat: bool | None = None) -> list[int]:
+    """Token ids for a str prompt, a list of token ids, or a list of chat messages."""
+    tok = model.tokenizer
+    if isinstance(prompt, str):
+        if chat:
+            return list(tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True, tokenize=True))
+        return list(tok.encode(prompt))
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} outside [0, {model.config.vocab_size})")
+        return list(prompt)
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        return list(tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True))
+    raise ValueError(
+        "prompt: expected a non-empty string, a list of token ids, or a list of chat "
+        f"messages (dicts with 'role' and 'content'); got {type(prompt).__name__}"
+    )
+
+
+@attrs.frozen
+class ParsedRequest:
+    """A validated request: prompt ids, sampling config, limits, stop matcher."""
+
+    ids: list[int]
+    sampling: SamplingConfig
+    max_tokens: int
+    stops: StopMatcher = attrs.field(eq=False)
+    n_top: int
+    prefill_chunk: int
+
+
+def parse_request(
+    model: Model,
+    prompt: Any,
+    *,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    stop: Sequence[str] | str | None = None,
+    seed: int | None = None,
+    logprobs: int | bool = 0,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int = 20,
+    presence_penalty: float = 0.0,
+    presence_context_size: int = 20,
+    frequency_penalty: float = 0.0,
+    frequency_context_size: int = 20,
+    logit_bias: dict[int, float] | None = None,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    chat: bool | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
+) -> ParsedRequest:
+    """Validate `generate`/`stream`/`Engine.submit` arguments; ValueError names the field.
+
+    prompt + max_tokens must fit the model's context (+1: the last sampled token is never
+    written to the cache).
+
+    prompt: a string (completed as raw text, or as one user message when chat=True), a
+    list of token ids, or a list of chat messages ({"role", "content"} dicts; rendered
+    with the model's chat template and a generation prompt).
+    Sampling parameters follow mlx-lm's sample_utils (temperature 0 = greedy; top_p 1,
+    top_k 0, min_p 0, xtc_probability 0 = off). logprobs: N > 0 (or True = 1) reports the
+    chosen token's logprob and the N most likely alternatives. stop: strings that end the
+    generation; they are never emitted, not even partially.
+    """
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    stops = StopMatcher(list(stop or ()))
+    if isinstance(logprobs, bool):
+        n_top = int(logprobs)
+    elif isinstance(logprobs, int) and 0 <= logprobs <= 20:
+        n_top = logprobs
+    else:
+        raise ValueError(f"logprobs must be a bool or an integer in [0, 20], got {logprobs!r}")
+    cfg = SamplingConfig(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
+        presence_penalty=presence_penalty, presence_context_size=presence_context_size,
+        frequency_penalty=frequency_penalty, frequency_context_size=frequency_context_size,
+        logit_bias=logit_bias, seed=seed, logprobs=n_top,
+    ).validate(model.config.vocab_size)
+    ids = prompt_ids(model, prompt, chat)
+    if not ids:
+        raise ValueError("prompt: encodes to zero tokens")
+    limit = model.config.max_position_embeddings
+    if len(ids) + max_tokens > limit + 1:
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
+            f"exceeds the model's context of {limit} tokens"
+        )
+    return ParsedRequest(ids, cfg, max_tokens, stops, n_top, prefill_chunk)
