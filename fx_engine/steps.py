@@ -13,7 +13,7 @@ structure; their `.trace_log` counts (re)compiles.
 from __future__ import annotations
 
 import mlx.core as mx
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float, Int
 
 from .cache import KVCache
 from .models.llama import Params, forward, hidden_to_logits

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 
 from ..cache import KVCache, init_cache, resize, span_bucket, take_rows, with_lengths
-from ..sampling import SamplingConfig, history_width, make_sampling_params
+from ..sampling import SamplingConfig, make_sampling_params
 from ..state import DecodeState, init_state
 from ..steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
 from ..tree import tree_leaves, tree_replace

@@ -32,30 +32,7 @@ from .stops import StopMatcher
 MIN_CAPACITY = 256
 
 
-def stream(
-    model: Model,
-    prompt: Any,
-    *,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    stop: Sequence[str] | str | None = None,
-    seed: int | None = None,
-    logprobs: int | bool = 0,
-    repetition_penalty: float | None = None,
-    repetition_context_size: int = 20,
-    presence_penalty: float = 0.0,
-    presence_context_size: int = 20,
-    frequency_penalty: float = 0.0,
-    frequency_context_size: int = 20,
-    logit_bias: dict[int, float] | None = None,
-    xtc_probability: float = 0.0,
-    xtc_threshold: float = 0.1,
-    chat: bool | None = None,
-    prefill_chunk: int = PREFILL_CHUNK,
-) -> Iterator[TextDelta]:
+def stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
     """Generate from `prompt` and yield text deltas as they are decoded.
 
     prompt: a string (completed as raw text, or as one user message when chat=True), a
@@ -66,13 +43,13 @@ def stream(
     chosen token's logprob and the N most likely alternatives. stop: strings that end the
     generation; they are never emitted, not even partially.
 
+    Arguments: see `parse_request` (the same for `generate` and `Engine.submit`).
     Each delta is a `TextDelta` (a str) with `.token_ids` and `.logprobs`; the last one
     carries `.finish_reason` ("stop" or "length") and `.usage`.
     """
     from .engine import Engine  # engine.py imports this module's types
 
-    kwargs = {k: v for k, v in locals().items() if k not in ("model", "prompt", "Engine")}
-    engine = Engine(model, max_rows=1, prefill_chunk=prefill_chunk)
+    engine = Engine(model, max_rows=1, prefill_chunk=kwargs.get("prefill_chunk", PREFILL_CHUNK))
     return iter(engine.submit(prompt, **kwargs))  # validated now; steps run as you iterate
 
 
@@ -186,6 +163,10 @@ def reference_generate(model: Model, prompt: Any, **kwargs: Any) -> Completion:
     return _collect(ids, reference_stream(model, prompt, **kwargs), bool(kwargs.get("logprobs")))
 
 
-generate.__signature__ = inspect.signature(stream).replace(  # type: ignore[attr-defined]
+# One parameter list (parse_request's), shown by help() and IDEs for all entry points.
+stream.__signature__ = inspect.signature(parse_request).replace(  # type: ignore[attr-defined]
+    return_annotation=Iterator[TextDelta]
+)
+generate.__signature__ = inspect.signature(parse_request).replace(  # type: ignore[attr-defined]
     return_annotation=Completion
 )

@@ -110,37 +110,6 @@ def prompt_ids(model: Model, prompt: Any, chat: bool | None = None) -> list[int]
     )
 
 
-def bucket(n: int, minimum: int = 16) -> int:
-    """The power-of-two shape bucket holding n (so steady state never recompiles)."""
-    return max(minimum, 1 << max(0, (n - 1)).bit_length())
-
-
-def xtc_special_tokens(model: Model) -> list[int]:
-    """Tokens XTC never removes: EOS and newline (as mlx-lm's generate and server do)."""
-    return sorted(set(model.eos_ids) | set(model.tokenizer.encode("\n", add_special_tokens=False)))
-
-
-def prompt_ids(model: Model, prompt: Any, chat: bool | None = None) -> list[int]:
-    """Token ids for a str prompt, a list of token ids, or a list of chat messages."""
-    tok = model.tokenizer
-    if isinstance(prompt, str):
-        if chat:
-            return list(tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                                add_generation_prompt=True, tokenize=True))
-        return list(tok.encode(prompt))
-    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < model.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]} outside [0, {model.config.vocab_size})")
-        return list(prompt)
-    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        return list(tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True))
-    raise ValueError(
-        "prompt: expected a non-empty string, a list of token ids, or a list of chat "
-        f"messages (dicts with 'role' and 'content'); got {type(prompt).__name__}"
-    )
-
-
 @attrs.frozen
 class ParsedRequest:
     """A validated request: prompt ids, sampling config, limits, stop matcher."""
