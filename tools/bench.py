@@ -28,9 +28,11 @@ its async pipelining); llama.cpp through `Llama.generate`. Per engine and worklo
 
 Workloads (default): a 64-token prompt then 64 decoded tokens ("decode@64"); a 512-token
 prefill; a 2048-token prefill then 64 decoded tokens ("prefill@2048", "decode@2048").
-Each workload: one warm-up run per engine (mx.compile tracing and the C++ JIT of fused CPU
-kernels happen here), then --runs measured rounds with the engine order rotated every
-round, so the shared machine's noise falls on every engine alike. Medians are reported.
+Warm-up: one run per workload for fx engines (they compile per shape: mx.compile tracing
+and the C++ JIT of fused CPU kernels happen here), one run in all for the eager engines.
+Then --runs measured rounds; each round runs every workload on every engine (engine order
+rotated per round), so the shared machine's changing load falls on both sides of every
+ratio alike, the decode@2048 / decode@64 slowdown included. Medians are reported.
 
 Memory: per measurement the MLX peak (mx.reset_peak_memory before, mx.get_peak_memory
 after) above the memory live before the run (i.e. KV cache + activations; the weights of
@@ -718,22 +720,28 @@ def agreement(engines: list[Engine], ref: Engine, ids: list[int], n_tokens: int)
 
 def run_benchmark(engines: list[Engine], workloads: list[dict[str, Any]], ids: list[int],
                   runs: int, warmup: int) -> dict[str, Any]:
+    """Warm up every (workload, engine), then `runs` rounds of every workload x engine.
+
+    Rounds interleave workloads as well as engines, so a change of machine load during the
+    benchmark falls on every ratio's numerator and denominator alike (including the
+    decode@long / decode@short slowdown); the engine order rotates every round.
+    """
     results: dict[str, dict[str, Any]] = {e.key: {"metrics": {}, "memory": {}} for e in engines}
     for wl in workloads:
-        prompt = ids[: wl["context"]]
-        n_dec = wl["decode"]
-        log(f"workload {wl['name']}: prompt {len(prompt)} tokens, decode {n_dec} "
-            f"({warmup} warm-up + {runs} runs per engine)")
+        log(f"warm-up {wl['name']}: prompt {wl['context']} tokens, decode {wl['decode']}")
         for e in engines:
             if wl is not workloads[0] and not e.warmup_every_workload:
                 continue
             for _ in range(warmup):
                 t0 = time.perf_counter()
-                e.run(prompt, n_dec)
+                e.run(ids[: wl["context"]], wl["decode"])
                 mx.synchronize()
                 log(f"  warm-up {e.key}: {time.perf_counter() - t0:.1f}s")
-        samples: dict[str, list[dict[str, Any]]] = {e.key: [] for e in engines}
-        for r in range(runs):
+    samples: dict[tuple[str, str], list[dict[str, Any]]] = {
+        (wl["name"], e.key): [] for wl in workloads for e in engines}
+    for r in range(runs):
+        for wl in workloads:
+            prompt, n_dec = ids[: wl["context"]], wl["decode"]
             order = engines[r % len(engines):] + engines[: r % len(engines)]
             for e in order:
                 with MemProbe() as mem:
@@ -742,24 +750,28 @@ def run_benchmark(engines: list[Engine], workloads: list[dict[str, Any]], ids: l
                     c1, w1 = os.times(), time.perf_counter()
                 res["cpu_util"] = ((c1.user - c0.user) + (c1.system - c0.system)) / (w1 - w0)
                 res.update(mlx_extra=mem.mlx_extra, mlx_peak=mem.mlx_peak,
-                           rss_peak_kb=mem.rss_peak_kb, rss_extra_kb=mem.rss_extra_kb)
-                samples[e.key].append(res)
+                           rss_peak_kb=mem.rss_peak_kb, rss_extra_kb=mem.rss_extra_kb,
+                           round=r, loadavg=os.getloadavg()[0])
+                samples[(wl["name"], e.key)].append(res)
                 pre = len(prompt) / res["prefill_s"]
                 dec = n_dec / res["decode_s"] if n_dec else float("nan")
-                log(f"  run {r + 1}/{runs} {e.key:11s} prefill {pre:8.1f} tok/s"
+                log(f"  round {r + 1}/{runs} {wl['name']:20s} {e.key:11s} prefill {pre:8.1f} tok/s"
                     + (f"  decode {dec:7.2f} tok/s" if n_dec else "")
-                    + f"  (cpu {res['cpu_util']:.2f} cores, load {os.getloadavg()[0]:.2f})")
+                    + f"  (cpu {res['cpu_util']:.2f} cores, load {res['loadavg']:.2f})")
+    for wl in workloads:
+        n_ctx, n_dec = wl["context"], wl["decode"]
         for e in engines:
-            s = samples[e.key]
+            s = samples[(wl["name"], e.key)]
             res = results[e.key]
             if wl.get("prefill_metric"):
-                v = [len(prompt) / x["prefill_s"] for x in s]
+                v = [n_ctx / x["prefill_s"] for x in s]
                 res["metrics"][wl["prefill_metric"]] = {"median": statistics.median(v), "runs": v}
             if wl.get("decode_metric"):
                 v = [n_dec / x["decode_s"] for x in s]
                 res["metrics"][wl["decode_metric"]] = {"median": statistics.median(v), "runs": v}
             res.setdefault("cpu_util", {})[wl["name"]] = statistics.median(
                 x["cpu_util"] for x in s)
+            res.setdefault("loadavg", {})[wl["name"]] = [round(x["loadavg"], 2) for x in s]
             res["memory"][wl["name"]] = {
                 "mlx_extra_bytes": max(x["mlx_extra"] for x in s),
                 "mlx_peak_bytes": max(x["mlx_peak"] for x in s),
@@ -876,8 +888,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             v = report["results"][k]["metrics"].get(m)
             if v:
                 lo, hi = min(v["runs"]), max(v["runs"])
-                row.append(f"{_fmt(v['median'], 2 if v['median'] < 20 else 1)} "
-                           f"<sub>({_fmt(lo, 1)}-{_fmt(hi, 1)})</sub>")
+                nd = 2 if v["median"] < 20 else 1
+                row.append(f"{_fmt(v['median'], nd)} <sub>({_fmt(lo, nd)}-{_fmt(hi, nd)})</sub>")
             else:
                 row.append("n/a")
         lines.append("| " + " | ".join(row) + " |")
@@ -892,7 +904,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         for k in keys) + " |")
     lines.append(f"| CPU cores busy (median), {long_wl} | " + " | ".join(
         _fmt(report["results"][k].get("cpu_util", {}).get(long_wl), 2) for k in keys) + " |")
-    lines.append(f"| process peak RSS, {long_wl} (MB) | " + " | ".join(
+    lines.append(f"| process peak RSS (all engines loaded), {long_wl} (MB) | " + " | ".join(
         _fmt(report["results"][k]["memory"][long_wl]["rss_peak_kb"] / 1e3, 0) for k in keys)
         + " |")
     lines.append("")
