@@ -4,8 +4,9 @@
 One process, one BLAS, the same weights for every engine:
 
   fx            fx-engine as the shell runs it (GGUF dequantized to dense float32, compiled
-                steps, prefill chunks of 512), timed by driving the pure steps directly the way
-                fx_engine/engine/generate.py does.
+                steps, prefill chunks of 512, attention span buckets), timed through
+                `fx_engine.stream` itself (one delta per token) with EOS suppressed by a logit
+                bias, so every engine decodes the same number of tokens.
   fx-bi         the same with `load(..., batch_invariant=True)` (fixed-tile matmuls).
   mlx-lm        mlx-lm's natural representation of the model. For a GGUF: the GGUF tensors as
                 `mx.load` returns them (MLX affine triples, group 32; Q4_1 -> 4-bit,
@@ -64,13 +65,18 @@ import fx_engine  # noqa: E402  first: preloads the optimized BLAS before mlx is
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from fx_engine.cache import init_cache, resize  # noqa: E402
+from fx_engine.cache import init_cache  # noqa: E402
 from fx_engine.sampling import SamplingConfig  # noqa: E402
 from fx_engine.state import init_state  # noqa: E402
 from fx_engine.steps import (  # noqa: E402
-    decode_step_compiled, prefill_step_compiled, sample_step_compiled,
+    decode_step_compiled, prefill_step_compiled,
 )
 from fx_engine.tree import tree_leaves  # noqa: E402
+
+try:  # the shell's attention span buckets (newer engines); None: attend over the capacity
+    from fx_engine.cache import span_bucket
+except ImportError:  # pragma: no cover
+    span_bucket = None
 
 try:  # mirror the shell's bucketing exactly (fall back to its documented values)
     from fx_engine.engine.generate import MIN_CAPACITY, PREFILL_CHUNK, bucket
@@ -192,6 +198,17 @@ class Engine:
         return None
 
 
+def _capacity(n_prompt: int, chunk: int) -> int:
+    """The cache capacity the shell allocates for a prompt (engine/generate.py)."""
+    if span_bucket is not None:  # span-aware shells pad the last chunk into a sink slot
+        return bucket(n_prompt + 1, MIN_CAPACITY)
+    return bucket(n_prompt + chunk, MIN_CAPACITY)
+
+
+def _span_kw(needed: int, capacity: int) -> dict[str, int]:
+    return {} if span_bucket is None else {"span": span_bucket(needed, capacity)}
+
+
 class FxEngine(Engine):
     warmup_every_workload = True
 
@@ -206,7 +223,7 @@ class FxEngine(Engine):
         m = self.model
         c, params = m.config, m.params
         chunk = bucket(min(PREFILL_CHUNK, len(ids)))
-        capacity = bucket(len(ids) + chunk, MIN_CAPACITY)
+        capacity = _capacity(len(ids), chunk)
         cache = init_cache(c.num_layers, 1, c.num_kv_heads, capacity, c.head_dim,
                            getattr(mx, params.dtype))
         logits = None
@@ -215,7 +232,8 @@ class FxEngine(Engine):
             size = chunk if len(piece) == chunk else bucket(len(piece))
             padded = piece + [0] * (size - len(piece))
             logits, cache = prefill_step_compiled(
-                params, cache, mx.array([padded], mx.int32), mx.array([len(piece)], mx.int32)
+                params, cache, mx.array([padded], mx.int32), mx.array([len(piece)], mx.int32),
+                **_span_kw(start + size, cache.capacity),
             )
             mx.eval(logits, *tree_leaves(cache))
         return logits, cache
@@ -474,6 +492,18 @@ def openblas_info() -> dict[str, Any] | None:
         return None
 
 
+def fx_source_hash() -> str:
+    """sha256 (16 hex) of fx_engine's *.py sources: which engine version was measured."""
+    import hashlib
+
+    root = Path(fx_engine.__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     flags: list[str] = []
@@ -512,6 +542,7 @@ def machine_info() -> dict[str, Any]:
         "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "memory_gb": mem_gb, "python": platform.python_version(), "platform": platform.platform(),
         "mlx": mx.__version__, "mlx_lm": mlx_lm_version, "fx_engine": fx_engine.__version__,
+        "fx_engine_source_sha": fx_source_hash(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "blas": fx_engine.blas.active(), "openblas": openblas_info(),
         "device": str(mx.default_device()),
         "loadavg_start": os.getloadavg(),
@@ -628,26 +659,31 @@ def measure_breakdown(model: Any, decode_contexts: list[int], prefill_sizes: lis
             q, k, v, scale=sc, mask=mask) for _ in range(c.num_layers)]), n) * 1e3
 
     for ctx in decode_contexts:
-        cap = bucket(ctx + bucket(min(PREFILL_CHUNK, ctx)), MIN_CAPACITY)
+        cap = _capacity(ctx, bucket(min(PREFILL_CHUNK, ctx)))
+        kw = _span_kw(ctx + 1, cap)
+        att = kw.get("span", cap)
         cache = with_lengths(init_cache(c.num_layers, 1, c.num_kv_heads, cap, c.head_dim, dt),
                              mx.array([ctx], mx.int32))
         box = {"state": init_state([SamplingConfig(temperature=0.0)], [[0]], c.vocab_size),
                "cache": cache}
 
         def step() -> None:
-            st, ca = decode_step_compiled(p, box["cache"], box["state"])
+            st, ca = decode_step_compiled(p, box["cache"], box["state"], **kw)
             mx.eval(*tree_leaves(st), *tree_leaves(ca))
             int(st.tokens[0].item())
             box["state"], box["cache"] = st, with_lengths(ca, mx.array([ctx], mx.int32))
 
-        out[f"decode@{ctx}"] = {"capacity": cap, "step_ms": _median_time(step, reps) * 1e3,
-                                "sdpa_ms": attention_ms(1, cap, ctx, reps)}
+        out[f"decode@{ctx}"] = {"capacity": cap, "span": att,
+                                "step_ms": _median_time(step, reps) * 1e3,
+                                "sdpa_ms": attention_ms(1, att, ctx, reps)}
         del box, cache
         mx.clear_cache()
     for n in prefill_sizes:
         chunk = bucket(min(PREFILL_CHUNK, n))
-        cap = bucket(n + chunk, MIN_CAPACITY)
+        cap = _capacity(n, chunk)
         start = ((n - 1) // chunk) * chunk
+        kw = _span_kw(start + chunk, cap)
+        att = kw.get("span", cap)
         cache = with_lengths(init_cache(c.num_layers, 1, c.num_kv_heads, cap, c.head_dim, dt),
                              mx.array([start], mx.int32))
         toks = mx.zeros((1, chunk), mx.int32)
@@ -655,15 +691,15 @@ def measure_breakdown(model: Any, decode_contexts: list[int], prefill_sizes: lis
         box = {"cache": cache}
 
         def pstep() -> None:
-            lg, ca = prefill_step_compiled(p, box["cache"], toks, nv)
+            lg, ca = prefill_step_compiled(p, box["cache"], toks, nv, **kw)
             mx.eval(lg, *tree_leaves(ca))
             box["cache"] = with_lengths(ca, mx.array([start], mx.int32))
 
         r = max(1, reps // 3)
         out[f"prefill@{n}(last chunk)"] = {
-            "capacity": cap, "chunk": chunk, "start": start,
+            "capacity": cap, "span": att, "chunk": chunk, "start": start,
             "step_ms": _median_time(pstep, r) * 1e3,
-            "sdpa_ms": attention_ms(chunk, cap, start, r)}
+            "sdpa_ms": attention_ms(chunk, att, start, r)}
         del box, cache
         mx.clear_cache()
     return out
@@ -715,14 +751,15 @@ def agreement(engines: list[Engine], ref: Engine, ids: list[int], n_tokens: int)
 
 
 def run_benchmark(engines: list[Engine], workloads: list[dict[str, Any]], ids: list[int],
-                  runs: int, warmup: int) -> dict[str, Any]:
+                  runs: int, warmup: int,
+                  checkpoint: Callable[[dict[str, Any], int], None] | None = None,
+                  ) -> dict[str, Any]:
     """Warm up every (workload, engine), then `runs` rounds of every workload x engine.
 
     Rounds interleave workloads as well as engines, so a change of machine load during the
     benchmark falls on every ratio's numerator and denominator alike (including the
     decode@long / decode@short slowdown); the engine order rotates every round.
     """
-    results: dict[str, dict[str, Any]] = {e.key: {"metrics": {}, "memory": {}} for e in engines}
     for wl in workloads:
         log(f"warm-up {wl['name']}: prompt {wl['context']} tokens, decode {wl['decode']}")
         for e in engines:
@@ -754,10 +791,20 @@ def run_benchmark(engines: list[Engine], workloads: list[dict[str, Any]], ids: l
                 log(f"  round {r + 1}/{runs} {wl['name']:20s} {e.key:11s} prefill {pre:8.1f} tok/s"
                     + (f"  decode {dec:7.2f} tok/s" if n_dec else "")
                     + f"  (cpu {res['cpu_util']:.2f} cores, load {res['loadavg']:.2f})")
+        if checkpoint is not None:  # a killed run still leaves its finished rounds on disk
+            checkpoint(_aggregate(engines, workloads, samples), r + 1)
+    return _aggregate(engines, workloads, samples)
+
+
+def _aggregate(engines: list[Engine], workloads: list[dict[str, Any]],
+               samples: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, Any]:
+    results: dict[str, dict[str, Any]] = {e.key: {"metrics": {}, "memory": {}} for e in engines}
     for wl in workloads:
         n_ctx, n_dec = wl["context"], wl["decode"]
         for e in engines:
             s = samples[(wl["name"], e.key)]
+            if not s:
+                continue
             res = results[e.key]
             if wl.get("prefill_metric"):
                 v = [n_ctx / x["prefill_s"] for x in s]
@@ -864,6 +911,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     metrics = report["metric_names"]
     lines = []
     mi = report["machine"]
+    if report.get("partial"):
+        lines.append(f"**Partial report: {report.get('rounds_done')} of {report['runs']} rounds "
+                     "finished.**")
     lines.append(f"Model: `{report['model']['path']}` ({report['model']['weight_format']}); "
                  f"runs: median of {report['runs']} after {report['warmup']} warm-up; "
                  f"decode {report['decode_tokens']} tokens.")
@@ -946,7 +996,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     if bd and "error" not in bd:
         lines.append("")
         lines.append("fx-engine step breakdown (compiled step alone / its attention calls alone): "
-                     + "; ".join(f"{k}: capacity {v['capacity']}, step {v['step_ms']:.1f} ms, "
+                     + "; ".join(f"{k}: capacity {v['capacity']}, attention span "
+                                 f"{v.get('span', v['capacity'])}, step {v['step_ms']:.1f} ms, "
                                  f"attention {v['sdpa_ms']:.1f} ms" for k, v in bd.items()) + ".")
     lines.append("")
     lines.append(f"Command: `{report['command']}`")
@@ -1132,34 +1183,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     wls = _workloads(short, sizes, n_dec)
     ids = prompt_tokens(fx_model, max(short, *sizes))
-    results = run_benchmark(engines, wls, ids, args.runs, args.warmup)
 
-    metric_names = [f"decode@{short}"] + [f"prefill@{n}" for n in sorted(sizes)] + [f"decode@{max(sizes)}"]
-    report: dict[str, Any] = {
-        "command": " ".join(["python", "tools/bench.py", *(argv if argv is not None else sys.argv[1:])]),
-        "smoke": args.smoke,
-        "machine": info,
-        "loadavg_end": os.getloadavg(),
-        "model": {"path": path, "weight_format": fx_model.weight_format,
-                  "fingerprint": fx_model.fingerprint, "config": {
-                      k: getattr(fx_model.config, k) for k in (
-                          "model_type", "num_layers", "hidden_size", "num_heads",
-                          "num_kv_heads", "intermediate_size", "vocab_size")},
-                  "gguf_tensor_bytes": gguf_stored},
-        "runs": args.runs, "warmup": args.warmup, "decode_tokens": n_dec,
-        "short_context": short, "long_context": max(sizes), "prefill_sizes": sorted(sizes),
-        "workloads": wls, "metric_names": metric_names,
-        "engines": {e.key: {"label": e.label, "notes": e.notes} for e in engines},
-        "skipped": skipped,
-        "weights_bytes": {e.key: e.weights_bytes() for e in engines},
-        "results": results, "agreement": ag, "ceilings": ceilings,
-        "decode_breakdown": breakdown,
-        "llama_cpp_reference": (
-            {k: v for k, v in LLAMA_CPP_REFERENCE.items()
-             if k in metric_names} if is_default and "llama.cpp" not in {e.key for e in engines}
-            else None),
-    }
-    report["summary"] = summarize(report)
+    metric_names = ([f"decode@{short}"] + [f"prefill@{n}" for n in sorted(sizes)]
+                    + [f"decode@{max(sizes)}"])
+    weights = {e.key: e.weights_bytes() for e in engines}
+
+    def make_report(results: dict[str, Any], rounds_done: int) -> dict[str, Any]:
+        return {
+            "command": " ".join(["python", "tools/bench.py",
+                                 *(argv if argv is not None else sys.argv[1:])]),
+            "smoke": args.smoke, "partial": rounds_done < args.runs,
+            "rounds_done": rounds_done, "machine": info, "loadavg_end": os.getloadavg(),
+            "model": {"path": path, "weight_format": fx_model.weight_format,
+                      "fingerprint": fx_model.fingerprint, "config": {
+                          k: getattr(fx_model.config, k) for k in (
+                              "model_type", "num_layers", "hidden_size", "num_heads",
+                              "num_kv_heads", "intermediate_size", "vocab_size")},
+                      "gguf_tensor_bytes": gguf_stored},
+            "runs": args.runs, "warmup": args.warmup, "decode_tokens": n_dec,
+            "short_context": short, "long_context": max(sizes), "prefill_sizes": sorted(sizes),
+            "workloads": wls, "metric_names": metric_names,
+            "engines": {e.key: {"label": e.label, "notes": e.notes} for e in engines},
+            "skipped": skipped, "weights_bytes": weights,
+            "results": results, "agreement": ag, "ceilings": ceilings,
+            "decode_breakdown": breakdown,
+            "llama_cpp_reference": (
+                {k: v for k, v in LLAMA_CPP_REFERENCE.items() if k in metric_names}
+                if is_default and "llama.cpp" not in {e.key for e in engines} else None),
+        }
+
+    def build(results: dict[str, Any], rounds_done: int) -> dict[str, Any]:
+        rep = make_report(results, rounds_done)
+        rep["summary"] = summarize(rep)
+        return rep
+
+    def checkpoint(results: dict[str, Any], rounds_done: int) -> None:
+        if args.json and rounds_done < args.runs:
+            Path(args.json).write_text(json.dumps(build(results, rounds_done), indent=1, default=str))
+            log(f"checkpoint: {rounds_done}/{args.runs} rounds written to {args.json}")
+
+    results = run_benchmark(engines, wls, ids, args.runs, args.warmup, checkpoint)
+    report = build(results, args.runs)
     print(render_text(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
