@@ -1,9 +1,14 @@
 """Load an optimized BLAS before MLX is imported (Linux CPU).
 
 Why: the Linux MLX CPU wheel links a bundled reference BLAS (~2-4 GFLOP/s for an f32 GEMM).
-Loading OpenBLAS (or MKL) with RTLD_GLOBAL *before* `import mlx.core` makes MLX's `cblas_*`
-calls resolve to it: 20-150 GFLOP/s on the same machine. Results stay correct either way;
-only the summation order of a GEMM changes (see `batch_invariant` in fx_engine.nn).
+Loading MKL or OpenBLAS with RTLD_GLOBAL *before* `import mlx.core` makes MLX's `cblas_*`
+calls resolve to it. Results stay correct either way; only the summation order of a GEMM
+changes (see `batch_invariant` in fx_engine.nn).
+
+Order of preference, from measurements on an AVX-512 Xeon (docs/benchmarks.md): MKL from
+PyPI (`mkl`, a dependency on Linux x86_64; it picks AVX-512 kernels and streams a batch-1
+GEMV near memory bandwidth: decode 1.75x, prefill@512 1.7x over Debian's OpenBLAS 0.3.21,
+which does not know this CPU and runs SSE3 kernels), then the system OpenBLAS.
 
 This module must not import mlx. `fx_engine/__init__.py` calls `preload()` first.
 Set FX_ENGINE_BLAS=reference to keep the bundled BLAS, or to a library path to choose one.
@@ -31,7 +36,8 @@ _CANDIDATES = (
 
 
 def _pypi_candidates() -> list[str]:
-    """MKL from PyPI (`pip install mkl`) exports the standard cblas symbols."""
+    """MKL from PyPI (`pip install mkl`) exports the standard cblas symbols; its wheel puts
+    libmkl_rt in the environment's lib/ folder."""
     roots = {sysconfig.get_paths()["purelib"], os.path.join(sys.prefix, "lib")}
     found: list[str] = []
     for root in roots:
@@ -52,7 +58,7 @@ def preload() -> dict[str, str]:
         # Too late to interpose; report honestly instead of pretending.
         _ACTIVE["name"] = "unknown (mlx was imported before fx_engine; BLAS not preloaded)"
         return dict(_ACTIVE)
-    paths = [choice] if choice != "auto" else [*_CANDIDATES, *_pypi_candidates()]
+    paths = [choice] if choice != "auto" else [*_pypi_candidates(), *_CANDIDATES]
     for path in paths:
         if not os.path.exists(path):
             continue

@@ -19,11 +19,16 @@ class Numerics:
     batch_invariant: every matmul runs on fixed-size row tiles (`tile` rows, zero-padded),
     so one row's arithmetic never depends on how many other rows share the GEMM (the batch,
     or the prefill chunk). With an optimized BLAS the kernel choice and blocking depend on M,
-    which otherwise changes a row's result in the last bits.
+    which otherwise changes a row's result in the last bits. The same holds for the
+    contraction over cache slots in attention: its length is the attention span, which
+    depends on the other rows, so `P @ V` is computed per fixed block of `kv_block` slots
+    and the blocks are summed in order (trailing blocks past every row's length add exact
+    zeros).
     """
 
     batch_invariant: bool = False
     tile: int = 8
+    kv_block: int = 64  # batch-invariant attention sums P @ V over fixed blocks of slots
 
 
 @attrs.frozen
@@ -68,14 +73,21 @@ def _matmul_rows(x: mx.array, lin: Linear) -> mx.array:
     return x @ lin.weight if lin.transposed else x @ lin.weight.T
 
 
-def _tiled(fn, x2: mx.array, tile: int) -> mx.array:
-    """Apply a row-wise matmul on fixed-size row tiles: [M, K] -> [M, N]."""
+def _tiled_matmul(x2: mx.array, lin: Linear, tile: int) -> mx.array:
+    """x2 [M, K] @ W on fixed-size row tiles: every BLAS call has M = tile rows."""
     m = x2.shape[0]
     pad = (-m) % tile
     if pad:
         x2 = mx.concatenate([x2, mx.zeros((pad, x2.shape[1]), x2.dtype)], axis=0)
-    xt = x2.reshape(-1, tile, x2.shape[1])  # batched GEMM: every call has M = tile
-    y = fn(xt)
+    xt = x2.reshape(-1, tile, x2.shape[1])
+    if lin.quantized:  # MLX's quantized matmul is computed row by row: no BLAS involved
+        y = _matmul_rows(xt, lin)
+    else:
+        # [n, tile, K] @ [K, N] would be folded into one [n*tile, K] GEMM by MLX, and a BLAS
+        # may block K differently for different M (measured: MKL, K=1536, M=64 vs 8). A
+        # broadcast (stride-0, no copy) batch of weights makes MLX issue one GEMM per tile.
+        w = lin.weight if lin.transposed else lin.weight.T
+        y = xt @ mx.broadcast_to(w, (xt.shape[0], *w.shape))
     y = y.reshape(-1, y.shape[-1])
     return y[:m] if pad else y
 
@@ -83,7 +95,7 @@ def _tiled(fn, x2: mx.array, tile: int) -> mx.array:
 def linear(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
     if numerics.batch_invariant:
         lead = x.shape[:-1]
-        y = _tiled(lambda t: _matmul_rows(t, lin), x.reshape(-1, x.shape[-1]), numerics.tile)
+        y = _tiled_matmul(x.reshape(-1, x.shape[-1]), lin, numerics.tile)
         y = y.reshape(*lead, y.shape[-1])
     else:
         y = _matmul_rows(x, lin)
@@ -175,11 +187,33 @@ def attention(
     scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
     probs = mx.softmax(scores, axis=-1, precise=True)
     if numerics.batch_invariant:
-        out = probs.reshape(b, hk, rep * tp // numerics.tile, numerics.tile, s) @ v[:, :, None]
+        out = _blocked_pv(probs.reshape(b, hk, rep * tp // numerics.tile, numerics.tile, s), v,
+                          numerics.kv_block)
         out = out.reshape(b, hk, rep, tp, d)[:, :, :, :t]
     else:
         out = (probs.reshape(b, hk, rep * t, s) @ v).reshape(b, hk, rep, t, d)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq * d)
+
+
+def _blocked_pv(p: mx.array, v: mx.array, block: int) -> mx.array:
+    """p [B, Hk, N, tile, S] @ v [B, Hk, S, D] with the S contraction cut into fixed blocks.
+
+    Why: a BLAS may split or order a GEMM's inner dimension differently for different
+    lengths (measured with both OpenBLAS and MKL), so p @ v over a span of 320 slots and
+    over 512 slots (the tail all zero) can differ in the last bit. Here every GEMM
+    contracts exactly `block` slots and the per-block results are summed along an axis in
+    slot order, so extra all-zero blocks leave the sum bitwise unchanged.
+    """
+    b, hk, n, tile, s = p.shape
+    d = v.shape[-1]
+    pad = (-s) % block
+    if pad:  # only for capacities that are not multiples of the block (tiny test caches)
+        p = mx.pad(p, [(0, 0)] * 4 + [(0, pad)])
+        v = mx.pad(v, [(0, 0), (0, 0), (0, pad), (0, 0)])
+    nb = (s + pad) // block
+    pb = p.reshape(b, hk, n, tile, nb, block).transpose(0, 1, 2, 4, 3, 5)
+    vb = v.reshape(b, hk, 1, nb, block, d)
+    return (pb @ vb).sum(axis=3)  # [B, Hk, N, tile, D]
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
