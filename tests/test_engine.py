@@ -372,19 +372,17 @@ def test_failing_row_fails_only_that_request(bi_model):
     class Boom(RuntimeError):
         pass
 
-    count = {}
+    calls = []
 
-    def hook(stage, handle):
-        if handle.id == victim_id[0] and stage == "token":
-            count[stage] = count.get(stage, 0) + 1
-            if count[stage] == 6:
-                raise Boom("bad logits processor")
+    def bad_processor(tokens, logits):  # a user's processor that breaks on its 6th call
+        calls.append(tokens.size)
+        if len(calls) == 6:
+            raise Boom("bad logits processor")
+        return logits
 
-    victim_id = [None]
-    engine = Engine(bi_model, max_rows=4, prefill_chunk=32, fault_hook=hook)
+    engine = Engine(bi_model, max_rows=4, prefill_chunk=32)
     a = engine.submit(prompt(40, 1), max_tokens=30, temperature=1.0, seed=3)
-    v = engine.submit(prompt(70, 2), max_tokens=30)
-    victim_id[0] = v.id
+    v = engine.submit(prompt(70, 2), max_tokens=30, logits_processors=[bad_processor])
     b = engine.submit(prompt(15, 3), max_tokens=30, temperature=0.5, seed=4)
     run_all(engine)
     with pytest.raises(Boom, match="bad logits processor"):
@@ -394,6 +392,7 @@ def test_failing_row_fails_only_that_request(bi_model):
         for d in v:
             got.extend(d.token_ids)
     assert len(got) == 5  # partial output was delivered before the error
+    assert calls == [70 + i for i in range(6)]  # saw the prompt plus every token so far
     retire = [e for e in engine.trace_events if e["kind"] == "retire" and e["request"] == v.id]
     assert retire[0]["reason"] == "error" and "Boom" in retire[0]["error"]
     assert a.result().token_ids == alone(bi_model, prompt(40, 1), max_tokens=30, temperature=1.0, seed=3).token_ids
@@ -404,6 +403,62 @@ def test_failing_row_fails_only_that_request(bi_model):
     ok = engine.submit(prompt(50, 6), max_tokens=3)
     run_all(engine)
     with pytest.raises(Boom, match="prefill"):
+        bad.result()
+    assert ok.result().finish_reason == "length"
+
+
+def _ban_top(tokens, logits):
+    """A logits processor: forbid the currently most likely token (changes greedy output)."""
+    top = mx.argmax(logits, axis=-1, keepdims=True)
+    return mx.put_along_axis(logits, top, mx.array(-1e9, logits.dtype), axis=-1)
+
+
+def test_logits_processors_match_mlx_lm(tiny_dir, bi_model):
+    """Per-request logits processors (mlx-lm's callable convention), oracle: mlx-lm's
+    generate_step with the same processor. Rows without processors share the step."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    ref_model, _ = load_model(tiny_dir)
+    seen = []
+
+    def ban_and_record(tokens, logits):
+        seen.append(tokens.tolist())
+        return _ban_top(tokens, logits)
+
+    ids = prompt(33, 7)
+    ref = [int(t) for t, _ in generate_step(mx.array(ids), ref_model, max_tokens=12,
+                                            logits_processors=[_ban_top])]
+    plain = alone(bi_model, ids, max_tokens=12).token_ids
+    assert list(plain) != ref  # the processor really changes the output
+    engine = Engine(bi_model, max_rows=4, prefill_chunk=16)
+    h = engine.submit(ids, max_tokens=12, logits_processors=[ban_and_record])
+    other = engine.submit(prompt(20, 8), max_tokens=12)
+    run_all(engine)
+    assert list(h.result().token_ids) == ref
+    assert other.result().token_ids == alone(bi_model, prompt(20, 8), max_tokens=12).token_ids
+    assert seen[0] == ids and seen[-1] == ids + ref[:-1]
+    assert list(reference_generate(bi_model, ids, max_tokens=12,
+                                   logits_processors=[_ban_top]).token_ids) == ref
+    assert list(fx_engine.generate(bi_model, ids, max_tokens=12,
+                                   logits_processors=[_ban_top]).token_ids) == ref
+
+
+@pytest.mark.parametrize("bad, match", [
+    (_ban_top, "logits_processors must be a list"),
+    ([_ban_top, 3], r"logits_processors\[1\] must be callable"),
+])
+def test_logits_processors_validation(bi_model, bad, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(bi_model).submit(prompt(5), logits_processors=bad)
+
+
+def test_processor_returning_a_wrong_shape_fails_its_request(bi_model):
+    engine = Engine(bi_model, max_rows=2)
+    bad = engine.submit(prompt(9), max_tokens=4, logits_processors=[lambda t, lg: lg[:, :10]])
+    ok = engine.submit(prompt(9, 1), max_tokens=4)
+    run_all(engine)
+    with pytest.raises(ValueError, match=r"logits_processors\[0\] must return logits of shape"):
         bad.result()
     assert ok.result().finish_reason == "length"
 

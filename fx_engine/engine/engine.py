@@ -34,7 +34,7 @@ from ..state import DecodeState, init_state
 from ..steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
 from ..tree import tree_leaves, tree_replace
 from . import scheduler as sched
-from .request import Completion, TextDelta, TokenLogprob, Usage, parse_request
+from .request import Completion, TextDelta, TokenLogprob, Usage, apply_processors, parse_request
 from .request import xtc_special_tokens as _xtc_special
 
 __all__ = [
@@ -273,10 +273,10 @@ class _Request:
     __slots__ = (
         "handle", "ids", "cfg", "max_tokens", "stops", "detok", "want_logprobs", "need",
         "prefilled", "pcache", "row", "cache_len", "generated", "text", "lps", "phase",
-        "t_admit", "t_first", "row_state",
+        "t_admit", "t_first", "row_state", "processors",
     )
 
-    def __init__(self, handle, ids, cfg, max_tokens, stops, want_logprobs):
+    def __init__(self, handle, ids, cfg, max_tokens, stops, want_logprobs, processors=()):
         self.handle = handle
         self.ids = ids
         self.cfg = cfg
@@ -296,6 +296,7 @@ class _Request:
         self.t_admit = 0.0
         self.t_first = 0.0
         self.row_state: DecodeState | None = None
+        self.processors = processors
 
 
 # --------------------------------------------------------------------------------------
@@ -474,7 +475,8 @@ class Engine:
                 f"({sched.kv_footprint([need], self.max_rows) * self.bytes_per_token} bytes), "
                 f"more than the KV budget of {self.kv_budget_tokens} tokens"
             )
-        return _Request(None, ids, r.sampling, max_tokens, r.stops, r.n_top > 0), ids
+        return _Request(None, ids, r.sampling, max_tokens, r.stops, r.n_top > 0,
+                        r.processors), ids
 
     def _wake(self) -> None:
         with self._lock:
@@ -592,6 +594,7 @@ class Engine:
                         seconds=time.perf_counter() - t0)
             return False
         row_state = init_state([req.cfg], [req.ids], c.vocab_size, special_token_ids=self._special)
+        logits = apply_processors(req.processors, req.ids, logits)
         row_state = sample_step_compiled(row_state, logits)
         mx.eval(*tree_leaves(cache), *tree_leaves(row_state))
         req.pcache = cache
@@ -680,7 +683,11 @@ class Engine:
         self._state = None
         span = span_bucket(max_len + 1, self._cache.capacity)
         t0 = time.perf_counter()
-        state, cache = decode_step_compiled(self.params, self._cache, state, span=span)
+        failed: dict[int, BaseException] = {}
+        if any(r.processors for r in live):
+            state, cache = self._decode_with_processors(state, span, failed)
+        else:  # the fast path: forward and sampling in one compiled step
+            state, cache = decode_step_compiled(self.params, self._cache, state, span=span)
         self._cache = None
         mx.eval(*tree_leaves(state), *tree_leaves(cache))
         self._state, self._cache = state, cache
@@ -695,6 +702,9 @@ class Engine:
             if req is None:
                 continue
             req.cache_len += 1
+            if row in failed:  # its logits processor raised: this request only
+                self._fail(req, failed[row])
+                continue
             try:
                 tok = toks[row]
                 lp = None
@@ -703,6 +713,29 @@ class Engine:
                 self._on_token(req, tok, lp)
             except Exception as e:
                 self._fail(req, e)
+
+    def _decode_with_processors(
+        self, state: DecodeState, span: int, failed: dict[int, BaseException]
+    ) -> tuple[DecodeState, KVCache]:
+        """decode_step split in two around the rows' logits processors: the forward (a
+        one-token prefill_step), the processors eagerly per row, then sample_step. A row
+        whose processor raises keeps its unprocessed logits and is failed by the caller;
+        the other rows are unaffected."""
+        logits, cache = prefill_step_compiled(
+            self.params, self._cache, state.tokens[:, None], state.active.astype(mx.int32),
+            span=span,
+        )
+        self._cache = None
+        rows = [logits[i : i + 1] for i in range(logits.shape[0])]
+        for i, req in enumerate(self._rows):
+            if req is None or not req.processors:
+                continue
+            try:
+                rows[i] = apply_processors(req.processors, req.ids + req.generated, rows[i])
+                mx.eval(rows[i])
+            except Exception as e:
+                failed[i] = e
+        return sample_step_compiled(state, mx.concatenate(rows, axis=0)), cache
 
     def _logprob(self, req: _Request, token: int, value: float, ids: Sequence[int],
                  vals: Sequence[float]) -> tuple[TokenLogprob, ...]:

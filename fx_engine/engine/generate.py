@@ -24,7 +24,8 @@ from ..state import init_state
 from ..steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
 from ..tree import tree_leaves
 from .request import (  # noqa: F401  (re-exported: public types)
-    PREFILL_CHUNK, Completion, TextDelta, TokenLogprob, Usage, bucket, parse_request,
+    PREFILL_CHUNK, Completion, TextDelta, TokenLogprob, Usage, apply_processors, bucket,
+    parse_request,
     prompt_ids, xtc_special_tokens,
 )
 from .stops import StopMatcher
@@ -57,12 +58,13 @@ def stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
 def reference_stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
     """`stream` without the Engine: the plain single-request loop (same arguments)."""
     r = parse_request(model, prompt, **kwargs)
-    return _reference_run(model, r.ids, r.sampling, r.max_tokens, r.stops, r.n_top > 0, r.prefill_chunk)
+    return _reference_run(model, r.ids, r.sampling, r.max_tokens, r.stops, r.n_top > 0,
+                          r.prefill_chunk, r.processors)
 
 
 def _reference_run(
     model: Model, ids: list[int], cfg: SamplingConfig, max_tokens: int, stops: StopMatcher,
-    want_logprobs: bool, prefill_chunk: int,
+    want_logprobs: bool, prefill_chunk: int, processors: tuple = (),
 ) -> Iterator[TextDelta]:
     tok = model.tokenizer
     eos = set(model.eos_ids)
@@ -87,7 +89,7 @@ def _reference_run(
         )
         mx.eval(logits, *tree_leaves(cache))
     state = init_state([cfg], [ids], c.vocab_size, special_token_ids=xtc_special_tokens(model))
-    state = sample_step_compiled(state, logits)
+    state = sample_step_compiled(state, apply_processors(processors, ids, logits))
     mx.eval(tree_leaves(state))
     t1 = time.perf_counter()
 
@@ -123,7 +125,13 @@ def _reference_run(
         if len(ids) + len(generated) >= cache.capacity:
             cache = resize(cache, capacity=cache.capacity * 2)
         span = span_bucket(len(ids) + len(generated), cache.capacity)
-        state, cache = decode_step_compiled(params, cache, state, span=span)
+        if processors:  # forward, the processors (eager), then sampling
+            logits, cache = prefill_step_compiled(
+                params, cache, state.tokens[:, None], mx.array([1], mx.int32), span=span)
+            logits = apply_processors(processors, ids + generated, logits)
+            state = sample_step_compiled(state, logits)
+        else:
+            state, cache = decode_step_compiled(params, cache, state, span=span)
         mx.eval(*tree_leaves(state), *tree_leaves(cache))
     tail = "" if stops.stopped else stops.feed(detok.finalize())
     tail += stops.flush()

@@ -6,7 +6,7 @@ Shared by the reference single-request loop (`engine/generate.py`) and the batch
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 
@@ -120,6 +120,32 @@ class ParsedRequest:
     stops: StopMatcher = attrs.field(eq=False)
     n_top: int
     prefill_chunk: int
+    processors: tuple[Callable[[Any, Any], Any], ...] = ()
+
+
+def apply_processors(
+    processors: Sequence[Callable[[Any, Any], Any]], tokens: Sequence[int], logits: Any
+) -> Any:
+    """Run a request's logits processors (mlx-lm's convention) on one row's logits.
+
+    Each processor is called as `processor(tokens, logits)` with `tokens` an int32
+    mx.array of the prompt and every token generated so far, and `logits` float32 [1, V];
+    it returns the new logits ([1, V] or [V]). A processor that raises, or returns
+    something else, fails its own request only (the engine catches it per row).
+    """
+    import mlx.core as mx  # the shell may import mlx; kept local so parsing stays light
+
+    if not processors:
+        return logits
+    v = logits.shape[-1]
+    toks = mx.array(list(tokens), mx.int32)
+    for i, proc in enumerate(processors):
+        out = proc(toks, logits)
+        if not isinstance(out, mx.array) or out.size != v or out.ndim not in (1, 2):
+            got = getattr(out, "shape", type(out).__name__)
+            raise ValueError(f"logits_processors[{i}] must return logits of shape [1, {v}], got {got}")
+        logits = out.reshape(1, v).astype(mx.float32)
+    return logits
 
 
 def parse_request(
@@ -145,6 +171,7 @@ def parse_request(
     xtc_threshold: float = 0.1,
     chat: bool | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
+    logits_processors: Sequence[Callable[[Any, Any], Any]] | None = None,
 ) -> ParsedRequest:
     """Validate `generate`/`stream`/`Engine.submit` arguments; ValueError names the field.
 
@@ -158,6 +185,9 @@ def parse_request(
     top_k 0, min_p 0, xtc_probability 0 = off). logprobs: N > 0 (or True = 1) reports the
     chosen token's logprob and the N most likely alternatives. stop: strings that end the
     generation; they are never emitted, not even partially.
+    logits_processors: callables `processor(tokens, logits) -> logits` as in mlx-lm, run
+    eagerly on this request's row before sampling (see `apply_processors`); penalties and
+    logit_bias apply after them. A processor that raises fails this request only.
     """
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -191,4 +221,11 @@ def parse_request(
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
             f"exceeds the model's context of {limit} tokens"
         )
-    return ParsedRequest(ids, cfg, max_tokens, stops, n_top, prefill_chunk)
+    procs = () if logits_processors is None else logits_processors
+    if callable(procs) or not isinstance(procs, (list, tuple)):
+        raise ValueError(
+            f"logits_processors must be a list of callables, got {type(procs).__name__}")
+    for i, f in enumerate(procs):
+        if not callable(f):
+            raise ValueError(f"logits_processors[{i}] must be callable, got {type(f).__name__}")
+    return ParsedRequest(ids, cfg, max_tokens, stops, n_top, prefill_chunk, tuple(procs))
