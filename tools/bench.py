@@ -724,20 +724,39 @@ def _chat_ids(model: Any) -> list[int]:
     return prompt_ids(model, "What is the capital of France?", chat=True)
 
 
-def agreement(engines: list[Engine], ref: Engine, ids: list[int], n_tokens: int) -> dict[str, Any]:
+def compare_tokens(ref: list[int], other: list[int], eos: set[int]) -> tuple[int, int]:
+    """(matching prefix, tokens compared), up to the first EOS of either sequence.
+
+    The fx engines are timed with EOS suppressed (so every run decodes the same count) and
+    the eager peers are not, so past an EOS the sequences legitimately part ways.
+    """
+    n = min(len(ref), len(other))
+    for seq in (ref, other):
+        for i, t in enumerate(seq[:n]):
+            if t in eos:
+                n = i  # fx cannot pick EOS (suppressed): compare what precedes it
+                break
+    same = 0
+    for a, b in zip(ref[:n], other[:n]):
+        if a != b:
+            break
+        same += 1
+    return same, n
+
+
+def agreement(engines: list[Engine], ref: Engine, ids: list[int], n_tokens: int,
+              eos: set[int]) -> dict[str, Any]:
     """Greedy tokens and last-position logits of every engine against fx-engine's."""
     ref_run = ref.run(ids, n_tokens - 1)
     ref_logits = ref.last_logits(ids)
     out: dict[str, Any] = {"prompt_tokens": len(ids), "reference": ref.key,
-                           "reference_tokens": ref_run["tokens"], "engines": {}}
+                           "reference_tokens": ref_run["tokens"], "eos_ids": sorted(eos),
+                           "engines": {}}
     for e in engines:
         r = e.run(ids, n_tokens - 1)
-        same = 0
-        for a, b in zip(r["tokens"], ref_run["tokens"]):
-            if a != b:
-                break
-            same += 1
-        info: dict[str, Any] = {"tokens": r["tokens"], "matching_prefix": same}
+        same, compared = compare_tokens(ref_run["tokens"], r["tokens"], eos)
+        info: dict[str, Any] = {"tokens": r["tokens"], "matching_prefix": same,
+                                "compared": compared}
         lg = e.last_logits(ids)
         if lg is not None:
             diff = mx.abs(lg.astype(mx.float32) - ref_logits.astype(mx.float32))
@@ -979,13 +998,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     if ag:
         lines.append("")
         lines.append(f"Agreement with fx-engine on a {ag['prompt_tokens']}-token chat prompt "
-                     f"(greedy, {len(ag['reference_tokens'])} tokens):")
+                     f"(greedy, up to {len(ag['reference_tokens'])} tokens, compared up to the "
+                     "first EOS: fx is timed with EOS suppressed):")
         lines.append("")
         lines.append("| engine | matching greedy prefix | argmax equal | max abs logit diff |")
         lines.append("|---|---:|:---:|---:|")
         for k, v in ag["engines"].items():
             lines.append(f"| {_label(report, k)} | {v['matching_prefix']}/"
-                         f"{len(ag['reference_tokens'])} | {v.get('argmax_equal', 'n/a')} | "
+                         f"{v.get('compared', len(ag['reference_tokens']))} | "
+                         f"{v.get('argmax_equal', 'n/a')} | "
                          f"{_sci(v.get('max_abs_logit_diff'))} |")
     c = report.get("ceilings")
     if c:
@@ -1033,7 +1054,7 @@ def render_text(report: dict[str, Any]) -> str:
         out.append("")
         for k, v in ag["engines"].items():
             out.append(f"agreement {k}: greedy prefix {v['matching_prefix']}/"
-                       f"{len(ag['reference_tokens'])}, max|dlogit| "
+                       f"{v.get('compared', len(ag['reference_tokens']))}, max|dlogit| "
                        f"{_sci(v.get('max_abs_logit_diff'))}, argmax equal "
                        f"{v.get('argmax_equal', 'n/a')}")
     if report.get("ceilings"):
@@ -1070,6 +1091,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.render:
         report = json.loads(Path(args.render).read_text())
+        ag = report.get("agreement") or {}
+        if ag.get("eos_ids") is not None:
+            for v in ag["engines"].values():
+                v["matching_prefix"], v["compared"] = compare_tokens(
+                    ag["reference_tokens"], v["tokens"], set(ag["eos_ids"]))
         report["summary"] = summarize(report)
         print(render_text(report))
         if args.markdown:
@@ -1179,7 +1205,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ag = None
     if not args.no_agreement:
         log("agreement check (greedy tokens, last-position logits)")
-        ag = agreement(engines[1:], fx_eng, _chat_ids(fx_model), 16 if not args.smoke else 4)
+        ag = agreement(engines[1:], fx_eng, _chat_ids(fx_model), 16 if not args.smoke else 4,
+                       set(fx_model.eos_ids))
 
     wls = _workloads(short, sizes, n_dec)
     ids = prompt_tokens(fx_model, max(short, *sizes))
