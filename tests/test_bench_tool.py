@@ -31,3 +31,23 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert "llama.cpp" in report["skipped"] or "llama.cpp" in report["results"]
     md = out_md.read_text()
     assert "| tok/s (median) |" in md and "fx/mlx-lm" in md
+
+
+def test_bench_serving_smoke(tmp_path: Path) -> None:
+    """The serving workload: every engine delivers N x gen tokens, metrics are finite."""
+    out_json = tmp_path / "serving.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench.py"), "--smoke", "--serving",
+         "--json", str(out_json)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out_json.read_text())
+    s = report["serving"]
+    for n, block in s["results"].items():
+        assert set(block["engines"]) == {"fx", "mlx-lm-f32"}
+        for key, v in block["engines"].items():
+            for run in v["runs"]:
+                assert run["tokens"] == int(n) * s["gen_tokens"], (n, key)
+                assert run["tok_s"] > 0 and run["ttft_p50"] > 0 and run["itl_p50"] >= 0
+    assert "aggregate throughput ratio" in proc.stdout

@@ -1088,6 +1088,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="no measurement: re-render a saved --json report (text, --markdown)")
     ap.add_argument("--json", help="write the full report as JSON here")
     ap.add_argument("--markdown", help="write the tables as markdown here")
+    ap.add_argument("--serving", action="store_true",
+                    help="the serving workload instead: N concurrent requests through "
+                         "fx_engine.Engine vs mlx-lm's BatchGenerator (tools/bench_serving.py)")
+    ap.add_argument("--serving-n", default="1,8,32", help="concurrency levels (serving)")
+    ap.add_argument("--serving-engines", default="fx,mlx-lm-f32",
+                    help="serving engines: fx, mlx-lm-f32, mlx-lm")
+    ap.add_argument("--gen-tokens", type=int, default=None,
+                    help="generated tokens per request (serving; 128)")
     args = ap.parse_args(argv)
     if args.render:
         report = json.loads(Path(args.render).read_text())
@@ -1143,6 +1151,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     fx_model = fx_engine.load(path)
     log(f"loaded fx-engine model in {time.perf_counter() - t0:.1f}s ({fx_model.weight_format})")
+
+    if args.serving:
+        return _serving_main(args, argv, path, is_gguf, fx_model, info, tmp)
 
     engines: list[Engine] = []
     skipped: dict[str, str] = {}
@@ -1257,6 +1268,56 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log(f"wrote {args.json}")
     if args.markdown:
         Path(args.markdown).write_text(render_markdown(report))
+        log(f"wrote {args.markdown}")
+    if tmp is not None:
+        tmp.cleanup()
+    return report
+
+
+def _serving_main(args: Any, argv: list[str] | None, path: str, is_gguf: bool, fx_model: Any,
+                  info: dict[str, Any], tmp: Any) -> dict[str, Any]:
+    """`--serving`: fx_engine.Engine vs mlx-lm's BatchGenerator (see tools/bench_serving.py)."""
+    import bench_serving as bs  # noqa: PLC0415  (tools/ is on sys.path when run as a script)
+
+    ns = [int(x) for x in args.serving_n.split(",") if x.strip()]
+    gen, lo_hi = args.gen_tokens or bs.GEN_TOKENS, bs.PROMPT_RANGE
+    if args.smoke:
+        ns, gen, lo_hi = [1, 2], args.gen_tokens or 4, (8, 16)
+    engines: dict[str, tuple[str, Any]] = {}
+    labels: dict[str, str] = {}
+    for key in [e.strip() for e in args.serving_engines.split(",") if e.strip()]:
+        if key == "fx":
+            engines[key] = ("fx", fx_model)
+        elif key == "mlx-lm-f32":
+            engines[key] = ("mlx-lm", mlx_lm_dense_from_fx(fx_model))
+        elif key == "mlx-lm":
+            if is_gguf:
+                engines[key] = ("mlx-lm", mlx_lm_quantized_from_gguf(path, fx_model.config)[0])
+            else:
+                from mlx_lm.utils import load_model
+
+                engines[key] = ("mlx-lm", load_model(Path(path))[0])
+        else:
+            raise SystemExit(f"unknown serving engine {key!r} (fx, mlx-lm-f32, mlx-lm)")
+        labels[key] = ENGINE_LABELS[key]
+    results = bs.run_serving(engines, fx_model, ns, args.runs, args.warmup, gen, lo_hi,
+                             prompt_tokens, log)
+    report = {
+        "command": " ".join(["python", "tools/bench.py", *(argv if argv is not None else sys.argv[1:])]),
+        "smoke": args.smoke, "machine": info, "loadavg_end": os.getloadavg(),
+        "model": {"path": path, "weight_format": fx_model.weight_format,
+                  "fingerprint": fx_model.fingerprint},
+        "engines": {k: {"label": labels[k]} for k in engines},
+        "serving": {"ns": ns, "gen_tokens": gen, "prompt_range": list(lo_hi), "runs": args.runs,
+                    "warmup": args.warmup, "results": results},
+    }
+    md = bs.render_serving(report, lambda k: labels.get(k, k))
+    print("\n".join(md))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+        log(f"wrote {args.json}")
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(md).lstrip() + "\n")
         log(f"wrote {args.markdown}")
     if tmp is not None:
         tmp.cleanup()

@@ -1,0 +1,183 @@
+"""The serving workload of tools/bench.py (`python tools/bench.py --serving`).
+
+N requests arrive at once (a burst; N = 1, 8, 32 by default). Prompt lengths are drawn
+uniformly from [64, 512] tokens with a fixed seed (distinct text per request, so no two
+prompts share a prefix); each request generates exactly 128 tokens, greedy (EOS
+suppressed for fx-engine with a logit bias, no stop tokens for mlx-lm).
+
+  fx           fx_engine.Engine(max_rows=N, prefill_chunk=512), driven step by step in this
+               thread; a token's time is when the step that produced it returned.
+  mlx-lm-f32   mlx-lm's BatchGenerator (completion_batch_size=N, prefill_batch_size
+               min(N, 8), its default prefill step of 2048) on the same dense float32
+               arrays fx-engine runs on; a token's time is when `next_generated()` returned it.
+  mlx-lm       the same BatchGenerator on mlx-lm's natural (4/8-bit) representation. Its
+               CPU quantized matmul is slow, so it is not in the default list.
+
+Per run: aggregate generated tokens/s (all tokens / time from the burst to the last
+token), time to first token (TTFT) per request, inter-token latency (ITL: every gap
+between two consecutive tokens of a request, pooled). Reported: medians over runs of the
+aggregate and of each run's p50/p95. Each engine gets one warm-up run per N (fx compiles
+per shape bucket), then --runs measured rounds with the engine order rotated per round.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any, Callable
+
+import fx_engine  # noqa: F401  first: preloads the optimized BLAS before mlx is imported
+import mlx.core as mx
+
+GEN_TOKENS = 128
+PROMPT_RANGE = (64, 512)
+
+
+def serving_prompts(model: Any, n: int, seed: int, lo: int, hi: int,
+                    base: Callable[[Any, int], list[int]]) -> list[list[int]]:
+    """n prompts of lengths uniform in [lo, hi]: windows of a long text at distinct offsets."""
+    rng = random.Random(seed)
+    text = base(model, hi + 64 * n + 64)
+    out = []
+    for i in range(n):
+        length = rng.randint(lo, hi)
+        off = (i * 61) % (len(text) - length)
+        out.append(text[off : off + length])
+    return out
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    f = int(k)
+    c = min(f + 1, len(s) - 1)
+    return s[f] + (s[c] - s[f]) * (k - f)
+
+
+def summarize_times(t0: float, times: list[list[float]]) -> dict[str, Any]:
+    """Per-request token arrival times -> aggregate tok/s, TTFT and ITL percentiles."""
+    total = sum(len(t) for t in times)
+    last = max(t[-1] for t in times if t)
+    ttft = [t[0] - t0 for t in times if t]
+    itl = [b - a for t in times for a, b in zip(t, t[1:])]
+    return {
+        "tokens": total, "seconds": last - t0, "tok_s": total / (last - t0),
+        "ttft_p50": _percentile(ttft, 0.5), "ttft_p95": _percentile(ttft, 0.95),
+        "itl_p50": _percentile(itl, 0.5), "itl_p95": _percentile(itl, 0.95),
+        "itl_max": max(itl) if itl else float("nan"),
+    }
+
+
+def run_fx(model: Any, prompts: list[list[int]], gen: int) -> dict[str, Any]:
+    from fx_engine.engine.engine import Engine
+
+    bias = {int(i): -1e9 for i in model.eos_ids}  # always decode `gen` tokens
+    engine = Engine(model, max_rows=len(prompts), prefill_chunk=512)
+    t0 = time.perf_counter()
+    handles = [engine.submit(p, max_tokens=gen, logit_bias=bias) for p in prompts]
+    times: list[list[float]] = [[] for _ in prompts]
+    while engine.step():
+        now = time.perf_counter()
+        for i, h in enumerate(handles):
+            # Drain what this step delivered (the tool reads the handle's queue directly so
+            # that it can timestamp without a consumer thread per request).
+            while h._events:
+                ev = h._events.popleft()
+                times[i].extend([now] * len(ev.token_ids))
+    now = time.perf_counter()
+    for i, h in enumerate(handles):
+        while h._events:
+            times[i].extend([now] * len(h._events.popleft().token_ids))
+        h.result()
+    out = summarize_times(t0, times)
+    out["steps"] = engine.steps
+    return out
+
+
+def run_mlx_lm(model: Any, prompts: list[list[int]], gen: int) -> dict[str, Any]:
+    from mlx_lm.generate import BatchGenerator
+
+    n = len(prompts)
+    bg = BatchGenerator(model, max_tokens=gen, stop_tokens=None, completion_batch_size=n,
+                        prefill_batch_size=min(n, 8))
+    t0 = time.perf_counter()
+    uids = bg.insert(prompts, [gen] * n)
+    index = {u: i for i, u in enumerate(uids)}
+    times: list[list[float]] = [[] for _ in prompts]
+    while responses := bg.next_generated():
+        now = time.perf_counter()
+        for r in responses:
+            times[index[r.uid]].append(now)
+    bg.close()
+    return summarize_times(t0, times)
+
+
+def run_serving(engines: dict[str, tuple[str, Any]], fx_model: Any, ns: list[int], runs: int,
+                warmup: int, gen: int, prompt_range: tuple[int, int],
+                base: Callable[[Any, int], list[int]], log: Callable[[str], None],
+                ) -> dict[str, Any]:
+    """engines: key -> ("fx" | "mlx-lm", model). Returns {n: {key: {"runs": [...]}}}."""
+    results: dict[str, Any] = {}
+    keys = list(engines)
+    for n in ns:
+        prompts = serving_prompts(fx_model, n, seed=n, lo=prompt_range[0], hi=prompt_range[1],
+                                  base=base)
+        res = {k: {"runs": []} for k in keys}
+        results[str(n)] = {"prompt_tokens": [len(p) for p in prompts], "engines": res}
+
+        def once(key: str) -> dict[str, Any]:
+            kind, model = engines[key]
+            r = (run_fx if kind == "fx" else run_mlx_lm)(model, prompts, gen)
+            mx.clear_cache()
+            return r
+
+        for k in keys:
+            for _ in range(warmup):
+                log(f"serving N={n}: warm-up {k}")
+                once(k)
+        for rnd in range(runs):
+            order = keys[rnd % len(keys):] + keys[: rnd % len(keys)]
+            for k in order:
+                r = once(k)
+                res[k]["runs"].append(r)
+                log(f"serving N={n} round {rnd + 1}/{runs} {k}: {r['tok_s']:.1f} tok/s, "
+                    f"TTFT p50 {r['ttft_p50']:.2f} s, ITL p50 {r['itl_p50'] * 1e3:.0f} ms")
+        for k in keys:
+            rs = res[k]["runs"]
+            res[k]["median"] = {m: statistics.median(r[m] for r in rs)
+                                for m in ("tok_s", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95")}
+    return results
+
+
+def render_serving(report: dict[str, Any], label: Callable[[str], str]) -> list[str]:
+    s = report.get("serving")
+    if not s:
+        return []
+    lines = ["", f"Serving: N concurrent requests (burst), prompts {s['prompt_range'][0]}-"
+                 f"{s['prompt_range'][1]} tokens, {s['gen_tokens']} generated tokens each, "
+                 f"greedy; medians of {s['runs']} runs after {s['warmup']} warm-up.", "",
+             "| N | engine | aggregate tok/s | TTFT p50 / p95 (s) | ITL p50 / p95 (ms) |",
+             "|---:|---|---:|---:|---:|"]
+    for n, block in s["results"].items():
+        for k, v in block["engines"].items():
+            m = v.get("median")
+            if not m:
+                continue
+            lines.append(f"| {n} | {label(k)} | {m['tok_s']:.1f} | {m['ttft_p50']:.2f} / "
+                         f"{m['ttft_p95']:.2f} | {m['itl_p50'] * 1e3:.0f} / "
+                         f"{m['itl_p95'] * 1e3:.0f} |")
+    ratios = []
+    for n, block in s["results"].items():
+        e = block["engines"]
+        if "fx" not in e or "median" not in e["fx"]:
+            continue
+        for k, v in e.items():
+            if k != "fx" and v.get("median"):
+                ratios.append(f"| {n} | fx / {label(k)} | "
+                              f"{e['fx']['median']['tok_s'] / v['median']['tok_s']:.2f}x |")
+    if ratios:
+        lines += ["", "| N | aggregate throughput ratio | value |", "|---:|---|---:|", *ratios]
+    return lines
