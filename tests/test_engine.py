@@ -335,15 +335,18 @@ def test_context_overflow_and_never_fitting_budget_are_rejected(bi_model):
 
 
 def test_kv_budget_queues_until_memory_is_free(bi_model):
-    """Budget 512 slots: two requests needing a 256-slot row each fit (2 x 256), a third
-    waits until one finishes; the decode cache never exceeds the budget."""
-    engine = Engine(bi_model, max_rows=4, kv_budget_tokens=512, prefill_chunk=64)
+    """Budget 768 slots. Each request needs a 256-slot decode row and, while prefilling, a
+    256-slot prefill cache (100 + a 64 chunk -> 256). The first is admitted (256 + 256); the
+    second only once the first has left prefill (2 x 256 + 256); a third (4-row bucket x
+    256) waits until one finishes. Decode cache plus prefill caches never exceed the budget."""
+    engine = Engine(bi_model, max_rows=4, kv_budget_tokens=768, prefill_chunk=64)
     hs = [engine.submit(prompt(100, i), max_tokens=20 + 10 * i) for i in range(3)]
     peak_rows = 0
     while engine.step():
         s = engine.stats()
-        assert s["rows"] * s["capacity"] <= 512
-        assert s["prefilling"] + s["decoding"] <= 2
+        used = s["rows"] * s["capacity"] + s["prefill_cache_slots"]
+        assert used <= 768, s
+        assert s["prefilling"] <= 1 and s["prefilling"] + s["decoding"] <= 2
         peak_rows = max(peak_rows, s["decoding"])
     assert peak_rows == 2
     admits = [e for e in engine.trace_events if e["kind"] == "admit"]

@@ -452,6 +452,7 @@ class Engine:
         with self._lock:
             queued = len(self._pending)
         cache = self._cache
+        pcaches = [r.pcache for r in list(self._prefilling) if r.pcache is not None]
         return {
             "queued": queued,
             "prefilling": len(self._prefilling),
@@ -459,6 +460,8 @@ class Engine:
             "rows": len(self._rows),
             "capacity": 0 if cache is None else cache.capacity,
             "cache_bytes": 0 if cache is None else cache.nbytes,
+            "prefill_cache_bytes": sum(c.nbytes for c in pcaches),
+            "prefill_cache_slots": sum(c.capacity for c in pcaches),
             "steps": self.steps,
         }
 
@@ -468,12 +471,14 @@ class Engine:
         r = parse_request(self.model, prompt, **kw)
         ids, max_tokens = r.ids, r.max_tokens
         need = len(ids) + max_tokens
-        if not sched.ever_fits(need, self.max_rows, self.kv_budget_tokens):
+        pslots = sched.prefill_slots(len(ids), self.prefill_chunk)
+        if not sched.ever_fits(need, self.max_rows, self.kv_budget_tokens, pslots):
+            slots = sched.kv_footprint([need], self.max_rows, [pslots])
             raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs a decode cache "
-                f"of {sched.kv_footprint([need], self.max_rows)} token slots "
-                f"({sched.kv_footprint([need], self.max_rows) * self.bytes_per_token} bytes), "
-                f"more than the KV budget of {self.kv_budget_tokens} tokens"
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs a KV cache "
+                f"of {slots} token slots ({slots * self.bytes_per_token} bytes: its decode "
+                f"row and its prefill cache), more than the KV budget of "
+                f"{self.kv_budget_tokens} tokens"
             )
         return _Request(None, ids, r.sampling, max_tokens, r.stops, r.n_top > 0,
                         r.processors), ids
@@ -555,7 +560,9 @@ class Engine:
                     return
                 req = self._pending[0]
                 needs = [r.need for r in self._prefilling] + [r.need for r in self._rows if r is not None]
-                if not sched.can_admit(needs, req.need, self.max_rows, self.kv_budget_tokens):
+                prefilling = [self._prefill_slots(r) for r in self._prefilling]
+                if not sched.can_admit(needs, req.need, self.max_rows, self.kv_budget_tokens,
+                                       prefilling, self._prefill_slots(req)):
                     return
                 self._pending.popleft()
             req.phase = "prefill"
@@ -572,8 +579,7 @@ class Engine:
             self.fault_hook("prefill", req.handle)
         c = self._c
         if req.pcache is None:
-            chunk = sched.chunk_bucket(min(self.prefill_chunk, len(req.ids)))
-            cap = sched.capacity_bucket(len(req.ids) + chunk)
+            cap = self._prefill_slots(req)
             req.pcache = init_cache(c.num_layers, 1, c.num_kv_heads, cap, c.head_dim, self._dtype)
         start = req.prefilled
         piece = req.ids[start : start + n]
@@ -613,6 +619,9 @@ class Engine:
         req.row_state = row_state
         self._on_token(req, token, lp)
         return True
+
+    def _prefill_slots(self, req: _Request) -> int:
+        return sched.prefill_slots(len(req.ids), self.prefill_chunk)
 
     # ---------------------------------------------------------------- insertion
     def _row_params(self) -> Any:

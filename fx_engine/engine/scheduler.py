@@ -99,29 +99,41 @@ def plan_prefill(
     return plan
 
 
-def kv_footprint(needs: Sequence[int], max_rows: int) -> int:
-    """Token slots of the rectangular decode cache that can hold rows needing `needs` slots
-    each (prompt + max_tokens): row_bucket(len) x capacity_bucket(max need)."""
-    if not needs:
-        return 0
-    return row_bucket(len(needs), max_rows) * capacity_bucket(max(needs))
+def prefill_slots(prompt_len: int, prefill_chunk: int) -> int:
+    """Token slots of the 1-row cache a request prefills into (its prompt plus one padded
+    chunk of headroom, bucketed); it lives until the request joins the decode batch."""
+    return capacity_bucket(prompt_len + chunk_bucket(min(prefill_chunk, prompt_len)))
+
+
+def kv_footprint(needs: Sequence[int], max_rows: int, prefilling: Sequence[int] = ()) -> int:
+    """Token slots of the KV memory for admitted requests: the rectangular decode cache that
+    can hold rows needing `needs` slots each (prompt + max_tokens), row_bucket(len) x
+    capacity_bucket(max need), plus the prefill caches (`prefill_slots`) of the requests
+    still prefilling."""
+    rect = row_bucket(len(needs), max_rows) * capacity_bucket(max(needs)) if needs else 0
+    return rect + sum(prefilling)
 
 
 def can_admit(
-    admitted_needs: Sequence[int], need: int, max_rows: int, budget_tokens: int | None
+    admitted_needs: Sequence[int], need: int, max_rows: int, budget_tokens: int | None,
+    prefilling: Sequence[int] = (), new_prefill: int = 0,
 ) -> bool:
-    """A free row exists and the decode cache for every admitted request plus this one fits
-    the KV budget (None = unbounded)."""
+    """A free row exists and the KV memory of every admitted request plus this one (decode
+    cache and prefill caches, see `kv_footprint`) fits the budget (None = unbounded).
+    prefilling: prefill-cache slots of admitted requests still prefilling; new_prefill: this
+    request's."""
     if len(admitted_needs) >= max_rows:
         return False
     if budget_tokens is None:
         return True
-    return kv_footprint([*admitted_needs, need], max_rows) <= budget_tokens
+    used = kv_footprint([*admitted_needs, need], max_rows, [*prefilling, new_prefill])
+    return used <= budget_tokens
 
 
-def ever_fits(need: int, max_rows: int, budget_tokens: int | None) -> bool:
-    """Whether a request needing `need` slots fits the KV budget alone."""
-    return budget_tokens is None or kv_footprint([need], max_rows) <= budget_tokens
+def ever_fits(need: int, max_rows: int, budget_tokens: int | None, new_prefill: int = 0) -> bool:
+    """Whether a request needing `need` slots (and `new_prefill` while it prefills) fits the
+    KV budget alone."""
+    return budget_tokens is None or kv_footprint([need], max_rows, [new_prefill]) <= budget_tokens
 
 
 def shrink_rows_target(live: int, rows: int, max_rows: int) -> int | None:
