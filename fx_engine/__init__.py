@@ -12,8 +12,10 @@ imperative shell (fx_engine.engine, .loading, .cli). Public API:
 """
 
 from . import blas as _blas
+from . import malloc as _malloc
 
 _blas.preload()  # must run before mlx is imported anywhere (see fx_engine/blas.py)
+_malloc.tune()  # keep freed intermediates mapped (see fx_engine/malloc.py)
 
 from .engine.engine import Engine, EngineClosed, QueueFull, RequestHandle  # noqa: E402
 from .engine.generate import Completion, TextDelta, TokenLogprob, Usage, generate, stream  # noqa: E402

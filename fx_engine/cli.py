@@ -107,6 +107,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from .blas import active
+    from .malloc import active as malloc_active
     from .loading.default_model import ModelNotFound, default_model_path
 
     blas = active()
@@ -121,6 +122,8 @@ def cmd_info(a: argparse.Namespace) -> int:
         ("platform", f"{platform.system()} {platform.machine()}"),
         ("device", str(mx.default_device())),
         ("BLAS", blas["name"] + (f" ({blas['path']})" if blas["path"] else "")),
+        ("malloc tuning", "on (FX_ENGINE_MALLOC=default turns it off)" if malloc_active()
+         else "off"),
         ("mx.compile JIT (g++)", shutil.which("g++") or "missing: mx.compile silently does nothing"),
         ("default model", default),
     ]

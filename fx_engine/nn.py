@@ -192,8 +192,12 @@ def softmax(x: mx.array) -> mx.array:
     return e / mx.sum(e, axis=-1, keepdims=True)
 
 
+QUERY_BLOCK = 128  # query rows per block in prefill attention (see `attention`)
+
+
 def attention(
-    q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float, numerics: Numerics
+    q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float, numerics: Numerics,
+    causal_tail: bool = False,
 ) -> mx.array:
     """Grouped-query softmax attention.
 
@@ -202,9 +206,23 @@ def attention(
     stacked into the rows of one matmul per (row, KV head), so K and V are never repeated.
     In batch-invariant mode the query rows are cut into fixed tiles so that a query's
     scores never depend on the chunk size (the BLAS kernel sees the same M every time).
+
+    causal_tail: the caller guarantees max(lengths) + T <= S (true for the shell's span
+    buckets). Then query block j (rows [j*QB, (j+1)*QB)) can only see the first
+    S - T + (j+1)*QB slots, a static bound, and a long chunk is computed block by block:
+    the causal part above the diagonal is skipped and each block's scores stay small
+    enough for the caches and the allocator (a [9 x 512 x 2048] score matrix is 38 MB).
     """
     b, t, hq, d = q.shape
     hk, s = k.shape[1], k.shape[2]
+    if causal_tail and not numerics.batch_invariant and t > QUERY_BLOCK:
+        outs = []
+        for j0 in range(0, t, QUERY_BLOCK):
+            j1 = min(t, j0 + QUERY_BLOCK)
+            kv = min(s, s - t + j1)
+            outs.append(attention(q[:, j0:j1], k[:, :, :kv], v[:, :, :kv],
+                                  mask[:, :, j0:j1, :kv], scale, numerics))
+        return mx.concatenate(outs, axis=1)
     rep = hq // hk
     qh = (q * scale).reshape(b, t, hk, rep, d).transpose(0, 2, 3, 1, 4)  # [B, Hk, rep, T, D]
     m = mask[:, :, None]  # [B, 1, 1, T, S]

@@ -69,3 +69,31 @@ def test_batch_invariant_attention_matches_plain():
     a = attention(q, k, v, mask, 0.25, Numerics(batch_invariant=True))
     b = attention(q, k, v, mask, 0.25, Numerics())
     assert mx.allclose(a, b, atol=1e-5).item()
+
+
+def test_blocked_prefill_attention_matches_one_block():
+    """causal_tail: query blocks attend over a static prefix of the span; same result as
+    the whole chunk at once when max(lengths) + T <= S (rows at different lengths)."""
+    from fx_engine.cache import attention_mask
+
+    t, s = 300, 512
+    lengths = mx.array([0, 150, 212])  # max + t == s
+    q = mx.random.normal((3, t, 6, 16))
+    k, v = mx.random.normal((3, 2, s, 16)), mx.random.normal((3, 2, s, 16))
+    mask = attention_mask(lengths, t, s)
+    whole = attention(q, k, v, mask, 0.25, Numerics())
+    blocked = attention(q, k, v, mask, 0.25, Numerics(), causal_tail=True)
+    assert mx.allclose(whole, blocked, atol=1e-5).item()
+
+
+def test_malloc_tuning_is_on_by_default_and_can_be_turned_off():
+    import subprocess
+    import sys
+
+    code = "import fx_engine, fx_engine.malloc as m; print(m.active())"
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    env = {**__import__("os").environ, "FX_ENGINE_MALLOC": "default"}
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert off.stdout.strip() == "False"
+    if sys.platform == "linux":
+        assert on.stdout.strip() == "True"

@@ -58,6 +58,7 @@ def _rope(p: Params, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]
 def _layer(
     p: Params, lp: LayerParams, h: mx.array, k_cache: mx.array, v_cache: mx.array,
     rope: tuple[mx.array, mx.array, mx.array], slots: mx.array, mask: mx.array,
+    causal_tail: bool,
 ) -> tuple[mx.array, mx.array, mx.array]:
     cfg, num = p.config, p.numerics
     b, t = slots.shape
@@ -79,7 +80,8 @@ def _layer(
     v_cache = write_layer(v_cache, v, slots)
     span = mask.shape[-1]  # attend over the first `span` slots only (cost is linear in it)
     k_att, v_att = k_cache[:, :, :span], v_cache[:, :, :span]
-    o = attention(q, k_att, v_att, mask, d**-0.5, num).reshape(b * t, hq * d)
+    o = attention(q, k_att, v_att, mask, d**-0.5, num, causal_tail=causal_tail)
+    o = o.reshape(b * t, hq * d)
     h = h + linear(o, lp.o, num)
     x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
     gu = linear(x, lp.gate_up, num)
@@ -113,7 +115,8 @@ def forward(
     rope = _rope(p, positions)  # shared by every layer
     keys, values = [], []
     for i, lp in enumerate(p.layers):
-        h, kc, vc = _layer(p, lp, h, cache.keys[i], cache.values[i], rope, slots, mask)
+        h, kc, vc = _layer(p, lp, h, cache.keys[i], cache.values[i], rope, slots, mask,
+                           causal_tail=span is not None)
         keys.append(kc)
         values.append(vc)
     h = rms_norm(h, p.norm, p.config.rms_norm_eps).reshape(b, t, -1)
