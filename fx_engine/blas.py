@@ -8,7 +8,12 @@ changes (see `batch_invariant` in fx_engine.nn).
 Order of preference, from measurements on an AVX-512 Xeon (docs/benchmarks.md): MKL from
 PyPI (`mkl`, a dependency on Linux x86_64; it picks AVX-512 kernels and streams a batch-1
 GEMV near memory bandwidth: decode 1.75x, prefill@512 1.7x over Debian's OpenBLAS 0.3.21,
-which does not know this CPU and runs SSE3 kernels), then the system OpenBLAS.
+which does not know this CPU and runs SSE3 kernels), then the system OpenBLAS. On a
+non-Intel CPU the system OpenBLAS comes first.
+
+MKL's Conditional Numerical Reproducibility (MKL_CBWR=AUTO) is left off: no run-to-run
+difference was observed without it (same shapes, fresh buffers), and it cost ~20% of
+decode speed here. Set it yourself for bitwise reproducibility guarantees across processes.
 
 This module must not import mlx. `fx_engine/__init__.py` calls `preload()` first.
 Set FX_ENGINE_BLAS=reference to keep the bundled BLAS, or to a library path to choose one.
@@ -35,6 +40,23 @@ _CANDIDATES = (
 )
 
 
+def _mkl_complete(rt: str) -> bool:
+    """libmkl_rt loads its core and threading layers lazily, at the first BLAS call, and
+    exits the process if they are missing: check they sit beside it before choosing it."""
+    d = os.path.dirname(rt)
+    has = lambda pat: bool(glob.glob(os.path.join(d, pat)))  # noqa: E731
+    return has("libmkl_core.so*") and (has("libmkl_intel_thread.so*") or has("libmkl_sequential.so*"))
+
+
+def _intel_cpu() -> bool:
+    """MKL is Intel's library; on other vendors' CPUs it may not pick its fast kernels."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "GenuineIntel" in f.read(4096)
+    except OSError:
+        return False
+
+
 def _pypi_candidates() -> list[str]:
     """MKL from PyPI (`pip install mkl`) exports the standard cblas symbols; its wheel puts
     libmkl_rt in the environment's lib/ folder."""
@@ -43,7 +65,7 @@ def _pypi_candidates() -> list[str]:
     for root in roots:
         found += sorted(glob.glob(os.path.join(root, "libmkl_rt.so*")))
         found += sorted(glob.glob(os.path.join(root, "..", "..", "libmkl_rt.so*")))
-    return found
+    return [p for p in found if _mkl_complete(p)]
 
 
 def preload() -> dict[str, str]:
@@ -58,7 +80,12 @@ def preload() -> dict[str, str]:
         # Too late to interpose; report honestly instead of pretending.
         _ACTIVE["name"] = "unknown (mlx was imported before fx_engine; BLAS not preloaded)"
         return dict(_ACTIVE)
-    paths = [choice] if choice != "auto" else [*_pypi_candidates(), *_CANDIDATES]
+    if choice != "auto":
+        paths = [choice]
+    elif _intel_cpu():
+        paths = [*_pypi_candidates(), *_CANDIDATES]
+    else:  # measured on Intel only: elsewhere the system OpenBLAS first, MKL as a fallback
+        paths = [*_CANDIDATES, *_pypi_candidates()]
     for path in paths:
         if not os.path.exists(path):
             continue

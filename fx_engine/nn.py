@@ -215,7 +215,7 @@ def attention(
     """
     b, t, hq, d = q.shape
     hk, s = k.shape[1], k.shape[2]
-    if causal_tail and not numerics.batch_invariant and t > QUERY_BLOCK:
+    if causal_tail and not numerics.batch_invariant and QUERY_BLOCK < t <= s:
         outs = []
         for j0 in range(0, t, QUERY_BLOCK):
             j1 = min(t, j0 + QUERY_BLOCK)

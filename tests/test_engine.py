@@ -456,9 +456,10 @@ def test_logits_processors_validation(bi_model, bad, match):
         Engine(bi_model).submit(prompt(5), logits_processors=bad)
 
 
-def test_processor_returning_a_wrong_shape_fails_its_request(bi_model):
+@pytest.mark.parametrize("wrong", [lambda t, lg: lg[:, :10], lambda t, lg: lg.reshape(-1, 1)])
+def test_processor_returning_a_wrong_shape_fails_its_request(bi_model, wrong):
     engine = Engine(bi_model, max_rows=2)
-    bad = engine.submit(prompt(9), max_tokens=4, logits_processors=[lambda t, lg: lg[:, :10]])
+    bad = engine.submit(prompt(9), max_tokens=4, logits_processors=[wrong])
     ok = engine.submit(prompt(9, 1), max_tokens=4)
     run_all(engine)
     with pytest.raises(ValueError, match=r"logits_processors\[0\] must return logits of shape"):

@@ -309,8 +309,9 @@ class Engine:
 
     max_rows: most requests admitted at once (prefilling + decoding); the decode batch uses
       row buckets 1, 2, 4, ... up to max_rows.
-    kv_budget_tokens / kv_budget_bytes: bound on the rectangular decode cache
-      (row bucket x capacity bucket of the largest prompt + max_tokens); None = unbounded.
+    kv_budget_tokens / kv_budget_bytes: bound on the KV memory of admitted requests: the
+      rectangular decode cache (row bucket x capacity bucket of the largest prompt +
+      max_tokens) plus the prefill caches of requests still prefilling; None = unbounded.
     prefill_chunk: largest prefill piece per request per step (rounded down to a power of 2).
     step_token_budget: tokens per step shared by decode rows (1 each) and prefill pieces
       (padded size); default prefill_chunk + max_rows; must be >= max_rows + 16.
@@ -452,7 +453,7 @@ class Engine:
         with self._lock:
             queued = len(self._pending)
         cache = self._cache
-        pcaches = [r.pcache for r in list(self._prefilling) if r.pcache is not None]
+        pcaches = [pc for r in list(self._prefilling) if (pc := r.pcache) is not None]
         return {
             "queued": queued,
             "prefilling": len(self._prefilling),

@@ -141,7 +141,7 @@ def apply_processors(
     toks = mx.array(list(tokens), mx.int32)
     for i, proc in enumerate(processors):
         out = proc(toks, logits)
-        if not isinstance(out, mx.array) or out.size != v or out.ndim not in (1, 2):
+        if not isinstance(out, mx.array) or tuple(out.shape) not in ((v,), (1, v)):
             got = getattr(out, "shape", type(out).__name__)
             raise ValueError(f"logits_processors[{i}] must return logits of shape [1, {v}], got {got}")
         logits = out.reshape(1, v).astype(mx.float32)
