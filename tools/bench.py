@@ -73,6 +73,9 @@ from fx_engine.steps import (  # noqa: E402
 )
 from fx_engine.tree import tree_leaves  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: tools/ modules
+from oracle import _mlx_lm_skeleton, mlx_lm_dense_from_fx  # noqa: E402
+
 try:  # the shell's attention span buckets (newer engines); None: attend over the capacity
     from fx_engine.cache import span_bucket
 except ImportError:  # pragma: no cover
@@ -332,76 +335,6 @@ class LlamaCppEngine(Engine):
 
 
 # ------------------------------------------------------------- building the mlx-lm peers
-
-
-def _mlx_lm_config(cfg: Any) -> dict[str, Any]:
-    d: dict[str, Any] = {
-        "model_type": cfg.model_type, "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers, "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
-        "vocab_size": cfg.vocab_size, "rope_theta": cfg.rope_theta,
-        "rope_traditional": cfg.rope_traditional,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": bool(cfg.qkv_bias and cfg.o_bias), "mlp_bias": cfg.mlp_bias,
-    }
-    if cfg.rope_scaling:
-        d["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v
-                             for k, v in dict(cfg.rope_scaling).items()}
-    return d
-
-
-def _mlx_lm_skeleton(cfg: Any) -> nn.Module:
-    from mlx_lm.utils import _get_classes
-
-    d = _mlx_lm_config(cfg)
-    model_cls, args_cls = _get_classes(d)
-    return model_cls(args_cls.from_dict(d))
-
-
-def mlx_lm_dense_from_fx(model: Any) -> nn.Module:
-    """mlx-lm Model holding fx-engine's own dense arrays (fused matrices split back)."""
-    cfg, p = model.config, model.params
-    if any(lin.quantized for lin in (p.embed, *[lp.qkv for lp in p.layers])):
-        raise ValueError("fx params are quantized; the dense peer needs dense weights")
-    hq, hk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    ff = cfg.intermediate_size
-    w: dict[str, mx.array] = {"model.embed_tokens.weight": p.embed.weight,
-                              "model.norm.weight": p.norm}
-    if p.lm_head is not None:
-        w["lm_head.weight"] = p.lm_head.dense_out_in
-    for i, lp in enumerate(p.layers):
-        pre = f"model.layers.{i}."
-        qkv = lp.qkv.dense_out_in
-        w[pre + "self_attn.q_proj.weight"] = qkv[:hq]
-        w[pre + "self_attn.k_proj.weight"] = qkv[hq : hq + hk]
-        w[pre + "self_attn.v_proj.weight"] = qkv[hq + hk :]
-        if lp.qkv.bias is not None:
-            b = lp.qkv.bias
-            w[pre + "self_attn.q_proj.bias"] = b[:hq]
-            w[pre + "self_attn.k_proj.bias"] = b[hq : hq + hk]
-            w[pre + "self_attn.v_proj.bias"] = b[hq + hk :]
-        w[pre + "self_attn.o_proj.weight"] = lp.o.dense_out_in
-        if lp.o.bias is not None:
-            w[pre + "self_attn.o_proj.bias"] = lp.o.bias
-        w[pre + "mlp.gate_proj.weight"] = lp.gate_up.dense_out_in[:ff]
-        w[pre + "mlp.up_proj.weight"] = lp.gate_up.dense_out_in[ff:]
-        if lp.gate_up.bias is not None:
-            w[pre + "mlp.gate_proj.bias"] = lp.gate_up.bias[:ff]
-            w[pre + "mlp.up_proj.bias"] = lp.gate_up.bias[ff:]
-        w[pre + "mlp.down_proj.weight"] = lp.down.dense_out_in
-        if lp.down.bias is not None:
-            w[pre + "mlp.down_proj.bias"] = lp.down.bias
-        w[pre + "input_layernorm.weight"] = lp.attn_norm
-        w[pre + "post_attention_layernorm.weight"] = lp.mlp_norm
-        if lp.q_norm is not None:
-            w[pre + "self_attn.q_norm.weight"] = lp.q_norm
-            w[pre + "self_attn.k_norm.weight"] = lp.k_norm
-    m = _mlx_lm_skeleton(cfg)
-    m.load_weights(list(w.items()), strict=True)
-    mx.eval(m.parameters())
-    return m
 
 
 _GGUF_TO_HF = {

@@ -14,29 +14,41 @@ from typing import Any
 import mlx.core as mx
 
 
-def mlx_lm_model(model: Any) -> Any:
-    from mlx_lm.models import llama
+def _mlx_lm_config(cfg: Any) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "model_type": cfg.model_type, "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "vocab_size": cfg.vocab_size, "rope_theta": cfg.rope_theta,
+        "rope_traditional": cfg.rope_traditional,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": bool(cfg.qkv_bias and cfg.o_bias), "mlp_bias": cfg.mlp_bias,
+    }
+    if cfg.rope_scaling:
+        d["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v
+                             for k, v in dict(cfg.rope_scaling).items()}
+    return d
 
-    path = Path(model.path)
-    if path.is_dir():
-        from mlx_lm.utils import load_model
 
-        ref, _ = load_model(path)
-        ref.set_dtype(mx.float32)
-        return ref
-    c, p = model.config, model.params
-    if c.model_type != "llama":
-        raise NotImplementedError("GGUF oracle: llama architecture only")
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
-        intermediate_size=c.intermediate_size, num_attention_heads=c.num_heads,
-        rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size, num_key_value_heads=c.num_kv_heads,
-        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
-        max_position_embeddings=c.max_position_embeddings,
-    )
-    ref = llama.Model(args)
-    hq, hk, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-    w = {"model.embed_tokens.weight": p.embed.weight, "model.norm.weight": p.norm}
+def _mlx_lm_skeleton(cfg: Any) -> Any:
+    from mlx_lm.utils import _get_classes
+
+    d = _mlx_lm_config(cfg)
+    model_cls, args_cls = _get_classes(d)
+    return model_cls(args_cls.from_dict(d))
+
+
+def mlx_lm_dense_from_fx(model: Any) -> Any:
+    """mlx-lm Model holding fx-engine's own dense arrays (fused matrices split back)."""
+    cfg, p = model.config, model.params
+    if any(lin.quantized for lin in (p.embed, *[lp.qkv for lp in p.layers])):
+        raise ValueError("fx params are quantized; the dense peer needs dense weights")
+    hq, hk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    ff = cfg.intermediate_size
+    w: dict[str, mx.array] = {"model.embed_tokens.weight": p.embed.weight,
+                              "model.norm.weight": p.norm}
     if p.lm_head is not None:
         w["lm_head.weight"] = p.lm_head.dense_out_in
     for i, lp in enumerate(p.layers):
@@ -45,14 +57,42 @@ def mlx_lm_model(model: Any) -> Any:
         w[pre + "self_attn.q_proj.weight"] = qkv[:hq]
         w[pre + "self_attn.k_proj.weight"] = qkv[hq : hq + hk]
         w[pre + "self_attn.v_proj.weight"] = qkv[hq + hk :]
+        if lp.qkv.bias is not None:
+            b = lp.qkv.bias
+            w[pre + "self_attn.q_proj.bias"] = b[:hq]
+            w[pre + "self_attn.k_proj.bias"] = b[hq : hq + hk]
+            w[pre + "self_attn.v_proj.bias"] = b[hq + hk :]
         w[pre + "self_attn.o_proj.weight"] = lp.o.dense_out_in
-        w[pre + "mlp.gate_proj.weight"] = lp.gate_up.dense_out_in[:f]
-        w[pre + "mlp.up_proj.weight"] = lp.gate_up.dense_out_in[f:]
+        if lp.o.bias is not None:
+            w[pre + "self_attn.o_proj.bias"] = lp.o.bias
+        w[pre + "mlp.gate_proj.weight"] = lp.gate_up.dense_out_in[:ff]
+        w[pre + "mlp.up_proj.weight"] = lp.gate_up.dense_out_in[ff:]
+        if lp.gate_up.bias is not None:
+            w[pre + "mlp.gate_proj.bias"] = lp.gate_up.bias[:ff]
+            w[pre + "mlp.up_proj.bias"] = lp.gate_up.bias[ff:]
         w[pre + "mlp.down_proj.weight"] = lp.down.dense_out_in
+        if lp.down.bias is not None:
+            w[pre + "mlp.down_proj.bias"] = lp.down.bias
         w[pre + "input_layernorm.weight"] = lp.attn_norm
         w[pre + "post_attention_layernorm.weight"] = lp.mlp_norm
-    ref.load_weights(list(w.items()))
-    return ref
+        if lp.q_norm is not None:
+            w[pre + "self_attn.q_norm.weight"] = lp.q_norm
+            w[pre + "self_attn.k_norm.weight"] = lp.k_norm
+    m = _mlx_lm_skeleton(cfg)
+    m.load_weights(list(w.items()), strict=True)
+    mx.eval(m.parameters())
+    return m
+
+
+def mlx_lm_model(model: Any) -> Any:
+    path = Path(model.path)
+    if path.is_dir():
+        from mlx_lm.utils import load_model
+
+        ref, _ = load_model(path)
+        ref.set_dtype(mx.float32)
+        return ref
+    return mlx_lm_dense_from_fx(model)
 
 
 def mlx_lm_generate(ref: Any, prompt_ids: list[int], *, max_tokens: int, eos_ids: set[int],
