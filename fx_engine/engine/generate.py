@@ -36,15 +36,8 @@ MIN_CAPACITY = 256
 def stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
     """Generate from `prompt` and yield text deltas as they are decoded.
 
-    prompt: a string (completed as raw text, or as one user message when chat=True), a
-    list of token ids, or a list of chat messages ({"role", "content"} dicts; rendered
-    with the model's chat template and a generation prompt).
-    Sampling parameters follow mlx-lm's sample_utils (temperature 0 = greedy; top_p 1,
-    top_k 0, min_p 0, xtc_probability 0 = off). logprobs: N > 0 (or True = 1) reports the
-    chosen token's logprob and the N most likely alternatives. stop: strings that end the
-    generation; they are never emitted, not even partially.
-
-    Arguments: see `parse_request` (the same for `generate` and `Engine.submit`).
+    Arguments: see `parse_request` (prompt forms, sampling, stop, logprobs,
+    logits_processors; the same for `generate` and `Engine.submit`).
     Each delta is a `TextDelta` (a str) with `.token_ids` and `.logprobs`; the last one
     carries `.finish_reason` ("stop" or "length") and `.usage`.
     """
