@@ -1,14 +1,25 @@
-"""The KV cache pytree: preallocated rows with per-row lengths, written in place.
+"""The KV cache pytree: preallocated rows with per-row lengths, written in place, one entry
+per attention layer, each of the kind its layer asks for (the static `layout`).
 
-Layout: one K and one V array per layer, each [B, Hkv, C, D] (B rows, capacity C). Rows
-are independent: row b holds `lengths[b]` valid positions; entries at or past that length
-are stale and never read (attention masks them), which is what makes rollback by length
-exact and free: `with_lengths(cache, accepted)`.
+Kinds (`LayerSpec`):
 
-One extra slot past the capacity (index `capacity`) is a write sink: padding tokens, rows
-that do not advance (n_valid == 0) and anything that would land past the capacity are
-written there, so a step never touches a row's valid entries nor memory outside the array.
-Attention never reads it (spans are <= capacity).
+* dense: K and V arrays [B, Hkv, C + 1, D] (capacity C): position p lives in slot p.
+* ring (sliding-window layers): [B, Hkv, R + 1, D] with R = window + headroom slots; position
+  p lives in slot p % R. Memory is bounded by R whatever the context length.
+* quantized (mlx-lm's QuantizedKVCache layout): keys/values as MLX affine-quantized triples
+  (packed uint32, scales, biases) along D, attended with `mx.quantized_matmul`. Positions
+  below `quant_start` stay in a float "head" (mlx-lm's quantized_kv_start: a prompt's first
+  tokens keep full precision), the rest are quantized.
+
+Rows are independent: row b holds `lengths[b]` valid positions; entries at or past that length
+are stale and never read (attention masks them), which is what makes rollback by length exact
+and free: `with_lengths(cache, accepted)`. For a ring this needs headroom: a step of T tokens
+(a prefill chunk, or a verify of T - 1 drafts) overwrites the slots of positions up to T - 1
+past the window, so `headroom >= T - 1` is checked when the step is traced, before any write.
+
+Every array has one extra slot (the last index) that is a write sink: padding tokens, rows that
+do not advance (n_valid == 0) and anything past the capacity are written there, so a step never
+touches a row's valid entries nor memory outside the array. Attention never reads it.
 
 Why one array per layer (not a stacked [L, ...] array): MLX reuses an input buffer for an
 update only when nothing else references it; a stacked cache is copied whole every step.
@@ -17,43 +28,176 @@ Why zero-initialised: a NaN in a masked V slot still poisons the row (0 * NaN).
 
 from __future__ import annotations
 
+from typing import Any, Callable, Sequence
+
 import attrs
 import mlx.core as mx
 from jaxtyping import Int
 
-from .tree import tree_replace
+from .nn import Numerics, attention, quantized_attention
+from .tree import static_field, tree_replace
+
+
+class CacheError(ValueError):
+    """A step or cache operation that the cache layout cannot hold (named in the message)."""
+
+
+@attrs.frozen
+class LayerSpec:
+    """Static description of one cache entry (hashable: part of the compile key)."""
+
+    kv_heads: int
+    head_dim: int
+    window: int | None = None  # sliding-window attention: keys within `window` positions
+    ring: int = 0  # > 0: ring storage of `ring` slots (window + headroom)
+    bits: int = 0  # > 0: quantized storage (4 or 8 bits)
+    group_size: int = 64
+    quant_start: int = 0  # quantized: positions below this stay in float
+
+    @property
+    def kind(self) -> str:
+        return "ring" if self.ring else ("quantized" if self.bits else "dense")
+
+    @property
+    def headroom(self) -> int:
+        return self.ring - (self.window or 0)
+
+
+@attrs.frozen
+class LayerKV:
+    """A dense or ring entry: K and V [B, Hkv, slots + 1, D]."""
+
+    keys: mx.array
+    values: mx.array
+
+
+@attrs.frozen
+class QuantKV:
+    """A quantized entry. head_*: float [B, Hkv, F + 1, D] for positions < F = min(quant_start,
+    capacity); keys/values: (packed, scales, biases) [B, Hkv, C - F + 1, *] for the rest."""
+
+    head_keys: mx.array
+    head_values: mx.array
+    keys: tuple[mx.array, mx.array, mx.array]
+    values: tuple[mx.array, mx.array, mx.array]
+
+    @property
+    def head_slots(self) -> int:
+        return int(self.head_keys.shape[2]) - 1
 
 
 @attrs.frozen
 class KVCache:
-    keys: tuple[mx.array, ...]
-    values: tuple[mx.array, ...]
+    layers: tuple[Any, ...]  # LayerKV | QuantKV, one per entry of `layout`
     lengths: Int[mx.array, "B"]
+    layout: tuple[LayerSpec, ...] = static_field()
+    capacity: int = static_field()  # usable positions per row (dense slots)
 
     @property
     def rows(self) -> int:
         return int(self.lengths.shape[0])
 
     @property
-    def capacity(self) -> int:
-        """Usable slots per row (the array has one more: the write sink)."""
-        return int(self.keys[0].shape[2]) - 1
+    def nbytes(self) -> int:
+        return sum(a.nbytes for e in self.layers for a in _arrays(e))
 
     @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+    def keys(self) -> tuple[mx.array, ...]:
+        """Float key arrays of dense/ring entries (inspection and tests)."""
+        return tuple(e.keys for e in self.layers if isinstance(e, LayerKV))
+
+    @property
+    def values(self) -> tuple[mx.array, ...]:
+        return tuple(e.values for e in self.layers if isinstance(e, LayerKV))
+
+
+def _arrays(entry: Any) -> list[mx.array]:
+    if isinstance(entry, QuantKV):
+        return [entry.head_keys, entry.head_values, *entry.keys, *entry.values]
+    return [entry.keys, entry.values]
+
+
+# ------------------------------------------------------------------------------ layout
+
+
+def dense_layout(num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[LayerSpec, ...]:
+    return tuple(LayerSpec(num_kv_heads, head_dim) for _ in range(num_layers))
+
+
+def finish_layout(
+    base: Sequence[LayerSpec], *, headroom: int = 512, kv_bits: int = 0, kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
+) -> tuple[LayerSpec, ...]:
+    """Turn a model's per-entry specs (heads, dims, window) into storage kinds.
+
+    headroom: ring slots past the window; must be >= the largest step (prefill chunk or
+    verify length) minus one. kv_bits: quantize the full-attention entries (sliding-window
+    entries are already bounded and stay float, as in mlx-lm, whose rotating cache has no
+    quantized form).
+    """
+    if kv_bits not in (0, 4, 8):
+        raise CacheError(f"kv_bits must be 4 or 8 (or None), got {kv_bits!r}")
+    if kv_bits and kv_group_size not in (32, 64, 128):
+        raise CacheError(f"kv_group_size must be 32, 64 or 128, got {kv_group_size!r}")
+    if quantized_kv_start < 0:
+        raise CacheError(f"quantized_kv_start must be >= 0, got {quantized_kv_start!r}")
+    if headroom < 0:
+        raise CacheError(f"headroom must be >= 0, got {headroom!r}")
+    out = []
+    for s in base:
+        if s.window is not None:
+            out.append(attrs.evolve(s, ring=s.window + headroom, bits=0))
+        elif kv_bits:
+            if s.head_dim % kv_group_size:
+                raise CacheError(
+                    f"kv_group_size {kv_group_size} does not divide head_dim {s.head_dim}")
+            out.append(attrs.evolve(s, bits=kv_bits, group_size=kv_group_size,
+                                    quant_start=quantized_kv_start))
+        else:
+            out.append(s)
+    return tuple(out)
+
+
+def _head_slots(spec: LayerSpec, capacity: int) -> int:
+    return min(spec.quant_start, capacity)
+
+
+def _quant_zeros(rows: int, spec: LayerSpec, slots: int, dtype: mx.Dtype) -> tuple:
+    shape = (rows, spec.kv_heads, slots)
+    return (
+        mx.zeros((*shape, spec.head_dim * spec.bits // 32), mx.uint32),
+        mx.zeros((*shape, spec.head_dim // spec.group_size), dtype),
+        mx.zeros((*shape, spec.head_dim // spec.group_size), dtype),
+    )
+
+
+def _init_entry(spec: LayerSpec, rows: int, capacity: int, dtype: mx.Dtype) -> Any:
+    if spec.bits:
+        f = _head_slots(spec, capacity)
+        head = (rows, spec.kv_heads, f + 1, spec.head_dim)
+        return QuantKV(
+            head_keys=mx.zeros(head, dtype), head_values=mx.zeros(head, dtype),
+            keys=_quant_zeros(rows, spec, capacity - f + 1, dtype),
+            values=_quant_zeros(rows, spec, capacity - f + 1, dtype),
+        )
+    slots = spec.ring if spec.ring else capacity
+    shape = (rows, spec.kv_heads, slots + 1, spec.head_dim)  # + the write sink
+    return LayerKV(keys=mx.zeros(shape, dtype), values=mx.zeros(shape, dtype))
 
 
 def init_cache(
-    num_layers: int, rows: int, num_kv_heads: int, capacity: int, head_dim: int,
-    dtype: mx.Dtype = mx.float32,
+    layout: Sequence[LayerSpec], rows: int, capacity: int, dtype: mx.Dtype = mx.float32
 ) -> KVCache:
-    shape = (rows, num_kv_heads, capacity + 1, head_dim)  # + the write sink
+    """An empty cache: `rows` rows of `capacity` positions, one entry per spec of `layout`
+    (from `fx_engine.models.cache_layout` or `Model.cache_layout`)."""
+    layout = tuple(layout)
     return KVCache(
-        keys=tuple(mx.zeros(shape, dtype) for _ in range(num_layers)),
-        values=tuple(mx.zeros(shape, dtype) for _ in range(num_layers)),
-        lengths=mx.zeros((rows,), mx.int32),
+        layers=tuple(_init_entry(s, rows, capacity, dtype) for s in layout),
+        lengths=mx.zeros((rows,), mx.int32), layout=layout, capacity=capacity,
     )
+
+
+# ------------------------------------------------------------------ one step's geometry
 
 
 def write_positions(lengths: mx.array, t: int) -> mx.array:
@@ -61,29 +205,139 @@ def write_positions(lengths: mx.array, t: int) -> mx.array:
     return lengths[:, None] + mx.arange(t, dtype=mx.int32)[None, :]
 
 
-def write_slots(lengths: mx.array, n_valid: mx.array, t: int, capacity: int) -> mx.array:
-    """Cache slots [B, T] for a chunk: its position for a valid token inside the capacity,
-    else the write sink (index `capacity`). Computed once per step, shared by all layers."""
-    offs = mx.arange(t, dtype=mx.int32)[None, :]
-    pos = lengths[:, None] + offs
-    keep = (offs < n_valid[:, None]) & (pos < capacity)
-    return mx.where(keep, pos, capacity)
+class StepGeometry:
+    """Where a step of T tokens per row writes and what each query may read, per cache kind.
 
+    Built once per step at trace time and shared by all layers (each distinct slot/mask
+    array is computed once, memoised by its static key).
 
-def write_layer(cache_k: mx.array, new: mx.array, slots: mx.array) -> mx.array:
-    """Write new [B, H, T, D] at per-row slots [B, T] (from `write_slots`).
-
-    put_along_axis reuses cache_k's buffer when the caller holds no other reference.
+    span (static): dense entries attend over slots [0, span) only; the caller guarantees
+    max(lengths) + T <= span <= capacity (see `span_bucket`). None: the whole capacity.
     """
-    idx = slots[:, None, :, None]
-    return mx.put_along_axis(cache_k, idx, new.astype(cache_k.dtype), axis=2)
+
+    def __init__(self, cache: KVCache, n_valid: mx.array, t: int, span: int | None):
+        self.t = t
+        self.capacity = cache.capacity
+        self.span = cache.capacity if span is None else span
+        self.bounded = span is not None  # the span contract holds: blocked attention is safe
+        self.positions = write_positions(cache.lengths, t)  # [B, T]
+        offs = mx.arange(t, dtype=mx.int32)[None, :]
+        self.valid = (offs < n_valid[:, None]) & (self.positions < cache.capacity)
+        self.end = mx.minimum(cache.lengths + n_valid, cache.capacity)  # lengths after
+        self._memo: dict[tuple, mx.array] = {}
+
+    def _get(self, key: tuple, make: Callable[[], mx.array]) -> mx.array:
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def slots(self, lo: int, hi: int) -> mx.array:
+        """Slots [B, T] of an array holding positions [lo, hi) at slot p - lo (sink hi - lo)."""
+        def make() -> mx.array:
+            p = self.positions
+            keep = self.valid & (p >= lo) & (p < hi) if lo else self.valid & (p < hi)
+            return mx.where(keep, p - lo, hi - lo)
+        return self._get(("slots", lo, hi), make)
+
+    def ring_slots(self, ring: int) -> mx.array:
+        return self._get(("ring", ring), lambda: mx.where(
+            self.valid, mx.remainder(self.positions, ring), ring))
+
+    def mask(self, n_slots: int, window: int | None, ring: int = 0) -> mx.array:
+        """Bool [B, 1, T, n_slots]: query t of row b may read slot s.
+
+        The position held by slot s is s (dense) or, for a ring, the latest position
+        congruent to s below the row's new length; a query at position q reads positions
+        in (q - window, q]."""
+        def make() -> mx.array:
+            s = mx.arange(n_slots, dtype=mx.int32)
+            if ring:
+                last = (self.end - 1)[:, None]
+                held = last - mx.remainder(last - s[None, :], ring)  # [B, S]; < 0: never written
+            else:
+                held = s[None, :]
+            q = self.positions[:, :, None]
+            k = held[:, None, :]
+            m = k <= q
+            if ring:
+                m = m & (k >= 0)
+            if window is not None:
+                m = m & (k > q - window)
+            return m[:, None]
+        return self._get(("mask", n_slots, window, ring), make)
 
 
-def attention_mask(lengths: mx.array, t: int, capacity: int) -> mx.array:
-    """Bool mask [B, 1, T, C]: query t of row b sees keys at positions <= lengths[b] + t."""
-    q_pos = write_positions(lengths, t)  # [B, T]
-    k_pos = mx.arange(capacity, dtype=mx.int32)
-    return (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]
+# ------------------------------------------------------------------- writes and reads
+
+
+def _put(cache_x: mx.array, new: mx.array, slots: mx.array) -> mx.array:
+    """Write new [B, H, T, *] at per-row slots [B, T]. put_along_axis reuses cache_x's buffer
+    when the caller holds no other reference."""
+    return mx.put_along_axis(cache_x, slots[:, None, :, None], new.astype(cache_x.dtype), axis=2)
+
+
+def write_entry(
+    entry: Any, spec: LayerSpec, k: mx.array, v: mx.array, geo: StepGeometry
+) -> Any:
+    """Write this step's k, v [B, Hkv, T, D] into one entry (then attend over the result)."""
+    if spec.ring:
+        if geo.t - 1 > spec.headroom:
+            raise CacheError(
+                f"a step of {geo.t} tokens needs ring headroom >= {geo.t - 1}, but this "
+                f"sliding-window cache has {spec.headroom} (window {spec.window}, ring "
+                f"{spec.ring}); build the cache layout with a larger headroom"
+            )
+        slots = geo.ring_slots(spec.ring)
+        return LayerKV(_put(entry.keys, k, slots), _put(entry.values, v, slots))
+    if spec.bits:
+        f = entry.head_slots
+        head = geo.slots(0, f)
+        tail = geo.slots(f, geo.capacity)
+        qk = mx.quantize(k, group_size=spec.group_size, bits=spec.bits)
+        qv = mx.quantize(v, group_size=spec.group_size, bits=spec.bits)
+        return QuantKV(
+            head_keys=_put(entry.head_keys, k, head) if f else entry.head_keys,
+            head_values=_put(entry.head_values, v, head) if f else entry.head_values,
+            keys=tuple(_put(a, n, tail) for a, n in zip(entry.keys, qk)),
+            values=tuple(_put(a, n, tail) for a, n in zip(entry.values, qv)),
+        )
+    slots = geo.slots(0, geo.capacity)
+    return LayerKV(_put(entry.keys, k, slots), _put(entry.values, v, slots))
+
+
+def attend_entry(
+    entry: Any, spec: LayerSpec, q: mx.array, geo: StepGeometry, scale: float,
+    numerics: Numerics,
+) -> mx.array:
+    """Attention of q [B, T, Hq, D] over one (already written) entry: [B, T, Hq * D]."""
+    if spec.ring:
+        n = min(geo.span, spec.ring)
+        mask = geo.mask(n, spec.window, spec.ring)
+        # While the span fits in the ring, slot == position: the causal-tail blocking holds.
+        tail = geo.bounded and geo.span <= spec.ring
+        return attention(q, entry.keys[:, :, :n], entry.values[:, :, :n], mask, scale,
+                         numerics, causal_tail=tail)
+    mask = geo.mask(geo.span, spec.window)
+    if spec.bits:
+        f = min(entry.head_slots, geo.span)
+        rest = geo.span - f
+        return quantized_attention(
+            q, entry.head_keys[:, :, :f], entry.head_values[:, :, :f],
+            tuple(a[:, :, :rest] for a in entry.keys),
+            tuple(a[:, :, :rest] for a in entry.values),
+            mask, scale, spec.group_size, spec.bits,
+        )
+    return attention(q, entry.keys[:, :, : geo.span], entry.values[:, :, : geo.span], mask,
+                     scale, numerics, causal_tail=geo.bounded)
+
+
+def advanced(cache: KVCache, layers: Sequence[Any], geo: StepGeometry) -> KVCache:
+    """The cache after a step: the written entries and lengths += n_valid (capped)."""
+    return KVCache(layers=tuple(layers), lengths=geo.end, layout=cache.layout,
+                   capacity=cache.capacity)
+
+
+# ------------------------------------------------------------------ shell-side operations
 
 
 def span_bucket(needed: int, capacity: int) -> int:
@@ -103,36 +357,126 @@ def with_lengths(cache: KVCache, lengths: mx.array) -> KVCache:
     return tree_replace(cache, lengths=lengths.astype(mx.int32))
 
 
+def _fit(x: mx.array, rows: int, slots: int) -> mx.array:
+    """[B, H, S, *] -> [rows, H, slots, *]: truncate or zero-pad rows and slots."""
+    x = x[:rows, :, :slots]
+    pad_b, pad_s = rows - x.shape[0], slots - x.shape[2]
+    if pad_b or pad_s:
+        x = mx.pad(x, [(0, pad_b), (0, 0), (0, pad_s)] + [(0, 0)] * (x.ndim - 3))
+    return x
+
+
+def _resize_entry(entry: Any, spec: LayerSpec, rows: int, old_cap: int, cap: int) -> Any:
+    if spec.ring:  # the ring does not depend on the capacity; the old sink is kept (never read)
+        return LayerKV(_fit(entry.keys, rows, spec.ring + 1), _fit(entry.values, rows, spec.ring + 1))
+    if spec.bits:
+        f_old, f = _head_slots(spec, old_cap), _head_slots(spec, cap)
+        # Quantized positions sit at p - f; when f changes, every valid position is in the
+        # head before and after (capacity below quant_start on one side), the tail is empty.
+        tail = (lambda a: _fit(a[:, :, : cap - f], rows, cap - f + 1)) if f == f_old else (
+            lambda a: mx.zeros((rows, a.shape[1], cap - f + 1, a.shape[3]), a.dtype))
+        return QuantKV(
+            head_keys=_fit(entry.head_keys[:, :, :f], rows, f + 1),
+            head_values=_fit(entry.head_values[:, :, :f], rows, f + 1),
+            keys=tuple(tail(a) for a in entry.keys), values=tuple(tail(a) for a in entry.values),
+        )
+    # drops the old sink; a fresh zero sink is padded on
+    return LayerKV(_fit(entry.keys[:, :, :cap], rows, cap + 1),
+                   _fit(entry.values[:, :, :cap], rows, cap + 1))
+
+
 def resize(cache: KVCache, rows: int | None = None, capacity: int | None = None) -> KVCache:
     """Grow or shrink a cache to another (rows, capacity) bucket, keeping the leading rows.
 
     A shell operation between steps (copies once per bucket change, never per step).
     """
-    b = cache.rows
-    rows = b if rows is None else rows
+    rows = cache.rows if rows is None else rows
     capacity = cache.capacity if capacity is None else capacity
-
-    def fit(x: mx.array) -> mx.array:
-        x = x[:rows, :, :capacity]  # drops the old sink; a fresh zero sink is padded on
-        pad_b, pad_c = rows - x.shape[0], capacity + 1 - x.shape[2]
-        if pad_b or pad_c:
-            x = mx.pad(x, [(0, pad_b), (0, 0), (0, pad_c), (0, 0)])
-        return x
-
     lengths = cache.lengths[:rows]
     if rows > lengths.shape[0]:
         lengths = mx.concatenate([lengths, mx.zeros((rows - lengths.shape[0],), mx.int32)])
     return KVCache(
-        keys=tuple(fit(k) for k in cache.keys),
-        values=tuple(fit(v) for v in cache.values),
-        lengths=mx.minimum(lengths, capacity),
+        layers=tuple(_resize_entry(e, s, rows, cache.capacity, capacity)
+                     for e, s in zip(cache.layers, cache.layout)),
+        lengths=mx.minimum(lengths, capacity), layout=cache.layout, capacity=capacity,
     )
+
+
+def _map_arrays(entry: Any, fn: Callable[[mx.array], mx.array]) -> Any:
+    if isinstance(entry, QuantKV):
+        return QuantKV(fn(entry.head_keys), fn(entry.head_values),
+                       tuple(fn(a) for a in entry.keys), tuple(fn(a) for a in entry.values))
+    return LayerKV(fn(entry.keys), fn(entry.values))
 
 
 def take_rows(cache: KVCache, rows: mx.array) -> KVCache:
     """Gather rows (e.g. to compact a batch or copy one row's prefix)."""
     return KVCache(
-        keys=tuple(k[rows] for k in cache.keys),
-        values=tuple(v[rows] for v in cache.values),
-        lengths=cache.lengths[rows],
+        layers=tuple(_map_arrays(e, lambda a: a[rows]) for e in cache.layers),
+        lengths=cache.lengths[rows], layout=cache.layout, capacity=cache.capacity,
     )
+
+
+def _copy_slots(dst: mx.array, src: mx.array, row: int, n: int) -> mx.array:
+    if n <= 0:
+        return dst
+    start = mx.array([row] + [0] * (dst.ndim - 1), mx.int32)
+    return mx.slice_update(dst, src[:1, :, :n].astype(dst.dtype), start, tuple(range(dst.ndim)))
+
+
+def _insert_entry(dst: Any, src: Any, spec: LayerSpec, row: int, length: int) -> Any:
+    if spec.ring:  # slot == position until the ring wraps; after that the whole ring
+        n = min(length, spec.ring)
+        return LayerKV(_copy_slots(dst.keys, src.keys, row, n),
+                       _copy_slots(dst.values, src.values, row, n))
+    if spec.bits:
+        f = min(dst.head_slots, src.head_slots)
+        nh = min(length, f)
+        nt = length - nh  # > 0 only when both heads hold quant_start positions
+        return QuantKV(
+            _copy_slots(dst.head_keys, src.head_keys, row, nh),
+            _copy_slots(dst.head_values, src.head_values, row, nh),
+            tuple(_copy_slots(d, s, row, nt) for d, s in zip(dst.keys, src.keys)),
+            tuple(_copy_slots(d, s, row, nt) for d, s in zip(dst.values, src.values)),
+        )
+    return LayerKV(_copy_slots(dst.keys, src.keys, row, length),
+                   _copy_slots(dst.values, src.values, row, length))
+
+
+def insert_row(cache: KVCache, row_cache: KVCache, row_index: int, length: int | None = None) -> KVCache:
+    """Copy row 0 of `row_cache` (same layout; its first `length` positions, default its
+    length) into row `row_index` of `cache`, and set that row's length. Slice updates: MLX
+    writes in place when the caller holds no other reference to `cache` (rebind before eval)."""
+    if row_cache.layout != cache.layout:
+        raise CacheError("insert_row: the two caches have different layouts")
+    if length is None:
+        length = int(row_cache.lengths[0].item())
+    if length > cache.capacity:
+        raise CacheError(f"insert_row: length {length} exceeds capacity {cache.capacity}")
+    layers = tuple(_insert_entry(d, s, spec, row_index, length)
+                   for d, s, spec in zip(cache.layers, row_cache.layers, cache.layout))
+    lengths = mx.slice_update(
+        cache.lengths, mx.array([length], mx.int32), mx.array([row_index], mx.int32), (0,)
+    )
+    return KVCache(layers=layers, lengths=lengths, layout=cache.layout, capacity=cache.capacity)
+
+
+def bytes_per_token(layout: Sequence[LayerSpec], dtype: mx.Dtype) -> float:
+    """Cache bytes per position of capacity, per row (ring entries excluded: see
+    `bytes_per_row_fixed`). Quantized entries: packed values plus a scale and bias per group
+    (their float head is counted as quantized: an approximation for long contexts)."""
+    total = 0.0
+    for s in layout:
+        if s.ring:
+            continue
+        if s.bits:
+            groups = s.head_dim // s.group_size
+            total += 2 * s.kv_heads * (s.head_dim * s.bits / 8 + 2 * groups * dtype.size)
+        else:
+            total += 2 * s.kv_heads * s.head_dim * dtype.size
+    return total
+
+
+def bytes_per_row_fixed(layout: Sequence[LayerSpec], dtype: mx.Dtype) -> int:
+    """Bytes per row of the ring entries (independent of the capacity)."""
+    return sum(2 * s.kv_heads * (s.ring + 1) * s.head_dim * dtype.size for s in layout if s.ring)

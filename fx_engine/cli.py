@@ -23,6 +23,11 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="fixed-tile matmuls: bitwise-identical results across batch/chunk sizes")
+    p.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
+                   help="quantize the KV cache (full-attention layers) to 4 or 8 bits")
+    p.add_argument("--kv-group-size", type=int, default=64, help="KV quantization group size")
+    p.add_argument("--quantized-kv-start", type=int, default=5000,
+                   help="positions below this stay in float when --kv-bits is set (mlx-lm's default)")
 
 
 def _kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -33,16 +38,24 @@ def _kwargs(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _load(a: argparse.Namespace):
-    return fx_engine.load(a.model, batch_invariant=a.batch_invariant)
+    return fx_engine.load(a.model, batch_invariant=a.batch_invariant, kv_bits=a.kv_bits,
+                          kv_group_size=a.kv_group_size, quantized_kv_start=a.quantized_kv_start)
 
 
-def _report(usage: Any) -> None:
+def _report(usage: Any, model: Any = None) -> None:
     import mlx.core as mx
 
+    kv_bytes = 0
+    if model is not None:  # what this conversation's cache holds (float vs quantized)
+        from .cache import bytes_per_token
+
+        per = bytes_per_token(model.cache_layout(), model.dtype)
+        kv_bytes = per * (usage.prompt_tokens + usage.completion_tokens)
+    kv = f" | KV cache {kv_bytes / 1e6:.1f} MB" if kv_bytes else ""
     print(
         f"\n[prompt: {usage.prompt_tokens} tokens, {usage.prompt_tps:.1f} tok/s | "
         f"generation: {usage.completion_tokens} tokens, {usage.generation_tps:.1f} tok/s | "
-        f"peak memory {mx.get_peak_memory() / 1e9:.2f} GB]",
+        f"peak memory {mx.get_peak_memory() / 1e9:.2f} GB{kv}]",
         file=sys.stderr,
     )
 
@@ -61,7 +74,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         last = delta
     sys.stdout.write("\n")
     if last is not None and last.usage is not None:
-        _report(last.usage)
+        _report(last.usage, model)
     return 0
 
 
@@ -98,7 +111,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
             continue
         sys.stdout.write("\n")
         if a.verbose and last is not None and last.usage is not None:
-            _report(last.usage)
+            _report(last.usage, model)
         messages.append({"role": "assistant", "content": "".join(reply)})
     return 0
 

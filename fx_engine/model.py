@@ -10,22 +10,29 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from .config import ModelConfig
+from .config import GemmaConfig, ModelConfig
 from .loading.default_model import default_model_path
 from .loading.weights import WeightsError, load_gguf, load_hf_folder
-from .models.llama import Params
+from .cache import KVCache, LayerSpec, init_cache
+from .models import AnyParams, cache_layout
 from .nn import Numerics
 from .tree import tree_leaves
+
+QUANTIZED_KV_START = 5000  # mlx-lm's default: short contexts keep a float cache
 
 
 @attrs.frozen
 class Model:
-    config: ModelConfig
-    params: Params
+    config: ModelConfig | GemmaConfig
+    params: AnyParams
     tokenizer: Any
     path: str
     fingerprint: str
     weight_format: str  # e.g. "gguf (Q4_1/Q8_0) -> float32"
+    # KV cache options (mlx-lm's kv_bits / kv_group_size / quantized_kv_start)
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = QUANTIZED_KV_START
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -36,6 +43,32 @@ class Model:
 
     def with_numerics(self, numerics: Numerics) -> "Model":
         return attrs.evolve(self, params=attrs.evolve(self.params, numerics=numerics))
+
+    def with_kv_cache(
+        self, bits: int | None = None, group_size: int = 64,
+        quantized_kv_start: int = QUANTIZED_KV_START,
+    ) -> "Model":
+        """The same model with another KV cache kind: bits None (float), 4 or 8 (quantized
+        as mlx-lm's QuantizedKVCache, positions below quantized_kv_start kept in float)."""
+        out = attrs.evolve(self, kv_bits=bits, kv_group_size=group_size,
+                           quantized_kv_start=quantized_kv_start)
+        out.cache_layout()  # validates the options (clear errors naming the option)
+        return out
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return getattr(mx, self.params.dtype)
+
+    def cache_layout(self, headroom: int = 512) -> tuple[LayerSpec, ...]:
+        """This model's cache layout; headroom: see `fx_engine.models.cache_layout`."""
+        return cache_layout(self.config, headroom=headroom, kv_bits=self.kv_bits,
+                            kv_group_size=self.kv_group_size,
+                            quantized_kv_start=self.quantized_kv_start)
+
+    def new_cache(self, rows: int, capacity: int, headroom: int = 512) -> KVCache:
+        """An empty KV cache for `rows` rows of `capacity` positions; sliding-window layers
+        get rings of window + headroom slots (headroom >= the longest step - 1)."""
+        return init_cache(self.cache_layout(headroom), rows, capacity, self.dtype)
 
 
 def model_fingerprint(meta: list[str], files: list[Path]) -> str:
@@ -66,6 +99,9 @@ def load(
     dtype: str | None = None,
     keep_quantized: bool | None = None,
     batch_invariant: bool = False,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = QUANTIZED_KV_START,
 ) -> Model:
     """Load a model from a GGUF file or a Hugging Face style folder (None: the default model).
 
@@ -74,6 +110,8 @@ def load(
     keep_quantized: keep quantized tensors quantized (default: not on CPU, where MLX's
     quantized matmul is a naive kernel and dequantized float32 through BLAS is ~10x faster;
     yes on GPU). batch_invariant: fixed-tile matmuls (see fx_engine.nn.Numerics).
+    kv_bits / kv_group_size / quantized_kv_start: the KV cache kind (see
+    `Model.with_kv_cache`; mlx-lm's options of the same names).
     """
     from .loading.tokenizer import Tokenizer
 
@@ -104,7 +142,8 @@ def load(
     files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
     fingerprint = model_fingerprint(fp_src, files)
     quant_kinds = "quantized" if keep_quantized else str(params.dtype)
-    return Model(
+    model = Model(
         config=cfg, params=params, tokenizer=tokenizer, path=str(p),
         fingerprint=fingerprint, weight_format=f"{fmt} -> {quant_kinds}",
     )
+    return model.with_kv_cache(kv_bits, kv_group_size, quantized_kv_start)

@@ -275,3 +275,36 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """silu(gate) * up, with the sigmoid from `fast_exp` (see there for why)."""
     g = gate.astype(mx.float32)
     return (g / (1.0 + fast_exp(-g)) * up).astype(gate.dtype)
+
+
+def quantized_attention(
+    q: mx.array, head_k: mx.array, head_v: mx.array, k_q: tuple, v_q: tuple, mask: mx.array,
+    scale: float, group_size: int, bits: int,
+) -> mx.array:
+    """Attention over a quantized cache entry, as mlx-lm's quantized SDPA computes it.
+
+    q [B, T, Hq, D]; head_k/head_v [B, Hk, F, D] float slots (F may be 0), then k_q/v_q
+    (packed, scales, biases) [B, Hk, S2, *] quantized slots; mask [B, 1, T, F + S2].
+    Scores come from `mx.quantized_matmul` against the packed keys and the output from the
+    probabilities against the packed values (no dequantized copy of the cache).
+    """
+    b, t, hq, d = q.shape
+    hk, f, s2 = k_q[0].shape[1], head_k.shape[2], k_q[0].shape[2]
+    rep = hq // hk
+    qh = (q * scale).reshape(b, t, hk, rep, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, rep * t, d)
+    parts = []
+    if f:
+        parts.append(qh @ head_k.swapaxes(-1, -2))
+    if s2:
+        parts.append(mx.quantized_matmul(qh, *k_q, transpose=True, group_size=group_size, bits=bits))
+    scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    scores = scores.reshape(b, hk, rep, t, f + s2)
+    scores = mx.where(mask[:, :, None], scores, mx.finfo(scores.dtype).min)
+    probs = softmax(scores).astype(q.dtype).reshape(b, hk, rep * t, f + s2)
+    out = None
+    if f:
+        out = probs[..., :f] @ head_v
+    if s2:
+        pv = mx.quantized_matmul(probs[..., f:], *v_q, transpose=False, group_size=group_size, bits=bits)
+        out = pv if out is None else out + pv
+    return out.reshape(b, hk, rep, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq * d)

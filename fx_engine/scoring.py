@@ -6,7 +6,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .cache import init_cache, span_bucket
+from .cache import span_bucket
 from .engine.generate import bucket
 from .model import Model
 from .steps import score_step_compiled
@@ -23,8 +23,7 @@ def logits(model: Model, token_ids: Sequence[int], chunk: int = 512) -> mx.array
         raise ValueError(f"token_ids: {bad[0]!r} is not a token id in [0, {model.config.vocab_size})")
     c = model.config
     size = bucket(min(chunk, len(ids)))
-    cache = init_cache(c.num_layers, 1, c.num_kv_heads, bucket(len(ids) + size, 256),
-                       c.head_dim, getattr(mx, model.params.dtype))
+    cache = model.new_cache(1, bucket(len(ids) + size, 256), headroom=size)
     out = []
     for start in range(0, len(ids), size):
         piece = ids[start : start + size]

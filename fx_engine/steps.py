@@ -16,7 +16,7 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from .cache import KVCache
-from .models.llama import Params, forward, hidden_to_logits
+from .models import AnyParams as Params, forward, hidden_to_logits
 from .state import DecodeState, sample_step
 from .tree import CompiledFunction
 

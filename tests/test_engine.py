@@ -9,6 +9,7 @@ import gc
 import threading
 import weakref
 
+import attrs
 import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -164,13 +165,14 @@ def test_engine_alone_matches_generate(bi_model):
 
 
 def test_insert_row_copies_only_the_row(bi_model):
-    from fx_engine.cache import init_cache
+    from fx_engine.cache import LayerKV, init_cache
+    from fx_engine.models import cache_layout
 
     c = bi_model.config
-    big = init_cache(c.num_layers, 4, c.num_kv_heads, 64, c.head_dim)
-    small = init_cache(c.num_layers, 1, c.num_kv_heads, 32, c.head_dim)
-    small = type(small)(keys=tuple(k + 1 for k in small.keys), values=tuple(v + 2 for v in small.values),
-                        lengths=mx.array([5]))
+    big = init_cache(cache_layout(c), 4, 64)
+    small = init_cache(cache_layout(c), 1, 32)
+    small = attrs.evolve(small, layers=tuple(LayerKV(e.keys + 1, e.values + 2) for e in small.layers),
+                         lengths=mx.array([5]))
     out = insert_row(big, small, 2)
     assert out.lengths.tolist() == [0, 0, 5, 0]
     k = out.keys[0]
@@ -210,9 +212,9 @@ def test_zero_recompiles_after_warmup_and_bounded_shapes(bi_model):
     caps = {sched.capacity_bucket(n) for n in range(1, 2049)}
     c = bi_model.config
 
-    from fx_engine.cache import init_cache
+    from fx_engine.cache import dense_layout, init_cache
 
-    sink = init_cache(1, 1, 1, 16, 1).keys[0].shape[2] - 16  # extra slots past the capacity
+    sink = init_cache(dense_layout(1, 1, 1), 1, 16).keys[0].shape[2] - 16  # extra slots past the capacity
 
     def kv_shape(sig):  # the first cache array [B, Hkv, C (+ sink), D] among the leaves
         return next(s for s, _ in sig if len(s) == 4 and s[1] == c.num_kv_heads and s[3] == c.head_dim)

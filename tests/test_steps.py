@@ -6,6 +6,7 @@ from beartype import beartype
 from jaxtyping import jaxtyped
 
 from fx_engine.cache import init_cache, with_lengths
+from fx_engine.models import cache_layout
 from fx_engine.sampling import SamplingConfig
 from fx_engine.state import init_state
 from fx_engine.steps import (
@@ -31,7 +32,7 @@ def run(model, prompts, configs, chunk, steps, capacity=256):
     c, p = model.config, model.params
     ids = [model.tokenizer.encode(t) for t in prompts]
     b = len(ids)
-    cache = init_cache(c.num_layers, b, c.num_kv_heads, capacity, c.head_dim)
+    cache = init_cache(cache_layout(c), b, capacity)
     logits = mx.zeros((b, c.vocab_size))
     longest = max(len(x) for x in ids)
     for start in range(0, longest, chunk):
@@ -88,10 +89,10 @@ def test_prefill_step_matches_score_step_and_rollback_is_exact(tiny_model):
     m = tiny_model
     c, p = m.config, m.params
     ids = m.tokenizer.encode("The quick brown fox jumps over the lazy dog again and again.")[:24]
-    cache = init_cache(c.num_layers, 1, c.num_kv_heads, 64, c.head_dim)
+    cache = init_cache(cache_layout(c), 1, 64)
     all_logits, full = score_step(p, cache, mx.array([ids]), mx.array([len(ids)]))
     # prefill the first 10, then write 8 junk tokens and roll back by length
-    cache = init_cache(c.num_layers, 1, c.num_kv_heads, 64, c.head_dim)
+    cache = init_cache(cache_layout(c), 1, 64)
     lg, cache = prefill_step(p, cache, mx.array([ids[:10]]), mx.array([10]))
     assert mx.allclose(lg[0], all_logits[0, 9], atol=1e-5)
     _, junk = prefill_step(p, cache, mx.array([[5] * 8]), mx.array([8]))
@@ -106,7 +107,7 @@ def test_prefill_step_matches_score_step_and_rollback_is_exact(tiny_model):
 def test_rows_with_zero_valid_tokens_are_untouched(tiny_model):
     m = tiny_model
     c, p = m.config, m.params
-    cache = init_cache(c.num_layers, 2, c.num_kv_heads, 32, c.head_dim)
+    cache = init_cache(cache_layout(c), 2, 32)
     _, cache = prefill_step(p, cache, mx.array([[3, 4, 5], [6, 7, 8]]), mx.array([3, 2]))
     assert cache.lengths.tolist() == [3, 2]
     _, cache2 = prefill_step(p, cache, mx.array([[9, 9, 9], [9, 9, 9]]), mx.array([0, 1]))
@@ -121,7 +122,7 @@ def test_decode_loop_never_recompiles(tiny_model):
     m = tiny_model
     c, p = m.config, m.params
     cfgs = [SamplingConfig(temperature=0.8, top_p=0.9, seed=1), SamplingConfig(temperature=0.5, top_p=0.5, seed=2)]
-    cache = init_cache(c.num_layers, 2, c.num_kv_heads, 256, c.head_dim)
+    cache = init_cache(cache_layout(c), 2, 256)
     lg, cache = prefill_step_compiled(p, cache, mx.array([[1, 2, 3, 4], [5, 6, 7, 8]]), mx.array([4, 3]))
     state = sample_step_compiled(init_state(cfgs, [[1, 2, 3, 4], [5, 6, 7]], c.vocab_size), lg)
     for _ in range(3):  # warm-up
@@ -151,7 +152,7 @@ def test_recompile_is_detected_for_a_python_scalar(tiny_model):
 def test_compiled_equals_eager(tiny_model):
     m = tiny_model
     c, p = m.config, m.params
-    cache = init_cache(c.num_layers, 1, c.num_kv_heads, 32, c.head_dim)
+    cache = init_cache(cache_layout(c), 1, 32)
     toks, n = mx.array([[3, 4, 5, 6]]), mx.array([4])
     a, ca = prefill_step(p, cache, toks, n)
     b, cb = prefill_step_compiled(p, cache, toks, n)
@@ -168,7 +169,7 @@ def test_shape_annotations_are_checked(tiny_model):
     m = tiny_model
     c, p = m.config, m.params
     checked = jaxtyped(typechecker=beartype)(prefill_step)
-    cache = init_cache(c.num_layers, 2, c.num_kv_heads, 32, c.head_dim)
+    cache = init_cache(cache_layout(c), 2, 32)
     logits, _ = checked(p, cache, mx.array([[1, 2], [3, 4]]), mx.array([2, 2]))
     assert logits.shape == (2, c.vocab_size)
     with pytest.raises(Exception, match="n_valid|B"):
@@ -187,7 +188,7 @@ def test_attention_span_matches_full_capacity(tiny_model):
 
     m = tiny_model
     c, p = m.config, m.params
-    cache = init_cache(c.num_layers, 2, c.num_kv_heads, 1024, c.head_dim)
+    cache = init_cache(cache_layout(c), 2, 1024)
     toks = mx.array([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
     full, cf = prefill_step(p, cache, toks, mx.array([6, 4]))
     span = span_bucket(6, 1024)
@@ -212,7 +213,7 @@ def test_write_sink_protects_full_and_inactive_rows(tiny_model):
     a full, inactive row keeps its entries and nothing is written out of bounds."""
     m = tiny_model
     c, p = m.config, m.params
-    cache = init_cache(c.num_layers, 2, c.num_kv_heads, 16, c.head_dim)
+    cache = init_cache(cache_layout(c), 2, 16)
     full = list(range(3, 19))  # 16 tokens: row 0 is full
     lg, cache = prefill_step(p, cache, mx.array([full, full[:16]]), mx.array([16, 5]))
     before = [mx.array(k[0]) for k in cache.keys]
@@ -239,6 +240,18 @@ def test_half_precision_activations_stay_half(tmp_path):
 
     m = fx_engine.load(write_tiny_model(tmp_path / "m", "llama"), dtype="float16")
     c = m.config
-    cache = init_cache(c.num_layers, 1, c.num_kv_heads, 32, c.head_dim, mx.float16)
+    cache = init_cache(cache_layout(c), 1, 32, mx.float16)
     h, cache = forward(m.params, cache, mx.array([[3, 4, 5]]), mx.array([3]))
     assert h.dtype == mx.float16 and cache.keys[0].dtype == mx.float16
+
+
+def test_the_custom_loop_in_specs_steps_md_runs(capsys):
+    """The documented 20-line loop stays true: it runs and answers the question."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "specs" / "steps.md").read_text()
+    code = re.search(r"## A custom greedy loop.*?```python\n(.*?)```", text, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 22
+    exec(compile(code, "specs/steps.md", "exec"), {})
+    assert "Paris" in capsys.readouterr().out

@@ -66,6 +66,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from fx_engine.cache import init_cache  # noqa: E402
+from fx_engine.models import cache_layout  # noqa: E402
 from fx_engine.sampling import SamplingConfig  # noqa: E402
 from fx_engine.state import init_state  # noqa: E402
 from fx_engine.steps import (  # noqa: E402
@@ -227,7 +228,7 @@ class FxEngine(Engine):
         c, params = m.config, m.params
         chunk = bucket(min(PREFILL_CHUNK, len(ids)))
         capacity = _capacity(len(ids), chunk)
-        cache = init_cache(c.num_layers, 1, c.num_kv_heads, capacity, c.head_dim,
+        cache = init_cache(cache_layout(c), 1, capacity,
                            getattr(mx, params.dtype))
         logits = None
         for start in range(0, len(ids), chunk):
@@ -595,7 +596,7 @@ def measure_breakdown(model: Any, decode_contexts: list[int], prefill_sizes: lis
         cap = _capacity(ctx, bucket(min(PREFILL_CHUNK, ctx)))
         kw = _span_kw(ctx + 1, cap)
         att = kw.get("span", cap)
-        cache = with_lengths(init_cache(c.num_layers, 1, c.num_kv_heads, cap, c.head_dim, dt),
+        cache = with_lengths(init_cache(cache_layout(c), 1, cap, dt),
                              mx.array([ctx], mx.int32))
         box = {"state": init_state([SamplingConfig(temperature=0.0)], [[0]], c.vocab_size),
                "cache": cache}
@@ -617,7 +618,7 @@ def measure_breakdown(model: Any, decode_contexts: list[int], prefill_sizes: lis
         start = ((n - 1) // chunk) * chunk
         kw = _span_kw(start + chunk, cap)
         att = kw.get("span", cap)
-        cache = with_lengths(init_cache(c.num_layers, 1, c.num_kv_heads, cap, c.head_dim, dt),
+        cache = with_lengths(init_cache(cache_layout(c), 1, cap, dt),
                              mx.array([start], mx.int32))
         toks = mx.zeros((1, chunk), mx.int32)
         nv = mx.array([chunk], mx.int32)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from ..cache import KVCache, init_cache, resize, span_bucket, take_rows, with_lengths
+from ..cache import KVCache, bytes_per_token, insert_row, resize, span_bucket, take_rows, with_lengths
 from ..sampling import SamplingConfig, make_sampling_params
 from ..state import DecodeState, init_state
 from ..steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
@@ -56,33 +56,6 @@ class EngineClosed(RuntimeError):
 # --------------------------------------------------------------------------------------
 # Pure row insertion helpers
 # --------------------------------------------------------------------------------------
-
-
-def insert_row(cache: KVCache, row_cache: KVCache, row_index: int, length: int | None = None) -> KVCache:
-    """Copy row 0 of `row_cache` (its first `length` slots; default its length) into row
-    `row_index` of `cache`, and set that row's length. Slice updates: MLX writes in place
-    when the caller holds no other reference to `cache` (rebind before eval)."""
-    if length is None:
-        length = int(row_cache.lengths[0].item())
-    if length > cache.capacity:
-        raise ValueError(f"insert_row: length {length} exceeds capacity {cache.capacity}")
-    start = mx.array([row_index, 0, 0, 0], mx.int32)
-    axes = (0, 1, 2, 3)
-    if length > 0:
-        keys = tuple(
-            mx.slice_update(k, rk[:1, :, :length].astype(k.dtype), start, axes)
-            for k, rk in zip(cache.keys, row_cache.keys)
-        )
-        values = tuple(
-            mx.slice_update(v, rv[:1, :, :length].astype(v.dtype), start, axes)
-            for v, rv in zip(cache.values, row_cache.values)
-        )
-    else:
-        keys, values = cache.keys, cache.values
-    lengths = mx.slice_update(
-        cache.lengths, mx.array([length], mx.int32), mx.array([row_index], mx.int32), (0,)
-    )
-    return KVCache(keys=keys, values=values, lengths=lengths)
 
 
 def _fit_cols(x: mx.array, width: int, fill: Any, left: bool) -> mx.array:
@@ -319,6 +292,10 @@ class Engine:
     trace_capacity: size of the `trace_events` ring buffer.
     fault_hook: testing hook, called as fault_hook(stage, handle) with stage "prefill" or
       "token" while processing one request; an exception fails that request only.
+    kv_bits / kv_group_size / quantized_kv_start: the KV cache kind, as in mlx-lm (default:
+      the model's, see `Model.with_kv_cache`). The KV budget counts bytes per position of
+      the dense/quantized entries; sliding-window rings (models with sliding layers) are a
+      fixed window + prefill_chunk slots per row on top.
     """
 
     def __init__(
@@ -332,6 +309,9 @@ class Engine:
         max_queue: int = 256,
         trace_capacity: int = 10_000,
         fault_hook: Callable[[str, RequestHandle], None] | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int | None = None,
+        quantized_kv_start: int | None = None,
     ):
         if not isinstance(max_rows, int) or max_rows < 1:
             raise ValueError(f"max_rows must be a positive integer, got {max_rows!r}")
@@ -339,16 +319,23 @@ class Engine:
             raise ValueError("give kv_budget_tokens or kv_budget_bytes, not both")
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        if (kv_bits, kv_group_size, quantized_kv_start) != (None, None, None):
+            model = model.with_kv_cache(
+                kv_bits if kv_bits is not None else model.kv_bits,
+                kv_group_size if kv_group_size is not None else model.kv_group_size,
+                quantized_kv_start if quantized_kv_start is not None else model.quantized_kv_start,
+            )
         self.model = model
         self.params = model.params
         c = model.config
         self._c = c
         self._dtype = getattr(mx, self.params.dtype)
-        self.bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self._dtype.size
+        self.cache_layout = model.cache_layout(sched.normalize_chunk(prefill_chunk))
+        self.bytes_per_token = bytes_per_token(self.cache_layout, self._dtype)
         if kv_budget_bytes is not None:
             if kv_budget_bytes <= 0:
                 raise ValueError(f"kv_budget_bytes must be > 0, got {kv_budget_bytes!r}")
-            kv_budget_tokens = kv_budget_bytes // self.bytes_per_token
+            kv_budget_tokens = int(kv_budget_bytes // self.bytes_per_token)
         if kv_budget_tokens is not None and kv_budget_tokens <= 0:
             raise ValueError(f"kv_budget_tokens must be > 0, got {kv_budget_tokens!r}")
         self.max_rows = max_rows
@@ -477,7 +464,7 @@ class Engine:
             slots = sched.kv_footprint([need], self.max_rows, [pslots])
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs a KV cache "
-                f"of {slots} token slots ({slots * self.bytes_per_token} bytes: its decode "
+                f"of {slots} token slots ({int(slots * self.bytes_per_token)} bytes: its decode "
                 f"row and its prefill cache), more than the KV budget of "
                 f"{self.kv_budget_tokens} tokens"
             )
@@ -581,7 +568,7 @@ class Engine:
         c = self._c
         if req.pcache is None:
             cap = self._prefill_slots(req)
-            req.pcache = init_cache(c.num_layers, 1, c.num_kv_heads, cap, c.head_dim, self._dtype)
+            req.pcache = self.model.new_cache(1, cap, headroom=self.prefill_chunk)
         start = req.prefilled
         piece = req.ids[start : start + n]
         size = sched.chunk_bucket(n)
@@ -664,7 +651,7 @@ class Engine:
         old = len(self._rows)
         self._rows = self._rows + [None] * (rows - old)
         if self._cache is None:
-            self._cache = init_cache(c.num_layers, rows, c.num_kv_heads, capacity, c.head_dim, self._dtype)
+            self._cache = self.model.new_cache(rows, capacity, headroom=self.prefill_chunk)
             self._state = init_state([_GREEDY] * rows, [[0]] * rows, c.vocab_size, self._special)
             self._state = tree_replace(self._state, active=mx.zeros((rows,), mx.bool_))
         else:

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 
-from ..cache import init_cache, resize, span_bucket
+from ..cache import resize, span_bucket
 from ..model import Model
 from ..sampling import SamplingConfig
 from ..state import init_state
@@ -70,7 +70,7 @@ def _reference_run(
     # Padding of the last chunk goes to the cache's sink slot: room for the prompt and the
     # first decoded token is enough; decode grows the cache by buckets.
     capacity = bucket(len(ids) + 1, MIN_CAPACITY)
-    cache = init_cache(c.num_layers, 1, c.num_kv_heads, capacity, c.head_dim, dtype)
+    cache = model.new_cache(1, capacity, headroom=chunk)
     logits = None
     for start in range(0, len(ids), chunk):
         piece = ids[start : start + chunk]

@@ -14,7 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import ConfigError, ModelConfig, config_from_gguf, config_from_hf
+from ..config import ConfigError, GemmaConfig, ModelConfig, config_from_gguf, config_from_hf
+from ..models.gemma import GemmaLayer, GemmaParams
 from ..models.llama import LayerParams, Params
 from ..nn import Linear, Numerics
 
@@ -227,6 +228,81 @@ def assemble_params(
     )
 
 
+def assemble_gemma(
+    cfg: GemmaConfig, src: _TensorSource, where: str, quant: dict | None, dtype: mx.Dtype,
+    keep_quantized: bool, numerics: Numerics,
+) -> GemmaParams:
+    """Gemma 3 / Gemma 4 text weights under mlx-lm's (= Hugging Face's) names. Gemma 3's
+    norms are stored as (1 + weight): the 1 is folded in here (in float32, as mlx-lm adds it
+    to float32 weights). Projections of KV-shared layers, rotary buffers and activation
+    clipping ranges in a checkpoint are unused (mlx-lm drops them too)."""
+    hid = cfg.hidden_size
+    offset = 0.0 if cfg.is_gemma4 else 1.0
+
+    def lin(name: str, out_f: int, in_f: int) -> Linear:
+        return _read_linear(src, name, out_f, in_f, _quant_for(quant, name), False, where)
+
+    def norm(name: str, n: int) -> mx.array:
+        return (src.get(name, (n,), where).astype(mx.float32) + offset).astype(dtype)
+
+    def fin(x: Linear) -> Linear:
+        return _finish(x, dtype, keep_quantized)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        d, hk, hq = cfg.layer_head_dim(i), cfg.layer_kv_heads(i), cfg.num_heads * cfg.layer_head_dim(i)
+        ff = cfg.layer_intermediate(i)
+        own_kv = cfg.kv_source(i) == i
+        parts = [lin(pre + "self_attn.q_proj", hq, hid)]
+        if own_kv:
+            parts.append(lin(pre + "self_attn.k_proj", hk * d, hid))
+            if not cfg.k_eq_v(i):
+                parts.append(lin(pre + "self_attn.v_proj", hk * d, hid))
+        extra = {}
+        if cfg.hidden_size_per_layer_input:
+            hpl = cfg.hidden_size_per_layer_input
+            extra = dict(
+                pli_gate=fin(lin(pre + "per_layer_input_gate", hpl, hid)),
+                pli_proj=fin(lin(pre + "per_layer_projection", hid, hpl)),
+                pli_norm=norm(pre + "post_per_layer_input_norm.weight", hid),
+            )
+        if cfg.is_gemma4:
+            extra["layer_scalar"] = src.get(pre + "layer_scalar", (1,), where).astype(dtype)
+        layers.append(GemmaLayer(
+            attn_norm=norm(pre + "input_layernorm.weight", hid),
+            qkv=_fuse(parts, dtype, keep_quantized),
+            q_norm=norm(pre + "self_attn.q_norm.weight", d),
+            k_norm=norm(pre + "self_attn.k_norm.weight", d) if own_kv else None,
+            o=fin(lin(pre + "self_attn.o_proj", hid, hq)),
+            post_attn_norm=norm(pre + "post_attention_layernorm.weight", hid),
+            pre_ff_norm=norm(pre + "pre_feedforward_layernorm.weight", hid),
+            gate_up=_fuse([lin(pre + "mlp.gate_proj", ff, hid), lin(pre + "mlp.up_proj", ff, hid)],
+                          dtype, keep_quantized),
+            down=fin(lin(pre + "mlp.down_proj", hid, ff)),
+            post_ff_norm=norm(pre + "post_feedforward_layernorm.weight", hid),
+            **extra,
+        ))
+    embed = _finish(lin("model.embed_tokens", cfg.vocab_size, hid), dtype, keep_quantized, table=True)
+    tied = cfg.tie_word_embeddings if cfg.is_gemma4 else not src.has("lm_head.weight")
+    lm_head = None if tied else fin(lin("lm_head", cfg.vocab_size, hid))
+    per_layer = {}
+    if cfg.hidden_size_per_layer_input:
+        width = cfg.num_layers * cfg.hidden_size_per_layer_input
+        per_layer = dict(
+            embed_per_layer=_finish(lin("model.embed_tokens_per_layer", cfg.vocab_size, width),
+                                    dtype, keep_quantized, table=True),
+            per_layer_proj=fin(lin("model.per_layer_model_projection", width, hid)),
+            per_layer_proj_norm=norm("model.per_layer_projection_norm.weight",
+                                     cfg.hidden_size_per_layer_input),
+        )
+    return GemmaParams(
+        embed=embed, layers=tuple(layers), norm=norm("model.norm.weight", hid), lm_head=lm_head,
+        **per_layer, config=attrs.evolve(cfg, tie_word_embeddings=tied), numerics=numerics,
+        dtype=str(dtype).split(".")[-1],
+    )
+
+
 def llama3_rope_freqs(cfg: ModelConfig) -> mx.array | None:
     """Llama-3 frequency scaling, with the same op composition as mlx-lm (on device, f32)."""
     if cfg.rope_type != "llama3":
@@ -327,9 +403,12 @@ def load_hf_folder(
     quant = raw.get("quantization") or raw.get("quantization_config")
     if quant and ("group_size" not in quant or "bits" not in quant):
         raise ConfigError(f"{folder / 'config.json'}: quantization needs group_size and bits")
-    if "tie_word_embeddings" not in raw:
+    if "tie_word_embeddings" not in raw and isinstance(cfg, ModelConfig):
         # Configs that do not say: tied unless the checkpoint has its own output head.
         cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has("lm_head.weight"))
     dtype = dtype or stored_dtype or mx.float32
+    if isinstance(cfg, GemmaConfig):
+        params = assemble_gemma(cfg, src, str(folder), quant, dtype, keep_quantized, numerics)
+        return params.config, params, raw
     params = assemble_params(cfg, src, _HF_NAMES, str(folder), quant, dtype, keep_quantized, numerics)
     return cfg, params, raw

@@ -7,13 +7,17 @@ nodes, and on CPU each node costs ~10 us to evaluate whatever its size.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-from ..cache import KVCache, attention_mask, write_layer, write_positions, write_slots
+from ..cache import (
+    KVCache, LayerSpec, StepGeometry, advanced, attend_entry, dense_layout, write_entry,
+)
 from ..config import ModelConfig
-from ..nn import Linear, Numerics, apply_rope, attention, embed, linear, rms_norm, rope_tables, swiglu
+from ..nn import Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, swiglu
 from ..tree import static_field
 
 
@@ -56,12 +60,11 @@ def _rope(p: Params, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]
 
 
 def _layer(
-    p: Params, lp: LayerParams, h: mx.array, k_cache: mx.array, v_cache: mx.array,
-    rope: tuple[mx.array, mx.array, mx.array], slots: mx.array, mask: mx.array,
-    causal_tail: bool,
-) -> tuple[mx.array, mx.array, mx.array]:
+    p: Params, lp: LayerParams, h: mx.array, entry: Any, spec: LayerSpec,
+    rope: tuple[mx.array, mx.array, mx.array], geo: StepGeometry,
+) -> tuple[mx.array, Any]:
     cfg, num = p.config, p.numerics
-    b, t = slots.shape
+    b, t = geo.positions.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
     qkv = linear(x, lp.qkv, num).reshape(b, t, hq + 2 * hk, d)
@@ -76,18 +79,20 @@ def _layer(
     k = qk[:, :, hq:].transpose(0, 2, 1, 3)
     v = qkv[:, :, hq + hk :].transpose(0, 2, 1, 3)
     # Write first, then attend over the written arrays (so the update can be in place).
-    k_cache = write_layer(k_cache, k, slots)
-    v_cache = write_layer(v_cache, v, slots)
-    span = mask.shape[-1]  # attend over the first `span` slots only (cost is linear in it)
-    k_att, v_att = k_cache[:, :, :span], v_cache[:, :, :span]
-    o = attention(q, k_att, v_att, mask, d**-0.5, num, causal_tail=causal_tail)
+    entry = write_entry(entry, spec, k, v, geo)
+    o = attend_entry(entry, spec, q, geo, d**-0.5, num)
     o = o.reshape(b * t, hq * d)
     h = h + linear(o, lp.o, num)
     x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
     gu = linear(x, lp.gate_up, num)
     f = cfg.intermediate_size
     h = h + linear(swiglu(gu[..., :f], gu[..., f:]), lp.down, num)
-    return h, k_cache, v_cache
+    return h, entry
+
+
+def cache_specs(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
+    """One dense full-attention cache entry per layer."""
+    return dense_layout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
 
 
 def forward(
@@ -104,25 +109,17 @@ def forward(
     slot: a row's valid entries are never touched by another row's step.
     """
     b, t = tokens.shape
-    lengths = cache.lengths
-    n_valid = n_valid.astype(mx.int32)
-    positions = write_positions(lengths, t)
-    slots = write_slots(lengths, n_valid, t, cache.capacity)
-    mask = attention_mask(lengths, t, cache.capacity if span is None else span)
+    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
     # The residual stream is kept 2-D [B*T, hidden]: matmuls on 2-D inputs need no
     # flatten/unflatten nodes (each graph node costs ~10 us on CPU).
     h = embed(tokens.reshape(-1), p.embed).astype(_dtype(p))
-    rope = _rope(p, positions)  # shared by every layer
-    keys, values = [], []
-    for i, lp in enumerate(p.layers):
-        h, kc, vc = _layer(p, lp, h, cache.keys[i], cache.values[i], rope, slots, mask,
-                           causal_tail=span is not None)
-        keys.append(kc)
-        values.append(vc)
+    rope = _rope(p, geo.positions)  # shared by every layer
+    entries = []
+    for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
+        h, entry = _layer(p, lp, h, entry, spec, rope, geo)
+        entries.append(entry)
     h = rms_norm(h, p.norm, p.config.rms_norm_eps).reshape(b, t, -1)
-    lengths = mx.minimum(lengths + n_valid, cache.capacity)  # past it: written to the sink
-    new_cache = KVCache(keys=tuple(keys), values=tuple(values), lengths=lengths)
-    return h, new_cache
+    return h, advanced(cache, entries, geo)
 
 
 def _dtype(p: Params) -> mx.Dtype:

@@ -44,6 +44,29 @@ def _tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
+_GEMMA = {
+    "gemma3_text": {
+        "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 4, "head_dim": 16,
+        "query_pre_attn_scalar": 16, "sliding_window": 16, "sliding_window_pattern": 3,
+        "rope_local_base_freq": 10000.0, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
+    "gemma4_text": {
+        "architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 6, "head_dim": 16,
+        "global_head_dim": 32, "sliding_window": 16, "sliding_window_pattern": 3,
+        "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": 384, "final_logit_softcapping": 30.0,
+        "use_double_wide_mlp": True, "attention_k_eq_v": False, "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh", "enable_moe_block": False,
+        "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                               "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+    },
+}
+
+
 def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "model_type": model_type,
@@ -61,13 +84,70 @@ def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    cfg.update(_GEMMA.get(model_type, {}))
     cfg.update(overrides)
     if model_type == "qwen3":  # Qwen3 configs always state head_dim
         cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     return cfg
 
 
+def _gemma_weights(cfg: dict[str, Any], dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
+    """Random Gemma 3 / Gemma 4 text weights under mlx-lm's names, shapes from its config
+    rules (global head_dim and KV heads, k_eq_v, KV-shared layers, double-wide MLPs)."""
+    from ..config import gemma_config_from_hf
+
+    c = gemma_config_from_hf(cfg, "tiny")
+    keys = iter(mx.random.split(mx.random.key(seed), 10_000))
+
+    def rand(*shape: int, scale: float = 0.08, center: float = 0.0) -> mx.array:
+        return (center + scale * mx.random.normal(shape, key=next(keys))).astype(dtype)
+
+    # Gemma 3 stores norms as (1 + w): small w; Gemma 4 stores the scale itself: near 1.
+    ncenter = 1.0 if c.is_gemma4 else 0.0
+
+    def norm(n: int) -> mx.array:
+        return rand(n, scale=0.1, center=ncenter)
+
+    h, v = c.hidden_size, c.vocab_size
+    out: dict[str, mx.array] = {"model.embed_tokens.weight": rand(v, h, scale=0.5)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        d, hk, hq, ff = c.layer_head_dim(i), c.layer_kv_heads(i), c.num_heads, c.layer_intermediate(i)
+        out[p + "self_attn.q_proj.weight"] = rand(hq * d, h)
+        out[p + "self_attn.o_proj.weight"] = rand(h, hq * d)
+        out[p + "self_attn.q_norm.weight"] = norm(d)
+        if c.kv_source(i) == i:
+            out[p + "self_attn.k_proj.weight"] = rand(hk * d, h)
+            out[p + "self_attn.k_norm.weight"] = norm(d)
+            if not c.k_eq_v(i):
+                out[p + "self_attn.v_proj.weight"] = rand(hk * d, h)
+        out[p + "mlp.gate_proj.weight"] = rand(ff, h)
+        out[p + "mlp.up_proj.weight"] = rand(ff, h)
+        out[p + "mlp.down_proj.weight"] = rand(h, ff)
+        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm"):
+            out[p + n + ".weight"] = norm(h)
+        if c.hidden_size_per_layer_input:
+            hpl = c.hidden_size_per_layer_input
+            out[p + "per_layer_input_gate.weight"] = rand(hpl, h, scale=0.3)
+            out[p + "per_layer_projection.weight"] = rand(h, hpl, scale=0.3)
+            out[p + "post_per_layer_input_norm.weight"] = norm(h)
+        if c.is_gemma4:
+            out[p + "layer_scalar"] = rand(1, scale=0.1, center=1.0)
+    if c.hidden_size_per_layer_input:
+        width = c.num_layers * c.hidden_size_per_layer_input
+        out["model.embed_tokens_per_layer.weight"] = rand(v, width, scale=0.5)
+        out["model.per_layer_model_projection.weight"] = rand(width, h, scale=0.3)
+        out["model.per_layer_projection_norm.weight"] = norm(c.hidden_size_per_layer_input)
+    out["model.norm.weight"] = norm(h)
+    if not cfg.get("tie_word_embeddings", True):
+        out["lm_head.weight"] = rand(v, h, scale=0.2)
+    return out
+
+
 def _weights(cfg: dict[str, Any], dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
+    if cfg["model_type"] in _GEMMA:
+        return _gemma_weights(cfg, dtype, seed)
     keys = iter(mx.random.split(mx.random.key(seed), 10_000))
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])

@@ -1,0 +1,154 @@
+"""Gemma 3 and Gemma 4 text models: parity with mlx-lm's gemma3_text / gemma4_text.
+
+Tolerance (same reasoning as test_models_parity): both sides compute in float32 from
+identical weights. The differences are summation order (fused projections, BLAS blocking),
+our exp polynomial (`fast_exp`, ~1e-7 relative near 0) inside softmax and the tanh-GELU
+(computed as x * sigmoid(2u), equal in exact arithmetic), and RoPE composition; through
+4-6 layers and logits up to ~35 (soft-capped at 30 for Gemma 4) this stays far below 2e-3.
+Sequences are 70-96 tokens with a sliding window of 16-24: more than 3x the window, so every
+sliding layer's ring wraps several times.
+"""
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import fx_engine
+from fx_engine.config import ConfigError
+from fx_engine.testing import write_tiny_model
+from fx_engine.engine.generate import reference_generate
+
+from .test_models_parity import _compare
+
+G4_VARIANTS = [
+    {},
+    {"attention_k_eq_v": True, "num_global_key_value_heads": 1},
+    {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "tie_word_embeddings": False},
+    {"use_double_wide_mlp": False, "final_logit_softcapping": None, "global_head_dim": 0,
+     "num_kv_shared_layers": 3, "sliding_window_pattern": 2},
+]
+CASES = [
+    ("gemma3_text", {}),
+    ("gemma3_text", {"rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                     "tie_word_embeddings": False, "num_key_value_heads": 1}),
+    ("gemma3_text", {"sliding_window_pattern": 2, "query_pre_attn_scalar": 32, "head_dim": 32}),
+] + [("gemma4_text", v) for v in G4_VARIANTS]
+
+
+def _ids(n: int, seed: int = 1) -> list[int]:
+    return [int(x) for x in mx.random.randint(3, 380, (n,), key=mx.random.key(seed)).tolist()]
+
+
+def _until_eos(tokens: list[int], model) -> list[int]:
+    """mlx-lm's generate_step does not stop at EOS; fx-engine does."""
+    for i, t in enumerate(tokens):
+        if t in model.eos_ids:
+            return tokens[:i]
+    return tokens
+
+
+def _mlx_lm(path: Path):
+    from mlx_lm.utils import load_model
+
+    ref, _ = load_model(Path(path))
+    ref.set_dtype(mx.float32)
+    return ref
+
+
+@pytest.mark.parametrize("model_type,overrides", CASES, ids=lambda x: str(x)[:70])
+def test_teacher_forced_logits_match_mlx_lm(tmp_path, model_type, overrides):
+    path = write_tiny_model(tmp_path / "m", model_type, **overrides)
+    model = fx_engine.load(path)
+    ref = _mlx_lm(path)
+    ids = _ids(80)
+    want = ref(mx.array([ids]))[0]  # one call: mlx-lm's windowed causal mask, no cache
+    for chunk in (16, 64):  # chunks that cross the window boundary and ones larger than it
+        _compare(fx_engine.logits(model, ids, chunk=chunk), want)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma4_text"])
+def test_mlx_quantized_folders_match_mlx_lm(tmp_path, model_type):
+    path = write_tiny_model(tmp_path / "m", model_type, quantize={"group_size": 32, "bits": 4})
+    model = fx_engine.load(path)
+    ids = _ids(72, seed=2)
+    _compare(fx_engine.logits(model, ids, chunk=32), _mlx_lm(path)(mx.array([ids]))[0])
+
+
+@pytest.mark.parametrize("model_type,window,chunk", [
+    ("gemma3_text", 16, 8),    # chunk divides the window
+    ("gemma3_text", 24, 16),   # does not
+    ("gemma4_text", 16, 32),   # chunk larger than the window
+    ("gemma4_text", 24, 16),
+])
+def test_chunked_generation_matches_mlx_lm_generate_step(tmp_path, model_type, window, chunk):
+    """Greedy generation: our chunked prefill + ring caches vs mlx-lm's generate_step with
+    its RotatingKVCache and the same prefill step size."""
+    from mlx_lm.generate import generate_step
+
+    path = write_tiny_model(tmp_path / "m", model_type, sliding_window=window)
+    model = fx_engine.load(path)
+    ref = _mlx_lm(path)
+    prompt = _ids(3 * window + 5, seed=3)
+    want = []
+    for tok, _ in generate_step(mx.array(prompt), ref, max_tokens=24, prefill_step_size=chunk,
+                                sampler=lambda x: mx.argmax(x, axis=-1)):
+        want.append(int(tok))
+    want = _until_eos(want, model)
+    kw = dict(max_tokens=24, temperature=0.0, prefill_chunk=chunk)
+    got = fx_engine.generate(model, prompt, **kw)
+    assert list(got.token_ids) == want and len(want) >= 8
+    assert list(reference_generate(model, prompt, **kw).token_ids) == want
+
+
+def test_batched_engine_matches_single_requests(tmp_path):
+    """Rows at different positions share ring caches in one batch (prompts shorter and
+    longer than the window, joining at different steps)."""
+    path = write_tiny_model(tmp_path / "m", "gemma4_text", sliding_window=16)
+    model = fx_engine.load(path, batch_invariant=True)
+    prompts = [_ids(n, seed=n) for n in (5, 40, 17, 70)]
+    alone = [reference_generate(model, p, max_tokens=20, temperature=0.0, prefill_chunk=16)
+             for p in prompts]
+    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=16)
+    handles = []
+    for p in prompts:
+        handles.append(engine.submit(p, max_tokens=20, temperature=0.0))
+        engine.step()
+    for h, a in zip(handles, alone):
+        assert h.result().token_ids == a.token_ids
+
+
+@pytest.mark.parametrize("field,value", [
+    ("enable_moe_block", True),
+    ("attn_logit_softcapping", 50.0),
+    ("hidden_activation", "silu"),
+    ("rope_parameters", {"full_attention": {"rope_type": "yarn", "factor": 4.0},
+                         "sliding_attention": {"rope_type": "default"}}),
+    ("layer_types", ["sliding_attention"] * 5 + ["bogus"]),
+    ("num_kv_shared_layers", 6),
+])
+def test_unsupported_gemma4_fields_are_clear_errors(tmp_path, field, value):
+    path = write_tiny_model(tmp_path / "m", "gemma4_text")
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    cfg[field] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        fx_engine.load(path)
+    assert "config.json" in str(e.value) and (field in str(e.value) or "rope" in str(e.value))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("final_logit_softcapping", 30.0),
+    ("layer_types", ["full_attention"] * 4),
+])
+def test_unsupported_gemma3_fields_are_clear_errors(tmp_path, field, value):
+    path = write_tiny_model(tmp_path / "m", "gemma3_text")
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    cfg[field] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=field):
+        fx_engine.load(path)
