@@ -118,6 +118,26 @@ def test_batched_engine_matches_single_requests(tmp_path):
         assert h.result().token_ids == a.token_ids
 
 
+def test_engine_with_rings_and_quantized_global_layers(tmp_path):
+    """Gemma 4 with 8-bit global layers (head_dim 32) and float rings in one cache: the
+    engine's batched rows give the tokens of each request alone through the plain loop."""
+    path = write_tiny_model(tmp_path / "m", "gemma4_text", sliding_window=16)
+    model = fx_engine.load(path)
+    q = model.with_kv_cache(8, 32, 0)
+    kinds = {s.kind for s in q.cache_layout()}
+    assert kinds == {"ring", "quantized"}
+    prompts = [_ids(n, seed=n) for n in (9, 50, 33)]
+    alone = [reference_generate(q, p, max_tokens=16, temperature=0.0, prefill_chunk=16)
+             for p in prompts]
+    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=16, kv_bits=8, kv_group_size=32,
+                              quantized_kv_start=0)
+    hs = [engine.submit(p, max_tokens=16, temperature=0.0) for p in prompts]
+    for h, a in zip(hs, alone):
+        assert h.result().token_ids == a.token_ids
+    st = engine.stats()
+    assert st["kv_bytes_per_token"] < st["kv_bytes_per_token_float"]
+
+
 @pytest.mark.parametrize("field,value", [
     ("enable_moe_block", True),
     ("attn_logit_softcapping", 50.0),

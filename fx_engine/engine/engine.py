@@ -332,6 +332,8 @@ class Engine:
         self._dtype = getattr(mx, self.params.dtype)
         self.cache_layout = model.cache_layout(sched.normalize_chunk(prefill_chunk))
         self.bytes_per_token = bytes_per_token(self.cache_layout, self._dtype)
+        self._float_bytes_per_token = bytes_per_token(
+            model.with_kv_cache(None).cache_layout(sched.normalize_chunk(prefill_chunk)), self._dtype)
         if kv_budget_bytes is not None:
             if kv_budget_bytes <= 0:
                 raise ValueError(f"kv_budget_bytes must be > 0, got {kv_budget_bytes!r}")
@@ -450,6 +452,10 @@ class Engine:
             "cache_bytes": 0 if cache is None else cache.nbytes,
             "prefill_cache_bytes": sum(c.nbytes for c in pcaches),
             "prefill_cache_slots": sum(c.capacity for c in pcaches),
+            # the KV cache kind's cost per position (dense/quantized entries) and what a
+            # float cache would cost: the memory kv_bits saves
+            "kv_bytes_per_token": self.bytes_per_token,
+            "kv_bytes_per_token_float": self._float_bytes_per_token,
             "steps": self.steps,
         }
 
