@@ -51,3 +51,23 @@ def test_bench_serving_smoke(tmp_path: Path) -> None:
                 assert run["tokens"] == int(n) * s["gen_tokens"], (n, key)
                 assert run["tok_s"] > 0 and run["ttft_p50"] > 0 and run["itl_p50"] >= 0
     assert "aggregate throughput ratio" in proc.stdout
+
+
+def test_bench_kv_smoke(tmp_path: Path) -> None:
+    """tools/bench.py --kv (tools/bench_kv.py) on a tiny model: every kind and engine runs,
+    and the reported memory per token is the same layout for both engines."""
+    from fx_engine.testing import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "m", head_dim=64)
+    out = tmp_path / "kv.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench.py"), "--kv", "--model", str(model),
+         "--contexts", "300", "--decode-tokens", "2", "--runs", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kind"] for r in rows] == ["dense", "8-bit", "4-bit"]
+    for r in rows:
+        assert r["fx"]["tok_s"] > 0 and r["mlx-lm"]["tok_s"] > 0
+        assert r["fx"]["bytes_per_token"] == r["mlx-lm"]["bytes_per_token"]

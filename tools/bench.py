@@ -1001,6 +1001,12 @@ def render_text(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--kv" in argv:  # the KV cache kinds benchmark (tools/bench_kv.py) takes the rest
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_kv
+
+        return bench_kv.main([a for a in argv if a != "--kv"])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF file or HF folder (default: fx-engine's default model)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per engine and workload")
@@ -1022,6 +1028,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="no measurement: re-render a saved --json report (text, --markdown)")
     ap.add_argument("--json", help="write the full report as JSON here")
     ap.add_argument("--markdown", help="write the tables as markdown here")
+    ap.add_argument("--kv", action="store_true",
+                    help="the KV cache kinds benchmark instead (tools/bench_kv.py; its own flags)")
     ap.add_argument("--serving", action="store_true",
                     help="the serving workload instead: N concurrent requests through "
                          "fx_engine.Engine vs mlx-lm's BatchGenerator (tools/bench_serving.py)")
