@@ -265,6 +265,9 @@ class GemmaConfig:
     final_logit_softcapping: float | None = None
     use_double_wide_mlp: bool = False
     v_norm: bool = False  # RMSNorm (no scale) on values
+    num_experts: int = 0  # > 0: each layer adds a routed mixture of experts (Gemma 4 MoE)
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def is_gemma4(self) -> bool:
@@ -396,9 +399,13 @@ def gemma_config_from_hf(d: dict[str, Any], source: str) -> GemmaConfig:
             tie_word_embeddings=True,  # decided by the loader (lm_head.weight present or not)
         )
     # Gemma 4
+    moe = {}
     if d.get("enable_moe_block"):
-        raise ConfigError(f"{source}: field 'enable_moe_block' = true (the Gemma 4 MoE variant) "
-                          "is not supported yet")
+        moe = {k: _positive_int(d.get(k), k, source)
+               for k in ("num_experts", "top_k_experts", "moe_intermediate_size")}
+        if moe["top_k_experts"] > moe["num_experts"]:
+            raise ConfigError(f"{source}: top_k_experts ({moe['top_k_experts']}) exceeds "
+                              f"num_experts ({moe['num_experts']})")
     rp = d.get("rope_parameters") or {
         "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1e6, "rope_type": "proportional"},
         "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 1e4, "rope_type": "default"},
@@ -430,5 +437,5 @@ def gemma_config_from_hf(d: dict[str, Any], source: str) -> GemmaConfig:
         attention_k_eq_v=bool(d.get("attention_k_eq_v", False)),
         num_kv_shared_layers=shared, hidden_size_per_layer_input=hpl,
         final_logit_softcapping=None if cap is None else float(cap),
-        use_double_wide_mlp=bool(d.get("use_double_wide_mlp", True)), v_norm=True,
+        use_double_wide_mlp=bool(d.get("use_double_wide_mlp", True)), v_norm=True, **moe,
     )

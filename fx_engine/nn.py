@@ -104,6 +104,16 @@ def linear(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
     return y
 
 
+def expert_linear(x: mx.array, lin: Linear, indices: mx.array) -> mx.array:
+    """Per-token expert matmuls: x [N, k or 1, 1, in] @ expert `indices` [N, k] of a stacked
+    Linear ([E, out, in], or [E, in, out] when transposed) -> [N, k, 1, out]."""
+    if lin.quantized:
+        return mx.gather_qmm(x, lin.weight, lin.scales, lin.biases, rhs_indices=indices,
+                             transpose=True, group_size=lin.group_size, bits=lin.bits)
+    w = lin.weight if lin.transposed else lin.weight.swapaxes(-1, -2)
+    return mx.gather_mm(x, w, rhs_indices=indices)
+
+
 def embed(tokens: mx.array, table: Linear) -> mx.array:
     """Look up rows of an embedding table (dequantizing only the gathered rows)."""
     if table.quantized:

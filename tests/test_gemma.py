@@ -27,7 +27,9 @@ G4_VARIANTS = [
     {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "tie_word_embeddings": False},
     {"use_double_wide_mlp": False, "final_logit_softcapping": None, "global_head_dim": 0,
      "num_kv_shared_layers": 3, "sliding_window_pattern": 2},
+    {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
 ]
+MOE = G4_VARIANTS[-1]
 CASES = [
     ("gemma3_text", {}),
     ("gemma3_text", {"rope_scaling": {"rope_type": "linear", "factor": 8.0},
@@ -75,6 +77,43 @@ def test_mlx_quantized_folders_match_mlx_lm(tmp_path, model_type):
     _compare(fx_engine.logits(model, ids, chunk=32), _mlx_lm(path)(mx.array([ids]))[0])
 
 
+def _to_mlx_moe_layout(path: Path, quantize: bool) -> None:
+    """Rewrite a tiny MoE checkpoint in mlx-lm's sanitized layout (experts.switch_glu.*),
+    optionally with 4-bit group-32 expert stacks, as an mlx-community conversion stores it."""
+    import json
+
+    w = mx.load(str(path / "model.safetensors"))
+    for name in [n for n in w if n.endswith(".experts.gate_up_proj")]:
+        base = name[: -len(".gate_up_proj")] + ".switch_glu."
+        gate, up = mx.split(w.pop(name), 2, axis=-2)
+        down = w.pop(name.replace("gate_up_proj", "down_proj"))
+        for n, t in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            if quantize:
+                q, sc, bi = mx.quantize(mx.contiguous(t), group_size=32, bits=4)
+                w[base + n + ".weight"], w[base + n + ".scales"], w[base + n + ".biases"] = q, sc, bi
+            else:
+                w[base + n + ".weight"] = mx.contiguous(t)
+    mx.save_safetensors(str(path / "model.safetensors"), w, metadata={"format": "mlx"})
+    if quantize:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["quantization"] = {"group_size": 32, "bits": 4}
+        (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_moe_in_mlx_layout_and_quantized_experts_match_mlx_lm(tmp_path, quantize):
+    path = write_tiny_model(tmp_path / "m", "gemma4_text", **MOE)
+    _to_mlx_moe_layout(path, quantize)
+    ref = _mlx_lm(path)
+    ids = _ids(72, seed=4)
+    want = ref(mx.array([ids]))[0]
+    _compare(fx_engine.logits(fx_engine.load(path), ids, chunk=32), want)
+    if quantize:  # experts kept packed: mx.gather_qmm instead of dequantized gather_mm
+        kept = fx_engine.load(path, keep_quantized=True)
+        assert kept.params.layers[0].moe.down.quantized
+        _compare(fx_engine.logits(kept, ids, chunk=32), want)
+
+
 @pytest.mark.parametrize("model_type,window,chunk", [
     ("gemma3_text", 16, 8),    # chunk divides the window
     ("gemma3_text", 24, 16),   # does not
@@ -101,10 +140,11 @@ def test_chunked_generation_matches_mlx_lm_generate_step(tmp_path, model_type, w
     assert list(reference_generate(model, prompt, **kw).token_ids) == want
 
 
-def test_batched_engine_matches_single_requests(tmp_path):
+@pytest.mark.parametrize("variant", [{}, MOE], ids=["dense", "moe"])
+def test_batched_engine_matches_single_requests(tmp_path, variant):
     """Rows at different positions share ring caches in one batch (prompts shorter and
     longer than the window, joining at different steps)."""
-    path = write_tiny_model(tmp_path / "m", "gemma4_text", sliding_window=16)
+    path = write_tiny_model(tmp_path / "m", "gemma4_text", sliding_window=16, **variant)
     model = fx_engine.load(path, batch_invariant=True)
     prompts = [_ids(n, seed=n) for n in (5, 40, 17, 70)]
     alone = [reference_generate(model, p, max_tokens=20, temperature=0.0, prefill_chunk=16)
@@ -139,7 +179,7 @@ def test_engine_with_rings_and_quantized_global_layers(tmp_path):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("enable_moe_block", True),
+    ("enable_moe_block", True),  # without num_experts: the message names that field
     ("attn_logit_softcapping", 50.0),
     ("hidden_activation", "silu"),
     ("rope_parameters", {"full_attention": {"rope_type": "yarn", "factor": 4.0},
@@ -156,7 +196,8 @@ def test_unsupported_gemma4_fields_are_clear_errors(tmp_path, field, value):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError) as e:
         fx_engine.load(path)
-    assert "config.json" in str(e.value) and (field in str(e.value) or "rope" in str(e.value))
+    named = {"enable_moe_block": "num_experts", "rope_parameters": "rope"}.get(field, field)
+    assert "config.json" in str(e.value) and named in str(e.value)
 
 
 @pytest.mark.parametrize("field,value", [

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..config import ConfigError, GemmaConfig, ModelConfig, config_from_gguf, config_from_hf
-from ..models.gemma import GemmaLayer, GemmaParams
+from ..models.gemma import GemmaLayer, GemmaParams, MoEBlock
 from ..models.llama import LayerParams, Params
 from ..nn import Linear, Numerics
 
@@ -269,6 +269,8 @@ def assemble_gemma(
             )
         if cfg.is_gemma4:
             extra["layer_scalar"] = src.get(pre + "layer_scalar", (1,), where).astype(dtype)
+        if cfg.num_experts:
+            extra["moe"] = _read_moe(cfg, src, pre, where, quant, dtype, keep_quantized, norm)
         layers.append(GemmaLayer(
             attn_norm=norm(pre + "input_layernorm.weight", hid),
             qkv=_fuse(parts, dtype, keep_quantized),
@@ -300,6 +302,78 @@ def assemble_gemma(
         embed=embed, layers=tuple(layers), norm=norm("model.norm.weight", hid), lm_head=lm_head,
         **per_layer, config=attrs.evolve(cfg, tie_word_embeddings=tied), numerics=numerics,
         dtype=str(dtype).split(".")[-1],
+    )
+
+
+def _read_expert_stack(
+    src: _TensorSource, name: str, e: int, out_f: int, in_f: int, quant: dict | None, where: str,
+) -> Linear:
+    """A stacked expert weight [E, out, in] (mlx-lm's SwitchLinear), dense or quantized."""
+    w = src.get(name + ".weight", None, where)
+    if src.has(name + ".scales"):
+        scales = src.get(name + ".scales", None, where)
+        q = quant or {}
+        gs = int(q.get("group_size", in_f // scales.shape[-1]))
+        bits = int(q.get("bits", w.shape[-1] * 32 // in_f))
+        want = (e, out_f, in_f * bits // 32)
+        if tuple(w.shape) != want or tuple(scales.shape) != (e, out_f, in_f // gs):
+            raise WeightsError(f"{src.origin[name + '.weight']}: quantized expert tensor "
+                               f"'{name}.weight' has shape {tuple(w.shape)}, expected {want}")
+        return Linear(weight=w, scales=scales, biases=src.get(name + ".biases", tuple(scales.shape), where),
+                      group_size=gs, bits=bits)
+    if tuple(w.shape) != (e, out_f, in_f):
+        raise WeightsError(f"{src.origin[name + '.weight']}: tensor '{name}.weight' has shape "
+                           f"{tuple(w.shape)}, expected {(e, out_f, in_f)}")
+    return Linear(weight=w)
+
+
+def _finish_experts(lin: Linear, dtype: mx.Dtype, keep_quantized: bool) -> Linear:
+    if lin.quantized and keep_quantized:
+        return Linear(weight=lin.weight, scales=lin.scales.astype(dtype),
+                      biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits)
+    w = lin.weight
+    if lin.quantized:
+        w = mx.dequantize(w, lin.scales.astype(dtype), lin.biases.astype(dtype),
+                          group_size=lin.group_size, bits=lin.bits)
+    return Linear(weight=mx.contiguous(w.astype(dtype).swapaxes(-1, -2)), transposed=True)
+
+
+def _read_moe(
+    cfg: GemmaConfig, src: _TensorSource, pre: str, where: str, quant: dict | None,
+    dtype: mx.Dtype, keep_quantized: bool, norm: Any,
+) -> MoEBlock:
+    """Gemma 4 MoE weights, in Hugging Face's layout (experts.gate_up_proj [E, 2F, H],
+    experts.down_proj [E, H, F]) or mlx-lm's sanitized one (experts.switch_glu.*_proj)."""
+    e, f, hid = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    hf = pre + "experts.gate_up_proj"
+    if src.has(hf):
+        gate_up = Linear(weight=src.get(hf, (e, 2 * f, hid), where))
+        down = Linear(weight=src.get(pre + "experts.down_proj", (e, hid, f), where))
+    else:
+        sw = pre + "experts.switch_glu."
+        parts = [_read_expert_stack(src, sw + n, e, f, hid, _quant_for(quant, sw + n), where)
+                 for n in ("gate_proj", "up_proj")]
+        down = _read_expert_stack(src, sw + "down_proj", e, hid, f, _quant_for(quant, sw + "down_proj"), where)
+        if all(p.quantized for p in parts) and keep_quantized:
+            cat = lambda xs: mx.concatenate(xs, axis=1)  # noqa: E731
+            gate_up = Linear(weight=cat([p.weight for p in parts]), scales=cat([p.scales for p in parts]),
+                             biases=cat([p.biases for p in parts]), group_size=parts[0].group_size,
+                             bits=parts[0].bits)
+        else:
+            dense = [_finish_experts(p, dtype, False).weight for p in parts]  # [E, H, F] each
+            gate_up = Linear(weight=mx.concatenate(dense, axis=-1), transposed=True)
+    scale = src.get(pre + "router.scale", (hid,), where).astype(mx.float32) * hid**-0.5
+    return MoEBlock(
+        router=_finish(_read_linear(src, pre + "router.proj", e, hid, _quant_for(quant, pre + "router.proj"),
+                                    False, where), dtype, keep_quantized),
+        router_scale=scale.astype(dtype),
+        per_expert_scale=src.get(pre + "router.per_expert_scale", (e,), where).astype(dtype),
+        gate_up=gate_up if gate_up.transposed else _finish_experts(gate_up, dtype, keep_quantized),
+        down=_finish_experts(down, dtype, keep_quantized),
+        pre_norm=norm(pre + "pre_feedforward_layernorm_2.weight", hid),
+        post_norm=norm(pre + "post_feedforward_layernorm_2.weight", hid),
+        post_mlp_norm=norm(pre + "post_feedforward_layernorm_1.weight", hid),
+        top_k=cfg.top_k_experts,
     )
 
 

@@ -9,7 +9,8 @@ plain RMSNorm. Gemma 4 adds: global layers with their own head_dim, KV heads and
 ("proportional") RoPE, keys reused as values (k_eq_v), an unscaled RMSNorm on values,
 attention scale 1, the last `num_kv_shared_layers` layers attending over an earlier layer's
 cache entry instead of their own, per-layer input embeddings, a per-layer output scalar,
-double-wide MLPs in KV-shared layers, and tanh soft-capped logits.
+double-wide MLPs in KV-shared layers, tanh soft-capped logits, and (the MoE variant)
+routed experts beside the dense MLP.
 """
 
 from __future__ import annotations
@@ -22,8 +23,29 @@ from jaxtyping import Float, Int
 
 from ..cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
 from ..config import GemmaConfig, RopeSpec
-from ..nn import Linear, Numerics, apply_rope, embed, fast_exp, linear, rms_norm, rope_tables
+from ..nn import (
+    Linear, Numerics, apply_rope, embed, expert_linear, fast_exp, linear, rms_norm, rope_tables,
+)
 from ..tree import static_field
+
+
+@attrs.frozen
+class MoEBlock:
+    """Gemma 4's routed experts beside the dense MLP (mlx-lm's Router + SwitchGLU).
+
+    Expert stacks are `Linear`s with a leading expert axis: gate_up [E, 2F, H] (fused),
+    down [E, H, F] (dense ones stored transposed for `gather_mm`, quantized ones as packed
+    rows for `gather_qmm`)."""
+
+    router: Linear  # [E, H]
+    router_scale: mx.array  # [H], already multiplied by H ** -0.5
+    per_expert_scale: mx.array  # [E]
+    gate_up: Linear
+    down: Linear
+    pre_norm: mx.array  # pre_feedforward_layernorm_2
+    post_norm: mx.array  # post_feedforward_layernorm_2
+    post_mlp_norm: mx.array  # post_feedforward_layernorm_1 (the dense MLP's output)
+    top_k: int = static_field(default=1)
 
 
 @attrs.frozen
@@ -43,6 +65,7 @@ class GemmaLayer:
     pli_proj: Linear | None = None
     pli_norm: mx.array | None = None
     layer_scalar: mx.array | None = None
+    moe: MoEBlock | None = None
 
 
 @attrs.frozen
@@ -102,6 +125,28 @@ def _add(h: mx.array, r: mx.array, clip: bool) -> mx.array:
     return mx.clip(h.astype(mx.float32) + r.astype(mx.float32), -bound, bound).astype(mx.float16)
 
 
+def _mlp(gate_up: Linear, down: Linear, x: mx.array, num: Numerics) -> mx.array:
+    gu = linear(x, gate_up, num)
+    f = gu.shape[-1] // 2
+    return linear(gelu_tanh(gu[..., :f]) * gu[..., f:], down, num)
+
+
+def _experts(moe: MoEBlock, h: mx.array, eps: float, num: Numerics) -> mx.array:
+    """Route each token [N, H] to its top-k experts (softmax over the k router scores, times
+    a per-expert scale) and sum their GELU-gated MLPs; the router reads the residual stream,
+    the experts its pre_feedforward_layernorm_2 normalisation (mlx-lm's gemma4_text)."""
+    k = moe.top_k
+    scores = linear(rms_norm(h, moe.router_scale, eps), moe.router, num)  # [N, E]
+    idx = mx.argpartition(scores, kth=-k, axis=-1)[..., -k:]  # [N, k]
+    w = mx.softmax(mx.take_along_axis(scores, idx, axis=-1), axis=-1) * moe.per_expert_scale[idx]
+    x = rms_norm(h, moe.pre_norm, eps)[:, None, None, :]  # [N, 1, 1, H]
+    gu = expert_linear(x, moe.gate_up, idx)  # [N, k, 1, 2F]
+    f = gu.shape[-1] // 2
+    y = expert_linear(gelu_tanh(gu[..., :f]) * gu[..., f:], moe.down, idx)[:, :, 0]  # [N, k, H]
+    y = (w[..., None].astype(y.dtype) * y).sum(axis=-2)
+    return rms_norm(y, moe.post_norm, eps)
+
+
 def forward(
     p: GemmaParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None,
@@ -152,10 +197,9 @@ def forward(
             q = apply_rope(q, *rope)
         o = attend_entry(entries[src], spec, q, geo, cfg.attn_scale, num).reshape(b * t, hq * d)
         h = _add(h, rms_norm(linear(o, lp.o, num), lp.post_attn_norm, eps), clip)
-        x = rms_norm(h, lp.pre_ff_norm, eps)
-        gu = linear(x, lp.gate_up, num)
-        f = gu.shape[-1] // 2
-        r = linear(gelu_tanh(gu[..., :f]) * gu[..., f:], lp.down, num)
+        r = _mlp(lp.gate_up, lp.down, rms_norm(h, lp.pre_ff_norm, eps), num)
+        if lp.moe is not None:
+            r = rms_norm(r, lp.moe.post_mlp_norm, eps) + _experts(lp.moe, h, eps, num)
         h = _add(h, rms_norm(r, lp.post_ff_norm, eps), clip)
         if pli is not None and lp.pli_gate is not None:
             g = gelu_tanh(linear(h, lp.pli_gate, num)) * pli[:, i]

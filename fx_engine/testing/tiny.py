@@ -134,6 +134,16 @@ def _gemma_weights(cfg: dict[str, Any], dtype: mx.Dtype, seed: int) -> dict[str,
             out[p + "post_per_layer_input_norm.weight"] = norm(h)
         if c.is_gemma4:
             out[p + "layer_scalar"] = rand(1, scale=0.1, center=1.0)
+        if c.num_experts:  # Hugging Face's layout: fused gate|up stacks
+            e, fm = c.num_experts, c.moe_intermediate_size
+            out[p + "router.proj.weight"] = rand(e, h, scale=0.5)
+            out[p + "router.scale"] = norm(h)
+            out[p + "router.per_expert_scale"] = rand(e, scale=0.1, center=1.0)
+            out[p + "experts.gate_up_proj"] = rand(e, 2 * fm, h)
+            out[p + "experts.down_proj"] = rand(e, h, fm)
+            for n in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                      "pre_feedforward_layernorm_2"):
+                out[p + n + ".weight"] = norm(h)
     if c.hidden_size_per_layer_input:
         width = c.num_layers * c.hidden_size_per_layer_input
         out["model.embed_tokens_per_layer.weight"] = rand(v, width, scale=0.5)
