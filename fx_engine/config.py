@@ -366,7 +366,10 @@ def gemma_config_from_hf(d: dict[str, Any], source: str) -> GemmaConfig:
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ConfigError(f"{source}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
     _refuse(d, source, "attn_logit_softcapping", lambda v: False, "mlx-lm does not apply it")
-    _refuse(d, source, "use_bidirectional_attention", lambda v: not v, "embedding models")
+    # "vision": image tokens attend bidirectionally (multimodal); text-only runs are causal
+    _refuse(d, source, "use_bidirectional_attention", lambda v: v in (False, "vision"),
+            "bidirectional text attention (embedding models)")
+    _refuse(d, source, "attention_bias", lambda v: not v, "Gemma attention has no biases")
     eos = d.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
     bos = d.get("bos_token_id") if isinstance(d.get("bos_token_id"), int) else None
