@@ -8,6 +8,25 @@ import attrs
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm2")
 GEMMA_MODEL_TYPES = ("gemma3_text", "gemma4_text")
+# Multimodal checkpoints whose text model fx-engine runs (the vision/audio towers are
+# ignored): model_type -> (text model_type, defaults mlx-lm's wrapper applies).
+MULTIMODAL_WRAPPERS = {
+    "gemma3": ("gemma3_text", {"vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4}),
+    "gemma4": ("gemma4_text", {"vocab_size": 262144, "num_attention_heads": 8, "num_key_value_heads": 1}),
+}
+
+
+def text_config_of(d: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of a multimodal wrapper config, as mlx-lm builds it (the
+    top-level vocab_size wins; head counts default as in its wrapper)."""
+    text_type, defaults = MULTIMODAL_WRAPPERS[d["model_type"]]
+    out = {**{k: v for k, v in defaults.items() if k != "vocab_size"}, **d["text_config"]}
+    out["vocab_size"] = d.get("vocab_size", defaults["vocab_size"])
+    out["model_type"] = text_type
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if key not in out and key in d:
+            out[key] = d[key]
+    return out
 
 
 class ConfigError(ValueError):
@@ -91,12 +110,15 @@ def _check_rope_scaling(scaling: dict[str, Any] | None, source: str) -> tuple | 
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> "ModelConfig | GemmaConfig":
     """Build a ModelConfig (or GemmaConfig) from a Hugging Face config.json dict."""
     model_type = d.get("model_type")
+    if model_type in MULTIMODAL_WRAPPERS and isinstance(d.get("text_config"), dict):
+        return gemma_config_from_hf(text_config_of(d), source)
     if model_type in GEMMA_MODEL_TYPES:
         return gemma_config_from_hf(d, source)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{source}: model_type {model_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES + GEMMA_MODEL_TYPES)})"
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES + GEMMA_MODEL_TYPES)}, and the text "
+            f"models of {', '.join(MULTIMODAL_WRAPPERS)} checkpoints)"
         )
     # transformers >= 5 nests rope settings under rope_parameters.
     rope_params = d.get("rope_parameters") or {}

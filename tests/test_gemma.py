@@ -213,3 +213,29 @@ def test_unsupported_gemma3_fields_are_clear_errors(tmp_path, field, value):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=field):
         fx_engine.load(path)
+
+
+@pytest.mark.parametrize("wrapper,prefix", [
+    ("gemma3", "language_model.model."),
+    ("gemma4", "model.language_model."),
+])
+def test_multimodal_checkpoints_run_their_text_model(tmp_path, wrapper, prefix):
+    """A gemma3 / gemma4 (multimodal) folder: config under text_config, text weights under a
+    language-model prefix, a vision tower to ignore. Same logits as mlx-lm's wrapper."""
+    import json
+
+    path = write_tiny_model(tmp_path / "m", wrapper + "_text")
+    cfg = json.loads((path / "config.json").read_text())
+    text = {k: v for k, v in cfg.items() if k not in ("architectures", "vocab_size", "eos_token_id")}
+    (path / "config.json").write_text(json.dumps({
+        "model_type": wrapper, "architectures": ["X"], "vocab_size": cfg["vocab_size"],
+        "eos_token_id": cfg["eos_token_id"], "text_config": text, "vision_config": {"hidden_size": 8},
+    }))
+    w = mx.load(str(path / "model.safetensors"))
+    w = {prefix + k[len("model."):] if k.startswith("model.") else k: v for k, v in w.items()}
+    w["vision_tower.encoder.weight"] = mx.zeros((8, 8))
+    mx.save_safetensors(str(path / "model.safetensors"), w, metadata={"format": "mlx"})
+    model = fx_engine.load(path)
+    assert model.config.model_type == wrapper + "_text"
+    ids = _ids(70, seed=5)
+    _compare(fx_engine.logits(model, ids, chunk=32), _mlx_lm(path)(mx.array([ids]))[0])

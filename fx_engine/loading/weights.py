@@ -14,7 +14,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import ConfigError, GemmaConfig, ModelConfig, config_from_gguf, config_from_hf
+from ..config import (
+    MULTIMODAL_WRAPPERS, ConfigError, GemmaConfig, ModelConfig, config_from_gguf, config_from_hf,
+)
 from ..models.gemma import GemmaLayer, GemmaParams, MoEBlock
 from ..models.llama import LayerParams, Params
 from ..nn import Linear, Numerics
@@ -450,6 +452,28 @@ def read_hf_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
     return config_from_hf(raw, str(path)), raw
 
 
+_TEXT_PREFIXES = (  # multimodal checkpoints: where the text model's tensors live
+    ("model.language_model.", "model."),  # transformers >= 4.52
+    ("language_model.model.", "model."),  # earlier transformers, mlx-community
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def _text_model_tensors(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The text model's tensors of a multimodal checkpoint, under text-model names (vision
+    and audio towers and projectors are dropped)."""
+    out = {}
+    for name, t in tensors.items():
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                out[new + name[len(old):]] = t
+                break
+        else:
+            if name.startswith("lm_head."):
+                out[name] = t
+    return out
+
+
 def load_hf_folder(
     folder: Path, dtype: mx.Dtype | None, keep_quantized: bool, numerics: Numerics
 ) -> tuple[ModelConfig, Params, dict[str, Any]]:
@@ -468,8 +492,11 @@ def load_hf_folder(
             raise WeightsError(f"{index}: shard files missing: {', '.join(sorted(missing))}")
     src = _TensorSource()
     stored_dtype = None
+    wrapper = isinstance(cfg, GemmaConfig) and raw.get("model_type") in MULTIMODAL_WRAPPERS
     for f in files:
         tensors = _mx_load(f)
+        if wrapper:
+            tensors = _text_model_tensors(tensors)
         src.add(f, tensors)
         for t in tensors.values():
             if t.dtype in (mx.float16, mx.bfloat16, mx.float32):
