@@ -4,6 +4,8 @@
     decode_step(params, cache, state) -> (state, cache)
     sample_step(state, logits[B, V]) -> state
     score_step(params, cache, tokens[B, T], n_valid[B]) -> (logits[B, T, V], cache)
+    verify_step(params, cache, state, drafts[B, K], n_draft[B], draft_probs=None)
+        -> (state, cache, VerifyResult)              (fx_engine/speculative.py)
 
 Contracts: specs/steps.md. All are pure: same inputs, same outputs; no hidden state. The
 `*_compiled` objects are `fx_engine.tree.CompiledFunction`s keyed on the full static
@@ -60,3 +62,12 @@ prefill_step_compiled = CompiledFunction(prefill_step, name="prefill_step")
 decode_step_compiled = CompiledFunction(decode_step, name="decode_step")
 sample_step_compiled = CompiledFunction(sample_step, name="sample_step")
 score_step_compiled = CompiledFunction(score_step, name="score_step")
+
+from .speculative import VerifyResult, verify_step  # noqa: E402  (imports this module's deps)
+
+verify_step_compiled = CompiledFunction(verify_step, name="verify_step")
+__all__ = [
+    "VerifyResult", "decode_step", "decode_step_compiled", "prefill_step", "prefill_step_compiled",
+    "sample_step", "sample_step_compiled", "score_step", "score_step_compiled", "verify_step",
+    "verify_step_compiled",
+]

@@ -31,10 +31,14 @@ import mlx.core as mx
 from ..cache import KVCache, bytes_per_token, insert_row, resize, span_bucket, take_rows, with_lengths
 from ..sampling import SamplingConfig, make_sampling_params
 from ..state import DecodeState, init_state
-from ..steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
+from ..steps import (
+    decode_step_compiled, prefill_step_compiled, sample_step_compiled, verify_step_compiled,
+)
 from ..tree import tree_leaves, tree_replace
 from . import scheduler as sched
-from .request import Completion, TextDelta, TokenLogprob, Usage, apply_processors, parse_request
+from .request import (
+    MAX_DRAFT_TOKENS, Completion, TextDelta, TokenLogprob, Usage, apply_processors, parse_request,
+)
 from .request import xtc_special_tokens as _xtc_special
 
 __all__ = [
@@ -246,10 +250,12 @@ class _Request:
     __slots__ = (
         "handle", "ids", "cfg", "max_tokens", "stops", "detok", "want_logprobs", "need",
         "prefilled", "pcache", "row", "cache_len", "generated", "text", "lps", "phase",
-        "t_admit", "t_first", "row_state", "processors",
+        "t_admit", "t_first", "row_state", "processors", "drafter", "row_drafter", "k_max",
+        "k", "skip", "misses", "drafted", "accepted",
     )
 
-    def __init__(self, handle, ids, cfg, max_tokens, stops, want_logprobs, processors=()):
+    def __init__(self, handle, ids, cfg, max_tokens, stops, want_logprobs, processors=(),
+                 drafter=None, k_max=0):
         self.handle = handle
         self.ids = ids
         self.cfg = cfg
@@ -270,6 +276,16 @@ class _Request:
         self.t_first = 0.0
         self.row_state: DecodeState | None = None
         self.processors = processors
+        # speculative decoding: the request's drafter, its per-row state, the adaptive draft
+        # length (k <= k_max), steps left without drafting (back-off), counters for usage
+        self.drafter = drafter
+        self.row_drafter = None
+        self.k_max = k_max
+        self.k = k_max
+        self.skip = 0
+        self.misses = 0
+        self.drafted = 0
+        self.accepted = 0
 
 
 # --------------------------------------------------------------------------------------
@@ -330,10 +346,12 @@ class Engine:
         c = model.config
         self._c = c
         self._dtype = getattr(mx, self.params.dtype)
-        self.cache_layout = model.cache_layout(sched.normalize_chunk(prefill_chunk))
+        # Ring entries need headroom for the longest step: a prefill chunk or a verify.
+        self._headroom = max(sched.normalize_chunk(prefill_chunk), MAX_DRAFT_TOKENS)
+        self.cache_layout = model.cache_layout(self._headroom)
         self.bytes_per_token = bytes_per_token(self.cache_layout, self._dtype)
         self._float_bytes_per_token = bytes_per_token(
-            model.with_kv_cache(None).cache_layout(sched.normalize_chunk(prefill_chunk)), self._dtype)
+            model.with_kv_cache(None).cache_layout(self._headroom), self._dtype)
         if kv_budget_bytes is not None:
             if kv_budget_bytes <= 0:
                 raise ValueError(f"kv_budget_bytes must be > 0, got {kv_budget_bytes!r}")
@@ -475,7 +493,7 @@ class Engine:
                 f"{self.kv_budget_tokens} tokens"
             )
         return _Request(None, ids, r.sampling, max_tokens, r.stops, r.n_top > 0,
-                        r.processors), ids
+                        r.processors, r.drafter, r.num_draft_tokens), ids
 
     def _wake(self) -> None:
         with self._lock:
@@ -574,7 +592,7 @@ class Engine:
         c = self._c
         if req.pcache is None:
             cap = self._prefill_slots(req)
-            req.pcache = self.model.new_cache(1, cap, headroom=self.prefill_chunk)
+            req.pcache = self.model.new_cache(1, cap, headroom=self._headroom)
         start = req.prefilled
         piece = req.ids[start : start + n]
         size = sched.chunk_bucket(n)
@@ -657,7 +675,7 @@ class Engine:
         old = len(self._rows)
         self._rows = self._rows + [None] * (rows - old)
         if self._cache is None:
-            self._cache = self.model.new_cache(rows, capacity, headroom=self.prefill_chunk)
+            self._cache = self.model.new_cache(rows, capacity, headroom=self._headroom)
             self._state = init_state([_GREEDY] * rows, [[0]] * rows, c.vocab_size, self._special)
             self._state = tree_replace(self._state, active=mx.zeros((rows,), mx.bool_))
         else:
@@ -678,8 +696,12 @@ class Engine:
 
     # ---------------------------------------------------------------- decode
     def _decode(self) -> None:
-        active = [r is not None for r in self._rows]
         live = [r for r in self._rows if r is not None]
+        if not any(r.processors for r in live) and any(r.drafter is not None for r in live):
+            drafts = self._propose()
+            if drafts:
+                return self._decode_speculative(drafts)
+        active = [r is not None for r in self._rows]
         max_len = max(r.cache_len for r in live)
         self._ensure_capacity(max_len + 1)
         state = tree_replace(self._state, active=mx.array(active))
@@ -716,6 +738,114 @@ class Engine:
                 self._on_token(req, tok, lp)
             except Exception as e:
                 self._fail(req, e)
+
+    # ---------------------------------------------------------------- speculation
+    def _propose(self) -> dict[int, Any]:
+        """Ask each speculating row's drafter for up to its current k tokens. A drafter that
+        raises or returns something malformed fails its own request only."""
+        out: dict[int, Any] = {}
+        vocab = self._c.vocab_size
+        for row, req in enumerate(self._rows):
+            if req is None or req.drafter is None or req.cfg.xtc_probability > 0:
+                continue
+            if req.skip > 0:  # backing off after drafts that kept failing
+                req.skip -= 1
+                continue
+            k = min(req.k, req.max_tokens - len(req.generated) - 1)
+            if k <= 0:
+                continue
+            try:
+                if req.row_drafter is None:
+                    req.row_drafter = req.drafter.new_row(list(req.ids), req.cfg)
+                d = req.row_drafter.propose(list(req.ids) + req.generated, k)
+                toks = tuple(getattr(d, "tokens", ()))
+                if len(toks) > k or any(not isinstance(t, int) or not 0 <= t < vocab for t in toks):
+                    raise ValueError(f"drafter proposed {toks!r}: expected at most {k} token ids "
+                                     f"in [0, {vocab})")
+                probs = getattr(d, "probs", None)
+                if probs is not None and tuple(probs.shape) != (len(toks), vocab):
+                    raise ValueError(f"drafter probs must have shape [{len(toks)}, {vocab}], "
+                                     f"got {tuple(probs.shape)}")
+            except Exception as e:
+                self._fail(req, e)
+                continue
+            if toks:
+                out[row] = (toks, probs)
+        return out
+
+    def _decode_speculative(self, drafts: dict[int, Any]) -> None:
+        """One verify step over the whole batch: rows with drafts verify them, the others
+        decode (n_draft = 0 is exactly a decode step for them)."""
+        live = [r for r in self._rows if r is not None]
+        b = len(self._rows)
+        k = sched.pow2_ceil(max(len(t) for t, _ in drafts.values()))
+        max_len = max(r.cache_len for r in live)
+        self._ensure_capacity(max_len + k + 1)
+        arr = [[0] * k for _ in range(b)]
+        n = [0] * b
+        for row, (toks, _) in drafts.items():
+            arr[row][: len(toks)] = toks
+            n[row] = len(toks)
+        probs = None
+        if any(p is not None for _, p in drafts.values()):
+            v = self._c.vocab_size
+            rows = []
+            for row in range(b):
+                toks, p = drafts.get(row, ((), None))
+                if p is None:  # deterministic drafts: a point mass on each token
+                    p = mx.zeros((len(toks), v)) if not toks else (
+                        mx.arange(v)[None, :] == mx.array(toks)[:, None]).astype(mx.float32)
+                rows.append(mx.pad(p.astype(mx.float32), [(0, k - p.shape[0]), (0, 0)]))
+            probs = mx.stack(rows)
+        state = tree_replace(self._state, active=mx.array([r is not None for r in self._rows]))
+        self._state = None
+        span = span_bucket(max_len + k + 1, self._cache.capacity)
+        t0 = time.perf_counter()
+        state, cache, res = verify_step_compiled(
+            self.params, self._cache, state, mx.array(arr, mx.int32), mx.array(n, mx.int32),
+            probs, span=span)
+        self._cache = None
+        mx.eval(*tree_leaves(state), *tree_leaves(cache), *tree_leaves(res))
+        self._state, self._cache = state, cache
+        toks, counts, acc = res.tokens.tolist(), res.count.tolist(), res.accepted.tolist()
+        if any(r.want_logprobs for r in live):
+            lps, top_ids, top_vals = res.logprobs.tolist(), res.top_ids.tolist(), res.top_logprobs.tolist()
+        self._trace("verify", batch=len(live), rows=b, k=k, drafted=sum(n), accepted=sum(acc),
+                    capacity=cache.capacity, span=span, requests=[r.handle.id for r in live],
+                    seconds=time.perf_counter() - t0)
+        for row, req in enumerate(self._rows):
+            if req is None:
+                continue
+            req.cache_len += counts[row]
+            if n[row]:
+                self._adapt(req, n[row], acc[row])
+            try:
+                for i in range(counts[row]):
+                    lp = None
+                    if req.want_logprobs:
+                        lp = self._logprob(req, toks[row][i], lps[row][i], top_ids[row][i], top_vals[row][i])
+                    if self._on_token(req, toks[row][i], lp):
+                        break
+            except Exception as e:
+                self._fail(req, e)
+
+    @staticmethod
+    def _adapt(req: _Request, drafted: int, accepted: int) -> None:
+        """Per-row draft length: double after a fully accepted draft, else just past what
+        was accepted; two fully rejected drafts in a row back off (skip 2, 4, ... up to 64
+        steps of plain decoding) so a row whose drafts keep failing stops paying for them."""
+        req.drafted += drafted
+        req.accepted += accepted
+        if accepted == drafted:
+            req.k = min(req.k_max, 2 * req.k)
+        else:
+            req.k = max(1, accepted + 1)
+        if accepted:
+            req.misses = 0
+        else:
+            req.misses += 1
+            if req.misses >= 2:
+                req.skip = min(64, 2 ** (req.misses - 1))
 
     def _decode_with_processors(
         self, state: DecodeState, span: int, failed: dict[int, BaseException]
@@ -783,6 +913,7 @@ class Engine:
             prompt_tokens=len(req.ids), completion_tokens=len(req.generated), cached_tokens=0,
             prompt_seconds=(t_first - req.t_admit) if req.t_admit else 0.0,
             generation_seconds=now - t_first,
+            drafted_tokens=req.drafted, accepted_tokens=req.accepted,
         )
         h = req.handle
         h.timings["finished"] = now

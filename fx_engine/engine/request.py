@@ -32,6 +32,8 @@ class Usage:
     cached_tokens: int = 0
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
+    drafted_tokens: int = 0  # speculative decoding: drafts verified by the target
+    accepted_tokens: int = 0  # ... of which the target accepted
 
     @property
     def total_tokens(self) -> int:
@@ -121,6 +123,8 @@ class ParsedRequest:
     n_top: int
     prefill_chunk: int
     processors: tuple[Callable[[Any, Any], Any], ...] = ()
+    drafter: Any = None  # a Drafter (fx_engine.engine.drafters) or None
+    num_draft_tokens: int = 0
 
 
 def apply_processors(
@@ -172,6 +176,9 @@ def parse_request(
     chat: bool | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
     logits_processors: Sequence[Callable[[Any, Any], Any]] | None = None,
+    draft_model: Any = None,
+    num_draft_tokens: int | None = None,
+    prompt_lookup: Any = False,
 ) -> ParsedRequest:
     """Validate `generate`/`stream`/`Engine.submit` arguments; ValueError names the field.
 
@@ -188,6 +195,11 @@ def parse_request(
     logits_processors: callables `processor(tokens, logits) -> logits` as in mlx-lm, run
     eagerly on this request's row before sampling (see `apply_processors`); penalties and
     logit_bias apply after them. A processor that raises fails this request only.
+    Speculative decoding (exact: greedy output is unchanged, sampled output has the target's
+    distribution): draft_model (a smaller Model with the same tokenizer, or any drafter with
+    `new_row`, see fx_engine.engine.drafters), or prompt_lookup=True (n-gram drafting from
+    the prompt and generated text; or a PromptLookup(ngram_min, ngram_max)); at most
+    num_draft_tokens drafts per step (default 4; adapted per row from its acceptance).
     """
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -228,4 +240,35 @@ def parse_request(
     for i, f in enumerate(procs):
         if not callable(f):
             raise ValueError(f"logits_processors[{i}] must be callable, got {type(f).__name__}")
-    return ParsedRequest(ids, cfg, max_tokens, stops, n_top, prefill_chunk, tuple(procs))
+    drafter, k = _parse_speculation(draft_model, num_draft_tokens, prompt_lookup)
+    if drafter is not None and procs:
+        raise ValueError("logits_processors cannot be combined with speculative decoding "
+                         "(draft_model / prompt_lookup)")
+    return ParsedRequest(ids, cfg, max_tokens, stops, n_top, prefill_chunk, tuple(procs),
+                         drafter, k)
+
+
+MAX_DRAFT_TOKENS = 16
+
+
+def _parse_speculation(draft_model: Any, num_draft_tokens: Any, prompt_lookup: Any) -> tuple[Any, int]:
+    from .drafters import PromptLookup, as_drafter
+
+    if draft_model is not None and prompt_lookup not in (False, None):
+        raise ValueError("give draft_model or prompt_lookup, not both")
+    drafter = as_drafter(draft_model)
+    if prompt_lookup is True:
+        drafter = PromptLookup()
+    elif isinstance(prompt_lookup, PromptLookup):
+        drafter = prompt_lookup
+    elif prompt_lookup not in (False, None):
+        raise ValueError(f"prompt_lookup must be a bool or a PromptLookup, got {prompt_lookup!r}")
+    if num_draft_tokens is None:
+        return drafter, (4 if drafter is not None else 0)
+    if (not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool)
+            or not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS):
+        raise ValueError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], "
+                         f"got {num_draft_tokens!r}")
+    if drafter is None:
+        raise ValueError("num_draft_tokens needs draft_model or prompt_lookup")
+    return drafter, num_draft_tokens

@@ -1,0 +1,216 @@
+"""Drafters for speculative decoding (the shell side; the pure part is fx_engine.speculative).
+
+The interface a user implements (also usable in their own loop around `verify_step`):
+
+    class MyDrafter:
+        def new_row(self, prompt: list[int], sampling: SamplingConfig) -> RowDrafter: ...
+
+    class RowDrafter:
+        def propose(self, tokens: list[int], k: int) -> Draft: ...
+
+`tokens` is the row's whole sequence so far (prompt, generated tokens, ending with the last
+sampled token, which the target has not processed yet); `propose` returns at most k draft
+tokens that would follow it (an empty draft: this row just decodes this step), and, for
+drafters that sample, their distribution q at each draft position ([n, V] probabilities,
+None for deterministic drafts). Rollback needs no call: the next `propose` receives the
+sequence as accepted, and a stateful drafter (a draft model's cache) rewinds itself to the
+longest common prefix of what it has seen.
+
+Shipped: `PromptLookup` (n-gram matching, no second model) and `DraftModel` (a smaller model
+with the same tokenizer; `self_draft_model` builds one from the target's first layers and
+its output head, LayerSkip-style, when no smaller model is at hand).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import attrs
+import mlx.core as mx
+
+from ..cache import span_bucket, with_lengths
+from ..config import GemmaConfig
+from ..sampling import SamplingConfig, apply_filters, make_sampling_params
+from ..state import init_state, sample_step
+from ..steps import prefill_step_compiled
+
+
+@attrs.frozen
+class Draft:
+    tokens: tuple[int, ...] = ()
+    probs: Any = None  # mx.array [len(tokens), V] of the drafter's distribution, or None
+
+
+class RowDrafter(Protocol):
+    def propose(self, tokens: list[int], k: int) -> Draft: ...
+
+
+class Drafter(Protocol):
+    def new_row(self, prompt: list[int], sampling: SamplingConfig) -> RowDrafter: ...
+
+
+# ----------------------------------------------------------------------- prompt lookup
+
+
+@attrs.frozen
+class PromptLookup:
+    """Prompt-lookup (n-gram) drafting: find the most recent earlier occurrence of the last
+    n tokens (n from ngram_max down to ngram_min) in the prompt and generated text, and
+    propose the tokens that followed it. No second model; deterministic drafts."""
+
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int)
+                and 1 <= self.ngram_min <= self.ngram_max):
+            raise ValueError(f"prompt_lookup: need 1 <= ngram_min <= ngram_max, got "
+                             f"{self.ngram_min}, {self.ngram_max}")
+
+    def new_row(self, prompt: list[int], sampling: SamplingConfig) -> "PromptLookup":
+        return self
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        return Draft(tuple(lookup(tokens, k, self.ngram_min, self.ngram_max)))
+
+
+def lookup(tokens: Sequence[int], k: int, ngram_min: int = 1, ngram_max: int = 3) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest matching
+    suffix n-gram (n in [ngram_min, ngram_max])."""
+    n_tok = len(tokens)
+    if k <= 0:
+        return []
+    seq = list(tokens)
+    for n in range(min(ngram_max, n_tok - 1), ngram_min - 1, -1):
+        tail = seq[n_tok - n:]
+        # latest start i < n_tok - n with seq[i:i+n] == tail, that has a continuation
+        for i in range(n_tok - n - 1, -1, -1):
+            if seq[i : i + n] == tail:
+                return seq[i + n : i + n + k]
+    return []
+
+
+# -------------------------------------------------------------------------- draft model
+
+
+class DraftModel:
+    """A smaller model with the target's tokenizer proposing k tokens per step from its own
+    1-row cache (prefilled with the prompt, kept in lockstep: each `propose` rewinds it by
+    length to the accepted sequence and feeds what it has not seen). It samples with the
+    request's own sampling settings (greedy rows draft greedily) and reports q for the
+    target's rejection rule."""
+
+    def __init__(self, model: Any, prefill_chunk: int = 512):
+        self.model = model
+        self.prefill_chunk = prefill_chunk
+
+    def new_row(self, prompt: list[int], sampling: SamplingConfig) -> "_DraftRow":
+        return _DraftRow(self, sampling)
+
+
+class _DraftRow:
+    def __init__(self, owner: DraftModel, sampling: SamplingConfig):
+        self.owner = owner
+        m = owner.model
+        # The draft's own sampling: same filters/temperature, no penalties or bias (their
+        # effect belongs to the target; q only needs to be the distribution drawn from).
+        self.sampling = SamplingConfig(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            min_p=sampling.min_p, seed=sampling.seed)
+        self.params = make_sampling_params([self.sampling], m.config.vocab_size)
+        self.keys = None
+        self.cache = None
+        self.fed: list[int] = []
+
+    def _feed(self, tokens: list[int]) -> mx.array:
+        """Rewind to the common prefix with `tokens`, feed the rest; logits of the last."""
+        m, chunk = self.owner.model, self.owner.prefill_chunk
+        common = 0
+        for a, b in zip(self.fed, tokens):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(tokens) - 1)  # always feed at least the last token
+        need = len(tokens) + 64
+        if self.cache is None or need > self.cache.capacity:
+            from .scheduler import capacity_bucket
+
+            cap = capacity_bucket(need + chunk)
+            old = self.cache
+            self.cache = m.new_cache(1, cap, headroom=chunk)
+            if old is not None:  # start over (rare: a capacity bucket change)
+                common = 0
+        self.cache = with_lengths(self.cache, mx.array([common], mx.int32))
+        logits = None
+        pos = common
+        while pos < len(tokens):
+            piece = tokens[pos : pos + chunk]
+            size = max(16, 1 << (len(piece) - 1).bit_length())
+            logits, self.cache = prefill_step_compiled(
+                m.params, self.cache, mx.array([piece + [0] * (size - len(piece))], mx.int32),
+                mx.array([len(piece)], mx.int32),
+                span=span_bucket(pos + size, self.cache.capacity))
+            pos += len(piece)
+        self.fed = list(tokens)
+        return logits
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        if k <= 0:
+            return Draft()
+        m = self.owner.model
+        logits = self._feed(list(tokens))
+        state = init_state([self.sampling], [tokens], m.config.vocab_size)
+        if self.keys is not None:
+            state = attrs.evolve(state, keys=self.keys)
+        out, probs = [], []
+        for i in range(k):
+            probs.append(self._q(logits, state))
+            state = sample_step(state, logits)
+            out.append(int(state.tokens[0].item()))
+            if i + 1 < k:
+                lg, self.cache = prefill_step_compiled(
+                    m.params, self.cache, state.tokens[:, None], mx.array([1], mx.int32),
+                    span=span_bucket(len(self.fed) + 1, self.cache.capacity))
+                self.fed.append(out[-1])
+                logits = lg
+        self.keys = state.keys
+        q = None if self.sampling.temperature == 0 else mx.concatenate(probs, axis=0)
+        return Draft(tuple(out), q)
+
+    def _q(self, logits: mx.array, state: Any) -> mx.array:
+        """The draft's sampling distribution [1, V] (what sample_step draws from)."""
+        if self.sampling.temperature == 0:
+            return mx.zeros((1, 0))
+        x = logits.astype(mx.float32)
+        x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        x, _ = apply_filters(x, self.params, state.keys)
+        return mx.softmax(x * self.params.inv_temperature[:, None], axis=-1, precise=True)
+
+
+def self_draft_model(model: Any, num_layers: int) -> Any:
+    """A draft model made of the target's first `num_layers` layers, its final norm and
+    output head (self-speculative, as in LayerSkip): no second checkpoint needed. It shares
+    the target's arrays (no copy)."""
+    cfg = model.config
+    if isinstance(cfg, GemmaConfig):
+        raise ValueError("self_draft_model: Gemma models are not supported (use draft_model=)")
+    if not 1 <= num_layers < cfg.num_layers:
+        raise ValueError(f"self_draft_model: num_layers must be in [1, {cfg.num_layers}), got {num_layers}")
+    small = attrs.evolve(cfg, num_layers=num_layers)
+    params = attrs.evolve(model.params, layers=model.params.layers[:num_layers], config=small)
+    return attrs.evolve(model, config=small, params=params,
+                        fingerprint=f"{model.fingerprint}-first{num_layers}")
+
+
+def as_drafter(spec: Any) -> Drafter | None:
+    """Normalise the request's drafter argument (None, a Drafter, or a Model)."""
+    if spec is None or hasattr(spec, "new_row"):
+        return spec
+    if hasattr(spec, "params") and hasattr(spec, "tokenizer"):
+        return DraftModel(spec)
+    raise ValueError(f"draft_model must be a fx_engine Model or a drafter with new_row(), "
+                     f"got {type(spec).__name__}")
+
+
+__all__ = ["Draft", "DraftModel", "Drafter", "PromptLookup", "RowDrafter", "as_drafter",
+           "lookup", "self_draft_model"]

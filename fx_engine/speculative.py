@@ -1,0 +1,192 @@
+"""Speculative decoding's pure part: score K drafts per row in one target pass, accept per row,
+produce the next token, and roll the cache back by length.
+
+    verify_step(params, cache, state, drafts[B, K], n_draft[B], draft_probs=None, span=None)
+        -> (state, cache, VerifyResult)
+
+Row b forwards its last sampled token and its first n_draft[b] drafts (K + 1 positions, a
+static bucket; rows with n_draft == 0 just decode). The target's distribution at each
+position is the one plain decoding would sample from there: logit_bias and penalties over
+the row's history *including the drafts before that position*, then mlx-lm's filters and
+temperature.
+
+Acceptance (exact):
+* greedy rows accept the longest prefix of drafts equal to the target's argmax, then emit
+  the argmax at the first mismatch (or after the last draft: the bonus token), so greedy
+  output is identical to non-speculative greedy output;
+* sampled rows accept draft j with probability min(1, p_j(d) / q_j(d)) and on rejection
+  draw from the normalised positive part of p_j - q_j; after n accepted drafts the bonus is
+  drawn from p_n. The emitted tokens are then distributed exactly as the target's (the
+  standard speculative-sampling theorem). q is the drafter's distribution (`draft_probs`
+  [B, K, V]); None means deterministic drafts (prompt lookup): q is a point mass, so the
+  draft is accepted with probability p_j(d) and the residual is p_j without d.
+* PRNG: a speculating row splits its key into (next key, acceptance uniforms, final draw);
+  a row that drafts nothing samples exactly as `decode_step` would (same key use, same
+  token), so mixing such rows into a verify step changes nothing for them.
+
+Rollback is pure: the cache's length of row b becomes old + 1 + accepted[b]; entries past
+it are stale and never read (see fx_engine/cache.py; ring caches need headroom >= K).
+"""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+from jaxtyping import Float, Int
+
+from .cache import KVCache, with_lengths
+from .models import AnyParams, forward, hidden_to_logits
+from .sampling import (
+    SamplingParams, _categorical_rows, _fast_logsumexp, _split_rows, _uniform_rows,
+    apply_filters, process_logits, push_history, sample, top_logprobs,
+)
+from .state import DecodeState
+from .tree import tree_replace
+
+
+@attrs.frozen
+class VerifyResult:
+    """What one verify step emitted per row: `count[b]` tokens (accepted drafts, then the
+    correction or bonus token) with the target's logprobs (and top-N alternatives)."""
+
+    tokens: Int[mx.array, "B K1"]
+    count: Int[mx.array, "B"]
+    accepted: Int[mx.array, "B"]
+    logprobs: Float[mx.array, "B K1"]
+    top_ids: Int[mx.array, "B K1 N"]
+    top_logprobs: Float[mx.array, "B K1 N"]
+
+
+def _repeat_rows(params: SamplingParams, n: int) -> SamplingParams:
+    """Each row's parameters repeated n times (row b -> rows b*n .. b*n + n - 1)."""
+    leaves = {f.name: getattr(params, f.name) for f in attrs.fields(SamplingParams)
+              if not f.metadata.get("fx_static")}
+    return tree_replace(params, **{k: mx.repeat(v, n, axis=0) for k, v in leaves.items()})
+
+
+def position_histories(history: mx.array, drafts: mx.array) -> mx.array:
+    """[B, K+1, W]: the penalty history at each verified position (drafts pushed in order)."""
+    hs = [history]
+    for j in range(drafts.shape[1]):
+        hs.append(push_history(hs[-1], drafts[:, j]))
+    return mx.stack(hs, axis=1)
+
+
+def accept_drafts(
+    processed: Float[mx.array, "B K1 V"], drafts: Int[mx.array, "B K"], n_draft: Int[mx.array, "B"],
+    params: SamplingParams, keys: mx.array, draft_probs: mx.array | None,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The acceptance rule. Returns (accepted [B], final token [B], keys after [B, 2]) for
+    rows that speculate (n_draft > 0); the caller takes plain-decoding results elsewhere."""
+    b, k1, v = processed.shape
+    k = k1 - 1
+    greedy_tok = mx.argmax(processed, axis=-1).astype(mx.int32)  # [B, K+1]
+    j = mx.arange(k, dtype=mx.int32)[None, :]
+    in_range = j < n_draft[:, None]
+    if "random" not in params.features:  # every row greedy
+        ok = (drafts == greedy_tok[:, :k]) & in_range
+        accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
+        final = mx.take_along_axis(greedy_tok, accepted[:, None], axis=1)[:, 0]
+        return accepted, final, keys
+    # The target's sampling distribution at every position (mlx-lm's chain: exact log-softmax,
+    # filters, temperature). XTC rows never speculate (the shell gives them n_draft == 0).
+    flat = processed.reshape(b * k1, v)
+    rep = _repeat_rows(params, k1)
+    exact = flat - mx.logsumexp(flat, axis=-1, keepdims=True)
+    x, _ = apply_filters(exact, rep, mx.repeat(keys, k1, axis=0))
+    logits_t = (x * rep.inv_temperature[:, None]).reshape(b, k1, v)
+    p = mx.softmax(logits_t, axis=-1, precise=True)  # [B, K+1, V]
+    p_d = mx.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # [B, K]
+    if draft_probs is None:
+        q_d = mx.ones_like(p_d)
+    else:
+        q_d = mx.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
+    after, sub = _split_rows(keys)
+    k_acc, k_fin = _split_rows(sub)
+    u = _uniform_rows(k_acc, (k,))  # [B, K]
+    random_row = (params.temperature > 0)[:, None]
+    ok = mx.where(random_row, u * q_d < p_d, drafts == greedy_tok[:, :k]) & in_range
+    accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
+    # Final draw at position `accepted`: the residual max(p - q, 0) after a rejection, p itself
+    # for the bonus (all drafts accepted).
+    p_a = mx.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [B, V]
+    rejected = (accepted < n_draft)[:, None]
+    if draft_probs is None:
+        d_a = mx.take_along_axis(drafts, mx.minimum(accepted, k - 1)[:, None], axis=1)
+        q_a = (mx.arange(v)[None, :] == d_a).astype(p.dtype)
+    else:
+        q_pad = mx.concatenate([draft_probs, mx.zeros_like(draft_probs[:, :1])], axis=1)
+        q_a = mx.take_along_axis(q_pad, accepted[:, None, None], axis=1)[:, 0]
+    resid = mx.where(rejected, mx.maximum(p_a - q_a, 0.0), p_a)
+    # p == q exactly leaves no positive part: then any draw from p is correct; fall back to p.
+    resid = mx.where(mx.sum(resid, axis=-1, keepdims=True) > 0, resid, p_a)
+    drawn = _categorical_rows(mx.log(resid), k_fin)
+    g_final = mx.take_along_axis(greedy_tok, accepted[:, None], axis=1)[:, 0]
+    final = mx.where(random_row[:, 0], drawn, g_final)
+    keys = mx.where(random_row, after, keys)
+    return accepted, final, keys
+
+
+def verify_step(
+    params: AnyParams, cache: KVCache, state: DecodeState, drafts: Int[mx.array, "B K"],
+    n_draft: Int[mx.array, "B"], draft_probs: Float[mx.array, "B K V"] | None = None,
+    span: int | None = None,
+) -> tuple[DecodeState, KVCache, VerifyResult]:
+    """Verify up to K drafts per row in one target pass (see the module docstring).
+
+    span (static): attend over the first `span` cache slots (>= max(lengths) + K + 1).
+    """
+    b, k = drafts.shape
+    act = state.active
+    # Only drafts whose positions fit in the cache are verified: a row never has accepted
+    # tokens written past its capacity (they would land in the sink and be lost).
+    room = mx.maximum(cache.capacity - 1 - cache.lengths, 0)
+    n_draft = mx.where(act, mx.minimum(n_draft.astype(mx.int32), room), 0)
+    if "xtc" in state.params.features:  # XTC's random removal is not a fixed distribution
+        n_draft = mx.where(state.params.xtc_probability > 0, 0, n_draft)
+    tokens = mx.concatenate([state.tokens[:, None], drafts.astype(mx.int32)], axis=1)
+    old = cache.lengths
+    h, cache = forward(params, cache, tokens, act.astype(mx.int32) * (1 + n_draft), span)
+    logits = hidden_to_logits(params, h).astype(mx.float32)  # [B, K+1, V]
+    v = logits.shape[-1]
+    hist = position_histories(state.history, drafts.astype(mx.int32))  # [B, K+1, W]
+    rep = _repeat_rows(state.params, k + 1)
+    processed = process_logits(logits.reshape(b * (k + 1), v), hist.reshape(b * (k + 1), -1), rep)
+    logprobs = (processed - _fast_logsumexp(processed)).reshape(b, k + 1, v)
+    processed = processed.reshape(b, k + 1, v)
+
+    # Rows that draft nothing: exactly decode_step's sample at position 0.
+    plain_tok, _, plain_keys = sample(processed[:, 0], state.params, state.keys)
+    accepted, spec_tok, spec_keys = accept_drafts(
+        processed, drafts.astype(mx.int32), n_draft, state.params, state.keys, draft_probs)
+    spec = n_draft > 0
+    accepted = mx.where(spec, accepted, 0)
+    final = mx.where(spec, spec_tok, plain_tok)
+    keys = mx.where(spec[:, None], spec_keys, plain_keys)
+
+    # Emitted tokens: accepted drafts, then the final token; the target's logprobs for each.
+    pos = mx.arange(k + 1, dtype=mx.int32)[None, :]
+    padded = mx.concatenate([drafts.astype(mx.int32), mx.zeros((b, 1), mx.int32)], axis=1)
+    emitted = mx.where(pos < accepted[:, None], padded, mx.where(pos == accepted[:, None], final[:, None], 0))
+    lp = mx.take_along_axis(logprobs, emitted[..., None], axis=-1)[..., 0]
+    top_ids, top_vals = top_logprobs(logprobs.reshape(b * (k + 1), v), state.n_top)
+    top_ids = top_ids.reshape(b, k + 1, state.n_top)
+    top_vals = top_vals.reshape(b, k + 1, state.n_top)
+    count = mx.where(act, accepted + 1, 0)
+
+    hist_a = mx.take_along_axis(hist, accepted[:, None, None], axis=1)[:, 0]
+    col = act[:, None]
+    at_a = lambda x: mx.take_along_axis(x, accepted[:, None, None], axis=1)[:, 0]  # noqa: E731
+    new_state = tree_replace(
+        state,
+        tokens=mx.where(act, final, state.tokens),
+        keys=mx.where(col, keys, state.keys),
+        history=mx.where(col, push_history(hist_a, final), state.history),
+        logprob=mx.where(act, mx.take_along_axis(lp, accepted[:, None], axis=1)[:, 0], state.logprob),
+        top_ids=mx.where(col, at_a(top_ids), state.top_ids),
+        top_logprobs=mx.where(col, at_a(top_vals), state.top_logprobs),
+    )
+    cache = with_lengths(cache, mx.where(act, old + 1 + accepted, old))
+    result = VerifyResult(tokens=emitted, count=count, accepted=accepted, logprobs=lp,
+                          top_ids=top_ids, top_logprobs=top_vals)
+    return new_state, cache, result
