@@ -58,8 +58,8 @@ class PromptLookup:
     n tokens (n from ngram_max down to ngram_min) in the prompt and generated text, and
     propose the tokens that followed it. No second model; deterministic drafts."""
 
-    ngram_max: int = 3
     ngram_min: int = 1
+    ngram_max: int = 3
 
     def __attrs_post_init__(self) -> None:
         if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int)
