@@ -28,13 +28,46 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-group-size", type=int, default=64, help="KV quantization group size")
     p.add_argument("--quantized-kv-start", type=int, default=5000,
                    help="positions below this stay in float when --kv-bits is set (mlx-lm's default)")
+    p.add_argument("--draft-model", default=None,
+                   help="speculative decoding with this smaller model (same tokenizer)")
+    p.add_argument("--self-draft-layers", type=int, default=None,
+                   help="speculative decoding with the model's own first N layers as the draft")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="most draft tokens per step (default 4; adapted per request)")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="speculative decoding with n-gram drafts from the prompt and output")
 
 
-def _kwargs(a: argparse.Namespace) -> dict[str, Any]:
-    return dict(
+def _kwargs(a: argparse.Namespace, model: Any = None) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
         max_tokens=a.max_tokens, temperature=a.temp, top_p=a.top_p, top_k=a.top_k,
         min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop,
     )
+    if a.prompt_lookup:
+        kw["prompt_lookup"] = True
+    if a.draft_model is not None or a.self_draft_layers is not None:
+        kw["draft_model"] = _draft(a, model)
+    if a.num_draft_tokens is not None:
+        kw["num_draft_tokens"] = a.num_draft_tokens
+    return kw
+
+
+_DRAFTS: dict[Any, Any] = {}
+
+
+def _draft(a: argparse.Namespace, model: Any) -> Any:
+    """The draft model, loaded once per process (chat reuses it across turns)."""
+    key = (a.draft_model, a.self_draft_layers)
+    if key not in _DRAFTS:
+        if a.draft_model is not None and a.self_draft_layers is not None:
+            raise ValueError("give --draft-model or --self-draft-layers, not both")
+        if a.self_draft_layers is not None:
+            from .engine.drafters import self_draft_model
+
+            _DRAFTS[key] = self_draft_model(model, a.self_draft_layers)
+        else:
+            _DRAFTS[key] = fx_engine.load(a.draft_model)
+    return _DRAFTS[key]
 
 
 def _load(a: argparse.Namespace):
@@ -52,6 +85,9 @@ def _report(usage: Any, model: Any = None) -> None:
         per = bytes_per_token(model.cache_layout(), model.dtype)
         kv_bytes = per * (usage.prompt_tokens + usage.completion_tokens)
     kv = f" | KV cache {kv_bytes / 1e6:.1f} MB" if kv_bytes else ""
+    if usage.drafted_tokens:
+        kv += (f" | drafts accepted {usage.accepted_tokens}/{usage.drafted_tokens} "
+               f"({100 * usage.accepted_tokens / usage.drafted_tokens:.0f}%)")
     print(
         f"\n[prompt: {usage.prompt_tokens} tokens, {usage.prompt_tps:.1f} tok/s | "
         f"generation: {usage.completion_tokens} tokens, {usage.generation_tps:.1f} tok/s | "
@@ -68,7 +104,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             {"role": "user", "content": a.prompt}
         ]
     last = None
-    for delta in fx_engine.stream(model, prompt, **_kwargs(a)):
+    for delta in fx_engine.stream(model, prompt, **_kwargs(a, model)):
         sys.stdout.write(delta.text)
         sys.stdout.flush()
         last = delta
@@ -100,7 +136,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         reply, last = [], None
         try:
-            for delta in fx_engine.stream(model, messages, **_kwargs(a)):
+            for delta in fx_engine.stream(model, messages, **_kwargs(a, model)):
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
                 reply.append(delta.text)

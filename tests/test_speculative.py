@@ -259,3 +259,23 @@ def test_a_failing_drafter_fails_only_its_request(bi):
         bad.result()
     assert ok.result().token_ids == reference_generate(bi, _prompt(bi, 40), max_tokens=10).token_ids
     assert plain.result().token_ids == reference_generate(bi, _prompt(bi, 30), max_tokens=10).token_ids
+
+
+def test_speculation_with_ring_caches(tmp_path):
+    """Gemma 4 (sliding-window rings, KV-shared layers): greedy speculation through the
+    engine equals plain greedy; a verify longer than the ring headroom is refused before
+    any write."""
+    from fx_engine.cache import CacheError
+
+    path = write_tiny_model(tmp_path / "g", "gemma4_text", sliding_window=16)
+    g = fx_engine.load(path, batch_invariant=True)
+    prompt = [int(t) for t in mx.random.randint(3, 50, (60,), key=mx.random.key(2)).tolist()]
+    prompt = prompt[:30] * 2  # repeated: the lookup drafts something
+    ref = reference_generate(g, prompt, max_tokens=30, temperature=0.0, prefill_chunk=16)
+    got = fx_engine.generate(g, prompt, max_tokens=30, temperature=0.0, prompt_lookup=True,
+                             num_draft_tokens=8, prefill_chunk=16)
+    assert got.token_ids == ref.token_ids and got.usage.drafted_tokens > 0
+    cache = g.new_cache(1, 64, headroom=4)
+    state = init_state([SamplingConfig()], [prompt[:5]], g.config.vocab_size)
+    with pytest.raises(CacheError, match="headroom"):
+        verify_step(g.params, cache, state, mx.zeros((1, 8), mx.int32), mx.array([8]))

@@ -1007,6 +1007,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import bench_kv
 
         return bench_kv.main([a for a in argv if a != "--kv"])
+    if "--spec" in argv:  # the speculative decoding benchmark (tools/bench_spec.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_spec
+
+        return bench_spec.main([a for a in argv if a != "--spec"])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF file or HF folder (default: fx-engine's default model)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per engine and workload")
@@ -1028,6 +1033,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="no measurement: re-render a saved --json report (text, --markdown)")
     ap.add_argument("--json", help="write the full report as JSON here")
     ap.add_argument("--markdown", help="write the tables as markdown here")
+    ap.add_argument("--spec", action="store_true",
+                    help="the speculative decoding benchmark instead (tools/bench_spec.py)")
     ap.add_argument("--kv", action="store_true",
                     help="the KV cache kinds benchmark instead (tools/bench_kv.py; its own flags)")
     ap.add_argument("--serving", action="store_true",

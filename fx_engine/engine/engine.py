@@ -251,7 +251,7 @@ class _Request:
         "handle", "ids", "cfg", "max_tokens", "stops", "detok", "want_logprobs", "need",
         "prefilled", "pcache", "row", "cache_len", "generated", "text", "lps", "phase",
         "t_admit", "t_first", "row_state", "processors", "drafter", "row_drafter", "k_max",
-        "k", "skip", "misses", "drafted", "accepted",
+        "k", "skip", "misses", "drafted", "accepted", "alpha",
     )
 
     def __init__(self, handle, ids, cfg, max_tokens, stops, want_logprobs, processors=(),
@@ -286,6 +286,7 @@ class _Request:
         self.misses = 0
         self.drafted = 0
         self.accepted = 0
+        self.alpha = 0.6  # EMA of the per-token acceptance rate (a prior until measured)
 
 
 # --------------------------------------------------------------------------------------
@@ -385,6 +386,9 @@ class Engine:
         self._step_lock = threading.Lock()
         self._next_id = 0
         self.steps = 0
+        # Measured step costs (EMA seconds) per (row bucket, K); K = 0 is a decode step.
+        # Speculation is chosen per step from these (see _choose_k).
+        self._cost: dict[tuple[int, int], float] = {}
 
         # engine-thread state
         self._prefilling: list[_Request] = []
@@ -699,7 +703,9 @@ class Engine:
         live = [r for r in self._rows if r is not None]
         if not any(r.processors for r in live) and any(r.drafter is not None for r in live):
             drafts = self._propose()
-            if drafts:
+            k = self._choose_k(drafts, len(live)) if drafts else 0
+            if k:
+                drafts = {row: (t[:k], None if p is None else p[:k]) for row, (t, p) in drafts.items()}
                 return self._decode_speculative(drafts)
         active = [r is not None for r in self._rows]
         max_len = max(r.cache_len for r in live)
@@ -708,6 +714,7 @@ class Engine:
         self._state = None
         span = span_bucket(max_len + 1, self._cache.capacity)
         t0 = time.perf_counter()
+        traces = decode_step_compiled.traces
         failed: dict[int, BaseException] = {}
         if any(r.processors for r in live):
             state, cache = self._decode_with_processors(state, span, failed)
@@ -720,9 +727,11 @@ class Engine:
         want_lp = any(r.want_logprobs for r in live)
         if want_lp:
             lps, top_ids, top_vals = state.logprob.tolist(), state.top_ids.tolist(), state.top_logprobs.tolist()
+        seconds = time.perf_counter() - t0
+        if decode_step_compiled.traces == traces and not failed:
+            self._observe(0, seconds)
         self._trace("decode", batch=len(live), rows=len(self._rows), capacity=cache.capacity,
-                    span=span, requests=[r.handle.id for r in live],
-                    seconds=time.perf_counter() - t0)
+                    span=span, requests=[r.handle.id for r in live], seconds=seconds)
         for row, req in enumerate(self._rows):
             if req is None:
                 continue
@@ -801,6 +810,7 @@ class Engine:
         self._state = None
         span = span_bucket(max_len + k + 1, self._cache.capacity)
         t0 = time.perf_counter()
+        traces = verify_step_compiled.traces
         state, cache, res = verify_step_compiled(
             self.params, self._cache, state, mx.array(arr, mx.int32), mx.array(n, mx.int32),
             probs, span=span)
@@ -810,9 +820,12 @@ class Engine:
         toks, counts, acc = res.tokens.tolist(), res.count.tolist(), res.accepted.tolist()
         if any(r.want_logprobs for r in live):
             lps, top_ids, top_vals = res.logprobs.tolist(), res.top_ids.tolist(), res.top_logprobs.tolist()
+        seconds = time.perf_counter() - t0
+        if verify_step_compiled.traces == traces:
+            self._observe(k, seconds)
         self._trace("verify", batch=len(live), rows=b, k=k, drafted=sum(n), accepted=sum(acc),
                     capacity=cache.capacity, span=span, requests=[r.handle.id for r in live],
-                    seconds=time.perf_counter() - t0)
+                    seconds=seconds)
         for row, req in enumerate(self._rows):
             if req is None:
                 continue
@@ -829,6 +842,45 @@ class Engine:
             except Exception as e:
                 self._fail(req, e)
 
+    def _observe(self, k: int, seconds: float) -> None:
+        key = (len(self._rows), k)
+        old = self._cost.get(key)
+        self._cost[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    def _step_cost(self, k: int) -> float | None:
+        """Expected seconds of a step with K = k (0: decode) at the current row bucket:
+        measured, else the decode cost times 1 + k/4 (the measured order on CPU: a verify
+        of K=4 costs 1.75-1.9x a decode step, docs/benchmarks.md)."""
+        rows = len(self._rows)
+        c = self._cost.get((rows, k))
+        if c is not None:
+            return c
+        base = self._cost.get((rows, 0))
+        return None if base is None else base * (1 + k / 4)
+
+    def _choose_k(self, drafts: dict[int, Any], live: int) -> int:
+        """Speculate only when it pays: pick the K bucket maximising expected tokens per
+        second, (live rows + expected accepted drafts) / cost(K), and verify only if that
+        beats plain decoding's live / cost(0). Expected accepted drafts of a row with a
+        draft of n tokens and per-token acceptance a: a + a^2 + ... + a^n. Returns 0 for
+        a plain decode step (also until a decode step has been timed)."""
+        base = self._step_cost(0)
+        if base is None:
+            return 0
+        best_k, best = 0, live / base
+        longest = sched.pow2_ceil(max(len(t) for t, _ in drafts.values()))
+        k = 1
+        while k <= longest:
+            cost = self._step_cost(k)
+            gain = live
+            for row, (toks, _) in drafts.items():
+                a = self._rows[row].alpha
+                gain += sum(a ** i for i in range(1, min(k, len(toks)) + 1))
+            if gain / cost > best * 1.02:
+                best_k, best = k, gain / cost
+            k *= 2
+        return best_k
+
     @staticmethod
     def _adapt(req: _Request, drafted: int, accepted: int) -> None:
         """Per-row draft length: double after a fully accepted draft, else just past what
@@ -836,6 +888,7 @@ class Engine:
         steps of plain decoding) so a row whose drafts keep failing stops paying for them."""
         req.drafted += drafted
         req.accepted += accepted
+        req.alpha = 0.7 * req.alpha + 0.3 * (accepted / drafted)
         if accepted == drafted:
             req.k = min(req.k_max, 2 * req.k)
         else:

@@ -1,0 +1,36 @@
+"""The command line's generation options (speculative decoding, KV cache kinds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fx_engine.cli import main
+from .conftest import LONG_TEXT
+
+
+@pytest.mark.parametrize("extra", [
+    ["--prompt-lookup", "--num-draft-tokens", "8"],
+    ["--self-draft-layers", "1"],
+    ["--draft-model", "{tiny}"],
+    ["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0", "--model", "{tiny32}"],
+])
+def test_generate_options(tiny_dir, tmp_path, capsys, extra):
+    from fx_engine.testing import write_tiny_model
+
+    if "{tiny32}" in extra:  # group size 32 needs head_dim 32 (the tiny default is 16)
+        extra = [x.replace("{tiny32}", str(write_tiny_model(tmp_path / "m", head_dim=32))) for x in extra]
+    extra = [x.replace("{tiny}", str(tiny_dir)) for x in extra]
+    code = main(["generate", LONG_TEXT, "--raw", "--model", str(tiny_dir), "--max-tokens", "12", *extra])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "generation:" in out.err
+    if "--prompt-lookup" in extra:  # LONG_TEXT repeats itself: lookup drafts are accepted
+        assert "drafts accepted" in out.err
+    if "--kv-bits" in extra:
+        assert "KV cache" in out.err
+
+
+def test_conflicting_draft_options_are_a_clear_error(tiny_dir, capsys):
+    code = main(["generate", "hi", "--model", str(tiny_dir), "--self-draft-layers", "1",
+                 "--draft-model", str(tiny_dir)])
+    assert code == 2 and "not both" in capsys.readouterr().err
