@@ -453,6 +453,12 @@ def insert_row(cache: KVCache, row_cache: KVCache, row_index: int, length: int |
         length = int(row_cache.lengths[0].item())
     if length > cache.capacity:
         raise CacheError(f"insert_row: length {length} exceeds capacity {cache.capacity}")
+    rings = [s.ring for s in cache.layout if s.ring]
+    if rings and length > min(rings) and length != int(row_cache.lengths[0].item()):
+        # a wrapped ring holds the latest positions: a shorter prefix is not in it any more
+        raise CacheError(f"insert_row: cannot copy a {length}-position prefix of a row of "
+                         f"length {int(row_cache.lengths[0].item())} from a wrapped "
+                         f"{min(rings)}-slot ring")
     layers = tuple(_insert_entry(d, s, spec, row_index, length)
                    for d, s, spec in zip(cache.layers, row_cache.layers, cache.layout))
     lengths = mx.slice_update(

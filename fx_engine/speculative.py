@@ -21,8 +21,9 @@ Acceptance (exact):
   [B, K, V]); None means deterministic drafts (prompt lookup): q is a point mass, so the
   draft is accepted with probability p_j(d) and the residual is p_j without d.
 * PRNG: a speculating row splits its key into (next key, acceptance uniforms, final draw);
-  a row that drafts nothing samples exactly as `decode_step` would (same key use, same
-  token), so mixing such rows into a verify step changes nothing for them.
+  a row that drafts nothing samples as `decode_step` would (the same key use and sampling
+  code; its logits come from a (K+1)-token forward, bitwise equal to decode_step's in
+  batch-invariant mode, equal up to BLAS rounding otherwise).
 
 Rollback is pure: the cache's length of row b becomes old + 1 + accepted[b]; entries past
 it are stale and never read (see fx_engine/cache.py; ring caches need headroom >= K).
@@ -73,14 +74,19 @@ def position_histories(history: mx.array, drafts: mx.array) -> mx.array:
 
 
 def accept_drafts(
-    processed: Float[mx.array, "B K1 V"], drafts: Int[mx.array, "B K"], n_draft: Int[mx.array, "B"],
-    params: SamplingParams, keys: mx.array, draft_probs: mx.array | None,
+    processed: Float[mx.array, "B K1 V"], logprobs: Float[mx.array, "B K1 V"],
+    drafts: Int[mx.array, "B K"], n_draft: Int[mx.array, "B"], params: SamplingParams,
+    keys: mx.array, draft_probs: mx.array | None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The acceptance rule. Returns (accepted [B], final token [B], keys after [B, 2]) for
-    rows that speculate (n_draft > 0); the caller takes plain-decoding results elsewhere."""
+    rows that speculate (n_draft > 0); the caller takes plain-decoding results elsewhere.
+    The greedy token is the argmax of `logprobs` (processed - logsumexp), as `sample` takes
+    it, so a near tie breaks the same way as in plain decoding."""
     b, k1, v = processed.shape
     k = k1 - 1
-    greedy_tok = mx.argmax(processed, axis=-1).astype(mx.int32)  # [B, K+1]
+    greedy_tok = mx.argmax(logprobs, axis=-1).astype(mx.int32)  # [B, K+1]
+    if k == 0:
+        return mx.zeros((b,), mx.int32), greedy_tok[:, 0], keys
     j = mx.arange(k, dtype=mx.int32)[None, :]
     in_range = j < n_draft[:, None]
     if "random" not in params.features:  # every row greedy
@@ -141,7 +147,7 @@ def verify_step(
     # Only drafts whose positions fit in the cache are verified: a row never has accepted
     # tokens written past its capacity (they would land in the sink and be lost).
     room = mx.maximum(cache.capacity - 1 - cache.lengths, 0)
-    n_draft = mx.where(act, mx.minimum(n_draft.astype(mx.int32), room), 0)
+    n_draft = mx.where(act, mx.minimum(mx.minimum(n_draft.astype(mx.int32), room), k), 0)
     if "xtc" in state.params.features:  # XTC's random removal is not a fixed distribution
         n_draft = mx.where(state.params.xtc_probability > 0, 0, n_draft)
     tokens = mx.concatenate([state.tokens[:, None], drafts.astype(mx.int32)], axis=1)
@@ -158,7 +164,8 @@ def verify_step(
     # Rows that draft nothing: exactly decode_step's sample at position 0.
     plain_tok, _, plain_keys = sample(processed[:, 0], state.params, state.keys)
     accepted, spec_tok, spec_keys = accept_drafts(
-        processed, drafts.astype(mx.int32), n_draft, state.params, state.keys, draft_probs)
+        processed, logprobs, drafts.astype(mx.int32), n_draft, state.params, state.keys,
+        draft_probs)
     spec = n_draft > 0
     accepted = mx.where(spec, accepted, 0)
     final = mx.where(spec, spec_tok, plain_tok)
@@ -186,7 +193,7 @@ def verify_step(
         top_ids=mx.where(col, at_a(top_ids), state.top_ids),
         top_logprobs=mx.where(col, at_a(top_vals), state.top_logprobs),
     )
-    cache = with_lengths(cache, mx.where(act, old + 1 + accepted, old))
+    cache = with_lengths(cache, mx.where(act, mx.minimum(old + 1 + accepted, cache.capacity), old))
     result = VerifyResult(tokens=emitted, count=count, accepted=accepted, logprobs=lp,
                           top_ids=top_ids, top_logprobs=top_vals)
     return new_state, cache, result

@@ -90,6 +90,20 @@ def test_ring_headroom_is_checked_before_any_write(gemma):
     score_step(gemma.params, cache, mx.zeros((1, 5), mx.int32), mx.array([5]))  # fits
 
 
+def test_insert_row_refuses_a_prefix_of_a_wrapped_ring(gemma):
+    from fx_engine.cache import insert_row
+
+    src = gemma.new_cache(1, 64, headroom=4)
+    _, src = score_step(gemma.params, src, mx.ones((1, 5), mx.int32), mx.array([5]))
+    for _ in range(5):
+        _, src = score_step(gemma.params, src, mx.ones((1, 5), mx.int32), mx.array([5]))
+    dst = gemma.new_cache(2, 64, headroom=4)
+    assert int(src.lengths[0]) == 30  # > the 20-slot ring: wrapped
+    insert_row(dst, src, 1)  # the whole row: fine
+    with pytest.raises(CacheError, match="wrapped"):
+        insert_row(dst, src, 1, length=25)
+
+
 def test_ring_memory_is_bounded_by_the_window(gemma):
     small = gemma.new_cache(1, 256, headroom=8)
     big = gemma.new_cache(1, 4096, headroom=8)

@@ -68,7 +68,8 @@ def test_greedy_speculation_is_identical_to_plain_greedy(bi, draft, kind):
 def test_batched_speculation_with_late_joins_matches_plain(bi, draft, data):
     """Rows with and without speculation, different drafters and K, joining at random
     steps, share verify steps: every request's tokens equal its plain greedy run alone."""
-    engine = fx_engine.Engine(bi, max_rows=4, prefill_chunk=32)
+    budget = data.draw(st.sampled_from([None, 1536]), label="kv budget")  # forces compaction
+    engine = fx_engine.Engine(bi, max_rows=4, prefill_chunk=32, kv_budget_tokens=budget)
     reqs = []
     for i in range(data.draw(st.integers(2, 4), label="requests")):
         n = data.draw(st.integers(1, 150), label="prompt")
@@ -279,3 +280,16 @@ def test_speculation_with_ring_caches(tmp_path):
     state = init_state([SamplingConfig()], [prompt[:5]], g.config.vocab_size)
     with pytest.raises(CacheError, match="headroom"):
         verify_step(g.params, cache, state, mx.zeros((1, 8), mx.int32), mx.array([8]))
+
+
+def test_draft_model_with_another_vocabulary_size(tmp_path, bi):
+    """A draft model whose vocabulary is padded past the target's (as Qwen 0.5B vs 7B):
+    its q is trimmed/padded to the target's vocabulary; greedy output is unchanged and a
+    sampled request runs."""
+    big = fx_engine.load(write_tiny_model(tmp_path / "big", vocab_size=400, seed=5), batch_invariant=True)
+    prompt = _prompt(bi, 50)
+    ref = reference_generate(bi, prompt, max_tokens=20, temperature=0.0)
+    got = fx_engine.generate(bi, prompt, max_tokens=20, temperature=0.0, draft_model=big)
+    assert got.token_ids == ref.token_ids and got.usage.drafted_tokens > 0
+    out = fx_engine.generate(bi, prompt, max_tokens=20, temperature=0.7, seed=1, draft_model=big)
+    assert len(out.token_ids) > 0

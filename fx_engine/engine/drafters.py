@@ -114,9 +114,12 @@ class _DraftRow:
         m = owner.model
         # The draft's own sampling: same filters/temperature, no penalties or bias (their
         # effect belongs to the target; q only needs to be the distribution drawn from).
+        # A seeded request's draft gets its own key stream: drawing drafts with the target's
+        # own uniforms would correlate them with the target's later draws.
+        seed = None if sampling.seed is None else (sampling.seed * 0x9E3779B1 + 0x7F4A7C15) % 2**64
         self.sampling = SamplingConfig(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            min_p=sampling.min_p, seed=sampling.seed)
+            min_p=sampling.min_p, seed=seed)
         self.params = make_sampling_params([self.sampling], m.config.vocab_size)
         self.keys = None
         self.cache = None
@@ -137,7 +140,8 @@ class _DraftRow:
 
             cap = capacity_bucket(need + chunk)
             old = self.cache
-            self.cache = m.new_cache(1, cap, headroom=chunk)
+            # pieces are padded to a power of two >= 16: ring headroom for the padded size
+            self.cache = m.new_cache(1, cap, headroom=max(16, 1 << (chunk - 1).bit_length()))
             if old is not None:  # start over (rare: a capacity bucket change)
                 common = 0
         self.cache = with_lengths(self.cache, mx.array([common], mx.int32))

@@ -389,6 +389,7 @@ class Engine:
         # Measured step costs (EMA seconds) per (row bucket, K); K = 0 is a decode step.
         # Speculation is chosen per step from these (see _choose_k).
         self._cost: dict[tuple[int, int], float] = {}
+        self._draft_seconds = 0.0  # EMA of the drafters' time per speculating step
 
         # engine-thread state
         self._prefilling: list[_Request] = []
@@ -702,14 +703,23 @@ class Engine:
     def _decode(self) -> None:
         live = [r for r in self._rows if r is not None]
         if not any(r.processors for r in live) and any(r.drafter is not None for r in live):
-            drafts = self._propose()
-            k = self._choose_k(drafts, len(live)) if drafts else 0
-            if k:
-                drafts = {row: (t[:k], None if p is None else p[:k]) for row, (t, p) in drafts.items()}
-                return self._decode_speculative(drafts)
-        active = [r is not None for r in self._rows]
+            # Ask drafters only when speculating is expected to pay (their work is not free),
+            # then decide again with the drafts actually proposed.
+            plan = self._plan_drafts(live)
+            if plan:
+                t0 = time.perf_counter()
+                drafts = self._propose(plan)
+                self._draft_seconds = 0.7 * self._draft_seconds + 0.3 * (time.perf_counter() - t0)
+                live = [r for r in self._rows if r is not None]  # a drafter may fail its row
+                k = self._choose_k({r: len(t) for r, (t, _) in drafts.items()}, len(live)) if drafts else 0
+                if k:
+                    return self._decode_speculative(
+                        {r: (t[:k], None if p is None else p[:k]) for r, (t, p) in drafts.items()}, k)
+            if not live:
+                return
         max_len = max(r.cache_len for r in live)
-        self._ensure_capacity(max_len + 1)
+        self._ensure_capacity(max_len + 1)  # may compact: row indices are read after it
+        active = [r is not None for r in self._rows]
         state = tree_replace(self._state, active=mx.array(active))
         self._state = None
         span = span_bucket(max_len + 1, self._cache.capacity)
@@ -749,58 +759,78 @@ class Engine:
                 self._fail(req, e)
 
     # ---------------------------------------------------------------- speculation
-    def _propose(self) -> dict[int, Any]:
-        """Ask each speculating row's drafter for up to its current k tokens. A drafter that
-        raises or returns something malformed fails its own request only."""
-        out: dict[int, Any] = {}
-        vocab = self._c.vocab_size
-        for row, req in enumerate(self._rows):
-            if req is None or req.drafter is None or req.cfg.xtc_probability > 0:
+    def _plan_drafts(self, live: list[_Request]) -> dict[_Request, int]:
+        """How many tokens to ask each speculating row for this step ({}: do not draft).
+        Rows with XTC never speculate; rows backing off skip; the draft length is the row's
+        adaptive k, capped by what it may still generate."""
+        plan = {}
+        for req in live:
+            if req.drafter is None or req.cfg.xtc_probability > 0:
                 continue
             if req.skip > 0:  # backing off after drafts that kept failing
                 req.skip -= 1
                 continue
             k = min(req.k, req.max_tokens - len(req.generated) - 1)
-            if k <= 0:
-                continue
+            if k > 0:
+                plan[req] = k
+        if plan and not self._choose_k(plan, len(live), self._draft_seconds):
+            return {}
+        return plan
+
+    def _propose(self, plan: dict[_Request, int]) -> dict[_Request, Any]:
+        """Ask each planned row's drafter for up to k tokens. A drafter that raises or
+        returns something malformed fails its own request only. Draft-model distributions
+        over another vocabulary size are trimmed/zero-padded to the target's, and a draft
+        stops at the first token the target's vocabulary does not have."""
+        out: dict[_Request, Any] = {}
+        vocab = self._c.vocab_size
+        for req, k in plan.items():
             try:
                 if req.row_drafter is None:
                     req.row_drafter = req.drafter.new_row(list(req.ids), req.cfg)
                 d = req.row_drafter.propose(list(req.ids) + req.generated, k)
                 toks = tuple(getattr(d, "tokens", ()))
-                if len(toks) > k or any(not isinstance(t, int) or not 0 <= t < vocab for t in toks):
-                    raise ValueError(f"drafter proposed {toks!r}: expected at most {k} token ids "
-                                     f"in [0, {vocab})")
                 probs = getattr(d, "probs", None)
-                if probs is not None and tuple(probs.shape) != (len(toks), vocab):
-                    raise ValueError(f"drafter probs must have shape [{len(toks)}, {vocab}], "
+                if len(toks) > k or any(not isinstance(t, int) or t < 0 for t in toks):
+                    raise ValueError(f"drafter proposed {toks!r}: expected at most {k} "
+                                     "non-negative token ids")
+                if probs is not None and (probs.ndim != 2 or probs.shape[0] != len(toks)):
+                    raise ValueError(f"drafter probs must have shape [{len(toks)}, vocab], "
                                      f"got {tuple(probs.shape)}")
             except Exception as e:
                 self._fail(req, e)
                 continue
+            n = next((i for i, t in enumerate(toks) if t >= vocab), len(toks))
+            toks = toks[:n]
+            if probs is not None:
+                probs = probs[:n, :vocab]
+                if probs.shape[1] < vocab:
+                    probs = mx.pad(probs, [(0, 0), (0, vocab - probs.shape[1])])
             if toks:
-                out[row] = (toks, probs)
+                out[req] = (toks, probs)
         return out
 
-    def _decode_speculative(self, drafts: dict[int, Any]) -> None:
+    def _decode_speculative(self, drafts: dict[_Request, Any], k: int) -> None:
         """One verify step over the whole batch: rows with drafts verify them, the others
-        decode (n_draft = 0 is exactly a decode step for them)."""
+        decode (n_draft = 0 samples as a decode step does)."""
         live = [r for r in self._rows if r is not None]
+        # Room for each row's own drafts (padding goes to the sink); may compact the rows,
+        # so row indices are read after it.
+        needed = max(r.cache_len + len(drafts.get(r, ((), None))[0]) + 1 for r in live)
+        self._ensure_capacity(needed)
         b = len(self._rows)
-        k = sched.pow2_ceil(max(len(t) for t, _ in drafts.values()))
-        max_len = max(r.cache_len for r in live)
-        self._ensure_capacity(max_len + k + 1)
         arr = [[0] * k for _ in range(b)]
         n = [0] * b
-        for row, (toks, _) in drafts.items():
-            arr[row][: len(toks)] = toks
-            n[row] = len(toks)
+        for req, (toks, _) in drafts.items():
+            arr[req.row][: len(toks)] = toks
+            n[req.row] = len(toks)
         probs = None
         if any(p is not None for _, p in drafts.values()):
             v = self._c.vocab_size
             rows = []
             for row in range(b):
-                toks, p = drafts.get(row, ((), None))
+                req = self._rows[row]
+                toks, p = drafts.get(req, ((), None)) if req is not None else ((), None)
                 if p is None:  # deterministic drafts: a point mass on each token
                     p = mx.zeros((len(toks), v)) if not toks else (
                         mx.arange(v)[None, :] == mx.array(toks)[:, None]).astype(mx.float32)
@@ -808,6 +838,7 @@ class Engine:
             probs = mx.stack(rows)
         state = tree_replace(self._state, active=mx.array([r is not None for r in self._rows]))
         self._state = None
+        max_len = max(r.cache_len for r in live)
         span = span_bucket(max_len + k + 1, self._cache.capacity)
         t0 = time.perf_counter()
         traces = verify_step_compiled.traces
@@ -858,24 +889,25 @@ class Engine:
         base = self._cost.get((rows, 0))
         return None if base is None else base * (1 + k / 4)
 
-    def _choose_k(self, drafts: dict[int, Any], live: int) -> int:
+    def _choose_k(self, lengths: dict[_Request, int], live: int, extra: float = 0.0) -> int:
         """Speculate only when it pays: pick the K bucket maximising expected tokens per
-        second, (live rows + expected accepted drafts) / cost(K), and verify only if that
-        beats plain decoding's live / cost(0). Expected accepted drafts of a row with a
-        draft of n tokens and per-token acceptance a: a + a^2 + ... + a^n. Returns 0 for
-        a plain decode step (also until a decode step has been timed)."""
+        second, (live rows + expected accepted drafts) / (cost(K) + extra), and verify only
+        if that beats plain decoding's live / cost(0). `lengths`: each drafting row's draft
+        length; expected accepted drafts of a row with n tokens and per-token acceptance a:
+        a + a^2 + ... + a^n. `extra`: the drafters' expected time (before proposing).
+        Returns 0 for a plain decode step (also until a decode step has been timed)."""
         base = self._step_cost(0)
         if base is None:
             return 0
         best_k, best = 0, live / base
-        longest = sched.pow2_ceil(max(len(t) for t, _ in drafts.values()))
+        longest = sched.pow2_ceil(max(lengths.values()))
         k = 1
         while k <= longest:
-            cost = self._step_cost(k)
+            cost = self._step_cost(k) + extra
             gain = live
-            for row, (toks, _) in drafts.items():
-                a = self._rows[row].alpha
-                gain += sum(a ** i for i in range(1, min(k, len(toks)) + 1))
+            for req, n in lengths.items():
+                a = req.alpha
+                gain += sum(a ** i for i in range(1, min(k, n) + 1))
             if gain / cost > best * 1.02:
                 best_k, best = k, gain / cost
             k *= 2
