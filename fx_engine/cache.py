@@ -454,11 +454,12 @@ def insert_row(cache: KVCache, row_cache: KVCache, row_index: int, length: int |
     if length > cache.capacity:
         raise CacheError(f"insert_row: length {length} exceeds capacity {cache.capacity}")
     rings = [s.ring for s in cache.layout if s.ring]
-    if rings and length > min(rings) and length != int(row_cache.lengths[0].item()):
-        # a wrapped ring holds the latest positions: a shorter prefix is not in it any more
-        raise CacheError(f"insert_row: cannot copy a {length}-position prefix of a row of "
-                         f"length {int(row_cache.lengths[0].item())} from a wrapped "
-                         f"{min(rings)}-slot ring")
+    if rings:
+        src_len = int(row_cache.lengths[0].item())
+        if length != src_len and src_len > min(rings):
+            # a wrapped ring holds the latest positions: a shorter prefix is not in it any more
+            raise CacheError(f"insert_row: cannot copy a {length}-position prefix of a row of "
+                             f"length {src_len} from a wrapped {min(rings)}-slot ring")
     layers = tuple(_insert_entry(d, s, spec, row_index, length)
                    for d, s, spec in zip(cache.layers, row_cache.layers, cache.layout))
     lengths = mx.slice_update(
@@ -486,3 +487,28 @@ def bytes_per_token(layout: Sequence[LayerSpec], dtype: mx.Dtype) -> float:
 def bytes_per_row_fixed(layout: Sequence[LayerSpec], dtype: mx.Dtype) -> int:
     """Bytes per row of the ring entries (independent of the capacity)."""
     return sum(2 * s.kv_heads * (s.ring + 1) * s.head_dim * dtype.size for s in layout if s.ring)
+
+
+def snapshot_row(cache: KVCache, row: int, length: int) -> KVCache:
+    """A 1-row copy of row `row`'s first `length` positions (capacity `length`), in new
+    buffers: only those tokens are copied, and the snapshot holds no reference to the
+    cache's arrays (so the decode loop keeps updating them in place). Ring entries keep
+    their whole ring: the positions a window needs, valid for exactly this length."""
+    def cut(x: mx.array, n: int) -> mx.array:
+        part = x[row : row + 1, :, :n]
+        sink = mx.zeros((1, *part.shape[1:2], 1, *part.shape[3:]), part.dtype)
+        return mx.concatenate([part, sink], axis=2)  # a new buffer, never a view
+
+    layers = []
+    for e, s in zip(cache.layers, cache.layout):
+        if s.ring:
+            layers.append(LayerKV(cut(e.keys, s.ring), cut(e.values, s.ring)))
+        elif s.bits:
+            f = _head_slots(s, length)
+            layers.append(QuantKV(cut(e.head_keys, f), cut(e.head_values, f),
+                                  tuple(cut(a, length - f) for a in e.keys),
+                                  tuple(cut(a, length - f) for a in e.values)))
+        else:
+            layers.append(LayerKV(cut(e.keys, length), cut(e.values, length)))
+    return KVCache(layers=tuple(layers), lengths=mx.array([length], mx.int32),
+                   layout=cache.layout, capacity=length)

@@ -1,4 +1,5 @@
-"""fx-engine command line: generate | chat | info (trace, golden, serve come with their issues)."""
+"""fx-engine command line: generate | chat | cache-prompt | info (trace, golden, serve come
+with their issues)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help="most draft tokens per step (default 4; adapted per request)")
     p.add_argument("--prompt-lookup", action="store_true",
                    help="speculative decoding with n-gram drafts from the prompt and output")
+    p.add_argument("--prompt-cache", default=None, metavar="DIR",
+                   help="prefix-cache directory: restore the prompt's cached prefix, save new ones")
 
 
 def _kwargs(a: argparse.Namespace, model: Any = None) -> dict[str, Any]:
@@ -49,6 +52,8 @@ def _kwargs(a: argparse.Namespace, model: Any = None) -> dict[str, Any]:
         kw["draft_model"] = _draft(a, model)
     if a.num_draft_tokens is not None:
         kw["num_draft_tokens"] = a.num_draft_tokens
+    if getattr(a, "prompt_cache", None):
+        kw["prompt_cache_dir"] = a.prompt_cache
     return kw
 
 
@@ -152,6 +157,27 @@ def cmd_chat(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache_prompt(a: argparse.Namespace) -> int:
+    """Prefill a prompt (e.g. a long system prompt) into a prefix-cache directory, like
+    mlx-lm's cache_prompt: later runs with --prompt-cache DIR start from it."""
+    model = _load(a)
+    text = sys.stdin.read() if a.prompt == "-" else a.prompt
+    if a.prompt.startswith("@"):
+        with open(a.prompt[1:], encoding="utf-8") as f:
+            text = f.read()
+    if a.system:  # rendered as the system message of a chat, without a generation prompt
+        ids = list(model.tokenizer.apply_chat_template(
+            [{"role": "system", "content": text}], add_generation_prompt=False, tokenize=True))
+    else:
+        ids = list(model.tokenizer.encode(text))
+    engine = fx_engine.Engine(model, max_rows=1, prefix_cache_dir=a.prompt_cache)
+    out = engine.submit(ids, max_tokens=1).result()  # the whole prompt is snapshotted
+    disk = engine.stats()["prefix_cache"]["disk"]
+    print(f"cached {len(ids)} tokens in {a.prompt_cache} ({disk['entries']} entries; "
+          f"{out.usage.cached_tokens} were already cached)", file=sys.stderr)
+    return 0
+
+
 def cmd_info(a: argparse.Namespace) -> int:
     import mlx.core as mx
 
@@ -196,6 +222,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--verbose", "-v", action="store_true", help="print speed after each reply")
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
+    cp = sub.add_parser("cache-prompt", help="prefill a prompt into a prefix-cache directory")
+    cp.add_argument("prompt", help="the text, @FILE, or - for stdin")
+    cp.add_argument("--prompt-cache", required=True, metavar="DIR")
+    cp.add_argument("--system", action="store_true",
+                    help="cache it as a chat's system message (then use generate --system)")
+    cp.add_argument("--model", "-m", default=None)
+    cp.add_argument("--batch-invariant", action="store_true")
+    cp.add_argument("--kv-bits", type=int, default=None, choices=(4, 8))
+    cp.add_argument("--kv-group-size", type=int, default=64)
+    cp.add_argument("--quantized-kv-start", type=int, default=5000)
+    cp.set_defaults(func=cmd_cache_prompt)
     i = sub.add_parser("info", help="versions, device, BLAS, default model")
     i.set_defaults(func=cmd_info)
     return parser

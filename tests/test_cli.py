@@ -34,3 +34,22 @@ def test_conflicting_draft_options_are_a_clear_error(tiny_dir, capsys):
     code = main(["generate", "hi", "--model", str(tiny_dir), "--self-draft-layers", "1",
                  "--draft-model", str(tiny_dir)])
     assert code == 2 and "not both" in capsys.readouterr().err
+
+
+def test_cache_prompt_then_generate_with_the_prompt_cache(tiny_dir, tmp_path, capsys):
+    system = "You are a helpful assistant. " * 8
+    cache = tmp_path / "pc"
+    assert main(["cache-prompt", system, "--system", "--prompt-cache", str(cache),
+                 "--model", str(tiny_dir)]) == 0
+    assert "cached" in capsys.readouterr().err
+    assert list(cache.glob("*.safetensors"))
+    import fx_engine
+
+    model = fx_engine.load(tiny_dir)
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
+    out = fx_engine.generate(model, msgs, max_tokens=4, prompt_cache_dir=str(cache))
+    assert out.usage.cached_tokens > 40
+    assert out.token_ids == fx_engine.generate(model, msgs, max_tokens=4).token_ids
+    code = main(["generate", "hi", "--system", system, "--model", str(tiny_dir), "--max-tokens", "4",
+                 "--prompt-cache", str(cache)])
+    assert code == 0

@@ -28,7 +28,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from ..cache import KVCache, bytes_per_token, insert_row, resize, span_bucket, take_rows, with_lengths
+from ..cache import (
+    KVCache, bytes_per_token, insert_row, resize, snapshot_row, span_bucket, take_rows, with_lengths,
+)
 from ..sampling import SamplingConfig, make_sampling_params
 from ..state import DecodeState, init_state
 from ..steps import (
@@ -36,6 +38,7 @@ from ..steps import (
 )
 from ..tree import tree_leaves, tree_replace
 from . import scheduler as sched
+from .prefix_cache import DiskTier, PrefixStore
 from .request import (
     MAX_DRAFT_TOKENS, Completion, TextDelta, TokenLogprob, Usage, apply_processors, parse_request,
 )
@@ -251,7 +254,7 @@ class _Request:
         "handle", "ids", "cfg", "max_tokens", "stops", "detok", "want_logprobs", "need",
         "prefilled", "pcache", "row", "cache_len", "generated", "text", "lps", "phase",
         "t_admit", "t_first", "row_state", "processors", "drafter", "row_drafter", "k_max",
-        "k", "skip", "misses", "drafted", "accepted", "alpha",
+        "k", "skip", "misses", "drafted", "accepted", "alpha", "cached",
     )
 
     def __init__(self, handle, ids, cfg, max_tokens, stops, want_logprobs, processors=(),
@@ -287,6 +290,7 @@ class _Request:
         self.drafted = 0
         self.accepted = 0
         self.alpha = 0.6  # EMA of the per-token acceptance rate (a prior until measured)
+        self.cached = 0  # prompt tokens restored from the prefix cache
 
 
 # --------------------------------------------------------------------------------------
@@ -309,6 +313,11 @@ class Engine:
     trace_capacity: size of the `trace_events` ring buffer.
     fault_hook: testing hook, called as fault_hook(stage, handle) with stage "prefill" or
       "token" while processing one request; an exception fails that request only.
+    prefix_cache_bytes / prefix_block_size: the in-memory prefix cache (on by default,
+      512 MiB; 0 turns it off): prompts sharing a prefix with an earlier prompt or finished
+      conversation restore its KV and prefill only the rest (usage.cached_tokens).
+    prefix_cache_dir / prefix_cache_disk_bytes: a disk tier (safetensors files) that later
+      processes restore from; bounded by its own budget (default 4 GiB).
     kv_bits / kv_group_size / quantized_kv_start: the KV cache kind, as in mlx-lm (default:
       the model's, see `Model.with_kv_cache`). The KV budget counts bytes per position of
       the dense/quantized entries; sliding-window rings (models with sliding layers) are a
@@ -329,6 +338,10 @@ class Engine:
         kv_bits: int | None = None,
         kv_group_size: int | None = None,
         quantized_kv_start: int | None = None,
+        prefix_cache_bytes: int = 512 << 20,
+        prefix_block_size: int = 16,
+        prefix_cache_dir: str | None = None,
+        prefix_cache_disk_bytes: int = 4 << 30,
     ):
         if not isinstance(max_rows, int) or max_rows < 1:
             raise ValueError(f"max_rows must be a positive integer, got {max_rows!r}")
@@ -344,12 +357,20 @@ class Engine:
             )
         self.model = model
         self.params = model.params
+        # Reuse of shared prompt prefixes (0 bytes: off). See engine/prefix_cache.py.
+        self.prefix_cache = None
         c = model.config
         self._c = c
         self._dtype = getattr(mx, self.params.dtype)
         # Ring entries need headroom for the longest step: a prefill chunk or a verify.
         self._headroom = max(sched.normalize_chunk(prefill_chunk), MAX_DRAFT_TOKENS)
         self.cache_layout = model.cache_layout(self._headroom)
+        if prefix_cache_bytes or prefix_cache_dir:
+            disk = None if prefix_cache_dir is None else DiskTier(
+                prefix_cache_dir, prefix_cache_disk_bytes, model.fingerprint,
+                model.tokenizer.fingerprint(), self.cache_layout, self.params.dtype,
+                prefix_block_size)
+            self.prefix_cache = PrefixStore(prefix_cache_bytes, prefix_block_size, disk)
         self.bytes_per_token = bytes_per_token(self.cache_layout, self._dtype)
         self._float_bytes_per_token = bytes_per_token(
             model.with_kv_cache(None).cache_layout(self._headroom), self._dtype)
@@ -479,6 +500,7 @@ class Engine:
             # float cache would cost: the memory kv_bits saves
             "kv_bytes_per_token": self.bytes_per_token,
             "kv_bytes_per_token_float": self._float_bytes_per_token,
+            "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats(),
             "steps": self.steps,
         }
 
@@ -587,8 +609,36 @@ class Engine:
             req.handle.timings["admitted"] = req.t_admit
             req.detok = self.model.tokenizer.detokenizer()
             self._prefilling.append(req)
+            self._restore_prefix(req)
             self._trace("admit", request=req.handle.id, prompt_tokens=len(req.ids),
-                        max_tokens=req.max_tokens)
+                        max_tokens=req.max_tokens, cached_tokens=req.cached)
+
+    # ---------------------------------------------------------------- prefix cache
+    def _restore_prefix(self, req: _Request) -> None:
+        """Start the request's prefill cache from the longest cached prefix of its prompt
+        (fx_engine/engine/prefix_cache.py); only the rest is prefilled."""
+        if self.prefix_cache is None:
+            return
+        try:
+            entry, m = self.prefix_cache.lookup(req.ids)
+            if entry is None:
+                return
+            cache = self.model.new_cache(1, self._prefill_slots(req), headroom=self._headroom)
+            req.pcache = self.prefix_cache.restore(entry, cache, m)
+            req.prefilled = req.cached = m
+        except Exception as e:  # a broken entry must never break the request: go cold
+            req.pcache, req.prefilled, req.cached = None, 0, 0
+            self._trace("prefix_error", request=req.handle.id, error=repr(e))
+
+    def _snapshot(self, tokens: Sequence[int], cache: KVCache, row: int) -> None:
+        """Keep this row's first len(tokens) positions for later requests (a copy of those
+        tokens only, made now: the source cache is updated in place afterwards)."""
+        if self.prefix_cache is None or len(tokens) < 1:
+            return
+        try:
+            self.prefix_cache.add(tokens, snapshot_row(cache, row, len(tokens)))
+        except Exception as e:
+            self._trace("prefix_error", error=repr(e))
 
     # ---------------------------------------------------------------- prefill
     def _prefill_piece(self, req: _Request, n: int) -> bool:
@@ -613,6 +663,7 @@ class Engine:
         if not last:
             mx.eval(*tree_leaves(cache))
             req.pcache = cache
+            self._snapshot(req.ids[: req.prefilled], cache, 0)  # a chunk boundary
             self._trace("prefill", request=req.handle.id, tokens=n, padded=size, start=start,
                         seconds=time.perf_counter() - t0)
             return False
@@ -621,6 +672,7 @@ class Engine:
         row_state = sample_step_compiled(row_state, logits)
         mx.eval(*tree_leaves(cache), *tree_leaves(row_state))
         req.pcache = cache
+        self._snapshot(req.ids, cache, 0)  # the whole prompt
         t1 = time.perf_counter()
         self._trace("prefill", request=req.handle.id, tokens=n, padded=size, start=start,
                     seconds=t1 - t0)
@@ -986,6 +1038,9 @@ class Engine:
         return False
 
     def _complete(self, req: _Request, reason: str) -> None:
+        if req.row is not None and self._cache is not None and self._rows[req.row] is req:
+            # the conversation so far (prompt + generated tokens in the cache) for later turns
+            self._snapshot((list(req.ids) + req.generated)[: req.cache_len], self._cache, req.row)
         if reason == "stop" and req.stops.stopped:
             tail = ""
         else:
@@ -995,7 +1050,8 @@ class Engine:
         now = time.perf_counter()
         t_first = req.t_first or now
         usage = Usage(
-            prompt_tokens=len(req.ids), completion_tokens=len(req.generated), cached_tokens=0,
+            prompt_tokens=len(req.ids), completion_tokens=len(req.generated),
+            cached_tokens=req.cached,
             prompt_seconds=(t_first - req.t_admit) if req.t_admit else 0.0,
             generation_seconds=now - t_first,
             drafted_tokens=req.drafted, accepted_tokens=req.accepted,

@@ -40,10 +40,14 @@ def stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
     logits_processors; the same for `generate` and `Engine.submit`).
     Each delta is a `TextDelta` (a str) with `.token_ids` and `.logprobs`; the last one
     carries `.finish_reason` ("stop" or "length") and `.usage`.
+    prompt_cache_dir: a prefix-cache directory (the Engine's disk tier): the prompt's
+    longest cached prefix is restored from it, and this prompt and completion are saved.
     """
     from .engine import Engine  # engine.py imports this module's types
 
-    engine = Engine(model, max_rows=1, prefill_chunk=kwargs.get("prefill_chunk", PREFILL_CHUNK))
+    cache_dir = kwargs.pop("prompt_cache_dir", None)
+    engine = Engine(model, max_rows=1, prefill_chunk=kwargs.get("prefill_chunk", PREFILL_CHUNK),
+                    prefix_cache_dir=cache_dir)
     return iter(engine.submit(prompt, **kwargs))  # validated now; steps run as you iterate
 
 

@@ -1,0 +1,382 @@
+"""The in-memory prefix cache: KV snapshots of earlier prompts (and finished conversations),
+reused when a new prompt starts with the same tokens.
+
+Entries are 1-row cache snapshots (`fx_engine.cache.snapshot_row`: only the kept tokens are
+copied, into new buffers) keyed by their token sequence. Lookup is by a chain of hashes
+over token blocks (`block_size` tokens; h_i = H(h_{i-1}, block i)): every entry is indexed
+under each full block of its tokens, so the deepest block hash a prompt shares with any
+entry finds the candidates, and the exact common prefix is then measured token by token.
+
+Shorter than a block, or the tail of the last partial block: not lost. The common prefix is
+extended token by token into the partial block, and when no full block matches the entries
+are scanned for a shared first block fragment. How much of a match is used:
+* models whose cache is dense or quantized: any prefix of an entry (restoring m <= n of its
+  n positions is a rollback by length, exact);
+* models with sliding-window rings: a ring snapshot holds the last window of positions, so
+  an entry serves a prompt only at its exact length or, if it never wrapped, any prefix.
+At least one prompt token is always left to prefill (its logits give the first sample).
+
+Budget: `budget_bytes` over the entries' arrays, least recently used evicted first; an
+entry being restored is pinned (restoration copies it into the request's cache, so entries
+are never in use by a running request afterwards). An entry whose tokens are a strict
+prefix of a newer entry's is dropped when that newer entry can serve it (no rings).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from ..cache import KVCache, LayerKV, QuantKV, insert_row
+from ..tree import tree_leaves
+
+LAYOUT_VERSION = 1  # bump when the snapshot array layout changes: older files become misses
+
+DEFAULT_BLOCK = 16
+
+
+def block_hashes(tokens: Sequence[int], block: int) -> list[bytes]:
+    """The hash chain over the full blocks of `tokens`."""
+    out, h = [], b""
+    for i in range(len(tokens) // block):
+        piece = ",".join(str(t) for t in tokens[i * block : (i + 1) * block]).encode()
+        h = hashlib.blake2b(h + piece, digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class _Entry:
+    __slots__ = ("tokens", "cache", "nbytes", "hashes", "pins")
+
+    def __init__(self, tokens: tuple[int, ...], cache: KVCache, hashes: list[bytes]):
+        self.tokens, self.cache, self.hashes, self.pins = tokens, cache, hashes, 0
+        self.nbytes = cache.nbytes
+
+
+class PrefixStore:
+    def __init__(self, budget_bytes: int, block_size: int = DEFAULT_BLOCK,
+                 disk: "DiskTier | None" = None):
+        if not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {budget_bytes!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"prefix_block_size must be a positive integer, got {block_size!r}")
+        self.budget = budget_bytes
+        self.block = block_size
+        self._entries: collections.OrderedDict[tuple[int, ...], _Entry] = collections.OrderedDict()
+        self._index: dict[bytes, set[tuple[int, ...]]] = {}
+        self.nbytes = 0
+        self.hits = self.misses = self.hit_tokens = 0
+        self.disk = disk
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ------------------------------------------------------------------------ lookup
+    def _usable(self, entry: _Entry, common: int, prompt_len: int) -> int:
+        return self._usable_len(entry.cache.layout, len(entry.tokens), common, prompt_len)
+
+    @staticmethod
+    def _usable_len(layout: Any, n: int, common: int, prompt_len: int) -> int:
+        """How much of an n-token entry sharing `common` tokens a prompt can use."""
+        m = min(common, prompt_len - 1)
+        rings = [s.ring for s in layout if s.ring]
+        if rings and m != n and n > min(rings):  # a wrapped ring: only at its own length
+            return 0
+        return max(0, m)
+
+    def lookup(self, prompt: Sequence[int]) -> tuple[_Entry | None, int]:
+        """The entry sharing the longest usable prefix with `prompt`, and that length."""
+        if (not self._entries and self.disk is None) or len(prompt) < 2:
+            self.misses += 1
+            return None, 0
+        # Every entry sharing at least one full block (not only the deepest: with rings a
+        # shorter entry may be usable where a longer one is not).
+        cands: set[tuple[int, ...]] = set()
+        for h in block_hashes(prompt, self.block):
+            keys = self._index.get(h)
+            if not keys:
+                break
+            cands |= keys
+        if not cands:  # shorter than a block: scan for a shared fragment
+            cands = {t for t in self._entries if t[:1] == tuple(prompt[:1])}
+        best, best_m = None, 0
+        for t in cands:
+            e = self._entries[t]
+            m = self._usable(e, _common(t, prompt), len(prompt))
+            if m > best_m:
+                best, best_m = e, m
+        if self.disk is not None:  # a longer match on disk: load it into memory
+            tokens, m = self.disk.best(prompt, self._usable_len)
+            if m > best_m:
+                cache = self.disk.load(tokens)
+                if cache is not None:
+                    self.add(tokens, cache, to_disk=False)
+                    best = self._entries.get(tokens) or _Entry(tokens, cache, [])
+                    best_m = m
+        if best is None:
+            self.misses += 1
+            return None, 0
+        if best.tokens in self._entries:
+            self._entries.move_to_end(best.tokens)
+        self.hits += 1
+        self.hit_tokens += best_m
+        return best, best_m
+
+    def restore(self, entry: _Entry, target: KVCache, m: int) -> KVCache:
+        """Copy the entry's first m positions into row 0 of `target` (a fresh 1-row cache
+        of the same layout); the entry is pinned while it is read."""
+        entry.pins += 1
+        try:
+            out = insert_row(target, entry.cache, 0, m)
+            mx.eval(tree_leaves(out))
+            return out
+        finally:
+            entry.pins -= 1
+
+    # ------------------------------------------------------------------------ insert
+    def add(self, tokens: Sequence[int], snapshot: KVCache, to_disk: bool = True) -> None:
+        """Store a snapshot of `tokens` (its length == len(tokens)). Evaluated now, so the
+        snapshot's copies are made before the source cache is written again; written to
+        the disk tier too when there is one."""
+        key = tuple(tokens)
+        if len(key) < 1:
+            return
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        mx.eval(tree_leaves(snapshot))
+        if to_disk and self.disk is not None:
+            self.disk.save(key, snapshot)
+        if self.budget == 0:
+            return
+        rings = any(s.ring for s in snapshot.layout)
+        hashes = block_hashes(key, self.block)
+        if not rings:  # the new entry serves every prefix of itself: drop shorter ones
+            for h in hashes[-1:]:
+                for t in list(self._index.get(h, ())):
+                    if len(t) < len(key) and key[: len(t)] == t and self._entries[t].pins == 0:
+                        self._drop(t)
+            for t in [t for t in self._entries if len(t) < len(key) and key[: len(t)] == t
+                      and len(t) < self.block and self._entries[t].pins == 0]:
+                self._drop(t)
+        e = _Entry(key, snapshot, hashes)
+        if e.nbytes > self.budget:
+            return
+        self._entries[key] = e
+        for h in hashes:
+            self._index.setdefault(h, set()).add(key)
+        self.nbytes += e.nbytes
+        self._evict()
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        e = self._entries.pop(key)
+        self.nbytes -= e.nbytes
+        for h in e.hashes:
+            s = self._index.get(h)
+            if s is not None:
+                s.discard(key)
+                if not s:
+                    del self._index[h]
+
+    def _evict(self) -> None:
+        for key in list(self._entries):
+            if self.nbytes <= self.budget:
+                return
+            if self._entries[key].pins == 0:
+                self._drop(key)
+
+    def stats(self) -> dict[str, Any]:
+        total = self.hits + self.misses
+        out = {"entries": len(self._entries), "bytes": self.nbytes, "budget": self.budget,
+               "hits": self.hits, "misses": self.misses, "hit_tokens": self.hit_tokens,
+               "hit_rate": self.hits / total if total else 0.0}
+        if self.disk is not None:
+            out["disk"] = self.disk.stats()
+        return out
+
+
+# ------------------------------------------------------------------------------ disk tier
+
+
+def _arrays(cache: KVCache) -> dict[str, mx.array]:
+    out = {}
+    for i, e in enumerate(cache.layers):
+        if isinstance(e, QuantKV):
+            out[f"{i}.hk"], out[f"{i}.hv"] = e.head_keys, e.head_values
+            for j in range(3):
+                out[f"{i}.k{j}"], out[f"{i}.v{j}"] = e.keys[j], e.values[j]
+        else:
+            out[f"{i}.k"], out[f"{i}.v"] = e.keys, e.values
+    return out
+
+
+def _from_arrays(arrs: dict[str, mx.array], layout: tuple, length: int) -> KVCache:
+    layers = []
+    for i, s in enumerate(layout):
+        if s.bits:
+            layers.append(QuantKV(arrs[f"{i}.hk"], arrs[f"{i}.hv"],
+                                  tuple(arrs[f"{i}.k{j}"] for j in range(3)),
+                                  tuple(arrs[f"{i}.v{j}"] for j in range(3))))
+        else:
+            layers.append(LayerKV(arrs[f"{i}.k"], arrs[f"{i}.v"]))
+    return KVCache(layers=tuple(layers), lengths=mx.array([length], mx.int32), layout=layout,
+                   capacity=length)
+
+
+def _checksum(arrs: dict[str, mx.array]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(arrs):
+        a = arrs[name]
+        h.update(f"{name}:{a.dtype}:{a.shape}".encode())
+        if a.size:
+            h.update(memoryview(mx.view(mx.contiguous(a), mx.uint8)).tobytes())
+    return h.hexdigest()
+
+
+class DiskTier:
+    """Prefix-cache entries as files: `<id>.safetensors` (the snapshot's arrays and the
+    tokens) plus `<id>.json` (metadata and tokens, read to index the directory). Both are
+    written to a temporary name and renamed (atomic; two processes writing the same entry
+    both leave a complete one). The metadata records the model fingerprint, the tokenizer
+    fingerprint, the cache layout (and its version), the dtype, the token hash chain's last
+    link and a SHA-256 of the arrays; a file that is truncated, corrupt, or from another
+    model, tokenizer or layout version is a miss with a warning, never an error or wrong
+    output. Files beyond `budget_bytes` are evicted oldest first."""
+
+    def __init__(self, path: str | Path, budget_bytes: int, model_fingerprint: str,
+                 tokenizer_fingerprint: str, layout: tuple, dtype: str, block: int = DEFAULT_BLOCK):
+        if not isinstance(budget_bytes, int) or budget_bytes <= 0:
+            raise ValueError(f"prefix_cache_disk_bytes must be a positive integer, got {budget_bytes!r}")
+        self.dir = Path(path)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.budget = budget_bytes
+        self.block = block
+        self.expect = {"format": "fx-engine-prefix", "layout_version": str(LAYOUT_VERSION),
+                       "model": model_fingerprint, "tokenizer": tokenizer_fingerprint,
+                       "layout": repr(layout), "dtype": dtype}
+        self.layout = layout
+        self.index: dict[tuple[int, ...], str] = {}
+        self.loads = self.saves = self.rejected = 0
+        self._scan()
+
+    def _name(self, tokens: tuple[int, ...]) -> str:
+        h = hashlib.sha256(repr((self.expect["model"], self.expect["layout"], tokens)).encode())
+        return h.hexdigest()[:32]
+
+    def _scan(self) -> None:
+        for meta_path in self.dir.glob("*.json"):
+            try:
+                meta = json.loads(meta_path.read_text())
+                if all(meta.get(k) == v for k, v in self.expect.items()):
+                    self.index[tuple(int(t) for t in meta["tokens"])] = meta_path.stem
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # another writer's partial file or garbage: not ours to use
+
+    def _warn(self, name: str, why: str) -> None:
+        self.rejected += 1
+        warnings.warn(f"prefix cache: ignoring {self.dir / name}.safetensors ({why})", stacklevel=3)
+
+    def best(self, prompt: Sequence[int], usable: Any) -> tuple[tuple[int, ...], int]:
+        best, best_m = (), 0
+        for tokens in self.index:
+            m = usable(self.layout, len(tokens), _common(tokens, prompt), len(prompt))
+            if m > best_m:
+                best, best_m = tokens, m
+        return best, best_m
+
+    def load(self, tokens: tuple[int, ...]) -> KVCache | None:
+        name = self.index.get(tokens)
+        if name is None:
+            return None
+        path = self.dir / f"{name}.safetensors"
+        try:
+            arrs, meta = mx.load(str(path), return_metadata=True)
+        except Exception as e:  # truncated, missing, not safetensors
+            self.index.pop(tokens, None)
+            self._warn(name, f"unreadable: {e}")
+            return None
+        bad = [k for k, v in self.expect.items() if meta.get(k) != v]
+        stored = arrs.pop("tokens", None)
+        if bad:
+            why = f"different {', '.join(bad)}"
+        elif stored is None or tuple(stored.tolist()) != tokens:
+            why = "tokens do not match"
+        elif meta.get("checksum") != _checksum(arrs):
+            why = "checksum mismatch"
+        else:
+            why = ""
+        if why:
+            self.index.pop(tokens, None)
+            self._warn(name, why)
+            return None
+        try:
+            cache = _from_arrays(arrs, self.layout, len(tokens))
+        except KeyError as e:
+            self.index.pop(tokens, None)
+            self._warn(name, f"missing array {e}")
+            return None
+        self.loads += 1
+        return cache
+
+    def save(self, tokens: tuple[int, ...], cache: KVCache) -> None:
+        name = self._name(tokens)
+        arrs = _arrays(cache)
+        meta = {**self.expect, "checksum": _checksum(arrs), "length": str(len(tokens)),
+                "chain": (block_hashes(tokens, self.block) or [b""])[-1].hex()}
+        tmp = f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        try:
+            mx.save_safetensors(str(self.dir / f"{tmp}.safetensors"),
+                                {**arrs, "tokens": mx.array(list(tokens), mx.int32)}, metadata=meta)
+            os.replace(self.dir / f"{tmp}.safetensors", self.dir / f"{name}.safetensors")
+            (self.dir / f"{tmp}.json").write_text(json.dumps({**meta, "tokens": list(tokens)}))
+            os.replace(self.dir / f"{tmp}.json", self.dir / f"{name}.json")
+        except OSError as e:
+            warnings.warn(f"prefix cache: cannot write {self.dir / name} ({e})", stacklevel=3)
+            for f in self.dir.glob(f"{tmp}.*"):
+                f.unlink(missing_ok=True)
+            return
+        self.index[tokens] = name
+        self.saves += 1
+        self._evict(keep=name)
+
+    def _evict(self, keep: str) -> None:
+        files = []
+        for f in self.dir.glob("*.safetensors"):
+            if f.name.startswith("."):
+                continue
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            files.append((st.st_mtime, st.st_size, f))
+        total = sum(size for _, size, _ in files)
+        for _, size, f in sorted(files):
+            if total <= self.budget:
+                break
+            if f.stem == keep:
+                continue
+            f.unlink(missing_ok=True)
+            (f.with_suffix(".json")).unlink(missing_ok=True)
+            self.index = {t: n for t, n in self.index.items() if n != f.stem}
+            total -= size
+
+    def stats(self) -> dict[str, Any]:
+        return {"dir": str(self.dir), "entries": len(self.index), "loads": self.loads,
+                "saves": self.saves, "rejected": self.rejected}

@@ -1,0 +1,241 @@
+"""The in-memory prefix cache: hits give the same outputs as cold runs, for any shared prefix
+length; LRU eviction under a byte budget; decode keeps updating the cache in place."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fx_engine
+from fx_engine.cache import snapshot_row
+from fx_engine.engine.generate import reference_generate
+from fx_engine.engine.prefix_cache import PrefixStore
+from fx_engine.steps import prefill_step
+from fx_engine.testing import write_tiny_model
+
+from .conftest import LONG_TEXT
+
+
+@pytest.fixture(scope="module")
+def bi(tmp_path_factory):
+    return fx_engine.load(write_tiny_model(tmp_path_factory.mktemp("p") / "m"), batch_invariant=True)
+
+
+@pytest.fixture(scope="module")
+def gemma_bi(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("g") / "m", "gemma3_text", sliding_window=16)
+    return fx_engine.load(path, batch_invariant=True)
+
+
+def _text(model, n, offset=0):
+    return model.tokenizer.encode(LONG_TEXT * 4)[offset : offset + n]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_hits_give_cold_outputs(bi, gemma_bi, data):
+    """Families of prompts sharing a random prefix (shorter than a block, at block
+    boundaries, long), greedy and seeded, through one engine: every output equals its cold
+    run, and later members of a family hit the cache."""
+    model = data.draw(st.sampled_from([bi, gemma_bi]), label="model")
+    engine = fx_engine.Engine(model, max_rows=3, prefill_chunk=32, prefix_block_size=16)
+    shared = data.draw(st.sampled_from([3, 15, 16, 17, 32, 47, 90]), label="shared prefix")
+    base = _text(model, shared)
+    hits = 0
+    for i in range(data.draw(st.integers(2, 4), label="members")):
+        tail = _text(model, data.draw(st.integers(1, 40)), offset=100 + 7 * i)
+        prompt = base + tail
+        kw = data.draw(st.sampled_from([{"temperature": 0.0}, {"temperature": 0.9, "seed": 3}]))
+        mt = data.draw(st.integers(1, 20))
+        got = engine.submit(prompt, max_tokens=mt, **kw).result()
+        ref = reference_generate(model, prompt, max_tokens=mt, **kw)
+        assert got.token_ids == ref.token_ids
+        assert got.usage.cached_tokens <= len(prompt) - 1
+        hits += got.usage.cached_tokens > 0
+    assert hits >= 1  # the second member shares at least the prefix
+
+
+def test_multi_turn_chat_reuses_the_conversation(bi):
+    engine = fx_engine.Engine(bi, max_rows=2, prefill_chunk=32)
+    msgs = [{"role": "user", "content": "Tell me about the quick brown fox."}]
+    first = engine.submit(msgs, max_tokens=12).result()
+    msgs += [{"role": "assistant", "content": first.text},
+             {"role": "user", "content": "And the lazy dog?"}]
+    second = engine.submit(msgs, max_tokens=12).result()
+    assert second.usage.cached_tokens >= first.usage.prompt_tokens
+    cold = reference_generate(bi, msgs, max_tokens=12)
+    assert second.token_ids == cold.token_ids
+
+
+def test_a_prefix_shorter_than_a_block_is_reused(bi):
+    engine = fx_engine.Engine(bi, max_rows=1, prefill_chunk=32, prefix_block_size=64)
+    a = _text(bi, 20)
+    engine.submit(a + _text(bi, 5, offset=200), max_tokens=2).result()
+    out = engine.submit(a + _text(bi, 9, offset=300), max_tokens=2).result()
+    assert out.usage.cached_tokens >= 20
+
+
+def test_lru_eviction_under_the_budget_and_pins(bi):
+    p = bi.params
+    snaps = []
+    for i in range(4):
+        ids = _text(bi, 40, offset=60 * i)
+        cache = bi.new_cache(1, 64)
+        _, cache = prefill_step(p, cache, mx.array([ids]), mx.array([40]))
+        snaps.append((ids, snapshot_row(cache, 0, 40)))
+    one = snaps[0][1].nbytes
+    store = PrefixStore(budget_bytes=int(2.5 * one), block_size=16)
+    store.add(*snaps[0])
+    store.add(*snaps[1])
+    entry, m = store.lookup(snaps[0][0] + [1])  # touch 0: 1 is now least recent
+    assert m == 40
+    entry.pins += 1  # in use
+    store.add(*snaps[2])  # over budget: evicts 1, the LRU unpinned entry
+    assert store.lookup(snaps[1][0] + [1])[0] is None
+    store.add(*snaps[3])  # over budget again: 0 is pinned, so 2 goes
+    assert store.lookup(snaps[0][0] + [1])[1] == 40
+    assert store.lookup(snaps[2][0] + [1])[0] is None
+    assert store.nbytes <= store.budget + one  # a pinned entry may hold it over, never more
+    entry.pins -= 1
+
+
+def test_decode_updates_the_cache_in_place_with_prefix_caching(tmp_path):
+    """With prefix caching on, a decode step's peak memory stays far below a copy of the
+    cache: the snapshots hold no reference to the batch cache. The control holds one extra
+    reference to the cache and shows the test would see a copy."""
+    bi = fx_engine.load(write_tiny_model(tmp_path / "m", num_hidden_layers=8, num_key_value_heads=4,
+                                         head_dim=64))  # 16 KB of K/V per token
+
+    def extra_peak(hold: bool) -> tuple[int, int]:
+        engine = fx_engine.Engine(bi, max_rows=1, prefill_chunk=32)
+        h = engine.submit(_text(bi, 50), max_tokens=150)  # a 256-slot cache: 4 MB
+        for _ in range(6):
+            engine.step()
+        held = []
+        mx.eval(engine._cache.layers[0].keys)
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        for _ in range(5):
+            if hold:
+                held.append(engine._cache)
+            engine.step()
+        peak = mx.get_peak_memory() - base
+        size = engine.stats()["cache_bytes"]
+        h.cancel()
+        engine.step()
+        return peak, size
+
+    peak, size = extra_peak(False)
+    assert size > 2_000_000 and peak < size / 4
+    peak_held, _ = extra_peak(True)
+    assert peak_held > size / 2  # holding a reference forces copies: detected
+
+
+def test_prefix_cache_can_be_turned_off(bi):
+    engine = fx_engine.Engine(bi, max_rows=1, prefill_chunk=32, prefix_cache_bytes=0)
+    a = _text(bi, 40)
+    engine.submit(a, max_tokens=2).result()
+    assert engine.submit(a + [5], max_tokens=2).result().usage.cached_tokens == 0
+    assert engine.stats()["prefix_cache"] is None
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        fx_engine.Engine(bi, prefix_cache_bytes=-1)
+
+
+# ------------------------------------------------------------------------------ disk tier
+
+_CHILD = r"""
+import sys, json, fx_engine
+model = fx_engine.load(sys.argv[1], batch_invariant=True)
+engine = fx_engine.Engine(model, max_rows=1, prefill_chunk=32, prefix_cache_dir=sys.argv[2])
+ids = json.loads(sys.argv[3])
+out = engine.submit(ids, max_tokens=int(sys.argv[4])).result()
+print(json.dumps({"tokens": list(out.token_ids), "cached": out.usage.cached_tokens}))
+"""
+
+
+def _child(model_dir, cache_dir, ids, max_tokens=8):
+    import json
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(model_dir), str(cache_dir),
+                             json.dumps(ids), str(max_tokens)], stdout=subprocess.PIPE, text=True)
+
+
+def _result(proc):
+    import json
+
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_disk_tier_restores_in_a_later_process_and_concurrent_writers(tmp_path, bi):
+    model_dir = tmp_path / "m"
+    write_tiny_model(model_dir)
+    cache_dir = tmp_path / "cache"
+    prefix = _text(bi, 70)
+    # two processes write the same entries at once: both complete, the files stay valid
+    a, b = _child(model_dir, cache_dir, prefix + [5]), _child(model_dir, cache_dir, prefix + [5])
+    ra, rb = _result(a), _result(b)
+    assert ra["tokens"] == rb["tokens"]  # (one may already read the other's entry)
+    assert not list(cache_dir.glob(".*"))  # no temporary files left
+    # a later process restores the prefix from disk
+    later = _result(_child(model_dir, cache_dir, prefix + [9, 10]))
+    assert later["cached"] >= 70
+    cold = reference_generate(fx_engine.load(model_dir, batch_invariant=True), prefix + [9, 10],
+                              max_tokens=8)
+    assert later["tokens"] == list(cold.token_ids)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "other-model", "other-version", "json"])
+def test_damaged_disk_entries_are_misses_with_a_warning(tmp_path, bi, damage):
+    import json
+
+    cache_dir = tmp_path / "cache"
+    prefix = _text(bi, 60)
+    e1 = fx_engine.Engine(bi, max_rows=1, prefill_chunk=32, prefix_cache_dir=str(cache_dir))
+    e1.submit(prefix + [5], max_tokens=4).result()
+    files = sorted(cache_dir.glob("*.safetensors"))
+    assert files
+    for f in files:
+        meta_path = f.with_suffix(".json")
+        if damage == "truncate":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        elif damage == "flip":
+            data = bytearray(f.read_bytes())
+            data[-100] ^= 0xFF  # inside the last tensor's bytes: caught by the checksum
+            f.write_bytes(bytes(data))
+        elif damage in ("other-model", "other-version"):
+            arrs, meta = mx.load(str(f), return_metadata=True)
+            key = "model" if damage == "other-model" else "layout_version"
+            meta[key] = "something-else"
+            mx.save_safetensors(str(f), arrs, metadata=meta)
+        elif damage == "json":
+            meta_path.write_text("{ not json")
+    e2 = fx_engine.Engine(bi, max_rows=1, prefill_chunk=32, prefix_cache_dir=str(cache_dir),
+                          prefix_cache_bytes=1 << 20)
+    prompt = prefix + [9, 10]
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = e2.submit(prompt, max_tokens=6).result()
+    assert out.usage.cached_tokens == 0
+    assert out.token_ids == reference_generate(bi, prompt, max_tokens=6).token_ids
+    if damage in ("truncate", "flip"):  # indexed by its metadata, rejected on load: warned
+        assert any("prefix cache: ignoring" in str(w.message) for w in caught)
+    del json
+
+
+def test_disk_budget_evicts_oldest_files(tmp_path, bi):
+    cache_dir = tmp_path / "cache"
+    e = fx_engine.Engine(bi, max_rows=1, prefill_chunk=32, prefix_cache_dir=str(cache_dir),
+                         prefix_cache_disk_bytes=200_000)
+    for i in range(8):
+        e.submit(_text(bi, 50, offset=40 * i), max_tokens=2).result()
+    total = sum(f.stat().st_size for f in cache_dir.glob("*.safetensors"))
+    assert total <= 200_000 + 80_000  # the newest file is always kept
+    assert len(list(cache_dir.glob("*.safetensors"))) == len(list(cache_dir.glob("*.json")))
