@@ -1007,6 +1007,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import bench_kv
 
         return bench_kv.main([a for a in argv if a != "--kv"])
+    if "--prefix" in argv:  # the prefix cache benchmark (tools/bench_prefix.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_prefix
+
+        return bench_prefix.main([a for a in argv if a != "--prefix"])
     if "--spec" in argv:  # the speculative decoding benchmark (tools/bench_spec.py)
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import bench_spec
@@ -1033,6 +1038,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="no measurement: re-render a saved --json report (text, --markdown)")
     ap.add_argument("--json", help="write the full report as JSON here")
     ap.add_argument("--markdown", help="write the tables as markdown here")
+    ap.add_argument("--prefix", action="store_true",
+                    help="the prefix cache benchmark instead (tools/bench_prefix.py)")
     ap.add_argument("--spec", action="store_true",
                     help="the speculative decoding benchmark instead (tools/bench_spec.py)")
     ap.add_argument("--kv", action="store_true",
