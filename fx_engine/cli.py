@@ -1,5 +1,5 @@
-"""fx-engine command line: generate | chat | cache-prompt | info (trace, golden, serve come
-with their issues)."""
+"""fx-engine command line: generate | chat | cache-prompt | serve | info (trace and golden
+come with their issue)."""
 
 from __future__ import annotations
 
@@ -178,6 +178,39 @@ def cmd_cache_prompt(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    """An OpenAI-compatible server (fx_engine/server/app.py) on one Engine."""
+    import uvicorn
+
+    from .server.app import create_app
+
+    model = _load(a)
+    defaults: dict[str, Any] = {"max_tokens": a.max_tokens, "temperature": a.temp, "top_p": a.top_p,
+                                "top_k": a.top_k, "min_p": a.min_p}
+    if a.draft_model or a.self_draft_layers:
+        defaults["draft_model"] = _draft(a, model)
+    if a.prompt_lookup:
+        defaults["prompt_lookup"] = True
+    if a.num_draft_tokens is not None:
+        defaults["num_draft_tokens"] = a.num_draft_tokens
+    engine = fx_engine.Engine(model, max_rows=a.decode_concurrency, prefill_chunk=a.prefill_step_size,
+                              max_queue=a.max_queue, prefix_cache_bytes=a.prompt_cache_bytes,
+                              prefix_cache_dir=a.prompt_cache_dir)
+    app = create_app(engine, a.model_id or _model_id(model), api_key=a.api_key, defaults=defaults)
+    engine.start()
+    try:
+        uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+    finally:
+        engine.close()
+    return 0
+
+
+def _model_id(model: Any) -> str:
+    from pathlib import Path
+
+    return Path(model.path).stem if model.path else "fx-engine"
+
+
 def cmd_info(a: argparse.Namespace) -> int:
     import mlx.core as mx
 
@@ -233,6 +266,20 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--kv-group-size", type=int, default=64)
     cp.add_argument("--quantized-kv-start", type=int, default=5000)
     cp.set_defaults(func=cmd_cache_prompt)
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (drop-in for mlx_lm.server)")
+    _sampling_args(sv)
+    sv.set_defaults(max_tokens=512)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8080)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    sv.add_argument("--model-id", default=None, help="the id /v1/models reports")
+    sv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond this: 429")
+    sv.add_argument("--decode-concurrency", type=int, default=32, help="most requests in the batch")
+    sv.add_argument("--prefill-step-size", type=int, default=512, help="prefill chunk size")
+    sv.add_argument("--prompt-cache-bytes", type=int, default=512 << 20,
+                    help="in-memory prefix cache budget (0: off)")
+    sv.add_argument("--prompt-cache-dir", default=None, help="prefix cache disk tier directory")
+    sv.set_defaults(func=cmd_serve)
     i = sub.add_parser("info", help="versions, device, BLAS, default model")
     i.set_defaults(func=cmd_info)
     return parser

@@ -1,0 +1,228 @@
+"""The OpenAI-compatible server, end to end on 127.0.0.1: the official `openai` client and
+raw HTTP (httpx) against a live uvicorn server started by the tests."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+import fx_engine
+from fx_engine.server.app import create_app
+from fx_engine.testing import write_tiny_model
+
+from .conftest import LONG_TEXT
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import uvicorn
+
+    model = fx_engine.load(write_tiny_model(tmp_path_factory.mktemp("srv") / "m"))
+    engine = fx_engine.Engine(model, max_rows=16, prefill_chunk=64)
+    app = create_app(engine, "tiny", defaults={"max_tokens": 32})
+    port = _free_port()
+    cfg = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    srv = uvicorn.Server(cfg)
+    engine.start()
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    yield {"url": f"http://127.0.0.1:{port}", "model": model, "engine": engine}
+    srv.should_exit = True
+    t.join(timeout=10)
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server["url"] + "/v1", api_key="none")
+
+
+MSGS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_non_streaming_equals_generate(server, client):
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=12, temperature=0)
+    want = fx_engine.generate(server["model"], MSGS, max_tokens=12, temperature=0.0)
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.completion_tokens == len(want.token_ids)
+    assert r.usage.prompt_tokens == want.usage.prompt_tokens
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+
+
+def test_chat_streaming_concatenates_to_the_same_text(server, client):
+    want = fx_engine.generate(server["model"], MSGS, max_tokens=12, temperature=0.0)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+
+
+def test_completions_logprobs_stop_seed(server, client):
+    prompt = LONG_TEXT[:60]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=2)
+    want = fx_engine.generate(server["model"], prompt, max_tokens=8, temperature=0.0, logprobs=2)
+    assert r.choices[0].text == want.text
+    assert r.choices[0].logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs])
+    s1 = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.9, seed=4)
+    s2 = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.9, seed=4)
+    assert s1.choices[0].text == s2.choices[0].text
+    stop = want.text[2:4] if len(want.text) > 4 else None
+    if stop:
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stop=[stop])
+        assert stop not in r.choices[0].text and r.choices[0].finish_reason == "stop"
+    lp = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, temperature=0,
+                                        logprobs=True, top_logprobs=3)
+    assert len(lp.choices[0].logprobs.content[0].top_logprobs) == 3
+
+
+def test_sixteen_concurrent_streams_equal_generate(server, client):
+    prompts = [[{"role": "user", "content": f"Tell me about number {i}."}] for i in range(16)]
+    want = [fx_engine.generate(server["model"], p, max_tokens=10, temperature=0.0).text for p in prompts]
+    got = [None] * 16
+
+    def run(i):
+        chunks = client.chat.completions.create(model="tiny", messages=prompts[i], max_tokens=10,
+                                                temperature=0, stream=True)
+        got[i] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    assert got == want
+
+
+def test_models_health_metrics(server):
+    with httpx.Client(base_url=server["url"]) as h:
+        assert h.get("/health").json() == {"status": "ok"}
+        assert h.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        m = h.get("/metrics").text
+        assert "fx_requests_total" in m and "fx_running_rows 0" in m
+        assert "fx_time_to_first_token_seconds_bucket" in m
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 2}, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}, None),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": "hello"}, "messages"),
+])
+def test_bad_requests_are_400_json(server, body, param):
+    with httpx.Client(base_url=server["url"]) as h:
+        r = h.post("/v1/chat/completions", json={"model": "tiny", **body})
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["message"]
+        if param:
+            assert param in err["message"]
+        r = h.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "error" in r.json()
+
+
+def test_sse_framing_and_disconnects_free_rows(server):
+    body = {"model": "tiny", "messages": MSGS, "max_tokens": 32, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=server["url"], timeout=60) as h:
+        with h.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = [ln for ln in r.iter_lines() if ln]
+        assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+        json.loads(lines[0][6:])
+        # 8 clients disconnect after their first chunk; the others complete
+        body["max_tokens"] = 2000
+
+        def quitter():
+            with httpx.Client(base_url=server["url"], timeout=60) as c:
+                with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    for ln in r.iter_lines():
+                        if ln:
+                            break
+
+        ts = [threading.Thread(target=quitter) for _ in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=60)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if "fx_running_rows 0" in h.get("/metrics").text:
+                break
+            time.sleep(0.2)
+        assert "fx_running_rows 0" in h.get("/metrics").text
+        assert h.get("/health").status_code == 200
+
+
+def test_api_key(tmp_path):
+    from fastapi.testclient import TestClient
+
+    model = fx_engine.load(write_tiny_model(tmp_path / "m"))
+    engine = fx_engine.Engine(model, max_rows=1)
+    app = create_app(engine, "tiny", api_key="sekret")
+    with TestClient(app) as c:
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert c.get("/health").status_code == 200
+
+
+_ANY = __import__("hypothesis").strategies
+
+
+def _value():
+    st = _ANY
+    return st.one_of(st.none(), st.booleans(), st.integers(-5, 5000),
+                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6),
+                     st.lists(st.integers(-2, 500), max_size=4),
+                     st.dictionaries(st.text(max_size=4), st.floats(-200, 200), max_size=2))
+
+
+_FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "repetition_context_size",
+           "logit_bias", "seed", "stop", "stream", "n", "logprobs", "top_logprobs",
+           "xtc_probability", "xtc_threshold", "stream_options"]
+
+
+@__import__("hypothesis").settings(max_examples=60, deadline=None,
+                                   suppress_health_check=list(__import__("hypothesis").HealthCheck))
+@__import__("hypothesis").given(
+    fields=_ANY.dictionaries(_ANY.sampled_from(_FIELDS), _value(), max_size=5),
+    messages=_ANY.one_of(_value(), _ANY.just([{"role": "user", "content": "hi"}])),
+    endpoint=_ANY.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+)
+def test_fuzzed_requests_never_500(server, fields, messages, endpoint):
+    """Random (mostly invalid) request bodies: always a 2xx or a 4xx with a JSON error."""
+    body = dict(fields)
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 64:
+        body["max_tokens"] = 64  # keep valid requests short
+    body.pop("max_completion_tokens", None) if isinstance(body.get("max_completion_tokens"), int) and body["max_completion_tokens"] > 64 else None
+    if isinstance(body.get("n"), int) and body["n"] > 2:
+        body["n"] = 2
+    body["messages" if "chat" in endpoint else "prompt"] = messages if "chat" in endpoint else (
+        messages if messages is not None else "hi")
+    with httpx.Client(base_url=server["url"], timeout=120) as h:
+        r = h.post(endpoint, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        assert "error" in r.json()
