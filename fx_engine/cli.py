@@ -4,6 +4,7 @@ come with their issue)."""
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import shutil
 import sys
@@ -196,7 +197,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
     engine = fx_engine.Engine(model, max_rows=a.decode_concurrency, prefill_chunk=a.prefill_step_size,
                               max_queue=a.max_queue, prefix_cache_bytes=a.prompt_cache_bytes,
                               prefix_cache_dir=a.prompt_cache_dir)
-    app = create_app(engine, a.model_id or _model_id(model), api_key=a.api_key, defaults=defaults)
+    template = a.chat_template
+    if template and template.startswith("@"):
+        with open(template[1:], encoding="utf-8") as f:
+            template = f.read()
+    try:
+        template_args = json.loads(a.chat_template_args) if a.chat_template_args else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-args: not JSON ({e})") from None
+    if template_args is not None and not isinstance(template_args, dict):
+        raise ValueError("--chat-template-args: must be a JSON object")
+    app = create_app(engine, a.model_id or _model_id(model), api_key=a.api_key, defaults=defaults,
+                     chat_template=template, chat_template_args=template_args)
     engine.start()
     try:
         uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
@@ -279,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prompt-cache-bytes", type=int, default=512 << 20,
                     help="in-memory prefix cache budget (0: off)")
     sv.add_argument("--prompt-cache-dir", default=None, help="prefix cache disk tier directory")
+    sv.add_argument("--chat-template", default=None, help="a Jinja chat template (or @FILE)")
+    sv.add_argument("--chat-template-args", default=None,
+                    help='JSON variables for the template, e.g. \'{"enable_thinking": false}\'')
     sv.set_defaults(func=cmd_serve)
     i = sub.add_parser("info", help="versions, device, BLAS, default model")
     i.set_defaults(func=cmd_info)

@@ -35,16 +35,21 @@ def server(tmp_path_factory):
     cfg = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     srv = uvicorn.Server(cfg)
     engine.start()
-    t = threading.Thread(target=srv.run, daemon=True)
+    t = threading.Thread(target=srv.run)
     t.start()
     for _ in range(200):
         if srv.started:
             break
         time.sleep(0.05)
     yield {"url": f"http://127.0.0.1:{port}", "model": model, "engine": engine}
+    # Shut down fully before the interpreter exits: no thread may still be inside the server
+    # or the engine (MLX) during finalisation.
     srv.should_exit = True
-    t.join(timeout=10)
-    engine.close()
+    t.join(timeout=30)
+    if t.is_alive():
+        srv.force_exit = True
+        t.join(timeout=10)
+    engine.close(wait=False)
 
 
 @pytest.fixture(scope="module")
@@ -151,21 +156,39 @@ def test_sse_framing_and_disconnects_free_rows(server):
             lines = [ln for ln in r.iter_lines() if ln]
         assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
         json.loads(lines[0][6:])
-        # 8 clients disconnect after their first chunk; the others complete
-        body["max_tokens"] = 2000
+        # A bounded load test: 32 concurrent streaming clients (16 rows), 8 of them
+        # disconnect after their first chunk; the 24 others complete with generate's text.
+        long_body = {**body, "max_tokens": 2000}
+        prompts = [[{"role": "user", "content": f"Count to {i}."}] for i in range(24)]
+        want = [fx_engine.generate(server["model"], p, max_tokens=12, temperature=0.0).text
+                for p in prompts]
+        got = [None] * 24
 
         def quitter():
             with httpx.Client(base_url=server["url"], timeout=60) as c:
-                with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                with c.stream("POST", "/v1/chat/completions", json=long_body) as r:
                     for ln in r.iter_lines():
                         if ln:
                             break
 
+        def finisher(i):
+            b = {**body, "messages": prompts[i], "max_tokens": 12}
+            with httpx.Client(base_url=server["url"], timeout=120) as c:
+                with c.stream("POST", "/v1/chat/completions", json=b) as r:
+                    text = ""
+                    for ln in r.iter_lines():
+                        if ln.startswith("data: {"):
+                            ch = json.loads(ln[6:])["choices"]
+                            text += (ch[0]["delta"].get("content") or "") if ch else ""
+                    got[i] = text
+
         ts = [threading.Thread(target=quitter) for _ in range(8)]
+        ts += [threading.Thread(target=finisher, args=(i,)) for i in range(24)]
         for t in ts:
             t.start()
         for t in ts:
-            t.join(timeout=60)
+            t.join(timeout=120)
+        assert got == want
         deadline = time.time() + 30
         while time.time() < deadline:
             if "fx_running_rows 0" in h.get("/metrics").text:
@@ -226,3 +249,19 @@ def test_fuzzed_requests_never_500(server, fields, messages, endpoint):
     assert r.status_code < 500, r.text
     if r.status_code >= 400:
         assert "error" in r.json()
+
+
+def test_chat_template_override(tmp_path):
+    from fastapi.testclient import TestClient
+
+    model = fx_engine.load(write_tiny_model(tmp_path / "m"))
+    engine = fx_engine.Engine(model, max_rows=1)
+    tmpl = "{% for m in messages %}[{{ m['role'] }}|{{ shout }}] {{ m['content'] }}\n{% endfor %}"
+    app = create_app(engine, "tiny", chat_template=tmpl, chat_template_args={"shout": "HEY"})
+    with engine, TestClient(app) as c:  # the engine runs in its background thread
+        r = c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
+    ids = model.tokenizer.encode("[user|HEY] What is the capital of France?\n")
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    want = fx_engine.generate(model, ids, max_tokens=3, temperature=0.0)
+    assert r.json()["choices"][0]["message"]["content"] == want.text

@@ -601,6 +601,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = True,
         tools: Any = None,
+        chat_template: str | None = None,
         **template_kwargs: Any,
     ) -> str | list[int]:
         """Render `messages` with the model's template; ids when `tokenize`, else the prompt text.
@@ -610,8 +611,8 @@ class Tokenizer:
         given, and the rendered text is tokenized without adding BOS (templates write it
         themselves). A model without a template gets plain ChatML (`chat_template.DEFAULT_CHATML_TEMPLATE`).
         """
-        template = None
-        if tools is not None:
+        template = chat_template  # an explicit template (e.g. the server's --chat-template) wins
+        if template is None and tools is not None:
             template = self._chat_templates.get("tool_use")
         if template is None:
             template = self.chat_template

@@ -145,9 +145,12 @@ def _completion_logprobs(lps: Any) -> dict[str, Any] | None:
 
 
 def create_app(engine: Engine, model_id: str, api_key: str | None = None,
-               defaults: dict[str, Any] | None = None) -> FastAPI:
+               defaults: dict[str, Any] | None = None, chat_template: str | None = None,
+               chat_template_args: dict[str, Any] | None = None) -> FastAPI:
     """The FastAPI app over a started `engine`. `defaults`: server-wide sampling defaults
-    (the CLI's --temp, --top-p, --max-tokens, ...) and speculative decoding settings."""
+    (the CLI's --temp, --top-p, --max-tokens, ...) and speculative decoding settings.
+    chat_template / chat_template_args: a Jinja template replacing the model's, and extra
+    variables for it (e.g. {"enable_thinking": false}), as mlx_lm.server's flags."""
     app = FastAPI(title="fx-engine", version="0.1.0")
     metrics = Metrics(engine)
     defaults = dict(defaults or {})
@@ -326,13 +329,20 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
             messages = [{"role": m.role if m.role != "developer" else "system", "content": _content(m)}
                         for m in body.messages]
             kw = _sampling_kwargs(body, defaults)
+            prompt: Any = messages
+            if chat_template is not None or chat_template_args:
+                prompt = list(engine.model.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True,
+                    chat_template=chat_template, **(chat_template_args or {})))
         except ValueError as e:
             return _error(400, str(e), "messages" if "messages" in str(e) else None)
+        except Exception as e:  # a template that fails to render these messages
+            return _error(400, f"messages: the chat template failed: {e}", "messages")
         if body.logprobs:  # the engine reports the chosen token with >= 1 alternative
             kw["logprobs"] = max(1, body.top_logprobs or 0)
         elif body.top_logprobs:
             return _error(400, "top_logprobs: requires logprobs: true", "top_logprobs")
-        return await run(request, body, messages, kw, chat=True)
+        return await run(request, body, prompt, kw, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
