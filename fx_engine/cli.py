@@ -196,7 +196,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         defaults["num_draft_tokens"] = a.num_draft_tokens
     engine = fx_engine.Engine(model, max_rows=a.decode_concurrency, prefill_chunk=a.prefill_step_size,
                               max_queue=a.max_queue, prefix_cache_bytes=a.prompt_cache_bytes,
-                              prefix_cache_dir=a.prompt_cache_dir)
+                              prefix_cache_dir=a.prompt_cache_dir,
+                              prefix_cache_entries=a.prompt_cache_size)
     template = a.chat_template
     if template and template.startswith("@"):
         with open(template[1:], encoding="utf-8") as f:
@@ -291,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prompt-cache-bytes", type=int, default=512 << 20,
                     help="in-memory prefix cache budget (0: off)")
     sv.add_argument("--prompt-cache-dir", default=None, help="prefix cache disk tier directory")
+    sv.add_argument("--prompt-cache-size", type=int, default=None,
+                    help="most prefix cache entries in memory (mlx_lm.server's flag)")
     sv.add_argument("--chat-template", default=None, help="a Jinja chat template (or @FILE)")
     sv.add_argument("--chat-template-args", default=None,
                     help='JSON variables for the template, e.g. \'{"enable_thinking": false}\'')

@@ -239,3 +239,14 @@ def test_disk_budget_evicts_oldest_files(tmp_path, bi):
     total = sum(f.stat().st_size for f in cache_dir.glob("*.safetensors"))
     assert total <= 200_000 + 80_000  # the newest file is always kept
     assert len(list(cache_dir.glob("*.safetensors"))) == len(list(cache_dir.glob("*.json")))
+
+
+def test_entry_count_limit(bi):
+    """prefix_cache_entries (mlx_lm.server's --prompt-cache-size): at most that many
+    entries, least recently used dropped first."""
+    engine = fx_engine.Engine(bi, max_rows=1, prefill_chunk=32, prefix_cache_entries=2)
+    for i in range(5):
+        engine.submit(_text(bi, 30, offset=50 * i), max_tokens=2).result()
+        assert engine.stats()["prefix_cache"]["entries"] <= 2
+    with pytest.raises(ValueError, match="prefix_cache_entries"):
+        fx_engine.Engine(bi, prefix_cache_entries=0)

@@ -318,6 +318,7 @@ class Engine:
       conversation restore its KV and prefill only the rest (usage.cached_tokens).
     prefix_cache_dir / prefix_cache_disk_bytes: a disk tier (safetensors files) that later
       processes restore from; bounded by its own budget (default 4 GiB).
+    prefix_cache_entries: also bound the in-memory store's entry count (None: bytes only).
     kv_bits / kv_group_size / quantized_kv_start: the KV cache kind, as in mlx-lm (default:
       the model's, see `Model.with_kv_cache`). The KV budget counts bytes per position of
       the dense/quantized entries; sliding-window rings (models with sliding layers) are a
@@ -342,6 +343,7 @@ class Engine:
         prefix_block_size: int = 16,
         prefix_cache_dir: str | None = None,
         prefix_cache_disk_bytes: int = 4 << 30,
+        prefix_cache_entries: int | None = None,
     ):
         if not isinstance(max_rows, int) or max_rows < 1:
             raise ValueError(f"max_rows must be a positive integer, got {max_rows!r}")
@@ -370,7 +372,8 @@ class Engine:
                 prefix_cache_dir, prefix_cache_disk_bytes, model.fingerprint,
                 model.tokenizer.fingerprint(), self.cache_layout, self.params.dtype,
                 prefix_block_size)
-            self.prefix_cache = PrefixStore(prefix_cache_bytes, prefix_block_size, disk)
+            self.prefix_cache = PrefixStore(prefix_cache_bytes, prefix_block_size, disk,
+                                            prefix_cache_entries)
         self.bytes_per_token = bytes_per_token(self.cache_layout, self._dtype)
         self._float_bytes_per_token = bytes_per_token(
             model.with_kv_cache(None).cache_layout(self._headroom), self._dtype)

@@ -72,12 +72,15 @@ class _Entry:
 
 class PrefixStore:
     def __init__(self, budget_bytes: int, block_size: int = DEFAULT_BLOCK,
-                 disk: "DiskTier | None" = None):
+                 disk: "DiskTier | None" = None, max_entries: int | None = None):
         if not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {budget_bytes!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"prefix_block_size must be a positive integer, got {block_size!r}")
+        if max_entries is not None and (not isinstance(max_entries, int) or max_entries < 1):
+            raise ValueError(f"prefix_cache_entries must be a positive integer, got {max_entries!r}")
         self.budget = budget_bytes
+        self.max_entries = max_entries  # mlx_lm.server's --prompt-cache-size
         self.block = block_size
         self._entries: collections.OrderedDict[tuple[int, ...], _Entry] = collections.OrderedDict()
         self._index: dict[bytes, set[tuple[int, ...]]] = {}
@@ -197,7 +200,8 @@ class PrefixStore:
 
     def _evict(self) -> None:
         for key in list(self._entries):
-            if self.nbytes <= self.budget:
+            over_n = self.max_entries is not None and len(self._entries) > self.max_entries
+            if self.nbytes <= self.budget and not over_n:
                 return
             if self._entries[key].pins == 0:
                 self._drop(key)
