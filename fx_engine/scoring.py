@@ -21,7 +21,6 @@ def logits(model: Model, token_ids: Sequence[int], chunk: int = 512) -> mx.array
     bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < model.config.vocab_size]
     if bad:
         raise ValueError(f"token_ids: {bad[0]!r} is not a token id in [0, {model.config.vocab_size})")
-    c = model.config
     size = bucket(min(chunk, len(ids)))
     cache = model.new_cache(1, bucket(len(ids) + size, 256), headroom=size)
     out = []

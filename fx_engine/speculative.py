@@ -42,7 +42,7 @@ from .sampling import (
     apply_filters, process_logits, push_history, sample, top_logprobs,
 )
 from .state import DecodeState
-from .tree import tree_replace
+from .tree import STATIC, tree_replace
 
 
 @attrs.frozen
@@ -61,7 +61,7 @@ class VerifyResult:
 def _repeat_rows(params: SamplingParams, n: int) -> SamplingParams:
     """Each row's parameters repeated n times (row b -> rows b*n .. b*n + n - 1)."""
     leaves = {f.name: getattr(params, f.name) for f in attrs.fields(SamplingParams)
-              if not f.metadata.get("fx_static")}
+              if not f.metadata.get(STATIC)}
     return tree_replace(params, **{k: mx.repeat(v, n, axis=0) for k, v in leaves.items()})
 
 

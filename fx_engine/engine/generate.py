@@ -67,7 +67,6 @@ def _reference_run(
     eos = set(model.eos_ids)
     params = model.params
     c = model.config
-    dtype = getattr(mx, params.dtype)
 
     t0 = time.perf_counter()
     chunk = bucket(min(prefill_chunk, len(ids)))

@@ -15,8 +15,6 @@ routed experts beside the dense MLP.
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
