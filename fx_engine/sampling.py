@@ -72,9 +72,12 @@ def _real(name: str, value: Any) -> float:
     value = float(value)
     if math.isnan(value):
         raise ValueError(f"{name} must not be NaN")
-    if math.isinf(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+    if math.isinf(value) or abs(value) > _F32_MAX:  # sampling runs in float32
+        raise ValueError(f"{name} must be finite in float32 (|x| <= 3.4e38), got {value!r}")
     return value
+
+
+_F32_MAX = 3.4028234663852886e38
 
 
 def _integer(name: str, value: Any) -> int:

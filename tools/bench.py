@@ -1012,6 +1012,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import bench_prefix
 
         return bench_prefix.main([a for a in argv if a != "--prefix"])
+    if "--server" in argv:  # the HTTP serving benchmark vs mlx_lm.server (tools/bench_server.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_server
+
+        return bench_server.main([a for a in argv if a != "--server"])
     if "--spec" in argv:  # the speculative decoding benchmark (tools/bench_spec.py)
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import bench_spec
@@ -1042,6 +1047,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="the prefix cache benchmark instead (tools/bench_prefix.py)")
     ap.add_argument("--spec", action="store_true",
                     help="the speculative decoding benchmark instead (tools/bench_spec.py)")
+    ap.add_argument("--server", action="store_true",
+                    help="the HTTP serving benchmark instead (tools/bench_server.py; its own flags)")
     ap.add_argument("--kv", action="store_true",
                     help="the KV cache kinds benchmark instead (tools/bench_kv.py; its own flags)")
     ap.add_argument("--serving", action="store_true",

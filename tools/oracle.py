@@ -40,8 +40,8 @@ def _mlx_lm_skeleton(cfg: Any) -> Any:
     return model_cls(args_cls.from_dict(d))
 
 
-def mlx_lm_dense_from_fx(model: Any) -> Any:
-    """mlx-lm Model holding fx-engine's own dense arrays (fused matrices split back)."""
+def dense_hf_weights(model: Any) -> dict[str, mx.array]:
+    """fx-engine's own dense arrays under Hugging Face / mlx-lm names (fused matrices split)."""
     cfg, p = model.config, model.params
     if any(lin.quantized for lin in (p.embed, *[lp.qkv for lp in p.layers])):
         raise ValueError("fx params are quantized; the dense peer needs dense weights")
@@ -78,10 +78,49 @@ def mlx_lm_dense_from_fx(model: Any) -> Any:
         if lp.q_norm is not None:
             w[pre + "self_attn.q_norm.weight"] = lp.q_norm
             w[pre + "self_attn.k_norm.weight"] = lp.k_norm
-    m = _mlx_lm_skeleton(cfg)
-    m.load_weights(list(w.items()), strict=True)
+    return w
+
+
+def mlx_lm_dense_from_fx(model: Any) -> Any:
+    """mlx-lm Model holding fx-engine's own dense arrays (fused matrices split back)."""
+    m = _mlx_lm_skeleton(model.config)
+    m.load_weights(list(dense_hf_weights(model).items()), strict=True)
     mx.eval(m.parameters())
     return m
+
+
+def write_hf_folder(model: Any, out: Path) -> Path:
+    """Write `model` (e.g. the default GGUF) as a Hugging Face style folder in float32.
+
+    config.json, model.safetensors, tokenizer.json and tokenizer_config.json (chat template,
+    bos/eos): a folder that mlx-lm's loader (and so `mlx_lm.server`) and fx-engine both load,
+    so that two servers can be compared on exactly the same weights and tokenizer.
+    """
+    import json
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = _mlx_lm_config(model.config)
+    cfg.update(architectures=["LlamaForCausalLM"], torch_dtype="float32",
+               bos_token_id=model.tokenizer.bos_id, eos_token_id=list(model.tokenizer.eos_ids))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    mx.save_safetensors(str(out / "model.safetensors"),
+                        {k: v.astype(mx.float32) for k, v in dense_hf_weights(model).items()},
+                        metadata={"format": "mlx"})
+    tok = model.tokenizer
+    tok.backend.save(str(out / "tokenizer.json"))
+    name = tok.backend.id_to_token
+    tc: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                          "add_bos_token": tok.add_bos, "clean_up_tokenization_spaces": False,
+                          "model_max_length": model.config.max_position_embeddings}
+    if tok.bos_id is not None:
+        tc["bos_token"] = name(tok.bos_id)
+    if tok.eos_ids:
+        tc["eos_token"] = name(tok.eos_ids[0])
+    if tok.chat_template:
+        tc["chat_template"] = tok.chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
+    return out
 
 
 def mlx_lm_model(model: Any) -> Any:
