@@ -300,10 +300,28 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=cmd_serve)
     i = sub.add_parser("info", help="versions, device, BLAS, default model")
     i.set_defaults(func=cmd_info)
+    for name, (_, text) in _DELEGATED.items():  # listed in --help; run by main() directly
+        sub.add_parser(name, help=f"{text}; see fx-engine {name} --help", add_help=False)
     return parser
 
 
+# Tools with their own argument parsers: everything after the word goes to them.
+_DELEGATED = {
+    "trace": ("fx_engine.tracing.cli", "step graphs, recompiles and run timelines (tools/trace.py)"),
+    "golden": ("fx_engine.testing.golden_cli", "record / check golden outputs (regression tests)"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in _DELEGATED:
+        import importlib
+
+        try:
+            return int(importlib.import_module(_DELEGATED[argv[0]][0]).main(argv[1:]) or 0)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"fx-engine {argv[0]}: error: {e}", file=sys.stderr)
+            return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

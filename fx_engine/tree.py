@@ -15,6 +15,7 @@ of the compile key.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -197,11 +198,11 @@ class CompiledFunction:
         def flat(*leaves: mx.array) -> list[mx.array]:
             args, kwargs = tree_unflatten(in_td, list(leaves))
             sig = _signature(leaves)
-            self.trace_log.append(
-                {"function": self.name, "structure_id": self._ids.setdefault(in_td, len(self._ids)),
-                 "signature": sig}
-            )
+            entry = {"function": self.name, "structure_id": self._ids.setdefault(in_td, len(self._ids)),
+                     "signature": sig, "treedef": in_td, "t0": time.perf_counter()}
+            self.trace_log.append(entry)
             out = self.fn(*args, **kwargs)
+            entry["t1"] = time.perf_counter()  # the Python trace; MLX compiles at first eval
             out_leaves, out_td = tree_flatten(out)
             # The output structure may depend on input shapes (e.g. a Python int derived
             # from a shape): keep one per (structure, shapes) once two ever differ.

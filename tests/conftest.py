@@ -6,6 +6,8 @@ import fx_engine  # noqa: F401  (BLAS preload before mlx)
 
 os.environ.setdefault("FX_ENGINE_OFFLINE", "1")  # tests never download
 
+pytest_plugins = ["pytester"]  # tests of the golden kit's pytest fixture run an inner pytest
+
 
 @pytest.fixture(scope="session")
 def default_model():

@@ -1,89 +1,78 @@
-"""Generate golden outputs in specs/golden/ from the mlx-lm oracle (never hand-edited).
+"""Record the project's golden outputs (specs/golden/expected.json) from the mlx-lm oracle.
 
-    python tools/make_golden.py            # regenerate every case in specs/golden/cases.json
+    python tools/make_golden.py        # every case of specs/golden/cases.json
 
-For each case: the prompt is tokenized with fx-engine's tokenizer (the ids are recorded, so
-the golden pins the model's behaviour, not the tokenizer's), then mlx-lm's own
-`generate_step` with its own samplers and logits processors, `mx.random.seed(seed)`, runs on
-the same weights (tools/oracle.py). The expected token ids, text, and provenance (oracle and
-MLX versions, BLAS, model fingerprint, minimum greedy margin) are written to
-specs/golden/<name>.json. tests/test_golden.py compares fx-engine's tokens exactly.
+Uses the golden-output kit (fx_engine.testing.golden: the document format, fingerprints,
+versions) with an independent producer and scorer instead of fx-engine itself:
+  producer  mlx-lm's own `generate_step` with its own samplers and logits processors and
+            `mx.random.seed(seed)`, on the same weights (tools/oracle.py), from the prompt
+            token ids fx-engine's tokenizer produced (recorded, so the golden pins the model's
+            behaviour; the kit also checks the tokenization);
+  scorer    mlx-lm's model forward over prompt + expected tokens: each token's logprob under
+            the raw distribution (log_softmax), teacher forced.
+The origin (oracle and MLX versions, BLAS, platform, date, the minimum top-2 greedy margin
+per case) is written into the document. tests/test_golden.py checks fx-engine against it
+with the kit (`golden` fixture); never edit the generated file by hand.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
-import platform
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import fx_engine  # noqa: E402  (BLAS preload first)
+import fx_engine  # noqa: E402,F401  (BLAS preload first)
 import mlx.core as mx  # noqa: E402
 
+from fx_engine.testing import golden as g  # noqa: E402
 from tools.oracle import mlx_lm_generate, mlx_lm_model  # noqa: E402
 
 GOLDEN = ROOT / "specs" / "golden"
 
 
-def resolve_model(spec: str, cache: dict) -> fx_engine.Model:
-    if spec not in cache:
-        if spec == "default":
-            cache[spec] = fx_engine.load()
-        elif spec.startswith("tiny:"):
-            import tempfile
-
-            from fx_engine.testing import write_tiny_model
-
-            model_type = spec.split(":", 1)[1]
-            path = write_tiny_model(Path(tempfile.mkdtemp()) / model_type, model_type, seed=0)
-            cache[spec] = fx_engine.load(path)
-        else:
-            cache[spec] = fx_engine.load(spec)
-    return cache[spec]
-
-
-def prompt_ids(model: fx_engine.Model, case: dict) -> list[int]:
-    if "messages" in case:
-        return list(model.tokenizer.apply_chat_template(case["messages"], add_generation_prompt=True))
-    return list(model.tokenizer.encode(case["prompt"]))
-
-
 def main() -> int:
     import mlx_lm
 
-    cases = json.loads((GOLDEN / "cases.json").read_text())["cases"]
-    models: dict = {}
-    for case in cases:
-        model = resolve_model(case["model"], models)
-        ids = prompt_ids(model, case)
-        ref = mlx_lm_model(model)
-        sampling = dict(case.get("sampling", {}))
-        tokens, lps, margin = mlx_lm_generate(
-            ref, ids, max_tokens=case["max_tokens"], eos_ids=set(model.eos_ids), sampling=sampling
-        )
-        out = {
-            "case": case,
-            "prompt_token_ids": ids,
-            "expected_token_ids": tokens,
-            "expected_text": model.tokenizer.decode(tokens),
-            "expected_logprobs": lps,
-            "origin": {
-                "generated_by": "tools/make_golden.py",
-                "oracle": f"mlx-lm {mlx_lm.__version__} generate_step (make_sampler, make_logits_processors)",
-                "mlx": mx.__version__,
-                "blas": fx_engine.blas.active()["name"],
-                "platform": f"{platform.system()} {platform.machine()}",
-                "model_fingerprint": model.fingerprint,
-                "min_top2_logprob_margin": margin,
-                "date": datetime.date.today().isoformat(),
-            },
-        }
-        (GOLDEN / f"{case['name']}.json").write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
-        print(f"{case['name']}: {len(tokens)} tokens, min margin {margin:.4f}: {out['expected_text'][:60]!r}")
+    refs: dict[int, object] = {}
+    margins: dict[str, float] = {}
+
+    def ref_of(model):
+        if id(model) not in refs:
+            refs[id(model)] = mlx_lm_model(model)
+        return refs[id(model)]
+
+    def producer(model, case, ids):
+        tokens, _lps, margin = mlx_lm_generate(ref_of(model), ids, max_tokens=case.max_tokens,
+                                               eos_ids=set(model.eos_ids), sampling=dict(case.sampling))
+        margins[case.name] = margin
+        return tokens
+
+    def scorer(model, prompt, tokens, top_k):
+        if not tokens:
+            return [], []
+        x = mx.array(prompt + tokens[:-1])[None]
+        lg = ref_of(model)(x)[0, len(prompt) - 1 :].astype(mx.float32)
+        lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(lp, mx.array(tokens)[:, None], axis=-1)[:, 0].tolist()
+        top = []
+        if top_k:
+            idx = mx.argsort(-lp, axis=-1)[:, :top_k]
+            vals = mx.take_along_axis(lp, idx, axis=-1)
+            top = [[[int(i), float(v)] for i, v in zip(ri, rv)] for ri, rv in zip(idx.tolist(), vals.tolist())]
+        return [float(c) for c in chosen], top
+
+    cases = g.load_cases(GOLDEN / "cases.json")
+    doc = g.record(cases, producer=producer, scorer=scorer,
+                   producer_name=f"mlx-lm {mlx_lm.__version__} generate_step (make_sampler, "
+                                 "make_logits_processors); logprobs: mlx-lm model forward")
+    doc["origin"]["generated_by"] = "tools/make_golden.py"
+    doc["origin"]["min_top2_logprob_margin"] = margins
+    g.save(doc, GOLDEN / "expected.json")
+    for e in doc["cases"]:
+        name = e["case"]["name"]
+        print(f"{name}: {len(e['token_ids'])} tokens, min margin {margins[name]:.4f}: {e['text'][:60]!r}")
     return 0
 
 

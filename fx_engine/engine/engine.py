@@ -660,6 +660,7 @@ class Engine:
             self.params, req.pcache, mx.array([padded], mx.int32), mx.array([n], mx.int32),
             span=span_bucket(start + size, req.pcache.capacity),
         )
+        host = time.perf_counter() - t0  # graph build + call; the rest is evaluation
         req.pcache = None
         req.prefilled = start + n
         last = req.prefilled == len(req.ids)
@@ -668,7 +669,7 @@ class Engine:
             req.pcache = cache
             self._snapshot(req.ids[: req.prefilled], cache, 0)  # a chunk boundary
             self._trace("prefill", request=req.handle.id, tokens=n, padded=size, start=start,
-                        seconds=time.perf_counter() - t0)
+                        seconds=time.perf_counter() - t0, host_seconds=host)
             return False
         row_state = init_state([req.cfg], [req.ids], c.vocab_size, special_token_ids=self._special)
         logits = apply_processors(req.processors, req.ids, logits)
@@ -678,7 +679,7 @@ class Engine:
         self._snapshot(req.ids, cache, 0)  # the whole prompt
         t1 = time.perf_counter()
         self._trace("prefill", request=req.handle.id, tokens=n, padded=size, start=start,
-                    seconds=t1 - t0)
+                    seconds=t1 - t0, host_seconds=host)
         self._trace("sample", request=req.handle.id)
         req.t_first = t1
         req.handle.timings["first_token"] = t1
@@ -785,6 +786,7 @@ class Engine:
             state, cache = self._decode_with_processors(state, span, failed)
         else:  # the fast path: forward and sampling in one compiled step
             state, cache = decode_step_compiled(self.params, self._cache, state, span=span)
+        host = time.perf_counter() - t0
         self._cache = None
         mx.eval(*tree_leaves(state), *tree_leaves(cache))
         self._state, self._cache = state, cache
@@ -796,7 +798,8 @@ class Engine:
         if decode_step_compiled.traces == traces and not failed:
             self._observe(0, seconds)
         self._trace("decode", batch=len(live), rows=len(self._rows), capacity=cache.capacity,
-                    span=span, requests=[r.handle.id for r in live], seconds=seconds)
+                    span=span, requests=[r.handle.id for r in live], seconds=seconds,
+                    host_seconds=host)
         for row, req in enumerate(self._rows):
             if req is None:
                 continue
@@ -900,6 +903,7 @@ class Engine:
         state, cache, res = verify_step_compiled(
             self.params, self._cache, state, mx.array(arr, mx.int32), mx.array(n, mx.int32),
             probs, span=span)
+        host = time.perf_counter() - t0
         self._cache = None
         mx.eval(*tree_leaves(state), *tree_leaves(cache), *tree_leaves(res))
         self._state, self._cache = state, cache
@@ -911,7 +915,7 @@ class Engine:
             self._observe(k, seconds)
         self._trace("verify", batch=len(live), rows=b, k=k, drafted=sum(n), accepted=sum(acc),
                     capacity=cache.capacity, span=span, requests=[r.handle.id for r in live],
-                    seconds=seconds)
+                    seconds=seconds, host_seconds=host)
         for row, req in enumerate(self._rows):
             if req is None:
                 continue
