@@ -6,7 +6,9 @@ import fx_engine  # noqa: F401  (BLAS preload before mlx)
 
 os.environ.setdefault("FX_ENGINE_OFFLINE", "1")  # tests never download
 
-pytest_plugins = ["pytester"]  # tests of the golden kit's pytest fixture run an inner pytest
+# The golden kit's fixture (`golden`), enabled as a user's suite would; pytester runs an
+# inner pytest in the kit's own tests.
+pytest_plugins = ["fx_engine.testing.pytest_plugin", "pytester"]
 
 
 @pytest.fixture(scope="session")

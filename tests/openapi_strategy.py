@@ -15,7 +15,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-_JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6), st.floats(allow_nan=False),
+_JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6),
+                          st.floats(allow_nan=False, allow_infinity=False),  # JSON has neither
                           st.text(max_size=8))
 _ANY_JSON = st.recursive(_JSON_SCALARS, lambda c: st.one_of(st.lists(c, max_size=3),
                                                              st.dictionaries(st.text(max_size=5), c, max_size=3)),

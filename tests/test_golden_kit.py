@@ -139,7 +139,6 @@ def test_pytest_fixture_reports_the_diff(pytester, tmp_path, tiny_path):
 def test_pinned(golden):
     golden.check({str(gpath)!r}, "greedy")
 """)
-    # the plugin comes from the installed `pytest11` entry point, as in any user suite
-    res = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    res = pytester.runpytest_subprocess("-p", "fx_engine.testing.pytest_plugin", "-p", "no:cacheprovider")
     res.assert_outcomes(failed=1)
     res.stdout.fnmatch_lines(["*GoldenMismatch*", "*first divergence at generated position 2*"])

@@ -135,6 +135,12 @@ def test_trace_cli_graphs_diff_run(tmp_path, tiny_dir, capsys):
                  "--rows", "2", "--chunk", "32", "--out", str(tmp_path / "r")]) == 0
     trace = json.loads((tmp_path / "r" / "timeline.json").read_text())
     assert validate_chrome_trace(trace) == []
+    # with speculative decoding the timeline has verify spans too
+    assert main(["trace", "run", "--model", str(tiny_dir), "--requests", "3", "--max-tokens", "12",
+                 "--rows", "2", "--chunk", "32", "--speculative", "--out", str(tmp_path / "s")]) == 0
+    spec = json.loads((tmp_path / "s" / "timeline.json").read_text())
+    assert validate_chrome_trace(spec) == []
+    assert any(e.get("cat") == "verify" for e in spec["traceEvents"])
     assert (tmp_path / "r" / "timeline.svg").read_text().startswith("<svg")
     out = capsys.readouterr().out
     assert "decode_step" in out and "0 in the steady pass" in out

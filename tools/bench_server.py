@@ -95,8 +95,9 @@ def summarize(t0: float, per_request: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def _one_stream(client: Any, url: str, prompt: str, gen: int, bias: dict[str, float]) -> dict[str, Any]:
-    body = {"prompt": prompt,  # no "model": each server serves its one model "max_tokens": gen, "temperature": 0.0,
-            "logit_bias": bias, "stream": True, "stream_options": {"include_usage": True}}
+    # No "model" field: each server serves its one model.
+    body = {"prompt": prompt, "max_tokens": gen, "temperature": 0.0, "logit_bias": bias,
+            "stream": True, "stream_options": {"include_usage": True}}
     times: list[float] = []
     usage = None
     try:
@@ -114,7 +115,10 @@ async def _one_stream(client: Any, url: str, prompt: str, gen: int, bias: dict[s
     except Exception as e:  # noqa: BLE001  reported per request, the run goes on
         return {"tokens": 0, "times": times, "error": repr(e)}
     tokens = usage["completion_tokens"] if usage else len(times)
-    return {"tokens": tokens, "times": times, "usage": usage}
+    out = {"tokens": tokens, "times": times, "usage": usage}
+    if tokens != gen:  # the comparison needs every server to generate exactly `gen` tokens
+        out["error"] = f"generated {tokens} tokens, not {gen}"
+    return out
 
 
 def run_http(url: str, prompts: list[str], gen: int, bias: dict[str, float]) -> dict[str, Any]:
@@ -225,8 +229,10 @@ READY = {"fx": "/health", "mlx-lm": "/health", "mlx-lm-stock": "/health", "llama
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
-    return {m: statistics.median(r[m] for r in runs)
-            for m in ("tok_s", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95")}
+    out = {m: statistics.median(r[m] for r in runs)
+           for m in ("tok_s", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95")}
+    out["failed_streams"] = sum(r.get("errors", 0) for r in runs)  # over all measured rounds
+    return out
 
 
 def render(report: dict[str, Any]) -> list[str]:
@@ -234,14 +240,15 @@ def render(report: dict[str, Any]) -> list[str]:
              f"{report['prompt_range'][0]}-{report['prompt_range'][1]} tokens (no shared prefixes), "
              f"{report['gen_tokens']} generated tokens each, greedy; medians of {report['runs']} "
              f"rounds after {report['warmup']} warm-up.", "",
-             "| N | server | aggregate tok/s | TTFT p50 / p95 (s) | ITL p50 / p95 (ms) |",
-             "|---:|---|---:|---:|---:|"]
+             "| N | server | aggregate tok/s | TTFT p50 / p95 (s) | ITL p50 / p95 (ms) | failed streams |",
+             "|---:|---|---:|---:|---:|---:|"]
     for n, block in report["results"].items():
         for k, v in block.items():
             m = v.get("median")
             if m:
                 lines.append(f"| {n} | {k} | {m['tok_s']:.1f} | {m['ttft_p50']:.2f} / {m['ttft_p95']:.2f}"
-                             f" | {m['itl_p50'] * 1e3:.0f} / {m['itl_p95'] * 1e3:.0f} |")
+                             f" | {m['itl_p50'] * 1e3:.0f} / {m['itl_p95'] * 1e3:.0f} | "
+                             f"{m.get('failed_streams', 0)} of {int(n) * report['runs']} |")
     lines += ["", "| N | ratio | throughput | p95 TTFT |", "|---:|---|---:|---:|"]
     for n, block in report["results"].items():
         fx = block.get("fx", {}).get("median")
@@ -264,7 +271,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompt-range", default=f"{PROMPT_RANGE[0]},{PROMPT_RANGE[1]}")
     ap.add_argument("--no-direct", action="store_true", help="skip the in-process engine at N=1")
     ap.add_argument("--json", default=None, help="write the report here")
+    ap.add_argument("--render", metavar="JSON", help="print the tables of a saved report and exit")
     a = ap.parse_args(argv)
+    if a.render:
+        report = json.loads(Path(a.render).read_text())
+        for block in report["results"].values():
+            for v in block.values():
+                if v.get("runs"):
+                    v["median"] = medians(v["runs"])
+        print("\n".join(render(report)))
+        return report
     ns = [int(x) for x in a.clients.split(",")]
     peers = [p.strip() for p in a.peers.split(",") if p.strip()]
     lo, hi = (int(x) for x in a.prompt_range.split(","))
@@ -275,6 +291,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="fx-bench-server-"))
     folder = write_hf_folder(model, tmp / "model") if not Path(model.path).is_dir() else Path(model.path)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+
+    def make_report() -> dict[str, Any]:
+        return {"model": model.path, "served_folder": str(folder), "clients": ns, "peers": peers,
+                "runs": a.runs, "warmup": a.warmup, "gen_tokens": a.gen_tokens,
+                "prompt_range": [lo, hi], "cpu_count": os.cpu_count(),
+                "blas": __import__("fx_engine.blas", fromlist=["active"]).active()["name"],
+                "date": time.strftime("%Y-%m-%d"), "results": results}
+
+    def save() -> None:  # after every server too, so that a long run interrupted keeps its data
+        if a.json:
+            Path(a.json).write_text(json.dumps(make_report(), indent=1))
 
     if not a.no_direct and 1 in ns:
         engine = fx_engine.Engine(fx_engine.load(str(folder)), max_rows=32, prefill_chunk=512)
@@ -309,17 +336,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         f"{max(r - a.warmup + 1, 0)}: {res['tok_s']:.1f} tok/s, TTFT p95 "
                         f"{res['ttft_p95']:.2f} s, errors {res['errors']} {res.get('first_error', '')[:300]}")
                 results[str(n)][peer] = {"runs": runs, "median": medians(runs)}
+                save()
         finally:
             srv.__exit__()
 
-    report = {"model": model.path, "served_folder": str(folder), "clients": ns, "peers": peers,
-              "runs": a.runs, "warmup": a.warmup, "gen_tokens": a.gen_tokens,
-              "prompt_range": [lo, hi], "cpu_count": os.cpu_count(),
-              "blas": __import__("fx_engine.blas", fromlist=["active"]).active()["name"],
-              "date": time.strftime("%Y-%m-%d"), "results": results}
+    report = make_report()
     print("\n".join(render(report)))
-    if a.json:
-        Path(a.json).write_text(json.dumps(report, indent=1))
+    save()
     return report
 
 

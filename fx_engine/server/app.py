@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.engine import Engine, EngineClosed, QueueFull
 from .metrics import Metrics
+from .tools import ToolCallStream, parse_tool_calls, template_messages
 
 
 class _Base(BaseModel):
@@ -60,12 +61,30 @@ class _Sampling(_Base):
 class ChatMessage(_Base):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionSpec(_Base):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(_Base):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # mlx_lm.server's per-request variables
 
 
 class CompletionRequest(_Sampling):
@@ -74,8 +93,9 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-    return JSONResponse(status_code=status, content={
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           headers: dict[str, str] | None = None):
+    return JSONResponse(status_code=status, headers=headers, content={
         "error": {"message": message, "type": kind, "param": param, "code": None}})
 
 
@@ -184,15 +204,16 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
     async def prom() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def run(request: Request, body: _Sampling, prompt: Any, kw: dict[str, Any], chat: bool):
+    async def run(request: Request, body: _Sampling, prompt: Any, kw: dict[str, Any], chat: bool,
+                  tool_names: set[str] | None = None):
         n = body.n
         try:
             handles = [engine.submit(prompt, **{**kw, **({"seed": kw["seed"] + i} if "seed" in kw and i else {})})
                        for i in range(n)]
-        except QueueFull as e:
-            return _error(429, str(e), kind="rate_limit_error")
+        except QueueFull as e:  # rows free up within seconds: ask the client to retry soon
+            return _error(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"})
         except EngineClosed as e:
-            return _error(503, str(e), kind="server_error")
+            return _error(503, str(e), kind="server_error", headers={"Retry-After": "5"})
         except ValueError as e:
             msg = str(e)
             param = msg.split(" ")[0].split(":")[0] if msg else None
@@ -206,7 +227,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 _stream(request, handles, rid, created, chat, include_usage, prompt_tokens,
-                        getattr(body, "top_logprobs", None) or 0),
+                        getattr(body, "top_logprobs", None) or 0, tool_names),
                 media_type="text/event-stream")
         try:
             outs = await asyncio.gather(*[_result(request, h) for h in handles])
@@ -223,8 +244,14 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
         choices = []
         for i, o in enumerate(outs):
             if chat:
-                c = {"index": i, "message": {"role": "assistant", "content": o.text},
-                     "finish_reason": _finish(o.finish_reason),
+                message: dict[str, Any] = {"role": "assistant", "content": o.text}
+                finish = _finish(o.finish_reason)
+                if tool_names is not None:
+                    content, calls = parse_tool_calls(o.text, tool_names)
+                    if calls:
+                        message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                        finish = "tool_calls" if finish == "stop" else finish
+                c = {"index": i, "message": message, "finish_reason": finish,
                      "logprobs": _chat_logprobs(o.logprobs, getattr(body, "top_logprobs", None) or 0)}
             else:
                 text = (body.prompt if isinstance(body.prompt, str) and body.echo else "") + o.text
@@ -245,8 +272,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
         return h.result()
 
     async def _stream(request: Request, handles: list[Any], rid: str, created: int, chat: bool,
-                      include_usage: bool, prompt_tokens: int, top_n: int = 0):
+                      include_usage: bool, prompt_tokens: int, top_n: int = 0,
+                      tool_names: set[str] | None = None):
         obj = "chat.completion.chunk" if chat else "text_completion"
+        tool_streams = [ToolCallStream(tool_names) for _ in handles] if tool_names is not None else None
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, h: Any) -> None:
@@ -295,8 +324,21 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
                 if not ev.text and not ev.finish_reason:
                     continue
                 if chat:
-                    delta = {"content": ev.text} if ev.text else {}
-                    choice = {"index": i, "delta": delta, "finish_reason": _finish(ev.finish_reason),
+                    text, finish = ev.text, _finish(ev.finish_reason)
+                    delta: dict[str, Any] = {}
+                    if tool_streams is not None:
+                        text = tool_streams[i].feed(ev.text)
+                        if ev.finish_reason:
+                            rest, calls = tool_streams[i].finish()
+                            text += rest
+                            if calls:
+                                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                                finish = "tool_calls" if finish == "stop" else finish
+                    if text:
+                        delta = {"content": text, **delta}
+                    if not delta and not finish and not ev.logprobs:
+                        continue
+                    choice = {"index": i, "delta": delta, "finish_reason": finish,
                               "logprobs": _chat_logprobs(ev.logprobs, top_n)}
                 else:
                     choice = {"index": i, "text": ev.text, "finish_reason": _finish(ev.finish_reason),
@@ -325,15 +367,25 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
+        use_tools = bool(body.tools) and body.tool_choice != "none"
         try:
-            messages = [{"role": m.role if m.role != "developer" else "system", "content": _content(m)}
-                        for m in body.messages]
+            messages = []
+            for m in body.messages:
+                msg: dict[str, Any] = {"role": m.role if m.role != "developer" else "system",
+                                       "content": _content(m)}
+                for extra in ("name", "tool_calls", "tool_call_id"):
+                    if getattr(m, extra) is not None:
+                        msg[extra] = getattr(m, extra)
+                messages.append(msg)
+            messages = template_messages(messages)
             kw = _sampling_kwargs(body, defaults)
             prompt: Any = messages
-            if chat_template is not None or chat_template_args:
+            targs = {**(chat_template_args or {}), **(body.chat_template_kwargs or {})}
+            if chat_template is not None or targs or use_tools:
+                tools = [t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None
                 prompt = list(engine.model.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True,
-                    chat_template=chat_template, **(chat_template_args or {})))
+                    messages, add_generation_prompt=True, tokenize=True, tools=tools,
+                    chat_template=chat_template, **targs))
         except ValueError as e:
             return _error(400, str(e), "messages" if "messages" in str(e) else None)
         except Exception as e:  # a template that fails to render these messages
@@ -342,7 +394,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
             kw["logprobs"] = max(1, body.top_logprobs or 0)
         elif body.top_logprobs:
             return _error(400, "top_logprobs: requires logprobs: true", "top_logprobs")
-        return await run(request, body, prompt, kw, chat=True)
+        names = {t.function.name for t in body.tools} if use_tools else None
+        return await run(request, body, prompt, kw, chat=True, tool_names=names)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):

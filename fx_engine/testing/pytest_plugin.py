@@ -1,4 +1,7 @@
-"""pytest plugin of the golden-output kit (registered through the `pytest11` entry point).
+"""pytest plugin of the golden-output kit. Enable it in your conftest.py (opt-in, so that
+pytest runs of other projects in the same environment never import fx-engine and MLX):
+
+    pytest_plugins = ["fx_engine.testing.pytest_plugin"]     # or: pytest -p fx_engine.testing.pytest_plugin
 
     def test_my_model(golden):
         golden.check("tests/golden.json")                    # every case

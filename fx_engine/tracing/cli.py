@@ -118,7 +118,8 @@ def cmd_diff(a: argparse.Namespace, console: Console) -> dict[str, Any]:
     return report
 
 
-def _workload(model: Any, n: int, max_tokens: int, seed: int) -> list[tuple[list[int], dict[str, Any]]]:
+def _workload(model: Any, n: int, max_tokens: int, seed: int,
+              speculative: bool = False) -> list[tuple[list[int], dict[str, Any]]]:
     rng = random.Random(seed)
     base = model.tokenizer.encode(
         " ".join(f"Item {i}: a short note about topic {i % 7} and its details." for i in range(200)),
@@ -128,6 +129,8 @@ def _workload(model: Any, n: int, max_tokens: int, seed: int) -> list[tuple[list
         length = rng.randint(16, 200)
         off = rng.randint(0, len(base) - length)
         sampling = {"temperature": 0.8, "seed": i} if i % 2 else {}
+        if speculative:  # n-gram drafts from the prompt: verify_step spans in the timeline
+            sampling["prompt_lookup"] = True
         reqs.append((base[off : off + length], {"max_tokens": max_tokens, **sampling}))
     return reqs
 
@@ -153,7 +156,7 @@ def cmd_run(a: argparse.Namespace, console: Console) -> dict[str, Any]:
 
     model = _load(a.model)
     engine = fx_engine.Engine(model, max_rows=a.rows, prefill_chunk=a.chunk, prefix_cache_bytes=0)
-    reqs = _workload(model, a.requests, a.max_tokens, a.seed)
+    reqs = _workload(model, a.requests, a.max_tokens, a.seed, a.speculative)
     with RecompileWatch() as watch:
         t0 = time.perf_counter()
         _run_pass(engine, reqs, a.arrive_every)
@@ -232,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--chunk", type=int, default=128, help="Engine prefill_chunk")
     r.add_argument("--arrive-every", type=int, default=2, help="a new request every N steps")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--speculative", action="store_true",
+                   help="prompt-lookup speculative decoding (verify_step spans)")
     r.add_argument("--out", default="trace-out")
     if not argv:
         argv = ["graphs"]

@@ -1,0 +1,149 @@
+"""Tool (function) calls in generated text: find them, parse them, stream around them.
+
+Models write tool calls in a few formats; those handled here:
+  hermes   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen 2.5/3, Hermes,
+           SmolLM3, many fine-tunes), one block per call;
+  mistral  `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (to the end of the text);
+  llama    `<|python_tag|>{"name": ..., "parameters": {...}}` (Llama 3.1+), or the whole
+           reply being such a JSON object (or list) when the request offered tools.
+A call's JSON may name its arguments "arguments" or "parameters" and give them as an object
+or a JSON string. Text outside the calls stays the message's content. Unparseable call text
+(e.g. cut off by max_tokens) is kept as content rather than lost.
+
+`ToolCallStream` does the same incrementally for SSE: `feed(delta)` returns the content that
+can be sent now (it holds back a suffix that might start a marker, and everything once a
+call has started), `finish()` returns the held content and the parsed calls.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_TO_END = ("[TOOL_CALLS]", "<|python_tag|>")  # a call (or a list of calls) to the end
+_MARKERS = (_OPEN, *_TO_END)
+
+
+def _as_calls(obj: Any) -> list[dict[str, Any]] | None:
+    """{"name", "arguments"|"parameters"} or a list of them -> OpenAI tool_calls; None if not."""
+    items = obj if isinstance(obj, list) else [obj]
+    calls = []
+    for it in items:
+        if not isinstance(it, dict):
+            return None
+        fn = it.get("function") if isinstance(it.get("function"), dict) else it
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            return None
+        args = fn.get("arguments", fn.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                return None
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
+    return calls or None
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text.strip())
+    except ValueError:
+        return None
+
+
+def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """(content without the calls, OpenAI-style tool_calls) of a complete reply."""
+    content: list[str] = []
+    calls: list[dict[str, Any]] = []
+    rest = text
+    while True:
+        i = rest.find(_OPEN)
+        if i < 0:
+            break
+        j = rest.find(_CLOSE, i + len(_OPEN))
+        body = rest[i + len(_OPEN) : j if j >= 0 else len(rest)]
+        parsed = _as_calls(_loads(body))
+        if parsed is None:  # keep what we cannot parse
+            content.append(rest[: j + len(_CLOSE)] if j >= 0 else rest)
+        else:
+            content.append(rest[:i])
+            calls += parsed
+        rest = rest[j + len(_CLOSE) :] if j >= 0 else ""
+    for marker in _TO_END:
+        k = rest.find(marker)
+        if k >= 0:
+            parsed = _as_calls(_loads(rest[k + len(marker) :]))
+            if parsed is not None:
+                content.append(rest[:k])
+                calls += parsed
+                rest = ""
+            break
+    if rest and not calls and tool_names is not None and rest.lstrip()[:1] in ("{", "["):
+        parsed = _as_calls(_loads(rest))  # a bare JSON call (Llama 3 without python_tag)
+        if parsed is not None and all(c["function"]["name"] in tool_names for c in parsed):
+            return "".join(content), parsed
+    content.append(rest)
+    return "".join(content), calls
+
+
+class ToolCallStream:
+    """Incremental `parse_tool_calls` for streaming (see the module docstring)."""
+
+    def __init__(self, tool_names: set[str]):
+        self.tool_names = tool_names
+        self.text = ""  # everything so far
+        self.sent = 0  # characters of `text` already sent as content
+        self.holding = False  # a call (or a possible bare-JSON call) has started
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self.holding:
+            return ""
+        if self.sent == 0 and self.text.lstrip()[:1] in ("{", "["):
+            self.holding = True  # maybe a bare JSON call: decide at the end
+            return ""
+        pending = self.text[self.sent :]
+        starts = [k for k in (pending.find(m) for m in _MARKERS) if k >= 0]
+        if starts:
+            self.holding = True
+            out = pending[: min(starts)]
+        else:  # hold back a tail that could be the beginning of a marker
+            keep = max((n for m in _MARKERS for n in range(1, len(m)) if pending.endswith(m[:n])), default=0)
+            out = pending[: len(pending) - keep]
+        self.sent += len(out)
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(content not sent yet, tool calls)."""
+        content, calls = parse_tool_calls(self.text, self.tool_names)
+        if not calls:
+            return self.text[self.sent :], []
+        # The content sent so far is a prefix of `content` (it precedes the first call).
+        return content[self.sent :], calls
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages -> what chat templates expect: tool-call arguments as objects."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = []
+            for tc in m["tool_calls"]:
+                tc = dict(tc)
+                fn = dict(tc.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+                    except ValueError:
+                        raise ValueError("messages: tool_calls[].function.arguments must be a JSON "
+                                         "object or a string holding one") from None
+                tc["function"] = fn
+                calls.append(tc)
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
