@@ -11,6 +11,7 @@ allows them).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hypothesis import strategies as st
@@ -58,11 +59,17 @@ def from_schema(schema: dict[str, Any], root: dict[str, Any], depth: int = 0) ->
             hi = schema["exclusiveMaximum"] - 1
         return st.integers(None if lo is None else int(lo), None if hi is None else int(hi))
     if t == "number":
-        return st.floats(schema.get("minimum"), schema.get("maximum"),
-                         exclude_min="exclusiveMinimum" in schema, exclude_max="exclusiveMaximum" in schema,
-                         allow_nan=False, allow_infinity=False) | st.integers(-(10**9), 10**9)
+        lo = schema.get("exclusiveMinimum", schema.get("minimum"))
+        hi = schema.get("exclusiveMaximum", schema.get("maximum"))
+        ints = st.integers(-(10**9) if lo is None else math.ceil(lo), 10**9 if hi is None else math.floor(hi))
+        ints = ints.filter(lambda x: (lo is None or x > lo or "exclusiveMinimum" not in schema)
+                           and (hi is None or x < hi or "exclusiveMaximum" not in schema))
+        return st.floats(lo, hi, exclude_min=lo is not None and "exclusiveMinimum" in schema,
+                         exclude_max=hi is not None and "exclusiveMaximum" in schema,
+                         allow_nan=False, allow_infinity=False) | ints
     if t == "string":
-        return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", 40), 40))
+        lo = schema.get("minLength", 0)
+        return st.text(min_size=lo, max_size=max(lo, min(schema.get("maxLength", 40), 40)))
     if t == "array":
         items = from_schema(schema.get("items", {}), root, depth + 1)
         return st.lists(items, min_size=schema.get("minItems", 0),

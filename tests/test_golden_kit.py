@@ -48,8 +48,10 @@ def test_record_then_check_passes(tmp_path, tiny_path):
     assert doc["format"] == g.FORMAT and doc["models"]["tiny"]["fingerprint"]
     assert {"fx_engine", "mlx", "backend", "date"} <= set(doc["origin"])
     model = fx_engine.load(tiny_path)
-    for e in doc["cases"]:  # the recorded tokens are what generate produces
-        assert len(e["token_ids"]) == len(e["logprobs"]) > 0
+    for e, c in zip(doc["cases"], CASES):  # the recorded tokens are what generate produces
+        sampling = c.get("sampling", {})
+        out = fx_engine.generate(model, e["prompt_token_ids"], max_tokens=c["max_tokens"], **sampling)
+        assert e["token_ids"] == list(out.token_ids) and len(e["logprobs"]) == len(e["token_ids"]) > 0
     seeded = doc["cases"][1]
     assert len(seeded["top_logprobs"]) == len(seeded["token_ids"]) and len(seeded["top_logprobs"][0]) == 3
     # each recorded logprob is the top-k's value for that token when it is in the top-k
@@ -101,6 +103,24 @@ def test_different_model_is_a_fingerprint_mismatch_not_a_regression(tmp_path, ti
     # on purpose: compare anyway
     [res2] = g.check(doc, model=str(other), ignore_fingerprint=True)
     assert res2.status in ("regression", "pass")
+
+
+def test_malformed_golden_documents_are_errors(tmp_path, tiny_path):
+    doc = g.record([g.parse_case(CASES[0], "t")], models=_models(tiny_path))
+    for mutate, field in [
+        (lambda d: d.update(cases=[]), "cases"),
+        (lambda d: d["cases"][0].update(logprobs=[]), "logprobs"),
+        (lambda d: d.update(models={}), "fingerprint"),
+        (lambda d: d["cases"][0].pop("token_ids"), "token_ids"),
+        (lambda d: d["cases"][0]["case"].update(max_tokens=0), "max_tokens"),
+    ]:
+        bad = json.loads(json.dumps(doc))
+        mutate(bad)
+        with pytest.raises(g.GoldenError, match=field):
+            g.check(bad, models=_models(tiny_path))
+        g.save(bad, tmp_path / "bad.json")
+        with pytest.raises(g.GoldenError, match="bad.json"):
+            g.load_golden(tmp_path / "bad.json")
 
 
 @pytest.mark.parametrize("case, field", [

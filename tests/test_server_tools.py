@@ -31,16 +31,32 @@ NAMES = {"get_weather", "add"}
     ('<tool_call>{"name": "get_weather", "arguments": {"city": "Pa', '<tool_call>{"name": "get_weather", '
      '"arguments": {"city": "Pa', []),  # cut off by max_tokens: kept as content
     ("Plain answer, no tools.", "Plain answer, no tools.", []),
+    ('\n{"name": "add", "arguments": {"a": 1}}', "", [("add", {"a": 1})]),
+    ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []),  # not an offered tool
+    ('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',
+     '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', []),  # arguments must be an object
 ])
 def test_parse_tool_calls(text, content, calls):
     got_content, got = parse_tool_calls(text, NAMES)
     assert got_content == content
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
-    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got)
+    assert all(c["type"] == "function" and (c["id"].startswith("call_") or len(c["id"]) == 9) for c in got)
+
+
+def test_mistral_ids_fit_its_templates_and_model_ids_are_kept():
+    _, [c] = parse_tool_calls('[TOOL_CALLS][{"name": "add", "arguments": {}}]', NAMES)
+    assert len(c["id"]) == 9 and c["id"].isalnum()
+    _, [c] = parse_tool_calls('[TOOL_CALLS][{"name": "add", "arguments": {}, "id": "abcDEF123"}]', NAMES)
+    assert c["id"] == "abcDEF123"
 
 
 _TEXTS = st.sampled_from([
     'Sure.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> done',
+    '\n\n{"name": "add", "arguments": {"a": 1}}',
+    ' <tool_call>{"name": "add", "arguments": {}}</tool_call>',
+    'Calling.<|python_tag|>{"name": "get_weather", "parameters": {"city": "Y"}}',
+    '[1] is a citation, not a call',
     'Hello <tool_ca and more text < tool',
     '[TOOL_CALLS][{"name": "add", "arguments": {}}]',
     '{"name": "get_weather", "parameters": {"city": "X"}}',
@@ -61,7 +77,7 @@ def test_streamed_parse_equals_whole_parse(text, cuts):
     content, whole = parse_tool_calls(text, NAMES)
     assert sent + rest == content
     assert [c["function"] for c in calls] == [c["function"] for c in whole]
-    for marker in ("<tool_call>", "[TOOL_CALLS]"):
+    for marker in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", '"name"'):
         if whole:
             assert marker not in sent
 
@@ -178,6 +194,27 @@ def test_bad_tool_requests_are_400(tool_app, body, param):
     r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert param in r.json()["error"]["message"]
+
+
+def test_a_template_that_raises_is_a_400_not_a_500(tmp_path):
+    from fastapi.testclient import TestClient
+
+    folder = write_tiny_model(tmp_path / "m")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}{% if m.tool_calls %}"
+                            "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+                            "{% endif %}{{ m.content }}{% endfor %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    engine = fx_engine.Engine(fx_engine.load(folder), max_rows=1)
+    engine.start()
+    with TestClient(create_app(engine, "tiny")) as c:
+        bad = c.post("/v1/chat/completions", json={"messages": [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "x", "type": "function",
+             "function": {"name": "f", "arguments": "{}"}}]}], "max_tokens": 2})
+        ok = c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2})
+    engine.close()
+    assert bad.status_code == 400 and "length 9" in bad.json()["error"]["message"]
+    assert ok.status_code == 200
 
 
 def test_full_queue_is_429_with_retry_after(tmp_path):

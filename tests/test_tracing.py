@@ -93,7 +93,6 @@ def test_steady_decode_loop_has_no_recompiles_and_a_valid_timeline(tiny_model):
         mark = len(engine.trace_events)
         _workload(engine, tiny_model)
     assert w.recompiles == [], [e["reason"] for e in w.recompiles]
-    assert any(not e["after_warmup"] for e in w.events)  # the warm-up pass did compile
     trace = chrome_trace(list(engine.trace_events), w.events)
     assert validate_chrome_trace(trace) == []
     evs = trace["traceEvents"]

@@ -70,16 +70,25 @@ def corpus(model: Any, n_tokens: int) -> list[int]:
     return ids
 
 
-def prompts_for(model: Any, text: list[int], n: int, round_id: int, lo: int, hi: int) -> list[str]:
-    """n text prompts of lo..hi tokens, each starting at its own offset (no shared prefixes)."""
+def prompt_sets(model: Any, text: list[int], ns: list[int], rounds: int, lo: int,
+                hi: int) -> dict[tuple[int, int], list[str]]:
+    """(N, round) -> N text prompts of lo..hi tokens. Every request of the whole run starts at
+    its own offset of the text (a global counter), so no two requests sent to one server share
+    a prefix and no prefix cache can help; every server gets the same prompts."""
     import random
 
-    rng = random.Random(1000 * n + round_id)
-    out = []
-    for i in range(n):
-        length = rng.randint(lo, hi)
-        off = ((round_id * 64 + i) * 97) % (len(text) - length)
-        out.append(model.tokenizer.decode(text[off : off + length]))
+    out, k = {}, 0
+    for n in ns:
+        rng = random.Random(1000 * n)
+        for r in range(rounds):
+            ps = []
+            for _ in range(n):
+                length = rng.randint(lo, hi)
+                off = k * 97
+                assert off + length <= len(text), "corpus too short for the run"
+                ps.append(model.tokenizer.decode(text[off : off + length]))
+                k += 1
+            out[(n, r)] = ps
     return out
 
 
@@ -149,6 +158,8 @@ def run_direct(engine: Any, model: Any, prompts: list[str], gen: int) -> dict[st
             if ev.text:
                 res[i]["times"].append(time.perf_counter())
         res[i]["tokens"] = h.result().usage.completion_tokens
+        if res[i]["tokens"] != gen:
+            res[i]["error"] = f"generated {res[i]['tokens']} tokens, not {gen}"
 
     t0 = time.perf_counter()
     handles = [engine.submit(model.tokenizer.encode(p), max_tokens=gen, logit_bias=bias)
@@ -229,7 +240,10 @@ READY = {"fx": "/health", "mlx-lm": "/health", "mlx-lm-stock": "/health", "llama
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
-    out = {m: statistics.median(r[m] for r in runs)
+    import math
+
+    ok = [r for r in runs if not math.isnan(r["tok_s"])] or runs  # rounds where every stream failed: no data
+    out = {m: statistics.median(r[m] for r in ok)
            for m in ("tok_s", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95")}
     out["failed_streams"] = sum(r.get("errors", 0) for r in runs)  # over all measured rounds
     return out
@@ -285,7 +299,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     peers = [p.strip() for p in a.peers.split(",") if p.strip()]
     lo, hi = (int(x) for x in a.prompt_range.split(","))
     model = fx_engine.load(a.model)
-    text = corpus(model, hi + 97 * 64 * (a.runs + a.warmup + 1) + 4096)
+    rounds = a.warmup + a.runs
+    text = corpus(model, hi + 97 * sum(ns) * rounds + 64)
+    prompts = prompt_sets(model, text, ns, rounds, lo, hi)
     bias = {str(i): -100.0 for i in model.eos_ids}
     results: dict[str, dict[str, Any]] = {str(n): {} for n in ns}
     tmp = Path(tempfile.mkdtemp(prefix="fx-bench-server-"))
@@ -308,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with engine:
             runs = []
             for r in range(a.warmup + a.runs):
-                res = run_direct(engine, model, prompts_for(model, text, 1, r, lo, hi), a.gen_tokens)
+                res = run_direct(engine, model, prompts[(1, r)], a.gen_tokens)
                 if r >= a.warmup:
                     runs.append(res)
                     log(f"direct N=1 round {r - a.warmup + 1}: {res['tok_s']:.1f} tok/s")
@@ -329,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for n in ns:
                 runs = []
                 for r in range(a.warmup + a.runs):
-                    res = run_http(srv.url, prompts_for(model, text, n, r, lo, hi), a.gen_tokens, bias)
+                    res = run_http(srv.url, prompts[(n, r)], a.gen_tokens, bias)
                     if r >= a.warmup:
                         runs.append(res)
                     log(f"{peer} N={n} {'round' if r >= a.warmup else 'warm-up'} "

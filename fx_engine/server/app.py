@@ -19,6 +19,7 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -218,6 +219,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
             msg = str(e)
             param = msg.split(" ")[0].split(":")[0] if msg else None
             return _error(400, msg, param)
+        except TemplateError as e:  # the model's template rejects these messages (raise_exception)
+            return _error(400, f"messages: the chat template failed: {e}", "messages")
         metrics.requests += n
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())

@@ -5,10 +5,13 @@ Models write tool calls in a few formats; those handled here:
            SmolLM3, many fine-tunes), one block per call;
   mistral  `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (to the end of the text);
   llama    `<|python_tag|>{"name": ..., "parameters": {...}}` (Llama 3.1+), or the whole
-           reply being such a JSON object (or list) when the request offered tools.
+           reply being such a JSON object (or list).
 A call's JSON may name its arguments "arguments" or "parameters" and give them as an object
-or a JSON string. Text outside the calls stays the message's content. Unparseable call text
-(e.g. cut off by max_tokens) is kept as content rather than lost.
+or a JSON string holding one. Text outside the calls stays the message's content. Text that
+is not a valid call of one of the request's tools (cut off by max_tokens, an unknown
+function, non-object arguments) is kept as content rather than lost. A model-supplied call
+id is kept; otherwise ids are `call_...`, or 9 alphanumerics for the mistral format (its
+templates require them when the call comes back in the history).
 
 `ToolCallStream` does the same incrementally for SSE: `feed(delta)` returns the content that
 can be sent now (it holds back a suffix that might start a marker, and everything once a
@@ -26,8 +29,15 @@ _TO_END = ("[TOOL_CALLS]", "<|python_tag|>")  # a call (or a list of calls) to t
 _MARKERS = (_OPEN, *_TO_END)
 
 
-def _as_calls(obj: Any) -> list[dict[str, Any]] | None:
-    """{"name", "arguments"|"parameters"} or a list of them -> OpenAI tool_calls; None if not."""
+def _call_id(short: bool) -> str:
+    # Mistral's templates require 9 alphanumeric characters when the id comes back in history.
+    return uuid.uuid4().hex[:9] if short else f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _as_calls(obj: Any, tool_names: set[str] | None, short_ids: bool = False) -> list[dict[str, Any]] | None:
+    """{"name", "arguments"|"parameters"} or a list of them -> OpenAI tool_calls; None when
+    it is not one (or names a function the request did not offer, or has non-object
+    arguments): the text then stays content."""
     items = obj if isinstance(obj, list) else [obj]
     calls = []
     for it in items:
@@ -35,7 +45,7 @@ def _as_calls(obj: Any) -> list[dict[str, Any]] | None:
             return None
         fn = it.get("function") if isinstance(it.get("function"), dict) else it
         name = fn.get("name")
-        if not isinstance(name, str) or not name:
+        if not isinstance(name, str) or not name or (tool_names is not None and name not in tool_names):
             return None
         args = fn.get("arguments", fn.get("parameters", {}))
         if isinstance(args, str):
@@ -43,7 +53,10 @@ def _as_calls(obj: Any) -> list[dict[str, Any]] | None:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
                 return None
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        if not isinstance(args, dict):
+            return None
+        cid = it.get("id") if isinstance(it.get("id"), str) and it.get("id") else _call_id(short_ids)
+        calls.append({"id": cid, "type": "function",
                       "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
     return calls or None
 
@@ -66,7 +79,7 @@ def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str
             break
         j = rest.find(_CLOSE, i + len(_OPEN))
         body = rest[i + len(_OPEN) : j if j >= 0 else len(rest)]
-        parsed = _as_calls(_loads(body))
+        parsed = _as_calls(_loads(body), tool_names)
         if parsed is None:  # keep what we cannot parse
             content.append(rest[: j + len(_CLOSE)] if j >= 0 else rest)
         else:
@@ -76,15 +89,15 @@ def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str
     for marker in _TO_END:
         k = rest.find(marker)
         if k >= 0:
-            parsed = _as_calls(_loads(rest[k + len(marker) :]))
+            parsed = _as_calls(_loads(rest[k + len(marker) :]), tool_names, marker == "[TOOL_CALLS]")
             if parsed is not None:
                 content.append(rest[:k])
                 calls += parsed
                 rest = ""
             break
     if rest and not calls and tool_names is not None and rest.lstrip()[:1] in ("{", "["):
-        parsed = _as_calls(_loads(rest))  # a bare JSON call (Llama 3 without python_tag)
-        if parsed is not None and all(c["function"]["name"] in tool_names for c in parsed):
+        parsed = _as_calls(_loads(rest), tool_names)  # a bare JSON call (Llama 3 without python_tag)
+        if parsed is not None:
             return "".join(content), parsed
     content.append(rest)
     return "".join(content), calls
@@ -103,9 +116,13 @@ class ToolCallStream:
         self.text += delta
         if self.holding:
             return ""
-        if self.sent == 0 and self.text.lstrip()[:1] in ("{", "["):
-            self.holding = True  # maybe a bare JSON call: decide at the end
-            return ""
+        if self.sent == 0:  # nothing sent yet: the reply may be a bare JSON call
+            head = self.text.lstrip()
+            if not head:
+                return ""  # only whitespace so far: wait for the first real character
+            if head[0] in "{[":
+                self.holding = True  # decide at the end
+                return ""
         pending = self.text[self.sent :]
         starts = [k for k in (pending.find(m) for m in _MARKERS) if k >= 0]
         if starts:
@@ -122,8 +139,10 @@ class ToolCallStream:
         content, calls = parse_tool_calls(self.text, self.tool_names)
         if not calls:
             return self.text[self.sent :], []
-        # The content sent so far is a prefix of `content` (it precedes the first call).
-        return content[self.sent :], calls
+        sent = self.text[: self.sent]
+        # What was sent precedes the first call, so it starts `content`; if not (it cannot
+        # happen by construction), send no more content rather than repeat any.
+        return (content[self.sent :] if content.startswith(sent) else ""), calls
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

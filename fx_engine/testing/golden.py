@@ -21,7 +21,7 @@ expected vs actual token and text, and both logprobs), "fingerprint_mismatch" (t
 is not the one the golden was recorded with: not a regression) or "error".
 
 Command line: `fx-engine golden record CASES -o GOLDEN`, `fx-engine golden check GOLDEN`.
-pytest: the `golden` fixture (fx_engine.testing.pytest_plugin, registered automatically):
+pytest: the `golden` fixture (opt-in: `pytest_plugins = ["fx_engine.testing.pytest_plugin"]`):
 `golden.check("golden.json")` fails with the readable diff.
 """
 
@@ -253,17 +253,39 @@ def save(doc: dict[str, Any], path: str | Path) -> None:
     Path(path).write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
 
 
-def load_golden(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    doc = _read_structured(path)
+def validate_golden(doc: Any, where: str = "golden document") -> dict[str, Any]:
+    """Check a golden document's structure; returns it. Errors name the field."""
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise GoldenError(f"{path}: not a golden document (format {FORMAT!r}); record one with "
+        raise GoldenError(f"{where}: not a golden document (format {FORMAT!r}); record one with "
                           "`fx-engine golden record`")
-    for i, c in enumerate(doc.get("cases") or []):
+    cases = doc.get("cases")
+    if not isinstance(cases, list) or not cases:
+        raise GoldenError(f"{where}: cases must be a non-empty list")
+    models = doc.get("models")
+    if not isinstance(models, dict):
+        raise GoldenError(f"{where}: models (each model's fingerprint) is missing")
+    for i, c in enumerate(cases):
+        at = f"{where}: cases[{i}]"
+        if not isinstance(c, dict):
+            raise GoldenError(f"{at} must be an object")
         for f in ("case", "model", "prompt_token_ids", "token_ids", "logprobs"):
             if f not in c:
-                raise GoldenError(f"{path}: cases[{i}].{f} is missing")
+                raise GoldenError(f"{at}.{f} is missing")
+        parse_case(c["case"], f"{at}.case")
+        if not isinstance(models.get(c["model"]), dict) or not models[c["model"]].get("fingerprint"):
+            raise GoldenError(f"{at}.model: {c['model']!r} has no recorded fingerprint in models")
+        for f in ("prompt_token_ids", "token_ids"):
+            if not isinstance(c[f], list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in c[f]):
+                raise GoldenError(f"{at}.{f} must be a list of token ids")
+        if not isinstance(c["logprobs"], list) or len(c["logprobs"]) != len(c["token_ids"]):
+            raise GoldenError(f"{at}.logprobs must hold one logprob per expected token "
+                              f"({len(c['token_ids'])})")
     return doc
+
+
+def load_golden(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    return validate_golden(_read_structured(path), str(path))
 
 
 # ---------------------------------------------------------------------------- check
@@ -316,8 +338,8 @@ def check_entry(entry: dict[str, Any], golden: dict[str, Any], *, models: ModelC
         m = models.get(spec)
     except Exception as e:  # noqa: BLE001  reported per case
         return CaseResult(case.name, "error", f"cannot load model {spec!r}: {e}")
-    want = (golden.get("models") or {}).get(entry["model"], {}).get("fingerprint")
-    if want and m.fingerprint != want and not ignore_fingerprint:
+    want = golden["models"][entry["model"]]["fingerprint"]
+    if m.fingerprint != want and not ignore_fingerprint:
         return CaseResult(case.name, "fingerprint_mismatch",
                           f"model {spec!r} has fingerprint {m.fingerprint}, the golden output was recorded "
                           f"with {want}: a different model, not a regression (re-record to pin this one)")
@@ -353,7 +375,7 @@ def check(golden: dict[str, Any] | str | Path, *, model: str | None = None, name
           producer: Producer | None = None, scorer: Scorer | None = None,
           ignore_fingerprint: bool = False, models: ModelCache | None = None) -> list[CaseResult]:
     """Check every case (or those named) of a golden document; one CaseResult each."""
-    doc = golden if isinstance(golden, dict) else load_golden(golden)
+    doc = validate_golden(golden) if isinstance(golden, dict) else load_golden(golden)
     models = models or ModelCache(model)
     entries = doc["cases"]
     if names is not None:

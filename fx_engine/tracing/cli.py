@@ -155,19 +155,19 @@ def cmd_run(a: argparse.Namespace, console: Console) -> dict[str, Any]:
     from .svg import timeline_svg
 
     model = _load(a.model)
-    engine = fx_engine.Engine(model, max_rows=a.rows, prefill_chunk=a.chunk, prefix_cache_bytes=0)
+    engine = fx_engine.Engine(model, max_rows=a.rows, prefill_chunk=a.chunk, prefix_cache_bytes=0,
+                              trace_capacity=1_000_000)  # the whole run: the timeline keeps every event
     reqs = _workload(model, a.requests, a.max_tokens, a.seed, a.speculative)
     with RecompileWatch() as watch:
         t0 = time.perf_counter()
         _run_pass(engine, reqs, a.arrive_every)
         warm_s = time.perf_counter() - t0
         watch.mark_warm()
-        first = len(engine.trace_events)
         t1 = time.perf_counter()
         _run_pass(engine, reqs, a.arrive_every)
         steady_s = time.perf_counter() - t1
     events = list(engine.trace_events)
-    steady = events[first:]
+    steady = [e for e in events if e["t"] >= t1]
     trace = chrome_trace(events, watch.events)
     problems = validate_chrome_trace(trace)
     out = Path(a.out)

@@ -7,6 +7,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
+from ..cache import span_bucket
 from ..model import Model
 from ..sampling import SamplingConfig
 from ..speculative import verify_step
@@ -56,6 +57,14 @@ def step_inputs(model: Model, bucket: Bucket) -> dict[str, tuple[tuple, tuple[st
     }
 
 
+def step_spans(bucket: Bucket) -> dict[str, int]:
+    """The attention span the Engine passes for the first step of each kind in this bucket
+    (rows at position 0), so that the graphs are the ones it compiles."""
+    b = bucket
+    return {"prefill_step": span_bucket(b.chunk, b.capacity), "decode_step": span_bucket(1, b.capacity),
+            "verify_step": span_bucket(b.draft + 1, b.capacity)}
+
+
 _FUNCTIONS = {
     ("prefill_step", "traced"): prefill_step, ("prefill_step", "compiled"): prefill_step_compiled,
     ("decode_step", "traced"): decode_step, ("decode_step", "compiled"): decode_step_compiled,
@@ -73,9 +82,11 @@ def step_graphs(model: Model, bucket: Bucket, steps: tuple[str, ...] = STEPS,
         if v not in VIEWS:
             raise ValueError(f"views: unknown view {v!r} (one of {', '.join(VIEWS)})")
     inputs = step_inputs(model, bucket)
+    spans = step_spans(bucket)
     out: dict[tuple[str, str], Any] = {}
     for s in steps:
         args, names = inputs[s]
         for v in views:
-            out[(s, v)] = function_graph(_FUNCTIONS[(s, v)], args, name=s, view=v, arg_names=names)
+            out[(s, v)] = function_graph(_FUNCTIONS[(s, v)], args, {"span": spans[s]}, name=s, view=v,
+                                         arg_names=names)
     return out

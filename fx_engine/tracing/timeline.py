@@ -119,6 +119,7 @@ class RecompileWatch:
         self.functions = tuple(functions)
         self.events: list[dict[str, Any]] = []
         self._warm_at: dict[str, int] | None = None
+        self._start = {id(f): len(f.trace_log) for f in self.functions}  # usable without `with` too
 
     def __enter__(self) -> "RecompileWatch":
         self._start = {id(f): len(f.trace_log) for f in self.functions}
