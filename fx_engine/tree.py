@@ -15,7 +15,6 @@ of the compile key.
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from typing import Any, Callable
 
@@ -175,7 +174,7 @@ class CompiledFunction:
     One underlying `mx.compile` per distinct input treedef, so MLX's own key (shapes,
     dtypes, constants) is only ever asked to separate calls that already share a structure.
     `trace_log` records every trace with the treedef and array signature that caused it,
-    which is how tests and tools/trace.py count recompiles.
+    which is how tests and tools/trace.py count recompiles; `trace_hooks` observe traces.
     """
 
     def __init__(self, fn: Callable[..., Any], name: str | None = None, compile: bool = True):
@@ -188,6 +187,9 @@ class CompiledFunction:
         self._shape_dependent: set[TreeDef] = set()
         self._ids: dict[TreeDef, int] = {}
         self.trace_log: list[dict[str, Any]] = []
+        # Observers of traces, called as hook("start" | "end", trace_log entry): how tools
+        # (fx_engine.tracing) timestamp compiles without the core reading a clock.
+        self.trace_hooks: list[Callable[[str, dict[str, Any]], None]] = []
         self._lock = threading.Lock()
 
     @property
@@ -199,10 +201,13 @@ class CompiledFunction:
             args, kwargs = tree_unflatten(in_td, list(leaves))
             sig = _signature(leaves)
             entry = {"function": self.name, "structure_id": self._ids.setdefault(in_td, len(self._ids)),
-                     "signature": sig, "treedef": in_td, "t0": time.perf_counter()}
+                     "signature": sig, "treedef": in_td}
             self.trace_log.append(entry)
+            for hook in self.trace_hooks:
+                hook("start", entry)
             out = self.fn(*args, **kwargs)
-            entry["t1"] = time.perf_counter()  # the Python trace; MLX compiles at first eval
+            for hook in self.trace_hooks:  # the Python trace is done; MLX compiles at first eval
+                hook("end", entry)
             out_leaves, out_td = tree_flatten(out)
             # The output structure may depend on input shapes (e.g. a Python int derived
             # from a shape): keep one per (structure, shapes) once two ever differ.

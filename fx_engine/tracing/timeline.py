@@ -23,6 +23,7 @@ and traces on a compile track.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable
 
 from ..steps import (decode_step_compiled, prefill_step_compiled, sample_step_compiled,
@@ -107,12 +108,16 @@ def _arg_names(fn: Any) -> list[str]:
         return []
 
 
+def _timestamp(phase: str, entry: dict[str, Any]) -> None:
+    entry["t0" if phase == "start" else "t1"] = time.perf_counter()
+
+
 class RecompileWatch:
     """Record every trace of the given compiled functions inside a `with` block.
 
     `events`: one dict per trace, in order: function, structure_id, reason, signature, t0/t1
-    (perf_counter), and `after_warmup` (False until `mark_warm()` is called). `recompiles`:
-    the events after warm-up, which a steady loop should not have.
+    (perf_counter, while inside `with`), and `after_warmup` (False until `mark_warm()` is
+    called). `recompiles`: the events after warm-up, which a steady loop should not have.
     """
 
     def __init__(self, functions: Iterable[CompiledFunction] = STEP_FUNCTIONS):
@@ -123,9 +128,14 @@ class RecompileWatch:
 
     def __enter__(self) -> "RecompileWatch":
         self._start = {id(f): len(f.trace_log) for f in self.functions}
+        for f in self.functions:
+            f.trace_hooks.append(_timestamp)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        for f in self.functions:
+            if _timestamp in f.trace_hooks:
+                f.trace_hooks.remove(_timestamp)
         self.collect()
 
     def mark_warm(self) -> None:
