@@ -53,15 +53,7 @@ def main() -> int:
         if not tokens:
             return [], []
         x = mx.array(prompt + tokens[:-1])[None]
-        lg = ref_of(model)(x)[0, len(prompt) - 1 :].astype(mx.float32)
-        lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
-        chosen = mx.take_along_axis(lp, mx.array(tokens)[:, None], axis=-1)[:, 0].tolist()
-        top = []
-        if top_k:
-            idx = mx.argsort(-lp, axis=-1)[:, :top_k]
-            vals = mx.take_along_axis(lp, idx, axis=-1)
-            top = [[[int(i), float(v)] for i, v in zip(ri, rv)] for ri, rv in zip(idx.tolist(), vals.tolist())]
-        return [float(c) for c in chosen], top
+        return g.token_logprobs(ref_of(model)(x)[0, len(prompt) - 1 :], tokens, top_k)
 
     cases = g.load_cases(GOLDEN / "cases.json")
     doc = g.record(cases, producer=producer, scorer=scorer,

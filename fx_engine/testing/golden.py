@@ -196,13 +196,20 @@ def fx_producer(model: Any, case: GoldenCase, ids: list[int]) -> list[int]:
 
 def fx_scorer(model: Any, prompt: list[int], tokens: list[int], top_k: int) -> tuple[list[float], list[list[list[float]]]]:
     """Teacher-forced log_softmax of fx-engine's logits at each generated position."""
-    import mlx.core as mx
-
     from ..scoring import logits
 
     if not tokens:
         return [], []
-    lg = logits(model, prompt + tokens[:-1])[len(prompt) - 1 :].astype(mx.float32)
+    return token_logprobs(logits(model, prompt + tokens[:-1])[len(prompt) - 1 :], tokens, top_k)
+
+
+def token_logprobs(lg: Any, tokens: list[int], top_k: int) -> tuple[list[float], list[list[list[float]]]]:
+    """From logits [T, V] at the positions that predicted `tokens`: each token's logprob
+    (log_softmax) and, if top_k, the top-k [[id, logprob], ...] per position. Shared by
+    fx-engine's scorer and an oracle's (tools/make_golden.py), so both record the same thing."""
+    import mlx.core as mx
+
+    lg = lg.astype(mx.float32)
     lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
     chosen = mx.take_along_axis(lp, mx.array(tokens)[:, None], axis=-1)[:, 0].tolist()
     top: list[list[list[float]]] = []
