@@ -224,6 +224,16 @@ def _model_id(model: Any) -> str:
     return Path(model.path).stem if model.path else "fx-engine"
 
 
+def _native_line() -> str:
+    from . import native
+
+    if native.ensure(quiet=True) is None:
+        err = (native.status()["error"] or "off (FX_ENGINE_NATIVE=0)").strip().splitlines()[0]
+        return f"unavailable, MLX ops used instead: {err}"
+    st = native.status()
+    return f"on, {st['threads']} threads ({st['path']})"
+
+
 def cmd_info(a: argparse.Namespace) -> int:
     import mlx.core as mx
 
@@ -246,6 +256,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         ("malloc tuning", "on (FX_ENGINE_MALLOC=default turns it off)" if malloc_active()
          else "off"),
         ("mx.compile JIT (g++)", shutil.which("g++") or "missing: mx.compile silently does nothing"),
+        ("native CPU kernels", _native_line()),
         ("default model", default),
     ]
     width = max(len(k) for k, _ in rows)

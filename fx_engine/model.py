@@ -12,10 +12,11 @@ import mlx.core as mx
 
 from .config import GemmaConfig, ModelConfig
 from .loading.default_model import default_model_path
-from .loading.weights import WeightsError, load_gguf, load_hf_folder
+from . import native as fx_native
+from .loading.weights import KeepQuantized, WeightsError, load_gguf, load_hf_folder
 from .cache import KVCache, LayerSpec, init_cache
 from .models import AnyParams, cache_layout
-from .nn import Numerics
+from .nn import Linear, Numerics
 from .tree import tree_leaves
 
 QUANTIZED_KV_START = 5000  # mlx-lm's default: short contexts keep a float cache
@@ -89,6 +90,28 @@ def model_fingerprint(meta: list[str], files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
+def _weight_kinds(params: Any) -> str:
+    """What the matmul weights became, e.g. "4-bit+8-bit (native)" or "float32"."""
+    lins: list[Linear] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, Linear):
+            lins.append(node)
+        elif attrs.has(type(node)):
+            for f in attrs.fields(type(node)):
+                walk(getattr(node, f.name))
+        elif isinstance(node, (tuple, list)):
+            for x in node:
+                walk(x)
+
+    walk(params)
+    bits = sorted({lin.bits for lin in lins if lin.quantized})
+    kinds = [f"{b}-bit" for b in bits] + sorted({str(lin.weight.dtype).split(".")[-1]
+                                                 for lin in lins if not lin.quantized})
+    native = " (native kernels)" if bits and getattr(params, "numerics", None) and params.numerics.native else ""
+    return "+".join(kinds) + native if kinds else str(params.dtype)
+
+
 def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
@@ -102,14 +125,18 @@ def load(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = QUANTIZED_KV_START,
+    native: bool | None = None,
 ) -> Model:
     """Load a model from a GGUF file or a Hugging Face style folder (None: the default model).
 
     dtype: activation/weight dtype ("float32", "float16", "bfloat16"); default float32 on
     CPU (MLX's CPU f16/bf16 math is 10-60x slower) and the stored dtype elsewhere.
-    keep_quantized: keep quantized tensors quantized (default: not on CPU, where MLX's
-    quantized matmul is a naive kernel and dequantized float32 through BLAS is ~10x faster;
-    yes on GPU). batch_invariant: fixed-tile matmuls (see fx_engine.nn.Numerics).
+    native: use fx-engine's native CPU kernels (`fx_engine.native`; default: on the CPU when
+    they build on this machine). keep_quantized: keep quantized tensors quantized. Default:
+    yes on GPU; on CPU, the 4-/8-bit formats the native kernels run (they stream the packed
+    weights), everything else dequantized to float32 (MLX's own CPU quantized matmul is a
+    naive kernel, ~10x slower than float32 through BLAS). batch_invariant: every row's
+    arithmetic independent of the batch and chunk (see fx_engine.nn.Numerics).
     kv_bits / kv_group_size / quantized_kv_start: the KV cache kind (see
     `Model.with_kv_cache`; mlx-lm's options of the same names).
     """
@@ -120,19 +147,29 @@ def load(
         raise FileNotFoundError(f"model path does not exist: {p}")
     if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
-    if keep_quantized is None:
-        keep_quantized = not _on_cpu()
+    if native is None:
+        native = _on_cpu() and fx_native.ensure() is not None
+    elif native and fx_native.ensure() is None:
+        raise RuntimeError(f"native=True but fx-engine's native kernels are unavailable: "
+                           f"{fx_native.status()['error']}")
+    keep: KeepQuantized
+    if keep_quantized is not None:
+        keep = keep_quantized
+    elif not _on_cpu():
+        keep = True
+    else:
+        keep = fx_native.supports if native else False
     mx_dtype = getattr(mx, dtype) if dtype else (mx.float32 if _on_cpu() else None)
-    numerics = Numerics(batch_invariant=batch_invariant)
+    numerics = Numerics(batch_invariant=batch_invariant, native=bool(native))
     if p.is_file():
         if p.suffix.lower() != ".gguf":
             raise WeightsError(f"{p}: unsupported model file (expected a .gguf file or a folder)")
-        cfg, params, metadata = load_gguf(p, mx_dtype or mx.float16, keep_quantized, numerics)
+        cfg, params, metadata = load_gguf(p, mx_dtype or mx.float16, keep, numerics)
         tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(p))
         fmt = "gguf"
         fp_src = [str(p.stat().st_size), json.dumps(attrs.asdict(cfg), default=str)]
     else:
-        cfg, params, raw = load_hf_folder(p, mx_dtype, keep_quantized, numerics)
+        cfg, params, raw = load_hf_folder(p, mx_dtype, keep, numerics)
         tokenizer = Tokenizer.from_hf_folder(p)
         fmt = "mlx-quantized" if raw.get("quantization") else "safetensors"
         fp_src = [json.dumps(raw, sort_keys=True)] + [
@@ -141,7 +178,7 @@ def load(
     mx.eval(tree_leaves(params))
     files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
     fingerprint = model_fingerprint(fp_src, files)
-    quant_kinds = "quantized" if keep_quantized else str(params.dtype)
+    quant_kinds = _weight_kinds(params)
     model = Model(
         config=cfg, params=params, tokenizer=tokenizer, path=str(p),
         fingerprint=fingerprint, weight_format=f"{fmt} -> {quant_kinds}",

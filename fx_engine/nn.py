@@ -9,6 +9,7 @@ from __future__ import annotations
 import attrs
 import mlx.core as mx
 
+from . import native
 from .tree import static_field
 
 
@@ -29,6 +30,12 @@ class Numerics:
     batch_invariant: bool = False
     tile: int = 8
     kv_block: int = 64  # batch-invariant attention sums P @ V over fixed blocks of slots
+    # fx_engine.native kernels for 4-/8-bit linears (CPU). They are batch-invariant by
+    # construction; above `native_max_rows` rows (prefill chunks) the fast mode instead
+    # dequantizes the weight (natively, into a temporary) and runs a BLAS GEMM, which
+    # is ~2x faster there.
+    native: bool = False
+    native_max_rows: int = 32
 
 
 @attrs.frozen
@@ -64,6 +71,20 @@ class Linear:
         return int(self.weight.shape[1] if self.transposed else self.weight.shape[0])
 
 
+def _native_ok(lin: Linear, numerics: Numerics) -> bool:
+    return numerics.native and lin.quantized and native.supports(lin.group_size, lin.bits)
+
+
+def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
+    rows = 1
+    for n in x.shape[:-1]:
+        rows *= n
+    if numerics.batch_invariant or rows <= numerics.native_max_rows:
+        return native.qmm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
+    w = native.dequantize(lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
+    return x @ w.astype(x.dtype).T
+
+
 def _matmul_rows(x: mx.array, lin: Linear) -> mx.array:
     if lin.quantized:
         return mx.quantized_matmul(
@@ -93,7 +114,9 @@ def _tiled_matmul(x2: mx.array, lin: Linear, tile: int) -> mx.array:
 
 
 def linear(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
-    if numerics.batch_invariant:
+    if _native_ok(lin, numerics):
+        y = _native_matmul(x, lin, numerics)
+    elif numerics.batch_invariant:
         lead = x.shape[:-1]
         y = _tiled_matmul(x.reshape(-1, x.shape[-1]), lin, numerics.tile)
         y = y.reshape(*lead, y.shape[-1])
@@ -124,7 +147,10 @@ def embed(tokens: mx.array, table: Linear) -> mx.array:
     return table.weight[tokens]
 
 
-def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+def rms_norm(x: mx.array, weight: mx.array, eps: float, numerics: Numerics | None = None) -> mx.array:
+    # MLX's CPU rms_norm is a fallback of 3-4 graph nodes; the native one is a single node.
+    if numerics is not None and numerics.native and x.dtype == mx.float32:
+        return native.rms_norm(x, weight, eps)
     return mx.fast.rms_norm(x, weight, eps)
 
 
@@ -249,8 +275,12 @@ def attention(
     else:
         tp = t
         scores = (qh.reshape(b, hk, rep * t, d) @ k.swapaxes(-1, -2)).reshape(b, hk, rep, t, s)
-    scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
-    probs = softmax(scores).astype(scores.dtype)
+    if numerics.native and scores.dtype == mx.float32:  # one pass, multi-threaded
+        probs = native.masked_softmax(scores.reshape(b, hk * rep, tp, s), m.reshape(b, tp, s))
+        probs = probs.reshape(b, hk, rep, tp, s)
+    else:
+        scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
+        probs = softmax(scores).astype(scores.dtype)
     if numerics.batch_invariant:
         out = _blocked_pv(probs.reshape(b, hk, rep * tp // numerics.tile, numerics.tile, s), v,
                           numerics.kv_block)

@@ -3,11 +3,15 @@
 
 One process, one BLAS, the same weights for every engine:
 
-  fx            fx-engine as the shell runs it (GGUF dequantized to dense float32, compiled
+  fx            fx-engine as the shell runs it (`fx_engine.load(path)`: on the CPU with the
+                native kernels, the GGUF's 4-/8-bit tensors kept quantized; compiled
                 steps, prefill chunks of 512, attention span buckets), timed through
                 `fx_engine.stream` itself (one delta per token) with EOS suppressed by a logit
                 bias, so every engine decodes the same number of tokens.
-  fx-bi         the same with `load(..., batch_invariant=True)` (fixed-tile matmuls).
+  fx-bi         the same with `load(..., batch_invariant=True)`.
+  fx-mlx        fx-engine without its native kernels (`load(..., native=False)`): weights
+                dequantized to dense float32, every op MLX's own (the default until the
+                native kernels existed).
   mlx-lm        mlx-lm's natural representation of the model. For a GGUF: the GGUF tensors as
                 `mx.load` returns them (MLX affine triples, group 32; Q4_1 -> 4-bit,
                 Q8_0 -> 8-bit) in `nn.QuantizedLinear` / `nn.QuantizedEmbedding`, scales and
@@ -99,6 +103,7 @@ REFERENCE_SOURCE = "shared/reference/default-model.md (llama.cpp, 2 threads, sam
 ENGINE_LABELS = {
     "fx": "fx-engine",
     "fx-bi": "fx-engine (batch-invariant)",
+    "fx-mlx": "fx-engine (MLX ops only, dense f32)",
     "mlx-lm": "mlx-lm (natural: 4/8-bit GGUF)",
     "mlx-lm-f32": "mlx-lm (dense f32, fx weights)",
     "llama.cpp": "llama.cpp (llama-cpp-python)",
@@ -816,7 +821,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     med = {k: {m: v["metrics"].get(m, {}).get("median") for m in metrics} for k, v in res.items()}
     fx = med.get("fx", {})
     ratios: dict[str, dict[str, float | None]] = {}
-    for peer in ("mlx-lm", "mlx-lm-f32", "llama.cpp"):
+    for peer in ("fx-mlx", "mlx-lm", "mlx-lm-f32", "llama.cpp"):
         if peer in med:
             ratios[f"fx/{peer}"] = {
                 m: (fx.get(m) / med[peer][m]) if fx.get(m) and med[peer].get(m) else None
@@ -907,8 +912,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         _fmt(report["results"][k]["memory"][long_wl]["rss_peak_kb"] / 1e3, 0) for k in keys)
         + " |")
     lines.append("")
-    lines.append("Ratios of medians (fx-engine / peer; fx-bi/fx: the share of fx-engine's speed "
-                 "the batch-invariant mode keeps):")
+    lines.append("Ratios of medians (fx-engine / peer; fx/fx-mlx: what the native kernels "
+                 "bring; fx-bi/fx: the share of fx-engine's speed the batch-invariant mode keeps):")
     lines.append("")
     lines.append("| ratio | " + " | ".join(metrics) + " |")
     lines.append("|---|" + "---:|" * len(metrics))
@@ -1029,8 +1034,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="fewer tokens: prefill 128/512, decode 16")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny random model, a few tokens; checks the tool runs (no timing claims)")
-    ap.add_argument("--engines", default="fx,fx-bi,mlx-lm,mlx-lm-f32,llama.cpp",
-                    help="comma list among fx,fx-bi,mlx-lm,mlx-lm-f32,llama.cpp")
+    ap.add_argument("--engines", default="fx,fx-bi,fx-mlx,mlx-lm,mlx-lm-f32,llama.cpp",
+                    help="comma list among fx,fx-bi,fx-mlx,mlx-lm,mlx-lm-f32,llama.cpp")
     ap.add_argument("--short-context", type=int, default=None, help="prompt tokens for decode (64)")
     ap.add_argument("--prefill-sizes", default=None,
                     help="comma list (512,2048); the largest also carries the long-context decode")
@@ -1124,6 +1129,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engines.append(fx_eng)  # the reference of every ratio: always measured
     if "fx-bi" in wanted:
         engines.append(FxEngine(fx_engine.load(path, batch_invariant=True), "fx-bi"))
+    if "fx-mlx" in wanted:
+        engines.append(FxEngine(fx_engine.load(path, native=False), "fx-mlx"))
     gguf_stored = None
     if "mlx-lm" in wanted:
         try:

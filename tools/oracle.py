@@ -40,20 +40,28 @@ def _mlx_lm_skeleton(cfg: Any) -> Any:
     return model_cls(args_cls.from_dict(d))
 
 
+def _dense(lin: Any) -> mx.array:
+    """A linear's weight as dense [out, in]: quantized ones dequantized with MLX's own
+    mx.dequantize (the values the native kernels compute with, bit for bit)."""
+    if lin.quantized:
+        return mx.dequantize(lin.weight, lin.scales, lin.biases, group_size=lin.group_size,
+                             bits=lin.bits)
+    return lin.dense_out_in
+
+
 def dense_hf_weights(model: Any) -> dict[str, mx.array]:
-    """fx-engine's own dense arrays under Hugging Face / mlx-lm names (fused matrices split)."""
+    """fx-engine's own weights under Hugging Face / mlx-lm names (fused matrices split), as
+    dense arrays: exactly the values fx-engine computes with."""
     cfg, p = model.config, model.params
-    if any(lin.quantized for lin in (p.embed, *[lp.qkv for lp in p.layers])):
-        raise ValueError("fx params are quantized; the dense peer needs dense weights")
     hq, hk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     ff = cfg.intermediate_size
-    w: dict[str, mx.array] = {"model.embed_tokens.weight": p.embed.weight,
+    w: dict[str, mx.array] = {"model.embed_tokens.weight": _dense(p.embed),
                               "model.norm.weight": p.norm}
     if p.lm_head is not None:
-        w["lm_head.weight"] = p.lm_head.dense_out_in
+        w["lm_head.weight"] = _dense(p.lm_head)
     for i, lp in enumerate(p.layers):
         pre = f"model.layers.{i}."
-        qkv = lp.qkv.dense_out_in
+        qkv = _dense(lp.qkv)
         w[pre + "self_attn.q_proj.weight"] = qkv[:hq]
         w[pre + "self_attn.k_proj.weight"] = qkv[hq : hq + hk]
         w[pre + "self_attn.v_proj.weight"] = qkv[hq + hk :]
@@ -62,15 +70,15 @@ def dense_hf_weights(model: Any) -> dict[str, mx.array]:
             w[pre + "self_attn.q_proj.bias"] = b[:hq]
             w[pre + "self_attn.k_proj.bias"] = b[hq : hq + hk]
             w[pre + "self_attn.v_proj.bias"] = b[hq + hk :]
-        w[pre + "self_attn.o_proj.weight"] = lp.o.dense_out_in
+        w[pre + "self_attn.o_proj.weight"] = _dense(lp.o)
         if lp.o.bias is not None:
             w[pre + "self_attn.o_proj.bias"] = lp.o.bias
-        w[pre + "mlp.gate_proj.weight"] = lp.gate_up.dense_out_in[:ff]
-        w[pre + "mlp.up_proj.weight"] = lp.gate_up.dense_out_in[ff:]
+        w[pre + "mlp.gate_proj.weight"] = _dense(lp.gate_up)[:ff]
+        w[pre + "mlp.up_proj.weight"] = _dense(lp.gate_up)[ff:]
         if lp.gate_up.bias is not None:
             w[pre + "mlp.gate_proj.bias"] = lp.gate_up.bias[:ff]
             w[pre + "mlp.up_proj.bias"] = lp.gate_up.bias[ff:]
-        w[pre + "mlp.down_proj.weight"] = lp.down.dense_out_in
+        w[pre + "mlp.down_proj.weight"] = _dense(lp.down)
         if lp.down.bias is not None:
             w[pre + "mlp.down_proj.bias"] = lp.down.bias
         w[pre + "input_layernorm.weight"] = lp.attn_norm

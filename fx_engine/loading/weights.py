@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import attrs
-from typing import Any
+from typing import Any, Callable, Union
 
 import mlx.core as mx
 
@@ -114,16 +114,27 @@ def _dequantized(lin: Linear, dtype: mx.Dtype) -> Linear:
     return Linear(weight=w, bias=_cast(lin.bias, dtype))
 
 
+KeepQuantized = Union[bool, Callable[[int, int], bool]]
+
+
+def _keep(policy: KeepQuantized, lin: Linear) -> bool:
+    """Whether a quantized linear stays quantized: a bool, or a predicate on (group_size,
+    bits) (e.g. "the native CPU kernels support this format")."""
+    if not lin.quantized:
+        return False
+    return bool(policy(lin.group_size, lin.bits)) if callable(policy) else bool(policy)
+
+
 def _cast(x: mx.array | None, dtype: mx.Dtype) -> mx.array | None:
     return None if x is None else x.astype(dtype)
 
 
-def _fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: bool) -> Linear:
+def _fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: KeepQuantized) -> Linear:
     """Concatenate linears along the output axis (exact for dense and affine-quantized)."""
     same_q = all(p.quantized for p in parts) and len(
         {(p.group_size, p.bits) for p in parts}
     ) == 1
-    if keep_quantized and same_q:
+    if same_q and _keep(keep_quantized, parts[0]):
         cat = lambda xs: mx.concatenate(xs, axis=0)  # noqa: E731
         return Linear(
             weight=cat([p.weight for p in parts]),
@@ -139,10 +150,10 @@ def _fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: bool) -> Linear:
     ), dtype, keep_quantized)
 
 
-def _finish(lin: Linear, dtype: mx.Dtype, keep_quantized: bool, table: bool = False) -> Linear:
+def _finish(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized, table: bool = False) -> Linear:
     """Final representation: quantized kept as is, or dense; dense matmul-only weights are
     stored transposed ([in, out]); embedding tables (`table`) stay [vocab, hidden]."""
-    if lin.quantized and keep_quantized:
+    if _keep(keep_quantized, lin):
         return Linear(
             weight=lin.weight, bias=_cast(lin.bias, dtype), scales=lin.scales.astype(dtype),
             biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits,
@@ -187,7 +198,7 @@ def _quant_for(quant: dict | None, module: str) -> dict | None:
 
 def assemble_params(
     cfg: ModelConfig, src: _TensorSource, names: dict[str, str], where: str,
-    quant: dict | None, dtype: mx.Dtype, keep_quantized: bool, numerics: Numerics,
+    quant: dict | None, dtype: mx.Dtype, keep_quantized: KeepQuantized, numerics: Numerics,
 ) -> Params:
     hid, hd = cfg.hidden_size, cfg.head_dim
     hq, hk, ff = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
@@ -232,7 +243,7 @@ def assemble_params(
 
 def assemble_gemma(
     cfg: GemmaConfig, src: _TensorSource, where: str, quant: dict | None, dtype: mx.Dtype,
-    keep_quantized: bool, numerics: Numerics,
+    keep_quantized: KeepQuantized, numerics: Numerics,
 ) -> GemmaParams:
     """Gemma 3 / Gemma 4 text weights under mlx-lm's (= Hugging Face's) names. Gemma 3's
     norms are stored as (1 + weight): the 1 is folded in here (in float32, as mlx-lm adds it
@@ -329,8 +340,10 @@ def _read_expert_stack(
     return Linear(weight=w)
 
 
-def _finish_experts(lin: Linear, dtype: mx.Dtype, keep_quantized: bool) -> Linear:
-    if lin.quantized and keep_quantized:
+def _finish_experts(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized) -> Linear:
+    # Stacked experts run through mx.gather_qmm, which has no native CPU kernel: only an
+    # explicit keep_quantized=True keeps them quantized.
+    if lin.quantized and keep_quantized is True:
         return Linear(weight=lin.weight, scales=lin.scales.astype(dtype),
                       biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits)
     w = lin.weight
@@ -342,7 +355,7 @@ def _finish_experts(lin: Linear, dtype: mx.Dtype, keep_quantized: bool) -> Linea
 
 def _read_moe(
     cfg: GemmaConfig, src: _TensorSource, pre: str, where: str, quant: dict | None,
-    dtype: mx.Dtype, keep_quantized: bool, norm: Any,
+    dtype: mx.Dtype, keep_quantized: KeepQuantized, norm: Any,
 ) -> MoEBlock:
     """Gemma 4 MoE weights, in Hugging Face's layout (experts.gate_up_proj [E, 2F, H],
     experts.down_proj [E, H, F]) or mlx-lm's sanitized one (experts.switch_glu.*_proj)."""
@@ -356,7 +369,7 @@ def _read_moe(
         parts = [_read_expert_stack(src, sw + n, e, f, hid, _quant_for(quant, sw + n), where)
                  for n in ("gate_proj", "up_proj")]
         down = _read_expert_stack(src, sw + "down_proj", e, hid, f, _quant_for(quant, sw + "down_proj"), where)
-        if all(p.quantized for p in parts) and keep_quantized:
+        if all(p.quantized for p in parts) and keep_quantized is True:
             cat = lambda xs: mx.concatenate(xs, axis=1)  # noqa: E731
             gate_up = Linear(weight=cat([p.weight for p in parts]), scales=cat([p.scales for p in parts]),
                              biases=cat([p.biases for p in parts]), group_size=parts[0].group_size,
@@ -414,7 +427,7 @@ def _unpermute_rows(x: mx.array, n_head: int) -> mx.array:
 
 
 def load_gguf(
-    path: Path, dtype: mx.Dtype, keep_quantized: bool, numerics: Numerics
+    path: Path, dtype: mx.Dtype, keep_quantized: KeepQuantized, numerics: Numerics
 ) -> tuple[ModelConfig, Params, dict[str, Any]]:
     tensors, metadata = _mx_load(path, return_metadata=True)
     cfg = config_from_gguf(metadata, str(path))
@@ -475,7 +488,7 @@ def _text_model_tensors(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 def load_hf_folder(
-    folder: Path, dtype: mx.Dtype | None, keep_quantized: bool, numerics: Numerics
+    folder: Path, dtype: mx.Dtype | None, keep_quantized: KeepQuantized, numerics: Numerics
 ) -> tuple[ModelConfig, Params, dict[str, Any]]:
     cfg, raw = read_hf_config(folder)
     files = sorted(folder.glob("*.safetensors"))

@@ -66,7 +66,7 @@ def _layer(
     cfg, num = p.config, p.numerics
     b, t = geo.positions.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
+    x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num)
     qkv = linear(x, lp.qkv, num).reshape(b, t, hq + 2 * hk, d)
     if lp.q_norm is not None:  # qwen3: per-head RMSNorm on q and k before RoPE
         qk = mx.concatenate(
@@ -83,7 +83,7 @@ def _layer(
     o = attend_entry(entry, spec, q, geo, d**-0.5, num)
     o = o.reshape(b * t, hq * d)
     h = h + linear(o, lp.o, num)
-    x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
+    x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
     gu = linear(x, lp.gate_up, num)
     f = cfg.intermediate_size
     h = h + linear(swiglu(gu[..., :f], gu[..., f:]), lp.down, num)
@@ -118,7 +118,7 @@ def forward(
     for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
         h, entry = _layer(p, lp, h, entry, spec, rope, geo)
         entries.append(entry)
-    h = rms_norm(h, p.norm, p.config.rms_norm_eps).reshape(b, t, -1)
+    h = rms_norm(h, p.norm, p.config.rms_norm_eps, p.numerics).reshape(b, t, -1)
     return h, advanced(cache, entries, geo)
 
 

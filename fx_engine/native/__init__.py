@@ -1,0 +1,107 @@
+"""Native CPU kernels as MLX primitives: built on first use, optional, checked.
+
+`ensure()` (called by `fx_engine.load` on the CPU) builds or loads the extension once per
+process; the models then use the kernels through `fx_engine.nn` when the params' static
+`Numerics.native` says so. If the extension cannot be built (no compiler, no nanobind, an
+unsupported platform), everything runs on MLX's own ops, as before: same results up to
+float32 rounding, slower on the CPU.
+
+FX_ENGINE_NATIVE: "auto" (default: build if needed, fall back quietly with a one-line
+warning), "0"/"off" (never), "require" (an error if unavailable), "rebuild" (rebuild now).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from types import ModuleType
+from typing import Any
+
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {"module": None, "error": None, "path": None, "tried": False}
+
+QMM_BITS = (4, 8)
+
+
+def _mode() -> str:
+    return os.environ.get("FX_ENGINE_NATIVE", "auto").strip().lower()
+
+
+def ensure(*, quiet: bool = False) -> ModuleType | None:
+    """The loaded extension, building it if needed; None when unavailable (see `status`)."""
+    mode = _mode()
+    if mode in ("0", "off", "false", "no"):
+        return None
+    with _LOCK:
+        if _STATE["tried"] and mode != "rebuild":
+            if _STATE["module"] is None and mode == "require":
+                raise RuntimeError(f"fx-engine native kernels unavailable: {_STATE['error']}")
+            return _STATE["module"]
+        _STATE["tried"] = True
+        from . import build
+
+        log = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        try:
+            path = build.build(force=mode == "rebuild", log=log)
+            mod = build.import_extension(path)
+            threads = os.environ.get("FX_ENGINE_THREADS")
+            n = int(threads) if threads else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            mod.set_num_threads(max(1, n))
+            _STATE.update(module=mod, path=str(path), error=None)
+        except Exception as e:  # noqa: BLE001 - any failure means: run without native kernels
+            _STATE.update(module=None, error=f"{type(e).__name__}: {e}")
+            if mode == "require":
+                raise RuntimeError(f"fx-engine native kernels unavailable: {e}") from e
+            if not quiet:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                print(f"fx-engine: native CPU kernels unavailable, using MLX ops ({first})",
+                      file=sys.stderr, flush=True)
+        return _STATE["module"]
+
+
+def available() -> bool:
+    return _STATE["module"] is not None
+
+
+def status() -> dict[str, Any]:
+    mod = _STATE["module"]
+    return {"available": mod is not None, "path": _STATE["path"], "error": _STATE["error"],
+            "threads": mod.num_threads() if mod is not None else None}
+
+
+def _module() -> ModuleType:
+    mod = _STATE["module"]
+    if mod is None:  # a params pytree says native but this process has no extension
+        mod = ensure(quiet=True)
+        if mod is None:
+            raise RuntimeError("these params use fx-engine's native kernels, which are unavailable "
+                               f"in this process ({_STATE['error']}); load with native=False")
+    return mod
+
+
+def qmm(x, w, scales, biases, group_size: int, bits: int):  # type: ignore[no-untyped-def]
+    """x[..., K] @ dequantize(w, scales, biases).T -> [..., N]: a pure op (an MLX primitive)."""
+    return _module().qmm(x, w, scales, biases, group_size, bits)
+
+
+def dequantize(w, scales, biases, group_size: int, bits: int):  # type: ignore[no-untyped-def]
+    """Affine dequantization to float32 [N, K] (multi-threaded; the same values as
+    mx.dequantize)."""
+    return _module().dequantize(w, scales, biases, group_size, bits)
+
+
+def supports(group_size: int, bits: int) -> bool:
+    return bits in QMM_BITS and group_size > 0 and group_size % 32 == 0
+
+
+def masked_softmax(scores, mask):  # type: ignore[no-untyped-def]
+    """Softmax over the last axis of float32 scores [B, H, T, S], taking only the slots where
+    bool mask [B, T, S] is set (softmax(where(mask, scores, finfo.min)), one pass, `fast_exp`'s
+    polynomial)."""
+    return _module().masked_softmax(scores, mask)
+
+
+def rms_norm(x, weight, eps: float):  # type: ignore[no-untyped-def]
+    """x * rsqrt(mean(x**2, -1) + eps) * weight, in float32, in one node."""
+    return _module().rms_norm(x, weight, eps)

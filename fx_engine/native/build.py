@@ -1,0 +1,190 @@
+"""Build fx-engine's native kernels (kernels.cpp) on first use, once per machine.
+
+Why at first use rather than at `pip install`: the extension must be compiled against the
+exact MLX that is installed (its C++ headers and libmlx ship in the mlx wheel) and with
+the nanobind ABI that MLX's own Python module uses, and it is worth compiling for the
+machine's own CPU (-march=native). A build takes ~15-30 s on 2 cores; the result is
+cached under `~/.cache/fx-engine/native/<key>/` (or $FX_ENGINE_CACHE), keyed on the
+source, MLX, nanobind, Python, compiler and CPU, so a change to any of them rebuilds.
+
+A new build is checked in a subprocess (import, run, compare with numpy) before it is
+used, so a miscompiled or unsupported binary (e.g. an instruction the VM does not allow)
+cannot crash the engine: the engine then runs MLX's own ops instead. A failed build is
+remembered (`FAILED` beside it, with the reason) and not retried until the key changes or
+FX_ENGINE_NATIVE=rebuild is set.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from types import ModuleType
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+MODULE_NAME = "_fx_native"
+
+_SMOKE = r"""
+import sys, importlib.util
+import numpy as np
+import mlx.core as mx
+spec = importlib.util.spec_from_file_location("_fx_native", sys.argv[1])
+mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+rng = np.random.default_rng(0)
+for bits in (4, 8):
+    w = mx.array(rng.standard_normal((40, 96)).astype(np.float32))
+    wq, s, b = mx.quantize(w, group_size=32, bits=bits)
+    x = mx.array(rng.standard_normal((5, 96)).astype(np.float32))
+    ref = np.asarray(x) @ np.asarray(mx.dequantize(wq, s, b, group_size=32, bits=bits)).T
+    got = np.asarray(mod.qmm(x, wq, s, b, 32, bits))
+    assert np.allclose(got, ref, rtol=1e-4, atol=1e-4), (bits, np.abs(got - ref).max())
+    deq = np.asarray(mod.dequantize(wq, s, b, 32, bits))
+    assert np.array_equal(deq, np.asarray(mx.dequantize(wq, s, b, group_size=32, bits=bits))), bits
+print("ok")
+"""
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def cache_root() -> Path:
+    root = os.environ.get("FX_ENGINE_CACHE")
+    base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fx-engine"
+    return base / "native"
+
+
+def _compiler() -> str | None:
+    for c in (os.environ.get("CXX"), "g++", "clang++", "c++"):
+        if c and shutil.which(c):
+            return c
+    return None
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read(65536).splitlines() if ln.startswith(("flags", "model name", "Features"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _paths() -> dict[str, str]:
+    import mlx.core as mx
+    import nanobind
+
+    # The folder of mlx.core itself (`mlx` is a namespace package: its __path__ may list
+    # other folders named mlx on sys.path first).
+    mlx_dir = Path(mx.__file__).resolve().parent
+    return {
+        "mlx_include": str(mlx_dir / "include"),
+        "mlx_lib": str(mlx_dir / "lib"),
+        "nb_include": nanobind.include_dir(),
+        "nb_src": nanobind.source_dir(),
+        "robin_map": str(Path(nanobind.include_dir()).parent / "ext" / "robin_map" / "include"),
+        "py_include": sysconfig.get_paths()["include"],
+        "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX") or ".so",
+    }
+
+
+def build_key(cxx: str) -> str:
+    import mlx.core as mx
+    import nanobind
+
+    try:
+        cc_version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        cc_version = cxx
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), mx.__version__.encode(), nanobind.__version__.encode(),
+                 sys.version.encode(), cc_version.encode(), _cpu_id().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _flag_sets() -> list[list[str]]:
+    """-march=native first; a portable build if that binary fails its check."""
+    if platform.machine() in ("x86_64", "AMD64"):
+        return [["-march=native"], ["-march=x86-64-v3"], []]
+    return [["-mcpu=native"], []]
+
+
+def _compile(cxx: str, paths: dict[str, str], arch: list[str], out: Path) -> None:
+    cmd = [
+        cxx, "-O3", *arch, "-std=gnu++20", "-shared", "-fPIC", "-fvisibility=hidden",
+        "-fno-math-errno", "-ffp-contract=off", "-DNDEBUG", "-DNB_DOMAIN=mlx", "-DNB_COMPACT_ASSERTIONS",
+        f"-I{paths['nb_include']}", f"-I{paths['robin_map']}", f"-I{paths['py_include']}",
+        f"-I{paths['mlx_include']}", str(SOURCE), str(Path(paths["nb_src"]) / "nb_combined.cpp"),
+        f"-L{paths['mlx_lib']}", "-lmlx", f"-Wl,-rpath,{paths['mlx_lib']}", "-o", str(out),
+    ]
+    if sys.platform == "darwin":
+        cmd[cmd.index("-shared")] = "-bundle"
+        cmd += ["-undefined", "dynamic_lookup"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BuildError(f"compiling {SOURCE.name} failed ({' '.join(arch) or 'generic'}):\n{r.stderr[-4000:]}")
+
+
+def _check(path: Path) -> None:
+    env = dict(os.environ, FX_ENGINE_NATIVE="0")
+    r = subprocess.run([sys.executable, "-c", _SMOKE, str(path)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    if r.returncode != 0 or "ok" not in r.stdout:
+        raise BuildError(f"the built kernels failed their check (exit {r.returncode}):\n"
+                         f"{(r.stderr or r.stdout)[-2000:]}")
+
+
+def build(*, force: bool = False, log=None) -> Path:
+    """Return the path of a checked extension for this machine, building it if needed."""
+    cxx = _compiler()
+    if cxx is None:
+        raise BuildError("no C++ compiler found (set CXX, or install g++ or clang++)")
+    try:
+        paths = _paths()
+    except ImportError as e:
+        raise BuildError(f"cannot build native kernels: {e} (pip install nanobind)") from e
+    d = cache_root() / build_key(cxx)
+    d.mkdir(parents=True, exist_ok=True)
+    target = d / (MODULE_NAME + paths["ext_suffix"])
+    failed = d / "FAILED"
+    with open(d / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key
+        if target.exists() and not force:
+            return target
+        if failed.exists() and not force:
+            raise BuildError(f"an earlier build failed (FX_ENGINE_NATIVE=rebuild retries):\n{failed.read_text()}")
+        errors = []
+        for arch in _flag_sets():
+            tmp = d / f"tmp-{os.getpid()}{paths['ext_suffix']}"
+            try:
+                if log:
+                    log(f"fx-engine: compiling native CPU kernels ({' '.join(arch) or 'generic'}), once per machine...")
+                _compile(cxx, paths, arch, tmp)
+                _check(tmp)
+                os.replace(tmp, target)
+                failed.unlink(missing_ok=True)
+                (d / "BUILD").write_text(f"compiler: {cxx}\nflags: {' '.join(arch)}\nsource: {SOURCE}\n")
+                return target
+            except (BuildError, subprocess.SubprocessError, OSError) as e:
+                errors.append(str(e))
+                tmp.unlink(missing_ok=True)
+        failed.write_text("\n\n".join(errors))
+        raise BuildError("\n\n".join(errors))
+
+
+def import_extension(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+    if spec is None or spec.loader is None:
+        raise BuildError(f"cannot import {path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,0 +1,740 @@
+// fx-engine's native CPU kernels, as MLX primitives (graph nodes that mx.compile keeps).
+//
+// Why this file exists: on the Linux CPU backend MLX's quantized matmul is a naive
+// one-core kernel (~0.5 GB/s of packed weights) and its attention is unfused. These
+// kernels are the two hot loops of LLM inference on a CPU, written once:
+//
+//   qmm:  y[M, N] = x[M, K] @ dequantize(w)[N, K].T for MLX's affine-quantized weights
+//         (4 or 8 bits, group 32/64/128: what GGUF Q4_0/Q4_1/Q8_0 and mlx-community
+//         models load as). Four weight rows are dequantized into an L1 buffer once and
+//         reused by every activation row, so a decode step streams the packed bytes (a
+//         quarter of float32) and a batch of rows shares one pass over them.
+//
+// Numerics: every output y[m, n] is one vector accumulator over k in a fixed order,
+// reduced in a fixed order, computed by one thread. It never depends on M, on the other
+// rows, on the blocking, or on the thread count: these kernels are batch-invariant by
+// construction (fx_engine.nn.Numerics).
+//
+// Portable C++ with GCC/Clang vector extensions (compiled with -march=native by
+// fx_engine/native/build.py); no intrinsics, so the same source builds for AVX-512,
+// AVX2 and NEON.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+constexpr int VL = 16;  // floats per vector
+typedef float v16 __attribute__((vector_size(64), aligned(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned loads
+
+// acc + a * b with one rounding where the CPU has FMA. The build uses -ffp-contract=off so
+// that nothing else is fused: dequantization (scale * q + bias) then rounds exactly like
+// mx.dequantize.
+inline v16 fma(v16 a, v16 b, v16 acc) {
+#if defined(__AVX512F__)
+  __m512 r = _mm512_fmadd_ps(reinterpret_cast<__m512&>(a), reinterpret_cast<__m512&>(b),
+                             reinterpret_cast<__m512&>(acc));
+  return reinterpret_cast<v16&>(r);
+#else
+  return acc + a * b;
+#endif
+}
+
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+
+// Fixed-order horizontal sum (pairwise halves): the same for every caller.
+inline float hsum(v16 v) {
+  float a[VL];
+  std::memcpy(a, &v, sizeof(a));
+  float s8[8], s4[4];
+  for (int i = 0; i < 8; ++i) s8[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// ---------------------------------------------------------------- thread pool
+// A small persistent pool with dynamic chunk claiming. The calling thread (MLX's CPU
+// stream thread) claims chunks too and never waits for a worker that has not started:
+// it only waits for chunks already claimed. This matters on a small machine where BLAS
+// threads or other processes may hold the other cores (a statically split job then waits
+// a whole scheduler time slice for a descheduled worker). Workers spin briefly after each
+// job (the next kernel usually follows within microseconds), then sleep on a futex.
+//
+// Which thread computes a chunk never changes its result: every output element is
+// computed entirely inside one chunk.
+class Pool {
+ public:
+  explicit Pool(int n) { resize(n); }
+  ~Pool() { stop(); }
+
+  int size() const { return n_; }
+
+  void resize(int n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop();
+    n_ = std::max(1, n);
+    quit_.store(false);
+    const uint64_t g0 = gen_.load();  // read before the threads start: no job can be missed
+    for (int i = 1; i < n_; ++i) workers_.emplace_back([this, g0] { loop(g0); });
+  }
+
+  // Run f(c) for every chunk c in [0, chunks).
+  void run(int chunks, const std::function<void(int)>& f) {
+    if (chunks <= 0) return;
+    if (chunks == 1 || n_ == 1) {
+      for (int c = 0; c < chunks; ++c) f(c);
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mu_);  // one job at a time (several CPU streams)
+    const uint64_t id = ++jobs_;
+    job_ = &f;
+    nchunks_ = static_cast<uint32_t>(chunks);
+    done_.store(0, std::memory_order_relaxed);
+    state_.store(id << 32, std::memory_order_release);
+    gen_.fetch_add(1, std::memory_order_release);
+    gen_.notify_all();
+    work(id);
+    while (done_.load(std::memory_order_acquire) != chunks) pause();
+    // Close the job before its function and counters can be reused: a late worker's
+    // claim on this id now fails.
+    state_.store((id << 32) | CLOSED, std::memory_order_release);
+  }
+
+ private:
+  static constexpr uint64_t CLOSED = 0xFFFFFFFFull;
+
+  static void pause() {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+
+  // Claim and run chunks of job `id` until none are left.
+  void work(uint64_t id) {
+    while (true) {
+      uint64_t cur = state_.load(std::memory_order_acquire);
+      if ((cur >> 32) != id) return;
+      const uint64_t c = cur & 0xFFFFFFFFull;
+      const std::function<void(int)>* f = job_;
+      const uint32_t n = nchunks_;
+      if (c >= n) return;
+      if (state_.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel)) {
+        (*f)(static_cast<int>(c));
+        done_.fetch_add(1, std::memory_order_acq_rel);
+      }
+    }
+  }
+
+  void loop(uint64_t seen) {
+    while (true) {
+      uint64_t g;
+      int spins = 0;
+      while ((g = gen_.load(std::memory_order_acquire)) == seen && spins < 4000) {
+        pause();
+        ++spins;
+      }
+      if (g == seen) {
+        gen_.wait(seen);
+        continue;
+      }
+      seen = g;
+      if (quit_.load()) return;
+      work(state_.load(std::memory_order_acquire) >> 32);
+    }
+  }
+
+  void stop() {
+    if (workers_.empty()) return;
+    quit_.store(true);
+    gen_.fetch_add(1);
+    gen_.notify_all();
+    for (auto& t : workers_) t.join();
+    workers_.clear();
+  }
+
+  int n_ = 1;
+  std::vector<std::thread> workers_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<uint64_t> state_{CLOSED};
+  std::atomic<int> done_{0};
+  std::atomic<bool> quit_{false};
+  const std::function<void(int)>* job_ = nullptr;
+  uint32_t nchunks_ = 0;
+  uint64_t jobs_ = 0;
+  std::mutex mu_;
+};
+
+Pool& pool() {
+  static Pool p(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  return p;
+}
+
+// ---------------------------------------------------------------- dequantization
+// One weight row (K values) from MLX's affine format: q packed little-endian into
+// uint32 words (4 bits: 8 per word, element j at bits 4*(j%8); 8 bits: 4 per word),
+// w = scale * q + bias per group of `gs` values.
+//
+// 4-bit rows are written in "split" order: within each block of 32 values the 16 even
+// elements (low nibbles) come first, then the 16 odd ones (high nibbles), which is what a
+// byte-wise unpack gives without shuffles. The activations are permuted the same way once
+// per call (`split_rows`), so the dot products are unchanged up to summation order (fixed).
+typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// u8 -> i32 -> f32. GCC scalarizes a direct u8 -> float conversion (and sometimes the
+// u8 -> i32 one), so AVX-512 gets the two instructions spelled out.
+inline v16 to_float(u8x16 v) {
+#if defined(__AVX512F__)
+  __m128i b;
+  std::memcpy(&b, &v, 16);
+  __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+  v16 r;
+  std::memcpy(&r, &f, 64);
+  return r;
+#else
+  return __builtin_convertvector(__builtin_convertvector(v, i32x16), v16);
+#endif
+}
+
+template <int BITS>
+inline void dequant_row(const uint32_t* wq, const float* sc, const float* bi, int K, int gs,
+                        float* out) {
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(wq);
+  for (int g = 0; g < K / gs; ++g) {
+    const v16 s = v16{} + sc[g], c = v16{} + bi[g];
+    float* o = out + g * gs;
+    if constexpr (BITS == 8) {
+      const uint8_t* q = b + g * gs;
+      for (int j = 0; j < gs; j += VL) {
+        const u8x16 v = *reinterpret_cast<const u8x16*>(q + j);
+        store(o + j, s * to_float(v) + c);
+      }
+    } else {
+      const uint8_t* q = b + g * gs / 2;
+      for (int j = 0; j < gs; j += 32) {
+        const u8x16 v = *reinterpret_cast<const u8x16*>(q + j / 2);
+        store(o + j, s * to_float(v & 15) + c);
+        store(o + j + VL, s * to_float(v >> 4) + c);
+      }
+    }
+  }
+}
+
+// Natural element order (for the dequantize op): split order, then un-split per 32 block.
+template <int BITS>
+inline void dequant_row_natural(const uint32_t* wq, const float* sc, const float* bi, int K,
+                                int gs, float* out, float* tmp) {
+  if constexpr (BITS == 8) {
+    dequant_row<8>(wq, sc, bi, K, gs, out);
+  } else {
+    dequant_row<4>(wq, sc, bi, K, gs, tmp);
+    for (int j = 0; j < K; j += 32)
+      for (int i = 0; i < 16; ++i) {
+        out[j + 2 * i] = tmp[j + i];
+        out[j + 2 * i + 1] = tmp[j + 16 + i];
+      }
+  }
+}
+
+// x rows [M, K] -> the 4-bit kernels' split order (see dequant_row).
+inline void split_rows(const float* x, int M, int K, float* out) {
+  for (int m = 0; m < M; ++m) {
+    const float* xr = x + static_cast<int64_t>(m) * K;
+    float* o = out + static_cast<int64_t>(m) * K;
+    for (int j = 0; j < K; j += 32)
+      for (int i = 0; i < 16; ++i) {
+        o[j + i] = xr[j + 2 * i];
+        o[j + 16 + i] = xr[j + 2 * i + 1];
+      }
+  }
+}
+
+// ---------------------------------------------------------------- qmm micro-kernel
+// acc[i][j] accumulates x row i against dequantized weight row j over all of K.
+template <int MB, int NB>
+inline void qmm_tile(const float* x, int ldx, const float* w, int K, float* y, int ldy) {
+  v16 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = v16{};
+  for (int k = 0; k < K; k += VL) {
+    v16 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load(w + j * K + k);
+    for (int i = 0; i < MB; ++i) {
+      const v16 xv = load(x + i * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) y[i * ldy + j] = hsum(acc[i][j]);
+}
+
+template <int NB>
+inline void qmm_rows(const float* x, int M, int K, const float* w, float* y, int N) {
+  int m = 0;
+  for (; m + 4 <= M; m += 4) qmm_tile<4, NB>(x + m * K, K, w, K, y + m * N, N);
+  switch (M - m) {
+    case 3: qmm_tile<3, NB>(x + m * K, K, w, K, y + m * N, N); break;
+    case 2: qmm_tile<2, NB>(x + m * K, K, w, K, y + m * N, N); break;
+    case 1: qmm_tile<1, NB>(x + m * K, K, w, K, y + m * N, N); break;
+    default: break;
+  }
+}
+
+template <int BITS>
+void qmm_range(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+               const float* bi, int gs, float* y, int N, int n0, int n1) {
+  constexpr int NB = 4;
+  const int words = K * BITS / 32, groups = K / gs;
+  thread_local std::vector<float> buf;
+  if (static_cast<int>(buf.size()) < NB * K) buf.resize(NB * K);
+  float* w = buf.data();
+  int n = n0;
+  for (; n + NB <= n1; n += NB) {
+    // Software prefetch of the next block's packed rows (contiguous): the hardware
+    // prefetcher alone left the unpack waiting on memory (measured: ~6 GB/s).
+    if (n + 2 * NB <= n1) {
+      const char* nxt = reinterpret_cast<const char*>(wq + static_cast<int64_t>(n + NB) * words);
+      for (int off = 0; off < NB * words * 4; off += 64) __builtin_prefetch(nxt + off);
+      __builtin_prefetch(sc + (n + NB) * groups);
+      __builtin_prefetch(bi + (n + NB) * groups);
+    }
+    for (int j = 0; j < NB; ++j)
+      dequant_row<BITS>(wq + (n + j) * words, sc + (n + j) * groups, bi + (n + j) * groups, K,
+                        gs, w + j * K);
+    qmm_rows<NB>(x, M, K, w, y + n, N);
+  }
+  for (; n < n1; ++n) {
+    dequant_row<BITS>(wq + n * words, sc + n * groups, bi + n * groups, K, gs, w);
+    qmm_rows<1>(x, M, K, w, y + n, N);
+  }
+}
+
+void qmm_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc, const float* bi,
+             int gs, int bits, float* y, int N) {
+  constexpr int NB = 4;
+  const int blocks = (N + NB - 1) / NB;
+  std::vector<float> xs;
+  if (bits == 4) {  // activations in the split order of the dequantized 4-bit rows
+    xs.resize(static_cast<size_t>(M) * K);
+    split_rows(x, M, K, xs.data());
+    x = xs.data();
+  }
+  // Parallel over output features: each y[m, n] is computed by exactly one thread.
+  // Chunks of output features, ~32 KB of 4-bit weights or more each.
+  const int per = std::max(4, 16384 / std::max(K, 1));
+  const int chunks = (blocks + per - 1) / per;
+  pool().run(chunks, [&](int c) {
+    const int n0 = std::min(N, c * per * NB), n1 = std::min(N, (c + 1) * per * NB);
+    if (bits == 8)
+      qmm_range<8>(x, M, K, wq, sc, bi, gs, y, N, n0, n1);
+    else
+      qmm_range<4>(x, M, K, wq, sc, bi, gs, y, N, n0, n1);
+  });
+}
+
+void dequant_cpu(const uint32_t* wq, const float* sc, const float* bi, int gs, int bits,
+                 float* out, int N, int K) {
+  const int words = K * bits / 32, groups = K / gs;
+  const int per = std::max(4, 65536 / std::max(K, 1));
+  pool().run((N + per - 1) / per, [&](int c) {
+    const int n0 = c * per, n1 = std::min(N, (c + 1) * per);
+    std::vector<float> tmp(K);
+    for (int n = n0; n < n1; ++n) {
+      float* o = out + static_cast<int64_t>(n) * K;
+      if (bits == 8)
+        dequant_row_natural<8>(wq + static_cast<int64_t>(n) * words, sc + n * groups,
+                               bi + n * groups, K, gs, o, tmp.data());
+      else
+        dequant_row_natural<4>(wq + static_cast<int64_t>(n) * words, sc + n * groups,
+                               bi + n * groups, K, gs, o, tmp.data());
+    }
+  });
+}
+
+// ---------------------------------------------------------------- masked softmax
+// exp(x) in float32 from multiply-adds: the same polynomial, rounding trick and exponent
+// construction as fx_engine.nn.fast_exp (see there for why not libm's exp).
+inline v16 vexp(v16 x) {
+  const v16 lo = v16{} - 127.0f, hi = v16{} + 128.0f;
+  v16 t = x * 1.4426950408889634f;
+  t = t < lo ? lo : t;
+  t = t > hi ? hi : t;
+  const v16 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
+  const v16 f = t - n;
+  v16 p = v16{} + 1.525273380405984e-05f;
+  p = p * f + 1.5403530393381608e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.618129107628477e-03f;
+  p = p * f + 5.550410866482158e-02f;
+  p = p * f + 2.402265069591007e-01f;
+  p = p * f + 6.931471805599453e-01f;
+  p = p * f + 1.0f;
+  const i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;  // 2**n; n=-127 -> 0
+  v16 two_n;
+  std::memcpy(&two_n, &e, sizeof(two_n));
+  return p * two_n;
+}
+
+inline float hmax(v16 v) {
+  float a[VL];
+  std::memcpy(a, &v, sizeof(a));
+  float m = a[0];
+  for (int i = 1; i < VL; ++i) m = a[i] > m ? a[i] : m;
+  return m;
+}
+
+constexpr float FMIN = -3.4028234663852886e38f;  // masked scores, as mx.finfo(float32).min
+
+// Masked scores: x where the mask is set, else FMIN (then a fully masked row is uniform,
+// like softmax(where(mask, x, finfo.min))).
+inline v16 masked(const float* x, const uint8_t* m) {
+  const u8x16 mv = *reinterpret_cast<const u8x16*>(m);
+  const i32x16 mi = __builtin_convertvector(mv, i32x16);
+  return mi != 0 ? load(x) : v16{} + FMIN;
+}
+
+void softmax_row(const float* x, const uint8_t* m, int S, float* out) {
+  const int S16 = S - S % VL;
+  v16 vm = v16{} + FMIN;
+  for (int j = 0; j < S16; j += VL) {
+    const v16 v = masked(x + j, m + j);
+    vm = v > vm ? v : vm;
+  }
+  float mx_ = hmax(vm);
+  for (int j = S16; j < S; ++j) {
+    const float v = m[j] ? x[j] : FMIN;
+    mx_ = v > mx_ ? v : mx_;
+  }
+  v16 vs = v16{};
+  for (int j = 0; j < S16; j += VL) {
+    const v16 e = vexp(masked(x + j, m + j) - mx_);
+    store(out + j, e);
+    vs += e;
+  }
+  v16 vt = v16{};
+  if (S16 < S) {  // the tail through the same vector code; padding lanes add nothing
+    float xt[VL] = {0}, et[VL];
+    uint8_t mt[VL] = {0};
+    for (int j = S16; j < S; ++j) {
+      xt[j - S16] = x[j];
+      mt[j - S16] = m[j];
+    }
+    const v16 e = vexp(masked(xt, mt) - mx_);
+    std::memcpy(et, &e, sizeof(et));
+    for (int j = S - S16; j < VL; ++j) et[j] = 0.0f;
+    for (int j = S16; j < S; ++j) out[j] = et[j - S16];
+    vt = load(et);
+  }
+  const float sum = hsum(vs) + hsum(vt);
+  const v16 vsum = v16{} + sum;
+  for (int j = 0; j < S16; j += VL) store(out + j, load(out + j) / vsum);
+  for (int j = S16; j < S; ++j) out[j] = out[j] / sum;
+}
+
+// scores [B, H, T, S], mask [B, T, S] -> probabilities [B, H, T, S]
+void masked_softmax_cpu(const float* x, const uint8_t* m, float* out, int B, int H, int T,
+                        int S) {
+  const int64_t rows = static_cast<int64_t>(B) * H * T;
+  const int per = std::max<int64_t>(1, 16384 / std::max(S, 1));
+  pool().run(static_cast<int>((rows + per - 1) / per), [&](int c) {
+    const int64_t r1 = std::min<int64_t>(rows, (c + 1) * static_cast<int64_t>(per));
+    for (int64_t r = c * static_cast<int64_t>(per); r < r1; ++r) {
+      const int64_t t = r % T, b = r / (static_cast<int64_t>(H) * T);
+      softmax_row(x + r * S, m + (b * T + t) * S, S, out + r * S);
+    }
+  });
+}
+
+// ---------------------------------------------------------------- rms norm
+void rms_norm_cpu(const float* x, const float* w, float eps, float* out, int64_t M, int D) {
+  const int D16 = D - D % VL;
+  const int per = std::max(1, 65536 / std::max(D, 1));
+  pool().run(static_cast<int>((M + per - 1) / per), [&](int c) {
+    const int64_t r1 = std::min<int64_t>(M, (c + 1) * static_cast<int64_t>(per));
+    for (int64_t r = c * static_cast<int64_t>(per); r < r1; ++r) {
+      const float* xr = x + r * D;
+      float* o = out + r * D;
+      v16 acc = v16{};
+      for (int j = 0; j < D16; j += VL) {
+        const v16 v = load(xr + j);
+        acc += v * v;
+      }
+      float ss = hsum(acc);
+      for (int j = D16; j < D; ++j) ss += xr[j] * xr[j];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+      for (int j = 0; j < D16; j += VL) store(o + j, (load(xr + j) * inv) * load(w + j));
+      for (int j = D16; j < D; ++j) o[j] = (xr[j] * inv) * w[j];
+    }
+  });
+}
+
+// ---------------------------------------------------------------- inputs
+// A row-contiguous view of an input: its own buffer when it already is one (the usual
+// case: weights, and activations straight from a matmul), else a strided copy into
+// `tmp`. Done here rather than with mx::contiguous in the graph because every such node
+// costs several microseconds on the CPU, even when it copies nothing.
+template <typename T>
+const T* dense(const mx::array& a, std::vector<T>& tmp) {
+  if (a.flags().row_contiguous) return a.data<T>();
+  tmp.resize(a.size());
+  const T* src = a.data<T>();
+  const int nd = static_cast<int>(a.ndim());
+  const int64_t inner = nd ? a.shape(nd - 1) : 1;
+  const int64_t inner_stride = nd ? a.strides()[nd - 1] : 1;
+  std::vector<int64_t> idx(std::max(nd - 1, 0), 0);
+  for (size_t i = 0; i < a.size(); i += inner) {
+    int64_t off = 0;
+    for (int d = 0; d < nd - 1; ++d) off += idx[d] * a.strides()[d];
+    if (inner_stride == 1) {
+      std::memcpy(tmp.data() + i, src + off, inner * sizeof(T));
+    } else {
+      for (int64_t j = 0; j < inner; ++j) tmp[i + j] = src[off + j * inner_stride];
+    }
+    for (int d = nd - 2; d >= 0; --d) {
+      if (++idx[d] < a.shape(d)) break;
+      idx[d] = 0;
+    }
+  }
+  return tmp.data();
+}
+
+// ---------------------------------------------------------------- primitives
+// What every primitive here shares: allocate the output, then queue the work on the CPU
+// stream. The task captures the arrays and parameters by value (never `this`: MLX may
+// detach the graph, and drop the primitive, before the queued task runs).
+class CpuKernel : public mx::UnaryPrimitive {
+ public:
+  using mx::UnaryPrimitive::UnaryPrimitive;
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch(task(in, out));
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("fx_engine native kernels run on the CPU only");
+  }
+
+ protected:
+  virtual std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const = 0;
+};
+
+class QMatmul : public CpuKernel {
+ public:
+  QMatmul(mx::Stream s, int group_size, int bits) : CpuKernel(s), gs_(group_size), bits_(bits) {}
+
+  std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const override {
+    return [x = in[0], w = in[1], s = in[2], b = in[3], out, gs = gs_, bits = bits_]() mutable {
+      const int K = static_cast<int>(x.shape(-1));
+      const int M = static_cast<int>(x.size() / K);
+      const int N = static_cast<int>(out.shape(-1));
+      std::vector<uint32_t> tw;
+      std::vector<float> tx, ts, tb;
+      qmm_cpu(dense(x, tx), M, K, dense(w, tw), dense(s, ts), dense(b, tb), gs,
+              bits, out.data<float>(), N);
+    };
+  }
+  const char* name() const override { return "FxQMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const QMatmul&>(other);
+    return gs_ == o.gs_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    auto shape = in[0].shape();
+    shape.back() = in[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  int gs_, bits_;
+};
+
+class Dequantize : public CpuKernel {
+ public:
+  Dequantize(mx::Stream s, int group_size, int bits)
+      : CpuKernel(s), gs_(group_size), bits_(bits) {}
+
+  std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const override {
+    return [w = in[0], s = in[1], b = in[2], out, gs = gs_, bits = bits_]() mutable {
+      std::vector<uint32_t> tw;
+      std::vector<float> ts, tb;
+      dequant_cpu(dense(w, tw), dense(s, ts), dense(b, tb), gs, bits,
+                  out.data<float>(), static_cast<int>(out.shape(0)),
+                  static_cast<int>(out.shape(1)));
+    };
+  }
+  const char* name() const override { return "FxDequantize"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Dequantize&>(other);
+    return gs_ == o.gs_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {mx::Shape{in[0].shape(0), static_cast<int>(in[0].shape(1)) * 32 / bits_}};
+  }
+
+ private:
+  int gs_, bits_;
+};
+
+
+class MaskedSoftmax : public CpuKernel {
+ public:
+  explicit MaskedSoftmax(mx::Stream s) : CpuKernel(s) {}
+  std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const override {
+    return [x = in[0], m = in[1], out]() mutable {
+      std::vector<float> tx;
+      std::vector<uint8_t> tm;
+      const float* xp = dense(x, tx);
+      const uint8_t* mp = dense<uint8_t>(m, tm);
+      masked_softmax_cpu(xp, mp, out.data<float>(), x.shape(0), x.shape(1), x.shape(2),
+                         x.shape(3));
+    };
+  }
+  const char* name() const override { return "FxMaskedSoftmax"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+};
+
+class RmsNorm : public CpuKernel {
+ public:
+  RmsNorm(mx::Stream s, float eps) : CpuKernel(s), eps_(eps) {}
+  std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const override {
+    return [x = in[0], w = in[1], out, eps = eps_]() mutable {
+      std::vector<float> tx, tw;
+      const int D = static_cast<int>(x.shape(-1));
+      rms_norm_cpu(dense(x, tx), dense(w, tw), eps, out.data<float>(),
+                   static_cast<int64_t>(x.size() / D), D);
+    };
+  }
+  const char* name() const override { return "FxRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+
+ private:
+  float eps_;
+};
+
+mx::array masked_softmax(const mx::array& scores, const mx::array& mask) {
+  if (scores.ndim() != 4 || scores.dtype() != mx::float32)
+    throw std::invalid_argument("masked_softmax: scores must be float32 [B, H, T, S]");
+  if (mask.ndim() != 3 || mask.dtype() != mx::bool_ || mask.shape(0) != scores.shape(0) ||
+      mask.shape(1) != scores.shape(2) || mask.shape(2) != scores.shape(3))
+    throw std::invalid_argument("masked_softmax: mask must be bool [B, T, S]");
+  const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
+  return mx::array(scores.shape(), mx::float32, std::make_shared<MaskedSoftmax>(s),
+                   {scores, mask});
+}
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
+  if (x.ndim() < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
+    throw std::invalid_argument("rms_norm: weight must be [D] for x [..., D]");
+  const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
+  const auto dt = x.dtype();
+  auto y = mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps),
+                     {mx::astype(x, mx::float32, s), mx::astype(w, mx::float32, s)});
+  return dt == mx::float32 ? y : mx::astype(y, dt, s);
+}
+
+void check_quantized(const char* op, const mx::array& w, const mx::array& scales,
+                     const mx::array& biases, int group_size, int bits) {
+  const std::string p = op;
+  if (bits != 4 && bits != 8)
+    throw std::invalid_argument(p + ": bits must be 4 or 8, got " + std::to_string(bits));
+  if (group_size <= 0 || group_size % 32 != 0)
+    throw std::invalid_argument(p + ": group_size must be a multiple of 32, got " +
+                                std::to_string(group_size));
+  if (w.ndim() != 2 || w.dtype() != mx::uint32)
+    throw std::invalid_argument(p + ": w must be a 2-D uint32 array");
+  const int K = static_cast<int>(w.shape(1)) * 32 / bits;
+  if (K % group_size != 0)
+    throw std::invalid_argument(p + ": the input size must be a multiple of group_size");
+  if (scales.ndim() != 2 || scales.shape(0) != w.shape(0) || scales.shape(1) != K / group_size ||
+      biases.shape() != scales.shape())
+    throw std::invalid_argument(p + ": scales/biases must have shape [N, K / group_size]");
+}
+
+mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                     int group_size, int bits) {
+  check_quantized("dequantize", w, scales, biases, group_size, bits);
+  const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
+  const int K = static_cast<int>(w.shape(1)) * 32 / bits;
+  return mx::array(mx::Shape{w.shape(0), K}, mx::float32,
+                   std::make_shared<Dequantize>(s, group_size, bits),
+                   {w, mx::astype(scales, mx::float32, s), mx::astype(biases, mx::float32, s)});
+}
+
+mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+              const mx::array& biases, int group_size, int bits) {
+  check_quantized("qmm", w, scales, biases, group_size, bits);
+  const int K = static_cast<int>(w.shape(1)) * 32 / bits;
+  if (x.ndim() < 1 || x.shape(-1) != K)
+    throw std::invalid_argument("qmm: x's last axis (" + std::to_string(x.shape(-1)) +
+                                ") must equal the weight's input size (" + std::to_string(K) +
+                                ")");
+  const int N = static_cast<int>(w.shape(0));
+  const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
+  const auto dt = x.dtype();
+  // astype is a no-op (no graph node) when the dtype already matches.
+  auto xc = mx::astype(x, mx::float32, s);
+  auto wc = w;
+  auto sc = mx::astype(scales, mx::float32, s);
+  auto bc = mx::astype(biases, mx::float32, s);
+  auto shape = x.shape();
+  shape.back() = N;
+  auto y = mx::array(shape, mx::float32,
+                     std::make_shared<QMatmul>(s, group_size, bits),
+                     {xc, wc, sc, bc});
+  return dt == mx::float32 ? y : mx::astype(y, dt, s);
+}
+
+}  // namespace
+
+NB_MODULE(_fx_native, m) {
+  m.doc() = "fx-engine native CPU kernels (MLX primitives)";
+  m.def("qmm", &qmm, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "x[..., K] @ dequantize(w, scales, biases)[N, K].T -> [..., N] (float32 math)");
+  m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("group_size"), nb::arg("bits"), "affine dequantization -> float32 [N, K]");
+  m.def("masked_softmax", &masked_softmax, nb::arg("scores"), nb::arg("mask"),
+        "softmax over the last axis of float32 scores [B, H, T, S] where bool mask [B, T, S]");
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
+  m.def("set_num_threads", [](int n) { pool().resize(n); }, nb::arg("n"));
+  m.def("num_threads", [] { return pool().size(); });
+}

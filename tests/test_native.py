@@ -1,0 +1,183 @@
+"""fx_engine.native: the CPU kernels against independent references (numpy in float64,
+MLX's own ops), their batch invariance, their errors, and the engine with and without them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fx_engine
+import mlx.core as mx
+from fx_engine import native, scoring
+from fx_engine.nn import Numerics, softmax
+
+pytestmark = pytest.mark.skipif(native.ensure(quiet=True) is None,
+                                reason=f"native kernels unavailable: {native.status()['error']}")
+
+RNG = np.random.default_rng(1234)
+
+
+def _quantized(n: int, k: int, gs: int, bits: int):
+    w = mx.array(RNG.standard_normal((n, k)).astype(np.float32))
+    return mx.quantize(w, group_size=gs, bits=bits)
+
+
+def _reference(x: mx.array, wq, s, b, gs: int, bits: int) -> np.ndarray:
+    w = np.asarray(mx.dequantize(wq, s, b, group_size=gs, bits=bits)).astype(np.float64)
+    return np.asarray(x).astype(np.float64) @ w.T
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 33])
+def test_qmm_matches_float64_reference(bits: int, gs: int, m: int) -> None:
+    n, k = 37, 256  # n not a multiple of the 4-row blocks
+    wq, s, b = _quantized(n, k, gs, bits)
+    x = mx.array(RNG.standard_normal((m, k)).astype(np.float32))
+    got = np.asarray(native.qmm(x, wq, s, b, gs, bits))
+    ref = _reference(x, wq, s, b, gs, bits)
+    assert got.shape == (m, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+
+
+def test_qmm_leading_dims_strided_input_and_dtype() -> None:
+    wq, s, b = _quantized(64, 128, 32, 4)
+    x = mx.array(RNG.standard_normal((2, 3, 256)).astype(np.float32))
+    xs = x[:, :, ::2]  # not contiguous: the kernel copies it
+    got = np.asarray(native.qmm(xs, wq, s, b, 32, 4))
+    ref = _reference(xs.reshape(-1, 128), wq, s, b, 32, 4).reshape(2, 3, 64)
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=1e-4)
+    h = native.qmm(xs.astype(mx.float16), wq, s, b, 32, 4)
+    assert h.dtype == mx.float16 and h.shape == (2, 3, 64)
+
+
+def test_qmm_is_batch_invariant() -> None:
+    """A row's output is bitwise the same alone, in any batch, at any position, and with
+    any thread count: the property the batch-invariant mode relies on."""
+    wq, s, b = _quantized(200, 576, 32, 4)
+    x = mx.array(RNG.standard_normal((40, 576)).astype(np.float32))
+    full = np.asarray(native.qmm(x, wq, s, b, 32, 4))
+    for i, rows in [(0, slice(0, 1)), (5, slice(5, 6)), (5, slice(3, 10)), (39, slice(30, 40))]:
+        part = np.asarray(native.qmm(x[rows], wq, s, b, 32, 4))
+        assert np.array_equal(part[i - rows.start], full[i])
+    mod = native._module()
+    threads = mod.num_threads()
+    try:
+        mod.set_num_threads(1)
+        single = np.asarray(native.qmm(x, wq, s, b, 32, 4))
+    finally:
+        mod.set_num_threads(threads)
+    assert np.array_equal(single, full)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_equals_mlx(bits: int) -> None:
+    wq, s, b = _quantized(70, 192, 64, bits)
+    assert np.array_equal(np.asarray(native.dequantize(wq, s, b, 64, bits)),
+                          np.asarray(mx.dequantize(wq, s, b, group_size=64, bits=bits)))
+
+
+def test_quantized_argument_errors_name_the_problem() -> None:
+    wq, s, b = _quantized(8, 64, 32, 4)
+    x = mx.zeros((1, 64))
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        native.qmm(x, wq, s, b, 32, 3)
+    with pytest.raises(ValueError, match="group_size"):
+        native.qmm(x, wq, s, b, 48, 4)
+    with pytest.raises(ValueError, match="last axis"):
+        native.qmm(mx.zeros((1, 32)), wq, s, b, 32, 4)
+    with pytest.raises(ValueError, match="scales/biases"):
+        native.qmm(x, wq, s[:, :1], b[:, :1], 32, 4)
+    with pytest.raises(ValueError, match="uint32"):
+        native.dequantize(wq.astype(mx.int32), s, b, 32, 4)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 37), (1, 9, 1, 257), (2, 9, 64, 512), (1, 2, 3, 16), (1, 1, 2, 5)])
+def test_masked_softmax_matches_reference(shape: tuple[int, int, int, int]) -> None:
+    b, h, t, s = shape
+    x = mx.array((RNG.standard_normal(shape) * 8).astype(np.float32))
+    m = RNG.random((b, t, s)) > 0.4
+    m[0, 0] = False  # a fully masked row: uniform, like softmax(where(mask, x, finfo.min))
+    mask = mx.array(m)
+    x64 = np.where(m[:, None], np.asarray(x).astype(np.float64), -np.inf)
+    with np.errstate(invalid="ignore"):  # the fully masked row: -inf - -inf, replaced below
+        e = np.exp(x64 - x64.max(-1, keepdims=True, initial=-np.inf, where=m[:, None]))
+    ref = np.where(m[:, None], e, 0.0) / np.where(m[:, None], e, 0.0).sum(-1, keepdims=True).clip(1e-300)
+    ref[0, :, 0] = 1.0 / s
+    got = np.asarray(native.masked_softmax(x, mask))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
+    fully = np.zeros((b, 1, t, 1), bool)
+    fully[0, 0, 0] = True
+    assert np.all(got[np.broadcast_to(~m[:, None] & ~fully, got.shape)] == 0.0)  # exact zeros
+    mlx_ref = np.asarray(softmax(mx.where(mask[:, None], x, mx.finfo(mx.float32).min)))
+    np.testing.assert_allclose(got, mlx_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_masked_softmax_strided_inputs_and_errors() -> None:
+    x = mx.array(RNG.standard_normal((1, 2, 4, 64)).astype(np.float32))
+    mask = mx.array(RNG.random((1, 4, 64)) > 0.5)
+    got = native.masked_softmax(x[:, :, :, :40], mask[:, :, :40])
+    ref = native.masked_softmax(mx.array(np.asarray(x)[:, :, :, :40]), mx.array(np.asarray(mask)[:, :, :40]))
+    assert np.array_equal(np.asarray(got), np.asarray(ref))
+    with pytest.raises(ValueError, match="mask must be bool"):
+        native.masked_softmax(x, mask.astype(mx.int32))
+    with pytest.raises(ValueError, match="scores must be float32"):
+        native.masked_softmax(x[0], mask)
+
+
+def test_rms_norm_matches_mlx() -> None:
+    x = mx.array(RNG.standard_normal((5, 3, 576)).astype(np.float32) * 3)
+    w = mx.array(RNG.standard_normal(576).astype(np.float32))
+    np.testing.assert_allclose(np.asarray(native.rms_norm(x, w, 1e-5)),
+                               np.asarray(mx.fast.rms_norm(x, w, 1e-5)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="weight must be"):
+        native.rms_norm(x, w[:10], 1e-5)
+
+
+def test_kernels_inside_compile_do_not_retrace() -> None:
+    wq, s, b = _quantized(32, 64, 32, 8)
+    traces = []
+
+    def f(x, mask):
+        traces.append(1)
+        y = native.qmm(native.rms_norm(x, mx.ones((64,)), 1e-6), wq, s, b, 32, 8)
+        return native.masked_softmax(y.reshape(1, 1, -1, 32), mask)
+
+    g = mx.compile(f)
+    for i in range(4):
+        x = mx.array(RNG.standard_normal((3, 64)).astype(np.float32))
+        mask = mx.array(RNG.random((1, 3, 32)) > 0.2)
+        np.testing.assert_allclose(np.asarray(g(x, mask)), np.asarray(f(x, mask)), rtol=1e-6, atol=1e-7)
+    assert len(traces) == 1 + 4  # one trace by compile, four direct calls
+
+
+def test_default_model_native_and_mlx_paths_agree() -> None:
+    """The default model (Q4_1/Q8_0 GGUF) kept quantized with the native kernels against
+    the same weights dequantized to float32 on MLX's own ops: same greedy answer, logits
+    within float32 noise of two summation orders."""
+    nat = fx_engine.load(native=True)
+    ref = fx_engine.load(native=False)
+    assert nat.params.numerics.native and not ref.params.numerics.native
+    assert "4-bit" in nat.weight_format and "float32" in ref.weight_format
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    a = fx_engine.generate(nat, msgs, max_tokens=12)
+    b = fx_engine.generate(ref, msgs, max_tokens=12)
+    assert a.token_ids == b.token_ids
+    assert "Paris" in a.text
+    ids = list(nat.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8))
+    la = np.asarray(scoring.logits(nat, ids))
+    lb = np.asarray(scoring.logits(ref, ids))
+    assert la.shape == lb.shape == (len(ids), nat.config.vocab_size)
+    assert np.array_equal(la.argmax(-1), lb.argmax(-1))
+    assert np.abs(la - lb).max() < 2e-3 * np.abs(lb).max()
+
+
+def test_native_off_by_environment(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("FX_ENGINE_NATIVE", "0")
+    assert native.ensure() is None
+    monkeypatch.setenv("FX_ENGINE_NATIVE", "auto")
+    assert native.ensure() is not None
+
+
+def test_numerics_native_is_static() -> None:
+    assert Numerics(native=True) != Numerics(native=False)  # part of the compile key
