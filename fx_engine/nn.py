@@ -186,8 +186,13 @@ def rope_tables(
     return cos_f[:, :, None, :], sin_f[:, :, None, :], perm
 
 
-def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, perm: mx.array) -> mx.array:
-    """x [B, T, H, D] rotated by the tables from `rope_tables`."""
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, perm: mx.array,
+               numerics: Numerics | None = None, traditional: bool = False) -> mx.array:
+    """x [B, T, H, D] rotated by the tables from `rope_tables` (`traditional` must be what
+    they were built with). Native: one node and no BLAS call (a BLAS call per layer wakes
+    the BLAS threads, which then compete with the native kernels' threads)."""
+    if numerics is not None and numerics.native and x.dtype == cos.dtype == mx.float32:
+        return native.rope(x, cos, sin, traditional)
     return x * cos + (x @ perm) * sin
 
 
@@ -229,6 +234,7 @@ def softmax(x: mx.array) -> mx.array:
 
 
 QUERY_BLOCK = 128  # query rows per block in prefill attention (see `attention`)
+NATIVE_ATTEND_MAX_T = 16  # query tokens per row up to which native.attend runs (decode, verify)
 
 
 def attention(
@@ -251,6 +257,13 @@ def attention(
     """
     b, t, hq, d = q.shape
     hk, s = k.shape[1], k.shape[2]
+    if (numerics.native and not numerics.batch_invariant and t <= NATIVE_ATTEND_MAX_T
+            and d % 16 == 0 and q.dtype == k.dtype == v.dtype == mx.float32):
+        # Decode and verify: one native node per layer instead of ~15 (scores, softmax and
+        # P @ V in one pass over each row's K/V, no per-(row, head) BLAS calls). Not in
+        # batch-invariant mode: its prefill chunks take the GEMM path below, and a token's
+        # arithmetic must not depend on whether it came in a chunk or a decode step.
+        return native.attend(q, k, v, mask[:, 0], scale)
     if causal_tail and not numerics.batch_invariant and QUERY_BLOCK < t <= s:
         outs = []
         for j0 in range(0, t, QUERY_BLOCK):

@@ -181,3 +181,93 @@ def test_native_off_by_environment(monkeypatch) -> None:  # noqa: ANN001
 
 def test_numerics_native_is_static() -> None:
     assert Numerics(native=True) != Numerics(native=False)  # part of the compile key
+
+
+def _attention_reference(q, k, v, mask, scale):  # float64 numpy GQA attention
+    q, k, v = (np.asarray(a).astype(np.float64) for a in (q, k, v))
+    m = np.asarray(mask)
+    b, t, hq, d = q.shape
+    hk = k.shape[1]
+    rep = hq // hk
+    out = np.zeros((b, t, hq, d))
+    for bi in range(b):
+        for h in range(hq):
+            s = (q[bi, :, h] * scale) @ k[bi, h // rep].T  # [T, S]
+            s = np.where(m[bi], s, -np.inf)
+            for ti in range(t):
+                if not m[bi, ti].any():
+                    p = np.full(s.shape[1], 1.0 / s.shape[1])
+                else:
+                    p = np.exp(s[ti] - s[ti].max())
+                    p /= p.sum()
+                out[bi, ti, h] = p @ v[bi, h // rep]
+    return out.reshape(b, t, hq * d)
+
+
+@pytest.mark.parametrize("b,t,hq,hk,s,d", [(1, 1, 9, 3, 300, 64), (3, 2, 4, 4, 64, 32),
+                                           (2, 5, 8, 2, 37, 16), (1, 3, 6, 3, 130, 128)])
+def test_attend_matches_float64_reference(b, t, hq, hk, s, d) -> None:  # noqa: ANN001
+    cap = s + 20  # k/v as span slices of a larger cache: strided views, read in place
+    q = mx.array(RNG.standard_normal((b, t, hq, d)).astype(np.float32))
+    kc = mx.array(RNG.standard_normal((b, hk, cap, d)).astype(np.float32))
+    vc = mx.array(RNG.standard_normal((b, hk, cap, d)).astype(np.float32))
+    lengths = RNG.integers(1, s - t + 1, b)
+    mask = np.zeros((b, t, s), bool)
+    for bi in range(b):
+        for ti in range(t):
+            mask[bi, ti, : lengths[bi] + ti + 1] = True
+    mask[0, 0, 0] = False  # a hole inside the visible range
+    if b > 1:
+        mask[1, :] = False  # a fully masked row (inactive): uniform, as the MLX path gives
+    got = np.asarray(native.attend(q, kc[:, :, :s], vc[:, :, :s], mx.array(mask), d**-0.5))
+    ref = _attention_reference(q, kc[:, :, :s], vc[:, :, :s], mask, d**-0.5)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_attend_row_is_independent_of_span_and_batch() -> None:
+    """Bitwise: a row's output does not depend on the span (slots past its mask are not
+    read) or on the other rows of the batch."""
+    q = mx.array(RNG.standard_normal((3, 1, 9, 64)).astype(np.float32))
+    kc = mx.array(RNG.standard_normal((3, 3, 600, 64)).astype(np.float32))
+    vc = mx.array(RNG.standard_normal((3, 3, 600, 64)).astype(np.float32))
+    lengths = [100, 257, 513]
+
+    def run(rows, span):
+        m = np.zeros((len(rows), 1, span), bool)
+        for i, r in enumerate(rows):
+            m[i, 0, : lengths[r] + 1] = True
+        return np.asarray(native.attend(q[rows], kc[rows][:, :, :span], vc[rows][:, :, :span],
+                                        mx.array(m), 0.125))
+
+    alone = run([0], 256)
+    assert np.array_equal(alone[0], run([0], 512)[0])
+    assert np.array_equal(alone[0], run([0, 1, 2], 576)[0])
+    assert np.array_equal(run([1], 512)[0], run([2, 1], 576)[1])
+
+
+def test_attend_argument_errors() -> None:
+    q = mx.zeros((1, 1, 4, 64))
+    k = mx.zeros((1, 2, 8, 64))
+    m = mx.ones((1, 1, 8), mx.bool_)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        native.attend(q, k, k, mx.ones((1, 1, 7), mx.bool_), 1.0)
+    with pytest.raises(ValueError, match="multiple of Hk"):
+        native.attend(mx.zeros((1, 1, 3, 64)), k, k, m, 1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        native.attend(mx.zeros((1, 1, 4, 8)), mx.zeros((1, 2, 8, 8)), mx.zeros((1, 2, 8, 8)), m, 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        native.attend(q.astype(mx.float16), k, k, m, 1.0)
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+def test_rope_matches_the_permutation_form(traditional: bool) -> None:
+    from fx_engine.nn import apply_rope, rope_tables
+
+    pos = mx.array(RNG.integers(0, 5000, (2, 3)).astype(np.int32))
+    cos, sin, perm = rope_tables(pos, 64, base=10000.0, scale=1.0, freqs=None, traditional=traditional)
+    x = mx.array(RNG.standard_normal((2, 3, 12, 64)).astype(np.float32))[:, :, :7]  # strided
+    ref = np.asarray(apply_rope(x, cos, sin, perm))
+    got = np.asarray(native.rope(x, cos, sin, traditional))
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="cos and sin"):
+        native.rope(x, cos[:, :1], sin, traditional)

@@ -607,7 +607,9 @@ def measure_breakdown(model: Any, decode_contexts: list[int], prefill_sizes: lis
                "cache": cache}
 
         def step() -> None:
-            st, ca = decode_step_compiled(p, box["cache"], box["state"], **kw)
+            # pop first: the step's inputs must have no other reference, or MLX cannot
+            # update the cache in place and copies it (as the engine's shell does)
+            st, ca = decode_step_compiled(p, box.pop("cache"), box.pop("state"), **kw)
             mx.eval(*tree_leaves(st), *tree_leaves(ca))
             int(st.tokens[0].item())
             box["state"], box["cache"] = st, with_lengths(ca, mx.array([ctx], mx.int32))
@@ -630,7 +632,7 @@ def measure_breakdown(model: Any, decode_contexts: list[int], prefill_sizes: lis
         box = {"cache": cache}
 
         def pstep() -> None:
-            lg, ca = prefill_step_compiled(p, box["cache"], toks, nv, **kw)
+            lg, ca = prefill_step_compiled(p, box.pop("cache"), toks, nv, **kw)
             mx.eval(lg, *tree_leaves(ca))
             box["cache"] = with_lengths(ca, mx.array([start], mx.int32))
 

@@ -74,7 +74,7 @@ def _layer(
              rms_norm(qkv[:, :, hq : hq + hk], lp.k_norm, cfg.rms_norm_eps)], axis=2)
     else:
         qk = qkv[:, :, : hq + hk]
-    qk = apply_rope(qk, *rope)  # q and k rotated together: one pass per layer
+    qk = apply_rope(qk, *rope, num, cfg.rope_traditional)  # q and k together: one pass per layer
     q = qk[:, :, :hq]
     k = qk[:, :, hq:].transpose(0, 2, 1, 3)
     v = qkv[:, :, hq + hk :].transpose(0, 2, 1, 3)

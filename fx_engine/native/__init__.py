@@ -105,3 +105,16 @@ def masked_softmax(scores, mask):  # type: ignore[no-untyped-def]
 def rms_norm(x, weight, eps: float):  # type: ignore[no-untyped-def]
     """x * rsqrt(mean(x**2, -1) + eps) * weight, in float32, in one node."""
     return _module().rms_norm(x, weight, eps)
+
+
+def attend(q, k, v, mask, scale: float):  # type: ignore[no-untyped-def]
+    """Grouped-query attention in one node for a few query tokens per row (decode, verify):
+    q [B, T, Hq, D] (float32), k/v [B, Hk, S, D] (strided views of the cache are read in
+    place), bool mask [B, T, S] -> [B, T, Hq * D]."""
+    return _module().attend(q, k, v, mask, scale)
+
+
+def rope(x, cos, sin, traditional: bool):  # type: ignore[no-untyped-def]
+    """RoPE with precomputed tables (fx_engine.nn.rope_tables): x [B, T, H, D] float32,
+    cos / signed sin [B, T, 1, D]."""
+    return _module().rope(x, cos, sin, traditional)

@@ -422,42 +422,59 @@ inline v16 masked(const float* x, const uint8_t* m) {
   return mi != 0 ? load(x) : v16{} + FMIN;
 }
 
+// One past the last unmasked slot (0 if none).
+inline int mask_end(const uint8_t* m, int S) {
+  int e = S;
+  while (e > 0 && !m[e - 1]) --e;
+  return e;
+}
+
+// Softmax of one row of scores over its unmasked slots; masked slots get exact zeros and a
+// fully masked row is uniform (as softmax(where(mask, x, finfo.min)) gives). Only slots
+// before the row's last unmasked one are visited, in a fixed vector order, so the result
+// does not depend on S (the attention span, set by the longest row of the batch).
 void softmax_row(const float* x, const uint8_t* m, int S, float* out) {
-  const int S16 = S - S % VL;
+  const int E = mask_end(m, S);
+  if (E == 0) {
+    for (int j = 0; j < S; ++j) out[j] = 1.0f / static_cast<float>(S);
+    return;
+  }
+  const int E16 = E - E % VL;
   v16 vm = v16{} + FMIN;
-  for (int j = 0; j < S16; j += VL) {
+  for (int j = 0; j < E16; j += VL) {
     const v16 v = masked(x + j, m + j);
     vm = v > vm ? v : vm;
   }
   float mx_ = hmax(vm);
-  for (int j = S16; j < S; ++j) {
+  for (int j = E16; j < E; ++j) {
     const float v = m[j] ? x[j] : FMIN;
     mx_ = v > mx_ ? v : mx_;
   }
   v16 vs = v16{};
-  for (int j = 0; j < S16; j += VL) {
+  for (int j = 0; j < E16; j += VL) {
     const v16 e = vexp(masked(x + j, m + j) - mx_);
     store(out + j, e);
     vs += e;
   }
   v16 vt = v16{};
-  if (S16 < S) {  // the tail through the same vector code; padding lanes add nothing
+  if (E16 < E) {  // the tail through the same vector code; padding lanes add nothing
     float xt[VL] = {0}, et[VL];
     uint8_t mt[VL] = {0};
-    for (int j = S16; j < S; ++j) {
-      xt[j - S16] = x[j];
-      mt[j - S16] = m[j];
+    for (int j = E16; j < E; ++j) {
+      xt[j - E16] = x[j];
+      mt[j - E16] = m[j];
     }
     const v16 e = vexp(masked(xt, mt) - mx_);
     std::memcpy(et, &e, sizeof(et));
-    for (int j = S - S16; j < VL; ++j) et[j] = 0.0f;
-    for (int j = S16; j < S; ++j) out[j] = et[j - S16];
+    for (int j = E - E16; j < VL; ++j) et[j] = 0.0f;
+    for (int j = E16; j < E; ++j) out[j] = et[j - E16];
     vt = load(et);
   }
   const float sum = hsum(vs) + hsum(vt);
   const v16 vsum = v16{} + sum;
-  for (int j = 0; j < S16; j += VL) store(out + j, load(out + j) / vsum);
-  for (int j = S16; j < S; ++j) out[j] = out[j] / sum;
+  for (int j = 0; j < E16; j += VL) store(out + j, load(out + j) / vsum);
+  for (int j = E16; j < E; ++j) out[j] = out[j] / sum;
+  for (int j = E; j < S; ++j) out[j] = 0.0f;
 }
 
 // scores [B, H, T, S], mask [B, T, S] -> probabilities [B, H, T, S]
@@ -470,6 +487,80 @@ void masked_softmax_cpu(const float* x, const uint8_t* m, float* out, int B, int
     for (int64_t r = c * static_cast<int64_t>(per); r < r1; ++r) {
       const int64_t t = r % T, b = r / (static_cast<int64_t>(H) * T);
       softmax_row(x + r * S, m + (b * T + t) * S, S, out + r * S);
+    }
+  });
+}
+
+// ---------------------------------------------------------------- decode attention
+// Grouped-query attention for a few query tokens per row (decode, verify): for each (row,
+// KV head) the rep query heads x T tokens are scored against the cached keys, softmaxed
+// (softmax_row) and summed over the values, in one pass over that head's K and V and in
+// one graph node. K/V may be strided views of the cache (only the head dimension must be
+// contiguous), so the span slice costs no copy. Slots past a row's last unmasked one are
+// not read at all.
+
+// Fixed-order dot product of two D-vectors (D a multiple of 16).
+inline float dot(const float* a, const float* b, int D) {
+  v16 acc = load(a) * load(b);
+  for (int d = VL; d < D; d += VL) acc = fma(load(a + d), load(b + d), acc);
+  return hsum(acc);
+}
+
+struct Strided4 {  // a [B, H, S, D] view: element (b, h, s, d) at p[b*sb + h*sh + s*ss + d]
+  const float* p;
+  int64_t sb, sh, ss;
+};
+
+void attend_cpu(const float* q, Strided4 k, Strided4 v, const uint8_t* mask, float scale,
+                float* out, int B, int T, int Hq, int Hk, int S, int D) {
+  const int rep = Hq / Hk, R = rep * T;
+  pool().run(B * Hk, [&](int item) {
+    const int b = item / Hk, h = item % Hk;
+    thread_local std::vector<float> qs, sc, pr;
+    qs.resize(static_cast<size_t>(R) * D);
+    sc.resize(static_cast<size_t>(R) * S);
+    pr.resize(static_cast<size_t>(R) * S);
+    std::vector<int> end(T);
+    int emax = 0;
+    for (int t = 0; t < T; ++t) {
+      end[t] = mask_end(mask + (static_cast<int64_t>(b) * T + t) * S, S);
+      emax = std::max(emax, end[t]);
+    }
+    // query row r = i * T + t: head h * rep + i at token t, pre-scaled (as q * scale)
+    for (int i = 0; i < rep; ++i)
+      for (int t = 0; t < T; ++t) {
+        const float* src = q + ((static_cast<int64_t>(b) * T + t) * Hq + h * rep + i) * D;
+        float* dst = qs.data() + static_cast<int64_t>(i * T + t) * D;
+        for (int d = 0; d < D; ++d) dst[d] = src[d] * scale;
+      }
+    const float* kb = k.p + b * k.sb + h * k.sh;
+    const float* vb = v.p + b * v.sb + h * v.sh;
+    for (int j = 0; j < emax; ++j) {
+      const float* kj = kb + j * k.ss;
+      for (int r = 0; r < R; ++r)
+        sc[static_cast<int64_t>(r) * S + j] = j < end[r % T] ? dot(qs.data() + r * D, kj, D) : 0.0f;
+    }
+    for (int r = 0; r < R; ++r) {
+      const int t = r % T;
+      const uint8_t* mr = mask + (static_cast<int64_t>(b) * T + t) * S;
+      softmax_row(sc.data() + static_cast<int64_t>(r) * S, mr, end[t] ? end[t] : S,
+                  pr.data() + static_cast<int64_t>(r) * S);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int t = r % T, i = r / T;
+      const int e = end[t] ? end[t] : S;
+      const float* p = pr.data() + static_cast<int64_t>(r) * S;
+      float* o = out + ((static_cast<int64_t>(b) * T + t) * Hq + h * rep + i) * D;
+      for (int d0 = 0; d0 < D; d0 += 4 * VL) {  // 4 accumulators of the head dimension
+        const int nd = std::min(4 * VL, D - d0) / VL;
+        v16 acc[4] = {v16{}, v16{}, v16{}, v16{}};
+        for (int j = 0; j < e; ++j) {
+          const v16 pj = v16{} + p[j];
+          const float* vj = vb + j * v.ss + d0;
+          for (int c = 0; c < nd; ++c) acc[c] = fma(pj, load(vj + c * VL), acc[c]);
+        }
+        for (int c = 0; c < nd; ++c) store(o + d0 + c * VL, acc[c]);
+      }
     }
   });
 }
@@ -495,6 +586,30 @@ void rms_norm_cpu(const float* x, const float* w, float eps, float* out, int64_t
       for (int j = D16; j < D; ++j) o[j] = (xr[j] * inv) * w[j];
     }
   });
+}
+
+// ---------------------------------------------------------------- rope
+// x [N, H, D] rotated with per-token tables cos/sin [N, D] (sin already signed, as
+// fx_engine.nn.rope_tables builds them): out[d] = x[d] * cos[d] + x[partner(d)] * sin[d],
+// partner(d) = d ^ 1 (traditional: adjacent pairs) or (d + D/2) mod D (halves). Replaces
+// the `x @ P` permutation matmul, which called into BLAS once per layer.
+void rope_cpu(const float* x, const float* c, const float* sn, float* out, int64_t N, int H,
+              int D, bool traditional) {
+  const int half = D / 2;
+  for (int64_t n = 0; n < N; ++n) {
+    const float* cn = c + n * D;
+    const float* sv = sn + n * D;
+    for (int h = 0; h < H; ++h) {
+      const float* xr = x + (n * H + h) * D;
+      float* o = out + (n * H + h) * D;
+      if (traditional) {
+        for (int d = 0; d < D; ++d) o[d] = xr[d] * cn[d] + xr[d ^ 1] * sv[d];
+      } else {
+        for (int d = 0; d < half; ++d) o[d] = xr[d] * cn[d] + xr[d + half] * sv[d];
+        for (int d = half; d < D; ++d) o[d] = xr[d] * cn[d] + xr[d - half] * sv[d];
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------- inputs
@@ -650,6 +765,93 @@ class RmsNorm : public CpuKernel {
   float eps_;
 };
 
+class Attend : public CpuKernel {
+ public:
+  Attend(mx::Stream s, float scale) : CpuKernel(s), scale_(scale) {}
+  std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const override {
+    return [q = in[0], k = in[1], v = in[2], m = in[3], out, scale = scale_]() mutable {
+      std::vector<float> tq;
+      std::vector<uint8_t> tm;
+      const int B = q.shape(0), T = q.shape(1), Hq = q.shape(2), D = q.shape(3);
+      const int Hk = k.shape(1), S = k.shape(2);
+      auto view = [](const mx::array& a) {
+        return Strided4{a.data<float>(), static_cast<int64_t>(a.strides()[0]),
+                        static_cast<int64_t>(a.strides()[1]), static_cast<int64_t>(a.strides()[2])};
+      };
+      attend_cpu(dense(q, tq), view(k), view(v), dense<uint8_t>(m, tm), scale,
+                 out.data<float>(), B, T, Hq, Hk, S, D);
+    };
+  }
+  const char* name() const override { return "FxAttend"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const Attend&>(other).scale_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {mx::Shape{in[0].shape(0), in[0].shape(1), in[0].shape(2) * in[0].shape(3)}};
+  }
+
+ private:
+  float scale_;
+};
+
+mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v,
+                 const mx::array& mask, float scale) {
+  const std::string p = "attend: ";
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
+    throw std::invalid_argument(p + "q must be [B, T, Hq, D] and k, v [B, Hk, S, D]");
+  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32)
+    throw std::invalid_argument(p + "q, k and v must be float32");
+  const int B = q.shape(0), T = q.shape(1), Hq = q.shape(2), D = q.shape(3);
+  if (k.shape() != v.shape() || k.shape(0) != B || k.shape(3) != D || Hq % k.shape(1) != 0)
+    throw std::invalid_argument(p + "k and v must be [B, Hk, S, D] with Hq a multiple of Hk");
+  if (D % 16 != 0) throw std::invalid_argument(p + "head_dim must be a multiple of 16");
+  if (mask.ndim() != 3 || mask.dtype() != mx::bool_ || mask.shape(0) != B ||
+      mask.shape(1) != T || mask.shape(2) != k.shape(2))
+    throw std::invalid_argument(p + "mask must be bool [B, T, S]");
+  const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
+  // K and V are read through their strides (a span slice of the cache is a view); only
+  // the head dimension must be contiguous.
+  auto kk = k.strides()[3] == 1 ? k : mx::contiguous(k, false, s);
+  auto vv = v.strides()[3] == 1 ? v : mx::contiguous(v, false, s);
+  return mx::array(mx::Shape{B, T, Hq * D}, mx::float32, std::make_shared<Attend>(s, scale),
+                   {q, kk, vv, mask});
+}
+
+class Rope : public CpuKernel {
+ public:
+  Rope(mx::Stream s, bool traditional) : CpuKernel(s), traditional_(traditional) {}
+  std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const override {
+    return [x = in[0], c = in[1], sn = in[2], out, trad = traditional_]() mutable {
+      std::vector<float> tx, tc, ts;
+      const int D = x.shape(-1), H = x.shape(-2);
+      rope_cpu(dense(x, tx), dense(c, tc), dense(sn, ts), out.data<float>(),
+               static_cast<int64_t>(x.size() / (static_cast<int64_t>(H) * D)), H, D, trad);
+    };
+  }
+  const char* name() const override { return "FxRope"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return traditional_ == static_cast<const Rope&>(other).traditional_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+
+ private:
+  bool traditional_;
+};
+
+mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, bool traditional) {
+  if (x.ndim() != 4 || x.dtype() != mx::float32)
+    throw std::invalid_argument("rope: x must be float32 [B, T, H, D]");
+  const auto want = mx::Shape{x.shape(0), x.shape(1), 1, x.shape(3)};
+  if (cos.shape() != want || sin.shape() != want || cos.dtype() != mx::float32 ||
+      sin.dtype() != mx::float32)
+    throw std::invalid_argument("rope: cos and sin must be float32 [B, T, 1, D]");
+  if (x.shape(3) % 2 != 0) throw std::invalid_argument("rope: head_dim must be even");
+  const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
+  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, traditional), {x, cos, sin});
+}
+
 mx::array masked_softmax(const mx::array& scores, const mx::array& mask) {
   if (scores.ndim() != 4 || scores.dtype() != mx::float32)
     throw std::invalid_argument("masked_softmax: scores must be float32 [B, H, T, S]");
@@ -734,6 +936,10 @@ NB_MODULE(_fx_native, m) {
         nb::arg("group_size"), nb::arg("bits"), "affine dequantization -> float32 [N, K]");
   m.def("masked_softmax", &masked_softmax, nb::arg("scores"), nb::arg("mask"),
         "softmax over the last axis of float32 scores [B, H, T, S] where bool mask [B, T, S]");
+  m.def("attend", &attend, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask"),
+        nb::arg("scale"), "GQA attention of q [B, T, Hq, D] over k, v [B, Hk, S, D] -> [B, T, Hq*D]");
+  m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("traditional"),
+        "x * cos + partner(x) * sin for x [B, T, H, D], tables [B, T, 1, D]");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("set_num_threads", [](int n) { pool().resize(n); }, nb::arg("n"));
   m.def("num_threads", [] { return pool().size(); });
