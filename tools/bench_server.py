@@ -1,14 +1,18 @@
 """HTTP serving benchmark (`python tools/bench_server.py`, or `tools/bench.py --server`).
 
 Side by side in one run, on exactly the same weights and tokenizer:
-  fx           `fx-engine serve` (its defaults: --decode-concurrency 32, prefill chunk 512)
+  fx           `fx-engine serve` on the model as given (for a GGUF: its 4-/8-bit tensors
+               kept quantized and run by the native kernels, which compute with exactly the
+               values the float32 folder holds; its defaults: --decode-concurrency 32,
+               prefill chunk 512)
+  fx-f32       `fx-engine serve` on the float32 folder the mlx-lm peers load
   mlx-lm       `mlx_lm.server` (its defaults: --decode-concurrency 32, --prompt-concurrency 8,
                prefill step 2048), with the optimized BLAS fx-engine preloads (MKL here)
   mlx-lm-stock the same with MLX's bundled reference BLAS, as a plain `pip install mlx-lm`
                runs on Linux (very slow batched prefill on CPU; not in the default list)
   llama.cpp    `python -m llama_cpp.server` on the original GGUF (its own quantized weights,
                one sequence at a time), only with --peers including it and when it starts
-  direct       fx_engine.Engine in this process, configured as the server, driven by its
+  direct       fx_engine.Engine in this process on the model fx serves, configured as the server, driven by its
                background thread: the reference for "the server adds almost nothing"
                (measured at 1 client only)
 
@@ -180,8 +184,9 @@ def free_port() -> int:
 
 def server_command(peer: str, folder: Path, gguf: str | None, port: int) -> list[str]:
     py = sys.executable
-    if peer == "fx":
-        return [py, "-m", "fx_engine.cli", "serve", "--model", str(folder), "--port", str(port),
+    if peer in ("fx", "fx-f32"):
+        served = folder if peer == "fx-f32" or gguf is None else gguf
+        return [py, "-m", "fx_engine.cli", "serve", "--model", str(served), "--port", str(port),
                 "--max-tokens", str(GEN_TOKENS)]
     if peer in ("mlx-lm", "mlx-lm-stock"):
         args = ["--model", str(folder), "--port", str(port), "--log-level", "WARNING"]
@@ -278,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF or HF folder (default: the default model)")
     ap.add_argument("--clients", default="1,8,32", help="concurrency levels")
-    ap.add_argument("--peers", default="fx,mlx-lm", help="fx, mlx-lm, llama.cpp (comma-separated)")
+    ap.add_argument("--peers", default="fx,mlx-lm", help="fx, fx-f32, mlx-lm, mlx-lm-stock, llama.cpp (comma-separated)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--gen-tokens", type=int, default=GEN_TOKENS)
@@ -320,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             Path(a.json).write_text(json.dumps(make_report(), indent=1))
 
     if not a.no_direct and 1 in ns:
-        engine = fx_engine.Engine(fx_engine.load(str(folder)), max_rows=32, prefill_chunk=512)
+        engine = fx_engine.Engine(fx_engine.load(model.path), max_rows=32, prefill_chunk=512)
         with engine:
             runs = []
             for r in range(a.warmup + a.runs):

@@ -73,6 +73,11 @@ inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
 // Fixed-order horizontal sum (pairwise halves): the same for every caller.
 inline float hsum(v16 v) {
+#if defined(__AVX512F__)
+  __m512 r;
+  std::memcpy(&r, &v, sizeof(r));
+  return _mm512_reduce_add_ps(r);  // a fixed sequence of halving shuffles and adds
+#endif
   float a[VL];
   std::memcpy(a, &v, sizeof(a));
   float s8[8], s4[4];
@@ -774,11 +779,20 @@ class Attend : public CpuKernel {
       std::vector<uint8_t> tm;
       const int B = q.shape(0), T = q.shape(1), Hq = q.shape(2), D = q.shape(3);
       const int Hk = k.shape(1), S = k.shape(2);
-      auto view = [](const mx::array& a) {
+      // K and V are read through their strides (a span slice of the cache is a view):
+      // only the head dimension must be contiguous, else they are copied here. (Strides
+      // exist only once an array is evaluated, so this is decided here, not when the
+      // graph is built.)
+      std::vector<float> tk, tv;
+      auto view = [S, D, Hk](const mx::array& a, std::vector<float>& tmp) {
+        if (a.strides()[3] != 1) {
+          const float* p = dense(a, tmp);
+          return Strided4{p, static_cast<int64_t>(Hk) * S * D, static_cast<int64_t>(S) * D, D};
+        }
         return Strided4{a.data<float>(), static_cast<int64_t>(a.strides()[0]),
                         static_cast<int64_t>(a.strides()[1]), static_cast<int64_t>(a.strides()[2])};
       };
-      attend_cpu(dense(q, tq), view(k), view(v), dense<uint8_t>(m, tm), scale,
+      attend_cpu(dense(q, tq), view(k, tk), view(v, tv), dense<uint8_t>(m, tm), scale,
                  out.data<float>(), B, T, Hq, Hk, S, D);
     };
   }
@@ -809,12 +823,8 @@ mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v,
       mask.shape(1) != T || mask.shape(2) != k.shape(2))
     throw std::invalid_argument(p + "mask must be bool [B, T, S]");
   const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
-  // K and V are read through their strides (a span slice of the cache is a view); only
-  // the head dimension must be contiguous.
-  auto kk = k.strides()[3] == 1 ? k : mx::contiguous(k, false, s);
-  auto vv = v.strides()[3] == 1 ? v : mx::contiguous(v, false, s);
   return mx::array(mx::Shape{B, T, Hq * D}, mx::float32, std::make_shared<Attend>(s, scale),
-                   {q, kk, vv, mask});
+                   {q, k, v, mask});
 }
 
 class Rope : public CpuKernel {
