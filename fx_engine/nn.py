@@ -263,7 +263,7 @@ def attention(
         # P @ V in one pass over each row's K/V, no per-(row, head) BLAS calls). Not in
         # batch-invariant mode: its prefill chunks take the GEMM path below, and a token's
         # arithmetic must not depend on whether it came in a chunk or a decode step.
-        return native.attend(q, k, v, mask[:, 0], scale)
+        return native.attend(q, k, v, mx.broadcast_to(mask[:, 0], (b, t, s)), scale)
     if causal_tail and not numerics.batch_invariant and QUERY_BLOCK < t <= s:
         outs = []
         for j0 in range(0, t, QUERY_BLOCK):
@@ -289,7 +289,8 @@ def attention(
         tp = t
         scores = (qh.reshape(b, hk, rep * t, d) @ k.swapaxes(-1, -2)).reshape(b, hk, rep, t, s)
     if numerics.native and scores.dtype == mx.float32:  # one pass, multi-threaded
-        probs = native.masked_softmax(scores.reshape(b, hk * rep, tp, s), m.reshape(b, tp, s))
+        mb = mx.broadcast_to(m, (b, 1, 1, tp, s)).reshape(b, tp, s)
+        probs = native.masked_softmax(scores.reshape(b, hk * rep, tp, s), mb)
         probs = probs.reshape(b, hk, rep, tp, s)
     else:
         scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
