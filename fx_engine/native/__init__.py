@@ -39,10 +39,10 @@ def ensure(*, quiet: bool = False) -> ModuleType | None:
                 raise RuntimeError(f"fx-engine native kernels unavailable: {_STATE['error']}")
             return _STATE["module"]
         _STATE["tried"] = True
-        from . import build
-
         log = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         try:
+            from . import build  # POSIX only (fcntl); elsewhere: MLX ops
+
             path = build.build(force=mode == "rebuild", log=log)
             mod = build.import_extension(path)
             threads = os.environ.get("FX_ENGINE_THREADS")

@@ -4,8 +4,9 @@ Why at first use rather than at `pip install`: the extension must be compiled ag
 exact MLX that is installed (its C++ headers and libmlx ship in the mlx wheel) and with
 the nanobind ABI that MLX's own Python module uses, and it is worth compiling for the
 machine's own CPU (-march=native). A build takes ~15-30 s on 2 cores; the result is
-cached under `~/.cache/fx-engine/native/<key>/` (or $FX_ENGINE_CACHE), keyed on the
-source, MLX, nanobind, Python, compiler and CPU, so a change to any of them rebuilds.
+cached under `~/.cache/fx-engine/native/<key>/` (or $FX_ENGINE_CACHE/native), keyed on
+the kernel source and this file (flags, check), MLX, nanobind, Python, compiler and CPU,
+so a change to any of them rebuilds (older builds stay; delete the folder to reclaim them).
 
 A new build is checked in a subprocess (import, run, compare with numpy) before it is
 used, so a miscompiled or unsupported binary (e.g. an instruction the VM does not allow)
@@ -47,6 +48,18 @@ for bits in (4, 8):
     assert np.allclose(got, ref, rtol=1e-4, atol=1e-4), (bits, np.abs(got - ref).max())
     deq = np.asarray(mod.dequantize(wq, s, b, 32, bits))
     assert np.array_equal(deq, np.asarray(mx.dequantize(wq, s, b, group_size=32, bits=bits))), bits
+q = rng.standard_normal((2, 1, 4, 32)).astype(np.float32)
+k = rng.standard_normal((2, 2, 40, 32)).astype(np.float32)
+v = rng.standard_normal((2, 2, 40, 32)).astype(np.float32)
+m = np.zeros((2, 1, 40), bool); m[0, 0, :17] = True; m[1, 0, :40] = True
+out = np.asarray(mod.attend(mx.array(q), mx.array(k), mx.array(v), mx.array(m), 0.2))
+for bi in range(2):
+    for h in range(4):
+        sc = (q[bi, 0, h] * 0.2) @ k[bi, h // 2].T
+        sc = np.where(m[bi, 0], sc, -np.inf); p = np.exp(sc - sc.max()); p /= p.sum()
+        assert np.allclose(out[bi, 0, h * 32:(h + 1) * 32], p @ v[bi, h // 2], atol=1e-4), (bi, h)
+sm = np.asarray(mod.masked_softmax(mx.array(k[:, :, :3, :]), mx.array(m[:, :1, :32].repeat(3, 1))))
+assert np.allclose(sm.sum(-1), 1.0, atol=1e-5)
 print("ok")
 """
 
@@ -104,7 +117,7 @@ def build_key(cxx: str) -> str:
     except (OSError, subprocess.SubprocessError):
         cc_version = cxx
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), mx.__version__.encode(), nanobind.__version__.encode(),
+    for part in (SOURCE.read_bytes(), Path(__file__).read_bytes(), mx.__version__.encode(), nanobind.__version__.encode(),
                  sys.version.encode(), cc_version.encode(), _cpu_id().encode()):
         h.update(part)
         h.update(b"\0")

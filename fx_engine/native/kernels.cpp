@@ -1,23 +1,28 @@
 // fx-engine's native CPU kernels, as MLX primitives (graph nodes that mx.compile keeps).
 //
 // Why this file exists: on the Linux CPU backend MLX's quantized matmul is a naive
-// one-core kernel (~0.5 GB/s of packed weights) and its attention is unfused. These
-// kernels are the two hot loops of LLM inference on a CPU, written once:
+// one-core kernel (~0.5 GB/s of packed weights), its attention, softmax and RMSNorm are
+// chains of unfused ops, and every graph node costs microseconds. The kernels here are
+// the hot loops of LLM inference on a CPU, each one node:
 //
-//   qmm:  y[M, N] = x[M, K] @ dequantize(w)[N, K].T for MLX's affine-quantized weights
-//         (4 or 8 bits, group 32/64/128: what GGUF Q4_0/Q4_1/Q8_0 and mlx-community
-//         models load as). Four weight rows are dequantized into an L1 buffer once and
-//         reused by every activation row, so a decode step streams the packed bytes (a
-//         quarter of float32) and a batch of rows shares one pass over them.
+//   qmm:        y[M, N] = x[M, K] @ dequantize(w)[N, K].T for MLX's affine-quantized
+//               weights (4 or 8 bits, group a multiple of 32: what GGUF Q4_0/Q4_1/Q8_0 and
+//               mlx-community models load as). Four weight rows are dequantized into an
+//               L1 buffer once and reused by every activation row, so a decode step
+//               streams the packed bytes and a batch of rows shares one pass over them.
+//   dequantize: the same values as mx.dequantize (prefill chunks then use a BLAS GEMM).
+//   attend:     grouped-query attention for a few query tokens per row (decode, verify).
+//   masked_softmax, rms_norm, rope.
 //
-// Numerics: every output y[m, n] is one vector accumulator over k in a fixed order,
-// reduced in a fixed order, computed by one thread. It never depends on M, on the other
-// rows, on the blocking, or on the thread count: these kernels are batch-invariant by
-// construction (fx_engine.nn.Numerics).
+// Numerics: every output element is accumulated in a fixed order and computed by one
+// thread. It never depends on M, on the other rows, on the blocking, on the attention
+// span or on the thread count: these kernels are batch-invariant by construction
+// (fx_engine.nn.Numerics).
 //
 // Portable C++ with GCC/Clang vector extensions (compiled with -march=native by
-// fx_engine/native/build.py); no intrinsics, so the same source builds for AVX-512,
-// AVX2 and NEON.
+// fx_engine/native/build.py). A few AVX-512 intrinsics (u8 -> float conversion, FMA,
+// horizontal sum) sit behind #if __AVX512F__ with portable fallbacks, so the same source
+// builds for AVX-512, AVX2 and NEON.
 
 #include <algorithm>
 #include <atomic>
