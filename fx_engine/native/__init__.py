@@ -71,12 +71,13 @@ def status() -> dict[str, Any]:
 
 
 def _module() -> ModuleType:
+    # The ops never build or load anything themselves (the pure core calls them): the
+    # shell's fx_engine.load, or the caller, runs ensure() first.
     mod = _STATE["module"]
-    if mod is None:  # a params pytree says native but this process has no extension
-        mod = ensure(quiet=True)
-        if mod is None:
-            raise RuntimeError("these params use fx-engine's native kernels, which are unavailable "
-                               f"in this process ({_STATE['error']}); load with native=False")
+    if mod is None:
+        why = _STATE["error"] or "fx_engine.native.ensure() has not been called in this process"
+        raise RuntimeError("these params use fx-engine's native kernels, which are not loaded "
+                           f"({why}); call fx_engine.native.ensure() first, or load with native=False")
     return mod
 
 
