@@ -275,3 +275,20 @@ def test_rope_matches_the_permutation_form(traditional: bool) -> None:
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="cos and sin"):
         native.rope(x, cos[:, :1], sin, traditional)
+
+
+def test_edge_cases_empty_inputs_and_all_minus_inf_rows() -> None:
+    wq, s, b = _quantized(8, 64, 32, 4)
+    assert native.qmm(mx.zeros((0, 64)), wq, s, b, 32, 4).shape == (0, 8)
+    assert native.rms_norm(mx.zeros((0, 16)), mx.ones((16,)), 1e-5).shape == (0, 16)
+    with pytest.raises(ValueError, match="D > 0"):
+        native.rms_norm(mx.zeros((2, 0)), mx.zeros((0,)), 1e-5)
+    with pytest.raises(ValueError, match="multiple of Hk"):
+        native.attend(mx.zeros((1, 1, 4, 16)), mx.zeros((1, 0, 8, 16)), mx.zeros((1, 0, 8, 16)),
+                      mx.ones((1, 1, 8), mx.bool_), 1.0)
+    # Rows whose visible scores are all -inf: as softmax(where(mask, x, finfo.min)).
+    for x, m in [([-np.inf] * 20, [0, 0, 0, 1] + [0] * 16), ([-np.inf] + [1.0] * 19, [1] + [0] * 19)]:
+        xa = mx.array(np.array(x, np.float32).reshape(1, 1, 1, 20))
+        ma = mx.array(np.array(m, bool).reshape(1, 1, 20))
+        ref = softmax(mx.where(ma[:, None], xa, mx.finfo(mx.float32).min))
+        np.testing.assert_allclose(np.asarray(native.masked_softmax(xa, ma)), np.asarray(ref), atol=1e-7)

@@ -34,20 +34,19 @@ def ensure(*, quiet: bool = False) -> ModuleType | None:
     if mode in ("0", "off", "false", "no"):
         return None
     with _LOCK:
-        if _STATE["tried"] and mode != "rebuild":
+        if _STATE["tried"] and (mode != "rebuild" or _STATE.get("rebuilt")):
             if _STATE["module"] is None and mode == "require":
                 raise RuntimeError(f"fx-engine native kernels unavailable: {_STATE['error']}")
             return _STATE["module"]
         _STATE["tried"] = True
+        _STATE["rebuilt"] = mode == "rebuild"  # once per process (the .so stays loaded anyway)
         log = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         try:
             from . import build  # POSIX only (fcntl); elsewhere: MLX ops
 
             path = build.build(force=mode == "rebuild", log=log)
             mod = build.import_extension(path)
-            threads = os.environ.get("FX_ENGINE_THREADS")
-            n = int(threads) if threads else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            mod.set_num_threads(max(1, n))
+            mod.set_num_threads(_threads())
             _STATE.update(module=mod, path=str(path), error=None)
         except Exception as e:  # noqa: BLE001 - any failure means: run without native kernels
             _STATE.update(module=None, error=f"{type(e).__name__}: {e}")
@@ -58,6 +57,20 @@ def ensure(*, quiet: bool = False) -> ModuleType | None:
                 print(f"fx-engine: native CPU kernels unavailable, using MLX ops ({first})",
                       file=sys.stderr, flush=True)
         return _STATE["module"]
+
+
+def _threads() -> int:
+    """FX_ENGINE_THREADS, else the CPUs this process may run on."""
+    default = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    raw = os.environ.get("FX_ENGINE_THREADS", "").strip()
+    if not raw:
+        return max(1, default)
+    try:
+        return max(1, int(raw))
+    except ValueError:
+        print(f"fx-engine: FX_ENGINE_THREADS={raw!r} is not an integer; using {default} threads",
+              file=sys.stderr, flush=True)
+        return max(1, default)
 
 
 def available() -> bool:

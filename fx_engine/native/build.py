@@ -68,6 +68,14 @@ class BuildError(RuntimeError):
     pass
 
 
+class _CompileError(BuildError):
+    """The compiler rejected the source or its flags."""
+
+
+class _Transient(BuildError):
+    """The compiler or the check was killed by a signal (e.g. out of memory)."""
+
+
 def cache_root() -> Path:
     root = os.environ.get("FX_ENGINE_CACHE")
     base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fx-engine"
@@ -142,15 +150,19 @@ def _compile(cxx: str, paths: dict[str, str], arch: list[str], out: Path) -> Non
     if sys.platform == "darwin":
         cmd[cmd.index("-shared")] = "-bundle"
         cmd += ["-undefined", "dynamic_lookup"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if r.returncode < 0:
+        raise _Transient(f"the compiler was killed by signal {-r.returncode}")
     if r.returncode != 0:
-        raise BuildError(f"compiling {SOURCE.name} failed ({' '.join(arch) or 'generic'}):\n{r.stderr[-4000:]}")
+        raise _CompileError(f"compiling {SOURCE.name} failed ({' '.join(arch) or 'generic'}):\n{r.stderr[-4000:]}")
 
 
 def _check(path: Path) -> None:
     env = dict(os.environ, FX_ENGINE_NATIVE="0")
     r = subprocess.run([sys.executable, "-c", _SMOKE, str(path)], capture_output=True, text=True,
                        env=env, timeout=300)
+    if r.returncode < 0 and -r.returncode in (9, 15):  # killed from outside, not a crash
+        raise _Transient(f"the check was killed by signal {-r.returncode}")
     if r.returncode != 0 or "ok" not in r.stdout:
         raise BuildError(f"the built kernels failed their check (exit {r.returncode}):\n"
                          f"{(r.stderr or r.stdout)[-2000:]}")
@@ -176,7 +188,10 @@ def build(*, force: bool = False, log=None) -> Path:
         if failed.exists() and not force:
             raise BuildError(f"an earlier build failed (FX_ENGINE_NATIVE=rebuild retries):\n{failed.read_text()}")
         errors = []
-        for arch in _flag_sets():
+        candidates = _flag_sets()
+        i = 0
+        while i < len(candidates):
+            arch = candidates[i]
             tmp = d / f"tmp-{os.getpid()}{paths['ext_suffix']}"
             try:
                 if log:
@@ -187,9 +202,17 @@ def build(*, force: bool = False, log=None) -> Path:
                 failed.unlink(missing_ok=True)
                 (d / "BUILD").write_text(f"compiler: {cxx}\nflags: {' '.join(arch)}\nsource: {SOURCE}\n")
                 return target
+            except (subprocess.TimeoutExpired, _Transient) as e:
+                # A loaded machine or a killed compiler says nothing about this build:
+                # not remembered, the next process tries again.
+                tmp.unlink(missing_ok=True)
+                raise BuildError(f"native kernel build interrupted ({e}); will retry next time") from e
             except (BuildError, subprocess.SubprocessError, OSError) as e:
                 errors.append(str(e))
                 tmp.unlink(missing_ok=True)
+                # A compile error is not about the CPU flags: go straight to the generic
+                # build; a binary that fails its check tries the next, more portable flags.
+                i = len(candidates) - 1 if isinstance(e, _CompileError) and i < len(candidates) - 1 else i + 1
         failed.write_text("\n\n".join(errors))
         raise BuildError("\n\n".join(errors))
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -125,18 +126,20 @@ class Pool {
       return;
     }
     std::lock_guard<std::mutex> lock(mu_);  // one job at a time (several CPU streams)
-    const uint64_t id = ++jobs_;
+    const uint32_t id = ++jobs_;  // 32 bits: the id lives in the high half of state_
     job_ = &f;
     nchunks_ = static_cast<uint32_t>(chunks);
+    error_ = nullptr;
     done_.store(0, std::memory_order_relaxed);
-    state_.store(id << 32, std::memory_order_release);
+    state_.store(static_cast<uint64_t>(id) << 32, std::memory_order_release);
     gen_.fetch_add(1, std::memory_order_release);
     gen_.notify_all();
     work(id);
     while (done_.load(std::memory_order_acquire) != chunks) pause();
     // Close the job before its function and counters can be reused: a late worker's
     // claim on this id now fails.
-    state_.store((id << 32) | CLOSED, std::memory_order_release);
+    state_.store((static_cast<uint64_t>(id) << 32) | CLOSED, std::memory_order_release);
+    if (error_) std::rethrow_exception(error_);  // e.g. bad_alloc in a chunk
   }
 
  private:
@@ -148,17 +151,24 @@ class Pool {
 #endif
   }
 
-  // Claim and run chunks of job `id` until none are left.
-  void work(uint64_t id) {
+  // Claim and run chunks of job `id` until none are left. A chunk that throws still
+  // counts as done (the caller must not return while others run its function); the
+  // first exception is rethrown by run().
+  void work(uint32_t id) {
     while (true) {
       uint64_t cur = state_.load(std::memory_order_acquire);
-      if ((cur >> 32) != id) return;
+      if (static_cast<uint32_t>(cur >> 32) != id) return;
       const uint64_t c = cur & 0xFFFFFFFFull;
       const std::function<void(int)>* f = job_;
       const uint32_t n = nchunks_;
       if (c >= n) return;
       if (state_.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel)) {
-        (*f)(static_cast<int>(c));
+        try {
+          (*f)(static_cast<int>(c));
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(error_mu_);
+          if (!error_) error_ = std::current_exception();
+        }
         done_.fetch_add(1, std::memory_order_acq_rel);
       }
     }
@@ -178,7 +188,7 @@ class Pool {
       }
       seen = g;
       if (quit_.load()) return;
-      work(state_.load(std::memory_order_acquire) >> 32);
+      work(static_cast<uint32_t>(state_.load(std::memory_order_acquire) >> 32));
     }
   }
 
@@ -199,8 +209,9 @@ class Pool {
   std::atomic<bool> quit_{false};
   const std::function<void(int)>* job_ = nullptr;
   uint32_t nchunks_ = 0;
-  uint64_t jobs_ = 0;
-  std::mutex mu_;
+  uint32_t jobs_ = 0;
+  std::mutex mu_, error_mu_;
+  std::exception_ptr error_;
 };
 
 Pool& pool() {
@@ -291,7 +302,7 @@ inline void split_rows(const float* x, int M, int K, float* out) {
 // ---------------------------------------------------------------- qmm micro-kernel
 // acc[i][j] accumulates x row i against dequantized weight row j over all of K.
 template <int MB, int NB>
-inline void qmm_tile(const float* x, int ldx, const float* w, int K, float* y, int ldy) {
+inline void qmm_tile(const float* x, int64_t ldx, const float* w, int K, float* y, int64_t ldy) {
   v16 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = v16{};
@@ -309,7 +320,7 @@ inline void qmm_tile(const float* x, int ldx, const float* w, int K, float* y, i
 
 template <int NB>
 inline void qmm_rows(const float* x, int M, int K, const float* w, float* y, int N) {
-  int m = 0;
+  int64_t m = 0;
   for (; m + 4 <= M; m += 4) qmm_tile<4, NB>(x + m * K, K, w, K, y + m * N, N);
   switch (M - m) {
     case 3: qmm_tile<3, NB>(x + m * K, K, w, K, y + m * N, N); break;
@@ -329,21 +340,15 @@ void qmm_range(const float* x, int M, int K, const uint32_t* wq, const float* sc
   float* w = buf.data();
   int n = n0;
   for (; n + NB <= n1; n += NB) {
-    // Software prefetch of the next block's packed rows (contiguous): the hardware
-    // prefetcher alone left the unpack waiting on memory (measured: ~6 GB/s).
-    if (n + 2 * NB <= n1) {
-      const char* nxt = reinterpret_cast<const char*>(wq + static_cast<int64_t>(n + NB) * words);
-      for (int off = 0; off < NB * words * 4; off += 64) __builtin_prefetch(nxt + off);
-      __builtin_prefetch(sc + (n + NB) * groups);
-      __builtin_prefetch(bi + (n + NB) * groups);
+    for (int j = 0; j < NB; ++j) {
+      const int64_t r = n + j;
+      dequant_row<BITS>(wq + r * words, sc + r * groups, bi + r * groups, K, gs, w + j * K);
     }
-    for (int j = 0; j < NB; ++j)
-      dequant_row<BITS>(wq + (n + j) * words, sc + (n + j) * groups, bi + (n + j) * groups, K,
-                        gs, w + j * K);
     qmm_rows<NB>(x, M, K, w, y + n, N);
   }
   for (; n < n1; ++n) {
-    dequant_row<BITS>(wq + n * words, sc + n * groups, bi + n * groups, K, gs, w);
+    const int64_t r = n;
+    dequant_row<BITS>(wq + r * words, sc + r * groups, bi + r * groups, K, gs, w);
     qmm_rows<1>(x, M, K, w, y + n, N);
   }
 }
@@ -459,6 +464,19 @@ void softmax_row(const float* x, const uint8_t* m, int S, float* out) {
   for (int j = E16; j < E; ++j) {
     const float v = m[j] ? x[j] : FMIN;
     mx_ = v > mx_ ? v : mx_;
+  }
+  if (!(mx_ > FMIN)) {
+    // No visible score above finfo.min (all -inf, say): then, as the reference
+    // softmax(where(mask, x, finfo.min)) over the whole row, every slot at finfo.min
+    // (the masked ones) shares the mass. Rare; plain scalar code.
+    float sum = 0.0f;
+    for (int j = 0; j < S; ++j) {
+      const float v = m[j] ? x[j] : FMIN;
+      out[j] = v == FMIN ? 1.0f : 0.0f;
+      sum += out[j];
+    }
+    for (int j = 0; j < S; ++j) out[j] = sum > 0.0f ? out[j] / sum : 1.0f / static_cast<float>(S);
+    return;
   }
   v16 vs = v16{};
   for (int j = 0; j < E16; j += VL) {
@@ -661,6 +679,7 @@ class CpuKernel : public mx::UnaryPrimitive {
   using mx::UnaryPrimitive::UnaryPrimitive;
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
+    if (out.size() == 0) return;  // nothing to compute (and no division by a zero size)
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     enc.set_output_array(out);
@@ -821,9 +840,11 @@ mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v,
   if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32)
     throw std::invalid_argument(p + "q, k and v must be float32");
   const int B = q.shape(0), T = q.shape(1), Hq = q.shape(2), D = q.shape(3);
-  if (k.shape() != v.shape() || k.shape(0) != B || k.shape(3) != D || Hq % k.shape(1) != 0)
+  if (k.shape() != v.shape() || k.shape(0) != B || k.shape(3) != D || k.shape(1) == 0 ||
+      Hq % k.shape(1) != 0)
     throw std::invalid_argument(p + "k and v must be [B, Hk, S, D] with Hq a multiple of Hk");
-  if (D % 16 != 0) throw std::invalid_argument(p + "head_dim must be a multiple of 16");
+  if (D == 0 || D % 16 != 0)
+    throw std::invalid_argument(p + "head_dim must be a positive multiple of 16");
   if (mask.ndim() != 3 || mask.dtype() != mx::bool_ || mask.shape(0) != B ||
       mask.shape(1) != T || mask.shape(2) != k.shape(2))
     throw std::invalid_argument(p + "mask must be bool [B, T, S]");
@@ -879,8 +900,8 @@ mx::array masked_softmax(const mx::array& scores, const mx::array& mask) {
 }
 
 mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
-  if (x.ndim() < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
-    throw std::invalid_argument("rms_norm: weight must be [D] for x [..., D]");
+  if (x.ndim() < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1) || w.shape(0) == 0)
+    throw std::invalid_argument("rms_norm: weight must be [D] for x [..., D], D > 0");
   const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
   const auto dt = x.dtype();
   auto y = mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps),
@@ -899,6 +920,7 @@ void check_quantized(const char* op, const mx::array& w, const mx::array& scales
   if (w.ndim() != 2 || w.dtype() != mx::uint32)
     throw std::invalid_argument(p + ": w must be a 2-D uint32 array");
   const int K = static_cast<int>(w.shape(1)) * 32 / bits;
+  if (K == 0) throw std::invalid_argument(p + ": the input size must be positive");
   if (K % group_size != 0)
     throw std::invalid_argument(p + ": the input size must be a multiple of group_size");
   if (scales.ndim() != 2 || scales.shape(0) != w.shape(0) || scales.shape(1) != K / group_size ||
