@@ -127,15 +127,17 @@ class Pool {
     }
     std::lock_guard<std::mutex> lock(mu_);  // one job at a time (several CPU streams)
     const uint32_t id = ++jobs_;  // 32 bits: the id lives in the high half of state_
-    job_ = &f;
-    nchunks_ = static_cast<uint32_t>(chunks);
+    job_.store(&f, std::memory_order_relaxed);
+    nchunks_.store(static_cast<uint32_t>(chunks), std::memory_order_relaxed);
     error_ = nullptr;
     done_.store(0, std::memory_order_relaxed);
     state_.store(static_cast<uint64_t>(id) << 32, std::memory_order_release);
     gen_.fetch_add(1, std::memory_order_release);
     gen_.notify_all();
     work(id);
-    while (done_.load(std::memory_order_acquire) != chunks) pause();
+    for (int spins = 0; done_.load(std::memory_order_acquire) != chunks; ++spins) {
+      if (spins < 100000) pause(); else std::this_thread::yield();  // a claimed chunk's
+    }                                                                // thread may be descheduled
     // Close the job before its function and counters can be reused: a late worker's
     // claim on this id now fails.
     state_.store((static_cast<uint64_t>(id) << 32) | CLOSED, std::memory_order_release);
@@ -159,8 +161,8 @@ class Pool {
       uint64_t cur = state_.load(std::memory_order_acquire);
       if (static_cast<uint32_t>(cur >> 32) != id) return;
       const uint64_t c = cur & 0xFFFFFFFFull;
-      const std::function<void(int)>* f = job_;
-      const uint32_t n = nchunks_;
+      const std::function<void(int)>* f = job_.load(std::memory_order_relaxed);
+      const uint32_t n = nchunks_.load(std::memory_order_relaxed);
       if (c >= n) return;
       if (state_.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel)) {
         try {
@@ -201,22 +203,26 @@ class Pool {
     workers_.clear();
   }
 
-  int n_ = 1;
+  std::atomic<int> n_{1};  // read by run() without the lock
   std::vector<std::thread> workers_;
   std::atomic<uint64_t> gen_{0};
   std::atomic<uint64_t> state_{CLOSED};
   std::atomic<int> done_{0};
   std::atomic<bool> quit_{false};
-  const std::function<void(int)>* job_ = nullptr;
-  uint32_t nchunks_ = 0;
+  // Written before state_ publishes a job (release) and read after it is seen (acquire);
+  // atomics only so that a late worker's read of a newer job's values is not a data race
+  // (its claim then fails on the job id).
+  std::atomic<const std::function<void(int)>*> job_{nullptr};
+  std::atomic<uint32_t> nchunks_{0};
   uint32_t jobs_ = 0;
   std::mutex mu_, error_mu_;
   std::exception_ptr error_;
 };
 
 Pool& pool() {
-  static Pool p(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-  return p;
+  // Never destroyed: a static destructor at exit could race with MLX's stream thread.
+  static Pool* p = new Pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  return *p;
 }
 
 // ---------------------------------------------------------------- dequantization
