@@ -30,12 +30,13 @@ class Numerics:
     batch_invariant: bool = False
     tile: int = 8
     kv_block: int = 64  # batch-invariant attention sums P @ V over fixed blocks of slots
-    # fx_engine.native kernels for 4-/8-bit linears (CPU). They are batch-invariant by
-    # construction; above `native_max_rows` rows (prefill chunks) the fast mode instead
-    # dequantizes the weight (natively, into a temporary) and runs a BLAS GEMM, which
-    # is ~2x faster there.
+    # fx_engine.native kernels for 4-/8-bit linears (CPU), batch-invariant by construction.
+    # From `native_gemm_rows` rows up (prefill chunks, wide decode batches) the fast mode
+    # runs `native.qgemm` (~2x `native.qmm` there, and faster than a BLAS SGEMM on the
+    # dequantized weight); below it, and always in batch-invariant mode, `native.qmm`
+    # (one kernel for every row count, so a token's matmuls do not depend on its chunk).
     native: bool = False
-    native_max_rows: int = 32
+    native_gemm_rows: int = 16
 
 
 @attrs.frozen
@@ -79,10 +80,9 @@ def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
     rows = 1
     for n in x.shape[:-1]:
         rows *= n
-    if numerics.batch_invariant or rows <= numerics.native_max_rows:
+    if numerics.batch_invariant or rows < numerics.native_gemm_rows:
         return native.qmm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
-    w = native.dequantize(lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
-    return x @ w.astype(x.dtype).T
+    return native.qgemm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
 
 
 def _matmul_rows(x: mx.array, lin: Linear) -> mx.array:

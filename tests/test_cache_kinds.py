@@ -10,6 +10,7 @@ measured beside mlx-lm's own error on the same weights.
 
 import attrs
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import fx_engine
@@ -146,9 +147,12 @@ def test_quantized_attention_matches_mlx_lm_sdpa(bits, group):
 
 def test_quantized_cache_stores_what_mlx_lm_stores(default_model):
     """Layer 0's quantized K/V after a prompt equal mlx-lm's QuantizedKVCache: the same
-    packed values, scales and biases within float32 rounding (our RoPE differs in the last
-    bit). Deeper layers see the ~1e-6 float differences of the two forwards grow, which flips
-    some quantization bins: see the error comparison below."""
+    packed values, scales and biases within float32 rounding. Our RoPE and our projection
+    kernel (native qgemm, another summation order than mlx-lm's BLAS) differ in the last
+    bit, so a value that sits within rounding of a bin edge may land one bin over: at most
+    0.1% of the values, by one step (measured: 1 of 12,288). A wrong layout, scale or
+    rounding would differ almost everywhere. Deeper layers see the ~1e-6 float differences
+    of the two forwards grow, which flips more bins: see the error comparison below."""
     from mlx_lm.models.cache import QuantizedKVCache
 
     from tools.oracle import mlx_lm_dense_from_fx
@@ -160,7 +164,9 @@ def test_quantized_cache_stores_what_mlx_lm_stores(default_model):
     m = default_model.with_kv_cache(8, 64, 0)
     _, cache = score_step(m.params, m.new_cache(1, 256), mx.array([ids]), mx.array([64]))
     for ours, theirs in ((cache.layers[0].keys, caches[0].keys), (cache.layers[0].values, caches[0].values)):
-        assert mx.array_equal(ours[0][:, :, :64], theirs[0][:, :, :64]).item()
+        a = np.asarray(ours[0][:, :, :64]).view(np.uint8).astype(np.int32)  # 8-bit values
+        b = np.asarray(theirs[0][:, :, :64]).view(np.uint8).astype(np.int32)
+        assert np.abs(a - b).max() <= 1 and (a != b).mean() <= 1e-3
         for x, y in zip(ours[1:], theirs[1:]):
             assert mx.allclose(x[:, :, :64], y[:, :, :64], rtol=1e-5, atol=1e-7).item()
 
@@ -196,12 +202,22 @@ def test_quantized_cache_error_is_no_worse_than_mlx_lm(default_model, bits, grou
         assert agree >= 0.97
 
 
-def test_8bit_cache_greedy_tokens_agree_over_64_steps(default_model):
+def test_8bit_cache_greedy_tokens_agree_up_to_the_first_near_tie(default_model):
+    """Greedy tokens with the 8-bit cache equal the float cache's until the float path
+    itself has a near tie (top-2 margin < 0.05 logits: any float32 rounding change may
+    flip it; on this prompt the first is at token 53, the paths part at 56, margin 0.004),
+    and that stretch is long (>= 32 tokens)."""
     prompt = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
     q = default_model.with_kv_cache(8, 64, 0)
     a = fx_engine.generate(default_model, prompt, max_tokens=64, temperature=0.0)
     b = fx_engine.generate(q, prompt, max_tokens=64, temperature=0.0)
-    assert len(a.token_ids) == 64 and a.token_ids == b.token_ids
+    assert len(a.token_ids) == 64 and len(b.token_ids) == 64
+    lg = np.asarray(fx_engine.logits(default_model, [*a.prompt_token_ids, *a.token_ids]))
+    top2 = np.sort(lg[len(a.prompt_token_ids) - 1:], axis=-1)[:, -2:]
+    ties = np.nonzero(top2[:, 1] - top2[:, 0] < 0.05)[0]
+    stop = int(ties[0]) if len(ties) else 64
+    assert stop >= 32
+    assert a.token_ids[:stop] == b.token_ids[:stop]
 
 
 def test_quantized_memory_per_token(default_model):

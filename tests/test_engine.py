@@ -79,13 +79,29 @@ def test_plan_prefill_respects_budget_and_fifo(decode, remaining, chunk_pow, ext
     for k, n in plan:
         assert 1 <= n <= min(chunk, remaining[k])
         if n < remaining[k]:
-            assert n == sched.chunk_bucket(n)  # unfinished pieces are unpadded powers of two
+            assert n == sched.chunk_bucket(n)  # unfinished pieces are unpadded bucket shapes
     # FIFO: a request is skipped only if it has nothing left; the head always progresses
     first = next((k for k, r in enumerate(remaining) if r > 0), None)
     if first is not None:
         assert plan and plan[0][0] == first
         for k in range(first, plan[-1][0]):
             assert remaining[k] == 0 or k in keys
+
+
+@given(n=st.integers(1, 8192))
+def test_chunk_bucket_shapes(n):
+    b = sched.chunk_bucket(n)
+    assert b >= max(n, sched.MIN_CHUNK) and sched.chunk_bucket(b) == b  # shapes are fixed points
+    if n > 64:
+        assert b - n < b / 5  # four shapes per octave: under 20% padding, never a doubling
+    p = sched.pow2_ceil(n)
+    assert sched.chunk_bucket(max(p, sched.MIN_CHUNK)) == max(p, sched.MIN_CHUNK)  # powers of two stay shapes
+
+
+def test_chunk_bucket_shape_count():
+    # the compile count the spec promises: 15 prefill shapes up to a 512-token chunk
+    assert sorted({sched.chunk_bucket(n) for n in range(1, 513)}) == [
+        16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 
 
 @given(n=st.integers(0, 64), max_rows=st.integers(1, 64))

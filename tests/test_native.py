@@ -27,47 +27,72 @@ def _reference(x: mx.array, wq, s, b, gs: int, bits: int) -> np.ndarray:
     return np.asarray(x).astype(np.float64) @ w.T
 
 
+# qmm and qgemm compute the same product with different kernels (and summation orders).
+PRODUCTS = [pytest.param(lambda *a: native.qmm(*a), id="qmm"),
+            pytest.param(lambda *a: native.qgemm(*a), id="qgemm")]
+
+
+@pytest.mark.parametrize("op", PRODUCTS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("gs", [32, 64, 128])
-@pytest.mark.parametrize("m", [1, 3, 4, 7, 33])
-def test_qmm_matches_float64_reference(bits: int, gs: int, m: int) -> None:
-    n, k = 37, 256  # n not a multiple of the 4-row blocks
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 16, 33, 70])
+def test_quantized_products_match_float64_reference(op, bits: int, gs: int, m: int) -> None:
+    # n = 37: not a multiple of qmm's 4-feature blocks nor of qgemm's 12; m = 33, 70: a
+    # partial second vector of qgemm's 32-row tiles, and several tiles.
+    n, k = 37, 256
     wq, s, b = _quantized(n, k, gs, bits)
     x = mx.array(RNG.standard_normal((m, k)).astype(np.float32))
-    got = np.asarray(native.qmm(x, wq, s, b, gs, bits))
+    got = np.asarray(op(x, wq, s, b, gs, bits))
     ref = _reference(x, wq, s, b, gs, bits)
     assert got.shape == (m, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
 
 
-def test_qmm_leading_dims_strided_input_and_dtype() -> None:
+@pytest.mark.parametrize("op", PRODUCTS)
+def test_quantized_products_leading_dims_strided_input_and_dtype(op) -> None:
     wq, s, b = _quantized(64, 128, 32, 4)
     x = mx.array(RNG.standard_normal((2, 3, 256)).astype(np.float32))
     xs = x[:, :, ::2]  # not contiguous: the kernel copies it
-    got = np.asarray(native.qmm(xs, wq, s, b, 32, 4))
+    got = np.asarray(op(xs, wq, s, b, 32, 4))
     ref = _reference(xs.reshape(-1, 128), wq, s, b, 32, 4).reshape(2, 3, 64)
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=1e-4)
-    h = native.qmm(xs.astype(mx.float16), wq, s, b, 32, 4)
+    h = op(xs.astype(mx.float16), wq, s, b, 32, 4)
     assert h.dtype == mx.float16 and h.shape == (2, 3, 64)
 
 
-def test_qmm_is_batch_invariant() -> None:
+@pytest.mark.parametrize("op", PRODUCTS)
+def test_quantized_products_are_batch_invariant(op) -> None:
     """A row's output is bitwise the same alone, in any batch, at any position, and with
-    any thread count: the property the batch-invariant mode relies on."""
+    any thread count: the property the batch-invariant mode relies on (for qgemm: also at
+    any position inside its 32-row tiles, and in a partial tile)."""
     wq, s, b = _quantized(200, 576, 32, 4)
-    x = mx.array(RNG.standard_normal((40, 576)).astype(np.float32))
-    full = np.asarray(native.qmm(x, wq, s, b, 32, 4))
-    for i, rows in [(0, slice(0, 1)), (5, slice(5, 6)), (5, slice(3, 10)), (39, slice(30, 40))]:
-        part = np.asarray(native.qmm(x[rows], wq, s, b, 32, 4))
-        assert np.array_equal(part[i - rows.start], full[i])
+    x = mx.array(RNG.standard_normal((70, 576)).astype(np.float32))
+    full = np.asarray(op(x, wq, s, b, 32, 4))
+    for i, rows in [(0, slice(0, 1)), (5, slice(5, 6)), (5, slice(3, 10)), (39, slice(30, 40)),
+                    (45, slice(17, 70)), (69, slice(0, 70, 3))]:
+        part = np.asarray(op(x[rows], wq, s, b, 32, 4))
+        assert np.array_equal(part[(i - rows.start) // (rows.step or 1)], full[i])
     mod = native._module()
     threads = mod.num_threads()
     try:
         mod.set_num_threads(1)
-        single = np.asarray(native.qmm(x, wq, s, b, 32, 4))
+        single = np.asarray(op(x, wq, s, b, 32, 4))
     finally:
         mod.set_num_threads(threads)
     assert np.array_equal(single, full)
+
+
+def test_qgemm_and_qmm_differ_by_rounding_only() -> None:
+    """Not the same bits (each output is a sequential float32 sum over K in qgemm, 16 lane
+    sums then a fixed tree in qmm), but the same product to float32 accuracy: which kernel
+    runs is the fast mode's choice by row count (fx_engine.nn.Numerics.native_gemm_rows)."""
+    wq, s, b = _quantized(96, 1536, 32, 4)
+    x = mx.array(RNG.standard_normal((32, 1536)).astype(np.float32))
+    g, q = np.asarray(native.qgemm(x, wq, s, b, 32, 4)), np.asarray(native.qmm(x, wq, s, b, 32, 4))
+    ref = _reference(x, wq, s, b, 32, 4)
+    scale = np.abs(ref).max()
+    assert np.abs(g - ref).max() < 1e-5 * scale and np.abs(q - ref).max() < 1e-5 * scale
+    assert not np.array_equal(g, q)  # two kernels, really
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -90,6 +115,10 @@ def test_quantized_argument_errors_name_the_problem() -> None:
         native.qmm(x, wq, s[:, :1], b[:, :1], 32, 4)
     with pytest.raises(ValueError, match="uint32"):
         native.dequantize(wq.astype(mx.int32), s, b, 32, 4)
+    with pytest.raises(ValueError, match="qgemm: x's last axis"):
+        native.qgemm(mx.zeros((1, 32)), wq, s, b, 32, 4)
+    with pytest.raises(ValueError, match="qgemm: bits must be 4 or 8"):
+        native.qgemm(x, wq, s, b, 32, 3)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 5, 37), (1, 9, 1, 257), (2, 9, 64, 512), (1, 2, 3, 16), (1, 1, 2, 5)])
@@ -280,6 +309,7 @@ def test_rope_matches_the_permutation_form(traditional: bool) -> None:
 def test_edge_cases_empty_inputs_and_all_minus_inf_rows() -> None:
     wq, s, b = _quantized(8, 64, 32, 4)
     assert native.qmm(mx.zeros((0, 64)), wq, s, b, 32, 4).shape == (0, 8)
+    assert native.qgemm(mx.zeros((0, 64)), wq, s, b, 32, 4).shape == (0, 8)
     assert native.rms_norm(mx.zeros((0, 16)), mx.ones((16,)), 1e-5).shape == (0, 16)
     with pytest.raises(ValueError, match="D > 0"):
         native.rms_norm(mx.zeros((2, 0)), mx.zeros((0,)), 1e-5)

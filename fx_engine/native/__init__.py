@@ -99,6 +99,14 @@ def qmm(x, w, scales, biases, group_size: int, bits: int):  # type: ignore[no-un
     return _module().qmm(x, w, scales, biases, group_size, bits)
 
 
+def qgemm(x, w, scales, biases, group_size: int, bits: int):  # type: ignore[no-untyped-def]
+    """qmm's product with the many-rows kernel: vectors along the rows of x, register tiles
+    of 12 features x 32 rows. ~2x qmm's speed from ~16 rows up; below that most vector
+    lanes are padding. Batch-invariant too, with another fixed summation order than qmm
+    (each output a sequential float32 sum over K), so the two differ in the last bits."""
+    return _module().qgemm(x, w, scales, biases, group_size, bits)
+
+
 def dequantize(w, scales, biases, group_size: int, bits: int):  # type: ignore[no-untyped-def]
     """Affine dequantization to float32 [N, K] (multi-threaded; the same values as
     mx.dequantize)."""

@@ -42,10 +42,11 @@ rng = np.random.default_rng(0)
 for bits in (4, 8):
     w = mx.array(rng.standard_normal((40, 96)).astype(np.float32))
     wq, s, b = mx.quantize(w, group_size=32, bits=bits)
-    x = mx.array(rng.standard_normal((5, 96)).astype(np.float32))
+    x = mx.array(rng.standard_normal((37, 96)).astype(np.float32))
     ref = np.asarray(x) @ np.asarray(mx.dequantize(wq, s, b, group_size=32, bits=bits)).T
-    got = np.asarray(mod.qmm(x, wq, s, b, 32, bits))
-    assert np.allclose(got, ref, rtol=1e-4, atol=1e-4), (bits, np.abs(got - ref).max())
+    for op in (mod.qmm, mod.qgemm):
+        got = np.asarray(op(x, wq, s, b, 32, bits))
+        assert np.allclose(got, ref, rtol=1e-4, atol=1e-4), (op, bits, np.abs(got - ref).max())
     deq = np.asarray(mod.dequantize(wq, s, b, 32, bits))
     assert np.array_equal(deq, np.asarray(mx.dequantize(wq, s, b, group_size=32, bits=bits))), bits
 q = rng.standard_normal((2, 1, 4, 32)).astype(np.float32)

@@ -10,12 +10,16 @@
 //               mlx-community models load as). Four weight rows are dequantized into an
 //               L1 buffer once and reused by every activation row, so a decode step
 //               streams the packed bytes and a batch of rows shares one pass over them.
-//   dequantize: the same values as mx.dequantize (prefill chunks then use a BLAS GEMM).
+//   qgemm:      the same product for many rows (prefill chunks, wide decode batches):
+//               register tiles of 12 features x 32 rows, vectors along the rows, each
+//               dequantized weight broadcast; FMA-bound, ~2x qmm from ~16 rows up.
+//   dequantize: the same values as mx.dequantize.
 //   attend:     grouped-query attention for a few query tokens per row (decode, verify).
 //   masked_softmax, rms_norm, rope.
 //
 // Numerics: every output element is accumulated in a fixed order and computed by one
-// thread. It never depends on M, on the other rows, on the blocking, on the attention
+// thread (qmm and qgemm have different orders, so their results differ in the last bits;
+// each alone is fixed). It never depends on M, on the other rows, on the blocking, on the attention
 // span or on the thread count: these kernels are batch-invariant by construction
 // (fx_engine.nn.Numerics).
 //
@@ -382,6 +386,132 @@ void qmm_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc, 
   });
 }
 
+// ---------------------------------------------------------------- qgemm
+// The same product as qmm for many rows (prefill chunks, wide decode batches), organised
+// the other way round: vectors run along the activation rows and every dequantized
+// weight value is broadcast. A register tile holds 12 output features x 32 rows (24
+// accumulators), so each weight value is read once per 32 rows and each activation
+// vector once per 12 features: the loop is bound by the FMA units, not by loads (qmm's
+// 4x4 inner-product tile streams the activations from L2 once per 4 features). Measured
+// on a 2-core Zen 4: ~170 GFLOP/s at 32-512 rows, vs ~90 for qmm and ~110-130 for MKL's
+// SGEMM on the dequantized weight. Below ~16 rows most vector lanes would be padding:
+// qmm is the kernel there.
+//
+// Each output y[m, n] is one lane of one accumulator: a sequential float32 sum over k
+// (in the 4-bit split order), one FMA rounding per term, whatever the row count, the
+// row's position in its tile or the thread. So qgemm is batch-invariant by construction
+// too; its summation order (and so its last bits) differs from qmm's.
+constexpr int QG_ROWS = 32;  // activation rows per tile (two vectors)
+constexpr int QG_FEAT = 12;  // output features per tile
+
+// x rows [M, K] -> tiles [ceil(M/32)][K][32], zero-padded rows, K in the weight rows'
+// order (the 4-bit split order when split).
+void pack_cols(const float* x, int M, int K, bool split, float* xt) {
+  const int tiles = (M + QG_ROWS - 1) / QG_ROWS;
+  pool().run(tiles, [&](int t) {
+    float* o = xt + static_cast<int64_t>(t) * K * QG_ROWS;
+    const int m0 = t * QG_ROWS, mc = std::min(QG_ROWS, M - m0);
+    if (mc < QG_ROWS) std::memset(o, 0, sizeof(float) * K * QG_ROWS);
+    for (int i = 0; i < mc; ++i) {
+      const float* xr = x + static_cast<int64_t>(m0 + i) * K;
+      if (split) {
+        for (int j = 0; j < K; j += 32)
+          for (int q = 0; q < 16; ++q) {
+            o[static_cast<int64_t>(j + q) * QG_ROWS + i] = xr[j + 2 * q];
+            o[static_cast<int64_t>(j + 16 + q) * QG_ROWS + i] = xr[j + 2 * q + 1];
+          }
+      } else {
+        for (int k = 0; k < K; ++k) o[static_cast<int64_t>(k) * QG_ROWS + i] = xr[k];
+      }
+    }
+  });
+}
+
+// acc[j][v] += xt[k][16v..16v+16] * w[j][k] over all k; out [NW][32].
+template <int NW, int MV>
+inline void qgemm_tile(const float* __restrict xt, const float* __restrict w, int K,
+                       float* __restrict out) {
+  v16 acc[NW][MV];
+  for (int j = 0; j < NW; ++j)
+    for (int v = 0; v < MV; ++v) acc[j][v] = v16{};
+  for (int k = 0; k < K; ++k) {
+    v16 a[MV];
+    for (int v = 0; v < MV; ++v) a[v] = load(xt + static_cast<int64_t>(k) * QG_ROWS + v * VL);
+    for (int j = 0; j < NW; ++j) {
+      const v16 b = v16{} + w[static_cast<int64_t>(j) * K + k];
+      for (int v = 0; v < MV; ++v) acc[j][v] = fma(a[v], b, acc[j][v]);
+    }
+  }
+  for (int j = 0; j < NW; ++j)
+    for (int v = 0; v < MV; ++v) store(out + j * QG_ROWS + v * VL, acc[j][v]);
+}
+
+template <int NW>
+inline void qgemm_tile_rows(int mv, const float* xt, const float* w, int K, float* out) {
+  if (mv == 2)
+    qgemm_tile<NW, 2>(xt, w, K, out);
+  else
+    qgemm_tile<NW, 1>(xt, w, K, out);
+}
+
+inline void qgemm_tile_any(int nw, int mv, const float* xt, const float* w, int K, float* out) {
+  switch (nw) {
+    case 12: qgemm_tile_rows<12>(mv, xt, w, K, out); break;
+    case 11: qgemm_tile_rows<11>(mv, xt, w, K, out); break;
+    case 10: qgemm_tile_rows<10>(mv, xt, w, K, out); break;
+    case 9: qgemm_tile_rows<9>(mv, xt, w, K, out); break;
+    case 8: qgemm_tile_rows<8>(mv, xt, w, K, out); break;
+    case 7: qgemm_tile_rows<7>(mv, xt, w, K, out); break;
+    case 6: qgemm_tile_rows<6>(mv, xt, w, K, out); break;
+    case 5: qgemm_tile_rows<5>(mv, xt, w, K, out); break;
+    case 4: qgemm_tile_rows<4>(mv, xt, w, K, out); break;
+    case 3: qgemm_tile_rows<3>(mv, xt, w, K, out); break;
+    case 2: qgemm_tile_rows<2>(mv, xt, w, K, out); break;
+    default: qgemm_tile_rows<1>(mv, xt, w, K, out); break;
+  }
+}
+static_assert(QG_FEAT == 12, "qgemm_tile_any dispatches 1..12 features");
+
+void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+               const float* bi, int gs, int bits, float* y, int N) {
+  const int tiles = (M + QG_ROWS - 1) / QG_ROWS;
+  // Uninitialized (pack_cols writes every element): a zeroing vector would memset it.
+  std::unique_ptr<float[]> xt(new float[static_cast<size_t>(tiles) * K * QG_ROWS]);
+  pack_cols(x, M, K, bits == 4, xt.get());
+  const int words = K * bits / 32, groups = K / gs;
+  const int blocks = (N + QG_FEAT - 1) / QG_FEAT;
+  // Parallel over output features (each y[m, n] computed by one thread): a chunk is a
+  // few feature blocks, each dequantized once into a thread-local buffer and then run
+  // against every row tile.
+  const int per = std::max(1, 4 * 576 / std::max(K, 1));
+  pool().run((blocks + per - 1) / per, [&](int c) {
+    thread_local std::vector<float> buf;
+    if (static_cast<int>(buf.size()) < QG_FEAT * K) buf.resize(static_cast<size_t>(QG_FEAT) * K);
+    alignas(64) float out[QG_FEAT * QG_ROWS];
+    const int b1 = std::min(blocks, (c + 1) * per);
+    for (int bl = c * per; bl < b1; ++bl) {
+      const int n0 = bl * QG_FEAT, nw = std::min(QG_FEAT, N - n0);
+      for (int j = 0; j < nw; ++j) {
+        const int64_t r = n0 + j;
+        float* o = buf.data() + static_cast<int64_t>(j) * K;
+        if (bits == 8)
+          dequant_row<8>(wq + r * words, sc + r * groups, bi + r * groups, K, gs, o);
+        else
+          dequant_row<4>(wq + r * words, sc + r * groups, bi + r * groups, K, gs, o);
+      }
+      for (int t = 0; t < tiles; ++t) {
+        const int m0 = t * QG_ROWS, mc = std::min(QG_ROWS, M - m0);
+        qgemm_tile_any(nw, (mc + VL - 1) / VL, xt.get() + static_cast<int64_t>(t) * K * QG_ROWS,
+                       buf.data(), K, out);
+        for (int i = 0; i < mc; ++i) {
+          float* yr = y + static_cast<int64_t>(m0 + i) * N + n0;
+          for (int j = 0; j < nw; ++j) yr[j] = out[j * QG_ROWS + i];
+        }
+      }
+    }
+  });
+}
+
 void dequant_cpu(const uint32_t* wq, const float* sc, const float* bi, int gs, int bits,
                  float* out, int N, int K) {
   const int words = K * bits / 32, groups = K / gs;
@@ -701,23 +831,25 @@ class CpuKernel : public mx::UnaryPrimitive {
 
 class QMatmul : public CpuKernel {
  public:
-  QMatmul(mx::Stream s, int group_size, int bits) : CpuKernel(s), gs_(group_size), bits_(bits) {}
+  QMatmul(mx::Stream s, int group_size, int bits, bool gemm)
+      : CpuKernel(s), gs_(group_size), bits_(bits), gemm_(gemm) {}
 
   std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const override {
-    return [x = in[0], w = in[1], s = in[2], b = in[3], out, gs = gs_, bits = bits_]() mutable {
+    return [x = in[0], w = in[1], s = in[2], b = in[3], out, gs = gs_, bits = bits_,
+            gemm = gemm_]() mutable {
       const int K = static_cast<int>(x.shape(-1));
       const int M = static_cast<int>(x.size() / K);
       const int N = static_cast<int>(out.shape(-1));
       std::vector<uint32_t> tw;
       std::vector<float> tx, ts, tb;
-      qmm_cpu(dense(x, tx), M, K, dense(w, tw), dense(s, ts), dense(b, tb), gs,
-              bits, out.data<float>(), N);
+      (gemm ? qgemm_cpu : qmm_cpu)(dense(x, tx), M, K, dense(w, tw), dense(s, ts),
+                                   dense(b, tb), gs, bits, out.data<float>(), N);
     };
   }
-  const char* name() const override { return "FxQMatmul"; }
+  const char* name() const override { return gemm_ ? "FxQGemm" : "FxQMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
-    return gs_ == o.gs_ && bits_ == o.bits_;
+    return gs_ == o.gs_ && bits_ == o.bits_ && gemm_ == o.gemm_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     auto shape = in[0].shape();
@@ -727,6 +859,7 @@ class QMatmul : public CpuKernel {
 
  private:
   int gs_, bits_;
+  bool gemm_;
 };
 
 class Dequantize : public CpuKernel {
@@ -944,12 +1077,13 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
                    {w, mx::astype(scales, mx::float32, s), mx::astype(biases, mx::float32, s)});
 }
 
-mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
-              const mx::array& biases, int group_size, int bits) {
-  check_quantized("qmm", w, scales, biases, group_size, bits);
+mx::array quantized_product(const char* op, bool gemm, const mx::array& x, const mx::array& w,
+                            const mx::array& scales, const mx::array& biases, int group_size,
+                            int bits) {
+  check_quantized(op, w, scales, biases, group_size, bits);
   const int K = static_cast<int>(w.shape(1)) * 32 / bits;
   if (x.ndim() < 1 || x.shape(-1) != K)
-    throw std::invalid_argument("qmm: x's last axis (" + std::to_string(x.shape(-1)) +
+    throw std::invalid_argument(std::string(op) + ": x's last axis (" + std::to_string(x.shape(-1)) +
                                 ") must equal the weight's input size (" + std::to_string(K) +
                                 ")");
   const int N = static_cast<int>(w.shape(0));
@@ -963,9 +1097,19 @@ mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
   auto shape = x.shape();
   shape.back() = N;
   auto y = mx::array(shape, mx::float32,
-                     std::make_shared<QMatmul>(s, group_size, bits),
+                     std::make_shared<QMatmul>(s, group_size, bits, gemm),
                      {xc, wc, sc, bc});
   return dt == mx::float32 ? y : mx::astype(y, dt, s);
+}
+
+mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+              const mx::array& biases, int group_size, int bits) {
+  return quantized_product("qmm", false, x, w, scales, biases, group_size, bits);
+}
+
+mx::array qgemm(const mx::array& x, const mx::array& w, const mx::array& scales,
+                const mx::array& biases, int group_size, int bits) {
+  return quantized_product("qgemm", true, x, w, scales, biases, group_size, bits);
 }
 
 }  // namespace
@@ -975,6 +1119,9 @@ NB_MODULE(_fx_native, m) {
   m.def("qmm", &qmm, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"),
         "x[..., K] @ dequantize(w, scales, biases)[N, K].T -> [..., N] (float32 math)");
+  m.def("qgemm", &qgemm, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "qmm's product with the many-rows kernel (another fixed summation order)");
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), "affine dequantization -> float32 [N, K]");
   m.def("masked_softmax", &masked_softmax, nb::arg("scores"), nb::arg("mask"),
