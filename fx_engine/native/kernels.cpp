@@ -79,6 +79,19 @@ inline v16 fma(v16 a, v16 b, v16 acc) {
 }
 
 inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+
+// One float in every lane, loaded straight from memory. (`v16{} + *p` would compute
+// 0.0f + x, an add then a register broadcast: two extra uops per use, and the broadcast's
+// shuffle competes with the FMAs for the same pipes.)
+inline v16 splat(const float* p) {
+#if defined(__AVX512F__)
+  __m512 r = _mm512_set1_ps(*p);
+  return reinterpret_cast<v16&>(r);
+#else
+  const float x = *p;
+  return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#endif
+}
 inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
 // Fixed-order horizontal sum (pairwise halves): the same for every caller.
@@ -438,7 +451,7 @@ inline void qgemm_tile(const float* __restrict xt, const float* __restrict w, in
     v16 a[MV];
     for (int v = 0; v < MV; ++v) a[v] = load(xt + static_cast<int64_t>(k) * QG_ROWS + v * VL);
     for (int j = 0; j < NW; ++j) {
-      const v16 b = v16{} + w[static_cast<int64_t>(j) * K + k];
+      const v16 b = splat(w + static_cast<int64_t>(j) * K + k);
       for (int v = 0; v < MV; ++v) acc[j][v] = fma(a[v], b, acc[j][v]);
     }
   }
@@ -719,7 +732,7 @@ void attend_cpu(const float* q, Strided4 k, Strided4 v, const uint8_t* mask, flo
         const int nd = std::min(4 * VL, D - d0) / VL;
         v16 acc[4] = {v16{}, v16{}, v16{}, v16{}};
         for (int j = 0; j < e; ++j) {
-          const v16 pj = v16{} + p[j];
+          const v16 pj = splat(p + j);
           const float* vj = vb + j * v.ss + d0;
           for (int c = 0; c < nd; ++c) acc[c] = fma(pj, load(vj + c * VL), acc[c]);
         }
