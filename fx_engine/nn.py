@@ -82,7 +82,12 @@ def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
         rows *= n
     if numerics.batch_invariant or rows < numerics.native_gemm_rows:
         return native.qmm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
-    return native.qgemm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
+    if native.tiled_gemm():
+        return native.qgemm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
+    if rows <= 32:  # no AVX-512 (qgemm's tile would spill): qmm, then a BLAS GEMM
+        return native.qmm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
+    w = native.dequantize(lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
+    return x @ w.astype(x.dtype).T
 
 
 def _matmul_rows(x: mx.array, lin: Linear) -> mx.array:

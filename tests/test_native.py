@@ -322,3 +322,28 @@ def test_edge_cases_empty_inputs_and_all_minus_inf_rows() -> None:
         ma = mx.array(np.array(m, bool).reshape(1, 1, 20))
         ref = softmax(mx.where(ma[:, None], xa, mx.finfo(mx.float32).min))
         np.testing.assert_allclose(np.asarray(native.masked_softmax(xa, ma)), np.asarray(ref), atol=1e-7)
+
+
+def test_many_row_products_without_the_tiled_gemm(monkeypatch) -> None:
+    """Builds without AVX-512 (no room for qgemm's register tile) run many-row products as
+    qmm up to 32 rows and a BLAS GEMM on the natively dequantized weight above; the same
+    product as qgemm's to float32 accuracy."""
+    from fx_engine.nn import Linear, Numerics, linear
+
+    wq, s, b = _quantized(96, 256, 32, 4)
+    lin = Linear(weight=wq, scales=s, biases=b, group_size=32, bits=4)
+    num = Numerics(native=True)
+    assert native.tiled_gemm() == bool(native._module().tiled_gemm)
+    for m in (20, 64):
+        x = mx.array(RNG.standard_normal((m, 256)).astype(np.float32))
+        ref = _reference(x, wq, s, b, 32, 4)
+        tiled = np.asarray(linear(x, lin, num))
+        with monkeypatch.context() as mp:
+            mp.setattr(native, "tiled_gemm", lambda: False)
+            other = np.asarray(linear(x, lin, num))
+        for got in (tiled, other):
+            np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+        if m <= 32:
+            assert np.array_equal(other, np.asarray(native.qmm(x, wq, s, b, 32, 4)))
+        if native.tiled_gemm():
+            assert np.array_equal(tiled, np.asarray(native.qgemm(x, wq, s, b, 32, 4)))

@@ -709,3 +709,22 @@ def test_shape_checking_catches_wrong_shapes():
         S.sample(rand_logits(3, V, seed=0), p, init_keys(cfgs + [Config()]))
     with pytest.raises(ValueError, match="vocab"):
         S.sample(rand_logits(2, V + 1, seed=0), p, keys)
+
+
+def test_fast_logsumexp_compiled_equals_the_plain_formula():
+    """_fast_logsumexp is shaped so that mx.compile does not fuse its log into every logit;
+    the values must stay those of the plain keepdims formula, compiled or not, bit for bit."""
+    from fx_engine.nn import fast_exp
+
+    def plain(x):
+        m = mx.max(x, axis=-1, keepdims=True)
+        m = mx.where(mx.isinf(m), 0.0, m)
+        return x - (m + mx.log(mx.sum(fast_exp(x - m), axis=-1, keepdims=True)))
+
+    rng = np.random.default_rng(7)
+    x = mx.array((rng.standard_normal((5, 3000)) * 6).astype(np.float32))
+    x = mx.concatenate([x, mx.full((1, 3000), -mx.inf)])  # an all -inf row, as mx.logsumexp
+    want = plain(x)
+    for f in (lambda v: v - S._fast_logsumexp(v), mx.compile(lambda v: v - S._fast_logsumexp(v))):
+        got = f(x)
+        assert mx.array_equal(got, want, equal_nan=True).item()

@@ -432,12 +432,13 @@ def openblas_info() -> dict[str, Any] | None:
 
 
 def fx_source_hash() -> str:
-    """sha256 (16 hex) of fx_engine's *.py sources: which engine version was measured."""
+    """sha256 (16 hex) of fx_engine's sources (*.py and the native kernels' *.cpp): which
+    engine version was measured."""
     import hashlib
 
     root = Path(fx_engine.__file__).resolve().parent
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
+    for f in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]):
         h.update(str(f.relative_to(root)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]

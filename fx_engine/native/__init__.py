@@ -107,9 +107,17 @@ def qgemm(x, w, scales, biases, group_size: int, bits: int):  # type: ignore[no-
     return _module().qgemm(x, w, scales, biases, group_size, bits)
 
 
+def tiled_gemm() -> bool:
+    """Whether qgemm's register tile fits this build's vector registers (AVX-512); without
+    it the tile spills and fx_engine.nn runs many-row products on a BLAS GEMM instead."""
+    return bool(getattr(_module(), "tiled_gemm", False))
+
+
 def dequantize(w, scales, biases, group_size: int, bits: int):  # type: ignore[no-untyped-def]
     """Affine dequantization to float32 [N, K] (multi-threaded; the same values as
-    mx.dequantize)."""
+    mx.dequantize), from the unpacking qmm and qgemm use (the tests check it bit for bit).
+    fx_engine.nn runs a BLAS GEMM on it for many-row products where qgemm's tile does not
+    fit the build (no AVX-512)."""
     return _module().dequantize(w, scales, biases, group_size, bits)
 
 

@@ -13,7 +13,9 @@
 //   qgemm:      the same product for many rows (prefill chunks, wide decode batches):
 //               register tiles of 12 features x 32 rows, vectors along the rows, each
 //               dequantized weight broadcast; FMA-bound, ~2x qmm from ~16 rows up.
-//   dequantize: the same values as mx.dequantize.
+//   dequantize: the same values as mx.dequantize, from the same code qmm and qgemm
+//               unpack their weights with (without AVX-512, many-row products run a
+//               BLAS GEMM on it: qgemm's tile would spill).
 //   attend:     grouped-query attention for a few query tokens per row (decode, verify).
 //   masked_softmax, rms_norm, rope.
 //
@@ -25,7 +27,7 @@
 //
 // Portable C++ with GCC/Clang vector extensions (compiled with -march=native by
 // fx_engine/native/build.py). A few AVX-512 intrinsics (u8 -> float conversion, FMA,
-// horizontal sum) sit behind #if __AVX512F__ with portable fallbacks, so the same source
+// horizontal sums, broadcast loads) sit behind #if __AVX512F__ with portable fallbacks, so the same source
 // builds for AVX-512, AVX2 and NEON.
 
 #include <algorithm>
@@ -406,9 +408,11 @@ void qmm_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc, 
 // accumulators), so each weight value is read once per 32 rows and each activation
 // vector once per 12 features: the loop is bound by the FMA units, not by loads (qmm's
 // 4x4 inner-product tile streams the activations from L2 once per 4 features). Measured
-// on a 2-core Zen 4: ~170 GFLOP/s at 32-512 rows, vs ~90 for qmm and ~110-130 for MKL's
-// SGEMM on the dequantized weight. Below ~16 rows most vector lanes would be padding:
-// qmm is the kernel there.
+// on a 2-core Zen 4 (FMA peak 229 GFLOP/s): 197 GFLOP/s at 512 rows, 147 at 32, vs ~80
+// for qmm and ~110-130 for MKL's SGEMM on the dequantized weight. Below ~16 rows most
+// vector lanes would be padding: qmm is the kernel there. The tile needs 24 + 3 vector
+// registers: AVX-512 only (`tiled_gemm` tells Python; elsewhere a v16 is 2-4 registers
+// and the tile would spill, so fx_engine.nn keeps the BLAS path there).
 //
 // Each output y[m, n] is one lane of one accumulator: a sequential float32 sum over k
 // (in the 4-bit split order), one FMA rounding per term, whatever the row count, the
@@ -489,7 +493,10 @@ void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc
                const float* bi, int gs, int bits, float* y, int N) {
   const int tiles = (M + QG_ROWS - 1) / QG_ROWS;
   // Uninitialized (pack_cols writes every element): a zeroing vector would memset it.
-  std::unique_ptr<float[]> xt(new float[static_cast<size_t>(tiles) * K * QG_ROWS]);
+  // 64-byte aligned: each tile row of 32 floats is two whole cache lines.
+  struct Free { void operator()(float* p) const { ::operator delete[](p, std::align_val_t{64}); } };
+  std::unique_ptr<float[], Free> xt(static_cast<float*>(::operator new[](
+      sizeof(float) * static_cast<size_t>(tiles) * K * QG_ROWS, std::align_val_t{64})));
   pack_cols(x, M, K, bits == 4, xt.get());
   const int words = K * bits / 32, groups = K / gs;
   const int blocks = (N + QG_FEAT - 1) / QG_FEAT;
@@ -1184,6 +1191,11 @@ NB_MODULE(_fx_native, m) {
   m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("traditional"),
         "x * cos + partner(x) * sin for x [B, T, H, D], tables [B, T, 1, D]");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
+#if defined(__AVX512F__)
+  m.attr("tiled_gemm") = true;  // qgemm's register tile fits (see qgemm_cpu)
+#else
+  m.attr("tiled_gemm") = false;
+#endif
   m.def("set_num_threads", [](int n) { pool().resize(n); }, nb::arg("n"));
   m.def("num_threads", [] { return pool().size(); });
 }
