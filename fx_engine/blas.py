@@ -5,11 +5,15 @@ Loading MKL or OpenBLAS with RTLD_GLOBAL *before* `import mlx.core` makes MLX's 
 calls resolve to it. Results stay correct either way; only the summation order of a GEMM
 changes (see `batch_invariant` in fx_engine.nn).
 
-Order of preference, from measurements on an AVX-512 Xeon (docs/benchmarks.md): MKL from
-PyPI (`mkl`, a dependency on Linux x86_64; it picks AVX-512 kernels and streams a batch-1
-GEMV near memory bandwidth: decode 1.75x, prefill@512 1.7x over Debian's OpenBLAS 0.3.21,
-which does not know this CPU and runs SSE3 kernels), then the system OpenBLAS. On a
-non-Intel CPU the system OpenBLAS comes first.
+Order of preference: MKL from PyPI (`mkl`, a dependency on Linux x86_64), then the system
+OpenBLAS. Measured (docs/benchmarks.md): on an AVX-512 Xeon MKL picks AVX-512 kernels and
+streams a batch-1 GEMV near memory bandwidth (decode 1.75x, prefill@512 1.7x over Debian's
+OpenBLAS 0.3.21, which does not know that CPU and runs SSE3 kernels); on an AMD Zen 4,
+where MKL runs AVX2 kernels and OpenBLAS's own SGEMM is faster alone (151 vs 120 GFLOP/s
+at 512 rows), fx-engine's prefill is still faster with MKL (a 512-token chunk 0.97-0.98 s
+vs 1.12-1.33 s, 128 tokens 0.24-0.25 s vs 0.33-0.38 s: prefill attention's many small
+GEMMs, and OpenBLAS's threads competing with the native kernels' pool). So MKL first on
+every CPU.
 
 MKL's Conditional Numerical Reproducibility (MKL_CBWR=AUTO) is left off: no run-to-run
 difference was observed without it (same shapes, fresh buffers), and it cost ~20% of
@@ -48,15 +52,6 @@ def _mkl_complete(rt: str) -> bool:
     return has("libmkl_core.so*") and (has("libmkl_intel_thread.so*") or has("libmkl_sequential.so*"))
 
 
-def _intel_cpu() -> bool:
-    """MKL is Intel's library; on other vendors' CPUs it may not pick its fast kernels."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "GenuineIntel" in f.read(4096)
-    except OSError:
-        return False
-
-
 def _pypi_candidates() -> list[str]:
     """MKL from PyPI (`pip install mkl`) exports the standard cblas symbols; its wheel puts
     libmkl_rt in the environment's lib/ folder."""
@@ -80,12 +75,7 @@ def preload() -> dict[str, str]:
         # Too late to interpose; report honestly instead of pretending.
         _ACTIVE["name"] = "unknown (mlx was imported before fx_engine; BLAS not preloaded)"
         return dict(_ACTIVE)
-    if choice != "auto":
-        paths = [choice]
-    elif _intel_cpu():
-        paths = [*_pypi_candidates(), *_CANDIDATES]
-    else:  # measured on Intel only: elsewhere the system OpenBLAS first, MKL as a fallback
-        paths = [*_CANDIDATES, *_pypi_candidates()]
+    paths = [choice] if choice != "auto" else [*_pypi_candidates(), *_CANDIDATES]
     for path in paths:
         if not os.path.exists(path):
             continue
