@@ -21,14 +21,14 @@
 //
 // Numerics: every output element is accumulated in a fixed order and computed by one
 // thread (qmm and qgemm have different orders, so their results differ in the last bits;
-// each alone is fixed). It never depends on M, on the other rows, on the blocking, on the attention
-// span or on the thread count: these kernels are batch-invariant by construction
-// (fx_engine.nn.Numerics).
+// each alone is fixed). It never depends on M, on the other rows, on the blocking, on the
+// attention span or on the thread count: these kernels are batch-invariant by
+// construction (fx_engine.nn.Numerics).
 //
 // Portable C++ with GCC/Clang vector extensions (compiled with -march=native by
 // fx_engine/native/build.py). A few AVX-512 intrinsics (u8 -> float conversion, FMA,
-// horizontal sums, broadcast loads) sit behind #if __AVX512F__ with portable fallbacks, so the same source
-// builds for AVX-512, AVX2 and NEON.
+// horizontal sums, broadcast loads) sit behind #if __AVX512F__ with portable fallbacks,
+// so the same source builds for AVX-512, AVX2 and NEON.
 
 #include <algorithm>
 #include <atomic>
