@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -71,3 +73,29 @@ def test_bench_kv_smoke(tmp_path: Path) -> None:
     for r in rows:
         assert r["fx"]["tok_s"] > 0 and r["mlx-lm"]["tok_s"] > 0
         assert r["fx"]["bytes_per_token"] == r["mlx-lm"]["bytes_per_token"]
+
+
+def test_llama_cpp_serving_peer_decodes_what_fx_engine_decodes(default_model) -> None:
+    """The optional llama.cpp serving peer (tools/bench_serving.py; only where
+    llama-cpp-python is installed, never in CI): its multi-sequence greedy decoding of
+    three short prompts in one unified KV cache starts with fx-engine's tokens (llama.cpp
+    computes with 8-bit activations, so only the first few tokens are compared)."""
+    pytest.importorskip("llama_cpp")
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_serving as bs
+    finally:
+        sys.path.pop(0)
+    import fx_engine
+
+    ids = default_model.tokenizer.encode(
+        "The lighthouse keeper climbed the stairs every night. He counted the steps, "
+        "checked the lamp, and wrote in his logbook. One winter evening")
+    prompts = [ids, ids[5:], ids[:-3]]
+    peer = bs.LlamaCppServing(default_model.path, len(prompts), 64 + len(ids), list(default_model.eos_ids))
+    out = bs.run_llama_cpp(peer, prompts, 6)
+    assert out["tokens"] == 18
+    bias = {int(e): -1e9 for e in default_model.eos_ids}
+    for p, got in zip(prompts, out["first_tokens"]):
+        want = fx_engine.generate(default_model, p, max_tokens=3, temperature=0.0, logit_bias=bias)
+        assert got[:3] == list(want.token_ids)

@@ -1064,7 +1064,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "fx_engine.Engine vs mlx-lm's BatchGenerator (tools/bench_serving.py)")
     ap.add_argument("--serving-n", default="1,8,32", help="concurrency levels (serving)")
     ap.add_argument("--serving-engines", default="fx,mlx-lm-f32",
-                    help="serving engines: fx, mlx-lm-f32, mlx-lm")
+                    help="serving engines: fx, mlx-lm-f32, mlx-lm, llama.cpp")
     ap.add_argument("--gen-tokens", type=int, default=None,
                     help="generated tokens per request (serving; 128)")
     args = ap.parse_args(argv)
@@ -1270,8 +1270,16 @@ def _serving_main(args: Any, argv: list[str] | None, path: str, is_gguf: bool, f
                 from mlx_lm.utils import load_model
 
                 engines[key] = ("mlx-lm", load_model(Path(path))[0])
+        elif key == "llama.cpp":
+            if not is_gguf:
+                raise SystemExit("serving engine llama.cpp needs a GGUF model")
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                raise SystemExit("serving engine llama.cpp needs llama-cpp-python (not installed)")
+            engines[key] = ("llama.cpp", path)
         else:
-            raise SystemExit(f"unknown serving engine {key!r} (fx, mlx-lm-f32, mlx-lm)")
+            raise SystemExit(f"unknown serving engine {key!r} (fx, mlx-lm-f32, mlx-lm, llama.cpp)")
         labels[key] = ENGINE_LABELS[key]
     results = bs.run_serving(engines, fx_model, ns, args.runs, args.warmup, gen, lo_hi,
                              prompt_tokens, log)

@@ -12,6 +12,14 @@ suppressed for fx-engine with a logit bias, no stop tokens for mlx-lm).
                arrays fx-engine runs on; a token's time is when `next_generated()` returned it.
   mlx-lm       the same BatchGenerator on mlx-lm's natural (4/8-bit) representation. Its
                CPU quantized matmul is slow, so it is not in the default list.
+  llama.cpp    llama.cpp's multi-sequence decoding through llama-cpp-python's low-level API
+               on the GGUF itself (its own Q4_1/Q8_0 kernels, all threads): one sequence
+               per request in one unified KV cache, and each llama_decode call is a batch of
+               up to n_batch = 512 + N tokens, built like llama-server's continuous
+               batching: one token for every generating sequence, then prompt tokens of
+               the prefilling ones in FIFO order; greedy (argmax with EOS excluded). Only
+               when `llama_cpp` is importable (it compiles for ~15 minutes; not a
+               dependency).
 
 Per run: aggregate generated tokens/s (all tokens / time from the burst to the last
 token), time to first token (TTFT) per request, inter-token latency (ITL: every gap
@@ -22,6 +30,7 @@ per shape bucket), then --runs measured rounds with the engine order rotated per
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -115,6 +124,111 @@ def run_mlx_lm(model: Any, prompts: list[list[int]], gen: int) -> dict[str, Any]
     return summarize_times(t0, times)
 
 
+class LlamaCppServing:
+    """A llama.cpp context sized for `n_seq` sequences of up to `per_seq` positions each."""
+
+    def __init__(self, path: str, n_seq: int, per_seq: int, eos_ids: list[int]):
+        import llama_cpp
+
+        self.lib = llama_cpp
+        self.threads = os.cpu_count() or 1
+        self.n_seq = n_seq
+        self.n_batch = 512 + n_seq
+        # The low-level API: llama_cpp.Llama has no n_seq_max / kv_unified arguments.
+        self._quiet = llama_cpp.llama_log_callback(lambda level, text, user: None)
+        llama_cpp.llama_log_set(self._quiet, None)  # its per-context logs, off
+        llama_cpp.llama_backend_init()
+        mparams = llama_cpp.llama_model_default_params()
+        self.model = llama_cpp.llama_model_load_from_file(path.encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = n_seq * per_seq
+        cp.n_batch = cp.n_ubatch = self.n_batch
+        cp.n_seq_max = n_seq
+        cp.kv_unified = True
+        cp.n_threads = cp.n_threads_batch = self.threads
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create its context")
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.eos = [i for i in eos_ids if 0 <= i < self.n_vocab]
+        self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self.notes = (f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, "
+                      f"{self.threads} threads, n_batch {self.n_batch}, {n_seq} sequences")
+
+    def clear(self) -> None:
+        lib = self.lib
+        if hasattr(lib, "llama_memory_clear"):
+            lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
+        else:
+            lib.llama_kv_self_clear(self.ctx)
+
+    def decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        b = self.batch
+        for j, (tok, pos, seq, want) in enumerate(entries):
+            b.token[j] = tok
+            b.pos[j] = pos
+            b.n_seq_id[j] = 1
+            b.seq_id[j][0] = seq
+            b.logits[j] = 1 if want else 0
+        b.n_tokens = len(entries)
+        rc = self.lib.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def argmax(self, j: int) -> int:
+        import numpy as np
+
+        row = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, j), (self.n_vocab,))
+        row = row.copy()
+        row[self.eos] = -np.inf  # always decode `gen` tokens, as the other peers
+        return int(row.argmax())
+
+
+def run_llama_cpp(peer: LlamaCppServing, prompts: list[list[int]], gen: int) -> dict[str, Any]:
+    import collections
+
+    peer.clear()
+    n = len(prompts)
+    t0 = time.perf_counter()
+    times: list[list[float]] = [[] for _ in prompts]
+    fed = [0] * n  # prompt tokens already decoded
+    last = [0] * n  # the sequence's last sampled token
+    waiting = collections.deque(range(n))  # still prefilling, FIFO
+    generating: list[int] = []
+    tokens: list[list[int]] = [[] for _ in prompts]
+    while waiting or generating:
+        entries = [(last[i], len(prompts[i]) + len(times[i]) - 1, i, True) for i in generating]
+        owners: list[int] = list(generating)
+        budget = peer.n_batch - len(entries)
+        for i in list(waiting):
+            if budget <= 0:
+                break
+            take = min(budget, len(prompts[i]) - fed[i])
+            for p in range(fed[i], fed[i] + take):
+                done = p == len(prompts[i]) - 1
+                entries.append((prompts[i][p], p, i, done))
+                if done:
+                    owners.append(i)
+            fed[i] += take
+            budget -= take
+        peer.decode(entries)
+        now = time.perf_counter()
+        j_logit = [j for j, e in enumerate(entries) if e[3]]
+        for j, i in zip(j_logit, owners):
+            last[i] = peer.argmax(j)
+            tokens[i].append(last[i])
+            times[i].append(now)
+            if i in waiting and fed[i] == len(prompts[i]):
+                waiting.remove(i)
+                generating.append(i)
+        generating = [i for i in generating if len(times[i]) < gen]
+    out = summarize_times(t0, times)
+    out["first_tokens"] = [t[:8] for t in tokens]  # for a sanity check against fx's
+    return out
+
+
 def run_serving(engines: dict[str, tuple[str, Any]], fx_model: Any, ns: list[int], runs: int,
                 warmup: int, gen: int, prompt_range: tuple[int, int],
                 base: Callable[[Any, int], list[int]], log: Callable[[str], None],
@@ -128,8 +242,15 @@ def run_serving(engines: dict[str, tuple[str, Any]], fx_model: Any, ns: list[int
         res = {k: {"runs": []} for k in keys}
         results[str(n)] = {"prompt_tokens": [len(p) for p in prompts], "engines": res}
 
+        peers: dict[str, Any] = {}
+
         def once(key: str) -> dict[str, Any]:
             kind, model = engines[key]
+            if kind == "llama.cpp":  # model: the GGUF path; one context per N
+                if key not in peers:
+                    peers[key] = LlamaCppServing(model, n, max(map(len, prompts)) + gen + 8,
+                                                 list(fx_model.eos_ids))
+                return run_llama_cpp(peers[key], prompts, gen)
             r = (run_fx if kind == "fx" else run_mlx_lm)(model, prompts, gen)
             mx.clear_cache()
             return r
