@@ -93,7 +93,10 @@ def test_llama_cpp_serving_peer_decodes_what_fx_engine_decodes(default_model) ->
         "checked the lamp, and wrote in his logbook. One winter evening")
     prompts = [ids, ids[5:], ids[:-3]]
     peer = bs.LlamaCppServing(default_model.path, len(prompts), 64 + len(ids), list(default_model.eos_ids))
-    out = bs.run_llama_cpp(peer, prompts, 6)
+    try:
+        out = bs.run_llama_cpp(peer, prompts, 6)
+    finally:
+        peer.close()
     assert out["tokens"] == 18
     bias = {int(e): -1e9 for e in default_model.eos_ids}
     for p, got in zip(prompts, out["first_tokens"]):

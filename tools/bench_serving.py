@@ -157,6 +157,13 @@ class LlamaCppServing:
         self.notes = (f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, "
                       f"{self.threads} threads, n_batch {self.n_batch}, {n_seq} sequences")
 
+    def close(self) -> None:
+        """Free the batch, the context (its KV cache) and the model."""
+        lib = self.lib
+        lib.llama_batch_free(self.batch)
+        lib.llama_free(self.ctx)
+        lib.llama_model_free(self.model)
+
     def clear(self) -> None:
         lib = self.lib
         if hasattr(lib, "llama_memory_clear"):
@@ -266,6 +273,8 @@ def run_serving(engines: dict[str, tuple[str, Any]], fx_model: Any, ns: list[int
                 res[k]["runs"].append(r)
                 log(f"serving N={n} round {rnd + 1}/{runs} {k}: {r['tok_s']:.1f} tok/s, "
                     f"TTFT p50 {r['ttft_p50']:.2f} s, ITL p50 {r['itl_p50'] * 1e3:.0f} ms")
+        for peer in peers.values():  # a context per N: free this one's KV cache now
+            peer.close()
         for k in keys:
             rs = res[k]["runs"]
             res[k]["median"] = {m: statistics.median(r[m] for r in rs)
