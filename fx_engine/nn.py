@@ -37,6 +37,13 @@ class Numerics:
     # (one kernel for every row count, so a token's matmuls do not depend on its chunk).
     native: bool = False
     native_gemm_rows: int = 16
+    # 8: the native kernels round each activation row to 8 bits per weight group before a
+    # quantized matmul (`native.qmm_a8`: exact int8 dot products, 2-3x the float kernels'
+    # speed), as llama.cpp does for its 4-/8-bit weights. Other numerics than the default
+    # (default model: next-token KL ~2e-3 from float32, the argmax the same on 98% of a
+    # text): opt-in. Batch-invariant by construction, in either mode.
+    # None: float32 activations.
+    activation_bits: int | None = None
 
 
 @attrs.frozen
@@ -83,6 +90,8 @@ _QMM_MAX_ROWS_WITHOUT_TILES = 32
 
 
 def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
+    if numerics.activation_bits == 8:
+        return native.qmm_a8(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
     rows = 1
     for n in x.shape[:-1]:
         rows *= n

@@ -40,19 +40,20 @@ def test_bench_serving_smoke(tmp_path: Path) -> None:
     out_json = tmp_path / "serving.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench.py"), "--smoke", "--serving",
-         "--json", str(out_json)],
+         "--serving-engines", "fx,fx-a8,mlx-lm-f32", "--json", str(out_json)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out_json.read_text())
     s = report["serving"]
     for n, block in s["results"].items():
-        assert set(block["engines"]) == {"fx", "mlx-lm-f32"}
+        assert set(block["engines"]) == {"fx", "fx-a8", "mlx-lm-f32"}
         for key, v in block["engines"].items():
             for run in v["runs"]:
                 assert run["tokens"] == int(n) * s["gen_tokens"], (n, key)
                 assert run["tok_s"] > 0 and run["ttft_p50"] > 0 and run["itl_p50"] >= 0
     assert "aggregate throughput ratio" in proc.stdout
+    assert "fx-engine (8-bit activations) / mlx-lm" in proc.stdout
 
 
 def test_bench_kv_smoke(tmp_path: Path) -> None:

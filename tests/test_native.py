@@ -347,3 +347,163 @@ def test_many_row_products_without_the_tiled_gemm(monkeypatch) -> None:
             assert np.array_equal(other, np.asarray(native.qmm(x, wq, s, b, 32, 4)))
         if native.tiled_gemm():
             assert np.array_equal(tiled, np.asarray(native.qgemm(x, wq, s, b, 32, 4)))
+
+
+# ---------------------------------------------------------------- 8-bit activations
+def _a8_reference(x: mx.array, wq, s, b, gs: int, bits: int) -> np.ndarray:
+    """qmm_a8's definition in numpy: each row of x rounded per group of gs values
+    (d = amax / 127 and xq = rint(x * (127 / amax)), both in float32, as llama.cpp's Q8
+    blocks), then the exact product of the rounded values with the dequantized weight."""
+    w = np.asarray(mx.dequantize(wq, s, b, group_size=gs, bits=bits)).astype(np.float64)
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    xg = x.reshape(m, k // gs, gs)
+    amax = np.abs(xg).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)),
+                   np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xg * inv), -127, 127)
+    d = (amax / np.float32(127)).astype(np.float32)
+    return (q * d.astype(np.float64)).reshape(m, k) @ w.T
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 17, 40])
+def test_qmm_a8_matches_its_float64_definition(bits: int, gs: int, m: int) -> None:
+    # m <= 8: 8-row tiles; more: 16-row tiles (partial ones at 9, 17, 40); n = 37: not a
+    # multiple of the 12-feature tile.
+    n, k = 37, 256
+    wq, s, b = _quantized(n, k, gs, bits)
+    x = mx.array(RNG.standard_normal((m, k)).astype(np.float32) * 3)
+    x[0, :gs] = 0.0  # a group of zeros (amax 0): contributes exactly nothing
+    got = np.asarray(native.qmm_a8(x, wq, s, b, gs, bits))
+    ref = _a8_reference(x, wq, s, b, gs, bits)
+    assert got.shape == (m, n) and got.dtype == np.float32
+    # Only the per-group float32 combination rounds (the integer dot products are exact).
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    # ... and that really is another product than the float32 one (8-bit rounding of x).
+    assert np.abs(got - _reference(x, wq, s, b, gs, bits)).max() > 1e-4 * np.abs(ref).max()
+
+
+def test_qmm_a8_is_batch_and_tile_invariant() -> None:
+    """Integer sums are exact and each lane runs the same float32 operations, so a row's
+    output is bitwise the same alone (8-row tiles), in any batch (16-row tiles), at any
+    position, and with any thread count."""
+    wq, s, b = _quantized(200, 576, 32, 4)
+    x = mx.array(RNG.standard_normal((70, 576)).astype(np.float32))
+    full = np.asarray(native.qmm_a8(x, wq, s, b, 32, 4))
+    for i, rows in [(0, slice(0, 1)), (5, slice(5, 6)), (5, slice(3, 10)), (39, slice(30, 40)),
+                    (45, slice(17, 70)), (69, slice(0, 70, 3)), (7, slice(0, 8))]:
+        part = np.asarray(native.qmm_a8(x[rows], wq, s, b, 32, 4))
+        assert np.array_equal(part[(i - rows.start) // (rows.step or 1)], full[i])
+    mod = native._module()
+    threads = mod.num_threads()
+    try:
+        mod.set_num_threads(1)
+        single = np.asarray(native.qmm_a8(x, wq, s, b, 32, 4))
+    finally:
+        mod.set_num_threads(threads)
+    assert np.array_equal(single, full)
+
+
+def test_qmm_a8_inputs_and_errors() -> None:
+    wq, s, b = _quantized(64, 128, 32, 8)
+    x = mx.array(RNG.standard_normal((2, 3, 256)).astype(np.float32))
+    xs = x[:, :, ::2]  # not contiguous
+    got = np.asarray(native.qmm_a8(xs, wq, s, b, 32, 8))
+    ref = _a8_reference(xs.reshape(-1, 128), wq, s, b, 32, 8).reshape(2, 3, 64)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+    assert native.qmm_a8(mx.zeros((0, 128)), wq, s, b, 32, 8).shape == (0, 64)
+    assert isinstance(native.int8_dot(), bool)
+    with pytest.raises(ValueError, match="qmm_a8: x's last axis"):
+        native.qmm_a8(mx.zeros((1, 32)), wq, s, b, 32, 8)
+    with pytest.raises(ValueError, match="qmm_a8: bits must be 4 or 8"):
+        native.qmm_a8(mx.zeros((1, 128)), wq, s, b, 32, 3)
+
+
+def test_activation_bits_model_option() -> None:
+    """load(activation_bits=8): every 4-/8-bit matmul of the default model runs qmm_a8;
+    its next-token distributions stay close to the float32 mode's (rounding x to 8 bits
+    per 32 values: KL ~2e-3 on this text, logits off by ~0.2 on average) and the argmax is
+    the same wherever the float32 mode's top two logits are clearly apart."""
+    a8 = fx_engine.load(activation_bits=8)
+    f32 = fx_engine.load()
+    assert a8.params.numerics.activation_bits == 8 and f32.params.numerics.activation_bits is None
+    ids = list(a8.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8))
+    la, lf = np.asarray(scoring.logits(a8, ids)), np.asarray(scoring.logits(f32, ids))
+    assert not np.array_equal(la, lf)
+
+    def log_softmax(z: np.ndarray) -> np.ndarray:
+        z = z.astype(np.float64) - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    pf = log_softmax(lf)
+    kl = (np.exp(pf) * (pf - log_softmax(la))).sum(-1)
+    assert kl.mean() < 1e-2 and kl.max() < 0.1, (kl.mean(), kl.max())
+    top = np.sort(lf, -1)
+    clear = (top[:, -1] - top[:, -2]) > 1.0
+    assert clear.sum() > len(ids) // 2
+    assert np.array_equal(la.argmax(-1)[clear], lf.argmax(-1)[clear])
+    # (Not "Paris" here: the first answer token of this chat is a near tie, 0.08 apart in
+    # float32, which 8-bit activations flip to "L'Étoile", llama.cpp's answer too.)
+    msgs = [{"role": "user", "content": "Name the largest planet of the solar system."}]
+    out = fx_engine.generate(a8, msgs, max_tokens=12)
+    assert out.text.startswith("The largest planet") and len(out.token_ids) == 12
+    with pytest.raises(ValueError, match="activation_bits must be None or 8"):
+        fx_engine.load(activation_bits=4)
+    with pytest.raises(ValueError, match="activation_bits=8 needs"):
+        fx_engine.load(activation_bits=8, native=False)
+
+
+_PORTABLE_RUN = r"""
+import sys, importlib.util
+import numpy as np
+import mlx.core as mx
+spec = importlib.util.spec_from_file_location("_fx_native", sys.argv[1])
+mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+d = np.load(sys.argv[2])
+outs = {}
+for bits in (4, 8):
+    wq, s, b = (mx.array(d[f"{n}{bits}"]) for n in ("w", "s", "b"))
+    x = mx.array(d["x"])
+    outs[f"a8_{bits}"] = np.asarray(mod.qmm_a8(x, wq, s, b, 32, bits))
+    outs[f"qmm_{bits}"] = np.asarray(mod.qmm(x, wq, s, b, 32, bits))
+outs["int8_dot"] = np.array(mod.int8_dot)
+np.savez(sys.argv[3], **outs)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 build flags")
+def test_portable_build_runs_the_same_products(tmp_path) -> None:  # noqa: ANN001
+    """The kernels built for plain AVX2 (-march=x86-64-v3: no AVX-512, no VNNI), as on
+    older CPUs: qmm_a8's scalar loop gives the VNNI kernel's bits exactly (exact integer
+    sums, the same two float32 roundings per group), the float kernels the same product."""
+    import subprocess
+    import sys
+
+    from fx_engine.native import build
+
+    cxx = build._compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    so = tmp_path / ("_fx_native" + build._paths()["ext_suffix"])
+    build._compile(cxx, build._paths(), ["-march=x86-64-v3"], so)
+    build._check(so)  # the build's own smoke check passes too
+    data = {"x": RNG.standard_normal((11, 192)).astype(np.float32)}
+    for bits in (4, 8):
+        wq, s, b = _quantized(29, 192, 32, bits)
+        data.update({f"w{bits}": np.asarray(wq), f"s{bits}": np.asarray(s), f"b{bits}": np.asarray(b)})
+    np.savez(tmp_path / "in.npz", **data)
+    r = subprocess.run([sys.executable, "-c", _PORTABLE_RUN, str(so), str(tmp_path / "in.npz"),
+                        str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "FX_ENGINE_NATIVE": "0"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = np.load(tmp_path / "out.npz")
+    assert not bool(got["int8_dot"])
+    x = mx.array(data["x"])
+    for bits in (4, 8):
+        wq, s, b = (mx.array(data[f"{n}{bits}"]) for n in ("w", "s", "b"))
+        assert np.array_equal(got[f"a8_{bits}"], np.asarray(native.qmm_a8(x, wq, s, b, 32, bits)))
+        ref = _reference(x, wq, s, b, 32, bits)
+        np.testing.assert_allclose(got[f"qmm_{bits}"], ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())

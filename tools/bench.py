@@ -9,6 +9,9 @@ One process, one BLAS, the same weights for every engine:
                 `fx_engine.stream` itself (one delta per token) with EOS suppressed by a logit
                 bias, so every engine decodes the same number of tokens.
   fx-bi         the same with `load(..., batch_invariant=True)`.
+  fx-a8         the same with `load(..., activation_bits=8)`: activations rounded to 8 bits
+                per weight group for the 4-/8-bit matmuls (int8 dot products, llama.cpp's
+                kind of numerics). Opt-in: not in the default list.
   fx-mlx        fx-engine without its native kernels (`load(..., native=False)`): weights
                 dequantized to dense float32, every op MLX's own (the default until the
                 native kernels existed).
@@ -103,6 +106,7 @@ REFERENCE_SOURCE = "shared/reference/default-model.md (llama.cpp, 2 threads, sam
 ENGINE_LABELS = {
     "fx": "fx-engine",
     "fx-bi": "fx-engine (batch-invariant)",
+    "fx-a8": "fx-engine (8-bit activations)",
     "fx-mlx": "fx-engine (MLX ops only, dense f32)",
     "mlx-lm": "mlx-lm (natural: 4/8-bit GGUF)",
     "mlx-lm-f32": "mlx-lm (dense f32, fx weights)",
@@ -1038,7 +1042,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny random model, a few tokens; checks the tool runs (no timing claims)")
     ap.add_argument("--engines", default="fx,fx-bi,fx-mlx,mlx-lm,mlx-lm-f32,llama.cpp",
-                    help="comma list among fx,fx-bi,fx-mlx,mlx-lm,mlx-lm-f32,llama.cpp")
+                    help="comma list among fx,fx-bi,fx-a8,fx-mlx,mlx-lm,mlx-lm-f32,llama.cpp")
     ap.add_argument("--short-context", type=int, default=None, help="prompt tokens for decode (64)")
     ap.add_argument("--prefill-sizes", default=None,
                     help="comma list (512,2048); the largest also carries the long-context decode")
@@ -1064,7 +1068,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "fx_engine.Engine vs mlx-lm's BatchGenerator (tools/bench_serving.py)")
     ap.add_argument("--serving-n", default="1,8,32", help="concurrency levels (serving)")
     ap.add_argument("--serving-engines", default="fx,mlx-lm-f32",
-                    help="serving engines: fx, mlx-lm-f32, mlx-lm, llama.cpp")
+                    help="serving engines: fx, fx-a8, mlx-lm-f32, mlx-lm, llama.cpp")
     ap.add_argument("--gen-tokens", type=int, default=None,
                     help="generated tokens per request (serving; 128)")
     args = ap.parse_args(argv)
@@ -1134,6 +1138,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engines.append(FxEngine(fx_engine.load(path, batch_invariant=True), "fx-bi"))
     if "fx-mlx" in wanted:
         engines.append(FxEngine(fx_engine.load(path, native=False), "fx-mlx"))
+    if "fx-a8" in wanted:
+        engines.append(FxEngine(fx_engine.load(path, activation_bits=8), "fx-a8"))
     gguf_stored = None
     if "mlx-lm" in wanted:
         try:
@@ -1261,6 +1267,8 @@ def _serving_main(args: Any, argv: list[str] | None, path: str, is_gguf: bool, f
     for key in [e.strip() for e in args.serving_engines.split(",") if e.strip()]:
         if key == "fx":
             engines[key] = ("fx", fx_model)
+        elif key == "fx-a8":
+            engines[key] = ("fx", fx_engine.load(path, activation_bits=8))
         elif key == "mlx-lm-f32":
             engines[key] = ("mlx-lm", mlx_lm_dense_from_fx(fx_model))
         elif key == "mlx-lm":
@@ -1279,7 +1287,7 @@ def _serving_main(args: Any, argv: list[str] | None, path: str, is_gguf: bool, f
                 raise SystemExit("serving engine llama.cpp needs llama-cpp-python (not installed)")
             engines[key] = ("llama.cpp", path)
         else:
-            raise SystemExit(f"unknown serving engine {key!r} (fx, mlx-lm-f32, mlx-lm, llama.cpp)")
+            raise SystemExit(f"unknown serving engine {key!r} (fx, fx-a8, mlx-lm-f32, mlx-lm, llama.cpp)")
         labels[key] = ENGINE_LABELS[key]
     results = bs.run_serving(engines, fx_model, ns, args.runs, args.warmup, gen, lo_hi,
                              prompt_tokens, log)

@@ -7,6 +7,8 @@ suppressed for fx-engine with a logit bias, no stop tokens for mlx-lm).
 
   fx           fx_engine.Engine(max_rows=N, prefill_chunk=512), driven step by step in this
                thread; a token's time is when the step that produced it returned.
+  fx-a8        the same with `fx_engine.load(..., activation_bits=8)` (8-bit activations for
+               the quantized matmuls, like llama.cpp's; opt-in numerics).
   mlx-lm-f32   mlx-lm's BatchGenerator (completion_batch_size=N, prefill_batch_size
                min(N, 8), its default prefill step of 2048) on the same dense float32
                arrays fx-engine runs on; a token's time is when `next_generated()` returned it.
@@ -302,12 +304,13 @@ def render_serving(report: dict[str, Any], label: Callable[[str], str]) -> list[
     ratios = []
     for n, block in s["results"].items():
         e = block["engines"]
-        if "fx" not in e or "median" not in e["fx"]:
-            continue
-        for k, v in e.items():
-            if k != "fx" and v.get("median"):
-                ratios.append(f"| {n} | fx / {label(k)} | "
-                              f"{e['fx']['median']['tok_s'] / v['median']['tok_s']:.2f}x |")
+        for base in ("fx", "fx-a8"):  # each fx-engine mode against the other engines
+            if base not in e or "median" not in e[base]:
+                continue
+            for k, v in e.items():
+                if not k.startswith("fx") and v.get("median"):
+                    ratios.append(f"| {n} | {label(base)} / {label(k)} | "
+                                  f"{e[base]['median']['tok_s'] / v['median']['tok_s']:.2f}x |")
     if ratios:
         lines += ["", "| N | aggregate throughput ratio | value |", "|---:|---|---:|", *ratios]
     return lines

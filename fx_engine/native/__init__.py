@@ -107,6 +107,21 @@ def qgemm(x, w, scales, biases, group_size: int, bits: int):  # type: ignore[no-
     return _module().qgemm(x, w, scales, biases, group_size, bits)
 
 
+def qmm_a8(x, w, scales, biases, group_size: int, bits: int):  # type: ignore[no-untyped-def]
+    """The product with 8-bit activations (`Numerics.activation_bits == 8`): each row of x
+    rounded per weight group (d = amax / 127, xq = rint(x / d)), y = x_hat @ w_hat.T with
+    exact int32 dot products per group, combined in float32 in group order. A different
+    (coarser) numerics than qmm/qgemm, like llama.cpp's 8-bit activations; batch-invariant
+    and tile-independent bit for bit (the integer sums are exact)."""
+    return _module().qmm_a8(x, w, scales, biases, group_size, bits)
+
+
+def int8_dot() -> bool:
+    """Whether qmm_a8 runs the CPU's int8 dot products (AVX-512 VNNI); without them it runs
+    a scalar loop: the same values, much slower."""
+    return bool(getattr(_module(), "int8_dot", False))
+
+
 def tiled_gemm() -> bool:
     """Whether qgemm's register tile fits this build's vector registers (AVX-512); without
     it the tile spills and fx_engine.nn runs many-row products on a BLAS GEMM instead."""

@@ -47,6 +47,8 @@ for bits in (4, 8):
     for op in (mod.qmm, mod.qgemm):
         got = np.asarray(op(x, wq, s, b, 32, bits))
         assert np.allclose(got, ref, rtol=1e-4, atol=1e-4), (op, bits, np.abs(got - ref).max())
+    a8 = np.asarray(mod.qmm_a8(x, wq, s, b, 32, bits))  # 8-bit activations: ~1% off
+    assert np.abs(a8 - ref).max() < 0.05 * np.abs(ref).max(), ("qmm_a8", bits)
     deq = np.asarray(mod.dequantize(wq, s, b, 32, bits))
     assert np.array_equal(deq, np.asarray(mx.dequantize(wq, s, b, group_size=32, bits=bits))), bits
 q = rng.standard_normal((2, 1, 4, 32)).astype(np.float32)

@@ -13,6 +13,9 @@
 //   qgemm:      the same product for many rows (prefill chunks, wide decode batches):
 //               register tiles of 12 features x 32 rows, vectors along the rows, each
 //               dequantized weight broadcast; FMA-bound, ~2x qmm from ~16 rows up.
+//   qmm_a8:     the product with each activation row rounded to 8 bits per weight group
+//               (opt-in numerics, as llama.cpp's): exact int8 dot products (AVX-512
+//               VNNI), no float copy of the weights; 2-3x qmm/qgemm.
 //   dequantize: the same values as mx.dequantize, from the same code qmm and qgemm
 //               unpack their weights with (without AVX-512, many-row products run a
 //               BLAS GEMM on it: qgemm's tile would spill).
@@ -532,6 +535,292 @@ void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc
   });
 }
 
+// ---------------------------------------------------------------- qmm_a8
+// The quantized product with 8-bit activations: an opt-in numerics mode
+// (fx_engine.nn.Numerics.activation_bits = 8), the kind llama.cpp runs its Q4/Q8 weights
+// with. Each row of x is rounded per weight group (gs values): d = amax / 127,
+// xq = rint(x * 127 / amax) in [-127, 127], and
+//
+//   y[m, n] = sum over groups g, in order, of
+//               (s[n, g] * d[m, g]) * isum(m, n, g) + b[n, g] * (d[m, g] * sum_g xq[m, :])
+//
+// where isum = sum_g q[n, k] * xq[m, k] is an exact int32 (VNNI dot products: 64 u8 x s8
+// products per instruction, against 16 float FMAs). So the only float arithmetic is two
+// FMAs per group, in a fixed order: like the float kernels it is batch-invariant by
+// construction, and since the integer sums are exact, any tiling gives the same bits.
+// No float copy of the weights is made (qmm/qgemm dequantize each weight to a float
+// first), which is what makes it ~3x faster for a few rows.
+//
+// Layout: vectors along the rows (16 rows per tile, one int32 lane each); every lane
+// multiplies a broadcast quad of 4 weight bytes with its row's 4 activation bytes. The
+// weight bytes are in the weight rows' order: 8-bit weights straight from the packed words
+// (little-endian, k order), 4-bit ones unpacked per call into the split order of
+// dequant_row (low nibbles of a 32-block first), which the activations are packed in too.
+constexpr int A8_FEAT = 12;  // output features per tile
+
+#if defined(__AVX512VNNI__)
+// acc += dot4(a u8, b s8) per int32 lane, in place. (GCC's intrinsic copies every
+// accumulator through another register around each dot product: twice the uops.)
+inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+inline __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+// R rows per tile: 16 (one zmm of int32 lanes) or 8 (ymm: for a few rows, half the lanes
+// and, on CPUs that split 512-bit ops in two, half the cost).
+template <int R> struct A8Vec;
+template <> struct A8Vec<16> {
+  using I = __m512i;
+  using F = __m512;
+  static I izero() { return _mm512_setzero_si512(); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static I iload(const void* p) { return _mm512_loadu_si512(p); }
+  static I ibcast(int32_t v) { return _mm512_set1_epi32(v); }
+  static F fload(const float* p) { return _mm512_loadu_ps(p); }
+  static F fbcast(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+template <> struct A8Vec<8> {
+  using I = __m256i;
+  using F = __m256;
+  static I izero() { return _mm256_setzero_si256(); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static I iload(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static I ibcast(int32_t v) { return _mm256_set1_epi32(v); }
+  static F fload(const float* p) { return _mm256_loadu_ps(p); }
+  static F fbcast(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+
+// One group of gs values (a multiple of 16) -> q (natural order), d = amax / 127; returns
+// the sum of q. rint(x * (127 / amax)) clamped to [-127, 127] (round half to even: the
+// vector conversion uses the default rounding mode, as std::nearbyint does).
+inline int quant_group(const float* xg, int gs, int8_t* q, float* d) {
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_setzero_ps();
+  for (int k = 0; k < gs; k += 16) mv = _mm512_max_ps(mv, _mm512_abs_ps(_mm512_loadu_ps(xg + k)));
+  const float amax = _mm512_reduce_max_ps(mv);
+  const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  __m512i sum = _mm512_setzero_si512();
+  for (int k = 0; k < gs; k += 16) {
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + k), id));
+    v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+    sum = _mm512_add_epi32(sum, v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(v));
+  }
+  *d = amax / 127.0f;
+  return _mm512_reduce_add_epi32(sum);
+#else
+  float amax = 0.0f;
+  for (int k = 0; k < gs; ++k) amax = std::max(amax, std::fabs(xg[k]));
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int sum = 0;
+  for (int k = 0; k < gs; ++k) {
+    const int v = static_cast<int>(std::max(-127.0f, std::min(127.0f, std::nearbyint(xg[k] * id))));
+    q[k] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *d = amax / 127.0f;
+  return sum;
+#endif
+}
+
+// x rows [M, K] -> per tile of R rows: xq [K/4][R][4] int8 (K in the weight rows' order),
+// d and xs [G][R] floats (zeros for padding rows). Each group is rounded on its own, so a
+// row's values never depend on the other rows. One chunk per row (padding rows included).
+template <int R>
+void pack_a8(const float* x, int M, int K, int gs, bool split, int8_t* xq, float* dd,
+             float* xs) {
+  const int tiles = (M + R - 1) / R, G = K / gs;
+  pool().run(tiles * R, [&](int c) {
+    const int t = c / R, i = c % R, m = t * R + i;
+    int8_t* q = xq + static_cast<int64_t>(t) * K * R;
+    float* d = dd + static_cast<int64_t>(t) * G * R;
+    float* s = xs + static_cast<int64_t>(t) * G * R;
+    thread_local std::vector<int8_t> row;
+    if (static_cast<int>(row.size()) < K) row.resize(K);
+    if (m >= M) {
+      std::fill(row.begin(), row.begin() + K, 0);
+      for (int g = 0; g < G; ++g) d[g * R + i] = s[g * R + i] = 0.0f;
+    } else {
+      const float* xr = x + static_cast<int64_t>(m) * K;
+      for (int g = 0; g < G; ++g) {
+        float dv;
+        const int sum = quant_group(xr + static_cast<int64_t>(g) * gs, gs, row.data() + g * gs, &dv);
+        d[g * R + i] = dv;
+        s[g * R + i] = dv * static_cast<float>(sum);
+      }
+    }
+    // Into the tile's layout, in the weight order (4-bit: the split order of each 32-block:
+    // position p < 16 holds k = 2p, position 16 + p holds k = 2p + 1).
+    for (int p = 0; p < K; ++p) {
+      const int k = split ? (p & ~31) + (((p & 31) < 16) ? 2 * (p & 15) : 2 * (p & 15) + 1) : p;
+      q[(static_cast<int64_t>(p >> 2) * R + i) * 4 + (p & 3)] = row[k];
+    }
+  });
+}
+
+// out[j][i] for NW features (weight bytes wb + j * K, scales/biases sc/bi + j * G) against
+// one tile of R rows.
+template <int R, int NW>
+inline void a8_tile(const int8_t* __restrict xq, const float* __restrict dd,
+                    const float* __restrict xs, const uint8_t* __restrict wb,
+                    const float* __restrict sc, const float* __restrict bi, int K, int gs,
+                    float* __restrict out) {
+  const int G = K / gs, quads = gs / 4;
+#if defined(__AVX512VNNI__)
+  using V = A8Vec<R>;
+  typename V::F acc[NW];
+  for (int j = 0; j < NW; ++j) acc[j] = V::fzero();
+  for (int g = 0; g < G; ++g) {
+    typename V::I is[NW];
+    for (int j = 0; j < NW; ++j) is[j] = V::izero();
+    const int8_t* qg = xq + static_cast<int64_t>(g) * quads * R * 4;
+    const uint8_t* wg = wb + static_cast<int64_t>(g) * gs;
+    for (int u = 0; u < quads; ++u) {
+      const typename V::I xv = V::iload(qg + u * R * 4);
+      for (int j = 0; j < NW; ++j) {
+        int32_t w4;
+        std::memcpy(&w4, wg + static_cast<int64_t>(j) * K + u * 4, 4);
+        is[j] = dpbusd(is[j], V::ibcast(w4), xv);
+      }
+    }
+    const typename V::F dv = V::fload(dd + g * R), sv = V::fload(xs + g * R);
+    for (int j = 0; j < NW; ++j) {
+      const typename V::F f = V::mul(dv, V::fbcast(sc[static_cast<int64_t>(j) * G + g]));
+      acc[j] = V::fma(V::cvt(is[j]), f, acc[j]);
+      acc[j] = V::fma(sv, V::fbcast(bi[static_cast<int64_t>(j) * G + g]), acc[j]);
+    }
+  }
+  for (int j = 0; j < NW; ++j) V::store(out + j * R, acc[j]);
+#else
+  // The same integer sums and the same two roundings per group, one lane at a time.
+  for (int j = 0; j < NW; ++j)
+    for (int i = 0; i < R; ++i) {
+      float acc = 0.0f;
+      for (int g = 0; g < G; ++g) {
+        int32_t is = 0;
+        for (int u = 0; u < quads; ++u)
+          for (int b = 0; b < 4; ++b)
+            is += static_cast<int32_t>(wb[static_cast<int64_t>(j) * K + g * gs + u * 4 + b]) *
+                  xq[((static_cast<int64_t>(g) * quads + u) * R + i) * 4 + b];
+        const float f = dd[g * R + i] * sc[static_cast<int64_t>(j) * G + g];
+        acc = std::fma(static_cast<float>(is), f, acc);
+        acc = std::fma(xs[g * R + i], bi[static_cast<int64_t>(j) * G + g], acc);
+      }
+      out[j * R + i] = acc;
+    }
+#endif
+}
+
+template <int R>
+inline void a8_tile_any(int nw, const int8_t* xq, const float* dd, const float* xs,
+                        const uint8_t* wb, const float* sc, const float* bi, int K, int gs,
+                        float* out) {
+  switch (nw) {
+    case 12: a8_tile<R, 12>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 11: a8_tile<R, 11>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 10: a8_tile<R, 10>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 9: a8_tile<R, 9>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 8: a8_tile<R, 8>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 7: a8_tile<R, 7>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 6: a8_tile<R, 6>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 5: a8_tile<R, 5>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 4: a8_tile<R, 4>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 3: a8_tile<R, 3>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 2: a8_tile<R, 2>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    default: a8_tile<R, 1>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+  }
+}
+static_assert(A8_FEAT == 12, "a8_tile_any dispatches 1..12 features");
+
+// 4-bit weight row -> K bytes 0..15 in the split order (as dequant_row's floats).
+inline void unpack_nibbles(const uint32_t* wq, int K, uint8_t* out) {
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(wq);
+  for (int j = 0; j < K; j += 32) {
+    const u8x16 v = *reinterpret_cast<const u8x16*>(b + j / 2);
+    const u8x16 lo = v & 15, hi = v >> 4;
+    std::memcpy(out + j, &lo, 16);
+    std::memcpy(out + j + 16, &hi, 16);
+  }
+}
+
+template <int R>
+void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+                 const float* bi, int gs, int bits, float* y, int N) {
+  const int tiles = (M + R - 1) / R, G = K / gs;
+  std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
+  std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
+  pack_a8<R>(x, M, K, gs, bits == 4, xq.data(), dd.data(), xs.data());
+  const int words = K * bits / 32;
+  const int blocks = (N + A8_FEAT - 1) / A8_FEAT;
+  const int per = std::max(1, 4 * 576 / std::max(K, 1));
+  pool().run((blocks + per - 1) / per, [&](int c) {
+    thread_local std::vector<uint8_t> buf;
+    if (static_cast<int>(buf.size()) < A8_FEAT * K)
+      buf.resize(static_cast<size_t>(A8_FEAT) * K);
+    alignas(64) float out[A8_FEAT * R];
+    const int b1 = std::min(blocks, (c + 1) * per);
+    for (int bl = c * per; bl < b1; ++bl) {
+      const int n0 = bl * A8_FEAT, nw = std::min(A8_FEAT, N - n0);
+      const uint8_t* wb;
+      if (bits == 8) {  // the packed words are the bytes, in k order: copied into L1
+        std::memcpy(buf.data(), wq + static_cast<int64_t>(n0) * words, static_cast<size_t>(nw) * K);
+        wb = buf.data();
+      } else {
+        for (int j = 0; j < nw; ++j)
+          unpack_nibbles(wq + static_cast<int64_t>(n0 + j) * words, K,
+                         buf.data() + static_cast<int64_t>(j) * K);
+        wb = buf.data();
+      }
+      if (bl + 1 < b1) {  // the next block's bytes, fetched while this one computes
+        const int nn = std::min(A8_FEAT, N - n0 - A8_FEAT);
+        const char* nx = reinterpret_cast<const char*>(wq + static_cast<int64_t>(n0 + A8_FEAT) * words);
+        const int64_t bytes = static_cast<int64_t>(nn) * words * 4;
+        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(nx + o);
+        for (int64_t o = 0; o < static_cast<int64_t>(nn) * G * 4; o += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(sc + static_cast<int64_t>(n0 + A8_FEAT) * G) + o);
+          __builtin_prefetch(reinterpret_cast<const char*>(bi + static_cast<int64_t>(n0 + A8_FEAT) * G) + o);
+        }
+      }
+      for (int t = 0; t < tiles; ++t) {
+        const int m0 = t * R, mc = std::min(R, M - m0);
+        a8_tile_any<R>(nw, xq.data() + static_cast<int64_t>(t) * K * R,
+                       dd.data() + static_cast<int64_t>(t) * G * R,
+                       xs.data() + static_cast<int64_t>(t) * G * R, wb,
+                       sc + static_cast<int64_t>(n0) * G, bi + static_cast<int64_t>(n0) * G, K,
+                       gs, out);
+        for (int i = 0; i < mc; ++i) {
+          float* yr = y + static_cast<int64_t>(m0 + i) * N + n0;
+          for (int j = 0; j < nw; ++j) yr[j] = out[j * R + i];
+        }
+      }
+    }
+  });
+}
+
+// Up to 8 rows: tiles of 8; more: tiles of 16. Same bits either way (exact integer sums,
+// the same per-lane float operations).
+void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+                const float* bi, int gs, int bits, float* y, int N) {
+  if (M <= 8)
+    qmm_a8_rows<8>(x, M, K, wq, sc, bi, gs, bits, y, N);
+  else
+    qmm_a8_rows<16>(x, M, K, wq, sc, bi, gs, bits, y, N);
+}
+
 void dequant_cpu(const uint32_t* wq, const float* sc, const float* bi, int gs, int bits,
                  float* out, int N, int K) {
   const int words = K * bits / 32, groups = K / gs;
@@ -889,27 +1178,31 @@ class CpuKernel : public mx::UnaryPrimitive {
   virtual std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const = 0;
 };
 
+// kind: 0 qmm, 1 qgemm, 2 qmm_a8 (three kernels for one product; see each).
 class QMatmul : public CpuKernel {
  public:
-  QMatmul(mx::Stream s, int group_size, int bits, bool gemm)
-      : CpuKernel(s), gs_(group_size), bits_(bits), gemm_(gemm) {}
+  QMatmul(mx::Stream s, int group_size, int bits, int kind)
+      : CpuKernel(s), gs_(group_size), bits_(bits), kind_(kind) {}
 
   std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const override {
     return [x = in[0], w = in[1], s = in[2], b = in[3], out, gs = gs_, bits = bits_,
-            gemm = gemm_]() mutable {
+            kind = kind_]() mutable {
       const int K = static_cast<int>(x.shape(-1));
       const int M = static_cast<int>(x.size() / K);
       const int N = static_cast<int>(out.shape(-1));
       std::vector<uint32_t> tw;
       std::vector<float> tx, ts, tb;
-      (gemm ? qgemm_cpu : qmm_cpu)(dense(x, tx), M, K, dense(w, tw), dense(s, ts),
-                                   dense(b, tb), gs, bits, out.data<float>(), N);
+      auto* f = kind == 2 ? qmm_a8_cpu : kind == 1 ? qgemm_cpu : qmm_cpu;
+      f(dense(x, tx), M, K, dense(w, tw), dense(s, ts), dense(b, tb), gs, bits,
+        out.data<float>(), N);
     };
   }
-  const char* name() const override { return gemm_ ? "FxQGemm" : "FxQMatmul"; }
+  const char* name() const override {
+    return kind_ == 2 ? "FxQMatmulA8" : kind_ == 1 ? "FxQGemm" : "FxQMatmul";
+  }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
-    return gs_ == o.gs_ && bits_ == o.bits_ && gemm_ == o.gemm_;
+    return gs_ == o.gs_ && bits_ == o.bits_ && kind_ == o.kind_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     auto shape = in[0].shape();
@@ -918,8 +1211,7 @@ class QMatmul : public CpuKernel {
   }
 
  private:
-  int gs_, bits_;
-  bool gemm_;
+  int gs_, bits_, kind_;
 };
 
 class Dequantize : public CpuKernel {
@@ -1137,7 +1429,7 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
                    {w, mx::astype(scales, mx::float32, s), mx::astype(biases, mx::float32, s)});
 }
 
-mx::array quantized_product(const char* op, bool gemm, const mx::array& x, const mx::array& w,
+mx::array quantized_product(const char* op, int kind, const mx::array& x, const mx::array& w,
                             const mx::array& scales, const mx::array& biases, int group_size,
                             int bits) {
   check_quantized(op, w, scales, biases, group_size, bits);
@@ -1157,19 +1449,24 @@ mx::array quantized_product(const char* op, bool gemm, const mx::array& x, const
   auto shape = x.shape();
   shape.back() = N;
   auto y = mx::array(shape, mx::float32,
-                     std::make_shared<QMatmul>(s, group_size, bits, gemm),
+                     std::make_shared<QMatmul>(s, group_size, bits, kind),
                      {xc, wc, sc, bc});
   return dt == mx::float32 ? y : mx::astype(y, dt, s);
 }
 
 mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
               const mx::array& biases, int group_size, int bits) {
-  return quantized_product("qmm", false, x, w, scales, biases, group_size, bits);
+  return quantized_product("qmm", 0, x, w, scales, biases, group_size, bits);
 }
 
 mx::array qgemm(const mx::array& x, const mx::array& w, const mx::array& scales,
                 const mx::array& biases, int group_size, int bits) {
-  return quantized_product("qgemm", true, x, w, scales, biases, group_size, bits);
+  return quantized_product("qgemm", 1, x, w, scales, biases, group_size, bits);
+}
+
+mx::array qmm_a8(const mx::array& x, const mx::array& w, const mx::array& scales,
+                 const mx::array& biases, int group_size, int bits) {
+  return quantized_product("qmm_a8", 2, x, w, scales, biases, group_size, bits);
 }
 
 }  // namespace
@@ -1182,6 +1479,14 @@ NB_MODULE(_fx_native, m) {
   m.def("qgemm", &qgemm, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"),
         "qmm's product with the many-rows kernel (another fixed summation order)");
+  m.def("qmm_a8", &qmm_a8, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "the product with x rounded to 8 bits per weight group (int8 dot products)");
+#if defined(__AVX512VNNI__)
+  m.attr("int8_dot") = true;  // qmm_a8 runs VNNI dot products (else a scalar loop)
+#else
+  m.attr("int8_dot") = false;
+#endif
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), "affine dequantization -> float32 [N, K]");
   m.def("masked_softmax", &masked_softmax, nb::arg("scores"), nb::arg("mask"),
