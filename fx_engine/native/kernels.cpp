@@ -603,22 +603,33 @@ template <> struct A8Vec<8> {
 };
 #endif
 
-// One group of gs values (a multiple of 16) -> q (natural order), d = amax / 127; returns
-// the sum of q. rint(x * (127 / amax)) clamped to [-127, 127] (round half to even: the
-// vector conversion uses the default rounding mode, as std::nearbyint does).
-inline int quant_group(const float* xg, int gs, int8_t* q, float* d) {
+// One group of gs values (a multiple of 32) -> q in the weight order (split: the 4-bit
+// split order of each 32-block, even k first), d = amax / 127; returns the sum of q.
+// rint(x * (127 / amax)) clamped to [-127, 127] (round half to even: the vector
+// conversion uses the default rounding mode, as std::nearbyint does).
+inline int quant_group(const float* xg, int gs, bool split, int8_t* q, float* d) {
 #if defined(__AVX512F__)
   __m512 mv = _mm512_setzero_ps();
   for (int k = 0; k < gs; k += 16) mv = _mm512_max_ps(mv, _mm512_abs_ps(_mm512_loadu_ps(xg + k)));
   const float amax = _mm512_reduce_max_ps(mv);
   const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   __m512i sum = _mm512_setzero_si512();
-  for (int k = 0; k < gs; k += 16) {
-    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + k), id));
-    v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
-    sum = _mm512_add_epi32(sum, v);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(v));
+  for (int k = 0; k < gs; k += 32) {
+    __m512 a = _mm512_loadu_ps(xg + k), b = _mm512_loadu_ps(xg + k + 16);
+    if (split) {
+      const __m512 e = _mm512_permutex2var_ps(a, even, b), o = _mm512_permutex2var_ps(a, odd, b);
+      a = e;
+      b = o;
+    }
+    __m512i va = _mm512_cvtps_epi32(_mm512_mul_ps(a, id)), vb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
+    va = _mm512_min_epi32(_mm512_max_epi32(va, lo), hi);
+    vb = _mm512_min_epi32(_mm512_max_epi32(vb, lo), hi);
+    sum = _mm512_add_epi32(sum, _mm512_add_epi32(va, vb));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(va));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k + 16), _mm512_cvtepi32_epi8(vb));
   }
   *d = amax / 127.0f;
   return _mm512_reduce_add_epi32(sum);
@@ -629,7 +640,9 @@ inline int quant_group(const float* xg, int gs, int8_t* q, float* d) {
   int sum = 0;
   for (int k = 0; k < gs; ++k) {
     const int v = static_cast<int>(std::max(-127.0f, std::min(127.0f, std::nearbyint(xg[k] * id))));
-    q[k] = static_cast<int8_t>(v);
+    // position in the weight order: in a 32-block, k = 2p at p, k = 2p + 1 at 16 + p
+    const int p = split ? (k & ~31) + ((k & 1) ? 16 : 0) + ((k & 31) >> 1) : k;
+    q[p] = static_cast<int8_t>(v);
     sum += v;
   }
   *d = amax / 127.0f;
@@ -646,29 +659,25 @@ void pack_a8(const float* x, int M, int K, int gs, bool split, int8_t* xq, float
   const int tiles = (M + R - 1) / R, G = K / gs;
   pool().run(tiles * R, [&](int c) {
     const int t = c / R, i = c % R, m = t * R + i;
-    int8_t* q = xq + static_cast<int64_t>(t) * K * R;
+    int32_t* q = reinterpret_cast<int32_t*>(xq + static_cast<int64_t>(t) * K * R);
     float* d = dd + static_cast<int64_t>(t) * G * R;
     float* s = xs + static_cast<int64_t>(t) * G * R;
-    thread_local std::vector<int8_t> row;
-    if (static_cast<int>(row.size()) < K) row.resize(K);
+    thread_local std::vector<int32_t> row;  // K int8 values, as quads
+    if (static_cast<int>(row.size()) < K / 4) row.resize(K / 4);
+    int8_t* rb = reinterpret_cast<int8_t*>(row.data());
     if (m >= M) {
-      std::fill(row.begin(), row.begin() + K, 0);
+      std::fill(rb, rb + K, 0);
       for (int g = 0; g < G; ++g) d[g * R + i] = s[g * R + i] = 0.0f;
     } else {
       const float* xr = x + static_cast<int64_t>(m) * K;
       for (int g = 0; g < G; ++g) {
         float dv;
-        const int sum = quant_group(xr + static_cast<int64_t>(g) * gs, gs, row.data() + g * gs, &dv);
+        const int sum = quant_group(xr + static_cast<int64_t>(g) * gs, gs, split, rb + g * gs, &dv);
         d[g * R + i] = dv;
         s[g * R + i] = dv * static_cast<float>(sum);
       }
     }
-    // Into the tile's layout, in the weight order (4-bit: the split order of each 32-block:
-    // position p < 16 holds k = 2p, position 16 + p holds k = 2p + 1).
-    for (int p = 0; p < K; ++p) {
-      const int k = split ? (p & ~31) + (((p & 31) < 16) ? 2 * (p & 15) : 2 * (p & 15) + 1) : p;
-      q[(static_cast<int64_t>(p >> 2) * R + i) * 4 + (p & 3)] = row[k];
-    }
+    for (int u = 0; u < K / 4; ++u) q[u * R + i] = row[u];  // quad u of row i
   });
 }
 
