@@ -31,6 +31,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
                    help="quantize the KV cache (full-attention layers) to 4 or 8 bits")
     p.add_argument("--kv-group-size", type=int, default=64, help="KV quantization group size")
+    p.add_argument("--kv-dtype", default=None, choices=("float32", "float16", "bfloat16"),
+                   help="the KV cache's element type (default: the activations' dtype)")
     p.add_argument("--quantized-kv-start", type=int, default=5000,
                    help="positions below this stay in float when --kv-bits is set (mlx-lm's default)")
     p.add_argument("--draft-model", default=None,
@@ -82,7 +84,8 @@ def _draft(a: argparse.Namespace, model: Any) -> Any:
 def _load(a: argparse.Namespace):
     return fx_engine.load(a.model, batch_invariant=a.batch_invariant, kv_bits=a.kv_bits,
                           kv_group_size=a.kv_group_size, quantized_kv_start=a.quantized_kv_start,
-                          activation_bits=getattr(a, "activation_bits", None))
+                          activation_bits=getattr(a, "activation_bits", None),
+                          kv_dtype=getattr(a, "kv_dtype", None))
 
 
 def _report(usage: Any, model: Any = None) -> None:
@@ -92,7 +95,7 @@ def _report(usage: Any, model: Any = None) -> None:
     if model is not None:  # what this conversation's cache holds (float vs quantized)
         from .cache import bytes_per_token
 
-        per = bytes_per_token(model.cache_layout(), model.dtype)
+        per = bytes_per_token(model.cache_layout(), model.cache_dtype)
         kv_bytes = per * (usage.prompt_tokens + usage.completion_tokens)
     kv = f" | KV cache {kv_bytes / 1e6:.1f} MB" if kv_bytes else ""
     if usage.drafted_tokens:

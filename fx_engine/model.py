@@ -34,6 +34,9 @@ class Model:
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = QUANTIZED_KV_START
+    # The float KV cache's element type (None: the activations' dtype). "float16" halves
+    # the bytes a decode step's attention reads (llama.cpp's default cache type).
+    kv_dtype: str | None = None
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -56,9 +59,22 @@ class Model:
         out.cache_layout()  # validates the options (clear errors naming the option)
         return out
 
+    def with_kv_dtype(self, dtype: str | None) -> "Model":
+        """The same model with the float KV cache stored as `dtype` ("float32", "float16",
+        "bfloat16"; None: the activations' dtype). Values are rounded once when written;
+        attention computes in the activations' dtype."""
+        if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"kv_dtype must be None, 'float32', 'float16' or 'bfloat16', got {dtype!r}")
+        return attrs.evolve(self, kv_dtype=dtype)
+
     @property
     def dtype(self) -> mx.Dtype:
         return getattr(mx, self.params.dtype)
+
+    @property
+    def cache_dtype(self) -> mx.Dtype:
+        """The KV cache's element type (its float parts, for a quantized cache)."""
+        return getattr(mx, self.kv_dtype) if self.kv_dtype else self.dtype
 
     def cache_layout(self, headroom: int = 512) -> tuple[LayerSpec, ...]:
         """This model's cache layout; headroom: see `fx_engine.models.cache_layout`."""
@@ -69,7 +85,7 @@ class Model:
     def new_cache(self, rows: int, capacity: int, headroom: int = 512) -> KVCache:
         """An empty KV cache for `rows` rows of `capacity` positions; sliding-window layers
         get rings of window + headroom slots (headroom >= the longest step - 1)."""
-        return init_cache(self.cache_layout(headroom), rows, capacity, self.dtype)
+        return init_cache(self.cache_layout(headroom), rows, capacity, self.cache_dtype)
 
 
 def model_fingerprint(meta: list[str], files: list[Path]) -> str:
@@ -127,6 +143,7 @@ def load(
     quantized_kv_start: int = QUANTIZED_KV_START,
     native: bool | None = None,
     activation_bits: int | None = None,
+    kv_dtype: str | None = None,
 ) -> Model:
     """Load a model from a GGUF file or a Hugging Face style folder (None: the default model).
 
@@ -143,6 +160,8 @@ def load(
     activation_bits: 8 rounds the activations entering each 4-/8-bit matmul to 8 bits per
     weight group (int8 dot products in the native kernels, as llama.cpp computes; 2-3x
     faster matmuls, other numerics than the float32 default). None: float32.
+    kv_dtype: the float KV cache's element type ("float16": half the memory and half the
+    bytes attention reads per decode step; None: the activations' dtype).
     """
     from .loading.tokenizer import Tokenizer
 
@@ -193,4 +212,4 @@ def load(
         config=cfg, params=params, tokenizer=tokenizer, path=str(p),
         fingerprint=fingerprint, weight_format=f"{fmt} -> {quant_kinds}",
     )
-    return model.with_kv_cache(kv_bits, kv_group_size, quantized_kv_start)
+    return model.with_kv_cache(kv_bits, kv_group_size, quantized_kv_start).with_kv_dtype(kv_dtype)

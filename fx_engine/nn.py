@@ -278,12 +278,15 @@ def attention(
     b, t, hq, d = q.shape
     hk, s = k.shape[1], k.shape[2]
     if (numerics.native and not numerics.batch_invariant and t <= NATIVE_ATTEND_MAX_T
-            and d % 16 == 0 and q.dtype == k.dtype == v.dtype == mx.float32):
+            and d % 16 == 0 and q.dtype == mx.float32 and k.dtype == v.dtype
+            and k.dtype in (mx.float32, mx.float16)):
         # Decode and verify: one native node per layer instead of ~15 (scores, softmax and
         # P @ V in one pass over each row's K/V, no per-(row, head) BLAS calls). Not in
         # batch-invariant mode: its prefill chunks take the GEMM path below, and a token's
         # arithmetic must not depend on whether it came in a chunk or a decode step.
         return native.attend(q, k, v, mx.broadcast_to(mask[:, 0], (b, t, s)), scale)
+    if k.dtype != q.dtype:  # a cache stored in another dtype (Model.kv_dtype): computed in q's
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
     if causal_tail and not numerics.batch_invariant and QUERY_BLOCK < t <= s:
         outs = []
         for j0 in range(0, t, QUERY_BLOCK):
@@ -365,6 +368,9 @@ def quantized_attention(
     b, t, hq, d = q.shape
     hk, f, s2 = k_q[0].shape[1], head_k.shape[2], k_q[0].shape[2]
     rep = hq // hk
+    # A cache stored in another float dtype (Model.kv_dtype) is computed in q's.
+    head_k, head_v = head_k.astype(q.dtype), head_v.astype(q.dtype)
+    k_q, v_q = ((w, *(a.astype(q.dtype) for a in sb)) for w, *sb in (k_q, v_q))
     qh = (q * scale).reshape(b, t, hk, rep, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, rep * t, d)
     parts = []
     if f:

@@ -277,3 +277,59 @@ def test_engine_with_quantized_cache_matches_the_reference_loop(tiny32, start):
 def test_bad_kv_options_are_clear_errors(tiny_model, kw, match):
     with pytest.raises(ValueError, match=match):
         fx_engine.Engine(tiny_model, **kw)
+
+
+# ---------------------------------------------------------------- float16 cache values
+
+
+def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+    def log_softmax(z: np.ndarray) -> np.ndarray:
+        z = z.astype(np.float64) - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    lp = log_softmax(p_logits)
+    return (np.exp(lp) * (lp - log_softmax(q_logits))).sum(-1)
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_float16_kv_cache_against_the_float32_cache(default_model, kv_bits) -> None:
+    """Model.kv_dtype "float16": the cache holds float16 (half the bytes per token), the
+    step computes in float32 (the native decode attention reads float16 directly, prefill
+    upcasts). Rounding K/V to float16 moves next-token distributions very little; both for a
+    float cache and for the float head of a quantized one (kv_bits 8, quantized from 64)."""
+    f32 = default_model.with_kv_cache(kv_bits, 64, 64)
+    f16 = f32.with_kv_dtype("float16")
+    cache = f16.new_cache(2, 256)
+    entry = cache.layers[0]
+    arrays = [entry.keys, entry.values] if kv_bits is None else [entry.head_keys, entry.values[1]]
+    assert all(a.dtype == mx.float16 for a in arrays)
+    assert bytes_per_token(f16.cache_layout(), f16.cache_dtype) < bytes_per_token(
+        f32.cache_layout(), f32.cache_dtype)
+    ids = list(default_model.tokenizer.encode(LONG_TEXT * 3))[:300]
+    a = np.asarray(fx_engine.logits(f32, ids, chunk=128))
+    b = np.asarray(fx_engine.logits(f16, ids, chunk=128))
+    assert not np.array_equal(a, b)
+    kl = _kl(a, b)
+    assert kl.mean() < 1e-3 and kl.max() < 2e-2, (kl.mean(), kl.max())
+    # Decoding (the native attend on float16) against the float32 cache, greedy.
+    r32 = fx_engine.generate(f32, ids[:200], max_tokens=16)
+    r16 = fx_engine.generate(f16, ids[:200], max_tokens=16)
+    assert r16.token_ids[:8] == r32.token_ids[:8]
+
+
+def test_float16_kv_cache_in_the_engine_and_errors(default_model) -> None:
+    from fx_engine.engine.engine import Engine
+
+    f16 = default_model.with_kv_dtype("float16")
+    eng32, eng16 = Engine(default_model, max_rows=2), Engine(f16, max_rows=2)
+    assert eng16.bytes_per_token * 2 == eng32.bytes_per_token
+    prompts = [list(default_model.tokenizer.encode(LONG_TEXT * 2))[o:o + 90] for o in (0, 40)]
+    hs = [eng16.submit(p, max_tokens=6) for p in prompts]
+    while eng16.step():
+        pass
+    alone = [fx_engine.generate(f16, p, max_tokens=6).token_ids for p in prompts]
+    assert [h.result().token_ids for h in hs] == alone
+    with pytest.raises(ValueError, match="kv_dtype"):
+        default_model.with_kv_dtype("int8")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        fx_engine.load(kv_dtype="float64")

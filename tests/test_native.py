@@ -237,13 +237,15 @@ def _attention_reference(q, k, v, mask, scale):  # float64 numpy GQA attention
     return out.reshape(b, t, hq * d)
 
 
+@pytest.mark.parametrize("kv_dtype", [mx.float32, mx.float16])
 @pytest.mark.parametrize("b,t,hq,hk,s,d", [(1, 1, 9, 3, 300, 64), (3, 2, 4, 4, 64, 32),
                                            (2, 5, 8, 2, 37, 16), (1, 3, 6, 3, 130, 128)])
-def test_attend_matches_float64_reference(b, t, hq, hk, s, d) -> None:  # noqa: ANN001
+def test_attend_matches_float64_reference(b, t, hq, hk, s, d, kv_dtype) -> None:  # noqa: ANN001
+    # A float16 cache (Model.kv_dtype): the reference runs on the same float16 values.
     cap = s + 20  # k/v as span slices of a larger cache: strided views, read in place
     q = mx.array(RNG.standard_normal((b, t, hq, d)).astype(np.float32))
-    kc = mx.array(RNG.standard_normal((b, hk, cap, d)).astype(np.float32))
-    vc = mx.array(RNG.standard_normal((b, hk, cap, d)).astype(np.float32))
+    kc = mx.array(RNG.standard_normal((b, hk, cap, d)).astype(np.float32)).astype(kv_dtype)
+    vc = mx.array(RNG.standard_normal((b, hk, cap, d)).astype(np.float32)).astype(kv_dtype)
     lengths = RNG.integers(1, s - t + 1, b)
     mask = np.zeros((b, t, s), bool)
     for bi in range(b):
@@ -290,6 +292,22 @@ def test_attend_argument_errors() -> None:
         native.attend(mx.zeros((1, 1, 4, 8)), mx.zeros((1, 2, 8, 8)), mx.zeros((1, 2, 8, 8)), m, 1.0)
     with pytest.raises(ValueError, match="float32"):
         native.attend(q.astype(mx.float16), k, k, m, 1.0)
+    with pytest.raises(ValueError, match="both float32 or both float16"):
+        native.attend(q, k.astype(mx.float16), k, m, 1.0)
+    with pytest.raises(ValueError, match="both float32 or both float16"):
+        native.attend(q, k.astype(mx.bfloat16), k.astype(mx.bfloat16), m, 1.0)
+
+
+def test_attend_reads_float16_special_values_exactly() -> None:
+    """float16 K/V are converted exactly: subnormals, zeros of both signs, the extremes
+    (checked against numpy's own float16 -> float64 conversion), through a one-key row
+    whose output is V itself."""
+    vals = np.array([0.0, -0.0, 6e-8, -6e-8, 3e-5, 1e-4, 65504.0, -65504.0, 1.0, -2.5, 0.1,
+                     5.96e-8, 6.1e-5, 1234.5, -0.333, 7.0], np.float16)
+    v = np.tile(vals, 4).reshape(1, 1, 1, 64)
+    q = mx.zeros((1, 1, 1, 64))
+    out = np.asarray(native.attend(q, mx.array(v), mx.array(v), mx.ones((1, 1, 1), mx.bool_), 1.0))
+    assert np.array_equal(out.reshape(64), v.reshape(64).astype(np.float32))
 
 
 @pytest.mark.parametrize("traditional", [False, True])
@@ -468,6 +486,8 @@ for bits in (4, 8):
     x = mx.array(d["x"])
     outs[f"a8_{bits}"] = np.asarray(mod.qmm_a8(x, wq, s, b, 32, bits))
     outs[f"qmm_{bits}"] = np.asarray(mod.qmm(x, wq, s, b, 32, bits))
+q, kv = mx.array(d["q"]), mx.array(d["kv"]).astype(mx.float16)
+outs["attend16"] = np.asarray(mod.attend(q, kv, kv, mx.ones((1, 1, 40), mx.bool_), 0.125))
 outs["int8_dot"] = np.array(mod.int8_dot)
 np.savez(sys.argv[3], **outs)
 """
@@ -478,7 +498,8 @@ np.savez(sys.argv[3], **outs)
 def test_portable_build_runs_the_same_products(tmp_path) -> None:  # noqa: ANN001
     """The kernels built for plain AVX2 (-march=x86-64-v3: no AVX-512, no VNNI), as on
     older CPUs: qmm_a8's scalar loop gives the VNNI kernel's bits exactly (exact integer
-    sums, the same two float32 roundings per group), the float kernels the same product."""
+    sums, the same two float32 roundings per group), the float kernels the same product,
+    and attend its float16 cache values (converted without F16C/AVX-512 instructions)."""
     import subprocess
     import sys
 
@@ -490,7 +511,9 @@ def test_portable_build_runs_the_same_products(tmp_path) -> None:  # noqa: ANN00
     so = tmp_path / ("_fx_native" + build._paths()["ext_suffix"])
     build._compile(cxx, build._paths(), ["-march=x86-64-v3"], so)
     build._check(so)  # the build's own smoke check passes too
-    data = {"x": RNG.standard_normal((11, 192)).astype(np.float32)}
+    data = {"x": RNG.standard_normal((11, 192)).astype(np.float32),
+            "q": RNG.standard_normal((1, 1, 4, 32)).astype(np.float32),
+            "kv": RNG.standard_normal((1, 2, 40, 32)).astype(np.float32)}
     for bits in (4, 8):
         wq, s, b = _quantized(29, 192, 32, bits)
         data.update({f"w{bits}": np.asarray(wq), f"s{bits}": np.asarray(s), f"b{bits}": np.asarray(b)})
@@ -501,6 +524,9 @@ def test_portable_build_runs_the_same_products(tmp_path) -> None:  # noqa: ANN00
     assert r.returncode == 0, r.stderr[-3000:]
     got = np.load(tmp_path / "out.npz")
     assert not bool(got["int8_dot"])
+    kv = mx.array(data["kv"]).astype(mx.float16)  # its portable float16 conversion
+    np.testing.assert_allclose(got["attend16"], np.asarray(native.attend(
+        mx.array(data["q"]), kv, kv, mx.ones((1, 1, 40), mx.bool_), 0.125)), rtol=1e-5, atol=1e-6)
     x = mx.array(data["x"])
     for bits in (4, 8):
         wq, s, b = (mx.array(data[f"{n}{bits}"]) for n in ("w", "s", "b"))

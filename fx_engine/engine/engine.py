@@ -363,14 +363,14 @@ class Engine:
         self.prefix_cache = None
         c = model.config
         self._c = c
-        self._dtype = getattr(mx, self.params.dtype)
+        self._dtype = model.cache_dtype  # the KV cache's element type
         # Ring entries need headroom for the longest step: a prefill chunk or a verify.
         self._headroom = max(sched.normalize_chunk(prefill_chunk), MAX_DRAFT_TOKENS)
         self.cache_layout = model.cache_layout(self._headroom)
         if prefix_cache_bytes or prefix_cache_dir:
             disk = None if prefix_cache_dir is None else DiskTier(
                 prefix_cache_dir, prefix_cache_disk_bytes, model.fingerprint,
-                model.tokenizer.fingerprint(), self.cache_layout, self.params.dtype,
+                model.tokenizer.fingerprint(), self.cache_layout, str(self._dtype).split(".")[-1],
                 prefix_block_size)
             self.prefix_cache = PrefixStore(prefix_cache_bytes, prefix_block_size, disk,
                                             prefix_cache_entries)

@@ -1012,12 +1012,54 @@ inline void hsum16(const v16* v, float* out) {
 #endif
 }
 
+template <typename E>
 struct Strided4 {  // a [B, H, S, D] view: element (b, h, s, d) at p[b*sb + h*sh + s*ss + d]
-  const float* p;
+  const E* p;
   int64_t sb, sh, ss;
 };
 
-void attend_cpu(const float* q, Strided4 k, Strided4 v, const uint8_t* mask, float scale,
+// IEEE half (as its 16 bits) -> float, exact (the portable path of load_kv).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: man * 2^-24, renormalized
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while (!(man & 0x400u));
+      bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// 16 cache values as floats: float32 as they are, float16 converted (exactly).
+inline v16 load_kv(const float* p) { return load(p); }
+inline v16 load_kv(const uint16_t* p) {
+#if defined(__AVX512F__)
+  __m512 r = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<v16&>(r);
+#else
+  alignas(64) float f[VL];
+  for (int i = 0; i < VL; ++i) f[i] = half_to_float(p[i]);
+  return load(f);
+#endif
+}
+
+// E: the cache's element type (float, or uint16_t holding float16 bits: half the bytes to
+// read, which is what a decode step's attention waits for).
+template <typename E>
+void attend_cpu(const float* q, Strided4<E> k, Strided4<E> v, const uint8_t* mask, float scale,
                 float* out, int B, int T, int Hq, int Hk, int S, int D) {
   const int rep = Hq / Hk, R = rep * T;
   pool().run(B * Hk, [&](int item) {
@@ -1039,28 +1081,46 @@ void attend_cpu(const float* q, Strided4 k, Strided4 v, const uint8_t* mask, flo
         float* dst = qs.data() + static_cast<int64_t>(i * T + t) * D;
         for (int d = 0; d < D; ++d) dst[d] = src[d] * scale;
       }
-    const float* kb = k.p + b * k.sb + h * k.sh;
-    const float* vb = v.p + b * v.sb + h * v.sh;
+    const E* kb = k.p + b * k.sb + h * k.sh;
+    const E* vb = v.p + b * v.sb + h * v.sh;
+    // The query rows of one token t (rows i * T + t, i < rep) see the same keys; they are
+    // processed in groups of up to AG, so each K and V vector is loaded (and, for a float16
+    // cache, converted) once per group instead of once per row. Every row's arithmetic is
+    // the same whatever its group: the grouping only shares loads.
+    constexpr int AG = 4;
     // Scores 16 keys at a time: per key one vector of partial products over D, then one
-    // hsum16 for the block. Keys past a row's last visible slot score 0 (never read).
+    // hsum16 per row for the block. Keys past a row's last visible slot score 0 (never read).
     for (int j0 = 0; j0 < emax; j0 += VL) {
       const int nj = std::min(VL, emax - j0);
-      for (int r = 0; r < R; ++r) {
-        const float* qr = qs.data() + static_cast<int64_t>(r) * D;
-        v16 part[VL];
-        for (int jj = 0; jj < VL; ++jj) {
-          if (jj >= nj) { part[jj] = v16{}; continue; }
-          const float* kj = kb + (j0 + jj) * k.ss;
-          v16 acc = load(qr) * load(kj);
-          for (int d = VL; d < D; d += VL) acc = fma(load(qr + d), load(kj + d), acc);
-          part[jj] = acc;
+      for (int t = 0; t < T; ++t)
+        for (int i0 = 0; i0 < rep; i0 += AG) {
+          const int ng = std::min(AG, rep - i0);
+          v16 part[AG][VL];
+          for (int jj = 0; jj < VL; ++jj) {
+            if (jj >= nj) {
+              for (int g = 0; g < ng; ++g) part[g][jj] = v16{};
+              continue;
+            }
+            const E* kj = kb + (j0 + jj) * k.ss;
+            v16 acc[AG];
+            const v16 k0 = load_kv(kj);
+            for (int g = 0; g < ng; ++g)
+              acc[g] = load(qs.data() + static_cast<int64_t>((i0 + g) * T + t) * D) * k0;
+            for (int d = VL; d < D; d += VL) {
+              const v16 kd = load_kv(kj + d);
+              for (int g = 0; g < ng; ++g)
+                acc[g] = fma(load(qs.data() + static_cast<int64_t>((i0 + g) * T + t) * D + d), kd, acc[g]);
+            }
+            for (int g = 0; g < ng; ++g) part[g][jj] = acc[g];
+          }
+          for (int g = 0; g < ng; ++g) {
+            alignas(64) float tot[VL];
+            hsum16(part[g], tot);
+            float* sr = sc.data() + static_cast<int64_t>((i0 + g) * T + t) * S + j0;
+            const int e = end[t];
+            for (int jj = 0; jj < nj; ++jj) sr[jj] = j0 + jj < e ? tot[jj] : 0.0f;
+          }
         }
-        alignas(64) float tot[VL];
-        hsum16(part, tot);
-        float* sr = sc.data() + static_cast<int64_t>(r) * S + j0;
-        const int e = end[r % T];
-        for (int jj = 0; jj < nj; ++jj) sr[jj] = j0 + jj < e ? tot[jj] : 0.0f;
-      }
     }
     for (int r = 0; r < R; ++r) {
       const int t = r % T;
@@ -1068,20 +1128,34 @@ void attend_cpu(const float* q, Strided4 k, Strided4 v, const uint8_t* mask, flo
       softmax_row(sc.data() + static_cast<int64_t>(r) * S, mr, end[t] ? end[t] : S,
                   pr.data() + static_cast<int64_t>(r) * S);
     }
-    for (int r = 0; r < R; ++r) {
-      const int t = r % T, i = r / T;
+    // P @ V: per group, 4 vectors of the head dimension for each of its rows.
+    for (int t = 0; t < T; ++t) {
       const int e = end[t] ? end[t] : S;
-      const float* p = pr.data() + static_cast<int64_t>(r) * S;
-      float* o = out + ((static_cast<int64_t>(b) * T + t) * Hq + h * rep + i) * D;
-      for (int d0 = 0; d0 < D; d0 += 4 * VL) {  // 4 accumulators of the head dimension
-        const int nd = std::min(4 * VL, D - d0) / VL;
-        v16 acc[4] = {v16{}, v16{}, v16{}, v16{}};
-        for (int j = 0; j < e; ++j) {
-          const v16 pj = splat(p + j);
-          const float* vj = vb + j * v.ss + d0;
-          for (int c = 0; c < nd; ++c) acc[c] = fma(pj, load(vj + c * VL), acc[c]);
+      for (int i0 = 0; i0 < rep; i0 += AG) {
+        const int ng = std::min(AG, rep - i0);
+        const float* p[AG];
+        float* o[AG];
+        for (int g = 0; g < ng; ++g) {
+          p[g] = pr.data() + static_cast<int64_t>((i0 + g) * T + t) * S;
+          o[g] = out + ((static_cast<int64_t>(b) * T + t) * Hq + h * rep + i0 + g) * D;
         }
-        for (int c = 0; c < nd; ++c) store(o + d0 + c * VL, acc[c]);
+        for (int d0 = 0; d0 < D; d0 += 4 * VL) {
+          const int nd = std::min(4 * VL, D - d0) / VL;
+          v16 acc[AG][4];
+          for (int g = 0; g < AG; ++g)
+            for (int c = 0; c < 4; ++c) acc[g][c] = v16{};
+          for (int j = 0; j < e; ++j) {
+            const E* vj = vb + j * v.ss + d0;
+            v16 vv[4];
+            for (int c = 0; c < nd; ++c) vv[c] = load_kv(vj + c * VL);
+            for (int g = 0; g < ng; ++g) {
+              const v16 pj = splat(p[g] + j);
+              for (int c = 0; c < nd; ++c) acc[g][c] = fma(pj, vv[c], acc[g][c]);
+            }
+          }
+          for (int g = 0; g < ng; ++g)
+            for (int c = 0; c < nd; ++c) store(o[g] + d0 + c * VL, acc[g][c]);
+        }
       }
     }
   });
@@ -1307,17 +1381,24 @@ class Attend : public CpuKernel {
       // only the head dimension must be contiguous, else they are copied here. (Strides
       // exist only once an array is evaluated, so this is decided here, not when the
       // graph is built.)
-      std::vector<float> tk, tv;
-      auto view = [S, D, Hk](const mx::array& a, std::vector<float>& tmp) {
-        if (a.strides()[3] != 1) {
-          const float* p = dense(a, tmp);
-          return Strided4{p, static_cast<int64_t>(Hk) * S * D, static_cast<int64_t>(S) * D, D};
-        }
-        return Strided4{a.data<float>(), static_cast<int64_t>(a.strides()[0]),
-                        static_cast<int64_t>(a.strides()[1]), static_cast<int64_t>(a.strides()[2])};
+      auto run = [&](auto tag) {
+        using E = decltype(tag);
+        std::vector<E> tk, tv;
+        auto view = [S, D, Hk](const mx::array& a, std::vector<E>& tmp) {
+          if (a.strides()[3] != 1) {
+            const E* p = dense<E>(a, tmp);
+            return Strided4<E>{p, static_cast<int64_t>(Hk) * S * D, static_cast<int64_t>(S) * D, D};
+          }
+          return Strided4<E>{a.data<E>(), static_cast<int64_t>(a.strides()[0]),
+                             static_cast<int64_t>(a.strides()[1]), static_cast<int64_t>(a.strides()[2])};
+        };
+        attend_cpu<E>(dense(q, tq), view(k, tk), view(v, tv), dense<uint8_t>(m, tm), scale,
+                      out.data<float>(), B, T, Hq, Hk, S, D);
       };
-      attend_cpu(dense(q, tq), view(k, tk), view(v, tv), dense<uint8_t>(m, tm), scale,
-                 out.data<float>(), B, T, Hq, Hk, S, D);
+      if (k.dtype() == mx::float16)
+        run(uint16_t{});
+      else
+        run(float{});
     };
   }
   const char* name() const override { return "FxAttend"; }
@@ -1337,8 +1418,9 @@ mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v,
   const std::string p = "attend: ";
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
     throw std::invalid_argument(p + "q must be [B, T, Hq, D] and k, v [B, Hk, S, D]");
-  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32)
-    throw std::invalid_argument(p + "q, k and v must be float32");
+  if (q.dtype() != mx::float32 || k.dtype() != v.dtype() ||
+      (k.dtype() != mx::float32 && k.dtype() != mx::float16))
+    throw std::invalid_argument(p + "q must be float32, and k and v both float32 or both float16");
   const int B = q.shape(0), T = q.shape(1), Hq = q.shape(2), D = q.shape(3);
   if (k.shape() != v.shape() || k.shape(0) != B || k.shape(3) != D || k.shape(1) == 0 ||
       Hq % k.shape(1) != 0)
