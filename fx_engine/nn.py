@@ -254,7 +254,6 @@ def softmax(x: mx.array) -> mx.array:
 
 
 QUERY_BLOCK = 128  # query rows per block in prefill attention (see `attention`)
-NATIVE_ATTEND_MAX_T = 16  # query tokens per row up to which native.attend runs (decode, verify)
 
 
 def attention(
@@ -277,13 +276,14 @@ def attention(
     """
     b, t, hq, d = q.shape
     hk, s = k.shape[1], k.shape[2]
-    if (numerics.native and not numerics.batch_invariant and t <= NATIVE_ATTEND_MAX_T
-            and d % 16 == 0 and q.dtype == mx.float32 and k.dtype == v.dtype
-            and k.dtype in (mx.float32, mx.float16)):
-        # Decode and verify: one native node per layer instead of ~15 (scores, softmax and
-        # P @ V in one pass over each row's K/V, no per-(row, head) BLAS calls). Not in
-        # batch-invariant mode: its prefill chunks take the GEMM path below, and a token's
-        # arithmetic must not depend on whether it came in a chunk or a decode step.
+    if (numerics.native and not numerics.batch_invariant and d % 16 == 0
+            and q.dtype == mx.float32 and k.dtype == v.dtype and k.dtype in (mx.float32, mx.float16)):
+        # One native node per layer instead of ~15: for decode and verify (<= 16 tokens) one
+        # pass over each row's K/V, for prefill chunks register-tiled scores and P @ V per
+        # block of 16 query tokens, keys only up to each block's last visible slot (no
+        # per-(row, head) BLAS calls, no causal blocking needed). Not in batch-invariant
+        # mode, where a token's arithmetic must not depend on whether it came in a chunk
+        # or a decode step: that mode takes the tiled GEMM path below.
         return native.attend(q, k, v, mx.broadcast_to(mask[:, 0], (b, t, s)), scale)
     if k.dtype != q.dtype:  # a cache stored in another dtype (Model.kv_dtype): computed in q's
         k, v = k.astype(q.dtype), v.astype(q.dtype)

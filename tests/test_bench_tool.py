@@ -53,7 +53,7 @@ def test_bench_serving_smoke(tmp_path: Path) -> None:
                 assert run["tokens"] == int(n) * s["gen_tokens"], (n, key)
                 assert run["tok_s"] > 0 and run["ttft_p50"] > 0 and run["itl_p50"] >= 0
     assert "aggregate throughput ratio" in proc.stdout
-    assert "fx-engine (8-bit activations) / mlx-lm" in proc.stdout
+    assert "fx-engine (8-bit activations, float16 KV) / mlx-lm" in proc.stdout
 
 
 def test_bench_kv_smoke(tmp_path: Path) -> None:

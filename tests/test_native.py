@@ -239,7 +239,11 @@ def _attention_reference(q, k, v, mask, scale):  # float64 numpy GQA attention
 
 @pytest.mark.parametrize("kv_dtype", [mx.float32, mx.float16])
 @pytest.mark.parametrize("b,t,hq,hk,s,d", [(1, 1, 9, 3, 300, 64), (3, 2, 4, 4, 64, 32),
-                                           (2, 5, 8, 2, 37, 16), (1, 3, 6, 3, 130, 128)])
+                                           (2, 5, 8, 2, 37, 16), (1, 3, 6, 3, 130, 128),
+                                           # > 16 query tokens: the prefill kernel (blocks
+                                           # of 16 tokens, partial tiles of rows and keys)
+                                           (1, 17, 9, 3, 300, 64), (2, 40, 4, 2, 64, 32),
+                                           (1, 100, 6, 3, 130, 128), (3, 33, 8, 8, 70, 16)])
 def test_attend_matches_float64_reference(b, t, hq, hk, s, d, kv_dtype) -> None:  # noqa: ANN001
     # A float16 cache (Model.kv_dtype): the reference runs on the same float16 values.
     cap = s + 20  # k/v as span slices of a larger cache: strided views, read in place
@@ -278,6 +282,39 @@ def test_attend_row_is_independent_of_span_and_batch() -> None:
     assert np.array_equal(alone[0], run([0], 512)[0])
     assert np.array_equal(alone[0], run([0, 1, 2], 576)[0])
     assert np.array_equal(run([1], 512)[0], run([2, 1], 576)[1])
+
+
+def test_attend_prefill_rows_are_independent_of_the_chunk() -> None:
+    """Bitwise, for chunks of more than 16 tokens (the prefill kernel): a query row's output
+    is the same in a chunk of 48 tokens as in the two chunks of 24 that cover it (same
+    cache, the mask moved along), at a larger span, and with another thread count."""
+    b, hq, hk, d, cap = 2, 9, 3, 64, 200
+    q = mx.array(RNG.standard_normal((b, 48, hq, d)).astype(np.float32))
+    kc = mx.array(RNG.standard_normal((b, hk, cap, d)).astype(np.float32))
+    vc = mx.array(RNG.standard_normal((b, hk, cap, d)).astype(np.float32))
+    start = [10, 57]
+
+    def run(t0, t1, span):
+        m = np.zeros((b, t1 - t0, span), bool)
+        for bi in range(b):
+            for t in range(t0, t1):
+                m[bi, t - t0, : start[bi] + t + 1] = True
+        return np.asarray(native.attend(q[:, t0:t1], kc[:, :, :span], vc[:, :, :span],
+                                        mx.array(m), d**-0.5))
+
+    whole = run(0, 48, 128)
+    halves = np.concatenate([run(0, 24, 128), run(24, 48, 128)], axis=1)
+    assert np.array_equal(whole, halves)
+    assert np.array_equal(whole, run(0, 48, 200))
+    mod = native._module()
+    threads = mod.num_threads()
+    try:
+        mod.set_num_threads(1)
+        assert np.array_equal(whole, run(0, 48, 128))
+    finally:
+        mod.set_num_threads(threads)
+    # A few tokens go through the decode kernel: the same values, another summation order.
+    np.testing.assert_allclose(run(0, 8, 128), whole[:, :8], rtol=1e-5, atol=1e-6)
 
 
 def test_attend_argument_errors() -> None:

@@ -9,9 +9,10 @@ One process, one BLAS, the same weights for every engine:
                 `fx_engine.stream` itself (one delta per token) with EOS suppressed by a logit
                 bias, so every engine decodes the same number of tokens.
   fx-bi         the same with `load(..., batch_invariant=True)`.
-  fx-a8         the same with `load(..., activation_bits=8)`: activations rounded to 8 bits
-                per weight group for the 4-/8-bit matmuls (int8 dot products, llama.cpp's
-                kind of numerics). Opt-in: not in the default list.
+  fx-a8         the same with `load(..., activation_bits=8, kv_dtype="float16")`:
+                activations rounded to 8 bits per weight group for the 4-/8-bit matmuls
+                (int8 dot products) and a float16 KV cache, the numerics llama.cpp runs
+                by default. Opt-in: not in the default list.
   fx-mlx        fx-engine without its native kernels (`load(..., native=False)`): weights
                 dequantized to dense float32, every op MLX's own (the default until the
                 native kernels existed).
@@ -103,10 +104,13 @@ except ImportError:  # pragma: no cover
 LLAMA_CPP_REFERENCE = {"decode@64": 77.7, "prefill@512": 194.0, "prefill@2048": 159.0}
 REFERENCE_SOURCE = "shared/reference/default-model.md (llama.cpp, 2 threads, same machines)"
 
+# fx-engine with llama.cpp's kind of numerics (8-bit activations, float16 KV cache): opt-in.
+FX_A8 = {"activation_bits": 8, "kv_dtype": "float16"}
+
 ENGINE_LABELS = {
     "fx": "fx-engine",
     "fx-bi": "fx-engine (batch-invariant)",
-    "fx-a8": "fx-engine (8-bit activations)",
+    "fx-a8": "fx-engine (8-bit activations, float16 KV)",
     "fx-mlx": "fx-engine (MLX ops only, dense f32)",
     "mlx-lm": "mlx-lm (natural: 4/8-bit GGUF)",
     "mlx-lm-f32": "mlx-lm (dense f32, fx weights)",
@@ -1139,7 +1143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "fx-mlx" in wanted:
         engines.append(FxEngine(fx_engine.load(path, native=False), "fx-mlx"))
     if "fx-a8" in wanted:
-        engines.append(FxEngine(fx_engine.load(path, activation_bits=8), "fx-a8"))
+        engines.append(FxEngine(fx_engine.load(path, **FX_A8), "fx-a8"))
     gguf_stored = None
     if "mlx-lm" in wanted:
         try:
@@ -1268,7 +1272,7 @@ def _serving_main(args: Any, argv: list[str] | None, path: str, is_gguf: bool, f
         if key == "fx":
             engines[key] = ("fx", fx_model)
         elif key == "fx-a8":
-            engines[key] = ("fx", fx_engine.load(path, activation_bits=8))
+            engines[key] = ("fx", fx_engine.load(path, **FX_A8))
         elif key == "mlx-lm-f32":
             engines[key] = ("mlx-lm", mlx_lm_dense_from_fx(fx_model))
         elif key == "mlx-lm":

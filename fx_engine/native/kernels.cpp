@@ -894,6 +894,11 @@ inline v16 masked(const float* x, const uint8_t* m) {
 // One past the last unmasked slot (0 if none).
 inline int mask_end(const uint8_t* m, int S) {
   int e = S;
+  for (; e >= 8; e -= 8) {  // 8 mask bytes at a time (a row's tail past its end is long)
+    uint64_t w;
+    std::memcpy(&w, m + e - 8, 8);
+    if (w) break;
+  }
   while (e > 0 && !m[e - 1]) --e;
   return e;
 }
@@ -1161,6 +1166,194 @@ void attend_cpu(const float* q, Strided4<E> k, Strided4<E> v, const uint8_t* mas
   });
 }
 
+// Attention for many query tokens per row (prefill chunks): per (row, KV head, block of
+// PB tokens) one work item, its rep * PB query rows against the keys up to the block's
+// last visible slot, as two register-tiled products:
+//   scores: vectors along 16 keys of a transposed copy of K (converted to float once per
+//           item), 8 query rows x 32 keys per tile, each q value broadcast: one FMA per
+//           (row, key, d), no horizontal sums;
+//   P @ V:  vectors along the head dimension, 4 rows x 64 dims per tile, each V row loaded
+//           once per tile.
+// softmax_row in between (as attend and masked_softmax). Each score is a sequential sum
+// over d, each output a sequential sum over the row's visible keys, so a query row's
+// result depends only on its own q, mask and the cache, never on the chunk, the block, the
+// span or the thread (its order differs from attend's, which is for a few tokens).
+constexpr int PB = 16;   // query tokens per work item
+constexpr int ATTEND_MAX_T = 16;  // attend_cpu up to this many query tokens per row
+constexpr int PMR = 8;   // score tile: rows
+constexpr int PKV = 2;   // score tile: vectors of 16 keys
+
+// acc[r][c] = sum_d q[r][d] * kt[c][d][0..16), sequentially over d; out rows of stride ld.
+template <int MR, int NV>
+inline void score_tile(const float* __restrict qs, int D, const float* __restrict kblk,
+                       float* __restrict out, int64_t ld) {
+  v16 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = v16{};
+  for (int d = 0; d < D; ++d) {
+    v16 kv[NV];
+    for (int c = 0; c < NV; ++c) kv[c] = load(kblk + static_cast<int64_t>(c) * D * VL + d * VL);
+    for (int r = 0; r < MR; ++r) {
+      const v16 qv = splat(qs + static_cast<int64_t>(r) * D + d);
+      for (int c = 0; c < NV; ++c) acc[r][c] = fma(qv, kv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) store(out + r * ld + c * VL, acc[r][c]);
+}
+
+template <int MR>
+inline void score_tile_any(int nv, const float* qs, int D, const float* kblk, float* out,
+                           int64_t ld) {
+  if (nv == 2)
+    score_tile<MR, 2>(qs, D, kblk, out, ld);
+  else
+    score_tile<MR, 1>(qs, D, kblk, out, ld);
+}
+
+// o[g][c] = sum over j < end[g] of p[g][j] * v[j][16c..16c+16), sequentially over j; the
+// rows share each V load up to the smallest end, then finish alone.
+template <typename E, int MR, int ND>
+inline void pv_tile(const float* const* p, const E* vb, int64_t vs, const int* end,
+                    float* const* o) {
+  int emin = end[0];
+  for (int g = 1; g < MR; ++g) emin = std::min(emin, end[g]);
+  v16 acc[MR][ND];
+  for (int g = 0; g < MR; ++g)
+    for (int c = 0; c < ND; ++c) acc[g][c] = v16{};
+  for (int j = 0; j < emin; ++j) {
+    const E* vj = vb + j * vs;
+    v16 vv[ND];
+    for (int c = 0; c < ND; ++c) vv[c] = load_kv(vj + c * VL);
+    for (int g = 0; g < MR; ++g) {
+      const v16 pj = splat(p[g] + j);
+      for (int c = 0; c < ND; ++c) acc[g][c] = fma(pj, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < MR; ++g) {
+    for (int j = emin; j < end[g]; ++j) {
+      const v16 pj = splat(p[g] + j);
+      for (int c = 0; c < ND; ++c) acc[g][c] = fma(pj, load_kv(vb + j * vs + c * VL), acc[g][c]);
+    }
+    for (int c = 0; c < ND; ++c) store(o[g] + c * VL, acc[g][c]);
+  }
+}
+
+template <typename E, int MR>
+inline void pv_tile_any(int nd, const float* const* p, const E* vb, int64_t vs, const int* end,
+                        float* const* o) {
+  switch (nd) {
+    case 4: pv_tile<E, MR, 4>(p, vb, vs, end, o); break;
+    case 3: pv_tile<E, MR, 3>(p, vb, vs, end, o); break;
+    case 2: pv_tile<E, MR, 2>(p, vb, vs, end, o); break;
+    default: pv_tile<E, MR, 1>(p, vb, vs, end, o); break;
+  }
+}
+
+template <typename E>
+void attend_prefill_cpu(const float* q, Strided4<E> k, Strided4<E> v, const uint8_t* mask,
+                        float scale, float* out, int B, int T, int Hq, int Hk, int S, int D) {
+  const int rep = Hq / Hk, blocks = (T + PB - 1) / PB;
+  // Each query token's last visible slot (+1), and the keys a (row, head) needs at all.
+  std::vector<int> ends(static_cast<size_t>(B) * T), kneed(B, 0);
+  for (int b = 0; b < B; ++b)
+    for (int t = 0; t < T; ++t) {
+      const int e = mask_end(mask + (static_cast<int64_t>(b) * T + t) * S, S);
+      ends[static_cast<size_t>(b) * T + t] = e;
+      kneed[b] = std::max(kneed[b], e ? e : S);
+    }
+  // K^T per (row, KV head), in blocks of 16 keys: kt[(j / 16) * D * 16 + d * 16 + j % 16]
+  // (float; zeros past the keys needed), shared by all query blocks of that head.
+  const int kps = (S + VL - 1) / VL * VL;
+  std::vector<float> ktall(static_cast<size_t>(B) * Hk * kps * D);
+  const int kblocks = kps / VL;
+  pool().run(B * Hk * kblocks, [&](int c) {
+    const int b = c / (Hk * kblocks), h = (c / kblocks) % Hk, j0 = (c % kblocks) * VL;
+    float* blk = ktall.data() + (static_cast<int64_t>(b) * Hk + h) * kps * D + static_cast<int64_t>(j0) * D;
+    const E* kb = k.p + b * k.sb + h * k.sh;
+    for (int jj = 0; jj < VL; ++jj) {
+      const int j = j0 + jj;
+      if (j >= kneed[b]) {
+        for (int d = 0; d < D; ++d) blk[d * VL + jj] = 0.0f;
+        continue;
+      }
+      const E* kj = kb + j * k.ss;
+      for (int d = 0; d < D; d += VL) {
+        alignas(64) float tmp[VL];
+        store(tmp, load_kv(kj + d));
+        for (int cc = 0; cc < VL; ++cc) blk[(d + cc) * VL + jj] = tmp[cc];
+      }
+    }
+  });
+  pool().run(B * Hk * blocks, [&](int item) {
+    const int b = item / (Hk * blocks), h = (item / blocks) % Hk, t0 = (item % blocks) * PB;
+    const int nt = std::min(PB, T - t0), R = nt * rep;  // row r = (t - t0) * rep + i
+    thread_local std::vector<float> qs, sc, pr;
+    int end[PB];
+    int emax = 0;
+    for (int t = 0; t < nt; ++t) {
+      end[t] = ends[static_cast<size_t>(b) * T + t0 + t];
+      emax = std::max(emax, end[t] ? end[t] : S);
+    }
+    const int kp = (emax + VL - 1) / VL * VL;  // keys rounded up to whole vectors
+    qs.resize(static_cast<size_t>(R) * D);
+    sc.resize(static_cast<size_t>(R) * kp);
+    pr.resize(static_cast<size_t>(R) * kp);
+    for (int t = 0; t < nt; ++t)
+      for (int i = 0; i < rep; ++i) {
+        const float* src = q + ((static_cast<int64_t>(b) * T + t0 + t) * Hq + h * rep + i) * D;
+        float* dst = qs.data() + static_cast<int64_t>(t * rep + i) * D;
+        for (int d = 0; d < D; ++d) dst[d] = src[d] * scale;
+      }
+    const float* ktp = ktall.data() + (static_cast<int64_t>(b) * Hk + h) * kps * D;
+    const E* vb = v.p + b * v.sb + h * v.sh;
+    // Scores [R][kp]: tiles of PMR rows x PKV * 16 keys.
+    for (int r0 = 0; r0 < R; r0 += PMR) {
+      const int mr = std::min(PMR, R - r0);
+      for (int j0 = 0; j0 < kp; j0 += PKV * VL) {
+        const int nv = std::min(PKV, (kp - j0) / VL);
+        const float* qr = qs.data() + static_cast<int64_t>(r0) * D;
+        const float* kblk = ktp + static_cast<int64_t>(j0) * D;
+        float* o = sc.data() + static_cast<int64_t>(r0) * kp + j0;
+        if (mr == PMR) {
+          score_tile_any<PMR>(nv, qr, D, kblk, o, kp);
+        } else {
+          for (int r = 0; r < mr; ++r)  // the last rows: one at a time, the same sums
+            score_tile_any<1>(nv, qr + static_cast<int64_t>(r) * D, D, kblk, o + r * kp, kp);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int t = r / rep;
+      const uint8_t* mr = mask + (static_cast<int64_t>(b) * T + t0 + t) * S;
+      const int n = end[t] ? end[t] : S;
+      softmax_row(sc.data() + static_cast<int64_t>(r) * kp, mr, n, pr.data() + static_cast<int64_t>(r) * kp);
+    }
+    // P @ V: tiles of 4 rows x 4 vectors of the head dimension; each row sums its own
+    // visible keys in order (rows of a tile share the V loads up to the smallest end).
+    for (int r0 = 0; r0 < R; r0 += 4) {
+      const int mr = std::min(4, R - r0);
+      for (int d0 = 0; d0 < D; d0 += 4 * VL) {
+        const int nd = std::min(4 * VL, D - d0) / VL;
+        const float* pp[4];
+        float* oo[4];
+        int er[4];
+        for (int g = 0; g < mr; ++g) {
+          const int r = r0 + g, t = r / rep, i = r % rep;
+          er[g] = end[t] ? end[t] : S;
+          pp[g] = pr.data() + static_cast<int64_t>(r) * kp;
+          oo[g] = out + ((static_cast<int64_t>(b) * T + t0 + t) * Hq + h * rep + i) * D + d0;
+        }
+        if (mr == 4) {
+          pv_tile_any<E, 4>(nd, pp, vb + d0, v.ss, er, oo);
+        } else {
+          for (int g = 0; g < mr; ++g) pv_tile_any<E, 1>(nd, pp + g, vb + d0, v.ss, er + g, oo + g);
+        }
+      }
+    }
+  });
+}
+
 // ---------------------------------------------------------------- rms norm
 void rms_norm_cpu(const float* x, const float* w, float eps, float* out, int64_t M, int D) {
   const int D16 = D - D % VL;
@@ -1392,8 +1585,10 @@ class Attend : public CpuKernel {
           return Strided4<E>{a.data<E>(), static_cast<int64_t>(a.strides()[0]),
                              static_cast<int64_t>(a.strides()[1]), static_cast<int64_t>(a.strides()[2])};
         };
-        attend_cpu<E>(dense(q, tq), view(k, tk), view(v, tv), dense<uint8_t>(m, tm), scale,
-                      out.data<float>(), B, T, Hq, Hk, S, D);
+        // A few query tokens (decode, verify): attend; many (prefill): attend_prefill.
+        (T <= ATTEND_MAX_T ? attend_cpu<E> : attend_prefill_cpu<E>)(
+            dense(q, tq), view(k, tk), view(v, tv), dense<uint8_t>(m, tm), scale,
+            out.data<float>(), B, T, Hq, Hk, S, D);
       };
       if (k.dtype() == mx::float16)
         run(uint16_t{});
