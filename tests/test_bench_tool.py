@@ -103,3 +103,21 @@ def test_llama_cpp_serving_peer_decodes_what_fx_engine_decodes(default_model) ->
     for p, got in zip(prompts, out["first_tokens"]):
         want = fx_engine.generate(default_model, p, max_tokens=3, temperature=0.0, logit_bias=bias)
         assert got[:3] == list(want.token_ids)
+
+
+def test_bench_kernels_smoke(tmp_path: Path) -> None:
+    """tools/bench_kernels.py: every kernel timed on every shape, positive rates, the table."""
+    out = tmp_path / "kernels.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_kernels.py"), "--rows", "1,17",
+         "--rounds", "1", "--budget", "0.001", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert {(r["rows"], r["linear"]) for r in report["results"]} == {
+        (m, name) for m in (1, 17) for name in ("qkv", "o", "gate_up", "down", "head")}
+    for r in report["results"]:
+        for kern in ("qmm", "qgemm", "qmm_a8"):
+            assert r[kern]["us"] > 0 and r[kern]["gflops"] > 0
+    assert "| 17 | head |" in proc.stdout

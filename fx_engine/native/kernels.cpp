@@ -15,7 +15,7 @@
 //               dequantized weight broadcast; FMA-bound, ~2x qmm from ~16 rows up.
 //   qmm_a8:     the product with each activation row rounded to 8 bits per weight group
 //               (opt-in numerics, as llama.cpp's): exact int8 dot products (AVX-512
-//               VNNI), no float copy of the weights; 2-3x qmm/qgemm.
+//               VNNI), no float copy of the weights; 2-3x qmm/qgemm from 8 rows up.
 //   dequantize: the same values as mx.dequantize, from the same code qmm and qgemm
 //               unpack their weights with (without AVX-512, many-row products run a
 //               BLAS GEMM on it: qgemm's tile would spill).
