@@ -794,16 +794,6 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const float* 
                          buf.data() + static_cast<int64_t>(j) * K);
         wb = buf.data();
       }
-      if (bl + 1 < b1) {  // the next block's bytes, fetched while this one computes
-        const int nn = std::min(A8_FEAT, N - n0 - A8_FEAT);
-        const char* nx = reinterpret_cast<const char*>(wq + static_cast<int64_t>(n0 + A8_FEAT) * words);
-        const int64_t bytes = static_cast<int64_t>(nn) * words * 4;
-        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(nx + o);
-        for (int64_t o = 0; o < static_cast<int64_t>(nn) * G * 4; o += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(sc + static_cast<int64_t>(n0 + A8_FEAT) * G) + o);
-          __builtin_prefetch(reinterpret_cast<const char*>(bi + static_cast<int64_t>(n0 + A8_FEAT) * G) + o);
-        }
-      }
       for (int t = 0; t < tiles; ++t) {
         const int m0 = t * R, mc = std::min(R, M - m0);
         a8_tile_any<R>(nw, xq.data() + static_cast<int64_t>(t) * K * R,
@@ -1263,13 +1253,17 @@ void attend_prefill_cpu(const float* q, Strided4<E> k, Strided4<E> v, const uint
       kneed[b] = std::max(kneed[b], e ? e : S);
     }
   // K^T per (row, KV head), in blocks of 16 keys: kt[(j / 16) * D * 16 + d * 16 + j % 16]
-  // (float; zeros past the keys needed), shared by all query blocks of that head.
+  // (float; zeros past a row's keys up to the next whole block), shared by all query
+  // blocks of that head. Only the blocks some query block reads are written (and the
+  // buffer is not zero-filled first): a query block reads keys below its own last visible
+  // slot, rounded up to 16, which is at most kneed rounded up.
   const int kps = (S + VL - 1) / VL * VL;
-  std::vector<float> ktall(static_cast<size_t>(B) * Hk * kps * D);
-  const int kblocks = kps / VL;
+  const int kmax = *std::max_element(kneed.begin(), kneed.end());
+  const int kblocks = (kmax + VL - 1) / VL;
+  std::unique_ptr<float[]> ktall(new float[static_cast<size_t>(B) * Hk * kps * D]);
   pool().run(B * Hk * kblocks, [&](int c) {
     const int b = c / (Hk * kblocks), h = (c / kblocks) % Hk, j0 = (c % kblocks) * VL;
-    float* blk = ktall.data() + (static_cast<int64_t>(b) * Hk + h) * kps * D + static_cast<int64_t>(j0) * D;
+    float* blk = ktall.get() + (static_cast<int64_t>(b) * Hk + h) * kps * D + static_cast<int64_t>(j0) * D;
     const E* kb = k.p + b * k.sb + h * k.sh;
     for (int jj = 0; jj < VL; ++jj) {
       const int j = j0 + jj;
@@ -1305,7 +1299,7 @@ void attend_prefill_cpu(const float* q, Strided4<E> k, Strided4<E> v, const uint
         float* dst = qs.data() + static_cast<int64_t>(t * rep + i) * D;
         for (int d = 0; d < D; ++d) dst[d] = src[d] * scale;
       }
-    const float* ktp = ktall.data() + (static_cast<int64_t>(b) * Hk + h) * kps * D;
+    const float* ktp = ktall.get() + (static_cast<int64_t>(b) * Hk + h) * kps * D;
     const E* vb = v.p + b * v.sb + h * v.sh;
     // Scores [R][kp]: tiles of PMR rows x PKV * 16 keys.
     for (int r0 = 0; r0 < R; r0 += PMR) {
