@@ -31,12 +31,12 @@ class Numerics:
     tile: int = 8
     kv_block: int = 64  # batch-invariant attention sums P @ V over fixed blocks of slots
     # fx_engine.native kernels for 4-/8-bit linears (CPU), batch-invariant by construction.
-    # From `native_gemm_rows` rows up (prefill chunks, wide decode batches) the fast mode
-    # runs `native.qgemm` (~2x `native.qmm` there, and faster than a BLAS SGEMM on the
-    # dequantized weight); below it, and always in batch-invariant mode, `native.qmm`
-    # (one kernel for every row count, so a token's matmuls do not depend on its chunk).
+    # On AVX-512 builds every quantized matmul runs `native.qgemm` in both modes: one
+    # arithmetic at every row count (register tiles for many rows, a few-row path for
+    # decode; ~2x `native.qmm` at 8 rows and from 16 up), so a token's matmuls never
+    # depend on its batch or chunk. Other builds run `native.qmm` (every row count in
+    # batch-invariant mode; up to 32 rows in the fast mode, a BLAS GEMM above).
     native: bool = False
-    native_gemm_rows: int = 16
     # 8: the native kernels round each activation row to 8 bits per weight group before a
     # quantized matmul (`native.qmm_a8`: exact int8 dot products, 2-3x the float kernels'
     # speed from 8 rows up), as llama.cpp does for its 4-/8-bit weights. Other numerics
@@ -92,14 +92,12 @@ _QMM_MAX_ROWS_WITHOUT_TILES = 32
 def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
     if numerics.activation_bits == 8:
         return native.qmm_a8(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
+    if native.tiled_gemm():  # one arithmetic for every row count: both modes
+        return native.qgemm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
     rows = 1
     for n in x.shape[:-1]:
         rows *= n
-    if numerics.batch_invariant or rows < numerics.native_gemm_rows:
-        return native.qmm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
-    if native.tiled_gemm():
-        return native.qgemm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
-    if rows <= _QMM_MAX_ROWS_WITHOUT_TILES:  # no AVX-512: qmm, then a BLAS GEMM
+    if numerics.batch_invariant or rows <= _QMM_MAX_ROWS_WITHOUT_TILES:  # then a BLAS GEMM
         return native.qmm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
     w = native.dequantize(lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
     return x @ w.astype(x.dtype).T
@@ -352,6 +350,15 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """silu(gate) * up, with the sigmoid from `fast_exp` (see there for why)."""
     g = gate.astype(mx.float32)
     return (g / (1.0 + fast_exp(-g)) * up).astype(gate.dtype)
+
+
+def swiglu_fused(gu: mx.array, numerics: Numerics | None = None) -> mx.array:
+    """`swiglu` of a fused gate|up projection gu [..., 2F] -> [..., F]. Natively one graph
+    node (MLX's is seven elementwise nodes and two slices, each ~10 us on CPU)."""
+    if numerics is not None and numerics.native and gu.dtype == mx.float32:
+        return native.swiglu(gu)
+    f = gu.shape[-1] // 2
+    return swiglu(gu[..., :f], gu[..., f:])
 
 
 def quantized_attention(

@@ -82,10 +82,39 @@ def test_quantized_products_are_batch_invariant(op) -> None:
     assert np.array_equal(single, full)
 
 
+@pytest.mark.parametrize("bits,gs", [(4, 32), (4, 128), (8, 32), (8, 64)])
+def test_qgemm_few_row_path_gives_the_tiles_bits(bits: int, gs: int) -> None:
+    """Up to 16 rows qgemm runs another kernel (vectors along the features, weights
+    dequantized in registers); every row count 1..16 gives the bits of the many-row tiles
+    (n = 50: a partial block of 16 features; 40 rows: the tile path)."""
+    wq, s, b = _quantized(50, 384, gs, bits)
+    x = mx.array(RNG.standard_normal((40, 384)).astype(np.float32))
+    tiles = np.asarray(native.qgemm(x, wq, s, b, gs, bits))
+    for m in range(1, 17):
+        few = np.asarray(native.qgemm(x[40 - m:], wq, s, b, gs, bits))
+        assert np.array_equal(few, tiles[40 - m:]), m
+
+
+def test_linears_run_one_kernel_at_every_row_count() -> None:
+    """On builds with qgemm's tiles, both modes' quantized linears are qgemm at every row
+    count (a decode step's token gets its prefill chunk's bits); elsewhere qmm."""
+    from fx_engine.nn import Linear, Numerics, linear
+
+    wq, s, b = _quantized(40, 256, 32, 4)
+    lin = Linear(weight=wq, scales=s, biases=b, group_size=32, bits=4)
+    kern = native.qgemm if native.tiled_gemm() else native.qmm
+    for bi in (False, True):
+        for m in (1, 8, 17, 64):
+            x = mx.array(RNG.standard_normal((m, 256)).astype(np.float32))
+            got = np.asarray(linear(x, lin, Numerics(native=True, batch_invariant=bi)))
+            if native.tiled_gemm() or bi or m <= 32:
+                assert np.array_equal(got, np.asarray(kern(x, wq, s, b, 32, 4))), (bi, m)
+
+
 def test_qgemm_and_qmm_differ_by_rounding_only() -> None:
     """Not the same bits (each output is a sequential float32 sum over K in qgemm, 16 lane
     sums then a fixed tree in qmm), but the same product to float32 accuracy: which kernel
-    runs is the fast mode's choice by row count (fx_engine.nn.Numerics.native_gemm_rows)."""
+    runs depends on the build (fx_engine.nn: qgemm where its tiles fit, else qmm)."""
     wq, s, b = _quantized(96, 1536, 32, 4)
     x = mx.array(RNG.standard_normal((32, 1536)).astype(np.float32))
     g, q = np.asarray(native.qgemm(x, wq, s, b, 32, 4)), np.asarray(native.qmm(x, wq, s, b, 32, 4))
@@ -161,6 +190,39 @@ def test_rms_norm_matches_mlx() -> None:
                                np.asarray(mx.fast.rms_norm(x, w, 1e-5)), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="weight must be"):
         native.rms_norm(x, w[:10], 1e-5)
+
+
+@pytest.mark.parametrize("shape", [(8, 2 * 1536), (3, 5, 2 * 37), (1, 2)])
+def test_swiglu_is_the_mlx_expression_in_one_node(shape: tuple[int, ...]) -> None:
+    """native.swiglu(gu) gives fx_engine.nn.swiglu(gate, up)'s bits (the same fast_exp
+    arithmetic), close to float64 silu(g) * u; F = 37: a partial vector."""
+    from fx_engine.nn import Numerics, swiglu, swiglu_fused
+
+    gu = mx.array(RNG.standard_normal(shape).astype(np.float32) * 6)
+    f = shape[-1] // 2
+    got = native.swiglu(gu)
+    assert got.shape == (*shape[:-1], f) and got.dtype == mx.float32
+    assert np.array_equal(np.asarray(got), np.asarray(swiglu(gu[..., :f], gu[..., f:])))
+    assert np.array_equal(np.asarray(swiglu_fused(gu, Numerics(native=True))), np.asarray(got))
+    g, u = (np.asarray(a).astype(np.float64) for a in (gu[..., :f], gu[..., f:]))
+    np.testing.assert_allclose(np.asarray(got), g / (1 + np.exp(-g)) * u, rtol=2e-6, atol=1e-6)
+
+
+def test_swiglu_special_values_dtypes_and_errors() -> None:
+    from fx_engine.nn import swiglu
+
+    gu = mx.array([[-200.0, -88.0, -87.0, 0.0, 80.0, 100.0, 1.0, 2.0, 3.0, -1.0, 7.0, 0.5],
+                   [np.inf, -np.inf, np.nan, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, np.inf, 1.0]],
+                  mx.float32)
+    got = np.asarray(native.swiglu(gu))
+    ref = np.asarray(swiglu(gu[:, :6], gu[:, 6:]))
+    assert np.array_equal(got, ref, equal_nan=True)
+    assert got[0, 0] == 0.0 and got[0, 4] == 80.0 * 7.0  # silu(-200) = -0, silu(80) = 80
+    assert np.isfinite(got[0]).all() and np.isnan(got[1, 2])
+    h = native.swiglu(gu.astype(mx.float16))
+    assert h.dtype == mx.float16 and h.shape == (2, 6)
+    with pytest.raises(ValueError, match="swiglu: gu must be"):
+        native.swiglu(mx.zeros((2, 5)))
 
 
 def test_kernels_inside_compile_do_not_retrace() -> None:

@@ -2,11 +2,12 @@
 """Microbenchmark of fx-engine's native matmul kernels on the default model's shapes.
 
 For each linear of one layer (qkv, o, gate_up, down) and the tied 8-bit head, and for each
-row count M: the time of one product through `native.qmm` (float32, few rows), `native.qgemm`
-(float32, many rows) and `native.qmm_a8` (8-bit activations, int8 dot products), the median
-of --rounds rounds of enough calls to take ~--budget seconds each, and GFLOP/s
-(2 * M * N * K / time). Which kernel fx_engine.nn picks is a function of M and the numerics
-(`Numerics.native_gemm_rows`, `activation_bits`); this shows the three side by side.
+row count M: the time of one product through `native.qmm` (float32, dequantized copy + inner
+products), `native.qgemm` (float32: register tiles, and a few-row path up to 16 rows) and
+`native.qmm_a8` (8-bit activations, int8 dot products), the median of --rounds rounds of
+enough calls to take ~--budget seconds each, and GFLOP/s (2 * M * N * K / time). Which kernel
+fx_engine.nn picks depends on the build and the numerics (`native.tiled_gemm()`: qgemm, else
+qmm; `Numerics.activation_bits=8`: qmm_a8); this shows the three side by side.
 
   python tools/bench_kernels.py --json docs/bench/kernels.json [--rows 1,8,32,512]
 
@@ -72,12 +73,15 @@ def run(rows: list[int], rounds: int, budget: float, log: Any = print) -> dict[s
 
 def render(report: dict[str, Any]) -> str:
     lines = ["| M | linear | N x K (bits) | qmm us (GF/s) | qgemm us (GF/s) | qmm_a8 us (GF/s) | "
-             "qmm_a8 vs the float kernel fx picks |", "|---:|---|---|---:|---:|---:|---:|"]
+             "qgemm vs qmm | qmm_a8 vs the float kernel fx picks |",
+             "|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in report["results"]:
-        picked = r["qmm"] if r["rows"] < 16 else r["qgemm"]  # Numerics.native_gemm_rows
+        # fx_engine.nn: qgemm at every row count where the tiles fit (AVX-512), else qmm
+        picked = r["qgemm"] if report.get("tiled_gemm", True) else r["qmm"]
         cells = [f"{r[k]['us']:.0f} ({r[k]['gflops']:.0f})" for k in KERNELS]
         lines.append(f"| {r['rows']} | {r['linear']} | {r['n']} x {r['k']} ({r['bits']}) | "
-                     + " | ".join(cells) + f" | {picked['us'] / r['qmm_a8']['us']:.2f}x |")
+                     + " | ".join(cells) + f" | {r['qmm']['us'] / r['qgemm']['us']:.2f}x"
+                     + f" | {picked['us'] / r['qmm_a8']['us']:.2f}x |")
     return "\n".join(lines)
 
 

@@ -17,7 +17,9 @@ from ..cache import (
     KVCache, LayerSpec, StepGeometry, advanced, attend_entry, dense_layout, write_entry,
 )
 from ..config import ModelConfig
-from ..nn import Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, swiglu
+from ..nn import (
+    Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, swiglu_fused,
+)
 from ..tree import static_field
 
 
@@ -85,8 +87,7 @@ def _layer(
     h = h + linear(o, lp.o, num)
     x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
     gu = linear(x, lp.gate_up, num)
-    f = cfg.intermediate_size
-    h = h + linear(swiglu(gu[..., :f], gu[..., f:]), lp.down, num)
+    h = h + linear(swiglu_fused(gu, num), lp.down, num)
     return h, entry
 
 

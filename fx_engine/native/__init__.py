@@ -152,6 +152,12 @@ def rms_norm(x, weight, eps: float):  # type: ignore[no-untyped-def]
     return _module().rms_norm(x, weight, eps)
 
 
+def swiglu(gu):  # type: ignore[no-untyped-def]
+    """silu(gate) * up for the fused gate|up projection gu [..., 2F] -> [..., F], in one
+    node, with fx_engine.nn.fast_exp's arithmetic (float32)."""
+    return _module().swiglu(gu)
+
+
 def attend(q, k, v, mask, scale: float):  # type: ignore[no-untyped-def]
     """Grouped-query attention in one node for a few query tokens per row (decode, verify):
     q [B, T, Hq, D] (float32), k/v [B, Hk, S, D] (strided views of the cache are read in

@@ -12,7 +12,9 @@
 //               streams the packed bytes and a batch of rows shares one pass over them.
 //   qgemm:      the same product for many rows (prefill chunks, wide decode batches):
 //               register tiles of 12 features x 32 rows, vectors along the rows, each
-//               dequantized weight broadcast; FMA-bound, ~2x qmm from ~16 rows up.
+//               dequantized weight broadcast; FMA-bound, ~2x qmm from ~16 rows up. Up to
+//               16 rows (decode), vectors along 16 features dequantized in registers:
+//               the same bits at every row count, ~2x qmm at 8 rows (AVX-512 builds).
 //   qmm_a8:     the product with each activation row rounded to 8 bits per weight group
 //               (opt-in numerics, as llama.cpp's): exact int8 dot products (AVX-512
 //               VNNI), no float copy of the weights; 2-3x qmm/qgemm from 8 rows up.
@@ -20,7 +22,7 @@
 //               unpack their weights with (without AVX-512, many-row products run a
 //               BLAS GEMM on it: qgemm's tile would spill).
 //   attend:     grouped-query attention for a few query tokens per row (decode, verify).
-//   masked_softmax, rms_norm, rope.
+//   masked_softmax, rms_norm, rope, swiglu.
 //
 // Numerics: every output element is accumulated in a fixed order and computed by one
 // thread (qmm and qgemm have different orders, so their results differ in the last bits;
@@ -492,8 +494,170 @@ inline void qgemm_tile_any(int nw, int mv, const float* xt, const float* w, int 
 }
 static_assert(QG_FEAT == 12, "qgemm_tile_any dispatches 1..12 features");
 
+#if defined(__AVX512F__)
+// qgemm for a few rows (decode batches): the other orientation. Vectors run along 16
+// output features; each weight vector is dequantized in registers from the packed words
+// (16 weight rows' words transposed in registers, one word = 8 or 4 consecutive k) and
+// used at once by every row, against a broadcast activation: no float copy of the
+// weights, and one broadcast per row and k. (The tiles above broadcast every weight once
+// per 16 or 32 rows: at 8 rows half their lanes are padding. Measured on the default
+// model's shapes at 8 rows: ~2x qmm, whose inner products reuse a dequantized copy.)
+//
+// Each output is one lane of one accumulator: acc = fma(x[m, k], w[n, k], acc) over k in
+// the 4-bit split order, from +0, with w = scale * q + bias rounded as in dequant_row: the
+// tiles' exact arithmetic, so the bits are qgemm's whatever the path (tested).
+constexpr int QG_FEW = 16;  // up to this many rows take this path
+
+// Four consecutive 32-bit values of 16 rows (row j at rp[j] + off bytes) -> out[i]:
+// value i of rows 0..15, one per lane. Four 16-byte loads per register, then a 4x4
+// transpose inside each 128-bit lane (lane L of z[j] holds row 4L + j).
+inline void transpose16x4(const char* const* rp, int64_t off, __m512i out[4]) {
+  __m512i z[4];
+  for (int j = 0; j < 4; ++j) {
+    auto ld = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[r] + off)); };
+    __m512i v = _mm512_castsi128_si512(ld(j));
+    v = _mm512_inserti32x4(v, ld(j + 4), 1);
+    v = _mm512_inserti32x4(v, ld(j + 8), 2);
+    z[j] = _mm512_inserti32x4(v, ld(j + 12), 3);
+  }
+  // lane L of z[j] = row 4L + j: a 4x4 transpose per lane gives lane L of out[i] = value i
+  // of rows 4L .. 4L + 3, i.e. out[i] lane r = row r.
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+template <int BITS, int MR>
+inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const float* sc,
+                            const float* bi, int gs, float* y, int N, int n0, float* sbuf) {
+  const int words = K * BITS / 32, groups = K / gs, nv = std::min(16, N - n0);
+  // Row pointers (rows past N repeat the last one: computed, never stored).
+  const char* rw[16];
+  const char* rs[16];
+  const char* rb[16];
+  for (int j = 0; j < 16; ++j) {
+    const int64_t r = n0 + std::min(j, nv - 1);
+    rw[j] = reinterpret_cast<const char*>(wq + r * words);
+    rs[j] = reinterpret_cast<const char*>(sc + r * groups);
+    rb[j] = reinterpret_cast<const char*>(bi + r * groups);
+  }
+  // The block's scales and biases, transposed once: sbuf[g][16], then bbuf[g][16].
+  float* bbuf = sbuf + static_cast<int64_t>(groups) * 16;
+  int g = 0;
+  for (; g + 4 <= groups; g += 4) {
+    __m512i t[4];
+    transpose16x4(rs, 4 * g, t);
+    for (int i = 0; i < 4; ++i) _mm512_store_si512(sbuf + (g + i) * 16, t[i]);
+    transpose16x4(rb, 4 * g, t);
+    for (int i = 0; i < 4; ++i) _mm512_store_si512(bbuf + (g + i) * 16, t[i]);
+  }
+  for (; g < groups; ++g)
+    for (int j = 0; j < 16; ++j) {
+      sbuf[g * 16 + j] = reinterpret_cast<const float*>(rs[j])[g];
+      bbuf[g * 16 + j] = reinterpret_cast<const float*>(rb[j])[g];
+    }
+  const __m512i low = _mm512_set1_epi32(BITS == 4 ? 15 : 255);
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  auto step = [&](__m512i q, __m512 s, __m512 c, int k) {
+    const __m512 w = _mm512_add_ps(_mm512_mul_ps(s, _mm512_cvtepi32_ps(q)), c);
+    for (int m = 0; m < MR; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[static_cast<int64_t>(m) * K + k]), w, acc[m]);
+  };
+  // The next block's packed rows (contiguous) are prefetched a slice per 32-k step: the
+  // 16 interleaved row streams here defeat the hardware prefetchers on large weights.
+  const int64_t blk_bytes = int64_t{16} * words * 4;
+  const char* next = reinterpret_cast<const char*>(wq + int64_t{n0 + 16} * words);
+  const int64_t next_bytes = std::min(blk_bytes, std::max<int64_t>(0, int64_t{N - n0 - 16} * words * 4));
+  const int64_t pf_step = ((next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
+  for (int k0 = 0; k0 < K; k0 += 32) {
+    for (int64_t o = (k0 / 32) * pf_step, e = std::min(next_bytes, o + pf_step); o < e; o += 64)
+      _mm_prefetch(next + o, _MM_HINT_T0);
+    const int gi = k0 / gs;
+    const __m512 s = _mm512_load_ps(sbuf + gi * 16), c = _mm512_load_ps(bbuf + gi * 16);
+    const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
+    if constexpr (BITS == 4) {
+      __m512i wv[4];
+      transpose16x4(rw, off, wv);
+      // split order: the low nibble of each byte (even k) for the block's 16 bytes, then
+      // the high nibbles (odd k); byte b of word i holds k0 + 8i + 2b and k0 + 8i + 2b + 1.
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+          for (int b = 0; b < 4; ++b)
+            step(_mm512_and_si512(_mm512_srli_epi32(wv[i], 8 * b + 4 * half), low), s, c,
+                 k0 + 8 * i + 2 * b + half);
+    } else {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        __m512i wv[4];
+        transpose16x4(rw, off + 16 * h, wv);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+          for (int b = 0; b < 4; ++b)
+            step(_mm512_and_si512(_mm512_srli_epi32(wv[i], 8 * b), low), s, c,
+                 k0 + 16 * h + 4 * i + b);
+      }
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << nv) - 1);
+  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
+}
+
+template <int BITS>
+void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+               const float* bi, int gs, float* y, int N) {
+  const int blocks = (N + 15) / 16;
+  const int per = std::max(1, 4 * 576 / std::max(K, 1));
+  pool().run((blocks + per - 1) / per, [&](int c) {
+    thread_local std::vector<float> sb;  // [2][groups][16] (+ 16 for alignment)
+    const size_t need = static_cast<size_t>(2 * (K / gs) * 16 + 16);
+    if (sb.size() < need) sb.resize(need);
+    float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 63) & ~uintptr_t{63});
+    const int b1 = std::min(blocks, (c + 1) * per);
+    for (int bl = c * per; bl < b1; ++bl) {
+      const int n0 = bl * 16;
+      switch (M) {
+        case 16: qgemm_few_block<BITS, 16>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        case 15: qgemm_few_block<BITS, 15>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        case 14: qgemm_few_block<BITS, 14>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        case 13: qgemm_few_block<BITS, 13>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        case 12: qgemm_few_block<BITS, 12>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        case 11: qgemm_few_block<BITS, 11>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        case 10: qgemm_few_block<BITS, 10>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        case 9: qgemm_few_block<BITS, 9>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        case 8: qgemm_few_block<BITS, 8>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        case 7: qgemm_few_block<BITS, 7>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        case 6: qgemm_few_block<BITS, 6>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        case 5: qgemm_few_block<BITS, 5>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        case 4: qgemm_few_block<BITS, 4>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        case 3: qgemm_few_block<BITS, 3>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        case 2: qgemm_few_block<BITS, 2>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+        default: qgemm_few_block<BITS, 1>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
+      }
+    }
+  });
+}
+static_assert(QG_FEW == 16, "qgemm_few dispatches 1..16 rows");
+#endif
+
 void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc,
                const float* bi, int gs, int bits, float* y, int N) {
+#if defined(__AVX512F__)
+  if (M <= QG_FEW) {
+    if (bits == 8)
+      qgemm_few<8>(x, M, K, wq, sc, bi, gs, y, N);
+    else
+      qgemm_few<4>(x, M, K, wq, sc, bi, gs, y, N);
+    return;
+  }
+#endif
   const int tiles = (M + QG_ROWS - 1) / QG_ROWS;
   // Uninitialized (pack_cols writes every element): a zeroing vector would memset it.
   // 64-byte aligned: each tile row of 32 floats is two whole cache lines.
@@ -1371,6 +1535,34 @@ void rms_norm_cpu(const float* x, const float* w, float eps, float* out, int64_t
   });
 }
 
+// ---------------------------------------------------------------- swiglu
+// gu [M, 2F] (the fused gate|up projection) -> silu(gate) * up [M, F], as
+// fx_engine.nn.swiglu computes it: g / (1 + fast_exp(-g)) * u, in one pass (MLX's graph
+// for it is seven nodes plus two slices).
+void swiglu_cpu(const float* gu, float* out, int64_t M, int F) {
+  const int F16 = F - F % VL;
+  const int per = std::max(1, 32768 / std::max(F, 1));
+  pool().run(static_cast<int>((M + per - 1) / per), [&](int c) {
+    const int64_t r1 = std::min<int64_t>(M, (c + 1) * static_cast<int64_t>(per));
+    for (int64_t r = c * static_cast<int64_t>(per); r < r1; ++r) {
+      const float* g = gu + r * 2 * F;
+      const float* u = g + F;
+      float* o = out + r * F;
+      for (int j = 0; j < F16; j += VL) {
+        const v16 gv = load(g + j);
+        store(o + j, gv / (1.0f + vexp(v16{} - gv)) * load(u + j));
+      }
+      if (F16 < F) {  // the tail through one padded vector
+        alignas(64) float tg[VL] = {}, tu[VL] = {}, to[VL];
+        for (int j = F16; j < F; ++j) tg[j - F16] = g[j], tu[j - F16] = u[j];
+        const v16 gv = load(tg);
+        store(to, gv / (1.0f + vexp(v16{} - gv)) * load(tu));
+        for (int j = F16; j < F; ++j) o[j] = to[j - F16];
+      }
+    }
+  });
+}
+
 // ---------------------------------------------------------------- rope
 // x [N, H, D] rotated with per-token tables cos/sin [N, D] (sin already signed, as
 // fx_engine.nn.rope_tables builds them): out[d] = x[d] * cos[d] + x[partner(d)] * sin[d],
@@ -1555,6 +1747,25 @@ class RmsNorm : public CpuKernel {
   float eps_;
 };
 
+class Swiglu : public CpuKernel {
+ public:
+  explicit Swiglu(mx::Stream s) : CpuKernel(s) {}
+  std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const override {
+    return [x = in[0], out]() mutable {
+      std::vector<float> tx;
+      const int F = static_cast<int>(out.shape(-1));
+      swiglu_cpu(dense(x, tx), out.data<float>(), static_cast<int64_t>(out.size() / std::max(F, 1)), F);
+    };
+  }
+  const char* name() const override { return "FxSwiglu"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    auto shape = in[0].shape();
+    shape.back() /= 2;
+    return {shape};
+  }
+};
+
 class Attend : public CpuKernel {
  public:
   Attend(mx::Stream s, float scale) : CpuKernel(s), scale_(scale) {}
@@ -1680,6 +1891,18 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
   return dt == mx::float32 ? y : mx::astype(y, dt, s);
 }
 
+mx::array swiglu(const mx::array& gu) {
+  if (gu.ndim() < 1 || gu.shape(-1) % 2 != 0 || gu.shape(-1) == 0)
+    throw std::invalid_argument("swiglu: gu must be [..., 2F] (gate | up), F > 0");
+  const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
+  const auto dt = gu.dtype();
+  auto shape = gu.shape();
+  shape.back() /= 2;
+  auto y = mx::array(shape, mx::float32, std::make_shared<Swiglu>(s),
+                     {mx::astype(gu, mx::float32, s)});
+  return dt == mx::float32 ? y : mx::astype(y, dt, s);
+}
+
 void check_quantized(const char* op, const mx::array& w, const mx::array& scales,
                      const mx::array& biases, int group_size, int bits) {
   const std::string p = op;
@@ -1776,6 +1999,7 @@ NB_MODULE(_fx_native, m) {
   m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("traditional"),
         "x * cos + partner(x) * sin for x [B, T, H, D], tables [B, T, 1, D]");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
+  m.def("swiglu", &swiglu, nb::arg("gu"));
 #if defined(__AVX512F__)
   m.attr("tiled_gemm") = true;  // qgemm's register tile fits (see qgemm_cpu)
 #else
