@@ -1215,6 +1215,27 @@ inline v16 load_kv(const uint16_t* p) {
 #endif
 }
 
+// out rows o[g][d0 .. d0 + 16 ND) = sum over keys j < e of p[g][j] * V[j][...] for the
+// ng <= AG rows of a group, each V vector loaded once per key for the whole group.
+template <int ND, int AG, typename E>
+inline void pv_rows(const float* const* p, const E* vb, int64_t vs, int e, int ng,
+                    float* const* o, int d0) {
+  v16 acc[AG][ND];
+  for (int g = 0; g < AG; ++g)
+    for (int c = 0; c < ND; ++c) acc[g][c] = v16{};
+  for (int j = 0; j < e; ++j) {
+    const E* vj = vb + j * vs;
+    v16 vv[ND];
+    for (int c = 0; c < ND; ++c) vv[c] = load_kv(vj + c * VL);
+    for (int g = 0; g < ng; ++g) {
+      const v16 pj = splat(p[g] + j);
+      for (int c = 0; c < ND; ++c) acc[g][c] = fma(pj, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < ng; ++g)
+    for (int c = 0; c < ND; ++c) store(o[g] + d0 + c * VL, acc[g][c]);
+}
+
 // E: the cache's element type (float, or uint16_t holding float16 bits: half the bytes to
 // read, which is what a decode step's attention waits for).
 template <typename E>
@@ -1299,21 +1320,14 @@ void attend_cpu(const float* q, Strided4<E> k, Strided4<E> v, const uint8_t* mas
           o[g] = out + ((static_cast<int64_t>(b) * T + t) * Hq + h * rep + i0 + g) * D;
         }
         for (int d0 = 0; d0 < D; d0 += 4 * VL) {
-          const int nd = std::min(4 * VL, D - d0) / VL;
-          v16 acc[AG][4];
-          for (int g = 0; g < AG; ++g)
-            for (int c = 0; c < 4; ++c) acc[g][c] = v16{};
-          for (int j = 0; j < e; ++j) {
-            const E* vj = vb + j * v.ss + d0;
-            v16 vv[4];
-            for (int c = 0; c < nd; ++c) vv[c] = load_kv(vj + c * VL);
-            for (int g = 0; g < ng; ++g) {
-              const v16 pj = splat(p[g] + j);
-              for (int c = 0; c < nd; ++c) acc[g][c] = fma(pj, vv[c], acc[g][c]);
-            }
+          // A compile-time vector count: with a run-time one GCC turns the V loads into a
+          // memcpy call per key.
+          switch (std::min(4 * VL, D - d0) / VL) {
+            case 4: pv_rows<4, AG>(p, vb + d0, v.ss, e, ng, o, d0); break;
+            case 3: pv_rows<3, AG>(p, vb + d0, v.ss, e, ng, o, d0); break;
+            case 2: pv_rows<2, AG>(p, vb + d0, v.ss, e, ng, o, d0); break;
+            default: pv_rows<1, AG>(p, vb + d0, v.ss, e, ng, o, d0); break;
           }
-          for (int g = 0; g < ng; ++g)
-            for (int c = 0; c < nd; ++c) store(o[g] + d0 + c * VL, acc[g][c]);
         }
       }
     }
