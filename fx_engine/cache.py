@@ -34,6 +34,7 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Int
 
+from . import native
 from .nn import Numerics, attention, quantized_attention
 from .tree import static_field, tree_replace
 
@@ -270,16 +271,21 @@ class StepGeometry:
 # ------------------------------------------------------------------- writes and reads
 
 
-def _put(cache_x: mx.array, new: mx.array, slots: mx.array) -> mx.array:
-    """Write new [B, H, T, *] at per-row slots [B, T]. put_along_axis reuses cache_x's buffer
-    when the caller holds no other reference."""
+def _put(cache_x: mx.array, new: mx.array, slots: mx.array, fast: bool = False) -> mx.array:
+    """Write new [B, H, T, *] at per-row slots [B, T]. Both paths reuse cache_x's buffer when
+    the caller holds no other reference. fast: the native kv_put (one node, ~10x cheaper
+    than MLX's CPU scatter) for float K/V."""
+    if fast and cache_x.ndim == 4 and cache_x.dtype in (mx.float32, mx.float16):
+        return native.kv_put(cache_x, new, slots)
     return mx.put_along_axis(cache_x, slots[:, None, :, None], new.astype(cache_x.dtype), axis=2)
 
 
 def write_entry(
-    entry: Any, spec: LayerSpec, k: mx.array, v: mx.array, geo: StepGeometry
+    entry: Any, spec: LayerSpec, k: mx.array, v: mx.array, geo: StepGeometry,
+    numerics: Numerics | None = None,
 ) -> Any:
     """Write this step's k, v [B, Hkv, T, D] into one entry (then attend over the result)."""
+    fast = numerics is not None and numerics.native
     if spec.ring:
         if geo.t - 1 > spec.headroom:
             raise CacheError(
@@ -288,7 +294,7 @@ def write_entry(
                 f"{spec.ring}); build the cache layout with a larger headroom"
             )
         slots = geo.ring_slots(spec.ring)
-        return LayerKV(_put(entry.keys, k, slots), _put(entry.values, v, slots))
+        return LayerKV(_put(entry.keys, k, slots, fast), _put(entry.values, v, slots, fast))
     if spec.bits:
         f = entry.head_slots
         head = geo.slots(0, f)
@@ -302,7 +308,7 @@ def write_entry(
             values=tuple(_put(a, n, tail) for a, n in zip(entry.values, qv)),
         )
     slots = geo.slots(0, geo.capacity)
-    return LayerKV(_put(entry.keys, k, slots), _put(entry.values, v, slots))
+    return LayerKV(_put(entry.keys, k, slots, fast), _put(entry.values, v, slots, fast))
 
 
 def attend_entry(

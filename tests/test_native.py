@@ -225,6 +225,52 @@ def test_swiglu_special_values_dtypes_and_errors() -> None:
         native.swiglu(mx.zeros((2, 5)))
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_kv_put_is_put_along_axis(dtype) -> None:  # noqa: ANN001
+    """native.kv_put(cache, new, slots) == mx.put_along_axis(cache, slots[:, None, :, None],
+    new, axis=2), with new a strided view (as the models pass it); a cache array the caller
+    still holds is never modified (no donation), and out-of-range slots are skipped."""
+    cache = mx.array(RNG.standard_normal((3, 2, 9, 16)).astype(np.float32)).astype(dtype)
+    before = np.asarray(cache.astype(mx.float32))
+    new = mx.array(RNG.standard_normal((3, 4, 2, 16)).astype(np.float32)).transpose(0, 2, 1, 3)
+    slots = mx.array([[0, 1, 2, 8], [5, 6, 7, 8], [3, 4, 5, 6]], mx.int32)
+    got = native.kv_put(cache, new, slots)
+    ref = mx.put_along_axis(cache, slots[:, None, :, None], new.astype(dtype), axis=2)
+    assert got.dtype == dtype and got.shape == cache.shape
+    assert np.array_equal(np.asarray(got.astype(mx.float32)), np.asarray(ref.astype(mx.float32)))
+    assert np.array_equal(np.asarray(cache.astype(mx.float32)), before)  # untouched
+    skipped = native.kv_put(cache, new, mx.array([[0, -1, 9, 100]] * 3, mx.int32))
+    want = before.copy()
+    want[:, :, 0] = np.asarray(new[:, :, 0].astype(dtype).astype(mx.float32))
+    assert np.array_equal(np.asarray(skipped.astype(mx.float32)), want)
+
+
+def test_kv_put_in_a_compiled_step_updates_in_place_and_errors() -> None:
+    """Inside mx.compile with the only reference given away, the result reuses the cache's
+    buffer (peak memory does not grow by a cache copy per call); bad shapes are errors."""
+    cache = mx.zeros((4, 3, 4096, 64))  # 12 MB
+    step = mx.compile(lambda c, n, s: native.kv_put(c, n, s))
+    new = mx.ones((4, 3, 1, 64))
+    for i in range(3):
+        cache = step(cache, new, mx.full((4, 1), i, mx.int32))
+        mx.eval(cache)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    for i in range(3, 8):
+        cache = step(cache, new * i, mx.full((4, 1), i, mx.int32))
+        mx.eval(cache)
+    assert mx.get_peak_memory() - base < 6 * 2**20  # a copy would add 12 MB
+    got = np.asarray(cache)
+    assert (got[:, :, :8] == np.array([1, 1, 1, 3, 4, 5, 6, 7])[None, None, :, None]).all()
+    assert (got[:, :, 8:] == 0).all()
+    with pytest.raises(ValueError, match="kv_put: cache must be"):
+        native.kv_put(mx.zeros((2, 3, 4)), new, mx.zeros((4, 1), mx.int32))
+    with pytest.raises(ValueError, match="kv_put: new must be"):
+        native.kv_put(mx.zeros((4, 3, 8, 64)), mx.zeros((4, 2, 1, 64)), mx.zeros((4, 1), mx.int32))
+    with pytest.raises(ValueError, match="kv_put: slots must be"):
+        native.kv_put(mx.zeros((4, 3, 8, 64)), new, mx.zeros((4, 2), mx.int32))
+
+
 def test_kernels_inside_compile_do_not_retrace() -> None:
     wq, s, b = _quantized(32, 64, 32, 8)
     traces = []

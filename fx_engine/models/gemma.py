@@ -190,7 +190,7 @@ def forward(
             qk = apply_rope(mx.concatenate([q, k], axis=2), *rope)
             q, k = qk[:, :, :hq], qk[:, :, hq:]
             entries[i] = write_entry(entries[i], spec, k.transpose(0, 2, 1, 3),
-                                     v.transpose(0, 2, 1, 3), geo)
+                                     v.transpose(0, 2, 1, 3), geo, num)
         else:
             q = apply_rope(q, *rope)
         o = attend_entry(entries[src], spec, q, geo, cfg.attn_scale, num).reshape(b * t, hq * d)

@@ -81,7 +81,7 @@ def _layer(
     k = qk[:, :, hq:].transpose(0, 2, 1, 3)
     v = qkv[:, :, hq + hk :].transpose(0, 2, 1, 3)
     # Write first, then attend over the written arrays (so the update can be in place).
-    entry = write_entry(entry, spec, k, v, geo)
+    entry = write_entry(entry, spec, k, v, geo, num)
     o = attend_entry(entry, spec, q, geo, d**-0.5, num)
     o = o.reshape(b * t, hq * d)
     h = h + linear(o, lp.o, num)

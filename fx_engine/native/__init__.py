@@ -152,6 +152,13 @@ def rms_norm(x, weight, eps: float):  # type: ignore[no-untyped-def]
     return _module().rms_norm(x, weight, eps)
 
 
+def kv_put(cache, new, slots):  # type: ignore[no-untyped-def]
+    """cache [B, H, S, D] (float32/float16) with new [B, H, T, D] written at slots [B, T]:
+    mx.put_along_axis(cache, slots[:, None, :, None], new, axis=2) in one node, in place
+    when the cache's buffer is donatable. Slots outside [0, S) are skipped."""
+    return _module().kv_put(cache, new, slots)
+
+
 def swiglu(gu):  # type: ignore[no-untyped-def]
     """silu(gate) * up for the fused gate|up projection gu [..., 2F] -> [..., F], in one
     node, with fx_engine.nn.fast_exp's arithmetic (float32)."""
