@@ -650,7 +650,7 @@ static_assert(QG_FEW == 16, "qgemm_few dispatches 1..16 rows");
 void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc,
                const float* bi, int gs, int bits, float* y, int N) {
 #if defined(__AVX512F__)
-  if (M <= QG_FEW) {
+  if (M > 0 && M <= QG_FEW) {
     if (bits == 8)
       qgemm_few<8>(x, M, K, wq, sc, bi, gs, y, N);
     else
