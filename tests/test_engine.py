@@ -28,6 +28,17 @@ def bi_model(tiny_dir):
     return fx_engine.load(tiny_dir, batch_invariant=True)
 
 
+@pytest.fixture(scope="module")
+def bi_q4_model(tmp_path_factory):
+    """A 4-bit quantized tiny model in batch-invariant mode: its linears run the native
+    quantized matmul (where available), whose kernel paths differ by row count."""
+    from fx_engine.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path_factory.mktemp("q4") / "m", seed=3,
+                            quantize={"group_size": 32, "bits": 4})
+    return fx_engine.load(path, batch_invariant=True)
+
+
 def prompt(n: int, salt: int = 0) -> list[int]:
     """n token ids of the tiny model (vocab 384), varied by salt."""
     return [3 + (i * 7 + salt * 13) % 370 for i in range(n)]
@@ -139,6 +150,24 @@ def test_each_request_matches_running_alone(bi_model, requests, chunk, max_rows,
     """Random arrivals, lengths, chunk sizes, budgets, sampling settings and cancellations:
     every request that is not cancelled produces exactly (bitwise: tokens, logprobs) what it
     produces alone; a cancelled one produces a prefix of it."""
+    _check_matches_alone(bi_model, requests, chunk, max_rows, extra_budget)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    requests=st.lists(request_st, min_size=1, max_size=6),
+    chunk=st.sampled_from([16, 32, 64, 128, 512]),
+    max_rows=st.integers(1, 5),
+    extra_budget=st.integers(16, 300),
+)
+def test_each_request_matches_running_alone_quantized(bi_q4_model, requests, chunk, max_rows,
+                                                      extra_budget):
+    """The same property with 4-bit weights: prefill chunks, decode batches of 1-5 rows and
+    the one-shot reference run the quantized matmul at different row counts."""
+    _check_matches_alone(bi_q4_model, requests, chunk, max_rows, extra_budget)
+
+
+def _check_matches_alone(bi_model, requests, chunk, max_rows, extra_budget) -> None:
     engine = Engine(bi_model, max_rows=max_rows, prefill_chunk=chunk,
                     step_token_budget=max_rows + extra_budget)
     handles: dict[int, object] = {}
