@@ -139,13 +139,16 @@ request_st = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
+ENGINE_CASES = dict(
     requests=st.lists(request_st, min_size=1, max_size=6),
     chunk=st.sampled_from([16, 32, 64, 128, 512]),
     max_rows=st.integers(1, 5),
     extra_budget=st.integers(16, 300),
 )
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**ENGINE_CASES)
 def test_each_request_matches_running_alone(bi_model, requests, chunk, max_rows, extra_budget):
     """Random arrivals, lengths, chunk sizes, budgets, sampling settings and cancellations:
     every request that is not cancelled produces exactly (bitwise: tokens, logprobs) what it
@@ -154,12 +157,7 @@ def test_each_request_matches_running_alone(bi_model, requests, chunk, max_rows,
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    requests=st.lists(request_st, min_size=1, max_size=6),
-    chunk=st.sampled_from([16, 32, 64, 128, 512]),
-    max_rows=st.integers(1, 5),
-    extra_budget=st.integers(16, 300),
-)
+@given(**ENGINE_CASES)
 def test_each_request_matches_running_alone_quantized(bi_q4_model, requests, chunk, max_rows,
                                                       extra_budget):
     """The same property with 4-bit weights: prefill chunks, decode batches of 1-5 rows and

@@ -1215,25 +1215,43 @@ inline v16 load_kv(const uint16_t* p) {
 #endif
 }
 
-// out rows o[g][d0 .. d0 + 16 ND) = sum over keys j < e of p[g][j] * V[j][...] for the
-// ng <= AG rows of a group, each V vector loaded once per key for the whole group.
-template <int ND, int AG, typename E>
-inline void pv_rows(const float* const* p, const E* vb, int64_t vs, int e, int ng,
-                    float* const* o, int d0) {
-  v16 acc[AG][ND];
-  for (int g = 0; g < AG; ++g)
+// o[g][c] = sum over j < end[g] of p[g][j] * v[j][16c..16c+16), sequentially over j; the
+// rows share each V load up to the smallest end, then finish alone.
+template <typename E, int MR, int ND>
+inline void pv_tile(const float* const* p, const E* vb, int64_t vs, const int* end,
+                    float* const* o) {
+  int emin = end[0];
+  for (int g = 1; g < MR; ++g) emin = std::min(emin, end[g]);
+  v16 acc[MR][ND];
+  for (int g = 0; g < MR; ++g)
     for (int c = 0; c < ND; ++c) acc[g][c] = v16{};
-  for (int j = 0; j < e; ++j) {
+  for (int j = 0; j < emin; ++j) {
     const E* vj = vb + j * vs;
     v16 vv[ND];
     for (int c = 0; c < ND; ++c) vv[c] = load_kv(vj + c * VL);
-    for (int g = 0; g < ng; ++g) {
+    for (int g = 0; g < MR; ++g) {
       const v16 pj = splat(p[g] + j);
       for (int c = 0; c < ND; ++c) acc[g][c] = fma(pj, vv[c], acc[g][c]);
     }
   }
-  for (int g = 0; g < ng; ++g)
-    for (int c = 0; c < ND; ++c) store(o[g] + d0 + c * VL, acc[g][c]);
+  for (int g = 0; g < MR; ++g) {
+    for (int j = emin; j < end[g]; ++j) {
+      const v16 pj = splat(p[g] + j);
+      for (int c = 0; c < ND; ++c) acc[g][c] = fma(pj, load_kv(vb + j * vs + c * VL), acc[g][c]);
+    }
+    for (int c = 0; c < ND; ++c) store(o[g] + c * VL, acc[g][c]);
+  }
+}
+
+template <typename E, int MR>
+inline void pv_tile_any(int nd, const float* const* p, const E* vb, int64_t vs, const int* end,
+                        float* const* o) {
+  switch (nd) {
+    case 4: pv_tile<E, MR, 4>(p, vb, vs, end, o); break;
+    case 3: pv_tile<E, MR, 3>(p, vb, vs, end, o); break;
+    case 2: pv_tile<E, MR, 2>(p, vb, vs, end, o); break;
+    default: pv_tile<E, MR, 1>(p, vb, vs, end, o); break;
+  }
 }
 
 // E: the cache's element type (float, or uint16_t holding float16 bits: half the bytes to
@@ -1319,14 +1337,20 @@ void attend_cpu(const float* q, Strided4<E> k, Strided4<E> v, const uint8_t* mas
           p[g] = pr.data() + static_cast<int64_t>((i0 + g) * T + t) * S;
           o[g] = out + ((static_cast<int64_t>(b) * T + t) * Hq + h * rep + i0 + g) * D;
         }
+        // The prefill kernel's P @ V tile (every row of the group ends at e): compile-time
+        // row and vector counts (with run-time ones GCC turns each key's V loads into a
+        // memcpy call).
+        static_assert(AG == 4, "ends lists AG values");
+        const int ends[AG] = {e, e, e, e};
         for (int d0 = 0; d0 < D; d0 += 4 * VL) {
-          // A compile-time vector count: with a run-time one GCC turns the V loads into a
-          // memcpy call per key.
-          switch (std::min(4 * VL, D - d0) / VL) {
-            case 4: pv_rows<4, AG>(p, vb + d0, v.ss, e, ng, o, d0); break;
-            case 3: pv_rows<3, AG>(p, vb + d0, v.ss, e, ng, o, d0); break;
-            case 2: pv_rows<2, AG>(p, vb + d0, v.ss, e, ng, o, d0); break;
-            default: pv_rows<1, AG>(p, vb + d0, v.ss, e, ng, o, d0); break;
+          const int nd = std::min(4 * VL, D - d0) / VL;
+          float* od[AG];
+          for (int g = 0; g < ng; ++g) od[g] = o[g] + d0;
+          switch (ng) {
+            case 4: pv_tile_any<E, 4>(nd, p, vb + d0, v.ss, ends, od); break;
+            case 3: pv_tile_any<E, 3>(nd, p, vb + d0, v.ss, ends, od); break;
+            case 2: pv_tile_any<E, 2>(nd, p, vb + d0, v.ss, ends, od); break;
+            default: pv_tile_any<E, 1>(nd, p, vb + d0, v.ss, ends, od); break;
           }
         }
       }
@@ -1379,44 +1403,6 @@ inline void score_tile_any(int nv, const float* qs, int D, const float* kblk, fl
     score_tile<MR, 1>(qs, D, kblk, out, ld);
 }
 
-// o[g][c] = sum over j < end[g] of p[g][j] * v[j][16c..16c+16), sequentially over j; the
-// rows share each V load up to the smallest end, then finish alone.
-template <typename E, int MR, int ND>
-inline void pv_tile(const float* const* p, const E* vb, int64_t vs, const int* end,
-                    float* const* o) {
-  int emin = end[0];
-  for (int g = 1; g < MR; ++g) emin = std::min(emin, end[g]);
-  v16 acc[MR][ND];
-  for (int g = 0; g < MR; ++g)
-    for (int c = 0; c < ND; ++c) acc[g][c] = v16{};
-  for (int j = 0; j < emin; ++j) {
-    const E* vj = vb + j * vs;
-    v16 vv[ND];
-    for (int c = 0; c < ND; ++c) vv[c] = load_kv(vj + c * VL);
-    for (int g = 0; g < MR; ++g) {
-      const v16 pj = splat(p[g] + j);
-      for (int c = 0; c < ND; ++c) acc[g][c] = fma(pj, vv[c], acc[g][c]);
-    }
-  }
-  for (int g = 0; g < MR; ++g) {
-    for (int j = emin; j < end[g]; ++j) {
-      const v16 pj = splat(p[g] + j);
-      for (int c = 0; c < ND; ++c) acc[g][c] = fma(pj, load_kv(vb + j * vs + c * VL), acc[g][c]);
-    }
-    for (int c = 0; c < ND; ++c) store(o[g] + c * VL, acc[g][c]);
-  }
-}
-
-template <typename E, int MR>
-inline void pv_tile_any(int nd, const float* const* p, const E* vb, int64_t vs, const int* end,
-                        float* const* o) {
-  switch (nd) {
-    case 4: pv_tile<E, MR, 4>(p, vb, vs, end, o); break;
-    case 3: pv_tile<E, MR, 3>(p, vb, vs, end, o); break;
-    case 2: pv_tile<E, MR, 2>(p, vb, vs, end, o); break;
-    default: pv_tile<E, MR, 1>(p, vb, vs, end, o); break;
-  }
-}
 
 template <typename E>
 void attend_prefill_cpu(const float* q, Strided4<E> k, Strided4<E> v, const uint8_t* mask,
