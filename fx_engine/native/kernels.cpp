@@ -1234,13 +1234,18 @@ inline void pv_tile(const float* const* p, const E* vb, int64_t vs, const int* e
       for (int c = 0; c < ND; ++c) acc[g][c] = fma(pj, vv[c], acc[g][c]);
     }
   }
-  for (int g = 0; g < MR; ++g) {
+  // The accumulators go to the output and each row's tail (keys past the smallest end)
+  // continues there: acc is then only indexed by unrolled compile-time loops and stays in
+  // registers (a run-time-bounded loop over acc[g] made GCC keep all of acc in memory,
+  // with a store per accumulator per key). The same float32 operations either way.
+  for (int g = 0; g < MR; ++g)
+    for (int c = 0; c < ND; ++c) store(o[g] + c * VL, acc[g][c]);
+  for (int g = 0; g < MR; ++g)
     for (int j = emin; j < end[g]; ++j) {
       const v16 pj = splat(p[g] + j);
-      for (int c = 0; c < ND; ++c) acc[g][c] = fma(pj, load_kv(vb + j * vs + c * VL), acc[g][c]);
+      for (int c = 0; c < ND; ++c)
+        store(o[g] + c * VL, fma(pj, load_kv(vb + j * vs + c * VL), load(o[g] + c * VL)));
     }
-    for (int c = 0; c < ND; ++c) store(o[g] + c * VL, acc[g][c]);
-  }
 }
 
 template <typename E, int MR>
@@ -1252,6 +1257,27 @@ inline void pv_tile_any(int nd, const float* const* p, const E* vb, int64_t vs, 
     case 2: pv_tile<E, MR, 2>(p, vb, vs, end, o); break;
     default: pv_tile<E, MR, 1>(p, vb, vs, end, o); break;
   }
+}
+
+// part[g][jj] = the 16 partial products over D of query row qg[g] with key jj < nj (of
+// the keys at kb, stride ks; zeros past nj): q0 * k0, then fma over d = 16, 32, ... in
+// order. NG rows share each key load.
+template <typename E, int NG, int PG>
+inline void score_keys(const float* const* qg, const E* kb, int64_t ks, int nj, int D,
+                       v16 (*part)[PG]) {
+  for (int jj = 0; jj < nj; ++jj) {
+    const E* kj = kb + jj * ks;
+    v16 acc[NG];
+    const v16 k0 = load_kv(kj);
+    for (int g = 0; g < NG; ++g) acc[g] = load(qg[g]) * k0;
+    for (int d = VL; d < D; d += VL) {
+      const v16 kd = load_kv(kj + d);
+      for (int g = 0; g < NG; ++g) acc[g] = fma(load(qg[g] + d), kd, acc[g]);
+    }
+    for (int g = 0; g < NG; ++g) part[g][jj] = acc[g];
+  }
+  for (int jj = nj; jj < PG; ++jj)
+    for (int g = 0; g < NG; ++g) part[g][jj] = v16{};
 }
 
 // E: the cache's element type (float, or uint16_t holding float16 bits: half the bytes to
@@ -1294,22 +1320,13 @@ void attend_cpu(const float* q, Strided4<E> k, Strided4<E> v, const uint8_t* mas
         for (int i0 = 0; i0 < rep; i0 += AG) {
           const int ng = std::min(AG, rep - i0);
           v16 part[AG][VL];
-          for (int jj = 0; jj < VL; ++jj) {
-            if (jj >= nj) {
-              for (int g = 0; g < ng; ++g) part[g][jj] = v16{};
-              continue;
-            }
-            const E* kj = kb + (j0 + jj) * k.ss;
-            v16 acc[AG];
-            const v16 k0 = load_kv(kj);
-            for (int g = 0; g < ng; ++g)
-              acc[g] = load(qs.data() + static_cast<int64_t>((i0 + g) * T + t) * D) * k0;
-            for (int d = VL; d < D; d += VL) {
-              const v16 kd = load_kv(kj + d);
-              for (int g = 0; g < ng; ++g)
-                acc[g] = fma(load(qs.data() + static_cast<int64_t>((i0 + g) * T + t) * D + d), kd, acc[g]);
-            }
-            for (int g = 0; g < ng; ++g) part[g][jj] = acc[g];
+          const float* qg[AG];
+          for (int g = 0; g < ng; ++g) qg[g] = qs.data() + static_cast<int64_t>((i0 + g) * T + t) * D;
+          switch (ng) {  // a compile-time row count keeps the accumulators in registers
+            case 4: score_keys<E, 4>(qg, kb + j0 * k.ss, k.ss, nj, D, part); break;
+            case 3: score_keys<E, 3>(qg, kb + j0 * k.ss, k.ss, nj, D, part); break;
+            case 2: score_keys<E, 2>(qg, kb + j0 * k.ss, k.ss, nj, D, part); break;
+            default: score_keys<E, 1>(qg, kb + j0 * k.ss, k.ss, nj, D, part); break;
           }
           for (int g = 0; g < ng; ++g) {
             alignas(64) float tot[VL];
