@@ -569,6 +569,20 @@ def test_qmm_a8_is_batch_and_tile_invariant() -> None:
     assert np.array_equal(single, full)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64])
+def test_qmm_a8_few_rows_give_the_tiles_bits(bits: int, gs: int) -> None:
+    """Up to 8 rows run the few-row path on AVX-512 VNNI builds (vectors along 16
+    features, a dot product per row against each weight quad), more rows the 16-row tiles:
+    every row count from 1 to 8 gives the tiles' bits (n = 37: a partial feature block)."""
+    wq, s, b = _quantized(37, 320, gs, bits)
+    x = mx.array(RNG.standard_normal((24, 320)).astype(np.float32) * 2)
+    full = np.asarray(native.qmm_a8(x, wq, s, b, gs, bits))
+    for m in range(1, 9):
+        part = np.asarray(native.qmm_a8(x[5 : 5 + m], wq, s, b, gs, bits))
+        assert np.array_equal(part, full[5 : 5 + m]), m
+
+
 def test_qmm_a8_inputs_and_errors() -> None:
     wq, s, b = _quantized(64, 128, 32, 8)
     x = mx.array(RNG.standard_normal((2, 3, 256)).astype(np.float32))

@@ -47,6 +47,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -530,21 +531,31 @@ inline void transpose16x4(const char* const* rp, int64_t off, __m512i out[4]) {
   out[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-template <int BITS, int MR>
-inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const float* sc,
-                            const float* bi, int gs, float* y, int N, int n0, float* sbuf) {
-  const int words = K * BITS / 32, groups = K / gs, nv = std::min(16, N - n0);
-  // Row pointers (rows past N repeat the last one: computed, never stored).
+// The 16 weight rows of the feature block at n0 (rows past N repeat the last one: computed,
+// never stored) as byte pointers rw[16], their scales and biases transposed once into
+// sbuf[g][16] and sbuf[groups + g][16] (64-byte aligned), and the next block's packed rows
+// to prefetch a slice of per 32-k step: the 16 interleaved row streams defeat the hardware
+// prefetchers on large weights. Shared by the few-row paths of qgemm and qmm_a8.
+struct FewBlock {
   const char* rw[16];
+  const char* next;
+  int64_t next_bytes, pf_step;
+  int nv;
+};
+
+inline FewBlock few_block(int K, const uint32_t* wq, const float* sc, const float* bi, int gs,
+                          int bits, int N, int n0, float* sbuf) {
+  FewBlock fb;
+  const int words = K * bits / 32, groups = K / gs;
+  fb.nv = std::min(16, N - n0);
   const char* rs[16];
   const char* rb[16];
   for (int j = 0; j < 16; ++j) {
-    const int64_t r = n0 + std::min(j, nv - 1);
-    rw[j] = reinterpret_cast<const char*>(wq + r * words);
+    const int64_t r = n0 + std::min(j, fb.nv - 1);
+    fb.rw[j] = reinterpret_cast<const char*>(wq + r * words);
     rs[j] = reinterpret_cast<const char*>(sc + r * groups);
     rb[j] = reinterpret_cast<const char*>(bi + r * groups);
   }
-  // The block's scales and biases, transposed once: sbuf[g][16], then bbuf[g][16].
   float* bbuf = sbuf + static_cast<int64_t>(groups) * 16;
   int g = 0;
   for (; g + 4 <= groups; g += 4) {
@@ -559,6 +570,38 @@ inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const flo
       sbuf[g * 16 + j] = reinterpret_cast<const float*>(rs[j])[g];
       bbuf[g * 16 + j] = reinterpret_cast<const float*>(rb[j])[g];
     }
+  // The next block's scales and biases (a third of the bytes of 4-bit weights with
+  // float32 parameters), now: read at the start of that block, before its words.
+  const int64_t next_rows = std::max(0, std::min(16, N - n0 - 16));
+  for (const float* t : {sc, bi}) {
+    const char* p = reinterpret_cast<const char*>(t + int64_t{n0 + 16} * groups);
+    for (int64_t o = 0; o < next_rows * groups * 4; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+  }
+  const int64_t blk_bytes = int64_t{16} * words * 4;
+  fb.next = reinterpret_cast<const char*>(wq + int64_t{n0 + 16} * words);
+  fb.next_bytes = std::min(blk_bytes, std::max<int64_t>(0, int64_t{N - n0 - 16} * words * 4));
+  fb.pf_step = ((fb.next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
+  return fb;
+}
+
+// This thread's buffer for a block's transposed scales and biases: [2][groups][16] floats.
+inline float* few_sbuf(int groups) {
+  thread_local std::vector<float> sb;
+  const size_t need = static_cast<size_t>(2 * groups * 16 + 16);  // + 16: alignment
+  if (sb.size() < need) sb.resize(need);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 63) & ~uintptr_t{63});
+}
+
+inline void prefetch_slice(const FewBlock& fb, int k0) {
+  for (int64_t o = (k0 / 32) * fb.pf_step, e = std::min(fb.next_bytes, o + fb.pf_step); o < e; o += 64)
+    _mm_prefetch(fb.next + o, _MM_HINT_T0);
+}
+
+template <int BITS, int MR>
+inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const float* sc,
+                            const float* bi, int gs, float* y, int N, int n0, float* sbuf) {
+  const FewBlock fb = few_block(K, wq, sc, bi, gs, BITS, N, n0, sbuf);
+  const float* bbuf = sbuf + static_cast<int64_t>(K / gs) * 16;
   const __m512i low = _mm512_set1_epi32(BITS == 4 ? 15 : 255);
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
@@ -567,21 +610,14 @@ inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const flo
     for (int m = 0; m < MR; ++m)
       acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[static_cast<int64_t>(m) * K + k]), w, acc[m]);
   };
-  // The next block's packed rows (contiguous) are prefetched a slice per 32-k step: the
-  // 16 interleaved row streams here defeat the hardware prefetchers on large weights.
-  const int64_t blk_bytes = int64_t{16} * words * 4;
-  const char* next = reinterpret_cast<const char*>(wq + int64_t{n0 + 16} * words);
-  const int64_t next_bytes = std::min(blk_bytes, std::max<int64_t>(0, int64_t{N - n0 - 16} * words * 4));
-  const int64_t pf_step = ((next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
   for (int k0 = 0; k0 < K; k0 += 32) {
-    for (int64_t o = (k0 / 32) * pf_step, e = std::min(next_bytes, o + pf_step); o < e; o += 64)
-      _mm_prefetch(next + o, _MM_HINT_T0);
+    prefetch_slice(fb, k0);
     const int gi = k0 / gs;
     const __m512 s = _mm512_load_ps(sbuf + gi * 16), c = _mm512_load_ps(bbuf + gi * 16);
     const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
     if constexpr (BITS == 4) {
       __m512i wv[4];
-      transpose16x4(rw, off, wv);
+      transpose16x4(fb.rw, off, wv);
       // split order: the low nibble of each byte (even k) for the block's 16 bytes, then
       // the high nibbles (odd k); byte b of word i holds k0 + 8i + 2b and k0 + 8i + 2b + 1.
 #pragma GCC unroll 2
@@ -596,7 +632,7 @@ inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const flo
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         __m512i wv[4];
-        transpose16x4(rw, off + 16 * h, wv);
+        transpose16x4(fb.rw, off + 16 * h, wv);
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i)
 #pragma GCC unroll 4
@@ -606,7 +642,7 @@ inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const flo
       }
     }
   }
-  const __mmask16 keep = static_cast<__mmask16>((1u << nv) - 1);
+  const __mmask16 keep = static_cast<__mmask16>((1u << fb.nv) - 1);
   for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
 }
 
@@ -616,10 +652,7 @@ void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const float* sc
   const int blocks = (N + 15) / 16;
   const int per = std::max(1, 4 * 576 / std::max(K, 1));
   pool().run((blocks + per - 1) / per, [&](int c) {
-    thread_local std::vector<float> sb;  // [2][groups][16] (+ 16 for alignment)
-    const size_t need = static_cast<size_t>(2 * (K / gs) * 16 + 16);
-    if (sb.size() < need) sb.resize(need);
-    float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 63) & ~uintptr_t{63});
+    float* sbuf = few_sbuf(K / gs);
     const int b1 = std::min(blocks, (c + 1) * per);
     for (int bl = c * per; bl < b1; ++bl) {
       const int n0 = bl * 16;
@@ -974,10 +1007,112 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const float* 
   });
 }
 
-// Up to 8 rows: tiles of 8; more: tiles of 16. Same bits either way (exact integer sums,
-// the same per-lane float operations).
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// qmm_a8 for up to 8 rows (decode batches): the other orientation, as qgemm's few-row
+// path. Vectors run along 16 output features; a quad of 4 weight bytes per lane comes
+// straight from the packed words (16 rows' words transposed in registers; for 4 bits the
+// low or high nibbles of a word: quads i and 4 + i of its 32-block in the split order), and
+// every row's dot product with it is one vpdpbusd against its broadcast activation quad.
+// The tiles above broadcast the weights and spend half their work on unpacking and
+// per-group float steps at 8 rows. Per group and row the same float operations as
+// a8_tile: f = d[m, g] * s[n, g], acc = fma(isum, f, acc), acc = fma(xs[m, g], b[n, g],
+// acc), and the integer sums are exact: the tiles' bits (tested).
+template <int BITS, int MR>
+inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int K,
+                         const uint32_t* wq, const float* sc, const float* bi, int gs,
+                         float* y, int N, int n0, float* sbuf) {
+  constexpr int R = 8;  // pack_a8<8>'s tile: quad u of row m at xq + (u * R + m) * 4
+  const FewBlock fb = few_block(K, wq, sc, bi, gs, BITS, N, n0, sbuf);
+  const float* bbuf = sbuf + static_cast<int64_t>(K / gs) * 16;
+  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
+  const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  auto dots = [&](__m512i (&is)[MR], __m512i w, int u) {
+    for (int m = 0; m < MR; ++m) is[m] = dpbusd(is[m], w, _mm512_set1_epi32(xq4[u * R + m]));
+  };
+  for (int g = 0; g < K / gs; ++g) {
+    __m512i is[MR];
+    for (int m = 0; m < MR; ++m) is[m] = _mm512_setzero_si512();
+    for (int k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
+      prefetch_slice(fb, k0);
+      const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
+      const int u0 = k0 / 4;
+      if constexpr (BITS == 4) {
+        __m512i wv[4];
+        transpose16x4(fb.rw, off, wv);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          dots(is, _mm512_and_si512(wv[i], nib), u0 + i);
+          dots(is, _mm512_and_si512(_mm512_srli_epi32(wv[i], 4), nib), u0 + 4 + i);
+        }
+      } else {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          __m512i wv[4];
+          transpose16x4(fb.rw, off + 16 * h, wv);
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) dots(is, wv[i], u0 + 4 * h + i);
+        }
+      }
+    }
+    const __m512 s = _mm512_load_ps(sbuf + g * 16), c = _mm512_load_ps(bbuf + g * 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 f = _mm512_mul_ps(_mm512_set1_ps(dd[g * R + m]), s);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[m]), f, acc[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xs[g * R + m]), c, acc[m]);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << fb.nv) - 1);
+  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
+}
+
+template <int BITS>
+void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+                const float* bi, int gs, float* y, int N) {
+  const int G = K / gs;
+  std::vector<int8_t> xq(static_cast<size_t>(K) * 8);
+  std::vector<float> dd(static_cast<size_t>(G) * 8), xs(dd.size());
+  pack_a8<8>(x, M, K, gs, BITS == 4, xq.data(), dd.data(), xs.data());
+  const int blocks = (N + 15) / 16;
+  const int per = std::max(1, 4 * 576 / std::max(K, 1));
+  pool().run((blocks + per - 1) / per, [&](int c) {
+    float* sbuf = few_sbuf(G);
+    const int b1 = std::min(blocks, (c + 1) * per);
+    for (int bl = c * per; bl < b1; ++bl) {
+      const int n0 = bl * 16;
+      auto run = [&](auto mr) {
+        a8_few_block<BITS, decltype(mr)::value>(xq.data(), dd.data(), xs.data(), K, wq, sc, bi,
+                                                gs, y, N, n0, sbuf);
+      };
+      switch (M) {
+        case 8: run(std::integral_constant<int, 8>{}); break;
+        case 7: run(std::integral_constant<int, 7>{}); break;
+        case 6: run(std::integral_constant<int, 6>{}); break;
+        case 5: run(std::integral_constant<int, 5>{}); break;
+        case 4: run(std::integral_constant<int, 4>{}); break;
+        case 3: run(std::integral_constant<int, 3>{}); break;
+        case 2: run(std::integral_constant<int, 2>{}); break;
+        default: run(std::integral_constant<int, 1>{}); break;
+      }
+    }
+  });
+}
+#endif
+
+// Up to 8 rows: the few-row path (AVX-512 VNNI builds) or tiles of 8; more: tiles of 16.
+// Same bits every way (exact integer sums, the same per-lane float operations).
 void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc,
                 const float* bi, int gs, int bits, float* y, int N) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  if (M > 0 && M <= 8) {
+    if (bits == 8)
+      qmm_a8_few<8>(x, M, K, wq, sc, bi, gs, y, N);
+    else
+      qmm_a8_few<4>(x, M, K, wq, sc, bi, gs, y, N);
+    return;
+  }
+#endif
   if (M <= 8)
     qmm_a8_rows<8>(x, M, K, wq, sc, bi, gs, bits, y, N);
   else
