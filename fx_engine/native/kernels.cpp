@@ -748,11 +748,13 @@ void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc
 // No float copy of the weights is made (qmm/qgemm dequantize each weight to a float
 // first), which is what makes it ~3x faster for a few rows.
 //
-// Layout: vectors along the rows (16 rows per tile, one int32 lane each); every lane
-// multiplies a broadcast quad of 4 weight bytes with its row's 4 activation bytes. The
-// weight bytes are in the weight rows' order: 8-bit weights straight from the packed words
-// (little-endian, k order), 4-bit ones unpacked per call into the split order of
-// dequant_row (low nibbles of a 32-block first), which the activations are packed in too.
+// Layout of the tiles: vectors along the rows (16 or 8 rows per tile, one int32 lane
+// each); every lane multiplies a broadcast quad of 4 weight bytes with its row's 4
+// activation bytes. The weight bytes are in the weight rows' order: 8-bit weights straight
+// from the packed words (little-endian, k order), 4-bit ones unpacked per call into the
+// split order of dequant_row (low nibbles of a 32-block first), which the activations are
+// packed in too. Up to 8 rows on AVX-512 VNNI builds: the few-row path (a8_few_block),
+// vectors along 16 features instead, with the same bits.
 constexpr int A8_FEAT = 12;  // output features per tile
 
 #if defined(__AVX512VNNI__)
