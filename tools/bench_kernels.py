@@ -4,7 +4,8 @@
 For each linear of one layer (qkv, o, gate_up, down) and the tied 8-bit head, and for each
 row count M: the time of one product through `native.qmm` (float32, dequantized copy + inner
 products), `native.qgemm` (float32: register tiles, and a few-row path up to 16 rows) and
-`native.qmm_a8` (8-bit activations, int8 dot products), the median of --rounds rounds of
+`native.qmm_a8` (8-bit activations, int8 dot products; a few-row path up to 8 rows on
+AVX-512 VNNI builds), the median of --rounds rounds of
 enough calls to take ~--budget seconds each, and GFLOP/s (2 * M * N * K / time). Which kernel
 fx_engine.nn picks depends on the build and the numerics (`native.tiled_gemm()`: qgemm, else
 qmm; `Numerics.activation_bits=8`: qmm_a8); this shows the three side by side.
