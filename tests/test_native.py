@@ -533,7 +533,8 @@ def _a8_reference(x: mx.array, wq, s, b, gs: int, bits: int) -> np.ndarray:
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 17, 40])
 def test_qmm_a8_matches_its_float64_definition(bits: int, gs: int, m: int) -> None:
-    # m <= 8: 8-row tiles; more: 16-row tiles (partial ones at 9, 17, 40); n = 37: not a
+    # m <= 8: the few-row path (VNNI builds; else 8-row tiles); more: 16-row tiles
+    # (partial ones at 9, 17, 40); n = 37: not a
     # multiple of the 12-feature tile.
     n, k = 37, 256
     wq, s, b = _quantized(n, k, gs, bits)
@@ -550,7 +551,7 @@ def test_qmm_a8_matches_its_float64_definition(bits: int, gs: int, m: int) -> No
 
 def test_qmm_a8_is_batch_and_tile_invariant() -> None:
     """Integer sums are exact and each lane runs the same float32 operations, so a row's
-    output is bitwise the same alone (8-row tiles), in any batch (16-row tiles), at any
+    output is bitwise the same alone (the few-row path), in any batch (16-row tiles), at any
     position, and with any thread count."""
     wq, s, b = _quantized(200, 576, 32, 4)
     x = mx.array(RNG.standard_normal((70, 576)).astype(np.float32))
@@ -570,13 +571,18 @@ def test_qmm_a8_is_batch_and_tile_invariant() -> None:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("gs", [32, 64])
-def test_qmm_a8_few_rows_give_the_tiles_bits(bits: int, gs: int) -> None:
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("n", [37, 200])
+def test_qmm_a8_few_rows_give_the_tiles_bits(bits: int, gs: int, n: int) -> None:
     """Up to 8 rows run the few-row path on AVX-512 VNNI builds (vectors along 16
     features, a dot product per row against each weight quad), more rows the 16-row tiles:
-    every row count from 1 to 8 gives the tiles' bits (n = 37: a partial feature block)."""
-    wq, s, b = _quantized(37, 320, gs, bits)
-    x = mx.array(RNG.standard_normal((24, 320)).astype(np.float32) * 2)
+    every row count from 1 to 8 gives the tiles' bits. n = 37 and 200: partial last feature
+    blocks; 200 x 640 also splits over several pool chunks; gs = 64, 128: several 32-k
+    steps per group; 20, 10 or 5 groups: every branch of the scale transposition."""
+    if not native.int8_dot():
+        pytest.skip("no AVX-512 VNNI: qmm_a8 has no few-row path on this build")
+    wq, s, b = _quantized(n, 640, gs, bits)
+    x = mx.array(RNG.standard_normal((24, 640)).astype(np.float32) * 2)
     full = np.asarray(native.qmm_a8(x, wq, s, b, gs, bits))
     for m in range(1, 9):
         part = np.asarray(native.qmm_a8(x[5 : 5 + m], wq, s, b, gs, bits))

@@ -570,8 +570,8 @@ inline FewBlock few_block(int K, const uint32_t* wq, const float* sc, const floa
       sbuf[g * 16 + j] = reinterpret_cast<const float*>(rs[j])[g];
       bbuf[g * 16 + j] = reinterpret_cast<const float*>(rb[j])[g];
     }
-  // The next block's scales and biases (a third of the bytes of 4-bit weights with
-  // float32 parameters), now: read at the start of that block, before its words.
+  // The next block's scales and biases (with float32 parameters a third of the bytes of
+  // 4-bit weights in groups of 32), now: read at the start of that block, before its words.
   const int64_t next_rows = std::max(0, std::min(16, N - n0 - 16));
   for (const float* t : {sc, bi}) {
     const char* p = reinterpret_cast<const char*>(t + int64_t{n0 + 16} * groups);
@@ -748,8 +748,8 @@ void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc
 // No float copy of the weights is made (qmm/qgemm dequantize each weight to a float
 // first), which is what makes it ~3x faster for a few rows.
 //
-// Layout of the tiles: vectors along the rows (16 or 8 rows per tile, one int32 lane
-// each); every lane multiplies a broadcast quad of 4 weight bytes with its row's 4
+// Layout of the tiles: vectors along the rows (16 rows per tile on VNNI builds, also 8 in
+// the scalar fallback; one int32 lane each); every lane multiplies a broadcast quad of 4 weight bytes with its row's 4
 // activation bytes. The weight bytes are in the weight rows' order: 8-bit weights straight
 // from the packed words (little-endian, k order), 4-bit ones unpacked per call into the
 // split order of dequant_row (low nibbles of a 32-block first), which the activations are
@@ -764,13 +764,8 @@ inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
 }
-inline __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-  return acc;
-}
 
-// R rows per tile: 16 (one zmm of int32 lanes) or 8 (ymm: for a few rows, half the lanes
-// and, on CPUs that split 512-bit ops in two, half the cost).
+// R rows per tile: 16, one zmm of int32 lanes (up to 8 rows take the few-row path).
 template <int R> struct A8Vec;
 template <> struct A8Vec<16> {
   using I = __m512i;
@@ -785,20 +780,6 @@ template <> struct A8Vec<16> {
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-};
-template <> struct A8Vec<8> {
-  using I = __m256i;
-  using F = __m256;
-  static I izero() { return _mm256_setzero_si256(); }
-  static F fzero() { return _mm256_setzero_ps(); }
-  static I iload(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-  static I ibcast(int32_t v) { return _mm256_set1_epi32(v); }
-  static F fload(const float* p) { return _mm256_loadu_ps(p); }
-  static F fbcast(float v) { return _mm256_set1_ps(v); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
-  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 #endif
 
@@ -1102,23 +1083,24 @@ void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const float* s
 }
 #endif
 
-// Up to 8 rows: the few-row path (AVX-512 VNNI builds) or tiles of 8; more: tiles of 16.
-// Same bits every way (exact integer sums, the same per-lane float operations).
+// Up to 8 rows: the few-row path (AVX-512 VNNI builds) or tiles of 8 (the scalar
+// fallback); more: tiles of 16. Same bits every way (exact integer sums, the same
+// per-lane float operations).
 void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc,
                 const float* bi, int gs, int bits, float* y, int N) {
+  if (M <= 0) return;
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-  if (M > 0 && M <= 8) {
+  if (M <= 8) {
     if (bits == 8)
       qmm_a8_few<8>(x, M, K, wq, sc, bi, gs, y, N);
     else
       qmm_a8_few<4>(x, M, K, wq, sc, bi, gs, y, N);
     return;
   }
+#else
+  if (M <= 8) return qmm_a8_rows<8>(x, M, K, wq, sc, bi, gs, bits, y, N);
 #endif
-  if (M <= 8)
-    qmm_a8_rows<8>(x, M, K, wq, sc, bi, gs, bits, y, N);
-  else
-    qmm_a8_rows<16>(x, M, K, wq, sc, bi, gs, bits, y, N);
+  qmm_a8_rows<16>(x, M, K, wq, sc, bi, gs, bits, y, N);
 }
 
 void dequant_cpu(const uint32_t* wq, const float* sc, const float* bi, int gs, int bits,
