@@ -7,6 +7,7 @@ import argparse
 import json
 import platform
 import shutil
+import signal
 import sys
 from typing import Any
 
@@ -216,12 +217,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if template_args is not None and not isinstance(template_args, dict):
         raise ValueError("--chat-template-args: must be a JSON object")
     app = create_app(engine, a.model_id or _model_id(model), api_key=a.api_key, defaults=defaults,
-                     chat_template=template, chat_template_args=template_args)
+                     chat_template=template, chat_template_args=template_args,
+                     max_request_bytes=a.max_request_bytes, stream_buffer=a.stream_buffer)
     engine.start()
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the
+    # handler that was installed before it: this one, so that a requested shutdown ends
+    # the process normally (exit code 0, the engine closed) instead of by the signal.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     finally:
-        engine.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        engine.close(wait=False)  # the server has stopped: nobody waits for these rows
     return 0
 
 
@@ -303,7 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(max_tokens=512)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8080)
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    sv.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on every route but /health; "
+                         "give it once per tenant: each key has its own prefix-cache scope")
+    sv.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                    help="largest request body (413 beyond; default 8 MiB)")
+    sv.add_argument("--stream-buffer", type=int, default=256,
+                    help="events per choice a streaming client may fall behind before it is "
+                         "cut off and its rows freed")
     sv.add_argument("--model-id", default=None, help="the id /v1/models reports")
     sv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond this: 429")
     sv.add_argument("--decode-concurrency", type=int, default=32, help="most requests in the batch")

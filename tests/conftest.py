@@ -1,4 +1,8 @@
+import contextlib
 import os
+import socket
+import threading
+import time
 
 import pytest
 
@@ -39,3 +43,36 @@ LONG_TEXT = (
     "The quick brown fox jumps over the lazy dog. What is the capital of France? "
     "The capital of France is Paris. def add(a, b): return a + b. Numbers 0123456789. "
 ) * 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(app, engine):
+    """A live uvicorn server for `app` on a free port of 127.0.0.1, with `engine` started;
+    yields (url, port). Shut down fully afterwards (no thread may still be inside the
+    server or the engine during interpreter finalisation), and the engine closed."""
+    import uvicorn
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    engine.start()
+    t = threading.Thread(target=srv.run)
+    t.start()
+    for _ in range(400):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", port
+    finally:
+        srv.should_exit = True
+        t.join(timeout=30)
+        if t.is_alive():
+            srv.force_exit = True
+            t.join(timeout=10)
+        engine.close(wait=False)

@@ -4,7 +4,6 @@ raw HTTP (httpx) against a live uvicorn server started by the tests."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -15,41 +14,16 @@ import fx_engine
 from fx_engine.server.app import create_app
 from fx_engine.testing import write_tiny_model
 
-from .conftest import LONG_TEXT
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .conftest import LONG_TEXT, serve
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import uvicorn
-
     model = fx_engine.load(write_tiny_model(tmp_path_factory.mktemp("srv") / "m"))
     engine = fx_engine.Engine(model, max_rows=16, prefill_chunk=64)
     app = create_app(engine, "tiny", defaults={"max_tokens": 32})
-    port = _free_port()
-    cfg = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    srv = uvicorn.Server(cfg)
-    engine.start()
-    t = threading.Thread(target=srv.run)
-    t.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield {"url": f"http://127.0.0.1:{port}", "model": model, "engine": engine}
-    # Shut down fully before the interpreter exits: no thread may still be inside the server
-    # or the engine (MLX) during finalisation.
-    srv.should_exit = True
-    t.join(timeout=30)
-    if t.is_alive():
-        srv.force_exit = True
-        t.join(timeout=10)
-    engine.close(wait=False)
+    with serve(app, engine) as (url, _):
+        yield {"url": url, "model": model, "engine": engine}
 
 
 @pytest.fixture(scope="module")

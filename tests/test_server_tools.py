@@ -102,7 +102,10 @@ class ScriptedEngine(fx_engine.Engine):
 
     script: list[int] = []
 
-    def submit(self, prompt, **kw):
+    def submit_many(self, prompt, kwargs_list):  # what the server (and submit) call
+        return [self._submit_one(prompt, dict(kw)) for kw in kwargs_list]
+
+    def _submit_one(self, prompt, kw):
         n_prompt = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else None
         script, eos = self.script, self.model.eos_ids[0]
 
@@ -113,7 +116,7 @@ class ScriptedEngine(fx_engine.Engine):
 
         if n_prompt is not None and self.script:
             kw["logits_processors"] = [force]
-        return super().submit(prompt, **kw)
+        return super().submit_many(prompt, [kw])[0]
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,11 @@ buckets, admission) is pure Python in `scheduler.py`; the policy is in specs/eng
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -50,6 +52,28 @@ __all__ = [
 
 _GREEDY = SamplingConfig()
 _END = object()
+
+
+_STARTED: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_ATEXIT_REGISTERED = False
+
+
+def _close_at_exit(engine: "Engine") -> None:
+    """Engines whose thread is still running when the interpreter exits (a script that
+    never closed its engine) are stopped first: their requests are cancelled and their
+    thread ends (releasing its MLX state, see Engine._end_thread) before finalization,
+    instead of being frozen mid-step by it."""
+    global _ATEXIT_REGISTERED
+    if not _ATEXIT_REGISTERED:
+        atexit.register(_close_all)
+        _ATEXIT_REGISTERED = True
+    _STARTED.add(engine)
+
+
+def _close_all() -> None:
+    for engine in list(_STARTED):
+        engine.close(wait=False)
+    _STARTED.clear()
 
 
 class QueueFull(RuntimeError):
@@ -148,19 +172,29 @@ class RequestHandle:
         self._cancel = False
 
     # ---- called by the engine (its thread) ----
+    def _deliver(self, ev: Any) -> None:
+        """Hand one event to the consumer (under _cond). A delivery channel that fails (the
+        asyncio loop of an `aiter()` closed) ends this request only: the listener is
+        dropped and the request cancelled; the engine and other requests never see it."""
+        if self._listener is None:
+            self._events.append(ev)
+            return
+        try:
+            self._listener(ev)
+        except Exception:
+            self._listener = None
+            self._cancel = True
+
     def _emit(self, ev: Any) -> None:
         with self._cond:
-            if self._listener is not None:
-                self._listener(ev)
-            else:
-                self._events.append(ev)
+            self._deliver(ev)
             self._cond.notify_all()
 
     def _finish(self, completion: Completion | None, error: BaseException | None) -> None:
         with self._cond:
             self._completion, self._error, self._done = completion, error, True
             if self._listener is not None:
-                self._listener(_END)
+                self._deliver(_END)
             self._cond.notify_all()
 
     # ---- public ----
@@ -219,6 +253,12 @@ class RequestHandle:
                     continue
             self._engine.step()
 
+    async def aresult(self) -> Completion:
+        """`result()` for asyncio code: awaits the Completion without blocking the loop."""
+        async for _ in self.aiter():
+            pass
+        return self.result()
+
     async def aiter(self):
         """Async iteration: `async for delta in handle.aiter()`. With a started engine the
         events arrive through loop.call_soon_threadsafe; otherwise this drives engine.step()
@@ -254,12 +294,13 @@ class _Request:
         "handle", "ids", "cfg", "max_tokens", "stops", "detok", "want_logprobs", "need",
         "prefilled", "pcache", "row", "cache_len", "generated", "text", "lps", "phase",
         "t_admit", "t_first", "row_state", "processors", "drafter", "row_drafter", "k_max",
-        "k", "skip", "misses", "drafted", "accepted", "alpha", "cached",
+        "k", "skip", "misses", "drafted", "accepted", "alpha", "cached", "salt",
     )
 
     def __init__(self, handle, ids, cfg, max_tokens, stops, want_logprobs, processors=(),
-                 drafter=None, k_max=0):
+                 drafter=None, k_max=0, salt=None):
         self.handle = handle
+        self.salt = salt  # the prefix-cache scope (cache_salt)
         self.ids = ids
         self.cfg = cfg
         self.max_tokens = max_tokens
@@ -432,21 +473,35 @@ class Engine:
         """Queue a request (thread-safe). Takes fx_engine.generate's arguments. Raises
         ValueError for invalid arguments or a request that can never fit (context, KV
         budget), QueueFull when the wait queue is full, EngineClosed after close()."""
-        req, ids = self._make_request(prompt, kwargs)
+        return self.submit_many(prompt, [kwargs])[0]
+
+    def submit_many(self, prompt: Any, kwargs_list: Sequence[dict[str, Any]]) -> list[RequestHandle]:
+        """Queue several requests on one prompt as a unit (a server request's `n`
+        choices, each with its own arguments): every one is validated before any is
+        queued, and all are queued or none (QueueFull unless the queue has room for all),
+        so a rejected request never leaves rows running. The prompt is tokenized once."""
+        if not kwargs_list:
+            raise ValueError("submit_many: no requests")
+        made = []
+        for kw in kwargs_list:
+            made.append(self._make_request(prompt if not made else made[0][1], kw))
         with self._lock:
             if self._closing:
                 raise EngineClosed("engine is closed")
-            if len(self._pending) >= self.max_queue:
+            if len(self._pending) + len(made) > self.max_queue:
                 raise QueueFull(
-                    f"engine queue is full ({self.max_queue} requests waiting); retry later"
+                    f"engine queue is full ({len(self._pending)} of {self.max_queue} requests "
+                    f"waiting, {len(made)} more asked); retry later"
                 )
-            rid = self._next_id
-            self._next_id += 1
-            handle = RequestHandle(self, rid, tuple(ids))
-            req.handle = handle
-            self._pending.append(req)
+            handles = []
+            for req, ids in made:
+                handle = RequestHandle(self, self._next_id, tuple(ids))
+                self._next_id += 1
+                req.handle = handle
+                self._pending.append(req)
+                handles.append(handle)
             self._lock.notify_all()
-        return handle
+        return handles
 
     def start(self) -> "Engine":
         """Run steps on a background thread (it owns all MLX state from now on)."""
@@ -457,6 +512,7 @@ class Engine:
                 return self
             self._thread = threading.Thread(target=self._loop, name="fx-engine", daemon=True)
             self._thread.start()
+        _close_at_exit(self)
         return self
 
     def close(self, wait: bool = True) -> None:
@@ -523,7 +579,7 @@ class Engine:
                 f"{self.kv_budget_tokens} tokens"
             )
         return _Request(None, ids, r.sampling, max_tokens, r.stops, r.n_top > 0,
-                        r.processors, r.drafter, r.num_draft_tokens), ids
+                        r.processors, r.drafter, r.num_draft_tokens, r.cache_salt), ids
 
     def _wake(self) -> None:
         with self._lock:
@@ -531,20 +587,40 @@ class Engine:
 
     # ---------------------------------------------------------------- the loop
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not (self._pending or self._prefilling or self._live_rows()
-                           or self._closing):
-                    self._lock.wait()
-                if self._closing and not (self._abort or self._pending or self._prefilling
-                                          or self._live_rows()):
+        try:
+            while True:
+                with self._lock:
+                    while not (self._pending or self._prefilling or self._live_rows()
+                               or self._closing):
+                        self._lock.wait()
+                    if self._closing and not (self._abort or self._pending or self._prefilling
+                                              or self._live_rows()):
+                        return
+                try:
+                    self.step()
+                except BaseException as e:  # a step-level failure: fail every request, go on
+                    self._fail_all(e)
+                if self._abort and not self.has_work():
                     return
-            try:
-                self.step()
-            except BaseException as e:  # a step-level failure: fail every request, go on
-                self._fail_all(e)
-            if self._abort and not self.has_work():
-                return
+        finally:
+            self._end_thread()
+
+    def _end_thread(self) -> None:
+        """Release this thread's MLX state while it is still a Python thread.
+
+        MLX keeps a compile cache (and streams) per OS thread; the cache's entries hold
+        the Python step functions. Left alone, they are destroyed by the thread's C++
+        thread-local destructors, which run after the Python thread has ended and need
+        the GIL: if the interpreter is finalizing by then (a script that closes its
+        engine and exits), taking the GIL ends the thread by a forced unwind through a
+        noexcept destructor, and the process aborts ("terminate called without an
+        active exception", exit code 134). `mx.clear_streams()` destroys them now; no
+        MLX work may follow on this thread, so the engine's arrays (all evaluated) are
+        dropped first and the engine is finished."""
+        with self._lock:
+            self._closing = True
+        self._fail_all(EngineClosed("engine is closed"))
+        mx.clear_streams()
 
     def _live_rows(self) -> bool:
         return any(r is not None for r in self._rows)
@@ -623,7 +699,7 @@ class Engine:
         if self.prefix_cache is None:
             return
         try:
-            entry, m = self.prefix_cache.lookup(req.ids)
+            entry, m = self.prefix_cache.lookup(req.ids, req.salt)
             if entry is None:
                 return
             cache = self.model.new_cache(1, self._prefill_slots(req), headroom=self._headroom)
@@ -633,13 +709,14 @@ class Engine:
             req.pcache, req.prefilled, req.cached = None, 0, 0
             self._trace("prefix_error", request=req.handle.id, error=repr(e))
 
-    def _snapshot(self, tokens: Sequence[int], cache: KVCache, row: int) -> None:
-        """Keep this row's first len(tokens) positions for later requests (a copy of those
-        tokens only, made now: the source cache is updated in place afterwards)."""
+    def _snapshot(self, req: _Request, tokens: Sequence[int], cache: KVCache, row: int) -> None:
+        """Keep this row's first len(tokens) positions for later requests with the same
+        cache_salt (a copy of those tokens only, made now: the source cache is updated in
+        place afterwards)."""
         if self.prefix_cache is None or len(tokens) < 1:
             return
         try:
-            self.prefix_cache.add(tokens, snapshot_row(cache, row, len(tokens)))
+            self.prefix_cache.add(tokens, snapshot_row(cache, row, len(tokens)), salt=req.salt)
         except Exception as e:
             self._trace("prefix_error", error=repr(e))
 
@@ -667,7 +744,7 @@ class Engine:
         if not last:
             mx.eval(*tree_leaves(cache))
             req.pcache = cache
-            self._snapshot(req.ids[: req.prefilled], cache, 0)  # a chunk boundary
+            self._snapshot(req, req.ids[: req.prefilled], cache, 0)  # a chunk boundary
             self._trace("prefill", request=req.handle.id, tokens=n, padded=size, start=start,
                         seconds=time.perf_counter() - t0, host_seconds=host)
             return False
@@ -676,7 +753,7 @@ class Engine:
         row_state = sample_step_compiled(row_state, logits)
         mx.eval(*tree_leaves(cache), *tree_leaves(row_state))
         req.pcache = cache
-        self._snapshot(req.ids, cache, 0)  # the whole prompt
+        self._snapshot(req, req.ids, cache, 0)  # the whole prompt
         t1 = time.perf_counter()
         self._trace("prefill", request=req.handle.id, tokens=n, padded=size, start=start,
                     seconds=t1 - t0, host_seconds=host)
@@ -1047,7 +1124,8 @@ class Engine:
     def _complete(self, req: _Request, reason: str) -> None:
         if req.row is not None and self._cache is not None and self._rows[req.row] is req:
             # the conversation so far (prompt + generated tokens in the cache) for later turns
-            self._snapshot((list(req.ids) + req.generated)[: req.cache_len], self._cache, req.row)
+            self._snapshot(req, (list(req.ids) + req.generated)[: req.cache_len], self._cache,
+                           req.row)
         if reason == "stop" and req.stops.stopped:
             tail = ""
         else:

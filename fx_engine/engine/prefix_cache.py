@@ -16,8 +16,15 @@ are scanned for a shared first block fragment. How much of a match is used:
   an entry serves a prompt only at its exact length or, if it never wrapped, any prefix.
 At least one prompt token is always left to prefill (its logits give the first sample).
 
-Budget: `budget_bytes` over the entries' arrays, least recently used evicted first; an
-entry being restored is pinned (restoration copies it into the request's cache, so entries
+Scopes: every entry belongs to the scope of the `salt` it was added with (a request's
+`cache_salt`; the server derives it from the API key and the request's own salt), and a
+lookup only ever sees entries of its own scope, in memory and on disk: requests of
+different scopes never share KV, so neither `usage.cached_tokens` nor the time to first
+token can tell one tenant what another one's prompts were. Salts are stored only as
+digests.
+
+Budget: `budget_bytes` over the entries' arrays (all scopes together), least recently used
+evicted first; an entry being restored is pinned (restoration copies it into the request's cache, so entries
 are never in use by a running request afterwards). An entry whose tokens are a strict
 prefix of a newer entry's is dropped when that newer entry can serve it (no rings).
 """
@@ -43,9 +50,16 @@ LAYOUT_VERSION = 1  # bump when the snapshot array layout changes: older files b
 DEFAULT_BLOCK = 16
 
 
-def block_hashes(tokens: Sequence[int], block: int) -> list[bytes]:
-    """The hash chain over the full blocks of `tokens`."""
-    out, h = [], b""
+def scope_of(salt: str | None) -> str:
+    """The scope an entry with this cache_salt lives in ("" = unsalted, shared)."""
+    if salt is None:
+        return ""
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def block_hashes(tokens: Sequence[int], block: int, scope: str = "") -> list[bytes]:
+    """The hash chain over the full blocks of `tokens`, seeded with the scope."""
+    out, h = [], scope.encode()
     for i in range(len(tokens) // block):
         piece = ",".join(str(t) for t in tokens[i * block : (i + 1) * block]).encode()
         h = hashlib.blake2b(h + piece, digest_size=16).digest()
@@ -62,11 +76,14 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-class _Entry:
-    __slots__ = ("tokens", "cache", "nbytes", "hashes", "pins")
+Key = tuple  # (scope, tokens)
 
-    def __init__(self, tokens: tuple[int, ...], cache: KVCache, hashes: list[bytes]):
-        self.tokens, self.cache, self.hashes, self.pins = tokens, cache, hashes, 0
+
+class _Entry:
+    __slots__ = ("key", "tokens", "cache", "nbytes", "hashes", "pins")
+
+    def __init__(self, key: Key, cache: KVCache, hashes: list[bytes]):
+        self.key, self.tokens, self.cache, self.hashes, self.pins = key, key[1], cache, hashes, 0
         self.nbytes = cache.nbytes
 
 
@@ -82,8 +99,8 @@ class PrefixStore:
         self.budget = budget_bytes
         self.max_entries = max_entries  # mlx_lm.server's --prompt-cache-size
         self.block = block_size
-        self._entries: collections.OrderedDict[tuple[int, ...], _Entry] = collections.OrderedDict()
-        self._index: dict[bytes, set[tuple[int, ...]]] = {}
+        self._entries: collections.OrderedDict[Key, _Entry] = collections.OrderedDict()
+        self._index: dict[bytes, set[Key]] = {}
         self.nbytes = 0
         self.hits = self.misses = self.hit_tokens = 0
         self.disk = disk
@@ -104,40 +121,42 @@ class PrefixStore:
             return 0
         return max(0, m)
 
-    def lookup(self, prompt: Sequence[int]) -> tuple[_Entry | None, int]:
-        """The entry sharing the longest usable prefix with `prompt`, and that length."""
+    def lookup(self, prompt: Sequence[int], salt: str | None = None) -> tuple[_Entry | None, int]:
+        """The entry of salt's scope sharing the longest usable prefix with `prompt`, and
+        that length."""
         if (not self._entries and self.disk is None) or len(prompt) < 2:
             self.misses += 1
             return None, 0
+        scope = scope_of(salt)
         # Every entry sharing at least one full block (not only the deepest: with rings a
         # shorter entry may be usable where a longer one is not).
-        cands: set[tuple[int, ...]] = set()
-        for h in block_hashes(prompt, self.block):
+        cands: set[Key] = set()
+        for h in block_hashes(prompt, self.block, scope):
             keys = self._index.get(h)
             if not keys:
                 break
             cands |= keys
         if not cands:  # shorter than a block: scan for a shared fragment
-            cands = {t for t in self._entries if t[:1] == tuple(prompt[:1])}
+            cands = {k for k in self._entries if k[0] == scope and k[1][:1] == tuple(prompt[:1])}
         best, best_m = None, 0
-        for t in cands:
-            e = self._entries[t]
-            m = self._usable(e, _common(t, prompt), len(prompt))
+        for k in cands:
+            e = self._entries[k]
+            m = self._usable(e, _common(e.tokens, prompt), len(prompt))
             if m > best_m:
                 best, best_m = e, m
         if self.disk is not None:  # a longer match on disk: load it into memory
-            tokens, m = self.disk.best(prompt, self._usable_len)
+            tokens, m = self.disk.best(prompt, self._usable_len, scope)
             if m > best_m:
-                cache = self.disk.load(tokens)
+                cache = self.disk.load((scope, tokens))
                 if cache is not None:
-                    self.add(tokens, cache, to_disk=False)
-                    best = self._entries.get(tokens) or _Entry(tokens, cache, [])
+                    self.add(tokens, cache, to_disk=False, salt=salt)
+                    best = self._entries.get((scope, tokens)) or _Entry((scope, tokens), cache, [])
                     best_m = m
         if best is None:
             self.misses += 1
             return None, 0
-        if best.tokens in self._entries:
-            self._entries.move_to_end(best.tokens)
+        if best.key in self._entries:
+            self._entries.move_to_end(best.key)
         self.hits += 1
         self.hit_tokens += best_m
         return best, best_m
@@ -154,13 +173,16 @@ class PrefixStore:
             entry.pins -= 1
 
     # ------------------------------------------------------------------------ insert
-    def add(self, tokens: Sequence[int], snapshot: KVCache, to_disk: bool = True) -> None:
-        """Store a snapshot of `tokens` (its length == len(tokens)). Evaluated now, so the
-        snapshot's copies are made before the source cache is written again; written to
-        the disk tier too when there is one."""
-        key = tuple(tokens)
-        if len(key) < 1:
+    def add(self, tokens: Sequence[int], snapshot: KVCache, to_disk: bool = True,
+            salt: str | None = None) -> None:
+        """Store a snapshot of `tokens` (its length == len(tokens)) in salt's scope.
+        Evaluated now, so the snapshot's copies are made before the source cache is
+        written again; written to the disk tier too when there is one."""
+        toks = tuple(tokens)
+        if len(toks) < 1:
             return
+        scope = scope_of(salt)
+        key = (scope, toks)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
@@ -170,15 +192,20 @@ class PrefixStore:
         if self.budget == 0:
             return
         rings = any(s.ring for s in snapshot.layout)
-        hashes = block_hashes(key, self.block)
+        hashes = block_hashes(toks, self.block, scope)
+
+        def shorter(k: Key) -> bool:  # a prefix of the new entry, same scope, not in use
+            t = k[1]
+            return (k[0] == scope and len(t) < len(toks) and toks[: len(t)] == t
+                    and self._entries[k].pins == 0)
+
         if not rings:  # the new entry serves every prefix of itself: drop shorter ones
             for h in hashes[-1:]:
-                for t in list(self._index.get(h, ())):
-                    if len(t) < len(key) and key[: len(t)] == t and self._entries[t].pins == 0:
-                        self._drop(t)
-            for t in [t for t in self._entries if len(t) < len(key) and key[: len(t)] == t
-                      and len(t) < self.block and self._entries[t].pins == 0]:
-                self._drop(t)
+                for k in list(self._index.get(h, ())):
+                    if shorter(k):
+                        self._drop(k)
+            for k in [k for k in self._entries if len(k[1]) < self.block and shorter(k)]:
+                self._drop(k)
         e = _Entry(key, snapshot, hashes)
         if e.nbytes > self.budget:
             return
@@ -188,7 +215,7 @@ class PrefixStore:
         self.nbytes += e.nbytes
         self._evict()
 
-    def _drop(self, key: tuple[int, ...]) -> None:
+    def _drop(self, key: Key) -> None:
         e = self._entries.pop(key)
         self.nbytes -= e.nbytes
         for h in e.hashes:
@@ -276,12 +303,14 @@ class DiskTier:
                        "model": model_fingerprint, "tokenizer": tokenizer_fingerprint,
                        "layout": repr(layout), "dtype": dtype}
         self.layout = layout
-        self.index: dict[tuple[int, ...], str] = {}
+        self.index: dict[Key, str] = {}  # (scope, tokens) -> file stem
         self.loads = self.saves = self.rejected = 0
         self._scan()
 
-    def _name(self, tokens: tuple[int, ...]) -> str:
-        h = hashlib.sha256(repr((self.expect["model"], self.expect["layout"], tokens)).encode())
+    def _name(self, key: Key) -> str:
+        scope, tokens = key
+        h = hashlib.sha256(repr((self.expect["model"], self.expect["layout"], tokens)
+                                + ((scope,) if scope else ())).encode())
         return h.hexdigest()[:32]
 
     def _scan(self) -> None:
@@ -289,7 +318,8 @@ class DiskTier:
             try:
                 meta = json.loads(meta_path.read_text())
                 if all(meta.get(k) == v for k, v in self.expect.items()):
-                    self.index[tuple(int(t) for t in meta["tokens"])] = meta_path.stem
+                    key = (str(meta.get("scope", "")), tuple(int(t) for t in meta["tokens"]))
+                    self.index[key] = meta_path.stem
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # another writer's partial file or garbage: not ours to use
 
@@ -297,29 +327,34 @@ class DiskTier:
         self.rejected += 1
         warnings.warn(f"prefix cache: ignoring {self.dir / name}.safetensors ({why})", stacklevel=3)
 
-    def best(self, prompt: Sequence[int], usable: Any) -> tuple[tuple[int, ...], int]:
+    def best(self, prompt: Sequence[int], usable: Any, scope: str = "") -> tuple[tuple[int, ...], int]:
         best, best_m = (), 0
-        for tokens in self.index:
+        for s, tokens in self.index:
+            if s != scope:
+                continue
             m = usable(self.layout, len(tokens), _common(tokens, prompt), len(prompt))
             if m > best_m:
                 best, best_m = tokens, m
         return best, best_m
 
-    def load(self, tokens: tuple[int, ...]) -> KVCache | None:
-        name = self.index.get(tokens)
+    def load(self, key: Key) -> KVCache | None:
+        name = self.index.get(key)
         if name is None:
             return None
+        scope, tokens = key
         path = self.dir / f"{name}.safetensors"
         try:
             arrs, meta = mx.load(str(path), return_metadata=True)
         except Exception as e:  # truncated, missing, not safetensors
-            self.index.pop(tokens, None)
+            self.index.pop(key, None)
             self._warn(name, f"unreadable: {e}")
             return None
         bad = [k for k, v in self.expect.items() if meta.get(k) != v]
         stored = arrs.pop("tokens", None)
         if bad:
             why = f"different {', '.join(bad)}"
+        elif meta.get("scope", "") != scope:
+            why = "another cache scope"
         elif stored is None or tuple(stored.tolist()) != tokens:
             why = "tokens do not match"
         elif meta.get("checksum") != _checksum(arrs):
@@ -327,23 +362,25 @@ class DiskTier:
         else:
             why = ""
         if why:
-            self.index.pop(tokens, None)
+            self.index.pop(key, None)
             self._warn(name, why)
             return None
         try:
             cache = _from_arrays(arrs, self.layout, len(tokens))
         except KeyError as e:
-            self.index.pop(tokens, None)
+            self.index.pop(key, None)
             self._warn(name, f"missing array {e}")
             return None
         self.loads += 1
         return cache
 
-    def save(self, tokens: tuple[int, ...], cache: KVCache) -> None:
-        name = self._name(tokens)
+    def save(self, key: Key, cache: KVCache) -> None:
+        scope, tokens = key
+        name = self._name(key)
         arrs = _arrays(cache)
         meta = {**self.expect, "checksum": _checksum(arrs), "length": str(len(tokens)),
-                "chain": (block_hashes(tokens, self.block) or [b""])[-1].hex()}
+                "chain": (block_hashes(tokens, self.block, scope) or [b""])[-1].hex(),
+                "scope": scope}
         tmp = f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         try:
             mx.save_safetensors(str(self.dir / f"{tmp}.safetensors"),
@@ -356,7 +393,7 @@ class DiskTier:
             for f in self.dir.glob(f"{tmp}.*"):
                 f.unlink(missing_ok=True)
             return
-        self.index[tokens] = name
+        self.index[key] = name
         self.saves += 1
         self._evict(keep=name)
 

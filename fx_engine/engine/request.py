@@ -16,6 +16,14 @@ from .stops import StopMatcher
 
 PREFILL_CHUNK = 512
 
+# Limits on request parameters whose cost the engine pays per token for every row (a
+# request beyond them is a ValueError naming the field; the server answers 400). They are
+# far above what any use needs: OpenAI allows 4 stop strings.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_CONTEXT_SIZE = 1 << 20  # repetition/presence/frequency_context_size
+MAX_CACHE_SALT_CHARS = 1024
+
 
 @attrs.frozen
 class TokenLogprob:
@@ -91,9 +99,38 @@ def xtc_special_tokens(model: Model) -> list[int]:
     return sorted(set(model.eos_ids) | set(model.tokenizer.encode("\n", add_special_tokens=False)))
 
 
+def check_prompt_size(model: Model, nbytes: int, what: str = "prompt") -> None:
+    """Reject text that cannot fit the model's context before it is tokenized.
+
+    No token covers more than `tokenizer.max_token_bytes` bytes of text, so text of B bytes
+    is at least B / max_token_bytes tokens; anything over twice the bytes the context can
+    possibly hold (the factor leaves room for normalizers that shrink text) is refused
+    without tokenizing it (a huge prompt would otherwise cost seconds of CPU)."""
+    limit = model.config.max_position_embeddings
+    most = 2 * model.tokenizer.max_token_bytes * (limit + 1)
+    if nbytes > most:
+        raise ValueError(
+            f"{what}: {nbytes} bytes of text cannot fit the model's context of {limit} "
+            f"tokens (at most {most} bytes are accepted)")
+
+
+def text_bytes(x: Any) -> int:
+    """UTF-8 size of the strings in a prompt or a message list (nested content parts)."""
+    if isinstance(x, str):
+        return len(x.encode("utf-8", "surrogatepass"))
+    if isinstance(x, dict):
+        return sum(text_bytes(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(text_bytes(v) for v in x)
+    return 0
+
+
 def prompt_ids(model: Model, prompt: Any, chat: bool | None = None) -> list[int]:
     """Token ids for a str prompt, a list of token ids, or a list of chat messages."""
     tok = model.tokenizer
+    if isinstance(prompt, (str, list, tuple)) and not (
+            prompt and all(isinstance(t, int) for t in prompt)):
+        check_prompt_size(model, text_bytes(prompt))
     if isinstance(prompt, str):
         if chat:
             return list(tok.apply_chat_template([{"role": "user", "content": prompt}],
@@ -125,6 +162,7 @@ class ParsedRequest:
     processors: tuple[Callable[[Any, Any], Any], ...] = ()
     drafter: Any = None  # a Drafter (fx_engine.engine.drafters) or None
     num_draft_tokens: int = 0
+    cache_salt: str | None = None
 
 
 def apply_processors(
@@ -179,6 +217,7 @@ def parse_request(
     draft_model: Any = None,
     num_draft_tokens: int | None = None,
     prompt_lookup: Any = False,
+    cache_salt: str | None = None,
 ) -> ParsedRequest:
     """Validate `generate`/`stream`/`Engine.submit` arguments; ValueError names the field.
 
@@ -200,6 +239,12 @@ def parse_request(
     `new_row`, see fx_engine.engine.drafters), or prompt_lookup=True (n-gram drafting from
     the prompt and generated text; or a PromptLookup(ngram_min, ngram_max)); at most
     num_draft_tokens drafts per step (default 4; adapted per row from its acceptance).
+    cache_salt: scopes prefix-cache reuse (vLLM's field): a request restores only KV that
+    requests with the same salt stored (None: the shared unsalted scope).
+    Limits: at most MAX_STOP_STRINGS stop strings of at most MAX_STOP_CHARS characters;
+    *_context_size at most MAX_CONTEXT_SIZE (a window longer than the prompt plus
+    max_tokens is the same as that length, and costs only that); prompt text that cannot
+    fit the context is refused before tokenizing (`check_prompt_size`).
     """
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -209,7 +254,21 @@ def parse_request(
         stop = [stop]
     if stop is not None and not isinstance(stop, (list, tuple)):
         raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    if stop is not None and len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for i, x in enumerate(stop or ()):
+        if isinstance(x, str) and len(x) > MAX_STOP_CHARS:
+            raise ValueError(f"stop[{i}]: at most {MAX_STOP_CHARS} characters, got {len(x)}")
     stops = StopMatcher(list(stop or ()))
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
+                                   or len(cache_salt) > MAX_CACHE_SALT_CHARS):
+        raise ValueError(f"cache_salt must be None or a non-empty string of at most "
+                         f"{MAX_CACHE_SALT_CHARS} characters, got {cache_salt!r:.80}")
+    for name, size in (("repetition_context_size", repetition_context_size),
+                       ("presence_context_size", presence_context_size),
+                       ("frequency_context_size", frequency_context_size)):
+        if isinstance(size, int) and not isinstance(size, bool) and size > MAX_CONTEXT_SIZE:
+            raise ValueError(f"{name} must be at most {MAX_CONTEXT_SIZE}, got {size}")
     if isinstance(logprobs, bool):
         n_top = int(logprobs)
     elif isinstance(logprobs, int) and 0 <= logprobs <= 20:
@@ -233,6 +292,7 @@ def parse_request(
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
             f"exceeds the model's context of {limit} tokens"
         )
+    cfg = _clamp_windows(cfg, len(ids) + max_tokens)
     procs = () if logits_processors is None else logits_processors
     if callable(procs) or not isinstance(procs, (list, tuple)):
         raise ValueError(
@@ -245,7 +305,16 @@ def parse_request(
         raise ValueError("logits_processors cannot be combined with speculative decoding "
                          "(draft_model / prompt_lookup)")
     return ParsedRequest(ids, cfg, max_tokens, stops, n_top, prefill_chunk, tuple(procs),
-                         drafter, k)
+                         drafter, k, cache_salt)
+
+
+def _clamp_windows(cfg: SamplingConfig, most: int) -> SamplingConfig:
+    """Penalty windows longer than every token the row will ever hold (`most`: prompt +
+    max_tokens) see the same tokens as a window of `most`: the same results, and the
+    per-row history (and its per-step cost) stays proportional to what can matter."""
+    changes = {name: most for name in ("repetition_context_size", "presence_context_size",
+                                       "frequency_context_size") if getattr(cfg, name) > most}
+    return attrs.evolve(cfg, **changes) if changes else cfg
 
 
 MAX_DRAFT_TOKENS = 16

@@ -28,10 +28,7 @@ class StopMatcher:
             return buf[:cut]
         hold = 0
         for s in self.stops:  # longest suffix of buf that is a proper prefix of a stop
-            for n in range(min(len(s) - 1, len(buf)), 0, -1):
-                if buf.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
+            hold = max(hold, _prefix_suffix(buf, s))
         self._pending = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold] if hold else buf
 
@@ -39,3 +36,21 @@ class StopMatcher:
         """End of generation without a stop: release the held-back text."""
         out, self._pending = ("" if self.stopped else self._pending), ""
         return out
+
+
+def _prefix_suffix(buf: str, stop: str) -> int:
+    """The length of the longest suffix of `buf` that is a proper prefix of `stop`.
+
+    Only suffixes starting with stop[0] can match, so candidate starts are found with
+    str.find (C speed) and each is checked once with startswith: cost ~len(stop) per
+    candidate, not the quadratic scan of every length."""
+    m = min(len(stop) - 1, len(buf))
+    if m <= 0:
+        return 0
+    base = len(buf) - m
+    i = buf.find(stop[0], base)
+    while i >= 0:
+        if stop.startswith(buf[i:]):
+            return len(buf) - i  # the earliest start is the longest suffix
+        i = buf.find(stop[0], i + 1)
+    return 0

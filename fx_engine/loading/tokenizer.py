@@ -543,6 +543,18 @@ class Tokenizer:
         return self._special_ids
 
     @property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for: the longest
+        token decoded alone, + 1 (a SentencePiece decoder drops a lone token's leading
+        space). Text of B bytes is at least B / max_token_bytes tokens. Computed once."""
+        if not hasattr(self, "_max_token_bytes"):
+            decoded = self._backend.decode_batch([[i] for i in range(self._vocab_size)],
+                                                 skip_special_tokens=False)
+            self._max_token_bytes = 1 + max([0] + [len(t.encode("utf-8", "replace"))
+                                                   for t in decoded])
+        return self._max_token_bytes
+
+    @property
     def chat_template(self) -> str | None:
         """The model's default chat template, None when it ships none."""
         return self._chat_templates.get("default")
@@ -567,7 +579,10 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if len(text) > 1024:  # the batch form releases the GIL (same ids): a long text
+            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+        else:                 # does not stall the server's event loop or engine thread
+            ids = self._backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens:
             if self._add_bos and self._bos_id is not None:
                 ids.insert(0, self._bos_id)

@@ -5,39 +5,98 @@
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (JSON or SSE streaming with
 `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text). Every request
-is a row of the shared Engine (many clients stream at once); a client that disconnects
-cancels its rows. Bad input is an HTTP 400 with an OpenAI-style JSON error body naming the
-field; a full queue is a 429; a missing or wrong API key (when one is set) a 401.
+is a row of the shared Engine (many clients stream at once).
+
+Robustness (what one client can do to the others):
+* A request is validated whole (all its `n` choices) before any part of it starts; a
+  request that fails, is rejected or whose client disconnects (streaming or not) frees
+  every row it started within a step.
+* The engine never waits on a client: each streamed request has a bounded buffer
+  (`stream_buffer` events per choice); a client that falls that far behind is cut off
+  (an error event, if it ever reads again) and its rows are freed.
+* Request bodies are bounded (`max_request_bytes`, 413), prompt text that cannot fit the
+  context is refused before tokenizing (400), and templating and tokenization run on worker
+  threads (the tokenizer releases the GIL on long texts), so /health stays responsive.
+* With API keys (one per tenant), every route but /health needs one (401), and each key
+  has its own prefix-cache scope (a request's `cache_salt` narrows it further): tenants
+  never share cached KV, so neither `cached_tokens` nor the time to first token reveal
+  another tenant's prompts. Without keys the cache is shared by all clients (use
+  `cache_salt` to opt out).
+* Every error is an OpenAI-shaped JSON body (`{"error": {"message", "type", "param",
+  "code"}}`): 400 for bad input naming the field (invalid text such as lone UTF-16
+  surrogates included), 401, 404, 405, 413, 429 with Retry-After when the queue is full,
+  503 after shutdown, 500 only for a fault of the server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from fastapi import FastAPI, Request
-from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import Engine, EngineClosed, QueueFull
+from ..engine.request import check_prompt_size, prompt_ids, text_bytes
 from .metrics import Metrics
 from .tools import ToolCallStream, parse_tool_calls, template_messages
+
+MAX_REQUEST_BYTES = 8 << 20  # request bodies beyond this are refused (413) unread
+STREAM_BUFFER = 256  # events per choice a streaming client may fall behind before cut-off
+OPEN_PATHS = frozenset({"/health"})  # answered without an API key
+
+
+def _bad_text(x: Any, path: str) -> str | None:
+    """The path of the first string in a decoded JSON body that is not valid Unicode text
+    (a lone UTF-16 surrogate, which JSON's \\uD800 escapes can produce), else None."""
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(x, dict):
+        for k, v in x.items():
+            bad = _bad_text(k, path) or _bad_text(v, f"{path}.{k}" if path else str(k))
+            if bad:
+                return bad
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            bad = _bad_text(v, f"{path}.{i}")
+            if bad:
+                return bad
+    return None
 
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore")  # clients send fields we do not use (user, ...)
 
 
+class _Body(_Base):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        bad = _bad_text(data, "")
+        if bad:
+            raise ValueError(f"{bad}: invalid text (a lone UTF-16 surrogate is not a character)")
+        return data
+
+
 class StreamOptions(_Base):
     include_usage: bool = False
 
 
-class _Sampling(_Base):
+class _Sampling(_Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -57,6 +116,9 @@ class _Sampling(_Base):
     n: int = Field(default=1, ge=1, le=16)
     xtc_probability: float | None = None
     xtc_threshold: float | None = None
+    # vLLM's field: this request reuses (and leaves) prefix-cache entries only among
+    # requests with the same salt (and API key)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
 
 class ChatMessage(_Base):
@@ -165,32 +227,126 @@ def _completion_logprobs(lps: Any) -> dict[str, Any] | None:
             "top_logprobs": [{t: v for _, t, v in lp.top} for lp in lps]}
 
 
-def create_app(engine: Engine, model_id: str, api_key: str | None = None,
+def _tenant(key: str) -> str:
+    """A tenant's id: a digest of its API key (keys themselves are never stored)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class _Gate:
+    """Pure ASGI middleware in front of every route: API keys, the body bound.
+
+    Pure ASGI rather than Starlette's BaseHTTPMiddleware, whose wrapped `receive` never
+    reports a client's disconnect to the endpoint (a non-streaming request then kept its
+    row until max_tokens). The body is read here, up to `max_bytes` (413 beyond, unread
+    when Content-Length says so), and replayed to the app; later `receive` calls reach
+    the server's own, so disconnects are seen. A valid key's tenant id goes into the ASGI
+    scope (`fx_tenant`)."""
+
+    def __init__(self, app: Any, tenants: dict[str, str], max_bytes: int):
+        self.app, self.tenants, self.max_bytes = app, tenants, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.lower(): v for k, v in scope.get("headers", ())}
+        if self.tenants and scope.get("path") not in OPEN_PATHS:
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            key = auth[7:] if auth[:7].lower() == "bearer " else headers.get(
+                b"x-api-key", b"").decode("latin-1")  # the anthropic SDK's header
+            tenant = self.tenants.get(key)
+            if tenant is None:
+                return await _error(401, "missing or invalid API key",
+                                    kind="authentication_error")(scope, receive, send)
+            scope["fx_tenant"] = tenant
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                return await _error(400, "invalid Content-Length header")(scope, receive, send)
+            if n > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+        chunks, total = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":  # the client went away before the body
+                return
+            body = msg.get("body", b"")
+            total += len(body)
+            if total > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            chunks.append(body)
+            if not msg.get("more_body", False):
+                break
+        if scope.get("method") == "POST" and b"json" not in headers.get(b"content-type", b"json"):
+            # Every POST route takes JSON: a body sent as `curl -d '{...}'` (labelled a form)
+            # is read as the JSON it is, as mlx_lm.server and llama.cpp's server do.
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            scope["headers"].append((b"content-type", b"application/json"))
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
+        await _error(413, f"request body larger than the server's limit of {self.max_bytes} "
+                     "bytes", kind="invalid_request_error")(scope, receive, send)
+
+
+def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | None = None,
                defaults: dict[str, Any] | None = None, chat_template: str | None = None,
-               chat_template_args: dict[str, Any] | None = None) -> FastAPI:
+               chat_template_args: dict[str, Any] | None = None,
+               max_request_bytes: int = MAX_REQUEST_BYTES,
+               stream_buffer: int = STREAM_BUFFER) -> FastAPI:
     """The FastAPI app over a started `engine`. `defaults`: server-wide sampling defaults
     (the CLI's --temp, --top-p, --max-tokens, ...) and speculative decoding settings.
     chat_template / chat_template_args: a Jinja template replacing the model's, and extra
-    variables for it (e.g. {"enable_thinking": false}), as mlx_lm.server's flags."""
+    variables for it (e.g. {"enable_thinking": false}), as mlx_lm.server's flags.
+    api_key: one key or several (one per tenant; each gets its own prefix-cache scope);
+    then every route but /health needs `Authorization: Bearer KEY` (or `x-api-key`).
+    max_request_bytes: the largest request body (413 beyond). stream_buffer: events per
+    choice a streaming client may fall behind before it is cut off and its rows freed."""
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    if any(not isinstance(k, str) or not k for k in keys):
+        raise ValueError("api_key: keys must be non-empty strings")
+    if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
+    if not isinstance(stream_buffer, int) or stream_buffer < 1:
+        raise ValueError(f"stream_buffer must be a positive integer, got {stream_buffer!r}")
     app = FastAPI(title="fx-engine", version="0.1.0")
+    app.add_middleware(_Gate, tenants={k: _tenant(k) for k in keys}, max_bytes=max_request_bytes)
     metrics = Metrics(engine)
     defaults = dict(defaults or {})
     app.state.metrics = metrics
+    model = engine.model
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return _error(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else
-                      str(first.get("msg", "invalid request")), loc or None)
+        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        if not loc and ":" in msg:  # a whole-body check names its field itself
+            loc = msg.split(":")[0].split(".")[0]
+            return _error(400, msg, loc)
+        return _error(400, f"{loc}: {msg}" if loc else msg, loc or None)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(401, "missing or invalid API key", kind="authentication_error")
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(
+            exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return _error(exc.status_code, str(exc.detail), kind=kind,
+                      headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):  # a fault of ours, still JSON
+        return _error(500, f"internal error: {type(exc).__name__}", kind="server_error")
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -205,23 +361,56 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
     async def prom() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def run(request: Request, body: _Sampling, prompt: Any, kw: dict[str, Any], chat: bool,
+    def _salt(request: Request, body: _Sampling) -> str | None:
+        """The engine's cache_salt: the tenant (API key) and the request's own salt."""
+        tenant = request.scope.get("fx_tenant", "")
+        if not tenant and body.cache_salt is None:
+            return None
+        return f"{tenant}\n{body.cache_salt or ''}"
+
+    def _choices(body: _Sampling, kw: dict[str, Any]) -> list[dict[str, Any]]:
+        """Each of the n choices' arguments: choice i > 0 draws with seed + i."""
+        out = []
+        for i in range(body.n):
+            k = dict(kw)
+            if i and "seed" in k and isinstance(k["seed"], int):
+                k["seed"] = (k["seed"] + i) % 2**64
+            out.append(k)
+        return out
+
+    async def run(request: Request, body: _Sampling, build: Any, chat: bool,
                   tool_names: set[str] | None = None):
-        n = body.n
+        """Prepare (template, tokenize, validate: `build` on a worker thread) and submit
+        all n choices as a unit, then answer (JSON or SSE). Every path out cancels what
+        it started."""
+        def prepare() -> list[Any]:
+            prompt, kw = build()
+            kw["cache_salt"] = _salt(request, body)
+            return engine.submit_many(prompt, _choices(body, kw))
+
         try:
-            handles = [engine.submit(prompt, **{**kw, **({"seed": kw["seed"] + i} if "seed" in kw and i else {})})
-                       for i in range(n)]
+            handles = await run_in_threadpool(prepare)
         except QueueFull as e:  # rows free up within seconds: ask the client to retry soon
             return _error(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"})
         except EngineClosed as e:
             return _error(503, str(e), kind="server_error", headers={"Retry-After": "5"})
+        except TemplateError as e:  # the model's template rejects these messages (raise_exception)
+            return _error(400, f"messages: the chat template failed: {e}", "messages")
         except ValueError as e:
             msg = str(e)
             param = msg.split(" ")[0].split(":")[0] if msg else None
             return _error(400, msg, param)
-        except TemplateError as e:  # the model's template rejects these messages (raise_exception)
+        except Exception as e:  # a template that fails to render these messages
+            if not chat:
+                raise
             return _error(400, f"messages: the chat template failed: {e}", "messages")
-        metrics.requests += n
+
+        def cancel_all() -> None:
+            for h in handles:
+                if not h.done:
+                    h.cancel()
+
+        metrics.requests += len(handles)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         prompt_tokens = len(handles[0].prompt_token_ids)
@@ -231,16 +420,15 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
             return StreamingResponse(
                 _stream(request, handles, rid, created, chat, include_usage, prompt_tokens,
                         getattr(body, "top_logprobs", None) or 0, tool_names),
-                media_type="text/event-stream")
+                media_type="text/event-stream",
+                background=BackgroundTask(cancel_all))  # also if the body never started
         try:
-            outs = await asyncio.gather(*[_result(request, h) for h in handles])
-        except asyncio.CancelledError:
-            for h in handles:
-                h.cancel()
-            raise
+            outs = await _results(request, handles)
         except Exception as e:  # the request failed inside the engine (e.g. a processor)
             return _error(500, f"generation failed: {e!r}", kind="server_error")
-        if any(o is None for o in outs):
+        finally:
+            cancel_all()
+        if outs is None:
             return _error(499, "client disconnected", kind="cancelled")
         for o in outs:
             metrics.observe(o)
@@ -263,31 +451,54 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
             choices.append(c)
         return {"id": rid, "object": obj, "created": created, "model": model_id,
                 "choices": choices, "usage": _usage(outs, prompt_tokens),
-                "system_fingerprint": engine.model.fingerprint}
+                "system_fingerprint": model.fingerprint}
 
-    async def _result(request: Request, h: Any) -> Any:
-        """Wait for a handle, cancelling it if the client goes away."""
-        while not h.done:
-            if await request.is_disconnected():
-                h.cancel()
-                return None
-            await asyncio.sleep(0.02)
-        return h.result()
+    async def _until_disconnect(request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def _results(request: Request, handles: list[Any]) -> list[Any] | None:
+        """Every handle's Completion, or None once the client disconnects (the caller
+        then cancels the rows: a non-streaming client that leaves frees them too)."""
+        waiting = asyncio.ensure_future(asyncio.gather(*[h.aresult() for h in handles]))
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not waiting.done():
+            waiting.cancel()
+            try:
+                await waiting
+            except asyncio.CancelledError:
+                pass
+            return None
+        return waiting.result()
 
     async def _stream(request: Request, handles: list[Any], rid: str, created: int, chat: bool,
                       include_usage: bool, prompt_tokens: int, top_n: int = 0,
                       tool_names: set[str] | None = None):
         obj = "chat.completion.chunk" if chat else "text_completion"
         tool_streams = [ToolCallStream(tool_names) for _ in handles] if tool_names is not None else None
+        # Bounded: a client that reads slower than the engine generates falls behind by
+        # at most `backlog` events; beyond that it is cut off and its rows freed (the
+        # engine itself never waits for a socket).
+        backlog = stream_buffer * len(handles)
         queue: asyncio.Queue = asyncio.Queue()
+        cut_off = asyncio.Event()
 
         async def pump(i: int, h: Any) -> None:
             try:
                 async for ev in h.aiter():
-                    await queue.put((i, ev, None))
+                    if queue.qsize() >= backlog:
+                        cut_off.set()
+                        for other in handles:
+                            other.cancel()
+                        return
+                    queue.put_nowait((i, ev, None))
             except Exception as e:
-                await queue.put((i, None, e))
-            await queue.put((i, None, None))
+                queue.put_nowait((i, None, e))
+            queue.put_nowait((i, None, None))
 
         tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
         live = len(handles)
@@ -301,6 +512,12 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
                                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "finish_reason": None, "logprobs": None}]})
             while live:
+                if cut_off.is_set():
+                    yield _sse({"error": {
+                        "message": f"stream cut off: the client fell more than {backlog} "
+                                   "events behind", "type": "server_error", "param": None,
+                        "code": "client_too_slow"}})
+                    return
                 if await request.is_disconnected():
                     break
                 try:
@@ -310,7 +527,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
                 if ev is None:
                     if err is not None:
                         yield _sse({"error": {"message": f"generation failed: {err!r}",
-                                              "type": "server_error"}})
+                                              "type": "server_error", "param": None,
+                                              "code": None}})
                     live -= 1
                     continue
                 now = time.perf_counter()
@@ -371,7 +589,11 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
         use_tools = bool(body.tools) and body.tool_choice != "none"
-        try:
+        if body.top_logprobs and not body.logprobs:
+            return _error(400, "top_logprobs: requires logprobs: true", "top_logprobs")
+        names = {t.function.name for t in body.tools} if use_tools else None
+
+        def build() -> tuple[Any, dict[str, Any]]:  # on a worker thread
             messages = []
             for m in body.messages:
                 msg: dict[str, Any] = {"role": m.role if m.role != "developer" else "system",
@@ -382,36 +604,31 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
                 messages.append(msg)
             messages = template_messages(messages)
             kw = _sampling_kwargs(body, defaults)
-            prompt: Any = messages
+            if body.logprobs:  # the engine reports the chosen token with >= 1 alternative
+                kw["logprobs"] = max(1, body.top_logprobs or 0)
+            check_prompt_size(model, text_bytes(messages), "messages")  # before templating
             targs = {**(chat_template_args or {}), **(body.chat_template_kwargs or {})}
             if chat_template is not None or targs or use_tools:
                 tools = [t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None
-                prompt = list(engine.model.tokenizer.apply_chat_template(
+                return list(model.tokenizer.apply_chat_template(
                     messages, add_generation_prompt=True, tokenize=True, tools=tools,
-                    chat_template=chat_template, **targs))
-        except ValueError as e:
-            return _error(400, str(e), "messages" if "messages" in str(e) else None)
-        except Exception as e:  # a template that fails to render these messages
-            return _error(400, f"messages: the chat template failed: {e}", "messages")
-        if body.logprobs:  # the engine reports the chosen token with >= 1 alternative
-            kw["logprobs"] = max(1, body.top_logprobs or 0)
-        elif body.top_logprobs:
-            return _error(400, "top_logprobs: requires logprobs: true", "top_logprobs")
-        names = {t.function.name for t in body.tools} if use_tools else None
-        return await run(request, body, prompt, kw, chat=True, tool_names=names)
+                    chat_template=chat_template, **targs)), kw
+            return prompt_ids(model, messages), kw
+
+        return await run(request, body, build, chat=True, tool_names=names)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        try:
-            kw = _sampling_kwargs(body, defaults)
-        except ValueError as e:
-            return _error(400, str(e))
-        if body.logprobs:
-            kw["logprobs"] = body.logprobs
-        prompt = body.prompt
-        if isinstance(prompt, str) and not prompt:
+        if isinstance(body.prompt, str) and not body.prompt:
             return _error(400, "prompt: must not be empty", "prompt")
-        return await run(request, body, prompt, kw, chat=False)
+
+        def build() -> tuple[Any, dict[str, Any]]:  # on a worker thread
+            kw = _sampling_kwargs(body, defaults)
+            if body.logprobs:
+                kw["logprobs"] = body.logprobs
+            return prompt_ids(model, body.prompt), kw
+
+        return await run(request, body, build, chat=False)
 
     return app
 

@@ -1,0 +1,492 @@
+"""Faults found by using fx-engine as a hostile or careless client would (issue 19): exit
+codes of processes that use the engine, leaked rows, one client stalling the others, the
+prefix cache as a side channel between tenants, authentication gaps, invalid text, and a
+caller's closed event loop. The servers here run on 127.0.0.1 with the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+import fx_engine
+from fx_engine.server.app import create_app
+
+from .conftest import LONG_TEXT, free_port, serve
+
+
+def _running_rows(url: str, headers: dict | None = None) -> int:
+    text = httpx.get(url + "/metrics", headers=headers or {}).text
+    return int(float(next(ln.split()[1] for ln in text.splitlines()
+                          if ln.startswith("fx_running_rows "))))
+
+
+def _wait_rows(url: str, want: int, timeout: float = 30.0, headers: dict | None = None) -> int:
+    deadline = time.time() + timeout
+    n = _running_rows(url, headers)
+    while n != want and time.time() < deadline:
+        time.sleep(0.1)
+        n = _running_rows(url, headers)
+    return n
+
+
+def _post_raw(port: int, path: str, body: bytes, rcvbuf: int | None = None,
+              headers: str = "Content-Type: application/json\r\n") -> socket.socket:
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", port))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{headers}Content-Length: {len(body)}\r\n\r\n"
+              .encode() + body)
+    return s
+
+
+def _response(s: socket.socket) -> tuple[int, dict]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    status = int(head.split()[1])
+    length = next((int(ln.split(b":")[1]) for ln in head.split(b"\r\n")
+                   if ln.lower().startswith(b"content-length:")), None)
+    while length is not None and len(rest) < length:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    return status, json.loads(rest) if rest else {}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from fx_engine.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path_factory.mktemp("abuse") / "m")
+    return path, fx_engine.load(path)
+
+
+@pytest.fixture(scope="module")
+def open_server(tiny):
+    """No API keys; a small stream buffer so that a slow reader falls behind quickly."""
+    _, model = tiny
+    engine = fx_engine.Engine(model, max_rows=16, prefill_chunk=64, max_queue=64)
+    app = create_app(engine, "tiny", defaults={"max_tokens": 16}, stream_buffer=8,
+                     max_request_bytes=1 << 20)
+    with serve(app, engine) as (url, port):
+        yield {"url": url, "port": port, "engine": engine, "model": model}
+
+
+# ------------------------------------------------------------------------ 1. exit codes
+
+_ENGINE_SCRIPT = """
+import sys, fx_engine
+m = fx_engine.load(sys.argv[1])
+with fx_engine.Engine(m, prefill_chunk=64) as e:
+    e.start(); print(e.submit("Hi", max_tokens=4).result().text)
+"""
+
+_NEVER_CLOSED_SCRIPT = """
+import sys, fx_engine
+m = fx_engine.load(sys.argv[1])
+e = fx_engine.Engine(m, prefill_chunk=64).start()
+e.submit("Hi", max_tokens=4).result()
+h = e.submit("Once upon a time", max_tokens=1000)   # still decoding at exit
+next(iter(h))
+print("exiting")
+"""
+
+
+def _run(args, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FX_ENGINE_OFFLINE": "1"}
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, **kw)
+
+
+@pytest.mark.parametrize("script", [_ENGINE_SCRIPT, _NEVER_CLOSED_SCRIPT], ids=["closed", "never-closed"])
+def test_a_script_using_the_engine_thread_exits_cleanly(tiny, script):
+    """The engine thread's MLX compile cache used to be destroyed by C++ thread-local
+    destructors after interpreter finalization began: abort, exit code 134."""
+    for _ in range(2):  # it was a race (it lost every time here); twice for good measure
+        r = _run([sys.executable, "-c", script, str(tiny[0])])
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "terminate called" not in r.stderr
+
+
+def test_the_cli_exits_cleanly(tiny):
+    exe = os.path.join(os.path.dirname(sys.executable), "fx-engine")
+    r = _run([exe, "generate", "Hi", "--model", str(tiny[0]), "--max-tokens", "4"])
+    assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_the_server_shuts_down_cleanly_on_a_signal(tiny, sig):
+    exe = os.path.join(os.path.dirname(sys.executable), "fx-engine")
+    port = free_port()
+    env = {**os.environ, "FX_ENGINE_OFFLINE": "1"}
+    p = subprocess.Popen([exe, "serve", "--model", str(tiny[0]), "--port", str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, r.text
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err[-2000:]
+    assert "terminate called" not in err
+
+
+# ------------------------------------------------------------------------ 2. leaked rows
+
+
+def test_a_rejected_n_request_starts_nothing(open_server):
+    url = open_server["url"]
+    before = httpx.get(url + "/metrics").text
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "n": 16, "seed": 2**64, "max_tokens": 500})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    assert _running_rows(url) == 0
+    after = httpx.get(url + "/metrics").text
+    total = [ln for ln in before.splitlines() if ln.startswith("fx_requests_total")]
+    assert total == [ln for ln in after.splitlines() if ln.startswith("fx_requests_total")]
+    # the last seed a choice may have wraps around instead of failing the request
+    r = httpx.post(url + "/v1/completions", timeout=60, json={
+        "prompt": "hi", "n": 2, "seed": 2**64 - 1, "max_tokens": 2, "temperature": 1.0})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+def test_submit_many_is_all_or_nothing(tiny):
+    _, model = tiny
+    engine = fx_engine.Engine(model, max_queue=3)  # not started: nothing runs by itself
+    with pytest.raises(ValueError, match="seed"):
+        engine.submit_many("hi", [{"seed": 1}, {"seed": 2**64}])
+    assert engine.stats()["queued"] == 0
+    with pytest.raises(fx_engine.engine.engine.QueueFull):
+        engine.submit_many("hi", [{"max_tokens": 2}] * 4)
+    assert engine.stats()["queued"] == 0
+    hs = engine.submit_many("hi", [{"max_tokens": 2, "temperature": 1.0, "seed": s} for s in (1, 2, 3)])
+    assert [h.result().finish_reason for h in hs] == ["length"] * 3
+
+
+def test_a_non_streaming_client_that_disconnects_frees_its_rows(open_server):
+    url, port = open_server["url"], open_server["port"]
+    body = json.dumps({"prompt": "hello", "max_tokens": 1900, "temperature": 0.8, "n": 2}).encode()
+    s = _post_raw(port, "/v1/completions", body)
+    try:
+        assert _wait_rows(url, 2, timeout=30) == 2  # decoding
+    finally:
+        s.close()
+    assert _wait_rows(url, 0, timeout=10) == 0
+    trace = [e for e in open_server["engine"].trace_events if e["kind"] == "retire"]
+    assert [e["reason"] for e in trace[-2:]] == ["cancelled", "cancelled"]
+
+
+# ------------------------------------------------------------------------ 3. stalls
+
+
+def _latency(url: str) -> float:
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "Write a poem about the sea."}],
+        "max_tokens": 17, "temperature": 0})
+    assert r.status_code == 200
+    return time.perf_counter() - t0
+
+
+def test_a_slow_reader_is_cut_off_and_never_stalls_others(open_server):
+    url, port = open_server["url"], open_server["port"]
+    _latency(url)
+    alone = sorted(_latency(url) for _ in range(3))[1]
+    # ~1.5 KB per event (20 top logprobs) x 4 choices: far more than the kernel's socket
+    # buffers (4 MB here) and the server's transport buffer hold
+    body = json.dumps({"messages": [{"role": "user", "content": "Tell me a long story"}],
+                       "max_tokens": 1900, "temperature": 0.8, "stream": True, "n": 4,
+                       "logprobs": True, "top_logprobs": 20}).encode()
+    t_start = time.perf_counter()
+    slow = _post_raw(port, "/v1/chat/completions", body, rcvbuf=4096)  # and never reads
+    try:
+        assert _wait_rows(url, 4, timeout=30) == 4
+        beside = sorted(_latency(url) for _ in range(3))[1]
+        # the slow reader falls behind by the buffer and is cut off: its rows are freed
+        # long before its 1900 tokens, while its connection is still open
+        assert _wait_rows(url, 0, timeout=60) == 0
+        retired = [e for e in open_server["engine"].trace_events if e["kind"] == "retire"
+                   and e["t"] > t_start and e["generated"] > 17]
+        assert len(retired) == 4, retired
+        assert all(e["reason"] == "cancelled" and e["generated"] < 1900 for e in retired), retired
+        slow.settimeout(10)
+        data = b""
+        with contextlib.suppress(socket.timeout):
+            while b"client_too_slow" not in data and b"[DONE]" not in data:
+                chunk = slow.recv(1 << 16)
+                if not chunk:
+                    break
+                data += chunk
+        assert b"client_too_slow" in data and b"[DONE]" not in data
+    finally:
+        slow.close()
+    assert beside <= 2 * alone + 0.25, (alone, beside)
+
+
+def test_a_huge_body_is_refused_unread_and_health_stays_fast(open_server):
+    url, port = open_server["url"], open_server["port"]
+    # Content-Length over the limit: 413 at once, without the body
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100000000\r\n\r\n{\"prompt\": \"")
+    status, err = _response(s)
+    s.close()
+    assert status == 413 and err["error"]["type"] == "invalid_request_error"
+    # a chunked body (no Content-Length) is counted as it arrives
+    stop, latencies = threading.Event(), []
+
+    def chunked():
+        def gen():
+            yield b'{"prompt": "'
+            while not stop.is_set():
+                yield b"x" * 65536
+            yield b'"}'
+        with contextlib.suppress(httpx.HTTPError):
+            r = httpx.post(url + "/v1/completions", content=gen(), timeout=60,
+                           headers={"content-type": "application/json"})
+            latencies.append(("status", r.status_code))
+
+    t = threading.Thread(target=chunked)
+    t.start()
+    for _ in range(10):
+        t0 = time.perf_counter()
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        latencies.append(time.perf_counter() - t0)
+        time.sleep(0.05)
+    stop.set()
+    t.join(timeout=60)
+    assert max(x for x in latencies if isinstance(x, float)) < 1.0, latencies
+    assert ("status", 413) in latencies or not any(isinstance(x, tuple) for x in latencies)
+
+
+def test_a_prompt_too_big_for_the_context_is_refused_before_tokenizing(open_server):
+    url, model = open_server["url"], open_server["model"]
+    text = "word " * 180_000  # 900 KB: under the body limit, over what the context can hold
+    assert len(text) > 2 * model.tokenizer.max_token_bytes * (model.config.max_position_embeddings + 1)
+    for path, body in (("/v1/completions", {"prompt": text}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})):
+        t0 = time.perf_counter()
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert r.status_code == 400 and "cannot fit the model's context" in r.json()["error"]["message"]
+        assert time.perf_counter() - t0 < 5
+    # under the byte bound but over the context in tokens: tokenized (off the event loop),
+    # then refused naming the context
+    r = httpx.post(url + "/v1/completions", json={"prompt": "word " * 5000}, timeout=60)
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("repetition_context_size", 16_777_216),
+    ("presence_context_size", 1 << 21),
+    ("stop", ["s%d" % i for i in range(65)]),
+    ("stop", ["x" * 1025]),
+    ("cache_salt", ""),
+])
+def test_costly_parameters_have_documented_limits(open_server, field, value):
+    body = {"prompt": "hi", "max_tokens": 2, field: value}
+    if field == "presence_context_size":  # not an OpenAI field: the Python API's
+        with pytest.raises(ValueError, match=field):
+            fx_engine.generate(open_server["model"], "hi", max_tokens=2, **{field: value})
+        return
+    r = httpx.post(open_server["url"] + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
+
+
+def test_a_long_penalty_window_costs_only_what_the_row_can_hold(tiny):
+    """repetition_context_size beyond prompt + max_tokens is that length: the same
+    output, and a history no wider than the row can ever fill."""
+    from fx_engine.engine.request import parse_request
+    from fx_engine.sampling import history_width
+
+    _, model = tiny
+    r = parse_request(model, "hello there", max_tokens=8, repetition_penalty=1.3,
+                      repetition_context_size=1 << 20)
+    assert r.sampling.repetition_context_size == len(r.ids) + 8
+    assert history_width([r.sampling]) <= 32
+    a = fx_engine.generate(model, LONG_TEXT[:80], max_tokens=12, repetition_penalty=1.3,
+                           repetition_context_size=1 << 20)
+    b = fx_engine.generate(model, LONG_TEXT[:80], max_tokens=12, repetition_penalty=1.3,
+                           repetition_context_size=10_000)
+    assert a.token_ids == b.token_ids
+
+
+def test_stop_hold_back_matches_its_definition():
+    """The fast hold-back (longest suffix of the text that is a proper prefix of a stop)
+    equals the definition, on random texts and stops over a small alphabet."""
+    from hypothesis import given, settings, strategies as st
+
+    from fx_engine.engine.stops import _prefix_suffix
+
+    def reference(buf, stop):
+        for n in range(min(len(stop) - 1, len(buf)), 0, -1):
+            if buf.endswith(stop[:n]):
+                return n
+        return 0
+
+    @settings(max_examples=500, deadline=None)
+    @given(st.text("abc", max_size=12), st.text("abc", min_size=1, max_size=8))
+    def check(buf, stop):
+        assert _prefix_suffix(buf, stop) == reference(buf, stop)
+
+    check()
+
+
+# ------------------------------------------------------------------------ 4. tenants
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny):
+    _, model = tiny
+    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=64)
+    app = create_app(engine, "tiny", api_key=["key-a", "key-b"], defaults={"max_tokens": 4})
+    with serve(app, engine) as (url, port):
+        yield {"url": url, "port": port, "app": app}
+
+
+def _cached(url: str, key: str, prompt: str, **extra) -> int:
+    r = httpx.post(url + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {key}"},
+                   json={"prompt": prompt, "max_tokens": 2, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_two_api_keys_never_share_a_cache_entry(keyed_server):
+    url = keyed_server["url"]
+    secret = "System: the PIN is 4821. Never tell it. " * 3 + "User: "
+    assert _cached(url, "key-a", secret + "hello") == 0
+    assert _cached(url, "key-a", secret + "hi") > 20  # the tenant's own prefix is reused
+    # another tenant learns nothing from the cache, not even with the same prompt ...
+    assert _cached(url, "key-b", secret + "hello") == 0
+    assert _cached(url, "key-b", secret + "howdy") > 20  # ... but reuses its own
+    # a cache_salt narrows the scope further, within one key
+    assert _cached(url, "key-a", secret + "yo", cache_salt="conversation-1") == 0
+    assert _cached(url, "key-a", secret + "ya", cache_salt="conversation-1") > 20
+    assert _cached(url, "key-a", secret + "ye", cache_salt="conversation-2") == 0
+
+
+def test_salts_scope_the_disk_tier_too(tiny, tmp_path):
+    _, model = tiny
+    prompt = LONG_TEXT[:120]
+    e1 = fx_engine.Engine(model, prefill_chunk=64, prefix_cache_dir=str(tmp_path))
+    e1.submit(prompt, max_tokens=2, cache_salt="alice").result()
+    e1.close()
+    e2 = fx_engine.Engine(model, prefill_chunk=64, prefix_cache_dir=str(tmp_path))  # a new process
+    assert e2.submit(prompt + " more", max_tokens=2).result().usage.cached_tokens == 0
+    assert e2.submit(prompt + " more", max_tokens=2, cache_salt="bob").result().usage.cached_tokens == 0
+    assert e2.submit(prompt + " more", max_tokens=2, cache_salt="alice").result().usage.cached_tokens > 20
+    e2.close()
+    assert not any("alice" in f.read_text() for f in tmp_path.glob("*.json"))  # digests only
+
+
+# ------------------------------------------------------------------------ 5. authentication
+
+
+def test_every_route_but_health_needs_a_key(keyed_server):
+    url, app = keyed_server["url"], keyed_server["app"]
+    routes = {r.path: sorted(r.methods - {"HEAD"}) for r in app.routes if hasattr(r, "methods")}
+    assert {"/metrics", "/docs", "/openapi.json", "/redoc", "/v1/models"} <= set(routes)
+    for path, methods in routes.items():
+        for method in methods:
+            r = httpx.request(method, url + path, json={} if method == "POST" else None)
+            if path == "/health":
+                assert r.status_code == 200
+                continue
+            assert r.status_code == 401, (method, path, r.status_code)
+            assert r.json()["error"]["type"] == "authentication_error"
+            wrong = httpx.request(method, url + path, headers={"Authorization": "Bearer nope"},
+                                  json={} if method == "POST" else None)
+            assert wrong.status_code == 401
+            ok = httpx.request(method, url + path, headers={"Authorization": "Bearer key-b"},
+                               json={} if method == "POST" else None)
+            assert ok.status_code != 401, (method, path)
+    assert httpx.get(url + "/v1/models", headers={"x-api-key": "key-a"}).status_code == 200
+    assert httpx.get(url + "/nowhere").status_code == 401  # unknown paths tell nothing either
+
+
+def test_errors_are_openai_shaped_json(open_server):
+    url = open_server["url"]
+    for r, status in ((httpx.get(url + "/nowhere"), 404),
+                      (httpx.get(url + "/v1/completions"), 405),
+                      (httpx.post(url + "/v1/completions", content=b"\xff\xfe{", timeout=30), 400)):
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    # curl -d '{...}' labels JSON as a form: it is read as the JSON it is
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}',
+                   headers={"content-type": "application/x-www-form-urlencoded"}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", '
+                             '"text": "\\udfff"}]}]}', "messages"),
+    ("/v1/completions", '{"prompt": "a\\udc80b"}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud83d"]}', "stop"),
+])
+def test_lone_surrogates_are_a_400(open_server, path, body, param):
+    r = httpx.post(open_server["url"] + path, content=body.encode(), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "surrogate" in err["message"]
+    ok = httpx.post(open_server["url"] + "/v1/completions", json={"prompt": "hi \U0001F600", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+# ------------------------------------------------------------------------ 6. delivery channels
+
+
+def test_a_closed_event_loop_ends_only_its_own_request(tiny):
+    _, model = tiny
+    engine = fx_engine.Engine(model, max_rows=8, prefill_chunk=64).start()
+    try:
+        others = [engine.submit(f"Story number {i}:", max_tokens=300, temperature=0.7, seed=i)
+                  for i in range(3)]
+        victim = engine.submit("Once upon a time", max_tokens=1000, temperature=0.7, seed=9)
+
+        def consume_then_close():
+            loop = asyncio.new_event_loop()
+            agen = victim.aiter()
+            loop.run_until_complete(agen.__anext__())  # its first delta arrived...
+            loop.close()  # ... then the caller's loop is gone, mid-stream
+
+        t = threading.Thread(target=consume_then_close)
+        t.start()
+        t.join(timeout=60)
+        for h in others:
+            out = h.result(timeout=120)
+            assert out.finish_reason in ("length", "stop") and out.token_ids
+        deadline = time.time() + 30
+        while not victim.done and time.time() < deadline:
+            time.sleep(0.05)
+        assert victim.done and victim.cancelled  # freed, not failed, not left running
+        assert engine.submit("hi", max_tokens=2).result(timeout=60).finish_reason == "length"
+    finally:
+        engine.close(wait=False)
