@@ -225,7 +225,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # the process normally (exit code 0, the engine closed) instead of by the signal.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+        uvicorn.run(app, host=a.host, port=a.port, log_level="warning",
+                    timeout_graceful_shutdown=a.shutdown_timeout)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -246,7 +247,18 @@ def _native_line() -> str:
         err = (native.status()["error"] or "off (FX_ENGINE_NATIVE=0)").strip().splitlines()[0]
         return f"unavailable, MLX ops used instead: {err}"
     st = native.status()
-    return f"on, {st['threads']} threads ({st['path']})"
+    isa = native.isa()
+    if native.tiled_gemm():
+        mm = "qgemm at every row count (few-row path up to 16 rows, register tiles above)"
+    elif native.few_gemm():
+        mm = ("qgemm's few-row path up to 16 rows, qmm to 32, a BLAS GEMM on dequantized "
+              "weights above (qgemm's many-row tile would spill without AVX-512); "
+              "batch-invariant mode: qmm")
+    else:
+        mm = "qmm up to 32 rows, a BLAS GEMM above"
+    a8 = "VNNI int8 dot products" if native.int8_dot() else "scalar int8 loop (no AVX-512 VNNI)"
+    return (f"on, {st['threads']} threads, {isa} build ({st['path']})\n"
+            f"  quantized matmuls   {mm}\n  8-bit activations   {a8}")
 
 
 def cmd_info(a: argparse.Namespace) -> int:
@@ -314,8 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", action="append", default=None, metavar="KEY",
                     help="require 'Authorization: Bearer KEY' on every route but /health; "
                          "give it once per tenant: each key has its own prefix-cache scope")
-    sv.add_argument("--max-request-bytes", type=int, default=8 << 20,
-                    help="largest request body (413 beyond; default 8 MiB)")
+    sv.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                    help="largest request body (413 beyond; default 4 MiB)")
+    sv.add_argument("--shutdown-timeout", type=float, default=10.0,
+                    help="seconds a graceful shutdown (SIGINT/SIGTERM) waits for open requests")
     sv.add_argument("--stream-buffer", type=int, default=256,
                     help="events per choice a streaming client may fall behind before it is "
                          "cut off and its rows freed")

@@ -71,8 +71,8 @@ def _close_at_exit(engine: "Engine") -> None:
 
 
 def _close_all() -> None:
-    for engine in list(_STARTED):
-        engine.close(wait=False)
+    for engine in list(_STARTED):  # a step that never returns must not hang the exit
+        engine.close(wait=False, timeout=30.0)
     _STARTED.clear()
 
 
@@ -482,6 +482,9 @@ class Engine:
         so a rejected request never leaves rows running. The prompt is tokenized once."""
         if not kwargs_list:
             raise ValueError("submit_many: no requests")
+        if len(kwargs_list) > self.max_queue:  # could never be queued: not a retry-later
+            raise ValueError(f"n: {len(kwargs_list)} requests at once exceed the engine's "
+                             f"queue of {self.max_queue}")
         made = []
         for kw in kwargs_list:
             made.append(self._make_request(prompt if not made else made[0][1], kw))
@@ -515,9 +518,9 @@ class Engine:
         _close_at_exit(self)
         return self
 
-    def close(self, wait: bool = True) -> None:
+    def close(self, wait: bool = True, timeout: float | None = None) -> None:
         """Stop accepting requests. wait=True finishes the submitted ones first; False
-        cancels them. Joins the background thread."""
+        cancels them. Joins the background thread (at most `timeout` seconds)."""
         with self._lock:
             self._closing = True
             if not wait:
@@ -525,7 +528,7 @@ class Engine:
             self._lock.notify_all()
         t = self._thread
         if t is not None and t is not threading.current_thread():
-            t.join()
+            t.join(timeout)
         elif t is None:
             while self.has_work():
                 self.step()

@@ -45,6 +45,7 @@ import mlx.core as mx
 from ..cache import KVCache, LayerKV, QuantKV, insert_row
 from ..tree import tree_leaves
 
+SCOPED_FORMAT = "fx-engine-prefix-scoped"  # the disk format of entries with a cache_salt
 LAYOUT_VERSION = 1  # bump when the snapshot array layout changes: older files become misses
 
 DEFAULT_BLOCK = 16
@@ -135,7 +136,7 @@ class PrefixStore:
             keys = self._index.get(h)
             if not keys:
                 break
-            cands |= keys
+            cands |= {k for k in keys if k[0] == scope}  # (the seeded chain already is)
         if not cands:  # shorter than a block: scan for a shared fragment
             cands = {k for k in self._entries if k[0] == scope and k[1][:1] == tuple(prompt[:1])}
         best, best_m = None, 0
@@ -307,6 +308,11 @@ class DiskTier:
         self.loads = self.saves = self.rejected = 0
         self._scan()
 
+    def _expect(self, scope: str) -> dict[str, str]:
+        """The metadata a file of this scope must have. A salted entry has its own format
+        name, so that versions which do not know scopes never serve it to anyone."""
+        return {**self.expect, "format": SCOPED_FORMAT} if scope else self.expect
+
     def _name(self, key: Key) -> str:
         scope, tokens = key
         h = hashlib.sha256(repr((self.expect["model"], self.expect["layout"], tokens)
@@ -317,9 +323,9 @@ class DiskTier:
         for meta_path in self.dir.glob("*.json"):
             try:
                 meta = json.loads(meta_path.read_text())
-                if all(meta.get(k) == v for k, v in self.expect.items()):
-                    key = (str(meta.get("scope", "")), tuple(int(t) for t in meta["tokens"]))
-                    self.index[key] = meta_path.stem
+                scope = str(meta.get("scope", ""))
+                if all(meta.get(k) == v for k, v in self._expect(scope).items()):
+                    self.index[(scope, tuple(int(t) for t in meta["tokens"]))] = meta_path.stem
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # another writer's partial file or garbage: not ours to use
 
@@ -349,7 +355,7 @@ class DiskTier:
             self.index.pop(key, None)
             self._warn(name, f"unreadable: {e}")
             return None
-        bad = [k for k, v in self.expect.items() if meta.get(k) != v]
+        bad = [k for k, v in self._expect(scope).items() if meta.get(k) != v]
         stored = arrs.pop("tokens", None)
         if bad:
             why = f"different {', '.join(bad)}"
@@ -378,7 +384,7 @@ class DiskTier:
         scope, tokens = key
         name = self._name(key)
         arrs = _arrays(cache)
-        meta = {**self.expect, "checksum": _checksum(arrs), "length": str(len(tokens)),
+        meta = {**self._expect(scope), "checksum": _checksum(arrs), "length": str(len(tokens)),
                 "chain": (block_hashes(tokens, self.block, scope) or [b""])[-1].hex(),
                 "scope": scope}
         tmp = f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"

@@ -2,9 +2,29 @@
 
 Text that could still be the beginning of a stop string is held back, so a stop string
 never leaks partially into streamed output.
+
+Each stop string keeps a Knuth-Morris-Pratt match state (how many of its leading
+characters the text seen so far ends with), advanced one new character at a time: the
+cost of a token is its new characters times the stops they can touch, amortized O(1)
+each, whatever the stop strings are (a hostile stop list cannot slow the engine thread,
+which runs this for every token of every row).
 """
 
 from __future__ import annotations
+
+
+def _failure(s: str) -> list[int]:
+    """KMP failure function: f[i] = length of the longest proper prefix of s[:i+1] that
+    is also its suffix."""
+    f = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return f
 
 
 class StopMatcher:
@@ -13,22 +33,51 @@ class StopMatcher:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop[{i}] must be a non-empty string, got {s!r}")
         self.stops = tuple(stops)
+        self._fail = [_failure(s) for s in self.stops]
+        self._state = [0] * len(self.stops)
+        self._by_first: dict[str, list[int]] = {}
+        for i, s in enumerate(self.stops):
+            self._by_first.setdefault(s[0], []).append(i)
         self._pending = ""
         self.stopped = False
 
+    def _advance(self, i: int, ch: str) -> int:
+        s, f, k = self.stops[i], self._fail[i], self._state[i]
+        while k and s[k] != ch:
+            k = f[k - 1]
+        if s[k] == ch:
+            k += 1
+        return k
+
     def feed(self, text: str) -> str:
-        """Add decoded text; return what is safe to emit now."""
-        if self.stopped:
-            return ""
+        """Add decoded text; return what is safe to emit now. A stop string ends the
+        text at the first character that completes one (the longest of those completing
+        there); nothing of it, or after it, is emitted."""
+        if self.stopped or not self.stops:
+            return "" if self.stopped else text
         buf = self._pending + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            self._pending = ""
-            return buf[:cut]
-        hold = 0
-        for s in self.stops:  # longest suffix of buf that is a proper prefix of a stop
-            hold = max(hold, _prefix_suffix(buf, s))
+        base = len(self._pending)
+        state = self._state
+        live = [i for i, k in enumerate(state) if k]  # stops partly matched so far
+        for j, ch in enumerate(text):
+            touched = set(live)
+            touched.update(self._by_first.get(ch, ()))
+            done = -1
+            live = []
+            for i in touched:
+                k = self._advance(i, ch)
+                if k == len(self.stops[i]):
+                    done = max(done, k)
+                    k = 0
+                state[i] = k
+                if k:
+                    live.append(i)
+            if done >= 0:
+                self.stopped = True
+                self._pending = ""
+                return buf[: base + j + 1 - done]
+            # (a stop this character did not touch had state 0 and keeps it)
+        hold = max(state)  # the longest text end that is a proper prefix of a stop
         self._pending = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold] if hold else buf
 
@@ -36,21 +85,3 @@ class StopMatcher:
         """End of generation without a stop: release the held-back text."""
         out, self._pending = ("" if self.stopped else self._pending), ""
         return out
-
-
-def _prefix_suffix(buf: str, stop: str) -> int:
-    """The length of the longest suffix of `buf` that is a proper prefix of `stop`.
-
-    Only suffixes starting with stop[0] can match, so candidate starts are found with
-    str.find (C speed) and each is checked once with startswith: cost ~len(stop) per
-    candidate, not the quadratic scan of every length."""
-    m = min(len(stop) - 1, len(buf))
-    if m <= 0:
-        return 0
-    base = len(buf) - m
-    i = buf.find(stop[0], base)
-    while i >= 0:
-        if stop.startswith(buf[i:]):
-            return len(buf) - i  # the earliest start is the longest suffix
-        i = buf.find(stop[0], i + 1)
-    return 0

@@ -51,29 +51,34 @@ from ..engine.request import check_prompt_size, prompt_ids, text_bytes
 from .metrics import Metrics
 from .tools import ToolCallStream, parse_tool_calls, template_messages
 
-MAX_REQUEST_BYTES = 8 << 20  # request bodies beyond this are refused (413) unread
+MAX_REQUEST_BYTES = 4 << 20  # request bodies beyond this are refused (413) unread
 STREAM_BUFFER = 256  # events per choice a streaming client may fall behind before cut-off
 OPEN_PATHS = frozenset({"/health"})  # answered without an API key
+SEND_TIMEOUT = 30.0  # seconds a client's socket may accept nothing before it is closed
 
 
-def _bad_text(x: Any, path: str) -> str | None:
+def _bad_text(x: Any, path: str = "") -> str | None:
     """The path of the first string in a decoded JSON body that is not valid Unicode text
-    (a lone UTF-16 surrogate, which JSON's \\uD800 escapes can produce), else None."""
-    if isinstance(x, str):
+    (a lone UTF-16 surrogate, which JSON's \\uD800 escapes can produce), else None.
+    Cheap on big bodies: ASCII strings are known valid in O(1), numbers are skipped, and
+    a path is only built for the container that holds the bad string."""
+    if type(x) is str:
+        if x.isascii():
+            return None
         try:
             x.encode("utf-8")
         except UnicodeEncodeError:
             return path or "body"
         return None
-    if isinstance(x, dict):
-        for k, v in x.items():
-            bad = _bad_text(k, path) or _bad_text(v, f"{path}.{k}" if path else str(k))
-            if bad:
-                return bad
-    elif isinstance(x, list):
-        for i, v in enumerate(x):
-            bad = _bad_text(v, f"{path}.{i}")
-            if bad:
+    if type(x) is list and not {str, dict, list} & set(map(type, x)):  # numbers: C speed
+        return None
+    items = x.items() if type(x) is dict else enumerate(x) if type(x) is list else ()
+    for k, v in items:
+        if type(k) is str and _bad_text(k) is not None:
+            return path or "body"
+        if type(v) in (str, dict, list):
+            bad = _bad_text(v, f"{path}.{k}" if path else str(k))
+            if bad is not None:
                 return bad
     return None
 
@@ -227,6 +232,17 @@ def _completion_logprobs(lps: Any) -> dict[str, Any] | None:
             "top_logprobs": [{t: v for _, t, v in lp.top} for lp in lps]}
 
 
+class _ClientGone(Exception):
+    """The client stopped reading: its connection is to be closed."""
+
+
+def _is_gone(e: BaseException) -> bool:
+    if isinstance(e, _ClientGone):
+        return True
+    inner = getattr(e, "exceptions", None)  # an exception group (Python 3.11+, or anyio's)
+    return isinstance(inner, (list, tuple)) and bool(inner) and all(_is_gone(x) for x in inner)
+
+
 def _tenant(key: str) -> str:
     """A tenant's id: a digest of its API key (keys themselves are never stored)."""
     return hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -242,8 +258,20 @@ class _Gate:
     the server's own, so disconnects are seen. A valid key's tenant id goes into the ASGI
     scope (`fx_tenant`)."""
 
-    def __init__(self, app: Any, tenants: dict[str, str], max_bytes: int):
+    def __init__(self, app: Any, tenants: dict[str, str], max_bytes: int, send_timeout: float):
         self.app, self.tenants, self.max_bytes = app, tenants, max_bytes
+        self.send_timeout = send_timeout
+
+    def _timed(self, send: Any) -> Any:
+        """`send` that gives up on a client whose socket accepts nothing for send_timeout
+        seconds (a cut-off slow reader would otherwise hold its connection, its buffered
+        events and the server's graceful shutdown for as long as it likes)."""
+        async def timed_send(message: dict) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout)
+            except asyncio.TimeoutError:
+                raise _ClientGone(f"the client accepted nothing for {self.send_timeout} s") from None
+        return timed_send
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -292,7 +320,12 @@ class _Gate:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, self._timed(send))
+        except Exception as e:  # (Starlette may wrap it in an exception group)
+            if not _is_gone(e):
+                raise
+            # returning without completing the response: the server closes the connection
 
     async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
         await _error(413, f"request body larger than the server's limit of {self.max_bytes} "
@@ -303,7 +336,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                defaults: dict[str, Any] | None = None, chat_template: str | None = None,
                chat_template_args: dict[str, Any] | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES,
-               stream_buffer: int = STREAM_BUFFER) -> FastAPI:
+               stream_buffer: int = STREAM_BUFFER, send_timeout: float = SEND_TIMEOUT) -> FastAPI:
     """The FastAPI app over a started `engine`. `defaults`: server-wide sampling defaults
     (the CLI's --temp, --top-p, --max-tokens, ...) and speculative decoding settings.
     chat_template / chat_template_args: a Jinja template replacing the model's, and extra
@@ -311,7 +344,9 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
     api_key: one key or several (one per tenant; each gets its own prefix-cache scope);
     then every route but /health needs `Authorization: Bearer KEY` (or `x-api-key`).
     max_request_bytes: the largest request body (413 beyond). stream_buffer: events per
-    choice a streaming client may fall behind before it is cut off and its rows freed."""
+    choice a streaming client may fall behind before it is cut off and its rows freed.
+    send_timeout: seconds a client's socket may accept nothing before its connection is
+    closed."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if any(not isinstance(k, str) or not k for k in keys):
         raise ValueError("api_key: keys must be non-empty strings")
@@ -320,7 +355,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
     if not isinstance(stream_buffer, int) or stream_buffer < 1:
         raise ValueError(f"stream_buffer must be a positive integer, got {stream_buffer!r}")
     app = FastAPI(title="fx-engine", version="0.1.0")
-    app.add_middleware(_Gate, tenants={k: _tenant(k) for k in keys}, max_bytes=max_request_bytes)
+    if not isinstance(send_timeout, (int, float)) or not send_timeout > 0:
+        raise ValueError(f"send_timeout must be a positive number, got {send_timeout!r}")
+    app.add_middleware(_Gate, tenants={k: _tenant(k) for k in keys}, max_bytes=max_request_bytes,
+                       send_timeout=float(send_timeout))
     metrics = Metrics(engine)
     defaults = dict(defaults or {})
     app.state.metrics = metrics
@@ -348,6 +386,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
     async def _crash(request: Request, exc: Exception):  # a fault of ours, still JSON
         return _error(500, f"internal error: {type(exc).__name__}", kind="server_error")
 
+    @app.head("/health", include_in_schema=False)  # load balancers' probe
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -366,7 +405,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         tenant = request.scope.get("fx_tenant", "")
         if not tenant and body.cache_salt is None:
             return None
-        return f"{tenant}\n{body.cache_salt or ''}"
+        both = f"{tenant}\n{body.cache_salt or ''}".encode("utf-8", "surrogatepass")
+        return hashlib.sha256(both).hexdigest()  # fixed length; never echoed in errors
 
     def _choices(body: _Sampling, kw: dict[str, Any]) -> list[dict[str, Any]]:
         """Each of the n choices' arguments: choice i > 0 draws with seed + i."""
