@@ -98,6 +98,10 @@ def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
     rows = 1
     for n in x.shape[:-1]:
         rows *= n
+    if not numerics.batch_invariant and rows <= native.FEW_GEMM_ROWS and native.few_gemm():
+        # AVX2: qgemm's few-row path (~3x qmm at one row); its many-row tiles spill here,
+        # so larger products take qmm / the BLAS GEMM below (other bits: default mode only)
+        return native.qgemm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
     if numerics.batch_invariant or rows <= _QMM_MAX_ROWS_WITHOUT_TILES:  # then a BLAS GEMM
         return native.qmm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
     w = native.dequantize(lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)

@@ -97,14 +97,17 @@ def test_qgemm_few_row_path_gives_the_tiles_bits(bits: int, gs: int) -> None:
 
 def test_linears_run_one_kernel_at_every_row_count() -> None:
     """On builds with qgemm's tiles, both modes' quantized linears are qgemm at every row
-    count (a decode step's token gets its prefill chunk's bits); elsewhere qmm."""
+    count (a decode step's token gets its prefill chunk's bits); elsewhere qmm, but for
+    the default mode's products of up to 16 rows on builds with qgemm's few-row path
+    (AVX2), which run it (run by the suite with FX_ENGINE_NATIVE_ARCH=-march=x86-64-v3)."""
     from fx_engine.nn import Linear, Numerics, linear
 
     wq, s, b = _quantized(40, 256, 32, 4)
     lin = Linear(weight=wq, scales=s, biases=b, group_size=32, bits=4)
-    kern = native.qgemm if native.tiled_gemm() else native.qmm
     for bi in (False, True):
         for m in (1, 8, 17, 64):
+            few = not bi and m <= native.FEW_GEMM_ROWS and native.few_gemm()
+            kern = native.qgemm if native.tiled_gemm() or few else native.qmm
             x = mx.array(RNG.standard_normal((m, 256)).astype(np.float32))
             got = np.asarray(linear(x, lin, Numerics(native=True, batch_invariant=bi)))
             if native.tiled_gemm() or bi or m <= 32:
@@ -651,6 +654,12 @@ for bits in (4, 8):
     x = mx.array(d["x"])
     outs[f"a8_{bits}"] = np.asarray(mod.qmm_a8(x, wq, s, b, 32, bits))
     outs[f"qmm_{bits}"] = np.asarray(mod.qmm(x, wq, s, b, 32, bits))
+    x40 = mx.concatenate([x] * 4)[:40]  # qgemm's many-row tiles
+    outs[f"qgemm40_{bits}"] = np.asarray(mod.qgemm(x40, wq, s, b, 32, bits))
+    for m in range(1, 17):  # its few-row path, 8 rows per pass over the weights
+        outs[f"qgemm{m}_{bits}"] = np.asarray(mod.qgemm(x40[:m], wq, s, b, 32, bits))
+outs["isa"] = np.array(mod.isa)
+outs["few_gemm"] = np.array(mod.few_gemm)
 q, kv = mx.array(d["q"]), mx.array(d["kv"]).astype(mx.float16)
 outs["attend16"] = np.asarray(mod.attend(q, kv, kv, mx.ones((1, 1, 40), mx.bool_), 0.125))
 outs["int8_dot"] = np.array(mod.int8_dot)
@@ -664,7 +673,9 @@ def test_portable_build_runs_the_same_products(tmp_path) -> None:  # noqa: ANN00
     """The kernels built for plain AVX2 (-march=x86-64-v3: no AVX-512, no VNNI), as on
     older CPUs: qmm_a8's scalar loop gives the VNNI kernel's bits exactly (exact integer
     sums, the same two float32 roundings per group), the float kernels the same product,
-    and attend its float16 cache values (converted without F16C/AVX-512 instructions)."""
+    and attend its float16 cache values (converted without F16C/AVX-512 instructions).
+    qgemm's AVX2 few-row path gives its many-row tiles' bits at every row count 1..16,
+    and both give this machine's qgemm bits (the same arithmetic on every path)."""
     import subprocess
     import sys
 
@@ -689,6 +700,15 @@ def test_portable_build_runs_the_same_products(tmp_path) -> None:  # noqa: ANN00
     assert r.returncode == 0, r.stderr[-3000:]
     got = np.load(tmp_path / "out.npz")
     assert not bool(got["int8_dot"])
+    assert str(got["isa"]) == "avx2" and bool(got["few_gemm"])
+    for bits in (4, 8):
+        many = got[f"qgemm40_{bits}"]
+        for m in range(1, 17):
+            assert np.array_equal(got[f"qgemm{m}_{bits}"], many[:m]), (bits, m)
+        if native.tiled_gemm():  # this machine's own qgemm (AVX-512): the same bits
+            wq, s, b = (mx.array(data[f"{n}{bits}"]) for n in ("w", "s", "b"))
+            x40 = mx.concatenate([mx.array(data["x"])] * 4)[:40]
+            assert np.array_equal(many, np.asarray(native.qgemm(x40, wq, s, b, 32, bits)))
     kv = mx.array(data["kv"]).astype(mx.float16)  # its portable float16 conversion
     np.testing.assert_allclose(got["attend16"], np.asarray(native.attend(
         mx.array(data["q"]), kv, kv, mx.ones((1, 1, 40), mx.bool_), 0.125)), rtol=1e-5, atol=1e-6)

@@ -128,6 +128,21 @@ def tiled_gemm() -> bool:
     return bool(getattr(_module(), "tiled_gemm", False))
 
 
+FEW_GEMM_ROWS = 16  # qgemm's few-row path takes up to this many rows (kernels.cpp QG_FEW)
+
+
+def few_gemm() -> bool:
+    """Whether qgemm has its few-row path (vectors along the features, weights dequantized
+    in registers: AVX-512 and AVX2 builds), the fast kernel for decode batches."""
+    return bool(getattr(_module(), "few_gemm", False))
+
+
+def isa() -> str:
+    """The vector instruction set this build's kernels were written for: avx512, avx2,
+    neon or generic."""
+    return str(getattr(_module(), "isa", "generic"))
+
+
 def dequantize(w, scales, biases, group_size: int, bits: int):  # type: ignore[no-untyped-def]
     """Affine dequantization to float32 [N, K] (multi-threaded; the same values as
     mx.dequantize), from the unpacking qmm and qgemm use (the tests check it bit for bit).

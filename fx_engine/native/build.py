@@ -13,6 +13,10 @@ used, so a miscompiled or unsupported binary (e.g. an instruction the VM does no
 cannot crash the engine: the engine then runs MLX's own ops instead. A failed build is
 remembered (`FAILED` beside it, with the reason) and not retried until the key changes or
 FX_ENGINE_NATIVE=rebuild is set.
+
+FX_ENGINE_NATIVE_ARCH=FLAGS (e.g. `-march=x86-64-v3`, plain AVX2 + FMA) builds for another
+target than this CPU (its own cached build): how the kernels' paths for other CPUs are
+measured and tested on one machine (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -129,7 +133,8 @@ def build_key(cxx: str) -> str:
         cc_version = cxx
     h = hashlib.sha256()
     for part in (SOURCE.read_bytes(), Path(__file__).read_bytes(), mx.__version__.encode(), nanobind.__version__.encode(),
-                 sys.version.encode(), cc_version.encode(), _cpu_id().encode()):
+                 sys.version.encode(), cc_version.encode(), _cpu_id().encode(),
+                 os.environ.get("FX_ENGINE_NATIVE_ARCH", "").encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
@@ -137,6 +142,9 @@ def build_key(cxx: str) -> str:
 
 def _flag_sets() -> list[list[str]]:
     """-march=native first; a portable build if that binary fails its check."""
+    forced = os.environ.get("FX_ENGINE_NATIVE_ARCH")
+    if forced:
+        return [forced.split()]
     if platform.machine() in ("x86_64", "AMD64"):
         return [["-march=native"], ["-march=x86-64-v3"], []]
     return [["-mcpu=native"], []]

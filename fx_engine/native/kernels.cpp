@@ -76,11 +76,36 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned l
 // acc + a * b with one rounding where the CPU has FMA. The build uses -ffp-contract=off so
 // that nothing else is fused: dequantization (scale * q + bias) then rounds exactly like
 // mx.dequantize.
+//
+// Without AVX-512 a v16 is two AVX2 registers (x86-64-v3) or four NEON ones. GCC lowers
+// the plain vector-extension arithmetic well, but not conversions or broadcasts (it
+// scalarizes them through the stack: measured 8x slower decode on an AVX2 build), so the
+// few primitives below are spelled out for AVX2 too, on each 8-float half.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define FX_AVX2 1
+inline void halves(v16 v, __m256& lo, __m256& hi) {
+  std::memcpy(&lo, &v, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
+}
+inline v16 join(__m256 lo, __m256 hi) {
+  v16 r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+}
+#endif
+
 inline v16 fma(v16 a, v16 b, v16 acc) {
 #if defined(__AVX512F__)
   __m512 r = _mm512_fmadd_ps(reinterpret_cast<__m512&>(a), reinterpret_cast<__m512&>(b),
                              reinterpret_cast<__m512&>(acc));
   return reinterpret_cast<v16&>(r);
+#elif defined(FX_AVX2)
+  __m256 a0, a1, b0, b1, c0, c1;
+  halves(a, a0, a1);
+  halves(b, b0, b1);
+  halves(acc, c0, c1);
+  return join(_mm256_fmadd_ps(a0, b0, c0), _mm256_fmadd_ps(a1, b1, c1));
 #else
   return acc + a * b;
 #endif
@@ -95,6 +120,9 @@ inline v16 splat(const float* p) {
 #if defined(__AVX512F__)
   __m512 r = _mm512_set1_ps(*p);
   return reinterpret_cast<v16&>(r);
+#elif defined(FX_AVX2)
+  const __m256 r = _mm256_broadcast_ss(p);
+  return join(r, r);
 #else
   const float x = *p;
   return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
@@ -102,19 +130,40 @@ inline v16 splat(const float* p) {
 }
 inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
+// x in every lane (for a value computed in a register; splat() loads from memory).
+inline v16 bcast(float x) {
+#if defined(__AVX512F__)
+  __m512 r = _mm512_set1_ps(x);
+  return reinterpret_cast<v16&>(r);
+#elif defined(FX_AVX2)
+  const __m256 r = _mm256_set1_ps(x);
+  return join(r, r);
+#else
+  return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#endif
+}
+
 // Fixed-order horizontal sum (pairwise halves): the same for every caller.
 inline float hsum(v16 v) {
 #if defined(__AVX512F__)
   __m512 r;
   std::memcpy(&r, &v, sizeof(r));
   return _mm512_reduce_add_ps(r);  // a fixed sequence of halving shuffles and adds
-#endif
+#elif defined(FX_AVX2)
+  __m256 lo, hi;  // the portable order below: halves, quarters, then (0+2) + (1+3)
+  halves(v, lo, hi);
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+#else
   float a[VL];
   std::memcpy(a, &v, sizeof(a));
   float s8[8], s4[4];
   for (int i = 0; i < 8; ++i) s8[i] = a[i] + a[i + 8];
   for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+#endif
 }
 
 // ---------------------------------------------------------------- thread pool
@@ -262,8 +311,30 @@ Pool& pool() {
 typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
+// u8 -> i32 (GCC scalarizes it on AVX2 builds).
+inline i32x16 widen_u8(u8x16 v) {
+#if defined(__AVX512F__)
+  __m128i b;
+  std::memcpy(&b, &v, 16);
+  const __m512i w = _mm512_cvtepu8_epi32(b);
+  i32x16 r;
+  std::memcpy(&r, &w, 64);
+  return r;
+#elif defined(FX_AVX2)
+  __m128i b;
+  std::memcpy(&b, &v, 16);
+  const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  i32x16 r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+#else
+  return __builtin_convertvector(v, i32x16);
+#endif
+}
+
 // u8 -> i32 -> f32. GCC scalarizes a direct u8 -> float conversion (and sometimes the
-// u8 -> i32 one), so AVX-512 gets the two instructions spelled out.
+// u8 -> i32 one), so AVX-512 and AVX2 get the instructions spelled out.
 inline v16 to_float(u8x16 v) {
 #if defined(__AVX512F__)
   __m128i b;
@@ -272,6 +343,11 @@ inline v16 to_float(u8x16 v) {
   v16 r;
   std::memcpy(&r, &f, 64);
   return r;
+#elif defined(FX_AVX2)
+  __m128i b;
+  std::memcpy(&b, &v, 16);
+  return join(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
+              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
 #else
   return __builtin_convertvector(__builtin_convertvector(v, i32x16), v16);
 #endif
@@ -282,7 +358,7 @@ inline void dequant_row(const uint32_t* wq, const float* sc, const float* bi, in
                         float* out) {
   const uint8_t* b = reinterpret_cast<const uint8_t*>(wq);
   for (int g = 0; g < K / gs; ++g) {
-    const v16 s = v16{} + sc[g], c = v16{} + bi[g];
+    const v16 s = splat(sc + g), c = splat(bi + g);
     float* o = out + g * gs;
     if constexpr (BITS == 8) {
       const uint8_t* q = b + g * gs;
@@ -680,9 +756,173 @@ void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const float* sc
 static_assert(QG_FEW == 16, "qgemm_few dispatches 1..16 rows");
 #endif
 
+#if defined(FX_AVX2)
+// The few-row path on AVX2 (+ FMA): the AVX-512 path above at half width. Vectors run along
+// 8 output features (one ymm); 8 weight rows' packed words are transposed in registers and
+// dequantized there, against a broadcast activation, 8 rows per pass (8 accumulators +
+// the weight, its scale and bias and the broadcast fit the 16 ymm registers; rows 9-16
+// take a second pass over the weights). The arithmetic per output is qgemm's exactly (the
+// tiles run on this build too, with fma() an FMA): w = scale * q + bias rounded as in
+// dequant_row, acc = fma(x, w, acc) over k in the 4-bit split order from +0, so few- and
+// many-row products give the same bits (tested on an x86-64-v3 build).
+constexpr int QG_FEW = 16;  // up to this many rows take this path
+constexpr int QG_PASS = 8;  // rows per pass over the weights
+
+// Four consecutive 32-bit values of 8 rows (row j at rp[j] + off bytes) -> out[i]: value i
+// of rows 0..7, one per lane (lane L of z[j] holds rows j and j + 4; a 4x4 transpose per
+// 128-bit lane).
+inline void transpose8x4(const char* const* rp, int64_t off, __m256i out[4]) {
+  __m256i z[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[j] + off));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[j + 4] + off));
+    z[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+  }
+  const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2);
+  out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3);
+  out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// The weight rows of the 8-feature block at n0 (rows past N repeat the last one: computed,
+// never stored) as byte pointers, their scales and biases transposed into sbuf[g][8] and
+// sbuf[groups + g][8]. Returns the block's number of real features.
+inline int few8_setup(int K, const uint32_t* wq, const float* sc, const float* bi, int gs,
+                      int bits, int N, int n0, const char** rw, float* sbuf) {
+  const int words = K * bits / 32, groups = K / gs, nv = std::min(8, N - n0);
+  const char* rs[8];
+  const char* rb[8];
+  for (int j = 0; j < 8; ++j) {
+    const int64_t r = n0 + std::min(j, nv - 1);
+    rw[j] = reinterpret_cast<const char*>(wq + r * words);
+    rs[j] = reinterpret_cast<const char*>(sc + r * groups);
+    rb[j] = reinterpret_cast<const char*>(bi + r * groups);
+  }
+  float* bbuf = sbuf + static_cast<int64_t>(groups) * 8;
+  int g = 0;
+  for (; g + 4 <= groups; g += 4) {
+    __m256i t[4];
+    transpose8x4(rs, 4 * g, t);
+    for (int i = 0; i < 4; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(sbuf + (g + i) * 8), t[i]);
+    transpose8x4(rb, 4 * g, t);
+    for (int i = 0; i < 4; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(bbuf + (g + i) * 8), t[i]);
+  }
+  for (; g < groups; ++g)
+    for (int j = 0; j < 8; ++j) {
+      sbuf[g * 8 + j] = reinterpret_cast<const float*>(rs[j])[g];
+      bbuf[g * 8 + j] = reinterpret_cast<const float*>(rb[j])[g];
+    }
+  return nv;
+}
+
+// NB adjacent 8-feature blocks from n0 (all inside N's blocks) for MR rows of x (row
+// stride K). Several blocks at once for few rows: each output's sum is one chain of
+// dependent FMAs (the fixed order), so one row alone would wait on the FMA latency; NB
+// blocks give NB x MR independent chains with the same per-output arithmetic.
+template <int BITS, int MR, int NB>
+inline void qgemm_few8_blocks(const float* x, int K, const uint32_t* wq, const float* sc,
+                              const float* bi, int gs, float* y, int N, int n0, float* sbuf) {
+  const int groups = K / gs;
+  const char* rw[NB][8];
+  int nv[NB];
+  for (int t = 0; t < NB; ++t)
+    nv[t] = few8_setup(K, wq, sc, bi, gs, BITS, N, n0 + 8 * t, rw[t], sbuf + t * 16 * groups);
+  // The next NB blocks' packed rows (contiguous) are prefetched a slice per 32-k step, and
+  // their scales and biases now: interleaved row streams defeat the hardware prefetchers.
+  const int words = K * BITS / 32;
+  const int64_t next_rows = std::max(0, std::min(8 * NB, N - n0 - 8 * NB));
+  const char* next = reinterpret_cast<const char*>(wq + int64_t{n0 + 8 * NB} * words);
+  const int64_t next_bytes = next_rows * words * 4, slice = ((next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
+  for (const float* p : {sc, bi}) {
+    const char* q = reinterpret_cast<const char*>(p + int64_t{n0 + 8 * NB} * groups);
+    for (int64_t o = 0; o < next_rows * groups * 4; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
+  }
+  const __m256i low = _mm256_set1_epi32(BITS == 4 ? 15 : 255);
+  __m256 acc[NB][MR];
+  for (int t = 0; t < NB; ++t)
+    for (int m = 0; m < MR; ++m) acc[t][m] = _mm256_setzero_ps();
+  for (int k0 = 0; k0 < K; k0 += 32) {
+    for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
+      _mm_prefetch(next + o, _MM_HINT_T0);
+    const int gi = k0 / gs;
+    const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
+    // the 32 k of this step per block: 4-bit: one transpose, then the even k (low
+    // nibbles), then the odd ones (the split order, as the AVX-512 path); 8-bit: two
+    __m256i wv[NB][4];
+    for (int h = 0; h < (BITS == 4 ? 1 : 2); ++h) {
+      for (int t = 0; t < NB; ++t) transpose8x4(rw[t], off + 16 * h, wv[t]);
+#pragma GCC unroll 2
+      for (int half = 0; half < (BITS == 4 ? 2 : 1); ++half)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+          for (int b = 0; b < 4; ++b) {
+            const int k = BITS == 4 ? k0 + 8 * i + 2 * b + half : k0 + 16 * h + 4 * i + b;
+            const int sh = BITS == 4 ? 8 * b + 4 * half : 8 * b;
+            for (int t = 0; t < NB; ++t) {
+              const float* st = sbuf + t * 16 * groups + gi * 8;
+              const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(wv[t][i], sh), low));
+              const __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_load_ps(st), q),
+                                             _mm256_load_ps(st + 8 * groups));
+              for (int m = 0; m < MR; ++m)
+                acc[t][m] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + static_cast<int64_t>(m) * K + k),
+                                            w, acc[t][m]);
+            }
+          }
+    }
+  }
+  alignas(32) static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  for (int t = 0; t < NB; ++t) {
+    const __m256i keep = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 - nv[t]));
+    for (int m = 0; m < MR; ++m)
+      _mm256_maskstore_ps(y + static_cast<int64_t>(m) * N + n0 + 8 * t, keep, acc[t][m]);
+  }
+}
+
+template <int BITS, int MR>
+inline void qgemm_few8_rows(const float* x, int K, const uint32_t* wq, const float* sc,
+                            const float* bi, int gs, float* y, int N, int b0, int b1, float* sbuf) {
+  constexpr int NB = MR <= 2 ? 2 : 1;  // independent FMA chains for one or two rows
+  int bl = b0;
+  for (; bl + NB <= b1; bl += NB) qgemm_few8_blocks<BITS, MR, NB>(x, K, wq, sc, bi, gs, y, N, 8 * bl, sbuf);
+  for (; bl < b1; ++bl) qgemm_few8_blocks<BITS, MR, 1>(x, K, wq, sc, bi, gs, y, N, 8 * bl, sbuf);
+}
+
+template <int BITS>
+void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+               const float* bi, int gs, float* y, int N) {
+  const int blocks = (N + 7) / 8;
+  const int per = 2 * std::max(1, 4 * 576 / std::max(K, 1));  // an even number of blocks
+  pool().run((blocks + per - 1) / per, [&](int c) {
+    thread_local std::vector<float> sb;
+    const size_t need = static_cast<size_t>(2 * 16 * (K / gs) + 8);  // 2 blocks; + 8: alignment
+    if (sb.size() < need) sb.resize(need);
+    float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 31) & ~uintptr_t{31});
+    const int b0 = c * per, b1 = std::min(blocks, (c + 1) * per);
+    for (int m0 = 0; m0 < M; m0 += QG_PASS) {
+      const float* xm = x + static_cast<int64_t>(m0) * K;
+      float* ym = y + static_cast<int64_t>(m0) * N;
+      switch (std::min(QG_PASS, M - m0)) {
+        case 8: qgemm_few8_rows<BITS, 8>(xm, K, wq, sc, bi, gs, ym, N, b0, b1, sbuf); break;
+        case 7: qgemm_few8_rows<BITS, 7>(xm, K, wq, sc, bi, gs, ym, N, b0, b1, sbuf); break;
+        case 6: qgemm_few8_rows<BITS, 6>(xm, K, wq, sc, bi, gs, ym, N, b0, b1, sbuf); break;
+        case 5: qgemm_few8_rows<BITS, 5>(xm, K, wq, sc, bi, gs, ym, N, b0, b1, sbuf); break;
+        case 4: qgemm_few8_rows<BITS, 4>(xm, K, wq, sc, bi, gs, ym, N, b0, b1, sbuf); break;
+        case 3: qgemm_few8_rows<BITS, 3>(xm, K, wq, sc, bi, gs, ym, N, b0, b1, sbuf); break;
+        case 2: qgemm_few8_rows<BITS, 2>(xm, K, wq, sc, bi, gs, ym, N, b0, b1, sbuf); break;
+        default: qgemm_few8_rows<BITS, 1>(xm, K, wq, sc, bi, gs, ym, N, b0, b1, sbuf); break;
+      }
+    }
+  });
+}
+static_assert(QG_PASS == 8, "qgemm_few dispatches 1..8 rows per pass");
+#endif
+
 void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc,
                const float* bi, int gs, int bits, float* y, int N) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(FX_AVX2)
   if (M > 0 && M <= QG_FEW) {
     if (bits == 8)
       qgemm_few<8>(x, M, K, wq, sc, bi, gs, y, N);
@@ -1126,13 +1366,13 @@ void dequant_cpu(const uint32_t* wq, const float* sc, const float* bi, int gs, i
 // exp(x) in float32 from multiply-adds: the same polynomial, rounding trick and exponent
 // construction as fx_engine.nn.fast_exp (see there for why not libm's exp).
 inline v16 vexp(v16 x) {
-  const v16 lo = v16{} - 127.0f, hi = v16{} + 128.0f;
+  const v16 lo = bcast(-127.0f), hi = bcast(128.0f);
   v16 t = x * 1.4426950408889634f;
   t = t < lo ? lo : t;
   t = t > hi ? hi : t;
   const v16 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
   const v16 f = t - n;
-  v16 p = v16{} + 1.525273380405984e-05f;
+  v16 p = bcast(1.525273380405984e-05f);
   p = p * f + 1.5403530393381608e-04f;
   p = p * f + 1.3333558146428443e-03f;
   p = p * f + 9.618129107628477e-03f;
@@ -1160,8 +1400,8 @@ constexpr float FMIN = -3.4028234663852886e38f;  // masked scores, as mx.finfo(f
 // like softmax(where(mask, x, finfo.min))).
 inline v16 masked(const float* x, const uint8_t* m) {
   const u8x16 mv = *reinterpret_cast<const u8x16*>(m);
-  const i32x16 mi = __builtin_convertvector(mv, i32x16);
-  return mi != 0 ? load(x) : v16{} + FMIN;
+  const i32x16 mi = widen_u8(mv);
+  return mi != 0 ? load(x) : bcast(FMIN);
 }
 
 // One past the last unmasked slot (0 if none).
@@ -1187,7 +1427,7 @@ void softmax_row(const float* x, const uint8_t* m, int S, float* out) {
     return;
   }
   const int E16 = E - E % VL;
-  v16 vm = v16{} + FMIN;
+  v16 vm = bcast(FMIN);
   for (int j = 0; j < E16; j += VL) {
     const v16 v = masked(x + j, m + j);
     vm = v > vm ? v : vm;
@@ -1231,7 +1471,7 @@ void softmax_row(const float* x, const uint8_t* m, int S, float* out) {
     vt = load(et);
   }
   const float sum = hsum(vs) + hsum(vt);
-  const v16 vsum = v16{} + sum;
+  const v16 vsum = bcast(sum);
   for (int j = 0; j < E16; j += VL) store(out + j, load(out + j) / vsum);
   for (int j = E16; j < E; ++j) out[j] = out[j] / sum;
   for (int j = E; j < S; ++j) out[j] = 0.0f;
@@ -2224,6 +2464,22 @@ NB_MODULE(_fx_native, m) {
 #else
   m.attr("tiled_gemm") = false;
 #endif
+#if defined(__AVX512F__) || defined(FX_AVX2)
+  m.attr("few_gemm") = true;  // qgemm has its few-row path (up to QG_FEW rows)
+#else
+  m.attr("few_gemm") = false;
+#endif
+  m.attr("isa") = nb::str(
+#if defined(__AVX512F__)
+      "avx512"
+#elif defined(FX_AVX2)
+      "avx2"
+#elif defined(__ARM_NEON)
+      "neon"
+#else
+      "generic"
+#endif
+  );
   m.def("set_num_threads", [](int n) { pool().resize(n); }, nb::arg("n"));
   m.def("num_threads", [] { return pool().size(); });
 }
