@@ -493,6 +493,8 @@ def machine_info() -> dict[str, Any]:
         "fx_engine_source_sha": fx_source_hash(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "blas": fx_engine.blas.active(), "openblas": openblas_info(),
         "device": str(mx.default_device()),
+        # the native kernels' target (FX_ENGINE_NATIVE_ARCH measures another CPU's paths here)
+        "native_arch": os.environ.get("FX_ENGINE_NATIVE_ARCH") or "native",
         "loadavg_start": os.getloadavg(),
     }
 
@@ -886,7 +888,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines.append(f"Model: `{report['model']['path']}` ({report['model']['weight_format']}); "
                  f"runs: median of {report['runs']} after {report['warmup']} warm-up; "
                  f"decode {report['decode_tokens']} tokens.")
-    lines.append(f"Machine: {mi['cpu']}, {mi['logical_cpus']} logical CPUs; MLX {mi['mlx']}, "
+    lines.append(f"Machine: {mi['cpu']} (native kernels: {mi.get('native_arch', 'native')}), "
+                 f"{mi['logical_cpus']} logical CPUs; MLX {mi['mlx']}, "
                  f"mlx-lm {mi['mlx_lm']}; BLAS {mi['blas']['name']}"
                  + (f" (core {mi['openblas']['corename']}, {mi['openblas']['num_threads']} threads"
                     + (f", OPENBLAS_CORETYPE={mi['openblas']['coretype_env']}"
