@@ -264,6 +264,31 @@ def test_a_slow_reader_is_cut_off_and_never_stalls_others(open_server):
     assert beside <= 2 * alone + 0.25, (alone, beside)
 
 
+def test_a_socket_that_accepts_nothing_is_closed(tiny):
+    """After send_timeout seconds in which the client's socket took no byte, the server
+    closes the connection: a cut-off reader cannot hold it (nor a shutdown) forever."""
+    _, model = tiny
+    engine = fx_engine.Engine(model, max_rows=16, prefill_chunk=64)
+    app = create_app(engine, "tiny", stream_buffer=8, send_timeout=1.0)
+    with serve(app, engine) as (url, port):
+        body = json.dumps({"prompt": "hi", "max_tokens": 1900, "stream": True, "n": 16,
+                           "logprobs": 5}).encode()
+        s = _post_raw(port, "/v1/completions", body, rcvbuf=4096)
+        try:
+            assert _wait_rows(url, 0, timeout=60) == 0  # cut off, rows freed
+            time.sleep(3)  # more than send_timeout without reading
+            s.settimeout(30)
+            closed = False
+            try:
+                while not closed:
+                    closed = not s.recv(1 << 20)  # what was buffered, then end of stream
+            except ConnectionResetError:
+                closed = True
+            assert closed
+        finally:
+            s.close()
+
+
 def test_a_huge_body_is_refused_unread_and_health_stays_fast(open_server):
     url, port = open_server["url"], open_server["port"]
     # Content-Length over the limit: 413 at once, without the body
