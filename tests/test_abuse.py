@@ -393,39 +393,8 @@ def test_a_long_penalty_window_costs_only_what_the_row_can_hold(tiny):
     assert a.token_ids == b.token_ids
 
 
-def test_stop_matching_is_its_definition_in_any_chunking():
-    """Streamed stop matching (incremental KMP states) equals the definition: the text up to
-    the first point where some stop string ends, minus that stop (the longest ending there),
-    never anything of a stop emitted early, for random stops and random chunkings."""
-    from hypothesis import given, settings, strategies as st
-
-    from fx_engine.engine.stops import StopMatcher
-
-    def definition(stops, text):
-        for end in range(1, len(text) + 1):
-            hits = [x for x in stops if text[:end].endswith(x)]
-            if hits:
-                return text[: end - max(map(len, hits))], True
-        return text, False
-
-    @settings(max_examples=400, deadline=None)
-    @given(st.lists(st.text("ab", min_size=1, max_size=5), min_size=1, max_size=4),
-           st.lists(st.text("abc", max_size=5), min_size=1, max_size=6))
-    def check(stops, pieces):
-        m, out = StopMatcher(stops), ""
-        for piece in pieces:
-            out += m.feed(piece)
-            want, _ = definition(stops, "".join(pieces))
-            assert want.startswith(out)  # nothing emitted that a stop could still take back
-        if not m.stopped:
-            out += m.flush()
-        assert (out, m.stopped) == definition(stops, "".join(pieces))
-
-    check()
-
-
 def test_hostile_stop_strings_cost_little_per_token():
-    """64 stop strings of 1,024 characters built to make naive suffix checks quadratic:
+    """(Correctness: tests/test_generate.py's property test.) 64 stop strings of 1,024 characters built to make naive suffix checks quadratic:
     ~1 ms per token here before (every row, every token, on the engine thread); the
     incremental matcher is amortized O(1) per character and stop it touches."""
     from fx_engine.engine.stops import StopMatcher

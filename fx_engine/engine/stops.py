@@ -50,33 +50,34 @@ class StopMatcher:
         return k
 
     def feed(self, text: str) -> str:
-        """Add decoded text; return what is safe to emit now. A stop string ends the
-        text at the first character that completes one (the longest of those completing
-        there); nothing of it, or after it, is emitted."""
+        """Add decoded text; return what is safe to emit now. When this text completes
+        stop strings, the output ends where the earliest-starting of them starts (among
+        those complete by the end of this text); nothing of it, or after it, is emitted."""
         if self.stopped or not self.stops:
             return "" if self.stopped else text
         buf = self._pending + text
         base = len(self._pending)
         state = self._state
         live = [i for i, k in enumerate(state) if k]  # stops partly matched so far
+        cut = -1  # the earliest start of a stop completed in this text
         for j, ch in enumerate(text):
             touched = set(live)
             touched.update(self._by_first.get(ch, ()))
-            done = -1
             live = []
             for i in touched:
                 k = self._advance(i, ch)
                 if k == len(self.stops[i]):
-                    done = max(done, k)
-                    k = 0
+                    start = base + j + 1 - k
+                    cut = start if cut < 0 else min(cut, start)
+                    k = self._fail[i][k - 1]  # overlapping occurrences go on matching
                 state[i] = k
                 if k:
                     live.append(i)
-            if done >= 0:
-                self.stopped = True
-                self._pending = ""
-                return buf[: base + j + 1 - done]
             # (a stop this character did not touch had state 0 and keeps it)
+        if cut >= 0:
+            self.stopped = True
+            self._pending = ""
+            return buf[:cut]
         hold = max(state)  # the longest text end that is a proper prefix of a stop
         self._pending = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold] if hold else buf
