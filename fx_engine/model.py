@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,12 @@ def load(
     if activation_bits is not None and not native:
         raise ValueError("activation_bits=8 needs fx-engine's native CPU kernels (native=True; "
                          f"available: {fx_native.available()})")
+    if activation_bits is not None and fx_native.available() and not fx_native.int8_dot():
+        # issue 20: without AVX-512 VNNI, qmm_a8 runs its scalar loop (exact, the same bits,
+        # but many times slower than the default float kernels): say so, never silently
+        warnings.warn("activation_bits=8: this CPU's native build has no int8 dot-product "
+                      f"kernel ({fx_native.isa()}: a scalar loop), so this mode is slower "
+                      "than the default here (fx-engine info)", stacklevel=2)
     numerics = Numerics(batch_invariant=batch_invariant, native=bool(native),
                         activation_bits=activation_bits)
     if p.is_file():
