@@ -482,7 +482,7 @@ class Engine:
         so a rejected request never leaves rows running. The prompt is tokenized once."""
         if not kwargs_list:
             raise ValueError("submit_many: no requests")
-        if len(kwargs_list) > self.max_queue:  # could never be queued: not a retry-later
+        if len(kwargs_list) > max(1, self.max_queue):  # could never be queued: not a retry-later
             raise ValueError(f"n: {len(kwargs_list)} requests at once exceed the engine's "
                              f"queue of {self.max_queue}")
         made = []
