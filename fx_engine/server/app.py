@@ -243,6 +243,13 @@ def _is_gone(e: BaseException) -> bool:
     return isinstance(inner, (list, tuple)) and bool(inner) and all(_is_gone(x) for x in inner)
 
 
+def _cancel(handles: list[Any]) -> None:
+    """Free every row of a request that is not finished (each way out of a request)."""
+    for h in handles:
+        if not h.done:
+            h.cancel()
+
+
 def _tenant(key: str) -> str:
     """A tenant's id: a digest of its API key (keys themselves are never stored)."""
     return hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -451,11 +458,6 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                 raise
             return _error(400, f"messages: the chat template failed: {e}", "messages")
 
-        def cancel_all() -> None:
-            for h in handles:
-                if not h.done:
-                    h.cancel()
-
         metrics.requests += len(handles)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -467,13 +469,13 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                 _stream(request, handles, rid, created, chat, include_usage, prompt_tokens,
                         getattr(body, "top_logprobs", None) or 0, tool_names),
                 media_type="text/event-stream",
-                background=BackgroundTask(cancel_all))  # also if the body never started
+                background=BackgroundTask(_cancel, handles))  # also if the body never started
         try:
             outs = await _results(request, handles)
         except Exception as e:  # the request failed inside the engine (e.g. a processor)
             return _error(500, f"generation failed: {e!r}", kind="server_error")
         finally:
-            cancel_all()
+            _cancel(handles)
         if outs is None:
             return _error(499, "client disconnected", kind="cancelled")
         for o in outs:
@@ -538,8 +540,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                 async for ev in h.aiter():
                     if queue.qsize() >= backlog:
                         cut_off.set()
-                        for other in handles:
-                            other.cancel()
+                        _cancel(handles)
                         return
                     queue.put_nowait((i, ev, None))
             except Exception as e:
@@ -626,9 +627,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                                         (u.cached_tokens for u in usage_done), default=0)}}})
                 yield "data: [DONE]\n\n"
         finally:  # disconnected (or the generator closed): free the rows now
-            for h in handles:
-                if not h.done:
-                    h.cancel()
+            _cancel(handles)
             for t in tasks:
                 t.cancel()
 
