@@ -423,6 +423,37 @@ def take_rows(cache: KVCache, rows: mx.array) -> KVCache:
     )
 
 
+def stack_rows(caches: Sequence[KVCache]) -> KVCache:
+    """One cache whose row i is row 0 of caches[i] (1-row caches of one layout and
+    capacity): a copy, so a batched prefill call can own it (and update it in place)."""
+    first = caches[0]
+    for c in caches:
+        if c.layout != first.layout or c.capacity != first.capacity or c.rows != 1:
+            raise CacheError("stack_rows: caches must be 1-row with one layout and capacity")
+    if len(caches) == 1:
+        return first
+    layers = []
+    for i, spec in enumerate(first.layout):
+        parts = [_arrays(c.layers[i]) for c in caches]
+        stacked = [mx.concatenate(list(col), axis=0) for col in zip(*parts)]
+        if isinstance(first.layers[i], QuantKV):
+            layers.append(QuantKV(stacked[0], stacked[1], tuple(stacked[2:5]), tuple(stacked[5:8])))
+        else:
+            layers.append(LayerKV(stacked[0], stacked[1]))
+    return KVCache(layers=tuple(layers), lengths=mx.concatenate([c.lengths for c in caches]),
+                   layout=first.layout, capacity=first.capacity)
+
+
+def row_view(cache: KVCache, row: int) -> KVCache:
+    """Row `row` as a 1-row cache (slices: views of the same buffers, no copy)."""
+    if cache.rows == 1 and row == 0:
+        return cache
+    return KVCache(
+        layers=tuple(_map_arrays(e, lambda a: a[row : row + 1]) for e in cache.layers),
+        lengths=cache.lengths[row : row + 1], layout=cache.layout, capacity=cache.capacity,
+    )
+
+
 def _copy_slots(dst: mx.array, src: mx.array, row: int, n: int) -> mx.array:
     if n <= 0:
         return dst

@@ -99,6 +99,51 @@ def test_plan_prefill_respects_budget_and_fifo(decode, remaining, chunk_pow, ext
             assert remaining[k] == 0 or k in keys
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    decode=st.integers(0, 16),
+    waiting=st.lists(st.tuples(st.integers(0, 700), st.sampled_from([256, 512])), max_size=12),
+    chunk_pow=st.integers(4, 9),
+    extra=st.integers(16, 1200),
+    max_rows=st.integers(1, 12),
+)
+def test_group_prefill_calls(decode, waiting, chunk_pow, extra, max_rows):
+    """Batched prefill calls: the same requests as plan_prefill (FIFO, budget), rows x C
+    within the budget, a power-of-two row count of one group, padding bounded, unfinished
+    pieces unpadded."""
+    chunk = 1 << chunk_pow
+    budget = decode + extra
+    w = [(k, r, g) for k, (r, g) in enumerate(waiting)]
+    calls = sched.group_prefill(decode, w, chunk, budget, max_rows)
+    base = sched.plan_prefill(decode, [(k, r) for k, r, _ in w], chunk, budget)
+    keys = [k for _, members in calls for k, _ in members]
+    assert sorted(keys) == [k for k, _ in base] and len(set(keys)) == len(keys)
+    assert sum(c * len(members) for c, members in calls) <= budget - decode
+    planned = dict(base)
+    for c, members in calls:
+        rows = len(members)
+        assert rows & (rows - 1) == 0 and rows <= max_rows
+        assert len({waiting[k][1] for k, _ in members}) == 1  # one prefill-cache shape
+        assert c == max(sched.chunk_bucket(n) for _, n in members)
+        for k, n in members:
+            remaining = waiting[k][0]
+            assert planned[k] <= n <= min(chunk, remaining)
+            assert c <= sched.MAX_GROUP_PAD * sched.chunk_bucket(n)
+            if n < remaining:
+                assert n == c  # an unfinished piece fills its row
+    # pieces of one padded shape and group in the same step share calls
+    if len(waiting) >= 2 and decode == 0 and extra >= 2 * chunk and max_rows >= 2:
+        same = [(k, chunk, 256) for k in range(2)]
+        assert sched.group_prefill(0, same, chunk, budget, max_rows) == [(chunk, [(0, chunk), (1, chunk)])]
+
+
+@given(n=st.integers(0, 100))
+def test_pow2_splits(n):
+    parts = sched.pow2_splits(n)
+    assert sum(parts) == n and len(set(parts)) == len(parts)
+    assert all(p & (p - 1) == 0 for p in parts) and parts == sorted(parts, reverse=True)
+
+
 @given(n=st.integers(1, 8192))
 def test_chunk_bucket_shapes(n):
     b = sched.chunk_bucket(n)
@@ -305,6 +350,78 @@ def test_long_prompt_mid_stream_delays_decode_by_at_most_one_chunk(bi_model):
     for h, n, kw in ((a, 20, dict(temperature=1.0, seed=1)), (b, 30, {})):
         assert h.result().token_ids == alone(bi_model, prompt(n, 1 if h is a else 2), max_tokens=60, **kw).token_ids
     assert long.result().token_ids == alone(bi_model, prompt(1500, 3), max_tokens=5).token_ids
+
+
+def test_batched_prefill_one_call_first_tokens_together(bi_model):
+    """Prompts that arrive together share prefill_step calls (several rows each) and get
+    their first tokens in the same step; each row's output is bitwise the request alone."""
+    engine = Engine(bi_model, max_rows=8, prefill_chunk=64, step_token_budget=8 * 64 + 8)
+    lens = [40, 50, 57, 60, 64, 45, 20]
+    hs = [engine.submit(prompt(n, i), max_tokens=6, **sampling(i % 4, i)) for i, n in enumerate(lens)]
+    run_all(engine)
+    ev = list(engine.trace_events)
+    pre = [e for e in ev if e["kind"] == "prefill"]
+    assert len({e["step"] for e in pre}) == 1  # all prompts in the first step
+    assert max(e["rows"] for e in pre) == 4 and sum(e["padded"] for e in pre) <= engine.step_token_budget
+    calls = {(e["rows"], e["padded"]) for e in pre}
+    assert (4, 64) in calls and (2, 64) in calls  # 6 pieces of one shape: 4 + 2 rows
+    first = {e["request"]: e["step"] for e in ev if e["kind"] == "sample"}
+    assert len(set(first.values())) == 1
+    for i, (h, n) in enumerate(zip(hs, lens)):
+        assert h.result().token_ids == alone(bi_model, prompt(n, i), max_tokens=6, **sampling(i % 4, i)).token_ids
+
+
+def test_batched_prefill_late_joins_and_prefix_rows(bi_model):
+    """A long prompt prefilled chunk by chunk shares its calls with requests admitted
+    later (rows at different positions), including one restored from the prefix cache;
+    every output is bitwise the request alone."""
+    engine = Engine(bi_model, max_rows=4, prefill_chunk=32, step_token_budget=132,
+                    prefix_cache_bytes=64 << 20, prefix_block_size=16)
+    base = prompt(70, 9)
+    engine.submit(base, max_tokens=1)
+    run_all(engine)
+    long = engine.submit(prompt(200, 1), max_tokens=5)
+    engine.step()
+    late = [engine.submit(base + prompt(40, 2), max_tokens=5, temperature=1.0, seed=4),
+            engine.submit(prompt(150, 3), max_tokens=5)]
+    run_all(engine)
+    ev = list(engine.trace_events)
+    assert late[0].result().usage.cached_tokens >= 64
+    steps = {}
+    for e in ev:
+        if e["kind"] == "prefill":
+            steps.setdefault(e["step"], []).append(e)
+    assert any({long.id, late[1].id} <= {e["request"] for e in es if e["rows"] > 1} for es in steps.values())
+    assert any(len({e["start"] for e in es if e["rows"] > 1}) > 1 for es in steps.values())
+    for es in steps.values():
+        calls = {}
+        for e in es:
+            calls.setdefault((e["rows"], e["padded"], e["seconds"]), []).append(e)
+        assert sum(r * p for (r, p, _) in calls) <= engine.step_token_budget
+    assert long.result().token_ids == alone(bi_model, prompt(200, 1), max_tokens=5).token_ids
+    assert late[0].result().token_ids == alone(bi_model, base + prompt(40, 2), max_tokens=5,
+                                               temperature=1.0, seed=4).token_ids
+    assert late[1].result().token_ids == alone(bi_model, prompt(150, 3), max_tokens=5).token_ids
+
+
+def test_batched_prefill_failure_stays_in_its_row(bi_model):
+    """A request failing in a shared prefill call fails alone; the call's other rows run."""
+    engine = Engine(bi_model, max_rows=4, prefill_chunk=64, step_token_budget=4 * 64 + 4)
+    hs = [engine.submit(prompt(50, i), max_tokens=4) for i in range(4)]
+    bad = hs[1]
+
+    class Boom(Exception):
+        pass
+
+    engine.fault_hook = lambda stage, h: (_ for _ in ()).throw(Boom("x")) if stage == "prefill" and h is bad else None
+    run_all(engine)
+    with pytest.raises(Boom):
+        bad.result()
+    for i, h in enumerate(hs):
+        if h is not bad:
+            assert h.result().token_ids == alone(bi_model, prompt(50, i), max_tokens=4).token_ids
+    rows = sorted(e["rows"] for e in engine.trace_events if e["kind"] == "prefill")
+    assert rows == [1, 2, 2]  # three survivors: a 2-row call and a 1-row call
 
 
 # ------------------------------------------------------------------------ cancellation

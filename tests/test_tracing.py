@@ -143,3 +143,21 @@ def test_trace_cli_graphs_diff_run(tmp_path, tiny_dir, capsys):
     assert (tmp_path / "r" / "timeline.svg").read_text().startswith("<svg")
     out = capsys.readouterr().out
     assert "decode_step" in out and "0 in the steady pass" in out
+
+
+def test_batched_prefill_call_is_one_slice(tiny_model):
+    """Rows of one batched prefill call trace one event each (same `call`); the timeline
+    draws the call once, naming its rows, and stays a valid nesting."""
+    engine = fx_engine.Engine(tiny_model, max_rows=4, prefill_chunk=32, step_token_budget=4 * 32 + 4,
+                              prefix_cache_bytes=0)
+    hs = [engine.submit(list(range(10 + i, 40 + i)), max_tokens=3) for i in range(4)]
+    while engine.step():
+        pass
+    [h.result() for h in hs]
+    pre = [e for e in engine.trace_events if e["kind"] == "prefill"]
+    assert len(pre) == 4 and len({e["call"] for e in pre}) == 1 and {e["rows"] for e in pre} == {4}
+    trace = chrome_trace(list(engine.trace_events))
+    assert validate_chrome_trace(trace) == []
+    slices = [e for e in trace["traceEvents"] if e.get("cat") == "prefill"]
+    assert len(slices) == 1 and slices[0]["name"] == "prefill x4 (120 tok)"
+    assert sorted(slices[0]["args"]["requests"]) == sorted(h.id for h in hs)

@@ -1078,6 +1078,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="serving engines: fx, fx-a8, mlx-lm-f32, mlx-lm, llama.cpp")
     ap.add_argument("--gen-tokens", type=int, default=None,
                     help="generated tokens per request (serving; 128)")
+    ap.add_argument("--prompt-range", default=None, metavar="LO,HI",
+                    help="prompt lengths in tokens, drawn uniformly (serving; 64,512; "
+                         "short chat turns: 20,120)")
     args = ap.parse_args(argv)
     if args.render:
         report = json.loads(Path(args.render).read_text())
@@ -1267,6 +1270,14 @@ def _serving_main(args: Any, argv: list[str] | None, path: str, is_gguf: bool, f
 
     ns = [int(x) for x in args.serving_n.split(",") if x.strip()]
     gen, lo_hi = args.gen_tokens or bs.GEN_TOKENS, bs.PROMPT_RANGE
+    if args.prompt_range:
+        try:
+            lo, hi = (int(x) for x in args.prompt_range.split(","))
+        except ValueError:
+            raise SystemExit(f"--prompt-range must be LO,HI (two integers), got {args.prompt_range!r}")
+        if not 1 <= lo <= hi:
+            raise SystemExit(f"--prompt-range needs 1 <= LO <= HI, got {args.prompt_range!r}")
+        lo_hi = (lo, hi)
     if args.smoke:
         ns, gen, lo_hi = [1, 2], args.gen_tokens or 4, (8, 16)
     engines: dict[str, tuple[str, Any]] = {}

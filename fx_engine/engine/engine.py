@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 
 from ..cache import (
-    KVCache, bytes_per_token, insert_row, resize, snapshot_row, span_bucket, take_rows, with_lengths,
+    KVCache, bytes_per_token, insert_row, resize, row_view, snapshot_row, span_bucket, stack_rows,
+    take_rows, with_lengths,
 )
 from ..sampling import SamplingConfig, make_sampling_params
 from ..state import DecodeState, init_state
@@ -458,6 +459,7 @@ class Engine:
 
         # engine-thread state
         self._prefilling: list[_Request] = []
+        self._prefill_calls = 0  # prefill_step calls so far (the `call` of prefill events)
         self._rows: list[_Request | None] = []
         self._cache: KVCache | None = None
         self._state: DecodeState | None = None
@@ -628,8 +630,9 @@ class Engine:
     def _live_rows(self) -> bool:
         return any(r is not None for r in self._rows)
 
-    def _trace(self, kind: str, **fields: Any) -> None:
-        self.trace_events.append({"t": time.perf_counter(), "step": self.steps, "kind": kind, **fields})
+    def _trace(self, kind: str, t: float | None = None, **fields: Any) -> None:
+        self.trace_events.append({"t": time.perf_counter() if t is None else t, "step": self.steps,
+                                  "kind": kind, **fields})
 
     # ---------------------------------------------------------------- one step
     def step(self) -> bool:
@@ -652,17 +655,17 @@ class Engine:
         self._admit()
 
         decoding = [r for r in self._rows if r is not None]
-        plan = sched.plan_prefill(
-            len(decoding), [(i, len(r.ids) - r.prefilled) for i, r in enumerate(self._prefilling)],
-            self.prefill_chunk, self.step_token_budget,
+        calls = sched.group_prefill(
+            len(decoding),
+            [(i, len(r.ids) - r.prefilled, self._prefill_slots(r)) for i, r in enumerate(self._prefilling)],
+            self.prefill_chunk, self.step_token_budget, self.max_rows,
         )
+        # resolved before any call runs: a call can retire requests (errors, a first token
+        # that finishes), which shifts the indices
+        calls = [(size, [(self._prefilling[i], n) for i, n in members]) for size, members in calls]
         finished_prefill: list[_Request] = []
-        for req, n in [(self._prefilling[i], n) for i, n in plan]:
-            try:
-                if self._prefill_piece(req, n):
-                    finished_prefill.append(req)
-            except Exception as e:
-                self._fail(req, e)
+        for size, pieces in calls:
+            finished_prefill += self._prefill_call(size, pieces)
         for req in finished_prefill:
             if req.phase == "prefill":  # not finished by its first token
                 self._prefilling.remove(req)
@@ -724,42 +727,85 @@ class Engine:
             self._trace("prefix_error", error=repr(e))
 
     # ---------------------------------------------------------------- prefill
-    def _prefill_piece(self, req: _Request, n: int) -> bool:
-        if self.fault_hook is not None:
-            self.fault_hook("prefill", req.handle)
+    def _prefill_call(self, size: int, pieces: list[tuple[_Request, int]]) -> list[_Request]:
+        """One `prefill_step` over len(pieces) rows of `size` tokens (each request's 1-row
+        prefill cache stacked into one, then split back into views); returns the requests
+        whose prompt it finished (first token sampled). A failure fails only the requests
+        of this call."""
+        ok = []
+        for req, n in pieces:
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook("prefill", req.handle)
+                ok.append((req, n))
+            except Exception as e:
+                self._fail(req, e)
+        if len(ok) != len(pieces):  # keep power-of-two row counts (bounded compile shapes)
+            out, at = [], 0
+            for rows in sched.pow2_splits(len(ok)):
+                part = ok[at : at + rows]
+                at += rows
+                out += self._prefill_rows(max(sched.chunk_bucket(n) for _, n in part), part)
+            return out
+        return self._prefill_rows(size, ok)
+
+    def _prefill_rows(self, size: int, pieces: list[tuple[_Request, int]]) -> list[_Request]:
+        if not pieces:
+            return []
+        reqs = [r for r, _ in pieces]
+        try:
+            cap = self._prefill_slots(reqs[0])
+            if all(r.pcache is None for r in reqs):
+                cache = self.model.new_cache(len(reqs), cap, headroom=self._headroom)
+            else:
+                cache = stack_rows([r.pcache if r.pcache is not None
+                                    else self.model.new_cache(1, cap, headroom=self._headroom)
+                                    for r in reqs])
+            for r in reqs:
+                r.pcache = None  # the call owns the only reference (in-place K/V writes)
+            starts = [r.prefilled for r in reqs]
+            tokens = [r.ids[s : s + n] + [0] * (size - n) for (r, n), s in zip(pieces, starts)]
+            t0 = time.perf_counter()
+            logits, cache = prefill_step_compiled(
+                self.params, cache, mx.array(tokens, mx.int32),
+                mx.array([n for _, n in pieces], mx.int32),
+                span=span_bucket(max(starts) + size, cap),
+            )
+            host = time.perf_counter() - t0  # graph build + call; the rest is evaluation
+            mx.eval(logits, *tree_leaves(cache))
+            t1 = time.perf_counter()
+            self._prefill_calls += 1
+        except Exception as e:
+            for r in reqs:
+                self._fail(r, e)
+            return []
+        finished = []
+        for i, ((req, n), start) in enumerate(zip(pieces, starts)):
+            try:
+                req.pcache = row_view(cache, i)
+                req.prefilled = start + n
+                # one event per row, all with the call's id, end time and duration
+                self._trace("prefill", t=t1, request=req.handle.id, tokens=n, padded=size,
+                            start=start, rows=len(pieces), call=self._prefill_calls,
+                            seconds=t1 - t0, host_seconds=host)
+                if req.prefilled < len(req.ids):
+                    self._snapshot(req, req.ids[: req.prefilled], req.pcache, 0)  # a chunk boundary
+                elif self._first_token(req, logits[i : i + 1]):
+                    finished.append(req)
+            except Exception as e:
+                self._fail(req, e)
+        return finished
+
+    def _first_token(self, req: _Request, logits: mx.array) -> bool:
+        """Sample the first token of a request whose prompt is prefilled (a 1-row state:
+        per-row keys, so the draw does not depend on the call's other rows)."""
         c = self._c
-        if req.pcache is None:
-            cap = self._prefill_slots(req)
-            req.pcache = self.model.new_cache(1, cap, headroom=self._headroom)
-        start = req.prefilled
-        piece = req.ids[start : start + n]
-        size = sched.chunk_bucket(n)
-        padded = piece + [0] * (size - n)
-        t0 = time.perf_counter()
-        logits, cache = prefill_step_compiled(
-            self.params, req.pcache, mx.array([padded], mx.int32), mx.array([n], mx.int32),
-            span=span_bucket(start + size, req.pcache.capacity),
-        )
-        host = time.perf_counter() - t0  # graph build + call; the rest is evaluation
-        req.pcache = None
-        req.prefilled = start + n
-        last = req.prefilled == len(req.ids)
-        if not last:
-            mx.eval(*tree_leaves(cache))
-            req.pcache = cache
-            self._snapshot(req, req.ids[: req.prefilled], cache, 0)  # a chunk boundary
-            self._trace("prefill", request=req.handle.id, tokens=n, padded=size, start=start,
-                        seconds=time.perf_counter() - t0, host_seconds=host)
-            return False
         row_state = init_state([req.cfg], [req.ids], c.vocab_size, special_token_ids=self._special)
         logits = apply_processors(req.processors, req.ids, logits)
         row_state = sample_step_compiled(row_state, logits)
-        mx.eval(*tree_leaves(cache), *tree_leaves(row_state))
-        req.pcache = cache
-        self._snapshot(req, req.ids, cache, 0)  # the whole prompt
+        mx.eval(*tree_leaves(row_state))
+        self._snapshot(req, req.ids, req.pcache, 0)  # the whole prompt
         t1 = time.perf_counter()
-        self._trace("prefill", request=req.handle.id, tokens=n, padded=size, start=start,
-                    seconds=t1 - t0, host_seconds=host)
         self._trace("sample", request=req.handle.id)
         req.t_first = t1
         req.handle.timings["first_token"] = t1

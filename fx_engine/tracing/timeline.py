@@ -185,13 +185,30 @@ def chrome_trace(events: Iterable[dict[str, Any]], compiles: Iterable[dict[str, 
         {"name": "thread_name", "ph": "M", "pid": pid, "tid": COMPILE_TID, "args": {"name": "traces / compiles"}},
     ]
     admitted: dict[Any, float] = {}
+    # a batched prefill call traces one event per row (same `call`): one slice for them all
+    calls: dict[Any, list[dict[str, Any]]] = {}
+    for e in events:
+        if e["kind"] == "prefill" and "call" in e:
+            calls.setdefault(e["call"], []).append(e)
     for e in events:
         kind, t = e["kind"], e["t"]
         args = {k: v for k, v in e.items() if k not in ("t", "kind")}
+        if kind == "prefill" and "call" in e:
+            rows = calls.pop(e["call"], None)
+            if rows is None:
+                continue  # already drawn
+            if len(rows) > 1:
+                args = {"call": e["call"], "rows": len(rows), "padded": e.get("padded"),
+                        "seconds": e.get("seconds"), "host_seconds": e.get("host_seconds"),
+                        "requests": [r.get("request") for r in rows],
+                        "tokens": [r.get("tokens") for r in rows], "step": e.get("step")}
         if kind == "step" or kind in _TIMED:
             dur = e.get("seconds", 0.0)
-            label = kind if kind == "step" else (
-                f"{kind} ({e['tokens']} tok)" if kind == "prefill" else f"{kind} x{e.get('batch', '?')}")
+            if kind == "prefill" and isinstance(args.get("tokens"), list):
+                label = f"prefill x{args['rows']} ({sum(args['tokens'])} tok)"
+            else:
+                label = kind if kind == "step" else (
+                    f"{kind} ({e['tokens']} tok)" if kind == "prefill" else f"{kind} x{e.get('batch', '?')}")
             out.append({"name": label, "cat": kind, "ph": "X", "ts": us(t - dur), "dur": round(dur * 1e6, 3),
                         "pid": pid, "tid": ENGINE_TID, "args": args})
             host = e.get("host_seconds")
