@@ -790,13 +790,14 @@ class Engine:
                             seconds=t1 - t0, host_seconds=host)
                 if req.prefilled < len(req.ids):
                     self._snapshot(req, req.ids[: req.prefilled], req.pcache, 0)  # a chunk boundary
-                elif self._first_token(req, logits[i : i + 1]):
+                else:
+                    self._first_token(req, logits[i : i + 1])
                     finished.append(req)
             except Exception as e:
                 self._fail(req, e)
         return finished
 
-    def _first_token(self, req: _Request, logits: mx.array) -> bool:
+    def _first_token(self, req: _Request, logits: mx.array) -> None:
         """Sample the first token of a request whose prompt is prefilled (a 1-row state:
         per-row keys, so the draw does not depend on the call's other rows)."""
         c = self._c
@@ -817,7 +818,6 @@ class Engine:
                                row_state.top_ids[0].tolist(), row_state.top_logprobs[0].tolist())
         req.row_state = row_state
         self._on_token(req, token, lp)
-        return True
 
     def _prefill_slots(self, req: _Request) -> int:
         return sched.prefill_slots(len(req.ids), self.prefill_chunk)
