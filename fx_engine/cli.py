@@ -247,18 +247,27 @@ def _native_line() -> str:
         err = (native.status()["error"] or "off (FX_ENGINE_NATIVE=0)").strip().splitlines()[0]
         return f"unavailable, MLX ops used instead: {err}"
     st = native.status()
-    isa = native.isa()
-    if native.tiled_gemm():
-        mm = "qgemm at every row count (few-row path up to 16 rows, register tiles above)"
-    elif native.few_gemm():
-        mm = ("qgemm's few-row path up to 16 rows, qmm to 32, a BLAS GEMM on dequantized "
-              "weights above (qgemm's many-row tile would spill without AVX-512); "
-              "batch-invariant mode: qmm")
-    else:
-        mm = "qmm up to 32 rows, a BLAS GEMM above"
-    a8 = "VNNI int8 dot products" if native.int8_dot() else "scalar int8 loop (no AVX-512 VNNI)"
-    return (f"on, {st['threads']} threads, {isa} build ({st['path']})\n"
-            f"  quantized matmuls   {mm}\n  8-bit activations   {a8}")
+    few = "a few-row path (vectors along the features) and " if native.few_gemm() else ""
+    tiles = ("register tiles" if native.tiled_gemm() or not native.few_gemm()
+             else "8-row passes of that path at every row count (the tiles would spill)")
+    a8 = ("int8 dot products (" + ("AVX-512 VNNI" if native.isa() == "avx512" else "AVX2 vpmaddubsw")
+          + ")" if native.int8_dot() else "a scalar int8 loop (no int8 dot-product path for this build)")
+    return (f"on, {st['threads']} threads, {native.isa()} build ({st['path']})\n"
+            f"  qgemm               {few}{tiles}\n"
+            f"  8-bit activations   {a8}")
+
+
+def _plan_lines(model_path: str | None) -> list[str]:
+    """What fx_engine.load measured to choose the float32 matmul path for a model."""
+    from . import native
+
+    if native.ensure(quiet=True) is None:
+        return ["  (no native kernels: MLX ops)"]
+    model = fx_engine.load(model_path)
+    report = model.matmul_report
+    if report is None:
+        return ["  (no 4-/8-bit linears: dense MLX matmuls)"]
+    return ["  " + line for line in report.lines()]
 
 
 def cmd_info(a: argparse.Namespace) -> int:
@@ -289,6 +298,10 @@ def cmd_info(a: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    if a.model is not None or not default.startswith("not installed"):
+        print(f"matmul path chosen at load ({a.model or 'default model'}; measured once per "
+              "machine, build and shape):")
+        print("\n".join(_plan_lines(a.model)))
     return 0
 
 
@@ -346,7 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--chat-template-args", default=None,
                     help='JSON variables for the template, e.g. \'{"enable_thinking": false}\'')
     sv.set_defaults(func=cmd_serve)
-    i = sub.add_parser("info", help="versions, device, BLAS, default model")
+    i = sub.add_parser("info", help="versions, device, BLAS, native kernels, default model")
+    i.add_argument("--model", default=None,
+                   help="also show the matmul path chosen for this model (default: the default model)")
     i.set_defaults(func=cmd_info)
     for name, (_, text) in _DELEGATED.items():  # listed in --help; run by main() directly
         sub.add_parser(name, help=f"{text}; see fx-engine {name} --help", add_help=False)

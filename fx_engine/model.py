@@ -17,7 +17,7 @@ from . import native as fx_native
 from .loading.weights import KeepQuantized, WeightsError, load_gguf, load_hf_folder
 from .cache import KVCache, LayerSpec, init_cache
 from .models import AnyParams, cache_layout
-from .nn import Linear, Numerics
+from .nn import Numerics, linears
 from .tree import tree_leaves
 
 QUANTIZED_KV_START = 5000  # mlx-lm's default: short contexts keep a float cache
@@ -38,6 +38,9 @@ class Model:
     # The float KV cache's element type (None: the activations' dtype). "float16" halves
     # the bytes a decode step's attention reads (llama.cpp's default cache type).
     kv_dtype: str | None = None
+    # What fx_engine.native.plan measured to choose params.numerics.matmul (None: not
+    # measured: no native kernels, 8-bit activations, or no quantized linears).
+    matmul_report: Any = attrs.field(default=None, eq=False)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -109,19 +112,7 @@ def model_fingerprint(meta: list[str], files: list[Path]) -> str:
 
 def _weight_kinds(params: Any) -> str:
     """What the matmul weights became, e.g. "4-bit+8-bit (native)" or "float32"."""
-    lins: list[Linear] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, Linear):
-            lins.append(node)
-        elif attrs.has(type(node)):
-            for f in attrs.fields(type(node)):
-                walk(getattr(node, f.name))
-        elif isinstance(node, (tuple, list)):
-            for x in node:
-                walk(x)
-
-    walk(params)
+    lins = linears(params)
     bits = sorted({lin.bits for lin in lins if lin.quantized})
     kinds = [f"{b}-bit" for b in bits] + sorted({str(lin.weight.dtype).split(".")[-1]
                                                  for lin in lins if not lin.quantized})
@@ -190,8 +181,9 @@ def load(
         raise ValueError("activation_bits=8 needs fx-engine's native CPU kernels (native=True; "
                          f"available: {fx_native.available()})")
     if activation_bits is not None and fx_native.available() and not fx_native.int8_dot():
-        # issue 20: without AVX-512 VNNI, qmm_a8 runs its scalar loop (exact, the same bits,
-        # but many times slower than the default float kernels): say so, never silently
+        # without AVX-512 VNNI or AVX2 (a build for another CPU), qmm_a8 runs its scalar
+        # loop (exact, the same bits, but many times slower than the default float
+        # kernels): say so, never silently
         warnings.warn("activation_bits=8: this CPU's native build has no int8 dot-product "
                       f"kernel ({fx_native.isa()}: a scalar loop), so this mode is slower "
                       "than the default here (fx-engine info)", stacklevel=2)
@@ -215,8 +207,16 @@ def load(
     files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
     fingerprint = model_fingerprint(fp_src, files)
     quant_kinds = _weight_kinds(params)
+    report = None
+    if native and activation_bits is None and _on_cpu():
+        from .native import plan
+
+        report = plan.choose(params)  # measured once per machine and shape (cached)
+        if report is not None:
+            params = attrs.evolve(params, numerics=attrs.evolve(numerics, matmul=report.plan))
     model = Model(
         config=cfg, params=params, tokenizer=tokenizer, path=str(p),
         fingerprint=fingerprint, weight_format=f"{fmt} -> {quant_kinds}",
+        matmul_report=report,
     )
     return model.with_kv_cache(kv_bits, kv_group_size, quantized_kv_start).with_kv_dtype(kv_dtype)

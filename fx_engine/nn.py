@@ -14,6 +14,31 @@ from .tree import static_field
 
 
 @attrs.frozen
+class MatmulPlan:
+    """Which native kernel runs a float32-activation quantized product (static, part of the
+    compile key through `Numerics`). Chosen per machine by the shell when a model loads
+    (`fx_engine.native.plan`: measured on the model's own shapes, cached per build); the
+    default is what AVX-512 builds measure.
+
+    kernel: "qgemm" or "qmm", the fixed-arithmetic kernel for every row count (both are
+    batch-invariant; qgemm also has the few-row path for decode batches).
+    gemm_from: in the default (not batch-invariant) mode, products of at least this many
+    rows run a BLAS GEMM on the natively dequantized weight instead (0: never). Always
+    above qgemm's few-row path, so decode and verify steps share one kernel.
+    """
+
+    kernel: str = "qgemm"
+    gemm_from: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.kernel not in ("qgemm", "qmm"):
+            raise ValueError(f"MatmulPlan.kernel must be 'qgemm' or 'qmm', got {self.kernel!r}")
+        if self.gemm_from != 0 and self.gemm_from <= native.FEW_GEMM_ROWS:
+            raise ValueError(f"MatmulPlan.gemm_from must be 0 or above {native.FEW_GEMM_ROWS}, "
+                             f"got {self.gemm_from}")
+
+
+@attrs.frozen
 class Numerics:
     """Static numerics policy (part of the compile key).
 
@@ -31,12 +56,13 @@ class Numerics:
     tile: int = 8
     kv_block: int = 64  # batch-invariant attention sums P @ V over fixed blocks of slots
     # fx_engine.native kernels for 4-/8-bit linears (CPU), batch-invariant by construction.
-    # On AVX-512 builds every quantized matmul runs `native.qgemm` in both modes: one
-    # arithmetic at every row count (register tiles for many rows, a few-row path for
-    # decode; ~2x `native.qmm` at 8 rows and from 16 up), so a token's matmuls never
-    # depend on its batch or chunk. Other builds run `native.qmm` (every row count in
-    # batch-invariant mode; up to 32 rows in the fast mode, a BLAS GEMM above).
+    # `matmul` says which: one kernel at every row count in batch-invariant mode (and in
+    # the default mode below `matmul.gemm_from`), so a token's matmuls never depend on its
+    # batch or chunk there. Measured at load per machine (fx_engine.native.plan): AVX-512
+    # builds run qgemm everywhere; AVX2 builds qgemm (its few-row path) below ~32-64 rows
+    # and a BLAS GEMM on the dequantized weight above, in the default mode.
     native: bool = False
+    matmul: MatmulPlan = MatmulPlan()
     # 8: the native kernels round each activation row to 8 bits per weight group before a
     # quantized matmul (`native.qmm_a8`: exact int8 dot products, 1.7-2.8x `native.qgemm`'s
     # speed from 8 rows up on the default model's shapes), as llama.cpp does for its
@@ -80,32 +106,42 @@ class Linear:
         return int(self.weight.shape[1] if self.transposed else self.weight.shape[0])
 
 
+def linears(tree: object) -> list[Linear]:
+    """Every Linear in a params pytree (attrs classes, tuples, lists, dicts), in order."""
+    out: list[Linear] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, Linear):
+            out.append(node)
+        elif attrs.has(type(node)):
+            for f in attrs.fields(type(node)):
+                walk(getattr(node, f.name))
+        elif isinstance(node, (tuple, list)):
+            for x in node:
+                walk(x)
+        elif isinstance(node, dict):
+            for x in node.values():
+                walk(x)
+
+    walk(tree)
+    return out
+
+
 def _native_ok(lin: Linear, numerics: Numerics) -> bool:
     return numerics.native and lin.quantized and native.supports(lin.group_size, lin.bits)
 
 
-# Builds without AVX-512 (native.tiled_gemm() False: qgemm's tile would spill) run qmm up to
-# this many rows and a BLAS GEMM on the natively dequantized weight above, as every build did
-# before qgemm (measured on an AVX-512 Xeon then: the GEMM ~2x qmm at 512 rows).
-_QMM_MAX_ROWS_WITHOUT_TILES = 32
-
-
 def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
+    args = (lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
     if numerics.activation_bits == 8:
-        return native.qmm_a8(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
-    if native.tiled_gemm():  # one arithmetic for every row count: both modes
-        return native.qgemm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
+        return native.qmm_a8(x, *args)
+    plan = numerics.matmul
     rows = 1
     for n in x.shape[:-1]:
         rows *= n
-    if not numerics.batch_invariant and rows <= native.FEW_GEMM_ROWS and native.few_gemm():
-        # AVX2: qgemm's few-row path (~3x qmm at one row); its many-row tiles spill here,
-        # so larger products take qmm / the BLAS GEMM below (other bits: default mode only)
-        return native.qgemm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
-    if numerics.batch_invariant or rows <= _QMM_MAX_ROWS_WITHOUT_TILES:  # then a BLAS GEMM
-        return native.qmm(x, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
-    w = native.dequantize(lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
-    return x @ w.astype(x.dtype).T
+    if not numerics.batch_invariant and plan.gemm_from and rows >= plan.gemm_from:
+        return x @ native.dequantize(*args).astype(x.dtype).T
+    return (native.qgemm if plan.kernel == "qgemm" else native.qmm)(x, *args)
 
 
 def _matmul_rows(x: mx.array, lin: Linear) -> mx.array:

@@ -95,23 +95,39 @@ def test_qgemm_few_row_path_gives_the_tiles_bits(bits: int, gs: int) -> None:
         assert np.array_equal(few, tiles[40 - m:]), m
 
 
-def test_linears_run_one_kernel_at_every_row_count() -> None:
-    """On builds with qgemm's tiles, both modes' quantized linears are qgemm at every row
-    count (a decode step's token gets its prefill chunk's bits); elsewhere qmm, but for
-    the default mode's products of up to 16 rows on builds with qgemm's few-row path
-    (AVX2), which run it (run by the suite with FX_ENGINE_NATIVE_ARCH=-march=x86-64-v3)."""
-    from fx_engine.nn import Linear, Numerics, linear
+@pytest.mark.parametrize("kernel", ["qgemm", "qmm"])
+@pytest.mark.parametrize("gemm_from", [0, 32])
+def test_linears_run_the_planned_kernel(kernel: str, gemm_from: int) -> None:
+    """A quantized linear runs `Numerics.matmul`'s kernel at every row count in
+    batch-invariant mode, and in the default mode below `gemm_from` (so decode and verify
+    steps share one kernel); from `gemm_from` rows up the default mode runs a BLAS GEMM on
+    the natively dequantized weight: the same product to float32 accuracy."""
+    from fx_engine.nn import Linear, MatmulPlan, Numerics, linear
 
     wq, s, b = _quantized(40, 256, 32, 4)
     lin = Linear(weight=wq, scales=s, biases=b, group_size=32, bits=4)
+    kern = native.qgemm if kernel == "qgemm" else native.qmm
+    plan = MatmulPlan(kernel=kernel, gemm_from=gemm_from)
     for bi in (False, True):
-        for m in (1, 8, 17, 64):
-            few = not bi and m <= native.FEW_GEMM_ROWS and native.few_gemm()
-            kern = native.qgemm if native.tiled_gemm() or few else native.qmm
+        for m in (1, 8, 17, 31, 32, 64):
             x = mx.array(RNG.standard_normal((m, 256)).astype(np.float32))
-            got = np.asarray(linear(x, lin, Numerics(native=True, batch_invariant=bi)))
-            if native.tiled_gemm() or bi or m <= 32:
+            got = np.asarray(linear(x, lin, Numerics(native=True, batch_invariant=bi, matmul=plan)))
+            if bi or not gemm_from or m < gemm_from:
                 assert np.array_equal(got, np.asarray(kern(x, wq, s, b, 32, 4))), (bi, m)
+            else:
+                ref = _reference(x, wq, s, b, 32, 4)
+                np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+                w = native.dequantize(wq, s, b, 32, 4)
+                assert np.array_equal(got, np.asarray(x @ w.T)), m
+
+
+def test_matmul_plan_rejects_what_it_cannot_run() -> None:
+    from fx_engine.nn import MatmulPlan
+
+    with pytest.raises(ValueError, match="kernel"):
+        MatmulPlan(kernel="blas")
+    with pytest.raises(ValueError, match="gemm_from"):
+        MatmulPlan(gemm_from=8)  # inside the few-row path: decode and verify would differ
 
 
 def test_qgemm_and_qmm_differ_by_rounding_only() -> None:
@@ -490,31 +506,6 @@ def test_edge_cases_empty_inputs_and_all_minus_inf_rows() -> None:
         np.testing.assert_allclose(np.asarray(native.masked_softmax(xa, ma)), np.asarray(ref), atol=1e-7)
 
 
-def test_many_row_products_without_the_tiled_gemm(monkeypatch) -> None:
-    """Builds without AVX-512 (no room for qgemm's register tile) run many-row products as
-    qmm up to 32 rows and a BLAS GEMM on the natively dequantized weight above; the same
-    product as qgemm's to float32 accuracy."""
-    from fx_engine.nn import Linear, Numerics, linear
-
-    wq, s, b = _quantized(96, 256, 32, 4)
-    lin = Linear(weight=wq, scales=s, biases=b, group_size=32, bits=4)
-    num = Numerics(native=True)
-    assert native.tiled_gemm() == bool(native._module().tiled_gemm)
-    for m in (20, 64):
-        x = mx.array(RNG.standard_normal((m, 256)).astype(np.float32))
-        ref = _reference(x, wq, s, b, 32, 4)
-        tiled = np.asarray(linear(x, lin, num))
-        with monkeypatch.context() as mp:
-            mp.setattr(native, "tiled_gemm", lambda: False)
-            other = np.asarray(linear(x, lin, num))
-        for got in (tiled, other):
-            np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
-        if m <= 32:
-            assert np.array_equal(other, np.asarray(native.qmm(x, wq, s, b, 32, 4)))
-        if native.tiled_gemm():
-            assert np.array_equal(tiled, np.asarray(native.qgemm(x, wq, s, b, 32, 4)))
-
-
 # ---------------------------------------------------------------- 8-bit activations
 def _a8_reference(x: mx.array, wq, s, b, gs: int, bits: int) -> np.ndarray:
     """qmm_a8's definition in numpy: each row of x rounded per group of gs values
@@ -653,6 +644,8 @@ for bits in (4, 8):
     wq, s, b = (mx.array(d[f"{n}{bits}"]) for n in ("w", "s", "b"))
     x = mx.array(d["x"])
     outs[f"a8_{bits}"] = np.asarray(mod.qmm_a8(x, wq, s, b, 32, bits))
+    for m in range(1, 11):  # every row count of one 8-row pass (and of a second one)
+        outs[f"a8_{m}_{bits}"] = np.asarray(mod.qmm_a8(x[1 : 1 + m], wq, s, b, 32, bits))
     outs[f"qmm_{bits}"] = np.asarray(mod.qmm(x, wq, s, b, 32, bits))
     x40 = mx.concatenate([x] * 4)[:40]  # qgemm's many-row tiles
     outs[f"qgemm40_{bits}"] = np.asarray(mod.qgemm(x40, wq, s, b, 32, bits))
@@ -669,9 +662,12 @@ np.savez(sys.argv[3], **outs)
 
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 build flags")
-def test_portable_build_runs_the_same_products(tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])
+def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # noqa: ANN001
     """The kernels built for plain AVX2 (-march=x86-64-v3: no AVX-512, no VNNI), as on
-    older CPUs: qmm_a8's scalar loop gives the VNNI kernel's bits exactly (exact integer
+    older CPUs, and for baseline x86-64 (SSE2: the generic vector code and scalar loops,
+    as on a CPU fx-engine has no intrinsics for): qmm_a8's AVX2 path (vpmaddubsw) and its
+    scalar loop give the VNNI kernel's bits exactly at every row count (exact integer
     sums, the same two float32 roundings per group), the float kernels the same product,
     and attend its float16 cache values (converted without F16C/AVX-512 instructions).
     qgemm's AVX2 few-row path gives its many-row tiles' bits at every row count 1..16,
@@ -685,7 +681,7 @@ def test_portable_build_runs_the_same_products(tmp_path) -> None:  # noqa: ANN00
     if cxx is None:
         pytest.skip("no C++ compiler")
     so = tmp_path / ("_fx_native" + build._paths()["ext_suffix"])
-    build._compile(cxx, build._paths(), ["-march=x86-64-v3"], so)
+    build._compile(cxx, build._paths(), [f"-march={arch}"], so)
     build._check(so)  # the build's own smoke check passes too
     data = {"x": RNG.standard_normal((11, 192)).astype(np.float32),
             "q": RNG.standard_normal((1, 1, 4, 32)).astype(np.float32),
@@ -699,13 +695,16 @@ def test_portable_build_runs_the_same_products(tmp_path) -> None:  # noqa: ANN00
                        env={**__import__("os").environ, "FX_ENGINE_NATIVE": "0"})
     assert r.returncode == 0, r.stderr[-3000:]
     got = np.load(tmp_path / "out.npz")
-    assert not bool(got["int8_dot"])
-    assert str(got["isa"]) == "avx2" and bool(got["few_gemm"])
+    avx2 = arch == "x86-64-v3"
+    assert bool(got["int8_dot"]) == avx2  # vpmaddubsw on AVX2, a scalar loop on baseline
+    assert str(got["isa"]) == ("avx2" if avx2 else "generic") and bool(got["few_gemm"]) == avx2
     for bits in (4, 8):
         many = got[f"qgemm40_{bits}"]
         for m in range(1, 17):
             assert np.array_equal(got[f"qgemm{m}_{bits}"], many[:m]), (bits, m)
-        if native.tiled_gemm():  # this machine's own qgemm (AVX-512): the same bits
+        # this machine's own qgemm (AVX-512): the same bits where both fuse their FMAs
+        # (baseline x86-64 has no FMA instruction: a product and a sum, other bits)
+        if native.tiled_gemm() and avx2:
             wq, s, b = (mx.array(data[f"{n}{bits}"]) for n in ("w", "s", "b"))
             x40 = mx.concatenate([mx.array(data["x"])] * 4)[:40]
             assert np.array_equal(many, np.asarray(native.qgemm(x40, wq, s, b, 32, bits)))
@@ -715,6 +714,9 @@ def test_portable_build_runs_the_same_products(tmp_path) -> None:  # noqa: ANN00
     x = mx.array(data["x"])
     for bits in (4, 8):
         wq, s, b = (mx.array(data[f"{n}{bits}"]) for n in ("w", "s", "b"))
-        assert np.array_equal(got[f"a8_{bits}"], np.asarray(native.qmm_a8(x, wq, s, b, 32, bits)))
+        a8 = np.asarray(native.qmm_a8(x, wq, s, b, 32, bits))
+        assert np.array_equal(got[f"a8_{bits}"], a8)
+        for m in range(1, 11):
+            assert np.array_equal(got[f"a8_{m}_{bits}"], a8[1 : 1 + m]), (bits, m)
         ref = _reference(x, wq, s, b, 32, bits)
         np.testing.assert_allclose(got[f"qmm_{bits}"], ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())

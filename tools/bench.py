@@ -328,8 +328,12 @@ class LlamaCppEngine(Engine):
         self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=512,
                                    n_threads=self.threads, n_threads_batch=self.threads,
                                    logits_all=False, verbose=False)
+        try:  # which of llama.cpp's CPU paths this build runs (e.g. "AVX2 = 1 | AVX512 = 0")
+            sysinfo = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+        except Exception:  # noqa: BLE001 - informational only
+            sysinfo = "?"
         self.notes = f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, " \
-                     f"{self.threads} threads, n_batch 512"
+                     f"{self.threads} threads, n_batch 512; {sysinfo}"
 
     def weights_bytes(self) -> int:
         return os.path.getsize(self.path)
@@ -450,6 +454,22 @@ def fx_source_hash() -> str:
         h.update(str(f.relative_to(root)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+_BUSY: list[Any] = []
+_BUSY_LOOP = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic() < end: pass\n"
+
+
+def start_busy(n: int, limit: float = 4 * 3600) -> None:
+    """n processes that each keep one core busy (a bounded loop: they end by themselves after
+    `limit` seconds, and are killed when the tool exits), as another tenant would."""
+    import atexit
+    import subprocess
+
+    for _ in range(n):
+        _BUSY.append(subprocess.Popen([sys.executable, "-c", _BUSY_LOOP.format(limit=limit)]))
+    atexit.register(lambda: [p.kill() for p in _BUSY])
+    log(f"{n} busy-loop process(es) started")
 
 
 def machine_info() -> dict[str, Any]:
@@ -897,6 +917,9 @@ def render_markdown(report: dict[str, Any]) -> str:
                     if mi.get("openblas") else "") + "; "
                  f"load average {tuple(round(x, 2) for x in mi['loadavg_start'])} at start, "
                  f"{tuple(round(x, 2) for x in report.get('loadavg_end', ()))} at end.")
+    if mi.get("busy_processes"):
+        lines.append(f"**Busy machine**: {mi['busy_processes']} busy-loop process(es) (one core "
+                     "each) ran throughout (`--busy`).")
     lines.append("")
     lines.append("| tok/s (median) | " + " | ".join(_label(report, k) for k in keys) + " |")
     lines.append("|---|" + "---:|" * len(keys))
@@ -1070,6 +1093,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="the HTTP serving benchmark instead (tools/bench_server.py; its own flags)")
     ap.add_argument("--kv", action="store_true",
                     help="the KV cache kinds benchmark instead (tools/bench_kv.py; its own flags)")
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="run N busy-loop processes (one core each) while measuring: a busy machine")
     ap.add_argument("--serving", action="store_true",
                     help="the serving workload instead: N concurrent requests through "
                          "fx_engine.Engine vs mlx-lm's BatchGenerator (tools/bench_serving.py)")
@@ -1136,6 +1161,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     fx_model = fx_engine.load(path)
     log(f"loaded fx-engine model in {time.perf_counter() - t0:.1f}s ({fx_model.weight_format})")
+    if fx_model.matmul_report is not None:
+        info["matmul_plan"] = fx_model.matmul_report.lines()
+    if args.busy:
+        info["busy_processes"] = args.busy
+        start_busy(args.busy)
 
     if args.serving:
         return _serving_main(args, argv, path, is_gguf, fx_model, info, tmp)

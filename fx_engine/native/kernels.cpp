@@ -756,18 +756,9 @@ void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const float* sc
 static_assert(QG_FEW == 16, "qgemm_few dispatches 1..16 rows");
 #endif
 
-#if defined(FX_AVX2)
-// The few-row path on AVX2 (+ FMA): the AVX-512 path above at half width. Vectors run along
-// 8 output features (one ymm); 8 weight rows' packed words are transposed in registers and
-// dequantized there, against a broadcast activation, 8 rows per pass (8 accumulators +
-// the weight, its scale and bias and the broadcast fit the 16 ymm registers; rows 9-16
-// take a second pass over the weights). The arithmetic per output is qgemm's exactly (the
-// tiles run on this build too, with fma() an FMA): w = scale * q + bias rounded as in
-// dequant_row, acc = fma(x, w, acc) over k in the 4-bit split order from +0, so few- and
-// many-row products give the same bits (tested on an x86-64-v3 build).
-constexpr int QG_FEW = 16;  // up to this many rows take this path
-constexpr int QG_PASS = 8;  // rows per pass over the weights
-
+#if defined(__AVX2__)
+// 8-lane helpers shared by the AVX2 few-row paths of qgemm and qmm_a8 (the latter also runs
+// on AVX-512 builds without VNNI).
 // Four consecutive 32-bit values of 8 rows (row j at rp[j] + off bytes) -> out[i]: value i
 // of rows 0..7, one per lane (lane L of z[j] holds rows j and j + 4; a 4x4 transpose per
 // 128-bit lane).
@@ -816,6 +807,20 @@ inline int few8_setup(int K, const uint32_t* wq, const float* sc, const float* b
     }
   return nv;
 }
+
+#endif
+
+#if defined(FX_AVX2)
+// The few-row path on AVX2 (+ FMA): the AVX-512 path above at half width. Vectors run along
+// 8 output features (one ymm); 8 weight rows' packed words are transposed in registers and
+// dequantized there, against a broadcast activation, 8 rows per pass (8 accumulators +
+// the weight, its scale and bias and the broadcast fit the 16 ymm registers; more rows
+// take further passes over each chunk of weights while it is in cache: on AVX2 builds
+// this path runs every row count). The arithmetic per output is qgemm's tiles' exactly
+// (with fma() an FMA): w = scale * q + bias rounded as in dequant_row, acc = fma(x, w,
+// acc) over k in the 4-bit split order from +0, so it gives the AVX-512 build's bits at
+// every row count (tested on an x86-64-v3 build).
+constexpr int QG_PASS = 8;  // rows per pass over the weights
 
 // NB adjacent 8-feature blocks from n0 (all inside N's blocks) for MR rows of x (row
 // stride K). Several blocks at once for few rows: each output's sum is one chain of
@@ -923,7 +928,15 @@ static_assert(QG_PASS == 8, "qgemm_few dispatches 1..8 rows per pass");
 void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc,
                const float* bi, int gs, int bits, float* y, int N) {
 #if defined(__AVX512F__) || defined(FX_AVX2)
-  if (M > 0 && M <= QG_FEW) {
+#if defined(FX_AVX2)
+  // Every row count, in passes of 8 rows: the AVX2 build's register tiles spill (v16 is two
+  // ymm), and the passes give their bits at ~3-4x their speed (measured: 3072 x 576 at 64
+  // rows 7.1 -> ~2 ms), so the tiles below serve the generic build only.
+  constexpr int few_max = 1 << 30;
+#else
+  constexpr int few_max = QG_FEW;
+#endif
+  if (M > 0 && M <= few_max) {
     if (bits == 8)
       qgemm_few<8>(x, M, K, wq, sc, bi, gs, y, N);
     else
@@ -1053,6 +1066,40 @@ inline int quant_group(const float* xg, int gs, bool split, int8_t* q, float* d)
   }
   *d = amax / 127.0f;
   return _mm512_reduce_add_epi32(sum);
+#elif defined(__AVX2__)
+  // The same values at 8 lanes; the split order by byte shuffles after packing to int8.
+  const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mv = _mm256_setzero_ps();
+  for (int k = 0; k < gs; k += 8) mv = _mm256_max_ps(mv, _mm256_and_ps(_mm256_loadu_ps(xg + k), absm));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float amax = _mm_cvtss_f32(m4);
+  const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  // per 128-bit lane: even bytes, then odd ones
+  const __m256i eo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                      0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  __m256i sum = _mm256_setzero_si256();
+  for (int k = 0; k < gs; k += 32) {
+    __m256i v[4];
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + k + 8 * j), id));
+      v[j] = _mm256_min_epi32(_mm256_max_epi32(v[j], lo), hi);
+      sum = _mm256_add_epi32(sum, v[j]);
+    }
+    // packs interleave 128-bit lanes: bytes come out as dwords 0,2,4,6,1,3,5,7 of k order
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    __m256i q8 = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (split)  // evens of k 0..15 | odds of 0..15 | evens of 16..31 | odds of 16..31 -> evens, odds
+      q8 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(q8, eo), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), q8);
+  }
+  *d = amax / 127.0f;
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  return _mm_cvtsi128_si32(s4);
 #else
   float amax = 0.0f;
   for (int k = 0; k < gs; ++k) amax = std::max(amax, std::fabs(xg[k]));
@@ -1230,6 +1277,22 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const float* 
   });
 }
 
+// run(std::integral_constant<int, m>) for m in 1..8 (values above 8 run 8, below 1 run 1):
+// the few-row kernels take the row count as a template argument.
+template <typename F>
+inline void rows_1_to_8(int m, F&& run) {
+  switch (m) {
+    case 8: run(std::integral_constant<int, 8>{}); break;
+    case 7: run(std::integral_constant<int, 7>{}); break;
+    case 6: run(std::integral_constant<int, 6>{}); break;
+    case 5: run(std::integral_constant<int, 5>{}); break;
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    default: run(std::integral_constant<int, 1>{}); break;
+  }
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 // qmm_a8 for up to 8 rows (decode batches): the other orientation, as qgemm's few-row
 // path. Vectors run along 16 output features; a quad of 4 weight bytes per lane comes
@@ -1308,27 +1371,145 @@ void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const float* s
         a8_few_block<BITS, decltype(mr)::value>(xq.data(), dd.data(), xs.data(), K, wq, sc, bi,
                                                 gs, y, N, n0, sbuf);
       };
-      switch (M) {
-        case 8: run(std::integral_constant<int, 8>{}); break;
-        case 7: run(std::integral_constant<int, 7>{}); break;
-        case 6: run(std::integral_constant<int, 6>{}); break;
-        case 5: run(std::integral_constant<int, 5>{}); break;
-        case 4: run(std::integral_constant<int, 4>{}); break;
-        case 3: run(std::integral_constant<int, 3>{}); break;
-        case 2: run(std::integral_constant<int, 2>{}); break;
-        default: run(std::integral_constant<int, 1>{}); break;
+      rows_1_to_8(M, run);
+    }
+  });
+}
+#endif
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512F__))
+#define FX_A8_AVX2 1
+// qmm_a8 on AVX2 (and AVX-512 builds without VNNI), at every row count: the few-row
+// orientation of a8_few_block at 8 features per ymm, 8 rows per pass over the weights.
+// AVX2 has no u8 x s8 dot product into int32; vpmaddubsw multiplies u8 by s8 and adds
+// adjacent pairs into saturating int16, vpmaddwd then adds pairs of int16 into int32 (as
+// llama.cpp's AVX2 Q4_0 x Q8_0). With 4-bit weights (0..15) and activations in [-127, 127]
+// a pair is at most 2 * 15 * 127 = 3810 in magnitude, so the 8 pairs of one 32-k step add
+// up in int16 exactly (30480 < 32767) before one vpmaddwd; 8-bit weights (0..255) would
+// saturate, so they are split into nibbles, w = 16 * hi + lo, each summed as a 4-bit
+// weight and combined in int32 (vpmaddwd by 16 and by 1). The integer sums are exact, so
+// the per-group float steps (the same as a8_tile's) give the tiles' bits on every build.
+template <int BITS, int MR>
+inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, int K,
+                          const uint32_t* wq, const float* sc, const float* bi, int gs,
+                          float* y, int N, int n0, float* sbuf) {
+  constexpr int R = 8;  // pack_a8<8>'s tile: quad u of row m at xq + (u * R + m) * 4
+  const char* rw[8];
+  const int nv = few8_setup(K, wq, sc, bi, gs, BITS, N, n0, rw, sbuf);
+  const int groups = K / gs;
+  const float* bbuf = sbuf + static_cast<int64_t>(groups) * 8;
+  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
+  const __m256i nib = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+  // the next block's packed rows, a slice per 32-k step (interleaved row streams defeat
+  // the hardware prefetchers)
+  const int words = K * BITS / 32;
+  const char* next = reinterpret_cast<const char*>(wq + int64_t{n0 + 8} * words);
+  const int64_t next_bytes = std::max(0, std::min(8, N - n0 - 8)) * int64_t{words} * 4;
+  const int64_t slice = ((next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  auto xb = [&](int u, int m) { return _mm256_set1_epi32(xq4[u * R + m]); };
+  for (int g = 0; g < groups; ++g) {
+    __m256i is[MR];
+    for (int m = 0; m < MR; ++m) is[m] = _mm256_setzero_si256();
+    for (int k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
+      for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
+        _mm_prefetch(next + o, _MM_HINT_T0);
+      const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
+      const int u0 = k0 / 4;
+      if constexpr (BITS == 4) {
+        __m256i wv[4];
+        transpose8x4(rw, off, wv);
+        __m256i lo[4], hi[4];  // quads i and 4 + i of the split order
+        for (int i = 0; i < 4; ++i) {
+          lo[i] = _mm256_and_si256(wv[i], nib);
+          hi[i] = _mm256_and_si256(_mm256_srli_epi16(wv[i], 4), nib);
+        }
+        for (int m = 0; m < MR; ++m) {
+          __m256i p = _mm256_maddubs_epi16(lo[0], xb(u0, m));
+#pragma GCC unroll 4
+          for (int i = 1; i < 4; ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[i], xb(u0 + i, m)));
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[i], xb(u0 + 4 + i, m)));
+          is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(p, one));
+        }
+      } else {
+        const __m256i sixteen = _mm256_set1_epi16(16);
+        __m256i wv[8];
+        transpose8x4(rw, off, wv);
+        transpose8x4(rw, off + 16, wv + 4);
+        for (int m = 0; m < MR; ++m) {
+          __m256i pl = _mm256_setzero_si256(), ph = _mm256_setzero_si256();
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) {
+            const __m256i x = xb(u0 + i, m);
+            pl = _mm256_add_epi16(pl, _mm256_maddubs_epi16(_mm256_and_si256(wv[i], nib), x));
+            ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(
+                                          _mm256_and_si256(_mm256_srli_epi16(wv[i], 4), nib), x));
+          }
+          is[m] = _mm256_add_epi32(is[m], _mm256_add_epi32(_mm256_madd_epi16(pl, one),
+                                                           _mm256_madd_epi16(ph, sixteen)));
+        }
+      }
+    }
+    const __m256 s = _mm256_load_ps(sbuf + g * 8), c = _mm256_load_ps(bbuf + g * 8);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 f = _mm256_mul_ps(_mm256_set1_ps(dd[g * R + m]), s);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), f, acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(xs[g * R + m]), c, acc[m]);
+    }
+  }
+  alignas(32) static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  const __m256i keep = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 - nv));
+  for (int m = 0; m < MR; ++m) _mm256_maskstore_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
+}
+
+template <int BITS>
+void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+                 const float* bi, int gs, float* y, int N) {
+  constexpr int R = 8;
+  const int G = K / gs, tiles = (M + R - 1) / R;
+  std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
+  std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
+  pack_a8<R>(x, M, K, gs, BITS == 4, xq.data(), dd.data(), xs.data());
+  const int blocks = (N + 7) / 8;
+  const int per = std::max(1, 8 * 576 / std::max(K, 1));
+  pool().run((blocks + per - 1) / per, [&](int c) {
+    thread_local std::vector<float> sb;
+    const size_t need = static_cast<size_t>(16 * G + 8);  // + 8: alignment
+    if (sb.size() < need) sb.resize(need);
+    float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 31) & ~uintptr_t{31});
+    const int b1 = std::min(blocks, (c + 1) * per);
+    for (int bl = c * per; bl < b1; ++bl) {
+      // every pass of 8 rows over this block while its weights are in L1
+      for (int t = 0; t < tiles; ++t) {
+        const int8_t* xt = xq.data() + static_cast<int64_t>(t) * K * R;
+        const float* dt = dd.data() + static_cast<int64_t>(t) * G * R;
+        const float* st = xs.data() + static_cast<int64_t>(t) * G * R;
+        float* yt = y + static_cast<int64_t>(t) * R * N;
+        auto run = [&](auto mr) {
+          a8_few8_block<BITS, decltype(mr)::value>(xt, dt, st, K, wq, sc, bi, gs, yt, N, bl * 8, sbuf);
+        };
+        rows_1_to_8(std::min(R, M - t * R), run);
       }
     }
   });
 }
 #endif
 
-// Up to 8 rows: the few-row path (AVX-512 VNNI builds) or tiles of 8 (the scalar
-// fallback); more: tiles of 16. Same bits every way (exact integer sums, the same
-// per-lane float operations).
+// Up to 8 rows: the few-row path (AVX-512 VNNI builds); more: tiles of 16. AVX2 builds:
+// the 8-lane path above at every row count. Elsewhere the scalar tiles (8 rows up to 8).
+// Same bits every way (exact integer sums, the same per-lane float operations).
 void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc,
                 const float* bi, int gs, int bits, float* y, int N) {
   if (M <= 0) return;
+#if defined(FX_A8_AVX2)
+  if (bits == 8)
+    qmm_a8_few8<8>(x, M, K, wq, sc, bi, gs, y, N);
+  else
+    qmm_a8_few8<4>(x, M, K, wq, sc, bi, gs, y, N);
+  return;
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   if (M <= 8) {
     if (bits == 8)
@@ -2443,8 +2624,8 @@ NB_MODULE(_fx_native, m) {
   m.def("qmm_a8", &qmm_a8, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"),
         "the product with x rounded to 8 bits per weight group (int8 dot products)");
-#if defined(__AVX512VNNI__)
-  m.attr("int8_dot") = true;  // qmm_a8 runs VNNI dot products (else a scalar loop)
+#if defined(__AVX512VNNI__) || defined(FX_A8_AVX2)
+  m.attr("int8_dot") = true;  // qmm_a8 runs int8 dot products (VNNI or AVX2; else a scalar loop)
 #else
   m.attr("int8_dot") = false;
 #endif

@@ -1,0 +1,177 @@
+"""Which native matmul path is fastest on this machine, measured (shell side).
+
+The native build offers several ways to run a float32-activation product with 4-/8-bit
+weights: `qgemm` (register tiles, plus a few-row path on AVX-512 and AVX2 builds), `qmm`
+(a dequantized copy and inner products) and a BLAS GEMM (MLX's dense matmul) on the
+natively dequantized weight. Which is fastest depends on the CPU, the build's vector
+width, the BLAS and the row count: on AVX-512 qgemm's tiles beat the GEMM at every row
+count; on AVX2 the tile spills and the GEMM wins from a few dozen rows. So when a model
+loads, `choose` times the candidates on that model's most common weight shape at the row
+counts a step uses, and returns the `MatmulPlan` (static numerics: part of the compile key)
+with a report of what was measured and why it chose so. Results are cached per build, BLAS,
+thread count and shape, next to the native build (`plans.json`), so it is measured once
+per machine; `fx-engine info` prints the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from . import FEW_GEMM_ROWS, dequantize, qgemm, qmm, status
+from ..nn import MatmulPlan, linears
+
+KERNEL_ROWS = (1, 8, 64, 512)  # qgemm vs qmm: decode, a decode batch, prefill chunks
+GEMM_ROWS = (32, 64, 128, 256, 512)  # the BLAS GEMM competes above the few-row path
+# (both kernels are timed at every row count of either tuple)
+MARGIN = 1.1  # a path must be this much faster to replace the default qgemm (noise)
+PLAN_VERSION = 2  # bumped when what is measured changes: older entries are measured again
+
+
+@attrs.frozen
+class PlanReport:
+    plan: MatmulPlan
+    shape: str  # "N x K, B-bit, group G"
+    seconds: dict[str, dict[int, float]]  # candidate -> rows -> best seconds
+    reason: str
+    cached: bool = False
+
+    def lines(self) -> list[str]:
+        out = [f"plan for {self.shape}: kernel {self.plan.kernel}"
+               + (f", BLAS GEMM on dequantized weights from {self.plan.gemm_from} rows (default mode)"
+                  if self.plan.gemm_from else ", no BLAS GEMM"),
+               f"  why: {self.reason}" + (" (cached measurement)" if self.cached else "")]
+        for name, by_rows in self.seconds.items():
+            cells = ", ".join(f"{m} rows {t * 1e6:.0f} us" for m, t in sorted(by_rows.items()))
+            out.append(f"  {name:<6} {cells}")
+        return out
+
+
+def _time(fn: Any, reps: int = 3, budget: float = 0.05) -> float:
+    """Best of `reps` rounds (each enough calls for ~budget/reps s) after a warm-up: the
+    minimum resists another process's bursts on a shared machine."""
+    mx.eval(fn())
+    t0 = time.perf_counter()
+    mx.eval(fn())
+    one = max(time.perf_counter() - t0, 1e-7)
+    calls = max(1, int(budget / reps / one))
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            mx.eval(fn())
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def measure(n: int, k: int, bits: int, gs: int) -> dict[str, dict[int, float]]:
+    """Seconds per product of each candidate at each row count, on random weights of the
+    given shape (the kernels' speed does not depend on the values)."""
+    rng = np.random.default_rng(0)
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
+    wq, sc, bi = mx.quantize(w, group_size=gs, bits=bits)
+    mx.eval(wq, sc, bi)
+    args = (wq, sc, bi, gs, bits)
+    xs = {m: mx.array(rng.standard_normal((m, k)).astype(np.float32))
+          for m in sorted(set(KERNEL_ROWS) | set(GEMM_ROWS))}
+    mx.eval(list(xs.values()))
+    out: dict[str, dict[int, float]] = {"qgemm": {}, "qmm": {}, "gemm": {}}
+    for m in xs:
+        out["qgemm"][m] = _time(lambda: qgemm(xs[m], *args))
+        out["qmm"][m] = _time(lambda: qmm(xs[m], *args))
+        if m in GEMM_ROWS:
+            out["gemm"][m] = _time(lambda: xs[m] @ dequantize(*args).T)
+    return out
+
+
+def decide(seconds: dict[str, dict[int, float]]) -> tuple[MatmulPlan, str]:
+    """The plan from measured times (pure; the property tests drive it with made-up ones).
+
+    kernel: qmm only if it is MARGIN faster than qgemm in the geometric mean over the
+    kernel row counts (batch-invariant mode runs it at every row count). gemm_from: the
+    smallest measured row count from which the GEMM (dequantizing included) is MARGIN
+    faster than that kernel at it and at every larger measured count."""
+    q, f = seconds["qgemm"], seconds["qmm"]
+    ratio = float(np.exp(np.mean([np.log(f[m] / q[m]) for m in KERNEL_ROWS])))
+    kernel = "qmm" if ratio * MARGIN < 1.0 else "qgemm"
+    kern = f if kernel == "qmm" else q
+    why = [f"{kernel} ({'qmm' if kernel == 'qgemm' else 'qgemm'} takes "
+           f"{(ratio if kernel == 'qgemm' else 1 / ratio):.2f}x its time, geometric mean over "
+           f"{', '.join(map(str, KERNEL_ROWS))} rows)"]
+    gemm_from = 0
+    for m in sorted(GEMM_ROWS, reverse=True):
+        if seconds["gemm"][m] * MARGIN < kern[m]:
+            gemm_from = m
+        else:
+            break
+    m = max(GEMM_ROWS)
+    if gemm_from:
+        why.append(f"the BLAS GEMM from {gemm_from} rows ({kern[m] / seconds['gemm'][m]:.2f}x "
+                   f"{kernel}'s speed at {m} rows)")
+    else:
+        why.append(f"no BLAS GEMM (it runs at {kern[m] / seconds['gemm'][m]:.2f}x {kernel}'s "
+                   f"speed at {m} rows; it must be {MARGIN}x faster to be chosen)")
+    assert gemm_from == 0 or gemm_from > FEW_GEMM_ROWS
+    return MatmulPlan(kernel=kernel, gemm_from=gemm_from), "; ".join(why)
+
+
+def _representative(params: Any) -> tuple[int, int, int, int] | None:
+    """(N, K, bits, group) of the quantized linears holding the most weights."""
+    totals: dict[tuple[int, int, int, int], int] = {}
+    for lin in linears(params):
+        if lin.quantized and lin.weight.ndim == 2:
+            n, k = int(lin.weight.shape[0]), int(lin.weight.shape[1]) * 32 // lin.bits
+            totals[(n, k, lin.bits, lin.group_size)] = totals.get((n, k, lin.bits, lin.group_size), 0) + n * k
+    return max(totals, key=lambda s: totals[s]) if totals else None
+
+
+def _cache_file() -> Path | None:
+    path = status().get("path")
+    return Path(path).parent / "plans.json" if path else None
+
+
+def _cache_key(shape: tuple[int, int, int, int]) -> str:
+    from ..blas import active
+
+    return json.dumps([PLAN_VERSION, status().get("threads"), sorted(active().items()), list(shape)])
+
+
+def choose(params: Any) -> PlanReport | None:
+    """The measured plan for a model's params (None: no quantized linear to measure)."""
+    shape = _representative(params)
+    if shape is None:
+        return None
+    n, k, bits, gs = shape
+    desc = f"{n} x {k}, {bits}-bit, group {gs}"
+    file, key = _cache_file(), _cache_key(shape)
+    cache: dict[str, Any] = {}
+    if file is not None and file.exists():
+        try:
+            cache = json.loads(file.read_text())
+        except (OSError, ValueError):
+            pass
+        cache = cache if isinstance(cache, dict) else {}
+    try:
+        seconds = {c: {int(m): float(t) for m, t in cache[key][c].items()} for c in ("qgemm", "qmm", "gemm")}
+        decide(seconds)  # complete and usable, or measured again
+        cached = True
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
+        seconds = measure(n, k, bits, gs)
+        cached = False
+        if file is not None:
+            cache[key] = seconds
+            tmp = file.with_suffix(f".{os.getpid()}.tmp")
+            try:
+                tmp.write_text(json.dumps(cache, indent=1))
+                os.replace(tmp, file)
+            except OSError:
+                pass  # a read-only cache: measured again next time
+    plan, reason = decide(seconds)
+    return PlanReport(plan=plan, shape=desc, seconds=seconds, reason=reason, cached=cached)

@@ -1,0 +1,103 @@
+"""fx_engine.native.plan: the measured choice of the float32 quantized-matmul path.
+
+`decide` is a pure function of measured times (property-tested with made-up ones);
+`choose` measures real kernels on a model's shapes once and caches the result; `load`
+puts the plan into the params' static numerics, and `fx-engine info` prints it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fx_engine
+from fx_engine import native
+
+pytestmark = pytest.mark.skipif(native.ensure(quiet=True) is None,
+                                reason=f"native kernels unavailable: {native.status()['error']}")
+
+from fx_engine.native import plan  # noqa: E402  (after ensure: the ops need the extension)
+
+ROWS = sorted(set(plan.KERNEL_ROWS) | set(plan.GEMM_ROWS))
+times = st.floats(min_value=1e-6, max_value=1.0, allow_nan=False)
+
+
+def _seconds(q: dict[int, float], f: dict[int, float], g: dict[int, float]) -> dict:
+    return {"qgemm": q, "qmm": f, "gemm": {m: g[m] for m in plan.GEMM_ROWS}}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.fixed_dictionaries({m: times for m in ROWS}), st.fixed_dictionaries({m: times for m in ROWS}),
+       st.fixed_dictionaries({m: times for m in ROWS}))
+def test_decide_never_keeps_a_path_that_is_clearly_slower(q, f, g) -> None:
+    sec = _seconds(q, f, g)
+    p, why = plan.decide(sec)
+    # the kernel: qmm only when clearly faster (geometric mean over the kernel row counts)
+    gm = math.exp(sum(math.log(f[m] / q[m]) for m in plan.KERNEL_ROWS) / len(plan.KERNEL_ROWS))
+    assert p.kernel == ("qmm" if gm * plan.MARGIN < 1 else "qgemm")
+    kern = f if p.kernel == "qmm" else q
+    # the GEMM from gemm_from on: clearly faster at every measured count from there ...
+    assert p.gemm_from == 0 or (p.gemm_from in plan.GEMM_ROWS and p.gemm_from > native.FEW_GEMM_ROWS)
+    for m in plan.GEMM_ROWS:
+        if p.gemm_from and m >= p.gemm_from:
+            assert g[m] * plan.MARGIN < kern[m]
+    # ... and the suffix is the longest one: the next smaller count is not clearly faster
+    below = [m for m in plan.GEMM_ROWS if m < (p.gemm_from or math.inf)]
+    if below:
+        assert not g[below[-1]] * plan.MARGIN < kern[below[-1]]
+    assert p.kernel in why
+
+
+def test_decide_on_the_measured_shapes_of_avx512_and_avx2_builds() -> None:
+    """Times of the default model's gate|up (3072 x 576, 4-bit) measured here on the two
+    builds (fx-engine info; qmm's 32/128/256-row times interpolated): AVX-512 keeps qgemm
+    everywhere; an AVX2 build whose qgemm still ran the spilling tiles above 16 rows took
+    the GEMM from 32 rows."""
+    avx512 = {"qgemm": {1: 108e-6, 8: 133e-6, 32: 315e-6, 64: 557e-6, 128: 1057e-6, 256: 2091e-6, 512: 4310e-6},
+              "qmm": {1: 103e-6, 8: 251e-6, 32: 700e-6, 64: 1321e-6, 128: 2600e-6, 256: 5100e-6, 512: 10067e-6},
+              "gemm": {32: 1023e-6, 64: 1718e-6, 128: 2690e-6, 256: 4935e-6, 512: 10268e-6}}
+    assert plan.decide(avx512)[0] == fx_engine.nn.MatmulPlan("qgemm", 0)
+    old_avx2 = {"qgemm": {1: 202e-6, 8: 257e-6, 32: 3385e-6, 64: 7059e-6, 128: 13199e-6, 256: 25972e-6, 512: 54212e-6},
+                "qmm": {1: 353e-6, 8: 1203e-6, 32: 5000e-6, 64: 9837e-6, 128: 17000e-6, 256: 34000e-6, 512: 67051e-6},
+                "gemm": {32: 2429e-6, 64: 3098e-6, 128: 2940e-6, 256: 5063e-6, 512: 10777e-6}}
+    p, why = plan.decide(old_avx2)
+    assert p == fx_engine.nn.MatmulPlan("qgemm", 32) and "BLAS GEMM from 32 rows" in why
+
+
+def test_choose_measures_once_and_caches(tmp_path, monkeypatch) -> None:
+    from fx_engine.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "q", quantize={"group_size": 32, "bits": 4})
+    monkeypatch.setattr(plan, "_cache_file", lambda: tmp_path / "plans.json")
+    calls = []
+    real = plan.measure
+    monkeypatch.setattr(plan, "measure", lambda *a: calls.append(a) or real(*a))
+    m1 = fx_engine.load(path)
+    r1 = m1.matmul_report
+    assert r1 is not None and not r1.cached and len(calls) == 1
+    n, k, bits, gs = calls[0]
+    assert (bits, gs) == (4, 32) and f"{n} x {k}" in r1.shape
+    assert m1.params.numerics.matmul == r1.plan  # static numerics: in the compile key
+    m2 = fx_engine.load(path)
+    assert m2.matmul_report.cached and len(calls) == 1 and m2.matmul_report.plan == r1.plan
+    assert set(r1.seconds) == {"qgemm", "qmm", "gemm"} and all(t > 0 for v in r1.seconds.values() for t in v.values())
+    text = "\n".join(r1.lines())
+    assert "why:" in text and r1.plan.kernel in text
+    # the 8-bit mode and dense models have nothing to choose
+    assert fx_engine.load(path, activation_bits=8).matmul_report is None
+    dense = write_tiny_model(tmp_path / "d")
+    assert fx_engine.load(dense).matmul_report is None
+
+
+def test_info_says_what_it_chose_and_why(tmp_path, monkeypatch, capsys) -> None:
+    from fx_engine.cli import main
+    from fx_engine.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "q", quantize={"group_size": 32, "bits": 8})
+    monkeypatch.setattr(plan, "_cache_file", lambda: tmp_path / "plans.json")
+    assert main(["info", "--model", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "matmul path chosen at load" in out and "why:" in out and "8-bit, group 32" in out
+    assert "8-bit activations" in out
