@@ -83,11 +83,14 @@ def test_quantized_products_are_batch_invariant(op) -> None:
 
 
 @pytest.mark.parametrize("bits,gs", [(4, 32), (4, 128), (8, 32), (8, 64)])
-def test_qgemm_few_row_path_gives_the_tiles_bits(bits: int, gs: int) -> None:
+@pytest.mark.parametrize("n", [50, 200])
+def test_qgemm_few_row_path_gives_the_tiles_bits(bits: int, gs: int, n: int) -> None:
     """Up to 16 rows qgemm runs another kernel (vectors along the features, weights
-    dequantized in registers); every row count 1..16 gives the bits of the many-row tiles
-    (n = 50: a partial block of 16 features; 40 rows: the tile path)."""
-    wq, s, b = _quantized(50, 384, gs, bits)
+    dequantized in registers; for 1-2 rows several 16-feature blocks at once); every row
+    count 1..16 gives the bits of the many-row tiles (n = 50: a partial block of 16
+    features; n = 200: 13 blocks, so whole groups of 4 or 2 blocks and a single one, over
+    several pool chunks; 40 rows: the tile path)."""
+    wq, s, b = _quantized(n, 384, gs, bits)
     x = mx.array(RNG.standard_normal((40, 384)).astype(np.float32))
     tiles = np.asarray(native.qgemm(x, wq, s, b, gs, bits))
     for m in range(1, 17):

@@ -673,83 +673,107 @@ inline void prefetch_slice(const FewBlock& fb, int k0) {
     _mm_prefetch(fb.next + o, _MM_HINT_T0);
 }
 
-template <int BITS, int MR>
+// NB adjacent 16-feature blocks from n0 at once (blocks past N are skipped by the caller):
+// each output's sum is one chain of dependent FMAs (the fixed order), so one or two rows
+// alone wait on the FMA latency (measured: 1 row took ~as long as 4); NB blocks give NB x MR
+// independent chains with the same per-output arithmetic.
+template <int BITS, int MR, int NB>
 inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const float* sc,
                             const float* bi, int gs, float* y, int N, int n0, float* sbuf) {
-  const FewBlock fb = few_block(K, wq, sc, bi, gs, BITS, N, n0, sbuf);
-  const float* bbuf = sbuf + static_cast<int64_t>(K / gs) * 16;
+  const int groups = K / gs;
+  FewBlock fb[NB];
+  for (int t = 0; t < NB; ++t)
+    fb[t] = few_block(K, wq, sc, bi, gs, BITS, N, n0 + 16 * t, sbuf + t * (2 * groups * 16 + 16));
+  // the next NB blocks' packed rows (contiguous), a slice per 32-k step (each few_block
+  // prefetches only the block after its own, which is inside this group for t < NB - 1)
+  const int64_t words = K * BITS / 32;
+  const char* next = reinterpret_cast<const char*>(wq + (n0 + 16 * NB) * words);
+  const int64_t next_bytes = std::max(0, std::min(16 * NB, N - n0 - 16 * NB)) * words * 4;
+  const int64_t slice = ((next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
   const __m512i low = _mm512_set1_epi32(BITS == 4 ? 15 : 255);
-  __m512 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
-  auto step = [&](__m512i q, __m512 s, __m512 c, int k) {
-    const __m512 w = _mm512_add_ps(_mm512_mul_ps(s, _mm512_cvtepi32_ps(q)), c);
-    for (int m = 0; m < MR; ++m)
-      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[static_cast<int64_t>(m) * K + k]), w, acc[m]);
-  };
+  __m512 acc[NB][MR];
+  for (int t = 0; t < NB; ++t)
+    for (int m = 0; m < MR; ++m) acc[t][m] = _mm512_setzero_ps();
   for (int k0 = 0; k0 < K; k0 += 32) {
-    prefetch_slice(fb, k0);
+    for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
+      _mm_prefetch(next + o, _MM_HINT_T0);
     const int gi = k0 / gs;
-    const __m512 s = _mm512_load_ps(sbuf + gi * 16), c = _mm512_load_ps(bbuf + gi * 16);
+    __m512 s[NB], c[NB];
+    for (int t = 0; t < NB; ++t) {
+      const float* st = sbuf + t * (2 * groups * 16 + 16);
+      s[t] = _mm512_load_ps(st + gi * 16);
+      c[t] = _mm512_load_ps(st + (groups + gi) * 16);
+    }
     const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
-    if constexpr (BITS == 4) {
-      __m512i wv[4];
-      transpose16x4(fb.rw, off, wv);
-      // split order: the low nibble of each byte (even k) for the block's 16 bytes, then
-      // the high nibbles (odd k); byte b of word i holds k0 + 8i + 2b and k0 + 8i + 2b + 1.
+    for (int h = 0; h < (BITS == 4 ? 1 : 2); ++h) {
+      __m512i wv[NB][4];
+      for (int t = 0; t < NB; ++t) transpose16x4(fb[t].rw, off + 16 * h, wv[t]);
+      // 4-bit split order: the low nibble of each byte (even k) for the block's 16 bytes,
+      // then the high nibbles (odd k); byte b of word i holds k0 + 8i + 2b and + 1.
 #pragma GCC unroll 2
-      for (int half = 0; half < 2; ++half)
+      for (int half = 0; half < (BITS == 4 ? 2 : 1); ++half)
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i)
 #pragma GCC unroll 4
-          for (int b = 0; b < 4; ++b)
-            step(_mm512_and_si512(_mm512_srli_epi32(wv[i], 8 * b + 4 * half), low), s, c,
-                 k0 + 8 * i + 2 * b + half);
-    } else {
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        __m512i wv[4];
-        transpose16x4(fb.rw, off + 16 * h, wv);
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i)
-#pragma GCC unroll 4
-          for (int b = 0; b < 4; ++b)
-            step(_mm512_and_si512(_mm512_srli_epi32(wv[i], 8 * b), low), s, c,
-                 k0 + 16 * h + 4 * i + b);
-      }
+          for (int b = 0; b < 4; ++b) {
+            const int k = BITS == 4 ? k0 + 8 * i + 2 * b + half : k0 + 16 * h + 4 * i + b;
+            const int sh = BITS == 4 ? 8 * b + 4 * half : 8 * b;
+            for (int t = 0; t < NB; ++t) {
+              const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(wv[t][i], sh), low));
+              const __m512 w = _mm512_add_ps(_mm512_mul_ps(s[t], q), c[t]);
+              for (int m = 0; m < MR; ++m)
+                acc[t][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[static_cast<int64_t>(m) * K + k]), w, acc[t][m]);
+            }
+          }
     }
   }
-  const __mmask16 keep = static_cast<__mmask16>((1u << fb.nv) - 1);
-  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
+  for (int t = 0; t < NB; ++t) {
+    const __mmask16 keep = static_cast<__mmask16>((1u << fb[t].nv) - 1);
+    for (int m = 0; m < MR; ++m)
+      _mm512_mask_storeu_ps(y + static_cast<int64_t>(m) * N + n0 + 16 * t, keep, acc[t][m]);
+  }
+}
+
+template <int BITS, int MR>
+inline void qgemm_few_rows(const float* x, int K, const uint32_t* wq, const float* sc,
+                           const float* bi, int gs, float* y, int N, int b0, int b1, float* sbuf) {
+  // independent FMA chains for few rows (8-bit weights: the head, bound by memory; more
+  // blocks there only add register pressure)
+  constexpr int NB = BITS == 8 ? (MR == 1 ? 2 : 1) : MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  int bl = b0;
+  for (; bl + NB <= b1; bl += NB) qgemm_few_block<BITS, MR, NB>(x, K, wq, sc, bi, gs, y, N, 16 * bl, sbuf);
+  for (; bl < b1; ++bl) qgemm_few_block<BITS, MR, 1>(x, K, wq, sc, bi, gs, y, N, 16 * bl, sbuf);
 }
 
 template <int BITS>
 void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const float* sc,
                const float* bi, int gs, float* y, int N) {
   const int blocks = (N + 15) / 16;
-  const int per = std::max(1, 4 * 576 / std::max(K, 1));
+  const int per = 4;  // one group of 4 blocks (the 1-row step) per chunk
   pool().run((blocks + per - 1) / per, [&](int c) {
-    float* sbuf = few_sbuf(K / gs);
-    const int b1 = std::min(blocks, (c + 1) * per);
-    for (int bl = c * per; bl < b1; ++bl) {
-      const int n0 = bl * 16;
-      switch (M) {
-        case 16: qgemm_few_block<BITS, 16>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        case 15: qgemm_few_block<BITS, 15>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        case 14: qgemm_few_block<BITS, 14>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        case 13: qgemm_few_block<BITS, 13>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        case 12: qgemm_few_block<BITS, 12>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        case 11: qgemm_few_block<BITS, 11>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        case 10: qgemm_few_block<BITS, 10>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        case 9: qgemm_few_block<BITS, 9>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        case 8: qgemm_few_block<BITS, 8>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        case 7: qgemm_few_block<BITS, 7>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        case 6: qgemm_few_block<BITS, 6>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        case 5: qgemm_few_block<BITS, 5>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        case 4: qgemm_few_block<BITS, 4>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        case 3: qgemm_few_block<BITS, 3>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        case 2: qgemm_few_block<BITS, 2>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-        default: qgemm_few_block<BITS, 1>(x, K, wq, sc, bi, gs, y, N, n0, sbuf); break;
-      }
+    // this thread's buffers for up to 4 blocks' transposed scales and biases
+    thread_local std::vector<float> sb;
+    const size_t need = static_cast<size_t>(4 * (2 * (K / gs) * 16 + 16) + 16);
+    if (sb.size() < need) sb.resize(need);
+    float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 63) & ~uintptr_t{63});
+    const int b0 = c * per, b1 = std::min(blocks, (c + 1) * per);
+    switch (M) {
+      case 16: qgemm_few_rows<BITS, 16>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      case 15: qgemm_few_rows<BITS, 15>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      case 14: qgemm_few_rows<BITS, 14>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      case 13: qgemm_few_rows<BITS, 13>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      case 12: qgemm_few_rows<BITS, 12>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      case 11: qgemm_few_rows<BITS, 11>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      case 10: qgemm_few_rows<BITS, 10>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      case 9: qgemm_few_rows<BITS, 9>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      case 8: qgemm_few_rows<BITS, 8>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      case 7: qgemm_few_rows<BITS, 7>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      case 6: qgemm_few_rows<BITS, 6>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      case 5: qgemm_few_rows<BITS, 5>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      case 4: qgemm_few_rows<BITS, 4>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      case 3: qgemm_few_rows<BITS, 3>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      case 2: qgemm_few_rows<BITS, 2>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
+      default: qgemm_few_rows<BITS, 1>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf); break;
     }
   });
 }
