@@ -1772,6 +1772,10 @@ inline v16 load_kv(const uint16_t* p) {
 #if defined(__AVX512F__)
   __m512 r = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return reinterpret_cast<v16&>(r);
+#elif defined(FX_AVX2) && defined(__F16C__)
+  // F16C (every AVX2 CPU has it): exact conversions, as half_to_float
+  return join(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
 #else
   alignas(64) float f[VL];
   for (int i = 0; i < VL; ++i) f[i] = half_to_float(p[i]);
