@@ -5,10 +5,11 @@ For each linear of one layer (qkv, o, gate_up, down) and the tied 8-bit head, an
 row count M: the time of one product through `native.qmm` (float32, dequantized copy + inner
 products), `native.qgemm` (float32: register tiles, and a few-row path up to 16 rows) and
 `native.qmm_a8` (8-bit activations, int8 dot products; a few-row path up to 8 rows on
-AVX-512 VNNI builds), the median of --rounds rounds of
-enough calls to take ~--budget seconds each, and GFLOP/s (2 * M * N * K / time). Which kernel
-fx_engine.nn picks depends on the build and the numerics (`native.tiled_gemm()`: qgemm, else
-qmm; `Numerics.activation_bits=8`: qmm_a8); this shows the three side by side.
+AVX-512 VNNI builds, vpmaddubsw on AVX2 builds), the median of --rounds rounds of
+enough calls to take ~--budget seconds each, and GFLOP/s (2 * M * N * K / time). Which float
+kernel fx_engine.nn runs is measured at load (`Numerics.matmul`, fx_engine.native.plan;
+`fx-engine info` shows it); `Numerics.activation_bits=8` runs qmm_a8. This shows the three
+side by side.
 
   python tools/bench_kernels.py --json docs/bench/kernels.json [--rows 1,8,32,512]
 
@@ -55,8 +56,8 @@ def run(rows: list[int], rounds: int, budget: float, log: Any = print) -> dict[s
     head = model.params.lm_head if model.params.lm_head is not None else model.params.embed
     lins = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down,
             "head": head}
-    out: dict[str, Any] = {"int8_dot": native.int8_dot(), "tiled_gemm": native.tiled_gemm(),
-                           "results": []}
+    out: dict[str, Any] = {"int8_dot": native.int8_dot(), "isa": native.isa(),
+                           "matmul_plan": str(model.params.numerics.matmul), "results": []}
     for m in rows:
         for name, lin in lins.items():
             n = lin.weight.shape[0]
@@ -74,11 +75,10 @@ def run(rows: list[int], rounds: int, budget: float, log: Any = print) -> dict[s
 
 def render(report: dict[str, Any]) -> str:
     lines = ["| M | linear | N x K (bits) | qmm us (GF/s) | qgemm us (GF/s) | qmm_a8 us (GF/s) | "
-             "qgemm vs qmm | qmm_a8 vs the float kernel fx picks |",
+             "qgemm vs qmm | qmm_a8 vs the faster float kernel |",
              "|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in report["results"]:
-        # fx_engine.nn: qgemm at every row count where the tiles fit (AVX-512), else qmm
-        picked = r["qgemm"] if report.get("tiled_gemm", True) else r["qmm"]
+        picked = min(r["qgemm"], r["qmm"], key=lambda v: v["us"])
         cells = [f"{r[k]['us']:.0f} ({r[k]['gflops']:.0f})" for k in KERNELS]
         lines.append(f"| {r['rows']} | {r['linear']} | {r['n']} x {r['k']} ({r['bits']}) | "
                      + " | ".join(cells) + f" | {r['qmm']['us'] / r['qgemm']['us']:.2f}x"

@@ -291,7 +291,10 @@ def render_serving(report: dict[str, Any], label: Callable[[str], str]) -> list[
         return []
     lines = ["", f"Serving: N concurrent requests (burst), prompts {s['prompt_range'][0]}-"
                  f"{s['prompt_range'][1]} tokens, {s['gen_tokens']} generated tokens each, "
-                 f"greedy; medians of {s['runs']} runs after {s['warmup']} warm-up.", "",
+                 f"greedy; medians of {s['runs']} runs after {s['warmup']} warm-up."
+                 + (f" **Busy machine**: {report['machine']['busy_processes']} busy-loop "
+                    "process(es) (one core each) ran throughout (`--busy`)."
+                    if (report.get("machine") or {}).get("busy_processes") else ""), "",
              "| N | engine | aggregate tok/s | TTFT p50 / p95 (s) | ITL p50 / p95 (ms) |",
              "|---:|---|---:|---:|---:|"]
     for n, block in s["results"].items():
