@@ -723,3 +723,28 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # 
             assert np.array_equal(got[f"a8_{m}_{bits}"], a8[1 : 1 + m]), (bits, m)
         ref = _reference(x, wq, s, b, 32, bits)
         np.testing.assert_allclose(got[f"qmm_{bits}"], ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+
+
+def test_build_key_covers_every_source_file(tmp_path, monkeypatch) -> None:
+    """kernels.cpp includes one header per kernel family: a change to any of them must
+    rebuild (a new cache key), or a stale binary would keep running old kernels."""
+    import shutil
+
+    from fx_engine.native import build
+
+    src = tmp_path / "native"
+    shutil.copytree(build.SOURCE.parent, src, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(build, "SOURCE", src / "kernels.cpp")
+    names = {p.name for p in build.sources()}
+    assert {"kernels.cpp", "simd.h", "pool.h", "qmatmul.h", "qmm_a8.h", "attention.h",
+            "pointwise.h"} <= names
+    cxx = build._compiler() or "c++"
+    key = build.build_key(cxx)
+    assert build.build_key(cxx) == key
+    for name in names:
+        f = src / name
+        old = f.read_text()
+        f.write_text(old + "\n// edited\n")
+        assert build.build_key(cxx) != key, name
+        f.write_text(old)
+    assert build.build_key(cxx) == key

@@ -34,6 +34,12 @@ from pathlib import Path
 from types import ModuleType
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
+
+
+def sources() -> list[Path]:
+    """Every file the build compiles: kernels.cpp and the kernel-family headers it
+    includes (all part of the build's cache key)."""
+    return [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
 MODULE_NAME = "_fx_native"
 
 _SMOKE = r"""
@@ -132,7 +138,7 @@ def build_key(cxx: str) -> str:
     except (OSError, subprocess.SubprocessError):
         cc_version = cxx
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), Path(__file__).read_bytes(), mx.__version__.encode(), nanobind.__version__.encode(),
+    for part in (*(f.read_bytes() for f in sources()), Path(__file__).read_bytes(), mx.__version__.encode(), nanobind.__version__.encode(),
                  sys.version.encode(), cc_version.encode(), _cpu_id().encode(),
                  os.environ.get("FX_ENGINE_NATIVE_ARCH", "").encode()):
         h.update(part)

@@ -1,0 +1,685 @@
+// Part of fx-engine's native kernels: float32 quantized matmuls: dequantization, qmm, qgemm (register tiles and the few-row paths).
+// Not a standalone header: kernels.cpp includes the kernel families in order, inside its
+// anonymous namespace, as one translation unit (one compile, everything inlinable).
+#pragma once
+
+// ---------------------------------------------------------------- dequantization
+// One weight row (K values) from MLX's affine format: q packed little-endian into
+// uint32 words (4 bits: 8 per word, element j at bits 4*(j%8); 8 bits: 4 per word),
+// w = scale * q + bias per group of `gs` values.
+//
+// 4-bit rows are written in "split" order: within each block of 32 values the 16 even
+// elements (low nibbles) come first, then the 16 odd ones (high nibbles), which is what a
+// byte-wise unpack gives without shuffles. The activations are permuted the same way once
+// per call (`split_rows`), so the dot products are unchanged up to summation order (fixed).
+typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// u8 -> i32 (GCC scalarizes it on AVX2 builds).
+inline i32x16 widen_u8(u8x16 v) {
+#if defined(__AVX512F__)
+  __m128i b;
+  std::memcpy(&b, &v, 16);
+  const __m512i w = _mm512_cvtepu8_epi32(b);
+  i32x16 r;
+  std::memcpy(&r, &w, 64);
+  return r;
+#elif defined(FX_AVX2)
+  __m128i b;
+  std::memcpy(&b, &v, 16);
+  const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  i32x16 r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+#else
+  return __builtin_convertvector(v, i32x16);
+#endif
+}
+
+// u8 -> i32 -> f32. GCC scalarizes a direct u8 -> float conversion (and sometimes the
+// u8 -> i32 one), so AVX-512 and AVX2 get the instructions spelled out.
+inline v16 to_float(u8x16 v) {
+#if defined(__AVX512F__)
+  __m128i b;
+  std::memcpy(&b, &v, 16);
+  __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+  v16 r;
+  std::memcpy(&r, &f, 64);
+  return r;
+#elif defined(FX_AVX2)
+  __m128i b;
+  std::memcpy(&b, &v, 16);
+  return join(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
+              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
+#else
+  return __builtin_convertvector(__builtin_convertvector(v, i32x16), v16);
+#endif
+}
+
+template <int BITS>
+inline void dequant_row(const uint32_t* wq, const float* sc, const float* bi, int K, int gs,
+                        float* out) {
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(wq);
+  for (int g = 0; g < K / gs; ++g) {
+    const v16 s = splat(sc + g), c = splat(bi + g);
+    float* o = out + g * gs;
+    if constexpr (BITS == 8) {
+      const uint8_t* q = b + g * gs;
+      for (int j = 0; j < gs; j += VL) {
+        const u8x16 v = *reinterpret_cast<const u8x16*>(q + j);
+        store(o + j, s * to_float(v) + c);
+      }
+    } else {
+      const uint8_t* q = b + g * gs / 2;
+      for (int j = 0; j < gs; j += 32) {
+        const u8x16 v = *reinterpret_cast<const u8x16*>(q + j / 2);
+        store(o + j, s * to_float(v & 15) + c);
+        store(o + j + VL, s * to_float(v >> 4) + c);
+      }
+    }
+  }
+}
+
+// Natural element order (for the dequantize op): split order, then un-split per 32 block.
+template <int BITS>
+inline void dequant_row_natural(const uint32_t* wq, const float* sc, const float* bi, int K,
+                                int gs, float* out, float* tmp) {
+  if constexpr (BITS == 8) {
+    dequant_row<8>(wq, sc, bi, K, gs, out);
+  } else {
+    dequant_row<4>(wq, sc, bi, K, gs, tmp);
+    for (int j = 0; j < K; j += 32)
+      for (int i = 0; i < 16; ++i) {
+        out[j + 2 * i] = tmp[j + i];
+        out[j + 2 * i + 1] = tmp[j + 16 + i];
+      }
+  }
+}
+
+// x rows [M, K] -> the 4-bit kernels' split order (see dequant_row).
+inline void split_rows(const float* x, int M, int K, float* out) {
+  for (int m = 0; m < M; ++m) {
+    const float* xr = x + static_cast<int64_t>(m) * K;
+    float* o = out + static_cast<int64_t>(m) * K;
+    for (int j = 0; j < K; j += 32)
+      for (int i = 0; i < 16; ++i) {
+        o[j + i] = xr[j + 2 * i];
+        o[j + 16 + i] = xr[j + 2 * i + 1];
+      }
+  }
+}
+
+// ---------------------------------------------------------------- qmm micro-kernel
+// acc[i][j] accumulates x row i against dequantized weight row j over all of K.
+template <int MB, int NB>
+inline void qmm_tile(const float* x, int64_t ldx, const float* w, int K, float* y, int64_t ldy) {
+  v16 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = v16{};
+  for (int k = 0; k < K; k += VL) {
+    v16 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load(w + j * K + k);
+    for (int i = 0; i < MB; ++i) {
+      const v16 xv = load(x + i * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) y[i * ldy + j] = hsum(acc[i][j]);
+}
+
+template <int NB>
+inline void qmm_rows(const float* x, int M, int K, const float* w, float* y, int N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) qmm_tile<4, NB>(x + m * K, K, w, K, y + m * N, N);
+  switch (M - m) {
+    case 3: qmm_tile<3, NB>(x + m * K, K, w, K, y + m * N, N); break;
+    case 2: qmm_tile<2, NB>(x + m * K, K, w, K, y + m * N, N); break;
+    case 1: qmm_tile<1, NB>(x + m * K, K, w, K, y + m * N, N); break;
+    default: break;
+  }
+}
+
+template <int BITS>
+void qmm_range(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+               const float* bi, int gs, float* y, int N, int n0, int n1) {
+  constexpr int NB = 4;
+  const int words = K * BITS / 32, groups = K / gs;
+  thread_local std::vector<float> buf;
+  if (static_cast<int>(buf.size()) < NB * K) buf.resize(NB * K);
+  float* w = buf.data();
+  int n = n0;
+  for (; n + NB <= n1; n += NB) {
+    for (int j = 0; j < NB; ++j) {
+      const int64_t r = n + j;
+      dequant_row<BITS>(wq + r * words, sc + r * groups, bi + r * groups, K, gs, w + j * K);
+    }
+    qmm_rows<NB>(x, M, K, w, y + n, N);
+  }
+  for (; n < n1; ++n) {
+    const int64_t r = n;
+    dequant_row<BITS>(wq + r * words, sc + r * groups, bi + r * groups, K, gs, w);
+    qmm_rows<1>(x, M, K, w, y + n, N);
+  }
+}
+
+void qmm_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc, const float* bi,
+             int gs, int bits, float* y, int N) {
+  constexpr int NB = 4;
+  const int blocks = (N + NB - 1) / NB;
+  std::vector<float> xs;
+  if (bits == 4) {  // activations in the split order of the dequantized 4-bit rows
+    xs.resize(static_cast<size_t>(M) * K);
+    split_rows(x, M, K, xs.data());
+    x = xs.data();
+  }
+  // Parallel over output features: each y[m, n] is computed by exactly one thread.
+  // Chunks of output features, ~32 KB of 4-bit weights or more each.
+  const int per = std::max(4, 16384 / std::max(K, 1));
+  const int chunks = (blocks + per - 1) / per;
+  pool().run(chunks, [&](int c) {
+    const int n0 = std::min(N, c * per * NB), n1 = std::min(N, (c + 1) * per * NB);
+    if (bits == 8)
+      qmm_range<8>(x, M, K, wq, sc, bi, gs, y, N, n0, n1);
+    else
+      qmm_range<4>(x, M, K, wq, sc, bi, gs, y, N, n0, n1);
+  });
+}
+
+// ---------------------------------------------------------------- qgemm
+// The same product as qmm for many rows (prefill chunks, wide decode batches), organised
+// the other way round: vectors run along the activation rows and every dequantized
+// weight value is broadcast. A register tile holds 12 output features x 32 rows (24
+// accumulators), so each weight value is read once per 32 rows and each activation
+// vector once per 12 features: the loop is bound by the FMA units, not by loads (qmm's
+// 4x4 inner-product tile streams the activations from L2 once per 4 features). Measured
+// on a 2-core Zen 4 (FMA peak 229 GFLOP/s): 197 GFLOP/s at 512 rows, 147 at 32, vs ~80
+// for qmm and ~110-130 for MKL's SGEMM on the dequantized weight. Below ~16 rows most
+// vector lanes would be padding: qmm is the kernel there. The tile needs 24 + 3 vector
+// registers: AVX-512 only (`tiled_gemm` tells Python; elsewhere a v16 is 2-4 registers
+// and the tile would spill, so fx_engine.nn keeps the BLAS path there).
+//
+// Each output y[m, n] is one lane of one accumulator: a sequential float32 sum over k
+// (in the 4-bit split order), one FMA rounding per term, whatever the row count, the
+// row's position in its tile or the thread. So qgemm is batch-invariant by construction
+// too; its summation order (and so its last bits) differs from qmm's.
+constexpr int QG_ROWS = 32;  // activation rows per tile (two vectors)
+constexpr int QG_FEAT = 12;  // output features per tile
+
+// x rows [M, K] -> tiles [ceil(M/32)][K][32], zero-padded rows, K in the weight rows'
+// order (the 4-bit split order when split).
+void pack_cols(const float* x, int M, int K, bool split, float* xt) {
+  const int tiles = (M + QG_ROWS - 1) / QG_ROWS;
+  pool().run(tiles, [&](int t) {
+    float* o = xt + static_cast<int64_t>(t) * K * QG_ROWS;
+    const int m0 = t * QG_ROWS, mc = std::min(QG_ROWS, M - m0);
+    if (mc < QG_ROWS) std::memset(o, 0, sizeof(float) * K * QG_ROWS);
+    for (int i = 0; i < mc; ++i) {
+      const float* xr = x + static_cast<int64_t>(m0 + i) * K;
+      if (split) {
+        for (int j = 0; j < K; j += 32)
+          for (int q = 0; q < 16; ++q) {
+            o[static_cast<int64_t>(j + q) * QG_ROWS + i] = xr[j + 2 * q];
+            o[static_cast<int64_t>(j + 16 + q) * QG_ROWS + i] = xr[j + 2 * q + 1];
+          }
+      } else {
+        for (int k = 0; k < K; ++k) o[static_cast<int64_t>(k) * QG_ROWS + i] = xr[k];
+      }
+    }
+  });
+}
+
+// acc[j][v] += xt[k][16v..16v+16] * w[j][k] over all k; out [NW][32].
+template <int NW, int MV>
+inline void qgemm_tile(const float* __restrict xt, const float* __restrict w, int K,
+                       float* __restrict out) {
+  v16 acc[NW][MV];
+  for (int j = 0; j < NW; ++j)
+    for (int v = 0; v < MV; ++v) acc[j][v] = v16{};
+  for (int k = 0; k < K; ++k) {
+    v16 a[MV];
+    for (int v = 0; v < MV; ++v) a[v] = load(xt + static_cast<int64_t>(k) * QG_ROWS + v * VL);
+    for (int j = 0; j < NW; ++j) {
+      const v16 b = splat(w + static_cast<int64_t>(j) * K + k);
+      for (int v = 0; v < MV; ++v) acc[j][v] = fma(a[v], b, acc[j][v]);
+    }
+  }
+  for (int j = 0; j < NW; ++j)
+    for (int v = 0; v < MV; ++v) store(out + j * QG_ROWS + v * VL, acc[j][v]);
+}
+
+template <int NW>
+inline void qgemm_tile_rows(int mv, const float* xt, const float* w, int K, float* out) {
+  if (mv == 2)
+    qgemm_tile<NW, 2>(xt, w, K, out);
+  else
+    qgemm_tile<NW, 1>(xt, w, K, out);
+}
+
+inline void qgemm_tile_any(int nw, int mv, const float* xt, const float* w, int K, float* out) {
+  switch (nw) {
+    case 12: qgemm_tile_rows<12>(mv, xt, w, K, out); break;
+    case 11: qgemm_tile_rows<11>(mv, xt, w, K, out); break;
+    case 10: qgemm_tile_rows<10>(mv, xt, w, K, out); break;
+    case 9: qgemm_tile_rows<9>(mv, xt, w, K, out); break;
+    case 8: qgemm_tile_rows<8>(mv, xt, w, K, out); break;
+    case 7: qgemm_tile_rows<7>(mv, xt, w, K, out); break;
+    case 6: qgemm_tile_rows<6>(mv, xt, w, K, out); break;
+    case 5: qgemm_tile_rows<5>(mv, xt, w, K, out); break;
+    case 4: qgemm_tile_rows<4>(mv, xt, w, K, out); break;
+    case 3: qgemm_tile_rows<3>(mv, xt, w, K, out); break;
+    case 2: qgemm_tile_rows<2>(mv, xt, w, K, out); break;
+    default: qgemm_tile_rows<1>(mv, xt, w, K, out); break;
+  }
+}
+static_assert(QG_FEAT == 12, "qgemm_tile_any dispatches 1..12 features");
+
+#if defined(__AVX512F__)
+// qgemm for a few rows (decode batches): the other orientation. Vectors run along 16
+// output features; each weight vector is dequantized in registers from the packed words
+// (16 weight rows' words transposed in registers, one word = 8 or 4 consecutive k) and
+// used at once by every row, against a broadcast activation: no float copy of the
+// weights, and one broadcast per row and k. (The tiles above broadcast every weight once
+// per 16 or 32 rows: at 8 rows half their lanes are padding. Measured on the default
+// model's shapes at 8 rows: ~2x qmm, whose inner products reuse a dequantized copy.)
+//
+// Each output is one lane of one accumulator: acc = fma(x[m, k], w[n, k], acc) over k in
+// the 4-bit split order, from +0, with w = scale * q + bias rounded as in dequant_row: the
+// tiles' exact arithmetic, so the bits are qgemm's whatever the path (tested).
+constexpr int QG_FEW = 16;  // up to this many rows take this path
+
+// Four consecutive 32-bit values of 16 rows (row j at rp[j] + off bytes) -> out[i]:
+// value i of rows 0..15, one per lane. Four 16-byte loads per register, then a 4x4
+// transpose inside each 128-bit lane (lane L of z[j] holds row 4L + j).
+inline void transpose16x4(const char* const* rp, int64_t off, __m512i out[4]) {
+  __m512i z[4];
+  for (int j = 0; j < 4; ++j) {
+    auto ld = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[r] + off)); };
+    __m512i v = _mm512_castsi128_si512(ld(j));
+    v = _mm512_inserti32x4(v, ld(j + 4), 1);
+    v = _mm512_inserti32x4(v, ld(j + 8), 2);
+    z[j] = _mm512_inserti32x4(v, ld(j + 12), 3);
+  }
+  // lane L of z[j] = row 4L + j: a 4x4 transpose per lane gives lane L of out[i] = value i
+  // of rows 4L .. 4L + 3, i.e. out[i] lane r = row r.
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// The 16 weight rows of the feature block at n0 (rows past N repeat the last one: computed,
+// never stored) as byte pointers rw[16], their scales and biases transposed once into
+// sbuf[g][16] and sbuf[groups + g][16] (64-byte aligned), and the next block's packed rows
+// to prefetch a slice of per 32-k step: the 16 interleaved row streams defeat the hardware
+// prefetchers on large weights. Shared by the few-row paths of qgemm and qmm_a8.
+struct FewBlock {
+  const char* rw[16];
+  const char* next;
+  int64_t next_bytes, pf_step;
+  int nv;
+};
+
+inline FewBlock few_block(int K, const uint32_t* wq, const float* sc, const float* bi, int gs,
+                          int bits, int N, int n0, float* sbuf) {
+  FewBlock fb;
+  const int words = K * bits / 32, groups = K / gs;
+  fb.nv = std::min(16, N - n0);
+  const char* rs[16];
+  const char* rb[16];
+  for (int j = 0; j < 16; ++j) {
+    const int64_t r = n0 + std::min(j, fb.nv - 1);
+    fb.rw[j] = reinterpret_cast<const char*>(wq + r * words);
+    rs[j] = reinterpret_cast<const char*>(sc + r * groups);
+    rb[j] = reinterpret_cast<const char*>(bi + r * groups);
+  }
+  float* bbuf = sbuf + static_cast<int64_t>(groups) * 16;
+  int g = 0;
+  for (; g + 4 <= groups; g += 4) {
+    __m512i t[4];
+    transpose16x4(rs, 4 * g, t);
+    for (int i = 0; i < 4; ++i) _mm512_store_si512(sbuf + (g + i) * 16, t[i]);
+    transpose16x4(rb, 4 * g, t);
+    for (int i = 0; i < 4; ++i) _mm512_store_si512(bbuf + (g + i) * 16, t[i]);
+  }
+  for (; g < groups; ++g)
+    for (int j = 0; j < 16; ++j) {
+      sbuf[g * 16 + j] = reinterpret_cast<const float*>(rs[j])[g];
+      bbuf[g * 16 + j] = reinterpret_cast<const float*>(rb[j])[g];
+    }
+  // The next block's scales and biases (with float32 parameters a third of the bytes of
+  // 4-bit weights in groups of 32), now: read at the start of that block, before its words.
+  const int64_t next_rows = std::max(0, std::min(16, N - n0 - 16));
+  for (const float* t : {sc, bi}) {
+    const char* p = reinterpret_cast<const char*>(t + int64_t{n0 + 16} * groups);
+    for (int64_t o = 0; o < next_rows * groups * 4; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+  }
+  const int64_t blk_bytes = int64_t{16} * words * 4;
+  fb.next = reinterpret_cast<const char*>(wq + int64_t{n0 + 16} * words);
+  fb.next_bytes = std::min(blk_bytes, std::max<int64_t>(0, int64_t{N - n0 - 16} * words * 4));
+  fb.pf_step = ((fb.next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
+  return fb;
+}
+
+// This thread's buffer for a block's transposed scales and biases: [2][groups][16] floats.
+inline float* few_sbuf(int groups) {
+  thread_local std::vector<float> sb;
+  const size_t need = static_cast<size_t>(2 * groups * 16 + 16);  // + 16: alignment
+  if (sb.size() < need) sb.resize(need);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 63) & ~uintptr_t{63});
+}
+
+inline void prefetch_slice(const FewBlock& fb, int k0) {
+  for (int64_t o = (k0 / 32) * fb.pf_step, e = std::min(fb.next_bytes, o + fb.pf_step); o < e; o += 64)
+    _mm_prefetch(fb.next + o, _MM_HINT_T0);
+}
+
+// NB adjacent 16-feature blocks from n0 at once (blocks past N are skipped by the caller):
+// each output's sum is one chain of dependent FMAs (the fixed order), so one or two rows
+// alone wait on the FMA latency (measured: 1 row took ~as long as 4); NB blocks give NB x MR
+// independent chains with the same per-output arithmetic.
+template <int BITS, int MR, int NB>
+inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const float* sc,
+                            const float* bi, int gs, float* y, int N, int n0, float* sbuf) {
+  const int groups = K / gs;
+  FewBlock fb[NB];
+  for (int t = 0; t < NB; ++t)
+    fb[t] = few_block(K, wq, sc, bi, gs, BITS, N, n0 + 16 * t, sbuf + t * (2 * groups * 16 + 16));
+  // the next NB blocks' packed rows (contiguous), a slice per 32-k step (each few_block
+  // prefetches only the block after its own, which is inside this group for t < NB - 1)
+  const int64_t words = K * BITS / 32;
+  const char* next = reinterpret_cast<const char*>(wq + (n0 + 16 * NB) * words);
+  const int64_t next_bytes = std::max(0, std::min(16 * NB, N - n0 - 16 * NB)) * words * 4;
+  const int64_t slice = ((next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
+  const __m512i low = _mm512_set1_epi32(BITS == 4 ? 15 : 255);
+  __m512 acc[NB][MR];
+  for (int t = 0; t < NB; ++t)
+    for (int m = 0; m < MR; ++m) acc[t][m] = _mm512_setzero_ps();
+  for (int k0 = 0; k0 < K; k0 += 32) {
+    for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
+      _mm_prefetch(next + o, _MM_HINT_T0);
+    const int gi = k0 / gs;
+    __m512 s[NB], c[NB];
+    for (int t = 0; t < NB; ++t) {
+      const float* st = sbuf + t * (2 * groups * 16 + 16);
+      s[t] = _mm512_load_ps(st + gi * 16);
+      c[t] = _mm512_load_ps(st + (groups + gi) * 16);
+    }
+    const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
+    for (int h = 0; h < (BITS == 4 ? 1 : 2); ++h) {
+      __m512i wv[NB][4];
+      for (int t = 0; t < NB; ++t) transpose16x4(fb[t].rw, off + 16 * h, wv[t]);
+      // 4-bit split order: the low nibble of each byte (even k) for the block's 16 bytes,
+      // then the high nibbles (odd k); byte b of word i holds k0 + 8i + 2b and + 1.
+#pragma GCC unroll 2
+      for (int half = 0; half < (BITS == 4 ? 2 : 1); ++half)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+          for (int b = 0; b < 4; ++b) {
+            const int k = BITS == 4 ? k0 + 8 * i + 2 * b + half : k0 + 16 * h + 4 * i + b;
+            const int sh = BITS == 4 ? 8 * b + 4 * half : 8 * b;
+            for (int t = 0; t < NB; ++t) {
+              const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(wv[t][i], sh), low));
+              const __m512 w = _mm512_add_ps(_mm512_mul_ps(s[t], q), c[t]);
+              for (int m = 0; m < MR; ++m)
+                acc[t][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[static_cast<int64_t>(m) * K + k]), w, acc[t][m]);
+            }
+          }
+    }
+  }
+  for (int t = 0; t < NB; ++t) {
+    const __mmask16 keep = static_cast<__mmask16>((1u << fb[t].nv) - 1);
+    for (int m = 0; m < MR; ++m)
+      _mm512_mask_storeu_ps(y + static_cast<int64_t>(m) * N + n0 + 16 * t, keep, acc[t][m]);
+  }
+}
+
+template <int BITS, int MR>
+inline void qgemm_few_rows(const float* x, int K, const uint32_t* wq, const float* sc,
+                           const float* bi, int gs, float* y, int N, int b0, int b1, float* sbuf) {
+  // independent FMA chains for few rows (8-bit weights: the head, bound by memory; more
+  // blocks there only add register pressure)
+  constexpr int NB = BITS == 8 ? (MR == 1 ? 2 : 1) : MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  int bl = b0;
+  for (; bl + NB <= b1; bl += NB) qgemm_few_block<BITS, MR, NB>(x, K, wq, sc, bi, gs, y, N, 16 * bl, sbuf);
+  for (; bl < b1; ++bl) qgemm_few_block<BITS, MR, 1>(x, K, wq, sc, bi, gs, y, N, 16 * bl, sbuf);
+}
+
+template <int BITS>
+void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+               const float* bi, int gs, float* y, int N) {
+  const int blocks = (N + 15) / 16;
+  const int per = 4;  // one group of 4 blocks (the 1-row step) per chunk
+  pool().run((blocks + per - 1) / per, [&](int c) {
+    // this thread's buffers for up to 4 blocks' transposed scales and biases
+    thread_local std::vector<float> sb;
+    const size_t need = static_cast<size_t>(4 * (2 * (K / gs) * 16 + 16) + 16);
+    if (sb.size() < need) sb.resize(need);
+    float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 63) & ~uintptr_t{63});
+    const int b0 = c * per, b1 = std::min(blocks, (c + 1) * per);
+    with_rows<QG_FEW>(M, [&](auto mr) {
+      qgemm_few_rows<BITS, decltype(mr)::value>(x, K, wq, sc, bi, gs, y, N, b0, b1, sbuf);
+    });
+  });
+}
+#endif
+
+#if defined(__AVX2__)
+// 8-lane helpers shared by the AVX2 few-row paths of qgemm and qmm_a8 (the latter also runs
+// on AVX-512 builds without VNNI).
+// Four consecutive 32-bit values of 8 rows (row j at rp[j] + off bytes) -> out[i]: value i
+// of rows 0..7, one per lane (lane L of z[j] holds rows j and j + 4; a 4x4 transpose per
+// 128-bit lane).
+inline void transpose8x4(const char* const* rp, int64_t off, __m256i out[4]) {
+  __m256i z[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[j] + off));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[j + 4] + off));
+    z[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+  }
+  const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2);
+  out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3);
+  out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// The weight rows of the 8-feature block at n0 (rows past N repeat the last one: computed,
+// never stored) as byte pointers, their scales and biases transposed into sbuf[g][8] and
+// sbuf[groups + g][8]. Returns the block's number of real features.
+inline int few8_setup(int K, const uint32_t* wq, const float* sc, const float* bi, int gs,
+                      int bits, int N, int n0, const char** rw, float* sbuf) {
+  const int words = K * bits / 32, groups = K / gs, nv = std::min(8, N - n0);
+  const char* rs[8];
+  const char* rb[8];
+  for (int j = 0; j < 8; ++j) {
+    const int64_t r = n0 + std::min(j, nv - 1);
+    rw[j] = reinterpret_cast<const char*>(wq + r * words);
+    rs[j] = reinterpret_cast<const char*>(sc + r * groups);
+    rb[j] = reinterpret_cast<const char*>(bi + r * groups);
+  }
+  float* bbuf = sbuf + static_cast<int64_t>(groups) * 8;
+  int g = 0;
+  for (; g + 4 <= groups; g += 4) {
+    __m256i t[4];
+    transpose8x4(rs, 4 * g, t);
+    for (int i = 0; i < 4; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(sbuf + (g + i) * 8), t[i]);
+    transpose8x4(rb, 4 * g, t);
+    for (int i = 0; i < 4; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(bbuf + (g + i) * 8), t[i]);
+  }
+  for (; g < groups; ++g)
+    for (int j = 0; j < 8; ++j) {
+      sbuf[g * 8 + j] = reinterpret_cast<const float*>(rs[j])[g];
+      bbuf[g * 8 + j] = reinterpret_cast<const float*>(rb[j])[g];
+    }
+  return nv;
+}
+
+#endif
+
+#if defined(FX_AVX2)
+// The few-row path on AVX2 (+ FMA): the AVX-512 path above at half width. Vectors run along
+// 8 output features (one ymm); 8 weight rows' packed words are transposed in registers and
+// dequantized there, against a broadcast activation, 8 rows per pass (8 accumulators +
+// the weight, its scale and bias and the broadcast fit the 16 ymm registers; more rows
+// take further passes over each chunk of weights while it is in cache: on AVX2 builds
+// this path runs every row count). The arithmetic per output is qgemm's tiles' exactly
+// (with fma() an FMA): w = scale * q + bias rounded as in dequant_row, acc = fma(x, w,
+// acc) over k in the 4-bit split order from +0, so it gives the AVX-512 build's bits at
+// every row count (tested on an x86-64-v3 build).
+constexpr int QG_PASS = 8;  // rows per pass over the weights
+
+// NB adjacent 8-feature blocks from n0 (all inside N's blocks) for MR rows of x (row
+// stride K). Several blocks at once for few rows: each output's sum is one chain of
+// dependent FMAs (the fixed order), so one row alone would wait on the FMA latency; NB
+// blocks give NB x MR independent chains with the same per-output arithmetic.
+template <int BITS, int MR, int NB>
+inline void qgemm_few8_blocks(const float* x, int K, const uint32_t* wq, const float* sc,
+                              const float* bi, int gs, float* y, int N, int n0, float* sbuf) {
+  const int groups = K / gs;
+  const char* rw[NB][8];
+  int nv[NB];
+  for (int t = 0; t < NB; ++t)
+    nv[t] = few8_setup(K, wq, sc, bi, gs, BITS, N, n0 + 8 * t, rw[t], sbuf + t * 16 * groups);
+  // The next NB blocks' packed rows (contiguous) are prefetched a slice per 32-k step, and
+  // their scales and biases now: interleaved row streams defeat the hardware prefetchers.
+  const int words = K * BITS / 32;
+  const int64_t next_rows = std::max(0, std::min(8 * NB, N - n0 - 8 * NB));
+  const char* next = reinterpret_cast<const char*>(wq + int64_t{n0 + 8 * NB} * words);
+  const int64_t next_bytes = next_rows * words * 4, slice = ((next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
+  for (const float* p : {sc, bi}) {
+    const char* q = reinterpret_cast<const char*>(p + int64_t{n0 + 8 * NB} * groups);
+    for (int64_t o = 0; o < next_rows * groups * 4; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
+  }
+  const __m256i low = _mm256_set1_epi32(BITS == 4 ? 15 : 255);
+  __m256 acc[NB][MR];
+  for (int t = 0; t < NB; ++t)
+    for (int m = 0; m < MR; ++m) acc[t][m] = _mm256_setzero_ps();
+  for (int k0 = 0; k0 < K; k0 += 32) {
+    for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
+      _mm_prefetch(next + o, _MM_HINT_T0);
+    const int gi = k0 / gs;
+    const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
+    // the 32 k of this step per block: 4-bit: one transpose, then the even k (low
+    // nibbles), then the odd ones (the split order, as the AVX-512 path); 8-bit: two
+    __m256i wv[NB][4];
+    for (int h = 0; h < (BITS == 4 ? 1 : 2); ++h) {
+      for (int t = 0; t < NB; ++t) transpose8x4(rw[t], off + 16 * h, wv[t]);
+#pragma GCC unroll 2
+      for (int half = 0; half < (BITS == 4 ? 2 : 1); ++half)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+          for (int b = 0; b < 4; ++b) {
+            const int k = BITS == 4 ? k0 + 8 * i + 2 * b + half : k0 + 16 * h + 4 * i + b;
+            const int sh = BITS == 4 ? 8 * b + 4 * half : 8 * b;
+            for (int t = 0; t < NB; ++t) {
+              const float* st = sbuf + t * 16 * groups + gi * 8;
+              const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(wv[t][i], sh), low));
+              const __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_load_ps(st), q),
+                                             _mm256_load_ps(st + 8 * groups));
+              for (int m = 0; m < MR; ++m)
+                acc[t][m] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + static_cast<int64_t>(m) * K + k),
+                                            w, acc[t][m]);
+            }
+          }
+    }
+  }
+  alignas(32) static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  for (int t = 0; t < NB; ++t) {
+    const __m256i keep = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 - nv[t]));
+    for (int m = 0; m < MR; ++m)
+      _mm256_maskstore_ps(y + static_cast<int64_t>(m) * N + n0 + 8 * t, keep, acc[t][m]);
+  }
+}
+
+template <int BITS, int MR>
+inline void qgemm_few8_rows(const float* x, int K, const uint32_t* wq, const float* sc,
+                            const float* bi, int gs, float* y, int N, int b0, int b1, float* sbuf) {
+  constexpr int NB = MR <= 2 ? 2 : 1;  // independent FMA chains for one or two rows
+  int bl = b0;
+  for (; bl + NB <= b1; bl += NB) qgemm_few8_blocks<BITS, MR, NB>(x, K, wq, sc, bi, gs, y, N, 8 * bl, sbuf);
+  for (; bl < b1; ++bl) qgemm_few8_blocks<BITS, MR, 1>(x, K, wq, sc, bi, gs, y, N, 8 * bl, sbuf);
+}
+
+template <int BITS>
+void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+               const float* bi, int gs, float* y, int N) {
+  const int blocks = (N + 7) / 8;
+  const int per = 2 * std::max(1, 4 * 576 / std::max(K, 1));  // an even number of blocks
+  pool().run((blocks + per - 1) / per, [&](int c) {
+    thread_local std::vector<float> sb;
+    const size_t need = static_cast<size_t>(2 * 16 * (K / gs) + 8);  // 2 blocks; + 8: alignment
+    if (sb.size() < need) sb.resize(need);
+    float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 31) & ~uintptr_t{31});
+    const int b0 = c * per, b1 = std::min(blocks, (c + 1) * per);
+    for (int m0 = 0; m0 < M; m0 += QG_PASS) {
+      const float* xm = x + static_cast<int64_t>(m0) * K;
+      float* ym = y + static_cast<int64_t>(m0) * N;
+      with_rows<QG_PASS>(std::min(QG_PASS, M - m0), [&](auto mr) {
+        qgemm_few8_rows<BITS, decltype(mr)::value>(xm, K, wq, sc, bi, gs, ym, N, b0, b1, sbuf);
+      });
+    }
+  });
+}
+#endif
+
+void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+               const float* bi, int gs, int bits, float* y, int N) {
+#if defined(__AVX512F__) || defined(FX_AVX2)
+#if defined(FX_AVX2)
+  // Every row count, in passes of 8 rows: the AVX2 build's register tiles spill (v16 is two
+  // ymm), and the passes give their bits at ~3-4x their speed (measured: 3072 x 576 at 64
+  // rows 7.1 -> ~2 ms), so the tiles below serve the generic build only.
+  constexpr int few_max = 1 << 30;
+#else
+  constexpr int few_max = QG_FEW;
+#endif
+  if (M > 0 && M <= few_max)
+    return with_bits(bits, [&](auto b) { qgemm_few<decltype(b)::value>(x, M, K, wq, sc, bi, gs, y, N); });
+#endif
+  const int tiles = (M + QG_ROWS - 1) / QG_ROWS;
+  // Uninitialized (pack_cols writes every element): a zeroing vector would memset it.
+  // 64-byte aligned: each tile row of 32 floats is two whole cache lines.
+  struct Free { void operator()(float* p) const { ::operator delete[](p, std::align_val_t{64}); } };
+  std::unique_ptr<float[], Free> xt(static_cast<float*>(::operator new[](
+      sizeof(float) * static_cast<size_t>(tiles) * K * QG_ROWS, std::align_val_t{64})));
+  pack_cols(x, M, K, bits == 4, xt.get());
+  const int words = K * bits / 32, groups = K / gs;
+  const int blocks = (N + QG_FEAT - 1) / QG_FEAT;
+  // Parallel over output features (each y[m, n] computed by one thread): a chunk is a
+  // few feature blocks, each dequantized once into a thread-local buffer and then run
+  // against every row tile.
+  const int per = std::max(1, 4 * 576 / std::max(K, 1));
+  pool().run((blocks + per - 1) / per, [&](int c) {
+    thread_local std::vector<float> buf;
+    if (static_cast<int>(buf.size()) < QG_FEAT * K) buf.resize(static_cast<size_t>(QG_FEAT) * K);
+    alignas(64) float out[QG_FEAT * QG_ROWS];
+    const int b1 = std::min(blocks, (c + 1) * per);
+    for (int bl = c * per; bl < b1; ++bl) {
+      const int n0 = bl * QG_FEAT, nw = std::min(QG_FEAT, N - n0);
+      for (int j = 0; j < nw; ++j) {
+        const int64_t r = n0 + j;
+        float* o = buf.data() + static_cast<int64_t>(j) * K;
+        if (bits == 8)
+          dequant_row<8>(wq + r * words, sc + r * groups, bi + r * groups, K, gs, o);
+        else
+          dequant_row<4>(wq + r * words, sc + r * groups, bi + r * groups, K, gs, o);
+      }
+      for (int t = 0; t < tiles; ++t) {
+        const int m0 = t * QG_ROWS, mc = std::min(QG_ROWS, M - m0);
+        qgemm_tile_any(nw, (mc + VL - 1) / VL, xt.get() + static_cast<int64_t>(t) * K * QG_ROWS,
+                       buf.data(), K, out);
+        for (int i = 0; i < mc; ++i) {
+          float* yr = y + static_cast<int64_t>(m0 + i) * N + n0;
+          for (int j = 0; j < nw; ++j) yr[j] = out[j * QG_ROWS + i];
+        }
+      }
+    }
+  });
+}

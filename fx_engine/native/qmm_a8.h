@@ -1,0 +1,537 @@
+// Part of fx-engine's native kernels: the 8-bit-activation matmul qmm_a8 (int8 dot products: AVX-512 VNNI, AVX2 vpmaddubsw, scalar).
+// Not a standalone header: kernels.cpp includes the kernel families in order, inside its
+// anonymous namespace, as one translation unit (one compile, everything inlinable).
+#pragma once
+
+// ---------------------------------------------------------------- qmm_a8
+// The quantized product with 8-bit activations: an opt-in numerics mode
+// (fx_engine.nn.Numerics.activation_bits = 8), the kind llama.cpp runs its Q4/Q8 weights
+// with. Each row of x is rounded per weight group (gs values): d = amax / 127,
+// xq = rint(x * 127 / amax) in [-127, 127], and
+//
+//   y[m, n] = sum over groups g, in order, of
+//               (s[n, g] * d[m, g]) * isum(m, n, g) + b[n, g] * (d[m, g] * sum_g xq[m, :])
+//
+// where isum = sum_g q[n, k] * xq[m, k] is an exact int32 (VNNI dot products: 64 u8 x s8
+// products per instruction, against 16 float FMAs). So the only float arithmetic is two
+// FMAs per group, in a fixed order: like the float kernels it is batch-invariant by
+// construction, and since the integer sums are exact, any tiling gives the same bits.
+// No float copy of the weights is made (qmm/qgemm dequantize each weight to a float
+// first), which is what makes it ~3x faster for a few rows.
+//
+// Layout of the tiles: vectors along the rows (16 rows per tile on VNNI builds, also 8 in
+// the scalar fallback; one int32 lane each); every lane multiplies a broadcast quad of 4 weight bytes with its row's 4
+// activation bytes. The weight bytes are in the weight rows' order: 8-bit weights straight
+// from the packed words (little-endian, k order), 4-bit ones unpacked per call into the
+// split order of dequant_row (low nibbles of a 32-block first), which the activations are
+// packed in too. Up to 8 rows on AVX-512 VNNI builds: the few-row path (a8_few_block),
+// vectors along 16 features instead, with the same bits.
+constexpr int A8_FEAT = 12;  // output features per tile
+
+#if defined(__AVX512VNNI__)
+// acc += dot4(a u8, b s8) per int32 lane, in place. (GCC's intrinsic copies every
+// accumulator through another register around each dot product: twice the uops.)
+inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+// R rows per tile: 16, one zmm of int32 lanes (up to 8 rows take the few-row path).
+template <int R> struct A8Vec;
+template <> struct A8Vec<16> {
+  using I = __m512i;
+  using F = __m512;
+  static I izero() { return _mm512_setzero_si512(); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static I iload(const void* p) { return _mm512_loadu_si512(p); }
+  static I ibcast(int32_t v) { return _mm512_set1_epi32(v); }
+  static F fload(const float* p) { return _mm512_loadu_ps(p); }
+  static F fbcast(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+// One group of gs values (a multiple of 32) -> q in the weight order (split: the 4-bit
+// split order of each 32-block, even k first), d = amax / 127; returns the sum of q.
+// rint(x * (127 / amax)) clamped to [-127, 127] (round half to even: the vector
+// conversion uses the default rounding mode, as std::nearbyint does).
+inline int quant_group(const float* xg, int gs, bool split, int8_t* q, float* d) {
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_setzero_ps();
+  for (int k = 0; k < gs; k += 16) mv = _mm512_max_ps(mv, _mm512_abs_ps(_mm512_loadu_ps(xg + k)));
+  const float amax = _mm512_reduce_max_ps(mv);
+  const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  __m512i sum = _mm512_setzero_si512();
+  for (int k = 0; k < gs; k += 32) {
+    __m512 a = _mm512_loadu_ps(xg + k), b = _mm512_loadu_ps(xg + k + 16);
+    if (split) {
+      const __m512 e = _mm512_permutex2var_ps(a, even, b), o = _mm512_permutex2var_ps(a, odd, b);
+      a = e;
+      b = o;
+    }
+    __m512i va = _mm512_cvtps_epi32(_mm512_mul_ps(a, id)), vb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
+    va = _mm512_min_epi32(_mm512_max_epi32(va, lo), hi);
+    vb = _mm512_min_epi32(_mm512_max_epi32(vb, lo), hi);
+    sum = _mm512_add_epi32(sum, _mm512_add_epi32(va, vb));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(va));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k + 16), _mm512_cvtepi32_epi8(vb));
+  }
+  *d = amax / 127.0f;
+  return _mm512_reduce_add_epi32(sum);
+#elif defined(__AVX2__)
+  // The same values at 8 lanes; the split order by byte shuffles after packing to int8.
+  const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mv = _mm256_setzero_ps();
+  for (int k = 0; k < gs; k += 8) mv = _mm256_max_ps(mv, _mm256_and_ps(_mm256_loadu_ps(xg + k), absm));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float amax = _mm_cvtss_f32(m4);
+  const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  // per 128-bit lane: even bytes, then odd ones
+  const __m256i eo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                      0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  __m256i sum = _mm256_setzero_si256();
+  for (int k = 0; k < gs; k += 32) {
+    __m256i v[4];
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + k + 8 * j), id));
+      v[j] = _mm256_min_epi32(_mm256_max_epi32(v[j], lo), hi);
+      sum = _mm256_add_epi32(sum, v[j]);
+    }
+    // packs interleave 128-bit lanes: bytes come out as dwords 0,2,4,6,1,3,5,7 of k order
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    __m256i q8 = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (split)  // evens of k 0..15 | odds of 0..15 | evens of 16..31 | odds of 16..31 -> evens, odds
+      q8 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(q8, eo), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), q8);
+  }
+  *d = amax / 127.0f;
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  return _mm_cvtsi128_si32(s4);
+#else
+  float amax = 0.0f;
+  for (int k = 0; k < gs; ++k) amax = std::max(amax, std::fabs(xg[k]));
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int sum = 0;
+  for (int k = 0; k < gs; ++k) {
+    const int v = static_cast<int>(std::max(-127.0f, std::min(127.0f, std::nearbyint(xg[k] * id))));
+    // position in the weight order: in a 32-block, k = 2p at p, k = 2p + 1 at 16 + p
+    const int p = split ? (k & ~31) + ((k & 1) ? 16 : 0) + ((k & 31) >> 1) : k;
+    q[p] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *d = amax / 127.0f;
+  return sum;
+#endif
+}
+
+// x rows [M, K] -> per tile of R rows: xq [K/4][R][4] int8 (K in the weight rows' order),
+// d and xs [G][R] floats (zeros for padding rows). Each group is rounded on its own, so a
+// row's values never depend on the other rows. One chunk per row (padding rows included).
+template <int R>
+void pack_a8(const float* x, int M, int K, int gs, bool split, int8_t* xq, float* dd,
+             float* xs) {
+  const int tiles = (M + R - 1) / R, G = K / gs;
+  pool().run(tiles * R, [&](int c) {
+    const int t = c / R, i = c % R, m = t * R + i;
+    int32_t* q = reinterpret_cast<int32_t*>(xq + static_cast<int64_t>(t) * K * R);
+    float* d = dd + static_cast<int64_t>(t) * G * R;
+    float* s = xs + static_cast<int64_t>(t) * G * R;
+    thread_local std::vector<int32_t> row;  // K int8 values, as quads
+    if (static_cast<int>(row.size()) < K / 4) row.resize(K / 4);
+    int8_t* rb = reinterpret_cast<int8_t*>(row.data());
+    if (m >= M) {
+      std::fill(rb, rb + K, 0);
+      for (int g = 0; g < G; ++g) d[g * R + i] = s[g * R + i] = 0.0f;
+    } else {
+      const float* xr = x + static_cast<int64_t>(m) * K;
+      for (int g = 0; g < G; ++g) {
+        float dv;
+        const int sum = quant_group(xr + static_cast<int64_t>(g) * gs, gs, split, rb + g * gs, &dv);
+        d[g * R + i] = dv;
+        s[g * R + i] = dv * static_cast<float>(sum);
+      }
+    }
+    for (int u = 0; u < K / 4; ++u) q[u * R + i] = row[u];  // quad u of row i
+  });
+}
+
+// out[j][i] for NW features (weight bytes wb + j * K, scales/biases sc/bi + j * G) against
+// one tile of R rows.
+template <int R, int NW>
+inline void a8_tile(const int8_t* __restrict xq, const float* __restrict dd,
+                    const float* __restrict xs, const uint8_t* __restrict wb,
+                    const float* __restrict sc, const float* __restrict bi, int K, int gs,
+                    float* __restrict out) {
+  const int G = K / gs, quads = gs / 4;
+#if defined(__AVX512VNNI__)
+  using V = A8Vec<R>;
+  typename V::F acc[NW];
+  for (int j = 0; j < NW; ++j) acc[j] = V::fzero();
+  for (int g = 0; g < G; ++g) {
+    typename V::I is[NW];
+    for (int j = 0; j < NW; ++j) is[j] = V::izero();
+    const int8_t* qg = xq + static_cast<int64_t>(g) * quads * R * 4;
+    const uint8_t* wg = wb + static_cast<int64_t>(g) * gs;
+    for (int u = 0; u < quads; ++u) {
+      const typename V::I xv = V::iload(qg + u * R * 4);
+      for (int j = 0; j < NW; ++j) {
+        int32_t w4;
+        std::memcpy(&w4, wg + static_cast<int64_t>(j) * K + u * 4, 4);
+        is[j] = dpbusd(is[j], V::ibcast(w4), xv);
+      }
+    }
+    const typename V::F dv = V::fload(dd + g * R), sv = V::fload(xs + g * R);
+    for (int j = 0; j < NW; ++j) {
+      const typename V::F f = V::mul(dv, V::fbcast(sc[static_cast<int64_t>(j) * G + g]));
+      acc[j] = V::fma(V::cvt(is[j]), f, acc[j]);
+      acc[j] = V::fma(sv, V::fbcast(bi[static_cast<int64_t>(j) * G + g]), acc[j]);
+    }
+  }
+  for (int j = 0; j < NW; ++j) V::store(out + j * R, acc[j]);
+#else
+  // The same integer sums and the same two roundings per group, one lane at a time.
+  for (int j = 0; j < NW; ++j)
+    for (int i = 0; i < R; ++i) {
+      float acc = 0.0f;
+      for (int g = 0; g < G; ++g) {
+        int32_t is = 0;
+        for (int u = 0; u < quads; ++u)
+          for (int b = 0; b < 4; ++b)
+            is += static_cast<int32_t>(wb[static_cast<int64_t>(j) * K + g * gs + u * 4 + b]) *
+                  xq[((static_cast<int64_t>(g) * quads + u) * R + i) * 4 + b];
+        const float f = dd[g * R + i] * sc[static_cast<int64_t>(j) * G + g];
+        acc = std::fma(static_cast<float>(is), f, acc);
+        acc = std::fma(xs[g * R + i], bi[static_cast<int64_t>(j) * G + g], acc);
+      }
+      out[j * R + i] = acc;
+    }
+#endif
+}
+
+template <int R>
+inline void a8_tile_any(int nw, const int8_t* xq, const float* dd, const float* xs,
+                        const uint8_t* wb, const float* sc, const float* bi, int K, int gs,
+                        float* out) {
+  switch (nw) {
+    case 12: a8_tile<R, 12>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 11: a8_tile<R, 11>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 10: a8_tile<R, 10>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 9: a8_tile<R, 9>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 8: a8_tile<R, 8>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 7: a8_tile<R, 7>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 6: a8_tile<R, 6>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 5: a8_tile<R, 5>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 4: a8_tile<R, 4>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 3: a8_tile<R, 3>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 2: a8_tile<R, 2>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    default: a8_tile<R, 1>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+  }
+}
+static_assert(A8_FEAT == 12, "a8_tile_any dispatches 1..12 features");
+
+// 4-bit weight row -> K bytes 0..15 in the split order (as dequant_row's floats).
+inline void unpack_nibbles(const uint32_t* wq, int K, uint8_t* out) {
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(wq);
+  for (int j = 0; j < K; j += 32) {
+    const u8x16 v = *reinterpret_cast<const u8x16*>(b + j / 2);
+    const u8x16 lo = v & 15, hi = v >> 4;
+    std::memcpy(out + j, &lo, 16);
+    std::memcpy(out + j + 16, &hi, 16);
+  }
+}
+
+template <int R>
+void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+                 const float* bi, int gs, int bits, float* y, int N) {
+  const int tiles = (M + R - 1) / R, G = K / gs;
+  std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
+  std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
+  pack_a8<R>(x, M, K, gs, bits == 4, xq.data(), dd.data(), xs.data());
+  const int words = K * bits / 32;
+  const int blocks = (N + A8_FEAT - 1) / A8_FEAT;
+  const int per = std::max(1, 4 * 576 / std::max(K, 1));
+  pool().run((blocks + per - 1) / per, [&](int c) {
+    thread_local std::vector<uint8_t> buf;
+    if (static_cast<int>(buf.size()) < A8_FEAT * K)
+      buf.resize(static_cast<size_t>(A8_FEAT) * K);
+    alignas(64) float out[A8_FEAT * R];
+    const int b1 = std::min(blocks, (c + 1) * per);
+    for (int bl = c * per; bl < b1; ++bl) {
+      const int n0 = bl * A8_FEAT, nw = std::min(A8_FEAT, N - n0);
+      const uint8_t* wb;
+      if (bits == 8) {  // the packed words are the bytes, in k order: copied into L1
+        std::memcpy(buf.data(), wq + static_cast<int64_t>(n0) * words, static_cast<size_t>(nw) * K);
+        wb = buf.data();
+      } else {
+        for (int j = 0; j < nw; ++j)
+          unpack_nibbles(wq + static_cast<int64_t>(n0 + j) * words, K,
+                         buf.data() + static_cast<int64_t>(j) * K);
+        wb = buf.data();
+      }
+      for (int t = 0; t < tiles; ++t) {
+        const int m0 = t * R, mc = std::min(R, M - m0);
+        a8_tile_any<R>(nw, xq.data() + static_cast<int64_t>(t) * K * R,
+                       dd.data() + static_cast<int64_t>(t) * G * R,
+                       xs.data() + static_cast<int64_t>(t) * G * R, wb,
+                       sc + static_cast<int64_t>(n0) * G, bi + static_cast<int64_t>(n0) * G, K,
+                       gs, out);
+        for (int i = 0; i < mc; ++i) {
+          float* yr = y + static_cast<int64_t>(m0 + i) * N + n0;
+          for (int j = 0; j < nw; ++j) yr[j] = out[j * R + i];
+        }
+      }
+    }
+  });
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// qmm_a8 for up to 8 rows (decode batches): the other orientation, as qgemm's few-row
+// path. Vectors run along 16 output features; a quad of 4 weight bytes per lane comes
+// straight from the packed words (16 rows' words transposed in registers; for 4 bits the
+// low or high nibbles of a word: quads i and 4 + i of its 32-block in the split order), and
+// every row's dot product with it is one vpdpbusd against its broadcast activation quad.
+// The tiles above broadcast the weights and spend half their work on unpacking and
+// per-group float steps at 8 rows. Per group and row the same float operations as
+// a8_tile: f = d[m, g] * s[n, g], acc = fma(isum, f, acc), acc = fma(xs[m, g], b[n, g],
+// acc), and the integer sums are exact: the tiles' bits (tested).
+template <int BITS, int MR>
+inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int K,
+                         const uint32_t* wq, const float* sc, const float* bi, int gs,
+                         float* y, int N, int n0, float* sbuf) {
+  constexpr int R = 8;  // pack_a8<8>'s tile: quad u of row m at xq + (u * R + m) * 4
+  const FewBlock fb = few_block(K, wq, sc, bi, gs, BITS, N, n0, sbuf);
+  const float* bbuf = sbuf + static_cast<int64_t>(K / gs) * 16;
+  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
+  const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  auto dots = [&](__m512i (&is)[MR], __m512i w, int u) {
+    for (int m = 0; m < MR; ++m) is[m] = dpbusd(is[m], w, _mm512_set1_epi32(xq4[u * R + m]));
+  };
+  for (int g = 0; g < K / gs; ++g) {
+    __m512i is[MR];
+    for (int m = 0; m < MR; ++m) is[m] = _mm512_setzero_si512();
+    for (int k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
+      prefetch_slice(fb, k0);
+      const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
+      const int u0 = k0 / 4;
+      if constexpr (BITS == 4) {
+        __m512i wv[4];
+        transpose16x4(fb.rw, off, wv);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          dots(is, _mm512_and_si512(wv[i], nib), u0 + i);
+          dots(is, _mm512_and_si512(_mm512_srli_epi32(wv[i], 4), nib), u0 + 4 + i);
+        }
+      } else {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          __m512i wv[4];
+          transpose16x4(fb.rw, off + 16 * h, wv);
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) dots(is, wv[i], u0 + 4 * h + i);
+        }
+      }
+    }
+    const __m512 s = _mm512_load_ps(sbuf + g * 16), c = _mm512_load_ps(bbuf + g * 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 f = _mm512_mul_ps(_mm512_set1_ps(dd[g * R + m]), s);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[m]), f, acc[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xs[g * R + m]), c, acc[m]);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << fb.nv) - 1);
+  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
+}
+
+template <int BITS>
+void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+                const float* bi, int gs, float* y, int N) {
+  const int G = K / gs;
+  std::vector<int8_t> xq(static_cast<size_t>(K) * 8);
+  std::vector<float> dd(static_cast<size_t>(G) * 8), xs(dd.size());
+  pack_a8<8>(x, M, K, gs, BITS == 4, xq.data(), dd.data(), xs.data());
+  const int blocks = (N + 15) / 16;
+  const int per = std::max(1, 4 * 576 / std::max(K, 1));
+  pool().run((blocks + per - 1) / per, [&](int c) {
+    float* sbuf = few_sbuf(G);
+    const int b1 = std::min(blocks, (c + 1) * per);
+    for (int bl = c * per; bl < b1; ++bl) {
+      const int n0 = bl * 16;
+      auto run = [&](auto mr) {
+        a8_few_block<BITS, decltype(mr)::value>(xq.data(), dd.data(), xs.data(), K, wq, sc, bi,
+                                                gs, y, N, n0, sbuf);
+      };
+      with_rows<8>(M, run);
+    }
+  });
+}
+#endif
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512F__))
+#define FX_A8_AVX2 1
+// qmm_a8 on AVX2 (and AVX-512 builds without VNNI), at every row count: the few-row
+// orientation of a8_few_block at 8 features per ymm, 8 rows per pass over the weights.
+// AVX2 has no u8 x s8 dot product into int32; vpmaddubsw multiplies u8 by s8 and adds
+// adjacent pairs into saturating int16, vpmaddwd then adds pairs of int16 into int32 (as
+// llama.cpp's AVX2 Q4_0 x Q8_0). With 4-bit weights (0..15) and activations in [-127, 127]
+// a pair is at most 2 * 15 * 127 = 3810 in magnitude, so the 8 pairs of one 32-k step add
+// up in int16 exactly (30480 < 32767) before one vpmaddwd; 8-bit weights (0..255) would
+// saturate, so they are split into nibbles, w = 16 * hi + lo, each summed as a 4-bit
+// weight and combined in int32 (vpmaddwd by 16 and by 1). The integer sums are exact, so
+// the per-group float steps (the same as a8_tile's) give the tiles' bits on every build.
+template <int BITS, int MR>
+inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, int K,
+                          const uint32_t* wq, const float* sc, const float* bi, int gs,
+                          float* y, int N, int n0, float* sbuf) {
+  constexpr int R = 8;  // pack_a8<8>'s tile: quad u of row m at xq + (u * R + m) * 4
+  const char* rw[8];
+  const int nv = few8_setup(K, wq, sc, bi, gs, BITS, N, n0, rw, sbuf);
+  const int groups = K / gs;
+  const float* bbuf = sbuf + static_cast<int64_t>(groups) * 8;
+  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
+  const __m256i nib = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+  // the next block's packed rows, a slice per 32-k step (interleaved row streams defeat
+  // the hardware prefetchers)
+  const int words = K * BITS / 32;
+  const char* next = reinterpret_cast<const char*>(wq + int64_t{n0 + 8} * words);
+  const int64_t next_bytes = std::max(0, std::min(8, N - n0 - 8)) * int64_t{words} * 4;
+  const int64_t slice = ((next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  auto xb = [&](int u, int m) { return _mm256_set1_epi32(xq4[u * R + m]); };
+  for (int g = 0; g < groups; ++g) {
+    __m256i is[MR];
+    for (int m = 0; m < MR; ++m) is[m] = _mm256_setzero_si256();
+    for (int k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
+      for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
+        _mm_prefetch(next + o, _MM_HINT_T0);
+      const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
+      const int u0 = k0 / 4;
+      if constexpr (BITS == 4) {
+        __m256i wv[4];
+        transpose8x4(rw, off, wv);
+        __m256i lo[4], hi[4];  // quads i and 4 + i of the split order
+        for (int i = 0; i < 4; ++i) {
+          lo[i] = _mm256_and_si256(wv[i], nib);
+          hi[i] = _mm256_and_si256(_mm256_srli_epi16(wv[i], 4), nib);
+        }
+        for (int m = 0; m < MR; ++m) {
+          __m256i p = _mm256_maddubs_epi16(lo[0], xb(u0, m));
+#pragma GCC unroll 4
+          for (int i = 1; i < 4; ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[i], xb(u0 + i, m)));
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[i], xb(u0 + 4 + i, m)));
+          is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(p, one));
+        }
+      } else {
+        const __m256i sixteen = _mm256_set1_epi16(16);
+        __m256i wv[8];
+        transpose8x4(rw, off, wv);
+        transpose8x4(rw, off + 16, wv + 4);
+        for (int m = 0; m < MR; ++m) {
+          __m256i pl = _mm256_setzero_si256(), ph = _mm256_setzero_si256();
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) {
+            const __m256i x = xb(u0 + i, m);
+            pl = _mm256_add_epi16(pl, _mm256_maddubs_epi16(_mm256_and_si256(wv[i], nib), x));
+            ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(
+                                          _mm256_and_si256(_mm256_srli_epi16(wv[i], 4), nib), x));
+          }
+          is[m] = _mm256_add_epi32(is[m], _mm256_add_epi32(_mm256_madd_epi16(pl, one),
+                                                           _mm256_madd_epi16(ph, sixteen)));
+        }
+      }
+    }
+    const __m256 s = _mm256_load_ps(sbuf + g * 8), c = _mm256_load_ps(bbuf + g * 8);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 f = _mm256_mul_ps(_mm256_set1_ps(dd[g * R + m]), s);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), f, acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(xs[g * R + m]), c, acc[m]);
+    }
+  }
+  alignas(32) static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  const __m256i keep = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 - nv));
+  for (int m = 0; m < MR; ++m) _mm256_maskstore_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
+}
+
+template <int BITS>
+void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+                 const float* bi, int gs, float* y, int N) {
+  constexpr int R = 8;
+  const int G = K / gs, tiles = (M + R - 1) / R;
+  std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
+  std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
+  pack_a8<R>(x, M, K, gs, BITS == 4, xq.data(), dd.data(), xs.data());
+  const int blocks = (N + 7) / 8;
+  const int per = std::max(1, 8 * 576 / std::max(K, 1));
+  pool().run((blocks + per - 1) / per, [&](int c) {
+    thread_local std::vector<float> sb;
+    const size_t need = static_cast<size_t>(16 * G + 8);  // + 8: alignment
+    if (sb.size() < need) sb.resize(need);
+    float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 31) & ~uintptr_t{31});
+    const int b1 = std::min(blocks, (c + 1) * per);
+    for (int bl = c * per; bl < b1; ++bl) {
+      // every pass of 8 rows over this block while its weights are in L1
+      for (int t = 0; t < tiles; ++t) {
+        const int8_t* xt = xq.data() + static_cast<int64_t>(t) * K * R;
+        const float* dt = dd.data() + static_cast<int64_t>(t) * G * R;
+        const float* st = xs.data() + static_cast<int64_t>(t) * G * R;
+        float* yt = y + static_cast<int64_t>(t) * R * N;
+        auto run = [&](auto mr) {
+          a8_few8_block<BITS, decltype(mr)::value>(xt, dt, st, K, wq, sc, bi, gs, yt, N, bl * 8, sbuf);
+        };
+        with_rows<8>(std::min(R, M - t * R), run);
+      }
+    }
+  });
+}
+#endif
+
+// Up to 8 rows: the few-row path (AVX-512 VNNI builds); more: tiles of 16. AVX2 builds:
+// the 8-lane path above at every row count. Elsewhere the scalar tiles (8 rows up to 8).
+// Same bits every way (exact integer sums, the same per-lane float operations).
+void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc,
+                const float* bi, int gs, int bits, float* y, int N) {
+  if (M <= 0) return;
+#if defined(FX_A8_AVX2)
+  return with_bits(bits, [&](auto b) { qmm_a8_few8<decltype(b)::value>(x, M, K, wq, sc, bi, gs, y, N); });
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  if (M <= 8)
+    return with_bits(bits, [&](auto b) { qmm_a8_few<decltype(b)::value>(x, M, K, wq, sc, bi, gs, y, N); });
+#else
+  if (M <= 8) return qmm_a8_rows<8>(x, M, K, wq, sc, bi, gs, bits, y, N);
+#endif
+  qmm_a8_rows<16>(x, M, K, wq, sc, bi, gs, bits, y, N);
+}
+
+void dequant_cpu(const uint32_t* wq, const float* sc, const float* bi, int gs, int bits,
+                 float* out, int N, int K) {
+  const int words = K * bits / 32, groups = K / gs;
+  const int per = std::max(4, 65536 / std::max(K, 1));
+  pool().run((N + per - 1) / per, [&](int c) {
+    const int n0 = c * per, n1 = std::min(N, (c + 1) * per);
+    std::vector<float> tmp(K);
+    for (int n = n0; n < n1; ++n) {
+      float* o = out + static_cast<int64_t>(n) * K;
+      if (bits == 8)
+        dequant_row_natural<8>(wq + static_cast<int64_t>(n) * words, sc + n * groups,
+                               bi + n * groups, K, gs, o, tmp.data());
+      else
+        dequant_row_natural<4>(wq + static_cast<int64_t>(n) * words, sc + n * groups,
+                               bi + n * groups, K, gs, o, tmp.data());
+    }
+  });
+}
