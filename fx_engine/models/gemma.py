@@ -134,15 +134,15 @@ def _experts(moe: MoEBlock, h: mx.array, eps: float, num: Numerics) -> mx.array:
     a per-expert scale) and sum their GELU-gated MLPs; the router reads the residual stream,
     the experts its pre_feedforward_layernorm_2 normalisation (mlx-lm's gemma4_text)."""
     k = moe.top_k
-    scores = linear(rms_norm(h, moe.router_scale, eps), moe.router, num)  # [N, E]
+    scores = linear(rms_norm(h, moe.router_scale, eps, num), moe.router, num)  # [N, E]
     idx = mx.argpartition(scores, kth=-k, axis=-1)[..., -k:]  # [N, k]
     w = mx.softmax(mx.take_along_axis(scores, idx, axis=-1), axis=-1) * moe.per_expert_scale[idx]
-    x = rms_norm(h, moe.pre_norm, eps)[:, None, None, :]  # [N, 1, 1, H]
+    x = rms_norm(h, moe.pre_norm, eps, num)[:, None, None, :]  # [N, 1, 1, H]
     gu = expert_linear(x, moe.gate_up, idx)  # [N, k, 1, 2F]
     f = gu.shape[-1] // 2
     y = expert_linear(gelu_tanh(gu[..., :f]) * gu[..., f:], moe.down, idx)[:, :, 0]  # [N, k, H]
     y = (w[..., None].astype(y.dtype) * y).sum(axis=-2)
-    return rms_norm(y, moe.post_norm, eps)
+    return rms_norm(y, moe.post_norm, eps, num)
 
 
 def forward(
@@ -169,7 +169,7 @@ def forward(
         n_l, hpl = cfg.num_layers, cfg.hidden_size_per_layer_input
         tok_part = embed(flat, p.embed_per_layer).astype(dt) * (hpl**0.5)
         proj = linear(h, p.per_layer_proj, num) * (cfg.hidden_size**-0.5)
-        proj = rms_norm(proj.reshape(-1, n_l, hpl), p.per_layer_proj_norm, eps)
+        proj = rms_norm(proj.reshape(-1, n_l, hpl), p.per_layer_proj_norm, eps, num)
         pli = (proj + tok_part.reshape(-1, n_l, hpl)) * (2.0**-0.5)
 
     entries = list(cache.layers)
@@ -178,33 +178,33 @@ def forward(
         spec = cache.layout[src]
         hq, d = cfg.num_heads, cfg.layer_head_dim(i)
         hk = cfg.layer_kv_heads(i)
-        x = rms_norm(h, lp.attn_norm, eps)
+        x = rms_norm(h, lp.attn_norm, eps, num)
         qkv = linear(x, lp.qkv, num).reshape(b, t, -1, d)
         rope = ropes["sliding" if cfg.is_sliding(i) else "full", d]
-        q = rms_norm(qkv[:, :, :hq], lp.q_norm, eps)
+        q = rms_norm(qkv[:, :, :hq], lp.q_norm, eps, num)
         if src == i:  # this layer computes and stores K/V
             k_raw = qkv[:, :, hq : hq + hk]
             v_raw = k_raw if cfg.k_eq_v(i) else qkv[:, :, hq + hk :]
-            k = rms_norm(k_raw, lp.k_norm, eps)
+            k = rms_norm(k_raw, lp.k_norm, eps, num)
             v = mx.fast.rms_norm(v_raw, None, eps) if cfg.v_norm else v_raw
-            qk = apply_rope(mx.concatenate([q, k], axis=2), *rope)
+            qk = apply_rope(mx.concatenate([q, k], axis=2), *rope, num, cfg.rope_traditional)
             q, k = qk[:, :, :hq], qk[:, :, hq:]
             entries[i] = write_entry(entries[i], spec, k.transpose(0, 2, 1, 3),
                                      v.transpose(0, 2, 1, 3), geo, num)
         else:
-            q = apply_rope(q, *rope)
+            q = apply_rope(q, *rope, num, cfg.rope_traditional)
         o = attend_entry(entries[src], spec, q, geo, cfg.attn_scale, num).reshape(b * t, hq * d)
-        h = _add(h, rms_norm(linear(o, lp.o, num), lp.post_attn_norm, eps), clip)
-        r = _mlp(lp.gate_up, lp.down, rms_norm(h, lp.pre_ff_norm, eps), num)
+        h = _add(h, rms_norm(linear(o, lp.o, num), lp.post_attn_norm, eps, num), clip)
+        r = _mlp(lp.gate_up, lp.down, rms_norm(h, lp.pre_ff_norm, eps, num), num)
         if lp.moe is not None:
-            r = rms_norm(r, lp.moe.post_mlp_norm, eps) + _experts(lp.moe, h, eps, num)
-        h = _add(h, rms_norm(r, lp.post_ff_norm, eps), clip)
+            r = rms_norm(r, lp.moe.post_mlp_norm, eps, num) + _experts(lp.moe, h, eps, num)
+        h = _add(h, rms_norm(r, lp.post_ff_norm, eps, num), clip)
         if pli is not None and lp.pli_gate is not None:
             g = gelu_tanh(linear(h, lp.pli_gate, num)) * pli[:, i]
-            h = h + rms_norm(linear(g, lp.pli_proj, num), lp.pli_norm, eps)
+            h = h + rms_norm(linear(g, lp.pli_proj, num), lp.pli_norm, eps, num)
         if lp.layer_scalar is not None:
             h = h * lp.layer_scalar
-    h = rms_norm(h, p.norm, eps).reshape(b, t, -1)
+    h = rms_norm(h, p.norm, eps, num).reshape(b, t, -1)
     return h, advanced(cache, entries, geo)
 
 
