@@ -35,6 +35,7 @@ import mlx.core as mx
 from jaxtyping import Int
 
 from . import native
+from .buckets import pow2_floor
 from .nn import Numerics, attention, quantized_attention
 from .tree import static_field, tree_replace
 
@@ -353,7 +354,7 @@ def span_bucket(needed: int, capacity: int) -> int:
     keeps the waste under 25% (above 1024) and the compiles few."""
     if needed >= capacity:
         return capacity
-    lower = 1 << max(0, (needed - 1).bit_length() - 1)  # needed is in (lower, 2 * lower]
+    lower = pow2_floor(max(1, needed - 1))  # needed is in (lower, 2 * lower]
     step = max(256, lower // 4)
     return min(capacity, -(-needed // step) * step)
 

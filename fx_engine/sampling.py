@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 from jaxtyping import Bool, Float, Float32, Int32, UInt32
 
+from fx_engine.buckets import pow2_ceil
 from fx_engine.nn import fast_exp
 from fx_engine.tree import static_field
 
@@ -374,7 +375,7 @@ def num_top_logprobs(configs: Sequence[SamplingConfig]) -> int:
 def history_width(configs: Sequence[SamplingConfig], minimum: int = 16) -> int:
     """A static bucket W (power of two, >= minimum) covering every row's penalty windows."""
     need = max([minimum, 1] + [c.max_context_size() for c in configs])
-    return 1 << (need - 1).bit_length()
+    return pow2_ceil(need)
 
 
 def init_history(

@@ -7,7 +7,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from .cache import span_bucket
-from .engine.generate import bucket
+from .buckets import pow2_ceil
 from .model import Model
 from .steps import score_step_compiled
 from .tree import tree_leaves
@@ -21,8 +21,8 @@ def logits(model: Model, token_ids: Sequence[int], chunk: int = 512) -> mx.array
     bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < model.config.vocab_size]
     if bad:
         raise ValueError(f"token_ids: {bad[0]!r} is not a token id in [0, {model.config.vocab_size})")
-    size = bucket(min(chunk, len(ids)))
-    cache = model.new_cache(1, bucket(len(ids) + size, 256), headroom=size)
+    size = pow2_ceil(min(chunk, len(ids)), 16)
+    cache = model.new_cache(1, pow2_ceil(len(ids) + size, 256), headroom=size)
     out = []
     for start in range(0, len(ids), size):
         piece = ids[start : start + size]

@@ -28,6 +28,7 @@ from typing import Any, Protocol, Sequence
 import attrs
 import mlx.core as mx
 
+from ..buckets import pow2_ceil
 from ..cache import span_bucket, with_lengths
 from ..config import GemmaConfig
 from ..sampling import SamplingConfig, apply_filters, make_sampling_params
@@ -141,7 +142,7 @@ class _DraftRow:
             cap = capacity_bucket(need + chunk)
             old = self.cache
             # pieces are padded to a power of two >= 16: ring headroom for the padded size
-            self.cache = m.new_cache(1, cap, headroom=max(16, 1 << (chunk - 1).bit_length()))
+            self.cache = m.new_cache(1, cap, headroom=pow2_ceil(chunk, 16))
             if old is not None:  # start over (rare: a capacity bucket change)
                 common = 0
         self.cache = with_lengths(self.cache, mx.array([common], mx.int32))
@@ -149,7 +150,7 @@ class _DraftRow:
         pos = common
         while pos < len(tokens):
             piece = tokens[pos : pos + chunk]
-            size = max(16, 1 << (len(piece) - 1).bit_length())
+            size = pow2_ceil(len(piece), 16)
             logits, self.cache = prefill_step_compiled(
                 m.params, self.cache, mx.array([piece + [0] * (size - len(piece))], mx.int32),
                 mx.array([len(piece)], mx.int32),

@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 
 import attrs
 
+from ..buckets import pow2_ceil
 from ..model import Model
 from ..sampling import SamplingConfig
 from .stops import StopMatcher
@@ -91,7 +92,7 @@ class TextDelta(str):
 
 def bucket(n: int, minimum: int = 16) -> int:
     """The power-of-two shape bucket holding n (so steady state never recompiles)."""
-    return max(minimum, 1 << max(0, (n - 1)).bit_length())
+    return pow2_ceil(n, minimum)
 
 
 def xtc_special_tokens(model: Model) -> list[int]:

@@ -20,18 +20,10 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
+from ..buckets import pow2_ceil, pow2_floor  # noqa: F401  (re-exported)
+
 MIN_CHUNK = 16  # smallest prefill piece shape
 MIN_CAPACITY = 256  # smallest decode-cache capacity bucket
-
-
-def pow2_ceil(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def pow2_floor(n: int) -> int:
-    if n < 1:
-        raise ValueError(f"pow2_floor needs n >= 1, got {n}")
-    return 1 << (n.bit_length() - 1)
 
 
 def row_buckets(max_rows: int) -> tuple[int, ...]:
