@@ -15,3 +15,19 @@ def pow2_floor(n: int) -> int:
     if n < 1:
         raise ValueError(f"pow2_floor needs n >= 1, got {n}")
     return 1 << (n.bit_length() - 1)
+
+
+MIN_PIECE = 16  # the smallest padded prefill piece
+
+
+def prefill_pieces(start: int, end: int, chunk: int) -> list[tuple[int, int, int]]:
+    """How a prompt's tokens [start, end) are fed in chunks: (position, tokens, padded size)
+    per piece, every piece `chunk` tokens but the last, each padded to the power-of-two
+    bucket of its length (at least MIN_PIECE): the shapes prefill steps compile for. The
+    one chunking rule of the single-request paths (the reference loop, scoring, drafters);
+    the engine's scheduler plans pieces of several requests under a step budget with the
+    same buckets."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    return [(p, min(chunk, end - p), pow2_ceil(min(chunk, end - p), MIN_PIECE))
+            for p in range(start, end, chunk)]

@@ -481,6 +481,15 @@ def _insert_entry(dst: Any, src: Any, spec: LayerSpec, row: int, length: int) ->
                    _copy_slots(dst.values, src.values, row, length))
 
 
+def prefix_in_cache(layout: Sequence[LayerSpec], length: int, prefix: int) -> bool:
+    """Whether a row of `length` positions still holds its first `prefix` ones in every
+    layer: a sliding-window ring that has wrapped keeps only the latest positions, so then
+    only the whole row (prefix == length) can be reused. The one ring rule for reusing a
+    cached row (insert_row, the prefix cache)."""
+    rings = [s.ring for s in layout if s.ring]
+    return prefix == length or not rings or length <= min(rings)
+
+
 def insert_row(cache: KVCache, row_cache: KVCache, row_index: int, length: int | None = None) -> KVCache:
     """Copy row 0 of `row_cache` (same layout; its first `length` positions, default its
     length) into row `row_index` of `cache`, and set that row's length. Slice updates: MLX
@@ -491,13 +500,12 @@ def insert_row(cache: KVCache, row_cache: KVCache, row_index: int, length: int |
         length = int(row_cache.lengths[0].item())
     if length > cache.capacity:
         raise CacheError(f"insert_row: length {length} exceeds capacity {cache.capacity}")
-    rings = [s.ring for s in cache.layout if s.ring]
-    if rings:
+    if any(s.ring for s in cache.layout):
         src_len = int(row_cache.lengths[0].item())
-        if length != src_len and src_len > min(rings):
-            # a wrapped ring holds the latest positions: a shorter prefix is not in it any more
+        if not prefix_in_cache(cache.layout, src_len, length):
+            ring = min(s.ring for s in cache.layout if s.ring)
             raise CacheError(f"insert_row: cannot copy a {length}-position prefix of a row of "
-                             f"length {src_len} from a wrapped {min(rings)}-slot ring")
+                             f"length {src_len} from a wrapped {ring}-slot ring")
     layers = tuple(_insert_entry(d, s, spec, row_index, length)
                    for d, s, spec in zip(cache.layers, row_cache.layers, cache.layout))
     lengths = mx.slice_update(

@@ -7,7 +7,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from .cache import span_bucket
-from .buckets import pow2_ceil
+from .buckets import pow2_ceil, prefill_pieces
 from .model import Model
 from .steps import score_step_compiled
 from .tree import tree_leaves
@@ -24,14 +24,13 @@ def logits(model: Model, token_ids: Sequence[int], chunk: int = 512) -> mx.array
     size = pow2_ceil(min(chunk, len(ids)), 16)
     cache = model.new_cache(1, pow2_ceil(len(ids) + size, 256), headroom=size)
     out = []
-    for start in range(0, len(ids), size):
-        piece = ids[start : start + size]
-        padded = piece + [0] * (size - len(piece))
+    for start, n, padded_size in prefill_pieces(0, len(ids), size):
+        padded = ids[start : start + n] + [0] * (padded_size - n)
         lg, cache = score_step_compiled(
-            model.params, cache, mx.array([padded], mx.int32), mx.array([len(piece)], mx.int32),
-            span=span_bucket(start + size, cache.capacity),
+            model.params, cache, mx.array([padded], mx.int32), mx.array([n], mx.int32),
+            span=span_bucket(start + padded_size, cache.capacity),
         )
-        lg = lg[0, : len(piece)]
+        lg = lg[0, :n]
         mx.eval(lg, *tree_leaves(cache))
         out.append(lg)
     return mx.concatenate(out, axis=0)

@@ -26,3 +26,36 @@ def test_pow2_floor_is_the_largest_power_of_two_under_n(n: int) -> None:
 def test_pow2_floor_rejects_what_has_no_floor() -> None:
     with pytest.raises(ValueError, match="n >= 1"):
         pow2_floor(0)
+
+
+@given(st.integers(min_value=0, max_value=3000), st.integers(min_value=0, max_value=3000),
+       st.integers(min_value=1, max_value=2048))
+def test_prefill_pieces_cover_the_tokens_once_in_bucketed_shapes(start: int, n: int, chunk: int) -> None:
+    from fx_engine.buckets import MIN_PIECE, prefill_pieces
+
+    pieces = prefill_pieces(start, start + n, chunk)
+    pos = start
+    for p, length, size in pieces:
+        assert p == pos and 1 <= length <= chunk and size == pow2_ceil(length, MIN_PIECE)
+        pos += length
+    assert pos == start + n  # every token once, in order
+    assert all(length == chunk for _, length, _ in pieces[:-1])  # only the last is short
+
+
+def test_prefill_pieces_rejects_an_empty_chunk() -> None:
+    from fx_engine.buckets import prefill_pieces
+
+    with pytest.raises(ValueError, match="chunk"):
+        prefill_pieces(0, 10, 0)
+
+
+def test_the_ring_rule_for_reusing_a_cached_row() -> None:
+    """A row whose sliding-window ring has wrapped keeps only its latest positions: only
+    the whole row can be reused; rows that never wrapped (or have no ring) serve any prefix."""
+    from fx_engine.cache import LayerSpec, prefix_in_cache
+
+    dense, ring = LayerSpec(3, 64), LayerSpec(3, 64, window=32, ring=64)
+    assert prefix_in_cache((dense,), 1000, 10)  # no ring: any prefix
+    assert prefix_in_cache((dense, ring), 64, 10)  # never wrapped
+    assert prefix_in_cache((dense, ring), 100, 100)  # wrapped, the whole row
+    assert not prefix_in_cache((dense, ring), 100, 99)  # wrapped: a prefix is gone

@@ -28,7 +28,7 @@ from typing import Any, Protocol, Sequence
 import attrs
 import mlx.core as mx
 
-from ..buckets import pow2_ceil
+from ..buckets import pow2_ceil, prefill_pieces
 from ..cache import span_bucket, with_lengths
 from ..config import GemmaConfig
 from ..sampling import SamplingConfig, apply_filters, make_sampling_params
@@ -147,15 +147,10 @@ class _DraftRow:
                 common = 0
         self.cache = with_lengths(self.cache, mx.array([common], mx.int32))
         logits = None
-        pos = common
-        while pos < len(tokens):
-            piece = tokens[pos : pos + chunk]
-            size = pow2_ceil(len(piece), 16)
+        for pos, n, size in prefill_pieces(common, len(tokens), chunk):
             logits, self.cache = prefill_step_compiled(
-                m.params, self.cache, mx.array([piece + [0] * (size - len(piece))], mx.int32),
-                mx.array([len(piece)], mx.int32),
-                span=span_bucket(pos + size, self.cache.capacity))
-            pos += len(piece)
+                m.params, self.cache, mx.array([tokens[pos : pos + n] + [0] * (size - n)], mx.int32),
+                mx.array([n], mx.int32), span=span_bucket(pos + size, self.cache.capacity))
         self.fed = list(tokens)
         return logits
 

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 
+from ..buckets import prefill_pieces
 from ..cache import resize, span_bucket
 from ..model import Model
 from ..sampling import SamplingConfig
@@ -75,12 +76,10 @@ def _reference_run(
     capacity = bucket(len(ids) + 1, MIN_CAPACITY)
     cache = model.new_cache(1, capacity, headroom=chunk)
     logits = None
-    for start in range(0, len(ids), chunk):
-        piece = ids[start : start + chunk]
-        size = chunk if len(piece) == chunk else bucket(len(piece))
-        padded = piece + [0] * (size - len(piece))
+    for start, n, size in prefill_pieces(0, len(ids), chunk):
+        padded = ids[start : start + n] + [0] * (size - n)
         logits, cache = prefill_step_compiled(
-            params, cache, mx.array([padded], mx.int32), mx.array([len(piece)], mx.int32),
+            params, cache, mx.array([padded], mx.int32), mx.array([n], mx.int32),
             span=span_bucket(start + size, cache.capacity),
         )
         mx.eval(logits, *tree_leaves(cache))

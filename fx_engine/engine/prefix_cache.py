@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from ..cache import KVCache, LayerKV, QuantKV, insert_row
+from ..cache import KVCache, LayerKV, QuantKV, insert_row, prefix_in_cache
 from ..tree import tree_leaves
 
 SCOPED_FORMAT = "fx-engine-prefix-scoped"  # the disk format of entries with a cache_salt
@@ -117,10 +117,7 @@ class PrefixStore:
     def _usable_len(layout: Any, n: int, common: int, prompt_len: int) -> int:
         """How much of an n-token entry sharing `common` tokens a prompt can use."""
         m = min(common, prompt_len - 1)
-        rings = [s.ring for s in layout if s.ring]
-        if rings and m != n and n > min(rings):  # a wrapped ring: only at its own length
-            return 0
-        return max(0, m)
+        return max(0, m) if prefix_in_cache(layout, n, m) else 0
 
     def lookup(self, prompt: Sequence[int], salt: str | None = None) -> tuple[_Entry | None, int]:
         """The entry of salt's scope sharing the longest usable prefix with `prompt`, and
