@@ -44,6 +44,8 @@ __all__ = [
     "push_history",
     "process_logits",
     "apply_filters",
+    "sampling_distribution",
+    "sampling_logits",
     "sample",
     "top_logprobs",
     "num_top_logprobs",
@@ -630,14 +632,32 @@ def sample(
     greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
     if "random" not in params.features:
         return greedy, logprobs, keys
-    exact = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # mlx-lm's sampler input
-    x, keys = apply_filters(exact, params, keys)
+    x, keys = sampling_logits(logits, params, keys)
     random_row = params.temperature > 0
     after, sub = _split_rows(keys)
-    drawn = _categorical_rows(x * params.inv_temperature[:, None], sub)
+    drawn = _categorical_rows(x, sub)
     tokens = mx.where(random_row, drawn, greedy)
     new_keys = mx.where(random_row[:, None], after, keys)
     return tokens, logprobs, new_keys
+
+
+def sampling_logits(
+    logits: Float[mx.array, "B V"], params: SamplingParams, keys: UInt32[mx.array, "B 2"]
+) -> tuple[Float[mx.array, "B V"], UInt32[mx.array, "B 2"]]:
+    """The logits each row draws from: mlx-lm's sampler chain (the exact log-softmax, the
+    filters, then 1/temperature). Returns them and the keys after the filters' draws (XTC).
+    The one definition of the target distribution: `sample` draws from it, speculative
+    verification and the drafters compare against its softmax (`sampling_distribution`)."""
+    exact = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # mlx-lm's sampler input
+    x, keys = apply_filters(exact, params, keys)
+    return x * params.inv_temperature[:, None], keys
+
+
+def sampling_distribution(
+    logits: Float[mx.array, "B V"], params: SamplingParams, keys: UInt32[mx.array, "B 2"]
+) -> Float[mx.array, "B V"]:
+    """The probabilities `sample` draws each row's token with (softmax of sampling_logits)."""
+    return mx.softmax(sampling_logits(logits, params, keys)[0], axis=-1, precise=True)
 
 
 def top_logprobs(

@@ -39,7 +39,7 @@ from .cache import KVCache, with_lengths
 from .models import AnyParams, forward, hidden_to_logits
 from .sampling import (
     SamplingParams, _categorical_rows, _fast_logsumexp, _split_rows, _uniform_rows,
-    apply_filters, process_logits, push_history, sample, top_logprobs,
+    process_logits, push_history, sample, sampling_distribution, top_logprobs,
 )
 from .state import DecodeState
 from .tree import STATIC, tree_replace
@@ -98,10 +98,7 @@ def accept_drafts(
     # filters, temperature). XTC rows never speculate (the shell gives them n_draft == 0).
     flat = processed.reshape(b * k1, v)
     rep = _repeat_rows(params, k1)
-    exact = flat - mx.logsumexp(flat, axis=-1, keepdims=True)
-    x, _ = apply_filters(exact, rep, mx.repeat(keys, k1, axis=0))
-    logits_t = (x * rep.inv_temperature[:, None]).reshape(b, k1, v)
-    p = mx.softmax(logits_t, axis=-1, precise=True)  # [B, K+1, V]
+    p = sampling_distribution(flat, rep, mx.repeat(keys, k1, axis=0)).reshape(b, k1, v)
     p_d = mx.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # [B, K]
     if draft_probs is None:
         q_d = mx.ones_like(p_d)

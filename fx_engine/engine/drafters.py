@@ -31,7 +31,7 @@ import mlx.core as mx
 from ..buckets import pow2_ceil, prefill_pieces
 from ..cache import span_bucket, with_lengths
 from ..config import GemmaConfig
-from ..sampling import SamplingConfig, apply_filters, make_sampling_params
+from ..sampling import SamplingConfig, make_sampling_params, sampling_distribution
 from ..state import init_state, sample_step
 from ..steps import prefill_step_compiled
 
@@ -181,10 +181,7 @@ class _DraftRow:
         """The draft's sampling distribution [1, V] (what sample_step draws from)."""
         if self.sampling.temperature == 0:
             return mx.zeros((1, 0))
-        x = logits.astype(mx.float32)
-        x = x - mx.logsumexp(x, axis=-1, keepdims=True)
-        x, _ = apply_filters(x, self.params, state.keys)
-        return mx.softmax(x * self.params.inv_temperature[:, None], axis=-1, precise=True)
+        return sampling_distribution(logits.astype(mx.float32), self.params, state.keys)
 
 
 def self_draft_model(model: Any, num_layers: int) -> Any:
