@@ -250,8 +250,8 @@ def _native_line() -> str:
     few = "a few-row path (vectors along the features) and " if native.few_gemm() else ""
     tiles = ("register tiles" if native.tiled_gemm() or not native.few_gemm()
              else "8-row passes of that path at every row count (the tiles would spill)")
-    a8 = ("int8 dot products (" + ("AVX-512 VNNI" if native.isa() == "avx512" else "AVX2 vpmaddubsw")
-          + ")" if native.int8_dot() else "a scalar int8 loop (no int8 dot-product path for this build)")
+    a8 = (f"int8 dot products ({native.int8_dot_isa()})" if native.int8_dot()
+          else "a scalar int8 loop (no int8 dot-product path for this build)")
     return (f"on, {st['threads']} threads, {native.isa()} build ({st['path']})\n"
             f"  qgemm               {few}{tiles}\n"
             f"  8-bit activations   {a8}")

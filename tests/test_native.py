@@ -659,18 +659,28 @@ outs["few_gemm"] = np.array(mod.few_gemm)
 q, kv = mx.array(d["q"]), mx.array(d["kv"]).astype(mx.float16)
 outs["attend16"] = np.asarray(mod.attend(q, kv, kv, mx.ones((1, 1, 40), mx.bool_), 0.125))
 outs["int8_dot"] = np.array(mod.int8_dot)
+outs["int8_dot_isa"] = np.array(mod.int8_dot_isa)
 np.savez(sys.argv[3], **outs)
 """
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 build flags")
-@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])
+def _cpu_has(flag: str) -> bool:
+    try:
+        return flag in open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64", pytest.param(
+    "x86-64-v3 -mavxvnni", marks=pytest.mark.skipif(not _cpu_has("avx_vnni"), reason="no AVX-VNNI"))])
 def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # noqa: ANN001
     """The kernels built for plain AVX2 (-march=x86-64-v3: no AVX-512, no VNNI), as on
     older CPUs, and for baseline x86-64 (SSE2: the generic vector code and scalar loops,
-    as on a CPU fx-engine has no intrinsics for): qmm_a8's AVX2 path (vpmaddubsw) and its
-    scalar loop give the VNNI kernel's bits exactly at every row count (exact integer
+    as on a CPU fx-engine has no intrinsics for), and AVX2 + AVX-VNNI (Intel client CPUs):
+    qmm_a8's AVX2 path (vpmaddubsw, or the VEX vpdpbusd) and its scalar loop give the
+    AVX-512 VNNI kernel's bits exactly at every row count (exact integer
     sums, the same two float32 roundings per group), the float kernels the same product,
     and attend its float16 cache values (converted without F16C/AVX-512 instructions).
     qgemm's AVX2 few-row path gives its many-row tiles' bits at every row count 1..16,
@@ -684,7 +694,8 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # 
     if cxx is None:
         pytest.skip("no C++ compiler")
     so = tmp_path / ("_fx_native" + build._paths()["ext_suffix"])
-    build._compile(cxx, build._paths(), [f"-march={arch}"], so)
+    march, *extra = arch.split()
+    build._compile(cxx, build._paths(), [f"-march={march}", *extra], so)
     build._check(so)  # the build's own smoke check passes too
     data = {"x": RNG.standard_normal((11, 192)).astype(np.float32),
             "q": RNG.standard_normal((1, 1, 4, 32)).astype(np.float32),
@@ -698,8 +709,9 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # 
                        env={**__import__("os").environ, "FX_ENGINE_NATIVE": "0"})
     assert r.returncode == 0, r.stderr[-3000:]
     got = np.load(tmp_path / "out.npz")
-    avx2 = arch == "x86-64-v3"
+    avx2 = march == "x86-64-v3"
     assert bool(got["int8_dot"]) == avx2  # vpmaddubsw on AVX2, a scalar loop on baseline
+    assert str(got["int8_dot_isa"]).startswith("AVX-VNNI" if extra else "AVX2" if avx2 else "a scalar")
     assert str(got["isa"]) == ("avx2" if avx2 else "generic") and bool(got["few_gemm"]) == avx2
     for bits in (4, 8):
         many = got[f"qgemm40_{bits}"]

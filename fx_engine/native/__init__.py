@@ -117,9 +117,14 @@ def qmm_a8(x, w, scales, biases, group_size: int, bits: int):  # type: ignore[no
 
 
 def int8_dot() -> bool:
-    """Whether qmm_a8 runs the CPU's int8 dot products (AVX-512 VNNI); without them it runs
-    a scalar loop: the same values, much slower."""
+    """Whether qmm_a8 runs the CPU's int8 dot products (AVX-512 VNNI, AVX-VNNI or AVX2's
+    vpmaddubsw); without them it runs a scalar loop: the same values, much slower."""
     return bool(getattr(_module(), "int8_dot", False))
+
+
+def int8_dot_isa() -> str:
+    """Which instructions qmm_a8's exact integer sums run on this build."""
+    return str(getattr(_module(), "int8_dot_isa", "unknown"))
 
 
 def tiled_gemm() -> bool:

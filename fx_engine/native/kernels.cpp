@@ -569,6 +569,17 @@ NB_MODULE(_fx_native, m) {
 #else
   m.attr("int8_dot") = false;
 #endif
+  m.attr("int8_dot_isa") = nb::str(  // which instructions qmm_a8's integer sums use
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+      "AVX-512 VNNI vpdpbusd"
+#elif defined(FX_A8_AVX2) && defined(__AVXVNNI__)
+      "AVX-VNNI vpdpbusd (ymm)"
+#elif defined(FX_A8_AVX2)
+      "AVX2 vpmaddubsw/vpmaddwd"
+#else
+      "a scalar loop"
+#endif
+  );
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), "affine dequantization -> float32 [N, K]");
   m.def("masked_softmax", &masked_softmax, nb::arg("scores"), nb::arg("mask"),
