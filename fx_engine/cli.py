@@ -263,10 +263,13 @@ def _plan_lines(model_path: str | None) -> list[str]:
 
     if native.ensure(quiet=True) is None:
         return ["  (no native kernels: MLX ops)"]
-    model = fx_engine.load(model_path)
+    try:
+        model = fx_engine.load(model_path)
+    except Exception as e:  # noqa: BLE001 - info reports, never crashes
+        return [f"  (could not load the model: {type(e).__name__}: {e})"]
     report = model.matmul_report
     if report is None:
-        return ["  (no 4-/8-bit linears: dense MLX matmuls)"]
+        return ["  (not measured: no 4-/8-bit linears run on the native kernels here)"]
     return ["  " + line for line in report.lines()]
 
 

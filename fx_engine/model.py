@@ -17,7 +17,7 @@ from . import native as fx_native
 from .loading.weights import KeepQuantized, WeightsError, load_gguf, load_hf_folder
 from .cache import KVCache, LayerSpec, init_cache
 from .models import AnyParams, cache_layout
-from .nn import Numerics, linears
+from .nn import MatmulPlan, Numerics, linears
 from .tree import tree_leaves
 
 QUANTIZED_KV_START = 5000  # mlx-lm's default: short contexts keep a float cache
@@ -136,6 +136,7 @@ def load(
     native: bool | None = None,
     activation_bits: int | None = None,
     kv_dtype: str | None = None,
+    matmul_plan: MatmulPlan | None = None,
 ) -> Model:
     """Load a model from a GGUF file or a Hugging Face style folder (None: the default model).
 
@@ -154,6 +155,10 @@ def load(
     faster matmuls, other numerics than the float32 default). None: float32.
     kv_dtype: the float KV cache's element type ("float16": half the memory and half the
     bytes attention reads per decode step; None: the activations' dtype).
+    matmul_plan: which native kernel runs the float32 quantized matmuls (a
+    `fx_engine.nn.MatmulPlan`); None: measured on this machine once and cached
+    (`fx_engine.native.plan`, `fx-engine info`). Pin it to make the numerics independent
+    of timing.
     """
     from .loading.tokenizer import Tokenizer
 
@@ -187,6 +192,12 @@ def load(
         warnings.warn("activation_bits=8: this CPU's native build has no int8 dot-product "
                       f"kernel ({fx_native.isa()}: a scalar loop), so this mode is slower "
                       "than the default here (fx-engine info)", stacklevel=2)
+    if matmul_plan is not None:
+        if not isinstance(matmul_plan, MatmulPlan):
+            raise ValueError(f"matmul_plan must be a fx_engine.nn.MatmulPlan or None, got {matmul_plan!r}")
+        if not native or activation_bits is not None:
+            raise ValueError("matmul_plan chooses the native float32 kernels: it needs native=True "
+                             "and activation_bits=None")
     numerics = Numerics(batch_invariant=batch_invariant, native=bool(native),
                         activation_bits=activation_bits)
     if p.is_file():
@@ -208,7 +219,9 @@ def load(
     fingerprint = model_fingerprint(fp_src, files)
     quant_kinds = _weight_kinds(params)
     report = None
-    if native and activation_bits is None and _on_cpu():
+    if matmul_plan is not None:
+        params = attrs.evolve(params, numerics=attrs.evolve(numerics, matmul=matmul_plan))
+    elif native and activation_bits is None and _on_cpu():
         from .native import plan
 
         report = plan.choose(params)  # measured once per machine and shape (cached)

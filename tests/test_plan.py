@@ -101,3 +101,20 @@ def test_info_says_what_it_chose_and_why(tmp_path, monkeypatch, capsys) -> None:
     out = capsys.readouterr().out
     assert "matmul path chosen at load" in out and "why:" in out and "8-bit, group 32" in out
     assert "8-bit activations" in out
+
+
+def test_a_pinned_plan_skips_the_measurement(tmp_path, monkeypatch) -> None:
+    from fx_engine.nn import MatmulPlan
+    from fx_engine.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "q", quantize={"group_size": 32, "bits": 4})
+    monkeypatch.setattr(plan, "measure", lambda *a: pytest.fail("measured despite a pinned plan"))
+    pinned = MatmulPlan(kernel="qmm", gemm_from=64)
+    m = fx_engine.load(path, matmul_plan=pinned)
+    assert m.params.numerics.matmul == pinned and m.matmul_report is None
+    with pytest.raises(ValueError, match="matmul_plan must be"):
+        fx_engine.load(path, matmul_plan="qmm")
+    with pytest.raises(ValueError, match="needs native=True and activation_bits=None"):
+        fx_engine.load(path, matmul_plan=pinned, activation_bits=8)
+    with pytest.raises(ValueError, match="needs native=True"):
+        fx_engine.load(path, matmul_plan=pinned, native=False)

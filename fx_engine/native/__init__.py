@@ -128,8 +128,8 @@ def int8_dot_isa() -> str:
 
 
 def tiled_gemm() -> bool:
-    """Whether qgemm's register tile fits this build's vector registers (AVX-512); without
-    it the tile spills and fx_engine.nn runs many-row products on a BLAS GEMM instead."""
+    """Whether qgemm's register tile fits this build's vector registers (AVX-512); AVX2
+    builds run qgemm's few-row path at every row count instead (fx-engine info)."""
     return bool(getattr(_module(), "tiled_gemm", False))
 
 

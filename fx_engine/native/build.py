@@ -40,6 +40,8 @@ def sources() -> list[Path]:
     """Every file the build compiles: kernels.cpp and the kernel-family headers it
     includes (all part of the build's cache key)."""
     return [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
+
+
 MODULE_NAME = "_fx_native"
 
 _SMOKE = r"""
@@ -138,7 +140,11 @@ def build_key(cxx: str) -> str:
     except (OSError, subprocess.SubprocessError):
         cc_version = cxx
     h = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in sources()), Path(__file__).read_bytes(), mx.__version__.encode(), nanobind.__version__.encode(),
+    for f in sources():  # name, length, contents: text moved between files changes the key
+        data = f.read_bytes()
+        h.update(f"{f.name}:{len(data)}\0".encode())
+        h.update(data)
+    for part in (Path(__file__).read_bytes(), mx.__version__.encode(), nanobind.__version__.encode(),
                  sys.version.encode(), cc_version.encode(), _cpu_id().encode(),
                  os.environ.get("FX_ENGINE_NATIVE_ARCH", "").encode()):
         h.update(part)

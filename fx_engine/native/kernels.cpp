@@ -597,7 +597,7 @@ NB_MODULE(_fx_native, m) {
   m.attr("tiled_gemm") = false;
 #endif
 #if defined(__AVX512F__) || defined(FX_AVX2)
-  m.attr("few_gemm") = true;  // qgemm has its few-row path (up to QG_FEW rows)
+  m.attr("few_gemm") = true;  // qgemm has its few-row path (AVX-512: up to QG_FEW rows; AVX2: all)
 #else
   m.attr("few_gemm") = false;
 #endif

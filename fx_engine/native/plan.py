@@ -11,6 +11,11 @@ counts a step uses, and returns the `MatmulPlan` (static numerics: part of the c
 with a report of what was measured and why it chose so. Results are cached per build, BLAS,
 thread count and shape, next to the native build (`plans.json`), so it is measured once
 per machine; `fx-engine info` prints the report.
+
+The plan is part of the numerics (in batch-invariant mode qgemm and qmm give different
+bits; in the default mode the GEMM does): a first measurement taken on a busy machine is
+what later loads reuse, and the 1.1x margin keeps near-ties on qgemm. To pin it, pass
+`fx_engine.load(..., matmul_plan=MatmulPlan(...))`, which skips the measurement.
 """
 
 from __future__ import annotations
@@ -140,7 +145,10 @@ def _cache_file() -> Path | None:
 def _cache_key(shape: tuple[int, int, int, int]) -> str:
     from ..blas import active
 
-    return json.dumps([PLAN_VERSION, status().get("threads"), sorted(active().items()), list(shape)])
+    threads = {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                              "OPENBLAS_NUM_THREADS")}  # the GEMM's speed
+    return json.dumps([PLAN_VERSION, status().get("threads"), sorted(active().items()),
+                       sorted(threads.items()), list(shape)])
 
 
 def choose(params: Any) -> PlanReport | None:

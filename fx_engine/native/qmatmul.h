@@ -453,7 +453,10 @@ template <int BITS>
 void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const float* sc,
                const float* bi, int gs, float* y, int N) {
   const int blocks = (N + 15) / 16;
-  const int per = 4;  // one group of 4 blocks (the 1-row step) per chunk
+  // ~2304 weights of K per chunk (several chunks per thread, for balance), rounded up to
+  // whole groups of the blocks qgemm_few_rows runs at once (4 at 1 row, 2 at 2 rows)
+  const int nb = M == 1 ? (BITS == 8 ? 2 : 4) : M == 2 ? 2 : 1;
+  const int per = (std::max(1, 4 * 576 / std::max(K, 1)) + nb - 1) / nb * nb;
   pool().run((blocks + per - 1) / per, [&](int c) {
     // this thread's buffers for up to 4 blocks' transposed scales and biases
     thread_local std::vector<float> sb;

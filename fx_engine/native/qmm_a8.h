@@ -25,7 +25,9 @@
 // from the packed words (little-endian, k order), 4-bit ones unpacked per call into the
 // split order of dequant_row (low nibbles of a 32-block first), which the activations are
 // packed in too. Up to 8 rows on AVX-512 VNNI builds: the few-row path (a8_few_block),
-// vectors along 16 features instead, with the same bits.
+// vectors along 16 features instead, with the same bits. AVX2 builds (and AVX-512 builds
+// without VNNI) run an 8-feature version of that path at every row count (a8_few8_block:
+// vpmaddubsw/vpmaddwd, or AVX-VNNI's ymm vpdpbusd), the same bits again.
 constexpr int A8_FEAT = 12;  // output features per tile
 
 #if defined(__AVX512VNNI__)
@@ -379,7 +381,7 @@ void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const float* s
 }
 #endif
 
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512F__))
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512VNNI__) && defined(__AVX512F__))
 #define FX_A8_AVX2 1
 // qmm_a8 on AVX2 (and AVX-512 builds without VNNI), at every row count: the few-row
 // orientation of a8_few_block at 8 features per ymm, 8 rows per pass over the weights.
