@@ -30,7 +30,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from . import FEW_GEMM_ROWS, dequantize, qgemm, qmm, status
+from . import FEW_GEMM_ROWS, dequantize, qgemm, qmm, status, supports
 from ..nn import MatmulPlan, linears
 
 KERNEL_ROWS = (1, 8, 64, 512)  # qgemm vs qmm: decode, a decode batch, prefill chunks
@@ -128,10 +128,11 @@ def decide(seconds: dict[str, dict[int, float]]) -> tuple[MatmulPlan, str]:
 
 
 def _representative(params: Any) -> tuple[int, int, int, int] | None:
-    """(N, K, bits, group) of the quantized linears holding the most weights."""
+    """(N, K, bits, group) of the native-kernel linears (4-/8-bit, groups of 32k) holding
+    the most weights; None if there are none."""
     totals: dict[tuple[int, int, int, int], int] = {}
     for lin in linears(params):
-        if lin.quantized and lin.weight.ndim == 2:
+        if lin.quantized and lin.weight.ndim == 2 and supports(lin.group_size, lin.bits):
             n, k = int(lin.weight.shape[0]), int(lin.weight.shape[1]) * 32 // lin.bits
             totals[(n, k, lin.bits, lin.group_size)] = totals.get((n, k, lin.bits, lin.group_size), 0) + n * k
     return max(totals, key=lambda s: totals[s]) if totals else None
