@@ -393,13 +393,13 @@ void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const float* s
 // saturate, so they are split into nibbles, w = 16 * hi + lo, each summed as a 4-bit
 // weight and combined in int32 (vpmaddwd by 16 and by 1). The integer sums are exact, so
 // the per-group float steps (the same as a8_tile's) give the tiles' bits on every build.
+// One 8-row tile against the feature block at n0, whose rows rw, real width nv and
+// transposed scales/biases sbuf few8_setup prepared (once per block, for every tile).
 template <int BITS, int MR>
 inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, int K,
-                          const uint32_t* wq, const float* sc, const float* bi, int gs,
-                          float* y, int N, int n0, float* sbuf) {
+                          const uint32_t* wq, const char* const* rw, int nv, int gs,
+                          float* y, int N, int n0, const float* sbuf) {
   constexpr int R = 8;  // pack_a8<8>'s tile: quad u of row m at xq + (u * R + m) * 4
-  const char* rw[8];
-  const int nv = few8_setup(K, wq, sc, bi, gs, BITS, N, n0, rw, sbuf);
   const int groups = K / gs;
   const float* bbuf = sbuf + static_cast<int64_t>(groups) * 8;
   const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
@@ -509,6 +509,8 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const float* 
     float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 31) & ~uintptr_t{31});
     const int b1 = std::min(blocks, (c + 1) * per);
     for (int bl = c * per; bl < b1; ++bl) {
+      const char* rw[8];
+      const int nv = few8_setup(K, wq, sc, bi, gs, BITS, N, bl * 8, rw, sbuf);
       // every pass of 8 rows over this block while its weights are in L1
       for (int t = 0; t < tiles; ++t) {
         const int8_t* xt = xq.data() + static_cast<int64_t>(t) * K * R;
@@ -516,7 +518,7 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const float* 
         const float* st = xs.data() + static_cast<int64_t>(t) * G * R;
         float* yt = y + static_cast<int64_t>(t) * R * N;
         auto run = [&](auto mr) {
-          a8_few8_block<BITS, decltype(mr)::value>(xt, dt, st, K, wq, sc, bi, gs, yt, N, bl * 8, sbuf);
+          a8_few8_block<BITS, decltype(mr)::value>(xt, dt, st, K, wq, rw, nv, gs, yt, N, bl * 8, sbuf);
         };
         with_rows<8>(std::min(R, M - t * R), run);
       }
