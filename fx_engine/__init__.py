@@ -1,7 +1,15 @@
 """fx-engine: an LLM inference engine on MLX, JAX-style.
 
-Pure core (fx_engine.models, .cache, .sampling, .state, .steps, .tree, .nn) and an
-imperative shell (fx_engine.engine, .loading, .cli). Public API:
+    fx_engine/core/     the pure core: frozen pytrees in, new ones out (tree, nn, models,
+                        cache, sampling, state, steps, speculative, kernels); a test checks
+                        that it imports nothing else of fx_engine and touches no files,
+                        environment, clock or unkeyed randomness
+    fx_engine/runtime/  process set-up the shell runs: BLAS preload, malloc tuning, the
+                        native kernels' build and the measured matmul plan
+    fx_engine/loading/, engine/, server/, testing/, tracing/, cli.py: the shell
+
+Public API (importing this package is cheap: nothing is set up and mlx is not imported
+until a public name is used; `setup()` runs first then):
 
     model = fx_engine.load(path=None)                 # None: the default model
     out = fx_engine.generate(model, "Hello", max_tokens=32, temperature=0.0)
@@ -9,25 +17,52 @@ imperative shell (fx_engine.engine, .loading, .cli). Public API:
     fx_engine.logits(model, token_ids)                # teacher-forced [T, V]
     with fx_engine.Engine(model, max_rows=8) as engine:  # continuous batching
         handle = engine.submit("Hello", max_tokens=32); print(handle.result().text)
+
+`fx_engine.setup()` (= `fx_engine.runtime.setup`) loads the optimized BLAS and tunes malloc;
+it must run before anything imports `mlx.core` for MLX's CPU matmuls to use that BLAS, so
+programs that import mlx themselves call it first (see fx_engine/runtime/__init__.py).
 """
 
-from . import blas as _blas
-from . import malloc as _malloc
+from __future__ import annotations
 
-_blas.preload()  # must run before mlx is imported anywhere (see fx_engine/blas.py)
-_malloc.tune()  # keep freed intermediates mapped (see fx_engine/malloc.py)
+import importlib
+from typing import Any
 
-from .engine.engine import Engine, EngineClosed, QueueFull, RequestHandle  # noqa: E402
-from .engine.generate import Completion, TextDelta, TokenLogprob, Usage, generate, stream  # noqa: E402
-from .model import Model, load  # noqa: E402
-from .sampling import SamplingConfig  # noqa: E402
-from .scoring import logits  # noqa: E402
-from .steps import decode_step, prefill_step, sample_step, score_step  # noqa: E402
+from .runtime import setup
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Completion", "Engine", "EngineClosed", "Model", "QueueFull", "RequestHandle", "SamplingConfig", "TextDelta", "TokenLogprob", "Usage",
-    "decode_step", "generate", "load", "logits", "prefill_step", "sample_step",
-    "score_step", "stream",
-]
+# public name -> the module that defines it (imported on first use, after setup())
+_PUBLIC = {
+    "Engine": "engine.engine", "EngineClosed": "engine.engine", "QueueFull": "engine.engine",
+    "RequestHandle": "engine.engine",
+    "Completion": "engine.generate", "TextDelta": "engine.generate",
+    "TokenLogprob": "engine.generate", "Usage": "engine.generate", "generate": "engine.generate",
+    "stream": "engine.generate",
+    "Model": "loading.model", "load": "loading.model",
+    "SamplingConfig": "core.sampling",
+    "logits": "engine.scoring",
+    "decode_step": "core.steps", "prefill_step": "core.steps", "sample_step": "core.steps",
+    "score_step": "core.steps",
+}
+_SUBPACKAGES = ("cli", "core", "engine", "loading", "runtime", "server", "testing", "tracing")
+
+__all__ = sorted([*_PUBLIC, "setup"])
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: the public API, loaded on first use
+    if name in _PUBLIC:
+        setup()
+        value = getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+    elif name in _SUBPACKAGES:
+        if name != "core":
+            setup()
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module 'fx_engine' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC, *_SUBPACKAGES])

@@ -11,7 +11,9 @@ import signal
 import sys
 from typing import Any
 
-import fx_engine  # noqa: F401  (preloads the optimized BLAS before mlx)
+import fx_engine  # noqa: E402
+
+fx_engine.setup()  # BLAS preload and malloc tuning, before mlx is imported
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -74,7 +76,7 @@ def _draft(a: argparse.Namespace, model: Any) -> Any:
         if a.draft_model is not None and a.self_draft_layers is not None:
             raise ValueError("give --draft-model or --self-draft-layers, not both")
         if a.self_draft_layers is not None:
-            from .engine.drafters import self_draft_model
+            from fx_engine.engine.drafters import self_draft_model
 
             _DRAFTS[key] = self_draft_model(model, a.self_draft_layers)
         else:
@@ -94,7 +96,7 @@ def _report(usage: Any, model: Any = None) -> None:
 
     kv_bytes = 0
     if model is not None:  # what this conversation's cache holds (float vs quantized)
-        from .cache import bytes_per_token
+        from fx_engine.core.cache import bytes_per_token
 
         per = bytes_per_token(model.cache_layout(), model.cache_dtype)
         kv_bytes = per * (usage.prompt_tokens + usage.completion_tokens)
@@ -191,7 +193,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     """An OpenAI-compatible server (fx_engine/server/app.py) on one Engine."""
     import uvicorn
 
-    from .server.app import create_app
+    from fx_engine.server.app import create_app
 
     model = _load(a)
     defaults: dict[str, Any] = {"max_tokens": a.max_tokens, "temperature": a.temp, "top_p": a.top_p,
@@ -241,7 +243,7 @@ def _model_id(model: Any) -> str:
 
 
 def _native_line() -> str:
-    from . import native
+    from fx_engine.runtime import native
 
     if native.ensure(quiet=True) is None:
         err = (native.status()["error"] or "off (FX_ENGINE_NATIVE=0)").strip().splitlines()[0]
@@ -259,7 +261,7 @@ def _native_line() -> str:
 
 def _plan_lines(model_path: str | None) -> list[str]:
     """What fx_engine.load measured to choose the float32 matmul path for a model."""
-    from . import native
+    from fx_engine.runtime import native
 
     if native.ensure(quiet=True) is None:
         return ["  (no native kernels: MLX ops)"]
@@ -276,9 +278,9 @@ def _plan_lines(model_path: str | None) -> list[str]:
 def cmd_info(a: argparse.Namespace) -> int:
     import mlx.core as mx
 
-    from .blas import active
-    from .malloc import active as malloc_active
-    from .loading.default_model import ModelNotFound, default_model_path
+    from fx_engine.runtime.blas import active
+    from fx_engine.runtime.malloc import active as malloc_active
+    from fx_engine.loading.default_model import ModelNotFound, default_model_path
 
     blas = active()
     try:

@@ -6,7 +6,9 @@ import time
 
 import pytest
 
-import fx_engine  # noqa: F401  (BLAS preload before mlx)
+import fx_engine  # noqa: E402
+
+fx_engine.setup()  # BLAS preload and malloc tuning, before mlx is imported
 
 os.environ.setdefault("FX_ENGINE_OFFLINE", "1")  # tests never download
 

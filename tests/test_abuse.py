@@ -379,7 +379,7 @@ def test_a_long_penalty_window_costs_only_what_the_row_can_hold(tiny):
     """repetition_context_size beyond prompt + max_tokens is that length: the same
     output, and a history no wider than the row can ever fill."""
     from fx_engine.engine.request import parse_request
-    from fx_engine.sampling import history_width
+    from fx_engine.core.sampling import history_width
 
     _, model = tiny
     r = parse_request(model, "hello there", max_tokens=8, repetition_penalty=1.3,

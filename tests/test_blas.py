@@ -17,7 +17,7 @@ import fx_engine
 m = fx_engine.load(sys.argv[1])
 ids = m.tokenizer.encode("The quick brown fox jumps over the lazy dog. What is the capital of France?")
 lg = fx_engine.logits(m, ids)
-print(json.dumps({"blas": fx_engine.blas.active()["name"], "logits": lg.tolist(),
+print(json.dumps({"blas": fx_engine.runtime.blas.active()["name"], "logits": lg.tolist(),
                   "tokens": list(fx_engine.generate(m, ids, max_tokens=8).token_ids)}))
 """
 
@@ -29,7 +29,7 @@ def _run(path, blas):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-_SYSTEM_OPENBLAS = [p for p in fx_engine.blas._CANDIDATES if os.path.exists(p)][:1]
+_SYSTEM_OPENBLAS = [p for p in fx_engine.runtime.blas._CANDIDATES if os.path.exists(p)][:1]
 
 
 @pytest.mark.parametrize("choice", ["auto", *_SYSTEM_OPENBLAS])
@@ -44,9 +44,9 @@ def test_reference_and_optimized_blas_agree(tiny_dir, choice):
 
 
 def test_auto_prefers_mkl_from_pypi_when_installed():
-    if not fx_engine.blas._pypi_candidates():
+    if not fx_engine.runtime.blas._pypi_candidates():
         pytest.skip("no MKL from PyPI in this environment (not Linux x86_64)")
-    assert fx_engine.blas.active()["name"] == "MKL"
+    assert fx_engine.runtime.blas.active()["name"] == "MKL"
 
 
 def test_info_reports_the_active_blas(capsys):
@@ -54,4 +54,4 @@ def test_info_reports_the_active_blas(capsys):
 
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "BLAS" in out and fx_engine.blas.active()["name"] in out
+    assert "BLAS" in out and fx_engine.runtime.blas.active()["name"] in out

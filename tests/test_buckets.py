@@ -1,4 +1,4 @@
-"""fx_engine.buckets: the one power-of-two rounding rule behind every static shape."""
+"""fx_engine.core.buckets: the one power-of-two rounding rule behind every static shape."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fx_engine.buckets import pow2_ceil, pow2_floor
+from fx_engine.core.buckets import pow2_ceil, pow2_floor
 
 
 @given(st.integers(min_value=-5, max_value=1 << 40), st.integers(min_value=1, max_value=1 << 12))
@@ -31,7 +31,7 @@ def test_pow2_floor_rejects_what_has_no_floor() -> None:
 @given(st.integers(min_value=0, max_value=3000), st.integers(min_value=0, max_value=3000),
        st.integers(min_value=1, max_value=2048))
 def test_prefill_pieces_cover_the_tokens_once_in_bucketed_shapes(start: int, n: int, chunk: int) -> None:
-    from fx_engine.buckets import MIN_PIECE, prefill_pieces
+    from fx_engine.core.buckets import MIN_PIECE, prefill_pieces
 
     pieces = prefill_pieces(start, start + n, chunk)
     pos = start
@@ -43,7 +43,7 @@ def test_prefill_pieces_cover_the_tokens_once_in_bucketed_shapes(start: int, n: 
 
 
 def test_prefill_pieces_rejects_an_empty_chunk() -> None:
-    from fx_engine.buckets import prefill_pieces
+    from fx_engine.core.buckets import prefill_pieces
 
     with pytest.raises(ValueError, match="chunk"):
         prefill_pieces(0, 10, 0)
@@ -52,7 +52,7 @@ def test_prefill_pieces_rejects_an_empty_chunk() -> None:
 def test_the_ring_rule_for_reusing_a_cached_row() -> None:
     """A row whose sliding-window ring has wrapped keeps only its latest positions: only
     the whole row can be reused; rows that never wrapped (or have no ring) serve any prefix."""
-    from fx_engine.cache import LayerSpec, prefix_in_cache
+    from fx_engine.core.cache import LayerSpec, prefix_in_cache
 
     dense, ring = LayerSpec(3, 64), LayerSpec(3, 64, window=32, ring=64)
     assert prefix_in_cache((dense,), 1000, 10)  # no ring: any prefix

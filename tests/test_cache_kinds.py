@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import fx_engine
-from fx_engine.cache import CacheError, bytes_per_token, init_cache, with_lengths
+from fx_engine.core.cache import CacheError, bytes_per_token, init_cache, with_lengths
 from fx_engine.engine.generate import reference_generate
-from fx_engine.steps import score_step
+from fx_engine.core.steps import score_step
 from fx_engine.testing import write_tiny_model
 
 from .conftest import LONG_TEXT
@@ -92,7 +92,7 @@ def test_ring_headroom_is_checked_before_any_write(gemma):
 
 
 def test_insert_row_refuses_a_prefix_of_a_wrapped_ring(gemma):
-    from fx_engine.cache import insert_row
+    from fx_engine.core.cache import insert_row
 
     src = gemma.new_cache(1, 64, headroom=4)
     _, src = score_step(gemma.params, src, mx.ones((1, 5), mx.int32), mx.array([5]))
@@ -120,7 +120,7 @@ def test_ring_memory_is_bounded_by_the_window(gemma):
 def test_quantized_attention_matches_mlx_lm_sdpa(bits, group):
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
-    from fx_engine.nn import quantized_attention
+    from fx_engine.core.nn import quantized_attention
 
     b, t, hq, hk, s, d = 2, 5, 6, 2, 40, 64
     ks = iter(mx.random.split(mx.random.key(3), 8))

@@ -19,7 +19,7 @@ import fx_engine
 from fx_engine.engine import scheduler as sched
 from fx_engine.engine.engine import Engine, EngineClosed, QueueFull, insert_row
 from fx_engine.engine.generate import reference_generate
-from fx_engine.steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
+from fx_engine.core.steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
 
 
 @pytest.fixture(scope="module")
@@ -253,8 +253,8 @@ def test_engine_alone_matches_generate(bi_model):
 
 
 def test_insert_row_copies_only_the_row(bi_model):
-    from fx_engine.cache import LayerKV, init_cache
-    from fx_engine.models import cache_layout
+    from fx_engine.core.cache import LayerKV, init_cache
+    from fx_engine.core.models import cache_layout
 
     c = bi_model.config
     big = init_cache(cache_layout(c), 4, 64)
@@ -300,7 +300,7 @@ def test_zero_recompiles_after_warmup_and_bounded_shapes(bi_model):
     caps = {sched.capacity_bucket(n) for n in range(1, 2049)}
     c = bi_model.config
 
-    from fx_engine.cache import dense_layout, init_cache
+    from fx_engine.core.cache import dense_layout, init_cache
 
     sink = init_cache(dense_layout(1, 1, 1), 1, 16).keys[0].shape[2] - 16  # extra slots past the capacity
 

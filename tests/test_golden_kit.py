@@ -8,7 +8,7 @@ import pytest
 import fx_engine
 from fx_engine.testing import golden as g
 from fx_engine.testing import write_tiny_model
-from fx_engine.tree import tree_replace
+from fx_engine.core.tree import tree_replace
 
 CASES = [
     {"name": "greedy", "model": "tiny", "prompt": "hello world", "max_tokens": 12},

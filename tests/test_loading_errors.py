@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 import fx_engine
-from fx_engine.config import ConfigError
+from fx_engine.core.config import ConfigError
 from fx_engine.loading.weights import WeightsError
 from fx_engine.testing import write_tiny_model
 

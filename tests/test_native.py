@@ -1,4 +1,4 @@
-"""fx_engine.native: the CPU kernels against independent references (numpy in float64,
+"""fx_engine.runtime.native: the CPU kernels against independent references (numpy in float64,
 MLX's own ops), their batch invariance, their errors, and the engine with and without them."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import pytest
 
 import fx_engine
 import mlx.core as mx
-from fx_engine import native, scoring
-from fx_engine.nn import softmax
+from fx_engine.runtime import native
+from fx_engine.engine import scoring
+from fx_engine.core.nn import softmax
 
 pytestmark = pytest.mark.skipif(native.ensure(quiet=True) is None,
                                 reason=f"native kernels unavailable: {native.status()['error']}")
@@ -105,7 +106,7 @@ def test_linears_run_the_planned_kernel(kernel: str, gemm_from: int) -> None:
     batch-invariant mode, and in the default mode below `gemm_from` (so decode and verify
     steps share one kernel); from `gemm_from` rows up the default mode runs a BLAS GEMM on
     the natively dequantized weight: the same product to float32 accuracy."""
-    from fx_engine.nn import Linear, MatmulPlan, Numerics, linear
+    from fx_engine.core.nn import Linear, MatmulPlan, Numerics, linear
 
     wq, s, b = _quantized(40, 256, 32, 4)
     lin = Linear(weight=wq, scales=s, biases=b, group_size=32, bits=4)
@@ -125,7 +126,7 @@ def test_linears_run_the_planned_kernel(kernel: str, gemm_from: int) -> None:
 
 
 def test_matmul_plan_rejects_what_it_cannot_run() -> None:
-    from fx_engine.nn import MatmulPlan
+    from fx_engine.core.nn import MatmulPlan
 
     with pytest.raises(ValueError, match="kernel"):
         MatmulPlan(kernel="blas")
@@ -136,7 +137,7 @@ def test_matmul_plan_rejects_what_it_cannot_run() -> None:
 def test_qgemm_and_qmm_differ_by_rounding_only() -> None:
     """Not the same bits (each output is a sequential float32 sum over K in qgemm, 16 lane
     sums then a fixed tree in qmm), but the same product to float32 accuracy: which kernel
-    runs depends on the build (fx_engine.nn: qgemm where its tiles fit, else qmm)."""
+    runs depends on the build (fx_engine.core.nn: qgemm where its tiles fit, else qmm)."""
     wq, s, b = _quantized(96, 1536, 32, 4)
     x = mx.array(RNG.standard_normal((32, 1536)).astype(np.float32))
     g, q = np.asarray(native.qgemm(x, wq, s, b, 32, 4)), np.asarray(native.qmm(x, wq, s, b, 32, 4))
@@ -216,9 +217,9 @@ def test_rms_norm_matches_mlx() -> None:
 
 @pytest.mark.parametrize("shape", [(8, 2 * 1536), (3, 5, 2 * 37), (1, 2)])
 def test_swiglu_is_the_mlx_expression_in_one_node(shape: tuple[int, ...]) -> None:
-    """native.swiglu(gu) gives fx_engine.nn.swiglu(gate, up)'s bits (the same fast_exp
+    """native.swiglu(gu) gives fx_engine.core.nn.swiglu(gate, up)'s bits (the same fast_exp
     arithmetic), close to float64 silu(g) * u; F = 37: a partial vector."""
-    from fx_engine.nn import Numerics, swiglu, swiglu_fused
+    from fx_engine.core.nn import Numerics, swiglu, swiglu_fused
 
     gu = mx.array(RNG.standard_normal(shape).astype(np.float32) * 6)
     f = shape[-1] // 2
@@ -231,7 +232,7 @@ def test_swiglu_is_the_mlx_expression_in_one_node(shape: tuple[int, ...]) -> Non
 
 
 def test_swiglu_special_values_dtypes_and_errors() -> None:
-    from fx_engine.nn import swiglu
+    from fx_engine.core.nn import swiglu
 
     gu = mx.array([[-200.0, -88.0, -87.0, 0.0, 80.0, 100.0, 1.0, 2.0, 3.0, -1.0, 7.0, 0.5],
                    [np.inf, -np.inf, np.nan, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, np.inf, 1.0]],
@@ -340,8 +341,9 @@ def test_native_off_by_environment(monkeypatch) -> None:  # noqa: ANN001
 
 def test_ops_never_build_and_say_what_to_do(monkeypatch) -> None:  # noqa: ANN001
     """The pure core calls the ops; they never build or load the extension themselves."""
-    monkeypatch.setitem(native._STATE, "module", None)
-    monkeypatch.setitem(native._STATE, "error", None)
+    from fx_engine.core import kernels
+
+    monkeypatch.setattr(kernels, "_EXTENSION", [])
     with pytest.raises(RuntimeError, match=r"native.ensure\(\) first"):
         native.rms_norm(mx.ones((2, 16)), mx.ones((16,)), 1e-5)
 
@@ -479,7 +481,7 @@ def test_attend_reads_float16_special_values_exactly() -> None:
 
 @pytest.mark.parametrize("traditional", [False, True])
 def test_rope_matches_the_permutation_form(traditional: bool) -> None:
-    from fx_engine.nn import apply_rope, rope_tables
+    from fx_engine.core.nn import apply_rope, rope_tables
 
     pos = mx.array(RNG.integers(0, 5000, (2, 3)).astype(np.int32))
     cos, sin, perm = rope_tables(pos, 64, base=10000.0, scale=1.0, freqs=None, traditional=traditional)
@@ -688,7 +690,7 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # 
     import subprocess
     import sys
 
-    from fx_engine.native import build
+    from fx_engine.runtime.native import build
 
     cxx = build._compiler()
     if cxx is None:
@@ -742,7 +744,7 @@ def test_build_key_covers_every_source_file(tmp_path, monkeypatch) -> None:
     rebuild (a new cache key), or a stale binary would keep running old kernels."""
     import shutil
 
-    from fx_engine.native import build
+    from fx_engine.runtime.native import build
 
     src = tmp_path / "native"
     shutil.copytree(build.SOURCE.parent, src, ignore=shutil.ignore_patterns("__pycache__"))

@@ -1,9 +1,9 @@
-"""fx_engine.native where the kernels cannot be used: these run on every machine (the
+"""fx_engine.runtime.native where the kernels cannot be used: these run on every machine (the
 kernel tests in test_native.py skip where the kernels do not build)."""
 
 from __future__ import annotations
 
-from fx_engine.nn import Numerics
+from fx_engine.core.nn import Numerics
 
 
 def test_build_failure_falls_back_to_mlx_ops(tmp_path, tiny_dir) -> None:  # noqa: ANN001

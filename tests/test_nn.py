@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fx_engine.nn import Numerics, _blocked_pv, attention, fast_exp, softmax, swiglu
+from fx_engine.core.nn import Numerics, _blocked_pv, attention, fast_exp, softmax, swiglu
 
 
 def test_fast_exp_matches_float64_exp():
@@ -89,7 +89,7 @@ def test_malloc_tuning_is_on_by_default_and_can_be_turned_off():
     import subprocess
     import sys
 
-    code = "import fx_engine, fx_engine.malloc as m; print(m.active())"
+    code = "import fx_engine, fx_engine.runtime.malloc as m; fx_engine.setup(); print(m.active())"
     on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     env = {**__import__("os").environ, "FX_ENGINE_MALLOC": "default"}
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)

@@ -1,4 +1,4 @@
-"""fx_engine.native.plan: the measured choice of the float32 quantized-matmul path.
+"""fx_engine.runtime.native.plan: the measured choice of the float32 quantized-matmul path.
 
 `decide` is a pure function of measured times (property-tested with made-up ones);
 `choose` measures real kernels on a model's shapes once and caches the result; `load`
@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fx_engine
-from fx_engine import native
+from fx_engine.runtime import native
 
 pytestmark = pytest.mark.skipif(native.ensure(quiet=True) is None,
                                 reason=f"native kernels unavailable: {native.status()['error']}")
 
-from fx_engine.native import plan  # noqa: E402  (after ensure: the ops need the extension)
+from fx_engine.runtime.native import plan  # noqa: E402  (after ensure: the ops need the extension)
 
 ROWS = sorted(set(plan.KERNEL_ROWS) | set(plan.GEMM_ROWS))
 times = st.floats(min_value=1e-6, max_value=1.0, allow_nan=False)
@@ -58,12 +58,12 @@ def test_decide_on_the_measured_shapes_of_avx512_and_avx2_builds() -> None:
     avx512 = {"qgemm": {1: 108e-6, 8: 133e-6, 32: 315e-6, 64: 557e-6, 128: 1057e-6, 256: 2091e-6, 512: 4310e-6},
               "qmm": {1: 103e-6, 8: 251e-6, 32: 700e-6, 64: 1321e-6, 128: 2600e-6, 256: 5100e-6, 512: 10067e-6},
               "gemm": {32: 1023e-6, 64: 1718e-6, 128: 2690e-6, 256: 4935e-6, 512: 10268e-6}}
-    assert plan.decide(avx512)[0] == fx_engine.nn.MatmulPlan("qgemm", 0)
+    assert plan.decide(avx512)[0] == fx_engine.core.nn.MatmulPlan("qgemm", 0)
     old_avx2 = {"qgemm": {1: 202e-6, 8: 257e-6, 32: 3385e-6, 64: 7059e-6, 128: 13199e-6, 256: 25972e-6, 512: 54212e-6},
                 "qmm": {1: 353e-6, 8: 1203e-6, 32: 5000e-6, 64: 9837e-6, 128: 17000e-6, 256: 34000e-6, 512: 67051e-6},
                 "gemm": {32: 2429e-6, 64: 3098e-6, 128: 2940e-6, 256: 5063e-6, 512: 10777e-6}}
     p, why = plan.decide(old_avx2)
-    assert p == fx_engine.nn.MatmulPlan("qgemm", 32) and "BLAS GEMM from 32 rows" in why
+    assert p == fx_engine.core.nn.MatmulPlan("qgemm", 32) and "BLAS GEMM from 32 rows" in why
 
 
 def test_choose_measures_once_and_caches(tmp_path, monkeypatch) -> None:
@@ -104,7 +104,7 @@ def test_info_says_what_it_chose_and_why(tmp_path, monkeypatch, capsys) -> None:
 
 
 def test_a_pinned_plan_skips_the_measurement(tmp_path, monkeypatch) -> None:
-    from fx_engine.nn import MatmulPlan
+    from fx_engine.core.nn import MatmulPlan
     from fx_engine.testing import write_tiny_model
 
     path = write_tiny_model(tmp_path / "q", quantize={"group_size": 32, "bits": 4})

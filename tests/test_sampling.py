@@ -1,4 +1,4 @@
-"""Tests for fx_engine.sampling, with mlx-lm's sample_utils as the oracle.
+"""Tests for fx_engine.core.sampling, with mlx-lm's sample_utils as the oracle.
 
 Every public sampling function is called through jaxtyping's `jaxtyped(typechecker=beartype)`
 wrapper, so shapes and dtypes are checked on every call in this file.
@@ -24,8 +24,8 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
-from fx_engine import sampling as S
-from fx_engine.tree import jit
+from fx_engine.core import sampling as S
+from fx_engine.core.tree import jit
 
 
 def checked(fn):
@@ -714,7 +714,7 @@ def test_shape_checking_catches_wrong_shapes():
 def test_fast_logsumexp_compiled_equals_the_plain_formula():
     """_fast_logsumexp is shaped so that mx.compile does not fuse its log into every logit;
     the values must stay those of the plain keepdims formula, compiled or not, bit for bit."""
-    from fx_engine.nn import fast_exp
+    from fx_engine.core.nn import fast_exp
 
     def plain(x):
         m = mx.max(x, axis=-1, keepdims=True)

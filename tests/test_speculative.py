@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 import fx_engine
 from fx_engine.engine.drafters import Draft, PromptLookup, lookup, self_draft_model
 from fx_engine.engine.generate import reference_generate
-from fx_engine.sampling import SamplingConfig
-from fx_engine.state import init_state, sample_step
-from fx_engine.steps import decode_step, prefill_step, verify_step, verify_step_compiled
+from fx_engine.core.sampling import SamplingConfig
+from fx_engine.core.state import init_state, sample_step
+from fx_engine.core.steps import decode_step, prefill_step, verify_step, verify_step_compiled
 from fx_engine.testing import write_tiny_model
 
 from .conftest import LONG_TEXT
@@ -266,7 +266,7 @@ def test_speculation_with_ring_caches(tmp_path):
     """Gemma 4 (sliding-window rings, KV-shared layers): greedy speculation through the
     engine equals plain greedy; a verify longer than the ring headroom is refused before
     any write."""
-    from fx_engine.cache import CacheError
+    from fx_engine.core.cache import CacheError
 
     path = write_tiny_model(tmp_path / "g", "gemma4_text", sliding_window=16)
     g = fx_engine.load(path, batch_invariant=True)

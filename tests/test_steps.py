@@ -5,15 +5,12 @@ import pytest
 from beartype import beartype
 from jaxtyping import jaxtyped
 
-from fx_engine.cache import init_cache, with_lengths
-from fx_engine.models import cache_layout
-from fx_engine.sampling import SamplingConfig
-from fx_engine.state import init_state
-from fx_engine.steps import (
-    decode_step, decode_step_compiled, prefill_step, prefill_step_compiled,
-    sample_step_compiled, score_step,
-)
-from fx_engine.tree import tree_leaves
+from fx_engine.core.cache import init_cache, with_lengths
+from fx_engine.core.models import cache_layout
+from fx_engine.core.sampling import SamplingConfig
+from fx_engine.core.state import init_state
+from fx_engine.core.steps import (decode_step, decode_step_compiled, prefill_step, prefill_step_compiled, sample_step_compiled, score_step)
+from fx_engine.core.tree import tree_leaves
 
 PROMPTS = [
     "What is the capital of France?",
@@ -138,7 +135,7 @@ def test_decode_loop_never_recompiles(tiny_model):
 
 def test_recompile_is_detected_for_a_python_scalar(tiny_model):
     """The counter is real: passing a Python int where an array belongs retraces."""
-    from fx_engine.tree import CompiledFunction
+    from fx_engine.core.tree import CompiledFunction
 
     f = CompiledFunction(lambda x, n: x + n)
     for i in range(3):
@@ -184,7 +181,7 @@ def test_shape_annotations_are_checked(tiny_model):
 def test_attention_span_matches_full_capacity(tiny_model):
     """Attending over a span bucket (>= every row's length) equals attending over the whole
     capacity up to float rounding: slots past a row's length contribute exactly zero."""
-    from fx_engine.cache import span_bucket
+    from fx_engine.core.cache import span_bucket
 
     m = tiny_model
     c, p = m.config, m.params
@@ -199,7 +196,7 @@ def test_attention_span_matches_full_capacity(tiny_model):
 
 
 def test_span_buckets_are_few():
-    from fx_engine.cache import span_bucket
+    from fx_engine.core.cache import span_bucket
 
     spans = {span_bucket(n, 8192) for n in range(1, 8193)}
     assert len(spans) <= 4 * 6  # four per octave from 256 to 8192
@@ -219,7 +216,7 @@ def test_write_sink_protects_full_and_inactive_rows(tiny_model):
     before = [mx.array(k[0]) for k in cache.keys]
     state = init_state([GREEDY, GREEDY], [full, full[:5]], c.vocab_size)
     state = sample_step_compiled(state, lg)
-    from fx_engine.tree import tree_replace
+    from fx_engine.core.tree import tree_replace
 
     state = tree_replace(state, active=mx.array([False, True]))
     for _ in range(3):
@@ -235,7 +232,7 @@ def test_write_sink_protects_full_and_inactive_rows(tiny_model):
 
 def test_half_precision_activations_stay_half(tmp_path):
     from fx_engine.testing import write_tiny_model
-    from fx_engine.models.llama import forward
+    from fx_engine.core.models.llama import forward
     import fx_engine
 
     m = fx_engine.load(write_tiny_model(tmp_path / "m", "llama"), dtype="float16")

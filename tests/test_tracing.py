@@ -9,7 +9,7 @@ import pytest
 import fx_engine
 from fx_engine.tracing import (Bucket, RecompileWatch, chrome_trace, function_graph, graph_diff,
                                step_graphs, validate_chrome_trace)
-from fx_engine.tree import CompiledFunction
+from fx_engine.core.tree import CompiledFunction
 
 
 def _f(x, w):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fx_engine.tree import CompiledFunction, static_field, tree_flatten, tree_map, tree_unflatten
+from fx_engine.core.tree import CompiledFunction, static_field, tree_flatten, tree_map, tree_unflatten
 
 
 @attrs.frozen

@@ -69,24 +69,24 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import fx_engine  # noqa: E402  first: preloads the optimized BLAS before mlx is imported
+import fx_engine  # noqa: E402
+
+fx_engine.setup()  # BLAS preload and malloc tuning, before mlx is imported
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from fx_engine.cache import init_cache  # noqa: E402
-from fx_engine.models import cache_layout  # noqa: E402
-from fx_engine.sampling import SamplingConfig  # noqa: E402
-from fx_engine.state import init_state  # noqa: E402
-from fx_engine.steps import (  # noqa: E402
-    decode_step_compiled, prefill_step_compiled,
-)
-from fx_engine.tree import tree_leaves  # noqa: E402
+from fx_engine.core.cache import init_cache  # noqa: E402
+from fx_engine.core.models import cache_layout  # noqa: E402
+from fx_engine.core.sampling import SamplingConfig  # noqa: E402
+from fx_engine.core.state import init_state  # noqa: E402
+from fx_engine.core.steps import decode_step_compiled, prefill_step_compiled
+from fx_engine.core.tree import tree_leaves  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: tools/ modules
 from oracle import _mlx_lm_skeleton, mlx_lm_dense_from_fx  # noqa: E402
 
 try:  # the shell's attention span buckets (newer engines); None: attend over the capacity
-    from fx_engine.cache import span_bucket
+    from fx_engine.core.cache import span_bucket
 except ImportError:  # pragma: no cover
     span_bucket = None
 
@@ -423,7 +423,7 @@ def openblas_info() -> dict[str, Any] | None:
     An OpenBLAS older than the CPU can fall back to generic kernels (e.g. Debian's 0.3.21
     picks `Prescott`, SSE3, on Sapphire/Emerald Rapids); OPENBLAS_CORETYPE overrides it.
     """
-    blas = fx_engine.blas.active()
+    blas = fx_engine.runtime.blas.active()
     if blas.get("name") != "OpenBLAS" or not blas.get("path"):
         return None
     import ctypes
@@ -511,7 +511,7 @@ def machine_info() -> dict[str, Any]:
         "memory_gb": mem_gb, "python": platform.python_version(), "platform": platform.platform(),
         "mlx": mx.__version__, "mlx_lm": mlx_lm_version, "fx_engine": fx_engine.__version__,
         "fx_engine_source_sha": fx_source_hash(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "blas": fx_engine.blas.active(), "openblas": openblas_info(),
+        "blas": fx_engine.runtime.blas.active(), "openblas": openblas_info(),
         "device": str(mx.default_device()),
         # the native kernels' target (FX_ENGINE_NATIVE_ARCH measures another CPU's paths here)
         "native_arch": os.environ.get("FX_ENGINE_NATIVE_ARCH") or "native",
@@ -611,7 +611,7 @@ def measure_breakdown(model: Any, decode_contexts: list[int], prefill_sizes: lis
     chunk of a prompt of that size; sdpa_ms: the same step's attention calls alone (all
     layers, MLX's fused SDPA over the whole capacity with a bool mask, as in the step).
     """
-    from fx_engine.cache import with_lengths
+    from fx_engine.core.cache import with_lengths
 
     c, p = model.config, model.params
     dt = getattr(mx, p.dtype)

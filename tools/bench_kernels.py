@@ -7,7 +7,7 @@ products), `native.qgemm` (float32: register tiles, and a few-row path up to 16 
 `native.qmm_a8` (8-bit activations, int8 dot products; a few-row path up to 8 rows on
 AVX-512 VNNI builds, vpmaddubsw on AVX2 builds), the median of --rounds rounds of
 enough calls to take ~--budget seconds each, and GFLOP/s (2 * M * N * K / time). Which float
-kernel fx_engine.nn runs is measured at load (`Numerics.matmul`, fx_engine.native.plan;
+kernel fx_engine.core.nn runs is measured at load (`Numerics.matmul`, fx_engine.runtime.native.plan;
 `fx-engine info` shows it); `Numerics.activation_bits=8` runs qmm_a8. This shows the three
 side by side.
 
@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import fx_engine  # noqa: F401  first: preloads the optimized BLAS before mlx is imported
+import fx_engine  # noqa: E402
+
+fx_engine.setup()  # BLAS preload and malloc tuning, before mlx is imported
 import mlx.core as mx
 
 KERNELS = ("qmm", "qgemm", "qmm_a8")
@@ -47,7 +49,7 @@ def time_product(fn: Any, x: mx.array, lin: Any, rounds: int, budget: float) -> 
 
 
 def run(rows: list[int], rounds: int, budget: float, log: Any = print) -> dict[str, Any]:
-    from fx_engine import native
+    from fx_engine.runtime import native
 
     model = fx_engine.load()
     if not model.params.numerics.native:

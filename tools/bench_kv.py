@@ -29,15 +29,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import fx_engine  # noqa: E402  first: preloads the optimized BLAS before mlx is imported
+import fx_engine  # noqa: E402
+
+fx_engine.setup()  # BLAS preload and malloc tuning, before mlx is imported
 import mlx.core as mx  # noqa: E402
 
-from fx_engine.cache import LayerKV, QuantKV, bytes_per_token, span_bucket, with_lengths  # noqa: E402
+from fx_engine.core.cache import LayerKV, QuantKV, bytes_per_token, span_bucket, with_lengths  # noqa: E402
 from fx_engine.engine.scheduler import capacity_bucket  # noqa: E402
-from fx_engine.sampling import SamplingConfig  # noqa: E402
-from fx_engine.state import init_state  # noqa: E402
-from fx_engine.steps import decode_step_compiled  # noqa: E402
-from fx_engine.tree import tree_leaves  # noqa: E402
+from fx_engine.core.sampling import SamplingConfig  # noqa: E402
+from fx_engine.core.state import init_state  # noqa: E402
+from fx_engine.core.steps import decode_step_compiled  # noqa: E402
+from fx_engine.core.tree import tree_leaves  # noqa: E402
 
 KINDS = {"dense": None, "8-bit": 8, "4-bit": 4}
 GROUP = 64
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(json.dumps(row), flush=True)
     report = {"model": model.path, "weights": model.weight_format, "group_size": GROUP,
               "decode_tokens": a.decode_tokens, "runs": a.runs, "rows": rows,
-              "blas": __import__("fx_engine.blas", fromlist=["active"]).active()["name"]}
+              "blas": __import__("fx_engine.runtime.blas", fromlist=["active"]).active()["name"]}
     print()
     print(render(report))
     if a.json:

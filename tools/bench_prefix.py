@@ -26,7 +26,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import fx_engine  # noqa: E402  first: preloads the optimized BLAS before mlx is imported
+import fx_engine  # noqa: E402
+
+fx_engine.setup()  # BLAS preload and malloc tuning, before mlx is imported
 
 PREFIX_TOKENS = 2000
 
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "ttft_s": med, "memory_ratio": med["memory"] / med["cold"],
               "disk_ratio": med["disk"] / med["cold"], "cached_memory": cached_mem,
               "cached_disk": cached_disk, "chat": chats,
-              "blas": __import__("fx_engine.blas", fromlist=["active"]).active()["name"]}
+              "blas": __import__("fx_engine.runtime.blas", fromlist=["active"]).active()["name"]}
     print(json.dumps(report, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))

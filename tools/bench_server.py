@@ -49,7 +49,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import fx_engine  # noqa: E402  first: preloads the optimized BLAS before mlx is imported
+import fx_engine  # noqa: E402
+
+fx_engine.setup()  # BLAS preload and malloc tuning, before mlx is imported
 
 from tools.bench_serving import _percentile  # noqa: E402
 from tools.oracle import write_hf_folder  # noqa: E402
@@ -192,9 +194,9 @@ def server_command(peer: str, folder: Path, gguf: str | None, port: int) -> list
         args = ["--model", str(folder), "--port", str(port), "--log-level", "WARNING"]
         if peer == "mlx-lm-stock":  # MLX's bundled reference BLAS, as `pip install mlx-lm` runs
             return [py, "-m", "mlx_lm.server", *args]
-        # The same optimized BLAS fx-engine preloads (fx_engine/blas.py), so that the two
+        # The same optimized BLAS fx-engine preloads (fx_engine/runtime/blas.py), so that the two
         # servers differ only in their own code, not in the GEMM library under MLX.
-        boot = ("import sys, runpy, fx_engine.blas as b; b.preload(); "
+        boot = ("import sys, runpy, fx_engine.runtime.blas as b; b.preload(); "
                 "sys.argv = ['mlx_lm.server', *sys.argv[1:]]; "
                 "runpy.run_module('mlx_lm.server', run_name='__main__')")
         return [py, "-c", boot, *args]
@@ -317,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {"model": model.path, "served_folder": str(folder), "clients": ns, "peers": peers,
                 "runs": a.runs, "warmup": a.warmup, "gen_tokens": a.gen_tokens,
                 "prompt_range": [lo, hi], "cpu_count": os.cpu_count(),
-                "blas": __import__("fx_engine.blas", fromlist=["active"]).active()["name"],
+                "blas": __import__("fx_engine.runtime.blas", fromlist=["active"]).active()["name"],
                 "date": time.strftime("%Y-%m-%d"), "results": results}
 
     def save() -> None:  # after every server too, so that a long run interrupted keeps its data

@@ -39,7 +39,9 @@ import statistics
 import time
 from typing import Any, Callable
 
-import fx_engine  # noqa: F401  first: preloads the optimized BLAS before mlx is imported
+import fx_engine  # noqa: E402
+
+fx_engine.setup()  # BLAS preload and malloc tuning, before mlx is imported
 import mlx.core as mx
 
 GEN_TOKENS = 128

@@ -27,7 +27,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import fx_engine  # noqa: E402  first: preloads the optimized BLAS before mlx is imported
+import fx_engine  # noqa: E402
+
+fx_engine.setup()  # BLAS preload and malloc tuning, before mlx is imported
 
 from fx_engine.engine.drafters import PromptLookup, self_draft_model  # noqa: E402
 
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "runs": [x["tok_s"] for x in runs]})
     report = {"model": model.path, "weights": model.weight_format, "runs": a.runs,
               "self_draft_layers": a.self_draft_layers, "rows": rows,
-              "blas": __import__("fx_engine.blas", fromlist=["active"]).active()["name"]}
+              "blas": __import__("fx_engine.runtime.blas", fromlist=["active"]).active()["name"]}
     print()
     print(render(report))
     if a.json:

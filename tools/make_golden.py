@@ -23,7 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import fx_engine  # noqa: E402,F401  (BLAS preload first)
+import fx_engine  # noqa: E402
+
+fx_engine.setup()  # BLAS preload and malloc tuning, before mlx is imported
 import mlx.core as mx  # noqa: E402
 
 from fx_engine.testing import golden as g  # noqa: E402

@@ -1,4 +1,4 @@
-"""Drafters for speculative decoding (the shell side; the pure part is fx_engine.speculative).
+"""Drafters for speculative decoding (the shell side; the pure part is fx_engine.core.speculative).
 
 The interface a user implements (also usable in their own loop around `verify_step`):
 
@@ -28,12 +28,12 @@ from typing import Any, Protocol, Sequence
 import attrs
 import mlx.core as mx
 
-from ..buckets import pow2_ceil, prefill_pieces
-from ..cache import span_bucket, with_lengths
-from ..config import GemmaConfig
-from ..sampling import SamplingConfig, make_sampling_params, sampling_distribution
-from ..state import init_state, sample_step
-from ..steps import prefill_step_compiled
+from fx_engine.core.buckets import pow2_ceil, prefill_pieces
+from fx_engine.core.cache import span_bucket, with_lengths
+from fx_engine.core.config import GemmaConfig
+from fx_engine.core.sampling import SamplingConfig, make_sampling_params, sampling_distribution
+from fx_engine.core.state import init_state, sample_step
+from fx_engine.core.steps import prefill_step_compiled
 
 
 @attrs.frozen
@@ -137,7 +137,7 @@ class _DraftRow:
         common = min(common, len(tokens) - 1)  # always feed at least the last token
         need = len(tokens) + 64
         if self.cache is None or need > self.cache.capacity:
-            from .scheduler import capacity_bucket
+            from fx_engine.engine.scheduler import capacity_bucket
 
             cap = capacity_bucket(need + chunk)
             old = self.cache

@@ -30,22 +30,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from ..cache import (
-    KVCache, bytes_per_token, insert_row, resize, row_view, snapshot_row, span_bucket, stack_rows,
-    take_rows, with_lengths,
-)
-from ..sampling import SamplingConfig, make_sampling_params
-from ..state import DecodeState, init_state
-from ..steps import (
-    decode_step_compiled, prefill_step_compiled, sample_step_compiled, verify_step_compiled,
-)
-from ..tree import tree_leaves, tree_replace
-from . import scheduler as sched
-from .prefix_cache import DiskTier, PrefixStore
-from .request import (
-    MAX_DRAFT_TOKENS, Completion, TextDelta, TokenLogprob, Usage, apply_processors, parse_request,
-)
-from .request import xtc_special_tokens as _xtc_special
+from fx_engine.core.cache import (KVCache, bytes_per_token, insert_row, resize, row_view, snapshot_row, span_bucket, stack_rows, take_rows, with_lengths)
+from fx_engine.core.sampling import SamplingConfig, make_sampling_params
+from fx_engine.core.state import DecodeState, init_state
+from fx_engine.core.steps import (decode_step_compiled, prefill_step_compiled, sample_step_compiled, verify_step_compiled)
+from fx_engine.core.tree import tree_leaves, tree_replace
+from fx_engine.engine import scheduler as sched
+from fx_engine.engine.prefix_cache import DiskTier, PrefixStore
+from fx_engine.engine.request import (MAX_DRAFT_TOKENS, Completion, TextDelta, TokenLogprob, Usage, apply_processors, parse_request)
+from fx_engine.engine.request import xtc_special_tokens as _xtc_special
 
 __all__ = [
     "Engine", "RequestHandle", "QueueFull", "EngineClosed", "insert_row", "insert_state_row",

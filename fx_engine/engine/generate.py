@@ -17,19 +17,15 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 
-from ..buckets import prefill_pieces
-from ..cache import resize, span_bucket
-from ..model import Model
-from ..sampling import SamplingConfig
-from ..state import init_state
-from ..steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
-from ..tree import tree_leaves
-from .request import (  # noqa: F401  (re-exported: public types)
-    PREFILL_CHUNK, Completion, TextDelta, TokenLogprob, Usage, apply_processors, bucket,
-    parse_request,
-    prompt_ids, xtc_special_tokens,
-)
-from .stops import StopMatcher
+from fx_engine.core.buckets import prefill_pieces
+from fx_engine.core.cache import resize, span_bucket
+from fx_engine.loading.model import Model
+from fx_engine.core.sampling import SamplingConfig
+from fx_engine.core.state import init_state
+from fx_engine.core.steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
+from fx_engine.core.tree import tree_leaves
+from fx_engine.engine.request import (PREFILL_CHUNK, Completion, TextDelta, TokenLogprob, Usage, apply_processors, bucket, parse_request, prompt_ids, xtc_special_tokens)
+from fx_engine.engine.stops import StopMatcher
 
 MIN_CAPACITY = 256
 
@@ -44,7 +40,7 @@ def stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
     prompt_cache_dir: a prefix-cache directory (the Engine's disk tier): the prompt's
     longest cached prefix is restored from it, and this prompt and completion are saved.
     """
-    from .engine import Engine  # engine.py imports this module's types
+    from fx_engine.engine.engine import Engine  # engine.py imports this module's types
 
     cache_dir = kwargs.pop("prompt_cache_dir", None)
     engine = Engine(model, max_rows=1, prefill_chunk=kwargs.get("prefill_chunk", PREFILL_CHUNK),

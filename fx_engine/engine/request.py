@@ -10,10 +10,10 @@ from typing import Any, Callable, Sequence
 
 import attrs
 
-from ..buckets import pow2_ceil
-from ..model import Model
-from ..sampling import SamplingConfig
-from .stops import StopMatcher
+from fx_engine.core.buckets import pow2_ceil
+from fx_engine.loading.model import Model
+from fx_engine.core.sampling import SamplingConfig
+from fx_engine.engine.stops import StopMatcher
 
 PREFILL_CHUNK = 512
 
@@ -322,7 +322,7 @@ MAX_DRAFT_TOKENS = 16
 
 
 def _parse_speculation(draft_model: Any, num_draft_tokens: Any, prompt_lookup: Any) -> tuple[Any, int]:
-    from .drafters import PromptLookup, as_drafter
+    from fx_engine.engine.drafters import PromptLookup, as_drafter
 
     if draft_model is not None and prompt_lookup not in (False, None):
         raise ValueError("give draft_model or prompt_lookup, not both")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-from ..buckets import pow2_ceil, pow2_floor  # noqa: F401  (re-exported)
+from fx_engine.core.buckets import pow2_ceil, pow2_floor  # noqa: F401  (re-exported)
 
 MIN_CHUNK = 16  # smallest prefill piece shape
 MIN_CAPACITY = 256  # smallest decode-cache capacity bucket

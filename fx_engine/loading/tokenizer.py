@@ -27,7 +27,7 @@ from typing import Any, Callable
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from . import chat_template as _chat
+from fx_engine.loading import chat_template as _chat
 
 __all__ = ["StreamingDetokenizer", "Tokenizer", "GGUF_PRE_TOKENIZERS"]
 

@@ -14,12 +14,10 @@ from typing import Any, Callable, Union
 
 import mlx.core as mx
 
-from ..config import (
-    MULTIMODAL_WRAPPERS, ConfigError, GemmaConfig, ModelConfig, config_from_gguf, config_from_hf,
-)
-from ..models.gemma import GemmaLayer, GemmaParams, MoEBlock
-from ..models.llama import LayerParams, Params
-from ..nn import Linear, Numerics
+from fx_engine.core.config import (MULTIMODAL_WRAPPERS, ConfigError, GemmaConfig, ModelConfig, config_from_gguf, config_from_hf)
+from fx_engine.core.models.gemma import GemmaLayer, GemmaParams, MoEBlock
+from fx_engine.core.models.llama import LayerParams, Params
+from fx_engine.core.nn import Linear, Numerics
 
 
 class WeightsError(ValueError):

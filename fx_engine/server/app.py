@@ -46,10 +46,10 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.engine import Engine, EngineClosed, QueueFull
-from ..engine.request import check_prompt_size, prompt_ids, text_bytes
-from .metrics import Metrics
-from .tools import ToolCallStream, parse_tool_calls, template_messages
+from fx_engine.engine.engine import Engine, EngineClosed, QueueFull
+from fx_engine.engine.request import check_prompt_size, prompt_ids, text_bytes
+from fx_engine.server.metrics import Metrics
+from fx_engine.server.tools import ToolCallStream, parse_tool_calls, template_messages
 
 MAX_REQUEST_BYTES = 4 << 20  # request bodies beyond this are refused (413) unread
 STREAM_BUFFER = 256  # events per choice a streaming client may fall behind before cut-off

@@ -157,7 +157,7 @@ class ModelCache:
             elif spec.startswith("tiny:"):
                 import tempfile
 
-                from .tiny import write_tiny_model
+                from fx_engine.testing.tiny import write_tiny_model
 
                 kind = spec.split(":", 1)[1]
                 self._models[spec] = fx_engine.load(
@@ -196,7 +196,7 @@ def fx_producer(model: Any, case: GoldenCase, ids: list[int]) -> list[int]:
 
 def fx_scorer(model: Any, prompt: list[int], tokens: list[int], top_k: int) -> tuple[list[float], list[list[list[float]]]]:
     """Teacher-forced log_softmax of fx-engine's logits at each generated position."""
-    from ..scoring import logits
+    from fx_engine.engine.scoring import logits
 
     if not tokens:
         return [], []
@@ -223,7 +223,8 @@ def token_logprobs(lg: Any, tokens: list[int], top_k: int) -> tuple[list[float],
 def _versions() -> dict[str, str]:
     import mlx.core as mx
 
-    from .. import __version__, blas
+    from fx_engine import __version__
+    from fx_engine.runtime import blas
 
     return {"fx_engine": __version__, "mlx": mx.__version__, "backend": str(mx.default_device()),
             "blas": blas.active()["name"], "platform": f"{platform.system()} {platform.machine()}",

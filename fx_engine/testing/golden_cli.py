@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--ignore-fingerprint", action="store_true",
                    help="compare outputs even when the model's fingerprint differs")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    from . import golden as g
+    from fx_engine.testing import golden as g
 
     console = Console(highlight=False)
     if a.cmd == "record":

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from . import golden as g
+from fx_engine.testing import golden as g
 
 
 def golden_case_names(path: str | Path) -> list[str]:

@@ -94,7 +94,7 @@ def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
 def _gemma_weights(cfg: dict[str, Any], dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
     """Random Gemma 3 / Gemma 4 text weights under mlx-lm's names, shapes from its config
     rules (global head_dim and KV heads, k_eq_v, KV-shared layers, double-wide MLPs)."""
-    from ..config import gemma_config_from_hf
+    from fx_engine.core.config import gemma_config_from_hf
 
     c = gemma_config_from_hf(cfg, "tiny")
     keys = iter(mx.random.split(mx.random.key(seed), 10_000))

@@ -6,9 +6,9 @@
     fx_engine.tracing.cli        `fx-engine trace` / `python tools/trace.py`
 """
 
-from .graph import Graph, Leaf, function_graph, graph_diff, leaf_paths, static_values
-from .steps import Bucket, step_graphs
-from .timeline import RecompileWatch, chrome_trace, trace_reason, validate_chrome_trace
+from fx_engine.tracing.graph import Graph, Leaf, function_graph, graph_diff, leaf_paths, static_values
+from fx_engine.tracing.steps import Bucket, step_graphs
+from fx_engine.tracing.timeline import RecompileWatch, chrome_trace, trace_reason, validate_chrome_trace
 
 __all__ = ["Bucket", "Graph", "Leaf", "RecompileWatch", "chrome_trace", "function_graph", "graph_diff",
            "leaf_paths", "static_values", "step_graphs", "trace_reason", "validate_chrome_trace"]

@@ -43,8 +43,8 @@ def _add_bucket(ap: argparse.ArgumentParser) -> None:
 
 
 def cmd_graphs(a: argparse.Namespace, console: Console) -> dict[str, Any]:
-    from .graph import render_svg
-    from .steps import STEPS, VIEWS, Bucket, step_graphs
+    from fx_engine.tracing.graph import render_svg
+    from fx_engine.tracing.steps import STEPS, VIEWS, Bucket, step_graphs
 
     model = _load(a.model)
     bucket = Bucket(rows=a.rows, capacity=a.capacity, chunk=a.chunk, draft=a.draft)
@@ -92,7 +92,7 @@ def cmd_graphs(a: argparse.Namespace, console: Console) -> dict[str, Any]:
 
 
 def cmd_diff(a: argparse.Namespace, console: Console) -> dict[str, Any]:
-    from .graph import graph_diff
+    from fx_engine.tracing.graph import graph_diff
 
     docs = []
     for p in (a.a, a.b):
@@ -151,8 +151,8 @@ def _run_pass(engine: Any, reqs: list, arrive_every: int) -> list[Any]:
 def cmd_run(a: argparse.Namespace, console: Console) -> dict[str, Any]:
     import fx_engine
 
-    from .timeline import RecompileWatch, chrome_trace, validate_chrome_trace
-    from .svg import timeline_svg
+    from fx_engine.tracing.timeline import RecompileWatch, chrome_trace, validate_chrome_trace
+    from fx_engine.tracing.svg import timeline_svg
 
     model = _load(a.model)
     engine = fx_engine.Engine(model, max_rows=a.rows, prefill_chunk=a.chunk, prefix_cache_bytes=0,

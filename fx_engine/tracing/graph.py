@@ -30,7 +30,7 @@ from typing import Any, Callable
 import attrs
 import mlx.core as mx
 
-from ..tree import TreeDef, tree_flatten
+from fx_engine.core.tree import TreeDef, tree_flatten
 
 _PRIM = re.compile(r'^\{ (\d+) \[label ="([^"]+)", shape=rectangle\]; \}$')
 _ARRAY = re.compile(r'^\{ (?:rank=\w+; )?"([^"]+)"; \}$')

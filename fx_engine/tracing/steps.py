@@ -7,14 +7,13 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from ..cache import span_bucket
-from ..model import Model
-from ..sampling import SamplingConfig
-from ..speculative import verify_step
-from ..state import init_state
-from ..steps import (decode_step, decode_step_compiled, prefill_step, prefill_step_compiled,
-                     verify_step_compiled)
-from .graph import Graph, function_graph
+from fx_engine.core.cache import span_bucket
+from fx_engine.loading.model import Model
+from fx_engine.core.sampling import SamplingConfig
+from fx_engine.core.speculative import verify_step
+from fx_engine.core.state import init_state
+from fx_engine.core.steps import (decode_step, decode_step_compiled, prefill_step, prefill_step_compiled, verify_step_compiled)
+from fx_engine.tracing.graph import Graph, function_graph
 
 STEPS = ("prefill_step", "decode_step", "verify_step")
 VIEWS = ("traced", "compiled")

@@ -26,10 +26,9 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable
 
-from ..steps import (decode_step_compiled, prefill_step_compiled, sample_step_compiled,
-                     score_step_compiled, verify_step_compiled)
-from ..tree import CompiledFunction
-from .graph import leaf_paths, static_values
+from fx_engine.core.steps import (decode_step_compiled, prefill_step_compiled, sample_step_compiled, score_step_compiled, verify_step_compiled)
+from fx_engine.core.tree import CompiledFunction
+from fx_engine.tracing.graph import leaf_paths, static_values
 
 STEP_FUNCTIONS = (prefill_step_compiled, decode_step_compiled, verify_step_compiled,
                   sample_step_compiled, score_step_compiled)

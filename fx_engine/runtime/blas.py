@@ -3,7 +3,7 @@
 Why: the Linux MLX CPU wheel links a bundled reference BLAS (~2-4 GFLOP/s for an f32 GEMM).
 Loading MKL or OpenBLAS with RTLD_GLOBAL *before* `import mlx.core` makes MLX's `cblas_*`
 calls resolve to it. Results stay correct either way; only the summation order of a GEMM
-changes (see `batch_invariant` in fx_engine.nn).
+changes (see `batch_invariant` in fx_engine.core.nn).
 
 Order of preference: MKL from PyPI (`mkl`, a dependency on Linux x86_64), then the system
 OpenBLAS. Measured (docs/benchmarks.md): on an AVX-512 Xeon MKL picks AVX-512 kernels and

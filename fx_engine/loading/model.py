@@ -11,14 +11,14 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from .config import GemmaConfig, ModelConfig
-from .loading.default_model import default_model_path
-from . import native as fx_native
-from .loading.weights import KeepQuantized, WeightsError, load_gguf, load_hf_folder
-from .cache import KVCache, LayerSpec, init_cache
-from .models import AnyParams, cache_layout
-from .nn import MatmulPlan, Numerics, linears
-from .tree import tree_leaves
+from fx_engine.core.config import GemmaConfig, ModelConfig
+from fx_engine.loading.default_model import default_model_path
+from fx_engine.runtime import native as fx_native
+from fx_engine.loading.weights import KeepQuantized, WeightsError, load_gguf, load_hf_folder
+from fx_engine.core.cache import KVCache, LayerSpec, init_cache
+from fx_engine.core.models import AnyParams, cache_layout
+from fx_engine.core.nn import MatmulPlan, Numerics, linears
+from fx_engine.core.tree import tree_leaves
 
 QUANTIZED_KV_START = 5000  # mlx-lm's default: short contexts keep a float cache
 
@@ -38,7 +38,7 @@ class Model:
     # The float KV cache's element type (None: the activations' dtype). "float16" halves
     # the bytes a decode step's attention reads (llama.cpp's default cache type).
     kv_dtype: str | None = None
-    # What fx_engine.native.plan measured to choose params.numerics.matmul (None: not
+    # What fx_engine.runtime.native.plan measured to choose params.numerics.matmul (None: not
     # measured: no native kernels, 8-bit activations, or no quantized linears).
     matmul_report: Any = attrs.field(default=None, eq=False)
 
@@ -81,7 +81,7 @@ class Model:
         return getattr(mx, self.kv_dtype) if self.kv_dtype else self.dtype
 
     def cache_layout(self, headroom: int = 512) -> tuple[LayerSpec, ...]:
-        """This model's cache layout; headroom: see `fx_engine.models.cache_layout`."""
+        """This model's cache layout; headroom: see `fx_engine.core.models.cache_layout`."""
         return cache_layout(self.config, headroom=headroom, kv_bits=self.kv_bits,
                             kv_group_size=self.kv_group_size,
                             quantized_kv_start=self.quantized_kv_start)
@@ -142,12 +142,12 @@ def load(
 
     dtype: activation/weight dtype ("float32", "float16", "bfloat16"); default float32 on
     CPU (MLX's CPU f16/bf16 math is 10-60x slower) and the stored dtype elsewhere.
-    native: use fx-engine's native CPU kernels (`fx_engine.native`; default: on the CPU when
+    native: use fx-engine's native CPU kernels (`fx_engine.runtime.native`; default: on the CPU when
     they build on this machine). keep_quantized: keep quantized tensors quantized. Default:
     yes on GPU; on CPU, the 4-/8-bit formats the native kernels run (they stream the packed
     weights), everything else dequantized to float32 (MLX's own CPU quantized matmul is a
     naive kernel, ~10x slower than float32 through BLAS). batch_invariant: every row's
-    arithmetic independent of the batch and chunk (see fx_engine.nn.Numerics).
+    arithmetic independent of the batch and chunk (see fx_engine.core.nn.Numerics).
     kv_bits / kv_group_size / quantized_kv_start: the KV cache kind (see
     `Model.with_kv_cache`; mlx-lm's options of the same names).
     activation_bits: 8 rounds the activations entering each 4-/8-bit matmul to 8 bits per
@@ -156,11 +156,14 @@ def load(
     kv_dtype: the float KV cache's element type ("float16": half the memory and half the
     bytes attention reads per decode step; None: the activations' dtype).
     matmul_plan: which native kernel runs the float32 quantized matmuls (a
-    `fx_engine.nn.MatmulPlan`); None: measured on this machine once and cached
-    (`fx_engine.native.plan`, `fx-engine info`). Pin it to make the numerics independent
+    `fx_engine.core.nn.MatmulPlan`); None: measured on this machine once and cached
+    (`fx_engine.runtime.native.plan`, `fx-engine info`). Pin it to make the numerics independent
     of timing.
     """
-    from .loading.tokenizer import Tokenizer
+    from fx_engine.loading.tokenizer import Tokenizer
+    from fx_engine.runtime import setup
+
+    setup()  # BLAS and malloc (no-op when the entry point already ran it)
 
     p = Path(path) if path is not None else default_model_path()
     if not p.exists():
@@ -194,7 +197,7 @@ def load(
                       "than the default here (fx-engine info)", stacklevel=2)
     if matmul_plan is not None:
         if not isinstance(matmul_plan, MatmulPlan):
-            raise ValueError(f"matmul_plan must be a fx_engine.nn.MatmulPlan or None, got {matmul_plan!r}")
+            raise ValueError(f"matmul_plan must be a fx_engine.core.nn.MatmulPlan or None, got {matmul_plan!r}")
         if not native or activation_bits is not None:
             raise ValueError("matmul_plan chooses the native float32 kernels: it needs native=True "
                              "and activation_bits=None")
@@ -222,7 +225,7 @@ def load(
     if matmul_plan is not None:
         params = attrs.evolve(params, numerics=attrs.evolve(numerics, matmul=matmul_plan))
     elif native and activation_bits is None and _on_cpu():
-        from .native import plan
+        from fx_engine.runtime.native import plan
 
         report = plan.choose(params)  # measured once per machine and shape (cached)
         if report is not None:

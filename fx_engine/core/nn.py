@@ -9,15 +9,15 @@ from __future__ import annotations
 import attrs
 import mlx.core as mx
 
-from . import native
-from .tree import static_field
+from fx_engine.core import kernels
+from fx_engine.core.tree import static_field
 
 
 @attrs.frozen
 class MatmulPlan:
     """Which native kernel runs a float32-activation quantized product (static, part of the
     compile key through `Numerics`). Chosen per machine by the shell when a model loads
-    (`fx_engine.native.plan`: measured on the model's own shapes, cached per build); the
+    (`fx_engine.runtime.native.plan`: measured on the model's own shapes, cached per build); the
     default is what AVX-512 builds measure.
 
     kernel: "qgemm" or "qmm", the fixed-arithmetic kernel for every row count (both are
@@ -33,8 +33,8 @@ class MatmulPlan:
     def __attrs_post_init__(self) -> None:
         if self.kernel not in ("qgemm", "qmm"):
             raise ValueError(f"MatmulPlan.kernel must be 'qgemm' or 'qmm', got {self.kernel!r}")
-        if self.gemm_from != 0 and self.gemm_from <= native.FEW_GEMM_ROWS:
-            raise ValueError(f"MatmulPlan.gemm_from must be 0 or above {native.FEW_GEMM_ROWS}, "
+        if self.gemm_from != 0 and self.gemm_from <= kernels.FEW_GEMM_ROWS:
+            raise ValueError(f"MatmulPlan.gemm_from must be 0 or above {kernels.FEW_GEMM_ROWS}, "
                              f"got {self.gemm_from}")
 
 
@@ -55,10 +55,10 @@ class Numerics:
     batch_invariant: bool = False
     tile: int = 8
     kv_block: int = 64  # batch-invariant attention sums P @ V over fixed blocks of slots
-    # fx_engine.native kernels for 4-/8-bit linears (CPU), batch-invariant by construction.
+    # fx_engine.core.kernels for 4-/8-bit linears (CPU), batch-invariant by construction.
     # `matmul` says which: one kernel at every row count in batch-invariant mode (and in
     # the default mode below `matmul.gemm_from`), so a token's matmuls never depend on its
-    # batch or chunk there. Measured at load per machine (fx_engine.native.plan); on the
+    # batch or chunk there. Measured at load per machine (fx_engine.runtime.native.plan); on the
     # default model qgemm won everywhere on AVX-512 and AVX2 builds alike (the BLAS GEMM
     # on dequantized weights came within 10% at 512 rows on AVX2 only).
     native: bool = False
@@ -128,20 +128,20 @@ def linears(tree: object) -> list[Linear]:
 
 
 def _native_ok(lin: Linear, numerics: Numerics) -> bool:
-    return numerics.native and lin.quantized and native.supports(lin.group_size, lin.bits)
+    return numerics.native and lin.quantized and kernels.supports(lin.group_size, lin.bits)
 
 
 def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
     args = (lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
     if numerics.activation_bits == 8:
-        return native.qmm_a8(x, *args)
+        return kernels.qmm_a8(x, *args)
     plan = numerics.matmul
     rows = 1
     for n in x.shape[:-1]:
         rows *= n
     if not numerics.batch_invariant and plan.gemm_from and rows >= plan.gemm_from:
-        return x @ native.dequantize(*args).astype(x.dtype).T
-    return (native.qgemm if plan.kernel == "qgemm" else native.qmm)(x, *args)
+        return x @ kernels.dequantize(*args).astype(x.dtype).T
+    return (kernels.qgemm if plan.kernel == "qgemm" else kernels.qmm)(x, *args)
 
 
 def _matmul_rows(x: mx.array, lin: Linear) -> mx.array:
@@ -209,7 +209,7 @@ def embed(tokens: mx.array, table: Linear) -> mx.array:
 def rms_norm(x: mx.array, weight: mx.array, eps: float, numerics: Numerics | None = None) -> mx.array:
     # MLX's CPU rms_norm is a fallback of 3-4 graph nodes; the native one is a single node.
     if numerics is not None and numerics.native and x.dtype == mx.float32:
-        return native.rms_norm(x, weight, eps)
+        return kernels.rms_norm(x, weight, eps)
     return mx.fast.rms_norm(x, weight, eps)
 
 
@@ -251,7 +251,7 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, perm: mx.array,
     they were built with). Native: one node and no BLAS call (a BLAS call per layer wakes
     the BLAS threads, which then compete with the native kernels' threads)."""
     if numerics is not None and numerics.native and x.dtype == cos.dtype == mx.float32:
-        return native.rope(x, cos, sin, traditional)
+        return kernels.rope(x, cos, sin, traditional)
     return x * cos + (x @ perm) * sin
 
 
@@ -323,7 +323,7 @@ def attention(
         # per-(row, head) BLAS calls, no causal blocking needed). Not in batch-invariant
         # mode, where a token's arithmetic must not depend on whether it came in a chunk
         # or a decode step: that mode takes the tiled GEMM path below.
-        return native.attend(q, k, v, mx.broadcast_to(mask[:, 0], (b, t, s)), scale)
+        return kernels.attend(q, k, v, mx.broadcast_to(mask[:, 0], (b, t, s)), scale)
     if k.dtype != q.dtype:  # a cache stored in another dtype (Model.kv_dtype): computed in q's
         k, v = k.astype(q.dtype), v.astype(q.dtype)
     if causal_tail and not numerics.batch_invariant and QUERY_BLOCK < t <= s:
@@ -352,7 +352,7 @@ def attention(
         scores = (qh.reshape(b, hk, rep * t, d) @ k.swapaxes(-1, -2)).reshape(b, hk, rep, t, s)
     if numerics.native and scores.dtype == mx.float32:  # one pass, multi-threaded
         mb = mx.broadcast_to(m, (b, 1, 1, tp, s)).reshape(b, tp, s)
-        probs = native.masked_softmax(scores.reshape(b, hk * rep, tp, s), mb)
+        probs = kernels.masked_softmax(scores.reshape(b, hk * rep, tp, s), mb)
         probs = probs.reshape(b, hk, rep, tp, s)
     else:
         scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
@@ -397,7 +397,7 @@ def swiglu_fused(gu: mx.array, numerics: Numerics | None = None) -> mx.array:
     """`swiglu` of a fused gate|up projection gu [..., 2F] -> [..., F]. Natively one graph
     node (MLX's is seven elementwise nodes and two slices, each ~10 us on CPU)."""
     if numerics is not None and numerics.native and gu.dtype == mx.float32:
-        return native.swiglu(gu)
+        return kernels.swiglu(gu)
     f = gu.shape[-1] // 2
     return swiglu(gu[..., :f], gu[..., f:])
 

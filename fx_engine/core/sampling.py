@@ -28,9 +28,9 @@ import mlx.core as mx
 import numpy as np
 from jaxtyping import Bool, Float, Float32, Int32, UInt32
 
-from fx_engine.buckets import pow2_ceil
-from fx_engine.nn import fast_exp
-from fx_engine.tree import static_field
+from fx_engine.core.buckets import pow2_ceil
+from fx_engine.core.nn import fast_exp
+from fx_engine.core.tree import static_field
 
 __all__ = [
     "FEATURES",

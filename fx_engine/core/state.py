@@ -8,11 +8,8 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Bool, Float, Int, UInt32
 
-from .sampling import (
-    SamplingConfig, SamplingParams, history_width, init_history, init_keys,
-    make_sampling_params, num_top_logprobs, process_logits, push_history, sample, top_logprobs,
-)
-from .tree import static_field, tree_replace
+from fx_engine.core.sampling import (SamplingConfig, SamplingParams, history_width, init_history, init_keys, make_sampling_params, num_top_logprobs, process_logits, push_history, sample, top_logprobs)
+from fx_engine.core.tree import static_field, tree_replace
 
 
 @attrs.frozen

@@ -30,8 +30,8 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from . import FEW_GEMM_ROWS, dequantize, qgemm, qmm, status, supports
-from ..nn import MatmulPlan, linears
+from fx_engine.runtime.native import FEW_GEMM_ROWS, dequantize, qgemm, qmm, status, supports
+from fx_engine.core.nn import MatmulPlan, linears
 
 KERNEL_ROWS = (1, 8, 64, 512)  # qgemm vs qmm: decode, a decode batch, prefill chunks
 GEMM_ROWS = (32, 64, 128, 256, 512)  # the BLAS GEMM competes above the few-row path
@@ -144,7 +144,7 @@ def _cache_file() -> Path | None:
 
 
 def _cache_key(shape: tuple[int, int, int, int]) -> str:
-    from ..blas import active
+    from fx_engine.runtime.blas import active
 
     threads = {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
                                               "OPENBLAS_NUM_THREADS")}  # the GEMM's speed

@@ -5,10 +5,10 @@
     sample_step(state, logits[B, V]) -> state
     score_step(params, cache, tokens[B, T], n_valid[B]) -> (logits[B, T, V], cache)
     verify_step(params, cache, state, drafts[B, K], n_draft[B], draft_probs=None)
-        -> (state, cache, VerifyResult)              (fx_engine/speculative.py)
+        -> (state, cache, VerifyResult)              (fx_engine/core/speculative.py)
 
 Contracts: specs/steps.md. All are pure: same inputs, same outputs; no hidden state. The
-`*_compiled` objects are `fx_engine.tree.CompiledFunction`s keyed on the full static
+`*_compiled` objects are `fx_engine.core.tree.CompiledFunction`s keyed on the full static
 structure; their `.trace_log` counts (re)compiles.
 """
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-from .cache import KVCache
-from .models import AnyParams as Params, forward, hidden_to_logits
-from .state import DecodeState, sample_step
-from .tree import CompiledFunction
+from fx_engine.core.cache import KVCache
+from fx_engine.core.models import AnyParams as Params, forward, hidden_to_logits
+from fx_engine.core.state import DecodeState, sample_step
+from fx_engine.core.tree import CompiledFunction
 
 
 def prefill_step(
@@ -63,7 +63,7 @@ decode_step_compiled = CompiledFunction(decode_step, name="decode_step")
 sample_step_compiled = CompiledFunction(sample_step, name="sample_step")
 score_step_compiled = CompiledFunction(score_step, name="score_step")
 
-from .speculative import VerifyResult, verify_step  # noqa: E402  (imports this module's deps)
+from fx_engine.core.speculative import VerifyResult, verify_step  # noqa: E402  (imports this module's deps)
 
 verify_step_compiled = CompiledFunction(verify_step, name="verify_step")
 __all__ = [

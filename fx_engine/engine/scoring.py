@@ -6,11 +6,11 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .cache import span_bucket
-from .buckets import pow2_ceil, prefill_pieces
-from .model import Model
-from .steps import score_step_compiled
-from .tree import tree_leaves
+from fx_engine.core.cache import span_bucket
+from fx_engine.core.buckets import pow2_ceil, prefill_pieces
+from fx_engine.loading.model import Model
+from fx_engine.core.steps import score_step_compiled
+from fx_engine.core.tree import tree_leaves
 
 
 def logits(model: Model, token_ids: Sequence[int], chunk: int = 512) -> mx.array:

@@ -1,97 +1,37 @@
-"""Native CPU kernels as MLX primitives: built on first use, optional, checked.
+"""fx-engine's native CPU kernels as pure ops (MLX primitives): the core's view of them.
 
-`ensure()` (called by `fx_engine.load` on the CPU) builds or loads the extension once per
-process; the models then use the kernels through `fx_engine.nn` when the params' static
-`Numerics.native` says so. If the extension cannot be built (no compiler, no nanobind, an
-unsupported platform), everything runs on MLX's own ops, as before: same results up to
-float32 rounding, slower on the CPU.
-
-FX_ENGINE_NATIVE: "auto" (default: build if needed, fall back quietly with a one-line
-warning), "0"/"off" (never), "require" (an error if unavailable), "rebuild" (rebuild now).
+The extension is a shared library built and loaded by the shell
+(`fx_engine.runtime.native.ensure()`, which `fx_engine.load` calls on the CPU); it then
+`install`s it here, once per process. These wrappers never build, load, read files or the
+environment: calling one before the extension is installed is a clear error. Whether a
+model uses them at all is its params' static `Numerics.native` (part of the compile key).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
 from types import ModuleType
-from typing import Any
 
-_LOCK = threading.Lock()
-_STATE: dict[str, Any] = {"module": None, "error": None, "path": None, "tried": False}
+_EXTENSION: list[ModuleType] = []  # the one installed extension (a loaded library, like MLX)
 
 QMM_BITS = (4, 8)
+FEW_GEMM_ROWS = 16  # qgemm's few-row path takes up to this many rows (qmatmul.h QG_FEW)
 
 
-def _mode() -> str:
-    return os.environ.get("FX_ENGINE_NATIVE", "auto").strip().lower()
+def install(module: ModuleType) -> None:
+    """Make a loaded extension the one these ops call (the shell's `ensure` does this)."""
+    _EXTENSION[:] = [module]
 
 
-def ensure(*, quiet: bool = False) -> ModuleType | None:
-    """The loaded extension, building it if needed; None when unavailable (see `status`)."""
-    mode = _mode()
-    if mode in ("0", "off", "false", "no"):
-        return None
-    with _LOCK:
-        if _STATE["tried"] and (mode != "rebuild" or _STATE.get("rebuilt")):
-            if _STATE["module"] is None and mode == "require":
-                raise RuntimeError(f"fx-engine native kernels unavailable: {_STATE['error']}")
-            return _STATE["module"]
-        _STATE["tried"] = True
-        _STATE["rebuilt"] = mode == "rebuild"  # once per process (the .so stays loaded anyway)
-        log = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-        try:
-            from . import build  # POSIX only (fcntl); elsewhere: MLX ops
-
-            path = build.build(force=mode == "rebuild", log=log)
-            mod = build.import_extension(path)
-            mod.set_num_threads(_threads())
-            _STATE.update(module=mod, path=str(path), error=None)
-        except Exception as e:  # noqa: BLE001 - any failure means: run without native kernels
-            _STATE.update(module=None, error=f"{type(e).__name__}: {e}")
-            if mode == "require":
-                raise RuntimeError(f"fx-engine native kernels unavailable: {e}") from e
-            if not quiet:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                print(f"fx-engine: native CPU kernels unavailable, using MLX ops ({first})",
-                      file=sys.stderr, flush=True)
-        return _STATE["module"]
-
-
-def _threads() -> int:
-    """FX_ENGINE_THREADS, else the CPUs this process may run on."""
-    default = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    raw = os.environ.get("FX_ENGINE_THREADS", "").strip()
-    if not raw:
-        return max(1, default)
-    try:
-        return max(1, int(raw))
-    except ValueError:
-        print(f"fx-engine: FX_ENGINE_THREADS={raw!r} is not an integer; using {default} threads",
-              file=sys.stderr, flush=True)
-        return max(1, default)
-
-
-def available() -> bool:
-    return _STATE["module"] is not None
-
-
-def status() -> dict[str, Any]:
-    mod = _STATE["module"]
-    return {"available": mod is not None, "path": _STATE["path"], "error": _STATE["error"],
-            "threads": mod.num_threads() if mod is not None else None}
+def installed() -> ModuleType | None:
+    return _EXTENSION[0] if _EXTENSION else None
 
 
 def _module() -> ModuleType:
-    # The ops never build or load anything themselves (the pure core calls them): the
-    # shell's fx_engine.load, or the caller, runs ensure() first.
-    mod = _STATE["module"]
-    if mod is None:
-        why = _STATE["error"] or "fx_engine.native.ensure() has not been called in this process"
+    if not _EXTENSION:
         raise RuntimeError("these params use fx-engine's native kernels, which are not loaded "
-                           f"({why}); call fx_engine.native.ensure() first, or load with native=False")
-    return mod
+                           "in this process; call fx_engine.runtime.native.ensure() first "
+                           "(fx_engine.load does), or load with native=False")
+    return _EXTENSION[0]
 
 
 def qmm(x, w, scales, biases, group_size: int, bits: int):  # type: ignore[no-untyped-def]
@@ -132,8 +72,6 @@ def tiled_gemm() -> bool:
     builds run qgemm's few-row path at every row count instead (fx-engine info)."""
     return bool(getattr(_module(), "tiled_gemm", False))
 
-
-FEW_GEMM_ROWS = 16  # qgemm's few-row path takes up to this many rows (kernels.cpp QG_FEW)
 
 
 def few_gemm() -> bool:

@@ -34,10 +34,10 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Int
 
-from . import native
-from .buckets import pow2_floor
-from .nn import Numerics, attention, quantized_attention
-from .tree import static_field, tree_replace
+from fx_engine.core import kernels
+from fx_engine.core.buckets import pow2_floor
+from fx_engine.core.nn import Numerics, attention, quantized_attention
+from fx_engine.core.tree import static_field, tree_replace
 
 
 class CacheError(ValueError):
@@ -191,7 +191,7 @@ def init_cache(
     layout: Sequence[LayerSpec], rows: int, capacity: int, dtype: mx.Dtype = mx.float32
 ) -> KVCache:
     """An empty cache: `rows` rows of `capacity` positions, one entry per spec of `layout`
-    (from `fx_engine.models.cache_layout` or `Model.cache_layout`)."""
+    (from `fx_engine.core.models.cache_layout` or `Model.cache_layout`)."""
     layout = tuple(layout)
     return KVCache(
         layers=tuple(_init_entry(s, rows, capacity, dtype) for s in layout),
@@ -277,7 +277,7 @@ def _put(cache_x: mx.array, new: mx.array, slots: mx.array, fast: bool = False) 
     the caller holds no other reference. fast: the native kv_put (one node, ~10x cheaper
     than MLX's CPU scatter) for float K/V."""
     if fast and cache_x.ndim == 4 and cache_x.dtype in (mx.float32, mx.float16):
-        return native.kv_put(cache_x, new, slots)
+        return kernels.kv_put(cache_x, new, slots)
     return mx.put_along_axis(cache_x, slots[:, None, :, None], new.astype(cache_x.dtype), axis=2)
 
 

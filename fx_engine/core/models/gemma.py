@@ -19,12 +19,10 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-from ..cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
-from ..config import GemmaConfig, RopeSpec
-from ..nn import (
-    Linear, Numerics, apply_rope, embed, expert_linear, fast_exp, linear, rms_norm, rope_tables,
-)
-from ..tree import static_field
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
+from fx_engine.core.config import GemmaConfig, RopeSpec
+from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, expert_linear, fast_exp, linear, rms_norm, rope_tables)
+from fx_engine.core.tree import static_field
 
 
 @attrs.frozen
@@ -68,7 +66,7 @@ class GemmaLayer:
 
 @attrs.frozen
 class GemmaParams:
-    __fx_memo_flatten__ = True  # immutable and flattened every step (fx_engine.tree)
+    __fx_memo_flatten__ = True  # immutable and flattened every step (fx_engine.core.tree)
     embed: Linear
     layers: tuple[GemmaLayer, ...]
     norm: mx.array
@@ -149,7 +147,7 @@ def forward(
     p: GemmaParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
-    """Same contract as `fx_engine.models.llama.forward`."""
+    """Same contract as `fx_engine.core.models.llama.forward`."""
     cfg, num = p.config, p.numerics
     b, t = tokens.shape
     dt = getattr(mx, p.dtype)

@@ -26,7 +26,7 @@ Acceptance (exact):
   batch-invariant mode, equal up to BLAS rounding otherwise).
 
 Rollback is pure: the cache's length of row b becomes old + 1 + accepted[b]; entries past
-it are stale and never read (see fx_engine/cache.py; ring caches need headroom >= K).
+it are stale and never read (see fx_engine/core/cache.py; ring caches need headroom >= K).
 """
 
 from __future__ import annotations
@@ -35,14 +35,11 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-from .cache import KVCache, with_lengths
-from .models import AnyParams, forward, hidden_to_logits
-from .sampling import (
-    SamplingParams, _categorical_rows, _fast_logsumexp, _split_rows, _uniform_rows,
-    process_logits, push_history, sample, sampling_distribution, top_logprobs,
-)
-from .state import DecodeState
-from .tree import STATIC, tree_replace
+from fx_engine.core.cache import KVCache, with_lengths
+from fx_engine.core.models import AnyParams, forward, hidden_to_logits
+from fx_engine.core.sampling import (SamplingParams, _categorical_rows, _fast_logsumexp, _split_rows, _uniform_rows, process_logits, push_history, sample, sampling_distribution, top_logprobs)
+from fx_engine.core.state import DecodeState
+from fx_engine.core.tree import STATIC, tree_replace
 
 
 @attrs.frozen

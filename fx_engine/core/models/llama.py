@@ -13,14 +13,10 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-from ..cache import (
-    KVCache, LayerSpec, StepGeometry, advanced, attend_entry, dense_layout, write_entry,
-)
-from ..config import ModelConfig
-from ..nn import (
-    Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, swiglu_fused,
-)
-from ..tree import static_field
+from fx_engine.core.cache import (KVCache, LayerSpec, StepGeometry, advanced, attend_entry, dense_layout, write_entry)
+from fx_engine.core.config import ModelConfig
+from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, swiglu_fused)
+from fx_engine.core.tree import static_field
 
 
 @attrs.frozen
@@ -37,7 +33,7 @@ class LayerParams:
 
 @attrs.frozen
 class Params:
-    __fx_memo_flatten__ = True  # immutable and flattened every step: memoize (fx_engine.tree)
+    __fx_memo_flatten__ = True  # immutable and flattened every step: memoize (fx_engine.core.tree)
     embed: Linear
     layers: tuple[LayerParams, ...]
     norm: mx.array

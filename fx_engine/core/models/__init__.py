@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..cache import LayerSpec, finish_layout
-from ..config import GemmaConfig
-from . import gemma, llama
-from .gemma import GemmaLayer, GemmaParams
-from .llama import LayerParams, Params
+from fx_engine.core.cache import LayerSpec, finish_layout
+from fx_engine.core.config import GemmaConfig
+from fx_engine.core.models import gemma, llama
+from fx_engine.core.models.gemma import GemmaLayer, GemmaParams
+from fx_engine.core.models.llama import LayerParams, Params
 
 AnyParams = Params | GemmaParams  # the params pytree of any supported family
 
