@@ -26,6 +26,9 @@ programs that import mlx themselves call it first (see fx_engine/runtime/__init_
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 from typing import Any
 
 from .runtime import setup
@@ -48,6 +51,35 @@ _PUBLIC = {
 _SUBPACKAGES = ("cli", "core", "engine", "loading", "runtime", "server", "testing", "tracing")
 
 __all__ = sorted([*_PUBLIC, "setup"])
+
+
+# Modules that moved in the core/shell split keep their old import paths (the same module
+# objects, not copies): `from fx_engine.steps import decode_step_compiled` still works.
+_MOVED = {
+    **{f"fx_engine.{m}": f"fx_engine.core.{m}" for m in (
+        "tree", "buckets", "nn", "cache", "sampling", "state", "steps", "speculative", "config",
+        "models", "models.llama", "models.gemma")},
+    "fx_engine.native": "fx_engine.runtime.native", "fx_engine.blas": "fx_engine.runtime.blas",
+    "fx_engine.malloc": "fx_engine.runtime.malloc", "fx_engine.model": "fx_engine.loading.model",
+    "fx_engine.scoring": "fx_engine.engine.scoring",
+}
+
+
+class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        return importlib.util.spec_from_loader(name, self) if name in _MOVED else None
+
+    def create_module(self, spec: Any) -> Any:
+        module = importlib.import_module(_MOVED[spec.name])
+        spec.loader_state = module.__spec__  # the import system sets the alias's spec on it
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__ = module.__spec__.loader_state
+
+
+if not any(isinstance(f, _OldPaths) for f in sys.meta_path):
+    sys.meta_path.append(_OldPaths())
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: the public API, loaded on first use
