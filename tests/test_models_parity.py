@@ -115,7 +115,7 @@ def test_gguf_unpermute_inverts_llama_cpp_permutation():
     way llama.cpp's converter does; our loader must invert it exactly."""
     from mlx_lm.gguf import permute_weights
 
-    from fx_engine.loading.weights import _unpermute_rows
+    from fx_engine.core.models.llama import unpermute_rows as _unpermute_rows
 
     for heads, kv in ((9, 3), (4, 4), (8, 2)):
         hd = 16

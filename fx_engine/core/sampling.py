@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -359,8 +358,10 @@ def make_sampling_params(
 
 
 def init_keys(configs: Sequence[SamplingConfig]) -> UInt32[mx.array, "B 2"]:
-    """Initial per-row PRNG keys: ``mx.random.key(seed)``, or a fresh OS seed when None."""
-    keys = [mx.random.key(c.seed if c.seed is not None else secrets.randbits(63)) for c in configs]
+    """Initial per-row PRNG keys: ``mx.random.key(seed)``. The pure core draws no entropy: a
+    row whose seed is None gets seed 0 here (the shell's request parsing gives every
+    unseeded request a fresh OS seed before it reaches the core)."""
+    keys = [mx.random.key(c.seed if c.seed is not None else 0) for c in configs]
     return mx.stack(keys).astype(mx.uint32)
 
 

@@ -18,13 +18,13 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache
-from fx_engine.core.models import AnyParams as Params, forward, hidden_to_logits
+from fx_engine.core.models import AnyParams, forward, hidden_to_logits
 from fx_engine.core.state import DecodeState, sample_step
 from fx_engine.core.tree import CompiledFunction
 
 
 def prefill_step(
-    params: Params, cache: KVCache, tokens: Int[mx.array, "B C"], n_valid: Int[mx.array, "B"],
+    params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B C"], n_valid: Int[mx.array, "B"],
     span: int | None = None,
 ) -> tuple[Float[mx.array, "B V"], KVCache]:
     """Process a chunk of C tokens per row (rows at any positions; n_valid[b] <= C real
@@ -39,7 +39,7 @@ def prefill_step(
 
 
 def score_step(
-    params: Params, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
+    params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None,
 ) -> tuple[Float[mx.array, "B T V"], KVCache]:
     """Like prefill_step but returns logits at every position (teacher forcing, verify)."""
@@ -48,7 +48,7 @@ def score_step(
 
 
 def decode_step(
-    params: Params, cache: KVCache, state: DecodeState, span: int | None = None
+    params: AnyParams, cache: KVCache, state: DecodeState, span: int | None = None
 ) -> tuple[DecodeState, KVCache]:
     """One token per active row: forward the last sampled token, sample the next one.
     span (static): attend over the first `span` cache slots (>= max(lengths) + 1)."""

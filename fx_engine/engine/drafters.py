@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from fx_engine.core.buckets import pow2_ceil, prefill_pieces
 from fx_engine.core.cache import span_bucket, with_lengths
-from fx_engine.core.config import GemmaConfig
+from fx_engine.core.models import family_of
 from fx_engine.core.sampling import SamplingConfig, make_sampling_params, sampling_distribution
 from fx_engine.core.state import init_state, sample_step
 from fx_engine.core.steps import prefill_step_compiled
@@ -188,14 +188,13 @@ def self_draft_model(model: Any, num_layers: int) -> Any:
     """A draft model made of the target's first `num_layers` layers, its final norm and
     output head (self-speculative, as in LayerSkip): no second checkpoint needed. It shares
     the target's arrays (no copy)."""
-    cfg = model.config
-    if isinstance(cfg, GemmaConfig):
-        raise ValueError("self_draft_model: Gemma models are not supported (use draft_model=)")
+    cfg, family = model.config, family_of(model.config)
+    if family.first_layers is None:
+        raise ValueError(f"self_draft_model: {family.name} models are not supported (use draft_model=)")
     if not 1 <= num_layers < cfg.num_layers:
         raise ValueError(f"self_draft_model: num_layers must be in [1, {cfg.num_layers}), got {num_layers}")
-    small = attrs.evolve(cfg, num_layers=num_layers)
-    params = attrs.evolve(model.params, layers=model.params.layers[:num_layers], config=small)
-    return attrs.evolve(model, config=small, params=params,
+    params = family.first_layers(model.params, num_layers)
+    return attrs.evolve(model, config=params.config, params=params,
                         fingerprint=f"{model.fingerprint}-first{num_layers}")
 
 

@@ -6,6 +6,8 @@ Shared by the reference single-request loop (`engine/generate.py`) and the batch
 
 from __future__ import annotations
 
+import secrets
+
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -284,6 +286,8 @@ def parse_request(
         frequency_penalty=frequency_penalty, frequency_context_size=frequency_context_size,
         logit_bias=logit_bias, seed=seed, logprobs=n_top,
     ).validate(model.config.vocab_size)
+    if cfg.seed is None:  # the pure core draws no entropy: an unseeded request gets a fresh seed
+        cfg = attrs.evolve(cfg, seed=secrets.randbits(63))
     ids = prompt_ids(model, prompt, chat)
     if not ids:
         raise ValueError("prompt: encodes to zero tokens")

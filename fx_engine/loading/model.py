@@ -11,7 +11,6 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from fx_engine.core.config import GemmaConfig, ModelConfig
 from fx_engine.loading.default_model import default_model_path
 from fx_engine.runtime import native as fx_native
 from fx_engine.loading.weights import KeepQuantized, WeightsError, load_gguf, load_hf_folder
@@ -25,7 +24,7 @@ QUANTIZED_KV_START = 5000  # mlx-lm's default: short contexts keep a float cache
 
 @attrs.frozen
 class Model:
-    config: ModelConfig | GemmaConfig
+    config: Any  # the family's frozen config (fx_engine.core.models)
     params: AnyParams
     tokenizer: Any
     path: str

@@ -15,14 +15,244 @@ routed experts beside the dense MLP.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
-from fx_engine.core.config import GemmaConfig, RopeSpec
+from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, read_expert_stack, read_linear)
+from fx_engine.core.config import ConfigError, positive_int, refuse, required, token_ids
+from fx_engine.core.models.family import Family
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, expert_linear, fast_exp, linear, rms_norm, rope_tables)
 from fx_engine.core.tree import static_field
+
+
+# Multimodal checkpoints whose text model fx-engine runs (the vision/audio towers are
+# ignored): model_type -> (text model_type, defaults mlx-lm's wrapper applies).
+MULTIMODAL_WRAPPERS = {
+    "gemma3": ("gemma3_text", {"vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4}),
+    "gemma4": ("gemma4_text", {"vocab_size": 262144, "num_attention_heads": 8, "num_key_value_heads": 1}),
+}
+
+
+@attrs.frozen
+class RopeSpec:
+    """RoPE of one attention kind: base, position scale, rotated fraction ("proportional":
+    the first fraction * head_dim / 2 frequencies rotate, the rest are identity; the
+    exponent still divides by the full head_dim, as mlx-lm's ProportionalRoPE does)."""
+
+    theta: float
+    scale: float = 1.0  # positions are multiplied by this (linear scaling: 1 / factor)
+    rotary_fraction: float = 1.0
+    freq_factor: float = 1.0  # proportional: periods multiplied by this
+
+
+@attrs.frozen
+class GemmaConfig:
+    """Gemma 3 (`gemma3_text`) and Gemma 4 (`gemma4_text`) text models, as mlx-lm 0.32
+    implements them. Common fields have the same names as ModelConfig's."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    layer_types: tuple[str, ...]  # "sliding_attention" | "full_attention" per layer
+    sliding_window: int
+    rope_sliding: RopeSpec
+    rope_full: RopeSpec
+    attn_scale: float
+    embed_scale: float
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    rope_traditional: bool = False
+    # Gemma 4
+    global_head_dim: int = 0  # full-attention layers' head_dim (0: head_dim)
+    num_global_kv_heads: int = 0  # full-attention layers' KV heads with k_eq_v (0: num_kv_heads)
+    attention_k_eq_v: bool = False  # full-attention layers use their keys as values
+    num_kv_shared_layers: int = 0  # the last layers reuse earlier layers' K/V
+    hidden_size_per_layer_input: int = 0  # per-layer input embeddings (0: none)
+    final_logit_softcapping: float | None = None
+    use_double_wide_mlp: bool = False
+    v_norm: bool = False  # RMSNorm (no scale) on values
+    num_experts: int = 0  # > 0: each layer adds a routed mixture of experts (Gemma 4 MoE)
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
+
+    @property
+    def is_gemma4(self) -> bool:
+        return self.model_type == "gemma4_text"
+
+    def is_sliding(self, i: int) -> bool:
+        return self.layer_types[i] == "sliding_attention"
+
+    @property
+    def first_shared_layer(self) -> int:
+        return self.num_layers - self.num_kv_shared_layers
+
+    def layer_head_dim(self, i: int) -> int:
+        if not self.is_sliding(i) and self.global_head_dim:
+            return self.global_head_dim
+        return self.head_dim
+
+    def layer_kv_heads(self, i: int) -> int:
+        if not self.is_sliding(i) and self.attention_k_eq_v and self.num_global_kv_heads:
+            return self.num_global_kv_heads
+        return self.num_kv_heads
+
+    def k_eq_v(self, i: int) -> bool:
+        return self.attention_k_eq_v and not self.is_sliding(i)
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose cache entry layer i attends over (itself unless KV-shared)."""
+        m = self.first_shared_layer
+        if i < m or self.num_kv_shared_layers == 0:
+            return i
+        return max(j for j in range(m) if self.layer_types[j] == self.layer_types[i])
+
+    def layer_intermediate(self, i: int) -> int:
+        shared = i >= self.first_shared_layer > 0
+        return self.intermediate_size * (2 if self.use_double_wide_mlp and shared else 1)
+
+
+def _rope_spec(params: dict[str, Any] | None, theta: float, source: str, where: str) -> RopeSpec:
+    params = dict(params or {})
+    kind = params.get("rope_type") or params.get("type") or "default"
+    theta = float(params.get("rope_theta", theta))
+    if kind == "default":
+        return RopeSpec(theta=theta)
+    if kind == "linear":
+        factor = params.get("factor")
+        if not isinstance(factor, (int, float)) or not factor > 0:
+            raise ConfigError(f"{source}: {where}.factor must be > 0, got {factor!r}")
+        return RopeSpec(theta=theta, scale=1.0 / float(factor))
+    if kind == "proportional":
+        frac = float(params.get("partial_rotary_factor", 1.0))
+        if not 0 < frac <= 1:
+            raise ConfigError(f"{source}: {where}.partial_rotary_factor must be in (0, 1], got {frac}")
+        return RopeSpec(theta=theta, rotary_fraction=frac, freq_factor=float(params.get("factor", 1.0)))
+    raise ConfigError(
+        f"{source}: {where} rope type {kind!r} is not supported (supported: default, linear"
+        f"{', proportional' if where.startswith('rope_parameters') else ''})"
+    )
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GemmaConfig:
+    """A GemmaConfig from a Hugging Face config.json dict (gemma3_text / gemma4_text)."""
+    model_type = d["model_type"]
+    g4 = model_type == "gemma4_text"
+    hidden = positive_int(required(d, "hidden_size", source), "hidden_size", source)
+    layers = positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source)
+    heads = positive_int(required(d, "num_attention_heads", source), "num_attention_heads", source)
+    kv_heads = positive_int(d.get("num_key_value_heads") or 1, "num_key_value_heads", source)
+    head_dim = positive_int(d.get("head_dim") or 256, "head_dim", source)
+    window = positive_int(d.get("sliding_window") or 512, "sliding_window", source)
+    pattern = d.get("sliding_window_pattern") or (5 if g4 else 6)
+    pattern = positive_int(pattern, "sliding_window_pattern", source)
+    types = d.get("layer_types")
+    if types is None:
+        if g4:  # mlx-lm's gemma4: (pattern - 1) sliding then one full, repeated
+            unit = ["sliding_attention"] * (pattern - 1) + ["full_attention"]
+            types = (unit * (layers // len(unit) + 1))[:layers]
+        else:  # mlx-lm's gemma3: layer i is global iff (i + 1) % pattern == 0
+            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                     for i in range(layers)]
+    elif not g4:
+        # mlx-lm's gemma3_text ignores layer_types and follows the pattern: so do we, but a
+        # config whose list disagrees with its pattern would silently change the model.
+        want = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                for i in range(layers)]
+        if list(types) != want:
+            raise ConfigError(f"{source}: layer_types disagrees with sliding_window_pattern {pattern}")
+    if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ConfigError(
+            f"{source}: layer_types must list {layers} entries of 'sliding_attention' or "
+            "'full_attention'")
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"{source}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    refuse(d, source, "attn_logit_softcapping", lambda v: False, "mlx-lm does not apply it")
+    # "vision": image tokens attend bidirectionally (multimodal); text-only runs are causal
+    refuse(d, source, "use_bidirectional_attention", lambda v: v in (False, "vision"),
+            "bidirectional text attention (embedding models)")
+    refuse(d, source, "attention_bias", lambda v: not v, "Gemma attention has no biases")
+    bos, eos_ids = token_ids(d)
+    common = dict(
+        model_type=model_type,
+        vocab_size=positive_int(required(d, "vocab_size", source), "vocab_size", source),
+        hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=positive_int(required(d, "intermediate_size", source), "intermediate_size", source),
+        rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6),
+        layer_types=tuple(types), sliding_window=window,
+        max_position_embeddings=int(d.get("max_position_embeddings") or 131072),
+        bos_token_id=bos, eos_token_ids=eos_ids,
+    )
+    if heads % kv_heads:
+        raise ConfigError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
+                          f"num_key_value_heads ({kv_heads})")
+    if not g4:
+        refuse(d, source, "final_logit_softcapping", lambda v: False, "mlx-lm's gemma3_text does not apply it")
+        scaling = d.get("rope_scaling")
+        qpas = float(d.get("query_pre_attn_scalar") or 256)
+        # the embedding scale is rounded to bfloat16, as mlx-lm does
+        embed_scale = float(mx.array(hidden**0.5, mx.bfloat16).astype(mx.float32).item())
+        return GemmaConfig(
+            **common,
+            rope_sliding=RopeSpec(theta=float(d.get("rope_local_base_freq") or 10_000.0)),
+            rope_full=_rope_spec(scaling, float(d.get("rope_theta") or 1_000_000.0), source, "rope_scaling"),
+            attn_scale=qpas**-0.5, embed_scale=embed_scale,
+            tie_word_embeddings=True,  # decided by the loader (lm_head.weight present or not)
+        )
+    # Gemma 4
+    moe = {}
+    if d.get("enable_moe_block"):
+        moe = {k: positive_int(d.get(k), k, source)
+               for k in ("num_experts", "top_k_experts", "moe_intermediate_size")}
+        if moe["top_k_experts"] > moe["num_experts"]:
+            raise ConfigError(f"{source}: top_k_experts ({moe['top_k_experts']}) exceeds "
+                              f"num_experts ({moe['num_experts']})")
+    rp = d.get("rope_parameters") or {
+        "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1e6, "rope_type": "proportional"},
+        "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 1e4, "rope_type": "default"},
+    }
+    hpl = int(d.get("hidden_size_per_layer_input", 256) or 0)
+    if hpl and int(d.get("vocab_size_per_layer_input", common["vocab_size"])) != common["vocab_size"]:
+        raise ConfigError(f"{source}: vocab_size_per_layer_input != vocab_size is not supported")
+    shared = int(d.get("num_kv_shared_layers", 20) or 0)
+    if not 0 <= shared < layers:
+        raise ConfigError(f"{source}: num_kv_shared_layers must be in [0, {layers}), got {shared}")
+    m = layers - shared
+    for i in range(m, layers):
+        if types[i] not in types[:m]:
+            raise ConfigError(f"{source}: KV-shared layer {i} ({types[i]}) has no earlier "
+                              "layer of its type to share with")
+    cap = d.get("final_logit_softcapping", 30.0)
+    gh = d.get("global_head_dim", 512)
+    return GemmaConfig(
+        **common,
+        rope_sliding=_rope_spec(rp.get("sliding_attention"), 10_000.0, source,
+                                "rope_parameters.sliding_attention"),
+        rope_full=_rope_spec(rp.get("full_attention"), 1_000_000.0, source,
+                             "rope_parameters.full_attention"),
+        attn_scale=1.0, embed_scale=hidden**0.5,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        rope_traditional=bool(d.get("rope_traditional", False)),
+        global_head_dim=int(gh or 0),
+        num_global_kv_heads=int(d.get("num_global_key_value_heads") or 0),
+        attention_k_eq_v=bool(d.get("attention_k_eq_v", False)),
+        num_kv_shared_layers=shared, hidden_size_per_layer_input=hpl,
+        final_logit_softcapping=None if cap is None else float(cap),
+        use_double_wide_mlp=bool(d.get("use_double_wide_mlp", True)), v_norm=True, **moe,
+    )
 
 
 @attrs.frozen
@@ -214,3 +444,211 @@ def hidden_to_logits(p: GemmaParams, h: Float[mx.array, "*N H"]) -> Float[mx.arr
         out = mx.tanh(out / cap) * cap
     return out
 
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions) -> GemmaParams:
+    """Gemma 3 / Gemma 4 text weights under mlx-lm's (= Hugging Face's) names. Gemma 3's
+    norms are stored as (1 + weight): the 1 is folded in here (in float32, as mlx-lm adds it
+    to float32 weights). Projections of KV-shared layers, rotary buffers and activation
+    clipping ranges in a checkpoint are unused (mlx-lm drops them too)."""
+    dtype, keep_quantized, where, quant = opts.dtype, opts.keep_quantized, opts.where, opts
+    hid = cfg.hidden_size
+    offset = 0.0 if cfg.is_gemma4 else 1.0
+
+    def lin(name: str, out_f: int, in_f: int) -> Linear:
+        return read_linear(src, name, out_f, in_f, opts.quant_for(name), False, where)
+
+    def norm(name: str, n: int) -> mx.array:
+        return (src.get(name, (n,), where).astype(mx.float32) + offset).astype(dtype)
+
+    def fin(x: Linear) -> Linear:
+        return finish(x, dtype, keep_quantized)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        d, hk, hq = cfg.layer_head_dim(i), cfg.layer_kv_heads(i), cfg.num_heads * cfg.layer_head_dim(i)
+        ff = cfg.layer_intermediate(i)
+        own_kv = cfg.kv_source(i) == i
+        parts = [lin(pre + "self_attn.q_proj", hq, hid)]
+        if own_kv:
+            parts.append(lin(pre + "self_attn.k_proj", hk * d, hid))
+            if not cfg.k_eq_v(i):
+                parts.append(lin(pre + "self_attn.v_proj", hk * d, hid))
+        extra = {}
+        if cfg.hidden_size_per_layer_input:
+            hpl = cfg.hidden_size_per_layer_input
+            extra = dict(
+                pli_gate=fin(lin(pre + "per_layer_input_gate", hpl, hid)),
+                pli_proj=fin(lin(pre + "per_layer_projection", hid, hpl)),
+                pli_norm=norm(pre + "post_per_layer_input_norm.weight", hid),
+            )
+        if cfg.is_gemma4:
+            extra["layer_scalar"] = src.get(pre + "layer_scalar", (1,), where).astype(dtype)
+        if cfg.num_experts:
+            extra["moe"] = _read_moe(cfg, src, pre, opts, norm)
+        layers.append(GemmaLayer(
+            attn_norm=norm(pre + "input_layernorm.weight", hid),
+            qkv=fuse(parts, dtype, keep_quantized),
+            q_norm=norm(pre + "self_attn.q_norm.weight", d),
+            k_norm=norm(pre + "self_attn.k_norm.weight", d) if own_kv else None,
+            o=fin(lin(pre + "self_attn.o_proj", hid, hq)),
+            post_attn_norm=norm(pre + "post_attention_layernorm.weight", hid),
+            pre_ff_norm=norm(pre + "pre_feedforward_layernorm.weight", hid),
+            gate_up=fuse([lin(pre + "mlp.gate_proj", ff, hid), lin(pre + "mlp.up_proj", ff, hid)],
+                          dtype, keep_quantized),
+            down=fin(lin(pre + "mlp.down_proj", hid, ff)),
+            post_ff_norm=norm(pre + "post_feedforward_layernorm.weight", hid),
+            **extra,
+        ))
+    embed = finish(lin("model.embed_tokens", cfg.vocab_size, hid), dtype, keep_quantized, table=True)
+    tied = cfg.tie_word_embeddings if cfg.is_gemma4 else not src.has("lm_head.weight")
+    lm_head = None if tied else fin(lin("lm_head", cfg.vocab_size, hid))
+    per_layer = {}
+    if cfg.hidden_size_per_layer_input:
+        width = cfg.num_layers * cfg.hidden_size_per_layer_input
+        per_layer = dict(
+            embed_per_layer=finish(lin("model.embed_tokens_per_layer", cfg.vocab_size, width),
+                                    dtype, keep_quantized, table=True),
+            per_layer_proj=fin(lin("model.per_layer_model_projection", width, hid)),
+            per_layer_proj_norm=norm("model.per_layer_projection_norm.weight",
+                                     cfg.hidden_size_per_layer_input),
+        )
+    return GemmaParams(
+        embed=embed, layers=tuple(layers), norm=norm("model.norm.weight", hid), lm_head=lm_head,
+        **per_layer, config=attrs.evolve(cfg, tie_word_embeddings=tied), numerics=opts.numerics,
+        dtype=opts.dtype_name,
+    )
+
+
+def _read_moe(cfg: GemmaConfig, src: TensorSource, pre: str, opts: LoadOptions, norm: Any) -> MoEBlock:
+    """Gemma 4 MoE weights, in Hugging Face's layout (experts.gate_up_proj [E, 2F, H],
+    experts.down_proj [E, H, F]) or mlx-lm's sanitized one (experts.switch_glu.*_proj)."""
+    dtype, keep_quantized, where = opts.dtype, opts.keep_quantized, opts.where
+    e, f, hid = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    hf = pre + "experts.gate_up_proj"
+    if src.has(hf):
+        gate_up = Linear(weight=src.get(hf, (e, 2 * f, hid), where))
+        down = Linear(weight=src.get(pre + "experts.down_proj", (e, hid, f), where))
+    else:
+        sw = pre + "experts.switch_glu."
+        parts = [read_expert_stack(src, sw + n, e, f, hid, opts.quant_for(sw + n), where)
+                 for n in ("gate_proj", "up_proj")]
+        down = read_expert_stack(src, sw + "down_proj", e, hid, f, opts.quant_for(sw + "down_proj"), where)
+        if all(p.quantized for p in parts) and keep_quantized is True:
+            cat = lambda xs: mx.concatenate(xs, axis=1)  # noqa: E731
+            gate_up = Linear(weight=cat([p.weight for p in parts]), scales=cat([p.scales for p in parts]),
+                             biases=cat([p.biases for p in parts]), group_size=parts[0].group_size,
+                             bits=parts[0].bits)
+        else:
+            dense = [finish_experts(p, dtype, False).weight for p in parts]  # [E, H, F] each
+            gate_up = Linear(weight=mx.concatenate(dense, axis=-1), transposed=True)
+    scale = src.get(pre + "router.scale", (hid,), where).astype(mx.float32) * hid**-0.5
+    return MoEBlock(
+        router=finish(read_linear(src, pre + "router.proj", e, hid, opts.quant_for(pre + "router.proj"),
+                                    False, where), dtype, keep_quantized),
+        router_scale=scale.astype(dtype),
+        per_expert_scale=src.get(pre + "router.per_expert_scale", (e,), where).astype(dtype),
+        gate_up=gate_up if gate_up.transposed else finish_experts(gate_up, dtype, keep_quantized),
+        down=finish_experts(down, dtype, keep_quantized),
+        pre_norm=norm(pre + "pre_feedforward_layernorm_2.weight", hid),
+        post_norm=norm(pre + "post_feedforward_layernorm_2.weight", hid),
+        post_mlp_norm=norm(pre + "post_feedforward_layernorm_1.weight", hid),
+        top_k=cfg.top_k_experts,
+    )
+
+
+def checkpoint_layout(c: GemmaConfig) -> dict[str, TensorSpec]:
+    """The Hugging Face checkpoint's tensors. Gemma 3 stores norms as (1 + w): small w;
+    Gemma 4 stores the scale itself: near 1."""
+    ncenter = 1.0 if c.is_gemma4 else 0.0
+
+    def S(*shape: int, scale: float = 0.08, center: float = 0.0) -> TensorSpec:
+        return TensorSpec(tuple(shape), center=center, scale=scale)
+
+    def N(n: int) -> TensorSpec:
+        return TensorSpec((n,), center=ncenter, scale=0.1)
+
+    h, v = c.hidden_size, c.vocab_size
+    out: dict[str, TensorSpec] = {"model.embed_tokens.weight": S(v, h, scale=0.5)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        d, hk, hq, ff = c.layer_head_dim(i), c.layer_kv_heads(i), c.num_heads, c.layer_intermediate(i)
+        out[p + "self_attn.q_proj.weight"] = S(hq * d, h)
+        out[p + "self_attn.o_proj.weight"] = S(h, hq * d)
+        out[p + "self_attn.q_norm.weight"] = N(d)
+        if c.kv_source(i) == i:
+            out[p + "self_attn.k_proj.weight"] = S(hk * d, h)
+            out[p + "self_attn.k_norm.weight"] = N(d)
+            if not c.k_eq_v(i):
+                out[p + "self_attn.v_proj.weight"] = S(hk * d, h)
+        out[p + "mlp.gate_proj.weight"] = S(ff, h)
+        out[p + "mlp.up_proj.weight"] = S(ff, h)
+        out[p + "mlp.down_proj.weight"] = S(h, ff)
+        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm"):
+            out[p + n + ".weight"] = N(h)
+        if c.hidden_size_per_layer_input:
+            hpl = c.hidden_size_per_layer_input
+            out[p + "per_layer_input_gate.weight"] = S(hpl, h, scale=0.3)
+            out[p + "per_layer_projection.weight"] = S(h, hpl, scale=0.3)
+            out[p + "post_per_layer_input_norm.weight"] = N(h)
+        if c.is_gemma4:
+            out[p + "layer_scalar"] = S(1, scale=0.1, center=1.0)
+        if c.num_experts:  # Hugging Face's layout: fused gate|up stacks
+            e, fm = c.num_experts, c.moe_intermediate_size
+            out[p + "router.proj.weight"] = S(e, h, scale=0.5)
+            out[p + "router.scale"] = N(h)
+            out[p + "router.per_expert_scale"] = S(e, scale=0.1, center=1.0)
+            out[p + "experts.gate_up_proj"] = S(e, 2 * fm, h)
+            out[p + "experts.down_proj"] = S(e, h, fm)
+            for n in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                      "pre_feedforward_layernorm_2"):
+                out[p + n + ".weight"] = N(h)
+    if c.hidden_size_per_layer_input:
+        width = c.num_layers * c.hidden_size_per_layer_input
+        out["model.embed_tokens_per_layer.weight"] = S(v, width, scale=0.5)
+        out["model.per_layer_model_projection.weight"] = S(width, h, scale=0.3)
+        out["model.per_layer_projection_norm.weight"] = N(c.hidden_size_per_layer_input)
+    out["model.norm.weight"] = N(h)
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = S(v, h, scale=0.2)
+    return out
+
+
+_TINY = {
+    "gemma3_text": {
+        "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 4, "head_dim": 16,
+        "query_pre_attn_scalar": 16, "sliding_window": 16, "sliding_window_pattern": 3,
+        "rope_local_base_freq": 10000.0, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
+    "gemma4_text": {
+        "architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 6, "head_dim": 16,
+        "global_head_dim": 32, "sliding_window": 16, "sliding_window_pattern": 3,
+        "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": 384, "final_logit_softcapping": 30.0,
+        "use_double_wide_mlp": True, "attention_k_eq_v": False, "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh", "enable_moe_block": False,
+        "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                               "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+    },
+}
+
+
+FAMILY = Family(
+    name="gemma", model_types=("gemma3_text", "gemma4_text"), config_type=GemmaConfig,
+    params_type=GemmaParams, config_from_hf=config_from_hf, assemble=assemble,
+    cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
+    checkpoint_layout=checkpoint_layout, wrappers=MULTIMODAL_WRAPPERS,
+    tiny_config=lambda model_type, overrides: {
+        "model_type": model_type, "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384,
+        "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+        "bos_token_id": 1, "eos_token_id": 2, **_TINY[model_type], **overrides},
+)

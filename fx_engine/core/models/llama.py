@@ -1,5 +1,8 @@
-"""The Llama family as one pure forward: llama (2/3, rope scaling linear/llama3), mistral,
-qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), SmolLM2; tied or untied embeddings.
+"""The Llama family, everything about it in one module: llama (2/3, rope scaling linear/llama3), mistral,
+qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), SmolLM2; tied or untied embeddings. Its config
+(from config.json and GGUF metadata), its checkpoint names (Hugging Face / mlx-community and
+llama.cpp's, with the converter's q/k permutation undone), its cache layout, its pure
+forward and output head; the decoder is shared with families of the same shape (phi3).
 
 Projections are fused at load time (q|k|v into one matrix, gate|up into one): fewer graph
 nodes, and on CPU each node costs ~10 us to evaluate whatever its size.
@@ -14,9 +17,155 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import (KVCache, LayerSpec, StepGeometry, advanced, attend_entry, dense_layout, write_entry)
-from fx_engine.core.config import ModelConfig
+from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear)
+from fx_engine.core.config import (ConfigError, check_rope_scaling, gguf_value, positive_int, required, token_ids)
+from fx_engine.core.models.family import Family
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, swiglu_fused)
 from fx_engine.core.tree import static_field
+
+
+@attrs.frozen
+class LlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rope_traditional: bool = False
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool | None = False  # None: decided by the checkpoint (lm_head present or not)
+    qkv_bias: bool = False  # qwen2
+    o_bias: bool = False  # llama attention_bias=True puts a bias on o_proj too
+    mlp_bias: bool = False
+    qk_norm: bool = False  # qwen3
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        d = dict(self.rope_scaling)
+        return str(d.get("type") or d.get("rope_type") or "default")
+
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfig:
+    """A LlamaConfig from a Hugging Face config.json dict; refuses what this family cannot
+    run (sliding windows, other activations, partial rotary), naming the field."""
+    model_type = d["model_type"]
+    # transformers >= 5 nests rope settings under rope_parameters.
+    rope_params = d.get("rope_parameters") or {}
+    rope_theta = d.get("rope_theta", rope_params.get("rope_theta"))
+    if rope_theta is None:
+        rope_theta = 1_000_000.0 if model_type == "qwen2" else 10_000.0
+    scaling = d.get("rope_scaling")
+    if scaling is None and rope_params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+
+    # Fields that change the computation and that this implementation does not do: refuse.
+    if d.get("use_sliding_window") or (
+        model_type == "mistral" and d.get("sliding_window") not in (None, 0)
+        and d.get("sliding_window", 0) < d.get("max_position_embeddings", 0)
+    ):
+        raise ConfigError(f"{source}: sliding-window attention is not supported yet")
+    layer_types = d.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ConfigError(f"{source}: layer_types other than full_attention are not supported")
+    if d.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ConfigError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported")
+    for key in ("partial_rotary_factor",):
+        if d.get(key, 1.0) != 1.0:
+            raise ConfigError(f"{source}: field '{key}' != 1 is not supported")
+
+    hidden = positive_int(required(d, "hidden_size", source), "hidden_size", source)
+    heads = positive_int(required(d, "num_attention_heads", source), "num_attention_heads", source)
+    kv_heads = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source)
+    if heads % kv_heads:
+        raise ConfigError(
+            f"{source}: num_attention_heads ({heads}) is not a multiple of "
+            f"num_key_value_heads ({kv_heads})"
+        )
+    head_dim = d.get("head_dim") or hidden // heads
+    bos, eos_ids = token_ids(d)
+    attention_bias = bool(d.get("attention_bias", False))
+    return LlamaConfig(
+        model_type=model_type,
+        vocab_size=positive_int(required(d, "vocab_size", source), "vocab_size", source),
+        hidden_size=hidden,
+        num_layers=positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=positive_int(head_dim, "head_dim", source),
+        intermediate_size=positive_int(
+            required(d, "intermediate_size", source), "intermediate_size", source
+        ),
+        rms_norm_eps=float(required(d, "rms_norm_eps", source, 1e-6)),
+        rope_theta=float(rope_theta),
+        rope_scaling=check_rope_scaling(scaling, source),
+        rope_traditional=bool(d.get("rope_traditional", False)),
+        max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
+        # a config that does not say: tied unless the checkpoint has its own output head
+        tie_word_embeddings=(bool(d["tie_word_embeddings"]) if d.get("tie_word_embeddings") is not None
+                             else None),
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        o_bias=attention_bias and model_type != "qwen2",
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        bos_token_id=bos,
+        eos_token_ids=eos_ids,
+    )
+
+
+def config_from_gguf(md: dict[str, Any], source: str) -> LlamaConfig:
+    """A LlamaConfig from GGUF metadata (as returned by mx.load)."""
+    arch = md.get("general.architecture")
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, arch, key, source, default)
+
+    heads = int(val("attention.head_count"))
+    hidden = int(val("embedding_length"))
+    vocab = val("vocab_size", None)
+    if vocab is None:
+        vocab = len(md.get("tokenizer.ggml.tokens", []))
+    scaling = None
+    kind = val("rope.scaling.type", None)
+    if kind and kind != "none":
+        if kind != "linear":
+            raise ConfigError(f"{source}: GGUF rope scaling type {kind!r} is not supported")
+        scaling = (("factor", float(val("rope.scaling.factor"))), ("type", "linear"))
+    eos = md.get("tokenizer.ggml.eos_token_id")
+    bos = md.get("tokenizer.ggml.bos_token_id")
+    head_dim = int(val("attention.key_length", hidden // heads))
+    rope_dims = int(val("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ConfigError(f"{source}: partial rotary embeddings (rope.dimension_count) unsupported")
+    return LlamaConfig(
+        model_type={"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        num_layers=int(val("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(val("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        intermediate_size=int(val("feed_forward_length")),
+        rms_norm_eps=float(val("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(val("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(val("context_length", 4096)),
+        tie_word_embeddings=None,  # decided by the checkpoint: output.weight present or not
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        bos_token_id=int(bos.item()) if bos is not None else None,
+        eos_token_ids=(int(eos.item()),) if eos is not None else (),
+    )
 
 
 @attrs.frozen
@@ -39,12 +188,12 @@ class Params:
     norm: mx.array
     lm_head: Linear | None  # None: tied to the embedding
     rope_freqs: mx.array | None  # precomputed for llama3 scaling, else None
-    config: ModelConfig = static_field()
+    config: LlamaConfig = static_field()
     numerics: Numerics = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")  # activation/cache dtype name
 
 
-def _rope(p: Params, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+def _rope(p: Any, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     cfg = p.config
     scale = 1.0
     if cfg.rope_type == "linear":
@@ -57,8 +206,17 @@ def _rope(p: Params, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]
     return cos.astype(dt), sin.astype(dt), perm.astype(dt)
 
 
+def _apply_rope(x: mx.array, rope: tuple, head_dim: int, num: Numerics, traditional: bool) -> mx.array:
+    """RoPE over the first rope-table-width dims of each head (partial rotary: the rest
+    pass through, as mlx-lm's nn.RoPE(dims < head_dim) does)."""
+    rd = rope[0].shape[-1]
+    if rd == head_dim:
+        return apply_rope(x, *rope, num, traditional)
+    return mx.concatenate([apply_rope(x[..., :rd], *rope, None, traditional), x[..., rd:]], axis=-1)
+
+
 def _layer(
-    p: Params, lp: LayerParams, h: mx.array, entry: Any, spec: LayerSpec,
+    p: Any, lp: LayerParams, h: mx.array, entry: Any, spec: LayerSpec,
     rope: tuple[mx.array, mx.array, mx.array], geo: StepGeometry,
 ) -> tuple[mx.array, Any]:
     cfg, num = p.config, p.numerics
@@ -72,7 +230,7 @@ def _layer(
              rms_norm(qkv[:, :, hq : hq + hk], lp.k_norm, cfg.rms_norm_eps)], axis=2)
     else:
         qk = qkv[:, :, : hq + hk]
-    qk = apply_rope(qk, *rope, num, cfg.rope_traditional)  # q and k together: one pass per layer
+    qk = _apply_rope(qk, rope, d, num, cfg.rope_traditional)  # q and k together: one pass
     q = qk[:, :, :hq]
     k = qk[:, :, hq:].transpose(0, 2, 1, 3)
     v = qkv[:, :, hq + hk :].transpose(0, 2, 1, 3)
@@ -87,14 +245,14 @@ def _layer(
     return h, entry
 
 
-def cache_specs(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
+def cache_specs(cfg: LlamaConfig) -> tuple[LayerSpec, ...]:
     """One dense full-attention cache entry per layer."""
     return dense_layout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
 
 
 def forward(
-    p: Params, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
-    span: int | None = None,
+    p: Any, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
+    span: int | None = None, rope_fn: Any = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
     """Run T tokens per row from each row's current length; advance lengths by n_valid.
 
@@ -104,13 +262,16 @@ def forward(
     Returns the final-norm hidden states [B, T, hidden] and the new cache. Positions past
     a row's n_valid (and past the capacity) are computed but written to the cache's sink
     slot: a row's valid entries are never touched by another row's step.
+
+    rope_fn(params, positions [B, T]) -> (cos, sin, perm) tables over the rotated dims
+    (fewer than head_dim: partial rotary); families that share this decoder pass their own.
     """
     b, t = tokens.shape
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
     # The residual stream is kept 2-D [B*T, hidden]: matmuls on 2-D inputs need no
     # flatten/unflatten nodes (each graph node costs ~10 us on CPU).
     h = embed(tokens.reshape(-1), p.embed).astype(_dtype(p))
-    rope = _rope(p, geo.positions)  # shared by every layer
+    rope = (rope_fn or _rope)(p, geo.positions)  # shared by every layer
     entries = []
     for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
         h, entry = _layer(p, lp, h, entry, spec, rope, geo)
@@ -119,10 +280,199 @@ def forward(
     return h, advanced(cache, entries, geo)
 
 
-def _dtype(p: Params) -> mx.Dtype:
+def _dtype(p: Any) -> mx.Dtype:
     return getattr(mx, p.dtype)
 
 
-def hidden_to_logits(p: Params, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
+def hidden_to_logits(p: Any, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
     head = p.lm_head if p.lm_head is not None else p.embed
     return linear(h, head, p.numerics).astype(mx.float32)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+_HF_NAMES = {
+    "embed": "model.embed_tokens", "norm": "model.norm.weight", "lm_head": "lm_head",
+    "layer": "model.layers.{i}.",
+    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj", "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight", "attn_norm": "input_layernorm.weight",
+    "mlp_norm": "post_attention_layernorm.weight", "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj", "down": "mlp.down_proj",
+}
+_GGUF_NAMES = {
+    "embed": "token_embd", "norm": "output_norm.weight", "lm_head": "output",
+    "layer": "blk.{i}.",
+    "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
+    "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
+}
+
+
+def assemble(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Params:
+    """Params from Hugging Face / mlx-community tensor names."""
+    return _assemble(cfg, src, opts, _HF_NAMES)
+
+
+def assemble_gguf(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Params:
+    """Params from llama.cpp's tensor names, undoing what its converter did: llama's q/k
+    rows were permuted for interleaved RoPE, and Llama-3 rope scaling is stored as
+    per-frequency factors (rope_freqs.weight)."""
+    tensors = dict(src.tensors)
+    if cfg.model_type == "llama":
+        for i in range(cfg.num_layers):
+            for part, heads in (("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads)):
+                for suffix in (".weight", ".scales", ".biases", ".bias"):
+                    name = f"blk.{i}.{part}{suffix}"
+                    if name in tensors:
+                        tensors[name] = unpermute_rows(tensors[name], heads)
+    fixed = TensorSource()
+    for name, t in tensors.items():
+        fixed.tensors[name], fixed.origin[name] = t, src.origin[name]
+    params = _assemble(cfg, fixed, opts, _GGUF_NAMES)
+    if fixed.has("rope_freqs.weight"):
+        # the rotation period of pair i is base^(2i/d) * factor_i
+        factors = fixed.get("rope_freqs.weight", (cfg.head_dim // 2,), opts.where).astype(mx.float32)
+        periods = cfg.rope_theta ** (mx.arange(0, cfg.head_dim, 2) / cfg.head_dim) * factors
+        params = attrs.evolve(params, rope_freqs=periods)
+    return params
+
+
+def _assemble(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions, names: dict[str, str]) -> Params:
+    dtype, keep_quantized, where = opts.dtype, opts.keep_quantized, opts.where
+    if cfg.tie_word_embeddings is None:
+        cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has(names["lm_head"] + ".weight"))
+    hid, hd = cfg.hidden_size, cfg.head_dim
+    hq, hk, ff = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
+
+    def lin(name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
+        return read_linear(src, name, out_f, in_f, opts.quant_for(name), bias, where)
+
+    def vec(name: str, n: int) -> mx.array:
+        return src.get(name, (n,), where).astype(dtype)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        pre = names["layer"].format(i=i)
+        q = lin(pre + names["q"], hq, hid, cfg.qkv_bias)
+        k = lin(pre + names["k"], hk, hid, cfg.qkv_bias)
+        v = lin(pre + names["v"], hk, hid, cfg.qkv_bias)
+        layers.append(
+            LayerParams(
+                attn_norm=vec(pre + names["attn_norm"], hid),
+                qkv=fuse([q, k, v], dtype, keep_quantized),
+                o=finish(lin(pre + names["o"], hid, hq, cfg.o_bias), dtype, keep_quantized),
+                mlp_norm=vec(pre + names["mlp_norm"], hid),
+                gate_up=fuse(
+                    [lin(pre + names["gate"], ff, hid, cfg.mlp_bias),
+                     lin(pre + names["up"], ff, hid, cfg.mlp_bias)], dtype, keep_quantized,
+                ),
+                down=finish(lin(pre + names["down"], hid, ff, cfg.mlp_bias), dtype, keep_quantized),
+                q_norm=vec(pre + names["q_norm"], hd) if cfg.qk_norm else None,
+                k_norm=vec(pre + names["k_norm"], hd) if cfg.qk_norm else None,
+            )
+        )
+    embed = finish(lin(names["embed"], cfg.vocab_size, hid), dtype, keep_quantized, table=True)
+    lm_head = None
+    if not cfg.tie_word_embeddings:
+        lm_head = finish(lin(names["lm_head"], cfg.vocab_size, hid), dtype, keep_quantized)
+    return Params(
+        embed=embed, layers=tuple(layers), norm=vec(names["norm"], hid), lm_head=lm_head,
+        rope_freqs=llama3_rope_freqs(cfg), config=cfg, numerics=opts.numerics,
+        dtype=opts.dtype_name,
+    )
+
+
+def llama3_rope_freqs(cfg: LlamaConfig) -> mx.array | None:
+    """Llama-3 frequency scaling, with the same op composition as mlx-lm (on device, f32)."""
+    if cfg.rope_type != "llama3":
+        return None
+    s = dict(cfg.rope_scaling)
+    factor = s["factor"]
+    low = s.get("low_freq_factor", 1.0)
+    high = s.get("high_freq_factor", 4.0)
+    old = s.get("original_max_position_embeddings", 8192)
+    low_wl, high_wl = old / low, old / high
+    dims = cfg.head_dim
+    freqs = cfg.rope_theta ** (mx.arange(0, dims, 2) / dims)
+    wavelens = 2 * mx.pi * freqs
+    freqs = mx.where(wavelens > low_wl, freqs * factor, freqs)
+    medium = (wavelens > high_wl) & (wavelens < low_wl)
+    smooth = (old / wavelens - low) / (high - low)
+    smooth_freqs = freqs / ((1 - smooth) / factor + smooth)
+    return mx.where(medium, smooth_freqs, freqs)
+
+
+def unpermute_rows(x: mx.array, n_head: int) -> mx.array:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE -> half-split RoPE).
+
+    The converter maps HF rows with reshape(n_head, 2, hd/2).swapaxes(1, 2); we invert it.
+    Whole rows move, so quantized rows (and their scales/biases) stay exact.
+    """
+    rows = x.shape[0]
+    rest = x.shape[1:]
+    return x.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def checkpoint_layout(cfg: LlamaConfig) -> dict[str, TensorSpec]:
+    """The Hugging Face checkpoint's tensors (norms near 1)."""
+    h, hd, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    hq, hk, ff = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
+    out = {"model.embed_tokens.weight": TensorSpec((v, h), scale=0.5)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        out.update({a + "q_proj.weight": TensorSpec((hq, h)), a + "k_proj.weight": TensorSpec((hk, h)),
+                    a + "v_proj.weight": TensorSpec((hk, h)), a + "o_proj.weight": TensorSpec((h, hq))})
+        if cfg.qkv_bias:
+            out.update({a + "q_proj.bias": TensorSpec((hq,)), a + "k_proj.bias": TensorSpec((hk,)),
+                        a + "v_proj.bias": TensorSpec((hk,))})
+        if cfg.o_bias:
+            out[a + "o_proj.bias"] = TensorSpec((h,))
+        if cfg.qk_norm:
+            out[a + "q_norm.weight"] = TensorSpec((hd,), center=1.0)
+            out[a + "k_norm.weight"] = TensorSpec((hd,), center=1.0)
+        out.update({m + "gate_proj.weight": TensorSpec((ff, h)), m + "up_proj.weight": TensorSpec((ff, h)),
+                    m + "down_proj.weight": TensorSpec((h, ff))})
+        if cfg.mlp_bias:
+            out.update({m + "gate_proj.bias": TensorSpec((ff,)), m + "up_proj.bias": TensorSpec((ff,)),
+                        m + "down_proj.bias": TensorSpec((h,))})
+        out[p + "input_layernorm.weight"] = TensorSpec((h,), center=1.0)
+        out[p + "post_attention_layernorm.weight"] = TensorSpec((h,), center=1.0)
+    out["model.norm.weight"] = TensorSpec((h,), center=1.0)
+    if cfg.tie_word_embeddings is False:
+        out["lm_head.weight"] = TensorSpec((v, h), scale=0.2)
+    return out
+
+
+def first_layers(p: Params, n: int) -> Params:
+    """The params of the first n layers, the final norm and the head (shared arrays)."""
+    small = attrs.evolve(p.config, num_layers=n)
+    return attrs.evolve(p, layers=p.layers[:n], config=small)
+
+
+def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a tiny random test model (fx_engine.testing.tiny)."""
+    cfg = {"model_type": model_type, **_TINY, **overrides}
+    if model_type == "qwen3":  # Qwen3 configs always state head_dim
+        cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    return cfg
+
+
+_TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "rms_norm_eps": 1e-5, "vocab_size": 384, "rope_theta": 10000.0,
+         "max_position_embeddings": 2048, "tie_word_embeddings": True, "bos_token_id": 1,
+         "eos_token_id": 2}
+
+FAMILY = Family(
+    name="llama", model_types=("llama", "mistral", "qwen2", "qwen3", "smollm2"),
+    config_type=LlamaConfig, params_type=Params, config_from_hf=config_from_hf,
+    assemble=assemble, cache_specs=cache_specs, forward=forward,
+    hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
+    gguf_architectures=("llama", "qwen2", "qwen3"), config_from_gguf=config_from_gguf,
+    assemble_gguf=assemble_gguf, first_layers=first_layers,
+    tiny_config=tiny_config,
+)

@@ -1,0 +1,221 @@
+"""Checkpoint tensors -> params pytrees: the pure conversions every family's `assemble` uses.
+
+The shell reads files into a `TensorSource` (name -> array, and which file each came from,
+for error messages); a family's `assemble(cfg, src, opts)` turns it into the family's frozen
+params pytree with these helpers: read a linear (dense, or MLX affine-quantized with its
+`.scales`/`.biases`), fuse linears along the output axis, and finish each into its kept
+representation (quantized where `opts.keep_quantized` says, dense [in, out] otherwise).
+No files, no environment: arrays in, arrays out.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Union
+
+import attrs
+import mlx.core as mx
+
+from fx_engine.core.nn import Linear, Numerics
+
+
+class WeightsError(ValueError):
+    """Missing, malformed or mismatched weights; the message names file and tensor."""
+
+
+class TensorSource:
+    """Named tensors from one or several files, remembering which file holds which."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, mx.array] = {}
+        self.origin: dict[str, str] = {}
+
+    def add(self, path: Any, tensors: dict[str, mx.array]) -> None:
+        for name, t in tensors.items():
+            self.tensors[name] = t
+            self.origin[name] = str(path)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None, where: str = "") -> mx.array:
+        if name not in self.tensors:
+            raise WeightsError(f"{where or 'model'}: missing tensor '{name}'")
+        t = self.tensors[name]
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise WeightsError(
+                f"{self.origin[name]}: tensor '{name}' has shape {tuple(t.shape)}, "
+                f"expected {tuple(shape)}"
+            )
+        return t
+
+
+KeepQuantized = Union[bool, Callable[[int, int], bool]]
+
+
+@attrs.frozen
+class LoadOptions:
+    """How `assemble` builds params: the activation dtype, which quantized linears stay
+    quantized, the params' static Numerics, the checkpoint's quantization config
+    (mlx-community's `quantization`: group_size/bits, per-module overrides) and where the
+    tensors came from (for error messages)."""
+
+    dtype: Any  # mx.Dtype
+    keep_quantized: KeepQuantized = False
+    numerics: Numerics = attrs.field(factory=Numerics)
+    quant: dict | None = attrs.field(default=None, eq=False)
+    where: str = "model"
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).split(".")[-1]
+
+    def quant_for(self, module: str) -> dict | None:
+        """The quantization of one module: the global group_size/bits or its override."""
+        if not self.quant:
+            return None
+        override = self.quant.get(module)
+        if isinstance(override, dict):
+            return override
+        return {"group_size": self.quant["group_size"], "bits": self.quant["bits"]}
+
+
+@attrs.frozen
+class TensorSpec:
+    """One tensor of a family's checkpoint layout (`Family.checkpoint_layout`): its shape,
+    and the centre and spread of the random values a tiny test model gets."""
+
+    shape: tuple[int, ...]
+    center: float = 0.0
+    scale: float = 0.08
+
+
+def read_linear(
+    src: TensorSource, prefix: str, out_f: int, in_f: int, quant: dict | None,
+    bias: bool, where: str, weight_suffix: str = ".weight", bias_name: str | None = None,
+) -> Linear:
+    w_name = prefix + weight_suffix
+    base = prefix
+    if not src.has(w_name):
+        raise WeightsError(f"{where}: missing tensor '{w_name}'")
+    w = src.tensors[w_name]
+    b = None
+    if bias:
+        b = src.get(bias_name or (prefix + ".bias"), (out_f,), where)
+    scales_name = base + ".scales"
+    if src.has(scales_name):
+        if w.dtype != mx.uint32:
+            raise WeightsError(f"{src.origin[w_name]}: '{w_name}' has scales but dtype {w.dtype}")
+        scales = src.tensors[scales_name]
+        biases = src.get(base + ".biases", tuple(scales.shape), where)
+        if quant is not None:
+            gs, bits = int(quant["group_size"]), int(quant["bits"])
+        else:  # infer from shapes (GGUF: group 32)
+            gs = in_f // scales.shape[1]
+            bits = w.shape[1] * 32 // in_f
+        if w.shape != (out_f, in_f * bits // 32) or scales.shape != (out_f, in_f // gs):
+            raise WeightsError(
+                f"{src.origin[w_name]}: quantized tensor '{w_name}' has shape {tuple(w.shape)} "
+                f"(scales {tuple(scales.shape)}), expected ({out_f}, {in_f * bits // 32}) for "
+                f"{bits}-bit group {gs} of a [{out_f}, {in_f}] matrix"
+            )
+        return Linear(weight=w, bias=b, scales=scales, biases=biases, group_size=gs, bits=bits)
+    if tuple(w.shape) != (out_f, in_f):
+        raise WeightsError(
+            f"{src.origin[w_name]}: tensor '{w_name}' has shape {tuple(w.shape)}, "
+            f"expected {(out_f, in_f)}"
+        )
+    return Linear(weight=w, bias=b)
+
+
+def dequantized(lin: Linear, dtype: mx.Dtype) -> Linear:
+    if not lin.quantized:
+        return Linear(weight=lin.weight.astype(dtype), bias=cast(lin.bias, dtype))
+    w = mx.dequantize(
+        lin.weight, lin.scales.astype(dtype), lin.biases.astype(dtype),
+        group_size=lin.group_size, bits=lin.bits,
+    ).astype(dtype)
+    return Linear(weight=w, bias=cast(lin.bias, dtype))
+
+
+def keep(policy: KeepQuantized, lin: Linear) -> bool:
+    """Whether a quantized linear stays quantized: a bool, or a predicate on (group_size,
+    bits) (e.g. "the native CPU kernels support this format")."""
+    if not lin.quantized:
+        return False
+    return bool(policy(lin.group_size, lin.bits)) if callable(policy) else bool(policy)
+
+
+def cast(x: mx.array | None, dtype: mx.Dtype) -> mx.array | None:
+    return None if x is None else x.astype(dtype)
+
+
+def fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: KeepQuantized) -> Linear:
+    """Concatenate linears along the output axis (exact for dense and affine-quantized)."""
+    same_q = all(p.quantized for p in parts) and len(
+        {(p.group_size, p.bits) for p in parts}
+    ) == 1
+    if same_q and keep(keep_quantized, parts[0]):
+        cat = lambda xs: mx.concatenate(xs, axis=0)  # noqa: E731
+        return Linear(
+            weight=cat([p.weight for p in parts]),
+            bias=None if parts[0].bias is None else cat([p.bias.astype(dtype) for p in parts]),
+            scales=cat([p.scales.astype(dtype) for p in parts]),
+            biases=cat([p.biases.astype(dtype) for p in parts]),
+            group_size=parts[0].group_size, bits=parts[0].bits,
+        )
+    dense = [dequantized(p, dtype) for p in parts]
+    return finish(Linear(
+        weight=mx.concatenate([p.weight for p in dense], axis=0),
+        bias=None if dense[0].bias is None else mx.concatenate([p.bias for p in dense]),
+    ), dtype, keep_quantized)
+
+
+def finish(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized, table: bool = False) -> Linear:
+    """Final representation: quantized kept as is, or dense; dense matmul-only weights are
+    stored transposed ([in, out]); embedding tables (`table`) stay [vocab, hidden]."""
+    if keep(keep_quantized, lin):
+        return Linear(
+            weight=lin.weight, bias=cast(lin.bias, dtype), scales=lin.scales.astype(dtype),
+            biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits,
+        )
+    dense = dequantized(lin, dtype)
+    if table:
+        return dense
+    return Linear(weight=mx.contiguous(dense.weight.T), bias=dense.bias, transposed=True)
+
+
+def read_expert_stack(
+    src: TensorSource, name: str, e: int, out_f: int, in_f: int, quant: dict | None, where: str,
+) -> Linear:
+    """A stacked expert weight [E, out, in] (mlx-lm's SwitchLinear), dense or quantized."""
+    w = src.get(name + ".weight", None, where)
+    if src.has(name + ".scales"):
+        scales = src.get(name + ".scales", None, where)
+        q = quant or {}
+        gs = int(q.get("group_size", in_f // scales.shape[-1]))
+        bits = int(q.get("bits", w.shape[-1] * 32 // in_f))
+        want = (e, out_f, in_f * bits // 32)
+        if tuple(w.shape) != want or tuple(scales.shape) != (e, out_f, in_f // gs):
+            raise WeightsError(f"{src.origin[name + '.weight']}: quantized expert tensor "
+                               f"'{name}.weight' has shape {tuple(w.shape)}, expected {want}")
+        return Linear(weight=w, scales=scales, biases=src.get(name + ".biases", tuple(scales.shape), where),
+                      group_size=gs, bits=bits)
+    if tuple(w.shape) != (e, out_f, in_f):
+        raise WeightsError(f"{src.origin[name + '.weight']}: tensor '{name}.weight' has shape "
+                           f"{tuple(w.shape)}, expected {(e, out_f, in_f)}")
+    return Linear(weight=w)
+
+
+def finish_experts(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized) -> Linear:
+    # Stacked experts run through mx.gather_qmm, which has no native CPU kernel: only an
+    # explicit keep_quantized=True keeps them quantized.
+    if lin.quantized and keep_quantized is True:
+        return Linear(weight=lin.weight, scales=lin.scales.astype(dtype),
+                      biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits)
+    w = lin.weight
+    if lin.quantized:
+        w = mx.dequantize(w, lin.scales.astype(dtype), lin.biases.astype(dtype),
+                          group_size=lin.group_size, bits=lin.bits)
+    return Linear(weight=mx.contiguous(w.astype(dtype).swapaxes(-1, -2)), transposed=True)
+
+

@@ -1,0 +1,226 @@
+"""Phi-3 / Phi-3.5 / Phi-4-mini (`phi3`), following mlx-lm 0.32's phi3.py (the parity oracle).
+
+The decoder is the Llama family's (pre-norm attention and SwiGLU MLP, GQA); what is Phi's:
+checkpoints store the projections already fused (`qkv_proj`, `gate_up_proj`); RoPE may rotate
+only the first `partial_rotary_factor * head_dim` dims of each head (Phi-4-mini: 0.75); and
+long-context checkpoints scale RoPE with per-frequency factors (`rope_scaling` type
+`longrope` / `su`): periods multiplied by `long_factor`, rotated dims multiplied by
+sqrt(1 + ln(max_pos / original_max_pos) / ln(original_max_pos)). As in mlx-lm, the long
+factors are used at every length (Hugging Face switches to `short_factor` below
+`original_max_position_embeddings`). head_dim is hidden_size / num_attention_heads.
+`sliding_window` (below max_position_embeddings) is applied as a ring cache entry, with the
+same semantics as Gemma's sliding layers (each query sees the last `sliding_window` keys);
+mlx-lm ignores it, which gives the same output for contexts within the window.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from jaxtyping import Float, Int
+
+from fx_engine.core.cache import KVCache, LayerSpec
+from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, read_linear)
+from fx_engine.core.config import ConfigError, positive_int, refuse, required, token_ids
+from fx_engine.core.models import llama
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.llama import LayerParams
+from fx_engine.core.nn import rope_tables
+
+
+@attrs.frozen
+class Phi3Config:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_dims: int  # the rotated dims of each head (partial rotary below head_dim)
+    rope_scale: float = 1.0  # linear scaling: positions times this
+    rope_long_factor: tuple[float, ...] | None = None  # longrope / su: period factors
+    rope_mscale: float = 1.0  # longrope / su: rotated dims times this
+    rope_traditional: bool = False
+    sliding_window: int | None = None
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool | None = False  # None: decided by the checkpoint
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Phi3Config:
+    hidden = positive_int(required(d, "hidden_size", source), "hidden_size", source)
+    heads = positive_int(required(d, "num_attention_heads", source), "num_attention_heads", source)
+    kv_heads = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source)
+    if heads % kv_heads or hidden % heads:
+        raise ConfigError(f"{source}: num_attention_heads ({heads}) must divide hidden_size "
+                          f"({hidden}) and be a multiple of num_key_value_heads ({kv_heads})")
+    head_dim = hidden // heads
+    if d.get("head_dim") not in (None, head_dim):
+        raise ConfigError(f"{source}: field 'head_dim' = {d['head_dim']!r} is not supported "
+                          f"(phi3's head_dim is hidden_size / num_attention_heads = {head_dim})")
+    refuse(d, source, "hidden_act", lambda v: v in ("silu", "swish"), "phi3 runs SwiGLU")
+    refuse(d, source, "attention_bias", lambda v: not v, "mlx-lm's phi3 has no attention biases")
+    frac = float(d.get("partial_rotary_factor") or 1.0)
+    rope_dims = int(head_dim * frac)
+    if not 0 < frac <= 1 or rope_dims % 2:
+        raise ConfigError(f"{source}: field 'partial_rotary_factor' = {frac} must give an even "
+                          f"number of rotated dims in (0, head_dim = {head_dim}]")
+    max_pos = int(d.get("max_position_embeddings") or 131072)
+    orig = int(d.get("original_max_position_embeddings") or 4096)
+    rope = dict(theta=float(d.get("rope_theta") or 10000.0))
+    scaling = d.get("rope_scaling")
+    if scaling:
+        kind = scaling.get("type") or scaling.get("rope_type")
+        if kind == "linear":
+            factor = scaling.get("factor")
+            if not isinstance(factor, (int, float)) or not factor > 0:
+                raise ConfigError(f"{source}: rope_scaling.factor must be > 0, got {factor!r}")
+            rope["scale"] = 1.0 / float(factor)
+        elif kind in ("longrope", "su"):
+            long = scaling.get("long_factor")
+            if (not isinstance(long, list) or len(long) != rope_dims // 2
+                    or not all(isinstance(x, (int, float)) and x > 0 for x in long)):
+                raise ConfigError(f"{source}: rope_scaling.long_factor must list {rope_dims // 2} "
+                                  "positive numbers (one per rotated frequency)")
+            for key in ("long_mscale", "short_mscale", "attention_factor"):
+                if scaling.get(key) is not None:
+                    raise ConfigError(f"{source}: rope_scaling.{key} is not supported "
+                                      "(mlx-lm's phi3 derives the scale from the lengths)")
+            factor = max_pos / orig
+            rope["long"] = tuple(float(x) for x in long)
+            rope["mscale"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        else:
+            raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported by phi3 "
+                              "(supported: linear, longrope, su)")
+    window = d.get("sliding_window")
+    window = positive_int(window, "sliding_window", source) if window else None
+    bos, eos_ids = token_ids(d)
+    tie = d.get("tie_word_embeddings")
+    return Phi3Config(
+        model_type=d["model_type"],
+        vocab_size=positive_int(required(d, "vocab_size", source), "vocab_size", source),
+        hidden_size=hidden,
+        num_layers=positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=positive_int(required(d, "intermediate_size", source), "intermediate_size", source),
+        rms_norm_eps=float(required(d, "rms_norm_eps", source, 1e-5)),
+        rope_theta=rope["theta"], rope_dims=rope_dims, rope_scale=rope.get("scale", 1.0),
+        rope_long_factor=rope.get("long"), rope_mscale=rope.get("mscale", 1.0),
+        rope_traditional=bool(d.get("rope_traditional", False)),
+        sliding_window=window if window and window < max_pos else None,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=None if tie is None else bool(tie),
+        bos_token_id=bos, eos_token_ids=eos_ids,
+    )
+
+
+@attrs.frozen
+class Phi3Params(llama.Params):
+    """The Llama family's params pytree (fused qkv and gate_up, as Phi stores them) under
+    a Phi3Config; rope_freqs is unused (always None)."""
+
+
+def cache_specs(cfg: Phi3Config) -> tuple[LayerSpec, ...]:
+    return tuple(LayerSpec(cfg.num_kv_heads, cfg.head_dim, window=cfg.sliding_window)
+                 for _ in range(cfg.num_layers))
+
+
+def _rope(p: Phi3Params, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    cfg = p.config
+    rd = cfg.rope_dims
+    freqs = None
+    if cfg.rope_long_factor is not None:  # mlx-lm's SuScaledRoPE: periods times long_factor
+        freqs = mx.array(cfg.rope_long_factor, mx.float32) * (
+            cfg.rope_theta ** (mx.arange(0, rd, 2, dtype=mx.float32) / rd))
+    cos, sin, perm = rope_tables(positions, rd, base=cfg.rope_theta, scale=cfg.rope_scale,
+                                 freqs=freqs, traditional=cfg.rope_traditional)
+    if cfg.rope_mscale != 1.0:  # rotation is linear: scaling the tables scales the rotated dims
+        cos, sin = cos * cfg.rope_mscale, sin * cfg.rope_mscale
+    dt = getattr(mx, p.dtype)
+    return cos.astype(dt), sin.astype(dt), perm.astype(dt)
+
+
+def forward(
+    p: Phi3Params, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
+    span: int | None = None,
+) -> tuple[Float[mx.array, "B T H"], KVCache]:
+    """Same contract as `fx_engine.core.models.llama.forward` (its decoder, Phi's RoPE)."""
+    return llama.forward(p, cache, tokens, n_valid, span, rope_fn=_rope)
+
+
+hidden_to_logits = llama.hidden_to_logits
+
+
+def assemble(cfg: Phi3Config, src: TensorSource, opts: LoadOptions) -> Phi3Params:
+    """Params from Hugging Face / mlx-community names (projections already fused)."""
+    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    if cfg.tie_word_embeddings is None:
+        cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has("lm_head.weight"))
+    h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+
+    def lin(name: str, out_f: int, in_f: int) -> Any:
+        return finish(read_linear(src, name, out_f, in_f, opts.quant_for(name), False, where), dtype, keep)
+
+    def vec(name: str) -> mx.array:
+        return src.get(name, (h,), where).astype(dtype)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        layers.append(LayerParams(
+            attn_norm=vec(pre + "input_layernorm.weight"),
+            qkv=lin(pre + "self_attn.qkv_proj", qkv_rows, h),
+            o=lin(pre + "self_attn.o_proj", h, cfg.num_heads * hd),
+            mlp_norm=vec(pre + "post_attention_layernorm.weight"),
+            gate_up=lin(pre + "mlp.gate_up_proj", 2 * ff, h),
+            down=lin(pre + "mlp.down_proj", h, ff),
+        ))
+    embed = finish(read_linear(src, "model.embed_tokens", cfg.vocab_size, h,
+                               opts.quant_for("model.embed_tokens"), False, where), dtype, keep, table=True)
+    head = None if cfg.tie_word_embeddings else lin("lm_head", cfg.vocab_size, h)
+    return Phi3Params(embed=embed, layers=tuple(layers), norm=vec("model.norm.weight"),
+                      lm_head=head, rope_freqs=None, config=cfg, numerics=opts.numerics,
+                      dtype=opts.dtype_name)
+
+
+def checkpoint_layout(cfg: Phi3Config) -> dict[str, TensorSpec]:
+    h, hd, v, ff = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.intermediate_size
+    out = {"model.embed_tokens.weight": TensorSpec((v, h), scale=0.5)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.qkv_proj.weight"] = TensorSpec(((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, h))
+        out[p + "self_attn.o_proj.weight"] = TensorSpec((h, cfg.num_heads * hd))
+        out[p + "mlp.gate_up_proj.weight"] = TensorSpec((2 * ff, h))
+        out[p + "mlp.down_proj.weight"] = TensorSpec((h, ff))
+        out[p + "input_layernorm.weight"] = TensorSpec((h,), center=1.0)
+        out[p + "post_attention_layernorm.weight"] = TensorSpec((h,), center=1.0)
+    out["model.norm.weight"] = TensorSpec((h,), center=1.0)
+    if cfg.tie_word_embeddings is False:
+        out["lm_head.weight"] = TensorSpec((v, h), scale=0.2)
+    return out
+
+
+def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    return {"model_type": model_type, "architectures": ["Phi3ForCausalLM"], "hidden_size": 64,
+            "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 384,
+            "rope_theta": 10000.0, "max_position_embeddings": 4096,
+            "original_max_position_embeddings": 4096, "sliding_window": 2047,
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, **overrides}
+
+
+FAMILY = Family(
+    name="phi3", model_types=("phi3",), config_type=Phi3Config, params_type=Phi3Params,
+    config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
+    forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
+    first_layers=llama.first_layers, tiny_config=tiny_config,
+)
