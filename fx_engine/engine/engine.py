@@ -14,39 +14,44 @@ thread that steps (MLX's compile cache is thread-local).
 JetStream-style layout: each request is prefilled chunk by chunk on its own 1-row cache, its
 first token sampled there, then its K/V (its `length` slots) and its DecodeState row are
 inserted into a free row of the decode batch (`insert_row`, `insert_state_row`); one
-`decode_step_compiled` per step advances every active row. Planning (which pieces, which
-buckets, admission) is pure Python in `scheduler.py`; the policy is in specs/engine.md.
+`decode_step_compiled` per step advances every active row. The policy is in specs/engine.md.
+
+A step reads plan -> execute -> emit: `scheduler.plan_step` returns the step's plan as plain
+data (prefill calls) and `scheduler.plan_growth` / `plan_maintenance` the batch's memory
+upkeep; the Engine executes them on the pure steps and the decode batch (`batch.py`: rows,
+KVCache, DecodeState surgery), with speculation decided by the pure cost model in
+`speculation.py`; each sampled token is emitted through `output.py` (detokenizing, stops,
+logprobs) to the request's handle (`handles.py`). This class is the orchestrator: the
+request queue, the thread, the step, failures and trace events.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import collections
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
-from fx_engine.core.cache import (KVCache, bytes_per_token, insert_row, resize, row_view, snapshot_row, span_bucket, stack_rows, take_rows, with_lengths)
-from fx_engine.core.sampling import SamplingConfig, make_sampling_params
+from fx_engine.core.cache import (KVCache, bytes_per_token, insert_row, row_view, snapshot_row, span_bucket, stack_rows)
 from fx_engine.core.state import DecodeState, init_state
 from fx_engine.core.steps import (decode_step_compiled, prefill_step_compiled, sample_step_compiled, verify_step_compiled)
 from fx_engine.core.tree import tree_leaves, tree_replace
 from fx_engine.engine import scheduler as sched
+from fx_engine.engine.batch import DecodeBatch, insert_state_row
+from fx_engine.engine.handles import RequestHandle
+from fx_engine.engine.output import TokenOutput
 from fx_engine.engine.prefix_cache import DiskTier, PrefixStore
-from fx_engine.engine.request import (MAX_DRAFT_TOKENS, Completion, TextDelta, TokenLogprob, Usage, apply_processors, parse_request)
+from fx_engine.engine.request import MAX_DRAFT_TOKENS, TextDelta, Usage, apply_processors, parse_request
 from fx_engine.engine.request import xtc_special_tokens as _xtc_special
+from fx_engine.engine.speculation import DraftState, SpeculationPolicy
 
 __all__ = [
     "Engine", "RequestHandle", "QueueFull", "EngineClosed", "insert_row", "insert_state_row",
 ]
-
-_GREEDY = SamplingConfig()
-_END = object()
-
 
 _STARTED: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 _ATEXIT_REGISTERED = False
@@ -78,253 +83,48 @@ class EngineClosed(RuntimeError):
     """submit() after close()."""
 
 
-# --------------------------------------------------------------------------------------
-# Pure row insertion helpers
-# --------------------------------------------------------------------------------------
-
-
-def _fit_cols(x: mx.array, width: int, fill: Any, left: bool) -> mx.array:
-    """Pad [B, w] to [B, width] (w <= width), on the left (right-aligned history) or right."""
-    pad = width - x.shape[1]
-    if pad <= 0:
-        return x
-    return mx.pad(x, [(0, 0), (pad, 0) if left else (0, pad)], constant_values=fill)
-
-
-def insert_state_row(
-    state: DecodeState, row_state: DecodeState, row_index: int, params: Any
-) -> DecodeState:
-    """Put row 0 of `row_state` into row `row_index` of `state` (rows of other requests are
-    unchanged), with `params` (the rebuilt per-row SamplingParams). The history width and the
-    number of top logprobs widen to the larger of the two (history is right-aligned, -1 =
-    empty, so widening is exact)."""
-    w = max(state.history.shape[1], row_state.history.shape[1])
-    n = max(state.n_top, row_state.n_top)
-
-    def put(x: mx.array, y: mx.array) -> mx.array:
-        start = mx.array([row_index] + [0] * (x.ndim - 1), mx.int32)
-        return mx.slice_update(x, y[:1].astype(x.dtype), start, tuple(range(x.ndim)))
-
-    return tree_replace(
-        state,
-        tokens=put(state.tokens, row_state.tokens),
-        keys=put(state.keys, row_state.keys),
-        history=put(_fit_cols(state.history, w, -1, True), _fit_cols(row_state.history, w, -1, True)),
-        params=params,
-        active=put(state.active, row_state.active),
-        logprob=put(state.logprob, row_state.logprob),
-        top_ids=put(_fit_cols(state.top_ids, n, 0, False), _fit_cols(row_state.top_ids, n, 0, False)),
-        top_logprobs=put(
-            _fit_cols(state.top_logprobs, n, 0.0, False), _fit_cols(row_state.top_logprobs, n, 0.0, False)
-        ),
-        n_top=n,
-    )
-
-
-def _take_state_rows(state: DecodeState, idx: mx.array, params: Any) -> DecodeState:
-    return tree_replace(
-        state, tokens=state.tokens[idx], keys=state.keys[idx], history=state.history[idx],
-        params=params, active=state.active[idx], logprob=state.logprob[idx],
-        top_ids=state.top_ids[idx], top_logprobs=state.top_logprobs[idx],
-    )
-
-
-def _pad_state_rows(state: DecodeState, rows: int, params: Any) -> DecodeState:
-    def pad(x: mx.array, fill: Any) -> mx.array:
-        extra = rows - x.shape[0]
-        return mx.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
-
-    return tree_replace(
-        state, tokens=pad(state.tokens, 0), keys=pad(state.keys, 0), history=pad(state.history, -1),
-        params=params, active=pad(state.active, False), logprob=pad(state.logprob, 0.0),
-        top_ids=pad(state.top_ids, 0), top_logprobs=pad(state.top_logprobs, 0.0),
-    )
-
 
 # --------------------------------------------------------------------------------------
-# Requests and handles
+# Requests
 # --------------------------------------------------------------------------------------
-
-
-class RequestHandle:
-    """One submitted request. Iterate it for `TextDelta` events (a `str` with `.token_ids`,
-    `.logprobs`; the last one has `.finish_reason` and `.usage`); `.result()` waits for the
-    `Completion`; `.cancel()` cancels (finish_reason "cancelled", partial output kept).
-    A failed request raises its error from iteration and from `.result()`."""
-
-    def __init__(self, engine: "Engine", request_id: int, prompt_token_ids: tuple[int, ...]):
-        self.id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.timings: dict[str, float] = {"submitted": time.perf_counter()}
-        self._engine = engine
-        self._cond = threading.Condition()
-        self._events: collections.deque = collections.deque()
-        self._listener: Callable[[Any], None] | None = None
-        self._done = False
-        self._completion: Completion | None = None
-        self._error: BaseException | None = None
-        self._cancel = False
-
-    # ---- called by the engine (its thread) ----
-    def _deliver(self, ev: Any) -> None:
-        """Hand one event to the consumer (under _cond). A delivery channel that fails (the
-        asyncio loop of an `aiter()` closed) ends this request only: the listener is
-        dropped and the request cancelled; the engine and other requests never see it."""
-        if self._listener is None:
-            self._events.append(ev)
-            return
-        try:
-            self._listener(ev)
-        except Exception:
-            self._listener = None
-            self._cancel = True
-
-    def _emit(self, ev: Any) -> None:
-        with self._cond:
-            self._deliver(ev)
-            self._cond.notify_all()
-
-    def _finish(self, completion: Completion | None, error: BaseException | None) -> None:
-        with self._cond:
-            self._completion, self._error, self._done = completion, error, True
-            if self._listener is not None:
-                self._deliver(_END)
-            self._cond.notify_all()
-
-    # ---- public ----
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    @property
-    def cancelled(self) -> bool:
-        return self._done and self._completion is not None and self._completion.finish_reason == "cancelled"
-
-    def cancel(self) -> None:
-        """Ask the engine to cancel; the row is freed at the start of the next step."""
-        self._cancel = True
-        self._engine._wake()
-
-    def _next(self, timeout: float | None) -> Any:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._cond:
-                if self._events:
-                    return self._events.popleft()
-                if self._done:
-                    if self._error is not None:
-                        raise self._error
-                    return _END
-                if self._engine.running:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise TimeoutError(f"request {self.id}: no event within {timeout} s")
-                    self._cond.wait(0.05 if left is None else min(0.05, left))
-                    continue
-            self._engine.step()
-
-    def __iter__(self) -> Iterator[TextDelta]:
-        while True:
-            ev = self._next(None)
-            if ev is _END:
-                return
-            yield ev
-
-    def result(self, timeout: float | None = None) -> Completion:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._cond:
-                if self._done:
-                    if self._error is not None:
-                        raise self._error
-                    assert self._completion is not None
-                    return self._completion
-                if self._engine.running:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise TimeoutError(f"request {self.id} not finished within {timeout} s")
-                    self._cond.wait(0.05 if left is None else min(0.05, left))
-                    continue
-            self._engine.step()
-
-    async def aresult(self) -> Completion:
-        """`result()` for asyncio code: awaits the Completion without blocking the loop."""
-        async for _ in self.aiter():
-            pass
-        return self.result()
-
-    async def aiter(self):
-        """Async iteration: `async for delta in handle.aiter()`. With a started engine the
-        events arrive through loop.call_soon_threadsafe; otherwise this drives engine.step()
-        on the event loop's thread between awaits."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        with self._cond:
-            pending = list(self._events)
-            self._events.clear()
-            done = self._done
-            if not done:
-                self._listener = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
-        for ev in pending:
-            yield ev
-        if not done:
-            while True:
-                if not self._engine.running and q.empty():
-                    self._engine.step()
-                    await asyncio.sleep(0)
-                    continue
-                ev = await q.get()
-                if ev is _END:
-                    break
-                yield ev
-        if self._error is not None:
-            raise self._error
 
 
 class _Request:
-    """Engine-side per-request state (dropped when the request finishes)."""
+    """Engine-side per-request state (dropped when the request finishes). Its output so far
+    is `out` (output.TokenOutput; `generated` is `out.generated`), its speculation state
+    `spec` (speculation.DraftState)."""
 
     __slots__ = (
-        "handle", "ids", "cfg", "max_tokens", "stops", "detok", "want_logprobs", "need",
-        "prefilled", "pcache", "row", "cache_len", "generated", "text", "lps", "phase",
-        "t_admit", "t_first", "row_state", "processors", "drafter", "row_drafter", "k_max",
-        "k", "skip", "misses", "drafted", "accepted", "alpha", "cached", "salt",
+        "handle", "ids", "cfg", "max_tokens", "out", "generated", "want_logprobs", "need",
+        "prefilled", "pcache", "row", "cache_len", "phase", "t_admit", "t_first", "row_state",
+        "processors", "drafter", "row_drafter", "spec", "cached", "salt",
     )
 
-    def __init__(self, handle, ids, cfg, max_tokens, stops, want_logprobs, processors=(),
-                 drafter=None, k_max=0, salt=None):
+    def __init__(self, handle, ids, cfg, max_tokens, out, processors=(), drafter=None,
+                 k_max=0, salt=None):
         self.handle = handle
         self.salt = salt  # the prefix-cache scope (cache_salt)
         self.ids = ids
         self.cfg = cfg
         self.max_tokens = max_tokens
-        self.stops = stops
-        self.detok = None
-        self.want_logprobs = want_logprobs
+        self.out = out
+        self.generated: list[int] = out.generated
+        self.want_logprobs = out.want_logprobs
         self.need = len(ids) + max_tokens
         self.prefilled = 0
         self.pcache: KVCache | None = None
         self.row: int | None = None
         self.cache_len = 0
-        self.generated: list[int] = []
-        self.text: list[str] = []
-        self.lps: list[TokenLogprob] = []
         self.phase = "queued"
         self.t_admit = 0.0
         self.t_first = 0.0
         self.row_state: DecodeState | None = None
         self.processors = processors
         # speculative decoding: the request's drafter, its per-row state, the adaptive draft
-        # length (k <= k_max), steps left without drafting (back-off), counters for usage
+        # length and counters
         self.drafter = drafter
         self.row_drafter = None
-        self.k_max = k_max
-        self.k = k_max
-        self.skip = 0
-        self.misses = 0
-        self.drafted = 0
-        self.accepted = 0
-        self.alpha = 0.6  # EMA of the per-token acceptance rate (a prior until measured)
+        self.spec = DraftState(k_max)
         self.cached = 0  # prompt tokens restored from the prefix cache
 
 
@@ -445,18 +245,21 @@ class Engine:
         self._step_lock = threading.Lock()
         self._next_id = 0
         self.steps = 0
-        # Measured step costs (EMA seconds) per (row bucket, K); K = 0 is a decode step.
-        # Speculation is chosen per step from these (see _choose_k).
-        self._cost: dict[tuple[int, int], float] = {}
-        self._draft_seconds = 0.0  # EMA of the drafters' time per speculating step
+        # The speculation cost model: measured step costs per (row bucket, K), K chosen
+        # per step from them (engine/speculation.py).
+        self._spec = SpeculationPolicy()
 
         # engine-thread state
         self._prefilling: list[_Request] = []
         self._prefill_calls = 0  # prefill_step calls so far (the `call` of prefill events)
-        self._rows: list[_Request | None] = []
-        self._cache: KVCache | None = None
-        self._state: DecodeState | None = None
-        self._active_dirty = False
+        # the decode batch: its rows (requests), KVCache and DecodeState (engine/batch.py)
+        self._batch = DecodeBatch(model, self._headroom, c.vocab_size, self._special, max_rows,
+                                  kv_budget_tokens, self._trace)
+
+    @property
+    def _cache(self) -> KVCache | None:
+        """The decode batch's cache (None: no batch)."""
+        return self._batch.cache
 
     # ---------------------------------------------------------------- public API
     @property
@@ -537,18 +340,19 @@ class Engine:
     def has_work(self) -> bool:
         with self._lock:
             pending = bool(self._pending)
-        return pending or bool(self._prefilling) or any(r is not None for r in self._rows)
+        return pending or bool(self._prefilling) or self._batch.any_live()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             queued = len(self._pending)
-        cache = self._cache
+        batch = self._batch
+        cache, rows = batch.cache, batch.rows
         pcaches = [pc for r in list(self._prefilling) if (pc := r.pcache) is not None]
         return {
             "queued": queued,
             "prefilling": len(self._prefilling),
-            "decoding": sum(r is not None for r in self._rows),
-            "rows": len(self._rows),
+            "decoding": sum(r is not None for r in rows),
+            "rows": len(rows),
             "capacity": 0 if cache is None else cache.capacity,
             "cache_bytes": 0 if cache is None else cache.nbytes,
             "prefill_cache_bytes": sum(c.nbytes for c in pcaches),
@@ -576,8 +380,10 @@ class Engine:
                 f"row and its prefill cache), more than the KV budget of "
                 f"{self.kv_budget_tokens} tokens"
             )
-        return _Request(None, ids, r.sampling, max_tokens, r.stops, r.n_top > 0,
-                        r.processors, r.drafter, r.num_draft_tokens, r.cache_salt), ids
+        out = TokenOutput(self.model.tokenizer, self.eos, r.stops, max_tokens, r.n_top > 0,
+                          r.sampling.logprobs)
+        return _Request(None, ids, r.sampling, max_tokens, out, r.processors, r.drafter,
+                        r.num_draft_tokens, r.cache_salt), ids
 
     def _wake(self) -> None:
         with self._lock:
@@ -621,7 +427,7 @@ class Engine:
         mx.clear_streams()
 
     def _live_rows(self) -> bool:
-        return any(r is not None for r in self._rows)
+        return self._batch.any_live()
 
     def _trace(self, kind: str, t: float | None = None, **fields: Any) -> None:
         self.trace_events.append({"t": time.perf_counter() if t is None else t, "step": self.steps,
@@ -640,6 +446,10 @@ class Engine:
         return self.has_work()
 
     def _step(self) -> None:
+        """Plan -> execute -> emit: retire cancelled requests and admit; plan the step
+        (`scheduler.plan_step`: plain data); execute its prefill calls, insert the requests
+        they finished, run one decode/verify step over the batch (tokens are emitted as they
+        are read back, `_on_token`); then the batch's upkeep (`scheduler.plan_maintenance`)."""
         t0 = time.perf_counter()
         self.steps += 1
         if self._abort:
@@ -647,15 +457,15 @@ class Engine:
         self._retire_cancelled()
         self._admit()
 
-        decoding = [r for r in self._rows if r is not None]
-        calls = sched.group_prefill(
-            len(decoding),
-            [(i, len(r.ids) - r.prefilled, self._prefill_slots(r)) for i, r in enumerate(self._prefilling)],
+        batch, prefilling = self._batch, self._prefilling
+        plan = sched.plan_step(
+            sum(r is not None for r in batch.rows),
+            [(i, len(r.ids) - r.prefilled, self._prefill_slots(r)) for i, r in enumerate(prefilling)],
             self.prefill_chunk, self.step_token_budget, self.max_rows,
         )
         # resolved before any call runs: a call can retire requests (errors, a first token
         # that finishes), which shifts the indices
-        calls = [(size, [(self._prefilling[i], n) for i, n in members]) for size, members in calls]
+        calls = [(size, [(prefilling[i], n) for i, n in members]) for size, members in plan.prefill]
         finished_prefill: list[_Request] = []
         for size, pieces in calls:
             finished_prefill += self._prefill_call(size, pieces)
@@ -664,9 +474,9 @@ class Engine:
                 self._prefilling.remove(req)
                 self._insert(req)
 
-        if any(r is not None for r in self._rows):
+        if batch.any_live():
             self._decode()
-        self._maintain()
+        batch.maintain(bool(self._prefilling))
         self._trace("step", seconds=time.perf_counter() - t0)
 
     # ---------------------------------------------------------------- admission
@@ -676,7 +486,7 @@ class Engine:
                 if not self._pending:
                     return
                 req = self._pending[0]
-                needs = [r.need for r in self._prefilling] + [r.need for r in self._rows if r is not None]
+                needs = [r.need for r in self._prefilling] + [r.need for r in self._batch.live()]
                 prefilling = [self._prefill_slots(r) for r in self._prefilling]
                 if not sched.can_admit(needs, req.need, self.max_rows, self.kv_budget_tokens,
                                        prefilling, self._prefill_slots(req)):
@@ -685,7 +495,7 @@ class Engine:
             req.phase = "prefill"
             req.t_admit = time.perf_counter()
             req.handle.timings["admitted"] = req.t_admit
-            req.detok = self.model.tokenizer.detokenizer()
+            req.out.detok = self.model.tokenizer.detokenizer()
             self._prefilling.append(req)
             self._restore_prefix(req)
             self._trace("admit", request=req.handle.id, prompt_tokens=len(req.ids),
@@ -807,8 +617,8 @@ class Engine:
         token = int(row_state.tokens[0].item())
         lp = None
         if req.want_logprobs:
-            lp = self._logprob(req, token, float(row_state.logprob[0].item()),
-                               row_state.top_ids[0].tolist(), row_state.top_logprobs[0].tolist())
+            lp = req.out.logprob(token, float(row_state.logprob[0].item()),
+                                 row_state.top_ids[0].tolist(), row_state.top_logprobs[0].tolist())
         req.row_state = row_state
         self._on_token(req, token, lp)
 
@@ -816,67 +626,23 @@ class Engine:
         return sched.prefill_slots(len(req.ids), self.prefill_chunk)
 
     # ---------------------------------------------------------------- insertion
-    def _row_params(self) -> Any:
-        cfgs = [r.cfg if r is not None else _GREEDY for r in self._rows]
-        return make_sampling_params(cfgs, self._c.vocab_size, self._special)
-
     def _insert(self, req: _Request) -> None:
         row_state, req.row_state = req.row_state, None
+        batch = self._batch
         try:
-            if self._cache is None:
-                self._resize_rows(1, capacity=sched.capacity_bucket(req.cache_len + 1))
-            self._ensure_capacity(req.cache_len + 1)
-            row = self._free_row()
-            self._rows[row] = req
-            req.row = row
-            params = self._row_params()
-            self._cache = insert_row(self._cache, req.pcache, row, req.cache_len)
-            self._state = insert_state_row(self._state, row_state, row, params)
+            row = batch.insert(req, req.pcache, row_state, req.cache_len)
             req.pcache = None
             req.phase = "decode"
-            mx.eval(*tree_leaves(self._cache), *tree_leaves(self._state))
         except Exception as e:
             self._fail(req, e)
             return
-        self._trace("insert", request=req.handle.id, row=row, rows=len(self._rows),
-                    capacity=self._cache.capacity)
-
-    def _free_row(self) -> int:
-        for i, r in enumerate(self._rows):
-            if r is None:
-                return i
-        live = len(self._rows)
-        new_rows = sched.row_bucket(live + 1, self.max_rows)
-        self._resize_rows(new_rows)
-        return live
-
-    def _resize_rows(self, rows: int, capacity: int = sched.MIN_CAPACITY) -> None:
-        c = self._c
-        old = len(self._rows)
-        self._rows = self._rows + [None] * (rows - old)
-        if self._cache is None:
-            self._cache = self.model.new_cache(rows, capacity, headroom=self._headroom)
-            self._state = init_state([_GREEDY] * rows, [[0]] * rows, c.vocab_size, self._special)
-            self._state = tree_replace(self._state, active=mx.zeros((rows,), mx.bool_))
-        else:
-            self._cache = resize(self._cache, rows=rows)
-            self._state = _pad_state_rows(self._state, rows, self._row_params())
-        self._trace("resize", rows=rows, capacity=self._cache.capacity)
-
-    def _ensure_capacity(self, needed: int) -> None:
-        if self._cache is None or needed <= self._cache.capacity:
-            return
-        cap = sched.capacity_bucket(needed)
-        budget = self.kv_budget_tokens
-        if budget is not None and len(self._rows) * cap > budget:
-            live = sum(r is not None for r in self._rows)
-            self._compact(sched.row_bucket(live, self.max_rows))
-        self._cache = resize(self._cache, capacity=cap)
-        self._trace("resize", rows=len(self._rows), capacity=cap)
+        self._trace("insert", request=req.handle.id, row=row, rows=len(batch.rows),
+                    capacity=batch.cache.capacity)
 
     # ---------------------------------------------------------------- decode
     def _decode(self) -> None:
-        live = [r for r in self._rows if r is not None]
+        batch = self._batch
+        live = batch.live()
         if not any(r.processors for r in live) and any(r.drafter is not None for r in live):
             # Ask drafters only when speculating is expected to pay (their work is not free),
             # then decide again with the drafts actually proposed.
@@ -884,42 +650,45 @@ class Engine:
             if plan:
                 t0 = time.perf_counter()
                 drafts = self._propose(plan)
-                self._draft_seconds = 0.7 * self._draft_seconds + 0.3 * (time.perf_counter() - t0)
-                live = [r for r in self._rows if r is not None]  # a drafter may fail its row
-                k = self._choose_k({r: len(t) for r, (t, _) in drafts.items()}, len(live)) if drafts else 0
+                self._spec.observe_drafting(time.perf_counter() - t0)
+                live = batch.live()  # a drafter may fail its row
+                k = self._spec.choose_k(
+                    len(batch.rows), [(r.spec.alpha, len(t)) for r, (t, _) in drafts.items()],
+                    len(live)) if drafts else 0
                 if k:
                     return self._decode_speculative(
                         {r: (t[:k], None if p is None else p[:k]) for r, (t, p) in drafts.items()}, k)
             if not live:
                 return
         max_len = max(r.cache_len for r in live)
-        self._ensure_capacity(max_len + 1)  # may compact: row indices are read after it
-        active = [r is not None for r in self._rows]
-        state = tree_replace(self._state, active=mx.array(active))
-        self._state = None
-        span = span_bucket(max_len + 1, self._cache.capacity)
+        batch.ensure_capacity(max_len + 1)  # may compact: row indices are read after it
+        rows = batch.rows
+        state = tree_replace(batch.state, active=mx.array([r is not None for r in rows]))
+        batch.state = None
+        span = span_bucket(max_len + 1, batch.cache.capacity)
         t0 = time.perf_counter()
         traces = decode_step_compiled.traces
         failed: dict[int, BaseException] = {}
         if any(r.processors for r in live):
             state, cache = self._decode_with_processors(state, span, failed)
         else:  # the fast path: forward and sampling in one compiled step
-            state, cache = decode_step_compiled(self.params, self._cache, state, span=span)
+            state, cache = decode_step_compiled(self.params, batch.cache, state, span=span)
         host = time.perf_counter() - t0
-        self._cache = None
+        batch.cache = None
         mx.eval(*tree_leaves(state), *tree_leaves(cache))
-        self._state, self._cache = state, cache
+        batch.state, batch.cache = state, cache
         toks = state.tokens.tolist()
-        want_lp = any(r.want_logprobs for r in live)
-        if want_lp:
+        lps = top_ids = top_vals = None
+        if any(r.want_logprobs for r in live):
             lps, top_ids, top_vals = state.logprob.tolist(), state.top_ids.tolist(), state.top_logprobs.tolist()
         seconds = time.perf_counter() - t0
         if decode_step_compiled.traces == traces and not failed:
-            self._observe(0, seconds)
-        self._trace("decode", batch=len(live), rows=len(self._rows), capacity=cache.capacity,
+            self._spec.observe(len(rows), 0, seconds)
+        self._trace("decode", batch=len(live), rows=len(rows), capacity=cache.capacity,
                     span=span, requests=[r.handle.id for r in live], seconds=seconds,
                     host_seconds=host)
-        for row, req in enumerate(self._rows):
+        # emit: each row's token through its output (stops, detokenizing, logprobs)
+        for row, req in enumerate(rows):
             if req is None:
                 continue
             req.cache_len += 1
@@ -930,29 +699,18 @@ class Engine:
                 tok = toks[row]
                 lp = None
                 if req.want_logprobs:
-                    lp = self._logprob(req, tok, lps[row], top_ids[row], top_vals[row])
+                    lp = req.out.logprob(tok, lps[row], top_ids[row], top_vals[row])
                 self._on_token(req, tok, lp)
             except Exception as e:
                 self._fail(req, e)
 
     # ---------------------------------------------------------------- speculation
     def _plan_drafts(self, live: list[_Request]) -> dict[_Request, int]:
-        """How many tokens to ask each speculating row for this step ({}: do not draft).
-        Rows with XTC never speculate; rows backing off skip; the draft length is the row's
-        adaptive k, capped by what it may still generate."""
-        plan = {}
-        for req in live:
-            if req.drafter is None or req.cfg.xtc_probability > 0:
-                continue
-            if req.skip > 0:  # backing off after drafts that kept failing
-                req.skip -= 1
-                continue
-            k = min(req.k, req.max_tokens - len(req.generated) - 1)
-            if k > 0:
-                plan[req] = k
-        if plan and not self._choose_k(plan, len(live), self._draft_seconds):
-            return {}
-        return plan
+        """How many tokens to ask each speculating row for this step ({}: do not draft):
+        the policy's `plan_drafts` over the rows that may speculate (a drafter, no XTC)."""
+        candidates = {r: (r.spec, r.max_tokens - len(r.generated)) for r in live
+                      if r.drafter is not None and not r.cfg.xtc_probability > 0}
+        return self._spec.plan_drafts(len(self._batch.rows), candidates, len(live))
 
     def _propose(self, plan: dict[_Request, int]) -> dict[_Request, Any]:
         """Ask each planned row's drafter for up to k tokens. A drafter that raises or
@@ -990,12 +748,14 @@ class Engine:
     def _decode_speculative(self, drafts: dict[_Request, Any], k: int) -> None:
         """One verify step over the whole batch: rows with drafts verify them, the others
         decode (n_draft = 0 samples as a decode step does)."""
-        live = [r for r in self._rows if r is not None]
+        batch = self._batch
+        live = batch.live()
         # Room for each row's own drafts (padding goes to the sink); may compact the rows,
         # so row indices are read after it.
         needed = max(r.cache_len + len(drafts.get(r, ((), None))[0]) + 1 for r in live)
-        self._ensure_capacity(needed)
-        b = len(self._rows)
+        batch.ensure_capacity(needed)
+        rows_ = batch.rows
+        b = len(rows_)
         arr = [[0] * k for _ in range(b)]
         n = [0] * b
         for req, (toks, _) in drafts.items():
@@ -1006,109 +766,51 @@ class Engine:
             v = self._c.vocab_size
             rows = []
             for row in range(b):
-                req = self._rows[row]
+                req = rows_[row]
                 toks, p = drafts.get(req, ((), None)) if req is not None else ((), None)
                 if p is None:  # deterministic drafts: a point mass on each token
                     p = mx.zeros((len(toks), v)) if not toks else (
                         mx.arange(v)[None, :] == mx.array(toks)[:, None]).astype(mx.float32)
                 rows.append(mx.pad(p.astype(mx.float32), [(0, k - p.shape[0]), (0, 0)]))
             probs = mx.stack(rows)
-        state = tree_replace(self._state, active=mx.array([r is not None for r in self._rows]))
-        self._state = None
+        state = tree_replace(batch.state, active=mx.array([r is not None for r in rows_]))
+        batch.state = None
         max_len = max(r.cache_len for r in live)
-        span = span_bucket(max_len + k + 1, self._cache.capacity)
+        span = span_bucket(max_len + k + 1, batch.cache.capacity)
         t0 = time.perf_counter()
         traces = verify_step_compiled.traces
         state, cache, res = verify_step_compiled(
-            self.params, self._cache, state, mx.array(arr, mx.int32), mx.array(n, mx.int32),
+            self.params, batch.cache, state, mx.array(arr, mx.int32), mx.array(n, mx.int32),
             probs, span=span)
         host = time.perf_counter() - t0
-        self._cache = None
+        batch.cache = None
         mx.eval(*tree_leaves(state), *tree_leaves(cache), *tree_leaves(res))
-        self._state, self._cache = state, cache
+        batch.state, batch.cache = state, cache
         toks, counts, acc = res.tokens.tolist(), res.count.tolist(), res.accepted.tolist()
         if any(r.want_logprobs for r in live):
             lps, top_ids, top_vals = res.logprobs.tolist(), res.top_ids.tolist(), res.top_logprobs.tolist()
         seconds = time.perf_counter() - t0
         if verify_step_compiled.traces == traces:
-            self._observe(k, seconds)
+            self._spec.observe(b, k, seconds)
         self._trace("verify", batch=len(live), rows=b, k=k, drafted=sum(n), accepted=sum(acc),
                     capacity=cache.capacity, span=span, requests=[r.handle.id for r in live],
                     seconds=seconds, host_seconds=host)
-        for row, req in enumerate(self._rows):
+        # emit: each row's accepted drafts and correction/bonus token, in order
+        for row, req in enumerate(rows_):
             if req is None:
                 continue
             req.cache_len += counts[row]
             if n[row]:
-                self._adapt(req, n[row], acc[row])
+                req.spec.adapt(n[row], acc[row])
             try:
                 for i in range(counts[row]):
                     lp = None
                     if req.want_logprobs:
-                        lp = self._logprob(req, toks[row][i], lps[row][i], top_ids[row][i], top_vals[row][i])
+                        lp = req.out.logprob(toks[row][i], lps[row][i], top_ids[row][i], top_vals[row][i])
                     if self._on_token(req, toks[row][i], lp):
                         break
             except Exception as e:
                 self._fail(req, e)
-
-    def _observe(self, k: int, seconds: float) -> None:
-        key = (len(self._rows), k)
-        old = self._cost.get(key)
-        self._cost[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
-
-    def _step_cost(self, k: int) -> float | None:
-        """Expected seconds of a step with K = k (0: decode) at the current row bucket:
-        measured, else the decode cost times 1 + k/4 (the measured order on CPU: a verify
-        of K=4 costs 1.75-1.9x a decode step, docs/benchmarks.md)."""
-        rows = len(self._rows)
-        c = self._cost.get((rows, k))
-        if c is not None:
-            return c
-        base = self._cost.get((rows, 0))
-        return None if base is None else base * (1 + k / 4)
-
-    def _choose_k(self, lengths: dict[_Request, int], live: int, extra: float = 0.0) -> int:
-        """Speculate only when it pays: pick the K bucket maximising expected tokens per
-        second, (live rows + expected accepted drafts) / (cost(K) + extra), and verify only
-        if that beats plain decoding's live / cost(0). `lengths`: each drafting row's draft
-        length; expected accepted drafts of a row with n tokens and per-token acceptance a:
-        a + a^2 + ... + a^n. `extra`: the drafters' expected time (before proposing).
-        Returns 0 for a plain decode step (also until a decode step has been timed)."""
-        base = self._step_cost(0)
-        if base is None:
-            return 0
-        best_k, best = 0, live / base
-        longest = sched.pow2_ceil(max(lengths.values()))
-        k = 1
-        while k <= longest:
-            cost = self._step_cost(k) + extra
-            gain = live
-            for req, n in lengths.items():
-                a = req.alpha
-                gain += sum(a ** i for i in range(1, min(k, n) + 1))
-            if gain / cost > best * 1.02:
-                best_k, best = k, gain / cost
-            k *= 2
-        return best_k
-
-    @staticmethod
-    def _adapt(req: _Request, drafted: int, accepted: int) -> None:
-        """Per-row draft length: double after a fully accepted draft, else just past what
-        was accepted; two fully rejected drafts in a row back off (skip 2, 4, ... up to 64
-        steps of plain decoding) so a row whose drafts keep failing stops paying for them."""
-        req.drafted += drafted
-        req.accepted += accepted
-        req.alpha = 0.7 * req.alpha + 0.3 * (accepted / drafted)
-        if accepted == drafted:
-            req.k = min(req.k_max, 2 * req.k)
-        else:
-            req.k = max(1, accepted + 1)
-        if accepted:
-            req.misses = 0
-        else:
-            req.misses += 1
-            if req.misses >= 2:
-                req.skip = min(64, 2 ** (req.misses - 1))
 
     def _decode_with_processors(
         self, state: DecodeState, span: int, failed: dict[int, BaseException]
@@ -1117,13 +819,14 @@ class Engine:
         one-token prefill_step), the processors eagerly per row, then sample_step. A row
         whose processor raises keeps its unprocessed logits and is failed by the caller;
         the other rows are unaffected."""
+        batch = self._batch
         logits, cache = prefill_step_compiled(
-            self.params, self._cache, state.tokens[:, None], state.active.astype(mx.int32),
+            self.params, batch.cache, state.tokens[:, None], state.active.astype(mx.int32),
             span=span,
         )
-        self._cache = None
+        batch.cache = None
         rows = [logits[i : i + 1] for i in range(logits.shape[0])]
-        for i, req in enumerate(self._rows):
+        for i, req in enumerate(batch.rows):
             if req is None or not req.processors:
                 continue
             try:
@@ -1133,47 +836,27 @@ class Engine:
                 failed[i] = e
         return sample_step_compiled(state, mx.concatenate(rows, axis=0)), cache
 
-    def _logprob(self, req: _Request, token: int, value: float, ids: Sequence[int],
-                 vals: Sequence[float]) -> tuple[TokenLogprob, ...]:
-        known, decode = self._known, self.model.tokenizer.decode
-        dec = lambda ids: decode(ids) if ids[0] < known else ""  # noqa: E731
-        n = req.cfg.logprobs
-        top = tuple((int(i), dec([int(i)]), float(v)) for i, v in list(zip(ids, vals))[:n])
-        return (TokenLogprob(token, dec([token]), float(value), top),)
-
-    # ---------------------------------------------------------------- per-token shell logic
+    # ---------------------------------------------------------------- emit
     def _on_token(self, req: _Request, token: int, lp: Any) -> bool:
-        """Stops, detokenization, events for one sampled token. Returns True if finished."""
+        """One sampled token through the request's output (output.TokenOutput: stops,
+        detokenization, logprobs), its event to the handle. Returns True if finished."""
         if self.fault_hook is not None:
             self.fault_hook("token", req.handle)
-        if token in self.eos:
-            self._complete(req, "stop")
-            return True
-        req.generated.append(token)
-        text = req.stops.feed(req.detok.add(token) if token < self._known else "")
-        if lp:
-            req.lps.extend(lp)
-        req.text.append(text)
-        req.handle._emit(TextDelta(text, (token,), lp))
-        if req.stops.stopped:
-            self._complete(req, "stop")
-            return True
-        if len(req.generated) >= req.max_tokens:
-            self._complete(req, "length")
+        delta, reason = req.out.add(token, lp)
+        if delta is not None:
+            req.handle._emit(delta)
+        if reason is not None:
+            self._complete(req, reason)
             return True
         return False
 
     def _complete(self, req: _Request, reason: str) -> None:
-        if req.row is not None and self._cache is not None and self._rows[req.row] is req:
+        batch = self._batch
+        if req.row is not None and batch.cache is not None and batch.rows[req.row] is req:
             # the conversation so far (prompt + generated tokens in the cache) for later turns
-            self._snapshot(req, (list(req.ids) + req.generated)[: req.cache_len], self._cache,
+            self._snapshot(req, (list(req.ids) + req.generated)[: req.cache_len], batch.cache,
                            req.row)
-        if reason == "stop" and req.stops.stopped:
-            tail = ""
-        else:
-            tail = req.stops.feed(req.detok.finalize()) if req.detok is not None else ""
-        tail += req.stops.flush()
-        req.text.append(tail)
+        tail = req.out.finish(reason)
         now = time.perf_counter()
         t_first = req.t_first or now
         usage = Usage(
@@ -1181,15 +864,11 @@ class Engine:
             cached_tokens=req.cached,
             prompt_seconds=(t_first - req.t_admit) if req.t_admit else 0.0,
             generation_seconds=now - t_first,
-            drafted_tokens=req.drafted, accepted_tokens=req.accepted,
+            drafted_tokens=req.spec.drafted, accepted_tokens=req.spec.accepted,
         )
         h = req.handle
         h.timings["finished"] = now
-        completion = Completion(
-            text="".join(req.text), token_ids=tuple(req.generated), finish_reason=reason,
-            logprobs=tuple(req.lps) if req.want_logprobs else None, usage=usage,
-            prompt_token_ids=tuple(req.ids),
-        )
+        completion = req.out.completion(reason, usage, req.ids)
         self._release(req, reason)
         h._emit(TextDelta(tail, (), None, reason, usage))
         h._finish(completion, None)
@@ -1206,12 +885,9 @@ class Engine:
         phase, req.phase = req.phase, "done"
         if phase == "prefill" and req in self._prefilling:
             self._prefilling.remove(req)
-        if req.row is not None and self._rows and self._rows[req.row] is req:
-            row = req.row
-            self._rows[row] = None
-            if self._cache is not None:
-                mask = mx.arange(len(self._rows)) == row
-                self._cache = with_lengths(self._cache, mx.where(mask, 0, self._cache.lengths))
+        rows = self._batch.rows
+        if req.row is not None and rows and rows[req.row] is req:
+            self._batch.release(req.row)
         req.pcache = None
         self._trace("retire", request=req.handle.id, row=req.row, reason=reason,
                     generated=len(req.generated), **fields)
@@ -1225,7 +901,7 @@ class Engine:
         for r in gone:
             r.phase = "queued"
             self._complete(r, "cancelled")
-        for r in list(self._prefilling) + [r for r in self._rows if r is not None]:
+        for r in list(self._prefilling) + self._batch.live():
             if r.handle._cancel and r.phase != "done":
                 self._complete(r, "cancelled")
 
@@ -1233,57 +909,15 @@ class Engine:
         with self._lock:
             for r in self._pending:
                 r.handle._cancel = True
-        for r in list(self._prefilling) + [r for r in self._rows if r is not None]:
+        for r in list(self._prefilling) + self._batch.live():
             r.handle._cancel = True
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
             pending = list(self._pending)
             self._pending.clear()
-        for r in pending + list(self._prefilling) + [r for r in self._rows if r is not None]:
+        for r in pending + list(self._prefilling) + self._batch.live():
             if r.phase != "done":
                 self._fail(r, error)
-        self._cache, self._state, self._rows, self._prefilling = None, None, [], []
-
-    # ---------------------------------------------------------------- memory upkeep
-    def _compact(self, target: int) -> None:
-        """Gather the live rows into rows 0..live-1 of a `target`-row batch (a copy)."""
-        rows = len(self._rows)
-        live_idx = [i for i, r in enumerate(self._rows) if r is not None]
-        spare = [r for r in range(rows) if r not in live_idx]
-        idx = live_idx + spare[: max(0, target - len(live_idx))]
-        gather = mx.array(idx, mx.int32)
-        self._cache = take_rows(self._cache, gather)
-        self._rows = [self._rows[i] for i in live_idx] + [None] * (len(idx) - len(live_idx))
-        for i, r in enumerate(self._rows):
-            if r is not None:
-                r.row = i
-        self._state = _take_state_rows(self._state, gather, self._row_params())
-        mask = mx.arange(len(idx)) >= len(live_idx)
-        self._cache = with_lengths(self._cache, mx.where(mask, 0, self._cache.lengths))
-        if len(idx) < target:
-            self._resize_rows(target)
-        self._trace("compact", rows=len(self._rows), live=len(live_idx))
-
-    def _maintain(self) -> None:
-        if self._cache is None:
-            return
-        live_idx = [i for i, r in enumerate(self._rows) if r is not None]
-        if not live_idx:
-            if not self._prefilling:
-                self._cache, self._state, self._rows = None, None, []
-                self._trace("resize", rows=0, capacity=0)
-            return
-        rows = len(self._rows)
-        target = sched.shrink_rows_target(len(live_idx), rows, self.max_rows)
-        budget = self.kv_budget_tokens
-        over = budget is not None and rows * self._cache.capacity > budget
-        if target is None and over:
-            target = sched.row_bucket(len(live_idx), self.max_rows)
-        if target is not None and (target < rows or live_idx != list(range(len(live_idx)))):
-            self._compact(target)
-        max_len = max(r.cache_len for r in self._rows if r is not None)
-        cap = sched.shrink_capacity_target(max_len, self._cache.capacity)
-        if cap is not None:
-            self._cache = resize(self._cache, capacity=cap)
-            self._trace("resize", rows=len(self._rows), capacity=cap)
+        self._batch.drop()
+        self._prefilling = []

@@ -24,7 +24,8 @@ from fx_engine.core.sampling import SamplingConfig
 from fx_engine.core.state import init_state
 from fx_engine.core.steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
 from fx_engine.core.tree import tree_leaves
-from fx_engine.engine.request import (PREFILL_CHUNK, Completion, TextDelta, TokenLogprob, Usage, apply_processors, bucket, parse_request, prompt_ids, xtc_special_tokens)
+from fx_engine.engine.output import TokenOutput
+from fx_engine.engine.request import (PREFILL_CHUNK, Completion, TextDelta, Usage, apply_processors, bucket, parse_request, prompt_ids, xtc_special_tokens)
 from fx_engine.engine.stops import StopMatcher
 
 MIN_CAPACITY = 256
@@ -61,7 +62,6 @@ def _reference_run(
     want_logprobs: bool, prefill_chunk: int, processors: tuple = (),
 ) -> Iterator[TextDelta]:
     tok = model.tokenizer
-    eos = set(model.eos_ids)
     params = model.params
     c = model.config
 
@@ -84,33 +84,25 @@ def _reference_run(
     mx.eval(tree_leaves(state))
     t1 = time.perf_counter()
 
-    detok = tok.detokenizer()
-    known = tok.vocab_size  # models may pad their vocabulary past the tokenizer's
-    piece = lambda i: tok.decode([i]) if i < known else ""  # noqa: E731
-    generated: list[int] = []
-    finish = "length"
+    # The per-token output (detokenizing, stops, logprobs, length) is the Engine's own
+    # (engine/output.py), so the two report tokens the same way.
+    out = TokenOutput(tok, frozenset(model.eos_ids), stops, max_tokens, want_logprobs,
+                      cfg.logprobs)
+    out.detok = tok.detokenizer()
+    generated = out.generated
     gen_time_start = t1
     while True:
         token = int(state.tokens[0].item())
         lp = None
         if want_logprobs:
-            top = tuple(
-                (int(i), piece(int(i)), float(v))
-                for i, v in zip(state.top_ids[0].tolist(), state.top_logprobs[0].tolist())
-            )
-            lp = (TokenLogprob(token, piece(token), float(state.logprob[0].item()), top),)
-        if token in eos:
-            finish = "stop"
-            break
-        generated.append(token)
-        text = stops.feed(detok.add(token) if token < known else "")
-        done_len = len(generated) >= max_tokens
-        if stops.stopped:
-            finish = "stop"
+            lp = out.logprob(token, float(state.logprob[0].item()), state.top_ids[0].tolist(),
+                             state.top_logprobs[0].tolist())
         # One delta per token, even when its text is held back (a possible stop-string
-        # prefix, an incomplete UTF-8 sequence): token ids are never lost.
-        yield TextDelta(text, (token,), lp)
-        if stops.stopped or done_len:
+        # prefix, an incomplete UTF-8 sequence): token ids are never lost; EOS has none.
+        delta, finish = out.add(token, lp)
+        if delta is not None:
+            yield delta
+        if finish is not None:
             break
         # Grow the cache by a bucket when full: one copy per doubling, never per step.
         if len(ids) + len(generated) >= cache.capacity:
@@ -124,14 +116,13 @@ def _reference_run(
         else:
             state, cache = decode_step_compiled(params, cache, state, span=span)
         mx.eval(*tree_leaves(state), *tree_leaves(cache))
-    tail = "" if stops.stopped else stops.feed(detok.finalize())
-    tail += stops.flush()
+    tail = out.finish(finish)
     t2 = time.perf_counter()
     usage = Usage(
         prompt_tokens=len(ids), completion_tokens=len(generated),
         prompt_seconds=t1 - t0, generation_seconds=t2 - gen_time_start,
     )
-    yield TextDelta(tail, (), None, finish, usage)
+    yield out.final_delta(tail, finish, usage)
 
 
 def _collect(ids: tuple[int, ...], deltas: Iterator[TextDelta], want_logprobs: bool) -> Completion:

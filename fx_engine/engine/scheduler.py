@@ -11,13 +11,19 @@ The engine (fx_engine/engine/engine.py) asks these functions, once per step:
   two of them, counted at rows x the call's chunk;
 * which shape buckets to use for the decode batch (`row_bucket`, `capacity_bucket`) and the
   prefill pieces (`chunk_bucket`);
-* whether a request can be admitted now (`kv_footprint` against the KV budget) or ever.
+* whether a request can be admitted now (`kv_footprint` against the KV budget) or ever;
+* the step's plan as plain data (`plan_step` -> `StepPlan`: the prefill calls, the decode
+  rows they are planned around) and the decode batch's memory upkeep (`plan_growth` before
+  a decode/verify step, `plan_maintenance` -> `Maintenance` after it: compaction and
+  resize targets). The engine executes these plans (engine/batch.py owns the batch);
+  speculation's cost model is engine/speculation.py.
 
 The policy is documented in specs/engine.md.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 from fx_engine.core.buckets import pow2_ceil, pow2_floor  # noqa: F401  (re-exported)
@@ -214,3 +220,86 @@ def shrink_capacity_target(max_len: int, capacity: int) -> int | None:
     if capacity_bucket(max_len + 1) * 4 <= capacity and target < capacity:
         return target
     return None
+
+
+# --------------------------------------------------------------------------------------
+# Plans as plain data
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step's plan, made before anything runs.
+
+    decode_rows: rows decoding when the step was planned (served first: one token each).
+    prefill: the step's `prefill_step` calls, `group_prefill`'s [(C, [(key, n), ...])].
+    Requests whose prompt a call finishes are inserted into the decode batch in the same
+    step; then one decode (or verify) step runs if any row is live, then `Maintenance`.
+    """
+
+    decode_rows: int
+    prefill: tuple[tuple[int, tuple[tuple[Hashable, int], ...]], ...]
+
+
+def plan_step(
+    decode_rows: int,
+    waiting: Sequence[tuple[Hashable, int, Hashable]],
+    prefill_chunk: int,
+    step_token_budget: int,
+    max_rows: int,
+) -> StepPlan:
+    """The step's plan: `group_prefill` over the prefilling requests (see there)."""
+    calls = group_prefill(decode_rows, waiting, prefill_chunk, step_token_budget, max_rows)
+    return StepPlan(decode_rows, tuple((size, tuple(members)) for size, members in calls))
+
+
+@dataclass(frozen=True)
+class Maintenance:
+    """The decode batch's upkeep after a step: `drop` the batch (no live row, nothing
+    prefilling); else compact the live rows into rows 0..live-1 of a `compact_to`-row
+    batch (None: keep the rows), then resize the capacity to `capacity_to` (None: keep)."""
+
+    drop: bool = False
+    compact_to: int | None = None
+    capacity_to: int | None = None
+
+
+NO_MAINTENANCE = Maintenance()
+
+
+def plan_maintenance(
+    live_rows: Sequence[int], lengths: Sequence[int], rows: int, capacity: int, max_rows: int,
+    budget_tokens: int | None, prefilling: bool,
+) -> Maintenance:
+    """live_rows: indices of the live rows (ascending), lengths: their cache lengths; rows x
+    capacity: the batch. Shrink rows with hysteresis (`shrink_rows_target`), or to the live
+    rows' bucket when the batch is over the KV budget; compact also when the live rows are
+    not already rows 0..live-1; shrink the capacity when every row fits in a quarter of it
+    (`shrink_capacity_target`)."""
+    if not live_rows:
+        return NO_MAINTENANCE if prefilling else Maintenance(drop=True)
+    live = len(live_rows)
+    target = shrink_rows_target(live, rows, max_rows)
+    if target is None and budget_tokens is not None and rows * capacity > budget_tokens:
+        target = row_bucket(live, max_rows)
+    if target is not None and not (target < rows or list(live_rows) != list(range(live))):
+        target = None
+    cap = shrink_capacity_target(max(lengths), capacity)
+    if target is None and cap is None:
+        return NO_MAINTENANCE
+    return Maintenance(compact_to=target, capacity_to=cap)
+
+
+def plan_growth(
+    needed: int, rows: int, live: int, capacity: int, max_rows: int, budget_tokens: int | None,
+) -> tuple[int | None, int | None]:
+    """Before a step that writes up to `needed` positions in some row: (compact_to,
+    capacity_to). The capacity grows to `capacity_bucket(needed)` (None: it fits);
+    if rows x that capacity would exceed the KV budget, the `live` rows are compacted
+    into their row bucket first (None: no compaction)."""
+    if needed <= capacity:
+        return None, None
+    cap = capacity_bucket(needed)
+    if budget_tokens is not None and rows * cap > budget_tokens:
+        return row_bucket(live, max_rows), cap
+    return None, cap
