@@ -92,7 +92,7 @@ def test_ring_headroom_is_checked_before_any_write(gemma):
 
 
 def test_insert_row_refuses_a_prefix_of_a_wrapped_ring(gemma):
-    from fx_engine.core.cache import insert_row
+    from fx_engine.engine.kv_rows import insert_row
 
     src = gemma.new_cache(1, 64, headroom=4)
     _, src = score_step(gemma.params, src, mx.ones((1, 5), mx.int32), mx.array([5]))

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fx_engine
-from fx_engine.core.cache import snapshot_row
+from fx_engine.engine.kv_rows import snapshot_row
 from fx_engine.engine.generate import reference_generate
 from fx_engine.engine.prefix_cache import PrefixStore
 from fx_engine.core.steps import prefill_step

@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from fx_engine.core.cache import KVCache, insert_row, resize, take_rows, with_lengths
+from fx_engine.core.cache import KVCache, with_lengths
+from fx_engine.engine.kv_rows import insert_row, resize, take_rows
 from fx_engine.core.sampling import SamplingConfig, make_sampling_params
 from fx_engine.core.state import DecodeState, init_state
 from fx_engine.core.tree import tree_leaves, tree_replace

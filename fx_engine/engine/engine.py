@@ -36,7 +36,8 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
-from fx_engine.core.cache import (KVCache, bytes_per_token, insert_row, row_view, snapshot_row, span_bucket, stack_rows)
+from fx_engine.core.cache import KVCache, bytes_per_token, span_bucket
+from fx_engine.engine.kv_rows import insert_row, row_view, snapshot_row, stack_rows
 from fx_engine.core.state import DecodeState, init_state
 from fx_engine.core.steps import (decode_step_compiled, prefill_step_compiled, sample_step_compiled, verify_step_compiled)
 from fx_engine.core.tree import tree_leaves, tree_replace

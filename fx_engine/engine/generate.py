@@ -18,7 +18,8 @@ from typing import Any, Iterator
 import mlx.core as mx
 
 from fx_engine.core.buckets import prefill_pieces
-from fx_engine.core.cache import resize, span_bucket
+from fx_engine.core.cache import span_bucket
+from fx_engine.engine.kv_rows import resize
 from fx_engine.loading.model import Model
 from fx_engine.core.sampling import SamplingConfig
 from fx_engine.core.state import init_state

@@ -1,7 +1,7 @@
 """The in-memory prefix cache: KV snapshots of earlier prompts (and finished conversations),
 reused when a new prompt starts with the same tokens.
 
-Entries are 1-row cache snapshots (`fx_engine.core.cache.snapshot_row`: only the kept tokens are
+Entries are 1-row cache snapshots (`fx_engine.engine.kv_rows.snapshot_row`: only the kept tokens are
 copied, into new buffers) keyed by their token sequence. Lookup is by a chain of hashes
 over token blocks (`block_size` tokens; h_i = H(h_{i-1}, block i)): every entry is indexed
 under each full block of its tokens, so the deepest block hash a prompt shares with any
@@ -42,7 +42,8 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from fx_engine.core.cache import KVCache, LayerKV, QuantKV, insert_row, prefix_in_cache
+from fx_engine.core.cache import KVCache, LayerKV, QuantKV, prefix_in_cache
+from fx_engine.engine.kv_rows import insert_row
 from fx_engine.core.tree import tree_leaves
 
 SCOPED_FORMAT = "fx-engine-prefix-scoped"  # the disk format of entries with a cache_salt
