@@ -9,6 +9,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
+
+@attrs.frozen
+class BaseConfig:
+    """The fields every family's frozen config starts with (what the shell may read without
+    knowing the family; each family adds its own after them). Hashable: it is static
+    metadata of the params pytree, part of every compile key."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+
 
 class ConfigError(ValueError):
     """A model configuration that fx-engine cannot run; the message names file and field."""

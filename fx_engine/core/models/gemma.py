@@ -23,7 +23,7 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
 from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, read_expert_stack, read_linear)
-from fx_engine.core.config import ConfigError, positive_int, refuse, required, token_ids
+from fx_engine.core.config import BaseConfig, ConfigError, positive_int, refuse, required, token_ids
 from fx_engine.core.models.family import Family
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, expert_linear, fast_exp, linear, rms_norm, rope_tables)
 from fx_engine.core.tree import static_field
@@ -50,19 +50,10 @@ class RopeSpec:
 
 
 @attrs.frozen
-class GemmaConfig:
+class GemmaConfig(BaseConfig):
     """Gemma 3 (`gemma3_text`) and Gemma 4 (`gemma4_text`) text models, as mlx-lm 0.32
-    implements them. Common fields have the same names as ModelConfig's."""
+    implements them."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
     layer_types: tuple[str, ...]  # "sliding_attention" | "full_attention" per layer
     sliding_window: int
     rope_sliding: RopeSpec

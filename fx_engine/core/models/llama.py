@@ -18,23 +18,14 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import (KVCache, LayerSpec, StepGeometry, advanced, attend_entry, dense_layout, write_entry)
 from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear)
-from fx_engine.core.config import (ConfigError, check_rope_scaling, gguf_value, positive_int, required, token_ids)
+from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, gguf_value, positive_int, required, token_ids)
 from fx_engine.core.models.family import Family
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, swiglu_fused)
 from fx_engine.core.tree import static_field
 
 
 @attrs.frozen
-class LlamaConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
+class LlamaConfig(BaseConfig):
     rope_theta: float
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     rope_traditional: bool = False

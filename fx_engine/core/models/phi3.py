@@ -24,7 +24,7 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec
 from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, read_linear)
-from fx_engine.core.config import ConfigError, positive_int, refuse, required, token_ids
+from fx_engine.core.config import BaseConfig, ConfigError, positive_int, refuse, required, token_ids
 from fx_engine.core.models import llama
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LayerParams
@@ -32,16 +32,7 @@ from fx_engine.core.nn import rope_tables
 
 
 @attrs.frozen
-class Phi3Config:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
+class Phi3Config(BaseConfig):
     rope_theta: float
     rope_dims: int  # the rotated dims of each head (partial rotary below head_dim)
     rope_scale: float = 1.0  # linear scaling: positions times this
