@@ -762,3 +762,22 @@ def test_default_model_batched_greedy_matches_generate(default_model):
     g1 = reference_generate(default_model, q1, max_tokens=16)
     g2 = reference_generate(default_model, q2, max_tokens=16)
     assert r1.text == g1.text and r2.text == g2.text  # prompts with clear margins
+
+
+def test_a_finished_engine_is_freed_without_the_garbage_collector(tiny_model):
+    """No reference cycle through the engine: dropping the last reference frees it (and its
+    KV caches) at once. A cycle left each stream()'s engine alive until a collection, and
+    the next request then paid for fresh memory (measured: prefill@512 20-30% slower)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        engine = Engine(tiny_model, max_rows=2, prefill_chunk=16)
+        ref = weakref.ref(engine)
+        h = engine.submit("Hello there", max_tokens=4, prompt_lookup=True)
+        h.result()
+        del engine, h
+        assert ref() is None
+    finally:
+        gc.enable()

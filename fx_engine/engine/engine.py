@@ -76,6 +76,17 @@ def _close_all() -> None:
     _STARTED.clear()
 
 
+def _weak_method(method: Callable[..., None]) -> Callable[..., None]:
+    """A callable that calls `method` while its object lives (and does nothing after)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> None:
+        m = ref()
+        if m is not None:
+            m(*args, **kwargs)
+    return call
+
+
 class QueueFull(RuntimeError):
     """submit() found the engine's bounded wait queue full."""
 
@@ -254,8 +265,10 @@ class Engine:
         self._prefilling: list[_Request] = []
         self._prefill_calls = 0  # prefill_step calls so far (the `call` of prefill events)
         # the decode batch: its rows (requests), KVCache and DecodeState (engine/batch.py)
+        # (its trace callback holds the engine weakly: no reference cycle, so an engine
+        # nobody holds is freed at once with its caches, not at the next garbage collection)
         self._batch = DecodeBatch(model, self._headroom, c.vocab_size, self._special, max_rows,
-                                  kv_budget_tokens, self._trace)
+                                  kv_budget_tokens, _weak_method(self._trace))
 
     @property
     def _cache(self) -> KVCache | None:
