@@ -275,6 +275,18 @@ def _plan_lines(model_path: str | None) -> list[str]:
     return ["  " + line for line in report.lines()]
 
 
+def _model_types_line() -> str:
+    """The registry's model_types by family (config.json `model_type`, GGUF architecture)."""
+    from fx_engine.core.models import FAMILIES
+
+    parts = []
+    for f in FAMILIES:
+        types = ", ".join([*f.model_types, *(f"{w} (text)" for w in f.wrappers)])
+        gguf = f"; GGUF: {', '.join(f.gguf_architectures)}" if f.gguf_architectures else ""
+        parts.append(f"{f.name}: {types}{gguf}")
+    return " | ".join(parts)
+
+
 def cmd_info(a: argparse.Namespace) -> int:
     import mlx.core as mx
 
@@ -299,6 +311,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         ("mx.compile JIT (g++)", shutil.which("g++") or "missing: mx.compile silently does nothing"),
         ("native CPU kernels", _native_line()),
         ("default model", default),
+        ("model types", _model_types_line()),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

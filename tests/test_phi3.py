@@ -95,3 +95,13 @@ def test_phi3_config_refusals():
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):
             config_from_hf({**base, **overrides}, "config.json")
+
+
+def test_info_lists_every_registered_model_type(capsys):
+    from fx_engine.cli import main
+    from fx_engine.core.models import FAMILIES
+
+    assert main(["info"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("model types"))
+    for fam in FAMILIES:
+        assert all(mt in line for mt in fam.model_types) and f"{fam.name}:" in line
