@@ -79,7 +79,7 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 if not any(isinstance(f, _OldPaths) for f in sys.meta_path):
-    sys.meta_path.append(_OldPaths())
+    sys.meta_path.insert(0, _OldPaths())  # first: the default finder would load a copy
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: the public API, loaded on first use

@@ -127,3 +127,19 @@ def test_nothing_outside_the_family_modules_names_a_family() -> None:
     users = {str(p.relative_to(CORE.parent)): sorted(set(pattern.findall(p.read_text())))
              for p in CORE.parent.rglob("*.py") if models not in p.parents}
     assert {k: v for k, v in users.items() if v} == {}
+
+
+def test_old_import_paths_are_the_moved_modules() -> None:
+    """Code written against the flat layout keeps working: the old paths are the same
+    module objects (not copies), and their names keep their real module's spec."""
+    import importlib
+
+    import fx_engine
+
+    for old, new in fx_engine._MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+        assert importlib.import_module(new).__spec__.name == new
+    from fx_engine.steps import decode_step_compiled
+    from fx_engine.core.steps import decode_step_compiled as moved
+
+    assert decode_step_compiled is moved
