@@ -58,19 +58,30 @@ __all__ = sorted([*_PUBLIC, "setup"])
 _MOVED = {
     **{f"fx_engine.{m}": f"fx_engine.core.{m}" for m in (
         "tree", "buckets", "nn", "cache", "sampling", "state", "steps", "speculative", "config",
-        "models", "models.llama", "models.gemma")},
+        "models")},
     "fx_engine.native": "fx_engine.runtime.native", "fx_engine.blas": "fx_engine.runtime.blas",
     "fx_engine.malloc": "fx_engine.runtime.malloc", "fx_engine.model": "fx_engine.loading.model",
     "fx_engine.scoring": "fx_engine.engine.scoring",
 }
 
 
+def _moved(name: str) -> str | None:
+    """The new name of a moved module, or of a module inside a moved package
+    (fx_engine.models.phi3 -> fx_engine.core.models.phi3); None if it did not move."""
+    parts = name.split(".")
+    for i in range(len(parts), 1, -1):
+        new = _MOVED.get(".".join(parts[:i]))
+        if new is not None:
+            return ".".join([new, *parts[i:]])
+    return None
+
+
 class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        return importlib.util.spec_from_loader(name, self) if name in _MOVED else None
+        return importlib.util.spec_from_loader(name, self) if _moved(name) else None
 
     def create_module(self, spec: Any) -> Any:
-        module = importlib.import_module(_MOVED[spec.name])
+        module = importlib.import_module(_moved(spec.name))
         spec.loader_state = module.__spec__  # the import system sets the alias's spec on it
         return module
 
@@ -86,6 +97,8 @@ def __getattr__(name: str) -> Any:  # PEP 562: the public API, loaded on first u
     if name in _PUBLIC:
         setup()
         value = getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+    elif f"{__name__}.{name}" in _MOVED:  # fx_engine.blas, fx_engine.steps, ... (old paths)
+        value = importlib.import_module(f"{__name__}.{name}")
     elif name in _SUBPACKAGES:
         if name != "core":
             setup()

@@ -139,7 +139,24 @@ def test_old_import_paths_are_the_moved_modules() -> None:
     for old, new in fx_engine._MOVED.items():
         assert importlib.import_module(old) is importlib.import_module(new), old
         assert importlib.import_module(new).__spec__.name == new
+    for old, new in (("fx_engine.models.phi3", "fx_engine.core.models.phi3"),
+                     ("fx_engine.models.llama", "fx_engine.core.models.llama"),
+                     ("fx_engine.native.plan", "fx_engine.runtime.native.plan")):
+        assert importlib.import_module(old) is importlib.import_module(new), old
     from fx_engine.steps import decode_step_compiled
     from fx_engine.core.steps import decode_step_compiled as moved
 
     assert decode_step_compiled is moved
+    assert fx_engine.blas is importlib.import_module("fx_engine.runtime.blas")
+
+
+@pytest.mark.parametrize("package", ["engine", "loading", "server", "testing", "tracing"])
+def test_importing_a_shell_package_sets_the_process_up_first(package: str) -> None:
+    """A program that imports a shell package directly (the pytest plugin, the Engine,
+    the server app) gets the optimized BLAS: the package runs setup() before mlx loads."""
+    code = (f"import fx_engine.{package}\nfrom fx_engine.runtime import blas, malloc\n"
+            "print(malloc.active() or __import__('sys').platform != 'linux', "
+            "not blas.active()['name'].startswith('unknown'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[0] == "True True", out.stdout + out.stderr
+    assert "imported before" not in out.stderr

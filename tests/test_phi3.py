@@ -105,3 +105,15 @@ def test_info_lists_every_registered_model_type(capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("model types"))
     for fam in FAMILIES:
         assert all(mt in line for mt in fam.model_types) and f"{fam.name}:" in line
+
+
+def test_phi3_reads_transformers_5_rope_parameters():
+    """transformers >= 5 writes rope settings under rope_parameters: the same config."""
+    scaling = {"type": "longrope", "long_factor": LONG[:4], "short_factor": [1.0] * 4}
+    old = config_from_hf(tiny_config("phi3", rope_theta=5e5, partial_rotary_factor=0.5,
+                                     rope_scaling=scaling, max_position_embeddings=8192))
+    v5 = tiny_config("phi3", max_position_embeddings=8192, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 5e5, "partial_rotary_factor": 0.5,
+        "long_factor": LONG[:4], "short_factor": [1.0] * 4})
+    v5.pop("rope_theta")
+    assert config_from_hf(v5) == old and old.rope_long_factor and old.rope_dims == 8

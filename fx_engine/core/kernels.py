@@ -12,14 +12,17 @@ from __future__ import annotations
 from types import ModuleType
 
 _EXTENSION: list[ModuleType] = []  # the one installed extension (a loaded library, like MLX)
+_UNAVAILABLE: list[str] = []  # why it could not be loaded, when the shell tried and failed
 
 QMM_BITS = (4, 8)
 FEW_GEMM_ROWS = 16  # qgemm's few-row path takes up to this many rows (qmatmul.h QG_FEW)
 
 
-def install(module: ModuleType) -> None:
-    """Make a loaded extension the one these ops call (the shell's `ensure` does this)."""
-    _EXTENSION[:] = [module]
+def install(module: ModuleType | None, why: str = "") -> None:
+    """Make a loaded extension the one these ops call (the shell's `ensure` does this), or
+    record why there is none (module None)."""
+    _EXTENSION[:] = [] if module is None else [module]
+    _UNAVAILABLE[:] = [why] if module is None and why else []
 
 
 def installed() -> ModuleType | None:
@@ -28,9 +31,10 @@ def installed() -> ModuleType | None:
 
 def _module() -> ModuleType:
     if not _EXTENSION:
-        raise RuntimeError("these params use fx-engine's native kernels, which are not loaded "
-                           "in this process; call fx_engine.runtime.native.ensure() first "
-                           "(fx_engine.load does), or load with native=False")
+        why = _UNAVAILABLE[0] if _UNAVAILABLE else "not loaded in this process"
+        raise RuntimeError(f"these params use fx-engine's native kernels ({why}); call "
+                           "fx_engine.runtime.native.ensure() first (fx_engine.load does), or "
+                           "load with native=False")
     return _EXTENSION[0]
 
 
@@ -89,7 +93,7 @@ def isa() -> str:
 def dequantize(w, scales, biases, group_size: int, bits: int):  # type: ignore[no-untyped-def]
     """Affine dequantization to float32 [N, K] (multi-threaded; the same values as
     mx.dequantize), from the unpacking qmm and qgemm use (the tests check it bit for bit).
-    fx_engine.nn runs a BLAS GEMM on it for many-row products where qgemm's tile does not
+    fx_engine.core.nn runs a BLAS GEMM on it for many-row products where qgemm's tile does not
     fit the build (no AVX-512)."""
     return _module().dequantize(w, scales, biases, group_size, bits)
 
@@ -119,7 +123,7 @@ def kv_put(cache, new, slots):  # type: ignore[no-untyped-def]
 
 def swiglu(gu):  # type: ignore[no-untyped-def]
     """silu(gate) * up for the fused gate|up projection gu [..., 2F] -> [..., F], in one
-    node, with fx_engine.nn.fast_exp's arithmetic (float32)."""
+    node, with fx_engine.core.nn.fast_exp's arithmetic (float32)."""
     return _module().swiglu(gu)
 
 
@@ -131,6 +135,6 @@ def attend(q, k, v, mask, scale: float):  # type: ignore[no-untyped-def]
 
 
 def rope(x, cos, sin, traditional: bool):  # type: ignore[no-untyped-def]
-    """RoPE with precomputed tables (fx_engine.nn.rope_tables): x [B, T, H, D] float32,
+    """RoPE with precomputed tables (fx_engine.core.nn.rope_tables): x [B, T, H, D] float32,
     cos / signed sin [B, T, 1, D]."""
     return _module().rope(x, cos, sin, traditional)

@@ -23,6 +23,8 @@ its output head, LayerSkip-style, when no smaller model is at hand).
 
 from __future__ import annotations
 
+import secrets
+
 from typing import Any, Protocol, Sequence
 
 import attrs
@@ -117,7 +119,10 @@ class _DraftRow:
         # effect belongs to the target; q only needs to be the distribution drawn from).
         # A seeded request's draft gets its own key stream: drawing drafts with the target's
         # own uniforms would correlate them with the target's later draws.
-        seed = None if sampling.seed is None else (sampling.seed * 0x9E3779B1 + 0x7F4A7C15) % 2**64
+        # (an unseeded row, possible in users' own loops, gets fresh entropy: the core would
+        # otherwise give both streams seed 0)
+        seed = (secrets.randbits(63) if sampling.seed is None
+                else (sampling.seed * 0x9E3779B1 + 0x7F4A7C15) % 2**64)
         self.sampling = SamplingConfig(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             min_p=sampling.min_p, seed=seed)

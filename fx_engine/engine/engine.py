@@ -884,7 +884,7 @@ class Engine:
         h.timings["finished"] = now
         completion = req.out.completion(reason, usage, req.ids)
         self._release(req, reason)
-        h._emit(TextDelta(tail, (), None, reason, usage))
+        h._emit(req.out.final_delta(tail, reason, usage))
         h._finish(completion, None)
 
     def _fail(self, req: _Request, error: BaseException) -> None:

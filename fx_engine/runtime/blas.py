@@ -19,7 +19,7 @@ MKL's Conditional Numerical Reproducibility (MKL_CBWR=AUTO) is left off: no run-
 difference was observed without it (same shapes, fresh buffers), and it cost ~20% of
 decode speed here. Set it yourself for bitwise reproducibility guarantees across processes.
 
-This module must not import mlx. `fx_engine/__init__.py` calls `preload()` first.
+This module must not import mlx. `fx_engine.runtime.setup()` calls `preload()` first.
 Set FX_ENGINE_BLAS=reference to keep the bundled BLAS, or to a library path to choose one.
 """
 

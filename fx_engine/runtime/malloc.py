@@ -1,4 +1,5 @@
-"""Keep freed memory in the process (glibc malloc tuning, Linux; applied at import).
+"""Keep freed memory in the process (glibc malloc tuning, Linux; applied by
+`fx_engine.runtime.setup()`).
 
 Why: MLX's CPU backend allocates every intermediate array with malloc. glibc serves
 blocks above its mmap threshold (128 KiB, adjusted upwards only as blocks are freed) with

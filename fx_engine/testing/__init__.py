@@ -1,8 +1,12 @@
 """Testing helpers for users' suites: tiny random models, and the golden-output kit
 (`fx_engine.testing.golden`, its pytest fixture `golden`, and `fx-engine golden`)."""
 
-from fx_engine.testing.golden import (CaseResult, GoldenCase, GoldenError, check, load_cases, load_golden, record, save)
-from fx_engine.testing.tiny import write_tiny_model
+from fx_engine.runtime import setup
+
+setup()  # a shell entry point: process set-up (BLAS, malloc) before mlx is imported
+
+from fx_engine.testing.golden import (CaseResult, GoldenCase, GoldenError, check, load_cases, load_golden, record, save)  # noqa: E402
+from fx_engine.testing.tiny import write_tiny_model  # noqa: E402
 
 __all__ = ["CaseResult", "GoldenCase", "GoldenError", "check", "load_cases", "load_golden", "record",
            "save", "write_tiny_model"]

@@ -49,7 +49,10 @@ def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
     sizes, then `overrides`)."""
     from ..core.models import hf_family
 
-    family = hf_family({"model_type": model_type}, "tiny_config")
+    family = hf_family({"model_type": model_type, "text_config": {}}, "tiny_config")
+    if model_type in family.wrappers:
+        raise ValueError(f"tiny_config: {model_type!r} is a multimodal wrapper; write its text "
+                         f"model ({family.wrappers[model_type][0]!r}) instead")
     if family.tiny_config is None:
         raise ValueError(f"tiny_config: the {family.name} family has no tiny example")
     return family.tiny_config(model_type, overrides)

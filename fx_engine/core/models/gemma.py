@@ -61,7 +61,7 @@ class GemmaConfig(BaseConfig):
     attn_scale: float
     embed_scale: float
     max_position_embeddings: int = 131072
-    tie_word_embeddings: bool = True
+    tie_word_embeddings: bool | None = True  # Gemma 3: as stated (None: not); the loader decides
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     rope_traditional: bool = False
@@ -201,7 +201,9 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GemmaConfi
             rope_sliding=RopeSpec(theta=float(d.get("rope_local_base_freq") or 10_000.0)),
             rope_full=_rope_spec(scaling, float(d.get("rope_theta") or 1_000_000.0), source, "rope_scaling"),
             attn_scale=qpas**-0.5, embed_scale=embed_scale,
-            tie_word_embeddings=True,  # decided by the loader (lm_head.weight present or not)
+            # as stated (None: not stated); the loader decides: lm_head.weight present or not
+            tie_word_embeddings=(None if d.get("tie_word_embeddings") is None
+                                 else bool(d["tie_word_embeddings"])),
         )
     # Gemma 4
     moe = {}
@@ -444,7 +446,7 @@ def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions) -> GemmaPar
     norms are stored as (1 + weight): the 1 is folded in here (in float32, as mlx-lm adds it
     to float32 weights). Projections of KV-shared layers, rotary buffers and activation
     clipping ranges in a checkpoint are unused (mlx-lm drops them too)."""
-    dtype, keep_quantized, where, quant = opts.dtype, opts.keep_quantized, opts.where, opts
+    dtype, keep_quantized, where = opts.dtype, opts.keep_quantized, opts.where
     hid = cfg.hidden_size
     offset = 0.0 if cfg.is_gemma4 else 1.0
 
@@ -604,7 +606,7 @@ def checkpoint_layout(c: GemmaConfig) -> dict[str, TensorSpec]:
         out["model.per_layer_model_projection.weight"] = S(width, h, scale=0.3)
         out["model.per_layer_projection_norm.weight"] = N(c.hidden_size_per_layer_input)
     out["model.norm.weight"] = N(h)
-    if not c.tie_word_embeddings:
+    if c.tie_word_embeddings is False:
         out["lm_head.weight"] = S(v, h, scale=0.2)
     return out
 

@@ -59,15 +59,19 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Phi3Config
                           f"(phi3's head_dim is hidden_size / num_attention_heads = {head_dim})")
     refuse(d, source, "hidden_act", lambda v: v in ("silu", "swish"), "phi3 runs SwiGLU")
     refuse(d, source, "attention_bias", lambda v: not v, "mlx-lm's phi3 has no attention biases")
-    frac = float(d.get("partial_rotary_factor") or 1.0)
+    # transformers >= 5 nests the RoPE settings under rope_parameters
+    rp = d.get("rope_parameters") or {}
+    frac = float(d.get("partial_rotary_factor") or rp.get("partial_rotary_factor") or 1.0)
     rope_dims = int(head_dim * frac)
     if not 0 < frac <= 1 or rope_dims % 2:
         raise ConfigError(f"{source}: field 'partial_rotary_factor' = {frac} must give an even "
                           f"number of rotated dims in (0, head_dim = {head_dim}]")
     max_pos = int(d.get("max_position_embeddings") or 131072)
     orig = int(d.get("original_max_position_embeddings") or 4096)
-    rope = dict(theta=float(d.get("rope_theta") or 10000.0))
+    rope = dict(theta=float(d.get("rope_theta") or rp.get("rope_theta") or 10000.0))
     scaling = d.get("rope_scaling")
+    if scaling is None and (rp.get("rope_type") or rp.get("type") or "default") != "default":
+        scaling = {k: v for k, v in rp.items() if k not in ("rope_theta", "partial_rotary_factor")}
     if scaling:
         kind = scaling.get("type") or scaling.get("rope_type")
         if kind == "linear":
@@ -105,7 +109,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Phi3Config
         rms_norm_eps=float(required(d, "rms_norm_eps", source, 1e-5)),
         rope_theta=rope["theta"], rope_dims=rope_dims, rope_scale=rope.get("scale", 1.0),
         rope_long_factor=rope.get("long"), rope_mscale=rope.get("mscale", 1.0),
-        rope_traditional=bool(d.get("rope_traditional", False)),
+        # mlx-lm's SuScaledRoPE rotates the two halves whatever rope_traditional says
+        rope_traditional=bool(d.get("rope_traditional", False)) and "long" not in rope,
         sliding_window=window if window and window < max_pos else None,
         max_position_embeddings=max_pos,
         tie_word_embeddings=None if tie is None else bool(tie),

@@ -53,6 +53,7 @@ def ensure(*, quiet: bool = False) -> ModuleType | None:
             _STATE.update(module=mod, path=str(path), error=None)
         except Exception as e:  # noqa: BLE001 - any failure means: run without native kernels
             _STATE.update(module=None, error=f"{type(e).__name__}: {e}")
+            kernels.install(None, f"unavailable: {_STATE['error']}")
             if mode == "require":
                 raise RuntimeError(f"fx-engine native kernels unavailable: {e}") from e
             if not quiet:
