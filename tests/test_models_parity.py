@@ -80,11 +80,12 @@ def test_half_precision_folders_load_and_match(tmp_path, dtype):
 
 @pytest.mark.parametrize("keep_quantized", [True, False])
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
-def test_mlx_quantized_folder(tmp_path, keep_quantized, bits, group):
+@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("phi3", {"partial_rotary_factor": 0.5})])
+def test_mlx_quantized_folder(tmp_path, keep_quantized, bits, group, model_type, extra):
     from mlx_lm.utils import load_model
 
-    path = write_tiny_model(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256,
-                            quantize={"group_size": group, "bits": bits})
+    path = write_tiny_model(tmp_path / "m", model_type, hidden_size=128, intermediate_size=256,
+                            quantize={"group_size": group, "bits": bits}, **extra)
     model = fx_engine.load(path, keep_quantized=keep_quantized)
     assert model.params.layers[0].qkv.quantized == keep_quantized
     ref_model, _ = load_model(Path(path))

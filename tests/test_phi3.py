@@ -1,5 +1,6 @@
 """phi3 (a family added as one module + one registry entry): parity with mlx-lm's phi3.py
-(test-only oracle) on tiny random models, and the engine's features on it."""
+(test-only oracle) on tiny random models (quantized folders: tests/test_models_parity.py),
+and the engine's features on it."""
 
 from pathlib import Path
 
@@ -43,19 +44,6 @@ def test_phi3_matches_mlx_lm(tmp_path, overrides):
     ref_model, _ = load_model(Path(path))
     ids = model.tokenizer.encode(LONG_TEXT)[:96]
     _compare(fx_engine.logits(model, ids, chunk=32), ref_model(mx.array([ids]))[0])
-
-
-@pytest.mark.parametrize("keep_quantized", [True, False])
-def test_phi3_mlx_quantized_folder(tmp_path, keep_quantized):
-    from mlx_lm.utils import load_model
-
-    path = write_tiny_model(tmp_path / "m", "phi3", quantize={"group_size": 32, "bits": 4},
-                            partial_rotary_factor=0.5)
-    model = fx_engine.load(path, keep_quantized=keep_quantized)
-    assert model.params.layers[0].qkv.quantized == keep_quantized
-    ref_model, _ = load_model(Path(path))
-    ids = model.tokenizer.encode(LONG_TEXT)[:80]
-    _compare(fx_engine.logits(model, ids), ref_model(mx.array([ids]))[0])
 
 
 def test_phi3_runs_in_the_engine_with_speculation_and_windows(tmp_path):

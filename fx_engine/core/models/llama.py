@@ -407,27 +407,37 @@ def unpermute_rows(x: mx.array, n_head: int) -> mx.array:
     return x.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def checkpoint_layout(cfg: LlamaConfig) -> dict[str, TensorSpec]:
-    """The Hugging Face checkpoint's tensors (norms near 1)."""
+def checkpoint_layout(cfg: Any, fused: bool = False) -> dict[str, TensorSpec]:
+    """The Hugging Face checkpoint's tensors (norms near 1). fused: the projections stored
+    fused, as Phi-3 does (self_attn.qkv_proj, mlp.gate_up_proj)."""
     h, hd, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
     hq, hk, ff = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
+    qkv_bias, o_bias, mlp_bias, qk_norm = (getattr(cfg, f, False) for f in (
+        "qkv_bias", "o_bias", "mlp_bias", "qk_norm"))
     out = {"model.embed_tokens.weight": TensorSpec((v, h), scale=0.5)}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        out.update({a + "q_proj.weight": TensorSpec((hq, h)), a + "k_proj.weight": TensorSpec((hk, h)),
-                    a + "v_proj.weight": TensorSpec((hk, h)), a + "o_proj.weight": TensorSpec((h, hq))})
-        if cfg.qkv_bias:
+        if fused:
+            out[a + "qkv_proj.weight"] = TensorSpec((hq + 2 * hk, h))
+        else:
+            out.update({a + "q_proj.weight": TensorSpec((hq, h)), a + "k_proj.weight": TensorSpec((hk, h)),
+                        a + "v_proj.weight": TensorSpec((hk, h))})
+        out[a + "o_proj.weight"] = TensorSpec((h, hq))
+        if qkv_bias:
             out.update({a + "q_proj.bias": TensorSpec((hq,)), a + "k_proj.bias": TensorSpec((hk,)),
                         a + "v_proj.bias": TensorSpec((hk,))})
-        if cfg.o_bias:
+        if o_bias:
             out[a + "o_proj.bias"] = TensorSpec((h,))
-        if cfg.qk_norm:
+        if qk_norm:
             out[a + "q_norm.weight"] = TensorSpec((hd,), center=1.0)
             out[a + "k_norm.weight"] = TensorSpec((hd,), center=1.0)
-        out.update({m + "gate_proj.weight": TensorSpec((ff, h)), m + "up_proj.weight": TensorSpec((ff, h)),
-                    m + "down_proj.weight": TensorSpec((h, ff))})
-        if cfg.mlp_bias:
+        if fused:
+            out[m + "gate_up_proj.weight"] = TensorSpec((2 * ff, h))
+        else:
+            out.update({m + "gate_proj.weight": TensorSpec((ff, h)), m + "up_proj.weight": TensorSpec((ff, h))})
+        out[m + "down_proj.weight"] = TensorSpec((h, ff))
+        if mlp_bias:
             out.update({m + "gate_proj.bias": TensorSpec((ff,)), m + "up_proj.bias": TensorSpec((ff,)),
                         m + "down_proj.bias": TensorSpec((h,))})
         out[p + "input_layernorm.weight"] = TensorSpec((h,), center=1.0)

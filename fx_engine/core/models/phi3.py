@@ -189,20 +189,7 @@ def assemble(cfg: Phi3Config, src: TensorSource, opts: LoadOptions) -> Phi3Param
 
 
 def checkpoint_layout(cfg: Phi3Config) -> dict[str, TensorSpec]:
-    h, hd, v, ff = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.intermediate_size
-    out = {"model.embed_tokens.weight": TensorSpec((v, h), scale=0.5)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        out[p + "self_attn.qkv_proj.weight"] = TensorSpec(((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, h))
-        out[p + "self_attn.o_proj.weight"] = TensorSpec((h, cfg.num_heads * hd))
-        out[p + "mlp.gate_up_proj.weight"] = TensorSpec((2 * ff, h))
-        out[p + "mlp.down_proj.weight"] = TensorSpec((h, ff))
-        out[p + "input_layernorm.weight"] = TensorSpec((h,), center=1.0)
-        out[p + "post_attention_layernorm.weight"] = TensorSpec((h,), center=1.0)
-    out["model.norm.weight"] = TensorSpec((h,), center=1.0)
-    if cfg.tie_word_embeddings is False:
-        out["lm_head.weight"] = TensorSpec((v, h), scale=0.2)
-    return out
+    return llama.checkpoint_layout(cfg, fused=True)
 
 
 def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
