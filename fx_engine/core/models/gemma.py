@@ -25,7 +25,7 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, att
 from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, read_expert_stack, read_linear)
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, refuse, required, token_ids
 from fx_engine.core.models.family import Family
-from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, expert_linear, fast_exp, linear, rms_norm, rope_tables)
+from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, expert_linear, gelu_tanh, linear, rms_norm, rope_tables)
 from fx_engine.core.tree import static_field
 
 
@@ -326,14 +326,6 @@ def _rope(cfg: GemmaConfig, spec: RopeSpec, head_dim: int, positions: mx.array, 
     cos, sin, perm = rope_tables(positions, head_dim, base=spec.theta, scale=spec.scale,
                                  freqs=freqs, traditional=cfg.rope_traditional)
     return cos.astype(dt), sin.astype(dt), perm.astype(dt)
-
-
-def gelu_tanh(x: mx.array) -> mx.array:
-    """GELU, tanh approximation: 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi)(x +
-    0.044715 x^3); the sigmoid from `fast_exp` (MLX's CPU tanh/exp cost ~25 ns/element)."""
-    xf = x.astype(mx.float32)
-    u = 0.7978845608028654 * (xf + 0.044715 * xf * xf * xf)
-    return (xf / (1.0 + fast_exp(-2.0 * u))).astype(x.dtype)
 
 
 def _add(h: mx.array, r: mx.array, clip: bool) -> mx.array:
