@@ -33,7 +33,9 @@ def _mx_load(path: Path, **kw: Any) -> Any:
 def load_gguf(
     path: Path, dtype: mx.Dtype, keep_quantized: KeepQuantized, numerics: Numerics
 ) -> tuple[Any, Any, dict[str, Any]]:
-    tensors, metadata = _mx_load(path, return_metadata=True)
+    from fx_engine.loading.gguf import read_gguf  # llama.cpp's reader, K-quants included
+
+    tensors, metadata = read_gguf(path)
     family = gguf_family(metadata, str(path))
     cfg = family.config_from_gguf(metadata, str(path))
     src = TensorSource()

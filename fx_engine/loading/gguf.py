@@ -1,0 +1,328 @@
+"""GGUF files through llama.cpp's own reader (the `gguf` package, memory-mapped).
+
+Metadata comes back as Python / numpy values (scalars have `.item()`, arrays `.tolist()`).
+Tensors come back as MLX arrays under llama.cpp's names, with quantized ones as MLX affine
+triples (`<name>.weight` packed uint32, `<name>.scales`, `<name>.biases`) wherever the
+GGML block format IS an affine quantization, which makes the conversion exact (every
+dequantized value equals llama.cpp's reference dequantization, bit for bit):
+
+    type   bits  group  scale          bias           (q: the stored unsigned integer)
+    Q4_0     4    32    d              -8 d
+    Q4_1     4    32    d              m
+    Q5_0     5    32    d              -16 d
+    Q5_1     5    32    d              m
+    Q8_0     8    32    d              -128 d          (int8 q shifted by 128)
+    Q2_K     2    16    d * sc         -dmin * m       (4-bit sc, m per 16)
+    Q4_K     4    32    d * sc         -dmin * m       (6-bit sc, m per 32)
+    Q5_K     5    32    d * sc         -dmin * m
+    Q6_K     6    16    d * sc         -32 d * sc      (int8 sc per 16)
+
+(each product is exact in float32: d has 11 significant bits, sc and q at most 13 together.)
+MLX packs every bit width as one little-endian bit stream per row, which is what
+`_pack` writes. Q3_K, IQ4_NL and IQ4_XS are not converted to an affine form here: they are
+dequantized to float32 with the `gguf` package's reference code (exact values, 4-8x the
+memory). F32 / F16 / BF16 tensors are read as they are. Any other type is an error naming
+the tensor and its type.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from fx_engine.core.checkpoint import WeightsError
+
+__all__ = ["read_gguf", "AFFINE_TYPES", "DEQUANTIZED_TYPES"]
+
+QK = 32  # elements per block of the legacy types
+QK_K = 256  # elements per super-block of the K types
+
+AFFINE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q4_K", "Q5_K", "Q6_K")
+DEQUANTIZED_TYPES = ("Q3_K", "IQ4_NL", "IQ4_XS")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> float32 (from IEEE half)."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] values: low nibbles first, then high (the legacy order)."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+
+def _q4_0(b: np.ndarray) -> tuple:  # [N, 18]
+    d = _f16(b[:, 0:2])
+    return _nibbles(b[:, 2:18]), d, -8 * d, 4, QK
+
+
+def _q4_1(b: np.ndarray) -> tuple:  # [N, 20]
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    return _nibbles(b[:, 4:20]), d, m, 4, QK
+
+
+def _high_bits(qh: np.ndarray, n: int) -> np.ndarray:
+    """[N, 4] bytes of a little-endian uint32 -> [N, n] bits 0..n-1."""
+    word = np.ascontiguousarray(qh).view("<u4")[:, :1]
+    return ((word >> np.arange(n, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _q5_0(b: np.ndarray) -> tuple:  # [N, 22]
+    d = _f16(b[:, 0:2])
+    q = _nibbles(b[:, 6:22]) | (_high_bits(b[:, 2:6], QK) << 4)
+    return q, d, -16 * d, 5, QK
+
+
+def _q5_1(b: np.ndarray) -> tuple:  # [N, 24]
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    q = _nibbles(b[:, 8:24]) | (_high_bits(b[:, 4:8], QK) << 4)
+    return q, d, m, 5, QK
+
+
+def _q8_0(b: np.ndarray) -> tuple:  # [N, 34]
+    d = _f16(b[:, 0:2])
+    q = (b[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return q, d, -128 * d, 8, QK
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 packed bytes of Q4_K / Q5_K -> 8 six-bit scales and 8 six-bit mins."""
+    s = s.astype(np.uint8)
+    sc = np.empty(s.shape[:-1] + (8,), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = s[..., 0:4] & 63
+    mn[..., :4] = s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def _k_quads(lo: np.ndarray) -> np.ndarray:
+    """[N, 128] bytes of 4-bit quants -> [N, 256] values: per 32-byte chunk c, 32 low
+    nibbles (sub-block 2c) then 32 high nibbles (sub-block 2c + 1)."""
+    c = lo.reshape(lo.shape[0], 4, 32)
+    return np.stack([c & 0xF, c >> 4], axis=2).reshape(lo.shape[0], QK_K)
+
+
+def _q4_k(b: np.ndarray) -> tuple:  # [N, 144]: d, dmin, scales[12], qs[128]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales(b[:, 4:16])
+    scale = d[:, None] * sc.astype(np.float32)
+    return _k_quads(b[:, 16:144]), scale, -(dmin[:, None] * mn.astype(np.float32)), 4, 32
+
+
+def _q5_k(b: np.ndarray) -> tuple:  # [N, 176]: d, dmin, scales[12], qh[32], qs[128]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales(b[:, 4:16])
+    qh = b[:, 16:48]  # bit j of qh[l] is the high bit of element l of sub-block j
+    high = ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).reshape(-1, QK_K)
+    q = _k_quads(b[:, 48:176]) | (high << 4)
+    scale = d[:, None] * sc.astype(np.float32)
+    return q, scale, -(dmin[:, None] * mn.astype(np.float32)), 5, 32
+
+
+def _q6_k(b: np.ndarray) -> tuple:  # [N, 210]: ql[128], qh[64], scales[16] int8, d
+    ql, qh = b[:, 0:128], b[:, 128:192]
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)
+    d = _f16(b[:, 208:210])
+    halves = []
+    for n in range(2):  # 128 elements each: 4 runs of 32 (llama.cpp's dequantize_row_q6_K)
+        lo, hi = ql[:, 64 * n : 64 * n + 64], qh[:, 32 * n : 32 * n + 32]
+        halves += [(lo[:, :32] & 0xF) | ((hi & 3) << 4), (lo[:, 32:] & 0xF) | (((hi >> 2) & 3) << 4),
+                   (lo[:, :32] >> 4) | (((hi >> 4) & 3) << 4), (lo[:, 32:] >> 4) | (((hi >> 6) & 3) << 4)]
+    q = np.concatenate(halves, axis=1)  # unsigned 0..63 (llama.cpp subtracts 32)
+    scale = d[:, None] * sc
+    return q, scale, -32 * scale, 6, 16
+
+
+def _q2_k(b: np.ndarray) -> tuple:  # [N, 84]: scales[16], qs[64], d, dmin
+    s, qs = b[:, 0:16], b[:, 16:80]
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    runs = []
+    for n in range(2):  # 128 elements each: for each shift, 32 elements (two groups of 16)
+        c = qs[:, 32 * n : 32 * n + 32]
+        runs += [(c >> (2 * j)) & 3 for j in range(4)]
+    q = np.concatenate(runs, axis=1)
+    scale = d[:, None] * (s & 0xF).astype(np.float32)
+    return q, scale, -(dmin[:, None] * (s >> 4).astype(np.float32)), 2, 16
+
+
+_AFFINE = {"Q4_0": (_q4_0, QK, 18), "Q4_1": (_q4_1, QK, 20), "Q5_0": (_q5_0, QK, 22),
+           "Q5_1": (_q5_1, QK, 24), "Q8_0": (_q8_0, QK, 34), "Q2_K": (_q2_k, QK_K, 84),
+           "Q4_K": (_q4_k, QK_K, 144), "Q5_K": (_q5_k, QK_K, 176), "Q6_K": (_q6_k, QK_K, 210)}
+
+
+def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """[R, K] unsigned values < 2**bits -> [R, K * bits / 32] uint32: MLX's layout, one
+    little-endian bit stream per row."""
+    r, k = q.shape
+    if bits in (4, 8):
+        per = 32 // bits
+        g = q.reshape(r, k // per, per).astype(np.uint32)
+        return np.bitwise_or.reduce(g << (np.arange(per, dtype=np.uint32) * bits), axis=2)
+    stream = ((q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(r, k * bits)
+    return np.packbits(stream, axis=1, bitorder="little").view("<u4")
+
+
+def _affine(name: str, kind: str, data: np.ndarray, rows: int, cols: int) -> dict[str, mx.array]:
+    fn, block, nbytes = _AFFINE[kind]
+    if cols % block:
+        raise WeightsError(f"tensor '{name}' ({kind}): row length {cols} is not a multiple of {block}")
+    out_w, out_s, out_b = [], [], []
+    step = max(1, (1 << 22) // cols)  # rows per piece: bounded temporaries
+    raw = data.reshape(rows, cols // block, nbytes)
+    for r0 in range(0, rows, step):
+        piece = raw[r0 : r0 + step]
+        n = piece.shape[0]
+        blocks = piece.reshape(-1, nbytes)
+        q, scale, bias, bits, group = fn(blocks)
+        scale = np.asarray(scale, np.float32).reshape(len(blocks), -1)  # [blocks, groups/block]
+        bias = np.broadcast_to(np.asarray(bias, np.float32).reshape(len(blocks), -1), scale.shape)
+        out_w.append(_pack(q.reshape(n, cols), bits))
+        out_s.append(scale.reshape(n, cols // group))
+        out_b.append(bias.reshape(n, cols // group))
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    return {f"{base}.weight": mx.array(np.concatenate(out_w)),
+            f"{base}.scales": mx.array(np.concatenate(out_s)),
+            f"{base}.biases": mx.array(np.concatenate(out_b))}
+
+
+# GGML tensor types: id -> (name, elements per block, bytes per block)
+GGML_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2),
+}
+# GGUF metadata value types: id -> numpy dtype (8: string, 9: array)
+_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+            10: "<u8", 11: "<i8", 12: "<f8"}
+
+
+class _Header:
+    """A GGUF file's header (versions 2 and 3): metadata, tensor infos, where data starts.
+    Parsed from an mmap with struct (a vocabulary of 100k strings takes ~0.1 s; the `gguf`
+    package's reader, which this is tested against, takes seconds)."""
+
+    def __init__(self, path: Path) -> None:
+        import mmap
+        import struct
+
+        self.path = path
+        with open(path, "rb") as f:
+            self.size = path.stat().st_size
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else b""
+        try:
+            self._parse(buf, struct)
+        except (struct.error, IndexError, ValueError, UnicodeDecodeError) as e:
+            raise WeightsError(f"{path}: cannot read weights: the GGUF header is cut short or "
+                               f"corrupt ({type(e).__name__}: {e}); is the file truncated?") from e
+
+    def _parse(self, buf: Any, struct: Any) -> None:
+        if buf[:4] != b"GGUF":
+            raise WeightsError(f"{self.path}: cannot read weights: not a GGUF file (magic "
+                               f"{bytes(buf[:4])!r}, expected b'GGUF')")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise WeightsError(f"{self.path}: cannot read weights: GGUF version {version} is "
+                               "not supported (2 and 3 are)")
+        off = 24
+
+        def string(off: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", buf, off)
+            end = off + 8 + n
+            if end > len(buf):
+                raise ValueError("string past the end of the file")
+            return bytes(buf[off + 8 : end]).decode("utf-8", errors="surrogateescape"), end
+
+        def value(kind: int, off: int) -> tuple[Any, int]:
+            if kind == 8:
+                return string(off)
+            if kind == 9:
+                inner, n = struct.unpack_from("<IQ", buf, off)
+                off += 12
+                if inner == 8:
+                    out = []
+                    for _ in range(n):
+                        s, off = string(off)
+                        out.append(s)
+                    return out, off
+                if inner not in _SCALARS:
+                    raise ValueError(f"arrays of value type {inner} are not supported")
+                dt = np.dtype(_SCALARS[inner])
+                end = off + n * dt.itemsize
+                if end > len(buf):
+                    raise ValueError("array past the end of the file")
+                return np.frombuffer(buf[off:end], dtype=dt).copy(), end
+            if kind not in _SCALARS:
+                raise ValueError(f"unknown metadata value type {kind}")
+            dt = np.dtype(_SCALARS[kind])
+            return np.frombuffer(buf[off : off + dt.itemsize], dtype=dt)[0], off + dt.itemsize
+
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key, off = string(off)
+            (kind,) = struct.unpack_from("<I", buf, off)
+            self.metadata[key], off = value(kind, off + 4)
+        self.tensors: list[tuple[str, list[int], int, int]] = []  # name, shape (rows first), type, offset
+        for _ in range(n_tensors):
+            name, off = string(off)
+            (n_dims,) = struct.unpack_from("<I", buf, off)
+            dims = list(struct.unpack_from(f"<{n_dims}Q", buf, off + 4))
+            kind, offset = struct.unpack_from("<IQ", buf, off + 4 + 8 * n_dims)
+            off += 4 + 8 * n_dims + 12
+            self.tensors.append((name, [int(x) for x in reversed(dims)], int(kind), int(offset)))
+        align = int(self.metadata.get("general.alignment", 32))
+        self.data_start = (off + align - 1) // align * align
+
+
+def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """(tensors, metadata) of a GGUF file; see the module docstring for the representation."""
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsError(f"{path}: no such file")
+    header = _Header(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r") if header.size else np.zeros(0, np.uint8)
+    tensors: dict[str, mx.array] = {}
+    for name, shape, type_id, offset in header.tensors:
+        kind, block, nbytes = GGML_TYPES.get(type_id, (f"type {type_id}", 0, 0))
+        if kind not in FLOAT_TYPES + AFFINE_TYPES + DEQUANTIZED_TYPES:
+            raise WeightsError(
+                f"{path}: tensor '{name}' has GGML type {kind}, which fx-engine cannot read "
+                f"(supported: {', '.join(FLOAT_TYPES + AFFINE_TYPES + DEQUANTIZED_TYPES)})")
+        cols = shape[-1]
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        if cols % block:
+            raise WeightsError(f"{path}: tensor '{name}' ({kind}): row length {cols} is not a "
+                               f"multiple of its block of {block}")
+        start = header.data_start + offset
+        end = start + rows * cols // block * nbytes
+        if end > header.size:
+            raise WeightsError(f"{path}: cannot read weights: the file is truncated (tensor "
+                               f"'{name}' needs bytes up to {end}, the file has {header.size})")
+        raw = data[start:end]
+        if kind in FLOAT_TYPES:
+            dt = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[kind]
+            arr = mx.array(np.frombuffer(raw, dtype=dt).reshape(shape))
+            tensors[name] = arr.view(mx.bfloat16) if kind == "BF16" else arr
+        elif kind in _AFFINE:
+            if len(shape) > 2:
+                raise WeightsError(f"{path}: tensor '{name}' ({kind}) has {len(shape)} "
+                                   "dimensions; quantized tensors of more than 2 are not supported yet")
+            tensors.update(_affine(name, kind, raw, rows, cols))
+        else:  # not affine: llama.cpp's reference dequantization (exact values, float32)
+            from gguf import GGMLQuantizationType
+            from gguf.quants import dequantize
+
+            values = dequantize(raw.reshape(rows, -1), GGMLQuantizationType[kind])
+            tensors[name] = mx.array(values.astype(np.float32).reshape(shape))
+    return tensors, header.metadata
