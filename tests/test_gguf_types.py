@@ -142,3 +142,22 @@ def test_header_parser_agrees_with_the_gguf_reader(tmp_path, default_model, whic
     assert ours == md
     mine = [(n, s, GGML_TYPES[t][0], h.data_start + o) for n, s, t, o in h.tensors]
     assert mine == infos
+
+
+@pytest.mark.parametrize("bits", [2, 5, 6])
+def test_widths_the_kernels_lack_are_widened_to_8_bits_exactly(bits):
+    """A 2/5/6-bit linear where the policy keeps 8 bits (the native CPU kernels) becomes an
+    8-bit one with the same scales and biases: the same values, not a float copy."""
+    from fx_engine.core.checkpoint import finish
+    from fx_engine.core.nn import Linear
+
+    w = mx.random.normal((8, 256), key=mx.random.key(bits))
+    q, s, b = mx.quantize(w, group_size=32, bits=bits)
+    lin = Linear(weight=q, scales=s, biases=b, group_size=32, bits=bits)
+    out = finish(lin, mx.float32, lambda group, width: width in (4, 8) and group % 32 == 0)
+    assert out.quantized and out.bits == 8 and out.group_size == 32
+    np.testing.assert_array_equal(
+        np.asarray(mx.dequantize(out.weight, out.scales, out.biases, group_size=32, bits=8)),
+        np.asarray(mx.dequantize(q, s, b, group_size=32, bits=bits)))
+    dense = finish(lin, mx.float32, False)  # a bool policy: dequantized, as before
+    assert not dense.quantized

@@ -145,12 +145,30 @@ def keep(policy: KeepQuantized, lin: Linear) -> bool:
     return bool(policy(lin.group_size, lin.bits)) if callable(policy) else bool(policy)
 
 
+def widened(policy: KeepQuantized, lin: Linear) -> Linear:
+    """`lin` stored as 8-bit with the same scales and biases, when its own width is not kept
+    but 8 bits of its group size are (e.g. 5-/6-bit weights where the native CPU kernels run
+    4 and 8): exact (every stored integer fits 8 bits), and 8 bits instead of a float copy.
+    Otherwise `lin` unchanged."""
+    if (not lin.quantized or lin.bits >= 8 or not callable(policy) or keep(policy, lin)
+            or not policy(lin.group_size, 8)):
+        return lin
+    n, k = lin.scales.shape[0], lin.scales.shape[1] * lin.group_size
+    one = mx.ones(lin.scales.shape, mx.float32)
+    q = mx.dequantize(lin.weight, one, mx.zeros_like(one), group_size=lin.group_size,
+                      bits=lin.bits).astype(mx.uint32)  # the stored integers [N, K]
+    packed = (q.reshape(n, k // 4, 4) << mx.array([0, 8, 16, 24], mx.uint32)).sum(axis=-1)
+    return Linear(weight=packed.astype(mx.uint32), bias=lin.bias, scales=lin.scales,
+                  biases=lin.biases, group_size=lin.group_size, bits=8)
+
+
 def cast(x: mx.array | None, dtype: mx.Dtype) -> mx.array | None:
     return None if x is None else x.astype(dtype)
 
 
 def fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: KeepQuantized) -> Linear:
     """Concatenate linears along the output axis (exact for dense and affine-quantized)."""
+    parts = [widened(keep_quantized, p) for p in parts]
     same_q = all(p.quantized for p in parts) and len(
         {(p.group_size, p.bits) for p in parts}
     ) == 1
@@ -173,6 +191,7 @@ def fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: KeepQuantized) ->
 def finish(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized, table: bool = False) -> Linear:
     """Final representation: quantized kept as is, or dense; dense matmul-only weights are
     stored transposed ([in, out]); embedding tables (`table`) stay [vocab, hidden]."""
+    lin = widened(keep_quantized, lin)
     if keep(keep_quantized, lin):
         return Linear(
             weight=lin.weight, bias=cast(lin.bias, dtype), scales=lin.scales.astype(dtype),
