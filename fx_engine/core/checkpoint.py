@@ -145,13 +145,13 @@ def keep(policy: KeepQuantized, lin: Linear) -> bool:
     return bool(policy(lin.group_size, lin.bits)) if callable(policy) else bool(policy)
 
 
-def widened(policy: KeepQuantized, lin: Linear) -> Linear:
+def widened(policy: KeepQuantized, lin: Linear, force: bool = False) -> Linear:
     """`lin` stored as 8-bit with the same scales and biases, when its own width is not kept
-    but 8 bits of its group size are (e.g. 5-/6-bit weights where the native CPU kernels run
-    4 and 8): exact (every stored integer fits 8 bits), and 8 bits instead of a float copy.
-    Otherwise `lin` unchanged."""
-    if (not lin.quantized or lin.bits >= 8 or not callable(policy) or keep(policy, lin)
-            or not policy(lin.group_size, 8)):
+    (or `force`) but 8 bits of its group size are (e.g. 5-/6-bit weights where the native
+    CPU kernels run 4 and 8): exact (every stored integer fits 8 bits), and 8 bits instead
+    of a float copy. Otherwise `lin` unchanged."""
+    if (not lin.quantized or lin.bits >= 8 or not callable(policy)
+            or (keep(policy, lin) and not force) or not policy(lin.group_size, 8)):
         return lin
     n, k = lin.scales.shape[0], lin.scales.shape[1] * lin.group_size
     one = mx.ones(lin.scales.shape, mx.float32)
@@ -169,6 +169,9 @@ def cast(x: mx.array | None, dtype: mx.Dtype) -> mx.array | None:
 def fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: KeepQuantized) -> Linear:
     """Concatenate linears along the output axis (exact for dense and affine-quantized)."""
     parts = [widened(keep_quantized, p) for p in parts]
+    if (all(p.quantized for p in parts) and len({p.group_size for p in parts}) == 1
+            and len({p.bits for p in parts}) > 1):  # mixed widths (a GGUF K-quant mix): 8 bits
+        parts = [widened(keep_quantized, p, force=True) for p in parts]
     same_q = all(p.quantized for p in parts) and len(
         {(p.group_size, p.bits) for p in parts}
     ) == 1
