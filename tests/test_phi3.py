@@ -105,3 +105,90 @@ def test_phi3_reads_transformers_5_rope_parameters():
         "long_factor": LONG[:4], "short_factor": [1.0] * 4})
     v5.pop("rope_theta")
     assert config_from_hf(v5) == old and old.rope_long_factor and old.rope_dims == 8
+
+
+def _phi3_gguf(folder: Path, out: Path, q8: tuple[str, ...] = ()) -> dict:
+    """Convert a tiny phi3 HF folder to GGUF as llama.cpp's converter does (its tensor names
+    and metadata keys; fused projections and half-split RoPE kept; long RoPE factors as
+    tensors and their scale as metadata), with the tensors named in `q8` stored as Q8_0 (the
+    gguf package's reference quantizer). Returns the float weights the file holds, under HF
+    names (Q8_0 ones dequantized by the reference), for the mlx-lm oracle."""
+    import json
+    import math
+
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    cfg = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    weights = {k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    w = gguf.GGUFWriter(str(out), "phi3")
+    w.add_uint32("phi3.context_length", cfg["max_position_embeddings"])
+    w.add_uint32("phi3.rope.scaling.original_context_length", cfg["original_max_position_embeddings"])
+    w.add_uint32("phi3.embedding_length", h)
+    w.add_uint32("phi3.feed_forward_length", cfg["intermediate_size"])
+    w.add_uint32("phi3.block_count", cfg["num_hidden_layers"])
+    w.add_uint32("phi3.attention.head_count", heads)
+    w.add_uint32("phi3.attention.head_count_kv", cfg["num_key_value_heads"])
+    w.add_float32("phi3.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    rot = int(cfg.get("partial_rotary_factor", 1.0) * h) // heads
+    w.add_uint32("phi3.rope.dimension_count", rot)
+    w.add_float32("phi3.rope.freq_base", cfg["rope_theta"])
+    w.add_uint32("phi3.attention.sliding_window", cfg.get("sliding_window") or 0)
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["content"] for t in tok["added_tokens"]}
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_array("tokenizer.ggml.tokens", [t for t, _ in vocab])
+    w.add_array("tokenizer.ggml.token_type", [3 if t in specials else 1 for t, _ in vocab])
+    w.add_array("tokenizer.ggml.merges", [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
+    scaling = cfg.get("rope_scaling") or {}
+    if scaling.get("type") in ("longrope", "su"):
+        scale = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
+        w.add_float32("phi3.rope.scaling.attn_factor", math.sqrt(
+            1 + math.log(scale) / math.log(cfg["original_max_position_embeddings"])) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(scaling["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(scaling["short_factor"], np.float32))
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    parts = {"input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    held = {}
+    for name, x in weights.items():
+        g = names.get(name)
+        if g is None:
+            i, rest = name.split(".")[2], ".".join(name.split(".")[3:]).removesuffix(".weight")
+            g = f"blk.{i}.{parts[rest]}.weight"
+        if any(g.endswith(s) for s in q8):
+            raw = quantize(x, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(g, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            x = dequantize(raw, gguf.GGMLQuantizationType.Q8_0).reshape(x.shape)
+        else:
+            w.add_tensor(g, x)
+        held[name] = x
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return held
+
+
+@pytest.mark.parametrize("overrides", [
+    {"partial_rotary_factor": 0.5},
+    {"rope_scaling": {"type": "longrope", "long_factor": LONG, "short_factor": [1.0] * 8},
+     "max_position_embeddings": 16384, "original_max_position_embeddings": 1024},
+], ids=["partial", "longrope"])
+def test_phi3_from_gguf_matches_mlx_lm(tmp_path, overrides):
+    """phi3 read from GGUF metadata and llama.cpp's tensor names (a Q8_0 mix) gives mlx-lm's
+    logits on the same weights in a Hugging Face folder."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    folder = write_tiny_model(tmp_path / "m", "phi3", **overrides)
+    held = _phi3_gguf(folder, tmp_path / "m.gguf", q8=("attn_qkv.weight", "ffn_down.weight"))
+    mx.save_safetensors(str(folder / "model.safetensors"), {k: mx.array(v) for k, v in held.items()})
+    model = fx_engine.load(tmp_path / "m.gguf")
+    assert type(model.params).__name__ == "Phi3Params" and model.params.layers[0].qkv.quantized
+    ref_model, _ = load_model(folder)
+    ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    assert ids == fx_engine.load(folder).tokenizer.encode(LONG_TEXT)[:80]
+    _compare(fx_engine.logits(model, ids, chunk=32), ref_model(mx.array([ids]))[0])

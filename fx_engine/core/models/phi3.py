@@ -9,8 +9,13 @@ sqrt(1 + ln(max_pos / original_max_pos) / ln(original_max_pos)). As in mlx-lm, t
 factors are used at every length (Hugging Face switches to `short_factor` below
 `original_max_position_embeddings`). head_dim is hidden_size / num_attention_heads.
 `sliding_window` (below max_position_embeddings) is applied as a ring cache entry, with the
-same semantics as Gemma's sliding layers (each query sees the last `sliding_window` keys);
-mlx-lm ignores it, which gives the same output for contexts within the window.
+same semantics as Gemma's sliding layers (each query sees the last `sliding_window` keys),
+as Hugging Face's Phi3 applies it; mlx-lm and llama.cpp ignore it (measured: llama.cpp
+0.3.36 on a GGUF with a 24-token window diverges from position 24 on, exactly where
+windowed attention starts to differ), which gives the same output within the window.
+GGUF (llama.cpp's converter): attn_qkv / ffn_up hold the fused projections, RoPE factors
+are tensors (rope_factors_long/short) with their scale as `phi3.rope.scaling.attn_factor`;
+checked against llama.cpp's own logits on such files (max |diff| 1.4e-3 of 6.6, float32).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec
 from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, read_linear)
-from fx_engine.core.config import BaseConfig, ConfigError, positive_int, refuse, required, token_ids
+from fx_engine.core.config import BaseConfig, ConfigError, gguf_value, positive_int, refuse, required, token_ids
 from fx_engine.core.models import llama
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LayerParams
@@ -155,11 +160,22 @@ def forward(
 hidden_to_logits = llama.hidden_to_logits
 
 
-def assemble(cfg: Phi3Config, src: TensorSource, opts: LoadOptions) -> Phi3Params:
-    """Params from Hugging Face / mlx-community names (projections already fused)."""
+_HF_NAMES = {"embed": "model.embed_tokens", "norm": "model.norm.weight", "lm_head": "lm_head",
+             "layer": "model.layers.{i}.", "attn_norm": "input_layernorm.weight",
+             "qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj",
+             "mlp_norm": "post_attention_layernorm.weight", "gate_up": "mlp.gate_up_proj",
+             "down": "mlp.down_proj"}
+# llama.cpp's names (its converter keeps phi3's fused projections and half-split RoPE)
+_GGUF_NAMES = {"embed": "token_embd", "norm": "output_norm.weight", "lm_head": "output",
+               "layer": "blk.{i}.", "attn_norm": "attn_norm.weight", "qkv": "attn_qkv",
+               "o": "attn_output", "mlp_norm": "ffn_norm.weight", "gate_up": "ffn_up",
+               "down": "ffn_down"}
+
+
+def _assemble(cfg: Phi3Config, src: TensorSource, opts: LoadOptions, names: dict[str, str]) -> Phi3Params:
     dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
     if cfg.tie_word_embeddings is None:
-        cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has("lm_head.weight"))
+        cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has(names["lm_head"] + ".weight"))
     h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
 
@@ -171,21 +187,69 @@ def assemble(cfg: Phi3Config, src: TensorSource, opts: LoadOptions) -> Phi3Param
 
     layers = []
     for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
+        pre = names["layer"].format(i=i)
         layers.append(LayerParams(
-            attn_norm=vec(pre + "input_layernorm.weight"),
-            qkv=lin(pre + "self_attn.qkv_proj", qkv_rows, h),
-            o=lin(pre + "self_attn.o_proj", h, cfg.num_heads * hd),
-            mlp_norm=vec(pre + "post_attention_layernorm.weight"),
-            gate_up=lin(pre + "mlp.gate_up_proj", 2 * ff, h),
-            down=lin(pre + "mlp.down_proj", h, ff),
+            attn_norm=vec(pre + names["attn_norm"]),
+            qkv=lin(pre + names["qkv"], qkv_rows, h),
+            o=lin(pre + names["o"], h, cfg.num_heads * hd),
+            mlp_norm=vec(pre + names["mlp_norm"]),
+            gate_up=lin(pre + names["gate_up"], 2 * ff, h),
+            down=lin(pre + names["down"], h, ff),
         ))
-    embed = finish(read_linear(src, "model.embed_tokens", cfg.vocab_size, h,
-                               opts.quant_for("model.embed_tokens"), False, where), dtype, keep, table=True)
-    head = None if cfg.tie_word_embeddings else lin("lm_head", cfg.vocab_size, h)
-    return Phi3Params(embed=embed, layers=tuple(layers), norm=vec("model.norm.weight"),
+    embed = finish(read_linear(src, names["embed"], cfg.vocab_size, h,
+                               opts.quant_for(names["embed"]), False, where), dtype, keep, table=True)
+    head = None if cfg.tie_word_embeddings else lin(names["lm_head"], cfg.vocab_size, h)
+    return Phi3Params(embed=embed, layers=tuple(layers), norm=vec(names["norm"]),
                       lm_head=head, rope_freqs=None, config=cfg, numerics=opts.numerics,
                       dtype=opts.dtype_name)
+
+
+def assemble(cfg: Phi3Config, src: TensorSource, opts: LoadOptions) -> Phi3Params:
+    """Params from Hugging Face / mlx-community names (projections already fused)."""
+    return _assemble(cfg, src, opts, _HF_NAMES)
+
+
+def assemble_gguf(cfg: Phi3Config, src: TensorSource, opts: LoadOptions) -> Phi3Params:
+    """Params from llama.cpp's names. Long-context files carry the RoPE factors as tensors
+    (rope_factors_long/short.weight): the long ones are used at every length, as mlx-lm
+    does (llama.cpp uses the short ones when its context is at most the original one)."""
+    if src.has("rope_factors_long.weight"):
+        long = src.get("rope_factors_long.weight", (cfg.rope_dims // 2,), opts.where)
+        cfg = attrs.evolve(cfg, rope_long_factor=tuple(float(x) for x in long.astype(mx.float32).tolist()))
+    else:  # no longrope: no scale either
+        cfg = attrs.evolve(cfg, rope_mscale=1.0)
+    return _assemble(cfg, src, opts, _GGUF_NAMES)
+
+
+def config_from_gguf(md: dict[str, Any], source: str) -> Phi3Config:
+    """A Phi3Config from llama.cpp's phi3 metadata (what its converter writes)."""
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, "phi3", key, source, default)
+
+    hidden, heads = int(val("embedding_length")), int(val("attention.head_count"))
+    kv_heads = int(val("attention.head_count_kv", heads))
+    head_dim = hidden // heads
+    rope_dims = int(val("rope.dimension_count", head_dim))
+    max_pos = int(val("context_length", 4096))
+    orig = int(val("rope.scaling.original_context_length", max_pos))
+    factor = max_pos / orig
+    default_mscale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    window = int(val("attention.sliding_window", 0) or 0)
+    vocab = val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))
+    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
+    return Phi3Config(
+        model_type="phi3", vocab_size=int(vocab), hidden_size=hidden,
+        num_layers=int(val("block_count")), num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, intermediate_size=int(val("feed_forward_length")),
+        rms_norm_eps=float(val("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(val("rope.freq_base", 10000.0)), rope_dims=rope_dims,
+        # the long factors come with the tensors (assemble_gguf); their scale is metadata
+        rope_mscale=float(val("rope.scaling.attn_factor", default_mscale)),
+        sliding_window=window if 0 < window < max_pos else None,
+        max_position_embeddings=max_pos, tie_word_embeddings=None,
+        bos_token_id=int(bos.item()) if bos is not None else None,
+        eos_token_ids=(int(eos.item()),) if eos is not None else (),
+    )
 
 
 def checkpoint_layout(cfg: Phi3Config) -> dict[str, TensorSpec]:
@@ -206,4 +270,5 @@ FAMILY = Family(
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
     forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     first_layers=llama.first_layers, tiny_config=tiny_config,
+    gguf_architectures=("phi3",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )
