@@ -158,14 +158,18 @@ _AFFINE = {"Q4_0": (_q4_0, QK, 18), "Q4_1": (_q4_1, QK, 20), "Q5_0": (_q5_0, QK,
 
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     """[R, K] unsigned values < 2**bits -> [R, K * bits / 32] uint32: MLX's layout, one
-    little-endian bit stream per row."""
+    little-endian bit stream per row. Each run of 32 values fills `bits` words; value i of a
+    run lands at bit bits * i of the run (straddling two words when it crosses one)."""
     r, k = q.shape
-    if bits in (4, 8):
-        per = 32 // bits
-        g = q.reshape(r, k // per, per).astype(np.uint32)
-        return np.bitwise_or.reduce(g << (np.arange(per, dtype=np.uint32) * bits), axis=2)
-    stream = ((q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(r, k * bits)
-    return np.packbits(stream, axis=1, bitorder="little").view("<u4")
+    runs = q.reshape(-1, 32).astype(np.uint64)
+    words = np.zeros((runs.shape[0], bits), np.uint64)
+    for i in range(32):
+        word, shift = divmod(bits * i, 32)
+        v = runs[:, i] << np.uint64(shift)
+        words[:, word] |= v & np.uint64(0xFFFFFFFF)
+        if shift + bits > 32:
+            words[:, word + 1] |= v >> np.uint64(32)
+    return words.astype(np.uint32).reshape(r, k * bits // 32)
 
 
 def _affine(name: str, kind: str, data: np.ndarray, rows: int, cols: int) -> dict[str, mx.array]:
