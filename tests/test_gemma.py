@@ -19,6 +19,7 @@ from fx_engine.core.config import ConfigError
 from fx_engine.testing import write_tiny_model
 from fx_engine.engine.generate import reference_generate
 
+from .conftest import LONG_TEXT
 from .test_models_parity import _compare
 
 G4_VARIANTS = [
@@ -239,3 +240,68 @@ def test_multimodal_checkpoints_run_their_text_model(tmp_path, wrapper, prefix):
     assert model.config.model_type == wrapper + "_text"
     ids = _ids(70, seed=5)
     _compare(fx_engine.logits(model, ids, chunk=32), _mlx_lm(path)(mx.array([ids]))[0])
+
+
+def _gemma3_gguf(folder: Path, out: Path) -> None:
+    """Convert a tiny gemma3_text folder as llama.cpp's converter does: its tensor names,
+    its gemma3.* metadata keys, every norm weight + 1 (stored as the scale itself), the
+    gate/up/down projections and q/k/v unfused and unpermuted (Gemma rotates halves)."""
+    import json
+    import re
+
+    import gguf
+    import numpy as np
+
+    cfg = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    w = gguf.GGUFWriter(str(out), "gemma3")
+    for key, fn, v in (("context_length", w.add_uint32, cfg["max_position_embeddings"]),
+                       ("embedding_length", w.add_uint32, cfg["hidden_size"]),
+                       ("block_count", w.add_uint32, cfg["num_hidden_layers"]),
+                       ("feed_forward_length", w.add_uint32, cfg["intermediate_size"]),
+                       ("attention.head_count", w.add_uint32, cfg["num_attention_heads"]),
+                       ("attention.head_count_kv", w.add_uint32, cfg["num_key_value_heads"]),
+                       ("attention.layer_norm_rms_epsilon", w.add_float32, cfg["rms_norm_eps"]),
+                       ("attention.key_length", w.add_uint32, cfg["head_dim"]),
+                       ("attention.value_length", w.add_uint32, cfg["head_dim"]),
+                       ("rope.freq_base", w.add_float32, cfg["rope_theta"]),
+                       ("attention.sliding_window", w.add_uint32, cfg["sliding_window"])):
+        fn(f"gemma3.{key}", v)
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["content"] for t in tok["added_tokens"]}
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_array("tokenizer.ggml.tokens", [t for t, _ in vocab])
+    w.add_array("tokenizer.ggml.token_type", [3 if t in specials else 1 for t, _ in vocab])
+    w.add_array("tokenizer.ggml.merges", [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
+    names = ((r"^model\.embed_tokens\.", "token_embd."), (r"^model\.norm\.", "output_norm."),
+             (r"^lm_head\.", "output."), (r"^model\.layers\.(\d+)\.", r"blk.\1."),
+             (r"input_layernorm", "attn_norm"), (r"self_attn\.q_norm", "attn_q_norm"),
+             (r"self_attn\.k_norm", "attn_k_norm"), (r"self_attn\.q_proj", "attn_q"),
+             (r"self_attn\.k_proj", "attn_k"), (r"self_attn\.v_proj", "attn_v"),
+             (r"self_attn\.o_proj", "attn_output"), (r"post_attention_layernorm", "post_attention_norm"),
+             (r"pre_feedforward_layernorm", "ffn_norm"), (r"post_feedforward_layernorm", "post_ffw_norm"),
+             (r"mlp\.gate_proj", "ffn_gate"), (r"mlp\.up_proj", "ffn_up"), (r"mlp\.down_proj", "ffn_down"))
+    for name, x in sorted(mx.load(str(folder / "model.safetensors")).items()):
+        x = np.asarray(x.astype(mx.float32))
+        if name.endswith("norm.weight"):
+            x = x + np.float32(1.0)
+        for pat, rep in names:
+            name = re.sub(pat, rep, name)
+        w.add_tensor(name, x)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": False}], ids=["tied", "untied"])
+def test_gemma3_from_gguf_matches_mlx_lm(tmp_path, overrides):
+    """Gemma 3 read from GGUF metadata and llama.cpp's tensor names (norms stored + 1) gives
+    mlx-lm's logits on the Hugging Face folder it was converted from, past the window."""
+    pytest.importorskip("gguf")
+    folder = write_tiny_model(tmp_path / "m", "gemma3_text", sliding_window_pattern=6,
+                              num_hidden_layers=6, **overrides)
+    _gemma3_gguf(folder, tmp_path / "m.gguf")
+    model = fx_engine.load(tmp_path / "m.gguf")
+    assert model.config.layer_types == fx_engine.load(folder).config.layer_types
+    assert (model.params.lm_head is None) == ("tie_word_embeddings" not in overrides)
+    ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    _compare(fx_engine.logits(model, ids, chunk=32), _mlx_lm(folder)(mx.array([ids]))[0])

@@ -433,14 +433,16 @@ def hidden_to_logits(p: GemmaParams, h: Float[mx.array, "*N H"]) -> Float[mx.arr
 # ------------------------------------------------------------------ checkpoints
 
 
-def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions) -> GemmaParams:
+def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions,
+             norm_offset: float | None = None) -> GemmaParams:
     """Gemma 3 / Gemma 4 text weights under mlx-lm's (= Hugging Face's) names. Gemma 3's
     norms are stored as (1 + weight): the 1 is folded in here (in float32, as mlx-lm adds it
-    to float32 weights). Projections of KV-shared layers, rotary buffers and activation
-    clipping ranges in a checkpoint are unused (mlx-lm drops them too)."""
+    to float32 weights; `norm_offset` 0 for files that store the scale itself). Projections
+    of KV-shared layers, rotary buffers and activation clipping ranges in a checkpoint are
+    unused (mlx-lm drops them too)."""
     dtype, keep_quantized, where = opts.dtype, opts.keep_quantized, opts.where
     hid = cfg.hidden_size
-    offset = 0.0 if cfg.is_gemma4 else 1.0
+    offset = (0.0 if cfg.is_gemma4 else 1.0) if norm_offset is None else norm_offset
 
     def lin(name: str, out_f: int, in_f: int) -> Linear:
         return read_linear(src, name, out_f, in_f, opts.quant_for(name), False, where)
@@ -506,6 +508,79 @@ def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions) -> GemmaPar
         **per_layer, config=attrs.evolve(cfg, tie_word_embeddings=tied), numerics=opts.numerics,
         dtype=opts.dtype_name,
     )
+
+
+# llama.cpp's Gemma 3 tensor names -> Hugging Face's (the converter adds 1 to every norm
+# weight, so they hold the scale itself: read with norm_offset 0)
+_GGUF_TO_HF = (
+    (r"^token_embd\.", "model.embed_tokens."), (r"^output_norm\.", "model.norm."),
+    (r"^output\.", "lm_head."), (r"^blk\.(\d+)\.", r"model.layers.\1."),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.attn_q_norm\.", ".self_attn.q_norm."),
+    (r"\.attn_k_norm\.", ".self_attn.k_norm."), (r"\.attn_q\.", ".self_attn.q_proj."),
+    (r"\.attn_k\.", ".self_attn.k_proj."), (r"\.attn_v\.", ".self_attn.v_proj."),
+    (r"\.attn_output\.", ".self_attn.o_proj."),
+    (r"\.post_attention_norm\.", ".post_attention_layernorm."),
+    (r"\.ffn_norm\.", ".pre_feedforward_layernorm."),
+    (r"\.post_ffw_norm\.", ".post_feedforward_layernorm."), (r"\.ffn_gate\.", ".mlp.gate_proj."),
+    (r"\.ffn_up\.", ".mlp.up_proj."), (r"\.ffn_down\.", ".mlp.down_proj."),
+)
+
+
+def assemble_gguf(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions) -> GemmaParams:
+    """Gemma 3 from llama.cpp's names (no row permutation: Gemma rotates halves)."""
+    import re
+
+    renamed = TensorSource()
+    for name, t in src.tensors.items():
+        hf = name
+        for pattern, repl in _GGUF_TO_HF:
+            hf = re.sub(pattern, repl, hf)
+        renamed.tensors[hf], renamed.origin[hf] = t, f"{src.origin[name]} ({name})"
+    return assemble(cfg, renamed, opts, norm_offset=0.0)
+
+
+def config_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
+    """A Gemma 3 config from llama.cpp's gemma3 metadata, with llama.cpp's fixed choices:
+    every 6th layer global, sliding layers' RoPE base 10000, and the attention scale
+    1/sqrt(head_dim) except for the 62-layer (27B) model, 1/sqrt(hidden / heads). Checked
+    against llama.cpp's own logits on converted tiny models (max |diff| 6.7e-3 of 30)."""
+    from fx_engine.core.config import gguf_value
+
+    arch = md.get("general.architecture")
+    if arch != "gemma3":
+        raise ConfigError(f"{source}: GGUF architecture {arch!r}: only gemma3 is supported here")
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, arch, key, source, default)
+
+    hidden, heads, layers = int(val("embedding_length")), int(val("attention.head_count")), int(val("block_count"))
+    head_dim = int(val("attention.key_length", 256))
+    if int(val("attention.value_length", head_dim)) != head_dim:
+        raise ConfigError(f"{source}: gemma3.attention.value_length != key_length is not supported")
+    if val("final_logit_softcapping", None) is not None or val("attn_logit_softcapping", None) is not None:
+        raise ConfigError(f"{source}: soft-capping metadata is not Gemma 3's (is this Gemma 2?)")
+    scaling = None
+    kind = val("rope.scaling.type", None)
+    if kind not in (None, "none"):
+        if kind != "linear":
+            raise ConfigError(f"{source}: gemma3.rope.scaling.type {kind!r} is not supported (linear)")
+        scaling = {"rope_type": "linear", "factor": float(val("rope.scaling.factor"))}
+    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
+    d = {
+        "model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": int(val("attention.head_count_kv", heads)),
+        "head_dim": head_dim, "intermediate_size": int(val("feed_forward_length")),
+        "rms_norm_eps": float(val("attention.layer_norm_rms_epsilon", 1e-6)),
+        "sliding_window": int(val("attention.sliding_window", 512)), "sliding_window_pattern": 6,
+        "rope_theta": float(val("rope.freq_base", 1_000_000.0)), "rope_local_base_freq": 10_000.0,
+        "rope_scaling": scaling,
+        "query_pre_attn_scalar": hidden / heads if layers == 62 else head_dim,
+        "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
+        "max_position_embeddings": int(val("context_length", 131072)),
+        "bos_token_id": int(bos.item()) if bos is not None else None,
+        "eos_token_id": int(eos.item()) if eos is not None else None,
+    }
+    return config_from_hf(d, source)
 
 
 def _read_moe(cfg: GemmaConfig, src: TensorSource, pre: str, opts: LoadOptions, norm: Any) -> MoEBlock:
@@ -631,6 +706,7 @@ FAMILY = Family(
     params_type=GemmaParams, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
     checkpoint_layout=checkpoint_layout, wrappers=MULTIMODAL_WRAPPERS,
+    gguf_architectures=("gemma3",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
     tiny_config=lambda model_type, overrides: {
         "model_type": model_type, "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384,
