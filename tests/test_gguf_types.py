@@ -63,7 +63,7 @@ def test_each_type_reads_as_the_reference_dequantizes(tmp_path, kind):
         w, s, b = (tensors[f"blk.0.ffn_up.{x}"] for x in ("weight", "scales", "biases"))
         group = cols // s.shape[1]
         bits = w.shape[1] * 32 // cols
-        assert (bits, group) == {"Q2_K": (2, 16), "Q6_K": (6, 16)}.get(
+        assert (bits, group) == {"Q2_K": (2, 16), "Q3_K": (3, 16), "Q6_K": (6, 16)}.get(
             kind, (int(kind[1]), 32)), (bits, group)
         ours = np.asarray(mx.dequantize(w, s, b, group_size=group, bits=bits))
     else:

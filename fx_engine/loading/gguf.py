@@ -13,15 +13,16 @@ dequantized value equals llama.cpp's reference dequantization, bit for bit):
     Q5_1     5    32    d              m
     Q8_0     8    32    d              -128 d          (int8 q shifted by 128)
     Q2_K     2    16    d * sc         -dmin * m       (4-bit sc, m per 16)
+    Q3_K     3    16    d * (sc - 32)  -4 d (sc - 32)  (6-bit sc per 16; q with its high bit)
     Q4_K     4    32    d * sc         -dmin * m       (6-bit sc, m per 32)
     Q5_K     5    32    d * sc         -dmin * m
     Q6_K     6    16    d * sc         -32 d * sc      (int8 sc per 16)
 
 (each product is exact in float32: d has 11 significant bits, sc and q at most 13 together.)
 MLX packs every bit width as one little-endian bit stream per row, which is what
-`_pack` writes. Q3_K, IQ4_NL and IQ4_XS are not converted to an affine form here: they are
-dequantized to float32 with the `gguf` package's reference code (exact values, 4-8x the
-memory). F32 / F16 / BF16 tensors are read as they are. Any other type is an error naming
+`_pack` writes. IQ4_NL and IQ4_XS are not affine (a non-uniform codebook of 16 values):
+they are dequantized to float32 with the `gguf` package's reference code (exact values,
+about 7x the memory). F32 / F16 / BF16 tensors are read as they are. Any other type is an error naming
 the tensor and its type.
 """
 
@@ -40,8 +41,8 @@ __all__ = ["read_gguf", "AFFINE_TYPES", "DEQUANTIZED_TYPES"]
 QK = 32  # elements per block of the legacy types
 QK_K = 256  # elements per super-block of the K types
 
-AFFINE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q4_K", "Q5_K", "Q6_K")
-DEQUANTIZED_TYPES = ("Q3_K", "IQ4_NL", "IQ4_XS")
+AFFINE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+DEQUANTIZED_TYPES = ("IQ4_NL", "IQ4_XS")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
@@ -151,7 +152,27 @@ def _q2_k(b: np.ndarray) -> tuple:  # [N, 84]: scales[16], qs[64], d, dmin
     return q, scale, -(dmin[:, None] * (s >> 4).astype(np.float32)), 2, 16
 
 
-_AFFINE = {"Q4_0": (_q4_0, QK, 18), "Q4_1": (_q4_1, QK, 20), "Q5_0": (_q5_0, QK, 22),
+def _q3_k(b: np.ndarray) -> tuple:  # [N, 110]: hmask[32], qs[64], scales[12], d
+    hm, qs, sb = b[:, 0:32], b[:, 32:96], np.ascontiguousarray(b[:, 96:108])
+    d = _f16(b[:, 108:110])
+    aux = sb.view("<u4")  # [N, 3]: 16 six-bit scales packed as llama.cpp's kmask dance
+    a0, a1, tmp = aux[:, 0], aux[:, 1], aux[:, 2]
+    k1, k2 = np.uint32(0x03030303), np.uint32(0x0F0F0F0F)
+    words = np.stack([(a0 & k2) | (((tmp >> 0) & k1) << 4), (a1 & k2) | (((tmp >> 2) & k1) << 4),
+                      ((a0 >> 4) & k2) | (((tmp >> 4) & k1) << 4),
+                      ((a1 >> 4) & k2) | (((tmp >> 6) & k1) << 4)], axis=1).astype("<u4")
+    sc = words.view(np.int8).reshape(-1, 16).astype(np.float32) - 32
+    runs = []
+    for n in range(2):  # 128 elements each: per shift, 32 elements (two groups of 16)
+        c = qs[:, 32 * n : 32 * n + 32]
+        for j in range(4):
+            high = (hm >> (4 * n + j)) & 1  # set: 0..3 as stored; clear: 4 lower
+            runs.append(((c >> (2 * j)) & 3) + 4 * high)  # unsigned 0..7 (llama.cpp: - 4)
+    scale = d[:, None] * sc
+    return np.concatenate(runs, axis=1), scale, -4 * scale, 3, 16
+
+
+_AFFINE = {"Q3_K": (_q3_k, QK_K, 110), "Q4_0": (_q4_0, QK, 18), "Q4_1": (_q4_1, QK, 20), "Q5_0": (_q5_0, QK, 22),
            "Q5_1": (_q5_1, QK, 24), "Q8_0": (_q8_0, QK, 34), "Q2_K": (_q2_k, QK_K, 84),
            "Q4_K": (_q4_k, QK_K, 144), "Q5_K": (_q5_k, QK_K, 176), "Q6_K": (_q6_k, QK_K, 210)}
 
