@@ -20,6 +20,7 @@ from fx_engine.testing import write_tiny_model
 from fx_engine.engine.generate import reference_generate
 
 from .conftest import LONG_TEXT
+from .gguf_tokenizer import add_tokenizer
 from .test_models_parity import _compare
 
 G4_VARIANTS = [
@@ -253,7 +254,6 @@ def _gemma3_gguf(folder: Path, out: Path) -> None:
     import numpy as np
 
     cfg = json.loads((folder / "config.json").read_text())
-    tok = json.loads((folder / "tokenizer.json").read_text())
     w = gguf.GGUFWriter(str(out), "gemma3")
     for key, fn, v in (("context_length", w.add_uint32, cfg["max_position_embeddings"]),
                        ("embedding_length", w.add_uint32, cfg["hidden_size"]),
@@ -267,13 +267,7 @@ def _gemma3_gguf(folder: Path, out: Path) -> None:
                        ("rope.freq_base", w.add_float32, cfg["rope_theta"]),
                        ("attention.sliding_window", w.add_uint32, cfg["sliding_window"])):
         fn(f"gemma3.{key}", v)
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {t["content"] for t in tok["added_tokens"]}
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_array("tokenizer.ggml.tokens", [t for t, _ in vocab])
-    w.add_array("tokenizer.ggml.token_type", [3 if t in specials else 1 for t, _ in vocab])
-    w.add_array("tokenizer.ggml.merges", [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
+    add_tokenizer(w, folder, cfg["eos_token_id"])
     names = ((r"^model\.embed_tokens\.", "token_embd."), (r"^model\.norm\.", "output_norm."),
              (r"^lm_head\.", "output."), (r"^model\.layers\.(\d+)\.", r"blk.\1."),
              (r"input_layernorm", "attn_norm"), (r"self_attn\.q_norm", "attn_q_norm"),

@@ -14,6 +14,7 @@ from fx_engine.testing import write_tiny_model
 from fx_engine.testing.tiny import tiny_config
 
 from .conftest import LONG_TEXT
+from .gguf_tokenizer import add_tokenizer
 from .test_models_parity import _compare
 
 LONG = [1.0 + 0.25 * i for i in range(8)]  # 8 rotated frequencies (16 rotated dims)
@@ -121,7 +122,6 @@ def _phi3_gguf(folder: Path, out: Path, q8: tuple[str, ...] = ()) -> dict:
     from gguf.quants import dequantize, quantize
 
     cfg = json.loads((folder / "config.json").read_text())
-    tok = json.loads((folder / "tokenizer.json").read_text())
     weights = {k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(folder / "model.safetensors")).items()}
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     w = gguf.GGUFWriter(str(out), "phi3")
@@ -137,13 +137,7 @@ def _phi3_gguf(folder: Path, out: Path, q8: tuple[str, ...] = ()) -> dict:
     w.add_uint32("phi3.rope.dimension_count", rot)
     w.add_float32("phi3.rope.freq_base", cfg["rope_theta"])
     w.add_uint32("phi3.attention.sliding_window", cfg.get("sliding_window") or 0)
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {t["content"] for t in tok["added_tokens"]}
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_array("tokenizer.ggml.tokens", [t for t, _ in vocab])
-    w.add_array("tokenizer.ggml.token_type", [3 if t in specials else 1 for t, _ in vocab])
-    w.add_array("tokenizer.ggml.merges", [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
+    add_tokenizer(w, folder, cfg["eos_token_id"])
     scaling = cfg.get("rope_scaling") or {}
     if scaling.get("type") in ("longrope", "su"):
         scale = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
