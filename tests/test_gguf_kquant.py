@@ -1,4 +1,5 @@
-"""A tiny llama GGUF with a K-quant mix like Q4_K_M's (Q4_K, Q6_K, Q5_0, Q8_0, F32 norms),
+"""A tiny llama GGUF with a K-quant mix like Q4_K_M's (Q4_K, Q6_K, Q5_0, Q8_0, F32 norms;
+tied, and untied with llama.cpp's Q6_K output head),
 written with llama.cpp's `gguf` package: fx-engine's logits from the file equal mlx-lm's on
 a Hugging Face folder holding the reference dequantization of the same tensors (the q/k rows
 un-permuted as llama.cpp's converter permuted them), and `fx-engine generate` runs on it."""
@@ -47,9 +48,10 @@ def _unpermute(w, n_head):  # llama.cpp's convert permutes HF q/k rows; this und
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-@pytest.fixture(scope="module")
-def kquant_model(tmp_path_factory, default_model):
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def kquant_model(tmp_path_factory, default_model, request):
     tmp = tmp_path_factory.mktemp("kq")
+    untied = request.param == "untied"
     rng = np.random.default_rng(0)
     vocab_md = {k: v for k, v in _Header(Path(default_model.path)).metadata.items()
                 if k.startswith("tokenizer.")}
@@ -91,6 +93,8 @@ def kquant_model(tmp_path_factory, default_model):
             v = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
             w.add_tensor(f"blk.{i}.{norm}.weight", v)
             hf[f"model.layers.{i}.{HF[norm]}.weight"] = v
+    if untied:  # llama.cpp's own output head, Q6_K as in Q4_K_M files
+        add("output.weight", vocab, H, "Q6_K", "lm_head.weight")
     v = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
     w.add_tensor("output_norm.weight", v)
     hf["model.norm.weight"] = v
@@ -103,7 +107,7 @@ def kquant_model(tmp_path_factory, default_model):
         "model_type": "llama", "hidden_size": H, "num_hidden_layers": LAYERS,
         "intermediate_size": FF, "num_attention_heads": HEADS, "num_key_value_heads": KV,
         "rms_norm_eps": 1e-5, "vocab_size": vocab, "rope_theta": 10000.0,
-        "max_position_embeddings": 2048, "tie_word_embeddings": True}))
+        "max_position_embeddings": 2048, "tie_word_embeddings": not untied}))
     return tmp / "tiny-Q4_K_M.gguf", folder
 
 
@@ -118,6 +122,10 @@ def test_kquant_gguf_matches_mlx_lm_on_its_reference_dequantization(kquant_model
     # Q4_K kept as 4 bits; Q8_0 8 bits; Q4_K | Q5_0 fused at 8 bits (both exact); q|k|v with
     # a Q6_K part and the Q6_K down projection (group 16: no native kernel) in float
     assert kinds == [(4, 32), (8, 32), (8, 32), "dense", "dense"], kinds
+    # the Q6_K embedding: only looked up when untied (kept as stored), the head when tied
+    emb = model.params.embed
+    assert ((emb.bits, emb.group_size) if emb.quantized else "dense") == (
+        (6, 16) if model.params.lm_head is not None else "dense")
     ref_model, _ = load_model(folder)
     ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)[:64]
     ours = np.asarray(fx_engine.logits(model, ids, chunk=32))

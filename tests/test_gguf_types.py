@@ -161,3 +161,25 @@ def test_widths_the_kernels_lack_are_widened_to_8_bits_exactly(bits):
         np.asarray(mx.dequantize(q, s, b, group_size=32, bits=bits)))
     dense = finish(lin, mx.float32, False)  # a bool policy: dequantized, as before
     assert not dense.quantized
+
+
+def test_a_lookup_only_table_stays_quantized_in_any_format():
+    """An untied embedding table (only gathered, never a matmul) keeps its stored format
+    (here 6-bit, group 16: no native kernel), and its rows equal the dense table's."""
+    from fx_engine.core.checkpoint import finish
+    from fx_engine.core.nn import Linear, embed
+
+    from fx_engine.loading.gguf import _pack
+
+    rng = np.random.default_rng(0)  # mx.quantize has no group 16: pack a triple by hand
+    q = mx.array(_pack(rng.integers(0, 64, (64, 256), dtype=np.uint8), 6))
+    s = mx.array(rng.uniform(0.01, 0.1, (64, 16)).astype(np.float32))
+    b = mx.array(rng.uniform(-1, 1, (64, 16)).astype(np.float32))
+    lin = Linear(weight=q, scales=s, biases=b, group_size=16, bits=6)
+    native = lambda group, width: width in (4, 8) and group % 32 == 0  # noqa: E731
+    kept = finish(lin, mx.float32, native, table=True, lookup_only=True)
+    dense = finish(lin, mx.float32, native, table=True)
+    assert kept.quantized and (kept.bits, kept.group_size) == (6, 16) and not dense.quantized
+    ids = mx.array([3, 0, 63, 3])
+    np.testing.assert_array_equal(np.asarray(embed(ids, kept)), np.asarray(embed(ids, dense)))
+    assert not finish(lin, mx.float32, False, table=True, lookup_only=True).quantized

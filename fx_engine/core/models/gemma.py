@@ -490,15 +490,16 @@ def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions,
             post_ff_norm=norm(pre + "post_feedforward_layernorm.weight", hid),
             **extra,
         ))
-    embed = finish(lin("model.embed_tokens", cfg.vocab_size, hid), dtype, keep_quantized, table=True)
     tied = cfg.tie_word_embeddings if cfg.is_gemma4 else not src.has("lm_head.weight")
+    embed = finish(lin("model.embed_tokens", cfg.vocab_size, hid), dtype, keep_quantized, table=True,
+                   lookup_only=not tied)
     lm_head = None if tied else fin(lin("lm_head", cfg.vocab_size, hid))
     per_layer = {}
     if cfg.hidden_size_per_layer_input:
         width = cfg.num_layers * cfg.hidden_size_per_layer_input
         per_layer = dict(
             embed_per_layer=finish(lin("model.embed_tokens_per_layer", cfg.vocab_size, width),
-                                    dtype, keep_quantized, table=True),
+                                    dtype, keep_quantized, table=True, lookup_only=True),
             per_layer_proj=fin(lin("model.per_layer_model_projection", width, hid)),
             per_layer_proj_norm=norm("model.per_layer_projection_norm.weight",
                                      cfg.hidden_size_per_layer_input),

@@ -365,7 +365,8 @@ def _assemble(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions, names: dic
                 k_norm=vec(pre + names["k_norm"], hd) if cfg.qk_norm else None,
             )
         )
-    embed = finish(lin(names["embed"], cfg.vocab_size, hid), dtype, keep_quantized, table=True)
+    embed = finish(lin(names["embed"], cfg.vocab_size, hid), dtype, keep_quantized, table=True,
+                   lookup_only=not cfg.tie_word_embeddings)
     lm_head = None
     if not cfg.tie_word_embeddings:
         lm_head = finish(lin(names["lm_head"], cfg.vocab_size, hid), dtype, keep_quantized)

@@ -197,7 +197,8 @@ def _assemble(cfg: Phi3Config, src: TensorSource, opts: LoadOptions, names: dict
             down=lin(pre + names["down"], h, ff),
         ))
     embed = finish(read_linear(src, names["embed"], cfg.vocab_size, h,
-                               opts.quant_for(names["embed"]), False, where), dtype, keep, table=True)
+                               opts.quant_for(names["embed"]), False, where), dtype, keep, table=True,
+                   lookup_only=not cfg.tie_word_embeddings)
     head = None if cfg.tie_word_embeddings else lin(names["lm_head"], cfg.vocab_size, h)
     return Phi3Params(embed=embed, layers=tuple(layers), norm=vec(names["norm"]),
                       lm_head=head, rope_freqs=None, config=cfg, numerics=opts.numerics,
