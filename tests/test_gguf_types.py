@@ -183,3 +183,20 @@ def test_a_lookup_only_table_stays_quantized_in_any_format():
     ids = mx.array([3, 0, 63, 3])
     np.testing.assert_array_equal(np.asarray(embed(ids, kept)), np.asarray(embed(ids, dense)))
     assert not finish(lin, mx.float32, False, table=True, lookup_only=True).quantized
+
+
+def test_unsupported_architecture_and_missing_metadata_are_named(tmp_path):
+    import fx_engine
+    from fx_engine.core.config import ConfigError
+
+    w = gguf.GGUFWriter(str(tmp_path / "a.gguf"), "mamba")
+    w.add_tensor("token_embd.weight", np.ones((4, 32), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(ConfigError, match=r"GGUF architecture 'mamba' is not supported \(supported: llama"):
+        fx_engine.load(tmp_path / "a.gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "b.gguf"), "qwen3")
+    w.add_uint32("qwen3.block_count", 1)
+    w.add_tensor("token_embd.weight", np.ones((4, 32), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(ConfigError, match=r"GGUF metadata 'qwen3\.[a-z_.]+' is missing"):
+        fx_engine.load(tmp_path / "b.gguf")
