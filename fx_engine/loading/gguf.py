@@ -1,4 +1,5 @@
-"""GGUF files through llama.cpp's own reader (the `gguf` package, memory-mapped).
+"""GGUF files: fx-engine's own header parser (`_Header`: mmap + struct, tested against
+llama.cpp's `gguf` reader) and tensor data read from a numpy memmap.
 
 Metadata comes back as Python / numpy values (scalars have `.item()`, arrays `.tolist()`).
 Tensors come back as MLX arrays under llama.cpp's names, with quantized ones as MLX affine
@@ -22,8 +23,8 @@ dequantized value equals llama.cpp's reference dequantization, bit for bit):
 MLX packs every bit width as one little-endian bit stream per row, which is what
 `_pack` writes. IQ4_NL and IQ4_XS are not affine (a non-uniform codebook of 16 values):
 they are dequantized to float32 with the `gguf` package's reference code (exact values,
-about 7x the memory). F32 / F16 / BF16 tensors are read as they are. Any other type is an error naming
-the tensor and its type.
+about 7x the memory). F32 / F16 / BF16 tensors are read as they are. Any other type is an
+error naming the tensor and its type.
 """
 
 from __future__ import annotations
@@ -354,8 +355,8 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
             raise WeightsError(f"{path}: tensor '{name}' ({kind}) has {len(shape)} dimensions; "
                                "quantized tensors of more than 2 are not supported yet")
         jobs.append((name, kind, shape, rows, cols, data[start:end]))
-    # Tensors convert independently and numpy releases the GIL in its loops: a thread each
-    # core (measured on 2 cores: a 517 MiB K-quant file in 8.5 s -> see docs/benchmarks.md).
+    # Tensors convert independently and numpy releases the GIL in its loops: a thread per
+    # core (2 cores: a 517 MiB K-quant file's conversion 8.5 -> 4.5 s, docs/benchmarks.md).
     from concurrent.futures import ThreadPoolExecutor
 
     workers = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
