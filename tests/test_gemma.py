@@ -1,4 +1,5 @@
-"""Gemma 3 and Gemma 4 text models: parity with mlx-lm's gemma3_text / gemma4_text.
+"""Gemma 2, Gemma 3 and Gemma 4 text models: parity with mlx-lm's gemma2 / gemma3_text /
+gemma4_text.
 
 Tolerance (same reasoning as test_models_parity): both sides compute in float32 from
 identical weights. The differences are summation order (fused projections, BLAS blocking),
@@ -37,6 +38,11 @@ CASES = [
     ("gemma3_text", {"rope_scaling": {"rope_type": "linear", "factor": 8.0},
                      "tie_word_embeddings": False, "num_key_value_heads": 1}),
     ("gemma3_text", {"sliding_window_pattern": 2, "query_pre_attn_scalar": 32, "head_dim": 32}),
+    # Gemma 2: attention and final logit soft-capping (mlx-lm has no window: the tiny
+    # default window of 4096 is longer than the sequence); caps low enough to bite
+    ("gemma2", {}),
+    ("gemma2", {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 8.0,
+                "num_key_value_heads": 1, "query_pre_attn_scalar": 32}),
 ] + [("gemma4_text", v) for v in G4_VARIANTS]
 
 
@@ -71,7 +77,7 @@ def test_teacher_forced_logits_match_mlx_lm(tmp_path, model_type, overrides):
         _compare(fx_engine.logits(model, ids, chunk=chunk), want)
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma4_text"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "gemma4_text"])
 def test_mlx_quantized_folders_match_mlx_lm(tmp_path, model_type):
     path = write_tiny_model(tmp_path / "m", model_type, quantize={"group_size": 32, "bits": 4})
     model = fx_engine.load(path)
@@ -121,6 +127,7 @@ def test_moe_in_mlx_layout_and_quantized_experts_match_mlx_lm(tmp_path, quantize
     ("gemma3_text", 24, 16),   # does not
     ("gemma4_text", 16, 32),   # chunk larger than the window
     ("gemma4_text", 24, 16),
+    ("gemma2", 4096, 16),      # mlx-lm's gemma2 has no window: one longer than the run
 ])
 def test_chunked_generation_matches_mlx_lm_generate_step(tmp_path, model_type, window, chunk):
     """Greedy generation: our chunked prefill + ring caches vs mlx-lm's generate_step with
@@ -130,7 +137,7 @@ def test_chunked_generation_matches_mlx_lm_generate_step(tmp_path, model_type, w
     path = write_tiny_model(tmp_path / "m", model_type, sliding_window=window)
     model = fx_engine.load(path)
     ref = _mlx_lm(path)
-    prompt = _ids(3 * window + 5, seed=3)
+    prompt = _ids(min(3 * window + 5, 77), seed=3)
     want = []
     for tok, _ in generate_step(mx.array(prompt), ref, max_tokens=24, prefill_step_size=chunk,
                                 sampler=lambda x: mx.argmax(x, axis=-1)):
@@ -243,10 +250,11 @@ def test_multimodal_checkpoints_run_their_text_model(tmp_path, wrapper, prefix):
     _compare(fx_engine.logits(model, ids, chunk=32), _mlx_lm(path)(mx.array([ids]))[0])
 
 
-def _gemma3_gguf(folder: Path, out: Path) -> None:
-    """Convert a tiny gemma3_text folder as llama.cpp's converter does: its tensor names,
-    its gemma3.* metadata keys, every norm weight + 1 (stored as the scale itself), the
-    gate/up/down projections and q/k/v unfused and unpermuted (Gemma rotates halves)."""
+def _gemma_gguf(folder: Path, out: Path, arch: str = "gemma3") -> None:
+    """Convert a tiny gemma3_text / gemma2 folder as llama.cpp's converter does: its tensor
+    names, its gemma3.* / gemma2.* metadata keys (Gemma 2's soft-capping values), every
+    norm weight + 1 (stored as the scale itself), the gate/up/down projections and q/k/v
+    unfused and unpermuted (Gemma rotates halves)."""
     import json
     import re
 
@@ -254,7 +262,7 @@ def _gemma3_gguf(folder: Path, out: Path) -> None:
     import numpy as np
 
     cfg = json.loads((folder / "config.json").read_text())
-    w = gguf.GGUFWriter(str(out), "gemma3")
+    w = gguf.GGUFWriter(str(out), arch)
     for key, fn, v in (("context_length", w.add_uint32, cfg["max_position_embeddings"]),
                        ("embedding_length", w.add_uint32, cfg["hidden_size"]),
                        ("block_count", w.add_uint32, cfg["num_hidden_layers"]),
@@ -266,7 +274,10 @@ def _gemma3_gguf(folder: Path, out: Path) -> None:
                        ("attention.value_length", w.add_uint32, cfg["head_dim"]),
                        ("rope.freq_base", w.add_float32, cfg["rope_theta"]),
                        ("attention.sliding_window", w.add_uint32, cfg["sliding_window"])):
-        fn(f"gemma3.{key}", v)
+        fn(f"{arch}.{key}", v)
+    if arch == "gemma2":
+        w.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
+        w.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
     add_tokenizer(w, folder, cfg["eos_token_id"])
     names = ((r"^model\.embed_tokens\.", "token_embd."), (r"^model\.norm\.", "output_norm."),
              (r"^lm_head\.", "output."), (r"^model\.layers\.(\d+)\.", r"blk.\1."),
@@ -293,9 +304,45 @@ def test_gemma3_from_gguf_matches_mlx_lm(tmp_path, overrides):
     pytest.importorskip("gguf")
     folder = write_tiny_model(tmp_path / "m", "gemma3_text", sliding_window_pattern=6,
                               num_hidden_layers=6, **overrides)
-    _gemma3_gguf(folder, tmp_path / "m.gguf")
+    _gemma_gguf(folder, tmp_path / "m.gguf")
     model = fx_engine.load(tmp_path / "m.gguf")
     assert model.config.layer_types == fx_engine.load(folder).config.layer_types
     assert (model.params.lm_head is None) == ("tie_word_embeddings" not in overrides)
     ids = model.tokenizer.encode(LONG_TEXT)[:80]
     _compare(fx_engine.logits(model, ids, chunk=32), _mlx_lm(folder)(mx.array([ids]))[0])
+
+
+def test_gemma2_from_gguf_matches_mlx_lm(tmp_path):
+    """Gemma 2 from llama.cpp's gemma2 metadata (soft-capping values, no q/k norms) gives
+    mlx-lm's logits on the folder it was converted from."""
+    pytest.importorskip("gguf")
+    folder = write_tiny_model(tmp_path / "m", "gemma2", attn_logit_softcapping=3.0,  # low enough to bite
+                              final_logit_softcapping=8.0)
+    _gemma_gguf(folder, tmp_path / "m.gguf", arch="gemma2")
+    model = fx_engine.load(tmp_path / "m.gguf")
+    ref_cfg = fx_engine.load(folder).config
+    for field in ("layer_types", "sliding_window", "attn_softcap", "final_logit_softcapping",
+                  "attn_scale", "embed_scale", "rope_full", "qk_norm", "tie_word_embeddings"):
+        assert getattr(model.config, field) == getattr(ref_cfg, field), field
+    ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    _compare(fx_engine.logits(model, ids, chunk=32), _mlx_lm(folder)(mx.array([ids]))[0])
+
+
+def test_gemma2_sliding_layers_in_the_engine(tmp_path):
+    """Gemma 2 with a window shorter than the context (even layers sliding, as Hugging Face
+    and llama.cpp run it): batched rows equal each request alone through the plain loop,
+    and the window changes the output once a sequence is longer than it."""
+    path = write_tiny_model(tmp_path / "m", "gemma2", sliding_window=16)
+    model = fx_engine.load(path)
+    specs = model.cache_layout(headroom=32)
+    assert [s.window for s in specs] == [16, None, 16, None]
+    prompts = [_ids(n, seed=n) for n in (5, 40, 23)]
+    alone = [reference_generate(model, p, max_tokens=20, temperature=0.0, prefill_chunk=8)
+             for p in prompts]
+    with fx_engine.Engine(model, max_rows=4, prefill_chunk=8) as engine:
+        handles = [engine.submit(p, max_tokens=20, temperature=0.0) for p in prompts]
+        assert [h.result().token_ids for h in handles] == [a.token_ids for a in alone]
+    wide = fx_engine.load(write_tiny_model(tmp_path / "w", "gemma2"))  # same weights, no window
+    ids = _ids(40, seed=9)
+    a, b = fx_engine.logits(model, ids), fx_engine.logits(wide, ids)
+    assert mx.allclose(a[:16], b[:16], atol=1e-4).item() and not mx.allclose(a[16:], b[16:], atol=1e-2).item()

@@ -317,16 +317,17 @@ def write_entry(
 
 def attend_entry(
     entry: Any, spec: LayerSpec, q: mx.array, geo: StepGeometry, scale: float,
-    numerics: Numerics,
+    numerics: Numerics, softcap: float | None = None,
 ) -> mx.array:
-    """Attention of q [B, T, Hq, D] over one (already written) entry: [B, T, Hq * D]."""
+    """Attention of q [B, T, Hq, D] over one (already written) entry: [B, T, Hq * D].
+    softcap: attention logit soft-capping (see `attention`)."""
     if spec.ring:
         n = min(geo.span, spec.ring)
         mask = geo.mask(n, spec.window, spec.ring)
         # While the span fits in the ring, slot == position: the causal-tail blocking holds.
         tail = geo.bounded and geo.span <= spec.ring
         return attention(q, entry.keys[:, :, :n], entry.values[:, :, :n], mask, scale,
-                         numerics, causal_tail=tail)
+                         numerics, causal_tail=tail, softcap=softcap)
     mask = geo.mask(geo.span, spec.window)
     if spec.bits:
         f = min(entry.head_slots, geo.span)
@@ -335,10 +336,10 @@ def attend_entry(
             q, entry.head_keys[:, :, :f], entry.head_values[:, :, :f],
             tuple(a[:, :, :rest] for a in entry.keys),
             tuple(a[:, :, :rest] for a in entry.values),
-            mask, scale, spec.group_size, spec.bits,
+            mask, scale, spec.group_size, spec.bits, softcap=softcap,
         )
     return attention(q, entry.keys[:, :, : geo.span], entry.values[:, :, : geo.span], mask,
-                     scale, numerics, causal_tail=geo.bounded)
+                     scale, numerics, causal_tail=geo.bounded, softcap=softcap)
 
 
 def advanced(cache: KVCache, layers: Sequence[Any], geo: StepGeometry) -> KVCache:

@@ -285,6 +285,11 @@ def fast_exp(x: mx.array) -> mx.array:
     return p * two_n
 
 
+def capped(x: mx.array, cap: float) -> mx.array:
+    """Logit soft-capping: tanh(x / cap) * cap (Gemma's attention and final logits)."""
+    return mx.tanh(x / cap) * cap
+
+
 def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis with `fast_exp` (float32 throughout, like precise=True)."""
     x = x.astype(mx.float32)
@@ -297,7 +302,7 @@ QUERY_BLOCK = 128  # query rows per block in prefill attention (see `attention`)
 
 def attention(
     q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float, numerics: Numerics,
-    causal_tail: bool = False,
+    causal_tail: bool = False, softcap: float | None = None,
 ) -> mx.array:
     """Grouped-query softmax attention.
 
@@ -312,10 +317,14 @@ def attention(
     S - T + (j+1)*QB slots, a static bound, and a long chunk is computed block by block:
     the causal part above the diagonal is skipped and each block's scores stay small
     enough for the caches and the allocator (a [9 x 512 x 2048] score matrix is 38 MB).
+
+    softcap: scores become tanh(scores / softcap) * softcap before the mask (Gemma 2's
+    attention logit soft-capping); the native fused kernel does not do it, so such layers
+    take the MLX path.
     """
     b, t, hq, d = q.shape
     hk, s = k.shape[1], k.shape[2]
-    if (numerics.native and not numerics.batch_invariant and d % 16 == 0
+    if (numerics.native and not numerics.batch_invariant and d % 16 == 0 and softcap is None
             and q.dtype == mx.float32 and k.dtype == v.dtype and k.dtype in (mx.float32, mx.float16)):
         # One native node per layer instead of ~15: for decode and verify (<= 16 tokens) one
         # pass over each row's K/V, for prefill chunks register-tiled scores and P @ V per
@@ -332,7 +341,7 @@ def attention(
             j1 = min(t, j0 + QUERY_BLOCK)
             kv = min(s, s - t + j1)
             outs.append(attention(q[:, j0:j1], k[:, :, :kv], v[:, :, :kv],
-                                  mask[:, :, j0:j1, :kv], scale, numerics))
+                                  mask[:, :, j0:j1, :kv], scale, numerics, softcap=softcap))
         return mx.concatenate(outs, axis=1)
     rep = hq // hk
     qh = (q * scale).reshape(b, t, hk, rep, d).transpose(0, 2, 3, 1, 4)  # [B, Hk, rep, T, D]
@@ -350,6 +359,8 @@ def attention(
     else:
         tp = t
         scores = (qh.reshape(b, hk, rep * t, d) @ k.swapaxes(-1, -2)).reshape(b, hk, rep, t, s)
+    if softcap is not None:
+        scores = capped(scores, softcap)
     if numerics.native and scores.dtype == mx.float32:  # one pass, multi-threaded
         mb = mx.broadcast_to(m, (b, 1, 1, tp, s)).reshape(b, tp, s)
         probs = kernels.masked_softmax(scores.reshape(b, hk * rep, tp, s), mb)
@@ -412,7 +423,7 @@ def swiglu_fused(gu: mx.array, numerics: Numerics | None = None) -> mx.array:
 
 def quantized_attention(
     q: mx.array, head_k: mx.array, head_v: mx.array, k_q: tuple, v_q: tuple, mask: mx.array,
-    scale: float, group_size: int, bits: int,
+    scale: float, group_size: int, bits: int, softcap: float | None = None,
 ) -> mx.array:
     """Attention over a quantized cache entry, as mlx-lm's quantized SDPA computes it.
 
@@ -435,6 +446,8 @@ def quantized_attention(
         parts.append(mx.quantized_matmul(qh, *k_q, transpose=True, group_size=group_size, bits=bits))
     scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     scores = scores.reshape(b, hk, rep, t, f + s2)
+    if softcap is not None:
+        scores = capped(scores, softcap)
     scores = mx.where(mask[:, :, None], scores, mx.finfo(scores.dtype).min)
     probs = softmax(scores).astype(q.dtype).reshape(b, hk, rep * t, f + s2)
     out = None

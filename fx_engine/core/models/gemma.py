@@ -1,5 +1,5 @@
-"""Gemma 3 (`gemma3_text`) and Gemma 4 (`gemma4_text`) text models as one pure forward,
-following mlx-lm 0.32's implementations (the parity oracle).
+"""Gemma 2 (`gemma2`), Gemma 3 (`gemma3_text`) and Gemma 4 (`gemma4_text`) text models as
+one pure forward, following mlx-lm 0.32's implementations (the parity oracle).
 
 Shared by both: sliding-window layers (a ring cache entry each) interleaved with global
 layers, each kind with its own RoPE; per-head RMSNorm on q and k; "sandwich" norms around
@@ -10,7 +10,12 @@ plain RMSNorm. Gemma 4 adds: global layers with their own head_dim, KV heads and
 attention scale 1, the last `num_kv_shared_layers` layers attending over an earlier layer's
 cache entry instead of their own, per-layer input embeddings, a per-layer output scalar,
 double-wide MLPs in KV-shared layers, tanh soft-capped logits, and (the MoE variant)
-routed experts beside the dense MLP.
+routed experts beside the dense MLP. Gemma 2 is Gemma 3 without the q/k norms, with tanh
+soft-capping of the attention scores and of the final logits, one RoPE base for every
+layer, and sliding layers alternating with global ones (layer 0 sliding). mlx-lm's gemma2
+attends over every key in every layer (it has no window); Hugging Face and llama.cpp use
+the window, and so does fx-engine: the two agree while a sequence fits in the window
+(4096 tokens in every released Gemma 2).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, att
 from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, read_expert_stack, read_linear)
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, refuse, required, token_ids
 from fx_engine.core.models.family import Family
-from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, expert_linear, gelu_tanh, linear, rms_norm, rope_tables)
+from fx_engine.core.nn import (Linear, Numerics, apply_rope, capped, embed, expert_linear, gelu_tanh, linear, rms_norm, rope_tables)
 from fx_engine.core.tree import static_field
 
 
@@ -65,13 +70,15 @@ class GemmaConfig(BaseConfig):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     rope_traditional: bool = False
+    qk_norm: bool = True  # per-head RMSNorm on q and k (Gemma 3 and 4; not Gemma 2)
+    attn_softcap: float | None = None  # Gemma 2: tanh soft-capping of the attention scores
+    final_logit_softcapping: float | None = None  # Gemma 2 and 4
     # Gemma 4
     global_head_dim: int = 0  # full-attention layers' head_dim (0: head_dim)
     num_global_kv_heads: int = 0  # full-attention layers' KV heads with k_eq_v (0: num_kv_heads)
     attention_k_eq_v: bool = False  # full-attention layers use their keys as values
     num_kv_shared_layers: int = 0  # the last layers reuse earlier layers' K/V
     hidden_size_per_layer_input: int = 0  # per-layer input embeddings (0: none)
-    final_logit_softcapping: float | None = None
     use_double_wide_mlp: bool = False
     v_norm: bool = False  # RMSNorm (no scale) on values
     num_experts: int = 0  # > 0: each layer adds a routed mixture of experts (Gemma 4 MoE)
@@ -140,6 +147,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GemmaConfi
     """A GemmaConfig from a Hugging Face config.json dict (gemma3_text / gemma4_text)."""
     model_type = d["model_type"]
     g4 = model_type == "gemma4_text"
+    g2 = model_type == "gemma2"
     hidden = positive_int(required(d, "hidden_size", source), "hidden_size", source)
     layers = positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source)
     heads = positive_int(required(d, "num_attention_heads", source), "num_attention_heads", source)
@@ -149,7 +157,14 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GemmaConfi
     pattern = d.get("sliding_window_pattern") or (5 if g4 else 6)
     pattern = positive_int(pattern, "sliding_window_pattern", source)
     types = d.get("layer_types")
-    if types is None:
+    if g2:  # Hugging Face's and llama.cpp's Gemma 2: even layers sliding, odd layers global
+        want = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        if types is not None and list(types) != want:
+            raise ConfigError(f"{source}: layer_types must alternate sliding_attention and "
+                              "full_attention (from layer 0) in Gemma 2")
+        types = want
+        window = positive_int(d.get("sliding_window") or 4096, "sliding_window", source)
+    elif types is None:
         if g4:  # mlx-lm's gemma4: (pattern - 1) sliding then one full, repeated
             unit = ["sliding_attention"] * (pattern - 1) + ["full_attention"]
             types = (unit * (layers // len(unit) + 1))[:layers]
@@ -170,7 +185,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GemmaConfi
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ConfigError(f"{source}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
-    refuse(d, source, "attn_logit_softcapping", lambda v: False, "mlx-lm does not apply it")
+    if not g2:
+        refuse(d, source, "attn_logit_softcapping", lambda v: False, "mlx-lm does not apply it")
     # "vision": image tokens attend bidirectionally (multimodal); text-only runs are causal
     refuse(d, source, "use_bidirectional_attention", lambda v: v in (False, "vision"),
             "bidirectional text attention (embedding models)")
@@ -190,6 +206,25 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GemmaConfi
     if heads % kv_heads:
         raise ConfigError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
                           f"num_key_value_heads ({kv_heads})")
+    if g2:
+        theta = float(d.get("rope_theta") or 10_000.0)
+        if d.get("rope_scaling"):
+            raise ConfigError(f"{source}: field 'rope_scaling' is not supported for gemma2")
+        caps = {}
+        for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+            v = d.get(key, default)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise ConfigError(f"{source}: field '{key}' must be a positive number or null, got {v!r}")
+            caps[key] = None if v is None else float(v)
+        return GemmaConfig(
+            **common, rope_sliding=RopeSpec(theta=theta), rope_full=RopeSpec(theta=theta),
+            attn_scale=float(d.get("query_pre_attn_scalar") or 144.0) ** -0.5,
+            embed_scale=hidden**0.5, qk_norm=False, attn_softcap=caps["attn_logit_softcapping"],
+            final_logit_softcapping=caps["final_logit_softcapping"],
+            rope_traditional=bool(d.get("rope_traditional", False)),
+            tie_word_embeddings=(None if d.get("tie_word_embeddings") is None
+                                 else bool(d["tie_word_embeddings"])),
+        )
     if not g4:
         refuse(d, source, "final_logit_softcapping", lambda v: False, "mlx-lm's gemma3_text does not apply it")
         scaling = d.get("rope_scaling")
@@ -271,8 +306,8 @@ class MoEBlock:
 class GemmaLayer:
     attn_norm: mx.array
     qkv: Linear  # fused [q; k; v] rows ([q; k] with k_eq_v; [q] in KV-shared layers)
-    q_norm: mx.array
-    k_norm: mx.array | None  # None in KV-shared layers
+    q_norm: mx.array | None  # None: no q/k norms (Gemma 2)
+    k_norm: mx.array | None  # None in KV-shared layers and Gemma 2
     o: Linear
     post_attn_norm: mx.array
     pre_ff_norm: mx.array
@@ -367,7 +402,7 @@ def forward(
     b, t = tokens.shape
     dt = getattr(mx, p.dtype)
     eps = cfg.rms_norm_eps
-    clip = not cfg.is_gemma4
+    clip = cfg.model_type == "gemma3_text"  # mlx-lm's clip_residual
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
     flat = tokens.reshape(-1)
     h = embed(flat, p.embed).astype(dt) * mx.array(cfg.embed_scale, dt)
@@ -394,11 +429,11 @@ def forward(
         x = rms_norm(h, lp.attn_norm, eps, num)
         qkv = linear(x, lp.qkv, num).reshape(b, t, -1, d)
         rope = ropes["sliding" if cfg.is_sliding(i) else "full", d]
-        q = rms_norm(qkv[:, :, :hq], lp.q_norm, eps, num)
+        q = qkv[:, :, :hq] if lp.q_norm is None else rms_norm(qkv[:, :, :hq], lp.q_norm, eps, num)
         if src == i:  # this layer computes and stores K/V
             k_raw = qkv[:, :, hq : hq + hk]
             v_raw = k_raw if cfg.k_eq_v(i) else qkv[:, :, hq + hk :]
-            k = rms_norm(k_raw, lp.k_norm, eps, num)
+            k = k_raw if lp.k_norm is None else rms_norm(k_raw, lp.k_norm, eps, num)
             v = mx.fast.rms_norm(v_raw, None, eps) if cfg.v_norm else v_raw
             qk = apply_rope(mx.concatenate([q, k], axis=2), *rope, num, cfg.rope_traditional)
             q, k = qk[:, :, :hq], qk[:, :, hq:]
@@ -406,7 +441,8 @@ def forward(
                                      v.transpose(0, 2, 1, 3), geo, num)
         else:
             q = apply_rope(q, *rope, num, cfg.rope_traditional)
-        o = attend_entry(entries[src], spec, q, geo, cfg.attn_scale, num).reshape(b * t, hq * d)
+        o = attend_entry(entries[src], spec, q, geo, cfg.attn_scale, num,
+                         softcap=cfg.attn_softcap).reshape(b * t, hq * d)
         h = _add(h, rms_norm(linear(o, lp.o, num), lp.post_attn_norm, eps, num), clip)
         r = _mlp(lp.gate_up, lp.down, rms_norm(h, lp.pre_ff_norm, eps, num), num)
         if lp.moe is not None:
@@ -425,9 +461,7 @@ def hidden_to_logits(p: GemmaParams, h: Float[mx.array, "*N H"]) -> Float[mx.arr
     head = p.lm_head if p.lm_head is not None else p.embed
     out = linear(h, head, p.numerics).astype(mx.float32)
     cap = p.config.final_logit_softcapping
-    if cap is not None:
-        out = mx.tanh(out / cap) * cap
-    return out
+    return out if cap is None else capped(out, cap)
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -479,8 +513,8 @@ def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions,
         layers.append(GemmaLayer(
             attn_norm=norm(pre + "input_layernorm.weight", hid),
             qkv=fuse(parts, dtype, keep_quantized),
-            q_norm=norm(pre + "self_attn.q_norm.weight", d),
-            k_norm=norm(pre + "self_attn.k_norm.weight", d) if own_kv else None,
+            q_norm=norm(pre + "self_attn.q_norm.weight", d) if cfg.qk_norm else None,
+            k_norm=norm(pre + "self_attn.k_norm.weight", d) if own_kv and cfg.qk_norm else None,
             o=fin(lin(pre + "self_attn.o_proj", hid, hq)),
             post_attn_norm=norm(pre + "post_attention_layernorm.weight", hid),
             pre_ff_norm=norm(pre + "pre_feedforward_layernorm.weight", hid),
@@ -541,15 +575,17 @@ def assemble_gguf(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions) -> Gem
 
 
 def config_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
-    """A Gemma 3 config from llama.cpp's gemma3 metadata, with llama.cpp's fixed choices:
-    every 6th layer global, sliding layers' RoPE base 10000, and the attention scale
-    1/sqrt(head_dim) except for the 62-layer (27B) model, 1/sqrt(hidden / heads). Checked
-    against llama.cpp's own logits on converted tiny models (max |diff| 6.7e-3 of 30)."""
+    """A Gemma 2 / Gemma 3 config from llama.cpp's gemma2 / gemma3 metadata, with llama.cpp's
+    fixed choices: Gemma 3 every 6th layer global, its sliding layers' RoPE base 10000;
+    Gemma 2 every other layer global (layer 0 sliding); the attention scale 1/sqrt(head_dim)
+    except for the 27B models (Gemma 3: 62 layers, Gemma 2: 46), 1/sqrt(hidden / heads).
+    Checked against llama.cpp's own logits on converted tiny models (Gemma 3: max |diff|
+    6.7e-3 of 30)."""
     from fx_engine.core.config import gguf_value
 
     arch = md.get("general.architecture")
-    if arch != "gemma3":
-        raise ConfigError(f"{source}: GGUF architecture {arch!r}: only gemma3 is supported here")
+    if arch not in ("gemma2", "gemma3"):
+        raise ConfigError(f"{source}: GGUF architecture {arch!r}: only gemma2 and gemma3 are supported here")
 
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, arch, key, source, default)
@@ -558,7 +594,8 @@ def config_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
     head_dim = int(val("attention.key_length", 256))
     if int(val("attention.value_length", head_dim)) != head_dim:
         raise ConfigError(f"{source}: gemma3.attention.value_length != key_length is not supported")
-    if val("final_logit_softcapping", None) is not None or val("attn_logit_softcapping", None) is not None:
+    if arch == "gemma3" and (val("final_logit_softcapping", None) is not None
+                             or val("attn_logit_softcapping", None) is not None):
         raise ConfigError(f"{source}: soft-capping metadata is not Gemma 3's (is this Gemma 2?)")
     scaling = None
     kind = val("rope.scaling.type", None)
@@ -567,20 +604,28 @@ def config_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
             raise ConfigError(f"{source}: gemma3.rope.scaling.type {kind!r} is not supported (linear)")
         scaling = {"rope_type": "linear", "factor": float(val("rope.scaling.factor"))}
     eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
+    big = layers == (46 if arch == "gemma2" else 62)  # the 27B models
     d = {
-        "model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": layers,
+        "model_type": "gemma3_text" if arch == "gemma3" else "gemma2", "hidden_size": hidden, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": int(val("attention.head_count_kv", heads)),
         "head_dim": head_dim, "intermediate_size": int(val("feed_forward_length")),
         "rms_norm_eps": float(val("attention.layer_norm_rms_epsilon", 1e-6)),
-        "sliding_window": int(val("attention.sliding_window", 512)), "sliding_window_pattern": 6,
-        "rope_theta": float(val("rope.freq_base", 1_000_000.0)), "rope_local_base_freq": 10_000.0,
-        "rope_scaling": scaling,
-        "query_pre_attn_scalar": hidden / heads if layers == 62 else head_dim,
+        "sliding_window": int(val("attention.sliding_window", 512 if arch == "gemma3" else 4096)),
+        "rope_theta": float(val("rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10_000.0)),
+        "query_pre_attn_scalar": hidden / heads if big else head_dim,
         "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
         "max_position_embeddings": int(val("context_length", 131072)),
         "bos_token_id": int(bos.item()) if bos is not None else None,
         "eos_token_id": int(eos.item()) if eos is not None else None,
     }
+    if arch == "gemma3":
+        d.update(sliding_window_pattern=6, rope_local_base_freq=10_000.0, rope_scaling=scaling)
+    else:
+        if scaling:
+            raise ConfigError(f"{source}: gemma2.rope.scaling.type is not supported")
+        # llama.cpp's defaults when the converter wrote none
+        d["attn_logit_softcapping"] = float(val("attn_logit_softcapping", 50.0))
+        d["final_logit_softcapping"] = float(val("final_logit_softcapping", 30.0))
     return config_from_hf(d, source)
 
 
@@ -639,10 +684,12 @@ def checkpoint_layout(c: GemmaConfig) -> dict[str, TensorSpec]:
         d, hk, hq, ff = c.layer_head_dim(i), c.layer_kv_heads(i), c.num_heads, c.layer_intermediate(i)
         out[p + "self_attn.q_proj.weight"] = S(hq * d, h)
         out[p + "self_attn.o_proj.weight"] = S(h, hq * d)
-        out[p + "self_attn.q_norm.weight"] = N(d)
+        if c.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = N(d)
         if c.kv_source(i) == i:
             out[p + "self_attn.k_proj.weight"] = S(hk * d, h)
-            out[p + "self_attn.k_norm.weight"] = N(d)
+            if c.qk_norm:
+                out[p + "self_attn.k_norm.weight"] = N(d)
             if not c.k_eq_v(i):
                 out[p + "self_attn.v_proj.weight"] = S(hk * d, h)
         out[p + "mlp.gate_proj.weight"] = S(ff, h)
@@ -686,6 +733,12 @@ _TINY = {
         "rope_local_base_freq": 10000.0, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
         "hidden_activation": "gelu_pytorch_tanh",
     },
+    "gemma2": {
+        "architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 4, "head_dim": 16,
+        "query_pre_attn_scalar": 16, "sliding_window": 4096, "rms_norm_eps": 1e-6,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
     "gemma4_text": {
         "architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 6, "head_dim": 16,
         "global_head_dim": 32, "sliding_window": 16, "sliding_window_pattern": 3,
@@ -703,11 +756,11 @@ _TINY = {
 
 
 FAMILY = Family(
-    name="gemma", model_types=("gemma3_text", "gemma4_text"), config_type=GemmaConfig,
+    name="gemma", model_types=("gemma2", "gemma3_text", "gemma4_text"), config_type=GemmaConfig,
     params_type=GemmaParams, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
     checkpoint_layout=checkpoint_layout, wrappers=MULTIMODAL_WRAPPERS,
-    gguf_architectures=("gemma3",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
+    gguf_architectures=("gemma2", "gemma3"), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
     tiny_config=lambda model_type, overrides: {
         "model_type": model_type, "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384,
