@@ -150,14 +150,14 @@ def widened(policy: KeepQuantized, lin: Linear, force: bool = False) -> Linear:
     (or `force`) but 8 bits of its group size are (e.g. 5-/6-bit weights where the native
     CPU kernels run 4 and 8): exact (every stored integer fits 8 bits), and 8 bits instead
     of a float copy. Otherwise `lin` unchanged."""
-    if (not lin.quantized or lin.bits >= 8 or not callable(policy)
-            or (keep(policy, lin) and not force) or not policy(lin.group_size, 8)):
+    if (not lin.quantized or lin.bits >= 8 or policy is False
+            or (keep(policy, lin) and not force) or (callable(policy) and not policy(lin.group_size, 8))):
         return lin
-    n, k = lin.scales.shape[0], lin.scales.shape[1] * lin.group_size
+    lead, k = lin.scales.shape[:-1], lin.scales.shape[-1] * lin.group_size  # lead: [N] or [E, N]
     one = mx.ones(lin.scales.shape, mx.float32)
     q = mx.dequantize(lin.weight, one, mx.zeros_like(one), group_size=lin.group_size,
-                      bits=lin.bits).astype(mx.uint32)  # the stored integers [N, K]
-    packed = (q.reshape(n, k // 4, 4) << mx.array([0, 8, 16, 24], mx.uint32)).sum(axis=-1)
+                      bits=lin.bits).astype(mx.uint32)  # the stored integers [..., K]
+    packed = (q.reshape(*lead, k // 4, 4) << mx.array([0, 8, 16, 24], mx.uint32)).sum(axis=-1)
     return Linear(weight=packed.astype(mx.uint32), bias=lin.bias, scales=lin.scales,
                   biases=lin.biases, group_size=lin.group_size, bits=8)
 
@@ -235,10 +235,14 @@ def read_expert_stack(
     return Linear(weight=w)
 
 
+GATHER_QMM_GROUPS = (32, 64, 128)  # the group sizes mx.gather_qmm runs
+
+
 def finish_experts(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized) -> Linear:
     # Stacked experts run through mx.gather_qmm, which has no native CPU kernel: only an
-    # explicit keep_quantized=True keeps them quantized.
-    if lin.quantized and keep_quantized is True:
+    # explicit keep_quantized=True keeps them quantized (in a group size it runs: a GGUF's
+    # Q6_K stack, group 16, is dequantized).
+    if lin.quantized and keep_quantized is True and lin.group_size in GATHER_QMM_GROUPS:
         return Linear(weight=lin.weight, scales=lin.scales.astype(dtype),
                       biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits)
     w = lin.weight
@@ -248,3 +252,42 @@ def finish_experts(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized) 
     return Linear(weight=mx.contiguous(w.astype(dtype).swapaxes(-1, -2)), transposed=True)
 
 
+
+
+def read_experts(
+    src: TensorSource, stacked: str, per_expert: str, e: int, out_f: int, in_f: int,
+    quant_for: Callable[[str], dict | None], where: str,
+) -> Linear:
+    """One projection of all E experts as a stacked Linear [E, out, in]: stored stacked
+    (`stacked`, mlx-lm's switch_mlp / mlx-community layout and GGUF's, maybe quantized) or
+    one tensor per expert (`per_expert` with `{e}`; "" when there is no such layout; Hugging Face's layout: stacked here, each expert
+    dense or quantized alike)."""
+    if src.has(stacked + ".weight") or not per_expert:
+        return read_expert_stack(src, stacked, e, out_f, in_f, quant_for(stacked), where)
+    parts = [read_linear(src, per_expert.format(e=j), out_f, in_f, quant_for(per_expert.format(e=j)),
+                         False, where) for j in range(e)]
+    if len({(p.quantized, p.group_size, p.bits) for p in parts}) != 1:
+        raise WeightsError(f"{where}: the experts of '{per_expert}' are stored in different formats")
+    stack = lambda xs: mx.stack(xs)  # noqa: E731
+    if parts[0].quantized:
+        return Linear(weight=stack([p.weight for p in parts]), scales=stack([p.scales for p in parts]),
+                      biases=stack([p.biases for p in parts]), group_size=parts[0].group_size,
+                      bits=parts[0].bits)
+    return Linear(weight=stack([p.weight for p in parts]))
+
+
+def fuse_experts(gate: Linear, up: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized) -> Linear:
+    """gate and up expert stacks [E, F, H] as one [E, 2F, H] (gate rows first), in the
+    representation `finish_experts` keeps: packed if both stay quantized, else dense
+    [E, H, 2F] (transposed for gather_mm)."""
+    if gate.quantized and up.quantized and gate.group_size == up.group_size and gate.bits != up.bits:
+        gate, up = (widened(keep_quantized, p, force=True) for p in (gate, up))  # exact: 8 bits
+    if gate.quantized and up.quantized and keep_quantized is True and gate.bits == up.bits \
+            and gate.group_size == up.group_size:
+        cat = lambda xs: mx.concatenate(xs, axis=1)  # noqa: E731
+        return finish_experts(Linear(weight=cat([gate.weight, up.weight]),
+                                     scales=cat([gate.scales, up.scales]),
+                                     biases=cat([gate.biases, up.biases]),
+                                     group_size=gate.group_size, bits=gate.bits), dtype, keep_quantized)
+    dense = [finish_experts(p, dtype, False).weight for p in (gate, up)]  # [E, H, F] each
+    return Linear(weight=mx.concatenate(dense, axis=-1), transposed=True)

@@ -6,8 +6,11 @@ metadata carried by the params pytree; it selects the batch-invariant matmul mod
 
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 import mlx.core as mx
+from jaxtyping import Float, Int
 
 from fx_engine.core import kernels
 from fx_engine.core.tree import static_field
@@ -186,14 +189,42 @@ def linear(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
     return y
 
 
-def expert_linear(x: mx.array, lin: Linear, indices: mx.array) -> mx.array:
+def expert_linear(x: mx.array, lin: Linear, indices: mx.array, sorted_indices: bool = False) -> mx.array:
     """Per-token expert matmuls: x [N, k or 1, 1, in] @ expert `indices` [N, k] of a stacked
-    Linear ([E, out, in], or [E, in, out] when transposed) -> [N, k, 1, out]."""
+    Linear ([E, out, in], or [E, in, out] when transposed) -> [N, k, 1, out]. sorted_indices:
+    the rows come grouped by expert (x [M, 1, in], indices [M] ascending), so each expert's
+    weights are read once for all its rows."""
     if lin.quantized:
         return mx.gather_qmm(x, lin.weight, lin.scales, lin.biases, rhs_indices=indices,
-                             transpose=True, group_size=lin.group_size, bits=lin.bits)
+                             transpose=True, group_size=lin.group_size, bits=lin.bits,
+                             sorted_indices=sorted_indices)
     w = lin.weight if lin.transposed else lin.weight.swapaxes(-1, -2)
-    return mx.gather_mm(x, w, rhs_indices=indices)
+    return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
+
+
+SORT_EXPERT_ROWS = 64  # route this many (token, expert) pairs or more: group them by expert
+
+
+def routed_glu(
+    x: Float[mx.array, "N H"], gate_up: Linear, down: Linear, indices: Int[mx.array, "N K"],
+    glu: Callable[[mx.array], mx.array], numerics: Numerics,
+) -> Float[mx.array, "N K H"]:
+    """Each token's gated MLP through each of its K chosen experts: down(glu(gate_up(x)))
+    with stacked expert weights (gate_up [E, 2F, H] fused, gate rows first; glu maps the
+    fused [..., 2F] to [..., F], e.g. `swiglu_fused`). Only the chosen experts' weights are
+    read, so a step costs what its routing picks, not all E. From SORT_EXPERT_ROWS pairs on
+    (prefill chunks, wide batches) the pairs are grouped by expert first (mlx-lm's SwitchGLU
+    does the same), except in batch-invariant mode: there each pair's product must not
+    depend on which other tokens share its expert."""
+    n, k = indices.shape
+    if n * k < SORT_EXPERT_ROWS or numerics.batch_invariant:
+        h = glu(expert_linear(x[:, None, None, :], gate_up, indices))  # [N, K, 1, F]
+        return expert_linear(h, down, indices)[:, :, 0]
+    flat = indices.reshape(-1)
+    order = mx.argsort(flat)
+    rows, idx = x[order // k][:, None, :], flat[order]  # [N*K, 1, H] grouped by expert
+    y = expert_linear(glu(expert_linear(rows, gate_up, idx, True)), down, idx, True)
+    return y[mx.argsort(order)].reshape(n, k, -1)
 
 
 def embed(tokens: mx.array, table: Linear) -> mx.array:

@@ -195,7 +195,11 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     return words.astype(np.uint32).reshape(r, k * bits // 32)
 
 
-def _affine(name: str, kind: str, data: np.ndarray, rows: int, cols: int) -> dict[str, mx.array]:
+def _affine(name: str, kind: str, data: np.ndarray, rows: int, cols: int,
+            lead: tuple[int, ...] = ()) -> dict[str, mx.array]:
+    """Rows of an affine-quantizable type -> MLX's packed weight, scales and biases, shaped
+    lead + (packed,) (lead: the tensor's leading dims, rows = their product). numpy only:
+    this runs on worker threads, where MLX ops have no stream."""
     fn, block, nbytes = _AFFINE[kind]
     if cols % block:
         raise WeightsError(f"tensor '{name}' ({kind}): row length {cols} is not a multiple of {block}")
@@ -213,9 +217,9 @@ def _affine(name: str, kind: str, data: np.ndarray, rows: int, cols: int) -> dic
         out_s.append(scale.reshape(n, cols // group))
         out_b.append(bias.reshape(n, cols // group))
     base = name[: -len(".weight")] if name.endswith(".weight") else name
-    return {f"{base}.weight": mx.array(np.concatenate(out_w)),
-            f"{base}.scales": mx.array(np.concatenate(out_s)),
-            f"{base}.biases": mx.array(np.concatenate(out_b))}
+    lead = lead or (rows,)
+    return {f"{base}.{part}": mx.array(np.concatenate(arrays).reshape(*lead, -1))
+            for part, arrays in (("weight", out_w), ("scales", out_s), ("biases", out_b))}
 
 
 # GGML tensor types: id -> (name, elements per block, bytes per block)
@@ -318,8 +322,8 @@ def _convert(name: str, kind: str, shape: list[int], rows: int, cols: int,
     if kind in FLOAT_TYPES:
         dt = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[kind]
         return {name: mx.array(np.frombuffer(raw, dtype=dt).reshape(shape))}  # BF16: bits
-    if kind in _AFFINE:
-        return _affine(name, kind, raw, rows, cols)
+    if kind in _AFFINE:  # stacked (expert) tensors [E, rows, cols]: each row alike
+        return _affine(name, kind, raw, rows, cols, tuple(shape[:-1]))
     from gguf import GGMLQuantizationType  # not affine: llama.cpp's reference dequantization
     from gguf.quants import dequantize
 
@@ -351,9 +355,6 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
         if end > header.size:
             raise WeightsError(f"{path}: cannot read weights: the file is truncated (tensor "
                                f"'{name}' needs bytes up to {end}, the file has {header.size})")
-        if kind in _AFFINE and len(shape) > 2:
-            raise WeightsError(f"{path}: tensor '{name}' ({kind}) has {len(shape)} dimensions; "
-                               "quantized tensors of more than 2 are not supported yet")
         jobs.append((name, kind, shape, rows, cols, data[start:end]))
     # Tensors convert independently and numpy releases the GIL in its loops: a thread per
     # core (2 cores: a 517 MiB K-quant file's conversion 8.5 -> 4.5 s, docs/benchmarks.md).

@@ -27,10 +27,10 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
-from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, read_expert_stack, read_linear)
+from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, fuse_experts, read_expert_stack, read_linear)
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, refuse, required, token_ids
 from fx_engine.core.models.family import Family
-from fx_engine.core.nn import (Linear, Numerics, apply_rope, capped, embed, expert_linear, gelu_tanh, linear, rms_norm, rope_tables)
+from fx_engine.core.nn import (Linear, Numerics, apply_rope, capped, embed, gelu_tanh, linear, rms_norm, rope_tables, routed_glu)
 from fx_engine.core.tree import static_field
 
 
@@ -371,10 +371,14 @@ def _add(h: mx.array, r: mx.array, clip: bool) -> mx.array:
     return mx.clip(h.astype(mx.float32) + r.astype(mx.float32), -bound, bound).astype(mx.float16)
 
 
-def _mlp(gate_up: Linear, down: Linear, x: mx.array, num: Numerics) -> mx.array:
-    gu = linear(x, gate_up, num)
+def _geglu(gu: mx.array) -> mx.array:
+    """gelu_tanh(gate) * up of a fused gate|up projection [..., 2F] -> [..., F]."""
     f = gu.shape[-1] // 2
-    return linear(gelu_tanh(gu[..., :f]) * gu[..., f:], down, num)
+    return gelu_tanh(gu[..., :f]) * gu[..., f:]
+
+
+def _mlp(gate_up: Linear, down: Linear, x: mx.array, num: Numerics) -> mx.array:
+    return linear(_geglu(linear(x, gate_up, num)), down, num)
 
 
 def _experts(moe: MoEBlock, h: mx.array, eps: float, num: Numerics) -> mx.array:
@@ -385,11 +389,8 @@ def _experts(moe: MoEBlock, h: mx.array, eps: float, num: Numerics) -> mx.array:
     scores = linear(rms_norm(h, moe.router_scale, eps, num), moe.router, num)  # [N, E]
     idx = mx.argpartition(scores, kth=-k, axis=-1)[..., -k:]  # [N, k]
     w = mx.softmax(mx.take_along_axis(scores, idx, axis=-1), axis=-1) * moe.per_expert_scale[idx]
-    x = rms_norm(h, moe.pre_norm, eps, num)[:, None, None, :]  # [N, 1, 1, H]
-    gu = expert_linear(x, moe.gate_up, idx)  # [N, k, 1, 2F]
-    f = gu.shape[-1] // 2
-    y = expert_linear(gelu_tanh(gu[..., :f]) * gu[..., f:], moe.down, idx)[:, :, 0]  # [N, k, H]
-    y = (w[..., None].astype(y.dtype) * y).sum(axis=-2)
+    y = routed_glu(rms_norm(h, moe.pre_norm, eps, num), moe.gate_up, moe.down, idx, _geglu, num)
+    y = (w[..., None].astype(y.dtype) * y).sum(axis=-2)  # [N, H]
     return rms_norm(y, moe.post_norm, eps, num)
 
 
@@ -643,21 +644,14 @@ def _read_moe(cfg: GemmaConfig, src: TensorSource, pre: str, opts: LoadOptions, 
         parts = [read_expert_stack(src, sw + n, e, f, hid, opts.quant_for(sw + n), where)
                  for n in ("gate_proj", "up_proj")]
         down = read_expert_stack(src, sw + "down_proj", e, hid, f, opts.quant_for(sw + "down_proj"), where)
-        if all(p.quantized for p in parts) and keep_quantized is True:
-            cat = lambda xs: mx.concatenate(xs, axis=1)  # noqa: E731
-            gate_up = Linear(weight=cat([p.weight for p in parts]), scales=cat([p.scales for p in parts]),
-                             biases=cat([p.biases for p in parts]), group_size=parts[0].group_size,
-                             bits=parts[0].bits)
-        else:
-            dense = [finish_experts(p, dtype, False).weight for p in parts]  # [E, H, F] each
-            gate_up = Linear(weight=mx.concatenate(dense, axis=-1), transposed=True)
+        gate_up = fuse_experts(*parts, dtype, keep_quantized)
     scale = src.get(pre + "router.scale", (hid,), where).astype(mx.float32) * hid**-0.5
     return MoEBlock(
         router=finish(read_linear(src, pre + "router.proj", e, hid, opts.quant_for(pre + "router.proj"),
                                     False, where), dtype, keep_quantized),
         router_scale=scale.astype(dtype),
         per_expert_scale=src.get(pre + "router.per_expert_scale", (e,), where).astype(dtype),
-        gate_up=gate_up if gate_up.transposed else finish_experts(gate_up, dtype, keep_quantized),
+        gate_up=gate_up if gate_up.transposed or gate_up.quantized else finish_experts(gate_up, dtype, keep_quantized),
         down=finish_experts(down, dtype, keep_quantized),
         pre_norm=norm(pre + "pre_feedforward_layernorm_2.weight", hid),
         post_norm=norm(pre + "post_feedforward_layernorm_2.weight", hid),

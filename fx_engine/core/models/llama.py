@@ -114,9 +114,13 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
     )
 
 
-def config_from_gguf(md: dict[str, Any], source: str) -> LlamaConfig:
-    """A LlamaConfig from GGUF metadata (as returned by mx.load)."""
+def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = None,
+                     ff_default: Any = ...) -> LlamaConfig:
+    """A LlamaConfig from GGUF metadata. attention: the model_type whose attention another
+    architecture has (the MoE family's qwen3moe is qwen3's); ff_default: the dense MLP width
+    when the metadata has none (MoE files whose layers are all experts)."""
     arch = md.get("general.architecture")
+    attention = attention or {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[arch]
 
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, arch, key, source, default)
@@ -139,21 +143,21 @@ def config_from_gguf(md: dict[str, Any], source: str) -> LlamaConfig:
     if rope_dims != head_dim:
         raise ConfigError(f"{source}: partial rotary embeddings (rope.dimension_count) unsupported")
     return LlamaConfig(
-        model_type={"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[arch],
+        model_type=attention,
         vocab_size=int(vocab),
         hidden_size=hidden,
         num_layers=int(val("block_count")),
         num_heads=heads,
         num_kv_heads=int(val("attention.head_count_kv", heads)),
         head_dim=head_dim,
-        intermediate_size=int(val("feed_forward_length")),
+        intermediate_size=int(val("feed_forward_length", ff_default)),
         rms_norm_eps=float(val("attention.layer_norm_rms_epsilon")),
         rope_theta=float(val("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         max_position_embeddings=int(val("context_length", 4096)),
         tie_word_embeddings=None,  # decided by the checkpoint: output.weight present or not
-        qkv_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qkv_bias=attention == "qwen2",
+        qk_norm=attention == "qwen3",
         bos_token_id=int(bos.item()) if bos is not None else None,
         eos_token_ids=(int(eos.item()),) if eos is not None else (),
     )
@@ -206,19 +210,28 @@ def _apply_rope(x: mx.array, rope: tuple, head_dim: int, num: Numerics, traditio
     return mx.concatenate([apply_rope(x[..., :rd], *rope, None, traditional), x[..., rd:]], axis=-1)
 
 
-def _layer(
-    p: Any, lp: LayerParams, h: mx.array, entry: Any, spec: LayerSpec,
+def self_attention(
+    p: Any, lp: Any, x: mx.array, entry: Any, spec: LayerSpec,
     rope: tuple[mx.array, mx.array, mx.array], geo: StepGeometry,
 ) -> tuple[mx.array, Any]:
+    """The Llama family's attention block on normalized x [B*T, H] -> (o_proj output
+    [B*T, H], the written cache entry). lp holds qkv (fused), o and optional q_norm/k_norm:
+    per head (qwen3: a weight of head_dim) or over the whole projection (OLMoE: a weight of
+    heads * head_dim; with one head the two are the same)."""
     cfg, num = p.config, p.numerics
     b, t = geo.positions.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num)
-    qkv = linear(x, lp.qkv, num).reshape(b, t, hq + 2 * hk, d)
-    if lp.q_norm is not None:  # qwen3: per-head RMSNorm on q and k before RoPE
+    eps = cfg.rms_norm_eps
+    qkv = linear(x, lp.qkv, num)
+    if lp.q_norm is not None and lp.q_norm.shape[-1] != d:  # norms over whole projections
+        qkv = mx.concatenate([rms_norm(qkv[:, : hq * d], lp.q_norm, eps, num),
+                              rms_norm(qkv[:, hq * d : (hq + hk) * d], lp.k_norm, eps, num),
+                              qkv[:, (hq + hk) * d :]], axis=-1)
+    qkv = qkv.reshape(b, t, hq + 2 * hk, d)
+    if lp.q_norm is not None and lp.q_norm.shape[-1] == d:  # qwen3: per-head, before RoPE
         qk = mx.concatenate(
-            [rms_norm(qkv[:, :, :hq], lp.q_norm, cfg.rms_norm_eps),
-             rms_norm(qkv[:, :, hq : hq + hk], lp.k_norm, cfg.rms_norm_eps)], axis=2)
+            [rms_norm(qkv[:, :, :hq], lp.q_norm, eps), rms_norm(qkv[:, :, hq : hq + hk], lp.k_norm, eps)],
+            axis=2)
     else:
         qk = qkv[:, :, : hq + hk]
     qk = _apply_rope(qk, rope, d, num, cfg.rope_traditional)  # q and k together: one pass
@@ -228,8 +241,16 @@ def _layer(
     # Write first, then attend over the written arrays (so the update can be in place).
     entry = write_entry(entry, spec, k, v, geo, num)
     o = attend_entry(entry, spec, q, geo, d**-0.5, num)
-    o = o.reshape(b * t, hq * d)
-    h = h + linear(o, lp.o, num)
+    return linear(o.reshape(b * t, hq * d), lp.o, num), entry
+
+
+def _layer(
+    p: Any, lp: LayerParams, h: mx.array, entry: Any, spec: LayerSpec,
+    rope: tuple[mx.array, mx.array, mx.array], geo: StepGeometry,
+) -> tuple[mx.array, Any]:
+    cfg, num = p.config, p.numerics
+    a, entry = self_attention(p, lp, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, rope, geo)
+    h = h + a
     x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
     gu = linear(x, lp.gate_up, num)
     h = h + linear(swiglu_fused(gu, num), lp.down, num)
@@ -243,7 +264,7 @@ def cache_specs(cfg: LlamaConfig) -> tuple[LayerSpec, ...]:
 
 def forward(
     p: Any, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
-    span: int | None = None, rope_fn: Any = None,
+    span: int | None = None, rope_fn: Any = None, layer_fn: Any = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
     """Run T tokens per row from each row's current length; advance lengths by n_valid.
 
@@ -255,7 +276,9 @@ def forward(
     slot: a row's valid entries are never touched by another row's step.
 
     rope_fn(params, positions [B, T]) -> (cos, sin, perm) tables over the rotated dims
-    (fewer than head_dim: partial rotary); families that share this decoder pass their own.
+    (fewer than head_dim: partial rotary); families that share this decoder pass their own,
+    and their own layer_fn(params, layer params, h, entry, spec, rope, geo) -> (h, entry)
+    (mixture-of-experts MLPs).
     """
     b, t = tokens.shape
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
@@ -265,7 +288,7 @@ def forward(
     rope = (rope_fn or _rope)(p, geo.positions)  # shared by every layer
     entries = []
     for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
-        h, entry = _layer(p, lp, h, entry, spec, rope, geo)
+        h, entry = (layer_fn or _layer)(p, lp, h, entry, spec, rope, geo)
         entries.append(entry)
     h = rms_norm(h, p.norm, p.config.rms_norm_eps, p.numerics).reshape(b, t, -1)
     return h, advanced(cache, entries, geo)

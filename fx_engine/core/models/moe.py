@@ -1,0 +1,375 @@
+"""Mixture-of-experts decoders of the Llama shape: `qwen3_moe`, `qwen2_moe`, `mixtral` and
+`olmoe`, following mlx-lm 0.32's implementations (the parity oracle) and Hugging Face's
+configs.
+
+Attention is the Llama family's (`llama.self_attention`: fused q|k|v, GQA, RoPE; qwen3_moe's
+per-head q/k norms, qwen2_moe's q/k/v biases, OLMoE's q/k norms over whole projections);
+the MLP of each MoE layer is a router over E experts, each token's top-k experts (gated
+SwiGLU MLPs, stacked [E, ...] and run through `nn.routed_glu`: only the chosen experts'
+weights are read) weighted by the router's probabilities:
+- qwen3_moe / qwen2_moe / olmoe: softmax over all E, then the top k (renormalized to sum to
+  1 where `norm_topk_prob`);
+- mixtral: the top k logits, then a softmax over those k (the same weights in exact
+  arithmetic as renormalized top-k probabilities; computed as mlx-lm does);
+- qwen2_moe adds a shared expert to every token, gated by sigmoid(shared_expert_gate(x));
+- qwen2_moe / qwen3_moe layers listed in `mlp_only_layers`, or off the `decoder_sparse_step`
+  grid, have a dense SwiGLU MLP instead.
+Checkpoints: Hugging Face's one tensor per expert (`mlp.experts.{e}.gate_proj`, Mixtral's
+`block_sparse_moe.experts.{e}.w1/w2/w3`) or mlx-lm's stacked `switch_mlp` (mlx-community
+folders, 4-/8-bit); GGUF `qwen3moe` / `qwen2moe` (llama.cpp's `ffn_*_exps` stacks and
+`ffn_gate_inp` router). Quantized expert stacks stay packed only with keep_quantized=True
+(`mx.gather_qmm`; there is no native CPU kernel for them yet): by default they are
+dequantized at load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from jaxtyping import Float, Int
+
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
+from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, fuse, fuse_experts, read_experts, read_linear, finish_experts)
+from fx_engine.core.config import ConfigError, gguf_value, positive_int
+from fx_engine.core.models import llama
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.llama import LlamaConfig
+from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, routed_glu, swiglu_fused
+
+
+@attrs.frozen
+class MoEConfig(LlamaConfig):
+    num_experts: int = 1
+    top_k: int = 1
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = False  # renormalize the top-k probabilities to sum to 1
+    softmax_then_topk: bool = True  # False: top-k logits, then a softmax over them (mixtral)
+    moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP
+    shared_expert_intermediate_size: int = 0  # qwen2_moe's gated shared expert (0: none)
+
+
+# model_type -> the Llama-family model_type whose attention it has
+_ATTENTION = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "llama", "olmoe": "llama"}
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> MoEConfig:
+    """A MoEConfig from a Hugging Face config.json dict; refuses what it cannot run."""
+    mt = d["model_type"]
+    layers = positive_int(d.get("num_hidden_layers"), "num_hidden_layers", source)
+    defaults = {"mixtral": {"rope_theta": 1e6}, "qwen2_moe": {"rope_theta": 1e6}}.get(mt, {})
+    base = llama.config_from_hf({**defaults, **d, "model_type": _ATTENTION[mt]}, source)
+    if d.get("mlp_bias"):
+        raise ConfigError(f"{source}: field 'mlp_bias' is not supported for {mt} (experts without biases)")
+    if d.get("clip_qkv") is not None:
+        raise ConfigError(f"{source}: field 'clip_qkv' is not supported")
+    e_key = "num_local_experts" if mt == "mixtral" else "num_experts"
+    experts = positive_int(d.get(e_key), e_key, source)
+    top_k = positive_int(d.get("num_experts_per_tok"), "num_experts_per_tok", source)
+    if top_k > experts:
+        raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds {e_key} ({experts})")
+    if mt in ("qwen3_moe", "qwen2_moe"):
+        width = positive_int(d.get("moe_intermediate_size"), "moe_intermediate_size", source)
+        step = positive_int(d.get("decoder_sparse_step") or 1, "decoder_sparse_step", source)
+        dense = d.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
+            raise ConfigError(f"{source}: field 'mlp_only_layers' must list layer indices below {layers}")
+        moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    else:
+        width, moe_layers = base.intermediate_size, (True,) * layers
+    shared = 0
+    if mt == "qwen2_moe":
+        shared = positive_int(d.get("shared_expert_intermediate_size"), "shared_expert_intermediate_size", source)
+    return MoEConfig(
+        **{**attrs.asdict(base, recurse=False), "model_type": mt,
+           "qk_norm": base.qk_norm or mt == "olmoe"},
+        num_experts=experts, top_k=top_k, moe_intermediate_size=width,
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)), softmax_then_topk=mt != "mixtral",
+        moe_layers=moe_layers, shared_expert_intermediate_size=shared,
+    )
+
+
+@attrs.frozen
+class Experts:
+    """A layer's routed experts: the router [E, H], the stacked expert MLPs (gate_up
+    [E, 2F, H] fused, down [E, H, F]; dense ones stored transposed for gather_mm), and
+    qwen2_moe's shared expert with its gate [1, H]."""
+
+    router: Linear
+    gate_up: Linear
+    down: Linear
+    shared_gate_up: Linear | None = None
+    shared_down: Linear | None = None
+    shared_gate: Linear | None = None
+
+
+@attrs.frozen
+class MoELayer:
+    attn_norm: mx.array
+    qkv: Linear
+    o: Linear
+    mlp_norm: mx.array
+    experts: Experts | None = None  # None: a dense MLP layer
+    gate_up: Linear | None = None
+    down: Linear | None = None
+    q_norm: mx.array | None = None
+    k_norm: mx.array | None = None
+
+
+@attrs.frozen
+class MoEParams(llama.Params):
+    """The Llama family's params pytree with MoELayers under a MoEConfig."""
+
+
+def cache_specs(cfg: MoEConfig) -> tuple[LayerSpec, ...]:
+    return llama.cache_specs(cfg)
+
+
+def route(cfg: MoEConfig, logits: Float[mx.array, "N E"]) -> tuple[Int[mx.array, "N K"], Float[mx.array, "N K"]]:
+    """Each token's top-k experts and their weights (as mlx-lm computes them)."""
+    k = cfg.top_k
+    if not cfg.softmax_then_topk:  # mixtral: the k largest logits, softmax over them
+        idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+        return idx, mx.softmax(mx.take_along_axis(logits, idx, axis=-1), axis=-1, precise=True)
+    probs = mx.softmax(logits, axis=-1, precise=True)
+    idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
+    w = mx.take_along_axis(probs, idx, axis=-1)
+    if cfg.norm_topk_prob:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return idx, w
+
+
+def _mixture(cfg: MoEConfig, ex: Experts, x: mx.array, num: Numerics) -> mx.array:
+    idx, w = route(cfg, linear(x, ex.router, num))
+    y = routed_glu(x, ex.gate_up, ex.down, idx, lambda gu: swiglu_fused(gu, num), num)  # [N, K, H]
+    y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
+    if ex.shared_gate_up is not None:
+        s = linear(swiglu_fused(linear(x, ex.shared_gate_up, num), num), ex.shared_down, num)
+        y = y + mx.sigmoid(linear(x, ex.shared_gate, num)) * s
+    return y
+
+
+def _layer(
+    p: MoEParams, lp: MoELayer, h: mx.array, entry: Any, spec: LayerSpec,
+    rope: tuple[mx.array, mx.array, mx.array], geo: StepGeometry,
+) -> tuple[mx.array, Any]:
+    cfg, num = p.config, p.numerics
+    eps = cfg.rms_norm_eps
+    a, entry = llama.self_attention(p, lp, rms_norm(h, lp.attn_norm, eps, num), entry, spec, rope, geo)
+    h = h + a
+    x = rms_norm(h, lp.mlp_norm, eps, num)
+    if lp.experts is None:
+        return h + linear(swiglu_fused(linear(x, lp.gate_up, num), num), lp.down, num), entry
+    return h + _mixture(cfg, lp.experts, x, num), entry
+
+
+def forward(
+    p: MoEParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
+    span: int | None = None,
+) -> tuple[Float[mx.array, "B T H"], KVCache]:
+    """Same contract as `fx_engine.core.models.llama.forward` (its decoder, routed MLPs)."""
+    return llama.forward(p, cache, tokens, n_valid, span, layer_fn=_layer)
+
+
+hidden_to_logits = llama.hidden_to_logits
+
+
+# ------------------------------------------------------------------ checkpoints
+
+# Where each family keeps its MoE block (Hugging Face names): the block, the router, the
+# per-expert projections (gate, up, down) and the stacked ones (mlx-lm's sanitized names).
+_HF_MOE = {
+    "mixtral": ("block_sparse_moe.", "gate", ("experts.{e}.w1", "experts.{e}.w3", "experts.{e}.w2")),
+}
+_HF_MOE_DEFAULT = ("mlp.", "gate", ("experts.{e}.gate_proj", "experts.{e}.up_proj", "experts.{e}.down_proj"))
+_STACKED = ("switch_mlp.gate_proj", "switch_mlp.up_proj", "switch_mlp.down_proj")
+
+
+def assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEParams:
+    """Params from Hugging Face / mlx-community tensor names."""
+    block, router, per_expert = _HF_MOE.get(cfg.model_type, _HF_MOE_DEFAULT)
+
+    def experts(pre: str) -> Experts:
+        e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        b = pre + block
+        gate, up, down = (
+            read_experts(src, b + stacked, b + one, e, o, i, opts.quant_for, opts.where)
+            for stacked, one, (o, i) in zip(_STACKED, per_expert, ((f, h), (f, h), (h, f))))
+        shared = {}
+        if cfg.shared_expert_intermediate_size:
+            shared = _shared(cfg, src, opts, b + "shared_expert.", b + "shared_expert_gate",
+                             ("gate_proj", "up_proj", "down_proj"))
+        return Experts(router=_lin(src, opts, b + router, e, h), **_stacks(gate, up, down, opts), **shared)
+
+    return _assemble(cfg, src, opts, llama._HF_NAMES, experts)
+
+
+def _lin(src: TensorSource, opts: LoadOptions, name: str, out_f: int, in_f: int) -> Linear:
+    return finish(read_linear(src, name, out_f, in_f, opts.quant_for(name), False, opts.where),
+                  opts.dtype, opts.keep_quantized)
+
+
+def _stacks(gate: Linear, up: Linear, down: Linear, opts: LoadOptions) -> dict[str, Linear]:
+    fused = fuse_experts(gate, up, opts.dtype, opts.keep_quantized)
+    return {"gate_up": fused, "down": finish_experts(down, opts.dtype, opts.keep_quantized)}
+
+
+def _shared(cfg: MoEConfig, src: TensorSource, opts: LoadOptions, pre: str, gate_name: str,
+            names: tuple[str, str, str]) -> dict[str, Linear]:
+    h, s = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    parts = [read_linear(src, pre + n, s, h, opts.quant_for(pre + n), False, opts.where) for n in names[:2]]
+    return {"shared_gate_up": fuse(parts, opts.dtype, opts.keep_quantized),
+            "shared_down": _lin(src, opts, pre + names[2], h, s),
+            "shared_gate": _lin(src, opts, gate_name, 1, h)}
+
+
+def _assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions, names: dict[str, str],
+              experts: Any) -> MoEParams:
+    """The attention, norms, dense MLPs and head from `names` (llama's HF or GGUF names);
+    each MoE layer's experts from `experts(layer prefix)`."""
+    dtype, keep_quantized, where = opts.dtype, opts.keep_quantized, opts.where
+    if cfg.tie_word_embeddings is None:
+        cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has(names["lm_head"] + ".weight"))
+    hid, hd = cfg.hidden_size, cfg.head_dim
+    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    # per-head q/k norms (qwen3_moe) or over the whole projection (olmoe)
+    qn, kn = (hd, hd) if cfg.model_type == "qwen3_moe" else (hq, hk)
+
+    def lin(name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
+        return read_linear(src, name, out_f, in_f, opts.quant_for(name), bias, where)
+
+    def vec(name: str, n: int) -> mx.array:
+        return src.get(name, (n,), where).astype(dtype)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        pre = names["layer"].format(i=i)
+        qkv = [lin(pre + names[n], rows, hid, cfg.qkv_bias) for n, rows in (("q", hq), ("k", hk), ("v", hk))]
+        mlp: dict[str, Any] = {}
+        if cfg.moe_layers[i]:
+            mlp["experts"] = experts(pre)
+        else:
+            ff = cfg.intermediate_size
+            mlp["gate_up"] = fuse([lin(pre + names["gate"], ff, hid), lin(pre + names["up"], ff, hid)],
+                                  dtype, keep_quantized)
+            mlp["down"] = finish(lin(pre + names["down"], hid, ff), dtype, keep_quantized)
+        layers.append(MoELayer(
+            attn_norm=vec(pre + names["attn_norm"], hid), qkv=fuse(qkv, dtype, keep_quantized),
+            o=finish(lin(pre + names["o"], hid, hq, cfg.o_bias), dtype, keep_quantized),
+            mlp_norm=vec(pre + names["mlp_norm"], hid),
+            q_norm=vec(pre + names["q_norm"], qn) if cfg.qk_norm else None,
+            k_norm=vec(pre + names["k_norm"], kn) if cfg.qk_norm else None, **mlp,
+        ))
+    embed = finish(lin(names["embed"], cfg.vocab_size, hid), dtype, keep_quantized, table=True,
+                   lookup_only=not cfg.tie_word_embeddings)
+    head = None if cfg.tie_word_embeddings else finish(lin(names["lm_head"], cfg.vocab_size, hid),
+                                                       dtype, keep_quantized)
+    return MoEParams(embed=embed, layers=tuple(layers), norm=vec(names["norm"], hid), lm_head=head,
+                     rope_freqs=llama.llama3_rope_freqs(cfg), config=cfg, numerics=opts.numerics,
+                     dtype=opts.dtype_name)
+
+
+# llama.cpp's names: the router ffn_gate_inp, the stacks ffn_{gate,up,down}_exps [E, out, in],
+# qwen2moe's shared expert ffn_*_shexp and its gate ffn_gate_inp_shexp
+def assemble_gguf(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEParams:
+    """Params from llama.cpp's qwen3moe / qwen2moe tensors (no q/k row permutation: the
+    converter only permutes llama's)."""
+    def experts(pre: str) -> Experts:
+        e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        gate, up, down = (read_experts(src, pre + n, "", e, o, i, opts.quant_for, opts.where)
+                          for n, (o, i) in (("ffn_gate_exps", (f, h)), ("ffn_up_exps", (f, h)),
+                                            ("ffn_down_exps", (h, f))))
+        shared = {}
+        if cfg.shared_expert_intermediate_size:
+            shared = _shared(cfg, src, opts, pre, pre + "ffn_gate_inp_shexp",
+                             ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"))
+        return Experts(router=_lin(src, opts, pre + "ffn_gate_inp", e, h),
+                       **_stacks(gate, up, down, opts), **shared)
+
+    return _assemble(cfg, src, opts, llama._GGUF_NAMES, experts)
+
+
+def config_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:
+    """A MoEConfig from llama.cpp's qwen3moe / qwen2moe metadata. llama.cpp renormalizes
+    the top-k weights for qwen3moe (Qwen3-MoE's norm_topk_prob is true) and not for
+    qwen2moe; every layer is a MoE layer there."""
+    arch = md.get("general.architecture")
+    base = llama.config_from_gguf(md, source, attention={"qwen3moe": "qwen3", "qwen2moe": "qwen2"}[arch],
+                                  ff_default=0)
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, arch, key, source, default)
+
+    experts, top_k = int(val("expert_count")), int(val("expert_used_count"))
+    shared = int(val("expert_shared_feed_forward_length", 0) or 0) if arch == "qwen2moe" else 0
+    return MoEConfig(
+        **{**attrs.asdict(base, recurse=False), "model_type": {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}[arch]},
+        num_experts=experts, top_k=top_k,
+        moe_intermediate_size=int(val("expert_feed_forward_length")),
+        norm_topk_prob=arch == "qwen3moe", softmax_then_topk=True,
+        moe_layers=(True,) * base.num_layers, shared_expert_intermediate_size=shared,
+    )
+
+
+def checkpoint_layout(cfg: MoEConfig) -> dict[str, TensorSpec]:
+    """The Hugging Face checkpoint's tensors: Llama's attention and norms, then per MoE
+    layer the router and one tensor per expert (dense layers keep Llama's MLP)."""
+    base = llama.checkpoint_layout(attrs.evolve(cfg, qk_norm=cfg.model_type == "qwen3_moe"))
+    block, router, per_expert = _HF_MOE.get(cfg.model_type, _HF_MOE_DEFAULT)
+    h, hd, f = cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size
+    out: dict[str, TensorSpec] = {}
+    for name, spec in base.items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if layer is not None and cfg.moe_layers[int(layer)] and ".mlp." in name:
+            continue  # a MoE layer: no dense MLP
+        out[name] = spec
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        if cfg.model_type == "olmoe":
+            out[p + "self_attn.q_norm.weight"] = TensorSpec((cfg.num_heads * hd,), center=1.0)
+            out[p + "self_attn.k_norm.weight"] = TensorSpec((cfg.num_kv_heads * hd,), center=1.0)
+        if not cfg.moe_layers[i]:
+            continue
+        b = p + block
+        out[b + router + ".weight"] = TensorSpec((cfg.num_experts, h), scale=0.5)
+        for e in range(cfg.num_experts):
+            for one, shape in zip(per_expert, ((f, h), (f, h), (h, f))):
+                out[b + one.format(e=e) + ".weight"] = TensorSpec(shape)
+        s = cfg.shared_expert_intermediate_size
+        if s:
+            for n, shape in (("gate_proj", (s, h)), ("up_proj", (s, h)), ("down_proj", (h, s))):
+                out[b + "shared_expert." + n + ".weight"] = TensorSpec(shape)
+            out[b + "shared_expert_gate.weight"] = TensorSpec((1, h), scale=0.3)
+    return out
+
+
+_TINY = {
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "norm_topk_prob": True, "head_dim": 16},
+    "qwen2_moe": {"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+                  "norm_topk_prob": False, "tie_word_embeddings": False},
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "num_local_experts": 4,
+                "num_experts_per_tok": 2, "intermediate_size": 64, "tie_word_embeddings": False},
+    "olmoe": {"architectures": ["OlmoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2,
+              "intermediate_size": 32, "norm_topk_prob": False},
+}
+
+
+def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    return {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "vocab_size": 384, "rope_theta": 10000.0,
+            "max_position_embeddings": 2048, "tie_word_embeddings": True, "bos_token_id": 1,
+            "eos_token_id": 2, **_TINY[model_type], **overrides}
+
+
+FAMILY = Family(
+    name="moe", model_types=tuple(_ATTENTION), config_type=MoEConfig, params_type=MoEParams,
+    config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
+    hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
+    gguf_architectures=("qwen3moe", "qwen2moe"), config_from_gguf=config_from_gguf,
+    assemble_gguf=assemble_gguf, first_layers=llama.first_layers, tiny_config=tiny_config,
+)

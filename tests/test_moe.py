@@ -1,0 +1,262 @@
+"""Mixture-of-experts families (qwen3_moe, qwen2_moe, mixtral, olmoe): parity with mlx-lm's
+own model classes on tiny random models (Hugging Face per-expert checkpoints, and
+mlx-community stacked 4-bit folders written by mlx-lm itself), greedy generation against
+mlx-lm's generate_step, the engine's features on them, and qwen3moe / qwen2moe GGUF files
+against mlx-lm on the reference dequantization of the same tensors."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import fx_engine
+from fx_engine.core.config import ConfigError
+from fx_engine.core.models import config_from_hf, model_types
+from fx_engine.engine.generate import reference_generate
+from fx_engine.testing import write_tiny_model
+from fx_engine.testing.tiny import tiny_config
+
+from .conftest import LONG_TEXT
+from .test_models_parity import _compare
+
+CASES = [
+    ("qwen3_moe", {}),
+    ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1], "num_experts_per_tok": 1,
+                   "tie_word_embeddings": False}),
+    ("qwen3_moe", {"norm_topk_prob": False, "num_experts_per_tok": 3, "num_key_value_heads": 4}),
+    ("qwen2_moe", {}),
+    ("mixtral", {}),
+    ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 3, "num_key_value_heads": 1,
+                 "rope_theta": 1e6}),
+    ("olmoe", {}),
+    ("olmoe", {"norm_topk_prob": True, "num_key_value_heads": 4}),
+]
+
+
+def _mlx_lm(path: Path):
+    from mlx_lm.utils import load_model
+
+    ref, _ = load_model(Path(path))
+    ref.set_dtype(mx.float32)
+    return ref
+
+
+def _ids(model, n: int = 96) -> list[int]:
+    return model.tokenizer.encode(LONG_TEXT)[:n]
+
+
+@pytest.mark.parametrize("model_type,overrides", CASES, ids=lambda x: str(x)[:60])
+def test_teacher_forced_logits_match_mlx_lm(tmp_path, model_type, overrides):
+    """Chunks of 8 tokens (16 routed pairs: per-token expert matmuls) and of 48 (96 pairs:
+    grouped by expert first) both give mlx-lm's logits."""
+    path = write_tiny_model(tmp_path / "m", model_type, **overrides)
+    model = fx_engine.load(path)
+    assert type(model.params).__name__ == "MoEParams"
+    ids = _ids(model)
+    want = _mlx_lm(path)(mx.array([ids]))[0]
+    for chunk in (8, 48):
+        _compare(fx_engine.logits(model, ids, chunk=chunk), want)
+
+
+def _mlx_community(folder: Path, out: Path, bits: int = 4) -> Path:
+    """The folder as mlx-community publishes it: mlx-lm's sanitized (stacked switch_mlp)
+    weights, quantized by mlx-lm's own quantize_model, saved by its save_model."""
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    model, config = load_model(folder)
+    model, config = quantize_model(model, config, group_size=32, bits=bits)
+    out.mkdir()
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((folder / name).read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+def test_mlx_community_quantized_folders_match_mlx_lm(tmp_path, model_type):
+    """Stacked 4-bit experts (and 4-bit router, attention, head): dequantized at load by
+    default, kept packed (mx.gather_qmm) with keep_quantized=True; both give mlx-lm's
+    logits on the same folder."""
+    q = _mlx_community(write_tiny_model(tmp_path / "m", model_type), tmp_path / "q")
+    assert any(".switch_mlp." in k and k.endswith(".scales")
+               for k in mx.load(str(q / "model.safetensors")))
+    ref = _mlx_lm(q)
+    model = fx_engine.load(q)
+    ids = _ids(model, 72)
+    want = ref(mx.array([ids]))[0]
+    _compare(fx_engine.logits(model, ids, chunk=36), want)
+    kept = fx_engine.load(q, keep_quantized=True)
+    assert kept.params.layers[0].experts.down.quantized
+    _compare(fx_engine.logits(kept, ids, chunk=36), want)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_greedy_generation_matches_mlx_lm_generate_step(tmp_path, model_type):
+    from mlx_lm.generate import generate_step
+
+    path = write_tiny_model(tmp_path / "m", model_type)
+    model = fx_engine.load(path)
+    prompt = _ids(model, 40)
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), _mlx_lm(path), max_tokens=24,
+                                             prefill_step_size=16,
+                                             sampler=lambda x: mx.argmax(x, axis=-1))]
+    for i, t in enumerate(want):  # mlx-lm's generate_step does not stop at EOS
+        if t in model.eos_ids:
+            want = want[:i]
+            break
+    got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, prefill_chunk=16)
+    assert list(got.token_ids) == want and len(want) >= 8
+
+
+def test_batch_equals_solo_bitwise_and_speculation_is_exact(tmp_path):
+    """Batch-invariant mode: rows joining at different steps, in one batch, give each
+    request's tokens alone (bitwise: per-token expert products, no grouping); prompt-lookup
+    and self-draft speculation (verify with row-wise rollback) keep greedy output exact."""
+    from fx_engine.engine.drafters import self_draft_model
+
+    path = write_tiny_model(tmp_path / "m", "qwen2_moe", num_hidden_layers=3)
+    model = fx_engine.load(path, batch_invariant=True)
+    prompts = [_ids(model, n) for n in (5, 40, 17, 70)]
+    alone = [reference_generate(model, p, max_tokens=20, temperature=0.0, prefill_chunk=16)
+             for p in prompts]
+    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=16)
+    handles = []
+    for p in prompts:
+        handles.append(engine.submit(p, max_tokens=20, temperature=0.0))
+        engine.step()
+    assert [h.result().token_ids for h in handles] == [a.token_ids for a in alone]
+    engine.close()
+    fast = fx_engine.load(path)
+    refs = [reference_generate(fast, p, max_tokens=30, temperature=0.0).token_ids for p in prompts[:2]]
+    with fx_engine.Engine(fast, max_rows=4, prefill_chunk=8) as eng:
+        spec = [eng.submit(p, max_tokens=30, prompt_lookup=True) for p in prompts[:2]]
+        draft = [eng.submit(p, max_tokens=30, draft_model=self_draft_model(fast, 1)) for p in prompts[:2]]
+        assert [h.result().token_ids for h in spec] == refs
+        assert [h.result().token_ids for h in draft] == refs
+
+
+def test_prefix_cache_and_quantized_kv(tmp_path):
+    """A shared prefix restored from the prefix cache gives the cold run's tokens; an 8-bit
+    KV cache runs the family too (its own reference loop)."""
+    path = write_tiny_model(tmp_path / "m", "olmoe", head_dim=32)
+    model = fx_engine.load(path)
+    head = _ids(model, 48)
+    prompts = [head + [5, 6, 7], head + [9, 10]]
+    cold = [reference_generate(model, p, max_tokens=12, temperature=0.0).token_ids for p in prompts]
+    with fx_engine.Engine(model, max_rows=2, prefill_chunk=16) as engine:
+        first = engine.submit(prompts[0], max_tokens=12).result()
+        second = engine.submit(prompts[1], max_tokens=12).result()
+        assert [first.token_ids, second.token_ids] == cold
+        assert second.usage.cached_tokens >= 32
+    q8 = fx_engine.load(path, kv_bits=8, kv_group_size=32)
+    ref8 = reference_generate(q8, prompts[0], max_tokens=12, temperature=0.0).token_ids
+    assert fx_engine.generate(q8, prompts[0], max_tokens=12, temperature=0.0).token_ids == ref8
+
+
+def test_config_refusals_and_listing():
+    for mt in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe"):
+        assert model_types()[mt] == "moe"
+    cases = [
+        ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ("qwen3_moe", {"mlp_only_layers": [7]}, "mlp_only_layers"),
+        ("mixtral", {"num_local_experts": 0}, "num_local_experts"),
+        ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
+        ("qwen2_moe", {"shared_expert_intermediate_size": None}, "shared_expert_intermediate_size"),
+        ("olmoe", {"mlp_bias": True}, "mlp_bias"),
+    ]
+    for mt, overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            config_from_hf({**tiny_config(mt), **overrides}, "config.json")
+
+
+# ------------------------------------------------------------------ GGUF
+
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
+               "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+# the expert stacks' GGUF names
+_EXPS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def _moe_gguf(folder: Path, out: Path, arch: str, types: tuple[str, str, str]) -> Path:
+    """Convert a tiny qwen3_moe / qwen2_moe folder as llama.cpp's converter does (its names,
+    the experts stacked into [E, out, in] tensors, no q/k permutation), the expert stacks
+    quantized by the gguf package's reference quantizer; returns an HF folder holding the
+    reference dequantization of every tensor the file has (the oracle's weights)."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from .gguf_tokenizer import add_tokenizer
+
+    cfg = json.loads((folder / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), arch)
+    ints = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+            "embedding_length": cfg["hidden_size"], "attention.head_count": cfg["num_attention_heads"],
+            "attention.head_count_kv": cfg["num_key_value_heads"], "expert_count": cfg["num_experts"],
+            "expert_used_count": cfg["num_experts_per_tok"],
+            "expert_feed_forward_length": cfg["moe_intermediate_size"],
+            "feed_forward_length": cfg["intermediate_size"]}
+    if arch == "qwen3moe":
+        ints["attention.key_length"] = ints["attention.value_length"] = cfg["head_dim"]
+    if arch == "qwen2moe":
+        ints["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
+    for k, v in ints.items():
+        w.add_uint32(f"{arch}.{k}", v)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    w.add_float32(f"{arch}.rope.freq_base", cfg["rope_theta"])
+    add_tokenizer(w, folder, cfg["eos_token_id"])
+    weights = {k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    oracle = dict(weights)
+    e = cfg["num_experts"]
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}.mlp."
+        for (proj, gname), kind in zip(_EXPS.items(), types):
+            names = [f"{pre}experts.{j}.{proj}.weight" for j in range(e)]
+            stack = np.stack([weights.pop(n) for n in names])
+            qtype = gguf.GGMLQuantizationType[kind]
+            packed = quantize(stack, qtype)
+            w.add_tensor(f"blk.{i}.{gname}.weight", packed, raw_dtype=qtype)
+            deq = dequantize(packed, qtype).reshape(stack.shape)
+            for j, n in enumerate(names):
+                oracle[n] = deq[j]
+    for name, x in sorted(weights.items()):
+        g = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}.get(name)
+        if g is None:
+            i, rest = name[len("model.layers."):].split(".", 1)
+            base, suffix = rest.rsplit(".", 1)
+            g = f"blk.{i}.{_GGUF_NAMES[base]}.{suffix}"
+        w.add_tensor(g, x)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    ref = out.parent / "oracle"
+    ref.mkdir()
+    mx.save_safetensors(str(ref / "model.safetensors"), {k: mx.array(v) for k, v in oracle.items()})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (ref / name).write_bytes((folder / name).read_bytes())
+    return ref
+
+
+@pytest.mark.parametrize("arch,model_type,types", [
+    # gate/up/down stacks: 4-bit (two formats: fused packed), 8-bit
+    ("qwen3moe", "qwen3_moe", ("Q4_0", "Q4_1", "Q8_0")),
+    # 5-bit and 8-bit gate/up: fused as exact 8-bit; a 5-bit down stack
+    ("qwen2moe", "qwen2_moe", ("Q5_1", "Q8_0", "Q5_0")),
+])
+def test_moe_gguf_matches_mlx_lm(tmp_path, arch, model_type, types):
+    """The experts' stacks quantized (3-D GGUF tensors), kept packed with keep_quantized."""
+    pytest.importorskip("gguf")
+    folder = write_tiny_model(tmp_path / "m", model_type)
+    oracle = _moe_gguf(folder, tmp_path / "m.gguf", arch, types)
+    model = fx_engine.load(tmp_path / "m.gguf")
+    assert model.config.num_experts == 8 and model.config.model_type == model_type
+    ids = _ids(model, 80)
+    _compare(fx_engine.logits(model, ids, chunk=40), _mlx_lm(oracle)(mx.array([ids]))[0])
+    kept = fx_engine.load(tmp_path / "m.gguf", keep_quantized=True)
+    assert kept.params.layers[0].experts.gate_up.quantized
+    _compare(fx_engine.logits(kept, ids, chunk=40), _mlx_lm(oracle)(mx.array([ids]))[0])
