@@ -17,7 +17,7 @@ import pytest
 CORE = Path(__file__).resolve().parents[1] / "fx_engine" / "core"
 ALLOWED_IMPORTS = {
     "__future__", "typing", "typing_extensions", "collections", "collections.abc", "math",
-    "numbers", "operator", "functools", "itertools", "types", "dataclasses", "enum", "abc", "re",
+    "numbers", "operator", "functools", "itertools", "types", "dataclasses", "enum", "abc", "re", "difflib",
     "weakref", "threading",  # tree.py: the compile wrapper's per-thread cache (a memo)
     "attrs", "jaxtyping", "numpy", "mlx", "mlx.core",
 }

@@ -50,6 +50,23 @@ CASES = [
     ("qwen2", {"tie_word_embeddings": False}),
     ("qwen3", {"head_dim": 32}),
     ("qwen3", {"tie_word_embeddings": False, "num_key_value_heads": 1, "head_dim": 16}),
+    # YaRN (Qwen3's long-context setting; the ramp and the mscale on q and k), with a short
+    # original context so the interpolated band covers mid frequencies of head_dim 16
+    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 64}}),
+    ("llama", {"rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128,
+                                "beta_fast": 16, "beta_slow": 2, "mscale": 0.8, "mscale_all_dim": 0.3}}),
+    ("qwen2", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}),
+    # SmolLM3: NoPE layers (every 4th by default; an explicit list too)
+    ("smollm3", {}),
+    ("smollm3", {"no_rope_layers": [1, 0, 0, 1], "tie_word_embeddings": False}),
+    # Granite: embedding, attention, residual and logits multipliers
+    ("granite", {}),
+    ("granite", {"tie_word_embeddings": False, "attention_bias": True, "num_key_value_heads": 1}),
+    # longrope through the Llama family (mlx-lm's SuScaledRoPE): 8 long factors for hd 16
+    ("llama", {"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0 + 0.5 * i for i in range(8)],
+                                "short_factor": [1.0] * 8, "original_max_position_embeddings": 256},
+               "max_position_embeddings": 4096}),
 ]
 
 

@@ -51,15 +51,26 @@ def check_rope_scaling(scaling: dict[str, Any] | None, source: str) -> tuple | N
     if not scaling:
         return None
     kind = scaling.get("type") or scaling.get("rope_type") or "default"
-    if kind not in ("default", "linear", "llama3"):
+    supported = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+    if kind not in supported:
         raise ConfigError(
             f"{source}: rope_scaling type '{kind}' is not supported "
-            "(supported: default, linear, llama3)"
+            f"(supported: {', '.join(supported)})"
         )
-    if kind in ("linear", "llama3"):
+    if kind in ("linear", "llama3", "yarn", "dynamic"):
         factor = scaling.get("factor")
         if not isinstance(factor, (int, float)) or not factor > 0:
             raise ConfigError(f"{source}: rope_scaling.factor must be > 0, got {factor!r}")
+    for key in ("original_max_position_embeddings", "beta_fast", "beta_slow"):
+        v = scaling.get(key)
+        if kind in ("yarn", "longrope") and v is not None and not (isinstance(v, (int, float)) and v > 0):
+            raise ConfigError(f"{source}: rope_scaling.{key} must be > 0, got {v!r}")
+    if kind == "longrope":
+        long = scaling.get("long_factor")
+        if not isinstance(long, list) or not long or not all(isinstance(x, (int, float)) and x > 0 for x in long):
+            raise ConfigError(f"{source}: rope_scaling.long_factor must list positive numbers")
+        if scaling.get("original_max_position_embeddings") is None:
+            raise ConfigError(f"{source}: rope_scaling.original_max_position_embeddings is required for longrope")
     if kind == "llama3":
         low = scaling.get("low_freq_factor", 1.0)
         high = scaling.get("high_freq_factor", 4.0)

@@ -11,6 +11,7 @@ entry in FAMILIES.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from fx_engine.core.cache import LayerSpec, finish_layout
@@ -58,10 +59,13 @@ def hf_family(d: dict[str, Any], source: str = "config.json") -> Family:
     if fam is None and mt in _BY_WRAPPER and isinstance(d.get("text_config"), dict):
         fam = _BY_WRAPPER[mt]
     if fam is None:
+        near = difflib.get_close_matches(str(mt), [*_BY_MODEL_TYPE, *_BY_WRAPPER], n=3, cutoff=0.5)
+        hint = (f"nearest supported: {', '.join(f'{n} ({(_BY_MODEL_TYPE.get(n) or _BY_WRAPPER[n]).name} family)' for n in near)}; "
+                if near else "")
         raise ConfigError(
-            f"{source}: model_type {mt!r} is not supported (supported: "
+            f"{source}: model_type {mt!r} is not supported ({hint}all supported: "
             f"{', '.join(_BY_MODEL_TYPE)}, and the text models of {', '.join(_BY_WRAPPER)} "
-            "checkpoints)")
+            "checkpoints; `fx-engine info` lists them by family)")
     return fam
 
 

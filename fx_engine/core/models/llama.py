@@ -10,6 +10,7 @@ nodes, and on CPU each node costs ~10 us to evaluate whatever its size.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -37,6 +38,14 @@ class LlamaConfig(BaseConfig):
     qk_norm: bool = False  # qwen3
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    no_rope_layers: tuple[int, ...] = ()  # smollm3: layers whose attention has no RoPE (NoPE)
+    # granite: the embedding times embedding_multiplier, attention scale attention_multiplier
+    # (instead of head_dim^-0.5), each residual branch times residual_multiplier, the logits
+    # divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     @property
     def rope_type(self) -> str:
@@ -84,13 +93,29 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
             f"num_key_value_heads ({kv_heads})"
         )
     head_dim = d.get("head_dim") or hidden // heads
+    layers = positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source)
     bos, eos_ids = token_ids(d)
+    extra: dict[str, Any] = {}
+    if model_type == "smollm3":  # mlx-lm: no_rope_layers[i] == 0 means layer i has no RoPE
+        flags = d.get("no_rope_layers")
+        if flags is None:
+            every = positive_int(d.get("no_rope_layer_interval") or 4, "no_rope_layer_interval", source)
+            flags = [int((i + 1) % every != 0) for i in range(layers)]
+        if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) for f in flags):
+            raise ConfigError(f"{source}: field 'no_rope_layers' must list {layers} flags of 0 or 1")
+        extra["no_rope_layers"] = tuple(i for i, f in enumerate(flags) if not f)
+    if model_type == "granite":
+        for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
+            v = required(d, key, source)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ConfigError(f"{source}: field '{key}' must be a positive number, got {v!r}")
+            extra[key] = float(v)
     attention_bias = bool(d.get("attention_bias", False))
     return LlamaConfig(
         model_type=model_type,
         vocab_size=positive_int(required(d, "vocab_size", source), "vocab_size", source),
         hidden_size=hidden,
-        num_layers=positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=positive_int(head_dim, "head_dim", source),
@@ -111,6 +136,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
         qk_norm=model_type == "qwen3",
         bos_token_id=bos,
         eos_token_ids=eos_ids,
+        **extra,
     )
 
 
@@ -197,6 +223,9 @@ def _rope(p: Any, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         positions, cfg.head_dim, base=cfg.rope_theta, scale=scale,
         freqs=p.rope_freqs, traditional=cfg.rope_traditional,
     )
+    m = rope_mscale(cfg)
+    if m != 1.0:  # rotation is linear: scaling the tables scales the rotated q and k
+        cos, sin = cos * m, sin * m
     dt = _dtype(p)  # tables in float32, applied in the activation dtype (no silent upcast)
     return cos.astype(dt), sin.astype(dt), perm.astype(dt)
 
@@ -212,12 +241,13 @@ def _apply_rope(x: mx.array, rope: tuple, head_dim: int, num: Numerics, traditio
 
 def self_attention(
     p: Any, lp: Any, x: mx.array, entry: Any, spec: LayerSpec,
-    rope: tuple[mx.array, mx.array, mx.array], geo: StepGeometry,
+    rope: tuple[mx.array, mx.array, mx.array] | None, geo: StepGeometry,
 ) -> tuple[mx.array, Any]:
     """The Llama family's attention block on normalized x [B*T, H] -> (o_proj output
     [B*T, H], the written cache entry). lp holds qkv (fused), o and optional q_norm/k_norm:
     per head (qwen3: a weight of head_dim) or over the whole projection (OLMoE: a weight of
-    heads * head_dim; with one head the two are the same)."""
+    heads * head_dim; with one head the two are the same). rope None: no positional
+    rotation (SmolLM3's NoPE layers)."""
     cfg, num = p.config, p.numerics
     b, t = geo.positions.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -234,13 +264,15 @@ def self_attention(
             axis=2)
     else:
         qk = qkv[:, :, : hq + hk]
-    qk = _apply_rope(qk, rope, d, num, cfg.rope_traditional)  # q and k together: one pass
+    if rope is not None:
+        qk = _apply_rope(qk, rope, d, num, cfg.rope_traditional)  # q and k together: one pass
     q = qk[:, :, :hq]
     k = qk[:, :, hq:].transpose(0, 2, 1, 3)
     v = qkv[:, :, hq + hk :].transpose(0, 2, 1, 3)
     # Write first, then attend over the written arrays (so the update can be in place).
     entry = write_entry(entry, spec, k, v, geo, num)
-    o = attend_entry(entry, spec, q, geo, d**-0.5, num)
+    scale = getattr(cfg, "attention_multiplier", None) or d**-0.5
+    o = attend_entry(entry, spec, q, geo, scale, num)
     return linear(o.reshape(b * t, hq * d), lp.o, num), entry
 
 
@@ -250,11 +282,11 @@ def _layer(
 ) -> tuple[mx.array, Any]:
     cfg, num = p.config, p.numerics
     a, entry = self_attention(p, lp, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, rope, geo)
-    h = h + a
+    m = getattr(cfg, "residual_multiplier", 1.0)
+    h = h + (a if m == 1.0 else a * m)
     x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
-    gu = linear(x, lp.gate_up, num)
-    h = h + linear(swiglu_fused(gu, num), lp.down, num)
-    return h, entry
+    r = linear(swiglu_fused(linear(x, lp.gate_up, num), num), lp.down, num)
+    return h + (r if m == 1.0 else r * m), entry
 
 
 def cache_specs(cfg: LlamaConfig) -> tuple[LayerSpec, ...]:
@@ -285,10 +317,13 @@ def forward(
     # The residual stream is kept 2-D [B*T, hidden]: matmuls on 2-D inputs need no
     # flatten/unflatten nodes (each graph node costs ~10 us on CPU).
     h = embed(tokens.reshape(-1), p.embed).astype(_dtype(p))
+    if getattr(p.config, "embedding_multiplier", 1.0) != 1.0:
+        h = h * p.config.embedding_multiplier
     rope = (rope_fn or _rope)(p, geo.positions)  # shared by every layer
+    nope = getattr(p.config, "no_rope_layers", ())
     entries = []
-    for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
-        h, entry = (layer_fn or _layer)(p, lp, h, entry, spec, rope, geo)
+    for i, (lp, entry, spec) in enumerate(zip(p.layers, cache.layers, cache.layout)):
+        h, entry = (layer_fn or _layer)(p, lp, h, entry, spec, None if i in nope else rope, geo)
         entries.append(entry)
     h = rms_norm(h, p.norm, p.config.rms_norm_eps, p.numerics).reshape(b, t, -1)
     return h, advanced(cache, entries, geo)
@@ -300,7 +335,9 @@ def _dtype(p: Any) -> mx.Dtype:
 
 def hidden_to_logits(p: Any, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
     head = p.lm_head if p.lm_head is not None else p.embed
-    return linear(h, head, p.numerics).astype(mx.float32)
+    out = linear(h, head, p.numerics)
+    scale = getattr(p.config, "logits_scaling", 1.0)
+    return (out if scale == 1.0 else out / scale).astype(mx.float32)
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -395,9 +432,63 @@ def _assemble(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions, names: dic
         lm_head = finish(lin(names["lm_head"], cfg.vocab_size, hid), dtype, keep_quantized)
     return Params(
         embed=embed, layers=tuple(layers), norm=vec(names["norm"], hid), lm_head=lm_head,
-        rope_freqs=llama3_rope_freqs(cfg), config=cfg, numerics=opts.numerics,
+        rope_freqs=rope_freqs(cfg), config=cfg, numerics=opts.numerics,
         dtype=opts.dtype_name,
     )
+
+
+def rope_mscale(cfg: LlamaConfig) -> float:
+    """The factor on the rotated dims of q and k: YaRN's attention scaling
+    (0.1 ln(factor) mscale + 1, over the same with mscale_all_dim), longrope's
+    sqrt(1 + ln(max_pos / original) / ln(original)); 1 otherwise (mlx-lm's rope_utils)."""
+    kind = cfg.rope_type
+    s = dict(cfg.rope_scaling or ())
+    if kind == "yarn":
+        f = float(s["factor"])
+
+        def get(m: float) -> float:
+            return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1.0
+
+        return get(float(s.get("mscale", 1))) / get(float(s.get("mscale_all_dim", 0)))
+    if kind == "longrope":
+        orig = float(s["original_max_position_embeddings"])
+        factor = cfg.max_position_embeddings / orig
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return 1.0
+
+
+def rope_freqs(cfg: LlamaConfig) -> mx.array | None:
+    """The per-pair rotation periods of the scaled RoPEs, with the same op composition as
+    mlx-lm's rope_utils (on device, float32): llama3, yarn (the ramp between interpolated
+    and extrapolated frequencies), longrope (periods times long_factor, used at every
+    length as mlx-lm does). None: plain base^(2i/d) (default, linear; and dynamic, which
+    changes the base only past max_position_embeddings, a length the engine never runs)."""
+    kind, d, base = cfg.rope_type, cfg.head_dim, cfg.rope_theta
+    s = dict(cfg.rope_scaling or ())
+    if kind == "llama3":
+        return llama3_rope_freqs(cfg)
+    if kind == "longrope":
+        long = mx.array(s["long_factor"], dtype=mx.float32)
+        if long.shape != (d // 2,):
+            raise ConfigError(f"rope_scaling.long_factor has {long.shape[0]} entries, expected {d // 2}")
+        return long * base ** (mx.arange(0, d, 2, dtype=mx.float32) / d)
+    if kind != "yarn":
+        return None
+    f, orig = float(s["factor"]), float(s.get("original_max_position_embeddings", 4096))
+    beta_fast, beta_slow = float(s.get("beta_fast", 32)), float(s.get("beta_slow", 1))
+
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), d - 1)
+    if low == high:
+        high += 0.001  # as mlx-lm: no division by zero
+    ramp = mx.clip((mx.arange(d // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    mask = 1.0 - ramp
+    extra = base ** (mx.arange(0, d, 2, dtype=mx.float32) / d)
+    inter = f * extra
+    return (inter * extra) / (inter * mask + extra * (1 - mask))
 
 
 def llama3_rope_freqs(cfg: LlamaConfig) -> mx.array | None:
@@ -483,6 +574,14 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
     cfg = {"model_type": model_type, **_TINY, **overrides}
     if model_type == "qwen3":  # Qwen3 configs always state head_dim
         cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    if model_type == "smollm3":  # every 4th layer without RoPE (SmolLM3-3B's interval)
+        cfg.setdefault("no_rope_layer_interval", 4)
+        cfg["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
+    if model_type == "granite":  # Granite 3's constants, scaled to the tiny width
+        for k, v in (("embedding_multiplier", 12.0), ("attention_multiplier", 0.0625),
+                     ("residual_multiplier", 0.22), ("logits_scaling", 8.0),
+                     ("attention_bias", False), ("mlp_bias", False)):
+            cfg.setdefault(k, v)
     return cfg
 
 
@@ -493,7 +592,7 @@ _TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_l
          "eos_token_id": 2}
 
 FAMILY = Family(
-    name="llama", model_types=("llama", "mistral", "qwen2", "qwen3", "smollm2"),
+    name="llama", model_types=("llama", "mistral", "qwen2", "qwen3", "smollm2", "smollm3", "granite"),
     config_type=LlamaConfig, params_type=Params, config_from_hf=config_from_hf,
     assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,

@@ -266,7 +266,7 @@ def _assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions, names: dict[
     head = None if cfg.tie_word_embeddings else finish(lin(names["lm_head"], cfg.vocab_size, hid),
                                                        dtype, keep_quantized)
     return MoEParams(embed=embed, layers=tuple(layers), norm=vec(names["norm"], hid), lm_head=head,
-                     rope_freqs=llama.llama3_rope_freqs(cfg), config=cfg, numerics=opts.numerics,
+                     rope_freqs=llama.rope_freqs(cfg), config=cfg, numerics=opts.numerics,
                      dtype=opts.dtype_name)
 
 
