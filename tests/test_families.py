@@ -1,0 +1,110 @@
+"""Dense families added as one module each over the Llama family's blocks: OLMo 2 / OLMo 3
+(post-norms, whole-projection q/k norms; OLMo 3's sliding layers). Parity with mlx-lm's own
+classes on tiny random models, greedy generation against mlx-lm's generate_step, the engine
+on them; and the registry's answer to a model_type it does not know."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import fx_engine
+from fx_engine.core.config import ConfigError
+from fx_engine.core.models import config_from_hf
+from fx_engine.engine.generate import reference_generate
+from fx_engine.testing import write_tiny_model
+from fx_engine.testing.tiny import tiny_config
+
+from .conftest import LONG_TEXT
+from .test_models_parity import _compare
+
+CASES = [
+    ("olmo2", {}),
+    ("olmo2", {"tie_word_embeddings": True, "num_key_value_heads": 4,
+               "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ("olmo3", {}),  # 3 sliding layers (window 16 < the 96-token sequence), then a global one
+    ("olmo3", {"layer_types": ["sliding_attention", "full_attention"] * 2, "num_key_value_heads": 1,
+               "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+]
+
+
+def _mlx_lm(path: Path):
+    from mlx_lm.utils import load_model
+
+    ref, _ = load_model(Path(path))
+    ref.set_dtype(mx.float32)
+    return ref
+
+
+@pytest.mark.parametrize("model_type,overrides", CASES, ids=lambda x: str(x)[:60])
+def test_teacher_forced_logits_match_mlx_lm(tmp_path, model_type, overrides):
+    path = write_tiny_model(tmp_path / "m", model_type, **overrides)
+    model = fx_engine.load(path)
+    ids = model.tokenizer.encode(LONG_TEXT)[:96]
+    want = _mlx_lm(path)(mx.array([ids]))[0]
+    for chunk in (8, 40):  # chunks shorter and longer than the window
+        _compare(fx_engine.logits(model, ids, chunk=chunk), want)
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
+def test_greedy_generation_matches_mlx_lm_generate_step(tmp_path, model_type):
+    """mlx-lm's generate_step with its rotating caches for sliding layers, same prefill step."""
+    from mlx_lm.generate import generate_step
+
+    path = write_tiny_model(tmp_path / "m", model_type)
+    model = fx_engine.load(path)
+    prompt = model.tokenizer.encode(LONG_TEXT)[:53]
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), _mlx_lm(path), max_tokens=24,
+                                             prefill_step_size=16,
+                                             sampler=lambda x: mx.argmax(x, axis=-1))]
+    for i, t in enumerate(want):  # generate_step does not stop at EOS
+        if t in model.eos_ids:
+            want = want[:i]
+            break
+    got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, prefill_chunk=16)
+    assert list(got.token_ids) == want and len(want) >= 8
+
+
+def test_olmo3_in_the_engine(tmp_path):
+    """Batch-invariant rows joining at different steps equal each request alone (rings in
+    the sliding layers); self-draft speculation (the family's first_layers) stays exact."""
+    from fx_engine.engine.drafters import self_draft_model
+
+    path = write_tiny_model(tmp_path / "m", "olmo3")
+    model = fx_engine.load(path, batch_invariant=True)
+    ids = model.tokenizer.encode(LONG_TEXT)
+    prompts = [ids[:n] for n in (5, 40, 23)]
+    alone = [reference_generate(model, p, max_tokens=20, temperature=0.0, prefill_chunk=8) for p in prompts]
+    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=8)
+    handles = []
+    for p in prompts:
+        handles.append(engine.submit(p, max_tokens=20, temperature=0.0))
+        engine.step()
+    assert [h.result().token_ids for h in handles] == [a.token_ids for a in alone]
+    engine.close()
+    fast = fx_engine.load(path)
+    refs = [reference_generate(fast, p, max_tokens=24, temperature=0.0).token_ids for p in prompts]
+    with fx_engine.Engine(fast, max_rows=4, prefill_chunk=8) as eng:
+        draft = [eng.submit(p, max_tokens=24, draft_model=self_draft_model(fast, 2)) for p in prompts]
+        assert [h.result().token_ids for h in draft] == refs
+
+
+def test_olmo_config_refusals():
+    cases = [
+        ("olmo3", {"layer_types": ["sliding_attention"] * 3}, "layer_types"),
+        ("olmo3", {"sliding_window": None}, "sliding_window"),
+        ("olmo2", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+        ("olmo2", {"rope_scaling": {"type": "su", "factor": 2.0}}, "rope_scaling"),
+    ]
+    for mt, overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            config_from_hf({**tiny_config(mt), **overrides}, "config.json")
+
+
+def test_unknown_model_type_names_the_nearest_supported_ones():
+    with pytest.raises(ConfigError) as e:
+        config_from_hf({**tiny_config("qwen3_moe"), "model_type": "qwen3_moe_x"}, "config.json")
+    assert "model_type 'qwen3_moe_x' is not supported" in str(e.value)
+    assert "nearest supported: qwen3_moe (moe family)" in str(e.value)
+    with pytest.raises(ConfigError, match="model_type 'rwkv9' is not supported"):
+        config_from_hf({"model_type": "rwkv9"}, "config.json")
