@@ -108,3 +108,120 @@ def test_unknown_model_type_names_the_nearest_supported_ones():
     assert "nearest supported: qwen3_moe (moe family)" in str(e.value)
     with pytest.raises(ConfigError, match="model_type 'rwkv9' is not supported"):
         config_from_hf({"model_type": "rwkv9"}, "config.json")
+
+
+# ------------------------------------------------------------------ gpt_oss
+
+GPT_OSS = [
+    {},  # alternating sliding (window 16) / global, YaRN RoPE
+    {"layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention"],
+     "rope_scaling": None, "num_experts_per_tok": 1},
+    {"num_key_value_heads": 4, "num_hidden_layers": 2},  # expert weights x8: the clamp bites
+]
+
+
+@pytest.mark.parametrize("overrides", GPT_OSS, ids=lambda x: str(x)[:60])
+def test_gpt_oss_matches_mlx_lm(tmp_path, overrides):
+    """Attention sinks, q/k/v/o biases, sliding layers, router and expert biases, the
+    clamped SwiGLU: mlx-lm's logits, with chunks below and above the window. (mlx-lm's
+    SwiGLU always clamps at 7, ignoring swiglu_limit; fx-engine reads it as Hugging Face
+    does: every released config says 7.)"""
+    path = write_tiny_model(tmp_path / "m", "gpt_oss", **overrides)
+    if overrides.get("num_hidden_layers") == 2:
+        w = mx.load(str(path / "model.safetensors"))
+        big = {k: v * 8 for k, v in w.items() if ".experts.gate_proj." in k or ".experts.up_proj." in k}
+        mx.save_safetensors(str(path / "model.safetensors"), {**w, **big})
+    model = fx_engine.load(path)
+    ids = model.tokenizer.encode(LONG_TEXT)[:96]
+    want = _mlx_lm(path)(mx.array([ids]))[0]
+    for chunk in (8, 40):
+        _compare(fx_engine.logits(model, ids, chunk=chunk), want)
+
+
+def test_gpt_oss_quantized_folder_and_hf_layout(tmp_path):
+    """An mlx-community style folder (mlx-lm's quantize_model: 4-bit experts and attention,
+    its 8-bit router) matches mlx-lm, experts dequantized or kept packed; the Hugging Face
+    dense layout (gate_up_proj [E, H, 2F], gate/up interleaved) of the same float weights
+    gives the same logits as mlx-lm's sanitized one; MXFP4 blocks are a clear error."""
+    import json
+
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    from fx_engine.core.checkpoint import WeightsError
+
+    path = write_tiny_model(tmp_path / "m", "gpt_oss")
+    ref_model, config = load_model(path)
+    ref_model, config = quantize_model(ref_model, config, group_size=32, bits=4,
+                                       quant_predicate=ref_model.quant_predicate)
+    q = tmp_path / "q"
+    q.mkdir()
+    save_model(q, ref_model)
+    save_config(config, q / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (q / name).write_bytes((path / name).read_bytes())
+    want = _mlx_lm(q)
+    model = fx_engine.load(q)
+    ids = model.tokenizer.encode(LONG_TEXT)[:72]
+    ref = want(mx.array([ids]))[0]
+    _compare(fx_engine.logits(model, ids, chunk=36), ref)
+    kept = fx_engine.load(q, keep_quantized=True)
+    assert kept.params.layers[0].down.quantized and kept.params.layers[0].down.bias is not None
+    _compare(fx_engine.logits(kept, ids, chunk=36), ref)
+
+    w = mx.load(str(path / "model.safetensors"))
+    for i in range(4):
+        p = f"model.layers.{i}.mlp.experts."
+        g, u = w.pop(p + "gate_proj.weight"), w.pop(p + "up_proj.weight")  # [E, F, H]
+        gb, ub = w.pop(p + "gate_proj.bias"), w.pop(p + "up_proj.bias")
+        gu = mx.stack([g, u], axis=2).reshape(g.shape[0], -1, g.shape[-1])  # rows g0 u0 g1 u1 ...
+        w[p + "gate_up_proj"] = mx.contiguous(gu.swapaxes(-1, -2))  # [E, H, 2F]
+        w[p + "gate_up_proj_bias"] = mx.stack([gb, ub], axis=-1).reshape(gb.shape[0], -1)
+        w[p + "down_proj"] = mx.contiguous(w.pop(p + "down_proj.weight").swapaxes(-1, -2))
+        w[p + "down_proj_bias"] = w.pop(p + "down_proj.bias")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    mx.save_safetensors(str(hf / "model.safetensors"), w)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (hf / name).write_bytes((path / name).read_bytes())
+    a = fx_engine.logits(fx_engine.load(hf), ids)
+    b = fx_engine.logits(fx_engine.load(path), ids)
+    assert mx.allclose(a, b, atol=1e-5).item()
+    blocks = {k: v for k, v in w.items() if "gate_up_proj" not in k}
+    blocks["model.layers.0.mlp.experts.gate_up_proj_blocks"] = mx.zeros((8, 64, 2, 16), mx.uint8)
+    mx.save_safetensors(str(hf / "model.safetensors"), blocks)
+    with pytest.raises(WeightsError, match="MXFP4"):
+        fx_engine.load(hf)
+
+
+def test_gpt_oss_generation_and_engine(tmp_path):
+    """Greedy tokens equal mlx-lm's generate_step (rotating caches for the sliding layers);
+    batch-invariant rows equal each request alone; prompt lookup stays exact; an 8-bit KV
+    cache (sinks over quantized global layers) runs its own reference loop."""
+    from mlx_lm.generate import generate_step
+
+    path = write_tiny_model(tmp_path / "m", "gpt_oss")
+    model = fx_engine.load(path)
+    prompt = model.tokenizer.encode(LONG_TEXT)[:45]
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), _mlx_lm(path), max_tokens=24,
+                                             prefill_step_size=16,
+                                             sampler=lambda x: mx.argmax(x, axis=-1))]
+    for i, t in enumerate(want):
+        if t in model.eos_ids:
+            want = want[:i]
+            break
+    assert list(fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0,
+                                   prefill_chunk=16).token_ids) == want and len(want) >= 8
+    bi = fx_engine.load(path, batch_invariant=True)
+    prompts = [prompt[:n] for n in (5, 40, 23)]
+    alone = [reference_generate(bi, p, max_tokens=16, temperature=0.0, prefill_chunk=8) for p in prompts]
+    with fx_engine.Engine(bi, max_rows=4, prefill_chunk=8) as engine:
+        handles = [engine.submit(p, max_tokens=16, temperature=0.0) for p in prompts]
+        assert [h.result().token_ids for h in handles] == [a.token_ids for a in alone]
+    refs = [reference_generate(model, p, max_tokens=20, temperature=0.0).token_ids for p in prompts]
+    with fx_engine.Engine(model, max_rows=4, prefill_chunk=8) as engine:
+        spec = [engine.submit(p, max_tokens=20, prompt_lookup=True) for p in prompts]
+        assert [h.result().token_ids for h in spec] == refs
+    q8 = fx_engine.load(write_tiny_model(tmp_path / "h32", "gpt_oss", head_dim=32), kv_bits=8,
+                        kv_group_size=32)
+    ref8 = reference_generate(q8, prompt, max_tokens=12, temperature=0.0).token_ids
+    assert fx_engine.generate(q8, prompt, max_tokens=12, temperature=0.0).token_ids == ref8

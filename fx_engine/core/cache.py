@@ -317,17 +317,17 @@ def write_entry(
 
 def attend_entry(
     entry: Any, spec: LayerSpec, q: mx.array, geo: StepGeometry, scale: float,
-    numerics: Numerics, softcap: float | None = None,
+    numerics: Numerics, softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention of q [B, T, Hq, D] over one (already written) entry: [B, T, Hq * D].
-    softcap: attention logit soft-capping (see `attention`)."""
+    softcap: attention logit soft-capping; sinks: per-head sink logits (see `attention`)."""
     if spec.ring:
         n = min(geo.span, spec.ring)
         mask = geo.mask(n, spec.window, spec.ring)
         # While the span fits in the ring, slot == position: the causal-tail blocking holds.
         tail = geo.bounded and geo.span <= spec.ring
         return attention(q, entry.keys[:, :, :n], entry.values[:, :, :n], mask, scale,
-                         numerics, causal_tail=tail, softcap=softcap)
+                         numerics, causal_tail=tail, softcap=softcap, sinks=sinks)
     mask = geo.mask(geo.span, spec.window)
     if spec.bits:
         f = min(entry.head_slots, geo.span)
@@ -336,10 +336,10 @@ def attend_entry(
             q, entry.head_keys[:, :, :f], entry.head_values[:, :, :f],
             tuple(a[:, :, :rest] for a in entry.keys),
             tuple(a[:, :, :rest] for a in entry.values),
-            mask, scale, spec.group_size, spec.bits, softcap=softcap,
+            mask, scale, spec.group_size, spec.bits, softcap=softcap, sinks=sinks,
         )
     return attention(q, entry.keys[:, :, : geo.span], entry.values[:, :, : geo.span], mask,
-                     scale, numerics, causal_tail=geo.bounded, softcap=softcap)
+                     scale, numerics, causal_tail=geo.bounded, softcap=softcap, sinks=sinks)
 
 
 def advanced(cache: KVCache, layers: Sequence[Any], geo: StepGeometry) -> KVCache:

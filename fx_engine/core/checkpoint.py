@@ -215,9 +215,12 @@ def finish(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized, table: b
 
 def read_expert_stack(
     src: TensorSource, name: str, e: int, out_f: int, in_f: int, quant: dict | None, where: str,
+    bias: bool = False,
 ) -> Linear:
-    """A stacked expert weight [E, out, in] (mlx-lm's SwitchLinear), dense or quantized."""
+    """A stacked expert weight [E, out, in] (mlx-lm's SwitchLinear), dense or quantized, with
+    its per-expert biases [E, out] when `bias`."""
     w = src.get(name + ".weight", None, where)
+    b = src.get(name + ".bias", (e, out_f), where) if bias else None
     if src.has(name + ".scales"):
         scales = src.get(name + ".scales", None, where)
         q = quant or {}
@@ -227,12 +230,12 @@ def read_expert_stack(
         if tuple(w.shape) != want or tuple(scales.shape) != (e, out_f, in_f // gs):
             raise WeightsError(f"{src.origin[name + '.weight']}: quantized expert tensor "
                                f"'{name}.weight' has shape {tuple(w.shape)}, expected {want}")
-        return Linear(weight=w, scales=scales, biases=src.get(name + ".biases", tuple(scales.shape), where),
-                      group_size=gs, bits=bits)
+        return Linear(weight=w, bias=b, scales=scales,
+                      biases=src.get(name + ".biases", tuple(scales.shape), where), group_size=gs, bits=bits)
     if tuple(w.shape) != (e, out_f, in_f):
         raise WeightsError(f"{src.origin[name + '.weight']}: tensor '{name}.weight' has shape "
                            f"{tuple(w.shape)}, expected {(e, out_f, in_f)}")
-    return Linear(weight=w)
+    return Linear(weight=w, bias=b)
 
 
 GATHER_QMM_GROUPS = (32, 64, 128)  # the group sizes mx.gather_qmm runs
@@ -243,13 +246,14 @@ def finish_experts(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized) 
     # explicit keep_quantized=True keeps them quantized (in a group size it runs: a GGUF's
     # Q6_K stack, group 16, is dequantized).
     if lin.quantized and keep_quantized is True and lin.group_size in GATHER_QMM_GROUPS:
-        return Linear(weight=lin.weight, scales=lin.scales.astype(dtype),
+        return Linear(weight=lin.weight, bias=cast(lin.bias, dtype), scales=lin.scales.astype(dtype),
                       biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits)
     w = lin.weight
     if lin.quantized:
         w = mx.dequantize(w, lin.scales.astype(dtype), lin.biases.astype(dtype),
                           group_size=lin.group_size, bits=lin.bits)
-    return Linear(weight=mx.contiguous(w.astype(dtype).swapaxes(-1, -2)), transposed=True)
+    return Linear(weight=mx.contiguous(w.astype(dtype).swapaxes(-1, -2)), bias=cast(lin.bias, dtype),
+                  transposed=True)
 
 
 
@@ -277,17 +281,18 @@ def read_experts(
 
 
 def fuse_experts(gate: Linear, up: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized) -> Linear:
-    """gate and up expert stacks [E, F, H] as one [E, 2F, H] (gate rows first), in the
-    representation `finish_experts` keeps: packed if both stay quantized, else dense
-    [E, H, 2F] (transposed for gather_mm)."""
+    """gate and up expert stacks [E, F, H] as one [E, 2F, H] (gate rows first; per-expert
+    biases [E, F] likewise), in the representation `finish_experts` keeps: packed if both
+    stay quantized, else dense [E, H, 2F] (transposed for gather_mm)."""
+    bias = None if gate.bias is None else mx.concatenate([gate.bias, up.bias], axis=-1)
     if gate.quantized and up.quantized and gate.group_size == up.group_size and gate.bits != up.bits:
         gate, up = (widened(keep_quantized, p, force=True) for p in (gate, up))  # exact: 8 bits
     if gate.quantized and up.quantized and keep_quantized is True and gate.bits == up.bits \
             and gate.group_size == up.group_size:
         cat = lambda xs: mx.concatenate(xs, axis=1)  # noqa: E731
-        return finish_experts(Linear(weight=cat([gate.weight, up.weight]),
+        return finish_experts(Linear(weight=cat([gate.weight, up.weight]), bias=bias,
                                      scales=cat([gate.scales, up.scales]),
                                      biases=cat([gate.biases, up.biases]),
                                      group_size=gate.group_size, bits=gate.bits), dtype, keep_quantized)
     dense = [finish_experts(p, dtype, False).weight for p in (gate, up)]  # [E, H, F] each
-    return Linear(weight=mx.concatenate(dense, axis=-1), transposed=True)
+    return Linear(weight=mx.concatenate(dense, axis=-1), bias=cast(bias, dtype), transposed=True)

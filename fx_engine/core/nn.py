@@ -195,11 +195,15 @@ def expert_linear(x: mx.array, lin: Linear, indices: mx.array, sorted_indices: b
     the rows come grouped by expert (x [M, 1, in], indices [M] ascending), so each expert's
     weights are read once for all its rows."""
     if lin.quantized:
-        return mx.gather_qmm(x, lin.weight, lin.scales, lin.biases, rhs_indices=indices,
-                             transpose=True, group_size=lin.group_size, bits=lin.bits,
-                             sorted_indices=sorted_indices)
-    w = lin.weight if lin.transposed else lin.weight.swapaxes(-1, -2)
-    return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
+        y = mx.gather_qmm(x, lin.weight, lin.scales, lin.biases, rhs_indices=indices,
+                          transpose=True, group_size=lin.group_size, bits=lin.bits,
+                          sorted_indices=sorted_indices)
+    else:
+        w = lin.weight if lin.transposed else lin.weight.swapaxes(-1, -2)
+        y = mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
+    if lin.bias is not None:  # per-expert biases [E, out]
+        y = y + mx.expand_dims(lin.bias[indices], -2)
+    return y
 
 
 SORT_EXPERT_ROWS = 64  # route this many (token, expert) pairs or more: group them by expert
@@ -321,6 +325,14 @@ def capped(x: mx.array, cap: float) -> mx.array:
     return mx.tanh(x / cap) * cap
 
 
+def sink_softmax(scores: mx.array, sinks: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Softmax of masked scores [B, Hk, rep, T, S] with one more logit per head (sinks
+    [Hk, rep]) in the denominator; that column is dropped after."""
+    b, hk, rep, t, _ = scores.shape
+    col = mx.broadcast_to(sinks.astype(scores.dtype)[None, :, :, None, None], (b, hk, rep, t, 1))
+    return softmax(mx.concatenate([scores, col], axis=-1))[..., :-1].astype(dtype)
+
+
 def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis with `fast_exp` (float32 throughout, like precise=True)."""
     x = x.astype(mx.float32)
@@ -333,7 +345,7 @@ QUERY_BLOCK = 128  # query rows per block in prefill attention (see `attention`)
 
 def attention(
     q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float, numerics: Numerics,
-    causal_tail: bool = False, softcap: float | None = None,
+    causal_tail: bool = False, softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Grouped-query softmax attention.
 
@@ -352,10 +364,14 @@ def attention(
     softcap: scores become tanh(scores / softcap) * softcap before the mask (Gemma 2's
     attention logit soft-capping); the native fused kernel does not do it, so such layers
     take the MLX path.
+
+    sinks [Hq]: a per-head logit in every softmax's denominator that attends to nothing
+    (GPT-OSS's attention sinks, as mx.fast.scaled_dot_product_attention's `sinks`); MLX path.
     """
     b, t, hq, d = q.shape
     hk, s = k.shape[1], k.shape[2]
     if (numerics.native and not numerics.batch_invariant and d % 16 == 0 and softcap is None
+            and sinks is None
             and q.dtype == mx.float32 and k.dtype == v.dtype and k.dtype in (mx.float32, mx.float16)):
         # One native node per layer instead of ~15: for decode and verify (<= 16 tokens) one
         # pass over each row's K/V, for prefill chunks register-tiled scores and P @ V per
@@ -372,7 +388,8 @@ def attention(
             j1 = min(t, j0 + QUERY_BLOCK)
             kv = min(s, s - t + j1)
             outs.append(attention(q[:, j0:j1], k[:, :, :kv], v[:, :, :kv],
-                                  mask[:, :, j0:j1, :kv], scale, numerics, softcap=softcap))
+                                  mask[:, :, j0:j1, :kv], scale, numerics, softcap=softcap,
+                                  sinks=sinks))
         return mx.concatenate(outs, axis=1)
     rep = hq // hk
     qh = (q * scale).reshape(b, t, hk, rep, d).transpose(0, 2, 3, 1, 4)  # [B, Hk, rep, T, D]
@@ -392,7 +409,10 @@ def attention(
         scores = (qh.reshape(b, hk, rep * t, d) @ k.swapaxes(-1, -2)).reshape(b, hk, rep, t, s)
     if softcap is not None:
         scores = capped(scores, softcap)
-    if numerics.native and scores.dtype == mx.float32:  # one pass, multi-threaded
+    if sinks is not None:
+        scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
+        probs = sink_softmax(scores, sinks.reshape(hk, rep), scores.dtype)
+    elif numerics.native and scores.dtype == mx.float32:  # one pass, multi-threaded
         mb = mx.broadcast_to(m, (b, 1, 1, tp, s)).reshape(b, tp, s)
         probs = kernels.masked_softmax(scores.reshape(b, hk * rep, tp, s), mb)
         probs = probs.reshape(b, hk, rep, tp, s)
@@ -455,6 +475,7 @@ def swiglu_fused(gu: mx.array, numerics: Numerics | None = None) -> mx.array:
 def quantized_attention(
     q: mx.array, head_k: mx.array, head_v: mx.array, k_q: tuple, v_q: tuple, mask: mx.array,
     scale: float, group_size: int, bits: int, softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention over a quantized cache entry, as mlx-lm's quantized SDPA computes it.
 
@@ -480,7 +501,10 @@ def quantized_attention(
     if softcap is not None:
         scores = capped(scores, softcap)
     scores = mx.where(mask[:, :, None], scores, mx.finfo(scores.dtype).min)
-    probs = softmax(scores).astype(q.dtype).reshape(b, hk, rep * t, f + s2)
+    if sinks is not None:
+        probs = sink_softmax(scores, sinks.reshape(hk, rep), q.dtype).reshape(b, hk, rep * t, f + s2)
+    else:
+        probs = softmax(scores).astype(q.dtype).reshape(b, hk, rep * t, f + s2)
     out = None
     if f:
         out = probs[..., :f] @ head_v

@@ -246,8 +246,8 @@ def self_attention(
     """The Llama family's attention block on normalized x [B*T, H] -> (o_proj output
     [B*T, H], the written cache entry). lp holds qkv (fused), o and optional q_norm/k_norm:
     per head (qwen3: a weight of head_dim) or over the whole projection (OLMoE: a weight of
-    heads * head_dim; with one head the two are the same). rope None: no positional
-    rotation (SmolLM3's NoPE layers)."""
+    heads * head_dim; with one head the two are the same), and optional sinks [heads]
+    (GPT-OSS's attention sinks). rope None: no positional rotation (SmolLM3's NoPE layers)."""
     cfg, num = p.config, p.numerics
     b, t = geo.positions.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -272,7 +272,7 @@ def self_attention(
     # Write first, then attend over the written arrays (so the update can be in place).
     entry = write_entry(entry, spec, k, v, geo, num)
     scale = getattr(cfg, "attention_multiplier", None) or d**-0.5
-    o = attend_entry(entry, spec, q, geo, scale, num)
+    o = attend_entry(entry, spec, q, geo, scale, num, sinks=getattr(lp, "sinks", None))
     return linear(o.reshape(b * t, hq * d), lp.o, num), entry
 
 

@@ -126,22 +126,24 @@ def cache_specs(cfg: MoEConfig) -> tuple[LayerSpec, ...]:
     return llama.cache_specs(cfg)
 
 
-def route(cfg: MoEConfig, logits: Float[mx.array, "N E"]) -> tuple[Int[mx.array, "N K"], Float[mx.array, "N K"]]:
-    """Each token's top-k experts and their weights (as mlx-lm computes them)."""
-    k = cfg.top_k
-    if not cfg.softmax_then_topk:  # mixtral: the k largest logits, softmax over them
+def route(logits: Float[mx.array, "N E"], k: int, softmax_then_topk: bool = True,
+          norm_topk_prob: bool = False) -> tuple[Int[mx.array, "N K"], Float[mx.array, "N K"]]:
+    """Each token's top-k experts and their weights (as mlx-lm computes them): softmax over
+    all experts then the k largest (renormalized if norm_topk_prob), or the k largest logits
+    then a softmax over those (mixtral, gpt_oss)."""
+    if not softmax_then_topk:  # the k largest logits, softmax over them
         idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
         return idx, mx.softmax(mx.take_along_axis(logits, idx, axis=-1), axis=-1, precise=True)
     probs = mx.softmax(logits, axis=-1, precise=True)
     idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
     w = mx.take_along_axis(probs, idx, axis=-1)
-    if cfg.norm_topk_prob:
+    if norm_topk_prob:
         w = w / w.sum(axis=-1, keepdims=True)
     return idx, w
 
 
 def _mixture(cfg: MoEConfig, ex: Experts, x: mx.array, num: Numerics) -> mx.array:
-    idx, w = route(cfg, linear(x, ex.router, num))
+    idx, w = route(linear(x, ex.router, num), cfg.top_k, cfg.softmax_then_topk, cfg.norm_topk_prob)
     y = routed_glu(x, ex.gate_up, ex.down, idx, lambda gu: swiglu_fused(gu, num), num)  # [N, K, H]
     y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
     if ex.shared_gate_up is not None:

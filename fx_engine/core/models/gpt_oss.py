@@ -1,0 +1,227 @@
+"""GPT-OSS (`gpt_oss`), following mlx-lm 0.32's gpt_oss.py (the parity oracle).
+
+The attention is the Llama family's (`llama.self_attention`) with biases on q/k/v/o and a
+learned sink logit per head in every softmax's denominator (attends to nothing); layers
+alternate sliding-window (a ring cache entry) and global attention, both with the same
+(YaRN-scaled) RoPE. The MLP of every layer is a mixture of experts: a router with a bias,
+each token's top-k logits softmaxed over those k (the MoE family's `route` in its mixtral
+mode), experts with biases and GPT-OSS's clamped SwiGLU:
+(clip(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7).
+Checkpoints: mlx-lm's sanitized names (`mlp.experts.{gate,up,down}_proj.weight/.bias`
+stacked [E, out, in]; what mlx-community's affine-quantized folders hold) and Hugging
+Face's dense layout (`mlp.experts.gate_up_proj` [E, H, 2F] with gate and up interleaved
+along the last axis, `down_proj` [E, F, H], `*_bias`). The original checkpoint's MXFP4
+expert blocks are not read: a clear error says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from jaxtyping import Float, Int
+
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
+from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, WeightsError, finish, fuse, fuse_experts, finish_experts, read_expert_stack, read_linear)
+from fx_engine.core.config import ConfigError, positive_int, required
+from fx_engine.core.models import llama, moe
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.llama import LlamaConfig
+from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, routed_glu
+
+ALPHA = 1.702  # the gate's sigmoid slope (GPT-OSS's fixed constant, as mlx-lm)
+
+
+@attrs.frozen
+class GptOssConfig(LlamaConfig):
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 128
+    num_experts: int = 1
+    top_k: int = 1
+    swiglu_limit: float = 7.0
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GptOssConfig:
+    layers = positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source)
+    types = d.get("layer_types") or ["sliding_attention", "full_attention"] * (layers // 2)
+    if (len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types)):
+        raise ConfigError(f"{source}: layer_types must list {layers} entries of "
+                          "'sliding_attention' or 'full_attention'")
+    experts = positive_int(required(d, "num_local_experts", source), "num_local_experts", source)
+    top_k = positive_int(required(d, "num_experts_per_tok", source), "num_experts_per_tok", source)
+    if top_k > experts:
+        raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds num_local_experts ({experts})")
+    limit = d.get("swiglu_limit", 7.0)
+    if not isinstance(limit, (int, float)) or not limit > 0:
+        raise ConfigError(f"{source}: field 'swiglu_limit' must be > 0, got {limit!r}")
+    base = llama.config_from_hf(
+        {**{k: v for k, v in d.items() if k not in ("layer_types", "sliding_window")},
+         "model_type": "llama", "rope_theta": d.get("rope_theta", 150000), "attention_bias": True,
+         "hidden_act": "silu"}, source)
+    window = positive_int(d.get("sliding_window") or 128, "sliding_window", source)
+    return GptOssConfig(**{**attrs.asdict(base, recurse=False), "model_type": "gpt_oss",
+                           "tie_word_embeddings": False},
+                        layer_types=tuple(types), sliding_window=window, num_experts=experts,
+                        top_k=top_k, swiglu_limit=float(limit))
+
+
+@attrs.frozen
+class GptOssLayer:
+    attn_norm: mx.array
+    qkv: Linear  # with biases
+    o: Linear
+    sinks: mx.array  # [heads]
+    mlp_norm: mx.array
+    router: Linear  # [E, H] with a bias
+    gate_up: Linear  # [E, 2F, H] (gate rows first) with biases [E, 2F]
+    down: Linear  # [E, H, F] with biases [E, H]
+    q_norm: None = None
+    k_norm: None = None
+
+
+@attrs.frozen
+class GptOssParams(llama.Params):
+    """The Llama family's params pytree with GptOssLayers under a GptOssConfig."""
+
+
+def cache_specs(cfg: GptOssConfig) -> tuple[LayerSpec, ...]:
+    return tuple(LayerSpec(cfg.num_kv_heads, cfg.head_dim,
+                           window=cfg.sliding_window if t == "sliding_attention" else None)
+                 for t in cfg.layer_types)
+
+
+def swiglu_oai(gu: mx.array, limit: float) -> mx.array:
+    """GPT-OSS's clamped SwiGLU of a fused gate|up [..., 2F] -> [..., F]."""
+    f = gu.shape[-1] // 2
+    g, u = mx.minimum(gu[..., :f], limit), mx.clip(gu[..., f:], -limit, limit)
+    return (u + 1.0) * (g * mx.sigmoid(ALPHA * g))
+
+
+def _layer(
+    p: GptOssParams, lp: GptOssLayer, h: mx.array, entry: Any, spec: LayerSpec,
+    rope: tuple[mx.array, mx.array, mx.array], geo: StepGeometry,
+) -> tuple[mx.array, Any]:
+    cfg, num = p.config, p.numerics
+    a, entry = llama.self_attention(p, lp, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, rope, geo)
+    h = h + a
+    x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
+    return h + _experts(cfg, lp, x, num), entry
+
+
+def _experts(cfg: GptOssConfig, lp: GptOssLayer, x: mx.array, num: Numerics) -> mx.array:
+    idx, w = moe.route(linear(x, lp.router, num), cfg.top_k, softmax_then_topk=False)
+    y = routed_glu(x, lp.gate_up, lp.down, idx, lambda gu: swiglu_oai(gu, cfg.swiglu_limit), num)
+    return (y * w[..., None].astype(y.dtype)).sum(axis=-2)
+
+
+def forward(
+    p: GptOssParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
+    span: int | None = None,
+) -> tuple[Float[mx.array, "B T H"], KVCache]:
+    """Same contract as `fx_engine.core.models.llama.forward`."""
+    return llama.forward(p, cache, tokens, n_valid, span, layer_fn=_layer)
+
+
+hidden_to_logits = llama.hidden_to_logits
+
+
+def assemble(cfg: GptOssConfig, src: TensorSource, opts: LoadOptions) -> GptOssParams:
+    """Params from mlx-lm's sanitized names or Hugging Face's dense expert layout."""
+    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    h, hd, e, f = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.intermediate_size
+    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+
+    def lin(name: str, out_f: int, in_f: int, bias: bool = True) -> Linear:
+        return read_linear(src, name, out_f, in_f, opts.quant_for(name), bias, where)
+
+    def vec(name: str, n: int) -> mx.array:
+        return src.get(name, (n,), where).astype(dtype)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        gate, up, down = _expert_stacks(src, m + "experts.", e, f, h, opts)
+        layers.append(GptOssLayer(
+            attn_norm=vec(f"model.layers.{i}.input_layernorm.weight", h),
+            qkv=fuse([lin(a + n, rows, h) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))],
+                     dtype, keep),
+            o=finish(lin(a + "o_proj", h, hq), dtype, keep),
+            sinks=src.get(a + "sinks", (cfg.num_heads,), where).astype(mx.float32),
+            mlp_norm=vec(f"model.layers.{i}.post_attention_layernorm.weight", h),
+            router=finish(lin(m + "router", e, h), dtype, keep),
+            gate_up=fuse_experts(gate, up, dtype, keep),
+            down=finish_experts(down, dtype, keep),
+        ))
+    embed = finish(lin("model.embed_tokens", cfg.vocab_size, h, False), dtype, keep, table=True,
+                   lookup_only=True)
+    return GptOssParams(embed=embed, layers=tuple(layers), norm=vec("model.norm.weight", h),
+                        lm_head=finish(lin("lm_head", cfg.vocab_size, h, False), dtype, keep),
+                        rope_freqs=llama.rope_freqs(cfg), config=cfg, numerics=opts.numerics,
+                        dtype=opts.dtype_name)
+
+
+def _expert_stacks(src: TensorSource, pre: str, e: int, f: int, h: int,
+                   opts: LoadOptions) -> tuple[Linear, Linear, Linear]:
+    """gate, up [E, F, H] and down [E, H, F] stacks with their biases."""
+    if src.has(pre + "gate_up_proj_blocks"):
+        raise WeightsError(f"{opts.where}: '{pre}gate_up_proj_blocks' holds MXFP4 expert blocks "
+                           "(the original GPT-OSS checkpoint), which fx-engine does not read yet; "
+                           "convert the model with mlx_lm.convert (affine 4-/8-bit) or use a "
+                           "bfloat16 checkpoint")
+    if src.has(pre + "gate_up_proj"):  # Hugging Face's dense layout: x @ W, gate/up interleaved
+        gu = src.get(pre + "gate_up_proj", (e, h, 2 * f), opts.where).swapaxes(-1, -2)  # [E, 2F, H]
+        gub = src.get(pre + "gate_up_proj_bias", (e, 2 * f), opts.where)
+        down = src.get(pre + "down_proj", (e, f, h), opts.where).swapaxes(-1, -2)  # [E, H, F]
+        return (Linear(weight=gu[:, ::2], bias=gub[:, ::2]), Linear(weight=gu[:, 1::2], bias=gub[:, 1::2]),
+                Linear(weight=down, bias=src.get(pre + "down_proj_bias", (e, h), opts.where)))
+    return tuple(read_expert_stack(src, pre + n, e, o, i, opts.quant_for(pre + n), opts.where, bias=True)
+                 for n, (o, i) in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))))
+
+
+def checkpoint_layout(cfg: GptOssConfig) -> dict[str, TensorSpec]:
+    """mlx-lm's sanitized tensors (its model class loads these as they are)."""
+    h, hd, e, f, v = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.intermediate_size, cfg.vocab_size
+    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    out = {"model.embed_tokens.weight": TensorSpec((v, h), scale=0.5)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        for n, rows, cols in (("q_proj", hq, h), ("k_proj", hk, h), ("v_proj", hk, h), ("o_proj", h, hq)):
+            out[a + n + ".weight"] = TensorSpec((rows, cols))
+            out[a + n + ".bias"] = TensorSpec((rows,), scale=0.05)
+        out[a + "sinks"] = TensorSpec((cfg.num_heads,), scale=1.0)
+        out[m + "router.weight"] = TensorSpec((e, h), scale=0.5)
+        out[m + "router.bias"] = TensorSpec((e,), scale=0.1)
+        for n, shape in (("gate_proj", (e, f, h)), ("up_proj", (e, f, h)), ("down_proj", (e, h, f))):
+            out[m + "experts." + n + ".weight"] = TensorSpec(shape, scale=0.15)
+            out[m + "experts." + n + ".bias"] = TensorSpec(shape[:2], scale=0.05)
+        out[p + "input_layernorm.weight"] = TensorSpec((h,), center=1.0)
+        out[p + "post_attention_layernorm.weight"] = TensorSpec((h,), center=1.0)
+    out["model.norm.weight"] = TensorSpec((h,), center=1.0)
+    out["lm_head.weight"] = TensorSpec((v, h), scale=0.2)
+    return out
+
+
+def first_layers(p: GptOssParams, n: int) -> GptOssParams:
+    small = attrs.evolve(p.config, num_layers=n, layer_types=p.config.layer_types[:n])
+    return attrs.evolve(p, layers=p.layers[:n], config=small)
+
+
+def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    return {"model_type": model_type, "architectures": ["GptOssForCausalLM"], "hidden_size": 64,
+            "num_hidden_layers": 4, "intermediate_size": 32, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "vocab_size": 384,
+            "rope_theta": 150000.0, "max_position_embeddings": 4096, "sliding_window": 16,
+            "num_local_experts": 8, "num_experts_per_tok": 2, "swiglu_limit": 7.0,
+            "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "original_max_position_embeddings": 256, "truncate": False},
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, **overrides}
+
+
+FAMILY = Family(
+    name="gpt_oss", model_types=("gpt_oss",), config_type=GptOssConfig, params_type=GptOssParams,
+    config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
+    hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
+    first_layers=first_layers, tiny_config=tiny_config,
+)
