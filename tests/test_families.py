@@ -225,3 +225,86 @@ def test_gpt_oss_generation_and_engine(tmp_path):
                         kv_group_size=32)
     ref8 = reference_generate(q8, prompt, max_tokens=12, temperature=0.0).token_ids
     assert fx_engine.generate(q8, prompt, max_tokens=12, temperature=0.0).token_ids == ref8
+
+
+# ------------------------------------------------------------------ deepseek_v3 / kimi_k2 (MLA)
+
+DEEPSEEK = [
+    ("deepseek_v3", {}),  # q LoRA, YaRN (mscale_all_dim), 4 groups of 2, a shared expert, a dense layer 0
+    ("kimi_k2", {"q_lora_rank": None, "n_group": 1, "topk_group": 1, "n_shared_experts": None,
+                 "first_k_dense_replace": 0, "rope_scaling": None, "norm_topk_prob": False,
+                 "num_experts_per_tok": 3}),
+    ("deepseek_v3", {"attention_bias": True, "moe_layer_freq": 2, "n_group": 2, "topk_group": 1,
+                     "qk_rope_head_dim": 16, "v_head_dim": 24}),
+]
+
+
+@pytest.mark.parametrize("model_type,overrides", DEEPSEEK, ids=lambda x: str(x)[:60])
+def test_deepseek_mla_matches_mlx_lm(tmp_path, model_type, overrides):
+    """Multi-head latent attention in the absorbed form (one token at a time and in chunks),
+    grouped sigmoid routing with the correction bias: mlx-lm's logits."""
+    path = write_tiny_model(tmp_path / "m", model_type, **overrides)
+    model = fx_engine.load(path)
+    ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    want = _mlx_lm(path)(mx.array([ids]))[0]
+    for chunk in (1, 8, 40):
+        _compare(fx_engine.logits(model, ids, chunk=chunk), want)
+
+
+def test_deepseek_cache_holds_the_latent_only(tmp_path):
+    """Per token and layer the cache holds kv_lora_rank + qk_rope_head_dim numbers (32 + 8
+    here), not heads x (k + v) head dims (4 x 40); kv_bits leaves latent entries float."""
+    model = fx_engine.load(write_tiny_model(tmp_path / "m", "deepseek_v3"))
+    layout = model.cache_layout(headroom=16)
+    assert all((s.kv_heads, s.head_dim, s.v_dim, s.bits) == (1, 32, 8, 0) for s in layout)
+    from fx_engine.core.cache import init_cache
+
+    cache = init_cache(layout, rows=1, capacity=64)
+    assert cache.layers[0].keys.shape == (1, 1, 65, 32) and cache.layers[0].values.shape == (1, 1, 65, 8)
+    q8 = fx_engine.load(write_tiny_model(tmp_path / "m", "deepseek_v3"), kv_bits=8, kv_group_size=32)
+    assert all(s.bits == 0 for s in q8.cache_layout(headroom=16))
+
+
+def test_deepseek_mlx_community_folder_and_engine(tmp_path):
+    """mlx-lm's own conversion (sanitized embed_q / unembed_out and switch_mlp stacks,
+    quantized by quantize_model) matches mlx-lm; in the engine, batch-invariant rows equal
+    each request alone, speculative decoding and the prefix cache stay exact."""
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    # per-head maps wide enough for mlx-lm to quantize them (dims that are multiples of 32)
+    path = write_tiny_model(tmp_path / "m", "deepseek_v3", qk_nope_head_dim=32, kv_lora_rank=64,
+                            v_head_dim=32)
+    ref_model, config = load_model(path)
+    ref_model, config = quantize_model(ref_model, config, group_size=32, bits=8)
+    q = tmp_path / "q"
+    q.mkdir()
+    save_model(q, ref_model)
+    save_config(config, q / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (q / name).write_bytes((path / name).read_bytes())
+    assert any(k.endswith("embed_q.scales") for k in mx.load(str(q / "model.safetensors")))
+    model = fx_engine.load(q)
+    ids = model.tokenizer.encode(LONG_TEXT)[:72]
+    _compare(fx_engine.logits(model, ids, chunk=24), _mlx_lm(q)(mx.array([ids]))[0])
+
+    bi = fx_engine.load(path, batch_invariant=True)
+    prompts = [ids[:n] for n in (5, 40, 23)]
+    alone = [reference_generate(bi, p, max_tokens=16, temperature=0.0, prefill_chunk=8) for p in prompts]
+    engine = fx_engine.Engine(bi, max_rows=4, prefill_chunk=8)
+    handles = []
+    for p in prompts:
+        handles.append(engine.submit(p, max_tokens=16, temperature=0.0))
+        engine.step()
+    assert [h.result().token_ids for h in handles] == [a.token_ids for a in alone]
+    engine.close()
+    fast = fx_engine.load(path)
+    refs = [reference_generate(fast, p, max_tokens=20, temperature=0.0).token_ids for p in prompts]
+    from fx_engine.engine.drafters import self_draft_model
+
+    with fx_engine.Engine(fast, max_rows=4, prefill_chunk=8) as eng:
+        spec = [eng.submit(p, max_tokens=20, prompt_lookup=True) for p in prompts]
+        draft = [eng.submit(p, max_tokens=20, draft_model=self_draft_model(fast, 1)) for p in prompts]
+        assert [h.result().token_ids for h in spec] == refs
+        assert [h.result().token_ids for h in draft] == refs
+        again = eng.submit(prompts[1], max_tokens=20).result()
+        assert again.token_ids == refs[1] and again.usage.cached_tokens >= 16

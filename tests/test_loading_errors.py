@@ -21,8 +21,8 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_unsupported_rope_scaling_and_sliding_window(tmp_path):
-    p = write_tiny_model(tmp_path / "m", "llama", rope_scaling={"type": "yarn", "factor": 2.0})
-    with pytest.raises(ConfigError, match="rope_scaling type 'yarn'"):
+    p = write_tiny_model(tmp_path / "m", "llama", rope_scaling={"type": "ntk-by-parts", "factor": 2.0})
+    with pytest.raises(ConfigError, match="rope_scaling type 'ntk-by-parts'"):
         fx_engine.load(p)
     p2 = write_tiny_model(tmp_path / "m2", "qwen2", use_sliding_window=True, sliding_window=16)
     with pytest.raises(ConfigError, match="sliding-window"):

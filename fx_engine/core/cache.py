@@ -58,6 +58,13 @@ class LayerSpec:
     bits: int = 0  # > 0: quantized storage (4 or 8 bits)
     group_size: int = 64
     quant_start: int = 0  # quantized: positions below this stay in float
+    # > 0: values of another width than keys (an MLA latent entry: keys the compressed
+    # latent, values the shared RoPE key part, as mlx-lm stores them); never quantized
+    value_dim: int = 0
+
+    @property
+    def v_dim(self) -> int:
+        return self.value_dim or self.head_dim
 
     @property
     def kind(self) -> str:
@@ -138,7 +145,7 @@ def finish_layout(
     headroom: ring slots past the window; must be >= the largest step (prefill chunk or
     verify length) minus one. kv_bits: quantize the full-attention entries (sliding-window
     entries are already bounded and stay float, as in mlx-lm, whose rotating cache has no
-    quantized form).
+    quantized form; nor do MLA latent entries, `value_dim`).
     """
     if kv_bits not in (0, 4, 8):
         raise CacheError(f"kv_bits must be 4 or 8 (or None), got {kv_bits!r}")
@@ -152,7 +159,7 @@ def finish_layout(
     for s in base:
         if s.window is not None:
             out.append(attrs.evolve(s, ring=s.window + headroom, bits=0))
-        elif kv_bits:
+        elif kv_bits and not s.value_dim:
             if s.head_dim % kv_group_size:
                 raise CacheError(
                     f"kv_group_size {kv_group_size} does not divide head_dim {s.head_dim}")
@@ -186,8 +193,8 @@ def _init_entry(spec: LayerSpec, rows: int, capacity: int, dtype: mx.Dtype) -> A
             values=_quant_zeros(rows, spec, capacity - f + 1, dtype),
         )
     slots = spec.ring if spec.ring else capacity
-    shape = (rows, spec.kv_heads, slots + 1, spec.head_dim)  # + the write sink
-    return LayerKV(keys=mx.zeros(shape, dtype), values=mx.zeros(shape, dtype))
+    shape = (rows, spec.kv_heads, slots + 1)  # + the write sink
+    return LayerKV(keys=mx.zeros((*shape, spec.head_dim), dtype), values=mx.zeros((*shape, spec.v_dim), dtype))
 
 
 def init_cache(
@@ -342,6 +349,24 @@ def attend_entry(
                      scale, numerics, causal_tail=geo.bounded, softcap=softcap, sinks=sinks)
 
 
+def attend_latent(
+    entry: Any, spec: LayerSpec, q_lat: mx.array, q_pe: mx.array, geo: StepGeometry,
+    scale: float, numerics: Numerics,
+) -> mx.array:
+    """Multi-head latent attention (MLA, absorbed form) over a latent entry: keys hold the
+    compressed latent c [B, 1, S, r], values the shared RoPE key part k_pe [B, 1, S, dr].
+    score(h, t, s) = scale * (q_lat[h, t] . c[s] + q_pe[h, t] . k_pe[s]); the output is
+    the probabilities times c: [B, T, H * r] (the caller maps it up per head). Computed as
+    one grouped-query attention (a single KV head) with the two parts side by side, so the
+    causal blocking and the batch-invariant tiling are the usual ones."""
+    if spec.ring or spec.bits:
+        raise CacheError("a latent (MLA) cache entry is dense: no window, no quantization")
+    c, pe = entry.keys[:, :, : geo.span], entry.values[:, :, : geo.span]
+    k = mx.concatenate([c, pe.astype(c.dtype)], axis=-1)
+    q = mx.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)
+    return attention(q, k, c, geo.mask(geo.span, spec.window), scale, numerics, causal_tail=geo.bounded)
+
+
 def advanced(cache: KVCache, layers: Sequence[Any], geo: StepGeometry) -> KVCache:
     """The cache after a step: the written entries and lengths += n_valid (capped)."""
     return KVCache(layers=tuple(layers), lengths=geo.end, layout=cache.layout,
@@ -389,10 +414,10 @@ def bytes_per_token(layout: Sequence[LayerSpec], dtype: mx.Dtype) -> float:
             groups = s.head_dim // s.group_size
             total += 2 * s.kv_heads * (s.head_dim * s.bits / 8 + 2 * groups * dtype.size)
         else:
-            total += 2 * s.kv_heads * s.head_dim * dtype.size
+            total += s.kv_heads * (s.head_dim + s.v_dim) * dtype.size
     return total
 
 
 def bytes_per_row_fixed(layout: Sequence[LayerSpec], dtype: mx.Dtype) -> int:
     """Bytes per row of the ring entries (independent of the capacity)."""
-    return sum(2 * s.kv_heads * (s.ring + 1) * s.head_dim * dtype.size for s in layout if s.ring)
+    return sum(s.kv_heads * (s.ring + 1) * (s.head_dim + s.v_dim) * dtype.size for s in layout if s.ring)

@@ -6,6 +6,7 @@ metadata carried by the params pytree; it selects the batch-invariant matmul mod
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import attrs
@@ -248,6 +249,74 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float, numerics: Numerics | Non
     return mx.fast.rms_norm(x, weight, eps)
 
 
+def _rope_kind(scaling: dict) -> str:
+    return str(scaling.get("type") or scaling.get("rope_type") or "default") if scaling else "default"
+
+
+def scaled_rope_mscale(scaling: dict, max_position_embeddings: int) -> float:
+    """The factor on the rotated dims of q and k of a scaled RoPE (a config's rope_scaling
+    dict): YaRN's attention scaling (0.1 ln(factor) mscale + 1, over the same with
+    mscale_all_dim), longrope's sqrt(1 + ln(max_pos / original) / ln(original)); 1
+    otherwise (mlx-lm's rope_utils)."""
+    kind = _rope_kind(scaling)
+    if kind == "yarn":
+        f = float(scaling["factor"])
+
+        def get(m: float) -> float:
+            return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1.0
+
+        return get(float(scaling.get("mscale", 1))) / get(float(scaling.get("mscale_all_dim", 0)))
+    if kind == "longrope":
+        orig = float(scaling["original_max_position_embeddings"])
+        factor = max_position_embeddings / orig
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return 1.0
+
+
+def scaled_rope_freqs(scaling: dict, dims: int, base: float) -> mx.array | None:
+    """The per-pair rotation periods of a scaled RoPE over `dims` rotated dims, with the
+    same op composition as mlx-lm's rope_utils (on device, float32): llama3, yarn (the ramp
+    between interpolated and extrapolated frequencies), longrope (periods times long_factor,
+    used at every length as mlx-lm does). None: plain base^(2i/d) (default, linear; and
+    dynamic, which changes the base only past max_position_embeddings, a length the engine
+    never runs)."""
+    kind, d = _rope_kind(scaling), dims
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old = scaling.get("original_max_position_embeddings", 8192)
+        low_wl, high_wl = old / low, old / high
+        freqs = base ** (mx.arange(0, d, 2) / d)
+        wavelens = 2 * mx.pi * freqs
+        freqs = mx.where(wavelens > low_wl, freqs * factor, freqs)
+        medium = (wavelens > high_wl) & (wavelens < low_wl)
+        smooth = (old / wavelens - low) / (high - low)
+        smooth_freqs = freqs / ((1 - smooth) / factor + smooth)
+        return mx.where(medium, smooth_freqs, freqs)
+    if kind == "longrope":
+        long = mx.array(scaling["long_factor"], dtype=mx.float32)
+        if long.shape != (d // 2,):
+            raise ValueError(f"rope_scaling.long_factor has {long.shape[0]} entries, expected {d // 2}")
+        return long * base ** (mx.arange(0, d, 2, dtype=mx.float32) / d)
+    if kind != "yarn":
+        return None
+    f, orig = float(scaling["factor"]), float(scaling.get("original_max_position_embeddings", 4096))
+    beta_fast, beta_slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), d - 1)
+    if low == high:
+        high += 0.001  # as mlx-lm: no division by zero
+    ramp = mx.clip((mx.arange(d // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    mask = 1.0 - ramp
+    extra = base ** (mx.arange(0, d, 2, dtype=mx.float32) / d)
+    inter = f * extra
+    return (inter * extra) / (inter * mask + extra * (1 - mask))
+
+
 def rope_tables(
     positions: mx.array, head_dim: int, *, base: float | None, scale: float,
     freqs: mx.array | None, traditional: bool,
@@ -349,8 +418,8 @@ def attention(
 ) -> mx.array:
     """Grouped-query softmax attention.
 
-    q [B, T, Hq, D] (token-major, as projected), k/v [B, Hk, S, D] (the cache), bool mask
-    [B, 1, T, S]. Returns [B, T, Hq*D]. The Hq/Hk query heads that share a KV head are
+    q [B, T, Hq, D] (token-major, as projected), k [B, Hk, S, D] and v [B, Hk, S, Dv] (the
+    cache; Dv = D but for MLA's latent), bool mask [B, 1, T, S]. Returns [B, T, Hq*Dv]. The Hq/Hk query heads that share a KV head are
     stacked into the rows of one matmul per (row, KV head), so K and V are never repeated.
     In batch-invariant mode the query rows are cut into fixed tiles so that a query's
     scores never depend on the chunk size (the BLAS kernel sees the same M every time).
@@ -369,9 +438,9 @@ def attention(
     (GPT-OSS's attention sinks, as mx.fast.scaled_dot_product_attention's `sinks`); MLX path.
     """
     b, t, hq, d = q.shape
-    hk, s = k.shape[1], k.shape[2]
+    hk, s, dv = k.shape[1], k.shape[2], v.shape[-1]
     if (numerics.native and not numerics.batch_invariant and d % 16 == 0 and softcap is None
-            and sinks is None
+            and sinks is None and dv == d
             and q.dtype == mx.float32 and k.dtype == v.dtype and k.dtype in (mx.float32, mx.float16)):
         # One native node per layer instead of ~15: for decode and verify (<= 16 tokens) one
         # pass over each row's K/V, for prefill chunks register-tiled scores and P @ V per
@@ -422,10 +491,10 @@ def attention(
     if numerics.batch_invariant:
         out = _blocked_pv(probs.reshape(b, hk, rep * tp // numerics.tile, numerics.tile, s), v,
                           numerics.kv_block)
-        out = out.reshape(b, hk, rep, tp, d)[:, :, :, :t]
+        out = out.reshape(b, hk, rep, tp, dv)[:, :, :, :t]
     else:
-        out = (probs.reshape(b, hk, rep * t, s) @ v).reshape(b, hk, rep, t, d)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq * d)
+        out = (probs.reshape(b, hk, rep * t, s) @ v).reshape(b, hk, rep, t, dv)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq * dv)
 
 
 def _blocked_pv(p: mx.array, v: mx.array, block: int) -> mx.array:

@@ -208,7 +208,9 @@ def load(
         cfg, params, metadata = load_gguf(p, mx_dtype or mx.float16, keep, numerics)
         tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(p))
         fmt = "gguf"
-        fp_src = [str(p.stat().st_size), json.dumps(attrs.asdict(cfg), default=str)]
+        # the file alone (its header holds the metadata): not fx-engine's config class, whose
+        # fields change between versions while the model does not
+        fp_src = ["gguf", str(p.stat().st_size)]
     else:
         cfg, params, raw = load_hf_folder(p, mx_dtype, keep, numerics)
         tokenizer = Tokenizer.from_hf_folder(p)

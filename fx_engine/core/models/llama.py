@@ -10,7 +10,6 @@ nodes, and on CPU each node costs ~10 us to evaluate whatever its size.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
@@ -21,7 +20,7 @@ from fx_engine.core.cache import (KVCache, LayerSpec, StepGeometry, advanced, at
 from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear)
 from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, gguf_value, positive_int, required, token_ids)
 from fx_engine.core.models.family import Family
-from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, swiglu_fused)
+from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
 from fx_engine.core.tree import static_field
 
 
@@ -438,77 +437,13 @@ def _assemble(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions, names: dic
 
 
 def rope_mscale(cfg: LlamaConfig) -> float:
-    """The factor on the rotated dims of q and k: YaRN's attention scaling
-    (0.1 ln(factor) mscale + 1, over the same with mscale_all_dim), longrope's
-    sqrt(1 + ln(max_pos / original) / ln(original)); 1 otherwise (mlx-lm's rope_utils)."""
-    kind = cfg.rope_type
-    s = dict(cfg.rope_scaling or ())
-    if kind == "yarn":
-        f = float(s["factor"])
-
-        def get(m: float) -> float:
-            return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1.0
-
-        return get(float(s.get("mscale", 1))) / get(float(s.get("mscale_all_dim", 0)))
-    if kind == "longrope":
-        orig = float(s["original_max_position_embeddings"])
-        factor = cfg.max_position_embeddings / orig
-        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
-    return 1.0
+    """The factor on the rotated dims of q and k (see `nn.scaled_rope_mscale`)."""
+    return scaled_rope_mscale(dict(cfg.rope_scaling or ()), cfg.max_position_embeddings)
 
 
 def rope_freqs(cfg: LlamaConfig) -> mx.array | None:
-    """The per-pair rotation periods of the scaled RoPEs, with the same op composition as
-    mlx-lm's rope_utils (on device, float32): llama3, yarn (the ramp between interpolated
-    and extrapolated frequencies), longrope (periods times long_factor, used at every
-    length as mlx-lm does). None: plain base^(2i/d) (default, linear; and dynamic, which
-    changes the base only past max_position_embeddings, a length the engine never runs)."""
-    kind, d, base = cfg.rope_type, cfg.head_dim, cfg.rope_theta
-    s = dict(cfg.rope_scaling or ())
-    if kind == "llama3":
-        return llama3_rope_freqs(cfg)
-    if kind == "longrope":
-        long = mx.array(s["long_factor"], dtype=mx.float32)
-        if long.shape != (d // 2,):
-            raise ConfigError(f"rope_scaling.long_factor has {long.shape[0]} entries, expected {d // 2}")
-        return long * base ** (mx.arange(0, d, 2, dtype=mx.float32) / d)
-    if kind != "yarn":
-        return None
-    f, orig = float(s["factor"]), float(s.get("original_max_position_embeddings", 4096))
-    beta_fast, beta_slow = float(s.get("beta_fast", 32)), float(s.get("beta_slow", 1))
-
-    def correction_dim(rotations: float) -> float:
-        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), d - 1)
-    if low == high:
-        high += 0.001  # as mlx-lm: no division by zero
-    ramp = mx.clip((mx.arange(d // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
-    mask = 1.0 - ramp
-    extra = base ** (mx.arange(0, d, 2, dtype=mx.float32) / d)
-    inter = f * extra
-    return (inter * extra) / (inter * mask + extra * (1 - mask))
-
-
-def llama3_rope_freqs(cfg: LlamaConfig) -> mx.array | None:
-    """Llama-3 frequency scaling, with the same op composition as mlx-lm (on device, f32)."""
-    if cfg.rope_type != "llama3":
-        return None
-    s = dict(cfg.rope_scaling)
-    factor = s["factor"]
-    low = s.get("low_freq_factor", 1.0)
-    high = s.get("high_freq_factor", 4.0)
-    old = s.get("original_max_position_embeddings", 8192)
-    low_wl, high_wl = old / low, old / high
-    dims = cfg.head_dim
-    freqs = cfg.rope_theta ** (mx.arange(0, dims, 2) / dims)
-    wavelens = 2 * mx.pi * freqs
-    freqs = mx.where(wavelens > low_wl, freqs * factor, freqs)
-    medium = (wavelens > high_wl) & (wavelens < low_wl)
-    smooth = (old / wavelens - low) / (high - low)
-    smooth_freqs = freqs / ((1 - smooth) / factor + smooth)
-    return mx.where(medium, smooth_freqs, freqs)
+    """The per-pair rotation periods of a scaled RoPE (see `nn.scaled_rope_freqs`)."""
+    return scaled_rope_freqs(dict(cfg.rope_scaling or ()), cfg.head_dim, cfg.rope_theta)
 
 
 def unpermute_rows(x: mx.array, n_head: int) -> mx.array:

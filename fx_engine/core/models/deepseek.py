@@ -1,0 +1,427 @@
+"""DeepSeek-V3 (`deepseek_v3`) and Kimi K2 (`kimi_k2`, the same architecture), following
+mlx-lm 0.32's deepseek_v3.py (the parity oracle).
+
+Multi-head latent attention (MLA): queries through a low-rank pair (q_a -> RMSNorm -> q_b,
+or one q_proj), each head's query split into a "nope" part (dn dims) and a RoPE part (dr);
+keys and values are never expanded per head: the cache holds, per token, the compressed
+latent c = RMSNorm(kv_a(x)[:r]) (r = kv_lora_rank) and one shared RoPE key
+k_pe = rope(kv_a(x)[r:]) (dr dims), a `LayerSpec` with value_dim (what mlx-lm stores too).
+Attention runs in the absorbed form for every step: q_nope is mapped into the latent space
+per head (W_UK, from kv_b_proj), scores are q_lat . c + q_pe . k_pe, the output is mapped
+out of it per head (W_UV), then o_proj. RoPE is interleaved ("traditional") over dr dims,
+with YaRN's mscale_all_dim squared folded into the attention scale.
+MoE layers (from `first_k_dense_replace`, every `moe_layer_freq`): sigmoid router scores
+plus a correction bias choose the top-k experts within the `topk_group` best of `n_group`
+groups (each group scored by its two best); the weights are the sigmoid scores (without the
+bias), renormalized if `norm_topk_prob`, times `routed_scaling_factor`; shared experts
+(one SwiGLU of n_shared_experts * moe_intermediate_size) are added for every token.
+Checkpoints: Hugging Face's (kv_b_proj, per-expert tensors) and mlx-lm's sanitized ones
+(embed_q / unembed_out, switch_mlp stacks; mlx-community's quantized folders). FP8
+(weight_scale_inv) and the multi-token-prediction layer are not read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from jaxtyping import Float, Int
+
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_latent, write_entry
+from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, WeightsError, dequantized, finish, fuse, fuse_experts, finish_experts, read_experts, read_linear)
+from fx_engine.core.config import BaseConfig, ConfigError, check_rope_scaling, positive_int, required, token_ids
+from fx_engine.core.models.family import Family
+from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, routed_glu, scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
+from fx_engine.core.tree import static_field
+
+
+@attrs.frozen
+class DeepseekConfig(BaseConfig):
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_theta: float
+    attn_scale: float
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    num_experts: int = 0
+    num_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    top_k: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> DeepseekConfig:
+    def pos(key: str, default: Any = ...) -> int:
+        return positive_int(required(d, key, source, default), key, source)
+
+    layers, heads, hidden = pos("num_hidden_layers"), pos("num_attention_heads"), pos("hidden_size")
+    dn, dr, dv, r = pos("qk_nope_head_dim"), pos("qk_rope_head_dim"), pos("v_head_dim"), pos("kv_lora_rank")
+    if dr % 2:
+        raise ConfigError(f"{source}: field 'qk_rope_head_dim' must be even, got {dr}")
+    q_lora = d.get("q_lora_rank")
+    q_lora = None if q_lora is None else positive_int(q_lora, "q_lora_rank", source)
+    scaling = check_rope_scaling(d.get("rope_scaling"), source)
+    sd = dict(scaling or ())
+    scale = float(dn + dr) ** -0.5
+    if sd and sd.get("mscale_all_dim") and float(sd.get("factor", 1)) > 1:  # mlx-lm's YaRN fold
+        import math
+
+        s = 0.1 * float(sd["mscale_all_dim"]) * math.log(float(sd["factor"])) + 1.0
+        scale *= s * s
+    moe: dict[str, Any] = {}
+    experts = d.get("n_routed_experts")
+    if experts is not None:
+        experts = positive_int(experts, "n_routed_experts", source)
+        if (d.get("topk_method") or "noaux_tc") != "noaux_tc" or (d.get("scoring_func") or "sigmoid") != "sigmoid":
+            raise ConfigError(f"{source}: topk_method {d.get('topk_method')!r} / scoring_func "
+                              f"{d.get('scoring_func')!r} is not supported (noaux_tc with sigmoid)")
+        top_k, groups = pos("num_experts_per_tok"), pos("n_group", 1)
+        topk_group = pos("topk_group", 1)
+        if experts % groups or topk_group > groups or top_k > experts:
+            raise ConfigError(f"{source}: n_routed_experts ({experts}) must split into n_group "
+                              f"({groups}) groups, topk_group ({topk_group}) <= n_group, "
+                              f"num_experts_per_tok ({top_k}) <= n_routed_experts")
+        if groups > 1 and experts // groups < 2:
+            raise ConfigError(f"{source}: each of the n_group groups needs at least 2 experts")
+        first, freq = int(d.get("first_k_dense_replace") or 0), pos("moe_layer_freq", 1)
+        moe = dict(num_experts=experts, num_shared_experts=int(d.get("n_shared_experts") or 0),
+                   moe_intermediate_size=pos("moe_intermediate_size"), top_k=top_k, n_group=groups,
+                   topk_group=topk_group, routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+                   norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                   moe_layers=tuple(i >= first and i % freq == 0 for i in range(layers)))
+    bos, eos = token_ids(d)
+    return DeepseekConfig(
+        model_type=d["model_type"], vocab_size=pos("vocab_size"), hidden_size=hidden,
+        num_layers=layers, num_heads=heads, num_kv_heads=1, head_dim=dn + dr,
+        intermediate_size=pos("intermediate_size"), rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6),
+        q_lora_rank=q_lora, kv_lora_rank=r, qk_nope_head_dim=dn, qk_rope_head_dim=dr, v_head_dim=dv,
+        rope_theta=float(d.get("rope_theta") or 10000.0), attn_scale=scale, rope_scaling=scaling,
+        max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
+        attention_bias=bool(d.get("attention_bias", False)), bos_token_id=bos, eos_token_ids=eos,
+        **(moe or {"moe_layers": (False,) * layers}),
+    )
+
+
+@attrs.frozen
+class MLA:
+    q_a: Linear | None  # None: one q_proj (q_b holds it)
+    q_a_norm: mx.array | None
+    q_b: Linear  # -> heads * (dn + dr)
+    kv_a: Linear  # -> r + dr
+    kv_a_norm: mx.array
+    w_uk: mx.array  # [H, dn, r]: q_nope -> the latent space
+    w_uv: mx.array  # [H, r, dv]: the latent output -> each head's values
+    o: Linear
+
+
+@attrs.frozen
+class RoutedExperts:
+    router: mx.array  # [E, H]
+    correction_bias: mx.array  # [E]
+    gate_up: Linear
+    down: Linear
+    shared_gate_up: Linear | None = None
+    shared_down: Linear | None = None
+
+
+@attrs.frozen
+class DeepseekLayer:
+    attn_norm: mx.array
+    attn: MLA
+    mlp_norm: mx.array
+    experts: RoutedExperts | None = None
+    gate_up: Linear | None = None  # dense layers
+    down: Linear | None = None
+
+
+@attrs.frozen
+class DeepseekParams:
+    __fx_memo_flatten__ = True
+    embed: Linear
+    layers: tuple[DeepseekLayer, ...]
+    norm: mx.array
+    lm_head: Linear
+    rope_freqs: mx.array | None
+    config: DeepseekConfig = static_field()
+    numerics: Numerics = static_field(factory=Numerics)
+    dtype: str = static_field(default="float32")
+
+
+def cache_specs(cfg: DeepseekConfig) -> tuple[LayerSpec, ...]:
+    """One latent entry per layer: keys the latent (r), values the shared RoPE key (dr)."""
+    return tuple(LayerSpec(1, cfg.kv_lora_rank, value_dim=cfg.qk_rope_head_dim)
+                 for _ in range(cfg.num_layers))
+
+
+def per_head(x: mx.array, w: mx.array, num: Numerics) -> mx.array:
+    """x [N, H, a] @ w [H, a, b] -> [N, H, b], one matmul per head. In batch-invariant mode
+    every matmul has M = numerics.tile rows (padded), so a row's result never depends on
+    how many rows the step has."""
+    n = x.shape[0]
+    xh = x.transpose(1, 0, 2)  # [H, N, a]
+    if not num.batch_invariant:
+        return (xh @ w).transpose(1, 0, 2)
+    pad = (-n) % num.tile
+    if pad:
+        xh = mx.pad(xh, [(0, 0), (0, pad), (0, 0)])
+    h, m, a = xh.shape
+    y = xh.reshape(h, m // num.tile, num.tile, a) @ w[:, None]
+    return y.reshape(h, m, -1)[:, :n].transpose(1, 0, 2)
+
+
+def _attention(p: DeepseekParams, at: MLA, x: mx.array, entry: Any, spec: LayerSpec,
+               rope: tuple, geo: StepGeometry) -> tuple[mx.array, Any]:
+    cfg, num = p.config, p.numerics
+    b, t = geo.positions.shape
+    hq, dn, dr, eps = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, 1e-6
+    qa = x if at.q_a is None else rms_norm(linear(x, at.q_a, num), at.q_a_norm, eps, num)
+    q = linear(qa, at.q_b, num).reshape(b * t, hq, dn + dr)
+    ckv = linear(x, at.kv_a, num)  # [N, r + dr]
+    r = cfg.kv_lora_rank
+    latent = rms_norm(ckv[:, :r], at.kv_a_norm, eps, num)
+    k_pe = apply_rope(ckv[:, r:].reshape(b, t, 1, dr), *rope, None, True)  # interleaved pairs
+    q_pe = apply_rope(q[:, :, dn:].reshape(b, t, hq, dr), *rope, None, True)
+    entry = write_entry(entry, spec, latent.reshape(b, t, 1, r).transpose(0, 2, 1, 3),
+                        k_pe.transpose(0, 2, 1, 3), geo, num)
+    q_lat = per_head(q[:, :, :dn], at.w_uk, num).reshape(b, t, hq, r)
+    o = attend_latent(entry, spec, q_lat, q_pe, geo, cfg.attn_scale, num)  # [B, T, H * r]
+    o = per_head(o.reshape(b * t, hq, r), at.w_uv, num).reshape(b * t, hq * cfg.v_head_dim)
+    return linear(o, at.o, num), entry
+
+
+def route(cfg: DeepseekConfig, ex: RoutedExperts, x: mx.array, num: Numerics) -> tuple[mx.array, mx.array]:
+    """Top-k experts by sigmoid score + correction bias within the best topk_group groups
+    (mlx-lm's group_expert_select); weights: the sigmoid scores, renormalized, scaled."""
+    scores = mx.sigmoid((x @ ex.router.T).astype(mx.float32))  # [N, E]
+    chosen = scores + ex.correction_bias
+    if cfg.n_group > 1:
+        grouped = mx.unflatten(chosen, axis=-1, shape=(cfg.n_group, -1))
+        best = mx.topk(grouped, 2, axis=-1).sum(axis=-1, keepdims=True)  # [N, G, 1]
+        drop = cfg.n_group - cfg.topk_group
+        if drop:
+            worst = mx.argpartition(best, kth=drop - 1, axis=-2)[..., :drop, :]
+            grouped = mx.put_along_axis(grouped, worst, mx.array(0.0), axis=-2)
+        chosen = mx.flatten(grouped, -2, -1)
+    k = cfg.top_k
+    idx = mx.argpartition(-chosen, kth=k - 1, axis=-1)[..., :k]
+    w = mx.take_along_axis(scores, idx, axis=-1)
+    if k > 1 and cfg.norm_topk_prob:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return idx, w * cfg.routed_scaling_factor
+
+
+def _mlp(cfg: DeepseekConfig, lp: DeepseekLayer, x: mx.array, num: Numerics) -> mx.array:
+    if lp.experts is None:
+        return linear(swiglu_fused(linear(x, lp.gate_up, num), num), lp.down, num)
+    ex = lp.experts
+    idx, w = route(cfg, ex, x, num)
+    y = routed_glu(x, ex.gate_up, ex.down, idx, lambda gu: swiglu_fused(gu, num), num)
+    y = (y * w[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
+    if ex.shared_gate_up is not None:
+        y = y + linear(swiglu_fused(linear(x, ex.shared_gate_up, num), num), ex.shared_down, num)
+    return y
+
+
+def forward(
+    p: DeepseekParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
+    span: int | None = None,
+) -> tuple[Float[mx.array, "B T H"], KVCache]:
+    """Same contract as `fx_engine.core.models.llama.forward`."""
+    cfg, num = p.config, p.numerics
+    b, t = tokens.shape
+    dt = getattr(mx, p.dtype)
+    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
+    h = embed(tokens.reshape(-1), p.embed).astype(dt)
+    scale = 1.0
+    sd = dict(cfg.rope_scaling or ())
+    if (sd.get("type") or sd.get("rope_type")) == "linear":
+        scale = 1.0 / float(sd["factor"])
+    cos, sin, perm = rope_tables(geo.positions, cfg.qk_rope_head_dim, base=cfg.rope_theta, scale=scale,
+                                 freqs=p.rope_freqs, traditional=True)
+    m = scaled_rope_mscale(sd, cfg.max_position_embeddings)
+    rope = (cos.astype(dt) * m, sin.astype(dt) * m, perm.astype(dt))
+    entries = []
+    for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
+        a, entry = _attention(p, lp.attn, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, rope, geo)
+        h = h + a
+        h = h + _mlp(cfg, lp, rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num), num)
+        entries.append(entry)
+    h = rms_norm(h, p.norm, cfg.rms_norm_eps, num).reshape(b, t, -1)
+    return h, advanced(cache, entries, geo)
+
+
+def hidden_to_logits(p: DeepseekParams, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
+    return linear(h, p.lm_head, p.numerics).astype(mx.float32)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _head_maps(cfg: DeepseekConfig, src: TensorSource, pre: str, opts: LoadOptions) -> tuple[mx.array, mx.array]:
+    """W_UK [H, dn, r] and W_UV [H, r, dv] (float), from Hugging Face's kv_b_proj
+    [H * (dn + dv), r] or mlx-lm's embed_q [H, r, dn] / unembed_out [H, dv, r]."""
+    h, dn, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    dt = opts.dtype
+    if src.has(pre + "kv_b_proj.weight"):
+        kv_b = dequantized(read_linear(src, pre + "kv_b_proj", h * (dn + dv), r,
+                                       opts.quant_for(pre + "kv_b_proj"), False, opts.where), dt).weight
+        kv_b = kv_b.reshape(h, dn + dv, r)
+        return mx.contiguous(kv_b[:, :dn, :]), mx.contiguous(kv_b[:, dn:, :].swapaxes(-1, -2))
+
+    def multi(name: str, out_f: int, in_f: int) -> mx.array:
+        w = src.get(name + ".weight", None, opts.where)
+        if src.has(name + ".scales"):
+            sc = src.get(name + ".scales", None, opts.where)
+            q = opts.quant_for(name) or {}
+            gs = int(q.get("group_size", in_f // sc.shape[-1]))
+            bits = int(q.get("bits", w.shape[-1] * 32 // in_f))
+            w = mx.dequantize(w, sc, src.get(name + ".biases", tuple(sc.shape), opts.where),
+                              group_size=gs, bits=bits)
+        if tuple(w.shape) != (h, out_f, in_f):
+            raise WeightsError(f"{src.origin[name + '.weight']}: '{name}.weight' has shape "
+                               f"{tuple(w.shape)}, expected {(h, out_f, in_f)}")
+        return w.astype(dt)
+
+    w_uk = multi(pre + "embed_q", r, dn).swapaxes(-1, -2)  # [H, dn, r]
+    w_uv = multi(pre + "unembed_out", dv, r).swapaxes(-1, -2)  # [H, r, dv]
+    return mx.contiguous(w_uk), mx.contiguous(w_uv)
+
+
+def assemble(cfg: DeepseekConfig, src: TensorSource, opts: LoadOptions) -> DeepseekParams:
+    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    h, hq, dn, dr, dv, r = (cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                            cfg.v_head_dim, cfg.kv_lora_rank)
+    bias = cfg.attention_bias
+
+    def lin(name: str, out_f: int, in_f: int, b: bool = False) -> Linear:
+        return finish(read_linear(src, name, out_f, in_f, opts.quant_for(name), b, where), dtype, keep)
+
+    def vec(name: str, n: int) -> mx.array:
+        return src.get(name, (n,), where).astype(dtype)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        a = pre + "self_attn."
+        w_uk, w_uv = _head_maps(cfg, src, a, opts)
+        q_lora = cfg.q_lora_rank
+        attn = MLA(
+            q_a=lin(a + "q_a_proj", q_lora, h, bias) if q_lora else None,
+            q_a_norm=vec(a + "q_a_layernorm.weight", q_lora) if q_lora else None,
+            q_b=lin(a + ("q_b_proj" if q_lora else "q_proj"), hq * (dn + dr), q_lora or h),
+            kv_a=lin(a + "kv_a_proj_with_mqa", r + dr, h, bias), kv_a_norm=vec(a + "kv_a_layernorm.weight", r),
+            w_uk=w_uk, w_uv=w_uv, o=lin(a + "o_proj", h, hq * dv, bias),
+        )
+        m = pre + "mlp."
+        mlp: dict[str, Any] = {}
+        if cfg.moe_layers[i]:
+            e, f = cfg.num_experts, cfg.moe_intermediate_size
+            gate, up, down = (read_experts(src, m + "switch_mlp." + n, m + "experts.{e}." + n, e, o, k,
+                                           opts.quant_for, where)
+                              for n, (o, k) in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))))
+            shared = {}
+            if cfg.num_shared_experts:
+                s = cfg.num_shared_experts * f
+                parts = [read_linear(src, m + "shared_experts." + n, s, h, opts.quant_for(m + "shared_experts." + n),
+                                     False, where) for n in ("gate_proj", "up_proj")]
+                shared = dict(shared_gate_up=fuse(parts, dtype, keep), shared_down=lin(m + "shared_experts.down_proj", h, s))
+            mlp["experts"] = RoutedExperts(
+                router=src.get(m + "gate.weight", (e, h), where).astype(dtype),
+                correction_bias=src.get(m + "gate.e_score_correction_bias", (e,), where).astype(mx.float32),
+                gate_up=fuse_experts(gate, up, dtype, keep), down=finish_experts(down, dtype, keep), **shared)
+        else:
+            ff = cfg.intermediate_size
+            parts = [read_linear(src, m + n, ff, h, opts.quant_for(m + n), False, where) for n in ("gate_proj", "up_proj")]
+            mlp = dict(gate_up=fuse(parts, dtype, keep), down=lin(m + "down_proj", h, ff))
+        layers.append(DeepseekLayer(attn_norm=vec(pre + "input_layernorm.weight", h), attn=attn,
+                                    mlp_norm=vec(pre + "post_attention_layernorm.weight", h), **mlp))
+    embed_t = finish(read_linear(src, "model.embed_tokens", cfg.vocab_size, h, opts.quant_for("model.embed_tokens"),
+                                 False, where), dtype, keep, table=True, lookup_only=True)
+    return DeepseekParams(
+        embed=embed_t, layers=tuple(layers), norm=vec("model.norm.weight", h),
+        lm_head=lin("lm_head", cfg.vocab_size, h),
+        rope_freqs=scaled_rope_freqs(dict(cfg.rope_scaling or ()), dr, cfg.rope_theta),
+        config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
+
+
+def checkpoint_layout(cfg: DeepseekConfig) -> dict[str, TensorSpec]:
+    """Hugging Face's tensors (kv_b_proj, one tensor per expert)."""
+    h, hq, dn, dr, dv, r = (cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                            cfg.v_head_dim, cfg.kv_lora_rank)
+    out = {"model.embed_tokens.weight": TensorSpec((cfg.vocab_size, h), scale=0.5)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        if cfg.q_lora_rank:
+            out[a + "q_a_proj.weight"] = TensorSpec((cfg.q_lora_rank, h))
+            out[a + "q_a_layernorm.weight"] = TensorSpec((cfg.q_lora_rank,), center=1.0)
+            out[a + "q_b_proj.weight"] = TensorSpec((hq * (dn + dr), cfg.q_lora_rank), scale=0.15)
+        else:
+            out[a + "q_proj.weight"] = TensorSpec((hq * (dn + dr), h))
+        out[a + "kv_a_proj_with_mqa.weight"] = TensorSpec((r + dr, h))
+        out[a + "kv_a_layernorm.weight"] = TensorSpec((r,), center=1.0)
+        out[a + "kv_b_proj.weight"] = TensorSpec((hq * (dn + dv), r), scale=0.15)
+        out[a + "o_proj.weight"] = TensorSpec((h, hq * dv))
+        if cfg.attention_bias:
+            for n, rows in (("q_a_proj", cfg.q_lora_rank), ("kv_a_proj_with_mqa", r + dr), ("o_proj", h)):
+                if rows:
+                    out[a + n + ".bias"] = TensorSpec((rows,), scale=0.05)
+        if cfg.moe_layers[i]:
+            e, f = cfg.num_experts, cfg.moe_intermediate_size
+            out[m + "gate.weight"] = TensorSpec((e, h), scale=0.3)
+            out[m + "gate.e_score_correction_bias"] = TensorSpec((e,), scale=0.1)
+            for j in range(e):
+                for n, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
+                    out[f"{m}experts.{j}.{n}.weight"] = TensorSpec(shape)
+            if cfg.num_shared_experts:
+                s = cfg.num_shared_experts * f
+                for n, shape in (("gate_proj", (s, h)), ("up_proj", (s, h)), ("down_proj", (h, s))):
+                    out[m + "shared_experts." + n + ".weight"] = TensorSpec(shape)
+        else:
+            ff = cfg.intermediate_size
+            for n, shape in (("gate_proj", (ff, h)), ("up_proj", (ff, h)), ("down_proj", (h, ff))):
+                out[m + n + ".weight"] = TensorSpec(shape)
+        out[p + "input_layernorm.weight"] = TensorSpec((h,), center=1.0)
+        out[p + "post_attention_layernorm.weight"] = TensorSpec((h,), center=1.0)
+    out["model.norm.weight"] = TensorSpec((h,), center=1.0)
+    out["lm_head.weight"] = TensorSpec((cfg.vocab_size, h), scale=0.2)
+    return out
+
+
+def first_layers(p: DeepseekParams, n: int) -> DeepseekParams:
+    small = attrs.evolve(p.config, num_layers=n, moe_layers=p.config.moe_layers[:n])
+    return attrs.evolve(p, layers=p.layers[:n], config=small)
+
+
+def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    return {"model_type": model_type, "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
+            "num_hidden_layers": 3, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "n_shared_experts": 1,
+            "moe_intermediate_size": 32, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+            "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 1,
+            "moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+            "rms_norm_eps": 1e-6, "vocab_size": 384, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+            **overrides}
+
+
+FAMILY = Family(
+    name="deepseek", model_types=("deepseek_v3", "kimi_k2"), config_type=DeepseekConfig,
+    params_type=DeepseekParams, config_from_hf=config_from_hf, assemble=assemble,
+    cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
+    checkpoint_layout=checkpoint_layout, first_layers=first_layers, tiny_config=tiny_config,
+)
