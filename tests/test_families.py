@@ -1,5 +1,5 @@
-"""Dense families added as one module each over the Llama family's blocks: OLMo 2 / OLMo 3
-(post-norms, whole-projection q/k norms; OLMo 3's sliding layers). Parity with mlx-lm's own
+"""Families added as one module each over the Llama family's blocks: the post-norm decoders
+(OLMo 2 / 3, EXAONE 4, GLM-4), GPT-OSS, DeepSeek-V3 / Kimi K2 (MLA). Parity with mlx-lm's own
 classes on tiny random models, greedy generation against mlx-lm's generate_step, the engine
 on them; and the registry's answer to a model_type it does not know."""
 
@@ -25,6 +25,12 @@ CASES = [
     ("olmo3", {}),  # 3 sliding layers (window 16 < the 96-token sequence), then a global one
     ("olmo3", {"layer_types": ["sliding_attention", "full_attention"] * 2, "num_key_value_heads": 1,
                "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    ("exaone4", {}),  # LLLG: sliding local layers with RoPE, a NoPE global layer
+    ("exaone4", {"sliding_window_pattern": None, "num_hidden_layers": 2, "tie_word_embeddings": False,
+                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    ("glm4", {}),  # sandwich norms, q/k/v biases, fused gate_up, half the head rotated, interleaved
+    ("glm4", {"partial_rotary_factor": 1.0, "attention_bias": False, "num_key_value_heads": 1}),
 ]
 
 
@@ -46,7 +52,7 @@ def test_teacher_forced_logits_match_mlx_lm(tmp_path, model_type, overrides):
         _compare(fx_engine.logits(model, ids, chunk=chunk), want)
 
 
-@pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3", "exaone4", "glm4"])
 def test_greedy_generation_matches_mlx_lm_generate_step(tmp_path, model_type):
     """mlx-lm's generate_step with its rotating caches for sliding layers, same prefill step."""
     from mlx_lm.generate import generate_step
@@ -65,12 +71,14 @@ def test_greedy_generation_matches_mlx_lm_generate_step(tmp_path, model_type):
     assert list(got.token_ids) == want and len(want) >= 8
 
 
-def test_olmo3_in_the_engine(tmp_path):
+@pytest.mark.parametrize("model_type", ["olmo3", "exaone4"])
+def test_sliding_postnorm_models_in_the_engine(tmp_path, model_type):
     """Batch-invariant rows joining at different steps equal each request alone (rings in
-    the sliding layers); self-draft speculation (the family's first_layers) stays exact."""
+    the sliding layers; EXAONE 4's NoPE global layer); self-draft speculation (the
+    family's first_layers) stays exact."""
     from fx_engine.engine.drafters import self_draft_model
 
-    path = write_tiny_model(tmp_path / "m", "olmo3")
+    path = write_tiny_model(tmp_path / "m", model_type)
     model = fx_engine.load(path, batch_invariant=True)
     ids = model.tokenizer.encode(LONG_TEXT)
     prompts = [ids[:n] for n in (5, 40, 23)]
@@ -89,12 +97,16 @@ def test_olmo3_in_the_engine(tmp_path):
         assert [h.result().token_ids for h in draft] == refs
 
 
-def test_olmo_config_refusals():
+def test_postnorm_config_refusals():
     cases = [
         ("olmo3", {"layer_types": ["sliding_attention"] * 3}, "layer_types"),
         ("olmo3", {"sliding_window": None}, "sliding_window"),
         ("olmo2", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
         ("olmo2", {"rope_scaling": {"type": "su", "factor": 2.0}}, "rope_scaling"),
+        ("exaone4", {"sliding_window_pattern": "LLXG"}, "sliding_window_pattern"),
+        ("exaone4", {"sliding_window_pattern": "LLL"}, "sliding_window_pattern"),
+        ("glm4", {"partial_rotary_factor": 0.1875}, "partial_rotary_factor"),  # 3 dims: odd
+        ("glm4", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
     ]
     for mt, overrides, message in cases:
         with pytest.raises(ConfigError, match=message):

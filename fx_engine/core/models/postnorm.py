@@ -1,0 +1,280 @@
+"""Post-norm decoders: OLMo 2 (`olmo2`), OLMo 3 (`olmo3`), EXAONE 4 (`exaone4`) and GLM-4
+(`glm4`), following mlx-lm 0.32's olmo2.py / olmo3.py / exaone4.py / glm4.py (the parity
+oracle).
+
+The attention is the Llama family's (`llama.self_attention`); what these share is the
+block: each sublayer's output is normalized before it joins the residual stream,
+h = h + norm(attn(h)), h = h + norm(mlp(h)). Per model type:
+- olmo2 / olmo3: no norm on a sublayer's input; RMSNorms on q and k over the whole
+  projections; OLMo 3 adds sliding-window layers (`layer_types`, by default three sliding
+  then one global), which rotate with the plain RoPE while global layers use the
+  configured scaling (YaRN in the long-context models).
+- exaone4: per-head q/k norms; with a `sliding_window_pattern` ("LLLG"), local layers are
+  sliding-window layers with RoPE and global layers have no positional encoding (NoPE).
+- glm4: "sandwich" norms (on each sublayer's input too), q/k/v biases, the fused
+  gate_up_proj, RoPE on the first partial_rotary_factor of each head with interleaved
+  pairs.
+Sliding layers are ring cache entries, as for Gemma.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from jaxtyping import Float, Int
+
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced
+from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear
+from fx_engine.core.config import ConfigError, positive_int
+from fx_engine.core.models import llama
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.llama import LlamaConfig
+from fx_engine.core.nn import Linear, embed, linear, rms_norm, rope_tables, swiglu_fused
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@attrs.frozen
+class PostNormConfig(LlamaConfig):
+    layer_types: tuple[str, ...] = ()  # SLIDING | FULL per layer
+    sliding_window: int = 0
+    # per layer: "scaled" (the configured RoPE), "plain" (unscaled), "none" (NoPE)
+    layer_rope: tuple[str, ...] = ()
+    pre_norms: bool = False  # GLM-4: the sublayers' inputs are normalized too
+    rope_dims: int = 0  # rotated dims per head (0: all; GLM-4: partial)
+
+
+def _types(d: dict[str, Any], layers: int, default: list[str], source: str) -> list[str]:
+    types = d.get("layer_types") or default
+    if (not isinstance(types, list) or len(types) != layers
+            or any(t not in (SLIDING, FULL) for t in types)):
+        raise ConfigError(f"{source}: layer_types must list {layers} entries of "
+                          f"'{SLIDING}' or '{FULL}'")
+    return types
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> PostNormConfig:
+    mt = d["model_type"]
+    layers = positive_int(d.get("num_hidden_layers"), "num_hidden_layers", source)
+    extra: dict[str, Any] = {}
+    if mt == "olmo3":
+        types = _types(d, layers, [FULL if (i + 1) % 4 == 0 else SLIDING for i in range(layers)], source)
+        rope = ["plain" if t == SLIDING else "scaled" for t in types]
+    elif mt == "exaone4":
+        pattern = d.get("sliding_window_pattern")
+        if isinstance(pattern, int) and not isinstance(pattern, bool):  # Hugging Face: every n-th global
+            pattern = "L" * (pattern - 1) + "G" if pattern > 1 else None
+        if pattern is not None and (not isinstance(pattern, str) or not pattern or set(pattern) - {"L", "G"}
+                                    or "G" not in pattern):
+            raise ConfigError(f"{source}: field 'sliding_window_pattern' must be a string of L and G "
+                              f"(with a G) or a layer count, got {pattern!r}")
+        if pattern and d.get("layer_types") is None:
+            types = [SLIDING if pattern[i % len(pattern)] == "L" else FULL for i in range(layers)]
+        else:
+            types = _types(d, layers, [FULL] * layers, source)
+        hybrid = SLIDING in types
+        # mlx-lm's exaone4: with local layers, global ones have no RoPE (NoPE)
+        rope = ["scaled" if t == SLIDING or not hybrid else "none" for t in types]
+    else:  # olmo2, glm4: every layer global with the configured RoPE
+        types = _types(d, layers, [FULL] * layers, source)
+        if SLIDING in types:
+            raise ConfigError(f"{source}: layer_types other than {FULL} are not supported for {mt}")
+        rope = ["scaled"] * layers
+    window = positive_int(d.get("sliding_window"), "sliding_window", source) if SLIDING in types else 0
+    base_d = {k: v for k, v in d.items() if k not in ("layer_types", "sliding_window", "partial_rotary_factor")}
+    if mt == "glm4":
+        base_d.update(rope_traditional=d.get("rope_traditional", True), attention_bias=False)
+        frac = float(d.get("partial_rotary_factor", 0.5))
+        hd = int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"])
+        if not 0 < frac <= 1 or int(hd * frac) % 2:
+            raise ConfigError(f"{source}: field 'partial_rotary_factor' = {frac} must give an even "
+                              f"number of rotated dims in (0, head_dim = {hd}]")
+        if d.get("rope_scaling"):
+            raise ConfigError(f"{source}: field 'rope_scaling' is not supported for glm4 (mlx-lm ignores it)")
+        extra = dict(pre_norms=True, rope_dims=int(hd * frac), qkv_bias=bool(d.get("attention_bias", False)))
+    base = llama.config_from_hf({**base_d, "model_type": "llama"}, source)
+    return PostNormConfig(**{**attrs.asdict(base, recurse=False), "model_type": mt,
+                             "qk_norm": mt != "glm4", **extra},
+                          layer_types=tuple(types), sliding_window=window, layer_rope=tuple(rope))
+
+
+@attrs.frozen
+class PostNormLayer:
+    qkv: Linear
+    o: Linear
+    post_attn_norm: mx.array
+    gate_up: Linear
+    down: Linear
+    post_ff_norm: mx.array
+    q_norm: mx.array | None = None  # per head (exaone4) or over the projection (olmo)
+    k_norm: mx.array | None = None
+    attn_norm: mx.array | None = None  # glm4's input norms
+    mlp_norm: mx.array | None = None
+
+
+@attrs.frozen
+class PostNormParams(llama.Params):
+    """The Llama family's params pytree with PostNormLayers under a PostNormConfig."""
+
+
+def cache_specs(cfg: PostNormConfig) -> tuple[LayerSpec, ...]:
+    return tuple(LayerSpec(cfg.num_kv_heads, cfg.head_dim, window=cfg.sliding_window if t == SLIDING else None)
+                 for t in cfg.layer_types)
+
+
+def _ropes(p: PostNormParams, positions: mx.array) -> dict[str, Any]:
+    cfg = p.config
+    out: dict[str, Any] = {"none": None}
+    if cfg.rope_dims:  # partial rotary (glm4): tables over the rotated dims only
+        cos, sin, perm = rope_tables(positions, cfg.rope_dims, base=cfg.rope_theta, scale=1.0, freqs=None,
+                                     traditional=cfg.rope_traditional)
+        dt = getattr(mx, p.dtype)
+        out["scaled"] = out["plain"] = (cos.astype(dt), sin.astype(dt), perm.astype(dt))
+        return out
+    out["scaled"] = llama._rope(p, positions)
+    out["plain"] = out["scaled"] if cfg.rope_scaling is None else llama._rope(
+        attrs.evolve(p, config=attrs.evolve(cfg, rope_scaling=None), rope_freqs=None), positions)
+    return out
+
+
+def forward(
+    p: PostNormParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
+    span: int | None = None,
+) -> tuple[Float[mx.array, "B T H"], KVCache]:
+    """Same contract as `fx_engine.core.models.llama.forward`."""
+    cfg, num = p.config, p.numerics
+    b, t = tokens.shape
+    eps = cfg.rms_norm_eps
+    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
+    h = embed(tokens.reshape(-1), p.embed).astype(getattr(mx, p.dtype))
+    ropes = _ropes(p, geo.positions)
+
+    def pre(x: mx.array, w: mx.array | None) -> mx.array:
+        return x if w is None else rms_norm(x, w, eps, num)
+
+    entries = []
+    for lp, entry, spec, kind in zip(p.layers, cache.layers, cache.layout, cfg.layer_rope):
+        a, entry = llama.self_attention(p, lp, pre(h, lp.attn_norm), entry, spec, ropes[kind], geo)
+        h = h + rms_norm(a, lp.post_attn_norm, eps, num)
+        r = linear(swiglu_fused(linear(pre(h, lp.mlp_norm), lp.gate_up, num), num), lp.down, num)
+        h = h + rms_norm(r, lp.post_ff_norm, eps, num)
+        entries.append(entry)
+    h = rms_norm(h, p.norm, eps, num).reshape(b, t, -1)
+    return h, advanced(cache, entries, geo)
+
+
+hidden_to_logits = llama.hidden_to_logits
+
+# the norms' names: (pre-attention, post-attention, pre-MLP, post-MLP); None: none
+_NORMS = {
+    "glm4": ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
+}
+_NORMS_DEFAULT = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
+
+
+def assemble(cfg: PostNormConfig, src: TensorSource, opts: LoadOptions) -> PostNormParams:
+    """Params from Hugging Face / mlx-community tensor names."""
+    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    if cfg.tie_word_embeddings is None:
+        cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has("lm_head.weight"))
+    h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    # q/k norms per head (exaone4) or over the whole projections (olmo)
+    qn, kn = (hd, hd) if cfg.model_type == "exaone4" else (hq, hk)
+    pre_attn, post_attn, pre_mlp, post_mlp = _NORMS.get(cfg.model_type, _NORMS_DEFAULT)
+
+    def lin(name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
+        return read_linear(src, name, out_f, in_f, opts.quant_for(name), bias, where)
+
+    def vec(name: str | None, n: int) -> mx.array | None:
+        return None if name is None else src.get(name, (n,), where).astype(dtype)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        a, m, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"model.layers.{i}."
+        if src.has(m + "gate_up_proj.weight"):  # stored fused (glm4)
+            gate_up = finish(lin(m + "gate_up_proj", 2 * ff, h, cfg.mlp_bias), dtype, keep)
+        else:
+            gate_up = fuse([lin(m + "gate_proj", ff, h, cfg.mlp_bias), lin(m + "up_proj", ff, h, cfg.mlp_bias)],
+                           dtype, keep)
+        layers.append(PostNormLayer(
+            qkv=fuse([lin(a + n, rows, h, cfg.qkv_bias) for n, rows in
+                      (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))], dtype, keep),
+            o=finish(lin(a + "o_proj", h, hq, cfg.o_bias), dtype, keep),
+            q_norm=vec(a + "q_norm.weight", qn) if cfg.qk_norm else None,
+            k_norm=vec(a + "k_norm.weight", kn) if cfg.qk_norm else None,
+            attn_norm=vec(pre_attn and p + pre_attn + ".weight", h),
+            post_attn_norm=vec(p + post_attn + ".weight", h),
+            mlp_norm=vec(pre_mlp and p + pre_mlp + ".weight", h),
+            gate_up=gate_up, down=finish(lin(m + "down_proj", h, ff, cfg.mlp_bias), dtype, keep),
+            post_ff_norm=vec(p + post_mlp + ".weight", h),
+        ))
+    embed_t = finish(lin("model.embed_tokens", cfg.vocab_size, h), dtype, keep, table=True,
+                     lookup_only=not cfg.tie_word_embeddings)
+    head = None if cfg.tie_word_embeddings else finish(lin("lm_head", cfg.vocab_size, h), dtype, keep)
+    return PostNormParams(embed=embed_t, layers=tuple(layers), norm=vec("model.norm.weight", h), lm_head=head,
+                          rope_freqs=llama.rope_freqs(cfg), config=cfg, numerics=opts.numerics,
+                          dtype=opts.dtype_name)
+
+
+def checkpoint_layout(cfg: PostNormConfig) -> dict[str, TensorSpec]:
+    """Llama's tensors under this model type's norm names (and q/k norm shapes)."""
+    glm = cfg.model_type == "glm4"
+    pre_attn, post_attn, pre_mlp, post_mlp = _NORMS.get(cfg.model_type, _NORMS_DEFAULT)
+    out = {}
+    base = llama.checkpoint_layout(attrs.evolve(cfg, qk_norm=False, o_bias=False), fused=False)
+    for name, spec in base.items():
+        if glm and (".mlp.gate_proj." in name or ".mlp.up_proj." in name):
+            if ".gate_proj.weight" in name:  # stored fused
+                out[name.replace("gate_proj", "gate_up_proj")] = TensorSpec((2 * spec.shape[0], spec.shape[1]))
+            continue
+        if name.endswith("input_layernorm.weight") or name.endswith("post_attention_layernorm.weight"):
+            continue
+        out[name] = spec
+    h, hd = cfg.hidden_size, cfg.head_dim
+    for i in range(cfg.num_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        for n in (pre_attn, post_attn, pre_mlp, post_mlp):
+            if n:
+                out[p + n + ".weight"] = TensorSpec((h,), center=1.0)
+        if cfg.qk_norm:
+            per_head = cfg.model_type == "exaone4"
+            out[a + "q_norm.weight"] = TensorSpec((hd if per_head else cfg.num_heads * hd,), center=1.0)
+            out[a + "k_norm.weight"] = TensorSpec((hd if per_head else cfg.num_kv_heads * hd,), center=1.0)
+    return out
+
+
+def first_layers(p: PostNormParams, n: int) -> PostNormParams:
+    """The params of the first n layers (self-speculative drafts), their layer kinds too."""
+    c = p.config
+    small = attrs.evolve(c, num_layers=n, layer_types=c.layer_types[:n], layer_rope=c.layer_rope[:n])
+    return attrs.evolve(p, layers=p.layers[:n], config=small)
+
+
+_TINY = {
+    "olmo2": {"architectures": ["Olmo2ForCausalLM"]},
+    "olmo3": {"architectures": ["Olmo3ForCausalLM"], "sliding_window": 16, "num_hidden_layers": 4},
+    "exaone4": {"architectures": ["Exaone4ForCausalLM"], "sliding_window": 16, "num_hidden_layers": 4,
+                "sliding_window_pattern": "LLLG", "head_dim": 16, "rope_scaling": None,
+                "tie_word_embeddings": True},
+    "glm4": {"architectures": ["Glm4ForCausalLM"], "head_dim": 16, "partial_rotary_factor": 0.5,
+             "attention_bias": True},
+}
+
+
+def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    return {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6, "vocab_size": 384, "rope_theta": 10000.0,
+            "max_position_embeddings": 2048, "tie_word_embeddings": False, "bos_token_id": 1,
+            "eos_token_id": 2, "attention_bias": False, **_TINY[model_type], **overrides}
+
+
+FAMILY = Family(
+    name="postnorm", model_types=("olmo2", "olmo3", "exaone4", "glm4"), config_type=PostNormConfig,
+    params_type=PostNormParams, config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
+    forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
+    first_layers=first_layers, tiny_config=tiny_config,
+)
