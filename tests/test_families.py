@@ -320,3 +320,53 @@ def test_deepseek_mlx_community_folder_and_engine(tmp_path):
         assert [h.result().token_ids for h in draft] == refs
         again = eng.submit(prompts[1], max_tokens=20).result()
         assert again.token_ids == refs[1] and again.usage.cached_tokens >= 16
+
+
+# ------------------------------------------------------------------ Llama-family windows, mistral3
+
+
+def test_mistral_sliding_window_as_hugging_face_runs_it(tmp_path):
+    """Mistral's sliding_window applies to every layer (Hugging Face); mlx-lm attends over
+    everything, so the two agree while the sequence fits in the window and differ after;
+    batched rows equal each request alone with the ring caches."""
+    path = write_tiny_model(tmp_path / "m", "mistral", sliding_window=16, max_position_embeddings=2048)
+    model = fx_engine.load(path)
+    assert [s.window for s in model.cache_layout(headroom=8)] == [16, 16]
+    ids = model.tokenizer.encode(LONG_TEXT)[:64]
+    ours, ref = fx_engine.logits(model, ids, chunk=8), _mlx_lm(path)(mx.array([ids]))[0]
+    assert mx.allclose(ours[:16], ref[:16], atol=2e-3).item()
+    assert not mx.allclose(ours[16:], ref[16:], atol=1e-2).item()
+    prompts = [ids[:n] for n in (5, 40, 23)]
+    alone = [reference_generate(model, p, max_tokens=16, temperature=0.0, prefill_chunk=8).token_ids
+             for p in prompts]
+    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=8)
+    handles = [engine.submit(p, max_tokens=16, temperature=0.0) for p in prompts]
+    assert [h.result().token_ids for h in handles] == alone
+    engine.close()
+    qwen = config_from_hf({**tiny_config("qwen2"), "use_sliding_window": True, "sliding_window": 32,
+                           "max_window_layers": 1})
+    assert qwen.layer_types == ("full_attention", "sliding_attention") and qwen.sliding_window == 32
+
+
+def test_mistral3_checkpoint_runs_its_text_model(tmp_path):
+    """A multimodal mistral3 checkpoint (text_config of type ministral3, weights under
+    language_model.model.) gives the logits of the same text model stored alone."""
+    import json
+
+    text = write_tiny_model(tmp_path / "t", "ministral3")
+    wrapped = tmp_path / "w"
+    wrapped.mkdir()
+    cfg = json.loads((text / "config.json").read_text())
+    (wrapped / "config.json").write_text(json.dumps({
+        "model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+        "text_config": cfg, "vision_config": {"model_type": "pixtral"}}))
+    w = {("language_model." + k if k.startswith("model.") else "language_model." + k): v
+         for k, v in mx.load(str(text / "model.safetensors")).items()}
+    w["vision_tower.patch_conv.weight"] = mx.zeros((4, 3, 2, 2))
+    mx.save_safetensors(str(wrapped / "model.safetensors"), w)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (wrapped / name).write_bytes((text / name).read_bytes())
+    a, b = fx_engine.load(wrapped), fx_engine.load(text)
+    assert a.config.model_type == "ministral3"
+    ids = b.tokenizer.encode(LONG_TEXT)[:40]
+    assert mx.array_equal(fx_engine.logits(a, ids), fx_engine.logits(b, ids)).item()

@@ -24,9 +24,12 @@ def test_unsupported_rope_scaling_and_sliding_window(tmp_path):
     p = write_tiny_model(tmp_path / "m", "llama", rope_scaling={"type": "ntk-by-parts", "factor": 2.0})
     with pytest.raises(ConfigError, match="rope_scaling type 'ntk-by-parts'"):
         fx_engine.load(p)
-    p2 = write_tiny_model(tmp_path / "m2", "qwen2", use_sliding_window=True, sliding_window=16)
-    with pytest.raises(ConfigError, match="sliding-window"):
+    p2 = write_tiny_model(tmp_path / "m2", "qwen2", layer_types=["full_attention", "chunked_attention"])
+    with pytest.raises(ConfigError, match="layer_types"):
         fx_engine.load(p2)
+    p3 = write_tiny_model(tmp_path / "m3", "llama", layer_types=["sliding_attention"] * 2)
+    with pytest.raises(ConfigError, match="sliding_window"):
+        fx_engine.load(p3)
 
 
 def test_missing_tensor_names_it(tmp_path):

@@ -60,6 +60,13 @@ CASES = [
     # SmolLM3: NoPE layers (every 4th by default; an explicit list too)
     ("smollm3", {}),
     ("smollm3", {"no_rope_layers": [1, 0, 0, 1], "tie_word_embeddings": False}),
+    # sliding-window layers from layer_types (mlx-lm's llama reads them; a ring cache here)
+    ("llama", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16}),
+    # Ministral 3: YaRN from rope_parameters, Llama 4's query temperature (a short original
+    # length so it grows within the sequence), sliding layers
+    ("ministral3", {}),
+    ("ministral3", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 24,
+                    "tie_word_embeddings": False}),
     # Granite: embedding, attention, residual and logits multipliers
     ("granite", {}),
     ("granite", {"tie_word_embeddings": False, "attention_bias": True, "num_key_value_heads": 1}),

@@ -74,10 +74,14 @@ def hf_family(d: dict[str, Any], source: str = "config.json") -> Family:
 def text_config_of(d: dict[str, Any]) -> dict[str, Any]:
     """The text model's config of a multimodal wrapper config, as mlx-lm builds it (the
     top-level vocab_size wins; head counts default as in its wrapper)."""
-    text_type, defaults = _BY_WRAPPER[d["model_type"]].wrappers[d["model_type"]]
+    fam = _BY_WRAPPER[d["model_type"]]
+    text_type, defaults = fam.wrappers[d["model_type"]]
     out = {**{k: v for k, v in defaults.items() if k != "vocab_size"}, **d["text_config"]}
-    out["vocab_size"] = d.get("vocab_size", defaults["vocab_size"])
-    out["model_type"] = text_type
+    out["vocab_size"] = d.get("vocab_size", out.get("vocab_size", defaults["vocab_size"]))
+    # the text model's own type when the wrapper's family runs it (mistral3 wraps ministral3
+    # or mistral), else the wrapper's usual one
+    if out.get("model_type") not in fam.model_types:
+        out["model_type"] = text_type
     for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
         if key not in out and key in d:
             out[key] = d[key]

@@ -35,8 +35,6 @@ ALPHA = 1.702  # the gate's sigmoid slope (GPT-OSS's fixed constant, as mlx-lm)
 
 @attrs.frozen
 class GptOssConfig(LlamaConfig):
-    layer_types: tuple[str, ...] = ()
-    sliding_window: int = 128
     num_experts: int = 1
     top_k: int = 1
     swiglu_limit: float = 7.0
@@ -61,9 +59,9 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GptOssConf
          "hidden_act": "silu"}, source)
     window = positive_int(d.get("sliding_window") or 128, "sliding_window", source)
     return GptOssConfig(**{**attrs.asdict(base, recurse=False), "model_type": "gpt_oss",
-                           "tie_word_embeddings": False},
-                        layer_types=tuple(types), sliding_window=window, num_experts=experts,
-                        top_k=top_k, swiglu_limit=float(limit))
+                           "tie_word_embeddings": False, "layer_types": tuple(types),
+                           "sliding_window": window},
+                        num_experts=experts, top_k=top_k, swiglu_limit=float(limit))
 
 
 @attrs.frozen
@@ -203,11 +201,6 @@ def checkpoint_layout(cfg: GptOssConfig) -> dict[str, TensorSpec]:
     return out
 
 
-def first_layers(p: GptOssParams, n: int) -> GptOssParams:
-    small = attrs.evolve(p.config, num_layers=n, layer_types=p.config.layer_types[:n])
-    return attrs.evolve(p, layers=p.layers[:n], config=small)
-
-
 def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
     return {"model_type": model_type, "architectures": ["GptOssForCausalLM"], "hidden_size": 64,
             "num_hidden_layers": 4, "intermediate_size": 32, "num_attention_heads": 4,
@@ -223,5 +216,5 @@ FAMILY = Family(
     name="gpt_oss", model_types=("gpt_oss",), config_type=GptOssConfig, params_type=GptOssParams,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    first_layers=first_layers, tiny_config=tiny_config,
+    first_layers=llama.first_layers, tiny_config=tiny_config,
 )

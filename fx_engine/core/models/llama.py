@@ -45,6 +45,12 @@ class LlamaConfig(BaseConfig):
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # sliding-window layers ("sliding_attention" per layer; () = all full attention)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    # ministral3: queries times 1 + beta * ln(1 + floor(position / attn_temp_max_pos))
+    attn_temp_beta: float = 0.0
+    attn_temp_max_pos: int = 0
 
     @property
     def rope_type(self) -> str:
@@ -69,14 +75,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
         scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
 
     # Fields that change the computation and that this implementation does not do: refuse.
-    if d.get("use_sliding_window") or (
-        model_type == "mistral" and d.get("sliding_window") not in (None, 0)
-        and d.get("sliding_window", 0) < d.get("max_position_embeddings", 0)
-    ):
-        raise ConfigError(f"{source}: sliding-window attention is not supported yet")
-    layer_types = d.get("layer_types")
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        raise ConfigError(f"{source}: layer_types other than full_attention are not supported")
+    layers = positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source)
+    types, window = _layer_types(d, layers, source)
     if d.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported")
     for key in ("partial_rotary_factor",):
@@ -92,9 +92,17 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
             f"num_key_value_heads ({kv_heads})"
         )
     head_dim = d.get("head_dim") or hidden // heads
-    layers = positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source)
     bos, eos_ids = token_ids(d)
     extra: dict[str, Any] = {}
+    if "sliding_attention" in types:
+        extra.update(layer_types=tuple(types), sliding_window=window)
+    if model_type == "ministral3":  # Llama 4's query temperature over long positions
+        beta = rope_params.get("llama_4_scaling_beta")
+        orig = rope_params.get("original_max_position_embeddings")
+        if not isinstance(beta, (int, float)) or not isinstance(orig, int) or orig <= 0:
+            raise ConfigError(f"{source}: rope_parameters must give llama_4_scaling_beta and "
+                              "original_max_position_embeddings for ministral3")
+        extra.update(attn_temp_beta=float(beta), attn_temp_max_pos=orig)
     if model_type == "smollm3":  # mlx-lm: no_rope_layers[i] == 0 means layer i has no RoPE
         flags = d.get("no_rope_layers")
         if flags is None:
@@ -137,6 +145,30 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
         eos_token_ids=eos_ids,
         **extra,
     )
+
+
+def _layer_types(d: dict[str, Any], layers: int, source: str) -> tuple[list[str], int]:
+    """Each layer's attention kind and the window, as Hugging Face reads them: `layer_types`
+    when given; else Mistral's `sliding_window` on every layer, Qwen's `use_sliding_window`
+    on the layers from `max_window_layers` on. mlx-lm follows only `layer_types` (it runs
+    Mistral and Qwen windows as full attention: the same output while a sequence fits)."""
+    types = d.get("layer_types")
+    window = d.get("sliding_window")
+    mt, max_pos = d["model_type"], d.get("max_position_embeddings") or 0
+    if types is None:
+        types = ["full_attention"] * layers
+        if mt == "mistral" and window and (not max_pos or window < max_pos):
+            types = ["sliding_attention"] * layers
+        elif d.get("use_sliding_window") and window:
+            first = int(d.get("max_window_layers") or 0)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if (not isinstance(types, list) or len(types) != layers
+            or any(t not in ("full_attention", "sliding_attention") for t in types)):
+        raise ConfigError(f"{source}: layer_types must list {layers} entries of 'full_attention' "
+                          "or 'sliding_attention'")
+    if "sliding_attention" in types:
+        return types, positive_int(window, "sliding_window", source)
+    return types, 0
 
 
 def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = None,
@@ -266,6 +298,11 @@ def self_attention(
     if rope is not None:
         qk = _apply_rope(qk, rope, d, num, cfg.rope_traditional)  # q and k together: one pass
     q = qk[:, :, :hq]
+    beta = getattr(cfg, "attn_temp_beta", 0.0)
+    if beta:  # ministral3: a query temperature growing with the position (Llama 4's)
+        pos = geo.positions.astype(mx.float32)
+        temp = 1 + beta * mx.log(1 + mx.floor(pos / cfg.attn_temp_max_pos))
+        q = q * temp[:, :, None, None].astype(q.dtype)
     k = qk[:, :, hq:].transpose(0, 2, 1, 3)
     v = qkv[:, :, hq + hk :].transpose(0, 2, 1, 3)
     # Write first, then attend over the written arrays (so the update can be in place).
@@ -289,8 +326,12 @@ def _layer(
 
 
 def cache_specs(cfg: LlamaConfig) -> tuple[LayerSpec, ...]:
-    """One dense full-attention cache entry per layer."""
-    return dense_layout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    """One cache entry per layer: full attention, or a window (a ring) for sliding layers."""
+    if not cfg.layer_types:
+        return dense_layout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    return tuple(LayerSpec(cfg.num_kv_heads, cfg.head_dim,
+                           window=cfg.sliding_window if t == "sliding_attention" else None)
+                 for t in cfg.layer_types)
 
 
 def forward(
@@ -500,7 +541,8 @@ def checkpoint_layout(cfg: Any, fused: bool = False) -> dict[str, TensorSpec]:
 
 def first_layers(p: Params, n: int) -> Params:
     """The params of the first n layers, the final norm and the head (shared arrays)."""
-    small = attrs.evolve(p.config, num_layers=n)
+    cut = {"layer_types": p.config.layer_types[:n]} if getattr(p.config, "layer_types", ()) else {}
+    small = attrs.evolve(p.config, num_layers=n, **cut)
     return attrs.evolve(p, layers=p.layers[:n], config=small)
 
 
@@ -512,6 +554,13 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
     if model_type == "smollm3":  # every 4th layer without RoPE (SmolLM3-3B's interval)
         cfg.setdefault("no_rope_layer_interval", 4)
         cfg["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
+    if model_type == "ministral3":  # transformers-5 style rope_parameters with YaRN
+        cfg.pop("rope_theta", None)
+        cfg.setdefault("rope_parameters", {
+            "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 24, "llama_4_scaling_beta": 0.1})
+        cfg.setdefault("head_dim", 16)
     if model_type == "granite":  # Granite 3's constants, scaled to the tiny width
         for k, v in (("embedding_multiplier", 12.0), ("attention_multiplier", 0.0625),
                      ("residual_multiplier", 0.22), ("logits_scaling", 8.0),
@@ -527,7 +576,9 @@ _TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_l
          "eos_token_id": 2}
 
 FAMILY = Family(
-    name="llama", model_types=("llama", "mistral", "qwen2", "qwen3", "smollm2", "smollm3", "granite"),
+    name="llama", model_types=("llama", "mistral", "qwen2", "qwen3", "smollm2", "smollm3", "granite",
+                               "ministral3"),
+    wrappers={"mistral3": ("ministral3", {"vocab_size": 131072, "tie_word_embeddings": False})},
     config_type=LlamaConfig, params_type=Params, config_from_hf=config_from_hf,
     assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,

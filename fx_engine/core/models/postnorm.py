@@ -38,8 +38,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 @attrs.frozen
 class PostNormConfig(LlamaConfig):
-    layer_types: tuple[str, ...] = ()  # SLIDING | FULL per layer
-    sliding_window: int = 0
+    # (layer_types: SLIDING | FULL per layer, and sliding_window, are Llama's fields)
     # per layer: "scaled" (the configured RoPE), "plain" (unscaled), "none" (NoPE)
     layer_rope: tuple[str, ...] = ()
     pre_norms: bool = False  # GLM-4: the sublayers' inputs are normalized too
@@ -96,8 +95,9 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> PostNormCo
         extra = dict(pre_norms=True, rope_dims=int(hd * frac), qkv_bias=bool(d.get("attention_bias", False)))
     base = llama.config_from_hf({**base_d, "model_type": "llama"}, source)
     return PostNormConfig(**{**attrs.asdict(base, recurse=False), "model_type": mt,
-                             "qk_norm": mt != "glm4", **extra},
-                          layer_types=tuple(types), sliding_window=window, layer_rope=tuple(rope))
+                             "qk_norm": mt != "glm4", "layer_types": tuple(types),
+                             "sliding_window": window, **extra},
+                          layer_rope=tuple(rope))
 
 
 @attrs.frozen
