@@ -370,3 +370,61 @@ def test_mistral3_checkpoint_runs_its_text_model(tmp_path):
     assert a.config.model_type == "ministral3"
     ids = b.tokenizer.encode(LONG_TEXT)[:40]
     assert mx.array_equal(fx_engine.logits(a, ids), fx_engine.logits(b, ids)).item()
+
+
+# ------------------------------------------------------------------ starcoder2, cohere, cohere2
+
+GPT_STYLE = [
+    ("starcoder2", {}),
+    ("starcoder2", {"tie_word_embeddings": False, "num_key_value_heads": 1}),
+    ("cohere", {}),
+    ("cohere", {"use_qk_norm": True, "num_key_value_heads": 4}),
+    ("cohere", {"layer_norm_bias": True, "attention_bias": True}),
+    ("cohere2", {}),  # 3 sliding layers with RoPE, then a NoPE global one
+    ("cohere2", {"sliding_window_pattern": 2, "logit_scale": 1.0}),
+]
+
+
+@pytest.mark.parametrize("model_type,overrides", GPT_STYLE, ids=lambda x: str(x)[:60])
+def test_layernorm_families_match_mlx_lm(tmp_path, model_type, overrides):
+    """LayerNorm families: StarCoder 2 (GPT-style MLP, biases), Command R (parallel blocks,
+    per-head q/k LayerNorms), Command R7B (sliding layers, NoPE global ones)."""
+    path = write_tiny_model(tmp_path / "m", model_type, **overrides)
+    model = fx_engine.load(path)
+    ids = model.tokenizer.encode(LONG_TEXT)[:96]
+    want = _mlx_lm(path)(mx.array([ids]))[0]
+    for chunk in (8, 40):
+        _compare(fx_engine.logits(model, ids, chunk=chunk), want)
+
+
+def test_cohere2_generation_matches_mlx_lm_generate_step(tmp_path):
+    from mlx_lm.generate import generate_step
+
+    path = write_tiny_model(tmp_path / "m", "cohere2")
+    model = fx_engine.load(path)
+    prompt = model.tokenizer.encode(LONG_TEXT)[:53]
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), _mlx_lm(path), max_tokens=24,
+                                             prefill_step_size=16, sampler=lambda x: mx.argmax(x, axis=-1))]
+    for i, t in enumerate(want):
+        if t in model.eos_ids:
+            want = want[:i]
+            break
+    got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, prefill_chunk=16)
+    assert list(got.token_ids) == want and len(want) >= 8
+
+
+def test_starcoder2_gelu_follows_hidden_act_and_refusals(tmp_path):
+    """hidden_act gelu_pytorch_tanh (the released configs) runs the tanh GELU, as Hugging
+    Face does: close to, not equal to, the exact one mlx-lm always uses."""
+    exact = write_tiny_model(tmp_path / "a", "starcoder2")
+    approx = write_tiny_model(tmp_path / "b", "starcoder2", hidden_act="gelu_pytorch_tanh")
+    ids = list(range(3, 40))
+    a, b = fx_engine.logits(fx_engine.load(exact), ids), fx_engine.logits(fx_engine.load(approx), ids)
+    assert 0 < mx.abs(a - b).max().item() < 0.05
+    cases = [("starcoder2", {"hidden_act": "relu"}, "hidden_act"),
+             ("starcoder2", {"use_bias": False}, "use_bias"),
+             ("cohere", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+             ("cohere2", {"layer_types": ["full_attention"]}, "layer_types")]
+    for mt, overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            config_from_hf({**tiny_config(mt), **overrides}, "config.json")

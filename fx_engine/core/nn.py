@@ -518,6 +518,16 @@ def _blocked_pv(p: mx.array, v: mx.array, block: int) -> mx.array:
     return (pb @ vb).sum(axis=3)  # [B, Hk, N, tile, D]
 
 
+def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps: float) -> mx.array:
+    """LayerNorm over the last axis (mean and variance), with optional scale and shift."""
+    return mx.fast.layer_norm(x, weight, bias, eps)
+
+
+def gelu(x: mx.array) -> mx.array:
+    """GELU, exact (erf) form: x * (1 + erf(x / sqrt(2))) / 2, as mlx's nn.gelu."""
+    return x * (1 + mx.erf(x * 0.7071067811865476)) / 2
+
+
 def gelu_tanh(x: mx.array) -> mx.array:
     """GELU, tanh approximation: 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi)(x +
     0.044715 x^3); the sigmoid from `fast_exp` (MLX's CPU tanh/exp cost ~25 ns/element)."""

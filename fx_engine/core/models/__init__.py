@@ -1,7 +1,7 @@
 """Model families and their registry.
 
 One module per family (llama.py, gemma.py, phi3.py, moe.py, postnorm.py, gpt_oss.py,
-deepseek.py) holds everything about it as pure
+deepseek.py, starcoder2.py, cohere.py) holds everything about it as pure
 functions over frozen pytrees: its config and how it is read from config.json / GGUF
 metadata, how checkpoint tensors become its params, its cache layout, its forward and
 output head, collected in its `FAMILY` record (family.py). This registry maps every
@@ -17,13 +17,13 @@ from typing import Any
 
 from fx_engine.core.cache import LayerSpec, finish_layout
 from fx_engine.core.config import ConfigError
-from fx_engine.core.models import deepseek, gemma, gpt_oss, llama, moe, phi3, postnorm
+from fx_engine.core.models import cohere, deepseek, gemma, gpt_oss, llama, moe, phi3, postnorm, starcoder2
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.gemma import GemmaConfig, GemmaLayer, GemmaParams
 from fx_engine.core.models.llama import LayerParams, LlamaConfig, Params
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, phi3.FAMILY, moe.FAMILY, postnorm.FAMILY, gpt_oss.FAMILY,
-                                 deepseek.FAMILY)
+                                 deepseek.FAMILY, starcoder2.FAMILY, cohere.FAMILY)
 
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 _BY_WRAPPER = {mt: f for f in FAMILIES for mt in f.wrappers}

@@ -336,7 +336,7 @@ def cache_specs(cfg: LlamaConfig) -> tuple[LayerSpec, ...]:
 
 def forward(
     p: Any, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
-    span: int | None = None, rope_fn: Any = None, layer_fn: Any = None,
+    span: int | None = None, rope_fn: Any = None, layer_fn: Any = None, final_norm: Any = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
     """Run T tokens per row from each row's current length; advance lengths by n_valid.
 
@@ -350,7 +350,7 @@ def forward(
     rope_fn(params, positions [B, T]) -> (cos, sin, perm) tables over the rotated dims
     (fewer than head_dim: partial rotary); families that share this decoder pass their own,
     and their own layer_fn(params, layer params, h, entry, spec, rope, geo) -> (h, entry)
-    (mixture-of-experts MLPs).
+    (mixture-of-experts MLPs) and final_norm(h) (LayerNorm families).
     """
     b, t = tokens.shape
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
@@ -365,8 +365,8 @@ def forward(
     for i, (lp, entry, spec) in enumerate(zip(p.layers, cache.layers, cache.layout)):
         h, entry = (layer_fn or _layer)(p, lp, h, entry, spec, None if i in nope else rope, geo)
         entries.append(entry)
-    h = rms_norm(h, p.norm, p.config.rms_norm_eps, p.numerics).reshape(b, t, -1)
-    return h, advanced(cache, entries, geo)
+    h = final_norm(h) if final_norm else rms_norm(h, p.norm, p.config.rms_norm_eps, p.numerics)
+    return h.reshape(b, t, -1), advanced(cache, entries, geo)
 
 
 def _dtype(p: Any) -> mx.Dtype:

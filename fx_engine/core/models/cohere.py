@@ -1,0 +1,239 @@
+"""Command R (`cohere`) and Command R7B / Command A (`cohere2`), following mlx-lm 0.32's
+cohere.py / cohere2.py (the parity oracle).
+
+A parallel block: one LayerNorm (no bias unless `layer_norm_bias`) feeds both the
+attention and the SwiGLU MLP, and both outputs join the residual stream together,
+h = h + attn(n) + mlp(n). RoPE rotates interleaved pairs ("traditional"); the logits are
+the tied embedding's times `logit_scale`. cohere may normalize q and k per head with a
+LayerNorm whose weight is per head ([heads, head_dim]; `use_qk_norm`). cohere2 has
+sliding-window layers (every `sliding_window_pattern`-th layer global) where only the
+sliding layers rotate: global layers have no positional encoding (NoPE).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from jaxtyping import Float, Int
+
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
+from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear
+from fx_engine.core.config import BaseConfig, ConfigError, positive_int, required, token_ids
+from fx_engine.core.models.family import Family
+from fx_engine.core.nn import Linear, Numerics, apply_rope, embed, layer_norm, linear, rope_tables, swiglu_fused
+from fx_engine.core.tree import static_field
+
+
+@attrs.frozen
+class CohereConfig(BaseConfig):
+    rope_theta: float
+    logit_scale: float
+    layer_types: tuple[str, ...]  # "sliding_attention" (with RoPE) | "full_attention"
+    global_rope: bool = True  # cohere: every layer rotates; cohere2: global layers are NoPE
+    sliding_window: int = 0
+    attention_bias: bool = False
+    layer_norm_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 8192
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> CohereConfig:
+    mt = d["model_type"]
+
+    def pos(key: str, default: Any = ...) -> int:
+        return positive_int(required(d, key, source, default), key, source)
+
+    hidden, heads, layers = pos("hidden_size"), pos("num_attention_heads"), pos("num_hidden_layers")
+    kv = pos("num_key_value_heads", heads)
+    head_dim = pos("head_dim", hidden // heads) if mt == "cohere2" else hidden // heads
+    if heads % kv or head_dim * heads != hidden:
+        raise ConfigError(f"{source}: num_attention_heads ({heads}) x head_dim must equal hidden_size "
+                          f"({hidden}) and be a multiple of num_key_value_heads ({kv})")
+    if d.get("rope_scaling"):
+        raise ConfigError(f"{source}: field 'rope_scaling' is not supported for {mt}")
+    types, window = ["full_attention"] * layers, 0
+    if mt == "cohere2":
+        pattern = pos("sliding_window_pattern", 4)
+        types = d.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                         for i in range(layers)]
+        if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+            raise ConfigError(f"{source}: layer_types must list {layers} entries of 'sliding_attention' "
+                              "or 'full_attention'")
+        window = pos("sliding_window", 4096) if "sliding_attention" in types else 0
+    elif d.get("use_qk_norm") and d.get("layer_norm_bias"):
+        raise ConfigError(f"{source}: use_qk_norm with layer_norm_bias is not supported")
+    scale = d.get("logit_scale", 0.0625)
+    if not isinstance(scale, (int, float)):
+        raise ConfigError(f"{source}: field 'logit_scale' must be a number, got {scale!r}")
+    bos, eos = token_ids(d)
+    return CohereConfig(
+        model_type=mt, vocab_size=pos("vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv, head_dim=head_dim, intermediate_size=pos("intermediate_size"),
+        rms_norm_eps=float(d.get("layer_norm_eps") or 1e-5), rope_theta=float(d.get("rope_theta") or 10000.0),
+        logit_scale=float(scale), layer_types=tuple(types), global_rope=mt == "cohere",
+        sliding_window=window, attention_bias=bool(d.get("attention_bias", False)),
+        layer_norm_bias=bool(d.get("layer_norm_bias", False)), qk_norm=bool(d.get("use_qk_norm", False)) and mt == "cohere",
+        max_position_embeddings=int(d.get("max_position_embeddings") or 8192), bos_token_id=bos, eos_token_ids=eos,
+    )
+
+
+@attrs.frozen
+class CohereLayer:
+    norm: tuple[mx.array, mx.array | None]  # LayerNorm weight, bias
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    q_norm: mx.array | None = None  # [heads, head_dim]
+    k_norm: mx.array | None = None  # [kv_heads, head_dim]
+
+
+@attrs.frozen
+class CohereParams:
+    __fx_memo_flatten__ = True
+    embed: Linear
+    layers: tuple[CohereLayer, ...]
+    norm: tuple[mx.array, mx.array | None]
+    config: CohereConfig = static_field()
+    numerics: Numerics = static_field(factory=Numerics)
+    dtype: str = static_field(default="float32")
+
+
+def cache_specs(cfg: CohereConfig) -> tuple[LayerSpec, ...]:
+    return tuple(LayerSpec(cfg.num_kv_heads, cfg.head_dim,
+                           window=cfg.sliding_window if t == "sliding_attention" else None)
+                 for t in cfg.layer_types)
+
+
+def _attention(p: CohereParams, lp: CohereLayer, x: mx.array, entry: Any, spec: LayerSpec, rope: Any,
+               geo: StepGeometry) -> tuple[mx.array, Any]:
+    cfg, num = p.config, p.numerics
+    b, t = geo.positions.shape
+    hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = linear(x, lp.qkv, num).reshape(b, t, hq + 2 * hk, d)
+    q, k, v = qkv[:, :, :hq], qkv[:, :, hq : hq + hk], qkv[:, :, hq + hk :]
+    if lp.q_norm is not None:  # a LayerNorm per head with a per-head weight
+        q = lp.q_norm * layer_norm(q, None, None, cfg.rms_norm_eps)
+        k = lp.k_norm * layer_norm(k, None, None, cfg.rms_norm_eps)
+    if rope is not None:
+        qk = apply_rope(mx.concatenate([q, k], axis=2), *rope, num, True)
+        q, k = qk[:, :, :hq], qk[:, :, hq:]
+    entry = write_entry(entry, spec, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), geo, num)
+    o = attend_entry(entry, spec, q, geo, d**-0.5, num)
+    return linear(o.reshape(b * t, hq * d), lp.o, num), entry
+
+
+def forward(
+    p: CohereParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
+    span: int | None = None,
+) -> tuple[Float[mx.array, "B T H"], KVCache]:
+    """Same contract as `fx_engine.core.models.llama.forward`."""
+    cfg, num = p.config, p.numerics
+    b, t = tokens.shape
+    dt = getattr(mx, p.dtype)
+    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
+    h = embed(tokens.reshape(-1), p.embed).astype(dt)
+    cos, sin, perm = rope_tables(geo.positions, cfg.head_dim, base=cfg.rope_theta, scale=1.0, freqs=None,
+                                 traditional=True)
+    rope = (cos.astype(dt), sin.astype(dt), perm.astype(dt))
+    entries = []
+    for lp, entry, spec, kind in zip(p.layers, cache.layers, cache.layout, cfg.layer_types):
+        x = layer_norm(h, *lp.norm, cfg.rms_norm_eps)
+        use_rope = kind == "sliding_attention" or cfg.global_rope
+        a, entry = _attention(p, lp, x, entry, spec, rope if use_rope else None, geo)
+        h = h + a + linear(swiglu_fused(linear(x, lp.gate_up, num), num), lp.down, num)
+        entries.append(entry)
+    h = layer_norm(h, *p.norm, cfg.rms_norm_eps).reshape(b, t, -1)
+    return h, advanced(cache, entries, geo)
+
+
+def hidden_to_logits(p: CohereParams, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
+    return (linear(h, p.embed, p.numerics) * p.config.logit_scale).astype(mx.float32)
+
+
+def assemble(cfg: CohereConfig, src: TensorSource, opts: LoadOptions) -> CohereParams:
+    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    bias = cfg.attention_bias
+
+    def lin(name: str, out_f: int, in_f: int, b: bool = False) -> Linear:
+        return read_linear(src, name, out_f, in_f, opts.quant_for(name), b, where)
+
+    def norm(name: str) -> tuple[mx.array, mx.array | None]:
+        b = src.get(name + ".bias", (h,), where).astype(dtype) if cfg.layer_norm_bias else None
+        return src.get(name + ".weight", (h,), where).astype(dtype), b
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        qk = {}
+        if cfg.qk_norm:
+            qk = dict(q_norm=src.get(a + "q_norm.weight", (cfg.num_heads, hd), where).astype(dtype),
+                      k_norm=src.get(a + "k_norm.weight", (cfg.num_kv_heads, hd), where).astype(dtype))
+        layers.append(CohereLayer(
+            norm=norm(p + "input_layernorm"),
+            qkv=fuse([lin(a + n, rows, h, bias) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))],
+                     dtype, keep),
+            o=finish(lin(a + "o_proj", h, hq, bias), dtype, keep),
+            gate_up=fuse([lin(m + "gate_proj", ff, h), lin(m + "up_proj", ff, h)], dtype, keep),
+            down=finish(lin(m + "down_proj", h, ff), dtype, keep), **qk,
+        ))
+    embed_t = finish(lin("model.embed_tokens", cfg.vocab_size, h), dtype, keep, table=True)
+    return CohereParams(embed=embed_t, layers=tuple(layers), norm=norm("model.norm"), config=cfg,
+                        numerics=opts.numerics, dtype=opts.dtype_name)
+
+
+def checkpoint_layout(cfg: CohereConfig) -> dict[str, TensorSpec]:
+    h, hd, ff, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    out = {"model.embed_tokens.weight": TensorSpec((v, h), scale=0.5)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for n, rows, cols in (("self_attn.q_proj", hq, h), ("self_attn.k_proj", hk, h), ("self_attn.v_proj", hk, h),
+                              ("self_attn.o_proj", h, hq), ("mlp.gate_proj", ff, h), ("mlp.up_proj", ff, h),
+                              ("mlp.down_proj", h, ff)):
+            out[p + n + ".weight"] = TensorSpec((rows, cols))
+            if cfg.attention_bias and n.startswith("self_attn"):
+                out[p + n + ".bias"] = TensorSpec((rows,), scale=0.05)
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = TensorSpec((cfg.num_heads, hd), center=1.0, scale=0.1)
+            out[p + "self_attn.k_norm.weight"] = TensorSpec((cfg.num_kv_heads, hd), center=1.0, scale=0.1)
+    for n in [f"model.layers.{i}.input_layernorm" for i in range(cfg.num_layers)] + ["model.norm"]:
+        out[n + ".weight"] = TensorSpec((h,), center=1.0, scale=0.1)
+        if cfg.layer_norm_bias:
+            out[n + ".bias"] = TensorSpec((h,), scale=0.05)
+    return out
+
+
+def first_layers(p: CohereParams, n: int) -> CohereParams:
+    small = attrs.evolve(p.config, num_layers=n, layer_types=p.config.layer_types[:n])
+    return attrs.evolve(p, layers=p.layers[:n], config=small)
+
+
+_TINY = {
+    "cohere": {"architectures": ["CohereForCausalLM"], "use_qk_norm": False},
+    "cohere2": {"architectures": ["Cohere2ForCausalLM"], "head_dim": 16, "sliding_window": 16,
+                "sliding_window_pattern": 4, "num_hidden_layers": 4},
+}
+
+
+def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    return {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "layer_norm_eps": 1e-5, "vocab_size": 384,
+            "rope_theta": 10000.0, "max_position_embeddings": 2048, "logit_scale": 0.25,
+            "attention_bias": False, "layer_norm_bias": False, "tie_word_embeddings": True,
+            "bos_token_id": 1, "eos_token_id": 2, **_TINY[model_type], **overrides}
+
+
+FAMILY = Family(
+    name="cohere", model_types=("cohere", "cohere2"), config_type=CohereConfig, params_type=CohereParams,
+    config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
+    hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout, first_layers=first_layers,
+    tiny_config=tiny_config,
+)

@@ -1,0 +1,156 @@
+"""StarCoder 2 (`starcoder2`), following mlx-lm 0.32's starcoder2.py (the parity oracle).
+
+The attention is the Llama family's with biases on q/k/v/o; the rest is GPT-style:
+LayerNorms with a bias (not RMSNorms) before each sublayer and at the end, and a plain
+(not gated) MLP c_proj(gelu(c_fc(x))) with biases. The GELU is the config's `hidden_act`,
+as Hugging Face reads it (the released models: gelu_pytorch_tanh, the tanh approximation);
+mlx-lm always uses the exact (erf) one, so its parity tests use hidden_act "gelu". Hugging Face
+applies `sliding_window` on every layer (as for Mistral: ring caches here); mlx-lm attends
+over everything, the same output while a sequence fits in the window (4096 tokens in the
+released models).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from jaxtyping import Float, Int
+
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
+from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear
+from fx_engine.core.config import ConfigError
+from fx_engine.core.models import llama
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.llama import LlamaConfig
+from fx_engine.core.nn import Linear, gelu, gelu_tanh, layer_norm, linear
+
+
+@attrs.frozen
+class Starcoder2Config(LlamaConfig):
+    """Llama's config (q/k/v/o biases, sliding layers); rms_norm_eps is the LayerNorms' eps."""
+
+    gelu_tanh: bool = True  # hidden_act gelu_pytorch_tanh (False: "gelu", the erf form)
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Starcoder2Config:
+    act = d.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu", "gelu_pytorch_tanh"):
+        raise ConfigError(f"{source}: hidden_act {act!r} is not supported for starcoder2")
+    if d.get("use_bias") is False:
+        raise ConfigError(f"{source}: field 'use_bias' = false is not supported (mlx-lm's starcoder2 has biases)")
+    hd = d["hidden_size"] // d["num_attention_heads"] if d.get("num_attention_heads") else None
+    # Llama's reading with StarCoder's names (norm_epsilon, no head_dim field) and windows
+    # as Mistral's
+    base = llama.config_from_hf(
+        {**{k: v for k, v in d.items() if k != "hidden_act"}, "model_type": "mistral",
+         "rms_norm_eps": d.get("norm_epsilon", 1e-5), "head_dim": hd,
+         "rope_theta": d.get("rope_theta", 100000.0), "attention_bias": True}, source)
+    return Starcoder2Config(**{**attrs.asdict(base, recurse=False), "model_type": "starcoder2",
+                               "tie_word_embeddings": bool(d.get("tie_word_embeddings", True))},
+                            gelu_tanh=act == "gelu_pytorch_tanh")
+
+
+@attrs.frozen
+class Starcoder2Layer:
+    attn_norm: tuple[mx.array, mx.array]  # LayerNorm weight, bias
+    qkv: Linear
+    o: Linear
+    mlp_norm: tuple[mx.array, mx.array]
+    fc: Linear
+    proj: Linear
+    q_norm: None = None
+    k_norm: None = None
+
+
+@attrs.frozen
+class Starcoder2Params(llama.Params):
+    """The Llama family's params pytree with Starcoder2Layers; norm is (weight, bias)."""
+
+
+def _layer(p: Starcoder2Params, lp: Starcoder2Layer, h: mx.array, entry: Any, spec: LayerSpec,
+           rope: tuple, geo: StepGeometry) -> tuple[mx.array, Any]:
+    cfg, num = p.config, p.numerics
+    eps = cfg.rms_norm_eps
+    a, entry = llama.self_attention(p, lp, layer_norm(h, *lp.attn_norm, eps), entry, spec, rope, geo)
+    h = h + a
+    act = gelu_tanh if cfg.gelu_tanh else gelu
+    return h + linear(act(linear(layer_norm(h, *lp.mlp_norm, eps), lp.fc, num)), lp.proj, num), entry
+
+
+def forward(
+    p: Starcoder2Params, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
+    span: int | None = None,
+) -> tuple[Float[mx.array, "B T H"], KVCache]:
+    """Same contract as `fx_engine.core.models.llama.forward` (its decoder, GPT-style blocks)."""
+    return llama.forward(p, cache, tokens, n_valid, span, layer_fn=_layer,
+                         final_norm=lambda h: layer_norm(h, *p.norm, p.config.rms_norm_eps))
+
+
+hidden_to_logits = llama.hidden_to_logits
+
+
+def assemble(cfg: Starcoder2Config, src: TensorSource, opts: LoadOptions) -> Starcoder2Params:
+    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+
+    def lin(name: str, out_f: int, in_f: int, bias: bool = True) -> Linear:
+        return read_linear(src, name, out_f, in_f, opts.quant_for(name), bias, where)
+
+    def norm(name: str) -> tuple[mx.array, mx.array]:
+        return (src.get(name + ".weight", (h,), where).astype(dtype), src.get(name + ".bias", (h,), where).astype(dtype))
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        layers.append(Starcoder2Layer(
+            attn_norm=norm(p + "input_layernorm"),
+            qkv=fuse([lin(a + n, rows, h) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))], dtype, keep),
+            o=finish(lin(a + "o_proj", h, hq), dtype, keep), mlp_norm=norm(p + "post_attention_layernorm"),
+            fc=finish(lin(m + "c_fc", ff, h), dtype, keep), proj=finish(lin(m + "c_proj", h, ff), dtype, keep),
+        ))
+    tied = cfg.tie_word_embeddings
+    embed_t = finish(lin("model.embed_tokens", cfg.vocab_size, h, False), dtype, keep, table=True, lookup_only=not tied)
+    head = None if tied else finish(lin("lm_head", cfg.vocab_size, h, False), dtype, keep)
+    return Starcoder2Params(embed=embed_t, layers=tuple(layers), norm=norm("model.norm"), lm_head=head,
+                            rope_freqs=None, config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
+
+
+def checkpoint_layout(cfg: Starcoder2Config) -> dict[str, TensorSpec]:
+    h, hd, ff, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    out = {"model.embed_tokens.weight": TensorSpec((v, h), scale=0.5)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for n, rows, cols in (("self_attn.q_proj", hq, h), ("self_attn.k_proj", hk, h), ("self_attn.v_proj", hk, h),
+                              ("self_attn.o_proj", h, hq), ("mlp.c_fc", ff, h), ("mlp.c_proj", h, ff)):
+            out[p + n + ".weight"] = TensorSpec((rows, cols))
+            out[p + n + ".bias"] = TensorSpec((rows,), scale=0.05)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            out[p + n + ".weight"] = TensorSpec((h,), center=1.0, scale=0.1)
+            out[p + n + ".bias"] = TensorSpec((h,), scale=0.05)
+    out["model.norm.weight"] = TensorSpec((h,), center=1.0, scale=0.1)
+    out["model.norm.bias"] = TensorSpec((h,), scale=0.05)
+    if cfg.tie_word_embeddings is False:
+        out["lm_head.weight"] = TensorSpec((v, h), scale=0.2)
+    return out
+
+
+def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    return {"model_type": model_type, "architectures": ["Starcoder2ForCausalLM"], "hidden_size": 64,
+            "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "norm_epsilon": 1e-5, "vocab_size": 384, "rope_theta": 100000.0,
+            "max_position_embeddings": 2048, "sliding_window": None, "hidden_act": "gelu",
+            "use_bias": True, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+            **overrides}
+
+
+FAMILY = Family(
+    name="starcoder2", model_types=("starcoder2",), config_type=Starcoder2Config,
+    params_type=Starcoder2Params, config_from_hf=config_from_hf, assemble=assemble,
+    cache_specs=llama.cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
+    checkpoint_layout=checkpoint_layout, first_layers=llama.first_layers, tiny_config=tiny_config,
+)
