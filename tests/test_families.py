@@ -16,7 +16,7 @@ from fx_engine.testing import write_tiny_model
 from fx_engine.testing.tiny import tiny_config
 
 from .conftest import LONG_TEXT
-from .test_models_parity import _compare
+from .test_models_parity import _compare, assert_batch_equals_solo, assert_greedy_matches_mlx_lm
 
 CASES = [
     ("olmo2", {}),
@@ -52,23 +52,13 @@ def test_teacher_forced_logits_match_mlx_lm(tmp_path, model_type, overrides):
         _compare(fx_engine.logits(model, ids, chunk=chunk), want)
 
 
-@pytest.mark.parametrize("model_type", ["olmo2", "olmo3", "exaone4", "glm4"])
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3", "exaone4", "glm4", "cohere2", "starcoder2"])
 def test_greedy_generation_matches_mlx_lm_generate_step(tmp_path, model_type):
     """mlx-lm's generate_step with its rotating caches for sliding layers, same prefill step."""
-    from mlx_lm.generate import generate_step
-
     path = write_tiny_model(tmp_path / "m", model_type)
     model = fx_engine.load(path)
     prompt = model.tokenizer.encode(LONG_TEXT)[:53]
-    want = [int(t) for t, _ in generate_step(mx.array(prompt), _mlx_lm(path), max_tokens=24,
-                                             prefill_step_size=16,
-                                             sampler=lambda x: mx.argmax(x, axis=-1))]
-    for i, t in enumerate(want):  # generate_step does not stop at EOS
-        if t in model.eos_ids:
-            want = want[:i]
-            break
-    got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, prefill_chunk=16)
-    assert list(got.token_ids) == want and len(want) >= 8
+    assert_greedy_matches_mlx_lm(path, model, prompt)
 
 
 @pytest.mark.parametrize("model_type", ["olmo3", "exaone4"])
@@ -82,14 +72,7 @@ def test_sliding_postnorm_models_in_the_engine(tmp_path, model_type):
     model = fx_engine.load(path, batch_invariant=True)
     ids = model.tokenizer.encode(LONG_TEXT)
     prompts = [ids[:n] for n in (5, 40, 23)]
-    alone = [reference_generate(model, p, max_tokens=20, temperature=0.0, prefill_chunk=8) for p in prompts]
-    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=8)
-    handles = []
-    for p in prompts:
-        handles.append(engine.submit(p, max_tokens=20, temperature=0.0))
-        engine.step()
-    assert [h.result().token_ids for h in handles] == [a.token_ids for a in alone]
-    engine.close()
+    assert_batch_equals_solo(model, prompts, max_tokens=20, chunk=8)
     fast = fx_engine.load(path)
     refs = [reference_generate(fast, p, max_tokens=24, temperature=0.0).token_ids for p in prompts]
     with fx_engine.Engine(fast, max_rows=4, prefill_chunk=8) as eng:
@@ -209,20 +192,10 @@ def test_gpt_oss_generation_and_engine(tmp_path):
     """Greedy tokens equal mlx-lm's generate_step (rotating caches for the sliding layers);
     batch-invariant rows equal each request alone; prompt lookup stays exact; an 8-bit KV
     cache (sinks over quantized global layers) runs its own reference loop."""
-    from mlx_lm.generate import generate_step
-
     path = write_tiny_model(tmp_path / "m", "gpt_oss")
     model = fx_engine.load(path)
     prompt = model.tokenizer.encode(LONG_TEXT)[:45]
-    want = [int(t) for t, _ in generate_step(mx.array(prompt), _mlx_lm(path), max_tokens=24,
-                                             prefill_step_size=16,
-                                             sampler=lambda x: mx.argmax(x, axis=-1))]
-    for i, t in enumerate(want):
-        if t in model.eos_ids:
-            want = want[:i]
-            break
-    assert list(fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0,
-                                   prefill_chunk=16).token_ids) == want and len(want) >= 8
+    assert_greedy_matches_mlx_lm(path, model, prompt)
     bi = fx_engine.load(path, batch_invariant=True)
     prompts = [prompt[:n] for n in (5, 40, 23)]
     alone = [reference_generate(bi, p, max_tokens=16, temperature=0.0, prefill_chunk=8) for p in prompts]
@@ -301,14 +274,7 @@ def test_deepseek_mlx_community_folder_and_engine(tmp_path):
 
     bi = fx_engine.load(path, batch_invariant=True)
     prompts = [ids[:n] for n in (5, 40, 23)]
-    alone = [reference_generate(bi, p, max_tokens=16, temperature=0.0, prefill_chunk=8) for p in prompts]
-    engine = fx_engine.Engine(bi, max_rows=4, prefill_chunk=8)
-    handles = []
-    for p in prompts:
-        handles.append(engine.submit(p, max_tokens=16, temperature=0.0))
-        engine.step()
-    assert [h.result().token_ids for h in handles] == [a.token_ids for a in alone]
-    engine.close()
+    assert_batch_equals_solo(bi, prompts, max_tokens=16, chunk=8)
     fast = fx_engine.load(path)
     refs = [reference_generate(fast, p, max_tokens=20, temperature=0.0).token_ids for p in prompts]
     from fx_engine.engine.drafters import self_draft_model
@@ -395,22 +361,6 @@ def test_layernorm_families_match_mlx_lm(tmp_path, model_type, overrides):
     want = _mlx_lm(path)(mx.array([ids]))[0]
     for chunk in (8, 40):
         _compare(fx_engine.logits(model, ids, chunk=chunk), want)
-
-
-def test_cohere2_generation_matches_mlx_lm_generate_step(tmp_path):
-    from mlx_lm.generate import generate_step
-
-    path = write_tiny_model(tmp_path / "m", "cohere2")
-    model = fx_engine.load(path)
-    prompt = model.tokenizer.encode(LONG_TEXT)[:53]
-    want = [int(t) for t, _ in generate_step(mx.array(prompt), _mlx_lm(path), max_tokens=24,
-                                             prefill_step_size=16, sampler=lambda x: mx.argmax(x, axis=-1))]
-    for i, t in enumerate(want):
-        if t in model.eos_ids:
-            want = want[:i]
-            break
-    got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, prefill_chunk=16)
-    assert list(got.token_ids) == want and len(want) >= 8
 
 
 def test_starcoder2_gelu_follows_hidden_act_and_refusals(tmp_path):

@@ -36,6 +36,41 @@ def _compare(ours: mx.array, ref: mx.array, min_positions: int = 64):
     return diff
 
 
+def assert_greedy_matches_mlx_lm(path, model, prompt: list[int], max_tokens: int = 24, chunk: int = 16):
+    """fx-engine's greedy tokens equal mlx-lm's generate_step (its own caches, the same
+    prefill step size) on the same folder, up to the first EOS (generate_step does not
+    stop there); at least 8 tokens, so the check means something."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    ref, _ = load_model(Path(path))
+    ref.set_dtype(mx.float32)
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), ref, max_tokens=max_tokens,
+                                             prefill_step_size=chunk, sampler=lambda x: mx.argmax(x, axis=-1))]
+    for i, t in enumerate(want):
+        if t in model.eos_ids:
+            want = want[:i]
+            break
+    got = fx_engine.generate(model, prompt, max_tokens=max_tokens, temperature=0.0, prefill_chunk=chunk)
+    assert list(got.token_ids) == want and len(want) >= 8
+
+
+def assert_batch_equals_solo(model, prompts: list[list[int]], max_tokens: int = 16, chunk: int = 8):
+    """Rows joining a running batch one step apart give each request's tokens alone through
+    the plain reference loop (bitwise for a batch-invariant model)."""
+    from fx_engine.engine.generate import reference_generate
+
+    alone = [reference_generate(model, p, max_tokens=max_tokens, temperature=0.0, prefill_chunk=chunk).token_ids
+             for p in prompts]
+    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=chunk)
+    handles = []
+    for p in prompts:
+        handles.append(engine.submit(p, max_tokens=max_tokens, temperature=0.0))
+        engine.step()
+    assert [h.result().token_ids for h in handles] == alone
+    engine.close()
+
+
 CASES = [
     ("llama", {}),
     ("llama", {"num_key_value_heads": 4}),  # MHA (GQA ratio 1)

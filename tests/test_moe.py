@@ -19,7 +19,7 @@ from fx_engine.testing import write_tiny_model
 from fx_engine.testing.tiny import tiny_config
 
 from .conftest import LONG_TEXT
-from .test_models_parity import _compare
+from .test_models_parity import _compare, assert_batch_equals_solo, assert_greedy_matches_mlx_lm
 
 CASES = [
     ("qwen3_moe", {}),
@@ -32,6 +32,11 @@ CASES = [
                  "rope_theta": 1e6}),
     ("olmoe", {}),
     ("olmoe", {"norm_topk_prob": True, "num_key_value_heads": 4}),
+    # GLM-4.5: DeepSeek's grouped sigmoid routing with the correction bias, a shared expert,
+    # a dense first layer, partial RoPE, q/k norms and q/k/v biases
+    ("glm4_moe", {}),
+    ("glm4_moe", {"use_qk_norm": False, "n_group": 1, "attention_bias": False, "n_shared_experts": None,
+                  "first_k_dense_replace": 0, "num_experts_per_tok": 3}),
 ]
 
 
@@ -75,7 +80,7 @@ def _mlx_community(folder: Path, out: Path, bits: int = 4) -> Path:
     return out
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"])
 def test_mlx_community_quantized_folders_match_mlx_lm(tmp_path, model_type):
     """Stacked 4-bit experts (and 4-bit router, attention, head): dequantized at load by
     default, kept packed (mx.gather_qmm) with keep_quantized=True; both give mlx-lm's
@@ -89,26 +94,17 @@ def test_mlx_community_quantized_folders_match_mlx_lm(tmp_path, model_type):
     want = ref(mx.array([ids]))[0]
     _compare(fx_engine.logits(model, ids, chunk=36), want)
     kept = fx_engine.load(q, keep_quantized=True)
-    assert kept.params.layers[0].experts.down.quantized
+    moe_layer = next(lp for lp in kept.params.layers if lp.experts is not None)
+    assert moe_layer.experts.down.quantized
     _compare(fx_engine.logits(kept, ids, chunk=36), want)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_greedy_generation_matches_mlx_lm_generate_step(tmp_path, model_type):
-    from mlx_lm.generate import generate_step
-
     path = write_tiny_model(tmp_path / "m", model_type)
     model = fx_engine.load(path)
     prompt = _ids(model, 40)
-    want = [int(t) for t, _ in generate_step(mx.array(prompt), _mlx_lm(path), max_tokens=24,
-                                             prefill_step_size=16,
-                                             sampler=lambda x: mx.argmax(x, axis=-1))]
-    for i, t in enumerate(want):  # mlx-lm's generate_step does not stop at EOS
-        if t in model.eos_ids:
-            want = want[:i]
-            break
-    got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, prefill_chunk=16)
-    assert list(got.token_ids) == want and len(want) >= 8
+    assert_greedy_matches_mlx_lm(path, model, prompt)
 
 
 def test_batch_equals_solo_bitwise_and_speculation_is_exact(tmp_path):
@@ -120,15 +116,7 @@ def test_batch_equals_solo_bitwise_and_speculation_is_exact(tmp_path):
     path = write_tiny_model(tmp_path / "m", "qwen2_moe", num_hidden_layers=3)
     model = fx_engine.load(path, batch_invariant=True)
     prompts = [_ids(model, n) for n in (5, 40, 17, 70)]
-    alone = [reference_generate(model, p, max_tokens=20, temperature=0.0, prefill_chunk=16)
-             for p in prompts]
-    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=16)
-    handles = []
-    for p in prompts:
-        handles.append(engine.submit(p, max_tokens=20, temperature=0.0))
-        engine.step()
-    assert [h.result().token_ids for h in handles] == [a.token_ids for a in alone]
-    engine.close()
+    assert_batch_equals_solo(model, prompts, max_tokens=20, chunk=16)
     fast = fx_engine.load(path)
     refs = [reference_generate(fast, p, max_tokens=30, temperature=0.0).token_ids for p in prompts[:2]]
     with fx_engine.Engine(fast, max_rows=4, prefill_chunk=8) as eng:
@@ -157,7 +145,7 @@ def test_prefix_cache_and_quantized_kv(tmp_path):
 
 
 def test_config_refusals_and_listing():
-    for mt in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe"):
+    for mt in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"):
         assert model_types()[mt] == "moe"
     cases = [
         ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
@@ -166,6 +154,9 @@ def test_config_refusals_and_listing():
         ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
         ("qwen2_moe", {"shared_expert_intermediate_size": None}, "shared_expert_intermediate_size"),
         ("olmoe", {"mlp_bias": True}, "mlp_bias"),
+        ("glm4_moe", {"n_group": 3}, "n_group"),
+        ("glm4_moe", {"scoring_func": "softmax"}, "scoring_func"),
+        ("glm4_moe", {"partial_rotary_factor": 0.1875}, "partial_rotary_factor"),
     ]
     for mt, overrides, message in cases:
         with pytest.raises(ConfigError, match=message):

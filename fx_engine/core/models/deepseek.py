@@ -32,6 +32,7 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, att
 from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, WeightsError, dequantized, finish, fuse, fuse_experts, finish_experts, read_experts, read_linear)
 from fx_engine.core.config import BaseConfig, ConfigError, check_rope_scaling, positive_int, required, token_ids
 from fx_engine.core.models.family import Family
+from fx_engine.core.models.moe import grouped_route
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, routed_glu, scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
 from fx_engine.core.tree import static_field
 
@@ -200,32 +201,12 @@ def _attention(p: DeepseekParams, at: MLA, x: mx.array, entry: Any, spec: LayerS
     return linear(o, at.o, num), entry
 
 
-def route(cfg: DeepseekConfig, ex: RoutedExperts, x: mx.array, num: Numerics) -> tuple[mx.array, mx.array]:
-    """Top-k experts by sigmoid score + correction bias within the best topk_group groups
-    (mlx-lm's group_expert_select); weights: the sigmoid scores, renormalized, scaled."""
-    scores = mx.sigmoid((x @ ex.router.T).astype(mx.float32))  # [N, E]
-    chosen = scores + ex.correction_bias
-    if cfg.n_group > 1:
-        grouped = mx.unflatten(chosen, axis=-1, shape=(cfg.n_group, -1))
-        best = mx.topk(grouped, 2, axis=-1).sum(axis=-1, keepdims=True)  # [N, G, 1]
-        drop = cfg.n_group - cfg.topk_group
-        if drop:
-            worst = mx.argpartition(best, kth=drop - 1, axis=-2)[..., :drop, :]
-            grouped = mx.put_along_axis(grouped, worst, mx.array(0.0), axis=-2)
-        chosen = mx.flatten(grouped, -2, -1)
-    k = cfg.top_k
-    idx = mx.argpartition(-chosen, kth=k - 1, axis=-1)[..., :k]
-    w = mx.take_along_axis(scores, idx, axis=-1)
-    if k > 1 and cfg.norm_topk_prob:
-        w = w / w.sum(axis=-1, keepdims=True)
-    return idx, w * cfg.routed_scaling_factor
-
-
 def _mlp(cfg: DeepseekConfig, lp: DeepseekLayer, x: mx.array, num: Numerics) -> mx.array:
     if lp.experts is None:
         return linear(swiglu_fused(linear(x, lp.gate_up, num), num), lp.down, num)
     ex = lp.experts
-    idx, w = route(cfg, ex, x, num)
+    idx, w = grouped_route(x @ ex.router.T, ex.correction_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
+                           cfg.norm_topk_prob, cfg.routed_scaling_factor)
     y = routed_glu(x, ex.gate_up, ex.down, idx, lambda gu: swiglu_fused(gu, num), num)
     y = (y * w[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
     if ex.shared_gate_up is not None:

@@ -1,5 +1,5 @@
-"""Mixture-of-experts decoders of the Llama shape: `qwen3_moe`, `qwen2_moe`, `mixtral` and
-`olmoe`, following mlx-lm 0.32's implementations (the parity oracle) and Hugging Face's
+"""Mixture-of-experts decoders of the Llama shape: `qwen3_moe`, `qwen2_moe`, `mixtral`,
+`olmoe` and `glm4_moe`, following mlx-lm 0.32's implementations (the parity oracle) and Hugging Face's
 configs.
 
 Attention is the Llama family's (`llama.self_attention`: fused q|k|v, GQA, RoPE; qwen3_moe's
@@ -11,6 +11,8 @@ weights are read) weighted by the router's probabilities:
   1 where `norm_topk_prob`);
 - mixtral: the top k logits, then a softmax over those k (the same weights in exact
   arithmetic as renormalized top-k probabilities; computed as mlx-lm does);
+- glm4_moe: DeepSeek-V3's grouped sigmoid routing (`grouped_route`), ungated shared
+  experts, dense first layers, RoPE on part of each head;
 - qwen2_moe adds a shared expert to every token, gated by sigmoid(shared_expert_gate(x));
 - qwen2_moe / qwen3_moe layers listed in `mlp_only_layers`, or off the `decoder_sparse_step`
   grid, have a dense SwiGLU MLP instead.
@@ -36,7 +38,7 @@ from fx_engine.core.config import ConfigError, gguf_value, positive_int
 from fx_engine.core.models import llama
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
-from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, routed_glu, swiglu_fused
+from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, rope_tables, routed_glu, swiglu_fused
 
 
 @attrs.frozen
@@ -47,17 +49,26 @@ class MoEConfig(LlamaConfig):
     norm_topk_prob: bool = False  # renormalize the top-k probabilities to sum to 1
     softmax_then_topk: bool = True  # False: top-k logits, then a softmax over them (mixtral)
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP
-    shared_expert_intermediate_size: int = 0  # qwen2_moe's gated shared expert (0: none)
+    shared_expert_intermediate_size: int = 0  # a shared expert (qwen2_moe: gated; glm4_moe: not)
+    # glm4_moe: DeepSeek's grouped sigmoid routing (see `grouped_route`) and partial RoPE
+    grouped_sigmoid: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    rope_dims: int = 0  # rotated dims per head (0: all)
 
 
 # model_type -> the Llama-family model_type whose attention it has
-_ATTENTION = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "llama", "olmoe": "llama"}
+_ATTENTION = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "llama", "olmoe": "llama",
+              "glm4_moe": "llama"}
 
 
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> MoEConfig:
     """A MoEConfig from a Hugging Face config.json dict; refuses what it cannot run."""
     mt = d["model_type"]
     layers = positive_int(d.get("num_hidden_layers"), "num_hidden_layers", source)
+    if mt == "glm4_moe":
+        return _glm4_moe_config(d, layers, source)
     defaults = {"mixtral": {"rope_theta": 1e6}, "qwen2_moe": {"rope_theta": 1e6}}.get(mt, {})
     base = llama.config_from_hf({**defaults, **d, "model_type": _ATTENTION[mt]}, source)
     if d.get("mlp_bias"):
@@ -90,6 +101,47 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> MoEConfig:
     )
 
 
+def _glm4_moe_config(d: dict[str, Any], layers: int, source: str) -> MoEConfig:
+    """GLM-4.5 / 4.6 / 4.7 (`glm4_moe`): Llama's attention with q/k/v biases (not o), per-head
+    q/k norms if `use_qk_norm`, RoPE on the first partial_rotary_factor of each head; from
+    layer first_k_dense_replace on, DeepSeek-V3's routed and shared experts."""
+    def pos(key: str, default: Any = ...) -> int:
+        v = d.get(key, default)
+        if v is ...:
+            raise ConfigError(f"{source}: required field '{key}' is missing")
+        return positive_int(v, key, source)
+
+    if (d.get("topk_method") or "noaux_tc") != "noaux_tc" or (d.get("scoring_func") or "sigmoid") != "sigmoid":
+        raise ConfigError(f"{source}: topk_method / scoring_func other than noaux_tc / sigmoid is not supported")
+    base = llama.config_from_hf({k: v for k, v in d.items() if k != "partial_rotary_factor"}
+                                | {"model_type": "qwen3" if d.get("use_qk_norm") else "llama",
+                                   "attention_bias": False}, source)
+    experts, top_k = pos("n_routed_experts"), pos("num_experts_per_tok")
+    groups, topk_group = pos("n_group", 1), pos("topk_group", 1)
+    if experts % groups or topk_group > groups or top_k > experts or (groups > 1 and experts // groups < 2):
+        raise ConfigError(f"{source}: n_routed_experts ({experts}) must split into n_group ({groups}) "
+                          f"groups of 2 or more, topk_group ({topk_group}) <= n_group, "
+                          f"num_experts_per_tok ({top_k}) <= n_routed_experts")
+    frac = float(d.get("partial_rotary_factor", 0.5))
+    rope_dims = int(base.head_dim * frac)
+    if not 0 < frac <= 1 or rope_dims % 2:
+        raise ConfigError(f"{source}: field 'partial_rotary_factor' = {frac} must give an even number "
+                          f"of rotated dims in (0, head_dim = {base.head_dim}]")
+    if base.rope_scaling:
+        raise ConfigError(f"{source}: field 'rope_scaling' is not supported for glm4_moe (mlx-lm ignores it)")
+    width = pos("moe_intermediate_size")
+    first = int(d.get("first_k_dense_replace") or 0)
+    return MoEConfig(
+        **{**attrs.asdict(base, recurse=False), "model_type": "glm4_moe",
+           "qkv_bias": bool(d.get("attention_bias", False))},
+        num_experts=experts, top_k=top_k, moe_intermediate_size=width,
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)), moe_layers=tuple(i >= first for i in range(layers)),
+        shared_expert_intermediate_size=width * int(d.get("n_shared_experts") or 0),
+        grouped_sigmoid=True, n_group=groups, topk_group=topk_group,
+        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0), rope_dims=rope_dims,
+    )
+
+
 @attrs.frozen
 class Experts:
     """A layer's routed experts: the router [E, H], the stacked expert MLPs (gate_up
@@ -101,7 +153,8 @@ class Experts:
     down: Linear
     shared_gate_up: Linear | None = None
     shared_down: Linear | None = None
-    shared_gate: Linear | None = None
+    shared_gate: Linear | None = None  # None: the shared expert is added ungated
+    correction_bias: mx.array | None = None  # grouped sigmoid routing's selection bias [E]
 
 
 @attrs.frozen
@@ -142,13 +195,43 @@ def route(logits: Float[mx.array, "N E"], k: int, softmax_then_topk: bool = True
     return idx, w
 
 
+def grouped_route(
+    logits: Float[mx.array, "N E"], correction_bias: mx.array, k: int, n_group: int, topk_group: int,
+    norm_topk_prob: bool, scale: float,
+) -> tuple[Int[mx.array, "N K"], Float[mx.array, "N K"]]:
+    """DeepSeek-V3's routing (mlx-lm's group_expert_select): sigmoid scores plus a
+    correction bias choose the top-k experts within the topk_group best of n_group groups
+    (a group scored by its two best); the weights are the sigmoid scores themselves,
+    renormalized if norm_topk_prob (k > 1), times `scale`."""
+    scores = mx.sigmoid(logits.astype(mx.float32))
+    chosen = scores + correction_bias
+    if n_group > 1:
+        grouped = mx.unflatten(chosen, axis=-1, shape=(n_group, -1))
+        best = mx.topk(grouped, 2, axis=-1).sum(axis=-1, keepdims=True)  # [N, G, 1]
+        drop = n_group - topk_group
+        if drop:
+            worst = mx.argpartition(best, kth=drop - 1, axis=-2)[..., :drop, :]
+            grouped = mx.put_along_axis(grouped, worst, mx.array(0.0), axis=-2)
+        chosen = mx.flatten(grouped, -2, -1)
+    idx = mx.argpartition(-chosen, kth=k - 1, axis=-1)[..., :k]
+    w = mx.take_along_axis(scores, idx, axis=-1)
+    if k > 1 and norm_topk_prob:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return idx, w * scale
+
+
 def _mixture(cfg: MoEConfig, ex: Experts, x: mx.array, num: Numerics) -> mx.array:
-    idx, w = route(linear(x, ex.router, num), cfg.top_k, cfg.softmax_then_topk, cfg.norm_topk_prob)
+    logits = linear(x, ex.router, num)
+    if cfg.grouped_sigmoid:
+        idx, w = grouped_route(logits, ex.correction_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
+                               cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    else:
+        idx, w = route(logits, cfg.top_k, cfg.softmax_then_topk, cfg.norm_topk_prob)
     y = routed_glu(x, ex.gate_up, ex.down, idx, lambda gu: swiglu_fused(gu, num), num)  # [N, K, H]
-    y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
+    y = (y * w[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
     if ex.shared_gate_up is not None:
         s = linear(swiglu_fused(linear(x, ex.shared_gate_up, num), num), ex.shared_down, num)
-        y = y + mx.sigmoid(linear(x, ex.shared_gate, num)) * s
+        y = y + (s if ex.shared_gate is None else mx.sigmoid(linear(x, ex.shared_gate, num)) * s)
     return y
 
 
@@ -171,7 +254,17 @@ def forward(
     span: int | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
     """Same contract as `fx_engine.core.models.llama.forward` (its decoder, routed MLPs)."""
-    return llama.forward(p, cache, tokens, n_valid, span, layer_fn=_layer)
+    return llama.forward(p, cache, tokens, n_valid, span, layer_fn=_layer,
+                         rope_fn=_partial_rope if p.config.rope_dims else None)
+
+
+def _partial_rope(p: MoEParams, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """RoPE tables over the first rope_dims of each head (glm4_moe; half-split pairs)."""
+    cfg = p.config
+    cos, sin, perm = rope_tables(positions, cfg.rope_dims, base=cfg.rope_theta, scale=1.0, freqs=None,
+                                 traditional=cfg.rope_traditional)
+    dt = getattr(mx, p.dtype)
+    return cos.astype(dt), sin.astype(dt), perm.astype(dt)
 
 
 hidden_to_logits = llama.hidden_to_logits
@@ -198,8 +291,12 @@ def assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEParams:
         gate, up, down = (
             read_experts(src, b + stacked, b + one, e, o, i, opts.quant_for, opts.where)
             for stacked, one, (o, i) in zip(_STACKED, per_expert, ((f, h), (f, h), (h, f))))
-        shared = {}
-        if cfg.shared_expert_intermediate_size:
+        shared: dict[str, Any] = {}
+        if cfg.grouped_sigmoid:  # glm4_moe: ungated shared experts, the selection bias
+            shared = _shared(cfg, src, opts, b + "shared_experts.", None, ("gate_proj", "up_proj", "down_proj"))
+            shared["correction_bias"] = src.get(b + router + ".e_score_correction_bias", (e,),
+                                                opts.where).astype(mx.float32)
+        elif cfg.shared_expert_intermediate_size:
             shared = _shared(cfg, src, opts, b + "shared_expert.", b + "shared_expert_gate",
                              ("gate_proj", "up_proj", "down_proj"))
         return Experts(router=_lin(src, opts, b + router, e, h), **_stacks(gate, up, down, opts), **shared)
@@ -217,13 +314,17 @@ def _stacks(gate: Linear, up: Linear, down: Linear, opts: LoadOptions) -> dict[s
     return {"gate_up": fused, "down": finish_experts(down, opts.dtype, opts.keep_quantized)}
 
 
-def _shared(cfg: MoEConfig, src: TensorSource, opts: LoadOptions, pre: str, gate_name: str,
-            names: tuple[str, str, str]) -> dict[str, Linear]:
+def _shared(cfg: MoEConfig, src: TensorSource, opts: LoadOptions, pre: str, gate_name: str | None,
+            names: tuple[str, str, str]) -> dict[str, Any]:
     h, s = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    if not s:
+        return {}
     parts = [read_linear(src, pre + n, s, h, opts.quant_for(pre + n), False, opts.where) for n in names[:2]]
-    return {"shared_gate_up": fuse(parts, opts.dtype, opts.keep_quantized),
-            "shared_down": _lin(src, opts, pre + names[2], h, s),
-            "shared_gate": _lin(src, opts, gate_name, 1, h)}
+    out = {"shared_gate_up": fuse(parts, opts.dtype, opts.keep_quantized),
+           "shared_down": _lin(src, opts, pre + names[2], h, s)}
+    if gate_name is not None:
+        out["shared_gate"] = _lin(src, opts, gate_name, 1, h)
+    return out
 
 
 def _assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions, names: dict[str, str],
@@ -235,8 +336,8 @@ def _assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions, names: dict[
         cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has(names["lm_head"] + ".weight"))
     hid, hd = cfg.hidden_size, cfg.head_dim
     hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    # per-head q/k norms (qwen3_moe) or over the whole projection (olmoe)
-    qn, kn = (hd, hd) if cfg.model_type == "qwen3_moe" else (hq, hk)
+    # per-head q/k norms (qwen3_moe, glm4_moe) or over the whole projection (olmoe)
+    qn, kn = (hq, hk) if cfg.model_type == "olmoe" else (hd, hd)
 
     def lin(name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
         return read_linear(src, name, out_f, in_f, opts.quant_for(name), bias, where)
@@ -317,7 +418,8 @@ def config_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:
 def checkpoint_layout(cfg: MoEConfig) -> dict[str, TensorSpec]:
     """The Hugging Face checkpoint's tensors: Llama's attention and norms, then per MoE
     layer the router and one tensor per expert (dense layers keep Llama's MLP)."""
-    base = llama.checkpoint_layout(attrs.evolve(cfg, qk_norm=cfg.model_type == "qwen3_moe"))
+    per_head_qk = cfg.model_type == "qwen3_moe" or (cfg.model_type == "glm4_moe" and cfg.qk_norm)
+    base = llama.checkpoint_layout(attrs.evolve(cfg, qk_norm=per_head_qk))
     block, router, per_expert = _HF_MOE.get(cfg.model_type, _HF_MOE_DEFAULT)
     h, hd, f = cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size
     out: dict[str, TensorSpec] = {}
@@ -339,10 +441,14 @@ def checkpoint_layout(cfg: MoEConfig) -> dict[str, TensorSpec]:
             for one, shape in zip(per_expert, ((f, h), (f, h), (h, f))):
                 out[b + one.format(e=e) + ".weight"] = TensorSpec(shape)
         s = cfg.shared_expert_intermediate_size
+        shared = "shared_experts." if cfg.grouped_sigmoid else "shared_expert."
         if s:
             for n, shape in (("gate_proj", (s, h)), ("up_proj", (s, h)), ("down_proj", (h, s))):
-                out[b + "shared_expert." + n + ".weight"] = TensorSpec(shape)
-            out[b + "shared_expert_gate.weight"] = TensorSpec((1, h), scale=0.3)
+                out[b + shared + n + ".weight"] = TensorSpec(shape)
+            if not cfg.grouped_sigmoid:
+                out[b + "shared_expert_gate.weight"] = TensorSpec((1, h), scale=0.3)
+        if cfg.grouped_sigmoid:
+            out[b + router + ".e_score_correction_bias"] = TensorSpec((cfg.num_experts,), scale=0.1)
     return out
 
 
@@ -357,6 +463,12 @@ _TINY = {
                 "num_experts_per_tok": 2, "intermediate_size": 64, "tie_word_embeddings": False},
     "olmoe": {"architectures": ["OlmoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2,
               "intermediate_size": 32, "norm_topk_prob": False},
+    "glm4_moe": {"architectures": ["Glm4MoeForCausalLM"], "n_routed_experts": 8, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+                 "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 1,
+                 "num_hidden_layers": 3, "head_dim": 16, "partial_rotary_factor": 0.5, "use_qk_norm": True,
+                 "attention_bias": True, "tie_word_embeddings": False, "topk_method": "noaux_tc",
+                 "scoring_func": "sigmoid", "rope_scaling": None},
 }
 
 
