@@ -119,13 +119,15 @@ def test_kquant_gguf_matches_mlx_lm_on_its_reference_dequantization(kquant_model
     l0, l1 = model.params.layers
     kinds = [(lin.bits, lin.group_size) if lin.quantized else "dense"
              for lin in (l0.o, l1.o, l0.gate_up, l0.qkv, l0.down)]
-    # Q4_K kept as 4 bits; Q8_0 8 bits; Q4_K | Q5_0 fused at 8 bits (both exact); q|k|v with
-    # a Q6_K part and the Q6_K down projection (group 16: no native kernel) in float
-    assert kinds == [(4, 32), (8, 32), (8, 32), "dense", "dense"], kinds
-    # the Q6_K embedding: only looked up when untied (kept as stored), the head when tied
+    # Q4_K kept as 4 bits; Q8_0 8 bits; Q4_K | Q5_0 fused at 8 bits (both exact); the Q6_K
+    # down projection as 8 bits in groups of 16 (exact), and q|k|v with a Q6_K part in the
+    # same form (the Q4_K parts' groups of 32 split in two, exact too)
+    assert kinds == [(4, 32), (8, 32), (8, 32), (8, 16), (8, 16)], kinds
+    # the Q6_K embedding: only looked up when untied (kept as stored), also the head when
+    # tied (8 bits in groups of 16: the native products run it)
     emb = model.params.embed
     assert ((emb.bits, emb.group_size) if emb.quantized else "dense") == (
-        (6, 16) if model.params.lm_head is not None else "dense")
+        (6, 16) if model.params.lm_head is not None else (8, 16))
     ref_model, _ = load_model(folder)
     ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)[:64]
     ours = np.asarray(fx_engine.logits(model, ids, chunk=32))

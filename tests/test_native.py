@@ -49,6 +49,38 @@ def test_quantized_products_match_float64_reference(op, bits: int, gs: int, m: i
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
 
 
+def _group16(n: int, k: int):
+    """8-bit weights in groups of 16 (the form a GGUF's Q6_K is widened to; mx.quantize has
+    no group 16): random stored integers, packed 4 per uint32 little-endian, and random
+    float32 scales and biases; plus the float64 weights they stand for (numpy)."""
+    q = RNG.integers(0, 256, (n, k), dtype=np.uint32)
+    s = RNG.uniform(0.001, 0.02, (n, k // 16)).astype(np.float32)
+    b = RNG.uniform(-1, 1, (n, k // 16)).astype(np.float32)
+    packed = (q.reshape(n, k // 4, 4) << np.array([0, 8, 16, 24], np.uint32)).sum(axis=-1, dtype=np.uint32)
+    w = q.astype(np.float64) * np.repeat(s, 16, axis=1) + np.repeat(b, 16, axis=1)
+    return (mx.array(packed), mx.array(s), mx.array(b)), w
+
+
+@pytest.mark.parametrize("name", ["qmm", "qgemm"])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 16, 17, 33, 70])
+def test_8bit_group16_products_match_float64_reference(name: str, m: int) -> None:
+    """8 bits in groups of 16 (GGUF Q6_K widened exactly) run natively: every row count
+    (the few-row paths' per-half group scales, the tiles), a partial feature block (n=37)."""
+    (wq, s, b), w = _group16(37, 256)
+    x = mx.array(RNG.standard_normal((m, 256)).astype(np.float32))
+    got = np.asarray(getattr(native, name)(x, wq, s, b, 16, 8))
+    ref = np.asarray(x).astype(np.float64) @ w.T
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+    np.testing.assert_allclose(np.asarray(native.dequantize(wq, s, b, 16, 8)), w, rtol=1e-6, atol=1e-6)
+    if name == "qgemm" and m <= 16:  # the few-row path gives the tiles' bits
+        tiles = np.asarray(native.qgemm(mx.concatenate([x] * (17 // m + 1)), wq, s, b, 16, 8))[:m]
+        assert np.array_equal(got, tiles)
+    with pytest.raises(ValueError, match="qmm_a8: group_size must be a multiple of 32"):
+        native.qmm_a8(x, wq, s, b, 16, 8)
+    assert native.supports(16, 8) and not native.supports(16, 8, activation_bits=8)
+    assert not native.supports(16, 4)
+
+
 @pytest.mark.parametrize("op", PRODUCTS)
 def test_quantized_products_leading_dims_strided_input_and_dtype(op) -> None:
     wq, s, b = _quantized(64, 128, 32, 4)
@@ -656,6 +688,12 @@ for bits in (4, 8):
     outs[f"qgemm40_{bits}"] = np.asarray(mod.qgemm(x40, wq, s, b, 32, bits))
     for m in range(1, 17):  # its few-row path, 8 rows per pass over the weights
         outs[f"qgemm{m}_{bits}"] = np.asarray(mod.qgemm(x40[:m], wq, s, b, 32, bits))
+wq, s, b = (mx.array(d[n]) for n in ("w16", "s16", "b16"))  # 8 bits in groups of 16
+x40 = mx.concatenate([mx.array(d["x"])] * 4)[:40]
+outs["qgemm40_g16"] = np.asarray(mod.qgemm(x40, wq, s, b, 16, 8))
+outs["qmm_g16"] = np.asarray(mod.qmm(x40, wq, s, b, 16, 8))
+for m in range(1, 17):
+    outs[f"qgemm{m}_g16"] = np.asarray(mod.qgemm(x40[:m], wq, s, b, 16, 8))
 outs["isa"] = np.array(mod.isa)
 outs["few_gemm"] = np.array(mod.few_gemm)
 q, kv = mx.array(d["q"]), mx.array(d["kv"]).astype(mx.float16)
@@ -705,6 +743,8 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # 
     for bits in (4, 8):
         wq, s, b = _quantized(29, 192, 32, bits)
         data.update({f"w{bits}": np.asarray(wq), f"s{bits}": np.asarray(s), f"b{bits}": np.asarray(b)})
+    (w16, s16, b16), w16_float = _group16(29, 192)
+    data.update(w16=np.asarray(w16), s16=np.asarray(s16), b16=np.asarray(b16))
     np.savez(tmp_path / "in.npz", **data)
     r = subprocess.run([sys.executable, "-c", _PORTABLE_RUN, str(so), str(tmp_path / "in.npz"),
                         str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=300,
@@ -725,6 +765,12 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # 
             wq, s, b = (mx.array(data[f"{n}{bits}"]) for n in ("w", "s", "b"))
             x40 = mx.concatenate([mx.array(data["x"])] * 4)[:40]
             assert np.array_equal(many, np.asarray(native.qgemm(x40, wq, s, b, 32, bits)))
+    x40 = np.concatenate([data["x"]] * 4)[:40].astype(np.float64)
+    ref16 = x40 @ w16_float.T  # 8 bits in groups of 16: every path, the float64 product
+    for key in ["qgemm40_g16", "qmm_g16"]:
+        np.testing.assert_allclose(got[key], ref16, rtol=2e-5, atol=2e-5 * np.abs(ref16).max())
+    for m in range(1, 17):
+        assert np.array_equal(got[f"qgemm{m}_g16"], got["qgemm40_g16"][:m]), m
     kv = mx.array(data["kv"]).astype(mx.float16)  # its portable float16 conversion
     np.testing.assert_allclose(got["attend16"], np.asarray(native.attend(
         mx.array(data["q"]), kv, kv, mx.ones((1, 1, 40), mx.bool_), 0.125)), rtol=1e-5, atol=1e-6)

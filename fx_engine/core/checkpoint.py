@@ -166,8 +166,25 @@ def cast(x: mx.array | None, dtype: mx.Dtype) -> mx.array | None:
     return None if x is None else x.astype(dtype)
 
 
+def regrouped(lin: Linear, group_size: int) -> Linear:
+    """`lin` with groups of `group_size`, a divisor of its own: each group's scale and bias
+    repeated over its parts (exact: the same affine map for every weight)."""
+    if not lin.quantized or lin.group_size == group_size:
+        return lin
+    r = lin.group_size // group_size
+    return attrs.evolve(lin, scales=mx.repeat(lin.scales, r, axis=-1), biases=mx.repeat(lin.biases, r, axis=-1),
+                        group_size=group_size)
+
+
 def fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: KeepQuantized) -> Linear:
-    """Concatenate linears along the output axis (exact for dense and affine-quantized)."""
+    """Concatenate linears along the output axis (exact for dense and affine-quantized).
+    Quantized parts of different group sizes (a GGUF mix: Q4_K q/k in groups of 32, a Q6_K
+    v in groups of 16) are regrouped to the smallest when it divides the others, and parts
+    of different widths widened to 8 bits: exact, and still one quantized matrix."""
+    if all(p.quantized for p in parts) and len({p.group_size for p in parts}) > 1:
+        g = min(p.group_size for p in parts)
+        if all(p.group_size % g == 0 for p in parts) and keep(keep_quantized, attrs.evolve(parts[0], group_size=g, bits=8)):
+            parts = [regrouped(p, g) for p in parts]
     parts = [widened(keep_quantized, p) for p in parts]
     if (all(p.quantized for p in parts) and len({p.group_size for p in parts}) == 1
             and len({p.bits for p in parts}) > 1):  # mixed widths (a GGUF K-quant mix): 8 bits

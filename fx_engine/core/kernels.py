@@ -98,8 +98,13 @@ def dequantize(w, scales, biases, group_size: int, bits: int):  # type: ignore[n
     return _module().dequantize(w, scales, biases, group_size, bits)
 
 
-def supports(group_size: int, bits: int) -> bool:
-    return bits in QMM_BITS and group_size > 0 and group_size % 32 == 0
+def supports(group_size: int, bits: int, activation_bits: int | None = None) -> bool:
+    """Whether the native products run this format: 4 or 8 bits in groups of a multiple of
+    32, and 8 bits in groups of 16 (a GGUF's Q6_K, widened exactly) except with 8-bit
+    activations (qmm_a8 rounds them per group of 32 or more)."""
+    if bits not in QMM_BITS or group_size <= 0:
+        return False
+    return group_size % 32 == 0 or (bits == 8 and group_size == 16 and activation_bits is None)
 
 
 def masked_softmax(scores, mask):  # type: ignore[no-untyped-def]

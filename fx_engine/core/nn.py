@@ -132,7 +132,8 @@ def linears(tree: object) -> list[Linear]:
 
 
 def _native_ok(lin: Linear, numerics: Numerics) -> bool:
-    return numerics.native and lin.quantized and kernels.supports(lin.group_size, lin.bits)
+    return (numerics.native and lin.quantized
+            and kernels.supports(lin.group_size, lin.bits, numerics.activation_bits))
 
 
 def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:

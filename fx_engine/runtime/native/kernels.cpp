@@ -483,12 +483,16 @@ mx::array swiglu(const mx::array& gu) {
 }
 
 void check_quantized(const char* op, const mx::array& w, const mx::array& scales,
-                     const mx::array& biases, int group_size, int bits) {
+                     const mx::array& biases, int group_size, int bits, bool group16 = true) {
   const std::string p = op;
   if (bits != 4 && bits != 8)
     throw std::invalid_argument(p + ": bits must be 4 or 8, got " + std::to_string(bits));
-  if (group_size <= 0 || group_size % 32 != 0)
-    throw std::invalid_argument(p + ": group_size must be a multiple of 32, got " +
+  // 8-bit weights also in groups of 16 (a GGUF's Q6_K, widened exactly), except qmm_a8,
+  // whose activations are rounded per group of 32 or more
+  const bool g16 = group16 && bits == 8 && group_size == 16;
+  if (group_size <= 0 || (group_size % 32 != 0 && !g16))
+    throw std::invalid_argument(p + ": group_size must be a multiple of 32" +
+                                std::string(group16 ? " (or 16 for 8 bits)" : "") + ", got " +
                                 std::to_string(group_size));
   if (w.ndim() != 2 || w.dtype() != mx::uint32)
     throw std::invalid_argument(p + ": w must be a 2-D uint32 array");
@@ -514,7 +518,7 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
 mx::array quantized_product(const char* op, int kind, const mx::array& x, const mx::array& w,
                             const mx::array& scales, const mx::array& biases, int group_size,
                             int bits) {
-  check_quantized(op, w, scales, biases, group_size, bits);
+  check_quantized(op, w, scales, biases, group_size, bits, kind != 2);
   const int K = static_cast<int>(w.shape(1)) * 32 / bits;
   if (x.ndim() < 1 || x.shape(-1) != K)
     throw std::invalid_argument(std::string(op) + ": x's last axis (" + std::to_string(x.shape(-1)) +

@@ -80,8 +80,10 @@ def measure(n: int, k: int, bits: int, gs: int) -> dict[str, dict[int, float]]:
     """Seconds per product of each candidate at each row count, on random weights of the
     given shape (the kernels' speed does not depend on the values)."""
     rng = np.random.default_rng(0)
-    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
-    wq, sc, bi = mx.quantize(w, group_size=gs, bits=bits)
+    # random packed integers, scales and biases (mx.quantize has no group 16)
+    wq = mx.array(rng.integers(0, 2**32, (n, k * bits // 32), dtype=np.uint32))
+    sc = mx.array(rng.uniform(0.001, 0.01, (n, k // gs)).astype(np.float32))
+    bi = mx.array(rng.uniform(-0.1, 0.1, (n, k // gs)).astype(np.float32))
     mx.eval(wq, sc, bi)
     args = (wq, sc, bi, gs, bits)
     xs = {m: mx.array(rng.standard_normal((m, k)).astype(np.float32))
@@ -128,8 +130,8 @@ def decide(seconds: dict[str, dict[int, float]]) -> tuple[MatmulPlan, str]:
 
 
 def _representative(params: Any) -> tuple[int, int, int, int] | None:
-    """(N, K, bits, group) of the native-kernel linears (4-/8-bit, groups of 32k) holding
-    the most weights; None if there are none."""
+    """(N, K, bits, group) of the native-kernel linears (4-/8-bit, groups of 32k; 8-bit in
+    groups of 16) holding the most weights; None if there are none."""
     totals: dict[tuple[int, int, int, int], int] = {}
     for lin in linears(params):
         if lin.quantized and lin.weight.ndim == 2 and supports(lin.group_size, lin.bits):

@@ -401,15 +401,16 @@ inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const flo
   for (int k0 = 0; k0 < K; k0 += 32) {
     for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
       _mm_prefetch(next + o, _MM_HINT_T0);
-    const int gi = k0 / gs;
-    __m512 s[NB], c[NB];
-    for (int t = 0; t < NB; ++t) {
-      const float* st = sbuf + t * (2 * groups * 16 + 16);
-      s[t] = _mm512_load_ps(st + gi * 16);
-      c[t] = _mm512_load_ps(st + (groups + gi) * 16);
-    }
     const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
     for (int h = 0; h < (BITS == 4 ? 1 : 2); ++h) {
+      // this half's group (8-bit weights may come in groups of 16: a GGUF's Q6_K widened)
+      const int gi = (k0 + 16 * h) / gs;
+      __m512 s[NB], c[NB];
+      for (int t = 0; t < NB; ++t) {
+        const float* st = sbuf + t * (2 * groups * 16 + 16);
+        s[t] = _mm512_load_ps(st + gi * 16);
+        c[t] = _mm512_load_ps(st + (groups + gi) * 16);
+      }
       __m512i wv[NB][4];
       for (int t = 0; t < NB; ++t) transpose16x4(fb[t].rw, off + 16 * h, wv[t]);
       // 4-bit split order: the low nibble of each byte (even k) for the block's 16 bytes,
@@ -566,12 +567,12 @@ inline void qgemm_few8_blocks(const float* x, int K, const uint32_t* wq, const f
   for (int k0 = 0; k0 < K; k0 += 32) {
     for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
       _mm_prefetch(next + o, _MM_HINT_T0);
-    const int gi = k0 / gs;
     const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
     // the 32 k of this step per block: 4-bit: one transpose, then the even k (low
     // nibbles), then the odd ones (the split order, as the AVX-512 path); 8-bit: two
     __m256i wv[NB][4];
     for (int h = 0; h < (BITS == 4 ? 1 : 2); ++h) {
+      const int gi = (k0 + 16 * h) / gs;  // 8-bit weights may come in groups of 16
       for (int t = 0; t < NB; ++t) transpose8x4(rw[t], off + 16 * h, wv[t]);
 #pragma GCC unroll 2
       for (int half = 0; half < (BITS == 4 ? 2 : 1); ++half)
