@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Union
 
 import mlx.core as mx
 import numpy as np
@@ -184,6 +184,11 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     little-endian bit stream per row. Each run of 32 values fills `bits` words; value i of a
     run lands at bit bits * i of the run (straddling two words when it crosses one)."""
     r, k = q.shape
+    if bits == 8:  # whole bytes: element j is byte j
+        return np.ascontiguousarray(q, dtype=np.uint8).view(np.uint32).reshape(r, k // 4)
+    if bits == 4:  # element 2i in byte i's low nibble, 2i + 1 in its high one
+        b = (q[:, 0::2].astype(np.uint8) | (q[:, 1::2].astype(np.uint8) << 4))
+        return np.ascontiguousarray(b).view(np.uint32).reshape(r, k // 8)
     runs = q.reshape(-1, 32).astype(np.uint64)
     words = np.zeros((runs.shape[0], bits), np.uint64)
     for i in range(32):
@@ -196,10 +201,11 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _affine(name: str, kind: str, data: np.ndarray, rows: int, cols: int,
-            lead: tuple[int, ...] = ()) -> dict[str, mx.array]:
+            lead: tuple[int, ...] = (), store_bits: StoreBits = None, head: bool = False) -> dict[str, mx.array]:
     """Rows of an affine-quantizable type -> MLX's packed weight, scales and biases, shaped
     lead + (packed,) (lead: the tensor's leading dims, rows = their product). numpy only:
-    this runs on worker threads, where MLX ops have no stream."""
+    this runs on worker threads, where MLX ops have no stream. store_bits: the width to pack
+    the integers in (8 for a width the native kernels do not run: exact)."""
     fn, block, nbytes = _AFFINE[kind]
     if cols % block:
         raise WeightsError(f"tensor '{name}' ({kind}): row length {cols} is not a multiple of {block}")
@@ -213,7 +219,7 @@ def _affine(name: str, kind: str, data: np.ndarray, rows: int, cols: int,
         q, scale, bias, bits, group = fn(blocks)
         scale = np.asarray(scale, np.float32).reshape(len(blocks), -1)  # [blocks, groups/block]
         bias = np.broadcast_to(np.asarray(bias, np.float32).reshape(len(blocks), -1), scale.shape)
-        out_w.append(_pack(q.reshape(n, cols), bits))
+        out_w.append(_pack(q.reshape(n, cols), store_bits(name, group, bits, head) if store_bits else bits))
         out_s.append(scale.reshape(n, cols // group))
         out_b.append(bias.reshape(n, cols // group))
     base = name[: -len(".weight")] if name.endswith(".weight") else name
@@ -316,14 +322,20 @@ class _Header:
         self.data_start = (off + align - 1) // align * align
 
 
+# (name, group, bits, is_head) -> the width to pack a tensor's integers in; is_head: the
+# output head (output.weight, or token_embd.weight in a file without one: tied, llama.cpp's
+# convention)
+StoreBits = Union[Callable[[str, int, int, bool], int], None]
+
+
 def _convert(name: str, kind: str, shape: list[int], rows: int, cols: int,
-             raw: np.ndarray) -> dict[str, mx.array]:
+             raw: np.ndarray, store_bits: StoreBits = None, head: bool = False) -> dict[str, mx.array]:
     """One tensor's bytes -> its MLX array(s) (see the module docstring)."""
     if kind in FLOAT_TYPES:
         dt = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[kind]
         return {name: mx.array(np.frombuffer(raw, dtype=dt).reshape(shape))}  # BF16: bits
     if kind in _AFFINE:  # stacked (expert) tensors [E, rows, cols]: each row alike
-        return _affine(name, kind, raw, rows, cols, tuple(shape[:-1]))
+        return _affine(name, kind, raw, rows, cols, tuple(shape[:-1]), store_bits, head)
     from gguf import GGMLQuantizationType  # not affine: llama.cpp's reference dequantization
     from gguf.quants import dequantize
 
@@ -331,8 +343,11 @@ def _convert(name: str, kind: str, shape: list[int], rows: int, cols: int,
     return {name: mx.array(values.astype(np.float32).reshape(shape))}
 
 
-def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """(tensors, metadata) of a GGUF file; see the module docstring for the representation."""
+def read_gguf(path: str | Path, store_bits: StoreBits = None) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """(tensors, metadata) of a GGUF file; see the module docstring for the representation.
+    store_bits(name, group, bits, is_head) -> the width to pack each affine tensor's integers in (None:
+    its own; the loader widens what the CPU kernels do not run to 8 bits here, in numpy,
+    rather than unpacking and repacking later)."""
     path = Path(path)
     if not path.is_file():
         raise WeightsError(f"{path}: no such file")
@@ -363,7 +378,9 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     workers = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
     tensors: dict[str, mx.array] = {}
     with ThreadPoolExecutor(workers) as pool:
-        for part in pool.map(lambda job: _convert(*job), jobs):
+        names = {job[0] for job in jobs}
+        head = "output.weight" if "output.weight" in names else "token_embd.weight"
+        for part in pool.map(lambda job: _convert(*job, store_bits, job[0] == head), jobs):
             tensors.update(part)
     for name, kind, *_ in jobs:  # MLX ops need this thread's stream: reinterpret here
         if kind == "BF16":

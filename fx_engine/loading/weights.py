@@ -35,7 +35,17 @@ def load_gguf(
 ) -> tuple[Any, Any, dict[str, Any]]:
     from fx_engine.loading.gguf import read_gguf  # llama.cpp's reader, K-quants included
 
-    tensors, metadata = read_gguf(path)
+    store_bits = None
+    if callable(keep_quantized):
+        # widths the kernels do not run, widened to 8 bits while reading (numpy, one pass);
+        # not embedding tables that are only looked up (a lookup dequantizes its rows: kept
+        # as stored), unless the table is also the head
+        def store_bits(name: str, group: int, bits: int, head: bool) -> int:
+            if ("token_embd" in name and not head) or bits >= 8:
+                return bits
+            return 8 if not keep_quantized(group, bits) and keep_quantized(group, 8) else bits
+
+    tensors, metadata = read_gguf(path, store_bits)
     family = gguf_family(metadata, str(path))
     cfg = family.config_from_gguf(metadata, str(path))
     src = TensorSource()
