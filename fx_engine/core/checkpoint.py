@@ -259,10 +259,11 @@ GATHER_QMM_GROUPS = (32, 64, 128)  # the group sizes mx.gather_qmm runs
 
 
 def finish_experts(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized) -> Linear:
-    # Stacked experts run through mx.gather_qmm, which has no native CPU kernel: only an
-    # explicit keep_quantized=True keeps them quantized (in a group size it runs: a GGUF's
-    # Q6_K stack, group 16, is dequantized).
-    if lin.quantized and keep_quantized is True and lin.group_size in GATHER_QMM_GROUPS:
+    # Stacked experts run through mx.gather_qmm (MLX's kernels: no native CPU one), which
+    # reads only the chosen experts: kept packed in any width it runs unless the policy is
+    # False (a large MoE's float32 copy would not fit: 30B parameters are 120 GB). A GGUF's
+    # Q6_K stack (group 16, which gather_qmm does not run) is dequantized.
+    if lin.quantized and keep_quantized is not False and lin.group_size in GATHER_QMM_GROUPS:
         return Linear(weight=lin.weight, bias=cast(lin.bias, dtype), scales=lin.scales.astype(dtype),
                       biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits)
     w = lin.weight
@@ -304,8 +305,8 @@ def fuse_experts(gate: Linear, up: Linear, dtype: mx.Dtype, keep_quantized: Keep
     bias = None if gate.bias is None else mx.concatenate([gate.bias, up.bias], axis=-1)
     if gate.quantized and up.quantized and gate.group_size == up.group_size and gate.bits != up.bits:
         gate, up = (widened(keep_quantized, p, force=True) for p in (gate, up))  # exact: 8 bits
-    if gate.quantized and up.quantized and keep_quantized is True and gate.bits == up.bits \
-            and gate.group_size == up.group_size:
+    if gate.quantized and up.quantized and keep_quantized is not False and gate.bits == up.bits \
+            and gate.group_size == up.group_size and gate.group_size in GATHER_QMM_GROUPS:
         cat = lambda xs: mx.concatenate(xs, axis=1)  # noqa: E731
         return finish_experts(Linear(weight=cat([gate.weight, up.weight]), bias=bias,
                                      scales=cat([gate.scales, up.scales]),

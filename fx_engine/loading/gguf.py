@@ -219,7 +219,9 @@ def _affine(name: str, kind: str, data: np.ndarray, rows: int, cols: int,
         q, scale, bias, bits, group = fn(blocks)
         scale = np.asarray(scale, np.float32).reshape(len(blocks), -1)  # [blocks, groups/block]
         bias = np.broadcast_to(np.asarray(bias, np.float32).reshape(len(blocks), -1), scale.shape)
-        out_w.append(_pack(q.reshape(n, cols), store_bits(name, group, bits, head) if store_bits else bits))
+        # expert stacks (3-D) run on mx.gather_qmm, which takes every width: as stored
+        width = store_bits(name, group, bits, head) if store_bits and len(lead) <= 1 else bits
+        out_w.append(_pack(q.reshape(n, cols), width))
         out_s.append(scale.reshape(n, cols // group))
         out_b.append(bias.reshape(n, cols // group))
     base = name[: -len(".weight")] if name.endswith(".weight") else name
