@@ -46,8 +46,7 @@ def test_family_runs_with_every_engine_feature(folders, model_type):
     assert [o.token_ids for o in outs] == refs
     assert outs[2].usage.cached_tokens > 0  # the shared prefix came from the prefix cache
 
-    # (not test_tracing's engine shape: its timeline test wants its own first compiles)
-    engine = fx_engine.Engine(model, max_rows=3, prefill_chunk=24, prefix_cache_bytes=0)
+    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=32, prefix_cache_bytes=0)
     with RecompileWatch() as w:
         _workload(engine)
         w.mark_warm()

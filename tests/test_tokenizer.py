@@ -717,3 +717,64 @@ def test_spm_stream_broken_byte_run_deviation(spm_pair) -> None:
     detok = tok.detokenizer()
     streamed = "".join(detok.add(i) for i in ids) + detok.finalize()
     assert streamed == "theé" + FFFD * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's own tokenizer (where llama-cpp-python is installed: an optional peer, not in CI;
+# transformers and sentencepiece above cover the same vocabularies there)
+# ---------------------------------------------------------------------------------------------
+
+LLAMA_CPP_TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnewlines  ", "Numbers 1234567 and 3.14159",
+                   "Ünïcödé 🙂 中文テキスト", "def f(x):\n    return x**2  # comment", "<|im_start|>user\nHi<|im_end|>",
+                   "don't won't I'm they're", "a" * 50 + " " + "ab" * 20]
+TEXT_ALPHABET = st.text(st.sampled_from(list("thequick brownfox12 3.,!?'\n\tüé日🙂<>|_")), max_size=60)
+
+
+def _llama_cpp_vocab(path: Path):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (an optional peer) is not installed")
+    return llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_default_vocab(gguf_path: Path):
+    llm = _llama_cpp_vocab(gguf_path)
+    yield llm
+    llm.close()
+
+
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.one_of(st.sampled_from(LLAMA_CPP_TEXTS), TEXT_ALPHABET))
+def test_gguf_byte_level_bpe_matches_llama_cpp(llama_cpp_default_vocab, tok, text: str) -> None:
+    """The default model's GGUF vocabulary (llama.cpp's `smollm` byte-level BPE) encodes as
+    llama.cpp's own tokenizer does, special tokens included."""
+    llm = llama_cpp_default_vocab
+    assert tok.encode(text, add_special_tokens=False) == llm.tokenize(text.encode(), add_bos=False, special=True)
+
+
+def test_gguf_sentencepiece_matches_llama_cpp(spm_pair, tmp_path) -> None:
+    """A SentencePiece ('llama') GGUF vocabulary, written to a file llama.cpp loads: its
+    tokenizer and fx-engine's agree (BOS added as the vocabulary asks)."""
+    gguf = pytest.importorskip("gguf")
+    sp, tok = spm_pair
+    w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    for key, val in (("block_count", 1), ("context_length", 256), ("embedding_length", 64),
+                     ("feed_forward_length", 128), ("attention.head_count", 4)):
+        w.add_uint32(f"llama.{key}", val)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    n = sp.get_piece_size()
+    w.add_tokenizer_model("llama")
+    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    w.add_token_scores([sp.get_score(i) for i in range(n)])
+    kinds = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i)
+             else 4 if sp.id_to_piece(i) == "<think>" else 1 for i in range(n)]
+    w.add_token_types(kinds)
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    w.add_unk_token_id(sp.unk_id())
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    llm = _llama_cpp_vocab(tmp_path / "spm.gguf")
+    try:
+        for text in ["the quick brown fox", " café naïve über ", "hello\nworld  <think> dog", "日🤗 byte fallback"]:
+            assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=True, special=True), text
+    finally:
+        llm.close()

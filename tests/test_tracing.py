@@ -85,13 +85,18 @@ def _workload(engine, model, n=6):
     return [h.result() for h in hs]
 
 
-def test_steady_decode_loop_has_no_recompiles_and_a_valid_timeline(tiny_model):
-    engine = fx_engine.Engine(tiny_model, max_rows=4, prefill_chunk=32, prefix_cache_bytes=0)
+def test_steady_decode_loop_has_no_recompiles_and_a_valid_timeline(tmp_path):
+    # a model of its own (3 layers): the step functions' compile cache is per process, and
+    # this test wants to see its first compiles on the timeline, whatever ran before it
+    from fx_engine.testing import write_tiny_model
+
+    model = fx_engine.load(write_tiny_model(tmp_path / "m", "llama", num_hidden_layers=3))
+    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=32, prefix_cache_bytes=0)
     with RecompileWatch() as w:
-        _workload(engine, tiny_model)
+        _workload(engine, model)
         w.mark_warm()
         mark = len(engine.trace_events)
-        _workload(engine, tiny_model)
+        _workload(engine, model)
     assert w.recompiles == [], [e["reason"] for e in w.recompiles]
     trace = chrome_trace(list(engine.trace_events), w.events)
     assert validate_chrome_trace(trace) == []
