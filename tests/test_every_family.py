@@ -75,3 +75,49 @@ def test_family_served_to_the_openai_client(folders, model_type):
         out = OpenAI(base_url=url + "/v1", api_key="none").chat.completions.create(
             model=model_type, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0)
     assert out.choices[0].message.content == want.text and out.usage.completion_tokens == len(want.token_ids)
+
+
+def _mlx_community(folder, out):
+    """The folder as mlx-community publishes it: mlx-lm's own quantize_model (4-bit, group
+    32; its per-model predicates) and save_model."""
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    model, config = load_model(folder)
+    kw = {"quant_predicate": model.quant_predicate} if hasattr(model, "quant_predicate") else {}
+    model, config = quantize_model(model, config, group_size=32, bits=4, **kw)
+    out.mkdir()
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((folder / name).read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_family_against_mlx_lm(folders, model_type, tmp_path):
+    """Each family's tiny example against mlx-lm's own class for it: greedy tokens equal
+    mlx-lm's generate_step; in the batch-invariant mode rows joining a batch equal each
+    request alone (bitwise); and mlx-lm's own 4-bit conversion of the folder loads and gives
+    mlx-lm's logits (the float model's tolerance: both sides run the same packed weights)."""
+    import mlx.core as mx
+
+    from .conftest import LONG_TEXT
+    from .test_models_parity import _compare, assert_batch_equals_solo, assert_greedy_matches_mlx_lm
+
+    import importlib.util
+
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    path = folders[model_type]
+    model = fx_engine.load(path)
+    ids = model.tokenizer.encode(LONG_TEXT)
+    assert_batch_equals_solo(fx_engine.load(path, batch_invariant=True), [ids[:n] for n in (5, 40, 23)])
+    if importlib.util.find_spec(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}") is None:
+        return  # an alias mlx-lm does not know (smollm2: real checkpoints say llama)
+    assert_greedy_matches_mlx_lm(path, model, ids[:45])
+    q = _mlx_community(path, tmp_path / "q")
+    from mlx_lm.utils import load_model
+
+    ref, _ = load_model(q)
+    quantized = fx_engine.load(q)
+    _compare(fx_engine.logits(quantized, ids[:72], chunk=24), ref(mx.array([ids[:72]]))[0])
