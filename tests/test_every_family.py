@@ -54,6 +54,12 @@ def test_family_runs_with_every_engine_feature(folders, model_type):
     engine.close()
     assert w.recompiles == [], [e["reason"] for e in w.recompiles]
 
+    # a float16 KV cache: the engine's batch equals that model's own reference loop
+    half = fx_engine.load(folders[model_type], kv_dtype="float16")
+    want = [reference_generate(half, p, max_tokens=8, temperature=0.0).token_ids for p in prompts[:2]]
+    with fx_engine.Engine(half, max_rows=2, prefill_chunk=16) as eng:
+        assert [h.result().token_ids for h in [eng.submit(p, max_tokens=8) for p in prompts[:2]]] == want
+
     graphs = step_graphs(model, Bucket(rows=2, capacity=256, chunk=16, draft=3), steps=("decode_step",),
                          views=("traced",))
     assert graphs[("decode_step", "traced")].num_ops > 10
