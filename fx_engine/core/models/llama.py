@@ -177,7 +177,16 @@ def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = No
     architecture has (the MoE family's qwen3moe is qwen3's); ff_default: the dense MLP width
     when the metadata has none (MoE files whose layers are all experts)."""
     arch = md.get("general.architecture")
-    attention = attention or {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[arch]
+    attention = attention or {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "granite": "llama",
+                              "smollm3": "llama"}[arch]
+    extra: dict[str, Any] = {}
+    if arch == "granite":  # llama.cpp's granite keys for the four multipliers
+        extra = {f: float(gguf_value(md, arch, key, source)) for f, key in (
+            ("embedding_multiplier", "embedding_scale"), ("attention_multiplier", "attention.scale"),
+            ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale"))}
+    if arch == "smollm3":  # llama.cpp runs every 4th layer without RoPE (its fixed step)
+        extra = {"no_rope_layers": tuple(i for i in range(int(gguf_value(md, arch, "block_count", source)))
+                                         if (i + 1) % 4 == 0)}
 
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, arch, key, source, default)
@@ -200,7 +209,8 @@ def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = No
     if rope_dims != head_dim:
         raise ConfigError(f"{source}: partial rotary embeddings (rope.dimension_count) unsupported")
     return LlamaConfig(
-        model_type=attention,
+        model_type=arch if arch in ("granite", "smollm3") else attention,
+        **extra,
         vocab_size=int(vocab),
         hidden_size=hidden,
         num_layers=int(val("block_count")),
@@ -412,7 +422,7 @@ def assemble_gguf(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Par
     rows were permuted for interleaved RoPE, and Llama-3 rope scaling is stored as
     per-frequency factors (rope_freqs.weight)."""
     tensors = dict(src.tensors)
-    if cfg.model_type == "llama":
+    if cfg.model_type in ("llama", "granite", "smollm3"):  # converted by llama.cpp's LlamaModel
         for i in range(cfg.num_layers):
             for part, heads in (("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads)):
                 for suffix in (".weight", ".scales", ".biases", ".bias"):
@@ -582,7 +592,7 @@ FAMILY = Family(
     config_type=LlamaConfig, params_type=Params, config_from_hf=config_from_hf,
     assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    gguf_architectures=("llama", "qwen2", "qwen3"), config_from_gguf=config_from_gguf,
+    gguf_architectures=("llama", "qwen2", "qwen3", "granite", "smollm3"), config_from_gguf=config_from_gguf,
     assemble_gguf=assemble_gguf, first_layers=first_layers,
     tiny_config=tiny_config,
 )

@@ -272,9 +272,59 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "eos_token_id": 2, "attention_bias": False, **_TINY[model_type], **overrides}
 
 
+# llama.cpp's olmo2 tensor names -> Hugging Face's (its converter renames only: no
+# permutation, norms stored as they are)
+_GGUF_TO_HF = (
+    (r"^token_embd\.", "model.embed_tokens."), (r"^output_norm\.", "model.norm."),
+    (r"^output\.", "lm_head."), (r"^blk\.(\d+)\.", r"model.layers.\1."),
+    (r"\.attn_q_norm\.", ".self_attn.q_norm."), (r"\.attn_k_norm\.", ".self_attn.k_norm."),
+    (r"\.attn_q\.", ".self_attn.q_proj."), (r"\.attn_k\.", ".self_attn.k_proj."),
+    (r"\.attn_v\.", ".self_attn.v_proj."), (r"\.attn_output\.", ".self_attn.o_proj."),
+    (r"\.post_attention_norm\.", ".post_attention_layernorm."),
+    (r"\.post_ffw_norm\.", ".post_feedforward_layernorm."), (r"\.ffn_gate\.", ".mlp.gate_proj."),
+    (r"\.ffn_up\.", ".mlp.up_proj."), (r"\.ffn_down\.", ".mlp.down_proj."),
+)
+
+
+def assemble_gguf(cfg: PostNormConfig, src: TensorSource, opts: LoadOptions) -> PostNormParams:
+    """OLMo 2 from llama.cpp's names (renamed to Hugging Face's, then `assemble`)."""
+    import re
+
+    renamed = TensorSource()
+    for name, t in src.tensors.items():
+        hf = name
+        for pattern, repl in _GGUF_TO_HF:
+            hf = re.sub(pattern, repl, hf)
+        renamed.tensors[hf], renamed.origin[hf] = t, f"{src.origin[name]} ({name})"
+    return assemble(attrs.evolve(cfg, tie_word_embeddings=None), renamed, opts)
+
+
+def config_from_gguf(md: dict[str, Any], source: str) -> PostNormConfig:
+    """An OLMo 2 config from llama.cpp's olmo2 metadata."""
+    from fx_engine.core.config import gguf_value
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, "olmo2", key, source, default)
+
+    heads = int(val("attention.head_count"))
+    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
+    d = {"model_type": "olmo2", "hidden_size": int(val("embedding_length")),
+         "num_hidden_layers": int(val("block_count")), "num_attention_heads": heads,
+         "num_key_value_heads": int(val("attention.head_count_kv", heads)),
+         "intermediate_size": int(val("feed_forward_length")),
+         "rms_norm_eps": float(val("attention.layer_norm_rms_epsilon")),
+         "rope_theta": float(val("rope.freq_base", 10000.0)),
+         "max_position_embeddings": int(val("context_length", 4096)),
+         "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
+         "bos_token_id": int(bos.item()) if bos is not None else None,
+         "eos_token_id": int(eos.item()) if eos is not None else None}
+    return config_from_hf(d, source)
+
+
 FAMILY = Family(
     name="postnorm", model_types=("olmo2", "olmo3", "exaone4", "glm4"), config_type=PostNormConfig,
     params_type=PostNormParams, config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
     forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     first_layers=first_layers, tiny_config=tiny_config,
+    gguf_architectures=("olmo2",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )

@@ -1,0 +1,103 @@
+"""GGUF files of the families added by the model-breadth step (granite, smollm3, olmo2):
+tiny Hugging Face folders converted as llama.cpp's converter does, with the tensor names
+from llama.cpp's own `gguf` package (its TensorNameMap: an independent oracle for the
+names), its metadata keys, and the q/k row permutation of its LlamaModel conversions; some
+tensors quantized by the package's reference quantizer. fx-engine's logits from the file
+equal mlx-lm's on the folder holding the same (dequantized) weights."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import fx_engine
+from fx_engine.testing import write_tiny_model
+
+from .conftest import LONG_TEXT
+from .gguf_tokenizer import add_tokenizer
+from .test_models_parity import _compare
+
+gguf = pytest.importorskip("gguf")
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute (interleaved RoPE pairs from half-split ones)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert(folder: Path, out: Path, arch: str, metadata: dict, permute: bool) -> Path:
+    """Write `folder` as a GGUF of `arch`; returns an HF folder with the weights the file
+    holds (Q8_0 ones dequantized by the package's reference), for the mlx-lm oracle."""
+    import json
+
+    from gguf.quants import dequantize, quantize
+
+    cfg = json.loads((folder / "config.json").read_text())
+    n_layers, heads, kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n_layers)
+    w = gguf.GGUFWriter(str(out), arch)
+    for key, value in metadata.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
+    add_tokenizer(w, folder, cfg["eos_token_id"])
+    weights = {k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    oracle = {}
+    for name, x in sorted(weights.items()):
+        stored = x
+        if permute and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            stored = _permute(x, heads if "q_proj" in name else kv)
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert target is not None, name
+        if x.ndim == 2 and x.shape[1] % 32 == 0 and ".mlp." in name:  # the MLP as Q8_0
+            q = quantize(stored, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(target, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            deq = dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(x.shape)
+            oracle[name] = deq
+        else:
+            w.add_tensor(target, stored)
+            oracle[name] = x
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    ref = out.parent / "oracle"
+    ref.mkdir()
+    mx.save_safetensors(str(ref / "model.safetensors"), {k: mx.array(v) for k, v in oracle.items()})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (ref / name).write_bytes((folder / name).read_bytes())
+    return ref
+
+
+def _common(cfg: dict) -> dict:
+    return {"context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"],
+            "block_count": cfg["num_hidden_layers"], "feed_forward_length": cfg["intermediate_size"],
+            "attention.head_count": cfg["num_attention_heads"],
+            "attention.head_count_kv": cfg["num_key_value_heads"],
+            "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]), "rope.freq_base": float(cfg["rope_theta"])}
+
+
+@pytest.mark.parametrize("model_type,arch,permute,overrides", [
+    ("granite", "granite", True, {}),
+    ("granite", "granite", True, {"tie_word_embeddings": False, "logits_scaling": 1.5}),
+    ("smollm3", "smollm3", True, {}),
+    ("olmo2", "olmo2", False, {}),
+    ("olmo2", "olmo2", False, {"tie_word_embeddings": True}),
+])
+def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrides):
+    import json
+
+    from mlx_lm.utils import load_model
+
+    folder = write_tiny_model(tmp_path / "m", model_type, **overrides)
+    cfg = json.loads((folder / "config.json").read_text())
+    md = _common(cfg)
+    if model_type == "granite":
+        md.update({"embedding_scale": float(cfg["embedding_multiplier"]),
+                   "attention.scale": float(cfg["attention_multiplier"]),
+                   "residual_scale": float(cfg["residual_multiplier"]),
+                   "logit_scale": float(cfg["logits_scaling"])})
+    oracle = convert(folder, tmp_path / "m.gguf", arch, md, permute)
+    model = fx_engine.load(tmp_path / "m.gguf")
+    assert model.config.model_type == model_type
+    assert (model.params.lm_head is None) == bool(cfg.get("tie_word_embeddings", True))
+    ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    ref, _ = load_model(oracle)
+    ref.set_dtype(mx.float32)
+    _compare(fx_engine.logits(model, ids, chunk=32), ref(mx.array([ids]))[0])
