@@ -314,3 +314,29 @@ def fuse_experts(gate: Linear, up: Linear, dtype: mx.Dtype, keep_quantized: Keep
                                      group_size=gate.group_size, bits=gate.bits), dtype, keep_quantized)
     dense = [finish_experts(p, dtype, False).weight for p in (gate, up)]  # [E, H, F] each
     return Linear(weight=mx.concatenate(dense, axis=-1), bias=cast(bias, dtype), transposed=True)
+
+
+# llama.cpp's tensor names shared by most architectures -> Hugging Face's (family modules
+# add their own rules before these)
+GGUF_COMMON_NAMES: tuple[tuple[str, str], ...] = (
+    (r"^token_embd\.", "model.embed_tokens."), (r"^output_norm\.", "model.norm."),
+    (r"^output\.", "lm_head."), (r"^blk\.(\d+)\.", r"model.layers.\1."),
+    (r"\.attn_q_norm\.", ".self_attn.q_norm."), (r"\.attn_k_norm\.", ".self_attn.k_norm."),
+    (r"\.attn_q\.", ".self_attn.q_proj."), (r"\.attn_k\.", ".self_attn.k_proj."),
+    (r"\.attn_v\.", ".self_attn.v_proj."), (r"\.attn_output\.", ".self_attn.o_proj."),
+    (r"\.ffn_gate\.", ".mlp.gate_proj."), (r"\.ffn_up\.", ".mlp.up_proj."), (r"\.ffn_down\.", ".mlp.down_proj."),
+)
+
+
+def renamed(src: TensorSource, rules: tuple[tuple[str, str], ...]) -> TensorSource:
+    """The tensors under new names: each name through every (pattern, replacement) rule in
+    order (GGUF -> Hugging Face names; the GGUF name is kept in the origin for errors)."""
+    import re
+
+    out = TensorSource()
+    for name, t in src.tensors.items():
+        new = name
+        for pattern, repl in rules:
+            new = re.sub(pattern, repl, new)
+        out.tensors[new], out.origin[new] = t, f"{src.origin[name]} ({name})"
+    return out

@@ -19,7 +19,7 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear
+from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear, renamed
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, required, token_ids
 from fx_engine.core.models.family import Family
 from fx_engine.core.nn import Linear, Numerics, apply_rope, embed, layer_norm, linear, rope_tables, swiglu_fused
@@ -231,9 +231,50 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "bos_token_id": 1, "eos_token_id": 2, **_TINY[model_type], **overrides}
 
 
+# llama.cpp's command-r / cohere2 names beyond the common ones
+_GGUF_TO_HF = ((r"\.attn_norm\.", ".input_layernorm."),) + GGUF_COMMON_NAMES
+
+
+def assemble_gguf(cfg: CohereConfig, src: TensorSource, opts: LoadOptions) -> CohereParams:
+    """Command R / R7B from llama.cpp's names (renamed only: no permutation); per-head q/k
+    norms when the file has them (Command R+: llama.cpp decides by the tensors too)."""
+    src = renamed(src, _GGUF_TO_HF)
+    qk = cfg.model_type == "cohere" and src.has("model.layers.0.self_attn.q_norm.weight")
+    return assemble(attrs.evolve(cfg, qk_norm=qk), src, opts)
+
+
+def config_from_gguf(md: dict[str, Any], source: str) -> CohereConfig:
+    """From llama.cpp's command-r / cohere2 metadata; cohere2 with llama.cpp's fixed choice
+    of every 4th layer global."""
+    from fx_engine.core.config import gguf_value
+
+    arch = md.get("general.architecture")
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, arch, key, source, default)
+
+    heads, hidden = int(val("attention.head_count")), int(val("embedding_length"))
+    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
+    d = {"model_type": "cohere" if arch == "command-r" else "cohere2", "hidden_size": hidden,
+         "num_hidden_layers": int(val("block_count")), "num_attention_heads": heads,
+         "num_key_value_heads": int(val("attention.head_count_kv", heads)),
+         "head_dim": int(val("attention.key_length", hidden // heads)),
+         "intermediate_size": int(val("feed_forward_length")),
+         "layer_norm_eps": float(val("attention.layer_norm_epsilon")),
+         "rope_theta": float(val("rope.freq_base", 10000.0)), "logit_scale": float(val("logit_scale")),
+         "max_position_embeddings": int(val("context_length", 8192)),
+         "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
+         "bos_token_id": int(bos.item()) if bos is not None else None,
+         "eos_token_id": int(eos.item()) if eos is not None else None}
+    if arch == "cohere2":
+        d.update(sliding_window=int(val("attention.sliding_window")), sliding_window_pattern=4)
+    return config_from_hf(d, source)
+
+
 FAMILY = Family(
     name="cohere", model_types=("cohere", "cohere2"), config_type=CohereConfig, params_type=CohereParams,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout, first_layers=first_layers,
-    tiny_config=tiny_config,
+    tiny_config=tiny_config, gguf_architectures=("command-r", "cohere2"), config_from_gguf=config_from_gguf,
+    assemble_gguf=assemble_gguf,
 )

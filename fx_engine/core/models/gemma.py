@@ -27,7 +27,7 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
-from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, fuse_experts, read_expert_stack, read_linear)
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, fuse_experts, read_expert_stack, read_linear, renamed)
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, refuse, required, token_ids
 from fx_engine.core.models.family import Family
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, capped, embed, gelu_tanh, linear, rms_norm, rope_tables, routed_glu)
@@ -546,33 +546,19 @@ def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions,
     )
 
 
-# llama.cpp's Gemma 3 tensor names -> Hugging Face's (the converter adds 1 to every norm
+# llama.cpp's Gemma names that are not the common ones (the converter adds 1 to every norm
 # weight, so they hold the scale itself: read with norm_offset 0)
 _GGUF_TO_HF = (
-    (r"^token_embd\.", "model.embed_tokens."), (r"^output_norm\.", "model.norm."),
-    (r"^output\.", "lm_head."), (r"^blk\.(\d+)\.", r"model.layers.\1."),
-    (r"\.attn_norm\.", ".input_layernorm."), (r"\.attn_q_norm\.", ".self_attn.q_norm."),
-    (r"\.attn_k_norm\.", ".self_attn.k_norm."), (r"\.attn_q\.", ".self_attn.q_proj."),
-    (r"\.attn_k\.", ".self_attn.k_proj."), (r"\.attn_v\.", ".self_attn.v_proj."),
-    (r"\.attn_output\.", ".self_attn.o_proj."),
+    (r"\.attn_norm\.", ".input_layernorm."),
     (r"\.post_attention_norm\.", ".post_attention_layernorm."),
     (r"\.ffn_norm\.", ".pre_feedforward_layernorm."),
-    (r"\.post_ffw_norm\.", ".post_feedforward_layernorm."), (r"\.ffn_gate\.", ".mlp.gate_proj."),
-    (r"\.ffn_up\.", ".mlp.up_proj."), (r"\.ffn_down\.", ".mlp.down_proj."),
-)
+    (r"\.post_ffw_norm\.", ".post_feedforward_layernorm."),
+) + GGUF_COMMON_NAMES
 
 
 def assemble_gguf(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions) -> GemmaParams:
-    """Gemma 3 from llama.cpp's names (no row permutation: Gemma rotates halves)."""
-    import re
-
-    renamed = TensorSource()
-    for name, t in src.tensors.items():
-        hf = name
-        for pattern, repl in _GGUF_TO_HF:
-            hf = re.sub(pattern, repl, hf)
-        renamed.tensors[hf], renamed.origin[hf] = t, f"{src.origin[name]} ({name})"
-    return assemble(cfg, renamed, opts, norm_offset=0.0)
+    """Gemma 2 / 3 from llama.cpp's names (no row permutation: Gemma rotates halves)."""
+    return assemble(cfg, renamed(src, _GGUF_TO_HF), opts, norm_offset=0.0)
 
 
 def config_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:

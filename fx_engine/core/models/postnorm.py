@@ -26,7 +26,7 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear
+from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear, renamed
 from fx_engine.core.config import ConfigError, positive_int
 from fx_engine.core.models import llama
 from fx_engine.core.models.family import Family
@@ -272,31 +272,17 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "eos_token_id": 2, "attention_bias": False, **_TINY[model_type], **overrides}
 
 
-# llama.cpp's olmo2 tensor names -> Hugging Face's (its converter renames only: no
+# llama.cpp's olmo2 names beyond the common ones (its converter renames only: no
 # permutation, norms stored as they are)
 _GGUF_TO_HF = (
-    (r"^token_embd\.", "model.embed_tokens."), (r"^output_norm\.", "model.norm."),
-    (r"^output\.", "lm_head."), (r"^blk\.(\d+)\.", r"model.layers.\1."),
-    (r"\.attn_q_norm\.", ".self_attn.q_norm."), (r"\.attn_k_norm\.", ".self_attn.k_norm."),
-    (r"\.attn_q\.", ".self_attn.q_proj."), (r"\.attn_k\.", ".self_attn.k_proj."),
-    (r"\.attn_v\.", ".self_attn.v_proj."), (r"\.attn_output\.", ".self_attn.o_proj."),
     (r"\.post_attention_norm\.", ".post_attention_layernorm."),
-    (r"\.post_ffw_norm\.", ".post_feedforward_layernorm."), (r"\.ffn_gate\.", ".mlp.gate_proj."),
-    (r"\.ffn_up\.", ".mlp.up_proj."), (r"\.ffn_down\.", ".mlp.down_proj."),
-)
+    (r"\.post_ffw_norm\.", ".post_feedforward_layernorm."),
+) + GGUF_COMMON_NAMES
 
 
 def assemble_gguf(cfg: PostNormConfig, src: TensorSource, opts: LoadOptions) -> PostNormParams:
     """OLMo 2 from llama.cpp's names (renamed to Hugging Face's, then `assemble`)."""
-    import re
-
-    renamed = TensorSource()
-    for name, t in src.tensors.items():
-        hf = name
-        for pattern, repl in _GGUF_TO_HF:
-            hf = re.sub(pattern, repl, hf)
-        renamed.tensors[hf], renamed.origin[hf] = t, f"{src.origin[name]} ({name})"
-    return assemble(attrs.evolve(cfg, tie_word_embeddings=None), renamed, opts)
+    return assemble(attrs.evolve(cfg, tie_word_embeddings=None), renamed(src, _GGUF_TO_HF), opts)
 
 
 def config_from_gguf(md: dict[str, Any], source: str) -> PostNormConfig:

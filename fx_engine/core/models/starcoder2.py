@@ -19,7 +19,7 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear
+from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear, renamed
 from fx_engine.core.config import ConfigError
 from fx_engine.core.models import llama
 from fx_engine.core.models.family import Family
@@ -148,9 +148,48 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             **overrides}
 
 
+# llama.cpp's starcoder2 names beyond the common ones: LayerNorms with biases, the GPT MLP
+_GGUF_TO_HF = (
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.ffn_up\.", ".mlp.c_fc."), (r"\.ffn_down\.", ".mlp.c_proj."),
+) + GGUF_COMMON_NAMES
+
+
+def assemble_gguf(cfg: Starcoder2Config, src: TensorSource, opts: LoadOptions) -> Starcoder2Params:
+    """StarCoder 2 from llama.cpp's names (renamed only: no permutation). Tied unless the
+    file has its own output.weight."""
+    src = renamed(src, _GGUF_TO_HF)
+    return assemble(attrs.evolve(cfg, tie_word_embeddings=not src.has("lm_head.weight")), src, opts)
+
+
+def config_from_gguf(md: dict[str, Any], source: str) -> Starcoder2Config:
+    """A StarCoder 2 config from llama.cpp's starcoder2 metadata. llama.cpp runs the tanh
+    GELU and full attention on every layer (its converter writes no window)."""
+    from fx_engine.core.config import gguf_value
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, "starcoder2", key, source, default)
+
+    heads = int(val("attention.head_count"))
+    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
+    return config_from_hf({
+        "model_type": "starcoder2", "hidden_size": int(val("embedding_length")),
+        "num_hidden_layers": int(val("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(val("attention.head_count_kv", heads)),
+        "intermediate_size": int(val("feed_forward_length")),
+        "norm_epsilon": float(val("attention.layer_norm_epsilon")),
+        "rope_theta": float(val("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(val("context_length", 4096)), "sliding_window": None,
+        "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
+        "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+        "bos_token_id": int(bos.item()) if bos is not None else None,
+        "eos_token_id": int(eos.item()) if eos is not None else None}, source)
+
+
 FAMILY = Family(
     name="starcoder2", model_types=("starcoder2",), config_type=Starcoder2Config,
     params_type=Starcoder2Params, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=llama.cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
     checkpoint_layout=checkpoint_layout, first_layers=llama.first_layers, tiny_config=tiny_config,
+    gguf_architectures=("starcoder2",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )
