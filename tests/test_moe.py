@@ -293,3 +293,61 @@ def test_batched_experts_equal_each_token_through_its_experts(n, k, e, seed, bat
             g, u = a[:f], a[f:]
             ref[t, j] = dn[idx[t, j]].astype(np.float64) @ (g / (1 + np.exp(-g)) * u)
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["ffn_exps", "per-expert"])
+def test_mixtral_gguf_as_llama_with_experts(tmp_path, stacked):
+    """llama.cpp writes Mixtral as the "llama" architecture with expert_count: its q/k rows
+    permuted (LlamaModel), the experts stacked (ffn_gate_exps, ...) or, in older files, one
+    tensor per expert (ffn_gate.{e}); the router ffn_gate_inp. Names of the other tensors
+    from llama.cpp's own TensorNameMap; the file gives mlx-lm's logits on the folder."""
+    import json
+
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from .gguf_tokenizer import add_tokenizer
+    from .test_gguf_families import _common, _permute
+
+    folder = write_tiny_model(tmp_path / "m", "mixtral")
+    cfg = json.loads((folder / "config.json").read_text())
+    n, heads, kv, e = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_local_experts"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n)
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    for key, value in {**_common(cfg), "expert_count": e, "expert_used_count": cfg["num_experts_per_tok"]}.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"llama.{key}", value)
+    add_tokenizer(w, folder, cfg["eos_token_id"])
+    weights = {k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for i in range(n):
+        pre = f"model.layers.{i}.block_sparse_moe."
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", weights.pop(pre + "gate.weight"))
+        for hf, gg in (("w1", "ffn_gate"), ("w3", "ffn_up"), ("w2", "ffn_down")):
+            parts = [weights[f"{pre}experts.{j}.{hf}.weight"] for j in range(e)]
+            if stacked:  # as Q8_0 (3-D): the oracle gets the reference dequantization
+                packed = quantize(np.stack(parts), q8)
+                w.add_tensor(f"blk.{i}.{gg}_exps.weight", packed, raw_dtype=q8)
+                deq = dequantize(packed, q8).reshape(len(parts), *parts[0].shape)
+                for j in range(e):
+                    weights[f"{pre}experts.{j}.{hf}.weight"] = deq[j]
+            else:
+                for j in range(e):
+                    w.add_tensor(f"blk.{i}.{gg}.{j}.weight", parts[j])
+    for name, x in sorted(weights.items()):
+        if ".block_sparse_moe." in name:
+            continue
+        stored = _permute(x, heads if "q_proj" in name else kv) if name.endswith(
+            ("q_proj.weight", "k_proj.weight")) else x
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), stored)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    oracle = tmp_path / "oracle"
+    oracle.mkdir()
+    full = {k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    full.update({k: v for k, v in weights.items() if ".experts." in k})
+    mx.save_safetensors(str(oracle / "model.safetensors"), {k: mx.array(v) for k, v in full.items()})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (oracle / name).write_bytes((folder / name).read_bytes())
+    model = fx_engine.load(tmp_path / "m.gguf")
+    assert model.config.model_type == "mixtral" and model.config.num_experts == e
+    ids = _ids(model, 80)
+    _compare(fx_engine.logits(model, ids, chunk=40), _mlx_lm(oracle)(mx.array([ids]))[0])

@@ -27,7 +27,10 @@ FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, phi3.FAMILY, moe.FAM
 
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 _BY_WRAPPER = {mt: f for f in FAMILIES for mt in f.wrappers}
-_BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
+_BY_GGUF: dict[str, list[Family]] = {}
+for _f in FAMILIES:
+    for _a in _f.gguf_architectures:
+        _BY_GGUF.setdefault(_a, []).append(_f)
 _BY_TYPE = {t: f for f in FAMILIES for t in (f.config_type, f.params_type)}
 
 AnyParams = Any  # the params pytree of any registered family (each family's params_type)
@@ -99,11 +102,11 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Any:
 
 def gguf_family(md: dict[str, Any], source: str) -> Family:
     arch = md.get("general.architecture")
-    fam = _BY_GGUF.get(arch)
-    if fam is None:
+    fams = [f for f in _BY_GGUF.get(arch, []) if f.gguf_accepts is None or f.gguf_accepts(md)]
+    if not fams:
         raise ConfigError(f"{source}: GGUF architecture {arch!r} is not supported "
                           f"(supported: {', '.join(_BY_GGUF)})")
-    return fam
+    return fams[0]
 
 
 def config_from_gguf(md: dict[str, Any], source: str) -> Any:

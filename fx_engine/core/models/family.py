@@ -34,6 +34,9 @@ class Family:
     checkpoint_layout: Callable[[Any], Mapping[str, TensorSpec]]
     # GGUF `general.architecture`s, and metadata -> config, tensors -> params
     gguf_architectures: tuple[str, ...] = ()
+    # metadata -> whether this family reads the file, where two share an architecture
+    # (llama.cpp writes Mixtral as "llama" with expert_count)
+    gguf_accepts: Callable[[dict[str, Any]], bool] | None = None
     config_from_gguf: Callable[[dict[str, Any], str], Any] | None = None
     assemble_gguf: Callable[[Any, TensorSource, LoadOptions], Any] | None = None
     # multimodal wrappers: model_type -> (the text model_type, defaults mlx-lm applies)

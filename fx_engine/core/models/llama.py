@@ -421,17 +421,7 @@ def assemble_gguf(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Par
     """Params from llama.cpp's tensor names, undoing what its converter did: llama's q/k
     rows were permuted for interleaved RoPE, and Llama-3 rope scaling is stored as
     per-frequency factors (rope_freqs.weight)."""
-    tensors = dict(src.tensors)
-    if cfg.model_type in ("llama", "granite", "smollm3"):  # converted by llama.cpp's LlamaModel
-        for i in range(cfg.num_layers):
-            for part, heads in (("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads)):
-                for suffix in (".weight", ".scales", ".biases", ".bias"):
-                    name = f"blk.{i}.{part}{suffix}"
-                    if name in tensors:
-                        tensors[name] = unpermute_rows(tensors[name], heads)
-    fixed = TensorSource()
-    for name, t in tensors.items():
-        fixed.tensors[name], fixed.origin[name] = t, src.origin[name]
+    fixed = unpermuted_qk(cfg, src) if cfg.model_type in ("llama", "granite", "smollm3") else src
     params = _assemble(cfg, fixed, opts, _GGUF_NAMES)
     if fixed.has("rope_freqs.weight"):
         # the rotation period of pair i is base^(2i/d) * factor_i
@@ -439,6 +429,21 @@ def assemble_gguf(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Par
         periods = cfg.rope_theta ** (mx.arange(0, cfg.head_dim, 2) / cfg.head_dim) * factors
         params = attrs.evolve(params, rope_freqs=periods)
     return params
+
+
+def unpermuted_qk(cfg: Any, src: TensorSource) -> TensorSource:
+    """The tensors with llama.cpp's q/k row permutation undone (files its LlamaModel
+    converter wrote: llama, mistral, mixtral, granite, smollm3)."""
+    out = TensorSource()
+    for name, t in src.tensors.items():
+        out.tensors[name], out.origin[name] = t, src.origin[name]
+    for i in range(cfg.num_layers):
+        for part, heads in (("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads)):
+            for suffix in (".weight", ".scales", ".biases", ".bias"):
+                name = f"blk.{i}.{part}{suffix}"
+                if name in out.tensors:
+                    out.tensors[name] = unpermute_rows(out.tensors[name], heads)
+    return out
 
 
 def _assemble(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions, names: dict[str, str]) -> Params:
@@ -593,6 +598,7 @@ FAMILY = Family(
     assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     gguf_architectures=("llama", "qwen2", "qwen3", "granite", "smollm3"), config_from_gguf=config_from_gguf,
+    gguf_accepts=lambda md: not md.get(f"{md.get('general.architecture')}.expert_count"),
     assemble_gguf=assemble_gguf, first_layers=first_layers,
     tiny_config=tiny_config,
 )

@@ -376,13 +376,16 @@ def _assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions, names: dict[
 # llama.cpp's names: the router ffn_gate_inp, the stacks ffn_{gate,up,down}_exps [E, out, in],
 # qwen2moe's shared expert ffn_*_shexp and its gate ffn_gate_inp_shexp
 def assemble_gguf(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEParams:
-    """Params from llama.cpp's qwen3moe / qwen2moe tensors (no q/k row permutation: the
-    converter only permutes llama's)."""
+    """Params from llama.cpp's qwen3moe / qwen2moe tensors, and Mixtral's (the "llama"
+    architecture with experts: q/k rows permuted as for llama, undone here; experts stacked
+    as ffn_*_exps, or one tensor per expert, ffn_gate.{e}, in older files)."""
+    if cfg.model_type == "mixtral":
+        src = llama.unpermuted_qk(cfg, src)
+
     def experts(pre: str) -> Experts:
         e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        gate, up, down = (read_experts(src, pre + n, "", e, o, i, opts.quant_for, opts.where)
-                          for n, (o, i) in (("ffn_gate_exps", (f, h)), ("ffn_up_exps", (f, h)),
-                                            ("ffn_down_exps", (h, f))))
+        gate, up, down = (read_experts(src, pre + n + "_exps", pre + n + ".{e}", e, o, i, opts.quant_for, opts.where)
+                          for n, (o, i) in (("ffn_gate", (f, h)), ("ffn_up", (f, h)), ("ffn_down", (h, f))))
         shared = {}
         if cfg.shared_expert_intermediate_size:
             shared = _shared(cfg, src, opts, pre, pre + "ffn_gate_inp_shexp",
@@ -398,19 +401,21 @@ def config_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:
     the top-k weights for qwen3moe (Qwen3-MoE's norm_topk_prob is true) and not for
     qwen2moe; every layer is a MoE layer there."""
     arch = md.get("general.architecture")
-    base = llama.config_from_gguf(md, source, attention={"qwen3moe": "qwen3", "qwen2moe": "qwen2"}[arch],
-                                  ff_default=0)
+    base = llama.config_from_gguf(md, source, attention={"qwen3moe": "qwen3", "qwen2moe": "qwen2",
+                                                         "llama": "llama"}[arch], ff_default=0)
 
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, arch, key, source, default)
 
     experts, top_k = int(val("expert_count")), int(val("expert_used_count"))
     shared = int(val("expert_shared_feed_forward_length", 0) or 0) if arch == "qwen2moe" else 0
+    mixtral = arch == "llama"  # llama.cpp writes Mixtral as llama with experts of the ffn width
     return MoEConfig(
-        **{**attrs.asdict(base, recurse=False), "model_type": {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}[arch]},
+        **{**attrs.asdict(base, recurse=False),
+           "model_type": {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}[arch]},
         num_experts=experts, top_k=top_k,
-        moe_intermediate_size=int(val("expert_feed_forward_length")),
-        norm_topk_prob=arch == "qwen3moe", softmax_then_topk=True,
+        moe_intermediate_size=int(val("feed_forward_length" if mixtral else "expert_feed_forward_length")),
+        norm_topk_prob=arch == "qwen3moe", softmax_then_topk=not mixtral,
         moe_layers=(True,) * base.num_layers, shared_expert_intermediate_size=shared,
     )
 
@@ -484,6 +489,7 @@ FAMILY = Family(
     name="moe", model_types=tuple(_ATTENTION), config_type=MoEConfig, params_type=MoEParams,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    gguf_architectures=("qwen3moe", "qwen2moe"), config_from_gguf=config_from_gguf,
+    gguf_architectures=("qwen3moe", "qwen2moe", "llama"), config_from_gguf=config_from_gguf,
+    gguf_accepts=lambda md: bool(md.get(f"{md.get('general.architecture')}.expert_count")),
     assemble_gguf=assemble_gguf, first_layers=llama.first_layers, tiny_config=tiny_config,
 )
