@@ -15,3 +15,15 @@ def add_tokenizer(writer, folder: Path, eos_id: int) -> None:
     writer.add_array("tokenizer.ggml.merges",
                      [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     writer.add_uint32("tokenizer.ggml.eos_token_id", eos_id)
+
+
+def write_oracle(folder: Path, out: Path, weights: dict) -> Path:
+    """An HF folder at `out` with `folder`'s config and tokenizer and the given weights
+    (numpy arrays: what a GGUF written from `folder` holds, dequantized), for mlx-lm."""
+    import mlx.core as mx
+
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((folder / name).read_bytes())
+    return out

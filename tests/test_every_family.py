@@ -83,22 +83,6 @@ def test_family_served_to_the_openai_client(folders, model_type):
     assert out.choices[0].message.content == want.text and out.usage.completion_tokens == len(want.token_ids)
 
 
-def _mlx_community(folder, out):
-    """The folder as mlx-community publishes it: mlx-lm's own quantize_model (4-bit, group
-    32; its per-model predicates) and save_model."""
-    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
-
-    model, config = load_model(folder)
-    kw = {"quant_predicate": model.quant_predicate} if hasattr(model, "quant_predicate") else {}
-    model, config = quantize_model(model, config, group_size=32, bits=4, **kw)
-    out.mkdir()
-    save_model(out, model)
-    save_config(config, out / "config.json")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (out / name).write_bytes((folder / name).read_bytes())
-    return out
-
-
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_family_against_mlx_lm(folders, model_type, tmp_path):
     """Each family's tiny example against mlx-lm's own class for it: greedy tokens equal
@@ -108,7 +92,7 @@ def test_family_against_mlx_lm(folders, model_type, tmp_path):
     import mlx.core as mx
 
     from .conftest import LONG_TEXT
-    from .test_models_parity import _compare, assert_batch_equals_solo, assert_greedy_matches_mlx_lm
+    from .test_models_parity import _compare, assert_batch_equals_solo, assert_greedy_matches_mlx_lm, mlx_community
 
     import importlib.util
 
@@ -121,7 +105,7 @@ def test_family_against_mlx_lm(folders, model_type, tmp_path):
     if importlib.util.find_spec(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}") is None:
         return  # an alias mlx-lm does not know (smollm2: real checkpoints say llama)
     assert_greedy_matches_mlx_lm(path, model, ids[:45])
-    q = _mlx_community(path, tmp_path / "q")
+    q = mlx_community(path, tmp_path / "q")
     from mlx_lm.utils import load_model
 
     ref, _ = load_model(q)

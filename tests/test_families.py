@@ -16,7 +16,7 @@ from fx_engine.testing import write_tiny_model
 from fx_engine.testing.tiny import tiny_config
 
 from .conftest import LONG_TEXT
-from .test_models_parity import _compare, assert_batch_equals_solo, assert_greedy_matches_mlx_lm
+from .test_models_parity import _compare, assert_batch_equals_solo, assert_greedy_matches_mlx_lm, mlx_community
 
 CASES = [
     ("olmo2", {}),
@@ -40,6 +40,15 @@ def _mlx_lm(path: Path):
     ref, _ = load_model(Path(path))
     ref.set_dtype(mx.float32)
     return ref
+
+
+def _matches_mlx_lm(path: Path, n: int = 96, chunks: tuple[int, ...] = (8, 40)) -> None:
+    """fx-engine's teacher-forced logits equal mlx-lm's, chunked below and above windows."""
+    model = fx_engine.load(path)
+    ids = model.tokenizer.encode(LONG_TEXT)[:n]
+    want = _mlx_lm(path)(mx.array([ids]))[0]
+    for chunk in chunks:
+        _compare(fx_engine.logits(model, ids, chunk=chunk), want)
 
 
 @pytest.mark.parametrize("model_type,overrides", CASES, ids=lambda x: str(x)[:60])
@@ -126,11 +135,7 @@ def test_gpt_oss_matches_mlx_lm(tmp_path, overrides):
         w = mx.load(str(path / "model.safetensors"))
         big = {k: v * 8 for k, v in w.items() if ".experts.gate_proj." in k or ".experts.up_proj." in k}
         mx.save_safetensors(str(path / "model.safetensors"), {**w, **big})
-    model = fx_engine.load(path)
-    ids = model.tokenizer.encode(LONG_TEXT)[:96]
-    want = _mlx_lm(path)(mx.array([ids]))[0]
-    for chunk in (8, 40):
-        _compare(fx_engine.logits(model, ids, chunk=chunk), want)
+    _matches_mlx_lm(path)
 
 
 def test_gpt_oss_quantized_folder_and_hf_layout(tmp_path):
@@ -140,20 +145,10 @@ def test_gpt_oss_quantized_folder_and_hf_layout(tmp_path):
     gives the same logits as mlx-lm's sanitized one; MXFP4 blocks are a clear error."""
     import json
 
-    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
-
     from fx_engine.core.checkpoint import WeightsError
 
     path = write_tiny_model(tmp_path / "m", "gpt_oss")
-    ref_model, config = load_model(path)
-    ref_model, config = quantize_model(ref_model, config, group_size=32, bits=4,
-                                       quant_predicate=ref_model.quant_predicate)
-    q = tmp_path / "q"
-    q.mkdir()
-    save_model(q, ref_model)
-    save_config(config, q / "config.json")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (q / name).write_bytes((path / name).read_bytes())
+    q = mlx_community(path, tmp_path / "q")
     want = _mlx_lm(q)
     model = fx_engine.load(q)
     ids = model.tokenizer.encode(LONG_TEXT)[:72]
@@ -254,19 +249,10 @@ def test_deepseek_mlx_community_folder_and_engine(tmp_path):
     """mlx-lm's own conversion (sanitized embed_q / unembed_out and switch_mlp stacks,
     quantized by quantize_model) matches mlx-lm; in the engine, batch-invariant rows equal
     each request alone, speculative decoding and the prefix cache stay exact."""
-    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
-
     # per-head maps wide enough for mlx-lm to quantize them (dims that are multiples of 32)
     path = write_tiny_model(tmp_path / "m", "deepseek_v3", qk_nope_head_dim=32, kv_lora_rank=64,
                             v_head_dim=32)
-    ref_model, config = load_model(path)
-    ref_model, config = quantize_model(ref_model, config, group_size=32, bits=8)
-    q = tmp_path / "q"
-    q.mkdir()
-    save_model(q, ref_model)
-    save_config(config, q / "config.json")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (q / name).write_bytes((path / name).read_bytes())
+    q = mlx_community(path, tmp_path / "q", bits=8)
     assert any(k.endswith("embed_q.scales") for k in mx.load(str(q / "model.safetensors")))
     model = fx_engine.load(q)
     ids = model.tokenizer.encode(LONG_TEXT)[:72]
@@ -356,11 +342,7 @@ def test_layernorm_families_match_mlx_lm(tmp_path, model_type, overrides):
     """LayerNorm families: StarCoder 2 (GPT-style MLP, biases), Command R (parallel blocks,
     per-head q/k LayerNorms), Command R7B (sliding layers, NoPE global ones)."""
     path = write_tiny_model(tmp_path / "m", model_type, **overrides)
-    model = fx_engine.load(path)
-    ids = model.tokenizer.encode(LONG_TEXT)[:96]
-    want = _mlx_lm(path)(mx.array([ids]))[0]
-    for chunk in (8, 40):
-        _compare(fx_engine.logits(model, ids, chunk=chunk), want)
+    _matches_mlx_lm(path)
 
 
 def test_starcoder2_gelu_follows_hidden_act_and_refusals(tmp_path):

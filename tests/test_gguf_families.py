@@ -15,7 +15,7 @@ import fx_engine
 from fx_engine.testing import write_tiny_model
 
 from .conftest import LONG_TEXT
-from .gguf_tokenizer import add_tokenizer
+from .gguf_tokenizer import add_tokenizer, write_oracle
 from .test_models_parity import _compare
 
 gguf = pytest.importorskip("gguf")
@@ -57,12 +57,7 @@ def convert(folder: Path, out: Path, arch: str, metadata: dict, permute: bool) -
             w.add_tensor(target, stored)
             oracle[name] = x
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    ref = out.parent / "oracle"
-    ref.mkdir()
-    mx.save_safetensors(str(ref / "model.safetensors"), {k: mx.array(v) for k, v in oracle.items()})
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (ref / name).write_bytes((folder / name).read_bytes())
-    return ref
+    return write_oracle(folder, out.parent / "oracle", oracle)
 
 
 def _common(cfg: dict) -> dict:

@@ -71,6 +71,24 @@ def assert_batch_equals_solo(model, prompts: list[list[int]], max_tokens: int = 
     engine.close()
 
 
+def mlx_community(folder, out, bits: int = 4):
+    """`folder` as mlx-community publishes it: mlx-lm's sanitized weights quantized by its
+    own quantize_model (group 32; the model's own predicate where it has one, e.g. gpt_oss's
+    8-bit router) and saved by its save_model, with the tokenizer files."""
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    model, config = load_model(Path(folder))
+    kw = {"quant_predicate": model.quant_predicate} if hasattr(model, "quant_predicate") else {}
+    model, config = quantize_model(model, config, group_size=32, bits=bits, **kw)
+    out = Path(out)
+    out.mkdir()
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((Path(folder) / name).read_bytes())
+    return out
+
+
 CASES = [
     ("llama", {}),
     ("llama", {"num_key_value_heads": 4}),  # MHA (GQA ratio 1)

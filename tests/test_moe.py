@@ -19,7 +19,7 @@ from fx_engine.testing import write_tiny_model
 from fx_engine.testing.tiny import tiny_config
 
 from .conftest import LONG_TEXT
-from .test_models_parity import _compare, assert_batch_equals_solo, assert_greedy_matches_mlx_lm
+from .test_models_parity import _compare, assert_batch_equals_solo, assert_greedy_matches_mlx_lm, mlx_community
 
 CASES = [
     ("qwen3_moe", {}),
@@ -65,27 +65,12 @@ def test_teacher_forced_logits_match_mlx_lm(tmp_path, model_type, overrides):
         _compare(fx_engine.logits(model, ids, chunk=chunk), want)
 
 
-def _mlx_community(folder: Path, out: Path, bits: int = 4) -> Path:
-    """The folder as mlx-community publishes it: mlx-lm's sanitized (stacked switch_mlp)
-    weights, quantized by mlx-lm's own quantize_model, saved by its save_model."""
-    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
-
-    model, config = load_model(folder)
-    model, config = quantize_model(model, config, group_size=32, bits=bits)
-    out.mkdir()
-    save_model(out, model)
-    save_config(config, out / "config.json")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (out / name).write_bytes((folder / name).read_bytes())
-    return out
-
-
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"])
 def test_mlx_community_quantized_folders_match_mlx_lm(tmp_path, model_type):
     """Stacked 4-bit experts (and 4-bit router, attention, head): dequantized at load by
     default, kept packed (mx.gather_qmm) with keep_quantized=True; both give mlx-lm's
     logits on the same folder."""
-    q = _mlx_community(write_tiny_model(tmp_path / "m", model_type), tmp_path / "q")
+    q = mlx_community(write_tiny_model(tmp_path / "m", model_type), tmp_path / "q")
     assert any(".switch_mlp." in k and k.endswith(".scales")
                for k in mx.load(str(q / "model.safetensors")))
     ref = _mlx_lm(q)
@@ -183,7 +168,7 @@ def _moe_gguf(folder: Path, out: Path, arch: str, types: tuple[str, str, str]) -
     import gguf
     from gguf.quants import dequantize, quantize
 
-    from .gguf_tokenizer import add_tokenizer
+    from .gguf_tokenizer import add_tokenizer, write_oracle
 
     cfg = json.loads((folder / "config.json").read_text())
     w = gguf.GGUFWriter(str(out), arch)
@@ -225,12 +210,7 @@ def _moe_gguf(folder: Path, out: Path, arch: str, types: tuple[str, str, str]) -
             g = f"blk.{i}.{_GGUF_NAMES[base]}.{suffix}"
         w.add_tensor(g, x)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    ref = out.parent / "oracle"
-    ref.mkdir()
-    mx.save_safetensors(str(ref / "model.safetensors"), {k: mx.array(v) for k, v in oracle.items()})
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (ref / name).write_bytes((folder / name).read_bytes())
-    return ref
+    return write_oracle(folder, out.parent / "oracle", oracle)
 
 
 @pytest.mark.parametrize("arch,model_type,types", [
@@ -306,7 +286,7 @@ def test_mixtral_gguf_as_llama_with_experts(tmp_path, stacked):
     import gguf
     from gguf.quants import dequantize, quantize
 
-    from .gguf_tokenizer import add_tokenizer
+    from .gguf_tokenizer import add_tokenizer, write_oracle
     from .test_gguf_families import _common, _permute
 
     folder = write_tiny_model(tmp_path / "m", "mixtral")
@@ -340,13 +320,9 @@ def test_mixtral_gguf_as_llama_with_experts(tmp_path, stacked):
             ("q_proj.weight", "k_proj.weight")) else x
         w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), stored)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    oracle = tmp_path / "oracle"
-    oracle.mkdir()
     full = {k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(folder / "model.safetensors")).items()}
     full.update({k: v for k, v in weights.items() if ".experts." in k})
-    mx.save_safetensors(str(oracle / "model.safetensors"), {k: mx.array(v) for k, v in full.items()})
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (oracle / name).write_bytes((folder / name).read_bytes())
+    oracle = write_oracle(folder, tmp_path / "oracle", full)
     model = fx_engine.load(tmp_path / "m.gguf")
     assert model.config.model_type == "mixtral" and model.config.num_experts == e
     ids = _ids(model, 80)
