@@ -176,7 +176,7 @@ def _moe_gguf(folder: Path, out: Path, arch: str, types: tuple[str, str, str]) -
             "embedding_length": cfg["hidden_size"], "attention.head_count": cfg["num_attention_heads"],
             "attention.head_count_kv": cfg["num_key_value_heads"], "expert_count": cfg["num_experts"],
             "expert_used_count": cfg["num_experts_per_tok"],
-            "expert_feed_forward_length": cfg["moe_intermediate_size"],
+            "expert_feed_forward_length": cfg.get("moe_intermediate_size", cfg["intermediate_size"]),
             "feed_forward_length": cfg["intermediate_size"]}
     if arch == "qwen3moe":
         ints["attention.key_length"] = ints["attention.value_length"] = cfg["head_dim"]
@@ -218,6 +218,8 @@ def _moe_gguf(folder: Path, out: Path, arch: str, types: tuple[str, str, str]) -
     ("qwen3moe", "qwen3_moe", ("Q4_0", "Q4_1", "Q8_0")),
     # 5-bit and 8-bit gate/up: fused as exact 8-bit; a 5-bit down stack
     ("qwen2moe", "qwen2_moe", ("Q5_1", "Q8_0", "Q5_0")),
+    # OLMoE: q/k norms over whole projections, no renormalization
+    ("olmoe", "olmoe", ("Q8_0", "Q8_0", "Q4_0")),
 ])
 def test_moe_gguf_matches_mlx_lm(tmp_path, arch, model_type, types):
     """The experts' stacks quantized (3-D GGUF tensors), kept packed with keep_quantized."""
@@ -226,6 +228,7 @@ def test_moe_gguf_matches_mlx_lm(tmp_path, arch, model_type, types):
     oracle = _moe_gguf(folder, tmp_path / "m.gguf", arch, types)
     model = fx_engine.load(tmp_path / "m.gguf")
     assert model.config.num_experts == 8 and model.config.model_type == model_type
+    assert model.config.norm_topk_prob == (arch == "qwen3moe")
     ids = _ids(model, 80)
     _compare(fx_engine.logits(model, ids, chunk=40), _mlx_lm(oracle)(mx.array([ids]))[0])
     kept = fx_engine.load(tmp_path / "m.gguf", keep_quantized=True)

@@ -397,12 +397,13 @@ def assemble_gguf(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEPa
 
 
 def config_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:
-    """A MoEConfig from llama.cpp's qwen3moe / qwen2moe metadata. llama.cpp renormalizes
-    the top-k weights for qwen3moe (Qwen3-MoE's norm_topk_prob is true) and not for
-    qwen2moe; every layer is a MoE layer there."""
+    """A MoEConfig from llama.cpp's qwen3moe / qwen2moe / olmoe metadata, or llama with
+    expert_count (Mixtral). llama.cpp renormalizes the top-k weights for qwen3moe
+    (Qwen3-MoE's norm_topk_prob is true) and not for qwen2moe / olmoe; every layer is a MoE
+    layer there."""
     arch = md.get("general.architecture")
     base = llama.config_from_gguf(md, source, attention={"qwen3moe": "qwen3", "qwen2moe": "qwen2",
-                                                         "llama": "llama"}[arch], ff_default=0)
+                                                         "llama": "llama", "olmoe": "llama"}[arch], ff_default=0)
 
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, arch, key, source, default)
@@ -410,11 +411,14 @@ def config_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:
     experts, top_k = int(val("expert_count")), int(val("expert_used_count"))
     shared = int(val("expert_shared_feed_forward_length", 0) or 0) if arch == "qwen2moe" else 0
     mixtral = arch == "llama"  # llama.cpp writes Mixtral as llama with experts of the ffn width
+    width = val("expert_feed_forward_length", None) if not mixtral else None
     return MoEConfig(
         **{**attrs.asdict(base, recurse=False),
-           "model_type": {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}[arch]},
+           "model_type": {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral",
+                          "olmoe": "olmoe"}[arch],
+           "qk_norm": base.qk_norm or arch == "olmoe"},  # OLMoE: norms over whole projections
         num_experts=experts, top_k=top_k,
-        moe_intermediate_size=int(val("feed_forward_length" if mixtral else "expert_feed_forward_length")),
+        moe_intermediate_size=int(width if width is not None else val("feed_forward_length")),
         norm_topk_prob=arch == "qwen3moe", softmax_then_topk=not mixtral,
         moe_layers=(True,) * base.num_layers, shared_expert_intermediate_size=shared,
     )
@@ -489,7 +493,7 @@ FAMILY = Family(
     name="moe", model_types=tuple(_ATTENTION), config_type=MoEConfig, params_type=MoEParams,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    gguf_architectures=("qwen3moe", "qwen2moe", "llama"), config_from_gguf=config_from_gguf,
+    gguf_architectures=("qwen3moe", "qwen2moe", "olmoe", "llama"), config_from_gguf=config_from_gguf,
     gguf_accepts=lambda md: bool(md.get(f"{md.get('general.architecture')}.expert_count")),
     assemble_gguf=assemble_gguf, first_layers=llama.first_layers, tiny_config=tiny_config,
 )
