@@ -26,7 +26,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def convert(folder: Path, out: Path, arch: str, metadata: dict, permute: bool) -> Path:
+def convert(folder: Path, out: Path, arch: str, metadata: dict, permute: bool, q8_mlp: bool = True) -> Path:
     """Write `folder` as a GGUF of `arch`; returns an HF folder with the weights the file
     holds (Q8_0 ones dequantized by the package's reference), for the mlx-lm oracle."""
     import json
@@ -48,7 +48,7 @@ def convert(folder: Path, out: Path, arch: str, metadata: dict, permute: bool) -
             stored = _permute(x, heads if "q_proj" in name else kv)
         target = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert target is not None, name
-        if x.ndim == 2 and x.shape[1] % 32 == 0 and ".mlp." in name:  # the MLP as Q8_0
+        if q8_mlp and x.ndim == 2 and x.shape[1] % 32 == 0 and ".mlp." in name:  # the MLP as Q8_0
             q = quantize(stored, gguf.GGMLQuantizationType.Q8_0)
             w.add_tensor(target, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
             deq = dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(x.shape)
@@ -119,3 +119,58 @@ def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrid
     ref, _ = load_model(oracle)
     ref.set_dtype(mx.float32)
     _compare(fx_engine.logits(model, ids, chunk=32), ref(mx.array([ids]))[0])
+
+
+_LLAMA_CPP_LOGITS = r"""
+import json, sys
+import numpy as np
+import llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, logits_all=True, verbose=False, n_threads=2)
+ids = json.loads(sys.argv[2])
+llm.eval(ids)
+np.save(sys.argv[3], np.array(llm.scores[: len(ids)], dtype=np.float32))
+llm.close()
+"""
+
+
+@pytest.mark.parametrize("model_type,arch,permute,overrides", [
+    ("granite", "granite", True, {}), ("smollm3", "smollm3", True, {}), ("olmo2", "olmo2", False, {}),
+    ("starcoder2", "starcoder2", False, {"hidden_act": "gelu_pytorch_tanh"}),
+    ("cohere", "command-r", False, {}), ("cohere2", "cohere2", False, {}),
+])
+def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, overrides):
+    """The same files (float32 throughout: llama.cpp's Q8_0 products round the activations
+    to 8 bits) through llama.cpp itself, where llama-cpp-python is installed (an optional
+    peer, in its own process): its logits equal fx-engine's up to float32 summation order.
+    Measured with llama-cpp-python 0.3.36: max |diff| 9e-6 (granite) to 6e-3 (smollm3, of
+    logits up to 29)."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python (an optional peer) is not installed")
+    folder = write_tiny_model(tmp_path / "m", model_type, **overrides)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.setdefault("rms_norm_eps", cfg.get("norm_epsilon", cfg.get("layer_norm_eps")))
+    md = _common(cfg)
+    if model_type in ("starcoder2", "cohere", "cohere2"):
+        md["attention.layer_norm_epsilon"] = md.pop("attention.layer_norm_rms_epsilon")
+    if model_type.startswith("cohere"):
+        md["logit_scale"] = float(cfg["logit_scale"])
+    if model_type == "cohere2":
+        md.update({"attention.key_length": cfg["head_dim"], "attention.value_length": cfg["head_dim"],
+                   "attention.sliding_window": cfg["sliding_window"]})
+    if model_type == "granite":
+        md.update({"embedding_scale": float(cfg["embedding_multiplier"]),
+                   "attention.scale": float(cfg["attention_multiplier"]),
+                   "residual_scale": float(cfg["residual_multiplier"]), "logit_scale": float(cfg["logits_scaling"])})
+    convert(folder, tmp_path / "m.gguf", arch, md, permute, q8_mlp=False)
+    model = fx_engine.load(tmp_path / "m.gguf")
+    ids = model.tokenizer.encode(LONG_TEXT)[:48]
+    r = subprocess.run([sys.executable, "-c", _LLAMA_CPP_LOGITS, str(tmp_path / "m.gguf"), json.dumps(ids),
+                        str(tmp_path / "l.npy")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    theirs, ours = np.load(tmp_path / "l.npy"), np.asarray(fx_engine.logits(model, ids))
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3 * np.abs(theirs).max())
