@@ -174,3 +174,67 @@ def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, over
     assert r.returncode == 0, r.stderr[-2000:]
     theirs, ours = np.load(tmp_path / "l.npy"), np.asarray(fx_engine.logits(model, ids))
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3 * np.abs(theirs).max())
+
+
+def _gpt_oss_gguf(folder: Path, out: Path, mxfp4: bool, kind: str = "MXFP4") -> Path:
+    """A tiny gpt_oss folder (mlx-lm's sanitized layout) as llama.cpp's converter writes
+    it: the names from its TensorNameMap (sinks get ".weight", as the converter adds), its
+    gpt-oss.* keys with YaRN, the expert stacks (and only them) in MXFP4 by the package's
+    reference quantizer. Returns the oracle folder (dequantized experts)."""
+    import json
+
+    from gguf.quants import dequantize, quantize
+
+    cfg = json.loads((folder / "config.json").read_text())
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, cfg["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(out), "gpt-oss")
+    for key, value in {**_common(cfg), "expert_count": cfg["num_local_experts"],
+                       "expert_used_count": cfg["num_experts_per_tok"],
+                       "expert_feed_forward_length": cfg["intermediate_size"],
+                       "attention.key_length": cfg["head_dim"], "attention.value_length": cfg["head_dim"],
+                       "attention.sliding_window": cfg["sliding_window"],
+                       "rope.scaling.factor": float(cfg["rope_scaling"]["factor"]),
+                       "rope.scaling.original_context_length": cfg["rope_scaling"]["original_max_position_embeddings"]
+                       }.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"gpt-oss.{key}", value)
+    w.add_string("gpt-oss.rope.scaling.type", "yarn")
+    add_tokenizer(w, folder, cfg["eos_token_id"])
+    oracle = {}
+    for name, x in sorted(mx.load(str(folder / "model.safetensors")).items()):
+        x = np.asarray(x.astype(mx.float32))
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert target is not None, name
+        if name.endswith(".sinks"):
+            target += ".weight"
+        if mxfp4 and ".experts." in name and name.endswith(".weight"):
+            qtype = gguf.GGMLQuantizationType[kind]
+            q = quantize(x, qtype)
+            w.add_tensor(target, q, raw_dtype=qtype)
+            x = dequantize(q, qtype).reshape(x.shape)
+        else:
+            w.add_tensor(target, x)
+        oracle[name] = x
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return write_oracle(folder, out.parent / "oracle", oracle)
+
+
+@pytest.mark.parametrize("mxfp4", [True, False], ids=["mxfp4-experts", "float"])
+def test_gpt_oss_gguf_matches_mlx_lm(tmp_path, mxfp4):
+    """gpt-oss as llama.cpp writes it: MXFP4 expert stacks kept packed (MLX's mxfp4 mode,
+    gather_qmm; exact: the same codes and scales), attention sinks, biases, YaRN, sliding
+    layers. mlx-lm's logits on the folder with the file's (dequantized) weights."""
+    from mlx_lm.utils import load_model
+
+    folder = write_tiny_model(tmp_path / "m", "gpt_oss")
+    oracle = _gpt_oss_gguf(folder, tmp_path / "m.gguf", mxfp4)
+    model = fx_engine.load(tmp_path / "m.gguf")
+    want = fx_engine.load(folder).config
+    for field in ("layer_types", "sliding_window", "num_experts", "top_k", "head_dim", "num_kv_heads",
+                  "rope_theta", "swiglu_limit"):
+        assert getattr(model.config, field) == getattr(want, field), field
+    assert model.config.rope_type == "yarn"
+    assert model.params.layers[0].down.mode == ("mxfp4" if mxfp4 else "affine")
+    ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    ref, _ = load_model(oracle)
+    ref.set_dtype(mx.float32)
+    _compare(fx_engine.logits(model, ids, chunk=40), ref(mx.array([ids]))[0])

@@ -150,7 +150,7 @@ def widened(policy: KeepQuantized, lin: Linear, force: bool = False) -> Linear:
     (or `force`) but 8 bits of its group size are (e.g. 5-/6-bit weights where the native
     CPU kernels run 4 and 8): exact (every stored integer fits 8 bits), and 8 bits instead
     of a float copy. Otherwise `lin` unchanged."""
-    if (not lin.quantized or lin.bits >= 8 or policy is False
+    if (not lin.quantized or lin.bits >= 8 or policy is False or lin.mode != "affine"
             or (keep(policy, lin) and not force) or (callable(policy) and not policy(lin.group_size, 8))):
         return lin
     lead, k = lin.scales.shape[:-1], lin.scales.shape[-1] * lin.group_size  # lead: [N] or [E, N]
@@ -238,6 +238,12 @@ def read_expert_stack(
     its per-expert biases [E, out] when `bias`."""
     w = src.get(name + ".weight", None, where)
     b = src.get(name + ".bias", (e, out_f), where) if bias else None
+    if src.has(name + ".scales") and src.get(name + ".scales").dtype == mx.uint8:  # MXFP4 (GGUF)
+        scales = src.get(name + ".scales", (e, out_f, in_f // 32), where)
+        if tuple(w.shape) != (e, out_f, in_f // 8):
+            raise WeightsError(f"{src.origin[name + '.weight']}: MXFP4 expert tensor '{name}.weight' has "
+                               f"shape {tuple(w.shape)}, expected {(e, out_f, in_f // 8)}")
+        return Linear(weight=w, bias=b, scales=scales, group_size=32, bits=4, mode="mxfp4")
     if src.has(name + ".scales"):
         scales = src.get(name + ".scales", None, where)
         q = quant or {}
@@ -263,6 +269,11 @@ def finish_experts(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized) 
     # reads only the chosen experts: kept packed in any width it runs unless the policy is
     # False (a large MoE's float32 copy would not fit: 30B parameters are 120 GB). A GGUF's
     # Q6_K stack (group 16, which gather_qmm does not run) is dequantized.
+    if lin.quantized and lin.mode != "affine":  # MXFP4: packed whatever the policy (exact, 4 bits)
+        return lin if keep_quantized is not False else Linear(
+            weight=mx.contiguous(mx.dequantize(lin.weight, lin.scales, None, group_size=32, bits=4,
+                                               mode=lin.mode).astype(dtype).swapaxes(-1, -2)),
+            bias=cast(lin.bias, dtype), transposed=True)
     if lin.quantized and keep_quantized is not False and lin.group_size in GATHER_QMM_GROUPS:
         return Linear(weight=lin.weight, bias=cast(lin.bias, dtype), scales=lin.scales.astype(dtype),
                       biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits)
@@ -306,12 +317,14 @@ def fuse_experts(gate: Linear, up: Linear, dtype: mx.Dtype, keep_quantized: Keep
     if gate.quantized and up.quantized and gate.group_size == up.group_size and gate.bits != up.bits:
         gate, up = (widened(keep_quantized, p, force=True) for p in (gate, up))  # exact: 8 bits
     if gate.quantized and up.quantized and keep_quantized is not False and gate.bits == up.bits \
-            and gate.group_size == up.group_size and gate.group_size in GATHER_QMM_GROUPS:
+            and gate.group_size == up.group_size and gate.group_size in GATHER_QMM_GROUPS \
+            and gate.mode == up.mode:
         cat = lambda xs: mx.concatenate(xs, axis=1)  # noqa: E731
         return finish_experts(Linear(weight=cat([gate.weight, up.weight]), bias=bias,
                                      scales=cat([gate.scales, up.scales]),
-                                     biases=cat([gate.biases, up.biases]),
-                                     group_size=gate.group_size, bits=gate.bits), dtype, keep_quantized)
+                                     biases=None if gate.biases is None else cat([gate.biases, up.biases]),
+                                     group_size=gate.group_size, bits=gate.bits, mode=gate.mode),
+                              dtype, keep_quantized)
     dense = [finish_experts(p, dtype, False).weight for p in (gate, up)]  # [E, H, F] each
     return Linear(weight=mx.concatenate(dense, axis=-1), bias=cast(bias, dtype), transposed=True)
 

@@ -93,6 +93,9 @@ class Linear:
     group_size: int = static_field(default=0)
     bits: int = static_field(default=0)
     transposed: bool = static_field(default=False)
+    # MLX's quantization mode: "affine" (scales and biases), or "mxfp4" (E2M1 codes with
+    # E8M0 uint8 scales, no biases: a GGUF's MXFP4 expert stacks, run by gather_qmm)
+    mode: str = static_field(default="affine")
 
     @property
     def dense_out_in(self) -> mx.array:
@@ -132,7 +135,7 @@ def linears(tree: object) -> list[Linear]:
 
 
 def _native_ok(lin: Linear, numerics: Numerics) -> bool:
-    return (numerics.native and lin.quantized
+    return (numerics.native and lin.quantized and lin.mode == "affine"
             and kernels.supports(lin.group_size, lin.bits, numerics.activation_bits))
 
 
@@ -198,7 +201,7 @@ def expert_linear(x: mx.array, lin: Linear, indices: mx.array, sorted_indices: b
     weights are read once for all its rows."""
     if lin.quantized:
         y = mx.gather_qmm(x, lin.weight, lin.scales, lin.biases, rhs_indices=indices,
-                          transpose=True, group_size=lin.group_size, bits=lin.bits,
+                          transpose=True, group_size=lin.group_size, bits=lin.bits, mode=lin.mode,
                           sorted_indices=sorted_indices)
     else:
         w = lin.weight if lin.transposed else lin.weight.swapaxes(-1, -2)

@@ -45,6 +45,9 @@ QK_K = 256  # elements per super-block of the K types
 
 AFFINE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 DEQUANTIZED_TYPES = ("IQ4_NL", "IQ4_XS")
+# kept as MLX's mxfp4 quantization when 3-D (expert stacks, run by gather_qmm; the same
+# E2M1 codes and E8M0 scales, the nibbles reordered), dequantized otherwise
+MX_TYPES = ("MXFP4",)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
@@ -240,7 +243,7 @@ GGML_TYPES = {
     19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
     22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
     26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
-    30: ("BF16", 1, 2),
+    30: ("BF16", 1, 2), 39: ("MXFP4", 32, 17),
 }
 # GGUF metadata value types: id -> numpy dtype (8: string, 9: array)
 _SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
@@ -327,6 +330,20 @@ class _Header:
 # (name, group, bits, is_head) -> the width to pack a tensor's integers in; is_head: the
 # output head (output.weight, or token_embd.weight in a file without one: tied, llama.cpp's
 # convention)
+def _mxfp4(name: str, data: np.ndarray, rows: int, cols: int, lead: tuple[int, ...]) -> dict[str, mx.array]:
+    """MXFP4 blocks (1 E8M0 scale byte, then 16 bytes: element j in the low nibble of byte
+    j, element j + 16 in its high nibble) -> MLX's mxfp4 form: codes packed 8 per uint32 in
+    element order, the scale bytes as uint8 scales (no biases). The codes and scales are the
+    same numbers (llama.cpp stores E2M1 values doubled with the scale halved: equal
+    products)."""
+    blocks = data.reshape(-1, 17)
+    codes = blocks[:, 1:]
+    q = np.concatenate([codes & 0xF, codes >> 4], axis=1).reshape(rows, cols)  # element order
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    return {f"{base}.weight": mx.array(_pack(q, 4).reshape(*lead, -1)),
+            f"{base}.scales": mx.array(np.ascontiguousarray(blocks[:, 0]).reshape(*lead, -1))}
+
+
 StoreBits = Union[Callable[[str, int, int, bool], int], None]
 
 
@@ -336,12 +353,14 @@ def _convert(name: str, kind: str, shape: list[int], rows: int, cols: int,
     if kind in FLOAT_TYPES:
         dt = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[kind]
         return {name: mx.array(np.frombuffer(raw, dtype=dt).reshape(shape))}  # BF16: bits
+    if kind == "MXFP4" and len(shape) == 3:
+        return _mxfp4(name, raw, rows, cols, tuple(shape[:-1]))
     if kind in _AFFINE:  # stacked (expert) tensors [E, rows, cols]: each row alike
         return _affine(name, kind, raw, rows, cols, tuple(shape[:-1]), store_bits, head)
     from gguf import GGMLQuantizationType  # not affine: llama.cpp's reference dequantization
     from gguf.quants import dequantize
 
-    values = dequantize(raw.reshape(rows, -1), GGMLQuantizationType[kind])
+    values = dequantize(raw.reshape(rows, -1), GGMLQuantizationType[kind])  # IQ types, 2-D MXFP4
     return {name: mx.array(values.astype(np.float32).reshape(shape))}
 
 
@@ -358,10 +377,10 @@ def read_gguf(path: str | Path, store_bits: StoreBits = None) -> tuple[dict[str,
     jobs = []
     for name, shape, type_id, offset in header.tensors:
         kind, block, nbytes = GGML_TYPES.get(type_id, (f"type {type_id}", 0, 0))
-        if kind not in FLOAT_TYPES + AFFINE_TYPES + DEQUANTIZED_TYPES:
+        if kind not in FLOAT_TYPES + AFFINE_TYPES + DEQUANTIZED_TYPES + MX_TYPES:
             raise WeightsError(
                 f"{path}: tensor '{name}' has GGML type {kind}, which fx-engine cannot read "
-                f"(supported: {', '.join(FLOAT_TYPES + AFFINE_TYPES + DEQUANTIZED_TYPES)})")
+                f"(supported: {', '.join(FLOAT_TYPES + AFFINE_TYPES + DEQUANTIZED_TYPES + MX_TYPES)})")
         cols = shape[-1]
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         if cols % block:
