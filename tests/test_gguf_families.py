@@ -78,6 +78,8 @@ def _common(cfg: dict) -> dict:
     ("cohere", "command_r", False, {}),
     ("cohere", "command_r", False, {"use_qk_norm": True}),
     ("cohere2", "cohere2", False, {}),
+    ("exaone4", "exaone4", False, {}),  # LLLG: sliding local layers, NoPE global ones
+    ("exaone4", "exaone4", False, {"sliding_window_pattern": None, "tie_word_embeddings": False}),
 ])
 def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrides):
     import json
@@ -99,6 +101,11 @@ def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrid
             cfg["hidden_size"] // cfg["num_attention_heads"])
     if model_type == "cohere2":
         md["attention.sliding_window"] = cfg["sliding_window"]
+    if model_type == "exaone4":
+        md["attention.key_length"] = md["attention.value_length"] = cfg["head_dim"]
+        if cfg.get("sliding_window_pattern"):
+            md["attention.sliding_window"] = cfg["sliding_window"]
+            md["attention.sliding_window_pattern"] = len(cfg["sliding_window_pattern"])
     if model_type == "granite":
         md.update({"embedding_scale": float(cfg["embedding_multiplier"]),
                    "attention.scale": float(cfg["attention_multiplier"]),
@@ -137,6 +144,9 @@ llm.close()
     ("granite", "granite", True, {}), ("smollm3", "smollm3", True, {}), ("olmo2", "olmo2", False, {}),
     ("starcoder2", "starcoder2", False, {"hidden_act": "gelu_pytorch_tanh"}),
     ("cohere", "command-r", False, {}), ("cohere2", "cohere2", False, {}),
+    # EXAONE 4 without local layers (llama.cpp 0.3.36 differs from Hugging Face and mlx-lm on
+    # the hybrid pattern's NoPE global layers: not compared here)
+    ("exaone4", "exaone4", False, {"sliding_window_pattern": None}),
 ])
 def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, overrides):
     """The same files (float32 throughout: llama.cpp's Q8_0 products round the activations
@@ -162,6 +172,8 @@ def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, over
     if model_type == "cohere2":
         md.update({"attention.key_length": cfg["head_dim"], "attention.value_length": cfg["head_dim"],
                    "attention.sliding_window": cfg["sliding_window"]})
+    if model_type == "exaone4":
+        md.update({"attention.key_length": cfg["head_dim"], "attention.value_length": cfg["head_dim"]})
     if model_type == "granite":
         md.update({"embedding_scale": float(cfg["embedding_multiplier"]),
                    "attention.scale": float(cfg["attention_multiplier"]),

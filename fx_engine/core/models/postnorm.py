@@ -281,20 +281,30 @@ _GGUF_TO_HF = (
 
 
 def assemble_gguf(cfg: PostNormConfig, src: TensorSource, opts: LoadOptions) -> PostNormParams:
-    """OLMo 2 from llama.cpp's names (renamed to Hugging Face's, then `assemble`)."""
-    return assemble(attrs.evolve(cfg, tie_word_embeddings=None), renamed(src, _GGUF_TO_HF), opts)
+    """OLMo 2 / EXAONE 4 from llama.cpp's names (renamed to Hugging Face's, then
+    `assemble`). Llama-3-style RoPE scaling comes as per-frequency factors
+    (rope_freqs.weight), as for llama."""
+    params = assemble(attrs.evolve(cfg, tie_word_embeddings=None), renamed(src, _GGUF_TO_HF), opts)
+    if src.has("rope_freqs.weight"):  # the rotation period of pair i: base^(2i/d) * factor_i
+        d = cfg.head_dim
+        factors = src.get("rope_freqs.weight", (d // 2,), opts.where).astype(mx.float32)
+        params = attrs.evolve(params, rope_freqs=cfg.rope_theta ** (mx.arange(0, d, 2) / d) * factors)
+    return params
 
 
 def config_from_gguf(md: dict[str, Any], source: str) -> PostNormConfig:
-    """An OLMo 2 config from llama.cpp's olmo2 metadata."""
+    """An OLMo 2 / EXAONE 4 config from llama.cpp's olmo2 / exaone4 metadata (EXAONE 4:
+    every `sliding_window_pattern`-th layer global, with NoPE, as mlx-lm and llama.cpp run it)."""
     from fx_engine.core.config import gguf_value
 
+    arch = md.get("general.architecture")
+
     def val(key: str, default: Any = ...) -> Any:
-        return gguf_value(md, "olmo2", key, source, default)
+        return gguf_value(md, arch, key, source, default)
 
     heads = int(val("attention.head_count"))
     eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
-    d = {"model_type": "olmo2", "hidden_size": int(val("embedding_length")),
+    d = {"model_type": arch, "hidden_size": int(val("embedding_length")),
          "num_hidden_layers": int(val("block_count")), "num_attention_heads": heads,
          "num_key_value_heads": int(val("attention.head_count_kv", heads)),
          "intermediate_size": int(val("feed_forward_length")),
@@ -304,6 +314,12 @@ def config_from_gguf(md: dict[str, Any], source: str) -> PostNormConfig:
          "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
          "bos_token_id": int(bos.item()) if bos is not None else None,
          "eos_token_id": int(eos.item()) if eos is not None else None}
+    if arch == "exaone4":
+        window = val("attention.sliding_window", None)
+        d["head_dim"] = int(val("attention.key_length", d["hidden_size"] // heads))
+        if window:
+            d.update(sliding_window=int(window),
+                     sliding_window_pattern=int(val("attention.sliding_window_pattern", 4)))
     return config_from_hf(d, source)
 
 
@@ -312,5 +328,5 @@ FAMILY = Family(
     params_type=PostNormParams, config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
     forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     first_layers=first_layers, tiny_config=tiny_config,
-    gguf_architectures=("olmo2",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
+    gguf_architectures=("olmo2", "exaone4"), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )
