@@ -80,6 +80,8 @@ def _common(cfg: dict) -> dict:
     ("cohere2", "cohere2", False, {}),
     ("exaone4", "exaone4", False, {}),  # LLLG: sliding local layers, NoPE global ones
     ("exaone4", "exaone4", False, {"sliding_window_pattern": None, "tie_word_embeddings": False}),
+    ("glm4", "glm4", False, {}),  # sandwich norms, fused ffn_up, half of each head rotated
+    ("glm4", "glm4", False, {"attention_bias": False, "partial_rotary_factor": 1.0}),
 ])
 def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrides):
     import json
@@ -101,6 +103,9 @@ def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrid
             cfg["hidden_size"] // cfg["num_attention_heads"])
     if model_type == "cohere2":
         md["attention.sliding_window"] = cfg["sliding_window"]
+    if model_type == "glm4":
+        md["attention.key_length"] = md["attention.value_length"] = cfg["head_dim"]
+        md["rope.dimension_count"] = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
     if model_type == "exaone4":
         md["attention.key_length"] = md["attention.value_length"] = cfg["head_dim"]
         if cfg.get("sliding_window_pattern"):
@@ -146,7 +151,7 @@ llm.close()
     ("cohere", "command-r", False, {}), ("cohere2", "cohere2", False, {}),
     # EXAONE 4 without local layers (llama.cpp 0.3.36 differs from Hugging Face and mlx-lm on
     # the hybrid pattern's NoPE global layers: not compared here)
-    ("exaone4", "exaone4", False, {"sliding_window_pattern": None}),
+    ("exaone4", "exaone4", False, {"sliding_window_pattern": None}), ("glm4", "glm4", False, {}),
 ])
 def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, overrides):
     """The same files (float32 throughout: llama.cpp's Q8_0 products round the activations
@@ -172,8 +177,10 @@ def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, over
     if model_type == "cohere2":
         md.update({"attention.key_length": cfg["head_dim"], "attention.value_length": cfg["head_dim"],
                    "attention.sliding_window": cfg["sliding_window"]})
-    if model_type == "exaone4":
+    if model_type in ("exaone4", "glm4"):
         md.update({"attention.key_length": cfg["head_dim"], "attention.value_length": cfg["head_dim"]})
+    if model_type == "glm4":
+        md["rope.dimension_count"] = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
     if model_type == "granite":
         md.update({"embedding_scale": float(cfg["embedding_multiplier"]),
                    "attention.scale": float(cfg["attention_multiplier"]),

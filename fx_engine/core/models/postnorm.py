@@ -280,11 +280,22 @@ _GGUF_TO_HF = (
 ) + GGUF_COMMON_NAMES
 
 
+# GLM-4's: sandwich norms, the fused gate|up as ffn_up
+_GLM4_GGUF_TO_HF = (
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.post_attention_norm\.", ".post_self_attn_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.post_ffw_norm\.", ".post_mlp_layernorm."),
+    (r"\.ffn_up\.", ".mlp.gate_up_proj."),
+) + GGUF_COMMON_NAMES
+
+
 def assemble_gguf(cfg: PostNormConfig, src: TensorSource, opts: LoadOptions) -> PostNormParams:
     """OLMo 2 / EXAONE 4 from llama.cpp's names (renamed to Hugging Face's, then
     `assemble`). Llama-3-style RoPE scaling comes as per-frequency factors
     (rope_freqs.weight), as for llama."""
-    params = assemble(attrs.evolve(cfg, tie_word_embeddings=None), renamed(src, _GGUF_TO_HF), opts)
+    if cfg.model_type == "glm4":  # q/k/v biases as the file has them
+        cfg = attrs.evolve(cfg, qkv_bias=src.has("blk.0.attn_q.bias"))
+    rules = _GLM4_GGUF_TO_HF if cfg.model_type == "glm4" else _GGUF_TO_HF
+    params = assemble(attrs.evolve(cfg, tie_word_embeddings=None), renamed(src, rules), opts)
     if src.has("rope_freqs.weight"):  # the rotation period of pair i: base^(2i/d) * factor_i
         d = cfg.head_dim
         factors = src.get("rope_freqs.weight", (d // 2,), opts.where).astype(mx.float32)
@@ -314,6 +325,9 @@ def config_from_gguf(md: dict[str, Any], source: str) -> PostNormConfig:
          "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
          "bos_token_id": int(bos.item()) if bos is not None else None,
          "eos_token_id": int(eos.item()) if eos is not None else None}
+    if arch == "glm4":  # partial RoPE over rope.dimension_count of each head
+        hd = int(val("attention.key_length", d["hidden_size"] // heads))
+        d.update(head_dim=hd, partial_rotary_factor=int(val("rope.dimension_count", hd // 2)) / hd)
     if arch == "exaone4":
         window = val("attention.sliding_window", None)
         d["head_dim"] = int(val("attention.key_length", d["hidden_size"] // heads))
@@ -328,5 +342,5 @@ FAMILY = Family(
     params_type=PostNormParams, config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
     forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     first_layers=first_layers, tiny_config=tiny_config,
-    gguf_architectures=("olmo2", "exaone4"), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
+    gguf_architectures=("olmo2", "exaone4", "glm4"), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )
