@@ -257,3 +257,89 @@ def test_gpt_oss_gguf_matches_mlx_lm(tmp_path, mxfp4):
     ref, _ = load_model(oracle)
     ref.set_dtype(mx.float32)
     _compare(fx_engine.logits(model, ids, chunk=40), ref(mx.array([ids]))[0])
+
+
+def _deepseek_gguf(folder: Path, out: Path, split_kv_b: bool) -> Path:
+    """A tiny deepseek_v3 folder as llama.cpp's converter writes deepseek2: names from its
+    TensorNameMap; experts stacked; the correction bias as exp_probs_b.bias; kv_b_proj
+    split into k_b [H, r, dn] and v_b [H, dv, r] with the MLA key/value lengths (newer
+    converters), or kept whole (older ones); the MLP experts as Q8_0. Returns the oracle."""
+    import json
+
+    from gguf.quants import dequantize, quantize
+
+    cfg = json.loads((folder / "config.json").read_text())
+    n, h, e = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["n_routed_experts"]
+    dn, dr, dv, r = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, n)
+    w = gguf.GGUFWriter(str(out), "deepseek2")
+    ys = cfg["rope_scaling"]
+    md = {"context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"],
+          "block_count": n, "feed_forward_length": cfg["intermediate_size"], "attention.head_count": h,
+          "attention.head_count_kv": h, "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
+          "rope.freq_base": float(cfg["rope_theta"]), "attention.q_lora_rank": cfg["q_lora_rank"],
+          "attention.kv_lora_rank": r, "rope.dimension_count": dr, "expert_count": e,
+          "expert_used_count": cfg["num_experts_per_tok"], "expert_shared_count": cfg["n_shared_experts"],
+          "expert_feed_forward_length": cfg["moe_intermediate_size"],
+          "leading_dense_block_count": cfg["first_k_dense_replace"],
+          "expert_weights_scale": float(cfg["routed_scaling_factor"]), "expert_gating_func": 2,
+          "expert_group_count": cfg["n_group"], "expert_group_used_count": cfg["topk_group"],
+          "rope.scaling.factor": float(ys["factor"]),
+          "rope.scaling.original_context_length": ys["original_max_position_embeddings"],
+          "rope.scaling.yarn_log_multiplier": 0.1 * float(ys["mscale_all_dim"])}
+    if split_kv_b:  # MLA as one shared KV head over the latent
+        md.update({"attention.head_count_kv": 1, "attention.key_length": r + dr, "attention.value_length": r,
+                   "attention.key_length_mla": dn + dr, "attention.value_length_mla": dv})
+    else:
+        md.update({"attention.key_length": dn + dr, "attention.value_length": dv})
+    for key, value in md.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"deepseek2.{key}", value)
+    w.add_bool("deepseek2.expert_weights_norm", bool(cfg["norm_topk_prob"]))
+    w.add_string("deepseek2.rope.scaling.type", "yarn")
+    add_tokenizer(w, folder, cfg["eos_token_id"])
+    weights = {k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    oracle = dict(weights)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for i in range(n):
+        m = f"model.layers.{i}.mlp."
+        for proj, gg in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            keys = [f"{m}experts.{j}.{proj}.weight" for j in range(e)]
+            if keys[0] not in weights:
+                continue
+            packed = quantize(np.stack([weights.pop(k) for k in keys]), q8)
+            w.add_tensor(f"blk.{i}.{gg}.weight", packed, raw_dtype=q8)
+            deq = dequantize(packed, q8).reshape(e, *oracle[keys[0]].shape)
+            for j, k in enumerate(keys):
+                oracle[k] = deq[j]
+        bias = weights.pop(m + "gate.e_score_correction_bias", None)
+        if bias is not None:
+            w.add_tensor(f"blk.{i}.exp_probs_b.bias", bias)
+        kv_b = f"model.layers.{i}.self_attn.kv_b_proj.weight"
+        if split_kv_b:
+            x = weights.pop(kv_b).reshape(h, dn + dv, r)
+            w.add_tensor(f"blk.{i}.attn_k_b.weight", np.ascontiguousarray(x[:, :dn].transpose(0, 2, 1)))
+            w.add_tensor(f"blk.{i}.attn_v_b.weight", np.ascontiguousarray(x[:, dn:]))
+    for name, x in sorted(weights.items()):
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), x)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return write_oracle(folder, out.parent / "oracle", oracle)
+
+
+@pytest.mark.parametrize("split_kv_b", [True, False], ids=["k_b-v_b", "kv_b"])
+def test_deepseek2_gguf_matches_mlx_lm(tmp_path, split_kv_b):
+    """DeepSeek-V3-shaped MLA from llama.cpp's deepseek2 files (both kv_b layouts), grouped
+    sigmoid routing with its bias, shared experts, a dense first layer, YaRN."""
+    from mlx_lm.utils import load_model
+
+    folder = write_tiny_model(tmp_path / "m", "deepseek_v3")
+    oracle = _deepseek_gguf(folder, tmp_path / "m.gguf", split_kv_b)
+    model = fx_engine.load(tmp_path / "m.gguf")
+    want = fx_engine.load(folder).config
+    for field in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                  "num_experts", "top_k", "n_group", "topk_group", "moe_layers", "num_shared_experts"):
+        assert getattr(model.config, field) == getattr(want, field), field
+    assert abs(model.config.attn_scale - want.attn_scale) < 1e-6
+    ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    ref, _ = load_model(oracle)
+    ref.set_dtype(mx.float32)
+    _compare(fx_engine.logits(model, ids, chunk=40), ref(mx.array([ids]))[0])

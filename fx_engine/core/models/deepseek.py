@@ -29,7 +29,7 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_latent, write_entry
-from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, WeightsError, dequantized, finish, fuse, fuse_experts, finish_experts, read_experts, read_linear)
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, renamed, TensorSource, TensorSpec, WeightsError, dequantized, finish, fuse, fuse_experts, finish_experts, read_experts, read_linear)
 from fx_engine.core.config import BaseConfig, ConfigError, check_rope_scaling, positive_int, required, token_ids
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.moe import grouped_route
@@ -400,9 +400,79 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             **overrides}
 
 
+# llama.cpp's deepseek2 names -> Hugging Face's / mlx-lm's (newer converters split kv_b into
+# k_b [H, r, dn] and v_b [H, dv, r]: mlx-lm's embed_q and unembed_out exactly)
+_GGUF_TO_HF = (
+    (r"\.attn_q_a_norm\.", ".self_attn.q_a_layernorm."), (r"\.attn_q_a\.", ".self_attn.q_a_proj."),
+    (r"\.attn_q_b\.", ".self_attn.q_b_proj."), (r"\.attn_kv_a_norm\.", ".self_attn.kv_a_layernorm."),
+    (r"\.attn_kv_a_mqa\.", ".self_attn.kv_a_proj_with_mqa."), (r"\.attn_kv_b\.", ".self_attn.kv_b_proj."),
+    (r"\.attn_k_b\.", ".self_attn.embed_q."), (r"\.attn_v_b\.", ".self_attn.unembed_out."),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.ffn_gate_inp\.", ".mlp.gate."), (r"\.exp_probs_b\.bias$", ".mlp.gate.e_score_correction_bias"),
+    (r"\.ffn_(gate|up|down)_exps\.", r".mlp.switch_mlp.\1_proj."),
+    (r"\.ffn_(gate|up|down)_shexp\.", r".mlp.shared_experts.\1_proj."),
+) + GGUF_COMMON_NAMES
+
+
+def assemble_gguf(cfg: DeepseekConfig, src: TensorSource, opts: LoadOptions) -> DeepseekParams:
+    """DeepSeek-V3 / Kimi K2 from llama.cpp's deepseek2 names (renamed only: its RoPE is
+    the interleaved one on the checkpoint's own rows, as here)."""
+    return assemble(cfg, renamed(src, _GGUF_TO_HF), opts)
+
+
+def config_from_gguf(md: dict[str, Any], source: str) -> DeepseekConfig:
+    """From llama.cpp's deepseek2 metadata (sigmoid routing only: expert_gating_func 2)."""
+    from fx_engine.core.config import gguf_value
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, "deepseek2", key, source, default)
+
+    if int(val("expert_gating_func", 2)) != 2:
+        raise ConfigError(f"{source}: deepseek2.expert_gating_func {val('expert_gating_func')!r}: only "
+                          "sigmoid routing (2, DeepSeek-V3 / Kimi K2) is supported")
+    heads, r = int(val("attention.head_count")), int(val("attention.kv_lora_rank"))
+    dr = int(val("rope.dimension_count"))
+    mla = val("attention.key_length_mla", None)  # newer files: key_length is r + dr there
+    dk = int(mla) if mla is not None else int(val("attention.key_length"))
+    dv = int(val("attention.value_length_mla", None) or val("attention.value_length"))
+    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
+    q_lora = int(val("attention.q_lora_rank", 0) or 0)
+    d: dict[str, Any] = {
+        "model_type": "deepseek_v3", "hidden_size": int(val("embedding_length")),
+        "num_hidden_layers": int(val("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": heads, "q_lora_rank": q_lora or None, "kv_lora_rank": r,
+        "qk_nope_head_dim": dk - dr, "qk_rope_head_dim": dr, "v_head_dim": dv,
+        "intermediate_size": int(val("feed_forward_length")),
+        "n_routed_experts": int(val("expert_count")), "num_experts_per_tok": int(val("expert_used_count")),
+        "n_shared_experts": int(val("expert_shared_count", 0)) or None,
+        "moe_intermediate_size": int(val("expert_feed_forward_length")),
+        "first_k_dense_replace": int(val("leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(val("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(val("expert_weights_norm", True)),
+        "n_group": int(val("expert_group_count", 1) or 1), "topk_group": int(val("expert_group_used_count", 1) or 1),
+        "rms_norm_eps": float(val("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(val("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(val("context_length", 4096)),
+        "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
+        "bos_token_id": int(bos.item()) if bos is not None else None,
+        "eos_token_id": int(eos.item()) if eos is not None else None,
+    }
+    kind = val("rope.scaling.type", None)
+    if kind not in (None, "none"):
+        if kind != "yarn":
+            raise ConfigError(f"{source}: deepseek2.rope.scaling.type {kind!r} is not supported (yarn)")
+        log_mul = float(val("rope.scaling.yarn_log_multiplier", 0.0))  # 0.1 * mscale_all_dim
+        d["rope_scaling"] = {"type": "yarn", "factor": float(val("rope.scaling.factor")),
+                             "original_max_position_embeddings": int(val("rope.scaling.original_context_length")),
+                             "mscale": log_mul / 0.1, "mscale_all_dim": log_mul / 0.1,
+                             "beta_fast": 32, "beta_slow": 1}
+    return config_from_hf(d, source)
+
+
 FAMILY = Family(
     name="deepseek", model_types=("deepseek_v3", "kimi_k2"), config_type=DeepseekConfig,
     params_type=DeepseekParams, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
     checkpoint_layout=checkpoint_layout, first_layers=first_layers, tiny_config=tiny_config,
+    gguf_architectures=("deepseek2",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )
