@@ -343,3 +343,72 @@ def test_deepseek2_gguf_matches_mlx_lm(tmp_path, split_kv_b):
     ref, _ = load_model(oracle)
     ref.set_dtype(mx.float32)
     _compare(fx_engine.logits(model, ids, chunk=40), ref(mx.array([ids]))[0])
+
+
+def _glm4moe_gguf(folder: Path, out: Path, q8: bool = True) -> Path:
+    """A tiny glm4_moe folder as llama.cpp writes glm4moe: TensorNameMap names, experts
+    stacked as Q8_0, the correction bias as exp_probs_b.bias, partial RoPE as
+    rope.dimension_count. Returns the oracle folder."""
+    import json
+
+    from gguf.quants import dequantize, quantize
+
+    cfg = json.loads((folder / "config.json").read_text())
+    n, e, hd = cfg["num_hidden_layers"], cfg["n_routed_experts"], cfg["head_dim"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, n)
+    w = gguf.GGUFWriter(str(out), "glm4moe")
+    md = {**_common(cfg), "attention.key_length": hd, "attention.value_length": hd,
+          "rope.dimension_count": int(hd * cfg["partial_rotary_factor"]), "expert_count": e,
+          "expert_used_count": cfg["num_experts_per_tok"], "expert_shared_count": cfg["n_shared_experts"],
+          "expert_feed_forward_length": cfg["moe_intermediate_size"],
+          "leading_dense_block_count": cfg["first_k_dense_replace"],
+          "expert_weights_scale": float(cfg["routed_scaling_factor"]), "expert_gating_func": 2,
+          "expert_group_count": cfg["n_group"], "expert_group_used_count": cfg["topk_group"],
+          "nextn_predict_layers": 0}
+    for key, value in md.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"glm4moe.{key}", value)
+    w.add_bool("glm4moe.expert_weights_norm", bool(cfg["norm_topk_prob"]))
+    add_tokenizer(w, folder, cfg["eos_token_id"])
+    weights = {k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    oracle = dict(weights)
+    for i in range(n):
+        m = f"model.layers.{i}.mlp."
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            keys = [f"{m}experts.{j}.{proj}.weight" for j in range(e)]
+            if keys[0] not in weights:
+                continue
+            stack = np.stack([weights.pop(k) for k in keys])
+            if not q8:
+                w.add_tensor(f"blk.{i}.ffn_{proj.split('_')[0]}_exps.weight", stack)
+                continue
+            packed = quantize(stack, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(f"blk.{i}.ffn_{proj.split('_')[0]}_exps.weight", packed,
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            deq = dequantize(packed, gguf.GGMLQuantizationType.Q8_0).reshape(e, *oracle[keys[0]].shape)
+            for j, k in enumerate(keys):
+                oracle[k] = deq[j]
+        bias = weights.pop(m + "gate.e_score_correction_bias", None)
+        if bias is not None:
+            w.add_tensor(f"blk.{i}.exp_probs_b.bias", bias)
+    for name, x in sorted(weights.items()):
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), x)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return write_oracle(folder, out.parent / "oracle", oracle)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"use_qk_norm": False, "attention_bias": False, "n_group": 1}],
+                         ids=["qk-norm-bias", "plain"])
+def test_glm4moe_gguf_matches_mlx_lm(tmp_path, overrides):
+    from mlx_lm.utils import load_model
+
+    folder = write_tiny_model(tmp_path / "m", "glm4_moe", **overrides)
+    oracle = _glm4moe_gguf(folder, tmp_path / "m.gguf")
+    model = fx_engine.load(tmp_path / "m.gguf")
+    want = fx_engine.load(folder).config
+    for field in ("num_experts", "top_k", "n_group", "topk_group", "moe_layers", "rope_dims", "qk_norm",
+                  "qkv_bias", "shared_expert_intermediate_size", "routed_scaling_factor"):
+        assert getattr(model.config, field) == getattr(want, field), field
+    ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    ref, _ = load_model(oracle)
+    ref.set_dtype(mx.float32)
+    _compare(fx_engine.logits(model, ids, chunk=40), ref(mx.array([ids]))[0])

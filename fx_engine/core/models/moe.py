@@ -33,7 +33,7 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
-from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, fuse, fuse_experts, read_experts, read_linear, finish_experts)
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, renamed, TensorSource, TensorSpec, finish, fuse, fuse_experts, read_experts, read_linear, finish_experts)
 from fx_engine.core.config import ConfigError, gguf_value, positive_int
 from fx_engine.core.models import llama
 from fx_engine.core.models.family import Family
@@ -375,12 +375,24 @@ def _assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions, names: dict[
 
 # llama.cpp's names: the router ffn_gate_inp, the stacks ffn_{gate,up,down}_exps [E, out, in],
 # qwen2moe's shared expert ffn_*_shexp and its gate ffn_gate_inp_shexp
+# llama.cpp's glm4moe names -> Hugging Face's (MTP / NextN layers past the decoder unused)
+_GLM4_MOE_GGUF_TO_HF = (
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.post_attention_norm\.", ".post_attention_layernorm."),
+    (r"\.ffn_gate_inp\.", ".mlp.gate."), (r"\.exp_probs_b\.bias$", ".mlp.gate.e_score_correction_bias"),
+    (r"\.ffn_(gate|up|down)_exps\.", r".mlp.switch_mlp.\1_proj."),
+    (r"\.ffn_(gate|up|down)_shexp\.", r".mlp.shared_experts.\1_proj."),
+) + GGUF_COMMON_NAMES
+
+
 def assemble_gguf(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEParams:
     """Params from llama.cpp's qwen3moe / qwen2moe tensors, and Mixtral's (the "llama"
     architecture with experts: q/k rows permuted as for llama, undone here; experts stacked
     as ffn_*_exps, or one tensor per expert, ffn_gate.{e}, in older files)."""
     if cfg.model_type == "mixtral":
         src = llama.unpermuted_qk(cfg, src)
+    if cfg.model_type == "glm4_moe":  # q/k norms and q/k/v biases as the file has them
+        cfg = attrs.evolve(cfg, qk_norm=src.has("blk.0.attn_q_norm.weight"), qkv_bias=src.has("blk.0.attn_q.bias"))
+        return assemble(cfg, renamed(src, _GLM4_MOE_GGUF_TO_HF), opts)
 
     def experts(pre: str) -> Experts:
         e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
@@ -402,6 +414,8 @@ def config_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:
     (Qwen3-MoE's norm_topk_prob is true) and not for qwen2moe / olmoe; every layer is a MoE
     layer there."""
     arch = md.get("general.architecture")
+    if arch == "glm4moe":
+        return _glm4_moe_from_gguf(md, source)
     base = llama.config_from_gguf(md, source, attention={"qwen3moe": "qwen3", "qwen2moe": "qwen2",
                                                          "llama": "llama", "olmoe": "llama"}[arch], ff_default=0)
 
@@ -422,6 +436,39 @@ def config_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:
         norm_topk_prob=arch == "qwen3moe", softmax_then_topk=not mixtral,
         moe_layers=(True,) * base.num_layers, shared_expert_intermediate_size=shared,
     )
+
+
+def _glm4_moe_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:
+    """GLM-4.5 from llama.cpp's glm4moe metadata (its block_count includes the NextN / MTP
+    layers, which are not run; sigmoid routing only)."""
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, "glm4moe", key, source, default)
+
+    if int(val("expert_gating_func", 2)) != 2:
+        raise ConfigError(f"{source}: glm4moe.expert_gating_func must be 2 (sigmoid)")
+    heads, hidden = int(val("attention.head_count")), int(val("embedding_length"))
+    hd = int(val("attention.key_length", hidden // heads))
+    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
+    return config_from_hf({
+        "model_type": "glm4_moe", "hidden_size": hidden, "num_attention_heads": heads,
+        "num_hidden_layers": int(val("block_count")) - int(val("nextn_predict_layers", 0)),
+        "num_key_value_heads": int(val("attention.head_count_kv", heads)), "head_dim": hd,
+        "intermediate_size": int(val("feed_forward_length")),
+        "n_routed_experts": int(val("expert_count")), "num_experts_per_tok": int(val("expert_used_count")),
+        "n_shared_experts": int(val("expert_shared_count", 0)),
+        "moe_intermediate_size": int(val("expert_feed_forward_length")),
+        "first_k_dense_replace": int(val("leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(val("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(val("expert_weights_norm", True)),
+        "n_group": int(val("expert_group_count", 1) or 1), "topk_group": int(val("expert_group_used_count", 1) or 1),
+        "partial_rotary_factor": int(val("rope.dimension_count", hd // 2)) / hd,
+        "rms_norm_eps": float(val("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(val("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(val("context_length", 4096)),
+        "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
+        "tie_word_embeddings": False, "use_qk_norm": True, "attention_bias": True,  # the file decides
+        "bos_token_id": int(bos.item()) if bos is not None else None,
+        "eos_token_id": int(eos.item()) if eos is not None else None}, source)
 
 
 def checkpoint_layout(cfg: MoEConfig) -> dict[str, TensorSpec]:
@@ -493,7 +540,7 @@ FAMILY = Family(
     name="moe", model_types=tuple(_ATTENTION), config_type=MoEConfig, params_type=MoEParams,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    gguf_architectures=("qwen3moe", "qwen2moe", "olmoe", "llama"), config_from_gguf=config_from_gguf,
+    gguf_architectures=("qwen3moe", "qwen2moe", "olmoe", "glm4moe", "llama"), config_from_gguf=config_from_gguf,
     gguf_accepts=lambda md: bool(md.get(f"{md.get('general.architecture')}.expert_count")),
     assemble_gguf=assemble_gguf, first_layers=llama.first_layers, tiny_config=tiny_config,
 )
