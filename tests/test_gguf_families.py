@@ -38,7 +38,8 @@ def convert(folder: Path, out: Path, arch: str, metadata: dict, permute: bool, q
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper().replace("-", "_")), n_layers)
     w = gguf.GGUFWriter(str(out), arch)
     for key, value in metadata.items():
-        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
+        add = w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32
+        add(f"{arch}.{key}", value)
     add_tokenizer(w, folder, cfg["eos_token_id"])
     weights = {k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(folder / "model.safetensors")).items()}
     oracle = {}
