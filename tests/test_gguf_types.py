@@ -144,6 +144,23 @@ def test_header_parser_agrees_with_the_gguf_reader(tmp_path, default_model, whic
     assert mine == infos
 
 
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+@pytest.mark.parametrize("shape", [(3, 256), (2, 5, 96)])
+def test_repacking_to_8_bits_keeps_every_integer(bits, shape):
+    """checkpoint.repacked_8bit (numpy bit planes) against MLX's own unpacking of the stored
+    integers (dequantize with scale 1, bias 0), for 2-D and stacked (3-D) weights."""
+    from fx_engine.core.checkpoint import repacked_8bit
+
+    k = shape[-1]
+    ints = mx.random.randint(0, 2**bits, shape, key=mx.random.key(bits)).astype(mx.float32)
+    q, _, _ = mx.quantize(ints, group_size=32, bits=bits)  # only the packed integers matter
+    one = mx.ones((*shape[:-1], k // 32))
+    want = mx.dequantize(q, one, mx.zeros_like(one), group_size=32, bits=bits).astype(mx.uint8)
+    got = repacked_8bit(np.asarray(q), bits, k)
+    assert got.shape == (*shape[:-1], k // 4)
+    np.testing.assert_array_equal(got.view(np.uint8).reshape(shape), np.asarray(want))
+
+
 @pytest.mark.parametrize("bits", [2, 5, 6])
 def test_widths_the_kernels_lack_are_widened_to_8_bits_exactly(bits):
     """A 2/5/6-bit linear where the policy keeps 8 bits (the native CPU kernels) becomes an
