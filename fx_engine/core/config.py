@@ -109,3 +109,64 @@ def gguf_value(md: dict[str, Any], arch: str, key: str, source: str, default: An
         return default
     v = md[full]
     return v.item() if hasattr(v, "item") else v
+
+
+def gguf_hf_config(md: dict[str, Any], arch: str, source: str, model_type: str, *,
+                   rope_theta: float = 10000.0, context: int = 4096, ffn: bool = True) -> dict[str, Any]:
+    """The config.json fields every llama.cpp architecture writes the same way, from its
+    `<arch>.*` metadata: sizes, heads (and head_dim when key_length says), the norm's eps
+    (RMSNorm's or LayerNorm's key), RoPE base, context, vocabulary and BOS/EOS ids. A
+    family's `config_from_gguf` adds its own keys and calls its `config_from_hf`."""
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, arch, key, source, default)
+
+    heads, hidden = int(val("attention.head_count")), int(val("embedding_length"))
+    eps = val("attention.layer_norm_rms_epsilon", None)
+    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
+    d: dict[str, Any] = {
+        "model_type": model_type, "hidden_size": hidden, "num_hidden_layers": int(val("block_count")),
+        "num_attention_heads": heads, "num_key_value_heads": int(val("attention.head_count_kv", heads)),
+        "rms_norm_eps": float(eps if eps is not None else val("attention.layer_norm_epsilon")),
+        "rope_theta": float(val("rope.freq_base", rope_theta)),
+        "max_position_embeddings": int(val("context_length", context)),
+        "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
+        "bos_token_id": int(bos.item() if hasattr(bos, "item") else bos) if bos is not None else None,
+        "eos_token_id": int(eos.item() if hasattr(eos, "item") else eos) if eos is not None else None,
+    }
+    if val("attention.key_length", None) is not None:
+        d["head_dim"] = int(val("attention.key_length"))
+    if ffn:
+        d["intermediate_size"] = int(val("feed_forward_length"))
+    return d
+
+
+def gguf_grouped_experts(md: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """DeepSeek-V3-style routed experts from llama.cpp's keys (deepseek2, glm4moe), as
+    config.json fields: sigmoid routing only (expert_gating_func 2)."""
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, arch, key, source, default)
+
+    if int(val("expert_gating_func", 2)) != 2:
+        raise ConfigError(f"{source}: {arch}.expert_gating_func {val('expert_gating_func')!r}: only "
+                          "sigmoid routing (2) is supported")
+    return {"n_routed_experts": int(val("expert_count")), "num_experts_per_tok": int(val("expert_used_count")),
+            "n_shared_experts": int(val("expert_shared_count", 0)),
+            "moe_intermediate_size": int(val("expert_feed_forward_length")),
+            "first_k_dense_replace": int(val("leading_dense_block_count", 0)),
+            "routed_scaling_factor": float(val("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(val("expert_weights_norm", True)),
+            "n_group": int(val("expert_group_count", 1) or 1),
+            "topk_group": int(val("expert_group_used_count", 1) or 1)}
+
+
+def gguf_yarn(md: dict[str, Any], arch: str, source: str, **extra: Any) -> dict[str, Any] | None:
+    """config.json's rope_scaling from llama.cpp's rope.scaling keys: None, or YaRN (its only
+    supported kind here) with the given extra fields (mscale conventions differ by family)."""
+    kind = gguf_value(md, arch, "rope.scaling.type", source, None)
+    if kind in (None, "none"):
+        return None
+    if kind != "yarn":
+        raise ConfigError(f"{source}: {arch}.rope.scaling.type {kind!r} is not supported (yarn)")
+    return {"type": "yarn", "factor": float(gguf_value(md, arch, "rope.scaling.factor", source)),
+            "original_max_position_embeddings": int(gguf_value(md, arch, "rope.scaling.original_context_length", source)),
+            "beta_fast": 32.0, "beta_slow": 1.0, **extra}

@@ -246,30 +246,14 @@ def assemble_gguf(cfg: CohereConfig, src: TensorSource, opts: LoadOptions) -> Co
 def config_from_gguf(md: dict[str, Any], source: str) -> CohereConfig:
     """From llama.cpp's command-r / cohere2 metadata; cohere2 with llama.cpp's fixed choice
     of every 4th layer global."""
-    from fx_engine.core.config import gguf_value
+    from fx_engine.core.config import gguf_hf_config, gguf_value
 
     arch = md.get("general.architecture")
-
-    def val(key: str, default: Any = ...) -> Any:
-        return gguf_value(md, arch, key, source, default)
-
-    heads, hidden = int(val("attention.head_count")), int(val("embedding_length"))
-    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
-    d = {"model_type": "cohere" if arch == "command-r" else "cohere2", "hidden_size": hidden,
-         "num_hidden_layers": int(val("block_count")), "num_attention_heads": heads,
-         "num_key_value_heads": int(val("attention.head_count_kv", heads)),
-         "head_dim": int(val("attention.key_length", hidden // heads)),
-         "intermediate_size": int(val("feed_forward_length")),
-         "layer_norm_eps": float(val("attention.layer_norm_epsilon")),
-         "rope_theta": float(val("rope.freq_base", 10000.0)), "logit_scale": float(val("logit_scale")),
-         "max_position_embeddings": int(val("context_length", 8192)),
-         "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
-         "bos_token_id": int(bos.item()) if bos is not None else None,
-         "eos_token_id": int(eos.item()) if eos is not None else None}
+    d = gguf_hf_config(md, arch, source, "cohere" if arch == "command-r" else "cohere2", context=8192)
+    d.update(layer_norm_eps=d.pop("rms_norm_eps"), logit_scale=float(gguf_value(md, arch, "logit_scale", source)))
     if arch == "cohere2":
-        d.update(sliding_window=int(val("attention.sliding_window")), sliding_window_pattern=4)
+        d.update(sliding_window=int(gguf_value(md, arch, "attention.sliding_window", source)), sliding_window_pattern=4)
     return config_from_hf(d, source)
-
 
 FAMILY = Family(
     name="cohere", model_types=("cohere", "cohere2"), config_type=CohereConfig, params_type=CohereParams,

@@ -30,9 +30,9 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_latent, write_entry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, renamed, TensorSource, TensorSpec, WeightsError, dequantized, finish, fuse, fuse_experts, finish_experts, read_experts, read_linear)
-from fx_engine.core.config import BaseConfig, ConfigError, check_rope_scaling, positive_int, required, token_ids
+from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, gguf_grouped_experts, gguf_hf_config, gguf_value, gguf_yarn, positive_int, required, token_ids)
 from fx_engine.core.models.family import Family
-from fx_engine.core.models.moe import grouped_route
+from fx_engine.core.models.moe import GGUF_GROUPED_EXPERT_NAMES, grouped_route
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, routed_glu, scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
 from fx_engine.core.tree import static_field
 
@@ -408,10 +408,7 @@ _GGUF_TO_HF = (
     (r"\.attn_kv_a_mqa\.", ".self_attn.kv_a_proj_with_mqa."), (r"\.attn_kv_b\.", ".self_attn.kv_b_proj."),
     (r"\.attn_k_b\.", ".self_attn.embed_q."), (r"\.attn_v_b\.", ".self_attn.unembed_out."),
     (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
-    (r"\.ffn_gate_inp\.", ".mlp.gate."), (r"\.exp_probs_b\.bias$", ".mlp.gate.e_score_correction_bias"),
-    (r"\.ffn_(gate|up|down)_exps\.", r".mlp.switch_mlp.\1_proj."),
-    (r"\.ffn_(gate|up|down)_shexp\.", r".mlp.shared_experts.\1_proj."),
-) + GGUF_COMMON_NAMES
+) + GGUF_GROUPED_EXPERT_NAMES + GGUF_COMMON_NAMES
 
 
 def assemble_gguf(cfg: DeepseekConfig, src: TensorSource, opts: LoadOptions) -> DeepseekParams:
@@ -422,52 +419,21 @@ def assemble_gguf(cfg: DeepseekConfig, src: TensorSource, opts: LoadOptions) -> 
 
 def config_from_gguf(md: dict[str, Any], source: str) -> DeepseekConfig:
     """From llama.cpp's deepseek2 metadata (sigmoid routing only: expert_gating_func 2)."""
-    from fx_engine.core.config import gguf_value
-
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, "deepseek2", key, source, default)
 
-    if int(val("expert_gating_func", 2)) != 2:
-        raise ConfigError(f"{source}: deepseek2.expert_gating_func {val('expert_gating_func')!r}: only "
-                          "sigmoid routing (2, DeepSeek-V3 / Kimi K2) is supported")
-    heads, r = int(val("attention.head_count")), int(val("attention.kv_lora_rank"))
-    dr = int(val("rope.dimension_count"))
+    r, dr = int(val("attention.kv_lora_rank")), int(val("rope.dimension_count"))
     mla = val("attention.key_length_mla", None)  # newer files: key_length is r + dr there
     dk = int(mla) if mla is not None else int(val("attention.key_length"))
-    dv = int(val("attention.value_length_mla", None) or val("attention.value_length"))
-    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
-    q_lora = int(val("attention.q_lora_rank", 0) or 0)
-    d: dict[str, Any] = {
-        "model_type": "deepseek_v3", "hidden_size": int(val("embedding_length")),
-        "num_hidden_layers": int(val("block_count")), "num_attention_heads": heads,
-        "num_key_value_heads": heads, "q_lora_rank": q_lora or None, "kv_lora_rank": r,
-        "qk_nope_head_dim": dk - dr, "qk_rope_head_dim": dr, "v_head_dim": dv,
-        "intermediate_size": int(val("feed_forward_length")),
-        "n_routed_experts": int(val("expert_count")), "num_experts_per_tok": int(val("expert_used_count")),
-        "n_shared_experts": int(val("expert_shared_count", 0)) or None,
-        "moe_intermediate_size": int(val("expert_feed_forward_length")),
-        "first_k_dense_replace": int(val("leading_dense_block_count", 0)),
-        "routed_scaling_factor": float(val("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(val("expert_weights_norm", True)),
-        "n_group": int(val("expert_group_count", 1) or 1), "topk_group": int(val("expert_group_used_count", 1) or 1),
-        "rms_norm_eps": float(val("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(val("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(val("context_length", 4096)),
-        "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
-        "bos_token_id": int(bos.item()) if bos is not None else None,
-        "eos_token_id": int(eos.item()) if eos is not None else None,
-    }
-    kind = val("rope.scaling.type", None)
-    if kind not in (None, "none"):
-        if kind != "yarn":
-            raise ConfigError(f"{source}: deepseek2.rope.scaling.type {kind!r} is not supported (yarn)")
-        log_mul = float(val("rope.scaling.yarn_log_multiplier", 0.0))  # 0.1 * mscale_all_dim
-        d["rope_scaling"] = {"type": "yarn", "factor": float(val("rope.scaling.factor")),
-                             "original_max_position_embeddings": int(val("rope.scaling.original_context_length")),
-                             "mscale": log_mul / 0.1, "mscale_all_dim": log_mul / 0.1,
-                             "beta_fast": 32, "beta_slow": 1}
+    d = gguf_hf_config(md, "deepseek2", source, "deepseek_v3")
+    experts = gguf_grouped_experts(md, "deepseek2", source)
+    m = float(val("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1  # llama.cpp's 0.1 * mscale_all_dim
+    d.update(experts, n_shared_experts=experts["n_shared_experts"] or None, head_dim=None,
+             num_key_value_heads=d["num_attention_heads"], q_lora_rank=int(val("attention.q_lora_rank", 0) or 0) or None,
+             kv_lora_rank=r, qk_nope_head_dim=dk - dr, qk_rope_head_dim=dr,
+             v_head_dim=int(val("attention.value_length_mla", None) or val("attention.value_length")),
+             rope_scaling=gguf_yarn(md, "deepseek2", source, mscale=m, mscale_all_dim=m))
     return config_from_hf(d, source)
-
 
 FAMILY = Family(
     name="deepseek", model_types=("deepseek_v3", "kimi_k2"), config_type=DeepseekConfig,

@@ -24,7 +24,7 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, renamed, TensorSource, TensorSpec, WeightsError, finish, fuse, fuse_experts, finish_experts, read_expert_stack, read_linear)
-from fx_engine.core.config import ConfigError, positive_int, required
+from fx_engine.core.config import ConfigError, gguf_hf_config, gguf_value, gguf_yarn, positive_int, required
 from fx_engine.core.models import llama, moe
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
@@ -230,36 +230,13 @@ def assemble_gguf(cfg: GptOssConfig, src: TensorSource, opts: LoadOptions) -> Gp
 def config_from_gguf(md: dict[str, Any], source: str) -> GptOssConfig:
     """From llama.cpp's gpt-oss metadata (every other layer sliding, from layer 0, as
     llama.cpp and Hugging Face run it; YaRN from its rope.scaling keys)."""
-    from fx_engine.core.config import gguf_value
-
-    def val(key: str, default: Any = ...) -> Any:
-        return gguf_value(md, "gpt-oss", key, source, default)
-
-    heads, hidden = int(val("attention.head_count")), int(val("embedding_length"))
-    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
-    d: dict[str, Any] = {
-        "model_type": "gpt_oss", "hidden_size": hidden, "num_hidden_layers": int(val("block_count")),
-        "num_attention_heads": heads, "num_key_value_heads": int(val("attention.head_count_kv", heads)),
-        "head_dim": int(val("attention.key_length", hidden // heads)),
-        "intermediate_size": int(val("expert_feed_forward_length")),
-        "num_local_experts": int(val("expert_count")), "num_experts_per_tok": int(val("expert_used_count")),
-        "rms_norm_eps": float(val("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(val("rope.freq_base", 150000.0)),
-        "sliding_window": int(val("attention.sliding_window", 128)),
-        "max_position_embeddings": int(val("context_length", 131072)),
-        "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
-        "bos_token_id": int(bos.item()) if bos is not None else None,
-        "eos_token_id": int(eos.item()) if eos is not None else None,
-    }
-    kind = val("rope.scaling.type", None)
-    if kind not in (None, "none"):
-        if kind != "yarn":
-            raise ConfigError(f"{source}: gpt-oss.rope.scaling.type {kind!r} is not supported (yarn)")
-        d["rope_scaling"] = {"rope_type": "yarn", "factor": float(val("rope.scaling.factor")),
-                             "original_max_position_embeddings": int(val("rope.scaling.original_context_length")),
-                             "beta_fast": 32.0, "beta_slow": 1.0}
+    d = gguf_hf_config(md, "gpt-oss", source, "gpt_oss", rope_theta=150000.0, context=131072, ffn=False)
+    d.update(intermediate_size=int(gguf_value(md, "gpt-oss", "expert_feed_forward_length", source)),
+             num_local_experts=int(gguf_value(md, "gpt-oss", "expert_count", source)),
+             num_experts_per_tok=int(gguf_value(md, "gpt-oss", "expert_used_count", source)),
+             sliding_window=int(gguf_value(md, "gpt-oss", "attention.sliding_window", source, 128)),
+             rope_scaling=gguf_yarn(md, "gpt-oss", source))
     return config_from_hf(d, source)
-
 
 FAMILY = Family(
     name="gpt_oss", model_types=("gpt_oss",), config_type=GptOssConfig, params_type=GptOssParams,

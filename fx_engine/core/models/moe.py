@@ -34,7 +34,7 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, renamed, TensorSource, TensorSpec, finish, fuse, fuse_experts, read_experts, read_linear, finish_experts)
-from fx_engine.core.config import ConfigError, gguf_value, positive_int
+from fx_engine.core.config import ConfigError, gguf_grouped_experts, gguf_hf_config, gguf_value, positive_int
 from fx_engine.core.models import llama
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
@@ -373,15 +373,22 @@ def _assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions, names: dict[
                      dtype=opts.dtype_name)
 
 
-# llama.cpp's names: the router ffn_gate_inp, the stacks ffn_{gate,up,down}_exps [E, out, in],
-# qwen2moe's shared expert ffn_*_shexp and its gate ffn_gate_inp_shexp
-# llama.cpp's glm4moe names -> Hugging Face's (MTP / NextN layers past the decoder unused)
-_GLM4_MOE_GGUF_TO_HF = (
-    (r"\.attn_norm\.", ".input_layernorm."), (r"\.post_attention_norm\.", ".post_attention_layernorm."),
+# llama.cpp's names of DeepSeek-V3-style routed experts (deepseek2, glm4moe) -> Hugging
+# Face's / mlx-lm's: the router, its selection bias, the stacks and the shared experts
+GGUF_GROUPED_EXPERT_NAMES = (
     (r"\.ffn_gate_inp\.", ".mlp.gate."), (r"\.exp_probs_b\.bias$", ".mlp.gate.e_score_correction_bias"),
     (r"\.ffn_(gate|up|down)_exps\.", r".mlp.switch_mlp.\1_proj."),
     (r"\.ffn_(gate|up|down)_shexp\.", r".mlp.shared_experts.\1_proj."),
-) + GGUF_COMMON_NAMES
+)
+# glm4moe's (MTP / NextN layers past the decoder unused)
+_GLM4_MOE_GGUF_TO_HF = (
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.post_attention_norm\.", ".post_attention_layernorm."),
+) + GGUF_GROUPED_EXPERT_NAMES + GGUF_COMMON_NAMES
+
+
+# llama.cpp's qwen3moe / qwen2moe / olmoe / Mixtral names: the router ffn_gate_inp, the
+# stacks ffn_{gate,up,down}_exps [E, out, in], qwen2moe's shared expert ffn_*_shexp and its
+# gate ffn_gate_inp_shexp (read by `assemble_gguf` below with llama's names)
 
 
 def assemble_gguf(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEParams:
@@ -441,35 +448,13 @@ def config_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:
 def _glm4_moe_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:
     """GLM-4.5 from llama.cpp's glm4moe metadata (its block_count includes the NextN / MTP
     layers, which are not run; sigmoid routing only)."""
-    def val(key: str, default: Any = ...) -> Any:
-        return gguf_value(md, "glm4moe", key, source, default)
-
-    if int(val("expert_gating_func", 2)) != 2:
-        raise ConfigError(f"{source}: glm4moe.expert_gating_func must be 2 (sigmoid)")
-    heads, hidden = int(val("attention.head_count")), int(val("embedding_length"))
-    hd = int(val("attention.key_length", hidden // heads))
-    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
-    return config_from_hf({
-        "model_type": "glm4_moe", "hidden_size": hidden, "num_attention_heads": heads,
-        "num_hidden_layers": int(val("block_count")) - int(val("nextn_predict_layers", 0)),
-        "num_key_value_heads": int(val("attention.head_count_kv", heads)), "head_dim": hd,
-        "intermediate_size": int(val("feed_forward_length")),
-        "n_routed_experts": int(val("expert_count")), "num_experts_per_tok": int(val("expert_used_count")),
-        "n_shared_experts": int(val("expert_shared_count", 0)),
-        "moe_intermediate_size": int(val("expert_feed_forward_length")),
-        "first_k_dense_replace": int(val("leading_dense_block_count", 0)),
-        "routed_scaling_factor": float(val("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(val("expert_weights_norm", True)),
-        "n_group": int(val("expert_group_count", 1) or 1), "topk_group": int(val("expert_group_used_count", 1) or 1),
-        "partial_rotary_factor": int(val("rope.dimension_count", hd // 2)) / hd,
-        "rms_norm_eps": float(val("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(val("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(val("context_length", 4096)),
-        "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
-        "tie_word_embeddings": False, "use_qk_norm": True, "attention_bias": True,  # the file decides
-        "bos_token_id": int(bos.item()) if bos is not None else None,
-        "eos_token_id": int(eos.item()) if eos is not None else None}, source)
-
+    d = gguf_hf_config(md, "glm4moe", source, "glm4_moe")
+    d.update(gguf_grouped_experts(md, "glm4moe", source))
+    hd = d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+    d.update(num_hidden_layers=d["num_hidden_layers"] - int(gguf_value(md, "glm4moe", "nextn_predict_layers", source, 0)),
+             partial_rotary_factor=int(gguf_value(md, "glm4moe", "rope.dimension_count", source, hd // 2)) / hd,
+             tie_word_embeddings=False, use_qk_norm=True, attention_bias=True)  # the file decides these two
+    return config_from_hf(d, source)
 
 def checkpoint_layout(cfg: MoEConfig) -> dict[str, TensorSpec]:
     """The Hugging Face checkpoint's tensors: Llama's attention and norms, then per MoE

@@ -304,38 +304,26 @@ def assemble_gguf(cfg: PostNormConfig, src: TensorSource, opts: LoadOptions) -> 
 
 
 def config_from_gguf(md: dict[str, Any], source: str) -> PostNormConfig:
-    """An OLMo 2 / EXAONE 4 config from llama.cpp's olmo2 / exaone4 metadata (EXAONE 4:
-    every `sliding_window_pattern`-th layer global, with NoPE, as mlx-lm and llama.cpp run it)."""
-    from fx_engine.core.config import gguf_value
+    """An OLMo 2 / EXAONE 4 / GLM-4 config from llama.cpp's metadata (EXAONE 4: every
+    `sliding_window_pattern`-th layer global, with NoPE, as mlx-lm and llama.cpp run it;
+    GLM-4: RoPE over rope.dimension_count of each head)."""
+    from fx_engine.core.config import gguf_hf_config, gguf_value
 
     arch = md.get("general.architecture")
 
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, arch, key, source, default)
 
-    heads = int(val("attention.head_count"))
-    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
-    d = {"model_type": arch, "hidden_size": int(val("embedding_length")),
-         "num_hidden_layers": int(val("block_count")), "num_attention_heads": heads,
-         "num_key_value_heads": int(val("attention.head_count_kv", heads)),
-         "intermediate_size": int(val("feed_forward_length")),
-         "rms_norm_eps": float(val("attention.layer_norm_rms_epsilon")),
-         "rope_theta": float(val("rope.freq_base", 10000.0)),
-         "max_position_embeddings": int(val("context_length", 4096)),
-         "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
-         "bos_token_id": int(bos.item()) if bos is not None else None,
-         "eos_token_id": int(eos.item()) if eos is not None else None}
+    d = gguf_hf_config(md, arch, source, arch)
+    hd = d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+    if arch == "olmo2":
+        d.pop("head_dim")
     if arch == "glm4":  # partial RoPE over rope.dimension_count of each head
-        hd = int(val("attention.key_length", d["hidden_size"] // heads))
-        d.update(head_dim=hd, partial_rotary_factor=int(val("rope.dimension_count", hd // 2)) / hd)
-    if arch == "exaone4":
-        window = val("attention.sliding_window", None)
-        d["head_dim"] = int(val("attention.key_length", d["hidden_size"] // heads))
-        if window:
-            d.update(sliding_window=int(window),
-                     sliding_window_pattern=int(val("attention.sliding_window_pattern", 4)))
+        d["partial_rotary_factor"] = int(val("rope.dimension_count", hd // 2)) / hd
+    if arch == "exaone4" and val("attention.sliding_window", None):
+        d.update(sliding_window=int(val("attention.sliding_window")),
+                 sliding_window_pattern=int(val("attention.sliding_window_pattern", 4)))
     return config_from_hf(d, source)
-
 
 FAMILY = Family(
     name="postnorm", model_types=("olmo2", "olmo3", "exaone4", "glm4"), config_type=PostNormConfig,

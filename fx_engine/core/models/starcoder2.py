@@ -20,7 +20,7 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear, renamed
-from fx_engine.core.config import ConfigError
+from fx_engine.core.config import ConfigError, gguf_hf_config
 from fx_engine.core.models import llama
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
@@ -165,26 +165,11 @@ def assemble_gguf(cfg: Starcoder2Config, src: TensorSource, opts: LoadOptions) -
 def config_from_gguf(md: dict[str, Any], source: str) -> Starcoder2Config:
     """A StarCoder 2 config from llama.cpp's starcoder2 metadata. llama.cpp runs the tanh
     GELU and full attention on every layer (its converter writes no window)."""
-    from fx_engine.core.config import gguf_value
-
-    def val(key: str, default: Any = ...) -> Any:
-        return gguf_value(md, "starcoder2", key, source, default)
-
-    heads = int(val("attention.head_count"))
-    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
-    return config_from_hf({
-        "model_type": "starcoder2", "hidden_size": int(val("embedding_length")),
-        "num_hidden_layers": int(val("block_count")), "num_attention_heads": heads,
-        "num_key_value_heads": int(val("attention.head_count_kv", heads)),
-        "intermediate_size": int(val("feed_forward_length")),
-        "norm_epsilon": float(val("attention.layer_norm_epsilon")),
-        "rope_theta": float(val("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(val("context_length", 4096)), "sliding_window": None,
-        "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
-        "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True,
-        "bos_token_id": int(bos.item()) if bos is not None else None,
-        "eos_token_id": int(eos.item()) if eos is not None else None}, source)
-
+    d = gguf_hf_config(md, "starcoder2", source, "starcoder2")
+    d.update(norm_epsilon=d.pop("rms_norm_eps"), sliding_window=None, hidden_act="gelu_pytorch_tanh",
+             tie_word_embeddings=True)
+    d.pop("head_dim", None)  # hidden / heads in starcoder2
+    return config_from_hf(d, source)
 
 FAMILY = Family(
     name="starcoder2", model_types=("starcoder2",), config_type=Starcoder2Config,
