@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import numpy as np
-from jaxtyping import Bool, Float, Float32, Int32, UInt32
+from jaxtyping import Bool, Float, Float32, Int, Int32, UInt32
 
 from fx_engine.core.buckets import pow2_ceil
 from fx_engine.core.nn import fast_exp
@@ -48,6 +48,8 @@ __all__ = [
     "sample",
     "top_logprobs",
     "num_top_logprobs",
+    "mask_words",
+    "apply_token_mask",
 ]
 
 #: Every feature name that can appear in ``SamplingParams.features``.
@@ -478,6 +480,37 @@ def process_logits(logits: Logits, history: History, params: SamplingParams) -> 
         rows = mx.arange(logits.shape[0], dtype=mx.int32)[:, None]
         logits = logits.at[rows, idx].subtract(amount)
     return logits
+
+
+# --------------------------------------------------------------------------------------
+# Allowed-token masks (constrained decoding)
+# --------------------------------------------------------------------------------------
+
+
+def mask_words(vocab_size: int) -> int:
+    """32-bit words in one row of an allowed-token bitmask over `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def apply_token_mask(
+    logits: Float[mx.array, "*B V"], mask: Int[mx.array, "*B W"]
+) -> Float[mx.array, "*B V"]:
+    """-inf for every token whose bit is 0: token v is bit v % 32 of word v // 32 (the
+    layout llguidance and XGrammar fill; int32 or uint32 words, W >= ceil(V / 32)).
+
+    Applied before everything else `sample_step` does, so the bias, penalties, filters,
+    the greedy argmax, the draw and the reported logprobs all see only allowed tokens (the
+    logprobs are those of the constrained distribution). The mask is an array input: rows
+    and steps with different masks share one compiled graph; a row that is not constrained
+    sends all ones. Its cost is one elementwise pass over [B, V]."""
+    v, w = logits.shape[-1], mask.shape[-1]
+    if w * 32 < v or mask.shape[:-1] != logits.shape[:-1]:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not cover logits of shape "
+                         f"{tuple(logits.shape)} (need [..., >= {mask_words(v)}] words)")
+    shifts = mx.arange(32, dtype=mx.uint32)
+    bits = (mask.astype(mx.uint32)[..., None] >> shifts) & 1  # [*B, W, 32]
+    allowed = bits.reshape(*mask.shape[:-1], w * 32)[..., :v] != 0
+    return mx.where(allowed, logits, mx.array(-math.inf, logits.dtype))
 
 
 # --------------------------------------------------------------------------------------

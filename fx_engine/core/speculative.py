@@ -1,14 +1,16 @@
 """Speculative decoding's pure part: score K drafts per row in one target pass, accept per row,
 produce the next token, and roll the cache back by length.
 
-    verify_step(params, cache, state, drafts[B, K], n_draft[B], draft_probs=None, span=None)
-        -> (state, cache, VerifyResult)
+    verify_step(params, cache, state, drafts[B, K], n_draft[B], draft_probs=None, span=None,
+                mask=None) -> (state, cache, VerifyResult)
 
 Row b forwards its last sampled token and its first n_draft[b] drafts (K + 1 positions, a
 static bucket; rows with n_draft == 0 just decode). The target's distribution at each
 position is the one plain decoding would sample from there: logit_bias and penalties over
 the row's history *including the drafts before that position*, then mlx-lm's filters and
-temperature.
+temperature. A constrained row's allowed-token mask at each position (`mask[B, K+1, W]`,
+computed by the host from the grammar state each draft leads to) applies first, so
+acceptance is exact under the grammar too; the host drafts only allowed tokens.
 
 Acceptance (exact):
 * greedy rows accept the longest prefix of drafts equal to the target's argmax, then emit
@@ -37,7 +39,7 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, with_lengths
 from fx_engine.core.models import AnyParams, forward, hidden_to_logits
-from fx_engine.core.sampling import (SamplingParams, _categorical_rows, _fast_logsumexp, _split_rows, _uniform_rows, process_logits, push_history, sample, sampling_distribution, top_logprobs)
+from fx_engine.core.sampling import (SamplingParams, _categorical_rows, _fast_logsumexp, _split_rows, _uniform_rows, apply_token_mask, process_logits, push_history, sample, sampling_distribution, top_logprobs)
 from fx_engine.core.state import DecodeState
 from fx_engine.core.tree import STATIC, tree_replace
 
@@ -130,11 +132,12 @@ def accept_drafts(
 def verify_step(
     params: AnyParams, cache: KVCache, state: DecodeState, drafts: Int[mx.array, "B K"],
     n_draft: Int[mx.array, "B"], draft_probs: Float[mx.array, "B K V"] | None = None,
-    span: int | None = None,
+    span: int | None = None, mask: Int[mx.array, "B K1 W"] | None = None,
 ) -> tuple[DecodeState, KVCache, VerifyResult]:
     """Verify up to K drafts per row in one target pass (see the module docstring).
 
     span (static): attend over the first `span` cache slots (>= max(lengths) + K + 1).
+    mask: allowed-token bitmask per row and verified position (None: no constraint).
     """
     b, k = drafts.shape
     act = state.active
@@ -148,6 +151,8 @@ def verify_step(
     old = cache.lengths
     h, cache = forward(params, cache, tokens, act.astype(mx.int32) * (1 + n_draft), span)
     logits = hidden_to_logits(params, h).astype(mx.float32)  # [B, K+1, V]
+    if mask is not None:
+        logits = apply_token_mask(logits, mask)
     v = logits.shape[-1]
     hist = position_histories(state.history, drafts.astype(mx.int32))  # [B, K+1, W]
     rep = _repeat_rows(state.params, k + 1)

@@ -8,7 +8,7 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Bool, Float, Int, UInt32
 
-from fx_engine.core.sampling import (SamplingConfig, SamplingParams, history_width, init_history, init_keys, make_sampling_params, num_top_logprobs, process_logits, push_history, sample, top_logprobs)
+from fx_engine.core.sampling import (SamplingConfig, SamplingParams, apply_token_mask, history_width, init_history, init_keys, make_sampling_params, num_top_logprobs, process_logits, push_history, sample, top_logprobs)
 from fx_engine.core.tree import static_field, tree_replace
 
 
@@ -34,9 +34,14 @@ class DecodeState:
     n_top: int = static_field(default=0)
 
 
-def sample_step(state: DecodeState, logits: Float[mx.array, "B V"]) -> DecodeState:
-    """Pure: penalties and bias, per-row sampling, logprobs; advance active rows only."""
+def sample_step(
+    state: DecodeState, logits: Float[mx.array, "B V"], mask: Int[mx.array, "B W"] | None = None
+) -> DecodeState:
+    """Pure: the allowed-token mask (constrained rows; None: every token allowed), penalties
+    and bias, per-row sampling, logprobs; advance active rows only."""
     logits = logits.astype(mx.float32)
+    if mask is not None:
+        logits = apply_token_mask(logits, mask)
     processed = process_logits(logits, state.history, state.params)
     tokens, logprobs, keys = sample(processed, state.params, state.keys)
     chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

@@ -1,10 +1,10 @@
 """The pure step functions users compose, and their compiled forms.
 
     prefill_step(params, cache, tokens[B, C], n_valid[B]) -> (logits[B, V], cache)
-    decode_step(params, cache, state) -> (state, cache)
-    sample_step(state, logits[B, V]) -> state
+    decode_step(params, cache, state, span=None, mask=None) -> (state, cache)
+    sample_step(state, logits[B, V], mask=None) -> state
     score_step(params, cache, tokens[B, T], n_valid[B]) -> (logits[B, T, V], cache)
-    verify_step(params, cache, state, drafts[B, K], n_draft[B], draft_probs=None)
+    verify_step(params, cache, state, drafts[B, K], n_draft[B], draft_probs=None, mask=None)
         -> (state, cache, VerifyResult)              (fx_engine/core/speculative.py)
 
 Contracts: specs/steps.md. All are pure: same inputs, same outputs; no hidden state. The
@@ -48,14 +48,16 @@ def score_step(
 
 
 def decode_step(
-    params: AnyParams, cache: KVCache, state: DecodeState, span: int | None = None
+    params: AnyParams, cache: KVCache, state: DecodeState, span: int | None = None,
+    mask: Int[mx.array, "B W"] | None = None,
 ) -> tuple[DecodeState, KVCache]:
     """One token per active row: forward the last sampled token, sample the next one.
-    span (static): attend over the first `span` cache slots (>= max(lengths) + 1)."""
+    span (static): attend over the first `span` cache slots (>= max(lengths) + 1).
+    mask: allowed-token bitmask per row (`sampling.apply_token_mask`; None: no constraint)."""
     n_valid = state.active.astype(mx.int32)
     h, cache = forward(params, cache, state.tokens[:, None], n_valid, span)
     logits = hidden_to_logits(params, h[:, 0])
-    return sample_step(state, logits), cache
+    return sample_step(state, logits, mask), cache
 
 
 prefill_step_compiled = CompiledFunction(prefill_step, name="prefill_step")

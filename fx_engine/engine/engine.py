@@ -35,14 +35,17 @@ import weakref
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from fx_engine.core.cache import KVCache, bytes_per_token, span_bucket
 from fx_engine.engine.kv_rows import insert_row, row_view, snapshot_row, stack_rows
+from fx_engine.core.sampling import mask_words
 from fx_engine.core.state import DecodeState, init_state
 from fx_engine.core.steps import (decode_step_compiled, prefill_step_compiled, sample_step_compiled, verify_step_compiled)
 from fx_engine.core.tree import tree_leaves, tree_replace
 from fx_engine.engine import scheduler as sched
 from fx_engine.engine.batch import DecodeBatch, insert_state_row
+from fx_engine.engine.constraints import RowGrammar, grammar_tokenizer
 from fx_engine.engine.handles import RequestHandle
 from fx_engine.engine.output import TokenOutput
 from fx_engine.engine.prefix_cache import DiskTier, PrefixStore
@@ -109,12 +112,13 @@ class _Request:
     __slots__ = (
         "handle", "ids", "cfg", "max_tokens", "out", "generated", "want_logprobs", "need",
         "prefilled", "pcache", "row", "cache_len", "phase", "t_admit", "t_first", "row_state",
-        "processors", "drafter", "row_drafter", "spec", "cached", "salt",
+        "processors", "drafter", "row_drafter", "spec", "cached", "salt", "grammar",
     )
 
     def __init__(self, handle, ids, cfg, max_tokens, out, processors=(), drafter=None,
-                 k_max=0, salt=None):
+                 k_max=0, salt=None, grammar=None):
         self.handle = handle
+        self.grammar = grammar  # constraints.RowGrammar: the output's grammar state, or None
         self.salt = salt  # the prefix-cache scope (cache_salt)
         self.ids = ids
         self.cfg = cfg
@@ -396,8 +400,12 @@ class Engine:
             )
         out = TokenOutput(self.model.tokenizer, self.eos, r.stops, max_tokens, r.n_top > 0,
                           r.sampling.logprobs)
+        grammar = None
+        if r.constraint is not None:
+            grammar = RowGrammar(r.constraint, grammar_tokenizer(
+                self.model.tokenizer, self._c.vocab_size, self.eos))
         return _Request(None, ids, r.sampling, max_tokens, out, r.processors, r.drafter,
-                        r.num_draft_tokens, r.cache_salt), ids
+                        r.num_draft_tokens, r.cache_salt, grammar), ids
 
     def _wake(self) -> None:
         with self._lock:
@@ -620,7 +628,9 @@ class Engine:
         c = self._c
         row_state = init_state([req.cfg], [req.ids], c.vocab_size, special_token_ids=self._special)
         logits = apply_processors(req.processors, req.ids, logits)
-        row_state = sample_step_compiled(row_state, logits)
+        mask = self._masks([req], fail=False)  # a grammar error fails this prefill row
+        row_state = (sample_step_compiled(row_state, logits) if mask is None
+                     else sample_step_compiled(row_state, logits, mask))
         mx.eval(*tree_leaves(row_state))
         self._snapshot(req, req.ids, req.pcache, 0)  # the whole prompt
         t1 = time.perf_counter()
@@ -676,7 +686,10 @@ class Engine:
                 return
         max_len = max(r.cache_len for r in live)
         batch.ensure_capacity(max_len + 1)  # may compact: row indices are read after it
+        mask = self._masks(batch.rows)  # before the rows are read: it may fail a request
         rows = batch.rows
+        if not any(r is not None for r in rows):
+            return
         state = tree_replace(batch.state, active=mx.array([r is not None for r in rows]))
         batch.state = None
         span = span_bucket(max_len + 1, batch.cache.capacity)
@@ -684,9 +697,12 @@ class Engine:
         traces = decode_step_compiled.traces
         failed: dict[int, BaseException] = {}
         if any(r.processors for r in live):
-            state, cache = self._decode_with_processors(state, span, failed)
-        else:  # the fast path: forward and sampling in one compiled step
+            state, cache = self._decode_with_processors(state, span, failed, mask)
+        elif mask is None:  # the fast path: forward and sampling in one compiled step
             state, cache = decode_step_compiled(self.params, batch.cache, state, span=span)
+        else:  # constrained rows: the same step with their allowed-token masks
+            state, cache = decode_step_compiled(self.params, batch.cache, state, span=span,
+                                                mask=mask)
         host = time.perf_counter() - t0
         batch.cache = None
         mx.eval(*tree_leaves(state), *tree_leaves(cache))
@@ -768,11 +784,18 @@ class Engine:
         # so row indices are read after it.
         needed = max(r.cache_len + len(drafts.get(r, ((), None))[0]) + 1 for r in live)
         batch.ensure_capacity(needed)
+        # Constrained rows: the mask at every verified position, and only the drafts their
+        # grammar allows (may fail a request, so before the rows are read).
+        masks = self._draft_masks(batch.rows, drafts, k)
         rows_ = batch.rows
+        if not any(r is not None for r in rows_):
+            return
         b = len(rows_)
         arr = [[0] * k for _ in range(b)]
         n = [0] * b
         for req, (toks, _) in drafts.items():
+            if req.row is None:
+                continue
             arr[req.row][: len(toks)] = toks
             n[req.row] = len(toks)
         probs = None
@@ -793,9 +816,10 @@ class Engine:
         span = span_bucket(max_len + k + 1, batch.cache.capacity)
         t0 = time.perf_counter()
         traces = verify_step_compiled.traces
+        extra = {} if masks is None else {"mask": masks}
         state, cache, res = verify_step_compiled(
             self.params, batch.cache, state, mx.array(arr, mx.int32), mx.array(n, mx.int32),
-            probs, span=span)
+            probs, span=span, **extra)
         host = time.perf_counter() - t0
         batch.cache = None
         mx.eval(*tree_leaves(state), *tree_leaves(cache), *tree_leaves(res))
@@ -827,7 +851,8 @@ class Engine:
                 self._fail(req, e)
 
     def _decode_with_processors(
-        self, state: DecodeState, span: int, failed: dict[int, BaseException]
+        self, state: DecodeState, span: int, failed: dict[int, BaseException],
+        mask: mx.array | None = None,
     ) -> tuple[DecodeState, KVCache]:
         """decode_step split in two around the rows' logits processors: the forward (a
         one-token prefill_step), the processors eagerly per row, then sample_step. A row
@@ -848,7 +873,54 @@ class Engine:
                 mx.eval(rows[i])
             except Exception as e:
                 failed[i] = e
-        return sample_step_compiled(state, mx.concatenate(rows, axis=0)), cache
+        logits = mx.concatenate(rows, axis=0)
+        if mask is None:
+            return sample_step_compiled(state, logits), cache
+        return sample_step_compiled(state, logits, mask), cache
+
+    # ---------------------------------------------------------------- grammars
+    def _masks(self, rows: Sequence[_Request | None], fail: bool = True) -> mx.array | None:
+        """The allowed-token bitmask of every row (constrained rows from their grammar, the
+        others all ones), or None when no row is constrained. A row whose grammar fails is
+        failed (its request only) and left all ones (then inactive); fail=False raises."""
+        if not any(r is not None and r.grammar is not None for r in rows):
+            return None
+        m = np.full((len(rows), mask_words(self._c.vocab_size)), -1, np.int32)
+        for i, r in enumerate(rows):
+            if r is not None and r.grammar is not None:
+                try:
+                    r.grammar.fill(m[i])
+                except Exception as e:
+                    if not fail:
+                        raise
+                    m[i] = -1
+                    self._fail(r, e)
+        return mx.array(m)
+
+    def _draft_masks(self, rows: Sequence[_Request | None], drafts: dict[_Request, Any],
+                     k: int) -> mx.array | None:
+        """verify_step's masks [B, K+1, W] (None: no constrained row); cuts each constrained
+        row's drafts (in `drafts`) to the prefix its grammar allows."""
+        if not any(r is not None and r.grammar is not None for r in rows):
+            return None
+        m = np.full((len(rows), k + 1, mask_words(self._c.vocab_size)), -1, np.int32)
+        for i, r in enumerate(rows):
+            if r is None or r.grammar is None:
+                continue
+            toks, probs = drafts.get(r, ((), None))
+            try:
+                ok = r.grammar.draft_masks(toks, m[i])
+            except Exception as e:
+                m[i] = -1
+                drafts.pop(r, None)
+                self._fail(r, e)
+                continue
+            if ok < len(toks):
+                if ok:
+                    drafts[r] = (toks[:ok], None if probs is None else probs[:ok])
+                else:
+                    drafts.pop(r, None)
+        return mx.array(m)
 
     # ---------------------------------------------------------------- emit
     def _on_token(self, req: _Request, token: int, lp: Any) -> bool:
@@ -856,6 +928,8 @@ class Engine:
         detokenization, logprobs), its event to the handle. Returns True if finished."""
         if self.fault_hook is not None:
             self.fault_hook("token", req.handle)
+        if req.grammar is not None:
+            req.grammar.consume(token)
         delta, reason = req.out.add(token, lp)
         if delta is not None:
             req.handle._emit(delta)

@@ -16,12 +16,13 @@ import time
 from typing import Any, Iterator
 
 import mlx.core as mx
+import numpy as np
 
 from fx_engine.core.buckets import prefill_pieces
 from fx_engine.core.cache import span_bucket
 from fx_engine.engine.kv_rows import resize
 from fx_engine.loading.model import Model
-from fx_engine.core.sampling import SamplingConfig
+from fx_engine.core.sampling import SamplingConfig, mask_words
 from fx_engine.core.state import init_state
 from fx_engine.core.steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
 from fx_engine.core.tree import tree_leaves
@@ -54,15 +55,29 @@ def stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
 def reference_stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
     """`stream` without the Engine: the plain single-request loop (same arguments)."""
     r = parse_request(model, prompt, **kwargs)
+    grammar = None
+    if r.constraint is not None:
+        from fx_engine.engine.constraints import RowGrammar, grammar_tokenizer
+
+        grammar = RowGrammar(r.constraint, grammar_tokenizer(
+            model.tokenizer, model.config.vocab_size, model.eos_ids))
     return _reference_run(model, r.ids, r.sampling, r.max_tokens, r.stops, r.n_top > 0,
-                          r.prefill_chunk, r.processors)
+                          r.prefill_chunk, r.processors, grammar)
 
 
 def _reference_run(
     model: Model, ids: list[int], cfg: SamplingConfig, max_tokens: int, stops: StopMatcher,
-    want_logprobs: bool, prefill_chunk: int, processors: tuple = (),
+    want_logprobs: bool, prefill_chunk: int, processors: tuple = (), grammar: Any = None,
 ) -> Iterator[TextDelta]:
     tok = model.tokenizer
+
+    def mask() -> dict[str, mx.array]:  # the grammar's allowed tokens as a step argument
+        if grammar is None:
+            return {}
+        m = np.full((1, mask_words(c.vocab_size)), -1, np.int32)
+        grammar.fill(m[0])
+        return {"mask": mx.array(m)}
+
     params = model.params
     c = model.config
 
@@ -81,7 +96,7 @@ def _reference_run(
         )
         mx.eval(logits, *tree_leaves(cache))
     state = init_state([cfg], [ids], c.vocab_size, special_token_ids=xtc_special_tokens(model))
-    state = sample_step_compiled(state, apply_processors(processors, ids, logits))
+    state = sample_step_compiled(state, apply_processors(processors, ids, logits), **mask())
     mx.eval(tree_leaves(state))
     t1 = time.perf_counter()
 
@@ -101,6 +116,8 @@ def _reference_run(
         # One delta per token, even when its text is held back (a possible stop-string
         # prefix, an incomplete UTF-8 sequence): token ids are never lost; EOS has none.
         delta, finish = out.add(token, lp)
+        if grammar is not None:
+            grammar.consume(token)
         if delta is not None:
             yield delta
         if finish is not None:
@@ -113,9 +130,9 @@ def _reference_run(
             logits, cache = prefill_step_compiled(
                 params, cache, state.tokens[:, None], mx.array([1], mx.int32), span=span)
             logits = apply_processors(processors, ids + generated, logits)
-            state = sample_step_compiled(state, logits)
+            state = sample_step_compiled(state, logits, **mask())
         else:
-            state, cache = decode_step_compiled(params, cache, state, span=span)
+            state, cache = decode_step_compiled(params, cache, state, span=span, **mask())
         mx.eval(*tree_leaves(state), *tree_leaves(cache))
     tail = out.finish(finish)
     t2 = time.perf_counter()

@@ -166,6 +166,7 @@ class ParsedRequest:
     drafter: Any = None  # a Drafter (fx_engine.engine.drafters) or None
     num_draft_tokens: int = 0
     cache_salt: str | None = None
+    constraint: Any = None  # a constraints.Constraint (grammar of the output) or None
 
 
 def apply_processors(
@@ -221,6 +222,12 @@ def parse_request(
     num_draft_tokens: int | None = None,
     prompt_lookup: Any = False,
     cache_salt: str | None = None,
+    response_format: Any = None,
+    json_schema: Any = None,
+    regex: str | None = None,
+    grammar: str | None = None,
+    choice: Sequence[str] | None = None,
+    constraint: Any = None,
 ) -> ParsedRequest:
     """Validate `generate`/`stream`/`Engine.submit` arguments; ValueError names the field.
 
@@ -244,6 +251,14 @@ def parse_request(
     num_draft_tokens drafts per step (default 4; adapted per row from its acceptance).
     cache_salt: scopes prefix-cache reuse (vLLM's field): a request restores only KV that
     requests with the same salt stored (None: the shared unsalted scope).
+    Constrained decoding (at most one; fx_engine/engine/constraints.py): response_format
+    (OpenAI's `{"type": "json_object"}` / `{"type": "json_schema", "json_schema": {"name",
+    "schema"}}`, or a Pydantic model class), json_schema (a dict or JSON text), regex (the
+    whole output matches it), grammar (Lark or llama.cpp GBNF), choice (a list of strings):
+    every sampled token is one the grammar allows, also for sampled and speculative rows; the
+    output ends when the grammar is complete (the model's end-of-generation token is then
+    the only one allowed) or at max_tokens / a stop string. constraint: the same, already
+    parsed (`constraints.parse_constraint`, as the server does to name its own fields).
     Limits: at most MAX_STOP_STRINGS stop strings of at most MAX_STOP_CHARS characters;
     *_context_size at most MAX_CONTEXT_SIZE (a window longer than the prompt plus
     max_tokens is the same as that length, and costs only that); prompt text that cannot
@@ -309,8 +324,20 @@ def parse_request(
     if drafter is not None and procs:
         raise ValueError("logits_processors cannot be combined with speculative decoding "
                          "(draft_model / prompt_lookup)")
+    from fx_engine.engine.constraints import Constraint, parse_constraint
+
+    given = [x is not None for x in (response_format, json_schema, regex, grammar, choice)]
+    if constraint is not None:
+        if any(given):
+            raise ValueError("constraint: cannot be combined with response_format, json_schema, "
+                             "regex, grammar or choice")
+        if not isinstance(constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint (constraints.parse_constraint), "
+                             f"got {type(constraint).__name__}")
+    elif any(given):
+        constraint = parse_constraint(response_format, json_schema, regex, grammar, choice)
     return ParsedRequest(ids, cfg, max_tokens, stops, n_top, prefill_chunk, tuple(procs),
-                         drafter, k, cache_salt)
+                         drafter, k, cache_salt, constraint)
 
 
 def _clamp_windows(cfg: SamplingConfig, most: int) -> SamplingConfig:

@@ -48,6 +48,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fx_engine.engine.engine import Engine, EngineClosed, QueueFull
 from fx_engine.engine.request import check_prompt_size, prompt_ids, text_bytes
+from fx_engine.server.fields import check_fields
 from fx_engine.server.metrics import Metrics
 from fx_engine.server.tools import ToolCallStream, parse_tool_calls, template_messages
 
@@ -88,12 +89,16 @@ class _Base(BaseModel):
 
 
 class _Body(_Base):
+    """A request body: valid text everywhere; every top-level field known (server/fields.py:
+    an unknown or unimplemented field is a 400 naming it, never silently dropped)."""
+
     @model_validator(mode="before")
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
         bad = _bad_text(data, "")
         if bad:
             raise ValueError(f"{bad}: invalid text (a lone UTF-16 surrogate is not a character)")
+        check_fields(data, cls.model_fields)
         return data
 
 
@@ -124,6 +129,23 @@ class _Sampling(_Body):
     # vLLM's field: this request reuses (and leaves) prefix-cache entries only among
     # requests with the same salt (and API key)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # Identifiers for the provider's own bookkeeping (OpenAI): they change no output; `user`
+    # and `safety_identifier` go to the access log, prefix caching is always on.
+    user: str | None = Field(default=None, max_length=256)
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    # Constrained decoding (fx_engine/engine/constraints.py), at most one of: OpenAI's
+    # response_format; vLLM's guided_* fields and structured_outputs; llama.cpp's grammar
+    # (GBNF or Lark) and json_schema.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatMessage(_Base):
@@ -178,8 +200,52 @@ def _content(m: ChatMessage) -> str:
     return "".join(parts)
 
 
+_STRUCTURED = {"json": "json_schema", "regex": "regex", "grammar": "grammar",
+               "choice": "choice", "json_object": "response_format"}
+
+
+def _constraint(r: _Sampling) -> Any:
+    """The request's output constraint (constraints.Constraint or None) from whichever
+    spelling it used; two at once, or a bad grammar, is a ValueError naming the fields."""
+    fields: dict[str, tuple[str, Any]] = {}  # engine argument -> (field name, value)
+
+    def put(arg: str, name: str, value: Any) -> None:
+        if value is None:
+            return
+        if fields:
+            other = next(iter(fields.values()))[0]
+            raise ValueError(f"{name}: cannot be combined with {other} (give one output constraint)")
+        fields[arg] = (name, value)
+
+    put("response_format", "response_format", r.response_format)
+    put("json_schema", "guided_json", r.guided_json)
+    put("regex", "guided_regex", r.guided_regex)
+    put("grammar", "guided_grammar", r.guided_grammar)
+    put("choice", "guided_choice", r.guided_choice)
+    put("grammar", "grammar", r.grammar)
+    put("json_schema", "json_schema", r.json_schema)
+    for key, value in (r.structured_outputs or {}).items():
+        if key not in _STRUCTURED:
+            raise ValueError(f"structured_outputs.{key}: unknown or unsupported field "
+                             f"(supported: {', '.join(_STRUCTURED)})")
+        if key == "json_object":
+            if value is not True:
+                continue
+            value = {"type": "json_object"}
+        put(_STRUCTURED[key], f"structured_outputs.{key}", value)
+    if not fields:
+        return None
+    from fx_engine.engine.constraints import parse_constraint
+
+    return parse_constraint(**{a: v for a, (_, v) in fields.items()},
+                            names={a: n for a, (n, _) in fields.items()})
+
+
 def _sampling_kwargs(r: _Sampling, defaults: dict[str, Any]) -> dict[str, Any]:
     kw: dict[str, Any] = {}
+    constraint = _constraint(r)
+    if constraint is not None:
+        kw["constraint"] = constraint
     mt = r.max_completion_tokens or r.max_tokens or defaults.get("max_tokens", 512)
     kw["max_tokens"] = mt
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",

@@ -1,0 +1,289 @@
+"""Constrained decoding, host side: grammars compiled by llguidance, one matcher per row.
+
+A request may constrain its output to valid JSON, a JSON Schema, a regular expression, a
+Lark or GBNF grammar, or one of a list of strings (`parse_constraint`: every spelling the
+Python API and the server accept comes down to one `Constraint`). llguidance (the grammar
+engine vLLM, SGLang and llama.cpp use) compiles it against the model's tokenizer and keeps
+one matcher per row (`RowGrammar`). Each step the engine asks every constrained row for its
+allowed-token bitmask (32 tokens per int32 word, bit v % 32 of word v // 32) and passes the
+[B, W] array to the compiled step (`core.sampling.apply_token_mask`): constrained rows and
+free rows share one graph, and a batch with no constrained row passes no mask at all.
+After the step each row's matcher consumes the token it sampled.
+
+Speculative rows: `RowGrammar.draft_masks` walks the drafts through the matcher, keeps the
+longest allowed prefix and writes the mask at every verified position, so verification
+samples each position under the grammar state it would reach; the matcher is then rolled
+back and consumes only the tokens actually emitted.
+
+JSON whitespace: between tokens of the JSON grammar at most `JSON_WHITESPACE` (a newline
+and a few spaces or tabs of indentation) may appear, as llama.cpp's JSON grammars and
+XGrammar's `any_whitespace=False` spirit do: small models under a free-whitespace JSON
+grammar tend to emit newlines forever, which is valid JSON that never ends.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from typing import Any, Sequence
+
+import attrs
+import numpy as np
+
+__all__ = ["Constraint", "GrammarError", "RowGrammar", "parse_constraint", "grammar_tokenizer"]
+
+#: Whitespace allowed between JSON tokens: one optional newline and up to 16 blanks.
+JSON_WHITESPACE = r"[\n]?[ \t]{0,16}"
+#: Largest grammar text accepted (a JSON schema, regex or grammar), in characters.
+MAX_GRAMMAR_CHARS = 256 * 1024
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled, or a matcher that went wrong mid-generation."""
+
+
+@attrs.frozen
+class Constraint:
+    """One request's output constraint. `field` is the argument it came from (errors name
+    it); `kind` one of "json", "json_schema", "regex", "grammar", "choice"; `grammar` the
+    llguidance grammar (a JSON document) built from it."""
+
+    field: str
+    kind: str
+    grammar: str = attrs.field(repr=False)
+
+
+def _llg() -> Any:
+    try:
+        import llguidance
+    except ImportError as e:  # a dependency: only a broken install lacks it
+        raise GrammarError("constrained decoding needs the llguidance package "
+                           "(pip install llguidance)") from e
+    return llguidance
+
+
+def _json_options() -> dict[str, Any]:
+    return {"whitespace_flexible": False, "whitespace_pattern": JSON_WHITESPACE}
+
+
+def _schema_grammar(field: str, schema: Any) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise GrammarError(f"{field}: not valid JSON ({e})") from None
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
+    try:
+        return _llg().LLMatcher.grammar_from_json_schema(schema, overrides=_json_options())
+    except Exception as e:
+        raise GrammarError(f"{field}: {e}") from None
+
+
+def _text(field: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise GrammarError(f"{field}: expected a non-empty string, got {type(value).__name__}")
+    if len(value) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"{field}: at most {MAX_GRAMMAR_CHARS} characters, got {len(value)}")
+    return value
+
+
+def _closed(schema: Any) -> Any:
+    """OpenAI's strict mode: objects take no properties beyond those they list, unless the
+    schema says otherwise (`additionalProperties` given)."""
+    if isinstance(schema, list):
+        return [_closed(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("enum", "const", "default", "examples") else _closed(v))
+           for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _pydantic_schema(value: Any) -> dict[str, Any] | None:
+    """A Pydantic model class's JSON schema, strict as openai's `.parse()` sends it (an
+    output with extra keys would not be what the class describes), else None."""
+    schema = getattr(value, "model_json_schema", None)
+    return _closed(schema()) if isinstance(value, type) and callable(schema) else None
+
+
+def _from_response_format(value: Any) -> Constraint | None:
+    """OpenAI's `response_format` (also a Pydantic model class in the Python API), with
+    llama.cpp's `{"type": "json_object", "schema": ...}` form."""
+    f = "response_format"
+    schema = _pydantic_schema(value)
+    if schema is not None:
+        return Constraint(f, "json_schema", _schema_grammar(f, schema))  # a Pydantic class
+    if not isinstance(value, dict):
+        raise GrammarError(f"{f}: expected an object with a 'type', got {type(value).__name__}")
+    kind = value.get("type")
+    allowed = {"text": {"type"}, "json_object": {"type", "schema"},
+               "json_schema": {"type", "json_schema"}}
+    if kind not in allowed:
+        raise GrammarError(f"{f}.type: must be one of 'text', 'json_object', 'json_schema', "
+                           f"got {kind!r}")
+    extra = sorted(set(value) - allowed[kind])
+    if extra:
+        raise GrammarError(f"{f}.{extra[0]}: unknown field for type {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        if "schema" in value:
+            return Constraint(f"{f}.schema", "json_schema",
+                              _schema_grammar(f"{f}.schema", value["schema"]))
+        return Constraint(f, "json", _schema_grammar(f, {"type": "object"}))
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise GrammarError(f"{f}.json_schema: required, an object with 'name' and 'schema'")
+    extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise GrammarError(f"{f}.json_schema.{extra[0]}: unknown field")
+    name = spec.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise GrammarError(f"{f}.json_schema.name: required, a string of 1 to 64 characters")
+    strict = spec.get("strict", False)
+    if not isinstance(strict, (bool, type(None))):
+        raise GrammarError(f"{f}.json_schema.strict: must be a boolean")
+    # Strict or not, the schema is enforced (never accepted and then ignored); strict also
+    # closes objects to unlisted properties, as OpenAI's strict mode requires of schemas.
+    schema = spec.get("schema", {})
+    return Constraint(f"{f}.json_schema.schema", "json_schema", _schema_grammar(
+        f"{f}.json_schema.schema", _closed(schema) if strict else schema))
+
+
+def _from_choice(field: str, value: Any) -> Constraint:
+    if (not isinstance(value, (list, tuple)) or not value
+            or not all(isinstance(c, str) and c for c in value)):
+        raise GrammarError(f"{field}: expected a non-empty list of non-empty strings")
+    lark = "start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(value))
+    return Constraint(field, "choice", _llg().grammar_from("lark", _text(field, lark)))
+
+
+def parse_constraint(
+    response_format: Any = None, json_schema: Any = None, regex: Any = None,
+    grammar: Any = None, choice: Any = None, *, names: dict[str, str] | None = None,
+) -> Constraint | None:
+    """The one constraint these arguments ask for (None: none). At most one may be given.
+
+    response_format: OpenAI's (`{"type": "text" | "json_object" | "json_schema", ...}`) or a
+    Pydantic model class; json_schema: a schema (dict or JSON text); regex: a regular
+    expression the whole output must match (Rust regex syntax); grammar: a Lark grammar or a
+    llama.cpp GBNF one; choice: a list of strings, the output being exactly one of them.
+    `names` maps each argument to the name the caller knows it by (the server's field
+    names), for error messages. Grammar errors are `GrammarError` (a ValueError) naming it.
+    """
+    names = names or {}
+    given = {k: v for k, v in (("response_format", response_format), ("json_schema", json_schema),
+                               ("regex", regex), ("grammar", grammar), ("choice", choice))
+             if v is not None}
+    if len(given) > 1:
+        a, b = (names.get(k, k) for k in list(given)[:2])
+        raise GrammarError(f"{a}: cannot be combined with {b} (give one output constraint)")
+    if not given:
+        return None
+    (key, value), = given.items()
+    field = names.get(key, key)
+    if key == "response_format":
+        c = _from_response_format(value)  # its field is a path under "response_format"
+        return None if c is None else attrs.evolve(c, field=field + c.field[len(key):])
+    if key == "json_schema":
+        return Constraint(field, "json_schema", _schema_grammar(field, value))
+    if key == "choice":
+        return _from_choice(field, value)
+    llg = _llg()
+    text = _text(field, value)
+    try:
+        g = llg.grammar_from("regex" if key == "regex" else "grammar", text)
+    except Exception as e:
+        raise GrammarError(f"{field}: {e}") from None
+    return Constraint(field, key, g)
+
+
+# ------------------------------------------------------------------------------------------
+# The tokenizer llguidance needs (built once per model tokenizer: ~0.25 s for 49k tokens)
+# ------------------------------------------------------------------------------------------
+
+_TOKENIZERS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> Any:
+    """llguidance's view of `tokenizer` (fx_engine's Tokenizer over HF `tokenizers`) with
+    the model's logits width (`vocab_size`: ids the tokenizer lacks are never allowed) and
+    end-of-generation tokens (allowed once the grammar is complete)."""
+    key = (vocab_size, tuple(sorted(eos_ids)))
+    with _TOKENIZERS_LOCK:
+        per = _TOKENIZERS.setdefault(tokenizer, {})
+        if key not in per:
+            try:
+                per[key] = _llg().LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
+                                              eos_token=list(key[1]))
+            except Exception as e:
+                raise GrammarError(f"constrained decoding: llguidance cannot use this model's "
+                                   f"tokenizer ({e})") from None
+        return per[key]
+
+
+# ------------------------------------------------------------------------------------------
+# One row's matcher
+# ------------------------------------------------------------------------------------------
+
+
+class RowGrammar:
+    """A request's grammar state: the allowed tokens now, and the tokens it consumed."""
+
+    def __init__(self, constraint: Constraint, tokenizer: Any):
+        self.constraint = constraint
+        llg = _llg()
+        err = llg.LLMatcher.validate_grammar(constraint.grammar, tokenizer)
+        if err and not err.startswith("WARNING"):
+            raise GrammarError(f"{constraint.field}: {err.strip()}")
+        self.matcher = llg.LLMatcher(tokenizer, constraint.grammar, log_level=0)
+        self.words = (tokenizer.vocab_size + 31) // 32
+        self._check()
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise GrammarError(f"{self.constraint.field}: {self.matcher.get_error().strip()}")
+
+    def fill(self, out: np.ndarray) -> None:
+        """Write the allowed-token bitmask (int32 [W], C-contiguous) for the next token."""
+        if out.dtype != np.int32 or out.shape != (self.words,) or not out.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"mask buffer must be C-contiguous int32 [{self.words}]")
+        self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        self._check()
+
+    def consume(self, token: int) -> None:
+        """Advance past a sampled token (always allowed: it was sampled under the mask)."""
+        if not self.matcher.consume_token(int(token)):
+            self._check()
+            raise GrammarError(f"{self.constraint.field}: token {token} is not allowed here")
+
+    def draft_masks(self, drafts: Sequence[int], out: np.ndarray) -> int:
+        """Masks for a verify step: out[0] for the next position, out[j + 1] after drafts
+        0..j; returns how many leading drafts the grammar allows (the rest must not be
+        verified: their masks are left as they are). The matcher's state is unchanged."""
+        self.fill(out[0])
+        n = 0
+        for j, t in enumerate(drafts):
+            w, bit = divmod(int(t), 32)
+            if w >= self.words or not (int(out[j][w]) >> bit) & 1:
+                break
+            if not self.matcher.consume_token(int(t)):
+                break
+            n += 1
+            self.fill(out[j + 1])
+        if n and not self.matcher.rollback(n):
+            self._check()
+            raise GrammarError(f"{self.constraint.field}: grammar rollback failed")
+        return n
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and allows nothing more (only end of generation)."""
+        return self.matcher.is_stopped()

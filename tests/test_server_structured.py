@@ -1,0 +1,161 @@
+"""Structured output and the field policy through the server, with the official `openai`
+client over real HTTP on 127.0.0.1 (the default model: real text).
+
+Oracles: `jsonschema` and Pydantic validate the outputs; Python's `re` checks regexes;
+`fields.UNSUPPORTED` / the pydantic models list the fields each test sends."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+import fx_engine
+from fx_engine.server.app import create_app
+
+from .conftest import serve
+
+MSGS = [{"role": "user", "content": "Describe a person as JSON."}]
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 16},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+    "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    engine = fx_engine.Engine(default_model, max_rows=8)
+    app = create_app(engine, "smollm2", defaults={"max_tokens": 96})
+    with serve(app, engine) as (url, _):
+        yield {"url": url, "model": default_model}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0)
+
+
+def _post(server, path, body):
+    with httpx.Client(base_url=server["url"], timeout=120) as h:
+        return h.post(path, json=body)
+
+
+def test_parse_with_a_pydantic_model(client):
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=16)
+        age: int = Field(ge=0, le=120)
+
+    r = client.chat.completions.parse(model="smollm2", messages=MSGS, response_format=Person,
+                                      temperature=0, max_tokens=80)
+    person = r.choices[0].message.parsed
+    assert isinstance(person, Person)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_on_every_sampled_choice(client, stream):
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    kw = dict(model="smollm2", messages=MSGS, response_format=rf, temperature=1.0, seed=3, n=4,
+              max_tokens=80)
+    if stream:
+        texts = ["", "", "", ""]
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+    else:
+        texts = [c.message.content for c in client.chat.completions.create(**kw).choices]
+    for t in texts:
+        jsonschema.validate(json.loads(t), SCHEMA)
+
+
+def test_constrained_beside_free_requests_with_prompt_lookup(server, client):
+    """Concurrent requests: constrained (several spellings) and free ones in the same batch;
+    the free one equals its solo output."""
+    import concurrent.futures as cf
+
+    free = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 20, "temperature": 0}
+    want = fx_engine.generate(server["model"], free["messages"], max_tokens=20, temperature=0.0).text
+    bodies = [
+        ("schema", {"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "p", "schema": SCHEMA}}}),
+        ("schema", {"guided_json": SCHEMA}),
+        ("schema", {"json_schema": SCHEMA}),  # llama.cpp's spelling
+        ("schema", {"structured_outputs": {"json": SCHEMA}}),
+        ("object", {"response_format": {"type": "json_object"}, "max_tokens": 200,
+                    "messages": [{"role": "user", "content": 'Reply {"ok": true} as JSON.'}]}),
+        ("regex", {"guided_regex": r"[A-Z][a-z]{2,9} is \d{1,2}\."}),
+        ("regex", {"grammar": 'root ::= [A-Z] [a-z]{2,9} " is " [0-9] [0-9]? "."'}),
+        ("choice", {"guided_choice": ["yes", "no"]}),
+        ("choice", {"structured_outputs": {"choice": ["yes", "no"]}}),
+    ]
+    checks = {"schema": lambda t: jsonschema.validate(json.loads(t), SCHEMA),
+              "object": lambda t: isinstance(json.loads(t), dict) or 1 / 0,
+              "regex": lambda t: re.fullmatch(r"[A-Z][a-z]{2,9} is \d{1,2}\.", t) or 1 / 0,
+              "choice": lambda t: t in ("yes", "no") or 1 / 0}
+    with cf.ThreadPoolExecutor(12) as ex:
+        futs = [(kind, ex.submit(_post, server, "/v1/chat/completions",
+                                 {"model": "smollm2", "messages": MSGS, "temperature": 0.8,
+                                  "seed": 5, "max_tokens": 80, **b}))
+                for kind, b in bodies]
+        f_free = ex.submit(_post, server, "/v1/chat/completions", free)
+        for kind, f in futs:
+            r = f.result()
+            assert r.status_code == 200, r.text
+            checks[kind](r.json()["choices"][0]["message"]["content"])
+        assert f_free.result().json()["choices"][0]["message"]["content"] == want
+    r = _post(server, "/v1/completions", {"prompt": "The answer is", "guided_regex": r" (yes|no)\.",
+                                          "max_tokens": 8})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in (" yes.", " no.")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "nonsense"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_regex": "(("}, "guided_regex"),
+    ({"grammar": "root ::= ("}, "grammar"),
+    ({"guided_json": SCHEMA, "grammar": 'root ::= "x"'}, "grammar"),
+    ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    ({"temprature": 0.5}, "temprature"),
+    ({"max_token": 5}, "max_token"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ({"store": True}, "store"),
+    ({"audio": {"voice": "x"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"completely_unknown": 1}, "completely_unknown"),
+])
+def test_bad_or_unknown_fields_are_400_naming_them(server, body, param):
+    r = _post(server, "/v1/chat/completions", {"model": "smollm2", "messages": MSGS, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    if param in ("temprature", "max_token"):
+        assert "did you mean" in err["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"), ({"grammar": "root ::= ("}, "grammar"),
+    ({"temprature": 1}, "temprature"),
+])
+def test_completions_reject_what_they_do_not_implement(server, body, param):
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted(server):
+    r = _post(server, "/v1/chat/completions", {
+        "model": "smollm2", "messages": MSGS, "max_tokens": 2, "store": False,
+        "modalities": ["text"], "service_tier": "auto", "user": "u1", "metadata": {"k": "v"},
+        "safety_identifier": "s", "prompt_cache_key": "k", "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text
