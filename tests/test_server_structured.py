@@ -159,3 +159,92 @@ def test_neutral_values_of_unimplemented_fields_are_accepted(server):
         "modalities": ["text"], "service_tier": "auto", "user": "u1", "metadata": {"k": "v"},
         "safety_identifier": "s", "prompt_cache_key": "k", "response_format": {"type": "text"}})
     assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------------ enforced tool calls
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string", "maxLength": 20},
+                                          "unit": {"type": "string", "enum": ["c", "f"]}},
+                                          "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": -999, "maximum": 999},
+                                         "b": {"type": "integer", "minimum": -999, "maximum": 999}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
+
+
+def _valid_calls(calls, names=("get_weather", "add")):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert calls
+    for c in calls:
+        assert c.type == "function" and c.function.name in names and c.id
+        jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+
+
+def test_required_tool_choice_gives_valid_calls_on_every_choice(client):
+    # (one call each: with parallel calls allowed, a sampled row of this small model may go
+    # on calling until max_tokens, each call valid but the last one cut off)
+    r = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS,
+                                       tool_choice="required", temperature=1.0, seed=2, n=3,
+                                       max_tokens=120, parallel_tool_calls=False)
+    for ch in r.choices:
+        assert ch.finish_reason == "tool_calls", ch
+        _valid_calls(ch.message.tool_calls)
+
+
+def test_named_tool_choice_and_parallel_false_give_exactly_one_call(client):
+    r = client.chat.completions.create(
+        model="smollm2", messages=ASK, tools=TOOLS, temperature=0, max_tokens=120,
+        tool_choice={"type": "function", "function": {"name": "add"}})
+    [call] = r.choices[0].message.tool_calls
+    _valid_calls([call], ("add",))
+    r = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, temperature=0,
+                                       max_tokens=120, tool_choice="required",
+                                       parallel_tool_calls=False)
+    assert len(r.choices[0].message.tool_calls) == 1
+
+
+def test_streamed_required_tool_calls(client):
+    calls, finish = [], None
+    for chunk in client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS,
+                                                tool_choice="required", temperature=0,
+                                                max_tokens=120, stream=True):
+        for ch in chunk.choices:
+            calls += ch.delta.tool_calls or []
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls"
+    _valid_calls(calls)
+
+
+def test_tools_reach_a_template_without_a_tools_section(server):
+    """The default model's template has no tools section: the default one goes into the
+    system prompt (so the prompt grows), and a tool result in the history is accepted."""
+    base = {"model": "smollm2", "messages": ASK, "max_tokens": 1}
+    plain = _post(server, "/v1/chat/completions", base).json()["usage"]["prompt_tokens"]
+    with_tools = _post(server, "/v1/chat/completions", {**base, "tools": TOOLS}).json()
+    assert with_tools["usage"]["prompt_tokens"] > plain + 50
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    r = _post(server, "/v1/chat/completions", {**base, "messages": history, "tools": TOOLS,
+                                               "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+      "tool_choice": "required"}, "tools"),
+])
+def test_bad_tool_choices_are_400(server, body, param):
+    r = _post(server, "/v1/chat/completions", {"model": "smollm2", "messages": ASK, "max_tokens": 4, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -50,7 +50,7 @@ from fx_engine.engine.engine import Engine, EngineClosed, QueueFull
 from fx_engine.engine.request import check_prompt_size, prompt_ids, text_bytes
 from fx_engine.server.fields import check_fields
 from fx_engine.server.metrics import Metrics
-from fx_engine.server.tools import ToolCallStream, parse_tool_calls, template_messages
+from fx_engine.server.tools import (ToolCallStream, parse_tool_calls, render_tools_in_prompt, template_messages, tool_call_grammar, tool_format)
 
 MAX_REQUEST_BYTES = 4 << 20  # request bodies beyond this are refused (413) unread
 STREAM_BUFFER = 256  # events per choice a streaming client may fall behind before cut-off
@@ -533,7 +533,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 _stream(request, handles, rid, created, chat, include_usage, prompt_tokens,
-                        getattr(body, "top_logprobs", None) or 0, tool_names),
+                        getattr(body, "top_logprobs", None) or 0, tool_names,
+                        getattr(body, "parallel_tool_calls", None) is False),
                 media_type="text/event-stream",
                 background=BackgroundTask(_cancel, handles))  # also if the body never started
         try:
@@ -553,8 +554,11 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                 finish = _finish(o.finish_reason)
                 if tool_names is not None:
                     content, calls = parse_tool_calls(o.text, tool_names)
+                    if getattr(body, "parallel_tool_calls", None) is False:
+                        calls = calls[:1]  # the client asked for at most one call
                     if calls:
-                        message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                        message = {"role": "assistant", "content": content if content.strip() else None,
+                                   "tool_calls": calls}
                         finish = "tool_calls" if finish == "stop" else finish
                 c = {"index": i, "message": message, "finish_reason": finish,
                      "logprobs": _chat_logprobs(o.logprobs, getattr(body, "top_logprobs", None) or 0)}
@@ -591,7 +595,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
 
     async def _stream(request: Request, handles: list[Any], rid: str, created: int, chat: bool,
                       include_usage: bool, prompt_tokens: int, top_n: int = 0,
-                      tool_names: set[str] | None = None):
+                      tool_names: set[str] | None = None, one_call: bool = False):
         obj = "chat.completion.chunk" if chat else "text_completion"
         tool_streams = [ToolCallStream(tool_names) for _ in handles] if tool_names is not None else None
         # Bounded: a client that reads slower than the engine generates falls behind by
@@ -665,6 +669,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                         if ev.finish_reason:
                             rest, calls = tool_streams[i].finish()
                             text += rest
+                            calls = calls[:1] if one_call else calls
                             if calls:
                                 delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
                                 finish = "tool_calls" if finish == "stop" else finish
@@ -703,6 +708,20 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         if body.top_logprobs and not body.logprobs:
             return _error(400, "top_logprobs: requires logprobs: true", "top_logprobs")
         names = {t.function.name for t in body.tools} if use_tools else None
+        choice = body.tool_choice
+        if choice not in (None, "none", "auto") and not body.tools:
+            return _error(400, "tool_choice: requires tools", "tool_choice")
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            if (choice.get("type") != "function" or not isinstance(fn, dict)
+                    or not isinstance(fn.get("name"), str) or set(choice) - {"type", "function"}):
+                return _error(400, 'tool_choice: expected "none", "auto", "required" or '
+                              '{"type": "function", "function": {"name": ...}}', "tool_choice")
+            if fn["name"] not in (names or ()):
+                return _error(400, f"tool_choice.function.name: no tool named {fn['name']!r} "
+                              "in tools", "tool_choice.function.name")
+        template = chat_template or model.tokenizer.chat_template
+        fmt, renders_tools = tool_format(template)
 
         def build() -> tuple[Any, dict[str, Any]]:  # on a worker thread
             messages = []
@@ -719,8 +738,23 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                 kw["logprobs"] = max(1, body.top_logprobs or 0)
             check_prompt_size(model, text_bytes(messages), "messages")  # before templating
             targs = {**(chat_template_args or {}), **(body.chat_template_kwargs or {})}
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None
+            if tools:
+                # tool_choice "required" / a named function: the output is constrained to
+                # valid calls (schema-checked arguments) in the model's call format
+                g = tool_call_grammar(tools, choice, body.parallel_tool_calls, fmt, model.tokenizer)
+                if g is not None:
+                    if "constraint" in kw:
+                        raise ValueError(f"tool_choice: cannot be combined with "
+                                         f"{kw['constraint'].field} (give one output constraint)")
+                    from fx_engine.engine.constraints import parse_constraint
+
+                    kw["constraint"] = parse_constraint(grammar=g, names={"grammar": "tools"})
+                if not renders_tools and template is not None:
+                    # the template has no tools section: the default one, in the system
+                    # prompt (server/tools.py DEFAULT_TOOLS_PROMPT), read back by the parser
+                    messages, tools = render_tools_in_prompt(messages, tools), None
             if chat_template is not None or targs or use_tools:
-                tools = [t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None
                 return list(model.tokenizer.apply_chat_template(
                     messages, add_generation_prompt=True, tokenize=True, tools=tools,
                     chat_template=chat_template, **targs)), kw

@@ -166,3 +166,100 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m["tool_calls"] = calls
         out.append(m)
     return out
+
+
+# ------------------------------------------------------------------------------------------
+# Tools in the prompt and in the output: formats, the default rendering, enforced calls
+# ------------------------------------------------------------------------------------------
+
+#: The default tools section, for chat templates that have none (the Hermes / Qwen wording
+#: and format, which `parse_tool_calls` reads back): appended to the system message.
+DEFAULT_TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+
+
+def tool_format(template: str | None) -> tuple[str, bool]:
+    """(the call format a chat template's model writes, whether the template renders a
+    `tools` section itself). Formats: "hermes" (`<tool_call>` blocks, also the default for
+    templates without tools), "mistral" (`[TOOL_CALLS][...]`), "llama" (a bare JSON object
+    with "parameters", Llama 3.1+)."""
+    t = template or ""
+    renders = "tools" in t
+    if "<tool_call>" in t:
+        return "hermes", renders
+    if "[TOOL_CALLS]" in t:
+        return "mistral", renders
+    if "<|python_tag|>" in t or "ipython" in t:
+        return "llama", renders
+    return "hermes", renders
+
+
+def render_tools_in_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For a template without a tools section: the tools in the system message
+    (DEFAULT_TOOLS_PROMPT), earlier calls as `<tool_call>` blocks in the assistant's content,
+    tool results as `<tool_response>` blocks in a user turn (the Hermes convention)."""
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    section = DEFAULT_TOOLS_PROMPT.format(tools=listing)
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            blocks = [f'{_OPEN}\n{json.dumps({"name": tc["function"].get("name"), "arguments": tc["function"].get("arguments", {})}, ensure_ascii=False)}\n{_CLOSE}'
+                      for tc in m.pop("tool_calls")]
+            m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
+        if m.get("role") == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+        out.append(m)
+    if out and out[0].get("role") == "system":
+        out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{section}".lstrip()}
+    else:
+        out.insert(0, {"role": "system", "content": section})
+    return out
+
+
+def _call_schema(tool: dict[str, Any], args_key: str) -> dict[str, Any]:
+    fn = tool["function"]
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    return {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+def _marker(tokenizer: Any, text: str) -> str:
+    """A Lark item producing `text`: the special token when the vocabulary has it as one
+    (grammars cannot spell a special token with ordinary text), else the literal."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) == 1 and ids[0] in tokenizer.special_ids:
+        return f"<[{ids[0]}]>"
+    return json.dumps(text)
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], choice: Any, parallel: bool | None,
+                      fmt: str, tokenizer: Any) -> str | None:
+    """A Lark grammar (llguidance's, with inline JSON schemas) whose language is the valid
+    calls `tool_choice` demands, in the model's format: "required" one or more calls of the
+    offered tools (exactly one when parallel_tool_calls is false), a named function exactly
+    one call of it; None for "auto"/"none" (the model chooses; calls are parsed after)."""
+    if choice in (None, "auto", "none"):
+        return None
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        tools = [t for t in tools if t["function"]["name"] == name]
+        parallel = False
+    args_key = "parameters" if fmt == "llama" else "arguments"
+    one = {"anyOf": [_call_schema(t, args_key) for t in tools]}
+    if fmt == "mistral":
+        arr = {"type": "array", "items": one, "minItems": 1}
+        if parallel is False:
+            arr["maxItems"] = 1
+        return f"start: {_marker(tokenizer, '[TOOL_CALLS]')} calls\ncalls: %json {json.dumps(arr)}"
+    if fmt == "llama":  # one bare JSON call (the format has no parallel calls)
+        return f"start: call\ncall: %json {json.dumps(one)}"
+    more = "" if parallel is False else ' ("\\n" call)*'
+    return (f"start: call{more}\n"
+            f"call: {_marker(tokenizer, _OPEN)} \"\\n\" body \"\\n\" {_marker(tokenizer, _CLOSE)}\n"
+            f"body: %json {json.dumps(one)}")
