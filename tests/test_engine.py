@@ -489,7 +489,7 @@ def test_context_overflow_and_never_fitting_budget_are_rejected(bi_model):
     with pytest.raises(ValueError, match="KV budget"):
         engine.submit(prompt(1000), max_tokens=100)  # 1100 slots -> a 2048 bucket > 1024
     with pytest.raises(ValueError, match="max_tokens"):
-        engine.submit(prompt(5), max_tokens=0)
+        engine.submit(prompt(5), max_tokens=-1)
     with pytest.raises(ValueError, match="temperature"):
         engine.submit(prompt(5), temperature=-1)
     assert engine.stats()["queued"] == 0

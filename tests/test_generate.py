@@ -92,7 +92,7 @@ def test_logits_api(tiny_model):
         ({"min_p": 2.0}, "min_p"),
         ({"top_k": -1}, "top_k"),
         ({"logit_bias": {10**7: 1.0}}, "logit_bias"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"stop": [""]}, "stop"),
         ({"repetition_penalty": -1.0}, "repetition_penalty"),
     ],
@@ -169,7 +169,7 @@ def test_held_back_text_never_loses_token_ids(default_model):
 
 def test_validation_happens_at_call_time(tiny_model):
     with pytest.raises(ValueError, match="max_tokens"):
-        fx_engine.stream(tiny_model, "hi", max_tokens=0)  # no iteration needed
+        fx_engine.stream(tiny_model, "hi", max_tokens=-1)  # no iteration needed
     with pytest.raises(ValueError, match="stop"):
         fx_engine.stream(tiny_model, "hi", stop=5)
     with pytest.raises(ValueError, match="logprobs"):

@@ -39,9 +39,9 @@ import numpy as np
 
 from fx_engine.core.cache import KVCache, bytes_per_token, span_bucket
 from fx_engine.engine.kv_rows import insert_row, row_view, snapshot_row, stack_rows
-from fx_engine.core.sampling import mask_words
+from fx_engine.core.sampling import mask_words, top_logprobs
 from fx_engine.core.state import DecodeState, init_state
-from fx_engine.core.steps import (decode_step_compiled, prefill_step_compiled, sample_step_compiled, verify_step_compiled)
+from fx_engine.core.steps import (decode_step_compiled, prefill_step_compiled, sample_step_compiled, score_step_compiled, verify_step_compiled)
 from fx_engine.core.tree import tree_leaves, tree_replace
 from fx_engine.engine import scheduler as sched
 from fx_engine.engine.batch import DecodeBatch, insert_state_row
@@ -112,13 +112,14 @@ class _Request:
     __slots__ = (
         "handle", "ids", "cfg", "max_tokens", "out", "generated", "want_logprobs", "need",
         "prefilled", "pcache", "row", "cache_len", "phase", "t_admit", "t_first", "row_state",
-        "processors", "drafter", "row_drafter", "spec", "cached", "salt", "grammar",
+        "processors", "drafter", "row_drafter", "spec", "cached", "salt", "grammar", "plp",
     )
 
     def __init__(self, handle, ids, cfg, max_tokens, out, processors=(), drafter=None,
                  k_max=0, salt=None, grammar=None):
         self.handle = handle
         self.grammar = grammar  # constraints.RowGrammar: the output's grammar state, or None
+        self.plp: int | None = None  # prompt_logprobs: top-N per prompt token (None: off)
         self.salt = salt  # the prefix-cache scope (cache_salt)
         self.ids = ids
         self.cfg = cfg
@@ -404,8 +405,12 @@ class Engine:
         if r.constraint is not None:
             grammar = RowGrammar(r.constraint, grammar_tokenizer(
                 self.model.tokenizer, self._c.vocab_size, self.eos))
-        return _Request(None, ids, r.sampling, max_tokens, out, r.processors, r.drafter,
-                        r.num_draft_tokens, r.cache_salt, grammar), ids
+        req = _Request(None, ids, r.sampling, max_tokens, out, r.processors, r.drafter,
+                       r.num_draft_tokens, r.cache_salt, grammar)
+        if r.prompt_logprobs is not None:
+            req.plp = r.prompt_logprobs
+            out.prompt_lps = [None]  # the first token has no context
+        return req, ids
 
     def _wake(self) -> None:
         with self._lock:
@@ -527,7 +532,7 @@ class Engine:
     def _restore_prefix(self, req: _Request) -> None:
         """Start the request's prefill cache from the longest cached prefix of its prompt
         (fx_engine/engine/prefix_cache.py); only the rest is prefilled."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or req.plp is not None:  # scoring needs every position
             return
         try:
             entry, m = self.prefix_cache.lookup(req.ids, req.salt)
@@ -565,6 +570,13 @@ class Engine:
                 ok.append((req, n))
             except Exception as e:
                 self._fail(req, e)
+        scoring = [(r, n) for r, n in ok if r.plp is not None]
+        if scoring:  # prompt logprobs: logits at every position, one row per call
+            ok = [(r, n) for r, n in ok if r.plp is None]
+            done = []
+            for r, n in scoring:
+                done += self._prefill_rows(sched.chunk_bucket(n), [(r, n)], score=True)
+            return done + self._prefill_call(size, ok) if ok else done
         if len(ok) != len(pieces):  # keep power-of-two row counts (bounded compile shapes)
             out, at = [], 0
             for rows in sched.pow2_splits(len(ok)):
@@ -574,7 +586,10 @@ class Engine:
             return out
         return self._prefill_rows(size, ok)
 
-    def _prefill_rows(self, size: int, pieces: list[tuple[_Request, int]]) -> list[_Request]:
+    def _prefill_rows(self, size: int, pieces: list[tuple[_Request, int]],
+                      score: bool = False) -> list[_Request]:
+        """One prefill_step (score=True: score_step, and each row's prompt logprobs from
+        its logits at every position) over `pieces`; see `_prefill_call`."""
         if not pieces:
             return []
         reqs = [r for r, _ in pieces]
@@ -591,13 +606,21 @@ class Engine:
             starts = [r.prefilled for r in reqs]
             tokens = [r.ids[s : s + n] + [0] * (size - n) for (r, n), s in zip(pieces, starts)]
             t0 = time.perf_counter()
-            logits, cache = prefill_step_compiled(
+            step = score_step_compiled if score else prefill_step_compiled
+            logits, cache = step(
                 self.params, cache, mx.array(tokens, mx.int32),
                 mx.array([n for _, n in pieces], mx.int32),
                 span=span_bucket(max(starts) + size, cap),
             )
+            if score:
+                all_logits = logits
+                last = mx.array([n - 1 for _, n in pieces], mx.int32)
+                logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
             host = time.perf_counter() - t0  # graph build + call; the rest is evaluation
             mx.eval(logits, *tree_leaves(cache))
+            if score:
+                for i, ((r, n), s) in enumerate(zip(pieces, starts)):
+                    self._prompt_logprobs(r, all_logits[i, :n], s, n)
             t1 = time.perf_counter()
             self._prefill_calls += 1
         except Exception as e:
@@ -627,6 +650,14 @@ class Engine:
         per-row keys, so the draw does not depend on the call's other rows)."""
         c = self._c
         row_state = init_state([req.cfg], [req.ids], c.vocab_size, special_token_ids=self._special)
+        if req.plp is not None:
+            req.handle.prompt_logprobs = tuple(req.out.prompt_lps)
+        if req.max_tokens == 0:  # scoring only: the prompt is prefilled, nothing sampled
+            self._snapshot(req, req.ids, req.pcache, 0)
+            req.t_first = time.perf_counter()
+            req.cache_len = len(req.ids)
+            self._complete(req, "length")
+            return
         logits = apply_processors(req.processors, req.ids, logits)
         mask = self._masks([req], fail=False)  # a grammar error fails this prefill row
         row_state = (sample_step_compiled(row_state, logits) if mask is None
@@ -645,6 +676,21 @@ class Engine:
                                  row_state.top_ids[0].tolist(), row_state.top_logprobs[0].tolist())
         req.row_state = row_state
         self._on_token(req, token, lp)
+
+    def _prompt_logprobs(self, req: _Request, logits: mx.array, start: int, n: int) -> None:
+        """Append the records of prompt tokens start+1 .. start+n (those this chunk's
+        positions predict; the last prompt position predicts the first generated token)."""
+        targets = req.ids[start + 1 : start + n + 1]
+        if not targets:
+            return
+        lg = logits[: len(targets)].astype(mx.float32)
+        lsm = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(lsm, mx.array(targets, mx.int32)[:, None], axis=-1)[:, 0]
+        top_ids, top_vals = top_logprobs(lsm, req.plp)
+        chosen, top_ids, top_vals = chosen.tolist(), top_ids.tolist(), top_vals.tolist()
+        rec = req.out.prompt_logprob
+        req.out.prompt_lps.extend(rec(t, c, i, v, req.plp)
+                                  for t, c, i, v in zip(targets, chosen, top_ids, top_vals))
 
     def _prefill_slots(self, req: _Request) -> int:
         return sched.prefill_slots(len(req.ids), self.prefill_chunk)

@@ -43,12 +43,18 @@ def stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
     prompt_cache_dir: a prefix-cache directory (the Engine's disk tier): the prompt's
     longest cached prefix is restored from it, and this prompt and completion are saved.
     """
+    return iter(_submit(model, prompt, kwargs))  # validated now; steps run as you iterate
+
+
+def _submit(model: Model, prompt: Any, kwargs: dict[str, Any]) -> Any:
+    """A one-row Engine's handle for this request (its steps run as the caller waits)."""
     from fx_engine.engine.engine import Engine  # engine.py imports this module's types
 
+    kwargs = dict(kwargs)
     cache_dir = kwargs.pop("prompt_cache_dir", None)
     engine = Engine(model, max_rows=1, prefill_chunk=kwargs.get("prefill_chunk", PREFILL_CHUNK),
                     prefix_cache_dir=cache_dir)
-    return iter(engine.submit(prompt, **kwargs))  # validated now; steps run as you iterate
+    return engine.submit(prompt, **kwargs)
 
 
 
@@ -161,8 +167,7 @@ def _collect(ids: tuple[int, ...], deltas: Iterator[TextDelta], want_logprobs: b
 
 def generate(model: Model, prompt: Any, **kwargs: Any) -> Completion:
     """Generate a whole completion; takes the same arguments as `stream`."""
-    ids = tuple(prompt_ids(model, prompt, kwargs.get("chat")))
-    return _collect(ids, stream(model, prompt, **kwargs), bool(kwargs.get("logprobs")))
+    return _submit(model, prompt, kwargs).result()
 
 
 def reference_generate(model: Model, prompt: Any, **kwargs: Any) -> Completion:

@@ -34,6 +34,9 @@ class RequestHandle:
         self.id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.timings: dict[str, float] = {"submitted": time.perf_counter()}
+        # with prompt_logprobs: the prompt tokens' records (request.TokenLogprob, None for the
+        # first), set before the first event is emitted
+        self.prompt_logprobs: tuple | None = None
         self._engine = engine
         self._cond = threading.Condition()
         self._events: collections.deque = collections.deque()

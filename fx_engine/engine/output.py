@@ -28,7 +28,7 @@ class TokenOutput:
     """
 
     __slots__ = ("detok", "stops", "eos", "max_tokens", "want_logprobs", "n_logprobs",
-                 "generated", "text", "lps", "_decode", "_known")
+                 "generated", "text", "lps", "_decode", "_known", "prompt_lps", "end_lp")
 
     def __init__(self, tokenizer: Any, eos: frozenset[int] | set[int], stops: StopMatcher,
                  max_tokens: int, want_logprobs: bool, n_logprobs: int = 0) -> None:
@@ -43,6 +43,8 @@ class TokenOutput:
         self.lps: list[TokenLogprob] = []
         self._decode = tokenizer.decode
         self._known = tokenizer.vocab_size
+        self.prompt_lps: list[TokenLogprob | None] | None = None  # set when asked (scoring)
+        self.end_lp: TokenLogprob | None = None  # the record of the EOS that ended it
 
     def logprob(self, token: int, value: float, ids: Sequence[int],
                 vals: Sequence[float]) -> tuple[TokenLogprob, ...]:
@@ -60,6 +62,8 @@ class TokenOutput:
         Every other token gets one delta, even when its text is held back (a possible
         stop-string prefix, an incomplete UTF-8 sequence): token ids are never lost."""
         if token in self.eos:
+            if lp:
+                self.end_lp = lp[0]
             return None, "stop"
         self.generated.append(token)
         stops = self.stops
@@ -86,11 +90,21 @@ class TokenOutput:
         return tail
 
     def final_delta(self, tail: str, reason: str, usage: Usage) -> TextDelta:
-        return TextDelta(tail, (), None, reason, usage)
+        return TextDelta(tail, (), None, reason, usage, self.end_lp)
 
     def completion(self, reason: str, usage: Usage, prompt_ids: Sequence[int]) -> Completion:
         return Completion(
             text="".join(self.text), token_ids=tuple(self.generated), finish_reason=reason,
             logprobs=tuple(self.lps) if self.want_logprobs else None, usage=usage,
             prompt_token_ids=tuple(prompt_ids),
+            prompt_logprobs=None if self.prompt_lps is None else tuple(self.prompt_lps),
+            end_logprob=self.end_lp,
         )
+
+    def prompt_logprob(self, token: int, value: float, ids: Sequence[int], vals: Sequence[float],
+                       n: int) -> TokenLogprob:
+        """The record of one prompt token (its logprob and the n best alternatives)."""
+        known, decode = self._known, self._decode
+        dec = lambda i: decode([i]) if i < known else ""  # noqa: E731
+        top = tuple((int(i), dec(int(i)), float(v)) for i, v in list(zip(ids, vals))[:n])
+        return TokenLogprob(token, dec(token), float(value), top)

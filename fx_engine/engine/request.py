@@ -68,6 +68,12 @@ class Completion:
     logprobs: tuple[TokenLogprob, ...] | None
     usage: Usage
     prompt_token_ids: tuple[int, ...] = ()
+    # prompt_logprobs=N: each prompt token's logprob given the tokens before it (None for the
+    # first, which has no context) with its N most likely alternatives
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # with logprobs: the record of the end-of-generation token that finished the request
+    # (not in token_ids or the text; the completions API reports it, as vLLM does)
+    end_logprob: TokenLogprob | None = None
 
 
 class TextDelta(str):
@@ -80,11 +86,13 @@ class TextDelta(str):
     logprobs: tuple[TokenLogprob, ...] | None
     finish_reason: str | None
     usage: Usage | None
+    end_logprob: TokenLogprob | None  # the last delta: the ending EOS token's record
 
-    def __new__(cls, text: str, token_ids=(), logprobs=None, finish_reason=None, usage=None):
+    def __new__(cls, text: str, token_ids=(), logprobs=None, finish_reason=None, usage=None,
+                end_logprob=None):
         obj = super().__new__(cls, text)
         obj.token_ids, obj.logprobs = tuple(token_ids), logprobs
-        obj.finish_reason, obj.usage = finish_reason, usage
+        obj.finish_reason, obj.usage, obj.end_logprob = finish_reason, usage, end_logprob
         return obj
 
     @property
@@ -166,7 +174,8 @@ class ParsedRequest:
     drafter: Any = None  # a Drafter (fx_engine.engine.drafters) or None
     num_draft_tokens: int = 0
     cache_salt: str | None = None
-    constraint: Any = None  # a constraints.Constraint (grammar of the output) or None
+    constraint: Any = None
+    prompt_logprobs: int | None = None  # a constraints.Constraint (grammar of the output) or None
 
 
 def apply_processors(
@@ -228,6 +237,7 @@ def parse_request(
     grammar: str | None = None,
     choice: Sequence[str] | None = None,
     constraint: Any = None,
+    prompt_logprobs: int | None = None,
 ) -> ParsedRequest:
     """Validate `generate`/`stream`/`Engine.submit` arguments; ValueError names the field.
 
@@ -259,13 +269,21 @@ def parse_request(
     output ends when the grammar is complete (the model's end-of-generation token is then
     the only one allowed) or at max_tokens / a stop string. constraint: the same, already
     parsed (`constraints.parse_constraint`, as the server does to name its own fields).
+    Scoring: prompt_logprobs=N (0-20) also reports every prompt token's logprob under the
+    model (raw log-softmax, before any sampling setting) and its N most likely alternatives
+    (vLLM's field; the first token's is None); such a request prefills its whole prompt
+    (no prefix-cache restore). max_tokens=0 generates nothing (scoring only).
     Limits: at most MAX_STOP_STRINGS stop strings of at most MAX_STOP_CHARS characters;
     *_context_size at most MAX_CONTEXT_SIZE (a window longer than the prompt plus
     max_tokens is the same as that length, and costs only that); prompt text that cannot
     fit the context is refused before tokenizing (`check_prompt_size`).
     """
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+    if prompt_logprobs is not None and (not isinstance(prompt_logprobs, int) or isinstance(
+            prompt_logprobs, bool) or not 0 <= prompt_logprobs <= 20):
+        raise ValueError(f"prompt_logprobs must be None or an integer in [0, 20], "
+                         f"got {prompt_logprobs!r}")
     if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
     if isinstance(stop, str):
@@ -337,7 +355,7 @@ def parse_request(
     elif any(given):
         constraint = parse_constraint(response_format, json_schema, regex, grammar, choice)
     return ParsedRequest(ids, cfg, max_tokens, stops, n_top, prefill_chunk, tuple(procs),
-                         drafter, k, cache_salt, constraint)
+                         drafter, k, cache_salt, constraint, prompt_logprobs)
 
 
 def _clamp_windows(cfg: SamplingConfig, most: int) -> SamplingConfig:

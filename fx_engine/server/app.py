@@ -178,9 +178,27 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: score the prompt only
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -246,7 +264,8 @@ def _sampling_kwargs(r: _Sampling, defaults: dict[str, Any]) -> dict[str, Any]:
     constraint = _constraint(r)
     if constraint is not None:
         kw["constraint"] = constraint
-    mt = r.max_completion_tokens or r.max_tokens or defaults.get("max_tokens", 512)
+    mt = next((v for v in (r.max_completion_tokens, r.max_tokens) if v is not None),
+              defaults.get("max_tokens", 512))
     kw["max_tokens"] = mt
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "repetition_context_size", "seed", "xtc_probability",
@@ -291,11 +310,25 @@ def _chat_logprobs(lps: Any, top: int = 20) -> dict[str, Any] | None:
     } for lp in lps]}
 
 
-def _completion_logprobs(lps: Any) -> dict[str, Any] | None:
-    if lps is None:
+def _completion_logprobs(lps: Any, prompt_lps: Any = None, top: int = 20,
+                         offset: int = 0, first: str = "") -> dict[str, Any] | None:
+    """The completions API's logprobs: parallel lists over the (echoed prompt and)
+    generated tokens; an echoed prompt's first token (text `first`) has null logprobs (no
+    context). text_offset: each token's character offset in the returned text."""
+    if lps is None and prompt_lps is None:
         return None
-    return {"tokens": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{t: v for _, t, v in lp.top} for lp in lps]}
+    recs = list(prompt_lps or ()) + list(lps or ())
+    tokens, offsets, at = [], [], offset
+    for i, lp in enumerate(recs):
+        text = lp.token if lp is not None else first
+        tokens.append(text)
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens,
+            "token_logprobs": [None if lp is None else lp.logprob for lp in recs],
+            "top_logprobs": [None if lp is None else {t: v for _, t, v in lp.top[:top]}
+                             for lp in recs],
+            "text_offset": offsets}
 
 
 class _ClientGone(Exception):
@@ -498,14 +531,21 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         return out
 
     async def run(request: Request, body: _Sampling, build: Any, chat: bool,
-                  tool_names: set[str] | None = None):
+                  tool_names: set[str] | None = None, echoes: list[str] | None = None):
         """Prepare (template, tokenize, validate: `build` on a worker thread) and submit
         all n choices as a unit, then answer (JSON or SSE). Every path out cancels what
         it started."""
         def prepare() -> list[Any]:
-            prompt, kw = build()
-            kw["cache_salt"] = _salt(request, body)
-            return engine.submit_many(prompt, _choices(body, kw))
+            built = build()  # one (prompt, kwargs), or a list of them (a list of prompts)
+            handles: list[Any] = []
+            try:
+                for prompt, kw in (built if isinstance(built, list) else [built]):
+                    kw["cache_salt"] = _salt(request, body)
+                    handles += engine.submit_many(prompt, _choices(body, kw))
+            except BaseException:
+                _cancel(handles)  # a later prompt failed: the earlier ones never run
+                raise
+            return handles
 
         try:
             handles = await run_in_threadpool(prepare)
@@ -527,14 +567,16 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         metrics.requests += len(handles)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        prompt_tokens = len(handles[0].prompt_token_ids)
+        # each prompt counts once, whatever its number of choices (as OpenAI counts)
+        prompt_tokens = sum(len(h.prompt_token_ids) for h in handles[:: body.n])
         obj = "chat.completion" if chat else "text_completion"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 _stream(request, handles, rid, created, chat, include_usage, prompt_tokens,
                         getattr(body, "top_logprobs", None) or 0, tool_names,
-                        getattr(body, "parallel_tool_calls", None) is False),
+                        getattr(body, "parallel_tool_calls", None) is False, echoes,
+                        getattr(body, "logprobs", None) if not chat else None),
                 media_type="text/event-stream",
                 background=BackgroundTask(_cancel, handles))  # also if the body never started
         try:
@@ -563,9 +605,17 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                 c = {"index": i, "message": message, "finish_reason": finish,
                      "logprobs": _chat_logprobs(o.logprobs, getattr(body, "top_logprobs", None) or 0)}
             else:
-                text = (body.prompt if isinstance(body.prompt, str) and body.echo else "") + o.text
-                c = {"index": i, "text": text, "finish_reason": _finish(o.finish_reason),
-                     "logprobs": _completion_logprobs(o.logprobs)}
+                echoed = echoes[i // body.n] if echoes else ""
+                lps = None
+                if getattr(body, "logprobs", None) is not None:
+                    # the ending EOS token is reported too (not in the text), as vLLM does:
+                    # lm-eval's scoring reads the prompt's logprobs as all but the last
+                    end = (o.end_logprob,) if o.end_logprob is not None else ()
+                    lps = _completion_logprobs((*(o.logprobs or ()), *end),
+                                               o.prompt_logprobs if echoes else None, body.logprobs,
+                                               first=model.tokenizer.decode(o.prompt_token_ids[:1]))
+                c = {"index": i, "text": echoed + o.text, "finish_reason": _finish(o.finish_reason),
+                     "logprobs": lps}
             choices.append(c)
         return {"id": rid, "object": obj, "created": created, "model": model_id,
                 "choices": choices, "usage": _usage(outs, prompt_tokens),
@@ -595,8 +645,11 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
 
     async def _stream(request: Request, handles: list[Any], rid: str, created: int, chat: bool,
                       include_usage: bool, prompt_tokens: int, top_n: int = 0,
-                      tool_names: set[str] | None = None, one_call: bool = False):
+                      tool_names: set[str] | None = None, one_call: bool = False,
+                      echoes: list[str] | None = None, n_logprobs: int | None = None):
         obj = "chat.completion.chunk" if chat else "text_completion"
+        n_choices = len(handles) // len(echoes) if echoes else 1
+        echo_due = [bool(echoes)] * len(handles)  # the prompt goes first, with its logprobs
         tool_streams = [ToolCallStream(tool_names) for _ in handles] if tool_names is not None else None
         # Bounded: a client that reads slower than the engine generates falls behind by
         # at most `backlog` events; beyond that it is cut off and its rows freed (the
@@ -659,6 +712,16 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                 if ev.usage is not None:
                     usage_done.append(ev.usage)
                     metrics.count_tokens(ev.usage)
+                if echo_due[i]:
+                    echo_due[i] = False
+                    plp = handles[i].prompt_logprobs if n_logprobs is not None else None
+                    yield _sse({"id": rid, "object": obj, "created": created, "model": model_id,
+                                "choices": [{"index": i, "text": echoes[i // n_choices],
+                                             "finish_reason": None,
+                                             "logprobs": _completion_logprobs(
+                                                 None, plp, n_logprobs, first=model.tokenizer.decode(
+                                                     handles[i].prompt_token_ids[:1]))
+                                             if plp is not None else None}]})
                 if not ev.text and not ev.finish_reason:
                     continue
                 if chat:
@@ -681,7 +744,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                               "logprobs": _chat_logprobs(ev.logprobs, top_n)}
                 else:
                     choice = {"index": i, "text": ev.text, "finish_reason": _finish(ev.finish_reason),
-                              "logprobs": _completion_logprobs(ev.logprobs)}
+                              "logprobs": None if n_logprobs is None else _completion_logprobs(
+                                  (*(ev.logprobs or ()), *((ev.end_logprob,) if getattr(
+                                      ev, "end_logprob", None) is not None else ())),
+                                  None, n_logprobs)}
                 chunk = {"id": rid, "object": obj, "created": created, "model": model_id,
                          "choices": [choice]}
                 if include_usage:
@@ -762,18 +828,88 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
 
         return await run(request, body, build, chat=True, tool_names=names)
 
+    # ---- the tokenizer (vLLM's routes; lm-evaluation-harness's "remote" tokenizer uses them)
+    tok = model.tokenizer
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        names = tok.template_tokens
+        name = lambda i: None if i is None else tok.decode([i])  # noqa: E731
+        return {"tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": names.get("eos_token") or (name(tok.eos_ids[0]) if tok.eos_ids else None),
+                "bos_token": names.get("bos_token") or name(tok.bos_id),
+                "pad_token": names.get("pad_token") or name(tok.pad_id),
+                "unk_token": names.get("unk_token") or name(tok.unk_id),
+                "add_bos_token": tok.add_bos, "chat_template": chat_template or tok.chat_template,
+                "model_max_length": model.config.max_position_embeddings,
+                "vocab_size": tok.vocab_size}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if (body.prompt is None) == (body.messages is None):
+            return _error(400, "prompt: give either prompt or messages", "prompt")
+
+        def work() -> list[int]:
+            if body.prompt is not None:
+                check_prompt_size(model, text_bytes(body.prompt))
+                return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            messages = template_messages([{"role": m.role if m.role != "developer" else "system",
+                                           "content": _content(m)} for m in body.messages])
+            check_prompt_size(model, text_bytes(messages), "messages")
+            targs = {**(chat_template_args or {}), **(body.chat_template_kwargs or {})}
+            return list(tok.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
+                chat_template=chat_template, **targs))
+
+        try:
+            ids = await run_in_threadpool(work)
+        except (ValueError, TemplateError) as e:
+            return _error(400, str(e), "messages" if body.messages is not None else "prompt")
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": model.config.max_position_embeddings,
+                               "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [tok.decode([i]) for i in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        bad = [t for t in body.tokens if not 0 <= t < model.config.vocab_size]
+        if bad:
+            return _error(400, f"tokens: {bad[0]} is not a token id in [0, "
+                          f"{model.config.vocab_size})", "tokens")
+        return {"prompt": tok.decode(body.tokens)}
+
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        if isinstance(body.prompt, str) and not body.prompt:
+        # one prompt (a string or token ids) or a list of them: one choice per prompt (and
+        # per n), index = prompt * n + choice, as OpenAI numbers them
+        p = body.prompt
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not prompts or any(not x for x in prompts):
             return _error(400, "prompt: must not be empty", "prompt")
+        if len(prompts) * body.n > max(1, engine.max_queue):
+            return _error(400, f"prompt: {len(prompts)} prompts x n={body.n} exceed the "
+                          f"server's queue of {engine.max_queue}", "prompt")
+        if body.max_tokens == 0 and not body.echo:
+            return _error(400, "max_tokens: 0 generates nothing; it needs echo: true "
+                          "(scoring the prompt)", "max_tokens")
+        echoes: list[str] = []
 
-        def build() -> tuple[Any, dict[str, Any]]:  # on a worker thread
+        def build() -> list[tuple[Any, dict[str, Any]]]:  # on a worker thread
             kw = _sampling_kwargs(body, defaults)
-            if body.logprobs:
-                kw["logprobs"] = body.logprobs
-            return prompt_ids(model, body.prompt), kw
+            if body.logprobs is not None:  # 0: the chosen token's logprob, no alternatives
+                kw["logprobs"] = max(1, body.logprobs)
+                if body.echo:
+                    kw["prompt_logprobs"] = body.logprobs
+            jobs = []
+            for x in prompts:
+                ids = prompt_ids(model, x)
+                if body.echo:
+                    echoes.append(x if isinstance(x, str) else model.tokenizer.decode(ids))
+                jobs.append((ids, dict(kw)))
+            return jobs
 
-        return await run(request, body, build, chat=False)
+        return await run(request, body, build, chat=False, echoes=echoes if body.echo else None)
 
     return app
 
