@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import shutil
 import signal
@@ -193,6 +194,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     """An OpenAI-compatible server (fx_engine/server/app.py) on one Engine."""
     import uvicorn
 
+    logging.basicConfig(level=getattr(logging, a.log_level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
     from fx_engine.server.app import create_app
 
     model = _load(a)
@@ -218,9 +222,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--chat-template-args: not JSON ({e})") from None
     if template_args is not None and not isinstance(template_args, dict):
         raise ValueError("--chat-template-args: must be a JSON object")
-    app = create_app(engine, a.model_id or _model_id(model), api_key=a.api_key, defaults=defaults,
+    model_id = a.model_id or _model_id(model)
+    app = create_app(engine, model_id, api_key=a.api_key, defaults=defaults,
                      chat_template=template, chat_template_args=template_args,
                      max_request_bytes=a.max_request_bytes, stream_buffer=a.stream_buffer)
+    log = logging.getLogger("fx_engine.server")
+    log.info("fx-engine %s serving %s (%s, fingerprint %s) on http://%s:%d; %d rows, prefill "
+             "chunk %d, queue %d, prefix cache %d MiB%s, KV %s, speculation %s, %d API key(s)",
+             fx_engine.__version__, model_id, model.config.model_type, model.fingerprint, a.host,
+             a.port, engine.max_rows, engine.prefill_chunk, engine.max_queue,
+             a.prompt_cache_bytes >> 20, f" + disk {a.prompt_cache_dir}" if a.prompt_cache_dir else "",
+             f"{engine.bytes_per_token:.0f} B/token", "prompt lookup" if a.prompt_lookup else (
+                 "draft model" if "draft_model" in defaults else "off"), len(a.api_key or ()))
     engine.start()
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the
     # handler that was installed before it: this one, so that a requested shutdown ends
@@ -365,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="events per choice a streaming client may fall behind before it is "
                          "cut off and its rows freed")
     sv.add_argument("--model-id", default=None, help="the id /v1/models reports")
+    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="server log level: info = a start-up line and one access line per "
+                         "request; every 4xx/5xx is logged with its reason (warning/error)")
     sv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond this: 429")
     sv.add_argument("--decode-concurrency", type=int, default=32, help="most requests in the batch")
     sv.add_argument("--prefill-step-size", type=int, default=512, help="prefill chunk size")

@@ -149,6 +149,8 @@ def test_the_server_shuts_down_cleanly_on_a_signal(tiny, sig):
                 time.sleep(0.1)
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200, r.text
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokns": 4}, timeout=60)
+        assert r.status_code == 400
         # a client that never reads its stream must not hold the shutdown for long
         stuck = _post_raw(port, "/v1/completions", json.dumps({
             "prompt": "hi", "max_tokens": 1900, "stream": True, "n": 4, "logprobs": 5}).encode(),
@@ -165,6 +167,10 @@ def test_the_server_shuts_down_cleanly_on_a_signal(tiny, sig):
             p.kill()
     assert p.returncode == 0, err[-2000:]
     assert "terminate called" not in err
+    # the server's log (stderr): a start-up line, access lines, the 400 with its reason
+    assert f"on http://127.0.0.1:{port}" in err and "serving" in err, err[-2000:]
+    assert '"POST /v1/completions" 200' in err and '"POST /v1/completions" 400' in err
+    assert "400 invalid_request_error: max_tokns: unknown field (did you mean 'max_tokens'?)" in err
 
 
 # ------------------------------------------------------------------------ 2. leaked rows

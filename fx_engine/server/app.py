@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 import uuid
 from typing import Any, Literal, Sequence
@@ -51,6 +52,10 @@ from fx_engine.engine.request import check_prompt_size, prompt_ids, text_bytes
 from fx_engine.server.fields import check_fields
 from fx_engine.server.metrics import Metrics
 from fx_engine.server.tools import (ToolCallStream, parse_tool_calls, render_tools_in_prompt, template_messages, tool_call_grammar, tool_format)
+
+#: The server's logger: one access line per request (INFO), every 4xx (WARNING) and 5xx
+#: (ERROR) with its reason; `fx-engine serve --log-level` sets the level.
+log = logging.getLogger("fx_engine.server")
 
 MAX_REQUEST_BYTES = 4 << 20  # request bodies beyond this are refused (413) unread
 STREAM_BUFFER = 256  # events per choice a streaming client may fall behind before cut-off
@@ -203,6 +208,8 @@ class DetokenizeRequest(_Body):
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
            headers: dict[str, str] | None = None):
+    log.log(logging.ERROR if status >= 500 else logging.WARNING, "%d %s: %s", status, kind,
+            message[:500])
     return JSONResponse(status_code=status, headers=headers, content={
         "error": {"message": message, "type": kind, "param": param, "code": None}})
 
@@ -388,6 +395,21 @@ class _Gate:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), [0]
+
+        async def logged(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self._handle(scope, receive, logged)
+        finally:  # the access line: client, request, status (0: no response), duration
+            client = scope.get("client") or ("-", 0)
+            log.info('%s "%s %s" %s %.1f ms', client[0], scope.get("method"), scope.get("path"),
+                     status[0] or "-", 1e3 * (time.perf_counter() - t0))
+
+    async def _handle(self, scope: dict, receive: Any, send: Any) -> None:
         headers = {k.lower(): v for k, v in scope.get("headers", ())}
         if self.tenants and scope.get("path") not in OPEN_PATHS:
             auth = headers.get(b"authorization", b"").decode("latin-1")
@@ -496,6 +518,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):  # a fault of ours, still JSON
+        log.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)
         return _error(500, f"internal error: {type(exc).__name__}", kind="server_error")
 
     @app.head("/health", include_in_schema=False)  # load balancers' probe
