@@ -37,6 +37,7 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it (imported on first use, after setup())
 _PUBLIC = {
+    "embed": "engine.embeddings",
     "Engine": "engine.engine", "EngineClosed": "engine.engine", "QueueFull": "engine.engine",
     "RequestHandle": "engine.engine",
     "Completion": "engine.generate", "TextDelta": "engine.generate",

@@ -4,6 +4,7 @@
     decode_step(params, cache, state, span=None, mask=None) -> (state, cache)
     sample_step(state, logits[B, V], mask=None) -> state
     score_step(params, cache, tokens[B, T], n_valid[B]) -> (logits[B, T, V], cache)
+    hidden_step(params, cache, tokens[B, T], n_valid[B]) -> (hidden[B, T, H], cache)
     verify_step(params, cache, state, drafts[B, K], n_draft[B], draft_probs=None, mask=None)
         -> (state, cache, VerifyResult)              (fx_engine/core/speculative.py)
 
@@ -47,6 +48,15 @@ def score_step(
     return hidden_to_logits(params, h), cache
 
 
+def hidden_step(
+    params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
+    span: int | None = None,
+) -> tuple[Float[mx.array, "B T H"], KVCache]:
+    """Like prefill_step but returns the final-norm hidden states at every position (what
+    embedding models pool; no output head)."""
+    return forward(params, cache, tokens, n_valid, span)
+
+
 def decode_step(
     params: AnyParams, cache: KVCache, state: DecodeState, span: int | None = None,
     mask: Int[mx.array, "B W"] | None = None,
@@ -64,6 +74,7 @@ prefill_step_compiled = CompiledFunction(prefill_step, name="prefill_step")
 decode_step_compiled = CompiledFunction(decode_step, name="decode_step")
 sample_step_compiled = CompiledFunction(sample_step, name="sample_step")
 score_step_compiled = CompiledFunction(score_step, name="score_step")
+hidden_step_compiled = CompiledFunction(hidden_step, name="hidden_step")
 
 from fx_engine.core.speculative import VerifyResult, verify_step  # noqa: E402  (imports this module's deps)
 
@@ -71,5 +82,6 @@ verify_step_compiled = CompiledFunction(verify_step, name="verify_step")
 __all__ = [
     "VerifyResult", "decode_step", "decode_step_compiled", "prefill_step", "prefill_step_compiled",
     "sample_step", "sample_step_compiled", "score_step", "score_step_compiled", "verify_step",
+    "hidden_step", "hidden_step_compiled",
     "verify_step_compiled",
 ]

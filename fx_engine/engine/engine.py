@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import concurrent.futures
 import threading
 import time
 import weakref
@@ -256,6 +257,7 @@ class Engine:
 
         self._lock = threading.Condition()
         self._pending: collections.deque[_Request] = collections.deque()  # under _lock
+        self._calls: collections.deque = collections.deque()  # (fn, Future) under _lock
         self._closing = False
         self._abort = False
         self._thread: threading.Thread | None = None
@@ -322,6 +324,36 @@ class Engine:
                 handles.append(handle)
             self._lock.notify_all()
         return handles
+
+    def call(self, fn: Callable[[], Any]) -> "concurrent.futures.Future":
+        """Run `fn()` on the thread that owns the engine's MLX state, between steps (work
+        that is not a generated row: embeddings); returns its Future. Without a started
+        engine it runs now, on the calling thread."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closing:
+                raise EngineClosed("engine is closed")
+            if self.running:
+                self._calls.append((fn, fut))
+                self._lock.notify_all()
+                return fut
+        try:
+            fut.set_result(fn())
+        except BaseException as e:
+            fut.set_exception(e)
+        return fut
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._lock:
+                if not self._calls:
+                    return
+                fn, fut = self._calls.popleft()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:
+                    fut.set_exception(e)
 
     def start(self) -> "Engine":
         """Run steps on a background thread (it owns all MLX state from now on)."""
@@ -422,7 +454,7 @@ class Engine:
             while True:
                 with self._lock:
                     while not (self._pending or self._prefilling or self._live_rows()
-                               or self._closing):
+                               or self._closing or self._calls):
                         self._lock.wait()
                     if self._closing and not (self._abort or self._pending or self._prefilling
                                               or self._live_rows()):
@@ -478,6 +510,7 @@ class Engine:
         they finished, run one decode/verify step over the batch (tokens are emitted as they
         are read back, `_on_token`); then the batch's upkeep (`scheduler.plan_maintenance`)."""
         t0 = time.perf_counter()
+        self._run_calls()
         self.steps += 1
         if self._abort:
             self._cancel_everything()
@@ -1050,6 +1083,11 @@ class Engine:
         with self._lock:
             pending = list(self._pending)
             self._pending.clear()
+            calls = list(self._calls)
+            self._calls.clear()
+        for _, fut in calls:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)
         for r in pending + list(self._prefilling) + self._batch.live():
             if r.phase != "done":
                 self._fail(r, error)

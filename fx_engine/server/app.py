@@ -201,6 +201,14 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = Field(default=None, max_length=256)
+
+
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
@@ -901,6 +909,39 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
             return _error(400, f"tokens: {bad[0]} is not a token id in [0, "
                           f"{model.config.vocab_size})", "tokens")
         return {"prompt": tok.decode(body.tokens)}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        """Pooled, normalized final hidden states (engine/embeddings.py: the checkpoint's
+        pooling), batched, computed on the engine's thread between its steps."""
+        from fx_engine.engine.embeddings import embed
+
+        x = body.input
+        inputs = [x] if isinstance(x, str) or (x and isinstance(x[0], int)) else list(x)
+        if not inputs or any(not i for i in inputs):
+            return _error(400, "input: must not be empty (nor hold an empty input)", "input")
+        if len(inputs) > 2048:
+            return _error(400, f"input: at most 2048 inputs, got {len(inputs)}", "input")
+        hidden = model.config.hidden_size
+        if body.dimensions is not None and body.dimensions != hidden:
+            return _error(400, f"dimensions: this model's embeddings have {hidden} dimensions "
+                          "(it does not declare shorter ones)", "dimensions")
+        try:
+            ids = await run_in_threadpool(lambda: [prompt_ids(model, i) for i in inputs])
+            vecs = await asyncio.wrap_future(engine.call(lambda: embed(model, ids)))
+        except EngineClosed as e:
+            return _error(503, str(e), kind="server_error")
+        except ValueError as e:
+            return _error(400, f"input: {e}".replace("input: input", "input"), "input")
+        import base64
+
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode()
+                 if body.encoding_format == "base64" else v.tolist()}
+                for i, v in enumerate(vecs)]
+        n = sum(len(i) for i in ids)
+        return {"object": "list", "data": data, "model": model_id,
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):

@@ -1,0 +1,136 @@
+"""Embeddings: the final hidden state of a prompt, pooled and normalized as the checkpoint
+declares (`/v1/embeddings`, `fx_engine.embed`).
+
+Pooling comes from the model's files: a sentence-transformers folder's `modules.json` and
+its Pooling module's `config.json` (`pooling_mode_lasttoken` / `_mean_tokens` /
+`_cls_token`; a `Normalize` module turns normalization on), or a GGUF's
+`{arch}.pooling_type` (llama.cpp: 1 mean, 2 cls, 3 last). Without either: last-token pooling,
+normalized, what decoder-only embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral) use
+and vLLM's default for them.
+
+Inputs are batched: up to `ROWS` prompts per `hidden_step` call, chunked like prefill, each
+row's pooled vector accumulated over its valid positions only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from fx_engine.core.buckets import pow2_ceil
+from fx_engine.core.cache import span_bucket
+from fx_engine.core.steps import hidden_step_compiled
+from fx_engine.core.tree import tree_leaves
+
+__all__ = ["POOLINGS", "pooling_of", "embed"]
+
+POOLINGS = ("last", "mean", "cls")
+ROWS = 8  # prompts per hidden_step call
+CHUNK = 512
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+
+
+def pooling_of(model: Any) -> tuple[str, bool]:
+    """(pooling, normalize) the checkpoint declares (see the module docstring)."""
+    path = Path(model.path)
+    if path.is_dir():
+        modules = path / "modules.json"
+        if modules.is_file():
+            try:
+                mods = json.loads(modules.read_text())
+                pool, norm = "last", False
+                for m in mods:
+                    kind = str(m.get("type", ""))
+                    if kind.endswith("Pooling"):
+                        cfg = json.loads((path / m.get("path", "") / "config.json").read_text())
+                        pool = next((p for key, p in (("pooling_mode_lasttoken", "last"),
+                                                      ("pooling_mode_mean_tokens", "mean"),
+                                                      ("pooling_mode_cls_token", "cls"))
+                                     if cfg.get(key)), None)
+                        if pool is None:
+                            raise ValueError(f"{path}: its Pooling module uses a mode fx-engine "
+                                             f"does not implement ({cfg})")
+                    if kind.endswith("Normalize"):
+                        norm = True
+                return pool, norm
+            except (OSError, ValueError, AttributeError) as e:
+                raise ValueError(f"{modules}: cannot read the pooling configuration ({e})") from None
+        return "last", True
+    if path.suffix == ".gguf":
+        from fx_engine.loading.gguf import _Header
+
+        meta = _Header(path).metadata
+        arch = meta.get("general.architecture")
+        kind = meta.get(f"{arch}.pooling_type")
+        if kind is not None:
+            if int(kind) not in _GGUF_POOLING:
+                raise ValueError(f"{path}: {arch}.pooling_type = {kind} is not supported "
+                                 "(1 mean, 2 cls, 3 last)")
+            return _GGUF_POOLING[int(kind)], True
+    return "last", True
+
+
+def embed(model: Any, inputs: Sequence[str | Sequence[int]], pooling: str | None = None,
+          normalize: bool | None = None) -> np.ndarray:
+    """Pooled final hidden states [N, hidden] (float32) of prompts (strings, tokenized with
+    the model's tokenizer, or token-id lists). pooling ("last", "mean", "cls") / normalize
+    default to the checkpoint's (`pooling_of`). Runs MLX work: call it on the thread that
+    owns the model's MLX state (the Engine's: `Engine.call`)."""
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    inputs = [model.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in inputs]
+    declared = pooling_of(model)
+    pooling = declared[0] if pooling is None else pooling
+    normalize = declared[1] if normalize is None else normalize
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    limit = model.config.max_position_embeddings
+    for i, ids in enumerate(inputs):
+        if not ids:
+            raise ValueError(f"input[{i}]: encodes to zero tokens")
+        if len(ids) > limit:
+            raise ValueError(f"input[{i}]: {len(ids)} tokens exceed the model's context of {limit}")
+    out = np.zeros((len(inputs), model.config.hidden_size), np.float32)
+    order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))  # similar lengths together
+    for at in range(0, len(order), ROWS):
+        group = order[at : at + ROWS]
+        out[group] = _embed_rows(model, [list(inputs[i]) for i in group], pooling)
+    if normalize:
+        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+    return out
+
+
+def _embed_rows(model: Any, rows: list[list[int]], pooling: str) -> np.ndarray:
+    b = pow2_ceil(len(rows), 1)  # power-of-two row counts: bounded compile shapes
+    longest = max(len(r) for r in rows)
+    chunk = pow2_ceil(min(CHUNK, longest), 16)
+    cache = model.new_cache(b, pow2_ceil(longest + chunk, 256), headroom=chunk)
+    lengths = np.array([len(r) for r in rows] + [0] * (b - len(rows)))
+    acc = mx.zeros((b, model.config.hidden_size), mx.float32)
+    for start in range(0, longest, chunk):
+        n = np.clip(lengths - start, 0, chunk)
+        toks = np.zeros((b, chunk), np.int32)
+        for i, r in enumerate(rows):
+            piece = r[start : start + chunk]
+            toks[i, : len(piece)] = piece
+        h, cache = hidden_step_compiled(model.params, cache, mx.array(toks), mx.array(n, mx.int32),
+                                        span=span_bucket(start + chunk, cache.capacity))
+        h = h.astype(mx.float32)
+        if pooling == "mean":
+            valid = (mx.arange(chunk)[None, :] < mx.array(n)[:, None])[..., None]
+            acc = acc + mx.sum(mx.where(valid, h, 0.0), axis=1)
+        elif pooling == "cls" and start == 0:
+            acc = h[:, 0]
+        elif pooling == "last":
+            ends = (n > 0) & (lengths <= start + chunk)  # rows whose last token is here
+            last = mx.take_along_axis(h, mx.array(np.maximum(n - 1, 0))[:, None, None], axis=1)[:, 0]
+            acc = mx.where(mx.array(ends)[:, None], last, acc)
+        mx.eval(acc, *tree_leaves(cache))
+    out = np.array(acc[: len(rows)])
+    if pooling == "mean":
+        out /= lengths[: len(rows), None]
+    return out

@@ -1,0 +1,121 @@
+"""Embeddings: pooled final hidden states as the checkpoint declares them, batched, through
+`fx_engine.embed` and `/v1/embeddings` (the official `openai` client).
+
+Oracle: mlx-lm's model on the same folder (`model.model(inputs)`: its final-norm hidden
+states), pooled and normalized here with numpy."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import fx_engine
+from fx_engine.engine.embeddings import embed, pooling_of
+from fx_engine.server.app import create_app
+from fx_engine.testing import write_tiny_model
+
+from .conftest import serve
+
+
+def _st_folder(src: Path, dst: Path, mode: str | None, normalize: bool) -> Path:
+    """A copy of a model folder with sentence-transformers' pooling files."""
+    shutil.copytree(src, dst)
+    if mode is None:
+        return dst
+    mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        mods.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                     "type": "sentence_transformers.models.Normalize"})
+    (dst / "modules.json").write_text(json.dumps(mods))
+    (dst / "1_Pooling").mkdir()
+    (dst / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 64, "pooling_mode_cls_token": mode == "cls",
+        "pooling_mode_mean_tokens": mode == "mean", "pooling_mode_lasttoken": mode == "last"}))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("emb") / "m")
+
+
+def _oracle(folder: Path, inputs, mode: str, normalize: bool) -> np.ndarray:
+    from mlx_lm.utils import load_model
+
+    ref, _ = load_model(folder)
+    out = []
+    for ids in inputs:
+        h = np.array(ref.model(mx.array([ids]))[0].astype(mx.float32), np.float64)
+        v = {"last": h[-1], "mean": h.mean(axis=0), "cls": h[0]}[mode]
+        out.append(v / np.linalg.norm(v) if normalize else v)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("mode,normalize", [("last", True), ("mean", True), ("cls", False),
+                                            (None, True)])
+def test_pooling_as_declared_matches_mlx_lm(tiny, tmp_path, mode, normalize):
+    folder = _st_folder(tiny, tmp_path / "st", mode, normalize)
+    model = fx_engine.load(folder)
+    assert pooling_of(model) == (mode or "last", normalize)
+    rng = np.random.default_rng(0)
+    inputs = [rng.integers(3, 200, size=n).tolist() for n in (1, 7, 40, 700, 13)]
+    got = fx_engine.embed(model, inputs)  # one batch; 700 tokens: two chunks
+    want = _oracle(folder, inputs, mode or "last", normalize)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    solo = np.concatenate([embed(model, [i]) for i in inputs])
+    np.testing.assert_allclose(got, solo, rtol=1e-5, atol=1e-5)  # batched = alone
+
+
+def test_gguf_pooling_type_is_read(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "e.gguf"), "llama")
+    w.add_uint32("llama.pooling_type", 1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    class M:
+        path = str(tmp_path / "e.gguf")
+
+    assert pooling_of(M()) == ("mean", True)
+
+
+def test_embeddings_endpoint_with_the_openai_client(tiny):
+    from openai import OpenAI
+
+    model = fx_engine.load(tiny)
+    engine = fx_engine.Engine(model, max_rows=2)
+    app = create_app(engine, "tiny")
+    texts = ["hello world", "the quick brown fox", "a"]
+    want = fx_engine.embed(model, texts)
+    with serve(app, engine) as (url, _):
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = client.embeddings.create(model="tiny", input=texts)
+        got = np.array([d.embedding for d in r.data])
+        assert [d.index for d in r.data] == [0, 1, 2]
+        assert r.usage.prompt_tokens == sum(len(model.tokenizer.encode(t)) for t in texts)
+        r = client.embeddings.create(model="tiny", input=model.tokenizer.encode(texts[1]),
+                                     encoding_format="base64")
+        b64 = np.frombuffer(base64.b64decode(r.data[0].embedding), "<f4") if isinstance(
+            r.data[0].embedding, str) else np.array(r.data[0].embedding)
+        import httpx
+
+        bad = httpx.post(url + "/v1/embeddings", json={"input": ["x", ""]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+        bad = httpx.post(url + "/v1/embeddings", json={"input": "x", "dimensions": 3})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
+        # generation keeps running beside embedding calls
+        h = engine.submit("hello", max_tokens=4)
+        assert client.embeddings.create(model="tiny", input="a").data
+        assert h.result().finish_reason in ("stop", "length")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(b64, want[1], rtol=1e-5, atol=1e-6)
