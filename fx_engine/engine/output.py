@@ -90,7 +90,7 @@ class TokenOutput:
         return tail
 
     def final_delta(self, tail: str, reason: str, usage: Usage) -> TextDelta:
-        return TextDelta(tail, (), None, reason, usage, self.end_lp)
+        return TextDelta(tail, (), None, reason, usage, self.end_lp, self.stops.matched)
 
     def completion(self, reason: str, usage: Usage, prompt_ids: Sequence[int]) -> Completion:
         return Completion(
@@ -98,7 +98,7 @@ class TokenOutput:
             logprobs=tuple(self.lps) if self.want_logprobs else None, usage=usage,
             prompt_token_ids=tuple(prompt_ids),
             prompt_logprobs=None if self.prompt_lps is None else tuple(self.prompt_lps),
-            end_logprob=self.end_lp,
+            end_logprob=self.end_lp, stop_string=self.stops.matched,
         )
 
     def prompt_logprob(self, token: int, value: float, ids: Sequence[int], vals: Sequence[float],

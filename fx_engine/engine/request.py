@@ -74,6 +74,7 @@ class Completion:
     # with logprobs: the record of the end-of-generation token that finished the request
     # (not in token_ids or the text; the completions API reports it, as vLLM does)
     end_logprob: TokenLogprob | None = None
+    stop_string: str | None = None  # finish_reason "stop" by this stop string (not EOS)
 
 
 class TextDelta(str):
@@ -87,12 +88,14 @@ class TextDelta(str):
     finish_reason: str | None
     usage: Usage | None
     end_logprob: TokenLogprob | None  # the last delta: the ending EOS token's record
+    stop_string: str | None  # the last delta: the stop string that ended the output
 
     def __new__(cls, text: str, token_ids=(), logprobs=None, finish_reason=None, usage=None,
-                end_logprob=None):
+                end_logprob=None, stop_string=None):
         obj = super().__new__(cls, text)
         obj.token_ids, obj.logprobs = tuple(token_ids), logprobs
         obj.finish_reason, obj.usage, obj.end_logprob = finish_reason, usage, end_logprob
+        obj.stop_string = stop_string
         return obj
 
     @property

@@ -40,6 +40,7 @@ class StopMatcher:
             self._by_first.setdefault(s[0], []).append(i)
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the output
 
     def _advance(self, i: int, ch: str) -> int:
         s, f, k = self.stops[i], self._fail[i], self._state[i]
@@ -68,7 +69,8 @@ class StopMatcher:
                 k = self._advance(i, ch)
                 if k == len(self.stops[i]):
                     start = base + j + 1 - k
-                    cut = start if cut < 0 else min(cut, start)
+                    if cut < 0 or start < cut:
+                        cut, self.matched = start, self.stops[i]
                     k = self._fail[i][k - 1]  # overlapping occurrences go on matching
                 state[i] = k
                 if k:

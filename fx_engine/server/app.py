@@ -50,6 +50,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fx_engine.engine.engine import Engine, EngineClosed, QueueFull
 from fx_engine.engine.request import check_prompt_size, prompt_ids, text_bytes
 from fx_engine.server.fields import check_fields
+from fx_engine.server.reasoning import ReasoningStream, reasoning_format, starts_in_reasoning, template_switches
+from fx_engine.server.reasoning import split as split_reasoning
 from fx_engine.server.metrics import Metrics
 from fx_engine.server.tools import (ToolCallStream, parse_tool_calls, render_tools_in_prompt, template_messages, tool_call_grammar, tool_format)
 
@@ -180,6 +182,8 @@ class ChatRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # mlx_lm.server's per-request variables
+    # a template switch (gpt-oss's reasoning_effort; enable_thinking elsewhere); see reasoning.py
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -623,15 +627,17 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         choices = []
         for i, o in enumerate(outs):
             if chat:
-                message: dict[str, Any] = {"role": "assistant", "content": o.text}
+                reasoning, text = split_reasoning(think_fmt, o.text, in_reasoning(o.prompt_token_ids))
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if think_fmt is not None:  # the thinking, apart (vLLM's field)
+                    message["reasoning_content"] = reasoning or None
                 finish = _finish(o.finish_reason)
                 if tool_names is not None:
-                    content, calls = parse_tool_calls(o.text, tool_names)
+                    content, calls = parse_tool_calls(text, tool_names)
                     if getattr(body, "parallel_tool_calls", None) is False:
                         calls = calls[:1]  # the client asked for at most one call
                     if calls:
-                        message = {"role": "assistant", "content": content if content.strip() else None,
-                                   "tool_calls": calls}
+                        message.update(content=content if content.strip() else None, tool_calls=calls)
                         finish = "tool_calls" if finish == "stop" else finish
                 c = {"index": i, "message": message, "finish_reason": finish,
                      "logprobs": _chat_logprobs(o.logprobs, getattr(body, "top_logprobs", None) or 0)}
@@ -682,6 +688,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         n_choices = len(handles) // len(echoes) if echoes else 1
         echo_due = [bool(echoes)] * len(handles)  # the prompt goes first, with its logprobs
         tool_streams = [ToolCallStream(tool_names) for _ in handles] if tool_names is not None else None
+        thinking = [ReasoningStream(think_fmt, in_reasoning(h.prompt_token_ids)) for h in handles]
         # Bounded: a client that reads slower than the engine generates falls behind by
         # at most `backlog` events; beyond that it is cut off and its rows freed (the
         # engine itself never waits for a socket).
@@ -756,10 +763,14 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                 if not ev.text and not ev.finish_reason:
                     continue
                 if chat:
-                    text, finish = ev.text, _finish(ev.finish_reason)
-                    delta: dict[str, Any] = {}
+                    finish = _finish(ev.finish_reason)
+                    reasoning, text = thinking[i].feed(ev.text)
+                    if ev.finish_reason:
+                        r2, t2 = thinking[i].finish()
+                        reasoning, text = reasoning + r2, text + t2
+                    delta: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
                     if tool_streams is not None:
-                        text = tool_streams[i].feed(ev.text)
+                        text = tool_streams[i].feed(text)
                         if ev.finish_reason:
                             rest, calls = tool_streams[i].finish()
                             text += rest
@@ -799,6 +810,49 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
             for t in tasks:
                 t.cancel()
 
+    template = chat_template or model.tokenizer.chat_template
+    fmt, renders_tools = tool_format(template)
+    think_fmt = reasoning_format(template)
+
+    def in_reasoning(prompt: Sequence[int]) -> bool:
+        """Whether a reply to this prompt starts inside a thinking block it opened."""
+        return think_fmt is not None and starts_in_reasoning(
+            think_fmt, model.tokenizer.decode(list(prompt[-8:])))
+
+    def chat_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    choice: Any, parallel: bool | None, template_kwargs: dict[str, Any] | None,
+                    kw: dict[str, Any]) -> list[int]:
+        """Prompt ids of chat messages (OpenAI's shapes) with their tools (None: no tools
+        in the prompt); adds the tool-call constraint to `kw` when `choice` demands calls.
+        On a worker thread (templating and tokenizing release the GIL)."""
+        messages = template_messages(messages)
+        check_prompt_size(model, text_bytes(messages), "messages")  # before templating
+        targs = {**(chat_template_args or {}), **(template_kwargs or {})}
+        if tools:
+            # tool_choice "required" / a named function: the output is constrained to
+            # valid calls (schema-checked arguments) in the model's call format
+            g = tool_call_grammar(tools, choice, parallel, fmt, model.tokenizer)
+            if g is not None:
+                if "constraint" in kw:
+                    raise ValueError(f"tool_choice: cannot be combined with "
+                                     f"{kw['constraint'].field} (give one output constraint)")
+                from fx_engine.engine.constraints import parse_constraint
+
+                kw["constraint"] = parse_constraint(grammar=g, names={"grammar": "tools"})
+            if not renders_tools and template is not None:
+                # the template has no tools section: the default one, in the system
+                # prompt (server/tools.py DEFAULT_TOOLS_PROMPT), read back by the parser
+                messages, tools = render_tools_in_prompt(messages, tools), None
+            else:
+                targs.setdefault("tools", tools)
+        if chat_template is not None or targs:
+            return list(model.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True,
+                chat_template=chat_template, **targs))
+        return prompt_ids(model, messages)
+
+    app.state.chat_prompt = chat_prompt  # the Anthropic routes build prompts the same way
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
         use_tools = bool(body.tools) and body.tool_choice != "none"
@@ -817,9 +871,6 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
             if fn["name"] not in (names or ()):
                 return _error(400, f"tool_choice.function.name: no tool named {fn['name']!r} "
                               "in tools", "tool_choice.function.name")
-        template = chat_template or model.tokenizer.chat_template
-        fmt, renders_tools = tool_format(template)
-
         def build() -> tuple[Any, dict[str, Any]]:  # on a worker thread
             messages = []
             for m in body.messages:
@@ -829,33 +880,13 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                     if getattr(m, extra) is not None:
                         msg[extra] = getattr(m, extra)
                 messages.append(msg)
-            messages = template_messages(messages)
             kw = _sampling_kwargs(body, defaults)
             if body.logprobs:  # the engine reports the chosen token with >= 1 alternative
                 kw["logprobs"] = max(1, body.top_logprobs or 0)
-            check_prompt_size(model, text_bytes(messages), "messages")  # before templating
-            targs = {**(chat_template_args or {}), **(body.chat_template_kwargs or {})}
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None
-            if tools:
-                # tool_choice "required" / a named function: the output is constrained to
-                # valid calls (schema-checked arguments) in the model's call format
-                g = tool_call_grammar(tools, choice, body.parallel_tool_calls, fmt, model.tokenizer)
-                if g is not None:
-                    if "constraint" in kw:
-                        raise ValueError(f"tool_choice: cannot be combined with "
-                                         f"{kw['constraint'].field} (give one output constraint)")
-                    from fx_engine.engine.constraints import parse_constraint
-
-                    kw["constraint"] = parse_constraint(grammar=g, names={"grammar": "tools"})
-                if not renders_tools and template is not None:
-                    # the template has no tools section: the default one, in the system
-                    # prompt (server/tools.py DEFAULT_TOOLS_PROMPT), read back by the parser
-                    messages, tools = render_tools_in_prompt(messages, tools), None
-            if chat_template is not None or targs or use_tools:
-                return list(model.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, tools=tools,
-                    chat_template=chat_template, **targs)), kw
-            return prompt_ids(model, messages), kw
+            targs = {**template_switches(template, body.reasoning_effort),
+                     **(body.chat_template_kwargs or {})}
+            return chat_prompt(messages, tools, choice, body.parallel_tool_calls, targs, kw), kw
 
         return await run(request, body, build, chat=True, tool_names=names)
 
