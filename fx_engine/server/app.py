@@ -516,6 +516,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        if request.url.path.startswith("/v1/messages"):  # Anthropic's error shape
+            from fx_engine.server.anthropic import anthropic_error
+
+            return anthropic_error(400, f"{loc}: {msg}" if loc else msg)
         if not loc and ":" in msg:  # a whole-body check names its field itself
             loc = msg.split(":")[0].split(".")[0]
             return _error(400, msg, loc)
@@ -852,6 +856,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         return prompt_ids(model, messages)
 
     app.state.chat_prompt = chat_prompt  # the Anthropic routes build prompts the same way
+    app.state.chat_template = template
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
@@ -1006,6 +1011,13 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
 
         return await run(request, body, build, chat=False, echoes=echoes if body.echo else None)
 
+    from types import SimpleNamespace
+
+    from fx_engine.server import anthropic
+
+    anthropic.install(app, engine, model_id, defaults,
+                      lambda request: _salt(request, SimpleNamespace(cache_salt=None)),
+                      think_fmt, in_reasoning, metrics)
     return app
 
 

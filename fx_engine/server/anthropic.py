@@ -1,0 +1,401 @@
+"""The Anthropic Messages API on the same Engine: POST /v1/messages (JSON or its SSE event
+stream), POST /v1/messages/count_tokens. What coding agents that run local models speak.
+
+A request becomes the chat the OpenAI routes build (`app.state.chat_prompt`: the model's
+chat template, tools in its format or the default tools section, enforced calls for
+`tool_choice` any/tool), so both APIs answer the same prompt the same way:
+* `system` (a string or text blocks) -> a system message; user text blocks -> user content;
+  `tool_result` blocks -> tool messages (before the user's text of that turn); assistant
+  `tool_use` blocks -> tool calls; assistant `thinking` blocks are dropped (as Anthropic's
+  own API drops earlier turns' thinking); other block types (images, documents) are a 400.
+* `tools` [{name, description, input_schema}] -> functions; `tool_choice` auto / any (=
+  required) / tool (= a named function) / none, `disable_parallel_tool_use`.
+* `thinking` {"type": "enabled"} turns the template's thinking switch on ("disabled" off);
+  the reply's reasoning comes back as `thinking` blocks (server/reasoning.py).
+* `stop_sequences`, `temperature`, `top_p`, `top_k`, `max_tokens` (required), `metadata`.
+The reply: `content` blocks (thinking, text, tool_use), `stop_reason` end_turn / max_tokens
+/ stop_sequence (with `stop_sequence`) / tool_use, `usage` (input_tokens counts what was not
+read from the prefix cache, cache_read_input_tokens what was). Errors use Anthropic's shape
+(`{"type": "error", "error": {"type", "message"}}`), naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+
+from fx_engine.engine.engine import EngineClosed, QueueFull
+from fx_engine.server.app import _Body
+from fx_engine.server.reasoning import ReasoningStream, template_switches
+from fx_engine.server.reasoning import split as split_reasoning
+from fx_engine.server.tools import ToolCallStream, parse_tool_calls
+
+class AnthropicMessage(BaseModel):
+    """One turn: a string or content blocks (checked by `to_chat`). Lenient about extra
+    keys, as clients send back what the API returned (e.g. `cache_control` on blocks)."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(_Body):
+    """POST /v1/messages (see the module docstring)."""
+
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    # Prompt caching is automatic here (the prefix cache): the hint asks for nothing more.
+    cache_control: dict[str, Any] | None = None
+    speed: Literal["standard"] | None = None
+    user_profile_id: str | None = Field(default=None, max_length=256)
+
+class CountTokensRequest(_Body):
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+          503: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    from fx_engine.server.app import log
+
+    log.warning("%d %s: %s", status, _KINDS.get(status, "api_error"), message[:500])
+    return JSONResponse(status_code=status, headers=headers, content={
+        "type": "error", "error": {"type": _KINDS.get(status, "api_error"), "message": message}})
+
+
+def _text_of(blocks: Any, where: str) -> str:
+    """A string, or text blocks joined (other block types: ValueError naming them)."""
+    if isinstance(blocks, str):
+        return blocks
+    out = []
+    for j, b in enumerate(blocks or ()):
+        if not isinstance(b, dict) or b.get("type") != "text":
+            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+            raise ValueError(f"{where}[{j}].type: {kind!r} is not supported here (text only)")
+        out.append(str(b.get("text", "")))
+    return "".join(out)
+
+
+def to_chat(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, Any, bool | None]:
+    """(OpenAI-shaped messages, tools, tool_choice, parallel_tool_calls) of a request."""
+    msgs: list[dict[str, Any]] = []
+    if body.system:
+        msgs.append({"role": "system", "content": _text_of(body.system, "system")})
+    for i, m in enumerate(body.messages):
+        where = f"messages[{i}].content"
+        if isinstance(m.content, str):
+            msgs.append({"role": m.role, "content": m.content})
+            continue
+        text, calls, results = [], [], []
+        for j, b in enumerate(m.content):
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                text.append(str(b.get("text", "")))
+            elif kind == "tool_use" and m.role == "assistant":
+                if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+                    raise ValueError(f"{where}[{j}]: a tool_use block needs a name and an object input")
+                calls.append({"id": str(b.get("id") or f"toolu_{uuid.uuid4().hex[:24]}"),
+                              "type": "function",
+                              "function": {"name": b["name"], "arguments": b.get("input", {})}})
+            elif kind == "tool_result" and m.role == "user":
+                content = _text_of(b.get("content", ""), f"{where}[{j}].content")
+                if b.get("is_error"):
+                    content = f"Error: {content}"
+                results.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
+                                "content": content})
+            elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # earlier turns' thinking does not go back into the prompt
+            else:
+                raise ValueError(f"{where}[{j}].type: {kind!r} is not supported in a "
+                                 f"{m.role} message")
+        msgs += results
+        if text or calls or not results:
+            msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
+            if calls:
+                msg["tool_calls"] = calls
+            msgs.append(msg)
+    tools = None
+    if body.tools:
+        tools = []
+        for i, t in enumerate(body.tools):
+            if t.get("type") not in (None, "custom") or not isinstance(t.get("name"), str):
+                raise ValueError(f"tools[{i}]: only custom tools with a name and an input_schema "
+                                 f"are supported (got type {t.get('type')!r})")
+            tools.append({"type": "function", "function": {
+                "name": t["name"], "description": t.get("description", ""),
+                "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
+    choice, parallel = None, None
+    tc = body.tool_choice
+    if tc is not None:
+        kind = tc.get("type")
+        if kind not in ("auto", "any", "tool", "none"):
+            raise ValueError(f"tool_choice.type: must be auto, any, tool or none, got {kind!r}")
+        if kind != "none" and not tools:
+            raise ValueError("tool_choice: requires tools")
+        parallel = False if tc.get("disable_parallel_tool_use") else None
+        if kind == "tool":
+            name = tc.get("name")
+            if name not in {t["function"]["name"] for t in tools or ()}:
+                raise ValueError(f"tool_choice.name: no tool named {name!r} in tools")
+            choice = {"type": "function", "function": {"name": name}}
+        else:
+            choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
+    if choice == "none":
+        tools = None
+    return msgs, tools, choice, parallel
+
+
+def _blocks(reasoning: str, text: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if reasoning:
+        out.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if text.strip() or not (calls or reasoning):
+        out.append({"type": "text", "text": text})
+    for c in calls:
+        out.append({"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"),
+                    "name": c["function"]["name"], "input": json.loads(c["function"]["arguments"])})
+    return out
+
+
+def _stop(reason: str, stop_string: str | None, calls: bool) -> tuple[str, str | None]:
+    if calls and reason == "stop":
+        return "tool_use", None
+    if reason == "length":
+        return "max_tokens", None
+    if stop_string is not None:
+        return "stop_sequence", stop_string
+    return "end_turn", None
+
+
+def _usage(prompt: int, cached: int, output: int) -> dict[str, int]:
+    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": output}
+
+
+def _sse(event: str, data: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+
+
+def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], salt: Any,
+            think_fmt: str | None, in_reasoning: Any, metrics: Any) -> None:
+    """Add the Messages routes to `app` (create_app calls this). `salt(request)`: the
+    request's prefix-cache scope (its tenant)."""
+
+    def prompt_of(body: Any, kw: dict[str, Any]) -> list[int]:
+        msgs, tools, choice, parallel = to_chat(body)
+        targs: dict[str, Any] = {}
+        th = body.thinking
+        if th is not None:
+            kind = th.get("type")
+            if kind not in ("enabled", "disabled", "adaptive"):
+                raise ValueError(f"thinking.type: must be enabled, disabled or adaptive, got {kind!r}")
+            if think_fmt is None and kind == "enabled":
+                raise ValueError("thinking: this model's chat template has no thinking switch")
+            if kind != "adaptive":  # adaptive: the model's (template's) own default
+                targs["enable_thinking"] = kind == "enabled"
+        oc = body.output_config or {}
+        extra = sorted(set(oc) - {"effort", "format"})
+        if extra:
+            raise ValueError(f"output_config.{extra[0]}: unknown field")
+        if oc.get("effort") is not None:
+            effort = {"xhigh": "high", "max": "high"}.get(oc["effort"], oc["effort"])
+            targs.update(template_switches(app.state.chat_template, effort))
+        fmt = oc.get("format")
+        if fmt is not None:
+            if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
+                raise ValueError('output_config.format: expected {"type": "json_schema", "schema": {...}}')
+            from fx_engine.engine.constraints import parse_constraint
+
+            if choice not in (None, "auto", "none"):
+                raise ValueError("output_config.format: cannot be combined with tool_choice "
+                                 "any/tool (give one output constraint)")
+            kw["constraint"] = parse_constraint(json_schema=fmt["schema"],
+                                                names={"json_schema": "output_config.format.schema"})
+        return app.state.chat_prompt(msgs, tools, choice, parallel, targs, kw)
+
+    async def submit(request: Request, body: Any) -> tuple[list[Any], set[str] | None]:
+        def work() -> list[Any]:
+            kw: dict[str, Any] = {"max_tokens": body.max_tokens}
+            for name, value in (("temperature", body.temperature), ("top_p", body.top_p),
+                                ("top_k", body.top_k)):
+                value = defaults.get(name) if value is None else value
+                if value is not None:
+                    kw[name] = value
+            if body.stop_sequences:
+                kw["stop"] = body.stop_sequences
+            for name in ("draft_model", "num_draft_tokens", "prompt_lookup"):
+                if defaults.get(name) is not None:
+                    kw[name] = defaults[name]
+            ids = prompt_of(body, kw)
+            kw["cache_salt"] = salt(request)
+            return engine.submit_many(ids, [kw])
+
+        handles = await run_in_threadpool(work)
+        names = {t["name"] for t in body.tools} if body.tools and (
+            body.tool_choice or {}).get("type") != "none" else None
+        return handles, names
+
+    async def guarded(request: Request, body: Any):
+        try:
+            return await submit(request, body), None
+        except QueueFull as e:
+            return None, anthropic_error(429, str(e), {"Retry-After": "1"})
+        except EngineClosed as e:
+            return None, anthropic_error(503, str(e))
+        except ValueError as e:
+            return None, anthropic_error(400, str(e))
+        except Exception as e:  # a template that cannot render these messages
+            return None, anthropic_error(400, f"messages: the chat template failed: {e}")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        try:
+            ids = await run_in_threadpool(prompt_of, body, {})
+        except Exception as e:
+            return anthropic_error(400, str(e))
+        return {"input_tokens": len(ids)}
+
+    @app.post("/v1/messages")
+    async def messages(request: Request, body: MessagesRequest):
+        got, err = await guarded(request, body)
+        if err is not None:
+            return err
+        (handles, names) = got
+        h = handles[0]
+        metrics.requests += 1
+        mid = f"msg_{uuid.uuid4().hex[:24]}"
+        inside = in_reasoning(h.prompt_token_ids)
+        if body.stream:
+            return StreamingResponse(_events(request, h, mid, names, inside),
+                                     media_type="text/event-stream",
+                                     background=BackgroundTask(lambda: h.done or h.cancel()))
+        try:
+            out = await h.aresult()
+        except Exception as e:
+            return anthropic_error(500, f"generation failed: {e!r}")
+        finally:
+            if not h.done:
+                h.cancel()
+        metrics.observe(out)
+        reasoning, text = split_reasoning(think_fmt, out.text, inside)
+        content, calls = parse_tool_calls(text, names) if names is not None else (text, [])
+        stop_reason, stop_seq = _stop(out.finish_reason, out.stop_string, bool(calls))
+        return {"id": mid, "type": "message", "role": "assistant", "model": model_id,
+                "content": _blocks(reasoning, content, calls), "stop_reason": stop_reason,
+                "stop_sequence": stop_seq,
+                "usage": _usage(out.usage.prompt_tokens, out.usage.cached_tokens,
+                                out.usage.completion_tokens)}
+
+    async def _events(request: Request, h: Any, mid: str, names: set[str] | None, inside: bool):
+        """Anthropic's event stream: message_start, per block content_block_start / deltas
+        / content_block_stop, message_delta (stop_reason, usage), message_stop."""
+        think = ReasoningStream(think_fmt, inside)
+        tools = ToolCallStream(names) if names is not None else None
+        block = {"index": -1, "type": None}
+
+        def open_block(kind: str, extra: dict[str, Any]) -> list[str]:
+            out = []
+            if block["type"] is not None:
+                out.append(_sse("content_block_stop", {"type": "content_block_stop",
+                                                       "index": block["index"]}))
+            block["index"] += 1
+            block["type"] = kind
+            out.append(_sse("content_block_start", {"type": "content_block_start",
+                                                    "index": block["index"],
+                                                    "content_block": {"type": kind, **extra}}))
+            return out
+
+        def piece(kind: str, text: str) -> list[str]:
+            if not text:
+                return []
+            out = []
+            if block["type"] != kind:
+                out += open_block(kind, {"thinking": "", "signature": ""} if kind == "thinking"
+                                  else {"text": ""})
+            key, dtype = ("thinking", "thinking_delta") if kind == "thinking" else ("text", "text_delta")
+            out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": block["index"],
+                                                    "delta": {"type": dtype, key: text}}))
+            return out
+
+        yield _sse("message_start", {"type": "message_start", "message": {
+            "id": mid, "type": "message", "role": "assistant", "model": model_id, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": _usage(len(h.prompt_token_ids), 0, 0)}})
+        try:
+            final = None
+            async for ev in h.aiter():
+                if await request.is_disconnected():
+                    return
+                reasoning, text = think.feed(ev.text)
+                if ev.finish_reason:
+                    r2, t2 = think.finish()
+                    reasoning, text = reasoning + r2, text + t2
+                for line in piece("thinking", reasoning):
+                    yield line
+                if tools is not None:
+                    text = tools.feed(text)
+                for line in piece("text", text):
+                    yield line
+                if ev.finish_reason:
+                    final = ev
+            calls: list[dict[str, Any]] = []
+            if tools is not None:
+                rest, calls = tools.finish()
+                for line in piece("text", rest):
+                    yield line
+            for c in calls:
+                args = c["function"]["arguments"]
+                for line in open_block("tool_use", {"id": "toolu_" + c["id"].removeprefix("call_"),
+                                                    "name": c["function"]["name"], "input": {}}):
+                    yield line
+                yield _sse("content_block_delta", {"type": "content_block_delta", "index": block["index"],
+                                                   "delta": {"type": "input_json_delta", "partial_json": args}})
+            if block["type"] is not None:
+                yield _sse("content_block_stop", {"type": "content_block_stop", "index": block["index"]})
+            usage = final.usage if final is not None else None
+            stop_reason, stop_seq = _stop(final.finish_reason if final else "stop",
+                                          getattr(final, "stop_string", None), bool(calls))
+            yield _sse("message_delta", {"type": "message_delta",
+                                         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_seq},
+                                         "usage": {"output_tokens": usage.completion_tokens if usage else 0}})
+            yield _sse("message_stop", {"type": "message_stop"})
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            yield _sse("error", {"type": "error", "error": {"type": "api_error",
+                                                            "message": f"generation failed: {e!r}"}})
+        finally:
+            if not h.done:
+                h.cancel()
+
