@@ -372,7 +372,7 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
             calls: list[dict[str, Any]] = []
             if tools is not None:
                 rest, calls = tools.finish()
-                for line in piece("text", rest):
+                for line in piece("text", rest if rest.strip() or not calls else ""):
                     yield line
             for c in calls:
                 args = c["function"]["arguments"]
@@ -384,7 +384,7 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
             if block["type"] is not None:
                 yield _sse("content_block_stop", {"type": "content_block_stop", "index": block["index"]})
             usage = final.usage if final is not None else None
-            stop_reason, stop_seq = _stop(final.finish_reason if final else "stop",
+            stop_reason, stop_seq = _stop(final.finish_reason if final is not None else "stop",
                                           getattr(final, "stop_string", None), bool(calls))
             yield _sse("message_delta", {"type": "message_delta",
                                          "delta": {"stop_reason": stop_reason, "stop_sequence": stop_seq},

@@ -1018,6 +1018,11 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
     anthropic.install(app, engine, model_id, defaults,
                       lambda request: _salt(request, SimpleNamespace(cache_salt=None)),
                       think_fmt, in_reasoning, metrics)
+    from fx_engine.server import responses
+
+    responses.install(app, engine, model_id, defaults,
+                      lambda request: _salt(request, SimpleNamespace(cache_salt=None)),
+                      think_fmt, in_reasoning, metrics)
     return app
 
 

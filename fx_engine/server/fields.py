@@ -30,7 +30,10 @@ UNSUPPORTED: dict[str, str] = {
     "function_call": "the deprecated 'function_call' field is not supported; use 'tool_choice'",
     "suffix": "suffix (fill-in-the-middle insertion) is not supported",
     "best_of": "best_of is not supported; use n and choose among the choices",
-    "store": "stored completions are not supported",
+    "store": "stored completions and responses are not supported (nothing is kept)",
+    "previous_response_id": "responses are not stored: send the whole conversation in input",
+    "conversation": "conversations are not stored: send the whole conversation in input",
+    "background": "background responses are not supported",
     "service_tier": "service tiers are not supported",
     "modalities": "only the text modality is supported",
     "verbosity": "verbosity is not supported",
@@ -41,6 +44,9 @@ UNSUPPORTED: dict[str, str] = {
 #: Values of UNSUPPORTED fields that ask for nothing beyond what the server does.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "store": (False, None),
+    "background": (False, None),
+    "previous_response_id": (None,),
+    "conversation": (None,),
     "service_tier": ("auto", "default", None),
     "modalities": (["text"], None),
     "best_of": (1, None),

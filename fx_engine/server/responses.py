@@ -1,0 +1,371 @@
+"""OpenAI's Responses API on the same Engine: POST /v1/responses (JSON, or its typed event
+stream). Stateless: nothing is stored, so a conversation is sent whole in `input` (a
+`previous_response_id`, `conversation`, `background` or `store: true` is a 400 that says so).
+
+A request becomes the chat the other routes build (`app.state.chat_prompt`):
+* `instructions` -> a system message; `input` a string (one user message) or items:
+  messages (`role` user/assistant/system/developer, content a string or input_text /
+  output_text parts), `function_call` items (earlier calls) and `function_call_output`
+  items (their results); `reasoning` items from earlier turns are dropped.
+* `tools` (function tools: name, description, parameters, strict), `tool_choice` (auto,
+  none, required, {"type": "function", "name"}), `parallel_tool_calls`;
+* `text.format` (text, json_object, json_schema with name/schema/strict) constrains the
+  output (engine/constraints.py); `reasoning.effort` sets the template's switch;
+* `max_output_tokens`, `temperature`, `top_p`; `metadata` and `user` are echoed/logged.
+The output items: a `reasoning` item (the thinking, as reasoning_text), a `message` with
+`output_text`, `function_call` items; status `completed`, or `incomplete` with reason
+`max_output_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import Field
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+
+from fx_engine.engine.engine import EngineClosed, QueueFull
+from fx_engine.server.app import _Body, _error
+from fx_engine.server.reasoning import ReasoningStream, template_switches
+from fx_engine.server.reasoning import split as split_reasoning
+from fx_engine.server.tools import ToolCallStream, parse_tool_calls
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses (see the module docstring)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = Field(default=None, max_length=256)
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    truncation: Literal["disabled"] | None = None
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    out = []
+    for j, part in enumerate(content or ()):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise ValueError(f"{where}[{j}].type: {kind!r} is not supported (text parts only)")
+        out.append(str(part.get("text", "")))
+    return "".join(out)
+
+
+def to_chat(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, Any]:
+    """(OpenAI chat messages, function tools, tool_choice) of a Responses request."""
+    msgs: list[dict[str, Any]] = []
+    if body.instructions:
+        msgs.append({"role": "system", "content": body.instructions})
+    items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(
+        body.input, str) else body.input
+    for i, it in enumerate(items):
+        kind = it.get("type", "message") if isinstance(it, dict) else None
+        where = f"input[{i}]"
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise ValueError(f"{where}.role: must be user, assistant, system or developer")
+            msgs.append({"role": "system" if role == "developer" else role,
+                         "content": _content_text(it.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": str(it.get("call_id") or it.get("id") or f"call_{uuid.uuid4().hex[:24]}"),
+                    "type": "function", "function": {"name": it.get("name"),
+                                                     "arguments": it.get("arguments", "{}")}}
+            if msgs and msgs[-1]["role"] == "assistant" and "tool_calls" in msgs[-1]:
+                msgs[-1]["tool_calls"].append(call)
+            else:
+                msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out = it.get("output")
+            msgs.append({"role": "tool", "tool_call_id": str(it.get("call_id", "")),
+                         "content": out if isinstance(out, str) else _content_text(out, f"{where}.output")})
+        elif kind == "reasoning":
+            continue  # earlier turns' thinking is not sent back to the model
+        else:
+            raise ValueError(f"{where}.type: {kind!r} is not supported (message, function_call, "
+                             "function_call_output, reasoning)")
+    tools = None
+    if body.tools:
+        tools = []
+        for i, t in enumerate(body.tools):
+            if t.get("type") != "function" or not isinstance(t.get("name"), str):
+                raise ValueError(f"tools[{i}]: only function tools are supported (got "
+                                 f"{t.get('type')!r})")
+            params = t.get("parameters") or {"type": "object", "properties": {}}
+            if t.get("strict"):
+                from fx_engine.engine.constraints import _closed
+
+                params = _closed(params)
+            tools.append({"type": "function", "function": {
+                "name": t["name"], "description": t.get("description") or "", "parameters": params}})
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise ValueError('tool_choice: expected "auto", "none", "required" or '
+                             '{"type": "function", "name": ...}')
+        if choice["name"] not in {t["function"]["name"] for t in tools or ()}:
+            raise ValueError(f"tool_choice.name: no tool named {choice['name']!r} in tools")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice not in (None, "auto", "none", "required"):
+        raise ValueError(f"tool_choice: must be auto, none, required or a function, got {choice!r}")
+    if choice not in (None, "auto", "none") and not tools:
+        raise ValueError("tool_choice: requires tools")
+    if choice == "none":
+        tools = None
+    return msgs, tools, choice
+
+
+def _format_constraint(text: dict[str, Any] | None) -> Any:
+    fmt = (text or {}).get("format")
+    extra = sorted(set(text or {}) - {"format", "verbosity"})
+    if extra:
+        raise ValueError(f"text.{extra[0]}: unknown field")
+    if (text or {}).get("verbosity") not in (None, "medium"):
+        raise ValueError("text.verbosity: not supported")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    from fx_engine.engine.constraints import parse_constraint
+
+    if fmt.get("type") == "json_object":
+        return parse_constraint({"type": "json_object"}, names={"response_format": "text.format"})
+    if fmt.get("type") == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return parse_constraint({"type": "json_schema", "json_schema": spec},
+                                names={"response_format": "text.format"})
+    raise ValueError(f"text.format.type: must be text, json_object or json_schema, got {fmt.get('type')!r}")
+
+
+def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], salt: Any,
+            think_fmt: str | None, in_reasoning: Any, metrics: Any) -> None:
+    """Add POST /v1/responses to `app` (create_app calls this)."""
+
+    def work(request: Request, body: ResponsesRequest) -> list[Any]:
+        msgs, tools, choice = to_chat(body)
+        kw: dict[str, Any] = {"max_tokens": body.max_output_tokens or defaults.get("max_tokens", 512)}
+        for name, value in (("temperature", body.temperature), ("top_p", body.top_p)):
+            value = defaults.get(name) if value is None else value
+            if value is not None:
+                kw[name] = value
+        for name in ("draft_model", "num_draft_tokens", "prompt_lookup"):
+            if defaults.get(name) is not None:
+                kw[name] = defaults[name]
+        constraint = _format_constraint(body.text)
+        if constraint is not None:
+            kw["constraint"] = constraint
+        extra = sorted(set(body.reasoning or {}) - {"effort", "summary"})
+        if extra:
+            raise ValueError(f"reasoning.{extra[0]}: unknown field")
+        targs = template_switches(app.state.chat_template, (body.reasoning or {}).get("effort"))
+        ids = app.state.chat_prompt(msgs, tools, choice, body.parallel_tool_calls, targs, kw)
+        kw["cache_salt"] = salt(request)
+        return engine.submit_many(ids, [kw])
+
+    @app.post("/v1/responses")
+    async def responses(request: Request, body: ResponsesRequest):
+        try:
+            [h] = await run_in_threadpool(work, request, body)
+        except QueueFull as e:
+            return _error(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"})
+        except EngineClosed as e:
+            return _error(503, str(e), kind="server_error")
+        except ValueError as e:
+            msg = str(e)
+            return _error(400, msg, msg.split(":")[0].split(" ")[0])
+        except Exception as e:
+            return _error(400, f"input: the chat template failed: {e}", "input")
+        metrics.requests += 1
+        names = {t["name"] for t in body.tools} if body.tools and body.tool_choice != "none" else None
+        rid = f"resp_{uuid.uuid4().hex[:24]}"
+        base = {"id": rid, "object": "response", "created_at": int(time.time()), "model": model_id,
+                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+                "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
+                "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
+                "tool_choice": body.tool_choice or "auto", "text": body.text or {"format": {"type": "text"}},
+                "reasoning": body.reasoning, "store": False, "truncation": "disabled", "error": None,
+                "user": body.user, "previous_response_id": None}
+        inside = in_reasoning(h.prompt_token_ids)
+        if body.stream:
+            return StreamingResponse(_events(request, h, base, names, inside, body.parallel_tool_calls),
+                                     media_type="text/event-stream",
+                                     background=BackgroundTask(lambda: h.done or h.cancel()))
+        try:
+            out = await h.aresult()
+        except Exception as e:
+            return _error(500, f"generation failed: {e!r}", kind="server_error")
+        finally:
+            if not h.done:
+                h.cancel()
+        metrics.observe(out)
+        reasoning, text = split_reasoning(think_fmt, out.text, inside)
+        content, calls = parse_tool_calls(text, names) if names is not None else (text, [])
+        if body.parallel_tool_calls is False:
+            calls = calls[:1]
+        items = _items(reasoning, content, calls)
+        return _final(base, items, out.finish_reason, out.usage)
+
+    def _items(reasoning: str, text: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        if reasoning:
+            items.append(_reasoning_item(reasoning))
+        if text.strip() or not (calls or reasoning):
+            items.append(_message_item(text))
+        items += [_call_item(c) for c in calls]
+        return items
+
+    def _final(base: dict[str, Any], items: list[dict[str, Any]], reason: str, usage: Any) -> dict[str, Any]:
+        done = reason != "length"
+        return {**base, "status": "completed" if done else "incomplete",
+                "incomplete_details": None if done else {"reason": "max_output_tokens"},
+                "output": items, "usage": {
+                    "input_tokens": usage.prompt_tokens,
+                    "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+                    "output_tokens": usage.completion_tokens,
+                    "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": usage.prompt_tokens + usage.completion_tokens}}
+
+    async def _events(request: Request, h: Any, base: dict[str, Any], names: set[str] | None,
+                      inside: bool, parallel: bool | None):
+        """The typed event stream: response.created / in_progress, per output item
+        output_item.added, content deltas (reasoning_text / output_text / function call
+        arguments), output_item.done, then response.completed with the whole response."""
+        seq = [0]
+
+        def ev(kind: str, **data: Any) -> str:
+            seq[0] += 1
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0], **data})}\n\n"
+
+        think = ReasoningStream(think_fmt, inside)
+        tools = ToolCallStream(names) if names is not None else None
+        items: list[dict[str, Any]] = []
+        open_kind: list[str | None] = [None]
+
+        def close() -> list[str]:
+            if open_kind[0] is None:
+                return []
+            item, idx = items[-1], len(items) - 1
+            out = []
+            if open_kind[0] == "message":
+                part = item["content"][0]
+                out += [ev("response.output_text.done", item_id=item["id"], output_index=idx,
+                           content_index=0, text=part["text"], logprobs=[]),
+                        ev("response.content_part.done", item_id=item["id"], output_index=idx,
+                           content_index=0, part=part)]
+            else:
+                part = item["content"][0]
+                out += [ev("response.reasoning_text.done", item_id=item["id"], output_index=idx,
+                           content_index=0, text=part["text"]),
+                        ev("response.content_part.done", item_id=item["id"], output_index=idx,
+                           content_index=0, part=part)]
+            item["status"] = "completed"
+            out.append(ev("response.output_item.done", output_index=idx, item=item))
+            open_kind[0] = None
+            return out
+
+        def piece(kind: str, text: str) -> list[str]:
+            if not text:
+                return []
+            out = []
+            if open_kind[0] != kind:
+                out += close()
+                item = _reasoning_item("") if kind == "reasoning" else _message_item("")
+                item["status"] = "in_progress"
+                items.append(item)
+                idx = len(items) - 1
+                out.append(ev("response.output_item.added", output_index=idx,
+                              item={**item, "content": []}))
+                out.append(ev("response.content_part.added", item_id=item["id"], output_index=idx,
+                              content_index=0, part=dict(item["content"][0])))
+                open_kind[0] = kind
+            item, idx = items[-1], len(items) - 1
+            item["content"][0]["text"] += text
+            name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+            extra = {"logprobs": []} if kind == "message" else {}
+            out.append(ev(name, item_id=item["id"], output_index=idx, content_index=0, delta=text, **extra))
+            return out
+
+        yield ev("response.created", response={**base, "status": "in_progress", "output": [],
+                                                "usage": None, "incomplete_details": None})
+        yield ev("response.in_progress", response={**base, "status": "in_progress", "output": [],
+                                                    "usage": None, "incomplete_details": None})
+        try:
+            final = None
+            async for d in h.aiter():
+                if await request.is_disconnected():
+                    return
+                reasoning, text = think.feed(d.text)
+                if d.finish_reason:
+                    r2, t2 = think.finish()
+                    reasoning, text = reasoning + r2, text + t2
+                for line in piece("reasoning", reasoning):
+                    yield line
+                if tools is not None:
+                    text = tools.feed(text)
+                for line in piece("message", text):
+                    yield line
+                if d.finish_reason:
+                    final = d
+            calls: list[dict[str, Any]] = []
+            if tools is not None:
+                rest, calls = tools.finish()
+                for line in piece("message", rest if rest.strip() or not calls else ""):
+                    yield line
+            for line in close():
+                yield line
+            for c in calls[:1] if parallel is False else calls:
+                item = _call_item(c)
+                items.append(item)
+                idx = len(items) - 1
+                yield ev("response.output_item.added", output_index=idx,
+                         item={**item, "arguments": "", "status": "in_progress"})
+                yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
+                         delta=item["arguments"])
+                yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                         arguments=item["arguments"], name=item["name"])
+                yield ev("response.output_item.done", output_index=idx, item=item)
+            whole = _final(base, items, final.finish_reason if final is not None else "stop", final.usage)
+            yield ev("response.completed" if whole["status"] == "completed" else "response.incomplete",
+                     response=whole)
+        except Exception as e:
+            yield ev("error", code="server_error", message=f"generation failed: {e!r}", param=None)
+        finally:
+            if not h.done:
+                h.cancel()
+
+
+def _message_item(text: str) -> dict[str, Any]:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "completed",
+            "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _reasoning_item(text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}", "summary": [],
+            "status": "completed", "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _call_item(c: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": c["id"],
+            "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+            "status": "completed"}

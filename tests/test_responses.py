@@ -1,0 +1,140 @@
+"""OpenAI's Responses API (/v1/responses), plain and streamed, with tools, structured output
+and reasoning items, through the official `openai` SDK over real HTTP on 127.0.0.1.
+
+Oracles: the chat completions route on the same engine (the same prompt gives the same
+greedy text), jsonschema / Pydantic for structured outputs and tool arguments."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+import fx_engine
+from fx_engine.server.app import create_app
+from fx_engine.testing import write_tiny_model
+
+from .conftest import serve
+from .test_server_tools import ScriptedEngine
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                         "required": ["city"], "additionalProperties": False}, "strict": True}]
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    from openai import OpenAI
+
+    engine = fx_engine.Engine(default_model, max_rows=4)
+    app = create_app(engine, "smollm2")
+    with serve(app, engine) as (url, _):
+        yield {"url": url, "client": OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)}
+
+
+def _chat(url, messages, **kw):
+    return httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "messages": messages, "temperature": 0, **kw}).json()
+
+
+def test_a_response_equals_the_chat_route(server):
+    c = server["client"]
+    r = c.responses.create(model="smollm2", input="What is the capital of France?",
+                           instructions="Be brief.", temperature=0, max_output_tokens=30)
+    want = _chat(server["url"], [{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "What is the capital of France?"}],
+                 max_tokens=30)
+    assert r.output_text == want["choices"][0]["message"]["content"] and r.status == "completed"
+    assert r.usage.input_tokens == want["usage"]["prompt_tokens"]
+    assert r.usage.output_tokens == want["usage"]["completion_tokens"]
+    with c.responses.stream(model="smollm2", input="What is the capital of France?",
+                            instructions="Be brief.", temperature=0, max_output_tokens=30) as s:
+        deltas = [e.delta for e in s if e.type == "response.output_text.delta"]
+        final = s.get_final_response()
+    assert "".join(deltas) == final.output_text == r.output_text
+
+
+def test_max_output_tokens_makes_it_incomplete(server):
+    c = server["client"]
+    r = c.responses.create(model="smollm2", input="Tell me a long story.", temperature=0,
+                           max_output_tokens=5)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    events = [e.type for e in c.responses.create(model="smollm2", input="Tell me a long story.",
+                                                  temperature=0, max_output_tokens=5, stream=True)]
+    assert events[0] == "response.created" and events[-1] == "response.incomplete"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_function_calls_and_their_outputs(server, stream):
+    c = server["client"]
+    kw = dict(model="smollm2", input="What is the weather in Paris?", tools=TOOLS,
+              tool_choice="required", parallel_tool_calls=False, temperature=0, max_output_tokens=80)
+    if stream:
+        with c.responses.stream(**kw) as s:
+            r = s.get_final_response()
+    else:
+        r = c.responses.create(**kw)
+    [call] = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), TOOLS[0]["parameters"])
+    r2 = c.responses.create(model="smollm2", tools=TOOLS, temperature=0, max_output_tokens=20, input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "21 C, sunny"}])
+    assert r2.status in ("completed", "incomplete") and r2.output
+
+
+def test_parse_with_a_pydantic_model(server):
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+
+    r = server["client"].responses.parse(model="smollm2", input="Describe Paris.", text_format=City,
+                                         temperature=0, max_output_tokens=60)
+    assert isinstance(r.output_parsed, City)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"store": True}, "store"),
+    ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice.name"),
+    ({"text": {"format": {"type": "regex"}}}, "text.format.type"),
+    ({"max_output_token": 3}, "max_output_token"),
+])
+def test_bad_requests_are_400_naming_the_field(server, body, param):
+    r = httpx.post(server["url"] + "/v1/responses", json={"input": "hi", **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_reasoning_items(tmp_path):
+    from fastapi.testclient import TestClient
+    from openai import OpenAI
+
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    model = fx_engine.load(write_tiny_model(tmp_path / "m"))
+    engine = ScriptedEngine(model, max_rows=2, prefill_chunk=64)
+    engine.script = model.tokenizer.encode("Sum it.</think>\n\nFour.", add_special_tokens=False)
+    app = create_app(engine, "tiny", chat_template=template)
+    engine.start()
+    try:
+        with TestClient(app) as tc:
+            c = OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc)
+            r = c.responses.create(model="tiny", input="2 + 2?", max_output_tokens=64)
+            assert [o.type for o in r.output] == ["reasoning", "message"]
+            assert r.output[0].content[0].text == "Sum it." and r.output_text == "Four."
+            with c.responses.stream(model="tiny", input="2 + 2?", max_output_tokens=64) as s:
+                final = s.get_final_response()
+            assert [o.type for o in final.output] == ["reasoning", "message"]
+            assert final.output_text == "Four."
+    finally:
+        engine.close()
