@@ -219,11 +219,11 @@ class DetokenizeRequest(_Body):
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-           headers: dict[str, str] | None = None):
+           headers: dict[str, str] | None = None, code: str | None = None):
     log.log(logging.ERROR if status >= 500 else logging.WARNING, "%d %s: %s", status, kind,
             message[:500])
     return JSONResponse(status_code=status, headers=headers, content={
-        "error": {"message": message, "type": kind, "param": param, "code": None}})
+        "error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 def _content(m: ChatMessage) -> str:
@@ -509,6 +509,21 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
     defaults = dict(defaults or {})
     app.state.metrics = metrics
     model = engine.model
+    from pathlib import Path
+
+    # The names a request's `model` may give: the id /v1/models lists, or the path it was
+    # loaded from (vLLM answers other names with a 404, as OpenAI does; so does this server,
+    # except on Anthropic's route, whose clients send Claude model names they cannot change)
+    names = {model_id, str(model.path), Path(str(model.path)).name} if model.path else {model_id}
+
+    def unknown_model(name: str | None) -> Any:
+        if name is None or name in names:
+            return None
+        return _error(404, f"model: the model {name!r} does not exist (this server serves "
+                      f"{model_id!r}; see /v1/models)", "model", kind="not_found_error",
+                      code="model_not_found")
+
+    app.state.unknown_model = unknown_model
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -574,6 +589,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         """Prepare (template, tokenize, validate: `build` on a worker thread) and submit
         all n choices as a unit, then answer (JSON or SSE). Every path out cancels what
         it started."""
+        bad = unknown_model(body.model)
+        if bad is not None:
+            return bad
+
         def prepare() -> list[Any]:
             built = build()  # one (prompt, kwargs), or a list of them (a list of prompts)
             handles: list[Any] = []
@@ -855,6 +874,23 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                 chat_template=chat_template, **targs))
         return prompt_ids(model, messages)
 
+    template_vars: set[str] | None = None
+    if template is not None:
+        import jinja2
+        from jinja2 import meta
+
+        try:
+            template_vars = meta.find_undeclared_variables(jinja2.Environment().parse(template))
+        except jinja2.TemplateSyntaxError:
+            template_vars = None  # rendering reports it
+
+    def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+        """A variable the chat template never reads would change nothing: a 400."""
+        for k in kwargs or {}:
+            if template_vars is not None and k not in template_vars:
+                raise ValueError(f"chat_template_kwargs.{k}: this model's chat template does not "
+                                 f"use it (it reads: {', '.join(sorted(template_vars)) or 'nothing'})")
+
     app.state.chat_prompt = chat_prompt  # the Anthropic routes build prompts the same way
     app.state.chat_template = template
 
@@ -889,6 +925,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
             if body.logprobs:  # the engine reports the chosen token with >= 1 alternative
                 kw["logprobs"] = max(1, body.top_logprobs or 0)
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None
+            check_template_kwargs(body.chat_template_kwargs)
             targs = {**template_switches(template, body.reasoning_effort),
                      **(body.chat_template_kwargs or {})}
             return chat_prompt(messages, tools, choice, body.parallel_tool_calls, targs, kw), kw
@@ -952,6 +989,9 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         pooling), batched, computed on the engine's thread between its steps."""
         from fx_engine.engine.embeddings import embed
 
+        bad = unknown_model(body.model)
+        if bad is not None:
+            return bad
         x = body.input
         inputs = [x] if isinstance(x, str) or (x and isinstance(x[0], int)) else list(x)
         if not inputs or any(not i for i in inputs):

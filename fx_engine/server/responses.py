@@ -20,6 +20,7 @@ The output items: a `reasoning` item (the thinking, as reasoning_text), a `messa
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import uuid
 from typing import Any, Literal
@@ -52,7 +53,7 @@ class ResponsesRequest(_Body):
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: dict[str, bool] | None = None  # include_obfuscation (default off here)
     metadata: dict[str, str] | None = None
     user: str | None = Field(default=None, max_length=256)
     safety_identifier: str | None = Field(default=None, max_length=256)
@@ -185,6 +186,9 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
 
     @app.post("/v1/responses")
     async def responses(request: Request, body: ResponsesRequest):
+        bad = app.state.unknown_model(body.model)
+        if bad is not None:
+            return bad
         try:
             [h] = await run_in_threadpool(work, request, body)
         except QueueFull as e:
@@ -208,7 +212,8 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                 "user": body.user, "previous_response_id": None}
         inside = in_reasoning(h.prompt_token_ids)
         if body.stream:
-            return StreamingResponse(_events(request, h, base, names, inside, body.parallel_tool_calls),
+            return StreamingResponse(_events(request, h, base, names, inside, body.parallel_tool_calls,
+                                             body.stream_options),
                                      media_type="text/event-stream",
                                      background=BackgroundTask(lambda: h.done or h.cancel()))
         try:
@@ -247,14 +252,17 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                     "total_tokens": usage.prompt_tokens + usage.completion_tokens}}
 
     async def _events(request: Request, h: Any, base: dict[str, Any], names: set[str] | None,
-                      inside: bool, parallel: bool | None):
+                      inside: bool, parallel: bool | None, body_stream_options: Any = None):
         """The typed event stream: response.created / in_progress, per output item
         output_item.added, content deltas (reasoning_text / output_text / function call
         arguments), output_item.done, then response.completed with the whole response."""
         seq = [0]
+        pad = bool((body_stream_options or {}).get("include_obfuscation"))
 
         def ev(kind: str, **data: Any) -> str:
             seq[0] += 1
+            if pad and "delta" in data:  # OpenAI's padding, so that sizes do not reveal deltas
+                data["obfuscation"] = secrets.token_urlsafe(12)[: 16 - min(len(str(data["delta"])), 15)]
             return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0], **data})}\n\n"
 
         think = ReasoningStream(think_fmt, inside)
