@@ -110,7 +110,10 @@ class _Body(_Base):
 
 
 class StreamOptions(_Base):
+    model_config = ConfigDict(extra="forbid")  # a misspelt option is a 400, not a no-op
     include_usage: bool = False
+    # OpenAI's padding of stream events; not implemented on this route: only false
+    include_obfuscation: Literal[False] | None = None
 
 
 class _Sampling(_Body):
