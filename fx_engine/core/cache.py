@@ -21,6 +21,13 @@ Every array has one extra slot (the last index) that is a write sink: padding to
 do not advance (n_valid == 0) and anything past the capacity are written there, so a step never
 touches a row's valid entries nor memory outside the array. Attention never reads it.
 
+* recurrent (state-space, linear-attention and short-convolution layers): a fixed-size state
+  per row (`LayerSpec.state`: the arrays' shapes after the row axis), the state after the
+  row's `lengths[b]` tokens. Its memory does not grow with the context. A state cannot be
+  trimmed back like K/V, so a verify step (`keep_steps`) keeps the state after every one of
+  its positions and `commit` selects, per row, the one after its accepted tokens; a state
+  is reusable only at exactly its length (prefix snapshots hold the whole row).
+
 Why one array per layer (not a stacked [L, ...] array): MLX reuses an input buffer for an
 update only when nothing else references it; a stacked cache is copied whole every step.
 Why zero-initialised: a NaN in a masked V slot still poisons the row (0 * NaN).
@@ -31,6 +38,7 @@ shell's: fx_engine/engine/kv_rows.py.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -61,6 +69,10 @@ class LayerSpec:
     # > 0: values of another width than keys (an MLA latent entry: keys the compressed
     # latent, values the shared RoPE key part, as mlx-lm stores them); never quantized
     value_dim: int = 0
+    # a recurrent entry: the shapes (after the row axis) of its state arrays, and their
+    # dtypes ("" : the cache's float dtype; "float32": kept in float32, as SSM states are)
+    state: tuple[tuple[int, ...], ...] = ()
+    state_dtypes: tuple[str, ...] = ()
 
     @property
     def v_dim(self) -> int:
@@ -68,6 +80,8 @@ class LayerSpec:
 
     @property
     def kind(self) -> str:
+        if self.state:
+            return "recurrent"
         return "ring" if self.ring else ("quantized" if self.bits else "dense")
 
     @property
@@ -99,11 +113,23 @@ class QuantKV:
 
 
 @attrs.frozen
+class RecState:
+    """A recurrent entry: `arrays[i]` [B, *spec.state[i]], the state after each row's
+    length. `steps` (only inside a verify step, `KVCache.keep_steps`): [B, T + 1, *shape]
+    per array, the state after 0 .. T of the step's tokens, for `commit` to select from."""
+
+    arrays: tuple[mx.array, ...]
+    steps: tuple[mx.array, ...] | None = None
+
+
+@attrs.frozen
 class KVCache:
-    layers: tuple[Any, ...]  # LayerKV | QuantKV, one per entry of `layout`
+    layers: tuple[Any, ...]  # LayerKV | QuantKV | RecState, one per entry of `layout`
     lengths: Int[mx.array, "B"]
     layout: tuple[LayerSpec, ...] = static_field()
     capacity: int = static_field()  # usable positions per row (dense slots)
+    # a verify step's forward: recurrent entries keep their per-position states (RecState.steps)
+    keep_steps: bool = static_field(default=False)
 
     @property
     def rows(self) -> int:
@@ -126,7 +152,15 @@ class KVCache:
 def entry_arrays(entry: Any) -> list[mx.array]:
     if isinstance(entry, QuantKV):
         return [entry.head_keys, entry.head_values, *entry.keys, *entry.values]
+    if isinstance(entry, RecState):
+        return list(entry.arrays)
     return [entry.keys, entry.values]
+
+
+def state_dtype(spec: LayerSpec, i: int, dtype: mx.Dtype) -> mx.Dtype:
+    """The dtype of a recurrent entry's i-th state array in a cache of float `dtype`."""
+    name = spec.state_dtypes[i] if i < len(spec.state_dtypes) else ""
+    return getattr(mx, name) if name else dtype
 
 
 # ------------------------------------------------------------------------------ layout
@@ -157,7 +191,9 @@ def finish_layout(
         raise CacheError(f"headroom must be >= 0, got {headroom!r}")
     out = []
     for s in base:
-        if s.window is not None:
+        if s.state:  # recurrent: a fixed state, whatever the options
+            out.append(s)
+        elif s.window is not None:
             out.append(attrs.evolve(s, ring=s.window + headroom, bits=0))
         elif kv_bits and not s.value_dim:
             if s.head_dim % kv_group_size:
@@ -184,6 +220,9 @@ def _quant_zeros(rows: int, spec: LayerSpec, slots: int, dtype: mx.Dtype) -> tup
 
 
 def _init_entry(spec: LayerSpec, rows: int, capacity: int, dtype: mx.Dtype) -> Any:
+    if spec.state:
+        return RecState(tuple(mx.zeros((rows, *shape), state_dtype(spec, i, dtype))
+                              for i, shape in enumerate(spec.state)))
     if spec.bits:
         f = quant_head_slots(spec, capacity)
         head = (rows, spec.kv_heads, f + 1, spec.head_dim)
@@ -229,6 +268,8 @@ class StepGeometry:
 
     def __init__(self, cache: KVCache, n_valid: mx.array, t: int, span: int | None):
         self.t = t
+        self.n_valid = n_valid
+        self.keep_steps = cache.keep_steps  # recurrent entries keep per-position states
         self.capacity = cache.capacity
         self.span = cache.capacity if span is None else span
         self.bounded = span is not None  # the span contract holds: blocked attention is safe
@@ -370,6 +411,30 @@ def attend_latent(
 def advanced(cache: KVCache, layers: Sequence[Any], geo: StepGeometry) -> KVCache:
     """The cache after a step: the written entries and lengths += n_valid (capped)."""
     return KVCache(layers=tuple(layers), lengths=geo.end, layout=cache.layout,
+                   capacity=cache.capacity, keep_steps=cache.keep_steps)
+
+
+def recurrent_entry(spec: LayerSpec, states: Sequence[mx.array], steps: Sequence[mx.array] | None,
+                    geo: StepGeometry) -> RecState:
+    """A recurrent layer's written entry: its states after each row's valid tokens and,
+    in a verify step, the per-position ones ([B, T + 1, *shape]: after 0 .. T tokens)."""
+    return RecState(tuple(states), tuple(steps) if geo.keep_steps and steps is not None else None)
+
+
+def commit(cache: KVCache, lengths: mx.array, counts: mx.array) -> KVCache:
+    """After a verify step's forward (`keep_steps`): row b keeps the first counts[b] of the
+    step's tokens: lengths set (K/V past them are stale) and each recurrent entry's state
+    taken after counts[b] tokens (0: unchanged)."""
+    layers = []
+    for e in cache.layers:
+        if isinstance(e, RecState) and e.steps is not None:
+            idx = counts.astype(mx.int32)
+            layers.append(RecState(tuple(
+                mx.take_along_axis(s, idx.reshape(-1, *([1] * (s.ndim - 1))), axis=1)[:, 0]
+                for s in e.steps)))
+        else:
+            layers.append(e)
+    return KVCache(layers=tuple(layers), lengths=lengths.astype(mx.int32), layout=cache.layout,
                    capacity=cache.capacity)
 
 
@@ -398,8 +463,12 @@ def prefix_in_cache(layout: Sequence[LayerSpec], length: int, prefix: int) -> bo
     layer: a sliding-window ring that has wrapped keeps only the latest positions, so then
     only the whole row (prefix == length) can be reused. The one ring rule for reusing a
     cached row (insert_row, the prefix cache)."""
+    if prefix == length:
+        return True
+    if any(s.state for s in layout):  # a recurrent state is that of exactly its length
+        return False
     rings = [s.ring for s in layout if s.ring]
-    return prefix == length or not rings or length <= min(rings)
+    return not rings or length <= min(rings)
 
 
 def bytes_per_token(layout: Sequence[LayerSpec], dtype: mx.Dtype) -> float:
@@ -408,7 +477,7 @@ def bytes_per_token(layout: Sequence[LayerSpec], dtype: mx.Dtype) -> float:
     (their float head is counted as quantized: an approximation for long contexts)."""
     total = 0.0
     for s in layout:
-        if s.ring:
+        if s.ring or s.state:
             continue
         if s.bits:
             groups = s.head_dim // s.group_size
@@ -419,5 +488,8 @@ def bytes_per_token(layout: Sequence[LayerSpec], dtype: mx.Dtype) -> float:
 
 
 def bytes_per_row_fixed(layout: Sequence[LayerSpec], dtype: mx.Dtype) -> int:
-    """Bytes per row of the ring entries (independent of the capacity)."""
-    return sum(s.kv_heads * (s.ring + 1) * (s.head_dim + s.v_dim) * dtype.size for s in layout if s.ring)
+    """Bytes per row of the ring and recurrent entries (independent of the capacity)."""
+    rings = sum(s.kv_heads * (s.ring + 1) * (s.head_dim + s.v_dim) * dtype.size for s in layout if s.ring)
+    states = sum(math.prod(shape) * state_dtype(s, i, dtype).size
+                 for s in layout for i, shape in enumerate(s.state))
+    return rings + states

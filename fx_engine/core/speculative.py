@@ -29,6 +29,8 @@ Acceptance (exact):
 
 Rollback is pure: the cache's length of row b becomes old + 1 + accepted[b]; entries past
 it are stale and never read (see fx_engine/core/cache.py; ring caches need headroom >= K).
+Recurrent entries keep their state after every verified position during the forward and
+`cache.commit` selects the one after each row's accepted tokens.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-from fx_engine.core.cache import KVCache, with_lengths
+from fx_engine.core.cache import KVCache, commit
 from fx_engine.core.models import AnyParams, forward, hidden_to_logits
 from fx_engine.core.sampling import (SamplingParams, _categorical_rows, _fast_logsumexp, _split_rows, _uniform_rows, apply_token_mask, process_logits, push_history, sample, sampling_distribution, top_logprobs)
 from fx_engine.core.state import DecodeState
@@ -149,6 +151,9 @@ def verify_step(
         n_draft = mx.where(state.params.xtc_probability > 0, 0, n_draft)
     tokens = mx.concatenate([state.tokens[:, None], drafts.astype(mx.int32)], axis=1)
     old = cache.lengths
+    recurrent = any(s.state for s in cache.layout)
+    if recurrent:  # recurrent states cannot be rolled back: keep the one after each position
+        cache = tree_replace(cache, keep_steps=True)
     h, cache = forward(params, cache, tokens, act.astype(mx.int32) * (1 + n_draft), span)
     logits = hidden_to_logits(params, h).astype(mx.float32)  # [B, K+1, V]
     if mask is not None:
@@ -192,7 +197,8 @@ def verify_step(
         top_ids=mx.where(col, at_a(top_ids), state.top_ids),
         top_logprobs=mx.where(col, at_a(top_vals), state.top_logprobs),
     )
-    cache = with_lengths(cache, mx.where(act, mx.minimum(old + 1 + accepted, cache.capacity), old))
+    new_len = mx.where(act, mx.minimum(old + 1 + accepted, cache.capacity), old)
+    cache = commit(cache, new_len, new_len - old)
     result = VerifyResult(tokens=emitted, count=count, accepted=accepted, logprobs=lp,
                           top_ids=top_ids, top_logprobs=top_vals)
     return new_state, cache, result

@@ -150,6 +150,10 @@ class _DraftRow:
             self.cache = m.new_cache(1, cap, headroom=pow2_ceil(chunk, 16))
             if old is not None:  # start over (rare: a capacity bucket change)
                 common = 0
+        if common < len(self.fed) and any(s.state for s in self.cache.layout):
+            # a recurrent state cannot be rewound: start over (the cache restarts at 0)
+            self.cache = m.new_cache(1, self.cache.capacity, headroom=pow2_ceil(chunk, 16))
+            common = 0
         self.cache = with_lengths(self.cache, mx.array([common], mx.int32))
         logits = None
         for pos, n, size in prefill_pieces(common, len(tokens), chunk):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import math
 import concurrent.futures
 import threading
 import time
@@ -38,7 +39,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from fx_engine.core.cache import KVCache, bytes_per_token, span_bucket
+from fx_engine.core.cache import KVCache, bytes_per_token, span_bucket, state_dtype
 from fx_engine.engine.kv_rows import insert_row, row_view, snapshot_row, stack_rows
 from fx_engine.core.sampling import mask_words, top_logprobs
 from fx_engine.core.state import DecodeState, init_state
@@ -230,12 +231,25 @@ class Engine:
         self.bytes_per_token = bytes_per_token(self.cache_layout, self._dtype)
         self._float_bytes_per_token = bytes_per_token(
             model.with_kv_cache(None).cache_layout(self._headroom), self._dtype)
+        # Recurrent layers' states: a fixed size per row (not per token), reserved out of the
+        # budget for max_rows rows, in token slots of the per-token entries.
+        self.state_bytes_per_row = sum(
+            math.prod(shape) * state_dtype(s, i, self._dtype).size
+            for s in self.cache_layout for i, shape in enumerate(s.state))
         if kv_budget_bytes is not None:
             if kv_budget_bytes <= 0:
                 raise ValueError(f"kv_budget_bytes must be > 0, got {kv_budget_bytes!r}")
-            kv_budget_tokens = int(kv_budget_bytes // self.bytes_per_token)
+            kv_budget_tokens = int(kv_budget_bytes // max(self.bytes_per_token, 1))
         if kv_budget_tokens is not None and kv_budget_tokens <= 0:
             raise ValueError(f"kv_budget_tokens must be > 0, got {kv_budget_tokens!r}")
+        if kv_budget_tokens is not None and self.state_bytes_per_row:
+            reserved = -(-max_rows * self.state_bytes_per_row // max(int(self.bytes_per_token), 1))
+            if kv_budget_tokens <= reserved:
+                raise ValueError(
+                    f"the KV budget ({kv_budget_tokens} token slots) cannot hold the recurrent "
+                    f"states of max_rows={max_rows} rows ({reserved} slots' worth: "
+                    f"{self.state_bytes_per_row} bytes per row)")
+            kv_budget_tokens -= reserved
         self.max_rows = max_rows
         self.kv_budget_tokens = kv_budget_tokens
         self.prefill_chunk = sched.normalize_chunk(prefill_chunk)
@@ -411,6 +425,7 @@ class Engine:
             # the KV cache kind's cost per position (dense/quantized entries) and what a
             # float cache would cost: the memory kv_bits saves
             "kv_bytes_per_token": self.bytes_per_token,
+            "state_bytes_per_row": self.state_bytes_per_row,  # recurrent layers (fixed per row)
             "kv_bytes_per_token_float": self._float_bytes_per_token,
             "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats(),
             "steps": self.steps,

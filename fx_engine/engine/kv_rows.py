@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
-from fx_engine.core.cache import (CacheError, KVCache, LayerKV, LayerSpec, QuantKV, entry_arrays, prefix_in_cache, quant_head_slots)
+from fx_engine.core.cache import (CacheError, KVCache, LayerKV, LayerSpec, QuantKV, RecState, entry_arrays, prefix_in_cache, quant_head_slots)
 
 __all__ = ["insert_row", "resize", "row_view", "snapshot_row", "stack_rows", "take_rows"]
 
@@ -29,7 +29,16 @@ def _fit(x: mx.array, rows: int, slots: int) -> mx.array:
 
 
 
+def _fit_rows(x: mx.array, rows: int) -> mx.array:
+    x = x[:rows]
+    if rows > x.shape[0]:
+        x = mx.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+    return x
+
+
 def _resize_entry(entry: Any, spec: LayerSpec, rows: int, old_cap: int, cap: int) -> Any:
+    if spec.state:  # a recurrent state does not depend on the capacity
+        return RecState(tuple(_fit_rows(a, rows) for a in entry.arrays))
     if spec.ring:  # the ring does not depend on the capacity; the old sink is kept (never read)
         return LayerKV(_fit(entry.keys, rows, spec.ring + 1), _fit(entry.values, rows, spec.ring + 1))
     if spec.bits:
@@ -68,6 +77,8 @@ def resize(cache: KVCache, rows: int | None = None, capacity: int | None = None)
 
 
 def _map_arrays(entry: Any, fn: Callable[[mx.array], mx.array]) -> Any:
+    if isinstance(entry, RecState):
+        return RecState(tuple(fn(a) for a in entry.arrays))
     if isinstance(entry, QuantKV):
         return QuantKV(fn(entry.head_keys), fn(entry.head_values),
                        tuple(fn(a) for a in entry.keys), tuple(fn(a) for a in entry.values))
@@ -97,7 +108,9 @@ def stack_rows(caches: Sequence[KVCache]) -> KVCache:
     for i, spec in enumerate(first.layout):
         parts = [entry_arrays(c.layers[i]) for c in caches]
         stacked = [mx.concatenate(list(col), axis=0) for col in zip(*parts)]
-        if isinstance(first.layers[i], QuantKV):
+        if isinstance(first.layers[i], RecState):
+            layers.append(RecState(tuple(stacked)))
+        elif isinstance(first.layers[i], QuantKV):
             layers.append(QuantKV(stacked[0], stacked[1], tuple(stacked[2:5]), tuple(stacked[5:8])))
         else:
             layers.append(LayerKV(stacked[0], stacked[1]))
@@ -125,7 +138,14 @@ def _copy_slots(dst: mx.array, src: mx.array, row: int, n: int) -> mx.array:
 
 
 
+def _copy_row(dst: mx.array, src: mx.array, row: int) -> mx.array:
+    start = mx.array([row] + [0] * (dst.ndim - 1), mx.int32)
+    return mx.slice_update(dst, src[:1].astype(dst.dtype), start, tuple(range(dst.ndim)))
+
+
 def _insert_entry(dst: Any, src: Any, spec: LayerSpec, row: int, length: int) -> Any:
+    if spec.state:  # the state after the source row's length (== length: checked by the caller)
+        return RecState(tuple(_copy_row(d, s, row) for d, s in zip(dst.arrays, src.arrays)))
     if spec.ring:  # slot == position until the ring wraps; after that the whole ring
         n = min(length, spec.ring)
         return LayerKV(_copy_slots(dst.keys, src.keys, row, n),
@@ -155,12 +175,13 @@ def insert_row(cache: KVCache, row_cache: KVCache, row_index: int, length: int |
         length = int(row_cache.lengths[0].item())
     if length > cache.capacity:
         raise CacheError(f"insert_row: length {length} exceeds capacity {cache.capacity}")
-    if any(s.ring for s in cache.layout):
+    if any(s.ring or s.state for s in cache.layout):
         src_len = int(row_cache.lengths[0].item())
         if not prefix_in_cache(cache.layout, src_len, length):
-            ring = min(s.ring for s in cache.layout if s.ring)
+            what = ("a recurrent state (only the whole row)" if any(s.state for s in cache.layout)
+                    else f"a wrapped {min(s.ring for s in cache.layout if s.ring)}-slot ring")
             raise CacheError(f"insert_row: cannot copy a {length}-position prefix of a row of "
-                             f"length {src_len} from a wrapped {ring}-slot ring")
+                             f"length {src_len} from {what}")
     layers = tuple(_insert_entry(d, s, spec, row_index, length)
                    for d, s, spec in zip(cache.layers, row_cache.layers, cache.layout))
     lengths = mx.slice_update(
@@ -182,7 +203,12 @@ def snapshot_row(cache: KVCache, row: int, length: int) -> KVCache:
 
     layers = []
     for e, s in zip(cache.layers, cache.layout):
-        if s.ring:
+        if s.state:  # the state after the row's current length: valid for exactly that length
+            if length != int(cache.lengths[row].item()):
+                raise CacheError(f"snapshot_row: a recurrent state holds the row's {int(cache.lengths[row].item())} "
+                                 f"positions, not a prefix of {length}")
+            layers.append(RecState(tuple(mx.contiguous(a[row : row + 1]) for a in e.arrays)))
+        elif s.ring:
             layers.append(LayerKV(cut(e.keys, s.ring), cut(e.values, s.ring)))
         elif s.bits:
             f = quant_head_slots(s, length)

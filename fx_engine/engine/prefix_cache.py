@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from fx_engine.core.cache import KVCache, LayerKV, QuantKV, prefix_in_cache
+from fx_engine.core.cache import KVCache, LayerKV, QuantKV, RecState, prefix_in_cache
 from fx_engine.engine.kv_rows import insert_row
 from fx_engine.core.tree import tree_leaves
 
@@ -248,7 +248,10 @@ class PrefixStore:
 def _arrays(cache: KVCache) -> dict[str, mx.array]:
     out = {}
     for i, e in enumerate(cache.layers):
-        if isinstance(e, QuantKV):
+        if isinstance(e, RecState):
+            for j, a in enumerate(e.arrays):
+                out[f"{i}.s{j}"] = a
+        elif isinstance(e, QuantKV):
             out[f"{i}.hk"], out[f"{i}.hv"] = e.head_keys, e.head_values
             for j in range(3):
                 out[f"{i}.k{j}"], out[f"{i}.v{j}"] = e.keys[j], e.values[j]
@@ -260,7 +263,9 @@ def _arrays(cache: KVCache) -> dict[str, mx.array]:
 def _from_arrays(arrs: dict[str, mx.array], layout: tuple, length: int) -> KVCache:
     layers = []
     for i, s in enumerate(layout):
-        if s.bits:
+        if s.state:
+            layers.append(RecState(tuple(arrs[f"{i}.s{j}"] for j in range(len(s.state)))))
+        elif s.bits:
             layers.append(QuantKV(arrs[f"{i}.hk"], arrs[f"{i}.hv"],
                                   tuple(arrs[f"{i}.k{j}"] for j in range(3)),
                                   tuple(arrs[f"{i}.v{j}"] for j in range(3))))

@@ -69,8 +69,15 @@ def cmd_graphs(a: argparse.Namespace, console: Console) -> dict[str, Any]:
         summary["graphs"][f"{step}/{view}"] = g.summary()
         top = ", ".join(f"{k} {v}" for k, v in list(g.histogram().items())[:4])
         t.add_row(step, view, str(g.num_ops), str(g.num_nodes), top, " ".join(files))
+    summary["cache"] = cache_summary(model, bucket.capacity)
     (out / "graphs.json").write_text(json.dumps(summary, indent=1))
     console.print(t)
+    ct = Table(title=f"cache entries at capacity {bucket.capacity} (per row)")
+    for col in ("kind", "entries", "shape", "bytes per row"):
+        ct.add_column(col, overflow="fold")
+    for row in summary["cache"]:
+        ct.add_row(row["kind"], str(row["entries"]), row["shape"], str(row["bytes_per_row"]))
+    console.print(ct)
     for step in STEPS:
         g = graphs[(step, views[0])]
         io = Table(title=f"{step}: {len(g.inputs)} inputs, {len(g.outputs)} outputs "
@@ -89,6 +96,23 @@ def cmd_graphs(a: argparse.Namespace, console: Console) -> dict[str, Any]:
         console.print(io)
     console.print(f"wrote {out / 'graphs.json'} and the DOT files (all inputs/outputs are in graphs.json)")
     return summary
+
+
+def cache_summary(model: Any, capacity: int) -> list[dict[str, Any]]:
+    """The cache layout by kind: dense / ring / quantized K/V entries and recurrent state
+    entries (whose size does not grow with the context), with their per-row bytes."""
+    from fx_engine.core.cache import entry_arrays
+
+    cache = model.new_cache(1, capacity)
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for spec, entry in zip(cache.layout, cache.layers):
+        arrays = entry_arrays(entry)
+        shape = " + ".join(f"{tuple(a.shape[1:])} {str(a.dtype).split('.')[-1]}" for a in arrays)
+        g = groups.setdefault((spec.kind, shape), {"kind": spec.kind, "entries": 0, "shape": shape,
+                                                   "bytes_per_row": 0})
+        g["entries"] += 1
+        g["bytes_per_row"] += sum(a.nbytes for a in arrays)
+    return list(groups.values())
 
 
 def cmd_diff(a: argparse.Namespace, console: Console) -> dict[str, Any]:

@@ -1,0 +1,284 @@
+"""LFM2 (`lfm2`, Liquid AI): gated short convolutions and attention, following mlx-lm 0.32's
+lfm2.py (the parity oracle).
+
+Most layers are a gated short convolution instead of attention:
+
+    B, C, x = split(in_proj(u), 3);   y = out_proj(C * causal_depthwise_conv(B * x))
+
+with a kernel of `conv_L_cache` (K) taps and no activation. The conv's state is the last K - 1
+rows of B * x: a recurrent cache entry of [K - 1, hidden] per row (`cache.RecState`), whose
+size does not depend on the context. The other layers (`full_attn_idxs`) are the Llama
+family's attention with per-head q/k RMSNorms (Qwen 3's), RoPE over the whole head. Every
+layer has a SwiGLU MLP; the final norm is the checkpoint's `embedding_norm` (applied at the
+end, despite its name), and the output head is always the tied embedding.
+
+Padding positions (beyond a row's n_valid) enter the conv as zeros and the state is taken
+after each row's last valid token, so rows at different positions and chunk sizes give the
+same state as one token at a time. A verify step (`keep_steps`) keeps the state after every
+position (the window ending there: a gather), and `cache.commit` selects per row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, recurrent_entry
+from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear
+from fx_engine.core.config import ConfigError, positive_int, required
+from fx_engine.core.models import llama
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.llama import LayerParams, LlamaConfig
+from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, swiglu_fused
+from fx_engine.core.tree import static_field
+
+
+@attrs.frozen
+class Lfm2Config(LlamaConfig):
+    conv_kernel: int = 3  # conv_L_cache: taps of the short convolution
+    conv_bias: bool = False
+    conv_layers: tuple[bool, ...] = ()  # per layer: a short convolution (else attention)
+
+
+def _ff_dim(d: dict[str, Any], source: str) -> int:
+    """mlx-lm's (and Hugging Face's) MLP width: block_ff_dim, shrunk to 2/3, scaled by
+    block_ffn_dim_multiplier and rounded up to block_multiple_of when auto-adjusting."""
+    ff = d.get("block_ff_dim") or d.get("intermediate_size")
+    if not ff:
+        raise ConfigError(f"{source}: field 'block_ff_dim' (or 'intermediate_size') is required")
+    ff = int(ff)
+    if d.get("block_auto_adjust_ff_dim", True):
+        ff = int(2 * ff / 3)
+        mult = d.get("block_ffn_dim_multiplier")
+        if mult is not None:
+            ff = int(mult * ff)
+        m = int(d.get("block_multiple_of", 256))
+        ff = m * ((ff + m - 1) // m)
+    return ff
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Lfm2Config:
+    layers = positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source)
+    attn = d.get("full_attn_idxs")
+    if attn is None:
+        types = d.get("layer_types")
+        if not isinstance(types, list) or len(types) != layers:
+            raise ConfigError(f"{source}: 'full_attn_idxs' or 'layer_types' ({layers} entries) is required")
+        attn = [i for i, t in enumerate(types) if t == "full_attention"]
+    if not attn or any(not isinstance(i, int) or not 0 <= i < layers for i in attn):
+        raise ConfigError(f"{source}: full_attn_idxs must list at least one layer in [0, {layers})")
+    hidden = positive_int(required(d, "hidden_size", source), "hidden_size", source)
+    if d.get("block_dim", hidden) != hidden:
+        raise ConfigError(f"{source}: block_dim != hidden_size is not supported")
+    heads = positive_int(required(d, "num_attention_heads", source), "num_attention_heads", source)
+    kv = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source)
+    k = positive_int(d.get("conv_L_cache", 3), "conv_L_cache", source)
+    if k < 2:
+        raise ConfigError(f"{source}: conv_L_cache must be >= 2, got {k}")
+    rope = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 1_000_000.0))
+    eos = d.get("eos_token_id")
+    return Lfm2Config(
+        model_type="lfm2", vocab_size=positive_int(required(d, "vocab_size", source), "vocab_size", source),
+        hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+        head_dim=hidden // heads, intermediate_size=_ff_dim(d, source),
+        rms_norm_eps=float(d.get("norm_eps", 1e-5)), rope_theta=float(rope),
+        max_position_embeddings=int(d.get("max_position_embeddings", 128000)),
+        tie_word_embeddings=True, qk_norm=True,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else (),
+        conv_kernel=k, conv_bias=bool(d.get("conv_bias", False)),
+        conv_layers=tuple(i not in attn for i in range(layers)),
+    )
+
+
+@attrs.frozen
+class ConvLayer:
+    attn_norm: mx.array  # operator_norm
+    in_proj: Linear  # [3 * hidden, hidden]: B, C, x
+    conv_w: mx.array  # [hidden, K]: tap j multiplies the input j - K + 1 steps back
+    conv_b: mx.array | None
+    out_proj: Linear
+    mlp_norm: mx.array
+    gate_up: Linear
+    down: Linear
+
+
+@attrs.frozen
+class Lfm2Params:
+    __fx_memo_flatten__ = True
+    embed: Linear
+    layers: tuple[Any, ...]  # ConvLayer | llama.LayerParams
+    norm: mx.array  # embedding_norm (the final norm)
+    config: Lfm2Config = static_field()
+    numerics: Numerics = static_field(factory=Numerics)
+    dtype: str = static_field(default="float32")
+
+    @property
+    def lm_head(self) -> None:  # always tied
+        return None
+
+    @property
+    def rope_freqs(self) -> None:
+        return None
+
+
+def cache_specs(cfg: Lfm2Config) -> tuple[LayerSpec, ...]:
+    """Conv layers: a recurrent entry (the last K - 1 rows of B * x); attention: dense K/V."""
+    return tuple(LayerSpec(0, 0, state=((cfg.conv_kernel - 1, cfg.hidden_size),)) if conv
+                 else LayerSpec(cfg.num_kv_heads, cfg.head_dim) for conv in cfg.conv_layers)
+
+
+def short_conv(p: Lfm2Params, lp: ConvLayer, x: mx.array, entry: Any, spec: LayerSpec,
+               geo: StepGeometry) -> tuple[mx.array, Any]:
+    """The gated short convolution on normalized x [B*T, H] -> (out_proj output, entry)."""
+    cfg, num = p.config, p.numerics
+    b, t = geo.positions.shape
+    hid, k = cfg.hidden_size, cfg.conv_kernel
+    bcx = linear(x, lp.in_proj, num).reshape(b, t, 3, hid)
+    gate, c, v = bcx[:, :, 0], bcx[:, :, 1], bcx[:, :, 2]
+    bx = mx.where(geo.valid[..., None], gate * v, 0.0)  # padding enters as zeros
+    (state,) = entry.arrays
+    full = mx.concatenate([state.astype(bx.dtype), bx], axis=1)  # [B, K - 1 + T, H]
+    w = lp.conv_w.astype(bx.dtype)
+    conv = full[:, 0:t] * w[:, 0]
+    for j in range(1, k):
+        conv = conv + full[:, j : j + t] * w[:, j]
+    if lp.conv_b is not None:
+        conv = conv + lp.conv_b.astype(conv.dtype)
+    y = linear((c * conv).reshape(b * t, hid), lp.out_proj, num)
+    # the state after each row's valid tokens: the K - 1 inputs before position n_valid
+    taps = mx.arange(k - 1, dtype=mx.int32)
+    new = mx.take_along_axis(full, (geo.n_valid[:, None] + taps[None, :])[..., None], axis=1)
+    steps = None
+    if geo.keep_steps:  # after 0 .. T tokens: [B, T + 1, K - 1, H]
+        steps = full[:, mx.arange(t + 1, dtype=mx.int32)[:, None] + taps[None, :]].astype(state.dtype)
+    return y, recurrent_entry(spec, [new.astype(state.dtype)], None if steps is None else [steps], geo)
+
+
+def _layer(p: Lfm2Params, lp: Any, h: mx.array, entry: Any, spec: LayerSpec, rope: Any,
+           geo: StepGeometry) -> tuple[mx.array, Any]:
+    if not isinstance(lp, ConvLayer):
+        return llama._layer(p, lp, h, entry, spec, rope, geo)
+    cfg, num = p.config, p.numerics
+    a, entry = short_conv(p, lp, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, geo)
+    h = h + a
+    x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
+    return h + linear(swiglu_fused(linear(x, lp.gate_up, num), num), lp.down, num), entry
+
+
+def forward(p: Lfm2Params, cache: KVCache, tokens: mx.array, n_valid: mx.array,
+            span: int | None = None) -> tuple[mx.array, KVCache]:
+    """Same contract as `fx_engine.core.models.llama.forward`."""
+    return llama.forward(p, cache, tokens, n_valid, span, layer_fn=_layer)
+
+
+def hidden_to_logits(p: Lfm2Params, h: mx.array) -> mx.array:
+    return llama.hidden_to_logits(p, h)
+
+
+def _conv_weight(src: TensorSource, name: str, hid: int, k: int, where: str) -> mx.array:
+    """The depthwise conv weight as [hidden, K]: Hugging Face stores [H, 1, K], mlx-lm
+    (and mlx-community folders) [H, K, 1]."""
+    w = src.get(name, None, where)
+    if tuple(w.shape) == (hid, 1, k):
+        return w[:, 0, :]
+    if tuple(w.shape) == (hid, k, 1):
+        return w[:, :, 0]
+    raise ConfigError(f"{where}: {name} has shape {tuple(w.shape)}, expected ({hid}, 1, {k}) "
+                      f"or ({hid}, {k}, 1)")
+
+
+def assemble(cfg: Lfm2Config, src: TensorSource, opts: LoadOptions) -> Lfm2Params:
+    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+
+    def lin(name: str, out_f: int, in_f: int, b: bool = False) -> Linear:
+        return read_linear(src, name, out_f, in_f, opts.quant_for(name), b, where)
+
+    def vec(name: str, n: int) -> mx.array:
+        return src.get(name, (n,), where).astype(dtype)
+
+    layers: list[Any] = []
+    for i, conv in enumerate(cfg.conv_layers):
+        p = f"model.layers.{i}."
+        f = p + "feed_forward."
+        mlp = dict(mlp_norm=vec(p + "ffn_norm.weight", h),
+                   gate_up=fuse([lin(f + "w1", ff, h), lin(f + "w3", ff, h)], dtype, keep),
+                   down=finish(lin(f + "w2", h, ff), dtype, keep))
+        if conv:
+            c = p + "conv."
+            layers.append(ConvLayer(
+                attn_norm=vec(p + "operator_norm.weight", h),
+                in_proj=finish(lin(c + "in_proj", 3 * h, h, cfg.conv_bias), dtype, keep),
+                conv_w=_conv_weight(src, c + "conv.weight", h, cfg.conv_kernel, where).astype(dtype),
+                conv_b=vec(c + "conv.bias", h) if cfg.conv_bias else None,
+                out_proj=finish(lin(c + "out_proj", h, h, cfg.conv_bias), dtype, keep), **mlp))
+        else:
+            a = p + "self_attn."
+            layers.append(LayerParams(
+                attn_norm=vec(p + "operator_norm.weight", h),
+                qkv=fuse([lin(a + n, rows, h) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))],
+                         dtype, keep),
+                o=finish(lin(a + "out_proj", h, hq), dtype, keep),
+                q_norm=vec(a + "q_layernorm.weight", hd), k_norm=vec(a + "k_layernorm.weight", hd), **mlp))
+    return Lfm2Params(embed=finish(lin("model.embed_tokens", cfg.vocab_size, h), dtype, keep, table=True),
+                      layers=tuple(layers), norm=vec("model.embedding_norm.weight", h), config=cfg,
+                      numerics=opts.numerics, dtype=opts.dtype_name)
+
+
+def checkpoint_layout(cfg: Lfm2Config) -> dict[str, TensorSpec]:
+    """Hugging Face's names and shapes (the conv weight as [H, 1, K])."""
+    h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    out = {"model.embed_tokens.weight": TensorSpec((cfg.vocab_size, h), scale=0.5),
+           "model.embedding_norm.weight": TensorSpec((h,), center=1.0, scale=0.1)}
+    for i, conv in enumerate(cfg.conv_layers):
+        p = f"model.layers.{i}."
+        for n, shape in (("feed_forward.w1", (ff, h)), ("feed_forward.w3", (ff, h)),
+                         ("feed_forward.w2", (h, ff))):
+            out[p + n + ".weight"] = TensorSpec(shape)
+        for n in ("operator_norm", "ffn_norm"):
+            out[p + n + ".weight"] = TensorSpec((h,), center=1.0, scale=0.1)
+        if conv:
+            out[p + "conv.in_proj.weight"] = TensorSpec((3 * h, h))
+            out[p + "conv.conv.weight"] = TensorSpec((h, 1, cfg.conv_kernel), scale=0.3)
+            out[p + "conv.out_proj.weight"] = TensorSpec((h, h))
+            if cfg.conv_bias:
+                for n, rows in (("conv.in_proj.bias", 3 * h), ("conv.conv.bias", h), ("conv.out_proj.bias", h)):
+                    out[p + n] = TensorSpec((rows,), scale=0.05)
+        else:
+            for n, shape in (("self_attn.q_proj", (hq, h)), ("self_attn.k_proj", (hk, h)),
+                             ("self_attn.v_proj", (hk, h)), ("self_attn.out_proj", (h, hq))):
+                out[p + n + ".weight"] = TensorSpec(shape)
+            for n in ("self_attn.q_layernorm", "self_attn.k_layernorm"):
+                out[p + n + ".weight"] = TensorSpec((hd,), center=1.0, scale=0.1)
+    return out
+
+
+def first_layers(p: Lfm2Params, n: int) -> Lfm2Params:
+    small = attrs.evolve(p.config, num_layers=n, conv_layers=p.config.conv_layers[:n])
+    return attrs.evolve(p, layers=p.layers[:n], config=small)
+
+
+def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    return {"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "vocab_size": 384,
+            "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 2048, "norm_eps": 1e-5,
+            "conv_bias": False, "conv_L_cache": 3, "block_dim": 64, "block_ff_dim": 192,
+            "block_multiple_of": 32, "block_ffn_dim_multiplier": 1.0,
+            "block_auto_adjust_ff_dim": True, "rope_theta": 1_000_000.0,
+            "layer_types": ["conv", "full_attention", "conv", "conv"], "tie_embedding": True,
+            "bos_token_id": 1, "eos_token_id": 2, **overrides}
+
+
+FAMILY = Family(
+    name="lfm2", model_types=("lfm2",), config_type=Lfm2Config, params_type=Lfm2Params,
+    config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
+    hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
+    first_layers=first_layers, tiny_config=tiny_config,
+)
+
+__all__ = ["FAMILY", "Lfm2Config", "Lfm2Params", "ConvLayer", "short_conv"]

@@ -1,0 +1,132 @@
+"""Recurrent cache entries (issue 25's first family: LFM2's gated short convolutions).
+
+Oracles: mlx-lm's Lfm2 class on the same folder (logits, greedy tokens: also run for every
+family by test_every_family.py), and the model itself fed one token at a time (the
+recurrence's definition) for the properties: chunked prefill with random chunk sizes and
+rows at different positions equals token-by-token; a verify step's per-row rollback equals
+plain decoding of the accepted tokens; a prefix-cache restore equals a cold prefill."""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fx_engine
+from fx_engine.core.cache import RecState
+from fx_engine.core.sampling import SamplingConfig
+from fx_engine.core.state import init_state
+from fx_engine.core.steps import prefill_step, verify_step
+from fx_engine.testing import write_tiny_model
+
+from .test_models_parity import assert_greedy_matches_mlx_lm
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("lfm2") / "m", "lfm2",
+                            conv_bias=True, conv_L_cache=4)
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    return fx_engine.load(folder, batch_invariant=True)
+
+
+def _states(cache, row=0):
+    return [np.array(a[row]) for e in cache.layers if isinstance(e, RecState) for a in e.arrays]
+
+
+def _feed(model, ids, chunks, cap=256):
+    """Prefill `ids` in pieces of the given sizes (each padded to 16): last logits, cache."""
+    cache = model.new_cache(1, cap, headroom=64)
+    at, logits = 0, None
+    for n in chunks:
+        piece = ids[at : at + n]
+        if not piece:
+            break
+        padded = piece + [0] * (16 * -(-len(piece) // 16) - len(piece))
+        logits, cache = prefill_step(model.params, cache, mx.array([padded]), mx.array([len(piece)]))
+        at += len(piece)
+    return logits, cache
+
+
+def test_matches_mlx_lm(folder):
+    m = fx_engine.load(folder)
+    assert_greedy_matches_mlx_lm(folder, m, list(range(5, 60)))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.integers(1, 13), min_size=1, max_size=6))
+def test_chunked_prefill_equals_one_token_at_a_time(model, chunks):
+    ids = list(range(7, 7 + sum(chunks)))
+    one_lg, one = _feed(model, ids, [1] * len(ids))
+    lg, cache = _feed(model, ids, chunks)
+    assert mx.array_equal(lg, one_lg)
+    for a, b in zip(_states(cache), _states(one)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_rows_at_different_positions_with_padding(model):
+    """Two rows in one chunk call, one with fewer valid tokens: each equals itself alone."""
+    a, b = list(range(10, 30)), list(range(40, 47))
+    cache = model.new_cache(2, 256, headroom=64)
+    toks = mx.array([a, b + [0] * (len(a) - len(b))])
+    lg, cache = prefill_step(model.params, cache, toks, mx.array([len(a), len(b)]))
+    for row, ids in ((0, a), (1, b)):
+        solo_lg, solo = _feed(model, ids, [len(ids)])
+        assert mx.array_equal(lg[row], solo_lg[0])
+        for x, y in zip(_states(cache, row), _states(solo)):
+            np.testing.assert_array_equal(x, y)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.integers(0, 4), st.lists(st.integers(3, 300), min_size=4, max_size=4))
+def test_verify_rollback_equals_plain_decoding(model, accept_upto, noise):
+    """Drafts whose first `accept_upto` are the greedy continuation: the state after the
+    verify step is the state after prefilling exactly the tokens it kept."""
+    ids = list(range(20, 45))
+    lg, cache = _feed(model, ids, [len(ids)])
+    first = int(mx.argmax(lg[0]).item())
+    greedy, seq = [], ids + [first]
+    for _ in range(4):  # the greedy continuation after `first`
+        l2, _ = _feed(model, seq, [len(seq)])
+        greedy.append(int(mx.argmax(l2[0]).item()))
+        seq.append(greedy[-1])
+    drafts = greedy[:accept_upto] + [t for t in noise if t not in greedy[accept_upto:accept_upto + 1]][: 4 - accept_upto]
+    state = attrs.evolve(init_state([SamplingConfig()], [ids], model.config.vocab_size),
+                         tokens=mx.array([first], mx.int32))
+    _, after, res = verify_step(model.params, cache, state, mx.array([drafts], mx.int32),
+                                mx.array([4], mx.int32))
+    kept = int(res.count[0].item())  # accepted drafts + the correction (or bonus) token
+    assert kept - 1 >= accept_upto  # the greedy drafts were accepted
+    # the cache now holds ids + first + the accepted drafts
+    want_seq = ids + [first] + drafts[: kept - 1]
+    _, want = _feed(model, want_seq, [len(want_seq)])
+    assert int(after.lengths[0].item()) == len(want_seq)
+    for x, y in zip(_states(after), _states(want)):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5)
+
+
+def test_prefix_cache_restore_equals_cold_prefill(model):
+    prompt = list(range(10, 75))
+    cold = fx_engine.generate(model, prompt + [5, 6], max_tokens=10, temperature=0.0, prefill_chunk=16)
+    engine = fx_engine.Engine(model, max_rows=2, prefill_chunk=16)
+    engine.submit(prompt, max_tokens=3).result()  # snapshots at chunk boundaries and the end
+    warm = engine.submit(prompt + [5, 6], max_tokens=10, temperature=0.0).result()
+    engine.close()
+    assert warm.usage.cached_tokens > 0 and warm.token_ids == cold.token_ids
+
+
+def test_state_memory_does_not_grow_with_the_context(model):
+    small, big = model.new_cache(1, 256), model.new_cache(1, 8192)
+    rec = lambda c: sum(a.nbytes for e in c.layers if isinstance(e, RecState) for a in e.arrays)  # noqa: E731
+    assert rec(small) == rec(big) > 0
+    engine = fx_engine.Engine(model, max_rows=4, kv_budget_tokens=4096)
+    assert engine.stats()["state_bytes_per_row"] == rec(small)
+    assert engine.kv_budget_tokens < 4096  # the rows' states are reserved out of the budget
+    with pytest.raises(ValueError, match="recurrent"):
+        fx_engine.Engine(model, max_rows=64, kv_budget_tokens=8)
