@@ -236,20 +236,26 @@ class Engine:
         self.state_bytes_per_row = sum(
             math.prod(shape) * state_dtype(s, i, self._dtype).size
             for s in self.cache_layout for i, shape in enumerate(s.state))
+        states = max_rows * self.state_bytes_per_row
         if kv_budget_bytes is not None:
             if kv_budget_bytes <= 0:
                 raise ValueError(f"kv_budget_bytes must be > 0, got {kv_budget_bytes!r}")
-            kv_budget_tokens = int(kv_budget_bytes // max(self.bytes_per_token, 1))
-        if kv_budget_tokens is not None and kv_budget_tokens <= 0:
-            raise ValueError(f"kv_budget_tokens must be > 0, got {kv_budget_tokens!r}")
-        if kv_budget_tokens is not None and self.state_bytes_per_row:
-            reserved = -(-max_rows * self.state_bytes_per_row // max(int(self.bytes_per_token), 1))
+            if kv_budget_bytes <= states:
+                raise ValueError(f"kv_budget_bytes ({kv_budget_bytes}) cannot hold the recurrent "
+                                 f"states of max_rows={max_rows} rows ({states} bytes)")
+            # no per-token entries (a purely recurrent model): only the states count
+            kv_budget_tokens = (int((kv_budget_bytes - states) // self.bytes_per_token)
+                                if self.bytes_per_token else None)
+        elif kv_budget_tokens is not None and states and self.bytes_per_token:
+            reserved = -(-states // int(self.bytes_per_token))
             if kv_budget_tokens <= reserved:
                 raise ValueError(
                     f"the KV budget ({kv_budget_tokens} token slots) cannot hold the recurrent "
                     f"states of max_rows={max_rows} rows ({reserved} slots' worth: "
                     f"{self.state_bytes_per_row} bytes per row)")
             kv_budget_tokens -= reserved
+        if kv_budget_tokens is not None and kv_budget_tokens <= 0:
+            raise ValueError(f"kv_budget_tokens must be > 0, got {kv_budget_tokens!r}")
         self.max_rows = max_rows
         self.kv_budget_tokens = kv_budget_tokens
         self.prefill_chunk = sched.normalize_chunk(prefill_chunk)

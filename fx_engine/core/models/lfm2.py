@@ -31,7 +31,9 @@ from fx_engine.core.config import ConfigError, positive_int, required
 from fx_engine.core.models import llama
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LayerParams, LlamaConfig
+from fx_engine.core.models.mamba2 import conv_weight
 from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, swiglu_fused
+from fx_engine.core.recurrent import causal_conv
 from fx_engine.core.tree import static_field
 
 
@@ -135,26 +137,17 @@ def short_conv(p: Lfm2Params, lp: ConvLayer, x: mx.array, entry: Any, spec: Laye
     """The gated short convolution on normalized x [B*T, H] -> (out_proj output, entry)."""
     cfg, num = p.config, p.numerics
     b, t = geo.positions.shape
-    hid, k = cfg.hidden_size, cfg.conv_kernel
+    hid = cfg.hidden_size
     bcx = linear(x, lp.in_proj, num).reshape(b, t, 3, hid)
     gate, c, v = bcx[:, :, 0], bcx[:, :, 1], bcx[:, :, 2]
     bx = mx.where(geo.valid[..., None], gate * v, 0.0)  # padding enters as zeros
     (state,) = entry.arrays
-    full = mx.concatenate([state.astype(bx.dtype), bx], axis=1)  # [B, K - 1 + T, H]
-    w = lp.conv_w.astype(bx.dtype)
-    conv = full[:, 0:t] * w[:, 0]
-    for j in range(1, k):
-        conv = conv + full[:, j : j + t] * w[:, j]
+    conv, new, steps = causal_conv(bx, state, lp.conv_w, geo.n_valid, geo.keep_steps)
     if lp.conv_b is not None:
         conv = conv + lp.conv_b.astype(conv.dtype)
     y = linear((c * conv).reshape(b * t, hid), lp.out_proj, num)
-    # the state after each row's valid tokens: the K - 1 inputs before position n_valid
-    taps = mx.arange(k - 1, dtype=mx.int32)
-    new = mx.take_along_axis(full, (geo.n_valid[:, None] + taps[None, :])[..., None], axis=1)
-    steps = None
-    if geo.keep_steps:  # after 0 .. T tokens: [B, T + 1, K - 1, H]
-        steps = full[:, mx.arange(t + 1, dtype=mx.int32)[:, None] + taps[None, :]].astype(state.dtype)
-    return y, recurrent_entry(spec, [new.astype(state.dtype)], None if steps is None else [steps], geo)
+    steps = None if steps is None else [steps.astype(state.dtype)]
+    return y, recurrent_entry(spec, [new.astype(state.dtype)], steps, geo)
 
 
 def _layer(p: Lfm2Params, lp: Any, h: mx.array, entry: Any, spec: LayerSpec, rope: Any,
@@ -176,18 +169,6 @@ def forward(p: Lfm2Params, cache: KVCache, tokens: mx.array, n_valid: mx.array,
 
 def hidden_to_logits(p: Lfm2Params, h: mx.array) -> mx.array:
     return llama.hidden_to_logits(p, h)
-
-
-def _conv_weight(src: TensorSource, name: str, hid: int, k: int, where: str) -> mx.array:
-    """The depthwise conv weight as [hidden, K]: Hugging Face stores [H, 1, K], mlx-lm
-    (and mlx-community folders) [H, K, 1]."""
-    w = src.get(name, None, where)
-    if tuple(w.shape) == (hid, 1, k):
-        return w[:, 0, :]
-    if tuple(w.shape) == (hid, k, 1):
-        return w[:, :, 0]
-    raise ConfigError(f"{where}: {name} has shape {tuple(w.shape)}, expected ({hid}, 1, {k}) "
-                      f"or ({hid}, {k}, 1)")
 
 
 def assemble(cfg: Lfm2Config, src: TensorSource, opts: LoadOptions) -> Lfm2Params:
@@ -213,7 +194,7 @@ def assemble(cfg: Lfm2Config, src: TensorSource, opts: LoadOptions) -> Lfm2Param
             layers.append(ConvLayer(
                 attn_norm=vec(p + "operator_norm.weight", h),
                 in_proj=finish(lin(c + "in_proj", 3 * h, h, cfg.conv_bias), dtype, keep),
-                conv_w=_conv_weight(src, c + "conv.weight", h, cfg.conv_kernel, where).astype(dtype),
+                conv_w=conv_weight(src, c + "conv.weight", h, cfg.conv_kernel, where).astype(dtype),
                 conv_b=vec(c + "conv.bias", h) if cfg.conv_bias else None,
                 out_proj=finish(lin(c + "out_proj", h, h, cfg.conv_bias), dtype, keep), **mlp))
         else:
