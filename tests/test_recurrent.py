@@ -1,4 +1,4 @@
-"""Recurrent cache entries: LFM2's gated short convolutions and Mamba-2's SSM.
+"""Recurrent cache entries: LFM2's gated short convolutions, Mamba-2's SSM, Nemotron-H's hybrid.
 
 Oracles: mlx-lm's Lfm2 class on the same folder (logits, greedy tokens: also run for every
 family by test_every_family.py), and the model itself fed one token at a time (the
@@ -27,8 +27,9 @@ from fx_engine.testing import write_tiny_model
 from .test_models_parity import assert_greedy_matches_mlx_lm
 
 
-FAMILIES = {"lfm2": {"conv_bias": True, "conv_L_cache": 4}, "mamba2": {}}
-EXACT = {"lfm2": 0.0, "mamba2": 2e-4}
+FAMILIES = {"lfm2": {"conv_bias": True, "conv_L_cache": 4}, "mamba2": {},
+            "nemotron_h": {"hybrid_override_pattern": "M*-ME"}}
+EXACT = {"lfm2": 0.0, "mamba2": 2e-4, "nemotron_h": 2e-4}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

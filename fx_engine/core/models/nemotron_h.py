@@ -1,0 +1,305 @@
+"""Nemotron-H (`nemotron_h`): a hybrid of Mamba-2 mixers, attention, MLP and mixture-of-
+experts layers, following mlx-lm 0.32's nemotron_h.py (the parity oracle).
+
+The layer pattern (`hybrid_override_pattern`, or `layers_block_type` / `layer_types`) names
+one block per layer: M (the Mamba-2 mixer, with its gated norm per group of n_groups:
+`mamba2.mixer`), * (attention without RoPE or q/k norms), - (a relu^2 MLP without a gate),
+E (relu^2 experts routed by sigmoid scores plus a correction bias, DeepSeek-style groups,
+and shared experts). Every layer is `h + block(rms_norm(h))` with one norm. Only M and *
+layers have cache entries: a recurrent state, or K/V. The output head is never tied.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced
+from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, read_experts, read_linear)
+from fx_engine.core.config import BaseConfig, ConfigError, positive_int, required
+from fx_engine.core.models import llama
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.mamba2 import MixerDims, MixerParams, mixer, mixer_layout, read_mixer
+from fx_engine.core.models.moe import grouped_route
+from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm, routed_glu
+from fx_engine.core.tree import static_field
+
+_KINDS = {"full_attention": "*", "attention": "*", "linear_attention": "M", "mamba": "M", "conv": "M",
+          "moe": "E", "mlp": "-"}
+
+
+@attrs.frozen
+class NemotronHConfig(BaseConfig):
+    pattern: str = ""  # one of M * - E per layer
+    mixer: MixerDims = None  # type: ignore[assignment]
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    mamba_bias: bool = False
+    conv_bias: bool = True
+    # experts (E layers)
+    num_experts: int = 0
+    top_k: int = 1
+    moe_intermediate_size: int = 0
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # the attention helpers (llama.self_attention) read these
+    rope_traditional: bool = False
+    tie_word_embeddings: bool = False
+
+
+def _pattern(d: dict[str, Any], source: str) -> str:
+    pat = d.get("hybrid_override_pattern")
+    if pat is None:
+        types = d.get("layers_block_type") or d.get("layer_types")
+        if not isinstance(types, list):
+            raise ConfigError(f"{source}: 'hybrid_override_pattern' (or 'layers_block_type') is required")
+        bad = [t for t in types if t not in _KINDS]
+        if bad:
+            raise ConfigError(f"{source}: unknown layer type {bad[0]!r} (known: {sorted(_KINDS)})")
+        pat = "".join(_KINDS[t] for t in types)
+    pat = "".join(pat)
+    if not pat or set(pat) - set("M*-E"):
+        raise ConfigError(f"{source}: hybrid_override_pattern must be made of M, *, - and E, got {pat!r}")
+    return pat
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> NemotronHConfig:
+    pat = _pattern(d, source)
+    hidden = positive_int(required(d, "hidden_size", source), "hidden_size", source)
+    heads = positive_int(required(d, "num_attention_heads", source), "num_attention_heads", source)
+    kv = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source)
+    if d.get("moe_latent_size"):
+        raise ConfigError(f"{source}: field 'moe_latent_size' is not supported")
+    eps = float(d.get("layer_norm_epsilon", 1e-5))
+    lim = d.get("time_step_limit") or (0.0, math.inf)
+    groups = positive_int(required(d, "n_groups", source), "n_groups", source)
+    mix = MixerDims(hidden=hidden, heads=positive_int(required(d, "mamba_num_heads", source), "mamba_num_heads", source),
+                    head_dim=positive_int(required(d, "mamba_head_dim", source), "mamba_head_dim", source),
+                    groups=groups, state=positive_int(required(d, "ssm_state_size", source), "ssm_state_size", source),
+                    kernel=positive_int(required(d, "conv_kernel", source), "conv_kernel", source),
+                    dt_min=float(lim[0]), dt_max=float(lim[1]), norm_eps=eps, norm_groups=groups)
+    experts = int(d.get("n_routed_experts") or 0)
+    if "E" in pat and not experts:
+        raise ConfigError(f"{source}: E (mixture-of-experts) layers need 'n_routed_experts'")
+    eos = d.get("eos_token_id")
+    return NemotronHConfig(
+        model_type="nemotron_h", vocab_size=positive_int(required(d, "vocab_size", source), "vocab_size", source),
+        hidden_size=hidden, num_layers=len(pat), num_heads=heads, num_kv_heads=kv,
+        head_dim=int(d.get("head_dim") or hidden // heads),
+        intermediate_size=int(d.get("intermediate_size") or 0), rms_norm_eps=eps, pattern=pat, mixer=mix,
+        attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
+        mamba_bias=bool(d.get("mamba_proj_bias", False)), conv_bias=bool(d.get("use_conv_bias", True)),
+        num_experts=experts, top_k=int(d.get("num_experts_per_tok") or 1),
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+        shared_intermediate_size=int(d.get("moe_shared_expert_intermediate_size") or 0)
+        if d.get("n_shared_experts") else 0,
+        n_group=int(d.get("n_group") or 1), topk_group=int(d.get("topk_group") or 1),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else (),
+    )
+
+
+@attrs.frozen
+class Attention:
+    """An attention block's projections (llama.self_attention reads these; no q/k norms)."""
+
+    qkv: Linear
+    o: Linear
+    q_norm: None = None
+    k_norm: None = None
+
+
+@attrs.frozen
+class Relu2Mlp:
+    up: Linear
+    down: Linear
+
+
+@attrs.frozen
+class ExpertsParams:
+    router: Linear  # [E, H]
+    correction_bias: mx.array  # [E] float32
+    fc1: Linear  # stacked [E, F, H]
+    fc2: Linear  # stacked [E, H, F]
+    shared: Relu2Mlp | None
+
+
+@attrs.frozen
+class NemotronHLayer:
+    norm: mx.array
+    block: Any  # MixerParams | Attention | Relu2Mlp | ExpertsParams
+
+
+@attrs.frozen
+class NemotronHParams:
+    __fx_memo_flatten__ = True
+    embed: Linear
+    layers: tuple[NemotronHLayer, ...]
+    norm: mx.array
+    lm_head: Linear
+    config: NemotronHConfig = static_field()
+    numerics: Numerics = static_field(factory=Numerics)
+    dtype: str = static_field(default="float32")
+
+
+def cache_specs(cfg: NemotronHConfig) -> tuple[LayerSpec, ...]:
+    """One entry per M layer (a recurrent state) and * layer (K/V), in layer order."""
+    return tuple(cfg.mixer.state_spec() if k == "M" else LayerSpec(cfg.num_kv_heads, cfg.head_dim)
+                 for k in cfg.pattern if k in "M*")
+
+
+def _relu2(x: mx.array) -> mx.array:
+    return mx.square(mx.maximum(x, 0.0))
+
+
+def _mlp(m: Relu2Mlp, x: mx.array, num: Numerics) -> mx.array:
+    return linear(_relu2(linear(x, m.up, num)), m.down, num)
+
+
+def _experts(cfg: NemotronHConfig, ex: ExpertsParams, x: mx.array, num: Numerics) -> mx.array:
+    idx, w = grouped_route(linear(x, ex.router, num), ex.correction_bias, cfg.top_k, cfg.n_group,
+                           cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    y = routed_glu(x, ex.fc1, ex.fc2, idx, _relu2, num)  # [N, K, H]
+    y = (y * w[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
+    return y if ex.shared is None else y + _mlp(ex.shared, x, num)
+
+
+def forward(p: NemotronHParams, cache: KVCache, tokens: mx.array, n_valid: mx.array,
+            span: int | None = None) -> tuple[mx.array, KVCache]:
+    """Same contract as `fx_engine.core.models.llama.forward`."""
+    cfg, num = p.config, p.numerics
+    b, t = tokens.shape
+    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
+    h = embed(tokens.reshape(-1), p.embed).astype(getattr(mx, p.dtype))
+    entries, at = list(cache.layers), 0
+    for kind, lp in zip(cfg.pattern, p.layers):
+        x = rms_norm(h, lp.norm, cfg.rms_norm_eps, num)
+        if kind == "M":
+            out, entries[at] = mixer(lp.block, cfg.mixer, x, entries[at], cache.layout[at], geo, num)
+            at += 1
+        elif kind == "*":
+            out, entries[at] = llama.self_attention(p, lp.block, x, entries[at], cache.layout[at], None, geo)
+            at += 1
+        elif kind == "-":
+            out = _mlp(lp.block, x, num)
+        else:
+            out = _experts(cfg, lp.block, x, num)
+        h = h + out
+    h = rms_norm(h, p.norm, cfg.rms_norm_eps, num)
+    return h.reshape(b, t, -1), advanced(cache, entries, geo)
+
+
+def hidden_to_logits(p: NemotronHParams, h: mx.array) -> mx.array:
+    return linear(h, p.lm_head, p.numerics).astype(mx.float32)
+
+
+def assemble(cfg: NemotronHConfig, src: TensorSource, opts: LoadOptions) -> NemotronHParams:
+    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    hd, hid = cfg.head_dim, cfg.hidden_size
+    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+
+    def lin(name: str, out_f: int, in_f: int, b: bool = False) -> Linear:
+        return read_linear(src, name, out_f, in_f, opts.quant_for(name), b, where)
+
+    def relu2(prefix: str, f: int, b: bool) -> Relu2Mlp:
+        return Relu2Mlp(up=finish(lin(prefix + "up_proj", f, hid, b), dtype, keep),
+                        down=finish(lin(prefix + "down_proj", hid, f, b), dtype, keep))
+
+    layers = []
+    for i, kind in enumerate(cfg.pattern):
+        p = f"backbone.layers.{i}.mixer."
+        if kind == "M":
+            block: Any = read_mixer(src, p, cfg.mixer, opts, cfg.mamba_bias, cfg.conv_bias)
+        elif kind == "*":
+            ab = cfg.attention_bias
+            block = Attention(
+                qkv=fuse([lin(p + n, rows, hid, ab) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))],
+                         dtype, keep),
+                o=finish(lin(p + "o_proj", hid, hq, ab), dtype, keep))
+        elif kind == "-":
+            block = relu2(p, cfg.intermediate_size, cfg.mlp_bias)
+        else:
+            e, f = cfg.num_experts, cfg.moe_intermediate_size
+            block = ExpertsParams(
+                router=finish(lin(p + "gate", e, hid), dtype, keep),
+                correction_bias=src.get(p + "gate.e_score_correction_bias", (e,), where).astype(mx.float32),
+                fc1=finish_experts(read_experts(src, p + "switch_mlp.fc1", p + "experts.{e}.up_proj", e, f, hid,
+                                                opts.quant_for, where), dtype, keep),
+                fc2=finish_experts(read_experts(src, p + "switch_mlp.fc2", p + "experts.{e}.down_proj", e, hid, f,
+                                                opts.quant_for, where), dtype, keep),
+                shared=relu2(p + "shared_experts.", cfg.shared_intermediate_size, cfg.mlp_bias)
+                if cfg.shared_intermediate_size else None)
+        layers.append(NemotronHLayer(norm=src.get(f"backbone.layers.{i}.norm.weight", (hid,), where).astype(dtype),
+                                     block=block))
+    return NemotronHParams(
+        embed=finish(lin("backbone.embeddings", cfg.vocab_size, hid), dtype, keep, table=True),
+        layers=tuple(layers), norm=src.get("backbone.norm_f.weight", (hid,), where).astype(dtype),
+        lm_head=finish(lin("lm_head", cfg.vocab_size, hid), dtype, keep), config=cfg,
+        numerics=opts.numerics, dtype=opts.dtype_name)
+
+
+def checkpoint_layout(cfg: NemotronHConfig) -> dict[str, TensorSpec]:
+    """Hugging Face's names (experts one tensor each, conv weights [C, 1, K])."""
+    hid, hd = cfg.hidden_size, cfg.head_dim
+    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    out = {"backbone.embeddings.weight": TensorSpec((cfg.vocab_size, hid), scale=0.5),
+           "backbone.norm_f.weight": TensorSpec((hid,), center=1.0, scale=0.1),
+           "lm_head.weight": TensorSpec((cfg.vocab_size, hid))}
+    for i, kind in enumerate(cfg.pattern):
+        p = f"backbone.layers.{i}.mixer."
+        out[f"backbone.layers.{i}.norm.weight"] = TensorSpec((hid,), center=1.0, scale=0.1)
+        if kind == "M":
+            out.update(mixer_layout(p, cfg.mixer, cfg.mamba_bias, cfg.conv_bias))
+        elif kind == "*":
+            for n, shape in (("q_proj", (hq, hid)), ("k_proj", (hk, hid)), ("v_proj", (hk, hid)),
+                             ("o_proj", (hid, hq))):
+                out[p + n + ".weight"] = TensorSpec(shape)
+        elif kind == "-":
+            out[p + "up_proj.weight"] = TensorSpec((cfg.intermediate_size, hid))
+            out[p + "down_proj.weight"] = TensorSpec((hid, cfg.intermediate_size))
+        else:
+            e, f = cfg.num_experts, cfg.moe_intermediate_size
+            out[p + "gate.weight"] = TensorSpec((e, hid), scale=0.3)
+            out[p + "gate.e_score_correction_bias"] = TensorSpec((e,), scale=0.05)
+            for j in range(e):
+                out[p + f"experts.{j}.up_proj.weight"] = TensorSpec((f, hid))
+                out[p + f"experts.{j}.down_proj.weight"] = TensorSpec((hid, f))
+            if cfg.shared_intermediate_size:
+                out[p + "shared_experts.up_proj.weight"] = TensorSpec((cfg.shared_intermediate_size, hid))
+                out[p + "shared_experts.down_proj.weight"] = TensorSpec((hid, cfg.shared_intermediate_size))
+    return out
+
+
+def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    return {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "vocab_size": 384,
+            "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 2048,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "attention_bias": False,
+            "mamba_num_heads": 8, "mamba_head_dim": 8, "mamba_proj_bias": False, "ssm_state_size": 16,
+            "conv_kernel": 4, "n_groups": 2, "mlp_bias": False, "layer_norm_epsilon": 1e-5,
+            "use_bias": False, "use_conv_bias": True, "hybrid_override_pattern": "M-M*E",
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 64, "n_shared_experts": 1, "n_group": 1,
+            "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+            "time_step_limit": [0.0, 100.0], "bos_token_id": 1, "eos_token_id": 2, **overrides}
+
+
+FAMILY = Family(
+    name="nemotron_h", model_types=("nemotron_h",), config_type=NemotronHConfig,
+    params_type=NemotronHParams, config_from_hf=config_from_hf, assemble=assemble,
+    cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
+    checkpoint_layout=checkpoint_layout, tiny_config=tiny_config,
+)
+
+__all__ = ["FAMILY", "NemotronHConfig", "NemotronHParams", "MixerParams", "Attention"]
