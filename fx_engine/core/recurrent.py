@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-__all__ = ["causal_conv", "ssd_scan", "SSD_CHUNK"]
+__all__ = ["causal_conv", "gated_delta_scan", "ssd_scan", "SSD_CHUNK"]
 
 #: Positions per block of the SSM's chunked scan (its intra-block matrices are [T, T] per head).
 SSD_CHUNK = 64
@@ -82,5 +82,56 @@ def ssd_scan(
         last = cs[..., -1:]  # [B, H, 1]
         wl = mx.exp(last - cs) * dtc  # [B, H, L]
         s = mx.exp(last)[..., None] * s + (xc * wl[..., None]).transpose(0, 1, 3, 2) @ bc
+    y = mx.concatenate(ys, axis=1) if len(ys) > 1 else ys[0]
+    return y, s, (mx.concatenate(steps, axis=1) if keep_steps else None)
+
+
+def gated_delta_scan(
+    q: Float[mx.array, "B T H K"], k: Float[mx.array, "B T H K"], v: Float[mx.array, "B T H V"],
+    log_g: Float[mx.array, "B T H"], beta: Float[mx.array, "B T H"], state: Float[mx.array, "B H V K"],
+    keep_steps: bool = False, chunk: int = SSD_CHUNK,
+) -> tuple[mx.array, mx.array, mx.array | None]:
+    """The gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5), per head:
+
+        S_t = g_t S_{t-1} + beta_t (v_t - g_t S_{t-1} k_t) k_t^T,   o_t = S_t q_t
+
+    in float32, by blocks of `chunk` positions. Within a block, with G_t the product of the
+    decays since the block's start, S_t = G_t S_0 + sum_{r<=t} (G_t / G_r) u_r k_r^T, where
+    the pseudo-values u solve the unit lower-triangular system
+    u_t + beta_t sum_{r<t} (G_t / G_r)(k_t . k_r) u_r = beta_t (v_t - G_t S_0 k_t)
+    (one triangular solve per block and head instead of a loop over tokens). Returns
+    (o [B, T, H, V], the state after the step, per-position states [B, T + 1, H, V, K] when
+    keep_steps). Padding: beta 0 and log_g 0 there (the state passes through)."""
+    bsz, t, h, dk = q.shape
+    dv = v.shape[-1]
+    f32 = mx.float32
+    q, k, v = (a.astype(f32).transpose(0, 2, 1, 3) for a in (q, k, v))  # [B, H, T, *]
+    lg, be = log_g.astype(f32).transpose(0, 2, 1), beta.astype(f32).transpose(0, 2, 1)  # [B, H, T]
+    s = state.astype(f32)
+    ys, steps = [], [s[:, None]] if keep_steps else None
+    size = t if keep_steps else min(chunk, t)
+    for lo in range(0, t, size):
+        hi = min(t, lo + size)
+        n = hi - lo
+        qc, kc, vc = q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi]
+        cs = mx.cumsum(lg[:, :, lo:hi], axis=-1)  # [B, H, L]
+        bc = be[:, :, lo:hi]
+        ar = mx.arange(n)
+        incl = ar[:, None] >= ar[None, :]
+        ratio = mx.where(incl, mx.exp(mx.where(incl, cs[..., :, None] - cs[..., None, :], 0.0)), 0.0)
+        strict = (ar[:, None] > ar[None, :]).astype(f32)
+        gam = mx.exp(cs)[..., None]  # [B, H, L, 1]
+        a = (kc @ kc.transpose(0, 1, 3, 2)) * ratio * strict * bc[..., None]
+        rhs = bc[..., None] * (vc - gam * (kc @ s.transpose(0, 1, 3, 2)))  # [B, H, L, V]
+        u = mx.linalg.solve_triangular(a + mx.eye(n, dtype=f32), rhs, upper=False)
+        o = gam * (qc @ s.transpose(0, 1, 3, 2)) + ((qc @ kc.transpose(0, 1, 3, 2)) * ratio) @ u
+        ys.append(o.transpose(0, 2, 1, 3))
+        if keep_steps:  # S_t = G_t S_0 + sum_{r <= t} ratio[t, r] u_r k_r^T
+            uk = (u[..., :, None] * kc[..., None, :]).reshape(bsz, h, n, dv * dk)
+            per = (ratio @ uk).reshape(bsz, h, n, dv, dk) + gam[..., None] * s[:, :, None]
+            steps.append(per.transpose(0, 2, 1, 3, 4))
+        last = cs[..., -1:]
+        w = mx.exp(last - cs)[..., None]  # [B, H, L, 1]
+        s = mx.exp(last)[..., None] * s + (u * w).transpose(0, 1, 3, 2) @ kc
     y = mx.concatenate(ys, axis=1) if len(ys) > 1 else ys[0]
     return y, s, (mx.concatenate(steps, axis=1) if keep_steps else None)

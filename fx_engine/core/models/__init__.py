@@ -17,14 +17,14 @@ from typing import Any
 
 from fx_engine.core.cache import LayerSpec, finish_layout
 from fx_engine.core.config import ConfigError
-from fx_engine.core.models import (cohere, deepseek, gemma, gpt_oss, lfm2, llama, mamba2, moe, nemotron_h, phi3, postnorm, starcoder2)
+from fx_engine.core.models import (cohere, deepseek, gemma, gpt_oss, lfm2, llama, mamba2, moe, nemotron_h, phi3, postnorm, qwen3_next, starcoder2)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.gemma import GemmaConfig, GemmaLayer, GemmaParams
 from fx_engine.core.models.llama import LayerParams, LlamaConfig, Params
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, phi3.FAMILY, moe.FAMILY, postnorm.FAMILY, gpt_oss.FAMILY,
                                  deepseek.FAMILY, starcoder2.FAMILY, cohere.FAMILY, lfm2.FAMILY, mamba2.FAMILY,
-                                 nemotron_h.FAMILY)
+                                 nemotron_h.FAMILY, qwen3_next.FAMILY)
 
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 _BY_WRAPPER = {mt: f for f in FAMILIES for mt in f.wrappers}

@@ -1,0 +1,357 @@
+"""Qwen3-Next (`qwen3_next`): Gated DeltaNet linear attention on three of every four layers,
+gated full attention on the fourth, routed experts with a gated shared expert; following
+mlx-lm 0.32's qwen3_next.py + gated_delta.py (the parity oracle).
+
+Gated DeltaNet layer (`gated_deltanet`):
+    q, k, v, z (grouped per key head), b, a = in_proj_qkvz(x), in_proj_ba(x)
+    q, k, v = silu(causal_conv([q; k; v]));  q, k l2-normalized (q also times dk^-0.5)
+    beta = sigmoid(b);  g = exp(-exp(A_log) * softplus(a + dt_bias))
+    S = g S + beta (v - g S k) k^T;  o = S q  (value head h reads key head h // (nv / nk))
+    out = out_proj(rms_norm(o) * silu(z))  (per value head)
+Its cache entry holds the conv window and S [nv, dv, dk] (float32); prefill runs the
+blockwise delta-rule solve (`core.recurrent.gated_delta_scan`).
+Attention layers: q_proj gives each head's queries and an output gate side by side; q/k
+RMSNorms per head; RoPE on the first partial_rotary_factor of each head; the output times
+sigmoid(gate). Norm weights: Hugging Face stores Qwen3-Next's RMSNorms as 1 + w; mlx-lm
+folds the 1 in when it converts (it detects an unconverted checkpoint by its per-expert
+tensors, and so does this reader).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, recurrent_entry, write_entry
+from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_experts, read_linear
+from fx_engine.core.config import ConfigError, positive_int, required
+from fx_engine.core.models import llama, moe
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.mamba2 import conv_weight
+from fx_engine.core.models.moe import Experts, MoEConfig
+from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm, rope_tables, swiglu_fused
+from fx_engine.core.recurrent import causal_conv, gated_delta_scan
+from fx_engine.core.tree import static_field
+
+
+@attrs.frozen
+class Qwen3NextConfig(MoEConfig):
+    linear_layers: tuple[bool, ...] = ()  # per layer: Gated DeltaNet (else full attention)
+    lin_k_heads: int = 1
+    lin_v_heads: int = 1
+    lin_k_dim: int = 1
+    lin_v_dim: int = 1
+    conv_kernel: int = 4
+
+    @property
+    def key_dim(self) -> int:
+        return self.lin_k_heads * self.lin_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.lin_v_heads * self.lin_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Qwen3NextConfig:
+    layers = positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source)
+    interval = positive_int(d.get("full_attention_interval", 4), "full_attention_interval", source)
+    prf = float(d.get("partial_rotary_factor", 1.0))
+    base = llama.config_from_hf({k: v for k, v in d.items() if k not in ("partial_rotary_factor", "layer_types")}
+                                | {"model_type": "qwen3"}, source)
+    nk, nv = (positive_int(required(d, f"linear_num_{w}_heads", source), f"linear_num_{w}_heads", source)
+              for w in ("key", "value"))
+    if nv % nk:
+        raise ConfigError(f"{source}: linear_num_value_heads ({nv}) is not a multiple of linear_num_key_heads ({nk})")
+    experts = int(d.get("num_experts") or 0)
+    step = positive_int(d.get("decoder_sparse_step") or 1, "decoder_sparse_step", source)
+    dense = d.get("mlp_only_layers") or []
+    moe_layers = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
+    kernel = positive_int(required(d, "linear_conv_kernel_dim", source), "linear_conv_kernel_dim", source)
+    if kernel < 2:
+        raise ConfigError(f"{source}: linear_conv_kernel_dim must be >= 2")
+    return Qwen3NextConfig(
+        **{**attrs.asdict(base, recurse=False), "model_type": "qwen3_next"},
+        num_experts=max(experts, 1), top_k=int(d.get("num_experts_per_tok") or 1),
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)), softmax_then_topk=True,
+        moe_layers=moe_layers, shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+        rope_dims=int(base.head_dim * prf),
+        linear_layers=tuple((i + 1) % interval != 0 for i in range(layers)),
+        lin_k_heads=nk, lin_v_heads=nv,
+        lin_k_dim=positive_int(required(d, "linear_key_head_dim", source), "linear_key_head_dim", source),
+        lin_v_dim=positive_int(required(d, "linear_value_head_dim", source), "linear_value_head_dim", source),
+        conv_kernel=kernel,
+    )
+
+
+@attrs.frozen
+class DeltaNet:
+    qkvz: Linear
+    ba: Linear
+    conv_w: mx.array  # [conv_dim, K]
+    dt_bias: mx.array  # [nv] float32
+    a: mx.array  # exp(A_log) [nv] float32
+    norm: mx.array  # [dv]
+    out_proj: Linear
+
+
+@attrs.frozen
+class GatedAttention:
+    q: Linear  # [heads * 2 * head_dim, H]: each head's queries, then its gate
+    kv: Linear  # fused [k; v]
+    o: Linear
+    q_norm: mx.array
+    k_norm: mx.array
+
+
+@attrs.frozen
+class Qwen3NextLayer:
+    attn_norm: mx.array
+    mixer: Any  # DeltaNet | GatedAttention
+    mlp_norm: mx.array
+    mlp: Any  # moe.Experts | (gate_up, down) dense
+
+
+@attrs.frozen
+class DenseMlp:
+    gate_up: Linear
+    down: Linear
+
+
+@attrs.frozen
+class Qwen3NextParams:
+    __fx_memo_flatten__ = True
+    embed: Linear
+    layers: tuple[Qwen3NextLayer, ...]
+    norm: mx.array
+    lm_head: Linear | None
+    config: Qwen3NextConfig = static_field()
+    numerics: Numerics = static_field(factory=Numerics)
+    dtype: str = static_field(default="float32")
+
+
+def cache_specs(cfg: Qwen3NextConfig) -> tuple[LayerSpec, ...]:
+    return tuple(
+        LayerSpec(0, 0, state=((cfg.conv_kernel - 1, cfg.conv_dim), (cfg.lin_v_heads, cfg.lin_v_dim, cfg.lin_k_dim)),
+                  state_dtypes=("", "float32")) if lin else LayerSpec(cfg.num_kv_heads, cfg.head_dim)
+        for lin in cfg.linear_layers)
+
+
+def gated_deltanet(p: Qwen3NextParams, lp: DeltaNet, x: mx.array, entry: Any, spec: LayerSpec,
+                   geo: StepGeometry) -> tuple[mx.array, Any]:
+    cfg, num = p.config, p.numerics
+    b, t = geo.positions.shape
+    nk, dk, nv, dv = cfg.lin_k_heads, cfg.lin_k_dim, cfg.lin_v_heads, cfg.lin_v_dim
+    r = nv // nk
+    qkvz = linear(x, lp.qkvz, num).reshape(b, t, nk, 2 * dk + 2 * r * dv)
+    q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
+    v = qkvz[..., 2 * dk : 2 * dk + r * dv].reshape(b, t, nv * dv)
+    z = qkvz[..., 2 * dk + r * dv :].reshape(b, t, nv, dv)
+    ba = linear(x, lp.ba, num).reshape(b, t, nk, 2 * r)
+    beta_in, a_in = ba[..., :r].reshape(b, t, nv), ba[..., r:].reshape(b, t, nv)
+    mixed = mx.concatenate([q.reshape(b, t, nk * dk), k.reshape(b, t, nk * dk), v], axis=-1)
+    valid = geo.valid
+    conv_state, s_state = entry.arrays
+    conv, conv_new, conv_steps = causal_conv(mx.where(valid[..., None], mixed, 0.0), conv_state, lp.conv_w,
+                                             geo.n_valid, geo.keep_steps)
+    conv = conv * mx.sigmoid(conv)
+    f32 = mx.float32
+    qh = conv[..., : nk * dk].reshape(b, t, nk, dk).astype(f32)
+    kh = conv[..., nk * dk : 2 * nk * dk].reshape(b, t, nk, dk).astype(f32)
+    vh = conv[..., 2 * nk * dk :].reshape(b, t, nv, dv)
+    qh = qh * mx.rsqrt(mx.sum(qh * qh, axis=-1, keepdims=True) + 1e-6) * dk**-0.5
+    kh = kh * mx.rsqrt(mx.sum(kh * kh, axis=-1, keepdims=True) + 1e-6)
+    if r > 1:
+        qh, kh = mx.repeat(qh, r, axis=2), mx.repeat(kh, r, axis=2)
+    beta = mx.where(valid[..., None], mx.sigmoid(beta_in.astype(f32)), 0.0)
+    log_g = -lp.a * mx.logaddexp(a_in.astype(f32) + lp.dt_bias, 0.0)
+    log_g = mx.where(valid[..., None], log_g, 0.0)
+    o, s_new, s_steps = gated_delta_scan(qh, kh, vh, log_g, beta, s_state, geo.keep_steps)
+    o = rms_norm(o.astype(x.dtype), lp.norm, cfg.rms_norm_eps)
+    o = (z.astype(f32) * mx.sigmoid(z.astype(f32)) * o.astype(f32)).astype(x.dtype)
+    out = linear(o.reshape(b * t, nv * dv), lp.out_proj, num)
+    steps = None if conv_steps is None else [conv_steps.astype(conv_state.dtype), s_steps]
+    return out, recurrent_entry(spec, [conv_new.astype(conv_state.dtype), s_new], steps, geo)
+
+
+def gated_attention(p: Qwen3NextParams, lp: GatedAttention, x: mx.array, entry: Any, spec: LayerSpec,
+                    rope: Any, geo: StepGeometry) -> tuple[mx.array, Any]:
+    cfg, num = p.config, p.numerics
+    b, t = geo.positions.shape
+    hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qg = linear(x, lp.q, num).reshape(b, t, hq, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:].reshape(b * t, hq * d)
+    kv = linear(x, lp.kv, num).reshape(b, t, 2 * hk, d)
+    qk = mx.concatenate([rms_norm(q, lp.q_norm, cfg.rms_norm_eps), rms_norm(kv[:, :, :hk], lp.k_norm, cfg.rms_norm_eps)],
+                        axis=2)
+    qk = llama._apply_rope(qk, rope, d, num, False)
+    entry = write_entry(entry, spec, qk[:, :, hq:].transpose(0, 2, 1, 3), kv[:, :, hk:].transpose(0, 2, 1, 3), geo, num)
+    o = attend_entry(entry, spec, qk[:, :, :hq], geo, d**-0.5, num)
+    return linear(o.reshape(b * t, hq * d) * mx.sigmoid(gate), lp.o, num), entry
+
+
+def forward(p: Qwen3NextParams, cache: KVCache, tokens: mx.array, n_valid: mx.array,
+            span: int | None = None) -> tuple[mx.array, KVCache]:
+    """Same contract as `fx_engine.core.models.llama.forward`."""
+    cfg, num = p.config, p.numerics
+    b, t = tokens.shape
+    dt = getattr(mx, p.dtype)
+    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
+    h = embed(tokens.reshape(-1), p.embed).astype(dt)
+    cos, sin, perm = rope_tables(geo.positions, cfg.rope_dims or cfg.head_dim, base=cfg.rope_theta, scale=1.0,
+                                 freqs=None, traditional=False)
+    rope = (cos.astype(dt), sin.astype(dt), perm.astype(dt))
+    entries = []
+    for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
+        x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num)
+        if isinstance(lp.mixer, DeltaNet):
+            a, entry = gated_deltanet(p, lp.mixer, x, entry, spec, geo)
+        else:
+            a, entry = gated_attention(p, lp.mixer, x, entry, spec, rope, geo)
+        h = h + a
+        x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
+        if isinstance(lp.mlp, Experts):
+            h = h + moe._mixture(cfg, lp.mlp, x, num)
+        else:
+            h = h + linear(swiglu_fused(linear(x, lp.mlp.gate_up, num), num), lp.mlp.down, num)
+        entries.append(entry)
+    h = rms_norm(h, p.norm, cfg.rms_norm_eps, num)
+    return h.reshape(b, t, -1), advanced(cache, entries, geo)
+
+
+def hidden_to_logits(p: Qwen3NextParams, h: mx.array) -> mx.array:
+    return linear(h, p.lm_head if p.lm_head is not None else p.embed, p.numerics).astype(mx.float32)
+
+
+def assemble(cfg: Qwen3NextConfig, src: TensorSource, opts: LoadOptions) -> Qwen3NextParams:
+    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    hid, d = cfg.hidden_size, cfg.head_dim
+    hq, hk = cfg.num_heads * d, cfg.num_kv_heads * d
+    # an unconverted Hugging Face checkpoint (one tensor per expert) stores its RMSNorms as
+    # 1 + w (mlx-lm's sanitize detects it the same way and folds the 1 in)
+    offset = 1.0 if any(src.has(f"model.layers.{i}.mlp.experts.0.up_proj.weight")
+                        for i in range(cfg.num_layers)) else 0.0
+
+    def lin(name: str, out_f: int, in_f: int) -> Linear:
+        return read_linear(src, name, out_f, in_f, opts.quant_for(name), cfg.qkv_bias and "self_attn" in name, where)
+
+    def norm(name: str, n: int, plus: float = offset) -> mx.array:
+        return (src.get(name, (n,), where).astype(mx.float32) + plus).astype(dtype)
+
+    layers = []
+    for i, is_lin in enumerate(cfg.linear_layers):
+        p = f"model.layers.{i}."
+        if is_lin:
+            a = p + "linear_attn."
+            mixer: Any = DeltaNet(
+                qkvz=finish(lin(a + "in_proj_qkvz", 2 * cfg.key_dim + 2 * cfg.value_dim, hid), dtype, keep),
+                ba=finish(lin(a + "in_proj_ba", 2 * cfg.lin_v_heads, hid), dtype, keep),
+                conv_w=conv_weight(src, a + "conv1d.weight", cfg.conv_dim, cfg.conv_kernel, where).astype(dtype),
+                dt_bias=src.get(a + "dt_bias", (cfg.lin_v_heads,), where).astype(mx.float32),
+                a=mx.exp(src.get(a + "A_log", (cfg.lin_v_heads,), where).astype(mx.float32)),
+                norm=norm(a + "norm.weight", cfg.lin_v_dim, 0.0),  # (stored as w, not 1 + w)
+                out_proj=finish(lin(a + "out_proj", hid, cfg.value_dim), dtype, keep))
+        else:
+            a = p + "self_attn."
+            mixer = GatedAttention(
+                q=finish(lin(a + "q_proj", 2 * hq, hid), dtype, keep),
+                kv=fuse([lin(a + "k_proj", hk, hid), lin(a + "v_proj", hk, hid)], dtype, keep),
+                o=finish(read_linear(src, a + "o_proj", hid, hq, opts.quant_for(a + "o_proj"), False, where),
+                         dtype, keep),
+                q_norm=norm(a + "q_norm.weight", d), k_norm=norm(a + "k_norm.weight", d))
+        if cfg.moe_layers[i]:
+            m = p + "mlp."
+            e, f = cfg.num_experts, cfg.moe_intermediate_size
+            gate, up, down = (read_experts(src, m + stacked, m + one, e, o, n, opts.quant_for, where)
+                              for stacked, one, (o, n) in zip(moe._STACKED, moe._HF_MOE_DEFAULT[2],
+                                                              ((f, hid), (f, hid), (hid, f))))
+            shared = moe._shared(cfg, src, opts, m + "shared_expert.", m + "shared_expert_gate",
+                                 ("gate_proj", "up_proj", "down_proj"))
+            mlp: Any = Experts(router=moe._lin(src, opts, m + "gate", e, hid), **moe._stacks(gate, up, down, opts),
+                               **shared)
+        else:
+            m = p + "mlp."
+            ff = cfg.intermediate_size
+            mlp = DenseMlp(gate_up=fuse([lin(m + "gate_proj", ff, hid), lin(m + "up_proj", ff, hid)], dtype, keep),
+                           down=finish(lin(m + "down_proj", hid, ff), dtype, keep))
+        layers.append(Qwen3NextLayer(attn_norm=norm(p + "input_layernorm.weight", hid), mixer=mixer,
+                                     mlp_norm=norm(p + "post_attention_layernorm.weight", hid), mlp=mlp))
+    head = None
+    if not cfg.tie_word_embeddings and src.has("lm_head.weight"):
+        head = finish(read_linear(src, "lm_head", cfg.vocab_size, hid, opts.quant_for("lm_head"), False, where),
+                      dtype, keep)
+    return Qwen3NextParams(
+        embed=finish(read_linear(src, "model.embed_tokens", cfg.vocab_size, hid, opts.quant_for("model.embed_tokens"),
+                                 False, where), dtype, keep, table=True),
+        layers=tuple(layers), norm=norm("model.norm.weight", hid), lm_head=head, config=cfg,
+        numerics=opts.numerics, dtype=opts.dtype_name)
+
+
+def checkpoint_layout(cfg: Qwen3NextConfig) -> dict[str, TensorSpec]:
+    """Hugging Face's names (experts one tensor each; RMSNorm weights as w of 1 + w)."""
+    hid, d = cfg.hidden_size, cfg.head_dim
+    hq, hk = cfg.num_heads * d, cfg.num_kv_heads * d
+    zero_norm = TensorSpec((hid,), center=0.0, scale=0.1)
+    out = {"model.embed_tokens.weight": TensorSpec((cfg.vocab_size, hid), scale=0.5), "model.norm.weight": zero_norm}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = TensorSpec((cfg.vocab_size, hid))
+    for i, is_lin in enumerate(cfg.linear_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = out[p + "post_attention_layernorm.weight"] = zero_norm
+        if is_lin:
+            a = p + "linear_attn."
+            out.update({a + "in_proj_qkvz.weight": TensorSpec((2 * cfg.key_dim + 2 * cfg.value_dim, hid)),
+                        a + "in_proj_ba.weight": TensorSpec((2 * cfg.lin_v_heads, hid)),
+                        a + "conv1d.weight": TensorSpec((cfg.conv_dim, 1, cfg.conv_kernel), scale=0.3),
+                        a + "dt_bias": TensorSpec((cfg.lin_v_heads,), center=0.5, scale=0.3),
+                        a + "A_log": TensorSpec((cfg.lin_v_heads,), center=0.0, scale=0.5),
+                        a + "norm.weight": TensorSpec((cfg.lin_v_dim,), center=1.0, scale=0.1),
+                        a + "out_proj.weight": TensorSpec((hid, cfg.value_dim))})
+        else:
+            a = p + "self_attn."
+            out.update({a + "q_proj.weight": TensorSpec((2 * hq, hid)), a + "k_proj.weight": TensorSpec((hk, hid)),
+                        a + "v_proj.weight": TensorSpec((hk, hid)), a + "o_proj.weight": TensorSpec((hid, hq)),
+                        a + "q_norm.weight": TensorSpec((d,), scale=0.1), a + "k_norm.weight": TensorSpec((d,), scale=0.1)})
+        m = p + "mlp."
+        if cfg.moe_layers[i]:
+            e, f, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            out[m + "gate.weight"] = TensorSpec((e, hid), scale=0.3)
+            for j in range(e):
+                out[m + f"experts.{j}.gate_proj.weight"] = TensorSpec((f, hid))
+                out[m + f"experts.{j}.up_proj.weight"] = TensorSpec((f, hid))
+                out[m + f"experts.{j}.down_proj.weight"] = TensorSpec((hid, f))
+            if s:
+                out[m + "shared_expert.gate_proj.weight"] = TensorSpec((s, hid))
+                out[m + "shared_expert.up_proj.weight"] = TensorSpec((s, hid))
+                out[m + "shared_expert.down_proj.weight"] = TensorSpec((hid, s))
+                out[m + "shared_expert_gate.weight"] = TensorSpec((1, hid))
+        else:
+            ff = cfg.intermediate_size
+            out.update({m + "gate_proj.weight": TensorSpec((ff, hid)), m + "up_proj.weight": TensorSpec((ff, hid)),
+                        m + "down_proj.weight": TensorSpec((hid, ff))})
+    return out
+
+
+def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    return {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 384,
+            "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+            "linear_key_head_dim": 32, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+            "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+            "shared_expert_intermediate_size": 64, "mlp_only_layers": [], "moe_intermediate_size": 32,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+            "max_position_embeddings": 2048, "norm_topk_prob": True, "tie_word_embeddings": False,
+            "full_attention_interval": 4, "bos_token_id": 1, "eos_token_id": 2, **overrides}
+
+
+FAMILY = Family(
+    name="qwen3_next", model_types=("qwen3_next",), config_type=Qwen3NextConfig, params_type=Qwen3NextParams,
+    config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
+    hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout, tiny_config=tiny_config,
+)
