@@ -144,3 +144,22 @@ def test_state_memory_does_not_grow_with_the_context(model):
         assert engine.kv_budget_tokens == int(10**6 // engine.bytes_per_token)
     with pytest.raises(ValueError, match="recurrent"):
         fx_engine.Engine(model, max_rows=64, kv_budget_bytes=rec(small))
+
+
+@pytest.mark.parametrize("text_type,wrapper", [("qwen3_5_text", "qwen3_5"), ("qwen3_5_moe_text", "qwen3_5_moe")])
+def test_qwen3_5_checkpoints_match_mlx_lm(tmp_path, text_type, wrapper):
+    """Qwen3.5 as Hugging Face ships it: the multimodal wrapper config (text_config) and
+    `model.language_model.` tensor names, separate q|k|v, z, b, a projections, norms stored
+    as 1 + w, fused [E, 2F, H] experts (MoE)."""
+    import json
+
+    folder = write_tiny_model(tmp_path / "t", text_type)
+    cfg = json.loads((folder / "config.json").read_text())
+    w = mx.load(str(folder / "model.safetensors"))
+    mx.save_safetensors(str(folder / "model.safetensors"),
+                        {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+                         for k, v in w.items()})
+    (folder / "config.json").write_text(json.dumps({"model_type": wrapper, "text_config": cfg}))
+    m = fx_engine.load(folder)
+    assert m.config.qwen3_5
+    assert_greedy_matches_mlx_lm(folder, m, list(range(5, 80)))

@@ -81,7 +81,9 @@ def text_config_of(d: dict[str, Any]) -> dict[str, Any]:
     fam = _BY_WRAPPER[d["model_type"]]
     text_type, defaults = fam.wrappers[d["model_type"]]
     out = {**{k: v for k, v in defaults.items() if k != "vocab_size"}, **d["text_config"]}
-    out["vocab_size"] = d.get("vocab_size", out.get("vocab_size", defaults["vocab_size"]))
+    vocab = d.get("vocab_size", out.get("vocab_size", defaults.get("vocab_size")))
+    if vocab is not None:
+        out["vocab_size"] = vocab
     # the text model's own type when the wrapper's family runs it (mistral3 wraps ministral3
     # or mistral), else the wrapper's usual one
     if out.get("model_type") not in fam.model_types:

@@ -44,6 +44,9 @@ class Qwen3NextConfig(MoEConfig):
     lin_k_dim: int = 1
     lin_v_dim: int = 1
     conv_kernel: int = 4
+    # Qwen3.5 ("qwen3_5_text" / "qwen3_5_moe_text", the text model of qwen3_5 / qwen3_5_moe):
+    # the same model with separate q|k|v, z, b, a projections, MoE on every layer or none
+    qwen3_5: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -61,6 +64,12 @@ class Qwen3NextConfig(MoEConfig):
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Qwen3NextConfig:
     layers = positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source)
     interval = positive_int(d.get("full_attention_interval", 4), "full_attention_interval", source)
+    v35 = d["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text")
+    rp = d.get("rope_parameters") or {}
+    if v35:  # rope settings under rope_parameters (M-RoPE sections: 1-D RoPE for text)
+        d = {**d, "rope_theta": rp.get("rope_theta", d.get("rope_theta", 100000.0)),
+             "partial_rotary_factor": rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)),
+             "rope_parameters": None, "head_dim": d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]}
     prf = float(d.get("partial_rotary_factor", 1.0))
     base = llama.config_from_hf({k: v for k, v in d.items() if k not in ("partial_rotary_factor", "layer_types")}
                                 | {"model_type": "qwen3"}, source)
@@ -70,13 +79,14 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Qwen3NextC
         raise ConfigError(f"{source}: linear_num_value_heads ({nv}) is not a multiple of linear_num_key_heads ({nk})")
     experts = int(d.get("num_experts") or 0)
     step = positive_int(d.get("decoder_sparse_step") or 1, "decoder_sparse_step", source)
-    dense = d.get("mlp_only_layers") or []
+    dense = [] if v35 else (d.get("mlp_only_layers") or [])
     moe_layers = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
     kernel = positive_int(required(d, "linear_conv_kernel_dim", source), "linear_conv_kernel_dim", source)
     if kernel < 2:
         raise ConfigError(f"{source}: linear_conv_kernel_dim must be >= 2")
     return Qwen3NextConfig(
-        **{**attrs.asdict(base, recurse=False), "model_type": "qwen3_next"},
+        **{**attrs.asdict(base, recurse=False), "model_type": d["model_type"]},
+        qwen3_5=v35,
         num_experts=max(experts, 1), top_k=int(d.get("num_experts_per_tok") or 1),
         moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
         norm_topk_prob=bool(d.get("norm_topk_prob", False)), softmax_then_topk=True,
@@ -233,10 +243,15 @@ def assemble(cfg: Qwen3NextConfig, src: TensorSource, opts: LoadOptions) -> Qwen
     dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
     hid, d = cfg.hidden_size, cfg.head_dim
     hq, hk = cfg.num_heads * d, cfg.num_kv_heads * d
-    # an unconverted Hugging Face checkpoint (one tensor per expert) stores its RMSNorms as
-    # 1 + w (mlx-lm's sanitize detects it the same way and folds the 1 in)
-    offset = 1.0 if any(src.has(f"model.layers.{i}.mlp.experts.0.up_proj.weight")
-                        for i in range(cfg.num_layers)) else 0.0
+    # An unconverted Hugging Face checkpoint stores its RMSNorms as 1 + w; mlx-lm's sanitize
+    # folds the 1 in when it sees one (Qwen3-Next: by its per-expert tensors; Qwen3.5: by its
+    # [C, 1, K] conv weights), and so does this reader.
+    if cfg.qwen3_5:
+        convs = [f"model.layers.{i}.linear_attn.conv1d.weight" for i, lin in enumerate(cfg.linear_layers) if lin]
+        offset = 1.0 if any(src.get(n).shape[-1] != 1 for n in convs[:1]) else 0.0
+    else:
+        offset = 1.0 if any(src.has(f"model.layers.{i}.mlp.experts.0.up_proj.weight")
+                            for i in range(cfg.num_layers)) else 0.0
 
     def lin(name: str, out_f: int, in_f: int) -> Linear:
         return read_linear(src, name, out_f, in_f, opts.quant_for(name), cfg.qkv_bias and "self_attn" in name, where)
@@ -249,9 +264,11 @@ def assemble(cfg: Qwen3NextConfig, src: TensorSource, opts: LoadOptions) -> Qwen
         p = f"model.layers.{i}."
         if is_lin:
             a = p + "linear_attn."
+            qkvz, ba = _qwen3_5_projections(cfg, lin, a, dtype, keep) if cfg.qwen3_5 else (
+                finish(lin(a + "in_proj_qkvz", 2 * cfg.key_dim + 2 * cfg.value_dim, hid), dtype, keep),
+                finish(lin(a + "in_proj_ba", 2 * cfg.lin_v_heads, hid), dtype, keep))
             mixer: Any = DeltaNet(
-                qkvz=finish(lin(a + "in_proj_qkvz", 2 * cfg.key_dim + 2 * cfg.value_dim, hid), dtype, keep),
-                ba=finish(lin(a + "in_proj_ba", 2 * cfg.lin_v_heads, hid), dtype, keep),
+                qkvz=qkvz, ba=ba,
                 conv_w=conv_weight(src, a + "conv1d.weight", cfg.conv_dim, cfg.conv_kernel, where).astype(dtype),
                 dt_bias=src.get(a + "dt_bias", (cfg.lin_v_heads,), where).astype(mx.float32),
                 a=mx.exp(src.get(a + "A_log", (cfg.lin_v_heads,), where).astype(mx.float32)),
@@ -268,9 +285,14 @@ def assemble(cfg: Qwen3NextConfig, src: TensorSource, opts: LoadOptions) -> Qwen
         if cfg.moe_layers[i]:
             m = p + "mlp."
             e, f = cfg.num_experts, cfg.moe_intermediate_size
-            gate, up, down = (read_experts(src, m + stacked, m + one, e, o, n, opts.quant_for, where)
-                              for stacked, one, (o, n) in zip(moe._STACKED, moe._HF_MOE_DEFAULT[2],
-                                                              ((f, hid), (f, hid), (hid, f))))
+            if src.has(m + "experts.gate_up_proj"):  # Qwen3.5-MoE (HF): [E, 2F, H] gate rows first
+                gu = src.get(m + "experts.gate_up_proj", (e, 2 * f, hid), where)
+                gate, up = Linear(weight=gu[:, :f]), Linear(weight=gu[:, f:])
+                down = Linear(weight=src.get(m + "experts.down_proj", (e, hid, f), where))
+            else:
+                gate, up, down = (read_experts(src, m + stacked, m + one, e, o, n, opts.quant_for, where)
+                                  for stacked, one, (o, n) in zip(moe._STACKED, moe._HF_MOE_DEFAULT[2],
+                                                                  ((f, hid), (f, hid), (hid, f))))
             shared = moe._shared(cfg, src, opts, m + "shared_expert.", m + "shared_expert_gate",
                                  ("gate_proj", "up_proj", "down_proj"))
             mlp: Any = Experts(router=moe._lin(src, opts, m + "gate", e, hid), **moe._stacks(gate, up, down, opts),
@@ -293,6 +315,31 @@ def assemble(cfg: Qwen3NextConfig, src: TensorSource, opts: LoadOptions) -> Qwen
         numerics=opts.numerics, dtype=opts.dtype_name)
 
 
+def _rows(lin: Linear, lo: int, hi: int) -> Linear:
+    """Output rows [lo, hi) of a (dense or quantized, not yet finished) Linear."""
+    cut = lambda a: None if a is None else a[lo:hi]  # noqa: E731
+    return Linear(weight=lin.weight[lo:hi], bias=cut(lin.bias), scales=cut(lin.scales), biases=cut(lin.biases),
+                  group_size=lin.group_size, bits=lin.bits, mode=lin.mode)
+
+
+def _qwen3_5_projections(cfg: Qwen3NextConfig, lin: Any, a: str, dtype: Any, keep: Any) -> tuple[Linear, Linear]:
+    """Qwen3.5's in_proj_qkv (q | k | v), in_proj_z, in_proj_b, in_proj_a regrouped into
+    Qwen3-Next's layout (per key head i: q_i, k_i, its r value heads' v, then their z; and
+    b_i, a_i): one forward for both."""
+    hid = cfg.hidden_size
+    nk, dk, nv, dv = cfg.lin_k_heads, cfg.lin_k_dim, cfg.lin_v_heads, cfg.lin_v_dim
+    r, kd = nv // nk, cfg.key_dim
+    qkv = lin(a + "in_proj_qkv", 2 * kd + cfg.value_dim, hid)
+    z, b, aa = lin(a + "in_proj_z", cfg.value_dim, hid), lin(a + "in_proj_b", nv, hid), lin(a + "in_proj_a", nv, hid)
+    qkvz, ba = [], []
+    for i in range(nk):
+        v0 = 2 * kd + i * r * dv
+        qkvz += [_rows(qkv, i * dk, (i + 1) * dk), _rows(qkv, kd + i * dk, kd + (i + 1) * dk),
+                 _rows(qkv, v0, v0 + r * dv), _rows(z, i * r * dv, (i + 1) * r * dv)]
+        ba += [_rows(b, i * r, (i + 1) * r), _rows(aa, i * r, (i + 1) * r)]
+    return fuse(qkvz, dtype, keep), fuse(ba, dtype, keep)
+
+
 def checkpoint_layout(cfg: Qwen3NextConfig) -> dict[str, TensorSpec]:
     """Hugging Face's names (experts one tensor each; RMSNorm weights as w of 1 + w)."""
     hid, d = cfg.hidden_size, cfg.head_dim
@@ -306,8 +353,15 @@ def checkpoint_layout(cfg: Qwen3NextConfig) -> dict[str, TensorSpec]:
         out[p + "input_layernorm.weight"] = out[p + "post_attention_layernorm.weight"] = zero_norm
         if is_lin:
             a = p + "linear_attn."
-            out.update({a + "in_proj_qkvz.weight": TensorSpec((2 * cfg.key_dim + 2 * cfg.value_dim, hid)),
-                        a + "in_proj_ba.weight": TensorSpec((2 * cfg.lin_v_heads, hid)),
+            if cfg.qwen3_5:
+                out.update({a + "in_proj_qkv.weight": TensorSpec((2 * cfg.key_dim + cfg.value_dim, hid)),
+                            a + "in_proj_z.weight": TensorSpec((cfg.value_dim, hid)),
+                            a + "in_proj_b.weight": TensorSpec((cfg.lin_v_heads, hid)),
+                            a + "in_proj_a.weight": TensorSpec((cfg.lin_v_heads, hid))})
+            else:
+                out.update({a + "in_proj_qkvz.weight": TensorSpec((2 * cfg.key_dim + 2 * cfg.value_dim, hid)),
+                            a + "in_proj_ba.weight": TensorSpec((2 * cfg.lin_v_heads, hid))})
+            out.update({
                         a + "conv1d.weight": TensorSpec((cfg.conv_dim, 1, cfg.conv_kernel), scale=0.3),
                         a + "dt_bias": TensorSpec((cfg.lin_v_heads,), center=0.5, scale=0.3),
                         a + "A_log": TensorSpec((cfg.lin_v_heads,), center=0.0, scale=0.5),
@@ -322,7 +376,10 @@ def checkpoint_layout(cfg: Qwen3NextConfig) -> dict[str, TensorSpec]:
         if cfg.moe_layers[i]:
             e, f, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
             out[m + "gate.weight"] = TensorSpec((e, hid), scale=0.3)
-            for j in range(e):
+            if cfg.qwen3_5:  # fused, stacked
+                out[m + "experts.gate_up_proj"] = TensorSpec((e, 2 * f, hid))
+                out[m + "experts.down_proj"] = TensorSpec((e, hid, f))
+            for j in range(0 if cfg.qwen3_5 else e):
                 out[m + f"experts.{j}.gate_proj.weight"] = TensorSpec((f, hid))
                 out[m + f"experts.{j}.up_proj.weight"] = TensorSpec((f, hid))
                 out[m + f"experts.{j}.down_proj.weight"] = TensorSpec((hid, f))
@@ -339,6 +396,18 @@ def checkpoint_layout(cfg: Qwen3NextConfig) -> dict[str, TensorSpec]:
 
 
 def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
+        moe_type = model_type == "qwen3_5_moe_text"
+        return {"model_type": model_type, "vocab_size": 384, "hidden_size": 64, "num_hidden_layers": 4,
+                "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
+                "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 2048, "tie_word_embeddings": False, "full_attention_interval": 4,
+                "rope_parameters": {"type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0,
+                                    "partial_rotary_factor": 0.25},
+                **({"num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 64,
+                    "moe_intermediate_size": 32, "norm_topk_prob": True} if moe_type else {}),
+                "bos_token_id": 1, "eos_token_id": 2, **overrides}
     return {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 384,
             "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 16, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
@@ -351,7 +420,8 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 FAMILY = Family(
-    name="qwen3_next", model_types=("qwen3_next",), config_type=Qwen3NextConfig, params_type=Qwen3NextParams,
+    name="qwen3_next", model_types=("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), config_type=Qwen3NextConfig,
+    params_type=Qwen3NextParams, wrappers={"qwen3_5": ("qwen3_5_text", {}), "qwen3_5_moe": ("qwen3_5_moe_text", {})},
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout, tiny_config=tiny_config,
 )
