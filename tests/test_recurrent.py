@@ -163,3 +163,15 @@ def test_qwen3_5_checkpoints_match_mlx_lm(tmp_path, text_type, wrapper):
     m = fx_engine.load(folder)
     assert m.config.qwen3_5
     assert_greedy_matches_mlx_lm(folder, m, list(range(5, 80)))
+
+
+def test_disk_tier_holds_recurrent_states(model, tmp_path):
+    """A later engine (a new process, as far as the cache knows) restores a recurrent row
+    from the disk tier: the same tokens as a cold run."""
+    prompt = list(range(30, 90))
+    cold = fx_engine.generate(model, prompt + [3], max_tokens=8, temperature=0.0)
+    with fx_engine.Engine(model, max_rows=1, prefill_chunk=16, prefix_cache_dir=str(tmp_path)) as e:
+        e.submit(prompt, max_tokens=2).result()
+    with fx_engine.Engine(model, max_rows=1, prefill_chunk=16, prefix_cache_dir=str(tmp_path)) as e:
+        warm = e.submit(prompt + [3], max_tokens=8, temperature=0.0).result()
+    assert warm.usage.cached_tokens > 0 and warm.token_ids == cold.token_ids
