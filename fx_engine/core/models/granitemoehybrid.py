@@ -1,0 +1,251 @@
+"""Granite 4.0 hybrid (`granitemoehybrid`): Mamba-2 mixers and attention layers (`layer_types`),
+each followed by routed SwiGLU experts plus a shared MLP (or one dense MLP), with Granite's
+embedding / attention / residual / logits multipliers; following mlx-lm 0.32's
+granitemoehybrid.py (the parity oracle). It falls out of the blocks the other families
+already have: `mamba2.mixer`, the Llama family's attention (`attention_multiplier` as its
+scale, RoPE or none), and `moe._mixture` (top-k logits, then a softmax over them; the shared
+MLP added ungated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced
+from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_experts, read_linear
+from fx_engine.core.config import ConfigError, positive_int, required
+from fx_engine.core.models import moe
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.llama import self_attention
+from fx_engine.core.models.mamba2 import MixerDims, mixer, mixer_layout, read_mixer
+from fx_engine.core.models.moe import Experts, MoEConfig
+from fx_engine.core.models.nemotron_h import Attention
+from fx_engine.core.models.qwen3_next import DenseMlp
+from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm, rope_tables, swiglu_fused
+from fx_engine.core.tree import static_field
+
+
+@attrs.frozen
+class GraniteHybridConfig(MoEConfig):
+    mamba_layers: tuple[bool, ...] = ()  # per layer: a Mamba-2 mixer (else attention)
+    mixer: MixerDims = None  # type: ignore[assignment]
+    mamba_bias: bool = False
+    conv_bias: bool = True
+    use_rope: bool = True
+    use_moe: bool = False
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GraniteHybridConfig:
+    types = d.get("layer_types")
+    if not isinstance(types, list) or not types or set(types) - {"mamba", "attention"}:
+        raise ConfigError(f"{source}: layer_types must list 'mamba' / 'attention' per layer")
+    hidden = positive_int(required(d, "hidden_size", source), "hidden_size", source)
+    heads = positive_int(required(d, "num_attention_heads", source), "num_attention_heads", source)
+    kv = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source)
+    pet = d.get("position_embedding_type", "rope")
+    if pet not in ("rope", "nope"):
+        raise ConfigError(f"{source}: position_embedding_type {pet!r} is not supported (rope, nope)")
+    theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
+    experts = int(d.get("num_local_experts") or 0)
+    lim = d.get("time_step_limit") or (0.001, 100.0)
+    eps = float(required(d, "rms_norm_eps", source))
+    mix = None
+    if "mamba" in types:
+        mix = MixerDims(hidden=hidden, heads=positive_int(d.get("mamba_n_heads"), "mamba_n_heads", source),
+                        head_dim=positive_int(d.get("mamba_d_head"), "mamba_d_head", source),
+                        groups=positive_int(d.get("mamba_n_groups"), "mamba_n_groups", source),
+                        state=positive_int(d.get("mamba_d_state"), "mamba_d_state", source),
+                        kernel=positive_int(d.get("mamba_d_conv"), "mamba_d_conv", source),
+                        dt_min=float(lim[0]), dt_max=float(lim[1]), norm_eps=eps)
+    eos = d.get("eos_token_id")
+    inter = positive_int(required(d, "intermediate_size", source), "intermediate_size", source)
+    return GraniteHybridConfig(
+        model_type="granitemoehybrid", vocab_size=positive_int(required(d, "vocab_size", source), "vocab_size", source),
+        hidden_size=hidden, num_layers=len(types), num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads,
+        intermediate_size=inter, rms_norm_eps=eps, rope_theta=float(theta),
+        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)), qkv_bias=bool(d.get("attention_bias", False)),
+        embedding_multiplier=float(required(d, "embedding_multiplier", source)),
+        attention_multiplier=float(required(d, "attention_multiplier", source)),
+        residual_multiplier=float(required(d, "residual_multiplier", source)),
+        logits_scaling=float(required(d, "logits_scaling", source)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else (),
+        num_experts=max(experts, 1), top_k=int(d.get("num_experts_per_tok") or 1), moe_intermediate_size=inter,
+        softmax_then_topk=False, shared_expert_intermediate_size=int(d.get("shared_intermediate_size") or 0),
+        mamba_layers=tuple(t == "mamba" for t in types), mixer=mix,
+        mamba_bias=bool(d.get("mamba_proj_bias", False)), conv_bias=bool(d.get("mamba_conv_bias", True)),
+        use_rope=pet == "rope", use_moe=experts > 0,
+    )
+
+
+@attrs.frozen
+class GraniteHybridLayer:
+    attn_norm: mx.array
+    mixer: Any  # mamba2.MixerParams | nemotron_h.Attention
+    mlp_norm: mx.array
+    mlp: Any  # moe.Experts (with the shared MLP) | (gate_up, down)
+
+
+@attrs.frozen
+class GraniteHybridParams:
+    __fx_memo_flatten__ = True
+    embed: Linear
+    layers: tuple[GraniteHybridLayer, ...]
+    norm: mx.array
+    lm_head: Linear | None
+    config: GraniteHybridConfig = static_field()
+    numerics: Numerics = static_field(factory=Numerics)
+    dtype: str = static_field(default="float32")
+
+
+def cache_specs(cfg: GraniteHybridConfig) -> tuple[LayerSpec, ...]:
+    return tuple(cfg.mixer.state_spec() if m else LayerSpec(cfg.num_kv_heads, cfg.head_dim) for m in cfg.mamba_layers)
+
+
+def forward(p: GraniteHybridParams, cache: KVCache, tokens: mx.array, n_valid: mx.array,
+            span: int | None = None) -> tuple[mx.array, KVCache]:
+    """Same contract as `fx_engine.core.models.llama.forward`."""
+    cfg, num = p.config, p.numerics
+    b, t = tokens.shape
+    dt = getattr(mx, p.dtype)
+    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
+    h = embed(tokens.reshape(-1), p.embed).astype(dt) * cfg.embedding_multiplier
+    rope = None
+    if cfg.use_rope:
+        cos, sin, perm = rope_tables(geo.positions, cfg.head_dim, base=cfg.rope_theta, scale=1.0, freqs=None,
+                                     traditional=False)
+        rope = (cos.astype(dt), sin.astype(dt), perm.astype(dt))
+    m = cfg.residual_multiplier
+    entries = []
+    for lp, entry, spec, is_mamba in zip(p.layers, cache.layers, cache.layout, cfg.mamba_layers):
+        x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num)
+        if is_mamba:
+            a, entry = mixer(lp.mixer, cfg.mixer, x, entry, spec, geo, num)
+        else:
+            a, entry = self_attention(p, lp.mixer, x, entry, spec, rope, geo)
+        h = h + a * m
+        x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
+        if isinstance(lp.mlp, Experts):
+            r = moe._mixture(cfg, lp.mlp, x, num)
+        else:
+            r = linear(swiglu_fused(linear(x, lp.mlp.gate_up, num), num), lp.mlp.down, num)
+        h = h + r * m
+        entries.append(entry)
+    h = rms_norm(h, p.norm, cfg.rms_norm_eps, num)
+    return h.reshape(b, t, -1), advanced(cache, entries, geo)
+
+
+def hidden_to_logits(p: GraniteHybridParams, h: mx.array) -> mx.array:
+    out = linear(h, p.lm_head if p.lm_head is not None else p.embed, p.numerics)
+    return (out / p.config.logits_scaling).astype(mx.float32)
+
+
+def assemble(cfg: GraniteHybridConfig, src: TensorSource, opts: LoadOptions) -> GraniteHybridParams:
+    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    hid, d = cfg.hidden_size, cfg.head_dim
+    hq, hk = cfg.num_heads * d, cfg.num_kv_heads * d
+
+    def lin(name: str, out_f: int, in_f: int, b: bool = False) -> Linear:
+        return read_linear(src, name, out_f, in_f, opts.quant_for(name), b, where)
+
+    layers = []
+    for i, is_mamba in enumerate(cfg.mamba_layers):
+        p = f"model.layers.{i}."
+        if is_mamba:
+            mix: Any = read_mixer(src, p + "mamba.", cfg.mixer, opts, cfg.mamba_bias, cfg.conv_bias)
+        else:
+            a, ab = p + "self_attn.", cfg.qkv_bias
+            mix = Attention(qkv=fuse([lin(a + n, r, hid, ab) for n, r in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))],
+                                     dtype, keep),
+                            o=finish(lin(a + "o_proj", hid, hq, ab), dtype, keep))
+        if cfg.use_moe:
+            m, e, f, s = p + "block_sparse_moe.", cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            if src.has(m + "input_linear.weight"):  # Hugging Face: [E, 2F, H] gate rows first
+                gu = src.get(m + "input_linear.weight", (e, 2 * f, hid), where)
+                gate, up = Linear(weight=gu[:, :f]), Linear(weight=gu[:, f:])
+                down = Linear(weight=src.get(m + "output_linear.weight", (e, hid, f), where))
+            else:
+                gate, up, down = (read_experts(src, m + st, "", e, o, n, opts.quant_for, where) for st, (o, n) in
+                                  zip(moe._STACKED, ((f, hid), (f, hid), (hid, f))))
+            shared: dict[str, Any] = {}
+            if s:
+                gu_s = lin(p + "shared_mlp.input_linear", 2 * s, hid)
+                shared = {"shared_gate_up": finish(gu_s, dtype, keep),
+                          "shared_down": finish(lin(p + "shared_mlp.output_linear", hid, s), dtype, keep)}
+            mlp: Any = Experts(router=finish(lin(m + "router.layer", e, hid), dtype, keep),
+                               **moe._stacks(gate, up, down, opts), **shared)
+        else:
+            ff = cfg.intermediate_size
+            if src.has(p + "shared_mlp.input_linear.weight"):  # Hugging Face's dense form: gate | up fused
+                gate_up = finish(lin(p + "shared_mlp.input_linear", 2 * ff, hid), dtype, keep)
+                down = finish(lin(p + "shared_mlp.output_linear", hid, ff), dtype, keep)
+            else:
+                gate_up = fuse([lin(p + "mlp.gate_proj", ff, hid, cfg.mlp_bias), lin(p + "mlp.up_proj", ff, hid, cfg.mlp_bias)],
+                               dtype, keep)
+                down = finish(lin(p + "mlp.down_proj", hid, ff, cfg.mlp_bias), dtype, keep)
+            mlp = DenseMlp(gate_up=gate_up, down=down)
+        layers.append(GraniteHybridLayer(
+            attn_norm=src.get(p + "input_layernorm.weight", (hid,), where).astype(dtype), mixer=mix,
+            mlp_norm=src.get(p + "post_attention_layernorm.weight", (hid,), where).astype(dtype), mlp=mlp))
+    head = None
+    if not cfg.tie_word_embeddings:
+        head = finish(lin("lm_head", cfg.vocab_size, hid), dtype, keep)
+    return GraniteHybridParams(
+        embed=finish(lin("model.embed_tokens", cfg.vocab_size, hid), dtype, keep, table=True), layers=tuple(layers),
+        norm=src.get("model.norm.weight", (hid,), where).astype(dtype), lm_head=head, config=cfg,
+        numerics=opts.numerics, dtype=opts.dtype_name)
+
+
+def checkpoint_layout(cfg: GraniteHybridConfig) -> dict[str, TensorSpec]:
+    """Hugging Face's names (fused expert and shared-MLP input projections)."""
+    hid, d = cfg.hidden_size, cfg.head_dim
+    hq, hk = cfg.num_heads * d, cfg.num_kv_heads * d
+    norm = TensorSpec((hid,), center=1.0, scale=0.1)
+    out = {"model.embed_tokens.weight": TensorSpec((cfg.vocab_size, hid), scale=0.5), "model.norm.weight": norm}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = TensorSpec((cfg.vocab_size, hid))
+    for i, is_mamba in enumerate(cfg.mamba_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = out[p + "post_attention_layernorm.weight"] = norm
+        if is_mamba:
+            out.update(mixer_layout(p + "mamba.", cfg.mixer, cfg.mamba_bias, cfg.conv_bias))
+        else:
+            for n, shape in (("q_proj", (hq, hid)), ("k_proj", (hk, hid)), ("v_proj", (hk, hid)), ("o_proj", (hid, hq))):
+                out[p + "self_attn." + n + ".weight"] = TensorSpec(shape)
+        if cfg.use_moe:
+            e, f, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            out[p + "block_sparse_moe.router.layer.weight"] = TensorSpec((e, hid), scale=0.3)
+            out[p + "block_sparse_moe.input_linear.weight"] = TensorSpec((e, 2 * f, hid))
+            out[p + "block_sparse_moe.output_linear.weight"] = TensorSpec((e, hid, f))
+            if s:
+                out[p + "shared_mlp.input_linear.weight"] = TensorSpec((2 * s, hid))
+                out[p + "shared_mlp.output_linear.weight"] = TensorSpec((hid, s))
+        else:
+            ff = cfg.intermediate_size
+            out[p + "shared_mlp.input_linear.weight"] = TensorSpec((2 * ff, hid))
+            out[p + "shared_mlp.output_linear.weight"] = TensorSpec((hid, ff))
+    return out
+
+
+def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    return {"model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 384,
+            "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4, "max_position_embeddings": 2048,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "attention_bias": False,
+            "embedding_multiplier": 12.0, "attention_multiplier": 0.125, "logits_scaling": 4.0,
+            "residual_multiplier": 0.25, "layer_types": ["mamba", "attention", "mamba", "mamba"],
+            "rms_norm_eps": 1e-5, "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 64,
+            "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_proj_bias": False, "mamba_d_state": 16,
+            "mamba_d_conv": 4, "mamba_n_groups": 2, "mamba_conv_bias": True, "position_embedding_type": "rope",
+            "tie_word_embeddings": True, "rope_theta": 10000.0, "time_step_limit": [0.001, 100.0],
+            "bos_token_id": 1, "eos_token_id": 2, **overrides}
+
+
+FAMILY = Family(
+    name="granitemoehybrid", model_types=("granitemoehybrid",), config_type=GraniteHybridConfig,
+    params_type=GraniteHybridParams, config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
+    forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout, tiny_config=tiny_config,
+)
