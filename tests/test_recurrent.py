@@ -1,6 +1,6 @@
 """Recurrent cache entries: LFM2's gated short convolutions, Mamba-2's SSM, Nemotron-H's
 hybrid, Qwen3-Next's Gated DeltaNet, Granite 4.0's hybrid (dense, NoPE variant here; the MoE one
-with RoPE runs in test_every_family.py).
+with RoPE runs in test_every_family.py), Falcon-H1's parallel mixer + attention.
 
 Oracles: mlx-lm's Lfm2 class on the same folder (logits, greedy tokens: also run for every
 family by test_every_family.py), and the model itself fed one token at a time (the
@@ -31,8 +31,10 @@ from .test_models_parity import assert_greedy_matches_mlx_lm
 
 FAMILIES = {"lfm2": {"conv_bias": True, "conv_L_cache": 4}, "mamba2": {},
             "nemotron_h": {"hybrid_override_pattern": "M*-ME"}, "qwen3_next": {"mlp_only_layers": [1]},
-            "granitemoehybrid": {"num_local_experts": 0, "position_embedding_type": "nope"}}
-EXACT = {"lfm2": 0.0, "mamba2": 2e-4, "nemotron_h": 2e-4, "qwen3_next": 2e-4, "granitemoehybrid": 2e-4}
+            "granitemoehybrid": {"num_local_experts": 0, "position_embedding_type": "nope"},
+            "falcon_h1": {"mamba_norm_before_gate": True}}
+EXACT = {"lfm2": 0.0, "mamba2": 2e-4, "nemotron_h": 2e-4, "qwen3_next": 2e-4, "granitemoehybrid": 2e-4,
+         "falcon_h1": 2e-4}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

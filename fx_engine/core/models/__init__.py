@@ -2,7 +2,7 @@
 
 One module per family (llama.py, gemma.py, phi3.py, moe.py, postnorm.py, gpt_oss.py,
 deepseek.py, starcoder2.py, cohere.py, and the recurrent / hybrid lfm2.py, mamba2.py,
-nemotron_h.py, qwen3_next.py, granitemoehybrid.py) holds everything about it as pure
+nemotron_h.py, qwen3_next.py, granitemoehybrid.py, falcon_h1.py) holds everything about it as pure
 functions over frozen pytrees: its config and how it is read from config.json / GGUF
 metadata, how checkpoint tensors become its params, its cache layout, its forward and
 output head, collected in its `FAMILY` record (family.py). This registry maps every
@@ -18,14 +18,14 @@ from typing import Any
 
 from fx_engine.core.cache import LayerSpec, finish_layout
 from fx_engine.core.config import ConfigError
-from fx_engine.core.models import (cohere, deepseek, gemma, gpt_oss, granitemoehybrid, lfm2, llama, mamba2, moe, nemotron_h, phi3, postnorm, qwen3_next, starcoder2)
+from fx_engine.core.models import (cohere, deepseek, falcon_h1, gemma, gpt_oss, granitemoehybrid, lfm2, llama, mamba2, moe, nemotron_h, phi3, postnorm, qwen3_next, starcoder2)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.gemma import GemmaConfig, GemmaLayer, GemmaParams
 from fx_engine.core.models.llama import LayerParams, LlamaConfig, Params
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, phi3.FAMILY, moe.FAMILY, postnorm.FAMILY, gpt_oss.FAMILY,
                                  deepseek.FAMILY, starcoder2.FAMILY, cohere.FAMILY, lfm2.FAMILY, mamba2.FAMILY,
-                                 nemotron_h.FAMILY, qwen3_next.FAMILY, granitemoehybrid.FAMILY)
+                                 nemotron_h.FAMILY, qwen3_next.FAMILY, granitemoehybrid.FAMILY, falcon_h1.FAMILY)
 
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 _BY_WRAPPER = {mt: f for f in FAMILIES for mt in f.wrappers}

@@ -46,6 +46,9 @@ class MixerDims:
     dt_max: float = math.inf
     norm_eps: float = 1e-5
     norm_groups: int = 1  # the gated norm's groups (Nemotron-H: n_groups; Mamba-2: 1)
+    # the output's gate and norm: "gate_norm" (silu(z) then RMSNorm: Mamba-2), "norm_gate"
+    # (RMSNorm then silu(z)), "gate" (no norm) (Falcon-H1's options)
+    norm_mode: str = "gate_norm"
 
     @property
     def inner(self) -> int:
@@ -78,7 +81,7 @@ class MixerParams:
     dt_bias: mx.array  # [H]
     a: mx.array  # -exp(A_log) [H], float32
     d: mx.array  # [H]
-    norm: mx.array  # [I]
+    norm: mx.array | None  # [I] (None: no norm, norm_mode "gate")
     out_proj: Linear
 
 
@@ -163,12 +166,18 @@ def mixer(mp: MixerParams, dims: MixerDims, x: mx.array, entry: Any, spec: Layer
     dt = mx.where(geo.valid[..., None], dt, 0.0)  # padding: no decay, no input
     y, ssm_new, ssm_steps = ssd_scan(xs, dt, mp.a, bm, cm, ssm_state, geo.keep_steps)
     y = (y + mp.d.astype(mx.float32)[:, None] * xs.astype(mx.float32)).astype(x.dtype).reshape(b, t, i)
-    y = y * (z * mx.sigmoid(z))  # the gate before the norm
-    if dims.norm_groups > 1:  # a norm per group of channels
+    gate = z * mx.sigmoid(z)
+    if dims.norm_mode != "norm_gate":
+        y = y * gate  # the gate before the norm
+    if dims.norm_mode == "gate":
+        pass
+    elif dims.norm_groups > 1:  # a norm per group of channels
         y = rms_norm(y.reshape(b, t, dims.norm_groups, i // dims.norm_groups), None, dims.norm_eps)
         y = y.reshape(b, t, i) * mp.norm
     else:
         y = rms_norm(y, mp.norm, dims.norm_eps)
+    if dims.norm_mode == "norm_gate":
+        y = y * gate
     out = linear(y.reshape(b * t, i), mp.out_proj, num)
     steps = None if conv_steps is None else [conv_steps.astype(conv_state.dtype), ssm_steps]
     return out, recurrent_entry(spec, [conv_new.astype(conv_state.dtype), ssm_new], steps, geo)
@@ -221,7 +230,7 @@ def read_mixer(src: TensorSource, prefix: str, dims: MixerDims, opts: LoadOption
         dt_bias=src.get(prefix + "dt_bias", (h,), where).astype(mx.float32),
         a=-mx.exp(src.get(prefix + "A_log", (h,), where).astype(mx.float32)),
         d=src.get(prefix + "D", (h,), where).astype(mx.float32),
-        norm=src.get(prefix + "norm.weight", (i,), where).astype(dtype),
+        norm=None if dims.norm_mode == "gate" else src.get(prefix + "norm.weight", (i,), where).astype(dtype),
         out_proj=finish(lin("out_proj", dims.hidden, i), dtype, keep),
     )
 
@@ -233,8 +242,9 @@ def mixer_layout(prefix: str, dims: MixerDims, bias: bool, conv_bias: bool) -> d
            prefix + "dt_bias": TensorSpec((h,), center=0.5, scale=0.3),
            prefix + "A_log": TensorSpec((h,), center=0.5, scale=0.5),
            prefix + "D": TensorSpec((h,), center=1.0, scale=0.2),
-           prefix + "norm.weight": TensorSpec((i,), center=1.0, scale=0.1),
            prefix + "out_proj.weight": TensorSpec((dims.hidden, i))}
+    if dims.norm_mode != "gate":
+        out[prefix + "norm.weight"] = TensorSpec((i,), center=1.0, scale=0.1)
     if conv_bias:
         out[prefix + "conv1d.bias"] = TensorSpec((cd,), scale=0.05)
     if bias:
