@@ -274,3 +274,29 @@ def test_logits_processors_and_stops_compose_with_a_grammar(default_model):
                              max_tokens=40, temperature=0.0, stop=[" 5"])
     assert re.fullmatch(r"[0-9]( [0-9])*", out.text) and seen
     assert out.finish_reason == "stop"
+
+
+def test_an_end_of_generation_draft_keeps_the_grammar_in_step(default_model):
+    """Drafts that end with EOS (a draft model proposes it once the grammar is complete):
+    the matcher is walked and rolled back without counting EOS as a consumed token, so the
+    speculative run equals the plain one (the matcher used to lose a real token)."""
+    from fx_engine.engine.constraints import RowGrammar, grammar_tokenizer
+
+    m = default_model
+    lt = grammar_tokenizer(m.tokenizer, m.config.vocab_size, m.eos_ids)
+    g = RowGrammar(parse_constraint(regex="[0-9]{2}"), lt)
+    for t in m.tokenizer.encode("12", add_special_tokens=False):
+        g.consume(t)
+    out = np.zeros((3, g.words), np.int32)
+    eos = m.eos_ids[0]
+    assert g.draft_masks([eos], out) == 1
+    after = np.zeros((g.words,), np.int32)
+    g.fill(after)  # unchanged: still complete, only end of generation allowed
+    assert (after[eos // 32] >> (eos % 32)) & 1
+    digit = m.tokenizer.encode("3", add_special_tokens=False)[0]
+    assert not (after[digit // 32] >> (digit % 32)) & 1
+    prompt = [{"role": "user", "content": "Yes or no?"}]
+    for kw in ({"choice": ["yes", "no"]}, {"response_format": {"type": "json_object"}}):
+        plain = fx_engine.generate(m, prompt, max_tokens=30, temperature=0.0, **kw)
+        spec = fx_engine.generate(m, prompt, max_tokens=30, temperature=0.0, draft_model=m, **kw)
+        assert spec.token_ids == plain.token_ids

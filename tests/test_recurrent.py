@@ -179,3 +179,14 @@ def test_disk_tier_holds_recurrent_states(model, tmp_path):
     with fx_engine.Engine(model, max_rows=1, prefill_chunk=16, prefix_cache_dir=str(tmp_path)) as e:
         warm = e.submit(prompt + [3], max_tokens=8, temperature=0.0).result()
     assert warm.usage.cached_tokens > 0 and warm.token_ids == cold.token_ids
+
+
+def test_prompt_snapshots_survive_the_conversation_snapshot(model):
+    """A recurrent snapshot serves only its own length, so the finished conversation's
+    snapshot must not evict the prompt's (the next turn shares the prompt, not the reply)."""
+    prompt = list(range(10, 75))
+    engine = fx_engine.Engine(model, max_rows=2, prefill_chunk=16)
+    engine.submit(prompt, max_tokens=3).result()
+    again = engine.submit(prompt + [5, 6], max_tokens=2).result()
+    engine.close()
+    assert again.usage.cached_tokens == len(prompt)

@@ -145,3 +145,15 @@ def test_prompt_logprobs_in_the_engine_match_teacher_forcing(default_model):
     assert b.prompt_logprobs[5].top == ()
     with pytest.raises(ValueError, match="prompt_logprobs"):
         fx_engine.generate(model, "hi", prompt_logprobs=21)
+
+
+def test_streamed_text_offsets_run_on(server):
+    with httpx.Client(base_url=server["url"], timeout=120) as h:
+        with h.stream("POST", "/v1/completions", json={
+                "prompt": TEXT, "echo": True, "logprobs": 1, "max_tokens": 6, "temperature": 0,
+                "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+    offsets = [o for e in events if e["choices"] and e["choices"][0]["logprobs"]
+               for o in e["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == sorted(offsets) and offsets[-1] >= len(TEXT)

@@ -248,3 +248,22 @@ def test_tools_reach_a_template_without_a_tools_section(server):
 def test_bad_tool_choices_are_400(server, body, param):
     r = _post(server, "/v1/chat/completions", {"model": "smollm2", "messages": ASK, "max_tokens": 4, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_logprobs_of_constrained_outputs_are_json(server):
+    """Alternatives the grammar rules out have logprob -inf: reported as -9999 (vLLM's
+    floor), never as a non-JSON -Infinity or a 500."""
+    r = _post(server, "/v1/chat/completions", {"model": "smollm2", "messages": MSGS, "guided_regex": "x",
+                                               "logprobs": True, "top_logprobs": 3, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    tops = r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert all(t["logprob"] >= -9999.0 for t in tops)
+    r = _post(server, "/v1/completions", {"prompt": "Answer:", "guided_choice": ["yes", "no"],
+                                          "logprobs": 3, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    with httpx.Client(base_url=server["url"], timeout=60) as h:
+        with h.stream("POST", "/v1/chat/completions", json={
+                "model": "smollm2", "messages": MSGS, "guided_regex": "x", "logprobs": True,
+                "top_logprobs": 3, "stream": True}) as s:
+            body = "".join(s.iter_lines())
+    assert "Infinity" not in body and "NaN" not in body

@@ -123,7 +123,8 @@ def gated_delta_scan(
         gam = mx.exp(cs)[..., None]  # [B, H, L, 1]
         a = (kc @ kc.transpose(0, 1, 3, 2)) * ratio * strict * bc[..., None]
         rhs = bc[..., None] * (vc - gam * (kc @ s.transpose(0, 1, 3, 2)))  # [B, H, L, V]
-        u = mx.linalg.solve_triangular(a + mx.eye(n, dtype=f32), rhs, upper=False)
+        # (MLX's linear algebra runs on the CPU stream only: on a GPU this op goes there)
+        u = mx.linalg.solve_triangular(a + mx.eye(n, dtype=f32), rhs, upper=False, stream=mx.cpu)
         o = gam * (qc @ s.transpose(0, 1, 3, 2)) + ((qc @ kc.transpose(0, 1, 3, 2)) * ratio) @ u
         ys.append(o.transpose(0, 2, 1, 3))
         if keep_steps:  # S_t = G_t S_0 + sum_{r <= t} ratio[t, r] u_r k_r^T

@@ -245,6 +245,7 @@ class RowGrammar:
             raise GrammarError(f"{constraint.field}: {err.strip()}")
         self.matcher = llg.LLMatcher(tokenizer, constraint.grammar, log_level=0)
         self.words = (tokenizer.vocab_size + 31) // 32
+        self.eos = frozenset(int(t) for t in tokenizer.eos_tokens)
         self._check()
 
     def _check(self) -> None:
@@ -267,18 +268,24 @@ class RowGrammar:
     def draft_masks(self, drafts: Sequence[int], out: np.ndarray) -> int:
         """Masks for a verify step: out[0] for the next position, out[j + 1] after drafts
         0..j; returns how many leading drafts the grammar allows (the rest must not be
-        verified: their masks are left as they are). The matcher's state is unchanged."""
+        verified: their masks are left as they are). The matcher's state is unchanged.
+        An allowed end-of-generation draft counts but is not consumed (it ends the row; the
+        matcher does not count it as a token it could roll back) and ends the walk."""
         self.fill(out[0])
-        n = 0
+        n = consumed = 0
         for j, t in enumerate(drafts):
             w, bit = divmod(int(t), 32)
             if w >= self.words or not (int(out[j][w]) >> bit) & 1:
                 break
+            if int(t) in self.eos:
+                n += 1
+                break
             if not self.matcher.consume_token(int(t)):
                 break
             n += 1
+            consumed += 1
             self.fill(out[j + 1])
-        if n and not self.matcher.rollback(n):
+        if consumed and not self.matcher.rollback(consumed):
             self._check()
             raise GrammarError(f"{self.constraint.field}: grammar rollback failed")
         return n

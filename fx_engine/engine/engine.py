@@ -478,7 +478,7 @@ class Engine:
                                or self._closing or self._calls):
                         self._lock.wait()
                     if self._closing and not (self._abort or self._pending or self._prefilling
-                                              or self._live_rows()):
+                                              or self._live_rows() or self._calls):
                         return
                 try:
                     self.step()
@@ -624,20 +624,19 @@ class Engine:
                 ok.append((req, n))
             except Exception as e:
                 self._fail(req, e)
+        done = []
         scoring = [(r, n) for r, n in ok if r.plp is not None]
         if scoring:  # prompt logprobs: logits at every position, one row per call
             ok = [(r, n) for r, n in ok if r.plp is None]
-            done = []
             for r, n in scoring:
                 done += self._prefill_rows(sched.chunk_bucket(n), [(r, n)], score=True)
-            return done + self._prefill_call(size, ok) if ok else done
         if len(ok) != len(pieces):  # keep power-of-two row counts (bounded compile shapes)
-            out, at = [], 0
+            at = 0
             for rows in sched.pow2_splits(len(ok)):
                 part = ok[at : at + rows]
                 at += rows
-                out += self._prefill_rows(max(sched.chunk_bucket(n) for _, n in part), part)
-            return out
+                done += self._prefill_rows(max(sched.chunk_bucket(n) for _, n in part), part)
+            return done
         return self._prefill_rows(size, ok)
 
     def _prefill_rows(self, size: int, pieces: list[tuple[_Request, int]],

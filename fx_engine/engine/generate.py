@@ -61,6 +61,9 @@ def _submit(model: Model, prompt: Any, kwargs: dict[str, Any]) -> Any:
 def reference_stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
     """`stream` without the Engine: the plain single-request loop (same arguments)."""
     r = parse_request(model, prompt, **kwargs)
+    if r.prompt_logprobs is not None or r.max_tokens == 0:
+        raise ValueError("prompt_logprobs / max_tokens=0: the reference loop does not score "
+                         "prompts (use generate, or fx_engine.logits)")
     grammar = None
     if r.constraint is not None:
         from fx_engine.engine.constraints import RowGrammar, grammar_tokenizer

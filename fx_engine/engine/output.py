@@ -17,6 +17,16 @@ from fx_engine.engine.stops import StopMatcher
 __all__ = ["TokenOutput"]
 
 
+#: The logprob reported for a token a constraint (or a -inf bias) rules out: JSON has no
+#: -Infinity, and vLLM reports the same floor.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(v: float) -> float:
+    v = float(v)
+    return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 class TokenOutput:
     """The output of one request so far: generated token ids, text pieces, logprobs.
 
@@ -52,9 +62,9 @@ class TokenOutput:
         alternatives (ids past the tokenizer's vocabulary have text "")."""
         known, decode = self._known, self._decode
         dec = lambda ids: decode(ids) if ids[0] < known else ""  # noqa: E731
-        top = tuple((int(i), dec([int(i)]), float(v))
+        top = tuple((int(i), dec([int(i)]), _finite(v))
                     for i, v in list(zip(ids, vals))[: self.n_logprobs])
-        return (TokenLogprob(token, dec([token]), float(value), top),)
+        return (TokenLogprob(token, dec([token]), _finite(value), top),)
 
     def add(self, token: int, lp: Any) -> tuple[TextDelta | None, str | None]:
         """One sampled token: (its delta, or None for EOS, which is not reported; the
@@ -106,5 +116,5 @@ class TokenOutput:
         """The record of one prompt token (its logprob and the n best alternatives)."""
         known, decode = self._known, self._decode
         dec = lambda i: decode([i]) if i < known else ""  # noqa: E731
-        top = tuple((int(i), dec(int(i)), float(v)) for i, v in list(zip(ids, vals))[:n])
-        return TokenLogprob(token, dec(token), float(value), top)
+        top = tuple((int(i), dec(int(i)), _finite(v)) for i, v in list(zip(ids, vals))[:n])
+        return TokenLogprob(token, dec(token), _finite(value), top)

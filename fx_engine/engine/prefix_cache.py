@@ -190,7 +190,8 @@ class PrefixStore:
             self.disk.save(key, snapshot)
         if self.budget == 0:
             return
-        rings = any(s.ring for s in snapshot.layout)
+        # rings that wrap and recurrent states serve only their own length: keep shorter ones
+        rings = any(s.ring or s.state for s in snapshot.layout)
         hashes = block_hashes(toks, self.block, scope)
 
         def shorter(k: Key) -> bool:  # a prefix of the new entry, same scope, not in use

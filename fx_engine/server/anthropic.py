@@ -229,8 +229,11 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         if extra:
             raise ValueError(f"output_config.{extra[0]}: unknown field")
         if oc.get("effort") is not None:
+            if oc["effort"] not in ("low", "medium", "high", "xhigh", "max"):
+                raise ValueError(f"output_config.effort: must be low, medium, high, xhigh or max, "
+                                 f"got {oc['effort']!r}")
             effort = {"xhigh": "high", "max": "high"}.get(oc["effort"], oc["effort"])
-            targs.update(template_switches(app.state.chat_template, effort))
+            targs.update(template_switches(app.state.chat_template, effort, "output_config.effort"))
         fmt = oc.get("format")
         if fmt is not None:
             if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
@@ -296,8 +299,9 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         metrics.requests += 1
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         inside = in_reasoning(h.prompt_token_ids)
+        one_call = bool((body.tool_choice or {}).get("disable_parallel_tool_use"))
         if body.stream:
-            return StreamingResponse(_events(request, h, mid, names, inside),
+            return StreamingResponse(_events(request, h, mid, names, inside, one_call),
                                      media_type="text/event-stream",
                                      background=BackgroundTask(lambda: h.done or h.cancel()))
         try:
@@ -310,6 +314,8 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         metrics.observe(out)
         reasoning, text = split_reasoning(think_fmt, out.text, inside)
         content, calls = parse_tool_calls(text, names) if names is not None else (text, [])
+        if one_call:
+            calls = calls[:1]
         stop_reason, stop_seq = _stop(out.finish_reason, out.stop_string, bool(calls))
         return {"id": mid, "type": "message", "role": "assistant", "model": model_id,
                 "content": _blocks(reasoning, content, calls), "stop_reason": stop_reason,
@@ -317,7 +323,8 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                 "usage": _usage(out.usage.prompt_tokens, out.usage.cached_tokens,
                                 out.usage.completion_tokens)}
 
-    async def _events(request: Request, h: Any, mid: str, names: set[str] | None, inside: bool):
+    async def _events(request: Request, h: Any, mid: str, names: set[str] | None, inside: bool,
+                      one_call: bool = False):
         """Anthropic's event stream: message_start, per block content_block_start / deltas
         / content_block_stop, message_delta (stop_reason, usage), message_stop."""
         think = ReasoningStream(think_fmt, inside)
@@ -374,7 +381,7 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                 rest, calls = tools.finish()
                 for line in piece("text", rest if rest.strip() or not calls else ""):
                     yield line
-            for c in calls:
+            for c in calls[:1] if one_call else calls:
                 args = c["function"]["arguments"]
                 for line in open_block("tool_use", {"id": "toolu_" + c["id"].removeprefix("call_"),
                                                     "name": c["function"]["name"], "input": {}}):

@@ -713,6 +713,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         obj = "chat.completion.chunk" if chat else "text_completion"
         n_choices = len(handles) // len(echoes) if echoes else 1
         echo_due = [bool(echoes)] * len(handles)  # the prompt goes first, with its logprobs
+        offsets = [0] * len(handles)  # text_offset: where each choice's next token starts
         tool_streams = [ToolCallStream(tool_names) for _ in handles] if tool_names is not None else None
         thinking = [ReasoningStream(think_fmt, in_reasoning(h.prompt_token_ids)) for h in handles]
         # Bounded: a client that reads slower than the engine generates falls behind by
@@ -779,6 +780,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                 if echo_due[i]:
                     echo_due[i] = False
                     plp = handles[i].prompt_logprobs if n_logprobs is not None else None
+                    offsets[i] = len(echoes[i // n_choices])
                     yield _sse({"id": rid, "object": obj, "created": created, "model": model_id,
                                 "choices": [{"index": i, "text": echoes[i // n_choices],
                                              "finish_reason": None,
@@ -815,7 +817,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                               "logprobs": None if n_logprobs is None else _completion_logprobs(
                                   (*(ev.logprobs or ()), *((ev.end_logprob,) if getattr(
                                       ev, "end_logprob", None) is not None else ())),
-                                  None, n_logprobs)}
+                                  None, n_logprobs, offset=offsets[i])}
+                    offsets[i] += sum(len(lp.token) for lp in ev.logprobs or ())
                 chunk = {"id": rid, "object": obj, "created": created, "model": model_id,
                          "choices": [choice]}
                 if include_usage:

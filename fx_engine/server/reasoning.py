@@ -149,7 +149,8 @@ def split(fmt: str | None, text: str, in_reasoning: bool = False) -> tuple[str, 
     return r1 + r2, c1 + c2
 
 
-def template_switches(template: str | None, effort: str | None) -> dict[str, Any]:
+def template_switches(template: str | None, effort: str | None,
+                      field: str = "reasoning_effort") -> dict[str, Any]:
     """Template variables for OpenAI's `reasoning_effort`: gpt-oss templates read
     `reasoning_effort` itself; templates with an `enable_thinking` switch turn thinking off
     for "none"/"minimal" and on otherwise. A template with neither: ValueError."""
@@ -160,4 +161,4 @@ def template_switches(template: str | None, effort: str | None) -> dict[str, Any
         return {"reasoning_effort": effort}
     if "enable_thinking" in t:
         return {"enable_thinking": effort not in ("none", "minimal")}
-    raise ValueError("reasoning_effort: this model's chat template has no reasoning switch")
+    raise ValueError(f"{field}: this model's chat template has no reasoning switch")

@@ -179,7 +179,13 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         extra = sorted(set(body.reasoning or {}) - {"effort", "summary"})
         if extra:
             raise ValueError(f"reasoning.{extra[0]}: unknown field")
-        targs = template_switches(app.state.chat_template, (body.reasoning or {}).get("effort"))
+        effort = (body.reasoning or {}).get("effort")
+        if effort not in (None, "none", "minimal", "low", "medium", "high"):
+            raise ValueError(f"reasoning.effort: must be none, minimal, low, medium or high, got {effort!r}")
+        bad = sorted(set(body.stream_options or {}) - {"include_obfuscation"})
+        if bad:
+            raise ValueError(f"stream_options.{bad[0]}: unknown field")
+        targs = template_switches(app.state.chat_template, effort, "reasoning.effort")
         ids = app.state.chat_prompt(msgs, tools, choice, body.parallel_tool_calls, targs, kw)
         kw["cache_salt"] = salt(request)
         return engine.submit_many(ids, [kw])
