@@ -28,6 +28,12 @@ CASES = [
      "<|channel|>final<|message|>Done.<|return|>", ("Think.", "Done.")),
     ("harmony", False, "<|channel|>final<|message|>Only the answer.", ("", "Only the answer.")),
     (None, False, "<think>x</think>y", ("", "<think>x</think>y")),
+    ("harmony", False, "<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant"
+     "<|channel|>final<|message|>Done.", ("", "Let me check.Done.")),
+    ("harmony", False, "<|channel|>analysis<|message|>Weather.<|end|><|start|>assistant<|channel|>commentary"
+     ' to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+     ("Weather.", '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+      '<|message|>{"city": "Paris"}<|call|>')),
 ]
 
 
@@ -107,3 +113,61 @@ def test_reasoning_effort_switches_thinking_off(app):
     assert msg["reasoning_content"] is None and msg["content"] == SCRIPT
     r = app.post("/v1/chat/completions", json={"messages": MSGS, "reasoning_effort": "huge"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+
+
+HARMONY = ("{# channels: <|channel|>analysis, commentary, final #}"
+           "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+           "{% if tools %}tools{% endif %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+HARMONY_SCRIPT = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant'
+                  '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}')
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gpt_oss_harmony_tool_calls(tmp_path, stream):
+    """A gpt-oss (harmony) reply: the analysis comes back as reasoning_content and the
+    commentary message to functions.get_weather as a tool call."""
+    from fastapi.testclient import TestClient
+
+    model = fx_engine.load(write_tiny_model(tmp_path / "m"))
+    engine = ScriptedEngine(model, max_rows=2, prefill_chunk=64)
+    engine.script = model.tokenizer.encode(HARMONY_SCRIPT, add_special_tokens=False)
+    app = create_app(engine, "tiny", defaults={"max_tokens": 512}, chat_template=HARMONY)
+    engine.start()
+    try:
+        with TestClient(app) as c:
+            body = {"messages": MSGS, "tools": WEATHER, "stream": stream}
+            if not stream:
+                ch = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+                msg, finish, calls = ch["message"], ch["finish_reason"], ch["message"]["tool_calls"]
+                reasoning = msg["reasoning_content"]
+            else:
+                with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+                deltas = [ch["choices"][0] for ch in chunks if ch["choices"]]
+                reasoning = "".join(d["delta"].get("reasoning_content", "") for d in deltas)
+                calls = [tc for d in deltas for tc in d["delta"].get("tool_calls", [])]
+                finish = deltas[-1]["finish_reason"]
+        assert reasoning == "Need the weather." and finish == "tool_calls"
+        [call] = calls
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    finally:
+        engine.close()
+
+
+def test_harmony_required_tool_grammar_compiles():
+    import llguidance as llg
+
+    from fx_engine.server.tools import tool_call_grammar
+
+    class Tok:  # no special tokens: the markers are literal text
+        special_ids = frozenset()
+
+        @staticmethod
+        def encode(text, add_special_tokens=False):
+            return list(text.encode())
+
+    g = tool_call_grammar(WEATHER, "required", None, "harmony", Tok)
+    assert llg.LLMatcher.validate_grammar(llg.grammar_from("lark", g)) == ""

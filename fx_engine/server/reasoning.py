@@ -7,7 +7,10 @@ Formats, chosen from the chat template:
            template, Qwen3 thinking templates), the reply starts in the reasoning; otherwise
            a reply that does not open `<think>` is all answer.
   harmony  gpt-oss: `<|channel|>analysis<|message|>...<|end|>` is reasoning,
-           `<|channel|>final<|message|>...` the answer.
+           `<|channel|>final<|message|>...` the answer; a commentary message addressed to a
+           function (`to=functions.NAME`) passes to the content whole, headers included, for
+           the tool-call parser (server/tools.py), another commentary message (a preamble)
+           is content.
 The template switches (`enable_thinking`, gpt-oss's `reasoning_effort`) go to the template
 as its variables (chat_template_kwargs, or the request's `reasoning_effort`).
 
@@ -23,6 +26,8 @@ from typing import Any
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 _H_ANALYSIS = "<|channel|>analysis<|message|>"
 _H_FINAL = "<|channel|>final<|message|>"
+_H_COMMENTARY = "<|channel|>commentary"  # a preamble, or a tool call (a `to=` recipient)
+_H_MESSAGE = "<|message|>"
 _H_END = ("<|end|>", "<|return|>", "<|call|>")
 _H_START = "<|start|>assistant"
 
@@ -59,6 +64,7 @@ class ReasoningStream:
         if fmt == "harmony":
             self.state = "harmony"
         self.buf = ""
+        self.header = ""  # harmony: the header text since the last message (a recipient)
 
     def feed(self, delta: str) -> tuple[str, str]:
         if self.fmt is None:
@@ -115,19 +121,33 @@ class ReasoningStream:
             return False
         # harmony: between messages ("harmony"), inside analysis, inside final
         if self.state == "harmony":
-            for marker, nxt in ((_H_ANALYSIS, "analysis"), (_H_FINAL, "final")):
-                i = b.find(marker)
-                if i >= 0:
-                    self.buf, self.state = b[i + len(marker):], nxt
-                    return True
+            markers = ((_H_ANALYSIS, "analysis"), (_H_FINAL, "final"), (_H_COMMENTARY, "commentary"))
+            found = [(b.find(m), m, nxt) for m, nxt in markers if m in b]
+            if found:
+                i, marker, nxt = min(found)
+                # headers between messages (<|start|>assistant ...) are not shown, but a
+                # recipient in them belongs to the commentary message that follows
+                self.header = (self.header + b[:i]) if nxt == "commentary" else ""
+                self.buf, self.state = b[i + len(marker):], nxt
+                return True
             if final:
                 content.append(b.replace(_H_START, ""))
                 self.buf = ""
                 return False
-            keep = _held(b, (_H_ANALYSIS, _H_FINAL))
-            # text between messages (headers such as <|start|>assistant) is not shown
+            keep = _held(b, tuple(m for m, _ in markers))
+            self.header += b[: len(b) - keep]
             self.buf = b[len(b) - keep:] if keep else ""
             return False
+        if self.state == "commentary":  # held whole until its end
+            ends = [(b.find(m), m) for m in _H_END if m in b]
+            if not ends and not final:
+                return False
+            i, m = min(ends) if ends else (len(b), "")
+            raw = self.header + _H_COMMENTARY + b[:i]
+            head, sep, body = raw.partition(_H_MESSAGE)
+            content.append(raw + m if "to=" in head else (body if sep else ""))
+            self.header, self.buf, self.state = "", b[i + len(m):], "harmony"
+            return bool(ends)
         out = reasoning if self.state == "analysis" else content
         ends = [(b.find(m), m) for m in _H_END if m in b]
         if ends:

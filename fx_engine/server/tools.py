@@ -21,12 +21,18 @@ call has started), `finish()` returns the held content and the parsed calls.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _TO_END = ("[TOOL_CALLS]", "<|python_tag|>")  # a call (or a list of calls) to the end
-_MARKERS = (_OPEN, *_TO_END)
+# gpt-oss (harmony): `[<|start|>assistant to=functions.NAME]<|channel|>commentary
+# [to=functions.NAME] [<|constrain|>json]<|message|>{arguments}[<|call|>]`
+_HARMONY = re.compile(r"(?:<\|start\|>assistant)?(?: ?to=functions\.(?P<a>[\w.\-]+))?<\|channel\|>commentary"
+                      r"(?: to=functions\.(?P<b>[\w.\-]+))?[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>"
+                      r"(?P<args>.*?)(?:<\|call\|>|<\|end\|>|$)", re.S)
+_MARKERS = (_OPEN, *_TO_END, "<|channel|>commentary", "to=functions.")
 
 
 def _call_id(short: bool) -> str:
@@ -68,8 +74,29 @@ def _loads(text: str) -> Any:
         return None
 
 
+def _harmony_calls(text: str, tool_names: set[str] | None) -> tuple[str, list[dict[str, Any]]] | None:
+    """gpt-oss's calls (harmony commentary messages to functions.NAME), or None if none."""
+    calls, content, at = [], [], 0
+    for m in _HARMONY.finditer(text):
+        name = m.group("a") or m.group("b")
+        parsed = _as_calls({"name": name, "arguments": _loads(m.group("args"))}, tool_names) if name else None
+        if parsed is None:
+            continue
+        content.append(text[at : m.start()])
+        calls += parsed
+        at = m.end()
+    if not calls:
+        return None
+    content.append(text[at:])
+    return "".join(content), calls
+
+
 def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str, list[dict[str, Any]]]:
     """(content without the calls, OpenAI-style tool_calls) of a complete reply."""
+    if "<|channel|>commentary" in text:
+        harmony = _harmony_calls(text, tool_names)
+        if harmony is not None:
+            return harmony
     content: list[str] = []
     calls: list[dict[str, Any]] = []
     rest = text
@@ -190,6 +217,8 @@ def tool_format(template: str | None) -> tuple[str, bool]:
     with "parameters", Llama 3.1+)."""
     t = template or ""
     renders = "tools" in t
+    if "<|channel|>" in t:
+        return "harmony", renders
     if "<tool_call>" in t:
         return "hermes", renders
     if "[TOOL_CALLS]" in t:
@@ -250,6 +279,13 @@ def tool_call_grammar(tools: list[dict[str, Any]], choice: Any, parallel: bool |
         name = choice["function"]["name"]
         tools = [t for t in tools if t["function"]["name"] == name]
         parallel = False
+    if fmt == "harmony":  # one call: a commentary message to functions.NAME, then <|call|> (EOS)
+        calls = [f"c{i}: {_marker(tokenizer, '<|channel|>')} "
+                 f"{json.dumps('commentary to=functions.' + t['function']['name'] + ' ')} "
+                 f"{_marker(tokenizer, '<|constrain|>')} \"json\" {_marker(tokenizer, '<|message|>')} "
+                 f"%json {json.dumps(t['function'].get('parameters') or {'type': 'object'})}"
+                 for i, t in enumerate(tools)]
+        return "start: " + " | ".join(f"c{i}" for i in range(len(tools))) + "\n" + "\n".join(calls)
     args_key = "parameters" if fmt == "llama" else "arguments"
     one = {"anyOf": [_call_schema(t, args_key) for t in tools]}
     if fmt == "mistral":
