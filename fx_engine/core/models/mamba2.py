@@ -241,10 +241,10 @@ def mixer_layout(prefix: str, dims: MixerDims, bias: bool, conv_bias: bool) -> d
            prefix + "conv1d.weight": TensorSpec((cd, 1, dims.kernel), scale=0.3),
            prefix + "dt_bias": TensorSpec((h,), center=0.5, scale=0.3),
            prefix + "A_log": TensorSpec((h,), center=0.5, scale=0.5),
-           prefix + "D": TensorSpec((h,), center=1.0, scale=0.2),
-           prefix + "out_proj.weight": TensorSpec((dims.hidden, i))}
-    if dims.norm_mode != "gate":
+           prefix + "D": TensorSpec((h,), center=1.0, scale=0.2)}
+    if dims.norm_mode != "gate":  # (this order: the random weights of tiny models depend on it)
         out[prefix + "norm.weight"] = TensorSpec((i,), center=1.0, scale=0.1)
+    out[prefix + "out_proj.weight"] = TensorSpec((dims.hidden, i))
     if conv_bias:
         out[prefix + "conv1d.bias"] = TensorSpec((cd,), scale=0.05)
     if bias:
