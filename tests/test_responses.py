@@ -108,6 +108,8 @@ def test_parse_with_a_pydantic_model(server):
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice.name"),
     ({"text": {"format": {"type": "regex"}}}, "text.format.type"),
     ({"max_output_token": 3}, "max_output_token"),
+    ({"reasoning": {"summary": "long"}}, "reasoning.summary"),
+    ({"stream_options": {"bogus": True}}, "stream_options.bogus"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, body, param):
     r = httpx.post(server["url"] + "/v1/responses", json={"input": "hi", **body}, timeout=60)
@@ -132,9 +134,15 @@ def test_reasoning_items(tmp_path):
             r = c.responses.create(model="tiny", input="2 + 2?", max_output_tokens=64)
             assert [o.type for o in r.output] == ["reasoning", "message"]
             assert r.output[0].content[0].text == "Sum it." and r.output_text == "Four."
-            with c.responses.stream(model="tiny", input="2 + 2?", max_output_tokens=64) as s:
+            assert r.output[0].summary == []
+            r = c.responses.create(model="tiny", input="2 + 2?", max_output_tokens=64,
+                                   reasoning={"summary": "auto"})
+            assert r.output[0].summary[0].text == "Sum it."
+            with c.responses.stream(model="tiny", input="2 + 2?", max_output_tokens=64,
+                                    reasoning={"summary": "detailed"}) as s:
                 final = s.get_final_response()
             assert [o.type for o in final.output] == ["reasoning", "message"]
+            assert final.output[0].summary[0].text == "Sum it."
             assert final.output_text == "Four."
     finally:
         engine.close()

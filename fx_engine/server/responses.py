@@ -180,6 +180,8 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         if extra:
             raise ValueError(f"reasoning.{extra[0]}: unknown field")
         effort = (body.reasoning or {}).get("effort")
+        if (body.reasoning or {}).get("summary") not in (None, "auto", "concise", "detailed"):
+            raise ValueError("reasoning.summary: must be auto, concise or detailed")
         if effort not in (None, "none", "minimal", "low", "medium", "high"):
             raise ValueError(f"reasoning.effort: must be none, minimal, low, medium or high, got {effort!r}")
         bad = sorted(set(body.stream_options or {}) - {"include_obfuscation"})
@@ -219,7 +221,7 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         inside = in_reasoning(h.prompt_token_ids)
         if body.stream:
             return StreamingResponse(_events(request, h, base, names, inside, body.parallel_tool_calls,
-                                             body.stream_options),
+                                             body.stream_options, _summarize(body)),
                                      media_type="text/event-stream",
                                      background=BackgroundTask(lambda: h.done or h.cancel()))
         try:
@@ -234,13 +236,18 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         content, calls = parse_tool_calls(text, names) if names is not None else (text, [])
         if body.parallel_tool_calls is False:
             calls = calls[:1]
-        items = _items(reasoning, content, calls)
+        items = _items(reasoning, content, calls, _summarize(body))
         return _final(base, items, out.finish_reason, out.usage)
 
-    def _items(reasoning: str, text: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _summarize(body: ResponsesRequest) -> bool:
+        """reasoning.summary asked for: the reasoning item's summary carries the thinking
+        itself (the models served here write no separate summary)."""
+        return (body.reasoning or {}).get("summary") is not None
+
+    def _items(reasoning: str, text: str, calls: list[dict[str, Any]], summarize: bool) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
         if reasoning:
-            items.append(_reasoning_item(reasoning))
+            items.append(_reasoning_item(reasoning, summarize))
         if text.strip() or not (calls or reasoning):
             items.append(_message_item(text))
         items += [_call_item(c) for c in calls]
@@ -258,7 +265,8 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                     "total_tokens": usage.prompt_tokens + usage.completion_tokens}}
 
     async def _events(request: Request, h: Any, base: dict[str, Any], names: set[str] | None,
-                      inside: bool, parallel: bool | None, body_stream_options: Any = None):
+                      inside: bool, parallel: bool | None, body_stream_options: Any = None,
+                      summarize: bool = False):
         """The typed event stream: response.created / in_progress, per output item
         output_item.added, content deltas (reasoning_text / output_text / function call
         arguments), output_item.done, then response.completed with the whole response."""
@@ -289,6 +297,8 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                            content_index=0, part=part)]
             else:
                 part = item["content"][0]
+                if summarize:
+                    item["summary"] = [{"type": "summary_text", "text": part["text"]}]
                 out += [ev("response.reasoning_text.done", item_id=item["id"], output_index=idx,
                            content_index=0, text=part["text"]),
                         ev("response.content_part.done", item_id=item["id"], output_index=idx,
@@ -374,8 +384,9 @@ def _message_item(text: str) -> dict[str, Any]:
             "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def _reasoning_item(text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}", "summary": [],
+def _reasoning_item(text: str, summarize: bool = False) -> dict[str, Any]:
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}",
+            "summary": [{"type": "summary_text", "text": text}] if summarize else [],
             "status": "completed", "content": [{"type": "reasoning_text", "text": text}]}
 
 
