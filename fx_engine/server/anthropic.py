@@ -36,7 +36,7 @@ from fx_engine.engine.engine import EngineClosed, QueueFull
 from fx_engine.server.app import _Body
 from fx_engine.server.reasoning import ReasoningStream, template_switches
 from fx_engine.server.reasoning import split as split_reasoning
-from fx_engine.server.tools import ToolCallStream, parse_tool_calls
+from fx_engine.server.tools import ToolCallStream, parse_tool_calls, reply_parts
 
 class AnthropicMessage(BaseModel):
     """One turn: a string or content blocks (checked by `to_chat`). Lenient about extra
@@ -360,28 +360,17 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
             "stop_reason": None, "stop_sequence": None,
             "usage": _usage(len(h.prompt_token_ids), 0, 0)}})
         try:
-            final = None
-            async for ev in h.aiter():
-                if await request.is_disconnected():
-                    return
-                reasoning, text = think.feed(ev.text)
-                if ev.finish_reason:
-                    r2, t2 = think.finish()
-                    reasoning, text = reasoning + r2, text + t2
-                for line in piece("thinking", reasoning):
-                    yield line
-                if tools is not None:
-                    text = tools.feed(text)
-                for line in piece("text", text):
-                    yield line
-                if ev.finish_reason:
-                    final = ev
-            calls: list[dict[str, Any]] = []
-            if tools is not None:
-                rest, calls = tools.finish()
-                for line in piece("text", rest if rest.strip() or not calls else ""):
-                    yield line
-            for c in calls[:1] if one_call else calls:
+            final, calls, ended = None, [], False
+            async for part in reply_parts(request, h, think, tools, one_call):
+                if part[0] == "end":
+                    _, final, calls = part
+                    ended = True
+                else:
+                    for line in piece("thinking" if part[0] == "reasoning" else "text", part[1]):
+                        yield line
+            if not ended:
+                return  # the client went away
+            for c in calls:
                 args = c["function"]["arguments"]
                 for line in open_block("tool_use", {"id": "toolu_" + c["id"].removeprefix("call_"),
                                                     "name": c["function"]["name"], "input": {}}):

@@ -35,7 +35,7 @@ from fx_engine.engine.engine import EngineClosed, QueueFull
 from fx_engine.server.app import _Body, _error
 from fx_engine.server.reasoning import ReasoningStream, template_switches
 from fx_engine.server.reasoning import split as split_reasoning
-from fx_engine.server.tools import ToolCallStream, parse_tool_calls
+from fx_engine.server.tools import ToolCallStream, parse_tool_calls, reply_parts
 
 
 class ResponsesRequest(_Body):
@@ -335,30 +335,19 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         yield ev("response.in_progress", response={**base, "status": "in_progress", "output": [],
                                                     "usage": None, "incomplete_details": None})
         try:
-            final = None
-            async for d in h.aiter():
-                if await request.is_disconnected():
-                    return
-                reasoning, text = think.feed(d.text)
-                if d.finish_reason:
-                    r2, t2 = think.finish()
-                    reasoning, text = reasoning + r2, text + t2
-                for line in piece("reasoning", reasoning):
-                    yield line
-                if tools is not None:
-                    text = tools.feed(text)
-                for line in piece("message", text):
-                    yield line
-                if d.finish_reason:
-                    final = d
-            calls: list[dict[str, Any]] = []
-            if tools is not None:
-                rest, calls = tools.finish()
-                for line in piece("message", rest if rest.strip() or not calls else ""):
-                    yield line
+            final, calls, ended = None, [], False
+            async for part in reply_parts(request, h, think, tools, parallel is False):
+                if part[0] == "end":
+                    _, final, calls = part
+                    ended = True
+                else:
+                    for line in piece("reasoning" if part[0] == "reasoning" else "message", part[1]):
+                        yield line
+            if not ended:
+                return  # the client went away
             for line in close():
                 yield line
-            for c in calls[:1] if parallel is False else calls:
+            for c in calls:
                 item = _call_item(c)
                 items.append(item)
                 idx = len(items) - 1

@@ -299,3 +299,33 @@ def tool_call_grammar(tools: list[dict[str, Any]], choice: Any, parallel: bool |
     return (f"start: call{more}\n"
             f"call: {_marker(tokenizer, _OPEN)} \"\\n\" body \"\\n\" {_marker(tokenizer, _CLOSE)}\n"
             f"body: %json {json.dumps(one)}")
+
+
+async def reply_parts(request: Any, handle: Any, think: Any, tools: "ToolCallStream | None",
+                      one_call: bool = False):
+    """A streamed reply as the APIs that separate its parts see it: yields ("reasoning",
+    text) and ("content", text) pieces as they become safe to send (a `ReasoningStream`
+    splits the thinking off, `tools` holds back tool-call text), then one ("end", the final
+    delta or None, the parsed calls) item. Stops (yielding nothing more) when the client
+    disconnects."""
+    final = None
+    async for d in handle.aiter():
+        if await request.is_disconnected():
+            return
+        reasoning, text = think.feed(d.text)
+        if d.finish_reason:
+            r2, t2 = think.finish()
+            reasoning, text = reasoning + r2, text + t2
+            final = d
+        if reasoning:
+            yield "reasoning", reasoning
+        if tools is not None:
+            text = tools.feed(text)
+        if text:
+            yield "content", text
+    calls: list[dict[str, Any]] = []
+    if tools is not None:
+        rest, calls = tools.finish()
+        if rest.strip() or (rest and not calls):
+            yield "content", rest
+    yield "end", final, calls[:1] if one_call else calls

@@ -20,13 +20,12 @@ import mlx.core as mx
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced
 from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear
 from fx_engine.core.config import ConfigError, positive_int, required
-from fx_engine.core.models.family import Family
+from fx_engine.core.models.family import DecoderParams, Family
 from fx_engine.core.models.llama import LlamaConfig, self_attention
 from fx_engine.core.models.mamba2 import MixerDims, MixerParams, mixer, mixer_layout, read_mixer
 from fx_engine.core.models.nemotron_h import Attention
 from fx_engine.core.models.qwen3_next import DenseMlp
-from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm, rope_tables, swiglu_fused
-from fx_engine.core.tree import static_field
+from fx_engine.core.nn import Linear, embed, linear, rms_norm, rope_tables, swiglu_fused
 
 
 @attrs.frozen
@@ -100,15 +99,8 @@ class FalconH1Layer:
 
 
 @attrs.frozen
-class FalconH1Params:
-    __fx_memo_flatten__ = True
-    embed: Linear
-    layers: tuple[FalconH1Layer, ...]
-    norm: mx.array
-    lm_head: Linear | None
-    config: FalconH1Config = static_field()
-    numerics: Numerics = static_field(factory=Numerics)
-    dtype: str = static_field(default="float32")
+class FalconH1Params(DecoderParams):
+    """Its params (the type names the family)."""
 
 
 def cache_specs(cfg: FalconH1Config) -> tuple[LayerSpec, ...]:

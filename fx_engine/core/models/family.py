@@ -10,8 +10,31 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 import attrs
+import mlx.core as mx
 
 from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec
+from fx_engine.core.nn import Numerics, linear
+from fx_engine.core.tree import static_field
+
+
+@attrs.frozen
+class DecoderParams:
+    """The params shape many families share (those that write their own forward over their
+    own layer records): each subclasses it, so its type says which family it is."""
+
+    __fx_memo_flatten__ = True  # immutable and flattened every step (fx_engine.core.tree)
+    embed: Any  # nn.Linear (the embedding table)
+    layers: tuple[Any, ...]
+    norm: Any  # the final norm's weight
+    lm_head: Any  # nn.Linear, or None: tied to the embedding
+    config: Any = static_field()
+    numerics: Any = static_field(factory=Numerics)
+    dtype: str = static_field(default="float32")
+
+
+def head_logits(p: DecoderParams, h: Any) -> Any:
+    """float32 logits of final hidden states through the output head (or the tied embedding)."""
+    return linear(h, p.lm_head if p.lm_head is not None else p.embed, p.numerics).astype(mx.float32)
 
 
 @attrs.frozen

@@ -26,10 +26,9 @@ import mlx.core as mx
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, recurrent_entry
 from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, read_linear
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, required
-from fx_engine.core.models.family import Family
+from fx_engine.core.models.family import DecoderParams, Family, head_logits
 from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm
 from fx_engine.core.recurrent import causal_conv, ssd_scan
-from fx_engine.core.tree import static_field
 
 
 @attrs.frozen
@@ -92,15 +91,8 @@ class Mamba2Layer:
 
 
 @attrs.frozen
-class Mamba2Params:
-    __fx_memo_flatten__ = True
-    embed: Linear
-    layers: tuple[Mamba2Layer, ...]
-    norm: mx.array
-    lm_head: Linear | None
-    config: Mamba2Config = static_field()
-    numerics: Numerics = static_field(factory=Numerics)
-    dtype: str = static_field(default="float32")
+class Mamba2Params(DecoderParams):
+    """Its params (the type names the family)."""
 
 
 def _limits(d: dict[str, Any], source: str) -> tuple[float, float]:
@@ -199,8 +191,7 @@ def forward(p: Mamba2Params, cache: KVCache, tokens: mx.array, n_valid: mx.array
     return h.reshape(b, t, -1), advanced(cache, entries, geo)
 
 
-def hidden_to_logits(p: Mamba2Params, h: mx.array) -> mx.array:
-    return linear(h, p.lm_head if p.lm_head is not None else p.embed, p.numerics).astype(mx.float32)
+hidden_to_logits = head_logits
 
 
 def conv_weight(src: TensorSource, name: str, channels: int, k: int, where: str) -> mx.array:

@@ -21,11 +21,10 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced
 from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, read_experts, read_linear)
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, required
 from fx_engine.core.models import llama
-from fx_engine.core.models.family import Family
+from fx_engine.core.models.family import DecoderParams, Family, head_logits
 from fx_engine.core.models.mamba2 import MixerDims, MixerParams, mixer, mixer_layout, read_mixer
 from fx_engine.core.models.moe import grouped_route
 from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm, routed_glu
-from fx_engine.core.tree import static_field
 
 _KINDS = {"full_attention": "*", "attention": "*", "linear_attention": "M", "mamba": "M", "conv": "M",
           "moe": "E", "mlp": "-"}
@@ -143,15 +142,8 @@ class NemotronHLayer:
 
 
 @attrs.frozen
-class NemotronHParams:
-    __fx_memo_flatten__ = True
-    embed: Linear
-    layers: tuple[NemotronHLayer, ...]
-    norm: mx.array
-    lm_head: Linear
-    config: NemotronHConfig = static_field()
-    numerics: Numerics = static_field(factory=Numerics)
-    dtype: str = static_field(default="float32")
+class NemotronHParams(DecoderParams):
+    """Its params (the type names the family)."""
 
 
 def cache_specs(cfg: NemotronHConfig) -> tuple[LayerSpec, ...]:
@@ -201,8 +193,7 @@ def forward(p: NemotronHParams, cache: KVCache, tokens: mx.array, n_valid: mx.ar
     return h.reshape(b, t, -1), advanced(cache, entries, geo)
 
 
-def hidden_to_logits(p: NemotronHParams, h: mx.array) -> mx.array:
-    return linear(h, p.lm_head, p.numerics).astype(mx.float32)
+hidden_to_logits = head_logits
 
 
 def assemble(cfg: NemotronHConfig, src: TensorSource, opts: LoadOptions) -> NemotronHParams:

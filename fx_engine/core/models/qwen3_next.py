@@ -28,12 +28,11 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, att
 from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_experts, read_linear
 from fx_engine.core.config import ConfigError, positive_int, required
 from fx_engine.core.models import llama, moe
-from fx_engine.core.models.family import Family
+from fx_engine.core.models.family import DecoderParams, Family, head_logits
 from fx_engine.core.models.mamba2 import conv_weight
 from fx_engine.core.models.moe import Experts, MoEConfig
-from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm, rope_tables, swiglu_fused
+from fx_engine.core.nn import Linear, embed, linear, rms_norm, rope_tables, swiglu_fused
 from fx_engine.core.recurrent import causal_conv, gated_delta_scan
-from fx_engine.core.tree import static_field
 
 
 @attrs.frozen
@@ -135,15 +134,8 @@ class DenseMlp:
 
 
 @attrs.frozen
-class Qwen3NextParams:
-    __fx_memo_flatten__ = True
-    embed: Linear
-    layers: tuple[Qwen3NextLayer, ...]
-    norm: mx.array
-    lm_head: Linear | None
-    config: Qwen3NextConfig = static_field()
-    numerics: Numerics = static_field(factory=Numerics)
-    dtype: str = static_field(default="float32")
+class Qwen3NextParams(DecoderParams):
+    """Its params (the type names the family)."""
 
 
 def cache_specs(cfg: Qwen3NextConfig) -> tuple[LayerSpec, ...]:
@@ -235,8 +227,7 @@ def forward(p: Qwen3NextParams, cache: KVCache, tokens: mx.array, n_valid: mx.ar
     return h.reshape(b, t, -1), advanced(cache, entries, geo)
 
 
-def hidden_to_logits(p: Qwen3NextParams, h: mx.array) -> mx.array:
-    return linear(h, p.lm_head if p.lm_head is not None else p.embed, p.numerics).astype(mx.float32)
+hidden_to_logits = head_logits
 
 
 def assemble(cfg: Qwen3NextConfig, src: TensorSource, opts: LoadOptions) -> Qwen3NextParams:
