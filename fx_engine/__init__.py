@@ -15,6 +15,7 @@ until a public name is used; `setup()` runs first then):
     out = fx_engine.generate(model, "Hello", max_tokens=32, temperature=0.0)
     for delta in fx_engine.stream(model, messages): print(delta, end="")
     fx_engine.logits(model, token_ids)                # teacher-forced [T, V]
+    fx_engine.load_adapter(model, "adapters/", name="a")  # LoRA/DoRA: generate(..., adapter="a")
     with fx_engine.Engine(model, max_rows=8) as engine:  # continuous batching
         handle = engine.submit("Hello", max_tokens=32); print(handle.result().text)
 
@@ -43,7 +44,8 @@ _PUBLIC = {
     "Completion": "engine.generate", "TextDelta": "engine.generate",
     "TokenLogprob": "engine.generate", "Usage": "engine.generate", "generate": "engine.generate",
     "stream": "engine.generate",
-    "Model": "loading.model", "load": "loading.model",
+    "Model": "loading.model", "load": "loading.model", "load_adapter": "loading.model",
+    "fuse_adapter": "loading.model",
     "SamplingConfig": "core.sampling",
     "logits": "engine.scoring",
     "decode_step": "core.steps", "prefill_step": "core.steps", "sample_step": "core.steps",

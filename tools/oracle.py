@@ -178,3 +178,79 @@ def mlx_lm_generate(ref: Any, prompt_ids: list[int], *, max_tokens: int, eos_ids
         tokens.append(tok)
         lps.append(float(logprobs[tok].item()))
     return tokens, lps, margin
+
+
+def write_mlx_lm_adapter(model_path: str | Path, out: str | Path, *, rank: int = 4, scale: float = 2.0,
+                         keys: list[str] | None = None, num_layers: int = -1, dora: bool = False,
+                         seed: int = 0, init_scale: float = 0.05) -> Path:
+    """An adapter folder exactly as `mlx_lm.lora` saves one (adapters.safetensors of the
+    trainable parameters + adapter_config.json), made by mlx-lm's own `linear_to_lora_layers`
+    on the model at `model_path`, with random non-zero lora_a / lora_b (and DoRA's m
+    perturbed from its initial norm) instead of training steps."""
+    import json
+
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, _ = load_model(Path(model_path))
+    model.freeze()
+    params = {"rank": rank, "scale": scale, "dropout": 0.0}
+    if keys is not None:
+        params["keys"] = keys
+    linear_to_lora_layers(model, num_layers, params, use_dora=dora)
+    mx.random.seed(seed)
+    weights = {}
+    for name, w in tree_flatten(model.trainable_parameters()):
+        if name.endswith("lora_a") or name.endswith("lora_b"):
+            w = init_scale * mx.random.normal(w.shape).astype(w.dtype)
+        elif name.endswith(".m"):
+            w = w * (1.0 + 0.1 * mx.random.uniform(shape=w.shape)).astype(w.dtype)
+        weights[name] = w
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    (out / "adapter_config.json").write_text(json.dumps({
+        "fine_tune_type": "dora" if dora else "lora", "num_layers": num_layers,
+        "lora_parameters": params, "model": str(model_path)}, indent=1))
+    del nn
+    return out
+
+
+def mlx_lm_with_adapter(model_path: str | Path, adapter: str | Path) -> Any:
+    """mlx-lm's model with an adapter loaded by its own `load_adapters` (float32)."""
+    from mlx_lm.tuner.utils import load_adapters
+    from mlx_lm.utils import load_model
+
+    ref, _ = load_model(Path(model_path))
+    ref.set_dtype(mx.float32)
+    load_adapters(ref, str(adapter))
+    ref.set_dtype(mx.float32)
+    return ref
+
+
+def peft_from_mlx_lm(adapter: str | Path, out: str | Path, base: str = "base") -> Path:
+    """The same adapter in PEFT's layout (adapter_model.safetensors with
+    base_model.model.<module>.lora_A.weight [r, in] / lora_B.weight [out, r] /
+    lora_magnitude_vector, and a LoraConfig adapter_config.json with lora_alpha = scale * r)."""
+    import json
+
+    adapter, out = Path(adapter), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    lp = cfg["lora_parameters"]
+    tensors = mx.load(str(adapter / "adapters.safetensors"))
+    peft, targets = {}, set()
+    for name, w in tensors.items():
+        mod, _, leaf = name.rpartition(".")
+        targets.add(mod.rsplit(".", 1)[-1])
+        key = {"lora_a": "lora_A.weight", "lora_b": "lora_B.weight", "m": "lora_magnitude_vector"}[leaf]
+        peft[f"base_model.model.{mod}.{key}"] = w.T if leaf != "m" else w
+    mx.save_safetensors(str(out / "adapter_model.safetensors"), peft)
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": lp["rank"], "lora_alpha": lp["scale"] * lp["rank"],
+        "target_modules": sorted(targets), "lora_dropout": 0.0, "bias": "none",
+        "use_dora": cfg["fine_tune_type"] == "dora", "use_rslora": False, "fan_in_fan_out": False,
+        "base_model_name_or_path": base, "task_type": "CAUSAL_LM"}, indent=1))
+    return out

@@ -119,23 +119,24 @@ def read_linear(
                 f"(scales {tuple(scales.shape)}), expected ({out_f}, {in_f * bits // 32}) for "
                 f"{bits}-bit group {gs} of a [{out_f}, {in_f}] matrix"
             )
-        return Linear(weight=w, bias=b, scales=scales, biases=biases, group_size=gs, bits=bits)
+        return Linear(weight=w, bias=b, scales=scales, biases=biases, group_size=gs, bits=bits,
+                      origin=((prefix, out_f),))
     if tuple(w.shape) != (out_f, in_f):
         raise WeightsError(
             f"{src.origin[w_name]}: tensor '{w_name}' has shape {tuple(w.shape)}, "
             f"expected {(out_f, in_f)}"
         )
-    return Linear(weight=w, bias=b)
+    return Linear(weight=w, bias=b, origin=((prefix, out_f),))
 
 
 def dequantized(lin: Linear, dtype: mx.Dtype) -> Linear:
     if not lin.quantized:
-        return Linear(weight=lin.weight.astype(dtype), bias=cast(lin.bias, dtype))
+        return Linear(weight=lin.weight.astype(dtype), bias=cast(lin.bias, dtype), origin=lin.origin)
     w = mx.dequantize(
         lin.weight, lin.scales.astype(dtype), lin.biases.astype(dtype),
         group_size=lin.group_size, bits=lin.bits,
     ).astype(dtype)
-    return Linear(weight=w, bias=cast(lin.bias, dtype))
+    return Linear(weight=w, bias=cast(lin.bias, dtype), origin=lin.origin)
 
 
 def keep(policy: KeepQuantized, lin: Linear) -> bool:
@@ -156,7 +157,7 @@ def widened(policy: KeepQuantized, lin: Linear, force: bool = False) -> Linear:
         return lin
     k = lin.scales.shape[-1] * lin.group_size
     return Linear(weight=mx.array(repacked_8bit(np.asarray(lin.weight), lin.bits, k)), bias=lin.bias,
-                  scales=lin.scales, biases=lin.biases, group_size=lin.group_size, bits=8)
+                  scales=lin.scales, biases=lin.biases, group_size=lin.group_size, bits=8, origin=lin.origin)
 
 
 def repacked_8bit(words: np.ndarray, bits: int, k: int) -> np.ndarray:
@@ -197,6 +198,7 @@ def fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: KeepQuantized) ->
     Quantized parts of different group sizes (a GGUF mix: Q4_K q/k in groups of 32, a Q6_K
     v in groups of 16) are regrouped to the smallest when it divides the others, and parts
     of different widths widened to 8 bits: exact, and still one quantized matrix."""
+    origin = sum((p.origin for p in parts), ()) if all(p.origin for p in parts) else ()
     if all(p.quantized for p in parts) and len({p.group_size for p in parts}) > 1:
         g = min(p.group_size for p in parts)
         if all(p.group_size % g == 0 for p in parts) and keep(keep_quantized, attrs.evolve(parts[0], group_size=g, bits=8)):
@@ -215,12 +217,13 @@ def fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: KeepQuantized) ->
             bias=None if parts[0].bias is None else cat([p.bias.astype(dtype) for p in parts]),
             scales=cat([p.scales.astype(dtype) for p in parts]),
             biases=cat([p.biases.astype(dtype) for p in parts]),
-            group_size=parts[0].group_size, bits=parts[0].bits,
+            group_size=parts[0].group_size, bits=parts[0].bits, origin=origin,
         )
     dense = [dequantized(p, dtype) for p in parts]
     return finish(Linear(
         weight=mx.concatenate([p.weight for p in dense], axis=0),
         bias=None if dense[0].bias is None else mx.concatenate([p.bias for p in dense]),
+        origin=origin,
     ), dtype, keep_quantized)
 
 
@@ -233,17 +236,19 @@ def finish(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized, table: b
     kernel is needed (a Q6_K embedding of 128k x 4096 stays ~420 MB instead of 2 GB)."""
     if table and lookup_only and lin.quantized and keep_quantized is not False:
         return Linear(weight=lin.weight, bias=cast(lin.bias, dtype), scales=lin.scales.astype(dtype),
-                      biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits)
+                      biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits,
+                      origin=lin.origin)
     lin = widened(keep_quantized, lin)
     if keep(keep_quantized, lin):
         return Linear(
             weight=lin.weight, bias=cast(lin.bias, dtype), scales=lin.scales.astype(dtype),
             biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits,
+            origin=lin.origin,
         )
     dense = dequantized(lin, dtype)
     if table:
         return dense
-    return Linear(weight=mx.contiguous(dense.weight.T), bias=dense.bias, transposed=True)
+    return Linear(weight=mx.contiguous(dense.weight.T), bias=dense.bias, transposed=True, origin=lin.origin)
 
 
 def read_expert_stack(

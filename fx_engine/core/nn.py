@@ -96,6 +96,13 @@ class Linear:
     # MLX's quantization mode: "affine" (scales and biases), or "mxfp4" (E2M1 codes with
     # E8M0 uint8 scales, no biases: a GGUF's MXFP4 expert stacks, run by gather_qmm)
     mode: str = static_field(default="affine")
+    # Where the rows come from: ((checkpoint module name, rows), ...) in row order, set by
+    # `checkpoint.read_linear` and kept through fusion and re-representation, so adapters
+    # trained on the checkpoint's modules find their rows (core/adapters.py). () when the
+    # weight was transformed (scaled, sliced): no adapter may target it.
+    origin: tuple = static_field(default=())
+    # Per-row low-rank adapters bound for one step (`adapters.with_adapters`); None: none.
+    lora: "LoraBinding | None" = None
 
     @property
     def dense_out_in(self) -> mx.array:
@@ -180,6 +187,56 @@ def _tiled_matmul(x2: mx.array, lin: Linear, tile: int) -> mx.array:
     return y[:m] if pad else y
 
 
+@attrs.frozen
+class LoraStack:
+    """The low-rank adapters of one linear, one slot per loaded adapter (slot 0: none, all
+    zeros): y += (x @ a[s]) @ b[s] for a row in slot s, then y *= mag[s] (DoRA's magnitude
+    over the adapted weight's row norm; ones for plain LoRA slots; None when no slot is
+    DoRA). The LoRA scale is folded into b. Ranks are zero-padded to the stack's bucket
+    (exact: padded columns add zeros)."""
+
+    __fx_memo_flatten__ = True
+
+    a: Float[mx.array, "S K R"]
+    b: Float[mx.array, "S R N"]
+    mag: Float[mx.array, "S N"] | None = None
+
+
+@attrs.frozen
+class LoraBinding:
+    """A LoraStack bound to one step's rows: `rows[b]` is row b's slot."""
+
+    stack: LoraStack
+    rows: Int[mx.array, "B"]
+
+
+def lora_update(x: mx.array, y: mx.array, lora: LoraBinding, numerics: Numerics) -> mx.array:
+    """y (x's base product, before the bias) with each row's adapter applied. x: [B, ...,
+    K] with the rows first (the step's batch rows); the low-rank products are gathered per
+    row (`gather_mm`: no copy of the stacks), in float32 as mlx-lm computes them. In the
+    batch-invariant mode every product runs on fixed tiles of `numerics.tile` tokens, so a
+    row's result does not depend on the other rows or the chunk length."""
+    st, rows = lora.stack, lora.rows
+    b = rows.shape[0]
+    lead, k = x.shape[:-1], x.shape[-1]
+    xb = x.reshape(b, -1, k).astype(st.a.dtype)
+    t = xb.shape[1]
+    idx = rows
+    if numerics.batch_invariant:
+        pad = (-t) % numerics.tile
+        if pad:
+            xb = mx.concatenate([xb, mx.zeros((b, pad, k), xb.dtype)], axis=1)
+        n = xb.shape[1] // numerics.tile
+        xb = xb.reshape(b * n, numerics.tile, k)
+        idx = mx.repeat(rows, n)
+    z = mx.gather_mm(mx.gather_mm(xb, st.a, rhs_indices=idx), st.b, rhs_indices=idx)
+    z = z.reshape(b, -1, z.shape[-1])[:, :t]
+    out = y.reshape(b, t, -1) + z.astype(y.dtype)
+    if st.mag is not None:
+        out = mx.take(st.mag, rows, axis=0)[:, None, :].astype(y.dtype) * out
+    return out.reshape(*lead, -1)
+
+
 def linear(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
     if _native_ok(lin, numerics):
         y = _native_matmul(x, lin, numerics)
@@ -189,6 +246,8 @@ def linear(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
         y = y.reshape(*lead, y.shape[-1])
     else:
         y = _matmul_rows(x, lin)
+    if lin.lora is not None:
+        y = lora_update(x, y, lin.lora, numerics)
     if lin.bias is not None:
         y = y + lin.bias
     return y

@@ -39,6 +39,7 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
+from fx_engine.core.adapters import Adapters, with_adapters
 from fx_engine.core.cache import KVCache, commit
 from fx_engine.core.models import AnyParams, forward, hidden_to_logits
 from fx_engine.core.sampling import (SamplingParams, _categorical_rows, _fast_logsumexp, _split_rows, _uniform_rows, apply_token_mask, process_logits, push_history, sample, sampling_distribution, top_logprobs)
@@ -135,11 +136,13 @@ def verify_step(
     params: AnyParams, cache: KVCache, state: DecodeState, drafts: Int[mx.array, "B K"],
     n_draft: Int[mx.array, "B"], draft_probs: Float[mx.array, "B K V"] | None = None,
     span: int | None = None, mask: Int[mx.array, "B K1 W"] | None = None,
+    adapters: Adapters | None = None,
 ) -> tuple[DecodeState, KVCache, VerifyResult]:
     """Verify up to K drafts per row in one target pass (see the module docstring).
 
     span (static): attend over the first `span` cache slots (>= max(lengths) + K + 1).
     mask: allowed-token bitmask per row and verified position (None: no constraint).
+    adapters: each row's LoRA adapter (`core.adapters.Adapters`; None: the base model).
     """
     b, k = drafts.shape
     act = state.active
@@ -154,6 +157,7 @@ def verify_step(
     recurrent = any(s.state for s in cache.layout)
     if recurrent:  # recurrent states cannot be rolled back: keep the one after each position
         cache = tree_replace(cache, keep_steps=True)
+    params = with_adapters(params, adapters)
     h, cache = forward(params, cache, tokens, act.astype(mx.int32) * (1 + n_draft), span)
     logits = hidden_to_logits(params, h).astype(mx.float32)  # [B, K+1, V]
     if mask is not None:

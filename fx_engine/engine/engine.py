@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from fx_engine.core.adapters import Adapters
 from fx_engine.core.cache import KVCache, bytes_per_token, span_bucket, state_dtype
 from fx_engine.engine.kv_rows import insert_row, row_view, snapshot_row, stack_rows
 from fx_engine.core.sampling import mask_words, top_logprobs
@@ -115,6 +116,7 @@ class _Request:
         "handle", "ids", "cfg", "max_tokens", "out", "generated", "want_logprobs", "need",
         "prefilled", "pcache", "row", "cache_len", "phase", "t_admit", "t_first", "row_state",
         "processors", "drafter", "row_drafter", "spec", "cached", "salt", "grammar", "plp",
+        "slot",
     )
 
     def __init__(self, handle, ids, cfg, max_tokens, out, processors=(), drafter=None,
@@ -145,6 +147,7 @@ class _Request:
         self.row_drafter = None
         self.spec = DraftState(k_max)
         self.cached = 0  # prompt tokens restored from the prefix cache
+        self.slot = 0  # the row's adapter slot in the model's adapter bank (0: the base)
 
 
 # --------------------------------------------------------------------------------------
@@ -458,8 +461,14 @@ class Engine:
         if r.constraint is not None:
             grammar = RowGrammar(r.constraint, grammar_tokenizer(
                 self.model.tokenizer, self._c.vocab_size, self.eos))
+        salt = r.cache_salt
+        if r.adapter is not None:
+            # the prefix-cache scope of an adapter's rows: its contents' fingerprint (never
+            # shared with the base or another adapter; stable across restarts for the disk tier)
+            salt = f"\x00adapter:{r.adapter.fingerprint}\x00{salt or ''}"
         req = _Request(None, ids, r.sampling, max_tokens, out, r.processors, r.drafter,
-                       r.num_draft_tokens, r.cache_salt, grammar)
+                       r.num_draft_tokens, salt, grammar)
+        req.slot = 0 if r.adapter is None else r.adapter.slot
         if r.prompt_logprobs is not None:
             req.plp = r.prompt_logprobs
             out.prompt_lps = [None]  # the first token has no context
@@ -663,7 +672,7 @@ class Engine:
             logits, cache = step(
                 self.params, cache, mx.array(tokens, mx.int32),
                 mx.array([n for _, n in pieces], mx.int32),
-                span=span_bucket(max(starts) + size, cap),
+                span=span_bucket(max(starts) + size, cap), **self._adapters(reqs),
             )
             if score:
                 all_logits = logits
@@ -798,10 +807,11 @@ class Engine:
         if any(r.processors for r in live):
             state, cache = self._decode_with_processors(state, span, failed, mask)
         elif mask is None:  # the fast path: forward and sampling in one compiled step
-            state, cache = decode_step_compiled(self.params, batch.cache, state, span=span)
+            state, cache = decode_step_compiled(self.params, batch.cache, state, span=span,
+                                                **self._adapters(rows))
         else:  # constrained rows: the same step with their allowed-token masks
             state, cache = decode_step_compiled(self.params, batch.cache, state, span=span,
-                                                mask=mask)
+                                                mask=mask, **self._adapters(rows))
         host = time.perf_counter() - t0
         batch.cache = None
         mx.eval(*tree_leaves(state), *tree_leaves(cache))
@@ -916,6 +926,7 @@ class Engine:
         t0 = time.perf_counter()
         traces = verify_step_compiled.traces
         extra = {} if masks is None else {"mask": masks}
+        extra.update(self._adapters(rows_))
         state, cache, res = verify_step_compiled(
             self.params, batch.cache, state, mx.array(arr, mx.int32), mx.array(n, mx.int32),
             probs, span=span, **extra)
@@ -960,7 +971,7 @@ class Engine:
         batch = self._batch
         logits, cache = prefill_step_compiled(
             self.params, batch.cache, state.tokens[:, None], state.active.astype(mx.int32),
-            span=span,
+            span=span, **self._adapters(batch.rows),
         )
         batch.cache = None
         rows = [logits[i : i + 1] for i in range(logits.shape[0])]
@@ -976,6 +987,15 @@ class Engine:
         if mask is None:
             return sample_step_compiled(state, logits), cache
         return sample_step_compiled(state, logits, mask), cache
+
+    # ---------------------------------------------------------------- adapters
+    def _adapters(self, rows: Sequence[_Request | None]) -> dict[str, Adapters]:
+        """The `adapters` step argument for these rows ({} when every row is on the base
+        model: the base step, with no low-rank work). Empty rows use slot 0."""
+        slots = [0 if r is None else r.slot for r in rows]
+        if not any(slots):
+            return {}
+        return {"adapters": Adapters(self.model.adapters.bank(), mx.array(slots, mx.int32))}
 
     # ---------------------------------------------------------------- grammars
     def _masks(self, rows: Sequence[_Request | None], fail: bool = True) -> mx.array | None:

@@ -24,6 +24,7 @@ from fx_engine.engine.kv_rows import resize
 from fx_engine.loading.model import Model
 from fx_engine.core.sampling import SamplingConfig, mask_words
 from fx_engine.core.state import init_state
+from fx_engine.core.adapters import Adapters
 from fx_engine.core.steps import decode_step_compiled, prefill_step_compiled, sample_step_compiled
 from fx_engine.core.tree import tree_leaves
 from fx_engine.engine.output import TokenOutput
@@ -71,14 +72,18 @@ def reference_stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextD
         grammar = RowGrammar(r.constraint, grammar_tokenizer(
             model.tokenizer, model.config.vocab_size, model.eos_ids))
     return _reference_run(model, r.ids, r.sampling, r.max_tokens, r.stops, r.n_top > 0,
-                          r.prefill_chunk, r.processors, grammar)
+                          r.prefill_chunk, r.processors, grammar, r.adapter)
 
 
 def _reference_run(
     model: Model, ids: list[int], cfg: SamplingConfig, max_tokens: int, stops: StopMatcher,
     want_logprobs: bool, prefill_chunk: int, processors: tuple = (), grammar: Any = None,
+    adapter: Any = None,
 ) -> Iterator[TextDelta]:
     tok = model.tokenizer
+    # the row's adapter as a step input (slot `adapter.slot` of the model's adapter bank)
+    ad = {} if adapter is None else {
+        "adapters": Adapters(model.adapters.bank(), mx.array([adapter.slot], mx.int32))}
 
     def mask() -> dict[str, mx.array]:  # the grammar's allowed tokens as a step argument
         if grammar is None:
@@ -101,7 +106,7 @@ def _reference_run(
         padded = ids[start : start + n] + [0] * (size - n)
         logits, cache = prefill_step_compiled(
             params, cache, mx.array([padded], mx.int32), mx.array([n], mx.int32),
-            span=span_bucket(start + size, cache.capacity),
+            span=span_bucket(start + size, cache.capacity), **ad,
         )
         mx.eval(logits, *tree_leaves(cache))
     state = init_state([cfg], [ids], c.vocab_size, special_token_ids=xtc_special_tokens(model))
@@ -137,11 +142,11 @@ def _reference_run(
         span = span_bucket(len(ids) + len(generated), cache.capacity)
         if processors:  # forward, the processors (eager), then sampling
             logits, cache = prefill_step_compiled(
-                params, cache, state.tokens[:, None], mx.array([1], mx.int32), span=span)
+                params, cache, state.tokens[:, None], mx.array([1], mx.int32), span=span, **ad)
             logits = apply_processors(processors, ids + generated, logits)
             state = sample_step_compiled(state, logits, **mask())
         else:
-            state, cache = decode_step_compiled(params, cache, state, span=span, **mask())
+            state, cache = decode_step_compiled(params, cache, state, span=span, **mask(), **ad)
         mx.eval(*tree_leaves(state), *tree_leaves(cache))
     tail = out.finish(finish)
     t2 = time.perf_counter()

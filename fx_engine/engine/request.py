@@ -179,6 +179,7 @@ class ParsedRequest:
     cache_salt: str | None = None
     constraint: Any = None
     prompt_logprobs: int | None = None  # a constraints.Constraint (grammar of the output) or None
+    adapter: Any = None  # the LoRA adapter (loading.adapters.LoadedAdapter) or None: the base
 
 
 def apply_processors(
@@ -241,6 +242,7 @@ def parse_request(
     choice: Sequence[str] | None = None,
     constraint: Any = None,
     prompt_logprobs: int | None = None,
+    adapter: str | None = None,
 ) -> ParsedRequest:
     """Validate `generate`/`stream`/`Engine.submit` arguments; ValueError names the field.
 
@@ -276,6 +278,9 @@ def parse_request(
     model (raw log-softmax, before any sampling setting) and its N most likely alternatives
     (vLLM's field; the first token's is None); such a request prefills its whole prompt
     (no prefix-cache restore). max_tokens=0 generates nothing (scoring only).
+    adapter: the name of a LoRA / DoRA adapter loaded for this model
+    (`fx_engine.load_adapter`); None: the base model. Rows of different adapters share
+    the engine's steps; the prefix cache never shares KV between adapters.
     Limits: at most MAX_STOP_STRINGS stop strings of at most MAX_STOP_CHARS characters;
     *_context_size at most MAX_CONTEXT_SIZE (a window longer than the prompt plus
     max_tokens is the same as that length, and costs only that); prompt text that cannot
@@ -283,6 +288,9 @@ def parse_request(
     """
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+    if adapter is not None and not isinstance(adapter, str):
+        raise ValueError(f"adapter must be None or the name of a loaded adapter, got {type(adapter).__name__}")
+    loaded = None if adapter is None else model.adapters.get(adapter)
     if prompt_logprobs is not None and (not isinstance(prompt_logprobs, int) or isinstance(
             prompt_logprobs, bool) or not 0 <= prompt_logprobs <= 20):
         raise ValueError(f"prompt_logprobs must be None or an integer in [0, 20], "
@@ -358,7 +366,7 @@ def parse_request(
     elif any(given):
         constraint = parse_constraint(response_format, json_schema, regex, grammar, choice)
     return ParsedRequest(ids, cfg, max_tokens, stops, n_top, prefill_chunk, tuple(procs),
-                         drafter, k, cache_salt, constraint, prompt_logprobs)
+                         drafter, k, cache_salt, constraint, prompt_logprobs, loaded)
 
 
 def _clamp_windows(cfg: SamplingConfig, most: int) -> SamplingConfig:

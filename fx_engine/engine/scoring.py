@@ -6,6 +6,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from fx_engine.core.adapters import Adapters
 from fx_engine.core.cache import span_bucket
 from fx_engine.core.buckets import pow2_ceil, prefill_pieces
 from fx_engine.loading.model import Model
@@ -13,8 +14,12 @@ from fx_engine.core.steps import score_step_compiled
 from fx_engine.core.tree import tree_leaves
 
 
-def logits(model: Model, token_ids: Sequence[int], chunk: int = 512) -> mx.array:
-    """Logits [T, V] (float32) of every position of `token_ids`, computed in chunks."""
+def logits(model: Model, token_ids: Sequence[int], chunk: int = 512, adapter: str | None = None) -> mx.array:
+    """Logits [T, V] (float32) of every position of `token_ids`, computed in chunks.
+    adapter: a loaded LoRA adapter's name (`fx_engine.load_adapter`); None: the base."""
+    ad = {}
+    if adapter is not None:
+        ad = {"adapters": Adapters(model.adapters.bank(), mx.array([model.adapters.get(adapter).slot], mx.int32))}
     ids = list(token_ids)
     if not ids:
         raise ValueError("token_ids: must not be empty")
@@ -28,7 +33,7 @@ def logits(model: Model, token_ids: Sequence[int], chunk: int = 512) -> mx.array
         padded = ids[start : start + n] + [0] * (padded_size - n)
         lg, cache = score_step_compiled(
             model.params, cache, mx.array([padded], mx.int32), mx.array([n], mx.int32),
-            span=span_bucket(start + padded_size, cache.capacity),
+            span=span_bucket(start + padded_size, cache.capacity), **ad,
         )
         lg = lg[0, :n]
         mx.eval(lg, *tree_leaves(cache))

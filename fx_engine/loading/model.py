@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
+from fx_engine.loading.adapters import AdapterSet, fuse_params
 from fx_engine.loading.default_model import default_model_path
 from fx_engine.runtime import native as fx_native
 from fx_engine.loading.weights import KeepQuantized, WeightsError, load_gguf, load_hf_folder
@@ -40,6 +41,9 @@ class Model:
     # What fx_engine.runtime.native.plan measured to choose params.numerics.matmul (None: not
     # measured: no native kernels, 8-bit activations, or no quantized linears).
     matmul_report: Any = attrs.field(default=None, eq=False)
+    # The LoRA / DoRA adapters this model serves (`load_adapter`; loading/adapters.py).
+    # Shared by the model's variants (with_numerics, with_kv_cache): same linears.
+    adapters: AdapterSet = attrs.field(factory=AdapterSet, eq=False)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -237,3 +241,37 @@ def load(
         matmul_report=report,
     )
     return model.with_kv_cache(kv_bits, kv_group_size, quantized_kv_start).with_kv_dtype(kv_dtype)
+
+
+def load_adapter(model: Model, path: str | Path, name: str | None = None) -> str:
+    """Load a LoRA / DoRA adapter (an mlx-lm or PEFT adapter folder) for `model` to serve
+    per request (`generate(..., adapter=name)`, `Engine.submit(..., adapter=name)`); the
+    base weights are not changed. Returns its name (default: the folder's name). Errors
+    (AdapterError, ValueError) name the file and module: a missing file, a module the
+    model does not have, a shape or rank that does not match (an adapter for another base),
+    a name already taken."""
+    entry = model.adapters.add(model.params, path, name, getattr(model.config, "num_layers", None))
+    return entry.name
+
+
+def fuse_adapter(model: Model, adapter: str | Path) -> Model:
+    """A new model with one adapter merged into its weights (as `mlx_lm.fuse
+    --dequantize`): every adapted linear becomes dense (W + scale * (a b)^T, DoRA's
+    magnitude applied to the rows), the others stay as loaded. `adapter`: a loaded
+    adapter's name or an adapter folder. The new model serves no adapters."""
+    if isinstance(adapter, str) and adapter in model.adapters.names():
+        entry = model.adapters.get(adapter)
+        segments = entry.segments
+        fp = entry.fingerprint
+    else:
+        from fx_engine.loading.adapters import map_adapter, read_adapter
+
+        raw = read_adapter(adapter)
+        segments, _ = map_adapter(model.params, raw, getattr(model.config, "num_layers", None))
+        fp = raw.fingerprint
+    params = fuse_params(model.params, segments, model.dtype)
+    mx.eval(tree_leaves(params))
+    fused = attrs.evolve(model, params=params, adapters=AdapterSet(),
+                         fingerprint=hashlib.sha256(f"{model.fingerprint}+{fp}".encode()).hexdigest()[:16],
+                         weight_format=f"{model.weight_format} + fused adapter")
+    return fused

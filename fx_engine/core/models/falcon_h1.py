@@ -148,7 +148,7 @@ def _scaled(lin: Linear, s: Any) -> Linear:
         raise ConfigError("falcon_h1: an unconverted checkpoint (multipliers not folded in) must be dense")
     s = mx.array(s, mx.float32) if not isinstance(s, mx.array) else s
     w = lin.weight.astype(mx.float32) * (s[:, None] if s.ndim else s)
-    return attrs.evolve(lin, weight=w.astype(lin.weight.dtype))
+    return attrs.evolve(lin, weight=w.astype(lin.weight.dtype), origin=())  # no adapter may target it
 
 
 def assemble(cfg: FalconH1Config, src: TensorSource, opts: LoadOptions) -> FalconH1Params:
