@@ -47,6 +47,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help="most draft tokens per step (default 4; adapted per request)")
     p.add_argument("--prompt-lookup", action="store_true",
                    help="speculative decoding with n-gram drafts from the prompt and output")
+    p.add_argument("--adapter", action="append", default=None, metavar="[NAME=]PATH",
+                   help="a LoRA/DoRA adapter folder (mlx-lm or PEFT). generate/chat: the one to "
+                        "use; serve: repeatable, chosen per request by model 'BASE:NAME'")
     p.add_argument("--prompt-cache", default=None, metavar="DIR",
                    help="prefix-cache directory: restore the prompt's cached prefix, save new ones")
 
@@ -64,6 +67,11 @@ def _kwargs(a: argparse.Namespace, model: Any = None) -> dict[str, Any]:
         kw["num_draft_tokens"] = a.num_draft_tokens
     if getattr(a, "prompt_cache", None):
         kw["prompt_cache_dir"] = a.prompt_cache
+    if model is not None and getattr(a, "adapter", None):
+        names = model.adapters.names()
+        if len(names) != 1:
+            raise ValueError("--adapter: generate and chat use one adapter")
+        kw["adapter"] = names[0]
     return kw
 
 
@@ -86,10 +94,16 @@ def _draft(a: argparse.Namespace, model: Any) -> Any:
 
 
 def _load(a: argparse.Namespace):
-    return fx_engine.load(a.model, batch_invariant=a.batch_invariant, kv_bits=a.kv_bits,
-                          kv_group_size=a.kv_group_size, quantized_kv_start=a.quantized_kv_start,
-                          activation_bits=getattr(a, "activation_bits", None),
-                          kv_dtype=getattr(a, "kv_dtype", None))
+    model = fx_engine.load(a.model, batch_invariant=a.batch_invariant, kv_bits=a.kv_bits,
+                           kv_group_size=a.kv_group_size, quantized_kv_start=a.quantized_kv_start,
+                           activation_bits=getattr(a, "activation_bits", None),
+                           kv_dtype=getattr(a, "kv_dtype", None))
+    for spec in getattr(a, "adapter", None) or ():
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = None, spec
+        fx_engine.load_adapter(model, path, name=name)
+    return model
 
 
 def _report(usage: Any, model: Any = None) -> None:
@@ -227,9 +241,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
                      chat_template=template, chat_template_args=template_args,
                      max_request_bytes=a.max_request_bytes, stream_buffer=a.stream_buffer)
     log = logging.getLogger("fx_engine.server")
-    log.info("fx-engine %s serving %s (%s, fingerprint %s) on http://%s:%d; %d rows, prefill "
+    log.info("fx-engine %s serving %s%s (%s, fingerprint %s) on http://%s:%d; %d rows, prefill "
              "chunk %d, queue %d, prefix cache %d MiB%s, KV %s, speculation %s, %d API key(s)",
-             fx_engine.__version__, model_id, model.config.model_type, model.fingerprint, a.host,
+             fx_engine.__version__, model_id,
+             "".join(f", {model_id}:{n}" for n in model.adapters.names()),
+             model.config.model_type, model.fingerprint, a.host,
              a.port, engine.max_rows, engine.prefill_chunk, engine.max_queue,
              a.prompt_cache_bytes >> 20, f" + disk {a.prompt_cache_dir}" if a.prompt_cache_dir else "",
              f"{engine.bytes_per_token:.0f} B/token", "prompt lookup" if a.prompt_lookup else (

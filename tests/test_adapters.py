@@ -254,3 +254,62 @@ def test_bad_adapters_are_clear_errors(tiny, tmp_path):
     with pytest.raises(ValueError, match="adapter: unknown adapter 'b'"):
         fx_engine.generate(model, "hi", max_tokens=2, adapter="b")
     assert model.adapters.names() == ["a"]  # the failed loads left nothing behind
+
+
+def test_server_selects_adapters_by_model_name(tiny, tmp_path):
+    """`fx-engine serve --adapter NAME=PATH`'s server: /v1/models lists BASE and BASE:NAME;
+    the OpenAI `model` field picks the adapter per request (rows of different adapters in
+    one batch); an unknown one is a 404; embeddings refuse adapters."""
+    import httpx
+    from openai import NotFoundError, OpenAI
+
+    from fx_engine.server.app import create_app
+
+    from .conftest import serve
+
+    model = fx_engine.load(tiny)
+    for n in ("x", "y"):
+        fx_engine.load_adapter(model, write_mlx_lm_adapter(tiny, tmp_path / n, keys=KEYS, seed=ord(n),
+                                                           init_scale=0.1), name=n)
+    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=32)
+    app = create_app(engine, "tiny", defaults={"max_tokens": 8})
+    kw = dict(max_tokens=8, temperature=1.0, seed=11)
+    with serve(app, engine) as (url, _):
+        client = OpenAI(base_url=url + "/v1", api_key="none")
+        ids = [m.id for m in client.models.list().data]
+        assert ids == ["tiny", "tiny:x", "tiny:y"]
+        import concurrent.futures
+
+        names = ["tiny", "tiny:x", "y", "tiny:y"]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda m: client.completions.create(model=m, prompt="The capital", logprobs=1,
+                                                                    **kw), names))
+        for name, r in zip(names, got):
+            adapter = None if name == "tiny" else name.split(":")[-1]
+            want = reference_generate(model, "The capital", adapter=adapter, logprobs=1, **kw)
+            assert r.choices[0].text == want.text
+            assert r.choices[0].logprobs.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
+            assert r.model == ("tiny" if adapter is None else f"tiny:{adapter}")
+        assert len({tuple(r.choices[0].logprobs.token_logprobs) for r in got[:3]}) == 3
+        with pytest.raises(NotFoundError, match="tiny:z"):
+            client.chat.completions.create(model="tiny:z", messages=[{"role": "user", "content": "hi"}])
+        r = httpx.post(url + "/v1/embeddings", json={"model": "tiny:x", "input": "hi"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_cli_generate_and_serve_options(tiny, tmp_path, capsys):
+    from fx_engine.cli import build_parser, main
+
+    ad = write_mlx_lm_adapter(tiny, tmp_path / "a", keys=KEYS, init_scale=0.1)
+    args = ["generate", "The capital", "--raw", "--model", str(tiny), "--max-tokens", "6", "--temp", "1",
+            "--seed", "3"]
+    assert main(args + ["--adapter", str(ad)]) == 0
+    with_adapter = capsys.readouterr().out
+    model = fx_engine.load(tiny)
+    fx_engine.load_adapter(model, ad)
+    want = fx_engine.generate(model, "The capital", max_tokens=6, temperature=1.0, seed=3, adapter="a")
+    assert with_adapter.strip() == want.text.strip()
+    assert main(args + ["--adapter", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    a = build_parser().parse_args(["serve", "--adapter", f"one={ad}", "--adapter", str(ad)])
+    assert a.adapter == [f"one={ad}", str(ad)]

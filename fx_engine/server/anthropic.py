@@ -262,6 +262,7 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                     kw[name] = defaults[name]
             ids = prompt_of(body, kw)
             kw["cache_salt"] = salt(request)
+            kw["adapter"] = app.state.adapter_of(body.model)  # other names: the base
             return engine.submit_many(ids, [kw])
 
         handles = await run_in_threadpool(work)
@@ -301,7 +302,8 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         inside = in_reasoning(h.prompt_token_ids)
         one_call = bool((body.tool_choice or {}).get("disable_parallel_tool_use"))
         if body.stream:
-            return StreamingResponse(_events(request, h, mid, names, inside, one_call),
+            return StreamingResponse(_events(request, h, mid, names, inside, one_call,
+                                             app.state.shown_model(body.model)),
                                      media_type="text/event-stream",
                                      background=BackgroundTask(lambda: h.done or h.cancel()))
         try:
@@ -317,14 +319,14 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         if one_call:
             calls = calls[:1]
         stop_reason, stop_seq = _stop(out.finish_reason, out.stop_string, bool(calls))
-        return {"id": mid, "type": "message", "role": "assistant", "model": model_id,
+        return {"id": mid, "type": "message", "role": "assistant", "model": app.state.shown_model(body.model),
                 "content": _blocks(reasoning, content, calls), "stop_reason": stop_reason,
                 "stop_sequence": stop_seq,
                 "usage": _usage(out.usage.prompt_tokens, out.usage.cached_tokens,
                                 out.usage.completion_tokens)}
 
     async def _events(request: Request, h: Any, mid: str, names: set[str] | None, inside: bool,
-                      one_call: bool = False):
+                      one_call: bool = False, shown: str = model_id):
         """Anthropic's event stream: message_start, per block content_block_start / deltas
         / content_block_stop, message_delta (stop_reason, usage), message_stop."""
         think = ReasoningStream(think_fmt, inside)
@@ -356,7 +358,7 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
             return out
 
         yield _sse("message_start", {"type": "message_start", "message": {
-            "id": mid, "type": "message", "role": "assistant", "model": model_id, "content": [],
+            "id": mid, "type": "message", "role": "assistant", "model": shown, "content": [],
             "stop_reason": None, "stop_sequence": None,
             "usage": _usage(len(h.prompt_token_ids), 0, 0)}})
         try:

@@ -519,14 +519,36 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
     # except on Anthropic's route, whose clients send Claude model names they cannot change)
     names = {model_id, str(model.path), Path(str(model.path)).name} if model.path else {model_id}
 
-    def unknown_model(name: str | None) -> Any:
+    def adapter_of(name: str | None) -> str | None:
+        """The LoRA adapter a `model` name selects: `BASE:ADAPTER` (BASE one of the base's
+        names) or the adapter's own name (as vLLM names LoRA modules); None: the base."""
         if name is None or name in names:
             return None
+        base, sep, rest = name.partition(":")
+        loaded = model.adapters.names()
+        if sep and base in names and rest in loaded:
+            return rest
+        return name if name in loaded else None
+
+    def unknown_model(name: str | None, adapters: bool = True) -> Any:
+        if name is None or name in names or (adapters and adapter_of(name) is not None):
+            return None
+        if not adapters and adapter_of(name) is not None:
+            return _error(400, f"model: {name!r} is a LoRA adapter; this route serves the base "
+                          f"model {model_id!r} only", "model")
+        listed = [model_id] + [f"{model_id}:{a}" for a in model.adapters.names()]
         return _error(404, f"model: the model {name!r} does not exist (this server serves "
-                      f"{model_id!r}; see /v1/models)", "model", kind="not_found_error",
+                      f"{', '.join(map(repr, listed))}; see /v1/models)", "model", kind="not_found_error",
                       code="model_not_found")
 
+    def shown_model(name: str | None) -> str:
+        """The `model` a response reports: the base's id, or BASE:ADAPTER."""
+        a = adapter_of(name)
+        return model_id if a is None else f"{model_id}:{a}"
+
     app.state.unknown_model = unknown_model
+    app.state.adapter_of = adapter_of
+    app.state.shown_model = shown_model
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -562,8 +584,13 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_id, "object": "model",
-                                            "created": int(time.time()), "owned_by": "fx-engine"}]}
+        now = int(time.time())
+        data = [{"id": model_id, "object": "model", "created": now, "owned_by": "fx-engine",
+                 "root": str(model.path), "parent": None}]
+        data += [{"id": f"{model_id}:{a}", "object": "model", "created": now, "owned_by": "fx-engine",
+                  "root": model.adapters.get(a).raw.path, "parent": model_id}  # vLLM's LoRA entries
+                 for a in model.adapters.names()]
+        return {"object": "list", "data": data}
 
     @app.get("/metrics")
     async def prom() -> PlainTextResponse:
@@ -602,6 +629,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
             try:
                 for prompt, kw in (built if isinstance(built, list) else [built]):
                     kw["cache_salt"] = _salt(request, body)
+                    kw["adapter"] = adapter_of(body.model)
                     handles += engine.submit_many(prompt, _choices(body, kw))
             except BaseException:
                 _cancel(handles)  # a later prompt failed: the earlier ones never run
@@ -637,7 +665,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                 _stream(request, handles, rid, created, chat, include_usage, prompt_tokens,
                         getattr(body, "top_logprobs", None) or 0, tool_names,
                         getattr(body, "parallel_tool_calls", None) is False, echoes,
-                        getattr(body, "logprobs", None) if not chat else None),
+                        getattr(body, "logprobs", None) if not chat else None,
+                        shown_model(body.model)),
                 media_type="text/event-stream",
                 background=BackgroundTask(_cancel, handles))  # also if the body never started
         try:
@@ -680,7 +709,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                 c = {"index": i, "text": echoed + o.text, "finish_reason": _finish(o.finish_reason),
                      "logprobs": lps}
             choices.append(c)
-        return {"id": rid, "object": obj, "created": created, "model": model_id,
+        return {"id": rid, "object": obj, "created": created, "model": shown_model(body.model),
                 "choices": choices, "usage": _usage(outs, prompt_tokens),
                 "system_fingerprint": model.fingerprint}
 
@@ -709,7 +738,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
     async def _stream(request: Request, handles: list[Any], rid: str, created: int, chat: bool,
                       include_usage: bool, prompt_tokens: int, top_n: int = 0,
                       tool_names: set[str] | None = None, one_call: bool = False,
-                      echoes: list[str] | None = None, n_logprobs: int | None = None):
+                      echoes: list[str] | None = None, n_logprobs: int | None = None,
+                      shown: str = model_id):
         obj = "chat.completion.chunk" if chat else "text_completion"
         n_choices = len(handles) // len(echoes) if echoes else 1
         echo_due = [bool(echoes)] * len(handles)  # the prompt goes first, with its logprobs
@@ -743,7 +773,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         try:
             if chat:
                 for i in range(len(handles)):
-                    yield _sse({"id": rid, "object": obj, "created": created, "model": model_id,
+                    yield _sse({"id": rid, "object": obj, "created": created, "model": shown,
                                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "finish_reason": None, "logprobs": None}]})
             while live:
@@ -781,7 +811,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                     echo_due[i] = False
                     plp = handles[i].prompt_logprobs if n_logprobs is not None else None
                     offsets[i] = len(echoes[i // n_choices])
-                    yield _sse({"id": rid, "object": obj, "created": created, "model": model_id,
+                    yield _sse({"id": rid, "object": obj, "created": created, "model": shown,
                                 "choices": [{"index": i, "text": echoes[i // n_choices],
                                              "finish_reason": None,
                                              "logprobs": _completion_logprobs(
@@ -819,7 +849,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                                       ev, "end_logprob", None) is not None else ())),
                                   None, n_logprobs, offset=offsets[i])}
                     offsets[i] += sum(len(lp.token) for lp in ev.logprobs or ())
-                chunk = {"id": rid, "object": obj, "created": created, "model": model_id,
+                chunk = {"id": rid, "object": obj, "created": created, "model": shown,
                          "choices": [choice]}
                 if include_usage:
                     chunk["usage"] = None
@@ -827,7 +857,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
             else:
                 if include_usage:
                     gen = sum(u.completion_tokens for u in usage_done)
-                    yield _sse({"id": rid, "object": obj, "created": created, "model": model_id,
+                    yield _sse({"id": rid, "object": obj, "created": created, "model": shown,
                                 "choices": [], "usage": {
                                     "prompt_tokens": prompt_tokens, "completion_tokens": gen,
                                     "total_tokens": prompt_tokens + gen,
@@ -995,7 +1025,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         pooling), batched, computed on the engine's thread between its steps."""
         from fx_engine.engine.embeddings import embed
 
-        bad = unknown_model(body.model)
+        bad = unknown_model(body.model, adapters=False)
         if bad is not None:
             return bad
         x = body.input

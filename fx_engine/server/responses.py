@@ -190,6 +190,7 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         targs = template_switches(app.state.chat_template, effort, "reasoning.effort")
         ids = app.state.chat_prompt(msgs, tools, choice, body.parallel_tool_calls, targs, kw)
         kw["cache_salt"] = salt(request)
+        kw["adapter"] = app.state.adapter_of(body.model)
         return engine.submit_many(ids, [kw])
 
     @app.post("/v1/responses")
@@ -211,7 +212,7 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         metrics.requests += 1
         names = {t["name"] for t in body.tools} if body.tools and body.tool_choice != "none" else None
         rid = f"resp_{uuid.uuid4().hex[:24]}"
-        base = {"id": rid, "object": "response", "created_at": int(time.time()), "model": model_id,
+        base = {"id": rid, "object": "response", "created_at": int(time.time()), "model": app.state.shown_model(body.model),
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
                 "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
