@@ -6,8 +6,8 @@ N = 8 rows decode --tokens tokens each in one Engine batch (greedy, EOS suppress
 bias so every row runs the full length) on the default model: all rows on the base model,
 vs the 8 rows spread over 4 different adapters (2 rows each). The adapters are made by
 mlx-lm's own `linear_to_lora_layers` (tools/oracle.write_mlx_lm_adapter, random factors) on
-every projection (q, k, v, o, gate, up, down) of every layer at --rank: the heaviest common
-configuration. Throughput = all rows' decoded tokens / the batch's decode time; both kinds
+every projection (q, k, v, o, gate, up, down) of every layer (or the last --num-layers) at
+--rank: the heaviest common configuration. Throughput = all rows' decoded tokens / the batch's decode time; both kinds
 in every round, alternating which goes first; medians over --runs rounds.
 """
 
@@ -60,13 +60,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--num-layers", type=int, default=-1, help="adapt the last N layers (-1: all; mlx-lm's default is 16)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     model = fx_engine.load(a.model) if a.model else fx_engine.load()
     with tempfile.TemporaryDirectory() as tmp:
         hf = write_hf_folder(model, Path(tmp) / "hf")  # mlx-lm builds the LoRA layers on this
         for i in range(4):
-            ad = write_mlx_lm_adapter(hf, Path(tmp) / f"a{i}", rank=a.rank, keys=KEYS, seed=i, init_scale=0.02)
+            ad = write_mlx_lm_adapter(hf, Path(tmp) / f"a{i}", rank=a.rank, keys=KEYS, seed=i, init_scale=0.02,
+                                      num_layers=a.num_layers)
             fx_engine.load_adapter(model, ad, name=f"a{i}")
     kinds = {"base": [None] * 8, "4_adapters": [f"a{i % 4}" for i in range(8)]}
     for rows in kinds.values():  # warm-up: compiles
