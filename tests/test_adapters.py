@@ -179,6 +179,27 @@ def test_prefix_cache_is_keyed_by_adapter(tiny, tmp_path):
         assert run("x") > 0 and run("y") > 0 and run(None) > 0  # each its own
 
 
+def test_disk_tier_is_keyed_by_adapter_contents(tiny, tmp_path):
+    """A new engine (a restart: empty memory tier) restores an adapter's prefix from disk
+    only for that adapter's contents, under any name."""
+    ads = {n: write_mlx_lm_adapter(tiny, tmp_path / n, keys=KEYS, seed=ord(n), init_scale=0.1) for n in "xy"}
+    ids = list(range(3, 60))
+    m1 = fx_engine.load(tiny)
+    fx_engine.load_adapter(m1, ads["x"], name="x")
+    with fx_engine.Engine(m1, max_rows=1, prefill_chunk=16, prefix_cache_dir=str(tmp_path / "pc")) as e1:
+        e1.submit(ids, max_tokens=4, adapter="x").result()
+    m2 = fx_engine.load(tiny)
+    fx_engine.load_adapter(m2, ads["y"], name="x")  # y's contents under x's name
+    fx_engine.load_adapter(m2, ads["x"], name="renamed")
+    with fx_engine.Engine(m2, max_rows=1, prefill_chunk=16, prefix_cache_dir=str(tmp_path / "pc"),
+                          prefix_cache_bytes=1 << 20) as e2:
+        assert e2.submit(ids, max_tokens=4, adapter="x").result().usage.cached_tokens == 0
+        assert e2.submit(ids, max_tokens=4).result().usage.cached_tokens == 0
+        got = e2.submit(ids, max_tokens=4, adapter="renamed").result()
+        assert got.usage.cached_tokens > 0
+        assert got.token_ids == reference_generate(m2, ids, max_tokens=4, adapter="renamed").token_ids
+
+
 def test_speculation_grammar_logprobs_with_adapter(tiny, tmp_path):
     model = fx_engine.load(tiny)
     fx_engine.load_adapter(model, write_mlx_lm_adapter(tiny, tmp_path / "a", keys=KEYS, init_scale=0.1), name="a")
@@ -313,3 +334,53 @@ def test_cli_generate_and_serve_options(tiny, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     a = build_parser().parse_args(["serve", "--adapter", f"one={ad}", "--adapter", str(ad)])
     assert a.adapter == [f"one={ad}", str(ad)]
+
+
+MODEL_TYPES = [mt for fam in __import__("fx_engine.core.models", fromlist=["FAMILIES"]).FAMILIES
+               for mt in fam.model_types]
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_every_adaptable_linear_of_every_family_applies_its_rows_adapter(tmp_path, model_type):
+    """For every family, every linear an adapter may target (those with an origin) really
+    applies the low-rank update, per row: with a random adapter on that one linear in slot
+    1, a batch of [base row, adapted row] gives the base logits exactly on row 0 and other
+    logits on row 1. (A family that read such a weight outside `nn.linear`, or ran a linear
+    over tokens not ordered by row, would fail here.)"""
+    from fx_engine.core.adapters import Adapters, Segment, bank_from
+    from fx_engine.core.nn import linears
+    from fx_engine.core.steps import score_step
+    from fx_engine.loading.adapters import in_features
+
+    model = fx_engine.load(write_tiny_model(tmp_path / model_type, model_type))
+    lins = linears(model.params)
+    targets = [i for i, lin in enumerate(lins) if lin.origin and lin.weight.ndim == 2]
+    assert targets, "no adaptable linear"
+    tokens = mx.array([list(range(5, 17))] * 2, mx.int32)
+    n = mx.array([12, 12], mx.int32)
+    base, _ = score_step(model.params, model.new_cache(2, 64), tokens, n)
+    keys = iter(mx.random.split(mx.random.key(0), 2 * len(lins)))
+    for i in targets:
+        k, out = in_features(lins[i]), lins[i].out_features
+        seg = Segment(start=0, a=0.5 * mx.random.normal((k, 4), key=next(keys)),
+                      b=0.5 * mx.random.normal((4, out), key=next(keys)))
+        bank = bank_from(len(lins), {i: (k, out)}, {i: {1: [seg]}}, 4)
+        got, _ = score_step(model.params, model.new_cache(2, 64), tokens, n,
+                            adapters=Adapters(bank, mx.array([0, 1], mx.int32)))
+        name = lins[i].origin[0][0]
+        assert mx.array_equal(got[0], base[0]).item(), f"{name}: row 0 (no adapter) changed"
+        assert mx.abs(got[1] - base[1]).max().item() > 1e-4, f"{name}: the adapter had no effect"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "phi3", "qwen2", "starcoder2", "olmo2"])
+def test_other_families_match_mlx_lm_with_its_default_keys(tmp_path, model_type):
+    """mlx-lm's default targets (every linear of the last num_layers layers, whatever the
+    family names them: phi3's fused qkv_proj / gate_up_proj, starcoder2's c_fc / c_proj)."""
+    path = write_tiny_model(tmp_path / model_type, model_type)
+    ad = write_mlx_lm_adapter(path, tmp_path / "ad", rank=4, scale=2.0, num_layers=2, seed=3, init_scale=0.1)
+    model = fx_engine.load(path)
+    fx_engine.load_adapter(model, ad, name="a")
+    ids = list(range(3, 40))
+    ref = mlx_lm_with_adapter(path, ad)(mx.array([ids]))[0]
+    _close(fx_engine.logits(model, ids, adapter="a"), ref)
+    assert mx.abs(fx_engine.logits(model, ids) - ref).max().item() > 50 * TOL

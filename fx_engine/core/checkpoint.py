@@ -234,10 +234,11 @@ def finish(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized, table: b
     that is only looked up (`lookup_only`: not also the output head) stays quantized in any
     format unless the policy is False: a lookup dequantizes just the gathered rows, so no
     kernel is needed (a Q6_K embedding of 128k x 4096 stays ~420 MB instead of 2 GB)."""
+    if table:  # looked up by row (and maybe the tied head): no adapter targets it as a linear
+        lin = attrs.evolve(lin, origin=())
     if table and lookup_only and lin.quantized and keep_quantized is not False:
         return Linear(weight=lin.weight, bias=cast(lin.bias, dtype), scales=lin.scales.astype(dtype),
-                      biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits,
-                      origin=lin.origin)
+                      biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits)
     lin = widened(keep_quantized, lin)
     if keep(keep_quantized, lin):
         return Linear(

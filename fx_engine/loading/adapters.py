@@ -126,7 +126,8 @@ def read_adapter(path: str | Path) -> RawAdapter:
 
 def _read_mlx(p: Path, cfg: dict) -> RawAdapter:
     where = p / "adapter_config.json"
-    kind = cfg.get("fine_tune_type", "lora")
+    # older mlx-lm versions wrote use_dora / lora_layers instead of fine_tune_type / num_layers
+    kind = cfg.get("fine_tune_type", "dora" if cfg.get("use_dora") else "lora")
     if kind == "full":
         raise AdapterError(f"{where}: fine_tune_type 'full' is a full fine-tune, not an adapter: "
                            "load its weights as a model")
@@ -163,7 +164,7 @@ def _read_mlx(p: Path, cfg: dict) -> RawAdapter:
         out[_module_name(mod)] = Factors(a=a, b=b, scale=scale, m=m, dora=kind == "dora")
     if not out:
         raise AdapterError(f"{f}: no adapter tensors")
-    n = cfg.get("num_layers")
+    n = cfg.get("num_layers", cfg.get("lora_layers"))
     return RawAdapter(str(p), "mlx-lm", kind, out, None if n is None else int(n), cfg.get("model"),
                       _fingerprint([where, f]))
 
@@ -277,21 +278,23 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
     Raises AdapterError for a module the model does not have (or cannot adapt), a shape
     that does not match, or a layer outside the adapter's own num_layers."""
     lins, where = _index(params)
-    tables = {id(getattr(params, n)) for n in ("embed",) if getattr(params, n, None) is not None}
     base = f" (the adapter was made for {raw.base})" if raw.base else ""
     out: dict[int, list[Segment]] = {}
     shapes: dict[int, tuple[int, int]] = {}
     for mod, fac in sorted(raw.modules.items()):
         hit = where.get(mod) or where.get(_gguf_name(mod) or "")
+        if hit is None and re.search(r"embed|wte|token_embd", mod):
+            raise AdapterError(f"{raw.path}: module '{mod}' is an embedding table (adapters on "
+                               "embeddings are not supported)")
         if hit is None:
             close = difflib.get_close_matches(mod, list(where), n=2)
             raise AdapterError(f"{raw.path}: module '{mod}' is not a linear of this model{base}"
                                + (f"; close: {', '.join(close)}" if close else ""))
         i, start, rows = hit
         lin = lins[i]
-        if id(lin) in tables or lin.weight.ndim != 2 or lin.mode != "affine":
-            raise AdapterError(f"{raw.path}: module '{mod}' is an embedding table or expert stack "
-                               "(adapters on those are not supported)")
+        if lin.weight.ndim != 2 or lin.mode != "affine":
+            raise AdapterError(f"{raw.path}: module '{mod}' is an expert stack (adapters on "
+                               "experts are not supported)")
         if raw.num_layers is not None and num_layers is not None and 0 <= raw.num_layers < num_layers:
             m = re.search(r"(?:layers|blk)\.(\d+)\.", mod)
             if m and int(m.group(1)) < num_layers - raw.num_layers:
