@@ -4,6 +4,7 @@ come with their issue)."""
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import logging
 import platform
@@ -47,6 +48,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help="most draft tokens per step (default 4; adapted per request)")
     p.add_argument("--prompt-lookup", action="store_true",
                    help="speculative decoding with n-gram drafts from the prompt and output")
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="shard the model over the N processes started by `mlx.launch -n N` "
+                        "(each runs this same command; rank 0 prints)")
     p.add_argument("--adapter", action="append", default=None, metavar="[NAME=]PATH",
                    help="a LoRA/DoRA adapter folder (mlx-lm or PEFT). generate/chat: the one to "
                         "use; serve: repeatable, chosen per request by model 'BASE:NAME'")
@@ -97,7 +101,8 @@ def _load(a: argparse.Namespace):
     model = fx_engine.load(a.model, batch_invariant=a.batch_invariant, kv_bits=a.kv_bits,
                            kv_group_size=a.kv_group_size, quantized_kv_start=a.quantized_kv_start,
                            activation_bits=getattr(a, "activation_bits", None),
-                           kv_dtype=getattr(a, "kv_dtype", None))
+                           kv_dtype=getattr(a, "kv_dtype", None),
+                           tensor_parallel=getattr(a, "tensor_parallel", None))
     for spec in getattr(a, "adapter", None) or ():
         name, sep, path = spec.partition("=")
         if not sep:
@@ -127,8 +132,18 @@ def _report(usage: Any, model: Any = None) -> None:
     )
 
 
+def _quiet_unless_rank0(a: argparse.Namespace) -> None:
+    """Tensor-parallel ranks other than 0 run the same generation silently."""
+    import mlx.core as mx
+
+    if getattr(a, "tensor_parallel", None) and mx.distributed.init().rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+        sys.stderr = open(os.devnull, "w")
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     model = _load(a)
+    _quiet_unless_rank0(a)
     prompt: Any = a.prompt
     if not a.raw:
         prompt = ([{"role": "system", "content": a.system}] if a.system else []) + [
@@ -146,6 +161,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
+    if a.tensor_parallel and a.tensor_parallel > 1:
+        raise ValueError("chat --tensor-parallel: not available (the other ranks cannot read this "
+                         "terminal); use generate")
     model = _load(a)
     messages: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
     interactive = sys.stdin.isatty()
@@ -213,6 +231,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from fx_engine.server.app import create_app
 
+    if a.tensor_parallel and a.tensor_parallel > 1:
+        raise ValueError("serve --tensor-parallel: not available yet (the server's scheduler does "
+                         "not yet send its step plans to the other ranks); use generate")
     model = _load(a)
     defaults: dict[str, Any] = {"max_tokens": a.max_tokens, "temperature": a.temp, "top_p": a.top_p,
                                 "top_k": a.top_k, "min_p": a.min_p}

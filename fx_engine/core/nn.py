@@ -14,7 +14,7 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core import kernels
-from fx_engine.core.tree import static_field
+from fx_engine.core.tree import static_field, tree_replace
 
 
 @attrs.frozen
@@ -103,6 +103,13 @@ class Linear:
     origin: tuple = static_field(default=())
     # Per-row low-rank adapters bound for one step (`adapters.with_adapters`); None: none.
     lora: "LoraBinding | None" = None
+    # Tensor parallelism (core/parallel.py): () a whole linear; ("sum",) this rank holds a
+    # slice of the input features: the partial products are summed over the ranks (before
+    # the bias); ("vocab", start, total) this rank holds rows [start, start + rows) of a
+    # vocabulary-sized table padded to the same rows on every rank: as a linear the outputs
+    # are gathered over the ranks (then cut to `total`), as a table each rank looks up its
+    # own rows and the embeddings are summed.
+    tp: tuple = static_field(default=())
 
     @property
     def dense_out_in(self) -> mx.array:
@@ -248,6 +255,8 @@ def linear(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
         y = _matmul_rows(x, lin)
     if lin.lora is not None:
         y = lora_update(x, y, lin.lora, numerics)
+    if lin.tp:
+        y = _tp_combine(y, lin.tp)
     if lin.bias is not None:
         y = y + lin.bias
     return y
@@ -295,8 +304,28 @@ def routed_glu(
     return y[mx.argsort(order)].reshape(n, k, -1)
 
 
+def _tp_combine(y: mx.array, tp: tuple) -> mx.array:
+    """A tensor-parallel linear's output made whole (see `Linear.tp`): every rank gets the
+    same full result."""
+    if tp[0] == "sum":
+        return mx.distributed.all_sum(y)
+    total = tp[2]
+    lead, per = y.shape[:-1], y.shape[-1]
+    parts = mx.distributed.all_gather(y.reshape(-1, per).T)  # [ranks * per, M]
+    return parts[:total].T.reshape(*lead, total)
+
+
 def embed(tokens: mx.array, table: Linear) -> mx.array:
-    """Look up rows of an embedding table (dequantizing only the gathered rows)."""
+    """Look up rows of an embedding table (dequantizing only the gathered rows). A
+    vocabulary-parallel table (`tp` "vocab") looks up the tokens in its own rows and sums
+    the ranks' results (other ranks' tokens contribute zeros)."""
+    if table.tp:
+        start, rows = table.tp[1], table.weight.shape[0]
+        local = tokens - start
+        mine = (local >= 0) & (local < rows)
+        whole = tree_replace(table, tp=())
+        out = embed(mx.where(mine, local, 0), whole)
+        return mx.distributed.all_sum(mx.where(mine[..., None], out, 0))
     if table.quantized:
         return mx.dequantize(
             table.weight[tokens], table.scales[tokens], table.biases[tokens],

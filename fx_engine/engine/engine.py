@@ -55,6 +55,7 @@ from fx_engine.engine.prefix_cache import DiskTier, PrefixStore
 from fx_engine.engine.request import MAX_DRAFT_TOKENS, TextDelta, Usage, apply_processors, parse_request
 from fx_engine.engine.request import xtc_special_tokens as _xtc_special
 from fx_engine.engine.speculation import DraftState, SpeculationPolicy
+from fx_engine.runtime.distributed import busy
 
 __all__ = [
     "Engine", "RequestHandle", "QueueFull", "EngineClosed", "insert_row", "insert_state_row",
@@ -530,7 +531,7 @@ class Engine:
         t = self._thread
         if t is not None and t.is_alive() and t is not threading.current_thread():
             raise RuntimeError("engine.step() is driven by the background thread; do not call it")
-        with self._step_lock:
+        with self._step_lock, busy(self.model.tensor_parallel > 1):  # a lost rank: an error, not a hang
             self._step()
         return self.has_work()
 

@@ -44,6 +44,8 @@ class Model:
     # The LoRA / DoRA adapters this model serves (`load_adapter`; loading/adapters.py).
     # Shared by the model's variants (with_numerics, with_kv_cache): same linears.
     adapters: AdapterSet = attrs.field(factory=AdapterSet, eq=False)
+    # how many processes hold this model's shards (core/parallel.py; 1: all of it here)
+    tensor_parallel: int = 1
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -140,6 +142,7 @@ def load(
     activation_bits: int | None = None,
     kv_dtype: str | None = None,
     matmul_plan: MatmulPlan | None = None,
+    tensor_parallel: int | None = None,
 ) -> Model:
     """Load a model from a GGUF file or a Hugging Face style folder (None: the default model).
 
@@ -162,6 +165,10 @@ def load(
     `fx_engine.core.nn.MatmulPlan`); None: measured on this machine once and cached
     (`fx_engine.runtime.native.plan`, `fx-engine info`). Pin it to make the numerics independent
     of timing.
+    tensor_parallel: N shards the model over the N processes of `mx.distributed`'s world
+    group (started by `mlx.launch -n N ...`; core/parallel.py): each rank keeps its heads,
+    MLP features and vocabulary rows, and every rank must then run the same requests in the
+    same order (`fx-engine generate --tensor-parallel N` does). Llama-family models.
     """
     from fx_engine.loading.tokenizer import Tokenizer
     from fx_engine.runtime import setup
@@ -235,12 +242,32 @@ def load(
         report = plan.choose(params)  # measured once per machine and shape (cached)
         if report is not None:
             params = attrs.evolve(params, numerics=attrs.evolve(numerics, matmul=report.plan))
+    if tensor_parallel is not None:
+        params, fingerprint = _shard(params, fingerprint, tensor_parallel)
+        cfg = params.config
     model = Model(
         config=cfg, params=params, tokenizer=tokenizer, path=str(p),
         fingerprint=fingerprint, weight_format=f"{fmt} -> {quant_kinds}",
-        matmul_report=report,
+        matmul_report=report, tensor_parallel=tensor_parallel or 1,
     )
     return model.with_kv_cache(kv_bits, kv_group_size, quantized_kv_start).with_kv_dtype(kv_dtype)
+
+
+def _shard(params: Any, fingerprint: str, size: Any) -> tuple[Any, str]:
+    """This process's tensor-parallel shard (and a fingerprint naming it: a disk prefix
+    cache holds one rank's KV heads)."""
+    from fx_engine.core.parallel import shard_params
+
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel must be a positive integer, got {size!r}")
+    if size == 1:
+        return params, fingerprint
+    from fx_engine.runtime.distributed import world
+
+    group = world(size)  # checks the group's size; starts the lost-rank watchdog
+    params = shard_params(params, group.rank(), size)
+    mx.eval(tree_leaves(params))
+    return params, f"{fingerprint}-tp{group.rank()}of{size}"
 
 
 def load_adapter(model: Model, path: str | Path, name: str | None = None) -> str:

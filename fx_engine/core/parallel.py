@@ -1,0 +1,131 @@
+"""Tensor parallelism: one rank's shard of a model's params (pure).
+
+Megatron's split, on `mx.distributed`'s world group: each rank holds a contiguous group of
+KV heads with their query heads (q|k|v rows; the same columns of o_proj, whose partial
+products are summed over the ranks: `Linear.tp = ("sum",)`), a contiguous slice of the MLP's
+intermediate features (gate|up rows, the same columns of down_proj, summed), and a slice of
+the vocabulary (rows of the embedding table and of the output head: lookups summed, logits
+gathered: `("vocab", start, total)`). Norms, RoPE tables and biases of summed linears are
+replicated. The shard's config says how many heads and features it holds, so the family's
+own forward runs unchanged on it, and its cache layout holds only its KV heads.
+
+Uneven splits are allowed (SmolLM2's 3 KV heads on 2 ranks: 2 + 1, with their 6 + 3 query
+heads); quantized linears split only where their groups stay whole. Every rank computes
+the same full logits, so sampling (per-row keys) gives the same tokens on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from fx_engine.core.config import ConfigError
+from fx_engine.core.nn import Linear
+
+__all__ = ["shard_params", "split"]
+
+
+def split(n: int, size: int, rank: int, unit: int = 1) -> tuple[int, int]:
+    """Rank's [start, end) of n items in units of `unit` (as even as possible, the first
+    ranks taking the remainder)."""
+    if n % unit:
+        raise ConfigError(f"tensor parallel: {n} is not a multiple of {unit}")
+    units = n // unit
+    if units < size:
+        raise ConfigError(f"tensor parallel: {units} parts cannot be split over {size} ranks")
+    base, extra = divmod(units, size)
+    start = rank * base + min(rank, extra)
+    end = start + base + (1 if rank < extra else 0)
+    return start * unit, end * unit
+
+
+def _rows(lin: Linear, ranges: list[tuple[int, int]]) -> Linear:
+    """The output rows in `ranges` (concatenated), dense or quantized."""
+    def take(x: mx.array | None, axis: int) -> mx.array | None:
+        if x is None:
+            return None
+        parts = [x[a:b] if axis == 0 else x[:, a:b] for a, b in ranges]
+        return mx.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
+
+    if lin.quantized:
+        return attrs.evolve(lin, weight=take(lin.weight, 0), scales=take(lin.scales, 0),
+                            biases=take(lin.biases, 0), bias=take(lin.bias, 0), origin=())
+    axis = 1 if lin.transposed else 0
+    return attrs.evolve(lin, weight=take(lin.weight, axis), bias=take(lin.bias, 0), origin=())
+
+
+def _cols(lin: Linear, start: int, end: int, name: str) -> Linear:
+    """The input features [start, end) of a linear whose partial products are summed."""
+    if lin.quantized:
+        gs, per_word = lin.group_size, 32 // lin.bits if 32 % lin.bits == 0 else None
+        if start % gs or end % gs or per_word is None or start % per_word:
+            raise ConfigError(f"tensor parallel: {name} ({lin.bits}-bit, groups of {gs}) cannot be "
+                              f"split at input feature {start}..{end}")
+        return attrs.evolve(lin, weight=lin.weight[:, start // per_word : end // per_word],
+                            scales=lin.scales[:, start // gs : end // gs],
+                            biases=lin.biases[:, start // gs : end // gs], tp=("sum",), origin=())
+    w = lin.weight[start:end] if lin.transposed else lin.weight[:, start:end]
+    return attrs.evolve(lin, weight=w, tp=("sum",), origin=())
+
+
+def _vocab(lin: Linear, rank: int, size: int) -> Linear:
+    """Rows [start, start + per) of a vocabulary-sized table (zero rows pad the last ranks
+    so every rank holds `per` rows: all_gather needs equal parts)."""
+    total = lin.out_features
+    per = -(-total // size)
+    start = min(rank * per, total)
+    end = min(start + per, total)
+    part = _rows(lin, [(start, end)])
+    pad = per - (end - start)
+    if pad:
+        def padded(x: mx.array | None, axis: int = 0) -> mx.array | None:
+            if x is None:
+                return None
+            shape = list(x.shape)
+            shape[axis] = pad
+            return mx.concatenate([x, mx.zeros(shape, x.dtype)], axis=axis)
+
+        if part.quantized:
+            part = attrs.evolve(part, weight=padded(part.weight), scales=padded(part.scales),
+                                biases=padded(part.biases), bias=padded(part.bias))
+        else:
+            part = attrs.evolve(part, weight=padded(part.weight, 1 if part.transposed else 0),
+                                bias=padded(part.bias))
+    return attrs.evolve(part, tp=("vocab", start, total))
+
+
+def shard_params(params: Any, rank: int, size: int) -> Any:
+    """Rank `rank` of `size`'s shard of a Llama-family model's params (llama, mistral,
+    qwen2, qwen3, SmolLM: `core.models.llama.Params`). ConfigError for another family or a
+    split the weights do not allow."""
+    from fx_engine.core.models import llama
+
+    if size == 1:
+        return params
+    if type(params) is not llama.Params:
+        raise ConfigError(f"tensor parallel: the {type(params.config).__name__} family is not supported "
+                          "yet (Llama-family models are: llama, mistral, qwen2, qwen3, SmolLM)")
+    cfg = params.config
+    hq, hk, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    group = hq // hk
+    k0, k1 = split(hk, size, rank)
+    q0, q1 = k0 * group, k1 * group
+    unit = max([1] + [lp.down.group_size for lp in params.layers if lp.down.quantized])
+    f0, f1 = split(f, size, rank, unit)
+    layers = []
+    for i, lp in enumerate(params.layers):
+        if lp.q_norm is not None and lp.q_norm.shape[-1] != d:
+            raise ConfigError("tensor parallel: q/k norms over the whole projection are not supported")
+        qkv = _rows(lp.qkv, [(q0 * d, q1 * d), ((hq + k0) * d, (hq + k1) * d),
+                             ((hq + hk + k0) * d, (hq + hk + k1) * d)])
+        gate_up = _rows(lp.gate_up, [(f0, f1), (f + f0, f + f1)])
+        layers.append(attrs.evolve(
+            lp, qkv=qkv, o=_cols(lp.o, q0 * d, q1 * d, f"layer {i} o_proj"),
+            gate_up=gate_up, down=_cols(lp.down, f0, f1, f"layer {i} down_proj")))
+    head = params.lm_head
+    embed = _vocab(params.embed, rank, size)
+    small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=f1 - f0)
+    return attrs.evolve(params, layers=tuple(layers), embed=embed,
+                        lm_head=None if head is None else _vocab(head, rank, size), config=small)

@@ -1,0 +1,90 @@
+"""Multi-process runs on `mx.distributed` (tensor parallelism): the world group, and a
+watchdog that turns a lost rank into an error instead of a hang.
+
+Why a watchdog: when a rank dies, MLX's ring backend logs "Too many send/recv errors.
+Failing pending tasks..." on the others, but the evaluation waiting on the collective
+never returns (measured: mlx 0.32.4, rank 0 blocked until killed). `mlx.launch` kills the
+survivors itself (and still exits 0); processes started any other way would wait forever.
+So every engine step of a tensor-parallel model runs inside `busy()`, and a step that has
+not finished after FX_ENGINE_TP_TIMEOUT seconds (default 120; a step takes well under a
+second on a healthy group) ends the process with exit code 70 and a message saying which
+rank gave up and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from typing import Any, Iterator
+
+EXIT_CODE = 70  # EX_SOFTWARE
+
+_lock = threading.Lock()
+_busy_since: list[float] = []
+_watchdog: list[threading.Thread] = []
+
+
+def world(size: int) -> Any:
+    """mx.distributed's world group, checked to have `size` processes; starts the watchdog."""
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    if group.size() != size:
+        raise ValueError(f"tensor_parallel={size} needs {size} processes in mx.distributed's group "
+                         f"(start them with `mlx.launch -n {size} --backend ring ...`); this one "
+                         f"sees {group.size()}")
+    _start(group.rank())
+    return group
+
+
+def timeout_seconds() -> float:
+    raw = os.environ.get("FX_ENGINE_TP_TIMEOUT", "120")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"FX_ENGINE_TP_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"FX_ENGINE_TP_TIMEOUT must be positive, got {raw!r}")
+    return value
+
+
+def _start(rank: int) -> None:
+    with _lock:
+        if _watchdog:
+            return
+        limit = timeout_seconds()
+
+        def watch() -> None:
+            while True:
+                time.sleep(min(1.0, limit / 4))
+                with _lock:
+                    since = _busy_since[-1] if _busy_since else None
+                if since is not None and time.monotonic() - since > limit:
+                    sys.stderr.write(
+                        f"fx-engine: rank {rank}: a tensor-parallel step has not finished in "
+                        f"{limit:.0f} s: another rank has failed or stopped answering "
+                        "(FX_ENGINE_TP_TIMEOUT); exiting\n")
+                    sys.stderr.flush()
+                    os._exit(EXIT_CODE)
+
+        t = threading.Thread(target=watch, name="fx-tp-watchdog", daemon=True)
+        t.start()
+        _watchdog.append(t)
+
+
+@contextlib.contextmanager
+def busy(active: bool = True) -> Iterator[None]:
+    """Mark a step in progress (watched when the watchdog runs; `active=False`: a no-op)."""
+    if not active:
+        yield
+        return
+    with _lock:
+        _busy_since.append(time.monotonic())
+    try:
+        yield
+    finally:
+        with _lock:
+            _busy_since.pop()

@@ -1,0 +1,64 @@
+"""Run N processes as one `mx.distributed` ring group on this machine, as `mlx.launch -n N
+--backend ring` does (a hostfile of 127.0.0.1 ports, MLX_RANK / MLX_HOSTFILE per process),
+but under the caller's control: each rank's exit code and output come back, and a group
+that does not finish in time is killed (for tests and CI of tensor-parallel runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Sequence
+
+import attrs
+
+__all__ = ["RankResult", "launch_local"]
+
+
+@attrs.frozen
+class RankResult:
+    rank: int
+    returncode: int | None  # None: killed at the timeout
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_local(n: int, argv: Sequence[str], timeout: float = 300.0,
+                 env: dict[str, str] | None = None) -> list[RankResult]:
+    """Start `argv` as ranks 0..n-1 of a ring group over 127.0.0.1; wait for all (at most
+    `timeout` seconds in total, then kill the rest). Returns one RankResult per rank."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([[f"127.0.0.1:{_free_port()}"] for _ in range(n)], f)
+        hostfile = f.name
+    base = {**os.environ, **(env or {}), "MLX_HOSTFILE": hostfile}
+    t0 = time.monotonic()
+    procs = [subprocess.Popen(list(argv), env={**base, "MLX_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(n)]
+    out = []
+    try:
+        for r, p in enumerate(procs):
+            left = max(0.1, timeout - (time.monotonic() - t0))
+            try:
+                so, se = p.communicate(timeout=left)
+                code: int | None = p.returncode
+            except subprocess.TimeoutExpired:
+                p.kill()
+                so, se = p.communicate()
+                code = None
+            out.append(RankResult(r, code, so, se, time.monotonic() - t0))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        os.unlink(hostfile)
+    return out

@@ -1,0 +1,77 @@
+"""One tensor-parallel run, for tests and measurements: every rank loads the model sharded
+(`fx_engine.load(..., tensor_parallel=N)`) and runs the same work; rank 0 prints one JSON
+line. Run under `mlx.launch -n N --backend ring python tools/tp_run.py ...` (or with N = 1
+alone: the single-process reference).
+
+    --model PATH   (default: the default model)   --tokens 16   --prompt TEXT
+    --logits       also report the prompt's last-position logits (teacher-forced)
+    --engine N     also run N concurrent requests through one Engine (continuous batching)
+    --die-after S  (tests) rank 1 exits abruptly S seconds after loading
+    --ignore-eos   decode all --tokens;  --runs R  repeat the generation (timings)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fx_engine  # noqa: E402
+
+fx_engine.setup()
+
+import mlx.core as mx  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--prompt", default="The capital of France is")
+    ap.add_argument("--logits", action="store_true")
+    ap.add_argument("--engine", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--die-after", type=float, default=None)
+    ap.add_argument("--ignore-eos", action="store_true", help="decode all --tokens (EOS suppressed)")
+    a = ap.parse_args()
+    model = fx_engine.load(a.model, tensor_parallel=a.tp)
+    rank = mx.distributed.init().rank() if a.tp > 1 else 0
+    if a.die_after is not None and rank == 1:
+        threading.Timer(a.die_after, lambda: os._exit(3)).start()
+    out: dict = {"rank": rank, "size": a.tp, "heads": model.config.num_heads,
+                 "kv_heads": model.config.num_kv_heads}
+    kw = dict(max_tokens=a.tokens, temperature=0.0 if a.seed is None else 0.8, seed=a.seed)
+    if a.ignore_eos:
+        kw["logit_bias"] = {e: -1e9 for e in model.eos_ids}
+    times = []
+    for _ in range(a.runs):
+        t0 = time.perf_counter()
+        c = fx_engine.generate(model, a.prompt, **kw)
+        times.append(time.perf_counter() - t0)
+    out.update(tokens=list(c.token_ids), text=c.text, seconds=times,
+               decode_tps=c.usage.generation_tps, prompt_tps=c.usage.prompt_tps)
+    if a.logits:
+        ids = model.tokenizer.encode(a.prompt)
+        out["logits"] = fx_engine.logits(model, ids)[-1].tolist()
+    if a.engine:
+        # submitted before any step, then stepped on this thread: every rank runs the same
+        # steps in the same order (its collectives must match the other ranks')
+        engine = fx_engine.Engine(model, max_rows=a.engine, prefill_chunk=16)
+        hs = [engine.submit(a.prompt + " x" * i, max_tokens=a.tokens, temperature=0.0)
+              for i in range(a.engine)]
+        engine.close()
+        out["engine"] = [list(h.result().token_ids) for h in hs]
+    if rank == 0:
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
