@@ -40,6 +40,22 @@ def world(size: int) -> Any:
     return group
 
 
+def ranks_on_this_host() -> int:
+    """How many ranks of the launched group share this process's host (1 when not launched
+    as a group): the ring backend's hostfile (MLX_HOSTFILE, MLX_RANK) lists every rank's
+    address."""
+    import json
+
+    path, rank = os.environ.get("MLX_HOSTFILE"), os.environ.get("MLX_RANK")
+    if not path or rank is None:
+        return 1
+    try:
+        hosts = [h[0].rsplit(":", 1)[0] if isinstance(h, list) else str(h) for h in json.load(open(path))]
+        return max(1, hosts.count(hosts[int(rank)]))
+    except (OSError, ValueError, IndexError, TypeError):
+        return 1
+
+
 def timeout_seconds() -> float:
     raw = os.environ.get("FX_ENGINE_TP_TIMEOUT", "120")
     try:
