@@ -231,9 +231,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from fx_engine.server.app import create_app
 
-    if a.tensor_parallel and a.tensor_parallel > 1:
-        raise ValueError("serve --tensor-parallel: not available yet (the server's scheduler does "
-                         "not yet send its step plans to the other ranks); use generate")
     model = _load(a)
     defaults: dict[str, Any] = {"max_tokens": a.max_tokens, "temperature": a.temp, "top_p": a.top_p,
                                 "top_k": a.top_k, "min_p": a.min_p}
@@ -243,10 +240,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
         defaults["prompt_lookup"] = True
     if a.num_draft_tokens is not None:
         defaults["num_draft_tokens"] = a.num_draft_tokens
+    tp = model.tensor_parallel > 1
     engine = fx_engine.Engine(model, max_rows=a.decode_concurrency, prefill_chunk=a.prefill_step_size,
                               max_queue=a.max_queue, prefix_cache_bytes=a.prompt_cache_bytes,
                               prefix_cache_dir=a.prompt_cache_dir,
-                              prefix_cache_entries=a.prompt_cache_size)
+                              prefix_cache_entries=a.prompt_cache_size, lockstep=tp)
+    if tp:
+        import mlx.core as mx
+
+        rank = mx.distributed.init().rank()
+        if rank != 0:  # rank 0 serves HTTP and schedules; this rank runs the same steps
+            logging.getLogger("fx_engine.server").info("rank %d following rank 0", rank)
+            engine.follow()
+            return 0
     template = a.chat_template
     if template and template.startswith("@"):
         with open(template[1:], encoding="utf-8") as f:

@@ -98,5 +98,65 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
     gemma = fx_engine.load(write_tiny_model(tmp_path / "g", "gemma3_text"))
     with pytest.raises(ConfigError, match="not supported yet"):
         shard_params(gemma.params, 0, 2)
-    assert main(["serve", "--tensor-parallel", "2"]) == 2
-    assert "not available yet" in capsys.readouterr().err
+    assert main(["serve", "--tensor-parallel", "2"]) == 2  # one process alone
+    assert "mlx.launch -n 2" in capsys.readouterr().err
+    assert main(["chat", "--tensor-parallel", "2"]) == 2
+    assert "use generate" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not tensor-parallel"):
+        fx_engine.Engine(gemma, lockstep=True)
+
+
+def test_server_tensor_parallel_with_the_openai_client(tmp_path):
+    """`fx-engine serve --tensor-parallel 2` on 2 ranks: rank 0 serves HTTP and schedules,
+    rank 1 follows its steps (lockstep). Concurrent requests, a streamed one the client
+    abandons (a cancellation both ranks apply), prompt-lookup speculation on every request
+    (rank 0's decisions), then a graceful shutdown that ends both ranks."""
+    import concurrent.futures
+    import signal
+    import time
+
+    import httpx
+    from openai import OpenAI
+
+    from fx_engine.testing.distributed import start_local, wait_local
+
+    from .conftest import free_port
+
+    port = free_port()
+    procs = start_local(2, [sys.executable, "-m", "fx_engine.cli", "serve", "--tensor-parallel", "2",
+                            "--port", str(port), "--model-id", "smol", "--prompt-lookup"], env={"FX_ENGINE_TP_TIMEOUT": "20"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+            assert all(p.poll() is None for p in procs), procs[0].stderr.read()[-3000:]
+        client = OpenAI(base_url=url + "/v1", api_key="none")
+        prompts = ["The capital of France is", "List three colors:", "def add(a, b):", "Once upon a time"]
+        model = fx_engine.load()
+        want = [fx_engine.generate(model, p, max_tokens=12, temperature=0.0).text for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: client.completions.create(model="smol", prompt=p, max_tokens=12,
+                                                                    temperature=0).choices[0].text, prompts))
+        assert got == want
+        # a stream abandoned after two chunks: rank 0 cancels the row, and so does rank 1
+        with client.completions.create(model="smol", prompt="Count: 1, 2, 3,", max_tokens=200, stream=True) as s:
+            for i, _ in enumerate(s):
+                if i == 1:
+                    break
+        text = "Copy: the cat sat on the mat. Copy: the cat sat on the mat. Copy:"
+        r = client.completions.create(model="smol", prompt=text, max_tokens=16, temperature=0)
+        assert r.choices[0].text == fx_engine.generate(model, text, max_tokens=16, temperature=0.0).text
+        r = client.completions.create(model="smol", prompt=prompts[1], max_tokens=12, temperature=0.8, seed=5)
+        assert r.choices[0].text == fx_engine.generate(model, prompts[1], max_tokens=12, temperature=0.8,
+                                                       seed=5).text
+        time.sleep(6)  # idle: rank 0's heartbeats keep rank 1's watchdog quiet
+        assert client.completions.create(model="smol", prompt=prompts[0], max_tokens=12,
+                                         temperature=0).choices[0].text == want[0]
+    finally:
+        procs[0].send_signal(signal.SIGTERM)
+        ranks = wait_local(procs, timeout=120)
+    assert [r.returncode for r in ranks] == [0, 0], ranks[1].stderr[-3000:]

@@ -55,7 +55,7 @@ from fx_engine.engine.prefix_cache import DiskTier, PrefixStore
 from fx_engine.engine.request import MAX_DRAFT_TOKENS, TextDelta, Usage, apply_processors, parse_request
 from fx_engine.engine.request import xtc_special_tokens as _xtc_special
 from fx_engine.engine.speculation import DraftState, SpeculationPolicy
-from fx_engine.runtime.distributed import busy
+from fx_engine.runtime.distributed import broadcast, busy, timeout_seconds
 
 __all__ = [
     "Engine", "RequestHandle", "QueueFull", "EngineClosed", "insert_row", "insert_state_row",
@@ -103,6 +103,32 @@ class EngineClosed(RuntimeError):
 
 
 
+def _tp_event(ids: list[int], kw: dict[str, Any], req: "_Request") -> tuple[list[int], dict[str, Any]]:
+    """What the other ranks of a lockstep engine need to make the same request: the prompt's
+    token ids and the arguments, with the seed rank 0 drew (plain data: pickled)."""
+    import pickle
+
+    kw = {k: v for k, v in kw.items() if k != "chat"}
+    kw["seed"] = req.cfg.seed
+    try:
+        pickle.dumps(kw)
+    except Exception as e:
+        bad = [k for k, v in kw.items() if not _picklable(v)]
+        raise ValueError(f"{', '.join(bad) or 'arguments'}: with tensor parallelism a request's arguments "
+                         f"must be plain data sent to every rank ({type(e).__name__})") from None
+    return list(ids), kw
+
+
+def _picklable(v: Any) -> bool:
+    import pickle
+
+    try:
+        pickle.dumps(v)
+        return True
+    except Exception:
+        return False
+
+
 # --------------------------------------------------------------------------------------
 # Requests
 # --------------------------------------------------------------------------------------
@@ -117,7 +143,7 @@ class _Request:
         "handle", "ids", "cfg", "max_tokens", "out", "generated", "want_logprobs", "need",
         "prefilled", "pcache", "row", "cache_len", "phase", "t_admit", "t_first", "row_state",
         "processors", "drafter", "row_drafter", "spec", "cached", "salt", "grammar", "plp",
-        "slot",
+        "slot", "tp_event", "tp_cancel",
     )
 
     def __init__(self, handle, ids, cfg, max_tokens, out, processors=(), drafter=None,
@@ -149,6 +175,10 @@ class _Request:
         self.spec = DraftState(k_max)
         self.cached = 0  # prompt tokens restored from the prefix cache
         self.slot = 0  # the row's adapter slot in the model's adapter bank (0: the base)
+        # lockstep tensor parallelism: (prompt ids, arguments) not yet sent to the other
+        # ranks (None: sent, or not lockstep); whether the ranks agreed to cancel it
+        self.tp_event: Any = None
+        self.tp_cancel = False
 
 
 # --------------------------------------------------------------------------------------
@@ -202,6 +232,7 @@ class Engine:
         prefix_cache_dir: str | None = None,
         prefix_cache_disk_bytes: int = 4 << 30,
         prefix_cache_entries: int | None = None,
+        lockstep: bool = False,
     ):
         if not isinstance(max_rows, int) or max_rows < 1:
             raise ValueError(f"max_rows must be a positive integer, got {max_rows!r}")
@@ -284,6 +315,24 @@ class Engine:
         self._calls: collections.deque = collections.deque()  # (fn, Future) under _lock
         self._closing = False
         self._abort = False
+        # Tensor parallelism (model.tensor_parallel > 1): every rank's engine must run the
+        # same steps on the same rows. Decisions that depend on timing (speculation) are
+        # rank 0's, sent to the others at the point they are made (`_decided`). lockstep:
+        # requests reach rank 0 only (a server); each step starts by sending the other
+        # ranks what rank 0 queued and cancelled since the last one (`_sync_events`), and
+        # the other ranks run `follow()`. Without lockstep every rank submits the same
+        # requests itself before stepping (SPMD scripts, `fx-engine generate`).
+        self._tp_rank: int | None = None
+        if model.tensor_parallel > 1:
+            self._tp_rank = mx.distributed.init().rank()
+        elif lockstep:
+            raise ValueError("lockstep: the model is not tensor-parallel (load it with tensor_parallel=N)")
+        self._lockstep = lockstep
+        self._announced = 0  # submissions sent to the other ranks (rank 0, lockstep)
+        self._stopped = False  # follow(): rank 0 has closed its engine
+        # lockstep rank 0 steps at least this often (an empty step when idle), so the other
+        # ranks' watchdog tells a dead rank 0 from an idle one
+        self._heartbeat = timeout_seconds() / 4 if lockstep and self._tp_rank == 0 else None
         self._thread: threading.Thread | None = None
         self._step_lock = threading.Lock()
         self._next_id = 0
@@ -328,9 +377,15 @@ class Engine:
         if len(kwargs_list) > max(1, self.max_queue):  # could never be queued: not a retry-later
             raise ValueError(f"n: {len(kwargs_list)} requests at once exceed the engine's "
                              f"queue of {self.max_queue}")
+        if self._lockstep and self._tp_rank != 0:
+            raise RuntimeError(f"rank {self._tp_rank} follows rank 0 (lockstep): submit requests on "
+                               "rank 0; call engine.follow() here")
         made = []
         for kw in kwargs_list:
             made.append(self._make_request(prompt if not made else made[0][1], kw))
+        if self._lockstep:
+            for (req, ids), kw in zip(made, kwargs_list):
+                req.tp_event = _tp_event(ids, kw, req)
         with self._lock:
             if self._closing:
                 raise EngineClosed("engine is closed")
@@ -354,6 +409,9 @@ class Engine:
         that is not a generated row: embeddings); returns its Future. Without a started
         engine it runs now, on the calling thread."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._tp_rank is not None:  # work outside the steps would run on one rank only
+            raise ValueError("not available with tensor parallelism (work outside the engine's "
+                             "steps, e.g. embeddings)")
         with self._lock:
             if self._closing:
                 raise EngineClosed("engine is closed")
@@ -405,6 +463,7 @@ class Engine:
         elif t is None:
             while self.has_work():
                 self.step()
+            self._stop_followers()
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -486,7 +545,8 @@ class Engine:
                 with self._lock:
                     while not (self._pending or self._prefilling or self._live_rows()
                                or self._closing or self._calls):
-                        self._lock.wait()
+                        if not self._lock.wait(self._heartbeat):
+                            break  # lockstep rank 0, idle: an empty step tells the others it lives
                     if self._closing and not (self._abort or self._pending or self._prefilling
                                               or self._live_rows() or self._calls):
                         return
@@ -497,7 +557,14 @@ class Engine:
                 if self._abort and not self.has_work():
                     return
         finally:
+            self._stop_followers()
             self._end_thread()
+
+    def _stop_followers(self) -> None:
+        if self._lockstep and self._tp_rank == 0 and not self._stopped:
+            self._stopped = True
+            with self._step_lock:
+                self._sync_events(stop=True)
 
     def _end_thread(self) -> None:
         """Release this thread's MLX state while it is still a Python thread.
@@ -531,9 +598,68 @@ class Engine:
         t = self._thread
         if t is not None and t.is_alive() and t is not threading.current_thread():
             raise RuntimeError("engine.step() is driven by the background thread; do not call it")
-        with self._step_lock, busy(self.model.tensor_parallel > 1):  # a lost rank: an error, not a hang
-            self._step()
+        with self._step_lock:
+            if self._lockstep:
+                # the other ranks wait here for rank 0, which steps at least every heartbeat
+                with busy(bool(self._tp_rank)):
+                    self._sync_events()
+                if self._stopped:
+                    return False
+            with busy(self._tp_rank is not None):  # a lost rank: an error, not a hang
+                self._step()
         return self.has_work()
+
+    def follow(self) -> None:
+        """Tensor-parallel ranks other than 0 of a lockstep engine: run every step rank 0
+        runs, on the requests rank 0 sends, until rank 0 closes its engine."""
+        if not self._lockstep or self._tp_rank == 0:
+            raise RuntimeError("follow(): only for ranks > 0 of a lockstep tensor-parallel engine")
+        while not self._stopped:
+            self.step()
+        self._fail_all(EngineClosed("rank 0 closed the engine"))
+
+    def _sync_events(self, stop: bool = False) -> None:
+        """Lockstep: rank 0 sends what it queued and cancelled since the last step (stop:
+        that it closed); the other ranks apply the same, so every rank admits and retires
+        the same requests at the same step."""
+        if self._tp_rank == 0:
+            with self._lock:
+                new = [r for r in self._pending if r.tp_event is not None]
+                known = list(self._pending) + list(self._prefilling) + self._batch.live()
+                cancel = [r for r in known if r.handle._cancel and not r.tp_cancel]
+                record = {"submit": [r.tp_event for r in new], "cancel": [r.handle.id for r in cancel],
+                          "abort": self._abort, "stop": stop}
+                for r in new:
+                    r.tp_event = None
+            broadcast(record, 0)
+            for r in cancel:
+                r.tp_cancel = True
+            return
+        record = broadcast(None, self._tp_rank)
+        if record["stop"]:
+            self._stopped = True
+            return
+        for ids, kw in record["submit"]:
+            req, ids = self._make_request(ids, kw)
+            with self._lock:
+                req.handle = RequestHandle(self, self._next_id, tuple(ids))
+                self._next_id += 1
+                self._pending.append(req)
+        ids = set(record["cancel"])
+        for r in list(self._pending) + list(self._prefilling) + self._batch.live():
+            if r.handle.id in ids:
+                r.tp_cancel = r.handle._cancel = True
+        self._abort = self._abort or record["abort"]
+
+    def _cancelled(self, r: _Request) -> bool:
+        """Whether to cancel this request now (lockstep: when the ranks agreed to)."""
+        return r.tp_cancel if self._lockstep else r.handle._cancel
+
+    def _decided(self, decide: Callable[[], Any]) -> Any:
+        """A decision every rank must share (it depends on timing): rank 0's."""
+        if self._tp_rank is None:
+            return decide()
+        return broadcast(decide() if self._tp_rank == 0 else None, self._tp_rank)
 
     def _step(self) -> None:
         """Plan -> execute -> emit: retire cancelled requests and admit; plan the step
@@ -577,6 +703,8 @@ class Engine:
                 if not self._pending:
                     return
                 req = self._pending[0]
+                if req.tp_event is not None:  # lockstep: not yet sent to the other ranks
+                    return
                 needs = [r.need for r in self._prefilling] + [r.need for r in self._batch.live()]
                 prefilling = [self._prefill_slots(r) for r in self._prefilling]
                 if not sched.can_admit(needs, req.need, self.max_rows, self.kv_budget_tokens,
@@ -779,15 +907,17 @@ class Engine:
         if not any(r.processors for r in live) and any(r.drafter is not None for r in live):
             # Ask drafters only when speculating is expected to pay (their work is not free),
             # then decide again with the drafts actually proposed.
-            plan = self._plan_drafts(live)
+            by_id = {r.handle.id: r for r in live}
+            plan = {by_id[i]: k for i, k in self._decided(
+                lambda: {r.handle.id: k for r, k in self._plan_drafts(live).items()}).items()}
             if plan:
                 t0 = time.perf_counter()
                 drafts = self._propose(plan)
                 self._spec.observe_drafting(time.perf_counter() - t0)
                 live = batch.live()  # a drafter may fail its row
-                k = self._spec.choose_k(
+                k = self._decided(lambda: self._spec.choose_k(
                     len(batch.rows), [(r.spec.alpha, len(t)) for r, (t, _) in drafts.items()],
-                    len(live)) if drafts else 0
+                    len(live)) if drafts else 0)
                 if k:
                     return self._decode_speculative(
                         {r: (t[:k], None if p is None else p[:k]) for r, (t, p) in drafts.items()}, k)
@@ -1103,22 +1233,22 @@ class Engine:
 
     def _retire_cancelled(self) -> None:
         with self._lock:
-            gone = [r for r in self._pending if r.handle._cancel]
+            gone = [r for r in self._pending if self._cancelled(r)]
             for r in gone:
                 self._pending.remove(r)
         for r in gone:
             r.phase = "queued"
             self._complete(r, "cancelled")
         for r in list(self._prefilling) + self._batch.live():
-            if r.handle._cancel and r.phase != "done":
+            if self._cancelled(r) and r.phase != "done":
                 self._complete(r, "cancelled")
 
     def _cancel_everything(self) -> None:
         with self._lock:
             for r in self._pending:
-                r.handle._cancel = True
+                r.handle._cancel = r.tp_cancel = True
         for r in list(self._prefilling) + self._batch.live():
-            r.handle._cancel = True
+            r.handle._cancel = r.tp_cancel = True
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:

@@ -104,3 +104,19 @@ def busy(active: bool = True) -> Iterator[None]:
     finally:
         with _lock:
             _busy_since.pop()
+
+
+def broadcast(obj: Any, rank: int) -> Any:
+    """Rank 0's `obj` on every rank (pickled; the group is one trusted program). Two
+    all_sums: the length, then the bytes (other ranks add zeros)."""
+    import pickle
+
+    import mlx.core as mx
+    import numpy as np
+
+    data = pickle.dumps(obj) if rank == 0 else b""
+    n = int(mx.distributed.all_sum(mx.array([len(data)], mx.int32)).item())
+    buf = np.frombuffer(data, np.uint8) if rank == 0 else np.zeros(n, np.uint8)
+    got = mx.distributed.all_sum(mx.array(buf))
+    mx.eval(got)
+    return obj if rank == 0 else pickle.loads(np.asarray(got).tobytes())

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import attrs
 
-__all__ = ["RankResult", "launch_local"]
+__all__ = ["RankResult", "launch_local", "start_local", "wait_local"]
 
 
 @attrs.frozen
@@ -33,17 +33,27 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def start_local(n: int, argv: Sequence[str], env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Start `argv` as ranks 0..n-1 of a ring group over 127.0.0.1 (stdout and stderr
+    piped); `wait_local` collects them."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([[f"127.0.0.1:{_free_port()}"] for _ in range(n)], f)
+        hostfile = f.name  # read by each rank at mx.distributed.init(); left in the temp dir
+    base = {**os.environ, **(env or {}), "MLX_HOSTFILE": hostfile}
+    return [subprocess.Popen(list(argv), env={**base, "MLX_RANK": str(r)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for r in range(n)]
+
+
 def launch_local(n: int, argv: Sequence[str], timeout: float = 300.0,
                  env: dict[str, str] | None = None) -> list[RankResult]:
     """Start `argv` as ranks 0..n-1 of a ring group over 127.0.0.1; wait for all (at most
     `timeout` seconds in total, then kill the rest). Returns one RankResult per rank."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump([[f"127.0.0.1:{_free_port()}"] for _ in range(n)], f)
-        hostfile = f.name
-    base = {**os.environ, **(env or {}), "MLX_HOSTFILE": hostfile}
+    return wait_local(start_local(n, argv, env), timeout)
+
+
+def wait_local(procs: list[subprocess.Popen], timeout: float = 300.0) -> list[RankResult]:
+    """Wait for started ranks (at most `timeout` seconds in total, then kill the rest)."""
     t0 = time.monotonic()
-    procs = [subprocess.Popen(list(argv), env={**base, "MLX_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(n)]
     out = []
     try:
         for r, p in enumerate(procs):
@@ -60,5 +70,4 @@ def launch_local(n: int, argv: Sequence[str], timeout: float = 300.0,
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        os.unlink(hostfile)
     return out
