@@ -51,6 +51,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="shard the model over the N processes started by `mlx.launch -n N` "
                         "(each runs this same command; rank 0 prints)")
+    p.add_argument("--pipeline-parallel", type=int, default=None, metavar="N",
+                   help="split the model's layers over the N processes started by `mlx.launch -n N`")
     p.add_argument("--adapter", action="append", default=None, metavar="[NAME=]PATH",
                    help="a LoRA/DoRA adapter folder (mlx-lm or PEFT). generate/chat: the one to "
                         "use; serve: repeatable, chosen per request by model 'BASE:NAME'")
@@ -102,7 +104,8 @@ def _load(a: argparse.Namespace):
                            kv_group_size=a.kv_group_size, quantized_kv_start=a.quantized_kv_start,
                            activation_bits=getattr(a, "activation_bits", None),
                            kv_dtype=getattr(a, "kv_dtype", None),
-                           tensor_parallel=getattr(a, "tensor_parallel", None))
+                           tensor_parallel=getattr(a, "tensor_parallel", None),
+                           pipeline_parallel=getattr(a, "pipeline_parallel", None))
     for spec in getattr(a, "adapter", None) or ():
         name, sep, path = spec.partition("=")
         if not sep:
@@ -136,7 +139,8 @@ def _quiet_unless_rank0(a: argparse.Namespace) -> None:
     """Tensor-parallel ranks other than 0 run the same generation silently."""
     import mlx.core as mx
 
-    if getattr(a, "tensor_parallel", None) and mx.distributed.init().rank() != 0:
+    if (getattr(a, "tensor_parallel", None) or getattr(a, "pipeline_parallel", None)) and \
+            mx.distributed.init().rank() != 0:
         sys.stdout = open(os.devnull, "w")
         sys.stderr = open(os.devnull, "w")
 
@@ -161,8 +165,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
-    if a.tensor_parallel and a.tensor_parallel > 1:
-        raise ValueError("chat --tensor-parallel: not available (the other ranks cannot read this "
+    if (a.tensor_parallel or 1) > 1 or (a.pipeline_parallel or 1) > 1:
+        raise ValueError("chat --tensor-parallel / --pipeline-parallel: not available (the other ranks cannot read this "
                          "terminal); use generate")
     model = _load(a)
     messages: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
@@ -240,7 +244,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         defaults["prompt_lookup"] = True
     if a.num_draft_tokens is not None:
         defaults["num_draft_tokens"] = a.num_draft_tokens
-    tp = model.tensor_parallel > 1
+    tp = model.ranks > 1
     engine = fx_engine.Engine(model, max_rows=a.decode_concurrency, prefill_chunk=a.prefill_step_size,
                               max_queue=a.max_queue, prefix_cache_bytes=a.prompt_cache_bytes,
                               prefix_cache_dir=a.prompt_cache_dir,

@@ -1,4 +1,4 @@
-"""Tensor parallelism over mx.distributed (issue 27): 2 ranks of a ring group on 127.0.0.1
+"""Tensor and pipeline parallelism over mx.distributed (issue 27): 2 ranks of a ring group on 127.0.0.1
 (fx_engine.testing.distributed.launch_local: mlx.launch's environment) against one process.
 Each rank runs tools/tp_run.py; rank 0 reports."""
 
@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = [sys.executable, str(ROOT / "tools" / "tp_run.py")]
 
 
-def tp(args: list[str], n: int = 2, env: dict | None = None, timeout: float = 240) -> dict:
-    ranks = launch_local(n, RUN + ["--tp", str(n), *args], timeout=timeout, env=env)
+def tp(args: list[str], n: int = 2, env: dict | None = None, timeout: float = 240, split: str = "tp") -> dict:
+    ranks = launch_local(n, RUN + [f"--{split}", str(n), *args], timeout=timeout, env=env)
     for r in ranks:
         assert r.returncode == 0, f"rank {r.rank}: {r.returncode}\n{r.stderr[-3000:]}"
     return json.loads(ranks[0].stdout.strip().splitlines()[-1])
@@ -35,21 +35,26 @@ def alone(args: list[str]) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_default_model_two_ranks_equal_one_process():
-    """SmolLM2's 3 KV heads split 2 + 1 (9 query heads: 6 + 3), its MLP and 49k vocabulary
-    halved: greedy tokens (the plain generate and a continuous batch of 3 rows), and the
-    logits, as one process computes them."""
+@pytest.mark.parametrize("split", ["tp", "pp"])
+def test_default_model_two_ranks_equal_one_process(split):
+    """Tensor parallel: SmolLM2's 3 KV heads split 2 + 1 (9 query heads: 6 + 3), its MLP and
+    49k vocabulary halved. Pipeline parallel: 15 + 15 layers. Greedy tokens (the plain
+    generate and a continuous batch of 3 rows), and the logits, as one process computes them."""
     args = ["--tokens", "24", "--logits", "--engine", "3"]
-    one, two = alone(args), tp(args)
-    assert (two["heads"], two["kv_heads"]) == (6, 2)  # rank 0's share
+    one, two = alone(args), tp(args, split=split)
+    if split == "tp":
+        assert (two["heads"], two["kv_heads"]) == (6, 2)  # rank 0's share
+    else:
+        assert two["layers"] == 15
     assert two["tokens"] == one["tokens"] and len(one["tokens"]) == 24
     assert two["engine"] == one["engine"]
     diff = mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item()
     assert diff < 2e-3, diff
 
 
+@pytest.mark.parametrize("split", ["tp", "pp"])
 @pytest.mark.parametrize("kind", ["llama-q4", "qwen3", "qwen2-untied"])
-def test_tiny_families_two_ranks_equal_one_process(tmp_path, kind):
+def test_tiny_families_two_ranks_equal_one_process(tmp_path, kind, split):
     model_type = kind.split("-")[0]
     extra = {}
     if kind == "llama-q4":
@@ -58,7 +63,7 @@ def test_tiny_families_two_ranks_equal_one_process(tmp_path, kind):
         extra = {"tie_word_embeddings": False}
     path = write_tiny_model(tmp_path / kind, model_type, num_key_value_heads=2, **extra)
     args = ["--model", str(path), "--tokens", "12", "--logits", "--engine", "2", "--prompt", "hello world"]
-    one, two = alone(args), tp(args)
+    one, two = alone(args), tp(args, split=split)
     assert two["tokens"] == one["tokens"] and two["engine"] == one["engine"]
     diff = mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item()
     assert diff < 2e-3, diff
@@ -95,6 +100,8 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
 
     with pytest.raises(ValueError, match="mlx.launch -n 2"):
         fx_engine.load(tensor_parallel=2)  # one process alone
+    with pytest.raises(ValueError, match="not both"):
+        fx_engine.load(tensor_parallel=2, pipeline_parallel=2)
     gemma = fx_engine.load(write_tiny_model(tmp_path / "g", "gemma3_text"))
     with pytest.raises(ConfigError, match="not supported yet"):
         shard_params(gemma.params, 0, 2)
@@ -106,7 +113,8 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
         fx_engine.Engine(gemma, lockstep=True)
 
 
-def test_server_tensor_parallel_with_the_openai_client(tmp_path):
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_server_tensor_parallel_with_the_openai_client(tmp_path, split):
     """`fx-engine serve --tensor-parallel 2` on 2 ranks: rank 0 serves HTTP and schedules,
     rank 1 follows its steps (lockstep). Concurrent requests, a streamed one the client
     abandons (a cancellation both ranks apply), prompt-lookup speculation on every request
@@ -123,7 +131,7 @@ def test_server_tensor_parallel_with_the_openai_client(tmp_path):
     from .conftest import free_port
 
     port = free_port()
-    procs = start_local(2, [sys.executable, "-m", "fx_engine.cli", "serve", "--tensor-parallel", "2",
+    procs = start_local(2, [sys.executable, "-m", "fx_engine.cli", "serve", f"--{split}-parallel", "2",
                             "--port", str(port), "--model-id", "smol", "--prompt-lookup"], env={"FX_ENGINE_TP_TIMEOUT": "20"})
     try:
         url = f"http://127.0.0.1:{port}"

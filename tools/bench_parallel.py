@@ -1,6 +1,6 @@
-"""1 process vs N tensor-parallel ranks on this machine (issue 27's measurement).
+"""1 process vs N tensor- or pipeline-parallel ranks on this machine (issue 27's measurement).
 
-    python tools/bench_parallel.py [--model PATH] [--ranks 2] [--rounds 3] [--tokens 64] [--json out.json]
+    python tools/bench_parallel.py [--model PATH] [--ranks 2] [--split tp|pp] [--rounds 3] [--tokens 64] [--json out.json]
 
 Each round runs tools/tp_run.py alone and as a ring group of --ranks processes over
 127.0.0.1 (fx_engine.testing.distributed.launch_local), alternating which goes first; each
@@ -44,12 +44,12 @@ if g.rank() == 0: print(out)
 """
 
 
-def one(args: list[str], n: int) -> dict:
+def one(args: list[str], n: int, split: str = "tp") -> dict:
     if n == 1:
         p = subprocess.run(RUN + args, capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, p.stderr[-2000:]
         return json.loads(p.stdout.strip().splitlines()[-1])
-    ranks = launch_local(n, RUN + ["--tp", str(n), *args], timeout=900)
+    ranks = launch_local(n, RUN + [f"--{split}", str(n), *args], timeout=900)
     assert all(r.returncode == 0 for r in ranks), ranks[0].stderr[-2000:]
     return json.loads(ranks[0].stdout.strip().splitlines()[-1])
 
@@ -60,6 +60,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--split", default="tp", choices=("tp", "pp"), help="tensor or pipeline parallel")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     model = fx_engine.load(a.model)
@@ -74,7 +75,7 @@ def main(argv=None) -> dict:
     for r in range(a.rounds):
         order = (1, a.ranks) if r % 2 == 0 else (a.ranks, 1)
         for n in order:
-            out = one(args, n)
+            out = one(args, n, a.split)
             res[str(n)].append({"decode_tps": out["decode_tps"], "prompt_tps": out["prompt_tps"]})
             print(f"round {r} ranks={n}: decode {out['decode_tps']:.1f} tok/s, prompt {out['prompt_tps']:.1f} tok/s",
                   flush=True)

@@ -33,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages instead of tensor shards")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--prompt", default="The capital of France is")
     ap.add_argument("--logits", action="store_true")
@@ -42,12 +43,13 @@ def main() -> None:
     ap.add_argument("--die-after", type=float, default=None)
     ap.add_argument("--ignore-eos", action="store_true", help="decode all --tokens (EOS suppressed)")
     a = ap.parse_args()
-    model = fx_engine.load(a.model, tensor_parallel=a.tp)
-    rank = mx.distributed.init().rank() if a.tp > 1 else 0
+    model = fx_engine.load(a.model, tensor_parallel=a.tp if a.tp > 1 else None,
+                           pipeline_parallel=a.pp if a.pp > 1 else None)
+    rank = mx.distributed.init().rank() if model.ranks > 1 else 0
     if a.die_after is not None and rank == 1:
         threading.Timer(a.die_after, lambda: os._exit(3)).start()
-    out: dict = {"rank": rank, "size": a.tp, "heads": model.config.num_heads,
-                 "kv_heads": model.config.num_kv_heads}
+    out: dict = {"rank": rank, "size": model.ranks, "heads": model.config.num_heads,
+                 "kv_heads": model.config.num_kv_heads, "layers": model.config.num_layers}
     kw = dict(max_tokens=a.tokens, temperature=0.0 if a.seed is None else 0.8, seed=a.seed)
     if a.ignore_eos:
         kw["logit_bias"] = {e: -1e9 for e in model.eos_ids}

@@ -9,6 +9,13 @@ gathered: `("vocab", start, total)`). Norms, RoPE tables and biases of summed li
 replicated. The shard's config says how many heads and features it holds, so the family's
 own forward runs unchanged on it, and its cache layout holds only its KV heads.
 
+Pipeline parallelism (`stage_params`): rank r holds a contiguous run of layers (its cache
+only those layers' entries); the first stage embeds, each stage receives the residual
+stream from the one before (`recv`) and hands it on (`send`), the last applies the final
+norm and the head, and its logits are summed with zeros from the others (`all_sum`), so
+every rank samples the same tokens. One stage computes at a time (no micro-batches): it
+adds memory (each rank holds 1/N of the layers), not speed.
+
 Uneven splits are allowed (SmolLM2's 3 KV heads on 2 ranks: 2 + 1, with their 6 + 3 query
 heads); quantized linears split only where their groups stay whole. Every rank computes
 the same full logits, so sampling (per-row keys) gives the same tokens on every rank.
@@ -24,7 +31,7 @@ import mlx.core as mx
 from fx_engine.core.config import ConfigError
 from fx_engine.core.nn import Linear
 
-__all__ = ["shard_params", "split"]
+__all__ = ["shard_params", "split", "stage_params"]
 
 
 def split(n: int, size: int, rank: int, unit: int = 1) -> tuple[int, int]:
@@ -129,3 +136,27 @@ def shard_params(params: Any, rank: int, size: int) -> Any:
     small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=f1 - f0)
     return attrs.evolve(params, layers=tuple(layers), embed=embed,
                         lm_head=None if head is None else _vocab(head, rank, size), config=small)
+
+
+def stage_params(params: Any, rank: int, size: int) -> Any:
+    """Rank `rank` of `size`'s pipeline stage of a Llama-family model: its layers (split as
+    evenly as possible, earlier stages taking the remainder), the embedding table on the
+    first stage, the head (and the final norm) on the last (a tied head keeps the table)."""
+    from fx_engine.core.models import llama
+
+    if size == 1:
+        return params
+    if type(params) is not llama.Params:
+        raise ConfigError(f"pipeline parallel: the {type(params.config).__name__} family is not supported "
+                          "yet (Llama-family models are: llama, mistral, qwen2, qwen3, SmolLM)")
+    cfg = params.config
+    l0, l1 = split(cfg.num_layers, size, rank)
+    first, last = rank == 0, rank == size - 1
+    nothing = Linear(weight=mx.zeros((1, 1), mx.float32))
+    embed = params.embed if first or (last and params.lm_head is None) else nothing
+    small = attrs.evolve(
+        cfg, num_layers=l1 - l0,
+        layer_types=tuple(cfg.layer_types[l0:l1]) if cfg.layer_types else cfg.layer_types,
+        no_rope_layers=tuple(i - l0 for i in cfg.no_rope_layers if l0 <= i < l1))
+    return attrs.evolve(params, layers=params.layers[l0:l1], embed=embed,
+                        lm_head=params.lm_head if last else None, config=small, pipeline=(rank, size))

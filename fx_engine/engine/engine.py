@@ -315,7 +315,7 @@ class Engine:
         self._calls: collections.deque = collections.deque()  # (fn, Future) under _lock
         self._closing = False
         self._abort = False
-        # Tensor parallelism (model.tensor_parallel > 1): every rank's engine must run the
+        # Tensor or pipeline parallelism (model.ranks > 1): every rank's engine must run the
         # same steps on the same rows. Decisions that depend on timing (speculation) are
         # rank 0's, sent to the others at the point they are made (`_decided`). lockstep:
         # requests reach rank 0 only (a server); each step starts by sending the other
@@ -323,10 +323,11 @@ class Engine:
         # the other ranks run `follow()`. Without lockstep every rank submits the same
         # requests itself before stepping (SPMD scripts, `fx-engine generate`).
         self._tp_rank: int | None = None
-        if model.tensor_parallel > 1:
+        if model.ranks > 1:
             self._tp_rank = mx.distributed.init().rank()
         elif lockstep:
-            raise ValueError("lockstep: the model is not tensor-parallel (load it with tensor_parallel=N)")
+            raise ValueError("lockstep: the model is not tensor-parallel (load it with tensor_parallel=N "
+                             "or pipeline_parallel=N)")
         self._lockstep = lockstep
         self._announced = 0  # submissions sent to the other ranks (rank 0, lockstep)
         self._stopped = False  # follow(): rank 0 has closed its engine

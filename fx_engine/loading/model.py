@@ -44,8 +44,14 @@ class Model:
     # The LoRA / DoRA adapters this model serves (`load_adapter`; loading/adapters.py).
     # Shared by the model's variants (with_numerics, with_kv_cache): same linears.
     adapters: AdapterSet = attrs.field(factory=AdapterSet, eq=False)
-    # how many processes hold this model's shards (core/parallel.py; 1: all of it here)
+    # how many processes hold this model's shards or stages (core/parallel.py; 1: all here)
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """The processes that run this model together (every one runs the same steps)."""
+        return max(self.tensor_parallel, self.pipeline_parallel)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -143,6 +149,7 @@ def load(
     kv_dtype: str | None = None,
     matmul_plan: MatmulPlan | None = None,
     tensor_parallel: int | None = None,
+    pipeline_parallel: int | None = None,
 ) -> Model:
     """Load a model from a GGUF file or a Hugging Face style folder (None: the default model).
 
@@ -169,6 +176,8 @@ def load(
     group (started by `mlx.launch -n N ...`; core/parallel.py): each rank keeps its heads,
     MLP features and vocabulary rows, and every rank must then run the same requests in the
     same order (`fx-engine generate --tensor-parallel N` does). Llama-family models.
+    pipeline_parallel: N splits the layers over the N processes instead (each rank one
+    stage; not combined with tensor_parallel).
     """
     from fx_engine.loading.tokenizer import Tokenizer
     from fx_engine.runtime import setup
@@ -242,32 +251,36 @@ def load(
         report = plan.choose(params)  # measured once per machine and shape (cached)
         if report is not None:
             params = attrs.evolve(params, numerics=attrs.evolve(numerics, matmul=report.plan))
-    if tensor_parallel is not None:
-        params, fingerprint = _shard(params, fingerprint, tensor_parallel)
+    if tensor_parallel is not None and pipeline_parallel is not None:
+        raise ValueError("give tensor_parallel or pipeline_parallel, not both")
+    if tensor_parallel is not None or pipeline_parallel is not None:
+        params, fingerprint = _shard(params, fingerprint, tensor_parallel or pipeline_parallel,
+                                     "tensor" if tensor_parallel is not None else "pipeline")
         cfg = params.config
     model = Model(
         config=cfg, params=params, tokenizer=tokenizer, path=str(p),
         fingerprint=fingerprint, weight_format=f"{fmt} -> {quant_kinds}",
         matmul_report=report, tensor_parallel=tensor_parallel or 1,
+        pipeline_parallel=pipeline_parallel or 1,
     )
     return model.with_kv_cache(kv_bits, kv_group_size, quantized_kv_start).with_kv_dtype(kv_dtype)
 
 
-def _shard(params: Any, fingerprint: str, size: Any) -> tuple[Any, str]:
-    """This process's tensor-parallel shard (and a fingerprint naming it: a disk prefix
-    cache holds one rank's KV heads)."""
-    from fx_engine.core.parallel import shard_params
+def _shard(params: Any, fingerprint: str, size: Any, kind: str) -> tuple[Any, str]:
+    """This process's tensor-parallel shard or pipeline stage (and a fingerprint naming
+    it: a disk prefix cache holds one rank's KV heads or layers)."""
+    from fx_engine.core.parallel import shard_params, stage_params
 
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"tensor_parallel must be a positive integer, got {size!r}")
+        raise ValueError(f"{kind}_parallel must be a positive integer, got {size!r}")
     if size == 1:
         return params, fingerprint
     from fx_engine.runtime.distributed import world
 
-    group = world(size)  # checks the group's size; starts the lost-rank watchdog
-    params = shard_params(params, group.rank(), size)
+    group = world(size, kind)  # checks the group's size; starts the lost-rank watchdog
+    params = (shard_params if kind == "tensor" else stage_params)(params, group.rank(), size)
     mx.eval(tree_leaves(params))
-    return params, f"{fingerprint}-tp{group.rank()}of{size}"
+    return params, f"{fingerprint}-{kind[0]}p{group.rank()}of{size}"
 
 
 def load_adapter(model: Model, path: str | Path, name: str | None = None) -> str:

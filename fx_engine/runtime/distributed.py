@@ -5,7 +5,7 @@ Why a watchdog: when a rank dies, MLX's ring backend logs "Too many send/recv er
 Failing pending tasks..." on the others, but the evaluation waiting on the collective
 never returns (measured: mlx 0.32.4, rank 0 blocked until killed). `mlx.launch` kills the
 survivors itself (and still exits 0); processes started any other way would wait forever.
-So every engine step of a tensor-parallel model runs inside `busy()`, and a step that has
+So every engine step of a sharded model (tensor or pipeline parallel) runs inside `busy()`, and a step that has
 not finished after FX_ENGINE_TP_TIMEOUT seconds (default 120; a step takes well under a
 second on a healthy group) ends the process with exit code 70 and a message saying which
 rank gave up and why.
@@ -27,13 +27,13 @@ _busy_since: list[float] = []
 _watchdog: list[threading.Thread] = []
 
 
-def world(size: int) -> Any:
+def world(size: int, kind: str = "tensor") -> Any:
     """mx.distributed's world group, checked to have `size` processes; starts the watchdog."""
     import mlx.core as mx
 
     group = mx.distributed.init()
     if group.size() != size:
-        raise ValueError(f"tensor_parallel={size} needs {size} processes in mx.distributed's group "
+        raise ValueError(f"{kind}_parallel={size} needs {size} processes in mx.distributed's group "
                          f"(start them with `mlx.launch -n {size} --backend ring ...`); this one "
                          f"sees {group.size()}")
     _start(group.rank())
@@ -80,7 +80,7 @@ def _start(rank: int) -> None:
                     since = _busy_since[-1] if _busy_since else None
                 if since is not None and time.monotonic() - since > limit:
                     sys.stderr.write(
-                        f"fx-engine: rank {rank}: a tensor-parallel step has not finished in "
+                        f"fx-engine: rank {rank}: a distributed step has not finished in "
                         f"{limit:.0f} s: another rank has failed or stopped answering "
                         "(FX_ENGINE_TP_TIMEOUT); exiting\n")
                     sys.stderr.flush()

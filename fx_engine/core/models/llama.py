@@ -253,6 +253,9 @@ class Params:
     config: LlamaConfig = static_field()
     numerics: Numerics = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")  # activation/cache dtype name
+    # pipeline parallelism (core/parallel.py): (rank, ranks) when these params hold one
+    # stage's layers; () the whole model
+    pipeline: tuple = static_field(default=())
 
 
 def _rope(p: Any, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -366,15 +369,21 @@ def forward(
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
     # The residual stream is kept 2-D [B*T, hidden]: matmuls on 2-D inputs need no
     # flatten/unflatten nodes (each graph node costs ~10 us on CPU).
-    h = embed(tokens.reshape(-1), p.embed).astype(_dtype(p))
-    if getattr(p.config, "embedding_multiplier", 1.0) != 1.0:
-        h = h * p.config.embedding_multiplier
+    pipe = getattr(p, "pipeline", ())
+    if pipe and pipe[0] > 0:  # a later pipeline stage: the previous stage's residual stream
+        h = mx.distributed.recv((b * t, p.config.hidden_size), _dtype(p), pipe[0] - 1)
+    else:
+        h = embed(tokens.reshape(-1), p.embed).astype(_dtype(p))
+        if getattr(p.config, "embedding_multiplier", 1.0) != 1.0:
+            h = h * p.config.embedding_multiplier
     rope = (rope_fn or _rope)(p, geo.positions)  # shared by every layer
     nope = getattr(p.config, "no_rope_layers", ())
     entries = []
     for i, (lp, entry, spec) in enumerate(zip(p.layers, cache.layers, cache.layout)):
         h, entry = (layer_fn or _layer)(p, lp, h, entry, spec, None if i in nope else rope, geo)
         entries.append(entry)
+    if pipe and pipe[0] < pipe[1] - 1:  # not the last stage: hand the stream on (no norm)
+        return mx.distributed.send(h, pipe[0] + 1).reshape(b, t, -1), advanced(cache, entries, geo)
     h = final_norm(h) if final_norm else rms_norm(h, p.norm, p.config.rms_norm_eps, p.numerics)
     return h.reshape(b, t, -1), advanced(cache, entries, geo)
 
@@ -384,10 +393,17 @@ def _dtype(p: Any) -> mx.Dtype:
 
 
 def hidden_to_logits(p: Any, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
+    pipe = getattr(p, "pipeline", ())
+    if pipe and pipe[0] < pipe[1] - 1:  # the last stage has the head: its logits, summed with
+        # zeros from the other stages (exact), so every rank samples the same tokens; the
+        # zeros depend on this stage's send, which evaluating the step therefore performs
+        zeros = mx.depends(mx.zeros((*h.shape[:-1], p.config.vocab_size), mx.float32), h)
+        return mx.distributed.all_sum(zeros)
     head = p.lm_head if p.lm_head is not None else p.embed
     out = linear(h, head, p.numerics)
     scale = getattr(p.config, "logits_scaling", 1.0)
-    return (out if scale == 1.0 else out / scale).astype(mx.float32)
+    out = (out if scale == 1.0 else out / scale).astype(mx.float32)
+    return mx.distributed.all_sum(out) if pipe else out
 
 
 # ------------------------------------------------------------------ checkpoints
