@@ -161,6 +161,11 @@ def test_server_tensor_parallel_with_the_openai_client(tmp_path, split):
         r = client.completions.create(model="smol", prompt=prompts[1], max_tokens=12, temperature=0.8, seed=5)
         assert r.choices[0].text == fx_engine.generate(model, prompts[1], max_tokens=12, temperature=0.8,
                                                        seed=5).text
+        r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "A JSON object?"}],
+                                           max_tokens=24, response_format={"type": "json_object"}, temperature=0)
+        assert r.choices[0].message.content == fx_engine.generate(
+            model, [{"role": "user", "content": "A JSON object?"}], max_tokens=24, temperature=0.0,
+            response_format={"type": "json_object"}).text  # every rank's grammar in step
         time.sleep(6)  # idle: rank 0's heartbeats keep rank 1's watchdog quiet
         assert client.completions.create(model="smol", prompt=prompts[0], max_tokens=12,
                                          temperature=0).choices[0].text == want[0]
@@ -168,3 +173,27 @@ def test_server_tensor_parallel_with_the_openai_client(tmp_path, split):
         procs[0].send_signal(signal.SIGTERM)
         ranks = wait_local(procs, timeout=120)
     assert [r.returncode for r in ranks] == [0, 0], ranks[1].stderr[-3000:]
+
+
+@pytest.mark.parametrize("split", ["tp", "pp"])
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_adapters_on_two_ranks_equal_one_process(tmp_path, split, dora):
+    """A LoRA / DoRA adapter on every projection served by a sharded model: a tensor-parallel
+    rank applies its slice of each factor (B's rows of its heads and features; A's rows of
+    its input slice for o and down, whose partial products are summed with the base's;
+    DoRA's row norms summed over the ranks); a pipeline stage applies its layers' modules."""
+    from tools.oracle import write_hf_folder, write_mlx_lm_adapter
+
+    path = write_tiny_model(tmp_path / "m", "qwen3", num_key_value_heads=2)
+    ad = write_mlx_lm_adapter(path, tmp_path / "ad", rank=4, dora=dora, init_scale=0.1,
+                              keys=["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                    "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"])
+    del write_hf_folder
+    args = ["--model", str(path), "--tokens", "12", "--logits", "--engine", "2", "--prompt", "hello world",
+            "--adapter", str(ad)]
+    one, two = alone(args), tp(args, split=split)
+    assert two["tokens"] == one["tokens"] and two["engine"] == one["engine"]
+    diff = mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item()
+    assert diff < 2e-3, diff
+    base = alone(args[:-2])
+    assert mx.abs(mx.array(base["logits"]) - mx.array(one["logits"])).max().item() > 1e-2  # it matters

@@ -8,6 +8,7 @@ alone: the single-process reference).
     --engine N     also run N concurrent requests through one Engine (continuous batching)
     --die-after S  (tests) rank 1 exits abruptly S seconds after loading
     --ignore-eos   decode all --tokens;  --runs R  repeat the generation (timings)
+    --adapter DIR  generate with a LoRA adapter (the engine's odd rows too)
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--die-after", type=float, default=None)
     ap.add_argument("--ignore-eos", action="store_true", help="decode all --tokens (EOS suppressed)")
+    ap.add_argument("--adapter", default=None, help="a LoRA adapter folder: every generation uses it")
     a = ap.parse_args()
     model = fx_engine.load(a.model, tensor_parallel=a.tp if a.tp > 1 else None,
                            pipeline_parallel=a.pp if a.pp > 1 else None)
@@ -53,6 +55,8 @@ def main() -> None:
     kw = dict(max_tokens=a.tokens, temperature=0.0 if a.seed is None else 0.8, seed=a.seed)
     if a.ignore_eos:
         kw["logit_bias"] = {e: -1e9 for e in model.eos_ids}
+    if a.adapter:
+        kw["adapter"] = fx_engine.load_adapter(model, a.adapter, name="a")
     times = []
     for _ in range(a.runs):
         t0 = time.perf_counter()
@@ -62,13 +66,13 @@ def main() -> None:
                decode_tps=c.usage.generation_tps, prompt_tps=c.usage.prompt_tps)
     if a.logits:
         ids = model.tokenizer.encode(a.prompt)
-        out["logits"] = fx_engine.logits(model, ids)[-1].tolist()
+        out["logits"] = fx_engine.logits(model, ids, adapter=kw.get("adapter"))[-1].tolist()
     if a.engine:
         # submitted before any step, then stepped on this thread: every rank runs the same
         # steps in the same order (its collectives must match the other ranks')
         engine = fx_engine.Engine(model, max_rows=a.engine, prefill_chunk=16)
-        hs = [engine.submit(a.prompt + " x" * i, max_tokens=a.tokens, temperature=0.0)
-              for i in range(a.engine)]
+        hs = [engine.submit(a.prompt + " x" * i, max_tokens=a.tokens, temperature=0.0,
+                            adapter=kw.get("adapter") if i % 2 else None) for i in range(a.engine)]
         engine.close()
         out["engine"] = [list(h.result().token_ids) for h in hs]
     if rank == 0:

@@ -96,16 +96,17 @@ class Linear:
     # MLX's quantization mode: "affine" (scales and biases), or "mxfp4" (E2M1 codes with
     # E8M0 uint8 scales, no biases: a GGUF's MXFP4 expert stacks, run by gather_qmm)
     mode: str = static_field(default="affine")
-    # Where the rows come from: ((checkpoint module name, rows), ...) in row order, set by
+    # Where the rows come from: ((checkpoint module name, rows), ...) in row order (a
+    # tensor-parallel shard: (name, rows kept, first row kept, the module's rows)), set by
     # `checkpoint.read_linear` and kept through fusion and re-representation, so adapters
     # trained on the checkpoint's modules find their rows (core/adapters.py). () when the
     # weight was transformed (scaled, sliced): no adapter may target it.
     origin: tuple = static_field(default=())
     # Per-row low-rank adapters bound for one step (`adapters.with_adapters`); None: none.
     lora: "LoraBinding | None" = None
-    # Tensor parallelism (core/parallel.py): () a whole linear; ("sum",) this rank holds a
-    # slice of the input features: the partial products are summed over the ranks (before
-    # the bias); ("vocab", start, total) this rank holds rows [start, start + rows) of a
+    # Tensor parallelism (core/parallel.py): () a whole linear; ("sum", first, end) this
+    # rank holds input features [first, end): the partial products (adapters' included)
+    # are summed over the ranks (before the bias); ("vocab", start, total) this rank holds rows [start, start + rows) of a
     # vocabulary-sized table padded to the same rows on every rank: as a linear the outputs
     # are gathered over the ranks (then cut to `total`), as a table each rank looks up its
     # own rows and the embeddings are summed.

@@ -48,8 +48,17 @@ def split(n: int, size: int, rank: int, unit: int = 1) -> tuple[int, int]:
     return start * unit, end * unit
 
 
-def _rows(lin: Linear, ranges: list[tuple[int, int]]) -> Linear:
-    """The output rows in `ranges` (concatenated), dense or quantized."""
+def _rows(lin: Linear, ranges: list[tuple[int, int]], keep_origin: bool = False) -> Linear:
+    """The output rows in `ranges` (concatenated), dense or quantized. keep_origin: one range
+    per origin segment (a fused q|k|v), recorded as (module, rows kept, first row kept, the
+    module's rows) so adapters find their slice (loading/adapters.py)."""
+    origin = ()
+    if keep_origin and lin.origin and len(lin.origin) == len(ranges):
+        at, parts = 0, []
+        for (name, rows, *_), (a, b) in zip(lin.origin, ranges):
+            parts.append((name, b - a, a - at, rows))
+            at += rows
+        origin = tuple(parts)
     def take(x: mx.array | None, axis: int) -> mx.array | None:
         if x is None:
             return None
@@ -58,9 +67,9 @@ def _rows(lin: Linear, ranges: list[tuple[int, int]]) -> Linear:
 
     if lin.quantized:
         return attrs.evolve(lin, weight=take(lin.weight, 0), scales=take(lin.scales, 0),
-                            biases=take(lin.biases, 0), bias=take(lin.bias, 0), origin=())
+                            biases=take(lin.biases, 0), bias=take(lin.bias, 0), origin=origin)
     axis = 1 if lin.transposed else 0
-    return attrs.evolve(lin, weight=take(lin.weight, axis), bias=take(lin.bias, 0), origin=())
+    return attrs.evolve(lin, weight=take(lin.weight, axis), bias=take(lin.bias, 0), origin=origin)
 
 
 def _cols(lin: Linear, start: int, end: int, name: str) -> Linear:
@@ -72,9 +81,9 @@ def _cols(lin: Linear, start: int, end: int, name: str) -> Linear:
                               f"split at input feature {start}..{end}")
         return attrs.evolve(lin, weight=lin.weight[:, start // per_word : end // per_word],
                             scales=lin.scales[:, start // gs : end // gs],
-                            biases=lin.biases[:, start // gs : end // gs], tp=("sum",), origin=())
+                            biases=lin.biases[:, start // gs : end // gs], tp=("sum", start, end))
     w = lin.weight[start:end] if lin.transposed else lin.weight[:, start:end]
-    return attrs.evolve(lin, weight=w, tp=("sum",), origin=())
+    return attrs.evolve(lin, weight=w, tp=("sum", start, end))
 
 
 def _vocab(lin: Linear, rank: int, size: int) -> Linear:
@@ -126,8 +135,8 @@ def shard_params(params: Any, rank: int, size: int) -> Any:
         if lp.q_norm is not None and lp.q_norm.shape[-1] != d:
             raise ConfigError("tensor parallel: q/k norms over the whole projection are not supported")
         qkv = _rows(lp.qkv, [(q0 * d, q1 * d), ((hq + k0) * d, (hq + k1) * d),
-                             ((hq + hk + k0) * d, (hq + hk + k1) * d)])
-        gate_up = _rows(lp.gate_up, [(f0, f1), (f + f0, f + f1)])
+                             ((hq + hk + k0) * d, (hq + hk + k1) * d)], keep_origin=True)
+        gate_up = _rows(lp.gate_up, [(f0, f1), (f + f0, f + f1)], keep_origin=True)
         layers.append(attrs.evolve(
             lp, qkv=qkv, o=_cols(lp.o, q0 * d, q1 * d, f"layer {i} o_proj"),
             gate_up=gate_up, down=_cols(lp.down, f0, f1, f"layer {i} down_proj")))
@@ -159,4 +168,5 @@ def stage_params(params: Any, rank: int, size: int) -> Any:
         layer_types=tuple(cfg.layer_types[l0:l1]) if cfg.layer_types else cfg.layer_types,
         no_rope_layers=tuple(i - l0 for i in cfg.no_rope_layers if l0 <= i < l1))
     return attrs.evolve(params, layers=params.layers[l0:l1], embed=embed,
-                        lm_head=params.lm_head if last else None, config=small, pipeline=(rank, size))
+                        lm_head=params.lm_head if last else None, config=small,
+                        pipeline=(rank, size, l0, cfg.num_layers))

@@ -260,13 +260,16 @@ def _rows_of(lin: Linear, start: int, n: int) -> mx.array:
     return w[start : start + n].astype(mx.float32)
 
 
-def _index(params: Any) -> tuple[list[Linear], dict[str, tuple[int, int, int]]]:
+def _index(params: Any) -> tuple[list[Linear], dict[str, tuple[int, int, int, int, int]]]:
+    """{module name: (linear index, first row in the linear, rows, first row in the module,
+    the module's rows)}: a tensor-parallel shard holds a slice of a module's rows."""
     lins = linears(params)
-    where: dict[str, tuple[int, int, int]] = {}
+    where: dict[str, tuple[int, int, int, int, int]] = {}
     for i, lin in enumerate(lins):
         start = 0
-        for name, rows in lin.origin:
-            where[name] = (i, start, rows)
+        for name, rows, *part in lin.origin:
+            m0, total = part if part else (0, rows)
+            where[name] = (i, start, rows, m0, total)
             start += rows
     return lins, where
 
@@ -279,6 +282,10 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
     that does not match, or a layer outside the adapter's own num_layers."""
     lins, where = _index(params)
     base = f" (the adapter was made for {raw.base})" if raw.base else ""
+    # a pipeline stage holds some layers: modules of the others' are theirs to apply
+    pipe = getattr(params, "pipeline", ())
+    if pipe:
+        num_layers = pipe[3]
     out: dict[int, list[Segment]] = {}
     shapes: dict[int, tuple[int, int]] = {}
     for mod, fac in sorted(raw.modules.items()):
@@ -286,11 +293,15 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
         if hit is None and re.search(r"embed|wte|token_embd", mod):
             raise AdapterError(f"{raw.path}: module '{mod}' is an embedding table (adapters on "
                                "embeddings are not supported)")
+        layer = re.search(r"(?:layers|blk)\.(\d+)\.", mod)
+        if hit is None and pipe and layer and not pipe[2] <= int(layer.group(1)) < pipe[2] + len(params.layers) \
+                and int(layer.group(1)) < pipe[3]:
+            continue
         if hit is None:
             close = difflib.get_close_matches(mod, list(where), n=2)
             raise AdapterError(f"{raw.path}: module '{mod}' is not a linear of this model{base}"
                                + (f"; close: {', '.join(close)}" if close else ""))
-        i, start, rows = hit
+        i, start, rows, m0, total = hit
         lin = lins[i]
         if lin.weight.ndim != 2 or lin.mode != "affine":
             raise AdapterError(f"{raw.path}: module '{mod}' is an expert stack (adapters on "
@@ -301,18 +312,25 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
                 raise AdapterError(f"{raw.path}: module '{mod}' is outside the adapter's last "
                                    f"num_layers={raw.num_layers} of {num_layers} layers")
         k = in_features(lin)
-        if fac.a.shape[0] != k or fac.b.shape[1] != rows:
+        # a row-parallel shard (tp ("sum", first, end)) holds input features [first, end)
+        k0, k1 = (lin.tp[1], lin.tp[2]) if lin.tp and lin.tp[0] == "sum" else (0, k)
+        k_full = k if not lin.tp or lin.tp[0] != "sum" else None
+        if (k_full is not None and fac.a.shape[0] != k) or fac.a.shape[0] < k1 or fac.b.shape[1] != total:
             raise AdapterError(
                 f"{raw.path}: module '{mod}' maps [{fac.a.shape[0]} -> {fac.b.shape[1]}] but the "
-                f"model's is [{k} -> {rows}]{base}: an adapter for another base model?")
-        a = fac.a.astype(mx.float32)
-        b = (fac.b.astype(mx.float32) * fac.scale)
+                f"model's is [{k_full or 'sharded'} -> {total}]{base}: an adapter for another base model?")
+        a = fac.a.astype(mx.float32)[k0:k1]
+        b = (fac.b.astype(mx.float32) * fac.scale)[:, m0 : m0 + rows]
         mag = None
         if fac.dora:
             w = _rows_of(lin, start, rows)
+            sq_w = mx.sum(w * w, axis=1)
             adapted = w + (b.T @ a.T)
-            m = fac.m.astype(mx.float32) if fac.m is not None else mx.linalg.norm(w, axis=1)
-            mag = m / mx.linalg.norm(adapted, axis=1)
+            sq = mx.sum(adapted * adapted, axis=1)
+            if lin.tp and lin.tp[0] == "sum":  # the row norms span every rank's input slice
+                sq, sq_w = mx.distributed.all_sum(sq), mx.distributed.all_sum(sq_w)
+            m = fac.m.astype(mx.float32)[m0 : m0 + rows] if fac.m is not None else mx.sqrt(sq_w)
+            mag = m / mx.sqrt(sq)
         out.setdefault(i, []).append(Segment(start=start, a=a, b=b, mag=mag))
         shapes[i] = (k, lin.out_features)
     for segs in out.values():
@@ -412,6 +430,7 @@ def fuse_params(params: Any, segments: dict[int, list[Segment]], dtype: Any) -> 
             at = s.start + rows
         parts.append(w[at:])
         merged = mx.concatenate(parts, axis=0).astype(dtype)
-        return Linear(weight=mx.contiguous(merged.T), bias=lin.bias, transposed=True, origin=lin.origin)
+        return attrs.evolve(lin, weight=mx.contiguous(merged.T), scales=None, biases=None, group_size=0,
+                            bits=0, transposed=True)  # tensor-parallel marks (tp) kept
 
     return map_linears(params, fuse)

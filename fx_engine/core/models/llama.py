@@ -253,8 +253,8 @@ class Params:
     config: LlamaConfig = static_field()
     numerics: Numerics = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")  # activation/cache dtype name
-    # pipeline parallelism (core/parallel.py): (rank, ranks) when these params hold one
-    # stage's layers; () the whole model
+    # pipeline parallelism (core/parallel.py): (rank, ranks, first layer, all layers) when
+    # these params hold one stage's layers; () the whole model
     pipeline: tuple = static_field(default=())
 
 
