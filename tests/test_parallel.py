@@ -197,3 +197,17 @@ def test_adapters_on_two_ranks_equal_one_process(tmp_path, split, dora):
     assert diff < 2e-3, diff
     base = alone(args[:-2])
     assert mx.abs(mx.array(base["logits"]) - mx.array(one["logits"])).max().item() > 1e-2  # it matters
+
+
+def test_each_rank_holds_about_its_share(tmp_path):
+    """Sharded before anything is evaluated (safetensors are read lazily, one leaf at a
+    time): each of 2 ranks holds half the params, and its peak memory while loading is
+    about the shard plus one tensor, not the whole model."""
+    path = write_tiny_model(tmp_path / "m", "llama", hidden_size=512, num_hidden_layers=16, intermediate_size=2048,
+                            vocab_size=8000, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                            dtype="float16")
+    args = ["--model", str(path), "--tokens", "2"]
+    one, two = alone(args), tp(args)
+    assert abs(two["params_bytes"] - one["params_bytes"] / 2) < 0.02 * one["params_bytes"]
+    # the whole model is ~270 MB in float32: a rank that loaded it all would peak above it
+    assert two["peak_rss_after_load"] < one["peak_rss_after_load"] - 0.35 * one["params_bytes"], (one, two)

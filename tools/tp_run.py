@@ -29,6 +29,8 @@ fx_engine.setup()
 
 import mlx.core as mx  # noqa: E402
 
+from fx_engine.core.tree import tree_leaves  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -45,12 +47,19 @@ def main() -> None:
     ap.add_argument("--ignore-eos", action="store_true", help="decode all --tokens (EOS suppressed)")
     ap.add_argument("--adapter", default=None, help="a LoRA adapter folder: every generation uses it")
     a = ap.parse_args()
+    import resource
+
+    t_load = time.perf_counter()
     model = fx_engine.load(a.model, tensor_parallel=a.tp if a.tp > 1 else None,
                            pipeline_parallel=a.pp if a.pp > 1 else None)
+    t_load = time.perf_counter() - t_load
+    peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rank = mx.distributed.init().rank() if model.ranks > 1 else 0
     if a.die_after is not None and rank == 1:
         threading.Timer(a.die_after, lambda: os._exit(3)).start()
-    out: dict = {"rank": rank, "size": model.ranks, "heads": model.config.num_heads,
+    out: dict = {"load_seconds": t_load, "peak_rss_after_load": peak_load,
+                 "params_bytes": sum(x.nbytes for x in tree_leaves(model.params)),
+                 "rank": rank, "size": model.ranks, "heads": model.config.num_heads,
                  "kv_heads": model.config.num_kv_heads, "layers": model.config.num_layers}
     kw = dict(max_tokens=a.tokens, temperature=0.0 if a.seed is None else 0.8, seed=a.seed)
     if a.ignore_eos:

@@ -238,9 +238,20 @@ def load(
         fp_src = [json.dumps(raw, sort_keys=True)] + [
             f"{f.name}:{f.stat().st_size}" for f in sorted(p.glob("*.safetensors"))
         ]
-    mx.eval(tree_leaves(params))
+    if tensor_parallel is not None and pipeline_parallel is not None:
+        raise ValueError("give tensor_parallel or pipeline_parallel, not both")
     files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
     fingerprint = model_fingerprint(fp_src, files)
+    if tensor_parallel is not None or pipeline_parallel is not None:
+        # sharded before anything is evaluated: safetensors are read lazily (mx.load), so
+        # evaluating one leaf at a time reads each tensor once and keeps only this rank's
+        # part (peak memory ~ the shard + one tensor, not the whole model)
+        params, fingerprint = _shard(params, fingerprint, tensor_parallel or pipeline_parallel,
+                                     "tensor" if tensor_parallel is not None else "pipeline")
+        cfg = params.config
+        for leaf in tree_leaves(params):
+            mx.eval(leaf)
+    mx.eval(tree_leaves(params))
     quant_kinds = _weight_kinds(params)
     report = None
     if matmul_plan is not None:
@@ -251,12 +262,6 @@ def load(
         report = plan.choose(params)  # measured once per machine and shape (cached)
         if report is not None:
             params = attrs.evolve(params, numerics=attrs.evolve(numerics, matmul=report.plan))
-    if tensor_parallel is not None and pipeline_parallel is not None:
-        raise ValueError("give tensor_parallel or pipeline_parallel, not both")
-    if tensor_parallel is not None or pipeline_parallel is not None:
-        params, fingerprint = _shard(params, fingerprint, tensor_parallel or pipeline_parallel,
-                                     "tensor" if tensor_parallel is not None else "pipeline")
-        cfg = params.config
     model = Model(
         config=cfg, params=params, tokenizer=tokenizer, path=str(p),
         fingerprint=fingerprint, weight_format=f"{fmt} -> {quant_kinds}",
@@ -279,7 +284,6 @@ def _shard(params: Any, fingerprint: str, size: Any, kind: str) -> tuple[Any, st
 
     group = world(size, kind)  # checks the group's size; starts the lost-rank watchdog
     params = (shard_params if kind == "tensor" else stage_params)(params, group.rank(), size)
-    mx.eval(tree_leaves(params))
     return params, f"{fingerprint}-{kind[0]}p{group.rank()}of{size}"
 
 
