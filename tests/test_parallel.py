@@ -52,8 +52,11 @@ def test_default_model_two_ranks_equal_one_process(split):
     assert diff < 2e-3, diff
 
 
-@pytest.mark.parametrize("split", ["tp", "pp"])
-@pytest.mark.parametrize("kind", ["llama-q4", "qwen3", "qwen2-untied"])
+FAMILY_CASES = [(k, s) for k in ("llama-q4", "qwen3", "qwen2-untied", "phi3", "starcoder2", "exaone4")
+                for s in ("tp", "pp")] + [("qwen3_moe", "pp"), ("olmo2", "pp")]
+
+
+@pytest.mark.parametrize("kind,split", FAMILY_CASES)
 def test_tiny_families_two_ranks_equal_one_process(tmp_path, kind, split):
     model_type = kind.split("-")[0]
     extra = {}
@@ -102,9 +105,19 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
         fx_engine.load(tensor_parallel=2)  # one process alone
     with pytest.raises(ValueError, match="not both"):
         fx_engine.load(tensor_parallel=2, pipeline_parallel=2)
+    from fx_engine.core.parallel import stage_params
+
     gemma = fx_engine.load(write_tiny_model(tmp_path / "g", "gemma3_text"))
     with pytest.raises(ConfigError, match="not supported yet"):
         shard_params(gemma.params, 0, 2)
+    with pytest.raises(ConfigError, match="not supported yet"):
+        stage_params(gemma.params, 0, 2)
+    moe = fx_engine.load(write_tiny_model(tmp_path / "moe", "qwen3_moe"))
+    with pytest.raises(ConfigError, match="routed experts"):
+        shard_params(moe.params, 0, 2)
+    olmo = fx_engine.load(write_tiny_model(tmp_path / "olmo", "olmo2"))
+    with pytest.raises(ConfigError, match="whole projection"):
+        shard_params(olmo.params, 0, 2)
     assert main(["serve", "--tensor-parallel", "2"]) == 2  # one process alone
     assert "mlx.launch -n 2" in capsys.readouterr().err
     assert main(["chat", "--tensor-parallel", "2"]) == 2

@@ -33,6 +33,9 @@ from fx_engine.core.nn import Linear
 
 __all__ = ["shard_params", "split", "stage_params"]
 
+# config fields with one entry per layer (a stage keeps its layers' entries)
+_PER_LAYER = ("layer_types", "moe_layers", "layer_rope")
+
 
 def split(n: int, size: int, rank: int, unit: int = 1) -> tuple[int, int]:
     """Rank's [start, end) of n items in units of `unit` (as even as possible, the first
@@ -113,38 +116,55 @@ def _vocab(lin: Linear, rank: int, size: int) -> Linear:
 
 
 def shard_params(params: Any, rank: int, size: int) -> Any:
-    """Rank `rank` of `size`'s shard of a Llama-family model's params (llama, mistral,
-    qwen2, qwen3, SmolLM: `core.models.llama.Params`). ConfigError for another family or a
-    split the weights do not allow."""
+    """Rank `rank` of `size`'s shard of a model of the Llama decoder's families (llama,
+    mistral, qwen2, qwen3, SmolLM, phi3, olmo2/exaone4/glm4 (post-norm), starcoder2, and
+    the dense layers of the mixture-of-experts family): ConfigError for another family, an
+    expert layer, or a split the weights do not allow."""
     from fx_engine.core.models import llama
 
     if size == 1:
         return params
-    if type(params) is not llama.Params:
+    if not isinstance(params, llama.Params):
         raise ConfigError(f"tensor parallel: the {type(params.config).__name__} family is not supported "
-                          "yet (Llama-family models are: llama, mistral, qwen2, qwen3, SmolLM)")
+                          "yet (the Llama decoder's families are)")
     cfg = params.config
     hq, hk, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     group = hq // hk
     k0, k1 = split(hk, size, rank)
     q0, q1 = k0 * group, k1 * group
-    unit = max([1] + [lp.down.group_size for lp in params.layers if lp.down.quantized])
+    mlps = [_mlp_fields(lp, i) for i, lp in enumerate(params.layers)]
+    unit = max([1] + [getattr(lp, down).group_size for lp, (_, down) in zip(params.layers, mlps)
+                      if getattr(lp, down).quantized])
     f0, f1 = split(f, size, rank, unit)
     layers = []
-    for i, lp in enumerate(params.layers):
-        if lp.q_norm is not None and lp.q_norm.shape[-1] != d:
+    for i, (lp, (up, down)) in enumerate(zip(params.layers, mlps)):
+        if getattr(lp, "q_norm", None) is not None and lp.q_norm.shape[-1] != d:
             raise ConfigError("tensor parallel: q/k norms over the whole projection are not supported")
+        if lp.qkv.out_features != (hq + 2 * hk) * d:
+            raise ConfigError(f"tensor parallel: layer {i}'s attention is not q|k|v of {hq}/{hk} heads of {d}")
         qkv = _rows(lp.qkv, [(q0 * d, q1 * d), ((hq + k0) * d, (hq + k1) * d),
                              ((hq + hk + k0) * d, (hq + hk + k1) * d)], keep_origin=True)
-        gate_up = _rows(lp.gate_up, [(f0, f1), (f + f0, f + f1)], keep_origin=True)
+        fused = getattr(lp, up).out_features == 2 * f  # gate|up, or one fc
+        cut = [(f0, f1), (f + f0, f + f1)] if fused else [(f0, f1)]
         layers.append(attrs.evolve(
             lp, qkv=qkv, o=_cols(lp.o, q0 * d, q1 * d, f"layer {i} o_proj"),
-            gate_up=gate_up, down=_cols(lp.down, f0, f1, f"layer {i} down_proj")))
+            **{up: _rows(getattr(lp, up), cut, keep_origin=True),
+               down: _cols(getattr(lp, down), f0, f1, f"layer {i} {down}")}))
     head = params.lm_head
     embed = _vocab(params.embed, rank, size)
     small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=f1 - f0)
     return attrs.evolve(params, layers=tuple(layers), embed=embed,
                         lm_head=None if head is None else _vocab(head, rank, size), config=small)
+
+
+def _mlp_fields(lp: Any, i: int) -> tuple[str, str]:
+    """The (column-parallel, row-parallel) linears of a layer's MLP."""
+    if getattr(lp, "experts", None) is not None:
+        raise ConfigError(f"tensor parallel: layer {i} has routed experts (not supported yet)")
+    for up, down in (("gate_up", "down"), ("fc", "proj")):
+        if getattr(lp, up, None) is not None and getattr(lp, down, None) is not None:
+            return up, down
+    raise ConfigError(f"tensor parallel: layer {i} has no MLP this split knows")
 
 
 def stage_params(params: Any, rank: int, size: int) -> Any:
@@ -155,18 +175,19 @@ def stage_params(params: Any, rank: int, size: int) -> Any:
 
     if size == 1:
         return params
-    if type(params) is not llama.Params:
+    if not isinstance(params, llama.Params):  # the families that run llama's decoder loop
         raise ConfigError(f"pipeline parallel: the {type(params.config).__name__} family is not supported "
-                          "yet (Llama-family models are: llama, mistral, qwen2, qwen3, SmolLM)")
+                          "yet (the Llama decoder's families are)")
     cfg = params.config
     l0, l1 = split(cfg.num_layers, size, rank)
+    per_layer = {name: tuple(getattr(cfg, name)[l0:l1]) for name in _PER_LAYER
+                 if getattr(cfg, name, None)}
     first, last = rank == 0, rank == size - 1
     nothing = Linear(weight=mx.zeros((1, 1), mx.float32))
     embed = params.embed if first or (last and params.lm_head is None) else nothing
-    small = attrs.evolve(
-        cfg, num_layers=l1 - l0,
-        layer_types=tuple(cfg.layer_types[l0:l1]) if cfg.layer_types else cfg.layer_types,
-        no_rope_layers=tuple(i - l0 for i in cfg.no_rope_layers if l0 <= i < l1))
+    if getattr(cfg, "no_rope_layers", None):  # layer indices: renumbered from the stage's first
+        per_layer["no_rope_layers"] = tuple(i - l0 for i in cfg.no_rope_layers if l0 <= i < l1)
+    small = attrs.evolve(cfg, num_layers=l1 - l0, **per_layer)
     return attrs.evolve(params, layers=params.layers[l0:l1], embed=embed,
                         lm_head=params.lm_head if last else None, config=small,
                         pipeline=(rank, size, l0, cfg.num_layers))

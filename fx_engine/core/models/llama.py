@@ -369,23 +369,41 @@ def forward(
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
     # The residual stream is kept 2-D [B*T, hidden]: matmuls on 2-D inputs need no
     # flatten/unflatten nodes (each graph node costs ~10 us on CPU).
-    pipe = getattr(p, "pipeline", ())
-    if pipe and pipe[0] > 0:  # a later pipeline stage: the previous stage's residual stream
-        h = mx.distributed.recv((b * t, p.config.hidden_size), _dtype(p), pipe[0] - 1)
-    else:
-        h = embed(tokens.reshape(-1), p.embed).astype(_dtype(p))
-        if getattr(p.config, "embedding_multiplier", 1.0) != 1.0:
-            h = h * p.config.embedding_multiplier
+    def embedded() -> mx.array:
+        x = embed(tokens.reshape(-1), p.embed).astype(_dtype(p))
+        m = getattr(p.config, "embedding_multiplier", 1.0)
+        return x if m == 1.0 else x * m
+
+    h = stage_input(p, b * t, embedded)
     rope = (rope_fn or _rope)(p, geo.positions)  # shared by every layer
     nope = getattr(p.config, "no_rope_layers", ())
     entries = []
     for i, (lp, entry, spec) in enumerate(zip(p.layers, cache.layers, cache.layout)):
         h, entry = (layer_fn or _layer)(p, lp, h, entry, spec, None if i in nope else rope, geo)
         entries.append(entry)
-    if pipe and pipe[0] < pipe[1] - 1:  # not the last stage: hand the stream on (no norm)
-        return mx.distributed.send(h, pipe[0] + 1).reshape(b, t, -1), advanced(cache, entries, geo)
+    handed = stage_output(p, h)
+    if handed is not None:  # not the last stage: the stream went on (no norm, no head)
+        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
     h = final_norm(h) if final_norm else rms_norm(h, p.norm, p.config.rms_norm_eps, p.numerics)
     return h.reshape(b, t, -1), advanced(cache, entries, geo)
+
+
+def stage_input(p: Any, rows: int, embedded: Any) -> mx.array:
+    """The residual stream a step starts from: `embedded()` (the tokens' embeddings), or on
+    a later pipeline stage (`Params.pipeline`) the stream the previous stage sent."""
+    pipe = getattr(p, "pipeline", ())
+    if pipe and pipe[0] > 0:
+        return mx.distributed.recv((rows, p.config.hidden_size), _dtype(p), pipe[0] - 1)
+    return embedded()
+
+
+def stage_output(p: Any, h: mx.array) -> mx.array | None:
+    """On a pipeline stage before the last: h sent on to the next stage (evaluating it
+    performs the send); None on the last stage (or without a pipeline)."""
+    pipe = getattr(p, "pipeline", ())
+    if pipe and pipe[0] < pipe[1] - 1:
+        return mx.distributed.send(h, pipe[0] + 1)
+    return None
 
 
 def _dtype(p: Any) -> mx.Dtype:

@@ -148,7 +148,7 @@ def forward(
     b, t = tokens.shape
     eps = cfg.rms_norm_eps
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = embed(tokens.reshape(-1), p.embed).astype(getattr(mx, p.dtype))
+    h = llama.stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(getattr(mx, p.dtype)))
     ropes = _ropes(p, geo.positions)
 
     def pre(x: mx.array, w: mx.array | None) -> mx.array:
@@ -161,6 +161,9 @@ def forward(
         r = linear(swiglu_fused(linear(pre(h, lp.mlp_norm), lp.gate_up, num), num), lp.down, num)
         h = h + rms_norm(r, lp.post_ff_norm, eps, num)
         entries.append(entry)
+    handed = llama.stage_output(p, h)
+    if handed is not None:  # a pipeline stage before the last
+        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
     h = rms_norm(h, p.norm, eps, num).reshape(b, t, -1)
     return h, advanced(cache, entries, geo)
 
