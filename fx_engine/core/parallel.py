@@ -117,9 +117,9 @@ def _vocab(lin: Linear, rank: int, size: int) -> Linear:
 
 def shard_params(params: Any, rank: int, size: int) -> Any:
     """Rank `rank` of `size`'s shard of a model of the Llama decoder's families (llama,
-    mistral, qwen2, qwen3, SmolLM, phi3, olmo2/exaone4/glm4 (post-norm), starcoder2, and
-    the dense layers of the mixture-of-experts family): ConfigError for another family, an
-    expert layer, or a split the weights do not allow."""
+    mistral, qwen2, qwen3, SmolLM, phi3, exaone4/glm4 (post-norm), starcoder2, and the
+    mixture-of-experts family: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe): ConfigError
+    for another family or a split the weights do not allow."""
     from fx_engine.core.models import llama
 
     if size == 1:
@@ -133,23 +133,27 @@ def shard_params(params: Any, rank: int, size: int) -> Any:
     k0, k1 = split(hk, size, rank)
     q0, q1 = k0 * group, k1 * group
     mlps = [_mlp_fields(lp, i) for i, lp in enumerate(params.layers)]
-    unit = max([1] + [getattr(lp, down).group_size for lp, (_, down) in zip(params.layers, mlps)
-                      if getattr(lp, down).quantized])
-    f0, f1 = split(f, size, rank, unit)
+    unit = max([1] + [getattr(lp, m[1]).group_size for lp, m in zip(params.layers, mlps)
+                      if m is not None and getattr(lp, m[1]).quantized])
+    f0, f1 = split(f, size, rank, unit) if any(m is not None for m in mlps) else (0, f)
     layers = []
-    for i, (lp, (up, down)) in enumerate(zip(params.layers, mlps)):
+    for i, (lp, mlp) in enumerate(zip(params.layers, mlps)):
         if getattr(lp, "q_norm", None) is not None and lp.q_norm.shape[-1] != d:
             raise ConfigError("tensor parallel: q/k norms over the whole projection are not supported")
         if lp.qkv.out_features != (hq + 2 * hk) * d:
             raise ConfigError(f"tensor parallel: layer {i}'s attention is not q|k|v of {hq}/{hk} heads of {d}")
         qkv = _rows(lp.qkv, [(q0 * d, q1 * d), ((hq + k0) * d, (hq + k1) * d),
                              ((hq + hk + k0) * d, (hq + hk + k1) * d)], keep_origin=True)
+        o = _cols(lp.o, q0 * d, q1 * d, f"layer {i} o_proj")
+        if mlp is None:
+            layers.append(attrs.evolve(lp, qkv=qkv, o=o, experts=_experts(lp.experts, cfg, rank, size, i)))
+            continue
+        up, down = mlp
         fused = getattr(lp, up).out_features == 2 * f  # gate|up, or one fc
         cut = [(f0, f1), (f + f0, f + f1)] if fused else [(f0, f1)]
         layers.append(attrs.evolve(
-            lp, qkv=qkv, o=_cols(lp.o, q0 * d, q1 * d, f"layer {i} o_proj"),
-            **{up: _rows(getattr(lp, up), cut, keep_origin=True),
-               down: _cols(getattr(lp, down), f0, f1, f"layer {i} {down}")}))
+            lp, qkv=qkv, o=o, **{up: _rows(getattr(lp, up), cut, keep_origin=True),
+                                 down: _cols(getattr(lp, down), f0, f1, f"layer {i} {down}")}))
     head = params.lm_head
     embed = _vocab(params.embed, rank, size)
     small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=f1 - f0)
@@ -157,10 +161,62 @@ def shard_params(params: Any, rank: int, size: int) -> Any:
                         lm_head=None if head is None else _vocab(head, rank, size), config=small)
 
 
+def _expert_rows(lin: Linear, ranges: list[tuple[int, int]]) -> Linear:
+    """Output rows `ranges` of every expert of a stack ([E, out, in/packing] quantized,
+    [E, in, out] dense and transposed)."""
+    def take(x: mx.array | None, axis: int) -> mx.array | None:
+        if x is None:
+            return None
+        parts = [x[:, a:b] if axis == 1 else x[:, :, a:b] for a, b in ranges]
+        return mx.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
+
+    if lin.mode != "affine":
+        raise ConfigError("tensor parallel: MXFP4 expert stacks are not supported yet")
+    if lin.quantized:
+        return attrs.evolve(lin, weight=take(lin.weight, 1), scales=take(lin.scales, 1),
+                            biases=take(lin.biases, 1), bias=take(lin.bias, 1))
+    return attrs.evolve(lin, weight=take(lin.weight, 2 if lin.transposed else 1), bias=take(lin.bias, 1))
+
+
+def _expert_cols(lin: Linear, start: int, end: int, name: str) -> Linear:
+    """Input features [start, end) of every expert of a stack (partial products: the
+    mixture sums them over the ranks)."""
+    if lin.mode != "affine":
+        raise ConfigError("tensor parallel: MXFP4 expert stacks are not supported yet")
+    if lin.quantized:
+        gs, per_word = lin.group_size, 32 // lin.bits if 32 % lin.bits == 0 else None
+        if start % gs or end % gs or per_word is None or start % per_word:
+            raise ConfigError(f"tensor parallel: {name} ({lin.bits}-bit, groups of {gs}) cannot be "
+                              f"split at input feature {start}..{end}")
+        return attrs.evolve(lin, weight=lin.weight[:, :, start // per_word : end // per_word],
+                            scales=lin.scales[:, :, start // gs : end // gs],
+                            biases=lin.biases[:, :, start // gs : end // gs], tp=("sum", start, end))
+    w = lin.weight[:, start:end] if lin.transposed else lin.weight[:, :, start:end]
+    return attrs.evolve(lin, weight=w, tp=("sum", start, end))
+
+
+def _experts(ex: Any, cfg: Any, rank: int, size: int, i: int) -> Any:
+    """A layer's routed experts split like dense MLPs, each expert's intermediate features
+    over the ranks (the router replicated; the mixture's weighted sum is summed over the
+    ranks, `moe._mixture`), and the shared expert like a dense MLP."""
+    f = cfg.moe_intermediate_size
+    unit = ex.down.group_size if ex.down.quantized else 1
+    f0, f1 = split(f, size, rank, unit)
+    out = attrs.evolve(ex, gate_up=_expert_rows(ex.gate_up, [(f0, f1), (f + f0, f + f1)]),
+                       down=_expert_cols(ex.down, f0, f1, f"layer {i} experts' down_proj"))
+    if ex.shared_gate_up is not None:
+        fs = cfg.shared_expert_intermediate_size
+        unit = ex.shared_down.group_size if ex.shared_down.quantized else 1
+        s0, s1 = split(fs, size, rank, unit)
+        out = attrs.evolve(out, shared_gate_up=_rows(ex.shared_gate_up, [(s0, s1), (fs + s0, fs + s1)]),
+                           shared_down=_cols(ex.shared_down, s0, s1, f"layer {i} shared expert's down_proj"))
+    return out
+
+
 def _mlp_fields(lp: Any, i: int) -> tuple[str, str]:
-    """The (column-parallel, row-parallel) linears of a layer's MLP."""
+    """The (column-parallel, row-parallel) linears of a layer's MLP (None: routed experts)."""
     if getattr(lp, "experts", None) is not None:
-        raise ConfigError(f"tensor parallel: layer {i} has routed experts (not supported yet)")
+        return None  # type: ignore[return-value]
     for up, down in (("gate_up", "down"), ("fc", "proj")):
         if getattr(lp, up, None) is not None and getattr(lp, down, None) is not None:
             return up, down

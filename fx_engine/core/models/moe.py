@@ -229,6 +229,8 @@ def _mixture(cfg: MoEConfig, ex: Experts, x: mx.array, num: Numerics) -> mx.arra
         idx, w = route(logits, cfg.top_k, cfg.softmax_then_topk, cfg.norm_topk_prob)
     y = routed_glu(x, ex.gate_up, ex.down, idx, lambda gu: swiglu_fused(gu, num), num)  # [N, K, H]
     y = (y * w[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
+    if ex.down.tp:  # tensor parallel: each rank ran its slice of every expert's features
+        y = mx.distributed.all_sum(y)
     if ex.shared_gate_up is not None:
         s = linear(swiglu_fused(linear(x, ex.shared_gate_up, num), num), ex.shared_down, num)
         y = y + (s if ex.shared_gate is None else mx.sigmoid(linear(x, ex.shared_gate, num)) * s)
