@@ -79,6 +79,17 @@ def test_sampled_rows_reproducible_with_a_seed():
     assert a["tokens"] == b["tokens"] == alone(args)["tokens"]
 
 
+def test_unseeded_sampling_is_the_same_on_every_rank():
+    """Every rank runs the same program (no lockstep): a request without a seed gets the
+    same default seed on every rank, so the ranks sample the same tokens."""
+    ranks = launch_local(2, RUN + ["--tp", "2", "--tokens", "24", "--sample", "--ignore-eos", "--engine", "2",
+                                   "--all-ranks"], timeout=240)
+    assert [r.returncode for r in ranks] == [0, 0], ranks[0].stderr[-2000:]
+    outs = [json.loads(r.stdout.strip().splitlines()[-1]) for r in ranks]
+    assert outs[0]["tokens"] == outs[1]["tokens"] and len(outs[0]["tokens"]) == 24
+    assert outs[0]["engine"] == outs[1]["engine"]
+
+
 def test_a_lost_rank_is_an_error_not_a_hang():
     ranks = launch_local(2, RUN + ["--tp", "2", "--tokens", "2000", "--ignore-eos", "--die-after", "4"], timeout=120,
                          env={"FX_ENGINE_TP_TIMEOUT": "10"})
@@ -143,7 +154,10 @@ def test_server_tensor_parallel_with_the_openai_client(tmp_path, split):
 
     port = free_port()
     procs = start_local(2, [sys.executable, "-m", "fx_engine.cli", "serve", f"--{split}-parallel", "2",
-                            "--port", str(port), "--model-id", "smol", "--prompt-lookup"], env={"FX_ENGINE_TP_TIMEOUT": "20"})
+                            "--port", str(port), "--model-id", "smol", "--prompt-lookup",
+                            # a small prefix cache: entries are evicted, alike on both ranks
+                            # (rank 0 holds 2 of SmolLM2's 3 KV heads, rank 1 one)
+                            "--prompt-cache-bytes", "1500000"], env={"FX_ENGINE_TP_TIMEOUT": "20"})
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):
@@ -221,4 +235,4 @@ def test_each_rank_holds_about_its_share(tmp_path):
     one, two = alone(args), tp(args)
     assert abs(two["params_bytes"] - one["params_bytes"] / 2) < 0.02 * one["params_bytes"]
     # the whole model is ~270 MB in float32: a rank that loaded it all would peak above it
-    assert two["peak_rss_after_load"] < one["peak_rss_after_load"] - 0.35 * one["params_bytes"], (one, two)
+    assert two["peak_rss_after_load"] < one["peak_rss_after_load"] - 0.25 * one["params_bytes"], (one, two)

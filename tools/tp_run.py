@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--die-after", type=float, default=None)
     ap.add_argument("--ignore-eos", action="store_true", help="decode all --tokens (EOS suppressed)")
     ap.add_argument("--adapter", default=None, help="a LoRA adapter folder: every generation uses it")
+    ap.add_argument("--sample", action="store_true", help="temperature 0.8 without a seed (the default seed)")
+    ap.add_argument("--all-ranks", action="store_true", help="every rank prints its JSON line")
     a = ap.parse_args()
     import resource
 
@@ -53,7 +55,10 @@ def main() -> None:
     model = fx_engine.load(a.model, tensor_parallel=a.tp if a.tp > 1 else None,
                            pipeline_parallel=a.pp if a.pp > 1 else None)
     t_load = time.perf_counter() - t_load
-    peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM: this program's own peak (ru_maxrss also counts the parent's peak before exec)
+    peak_load = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
+                     if line.startswith("VmHWM:")) if Path("/proc/self/status").exists() else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rank = mx.distributed.init().rank() if model.ranks > 1 else 0
     if a.die_after is not None and rank == 1:
         threading.Timer(a.die_after, lambda: os._exit(3)).start()
@@ -61,7 +66,7 @@ def main() -> None:
                  "params_bytes": sum(x.nbytes for x in tree_leaves(model.params)),
                  "rank": rank, "size": model.ranks, "heads": model.config.num_heads,
                  "kv_heads": model.config.num_kv_heads, "layers": model.config.num_layers}
-    kw = dict(max_tokens=a.tokens, temperature=0.0 if a.seed is None else 0.8, seed=a.seed)
+    kw = dict(max_tokens=a.tokens, temperature=0.0 if a.seed is None and not a.sample else 0.8, seed=a.seed)
     if a.ignore_eos:
         kw["logit_bias"] = {e: -1e9 for e in model.eos_ids}
     if a.adapter:
@@ -80,11 +85,11 @@ def main() -> None:
         # submitted before any step, then stepped on this thread: every rank runs the same
         # steps in the same order (its collectives must match the other ranks')
         engine = fx_engine.Engine(model, max_rows=a.engine, prefill_chunk=16)
-        hs = [engine.submit(a.prompt + " x" * i, max_tokens=a.tokens, temperature=0.0,
+        hs = [engine.submit(a.prompt + " x" * i, max_tokens=a.tokens, temperature=kw["temperature"],
                             adapter=kw.get("adapter") if i % 2 else None) for i in range(a.engine)]
         engine.close()
         out["engine"] = [list(h.result().token_ids) for h in hs]
-    if rank == 0:
+    if rank == 0 or a.all_ranks:
         print(json.dumps(out), flush=True)
 
 

@@ -104,9 +104,9 @@ class Linear:
     origin: tuple = static_field(default=())
     # Per-row low-rank adapters bound for one step (`adapters.with_adapters`); None: none.
     lora: "LoraBinding | None" = None
-    # Tensor parallelism (core/parallel.py): () a whole linear; ("sum", first, end) this
-    # rank holds input features [first, end): the partial products (adapters' included)
-    # are summed over the ranks (before the bias); ("vocab", start, total) this rank holds rows [start, start + rows) of a
+    # Tensor parallelism (core/parallel.py): () a whole linear; ("sum", first, end, width)
+    # this rank holds input features [first, end) of `width`: the partial products
+    # (adapters' included) are summed over the ranks (before the bias); ("vocab", start, total) this rank holds rows [start, start + rows) of a
     # vocabulary-sized table padded to the same rows on every rank: as a linear the outputs
     # are gathered over the ranks (then cut to `total`), as a table each rank looks up its
     # own rows and the embeddings are summed.

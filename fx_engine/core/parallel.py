@@ -37,6 +37,12 @@ __all__ = ["shard_params", "split", "stage_params"]
 _PER_LAYER = ("layer_types", "moe_layers", "layer_rope")
 
 
+def _llama_decoder(params: Any) -> bool:
+    """Whether these params are of a family that runs the Llama decoder (its layer fields and
+    stage hooks)."""
+    return bool(getattr(type(params), "__fx_llama_decoder__", False))
+
+
 def split(n: int, size: int, rank: int, unit: int = 1) -> tuple[int, int]:
     """Rank's [start, end) of n items in units of `unit` (as even as possible, the first
     ranks taking the remainder)."""
@@ -84,9 +90,11 @@ def _cols(lin: Linear, start: int, end: int, name: str) -> Linear:
                               f"split at input feature {start}..{end}")
         return attrs.evolve(lin, weight=lin.weight[:, start // per_word : end // per_word],
                             scales=lin.scales[:, start // gs : end // gs],
-                            biases=lin.biases[:, start // gs : end // gs], tp=("sum", start, end))
+                            biases=lin.biases[:, start // gs : end // gs],
+                            tp=("sum", start, end, lin.scales.shape[-1] * gs))
+    full = lin.weight.shape[0] if lin.transposed else lin.weight.shape[1]
     w = lin.weight[start:end] if lin.transposed else lin.weight[:, start:end]
-    return attrs.evolve(lin, weight=w, tp=("sum", start, end))
+    return attrs.evolve(lin, weight=w, tp=("sum", start, end, full))
 
 
 def _vocab(lin: Linear, rank: int, size: int) -> Linear:
@@ -120,11 +128,9 @@ def shard_params(params: Any, rank: int, size: int) -> Any:
     mistral, qwen2, qwen3, SmolLM, phi3, exaone4/glm4 (post-norm), starcoder2, and the
     mixture-of-experts family: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe): ConfigError
     for another family or a split the weights do not allow."""
-    from fx_engine.core.models import llama
-
     if size == 1:
         return params
-    if not isinstance(params, llama.Params):
+    if not _llama_decoder(params):
         raise ConfigError(f"tensor parallel: the {type(params.config).__name__} family is not supported "
                           "yet (the Llama decoder's families are)")
     cfg = params.config
@@ -190,9 +196,11 @@ def _expert_cols(lin: Linear, start: int, end: int, name: str) -> Linear:
                               f"split at input feature {start}..{end}")
         return attrs.evolve(lin, weight=lin.weight[:, :, start // per_word : end // per_word],
                             scales=lin.scales[:, :, start // gs : end // gs],
-                            biases=lin.biases[:, :, start // gs : end // gs], tp=("sum", start, end))
+                            biases=lin.biases[:, :, start // gs : end // gs],
+                            tp=("sum", start, end, lin.scales.shape[-1] * gs))
+    full = lin.weight.shape[1] if lin.transposed else lin.weight.shape[2]
     w = lin.weight[:, start:end] if lin.transposed else lin.weight[:, :, start:end]
-    return attrs.evolve(lin, weight=w, tp=("sum", start, end))
+    return attrs.evolve(lin, weight=w, tp=("sum", start, end, full))
 
 
 def _experts(ex: Any, cfg: Any, rank: int, size: int, i: int) -> Any:
@@ -227,11 +235,9 @@ def stage_params(params: Any, rank: int, size: int) -> Any:
     """Rank `rank` of `size`'s pipeline stage of a Llama-family model: its layers (split as
     evenly as possible, earlier stages taking the remainder), the embedding table on the
     first stage, the head (and the final norm) on the last (a tied head keeps the table)."""
-    from fx_engine.core.models import llama
-
     if size == 1:
         return params
-    if not isinstance(params, llama.Params):  # the families that run llama's decoder loop
+    if not _llama_decoder(params):  # the families that run llama's decoder loop
         raise ConfigError(f"pipeline parallel: the {type(params.config).__name__} family is not supported "
                           "yet (the Llama decoder's families are)")
     cfg = params.config

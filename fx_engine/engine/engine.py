@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import atexit
 import collections
+import hashlib
+import itertools
 import math
 import concurrent.futures
 import threading
@@ -101,6 +103,22 @@ class QueueFull(RuntimeError):
 class EngineClosed(RuntimeError):
     """submit() after close()."""
 
+
+
+class RankMismatch(BaseException):
+    """A tensor- or pipeline-parallel rank cannot do what rank 0 does in this step (not an
+    Exception: no per-request handler may swallow it; the engine stops)."""
+
+
+_SPMD_SEEDS = itertools.count()
+
+
+def _spmd_seed() -> int:
+    """The default seed of a request on a sharded model without lockstep: every rank runs
+    the same program, so the n-th request gets the same seed on every rank (a random one
+    would make the ranks sample different tokens)."""
+    digest = hashlib.blake2b(f"fx-engine-spmd-{next(_SPMD_SEEDS)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _tp_event(ids: list[int], kw: dict[str, Any], req: "_Request") -> tuple[list[int], dict[str, Any]]:
@@ -256,6 +274,11 @@ class Engine:
         # Ring entries need headroom for the longest step: a prefill chunk or a verify.
         self._headroom = max(sched.normalize_chunk(prefill_chunk), MAX_DRAFT_TOKENS)
         self.cache_layout = model.cache_layout(self._headroom)
+        if model.ranks > 1 and prefix_cache_dir is not None:
+            # each rank's files would hold its own share, evicted by its own byte budget:
+            # the ranks' hits could differ (their steps must not)
+            raise ValueError("prefix_cache_dir: the disk tier is not available with tensor or pipeline "
+                             "parallelism yet (the in-memory prefix cache is)")
         if prefix_cache_bytes or prefix_cache_dir:
             disk = None if prefix_cache_dir is None else DiskTier(
                 prefix_cache_dir, prefix_cache_disk_bytes, model.fingerprint,
@@ -329,6 +352,18 @@ class Engine:
             raise ValueError("lockstep: the model is not tensor-parallel (load it with tensor_parallel=N "
                              "or pipeline_parallel=N)")
         self._lockstep = lockstep
+        self._synced_abort = False  # lockstep: the abort flag rank 0 sent with this step
+        if self._tp_rank is not None:
+            # Every rank must make the same admission and prefix-cache decisions, but a
+            # rank's KV bytes per token depend on its share (SmolLM2's 3 KV heads: 2 + 1):
+            # rank 0's token budget for everyone, and every entry's cost measured in rank
+            # 0's bytes (this rank's bytes times rank 0's bytes per token over its own).
+            shared = broadcast((self.kv_budget_tokens, int(self.bytes_per_token)), self._tp_rank)
+            self.kv_budget_tokens = shared[0]
+            if self.prefix_cache is not None:
+                self.prefix_cache.cost_scale = (shared[1], max(1, int(self.bytes_per_token)))
+            model.adapters.freeze("a tensor- or pipeline-parallel engine is running: load adapters "
+                                  "on every rank before creating it")
         self._announced = 0  # submissions sent to the other ranks (rank 0, lockstep)
         self._stopped = False  # follow(): rank 0 has closed its engine
         # lockstep rank 0 steps at least this often (an empty step when idle), so the other
@@ -503,6 +538,8 @@ class Engine:
 
     # ---------------------------------------------------------------- submission
     def _make_request(self, prompt: Any, kw: dict[str, Any]) -> tuple[_Request, list[int]]:
+        if self._tp_rank is not None and not self._lockstep and kw.get("seed") is None:
+            kw = {**kw, "seed": _spmd_seed()}
         # The same validation as fx_engine.generate (prefill_chunk is an engine setting here).
         r = parse_request(self.model, prompt, **kw)
         ids, max_tokens = r.ids, r.max_tokens
@@ -555,6 +592,13 @@ class Engine:
                     self.step()
                 except BaseException as e:  # a step-level failure: fail every request, go on
                     self._fail_all(e)
+                    if self._tp_rank is not None:
+                        # the other ranks may not have failed alike: their steps no longer
+                        # match this rank's, so this engine stops (they stop at its next
+                        # sync, or their watchdog ends them)
+                        with self._lock:
+                            self._closing = self._abort = True
+                        return
                 if self._abort and not self.has_work():
                     return
         finally:
@@ -564,7 +608,7 @@ class Engine:
     def _stop_followers(self) -> None:
         if self._lockstep and self._tp_rank == 0 and not self._stopped:
             self._stopped = True
-            with self._step_lock:
+            with self._step_lock, busy(True):
                 self._sync_events(stop=True)
 
     def _end_thread(self) -> None:
@@ -601,8 +645,9 @@ class Engine:
             raise RuntimeError("engine.step() is driven by the background thread; do not call it")
         with self._step_lock:
             if self._lockstep:
-                # the other ranks wait here for rank 0, which steps at least every heartbeat
-                with busy(bool(self._tp_rank)):
+                # the other ranks wait here for rank 0, which steps at least every heartbeat;
+                # rank 0 waits for them: watched on every rank
+                with busy(True):
                     self._sync_events()
                 if self._stopped:
                     return False
@@ -630,6 +675,7 @@ class Engine:
                 cancel = [r for r in known if r.handle._cancel and not r.tp_cancel]
                 record = {"submit": [r.tp_event for r in new], "cancel": [r.handle.id for r in cancel],
                           "abort": self._abort, "stop": stop}
+                self._synced_abort = record["abort"]
                 for r in new:
                     r.tp_event = None
             broadcast(record, 0)
@@ -650,7 +696,7 @@ class Engine:
         for r in list(self._pending) + list(self._prefilling) + self._batch.live():
             if r.handle.id in ids:
                 r.tp_cancel = r.handle._cancel = True
-        self._abort = self._abort or record["abort"]
+        self._abort = self._synced_abort = self._abort or record["abort"]
 
     def _cancelled(self, r: _Request) -> bool:
         """Whether to cancel this request now (lockstep: when the ranks agreed to)."""
@@ -670,7 +716,7 @@ class Engine:
         t0 = time.perf_counter()
         self._run_calls()
         self.steps += 1
-        if self._abort:
+        if self._synced_abort if self._lockstep else self._abort:  # lockstep: what every rank got
             self._cancel_everything()
         self._retire_cancelled()
         self._admit()
@@ -727,8 +773,20 @@ class Engine:
         (fx_engine/engine/prefix_cache.py); only the rest is prefilled."""
         if self.prefix_cache is None or req.plp is not None:  # scoring needs every position
             return
+        entry, m = None, 0
         try:
             entry, m = self.prefix_cache.lookup(req.ids, req.salt)
+        except Exception as e:
+            self._trace("prefix_error", request=req.handle.id, error=repr(e))
+        if self._tp_rank is not None:
+            # every rank restores what rank 0 restores (equal budgets keep their stores
+            # alike; a rank that cannot is out of step: an error, not a silent mismatch)
+            want = self._decided(lambda: m if entry is not None else 0)
+            if want and (entry is None or m < want):
+                raise RankMismatch(f"rank {self._tp_rank}: the prefix cache holds {m if entry else 0} "
+                                   f"of the {want} prompt tokens rank 0 restores")
+            entry, m = (entry, want) if want else (None, 0)
+        try:
             if entry is None:
                 return
             cache = self.model.new_cache(1, self._prefill_slots(req), headroom=self._headroom)

@@ -106,6 +106,9 @@ class PrefixStore:
         self.nbytes = 0
         self.hits = self.misses = self.hit_tokens = 0
         self.disk = disk
+        # an entry's cost in the budget: its bytes * num // den (tensor / pipeline parallel
+        # ranks count in rank 0's bytes, so they all evict alike; see Engine)
+        self.cost_scale = (1, 1)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -207,6 +210,7 @@ class PrefixStore:
             for k in [k for k in self._entries if len(k[1]) < self.block and shorter(k)]:
                 self._drop(k)
         e = _Entry(key, snapshot, hashes)
+        e.nbytes = e.nbytes * self.cost_scale[0] // self.cost_scale[1]
         if e.nbytes > self.budget:
             return
         self._entries[key] = e

@@ -188,7 +188,7 @@ def _read_peft(p: Path, cfg: dict) -> RawAdapter:
         other = "adapter_model.bin" if (p / "adapter_model.bin").exists() else None
         raise AdapterError(f"{p}: no adapter_model.safetensors" + (
             f" ({other} is a pickle: convert it to safetensors)" if other else ""))
-    alpha = float(cfg.get("lora_alpha", cfg.get("r", 8)))
+    alpha = float(cfg.get("lora_alpha", 8))  # PEFT's LoraConfig default
     alpha_pattern = cfg.get("alpha_pattern") or {}
     rs = bool(cfg.get("use_rslora", False))
     dora = bool(cfg.get("use_dora", False))
@@ -212,9 +212,10 @@ def _read_peft(p: Path, cfg: dict) -> RawAdapter:
                                "are not [r, in] and [out, r] (a convolution or expert adapter?)")
         r = int(a.shape[0])
         al = alpha
-        for pat, v in alpha_pattern.items():  # PEFT matches a pattern on the module name's end
+        for pat, v in alpha_pattern.items():  # PEFT: the first pattern matching the name's end
             if re.fullmatch(rf"(.*\.)?{pat}", mod):
                 al = float(v)
+                break
         m = parts.get("lora_magnitude_vector")
         if dora and m is None:
             raise AdapterError(f"{f}: use_dora but module '{mod}' has no lora_magnitude_vector")
@@ -296,7 +297,13 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
         layer = re.search(r"(?:layers|blk)\.(\d+)\.", mod)
         if hit is None and pipe and layer and not pipe[2] <= int(layer.group(1)) < pipe[2] + len(params.layers) \
                 and int(layer.group(1)) < pipe[3]:
-            continue
+            continue  # another stage's layer
+        if hit is None and pipe and not layer and pipe[0] < pipe[1] - 1:
+            continue  # the head's (or another module outside the layers): the last stage's
+        if hit is None and mod in ("lm_head", "output") and getattr(params, "lm_head", None) is not None \
+                and params.lm_head.tp:
+            raise AdapterError(f"{raw.path}: module '{mod}': adapters on a vocabulary-sharded output "
+                               "head (tensor parallelism) are not supported")
         if hit is None:
             close = difflib.get_close_matches(mod, list(where), n=2)
             raise AdapterError(f"{raw.path}: module '{mod}' is not a linear of this model{base}"
@@ -313,12 +320,11 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
                                    f"num_layers={raw.num_layers} of {num_layers} layers")
         k = in_features(lin)
         # a row-parallel shard (tp ("sum", first, end)) holds input features [first, end)
-        k0, k1 = (lin.tp[1], lin.tp[2]) if lin.tp and lin.tp[0] == "sum" else (0, k)
-        k_full = k if not lin.tp or lin.tp[0] != "sum" else None
-        if (k_full is not None and fac.a.shape[0] != k) or fac.a.shape[0] < k1 or fac.b.shape[1] != total:
+        k0, k1, k_full = (lin.tp[1], lin.tp[2], lin.tp[3]) if lin.tp and lin.tp[0] == "sum" else (0, k, k)
+        if fac.a.shape[0] != k_full or fac.b.shape[1] != total:
             raise AdapterError(
                 f"{raw.path}: module '{mod}' maps [{fac.a.shape[0]} -> {fac.b.shape[1]}] but the "
-                f"model's is [{k_full or 'sharded'} -> {total}]{base}: an adapter for another base model?")
+                f"model's is [{k_full} -> {total}]{base}: an adapter for another base model?")
         a = fac.a.astype(mx.float32)[k0:k1]
         b = (fac.b.astype(mx.float32) * fac.scale)[:, m0 : m0 + rows]
         mag = None
@@ -363,6 +369,7 @@ class AdapterSet:
         self._by_name: dict[str, LoadedAdapter] = {}
         self._bank: AdapterBank | None = None
         self._n_linears = 0
+        self._frozen: str | None = None
 
     def __len__(self) -> int:
         return len(self._by_name)
@@ -377,7 +384,13 @@ class AdapterSet:
             raise ValueError(f"adapter: unknown adapter {name!r} ({known})")
         return hit
 
+    def freeze(self, why: str) -> None:
+        """No more loads (every rank of a sharded model must hold the same adapters)."""
+        self._frozen = why
+
     def add(self, params: Any, path: str | Path, name: str | None, num_layers: int | None) -> LoadedAdapter:
+        if self._frozen:
+            raise ValueError(f"load_adapter: {self._frozen}")
         raw = read_adapter(path)
         name = name if name is not None else Path(raw.path).name
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._\-/]{1,128}", name):

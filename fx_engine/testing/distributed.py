@@ -52,22 +52,26 @@ def launch_local(n: int, argv: Sequence[str], timeout: float = 300.0,
 
 
 def wait_local(procs: list[subprocess.Popen], timeout: float = 300.0) -> list[RankResult]:
-    """Wait for started ranks (at most `timeout` seconds in total, then kill the rest)."""
+    """Wait for started ranks (at most `timeout` seconds in total, then kill the rest). Every
+    rank's pipes are read at once (a rank blocked on a full pipe would stall the group)."""
+    import concurrent.futures
+
     t0 = time.monotonic()
-    out = []
+
+    def wait(r: int) -> RankResult:
+        p = procs[r]
+        try:
+            so, se = p.communicate(timeout=timeout)
+            return RankResult(r, p.returncode, so, se, time.monotonic() - t0)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            so, se = p.communicate()
+            return RankResult(r, None, so, se, time.monotonic() - t0)
+
     try:
-        for r, p in enumerate(procs):
-            left = max(0.1, timeout - (time.monotonic() - t0))
-            try:
-                so, se = p.communicate(timeout=left)
-                code: int | None = p.returncode
-            except subprocess.TimeoutExpired:
-                p.kill()
-                so, se = p.communicate()
-                code = None
-            out.append(RankResult(r, code, so, se, time.monotonic() - t0))
+        with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
+            return list(pool.map(wait, range(len(procs))))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    return out
