@@ -384,7 +384,7 @@ class Engine:
         # (its trace callback holds the engine weakly: no reference cycle, so an engine
         # nobody holds is freed at once with its caches, not at the next garbage collection)
         self._batch = DecodeBatch(model, self._headroom, c.vocab_size, self._special, max_rows,
-                                  kv_budget_tokens, _weak_method(self._trace))
+                                  self.kv_budget_tokens, _weak_method(self._trace))  # (rank 0's when sharded)
 
     @property
     def _cache(self) -> KVCache | None:
