@@ -165,18 +165,29 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
-    if (a.tensor_parallel or 1) > 1 or (a.pipeline_parallel or 1) > 1:
-        raise ValueError("chat --tensor-parallel / --pipeline-parallel: not available (the other ranks cannot read this "
-                         "terminal); use generate")
     model = _load(a)
+    rank = None  # tensor / pipeline parallel: rank 0 reads the terminal and sends each line
+    if model.ranks > 1:
+        import mlx.core as mx
+
+        from fx_engine.runtime.distributed import broadcast
+
+        rank = mx.distributed.init().rank()
+        _quiet_unless_rank0(a)
     messages: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
-    interactive = sys.stdin.isatty()
+    interactive = sys.stdin.isatty() and not rank
     if interactive:
         print("fx-engine chat: type a message; /reset clears the conversation, /exit quits.")
     while True:
-        try:
-            line = input(">>> " if interactive else "")
-        except EOFError:
+        line: str | None = None
+        if not rank:
+            try:
+                line = input(">>> " if interactive else "")
+            except EOFError:
+                line = None
+        if rank is not None:  # every rank runs the same conversation (SPMD)
+            line = broadcast(line, rank)
+        if line is None:
             break
         line = line.strip()
         if not line:

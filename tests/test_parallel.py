@@ -109,6 +109,20 @@ def test_cli_generate_tensor_parallel(tmp_path):
     assert ranks[1].stdout == ""  # the other rank runs silently
 
 
+def test_cli_chat_tensor_parallel():
+    """Rank 0 reads the terminal and sends each line; every rank runs the conversation."""
+    cmd = [sys.executable, "-m", "fx_engine.cli", "chat", "--max-tokens", "8", "--tensor-parallel", "2"]
+    ranks = launch_local(2, cmd, timeout=240, input="What is the capital of France?\nAnd of Italy?\n")
+    assert [r.returncode for r in ranks] == [0, 0], ranks[0].stderr[-2000:]
+    model = fx_engine.load()
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    first = fx_engine.generate(model, msgs, max_tokens=8, temperature=0.0).text
+    msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": "And of Italy?"}]
+    second = fx_engine.generate(model, msgs, max_tokens=8, temperature=0.0).text
+    assert ranks[0].stdout == first + "\n" + second + "\n"
+    assert ranks[1].stdout == ""
+
+
 def test_misuse_is_a_clear_error(tmp_path, capsys):
     from fx_engine.cli import main
     from fx_engine.core.parallel import shard_params
@@ -129,8 +143,6 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
         shard_params(olmo.params, 0, 2)
     assert main(["serve", "--tensor-parallel", "2"]) == 2  # one process alone
     assert "mlx.launch -n 2" in capsys.readouterr().err
-    assert main(["chat", "--tensor-parallel", "2"]) == 2
-    assert "use generate" in capsys.readouterr().err
     with pytest.raises(ValueError, match="not tensor-parallel"):
         fx_engine.Engine(gemma, lockstep=True)
 

@@ -33,25 +33,30 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_local(n: int, argv: Sequence[str], env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+def start_local(n: int, argv: Sequence[str], env: dict[str, str] | None = None,
+                stdin: bool = False) -> list[subprocess.Popen]:
     """Start `argv` as ranks 0..n-1 of a ring group over 127.0.0.1 (stdout and stderr
-    piped); `wait_local` collects them."""
+    piped; stdin: rank 0's stdin piped too, the others' empty); `wait_local` collects them."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump([[f"127.0.0.1:{_free_port()}"] for _ in range(n)], f)
         hostfile = f.name  # read by each rank at mx.distributed.init(); left in the temp dir
     base = {**os.environ, **(env or {}), "MLX_HOSTFILE": hostfile}
     return [subprocess.Popen(list(argv), env={**base, "MLX_RANK": str(r)}, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for r in range(n)]
+                             stderr=subprocess.PIPE, text=True,
+                             stdin=subprocess.PIPE if stdin and r == 0 else subprocess.DEVNULL)
+            for r in range(n)]
 
 
 def launch_local(n: int, argv: Sequence[str], timeout: float = 300.0,
-                 env: dict[str, str] | None = None) -> list[RankResult]:
+                 env: dict[str, str] | None = None, input: str | None = None) -> list[RankResult]:
     """Start `argv` as ranks 0..n-1 of a ring group over 127.0.0.1; wait for all (at most
-    `timeout` seconds in total, then kill the rest). Returns one RankResult per rank."""
-    return wait_local(start_local(n, argv, env), timeout)
+    `timeout` seconds in total, then kill the rest). input: rank 0's stdin. Returns one
+    RankResult per rank."""
+    return wait_local(start_local(n, argv, env, stdin=input is not None), timeout, input)
 
 
-def wait_local(procs: list[subprocess.Popen], timeout: float = 300.0) -> list[RankResult]:
+def wait_local(procs: list[subprocess.Popen], timeout: float = 300.0,
+               input: str | None = None) -> list[RankResult]:
     """Wait for started ranks (at most `timeout` seconds in total, then kill the rest). Every
     rank's pipes are read at once (a rank blocked on a full pipe would stall the group)."""
     import concurrent.futures
@@ -61,7 +66,7 @@ def wait_local(procs: list[subprocess.Popen], timeout: float = 300.0) -> list[Ra
     def wait(r: int) -> RankResult:
         p = procs[r]
         try:
-            so, se = p.communicate(timeout=timeout)
+            so, se = p.communicate(input if r == 0 and p.stdin is not None else None, timeout=timeout)
             return RankResult(r, p.returncode, so, se, time.monotonic() - t0)
         except subprocess.TimeoutExpired:
             p.kill()
