@@ -54,7 +54,8 @@ def test_default_model_two_ranks_equal_one_process(split):
 
 FAMILY_CASES = [(k, s) for k in ("llama-q4", "qwen3", "qwen2-untied", "phi3", "starcoder2", "exaone4")
                 for s in ("tp", "pp")] + [("qwen3_moe", "tp"), ("qwen3_moe", "pp"), ("qwen2_moe", "tp"),
-                                          ("mixtral", "tp"), ("olmo2", "pp")]
+                                          ("mixtral", "tp"), ("olmo2", "pp"), ("gemma3_text", "tp"),
+                                          ("gemma2", "tp")]
 
 
 @pytest.mark.parametrize("kind,split", FAMILY_CASES)
@@ -135,16 +136,17 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
 
     gemma = fx_engine.load(write_tiny_model(tmp_path / "g", "gemma3_text"))
     with pytest.raises(ConfigError, match="not supported yet"):
-        shard_params(gemma.params, 0, 2)
-    with pytest.raises(ConfigError, match="not supported yet"):
         stage_params(gemma.params, 0, 2)
+    cohere = fx_engine.load(write_tiny_model(tmp_path / "c", "cohere2"))
+    with pytest.raises(ConfigError, match="not supported yet"):
+        shard_params(cohere.params, 0, 2)
     olmo = fx_engine.load(write_tiny_model(tmp_path / "olmo", "olmo2"))
     with pytest.raises(ConfigError, match="whole projection"):
         shard_params(olmo.params, 0, 2)
     assert main(["serve", "--tensor-parallel", "2"]) == 2  # one process alone
     assert "mlx.launch -n 2" in capsys.readouterr().err
     with pytest.raises(ValueError, match="not tensor-parallel"):
-        fx_engine.Engine(gemma, lockstep=True)
+        fx_engine.Engine(cohere, lockstep=True)
 
 
 @pytest.mark.parametrize("split", ["tensor", "pipeline"])

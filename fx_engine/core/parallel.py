@@ -37,10 +37,10 @@ __all__ = ["shard_params", "split", "stage_params"]
 _PER_LAYER = ("layer_types", "moe_layers", "layer_rope")
 
 
-def _llama_decoder(params: Any) -> bool:
-    """Whether these params are of a family that runs the Llama decoder (its layer fields and
-    stage hooks)."""
-    return bool(getattr(type(params), "__fx_llama_decoder__", False))
+def _supports(params: Any, kind: str) -> bool:
+    """Whether these params' family declares the split (`__fx_tensor_parallel__`: its layers
+    have the fields `shard_params` cuts; `__fx_pipeline_parallel__`: its forward runs stages)."""
+    return bool(getattr(type(params), f"__fx_{kind}_parallel__", False))
 
 
 def split(n: int, size: int, rank: int, unit: int = 1) -> tuple[int, int]:
@@ -126,11 +126,11 @@ def _vocab(lin: Linear, rank: int, size: int) -> Linear:
 def shard_params(params: Any, rank: int, size: int) -> Any:
     """Rank `rank` of `size`'s shard of a model of the Llama decoder's families (llama,
     mistral, qwen2, qwen3, SmolLM, phi3, exaone4/glm4 (post-norm), starcoder2, and the
-    mixture-of-experts family: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe): ConfigError
-    for another family or a split the weights do not allow."""
+    mixture-of-experts family: qwen3_moe, qwen2_moe, mixtral, glm4_moe; Gemma 2 and 3):
+    ConfigError for another family or a split the weights do not allow."""
     if size == 1:
         return params
-    if not _llama_decoder(params):
+    if not _supports(params, "tensor"):
         raise ConfigError(f"tensor parallel: the {type(params.config).__name__} family is not supported "
                           "yet (the Llama decoder's families are)")
     cfg = params.config
@@ -223,6 +223,9 @@ def _experts(ex: Any, cfg: Any, rank: int, size: int, i: int) -> Any:
 
 def _mlp_fields(lp: Any, i: int) -> tuple[str, str]:
     """The (column-parallel, row-parallel) linears of a layer's MLP (None: routed experts)."""
+    for extra in ("moe", "pli_gate"):  # Gemma 4's experts beside the MLP, per-layer inputs
+        if getattr(lp, extra, None) is not None:
+            raise ConfigError(f"tensor parallel: layer {i}'s {extra} is not supported yet")
     if getattr(lp, "experts", None) is not None:
         return None  # type: ignore[return-value]
     for up, down in (("gate_up", "down"), ("fc", "proj")):
@@ -237,7 +240,7 @@ def stage_params(params: Any, rank: int, size: int) -> Any:
     first stage, the head (and the final norm) on the last (a tied head keeps the table)."""
     if size == 1:
         return params
-    if not _llama_decoder(params):  # the families that run llama's decoder loop
+    if not _supports(params, "pipeline"):  # the families that run llama's decoder loop
         raise ConfigError(f"pipeline parallel: the {type(params.config).__name__} family is not supported "
                           "yet (the Llama decoder's families are)")
     cfg = params.config

@@ -325,6 +325,7 @@ class GemmaLayer:
 @attrs.frozen
 class GemmaParams:
     __fx_memo_flatten__ = True  # immutable and flattened every step (fx_engine.core.tree)
+    __fx_tensor_parallel__ = True  # core/parallel.py splits qkv/o/gate_up/down (Gemma 2 and 3)
     embed: Linear
     layers: tuple[GemmaLayer, ...]
     norm: mx.array

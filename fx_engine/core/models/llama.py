@@ -245,9 +245,11 @@ class LayerParams:
 @attrs.frozen
 class Params:
     __fx_memo_flatten__ = True  # immutable and flattened every step: memoize (fx_engine.core.tree)
-    # this decoder's layer fields (qkv, o, gate_up/down or fc/proj) and stage hooks: what
-    # core/parallel.py splits (subclasses that run this decoder inherit it)
-    __fx_llama_decoder__ = True
+    # core/parallel.py: the layers' fields (qkv, o, gate_up/down or fc/proj, experts) are
+    # what tensor parallelism splits, and the forward takes pipeline stages (subclasses
+    # that run this decoder inherit both)
+    __fx_tensor_parallel__ = True
+    __fx_pipeline_parallel__ = True
     embed: Linear
     layers: tuple[LayerParams, ...]
     norm: mx.array
