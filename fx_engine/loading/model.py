@@ -222,14 +222,17 @@ def load(
                              "and activation_bits=None")
     numerics = Numerics(batch_invariant=batch_invariant, native=bool(native),
                         activation_bits=activation_bits)
+    if tensor_parallel is not None and pipeline_parallel is not None:
+        raise ValueError("give tensor_parallel or pipeline_parallel, not both")
+    sharded = tensor_parallel is not None or pipeline_parallel is not None
     if p.is_file():
         if p.suffix.lower() != ".gguf":
             raise WeightsError(f"{p}: unsupported model file (expected a .gguf file or a folder)")
         cfg, params, metadata = load_gguf(p, mx_dtype or mx.float16, keep, numerics)
         tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(p))
         fmt = "gguf"
-        # the file alone (its header holds the metadata): not fx-engine's config class, whose
-        # fields change between versions while the model does not
+        # the file alone (its header holds the metadata): not fx-engine's config class,
+        # whose fields change between versions while the model does not
         fp_src = ["gguf", str(p.stat().st_size)]
     else:
         cfg, params, raw = load_hf_folder(p, mx_dtype, keep, numerics)
@@ -238,19 +241,19 @@ def load(
         fp_src = [json.dumps(raw, sort_keys=True)] + [
             f"{f.name}:{f.stat().st_size}" for f in sorted(p.glob("*.safetensors"))
         ]
-    if tensor_parallel is not None and pipeline_parallel is not None:
-        raise ValueError("give tensor_parallel or pipeline_parallel, not both")
     files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
     fingerprint = model_fingerprint(fp_src, files)
-    if tensor_parallel is not None or pipeline_parallel is not None:
-        # sharded before anything is evaluated: safetensors are read lazily (mx.load), so
-        # evaluating one leaf at a time reads each tensor once and keeps only this rank's
-        # part (peak memory ~ the shard + one tensor, not the whole model)
+    if sharded:
+        # sharded before anything is evaluated: safetensors are read lazily (mx.load),
+        # so evaluating one leaf at a time reads each tensor once and keeps only this
+        # rank's part (peak memory ~ the shard + one tensor). A GGUF's tensors are
+        # converted whole first (docs/distributed.md: what that costs)
         params, fingerprint = _shard(params, fingerprint, tensor_parallel or pipeline_parallel,
                                      "tensor" if tensor_parallel is not None else "pipeline")
         cfg = params.config
         for leaf in tree_leaves(params):
             mx.eval(leaf)
+            mx.clear_cache()  # the whole tensors read for this leaf go back to the OS
     mx.eval(tree_leaves(params))
     quant_kinds = _weight_kinds(params)
     report = None
