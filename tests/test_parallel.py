@@ -55,7 +55,7 @@ def test_default_model_two_ranks_equal_one_process(split):
 FAMILY_CASES = [(k, s) for k in ("llama-q4", "qwen3", "qwen2-untied", "phi3", "starcoder2", "exaone4")
                 for s in ("tp", "pp")] + [("qwen3_moe", "tp"), ("qwen3_moe", "pp"), ("qwen2_moe", "tp"),
                                           ("mixtral", "tp"), ("olmo2", "pp"), ("gemma3_text", "tp"),
-                                          ("gemma2", "tp")]
+                                          ("gemma2", "tp"), ("gemma3_text", "pp"), ("gemma2", "pp")]
 
 
 @pytest.mark.parametrize("kind,split", FAMILY_CASES)
@@ -134,9 +134,9 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
         fx_engine.load(tensor_parallel=2, pipeline_parallel=2)
     from fx_engine.core.parallel import stage_params
 
-    gemma = fx_engine.load(write_tiny_model(tmp_path / "g", "gemma3_text"))
+    gemma4 = fx_engine.load(write_tiny_model(tmp_path / "g", "gemma4_text"))
     with pytest.raises(ConfigError, match="not supported yet"):
-        stage_params(gemma.params, 0, 2)
+        stage_params(gemma4.params, 0, 2)
     cohere = fx_engine.load(write_tiny_model(tmp_path / "c", "cohere2"))
     with pytest.raises(ConfigError, match="not supported yet"):
         shard_params(cohere.params, 0, 2)

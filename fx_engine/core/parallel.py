@@ -244,6 +244,9 @@ def stage_params(params: Any, rank: int, size: int) -> Any:
         raise ConfigError(f"pipeline parallel: the {type(params.config).__name__} family is not supported "
                           "yet (the Llama decoder's families are)")
     cfg = params.config
+    if getattr(params, "embed_per_layer", None) is not None or getattr(cfg, "num_kv_shared_layers", 0):
+        raise ConfigError("pipeline parallel: per-layer inputs and KV-shared layers (Gemma 4) are not "
+                          "supported yet")
     l0, l1 = split(cfg.num_layers, size, rank)
     per_layer = {name: tuple(getattr(cfg, name)[l0:l1]) for name in _PER_LAYER
                  if getattr(cfg, name, None)}

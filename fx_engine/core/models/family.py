@@ -37,6 +37,43 @@ def head_logits(p: DecoderParams, h: Any) -> Any:
     return linear(h, p.lm_head if p.lm_head is not None else p.embed, p.numerics).astype(mx.float32)
 
 
+# ---------------------------------------------------------------- pipeline stages
+# A family whose forward runs pipeline stages (core/parallel.stage_params) calls these at
+# its start, after its layers and in its head; `params.pipeline` is (rank, ranks, first
+# layer, all layers) on a stage, () otherwise.
+
+
+def stage_input(p: Any, rows: int, embedded: Callable[[], mx.array]) -> mx.array:
+    """The residual stream a step starts from: `embedded()` (the tokens' embeddings), or on
+    a later pipeline stage the [rows, hidden] stream the previous stage sent."""
+    pipe = getattr(p, "pipeline", ())
+    if pipe and pipe[0] > 0:
+        return mx.distributed.recv((rows, p.config.hidden_size), getattr(mx, p.dtype), pipe[0] - 1)
+    return embedded()
+
+
+def stage_output(p: Any, h: mx.array) -> mx.array | None:
+    """On a pipeline stage before the last: h sent on to the next stage (evaluating it
+    performs the send); None on the last stage (or without a pipeline)."""
+    pipe = getattr(p, "pipeline", ())
+    if pipe and pipe[0] < pipe[1] - 1:
+        return mx.distributed.send(h, pipe[0] + 1)
+    return None
+
+
+def stage_logits(p: Any, h: mx.array, logits: Callable[[], mx.array]) -> mx.array:
+    """`logits()` (float32), made the same on every pipeline stage: the last stage's are
+    summed with zeros from the others (exact), so every rank samples the same tokens; the
+    zeros depend on h, so evaluating them performs a stage's send."""
+    pipe = getattr(p, "pipeline", ())
+    if not pipe:
+        return logits()
+    if pipe[0] < pipe[1] - 1:
+        zeros = mx.depends(mx.zeros((*h.shape[:-1], p.config.vocab_size), mx.float32), h)
+        return mx.distributed.all_sum(zeros)
+    return mx.distributed.all_sum(logits())
+
+
 @attrs.frozen
 class Family:
     name: str

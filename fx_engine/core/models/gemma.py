@@ -29,7 +29,7 @@ from jaxtyping import Float, Int
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, fuse_experts, read_expert_stack, read_linear, renamed)
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, refuse, required, token_ids
-from fx_engine.core.models.family import Family
+from fx_engine.core.models.family import Family, stage_input, stage_logits, stage_output
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, capped, embed, gelu_tanh, linear, rms_norm, rope_tables, routed_glu)
 from fx_engine.core.tree import static_field
 
@@ -326,6 +326,7 @@ class GemmaLayer:
 class GemmaParams:
     __fx_memo_flatten__ = True  # immutable and flattened every step (fx_engine.core.tree)
     __fx_tensor_parallel__ = True  # core/parallel.py splits qkv/o/gate_up/down (Gemma 2 and 3)
+    __fx_pipeline_parallel__ = True  # the forward runs stages (`family.stage_input` ...)
     embed: Linear
     layers: tuple[GemmaLayer, ...]
     norm: mx.array
@@ -336,6 +337,7 @@ class GemmaParams:
     config: GemmaConfig = static_field(default=None)
     numerics: Numerics = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")
+    pipeline: tuple = static_field(default=())  # (rank, ranks, first layer, all layers) of a stage
 
 
 def cache_specs(cfg: GemmaConfig) -> tuple[LayerSpec, ...]:
@@ -407,7 +409,7 @@ def forward(
     clip = cfg.model_type == "gemma3_text"  # mlx-lm's clip_residual
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
     flat = tokens.reshape(-1)
-    h = embed(flat, p.embed).astype(dt) * mx.array(cfg.embed_scale, dt)
+    h = stage_input(p, b * t, lambda: embed(flat, p.embed).astype(dt) * mx.array(cfg.embed_scale, dt))
     ropes = {}
     for kind, spec in (("sliding", cfg.rope_sliding), ("full", cfg.rope_full)):
         dims = {cfg.layer_head_dim(i) for i in range(cfg.num_layers)
@@ -455,15 +457,21 @@ def forward(
             h = h + rms_norm(linear(g, lp.pli_proj, num), lp.pli_norm, eps, num)
         if lp.layer_scalar is not None:
             h = h * lp.layer_scalar
+    handed = stage_output(p, h)
+    if handed is not None:  # a pipeline stage before the last
+        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
     h = rms_norm(h, p.norm, eps, num).reshape(b, t, -1)
     return h, advanced(cache, entries, geo)
 
 
 def hidden_to_logits(p: GemmaParams, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
-    head = p.lm_head if p.lm_head is not None else p.embed
-    out = linear(h, head, p.numerics).astype(mx.float32)
-    cap = p.config.final_logit_softcapping
-    return out if cap is None else capped(out, cap)
+    def logits() -> mx.array:
+        head = p.lm_head if p.lm_head is not None else p.embed
+        out = linear(h, head, p.numerics).astype(mx.float32)
+        cap = p.config.final_logit_softcapping
+        return out if cap is None else capped(out, cap)
+
+    return stage_logits(p, h, logits)  # (a pipeline stage: the last stage's logits)
 
 
 # ------------------------------------------------------------------ checkpoints

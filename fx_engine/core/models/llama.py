@@ -19,7 +19,7 @@ from jaxtyping import Float, Int
 from fx_engine.core.cache import (KVCache, LayerSpec, StepGeometry, advanced, attend_entry, dense_layout, write_entry)
 from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear)
 from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, gguf_value, positive_int, required, token_ids)
-from fx_engine.core.models.family import Family
+from fx_engine.core.models.family import Family, stage_input, stage_logits, stage_output
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
 from fx_engine.core.tree import static_field
 
@@ -393,40 +393,18 @@ def forward(
     return h.reshape(b, t, -1), advanced(cache, entries, geo)
 
 
-def stage_input(p: Any, rows: int, embedded: Any) -> mx.array:
-    """The residual stream a step starts from: `embedded()` (the tokens' embeddings), or on
-    a later pipeline stage (`Params.pipeline`) the stream the previous stage sent."""
-    pipe = getattr(p, "pipeline", ())
-    if pipe and pipe[0] > 0:
-        return mx.distributed.recv((rows, p.config.hidden_size), _dtype(p), pipe[0] - 1)
-    return embedded()
-
-
-def stage_output(p: Any, h: mx.array) -> mx.array | None:
-    """On a pipeline stage before the last: h sent on to the next stage (evaluating it
-    performs the send); None on the last stage (or without a pipeline)."""
-    pipe = getattr(p, "pipeline", ())
-    if pipe and pipe[0] < pipe[1] - 1:
-        return mx.distributed.send(h, pipe[0] + 1)
-    return None
-
-
 def _dtype(p: Any) -> mx.Dtype:
     return getattr(mx, p.dtype)
 
 
 def hidden_to_logits(p: Any, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
-    pipe = getattr(p, "pipeline", ())
-    if pipe and pipe[0] < pipe[1] - 1:  # the last stage has the head: its logits, summed with
-        # zeros from the other stages (exact), so every rank samples the same tokens; the
-        # zeros depend on this stage's send, which evaluating the step therefore performs
-        zeros = mx.depends(mx.zeros((*h.shape[:-1], p.config.vocab_size), mx.float32), h)
-        return mx.distributed.all_sum(zeros)
-    head = p.lm_head if p.lm_head is not None else p.embed
-    out = linear(h, head, p.numerics)
-    scale = getattr(p.config, "logits_scaling", 1.0)
-    out = (out if scale == 1.0 else out / scale).astype(mx.float32)
-    return mx.distributed.all_sum(out) if pipe else out
+    def logits() -> mx.array:
+        head = p.lm_head if p.lm_head is not None else p.embed
+        out = linear(h, head, p.numerics)
+        scale = getattr(p.config, "logits_scaling", 1.0)
+        return (out if scale == 1.0 else out / scale).astype(mx.float32)
+
+    return stage_logits(p, h, logits)  # (a pipeline stage: the last stage's logits)
 
 
 # ------------------------------------------------------------------ checkpoints

@@ -29,7 +29,7 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced
 from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear, renamed
 from fx_engine.core.config import ConfigError, positive_int
 from fx_engine.core.models import llama
-from fx_engine.core.models.family import Family
+from fx_engine.core.models.family import Family, stage_input, stage_output
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.nn import Linear, embed, linear, rms_norm, rope_tables, swiglu_fused
 
@@ -148,7 +148,7 @@ def forward(
     b, t = tokens.shape
     eps = cfg.rms_norm_eps
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = llama.stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(getattr(mx, p.dtype)))
+    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(getattr(mx, p.dtype)))
     ropes = _ropes(p, geo.positions)
 
     def pre(x: mx.array, w: mx.array | None) -> mx.array:
@@ -161,7 +161,7 @@ def forward(
         r = linear(swiglu_fused(linear(pre(h, lp.mlp_norm), lp.gate_up, num), num), lp.down, num)
         h = h + rms_norm(r, lp.post_ff_norm, eps, num)
         entries.append(entry)
-    handed = llama.stage_output(p, h)
+    handed = stage_output(p, h)
     if handed is not None:  # a pipeline stage before the last
         return handed.reshape(b, t, -1), advanced(cache, entries, geo)
     h = rms_norm(h, p.norm, eps, num).reshape(b, t, -1)
