@@ -47,6 +47,23 @@ LONG_TEXT = (
 ) * 4
 
 
+def wait_healthy(url: str, procs=(), timeout: float = 120.0) -> None:
+    """Wait until a server started in another process answers GET /health with 200; fail
+    at once if one of `procs` (Popen) exits first, or after `timeout` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+        for p in procs:
+            assert p.poll() is None, f"the server process exited ({p.returncode}): {p.stderr.read()[-3000:]}"
+    pytest.fail(f"{url} did not become healthy in {timeout:.0f} s")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

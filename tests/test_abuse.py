@@ -22,7 +22,7 @@ import pytest
 import fx_engine
 from fx_engine.server.app import create_app
 
-from .conftest import LONG_TEXT, free_port, serve
+from .conftest import LONG_TEXT, free_port, serve, wait_healthy
 
 
 def _running_rows(url: str, headers: dict | None = None) -> int:
@@ -141,12 +141,7 @@ def test_the_server_shuts_down_cleanly_on_a_signal(tiny, sig):
     stuck = None
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(url, [p])
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200, r.text
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokns": 4}, timeout=60)

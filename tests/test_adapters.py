@@ -350,7 +350,6 @@ def test_every_adaptable_linear_of_every_family_applies_its_rows_adapter(tmp_pat
     from fx_engine.core.adapters import Adapters, Segment, bank_from
     from fx_engine.core.nn import linears
     from fx_engine.core.steps import score_step
-    from fx_engine.loading.adapters import in_features
 
     model = fx_engine.load(write_tiny_model(tmp_path / model_type, model_type))
     lins = linears(model.params)
@@ -361,7 +360,7 @@ def test_every_adaptable_linear_of_every_family_applies_its_rows_adapter(tmp_pat
     base, _ = score_step(model.params, model.new_cache(2, 64), tokens, n)
     keys = iter(mx.random.split(mx.random.key(0), 2 * len(lins)))
     for i in targets:
-        k, out = in_features(lins[i]), lins[i].out_features
+        k, out = lins[i].in_features, lins[i].out_features
         seg = Segment(start=0, a=0.5 * mx.random.normal((k, 4), key=next(keys)),
                       b=0.5 * mx.random.normal((4, out), key=next(keys)))
         bank = bank_from(len(lins), {i: (k, out)}, {i: {1: [seg]}}, 4)

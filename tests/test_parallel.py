@@ -159,12 +159,11 @@ def test_server_tensor_parallel_with_the_openai_client(tmp_path, split):
     import signal
     import time
 
-    import httpx
     from openai import OpenAI
 
     from fx_engine.testing.distributed import start_local, wait_local
 
-    from .conftest import free_port
+    from .conftest import free_port, wait_healthy
 
     port = free_port()
     procs = start_local(2, [sys.executable, "-m", "fx_engine.cli", "serve", f"--{split}-parallel", "2",
@@ -174,13 +173,7 @@ def test_server_tensor_parallel_with_the_openai_client(tmp_path, split):
                             "--prompt-cache-bytes", "1500000"], env={"FX_ENGINE_TP_TIMEOUT": "20"})
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-            assert all(p.poll() is None for p in procs), procs[0].stderr.read()[-3000:]
+        wait_healthy(url, procs)
         client = OpenAI(base_url=url + "/v1", api_key="none")
         prompts = ["The capital of France is", "List three colors:", "def add(a, b):", "Once upon a time"]
         model = fx_engine.load()
@@ -221,13 +214,12 @@ def test_adapters_on_two_ranks_equal_one_process(tmp_path, split, dora):
     rank applies its slice of each factor (B's rows of its heads and features; A's rows of
     its input slice for o and down, whose partial products are summed with the base's;
     DoRA's row norms summed over the ranks); a pipeline stage applies its layers' modules."""
-    from tools.oracle import write_hf_folder, write_mlx_lm_adapter
+    from tools.oracle import write_mlx_lm_adapter
 
     path = write_tiny_model(tmp_path / "m", "qwen3", num_key_value_heads=2)
     ad = write_mlx_lm_adapter(path, tmp_path / "ad", rank=4, dora=dora, init_scale=0.1,
                               keys=["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"])
-    del write_hf_folder
     args = ["--model", str(path), "--tokens", "12", "--logits", "--engine", "2", "--prompt", "hello world",
             "--adapter", str(ad)]
     one, two = alone(args), tp(args, split=split)

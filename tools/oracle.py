@@ -189,7 +189,6 @@ def write_mlx_lm_adapter(model_path: str | Path, out: str | Path, *, rank: int =
     perturbed from its initial norm) instead of training steps."""
     import json
 
-    import mlx.nn as nn
     from mlx.utils import tree_flatten
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load_model
@@ -214,7 +213,6 @@ def write_mlx_lm_adapter(model_path: str | Path, out: str | Path, *, rank: int =
     (out / "adapter_config.json").write_text(json.dumps({
         "fine_tune_type": "dora" if dora else "lora", "num_layers": num_layers,
         "lora_parameters": params, "model": str(model_path)}, indent=1))
-    del nn
     return out
 
 

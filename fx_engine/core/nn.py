@@ -125,7 +125,13 @@ class Linear:
 
     @property
     def out_features(self) -> int:
-        return int(self.weight.shape[1] if self.transposed else self.weight.shape[0])
+        return int(self.weight.shape[-1] if self.transposed else self.weight.shape[-2])
+
+    @property
+    def in_features(self) -> int:
+        if self.quantized:
+            return int(self.scales.shape[-1] * self.group_size)
+        return int(self.weight.shape[-2] if self.transposed else self.weight.shape[-1])
 
 
 def linears(tree: object) -> list[Linear]:

@@ -57,10 +57,21 @@ def split(n: int, size: int, rank: int, unit: int = 1) -> tuple[int, int]:
     return start * unit, end * unit
 
 
+def _cut(x: mx.array | None, axis: int, ranges: list[tuple[int, int]]) -> mx.array | None:
+    """x's ranges [a, b) along the (negative) axis, concatenated."""
+    if x is None:
+        return None
+    parts = [x[(slice(None),) * (x.ndim + axis) + (slice(a, b),)] for a, b in ranges]
+    return mx.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
+
+
 def _rows(lin: Linear, ranges: list[tuple[int, int]], keep_origin: bool = False) -> Linear:
-    """The output rows in `ranges` (concatenated), dense or quantized. keep_origin: one range
-    per origin segment (a fused q|k|v), recorded as (module, rows kept, first row kept, the
-    module's rows) so adapters find their slice (loading/adapters.py)."""
+    """The output rows in `ranges` (concatenated) of a linear or of every expert of a stack,
+    dense or quantized. keep_origin: one range per origin segment (a fused q|k|v), recorded as
+    (module, rows kept, first row kept, the module's rows) so adapters find their slice
+    (loading/adapters.py)."""
+    if lin.mode != "affine":
+        raise ConfigError("tensor parallel: MXFP4 weights are not supported yet")
     origin = ()
     if keep_origin and lin.origin and len(lin.origin) == len(ranges):
         at, parts = 0, []
@@ -68,33 +79,29 @@ def _rows(lin: Linear, ranges: list[tuple[int, int]], keep_origin: bool = False)
             parts.append((name, b - a, a - at, rows))
             at += rows
         origin = tuple(parts)
-    def take(x: mx.array | None, axis: int) -> mx.array | None:
-        if x is None:
-            return None
-        parts = [x[a:b] if axis == 0 else x[:, a:b] for a, b in ranges]
-        return mx.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
-
-    if lin.quantized:
-        return attrs.evolve(lin, weight=take(lin.weight, 0), scales=take(lin.scales, 0),
-                            biases=take(lin.biases, 0), bias=take(lin.bias, 0), origin=origin)
-    axis = 1 if lin.transposed else 0
-    return attrs.evolve(lin, weight=take(lin.weight, axis), bias=take(lin.bias, 0), origin=origin)
+    if lin.quantized:  # [..., out, in / packing]
+        return attrs.evolve(lin, weight=_cut(lin.weight, -2, ranges), scales=_cut(lin.scales, -2, ranges),
+                            biases=_cut(lin.biases, -2, ranges), bias=_cut(lin.bias, -1, ranges),
+                            origin=origin)
+    return attrs.evolve(lin, weight=_cut(lin.weight, -1 if lin.transposed else -2, ranges),
+                        bias=_cut(lin.bias, -1, ranges), origin=origin)
 
 
 def _cols(lin: Linear, start: int, end: int, name: str) -> Linear:
-    """The input features [start, end) of a linear whose partial products are summed."""
+    """The input features [start, end) of a linear (or of every expert of a stack) whose
+    partial products are summed over the ranks."""
+    if lin.mode != "affine":
+        raise ConfigError("tensor parallel: MXFP4 weights are not supported yet")
+    tp = ("sum", start, end, lin.in_features)
     if lin.quantized:
         gs, per_word = lin.group_size, 32 // lin.bits if 32 % lin.bits == 0 else None
         if start % gs or end % gs or per_word is None or start % per_word:
             raise ConfigError(f"tensor parallel: {name} ({lin.bits}-bit, groups of {gs}) cannot be "
                               f"split at input feature {start}..{end}")
-        return attrs.evolve(lin, weight=lin.weight[:, start // per_word : end // per_word],
-                            scales=lin.scales[:, start // gs : end // gs],
-                            biases=lin.biases[:, start // gs : end // gs],
-                            tp=("sum", start, end, lin.scales.shape[-1] * gs))
-    full = lin.weight.shape[0] if lin.transposed else lin.weight.shape[1]
-    w = lin.weight[start:end] if lin.transposed else lin.weight[:, start:end]
-    return attrs.evolve(lin, weight=w, tp=("sum", start, end, full))
+        return attrs.evolve(lin, weight=_cut(lin.weight, -1, [(start // per_word, end // per_word)]),
+                            scales=_cut(lin.scales, -1, [(start // gs, end // gs)]),
+                            biases=_cut(lin.biases, -1, [(start // gs, end // gs)]), tp=tp)
+    return attrs.evolve(lin, weight=_cut(lin.weight, -2 if lin.transposed else -1, [(start, end)]), tp=tp)
 
 
 def _vocab(lin: Linear, rank: int, size: int) -> Linear:
@@ -167,42 +174,6 @@ def shard_params(params: Any, rank: int, size: int) -> Any:
                         lm_head=None if head is None else _vocab(head, rank, size), config=small)
 
 
-def _expert_rows(lin: Linear, ranges: list[tuple[int, int]]) -> Linear:
-    """Output rows `ranges` of every expert of a stack ([E, out, in/packing] quantized,
-    [E, in, out] dense and transposed)."""
-    def take(x: mx.array | None, axis: int) -> mx.array | None:
-        if x is None:
-            return None
-        parts = [x[:, a:b] if axis == 1 else x[:, :, a:b] for a, b in ranges]
-        return mx.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
-
-    if lin.mode != "affine":
-        raise ConfigError("tensor parallel: MXFP4 expert stacks are not supported yet")
-    if lin.quantized:
-        return attrs.evolve(lin, weight=take(lin.weight, 1), scales=take(lin.scales, 1),
-                            biases=take(lin.biases, 1), bias=take(lin.bias, 1))
-    return attrs.evolve(lin, weight=take(lin.weight, 2 if lin.transposed else 1), bias=take(lin.bias, 1))
-
-
-def _expert_cols(lin: Linear, start: int, end: int, name: str) -> Linear:
-    """Input features [start, end) of every expert of a stack (partial products: the
-    mixture sums them over the ranks)."""
-    if lin.mode != "affine":
-        raise ConfigError("tensor parallel: MXFP4 expert stacks are not supported yet")
-    if lin.quantized:
-        gs, per_word = lin.group_size, 32 // lin.bits if 32 % lin.bits == 0 else None
-        if start % gs or end % gs or per_word is None or start % per_word:
-            raise ConfigError(f"tensor parallel: {name} ({lin.bits}-bit, groups of {gs}) cannot be "
-                              f"split at input feature {start}..{end}")
-        return attrs.evolve(lin, weight=lin.weight[:, :, start // per_word : end // per_word],
-                            scales=lin.scales[:, :, start // gs : end // gs],
-                            biases=lin.biases[:, :, start // gs : end // gs],
-                            tp=("sum", start, end, lin.scales.shape[-1] * gs))
-    full = lin.weight.shape[1] if lin.transposed else lin.weight.shape[2]
-    w = lin.weight[:, start:end] if lin.transposed else lin.weight[:, :, start:end]
-    return attrs.evolve(lin, weight=w, tp=("sum", start, end, full))
-
-
 def _experts(ex: Any, cfg: Any, rank: int, size: int, i: int) -> Any:
     """A layer's routed experts split like dense MLPs, each expert's intermediate features
     over the ranks (the router replicated; the mixture's weighted sum is summed over the
@@ -210,8 +181,8 @@ def _experts(ex: Any, cfg: Any, rank: int, size: int, i: int) -> Any:
     f = cfg.moe_intermediate_size
     unit = ex.down.group_size if ex.down.quantized else 1
     f0, f1 = split(f, size, rank, unit)
-    out = attrs.evolve(ex, gate_up=_expert_rows(ex.gate_up, [(f0, f1), (f + f0, f + f1)]),
-                       down=_expert_cols(ex.down, f0, f1, f"layer {i} experts' down_proj"))
+    out = attrs.evolve(ex, gate_up=_rows(ex.gate_up, [(f0, f1), (f + f0, f + f1)]),
+                       down=_cols(ex.down, f0, f1, f"layer {i} experts' down_proj"))
     if ex.shared_gate_up is not None:
         fs = cfg.shared_expert_intermediate_size
         unit = ex.shared_down.group_size if ex.shared_down.quantized else 1

@@ -37,6 +37,7 @@ import mlx.core as mx
 from fx_engine.core.adapters import AdapterBank, Segment, bank_from, bucket
 from fx_engine.core.checkpoint import WeightsError, dequantized
 from fx_engine.core.nn import Linear, linears
+from fx_engine.loading.weights import _TEXT_PREFIXES
 
 __all__ = ["AdapterError", "AdapterSet", "RawAdapter", "fuse_params", "map_adapter", "read_adapter"]
 
@@ -99,14 +100,12 @@ def _fingerprint(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.lm_head", "lm_head"))
-
-
 def _module_name(name: str) -> str:
+    """A module of a multimodal checkpoint under its text model's name (the loader's rules)."""
+    dotted = name + "."
     for old, new in _TEXT_PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old):]
+        if dotted.startswith(old):
+            return (new + dotted[len(old):])[:-1]
     return name
 
 
@@ -245,12 +244,6 @@ def _gguf_name(module: str) -> str | None:
     return None
 
 
-def in_features(lin: Linear) -> int:
-    if lin.quantized:
-        return int(lin.scales.shape[-1] * lin.group_size)
-    return int(lin.weight.shape[0] if lin.transposed else lin.weight.shape[-1])
-
-
 def _rows_of(lin: Linear, start: int, n: int) -> mx.array:
     """Rows [start, start + n) of a linear's weight as float32 [n, in]."""
     if lin.quantized:
@@ -318,7 +311,7 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
             if m and int(m.group(1)) < num_layers - raw.num_layers:
                 raise AdapterError(f"{raw.path}: module '{mod}' is outside the adapter's last "
                                    f"num_layers={raw.num_layers} of {num_layers} layers")
-        k = in_features(lin)
+        k = lin.in_features
         # a row-parallel shard (tp ("sum", first, end)) holds input features [first, end)
         k0, k1, k_full = (lin.tp[1], lin.tp[2], lin.tp[3]) if lin.tp and lin.tp[0] == "sum" else (0, k, k)
         if fac.a.shape[0] != k_full or fac.b.shape[1] != total:
