@@ -137,6 +137,48 @@ def test_kquant_gguf_matches_mlx_lm_on_its_reference_dequantization(kquant_model
     np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
 
 
+def test_kquant_scales_stay_compact_and_give_the_float32_bits(kquant_model):
+    """On the native kernels the K-quant tensors keep their two-level scales (int16 codes per
+    group, float16 factors per super-block: about the file's bytes) and the legacy types'
+    float16 ones; the kernels decode them to exactly the float32 values, so the logits equal
+    those of the same params with every scale expanded to float32, bit for bit."""
+    import attrs
+
+    from fx_engine.core import checkpoint, nn
+    from fx_engine.core.adapters import map_linears
+    from fx_engine.runtime import native
+
+    if native.ensure(quiet=True) is None:
+        pytest.skip("native kernels unavailable")
+    path, _ = kquant_model
+    model = fx_engine.load(path)
+    l0, l1 = model.params.layers
+    forms = {name: (str(lin.scales.dtype), lin.bits, lin.group_size)
+             for name, lin in (("o", l0.o), ("o1", l1.o), ("qkv", l0.qkv), ("down", l0.down), ("gate_up", l0.gate_up))}
+    assert forms == {"o": ("mlx.core.int16", 4, 32),  # Q4_K
+                     "o1": ("mlx.core.float16", 8, 32),  # Q8_0: its d as a half
+                     "qkv": ("mlx.core.int16", 8, 16),  # Q4_K q/k regrouped with a Q6_K v
+                     "down": ("mlx.core.int16", 8, 16),  # Q6_K
+                     "gate_up": ("mlx.core.float32", 8, 32)}, forms  # Q4_K | Q5_0: forms differ
+    assert l0.down.biases.shape == (H, FF // 256, 2) and l0.down.biases.dtype == mx.float16
+
+    def as_float32(lin):
+        if not lin.quantized or lin.mode != "affine":
+            return lin
+        lin = checkpoint.expanded(lin)
+        return attrs.evolve(lin, scales=lin.scales.astype(mx.float32), biases=lin.biases.astype(mx.float32))
+
+    wide = attrs.evolve(model, params=map_linears(model.params, lambda i, lin: as_float32(lin)))
+    assert all(lin.scales.dtype == mx.float32 for lin in nn.linears(wide.params) if lin.quantized)
+    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    for chunk in (1, 32):
+        assert np.array_equal(np.asarray(fx_engine.logits(model, ids, chunk=chunk)),
+                              np.asarray(fx_engine.logits(wide, ids, chunk=chunk)))
+    compact = sum(a.nbytes for lin in nn.linears(model.params) if lin.quantized for a in (lin.scales, lin.biases))
+    full = sum(a.nbytes for lin in nn.linears(wide.params) if lin.quantized for a in (lin.scales, lin.biases))
+    assert compact < 0.5 * full, (compact, full)
+
+
 def test_cli_generates_from_a_kquant_gguf(kquant_model, capsys):
     from fx_engine.cli import main
 

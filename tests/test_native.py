@@ -694,6 +694,17 @@ outs["qgemm40_g16"] = np.asarray(mod.qgemm(x40, wq, s, b, 16, 8))
 outs["qmm_g16"] = np.asarray(mod.qmm(x40, wq, s, b, 16, 8))
 for m in range(1, 17):
     outs[f"qgemm{m}_g16"] = np.asarray(mod.qgemm(x40[:m], wq, s, b, 16, 8))
+same = []  # compact scales (float16, two-level) against their float32 values: the same bits
+for fmt in ("h", "kq"):
+    cs, cb = mx.array(d[f"{fmt}_s"]), mx.array(d[f"{fmt}_b"])
+    fs, fb = mx.array(d[f"{fmt}_fs"]), mx.array(d[f"{fmt}_fb"])
+    wq = mx.array(d["w512"])  # 29 rows of 512: 16 groups, super-blocks of 8 (the vector decode)
+    for m in (1, 3, 9, 40):
+        xm = mx.array(d["x512"])[:m]
+        for op in (mod.qmm, mod.qgemm, mod.qmm_a8):
+            same.append(np.array_equal(np.asarray(op(xm, wq, cs, cb, 32, 4)), np.asarray(op(xm, wq, fs, fb, 32, 4))))
+    same.append(np.array_equal(np.asarray(mod.dequantize(wq, cs, cb, 32, 4)), np.asarray(mod.dequantize(wq, fs, fb, 32, 4))))
+outs["compact_same"] = np.array(same)
 outs["isa"] = np.array(mod.isa)
 outs["few_gemm"] = np.array(mod.few_gemm)
 q, kv = mx.array(d["q"]), mx.array(d["kv"]).astype(mx.float16)
@@ -722,7 +733,8 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # 
     qmm_a8's AVX2 path (vpmaddubsw, or the VEX vpdpbusd) and its scalar loop give the
     AVX-512 VNNI kernel's bits exactly at every row count (exact integer
     sums, the same two float32 roundings per group), the float kernels the same product,
-    and attend its float16 cache values (converted without F16C/AVX-512 instructions).
+    and attend its float16 cache values (converted without F16C/AVX-512 instructions);
+    compact scales (float16, the two-level K-quant form) give their float32 values' bits.
     qgemm's AVX2 few-row path gives its many-row tiles' bits at every row count 1..16,
     and both give this machine's qgemm bits (the same arithmetic on every path)."""
     import subprocess
@@ -745,6 +757,11 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # 
         data.update({f"w{bits}": np.asarray(wq), f"s{bits}": np.asarray(s), f"b{bits}": np.asarray(b)})
     (w16, s16, b16), w16_float = _group16(29, 192)
     data.update(w16=np.asarray(w16), s16=np.asarray(s16), b16=np.asarray(b16))
+    data.update(w512=np.asarray(_quantized(29, 512, 32, 4)[0]),
+                x512=RNG.standard_normal((40, 512)).astype(np.float32))
+    for fmt, kind in (("h", "float16"), ("kq", "kq")):  # 29 rows of 512 / 32 = 16 groups
+        (cs, cb), (fs, fb) = _compact_scales(29, 16, kind, 8)
+        data.update({f"{fmt}_s": np.asarray(cs), f"{fmt}_b": np.asarray(cb), f"{fmt}_fs": fs, f"{fmt}_fb": fb})
     np.savez(tmp_path / "in.npz", **data)
     r = subprocess.run([sys.executable, "-c", _PORTABLE_RUN, str(so), str(tmp_path / "in.npz"),
                         str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=300,
@@ -755,6 +772,7 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # 
     assert bool(got["int8_dot"]) == avx2  # vpmaddubsw on AVX2, a scalar loop on baseline
     assert str(got["int8_dot_isa"]).startswith("AVX-VNNI" if extra else "AVX2" if avx2 else "a scalar")
     assert str(got["isa"]) == ("avx2" if avx2 else "generic") and bool(got["few_gemm"]) == avx2
+    assert got["compact_same"].all() and got["compact_same"].size == 26
     for bits in (4, 8):
         many = got[f"qgemm40_{bits}"]
         for m in range(1, 17):
@@ -808,3 +826,94 @@ def test_build_key_covers_every_source_file(tmp_path, monkeypatch) -> None:
         assert build.build_key(cxx) != key, name
         f.write_text(old)
     assert build.build_key(cxx) == key
+
+
+def _compact_scales(n: int, g: int, fmt: str, sb: int):
+    """Random group scales and biases stored compactly (`fmt`: float16, bfloat16, or the
+    two-level int16 codes + float16 (d, e) factors per super-block of `sb` groups), and
+    the float32 values they stand for (numpy, exact: s = d * a, b = -(e * c))."""
+    if fmt in ("float16", "bfloat16"):
+        dt = mx.float16 if fmt == "float16" else mx.bfloat16
+        s = mx.array(RNG.uniform(0.001, 0.05, (n, g)).astype(np.float32)).astype(dt)
+        b = mx.array(RNG.uniform(-0.5, 0.5, (n, g)).astype(np.float32)).astype(dt)
+        return (s, b), (np.asarray(s.astype(mx.float32)), np.asarray(b.astype(mx.float32)))
+    a = RNG.integers(-128, 128, (n, g)).astype(np.int8)
+    c = RNG.integers(-128, 128, (n, g)).astype(np.int8)
+    de = RNG.uniform(1e-5, 2e-3, (n, g // sb, 2)).astype(np.float16)
+    codes = (a.astype(np.uint8).astype(np.uint16) | (c.astype(np.uint8).astype(np.uint16) << 8)).view(np.int16)
+    d, e = (np.repeat(de[..., i].astype(np.float32), sb, axis=1) for i in (0, 1))
+    return (mx.array(codes), mx.array(de)), (d * a.astype(np.float32), -(e * c.astype(np.float32)))
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16", "kq"])
+@pytest.mark.parametrize("bits,gs", [(4, 32), (8, 32), (8, 16), (4, 64)])
+def test_compact_scales_give_the_float32_bits(fmt: str, bits: int, gs: int) -> None:
+    """Scales and biases stored as float16, bfloat16 or GGUF's two-level K-quant form (int8
+    codes per group times a float16 factor per super-block) decode, inside the kernels, to
+    exactly the float32 values: every product (qmm, qgemm at every row-count path, qmm_a8)
+    and dequantize give the float32 form's bits."""
+    n, k = 45, 512
+    g = k // gs
+    sb = 256 // gs  # a K-quant super-block: 256 weights
+    q = RNG.integers(0, 1 << bits, (n, k), dtype=np.uint32)
+    per = 32 // bits
+    wq = mx.array((q.reshape(n, k // per, per) << (bits * np.arange(per, dtype=np.uint32))).sum(
+        axis=-1, dtype=np.uint32))
+    (cs, cb), (fs, fb) = _compact_scales(n, g, fmt, sb)
+    fs, fb = mx.array(fs), mx.array(fb)
+    for m in (1, 2, 5, 8, 16, 17, 40):
+        x = mx.array(RNG.standard_normal((m, k)).astype(np.float32))
+        for op in (native.qmm, native.qgemm) + ((native.qmm_a8,) if gs >= 32 else ()):
+            want = np.asarray(op(x, wq, fs, fb, gs, bits))
+            assert np.array_equal(np.asarray(op(x, wq, cs, cb, gs, bits)), want), (op, m)
+    assert np.array_equal(np.asarray(native.dequantize(wq, cs, cb, gs, bits)),
+                          np.asarray(native.dequantize(wq, fs, fb, gs, bits)))
+    # and those are the stored integers' affine map (float32: a product, then a sum)
+    w = q.astype(np.float32) * np.repeat(np.asarray(fs), gs, 1) + np.repeat(np.asarray(fb), gs, 1)
+    np.testing.assert_array_equal(np.asarray(native.dequantize(wq, cs, cb, gs, bits)), w)
+
+
+def test_compact_scale_arguments_are_checked() -> None:
+    wq, s, b = _quantized(8, 256, 32, 4)
+    x = mx.ones((1, 256))
+    (cs, cb), _ = _compact_scales(8, 8, "kq", 8)
+    with pytest.raises(ValueError, match="two-level"):
+        native.qmm(x, wq, cs, cb[:, :, :1], 32, 4)
+    with pytest.raises(ValueError, match="two-level"):
+        native.qmm(x, wq, cs, b, 32, 4)
+    with pytest.raises(ValueError, match="floating point"):
+        native.qmm(x, wq, s.astype(mx.int32), b.astype(mx.int32), 32, 4)
+    # a float16 / float32 mix is converted, not refused: the float32 bits
+    want = np.asarray(native.qmm(x, wq, s, b, 32, 4))
+    s16 = s.astype(mx.float16)
+    assert np.array_equal(np.asarray(native.qmm(x, wq, s16, b, 32, 4)),
+                          np.asarray(native.qmm(x, wq, s16.astype(mx.float32), b, 32, 4)))
+    assert want.shape == (1, 8)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mlx_checkpoint_scales_stay_as_stored_and_give_the_float32_bits(tmp_path, dtype: str) -> None:
+    """An mlx-community style 4-bit folder saved in float16 / bfloat16 keeps its scales and
+    biases in that dtype on the native kernels (half the bytes of float32), and the model's
+    logits equal those of the same params with float32 scales, bit for bit."""
+    import attrs
+
+    from fx_engine.core.adapters import map_linears
+    from fx_engine.core.nn import linears
+    from fx_engine.testing.tiny import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "m", "llama", dtype=dtype, quantize={"group_size": 32, "bits": 4})
+    model = fx_engine.load(folder)
+    kept = [lin for lin in linears(model.params) if lin.quantized]
+    assert kept and all(lin.scales.dtype == getattr(mx, dtype) for lin in kept if lin is not model.params.embed)
+
+    def wide(_: int, lin):  # noqa: ANN001
+        if not lin.quantized:
+            return lin
+        return attrs.evolve(lin, scales=lin.scales.astype(mx.float32), biases=lin.biases.astype(mx.float32))
+
+    ref = attrs.evolve(model, params=map_linears(model.params, wide))
+    ids = list(range(5, 40))
+    for chunk in (1, 16):
+        assert np.array_equal(np.asarray(fx_engine.logits(model, ids, chunk=chunk)),
+                              np.asarray(fx_engine.logits(ref, ids, chunk=chunk)))

@@ -42,10 +42,13 @@ def _mlx_lm_skeleton(cfg: Any) -> Any:
 
 def _dense(lin: Any) -> mx.array:
     """A linear's weight as dense [out, in]: quantized ones dequantized with MLX's own
-    mx.dequantize (the values the native kernels compute with, bit for bit)."""
+    mx.dequantize from float32 scales and biases (the values the native kernels compute
+    with, bit for bit, whatever form the scales are stored in: nn.group_params)."""
     if lin.quantized:
-        return mx.dequantize(lin.weight, lin.scales, lin.biases, group_size=lin.group_size,
-                             bits=lin.bits)
+        from fx_engine.core.nn import group_params
+
+        s, b = (a.astype(mx.float32) for a in group_params(lin.scales, lin.biases))
+        return mx.dequantize(lin.weight, s, b, group_size=lin.group_size, bits=lin.bits)
     return lin.dense_out_in
 
 

@@ -16,7 +16,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from fx_engine.core.nn import Linear, Numerics
+from fx_engine.core.nn import Linear, Numerics, group_params
 
 
 class WeightsError(ValueError):
@@ -107,7 +107,13 @@ def read_linear(
         if w.dtype != mx.uint32:
             raise WeightsError(f"{src.origin[w_name]}: '{w_name}' has scales but dtype {w.dtype}")
         scales = src.tensors[scales_name]
-        biases = src.get(base + ".biases", tuple(scales.shape), where)
+        if scales.dtype == mx.int16:  # a GGUF K-quant's two-level form: [out, super-blocks, 2] factors
+            biases = src.get(base + ".biases", None, where)
+            if biases.ndim != 3 or biases.shape[0] != scales.shape[0] or biases.shape[-1] != 2:
+                raise WeightsError(f"{src.origin[w_name]}: '{base}.biases' has shape {tuple(biases.shape)}, "
+                                   f"expected ({scales.shape[0]}, super-blocks, 2) for int16 scales")
+        else:
+            biases = src.get(base + ".biases", tuple(scales.shape), where)
         if quant is not None:
             gs, bits = int(quant["group_size"]), int(quant["bits"])
         else:  # infer from shapes (GGUF: group 32)
@@ -129,11 +135,39 @@ def read_linear(
     return Linear(weight=w, bias=b, origin=((prefix, out_f),))
 
 
+def two_level(lin: Linear) -> bool:
+    """Whether a quantized linear's scales are GGUF's K-quant two-level form (see
+    `nn.group_params`), which only the native kernels and `group_params` read."""
+    return lin.quantized and lin.scales is not None and lin.scales.dtype == mx.int16
+
+
+def expanded(lin: Linear) -> Linear:
+    """`lin` with its scales and biases in MLX's affine form (the two-level form decoded to
+    float32, exactly; other forms unchanged): for regrouping, mixing formats, slicing inside
+    a super-block."""
+    if not two_level(lin):
+        return lin
+    scales, biases = group_params(lin.scales, lin.biases)
+    return attrs.evolve(lin, scales=scales, biases=biases)
+
+
+def stored_scales(lin: Linear, dtype: mx.Dtype, compact: bool) -> tuple[mx.array, mx.array]:
+    """A kept linear's scales and biases as the model stores them: in `dtype`, except the
+    compact forms the native kernels decode themselves (exactly) when `compact` (float32
+    models on the native kernels): GGUF's two-level form, and float16 / bfloat16 scales as
+    a checkpoint or GGUF legacy type holds them (half or a third of float32's bytes)."""
+    if two_level(lin) or (compact and dtype == mx.float32 and lin.scales.dtype in (mx.float16, mx.bfloat16)
+                          and lin.biases.dtype == lin.scales.dtype):
+        return lin.scales, lin.biases
+    return lin.scales.astype(dtype), lin.biases.astype(dtype)
+
+
 def dequantized(lin: Linear, dtype: mx.Dtype) -> Linear:
     if not lin.quantized:
         return Linear(weight=lin.weight.astype(dtype), bias=cast(lin.bias, dtype), origin=lin.origin)
+    scales, biases = group_params(lin.scales, lin.biases)
     w = mx.dequantize(
-        lin.weight, lin.scales.astype(dtype), lin.biases.astype(dtype),
+        lin.weight, scales.astype(dtype), biases.astype(dtype),
         group_size=lin.group_size, bits=lin.bits,
     ).astype(dtype)
     return Linear(weight=w, bias=cast(lin.bias, dtype), origin=lin.origin)
@@ -189,6 +223,8 @@ def regrouped(lin: Linear, group_size: int) -> Linear:
     if not lin.quantized or lin.group_size == group_size:
         return lin
     r = lin.group_size // group_size
+    if two_level(lin):  # the codes repeated; a super-block's factors serve r times the groups
+        return attrs.evolve(lin, scales=mx.repeat(lin.scales, r, axis=-1), group_size=group_size)
     return attrs.evolve(lin, scales=mx.repeat(lin.scales, r, axis=-1), biases=mx.repeat(lin.biases, r, axis=-1),
                         group_size=group_size)
 
@@ -204,6 +240,11 @@ def fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: KeepQuantized) ->
         if all(p.group_size % g == 0 for p in parts) and keep(keep_quantized, attrs.evolve(parts[0], group_size=g, bits=8)):
             parts = [regrouped(p, g) for p in parts]
     parts = [widened(keep_quantized, p) for p in parts]
+    if len({(p.scales.dtype, p.biases.ndim) for p in parts if p.quantized}) > 1:  # storage forms differ
+        parts = [expanded(p) for p in parts]
+        if len({p.scales.dtype for p in parts if p.quantized}) > 1:
+            parts = [attrs.evolve(p, scales=p.scales.astype(mx.float32), biases=p.biases.astype(mx.float32))
+                     if p.quantized else p for p in parts]
     if (all(p.quantized for p in parts) and len({p.group_size for p in parts}) == 1
             and len({p.bits for p in parts}) > 1):  # mixed widths (a GGUF K-quant mix): 8 bits
         parts = [widened(keep_quantized, p, force=True) for p in parts]
@@ -212,11 +253,12 @@ def fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: KeepQuantized) ->
     ) == 1
     if same_q and keep(keep_quantized, parts[0]):
         cat = lambda xs: mx.concatenate(xs, axis=0)  # noqa: E731
+        stored = [stored_scales(p, dtype, callable(keep_quantized)) for p in parts]
         return Linear(
             weight=cat([p.weight for p in parts]),
             bias=None if parts[0].bias is None else cat([p.bias.astype(dtype) for p in parts]),
-            scales=cat([p.scales.astype(dtype) for p in parts]),
-            biases=cat([p.biases.astype(dtype) for p in parts]),
+            scales=cat([s for s, _ in stored]),
+            biases=cat([b for _, b in stored]),
             group_size=parts[0].group_size, bits=parts[0].bits, origin=origin,
         )
     dense = [dequantized(p, dtype) for p in parts]
@@ -236,14 +278,18 @@ def finish(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized, table: b
     kernel is needed (a Q6_K embedding of 128k x 4096 stays ~420 MB instead of 2 GB)."""
     if table:  # looked up by row (and maybe the tied head): no adapter targets it as a linear
         lin = attrs.evolve(lin, origin=())
+    # (a table's float scales in `dtype`: lookups dequantize with MLX's ops, whose output
+    # takes the scales' dtype; the two-level form decodes to float32 there)
     if table and lookup_only and lin.quantized and keep_quantized is not False:
-        return Linear(weight=lin.weight, bias=cast(lin.bias, dtype), scales=lin.scales.astype(dtype),
-                      biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits)
+        scales, biases = stored_scales(lin, dtype, False)
+        return Linear(weight=lin.weight, bias=cast(lin.bias, dtype), scales=scales,
+                      biases=biases, group_size=lin.group_size, bits=lin.bits)
     lin = widened(keep_quantized, lin)
     if keep(keep_quantized, lin):
+        scales, biases = stored_scales(lin, dtype, callable(keep_quantized) and not table)
         return Linear(
-            weight=lin.weight, bias=cast(lin.bias, dtype), scales=lin.scales.astype(dtype),
-            biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits,
+            weight=lin.weight, bias=cast(lin.bias, dtype), scales=scales,
+            biases=biases, group_size=lin.group_size, bits=lin.bits,
             origin=lin.origin,
         )
     dense = dequantized(lin, dtype)
@@ -291,6 +337,7 @@ def finish_experts(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized) 
     # reads only the chosen experts: kept packed in any width it runs unless the policy is
     # False (a large MoE's float32 copy would not fit: 30B parameters are 120 GB). A GGUF's
     # Q6_K stack (group 16, which gather_qmm does not run) is dequantized.
+    lin = expanded(lin)  # (stacks run on MLX's gather_qmm: MLX's affine form)
     if lin.quantized and lin.mode != "affine":  # MXFP4: packed whatever the policy (exact, 4 bits)
         return lin if keep_quantized is not False else Linear(
             weight=mx.contiguous(mx.dequantize(lin.weight, lin.scales, None, group_size=32, bits=4,

@@ -39,7 +39,11 @@ def _module() -> ModuleType:
 
 
 def qmm(x, w, scales, biases, group_size: int, bits: int):  # type: ignore[no-untyped-def]
-    """x[..., K] @ dequantize(w, scales, biases).T -> [..., N]: a pure op (an MLX primitive)."""
+    """x[..., K] @ dequantize(w, scales, biases).T -> [..., N]: a pure op (an MLX primitive).
+    scales / biases (every product and dequantize alike): float32, float16 or bfloat16
+    pairs [N, K / group_size], or GGUF's K-quant two-level form (int16 scales [N, groups],
+    float16 biases [N, super-blocks, 2]; `nn.group_params`), each decoded in the kernel
+    to the same float32 values: the same bits, fewer bytes."""
     return _module().qmm(x, w, scales, biases, group_size, bits)
 
 

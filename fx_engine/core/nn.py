@@ -155,6 +155,22 @@ def linears(tree: object) -> list[Linear]:
     return out
 
 
+def group_params(scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array]:
+    """A quantized linear's group scales and biases in MLX's affine form ([..., groups]
+    each, for mx.dequantize / mx.quantized_matmul): float arrays as stored; GGUF's K-quant
+    two-level form (int16 scales: signed 8-bit scale code a in the low byte, bias code c in
+    the high one; float16 biases [..., super-blocks, 2]: the factors (d, e)) decoded to
+    float32 s = d * a, b = -(e * c), exactly the native kernels' values
+    (runtime/native/scales.h). The loader stores that form only where the native kernels
+    run a linear; this is the path of lookups and of the MLX fallbacks."""
+    if scales.dtype != mx.int16:
+        return scales, biases
+    codes = scales.view(mx.int8).reshape(*scales.shape, 2).astype(mx.float32)  # little-endian bytes
+    per = scales.shape[-1] // biases.shape[-2]
+    d, e = (mx.repeat(biases[..., i].astype(mx.float32), per, axis=-1) for i in (0, 1))
+    return d * codes[..., 0], -(e * codes[..., 1])
+
+
 def _native_ok(lin: Linear, numerics: Numerics) -> bool:
     return (numerics.native and lin.quantized and lin.mode == "affine"
             and kernels.supports(lin.group_size, lin.bits, numerics.activation_bits))
@@ -176,7 +192,7 @@ def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
 def _matmul_rows(x: mx.array, lin: Linear) -> mx.array:
     if lin.quantized:
         return mx.quantized_matmul(
-            x, lin.weight, lin.scales, lin.biases,
+            x, lin.weight, *group_params(lin.scales, lin.biases),
             transpose=True, group_size=lin.group_size, bits=lin.bits,
         )
     return x @ lin.weight if lin.transposed else x @ lin.weight.T
@@ -335,7 +351,7 @@ def embed(tokens: mx.array, table: Linear) -> mx.array:
         return mx.distributed.all_sum(mx.where(mine[..., None], out, 0))
     if table.quantized:
         return mx.dequantize(
-            table.weight[tokens], table.scales[tokens], table.biases[tokens],
+            table.weight[tokens], *group_params(table.scales[tokens], table.biases[tokens]),
             group_size=table.group_size, bits=table.bits,
         )
     return table.weight[tokens]

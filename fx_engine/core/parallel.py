@@ -29,6 +29,7 @@ import attrs
 import mlx.core as mx
 
 from fx_engine.core.config import ConfigError
+from fx_engine.core.checkpoint import expanded, two_level
 from fx_engine.core.nn import Linear
 
 __all__ = ["shard_params", "split", "stage_params"]
@@ -79,10 +80,10 @@ def _rows(lin: Linear, ranges: list[tuple[int, int]], keep_origin: bool = False)
             parts.append((name, b - a, a - at, rows))
             at += rows
         origin = tuple(parts)
-    if lin.quantized:  # [..., out, in / packing]
+    if lin.quantized:  # [..., out, in / packing] (two-level factors: [..., out, super-blocks, 2])
         return attrs.evolve(lin, weight=_cut(lin.weight, -2, ranges), scales=_cut(lin.scales, -2, ranges),
-                            biases=_cut(lin.biases, -2, ranges), bias=_cut(lin.bias, -1, ranges),
-                            origin=origin)
+                            biases=_cut(lin.biases, -3 if two_level(lin) else -2, ranges),
+                            bias=_cut(lin.bias, -1, ranges), origin=origin)
     return attrs.evolve(lin, weight=_cut(lin.weight, -1 if lin.transposed else -2, ranges),
                         bias=_cut(lin.bias, -1, ranges), origin=origin)
 
@@ -98,6 +99,14 @@ def _cols(lin: Linear, start: int, end: int, name: str) -> Linear:
         if start % gs or end % gs or per_word is None or start % per_word:
             raise ConfigError(f"tensor parallel: {name} ({lin.bits}-bit, groups of {gs}) cannot be "
                               f"split at input feature {start}..{end}")
+        if two_level(lin):  # the super-blocks' factors split whole, or the float32 form
+            sb = lin.in_features // lin.biases.shape[-2]
+            if start % sb or end % sb:
+                lin = expanded(lin)
+            else:
+                return attrs.evolve(lin, weight=_cut(lin.weight, -1, [(start // per_word, end // per_word)]),
+                                    scales=_cut(lin.scales, -1, [(start // gs, end // gs)]),
+                                    biases=_cut(lin.biases, -2, [(start // sb, end // sb)]), tp=tp)
         return attrs.evolve(lin, weight=_cut(lin.weight, -1, [(start // per_word, end // per_word)]),
                             scales=_cut(lin.scales, -1, [(start // gs, end // gs)]),
                             biases=_cut(lin.biases, -1, [(start // gs, end // gs)]), tp=tp)

@@ -21,7 +21,11 @@ dequantized value equals llama.cpp's reference dequantization, bit for bit):
 
 (each product is exact in float32: d has 11 significant bits, sc and q at most 13 together.)
 MLX packs every bit width as one little-endian bit stream per row, which is what
-`_pack` writes. IQ4_NL and IQ4_XS are not affine (a non-uniform codebook of 16 values):
+`_pack` writes. Where the native CPU kernels run a float32 model (`compact`), the scales
+and biases of 2-D tensors stay about as small as the file's: the K types' in their
+two-level form (int16 codes per group, the float16 factors per super-block: the kernels
+compute d * sc themselves, runtime/native/scales.h), the legacy types' as float16 (d and m
+are halves); both decode to exactly the float32 values above. IQ4_NL and IQ4_XS are not affine (a non-uniform codebook of 16 values):
 they are dequantized to float32 with the `gguf` package's reference code (exact values,
 about 7x the memory). F32 / F16 / BF16 tensors are read as they are. Any other type is an
 error naming the tensor and its type.
@@ -118,7 +122,8 @@ def _q4_k(b: np.ndarray) -> tuple:  # [N, 144]: d, dmin, scales[12], qs[128]
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scales(b[:, 4:16])
     scale = d[:, None] * sc.astype(np.float32)
-    return _k_quads(b[:, 16:144]), scale, -(dmin[:, None] * mn.astype(np.float32)), 4, 32
+    return (_k_quads(b[:, 16:144]), scale, -(dmin[:, None] * mn.astype(np.float32)), 4, 32,
+            (sc, mn, d, dmin))
 
 
 def _q5_k(b: np.ndarray) -> tuple:  # [N, 176]: d, dmin, scales[12], qh[32], qs[128]
@@ -128,12 +133,13 @@ def _q5_k(b: np.ndarray) -> tuple:  # [N, 176]: d, dmin, scales[12], qh[32], qs[
     high = ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).reshape(-1, QK_K)
     q = _k_quads(b[:, 48:176]) | (high << 4)
     scale = d[:, None] * sc.astype(np.float32)
-    return q, scale, -(dmin[:, None] * mn.astype(np.float32)), 5, 32
+    return q, scale, -(dmin[:, None] * mn.astype(np.float32)), 5, 32, (sc, mn, d, dmin)
 
 
 def _q6_k(b: np.ndarray) -> tuple:  # [N, 210]: ql[128], qh[64], scales[16] int8, d
     ql, qh = b[:, 0:128], b[:, 128:192]
-    sc = b[:, 192:208].view(np.int8).astype(np.float32)
+    sc8 = b[:, 192:208].view(np.int8)
+    sc = sc8.astype(np.float32)
     d = _f16(b[:, 208:210])
     halves = []
     for n in range(2):  # 128 elements each: 4 runs of 32 (llama.cpp's dequantize_row_q6_K)
@@ -142,7 +148,7 @@ def _q6_k(b: np.ndarray) -> tuple:  # [N, 210]: ql[128], qh[64], scales[16] int8
                    (lo[:, :32] >> 4) | (((hi >> 4) & 3) << 4), (lo[:, 32:] >> 4) | (((hi >> 6) & 3) << 4)]
     q = np.concatenate(halves, axis=1)  # unsigned 0..63 (llama.cpp subtracts 32)
     scale = d[:, None] * sc
-    return q, scale, -32 * scale, 6, 16
+    return q, scale, -32 * scale, 6, 16, (sc8, sc8, d, 32 * d)
 
 
 def _q2_k(b: np.ndarray) -> tuple:  # [N, 84]: scales[16], qs[64], d, dmin
@@ -154,7 +160,7 @@ def _q2_k(b: np.ndarray) -> tuple:  # [N, 84]: scales[16], qs[64], d, dmin
         runs += [(c >> (2 * j)) & 3 for j in range(4)]
     q = np.concatenate(runs, axis=1)
     scale = d[:, None] * (s & 0xF).astype(np.float32)
-    return q, scale, -(dmin[:, None] * (s >> 4).astype(np.float32)), 2, 16
+    return q, scale, -(dmin[:, None] * (s >> 4).astype(np.float32)), 2, 16, (s & 0xF, s >> 4, d, dmin)
 
 
 def _q3_k(b: np.ndarray) -> tuple:  # [N, 110]: hmask[32], qs[64], scales[12], d
@@ -166,7 +172,8 @@ def _q3_k(b: np.ndarray) -> tuple:  # [N, 110]: hmask[32], qs[64], scales[12], d
     words = np.stack([(a0 & k2) | (((tmp >> 0) & k1) << 4), (a1 & k2) | (((tmp >> 2) & k1) << 4),
                       ((a0 >> 4) & k2) | (((tmp >> 4) & k1) << 4),
                       ((a1 >> 4) & k2) | (((tmp >> 6) & k1) << 4)], axis=1).astype("<u4")
-    sc = words.view(np.int8).reshape(-1, 16).astype(np.float32) - 32
+    sc8 = words.view(np.int8).reshape(-1, 16) - np.int8(32)  # -32..31
+    sc = sc8.astype(np.float32)
     runs = []
     for n in range(2):  # 128 elements each: per shift, 32 elements (two groups of 16)
         c = qs[:, 32 * n : 32 * n + 32]
@@ -174,7 +181,7 @@ def _q3_k(b: np.ndarray) -> tuple:  # [N, 110]: hmask[32], qs[64], scales[12], d
             high = (hm >> (4 * n + j)) & 1  # set: 0..3 as stored; clear: 4 lower
             runs.append(((c >> (2 * j)) & 3) + 4 * high)  # unsigned 0..7 (llama.cpp: - 4)
     scale = d[:, None] * sc
-    return np.concatenate(runs, axis=1), scale, -4 * scale, 3, 16
+    return np.concatenate(runs, axis=1), scale, -4 * scale, 3, 16, (sc8, sc8, d, 4 * d)
 
 
 _AFFINE = {"Q3_K": (_q3_k, QK_K, 110), "Q4_0": (_q4_0, QK, 18), "Q4_1": (_q4_1, QK, 20), "Q5_0": (_q5_0, QK, 22),
@@ -203,33 +210,65 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     return words.astype(np.uint32).reshape(r, k * bits // 32)
 
 
+def _two_level(parts: tuple, blocks: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A K-quant's scale codes a, bias codes c (per group) and factors d, e (per super-block)
+    -> the native kernels' two-level form: int16 codes (a in the low byte, c in the high
+    one, both signed 8-bit) [blocks, groups] and float16 (d, e) [blocks, 1, 2]; None when
+    e overflows a half (Q6_K's 32 d, Q3_K's 4 d for d near the half's maximum)."""
+    a, c, d, e = parts
+    de = np.stack([np.asarray(d, np.float32), np.asarray(e, np.float32)], axis=-1).astype(np.float16)
+    if not np.isfinite(de).all():
+        return None
+    a8, c8 = (np.asarray(v).astype(np.int8).view(np.uint8).astype(np.uint16).reshape(blocks, -1) for v in (a, c))
+    return (a8 | (c8 << 8)).view(np.int16), de.reshape(blocks, 1, 2)
+
+
 def _affine(name: str, kind: str, data: np.ndarray, rows: int, cols: int,
-            lead: tuple[int, ...] = (), store_bits: StoreBits = None, head: bool = False) -> dict[str, mx.array]:
+            lead: tuple[int, ...] = (), store_bits: StoreBits = None, head: bool = False,
+            compact: bool = False) -> dict[str, mx.array]:
     """Rows of an affine-quantizable type -> MLX's packed weight, scales and biases, shaped
     lead + (packed,) (lead: the tensor's leading dims, rows = their product). numpy only:
     this runs on worker threads, where MLX ops have no stream. store_bits: the width to pack
-    the integers in (8 for a width the native kernels do not run: exact)."""
+    the integers in (8 for a width the native kernels do not run: exact). compact: 2-D
+    tensors' scales and biases in the forms the native kernels decode themselves (exactly:
+    runtime/native/scales.h): K-quants two-level (int16 codes [rows, groups], float16
+    factors [rows, super-blocks, 2]: 0.625 bits per weight in groups of 32 where float32
+    scales and biases take 2), the legacy types float16 (their d and m are halves), except
+    an embedding table's (a lookup dequantizes with MLX's ops: float32)."""
     fn, block, nbytes = _AFFINE[kind]
     if cols % block:
         raise WeightsError(f"tensor '{name}' ({kind}): row length {cols} is not a multiple of {block}")
     out_w, out_s, out_b = [], [], []
     step = max(1, (1 << 22) // cols)  # rows per piece: bounded temporaries
     raw = data.reshape(rows, cols // block, nbytes)
+    two_level = compact and len(lead) <= 1 and block == QK_K
+    half = compact and len(lead) <= 1 and block == QK and not name.startswith("token_embd")
     for r0 in range(0, rows, step):
         piece = raw[r0 : r0 + step]
         n = piece.shape[0]
         blocks = piece.reshape(-1, nbytes)
-        q, scale, bias, bits, group = fn(blocks)
+        q, scale, bias, bits, group, *factors = fn(blocks)
         scale = np.asarray(scale, np.float32).reshape(len(blocks), -1)  # [blocks, groups/block]
         bias = np.broadcast_to(np.asarray(bias, np.float32).reshape(len(blocks), -1), scale.shape)
         # expert stacks (3-D) run on mx.gather_qmm, which takes every width: as stored
         width = store_bits(name, group, bits, head) if store_bits and len(lead) <= 1 else bits
         out_w.append(_pack(q.reshape(n, cols), width))
-        out_s.append(scale.reshape(n, cols // group))
-        out_b.append(bias.reshape(n, cols // group))
+        packed = _two_level(factors[0], len(blocks)) if two_level else None
+        if packed is not None:  # [n, groups] codes, [n, super-blocks, 2] factors
+            out_s.append(packed[0].reshape(n, cols // group))
+            out_b.append(packed[1].reshape(n, cols // QK_K, 2))
+        else:
+            out_s.append(scale.reshape(n, cols // group))
+            out_b.append(bias.reshape(n, cols // group))
+    if two_level and any(s.dtype != np.int16 for s in out_s):  # a piece overflowed: all float32
+        return _affine(name, kind, data, rows, cols, lead, store_bits, head, compact=False)
+    if half:
+        s16, b16 = (np.concatenate(x).astype(np.float16) for x in (out_s, out_b))
+        if np.isfinite(s16).all() and np.isfinite(b16).all():  # d, m halves; -8 d, -128 d too
+            out_s, out_b = [s16], [b16]
     base = name[: -len(".weight")] if name.endswith(".weight") else name
     lead = lead or (rows,)
-    return {f"{base}.{part}": mx.array(np.concatenate(arrays).reshape(*lead, -1))
+    return {f"{base}.{part}": mx.array(np.concatenate(arrays).reshape(*lead, *arrays[0].shape[1:-1], -1))
             for part, arrays in (("weight", out_w), ("scales", out_s), ("biases", out_b))}
 
 
@@ -348,7 +387,8 @@ StoreBits = Union[Callable[[str, int, int, bool], int], None]
 
 
 def _convert(name: str, kind: str, shape: list[int], rows: int, cols: int,
-             raw: np.ndarray, store_bits: StoreBits = None, head: bool = False) -> dict[str, mx.array]:
+             raw: np.ndarray, store_bits: StoreBits = None, head: bool = False,
+             compact: bool = False) -> dict[str, mx.array]:
     """One tensor's bytes -> its MLX array(s) (see the module docstring)."""
     if kind in FLOAT_TYPES:
         dt = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[kind]
@@ -356,7 +396,7 @@ def _convert(name: str, kind: str, shape: list[int], rows: int, cols: int,
     if kind == "MXFP4" and len(shape) == 3:
         return _mxfp4(name, raw, rows, cols, tuple(shape[:-1]))
     if kind in _AFFINE:  # stacked (expert) tensors [E, rows, cols]: each row alike
-        return _affine(name, kind, raw, rows, cols, tuple(shape[:-1]), store_bits, head)
+        return _affine(name, kind, raw, rows, cols, tuple(shape[:-1]), store_bits, head, compact)
     from gguf import GGMLQuantizationType  # not affine: llama.cpp's reference dequantization
     from gguf.quants import dequantize
 
@@ -364,11 +404,13 @@ def _convert(name: str, kind: str, shape: list[int], rows: int, cols: int,
     return {name: mx.array(values.astype(np.float32).reshape(shape))}
 
 
-def read_gguf(path: str | Path, store_bits: StoreBits = None) -> tuple[dict[str, mx.array], dict[str, Any]]:
+def read_gguf(path: str | Path, store_bits: StoreBits = None,
+              compact: bool = False) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """(tensors, metadata) of a GGUF file; see the module docstring for the representation.
     store_bits(name, group, bits, is_head) -> the width to pack each affine tensor's integers in (None:
     its own; the loader widens what the CPU kernels do not run to 8 bits here, in numpy,
-    rather than unpacking and repacking later)."""
+    rather than unpacking and repacking later). compact: scales and biases of 2-D tensors
+    in the native kernels' compact forms (see `_affine`; the same values)."""
     path = Path(path)
     if not path.is_file():
         raise WeightsError(f"{path}: no such file")
@@ -401,7 +443,7 @@ def read_gguf(path: str | Path, store_bits: StoreBits = None) -> tuple[dict[str,
     with ThreadPoolExecutor(workers) as pool:
         names = {job[0] for job in jobs}
         head = "output.weight" if "output.weight" in names else "token_embd.weight"
-        for part in pool.map(lambda job: _convert(*job, store_bits, job[0] == head), jobs):
+        for part in pool.map(lambda job: _convert(*job, store_bits, job[0] == head, compact), jobs):
             tensors.update(part)
     for name, kind, *_ in jobs:  # MLX ops need this thread's stream: reinterpret here
         if kind == "BF16":

@@ -45,7 +45,10 @@ def load_gguf(
                 return bits
             return 8 if not keep_quantized(group, bits) and keep_quantized(group, 8) else bits
 
-    tensors, metadata = read_gguf(path, store_bits)
+    # with the native kernels (float32), scales and biases in the compact forms they decode
+    # themselves: K-quants two-level as the file stores them, legacy types as halves
+    compact = callable(keep_quantized) and numerics.native and dtype == mx.float32
+    tensors, metadata = read_gguf(path, store_bits, compact)
     family = gguf_family(metadata, str(path))
     cfg = family.config_from_gguf(metadata, str(path))
     src = TensorSource()

@@ -8,7 +8,9 @@ survivors itself (and still exits 0); processes started any other way would wait
 So every engine step of a sharded model (tensor or pipeline parallel) runs inside `busy()`, and a step that has
 not finished after FX_ENGINE_TP_TIMEOUT seconds (default 120; a step takes well under a
 second on a healthy group) ends the process with exit code 70 and a message saying which
-rank gave up and why.
+rank gave up and why. When the ring does notice (a step waiting on a socket the dead rank
+closed raises "[ring] connection to a peer was lost"), the step ends the same way: a lost
+rank is exit code 70 on every survivor, whichever way it shows.
 """
 
 from __future__ import annotations
@@ -25,6 +27,20 @@ EXIT_CODE = 70  # EX_SOFTWARE
 _lock = threading.Lock()
 _busy_since: list[float] = []
 _watchdog: list[threading.Thread] = []
+_rank: list[int] = []
+
+
+def _exit_lost(rank: int, why: str) -> None:
+    sys.stderr.write(f"fx-engine: rank {rank}: {why}: another rank has failed or stopped "
+                     "answering; exiting\n")
+    sys.stderr.flush()
+    os._exit(EXIT_CODE)
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether an exception is MLX's ring backend reporting a rank gone."""
+    text = str(e)
+    return "[ring]" in text and ("lost" in text or "closed" in text)
 
 
 def world(size: int, kind: str = "tensor") -> Any:
@@ -72,6 +88,7 @@ def _start(rank: int) -> None:
         if _watchdog:
             return
         limit = timeout_seconds()
+        _rank[:] = [rank]
 
         def watch() -> None:
             while True:
@@ -79,12 +96,8 @@ def _start(rank: int) -> None:
                 with _lock:
                     since = _busy_since[-1] if _busy_since else None
                 if since is not None and time.monotonic() - since > limit:
-                    sys.stderr.write(
-                        f"fx-engine: rank {rank}: a distributed step has not finished in "
-                        f"{limit:.0f} s: another rank has failed or stopped answering "
-                        "(FX_ENGINE_TP_TIMEOUT); exiting\n")
-                    sys.stderr.flush()
-                    os._exit(EXIT_CODE)
+                    _exit_lost(rank, f"a distributed step has not finished in {limit:.0f} s "
+                                     "(FX_ENGINE_TP_TIMEOUT)")
 
         t = threading.Thread(target=watch, name="fx-tp-watchdog", daemon=True)
         t.start()
@@ -101,6 +114,10 @@ def busy(active: bool = True) -> Iterator[None]:
         _busy_since.append(time.monotonic())
     try:
         yield
+    except RuntimeError as e:
+        if _watchdog and peer_lost(e):
+            _exit_lost(_rank[0] if _rank else -1, f"the step failed ({e})")
+        raise
     finally:
         with _lock:
             _busy_since.pop()

@@ -177,31 +177,7 @@ struct Strided4 {  // a [B, H, S, D] view: element (b, h, s, d) at p[b*sb + h*sh
   int64_t sb, sh, ss;
 };
 
-// IEEE half (as its 16 bits) -> float, exact (the portable path of load_kv).
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: man * 2^-24, renormalized
-      int e = -1;
-      do {
-        ++e;
-        man <<= 1;
-      } while (!(man & 0x400u));
-      bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((man & 0x3ffu) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
+// (half_to_float, the portable path of load_kv: scales.h)
 // 16 cache values as floats: float32 as they are, float16 converted (exactly).
 inline v16 load_kv(const float* p) { return load(p); }
 inline v16 load_kv(const uint16_t* p) {

@@ -19,6 +19,8 @@
 //               (opt-in numerics, as llama.cpp's): exact int8 dot products (AVX-512
 //               VNNI, AVX2 vpmaddubsw), no float copy of the weights; 2-3x qmm/qgemm
 //               from 8 rows up.
+//   (Scales and biases come as float32, float16, bfloat16, or in GGUF's K-quant two-level
+//   form: scales.h. Each decodes to the same float32 values, so the same bits.)
 //   dequantize: the same values as mx.dequantize, from the same code qmm and qgemm
 //               unpack their weights with (fx_engine.nn runs a BLAS GEMM on it where
 //               fx_engine.native.plan measures that faster).
@@ -37,7 +39,7 @@
 // so the same source builds for AVX-512, AVX2 and NEON.
 //
 // Layout: this file holds the MLX primitives and the Python bindings; the kernels live in
-// one header per family beside it (simd.h, pool.h, qmatmul.h, qmm_a8.h, attention.h,
+// one header per family beside it (simd.h, pool.h, scales.h, qmatmul.h, qmm_a8.h, attention.h,
 // pointwise.h), included below as one translation unit. build.py's cache key hashes
 // every source file of this folder.
 
@@ -79,6 +81,7 @@ namespace {
 // The kernel families, in dependency order (one translation unit):
 #include "simd.h"       // the v16 vector type and per-ISA primitives
 #include "pool.h"       // the thread pool
+#include "scales.h"     // group scales and biases: float32, float16, bfloat16, two-level
 #include "qmatmul.h"    // dequantize, qmm, qgemm
 #include "qmm_a8.h"     // qmm_a8 (8-bit activations)
 #include "attention.h"  // masked_softmax, attend
@@ -114,6 +117,17 @@ const T* dense(const mx::array& a, std::vector<T>& tmp) {
   return tmp.data();
 }
 
+// The Scales view of a quantized product's scales and biases inputs (made row-contiguous
+// into ts / tb when strided), in the format scale_format chose.
+inline Scales scales_of(const mx::array& s, const mx::array& b, int fmt, int groups,
+                        std::vector<float>& ts, std::vector<float>& tb,
+                        std::vector<uint16_t>& hs, std::vector<uint16_t>& hb) {
+  if (fmt == SF_F32) return Scales{dense(s, ts), dense(b, tb), fmt, groups, 1};
+  // (int16 codes are read through their 16 bits, like the halves)
+  const int sb = fmt == SF_KQ ? groups / static_cast<int>(b.shape(-2)) : 1;
+  return Scales{dense(s, hs), dense(b, hb), fmt, groups, sb};
+}
+
 // ---------------------------------------------------------------- primitives
 // What every primitive here shares: allocate the output, then queue the work on the CPU
 // stream. The task captures the arrays and parameters by value (never `this`: MLX may
@@ -140,20 +154,21 @@ class CpuKernel : public mx::UnaryPrimitive {
 // kind: 0 qmm, 1 qgemm, 2 qmm_a8 (three kernels for one product; see each).
 class QMatmul : public CpuKernel {
  public:
-  QMatmul(mx::Stream s, int group_size, int bits, int kind)
-      : CpuKernel(s), gs_(group_size), bits_(bits), kind_(kind) {}
+  QMatmul(mx::Stream s, int group_size, int bits, int kind, int fmt)
+      : CpuKernel(s), gs_(group_size), bits_(bits), kind_(kind), fmt_(fmt) {}
 
   std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const override {
     return [x = in[0], w = in[1], s = in[2], b = in[3], out, gs = gs_, bits = bits_,
-            kind = kind_]() mutable {
+            kind = kind_, fmt = fmt_]() mutable {
       const int K = static_cast<int>(x.shape(-1));
       const int M = static_cast<int>(x.size() / K);
       const int N = static_cast<int>(out.shape(-1));
       std::vector<uint32_t> tw;
       std::vector<float> tx, ts, tb;
+      std::vector<uint16_t> hs, hb;
+      const Scales sc = scales_of(s, b, fmt, K / gs, ts, tb, hs, hb);
       auto* f = kind == 2 ? qmm_a8_cpu : kind == 1 ? qgemm_cpu : qmm_cpu;
-      f(dense(x, tx), M, K, dense(w, tw), dense(s, ts), dense(b, tb), gs, bits,
-        out.data<float>(), N);
+      f(dense(x, tx), M, K, dense(w, tw), sc, gs, bits, out.data<float>(), N);
     };
   }
   const char* name() const override {
@@ -161,7 +176,7 @@ class QMatmul : public CpuKernel {
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
-    return gs_ == o.gs_ && bits_ == o.bits_ && kind_ == o.kind_;
+    return gs_ == o.gs_ && bits_ == o.bits_ && kind_ == o.kind_ && fmt_ == o.fmt_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     auto shape = in[0].shape();
@@ -170,34 +185,35 @@ class QMatmul : public CpuKernel {
   }
 
  private:
-  int gs_, bits_, kind_;
+  int gs_, bits_, kind_, fmt_;
 };
 
 class Dequantize : public CpuKernel {
  public:
-  Dequantize(mx::Stream s, int group_size, int bits)
-      : CpuKernel(s), gs_(group_size), bits_(bits) {}
+  Dequantize(mx::Stream s, int group_size, int bits, int fmt)
+      : CpuKernel(s), gs_(group_size), bits_(bits), fmt_(fmt) {}
 
   std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const override {
-    return [w = in[0], s = in[1], b = in[2], out, gs = gs_, bits = bits_]() mutable {
+    return [w = in[0], s = in[1], b = in[2], out, gs = gs_, bits = bits_, fmt = fmt_]() mutable {
       std::vector<uint32_t> tw;
       std::vector<float> ts, tb;
-      dequant_cpu(dense(w, tw), dense(s, ts), dense(b, tb), gs, bits,
-                  out.data<float>(), static_cast<int>(out.shape(0)),
-                  static_cast<int>(out.shape(1)));
+      std::vector<uint16_t> hs, hb;
+      const int K = static_cast<int>(out.shape(1));
+      dequant_cpu(dense(w, tw), scales_of(s, b, fmt, K / gs, ts, tb, hs, hb), gs, bits,
+                  out.data<float>(), static_cast<int>(out.shape(0)), K);
     };
   }
   const char* name() const override { return "FxDequantize"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const Dequantize&>(other);
-    return gs_ == o.gs_ && bits_ == o.bits_;
+    return gs_ == o.gs_ && bits_ == o.bits_ && fmt_ == o.fmt_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {mx::Shape{in[0].shape(0), static_cast<int>(in[0].shape(1)) * 32 / bits_}};
   }
 
  private:
-  int gs_, bits_;
+  int gs_, bits_, fmt_;
 };
 
 
@@ -500,9 +516,35 @@ void check_quantized(const char* op, const mx::array& w, const mx::array& scales
   if (K == 0) throw std::invalid_argument(p + ": the input size must be positive");
   if (K % group_size != 0)
     throw std::invalid_argument(p + ": the input size must be a multiple of group_size");
-  if (scales.ndim() != 2 || scales.shape(0) != w.shape(0) || scales.shape(1) != K / group_size ||
-      biases.shape() != scales.shape())
+  if (scales.ndim() != 2 || scales.shape(0) != w.shape(0) || scales.shape(1) != K / group_size)
     throw std::invalid_argument(p + ": scales/biases must have shape [N, K / group_size]");
+  if (scales.dtype() == mx::int16) {  // the two-level form (scales.h SF_KQ)
+    if (biases.dtype() != mx::float16 || biases.ndim() != 3 || biases.shape(0) != w.shape(0) ||
+        biases.shape(2) != 2 || biases.shape(1) <= 0 || scales.shape(1) % biases.shape(1) != 0)
+      throw std::invalid_argument(p + ": int16 (two-level) scales take float16 biases of shape "
+                                      "[N, super-blocks, 2] dividing the groups");
+    return;
+  }
+  if (biases.shape() != scales.shape())
+    throw std::invalid_argument(p + ": scales/biases must have shape [N, K / group_size]");
+  for (const auto& a : {scales, biases})
+    if (!mx::issubdtype(a.dtype(), mx::floating))
+      throw std::invalid_argument(p + ": scales/biases must be floating point (or int16 two-level scales)");
+}
+
+// The storage format of a product's scales and biases (scales.h), and the arrays the
+// kernel reads: float32, float16 or bfloat16 pairs as they are, the two-level form as it
+// is, any other mix converted to float32 in the graph.
+int scale_format(mx::array& scales, mx::array& biases, mx::Stream s) {
+  if (scales.dtype() == mx::int16) return SF_KQ;
+  if (scales.dtype() == biases.dtype()) {
+    if (scales.dtype() == mx::float32) return SF_F32;
+    if (scales.dtype() == mx::float16) return SF_F16;
+    if (scales.dtype() == mx::bfloat16) return SF_BF16;
+  }
+  scales = mx::astype(scales, mx::float32, s);
+  biases = mx::astype(biases, mx::float32, s);
+  return SF_F32;
 }
 
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases,
@@ -510,9 +552,10 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
   check_quantized("dequantize", w, scales, biases, group_size, bits);
   const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
   const int K = static_cast<int>(w.shape(1)) * 32 / bits;
+  auto sc = scales, bc = biases;
+  const int fmt = scale_format(sc, bc, s);
   return mx::array(mx::Shape{w.shape(0), K}, mx::float32,
-                   std::make_shared<Dequantize>(s, group_size, bits),
-                   {w, mx::astype(scales, mx::float32, s), mx::astype(biases, mx::float32, s)});
+                   std::make_shared<Dequantize>(s, group_size, bits, fmt), {w, sc, bc});
 }
 
 mx::array quantized_product(const char* op, int kind, const mx::array& x, const mx::array& w,
@@ -530,12 +573,12 @@ mx::array quantized_product(const char* op, int kind, const mx::array& x, const 
   // astype is a no-op (no graph node) when the dtype already matches.
   auto xc = mx::astype(x, mx::float32, s);
   auto wc = w;
-  auto sc = mx::astype(scales, mx::float32, s);
-  auto bc = mx::astype(biases, mx::float32, s);
+  auto sc = scales, bc = biases;
+  const int fmt = scale_format(sc, bc, s);
   auto shape = x.shape();
   shape.back() = N;
   auto y = mx::array(shape, mx::float32,
-                     std::make_shared<QMatmul>(s, group_size, bits, kind),
+                     std::make_shared<QMatmul>(s, group_size, bits, kind, fmt),
                      {xc, wc, sc, bc});
   return dt == mx::float32 ? y : mx::astype(y, dt, s);
 }

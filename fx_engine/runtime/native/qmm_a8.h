@@ -254,8 +254,7 @@ inline void unpack_nibbles(const uint32_t* wq, int K, uint8_t* out) {
 }
 
 template <int R>
-void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const float* sc,
-                 const float* bi, int gs, int bits, float* y, int N) {
+void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Scales& S, int gs, int bits, float* y, int N) {
   const int tiles = (M + R - 1) / R, G = K / gs;
   std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
   std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
@@ -269,8 +268,11 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const float* 
       buf.resize(static_cast<size_t>(A8_FEAT) * K);
     alignas(64) float out[A8_FEAT * R];
     const int b1 = std::min(blocks, (c + 1) * per);
+    float* tmp = scale_tmp(A8_FEAT, G);
     for (int bl = c * per; bl < b1; ++bl) {
       const int n0 = bl * A8_FEAT, nw = std::min(A8_FEAT, N - n0);
+      const float *ds, *db;  // this block's scales and biases as float32 [nw][G]
+      S.rows(n0, nw, tmp, ds, db);
       const uint8_t* wb;
       if (bits == 8) {  // the packed words are the bytes, in k order: copied into L1
         std::memcpy(buf.data(), wq + static_cast<int64_t>(n0) * words, static_cast<size_t>(nw) * K);
@@ -286,7 +288,7 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const float* 
         a8_tile_any<R>(nw, xq.data() + static_cast<int64_t>(t) * K * R,
                        dd.data() + static_cast<int64_t>(t) * G * R,
                        xs.data() + static_cast<int64_t>(t) * G * R, wb,
-                       sc + static_cast<int64_t>(n0) * G, bi + static_cast<int64_t>(n0) * G, K,
+                       ds, db, K,
                        gs, out);
         for (int i = 0; i < mc; ++i) {
           float* yr = y + static_cast<int64_t>(m0 + i) * N + n0;
@@ -309,10 +311,10 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const float* 
 // acc), and the integer sums are exact: the tiles' bits (tested).
 template <int BITS, int MR>
 inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int K,
-                         const uint32_t* wq, const float* sc, const float* bi, int gs,
+                         const uint32_t* wq, const Scales& S, int gs,
                          float* y, int N, int n0, float* sbuf) {
   constexpr int R = 8;  // pack_a8<8>'s tile: quad u of row m at xq + (u * R + m) * 4
-  const FewBlock fb = few_block(K, wq, sc, bi, gs, BITS, N, n0, sbuf);
+  const FewBlock fb = few_block(K, wq, S, gs, BITS, N, n0, sbuf);
   const float* bbuf = sbuf + static_cast<int64_t>(K / gs) * 16;
   const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
   const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
@@ -358,8 +360,7 @@ inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int
 }
 
 template <int BITS>
-void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const float* sc,
-                const float* bi, int gs, float* y, int N) {
+void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Scales& S, int gs, float* y, int N) {
   const int G = K / gs;
   std::vector<int8_t> xq(static_cast<size_t>(K) * 8);
   std::vector<float> dd(static_cast<size_t>(G) * 8), xs(dd.size());
@@ -372,7 +373,7 @@ void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const float* s
     for (int bl = c * per; bl < b1; ++bl) {
       const int n0 = bl * 16;
       auto run = [&](auto mr) {
-        a8_few_block<BITS, decltype(mr)::value>(xq.data(), dd.data(), xs.data(), K, wq, sc, bi,
+        a8_few_block<BITS, decltype(mr)::value>(xq.data(), dd.data(), xs.data(), K, wq, S,
                                                 gs, y, N, n0, sbuf);
       };
       with_rows<8>(M, run);
@@ -493,8 +494,7 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
 }
 
 template <int BITS>
-void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const float* sc,
-                 const float* bi, int gs, float* y, int N) {
+void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Scales& S, int gs, float* y, int N) {
   constexpr int R = 8;
   const int G = K / gs, tiles = (M + R - 1) / R;
   std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
@@ -510,7 +510,7 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const float* 
     const int b1 = std::min(blocks, (c + 1) * per);
     for (int bl = c * per; bl < b1; ++bl) {
       const char* rw[8];
-      const int nv = few8_setup(K, wq, sc, bi, gs, BITS, N, bl * 8, rw, sbuf);
+      const int nv = few8_setup(K, wq, S, gs, BITS, N, bl * 8, rw, sbuf);
       // every pass of 8 rows over this block while its weights are in L1
       for (int t = 0; t < tiles; ++t) {
         const int8_t* xt = xq.data() + static_cast<int64_t>(t) * K * R;
@@ -530,36 +530,35 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const float* 
 // Up to 8 rows: the few-row path (AVX-512 VNNI builds); more: tiles of 16. AVX2 builds:
 // the 8-lane path above at every row count. Elsewhere the scalar tiles (8 rows up to 8).
 // Same bits every way (exact integer sums, the same per-lane float operations).
-void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const float* sc,
-                const float* bi, int gs, int bits, float* y, int N) {
+void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Scales& S, int gs, int bits, float* y, int N) {
   if (M <= 0) return;
 #if defined(FX_A8_AVX2)
-  return with_bits(bits, [&](auto b) { qmm_a8_few8<decltype(b)::value>(x, M, K, wq, sc, bi, gs, y, N); });
+  return with_bits(bits, [&](auto b) { qmm_a8_few8<decltype(b)::value>(x, M, K, wq, S, gs, y, N); });
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   if (M <= 8)
-    return with_bits(bits, [&](auto b) { qmm_a8_few<decltype(b)::value>(x, M, K, wq, sc, bi, gs, y, N); });
+    return with_bits(bits, [&](auto b) { qmm_a8_few<decltype(b)::value>(x, M, K, wq, S, gs, y, N); });
 #else
-  if (M <= 8) return qmm_a8_rows<8>(x, M, K, wq, sc, bi, gs, bits, y, N);
+  if (M <= 8) return qmm_a8_rows<8>(x, M, K, wq, S, gs, bits, y, N);
 #endif
-  qmm_a8_rows<16>(x, M, K, wq, sc, bi, gs, bits, y, N);
+  qmm_a8_rows<16>(x, M, K, wq, S, gs, bits, y, N);
 }
 
-void dequant_cpu(const uint32_t* wq, const float* sc, const float* bi, int gs, int bits,
+void dequant_cpu(const uint32_t* wq, const Scales& S, int gs, int bits,
                  float* out, int N, int K) {
   const int words = K * bits / 32, groups = K / gs;
   const int per = std::max(4, 65536 / std::max(K, 1));
   pool().run((N + per - 1) / per, [&](int c) {
     const int n0 = c * per, n1 = std::min(N, (c + 1) * per);
-    std::vector<float> tmp(K);
+    std::vector<float> tmp(K), st(2 * static_cast<size_t>(groups));
     for (int n = n0; n < n1; ++n) {
       float* o = out + static_cast<int64_t>(n) * K;
+      const float *rs, *rb;
+      S.row(n, st.data(), rs, rb);
       if (bits == 8)
-        dequant_row_natural<8>(wq + static_cast<int64_t>(n) * words, sc + n * groups,
-                               bi + n * groups, K, gs, o, tmp.data());
+        dequant_row_natural<8>(wq + static_cast<int64_t>(n) * words, rs, rb, K, gs, o, tmp.data());
       else
-        dequant_row_natural<4>(wq + static_cast<int64_t>(n) * words, sc + n * groups,
-                               bi + n * groups, K, gs, o, tmp.data());
+        dequant_row_natural<4>(wq + static_cast<int64_t>(n) * words, rs, rb, K, gs, o, tmp.data());
     }
   });
 }
