@@ -196,11 +196,12 @@ def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, over
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3 * np.abs(theirs).max())
 
 
-def _gpt_oss_gguf(folder: Path, out: Path, mxfp4: bool, kind: str = "MXFP4") -> Path:
+def _gpt_oss_gguf(folder: Path, out: Path, mxfp4: bool, kind: str = "MXFP4", matrices: bool = False) -> Path:
     """A tiny gpt_oss folder (mlx-lm's sanitized layout) as llama.cpp's converter writes
     it: the names from its TensorNameMap (sinks get ".weight", as the converter adds), its
     gpt-oss.* keys with YaRN, the expert stacks (and only them) in MXFP4 by the package's
-    reference quantizer. Returns the oracle folder (dequantized experts)."""
+    reference quantizer (matrices: the attention projections too, 2-D). Returns the oracle
+    folder (the dequantized values)."""
     import json
 
     from gguf.quants import dequantize, quantize
@@ -226,7 +227,8 @@ def _gpt_oss_gguf(folder: Path, out: Path, mxfp4: bool, kind: str = "MXFP4") -> 
         assert target is not None, name
         if name.endswith(".sinks"):
             target += ".weight"
-        if mxfp4 and ".experts." in name and name.endswith(".weight"):
+        if mxfp4 and name.endswith(".weight") and (".experts." in name or (matrices and "_proj." in name
+                                                                            and ".self_attn." in name)):
             qtype = gguf.GGMLQuantizationType[kind]
             q = quantize(x, qtype)
             w.add_tensor(target, q, raw_dtype=qtype)
@@ -236,6 +238,25 @@ def _gpt_oss_gguf(folder: Path, out: Path, mxfp4: bool, kind: str = "MXFP4") -> 
         oracle[name] = x
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return write_oracle(folder, out.parent / "oracle", oracle)
+
+
+@pytest.mark.parametrize("keep", [None, True], ids=["cpu-default", "kept"])
+def test_mxfp4_matrices_kept_or_dequantized_match_mlx_lm(tmp_path, keep):
+    """2-D MXFP4 tensors (here gpt-oss's attention projections): kept packed in MLX's mxfp4
+    mode where quantized weights are kept (keep_quantized=True, the GPU form:
+    quantized_matmul), dequantized to float32 by the CPU default (no native kernel runs
+    them); either way mlx-lm's logits on the file's dequantized values."""
+    from mlx_lm.utils import load_model
+
+    folder = write_tiny_model(tmp_path / "m", "gpt_oss")
+    oracle = _gpt_oss_gguf(folder, tmp_path / "m.gguf", True, matrices=True)
+    model = fx_engine.load(tmp_path / "m.gguf", keep_quantized=keep)
+    o = model.params.layers[0].o
+    assert (o.mode, o.quantized) == (("mxfp4", True) if keep else ("affine", False))
+    ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    ref, _ = load_model(oracle)
+    ref.set_dtype(mx.float32)
+    _compare(fx_engine.logits(model, ids, chunk=40), ref(mx.array([ids]))[0])
 
 
 @pytest.mark.parametrize("mxfp4", [True, False], ids=["mxfp4-experts", "float"])

@@ -107,6 +107,12 @@ def read_linear(
         if w.dtype != mx.uint32:
             raise WeightsError(f"{src.origin[w_name]}: '{w_name}' has scales but dtype {w.dtype}")
         scales = src.tensors[scales_name]
+        if scales.dtype == mx.uint8:  # MXFP4 (GGUF): E2M1 codes, E8M0 scales per 32, no biases
+            if tuple(w.shape) != (out_f, in_f // 8) or tuple(scales.shape) != (out_f, in_f // 32):
+                raise WeightsError(f"{src.origin[w_name]}: MXFP4 tensor '{w_name}' has shape {tuple(w.shape)} "
+                                   f"(scales {tuple(scales.shape)}), expected ({out_f}, {in_f // 8})")
+            return Linear(weight=w, bias=b, scales=scales, group_size=32, bits=4, mode="mxfp4",
+                          origin=((prefix, out_f),))
         if scales.dtype == mx.int16:  # a GGUF K-quant's two-level form: [out, super-blocks, 2] factors
             biases = src.get(base + ".biases", None, where)
             if biases.ndim != 3 or biases.shape[0] != scales.shape[0] or biases.shape[-1] != 2:
@@ -156,6 +162,8 @@ def stored_scales(lin: Linear, dtype: mx.Dtype, compact: bool) -> tuple[mx.array
     compact forms the native kernels decode themselves (exactly) when `compact` (float32
     models on the native kernels): GGUF's two-level form, and float16 / bfloat16 scales as
     a checkpoint or GGUF legacy type holds them (half or a third of float32's bytes)."""
+    if lin.mode != "affine":  # MXFP4's E8M0 scale bytes, no biases
+        return lin.scales, lin.biases
     if two_level(lin) or (compact and dtype == mx.float32 and lin.scales.dtype in (mx.float16, mx.bfloat16)
                           and lin.biases.dtype == lin.scales.dtype):
         return lin.scales, lin.biases
@@ -165,6 +173,10 @@ def stored_scales(lin: Linear, dtype: mx.Dtype, compact: bool) -> tuple[mx.array
 def dequantized(lin: Linear, dtype: mx.Dtype) -> Linear:
     if not lin.quantized:
         return Linear(weight=lin.weight.astype(dtype), bias=cast(lin.bias, dtype), origin=lin.origin)
+    if lin.mode != "affine":
+        w = mx.dequantize(lin.weight, lin.scales, None, group_size=lin.group_size, bits=lin.bits,
+                          mode=lin.mode).astype(dtype)
+        return Linear(weight=w, bias=cast(lin.bias, dtype), origin=lin.origin)
     scales, biases = group_params(lin.scales, lin.biases)
     w = mx.dequantize(
         lin.weight, scales.astype(dtype), biases.astype(dtype),
@@ -178,7 +190,9 @@ def keep(policy: KeepQuantized, lin: Linear) -> bool:
     bits) (e.g. "the native CPU kernels support this format")."""
     if not lin.quantized:
         return False
-    return bool(policy(lin.group_size, lin.bits)) if callable(policy) else bool(policy)
+    if callable(policy):  # the native kernels' formats: affine only (MXFP4 runs on MLX's kernels)
+        return lin.mode == "affine" and bool(policy(lin.group_size, lin.bits))
+    return bool(policy)
 
 
 def widened(policy: KeepQuantized, lin: Linear, force: bool = False) -> Linear:
@@ -235,6 +249,13 @@ def fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: KeepQuantized) ->
     v in groups of 16) are regrouped to the smallest when it divides the others, and parts
     of different widths widened to 8 bits: exact, and still one quantized matrix."""
     origin = sum((p.origin for p in parts), ()) if all(p.origin for p in parts) else ()
+    if any(p.quantized and p.mode != "affine" for p in parts):  # MXFP4: kept whole, or dense
+        if all(p.mode == parts[0].mode for p in parts) and keep(keep_quantized, parts[0]):
+            cat = lambda xs: mx.concatenate(xs, axis=0)  # noqa: E731
+            return Linear(weight=cat([p.weight for p in parts]), scales=cat([p.scales for p in parts]),
+                          bias=None if parts[0].bias is None else cat([p.bias.astype(dtype) for p in parts]),
+                          group_size=parts[0].group_size, bits=parts[0].bits, mode=parts[0].mode, origin=origin)
+        parts = [dequantized(p, dtype) if p.quantized else p for p in parts]
     if all(p.quantized for p in parts) and len({p.group_size for p in parts}) > 1:
         g = min(p.group_size for p in parts)
         if all(p.group_size % g == 0 for p in parts) and keep(keep_quantized, attrs.evolve(parts[0], group_size=g, bits=8)):
@@ -283,13 +304,13 @@ def finish(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized, table: b
     if table and lookup_only and lin.quantized and keep_quantized is not False:
         scales, biases = stored_scales(lin, dtype, False)
         return Linear(weight=lin.weight, bias=cast(lin.bias, dtype), scales=scales,
-                      biases=biases, group_size=lin.group_size, bits=lin.bits)
+                      biases=biases, group_size=lin.group_size, bits=lin.bits, mode=lin.mode)
     lin = widened(keep_quantized, lin)
     if keep(keep_quantized, lin):
         scales, biases = stored_scales(lin, dtype, callable(keep_quantized) and not table)
         return Linear(
             weight=lin.weight, bias=cast(lin.bias, dtype), scales=scales,
-            biases=biases, group_size=lin.group_size, bits=lin.bits,
+            biases=biases, group_size=lin.group_size, bits=lin.bits, mode=lin.mode,
             origin=lin.origin,
         )
     dense = dequantized(lin, dtype)

@@ -94,7 +94,8 @@ class Linear:
     bits: int = static_field(default=0)
     transposed: bool = static_field(default=False)
     # MLX's quantization mode: "affine" (scales and biases), or "mxfp4" (E2M1 codes with
-    # E8M0 uint8 scales, no biases: a GGUF's MXFP4 expert stacks, run by gather_qmm)
+    # E8M0 uint8 scales, no biases: a GGUF's MXFP4 tensors; expert stacks run by
+    # gather_qmm, matrices by quantized_matmul: MLX's kernels, no native one)
     mode: str = static_field(default="affine")
     # Where the rows come from: ((checkpoint module name, rows), ...) in row order (a
     # tensor-parallel shard: (name, rows kept, first row kept, the module's rows)), set by
@@ -193,7 +194,7 @@ def _matmul_rows(x: mx.array, lin: Linear) -> mx.array:
     if lin.quantized:
         return mx.quantized_matmul(
             x, lin.weight, *group_params(lin.scales, lin.biases),
-            transpose=True, group_size=lin.group_size, bits=lin.bits,
+            transpose=True, group_size=lin.group_size, bits=lin.bits, mode=lin.mode,
         )
     return x @ lin.weight if lin.transposed else x @ lin.weight.T
 
@@ -350,9 +351,10 @@ def embed(tokens: mx.array, table: Linear) -> mx.array:
         out = embed(mx.where(mine, local, 0), whole)
         return mx.distributed.all_sum(mx.where(mine[..., None], out, 0))
     if table.quantized:
+        biases = None if table.biases is None else table.biases[tokens]  # (MXFP4: none)
         return mx.dequantize(
-            table.weight[tokens], *group_params(table.scales[tokens], table.biases[tokens]),
-            group_size=table.group_size, bits=table.bits,
+            table.weight[tokens], *group_params(table.scales[tokens], biases),
+            group_size=table.group_size, bits=table.bits, mode=table.mode,
         )
     return table.weight[tokens]
 

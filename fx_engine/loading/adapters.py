@@ -248,8 +248,8 @@ def _rows_of(lin: Linear, start: int, n: int) -> mx.array:
     """Rows [start, start + n) of a linear's weight as float32 [n, in]."""
     if lin.quantized:
         return dequantized(Linear(weight=lin.weight[start : start + n], scales=lin.scales[start : start + n],
-                                  biases=lin.biases[start : start + n], group_size=lin.group_size,
-                                  bits=lin.bits), mx.float32).weight
+                                  biases=None if lin.biases is None else lin.biases[start : start + n],
+                                  group_size=lin.group_size, bits=lin.bits, mode=lin.mode), mx.float32).weight
     w = lin.weight.T if lin.transposed else lin.weight
     return w[start : start + n].astype(mx.float32)
 

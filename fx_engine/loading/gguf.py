@@ -49,8 +49,9 @@ QK_K = 256  # elements per super-block of the K types
 
 AFFINE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 DEQUANTIZED_TYPES = ("IQ4_NL", "IQ4_XS")
-# kept as MLX's mxfp4 quantization when 3-D (expert stacks, run by gather_qmm; the same
-# E2M1 codes and E8M0 scales, the nibbles reordered), dequantized otherwise
+# kept as MLX's mxfp4 quantization (the same E2M1 codes and E8M0 scales, the nibbles
+# reordered): expert stacks run by gather_qmm, matrices by quantized_matmul where kept
+# (keep_quantized=True, the GPU form) and dequantized by the CPU default (no native kernel)
 MX_TYPES = ("MXFP4",)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -393,14 +394,14 @@ def _convert(name: str, kind: str, shape: list[int], rows: int, cols: int,
     if kind in FLOAT_TYPES:
         dt = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[kind]
         return {name: mx.array(np.frombuffer(raw, dtype=dt).reshape(shape))}  # BF16: bits
-    if kind == "MXFP4" and len(shape) == 3:
+    if kind == "MXFP4" and len(shape) >= 2:
         return _mxfp4(name, raw, rows, cols, tuple(shape[:-1]))
     if kind in _AFFINE:  # stacked (expert) tensors [E, rows, cols]: each row alike
         return _affine(name, kind, raw, rows, cols, tuple(shape[:-1]), store_bits, head, compact)
     from gguf import GGMLQuantizationType  # not affine: llama.cpp's reference dequantization
     from gguf.quants import dequantize
 
-    values = dequantize(raw.reshape(rows, -1), GGMLQuantizationType[kind])  # IQ types, 2-D MXFP4
+    values = dequantize(raw.reshape(rows, -1), GGMLQuantizationType[kind])  # IQ types, 1-D MXFP4
     return {name: mx.array(values.astype(np.float32).reshape(shape))}
 
 
