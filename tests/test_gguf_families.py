@@ -38,7 +38,8 @@ def convert(folder: Path, out: Path, arch: str, metadata: dict, permute: bool, q
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper().replace("-", "_")), n_layers)
     w = gguf.GGUFWriter(str(out), arch)
     for key, value in metadata.items():
-        add = w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32
+        add = (w.add_array if isinstance(value, list) else w.add_string if isinstance(value, str)
+               else w.add_float32 if isinstance(value, float) else w.add_uint32)
         add(f"{arch}.{key}", value)
     add_tokenizer(w, folder, cfg["eos_token_id"])
     weights = {k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(folder / "model.safetensors")).items()}
@@ -73,8 +74,17 @@ def _common(cfg: dict) -> dict:
     ("granite", "granite", True, {}),
     ("granite", "granite", True, {"tie_word_embeddings": False, "logits_scaling": 1.5}),
     ("smollm3", "smollm3", True, {}),
+    # Ministral 3 as llama.cpp's Ministral3Model writes it (mistral3): YaRN from its keys,
+    # Llama 4's query temperature (attention.temperature_scale) past the original context
+    ("ministral3", "mistral3", True, {}),
     ("olmo2", "olmo2", False, {}),
     ("olmo2", "olmo2", False, {"tie_word_embeddings": True}),
+    # OLMo 3 as llama.cpp's converter writes it: architecture olmo2 with a sliding window and
+    # its per-layer pattern; with YaRN on the global layers (its attention factor kept)
+    ("olmo3", "olmo2", False, {}),
+    ("olmo3", "olmo2", False, {"layer_types": ["sliding_attention", "full_attention"] * 2,
+                               "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.25,
+                                                "original_max_position_embeddings": 32}}),
     ("starcoder2", "starcoder2", False, {"hidden_act": "gelu_pytorch_tanh"}),
     ("cohere", "command_r", False, {}),
     ("cohere", "command_r", False, {"use_qk_norm": True}),
@@ -95,7 +105,16 @@ def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrid
         cfg["rms_norm_eps"] = cfg["norm_epsilon"]
     if model_type.startswith("cohere"):
         cfg["rms_norm_eps"] = cfg["layer_norm_eps"]
+    if model_type == "ministral3":
+        cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
     md = _common(cfg)
+    if model_type == "ministral3":  # TextModel's YaRN keys + Ministral3Model's two
+        rp = cfg["rope_parameters"]
+        md.update({"rope.scaling.type": "yarn", "rope.scaling.factor": float(rp["factor"]),
+                   "rope.scaling.original_context_length": rp["original_max_position_embeddings"],
+                   "rope.scaling.yarn_log_multiplier": float(rp["mscale_all_dim"]),
+                   "attention.temperature_scale": float(rp["llama_4_scaling_beta"]),
+                   "attention.key_length": cfg["head_dim"], "attention.value_length": cfg["head_dim"]})
     if model_type in ("starcoder2", "cohere", "cohere2"):  # LayerNorm models
         md["attention.layer_norm_epsilon"] = md.pop("attention.layer_norm_rms_epsilon")
     if model_type.startswith("cohere"):
@@ -112,6 +131,19 @@ def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrid
         if cfg.get("sliding_window_pattern"):
             md["attention.sliding_window"] = cfg["sliding_window"]
             md["attention.sliding_window_pattern"] = len(cfg["sliding_window_pattern"])
+    if model_type == "olmo3":  # llama.cpp's Olmo2Model.set_gguf_parameters
+        md["attention.sliding_window"] = cfg["sliding_window"]
+        md["attention.sliding_window_pattern"] = ([t == "sliding_attention" for t in cfg["layer_types"]]
+                                                  if "layer_types" in cfg else
+                                                  [(i + 1) % 4 != 0 for i in range(cfg["num_hidden_layers"])])
+        if cfg.get("rope_scaling"):
+            rs = cfg["rope_scaling"]
+            md.update({"rope.scaling.type": "yarn", "rope.scaling.factor": float(rs["factor"]),
+                       "rope.scaling.attn_factor": float(rs["attention_factor"]),
+                       "rope.scaling.original_context_length": rs["original_max_position_embeddings"]})
+            # the oracle: mlx-lm's YaRN takes the attention factor as its mscale
+            rs["mscale"] = (rs["attention_factor"] - 1) / (0.1 * np.log(rs["factor"]))
+            (folder / "config.json").write_text(json.dumps(cfg))
     if model_type == "granite":
         md.update({"embedding_scale": float(cfg["embedding_multiplier"]),
                    "attention.scale": float(cfg["attention_multiplier"]),

@@ -177,6 +177,8 @@ def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = No
     architecture has (the MoE family's qwen3moe is qwen3's); ff_default: the dense MLP width
     when the metadata has none (MoE files whose layers are all experts)."""
     arch = md.get("general.architecture")
+    if arch == "mistral3":
+        return _ministral3_from_gguf(md, source)
     attention = attention or {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "granite": "llama",
                               "smollm3": "llama"}[arch]
     extra: dict[str, Any] = {}
@@ -228,6 +230,34 @@ def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = No
         bos_token_id=int(bos.item()) if bos is not None else None,
         eos_token_ids=(int(eos.item()),) if eos is not None else (),
     )
+
+
+def _ministral3_from_gguf(md: dict[str, Any], source: str) -> LlamaConfig:
+    """Ministral 3 / Mistral Small 3.x text models as llama.cpp's Ministral3Model converter
+    writes them (architecture mistral3): the Hugging Face rope_parameters rebuilt from its
+    keys (YaRN's factor and original context; rope.scaling.yarn_log_multiplier is
+    mscale_all_dim, written as is, with mscale 1 as llama.cpp assumes;
+    attention.temperature_scale is llama_4_scaling_beta, whose position floor llama.cpp
+    takes from the original context), then the Hugging Face path."""
+    from fx_engine.core.config import gguf_hf_config
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, "mistral3", key, source, default)
+
+    d = gguf_hf_config(md, "mistral3", source, "ministral3", rope_theta=1_000_000.0)
+    kind = val("rope.scaling.type", None)
+    orig = int(val("rope.scaling.original_context_length", d["max_position_embeddings"]))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
+    if kind not in (None, "none"):
+        if kind != "yarn":
+            raise ConfigError(f"{source}: mistral3.rope.scaling.type {kind!r} is not supported (yarn)")
+        rope.update(rope_type="yarn", factor=float(val("rope.scaling.factor")),
+                    beta_fast=float(val("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(val("rope.scaling.yarn_beta_slow", 1.0)), mscale=1.0,
+                    mscale_all_dim=float(val("rope.scaling.yarn_log_multiplier", 0.0)))
+    rope.update(original_max_position_embeddings=orig,
+                llama_4_scaling_beta=float(val("attention.temperature_scale", 0.0)))
+    return config_from_hf({**d, "rope_parameters": rope}, source)
 
 
 @attrs.frozen
@@ -438,7 +468,7 @@ def assemble_gguf(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Par
     """Params from llama.cpp's tensor names, undoing what its converter did: llama's q/k
     rows were permuted for interleaved RoPE, and Llama-3 rope scaling is stored as
     per-frequency factors (rope_freqs.weight)."""
-    fixed = unpermuted_qk(cfg, src) if cfg.model_type in ("llama", "granite", "smollm3") else src
+    fixed = unpermuted_qk(cfg, src) if cfg.model_type in ("llama", "granite", "smollm3", "ministral3") else src
     params = _assemble(cfg, fixed, opts, _GGUF_NAMES)
     if fixed.has("rope_freqs.weight"):
         # the rotation period of pair i is base^(2i/d) * factor_i
@@ -614,7 +644,7 @@ FAMILY = Family(
     config_type=LlamaConfig, params_type=Params, config_from_hf=config_from_hf,
     assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    gguf_architectures=("llama", "qwen2", "qwen3", "granite", "smollm3"), config_from_gguf=config_from_gguf,
+    gguf_architectures=("llama", "qwen2", "qwen3", "granite", "smollm3", "mistral3"), config_from_gguf=config_from_gguf,
     gguf_accepts=lambda md: not md.get(f"{md.get('general.architecture')}.expert_count"),
     assemble_gguf=assemble_gguf, first_layers=first_layers,
     tiny_config=tiny_config,

@@ -306,6 +306,37 @@ def assemble_gguf(cfg: PostNormConfig, src: TensorSource, opts: LoadOptions) -> 
     return params
 
 
+def olmo3_from_gguf(md: dict[str, Any], source: str, layers: int) -> dict[str, Any]:
+    """OLMo 3's config.json fields from the olmo2.* keys llama.cpp's converter writes for it:
+    the window, the per-layer pattern (true: sliding; without one, every 4th layer global as
+    in Hugging Face's default) and YaRN on the global layers, whose attention factor
+    (rope.scaling.attn_factor) is expressed as mlx-lm's mscale (0.1 mscale ln(factor) + 1)."""
+    import math
+
+    from fx_engine.core.config import gguf_value, gguf_yarn
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, "olmo2", key, source, default)
+
+    pattern = md.get("olmo2.attention.sliding_window_pattern")  # an array (gguf_value reads scalars)
+    if pattern is None:
+        sliding = [(i + 1) % 4 != 0 for i in range(layers)]
+    else:
+        sliding = [bool(x) for x in (pattern.tolist() if hasattr(pattern, "tolist") else pattern)]
+        if len(sliding) != layers:
+            raise ConfigError(f"{source}: olmo2.attention.sliding_window_pattern has {len(sliding)} "
+                              f"entries for {layers} layers")
+    d: dict[str, Any] = {"model_type": "olmo3", "sliding_window": int(val("attention.sliding_window")),
+                         "layer_types": [SLIDING if x else FULL for x in sliding]}
+    yarn = gguf_yarn(md, "olmo2", source)
+    if yarn is not None:
+        f, attn = yarn["factor"], val("rope.scaling.attn_factor", None)
+        if attn is not None and f > 1:
+            yarn["mscale"] = (float(attn) - 1.0) / (0.1 * math.log(f))
+        d["rope_scaling"] = yarn
+    return d
+
+
 def config_from_gguf(md: dict[str, Any], source: str) -> PostNormConfig:
     """An OLMo 2 / EXAONE 4 / GLM-4 config from llama.cpp's metadata (EXAONE 4: every
     `sliding_window_pattern`-th layer global, with NoPE, as mlx-lm and llama.cpp run it;
@@ -321,6 +352,8 @@ def config_from_gguf(md: dict[str, Any], source: str) -> PostNormConfig:
     hd = d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
     if arch == "olmo2":
         d.pop("head_dim")
+        if val("attention.sliding_window", None) is not None:  # OLMo 3: llama.cpp writes it as olmo2
+            d.update(olmo3_from_gguf(md, source, d["num_hidden_layers"]))
     if arch == "glm4":  # partial RoPE over rope.dimension_count of each head
         d["partial_rotary_factor"] = int(val("rope.dimension_count", hd // 2)) / hd
     if arch == "exaone4" and val("attention.sliding_window", None):
