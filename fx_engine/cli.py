@@ -256,13 +256,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.num_draft_tokens is not None:
         defaults["num_draft_tokens"] = a.num_draft_tokens
     tp = model.ranks > 1
-    if tp and "draft_model" in defaults:
-        raise ValueError("--draft-model / --self-draft-layers: not available with tensor or pipeline "
-                         "parallelism yet (use --prompt-lookup)")
+    # (sharded: every rank loaded the same draft; requests name it by its place in drafts=)
     engine = fx_engine.Engine(model, max_rows=a.decode_concurrency, prefill_chunk=a.prefill_step_size,
                               max_queue=a.max_queue, prefix_cache_bytes=a.prompt_cache_bytes,
                               prefix_cache_dir=a.prompt_cache_dir,
-                              prefix_cache_entries=a.prompt_cache_size, lockstep=tp)
+                              prefix_cache_entries=a.prompt_cache_size, lockstep=tp,
+                              drafts=[defaults["draft_model"]] if "draft_model" in defaults else [])
     if tp:
         import mlx.core as mx
 

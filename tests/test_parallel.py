@@ -230,6 +230,35 @@ def test_adapters_on_two_ranks_equal_one_process(tmp_path, split, dora):
     assert mx.abs(mx.array(base["logits"]) - mx.array(one["logits"])).max().item() > 1e-2  # it matters
 
 
+@pytest.mark.parametrize("split,draft", [("tp", "file"), ("tp", "self"), ("pp", "file")])
+def test_draft_models_on_two_ranks_equal_one_process(tmp_path, split, draft):
+    """Speculative decoding with a draft model on a sharded target: a separate draft (whole
+    on every rank) or the target's own first layers (sharded like it, tensor parallel). The
+    plain generate (every rank the same program) and a lockstep Engine, where rank 0's
+    requests reach the other ranks with the draft named by its place in Engine(drafts=): greedy tokens
+    as one process's, and drafts were made and checked."""
+    target = write_tiny_model(tmp_path / "t", "llama", num_hidden_layers=4, seed=1)
+    spec = str(write_tiny_model(tmp_path / "d", "llama", num_hidden_layers=1, seed=1)) if draft == "file" else "self:2"
+    args = ["--model", str(target), "--tokens", "12", "--ignore-eos", "--draft", spec, "--lockstep", "2"]
+    one, two = alone(args), tp(args, split=split)
+    assert two["tokens"] == one["tokens"] and two["lockstep"] == one["lockstep"]
+    assert two["drafted"] > 0 and one["drafted"] > 0  # (how many: timing-adapted, rank 0's plan)
+
+
+def test_lockstep_drafts_must_be_registered_and_self_drafts_need_the_layers():
+    from fx_engine.engine.drafters import self_draft_model
+
+    model = fx_engine.load()
+    with pytest.raises(ValueError, match="drafts"):
+        fx_engine.Engine(model, drafts=["not a model"])
+    draft = self_draft_model(model, 4)
+    engine = fx_engine.Engine(model, lockstep=False, drafts=[draft])
+    assert engine._draft_ref({"draft_model": draft})["draft_model"].index == 0
+    engine.close()
+    with pytest.raises(ValueError, match="Engine\\(drafts"):
+        fx_engine.Engine(model)._draft_ref({"draft_model": draft})
+
+
 def test_each_rank_holds_about_its_share(tmp_path):
     """Sharded before anything is evaluated (safetensors are read lazily, one leaf at a
     time): each of 2 ranks holds half the params, and its peak memory while loading is

@@ -9,6 +9,10 @@ alone: the single-process reference).
     --die-after S  (tests) rank 1 exits abruptly S seconds after loading
     --ignore-eos   decode all --tokens;  --runs R  repeat the generation (timings)
     --adapter DIR  generate with a LoRA adapter (the engine's odd rows too)
+    --draft SPEC   speculative decoding with a draft model (a path, or self:N for the
+                   target's first N layers); with --lockstep N, also N requests through a
+                   lockstep Engine (rank 0 submits, the others follow; the draft named by
+                   its place in Engine(drafts=), as `fx-engine serve` runs)
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ def main() -> None:
     ap.add_argument("--adapter", default=None, help="a LoRA adapter folder: every generation uses it")
     ap.add_argument("--sample", action="store_true", help="temperature 0.8 without a seed (the default seed)")
     ap.add_argument("--all-ranks", action="store_true", help="every rank prints its JSON line")
+    ap.add_argument("--draft", default=None, help="a draft model path, or self:N")
+    ap.add_argument("--lockstep", type=int, default=0, help="requests through a lockstep Engine")
     a = ap.parse_args()
     import resource
 
@@ -71,6 +77,13 @@ def main() -> None:
         kw["logit_bias"] = {e: -1e9 for e in model.eos_ids}
     if a.adapter:
         kw["adapter"] = fx_engine.load_adapter(model, a.adapter, name="a")
+    draft = None
+    if a.draft:
+        from fx_engine.engine.drafters import self_draft_model
+
+        draft = (self_draft_model(model, int(a.draft[5:])) if a.draft.startswith("self:")
+                 else fx_engine.load(a.draft))
+        kw["draft_model"] = draft
     times = []
     for _ in range(a.runs):
         t0 = time.perf_counter()
@@ -89,6 +102,19 @@ def main() -> None:
                             adapter=kw.get("adapter") if i % 2 else None) for i in range(a.engine)]
         engine.close()
         out["engine"] = [list(h.result().token_ids) for h in hs]
+    if a.lockstep:
+        sharded = model.ranks > 1
+        engine = fx_engine.Engine(model, max_rows=a.lockstep, prefill_chunk=16, lockstep=sharded,
+                                  drafts=[draft] if draft is not None and sharded else [])
+        if sharded and rank != 0:
+            engine.follow()
+        else:
+            engine.start()
+            hs = [engine.submit(a.prompt + " y" * i, **kw) for i in range(a.lockstep)]
+            res = [h.result() for h in hs]
+            engine.close()
+            out["lockstep"] = [list(r.token_ids) for r in res]
+            out["drafted"] = sum(r.usage.drafted_tokens for r in res)
     if rank == 0 or a.all_ranks:
         print(json.dumps(out), flush=True)
 

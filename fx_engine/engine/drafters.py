@@ -202,6 +202,9 @@ def self_draft_model(model: Any, num_layers: int) -> Any:
         raise ValueError(f"self_draft_model: {family.name} models are not supported (use draft_model=)")
     if not 1 <= num_layers < cfg.num_layers:
         raise ValueError(f"self_draft_model: num_layers must be in [1, {cfg.num_layers}), got {num_layers}")
+    if getattr(model, "pipeline_parallel", 1) > 1:  # the first layers live on the first stages only
+        raise ValueError("self_draft_model: not available with pipeline parallelism (use a separate "
+                         "draft model, or tensor parallelism)")
     params = family.first_layers(model.params, num_layers)
     return attrs.evolve(model, config=params.config, params=params,
                         fingerprint=f"{model.fingerprint}-first{num_layers}")

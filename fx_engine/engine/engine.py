@@ -38,6 +38,7 @@ import time
 import weakref
 from typing import Any, Callable, Sequence
 
+import attrs
 import mlx.core as mx
 import numpy as np
 
@@ -119,6 +120,16 @@ def _spmd_seed() -> int:
     would make the ranks sample different tokens)."""
     digest = hashlib.blake2b(f"fx-engine-spmd-{next(_SPMD_SEEDS)}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+@attrs.frozen
+class _DraftRef:
+    """A lockstep request's draft model as the other ranks get it: its place in
+    `Engine(drafts=...)`, which every rank fills alike (the same program) with its own copy
+    (a sharded model's self-draft is this rank's shard, with a per-rank fingerprint),
+    never the weights."""
+
+    index: int
 
 
 def _tp_event(ids: list[int], kw: dict[str, Any], req: "_Request") -> tuple[list[int], dict[str, Any]]:
@@ -251,6 +262,7 @@ class Engine:
         prefix_cache_disk_bytes: int = 4 << 30,
         prefix_cache_entries: int | None = None,
         lockstep: bool = False,
+        drafts: Sequence[Any] = (),
     ):
         if not isinstance(max_rows, int) or max_rows < 1:
             raise ValueError(f"max_rows must be a positive integer, got {max_rows!r}")
@@ -266,6 +278,12 @@ class Engine:
             )
         self.model = model
         self.params = model.params
+        # Lockstep: the draft models every rank loaded, in the same order; a request's draft
+        # goes to the other ranks as its place in this list (_DraftRef), each using its own.
+        for d in drafts:
+            if not hasattr(d, "fingerprint") or not hasattr(d, "params"):
+                raise ValueError(f"drafts: expected fx_engine Models, got {type(d).__name__}")
+        self._drafts: list[Any] = list(drafts)
         # Reuse of shared prompt prefixes (0 bytes: off). See engine/prefix_cache.py.
         self.prefix_cache = None
         c = model.config
@@ -421,7 +439,7 @@ class Engine:
             made.append(self._make_request(prompt if not made else made[0][1], kw))
         if self._lockstep:
             for (req, ids), kw in zip(made, kwargs_list):
-                req.tp_event = _tp_event(ids, kw, req)
+                req.tp_event = _tp_event(ids, self._draft_ref(kw), req)
         with self._lock:
             if self._closing:
                 raise EngineClosed("engine is closed")
@@ -537,7 +555,26 @@ class Engine:
         }
 
     # ---------------------------------------------------------------- submission
+    def _draft_ref(self, kw: dict[str, Any]) -> dict[str, Any]:
+        """A lockstep request's arguments with its draft model as a _DraftRef (every rank
+        must have registered the same draft: Engine(drafts=...))."""
+        d = kw.get("draft_model")
+        if d is None or not hasattr(d, "fingerprint") or not hasattr(d, "params"):
+            return kw
+        at = [i for i, x in enumerate(self._drafts) if x is d or x.fingerprint == d.fingerprint]
+        if not at:
+            raise ValueError("draft_model: with lockstep tensor / pipeline parallelism every rank must "
+                             "load the draft model and pass it as Engine(drafts=[...]) "
+                             "(fx-engine serve --draft-model does)")
+        return {**kw, "draft_model": _DraftRef(at[0])}
+
     def _make_request(self, prompt: Any, kw: dict[str, Any]) -> tuple[_Request, list[int]]:
+        if isinstance(kw.get("draft_model"), _DraftRef):  # a follower: its own copy of rank 0's draft
+            i = kw["draft_model"].index
+            if i >= len(self._drafts):
+                raise RankMismatch(f"rank {self._tp_rank}: rank 0's request uses draft model {i} of its "
+                                   f"Engine(drafts=...); this rank has {len(self._drafts)}")
+            kw = {**kw, "draft_model": self._drafts[i]}
         if self._tp_rank is not None and not self._lockstep and kw.get("seed") is None:
             kw = {**kw, "seed": _spmd_seed()}
         # The same validation as fx_engine.generate (prefill_chunk is an engine setting here).
