@@ -50,10 +50,14 @@ def _unpermute(w, n_head):  # llama.cpp's convert permutes HF q/k rows; this und
 
 @pytest.fixture(scope="module", params=["tied", "untied"])
 def kquant_model(tmp_path_factory, default_model, request):
-    tmp = tmp_path_factory.mktemp("kq")
-    untied = request.param == "untied"
+    return write_kquant_gguf(tmp_path_factory.mktemp("kq"), Path(default_model.path), request.param == "untied")
+
+
+def write_kquant_gguf(tmp: Path, vocab_from: Path, untied: bool) -> tuple[Path, Path]:
+    """The tiny Q4_K_M-like llama GGUF (the vocabulary of the GGUF `vocab_from`) and the
+    Hugging Face folder holding its reference dequantization."""
     rng = np.random.default_rng(0)
-    vocab_md = {k: v for k, v in _Header(Path(default_model.path)).metadata.items()
+    vocab_md = {k: v for k, v in _Header(vocab_from).metadata.items()
                 if k.startswith("tokenizer.")}
     vocab = len(vocab_md["tokenizer.ggml.tokens"])
     w = gguf.GGUFWriter(str(tmp / "tiny-Q4_K_M.gguf"), "llama")
@@ -119,15 +123,13 @@ def test_kquant_gguf_matches_mlx_lm_on_its_reference_dequantization(kquant_model
     l0, l1 = model.params.layers
     kinds = [(lin.bits, lin.group_size) if lin.quantized else "dense"
              for lin in (l0.o, l1.o, l0.gate_up, l0.qkv, l0.down)]
-    # Q4_K kept as 4 bits; Q8_0 8 bits; Q4_K | Q5_0 fused at 8 bits (both exact); the Q6_K
-    # down projection as 8 bits in groups of 16 (exact), and q|k|v with a Q6_K part in the
-    # same form (the Q4_K parts' groups of 32 split in two, exact too)
-    assert kinds == [(4, 32), (8, 32), (8, 32), (8, 16), (8, 16)], kinds
-    # the Q6_K embedding: only looked up when untied (kept as stored), also the head when
-    # tied (8 bits in groups of 16: the native products run it)
+    # Q4_K kept as 4 bits; Q8_0 8 bits; Q4_K | Q5_0 fused at 5 bits (the widest part's:
+    # exact); q|k|v with a Q6_K part at 6 bits in groups of 16 (the Q4_K parts' groups of 32
+    # split in two, exact too); the Q6_K down projection as stored, 6 bits in groups of 16
+    assert kinds == [(4, 32), (8, 32), (5, 32), (6, 16), (6, 16)], kinds
+    # the Q6_K embedding, looked up (and the head when tied): as stored
     emb = model.params.embed
-    assert ((emb.bits, emb.group_size) if emb.quantized else "dense") == (
-        (6, 16) if model.params.lm_head is not None else (8, 16))
+    assert ((emb.bits, emb.group_size) if emb.quantized else "dense") == (6, 16)
     ref_model, _ = load_model(folder)
     ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)[:64]
     ours = np.asarray(fx_engine.logits(model, ids, chunk=32))
@@ -157,9 +159,9 @@ def test_kquant_scales_stay_compact_and_give_the_float32_bits(kquant_model):
              for name, lin in (("o", l0.o), ("o1", l1.o), ("qkv", l0.qkv), ("down", l0.down), ("gate_up", l0.gate_up))}
     assert forms == {"o": ("mlx.core.int16", 4, 32),  # Q4_K
                      "o1": ("mlx.core.float16", 8, 32),  # Q8_0: its d as a half
-                     "qkv": ("mlx.core.int16", 8, 16),  # Q4_K q/k regrouped with a Q6_K v
-                     "down": ("mlx.core.int16", 8, 16),  # Q6_K
-                     "gate_up": ("mlx.core.float32", 8, 32)}, forms  # Q4_K | Q5_0: forms differ
+                     "qkv": ("mlx.core.int16", 6, 16),  # Q4_K q/k regrouped with a Q6_K v
+                     "down": ("mlx.core.int16", 6, 16),  # Q6_K
+                     "gate_up": ("mlx.core.float32", 5, 32)}, forms  # Q4_K | Q5_0: forms differ
     assert l0.down.biases.shape == (H, FF // 256, 2) and l0.down.biases.dtype == mx.float16
 
     def as_float32(lin):

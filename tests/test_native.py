@@ -704,6 +704,14 @@ for fmt in ("h", "kq"):
         for op in (mod.qmm, mod.qgemm, mod.qmm_a8):
             same.append(np.array_equal(np.asarray(op(xm, wq, cs, cb, 32, 4)), np.asarray(op(xm, wq, fs, fb, 32, 4))))
     same.append(np.array_equal(np.asarray(mod.dequantize(wq, cs, cb, 32, 4)), np.asarray(mod.dequantize(wq, fs, fb, 32, 4))))
+for bits in (5, 6):  # unpacked to bytes (AVX2 shuffles / a loop), against the 8-bit bits
+    wp, w8 = mx.array(d[f"p{bits}"]), mx.array(d[f"p{bits}_8"])
+    s32, b32 = mx.array(d["kq_fs"]), mx.array(d["kq_fb"])
+    for m in (1, 3, 9, 40):
+        xm = mx.array(d["x512"])[:m]
+        for op in (mod.qmm, mod.qgemm):
+            same.append(np.array_equal(np.asarray(op(xm, wp, s32, b32, 32, bits)), np.asarray(op(xm, w8, s32, b32, 32, 8))))
+    same.append(np.array_equal(np.asarray(mod.dequantize(wp, s32, b32, 32, bits)), np.asarray(mod.dequantize(w8, s32, b32, 32, 8))))
 outs["compact_same"] = np.array(same)
 outs["isa"] = np.array(mod.isa)
 outs["few_gemm"] = np.array(mod.few_gemm)
@@ -734,7 +742,8 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # 
     AVX-512 VNNI kernel's bits exactly at every row count (exact integer
     sums, the same two float32 roundings per group), the float kernels the same product,
     and attend its float16 cache values (converted without F16C/AVX-512 instructions);
-    compact scales (float16, the two-level K-quant form) give their float32 values' bits.
+    compact scales (float16, the two-level K-quant form) give their float32 values' bits,
+    and 5-/6-bit weights (unpacked with AVX2 shuffles, or a loop) the 8-bit form's.
     qgemm's AVX2 few-row path gives its many-row tiles' bits at every row count 1..16,
     and both give this machine's qgemm bits (the same arithmetic on every path)."""
     import subprocess
@@ -759,6 +768,9 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # 
     data.update(w16=np.asarray(w16), s16=np.asarray(s16), b16=np.asarray(b16))
     data.update(w512=np.asarray(_quantized(29, 512, 32, 4)[0]),
                 x512=RNG.standard_normal((40, 512)).astype(np.float32))
+    for bits in (5, 6):
+        q = RNG.integers(0, 1 << bits, (29, 512)).astype(np.uint32)
+        data.update({f"p{bits}": np.asarray(_stream(q, bits)), f"p{bits}_8": np.asarray(_stream(q, 8))})
     for fmt, kind in (("h", "float16"), ("kq", "kq")):  # 29 rows of 512 / 32 = 16 groups
         (cs, cb), (fs, fb) = _compact_scales(29, 16, kind, 8)
         data.update({f"{fmt}_s": np.asarray(cs), f"{fmt}_b": np.asarray(cb), f"{fmt}_fs": fs, f"{fmt}_fb": fb})
@@ -772,7 +784,7 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # 
     assert bool(got["int8_dot"]) == avx2  # vpmaddubsw on AVX2, a scalar loop on baseline
     assert str(got["int8_dot_isa"]).startswith("AVX-VNNI" if extra else "AVX2" if avx2 else "a scalar")
     assert str(got["isa"]) == ("avx2" if avx2 else "generic") and bool(got["few_gemm"]) == avx2
-    assert got["compact_same"].all() and got["compact_same"].size == 26
+    assert got["compact_same"].all() and got["compact_same"].size == 26 + 18
     for bits in (4, 8):
         many = got[f"qgemm40_{bits}"]
         for m in range(1, 17):
@@ -917,3 +929,41 @@ def test_mlx_checkpoint_scales_stay_as_stored_and_give_the_float32_bits(tmp_path
     for chunk in (1, 16):
         assert np.array_equal(np.asarray(fx_engine.logits(model, ids, chunk=chunk)),
                               np.asarray(fx_engine.logits(ref, ids, chunk=chunk)))
+
+
+def _stream(q: np.ndarray, bits: int) -> mx.array:
+    from fx_engine.loading.gguf import _pack  # MLX's bit-stream packing (tested against mx.quantize)
+
+    return mx.array(_pack(q, bits))
+
+
+@pytest.mark.parametrize("bits", [5, 6])
+@pytest.mark.parametrize("gs", [16, 32, 64])
+def test_5_and_6_bit_weights_give_the_8_bit_bits(bits: int, gs: int) -> None:
+    """5- and 6-bit weights (GGUF's Q5_0/Q5_K, Q6_K as stored) are unpacked to bytes a block
+    of rows at a time and run on the 8-bit code: every product and row count, and
+    dequantize, give exactly the bits of the same integers stored as 8 bits, with float32
+    or two-level scales; K = 1056 / 1088 leave a tail after the 64-value vector steps."""
+    n = 29
+    for k in (1024, 1088 if gs == 64 else 1056):
+        q = RNG.integers(0, 1 << bits, (n, k)).astype(np.uint32)
+        packed, wide = _stream(q, bits), _stream(q, 8)
+        assert packed.shape == (n, k * bits // 32)
+        s = mx.array(RNG.uniform(0.001, 0.02, (n, k // gs)).astype(np.float32))
+        b = mx.array(RNG.uniform(-0.5, 0.5, (n, k // gs)).astype(np.float32))
+        forms = [(s, b)]
+        if k % 256 == 0 and gs <= 32:
+            forms.append(_compact_scales(n, k // gs, "kq", 256 // gs)[0])
+        for cs, cb in forms:
+            for m in (1, 2, 7, 16, 17, 40):
+                x = mx.array(RNG.standard_normal((m, k)).astype(np.float32))
+                for op in (native.qmm, native.qgemm):
+                    assert np.array_equal(np.asarray(op(x, packed, cs, cb, gs, bits)),
+                                          np.asarray(op(x, wide, cs, cb, gs, 8))), (op, m, k)
+            assert np.array_equal(np.asarray(native.dequantize(packed, cs, cb, gs, bits)),
+                                  np.asarray(native.dequantize(wide, cs, cb, gs, 8)))
+        w = q.astype(np.float32) * np.repeat(np.asarray(s), gs, 1) + np.repeat(np.asarray(b), gs, 1)
+        np.testing.assert_array_equal(np.asarray(native.dequantize(packed, s, b, gs, bits)), w)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):  # qmm_a8 reads packed words itself
+        native.qmm_a8(mx.ones((1, k)), packed, s, b, gs, bits)  # (the last k's)
+    assert native.supports(gs, bits) and not native.supports(32, bits, activation_bits=8)

@@ -259,6 +259,23 @@ def test_lockstep_drafts_must_be_registered_and_self_drafts_need_the_layers():
         fx_engine.Engine(model)._draft_ref({"draft_model": draft})
 
 
+def test_kquant_gguf_on_two_ranks_equals_one_process(tmp_path):
+    """A Q4_K_M-like GGUF sharded: 6-bit Q6_K down projections split along their input
+    (whole words and super-blocks: the two-level scales stay), Q4_K output projections
+    whose halves cut a super-block (expanded to float32 scales first), 5-bit fusions."""
+    from fx_engine.loading.default_model import default_model_path
+
+    from .test_gguf_kquant import write_kquant_gguf
+
+    path, _ = write_kquant_gguf(tmp_path, default_model_path(), untied=True)
+    args = ["--model", str(path), "--tokens", "12", "--logits", "--engine", "2", "--ignore-eos"]
+    for split in ("tp", "pp"):
+        one, two = alone(args), tp(args, split=split)
+        assert two["tokens"] == one["tokens"] and two["engine"] == one["engine"], split
+        diff = mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item()
+        assert diff < 1e-3 * mx.abs(mx.array(one["logits"])).max().item(), (split, diff)
+
+
 def test_each_rank_holds_about_its_share(tmp_path):
     """Sharded before anything is evaluated (safetensors are read lazily, one leaf at a
     time): each of 2 ranks holds half the params, and its peak memory while loading is

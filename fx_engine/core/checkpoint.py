@@ -195,17 +195,61 @@ def keep(policy: KeepQuantized, lin: Linear) -> bool:
     return bool(policy)
 
 
-def widened(policy: KeepQuantized, lin: Linear, force: bool = False) -> Linear:
-    """`lin` stored as 8-bit with the same scales and biases, when its own width is not kept
-    (or `force`) but 8 bits of its group size are (e.g. 5-/6-bit weights where the native
-    CPU kernels run 4 and 8): exact (every stored integer fits 8 bits), and 8 bits instead
-    of a float copy. Otherwise `lin` unchanged."""
-    if (not lin.quantized or lin.bits >= 8 or policy is False or lin.mode != "affine"
-            or (keep(policy, lin) and not force) or (callable(policy) and not policy(lin.group_size, 8))):
+def widened(policy: KeepQuantized, lin: Linear, force: bool = False, bits: int | None = None) -> Linear:
+    """`lin` stored in `bits` (None: the narrowest wider width the policy keeps, else 8)
+    with the same scales and biases, when its own width is not kept (or `force`) but `bits`
+    of its group size are (e.g. 2-/3-bit weights where the native CPU kernels run 4, 5, 6
+    and 8; 4 bits in groups of 16; the narrower parts of a fusion): exact (every stored
+    integer fits), and packed instead of a float copy. Otherwise `lin` unchanged."""
+    if bits is None:
+        bits = next((w for w in (5, 6) if lin.bits < w and callable(policy) and policy(lin.group_size, w)), 8)
+    if (not lin.quantized or lin.bits >= bits or policy is False or lin.mode != "affine"
+            or (keep(policy, lin) and not force) or (callable(policy) and not policy(lin.group_size, bits))):
         return lin
     k = lin.scales.shape[-1] * lin.group_size
-    return Linear(weight=mx.array(repacked_8bit(np.asarray(lin.weight), lin.bits, k)), bias=lin.bias,
-                  scales=lin.scales, biases=lin.biases, group_size=lin.group_size, bits=8, origin=lin.origin)
+    words = np.asarray(lin.weight)
+    packed = (repacked_8bit(words, lin.bits, k) if bits == 8 else
+              pack_stream(repacked_8bit(words, lin.bits, k).reshape(-1, k // 4).view(np.uint8).reshape(-1, k), bits)
+              .reshape(*words.shape[:-1], -1))
+    return Linear(weight=mx.array(packed), bias=lin.bias, scales=lin.scales, biases=lin.biases,
+                  group_size=lin.group_size, bits=bits, origin=lin.origin)
+
+
+def pack_stream(q: np.ndarray, bits: int) -> np.ndarray:
+    """[R, K] unsigned values < 2**bits -> [R, K * bits / 32] uint32: MLX's layout, one
+    little-endian bit stream per row. Each run of 32 values fills `bits` words; value i of a
+    run lands at bit bits * i of the run (straddling two words when it crosses one)."""
+    r, k = q.shape
+    if bits == 8:  # whole bytes: element j is byte j
+        return np.ascontiguousarray(q, dtype=np.uint8).view(np.uint32).reshape(r, k // 4)
+    if bits == 4:  # element 2i in byte i's low nibble, 2i + 1 in its high one
+        b = (q[:, 0::2].astype(np.uint8) | (q[:, 1::2].astype(np.uint8) << 4))
+        return np.ascontiguousarray(b).view(np.uint32).reshape(r, k // 8)
+    if bits == 6:  # 4 values -> 3 bytes
+        v = q.reshape(r, k // 4, 4).astype(np.uint8)
+        out = np.empty((r, k // 4, 3), np.uint8)
+        out[..., 0] = v[..., 0] | (v[..., 1] << 6)
+        out[..., 1] = (v[..., 1] >> 2) | (v[..., 2] << 4)
+        out[..., 2] = (v[..., 2] >> 4) | (v[..., 3] << 2)
+        return out.reshape(r, -1).view(np.uint32)
+    if bits == 5:  # 8 values -> 5 bytes
+        v = q.reshape(r, k // 8, 8).astype(np.uint8)
+        out = np.empty((r, k // 8, 5), np.uint8)
+        out[..., 0] = v[..., 0] | (v[..., 1] << 5)
+        out[..., 1] = (v[..., 1] >> 3) | (v[..., 2] << 2) | (v[..., 3] << 7)
+        out[..., 2] = (v[..., 3] >> 1) | (v[..., 4] << 4)
+        out[..., 3] = (v[..., 4] >> 4) | (v[..., 5] << 1) | (v[..., 6] << 6)
+        out[..., 4] = (v[..., 6] >> 2) | (v[..., 7] << 3)
+        return out.reshape(r, -1).view(np.uint32)
+    runs = q.reshape(-1, 32).astype(np.uint64)
+    words = np.zeros((runs.shape[0], bits), np.uint64)
+    for i in range(32):
+        word, shift = divmod(bits * i, 32)
+        v = runs[:, i] << np.uint64(shift)
+        words[:, word] |= v & np.uint64(0xFFFFFFFF)
+        if shift + bits > 32:
+            words[:, word + 1] |= v >> np.uint64(32)
+    return words.astype(np.uint32).reshape(r, k * bits // 32)
 
 
 def repacked_8bit(words: np.ndarray, bits: int, k: int) -> np.ndarray:
@@ -267,8 +311,10 @@ def fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: KeepQuantized) ->
             parts = [attrs.evolve(p, scales=p.scales.astype(mx.float32), biases=p.biases.astype(mx.float32))
                      if p.quantized else p for p in parts]
     if (all(p.quantized for p in parts) and len({p.group_size for p in parts}) == 1
-            and len({p.bits for p in parts}) > 1):  # mixed widths (a GGUF K-quant mix): 8 bits
-        parts = [widened(keep_quantized, p, force=True) for p in parts]
+            and len({p.bits for p in parts}) > 1):  # mixed widths (a GGUF K-quant mix): the widest
+        wide = max(p.bits for p in parts)  # (a kept width: every narrower integer fits; else 8)
+        wide = wide if keep(keep_quantized, attrs.evolve(parts[0], bits=wide)) else 8
+        parts = [widened(keep_quantized, p, force=True, bits=wide) for p in parts]
     same_q = all(p.quantized for p in parts) and len(
         {(p.group_size, p.bits) for p in parts}
     ) == 1

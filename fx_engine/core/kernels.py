@@ -14,7 +14,7 @@ from types import ModuleType
 _EXTENSION: list[ModuleType] = []  # the one installed extension (a loaded library, like MLX)
 _UNAVAILABLE: list[str] = []  # why it could not be loaded, when the shell tried and failed
 
-QMM_BITS = (4, 8)
+QMM_BITS = (4, 5, 6, 8)  # 5 and 6: unpacked to bytes a block of rows at a time (not qmm_a8)
 FEW_GEMM_ROWS = 16  # qgemm's few-row path takes up to this many rows (qmatmul.h QG_FEW)
 
 
@@ -104,11 +104,15 @@ def dequantize(w, scales, biases, group_size: int, bits: int):  # type: ignore[n
 
 def supports(group_size: int, bits: int, activation_bits: int | None = None) -> bool:
     """Whether the native products run this format: 4 or 8 bits in groups of a multiple of
-    32, and 8 bits in groups of 16 (a GGUF's Q6_K, widened exactly) except with 8-bit
-    activations (qmm_a8 rounds them per group of 32 or more)."""
+    32; 5 and 6 bits (GGUF's Q5_0/Q5_1/Q5_K, Q6_K: unpacked to bytes a block of rows at a
+    time, then the 8-bit code) likewise; 5, 6 and 8 bits also in groups of 16 (Q6_K's).
+    With 8-bit activations (qmm_a8, which reads the packed words directly and rounds the
+    activations per group of 32 or more): 4 and 8 bits in groups of a multiple of 32."""
     if bits not in QMM_BITS or group_size <= 0:
         return False
-    return group_size % 32 == 0 or (bits == 8 and group_size == 16 and activation_bits is None)
+    if activation_bits is not None:
+        return bits in (4, 8) and group_size % 32 == 0
+    return group_size % 32 == 0 or (bits >= 5 and group_size == 16)
 
 
 def masked_softmax(scores, mask):  # type: ignore[no-untyped-def]

@@ -95,19 +95,22 @@ def _cols(lin: Linear, start: int, end: int, name: str) -> Linear:
         raise ConfigError("tensor parallel: MXFP4 weights are not supported yet")
     tp = ("sum", start, end, lin.in_features)
     if lin.quantized:
-        gs, per_word = lin.group_size, 32 // lin.bits if 32 % lin.bits == 0 else None
-        if start % gs or end % gs or per_word is None or start % per_word:
+        # a row is one bit stream: whole 32-bit words at every multiple of 32 values (of 8
+        # or 4 values for 4 and 8 bits)
+        gs, unit = lin.group_size, 32 // lin.bits if 32 % lin.bits == 0 else 32
+        if start % gs or end % gs or start % unit or end % unit:
             raise ConfigError(f"tensor parallel: {name} ({lin.bits}-bit, groups of {gs}) cannot be "
                               f"split at input feature {start}..{end}")
+        word = lambda i: i * lin.bits // 32  # noqa: E731  (the word where value i starts)
         if two_level(lin):  # the super-blocks' factors split whole, or the float32 form
             sb = lin.in_features // lin.biases.shape[-2]
             if start % sb or end % sb:
                 lin = expanded(lin)
             else:
-                return attrs.evolve(lin, weight=_cut(lin.weight, -1, [(start // per_word, end // per_word)]),
+                return attrs.evolve(lin, weight=_cut(lin.weight, -1, [(word(start), word(end))]),
                                     scales=_cut(lin.scales, -1, [(start // gs, end // gs)]),
                                     biases=_cut(lin.biases, -2, [(start // sb, end // sb)]), tp=tp)
-        return attrs.evolve(lin, weight=_cut(lin.weight, -1, [(start // per_word, end // per_word)]),
+        return attrs.evolve(lin, weight=_cut(lin.weight, -1, [(word(start), word(end))]),
                             scales=_cut(lin.scales, -1, [(start // gs, end // gs)]),
                             biases=_cut(lin.biases, -1, [(start // gs, end // gs)]), tp=tp)
     return attrs.evolve(lin, weight=_cut(lin.weight, -2 if lin.transposed else -1, [(start, end)]), tp=tp)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Union
 import mlx.core as mx
 import numpy as np
 
-from fx_engine.core.checkpoint import WeightsError
+from fx_engine.core.checkpoint import WeightsError, pack_stream
 
 __all__ = ["read_gguf", "AFFINE_TYPES", "DEQUANTIZED_TYPES"]
 
@@ -190,25 +190,7 @@ _AFFINE = {"Q3_K": (_q3_k, QK_K, 110), "Q4_0": (_q4_0, QK, 18), "Q4_1": (_q4_1, 
            "Q4_K": (_q4_k, QK_K, 144), "Q5_K": (_q5_k, QK_K, 176), "Q6_K": (_q6_k, QK_K, 210)}
 
 
-def _pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """[R, K] unsigned values < 2**bits -> [R, K * bits / 32] uint32: MLX's layout, one
-    little-endian bit stream per row. Each run of 32 values fills `bits` words; value i of a
-    run lands at bit bits * i of the run (straddling two words when it crosses one)."""
-    r, k = q.shape
-    if bits == 8:  # whole bytes: element j is byte j
-        return np.ascontiguousarray(q, dtype=np.uint8).view(np.uint32).reshape(r, k // 4)
-    if bits == 4:  # element 2i in byte i's low nibble, 2i + 1 in its high one
-        b = (q[:, 0::2].astype(np.uint8) | (q[:, 1::2].astype(np.uint8) << 4))
-        return np.ascontiguousarray(b).view(np.uint32).reshape(r, k // 8)
-    runs = q.reshape(-1, 32).astype(np.uint64)
-    words = np.zeros((runs.shape[0], bits), np.uint64)
-    for i in range(32):
-        word, shift = divmod(bits * i, 32)
-        v = runs[:, i] << np.uint64(shift)
-        words[:, word] |= v & np.uint64(0xFFFFFFFF)
-        if shift + bits > 32:
-            words[:, word + 1] |= v >> np.uint64(32)
-    return words.astype(np.uint32).reshape(r, k * bits // 32)
+_pack = pack_stream  # (core/checkpoint.py: MLX's bit-stream packing)
 
 
 def _two_level(parts: tuple, blocks: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -409,7 +391,7 @@ def read_gguf(path: str | Path, store_bits: StoreBits = None,
               compact: bool = False) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """(tensors, metadata) of a GGUF file; see the module docstring for the representation.
     store_bits(name, group, bits, is_head) -> the width to pack each affine tensor's integers in (None:
-    its own; the loader widens what the CPU kernels do not run to 8 bits here, in numpy,
+    its own; the loader widens what the CPU kernels do not run (2, 3 bits) here, in numpy,
     rather than unpacking and repacking later). compact: scales and biases of 2-D tensors
     in the native kernels' compact forms (see `_affine`; the same values)."""
     path = Path(path)

@@ -37,13 +37,14 @@ def load_gguf(
 
     store_bits = None
     if callable(keep_quantized):
-        # widths the kernels do not run, widened to 8 bits while reading (numpy, one pass);
-        # not embedding tables that are only looked up (a lookup dequantizes its rows: kept
-        # as stored), unless the table is also the head
+        # widths the kernels do not run (Q2_K, Q3_K), widened while reading (numpy, one
+        # pass) to the narrowest they do (5 bits in groups of 16); not embedding tables that
+        # are only looked up (a lookup dequantizes its rows: kept as stored), unless the
+        # table is also the head
         def store_bits(name: str, group: int, bits: int, head: bool) -> int:
-            if ("token_embd" in name and not head) or bits >= 8:
+            if ("token_embd" in name and not head) or bits >= 8 or keep_quantized(group, bits):
                 return bits
-            return 8 if not keep_quantized(group, bits) and keep_quantized(group, 8) else bits
+            return next((w for w in (5, 6, 8) if w > bits and keep_quantized(group, w)), bits)
 
     # with the native kernels (float32), scales and biases in the compact forms they decode
     # themselves: K-quants two-level as the file stores them, legacy types as halves

@@ -7,7 +7,9 @@
 //
 //   qmm:        y[M, N] = x[M, K] @ dequantize(w)[N, K].T for MLX's affine-quantized
 //               weights (4 or 8 bits, group a multiple of 32: what GGUF Q4_0/Q4_1/Q8_0 and
-//               mlx-community models load as). Four weight rows are dequantized into an
+//               mlx-community models load as; 5 and 6 bits, GGUF's Q5_0/Q5_K/Q6_K, are
+//               unpacked to bytes a block of rows at a time and run as 8; 5, 6 and 8 bits
+//               also in groups of 16, Q6_K's). Four weight rows are dequantized into an
 //               L1 buffer once and reused by every activation row, so a decode step
 //               streams the packed bytes and a batch of rows shares one pass over them.
 //   qgemm:      the same product for many rows (prefill chunks, wide decode batches):
@@ -19,7 +21,7 @@
 //               (opt-in numerics, as llama.cpp's): exact int8 dot products (AVX-512
 //               VNNI, AVX2 vpmaddubsw), no float copy of the weights; 2-3x qmm/qgemm
 //               from 8 rows up.
-//   (Scales and biases come as float32, float16, bfloat16, or in GGUF's K-quant two-level
+//   (Quant and biases come as float32, float16, bfloat16, or in GGUF's K-quant two-level
 //   form: scales.h. Each decodes to the same float32 values, so the same bits.)
 //   dequantize: the same values as mx.dequantize, from the same code qmm and qgemm
 //               unpack their weights with (fx_engine.nn runs a BLAS GEMM on it where
@@ -117,15 +119,15 @@ const T* dense(const mx::array& a, std::vector<T>& tmp) {
   return tmp.data();
 }
 
-// The Scales view of a quantized product's scales and biases inputs (made row-contiguous
+// The Quant view of a quantized product's scales and biases inputs (made row-contiguous
 // into ts / tb when strided), in the format scale_format chose.
-inline Scales scales_of(const mx::array& s, const mx::array& b, int fmt, int groups,
+inline Quant scales_of(const mx::array& s, const mx::array& b, int fmt, int groups, int wbits,
                         std::vector<float>& ts, std::vector<float>& tb,
                         std::vector<uint16_t>& hs, std::vector<uint16_t>& hb) {
-  if (fmt == SF_F32) return Scales{dense(s, ts), dense(b, tb), fmt, groups, 1};
+  if (fmt == SF_F32) return Quant{dense(s, ts), dense(b, tb), fmt, groups, 1, wbits};
   // (int16 codes are read through their 16 bits, like the halves)
   const int sb = fmt == SF_KQ ? groups / static_cast<int>(b.shape(-2)) : 1;
-  return Scales{dense(s, hs), dense(b, hb), fmt, groups, sb};
+  return Quant{dense(s, hs), dense(b, hb), fmt, groups, sb, wbits};
 }
 
 // ---------------------------------------------------------------- primitives
@@ -166,7 +168,7 @@ class QMatmul : public CpuKernel {
       std::vector<uint32_t> tw;
       std::vector<float> tx, ts, tb;
       std::vector<uint16_t> hs, hb;
-      const Scales sc = scales_of(s, b, fmt, K / gs, ts, tb, hs, hb);
+      const Quant sc = scales_of(s, b, fmt, K / gs, bits, ts, tb, hs, hb);
       auto* f = kind == 2 ? qmm_a8_cpu : kind == 1 ? qgemm_cpu : qmm_cpu;
       f(dense(x, tx), M, K, dense(w, tw), sc, gs, bits, out.data<float>(), N);
     };
@@ -199,7 +201,7 @@ class Dequantize : public CpuKernel {
       std::vector<float> ts, tb;
       std::vector<uint16_t> hs, hb;
       const int K = static_cast<int>(out.shape(1));
-      dequant_cpu(dense(w, tw), scales_of(s, b, fmt, K / gs, ts, tb, hs, hb), gs, bits,
+      dequant_cpu(dense(w, tw), scales_of(s, b, fmt, K / gs, bits, ts, tb, hs, hb), gs, bits,
                   out.data<float>(), static_cast<int>(out.shape(0)), K);
     };
   }
@@ -501,14 +503,17 @@ mx::array swiglu(const mx::array& gu) {
 void check_quantized(const char* op, const mx::array& w, const mx::array& scales,
                      const mx::array& biases, int group_size, int bits, bool group16 = true) {
   const std::string p = op;
-  if (bits != 4 && bits != 8)
-    throw std::invalid_argument(p + ": bits must be 4 or 8, got " + std::to_string(bits));
+  // 5 and 6 bits (GGUF's Q5_0/Q5_1/Q5_K, Q6_K) run on the 8-bit kernels, unpacked a block of
+  // rows at a time; not qmm_a8 (its integer paths read the packed words directly)
+  if (bits != 4 && bits != 8 && ((bits != 5 && bits != 6) || !group16))
+    throw std::invalid_argument(p + ": bits must be 4 or 8" + std::string(group16 ? " (or 5, 6)" : "") +
+                                ", got " + std::to_string(bits));
   // 8-bit weights also in groups of 16 (a GGUF's Q6_K, widened exactly), except qmm_a8,
   // whose activations are rounded per group of 32 or more
-  const bool g16 = group16 && bits == 8 && group_size == 16;
+  const bool g16 = group16 && bits >= 5 && group_size == 16;
   if (group_size <= 0 || (group_size % 32 != 0 && !g16))
     throw std::invalid_argument(p + ": group_size must be a multiple of 32" +
-                                std::string(group16 ? " (or 16 for 8 bits)" : "") + ", got " +
+                                std::string(group16 ? " (or 16 for 5, 6 and 8 bits)" : "") + ", got " +
                                 std::to_string(group_size));
   if (w.ndim() != 2 || w.dtype() != mx::uint32)
     throw std::invalid_argument(p + ": w must be a 2-D uint32 array");
@@ -516,6 +521,9 @@ void check_quantized(const char* op, const mx::array& w, const mx::array& scales
   if (K == 0) throw std::invalid_argument(p + ": the input size must be positive");
   if (K % group_size != 0)
     throw std::invalid_argument(p + ": the input size must be a multiple of group_size");
+  if (static_cast<int64_t>(K) * bits != static_cast<int64_t>(w.shape(1)) * 32)
+    throw std::invalid_argument(p + ": w's row of " + std::to_string(w.shape(1)) + " words is not a whole "
+                                "number of " + std::to_string(bits) + "-bit values");
   if (scales.ndim() != 2 || scales.shape(0) != w.shape(0) || scales.shape(1) != K / group_size)
     throw std::invalid_argument(p + ": scales/biases must have shape [N, K / group_size]");
   if (scales.dtype() == mx::int16) {  // the two-level form (scales.h SF_KQ)

@@ -142,32 +142,34 @@ inline void qmm_rows(const float* x, int M, int K, const float* w, float* y, int
 }
 
 template <int BITS>
-void qmm_range(const float* x, int M, int K, const uint32_t* wq, const Scales& S, int gs, float* y, int N, int n0, int n1) {
+void qmm_range(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N, int n0, int n1) {
   constexpr int NB = 4;
   const int words = K * BITS / 32, groups = K / gs;
   thread_local std::vector<float> buf;
   if (static_cast<int>(buf.size()) < NB * K) buf.resize(NB * K);
   float* w = buf.data();
   float* tmp = scale_tmp(1, groups);
+  uint8_t* wt = S.unpacks() ? weight_tmp(K) : nullptr;
+  auto row = [&](int64_t r) { return reinterpret_cast<const uint32_t*>(S.weights(wq, r, 1, K, wt)); };
   const float *rs, *rb;
   int n = n0;
   for (; n + NB <= n1; n += NB) {
     for (int j = 0; j < NB; ++j) {
       const int64_t r = n + j;
       S.row(r, tmp, rs, rb);
-      dequant_row<BITS>(wq + r * words, rs, rb, K, gs, w + j * K);
+      dequant_row<BITS>(row(r), rs, rb, K, gs, w + j * K);
     }
     qmm_rows<NB>(x, M, K, w, y + n, N);
   }
   for (; n < n1; ++n) {
     const int64_t r = n;
     S.row(r, tmp, rs, rb);
-    dequant_row<BITS>(wq + r * words, rs, rb, K, gs, w);
+    dequant_row<BITS>(row(r), rs, rb, K, gs, w);
     qmm_rows<1>(x, M, K, w, y + n, N);
   }
 }
 
-void qmm_cpu(const float* x, int M, int K, const uint32_t* wq, const Scales& S,
+void qmm_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S,
              int gs, int bits, float* y, int N) {
   constexpr int NB = 4;
   const int blocks = (N + NB - 1) / NB;
@@ -183,10 +185,10 @@ void qmm_cpu(const float* x, int M, int K, const uint32_t* wq, const Scales& S,
   const int chunks = (blocks + per - 1) / per;
   pool().run(chunks, [&](int c) {
     const int n0 = std::min(N, c * per * NB), n1 = std::min(N, (c + 1) * per * NB);
-    if (bits == 8)
-      qmm_range<8>(x, M, K, wq, S, gs, y, N, n0, n1);
-    else
+    if (bits == 4)
       qmm_range<4>(x, M, K, wq, S, gs, y, N, n0, n1);
+    else  // 8 bits, and 5/6 unpacked to bytes
+      qmm_range<8>(x, M, K, wq, S, gs, y, N, n0, n1);
   });
 }
 
@@ -326,18 +328,19 @@ struct FewBlock {
   int nv;
 };
 
-inline FewBlock few_block(int K, const uint32_t* wq, const Scales& S, int gs,
-                          int bits, int N, int n0, float* sbuf) {
+inline FewBlock few_block(int K, const uint32_t* wq, const Quant& S, int gs,
+                          int bits, int N, int n0, float* sbuf, uint8_t* wtmp = nullptr) {
   FewBlock fb;
-  const int words = K * bits / 32, groups = K / gs;
+  const int words = K * bits / 32, groups = K / gs;  // (bits: the kernel's, 4 or 8)
   fb.nv = std::min(16, N - n0);
   const char* rs[16];
   const char* rb[16];
   const float *ds, *db;  // the block's rows' scales and biases as float32 (decoded if stored otherwise)
   S.rows(n0, fb.nv, scale_tmp(16, groups), ds, db);
+  const char* wrows = S.weights(wq, n0, fb.nv, K, wtmp);  // (5-/6-bit rows unpacked into wtmp)
   for (int j = 0; j < 16; ++j) {
     const int64_t r = n0 + std::min(j, fb.nv - 1);
-    fb.rw[j] = reinterpret_cast<const char*>(wq + r * words);
+    fb.rw[j] = wrows + (r - n0) * words * 4;
     rs[j] = reinterpret_cast<const char*>(ds + (r - n0) * groups);
     rb[j] = reinterpret_cast<const char*>(db + (r - n0) * groups);
   }
@@ -358,9 +361,9 @@ inline FewBlock few_block(int K, const uint32_t* wq, const Scales& S, int gs,
   // The next block's scales and biases (with float32 parameters a third of the bytes of
   // 4-bit weights in groups of 32), now: read at the start of that block, before its words.
   S.prefetch(n0 + 16, std::max(0, std::min(16, N - n0 - 16)));
-  const int64_t blk_bytes = int64_t{16} * words * 4;
-  fb.next = reinterpret_cast<const char*>(wq + int64_t{n0 + 16} * words);
-  fb.next_bytes = std::min(blk_bytes, std::max<int64_t>(0, int64_t{N - n0 - 16} * words * 4));
+  const int64_t row_bytes = S.stored_row_bytes(K), blk_bytes = 16 * row_bytes;
+  fb.next = S.stored_row(wq, n0 + 16, K);
+  fb.next_bytes = std::min(blk_bytes, std::max<int64_t>(0, int64_t{N - n0 - 16} * row_bytes));
   fb.pf_step = ((fb.next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
   return fb;
 }
@@ -383,16 +386,16 @@ inline void prefetch_slice(const FewBlock& fb, int k0) {
 // alone wait on the FMA latency (measured: 1 row took ~as long as 4); NB blocks give NB x MR
 // independent chains with the same per-output arithmetic.
 template <int BITS, int MR, int NB>
-inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const Scales& S, int gs, float* y, int N, int n0, float* sbuf) {
+inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N, int n0, float* sbuf) {
   const int groups = K / gs;
   FewBlock fb[NB];
   for (int t = 0; t < NB; ++t)
-    fb[t] = few_block(K, wq, S, gs, BITS, N, n0 + 16 * t, sbuf + t * (2 * groups * 16 + 16));
+    fb[t] = few_block(K, wq, S, gs, BITS, N, n0 + 16 * t, sbuf + t * (2 * groups * 16 + 16),
+                      S.unpacks() ? weight_tmp(int64_t{16} * K, t) : nullptr);
   // the next NB blocks' packed rows (contiguous), a slice per 32-k step (each few_block
   // prefetches only the block after its own, which is inside this group for t < NB - 1)
-  const int64_t words = K * BITS / 32;
-  const char* next = reinterpret_cast<const char*>(wq + (n0 + 16 * NB) * words);
-  const int64_t next_bytes = std::max(0, std::min(16 * NB, N - n0 - 16 * NB)) * words * 4;
+  const char* next = S.stored_row(wq, n0 + 16 * NB, K);
+  const int64_t next_bytes = std::max(0, std::min(16 * NB, N - n0 - 16 * NB)) * S.stored_row_bytes(K);
   const int64_t slice = ((next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
   const __m512i low = _mm512_set1_epi32(BITS == 4 ? 15 : 255);
   __m512 acc[NB][MR];
@@ -440,7 +443,7 @@ inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const Sca
 }
 
 template <int BITS, int MR>
-inline void qgemm_few_rows(const float* x, int K, const uint32_t* wq, const Scales& S, int gs, float* y, int N, int b0, int b1, float* sbuf) {
+inline void qgemm_few_rows(const float* x, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N, int b0, int b1, float* sbuf) {
   // independent FMA chains for few rows (8-bit weights: the head, bound by memory; more
   // blocks there only add register pressure)
   constexpr int NB = BITS == 8 ? (MR == 1 ? 2 : 1) : MR == 1 ? 4 : MR == 2 ? 2 : 1;
@@ -450,7 +453,7 @@ inline void qgemm_few_rows(const float* x, int K, const uint32_t* wq, const Scal
 }
 
 template <int BITS>
-void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const Scales& S, int gs, float* y, int N) {
+void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
   const int blocks = (N + 15) / 16;
   // ~2304 weights of K per chunk (several chunks per thread, for balance), rounded up to
   // whole groups of the blocks qgemm_few_rows runs at once (4 at 1 row, 2 at 2 rows)
@@ -494,16 +497,17 @@ inline void transpose8x4(const char* const* rp, int64_t off, __m256i out[4]) {
 // The weight rows of the 8-feature block at n0 (rows past N repeat the last one: computed,
 // never stored) as byte pointers, their scales and biases transposed into sbuf[g][8] and
 // sbuf[groups + g][8]. Returns the block's number of real features.
-inline int few8_setup(int K, const uint32_t* wq, const Scales& S, int gs,
-                      int bits, int N, int n0, const char** rw, float* sbuf) {
+inline int few8_setup(int K, const uint32_t* wq, const Quant& S, int gs,
+                      int bits, int N, int n0, const char** rw, float* sbuf, uint8_t* wtmp = nullptr) {
   const int words = K * bits / 32, groups = K / gs, nv = std::min(8, N - n0);
   const char* rs[8];
   const char* rb[8];
   const float *ds, *db;  // the block's rows' scales and biases as float32 (decoded if stored otherwise)
   S.rows(n0, nv, scale_tmp(8, groups), ds, db);
+  const char* wrows = S.weights(wq, n0, nv, K, wtmp);  // (5-/6-bit rows unpacked into wtmp)
   for (int j = 0; j < 8; ++j) {
     const int64_t r = n0 + std::min(j, nv - 1);
-    rw[j] = reinterpret_cast<const char*>(wq + r * words);
+    rw[j] = wrows + (r - n0) * words * 4;
     rs[j] = reinterpret_cast<const char*>(ds + (r - n0) * groups);
     rb[j] = reinterpret_cast<const char*>(db + (r - n0) * groups);
   }
@@ -543,18 +547,18 @@ constexpr int QG_PASS = 8;  // rows per pass over the weights
 // dependent FMAs (the fixed order), so one row alone would wait on the FMA latency; NB
 // blocks give NB x MR independent chains with the same per-output arithmetic.
 template <int BITS, int MR, int NB>
-inline void qgemm_few8_blocks(const float* x, int K, const uint32_t* wq, const Scales& S, int gs, float* y, int N, int n0, float* sbuf) {
+inline void qgemm_few8_blocks(const float* x, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N, int n0, float* sbuf) {
   const int groups = K / gs;
   const char* rw[NB][8];
   int nv[NB];
   for (int t = 0; t < NB; ++t)
-    nv[t] = few8_setup(K, wq, S, gs, BITS, N, n0 + 8 * t, rw[t], sbuf + t * 16 * groups);
+    nv[t] = few8_setup(K, wq, S, gs, BITS, N, n0 + 8 * t, rw[t], sbuf + t * 16 * groups,
+                       S.unpacks() ? weight_tmp(int64_t{8} * K, t) : nullptr);
   // The next NB blocks' packed rows (contiguous) are prefetched a slice per 32-k step, and
   // their scales and biases now: interleaved row streams defeat the hardware prefetchers.
-  const int words = K * BITS / 32;
   const int64_t next_rows = std::max(0, std::min(8 * NB, N - n0 - 8 * NB));
-  const char* next = reinterpret_cast<const char*>(wq + int64_t{n0 + 8 * NB} * words);
-  const int64_t next_bytes = next_rows * words * 4, slice = ((next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
+  const char* next = S.stored_row(wq, n0 + 8 * NB, K);
+  const int64_t next_bytes = next_rows * S.stored_row_bytes(K), slice = ((next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
   S.prefetch(n0 + 8 * NB, next_rows);
   const __m256i low = _mm256_set1_epi32(BITS == 4 ? 15 : 255);
   __m256 acc[NB][MR];
@@ -599,7 +603,7 @@ inline void qgemm_few8_blocks(const float* x, int K, const uint32_t* wq, const S
 }
 
 template <int BITS, int MR>
-inline void qgemm_few8_rows(const float* x, int K, const uint32_t* wq, const Scales& S, int gs, float* y, int N, int b0, int b1, float* sbuf) {
+inline void qgemm_few8_rows(const float* x, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N, int b0, int b1, float* sbuf) {
   constexpr int NB = MR <= 2 ? 2 : 1;  // independent FMA chains for one or two rows
   int bl = b0;
   for (; bl + NB <= b1; bl += NB) qgemm_few8_blocks<BITS, MR, NB>(x, K, wq, S, gs, y, N, 8 * bl, sbuf);
@@ -607,7 +611,7 @@ inline void qgemm_few8_rows(const float* x, int K, const uint32_t* wq, const Sca
 }
 
 template <int BITS>
-void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const Scales& S, int gs, float* y, int N) {
+void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
   const int blocks = (N + 7) / 8;
   const int per = 2 * std::max(1, 4 * 576 / std::max(K, 1));  // an even number of blocks
   pool().run((blocks + per - 1) / per, [&](int c) {
@@ -627,7 +631,7 @@ void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const Scales& S
 }
 #endif
 
-void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const Scales& S, int gs, int bits, float* y, int N) {
+void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, int bits, float* y, int N) {
 #if defined(__AVX512F__) || defined(FX_AVX2)
 #if defined(FX_AVX2)
   // Every row count, in passes of 8 rows: the AVX2 build's register tiles spill (v16 is two
@@ -647,7 +651,7 @@ void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const Scales& S
   std::unique_ptr<float[], Free> xt(static_cast<float*>(::operator new[](
       sizeof(float) * static_cast<size_t>(tiles) * K * QG_ROWS, std::align_val_t{64})));
   pack_cols(x, M, K, bits == 4, xt.get());
-  const int words = K * bits / 32, groups = K / gs;
+  const int groups = K / gs;
   const int blocks = (N + QG_FEAT - 1) / QG_FEAT;
   // Parallel over output features (each y[m, n] computed by one thread): a chunk is a
   // few feature blocks, each dequantized once into a thread-local buffer and then run
@@ -659,6 +663,7 @@ void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const Scales& S
     alignas(64) float out[QG_FEAT * QG_ROWS];
     const int b1 = std::min(blocks, (c + 1) * per);
     float* tmp = scale_tmp(QG_FEAT, groups);
+    uint8_t* wt = S.unpacks() ? weight_tmp(K) : nullptr;
     for (int bl = c * per; bl < b1; ++bl) {
       const int n0 = bl * QG_FEAT, nw = std::min(QG_FEAT, N - n0);
       const float *ds, *db;
@@ -666,10 +671,11 @@ void qgemm_cpu(const float* x, int M, int K, const uint32_t* wq, const Scales& S
       for (int j = 0; j < nw; ++j) {
         const int64_t r = n0 + j;
         float* o = buf.data() + static_cast<int64_t>(j) * K;
-        if (bits == 8)
-          dequant_row<8>(wq + r * words, ds + j * groups, db + j * groups, K, gs, o);
-        else
-          dequant_row<4>(wq + r * words, ds + j * groups, db + j * groups, K, gs, o);
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(S.weights(wq, r, 1, K, wt));
+        if (bits == 4)
+          dequant_row<4>(row, ds + j * groups, db + j * groups, K, gs, o);
+        else  // 8 bits, and 5/6 unpacked to bytes
+          dequant_row<8>(row, ds + j * groups, db + j * groups, K, gs, o);
       }
       for (int t = 0; t < tiles; ++t) {
         const int m0 = t * QG_ROWS, mc = std::min(QG_ROWS, M - m0);

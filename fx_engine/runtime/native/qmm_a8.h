@@ -254,7 +254,7 @@ inline void unpack_nibbles(const uint32_t* wq, int K, uint8_t* out) {
 }
 
 template <int R>
-void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Scales& S, int gs, int bits, float* y, int N) {
+void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, int bits, float* y, int N) {
   const int tiles = (M + R - 1) / R, G = K / gs;
   std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
   std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
@@ -311,7 +311,7 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Scales&
 // acc), and the integer sums are exact: the tiles' bits (tested).
 template <int BITS, int MR>
 inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int K,
-                         const uint32_t* wq, const Scales& S, int gs,
+                         const uint32_t* wq, const Quant& S, int gs,
                          float* y, int N, int n0, float* sbuf) {
   constexpr int R = 8;  // pack_a8<8>'s tile: quad u of row m at xq + (u * R + m) * 4
   const FewBlock fb = few_block(K, wq, S, gs, BITS, N, n0, sbuf);
@@ -360,7 +360,7 @@ inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int
 }
 
 template <int BITS>
-void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Scales& S, int gs, float* y, int N) {
+void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
   const int G = K / gs;
   std::vector<int8_t> xq(static_cast<size_t>(K) * 8);
   std::vector<float> dd(static_cast<size_t>(G) * 8), xs(dd.size());
@@ -494,7 +494,7 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
 }
 
 template <int BITS>
-void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Scales& S, int gs, float* y, int N) {
+void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
   constexpr int R = 8;
   const int G = K / gs, tiles = (M + R - 1) / R;
   std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
@@ -530,7 +530,7 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Scales&
 // Up to 8 rows: the few-row path (AVX-512 VNNI builds); more: tiles of 16. AVX2 builds:
 // the 8-lane path above at every row count. Elsewhere the scalar tiles (8 rows up to 8).
 // Same bits every way (exact integer sums, the same per-lane float operations).
-void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Scales& S, int gs, int bits, float* y, int N) {
+void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, int bits, float* y, int N) {
   if (M <= 0) return;
 #if defined(FX_A8_AVX2)
   return with_bits(bits, [&](auto b) { qmm_a8_few8<decltype(b)::value>(x, M, K, wq, S, gs, y, N); });
@@ -544,21 +544,23 @@ void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Scales& 
   qmm_a8_rows<16>(x, M, K, wq, S, gs, bits, y, N);
 }
 
-void dequant_cpu(const uint32_t* wq, const Scales& S, int gs, int bits,
+void dequant_cpu(const uint32_t* wq, const Quant& S, int gs, int bits,
                  float* out, int N, int K) {
-  const int words = K * bits / 32, groups = K / gs;
+  const int groups = K / gs;
   const int per = std::max(4, 65536 / std::max(K, 1));
   pool().run((N + per - 1) / per, [&](int c) {
     const int n0 = c * per, n1 = std::min(N, (c + 1) * per);
     std::vector<float> tmp(K), st(2 * static_cast<size_t>(groups));
+    std::vector<uint8_t> wt(S.unpacks() ? K : 0);
     for (int n = n0; n < n1; ++n) {
       float* o = out + static_cast<int64_t>(n) * K;
       const float *rs, *rb;
       S.row(n, st.data(), rs, rb);
-      if (bits == 8)
-        dequant_row_natural<8>(wq + static_cast<int64_t>(n) * words, rs, rb, K, gs, o, tmp.data());
-      else
-        dequant_row_natural<4>(wq + static_cast<int64_t>(n) * words, rs, rb, K, gs, o, tmp.data());
+      const uint32_t* row = reinterpret_cast<const uint32_t*>(S.weights(wq, n, 1, K, wt.data()));
+      if (bits == 4)
+        dequant_row_natural<4>(row, rs, rb, K, gs, o, tmp.data());
+      else  // 8 bits, and 5/6 unpacked to bytes
+        dequant_row_natural<8>(row, rs, rb, K, gs, o, tmp.data());
     }
   });
 }

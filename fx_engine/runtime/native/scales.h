@@ -1,5 +1,7 @@
-// Part of fx-engine's native kernels: how a quantized product's group scales and biases are
-// stored, and their float32 values, decoded a row at a time where the kernels use them.
+// Part of fx-engine's native kernels: how a quantized product's weights and group scales
+// and biases are stored (`Quant`), and what the kernels run: float32 scales and biases,
+// decoded a row at a time where the kernels use them, and 4- or 8-bit weight rows (5- and
+// 6-bit rows unpacked to bytes a block of rows at a time).
 // Not a standalone header: kernels.cpp includes the kernel families in order, inside its
 // anonymous namespace, as one translation unit (one compile, everything inlinable).
 //
@@ -107,12 +109,140 @@ inline void decode_kq(const int16_t* c, const uint16_t* f, int64_t blocks, int s
   for (int64_t u = 0; u < blocks; ++u) decode_kq_block(c + u * sb, f + 2 * u, sb, so + u * sb, bo + u * sb);
 }
 
-struct Scales {
+// 8 values of BITS bits (5 or 6), a little-endian bit stream (MLX's packing) -> 8 bytes.
+template <int BITS>
+inline uint64_t spread8(uint64_t x) {
+#if defined(__BMI2__)
+  return _pdep_u64(x, BITS == 6 ? 0x3F3F3F3F3F3F3F3Full : 0x1F1F1F1F1F1F1F1Full);
+#else
+  uint64_t out = 0;
+  for (int j = 0; j < 8; ++j) out |= ((x >> (BITS * j)) & ((1u << BITS) - 1)) << (8 * j);
+  return out;
+#endif
+}
+
+// 8 values from their BITS bytes at p (loads inside those bytes only: the row's end).
+template <int BITS>
+inline uint64_t load_group(const uint8_t* p) {
+  uint32_t lo;
+  std::memcpy(&lo, p, 4);
+  uint64_t x = lo;
+  if constexpr (BITS == 6) {
+    uint16_t hi;
+    std::memcpy(&hi, p + 4, 2);
+    x |= uint64_t{hi} << 32;
+  } else {
+    x |= uint64_t{p[4]} << 32;
+  }
+  return x;
+}
+
+// One row of K values stored in BITS (5 or 6) bits -> K bytes, element j at byte j (the
+// 8-bit layout the kernels run). Every 8 values are BITS whole bytes (K is a multiple of
+// 16). AVX-512 VBMI: 64 values per step (each group's bytes permuted into a qword, the
+// fields picked by vpmultishiftqb); AVX2: 32 per step (bytes shuffled into dwords / qwords,
+// fields moved into place by shifts and masks); then BMI2's pdep (8 per step), else a loop.
+// Vector loads that could pass the row's end are left to the 8-per-step tail.
+template <int BITS>
+inline void unpack_row_bits(const uint8_t* src, int K, uint8_t* out) {
+  constexpr uint8_t M = (1u << BITS) - 1;
+  int j = 0;
+#if defined(__AVX512VBMI__)
+  {
+    alignas(64) uint8_t idx[64], sh[64];
+    for (int q = 0; q < 8; ++q)
+      for (int k = 0; k < 8; ++k) {
+        idx[8 * q + k] = static_cast<uint8_t>(BITS * q + k);
+        sh[8 * q + k] = static_cast<uint8_t>(BITS * k);
+      }
+    const __m512i vi = _mm512_load_si512(idx), vs = _mm512_load_si512(sh), vm = _mm512_set1_epi8(M);
+    const __mmask64 in = (__mmask64{1} << (8 * BITS)) - 1;  // the step's 8 * BITS bytes
+    for (; j + 64 <= K; j += 64) {
+      const __m512i v = _mm512_maskz_loadu_epi8(in, src + j / 8 * BITS);
+      const __m512i q = _mm512_permutexvar_epi8(vi, v);
+      _mm512_storeu_si512(out + j, _mm512_and_si512(_mm512_multishift_epi64_epi8(vs, q), vm));
+    }
+  }
+#elif defined(__AVX2__)
+  if constexpr (BITS == 6) {  // 3 bytes -> 4 values, in dwords
+    const __m256i shuf = _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,
+                                          0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+    const __m256i m0 = _mm256_set1_epi32(0x3F), m1 = _mm256_set1_epi32(0x3F00),
+                  m2 = _mm256_set1_epi32(0x3F0000), m3 = _mm256_set1_epi32(0x3F000000);
+    for (; j + 32 < K; j += 32) {  // (the lane loads read 4 bytes past the step's 24)
+      const uint8_t* p = src + j / 8 * 6;
+      const __m256i v = _mm256_shuffle_epi8(_mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 12)), 1), shuf);
+      const __m256i r = _mm256_or_si256(
+          _mm256_or_si256(_mm256_and_si256(v, m0), _mm256_and_si256(_mm256_slli_epi32(v, 2), m1)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(v, 4), m2), _mm256_and_si256(_mm256_slli_epi32(v, 6), m3)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), r);
+    }
+  } else {  // 5 bytes -> 8 values, in qwords
+    const __m256i shuf = _mm256_setr_epi8(0, 1, 2, 3, 4, -1, -1, -1, 5, 6, 7, 8, 9, -1, -1, -1,
+                                          0, 1, 2, 3, 4, -1, -1, -1, 5, 6, 7, 8, 9, -1, -1, -1);
+    for (; j + 32 < K; j += 32) {  // (the lane loads read 6 bytes past the step's 20)
+      const uint8_t* p = src + j / 8 * 5;
+      const __m256i v = _mm256_shuffle_epi8(_mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 10)), 1), shuf);
+      __m256i r = _mm256_and_si256(v, _mm256_set1_epi64x(0x1F));
+      r = _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi64(v, 3), _mm256_set1_epi64x(0x1Fll << 8)));
+      r = _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi64(v, 6), _mm256_set1_epi64x(0x1Fll << 16)));
+      r = _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi64(v, 9), _mm256_set1_epi64x(0x1Fll << 24)));
+      r = _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi64(v, 12), _mm256_set1_epi64x(0x1Fll << 32)));
+      r = _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi64(v, 15), _mm256_set1_epi64x(0x1Fll << 40)));
+      r = _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi64(v, 18), _mm256_set1_epi64x(0x1Fll << 48)));
+      r = _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi64(v, 21), _mm256_set1_epi64x(0x1Fll << 56)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), r);
+    }
+  }
+#endif
+  for (; j < K; j += 8) {
+    const uint64_t v = spread8<BITS>(load_group<BITS>(src + j / 8 * BITS));
+    std::memcpy(out + j, &v, 8);
+  }
+}
+
+inline void unpack_row(const uint8_t* src, int bits, int K, uint8_t* out) {
+  if (bits == 6)
+    unpack_row_bits<6>(src, K, out);
+  else
+    unpack_row_bits<5>(src, K, out);
+}
+
+// This thread's buffer for unpacked weight rows (`slot`: blocks in use at once).
+inline uint8_t* weight_tmp(int64_t bytes, int slot = 0) {
+  thread_local std::vector<uint8_t> t[4];
+  if (static_cast<int64_t>(t[slot].size()) < bytes) t[slot].resize(static_cast<size_t>(bytes));
+  return t[slot].data();
+}
+
+struct Quant {
   const void* s;
   const void* b;
   int fmt;
   int groups;  // G: groups per row
   int sb;      // SF_KQ: groups per super-block (S)
+  int wbits;   // the width the weights are stored in: 4 or 8 (run as they are), 5 or 6
+
+  // 5- and 6-bit rows run on the 8-bit kernels, unpacked a block of rows at a time (the
+  // bytes a decode step streams stay 5/8 or 6/8 of the 8-bit form's).
+  inline bool unpacks() const { return wbits == 5 || wbits == 6; }
+  inline int64_t stored_row_bytes(int K) const { return int64_t{K} * wbits / 8; }
+  inline const char* stored_row(const uint32_t* wq, int64_t r, int K) const {
+    return reinterpret_cast<const char*>(wq) + r * stored_row_bytes(K);
+  }
+  // Rows [r0, r0 + n) in the kernel's layout (4 or 8 bits, K * kbits / 8 bytes each,
+  // contiguous): the stored rows, or unpacked into tmp [n][K].
+  inline const char* weights(const uint32_t* wq, int64_t r0, int n, int K, uint8_t* tmp) const {
+    if (!unpacks()) return stored_row(wq, r0, K);
+    for (int j = 0; j < n; ++j)
+      unpack_row(reinterpret_cast<const uint8_t*>(stored_row(wq, r0 + j, K)), wbits, K,
+                 tmp + static_cast<int64_t>(j) * K);
+    return reinterpret_cast<const char*>(tmp);
+  }
 
   // Row r's scales and biases as float32: pointers into the arrays when they are float32,
   // else decoded into tmp[2 * groups].

@@ -110,11 +110,12 @@ inline void with_rows(int m, F&& f) {
   }(std::make_integer_sequence<int, MAX>{});
 }
 
-// f(std::integral_constant<int, bits>{}) for the weight widths the kernels take (4 or 8).
+// f(std::integral_constant<int, bits>{}) for the weight layouts the kernels run: 4 bits,
+// or bytes (8 bits, and 5/6 bits unpacked to bytes: Quant::weights).
 template <typename F>
 inline void with_bits(int bits, F&& f) {
-  if (bits == 8)
-    f(std::integral_constant<int, 8>{});
-  else
+  if (bits == 4)
     f(std::integral_constant<int, 4>{});
+  else
+    f(std::integral_constant<int, 8>{});
 }
