@@ -30,7 +30,10 @@ HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "sel
       "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
       "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 # the float16 block scales' exponent range per type: weights of a sane size (|w| ~ 0.01-1)
-EXP = {"Q4_K": (-13, -10), "Q6_K": (-17, -14), "Q5_0": (-8, -5), "Q8_0": (-11, -8)}
+EXP = {"Q4_K": (-13, -10), "Q6_K": (-17, -14), "Q5_0": (-8, -5), "Q8_0": (-11, -8),
+       "IQ4_NL": (-14, -11), "IQ4_XS": (-18, -15)}
+# layer 1's MLP in the codebook types (an IQ4_XS gate, an IQ4_NL up: 8-bit affine, fused)
+LAYER1 = {"attn_output": "Q8_0", "ffn_gate": "IQ4_XS", "ffn_up": "IQ4_NL"}
 
 
 def _blocks(kind, rows, cols, rng):
@@ -90,7 +93,7 @@ def write_kquant_gguf(tmp: Path, vocab_from: Path, untied: bool) -> tuple[Path, 
     add("token_embd.weight", vocab, H, TYPES["token_embd"], "model.embed_tokens.weight")
     for i in range(LAYERS):
         for part, (rows, cols) in SHAPES.items():
-            kind = "Q8_0" if (i, part) == (1, "attn_output") else TYPES[part]
+            kind = LAYER1.get(part, TYPES[part]) if i == 1 else TYPES[part]
             heads = {"attn_q": HEADS, "attn_k": KV}.get(part, 0)
             add(f"blk.{i}.{part}.weight", rows, cols, kind, f"model.layers.{i}.{HF[part]}.weight", heads)
         for norm in ("attn_norm", "ffn_norm"):
@@ -127,6 +130,8 @@ def test_kquant_gguf_matches_mlx_lm_on_its_reference_dequantization(kquant_model
     # exact); q|k|v with a Q6_K part at 6 bits in groups of 16 (the Q4_K parts' groups of 32
     # split in two, exact too); the Q6_K down projection as stored, 6 bits in groups of 16
     assert kinds == [(4, 32), (8, 32), (5, 32), (6, 16), (6, 16)], kinds
+    # layer 1's IQ4_XS | IQ4_NL gate|up: codebook indices as 8-bit affine integers
+    assert (l1.gate_up.bits, l1.gate_up.group_size) == (8, 32)
     # the Q6_K embedding, looked up (and the head when tied): as stored
     emb = model.params.embed
     assert ((emb.bits, emb.group_size) if emb.quantized else "dense") == (6, 16)

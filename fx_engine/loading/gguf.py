@@ -18,17 +18,21 @@ dequantized value equals llama.cpp's reference dequantization, bit for bit):
     Q4_K     4    32    d * sc         -dmin * m       (6-bit sc, m per 32)
     Q5_K     5    32    d * sc         -dmin * m
     Q6_K     6    16    d * sc         -32 d * sc      (int8 sc per 16)
+    IQ4_NL   8    32    d              -128 d          (q = kv[index] + 128: the codebook)
+    IQ4_XS   8    32    d * (ls - 32)  -128 d (ls - 32) (6-bit ls per 32; q as IQ4_NL's)
 
-(each product is exact in float32: d has 11 significant bits, sc and q at most 13 together.)
+(each product is exact in float32: d has 11 significant bits, sc and q at most 13 together;
+IQ4_XS's scale * q has up to 25 bits, so its dequantized values may be 1 ulp from
+llama.cpp's d * (ls - 32) * kv: measured and tested. IQ4_NL and IQ4_XS, 4-bit indices into
+a non-uniform codebook, take 8 bits here: about twice the file, where a float32 copy took
+7.5x.)
 MLX packs every bit width as one little-endian bit stream per row, which is what
 `_pack` writes. Where the native CPU kernels run a float32 model (`compact`), the scales
 and biases of 2-D tensors stay about as small as the file's: the K types' in their
 two-level form (int16 codes per group, the float16 factors per super-block: the kernels
 compute d * sc themselves, runtime/native/scales.h), the legacy types' as float16 (d and m
-are halves); both decode to exactly the float32 values above. IQ4_NL and IQ4_XS are not affine (a non-uniform codebook of 16 values):
-they are dequantized to float32 with the `gguf` package's reference code (exact values,
-about 7x the memory). F32 / F16 / BF16 tensors are read as they are. Any other type is an
-error naming the tensor and its type.
+are halves); both decode to exactly the float32 values above. F32 / F16 / BF16 tensors are
+read as they are. Any other type is an error naming the tensor and its type.
 """
 
 from __future__ import annotations
@@ -47,8 +51,9 @@ __all__ = ["read_gguf", "AFFINE_TYPES", "DEQUANTIZED_TYPES"]
 QK = 32  # elements per block of the legacy types
 QK_K = 256  # elements per super-block of the K types
 
-AFFINE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-DEQUANTIZED_TYPES = ("IQ4_NL", "IQ4_XS")
+AFFINE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                "IQ4_NL", "IQ4_XS")
+DEQUANTIZED_TYPES: tuple[str, ...] = ()  # (every supported block type maps to an affine one)
 # kept as MLX's mxfp4 quantization (the same E2M1 codes and E8M0 scales, the nibbles
 # reordered): expert stacks run by gather_qmm, matrices by quantized_matmul where kept
 # (keep_quantized=True, the GPU form) and dequantized by the CPU default (no native kernel)
@@ -185,7 +190,32 @@ def _q3_k(b: np.ndarray) -> tuple:  # [N, 110]: hmask[32], qs[64], scales[12], d
     return np.concatenate(runs, axis=1), scale, -4 * scale, 3, 16, (sc8, sc8, d, 4 * d)
 
 
-_AFFINE = {"Q3_K": (_q3_k, QK_K, 110), "Q4_0": (_q4_0, QK, 18), "Q4_1": (_q4_1, QK, 20), "Q5_0": (_q5_0, QK, 22),
+# IQ4_NL / IQ4_XS: 4-bit indices into a fixed codebook of 16 int8 values (kv), times the
+# block's scale. kv + 128 fits a byte, so w = d * kv is the 8-bit affine map with q = kv + 128,
+# scale d and bias -128 d.
+_KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
+
+
+def _iq4_nl(b: np.ndarray) -> tuple:  # [N, 18]: d, qs[16] (low nibbles 0..15, high 16..31)
+    d = _f16(b[:, 0:2])
+    return (_KVALUES[_nibbles(b[:, 2:18])] + 128).astype(np.uint8), d, -128 * d, 8, QK
+
+
+def _iq4_xs(b: np.ndarray) -> tuple:  # [N, 136]: d, scales_h (u16), scales_l[4], qs[128]
+    d = _f16(b[:, 0:2])
+    sh = np.ascontiguousarray(b[:, 2:4]).view("<u2")[:, :1]  # [N, 1]
+    sl = b[:, 4:8]
+    sub = np.arange(8)
+    lo = (sl[:, sub // 2] >> (4 * (sub % 2)).astype(np.uint8)) & 0xF
+    hi = ((sh >> (2 * sub).astype(np.uint16)) & 3).astype(np.uint8)
+    ls = (lo | (hi << 4)).astype(np.int8) - np.int8(32)  # [N, 8]: -32..31
+    qs = b[:, 8:136].reshape(-1, 8, 16)
+    q = (_KVALUES[np.concatenate([qs & 0xF, qs >> 4], axis=-1)] + 128).astype(np.uint8).reshape(-1, QK_K)
+    scale = d[:, None] * ls.astype(np.float32)
+    return q, scale, -128 * scale, 8, 32, (ls, ls, d, 128 * d)
+
+
+_AFFINE = {"IQ4_NL": (_iq4_nl, QK, 18), "IQ4_XS": (_iq4_xs, QK_K, 136), "Q3_K": (_q3_k, QK_K, 110), "Q4_0": (_q4_0, QK, 18), "Q4_1": (_q4_1, QK, 20), "Q5_0": (_q5_0, QK, 22),
            "Q5_1": (_q5_1, QK, 24), "Q8_0": (_q8_0, QK, 34), "Q2_K": (_q2_k, QK_K, 84),
            "Q4_K": (_q4_k, QK_K, 144), "Q5_K": (_q5_k, QK_K, 176), "Q6_K": (_q6_k, QK_K, 210)}
 
