@@ -245,6 +245,22 @@ def test_draft_models_on_two_ranks_equal_one_process(tmp_path, split, draft):
     assert two["drafted"] > 0 and one["drafted"] > 0  # (how many: timing-adapted, rank 0's plan)
 
 
+@pytest.mark.parametrize("split", ["tp", "pp"])
+def test_prefix_disk_tier_on_two_ranks(tmp_path, split):
+    """The prefix cache's disk tier with a sharded model: each rank writes its share of every
+    entry into its own subdirectory; a second engine (an empty memory tier) restores the
+    prompts from disk on every rank alike (the length all ranks hold), with the tokens of a
+    cold run."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6
+    args = ["--tokens", "8", "--lockstep", "2", "--prompt", prompt, "--ignore-eos"]
+    cold = alone(args)
+    two = tp(args + ["--prefix-dir", str(tmp_path / "kv")], split=split)
+    assert two["lockstep"] == cold["lockstep"]
+    assert two["cached"][0] == [0, 0] and min(two["cached"][1]) >= 32, two["cached"]
+    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == ["rank0of2", "rank1of2"]
+    assert all(any(p.glob("*.safetensors")) for p in (tmp_path / "kv").iterdir())
+
+
 def test_lockstep_drafts_must_be_registered_and_self_drafts_need_the_layers():
     from fx_engine.engine.drafters import self_draft_model
 

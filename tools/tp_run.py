@@ -13,6 +13,9 @@ alone: the single-process reference).
                    target's first N layers); with --lockstep N, also N requests through a
                    lockstep Engine (rank 0 submits, the others follow; the draft named by
                    its place in Engine(drafts=), as `fx-engine serve` runs)
+    --prefix-dir D with --lockstep: the lockstep Engine with the prefix cache's disk tier in
+                   D, run twice (the second Engine starts with an empty memory tier, so its
+                   requests restore from disk: "cached" per request)
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def main() -> None:
     ap.add_argument("--all-ranks", action="store_true", help="every rank prints its JSON line")
     ap.add_argument("--draft", default=None, help="a draft model path, or self:N")
     ap.add_argument("--lockstep", type=int, default=0, help="requests through a lockstep Engine")
+    ap.add_argument("--prefix-dir", default=None, help="--lockstep: the disk tier's folder (two passes)")
     a = ap.parse_args()
     import resource
 
@@ -102,10 +106,11 @@ def main() -> None:
                             adapter=kw.get("adapter") if i % 2 else None) for i in range(a.engine)]
         engine.close()
         out["engine"] = [list(h.result().token_ids) for h in hs]
-    if a.lockstep:
+    for _ in range(2 if a.lockstep and a.prefix_dir else 1 if a.lockstep else 0):
         sharded = model.ranks > 1
         engine = fx_engine.Engine(model, max_rows=a.lockstep, prefill_chunk=16, lockstep=sharded,
-                                  drafts=[draft] if draft is not None and sharded else [])
+                                  drafts=[draft] if draft is not None and sharded else [],
+                                  prefix_cache_dir=a.prefix_dir)
         if sharded and rank != 0:
             engine.follow()
         else:
@@ -115,6 +120,7 @@ def main() -> None:
             engine.close()
             out["lockstep"] = [list(r.token_ids) for r in res]
             out["drafted"] = sum(r.usage.drafted_tokens for r in res)
+            out.setdefault("cached", []).append([r.usage.cached_tokens for r in res])
     if rank == 0 or a.all_ranks:
         print(json.dumps(out), flush=True)
 

@@ -36,6 +36,7 @@ import concurrent.futures
 import threading
 import time
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -43,7 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from fx_engine.core.adapters import Adapters
-from fx_engine.core.cache import KVCache, bytes_per_token, span_bucket, state_dtype
+from fx_engine.core.cache import KVCache, bytes_per_token, prefix_in_cache, span_bucket, state_dtype
 from fx_engine.engine.kv_rows import insert_row, row_view, snapshot_row, stack_rows
 from fx_engine.core.sampling import mask_words, top_logprobs
 from fx_engine.core.state import DecodeState, init_state
@@ -293,10 +294,10 @@ class Engine:
         self._headroom = max(sched.normalize_chunk(prefill_chunk), MAX_DRAFT_TOKENS)
         self.cache_layout = model.cache_layout(self._headroom)
         if model.ranks > 1 and prefix_cache_dir is not None:
-            # each rank's files would hold its own share, evicted by its own byte budget:
-            # the ranks' hits could differ (their steps must not)
-            raise ValueError("prefix_cache_dir: the disk tier is not available with tensor or pipeline "
-                             "parallelism yet (the in-memory prefix cache is)")
+            # each rank keeps its own share of every entry, in its own subdirectory (its own
+            # byte budget evicts only its files); what a request restores is the length every
+            # rank holds (`_restore_prefix`)
+            prefix_cache_dir = str(Path(prefix_cache_dir) / f"rank{mx.distributed.init().rank()}of{model.ranks}")
         if prefix_cache_bytes or prefix_cache_dir:
             disk = None if prefix_cache_dir is None else DiskTier(
                 prefix_cache_dir, prefix_cache_disk_bytes, model.fingerprint,
@@ -816,12 +817,15 @@ class Engine:
         except Exception as e:
             self._trace("prefix_error", request=req.handle.id, error=repr(e))
         if self._tp_rank is not None:
-            # every rank restores what rank 0 restores (equal budgets keep their stores
-            # alike; a rank that cannot is out of step: an error, not a silent mismatch)
-            want = self._decided(lambda: m if entry is not None else 0)
-            if want and (entry is None or m < want):
-                raise RankMismatch(f"rank {self._tp_rank}: the prefix cache holds {m if entry else 0} "
-                                   f"of the {want} prompt tokens rank 0 restores")
+            # every rank restores the same length: the longest every rank holds (their
+            # stores agree while their memory budgets do, but disk files are each rank's own)
+            agree = lambda v: int(mx.distributed.all_min(mx.array([v], mx.int32)).item())  # noqa: E731
+            want = agree(m if entry is not None else 0)
+            # a shorter prefix than this rank's match must still be restorable here (ring
+            # and recurrent layers keep only some lengths): if any rank cannot, none does
+            if want and not agree(int(entry is not None and (
+                    want == m or prefix_in_cache(entry.cache.layout, len(entry.tokens), want)))):
+                want = 0
             entry, m = (entry, want) if want else (None, 0)
         try:
             if entry is None:
