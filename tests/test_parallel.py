@@ -304,3 +304,27 @@ def test_each_rank_holds_about_its_share(tmp_path):
     assert abs(two["params_bytes"] - one["params_bytes"] / 2) < 0.02 * one["params_bytes"]
     # the whole model is ~270 MB in float32: a rank that loaded it all would peak above it
     assert two["peak_rss_after_load"] < one["peak_rss_after_load"] - 0.25 * one["params_bytes"], (one, two)
+
+
+@pytest.mark.parametrize("split", ["tp", "pp"])
+def test_each_rank_reads_about_its_share_of_a_gguf(tmp_path, split):
+    """A GGUF file sharded: each converted tensor is spilled to a temporary safetensors file
+    and read back lazily, so a rank's peak memory while loading is about its shard, not the
+    whole model (which every rank converted whole before); the spill folder is removed."""
+    import json as _json
+
+    from .test_gguf_families import _common, convert
+
+    folder = write_tiny_model(tmp_path / "m", "llama", hidden_size=512, num_hidden_layers=16, intermediate_size=2048,
+                              vocab_size=8000, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                              dtype="float16")
+    cfg = _json.loads((folder / "config.json").read_text())
+    convert(folder, tmp_path / "m.gguf", "llama", {**_common(cfg), "vocab_size": cfg["vocab_size"]}, permute=True,
+            q8_mlp=False)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    args = ["--model", str(tmp_path / "m.gguf"), "--tokens", "4"]
+    one, two = alone(args), tp(args, split=split, env={"FX_ENGINE_SPILL_DIR": str(spill)})
+    assert two["tokens"] == one["tokens"]
+    assert two["peak_rss_after_load"] < one["peak_rss_after_load"] - 0.25 * one["params_bytes"], (one, two)
+    assert not any(spill.iterdir())  # each rank's spill folder is gone

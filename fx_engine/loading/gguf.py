@@ -238,7 +238,7 @@ def _two_level(parts: tuple, blocks: int) -> tuple[np.ndarray, np.ndarray] | Non
 
 def _affine(name: str, kind: str, data: np.ndarray, rows: int, cols: int,
             lead: tuple[int, ...] = (), store_bits: StoreBits = None, head: bool = False,
-            compact: bool = False) -> dict[str, mx.array]:
+            compact: bool = False) -> dict[str, np.ndarray]:
     """Rows of an affine-quantizable type -> MLX's packed weight, scales and biases, shaped
     lead + (packed,) (lead: the tensor's leading dims, rows = their product). numpy only:
     this runs on worker threads, where MLX ops have no stream. store_bits: the width to pack
@@ -281,7 +281,7 @@ def _affine(name: str, kind: str, data: np.ndarray, rows: int, cols: int,
             out_s, out_b = [s16], [b16]
     base = name[: -len(".weight")] if name.endswith(".weight") else name
     lead = lead or (rows,)
-    return {f"{base}.{part}": mx.array(np.concatenate(arrays).reshape(*lead, *arrays[0].shape[1:-1], -1))
+    return {f"{base}.{part}": np.concatenate(arrays).reshape(*lead, *arrays[0].shape[1:-1], -1)
             for part, arrays in (("weight", out_w), ("scales", out_s), ("biases", out_b))}
 
 
@@ -382,7 +382,7 @@ class _Header:
 # (name, group, bits, is_head) -> the width to pack a tensor's integers in; is_head: the
 # output head (output.weight, or token_embd.weight in a file without one: tied, llama.cpp's
 # convention)
-def _mxfp4(name: str, data: np.ndarray, rows: int, cols: int, lead: tuple[int, ...]) -> dict[str, mx.array]:
+def _mxfp4(name: str, data: np.ndarray, rows: int, cols: int, lead: tuple[int, ...]) -> dict[str, np.ndarray]:
     """MXFP4 blocks (1 E8M0 scale byte, then 16 bytes: element j in the low nibble of byte
     j, element j + 16 in its high nibble) -> MLX's mxfp4 form: codes packed 8 per uint32 in
     element order, the scale bytes as uint8 scales (no biases). The codes and scales are the
@@ -392,8 +392,8 @@ def _mxfp4(name: str, data: np.ndarray, rows: int, cols: int, lead: tuple[int, .
     codes = blocks[:, 1:]
     q = np.concatenate([codes & 0xF, codes >> 4], axis=1).reshape(rows, cols)  # element order
     base = name[: -len(".weight")] if name.endswith(".weight") else name
-    return {f"{base}.weight": mx.array(_pack(q, 4).reshape(*lead, -1)),
-            f"{base}.scales": mx.array(np.ascontiguousarray(blocks[:, 0]).reshape(*lead, -1))}
+    return {f"{base}.weight": _pack(q, 4).reshape(*lead, -1),
+            f"{base}.scales": np.ascontiguousarray(blocks[:, 0]).reshape(*lead, -1)}
 
 
 StoreBits = Union[Callable[[str, int, int, bool], int], None]
@@ -401,11 +401,11 @@ StoreBits = Union[Callable[[str, int, int, bool], int], None]
 
 def _convert(name: str, kind: str, shape: list[int], rows: int, cols: int,
              raw: np.ndarray, store_bits: StoreBits = None, head: bool = False,
-             compact: bool = False) -> dict[str, mx.array]:
+             compact: bool = False) -> dict[str, np.ndarray]:
     """One tensor's bytes -> its MLX array(s) (see the module docstring)."""
     if kind in FLOAT_TYPES:
         dt = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[kind]
-        return {name: mx.array(np.frombuffer(raw, dtype=dt).reshape(shape))}  # BF16: bits
+        return {name: np.frombuffer(raw, dtype=dt).reshape(shape)}  # BF16: bits
     if kind == "MXFP4" and len(shape) >= 2:
         return _mxfp4(name, raw, rows, cols, tuple(shape[:-1]))
     if kind in _AFFINE:  # stacked (expert) tensors [E, rows, cols]: each row alike
@@ -414,21 +414,49 @@ def _convert(name: str, kind: str, shape: list[int], rows: int, cols: int,
     from gguf.quants import dequantize
 
     values = dequantize(raw.reshape(rows, -1), GGMLQuantizationType[kind])  # IQ types, 1-D MXFP4
-    return {name: mx.array(values.astype(np.float32).reshape(shape))}
+    return {name: values.astype(np.float32).reshape(shape)}
 
 
-def read_gguf(path: str | Path, store_bits: StoreBits = None,
-              compact: bool = False) -> tuple[dict[str, mx.array], dict[str, Any]]:
+_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint32): "U32",
+              np.dtype(np.int16): "I16", np.dtype(np.uint8): "U8", np.dtype(np.uint16): "BF16"}
+
+
+def _write_safetensors(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """numpy arrays -> one safetensors file (the format mx.load reads lazily); uint16 arrays
+    are a GGUF's BF16 bits. Written straight from numpy: no MLX allocation."""
+    import json
+
+    header: dict[str, Any] = {}
+    at = 0
+    for name, a in arrays.items():
+        n = a.nbytes
+        header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [at, at + n]}
+        at += n
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for a in arrays.values():
+            f.write(np.ascontiguousarray(a).data)
+
+
+def read_gguf(path: str | Path, store_bits: StoreBits = None, compact: bool = False,
+              spill: str | Path | None = None) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """(tensors, metadata) of a GGUF file; see the module docstring for the representation.
     store_bits(name, group, bits, is_head) -> the width to pack each affine tensor's integers in (None:
     its own; the loader widens what the CPU kernels do not run (2, 3 bits) here, in numpy,
     rather than unpacking and repacking later). compact: scales and biases of 2-D tensors
-    in the native kernels' compact forms (see `_affine`; the same values)."""
+    in the native kernels' compact forms (see `_affine`; the same values). spill: a folder
+    where each converted tensor is written (safetensors) and freed at once, each tensor's
+    bytes read with pread rather than mapped: the arrays come back lazy (mx.load), so a
+    sharded load reads back only what its rank keeps (peak memory ~ its shard plus one
+    tensor's conversion, not the whole model)."""
     path = Path(path)
     if not path.is_file():
         raise WeightsError(f"{path}: no such file")
     header = _Header(path)
-    data = np.memmap(path, dtype=np.uint8, mode="r") if header.size else np.zeros(0, np.uint8)
+    data = np.memmap(path, dtype=np.uint8, mode="r") if header.size and spill is None else np.zeros(0, np.uint8)
     jobs = []
     for name, shape, type_id, offset in header.tensors:
         kind, block, nbytes = GGML_TYPES.get(type_id, (f"type {type_id}", 0, 0))
@@ -446,19 +474,40 @@ def read_gguf(path: str | Path, store_bits: StoreBits = None,
         if end > header.size:
             raise WeightsError(f"{path}: cannot read weights: the file is truncated (tensor "
                                f"'{name}' needs bytes up to {end}, the file has {header.size})")
-        jobs.append((name, kind, shape, rows, cols, data[start:end]))
+        jobs.append((name, kind, shape, rows, cols, (start, end) if spill is not None else data[start:end]))
     # Tensors convert independently and numpy releases the GIL in its loops: a thread per
     # core (2 cores: a 517 MiB K-quant file's conversion 8.5 -> 4.5 s, docs/benchmarks.md).
     from concurrent.futures import ThreadPoolExecutor
 
     workers = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
     tensors: dict[str, mx.array] = {}
-    with ThreadPoolExecutor(workers) as pool:
-        names = {job[0] for job in jobs}
-        head = "output.weight" if "output.weight" in names else "token_embd.weight"
-        for part in pool.map(lambda job: _convert(*job, store_bits, job[0] == head, compact), jobs):
-            tensors.update(part)
+    names = {job[0] for job in jobs}
+    head = "output.weight" if "output.weight" in names else "token_embd.weight"
+    if spill is None:
+        def run(job: tuple) -> dict[str, Any]:
+            return {k: mx.array(v) for k, v in _convert(*job, store_bits, job[0] == head, compact).items()}
+    else:
+        folder = Path(spill)
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY)
+
+        def run(job: tuple) -> dict[str, Any]:
+            name, kind, shape, rows, cols, (start, end) = job
+            raw = np.frombuffer(os.pread(fd, end - start, start), np.uint8)
+            out = folder / f"{name}.safetensors"  # (GGUF tensor names are unique)
+            _write_safetensors(out, _convert(name, kind, shape, rows, cols, raw, store_bits, name == head, compact))
+            return {"": out}
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            for part in pool.map(run, jobs):
+                if spill is None:
+                    tensors.update(part)
+                else:
+                    tensors.update(mx.load(str(part[""])))  # lazy: read when evaluated
+    finally:
+        if spill is not None:
+            os.close(fd)
     for name, kind, *_ in jobs:  # MLX ops need this thread's stream: reinterpret here
-        if kind == "BF16":
+        if kind == "BF16" and spill is None:
             tensors[name] = tensors[name].view(mx.bfloat16)
     return tensors, header.metadata

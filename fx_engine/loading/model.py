@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -225,10 +228,20 @@ def load(
     if tensor_parallel is not None and pipeline_parallel is not None:
         raise ValueError("give tensor_parallel or pipeline_parallel, not both")
     sharded = tensor_parallel is not None or pipeline_parallel is not None
+    spill = None
     if p.is_file():
         if p.suffix.lower() != ".gguf":
             raise WeightsError(f"{p}: unsupported model file (expected a .gguf file or a folder)")
-        cfg, params, metadata = load_gguf(p, mx_dtype or mx.float16, keep, numerics)
+        # sharded: each converted tensor spills to a temporary folder and comes back lazy,
+        # so this rank reads back only its part (removed once the shard is evaluated)
+        spill = Path(tempfile.mkdtemp(prefix="fx-engine-gguf-", dir=os.environ.get("FX_ENGINE_SPILL_DIR"))) \
+            if sharded else None
+        try:
+            cfg, params, metadata = load_gguf(p, mx_dtype or mx.float16, keep, numerics, spill)
+        except BaseException:
+            if spill is not None:
+                shutil.rmtree(spill, ignore_errors=True)
+            raise
         tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(p))
         fmt = "gguf"
         # the file alone (its header holds the metadata): not fx-engine's config class,
@@ -246,14 +259,18 @@ def load(
     if sharded:
         # sharded before anything is evaluated: safetensors are read lazily (mx.load),
         # so evaluating one leaf at a time reads each tensor once and keeps only this
-        # rank's part (peak memory ~ the shard + one tensor). A GGUF's tensors are
-        # converted whole first (docs/distributed.md: what that costs)
-        params, fingerprint = _shard(params, fingerprint, tensor_parallel or pipeline_parallel,
-                                     "tensor" if tensor_parallel is not None else "pipeline")
-        cfg = params.config
-        for leaf in tree_leaves(params):
-            mx.eval(leaf)
-            mx.clear_cache()  # the whole tensors read for this leaf go back to the OS
+        # rank's part (peak memory ~ the shard + one tensor); a GGUF's converted tensors
+        # were spilled to safetensors for the same reason
+        try:
+            params, fingerprint = _shard(params, fingerprint, tensor_parallel or pipeline_parallel,
+                                         "tensor" if tensor_parallel is not None else "pipeline")
+            cfg = params.config
+            for leaf in tree_leaves(params):
+                mx.eval(leaf)
+                mx.clear_cache()  # the whole tensors read for this leaf go back to the OS
+        finally:
+            if p.is_file() and spill is not None:  # every leaf is read: the files are done
+                shutil.rmtree(spill, ignore_errors=True)
     mx.eval(tree_leaves(params))
     quant_kinds = _weight_kinds(params)
     report = None

@@ -31,7 +31,8 @@ def _mx_load(path: Path, **kw: Any) -> Any:
 
 
 def load_gguf(
-    path: Path, dtype: mx.Dtype, keep_quantized: KeepQuantized, numerics: Numerics
+    path: Path, dtype: mx.Dtype, keep_quantized: KeepQuantized, numerics: Numerics,
+    spill: Path | None = None,
 ) -> tuple[Any, Any, dict[str, Any]]:
     from fx_engine.loading.gguf import read_gguf  # llama.cpp's reader, K-quants included
 
@@ -49,7 +50,7 @@ def load_gguf(
     # with the native kernels (float32), scales and biases in the compact forms they decode
     # themselves: K-quants two-level as the file stores them, legacy types as halves
     compact = callable(keep_quantized) and numerics.native and dtype == mx.float32
-    tensors, metadata = read_gguf(path, store_bits, compact)
+    tensors, metadata = read_gguf(path, store_bits, compact, spill)
     family = gguf_family(metadata, str(path))
     cfg = family.config_from_gguf(metadata, str(path))
     src = TensorSource()
