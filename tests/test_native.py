@@ -203,6 +203,10 @@ def test_quantized_argument_errors_name_the_problem() -> None:
         native.qgemm(mx.zeros((1, 32)), wq, s, b, 32, 4)
     with pytest.raises(ValueError, match="qgemm: bits must be 4 or 8"):
         native.qgemm(x, wq, s, b, 32, 3)
+    # groups of 16 still need whole 32-value steps (the kernels read K 32 at a time)
+    w48, s48 = mx.zeros((4, 12), mx.uint32), mx.ones((4, 3))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.qgemm(mx.ones((1, 48)), w48, s48, s48, 16, 8)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 5, 37), (1, 9, 1, 257), (2, 9, 64, 512), (1, 2, 3, 16), (1, 1, 2, 5)])

@@ -834,6 +834,9 @@ class Engine:
             req.pcache = self.prefix_cache.restore(entry, cache, m)
             req.prefilled = req.cached = m
         except Exception as e:  # a broken entry must never break the request: go cold
+            if self._tp_rank is not None:  # (alone: the other ranks restored: out of step)
+                raise RankMismatch(f"rank {self._tp_rank}: restoring the {m} prompt tokens every rank "
+                                   f"agreed on failed ({e!r})") from e
             req.pcache, req.prefilled, req.cached = None, 0, 0
             self._trace("prefix_error", request=req.handle.id, error=repr(e))
 

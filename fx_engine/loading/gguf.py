@@ -489,11 +489,27 @@ def read_gguf(path: str | Path, store_bits: StoreBits = None, compact: bool = Fa
     else:
         folder = Path(spill)
         folder.mkdir(parents=True, exist_ok=True)
+        try:  # mx.load keeps each file open until its arrays are read: one per tensor
+            import resource
+
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            want = len(jobs) + 256
+            if soft != resource.RLIM_INFINITY and soft < want:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY
+                                                            else min(want, hard), hard))
+        except (ImportError, ValueError, OSError):
+            pass
         fd = os.open(path, os.O_RDONLY)
 
         def run(job: tuple) -> dict[str, Any]:
             name, kind, shape, rows, cols, (start, end) = job
-            raw = np.frombuffer(os.pread(fd, end - start, start), np.uint8)
+            raw = np.empty(end - start, np.uint8)  # (pread returns at most ~2 GiB per call)
+            done = 0
+            while done < raw.size:
+                got = os.preadv(fd, [memoryview(raw)[done:]], start + done)
+                if got <= 0:
+                    raise WeightsError(f"{path}: cannot read weights: tensor '{name}' ends past the file")
+                done += got
             out = folder / f"{name}.safetensors"  # (GGUF tensor names are unique)
             _write_safetensors(out, _convert(name, kind, shape, rows, cols, raw, store_bits, name == head, compact))
             return {"": out}

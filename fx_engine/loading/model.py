@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -236,6 +237,8 @@ def load(
         # so this rank reads back only its part (removed once the shard is evaluated)
         spill = Path(tempfile.mkdtemp(prefix="fx-engine-gguf-", dir=os.environ.get("FX_ENGINE_SPILL_DIR"))) \
             if sharded else None
+        if spill is not None:  # (also gone at exit if the load fails before it is removed)
+            atexit.register(shutil.rmtree, spill, True)
         try:
             cfg, params, metadata = load_gguf(p, mx_dtype or mx.float16, keep, numerics, spill)
         except BaseException:

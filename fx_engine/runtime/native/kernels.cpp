@@ -521,6 +521,8 @@ void check_quantized(const char* op, const mx::array& w, const mx::array& scales
   if (K == 0) throw std::invalid_argument(p + ": the input size must be positive");
   if (K % group_size != 0)
     throw std::invalid_argument(p + ": the input size must be a multiple of group_size");
+  if (K % 32 != 0)  // (the kernels step through K 32 values at a time)
+    throw std::invalid_argument(p + ": the input size must be a multiple of 32, got " + std::to_string(K));
   if (static_cast<int64_t>(K) * bits != static_cast<int64_t>(w.shape(1)) * 32)
     throw std::invalid_argument(p + ": w's row of " + std::to_string(w.shape(1)) + " words is not a whole "
                                 "number of " + std::to_string(bits) + "-bit values");
