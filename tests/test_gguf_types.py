@@ -191,7 +191,7 @@ def test_a_lookup_only_table_stays_quantized_in_any_format():
     from fx_engine.core.checkpoint import finish
     from fx_engine.core.nn import Linear, embed
 
-    from fx_engine.loading.gguf import _pack
+    from fx_engine.core.checkpoint import pack_stream as _pack
 
     rng = np.random.default_rng(0)  # mx.quantize has no group 16: pack a triple by hand
     q = mx.array(_pack(rng.integers(0, 64, (64, 256), dtype=np.uint8), 6))

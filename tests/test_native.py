@@ -936,7 +936,7 @@ def test_mlx_checkpoint_scales_stay_as_stored_and_give_the_float32_bits(tmp_path
 
 
 def _stream(q: np.ndarray, bits: int) -> mx.array:
-    from fx_engine.loading.gguf import _pack  # MLX's bit-stream packing (tested against mx.quantize)
+    from fx_engine.core.checkpoint import pack_stream as _pack  # MLX's bit-stream packing (tested against mx.quantize)
 
     return mx.array(_pack(q, bits))
 

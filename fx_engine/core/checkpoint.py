@@ -209,7 +209,7 @@ def widened(policy: KeepQuantized, lin: Linear, force: bool = False, bits: int |
     k = lin.scales.shape[-1] * lin.group_size
     words = np.asarray(lin.weight)
     packed = (repacked_8bit(words, lin.bits, k) if bits == 8 else
-              pack_stream(repacked_8bit(words, lin.bits, k).reshape(-1, k // 4).view(np.uint8).reshape(-1, k), bits)
+              pack_stream(repacked_8bit(words, lin.bits, k).view(np.uint8).reshape(-1, k), bits)
               .reshape(*words.shape[:-1], -1))
     return Linear(weight=mx.array(packed), bias=lin.bias, scales=lin.scales, biases=lin.biases,
                   group_size=lin.group_size, bits=bits, origin=lin.origin)

@@ -27,7 +27,7 @@ llama.cpp's d * (ls - 32) * kv: measured and tested. IQ4_NL and IQ4_XS, 4-bit in
 a non-uniform codebook, take 8 bits here: about twice the file, where a float32 copy took
 7.5x.)
 MLX packs every bit width as one little-endian bit stream per row, which is what
-`_pack` writes. Where the native CPU kernels run a float32 model (`compact`), the scales
+`core.checkpoint.pack_stream` writes. Where the native CPU kernels run a float32 model (`compact`), the scales
 and biases of 2-D tensors stay about as small as the file's: the K types' in their
 two-level form (int16 codes per group, the float16 factors per super-block: the kernels
 compute d * sc themselves, runtime/native/scales.h), the legacy types' as float16 (d and m
@@ -220,7 +220,6 @@ _AFFINE = {"IQ4_NL": (_iq4_nl, QK, 18), "IQ4_XS": (_iq4_xs, QK_K, 136), "Q3_K": 
            "Q4_K": (_q4_k, QK_K, 144), "Q5_K": (_q5_k, QK_K, 176), "Q6_K": (_q6_k, QK_K, 210)}
 
 
-_pack = pack_stream  # (core/checkpoint.py: MLX's bit-stream packing)
 
 
 def _two_level(parts: tuple, blocks: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -265,7 +264,7 @@ def _affine(name: str, kind: str, data: np.ndarray, rows: int, cols: int,
         bias = np.broadcast_to(np.asarray(bias, np.float32).reshape(len(blocks), -1), scale.shape)
         # expert stacks (3-D) run on mx.gather_qmm, which takes every width: as stored
         width = store_bits(name, group, bits, head) if store_bits and len(lead) <= 1 else bits
-        out_w.append(_pack(q.reshape(n, cols), width))
+        out_w.append(pack_stream(q.reshape(n, cols), width))
         packed = _two_level(factors[0], len(blocks)) if two_level else None
         if packed is not None:  # [n, groups] codes, [n, super-blocks, 2] factors
             out_s.append(packed[0].reshape(n, cols // group))
@@ -392,7 +391,7 @@ def _mxfp4(name: str, data: np.ndarray, rows: int, cols: int, lead: tuple[int, .
     codes = blocks[:, 1:]
     q = np.concatenate([codes & 0xF, codes >> 4], axis=1).reshape(rows, cols)  # element order
     base = name[: -len(".weight")] if name.endswith(".weight") else name
-    return {f"{base}.weight": _pack(q, 4).reshape(*lead, -1),
+    return {f"{base}.weight": pack_stream(q, 4).reshape(*lead, -1),
             f"{base}.scales": np.ascontiguousarray(blocks[:, 0]).reshape(*lead, -1)}
 
 
