@@ -74,7 +74,7 @@ def test_greedy_generation_matches_mlx_lm_generate_step(tmp_path, model_type):
 def test_sliding_postnorm_models_in_the_engine(tmp_path, model_type):
     """Batch-invariant rows joining at different steps equal each request alone (rings in
     the sliding layers; EXAONE 4's NoPE global layer); self-draft speculation (the
-    family's first_layers) stays exact."""
+    family's layer_range) stays exact."""
     from fx_engine.engine.drafters import self_draft_model
 
     path = write_tiny_model(tmp_path / "m", model_type)
@@ -87,6 +87,29 @@ def test_sliding_postnorm_models_in_the_engine(tmp_path, model_type):
     with fx_engine.Engine(fast, max_rows=4, prefill_chunk=8) as eng:
         draft = [eng.submit(p, max_tokens=24, draft_model=self_draft_model(fast, 2)) for p in prompts]
         assert [h.result().token_ids for h in draft] == refs
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("gemma3_text", {}), ("gemma4_text", {"hidden_size_per_layer_input": 0}), ("nemotron_h", {}),
+    ("qwen3_next", {}), ("granitemoehybrid", {}), ("falcon_h1", {}), ("cohere2", {})])
+def test_self_drafts_of_every_layered_family_are_exact(tmp_path, model_type, extra):
+    """A draft of the target's first layers (`Family.layer_range`: per-layer kinds cut,
+    Gemma 4's KV-shared layers kept where their source layers are) leaves greedy tokens
+    unchanged; Gemma 4's per-layer inputs cannot be cut: a clear error."""
+    from fx_engine.engine.drafters import self_draft_model
+
+    fast = fx_engine.load(write_tiny_model(tmp_path / "m", model_type, **extra))
+    ids = fast.tokenizer.encode(LONG_TEXT)
+    prompts = [ids[:n] for n in (5, 30, 17)]
+    refs = [reference_generate(fast, p, max_tokens=16, temperature=0.0).token_ids for p in prompts]
+    draft = self_draft_model(fast, fast.config.num_layers - 1)
+    assert draft.config.num_layers == fast.config.num_layers - 1
+    with fx_engine.Engine(fast, max_rows=4, prefill_chunk=8) as eng:
+        assert [eng.submit(p, max_tokens=16, draft_model=draft).result().token_ids for p in prompts] == refs
+    if model_type == "gemma4_text":
+        assert draft.config.num_kv_shared_layers == fast.config.num_kv_shared_layers - 1
+        with pytest.raises(ValueError, match="per-layer inputs"):
+            self_draft_model(fx_engine.load(write_tiny_model(tmp_path / "pli", model_type)), 1)
 
 
 def test_postnorm_config_refusals():

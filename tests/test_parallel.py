@@ -56,22 +56,43 @@ FAMILY_CASES = [(k, s) for k in ("llama-q4", "qwen3", "qwen2-untied", "phi3", "s
                 for s in ("tp", "pp")] + [("qwen3_moe", "tp"), ("qwen3_moe", "pp"), ("qwen2_moe", "tp"),
                                           ("mixtral", "tp"), ("olmo2", "pp"), ("gemma3_text", "tp"),
                                           ("gemma2", "tp"), ("gemma3_text", "pp"), ("gemma2", "pp")]
+# every family splits by layers (Family.layer_range): the recurrent ones carry their states
+# per stage, Gemma 4 without per-layer inputs (the MoE variant)
+PIPELINE_ONLY = ["cohere2", "deepseek_v3", "gpt_oss", "lfm2", "mamba2", "nemotron_h", "qwen3_next",
+                 "qwen3_5_moe_text", "granitemoehybrid", "falcon_h1", "gemma4_text-moe"]
+FAMILY_CASES += [(k, "pp") for k in PIPELINE_ONLY]
+
+
+def _tiny(tmp_path: Path, kind: str) -> Path:
+    model_type = kind.split("-")[0]
+    extra: dict = {} if kind in PIPELINE_ONLY else {"num_key_value_heads": 2}
+    if kind == "llama-q4":
+        extra.update(quantize={"group_size": 32, "bits": 4}, intermediate_size=128)
+    if kind == "qwen2-untied":
+        extra.update(tie_word_embeddings=False)
+    if kind == "gemma4_text-moe":  # no per-layer inputs, no KV-shared layers (Gemma 4 26B's shape)
+        extra.update(hidden_size_per_layer_input=0, num_kv_shared_layers=0, enable_moe_block=True,
+                     num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    return write_tiny_model(tmp_path / kind, model_type, **extra)
 
 
 @pytest.mark.parametrize("kind,split", FAMILY_CASES)
 def test_tiny_families_two_ranks_equal_one_process(tmp_path, kind, split):
-    model_type = kind.split("-")[0]
-    extra = {}
-    if kind == "llama-q4":
-        extra = {"quantize": {"group_size": 32, "bits": 4}, "intermediate_size": 128}
-    if kind == "qwen2-untied":
-        extra = {"tie_word_embeddings": False}
-    path = write_tiny_model(tmp_path / kind, model_type, num_key_value_heads=2, **extra)
+    path = _tiny(tmp_path, kind)
     args = ["--model", str(path), "--tokens", "12", "--logits", "--engine", "2", "--prompt", "hello world"]
     one, two = alone(args), tp(args, split=split)
-    assert two["tokens"] == one["tokens"] and two["engine"] == one["engine"]
+    assert two["tokens"] == one["tokens"] and len(one["tokens"]) == 12
+    assert two["engine"] == one["engine"]
     diff = mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item()
     assert diff < 2e-3, diff
+
+
+def test_every_family_has_a_pipeline_case():
+    """A family added to the registry is run as pipeline stages here, or this fails."""
+    from fx_engine.core.models import FAMILIES, model_types
+
+    covered = {model_types()[k.split("-")[0]] for k, s in FAMILY_CASES if s == "pp"}
+    assert covered == {f.name for f in FAMILIES}
 
 
 def test_sampled_rows_reproducible_with_a_seed():
@@ -135,8 +156,12 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
     from fx_engine.core.parallel import stage_params
 
     gemma4 = fx_engine.load(write_tiny_model(tmp_path / "g", "gemma4_text"))
-    with pytest.raises(ConfigError, match="not supported yet"):
+    with pytest.raises(ConfigError, match="pipeline parallel: Gemma 4's per-layer inputs"):
         stage_params(gemma4.params, 0, 2)
+    # KV-shared layers (2 of 4) attend over layers 0-1's caches: not on a stage of their own
+    shared = fx_engine.load(write_tiny_model(tmp_path / "g2", "gemma4_text", hidden_size_per_layer_input=0))
+    with pytest.raises(ConfigError, match="KV-shared layers"):
+        stage_params(shared.params, 1, 2)
     cohere = fx_engine.load(write_tiny_model(tmp_path / "c", "cohere2"))
     with pytest.raises(ConfigError, match="not supported yet"):
         shard_params(cohere.params, 0, 2)

@@ -49,7 +49,7 @@ def test_phi3_matches_mlx_lm(tmp_path, overrides):
 
 def test_phi3_runs_in_the_engine_with_speculation_and_windows(tmp_path):
     """Batched greedy output equals the single-row reference loop, with prompt-lookup
-    speculation and self-drafting (the family's first_layers), and with a sliding window
+    speculation and self-drafting (the family's layer_range), and with a sliding window
     shorter than the context (a ring cache entry)."""
     from fx_engine.engine.drafters import self_draft_model
     from fx_engine.engine.generate import reference_generate

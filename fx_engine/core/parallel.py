@@ -34,13 +34,9 @@ from fx_engine.core.nn import Linear
 
 __all__ = ["shard_params", "split", "stage_params"]
 
-# config fields with one entry per layer (a stage keeps its layers' entries)
-_PER_LAYER = ("layer_types", "moe_layers", "layer_rope")
-
-
 def _supports(params: Any, kind: str) -> bool:
     """Whether these params' family declares the split (`__fx_tensor_parallel__`: its layers
-    have the fields `shard_params` cuts; `__fx_pipeline_parallel__`: its forward runs stages)."""
+    have the fields `shard_params` cuts)."""
     return bool(getattr(type(params), f"__fx_{kind}_parallel__", False))
 
 
@@ -218,27 +214,28 @@ def _mlp_fields(lp: Any, i: int) -> tuple[str, str]:
 
 
 def stage_params(params: Any, rank: int, size: int) -> Any:
-    """Rank `rank` of `size`'s pipeline stage of a Llama-family model: its layers (split as
-    evenly as possible, earlier stages taking the remainder), the embedding table on the
-    first stage, the head (and the final norm) on the last (a tied head keeps the table)."""
+    """Rank `rank` of `size`'s pipeline stage of a model of any family that can cut its
+    layers (`Family.layer_range`): its layers (split as evenly as possible, earlier stages
+    taking the remainder), the embedding table on the first stage, the head (and the final
+    norm) on the last (a tied head keeps the table)."""
     if size == 1:
         return params
-    if not _supports(params, "pipeline"):  # the families that run llama's decoder loop
-        raise ConfigError(f"pipeline parallel: the {type(params.config).__name__} family is not supported "
-                          "yet (the Llama decoder's families are)")
+    from fx_engine.core.models import family_of
+
+    family = family_of(params.config)
+    if family.layer_range is None:
+        raise ConfigError(f"pipeline parallel: {family.name} models cannot be split by layers")
     cfg = params.config
-    if getattr(params, "embed_per_layer", None) is not None or getattr(cfg, "num_kv_shared_layers", 0):
-        raise ConfigError("pipeline parallel: per-layer inputs and KV-shared layers (Gemma 4) are not "
-                          "supported yet")
     l0, l1 = split(cfg.num_layers, size, rank)
-    per_layer = {name: tuple(getattr(cfg, name)[l0:l1]) for name in _PER_LAYER
-                 if getattr(cfg, name, None)}
+    try:
+        stage = family.layer_range(params, l0, l1)
+    except ConfigError as e:
+        raise ConfigError(f"pipeline parallel: {e}") from None
     first, last = rank == 0, rank == size - 1
+    head = getattr(params, "lm_head", None)
     nothing = Linear(weight=mx.zeros((1, 1), mx.float32))
-    embed = params.embed if first or (last and params.lm_head is None) else nothing
-    if getattr(cfg, "no_rope_layers", None):  # layer indices: renumbered from the stage's first
-        per_layer["no_rope_layers"] = tuple(i - l0 for i in cfg.no_rope_layers if l0 <= i < l1)
-    small = attrs.evolve(cfg, num_layers=l1 - l0, **per_layer)
-    return attrs.evolve(params, layers=params.layers[l0:l1], embed=embed,
-                        lm_head=params.lm_head if last else None, config=small,
-                        pipeline=(rank, size, l0, cfg.num_layers))
+    changes: dict[str, Any] = {"embed": params.embed if first or (last and head is None) else nothing,
+                               "pipeline": (rank, size, l0, cfg.num_layers)}
+    if "lm_head" in attrs.fields_dict(type(params)):  # (a family without one ties its head)
+        changes["lm_head"] = head if last else None
+    return attrs.evolve(stage, **changes)

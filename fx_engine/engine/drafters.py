@@ -198,14 +198,17 @@ def self_draft_model(model: Any, num_layers: int) -> Any:
     output head (self-speculative, as in LayerSkip): no second checkpoint needed. It shares
     the target's arrays (no copy)."""
     cfg, family = model.config, family_of(model.config)
-    if family.first_layers is None:
+    if family.layer_range is None:
         raise ValueError(f"self_draft_model: {family.name} models are not supported (use draft_model=)")
     if not 1 <= num_layers < cfg.num_layers:
         raise ValueError(f"self_draft_model: num_layers must be in [1, {cfg.num_layers}), got {num_layers}")
     if getattr(model, "pipeline_parallel", 1) > 1:  # the first layers live on the first stages only
         raise ValueError("self_draft_model: not available with pipeline parallelism (use a separate "
                          "draft model, or tensor parallelism)")
-    params = family.first_layers(model.params, num_layers)
+    try:
+        params = family.layer_range(model.params, 0, num_layers)
+    except ValueError as e:  # (ConfigError: the family's layers cannot be cut there)
+        raise ValueError(f"self_draft_model: {e}") from None
     return attrs.evolve(model, config=params.config, params=params,
                         fingerprint=f"{model.fingerprint}-first{num_layers}")
 

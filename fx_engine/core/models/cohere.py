@@ -21,7 +21,7 @@ from jaxtyping import Float, Int
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
 from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear, renamed
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, required, token_ids
-from fx_engine.core.models.family import Family
+from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
 from fx_engine.core.nn import Linear, Numerics, apply_rope, embed, layer_norm, linear, rope_tables, swiglu_fused
 from fx_engine.core.tree import static_field
 
@@ -101,6 +101,7 @@ class CohereParams:
     config: CohereConfig = static_field()
     numerics: Numerics = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")
+    pipeline: tuple = static_field(default=())  # a pipeline stage's (rank, ranks, first layer, all layers)
 
 
 def cache_specs(cfg: CohereConfig) -> tuple[LayerSpec, ...]:
@@ -136,7 +137,7 @@ def forward(
     b, t = tokens.shape
     dt = getattr(mx, p.dtype)
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = embed(tokens.reshape(-1), p.embed).astype(dt)
+    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(dt))
     cos, sin, perm = rope_tables(geo.positions, cfg.head_dim, base=cfg.rope_theta, scale=1.0, freqs=None,
                                  traditional=True)
     rope = (cos.astype(dt), sin.astype(dt), perm.astype(dt))
@@ -147,12 +148,15 @@ def forward(
         a, entry = _attention(p, lp, x, entry, spec, rope if use_rope else None, geo)
         h = h + a + linear(swiglu_fused(linear(x, lp.gate_up, num), num), lp.down, num)
         entries.append(entry)
+    handed = stage_output(p, h)
+    if handed is not None:  # a pipeline stage before the last
+        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
     h = layer_norm(h, *p.norm, cfg.rms_norm_eps).reshape(b, t, -1)
     return h, advanced(cache, entries, geo)
 
 
 def hidden_to_logits(p: CohereParams, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
-    return (linear(h, p.embed, p.numerics) * p.config.logit_scale).astype(mx.float32)
+    return stage_logits(p, h, lambda: (linear(h, p.embed, p.numerics) * p.config.logit_scale).astype(mx.float32))
 
 
 def assemble(cfg: CohereConfig, src: TensorSource, opts: LoadOptions) -> CohereParams:
@@ -211,9 +215,8 @@ def checkpoint_layout(cfg: CohereConfig) -> dict[str, TensorSpec]:
     return out
 
 
-def first_layers(p: CohereParams, n: int) -> CohereParams:
-    small = attrs.evolve(p.config, num_layers=n, layer_types=p.config.layer_types[:n])
-    return attrs.evolve(p, layers=p.layers[:n], config=small)
+def layer_range(p: CohereParams, start: int, end: int) -> CohereParams:
+    return cut_layers(p, start, end, per_layer=("layer_types",))
 
 
 _TINY = {
@@ -258,7 +261,7 @@ def config_from_gguf(md: dict[str, Any], source: str) -> CohereConfig:
 FAMILY = Family(
     name="cohere", model_types=("cohere", "cohere2"), config_type=CohereConfig, params_type=CohereParams,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
-    hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout, first_layers=first_layers,
+    hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout, layer_range=layer_range,
     tiny_config=tiny_config, gguf_architectures=("command-r", "cohere2"), config_from_gguf=config_from_gguf,
     assemble_gguf=assemble_gguf,
 )

@@ -31,7 +31,7 @@ from jaxtyping import Float, Int
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_latent, write_entry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, renamed, TensorSource, TensorSpec, WeightsError, dequantized, finish, fuse, fuse_experts, finish_experts, read_experts, read_linear)
 from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, gguf_grouped_experts, gguf_hf_config, gguf_value, gguf_yarn, positive_int, required, token_ids)
-from fx_engine.core.models.family import Family
+from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
 from fx_engine.core.models.moe import GGUF_GROUPED_EXPERT_NAMES, grouped_route
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, routed_glu, scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
 from fx_engine.core.tree import static_field
@@ -157,6 +157,7 @@ class DeepseekParams:
     config: DeepseekConfig = static_field()
     numerics: Numerics = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")
+    pipeline: tuple = static_field(default=())  # a pipeline stage's (rank, ranks, first layer, all layers)
 
 
 def cache_specs(cfg: DeepseekConfig) -> tuple[LayerSpec, ...]:
@@ -223,7 +224,7 @@ def forward(
     b, t = tokens.shape
     dt = getattr(mx, p.dtype)
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = embed(tokens.reshape(-1), p.embed).astype(dt)
+    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(dt))
     scale = 1.0
     sd = dict(cfg.rope_scaling or ())
     if (sd.get("type") or sd.get("rope_type")) == "linear":
@@ -238,12 +239,15 @@ def forward(
         h = h + a
         h = h + _mlp(cfg, lp, rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num), num)
         entries.append(entry)
+    handed = stage_output(p, h)
+    if handed is not None:  # a pipeline stage before the last
+        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
     h = rms_norm(h, p.norm, cfg.rms_norm_eps, num).reshape(b, t, -1)
     return h, advanced(cache, entries, geo)
 
 
 def hidden_to_logits(p: DeepseekParams, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
-    return linear(h, p.lm_head, p.numerics).astype(mx.float32)
+    return stage_logits(p, h, lambda: linear(h, p.lm_head, p.numerics).astype(mx.float32))
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -380,9 +384,8 @@ def checkpoint_layout(cfg: DeepseekConfig) -> dict[str, TensorSpec]:
     return out
 
 
-def first_layers(p: DeepseekParams, n: int) -> DeepseekParams:
-    small = attrs.evolve(p.config, num_layers=n, moe_layers=p.config.moe_layers[:n])
-    return attrs.evolve(p, layers=p.layers[:n], config=small)
+def layer_range(p: DeepseekParams, start: int, end: int) -> DeepseekParams:
+    return cut_layers(p, start, end, per_layer=("moe_layers",))
 
 
 def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -439,6 +442,6 @@ FAMILY = Family(
     name="deepseek", model_types=("deepseek_v3", "kimi_k2"), config_type=DeepseekConfig,
     params_type=DeepseekParams, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
-    checkpoint_layout=checkpoint_layout, first_layers=first_layers, tiny_config=tiny_config,
+    checkpoint_layout=checkpoint_layout, layer_range=layer_range, tiny_config=tiny_config,
     gguf_architectures=("deepseek2",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )

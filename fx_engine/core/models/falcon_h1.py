@@ -20,7 +20,7 @@ import mlx.core as mx
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced
 from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear
 from fx_engine.core.config import ConfigError, positive_int, required
-from fx_engine.core.models.family import DecoderParams, Family
+from fx_engine.core.models.family import DecoderParams, Family, cut_layers, stage_input, stage_logits, stage_output
 from fx_engine.core.models.llama import LlamaConfig, self_attention
 from fx_engine.core.models.mamba2 import MixerDims, MixerParams, mixer, mixer_layout, read_mixer
 from fx_engine.core.models.nemotron_h import Attention
@@ -118,7 +118,7 @@ def forward(p: FalconH1Params, cache: KVCache, tokens: mx.array, n_valid: mx.arr
     b, t = tokens.shape
     dt = getattr(mx, p.dtype)
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = embed(tokens.reshape(-1), p.embed).astype(dt)
+    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(dt))
     cos, sin, perm = rope_tables(geo.positions, cfg.head_dim, base=cfg.rope_theta, scale=1.0, freqs=None,
                                  traditional=cfg.rope_traditional)
     rope = (cos.astype(dt), sin.astype(dt), perm.astype(dt))
@@ -130,16 +130,23 @@ def forward(p: FalconH1Params, cache: KVCache, tokens: mx.array, n_valid: mx.arr
         h = h + m + a
         x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
         h = h + linear(swiglu_fused(linear(x, lp.mlp.gate_up, num), num), lp.mlp.down, num)
+    handed = stage_output(p, h)
+    if handed is not None:  # a pipeline stage before the last
+        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
     h = rms_norm(h, p.norm, cfg.rms_norm_eps, num)
     return h.reshape(b, t, -1), advanced(cache, entries, geo)
 
 
 def hidden_to_logits(p: FalconH1Params, h: mx.array) -> mx.array:
     cfg = p.config
-    if p.lm_head is not None:
-        return linear(h, p.lm_head, p.numerics).astype(mx.float32)
-    out = linear(h, p.embed, p.numerics)
-    return (out * (cfg.lm_head_multiplier / cfg.embedding_multiplier)).astype(mx.float32)
+
+    def logits() -> mx.array:
+        if p.lm_head is not None:
+            return linear(h, p.lm_head, p.numerics).astype(mx.float32)
+        out = linear(h, p.embed, p.numerics)
+        return (out * (cfg.lm_head_multiplier / cfg.embedding_multiplier)).astype(mx.float32)
+
+    return stage_logits(p, h, logits)
 
 
 def _scaled(lin: Linear, s: Any) -> Linear:
@@ -236,9 +243,14 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "mlp_multipliers": [0.88, 0.59], "key_multiplier": 0.39, "bos_token_id": 1, "eos_token_id": 2,
             **overrides}
 
+def layer_range(p: FalconH1Params, start: int, end: int) -> FalconH1Params:
+    """The params of layers [start, end) (`family.cut_layers`)."""
+    return cut_layers(p, start, end)
+
 
 FAMILY = Family(
     name="falcon_h1", model_types=("falcon_h1",), config_type=FalconH1Config, params_type=FalconH1Params,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
-    hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout, tiny_config=tiny_config,
+    hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
+    layer_range=layer_range, tiny_config=tiny_config,
 )

@@ -30,11 +30,30 @@ class DecoderParams:
     config: Any = static_field()
     numerics: Any = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")
+    # (rank, ranks, first layer, all layers) on a pipeline stage (core/parallel.stage_params)
+    pipeline: tuple = static_field(default=())
+
+
+def cut_layers(p: Any, start: int, end: int, per_layer: tuple[str, ...] = (),
+               indices: tuple[str, ...] = ()) -> Any:
+    """The params of layers [start, end) (shared arrays; embedding, final norm and head
+    kept), with the config's per-layer fields cut: `per_layer` hold one entry per layer (a
+    tuple or a string), `indices` hold layer numbers (renumbered from `start`). A family's
+    `layer_range` calls it with its own fields."""
+    cfg = p.config
+    if not 0 <= start < end <= cfg.num_layers:
+        raise ValueError(f"layers [{start}, {end}) are not a range of {cfg.num_layers} layers")
+    cut = {name: getattr(cfg, name)[start:end] for name in per_layer if getattr(cfg, name, None)}
+    cut.update({name: tuple(i - start for i in getattr(cfg, name) if start <= i < end)
+                for name in indices if getattr(cfg, name, None)})
+    return attrs.evolve(p, layers=tuple(p.layers[start:end]),
+                        config=attrs.evolve(cfg, num_layers=end - start, **cut))
 
 
 def head_logits(p: DecoderParams, h: Any) -> Any:
     """float32 logits of final hidden states through the output head (or the tied embedding)."""
-    return linear(h, p.lm_head if p.lm_head is not None else p.embed, p.numerics).astype(mx.float32)
+    return stage_logits(p, h, lambda: linear(h, p.lm_head if p.lm_head is not None else p.embed,
+                                             p.numerics).astype(mx.float32))
 
 
 # ---------------------------------------------------------------- pipeline stages
@@ -101,7 +120,10 @@ class Family:
     assemble_gguf: Callable[[Any, TensorSource, LoadOptions], Any] | None = None
     # multimodal wrappers: model_type -> (the text model_type, defaults mlx-lm applies)
     wrappers: Mapping[str, tuple[str, Mapping[str, Any]]] = attrs.field(factory=dict)
-    # (params, n) -> params of the first n layers (self-speculative drafts); None: no
-    first_layers: Callable[[Any, int], Any] | None = None
+    # (params, start, end) -> params of layers [start, end), their config's per-layer fields
+    # cut (`cut_layers`): the first n for self-speculative drafts, a run of layers for a
+    # pipeline stage (core/parallel.stage_params); ConfigError where the family's layers
+    # cannot be cut there; None: neither
+    layer_range: Callable[[Any, int, int], Any] | None = None
     # (model_type, overrides) -> config.json of a tiny random test model (testing.tiny)
     tiny_config: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None

@@ -29,7 +29,7 @@ from jaxtyping import Float, Int
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, fuse_experts, read_expert_stack, read_linear, renamed)
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, refuse, required, token_ids
-from fx_engine.core.models.family import Family, stage_input, stage_logits, stage_output
+from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, capped, embed, gelu_tanh, linear, rms_norm, rope_tables, routed_glu)
 from fx_engine.core.tree import static_field
 
@@ -326,7 +326,6 @@ class GemmaLayer:
 class GemmaParams:
     __fx_memo_flatten__ = True  # immutable and flattened every step (fx_engine.core.tree)
     __fx_tensor_parallel__ = True  # core/parallel.py splits qkv/o/gate_up/down (Gemma 2 and 3)
-    __fx_pipeline_parallel__ = True  # the forward runs stages (`family.stage_input` ...)
     embed: Linear
     layers: tuple[GemmaLayer, ...]
     norm: mx.array
@@ -743,6 +742,25 @@ _TINY = {
     },
 }
 
+def layer_range(p: GemmaParams, start: int, end: int) -> GemmaParams:
+    """The params of layers [start, end) (`family.cut_layers`). Gemma 4's KV-shared layers
+    attend over earlier layers' caches: a range from the first layer keeps them (those
+    within it), a later range may not hold any; its per-layer inputs are one table over
+    every layer: not cut."""
+    cfg = p.config
+    if p.embed_per_layer is not None:
+        raise ConfigError("Gemma 4's per-layer inputs are one table over every layer: its layers "
+                          "cannot be split (pipeline stages, self-drafts)")
+    shared = 0
+    if cfg.num_kv_shared_layers:
+        first = cfg.first_shared_layer
+        if start > 0 and end > first:
+            raise ConfigError(f"Gemma 4's KV-shared layers ({first}..{cfg.num_layers - 1}) attend over "
+                              f"earlier layers' caches: layers {start}..{end - 1} cannot run apart from them")
+        shared = max(0, end - first)
+    cut = cut_layers(p, start, end, per_layer=("layer_types",))
+    return attrs.evolve(cut, config=attrs.evolve(cut.config, num_kv_shared_layers=shared))
+
 
 FAMILY = Family(
     name="gemma", model_types=("gemma2", "gemma3_text", "gemma4_text"), config_type=GemmaConfig,
@@ -750,7 +768,7 @@ FAMILY = Family(
     cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
     checkpoint_layout=checkpoint_layout, wrappers=MULTIMODAL_WRAPPERS,
     gguf_architectures=("gemma2", "gemma3"), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
-    tiny_config=lambda model_type, overrides: {
+    layer_range=layer_range, tiny_config=lambda model_type, overrides: {
         "model_type": model_type, "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384,
         "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True,

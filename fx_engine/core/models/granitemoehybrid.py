@@ -18,7 +18,7 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced
 from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_experts, read_linear
 from fx_engine.core.config import ConfigError, positive_int, required
 from fx_engine.core.models import moe
-from fx_engine.core.models.family import DecoderParams, Family
+from fx_engine.core.models.family import DecoderParams, Family, cut_layers, stage_input, stage_logits, stage_output
 from fx_engine.core.models.llama import self_attention
 from fx_engine.core.models.mamba2 import MixerDims, mixer, mixer_layout, read_mixer
 from fx_engine.core.models.moe import Experts, MoEConfig
@@ -105,7 +105,7 @@ def forward(p: GraniteHybridParams, cache: KVCache, tokens: mx.array, n_valid: m
     b, t = tokens.shape
     dt = getattr(mx, p.dtype)
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = embed(tokens.reshape(-1), p.embed).astype(dt) * cfg.embedding_multiplier
+    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(dt) * cfg.embedding_multiplier)
     rope = None
     if cfg.use_rope:
         cos, sin, perm = rope_tables(geo.positions, cfg.head_dim, base=cfg.rope_theta, scale=1.0, freqs=None,
@@ -127,13 +127,19 @@ def forward(p: GraniteHybridParams, cache: KVCache, tokens: mx.array, n_valid: m
             r = linear(swiglu_fused(linear(x, lp.mlp.gate_up, num), num), lp.mlp.down, num)
         h = h + r * m
         entries.append(entry)
+    handed = stage_output(p, h)
+    if handed is not None:  # a pipeline stage before the last
+        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
     h = rms_norm(h, p.norm, cfg.rms_norm_eps, num)
     return h.reshape(b, t, -1), advanced(cache, entries, geo)
 
 
 def hidden_to_logits(p: GraniteHybridParams, h: mx.array) -> mx.array:
-    out = linear(h, p.lm_head if p.lm_head is not None else p.embed, p.numerics)
-    return (out / p.config.logits_scaling).astype(mx.float32)
+    def logits() -> mx.array:
+        out = linear(h, p.lm_head if p.lm_head is not None else p.embed, p.numerics)
+        return (out / p.config.logits_scaling).astype(mx.float32)
+
+    return stage_logits(p, h, logits)
 
 
 def assemble(cfg: GraniteHybridConfig, src: TensorSource, opts: LoadOptions) -> GraniteHybridParams:
@@ -235,9 +241,14 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "tie_word_embeddings": True, "rope_theta": 10000.0, "time_step_limit": [0.001, 100.0],
             "bos_token_id": 1, "eos_token_id": 2, **overrides}
 
+def layer_range(p: GraniteHybridParams, start: int, end: int) -> GraniteHybridParams:
+    """The params of layers [start, end) (`family.cut_layers`)."""
+    return cut_layers(p, start, end, per_layer=("mamba_layers", "moe_layers"))
+
 
 FAMILY = Family(
     name="granitemoehybrid", model_types=("granitemoehybrid",), config_type=GraniteHybridConfig,
     params_type=GraniteHybridParams, config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
-    forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout, tiny_config=tiny_config,
+    forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
+    layer_range=layer_range, tiny_config=tiny_config,
 )

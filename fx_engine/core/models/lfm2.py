@@ -29,7 +29,7 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, recurrent_ent
 from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear
 from fx_engine.core.config import ConfigError, positive_int, required
 from fx_engine.core.models import llama
-from fx_engine.core.models.family import Family
+from fx_engine.core.models.family import Family, cut_layers
 from fx_engine.core.models.llama import LayerParams, LlamaConfig
 from fx_engine.core.models.mamba2 import conv_weight
 from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, swiglu_fused
@@ -116,6 +116,7 @@ class Lfm2Params:
     config: Lfm2Config = static_field()
     numerics: Numerics = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")
+    pipeline: tuple = static_field(default=())  # a pipeline stage's (rank, ranks, first layer, all layers)
 
     @property
     def lm_head(self) -> None:  # always tied
@@ -239,9 +240,8 @@ def checkpoint_layout(cfg: Lfm2Config) -> dict[str, TensorSpec]:
     return out
 
 
-def first_layers(p: Lfm2Params, n: int) -> Lfm2Params:
-    small = attrs.evolve(p.config, num_layers=n, conv_layers=p.config.conv_layers[:n])
-    return attrs.evolve(p, layers=p.layers[:n], config=small)
+def layer_range(p: Lfm2Params, start: int, end: int) -> Lfm2Params:
+    return cut_layers(p, start, end, per_layer=("conv_layers",))
 
 
 def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -259,7 +259,7 @@ FAMILY = Family(
     name="lfm2", model_types=("lfm2",), config_type=Lfm2Config, params_type=Lfm2Params,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    first_layers=first_layers, tiny_config=tiny_config,
+    layer_range=layer_range, tiny_config=tiny_config,
 )
 
 __all__ = ["FAMILY", "Lfm2Config", "Lfm2Params", "ConvLayer", "short_conv"]

@@ -19,7 +19,7 @@ from jaxtyping import Float, Int
 from fx_engine.core.cache import (KVCache, LayerSpec, StepGeometry, advanced, attend_entry, dense_layout, write_entry)
 from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear)
 from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, gguf_value, positive_int, required, token_ids)
-from fx_engine.core.models.family import Family, stage_input, stage_logits, stage_output
+from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
 from fx_engine.core.tree import static_field
 
@@ -276,10 +276,8 @@ class LayerParams:
 class Params:
     __fx_memo_flatten__ = True  # immutable and flattened every step: memoize (fx_engine.core.tree)
     # core/parallel.py: the layers' fields (qkv, o, gate_up/down or fc/proj, experts) are
-    # what tensor parallelism splits, and the forward takes pipeline stages (subclasses
-    # that run this decoder inherit both)
+    # what tensor parallelism splits (subclasses that run this decoder inherit it)
     __fx_tensor_parallel__ = True
-    __fx_pipeline_parallel__ = True
     embed: Linear
     layers: tuple[LayerParams, ...]
     norm: mx.array
@@ -601,11 +599,12 @@ def checkpoint_layout(cfg: Any, fused: bool = False) -> dict[str, TensorSpec]:
     return out
 
 
-def first_layers(p: Params, n: int) -> Params:
-    """The params of the first n layers, the final norm and the head (shared arrays)."""
-    cut = {"layer_types": p.config.layer_types[:n]} if getattr(p.config, "layer_types", ()) else {}
-    small = attrs.evolve(p.config, num_layers=n, **cut)
-    return attrs.evolve(p, layers=p.layers[:n], config=small)
+def layer_range(p: Params, start: int, end: int) -> Params:
+    """The params of layers [start, end) (`family.cut_layers`) of the families that run this
+    decoder (their per-layer fields: layer kinds, routed layers, post-norm RoPE kinds, NoPE
+    layer numbers)."""
+    return cut_layers(p, start, end, per_layer=("layer_types", "moe_layers", "layer_rope"),
+                      indices=("no_rope_layers",))
 
 
 def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -646,6 +645,6 @@ FAMILY = Family(
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     gguf_architectures=("llama", "qwen2", "qwen3", "granite", "smollm3", "mistral3"), config_from_gguf=config_from_gguf,
     gguf_accepts=lambda md: not md.get(f"{md.get('general.architecture')}.expert_count"),
-    assemble_gguf=assemble_gguf, first_layers=first_layers,
+    assemble_gguf=assemble_gguf, layer_range=layer_range,
     tiny_config=tiny_config,
 )

@@ -26,7 +26,7 @@ import mlx.core as mx
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, recurrent_entry
 from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, read_linear
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, required
-from fx_engine.core.models.family import DecoderParams, Family, head_logits
+from fx_engine.core.models.family import DecoderParams, Family, cut_layers, head_logits, stage_input, stage_output
 from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm
 from fx_engine.core.recurrent import causal_conv, ssd_scan
 
@@ -181,12 +181,15 @@ def forward(p: Mamba2Params, cache: KVCache, tokens: mx.array, n_valid: mx.array
     cfg, num = p.config, p.numerics
     b, t = tokens.shape
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = embed(tokens.reshape(-1), p.embed).astype(getattr(mx, p.dtype))
+    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(getattr(mx, p.dtype)))
     entries = []
     for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
         a, entry = mixer(lp.mixer, cfg.mixer, rms_norm(h, lp.norm, cfg.block_norm_eps, num), entry, spec, geo, num)
         h = h + a
         entries.append(entry)
+    handed = stage_output(p, h)
+    if handed is not None:  # a pipeline stage before the last
+        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
     h = rms_norm(h, p.norm, cfg.rms_norm_eps, num)
     return h.reshape(b, t, -1), advanced(cache, entries, geo)
 
@@ -274,8 +277,8 @@ def checkpoint_layout(cfg: Mamba2Config) -> dict[str, TensorSpec]:
     return out
 
 
-def first_layers(p: Mamba2Params, n: int) -> Mamba2Params:
-    return attrs.evolve(p, layers=p.layers[:n], config=attrs.evolve(p.config, num_layers=n))
+def layer_range(p: Mamba2Params, start: int, end: int) -> Mamba2Params:
+    return cut_layers(p, start, end)
 
 
 def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -291,5 +294,5 @@ FAMILY = Family(
     name="mamba2", model_types=("mamba2",), config_type=Mamba2Config, params_type=Mamba2Params,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    first_layers=first_layers, tiny_config=tiny_config,
+    layer_range=layer_range, tiny_config=tiny_config,
 )

@@ -529,5 +529,5 @@ FAMILY = Family(
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     gguf_architectures=("qwen3moe", "qwen2moe", "olmoe", "glm4moe", "llama"), config_from_gguf=config_from_gguf,
     gguf_accepts=lambda md: bool(md.get(f"{md.get('general.architecture')}.expert_count")),
-    assemble_gguf=assemble_gguf, first_layers=llama.first_layers, tiny_config=tiny_config,
+    assemble_gguf=assemble_gguf, layer_range=llama.layer_range, tiny_config=tiny_config,
 )

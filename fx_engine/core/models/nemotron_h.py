@@ -21,7 +21,7 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced
 from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, read_experts, read_linear)
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, required
 from fx_engine.core.models import llama
-from fx_engine.core.models.family import DecoderParams, Family, head_logits
+from fx_engine.core.models.family import DecoderParams, Family, cut_layers, head_logits, stage_input, stage_output
 from fx_engine.core.models.mamba2 import MixerDims, MixerParams, mixer, mixer_layout, read_mixer
 from fx_engine.core.models.moe import grouped_route
 from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm, routed_glu
@@ -174,7 +174,7 @@ def forward(p: NemotronHParams, cache: KVCache, tokens: mx.array, n_valid: mx.ar
     cfg, num = p.config, p.numerics
     b, t = tokens.shape
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = embed(tokens.reshape(-1), p.embed).astype(getattr(mx, p.dtype))
+    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(getattr(mx, p.dtype)))
     entries, at = list(cache.layers), 0
     for kind, lp in zip(cfg.pattern, p.layers):
         x = rms_norm(h, lp.norm, cfg.rms_norm_eps, num)
@@ -189,6 +189,9 @@ def forward(p: NemotronHParams, cache: KVCache, tokens: mx.array, n_valid: mx.ar
         else:
             out = _experts(cfg, lp.block, x, num)
         h = h + out
+    handed = stage_output(p, h)
+    if handed is not None:  # a pipeline stage before the last
+        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
     h = rms_norm(h, p.norm, cfg.rms_norm_eps, num)
     return h.reshape(b, t, -1), advanced(cache, entries, geo)
 
@@ -285,12 +288,17 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
             "time_step_limit": [0.0, 100.0], "bos_token_id": 1, "eos_token_id": 2, **overrides}
 
+def layer_range(p: NemotronHParams, start: int, end: int) -> NemotronHParams:
+    """The params of layers [start, end) (`family.cut_layers`; the layer pattern cut, so a
+    stage's cache holds its own M and * layers' entries)."""
+    return cut_layers(p, start, end, per_layer=("pattern",))
+
 
 FAMILY = Family(
     name="nemotron_h", model_types=("nemotron_h",), config_type=NemotronHConfig,
     params_type=NemotronHParams, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
-    checkpoint_layout=checkpoint_layout, tiny_config=tiny_config,
+    checkpoint_layout=checkpoint_layout, layer_range=layer_range, tiny_config=tiny_config,
 )
 
 __all__ = ["FAMILY", "NemotronHConfig", "NemotronHParams", "MixerParams", "Attention"]

@@ -270,6 +270,6 @@ FAMILY = Family(
     name="phi3", model_types=("phi3",), config_type=Phi3Config, params_type=Phi3Params,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
     forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    first_layers=llama.first_layers, tiny_config=tiny_config,
+    layer_range=llama.layer_range, tiny_config=tiny_config,
     gguf_architectures=("phi3",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )

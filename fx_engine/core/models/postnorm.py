@@ -249,13 +249,6 @@ def checkpoint_layout(cfg: PostNormConfig) -> dict[str, TensorSpec]:
     return out
 
 
-def first_layers(p: PostNormParams, n: int) -> PostNormParams:
-    """The params of the first n layers (self-speculative drafts), their layer kinds too."""
-    c = p.config
-    small = attrs.evolve(c, num_layers=n, layer_types=c.layer_types[:n], layer_rope=c.layer_rope[:n])
-    return attrs.evolve(p, layers=p.layers[:n], config=small)
-
-
 _TINY = {
     "olmo2": {"architectures": ["Olmo2ForCausalLM"]},
     "olmo3": {"architectures": ["Olmo3ForCausalLM"], "sliding_window": 16, "num_hidden_layers": 4},
@@ -365,6 +358,6 @@ FAMILY = Family(
     name="postnorm", model_types=("olmo2", "olmo3", "exaone4", "glm4"), config_type=PostNormConfig,
     params_type=PostNormParams, config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
     forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    first_layers=first_layers, tiny_config=tiny_config,
+    layer_range=llama.layer_range, tiny_config=tiny_config,
     gguf_architectures=("olmo2", "exaone4", "glm4"), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )

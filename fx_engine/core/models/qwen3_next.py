@@ -28,7 +28,7 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, att
 from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_experts, read_linear
 from fx_engine.core.config import ConfigError, positive_int, required
 from fx_engine.core.models import llama, moe
-from fx_engine.core.models.family import DecoderParams, Family, head_logits
+from fx_engine.core.models.family import DecoderParams, Family, cut_layers, head_logits, stage_input, stage_output
 from fx_engine.core.models.mamba2 import conv_weight
 from fx_engine.core.models.moe import Experts, MoEConfig
 from fx_engine.core.nn import Linear, embed, linear, rms_norm, rope_tables, swiglu_fused
@@ -205,7 +205,7 @@ def forward(p: Qwen3NextParams, cache: KVCache, tokens: mx.array, n_valid: mx.ar
     b, t = tokens.shape
     dt = getattr(mx, p.dtype)
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = embed(tokens.reshape(-1), p.embed).astype(dt)
+    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(dt))
     cos, sin, perm = rope_tables(geo.positions, cfg.rope_dims or cfg.head_dim, base=cfg.rope_theta, scale=1.0,
                                  freqs=None, traditional=False)
     rope = (cos.astype(dt), sin.astype(dt), perm.astype(dt))
@@ -223,6 +223,9 @@ def forward(p: Qwen3NextParams, cache: KVCache, tokens: mx.array, n_valid: mx.ar
         else:
             h = h + linear(swiglu_fused(linear(x, lp.mlp.gate_up, num), num), lp.mlp.down, num)
         entries.append(entry)
+    handed = stage_output(p, h)
+    if handed is not None:  # a pipeline stage before the last
+        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
     h = rms_norm(h, p.norm, cfg.rms_norm_eps, num)
     return h.reshape(b, t, -1), advanced(cache, entries, geo)
 
@@ -409,10 +412,15 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "max_position_embeddings": 2048, "norm_topk_prob": True, "tie_word_embeddings": False,
             "full_attention_interval": 4, "bos_token_id": 1, "eos_token_id": 2, **overrides}
 
+def layer_range(p: Qwen3NextParams, start: int, end: int) -> Qwen3NextParams:
+    """The params of layers [start, end) (`family.cut_layers`)."""
+    return cut_layers(p, start, end, per_layer=("linear_layers", "moe_layers"))
+
 
 FAMILY = Family(
     name="qwen3_next", model_types=("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), config_type=Qwen3NextConfig,
     params_type=Qwen3NextParams, wrappers={"qwen3_5": ("qwen3_5_text", {}), "qwen3_5_moe": ("qwen3_5_moe_text", {})},
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
-    hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout, tiny_config=tiny_config,
+    hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
+    layer_range=layer_range, tiny_config=tiny_config,
 )

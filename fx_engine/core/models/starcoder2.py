@@ -175,6 +175,6 @@ FAMILY = Family(
     name="starcoder2", model_types=("starcoder2",), config_type=Starcoder2Config,
     params_type=Starcoder2Params, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=llama.cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
-    checkpoint_layout=checkpoint_layout, first_layers=llama.first_layers, tiny_config=tiny_config,
+    checkpoint_layout=checkpoint_layout, layer_range=llama.layer_range, tiny_config=tiny_config,
     gguf_architectures=("starcoder2",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )
