@@ -61,11 +61,19 @@ FAMILY_CASES = [(k, s) for k in ("llama-q4", "qwen3", "qwen2-untied", "phi3", "s
 PIPELINE_ONLY = ["cohere2", "deepseek_v3", "gpt_oss", "lfm2", "mamba2", "nemotron_h", "qwen3_next",
                  "qwen3_5_moe_text", "granitemoehybrid", "falcon_h1", "gemma4_text-moe"]
 FAMILY_CASES += [(k, "pp") for k in PIPELINE_ONLY]
+# tensor parallel beyond the Llama decoder's plain layers: OLMo's q/k norms over every head
+# (mean squares summed over the ranks), Cohere's parallel blocks and per-head LayerNorms,
+# DeepSeek's latent attention (heads split, the latent cache replicated) with routed and
+# shared experts, GPT-OSS's attention sinks and biased experts
+FAMILY_CASES += [(k, "tp") for k in ("olmo2", "olmoe", "cohere2", "cohere-qknorm", "deepseek_v3", "gpt_oss")]
 
 
 def _tiny(tmp_path: Path, kind: str) -> Path:
     model_type = kind.split("-")[0]
-    extra: dict = {} if kind in PIPELINE_ONLY else {"num_key_value_heads": 2}
+    own_heads = kind in PIPELINE_ONLY or model_type in ("deepseek_v3", "gpt_oss")  # (their tiny configs')
+    extra: dict = {} if own_heads else {"num_key_value_heads": 2}
+    if kind == "cohere-qknorm":
+        extra.update(use_qk_norm=True)
     if kind == "llama-q4":
         extra.update(quantize={"group_size": 32, "bits": 4}, intermediate_size=128)
     if kind == "qwen2-untied":
@@ -79,7 +87,8 @@ def _tiny(tmp_path: Path, kind: str) -> Path:
 @pytest.mark.parametrize("kind,split", FAMILY_CASES)
 def test_tiny_families_two_ranks_equal_one_process(tmp_path, kind, split):
     path = _tiny(tmp_path, kind)
-    args = ["--model", str(path), "--tokens", "12", "--logits", "--engine", "2", "--prompt", "hello world"]
+    args = ["--model", str(path), "--tokens", "12", "--logits", "--engine", "2", "--prompt", "hello world",
+            "--ignore-eos"]
     one, two = alone(args), tp(args, split=split)
     assert two["tokens"] == one["tokens"] and len(one["tokens"]) == 12
     assert two["engine"] == one["engine"]
@@ -162,12 +171,13 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
     shared = fx_engine.load(write_tiny_model(tmp_path / "g2", "gemma4_text", hidden_size_per_layer_input=0))
     with pytest.raises(ConfigError, match="KV-shared layers"):
         stage_params(shared.params, 1, 2)
+    mamba = fx_engine.load(write_tiny_model(tmp_path / "m", "mamba2"))
+    with pytest.raises(ConfigError, match="mamba2 models cannot be split over ranks yet"):
+        shard_params(mamba.params, 0, 2)
+    moe = fx_engine.load(write_tiny_model(tmp_path / "q", "qwen3_moe", quantize={"group_size": 32, "bits": 4}))
+    with pytest.raises(ConfigError, match="1 parts cannot be split over 2 ranks"):  # 32 features: one group
+        shard_params(moe.params, 0, 2)
     cohere = fx_engine.load(write_tiny_model(tmp_path / "c", "cohere2"))
-    with pytest.raises(ConfigError, match="not supported yet"):
-        shard_params(cohere.params, 0, 2)
-    olmo = fx_engine.load(write_tiny_model(tmp_path / "olmo", "olmo2"))
-    with pytest.raises(ConfigError, match="whole projection"):
-        shard_params(olmo.params, 0, 2)
     assert main(["serve", "--tensor-parallel", "2"]) == 2  # one process alone
     assert "mlx.launch -n 2" in capsys.readouterr().err
     with pytest.raises(ValueError, match="not tensor-parallel"):
@@ -315,6 +325,29 @@ def test_kquant_gguf_on_two_ranks_equals_one_process(tmp_path):
         assert two["tokens"] == one["tokens"] and two["engine"] == one["engine"], split
         diff = mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item()
         assert diff < 1e-3 * mx.abs(mx.array(one["logits"])).max().item(), (split, diff)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["cpu-default", "kept"])
+def test_gpt_oss_mxfp4_gguf_on_two_ranks_equals_one_process(tmp_path, keep):
+    """GPT-OSS as llama.cpp writes it, split over 2 ranks: MXFP4 expert stacks (kept packed:
+    each rank's slice of every expert's features, whole groups of 32; the down projections'
+    biases added on the first rank only, the mixture summed), attention sinks split with
+    their query heads; keep: the attention projections' 2-D MXFP4 kept too (MLX's kernels,
+    the GPU's form). Both splits against one process."""
+    from .test_gguf_families import _gpt_oss_gguf
+
+    folder = write_tiny_model(tmp_path / "m", "gpt_oss", num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=64)  # two groups of 32 features per expert
+    _gpt_oss_gguf(folder, tmp_path / "m.gguf", True, matrices=True)
+    args = ["--model", str(tmp_path / "m.gguf"), "--tokens", "12", "--logits", "--engine", "2",
+            "--ignore-eos"] + (["--keep-quantized"] if keep else [])
+    one = alone(args)
+    for split in ("tp", "pp"):
+        two = tp(args, split=split)
+        assert two["tokens"] == one["tokens"] and two["engine"] == one["engine"], split
+        diff = mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item()
+        assert diff < 1e-3 * mx.abs(mx.array(one["logits"])).max().item(), (split, diff)
+    assert two["heads"] == 2 if split == "tp" else True
 
 
 def test_each_rank_holds_about_its_share(tmp_path):

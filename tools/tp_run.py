@@ -13,6 +13,7 @@ alone: the single-process reference).
                    target's first N layers); with --lockstep N, also N requests through a
                    lockstep Engine (rank 0 submits, the others follow; the draft named by
                    its place in Engine(drafts=), as `fx-engine serve` runs)
+    --keep-quantized  every quantized weight kept packed (the GPU's form: MLX's kernels)
     --prefix-dir D with --lockstep: the lockstep Engine with the prefix cache's disk tier in
                    D, run twice (the second Engine starts with an empty memory tier, so its
                    requests restore from disk: "cached" per request)
@@ -58,12 +59,14 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="a draft model path, or self:N")
     ap.add_argument("--lockstep", type=int, default=0, help="requests through a lockstep Engine")
     ap.add_argument("--prefix-dir", default=None, help="--lockstep: the disk tier's folder (two passes)")
+    ap.add_argument("--keep-quantized", action="store_true", help="keep every quantized weight packed")
     a = ap.parse_args()
     import resource
 
     t_load = time.perf_counter()
     model = fx_engine.load(a.model, tensor_parallel=a.tp if a.tp > 1 else None,
-                           pipeline_parallel=a.pp if a.pp > 1 else None)
+                           pipeline_parallel=a.pp if a.pp > 1 else None,
+                           keep_quantized=True if a.keep_quantized else None)
     t_load = time.perf_counter() - t_load
     # VmHWM: this program's own peak (ru_maxrss also counts the parent's peak before exec)
     peak_load = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")

@@ -359,7 +359,14 @@ def embed(tokens: mx.array, table: Linear) -> mx.array:
     return table.weight[tokens]
 
 
-def rms_norm(x: mx.array, weight: mx.array, eps: float, numerics: Numerics | None = None) -> mx.array:
+def rms_norm(x: mx.array, weight: mx.array, eps: float, numerics: Numerics | None = None,
+             width: int | None = None) -> mx.array:
+    """RMSNorm over the last axis. width: x is this rank's slice of a vector of `width`
+    features split over the ranks (tensor parallelism): the mean square is summed over them."""
+    if width is not None:
+        xf = x.astype(mx.float32)
+        ms = mx.distributed.all_sum(mx.sum(xf * xf, axis=-1, keepdims=True)) / width
+        return (xf * mx.rsqrt(ms + eps)).astype(x.dtype) * weight
     # MLX's CPU rms_norm is a fallback of 3-4 graph nodes; the native one is a single node.
     if numerics is not None and numerics.native and x.dtype == mx.float32:
         return kernels.rms_norm(x, weight, eps)

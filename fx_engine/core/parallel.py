@@ -16,6 +16,12 @@ norm and the head, and its logits are summed with zeros from the others (`all_su
 every rank samples the same tokens. One stage computes at a time (no micro-batches): it
 adds memory (each rank holds 1/N of the layers), not speed.
 
+Each family names its split (`Family.tensor_split`): `shard_decoder` for the decoders whose
+layers hold a fused q|k|v, o and an MLP or routed experts (the Llama decoder's families,
+Gemma 2 and 3, Cohere, GPT-OSS), DeepSeek's own for latent attention (models/deepseek.py,
+with the helpers here); and how it cuts its layers (`Family.layer_range`), which
+`stage_params` uses for every family.
+
 Uneven splits are allowed (SmolLM2's 3 KV heads on 2 ranks: 2 + 1, with their 6 + 3 query
 heads); quantized linears split only where their groups stay whole. Every rank computes
 the same full logits, so sampling (per-row keys) gives the same tokens on every rank.
@@ -32,13 +38,8 @@ from fx_engine.core.config import ConfigError
 from fx_engine.core.checkpoint import expanded, two_level
 from fx_engine.core.nn import Linear
 
-__all__ = ["shard_params", "split", "stage_params"]
-
-def _supports(params: Any, kind: str) -> bool:
-    """Whether these params' family declares the split (`__fx_tensor_parallel__`: its layers
-    have the fields `shard_params` cuts)."""
-    return bool(getattr(type(params), f"__fx_{kind}_parallel__", False))
-
+__all__ = ["shard_decoder", "shard_params", "split", "split_cols", "split_experts", "split_rows",
+           "split_vocab", "stage_params"]
 
 def split(n: int, size: int, rank: int, unit: int = 1) -> tuple[int, int]:
     """Rank's [start, end) of n items in units of `unit` (as even as possible, the first
@@ -62,13 +63,19 @@ def _cut(x: mx.array | None, axis: int, ranges: list[tuple[int, int]]) -> mx.arr
     return mx.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
 
 
-def _rows(lin: Linear, ranges: list[tuple[int, int]], keep_origin: bool = False) -> Linear:
+def _check_mode(lin: Linear) -> None:
+    """Affine (MLX's and GGUF's integer groups) and MXFP4 (4-bit floats in groups of 32
+    with a shared exponent, no biases) split the same way: whole groups, whole words."""
+    if lin.mode not in ("affine", "mxfp4"):
+        raise ConfigError(f"tensor parallel: {lin.mode} weights are not supported")
+
+
+def split_rows(lin: Linear, ranges: list[tuple[int, int]], keep_origin: bool = False) -> Linear:
     """The output rows in `ranges` (concatenated) of a linear or of every expert of a stack,
     dense or quantized. keep_origin: one range per origin segment (a fused q|k|v), recorded as
     (module, rows kept, first row kept, the module's rows) so adapters find their slice
     (loading/adapters.py)."""
-    if lin.mode != "affine":
-        raise ConfigError("tensor parallel: MXFP4 weights are not supported yet")
+    _check_mode(lin)
     origin = ()
     if keep_origin and lin.origin and len(lin.origin) == len(ranges):
         at, parts = 0, []
@@ -84,12 +91,15 @@ def _rows(lin: Linear, ranges: list[tuple[int, int]], keep_origin: bool = False)
                         bias=_cut(lin.bias, -1, ranges), origin=origin)
 
 
-def _cols(lin: Linear, start: int, end: int, name: str) -> Linear:
+def split_cols(lin: Linear, start: int, end: int, name: str) -> Linear:
     """The input features [start, end) of a linear (or of every expert of a stack) whose
     partial products are summed over the ranks."""
-    if lin.mode != "affine":
-        raise ConfigError("tensor parallel: MXFP4 weights are not supported yet")
+    _check_mode(lin)
     tp = ("sum", start, end, lin.in_features)
+    if lin.bias is not None and lin.weight.ndim > 2 and start > 0:
+        # an expert stack's biases are added per expert, before the mixture is summed over
+        # the ranks (a dense linear adds its bias after the sum): the first rank's only
+        lin = attrs.evolve(lin, bias=None)
     if lin.quantized:
         # a row is one bit stream: whole 32-bit words at every multiple of 32 values (of 8
         # or 4 values for 4 and 8 bits)
@@ -112,14 +122,14 @@ def _cols(lin: Linear, start: int, end: int, name: str) -> Linear:
     return attrs.evolve(lin, weight=_cut(lin.weight, -2 if lin.transposed else -1, [(start, end)]), tp=tp)
 
 
-def _vocab(lin: Linear, rank: int, size: int) -> Linear:
+def split_vocab(lin: Linear, rank: int, size: int) -> Linear:
     """Rows [start, start + per) of a vocabulary-sized table (zero rows pad the last ranks
     so every rank holds `per` rows: all_gather needs equal parts)."""
     total = lin.out_features
     per = -(-total // size)
     start = min(rank * per, total)
     end = min(start + per, total)
-    part = _rows(lin, [(start, end)])
+    part = split_rows(lin, [(start, end)])
     pad = per - (end - start)
     if pad:
         def padded(x: mx.array | None, axis: int = 0) -> mx.array | None:
@@ -139,15 +149,25 @@ def _vocab(lin: Linear, rank: int, size: int) -> Linear:
 
 
 def shard_params(params: Any, rank: int, size: int) -> Any:
-    """Rank `rank` of `size`'s shard of a model of the Llama decoder's families (llama,
-    mistral, qwen2, qwen3, SmolLM, phi3, exaone4/glm4 (post-norm), starcoder2, and the
-    mixture-of-experts family: qwen3_moe, qwen2_moe, mixtral, glm4_moe; Gemma 2 and 3):
-    ConfigError for another family or a split the weights do not allow."""
+    """Rank `rank` of `size`'s tensor-parallel shard of a model (its family's
+    `Family.tensor_split`): ConfigError for a family without one or a split the weights do
+    not allow."""
     if size == 1:
         return params
-    if not _supports(params, "tensor"):
-        raise ConfigError(f"tensor parallel: the {type(params.config).__name__} family is not supported "
-                          "yet (the Llama decoder's families are)")
+    from fx_engine.core.models import family_of
+
+    family = family_of(params.config)
+    if family.tensor_split is None:
+        raise ConfigError(f"tensor parallel: {family.name} models cannot be split over ranks yet "
+                          "(pipeline parallelism splits them by layers)")
+    return family.tensor_split(params, rank, size)
+
+
+def shard_decoder(params: Any, rank: int, size: int) -> Any:
+    """The split of the decoders whose layers hold a fused q|k|v, o and an MLP (gate_up/down
+    or fc/proj) or routed experts: the Llama decoder's families (llama, mistral, qwen2/3,
+    SmolLM, granite, phi3, starcoder2, OLMo 2/3 and the other post-norm ones, the
+    mixture-of-experts family, GPT-OSS), Gemma 2 and 3, Cohere."""
     cfg = params.config
     hq, hk, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     group = hq // hk
@@ -157,46 +177,56 @@ def shard_params(params: Any, rank: int, size: int) -> Any:
     unit = max([1] + [getattr(lp, m[1]).group_size for lp, m in zip(params.layers, mlps)
                       if m is not None and getattr(lp, m[1]).quantized])
     f0, f1 = split(f, size, rank, unit) if any(m is not None for m in mlps) else (0, f)
-    layers = []
+    layers, whole_norms = [], False
     for i, (lp, mlp) in enumerate(zip(params.layers, mlps)):
-        if getattr(lp, "q_norm", None) is not None and lp.q_norm.shape[-1] != d:
-            raise ConfigError("tensor parallel: q/k norms over the whole projection are not supported")
+        if getattr(lp, "q_norm", None) is not None and lp.q_norm.ndim == 2:  # Cohere: a weight per head
+            lp = attrs.evolve(lp, q_norm=lp.q_norm[q0:q1], k_norm=lp.k_norm[k0:k1])
+        elif getattr(lp, "q_norm", None) is not None and lp.q_norm.shape[-1] != d:
+            # OLMo's norms over every head's q (k): each rank its heads' weights, the mean
+            # square summed over the ranks (config.qk_norm_width)
+            lp = attrs.evolve(lp, q_norm=lp.q_norm[q0 * d : q1 * d], k_norm=lp.k_norm[k0 * d : k1 * d])
+            whole_norms = True
         if lp.qkv.out_features != (hq + 2 * hk) * d:
             raise ConfigError(f"tensor parallel: layer {i}'s attention is not q|k|v of {hq}/{hk} heads of {d}")
-        qkv = _rows(lp.qkv, [(q0 * d, q1 * d), ((hq + k0) * d, (hq + k1) * d),
+        qkv = split_rows(lp.qkv, [(q0 * d, q1 * d), ((hq + k0) * d, (hq + k1) * d),
                              ((hq + hk + k0) * d, (hq + hk + k1) * d)], keep_origin=True)
-        o = _cols(lp.o, q0 * d, q1 * d, f"layer {i} o_proj")
+        o = split_cols(lp.o, q0 * d, q1 * d, f"layer {i} o_proj")
+        if getattr(lp, "sinks", None) is not None:  # GPT-OSS: one attention sink per query head
+            lp = attrs.evolve(lp, sinks=lp.sinks[q0:q1])
         if mlp is None:
-            layers.append(attrs.evolve(lp, qkv=qkv, o=o, experts=_experts(lp.experts, cfg, rank, size, i)))
+            layers.append(attrs.evolve(lp, qkv=qkv, o=o, experts=split_experts(lp.experts, rank, size, i)))
             continue
         up, down = mlp
         fused = getattr(lp, up).out_features == 2 * f  # gate|up, or one fc
         cut = [(f0, f1), (f + f0, f + f1)] if fused else [(f0, f1)]
         layers.append(attrs.evolve(
-            lp, qkv=qkv, o=o, **{up: _rows(getattr(lp, up), cut, keep_origin=True),
-                                 down: _cols(getattr(lp, down), f0, f1, f"layer {i} {down}")}))
-    head = params.lm_head
-    embed = _vocab(params.embed, rank, size)
-    small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=f1 - f0)
-    return attrs.evolve(params, layers=tuple(layers), embed=embed,
-                        lm_head=None if head is None else _vocab(head, rank, size), config=small)
+            lp, qkv=qkv, o=o, **{up: split_rows(getattr(lp, up), cut, keep_origin=True),
+                                 down: split_cols(getattr(lp, down), f0, f1, f"layer {i} {down}")}))
+    head = getattr(params, "lm_head", None)  # (None, or no field: tied to the embedding)
+    embed = split_vocab(params.embed, rank, size)
+    if head is not None:
+        params = attrs.evolve(params, lm_head=split_vocab(head, rank, size))
+    small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=f1 - f0,
+                         **({"qk_norm_width": (hq * d, hk * d)} if whole_norms else {}))
+    return attrs.evolve(params, layers=tuple(layers), embed=embed, config=small)
 
 
-def _experts(ex: Any, cfg: Any, rank: int, size: int, i: int) -> Any:
-    """A layer's routed experts split like dense MLPs, each expert's intermediate features
-    over the ranks (the router replicated; the mixture's weighted sum is summed over the
-    ranks, `moe._mixture`), and the shared expert like a dense MLP."""
-    f = cfg.moe_intermediate_size
+def split_experts(ex: Any, rank: int, size: int, i: int) -> Any:
+    """A layer's routed experts (gate_up [E, 2F, H], down [E, H, F]) split like dense MLPs,
+    each expert's intermediate features over the ranks (the router replicated; the
+    family's mixture sums its weighted sum over the ranks), and a shared expert
+    (shared_gate_up / shared_down) like a dense MLP."""
+    f = ex.gate_up.out_features // 2
     unit = ex.down.group_size if ex.down.quantized else 1
     f0, f1 = split(f, size, rank, unit)
-    out = attrs.evolve(ex, gate_up=_rows(ex.gate_up, [(f0, f1), (f + f0, f + f1)]),
-                       down=_cols(ex.down, f0, f1, f"layer {i} experts' down_proj"))
-    if ex.shared_gate_up is not None:
-        fs = cfg.shared_expert_intermediate_size
+    out = attrs.evolve(ex, gate_up=split_rows(ex.gate_up, [(f0, f1), (f + f0, f + f1)]),
+                       down=split_cols(ex.down, f0, f1, f"layer {i} experts' down_proj"))
+    if getattr(ex, "shared_gate_up", None) is not None:
+        fs = ex.shared_gate_up.out_features // 2
         unit = ex.shared_down.group_size if ex.shared_down.quantized else 1
         s0, s1 = split(fs, size, rank, unit)
-        out = attrs.evolve(out, shared_gate_up=_rows(ex.shared_gate_up, [(s0, s1), (fs + s0, fs + s1)]),
-                           shared_down=_cols(ex.shared_down, s0, s1, f"layer {i} shared expert's down_proj"))
+        out = attrs.evolve(out, shared_gate_up=split_rows(ex.shared_gate_up, [(s0, s1), (fs + s0, fs + s1)]),
+                           shared_down=split_cols(ex.shared_down, s0, s1, f"layer {i} shared expert's down_proj"))
     return out
 
 

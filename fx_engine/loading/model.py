@@ -179,7 +179,8 @@ def load(
     tensor_parallel: N shards the model over the N processes of `mx.distributed`'s world
     group (started by `mlx.launch -n N ...`; core/parallel.py): each rank keeps its heads,
     MLP features and vocabulary rows, and every rank must then run the same requests in the
-    same order (`fx-engine generate --tensor-parallel N` does). Llama-family models.
+    same order (`fx-engine generate --tensor-parallel N` does). Families with a
+    `tensor_split` (core/parallel.py; docs/distributed.md lists them).
     pipeline_parallel: N splits the layers over the N processes instead (each rank one
     stage; not combined with tensor_parallel).
     """

@@ -23,6 +23,7 @@ from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSour
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, required, token_ids
 from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
 from fx_engine.core.nn import Linear, Numerics, apply_rope, embed, layer_norm, linear, rope_tables, swiglu_fused
+from fx_engine.core.parallel import shard_decoder
 from fx_engine.core.tree import static_field
 
 
@@ -261,7 +262,8 @@ def config_from_gguf(md: dict[str, Any], source: str) -> CohereConfig:
 FAMILY = Family(
     name="cohere", model_types=("cohere", "cohere2"), config_type=CohereConfig, params_type=CohereParams,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
-    hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout, layer_range=layer_range,
+    hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout, tensor_split=shard_decoder,
+    layer_range=layer_range,
     tiny_config=tiny_config, gguf_architectures=("command-r", "cohere2"), config_from_gguf=config_from_gguf,
     assemble_gguf=assemble_gguf,
 )

@@ -34,6 +34,7 @@ from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, 
 from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
 from fx_engine.core.models.moe import GGUF_GROUPED_EXPERT_NAMES, grouped_route
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, routed_glu, scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
+from fx_engine.core.parallel import split, split_cols, split_experts, split_rows, split_vocab
 from fx_engine.core.tree import static_field
 
 
@@ -210,6 +211,8 @@ def _mlp(cfg: DeepseekConfig, lp: DeepseekLayer, x: mx.array, num: Numerics) -> 
                            cfg.norm_topk_prob, cfg.routed_scaling_factor)
     y = routed_glu(x, ex.gate_up, ex.down, idx, lambda gu: swiglu_fused(gu, num), num)
     y = (y * w[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
+    if ex.down.tp:  # tensor parallel: each rank ran its slice of every expert's features
+        y = mx.distributed.all_sum(y)
     if ex.shared_gate_up is not None:
         y = y + linear(swiglu_fused(linear(x, ex.shared_gate_up, num), num), ex.shared_down, num)
     return y
@@ -438,10 +441,35 @@ def config_from_gguf(md: dict[str, Any], source: str) -> DeepseekConfig:
              rope_scaling=gguf_yarn(md, "deepseek2", source, mscale=m, mscale_all_dim=m))
     return config_from_hf(d, source)
 
+def tensor_split(p: DeepseekParams, rank: int, size: int) -> DeepseekParams:
+    """Rank `rank` of `size`'s tensor-parallel shard (core/parallel.py): each rank a run of
+    query heads (their q_b rows, W_UK / W_UV slices and o_proj columns, summed over the
+    ranks); the latent projection (kv_a) and so the latent cache are replicated (every
+    head reads all of it); MLPs and experts split by their intermediate features."""
+    cfg = p.config
+    h0, h1 = split(cfg.num_heads, size, rank)
+    dq, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    layers = []
+    for i, lp in enumerate(p.layers):
+        at = lp.attn
+        at = attrs.evolve(at, q_b=split_rows(at.q_b, [(h0 * dq, h1 * dq)]), w_uk=at.w_uk[h0:h1],
+                          w_uv=at.w_uv[h0:h1], o=split_cols(at.o, h0 * dv, h1 * dv, f"layer {i} o_proj"))
+        if lp.experts is not None:
+            layers.append(attrs.evolve(lp, attn=at, experts=split_experts(lp.experts, rank, size, i)))
+            continue
+        f = lp.gate_up.out_features // 2
+        f0, f1 = split(f, size, rank, lp.down.group_size if lp.down.quantized else 1)
+        layers.append(attrs.evolve(lp, attn=at, gate_up=split_rows(lp.gate_up, [(f0, f1), (f + f0, f + f1)]),
+                                   down=split_cols(lp.down, f0, f1, f"layer {i} down_proj")))
+    return attrs.evolve(p, layers=tuple(layers), embed=split_vocab(p.embed, rank, size),
+                        lm_head=split_vocab(p.lm_head, rank, size),
+                        config=attrs.evolve(cfg, num_heads=h1 - h0))
+
+
 FAMILY = Family(
     name="deepseek", model_types=("deepseek_v3", "kimi_k2"), config_type=DeepseekConfig,
     params_type=DeepseekParams, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
-    checkpoint_layout=checkpoint_layout, layer_range=layer_range, tiny_config=tiny_config,
+    checkpoint_layout=checkpoint_layout, layer_range=layer_range, tensor_split=tensor_split, tiny_config=tiny_config,
     gguf_architectures=("deepseek2",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )

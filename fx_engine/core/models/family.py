@@ -125,5 +125,8 @@ class Family:
     # pipeline stage (core/parallel.stage_params); ConfigError where the family's layers
     # cannot be cut there; None: neither
     layer_range: Callable[[Any, int, int], Any] | None = None
+    # (params, rank, ranks) -> that rank's tensor-parallel shard (core/parallel.py: heads,
+    # MLP features, experts' features, vocabulary rows); None: not split over ranks
+    tensor_split: Callable[[Any, int, int], Any] | None = None
     # (model_type, overrides) -> config.json of a tiny random test model (testing.tiny)
     tiny_config: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None

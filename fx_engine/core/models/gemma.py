@@ -31,6 +31,7 @@ from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSou
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, refuse, required, token_ids
 from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, capped, embed, gelu_tanh, linear, rms_norm, rope_tables, routed_glu)
+from fx_engine.core.parallel import shard_decoder
 from fx_engine.core.tree import static_field
 
 
@@ -325,7 +326,6 @@ class GemmaLayer:
 @attrs.frozen
 class GemmaParams:
     __fx_memo_flatten__ = True  # immutable and flattened every step (fx_engine.core.tree)
-    __fx_tensor_parallel__ = True  # core/parallel.py splits qkv/o/gate_up/down (Gemma 2 and 3)
     embed: Linear
     layers: tuple[GemmaLayer, ...]
     norm: mx.array
@@ -768,7 +768,7 @@ FAMILY = Family(
     cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
     checkpoint_layout=checkpoint_layout, wrappers=MULTIMODAL_WRAPPERS,
     gguf_architectures=("gemma2", "gemma3"), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
-    layer_range=layer_range, tiny_config=lambda model_type, overrides: {
+    tensor_split=shard_decoder, layer_range=layer_range, tiny_config=lambda model_type, overrides: {
         "model_type": model_type, "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384,
         "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True,

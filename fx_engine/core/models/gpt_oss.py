@@ -29,6 +29,7 @@ from fx_engine.core.models import llama, moe
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, routed_glu
+from fx_engine.core.parallel import shard_decoder
 
 ALPHA = 1.702  # the gate's sigmoid slope (GPT-OSS's fixed constant, as mlx-lm)
 
@@ -110,7 +111,10 @@ def _layer(
 def _experts(cfg: GptOssConfig, lp: GptOssLayer, x: mx.array, num: Numerics) -> mx.array:
     idx, w = moe.route(linear(x, lp.router, num), cfg.top_k, softmax_then_topk=False)
     y = routed_glu(x, lp.gate_up, lp.down, idx, lambda gu: swiglu_oai(gu, cfg.swiglu_limit), num)
-    return (y * w[..., None].astype(y.dtype)).sum(axis=-2)
+    y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
+    if lp.down.tp:  # tensor parallel: each rank ran its slice of every expert's features
+        y = mx.distributed.all_sum(y)
+    return y
 
 
 def forward(
@@ -242,6 +246,6 @@ FAMILY = Family(
     name="gpt_oss", model_types=("gpt_oss",), config_type=GptOssConfig, params_type=GptOssParams,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    layer_range=llama.layer_range, tiny_config=tiny_config,
+    tensor_split=shard_decoder, layer_range=llama.layer_range, tiny_config=tiny_config,
     gguf_architectures=("gpt-oss",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )

@@ -21,6 +21,7 @@ from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, fi
 from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, gguf_value, positive_int, required, token_ids)
 from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
+from fx_engine.core.parallel import shard_decoder
 from fx_engine.core.tree import static_field
 
 
@@ -51,6 +52,9 @@ class LlamaConfig(BaseConfig):
     # ministral3: queries times 1 + beta * ln(1 + floor(position / attn_temp_max_pos))
     attn_temp_beta: float = 0.0
     attn_temp_max_pos: int = 0
+    # tensor parallelism (core/parallel.py): the whole q and k projections' widths when
+    # their norms (OLMo's, over every head) are split over the ranks; () not split
+    qk_norm_width: tuple[int, ...] = ()
 
     @property
     def rope_type(self) -> str:
@@ -275,9 +279,6 @@ class LayerParams:
 @attrs.frozen
 class Params:
     __fx_memo_flatten__ = True  # immutable and flattened every step: memoize (fx_engine.core.tree)
-    # core/parallel.py: the layers' fields (qkv, o, gate_up/down or fc/proj, experts) are
-    # what tensor parallelism splits (subclasses that run this decoder inherit it)
-    __fx_tensor_parallel__ = True
     embed: Linear
     layers: tuple[LayerParams, ...]
     norm: mx.array
@@ -330,12 +331,15 @@ def self_attention(
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     qkv = linear(x, lp.qkv, num)
-    if lp.q_norm is not None and lp.q_norm.shape[-1] != d:  # norms over whole projections
-        qkv = mx.concatenate([rms_norm(qkv[:, : hq * d], lp.q_norm, eps, num),
-                              rms_norm(qkv[:, hq * d : (hq + hk) * d], lp.k_norm, eps, num),
+    split = getattr(cfg, "qk_norm_width", ())  # (over every head, but this rank holds some heads)
+    whole = lp.q_norm is not None and (lp.q_norm.shape[-1] != d or bool(split))
+    if whole:  # norms over whole projections
+        qkv = mx.concatenate([rms_norm(qkv[:, : hq * d], lp.q_norm, eps, num, split[0] if split else None),
+                              rms_norm(qkv[:, hq * d : (hq + hk) * d], lp.k_norm, eps, num,
+                                       split[1] if split else None),
                               qkv[:, (hq + hk) * d :]], axis=-1)
     qkv = qkv.reshape(b, t, hq + 2 * hk, d)
-    if lp.q_norm is not None and lp.q_norm.shape[-1] == d:  # qwen3: per-head, before RoPE
+    if lp.q_norm is not None and not whole:  # qwen3: per-head, before RoPE
         qk = mx.concatenate(
             [rms_norm(qkv[:, :, :hq], lp.q_norm, eps), rms_norm(qkv[:, :, hq : hq + hk], lp.k_norm, eps)],
             axis=2)
@@ -645,6 +649,6 @@ FAMILY = Family(
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     gguf_architectures=("llama", "qwen2", "qwen3", "granite", "smollm3", "mistral3"), config_from_gguf=config_from_gguf,
     gguf_accepts=lambda md: not md.get(f"{md.get('general.architecture')}.expert_count"),
-    assemble_gguf=assemble_gguf, layer_range=layer_range,
+    assemble_gguf=assemble_gguf, tensor_split=shard_decoder, layer_range=layer_range,
     tiny_config=tiny_config,
 )

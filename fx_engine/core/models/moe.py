@@ -39,6 +39,7 @@ from fx_engine.core.models import llama
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, rope_tables, routed_glu, swiglu_fused
+from fx_engine.core.parallel import shard_decoder
 
 
 @attrs.frozen
@@ -529,5 +530,5 @@ FAMILY = Family(
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     gguf_architectures=("qwen3moe", "qwen2moe", "olmoe", "glm4moe", "llama"), config_from_gguf=config_from_gguf,
     gguf_accepts=lambda md: bool(md.get(f"{md.get('general.architecture')}.expert_count")),
-    assemble_gguf=assemble_gguf, layer_range=llama.layer_range, tiny_config=tiny_config,
+    assemble_gguf=assemble_gguf, tensor_split=shard_decoder, layer_range=llama.layer_range, tiny_config=tiny_config,
 )

@@ -34,6 +34,7 @@ from fx_engine.core.models import llama
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LayerParams
 from fx_engine.core.nn import rope_tables
+from fx_engine.core.parallel import shard_decoder
 
 
 @attrs.frozen
@@ -270,6 +271,6 @@ FAMILY = Family(
     name="phi3", model_types=("phi3",), config_type=Phi3Config, params_type=Phi3Params,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
     forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    layer_range=llama.layer_range, tiny_config=tiny_config,
+    tensor_split=shard_decoder, layer_range=llama.layer_range, tiny_config=tiny_config,
     gguf_architectures=("phi3",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )

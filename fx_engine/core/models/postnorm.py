@@ -32,6 +32,7 @@ from fx_engine.core.models import llama
 from fx_engine.core.models.family import Family, stage_input, stage_output
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.nn import Linear, embed, linear, rms_norm, rope_tables, swiglu_fused
+from fx_engine.core.parallel import shard_decoder
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -358,6 +359,6 @@ FAMILY = Family(
     name="postnorm", model_types=("olmo2", "olmo3", "exaone4", "glm4"), config_type=PostNormConfig,
     params_type=PostNormParams, config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
     forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    layer_range=llama.layer_range, tiny_config=tiny_config,
+    tensor_split=shard_decoder, layer_range=llama.layer_range, tiny_config=tiny_config,
     gguf_architectures=("olmo2", "exaone4", "glm4"), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )

@@ -25,6 +25,7 @@ from fx_engine.core.models import llama
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.nn import Linear, gelu, gelu_tanh, layer_norm, linear
+from fx_engine.core.parallel import shard_decoder
 
 
 @attrs.frozen
@@ -175,6 +176,7 @@ FAMILY = Family(
     name="starcoder2", model_types=("starcoder2",), config_type=Starcoder2Config,
     params_type=Starcoder2Params, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=llama.cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
-    checkpoint_layout=checkpoint_layout, layer_range=llama.layer_range, tiny_config=tiny_config,
+    checkpoint_layout=checkpoint_layout, tensor_split=shard_decoder, layer_range=llama.layer_range,
+    tiny_config=tiny_config,
     gguf_architectures=("starcoder2",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )
