@@ -58,9 +58,17 @@ FAMILY_CASES = [(k, s) for k in ("llama-q4", "qwen3", "qwen2-untied", "phi3", "s
                                           ("gemma2", "tp"), ("gemma3_text", "pp"), ("gemma2", "pp")]
 # every family splits by layers (Family.layer_range): the recurrent ones carry their states
 # per stage, Gemma 4 without per-layer inputs (the MoE variant)
-PIPELINE_ONLY = ["cohere2", "deepseek_v3", "gpt_oss", "lfm2", "mamba2", "nemotron_h", "qwen3_next",
-                 "qwen3_5_moe_text", "granitemoehybrid", "falcon_h1", "gemma4_text-moe"]
-FAMILY_CASES += [(k, "pp") for k in PIPELINE_ONLY]
+OWN_CONFIG = ["cohere2", "deepseek_v3", "gpt_oss", "lfm2", "mamba2", "nemotron_h", "qwen3_next",
+              "qwen3_5_moe_text", "granitemoehybrid", "falcon_h1", "gemma4_text-moe"]
+FAMILY_CASES += [(k, "pp") for k in OWN_CONFIG]
+# and over ranks (Family.tensor_split): Mamba-2 mixers' heads with their B/C groups (2 groups
+# split; one group replicated: -g1), their gated norm per group or over every rank's
+# channels; Gated DeltaNet's key heads with their value heads; LFM2's convolution channels
+FAMILY_CASES += [(k, "tp") for k in ("mamba2", "mamba2-g1", "nemotron_h", "granitemoehybrid", "falcon_h1",
+                                     "qwen3_next", "qwen3_5_moe_text", "lfm2")]
+# Gemma 4: per-layer head sizes, KV-shared layers (query rows only), the per-layer input
+# table's vocabulary rows; global layers with fewer KV heads and keys as values; experts
+FAMILY_CASES += [(k, "tp") for k in ("gemma4_text", "gemma4_text-keqv", "gemma4_text-moe")]
 # tensor parallel beyond the Llama decoder's plain layers: OLMo's q/k norms over every head
 # (mean squares summed over the ranks), Cohere's parallel blocks and per-head LayerNorms,
 # DeepSeek's latent attention (heads split, the latent cache replicated) with routed and
@@ -70,10 +78,15 @@ FAMILY_CASES += [(k, "tp") for k in ("olmo2", "olmoe", "cohere2", "cohere-qknorm
 
 def _tiny(tmp_path: Path, kind: str) -> Path:
     model_type = kind.split("-")[0]
-    own_heads = kind in PIPELINE_ONLY or model_type in ("deepseek_v3", "gpt_oss")  # (their tiny configs')
+    own_heads = kind in OWN_CONFIG or model_type in OWN_CONFIG  # (their tiny configs' heads)
     extra: dict = {} if own_heads else {"num_key_value_heads": 2}
     if kind == "cohere-qknorm":
         extra.update(use_qk_norm=True)
+    if kind == "gemma4_text-keqv":
+        extra.update(attention_k_eq_v=True, num_global_key_value_heads=2, num_key_value_heads=4,
+                     num_attention_heads=8)
+    if kind == "mamba2-g1":
+        extra.update(n_groups=1)
     if kind == "llama-q4":
         extra.update(quantize={"group_size": 32, "bits": 4}, intermediate_size=128)
     if kind == "qwen2-untied":
@@ -96,11 +109,24 @@ def test_tiny_families_two_ranks_equal_one_process(tmp_path, kind, split):
     assert diff < 2e-3, diff
 
 
-def test_every_family_has_a_pipeline_case():
-    """A family added to the registry is run as pipeline stages here, or this fails."""
+def test_four_ranks_share_a_mamba_group():
+    """4 ranks over a Mamba-2 of 8 heads in 2 B/C groups: each rank's 2 heads lie in one
+    group, which two ranks replicate; its norm over every rank's channels. As one process."""
+    import tempfile
+
+    path = write_tiny_model(Path(tempfile.mkdtemp()) / "m", "mamba2")
+    args = ["--model", str(path), "--tokens", "8", "--logits", "--engine", "2", "--ignore-eos"]
+    one, four = alone(args), tp(args, n=4)
+    assert four["heads"] == 2 and four["tokens"] == one["tokens"] and four["engine"] == one["engine"]
+    assert mx.abs(mx.array(four["logits"]) - mx.array(one["logits"])).max().item() < 2e-3
+
+
+@pytest.mark.parametrize("split", ["tp", "pp"])
+def test_every_family_has_a_case(split):
+    """A family added to the registry is run split both ways here, or this fails."""
     from fx_engine.core.models import FAMILIES, model_types
 
-    covered = {model_types()[k.split("-")[0]] for k, s in FAMILY_CASES if s == "pp"}
+    covered = {model_types()[k.split("-")[0]] for k, s in FAMILY_CASES if s == split}
     assert covered == {f.name for f in FAMILIES}
 
 
@@ -171,9 +197,9 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
     shared = fx_engine.load(write_tiny_model(tmp_path / "g2", "gemma4_text", hidden_size_per_layer_input=0))
     with pytest.raises(ConfigError, match="KV-shared layers"):
         stage_params(shared.params, 1, 2)
-    mamba = fx_engine.load(write_tiny_model(tmp_path / "m", "mamba2"))
-    with pytest.raises(ConfigError, match="mamba2 models cannot be split over ranks yet"):
-        shard_params(mamba.params, 0, 2)
+    mamba = fx_engine.load(write_tiny_model(tmp_path / "m", "mamba2"))  # 8 heads in 2 B/C groups
+    with pytest.raises(ConfigError, match="heads 3..5 span 2 of its B/C groups"):  # 3 + 3 + 2 heads
+        shard_params(mamba.params, 1, 3)
     moe = fx_engine.load(write_tiny_model(tmp_path / "q", "qwen3_moe", quantize={"group_size": 32, "bits": 4}))
     with pytest.raises(ConfigError, match="1 parts cannot be split over 2 ranks"):  # 32 features: one group
         shard_params(moe.params, 0, 2)

@@ -18,9 +18,10 @@ adds memory (each rank holds 1/N of the layers), not speed.
 
 Each family names its split (`Family.tensor_split`): `shard_decoder` for the decoders whose
 layers hold a fused q|k|v, o and an MLP or routed experts (the Llama decoder's families,
-Gemma 2 and 3, Cohere, GPT-OSS), DeepSeek's own for latent attention (models/deepseek.py,
-with the helpers here); and how it cuts its layers (`Family.layer_range`), which
-`stage_params` uses for every family.
+Cohere, GPT-OSS); the others their own (Gemma's per-layer head sizes, DeepSeek's latent
+attention, the recurrent mixers), built from the helpers here (`split_attention`,
+`split_mlp`, `split_experts`, `split_mixer`, `split_head`); and how it cuts its layers
+(`Family.layer_range`), which `stage_params` uses for every family.
 
 Uneven splits are allowed (SmolLM2's 3 KV heads on 2 ranks: 2 + 1, with their 6 + 3 query
 heads); quantized linears split only where their groups stay whole. Every rank computes
@@ -167,12 +168,10 @@ def shard_decoder(params: Any, rank: int, size: int) -> Any:
     """The split of the decoders whose layers hold a fused q|k|v, o and an MLP (gate_up/down
     or fc/proj) or routed experts: the Llama decoder's families (llama, mistral, qwen2/3,
     SmolLM, granite, phi3, starcoder2, OLMo 2/3 and the other post-norm ones, the
-    mixture-of-experts family, GPT-OSS), Gemma 2 and 3, Cohere."""
+    mixture-of-experts family, GPT-OSS) and Cohere."""
     cfg = params.config
     hq, hk, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    group = hq // hk
-    k0, k1 = split(hk, size, rank)
-    q0, q1 = k0 * group, k1 * group
+    q0, q1, k0, k1 = head_range(hq, hk, rank, size)
     mlps = [_mlp_fields(lp, i) for i, lp in enumerate(params.layers)]
     unit = max([1] + [getattr(lp, m[1]).group_size for lp, m in zip(params.layers, mlps)
                       if m is not None and getattr(lp, m[1]).quantized])
@@ -186,29 +185,20 @@ def shard_decoder(params: Any, rank: int, size: int) -> Any:
             # square summed over the ranks (config.qk_norm_width)
             lp = attrs.evolve(lp, q_norm=lp.q_norm[q0 * d : q1 * d], k_norm=lp.k_norm[k0 * d : k1 * d])
             whole_norms = True
-        if lp.qkv.out_features != (hq + 2 * hk) * d:
-            raise ConfigError(f"tensor parallel: layer {i}'s attention is not q|k|v of {hq}/{hk} heads of {d}")
-        qkv = split_rows(lp.qkv, [(q0 * d, q1 * d), ((hq + k0) * d, (hq + k1) * d),
-                             ((hq + hk + k0) * d, (hq + hk + k1) * d)], keep_origin=True)
-        o = split_cols(lp.o, q0 * d, q1 * d, f"layer {i} o_proj")
+        lp = split_attention(lp, hq, hk, d, rank, size, f"layer {i}")
         if getattr(lp, "sinks", None) is not None:  # GPT-OSS: one attention sink per query head
             lp = attrs.evolve(lp, sinks=lp.sinks[q0:q1])
         if mlp is None:
-            layers.append(attrs.evolve(lp, qkv=qkv, o=o, experts=split_experts(lp.experts, rank, size, i)))
+            layers.append(attrs.evolve(lp, experts=split_experts(lp.experts, rank, size, i)))
             continue
         up, down = mlp
         fused = getattr(lp, up).out_features == 2 * f  # gate|up, or one fc
         cut = [(f0, f1), (f + f0, f + f1)] if fused else [(f0, f1)]
-        layers.append(attrs.evolve(
-            lp, qkv=qkv, o=o, **{up: split_rows(getattr(lp, up), cut, keep_origin=True),
-                                 down: split_cols(getattr(lp, down), f0, f1, f"layer {i} {down}")}))
-    head = getattr(params, "lm_head", None)  # (None, or no field: tied to the embedding)
-    embed = split_vocab(params.embed, rank, size)
-    if head is not None:
-        params = attrs.evolve(params, lm_head=split_vocab(head, rank, size))
+        layers.append(attrs.evolve(lp, **{up: split_rows(getattr(lp, up), cut, keep_origin=True),
+                                          down: split_cols(getattr(lp, down), f0, f1, f"layer {i} {down}")}))
     small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=f1 - f0,
                          **({"qk_norm_width": (hq * d, hk * d)} if whole_norms else {}))
-    return attrs.evolve(params, layers=tuple(layers), embed=embed, config=small)
+    return split_head(attrs.evolve(params, layers=tuple(layers), config=small), rank, size)
 
 
 def split_experts(ex: Any, rank: int, size: int, i: int) -> Any:
@@ -230,11 +220,82 @@ def split_experts(ex: Any, rank: int, size: int, i: int) -> Any:
     return out
 
 
+def head_range(hq: int, hk: int, rank: int, size: int) -> tuple[int, int, int, int]:
+    """This rank's (q0, q1, k0, k1): a contiguous group of KV heads with their query heads."""
+    k0, k1 = split(hk, size, rank)
+    return k0 * (hq // hk), k1 * (hq // hk), k0, k1
+
+
+def split_attention(at: Any, hq: int, hk: int, d: int, rank: int, size: int, name: str) -> Any:
+    """An attention record's fused q|k|v rows and o_proj columns (its fields `qkv`, `o`) for
+    this rank's heads."""
+    q0, q1, k0, k1 = head_range(hq, hk, rank, size)
+    if at.qkv.out_features != (hq + 2 * hk) * d:
+        raise ConfigError(f"tensor parallel: {name}'s attention is not q|k|v of {hq}/{hk} heads of {d}")
+    return attrs.evolve(at, qkv=split_rows(at.qkv, [(q0 * d, q1 * d), ((hq + k0) * d, (hq + k1) * d),
+                                                   ((hq + hk + k0) * d, (hq + hk + k1) * d)], keep_origin=True),
+                        o=split_cols(at.o, q0 * d, q1 * d, f"{name} o_proj"))
+
+
+def split_mlp(mlp: Any, rank: int, size: int, name: str, up: str = "gate_up", down: str = "down",
+              fused: bool = True) -> Any:
+    """A dense MLP record's column-parallel `up` rows (fused: gate|up halves) and row-parallel
+    `down` columns: this rank's slice of the intermediate features."""
+    lin = getattr(mlp, down)
+    f = lin.in_features
+    f0, f1 = split(f, size, rank, lin.group_size if lin.quantized else 1)
+    cut = [(f0, f1), (f + f0, f + f1)] if fused else [(f0, f1)]
+    return attrs.evolve(mlp, **{up: split_rows(getattr(mlp, up), cut, keep_origin=True),
+                                down: split_cols(lin, f0, f1, f"{name} {down}")})
+
+
+def split_mixer(mp: Any, dims: Any, rank: int, size: int, name: str) -> tuple[Any, Any]:
+    """A Mamba-2 mixer's (params, dims) for this rank's heads (models/mamba2.py's layout:
+    in_proj rows z | x | B | C | dt, conv channels x | B | C). Its B/C groups split with
+    their heads (groups a multiple of the ranks), or each rank's heads lie in one group,
+    which the ranks sharing it replicate (one group: every rank); the gated norm stays per rank where its groups fall on whole heads, or is
+    taken over every rank's channels (`norm_width`); out_proj's columns are summed."""
+    h, p, g, n = dims.heads, dims.head_dim, dims.groups, dims.state
+    i = h * p
+    if g % size == 0:  # whole groups with their heads
+        g0, g1 = split(g, size, rank)
+        h0, h1 = g0 * (h // g), g1 * (h // g)
+    else:  # heads within one group, which every rank holding some of them replicates
+        h0, h1 = split(h, size, rank)
+        g0, g1 = h0 // (h // g), (h1 - 1) // (h // g) + 1
+        if g1 - g0 > 1:
+            raise ConfigError(f"tensor parallel: {name}'s heads {h0}..{h1 - 1} span {g1 - g0} of its B/C "
+                              f"groups ({g} groups of {h // g} heads cannot be split over {size} ranks)")
+    bc = [(i + g0 * n, i + g1 * n), (i + g * n + g0 * n, i + g * n + g1 * n)]  # within x | B | C
+    xbc = [(h0 * p, h1 * p)] + bc
+    rows = [(h0 * p, h1 * p)] + [(i + a, i + b) for a, b in xbc] + [(2 * i + 2 * g * n + h0, 2 * i + 2 * g * n + h1)]
+    norm_groups, norm_width = dims.norm_groups, 0
+    if mp.norm is not None:
+        width = i // dims.norm_groups
+        if dims.norm_groups == 1:
+            norm_width = i  # one norm over every rank's channels
+        elif (h0 * p) % width or (h1 * p) % width:
+            raise ConfigError(f"tensor parallel: {name}'s norm groups of {width} channels fall across ranks")
+        else:
+            norm_groups = (h1 - h0) * p // width
+    params = attrs.evolve(mp, in_proj=split_rows(mp.in_proj, rows), conv_w=_cut(mp.conv_w, -2, xbc),
+                          conv_b=_cut(mp.conv_b, -1, xbc),  # (conv channels: [C, K], [C])
+                          dt_bias=mp.dt_bias[h0:h1], a=mp.a[h0:h1], d=mp.d[h0:h1],
+                          norm=None if mp.norm is None else mp.norm[h0 * p : h1 * p],
+                          out_proj=split_cols(mp.out_proj, h0 * p, h1 * p, f"{name} out_proj"))
+    return params, attrs.evolve(dims, heads=h1 - h0, groups=g1 - g0, norm_groups=norm_groups, norm_width=norm_width)
+
+
+def split_head(params: Any, rank: int, size: int) -> Any:
+    """The embedding table's and the output head's vocabulary rows (a tied head: the table)."""
+    head = getattr(params, "lm_head", None)
+    if head is not None:
+        params = attrs.evolve(params, lm_head=split_vocab(head, rank, size))
+    return attrs.evolve(params, embed=split_vocab(params.embed, rank, size))
+
+
 def _mlp_fields(lp: Any, i: int) -> tuple[str, str]:
     """The (column-parallel, row-parallel) linears of a layer's MLP (None: routed experts)."""
-    for extra in ("moe", "pli_gate"):  # Gemma 4's experts beside the MLP, per-layer inputs
-        if getattr(lp, extra, None) is not None:
-            raise ConfigError(f"tensor parallel: layer {i}'s {extra} is not supported yet")
     if getattr(lp, "experts", None) is not None:
         return None  # type: ignore[return-value]
     for up, down in (("gate_up", "down"), ("fc", "proj")):

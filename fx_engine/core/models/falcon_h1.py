@@ -26,6 +26,7 @@ from fx_engine.core.models.mamba2 import MixerDims, MixerParams, mixer, mixer_la
 from fx_engine.core.models.nemotron_h import Attention
 from fx_engine.core.models.qwen3_next import DenseMlp
 from fx_engine.core.nn import Linear, embed, linear, rms_norm, rope_tables, swiglu_fused
+from fx_engine.core.parallel import head_range, split_attention, split_head, split_mixer, split_mlp
 
 
 @attrs.frozen
@@ -248,9 +249,25 @@ def layer_range(p: FalconH1Params, start: int, end: int) -> FalconH1Params:
     return cut_layers(p, start, end)
 
 
+def tensor_split(p: FalconH1Params, rank: int, size: int) -> FalconH1Params:
+    """Rank `rank` of `size`'s shard (core/parallel.py): each layer's mixer and attention
+    heads (their outputs summed over the ranks, each), MLP features, the vocabulary."""
+    cfg = p.config
+    q0, q1, k0, k1 = head_range(cfg.num_heads, cfg.num_kv_heads, rank, size)
+    layers, dims = [], cfg.mixer
+    for i, lp in enumerate(p.layers):
+        name = f"layer {i}"
+        m, dims = split_mixer(lp.mamba, cfg.mixer, rank, size, name)
+        layers.append(attrs.evolve(lp, mamba=m, mlp=split_mlp(lp.mlp, rank, size, name),
+                                   attn=split_attention(lp.attn, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                        rank, size, name)))
+    small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, mixer=dims)
+    return split_head(attrs.evolve(p, layers=tuple(layers), config=small), rank, size)
+
+
 FAMILY = Family(
     name="falcon_h1", model_types=("falcon_h1",), config_type=FalconH1Config, params_type=FalconH1Params,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    layer_range=layer_range, tiny_config=tiny_config,
+    tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,
 )

@@ -20,6 +20,7 @@ the window, and so does fx-engine: the two agree while a sequence fits in the wi
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -31,7 +32,7 @@ from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSou
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, refuse, required, token_ids
 from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, capped, embed, gelu_tanh, linear, rms_norm, rope_tables, routed_glu)
-from fx_engine.core.parallel import shard_decoder
+from fx_engine.core.parallel import split, split_cols, split_experts, split_head, split_mlp, split_rows, split_vocab
 from fx_engine.core.tree import static_field
 
 
@@ -393,6 +394,8 @@ def _experts(moe: MoEBlock, h: mx.array, eps: float, num: Numerics) -> mx.array:
     w = mx.softmax(mx.take_along_axis(scores, idx, axis=-1), axis=-1) * moe.per_expert_scale[idx]
     y = routed_glu(rms_norm(h, moe.pre_norm, eps, num), moe.gate_up, moe.down, idx, _geglu, num)
     y = (w[..., None].astype(y.dtype) * y).sum(axis=-2)  # [N, H]
+    if moe.down.tp:  # tensor parallel: each rank ran its slice of every expert's features
+        y = mx.distributed.all_sum(y)
     return rms_norm(y, moe.post_norm, eps, num)
 
 
@@ -761,6 +764,44 @@ def layer_range(p: GemmaParams, start: int, end: int) -> GemmaParams:
     cut = cut_layers(p, start, end, per_layer=("layer_types",))
     return attrs.evolve(cut, config=attrs.evolve(cut.config, num_kv_shared_layers=shared))
 
+def tensor_split(p: GemmaParams, rank: int, size: int) -> GemmaParams:
+    """Rank `rank` of `size`'s shard (core/parallel.py). The heads split in units that hold
+    whole KV groups of every layer kind (Gemma 4's global layers may have fewer KV heads,
+    keys as values): each unit hq/u query heads, hk/u sliding and hk_g/u global KV heads;
+    KV-shared layers hold only their query rows. MLPs (double-wide ones too) and experts
+    split by features; the vocabulary rows of the embedding, the head and Gemma 4's
+    per-layer input table (its projections replicated)."""
+    cfg = p.config
+    hq, hk = cfg.num_heads, cfg.num_kv_heads
+    hkg = cfg.num_global_kv_heads if cfg.attention_k_eq_v and cfg.num_global_kv_heads else hk
+    u = math.gcd(hk, hkg)
+    u0, u1 = split(u, size, rank)
+    layers = []
+    for i, lp in enumerate(p.layers):
+        name, d, kv = f"layer {i}", cfg.layer_head_dim(i), cfg.layer_kv_heads(i)
+        qa, qb, ka, kb = u0 * hq // u, u1 * hq // u, u0 * kv // u, u1 * kv // u
+        rows = [(qa * d, qb * d)]
+        if cfg.kv_source(i) == i:
+            rows.append(((hq + ka) * d, (hq + kb) * d))
+            if not cfg.k_eq_v(i):
+                rows.append(((hq + kv + ka) * d, (hq + kv + kb) * d))
+        whole = (hq + (0 if cfg.kv_source(i) != i else kv if cfg.k_eq_v(i) else 2 * kv)) * d
+        if lp.qkv.out_features != whole:
+            raise ConfigError(f"tensor parallel: {name}'s attention is not {whole} rows of q, k, v")
+        lp = attrs.evolve(lp, qkv=split_rows(lp.qkv, rows, keep_origin=True),
+                          o=split_cols(lp.o, qa * d, qb * d, f"{name} o_proj"))
+        lp = split_mlp(lp, rank, size, name)
+        if lp.moe is not None:
+            lp = attrs.evolve(lp, moe=split_experts(lp.moe, rank, size, i))
+        layers.append(lp)
+    n = u1 - u0
+    small = attrs.evolve(cfg, num_heads=n * hq // u, num_kv_heads=n * hk // u,
+                         num_global_kv_heads=n * hkg // u if cfg.num_global_kv_heads else 0)
+    out = attrs.evolve(p, layers=tuple(layers), config=small)
+    if p.embed_per_layer is not None:
+        out = attrs.evolve(out, embed_per_layer=split_vocab(p.embed_per_layer, rank, size))
+    return split_head(out, rank, size)
+
 
 FAMILY = Family(
     name="gemma", model_types=("gemma2", "gemma3_text", "gemma4_text"), config_type=GemmaConfig,
@@ -768,7 +809,7 @@ FAMILY = Family(
     cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
     checkpoint_layout=checkpoint_layout, wrappers=MULTIMODAL_WRAPPERS,
     gguf_architectures=("gemma2", "gemma3"), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
-    tensor_split=shard_decoder, layer_range=layer_range, tiny_config=lambda model_type, overrides: {
+    tensor_split=tensor_split, layer_range=layer_range, tiny_config=lambda model_type, overrides: {
         "model_type": model_type, "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384,
         "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True,

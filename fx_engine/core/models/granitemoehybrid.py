@@ -25,6 +25,7 @@ from fx_engine.core.models.moe import Experts, MoEConfig
 from fx_engine.core.models.nemotron_h import Attention
 from fx_engine.core.models.qwen3_next import DenseMlp
 from fx_engine.core.nn import Linear, embed, linear, rms_norm, rope_tables, swiglu_fused
+from fx_engine.core.parallel import head_range, split_attention, split_experts, split_head, split_mixer, split_mlp
 
 
 @attrs.frozen
@@ -246,9 +247,27 @@ def layer_range(p: GraniteHybridParams, start: int, end: int) -> GraniteHybridPa
     return cut_layers(p, start, end, per_layer=("mamba_layers", "moe_layers"))
 
 
+def tensor_split(p: GraniteHybridParams, rank: int, size: int) -> GraniteHybridParams:
+    """Rank `rank` of `size`'s shard (core/parallel.py): mixers' and attention heads, MLP and
+    experts' intermediate features (the router replicated), the vocabulary."""
+    cfg = p.config
+    q0, q1, k0, k1 = head_range(cfg.num_heads, cfg.num_kv_heads, rank, size)
+    layers, dims = [], cfg.mixer
+    for i, (lp, is_mamba) in enumerate(zip(p.layers, cfg.mamba_layers)):
+        name = f"layer {i}"
+        if is_mamba:
+            m, dims = split_mixer(lp.mixer, cfg.mixer, rank, size, name)
+        else:
+            m = split_attention(lp.mixer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rank, size, name)
+        mlp = split_experts(lp.mlp, rank, size, i) if isinstance(lp.mlp, Experts) else split_mlp(lp.mlp, rank, size, name)
+        layers.append(attrs.evolve(lp, mixer=m, mlp=mlp))
+    small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, mixer=dims)
+    return split_head(attrs.evolve(p, layers=tuple(layers), config=small), rank, size)
+
+
 FAMILY = Family(
     name="granitemoehybrid", model_types=("granitemoehybrid",), config_type=GraniteHybridConfig,
     params_type=GraniteHybridParams, config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
     forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    layer_range=layer_range, tiny_config=tiny_config,
+    tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,
 )

@@ -33,6 +33,7 @@ from fx_engine.core.models.family import Family, cut_layers
 from fx_engine.core.models.llama import LayerParams, LlamaConfig
 from fx_engine.core.models.mamba2 import conv_weight
 from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, swiglu_fused
+from fx_engine.core.parallel import head_range, split, split_attention, split_cols, split_head, split_mlp, split_rows
 from fx_engine.core.recurrent import causal_conv
 from fx_engine.core.tree import static_field
 
@@ -42,6 +43,7 @@ class Lfm2Config(LlamaConfig):
     conv_kernel: int = 3  # conv_L_cache: taps of the short convolution
     conv_bias: bool = False
     conv_layers: tuple[bool, ...] = ()  # per layer: a short convolution (else attention)
+    conv_channels: int = 0  # a tensor-parallel shard's channels of each convolution (0: hidden_size)
 
 
 def _ff_dim(d: dict[str, Any], source: str) -> int:
@@ -129,7 +131,7 @@ class Lfm2Params:
 
 def cache_specs(cfg: Lfm2Config) -> tuple[LayerSpec, ...]:
     """Conv layers: a recurrent entry (the last K - 1 rows of B * x); attention: dense K/V."""
-    return tuple(LayerSpec(0, 0, state=((cfg.conv_kernel - 1, cfg.hidden_size),)) if conv
+    return tuple(LayerSpec(0, 0, state=((cfg.conv_kernel - 1, cfg.conv_channels or cfg.hidden_size),)) if conv
                  else LayerSpec(cfg.num_kv_heads, cfg.head_dim) for conv in cfg.conv_layers)
 
 
@@ -138,7 +140,7 @@ def short_conv(p: Lfm2Params, lp: ConvLayer, x: mx.array, entry: Any, spec: Laye
     """The gated short convolution on normalized x [B*T, H] -> (out_proj output, entry)."""
     cfg, num = p.config, p.numerics
     b, t = geo.positions.shape
-    hid = cfg.hidden_size
+    hid = cfg.conv_channels or cfg.hidden_size
     bcx = linear(x, lp.in_proj, num).reshape(b, t, 3, hid)
     gate, c, v = bcx[:, :, 0], bcx[:, :, 1], bcx[:, :, 2]
     bx = mx.where(geo.valid[..., None], gate * v, 0.0)  # padding enters as zeros
@@ -255,11 +257,34 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "bos_token_id": 1, "eos_token_id": 2, **overrides}
 
 
+def tensor_split(p: Lfm2Params, rank: int, size: int) -> Lfm2Params:
+    """Rank `rank` of `size`'s shard (core/parallel.py): each short convolution's channels
+    (their B, C, x rows of in_proj, taps and out_proj columns, summed: the convolution is
+    per channel), attention heads, MLP features, the vocabulary."""
+    cfg = p.config
+    h = cfg.hidden_size
+    q0, q1, k0, k1 = head_range(cfg.num_heads, cfg.num_kv_heads, rank, size)
+    units = [lp.out_proj.group_size for lp in p.layers if isinstance(lp, ConvLayer) and lp.out_proj.quantized]
+    c0, c1 = split(h, size, rank, max([1] + units))
+    layers = []
+    for i, lp in enumerate(p.layers):
+        name = f"layer {i}"
+        if isinstance(lp, ConvLayer):
+            lp = attrs.evolve(lp, in_proj=split_rows(lp.in_proj, [(c0, c1), (h + c0, h + c1), (2 * h + c0, 2 * h + c1)]),
+                              conv_w=lp.conv_w[c0:c1], conv_b=None if lp.conv_b is None else lp.conv_b[c0:c1],
+                              out_proj=split_cols(lp.out_proj, c0, c1, f"{name} out_proj"))
+        else:
+            lp = split_attention(lp, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rank, size, name)
+        layers.append(split_mlp(lp, rank, size, name))
+    small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, conv_channels=c1 - c0)
+    return split_head(attrs.evolve(p, layers=tuple(layers), config=small), rank, size)
+
+
 FAMILY = Family(
     name="lfm2", model_types=("lfm2",), config_type=Lfm2Config, params_type=Lfm2Params,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    layer_range=layer_range, tiny_config=tiny_config,
+    tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,
 )
 
 __all__ = ["FAMILY", "Lfm2Config", "Lfm2Params", "ConvLayer", "short_conv"]

@@ -28,6 +28,7 @@ from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, fin
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, required
 from fx_engine.core.models.family import DecoderParams, Family, cut_layers, head_logits, stage_input, stage_output
 from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm
+from fx_engine.core.parallel import split_head, split_mixer
 from fx_engine.core.recurrent import causal_conv, ssd_scan
 
 
@@ -48,6 +49,9 @@ class MixerDims:
     # the output's gate and norm: "gate_norm" (silu(z) then RMSNorm: Mamba-2), "norm_gate"
     # (RMSNorm then silu(z)), "gate" (no norm) (Falcon-H1's options)
     norm_mode: str = "gate_norm"
+    # tensor parallelism (core/parallel.split_mixer): the whole mixer's channels when one
+    # norm spans them all and this rank holds some (the mean square summed over the ranks)
+    norm_width: int = 0
 
     @property
     def inner(self) -> int:
@@ -167,7 +171,7 @@ def mixer(mp: MixerParams, dims: MixerDims, x: mx.array, entry: Any, spec: Layer
         y = rms_norm(y.reshape(b, t, dims.norm_groups, i // dims.norm_groups), None, dims.norm_eps)
         y = y.reshape(b, t, i) * mp.norm
     else:
-        y = rms_norm(y, mp.norm, dims.norm_eps)
+        y = rms_norm(y, mp.norm, dims.norm_eps, width=dims.norm_width or None)
     if dims.norm_mode == "norm_gate":
         y = y * gate
     out = linear(y.reshape(b * t, i), mp.out_proj, num)
@@ -290,9 +294,21 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "bos_token_id": 1, "eos_token_id": 2, **overrides}
 
 
+def tensor_split(p: Mamba2Params, rank: int, size: int) -> Mamba2Params:
+    """Rank `rank` of `size`'s shard: every mixer's heads split (core/parallel.split_mixer),
+    the vocabulary split."""
+    layers, dims = [], p.config.mixer
+    for i, lp in enumerate(p.layers):
+        mp, dims = split_mixer(lp.mixer, p.config.mixer, rank, size, f"layer {i}")
+        layers.append(attrs.evolve(lp, mixer=mp))
+    cfg = attrs.evolve(p.config, mixer=dims, num_heads=dims.heads, num_kv_heads=dims.heads,
+                       intermediate_size=dims.inner)
+    return split_head(attrs.evolve(p, layers=tuple(layers), config=cfg), rank, size)
+
+
 FAMILY = Family(
     name="mamba2", model_types=("mamba2",), config_type=Mamba2Config, params_type=Mamba2Params,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    layer_range=layer_range, tiny_config=tiny_config,
+    tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,
 )

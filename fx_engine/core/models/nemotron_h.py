@@ -25,6 +25,8 @@ from fx_engine.core.models.family import DecoderParams, Family, cut_layers, head
 from fx_engine.core.models.mamba2 import MixerDims, MixerParams, mixer, mixer_layout, read_mixer
 from fx_engine.core.models.moe import grouped_route
 from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm, routed_glu
+from fx_engine.core.parallel import (head_range, split, split_attention, split_cols, split_head, split_mixer, split_mlp,
+                                    split_rows)
 
 _KINDS = {"full_attention": "*", "attention": "*", "linear_attention": "M", "mamba": "M", "conv": "M",
           "moe": "E", "mlp": "-"}
@@ -165,6 +167,8 @@ def _experts(cfg: NemotronHConfig, ex: ExpertsParams, x: mx.array, num: Numerics
                            cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
     y = routed_glu(x, ex.fc1, ex.fc2, idx, _relu2, num)  # [N, K, H]
     y = (y * w[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
+    if ex.fc2.tp:  # tensor parallel: each rank ran its slice of every expert's features
+        y = mx.distributed.all_sum(y)
     return y if ex.shared is None else y + _mlp(ex.shared, x, num)
 
 
@@ -294,11 +298,36 @@ def layer_range(p: NemotronHParams, start: int, end: int) -> NemotronHParams:
     return cut_layers(p, start, end, per_layer=("pattern",))
 
 
+def tensor_split(p: NemotronHParams, rank: int, size: int) -> NemotronHParams:
+    """Rank `rank` of `size`'s shard (core/parallel.py): mixers' heads, attention heads, MLP
+    and experts' intermediate features (the router replicated), the vocabulary."""
+    cfg = p.config
+    q0, q1, k0, k1 = head_range(cfg.num_heads, cfg.num_kv_heads, rank, size)
+    layers, dims = [], cfg.mixer
+    for i, (kind, lp) in enumerate(zip(cfg.pattern, p.layers)):
+        name, b = f"layer {i}", lp.block
+        if kind == "M":
+            b, dims = split_mixer(b, cfg.mixer, rank, size, name)
+        elif kind == "*":
+            b = split_attention(b, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rank, size, name)
+        elif kind == "-":
+            b = split_mlp(b, rank, size, name, up="up", fused=False)
+        else:
+            f = b.fc2.in_features
+            f0, f1 = split(f, size, rank, b.fc2.group_size if b.fc2.quantized else 1)
+            b = attrs.evolve(b, fc1=split_rows(b.fc1, [(f0, f1)]), fc2=split_cols(b.fc2, f0, f1, f"{name} experts' down"),
+                             shared=None if b.shared is None else split_mlp(b.shared, rank, size, name, up="up",
+                                                                            fused=False))
+        layers.append(attrs.evolve(lp, block=b))
+    small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, mixer=dims)
+    return split_head(attrs.evolve(p, layers=tuple(layers), config=small), rank, size)
+
+
 FAMILY = Family(
     name="nemotron_h", model_types=("nemotron_h",), config_type=NemotronHConfig,
     params_type=NemotronHParams, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
-    checkpoint_layout=checkpoint_layout, layer_range=layer_range, tiny_config=tiny_config,
+    checkpoint_layout=checkpoint_layout, tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,
 )
 
 __all__ = ["FAMILY", "NemotronHConfig", "NemotronHParams", "MixerParams", "Attention"]

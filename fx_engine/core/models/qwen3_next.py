@@ -32,6 +32,7 @@ from fx_engine.core.models.family import DecoderParams, Family, cut_layers, head
 from fx_engine.core.models.mamba2 import conv_weight
 from fx_engine.core.models.moe import Experts, MoEConfig
 from fx_engine.core.nn import Linear, embed, linear, rms_norm, rope_tables, swiglu_fused
+from fx_engine.core.parallel import head_range, split, split_cols, split_experts, split_head, split_mlp, split_rows
 from fx_engine.core.recurrent import causal_conv, gated_delta_scan
 
 
@@ -417,10 +418,44 @@ def layer_range(p: Qwen3NextParams, start: int, end: int) -> Qwen3NextParams:
     return cut_layers(p, start, end, per_layer=("linear_layers", "moe_layers"))
 
 
+def tensor_split(p: Qwen3NextParams, rank: int, size: int) -> Qwen3NextParams:
+    """Rank `rank` of `size`'s shard (core/parallel.py). Gated DeltaNet layers: a run of key
+    heads with their value heads (their qkvz and ba rows, which the layout groups per key
+    head; their conv channels, decay and output columns, summed); gated attention: KV heads
+    with their query heads (q|gate rows per head); MLP and experts' intermediate features;
+    the vocabulary."""
+    cfg = p.config
+    q0, q1, k0, k1 = head_range(cfg.num_heads, cfg.num_kv_heads, rank, size)
+    nk, dk, dv, d, hk = cfg.lin_k_heads, cfg.lin_k_dim, cfg.lin_v_dim, cfg.head_dim, cfg.num_kv_heads
+    r = cfg.lin_v_heads // nk
+    a0, a1 = split(nk, size, rank)  # key heads of the linear layers
+    block = 2 * dk + 2 * r * dv  # one key head's rows of qkvz: q, k, its r values, their z
+    conv = [(a0 * dk, a1 * dk), (nk * dk + a0 * dk, nk * dk + a1 * dk),
+            (2 * nk * dk + a0 * r * dv, 2 * nk * dk + a1 * r * dv)]
+    layers = []
+    for i, lp in enumerate(p.layers):
+        name, m = f"layer {i}", lp.mixer
+        if isinstance(m, DeltaNet):
+            m = attrs.evolve(m, qkvz=split_rows(m.qkvz, [(a0 * block, a1 * block)]),
+                             ba=split_rows(m.ba, [(a0 * 2 * r, a1 * 2 * r)]),
+                             conv_w=mx.concatenate([m.conv_w[a:b] for a, b in conv]),
+                             dt_bias=m.dt_bias[a0 * r : a1 * r], a=m.a[a0 * r : a1 * r],
+                             out_proj=split_cols(m.out_proj, a0 * r * dv, a1 * r * dv, f"{name} out_proj"))
+        else:
+            m = attrs.evolve(m, q=split_rows(m.q, [(q0 * 2 * d, q1 * 2 * d)]),
+                             kv=split_rows(m.kv, [(k0 * d, k1 * d), (hk * d + k0 * d, hk * d + k1 * d)]),
+                             o=split_cols(m.o, q0 * d, q1 * d, f"{name} o_proj"))
+        mlp = split_experts(lp.mlp, rank, size, i) if isinstance(lp.mlp, Experts) else split_mlp(lp.mlp, rank, size, name)
+        layers.append(attrs.evolve(lp, mixer=m, mlp=mlp))
+    small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, lin_k_heads=a1 - a0,
+                         lin_v_heads=(a1 - a0) * r)
+    return split_head(attrs.evolve(p, layers=tuple(layers), config=small), rank, size)
+
+
 FAMILY = Family(
     name="qwen3_next", model_types=("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), config_type=Qwen3NextConfig,
     params_type=Qwen3NextParams, wrappers={"qwen3_5": ("qwen3_5_text", {}), "qwen3_5_moe": ("qwen3_5_moe_text", {})},
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    layer_range=layer_range, tiny_config=tiny_config,
+    tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,
 )
