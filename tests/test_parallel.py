@@ -64,8 +64,8 @@ FAMILY_CASES += [(k, "pp") for k in OWN_CONFIG]
 # and over ranks (Family.tensor_split): Mamba-2 mixers' heads with their B/C groups (2 groups
 # split; one group replicated: -g1), their gated norm per group or over every rank's
 # channels; Gated DeltaNet's key heads with their value heads; LFM2's convolution channels
-FAMILY_CASES += [(k, "tp") for k in ("mamba2", "mamba2-g1", "nemotron_h", "granitemoehybrid", "falcon_h1",
-                                     "qwen3_next", "qwen3_5_moe_text", "lfm2")]
+FAMILY_CASES += [(k, "tp") for k in ("mamba2", "mamba2-g1", "mamba2-q4", "nemotron_h", "granitemoehybrid",
+                                     "falcon_h1", "qwen3_next", "qwen3_5_moe_text", "lfm2")]
 # Gemma 4: per-layer head sizes, KV-shared layers (query rows only), the per-layer input
 # table's vocabulary rows; global layers with fewer KV heads and keys as values; experts
 FAMILY_CASES += [(k, "tp") for k in ("gemma4_text", "gemma4_text-keqv", "gemma4_text-moe")]
@@ -87,6 +87,8 @@ def _tiny(tmp_path: Path, kind: str) -> Path:
                      num_attention_heads=8)
     if kind == "mamba2-g1":
         extra.update(n_groups=1)
+    if kind == "mamba2-q4":  # in_proj rows and out_proj columns kept packed, cut on whole groups
+        extra.update(quantize={"group_size": 32, "bits": 4})
     if kind == "llama-q4":
         extra.update(quantize={"group_size": 32, "bits": 4}, intermediate_size=128)
     if kind == "qwen2-untied":
@@ -195,11 +197,11 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
         stage_params(gemma4.params, 0, 2)
     # KV-shared layers (2 of 4) attend over layers 0-1's caches: not on a stage of their own
     shared = fx_engine.load(write_tiny_model(tmp_path / "g2", "gemma4_text", hidden_size_per_layer_input=0))
-    with pytest.raises(ConfigError, match="KV-shared layers"):
-        stage_params(shared.params, 1, 2)
+    with pytest.raises(ConfigError, match="KV-shared layers"):  # (stage 1's cut, refused on stage 0 too)
+        stage_params(shared.params, 0, 2)
     mamba = fx_engine.load(write_tiny_model(tmp_path / "m", "mamba2"))  # 8 heads in 2 B/C groups
     with pytest.raises(ConfigError, match="heads 3..5 span 2 of its B/C groups"):  # 3 + 3 + 2 heads
-        shard_params(mamba.params, 1, 3)
+        shard_params(mamba.params, 0, 3)  # (rank 1's heads; every rank refuses alike)
     moe = fx_engine.load(write_tiny_model(tmp_path / "q", "qwen3_moe", quantize={"group_size": 32, "bits": 4}))
     with pytest.raises(ConfigError, match="1 parts cannot be split over 2 ranks"):  # 32 features: one group
         shard_params(moe.params, 0, 2)

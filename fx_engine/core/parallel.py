@@ -42,14 +42,14 @@ from fx_engine.core.nn import Linear
 __all__ = ["shard_decoder", "shard_params", "split", "split_cols", "split_experts", "split_rows",
            "split_vocab", "stage_params"]
 
-def split(n: int, size: int, rank: int, unit: int = 1) -> tuple[int, int]:
+def split(n: int, size: int, rank: int, unit: int = 1, kind: str = "tensor parallel") -> tuple[int, int]:
     """Rank's [start, end) of n items in units of `unit` (as even as possible, the first
     ranks taking the remainder)."""
     if n % unit:
-        raise ConfigError(f"tensor parallel: {n} is not a multiple of {unit}")
+        raise ConfigError(f"{kind}: {n} is not a multiple of {unit}")
     units = n // unit
     if units < size:
-        raise ConfigError(f"tensor parallel: {units} parts cannot be split over {size} ranks")
+        raise ConfigError(f"{kind}: {units} parts cannot be split over {size} ranks")
     base, extra = divmod(units, size)
     start = rank * base + min(rank, extra)
     end = start + base + (1 if rank < extra else 0)
@@ -161,6 +161,12 @@ def shard_params(params: Any, rank: int, size: int) -> Any:
     if family.tensor_split is None:
         raise ConfigError(f"tensor parallel: {family.name} models cannot be split over ranks yet "
                           "(pipeline parallelism splits them by layers)")
+    # Some splits fail on one rank only (heads across a B/C group, a quantization group cut
+    # by one rank's share): every rank tries every rank's split (lazy slices, nothing read),
+    # so all stop with the same error instead of the others waiting on a collective.
+    for r in range(size):
+        if r != rank:
+            family.tensor_split(params, r, size)
     return family.tensor_split(params, rank, size)
 
 
@@ -170,13 +176,10 @@ def shard_decoder(params: Any, rank: int, size: int) -> Any:
     SmolLM, granite, phi3, starcoder2, OLMo 2/3 and the other post-norm ones, the
     mixture-of-experts family, GPT-OSS) and Cohere."""
     cfg = params.config
-    hq, hk, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q0, q1, k0, k1 = head_range(hq, hk, rank, size)
     mlps = [_mlp_fields(lp, i) for i, lp in enumerate(params.layers)]
-    unit = max([1] + [getattr(lp, m[1]).group_size for lp, m in zip(params.layers, mlps)
-                      if m is not None and getattr(lp, m[1]).quantized])
-    f0, f1 = split(f, size, rank, unit) if any(m is not None for m in mlps) else (0, f)
-    layers, whole_norms = [], False
+    layers, whole_norms, width = [], False, cfg.intermediate_size
     for i, (lp, mlp) in enumerate(zip(params.layers, mlps)):
         if getattr(lp, "q_norm", None) is not None and lp.q_norm.ndim == 2:  # Cohere: a weight per head
             lp = attrs.evolve(lp, q_norm=lp.q_norm[q0:q1], k_norm=lp.k_norm[k0:k1])
@@ -192,11 +195,11 @@ def shard_decoder(params: Any, rank: int, size: int) -> Any:
             layers.append(attrs.evolve(lp, experts=split_experts(lp.experts, rank, size, i)))
             continue
         up, down = mlp
-        fused = getattr(lp, up).out_features == 2 * f  # gate|up, or one fc
-        cut = [(f0, f1), (f + f0, f + f1)] if fused else [(f0, f1)]
-        layers.append(attrs.evolve(lp, **{up: split_rows(getattr(lp, up), cut, keep_origin=True),
-                                          down: split_cols(getattr(lp, down), f0, f1, f"layer {i} {down}")}))
-    small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=f1 - f0,
+        fused = getattr(lp, up).out_features == 2 * getattr(lp, down).in_features  # gate|up, or one fc
+        lp = split_mlp(lp, rank, size, f"layer {i}", up=up, down=down, fused=fused)
+        width = getattr(lp, down).in_features
+        layers.append(lp)
+    small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=width,
                          **({"qk_norm_width": (hq * d, hk * d)} if whole_norms else {}))
     return split_head(attrs.evolve(params, layers=tuple(layers), config=small), rank, size)
 
@@ -307,8 +310,8 @@ def _mlp_fields(lp: Any, i: int) -> tuple[str, str]:
 def stage_params(params: Any, rank: int, size: int) -> Any:
     """Rank `rank` of `size`'s pipeline stage of a model of any family that can cut its
     layers (`Family.layer_range`): its layers (split as evenly as possible, earlier stages
-    taking the remainder), the embedding table on the first stage, the head (and the final
-    norm) on the last (a tied head keeps the table)."""
+    taking the remainder), the embedding table on the first stage, the head on the last (a
+    tied head keeps the table; the final norm, one vector, stays on every stage)."""
     if size == 1:
         return params
     from fx_engine.core.models import family_of
@@ -317,11 +320,13 @@ def stage_params(params: Any, rank: int, size: int) -> Any:
     if family.layer_range is None:
         raise ConfigError(f"pipeline parallel: {family.name} models cannot be split by layers")
     cfg = params.config
-    l0, l1 = split(cfg.num_layers, size, rank)
-    try:
-        stage = family.layer_range(params, l0, l1)
+    try:  # every stage's cut, on every rank (one may be refused where another is not)
+        stages = [family.layer_range(params, *split(cfg.num_layers, size, r, kind="pipeline parallel"))
+                  for r in range(size)]
     except ConfigError as e:
-        raise ConfigError(f"pipeline parallel: {e}") from None
+        raise ConfigError(e.args[0] if str(e).startswith("pipeline parallel") else f"pipeline parallel: {e}") from None
+    l0, _ = split(cfg.num_layers, size, rank)
+    stage = stages[rank]
     first, last = rank == 0, rank == size - 1
     head = getattr(params, "lm_head", None)
     nothing = Linear(weight=mx.zeros((1, 1), mx.float32))

@@ -34,7 +34,7 @@ from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, 
 from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
 from fx_engine.core.models.moe import GGUF_GROUPED_EXPERT_NAMES, grouped_route
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, routed_glu, scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
-from fx_engine.core.parallel import split, split_cols, split_experts, split_rows, split_vocab
+from fx_engine.core.parallel import split, split_cols, split_experts, split_mlp, split_rows, split_vocab
 from fx_engine.core.tree import static_field
 
 
@@ -452,15 +452,12 @@ def tensor_split(p: DeepseekParams, rank: int, size: int) -> DeepseekParams:
     layers = []
     for i, lp in enumerate(p.layers):
         at = lp.attn
-        at = attrs.evolve(at, q_b=split_rows(at.q_b, [(h0 * dq, h1 * dq)]), w_uk=at.w_uk[h0:h1],
+        at = attrs.evolve(at, q_b=split_rows(at.q_b, [(h0 * dq, h1 * dq)], keep_origin=True), w_uk=at.w_uk[h0:h1],
                           w_uv=at.w_uv[h0:h1], o=split_cols(at.o, h0 * dv, h1 * dv, f"layer {i} o_proj"))
         if lp.experts is not None:
             layers.append(attrs.evolve(lp, attn=at, experts=split_experts(lp.experts, rank, size, i)))
             continue
-        f = lp.gate_up.out_features // 2
-        f0, f1 = split(f, size, rank, lp.down.group_size if lp.down.quantized else 1)
-        layers.append(attrs.evolve(lp, attn=at, gate_up=split_rows(lp.gate_up, [(f0, f1), (f + f0, f + f1)]),
-                                   down=split_cols(lp.down, f0, f1, f"layer {i} down_proj")))
+        layers.append(split_mlp(attrs.evolve(lp, attn=at), rank, size, f"layer {i}"))
     return attrs.evolve(p, layers=tuple(layers), embed=split_vocab(p.embed, rank, size),
                         lm_head=split_vocab(p.lm_head, rank, size),
                         config=attrs.evolve(cfg, num_heads=h1 - h0))
