@@ -542,24 +542,36 @@ inline int few8_setup(int K, const uint32_t* wq, const Quant& S, int gs,
 // every row count (tested on an x86-64-v3 build).
 constexpr int QG_PASS = 8;  // rows per pass over the weights
 
-// NB adjacent 8-feature blocks from n0 (all inside N's blocks) for MR rows of x (row
+// The few-row path's view of one chunk of 8-feature blocks, set up once for all its passes
+// over the rows (`few8_setup`: each block's scales and biases transposed, its 5-/6-bit rows
+// unpacked): the rows' pointers rw[t][8], the transposed sbuf of block t at
+// sbuf + t * 16 * groups, and each block's number of real features.
+struct Few8Chunk {
+  const char* (*rw)[8];
+  float* sbuf;
+  const int* nv;
+  int b0;  // the chunk's first block
+};
+
+// NB adjacent 8-feature blocks from block bl (all inside N's blocks) for MR rows of x (row
 // stride K). Several blocks at once for few rows: each output's sum is one chain of
 // dependent FMAs (the fixed order), so one row alone would wait on the FMA latency; NB
 // blocks give NB x MR independent chains with the same per-output arithmetic.
 template <int BITS, int MR, int NB>
-inline void qgemm_few8_blocks(const float* x, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N, int n0, float* sbuf) {
-  const int groups = K / gs;
-  const char* rw[NB][8];
-  int nv[NB];
-  for (int t = 0; t < NB; ++t)
-    nv[t] = few8_setup(K, wq, S, gs, BITS, N, n0 + 8 * t, rw[t], sbuf + t * 16 * groups,
-                       S.unpacks() ? weight_tmp(int64_t{8} * K, t) : nullptr);
+inline void qgemm_few8_blocks(const float* x, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N,
+                              int bl, const Few8Chunk& ch) {
+  const int groups = K / gs, n0 = 8 * bl, first = bl - ch.b0;
+  const char* const* rw[NB];
+  const float* sb[NB];
+  for (int t = 0; t < NB; ++t) {
+    rw[t] = ch.rw[first + t];
+    sb[t] = ch.sbuf + static_cast<int64_t>(first + t) * 16 * groups;
+  }
   // The next NB blocks' packed rows (contiguous) are prefetched a slice per 32-k step, and
   // their scales and biases now: interleaved row streams defeat the hardware prefetchers.
   const int64_t next_rows = std::max(0, std::min(8 * NB, N - n0 - 8 * NB));
   const char* next = S.stored_row(wq, n0 + 8 * NB, K);
   const int64_t next_bytes = next_rows * S.stored_row_bytes(K), slice = ((next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
-  S.prefetch(n0 + 8 * NB, next_rows);
   const __m256i low = _mm256_set1_epi32(BITS == 4 ? 15 : 255);
   __m256 acc[NB][MR];
   for (int t = 0; t < NB; ++t)
@@ -583,7 +595,7 @@ inline void qgemm_few8_blocks(const float* x, int K, const uint32_t* wq, const Q
             const int k = BITS == 4 ? k0 + 8 * i + 2 * b + half : k0 + 16 * h + 4 * i + b;
             const int sh = BITS == 4 ? 8 * b + 4 * half : 8 * b;
             for (int t = 0; t < NB; ++t) {
-              const float* st = sbuf + t * 16 * groups + gi * 8;
+              const float* st = sb[t] + gi * 8;
               const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(wv[t][i], sh), low));
               const __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_load_ps(st), q),
                                              _mm256_load_ps(st + 8 * groups));
@@ -596,35 +608,65 @@ inline void qgemm_few8_blocks(const float* x, int K, const uint32_t* wq, const Q
   }
   alignas(32) static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
   for (int t = 0; t < NB; ++t) {
-    const __m256i keep = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 - nv[t]));
+    const __m256i keep = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 - ch.nv[first + t]));
     for (int m = 0; m < MR; ++m)
       _mm256_maskstore_ps(y + static_cast<int64_t>(m) * N + n0 + 8 * t, keep, acc[t][m]);
   }
 }
 
-template <int BITS, int MR>
-inline void qgemm_few8_rows(const float* x, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N, int b0, int b1, float* sbuf) {
+// setup(bl, n): blocks [bl, bl + n) made ready in the chunk just before they run (one pass
+// over the rows), or nothing (every block set up before the first of several passes).
+template <int BITS, int MR, class Setup>
+inline void qgemm_few8_rows(const float* x, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N,
+                            int b0, int b1, const Few8Chunk& ch, Setup&& setup) {
   constexpr int NB = MR <= 2 ? 2 : 1;  // independent FMA chains for one or two rows
   int bl = b0;
-  for (; bl + NB <= b1; bl += NB) qgemm_few8_blocks<BITS, MR, NB>(x, K, wq, S, gs, y, N, 8 * bl, sbuf);
-  for (; bl < b1; ++bl) qgemm_few8_blocks<BITS, MR, 1>(x, K, wq, S, gs, y, N, 8 * bl, sbuf);
+  for (; bl + NB <= b1; bl += NB) {
+    setup(bl, NB);
+    qgemm_few8_blocks<BITS, MR, NB>(x, K, wq, S, gs, y, N, bl, ch);
+  }
+  for (; bl < b1; ++bl) {
+    setup(bl, 1);
+    qgemm_few8_blocks<BITS, MR, 1>(x, K, wq, S, gs, y, N, bl, ch);
+  }
 }
 
 template <int BITS>
 void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
-  const int blocks = (N + 7) / 8;
+  const int blocks = (N + 7) / 8, groups = K / gs;
   const int per = 2 * std::max(1, 4 * 576 / std::max(K, 1));  // an even number of blocks
   pool().run((blocks + per - 1) / per, [&](int c) {
+    const int b0 = c * per, b1 = std::min(blocks, (c + 1) * per), nb = b1 - b0;
+    // Several passes of 8 rows: the chunk's blocks are set up once (their scales
+    // transposed, 5-/6-bit rows unpacked: per pass, that cost up to 35% at 64 rows), then
+    // every pass runs on them. One pass: each block just before it runs (while its
+    // scales are in cache; setting the whole chunk up first measured a few % slower).
     thread_local std::vector<float> sb;
-    const size_t need = static_cast<size_t>(2 * 16 * (K / gs) + 8);  // 2 blocks; + 8: alignment
+    thread_local std::vector<const char*> ptrs;
+    thread_local std::vector<int> counts;
+    const size_t need = static_cast<size_t>(nb) * 16 * groups + 8;  // + 8: alignment
     if (sb.size() < need) sb.resize(need);
+    if (ptrs.size() < static_cast<size_t>(8 * nb)) ptrs.resize(static_cast<size_t>(8 * nb));
+    if (counts.size() < static_cast<size_t>(nb)) counts.resize(static_cast<size_t>(nb));
     float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 31) & ~uintptr_t{31});
-    const int b0 = c * per, b1 = std::min(blocks, (c + 1) * per);
+    auto* rw = reinterpret_cast<const char* (*)[8]>(ptrs.data());
+    uint8_t* unpacked = S.unpacks() ? weight_tmp(int64_t{8} * K * nb) : nullptr;
+    auto setup = [&](int bl, int n) {
+      for (int t = bl - b0; t < bl - b0 + n; ++t)
+        counts[t] = few8_setup(K, wq, S, gs, BITS, N, 8 * (b0 + t), rw[t], sbuf + static_cast<int64_t>(t) * 16 * groups,
+                               unpacked ? unpacked + int64_t{8} * K * t : nullptr);
+      S.prefetch(8 * (bl + n), std::min(8 * n, N - 8 * (bl + n)));  // the next blocks' scales
+    };
+    const bool once = M > QG_PASS;
+    if (once) setup(b0, nb);
+    const Few8Chunk ch{rw, sbuf, counts.data(), b0};
     for (int m0 = 0; m0 < M; m0 += QG_PASS) {
       const float* xm = x + static_cast<int64_t>(m0) * K;
       float* ym = y + static_cast<int64_t>(m0) * N;
       with_rows<QG_PASS>(std::min(QG_PASS, M - m0), [&](auto mr) {
-        qgemm_few8_rows<BITS, decltype(mr)::value>(xm, K, wq, S, gs, ym, N, b0, b1, sbuf);
+        qgemm_few8_rows<BITS, decltype(mr)::value>(xm, K, wq, S, gs, ym, N, b0, b1, ch, [&](int bl, int n) {
+          if (!once) setup(bl, n);
+        });
       });
     }
   });
