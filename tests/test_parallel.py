@@ -380,6 +380,23 @@ def test_gpt_oss_mxfp4_gguf_on_two_ranks_equals_one_process(tmp_path, keep):
     assert two["heads"] == 2 if split == "tp" else True
 
 
+def test_deepseek_gguf_on_two_ranks_equals_one_process(tmp_path):
+    """DeepSeek as llama.cpp writes it (separate k_b / v_b, 8-bit experts), split both ways:
+    the per-head maps derived from the file's tensors cut by heads, the experts' features
+    on whole groups (64 features: two groups of 32)."""
+    from .test_gguf_families import _deepseek_gguf
+
+    folder = write_tiny_model(tmp_path / "m", "deepseek_v3", moe_intermediate_size=64, intermediate_size=128)
+    _deepseek_gguf(folder, tmp_path / "m.gguf", True)
+    args = ["--model", str(tmp_path / "m.gguf"), "--tokens", "10", "--logits", "--engine", "2", "--ignore-eos"]
+    one = alone(args)
+    for split in ("tp", "pp"):
+        two = tp(args, split=split)
+        assert two["tokens"] == one["tokens"] and two["engine"] == one["engine"], split
+        diff = mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item()
+        assert diff < 1e-3 * mx.abs(mx.array(one["logits"])).max().item(), (split, diff)
+
+
 def test_each_rank_holds_about_its_share(tmp_path):
     """Sharded before anything is evaluated (safetensors are read lazily, one leaf at a
     time): each of 2 ranks holds half the params, and its peak memory while loading is
