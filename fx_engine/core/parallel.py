@@ -39,8 +39,10 @@ from fx_engine.core.config import ConfigError
 from fx_engine.core.checkpoint import expanded, two_level
 from fx_engine.core.nn import Linear
 
-__all__ = ["shard_decoder", "shard_params", "split", "split_cols", "split_experts", "split_rows",
-           "split_vocab", "stage_params"]
+__all__ = ["head_range", "shard_decoder", "shard_params", "split", "split_attention", "split_cols",
+           "split_experts", "split_head", "split_mixer", "split_mlp", "split_rows", "split_vocab",
+           "stage_params"]
+
 
 def split(n: int, size: int, rank: int, unit: int = 1, kind: str = "tensor parallel") -> tuple[int, int]:
     """Rank's [start, end) of n items in units of `unit` (as even as possible, the first
@@ -256,8 +258,9 @@ def split_mixer(mp: Any, dims: Any, rank: int, size: int, name: str) -> tuple[An
     """A Mamba-2 mixer's (params, dims) for this rank's heads (models/mamba2.py's layout:
     in_proj rows z | x | B | C | dt, conv channels x | B | C). Its B/C groups split with
     their heads (groups a multiple of the ranks), or each rank's heads lie in one group,
-    which the ranks sharing it replicate (one group: every rank); the gated norm stays per rank where its groups fall on whole heads, or is
-    taken over every rank's channels (`norm_width`); out_proj's columns are summed."""
+    which the ranks sharing it replicate (one group: every rank); the gated norm stays per
+    rank where its groups fall on whole heads, or is taken over every rank's channels
+    (`norm_width`); out_proj's columns are summed."""
     h, p, g, n = dims.heads, dims.head_dim, dims.groups, dims.state
     i = h * p
     if g % size == 0:  # whole groups with their heads
@@ -271,7 +274,8 @@ def split_mixer(mp: Any, dims: Any, rank: int, size: int, name: str) -> tuple[An
                               f"groups ({g} groups of {h // g} heads cannot be split over {size} ranks)")
     bc = [(i + g0 * n, i + g1 * n), (i + g * n + g0 * n, i + g * n + g1 * n)]  # within x | B | C
     xbc = [(h0 * p, h1 * p)] + bc
-    rows = [(h0 * p, h1 * p)] + [(i + a, i + b) for a, b in xbc] + [(2 * i + 2 * g * n + h0, 2 * i + 2 * g * n + h1)]
+    dt = 2 * i + 2 * g * n  # in_proj: z (i rows), x | B | C (i + 2 g n), dt (h)
+    rows = [(h0 * p, h1 * p)] + [(i + a, i + b) for a, b in xbc] + [(dt + h0, dt + h1)]
     norm_groups, norm_width = dims.norm_groups, 0
     if mp.norm is not None:
         width = i // dims.norm_groups
@@ -324,7 +328,7 @@ def stage_params(params: Any, rank: int, size: int) -> Any:
         stages = [family.layer_range(params, *split(cfg.num_layers, size, r, kind="pipeline parallel"))
                   for r in range(size)]
     except ConfigError as e:
-        raise ConfigError(e.args[0] if str(e).startswith("pipeline parallel") else f"pipeline parallel: {e}") from None
+        raise ConfigError(str(e) if str(e).startswith("pipeline parallel") else f"pipeline parallel: {e}") from None
     l0, _ = split(cfg.num_layers, size, rank)
     stage = stages[rank]
     first, last = rank == 0, rank == size - 1
