@@ -433,3 +433,22 @@ def test_each_rank_reads_about_its_share_of_a_gguf(tmp_path, split):
     assert two["tokens"] == one["tokens"]
     assert two["peak_rss_after_load"] < one["peak_rss_after_load"] - 0.25 * one["params_bytes"], (one, two)
     assert not any(spill.iterdir())  # each rank's spill folder is gone
+
+
+def test_the_spill_folder_avoids_memory_backed_temp(tmp_path, monkeypatch):
+    """A sharded GGUF load converts into the system's temporary folder unless that is a
+    tmpfs (its files in RAM, as much as sharding saves): then fx-engine's cache folder on
+    disk. FX_ENGINE_SPILL_DIR wins either way."""
+    from fx_engine.loading.model import ram_backed, spill_dir
+
+    mounts = "/dev/vda / ext4 rw 0 0\ntmpfs /tmp tmpfs rw 0 0\nnone /tmp/disk\\040x ext4 rw 0 0\n"
+    assert ram_backed("/tmp/a", mounts) and ram_backed("/tmp", mounts)
+    assert not ram_backed("/tmpfoo", mounts) and not ram_backed("/tmp/disk x/y", mounts)
+    monkeypatch.delenv("FX_ENGINE_SPILL_DIR", raising=False)
+    monkeypatch.setenv("FX_ENGINE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("tempfile.tempdir", "/tmp")
+    assert spill_dir(mounts) == str(tmp_path / "cache" / "spill") and (tmp_path / "cache" / "spill").is_dir()
+    assert spill_dir("/dev/vda / ext4 rw 0 0\n") is None  # the system's temporary folder
+    monkeypatch.setenv("FX_ENGINE_SPILL_DIR", str(tmp_path))
+    assert spill_dir(mounts) == str(tmp_path)
+

@@ -236,8 +236,7 @@ def load(
             raise WeightsError(f"{p}: unsupported model file (expected a .gguf file or a folder)")
         # sharded: each converted tensor spills to a temporary folder and comes back lazy,
         # so this rank reads back only its part (removed once the shard is evaluated)
-        spill = Path(tempfile.mkdtemp(prefix="fx-engine-gguf-", dir=os.environ.get("FX_ENGINE_SPILL_DIR"))) \
-            if sharded else None
+        spill = Path(tempfile.mkdtemp(prefix="fx-engine-gguf-", dir=spill_dir())) if sharded else None
         if spill is not None:  # (also gone at exit if the load fails before it is removed)
             atexit.register(shutil.rmtree, spill, True)
         try:
@@ -293,6 +292,43 @@ def load(
         pipeline_parallel=pipeline_parallel or 1,
     )
     return model.with_kv_cache(kv_bits, kv_group_size, quantized_kv_start).with_kv_dtype(kv_dtype)
+
+
+def ram_backed(path: str | Path, mounts: str | None = None) -> bool:
+    """Whether `path` lies on a tmpfs or ramfs mount (its longest mount point in
+    /proc/mounts, or the `mounts` text): files there sit in memory."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/mounts").read_text()
+        except OSError:
+            return False
+    target, best, kind = os.path.realpath(path), "", ""
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best):
+            best, kind = point, fields[2]
+    return kind in ("tmpfs", "ramfs")
+
+
+def spill_dir(mounts: str | None = None) -> str | None:
+    """Where a sharded GGUF load converts its tensors: FX_ENGINE_SPILL_DIR, else the
+    system's temporary folder, unless that is in memory (a tmpfs /tmp: the converted copy,
+    about the file's size, would cost each rank as much RAM as sharding saves); then
+    fx-engine's cache folder on disk (FX_ENGINE_CACHE, ~/.cache/fx-engine)."""
+    chosen = os.environ.get("FX_ENGINE_SPILL_DIR")
+    if chosen:
+        return chosen
+    if not ram_backed(tempfile.gettempdir(), mounts):
+        return None
+    from fx_engine.loading.default_model import cache_dir
+
+    folder = cache_dir() / "spill"
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder)
 
 
 def _shard(params: Any, fingerprint: str, size: Any, kind: str) -> tuple[Any, str]:
