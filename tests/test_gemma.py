@@ -346,3 +346,48 @@ def test_gemma2_sliding_layers_in_the_engine(tmp_path):
     ids = _ids(40, seed=9)
     a, b = fx_engine.logits(model, ids), fx_engine.logits(wide, ids)
     assert mx.allclose(a[:16], b[:16], atol=1e-4).item() and not mx.allclose(a[16:], b[16:], atol=1e-2).item()
+
+
+@pytest.mark.parametrize("quantize", [None, {"group_size": 32, "bits": 8}], ids=["float", "q8"])
+def test_gemma4_self_draft_is_the_truncated_checkpoint(tmp_path, quantize):
+    """A Gemma 4 draft of its first 5 of 6 layers (`Family.layer_range`: one of its two
+    KV-shared layers kept; the per-layer input table's first 5 layers' columns and the
+    projection's rows) computes what the same checkpoint cut to 5 layers does when loaded
+    (the oracle: the cut tensors written as a checkpoint of its own); a later range of
+    layers is refused (the per-layer inputs come from the token embeddings)."""
+    import json
+
+    from fx_engine.core.parallel import stage_params
+    from fx_engine.engine.drafters import self_draft_model
+
+    # (quantized: 32 inputs per layer, one group of the per-layer table per layer)
+    src = write_tiny_model(tmp_path / "m", "gemma4_text", quantize=quantize,
+                           **({"hidden_size_per_layer_input": 32} if quantize else {}))
+    cfg = json.loads((src / "config.json").read_text())
+    n, hpl = 5, cfg["hidden_size_per_layer_input"]
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    w = mx.load(str(src / "model.safetensors"))
+    keep = {}
+    for k, v in w.items():
+        if k.startswith(f"model.layers.{n}."):
+            continue
+        if k.startswith("model.embed_tokens_per_layer."):  # [vocab, L * hpl] (packed when quantized)
+            per = v.shape[1] // cfg["num_hidden_layers"]
+            v = v[:, : n * per]
+        elif k.startswith("model.per_layer_model_projection."):  # [L * hpl, hidden]
+            v = v[: n * hpl]
+        keep[k] = v
+    mx.save_safetensors(str(cut / "model.safetensors"), keep, metadata={"format": "mlx"})
+    (cut / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": n,
+                                                 "num_kv_shared_layers": cfg["num_kv_shared_layers"] - 1}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (cut / name).write_text((src / name).read_text())
+    model = fx_engine.load(src)
+    draft = self_draft_model(model, n)
+    assert draft.config.num_kv_shared_layers == cfg["num_kv_shared_layers"] - 1
+    ids = model.tokenizer.encode(LONG_TEXT)[:40]
+    want = fx_engine.logits(fx_engine.load(cut), ids)
+    assert mx.abs(fx_engine.logits(draft, ids) - want).max().item() <= 1e-4 * mx.abs(want).max().item()
+    with pytest.raises(ConfigError, match="per-layer inputs are made from the token embeddings"):
+        stage_params(model.params, 0, 2)

@@ -36,6 +36,7 @@ from fx_engine.core.models import family_of
 from fx_engine.core.sampling import SamplingConfig, make_sampling_params, sampling_distribution
 from fx_engine.core.state import init_state, sample_step
 from fx_engine.core.steps import prefill_step_compiled
+from fx_engine.core.tree import tree_leaves
 
 
 @attrs.frozen
@@ -209,6 +210,9 @@ def self_draft_model(model: Any, num_layers: int) -> Any:
         params = family.layer_range(model.params, 0, num_layers)
     except ValueError as e:  # (ConfigError: the family's layers cannot be cut there)
         raise ValueError(f"self_draft_model: {e}") from None
+    # arrays the cut made (Gemma 4's per-layer table columns) are computed here, on the
+    # caller's thread: the engine's thread cannot evaluate another thread's lazy arrays
+    mx.eval(tree_leaves(params))
     return attrs.evolve(model, config=params.config, params=params,
                         fingerprint=f"{model.fingerprint}-first{num_layers}")
 

@@ -748,12 +748,14 @@ _TINY = {
 def layer_range(p: GemmaParams, start: int, end: int) -> GemmaParams:
     """The params of layers [start, end) (`family.cut_layers`). Gemma 4's KV-shared layers
     attend over earlier layers' caches: a range from the first layer keeps them (those
-    within it), a later range may not hold any; its per-layer inputs are one table over
-    every layer: not cut."""
+    within it), a later range may not hold any. Its per-layer inputs come from the token
+    embeddings: a range from the first layer keeps its layers' columns of the per-layer
+    table and rows of its projection (self-drafts); a later one (a pipeline stage) is
+    refused."""
     cfg = p.config
-    if p.embed_per_layer is not None:
-        raise ConfigError("Gemma 4's per-layer inputs are one table over every layer: its layers "
-                          "cannot be split (pipeline stages, self-drafts)")
+    if p.embed_per_layer is not None and start > 0:
+        raise ConfigError(f"Gemma 4's per-layer inputs are made from the token embeddings: layers "
+                          f"{start}..{end - 1} cannot run apart from the first")
     shared = 0
     if cfg.num_kv_shared_layers:
         first = cfg.first_shared_layer
@@ -762,7 +764,13 @@ def layer_range(p: GemmaParams, start: int, end: int) -> GemmaParams:
                               f"earlier layers' caches: layers {start}..{end - 1} cannot run apart from them")
         shared = max(0, end - first)
     cut = cut_layers(p, start, end, per_layer=("layer_types",))
+    if p.embed_per_layer is not None:
+        width = end * cfg.hidden_size_per_layer_input  # the first `end` layers' inputs
+        table = split_cols(p.embed_per_layer, 0, width, "the per-layer input table")
+        cut = attrs.evolve(cut, embed_per_layer=attrs.evolve(table, tp=p.embed_per_layer.tp),
+                           per_layer_proj=split_rows(p.per_layer_proj, [(0, width)]))
     return attrs.evolve(cut, config=attrs.evolve(cut.config, num_kv_shared_layers=shared))
+
 
 def tensor_split(p: GemmaParams, rank: int, size: int) -> GemmaParams:
     """Rank `rank` of `size`'s shard (core/parallel.py). The heads split in units that hold
