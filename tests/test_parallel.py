@@ -111,12 +111,10 @@ def test_tiny_families_two_ranks_equal_one_process(tmp_path, kind, split):
     assert diff < 2e-3, diff
 
 
-def test_four_ranks_share_a_mamba_group():
+def test_four_ranks_share_a_mamba_group(tmp_path):
     """4 ranks over a Mamba-2 of 8 heads in 2 B/C groups: each rank's 2 heads lie in one
     group, which two ranks replicate; its norm over every rank's channels. As one process."""
-    import tempfile
-
-    path = write_tiny_model(Path(tempfile.mkdtemp()) / "m", "mamba2")
+    path = write_tiny_model(tmp_path / "m", "mamba2")
     args = ["--model", str(path), "--tokens", "8", "--logits", "--engine", "2", "--ignore-eos"]
     one, four = alone(args), tp(args, n=4)
     assert four["heads"] == 2 and four["tokens"] == one["tokens"] and four["engine"] == one["engine"]
@@ -377,7 +375,7 @@ def test_gpt_oss_mxfp4_gguf_on_two_ranks_equals_one_process(tmp_path, keep):
         assert two["tokens"] == one["tokens"] and two["engine"] == one["engine"], split
         diff = mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item()
         assert diff < 1e-3 * mx.abs(mx.array(one["logits"])).max().item(), (split, diff)
-    assert two["heads"] == 2 if split == "tp" else True
+        assert (two["heads"], two["layers"]) == ((2, 4) if split == "tp" else (4, 2)), split  # rank 0's share
 
 
 def test_deepseek_gguf_on_two_ranks_equals_one_process(tmp_path):
