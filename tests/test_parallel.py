@@ -338,6 +338,20 @@ def test_lockstep_drafts_must_be_registered_and_self_drafts_need_the_layers():
         fx_engine.Engine(model)._draft_ref({"draft_model": draft})
 
 
+def both_splits_equal_one_process(args: list[str]) -> tuple[dict, dict]:
+    """tools/tp_run.py on 2 ranks, tensor then pipeline parallel, against one process:
+    greedy tokens and the engine's equal, logits within 1e-3 of their scale. Returns rank
+    0's reports (tp, pp)."""
+    one, out = alone(args), []
+    for split in ("tp", "pp"):
+        two = tp(args, split=split)
+        assert two["tokens"] == one["tokens"] and two["engine"] == one["engine"], split
+        diff = mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item()
+        assert diff < 1e-3 * mx.abs(mx.array(one["logits"])).max().item(), (split, diff)
+        out.append(two)
+    return out[0], out[1]
+
+
 def test_kquant_gguf_on_two_ranks_equals_one_process(tmp_path):
     """A Q4_K_M-like GGUF sharded: 6-bit Q6_K down projections split along their input
     (whole words and super-blocks: the two-level scales stay), Q4_K output projections
@@ -347,12 +361,8 @@ def test_kquant_gguf_on_two_ranks_equals_one_process(tmp_path):
     from .test_gguf_kquant import write_kquant_gguf
 
     path, _ = write_kquant_gguf(tmp_path, default_model_path(), untied=True)
-    args = ["--model", str(path), "--tokens", "12", "--logits", "--engine", "2", "--ignore-eos"]
-    for split in ("tp", "pp"):
-        one, two = alone(args), tp(args, split=split)
-        assert two["tokens"] == one["tokens"] and two["engine"] == one["engine"], split
-        diff = mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item()
-        assert diff < 1e-3 * mx.abs(mx.array(one["logits"])).max().item(), (split, diff)
+    both_splits_equal_one_process(["--model", str(path), "--tokens", "12", "--logits", "--engine", "2",
+                                   "--ignore-eos"])
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["cpu-default", "kept"])
@@ -369,13 +379,8 @@ def test_gpt_oss_mxfp4_gguf_on_two_ranks_equals_one_process(tmp_path, keep):
     _gpt_oss_gguf(folder, tmp_path / "m.gguf", True, matrices=True)
     args = ["--model", str(tmp_path / "m.gguf"), "--tokens", "12", "--logits", "--engine", "2",
             "--ignore-eos"] + (["--keep-quantized"] if keep else [])
-    one = alone(args)
-    for split in ("tp", "pp"):
-        two = tp(args, split=split)
-        assert two["tokens"] == one["tokens"] and two["engine"] == one["engine"], split
-        diff = mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item()
-        assert diff < 1e-3 * mx.abs(mx.array(one["logits"])).max().item(), (split, diff)
-        assert (two["heads"], two["layers"]) == ((2, 4) if split == "tp" else (4, 2)), split  # rank 0's share
+    tp2, pp2 = both_splits_equal_one_process(args)
+    assert (tp2["heads"], tp2["layers"], pp2["heads"], pp2["layers"]) == (2, 4, 4, 2)  # rank 0's share
 
 
 def test_deepseek_gguf_on_two_ranks_equals_one_process(tmp_path):
@@ -386,13 +391,8 @@ def test_deepseek_gguf_on_two_ranks_equals_one_process(tmp_path):
 
     folder = write_tiny_model(tmp_path / "m", "deepseek_v3", moe_intermediate_size=64, intermediate_size=128)
     _deepseek_gguf(folder, tmp_path / "m.gguf", True)
-    args = ["--model", str(tmp_path / "m.gguf"), "--tokens", "10", "--logits", "--engine", "2", "--ignore-eos"]
-    one = alone(args)
-    for split in ("tp", "pp"):
-        two = tp(args, split=split)
-        assert two["tokens"] == one["tokens"] and two["engine"] == one["engine"], split
-        diff = mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item()
-        assert diff < 1e-3 * mx.abs(mx.array(one["logits"])).max().item(), (split, diff)
+    both_splits_equal_one_process(["--model", str(tmp_path / "m.gguf"), "--tokens", "10", "--logits", "--engine",
+                                   "2", "--ignore-eos"])
 
 
 def test_each_rank_holds_about_its_share(tmp_path):

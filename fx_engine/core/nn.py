@@ -328,6 +328,18 @@ def routed_glu(
     return y[mx.argsort(order)].reshape(n, k, -1)
 
 
+def routed_mixture(
+    x: Float[mx.array, "N H"], gate_up: Linear, down: Linear, indices: Int[mx.array, "N K"],
+    weights: Float[mx.array, "N K"], glu: Callable[[mx.array], mx.array], numerics: Numerics,
+) -> Float[mx.array, "N H"]:
+    """Each token's mixture of its K chosen experts: `routed_glu`'s outputs weighted and
+    summed, made whole over the ranks when the experts' features are split (tensor
+    parallelism: each rank ran its slice of every expert's features)."""
+    y = routed_glu(x, gate_up, down, indices, glu, numerics)
+    y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
+    return mx.distributed.all_sum(y) if down.tp else y
+
+
 def _tp_combine(y: mx.array, tp: tuple) -> mx.array:
     """A tensor-parallel linear's output made whole (see `Linear.tp`): every rank gets the
     same full result."""

@@ -33,7 +33,7 @@ from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, renamed, 
 from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, gguf_grouped_experts, gguf_hf_config, gguf_value, gguf_yarn, positive_int, required, token_ids)
 from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
 from fx_engine.core.models.moe import GGUF_GROUPED_EXPERT_NAMES, grouped_route
-from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, routed_glu, scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
+from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, routed_mixture, scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
 from fx_engine.core.parallel import split, split_cols, split_experts, split_mlp, split_rows, split_vocab
 from fx_engine.core.tree import static_field
 
@@ -209,10 +209,7 @@ def _mlp(cfg: DeepseekConfig, lp: DeepseekLayer, x: mx.array, num: Numerics) -> 
     ex = lp.experts
     idx, w = grouped_route(x @ ex.router.T, ex.correction_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
                            cfg.norm_topk_prob, cfg.routed_scaling_factor)
-    y = routed_glu(x, ex.gate_up, ex.down, idx, lambda gu: swiglu_fused(gu, num), num)
-    y = (y * w[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
-    if ex.down.tp:  # tensor parallel: each rank ran its slice of every expert's features
-        y = mx.distributed.all_sum(y)
+    y = routed_mixture(x, ex.gate_up, ex.down, idx, w, lambda gu: swiglu_fused(gu, num), num)
     if ex.shared_gate_up is not None:
         y = y + linear(swiglu_fused(linear(x, ex.shared_gate_up, num), num), ex.shared_down, num)
     return y

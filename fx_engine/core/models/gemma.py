@@ -31,7 +31,7 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, att
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, fuse_experts, read_expert_stack, read_linear, renamed)
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, refuse, required, token_ids
 from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
-from fx_engine.core.nn import (Linear, Numerics, apply_rope, capped, embed, gelu_tanh, linear, rms_norm, rope_tables, routed_glu)
+from fx_engine.core.nn import (Linear, Numerics, apply_rope, capped, embed, gelu_tanh, linear, rms_norm, rope_tables, routed_mixture)
 from fx_engine.core.parallel import split, split_cols, split_experts, split_head, split_mlp, split_rows, split_vocab
 from fx_engine.core.tree import static_field
 
@@ -392,10 +392,7 @@ def _experts(moe: MoEBlock, h: mx.array, eps: float, num: Numerics) -> mx.array:
     scores = linear(rms_norm(h, moe.router_scale, eps, num), moe.router, num)  # [N, E]
     idx = mx.argpartition(scores, kth=-k, axis=-1)[..., -k:]  # [N, k]
     w = mx.softmax(mx.take_along_axis(scores, idx, axis=-1), axis=-1) * moe.per_expert_scale[idx]
-    y = routed_glu(rms_norm(h, moe.pre_norm, eps, num), moe.gate_up, moe.down, idx, _geglu, num)
-    y = (w[..., None].astype(y.dtype) * y).sum(axis=-2)  # [N, H]
-    if moe.down.tp:  # tensor parallel: each rank ran its slice of every expert's features
-        y = mx.distributed.all_sum(y)
+    y = routed_mixture(rms_norm(h, moe.pre_norm, eps, num), moe.gate_up, moe.down, idx, w, _geglu, num)
     return rms_norm(y, moe.post_norm, eps, num)
 
 

@@ -28,7 +28,7 @@ from fx_engine.core.config import ConfigError, gguf_hf_config, gguf_value, gguf_
 from fx_engine.core.models import llama, moe
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
-from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, routed_glu
+from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, routed_mixture
 from fx_engine.core.parallel import shard_decoder
 
 ALPHA = 1.702  # the gate's sigmoid slope (GPT-OSS's fixed constant, as mlx-lm)
@@ -110,11 +110,7 @@ def _layer(
 
 def _experts(cfg: GptOssConfig, lp: GptOssLayer, x: mx.array, num: Numerics) -> mx.array:
     idx, w = moe.route(linear(x, lp.router, num), cfg.top_k, softmax_then_topk=False)
-    y = routed_glu(x, lp.gate_up, lp.down, idx, lambda gu: swiglu_oai(gu, cfg.swiglu_limit), num)
-    y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
-    if lp.down.tp:  # tensor parallel: each rank ran its slice of every expert's features
-        y = mx.distributed.all_sum(y)
-    return y
+    return routed_mixture(x, lp.gate_up, lp.down, idx, w, lambda gu: swiglu_oai(gu, cfg.swiglu_limit), num)
 
 
 def forward(

@@ -331,12 +331,12 @@ def self_attention(
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     qkv = linear(x, lp.qkv, num)
-    split = getattr(cfg, "qk_norm_width", ())  # (over every head, but this rank holds some heads)
-    whole = lp.q_norm is not None and (lp.q_norm.shape[-1] != d or bool(split))
+    widths = getattr(cfg, "qk_norm_width", ())  # (over every head, but this rank holds some heads)
+    whole = lp.q_norm is not None and (lp.q_norm.shape[-1] != d or bool(widths))
     if whole:  # norms over whole projections
-        qkv = mx.concatenate([rms_norm(qkv[:, : hq * d], lp.q_norm, eps, num, split[0] if split else None),
+        qkv = mx.concatenate([rms_norm(qkv[:, : hq * d], lp.q_norm, eps, num, widths[0] if widths else None),
                               rms_norm(qkv[:, hq * d : (hq + hk) * d], lp.k_norm, eps, num,
-                                       split[1] if split else None),
+                                       widths[1] if widths else None),
                               qkv[:, (hq + hk) * d :]], axis=-1)
     qkv = qkv.reshape(b, t, hq + 2 * hk, d)
     if lp.q_norm is not None and not whole:  # qwen3: per-head, before RoPE

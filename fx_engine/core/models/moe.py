@@ -38,7 +38,7 @@ from fx_engine.core.config import ConfigError, gguf_grouped_experts, gguf_hf_con
 from fx_engine.core.models import llama
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
-from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, rope_tables, routed_glu, swiglu_fused
+from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, rope_tables, routed_mixture, swiglu_fused
 from fx_engine.core.parallel import shard_decoder
 
 
@@ -228,10 +228,7 @@ def _mixture(cfg: MoEConfig, ex: Experts, x: mx.array, num: Numerics) -> mx.arra
                                cfg.norm_topk_prob, cfg.routed_scaling_factor)
     else:
         idx, w = route(logits, cfg.top_k, cfg.softmax_then_topk, cfg.norm_topk_prob)
-    y = routed_glu(x, ex.gate_up, ex.down, idx, lambda gu: swiglu_fused(gu, num), num)  # [N, K, H]
-    y = (y * w[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
-    if ex.down.tp:  # tensor parallel: each rank ran its slice of every expert's features
-        y = mx.distributed.all_sum(y)
+    y = routed_mixture(x, ex.gate_up, ex.down, idx, w, lambda gu: swiglu_fused(gu, num), num)  # [N, H]
     if ex.shared_gate_up is not None:
         s = linear(swiglu_fused(linear(x, ex.shared_gate_up, num), num), ex.shared_down, num)
         y = y + (s if ex.shared_gate is None else mx.sigmoid(linear(x, ex.shared_gate, num)) * s)

@@ -24,7 +24,7 @@ from fx_engine.core.models import llama
 from fx_engine.core.models.family import DecoderParams, Family, cut_layers, head_logits, stage_input, stage_output
 from fx_engine.core.models.mamba2 import MixerDims, MixerParams, mixer, mixer_layout, read_mixer
 from fx_engine.core.models.moe import grouped_route
-from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm, routed_glu
+from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm, routed_mixture
 from fx_engine.core.parallel import (head_range, split, split_attention, split_cols, split_head, split_mixer, split_mlp,
                                     split_rows)
 
@@ -165,10 +165,7 @@ def _mlp(m: Relu2Mlp, x: mx.array, num: Numerics) -> mx.array:
 def _experts(cfg: NemotronHConfig, ex: ExpertsParams, x: mx.array, num: Numerics) -> mx.array:
     idx, w = grouped_route(linear(x, ex.router, num), ex.correction_bias, cfg.top_k, cfg.n_group,
                            cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-    y = routed_glu(x, ex.fc1, ex.fc2, idx, _relu2, num)  # [N, K, H]
-    y = (y * w[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
-    if ex.fc2.tp:  # tensor parallel: each rank ran its slice of every expert's features
-        y = mx.distributed.all_sum(y)
+    y = routed_mixture(x, ex.fc1, ex.fc2, idx, w, _relu2, num)  # [N, H]
     return y if ex.shared is None else y + _mlp(ex.shared, x, num)
 
 
