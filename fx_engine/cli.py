@@ -52,7 +52,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help="shard the model over the N processes started by `mlx.launch -n N` "
                         "(each runs this same command; rank 0 prints)")
     p.add_argument("--pipeline-parallel", type=int, default=None, metavar="N",
-                   help="split the model's layers over the N processes started by `mlx.launch -n N`")
+                   help="split the model's layers over the N processes started by `mlx.launch -n N` "
+                        "(with --tensor-parallel T: T x N processes, N stages of T ranks; needs "
+                        "MPI: `mpirun -np T*N`)")
     p.add_argument("--adapter", action="append", default=None, metavar="[NAME=]PATH",
                    help="a LoRA/DoRA adapter folder (mlx-lm or PEFT). generate/chat: the one to "
                         "use; serve: repeatable, chosen per request by model 'BASE:NAME'")
@@ -481,13 +483,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     parser = build_parser()
     args = parser.parse_args(argv)
+    from fx_engine.runtime.distributed import finish
+
     try:
-        return int(args.func(args) or 0)
+        return finish(int(args.func(args) or 0))  # (MPI subgroups: ends the process here)
     except (ValueError, FileNotFoundError) as e:
         print(f"fx-engine: error: {e}", file=sys.stderr)
-        return 2
+        return finish(2)
     except KeyboardInterrupt:
-        return 130
+        return finish(130)
 
 
 if __name__ == "__main__":

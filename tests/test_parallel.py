@@ -5,6 +5,7 @@ Each rank runs tools/tp_run.py; rank 0 reports."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 import fx_engine
 from fx_engine.core.config import ConfigError
 from fx_engine.testing import write_tiny_model
-from fx_engine.testing.distributed import launch_local
+from fx_engine.testing.distributed import launch_local, launch_mpi, mpirun
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [sys.executable, str(ROOT / "tools" / "tp_run.py")]
@@ -121,6 +122,142 @@ def test_four_ranks_share_a_mamba_group(tmp_path):
     assert mx.abs(mx.array(four["logits"]) - mx.array(one["logits"])).max().item() < 2e-3
 
 
+# Tensor x pipeline: 2 stages of 2 ranks each, on MPI (the MLX backend with subgroups;
+# .ci/run installs Open MPI). Each stage's layers split over its ranks: collectives on the
+# stage's group, activations to the same tensor rank of the next stage.
+needs_mpi = pytest.mark.skipif(mpirun() is None and not os.environ.get("CI"),
+                               reason="Open MPI's mpirun is not installed (.ci/run installs it; under CI: fails)")
+
+
+def mesh(args: list[str], timeout: float = 300) -> dict:
+    got = launch_mpi(4, RUN + ["--tp", "2", "--pp", "2", *args], timeout=timeout)
+    assert got.returncode == 0, f"{got.returncode}\n{got.stderr[-3000:]}"
+    return json.loads(got.stdout.strip().splitlines()[-1])
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_default_model_tensor_by_pipeline_equals_one_process():
+    """SmolLM2 on 4 ranks: 15 layers per stage, each stage's 3 KV heads split 2 + 1 (query
+    heads 6 + 3), MLP and vocabulary halved. Greedy tokens (plain, a continuous batch, and
+    a lockstep engine as `serve` runs it), and the logits, as one process computes them."""
+    args = ["--tokens", "16", "--logits", "--engine", "3", "--lockstep", "2"]
+    one, four = alone(args), mesh(args)
+    assert (four["size"], four["heads"], four["kv_heads"], four["layers"]) == (4, 6, 2, 15)
+    assert four["tokens"] == one["tokens"] and len(one["tokens"]) == 16
+    assert four["engine"] == one["engine"] and four["lockstep"] == one["lockstep"]
+    assert mx.abs(mx.array(four["logits"]) - mx.array(one["logits"])).max().item() < 2e-3
+
+
+@needs_mpi
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmo2", "mamba2-g1", "gemma3_text", "deepseek_v3"])
+def test_tiny_families_tensor_by_pipeline_equal_one_process(tmp_path, kind):
+    """Experts split per stage (qwen3_moe), norms whose mean square spans the stage's ranks
+    (OLMo's q/k norms, a one-group Mamba-2's gated norm: the all_sum on the stage's group),
+    Gemma's own split, DeepSeek's latent attention."""
+    path = _tiny(tmp_path, kind)
+    args = ["--model", str(path), "--tokens", "10", "--logits", "--engine", "2", "--prompt", "hello world",
+            "--ignore-eos"]
+    one, four = alone(args), mesh(args)
+    assert four["tokens"] == one["tokens"] and len(one["tokens"]) == 10
+    assert four["engine"] == one["engine"]
+    assert mx.abs(mx.array(four["logits"]) - mx.array(one["logits"])).max().item() < 2e-3
+
+
+@needs_mpi
+def test_dora_adapter_tensor_by_pipeline_equals_one_process(tmp_path):
+    """A DoRA adapter on every projection: each stage applies its layers' modules, each of
+    its ranks its slice, the row norms summed over the stage's ranks."""
+    args = _adapter_args(tmp_path, dora=True, tokens=10)
+    one, four = alone(args), mesh(args)
+    assert four["tokens"] == one["tokens"] and four["engine"] == one["engine"]
+    assert mx.abs(mx.array(four["logits"]) - mx.array(one["logits"])).max().item() < 2e-3
+
+
+@needs_mpi
+def test_cli_generate_tensor_by_pipeline(tmp_path):
+    """The command line under mpirun: rank 0 prints what one process prints; every rank
+    ends cleanly (MPI finalized before MLX frees the subgroups: mpirun exits 0)."""
+    path = _tiny(tmp_path, "qwen3")
+    cmd = [sys.executable, "-m", "fx_engine.cli", "generate", "hello world", "--raw", "--max-tokens", "8",
+           "--model", str(path), "--tensor-parallel", "2", "--pipeline-parallel", "2"]
+    got = launch_mpi(4, cmd, timeout=240)
+    assert got.returncode == 0, got.stderr[-3000:]
+    want = fx_engine.generate(fx_engine.load(path), "hello world", max_tokens=8, temperature=0.0)
+    assert got.stdout.strip() == want.text.strip()
+
+
+def _served_like_one_process(client, prompts: list[str]) -> tuple:
+    """Concurrent greedy completions from a sharded server equal one process's; then a stream
+    the client abandons after two chunks (rank 0 cancels the row, and so do the others).
+    Returns the one-process model and its completions."""
+    import concurrent.futures
+
+    model = fx_engine.load()
+    want = [fx_engine.generate(model, p, max_tokens=12, temperature=0.0).text for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: client.completions.create(model="smol", prompt=p, max_tokens=12,
+                                                                temperature=0).choices[0].text, prompts))
+    assert got == want
+    with client.completions.create(model="smol", prompt="Count: 1, 2, 3,", max_tokens=200, stream=True) as st:
+        for i, _ in enumerate(st):
+            if i == 1:
+                break
+    return model, want
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_server_tensor_by_pipeline_with_the_openai_client():
+    """`mpirun -np 4 fx-engine serve --tensor-parallel 2 --pipeline-parallel 2`: rank 0
+    serves and schedules, the other three follow its steps. Concurrent requests, a stream the
+    client abandons, a JSON-object grammar; SIGTERM to rank 0 ends every rank cleanly."""
+    import signal
+
+    from openai import OpenAI
+
+    from fx_engine.testing.distributed import mpi_rank_pid, start_mpi, wait_mpi
+
+    from .conftest import free_port, wait_healthy
+
+    port = free_port()
+    proc = start_mpi(4, [sys.executable, "-m", "fx_engine.cli", "serve", "--tensor-parallel", "2",
+                         "--pipeline-parallel", "2", "--port", str(port), "--model-id", "smol"],
+                     env={"FX_ENGINE_TP_TIMEOUT": "30"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, [proc], timeout=240)
+        client = OpenAI(base_url=url + "/v1", api_key="none")
+        model, _ = _served_like_one_process(client, ["The capital of France is", "List three colors:",
+                                                     "def add(a, b):"])
+        msgs = [{"role": "user", "content": "A JSON object?"}]
+        r = client.chat.completions.create(model="smol", messages=msgs, max_tokens=24, temperature=0,
+                                           response_format={"type": "json_object"})
+        assert r.choices[0].message.content == fx_engine.generate(
+            model, msgs, max_tokens=24, temperature=0.0, response_format={"type": "json_object"}).text
+        os.kill(mpi_rank_pid(proc, 0), signal.SIGTERM)
+        end = wait_mpi(proc, timeout=120)
+    finally:
+        if proc.poll() is None:  # (a failure above: the whole group goes)
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert end.returncode == 0, end.stderr[-3000:]
+
+
+@needs_mpi
+def test_a_lost_rank_under_mpi_ends_the_run(tmp_path):
+    got = launch_mpi(4, RUN + ["--tp", "2", "--pp", "2", "--model", str(_tiny(tmp_path, "qwen3")), "--tokens",
+                               "100000", "--ignore-eos", "--die-after", "4"], timeout=120)
+    assert got.returncode not in (0, None), got.stderr[-2000:]
+    assert got.seconds < 90
+
+
+def test_tensor_by_pipeline_on_the_ring_backend_is_a_clear_error():
+    """The ring backend has no subgroups: every rank stops with an error that says to use MPI."""
+    ranks = launch_local(4, RUN + ["--tp", "2", "--pp", "2"], timeout=120)
+    for r in ranks:
+        assert r.returncode != 0 and "launch with `mpirun -np 4" in r.stderr, r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("split", ["tp", "pp"])
 def test_every_family_has_a_case(split):
     """A family added to the registry is run split both ways here, or this fails."""
@@ -186,7 +323,7 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
 
     with pytest.raises(ValueError, match="mlx.launch -n 2"):
         fx_engine.load(tensor_parallel=2)  # one process alone
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="needs 4 processes"):
         fx_engine.load(tensor_parallel=2, pipeline_parallel=2)
     from fx_engine.core.parallel import stage_params
 
@@ -216,7 +353,6 @@ def test_server_tensor_parallel_with_the_openai_client(tmp_path, split):
     rank 1 follows its steps (lockstep). Concurrent requests, a streamed one the client
     abandons (a cancellation both ranks apply), prompt-lookup speculation on every request
     (rank 0's decisions), then a graceful shutdown that ends both ranks."""
-    import concurrent.futures
     import signal
     import time
 
@@ -237,17 +373,7 @@ def test_server_tensor_parallel_with_the_openai_client(tmp_path, split):
         wait_healthy(url, procs)
         client = OpenAI(base_url=url + "/v1", api_key="none")
         prompts = ["The capital of France is", "List three colors:", "def add(a, b):", "Once upon a time"]
-        model = fx_engine.load()
-        want = [fx_engine.generate(model, p, max_tokens=12, temperature=0.0).text for p in prompts]
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(lambda p: client.completions.create(model="smol", prompt=p, max_tokens=12,
-                                                                    temperature=0).choices[0].text, prompts))
-        assert got == want
-        # a stream abandoned after two chunks: rank 0 cancels the row, and so does rank 1
-        with client.completions.create(model="smol", prompt="Count: 1, 2, 3,", max_tokens=200, stream=True) as s:
-            for i, _ in enumerate(s):
-                if i == 1:
-                    break
+        model, want = _served_like_one_process(client, prompts)
         text = "Copy: the cat sat on the mat. Copy: the cat sat on the mat. Copy:"
         r = client.completions.create(model="smol", prompt=text, max_tokens=16, temperature=0)
         assert r.choices[0].text == fx_engine.generate(model, text, max_tokens=16, temperature=0.0).text
@@ -268,6 +394,18 @@ def test_server_tensor_parallel_with_the_openai_client(tmp_path, split):
     assert [r.returncode for r in ranks] == [0, 0], ranks[1].stderr[-3000:]
 
 
+def _adapter_args(tmp_path: Path, dora: bool, tokens: int) -> list[str]:
+    """tp_run arguments for a tiny Qwen3 with a LoRA / DoRA adapter on every projection."""
+    from tools.oracle import write_mlx_lm_adapter
+
+    path = write_tiny_model(tmp_path / "m", "qwen3", num_key_value_heads=2)
+    ad = write_mlx_lm_adapter(path, tmp_path / "ad", rank=4, dora=dora, init_scale=0.1,
+                              keys=["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                    "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"])
+    return ["--model", str(path), "--tokens", str(tokens), "--logits", "--engine", "2", "--prompt",
+            "hello world", "--adapter", str(ad)]
+
+
 @pytest.mark.parametrize("split", ["tp", "pp"])
 @pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
 def test_adapters_on_two_ranks_equal_one_process(tmp_path, split, dora):
@@ -275,14 +413,7 @@ def test_adapters_on_two_ranks_equal_one_process(tmp_path, split, dora):
     rank applies its slice of each factor (B's rows of its heads and features; A's rows of
     its input slice for o and down, whose partial products are summed with the base's;
     DoRA's row norms summed over the ranks); a pipeline stage applies its layers' modules."""
-    from tools.oracle import write_mlx_lm_adapter
-
-    path = write_tiny_model(tmp_path / "m", "qwen3", num_key_value_heads=2)
-    ad = write_mlx_lm_adapter(path, tmp_path / "ad", rank=4, dora=dora, init_scale=0.1,
-                              keys=["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                    "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"])
-    args = ["--model", str(path), "--tokens", "12", "--logits", "--engine", "2", "--prompt", "hello world",
-            "--adapter", str(ad)]
+    args = _adapter_args(tmp_path, dora=dora, tokens=12)
     one, two = alone(args), tp(args, split=split)
     assert two["tokens"] == one["tokens"] and two["engine"] == one["engine"]
     diff = mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item()

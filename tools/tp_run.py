@@ -44,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1, help="pipeline stages instead of tensor shards")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (with --tp: tp x pp ranks under MPI)")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--prompt", default="The capital of France is")
     ap.add_argument("--logits", action="store_true")
@@ -130,3 +130,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from fx_engine.runtime.distributed import finish
+
+    finish(0)  # (MPI subgroups: finalizes MPI and ends here)

@@ -7,7 +7,7 @@ metadata carried by the params pytree; it selects the batch-invariant matmul mod
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 import mlx.core as mx
@@ -112,6 +112,10 @@ class Linear:
     # are gathered over the ranks (then cut to `total`), as a table each rank looks up its
     # own rows and the embeddings are summed.
     tp: tuple = static_field(default=())
+    # The mx.distributed group that `tp` spans: None, the world group (tensor parallelism
+    # alone); a subgroup when tensor and pipeline parallelism combine (each stage's ranks
+    # split its layers: core/parallel.on_group).
+    group: Any = static_field(default=None)
 
     @property
     def dense_out_in(self) -> mx.array:
@@ -280,7 +284,7 @@ def linear(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
     if lin.lora is not None:
         y = lora_update(x, y, lin.lora, numerics)
     if lin.tp:
-        y = _tp_combine(y, lin.tp)
+        y = _tp_combine(y, lin.tp, lin.group)
     if lin.bias is not None:
         y = y + lin.bias
     return y
@@ -337,17 +341,17 @@ def routed_mixture(
     parallelism: each rank ran its slice of every expert's features)."""
     y = routed_glu(x, gate_up, down, indices, glu, numerics)
     y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
-    return mx.distributed.all_sum(y) if down.tp else y
+    return mx.distributed.all_sum(y, group=down.group) if down.tp else y
 
 
-def _tp_combine(y: mx.array, tp: tuple) -> mx.array:
-    """A tensor-parallel linear's output made whole (see `Linear.tp`): every rank gets the
-    same full result."""
+def _tp_combine(y: mx.array, tp: tuple, group: Any = None) -> mx.array:
+    """A tensor-parallel linear's output made whole over its group (see `Linear.tp`): every
+    rank gets the same full result."""
     if tp[0] == "sum":
-        return mx.distributed.all_sum(y)
+        return mx.distributed.all_sum(y, group=group)
     total = tp[2]
     lead, per = y.shape[:-1], y.shape[-1]
-    parts = mx.distributed.all_gather(y.reshape(-1, per).T)  # [ranks * per, M]
+    parts = mx.distributed.all_gather(y.reshape(-1, per).T, group=group)  # [ranks * per, M]
     return parts[:total].T.reshape(*lead, total)
 
 
@@ -361,7 +365,7 @@ def embed(tokens: mx.array, table: Linear) -> mx.array:
         mine = (local >= 0) & (local < rows)
         whole = tree_replace(table, tp=())
         out = embed(mx.where(mine, local, 0), whole)
-        return mx.distributed.all_sum(mx.where(mine[..., None], out, 0))
+        return mx.distributed.all_sum(mx.where(mine[..., None], out, 0), group=table.group)
     if table.quantized:
         biases = None if table.biases is None else table.biases[tokens]  # (MXFP4: none)
         return mx.dequantize(
@@ -372,12 +376,13 @@ def embed(tokens: mx.array, table: Linear) -> mx.array:
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float, numerics: Numerics | None = None,
-             width: int | None = None) -> mx.array:
+             width: int | None = None, group: Any = None) -> mx.array:
     """RMSNorm over the last axis. width: x is this rank's slice of a vector of `width`
-    features split over the ranks (tensor parallelism): the mean square is summed over them."""
+    features split over the ranks of `group` (tensor parallelism; None: the world group):
+    the mean square is summed over them."""
     if width is not None:
         xf = x.astype(mx.float32)
-        ms = mx.distributed.all_sum(mx.sum(xf * xf, axis=-1, keepdims=True)) / width
+        ms = mx.distributed.all_sum(mx.sum(xf * xf, axis=-1, keepdims=True), group=group) / width
         return (xf * mx.rsqrt(ms + eps)).astype(x.dtype) * weight
     # MLX's CPU rms_norm is a fallback of 3-4 graph nodes; the native one is a single node.
     if numerics is not None and numerics.native and x.dtype == mx.float32:

@@ -1,6 +1,6 @@
 """Tensor parallelism: one rank's shard of a model's params (pure).
 
-Megatron's split, on `mx.distributed`'s world group: each rank holds a contiguous group of
+Megatron's split, on an `mx.distributed` group (the world's, or a subgroup): each rank holds a contiguous group of
 KV heads with their query heads (q|k|v rows; the same columns of o_proj, whose partial
 products are summed over the ranks: `Linear.tp = ("sum",)`), a contiguous slice of the MLP's
 intermediate features (gate|up rows, the same columns of down_proj, summed), and a slice of
@@ -23,6 +23,11 @@ attention, the recurrent mixers), built from the helpers here (`split_attention`
 `split_mlp`, `split_experts`, `split_mixer`, `split_head`); and how it cuts its layers
 (`Family.layer_range`), which `stage_params` uses for every family.
 
+Both at once (T x P ranks): `shard_params` then `stage_params`, each given its subgroup of
+the world group (`on_group` records the tensor group on every split linear; the stage's
+group is the last item of `params.pipeline`), so a stage's sums stay among its ranks and
+its hand-over goes to the same tensor rank of the next stage.
+
 Uneven splits are allowed (SmolLM2's 3 KV heads on 2 ranks: 2 + 1, with their 6 + 3 query
 heads); quantized linears split only where their groups stay whole. Every rank computes
 the same full logits, so sampling (per-row keys) gives the same tokens on every rank.
@@ -38,8 +43,9 @@ import mlx.core as mx
 from fx_engine.core.config import ConfigError
 from fx_engine.core.checkpoint import expanded, two_level
 from fx_engine.core.nn import Linear
+from fx_engine.core.tree import STATIC
 
-__all__ = ["head_range", "shard_decoder", "shard_params", "split", "split_attention", "split_cols",
+__all__ = ["head_range", "on_group", "shard_decoder", "shard_params", "split", "split_attention", "split_cols",
            "split_experts", "split_head", "split_mixer", "split_mlp", "split_rows", "split_vocab",
            "stage_params"]
 
@@ -151,10 +157,11 @@ def split_vocab(lin: Linear, rank: int, size: int) -> Linear:
     return attrs.evolve(part, tp=("vocab", start, total))
 
 
-def shard_params(params: Any, rank: int, size: int) -> Any:
+def shard_params(params: Any, rank: int, size: int, group: Any = None) -> Any:
     """Rank `rank` of `size`'s tensor-parallel shard of a model (its family's
     `Family.tensor_split`): ConfigError for a family without one or a split the weights do
-    not allow."""
+    not allow. group: the mx.distributed group of the `size` ranks (None: the world group;
+    a subgroup when pipeline stages are split too: `on_group`)."""
     if size == 1:
         return params
     from fx_engine.core.models import family_of
@@ -169,7 +176,31 @@ def shard_params(params: Any, rank: int, size: int) -> Any:
     for r in range(size):
         if r != rank:
             family.tensor_split(params, r, size)
-    return family.tensor_split(params, rank, size)
+    shard = family.tensor_split(params, rank, size)
+    return shard if group is None else on_group(shard, group)
+
+
+def on_group(tree: Any, group: Any) -> Any:
+    """`tree` with every tensor-parallel linear's collectives on `group` (`Linear.group`):
+    the families' splits name what is summed or gathered, this names over which ranks.
+    (Nodes holding no split linear come back as they are.)"""
+    if isinstance(tree, Linear):
+        return attrs.evolve(tree, group=group) if tree.tp else tree
+    if isinstance(tree, (tuple, list)):
+        items = [on_group(x, group) for x in tree]
+        return tree if all(a is b for a, b in zip(items, tree)) else type(tree)(items)
+    if isinstance(tree, dict):
+        new = {k: on_group(v, group) for k, v in tree.items()}
+        return tree if all(new[k] is v for k, v in tree.items()) else new
+    if attrs.has(type(tree)):
+        changes = {}
+        for f in attrs.fields(type(tree)):
+            if f.init and not f.metadata.get(STATIC):
+                old = getattr(tree, f.name)
+                if (new := on_group(old, group)) is not old:
+                    changes[f.name] = new
+        return attrs.evolve(tree, **changes) if changes else tree
+    return tree
 
 
 def shard_decoder(params: Any, rank: int, size: int) -> Any:
@@ -311,11 +342,13 @@ def _mlp_fields(lp: Any, i: int) -> tuple[str, str]:
     raise ConfigError(f"tensor parallel: layer {i} has no MLP this split knows")
 
 
-def stage_params(params: Any, rank: int, size: int) -> Any:
+def stage_params(params: Any, rank: int, size: int, group: Any = None) -> Any:
     """Rank `rank` of `size`'s pipeline stage of a model of any family that can cut its
     layers (`Family.layer_range`): its layers (split as evenly as possible, earlier stages
     taking the remainder), the embedding table on the first stage, the head on the last (a
-    tied head keeps the table; the final norm, one vector, stays on every stage)."""
+    tied head keeps the table; the final norm, one vector, stays on every stage). group:
+    the mx.distributed group of the `size` stages (None: the world group); params already
+    split over ranks (`shard_params`) make each stage's split of its layers."""
     if size == 1:
         return params
     from fx_engine.core.models import family_of
@@ -335,7 +368,7 @@ def stage_params(params: Any, rank: int, size: int) -> Any:
     head = getattr(params, "lm_head", None)
     nothing = Linear(weight=mx.zeros((1, 1), mx.float32))
     changes: dict[str, Any] = {"embed": params.embed if first or (last and head is None) else nothing,
-                               "pipeline": (rank, size, l0, cfg.num_layers)}
+                               "pipeline": (rank, size, l0, cfg.num_layers, group)}
     if "lm_head" in attrs.fields_dict(type(params)):  # (a family without one ties its head)
         changes["lm_head"] = head if last else None
     return attrs.evolve(stage, **changes)

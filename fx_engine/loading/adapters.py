@@ -327,7 +327,7 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
             adapted = w + (b.T @ a.T)
             sq = mx.sum(adapted * adapted, axis=1)
             if lin.tp and lin.tp[0] == "sum":  # the row norms span every rank's input slice
-                sq, sq_w = mx.distributed.all_sum(sq), mx.distributed.all_sum(sq_w)
+                sq, sq_w = (mx.distributed.all_sum(v, group=lin.group) for v in (sq, sq_w))
             m = fac.m.astype(mx.float32)[m0 : m0 + rows] if fac.m is not None else mx.sqrt(sq_w)
             mag = m / mx.sqrt(sq)
         out.setdefault(i, []).append(Segment(start=start, a=a, b=b, mag=mag))

@@ -55,7 +55,7 @@ class Model:
     @property
     def ranks(self) -> int:
         """The processes that run this model together (every one runs the same steps)."""
-        return max(self.tensor_parallel, self.pipeline_parallel)
+        return self.tensor_parallel * self.pipeline_parallel
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -181,8 +181,10 @@ def load(
     MLP features and vocabulary rows, and every rank must then run the same requests in the
     same order (`fx-engine generate --tensor-parallel N` does). Families with a
     `tensor_split` (core/parallel.py; docs/distributed.md lists them).
-    pipeline_parallel: N splits the layers over the N processes instead (each rank one
-    stage; not combined with tensor_parallel).
+    pipeline_parallel: N splits the layers over N processes (each rank one stage). Both:
+    T x P processes, P stages of T ranks each (rank r: stage r // T, tensor rank r % T);
+    this needs subgroups, which MLX's MPI backend has and its ring backend does not
+    (launch with `mpirun -np T*P` or `mlx.launch --backend mpi`).
     """
     from fx_engine.loading.tokenizer import Tokenizer
     from fx_engine.runtime import setup
@@ -227,8 +229,6 @@ def load(
                              "and activation_bits=None")
     numerics = Numerics(batch_invariant=batch_invariant, native=bool(native),
                         activation_bits=activation_bits)
-    if tensor_parallel is not None and pipeline_parallel is not None:
-        raise ValueError("give tensor_parallel or pipeline_parallel, not both")
     sharded = tensor_parallel is not None or pipeline_parallel is not None
     spill = None
     if p.is_file():
@@ -265,8 +265,7 @@ def load(
         # rank's part (peak memory ~ the shard + one tensor); a GGUF's converted tensors
         # were spilled to safetensors for the same reason
         try:
-            params, fingerprint = _shard(params, fingerprint, tensor_parallel or pipeline_parallel,
-                                         "tensor" if tensor_parallel is not None else "pipeline")
+            params, fingerprint = _shard(params, fingerprint, tensor_parallel, pipeline_parallel)
             cfg = params.config
             for leaf in tree_leaves(params):
                 mx.eval(leaf)
@@ -331,20 +330,27 @@ def spill_dir(mounts: str | None = None) -> str | None:
     return str(folder)
 
 
-def _shard(params: Any, fingerprint: str, size: Any, kind: str) -> tuple[Any, str]:
-    """This process's tensor-parallel shard or pipeline stage (and a fingerprint naming
+def _shard(params: Any, fingerprint: str, tensor: Any, pipeline: Any) -> tuple[Any, str]:
+    """This process's tensor-parallel shard and/or pipeline stage (and a fingerprint naming
     it: a disk prefix cache holds one rank's KV heads or layers)."""
     from fx_engine.core.parallel import shard_params, stage_params
 
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"{kind}_parallel must be a positive integer, got {size!r}")
-    if size == 1:
+    for size, kind in ((tensor, "tensor"), (pipeline, "pipeline")):
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"{kind}_parallel must be a positive integer, got {size!r}")
+    tensor, pipeline = tensor or 1, pipeline or 1
+    if tensor * pipeline == 1:
         return params, fingerprint
-    from fx_engine.runtime.distributed import world
+    from fx_engine.runtime.distributed import mesh
 
-    group = world(size, kind)  # checks the group's size; starts the lost-rank watchdog
-    params = (shard_params if kind == "tensor" else stage_params)(params, group.rank(), size)
-    return params, f"{fingerprint}-{kind[0]}p{group.rank()}of{size}"
+    m = mesh(tensor, pipeline)  # checks the group's size; starts the lost-rank watchdog
+    if tensor > 1:  # (first: a stage keeps the embedding or head only where it needs them)
+        params = shard_params(params, m.tensor_rank, tensor, m.tensor_group)
+        fingerprint += f"-tp{m.tensor_rank}of{tensor}"
+    if pipeline > 1:
+        params = stage_params(params, m.stage, pipeline, m.pipeline_group)
+        fingerprint += f"-pp{m.stage}of{pipeline}"
+    return params, fingerprint
 
 
 def load_adapter(model: Model, path: str | Path, name: str | None = None) -> str:

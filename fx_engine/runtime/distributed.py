@@ -1,5 +1,6 @@
-"""Multi-process runs on `mx.distributed` (tensor parallelism): the world group, and a
-watchdog that turns a lost rank into an error instead of a hang.
+"""Multi-process runs on `mx.distributed` (tensor and pipeline parallelism): the world
+group (or its tensor x pipeline mesh of subgroups), and a watchdog that turns a lost rank
+into an error instead of a hang.
 
 Why a watchdog: when a rank dies, MLX's ring backend logs "Too many send/recv errors.
 Failing pending tasks..." on the others, but the evaluation waiting on the collective
@@ -15,12 +16,13 @@ rank is exit code 70 on every survivor, whichever way it shows.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 EXIT_CODE = 70  # EX_SOFTWARE
 
@@ -43,6 +45,99 @@ def peer_lost(e: BaseException) -> bool:
     return "[ring]" in text and ("lost" in text or "closed" in text)
 
 
+class Mesh(NamedTuple):
+    """This process's place in a tensor x pipeline run: `pipeline` stages of `tensor` ranks
+    each, world rank r at stage r // tensor, tensor rank r % tensor (a stage's ranks are
+    neighbours: on several hosts, put them on one host, where the all_sums are). The groups
+    are None where one kind alone uses the world group."""
+    world: Any
+    tensor_rank: int
+    stage: int
+    tensor_group: Any  # the ranks of this stage (subgroup), or None
+    pipeline_group: Any  # this tensor rank of every stage (subgroup), or None
+
+
+_split_groups: list[bool] = []
+
+
+def mesh(tensor: int, pipeline: int) -> Mesh:
+    """The world group laid out as `pipeline` stages of `tensor` ranks (checked to have
+    tensor x pipeline processes; starts the watchdog). Both > 1 needs subgroups
+    (`group.split`): MLX's MPI backend has them, its ring backend does not (ValueError)."""
+    import mlx.core as mx
+
+    size = tensor * pipeline
+    if pipeline == 1 or tensor == 1:
+        group = world(size, "tensor" if pipeline == 1 else "pipeline")
+        r = group.rank()
+        return Mesh(group, r % tensor, r // tensor, None, None)
+    group = mx.distributed.init()
+    if group.size() != size:
+        raise ValueError(f"tensor_parallel={tensor} x pipeline_parallel={pipeline} needs {size} processes "
+                         f"in mx.distributed's group (start them with `mpirun -np {size} ...`); this one "
+                         f"sees {group.size()}")
+    r = group.rank()
+    stage, t = r // tensor, r % tensor
+    try:  # (collective: every rank makes both splits, in this order)
+        tensor_group = group.split(stage, t)
+        pipeline_group = group.split(t, stage)
+    except RuntimeError as e:
+        raise ValueError(f"tensor_parallel with pipeline_parallel needs mx.distributed subgroups, which "
+                         f"this backend does not have ({e}); MLX's MPI backend does: launch with "
+                         f"`mpirun -np {size} ...` or `mlx.launch --backend mpi -n {size} ...`") from None
+    _start(r)
+    with _lock:
+        if not _split_groups:
+            _split_groups.append(True)
+            atexit.register(_finish_at_exit)
+            sys.excepthook = _note_failure(sys.excepthook)
+    return Mesh(group, t, stage, tensor_group, pipeline_group)
+
+
+_failed: list[bool] = []
+
+
+def _finish_at_exit() -> None:
+    finish(1 if _failed else 0)
+
+
+def _note_failure(hook: Any) -> Any:
+    def seen(*args: Any) -> Any:
+        _failed.append(True)
+        return hook(*args)
+
+    return seen
+
+
+def finish(code: int = 0) -> int:
+    """End this process with `code` where MPI subgroups are alive (`mesh`): MLX frees them
+    after MPI has finalized at exit, which Open MPI aborts on ("MPI_Comm_free() called after
+    MPI_FINALIZE"; mlx 0.32.4); so MPI is finalized here, then the process ends at once.
+    Elsewhere a no-op returning `code`. Programs running a tensor x pipeline model end with
+    `sys.exit(finish(code))` (the command line does; without it an exit handler does the
+    same, with status 1 after an uncaught exception, else 0)."""
+    if not _split_groups:
+        return code
+    import ctypes
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    lib = _libmpi()
+    if lib is not None:
+        ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL).MPI_Finalize()
+    os._exit(code)
+
+
+def _libmpi() -> str | None:
+    """The path of the MPI library MLX loaded into this process (None: not found)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/libmpi.so" in line}
+    except OSError:
+        return None
+    return min(paths) if paths else None
+
+
 def world(size: int, kind: str = "tensor") -> Any:
     """mx.distributed's world group, checked to have `size` processes; starts the watchdog."""
     import mlx.core as mx
@@ -62,6 +157,9 @@ def ranks_on_this_host() -> int:
     address."""
     import json
 
+    local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")  # Open MPI's mpirun says it
+    if local and local.isdigit():
+        return max(1, int(local))
     path, rank = os.environ.get("MLX_HOSTFILE"), os.environ.get("MLX_RANK")
     if not path or rank is None:
         return 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -15,7 +16,8 @@ from typing import Sequence
 
 import attrs
 
-__all__ = ["RankResult", "launch_local", "start_local", "wait_local"]
+__all__ = ["RankResult", "launch_local", "launch_mpi", "mpi_rank_pid", "mpirun", "start_local", "start_mpi",
+           "wait_local", "wait_mpi"]
 
 
 @attrs.frozen
@@ -80,3 +82,71 @@ def wait_local(procs: list[subprocess.Popen], timeout: float = 300.0,
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def mpirun() -> str | None:
+    """Open MPI's `mpirun` (None: not installed). MPI is the MLX backend with subgroups,
+    which tensor x pipeline runs need (the ring backend has none)."""
+    return shutil.which("mpirun")
+
+
+def start_mpi(n: int, argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `argv` as n ranks of an MPI group on this machine (`mpirun -np n`, in a session
+    of its own; MLX picks its MPI backend there); mpirun merges the ranks' output (piped)."""
+    exe = mpirun()
+    if exe is None:
+        raise FileNotFoundError("mpirun not found: install Open MPI (Debian: openmpi-bin libopenmpi-dev)")
+    cmd = [exe, "--oversubscribe", "-np", str(n)]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    return subprocess.Popen(cmd + list(argv), env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+
+
+def wait_mpi(p: subprocess.Popen, timeout: float = 300.0, t0: float | None = None) -> RankResult:
+    """Wait for a `start_mpi` group (at most `timeout` seconds, then kill it all): one
+    RankResult (rank -1) for the whole group, its returncode None at the timeout. mpirun
+    fails when any rank does."""
+    t0 = time.monotonic() if t0 is None else t0
+    try:
+        so, se = p.communicate(timeout=timeout)
+        return RankResult(-1, p.returncode, so, se, time.monotonic() - t0)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)  # (mpirun and the ranks it started)
+        so, se = p.communicate()
+        return RankResult(-1, None, so, se, time.monotonic() - t0)
+
+
+def mpi_rank_pid(p: subprocess.Popen, rank: int, timeout: float = 60.0) -> int:
+    """The process id of rank `rank` of a `start_mpi` group (Open MPI sets
+    OMPI_COMM_WORLD_RANK in each rank's environment), to signal one rank alone."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        parents = {}
+        for d in os.listdir("/proc"):
+            try:  # (the command may hold spaces and parentheses: the fields after the last ")")
+                parents[int(d)] = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+        for pid in parents:
+            up, seen = parents.get(pid), 0
+            while up not in (None, 0, 1, p.pid) and seen < 64:
+                up, seen = parents.get(up), seen + 1
+            if up != p.pid:
+                continue  # (not started by this mpirun)
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
+                return pid
+        time.sleep(0.2)
+    raise TimeoutError(f"rank {rank} of the MPI group did not start in {timeout:.0f} s")
+
+
+def launch_mpi(n: int, argv: Sequence[str], timeout: float = 300.0,
+               env: dict[str, str] | None = None) -> RankResult:
+    """Run `argv` as n ranks of an MPI group on this machine and wait (`start_mpi`,
+    `wait_mpi`)."""
+    t0 = time.monotonic()
+    return wait_mpi(start_mpi(n, argv, env), timeout, t0)

@@ -30,7 +30,7 @@ class DecoderParams:
     config: Any = static_field()
     numerics: Any = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")
-    # (rank, ranks, first layer, all layers) on a pipeline stage (core/parallel.stage_params)
+    # (rank, ranks, first layer, all layers, group) on a pipeline stage (core/parallel.stage_params)
     pipeline: tuple = static_field(default=())
 
 
@@ -59,7 +59,13 @@ def head_logits(p: DecoderParams, h: Any) -> Any:
 # ---------------------------------------------------------------- pipeline stages
 # A family whose forward runs pipeline stages (core/parallel.stage_params) calls these at
 # its start, after its layers and in its head; `params.pipeline` is (rank, ranks, first
-# layer, all layers) on a stage, () otherwise.
+# layer, all layers, group) on a stage, () otherwise: the stages' mx.distributed group
+# (None: the world group; a subgroup when each stage's layers are also split over ranks,
+# whose ranks pass activations to the same tensor rank of the next stage).
+
+
+def _pipe_group(pipe: tuple) -> Any:
+    return pipe[4] if len(pipe) > 4 else None
 
 
 def stage_input(p: Any, rows: int, embedded: Callable[[], mx.array]) -> mx.array:
@@ -67,7 +73,8 @@ def stage_input(p: Any, rows: int, embedded: Callable[[], mx.array]) -> mx.array
     a later pipeline stage the [rows, hidden] stream the previous stage sent."""
     pipe = getattr(p, "pipeline", ())
     if pipe and pipe[0] > 0:
-        return mx.distributed.recv((rows, p.config.hidden_size), getattr(mx, p.dtype), pipe[0] - 1)
+        return mx.distributed.recv((rows, p.config.hidden_size), getattr(mx, p.dtype), pipe[0] - 1,
+                                   group=_pipe_group(pipe))
     return embedded()
 
 
@@ -76,7 +83,7 @@ def stage_output(p: Any, h: mx.array) -> mx.array | None:
     performs the send); None on the last stage (or without a pipeline)."""
     pipe = getattr(p, "pipeline", ())
     if pipe and pipe[0] < pipe[1] - 1:
-        return mx.distributed.send(h, pipe[0] + 1)
+        return mx.distributed.send(h, pipe[0] + 1, group=_pipe_group(pipe))
     return None
 
 
@@ -89,8 +96,8 @@ def stage_logits(p: Any, h: mx.array, logits: Callable[[], mx.array]) -> mx.arra
         return logits()
     if pipe[0] < pipe[1] - 1:
         zeros = mx.depends(mx.zeros((*h.shape[:-1], p.config.vocab_size), mx.float32), h)
-        return mx.distributed.all_sum(zeros)
-    return mx.distributed.all_sum(logits())
+        return mx.distributed.all_sum(zeros, group=_pipe_group(pipe))
+    return mx.distributed.all_sum(logits(), group=_pipe_group(pipe))
 
 
 @attrs.frozen

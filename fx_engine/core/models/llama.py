@@ -334,9 +334,10 @@ def self_attention(
     widths = getattr(cfg, "qk_norm_width", ())  # (over every head, but this rank holds some heads)
     whole = lp.q_norm is not None and (lp.q_norm.shape[-1] != d or bool(widths))
     if whole:  # norms over whole projections
-        qkv = mx.concatenate([rms_norm(qkv[:, : hq * d], lp.q_norm, eps, num, widths[0] if widths else None),
+        qkv = mx.concatenate([rms_norm(qkv[:, : hq * d], lp.q_norm, eps, num, widths[0] if widths else None,
+                                       lp.o.group),
                               rms_norm(qkv[:, hq * d : (hq + hk) * d], lp.k_norm, eps, num,
-                                       widths[1] if widths else None),
+                                       widths[1] if widths else None, lp.o.group),
                               qkv[:, (hq + hk) * d :]], axis=-1)
     qkv = qkv.reshape(b, t, hq + 2 * hk, d)
     if lp.q_norm is not None and not whole:  # qwen3: per-head, before RoPE

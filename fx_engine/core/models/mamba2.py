@@ -171,7 +171,8 @@ def mixer(mp: MixerParams, dims: MixerDims, x: mx.array, entry: Any, spec: Layer
         y = rms_norm(y.reshape(b, t, dims.norm_groups, i // dims.norm_groups), None, dims.norm_eps)
         y = y.reshape(b, t, i) * mp.norm
     else:
-        y = rms_norm(y, mp.norm, dims.norm_eps, width=dims.norm_width or None)
+        y = rms_norm(y, mp.norm, dims.norm_eps, width=dims.norm_width or None,
+                     group=mp.out_proj.group)
     if dims.norm_mode == "norm_gate":
         y = y * gate
     out = linear(y.reshape(b * t, i), mp.out_proj, num)
