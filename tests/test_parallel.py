@@ -243,6 +243,33 @@ def test_server_tensor_by_pipeline_with_the_openai_client():
     assert end.returncode == 0, end.stderr[-3000:]
 
 
+SCRIPT = """
+import sys, fx_engine
+m = fx_engine.load(sys.argv[1], tensor_parallel=2, pipeline_parallel=2)
+print(fx_engine.generate(m, "hello world", max_tokens=4, temperature=0.0).text == sys.argv[2], flush=True)
+if sys.argv[3] == "raise":
+    raise RuntimeError("the script failed")
+"""
+
+
+@needs_mpi
+@pytest.mark.parametrize("end", ["return", "raise"])
+def test_a_script_without_finish_ends_cleanly(tmp_path, end):
+    """A Python script that never calls finish(): the exit handler finalizes MPI before MLX
+    frees the subgroups, so the group ends with status 0 (1 after an uncaught exception),
+    not an Open MPI abort."""
+    path = _tiny(tmp_path, "qwen3")
+    want = fx_engine.generate(fx_engine.load(path), "hello world", max_tokens=4, temperature=0.0).text
+    got = launch_mpi(4, [sys.executable, "-c", SCRIPT, str(path), want, end], timeout=240)
+    assert "MPI_FINALIZE" not in got.stderr
+    if end == "return":
+        assert got.returncode == 0, got.stderr[-3000:]
+        assert got.stdout.count("True") == 4 and "False" not in got.stdout  # (lines may interleave)
+    else:  # (mpirun stops the job at the first failed rank: the others' output may be cut)
+        assert "True" in got.stdout and "False" not in got.stdout
+        assert got.returncode not in (0, None) and "the script failed" in got.stderr
+
+
 @needs_mpi
 def test_a_lost_rank_under_mpi_ends_the_run(tmp_path):
     got = launch_mpi(4, RUN + ["--tp", "2", "--pp", "2", "--model", str(_tiny(tmp_path, "qwen3")), "--tokens",
@@ -450,7 +477,9 @@ def test_prefix_disk_tier_on_two_ranks(tmp_path, split, model):
     cold = alone(args)
     two = tp(args + ["--prefix-dir", str(tmp_path / "kv")], split=split)
     assert two["lockstep"] == cold["lockstep"]
-    assert two["cached"][0] == [0, 0] and min(two["cached"][1]) >= 32, two["cached"]
+    # (the first pass's first request finds nothing; its second may find the first's
+    # prefix in memory, if admitted after the first's prefill: timing, rank 0's decision)
+    assert two["cached"][0][0] == 0 and min(two["cached"][1]) >= 32, two["cached"]
     assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == ["rank0of2", "rank1of2"]
     assert all(any(p.glob("*.safetensors")) for p in (tmp_path / "kv").iterdir())
 

@@ -1,7 +1,7 @@
 """Tensor parallelism: one rank's shard of a model's params (pure).
 
-Megatron's split, on an `mx.distributed` group (the world's, or a subgroup): each rank holds a contiguous group of
-KV heads with their query heads (q|k|v rows; the same columns of o_proj, whose partial
+Megatron's split, on an `mx.distributed` group (the world's, or a subgroup): each rank
+holds a contiguous group of KV heads with their query heads (q|k|v rows; the same columns of o_proj, whose partial
 products are summed over the ranks: `Linear.tp = ("sum",)`), a contiguous slice of the MLP's
 intermediate features (gate|up rows, the same columns of down_proj, summed), and a slice of
 the vocabulary (rows of the embedding table and of the output head: lookups summed, logits

@@ -94,16 +94,20 @@ def mesh(tensor: int, pipeline: int) -> Mesh:
     return Mesh(group, t, stage, tensor_group, pipeline_group)
 
 
-_failed: list[bool] = []
+_exit_state = {"failed": False, "in_handlers": False}
 
 
 def _finish_at_exit() -> None:
-    finish(1 if _failed else 0)
+    import logging
+
+    _exit_state["in_handlers"] = True
+    logging.shutdown()  # (registered before this handler, so it would not run after it)
+    finish(1 if _exit_state["failed"] else 0)
 
 
 def _note_failure(hook: Any) -> Any:
     def seen(*args: Any) -> Any:
-        _failed.append(True)
+        _exit_state["failed"] = True
         return hook(*args)
 
     return seen
@@ -120,11 +124,18 @@ def finish(code: int = 0) -> int:
         return code
     import ctypes
 
+    if not _exit_state["in_handlers"]:  # called by the program: the exit handlers first
+        atexit.unregister(_finish_at_exit)
+        atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     lib = _libmpi()
     if lib is not None:
-        ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL).MPI_Finalize()
+        mpi = ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+        done = ctypes.c_int(0)
+        mpi.MPI_Finalized(ctypes.byref(done))  # (an exit handler may have finalized it)
+        if not done.value:
+            mpi.MPI_Finalize()
     os._exit(code)
 
 

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 from typing import Sequence
 
 import attrs
@@ -125,7 +126,7 @@ def mpi_rank_pid(p: subprocess.Popen, rank: int, timeout: float = 60.0) -> int:
         parents = {}
         for d in os.listdir("/proc"):
             try:  # (the command may hold spaces and parentheses: the fields after the last ")")
-                parents[int(d)] = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+                parents[int(d)] = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
                 continue
         for pid in parents:
@@ -135,7 +136,7 @@ def mpi_rank_pid(p: subprocess.Popen, rank: int, timeout: float = 60.0) -> int:
             if up != p.pid:
                 continue  # (not started by this mpirun)
             try:
-                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
             if f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
