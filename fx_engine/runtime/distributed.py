@@ -50,7 +50,6 @@ class Mesh(NamedTuple):
     each, world rank r at stage r // tensor, tensor rank r % tensor (a stage's ranks are
     neighbours: on several hosts, put them on one host, where the all_sums are). The groups
     are None where one kind alone uses the world group."""
-    world: Any
     tensor_rank: int
     stage: int
     tensor_group: Any  # the ranks of this stage (subgroup), or None
@@ -70,7 +69,7 @@ def mesh(tensor: int, pipeline: int) -> Mesh:
     if pipeline == 1 or tensor == 1:
         group = world(size, "tensor" if pipeline == 1 else "pipeline")
         r = group.rank()
-        return Mesh(group, r % tensor, r // tensor, None, None)
+        return Mesh(r % tensor, r // tensor, None, None)
     group = mx.distributed.init()
     if group.size() != size:
         raise ValueError(f"tensor_parallel={tensor} x pipeline_parallel={pipeline} needs {size} processes "
@@ -91,7 +90,7 @@ def mesh(tensor: int, pipeline: int) -> Mesh:
             _split_groups.append(True)
             atexit.register(_finish_at_exit)
             sys.excepthook = _note_failure(sys.excepthook)
-    return Mesh(group, t, stage, tensor_group, pipeline_group)
+    return Mesh(t, stage, tensor_group, pipeline_group)
 
 
 _exit_state = {"failed": False, "in_handlers": False}
