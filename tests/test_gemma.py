@@ -353,11 +353,10 @@ def test_gemma4_self_draft_is_the_truncated_checkpoint(tmp_path, quantize):
     """A Gemma 4 draft of its first 5 of 6 layers (`Family.layer_range`: one of its two
     KV-shared layers kept; the per-layer input table's first 5 layers' columns and the
     projection's rows) computes what the same checkpoint cut to 5 layers does when loaded
-    (the oracle: the cut tensors written as a checkpoint of its own); a later range of
-    layers is refused (the per-layer inputs come from the token embeddings)."""
+    (the oracle: the cut tensors written as a checkpoint of its own). (Later ranges of
+    layers, pipeline stages: tests/test_parallel.py.)"""
     import json
 
-    from fx_engine.core.parallel import stage_params
     from fx_engine.engine.drafters import self_draft_model
 
     # (quantized: 32 inputs per layer, one group of the per-layer table per layer)
@@ -389,5 +388,3 @@ def test_gemma4_self_draft_is_the_truncated_checkpoint(tmp_path, quantize):
     ids = model.tokenizer.encode(LONG_TEXT)[:40]
     want = fx_engine.logits(fx_engine.load(cut), ids)
     assert mx.abs(fx_engine.logits(draft, ids) - want).max().item() <= 1e-4 * mx.abs(want).max().item()
-    with pytest.raises(ConfigError, match="per-layer inputs are made from the token embeddings"):
-        stage_params(model.params, 0, 2)

@@ -56,9 +56,11 @@ def test_default_model_two_ranks_equal_one_process(split):
 FAMILY_CASES = [(k, s) for k in ("llama-q4", "qwen3", "qwen2-untied", "phi3", "starcoder2", "exaone4")
                 for s in ("tp", "pp")] + [("qwen3_moe", "tp"), ("qwen3_moe", "pp"), ("qwen2_moe", "tp"),
                                           ("mixtral", "tp"), ("olmo2", "pp"), ("gemma3_text", "tp"),
-                                          ("gemma2", "tp"), ("gemma3_text", "pp"), ("gemma2", "pp")]
+                                          ("gemma2", "tp"), ("gemma4_text", "pp"), ("gemma2", "pp")]
 # every family splits by layers (Family.layer_range): the recurrent ones carry their states
-# per stage, Gemma 4 without per-layer inputs (the MoE variant)
+# per stage; Gemma 4 hands the embeddings (its per-layer inputs' source) and the K/V of a
+# KV-shared layer's source on an earlier stage with the stream (6 layers: stage 1's shared
+# layers attend over its own layer 3 and stage 0's layer 2)
 OWN_CONFIG = ["cohere2", "deepseek_v3", "gpt_oss", "lfm2", "mamba2", "nemotron_h", "qwen3_next",
               "qwen3_5_moe_text", "granitemoehybrid", "falcon_h1", "gemma4_text-moe"]
 FAMILY_CASES += [(k, "pp") for k in OWN_CONFIG]
@@ -112,6 +114,20 @@ def test_tiny_families_two_ranks_equal_one_process(tmp_path, kind, split):
     assert diff < 2e-3, diff
 
 
+def test_gemma4_over_four_stages(tmp_path):
+    """6 layers on 4 stages (2 + 2 + 1 + 1): stage 1 computes both KV-shared layers' sources
+    (its layers 2 and 3), stage 2 keeps a copy of the sliding one's cache and hands the
+    global one's K/V through to stage 3. The per-layer input table quantized (one group
+    per layer's columns), each stage holding its layers' columns. As one process."""
+    path = write_tiny_model(tmp_path / "g", "gemma4_text", quantize={"group_size": 32, "bits": 8},
+                            hidden_size_per_layer_input=32)
+    args = ["--model", str(path), "--tokens", "10", "--logits", "--engine", "2", "--prompt", "hello world",
+            "--ignore-eos"]
+    one, four = alone(args), tp(args, n=4, split="pp")
+    assert four["layers"] == 2 and four["tokens"] == one["tokens"] and four["engine"] == one["engine"]
+    assert mx.abs(mx.array(four["logits"]) - mx.array(one["logits"])).max().item() < 2e-3
+
+
 def test_four_ranks_share_a_mamba_group(tmp_path):
     """4 ranks over a Mamba-2 of 8 heads in 2 B/C groups: each rank's 2 heads lie in one
     group, which two ranks replicate; its norm over every rank's channels. As one process."""
@@ -150,11 +166,12 @@ def test_default_model_tensor_by_pipeline_equals_one_process():
 
 
 @needs_mpi
-@pytest.mark.parametrize("kind", ["qwen3_moe", "olmo2", "mamba2-g1", "gemma3_text", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmo2", "mamba2-g1", "gemma4_text", "deepseek_v3"])
 def test_tiny_families_tensor_by_pipeline_equal_one_process(tmp_path, kind):
     """Experts split per stage (qwen3_moe), norms whose mean square spans the stage's ranks
     (OLMo's q/k norms, a one-group Mamba-2's gated norm: the all_sum on the stage's group),
-    Gemma's own split, DeepSeek's latent attention."""
+    Gemma 4's own split with its handed-on K/V (each tensor rank's KV heads to the same
+    tensor rank of the next stage) and per-layer inputs, DeepSeek's latent attention."""
     path = _tiny(tmp_path, kind)
     args = ["--model", str(path), "--tokens", "10", "--logits", "--engine", "2", "--prompt", "hello world",
             "--ignore-eos"]
@@ -352,15 +369,6 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
         fx_engine.load(tensor_parallel=2)  # one process alone
     with pytest.raises(ValueError, match="needs 4 processes"):
         fx_engine.load(tensor_parallel=2, pipeline_parallel=2)
-    from fx_engine.core.parallel import stage_params
-
-    gemma4 = fx_engine.load(write_tiny_model(tmp_path / "g", "gemma4_text"))
-    with pytest.raises(ConfigError, match="pipeline parallel: Gemma 4's per-layer inputs"):
-        stage_params(gemma4.params, 0, 2)
-    # KV-shared layers (2 of 4) attend over layers 0-1's caches: not on a stage of their own
-    shared = fx_engine.load(write_tiny_model(tmp_path / "g2", "gemma4_text", hidden_size_per_layer_input=0))
-    with pytest.raises(ConfigError, match="KV-shared layers"):  # (stage 1's cut, refused on stage 0 too)
-        stage_params(shared.params, 0, 2)
     mamba = fx_engine.load(write_tiny_model(tmp_path / "m", "mamba2"))  # 8 heads in 2 B/C groups
     with pytest.raises(ConfigError, match="heads 3..5 span 2 of its B/C groups"):  # 3 + 3 + 2 heads
         shard_params(mamba.params, 0, 3)  # (rank 1's heads; every rank refuses alike)

@@ -68,12 +68,25 @@ def _pipe_group(pipe: tuple) -> Any:
     return pipe[4] if len(pipe) > 4 else None
 
 
-def stage_input(p: Any, rows: int, embedded: Callable[[], mx.array]) -> mx.array:
+def later_stage(p: Any) -> bool:
+    """Whether p is a pipeline stage after the first (its stream comes from the previous)."""
+    pipe = getattr(p, "pipeline", ())
+    return bool(pipe) and pipe[0] > 0
+
+
+def hands_on(p: Any) -> bool:
+    """Whether p is a pipeline stage before the last (it hands its stream to the next)."""
+    pipe = getattr(p, "pipeline", ())
+    return bool(pipe) and pipe[0] < pipe[1] - 1
+
+
+def stage_input(p: Any, rows: int, embedded: Callable[[], mx.array], width: int | None = None) -> mx.array:
     """The residual stream a step starts from: `embedded()` (the tokens' embeddings), or on
-    a later pipeline stage the [rows, hidden] stream the previous stage sent."""
+    a later pipeline stage the [rows, width] stream the previous stage sent (width: hidden,
+    or more where a family hands on more than the residual stream with it)."""
     pipe = getattr(p, "pipeline", ())
     if pipe and pipe[0] > 0:
-        return mx.distributed.recv((rows, p.config.hidden_size), getattr(mx, p.dtype), pipe[0] - 1,
+        return mx.distributed.recv((rows, width or p.config.hidden_size), getattr(mx, p.dtype), pipe[0] - 1,
                                    group=_pipe_group(pipe))
     return embedded()
 

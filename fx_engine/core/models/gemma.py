@@ -20,6 +20,7 @@ the window, and so does fx-engine: the two agree while a sequence fits in the wi
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -30,7 +31,7 @@ from jaxtyping import Float, Int
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, fuse_experts, read_expert_stack, read_linear, renamed)
 from fx_engine.core.config import BaseConfig, ConfigError, positive_int, refuse, required, token_ids
-from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
+from fx_engine.core.models.family import (Family, cut_layers, hands_on, later_stage, stage_input, stage_logits, stage_output)
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, capped, embed, gelu_tanh, linear, rms_norm, rope_tables, routed_mixture)
 from fx_engine.core.parallel import split, split_cols, split_experts, split_head, split_mlp, split_rows, split_vocab
 from fx_engine.core.tree import static_field
@@ -86,6 +87,13 @@ class GemmaConfig(BaseConfig):
     num_experts: int = 0  # > 0: each layer adds a routed mixture of experts (Gemma 4 MoE)
     top_k_experts: int = 0
     moe_intermediate_size: int = 0
+    # A pipeline stage of a model with KV-shared layers (`layer_range`): the layer kinds
+    # whose source layer (an earlier stage's) hands its new K/V on to this stage each step,
+    # in the stream's order, and what this stage hands on: (kind, the layer here that
+    # computes it, or -1: handed through). Shared layers here of a kind handed in attend
+    # over a copy of the source's cache entry, kept after this stage's own entries.
+    stage_kv_in: tuple[str, ...] = ()
+    stage_kv_out: tuple[tuple[str, int], ...] = ()
 
     @property
     def is_gemma4(self) -> bool:
@@ -98,25 +106,49 @@ class GemmaConfig(BaseConfig):
     def first_shared_layer(self) -> int:
         return self.num_layers - self.num_kv_shared_layers
 
-    def layer_head_dim(self, i: int) -> int:
-        if not self.is_sliding(i) and self.global_head_dim:
+    def kind_head_dim(self, kind: str) -> int:
+        if kind != "sliding_attention" and self.global_head_dim:
             return self.global_head_dim
         return self.head_dim
 
-    def layer_kv_heads(self, i: int) -> int:
-        if not self.is_sliding(i) and self.attention_k_eq_v and self.num_global_kv_heads:
+    def kind_kv_heads(self, kind: str) -> int:
+        if kind != "sliding_attention" and self.attention_k_eq_v and self.num_global_kv_heads:
             return self.num_global_kv_heads
         return self.num_kv_heads
+
+    def layer_head_dim(self, i: int) -> int:
+        return self.kind_head_dim(self.layer_types[i])
+
+    def layer_kv_heads(self, i: int) -> int:
+        return self.kind_kv_heads(self.layer_types[i])
 
     def k_eq_v(self, i: int) -> bool:
         return self.attention_k_eq_v and not self.is_sliding(i)
 
+    @property
+    def borrowed_kv(self) -> tuple[str, ...]:
+        """The kinds handed in that this stage's shared layers attend over (their cache
+        entries follow the stage's own)."""
+        shared = set(self.layer_types[self.first_shared_layer:])
+        return tuple(kind for kind in self.stage_kv_in if kind in shared)
+
+    def computes_kv(self, i: int) -> bool:
+        """Whether layer i computes (and stores) its own K/V: not a KV-shared layer."""
+        return i < self.first_shared_layer
+
     def kv_source(self, i: int) -> int:
-        """The layer whose cache entry layer i attends over (itself unless KV-shared)."""
-        m = self.first_shared_layer
-        if i < m or self.num_kv_shared_layers == 0:
+        """The cache entry layer i attends over: its own (entry i) unless KV-shared, then the
+        last earlier non-shared layer's of its kind, or the copy of an earlier stage's."""
+        m, kind = self.first_shared_layer, self.layer_types[i]
+        if self.computes_kv(i):
             return i
-        return max(j for j in range(m) if self.layer_types[j] == self.layer_types[i])
+        if kind in self.borrowed_kv:
+            return m + self.borrowed_kv.index(kind)
+        return max(j for j in range(m) if self.layer_types[j] == kind)
+
+    def handed_kv_width(self, kind: str) -> int:
+        """Features per row of one kind's new K and V in a stage's stream."""
+        return 2 * self.kind_kv_heads(kind) * self.kind_head_dim(kind)
 
     def layer_intermediate(self, i: int) -> int:
         shared = i >= self.first_shared_layer > 0
@@ -341,12 +373,14 @@ class GemmaParams:
 
 
 def cache_specs(cfg: GemmaConfig) -> tuple[LayerSpec, ...]:
-    """One entry per layer that computes K/V (KV-shared layers have none): sliding layers
-    get a window (a ring once `finish_layout` adds the headroom), global layers none."""
+    """One entry per layer that computes K/V (KV-shared layers have none), then (a pipeline
+    stage) one per kind of an earlier stage's K/V its shared layers attend over: sliding
+    layers get a window (a ring once `finish_layout` adds the headroom), global layers none."""
+    kinds = [cfg.layer_types[i] for i in range(cfg.first_shared_layer)] + list(cfg.borrowed_kv)
     return tuple(
-        LayerSpec(cfg.layer_kv_heads(i), cfg.layer_head_dim(i),
-                  window=cfg.sliding_window if cfg.is_sliding(i) else None)
-        for i in range(cfg.first_shared_layer)
+        LayerSpec(cfg.kind_kv_heads(kind), cfg.kind_head_dim(kind),
+                  window=cfg.sliding_window if kind == "sliding_attention" else None)
+        for kind in kinds
     )
 
 
@@ -408,7 +442,18 @@ def forward(
     clip = cfg.model_type == "gemma3_text"  # mlx-lm's clip_residual
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
     flat = tokens.reshape(-1)
-    h = stage_input(p, b * t, lambda: embed(flat, p.embed).astype(dt) * mx.array(cfg.embed_scale, dt))
+    hid, pli_on = cfg.hidden_size, p.embed_per_layer is not None
+    kv_widths = [cfg.handed_kv_width(kind) for kind in cfg.stage_kv_in]
+    h = stage_input(p, b * t, lambda: embed(flat, p.embed).astype(dt) * mx.array(cfg.embed_scale, dt),
+                    width=hid * (2 if pli_on else 1) + sum(kv_widths))
+    h0, handed_kv = h, {}  # the embeddings (per-layer inputs' source); K/V handed in
+    if later_stage(p):  # a pipeline stage's stream: [h | embeddings | K, V per kind handed in]
+        widths = [hid] + [hid] * pli_on + kv_widths
+        parts = mx.split(h, list(itertools.accumulate(widths))[:-1], axis=1)
+        h, h0 = parts[0], parts[1] if pli_on else None
+        for kind, kv in zip(cfg.stage_kv_in, parts[1 + pli_on:]):
+            k, v = mx.split(kv.reshape(b, t, 2, cfg.kind_kv_heads(kind), -1), 2, axis=2)
+            handed_kv[kind] = (k.squeeze(2), v.squeeze(2))
     ropes = {}
     for kind, spec in (("sliding", cfg.rope_sliding), ("full", cfg.rope_full)):
         dims = {cfg.layer_head_dim(i) for i in range(cfg.num_layers)
@@ -419,11 +464,17 @@ def forward(
     if p.embed_per_layer is not None:  # Gemma 4 per-layer inputs [B*T, L, hidden_per_layer]
         n_l, hpl = cfg.num_layers, cfg.hidden_size_per_layer_input
         tok_part = embed(flat, p.embed_per_layer).astype(dt) * (hpl**0.5)
-        proj = linear(h, p.per_layer_proj, num) * (cfg.hidden_size**-0.5)
+        proj = linear(h0, p.per_layer_proj, num) * (cfg.hidden_size**-0.5)
         proj = rms_norm(proj.reshape(-1, n_l, hpl), p.per_layer_proj_norm, eps, num)
         pli = (proj + tok_part.reshape(-1, n_l, hpl)) * (2.0**-0.5)
 
     entries = list(cache.layers)
+    m = cfg.first_shared_layer
+    for j, kind in enumerate(cfg.borrowed_kv):  # copies of earlier stages' source entries
+        k, v = handed_kv[kind]
+        entries[m + j] = write_entry(entries[m + j], cache.layout[m + j], k.transpose(0, 2, 1, 3),
+                                     v.transpose(0, 2, 1, 3), geo, num)
+    sources = {i: kind for kind, i in cfg.stage_kv_out if i >= 0}  # layers whose K/V go on
     for i, lp in enumerate(p.layers):
         src = cfg.kv_source(i)
         spec = cache.layout[src]
@@ -433,13 +484,15 @@ def forward(
         qkv = linear(x, lp.qkv, num).reshape(b, t, -1, d)
         rope = ropes["sliding" if cfg.is_sliding(i) else "full", d]
         q = qkv[:, :, :hq] if lp.q_norm is None else rms_norm(qkv[:, :, :hq], lp.q_norm, eps, num)
-        if src == i:  # this layer computes and stores K/V
+        if cfg.computes_kv(i):
             k_raw = qkv[:, :, hq : hq + hk]
             v_raw = k_raw if cfg.k_eq_v(i) else qkv[:, :, hq + hk :]
             k = k_raw if lp.k_norm is None else rms_norm(k_raw, lp.k_norm, eps, num)
             v = mx.fast.rms_norm(v_raw, None, eps) if cfg.v_norm else v_raw
             qk = apply_rope(mx.concatenate([q, k], axis=2), *rope, num, cfg.rope_traditional)
             q, k = qk[:, :, :hq], qk[:, :, hq:]
+            if i in sources:
+                handed_kv[sources[i]] = (k, v)
             entries[i] = write_entry(entries[i], spec, k.transpose(0, 2, 1, 3),
                                      v.transpose(0, 2, 1, 3), geo, num)
         else:
@@ -456,6 +509,9 @@ def forward(
             h = h + rms_norm(linear(g, lp.pli_proj, num), lp.pli_norm, eps, num)
         if lp.layer_scalar is not None:
             h = h * lp.layer_scalar
+    if hands_on(p) and (pli_on or cfg.stage_kv_out):
+        h = mx.concatenate([h] + [h0] * pli_on + [x.reshape(b * t, -1).astype(h.dtype) for kind, _ in
+                                                  cfg.stage_kv_out for x in handed_kv[kind]], axis=1)
     handed = stage_output(p, h)
     if handed is not None:  # a pipeline stage before the last
         return handed.reshape(b, t, -1), advanced(cache, entries, geo)
@@ -501,7 +557,7 @@ def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions,
         pre = f"model.layers.{i}."
         d, hk, hq = cfg.layer_head_dim(i), cfg.layer_kv_heads(i), cfg.num_heads * cfg.layer_head_dim(i)
         ff = cfg.layer_intermediate(i)
-        own_kv = cfg.kv_source(i) == i
+        own_kv = cfg.computes_kv(i)
         parts = [lin(pre + "self_attn.q_proj", hq, hid)]
         if own_kv:
             parts.append(lin(pre + "self_attn.k_proj", hk * d, hid))
@@ -674,7 +730,7 @@ def checkpoint_layout(c: GemmaConfig) -> dict[str, TensorSpec]:
         out[p + "self_attn.o_proj.weight"] = S(h, hq * d)
         if c.qk_norm:
             out[p + "self_attn.q_norm.weight"] = N(d)
-        if c.kv_source(i) == i:
+        if c.computes_kv(i):
             out[p + "self_attn.k_proj.weight"] = S(hk * d, h)
             if c.qk_norm:
                 out[p + "self_attn.k_norm.weight"] = N(d)
@@ -742,31 +798,48 @@ _TINY = {
     },
 }
 
+def _handed_kv(cfg: GemmaConfig, start: int, end: int) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
+    """(stage_kv_in, stage_kv_out) of the stage of layers [start, end) (GemmaConfig): a
+    kind's source K/V travel from the stage computing them to the last stage holding
+    shared layers of that kind, in the order of the source layers."""
+    if not cfg.num_kv_shared_layers:
+        return (), ()
+    m = cfg.first_shared_layer
+    source: dict[str, int] = {}
+    for i in range(m, cfg.num_layers):
+        source.setdefault(cfg.layer_types[i], cfg.kv_source(i))
+    kinds = sorted(source, key=source.__getitem__)
+
+    def wanted(at: int) -> set[str]:  # kinds of the shared layers from layer `at` on
+        return set(cfg.layer_types[max(at, m):])
+
+    kv_in = tuple(k for k in kinds if source[k] < start and k in wanted(start))
+    kv_out = tuple((k, source[k] - start if source[k] >= start else -1)
+                   for k in kinds if source[k] < end and k in wanted(end))
+    return kv_in, kv_out
+
+
 def layer_range(p: GemmaParams, start: int, end: int) -> GemmaParams:
-    """The params of layers [start, end) (`family.cut_layers`). Gemma 4's KV-shared layers
-    attend over earlier layers' caches: a range from the first layer keeps them (those
-    within it), a later range may not hold any. Its per-layer inputs come from the token
-    embeddings: a range from the first layer keeps its layers' columns of the per-layer
-    table and rows of its projection (self-drafts); a later one (a pipeline stage) is
-    refused."""
+    """The params of layers [start, end) (`family.cut_layers`): the first layers for a
+    self-draft, a run of layers for a pipeline stage. Gemma 4's KV-shared layers attend
+    over earlier layers' caches: where the source layer lies on an earlier stage, its new
+    K/V travel with the stream (`_handed_kv`) into a copy of its cache entry. Per-layer
+    inputs: the range's columns of the per-layer table and rows of its projection (whose
+    input, the token embeddings, later stages receive with the stream)."""
     cfg = p.config
-    if p.embed_per_layer is not None and start > 0:
-        raise ConfigError(f"Gemma 4's per-layer inputs are made from the token embeddings: layers "
-                          f"{start}..{end - 1} cannot run apart from the first")
-    shared = 0
-    if cfg.num_kv_shared_layers:
-        first = cfg.first_shared_layer
-        if start > 0 and end > first:
-            raise ConfigError(f"Gemma 4's KV-shared layers ({first}..{cfg.num_layers - 1}) attend over "
-                              f"earlier layers' caches: layers {start}..{end - 1} cannot run apart from them")
-        shared = max(0, end - first)
+    if cfg.stage_kv_in or cfg.stage_kv_out:
+        raise ConfigError("a pipeline stage's layers cannot be cut again")
+    shared = max(0, end - max(start, cfg.first_shared_layer)) if cfg.num_kv_shared_layers else 0
+    kv_in, kv_out = _handed_kv(cfg, start, end)
     cut = cut_layers(p, start, end, per_layer=("layer_types",))
     if p.embed_per_layer is not None:
-        width = end * cfg.hidden_size_per_layer_input  # the first `end` layers' inputs
-        table = split_cols(p.embed_per_layer, 0, width, "the per-layer input table")
+        hpl = cfg.hidden_size_per_layer_input
+        a, b = start * hpl, end * hpl  # the range's layers' inputs
+        table = split_cols(p.embed_per_layer, a, b, "the per-layer input table")
         cut = attrs.evolve(cut, embed_per_layer=attrs.evolve(table, tp=p.embed_per_layer.tp),
-                           per_layer_proj=split_rows(p.per_layer_proj, [(0, width)]))
-    return attrs.evolve(cut, config=attrs.evolve(cut.config, num_kv_shared_layers=shared))
+                           per_layer_proj=split_rows(p.per_layer_proj, [(a, b)]))
+    return attrs.evolve(cut, config=attrs.evolve(cut.config, num_kv_shared_layers=shared,
+                                                  stage_kv_in=kv_in, stage_kv_out=kv_out))
 
 
 def tensor_split(p: GemmaParams, rank: int, size: int) -> GemmaParams:
@@ -786,11 +859,11 @@ def tensor_split(p: GemmaParams, rank: int, size: int) -> GemmaParams:
         name, d, kv = f"layer {i}", cfg.layer_head_dim(i), cfg.layer_kv_heads(i)
         qa, qb, ka, kb = u0 * hq // u, u1 * hq // u, u0 * kv // u, u1 * kv // u
         rows = [(qa * d, qb * d)]
-        if cfg.kv_source(i) == i:
+        if cfg.computes_kv(i):
             rows.append(((hq + ka) * d, (hq + kb) * d))
             if not cfg.k_eq_v(i):
                 rows.append(((hq + kv + ka) * d, (hq + kv + kb) * d))
-        whole = (hq + (0 if cfg.kv_source(i) != i else kv if cfg.k_eq_v(i) else 2 * kv)) * d
+        whole = (hq + (0 if not cfg.computes_kv(i) else kv if cfg.k_eq_v(i) else 2 * kv)) * d
         if lp.qkv.out_features != whole:
             raise ConfigError(f"tensor parallel: {name}'s attention is not {whole} rows of q, k, v")
         lp = attrs.evolve(lp, qkv=split_rows(lp.qkv, rows, keep_origin=True),
