@@ -9,6 +9,7 @@ import fx_engine
 from fx_engine.testing import golden as g
 from fx_engine.testing import write_tiny_model
 from fx_engine.core.tree import tree_replace
+from fx_engine.runtime.native.build import cache_root
 
 CASES = [
     {"name": "greedy", "model": "tiny", "prompt": "hello world", "max_tokens": 12},
@@ -19,6 +20,9 @@ CASES = [
      "sampling": {"temperature": 100.0, "seed": 1},
      "compare": "logprobs", "logprob_tol": 1e-4},
 ]
+
+
+NATIVE_CACHE = cache_root().parent  # (read before pytester moves HOME)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +153,10 @@ def test_yaml_cases_and_cli_record_check(tmp_path, tiny_path, capsys):
     assert "2 passed" in out and "FINGERPRINT_MISMATCH" in out
 
 
-def test_pytest_fixture_reports_the_diff(pytester, tmp_path, tiny_path):
+def test_pytest_fixture_reports_the_diff(pytester, tmp_path, tiny_path, monkeypatch):
+    # pytester gives the subprocess a HOME of its own: point it at the built native kernels
+    # (else it compiles them again, ~35 s)
+    monkeypatch.setenv("FX_ENGINE_CACHE", str(NATIVE_CACHE))
     model = fx_engine.load(tiny_path)
     doc = g.record([g.parse_case(dict(CASES[0], model=str(tiny_path)), "t")])
     doc["cases"][0]["token_ids"][2] = (doc["cases"][0]["token_ids"][2] + 1) % model.config.vocab_size

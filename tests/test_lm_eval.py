@@ -95,10 +95,12 @@ def _evaluate(model, tmp_path, monkeypatch, lm: str, route: str, tasks: list[str
     _write_tasks(tmp_path)
     engine = fx_engine.Engine(model, max_rows=4)
     app = create_app(engine, "smollm2")
+    # only the local tasks: indexing lm-eval's thousands of bundled ones takes ~7 s
+    tasks_here = TaskManager(include_path=str(tmp_path), include_defaults=False)
     with serve(app, engine) as (url, _):
         return simple_evaluate(
             model=lm, model_args={"base_url": f"{url}{route}", "model": "smollm2", "max_retries": 1},
-            tasks=tasks, task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True, **kw)
+            tasks=tasks, task_manager=tasks_here, log_samples=True, **kw)
 
 
 @pytest.mark.slow

@@ -727,8 +727,6 @@ np.savez(sys.argv[3], **outs)
 """
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 build flags")
 def _cpu_has(flag: str) -> bool:
     try:
         return flag in open("/proc/cpuinfo").read().split()
@@ -736,9 +734,40 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
+PORTABLE = ["x86-64-v3", "x86-64"] + ["x86-64-v3 -mavxvnni"] * _cpu_has("avx_vnni")
+
+
+@pytest.fixture(scope="module")
+def portable_builds(tmp_path_factory):  # noqa: ANN001, ANN201
+    """Every build of PORTABLE, compiled at once on first use (each is one compiler's work
+    for most of its time: together they take about one build's time on two cores), then
+    checked; arch -> a future of the extension's path."""
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    from fx_engine.runtime.native import build
+
+    cxx = build._compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    paths = build._paths()
+
+    def one(arch: str) -> Path:
+        so = tmp_path_factory.mktemp("portable") / ("_fx_native" + paths["ext_suffix"])
+        march, *extra = arch.split()
+        build._compile(cxx, paths, [f"-march={march}", *extra], so)
+        build._check(so)  # the build's own smoke check passes too
+        return so
+
+    with ThreadPoolExecutor(len(PORTABLE)) as pool:
+        yield {arch: pool.submit(one, arch) for arch in PORTABLE}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 build flags")
 @pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64", pytest.param(
     "x86-64-v3 -mavxvnni", marks=pytest.mark.skipif(not _cpu_has("avx_vnni"), reason="no AVX-VNNI"))])
-def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # noqa: ANN001
+def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_builds) -> None:  # noqa: ANN001
     """The kernels built for plain AVX2 (-march=x86-64-v3: no AVX-512, no VNNI), as on
     older CPUs, and for baseline x86-64 (SSE2: the generic vector code and scalar loops,
     as on a CPU fx-engine has no intrinsics for), and AVX2 + AVX-VNNI (Intel client CPUs):
@@ -753,15 +782,8 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str) -> None:  # 
     import subprocess
     import sys
 
-    from fx_engine.runtime.native import build
-
-    cxx = build._compiler()
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    so = tmp_path / ("_fx_native" + build._paths()["ext_suffix"])
+    so = portable_builds[arch].result()
     march, *extra = arch.split()
-    build._compile(cxx, build._paths(), [f"-march={march}", *extra], so)
-    build._check(so)  # the build's own smoke check passes too
     data = {"x": RNG.standard_normal((11, 192)).astype(np.float32),
             "q": RNG.standard_normal((1, 1, 4, 32)).astype(np.float32),
             "kv": RNG.standard_normal((1, 2, 40, 32)).astype(np.float32)}
