@@ -18,6 +18,17 @@ import fx_engine  # noqa: E402
 fx_engine.setup()  # BLAS preload and malloc tuning, before mlx is imported
 
 
+def _layer_counts(text: str) -> list[int]:
+    """--pipeline-layers: comma-separated positive layer counts."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive layer counts such as 20,10, got {text!r}")
+    return counts
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -55,6 +66,10 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help="split the model's layers over the N processes started by `mlx.launch -n N` "
                         "(with --tensor-parallel T: T x N processes, N stages of T ranks; needs "
                         "MPI: `mpirun -np T*N`)")
+    p.add_argument("--pipeline-layers", type=_layer_counts, default=None, metavar="N,N,...",
+                   help="each pipeline stage's number of layers (e.g. 20,10 for hosts of unequal "
+                        "memory; implies --pipeline-parallel with one stage per count); default: "
+                        "as even as possible")
     p.add_argument("--adapter", action="append", default=None, metavar="[NAME=]PATH",
                    help="a LoRA/DoRA adapter folder (mlx-lm or PEFT). generate/chat: the one to "
                         "use; serve: repeatable, chosen per request by model 'BASE:NAME'")
@@ -107,7 +122,8 @@ def _load(a: argparse.Namespace):
                            activation_bits=getattr(a, "activation_bits", None),
                            kv_dtype=getattr(a, "kv_dtype", None),
                            tensor_parallel=getattr(a, "tensor_parallel", None),
-                           pipeline_parallel=getattr(a, "pipeline_parallel", None))
+                           pipeline_parallel=getattr(a, "pipeline_parallel", None),
+                           pipeline_layers=getattr(a, "pipeline_layers", None))
     for spec in getattr(a, "adapter", None) or ():
         name, sep, path = spec.partition("=")
         if not sep:
@@ -141,7 +157,8 @@ def _quiet_unless_rank0(a: argparse.Namespace) -> None:
     """Tensor-parallel ranks other than 0 run the same generation silently."""
     import mlx.core as mx
 
-    if (getattr(a, "tensor_parallel", None) or getattr(a, "pipeline_parallel", None)) and \
+    if (getattr(a, "tensor_parallel", None) or getattr(a, "pipeline_parallel", None)
+            or getattr(a, "pipeline_layers", None)) and \
             mx.distributed.init().rank() != 0:
         sys.stdout = open(os.devnull, "w")
         sys.stderr = open(os.devnull, "w")

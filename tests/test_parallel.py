@@ -146,6 +146,18 @@ def test_gemma4_over_four_stages(tmp_path):
     assert mx.abs(mx.array(four["logits"]) - mx.array(one["logits"])).max().item() < 2e-3
 
 
+def test_uneven_pipeline_stages(tmp_path):
+    """pipeline_layers=(4, 2) (hosts of unequal memory): stage 0 holds 4 of Gemma 4's 6
+    layers, both KV-shared layers' sources among them; stage 1 the two shared layers, each
+    over a copy of its source's cache. As one process."""
+    path = write_tiny_model(tmp_path / "g", "gemma4_text")
+    args = ["--model", str(path), "--tokens", "10", "--logits", "--engine", "2", "--prompt", "hello world",
+            "--ignore-eos"]
+    one, two = alone(args), tp(args + ["--pp-layers", "4,2"], split="pp")
+    assert two["layers"] == 4 and two["tokens"] == one["tokens"] and two["engine"] == one["engine"]
+    assert mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item() < 2e-3
+
+
 def test_four_ranks_share_a_mamba_group(tmp_path):
     """4 ranks over a Mamba-2 of 8 heads in 2 B/C groups: each rank's 2 heads lie in one
     group, which two ranks replicate; its norm over every rank's channels. As one process."""
@@ -387,6 +399,21 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
         fx_engine.load(tensor_parallel=2)  # one process alone
     with pytest.raises(ValueError, match="needs 4 processes"):
         fx_engine.load(tensor_parallel=2, pipeline_parallel=2)
+    with pytest.raises(ValueError, match="pipeline_layers has 2 counts but pipeline_parallel=3"):
+        fx_engine.load(pipeline_parallel=3, pipeline_layers=[20, 10])
+    for bad in ([20, 0], [], "20,10", [20.0, 10]):
+        with pytest.raises(ValueError, match="pipeline_layers must be a list of positive layer counts"):
+            fx_engine.load(pipeline_layers=bad)
+    with pytest.raises(ValueError, match="needs 2 processes"):  # (the counts imply 2 stages)
+        fx_engine.load(pipeline_layers=[20, 10])
+    from fx_engine.core.parallel import stage_layers
+
+    assert stage_layers(30, 2) == [(0, 15), (15, 30)] and stage_layers(30, 2, (20, 10)) == [(0, 20), (20, 30)]
+    with pytest.raises(ConfigError, match="2 layer counts of at least 1 that sum to the model's 30 layers"):
+        stage_layers(30, 2, (20, 11))
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hi", "--pipeline-layers", "20,x"])
+    assert e.value.code == 2 and "expected positive layer counts such as 20,10" in capsys.readouterr().err
     mamba = fx_engine.load(write_tiny_model(tmp_path / "m", "mamba2"))  # 8 heads in 2 B/C groups
     with pytest.raises(ConfigError, match="heads 3..5 span 2 of its B/C groups"):  # 3 + 3 + 2 heads
         shard_params(mamba.params, 0, 3)  # (rank 1's heads; every rank refuses alike)

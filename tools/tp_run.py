@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (with --tp: tp x pp ranks under MPI)")
+    ap.add_argument("--pp-layers", default=None, help="each stage's layer count, e.g. 4,2 (with --pp)")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--prompt", default="The capital of France is")
     ap.add_argument("--logits", action="store_true")
@@ -66,6 +67,7 @@ def main() -> None:
     t_load = time.perf_counter()
     model = fx_engine.load(a.model, tensor_parallel=a.tp if a.tp > 1 else None,
                            pipeline_parallel=a.pp if a.pp > 1 else None,
+                           pipeline_layers=[int(n) for n in a.pp_layers.split(",")] if a.pp_layers else None,
                            keep_quantized=True if a.keep_quantized else None)
     t_load = time.perf_counter() - t_load
     # VmHWM: this program's own peak (ru_maxrss also counts the parent's peak before exec)

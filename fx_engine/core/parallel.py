@@ -35,6 +35,7 @@ the same full logits, so sampling (per-row keys) gives the same tokens on every 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import attrs
@@ -342,10 +343,24 @@ def _mlp_fields(lp: Any, i: int) -> tuple[str, str]:
     raise ConfigError(f"tensor parallel: layer {i} has no MLP this split knows")
 
 
-def stage_params(params: Any, rank: int, size: int, group: Any = None) -> Any:
+def stage_layers(num_layers: int, size: int, layers: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+    """Each of `size` stages' [start, end) of `num_layers` layers: `layers`, one count per
+    stage (hosts of unequal memory), or as even as possible (earlier stages taking the
+    remainder)."""
+    if layers is None:
+        return [split(num_layers, size, r, kind="pipeline parallel") for r in range(size)]
+    if len(layers) != size or sum(layers) != num_layers or min(layers) < 1:
+        raise ConfigError(f"pipeline_layers: {size} layer counts of at least 1 that sum to the model's "
+                          f"{num_layers} layers are needed, got {list(layers)}")
+    ends = list(itertools.accumulate(layers))
+    return [(end - n, end) for n, end in zip(layers, ends)]
+
+
+def stage_params(params: Any, rank: int, size: int, group: Any = None,
+                 layers: tuple[int, ...] | None = None) -> Any:
     """Rank `rank` of `size`'s pipeline stage of a model of any family that can cut its
-    layers (`Family.layer_range`): its layers (split as evenly as possible, earlier stages
-    taking the remainder), the embedding table on the first stage, the head on the last (a
+    layers (`Family.layer_range`): its layers (`stage_layers`: `layers` per stage, or as
+    even as possible), the embedding table on the first stage, the head on the last (a
     tied head keeps the table; the final norm, one vector, stays on every stage). group:
     the mx.distributed group of the `size` stages (None: the world group); params already
     split over ranks (`shard_params`) make each stage's split of its layers."""
@@ -357,12 +372,12 @@ def stage_params(params: Any, rank: int, size: int, group: Any = None) -> Any:
     if family.layer_range is None:
         raise ConfigError(f"pipeline parallel: {family.name} models cannot be split by layers")
     cfg = params.config
+    cuts = stage_layers(cfg.num_layers, size, layers)
     try:  # every stage's cut, on every rank (one may be refused where another is not)
-        stages = [family.layer_range(params, *split(cfg.num_layers, size, r, kind="pipeline parallel"))
-                  for r in range(size)]
+        stages = [family.layer_range(params, *cut) for cut in cuts]
     except ConfigError as e:
         raise ConfigError(str(e) if str(e).startswith("pipeline parallel") else f"pipeline parallel: {e}") from None
-    l0, _ = split(cfg.num_layers, size, rank)
+    l0, _ = cuts[rank]
     stage = stages[rank]
     first, last = rank == 0, rank == size - 1
     head = getattr(params, "lm_head", None)

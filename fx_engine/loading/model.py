@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import attrs
 import mlx.core as mx
@@ -154,6 +154,7 @@ def load(
     matmul_plan: MatmulPlan | None = None,
     tensor_parallel: int | None = None,
     pipeline_parallel: int | None = None,
+    pipeline_layers: Sequence[int] | None = None,
 ) -> Model:
     """Load a model from a GGUF file or a Hugging Face style folder (None: the default model).
 
@@ -185,6 +186,9 @@ def load(
     T x P processes, P stages of T ranks each (rank r: stage r // T, tensor rank r % T);
     this needs subgroups, which MLX's MPI backend has and its ring backend does not
     (launch with `mpirun -np T*P` or `mlx.launch --backend mpi`).
+    pipeline_layers: each stage's number of layers (e.g. (20, 10): hosts of unequal
+    memory; their sum is the model's layers; implies pipeline_parallel=len). None: as even
+    as possible. Every rank must pass the same.
     """
     from fx_engine.loading.tokenizer import Tokenizer
     from fx_engine.runtime import setup
@@ -229,6 +233,16 @@ def load(
                              "and activation_bits=None")
     numerics = Numerics(batch_invariant=batch_invariant, native=bool(native),
                         activation_bits=activation_bits)
+    if pipeline_layers is not None:
+        counts = tuple(pipeline_layers) if isinstance(pipeline_layers, (list, tuple)) else ()
+        if not counts or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts):
+            raise ValueError(f"pipeline_layers must be a list of positive layer counts, one per stage, "
+                             f"got {pipeline_layers!r}")
+        pipeline_layers = counts
+        if pipeline_parallel not in (None, len(pipeline_layers)):
+            raise ValueError(f"pipeline_layers has {len(pipeline_layers)} counts but pipeline_parallel="
+                             f"{pipeline_parallel}: give one count per stage")
+        pipeline_parallel = len(pipeline_layers)
     sharded = tensor_parallel is not None or pipeline_parallel is not None
     spill = None
     if p.is_file():
@@ -265,7 +279,8 @@ def load(
         # rank's part (peak memory ~ the shard + one tensor); a GGUF's converted tensors
         # were spilled to safetensors for the same reason
         try:
-            params, fingerprint = _shard(params, fingerprint, tensor_parallel, pipeline_parallel)
+            params, fingerprint = _shard(params, fingerprint, tensor_parallel, pipeline_parallel,
+                                         pipeline_layers)
             cfg = params.config
             for leaf in tree_leaves(params):
                 mx.eval(leaf)
@@ -330,7 +345,8 @@ def spill_dir(mounts: str | None = None) -> str | None:
     return str(folder)
 
 
-def _shard(params: Any, fingerprint: str, tensor: Any, pipeline: Any) -> tuple[Any, str]:
+def _shard(params: Any, fingerprint: str, tensor: Any, pipeline: Any,
+           layers: tuple[int, ...] | None = None) -> tuple[Any, str]:
     """This process's tensor-parallel shard and/or pipeline stage (and a fingerprint naming
     it: a disk prefix cache holds one rank's KV heads or layers)."""
     from fx_engine.core.parallel import shard_params, stage_params
@@ -348,8 +364,11 @@ def _shard(params: Any, fingerprint: str, tensor: Any, pipeline: Any) -> tuple[A
         params = shard_params(params, m.tensor_rank, tensor, m.tensor_group)
         fingerprint += f"-tp{m.tensor_rank}of{tensor}"
     if pipeline > 1:
-        params = stage_params(params, m.stage, pipeline, m.pipeline_group)
+        params = stage_params(params, m.stage, pipeline, m.pipeline_group, layers)
         fingerprint += f"-pp{m.stage}of{pipeline}"
+        if layers is not None:  # (another cut holds other layers: a disk prefix cache keys on it)
+            first = sum(layers[: m.stage])
+            fingerprint += f"-layers{first}to{first + layers[m.stage]}"
     return params, fingerprint
 
 
