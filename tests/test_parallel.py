@@ -520,12 +520,14 @@ def test_draft_models_on_two_ranks_equal_one_process(tmp_path, split, draft):
     assert two["drafted"] > 0 and one["drafted"] > 0  # (how many: timing-adapted, rank 0's plan)
 
 
-@pytest.mark.parametrize("split,model", [("tp", None), ("pp", None), ("tp", "mamba2")])
+@pytest.mark.parametrize("split,model", [("tp", None), ("pp", None), ("tp", "mamba2"), ("pp", "gemma4_text")])
 def test_prefix_disk_tier_on_two_ranks(tmp_path, split, model):
     """The prefix cache's disk tier with a sharded model: each rank writes its share of every
     entry into its own subdirectory; a second engine (an empty memory tier) restores the
     prompts from disk on every rank alike (the length all ranks hold), with the tokens of a
-    cold run. mamba2: recurrent states (each rank's heads), restored at a snapshot."""
+    cold run. mamba2: recurrent states (each rank's heads), restored at a snapshot. Gemma 4
+    on 2 stages: stage 1's copy of stage 0's global layer's entry (sliding windows of 16
+    tokens: rings) saved and restored with its own entries."""
     prompt = "The quick brown fox jumps over the lazy dog. " * 6
     args = ["--tokens", "8", "--lockstep", "2", "--prompt", prompt, "--ignore-eos"]
     if model:
