@@ -87,7 +87,7 @@ FAMILY_CASES += [(k, "tp") for k in ("mamba2", "mamba2-g1", "mamba2-q4", "nemotr
                                      "falcon_h1", "qwen3_next", "qwen3_5_moe_text", "lfm2")]
 # Gemma 4: per-layer head sizes, KV-shared layers (query rows only), the per-layer input
 # table's vocabulary rows; global layers with fewer KV heads and keys as values; experts
-FAMILY_CASES += [(k, "tp") for k in ("gemma4_text", "gemma4_text-keqv", "gemma4_text-moe")]
+FAMILY_CASES += [(k, "tp") for k in ("gemma4_text", "gemma4_text-keqv", "gemma4_text-keqv2", "gemma4_text-moe")]
 # tensor parallel beyond the Llama decoder's plain layers: OLMo's q/k norms over every head
 # (mean squares summed over the ranks), Cohere's parallel blocks and per-head LayerNorms,
 # DeepSeek's latent attention (heads split, the latent cache replicated) with routed and
@@ -106,6 +106,8 @@ def _tiny(tmp_path: Path, kind: str) -> Path:
     if kind == "gemma4_text-keqv":
         extra.update(attention_k_eq_v=True, num_global_key_value_heads=2, num_key_value_heads=4,
                      num_attention_heads=8)
+    if kind == "gemma4_text-keqv2":  # (as many global KV heads as sliding ones: split alike)
+        extra.update(attention_k_eq_v=True, num_global_key_value_heads=2, num_key_value_heads=2)
     if kind == "mamba2-g1":
         extra.update(n_groups=1)
     if kind == "mamba2-q4":  # in_proj rows and out_proj columns kept packed, cut on whole groups
@@ -155,7 +157,25 @@ def test_uneven_pipeline_stages(tmp_path):
             "--ignore-eos"]
     one, two = alone(args), tp(args + ["--pp-layers", "4,2"], split="pp")
     assert two["layers"] == 4 and two["tokens"] == one["tokens"] and two["engine"] == one["engine"]
+    assert two["fingerprint"] == one["fingerprint"] + "-pp0of2-layers0to4"  # (a disk prefix cache's key)
     assert mx.abs(mx.array(two["logits"]) - mx.array(one["logits"])).max().item() < 2e-3
+
+
+def test_the_kv_budget_is_the_smallest_ranks(tmp_path):
+    """Stages of 1 and 3 layers: stage 1 holds 3x stage 0's KV bytes per token, so a byte
+    budget allows it a third of the tokens; every rank takes that budget (rank 0's alone
+    would let stage 1 hold 3x its bytes), and runs as one process does."""
+    from fx_engine.testing.distributed import launch_local
+
+    path = write_tiny_model(tmp_path / "m", "llama", num_hidden_layers=4)
+    args = ["--model", str(path), "--tokens", "8", "--ignore-eos", "--lockstep", "2", "--kv-budget-bytes", "2000000"]
+    one = alone(args)
+    ranks = launch_local(2, RUN + ["--pp", "2", "--pp-layers", "1,3", "--all-ranks", *args], timeout=240)
+    assert all(r.returncode == 0 for r in ranks), ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
+    got = [json.loads(r.stdout.strip().splitlines()[-1]) for r in ranks]
+    assert got[1]["bytes_per_token"] == 3 * got[0]["bytes_per_token"] == 3 * one["bytes_per_token"] // 4
+    assert got[0]["kv_budget_tokens"] == got[1]["kv_budget_tokens"] == 2000000 // got[1]["bytes_per_token"]
+    assert got[0]["lockstep"] == one["lockstep"]
 
 
 def test_four_ranks_share_a_mamba_group(tmp_path):
@@ -359,7 +379,7 @@ def test_unseeded_sampling_is_the_same_on_every_rank():
 
 
 def test_a_lost_rank_is_an_error_not_a_hang():
-    ranks = launch_local(2, RUN + ["--tp", "2", "--tokens", "2000", "--ignore-eos", "--die-after", "2"], timeout=120,
+    ranks = launch_local(2, RUN + ["--tp", "2", "--tokens", "2000", "--ignore-eos", "--die-after", "4"], timeout=120,
                          env={"FX_ENGINE_TP_TIMEOUT": "6"})
     assert ranks[1].returncode == 3  # the rank that died
     assert ranks[0].returncode == 70, ranks[0].stderr[-2000:]
@@ -406,6 +426,8 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
             fx_engine.load(pipeline_layers=bad)
     with pytest.raises(ValueError, match="needs 2 processes"):  # (the counts imply 2 stages)
         fx_engine.load(pipeline_layers=[20, 10])
+    with pytest.raises(ConfigError, match="sum to the model's 30 layers"):  # (one stage: checked too)
+        fx_engine.load(pipeline_layers=[31])
     from fx_engine.core.parallel import stage_layers
 
     assert stage_layers(30, 2) == [(0, 15), (15, 30)] and stage_layers(30, 2, (20, 10)) == [(0, 20), (20, 30)]
@@ -449,7 +471,7 @@ def test_server_tensor_parallel_with_the_openai_client(tmp_path, split):
                             # a small prefix cache: entries are evicted, alike on both ranks
                             # (rank 0 holds 2 of SmolLM2's 3 KV heads, rank 1 one)
                             "--prompt-cache-bytes", "1500000"],
-                        env={"FX_ENGINE_TP_TIMEOUT": "10" if split == "tensor" else "20"})
+                        env={"FX_ENGINE_TP_TIMEOUT": "12" if split == "tensor" else "20"})
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, procs)
@@ -468,7 +490,7 @@ def test_server_tensor_parallel_with_the_openai_client(tmp_path, split):
             model, [{"role": "user", "content": "A JSON object?"}], max_tokens=24, temperature=0.0,
             response_format={"type": "json_object"}).text  # every rank's grammar in step
         if split == "tensor":
-            time.sleep(11)  # idle past the timeout: rank 0's heartbeats (every 2.5 s) keep rank 1's watchdog quiet
+            time.sleep(13)  # idle past the timeout: rank 0's heartbeats (every 3 s) keep rank 1's watchdog quiet
         assert client.completions.create(model="smol", prompt=prompts[0], max_tokens=12,
                                          temperature=0).choices[0].text == want[0]
     finally:

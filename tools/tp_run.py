@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="a draft model path, or self:N")
     ap.add_argument("--lockstep", type=int, default=0, help="requests through a lockstep Engine")
     ap.add_argument("--prefix-dir", default=None, help="--lockstep: the disk tier's folder (two passes)")
+    ap.add_argument("--kv-budget-bytes", type=int, default=None, help="--lockstep: the engine's KV budget")
     ap.add_argument("--keep-quantized", action="store_true", help="keep every quantized weight packed")
     a = ap.parse_args()
     import resource
@@ -80,7 +81,8 @@ def main() -> None:
     out: dict = {"load_seconds": t_load, "peak_rss_after_load": peak_load,
                  "params_bytes": sum(x.nbytes for x in tree_leaves(model.params)),
                  "rank": rank, "size": model.ranks, "heads": model.config.num_heads,
-                 "kv_heads": model.config.num_kv_heads, "layers": model.config.num_layers}
+                 "kv_heads": model.config.num_kv_heads, "layers": model.config.num_layers,
+                 "fingerprint": model.fingerprint}
     kw = dict(max_tokens=a.tokens, temperature=0.0 if a.seed is None and not a.sample else 0.8, seed=a.seed)
     if a.ignore_eos:
         kw["logit_bias"] = {e: -1e9 for e in model.eos_ids}
@@ -115,7 +117,8 @@ def main() -> None:
         sharded = model.ranks > 1
         engine = fx_engine.Engine(model, max_rows=a.lockstep, prefill_chunk=16, lockstep=sharded,
                                   drafts=[draft] if draft is not None and sharded else [],
-                                  prefix_cache_dir=a.prefix_dir)
+                                  prefix_cache_dir=a.prefix_dir, kv_budget_bytes=a.kv_budget_bytes)
+        out["kv_budget_tokens"], out["bytes_per_token"] = engine.kv_budget_tokens, engine.bytes_per_token
         if sharded and rank != 0:
             engine.follow()
         else:

@@ -59,7 +59,7 @@ from fx_engine.engine.prefix_cache import DiskTier, PrefixStore
 from fx_engine.engine.request import MAX_DRAFT_TOKENS, TextDelta, Usage, apply_processors, parse_request
 from fx_engine.engine.request import xtc_special_tokens as _xtc_special
 from fx_engine.engine.speculation import DraftState, SpeculationPolicy
-from fx_engine.runtime.distributed import broadcast, busy, timeout_seconds
+from fx_engine.runtime.distributed import broadcast, busy, gathered, timeout_seconds
 
 __all__ = [
     "Engine", "RequestHandle", "QueueFull", "EngineClosed", "insert_row", "insert_state_row",
@@ -374,13 +374,17 @@ class Engine:
         self._synced_abort = False  # lockstep: the abort flag rank 0 sent with this step
         if self._tp_rank is not None:
             # Every rank must make the same admission and prefix-cache decisions, but a
-            # rank's KV bytes per token depend on its share (SmolLM2's 3 KV heads: 2 + 1):
-            # rank 0's token budget for everyone, and every entry's cost measured in rank
-            # 0's bytes (this rank's bytes times rank 0's bytes per token over its own).
-            shared = broadcast((self.kv_budget_tokens, int(self.bytes_per_token)), self._tp_rank)
-            self.kv_budget_tokens = shared[0]
+            # rank's KV bytes per token depend on its share (SmolLM2's 3 KV heads: 2 + 1;
+            # pipeline stages of unequal layers): the smallest rank's token budget for
+            # everyone, and every entry's cost measured in the largest share's bytes (this
+            # rank's bytes times the largest bytes per token over its own), so no rank
+            # holds more than its budgets.
+            ranks = gathered([-1 if self.kv_budget_tokens is None else int(self.kv_budget_tokens),
+                              int(self.bytes_per_token)])
+            budgets = [b for b, _ in ranks if b >= 0]  # (-1: no per-token entries, no bound)
+            self.kv_budget_tokens = min(budgets) if budgets else None
             if self.prefix_cache is not None:
-                self.prefix_cache.cost_scale = (shared[1], max(1, int(self.bytes_per_token)))
+                self.prefix_cache.cost_scale = (max(1, max(n for _, n in ranks)), max(1, int(self.bytes_per_token)))
             model.adapters.freeze("a tensor- or pipeline-parallel engine is running: load adapters "
                                   "on every rank before creating it")
         self._announced = 0  # submissions sent to the other ranks (rank 0, lockstep)

@@ -349,12 +349,15 @@ def _shard(params: Any, fingerprint: str, tensor: Any, pipeline: Any,
            layers: tuple[int, ...] | None = None) -> tuple[Any, str]:
     """This process's tensor-parallel shard and/or pipeline stage (and a fingerprint naming
     it: a disk prefix cache holds one rank's KV heads or layers)."""
-    from fx_engine.core.parallel import shard_params, stage_params
+    from fx_engine.core.parallel import shard_params, stage_layers, stage_params
 
     for size, kind in ((tensor, "tensor"), (pipeline, "pipeline")):
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ValueError(f"{kind}_parallel must be a positive integer, got {size!r}")
     tensor, pipeline = tensor or 1, pipeline or 1
+    # (checked here: one stage, pipeline_layers=[n], returns before stage_params)
+    n = params.config.num_layers
+    uneven = layers is not None and stage_layers(n, pipeline, layers) != stage_layers(n, pipeline)
     if tensor * pipeline == 1:
         return params, fingerprint
     from fx_engine.runtime.distributed import mesh
@@ -366,9 +369,8 @@ def _shard(params: Any, fingerprint: str, tensor: Any, pipeline: Any,
     if pipeline > 1:
         params = stage_params(params, m.stage, pipeline, m.pipeline_group, layers)
         fingerprint += f"-pp{m.stage}of{pipeline}"
-        if layers is not None:  # (another cut holds other layers: a disk prefix cache keys on it)
-            first = sum(layers[: m.stage])
-            fingerprint += f"-layers{first}to{first + layers[m.stage]}"
+        if uneven:  # (other layers than the even cut's: a disk prefix cache keys on them)
+            fingerprint += "-layers{}to{}".format(*stage_layers(n, pipeline, layers)[m.stage])
     return params, fingerprint
 
 

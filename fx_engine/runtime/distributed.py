@@ -231,6 +231,13 @@ def busy(active: bool = True) -> Iterator[None]:
             _busy_since.pop()
 
 
+def gathered(values: list[int]) -> list[list[int]]:
+    """Every rank's `values` (integers, as many on every rank), in rank order."""
+    import mlx.core as mx
+
+    return mx.distributed.all_gather(mx.array([values], mx.int64)).tolist()
+
+
 def broadcast(obj: Any, rank: int) -> Any:
     """Rank 0's `obj` on every rank (pickled; the group is one trusted program). Two
     all_sums: the length, then the bytes (other ranks add zeros)."""

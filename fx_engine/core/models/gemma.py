@@ -874,7 +874,9 @@ def tensor_split(p: GemmaParams, rank: int, size: int) -> GemmaParams:
         layers.append(lp)
     n = u1 - u0
     small = attrs.evolve(cfg, num_heads=n * hq // u, num_kv_heads=n * hk // u,
-                         num_global_kv_heads=n * hkg // u if hkg != hk else cfg.num_global_kv_heads)
+                         # (global layers' own KV heads count only with keys as values)
+                         num_global_kv_heads=n * hkg // u if cfg.attention_k_eq_v and cfg.num_global_kv_heads
+                         else cfg.num_global_kv_heads)
     out = attrs.evolve(p, layers=tuple(layers), config=small)
     if p.embed_per_layer is not None:
         out = attrs.evolve(out, embed_per_layer=split_vocab(p.embed_per_layer, rank, size))

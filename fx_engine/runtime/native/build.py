@@ -178,9 +178,11 @@ def _compile(cxx: str, paths: dict[str, str], arch: list[str], out: Path) -> Non
     if sys.platform == "darwin":
         link[link.index("-shared")] = "-bundle"
         link += ["-undefined", "dynamic_lookup"]
-    procs = [subprocess.Popen([*flags, "-c", str(u), "-o", str(o)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for u, o in zip(units, objects)]
+    procs: list[subprocess.Popen] = []
     try:
+        for u, o in zip(units, objects):
+            procs.append(subprocess.Popen([*flags, "-c", str(u), "-o", str(o)], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True))
         errs = [p.communicate(timeout=900)[1] for p in procs]
         for p, err in zip(procs, errs):
             _compiled(p.returncode, err, arch)
