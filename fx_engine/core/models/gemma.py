@@ -828,7 +828,8 @@ def layer_range(p: GemmaParams, start: int, end: int) -> GemmaParams:
     input, the token embeddings, later stages receive with the stream)."""
     cfg = p.config
     if cfg.stage_kv_in or cfg.stage_kv_out:
-        raise ConfigError("a pipeline stage's layers cannot be cut again")
+        raise ConfigError("layers cut from a Gemma 4 model with KV-shared layers (a pipeline stage, a "
+                          "self-draft) cannot be cut again")
     shared = max(0, end - max(start, cfg.first_shared_layer)) if cfg.num_kv_shared_layers else 0
     kv_in, kv_out = _handed_kv(cfg, start, end)
     cut = cut_layers(p, start, end, per_layer=("layer_types",))
