@@ -178,6 +178,22 @@ def test_the_kv_budget_is_the_smallest_ranks(tmp_path):
     assert got[0]["lockstep"] == one["lockstep"]
 
 
+def test_a_gemma4_stage_holds_its_share_of_the_per_layer_table(tmp_path):
+    """The per-layer input table (E2B/E4B's largest tensor) splits by stage: stage 1 of 2
+    holds its 3 layers' columns and its projection's rows, not the first stage's."""
+    from fx_engine.core.parallel import stage_params
+
+    model = fx_engine.load(write_tiny_model(tmp_path / "g", "gemma4_text"))
+    hpl, p = model.config.hidden_size_per_layer_input, model.params
+    stage = stage_params(p, 1, 2)
+    assert stage.embed_per_layer.weight.shape == (model.config.vocab_size, 3 * hpl)
+    assert mx.array_equal(stage.embed_per_layer.weight, p.embed_per_layer.weight[:, 3 * hpl:]).item()
+    proj = p.per_layer_proj  # (stored [in, out] on the CPU: transposed)
+    rows = proj.weight[:, 3 * hpl:] if proj.transposed else proj.weight[3 * hpl:]
+    assert mx.array_equal(stage.per_layer_proj.weight, rows).item() and stage.per_layer_proj.out_features == 3 * hpl
+    assert stage.config.stage_kv_in == ("full_attention",) and stage.config.borrowed_kv == ("full_attention",)
+
+
 def test_four_ranks_share_a_mamba_group(tmp_path):
     """4 ranks over a Mamba-2 of 8 heads in 2 B/C groups: each rank's 2 heads lie in one
     group, which two ranks replicate; its norm over every rank's channels. As one process."""
