@@ -44,11 +44,10 @@ import mlx.core as mx
 from fx_engine.core.config import ConfigError
 from fx_engine.core.checkpoint import expanded, two_level
 from fx_engine.core.nn import Linear
-from fx_engine.core.tree import STATIC
 
 __all__ = ["head_range", "on_group", "shard_decoder", "shard_params", "split", "split_attention", "split_cols",
            "split_experts", "split_head", "split_mixer", "split_mlp", "split_rows", "split_vocab",
-           "stage_params"]
+           "stage_layers", "stage_params"]
 
 
 def split(n: int, size: int, rank: int, unit: int = 1, kind: str = "tensor parallel") -> tuple[int, int]:
@@ -183,25 +182,10 @@ def shard_params(params: Any, rank: int, size: int, group: Any = None) -> Any:
 
 def on_group(tree: Any, group: Any) -> Any:
     """`tree` with every tensor-parallel linear's collectives on `group` (`Linear.group`):
-    the families' splits name what is summed or gathered, this names over which ranks.
-    (Nodes holding no split linear come back as they are.)"""
-    if isinstance(tree, Linear):
-        return attrs.evolve(tree, group=group) if tree.tp else tree
-    if isinstance(tree, (tuple, list)):
-        items = [on_group(x, group) for x in tree]
-        return tree if all(a is b for a, b in zip(items, tree)) else type(tree)(items)
-    if isinstance(tree, dict):
-        new = {k: on_group(v, group) for k, v in tree.items()}
-        return tree if all(new[k] is v for k, v in tree.items()) else new
-    if attrs.has(type(tree)):
-        changes = {}
-        for f in attrs.fields(type(tree)):
-            if f.init and not f.metadata.get(STATIC):
-                old = getattr(tree, f.name)
-                if (new := on_group(old, group)) is not old:
-                    changes[f.name] = new
-        return attrs.evolve(tree, **changes) if changes else tree
-    return tree
+    the families' splits name what is summed or gathered, this names over which ranks."""
+    from fx_engine.core.adapters import map_linears
+
+    return map_linears(tree, lambda _, lin: attrs.evolve(lin, group=group) if lin.tp else lin)
 
 
 def shard_decoder(params: Any, rank: int, size: int) -> Any:

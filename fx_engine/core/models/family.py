@@ -64,8 +64,8 @@ def head_logits(p: DecoderParams, h: Any) -> Any:
 # whose ranks pass activations to the same tensor rank of the next stage).
 
 
-def _pipe_group(pipe: tuple) -> Any:
-    return pipe[4] if len(pipe) > 4 else None
+def _pipe_group(p: Any) -> Any:
+    return p.pipeline[4]
 
 
 def later_stage(p: Any) -> bool:
@@ -84,19 +84,17 @@ def stage_input(p: Any, rows: int, embedded: Callable[[], mx.array], width: int 
     """The residual stream a step starts from: `embedded()` (the tokens' embeddings), or on
     a later pipeline stage the [rows, width] stream the previous stage sent (width: hidden,
     or more where a family hands on more than the residual stream with it)."""
-    pipe = getattr(p, "pipeline", ())
-    if pipe and pipe[0] > 0:
-        return mx.distributed.recv((rows, width or p.config.hidden_size), getattr(mx, p.dtype), pipe[0] - 1,
-                                   group=_pipe_group(pipe))
+    if later_stage(p):
+        return mx.distributed.recv((rows, width or p.config.hidden_size), getattr(mx, p.dtype),
+                                   p.pipeline[0] - 1, group=_pipe_group(p))
     return embedded()
 
 
 def stage_output(p: Any, h: mx.array) -> mx.array | None:
     """On a pipeline stage before the last: h sent on to the next stage (evaluating it
     performs the send); None on the last stage (or without a pipeline)."""
-    pipe = getattr(p, "pipeline", ())
-    if pipe and pipe[0] < pipe[1] - 1:
-        return mx.distributed.send(h, pipe[0] + 1, group=_pipe_group(pipe))
+    if hands_on(p):
+        return mx.distributed.send(h, p.pipeline[0] + 1, group=_pipe_group(p))
     return None
 
 
@@ -104,13 +102,12 @@ def stage_logits(p: Any, h: mx.array, logits: Callable[[], mx.array]) -> mx.arra
     """`logits()` (float32), made the same on every pipeline stage: the last stage's are
     summed with zeros from the others (exact), so every rank samples the same tokens; the
     zeros depend on h, so evaluating them performs a stage's send."""
-    pipe = getattr(p, "pipeline", ())
-    if not pipe:
+    if not getattr(p, "pipeline", ()):
         return logits()
-    if pipe[0] < pipe[1] - 1:
+    if hands_on(p):
         zeros = mx.depends(mx.zeros((*h.shape[:-1], p.config.vocab_size), mx.float32), h)
-        return mx.distributed.all_sum(zeros, group=_pipe_group(pipe))
-    return mx.distributed.all_sum(logits(), group=_pipe_group(pipe))
+        return mx.distributed.all_sum(zeros, group=_pipe_group(p))
+    return mx.distributed.all_sum(logits(), group=_pipe_group(p))
 
 
 @attrs.frozen
