@@ -19,6 +19,12 @@ JSON whitespace: between tokens of the JSON grammar at most `JSON_WHITESPACE` (a
 and a few spaces or tabs of indentation) may appear, as llama.cpp's JSON grammars and
 XGrammar's `any_whitespace=False` spirit do: small models under a free-whitespace JSON
 grammar tend to emit newlines forever, which is valid JSON that never ends.
+
+Hostile grammars (engine/grammar_guard.py): limits on rules, size and schema depth are
+checked before llguidance sees a grammar, every llguidance compile runs on a thread with a
+large stack, and a matcher is built and its first mask computed when the request is made,
+so a grammar that cannot compile, or allows no output at all, is a GrammarError naming its
+field before the request is admitted (the server's 400), never a crash or a failed step.
 """
 
 from __future__ import annotations
@@ -31,16 +37,15 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
+from fx_engine.engine.grammar_guard import (
+    GrammarError, check_grammar_text, check_schema, clean_error, on_compile_thread)
+
 __all__ = ["Constraint", "GrammarError", "RowGrammar", "parse_constraint", "grammar_tokenizer"]
 
 #: Whitespace allowed between JSON tokens: one optional newline and up to 16 blanks.
 JSON_WHITESPACE = r"[\n]?[ \t]{0,16}"
 #: Largest grammar text accepted (a JSON schema, regex or grammar), in characters.
 MAX_GRAMMAR_CHARS = 256 * 1024
-
-
-class GrammarError(ValueError):
-    """A grammar that cannot be compiled, or a matcher that went wrong mid-generation."""
 
 
 @attrs.frozen
@@ -63,24 +68,35 @@ def _llg() -> Any:
     return llguidance
 
 
+def _compiled(field: str, fn: Any, *args: Any, **kw: Any) -> str:
+    """llguidance's fn(*args, **kw) on a compile thread; its errors as GrammarErrors
+    naming `field`, without llguidance's parser dump."""
+    try:
+        return on_compile_thread(field, lambda: fn(*args, **kw))
+    except GrammarError:
+        raise
+    except Exception as e:  # ValueError; RecursionError from the GBNF converter
+        raise GrammarError(f"{field}: {clean_error(str(e))}") from None
+
+
 def _json_options() -> dict[str, Any]:
     return {"whitespace_flexible": False, "whitespace_pattern": JSON_WHITESPACE}
 
 
 def _schema_grammar(field: str, schema: Any) -> str:
     if isinstance(schema, str):
+        _text(field, schema)
         try:
             schema = json.loads(schema)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise GrammarError(f"{field}: not valid JSON ({e})") from None
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise GrammarError(f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
-    try:
-        return _llg().LLMatcher.grammar_from_json_schema(schema, overrides=_json_options())
-    except Exception as e:
-        raise GrammarError(f"{field}: {e}") from None
+    check_schema(field, schema)
+    return _compiled(field, _llg().LLMatcher.grammar_from_json_schema, schema,
+                     overrides=_json_options())
 
 
 def _text(field: str, value: Any) -> str:
@@ -152,6 +168,7 @@ def _from_response_format(value: Any) -> Constraint | None:
     # Strict or not, the schema is enforced (never accepted and then ignored); strict also
     # closes objects to unlisted properties, as OpenAI's strict mode requires of schemas.
     schema = spec.get("schema", {})
+    check_schema(f"{f}.json_schema.schema", schema)  # before _closed walks it
     return Constraint(f"{f}.json_schema.schema", "json_schema", _schema_grammar(
         f"{f}.json_schema.schema", _closed(schema) if strict else schema))
 
@@ -160,8 +177,11 @@ def _from_choice(field: str, value: Any) -> Constraint:
     if (not isinstance(value, (list, tuple)) or not value
             or not all(isinstance(c, str) and c for c in value)):
         raise GrammarError(f"{field}: expected a non-empty list of non-empty strings")
-    lark = "start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(value))
-    return Constraint(field, "choice", _llg().grammar_from("lark", _text(field, lark)))
+    # One terminal of alternatives: llguidance lexes it as one regex, where a rule of
+    # alternatives would be one parser item per string (at most 2,000 per row).
+    lark = "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in dict.fromkeys(value))
+    return Constraint(field, "choice", _compiled(field, _llg().grammar_from, "lark",
+                                                 _text(field, lark)))
 
 
 def parse_constraint(
@@ -195,13 +215,11 @@ def parse_constraint(
         return Constraint(field, "json_schema", _schema_grammar(field, value))
     if key == "choice":
         return _from_choice(field, value)
-    llg = _llg()
     text = _text(field, value)
-    try:
-        g = llg.grammar_from("regex" if key == "regex" else "grammar", text)
-    except Exception as e:
-        raise GrammarError(f"{field}: {e}") from None
-    return Constraint(field, key, g)
+    if key == "grammar":
+        check_grammar_text(field, text)
+    return Constraint(field, key, _compiled(field, _llg().grammar_from,
+                                            "regex" if key == "regex" else "grammar", text))
 
 
 # ------------------------------------------------------------------------------------------
@@ -239,18 +257,27 @@ class RowGrammar:
 
     def __init__(self, constraint: Constraint, tokenizer: Any):
         self.constraint = constraint
-        llg = _llg()
-        err = llg.LLMatcher.validate_grammar(constraint.grammar, tokenizer)
-        if err and not err.startswith("WARNING"):
-            raise GrammarError(f"{constraint.field}: {err.strip()}")
-        self.matcher = llg.LLMatcher(tokenizer, constraint.grammar, log_level=0)
         self.words = (tokenizer.vocab_size + 31) // 32
         self.eos = frozenset(int(t) for t in tokenizer.eos_tokens)
+        self.matcher = on_compile_thread(constraint.field, lambda: self._matcher(tokenizer))
+
+    def _matcher(self, tokenizer: Any) -> Any:
+        """The compiled matcher, its first mask computed: a grammar that cannot start (no
+        token begins an output it allows, a parser limit hit at once) fails here, when
+        the request is made, not at its first step."""
+        llg = _llg()
+        err = llg.LLMatcher.validate_grammar(self.constraint.grammar, tokenizer)
+        if err and not err.startswith("WARNING"):
+            raise GrammarError(f"{self.constraint.field}: {clean_error(err)}")
+        self.matcher = llg.LLMatcher(tokenizer, self.constraint.grammar, log_level=0)
         self._check()
+        self.fill(np.zeros(self.words, np.int32))
+        return self.matcher
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise GrammarError(f"{self.constraint.field}: {self.matcher.get_error().strip()}")
+            raise GrammarError(f"{self.constraint.field}: "
+                               f"{clean_error(self.matcher.get_error())}")
 
     def fill(self, out: np.ndarray) -> None:
         """Write the allowed-token bitmask (int32 [W], C-contiguous) for the next token."""
