@@ -40,6 +40,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "embed": "engine.embeddings",
     "Engine": "engine.engine", "EngineClosed": "engine.engine", "QueueFull": "engine.engine",
+    "EngineForked": "engine.engine", "LogitsProcessorError": "engine.engine",
     "RequestHandle": "engine.engine",
     "Completion": "engine.generate", "TextDelta": "engine.generate",
     "TokenLogprob": "engine.generate", "Usage": "engine.generate", "generate": "engine.generate",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -119,3 +120,70 @@ def test_embeddings_endpoint_with_the_openai_client(tiny):
         assert h.result().finish_reason in ("stop", "length")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(b64, want[1], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ chunked on the engine
+
+
+def test_chunked_embedding_equals_one_shot(tiny):
+    """embed_steps cut into small calls through the KV cache (here 32 tokens a call) gives
+    the vectors of the one-shot forward (`embed`: every input in one 512-token call)."""
+    from fx_engine.engine.embeddings import embed_steps, run_steps
+
+    model = fx_engine.load(tiny)
+    rng = np.random.default_rng(1)
+    inputs = [rng.integers(3, 200, size=n).tolist() for n in (300, 5, 130, 64)]
+    for pooling in ("last", "mean", "cls"):
+        whole = embed(model, inputs, pooling=pooling, normalize=False)
+        steps = embed_steps(model, inputs, pooling=pooling, normalize=False, step_tokens=32)
+        calls = []
+
+        def counted():
+            while True:
+                try:
+                    calls.append(next(steps))
+                except StopIteration as stop:
+                    return stop.value
+        chunked = counted()
+        assert max(calls) <= 32 and len(calls) >= 300 // 32  # really cut small
+        np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
+    assert run_steps(embed_steps(model, inputs[:1], step_tokens=16)).shape == (1, 64)
+    with pytest.raises(ValueError, match="step_tokens"):
+        embed_steps(model, inputs, step_tokens=8)
+    with pytest.raises(ValueError, match=r"input\[1\]"):
+        embed_steps(model, [[5], []])  # validated at once, not at the first step
+
+
+def _job_steps(engine) -> int:
+    return sum(e["kind"] == "job_step" for e in engine.trace_events)
+
+
+def test_embedding_job_interleaves_with_generation_and_cancels(tiny):
+    """A long embedding job on a started engine runs one bounded call per step: a chat
+    submitted after it finishes while it is still running, and a cancelled job stops
+    taking steps (the engine goes idle)."""
+    from fx_engine.engine.embeddings import embed_steps
+
+    model = fx_engine.load(tiny)
+    rng = np.random.default_rng(2)
+    long = [rng.integers(3, 200, size=1000).tolist() for _ in range(4)]
+    with fx_engine.Engine(model, max_rows=2, prefill_chunk=16) as engine:  # 16-token calls
+        job = engine.call_steps(embed_steps(model, long, step_tokens=engine.step_token_budget))
+        chat = engine.submit("hello there", max_tokens=8)
+        assert chat.result(timeout=120).finish_reason in ("stop", "length")
+        assert not job.done()  # needs ~250 steps; the chat needed ~10
+        kinds = [e["kind"] for e in engine.trace_events]
+        assert "decode" in kinds[kinds.index("job_step"):]  # decode steps between its calls
+        assert job.cancel()
+        deadline = time.monotonic() + 60
+        while engine.stats()["jobs"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.stats()["jobs"] == 0 and not engine.has_work()
+        ran = _job_steps(engine)
+        time.sleep(0.3)
+        assert _job_steps(engine) == ran < 4 * 1000 // 16  # stopped before the end
+        assert any(e["kind"] == "job_cancelled" for e in engine.trace_events)
+        # a job that runs to its end gives what embed gives
+        done = engine.call_steps(embed_steps(model, long[:2], step_tokens=engine.step_token_budget))
+        np.testing.assert_allclose(done.result(timeout=120), embed(model, long[:2]),
+                                   rtol=1e-5, atol=1e-5)

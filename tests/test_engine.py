@@ -781,3 +781,76 @@ def test_a_finished_engine_is_freed_without_the_garbage_collector(tiny_model):
         assert ref() is None
     finally:
         gc.enable()
+
+
+# ------------------------------------------------------------------------ hostile logits processors
+
+
+def _processor_after(n_ok: int, fault):
+    """A logits processor that passes its first n_ok calls through, then `fault(logits)`."""
+    calls = []
+
+    def proc(tokens, logits):
+        calls.append(1)
+        return logits if len(calls) <= n_ok else fault(logits)
+    return proc
+
+
+def _raise(exc):
+    def fault(logits):
+        raise exc("raised by the user's processor")
+    return fault
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("n_ok", [0, 3])  # at the first token (prefill) / a later decode step
+def test_a_processor_raising_a_base_exception_fails_only_its_request(bi_model, exc, n_ok):
+    """On the engine's thread a KeyboardInterrupt/SystemExit can only come from the
+    processor (signals reach the main thread): its request fails with a
+    LogitsProcessorError; the neighbours finish as if alone and the engine serves on."""
+    from fx_engine.engine.engine import LogitsProcessorError
+
+    with Engine(bi_model, max_rows=4, prefill_chunk=32) as engine:
+        a = engine.submit(prompt(40, 1), max_tokens=20)
+        v = engine.submit(prompt(30, 2), max_tokens=20,
+                          logits_processors=[_processor_after(n_ok, _raise(exc))])
+        b = engine.submit(prompt(15, 3), max_tokens=20, temperature=0.5, seed=4)
+        with pytest.raises(LogitsProcessorError, match=exc.__name__):
+            v.result(timeout=60)
+        assert a.result(timeout=60).token_ids == alone(bi_model, prompt(40, 1), max_tokens=20).token_ids
+        assert b.result(timeout=60).token_ids == alone(bi_model, prompt(15, 3), max_tokens=20,
+                                                       temperature=0.5, seed=4).token_ids
+        assert engine.submit(prompt(9, 4), max_tokens=3).result(timeout=60).finish_reason == "length"
+
+
+def test_a_keyboard_interrupt_on_the_main_thread_still_stops_the_program(bi_model):
+    """Stepped on the main thread (no start()), a KeyboardInterrupt may be a real Ctrl-C:
+    it propagates out of the step instead of becoming one request's error."""
+    engine = Engine(bi_model, max_rows=2, prefill_chunk=32)
+    engine.submit(prompt(20, 5), max_tokens=5, logits_processors=[_processor_after(1, _raise(KeyboardInterrupt))])
+    with pytest.raises(KeyboardInterrupt):
+        run_all(engine)
+
+
+def _nan_everywhere(logits):
+    return mx.full(logits.shape, float("nan"))
+
+
+def _nan_once(logits):
+    return mx.where(mx.arange(logits.shape[-1]) == 5, mx.array(float("nan")), logits)
+
+
+@pytest.mark.parametrize("fault", [_nan_everywhere, _nan_once])
+@pytest.mark.parametrize("n_ok", [0, 3])
+def test_a_processor_returning_nan_fails_its_request(bi_model, fault, n_ok):
+    """NaN logits would sample EOS until max_tokens, silently: the request fails with an
+    error naming the logits processors; its neighbour is untouched."""
+    from fx_engine.engine.engine import LogitsProcessorError
+
+    engine = Engine(bi_model, max_rows=4, prefill_chunk=32)
+    a = engine.submit(prompt(40, 1), max_tokens=20)
+    v = engine.submit(prompt(30, 2), max_tokens=20, logits_processors=[_processor_after(n_ok, fault)])
+    run_all(engine)
+    with pytest.raises(LogitsProcessorError, match="logits_processors returned NaN"):
+        v.result()
+    assert a.result().token_ids == alone(bi_model, prompt(40, 1), max_tokens=20).token_ids

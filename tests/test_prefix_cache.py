@@ -250,3 +250,84 @@ def test_entry_count_limit(bi):
         assert engine.stats()["prefix_cache"]["entries"] <= 2
     with pytest.raises(ValueError, match="prefix_cache_entries"):
         fx_engine.Engine(bi, prefix_cache_entries=0)
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _folder_bytes(folder) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+
+
+def test_disk_tier_open_removes_dead_writers_temporaries_and_counts_every_file(tmp_path, bi):
+    """A writer killed mid-save (kill -9) leaves `.<id>.<pid>.<uuid>.tmp.*` files: at the
+    next open those of a dead pid, or too old, are removed; a live writer's are kept and
+    count against the budget, as every file in the folder does."""
+    import os
+    import time
+
+    from fx_engine.engine.prefix_cache import STALE_TMP_SECONDS
+
+    cache_dir = tmp_path / "cache"
+    e1 = fx_engine.Engine(bi, max_rows=1, prefill_chunk=32, prefix_cache_dir=str(cache_dir))
+    e1.submit(_text(bi, 60) + [5], max_tokens=4).result()
+    entries = sorted(cache_dir.glob("*.safetensors"))
+    assert entries
+    entry_bytes = _folder_bytes(cache_dir)
+    dead = cache_dir / f".{'a' * 32}.{_dead_pid()}.{'b' * 32}.tmp.safetensors"
+    dead.write_bytes(b"\0" * 50_000)
+    old = cache_dir / f".{'c' * 32}.{os.getpid()}.{'d' * 32}.tmp.json"
+    old.write_text("{}")
+    os.utime(old, (time.time() - 2 * STALE_TMP_SECONDS,) * 2)
+    live = cache_dir / f".{'e' * 32}.{os.getpid()}.{'f' * 32}.tmp.safetensors"
+    live.write_bytes(b"\0" * 70_000)
+    e2 = fx_engine.Engine(bi, max_rows=1, prefill_chunk=32, prefix_cache_dir=str(cache_dir))
+    disk = e2.prefix_cache.disk
+    assert not dead.exists() and not old.exists()
+    assert live.exists()  # (a live process is still writing it)
+    assert disk.stats()["bytes"] == _folder_bytes(cache_dir) == entry_bytes + 70_000
+    # the live writer's file counts against the budget: the entries make room for it
+    e3 = fx_engine.Engine(bi, max_rows=1, prefill_chunk=32, prefix_cache_dir=str(cache_dir),
+                          prefix_cache_disk_bytes=70_000 + entry_bytes // 2)
+    assert live.exists() and not all(f.exists() for f in entries)
+    assert e3.prefix_cache.disk.stats()["bytes"] == _folder_bytes(cache_dir) <= 70_000 + entry_bytes // 2
+
+
+@pytest.mark.parametrize("damage", ["flip", "json"])
+def test_rejected_disk_entries_are_deleted_not_rejected_at_every_start(tmp_path, bi, damage):
+    import warnings
+
+    cache_dir = tmp_path / "cache"
+    prefix = _text(bi, 60)
+    e1 = fx_engine.Engine(bi, max_rows=1, prefill_chunk=32, prefix_cache_dir=str(cache_dir))
+    e1.submit(prefix + [5], max_tokens=4).result()
+    damaged = {}
+    for f in sorted(cache_dir.glob("*.safetensors")):
+        if damage == "flip":
+            data = bytearray(f.read_bytes())
+            data[-100] ^= 0xFF
+            f.write_bytes(bytes(data))
+            damaged[f] = bytes(data)
+        else:
+            f.with_suffix(".json").write_text("{ not json")
+            damaged[f.with_suffix(".json")] = b"{ not json"
+
+    def restart_and_ask() -> tuple[list[str], int]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            e = fx_engine.Engine(bi, max_rows=1, prefill_chunk=32, prefix_cache_dir=str(cache_dir),
+                                 prefix_cache_bytes=1 << 20)
+            cached = e.submit(prefix + [9, 10], max_tokens=2).result().usage.cached_tokens
+        return [str(w.message) for w in caught if "prefix cache: ignoring" in str(w.message)], cached
+
+    first, cached = restart_and_ask()
+    assert first and all("deleted" in m for m in first) and cached == 0
+    # deleted (or written again, valid, by this run's own saves of the same prefix)
+    assert not any(f.exists() and f.read_bytes() == data for f, data in damaged.items())
+    assert restart_and_ask()[0] == []  # gone: not rejected again

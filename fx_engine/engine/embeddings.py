@@ -8,25 +8,31 @@ its Pooling module's `config.json` (`pooling_mode_lasttoken` / `_mean_tokens` /
 normalized, what decoder-only embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral) use
 and vLLM's default for them.
 
-Inputs are batched: up to `ROWS` prompts per `hidden_step` call, chunked like prefill, each
-row's pooled vector accumulated over its valid positions only.
+Inputs are batched: up to `ROWS` prompts per `hidden_step` call, chunked like prefill through
+a KV cache, each row's pooled vector accumulated over its valid positions only.
+
+`embed_steps` is the same work as a generator that yields after every `hidden_step` call of
+at most `step_tokens` tokens (rows x chunk, powers of two): the Engine advances it by one
+call per engine step (`Engine.call_steps`, what `/v1/embeddings` uses), so a long
+embedding request never holds the engine thread for more than one such call, and a
+cancelled one stops at the next step. `embed` runs it to the end on the calling thread.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Generator, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from fx_engine.core.buckets import pow2_ceil
+from fx_engine.core.buckets import pow2_ceil, pow2_floor
 from fx_engine.core.cache import span_bucket
 from fx_engine.core.steps import hidden_step_compiled
 from fx_engine.core.tree import tree_leaves
 
-__all__ = ["POOLINGS", "pooling_of", "embed"]
+__all__ = ["POOLINGS", "pooling_of", "embed", "embed_steps", "run_steps"]
 
 POOLINGS = ("last", "mean", "cls")
 ROWS = 8  # prompts per hidden_step call
@@ -79,7 +85,26 @@ def embed(model: Any, inputs: Sequence[str | Sequence[int]], pooling: str | None
     """Pooled final hidden states [N, hidden] (float32) of prompts (strings, tokenized with
     the model's tokenizer, or token-id lists). pooling ("last", "mean", "cls") / normalize
     default to the checkpoint's (`pooling_of`). Runs MLX work: call it on the thread that
-    owns the model's MLX state (the Engine's: `Engine.call`)."""
+    owns the model's MLX state (with a started Engine: `Engine.call_steps(embed_steps(...))`)."""
+    return run_steps(embed_steps(model, inputs, pooling, normalize))
+
+
+def run_steps(steps: Generator[Any, None, Any]) -> Any:
+    """Run a step generator (`embed_steps`) to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
+def embed_steps(model: Any, inputs: Sequence[str | Sequence[int]], pooling: str | None = None,
+                normalize: bool | None = None,
+                step_tokens: int = ROWS * CHUNK) -> Generator[int, None, np.ndarray]:
+    """`embed` as a generator: the inputs are tokenized and validated now (ValueError
+    naming the input), then each `next()` runs one `hidden_step` call of at most
+    `step_tokens` (>= 16) padded tokens and yields that count; the generator returns the
+    [N, hidden] array. Results do not depend on `step_tokens` (only how the work is cut)."""
     if isinstance(inputs, str):
         inputs = [inputs]
     inputs = [model.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in inputs]
@@ -88,26 +113,48 @@ def embed(model: Any, inputs: Sequence[str | Sequence[int]], pooling: str | None
     normalize = declared[1] if normalize is None else normalize
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    if step_tokens < 16:
+        raise ValueError(f"step_tokens must be >= 16, got {step_tokens!r}")
     limit = model.config.max_position_embeddings
     for i, ids in enumerate(inputs):
         if not ids:
             raise ValueError(f"input[{i}]: encodes to zero tokens")
         if len(ids) > limit:
             raise ValueError(f"input[{i}]: {len(ids)} tokens exceed the model's context of {limit}")
+    return _embed_all(model, inputs, pooling, normalize, step_tokens)
+
+
+def _embed_all(model: Any, inputs: list[list[int]], pooling: str, normalize: bool,
+               step_tokens: int) -> Generator[int, None, np.ndarray]:
     out = np.zeros((len(inputs), model.config.hidden_size), np.float32)
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))  # similar lengths together
-    for at in range(0, len(order), ROWS):
-        group = order[at : at + ROWS]
-        out[group] = _embed_rows(model, [list(inputs[i]) for i in group], pooling)
+    at = 0
+    while at < len(order):
+        group = order[at : at + _group_rows(max(len(inputs[i]) for i in order[at : at + ROWS]),
+                                            step_tokens)]
+        at += len(group)
+        out[group] = yield from _embed_rows(model, [list(inputs[i]) for i in group], pooling,
+                                            step_tokens)
     if normalize:
         out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
     return out
 
 
-def _embed_rows(model: Any, rows: list[list[int]], pooling: str) -> np.ndarray:
+def _chunk(longest: int, step_tokens: int) -> int:
+    """Tokens per row per call: up to CHUNK, no more than the row needs or the step allows."""
+    return min(pow2_ceil(min(CHUNK, longest), 16), pow2_floor(step_tokens))
+
+
+def _group_rows(longest: int, step_tokens: int) -> int:
+    """Prompts per call: up to ROWS while rows (a power of two) x chunk fits step_tokens."""
+    return max(1, min(ROWS, pow2_floor(step_tokens // _chunk(longest, step_tokens))))
+
+
+def _embed_rows(model: Any, rows: list[list[int]], pooling: str,
+                step_tokens: int) -> Generator[int, None, np.ndarray]:
     b = pow2_ceil(len(rows), 1)  # power-of-two row counts: bounded compile shapes
     longest = max(len(r) for r in rows)
-    chunk = pow2_ceil(min(CHUNK, longest), 16)
+    chunk = _chunk(longest, step_tokens)
     cache = model.new_cache(b, pow2_ceil(longest + chunk, 256), headroom=chunk)
     lengths = np.array([len(r) for r in rows] + [0] * (b - len(rows)))
     acc = mx.zeros((b, model.config.hidden_size), mx.float32)
@@ -130,6 +177,7 @@ def _embed_rows(model: Any, rows: list[list[int]], pooling: str) -> np.ndarray:
             last = mx.take_along_axis(h, mx.array(np.maximum(n - 1, 0))[:, None, None], axis=1)[:, 0]
             acc = mx.where(mx.array(ends)[:, None], last, acc)
         mx.eval(acc, *tree_leaves(cache))
+        yield b * chunk
     out = np.array(acc[: len(rows)])
     if pooling == "mean":
         out /= lengths[: len(rows), None]

@@ -33,11 +33,12 @@ import hashlib
 import itertools
 import math
 import concurrent.futures
+import os
 import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import attrs
 import mlx.core as mx
@@ -53,6 +54,7 @@ from fx_engine.core.tree import tree_leaves, tree_replace
 from fx_engine.engine import scheduler as sched
 from fx_engine.engine.batch import DecodeBatch, insert_state_row
 from fx_engine.engine.constraints import RowGrammar, grammar_tokenizer
+from fx_engine.engine.embeddings import run_steps
 from fx_engine.engine.handles import RequestHandle
 from fx_engine.engine.output import TokenOutput
 from fx_engine.engine.prefix_cache import DiskTier, PrefixStore
@@ -62,7 +64,8 @@ from fx_engine.engine.speculation import DraftState, SpeculationPolicy
 from fx_engine.runtime.distributed import broadcast, busy, gathered, timeout_seconds
 
 __all__ = [
-    "Engine", "RequestHandle", "QueueFull", "EngineClosed", "insert_row", "insert_state_row",
+    "Engine", "RequestHandle", "QueueFull", "EngineClosed", "EngineForked", "LogitsProcessorError",
+    "insert_row", "insert_state_row",
 ]
 
 _STARTED: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -105,6 +108,41 @@ class QueueFull(RuntimeError):
 class EngineClosed(RuntimeError):
     """submit() after close()."""
 
+
+class EngineForked(RuntimeError):
+    """The Engine is used in a fork()ed child of the process that created it: its thread,
+    locks and MLX state (MLX's stream threads) exist only in the parent, so any work there
+    would hang."""
+
+
+class LogitsProcessorError(RuntimeError):
+    """A request's logits processor raised something that is not an Exception
+    (KeyboardInterrupt, SystemExit) on the engine's thread, or returned NaN logits: that
+    request fails with this error; its neighbours go on."""
+
+
+def _run_processors(processors: Sequence[Callable[..., Any]], tokens: Sequence[int],
+                    logits: mx.array) -> mx.array:
+    """A row's logits processors applied and evaluated (user code: its failures are this
+    row's). A KeyboardInterrupt or SystemExit raised on the engine's own thread is the
+    processor's (signals reach only the main thread), so it becomes this request's
+    LogitsProcessorError instead of failing every request; on the main thread (an engine
+    stepped without start()) it may be a real Ctrl-C and propagates. NaN logits would
+    sample EOS until max_tokens: an error naming the processors instead (checked on the
+    host, one reduction per row that has processors)."""
+    try:
+        out = apply_processors(processors, tokens, logits)
+        nan = bool(mx.any(mx.isnan(out)).item())
+    except Exception:  # an ordinary failure: the caller fails this row with it
+        raise
+    except BaseException as e:
+        if threading.current_thread() is threading.main_thread():
+            raise
+        raise LogitsProcessorError(f"logits_processors raised {e!r}: this request failed "
+                                   "(other requests go on)") from e
+    if nan:
+        raise LogitsProcessorError("logits_processors returned NaN logits")
+    return out
 
 
 class RankMismatch(BaseException):
@@ -352,9 +390,11 @@ class Engine:
         self.fault_hook = fault_hook
         self.trace_events: collections.deque = collections.deque(maxlen=trace_capacity)
 
+        self._pid = os.getpid()  # the only process that may use it (see _check_process)
         self._lock = threading.Condition()
         self._pending: collections.deque[_Request] = collections.deque()  # under _lock
         self._calls: collections.deque = collections.deque()  # (fn, Future) under _lock
+        self._jobs: collections.deque = collections.deque()  # (generator, Future) under _lock
         self._closing = False
         self._abort = False
         # Tensor or pipeline parallelism (model.ranks > 1): every rank's engine must run the
@@ -415,6 +455,16 @@ class Engine:
         return self._batch.cache
 
     # ---------------------------------------------------------------- public API
+    def _check_process(self) -> None:
+        """EngineForked in a fork()ed child: checked before any lock is taken (one held by
+        the parent's engine thread at the fork is held forever in the child)."""
+        if os.getpid() != self._pid:
+            raise EngineForked(
+                f"this Engine was created in process {self._pid} and cannot be used in its "
+                f"fork()ed child {os.getpid()} (its thread and MLX state exist only in the "
+                "parent, and MLX hangs in a fork()ed child): start child processes with "
+                "multiprocessing's 'spawn' or 'forkserver' method")
+
     @property
     def running(self) -> bool:
         t = self._thread
@@ -431,6 +481,7 @@ class Engine:
         choices, each with its own arguments): every one is validated before any is
         queued, and all are queued or none (QueueFull unless the queue has room for all),
         so a rejected request never leaves rows running. The prompt is tokenized once."""
+        self._check_process()
         if not kwargs_list:
             raise ValueError("submit_many: no requests")
         if len(kwargs_list) > max(1, self.max_queue):  # could never be queued: not a retry-later
@@ -471,6 +522,7 @@ class Engine:
         if self._tp_rank is not None:  # work outside the steps would run on one rank only
             raise ValueError("not available with tensor parallelism (work outside the engine's "
                              "steps, e.g. embeddings)")
+        self._check_process()
         with self._lock:
             if self._closing:
                 raise EngineClosed("engine is closed")
@@ -496,8 +548,80 @@ class Engine:
                 except BaseException as e:
                     fut.set_exception(e)
 
+    def call_steps(self, steps: Generator[Any, None, Any]) -> "concurrent.futures.Future":
+        """Run a step generator (`embeddings.embed_steps`: work cut into bounded calls) on
+        the engine's thread, one `next()` per engine step beside the step's prefill and
+        decode (several generators take turns), so long work never stalls the generating
+        rows; returns a Future of its return value. `future.cancel()` works until it ends:
+        the generator is dropped at the next step. Without a started engine it runs whole
+        now, on the calling thread."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._tp_rank is not None:  # work outside the steps would run on one rank only
+            raise ValueError("not available with tensor parallelism (work outside the engine's "
+                             "steps, e.g. embeddings)")
+        self._check_process()
+        with self._lock:
+            if self._closing:
+                raise EngineClosed("engine is closed")
+            if self.running:
+                self._jobs.append((steps, fut))
+                self._lock.notify_all()
+                return fut
+        try:
+            fut.set_result(run_steps(steps))
+        except BaseException as e:
+            fut.set_exception(e)
+        return fut
+
+    def _run_job(self) -> None:
+        """Advance the oldest step generator by one call (then it goes last: round robin).
+        The Future stays pending while it runs, so a consumer can cancel it any time; a
+        cancelled one is closed here without running further."""
+        with self._lock:
+            if not self._jobs:
+                return
+            job = steps, fut = self._jobs[0]  # (stays queued while it runs: counted as work)
+        if fut.cancelled():
+            steps.close()
+            self._trace("job_cancelled")
+            return self._requeue(job, False)
+        t0 = time.perf_counter()
+        try:
+            tokens = next(steps)
+        except StopIteration as stop:
+            if fut.set_running_or_notify_cancel():
+                fut.set_result(stop.value)
+            return self._requeue(job, False)
+        except Exception as e:  # this job only
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(e)
+            return self._requeue(job, False)
+        self._trace("job_step", tokens=tokens, seconds=time.perf_counter() - t0)
+        self._requeue(job, True)
+
+    def _requeue(self, job: tuple, again: bool) -> None:
+        """Take a job off the front of the queue; `again`: back at its end (its next turn)."""
+        with self._lock:
+            if job in self._jobs:
+                self._jobs.remove(job)
+                if again:
+                    self._jobs.append(job)
+
+    def _drop_jobs(self, error: BaseException | None) -> None:
+        """Cancel (error None) or fail every queued step generator."""
+        with self._lock:
+            jobs = list(self._jobs)
+            self._jobs.clear()
+        for steps, fut in jobs:
+            steps.close()
+            if error is None:
+                fut.cancel()
+            elif fut.set_running_or_notify_cancel():
+                fut.set_exception(error)
+
     def start(self) -> "Engine":
         """Run steps on a background thread (it owns all MLX state from now on)."""
+        self._check_process()
         with self._lock:
             if self._closing:
                 raise EngineClosed("engine is closed")
@@ -510,7 +634,10 @@ class Engine:
 
     def close(self, wait: bool = True, timeout: float | None = None) -> None:
         """Stop accepting requests. wait=True finishes the submitted ones first; False
-        cancels them. Joins the background thread (at most `timeout` seconds)."""
+        cancels them. Joins the background thread (at most `timeout` seconds). In a fork()ed
+        child it does nothing (the engine belongs to the parent; exit handlers call this)."""
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             self._closing = True
             if not wait:
@@ -532,17 +659,18 @@ class Engine:
 
     def has_work(self) -> bool:
         with self._lock:
-            pending = bool(self._pending)
+            pending = bool(self._pending or self._jobs)
         return pending or bool(self._prefilling) or self._batch.any_live()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            queued = len(self._pending)
+            queued, jobs = len(self._pending), len(self._jobs)
         batch = self._batch
         cache, rows = batch.cache, batch.rows
         pcaches = [pc for r in list(self._prefilling) if (pc := r.pcache) is not None]
         return {
             "queued": queued,
+            "jobs": jobs,  # step generators in progress (embedding requests)
             "prefilling": len(self._prefilling),
             "decoding": sum(r is not None for r in rows),
             "rows": len(rows),
@@ -624,11 +752,11 @@ class Engine:
             while True:
                 with self._lock:
                     while not (self._pending or self._prefilling or self._live_rows()
-                               or self._closing or self._calls):
+                               or self._closing or self._calls or self._jobs):
                         if not self._lock.wait(self._heartbeat):
                             break  # lockstep rank 0, idle: an empty step tells the others it lives
                     if self._closing and not (self._abort or self._pending or self._prefilling
-                                              or self._live_rows() or self._calls):
+                                              or self._live_rows() or self._calls or self._jobs):
                         return
                 try:
                     self.step()
@@ -682,6 +810,7 @@ class Engine:
         """One engine step: retire cancelled requests, admit, run at most
         step_token_budget tokens of prefill pieces, one decode step over the batch.
         Returns whether there is still work."""
+        self._check_process()  # (a handle waited on in a fork()ed child drives this)
         t = self._thread
         if t is not None and t.is_alive() and t is not threading.current_thread():
             raise RuntimeError("engine.step() is driven by the background thread; do not call it")
@@ -757,6 +886,7 @@ class Engine:
         are read back, `_on_token`); then the batch's upkeep (`scheduler.plan_maintenance`)."""
         t0 = time.perf_counter()
         self._run_calls()
+        self._run_job()  # one bounded call of long work (embeddings) per step
         self.steps += 1
         if self._synced_abort if self._lockstep else self._abort:  # lockstep: what every rank got
             self._cancel_everything()
@@ -806,6 +936,7 @@ class Engine:
             req.out.detok = self.model.tokenizer.detokenizer()
             self._prefilling.append(req)
             self._restore_prefix(req)
+            req.handle.cached_tokens = req.cached  # known now, long before the usage at the end
             self._trace("admit", request=req.handle.id, prompt_tokens=len(req.ids),
                         max_tokens=req.max_tokens, cached_tokens=req.cached)
 
@@ -956,7 +1087,8 @@ class Engine:
             req.cache_len = len(req.ids)
             self._complete(req, "length")
             return
-        logits = apply_processors(req.processors, req.ids, logits)
+        if req.processors:
+            logits = _run_processors(req.processors, req.ids, logits)
         mask = self._masks([req], fail=False)  # a grammar error fails this prefill row
         row_state = (sample_step_compiled(row_state, logits) if mask is None
                      else sample_step_compiled(row_state, logits, mask))
@@ -1217,8 +1349,7 @@ class Engine:
             if req is None or not req.processors:
                 continue
             try:
-                rows[i] = apply_processors(req.processors, req.ids + req.generated, rows[i])
-                mx.eval(rows[i])
+                rows[i] = _run_processors(req.processors, req.ids + req.generated, rows[i])
             except Exception as e:
                 failed[i] = e
         logits = mx.concatenate(rows, axis=0)
@@ -1351,6 +1482,7 @@ class Engine:
                 self._complete(r, "cancelled")
 
     def _cancel_everything(self) -> None:
+        self._drop_jobs(None)
         with self._lock:
             for r in self._pending:
                 r.handle._cancel = r.tp_cancel = True
@@ -1366,6 +1498,7 @@ class Engine:
         for _, fut in calls:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(error)
+        self._drop_jobs(error)
         for r in pending + list(self._prefilling) + self._batch.live():
             if r.phase != "done":
                 self._fail(r, error)

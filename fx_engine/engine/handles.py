@@ -37,6 +37,9 @@ class RequestHandle:
         # with prompt_logprobs: the prompt tokens' records (request.TokenLogprob, None for the
         # first), set before the first event is emitted
         self.prompt_logprobs: tuple | None = None
+        # prompt tokens restored from the prefix cache, set at admission (a streamed reply's
+        # first event may report them: Anthropic's message_start does)
+        self.cached_tokens = 0
         self._engine = engine
         self._cond = threading.Condition()
         self._events: collections.deque = collections.deque()

@@ -35,6 +35,7 @@ import collections
 import hashlib
 import json
 import os
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -50,6 +51,9 @@ SCOPED_FORMAT = "fx-engine-prefix-scoped"  # the disk format of entries with a c
 LAYOUT_VERSION = 1  # bump when the snapshot array layout changes: older files become misses
 
 DEFAULT_BLOCK = 16
+# A disk-tier temporary this old is a dead writer's even if its pid runs again (no save of
+# an entry takes this long)
+STALE_TMP_SECONDS = 600.0
 
 
 def scope_of(salt: str | None) -> str:
@@ -67,6 +71,19 @@ def block_hashes(tokens: Sequence[int], block: int, scope: str = "") -> list[byt
         h = hashlib.blake2b(h + piece, digest_size=16).digest()
         out.append(h)
     return out
+
+
+def _pid_running(pid: int) -> bool:
+    """Whether a process with this id exists (signal 0 checks without sending)."""
+    if pid <= 0:  # (0 and negatives name process groups)
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # another user's process (or a pid we cannot judge): assume alive
+    return True
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -146,14 +163,17 @@ class PrefixStore:
             m = self._usable(e, _common(e.tokens, prompt), len(prompt))
             if m > best_m:
                 best, best_m = e, m
-        if self.disk is not None:  # a longer match on disk: load it into memory
+        while self.disk is not None:  # a longer match on disk: load it into memory
             tokens, m = self.disk.best(prompt, self._usable_len, scope)
-            if m > best_m:
-                cache = self.disk.load((scope, tokens))
-                if cache is not None:
-                    self.add(tokens, cache, to_disk=False, salt=salt)
-                    best = self._entries.get((scope, tokens)) or _Entry((scope, tokens), cache, [])
-                    best_m = m
+            if m <= best_m:
+                break
+            cache = self.disk.load((scope, tokens))
+            if cache is None:  # rejected (and out of the disk index): the next best
+                continue
+            self.add(tokens, cache, to_disk=False, salt=salt)
+            best = self._entries.get((scope, tokens)) or _Entry((scope, tokens), cache, [])
+            best_m = m
+            break
         if best is None:
             self.misses += 1
             return None, 0
@@ -298,7 +318,15 @@ class DiskTier:
     fingerprint, the cache layout (and its version), the dtype, the token hash chain's last
     link and a SHA-256 of the arrays; a file that is truncated, corrupt, or from another
     model, tokenizer or layout version is a miss with a warning, never an error or wrong
-    output. Files beyond `budget_bytes` are evicted oldest first."""
+    output. An entry of ours that is rejected (corrupt, truncated, inconsistent with its
+    metadata) is deleted then, so it is not read again at every start; entries of other
+    models or versions are left alone (a folder may be shared).
+
+    On open, temporaries a killed writer left (`.<id>.<pid>.<uuid>.tmp.*`: its pid is no
+    longer running, or the file is older than STALE_TMP_SECONDS) are removed. The budget
+    counts every file in the folder (entries, orphans, other processes' writes in
+    progress); entries beyond `budget_bytes` are evicted oldest first, at open and after
+    every save."""
 
     def __init__(self, path: str | Path, budget_bytes: int, model_fingerprint: str,
                  tokenizer_fingerprint: str, layout: tuple, dtype: str, block: int = DEFAULT_BLOCK):
@@ -314,7 +342,10 @@ class DiskTier:
         self.layout = layout
         self.index: dict[Key, str] = {}  # (scope, tokens) -> file stem
         self.loads = self.saves = self.rejected = 0
+        self.used_bytes = 0  # every file in the folder, as of the last eviction pass
+        self._remove_stale_temporaries()
         self._scan()
+        self._evict(keep=None)
 
     def _expect(self, scope: str) -> dict[str, str]:
         """The metadata a file of this scope must have. A salted entry has its own format
@@ -327,19 +358,51 @@ class DiskTier:
                                 + ((scope,) if scope else ())).encode())
         return h.hexdigest()[:32]
 
+    def _remove_stale_temporaries(self) -> None:
+        """Delete the temporaries of writers that died mid-save (kill -9): their pid (in
+        the name, see `save`) is not running, or the file is older than any save takes
+        (a reused pid; a writer on another machine sharing the folder)."""
+        now = time.time()
+        for f in self.dir.glob(".*.tmp.*"):
+            parts = f.name.split(".")  # ["", id, pid, uuid, "tmp", ext]
+            try:
+                pid = int(parts[2])
+                age = now - f.stat().st_mtime
+            except (IndexError, ValueError, OSError):
+                continue  # not one of ours
+            if age > STALE_TMP_SECONDS or not _pid_running(pid):
+                f.unlink(missing_ok=True)
+
     def _scan(self) -> None:
         for meta_path in self.dir.glob("*.json"):
+            if meta_path.name.startswith("."):
+                continue  # a writer's temporary
             try:
                 meta = json.loads(meta_path.read_text())
+            except OSError:
+                continue
+            except ValueError:  # written by rename, so never partial: damaged
+                self._reject(meta_path.stem, "unreadable metadata")
+                continue
+            try:
                 scope = str(meta.get("scope", ""))
                 if all(meta.get(k) == v for k, v in self._expect(scope).items()):
                     self.index[(scope, tuple(int(t) for t in meta["tokens"]))] = meta_path.stem
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # another writer's partial file or garbage: not ours to use
+            except (AttributeError, KeyError, TypeError, ValueError):
+                continue  # not an entry of this model and version: not ours to judge
 
-    def _warn(self, name: str, why: str) -> None:
+    def _reject(self, name: str, why: str) -> None:
+        """Warn about a damaged entry and delete its files (it would be rejected again at
+        every start)."""
         self.rejected += 1
-        warnings.warn(f"prefix cache: ignoring {self.dir / name}.safetensors ({why})", stacklevel=3)
+        self.index = {k: n for k, n in self.index.items() if n != name}
+        warnings.warn(f"prefix cache: ignoring {self.dir / name}.safetensors ({why}); "
+                      "deleted", stacklevel=3)
+        for ext in (".safetensors", ".json"):
+            try:
+                (self.dir / f"{name}{ext}").unlink(missing_ok=True)
+            except OSError:
+                pass
 
     def best(self, prompt: Sequence[int], usable: Any, scope: str = "") -> tuple[tuple[int, ...], int]:
         best, best_m = (), 0
@@ -360,8 +423,7 @@ class DiskTier:
         try:
             arrs, meta = mx.load(str(path), return_metadata=True)
         except Exception as e:  # truncated, missing, not safetensors
-            self.index.pop(key, None)
-            self._warn(name, f"unreadable: {e}")
+            self._reject(name, f"unreadable: {e}")
             return None
         bad = [k for k, v in self._expect(scope).items() if meta.get(k) != v]
         stored = arrs.pop("tokens", None)
@@ -375,15 +437,13 @@ class DiskTier:
             why = "checksum mismatch"
         else:
             why = ""
-        if why:
-            self.index.pop(key, None)
-            self._warn(name, why)
+        if why:  # its metadata file said it is ours: the pair is damaged
+            self._reject(name, why)
             return None
         try:
             cache = _from_arrays(arrs, self.layout, len(tokens))
         except KeyError as e:
-            self.index.pop(key, None)
-            self._warn(name, f"missing array {e}")
+            self._reject(name, f"missing array {e}")
             return None
         self.loads += 1
         return cache
@@ -411,27 +471,35 @@ class DiskTier:
         self.saves += 1
         self._evict(keep=name)
 
-    def _evict(self, keep: str) -> None:
-        files = []
-        for f in self.dir.glob("*.safetensors"):
-            if f.name.startswith("."):
-                continue
+    def _evict(self, keep: str | None) -> None:
+        """Bring the folder within the budget: every file counts; entries (`<id>.safetensors`
+        with its `<id>.json`, or either alone) go oldest first, never `keep` (the entry
+        just saved); other files (writes in progress) count but are not ours to delete."""
+        total = 0
+        entries: dict[str, list] = {}  # id -> [mtime, bytes]
+        for f in self.dir.iterdir():
             try:
                 st = f.stat()
             except OSError:
                 continue
-            files.append((st.st_mtime, st.st_size, f))
-        total = sum(size for _, size, _ in files)
-        for _, size, f in sorted(files):
+            if not f.is_file():
+                continue
+            total += st.st_size
+            if f.name.startswith(".") or f.suffix not in (".safetensors", ".json"):
+                continue
+            e = entries.setdefault(f.stem, [st.st_mtime, 0])
+            e[0], e[1] = min(e[0], st.st_mtime), e[1] + st.st_size
+        for _, size, stem in sorted((m, n, s) for s, (m, n) in entries.items()):
             if total <= self.budget:
                 break
-            if f.stem == keep:
+            if stem == keep:
                 continue
-            f.unlink(missing_ok=True)
-            (f.with_suffix(".json")).unlink(missing_ok=True)
-            self.index = {t: n for t, n in self.index.items() if n != f.stem}
+            (self.dir / f"{stem}.safetensors").unlink(missing_ok=True)
+            (self.dir / f"{stem}.json").unlink(missing_ok=True)
+            self.index = {t: n for t, n in self.index.items() if n != stem}
             total -= size
+        self.used_bytes = total
 
     def stats(self) -> dict[str, Any]:
         return {"dir": str(self.dir), "entries": len(self.index), "loads": self.loads,
-                "saves": self.saves, "rejected": self.rejected}
+                "saves": self.saves, "rejected": self.rejected, "bytes": self.used_bytes}
