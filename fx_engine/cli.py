@@ -29,7 +29,7 @@ def _layer_counts(text: str) -> list[int]:
     return counts
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
+def _sampling_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     p.add_argument("--model", "-m", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
@@ -73,7 +73,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", action="append", default=None, metavar="[NAME=]PATH",
                    help="a LoRA/DoRA adapter folder (mlx-lm or PEFT). generate/chat: the one to "
                         "use; serve: repeatable, chosen per request by model 'BASE:NAME'")
-    p.add_argument("--prompt-cache", default=None, metavar="DIR",
+    # serve's name is --prompt-cache-dir (with this one as an alias): one option, one dest
+    p.add_argument(*(("--prompt-cache-dir",) if serve else ()), "--prompt-cache", default=None,
+                   metavar="DIR", dest="prompt_cache",
                    help="prefix-cache directory: restore the prompt's cached prefix, save new ones")
 
 
@@ -256,6 +258,16 @@ def cmd_cache_prompt(a: argparse.Namespace) -> int:
     return 0
 
 
+def _disk_budget(a: argparse.Namespace) -> dict[str, Any]:
+    """The Engine's disk-tier budget argument, if --prompt-cache-disk-bytes was given (it
+    needs the tier's directory: alone it would change nothing)."""
+    if a.prompt_cache_disk_bytes is None:
+        return {}
+    if not a.prompt_cache:
+        raise ValueError("--prompt-cache-disk-bytes: needs --prompt-cache-dir (the disk tier)")
+    return {"prefix_cache_disk_bytes": a.prompt_cache_disk_bytes}
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     """An OpenAI-compatible server (fx_engine/server/app.py) on one Engine."""
     import uvicorn
@@ -278,7 +290,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # (sharded: every rank loaded the same draft; requests name it by its place in drafts=)
     engine = fx_engine.Engine(model, max_rows=a.decode_concurrency, prefill_chunk=a.prefill_step_size,
                               max_queue=a.max_queue, prefix_cache_bytes=a.prompt_cache_bytes,
-                              prefix_cache_dir=a.prompt_cache_dir,
+                              prefix_cache_dir=a.prompt_cache,
+                              **_disk_budget(a),
                               prefix_cache_entries=a.prompt_cache_size, lockstep=tp,
                               drafts=[defaults["draft_model"]] if "draft_model" in defaults else [])
     if tp:
@@ -302,7 +315,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     model_id = a.model_id or _model_id(model)
     app = create_app(engine, model_id, api_key=a.api_key, defaults=defaults,
                      chat_template=template, chat_template_args=template_args,
-                     max_request_bytes=a.max_request_bytes, stream_buffer=a.stream_buffer)
+                     max_request_bytes=a.max_request_bytes, stream_buffer=a.stream_buffer,
+                     stream_unread_bytes=a.stream_unread_bytes)
+    from fx_engine.server.connections import server_config
+
+    config = server_config(app, host=a.host, port=a.port, header_timeout=a.header_timeout,
+                           timeout_keep_alive=a.timeout_keep_alive,
+                           max_connections=a.max_connections, log_level="warning",
+                           timeout_graceful_shutdown=a.shutdown_timeout)
     log = logging.getLogger("fx_engine.server")
     log.info("fx-engine %s serving %s%s (%s, fingerprint %s) on http://%s:%d; %d rows, prefill "
              "chunk %d, queue %d, prefix cache %d MiB%s, KV %s, speculation %s, %d API key(s)",
@@ -310,7 +330,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
              "".join(f", {model_id}:{n}" for n in model.adapters.names()),
              model.config.model_type, model.fingerprint, a.host,
              a.port, engine.max_rows, engine.prefill_chunk, engine.max_queue,
-             a.prompt_cache_bytes >> 20, f" + disk {a.prompt_cache_dir}" if a.prompt_cache_dir else "",
+             a.prompt_cache_bytes >> 20, f" + disk {a.prompt_cache} ({engine.prefix_cache.disk.budget >> 20} MiB)"
+             if a.prompt_cache else "",
              f"{engine.bytes_per_token:.0f} B/token", "prompt lookup" if a.prompt_lookup else (
                  "draft model" if "draft_model" in defaults else "off"), len(a.api_key or ()))
     engine.start()
@@ -319,8 +340,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # the process normally (exit code 0, the engine closed) instead of by the signal.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level="warning",
-                    timeout_graceful_shutdown=a.shutdown_timeout)
+        server = uvicorn.Server(config)
+        server.run()
+        if not server.started:  # e.g. the port is taken (uvicorn.run's exit code)
+            return 3
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -329,9 +352,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def _model_id(model: Any) -> str:
+    """The id /v1/models lists: the file or folder name without its extension and without
+    a GGUF quantization tag (SmolLM2-135M-Instruct.Q4_1.gguf: SmolLM2-135M-Instruct, the
+    name the docs use); the server also accepts the file name, stem and path."""
+    import re
     from pathlib import Path
 
-    return Path(model.path).stem if model.path else "fx-engine"
+    if not model.path:
+        return "fx-engine"
+    p = Path(model.path)  # (a folder's name is kept whole: Mistral-7B-v0.1 has no extension)
+    stem = p.stem if p.suffix.lower() == ".gguf" else p.name
+    return re.sub(r"[.-](?:i?q\d\w*|f16|f32|bf16)$", "", stem, flags=re.IGNORECASE) or stem
 
 
 def _native_line() -> str:
@@ -442,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--quantized-kv-start", type=int, default=5000)
     cp.set_defaults(func=cmd_cache_prompt)
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (drop-in for mlx_lm.server)")
-    _sampling_args(sv)
+    _sampling_args(sv, serve=True)
     sv.set_defaults(max_tokens=512)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8080)
@@ -456,6 +487,17 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--stream-buffer", type=int, default=256,
                     help="events per choice a streaming client may fall behind before it is "
                          "cut off and its rows freed")
+    sv.add_argument("--stream-unread-bytes", type=int, default=64 << 10,
+                    help="bytes a stream's client may leave unread (in the server's and the "
+                         "kernel's send buffers) while it reads nothing before it is cut off "
+                         "and its rows freed (default 64 KiB)")
+    sv.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a connection may take to send a request head, from its "
+                         "start or its previous response (slow-header clients are closed)")
+    sv.add_argument("--timeout-keep-alive", type=int, default=5,
+                    help="seconds an idle connection stays open between requests")
+    sv.add_argument("--max-connections", type=int, default=512,
+                    help="open connections beyond this get a 503 and are closed")
     sv.add_argument("--model-id", default=None, help="the id /v1/models reports")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                     help="server log level: info = a start-up line and one access line per "
@@ -465,7 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prefill-step-size", type=int, default=512, help="prefill chunk size")
     sv.add_argument("--prompt-cache-bytes", type=int, default=512 << 20,
                     help="in-memory prefix cache budget (0: off)")
-    sv.add_argument("--prompt-cache-dir", default=None, help="prefix cache disk tier directory")
+    sv.add_argument("--prompt-cache-disk-bytes", type=int, default=None,
+                    help="the disk tier's byte budget (--prompt-cache-dir; default 4 GiB; the "
+                         "least recently used entries are deleted beyond it)")
     sv.add_argument("--prompt-cache-size", type=int, default=None,
                     help="most prefix cache entries in memory (mlx_lm.server's flag)")
     sv.add_argument("--chat-template", default=None, help="a Jinja chat template (or @FILE)")

@@ -71,14 +71,21 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(app, engine):
+def serve(app, engine, **limits):
     """A live uvicorn server for `app` on a free port of 127.0.0.1, with `engine` started;
     yields (url, port). Shut down fully afterwards (no thread may still be inside the
-    server or the engine during interpreter finalisation), and the engine closed."""
+    server or the engine during interpreter finalisation), and the engine closed.
+    `limits`: serve with server/connections.py's connection limits (as `fx-engine serve`)."""
     import uvicorn
 
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    if limits:
+        from fx_engine.server.connections import server_config
+
+        config = server_config(app, host="127.0.0.1", port=port, log_level="warning", **limits)
+    else:
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    srv = uvicorn.Server(config)
     engine.start()
     t = threading.Thread(target=srv.run)
     t.start()

@@ -181,10 +181,11 @@ def test_a_rejected_n_request_starts_nothing(open_server):
     after = httpx.get(url + "/metrics").text
     total = [ln for ln in before.splitlines() if ln.startswith("fx_requests_total")]
     assert total == [ln for ln in after.splitlines() if ln.startswith("fx_requests_total")]
-    # the last seed a choice may have wraps around instead of failing the request
+    # seeds are OpenAI's int64: -2 is the engine's 2**64 - 2, and choice i draws with
+    # seed + i, which wraps around past 2**64 - 1 instead of failing the request
     r = httpx.post(url + "/v1/completions", timeout=60, json={
-        "prompt": "hi", "n": 2, "seed": 2**64 - 1, "max_tokens": 2, "temperature": 1.0})
-    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        "prompt": "hi", "n": 3, "seed": -2, "max_tokens": 2, "temperature": 1.0})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
 
 
 def test_submit_many_is_all_or_nothing(tiny):
@@ -542,3 +543,176 @@ def test_a_closed_event_loop_ends_only_its_own_request(tiny):
         assert engine.submit("hi", max_tokens=2).result(timeout=60).finish_reason == "length"
     finally:
         engine.close(wait=False)
+
+
+# ------------------------------------------------------------------------ 7. engine-side work (issue 40)
+
+
+def test_an_embeddings_client_that_leaves_frees_the_engine(tiny):
+    """/v1/embeddings runs one bounded call per engine step; a client that gives up
+    cancels the rest (before: the whole request ran on the engine thread to its end)."""
+    _, model = tiny
+    engine = fx_engine.Engine(model, max_rows=2, prefill_chunk=16)  # 16-token embedding calls
+    app = create_app(engine, "tiny")
+    body = {"input": [[(7 * i + j) % 300 + 3 for j in range(2000)] for i in range(64)]}
+    with serve(app, engine) as (url, _):
+        with pytest.raises(httpx.TimeoutException):  # ~8,000 calls of work
+            httpx.post(url + "/v1/embeddings", json=body, timeout=1.0)
+        deadline = time.time() + 60
+        while engine.stats()["jobs"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert engine.stats()["jobs"] == 0
+        assert any(e["kind"] == "job_cancelled" for e in engine.trace_events)
+        assert sum(e["kind"] == "job_step" for e in engine.trace_events) < 64 * 2000 // 16
+        r = httpx.post(url + "/v1/embeddings", json={"input": "still serving"}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 64
+
+
+_FORK_CHILD = r"""
+import os, sys
+import fx_engine
+from fx_engine.engine.engine import EngineForked
+
+model = fx_engine.load(sys.argv[1])
+engine = fx_engine.Engine(model, max_rows=2)
+engine.start()
+assert engine.submit("hi", max_tokens=2).result(timeout=60).token_ids
+waiting = engine.submit("a handle made before the fork", max_tokens=500)
+pid = os.fork()
+if pid == 0:
+    codes = []
+    for use in (lambda: engine.submit("hello", max_tokens=2),
+                lambda: waiting.result(timeout=30)):
+        try:
+            use()
+            codes.append("no error")
+        except EngineForked as e:
+            codes.append("forked" if "fork" in str(e) else str(e))
+        except Exception as e:
+            codes.append(repr(e))
+    print("child:", codes, flush=True)
+    sys.exit(0 if codes == ["forked", "forked"] else 1)  # (exit handlers must not hang)
+_, status = os.waitpid(pid, 0)
+assert engine.submit("still works", max_tokens=2).result(timeout=60).token_ids
+engine.close()
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_an_engine_used_in_a_forked_child_raises_instead_of_hanging(tiny):
+    """Submitting to, or waiting on, an Engine of the parent process in a fork()ed child is
+    an EngineForked error (before: a hang); the child exits, the parent's engine serves on."""
+    path, _ = tiny
+    proc = subprocess.Popen([sys.executable, "-c", _FORK_CHILD, str(path)], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the parent and its hung child
+        out, err = proc.communicate()
+        pytest.fail(f"the forked child hung: {out}")
+    assert proc.returncode == 0, out + err[-3000:]
+    assert "child: ['forked', 'forked']" in out
+
+
+# ------------------------------------------------------------------------ 7. connections
+# (served as `fx-engine serve` serves: server/connections.py's limits)
+
+
+def _closed_within(s: socket.socket, timeout: float) -> tuple[bool, bytes]:
+    """Whether the server closed `s` within `timeout` seconds, and what it sent first."""
+    s.settimeout(timeout)
+    data = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return True, data
+            data += chunk
+    except ConnectionResetError:
+        return True, data
+    except socket.timeout:
+        return False, data
+
+
+def test_idle_and_slow_header_connections_are_closed(tiny):
+    """A socket that sends nothing, one that sends a request head a line at a time
+    (slowloris) and an idle keep-alive one are closed within the timeouts; /health is
+    answered meanwhile. (Plain uvicorn held all of them for good.)"""
+    _, model = tiny
+    engine = fx_engine.Engine(model, max_rows=2, prefill_chunk=64)
+    app = create_app(engine, "tiny")
+    with serve(app, engine, header_timeout=1.5, timeout_keep_alive=1) as (url, port):
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        for s in slow:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        kept = socket.create_connection(("127.0.0.1", port))
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _response(kept)[0] == 200
+        t0 = time.monotonic()
+        for _ in range(4):  # a header line every 0.5 s: each byte resets no deadline
+            time.sleep(0.5)
+            for s in slow:
+                with contextlib.suppress(OSError):
+                    s.sendall(b"X-Slow: 1\r\n")
+            assert httpx.get(url + "/health", timeout=5).status_code == 200
+        try:
+            for s in idle + slow + [kept]:
+                closed, data = _closed_within(s, max(0.1, t0 + 20 - time.monotonic()))
+                assert closed, "a connection is still open after 20 s"
+                if s in slow:  # part of a head came: told why before the close
+                    assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data, data
+        finally:
+            for s in idle + slow + [kept]:
+                s.close()
+
+
+def test_connections_beyond_the_limit_get_a_503(tiny):
+    _, model = tiny
+    engine = fx_engine.Engine(model, max_rows=2, prefill_chunk=64)
+    app = create_app(engine, "tiny")
+    with serve(app, engine, max_connections=4) as (url, port):
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+        try:
+            time.sleep(0.2)  # accepted
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, err = _response(s)
+            s.close()
+            assert status == 503 and err["error"]["code"] == "too_many_connections", err
+        finally:
+            for h in held:
+                h.close()
+        time.sleep(0.2)
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 200
+
+
+def test_streams_that_are_never_read_are_cut_off_however_much_the_kernel_buffers(tiny):
+    """Clients that start streams and never read: the kernel's socket buffers absorb
+    whole generations (~4 MB here), so neither `send` nor the event backlog ever blocks;
+    the unread bytes the kernel holds, with nothing read for a second, cut them off, and
+    their rows are freed long before max_tokens, while another client is served."""
+    _, model = tiny
+    engine = fx_engine.Engine(model, max_rows=16, prefill_chunk=64, max_queue=64)
+    app = create_app(engine, "tiny", stream_unread_bytes=16 << 10)
+    with serve(app, engine, header_timeout=30) as (url, port):
+        body = json.dumps({"messages": [{"role": "user", "content": "Tell me a long story"}],
+                           "max_tokens": 1900, "temperature": 0.8, "stream": True}).encode()
+        t_start = time.perf_counter()
+        idle = [_post_raw(port, "/v1/chat/completions", body, rcvbuf=4096) for _ in range(8)]
+        try:
+            assert _wait_rows(url, 8, timeout=30) == 8
+            r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+            assert _wait_rows(url, 0, timeout=90) == 0
+            retired = [e for e in engine.trace_events if e["kind"] == "retire"
+                       and e["t"] > t_start and e["reason"] == "cancelled"]
+            assert len(retired) == 8, retired
+            assert all(e["generated"] < 1900 for e in retired), retired
+            for s in idle:  # the connection is dropped, not left holding its buffers
+                assert _closed_within(s, 30)[0]
+        finally:
+            for s in idle:
+                s.close()

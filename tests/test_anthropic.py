@@ -151,3 +151,141 @@ def test_thinking_blocks(tmp_path):
             assert final.content[0].thinking == "Paris is the capital."
     finally:
         engine.close()
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"], "additionalProperties": False}
+
+
+def test_output_format_is_the_beta_spelling_of_output_config_format(server):
+    # litellm sends structured outputs as the beta's top-level `output_format`
+    c = server["client"]
+    r = c.messages.create(model="smollm2", max_tokens=40, messages=ASK, extra_body={
+        "temperature": 0, "output_format": {"type": "json_schema", "schema": CITY}})
+    jsonschema.validate(json.loads(r.content[0].text), CITY)
+    with pytest.raises(anthropic.BadRequestError, match="output_format"):
+        c.messages.create(model="smollm2", max_tokens=8, messages=ASK,
+                          output_config={"format": {"type": "json_schema", "schema": CITY}},
+                          extra_body={"output_format": {"type": "json_schema", "schema": CITY}})
+
+
+def test_the_sdk_tool_runner_drops_the_thread_it_cannot_have(server):
+    """The SDK's tool_runner asks for a server-side thread; the 400 carries the error code
+    on which the SDK sends the turn again without one, and the run goes on."""
+    sent = []
+    http = anthropic.DefaultHttpxClient(event_hooks={"request": [lambda req: sent.append(json.loads(req.content))]})
+    c = anthropic.Anthropic(base_url=server["url"], api_key="x", max_retries=0, http_client=http)
+    cities = []
+
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """Weather in a city."""
+        cities.append(city)
+        return "21 C and sunny"
+
+    runner = c.beta.messages.tool_runner(
+        model="smollm2", max_tokens=200, tools=[get_weather], max_iterations=2,
+        messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
+        tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    replies = list(runner)
+    assert replies and cities  # the model's call ran, and the run continued after it
+    assert sent[0]["thread"] == {"type": "create"} and all("thread" not in b for b in sent[1:])
+    assert len(sent) == 1 + len(replies)  # one refused request, then one per reply
+
+
+def test_context_management_is_a_400_that_says_why(server):
+    r = httpx.post(server["url"] + "/v1/messages", timeout=60, json={
+        "model": "smollm2", "max_tokens": 8, "messages": ASK,
+        "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "context_management: context editing" in r.json()["error"]["message"]
+
+
+def test_the_streamed_usage_reports_the_cached_prefix(server):
+    c = server["client"]
+    msgs = [{"role": "user", "content": "Name three rivers of Europe, and say where each flows."}]
+    c.messages.create(model="smollm2", max_tokens=4, messages=msgs, **GREEDY)  # fills the cache
+    twin = c.messages.create(model="smollm2", max_tokens=4, messages=msgs, **GREEDY)
+    assert twin.usage.cache_read_input_tokens > 0
+    events = list(c.messages.create(model="smollm2", max_tokens=4, messages=msgs, stream=True, **GREEDY))
+    start, delta = events[0], next(e for e in events if e.type == "message_delta")
+    assert start.type == "message_start"
+    for usage in (start.message.usage, delta.usage):
+        assert usage.cache_read_input_tokens == twin.usage.cache_read_input_tokens
+        assert usage.input_tokens == twin.usage.input_tokens
+    with c.messages.stream(model="smollm2", max_tokens=4, messages=msgs, **GREEDY) as s:
+        final = s.get_final_message()
+    assert final.usage == twin.usage
+
+
+def _tiny_client(tmp_path, **app_kw):
+    from fastapi.testclient import TestClient
+
+    model = fx_engine.load(write_tiny_model(tmp_path / "m", max_position_embeddings=128))
+    engine = ScriptedEngine(model, max_rows=2, prefill_chunk=64)
+    engine.script = model.tokenizer.encode("ab " * 200, add_special_tokens=False)
+    return model, engine, TestClient(create_app(engine, "tiny", **app_kw))
+
+
+def test_max_tokens_beyond_the_context_is_clamped_to_the_room_left(tmp_path):
+    model, engine, tc = _tiny_client(tmp_path)
+    engine.start()
+    try:
+        with tc:
+            c = anthropic.Anthropic(base_url="http://testserver", api_key="x", http_client=tc)
+            r = c.messages.create(model="claude-sonnet-4-5", max_tokens=32000, messages=ASK, timeout=60)
+            prompt = c.messages.count_tokens(model="tiny", messages=ASK).input_tokens
+            assert r.stop_reason == "max_tokens"
+            context = model.config.max_position_embeddings
+            assert r.usage.output_tokens == context + 1 - prompt  # the engine's own bound
+            with c.messages.stream(model="x", max_tokens=32000, messages=ASK) as s:
+                assert s.get_final_message().stop_reason == "max_tokens"
+            # within the room, max_tokens is the client's
+            assert c.messages.create(model="x", max_tokens=5, messages=ASK).usage.output_tokens == 5
+    finally:
+        engine.close()
+
+
+def test_gate_and_routing_errors_are_anthropic_shaped(tmp_path):
+    _, engine, tc = _tiny_client(tmp_path, api_key="k", max_request_bytes=4096)
+    engine.start()
+    try:
+        with tc:
+            def check(r, status, kind):
+                assert r.status_code == status, r.text
+                assert r.json() == {"type": "error", "error": {"type": kind, "message": r.json()["error"]["message"]}}
+
+            body = {"model": "x", "max_tokens": 4, "messages": ASK}
+            check(tc.post("/v1/messages", json=body), 401, "authentication_error")
+            check(tc.post("/v1/messages/count_tokens", json=body, headers={"x-api-key": "no"}),
+                  401, "authentication_error")
+            key = {"x-api-key": "k"}
+            check(tc.post("/v1/messages/nope", json=body, headers=key), 404, "not_found_error")
+            big = {**body, "system": "x" * 5000}
+            check(tc.post("/v1/messages", json=big, headers=key), 413, "request_too_large")
+            with pytest.raises(anthropic.AuthenticationError) as e:
+                anthropic.Anthropic(base_url="http://testserver", api_key="no", http_client=tc
+                                    ).messages.create(**body)
+            assert e.value.body["error"]["type"] == "authentication_error"
+            # the other routes keep OpenAI's shape
+            r = tc.post("/v1/chat/completions", json={"messages": ASK})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            assert "type" not in r.json()
+    finally:
+        engine.close()
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_row(tiny_model):
+    from .test_abuse import _post_raw, _wait_rows
+
+    engine = fx_engine.Engine(tiny_model, max_rows=4, prefill_chunk=64)
+    with serve(create_app(engine, "tiny"), engine) as (url, port):
+        body = json.dumps({"model": "x", "max_tokens": 1900, "temperature": 0.8, "messages": ASK})
+        s = _post_raw(port, "/v1/messages", body.encode())
+        try:
+            assert _wait_rows(url, 1, timeout=30) == 1  # decoding
+        finally:
+            s.close()
+        assert _wait_rows(url, 0, timeout=10) == 0  # long before its 1900 tokens
+        retired = [e for e in engine.trace_events if e["kind"] == "retire"]
+        assert [e["reason"] for e in retired] == ["cancelled"] and retired[0]["generated"] < 1900

@@ -53,3 +53,51 @@ def test_cache_prompt_then_generate_with_the_prompt_cache(tiny_dir, tmp_path, ca
     code = main(["generate", "hi", "--system", system, "--model", str(tiny_dir), "--max-tokens", "4",
                  "--prompt-cache", str(cache)])
     assert code == 0
+
+
+def _served(monkeypatch, argv):
+    """Run `fx-engine serve ARGV` up to the HTTP server, which returns at once: the Engine's
+    arguments and the uvicorn Config it would have served with."""
+    import uvicorn
+
+    import fx_engine
+
+    seen = {}
+
+    class Recording(fx_engine.Engine):
+        def __init__(self, *args, **kwargs):
+            seen["engine"] = kwargs
+            super().__init__(*args, **kwargs)
+
+    def run(self, sockets=None):
+        seen["config"] = self.config
+        self.started = True
+
+    monkeypatch.setattr(fx_engine, "Engine", Recording)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    return main(["serve", *argv]), seen
+
+
+@pytest.mark.parametrize("flag", ["--prompt-cache", "--prompt-cache-dir"])
+def test_serve_prompt_cache_names_and_disk_budget_reach_the_engine(tiny_dir, tmp_path, monkeypatch, flag):
+    """`--prompt-cache DIR` (listed in serve --help) was parsed and then ignored."""
+    code, seen = _served(monkeypatch, ["--model", str(tiny_dir), flag, str(tmp_path / "pc"),
+                                       "--prompt-cache-disk-bytes", str(1 << 20)])
+    assert code == 0
+    assert seen["engine"]["prefix_cache_dir"] == str(tmp_path / "pc")
+    assert seen["engine"]["prefix_cache_disk_bytes"] == 1 << 20
+
+
+def test_serve_disk_budget_without_a_directory_is_an_error(tiny_dir, monkeypatch, capsys):
+    code, _ = _served(monkeypatch, ["--model", str(tiny_dir), "--prompt-cache-disk-bytes", "1000"])
+    assert code == 2 and "--prompt-cache-dir" in capsys.readouterr().err
+
+
+def test_serve_connection_limits_reach_the_server(tiny_dir, monkeypatch):
+    from fx_engine.server.connections import LimitedH11Protocol
+
+    code, seen = _served(monkeypatch, ["--model", str(tiny_dir), "--header-timeout", "3",
+                                       "--timeout-keep-alive", "2", "--max-connections", "7"])
+    config = seen["config"]
+    assert code == 0 and config.http is LimitedH11Protocol
+    assert (config.fx_header_timeout, config.timeout_keep_alive, config.fx_max_connections) == (3, 2, 7)

@@ -37,8 +37,10 @@ NO_EFFECT = {
     "safety_identifier": "the same, OpenAI's newer name",
     "metadata": "key-value tags for the caller's bookkeeping",
     "prompt_cache_key": "a cache-routing hint; prefix caching is always on",
-    "include": "only 'reasoning.encrypted_content', which has nothing to add (no encryption)",
-    "truncation": "only 'disabled', the behaviour",
+    "prompt_cache_retention": "a cache-retention hint; the prefix cache keeps entries while its "
+                              "budget allows, whichever is asked",
+    "truncation": "'auto' changes only an input that overflows the context (tested in "
+                  "test_responses: test_truncation_auto_drops_the_oldest_items_to_fit)",
     "service_tier": "only 'auto' / 'default' ('standard_only' for Anthropic), the behaviour",
     "cache_control": "Anthropic's prompt-caching hint; prefix caching is always on",
     "speed": "Anthropic's speed tier: only 'standard', the behaviour",
@@ -116,6 +118,12 @@ RESPONSES = {
     "reasoning": (None, {"reasoning": {"effort": "low"}}),  # a 400: no switch
     "stream": (None, {"stream": True}),
     "stream_options": ({"stream": True}, {"stream_options": {"include_obfuscation": True}}),
+    "include": (None, {"include": ["message.output_text.logprobs"]}),
+    "top_logprobs": ({"include": ["message.output_text.logprobs"]}, {"top_logprobs": 3}),
+    "max_tool_calls": ({"tools": [{"type": "function", "name": "get_weather",
+                                   "parameters": TOOL["function"]["parameters"]}],
+                        "tool_choice": "required", "temperature": 1.0},
+                       {"max_tool_calls": 1}),
 }
 MESSAGES = {
     "messages": (None, {"messages": [{"role": "user", "content": "Name a fruit."}]}),
@@ -132,6 +140,8 @@ MESSAGES = {
                     {"tool_choice": {"type": "any"}}),
     "thinking": (None, {"thinking": {"type": "enabled", "budget_tokens": 1024}}),  # a 400: no switch
     "output_config": (None, {"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}),
+    "output_format": (None, {"output_format": {"type": "json_schema", "schema": SCHEMA}}),
+    "thread": (None, {"thread": {"type": "create"}}),  # a 400 the SDK understands
 }
 EMBEDDINGS = {
     "input": (None, {"input": "another text"}),

@@ -146,3 +146,102 @@ def test_reasoning_items(tmp_path):
             assert final.output_text == "Four."
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_output_text_logprobs_equal_the_chat_routes(server, stream):
+    c = server["client"]
+    kw = dict(model="smollm2", input="What is the capital of France?", temperature=0,
+              max_output_tokens=12, top_logprobs=3, include=["message.output_text.logprobs"])
+    if stream:
+        with c.responses.stream(**kw) as s:
+            deltas = [lp for e in s if e.type == "response.output_text.delta" for lp in e.logprobs]
+            r = s.get_final_response()
+    else:
+        r = c.responses.create(**kw)
+    chat = _chat(server["url"], [{"role": "user", "content": kw["input"]}], max_tokens=12,
+                 logprobs=True, top_logprobs=3)["choices"][0]["logprobs"]["content"]
+    got = [lp.model_dump() for lp in r.output[0].content[0].logprobs]
+    assert [g["token"] for g in got] == [w["token"] for w in chat] and got
+    for g, w in zip(got, chat):
+        assert g["logprob"] == pytest.approx(w["logprob"], abs=1e-3)
+        assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]]
+    if stream:  # the deltas carried the same records as they went
+        assert [lp.model_dump() for lp in deltas] == got
+    r = httpx.post(server["url"] + "/v1/responses", timeout=60, json={"input": "hi", "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tool_calls_caps_the_calls_returned(server, stream):
+    c = server["client"]
+    kw = dict(model="smollm2", input="What is the weather in Paris and in Oslo?", tools=TOOLS,
+              tool_choice="required", temperature=0, max_output_tokens=200)
+
+    def calls(**more):
+        if stream:
+            with c.responses.stream(**kw, **more) as s:
+                r = s.get_final_response()
+        else:
+            r = c.responses.create(**kw, **more)
+        assert r.max_tool_calls == more.get("max_tool_calls")
+        return [o for o in r.output if o.type == "function_call"]
+
+    assert len(calls()) > 1  # the model calls twice when it may
+    [one] = calls(max_tool_calls=1)
+    jsonschema.validate(json.loads(one.arguments), TOOLS[0]["parameters"])
+
+
+def test_prompt_cache_retention_is_a_hint_both_routes_accept(server):
+    for value in ("in_memory", "24h"):
+        r = httpx.post(server["url"] + "/v1/responses", timeout=60, json={
+            "input": "hi", "max_output_tokens": 2, "prompt_cache_retention": value})
+        assert r.status_code == 200, r.text
+        r = httpx.post(server["url"] + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_cache_retention": value})
+        assert r.status_code == 200, r.text
+    r = httpx.post(server["url"] + "/v1/responses", timeout=60, json={
+        "input": "hi", "prompt_cache_retention": "forever"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_retention"
+
+
+def test_truncation_auto_drops_the_oldest_items_to_fit(tmp_path):
+    from fastapi.testclient import TestClient
+
+    model = fx_engine.load(write_tiny_model(tmp_path / "m", max_position_embeddings=128))
+    engine = fx_engine.Engine(model, max_rows=2, prefill_chunk=64)
+    items = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message number {i} " * 3}
+             for i in range(15)]
+    engine.start()
+    try:
+        with TestClient(create_app(engine, "tiny")) as tc:
+            body = {"input": items, "max_output_tokens": 8}
+            r = tc.post("/v1/responses", json=body)
+            assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+            r = tc.post("/v1/responses", json={**body, "truncation": "auto"})
+            assert r.status_code == 200, r.text
+            assert r.json()["truncation"] == "auto"
+            # the oracle: the longest suffix of the input whose prompt leaves room for the reply
+            context = model.config.max_position_embeddings + 1
+            counts = [tc.post("/tokenize", json={"messages": items[k:]}).json()["count"]
+                      for k in range(len(items))]
+            want = next(n for n in counts if n + 8 <= context)
+            assert r.json()["usage"]["input_tokens"] == want
+    finally:
+        engine.close()
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_row(tiny_model):
+    from .test_abuse import _post_raw, _wait_rows
+
+    engine = fx_engine.Engine(tiny_model, max_rows=4, prefill_chunk=64)
+    with serve(create_app(engine, "tiny"), engine) as (url, port):
+        body = json.dumps({"max_output_tokens": 1900, "temperature": 0.8, "input": "Tell me a story"})
+        s = _post_raw(port, "/v1/responses", body.encode())
+        try:
+            assert _wait_rows(url, 1, timeout=30) == 1  # decoding
+        finally:
+            s.close()
+        assert _wait_rows(url, 0, timeout=10) == 0
+        retired = [e for e in engine.trace_events if e["kind"] == "retire"]
+        assert [e["reason"] for e in retired] == ["cancelled"] and retired[0]["generated"] < 1900

@@ -296,3 +296,100 @@ def test_schema_fuzz_from_the_openapi_document_never_500(server, path):
     with httpx.Client(base_url=server["url"], timeout=120) as h:
         ok = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+# ---- issue 40: client fields and routes real SDKs use; /tokenize's bodies
+
+
+def test_models_retrieve(server, client):
+    import openai
+
+    m = client.models.retrieve("tiny")
+    assert m.id == "tiny" and m.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+
+
+def test_served_id_is_the_documented_name_and_the_file_name_is_accepted(default_model):
+    """The default model's file is SmolLM2-135M-Instruct.Q4_1.gguf; the docs call it
+    SmolLM2-135M-Instruct: that is the id listed, and the file's names are accepted too."""
+    from fastapi.testclient import TestClient
+
+    from fx_engine.cli import _model_id
+    from fx_engine.loading.default_model import DEFAULT_MODEL_FILE, DEFAULT_MODEL_NAME
+
+    engine = fx_engine.Engine(default_model, max_rows=2, prefill_chunk=64).start()
+    try:
+        c = TestClient(create_app(engine, _model_id(default_model)))
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [DEFAULT_MODEL_NAME]
+        for name in (DEFAULT_MODEL_NAME, DEFAULT_MODEL_FILE, DEFAULT_MODEL_FILE.removesuffix(".gguf")):
+            assert c.get(f"/v1/models/{name}").json()["id"] == DEFAULT_MODEL_NAME
+            r = c.post("/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["model"] == DEFAULT_MODEL_NAME, r.text
+    finally:
+        engine.close(wait=False)
+
+
+def test_seed_is_a_signed_64_bit_integer(server):
+    """-1 is "random" (llama.cpp's server), other negatives are their 64 bits read
+    unsigned (the same draws as that seed), beyond int64 is a 400 naming the field."""
+    prompt = LONG_TEXT[:40]
+    with httpx.Client(base_url=server["url"], timeout=60) as h:
+        def text(seed):
+            r = h.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8,
+                                                "temperature": 1.0, "seed": seed})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        want = fx_engine.generate(server["model"], prompt, max_tokens=8, temperature=1.0,
+                                  seed=2**64 - 5).text
+        assert text(-5) == want == text(-5)
+        assert text(-1) is not None  # accepted: a fresh seed
+        for bad in (2**63, -2**63 - 1):
+            r = h.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "seed": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("kwargs", [{"tokenize": False}, {"chat_template": "x"}, {"messages": []},
+                                    {"add_generation_prompt": False}, {"special_tokens": {}}])
+def test_template_kwargs_that_collide_with_the_servers_arguments_are_400_on_both_routes(server, kwargs):
+    (name,) = kwargs
+    with httpx.Client(base_url=server["url"], timeout=60) as h:
+        for path, extra in (("/tokenize", {}), ("/v1/chat/completions", {"max_tokens": 1})):
+            r = h.post(path, json={"messages": MSG, "chat_template_kwargs": kwargs, **extra})
+            assert r.status_code == 400, (path, r.text)
+            assert r.json()["error"]["param"] == f"chat_template_kwargs.{name}", (path, r.text)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": MSG, "chat_template_kwargs": {"no_such_variable": 1}},  # as on the chat route
+     "chat_template_kwargs.no_such_variable"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ["x"]}]}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": MSG, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ({"prompt": [1, 2, 3]}, "prompt"),
+    ({"prompt": [[1, 2]]}, "prompt"),
+    ({"prompt": {"text": "x"}}, "prompt"),
+    ({"prompt": "hi", "messages": MSG}, "prompt"),
+])
+def test_malformed_tokenize_bodies_are_400_naming_the_field(server, body, param):
+    r = httpx.post(server["url"] + "/tokenize", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param), r.text
+
+
+def test_tokenize_token_strs_are_the_vocabulary_tokens(server):
+    """vLLM's token_strs: transformers' convert_ids_to_tokens (the vocabulary's tokens,
+    e.g. byte-level BPE's 'Ċ' for a newline), not each token decoded on its own."""
+    tok = server["model"].tokenizer
+    for body in ({"prompt": "Hello\nworld", "add_special_tokens": True},
+                 {"messages": [{"role": "user", "content": "Hi\nthere"}]}):
+        r = httpx.post(server["url"] + "/tokenize", json={**body, "return_token_strs": True}, timeout=60)
+        out = r.json()
+        assert out["token_strs"] == [tok.backend.id_to_token(i) for i in out["tokens"]]

@@ -209,15 +209,19 @@ def test_named_tool_choice_and_parallel_false_give_exactly_one_call(client):
 
 
 def test_streamed_required_tool_calls(client):
-    calls, finish = [], None
+    calls, finish = {}, None
     for chunk in client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS,
                                                 tool_choice="required", temperature=0,
                                                 max_tokens=120, stream=True):
         for ch in chunk.choices:
-            calls += ch.delta.tool_calls or []
+            for d in ch.delta.tool_calls or []:  # a call's first delta names it, later ones add arguments
+                if d.index in calls:
+                    calls[d.index].function.arguments += d.function.arguments
+                else:
+                    calls[d.index] = d
             finish = ch.finish_reason or finish
     assert finish == "tool_calls"
-    _valid_calls(calls)
+    _valid_calls(list(calls.values()))
 
 
 def test_tools_reach_a_template_without_a_tools_section(server):
@@ -267,3 +271,93 @@ def test_logprobs_of_constrained_outputs_are_json(server):
                 "top_logprobs": 3, "stream": True}) as s:
             body = "".join(s.iter_lines())
     assert "Infinity" not in body and "NaN" not in body
+
+
+# ------------------------------------------------------------------ hostile grammars (issue 40)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"guided_regex": "[^\\x00-\\U0010FFFF]"}, "guided_regex"),
+    ({"guided_json": {"$ref": "#"}}, "guided_json"),
+    ({"json_schema": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                      "$ref": "#/$defs/a"}}, "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format.json_schema.schema"),
+])
+def test_constraints_nothing_can_satisfy_are_400s_before_admission(server, body, param):
+    """Streamed, so a request admitted first would answer 200 and fail in its stream: the
+    400 is decided when the request is made, with a short message (no parser dump)."""
+    r = _post(server, "/v1/chat/completions", {"model": "smollm2", "messages": MSGS, "max_tokens": 4,
+                                               "stream": True, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    assert "no output satisfies" in err["message"] and len(err["message"]) < 300, err
+
+
+def test_a_grammar_that_hits_a_parser_limit_mid_output_is_a_400(server):
+    """Its first mask is fine; after its forced first word its parser row has 3,001 items
+    (llguidance allows 2,000): the grammar's fault, a 400 naming it, not a 500."""
+    lark = ('start: "Sure" r0\n' + "\n".join(f'r{i}: "t{i}" | r{i + 1}' for i in range(1500))
+            + '\nr1500: "end"')
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 8, "grammar": lark})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "grammar" and "max is 2000" in err["message"], err
+    # streamed, the 200 has gone out: the error event names the field the same way
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 8, "grammar": lark,
+                                          "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    [err] = [e["error"] for e in events if "error" in e]
+    assert err["param"] == "grammar" and err["type"] == "invalid_request_error", err
+    assert "max is 2000" in err["message"] and "generation failed" not in err["message"], err
+
+
+def test_twenty_thousand_choices(server):
+    """llguidance allows 2,000 alternatives in a parser row: the choices are one lexeme."""
+    choices = [f"c{i}" for i in range(20_000)]
+    r = _post(server, "/v1/completions", {"prompt": "Pick one:", "max_tokens": 8,
+                                          "guided_choice": choices})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] in set(choices)
+
+
+@pytest.mark.slow
+def test_the_3000_rule_grammar_is_a_400_and_the_server_lives_on():
+    """Issue 40's reproduction (SIGSEGV: the server exited with -11) on a server process of
+    its own, and a 3,000-link `$ref` chain within the limits (it too overflowed a worker
+    thread's stack): 400 or 200, and the server answers afterwards."""
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import free_port, wait_healthy
+
+    lark = "start: r0\n" + "\n".join(f'r{i}: "t{i}" | r{i+1}' for i in range(3000)) + '\nr3000: "end"'
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(3000)}
+    chain = {"$defs": {**defs, "d3000": {"type": "string"}}, "$ref": "#/$defs/d0"}
+    exe = os.path.join(os.path.dirname(sys.executable), "fx-engine")
+    port = free_port()
+    p = subprocess.Popen([exe, "serve", "--port", str(port), "--max-tokens", "8"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "FX_ENGINE_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, [p])
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "grammar": lark},
+                       timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "guided_json": chain},
+                       timeout=120)
+        assert r.status_code in (200, 400), r.text
+        assert p.poll() is None
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        p.terminate()
+        try:
+            p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, p.returncode

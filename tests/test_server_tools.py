@@ -61,25 +61,85 @@ _TEXTS = st.sampled_from([
     '[TOOL_CALLS][{"name": "add", "arguments": {}}]',
     '{"name": "get_weather", "parameters": {"city": "X"}}',
     "no calls at all, just <b>text</b> [TOOL",
+    # arguments re-written as they come: whitespace, numbers, escapes, nesting, several calls
+    'OK.<tool_call>\n{"name":"get_weather","arguments":{ "city" :"Pa\\u00e9ris \\ud83d\\ude00\\n\\"q\\"",'
+    '"n":1.50,"l":[1 ,2,{"x":null,"y":true}],"e":{},"z":1E2}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "add", "arguments": {"a": -0, "b": [], "c": "\\/"}}\n</tool_call>',
+    '[TOOL_CALLS][{"name": "add", "arguments": {"a": 3}, "id": "abcDEF123"}, '
+    '{"id": "z9", "name": "add", "arguments": {}}]',
+    '<tool_call>{"function": {"name": "add", "arguments": {"a": [1, {"b": 2}]}}}</tool_call>',
+    # only known at the end: arguments before the name, arguments as a string
+    '{"parameters": {"city": "Lima"}, "name": "get_weather"}',
+    '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>',
+    '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 1}<|call|>',
+    '<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a":[1, 2]}<|call|>'
+    '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"X"}',
+    '<tool_call>{"name": "rm_rf", "arguments": {"a": 1}}</tool_call>',  # not offered: content
 ])
 
 
-@settings(max_examples=200, deadline=None)
-@given(text=_TEXTS, cuts=st.lists(st.integers(0, 80), max_size=8))
-def test_streamed_parse_equals_whole_parse(text, cuts):
-    s = ToolCallStream(NAMES)
+def _replay(pieces):
+    """(content, [(id, name, arguments)], number of arguments pieces) of streamed pieces."""
+    content, calls, n_args = "", {}, 0
+    for p in pieces:
+        if p[0] == "content":
+            content += p[1]
+        elif p[0] == "call":
+            assert p[1] == len(calls)  # calls are announced in order, once
+            calls[p[1]] = [p[2], p[3], ""]
+        else:
+            calls[p[1]][2] += p[2]
+            n_args += 1
+    return content, [tuple(c) for c in calls.values()], n_args
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_TEXTS, cuts=st.lists(st.integers(0, 300), max_size=12), one=st.booleans())
+def test_streamed_parse_equals_whole_parse(text, cuts, one):
+    s = ToolCallStream(NAMES, 1 if one else None)
     pieces, prev = [], 0
     for c in sorted(set(min(c, len(text)) for c in cuts)) + [len(text)]:
-        pieces.append(text[prev:c])
+        pieces += s.feed(text[prev:c])
         prev = c
-    sent = "".join(s.feed(p) for p in pieces)
-    rest, calls = s.finish()
-    content, whole = parse_tool_calls(text, NAMES)
-    assert sent + rest == content
-    assert [c["function"] for c in calls] == [c["function"] for c in whole]
+    before_finish = list(pieces)
+    more, calls = s.finish()
+    content, got, _ = _replay(pieces + more)
+    want_content, whole = parse_tool_calls(text, NAMES)
+    whole = whole[:1] if one else whole
+    assert content == want_content
+    # the arguments streamed are the final ones, which are the non-streamed answer's
+    assert [(n, a) for _, n, a in got] == [(c["function"]["name"], c["function"]["arguments"]) for c in calls] \
+        == [(c["function"]["name"], c["function"]["arguments"]) for c in whole]
+    assert [i for i, _, _ in got] == [c["id"] for c in calls]
+    sent = _replay(before_finish)[0]
     for marker in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", '"name"'):
         if whole:
             assert marker not in sent
+
+
+def test_arguments_stream_as_they_are_written():
+    text = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+            '"days": 3, "note": "caf\\u00e9"}}\n</tool_call>')
+    s = ToolCallStream(NAMES)
+    pieces, seen = [], []  # seen[k]: what had been sent once character k was generated
+    for ch in text:
+        pieces += s.feed(ch)
+        seen.append(_replay(pieces))
+    more, [call] = s.finish()
+    content, [(cid, name, args)], n_args = _replay(pieces + more)
+    whole = json.loads(text[text.index("{") : text.index("\n</")])["arguments"]
+    assert content == "Let me check." and name == "get_weather" and cid == call["id"]
+    assert args == call["function"]["arguments"] == json.dumps(whole, ensure_ascii=False)
+    assert n_args > 10 and not more  # piece by piece, nothing left for the end
+    # the call was announced, and the city sent, before the rest of the arguments was written
+    at = text.index('"Paris"') + len('"Paris"')
+    assert seen[at][1] and seen[at][1][0][2].startswith('{"city": "Paris"')
+    # a cut-off call stays as streamed (as OpenAI's stream does); the whole parse keeps it as content
+    s = ToolCallStream(NAMES)
+    early = s.feed(text[: text.index("Paris") + 2])
+    more, calls = s.finish()
+    assert _replay(early + more)[1] == [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert calls[0]["function"]["arguments"] == '{"city": "Pa'
 
 
 TEMPLATE = (
@@ -161,10 +221,16 @@ def test_streamed_tool_calls(tool_app):
     with c.stream("POST", "/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS, "stream": True}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     content = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
-    calls = [tc for ch in chunks if ch["choices"] for tc in ch["choices"][0]["delta"].get("tool_calls", [])]
+    deltas = [tc for ch in chunks if ch["choices"] for tc in ch["choices"][0]["delta"].get("tool_calls", [])]
     assert content == "OK."
-    assert [(tc["index"], tc["function"]["name"], json.loads(tc["function"]["arguments"])) for tc in calls] == [
-        (0, "get_weather", {"city": "Paris"})]
+    # the first delta of a call names it, later ones carry only the next arguments piece
+    first, *rest = deltas
+    assert first["index"] == 0 and first["type"] == "function" and first["function"]["name"] == "get_weather"
+    assert rest and all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in rest)
+    args = "".join(d["function"]["arguments"] for d in deltas)
+    whole = c.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS}).json()
+    assert args == whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    assert json.loads(args) == {"city": "Paris"}
     assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]][-1] == "tool_calls"
 
 
@@ -197,6 +263,36 @@ def test_bad_tool_requests_are_400(tool_app, body, param):
     r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert param in r.json()["error"]["message"]
+
+
+def _nested(depth):
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/chat/completions", {"messages": MSGS, "tool_choice": "auto", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": _nested(120)}}]},
+     "tools.0.function.parameters"),
+    ("/v1/chat/completions", {"messages": MSGS, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": _nested(120)}}]},
+     "tools.0.function.parameters"),
+    ("/v1/responses", {"input": "hi", "tools": [
+        {"type": "function", "name": "f", "strict": True, "parameters": _nested(120)}]},
+     "tools.0.parameters"),
+    ("/v1/messages", {"messages": MSGS, "max_tokens": 4, "tool_choice": {"type": "any"},
+                      "tools": [{"name": "f", "input_schema": _nested(120)}]}, "tools.0"),
+])
+def test_tool_schemas_are_held_to_the_schema_limits(tool_app, route, body, param):
+    """A tool's schema costs what a response_format schema does: beyond the documented
+    depth (grammar_guard.MAX_SCHEMA_DEPTH) it is a 400 naming the tool, on every route and
+    whatever tool_choice is (with "auto" nothing compiles it, the limit still holds)."""
+    c, _, _ = tool_app
+    r = c.post(route, json=body)
+    assert r.status_code == 400, r.text
+    assert param in r.text and "deep" in r.text
 
 
 def test_a_template_that_raises_is_a_400_not_a_500(tmp_path):
@@ -233,3 +329,113 @@ def test_full_queue_is_429_with_retry_after(tmp_path):
     assert r.json()["error"]["type"] == "rate_limit_error"
     waiting.cancel()
     engine.close(wait=False)
+
+
+# ------------------------------------------------------------------------------------------
+# Tool-call arguments streamed as they are generated, through the official SDKs' stream
+# helpers on every route; the oracle is the same route's non-streamed answer
+# ------------------------------------------------------------------------------------------
+
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                           "note": {"type": "string"}}, "required": ["city"]}
+TWO_CALLS = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3, '
+             '"note": "caf\\u00e9 \\"au lait\\""}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def two_calls(tmp_path_factory):
+    """An in-process server whose model writes some text, then two calls of get_weather."""
+    from fastapi.testclient import TestClient
+
+    model = fx_engine.load(write_tiny_model(tmp_path_factory.mktemp("two_calls") / "m"))
+    engine = ScriptedEngine(model, max_rows=4, prefill_chunk=64)
+    engine.script = model.tokenizer.encode(TWO_CALLS, add_special_tokens=False)
+    assert model.tokenizer.decode(engine.script) == TWO_CALLS
+    app = create_app(engine, "tiny", defaults={"max_tokens": 256}, chat_template=TEMPLATE)
+    engine.start()
+    with TestClient(app) as c:
+        yield c
+    engine.close()
+
+
+def test_openai_sdk_streams_tool_call_arguments(two_calls):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=two_calls, max_retries=0)
+    kw = dict(model="tiny", messages=MSGS, tools=[{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city", "parameters": PARAMS}}])
+    whole = client.chat.completions.create(**kw).choices[0]
+    want = [(tc.function.name, tc.function.arguments) for tc in whole.message.tool_calls]
+    assert len(want) == 2 and json.loads(want[0][1])["note"] == 'café "au lait"'
+    with client.chat.completions.stream(**kw) as s:
+        events = list(s)
+        final = s.get_final_completion().choices[0]
+    kinds = [e.type for e in events]
+    pieces = [[e.arguments_delta for e in events if e.type == "tool_calls.function.arguments.delta"
+               and e.index == k] for k in range(2)]
+    assert len(pieces[0]) > 1  # arguments several tokens long arrive in several deltas
+    assert ["".join(p) for p in pieces] == [a for _, a in want]
+    assert [(e.name, e.arguments) for e in events if e.type == "tool_calls.function.arguments.done"] == want
+    # the text before the calls streamed as content, ahead of them
+    first_call = kinds.index("tool_calls.function.arguments.delta")
+    assert "".join(e.delta for e in events[:first_call] if e.type == "content.delta") == "Let me check."
+    assert final.message.content == whole.message.content
+    assert [(tc.function.name, tc.function.arguments) for tc in final.message.tool_calls] == want
+    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    with client.chat.completions.stream(**kw, parallel_tool_calls=False) as s:
+        one = s.get_final_completion().choices[0].message.tool_calls
+    assert [(tc.function.name, tc.function.arguments) for tc in one] == want[:1]
+
+
+def test_anthropic_sdk_streams_tool_use_input(two_calls):
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url="http://testserver", api_key="x", http_client=two_calls, max_retries=0)
+    kw = dict(model="tiny", max_tokens=256, messages=MSGS, tools=[
+        {"name": "get_weather", "description": "Weather in a city", "input_schema": PARAMS}])
+    whole = client.messages.create(**kw)
+    chat = two_calls.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS}).json()
+    want_args = [tc["function"]["arguments"] for tc in chat["choices"][0]["message"]["tool_calls"]]
+    with client.messages.stream(**kw) as s:
+        events = list(s)
+        final = s.get_final_message()
+    starts = [e.content_block for e in events if e.type == "content_block_start"]
+    assert [b.type for b in starts] == ["text", "tool_use", "tool_use"]
+    assert all(b.input == {} for b in starts[1:])
+    pieces = [[e.delta.partial_json for e in events if e.type == "content_block_delta"
+               and e.index == k and e.delta.type == "input_json_delta"] for k in (1, 2)]
+    assert len(pieces[0]) > 1
+    assert ["".join(p) for p in pieces] == want_args  # the chat route's final arguments
+    def blocks(m):  # (the whitespace between calls is no text block of the stream's own)
+        return [(b.type, getattr(b, "text", "").strip(), getattr(b, "name", None), getattr(b, "input", None))
+                for b in m.content]
+
+    assert blocks(final) == blocks(whole)
+    assert final.stop_reason == whole.stop_reason == "tool_use"
+    assert all(b.id.startswith("toolu_") for b in final.content[1:])
+
+
+def test_responses_stream_function_call_arguments(two_calls):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=two_calls, max_retries=0)
+    kw = dict(model="tiny", input="Weather in Paris?", tools=[
+        {"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": PARAMS}])
+    whole = client.responses.create(**kw)
+    want = [(o.name, o.arguments) for o in whole.output if o.type == "function_call"]
+    assert len(want) == 2
+    with client.responses.stream(**kw) as s:
+        events = list(s)
+        final = s.get_final_response()
+    added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert [(e.item.name, e.item.arguments) for e in added] == [(n, "") for n, _ in want]
+    pieces = [[e.delta for e in events if e.type == "response.function_call_arguments.delta"
+               and e.item_id == a.item.id] for a in added]
+    assert len(pieces[0]) > 1
+    assert ["".join(p) for p in pieces] == [a for _, a in want]
+    assert [(e.name, e.arguments) for e in events if e.type == "response.function_call_arguments.done"] == want
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [(i.id, i.name, i.arguments) for i in done] == [(a.item.id, n, x) for a, (n, x) in zip(added, want)]
+    assert [(o.type, o.name, o.arguments) for o in final.output if o.type == "function_call"] == [
+        ("function_call", n, a) for n, a in want]
+    with client.responses.stream(**kw, parallel_tool_calls=False) as s:
+        one = [(o.name, o.arguments) for o in s.get_final_response().output if o.type == "function_call"]
+    assert one == want[:1]

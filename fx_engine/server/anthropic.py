@@ -13,10 +13,18 @@ chat template, tools in its format or the default tools section, enforced calls 
 * `thinking` {"type": "enabled"} turns the template's thinking switch on ("disabled" off);
   the reply's reasoning comes back as `thinking` blocks (server/reasoning.py).
 * `stop_sequences`, `temperature`, `top_p`, `top_k`, `max_tokens` (required), `metadata`.
+  `max_tokens` beyond the context is clamped to the room the prompt leaves (Claude Code
+  asks for 32,000 whatever the model); the reply then ends with stop_reason "max_tokens".
+* `output_config.format` (json_schema) or its beta spelling `output_format` constrains the
+  output. `thread` (server-side threads) is a 400 carrying `error.details.error_code:
+  "thread_unsupported_request"`, on which the SDK's tool_runner goes on without a thread;
+  `context_management` (context editing) is a 400 that says why.
 The reply: `content` blocks (thinking, text, tool_use), `stop_reason` end_turn / max_tokens
 / stop_sequence (with `stop_sequence`) / tool_use, `usage` (input_tokens counts what was not
-read from the prefix cache, cache_read_input_tokens what was). Errors use Anthropic's shape
-(`{"type": "error", "error": {"type", "message"}}`), naming the field.
+read from the prefix cache, cache_read_input_tokens what was; the stream's message_start,
+sent at the first token, reports them too). A client that leaves frees its row at once.
+Errors use Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`), naming
+the field; so do the 401, 404 and 413 of every /v1/messages route.
 """
 
 from __future__ import annotations
@@ -64,6 +72,10 @@ class MessagesRequest(_Body):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+    # the structured-outputs beta's spelling of output_config.format (litellm sends it)
+    output_format: dict[str, Any] | None = None
+    # Anthropic's server-side threads: a 400 the SDK understands (see `unsupported_thread`)
+    thread: Any = None
     service_tier: Literal["auto", "standard_only"] | None = None
     # Prompt caching is automatic here (the prefix cache): the hint asks for nothing more.
     cache_control: dict[str, Any] | None = None
@@ -78,20 +90,78 @@ class CountTokensRequest(_Body):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None
 
 
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+          405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
           503: "overloaded_error"}
 
 
-def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None,
+                    details: dict[str, Any] | None = None) -> JSONResponse:
+    """Anthropic's error body; `details` (e.g. an `error_code`) is what its SDK reads to
+    recover by itself."""
     from fx_engine.server.app import log
 
     log.warning("%d %s: %s", status, _KINDS.get(status, "api_error"), message[:500])
-    return JSONResponse(status_code=status, headers=headers, content={
-        "type": "error", "error": {"type": _KINDS.get(status, "api_error"), "message": message}})
+    error: dict[str, Any] = {"type": _KINDS.get(status, "api_error"), "message": message}
+    if details is not None:
+        error["details"] = details
+    return JSONResponse(status_code=status, headers=headers, content={"type": "error", "error": error})
+
+
+def unsupported_thread(thread: Any) -> JSONResponse | None:
+    """Server-side threads (the SDK's tool_runner and `beta.messages.thread` send `thread`)
+    are not kept here: a 400 with the error code on which the SDK resends the turn with the
+    whole history and no thread (its lib/threads/_thread_state.py). None: no thread asked."""
+    if thread is None or thread is False:
+        return None
+    return anthropic_error(400, "thread: server-side threads are not supported (nothing is stored): "
+                           "send the whole conversation in messages",
+                           details={"error_code": "thread_unsupported_request", "unsupported": ["thread"]})
+
+
+def _output_format(body: Any) -> Any:
+    """The requested JSON output format: output_config.format, or its beta spelling
+    `output_format` (the same object); both at once is a 400."""
+    fmt = (body.output_config or {}).get("format")
+    if body.output_format is not None:
+        if fmt is not None:
+            raise ValueError("output_format: give output_config.format or output_format, not both")
+        return body.output_format
+    return fmt
+
+
+def room_left(max_tokens: int, prompt_tokens: int, context: int) -> int:
+    """max_tokens clamped to what the context leaves after the prompt (Claude Code asks for
+    32,000 whatever the model): the reply then stops with stop_reason "max_tokens". A
+    prompt that leaves no room keeps max_tokens, so that the engine's 400 says why."""
+    room = context + 1 - prompt_tokens  # the last sampled token is never written to the cache
+    return min(max_tokens, room) if room >= 1 else max_tokens
+
+
+class _Started:
+    """A handle whose first event was awaited (the request was admitted: its cached prefix
+    is known); `aiter()` replays that event, then the rest."""
+
+    def __init__(self, handle: Any):
+        self._handle, self._events, self._first = handle, handle.aiter(), []
+
+    async def start(self) -> None:
+        async for ev in self._events:
+            self._first.append(ev)
+            return
+
+    async def aiter(self):
+        for ev in self._first:
+            yield ev
+        async for ev in self._events:
+            yield ev
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
 
 
 def _text_of(blocks: Any, where: str) -> str:
@@ -234,17 +304,18 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                                  f"got {oc['effort']!r}")
             effort = {"xhigh": "high", "max": "high"}.get(oc["effort"], oc["effort"])
             targs.update(template_switches(app.state.chat_template, effort, "output_config.effort"))
-        fmt = oc.get("format")
+        fmt = _output_format(body)
         if fmt is not None:
+            field = "output_format" if body.output_format is not None else "output_config.format"
             if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
-                raise ValueError('output_config.format: expected {"type": "json_schema", "schema": {...}}')
+                raise ValueError(f'{field}: expected {{"type": "json_schema", "schema": {{...}}}}')
             from fx_engine.engine.constraints import parse_constraint
 
             if choice not in (None, "auto", "none"):
-                raise ValueError("output_config.format: cannot be combined with tool_choice "
+                raise ValueError(f"{field}: cannot be combined with tool_choice "
                                  "any/tool (give one output constraint)")
             kw["constraint"] = parse_constraint(json_schema=fmt["schema"],
-                                                names={"json_schema": "output_config.format.schema"})
+                                                names={"json_schema": f"{field}.schema"})
         return app.state.chat_prompt(msgs, tools, choice, parallel, targs, kw)
 
     async def submit(request: Request, body: Any) -> tuple[list[Any], set[str] | None]:
@@ -261,6 +332,8 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                 if defaults.get(name) is not None:
                     kw[name] = defaults[name]
             ids = prompt_of(body, kw)
+            kw["max_tokens"] = room_left(body.max_tokens, len(ids),
+                                         engine.model.config.max_position_embeddings)
             kw["cache_salt"] = salt(request)
             kw["adapter"] = app.state.adapter_of(body.model)  # other names: the base
             return engine.submit_many(ids, [kw])
@@ -292,6 +365,9 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
 
     @app.post("/v1/messages")
     async def messages(request: Request, body: MessagesRequest):
+        refused = unsupported_thread(body.thread)
+        if refused is not None:
+            return refused
         got, err = await guarded(request, body)
         if err is not None:
             return err
@@ -307,12 +383,17 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                                      media_type="text/event-stream",
                                      background=BackgroundTask(lambda: h.done or h.cancel()))
         try:
-            out = await h.aresult()
+            outs = await app.state.results(request, [h])  # None: the client left
         except Exception as e:
-            return anthropic_error(500, f"generation failed: {e!r}")
+            from fx_engine.server.app import failure
+
+            return anthropic_error(*failure(e)[:2])
         finally:
             if not h.done:
                 h.cancel()
+        if outs is None:
+            return anthropic_error(499, "client disconnected")
+        out = outs[0]
         metrics.observe(out)
         reasoning, text = split_reasoning(think_fmt, out.text, inside)
         content, calls = parse_tool_calls(text, names) if names is not None else (text, [])
@@ -330,7 +411,7 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         """Anthropic's event stream: message_start, per block content_block_start / deltas
         / content_block_stop, message_delta (stop_reason, usage), message_stop."""
         think = ReasoningStream(think_fmt, inside)
-        tools = ToolCallStream(names) if names is not None else None
+        tools = ToolCallStream(names, 1 if one_call else None) if names is not None else None
         block = {"index": -1, "type": None}
 
         def open_block(kind: str, extra: dict[str, Any]) -> list[str]:
@@ -357,28 +438,32 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                                                     "delta": {"type": dtype, key: text}}))
             return out
 
-        yield _sse("message_start", {"type": "message_start", "message": {
-            "id": mid, "type": "message", "role": "assistant", "model": shown, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": _usage(len(h.prompt_token_ids), 0, 0)}})
         try:
+            # message_start waits for the first token: the request is admitted by then, so
+            # its usage can say how much of the prompt the prefix cache held
+            started = _Started(h)
+            await started.start()
+            yield _sse("message_start", {"type": "message_start", "message": {
+                "id": mid, "type": "message", "role": "assistant", "model": shown, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": _usage(len(h.prompt_token_ids), h.cached_tokens, 0)}})
             final, calls, ended = None, [], False
-            async for part in reply_parts(request, h, think, tools, one_call):
+            async for part in reply_parts(request, started, think, tools):
                 if part[0] == "end":
                     _, final, calls = part
                     ended = True
+                elif part[0] == "call":  # a tool_use block, its input streamed as written
+                    for line in open_block("tool_use", {"id": "toolu_" + part[2].removeprefix("call_"),
+                                                        "name": part[3], "input": {}}):
+                        yield line
+                elif part[0] == "args":
+                    yield _sse("content_block_delta", {"type": "content_block_delta", "index": block["index"],
+                                                       "delta": {"type": "input_json_delta", "partial_json": part[2]}})
                 else:
                     for line in piece("thinking" if part[0] == "reasoning" else "text", part[1]):
                         yield line
             if not ended:
                 return  # the client went away
-            for c in calls:
-                args = c["function"]["arguments"]
-                for line in open_block("tool_use", {"id": "toolu_" + c["id"].removeprefix("call_"),
-                                                    "name": c["function"]["name"], "input": {}}):
-                    yield line
-                yield _sse("content_block_delta", {"type": "content_block_delta", "index": block["index"],
-                                                   "delta": {"type": "input_json_delta", "partial_json": args}})
             if block["type"] is not None:
                 yield _sse("content_block_stop", {"type": "content_block_stop", "index": block["index"]})
             usage = final.usage if final is not None else None
@@ -386,13 +471,17 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                                           getattr(final, "stop_string", None), bool(calls))
             yield _sse("message_delta", {"type": "message_delta",
                                          "delta": {"stop_reason": stop_reason, "stop_sequence": stop_seq},
-                                         "usage": {"output_tokens": usage.completion_tokens if usage else 0}})
+                                         "usage": _usage(len(h.prompt_token_ids), h.cached_tokens,
+                                                         usage.completion_tokens if usage else 0)})
             yield _sse("message_stop", {"type": "message_stop"})
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            yield _sse("error", {"type": "error", "error": {"type": "api_error",
-                                                            "message": f"generation failed: {e!r}"}})
+            from fx_engine.server.app import failure
+
+            status, msg, _ = failure(e)
+            yield _sse("error", {"type": "error", "error": {
+                "type": _KINDS.get(status, "api_error"), "message": msg}})
         finally:
             if not h.done:
                 h.cancel()

@@ -1,7 +1,11 @@
 """The OpenAI-compatible HTTP server (FastAPI) on the continuous-batching Engine.
 
     app = create_app(engine, model_id="smollm2")      # engine started by the caller
-    uvicorn.run(app, host="127.0.0.1", port=8080)
+    uvicorn.Server(server_config(app, host="127.0.0.1", port=8080)).run()
+
+(`server_config`: fx_engine/server/connections.py, the connection limits: request-head
+and keep-alive timeouts, a connection limit, the kernel's view of what a client left
+unread. Plain `uvicorn.run(app)` works too, without them.)
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (JSON or SSE streaming with
 `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text). Every request
@@ -13,7 +17,10 @@ Robustness (what one client can do to the others):
   every row it started within a step.
 * The engine never waits on a client: each streamed request has a bounded buffer
   (`stream_buffer` events per choice); a client that falls that far behind is cut off
-  (an error event, if it ever reads again) and its rows are freed.
+  (an error event, if it ever reads again) and its rows are freed. Served with
+  `server_config`, a stream is also cut off (its connection dropped, its rows freed) when
+  its client reads nothing while more than `stream_unread_bytes` wait for it in the
+  server's and the kernel's send buffers, or for `send_timeout` seconds.
 * Request bodies are bounded (`max_request_bytes`, 413), prompt text that cannot fit the
   context is refused before tokenizing (400), and templating and tokenization run on worker
   threads (the tokenizer releases the GIL on long texts), so /health stays responsive.
@@ -42,18 +49,19 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fx_engine.engine.engine import Engine, EngineClosed, QueueFull
+from fx_engine.engine.grammar_guard import GrammarError, check_schema
 from fx_engine.engine.request import check_prompt_size, prompt_ids, text_bytes
 from fx_engine.server.fields import check_fields
 from fx_engine.server.reasoning import ReasoningStream, reasoning_format, starts_in_reasoning, template_switches
 from fx_engine.server.reasoning import split as split_reasoning
 from fx_engine.server.metrics import Metrics
-from fx_engine.server.tools import (ToolCallStream, parse_tool_calls, render_tools_in_prompt, template_messages, tool_call_grammar, tool_format)
+from fx_engine.server.tools import (ToolCallStream, chat_delta, parse_tool_calls, render_tools_in_prompt, template_messages, tool_call_grammar, tool_format)
 
 #: The server's logger: one access line per request (INFO), every 4xx (WARNING) and 5xx
 #: (ERROR) with its reason; `fx-engine serve --log-level` sets the level.
@@ -63,6 +71,7 @@ MAX_REQUEST_BYTES = 4 << 20  # request bodies beyond this are refused (413) unre
 STREAM_BUFFER = 256  # events per choice a streaming client may fall behind before cut-off
 OPEN_PATHS = frozenset({"/health"})  # answered without an API key
 SEND_TIMEOUT = 30.0  # seconds a client's socket may accept nothing before it is closed
+STREAM_UNREAD_BYTES = 64 << 10  # bytes a stream's client may leave unread while not reading
 
 
 def _bad_text(x: Any, path: str = "") -> str | None:
@@ -129,7 +138,8 @@ class _Sampling(_Body):
     repetition_penalty: float | None = None
     repetition_context_size: int | None = None
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    # OpenAI's seed is a signed 64-bit integer; -1 means "random" (llama.cpp's server)
+    seed: int | None = Field(default=None, ge=-2**63, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -145,6 +155,8 @@ class _Sampling(_Body):
     safety_identifier: str | None = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    # OpenAI's retention hint: the prefix cache keeps entries while its budget allows, either way
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     # Constrained decoding (fx_engine/engine/constraints.py), at most one of: OpenAI's
     # response_format; vLLM's guided_* fields and structured_outputs; llama.cpp's grammar
     # (GBNF or Lark) and json_schema.
@@ -164,6 +176,15 @@ class ChatMessage(_Base):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        """A text part's text is a string (not rendered as the repr of whatever came)."""
+        for i, part in enumerate(v if isinstance(v, list) else ()):
+            if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i}: a text part needs a string `text`")
+        return v
 
 
 class FunctionSpec(_Base):
@@ -229,6 +250,25 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
         "error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
+# Arguments of the chat template the server passes itself (the request's own fields): a
+# chat_template_kwargs entry of the same name is a 400 on every route.
+_SERVER_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "chat_template",
+                                   "template", "special_tokens"})
+
+
+def _openai_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as the template gets them (OpenAI's developer role is a system one)."""
+    out = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": m.role if m.role != "developer" else "system",
+                               "content": _content(m)}
+        for extra in ("name", "tool_calls", "tool_call_id"):
+            if getattr(m, extra) is not None:
+                msg[extra] = getattr(m, extra)
+        out.append(msg)
+    return out
+
+
 def _content(m: ChatMessage) -> str:
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
@@ -281,6 +321,13 @@ def _constraint(r: _Sampling) -> Any:
                             names={a: n for a, (n, _) in fields.items()})
 
 
+def _engine_seed(seed: int | None) -> int | None:
+    """The engine's seed (in [0, 2**64)) for a request's signed 64-bit one: -1 is no seed (a
+    fresh random one, as llama.cpp's server reads it); other negatives wrap, as the same
+    64 bits read unsigned, so each still names one reproducible stream."""
+    return None if seed is None or seed == -1 else seed % 2**64
+
+
 def _sampling_kwargs(r: _Sampling, defaults: dict[str, Any]) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     constraint = _constraint(r)
@@ -292,7 +339,7 @@ def _sampling_kwargs(r: _Sampling, defaults: dict[str, Any]) -> dict[str, Any]:
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "repetition_context_size", "seed", "xtc_probability",
                  "xtc_threshold"):
-        v = getattr(r, name)
+        v = getattr(r, name) if name != "seed" else _engine_seed(r.seed)
         if v is None:
             v = defaults.get(name)
         if v is not None:
@@ -357,6 +404,20 @@ class _ClientGone(Exception):
     """The client stopped reading: its connection is to be closed."""
 
 
+def _gone_reason(e: BaseException) -> str:
+    inner = getattr(e, "exceptions", None)
+    return _gone_reason(inner[0]) if inner else str(e)
+
+
+def failure(e: BaseException) -> tuple[int, str, str | None]:
+    """(status, message, param) for a request that failed inside the engine: the client's
+    constraint hitting a grammar limit mid-output is the client's (400 naming the field);
+    anything else is ours (500)."""
+    if isinstance(e, GrammarError):
+        return 400, str(e), str(e).split(":")[0] or None
+    return 500, f"generation failed: {e!r}", None
+
+
 def _is_gone(e: BaseException) -> bool:
     if isinstance(e, _ClientGone):
         return True
@@ -386,17 +447,29 @@ class _Gate:
     the server's own, so disconnects are seen. A valid key's tenant id goes into the ASGI
     scope (`fx_tenant`)."""
 
-    def __init__(self, app: Any, tenants: dict[str, str], max_bytes: int, send_timeout: float):
+    def __init__(self, app: Any, tenants: dict[str, str], max_bytes: int, send_timeout: float,
+                 unread_bytes: int):
         self.app, self.tenants, self.max_bytes = app, tenants, max_bytes
-        self.send_timeout = send_timeout
+        self.send_timeout, self.unread_bytes = send_timeout, unread_bytes
 
-    def _timed(self, send: Any) -> Any:
+    def _timed(self, send: Any, sock: Any) -> Any:
         """`send` that gives up on a client whose socket accepts nothing for send_timeout
         seconds (a cut-off slow reader would otherwise hold its connection, its buffered
-        events and the server's graceful shutdown for as long as it likes)."""
+        events and the server's graceful shutdown for as long as it likes). Served by
+        server/connections.py (`sock`: the connection), it also gives up on a streaming
+        client that leaves more than `unread_bytes` unread while it reads nothing, or reads
+        nothing for send_timeout seconds, however much the kernel's buffers absorb (they
+        hold whole generations: `send` alone would never notice such a client)."""
         timeout = getattr(asyncio, "timeout", None)  # Python 3.11+: no task per send
+        from fx_engine.server.connections import UnreadBound
+
+        bound = None if sock is None else UnreadBound(sock, self.unread_bytes, self.send_timeout)
 
         async def timed_send(message: dict) -> None:
+            if bound is not None and message.get("more_body"):  # a stream's next part
+                why = bound.exceeded()
+                if why is not None:
+                    raise _ClientGone(why)
             try:
                 if timeout is not None:
                     async with timeout(self.send_timeout):
@@ -432,15 +505,16 @@ class _Gate:
                 b"x-api-key", b"").decode("latin-1")  # the anthropic SDK's header
             tenant = self.tenants.get(key)
             if tenant is None:
-                return await _error(401, "missing or invalid API key",
-                                    kind="authentication_error")(scope, receive, send)
+                return await _route_error(scope.get("path", ""), 401, "missing or invalid API key",
+                                          kind="authentication_error")(scope, receive, send)
             scope["fx_tenant"] = tenant
         length = headers.get(b"content-length")
         if length is not None:
             try:
                 n = int(length)
             except ValueError:
-                return await _error(400, "invalid Content-Length header")(scope, receive, send)
+                return await _route_error(scope.get("path", ""), 400,
+                                          "invalid Content-Length header")(scope, receive, send)
             if n > self.max_bytes:
                 return await self._too_large(scope, receive, send)
         chunks, total = [], 0
@@ -469,23 +543,41 @@ class _Gate:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             return await receive()
 
+        sock = scope.get("extensions", {}).get("fx.socket")  # see server/connections.py
         try:
-            await self.app(scope, replay, self._timed(send))
+            await self.app(scope, replay, self._timed(send, sock))
         except Exception as e:  # (Starlette may wrap it in an exception group)
             if not _is_gone(e):
                 raise
-            # returning without completing the response: the server closes the connection
+            log.warning("%s %s: client cut off: %s", scope.get("method"), scope.get("path"),
+                        _gone_reason(e))
+            # returning without completing the response: the server closes the connection;
+            # served by connections.py, at once, dropping what this client left unread
+            if sock is not None:
+                sock.abort()
 
     async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
-        await _error(413, f"request body larger than the server's limit of {self.max_bytes} "
-                     "bytes", kind="invalid_request_error")(scope, receive, send)
+        await _route_error(scope.get("path", ""), 413, f"request body larger than the server's "
+                           f"limit of {self.max_bytes} bytes")(scope, receive, send)
+
+
+def _route_error(path: str, status: int, message: str, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error in the shape of the route's API: Anthropic's on /v1/messages and its
+    sub-routes (the anthropic SDK reads only that shape), OpenAI's everywhere else."""
+    if path.startswith("/v1/messages"):
+        from fx_engine.server.anthropic import anthropic_error
+
+        return anthropic_error(status, message, headers)
+    return _error(status, message, kind=kind, headers=headers)
 
 
 def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | None = None,
                defaults: dict[str, Any] | None = None, chat_template: str | None = None,
                chat_template_args: dict[str, Any] | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES,
-               stream_buffer: int = STREAM_BUFFER, send_timeout: float = SEND_TIMEOUT) -> FastAPI:
+               stream_buffer: int = STREAM_BUFFER, send_timeout: float = SEND_TIMEOUT,
+               stream_unread_bytes: int = STREAM_UNREAD_BYTES) -> FastAPI:
     """The FastAPI app over a started `engine`. `defaults`: server-wide sampling defaults
     (the CLI's --temp, --top-p, --max-tokens, ...) and speculative decoding settings.
     chat_template / chat_template_args: a Jinja template replacing the model's, and extra
@@ -495,7 +587,9 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
     max_request_bytes: the largest request body (413 beyond). stream_buffer: events per
     choice a streaming client may fall behind before it is cut off and its rows freed.
     send_timeout: seconds a client's socket may accept nothing before its connection is
-    closed."""
+    closed. stream_unread_bytes: bytes a streaming client may leave unread while it reads
+    nothing before it is cut off (both seen through the kernel's send queue when served by
+    server/connections.py's `server_config`, as `fx-engine serve` does)."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if any(not isinstance(k, str) or not k for k in keys):
         raise ValueError("api_key: keys must be non-empty strings")
@@ -503,11 +597,13 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     if not isinstance(stream_buffer, int) or stream_buffer < 1:
         raise ValueError(f"stream_buffer must be a positive integer, got {stream_buffer!r}")
+    if not isinstance(stream_unread_bytes, int) or stream_unread_bytes < 1:
+        raise ValueError(f"stream_unread_bytes must be a positive integer, got {stream_unread_bytes!r}")
     app = FastAPI(title="fx-engine", version="0.1.0")
     if not isinstance(send_timeout, (int, float)) or not send_timeout > 0:
         raise ValueError(f"send_timeout must be a positive number, got {send_timeout!r}")
     app.add_middleware(_Gate, tenants={k: _tenant(k) for k in keys}, max_bytes=max_request_bytes,
-                       send_timeout=float(send_timeout))
+                       send_timeout=float(send_timeout), unread_bytes=stream_unread_bytes)
     metrics = Metrics(engine)
     defaults = dict(defaults or {})
     app.state.metrics = metrics
@@ -515,9 +611,11 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
     from pathlib import Path
 
     # The names a request's `model` may give: the id /v1/models lists, or the path it was
-    # loaded from (vLLM answers other names with a 404, as OpenAI does; so does this server,
-    # except on Anthropic's route, whose clients send Claude model names they cannot change)
-    names = {model_id, str(model.path), Path(str(model.path)).name} if model.path else {model_id}
+    # loaded from, its file name with or without the extension (vLLM answers other names
+    # with a 404, as OpenAI does; so does this server, except on Anthropic's route, whose
+    # clients send Claude model names they cannot change)
+    names = ({model_id, str(model.path), Path(str(model.path)).name, Path(str(model.path)).stem}
+             if model.path else {model_id})
 
     def adapter_of(name: str | None) -> str | None:
         """The LoRA adapter a `model` name selects: `BASE:ADAPTER` (BASE one of the base's
@@ -569,8 +667,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = {401: "authentication_error", 404: "not_found_error"}.get(
             exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
-        return _error(exc.status_code, str(exc.detail), kind=kind,
-                      headers=getattr(exc, "headers", None))
+        return _route_error(request.url.path, exc.status_code, str(exc.detail), kind=kind,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):  # a fault of ours, still JSON
@@ -591,6 +689,16 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                   "root": model.adapters.get(a).raw.path, "parent": model_id}  # vLLM's LoRA entries
                  for a in model.adapters.names()]
         return {"object": "list", "data": data}
+
+    @app.get("/v1/models/{name:path}")
+    async def model_info(name: str):
+        """One model (the openai SDK's `models.retrieve`): any name a request may give,
+        reported under its listed id; 404 for the others."""
+        bad = unknown_model(name)
+        if bad is not None:
+            return bad
+        shown = shown_model(name)
+        return next(m for m in (await models())["data"] if m["id"] == shown)
 
     @app.get("/metrics")
     async def prom() -> PlainTextResponse:
@@ -671,8 +779,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                 background=BackgroundTask(_cancel, handles))  # also if the body never started
         try:
             outs = await _results(request, handles)
-        except Exception as e:  # the request failed inside the engine (e.g. a processor)
-            return _error(500, f"generation failed: {e!r}", kind="server_error")
+        except Exception as e:  # the request failed inside the engine (a grammar, a processor)
+            status, msg, param = failure(e)
+            return _error(status, msg, param, kind="server_error" if status >= 500 else
+                          "invalid_request_error")
         finally:
             _cancel(handles)
         if outs is None:
@@ -744,7 +854,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         n_choices = len(handles) // len(echoes) if echoes else 1
         echo_due = [bool(echoes)] * len(handles)  # the prompt goes first, with its logprobs
         offsets = [0] * len(handles)  # text_offset: where each choice's next token starts
-        tool_streams = [ToolCallStream(tool_names) for _ in handles] if tool_names is not None else None
+        tool_streams = ([ToolCallStream(tool_names, 1 if one_call else None) for _ in handles]
+                        if tool_names is not None else None)
         thinking = [ReasoningStream(think_fmt, in_reasoning(h.prompt_token_ids)) for h in handles]
         # Bounded: a client that reads slower than the engine generates falls behind by
         # at most `backlog` events; beyond that it is cut off and its rows freed (the
@@ -791,9 +902,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                     continue
                 if ev is None:
                     if err is not None:
-                        yield _sse({"error": {"message": f"generation failed: {err!r}",
-                                              "type": "server_error", "param": None,
-                                              "code": None}})
+                        status, msg, param = failure(err)
+                        yield _sse({"error": {"message": msg, "param": param, "code": None,
+                                              "type": "server_error" if status >= 500
+                                              else "invalid_request_error"}})
                     live -= 1
                     continue
                 now = time.perf_counter()
@@ -827,15 +939,16 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                         r2, t2 = thinking[i].finish()
                         reasoning, text = reasoning + r2, text + t2
                     delta: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
-                    if tool_streams is not None:
-                        text = tool_streams[i].feed(text)
+                    if tool_streams is not None:  # calls stream as they are written
+                        pieces = tool_streams[i].feed(text)
                         if ev.finish_reason:
-                            rest, calls = tool_streams[i].finish()
-                            text += rest
-                            calls = calls[:1] if one_call else calls
+                            more, calls = tool_streams[i].finish()
+                            pieces += more
                             if calls:
-                                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
                                 finish = "tool_calls" if finish == "stop" else finish
+                        text, tool_deltas = chat_delta(pieces)
+                        if tool_deltas:
+                            delta["tool_calls"] = tool_deltas
                     if text:
                         delta = {"content": text, **delta}
                     if not delta and not finish and not ev.logprobs:
@@ -888,6 +1001,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         check_prompt_size(model, text_bytes(messages), "messages")  # before templating
         targs = {**(chat_template_args or {}), **(template_kwargs or {})}
         if tools:
+            for i, t in enumerate(tools):  # what a schema may cost, before any walk of it
+                check_schema(f"tools.{i}.function.parameters", t["function"].get("parameters"))
             # tool_choice "required" / a named function: the output is constrained to
             # valid calls (schema-checked arguments) in the model's call format
             g = tool_call_grammar(tools, choice, parallel, fmt, model.tokenizer)
@@ -921,13 +1036,18 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
             template_vars = None  # rendering reports it
 
     def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
-        """A variable the chat template never reads would change nothing: a 400."""
+        """A variable the chat template never reads would change nothing, and one the
+        server passes itself (the messages, ...) cannot be set twice: a 400 naming it."""
         for k in kwargs or {}:
+            if k in _SERVER_TEMPLATE_ARGS:
+                raise ValueError(f"chat_template_kwargs.{k}: the server sets this argument of the "
+                                 "chat template itself (from the request's own fields)")
             if template_vars is not None and k not in template_vars:
                 raise ValueError(f"chat_template_kwargs.{k}: this model's chat template does not "
                                  f"use it (it reads: {', '.join(sorted(template_vars)) or 'nothing'})")
 
     app.state.chat_prompt = chat_prompt  # the Anthropic routes build prompts the same way
+    app.state.results = _results  # ... and wait for a non-streamed reply the same way
     app.state.chat_template = template
 
     @app.post("/v1/chat/completions")
@@ -949,14 +1069,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                 return _error(400, f"tool_choice.function.name: no tool named {fn['name']!r} "
                               "in tools", "tool_choice.function.name")
         def build() -> tuple[Any, dict[str, Any]]:  # on a worker thread
-            messages = []
-            for m in body.messages:
-                msg: dict[str, Any] = {"role": m.role if m.role != "developer" else "system",
-                                       "content": _content(m)}
-                for extra in ("name", "tool_calls", "tool_call_id"):
-                    if getattr(m, extra) is not None:
-                        msg[extra] = getattr(m, extra)
-                messages.append(msg)
+            messages = _openai_messages(body.messages)
             kw = _sampling_kwargs(body, defaults)
             if body.logprobs:  # the engine reports the chosen token with >= 1 alternative
                 kw["logprobs"] = max(1, body.top_logprobs or 0)
@@ -989,27 +1102,50 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         if (body.prompt is None) == (body.messages is None):
             return _error(400, "prompt: give either prompt or messages", "prompt")
 
-        def work() -> list[int]:
+        def work() -> dict[str, Any]:  # on a worker thread: a long prompt's work included
             if body.prompt is not None:
                 check_prompt_size(model, text_bytes(body.prompt))
-                return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-            messages = template_messages([{"role": m.role if m.role != "developer" else "system",
-                                           "content": _content(m)} for m in body.messages])
-            check_prompt_size(model, text_bytes(messages), "messages")
-            targs = {**(chat_template_args or {}), **(body.chat_template_kwargs or {})}
-            return list(tok.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                chat_template=chat_template, **targs))
+                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            else:  # the chat route's messages and template rules
+                check_template_kwargs(body.chat_template_kwargs)
+                messages = template_messages(_openai_messages(body.messages))
+                check_prompt_size(model, text_bytes(messages), "messages")
+                targs = {**(chat_template_args or {}), **(body.chat_template_kwargs or {})}
+                ids = list(tok.apply_chat_template(
+                    messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
+                    chat_template=chat_template, **targs))
+            out: dict[str, Any] = {"count": len(ids), "tokens": ids,
+                                   "max_model_len": model.config.max_position_embeddings}
+            if body.return_token_strs:  # vLLM's: the vocabulary's tokens (convert_ids_to_tokens)
+                table = token_table()
+                out["token_strs"] = [table[i] for i in ids]
+            return out
 
+        field = "messages" if body.messages is not None else "prompt"
         try:
-            ids = await run_in_threadpool(work)
-        except (ValueError, TemplateError) as e:
-            return _error(400, str(e), "messages" if body.messages is not None else "prompt")
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": model.config.max_position_embeddings,
-                               "tokens": ids}
-        if body.return_token_strs:
-            out["token_strs"] = [tok.decode([i]) for i in ids]
-        return out
+            return await run_in_threadpool(work)
+        except TemplateError as e:  # the template rejects these messages (raise_exception)
+            return _error(400, f"messages: the chat template failed: {e}", "messages")
+        except ValueError as e:
+            msg = str(e)
+            param = msg.split(":")[0] if msg.startswith("chat_template_kwargs.") else field
+            return _error(400, msg, param)
+        except Exception as e:  # a template that fails to render these messages
+            if body.messages is None:
+                raise
+            return _error(400, f"messages: the chat template failed: {e}", "messages")
+
+    token_strs: list[str | None] = []
+
+    def token_table() -> list[str | None]:
+        """Each id's token in the vocabulary (built once: a list index per token then)."""
+        if not token_strs:
+            vocab = tok.backend.get_vocab(with_added_tokens=True)
+            table: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
+            for t, i in vocab.items():
+                table[i] = t
+            token_strs[:] = table
+        return token_strs
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -1019,11 +1155,27 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                           f"{model.config.vocab_size})", "tokens")
         return {"prompt": tok.decode(body.tokens)}
 
+    async def _job_result(request: Request, job: Any) -> Any:
+        """The result of an engine job (`Engine.call_steps`), or None once the client
+        disconnects; then (or if this handler is cancelled) the job is cancelled, and the
+        engine drops it at its next step."""
+        waiting = asyncio.wrap_future(job)  # (cancelling it cancels the job)
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not waiting.done():
+                waiting.cancel()
+        return waiting.result() if not waiting.cancelled() else None
+
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest):
+    async def embeddings(request: Request, body: EmbeddingRequest):
         """Pooled, normalized final hidden states (engine/embeddings.py: the checkpoint's
-        pooling), batched, computed on the engine's thread between its steps."""
-        from fx_engine.engine.embeddings import embed
+        pooling), batched, computed on the engine's thread one bounded call per engine
+        step (at most its step_token_budget tokens), beside generation; a client that
+        disconnects cancels the rest."""
+        from fx_engine.engine.embeddings import embed_steps
 
         bad = unknown_model(body.model, adapters=False)
         if bad is not None:
@@ -1040,11 +1192,15 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                           "(it does not declare shorter ones)", "dimensions")
         try:
             ids = await run_in_threadpool(lambda: [prompt_ids(model, i) for i in inputs])
-            vecs = await asyncio.wrap_future(engine.call(lambda: embed(model, ids)))
+            steps = await run_in_threadpool(
+                lambda: embed_steps(model, ids, step_tokens=engine.step_token_budget))
+            vecs = await _job_result(request, engine.call_steps(steps))
         except EngineClosed as e:
             return _error(503, str(e), kind="server_error")
         except ValueError as e:
             return _error(400, f"input: {e}".replace("input: input", "input"), "input")
+        if vecs is None:
+            return _error(499, "client disconnected", kind="cancelled")
         import base64
 
         data = [{"object": "embedding", "index": i,

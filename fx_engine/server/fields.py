@@ -39,6 +39,9 @@ UNSUPPORTED: dict[str, str] = {
     "verbosity": "verbosity is not supported",
     "guided_decoding_backend": "the grammar engine is fixed (llguidance)",
     "guided_whitespace_pattern": "a custom JSON whitespace pattern is not supported",
+    "context_management": "context editing (clearing earlier tool results or thinking as the "
+                          "context fills) is not supported: send the history to keep (earlier "
+                          "turns' thinking is always left out of the prompt)",
 }
 
 #: Values of UNSUPPORTED fields that ask for nothing beyond what the server does.
@@ -57,6 +60,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
     "web_search_options": (None,),
     "verbosity": (None,),
+    "context_management": (None, {}, {"edits": []}),
 }
 
 

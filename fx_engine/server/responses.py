@@ -11,7 +11,14 @@ A request becomes the chat the other routes build (`app.state.chat_prompt`):
   none, required, {"type": "function", "name"}), `parallel_tool_calls`;
 * `text.format` (text, json_object, json_schema with name/schema/strict) constrains the
   output (engine/constraints.py); `reasoning.effort` sets the template's switch;
-* `max_output_tokens`, `temperature`, `top_p`; `metadata` and `user` are echoed/logged.
+* `max_output_tokens`, `temperature`, `top_p`; `metadata` and `user` are echoed/logged;
+  `prompt_cache_retention` is a hint (the prefix cache keeps what its budget allows).
+* `include: ["message.output_text.logprobs"]` (with `top_logprobs` 0-20 alternatives):
+  the message's `output_text` carries its tokens' logprobs (streamed: each delta its own).
+* `max_tool_calls`: at most that many function calls in the reply (the first ones).
+* `truncation: "auto"`: when the prompt and max_output_tokens exceed the context, the
+  fewest oldest input items are dropped (a function_call_output whose call went too);
+  `instructions` and the last item always stay.
 The output items: a `reasoning` item (the thinking, as reasoning_text), a `message` with
 `output_text`, `function_call` items; status `completed`, or `incomplete` with reason
 `max_output_tokens`.
@@ -32,7 +39,7 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from fx_engine.engine.engine import EngineClosed, QueueFull
-from fx_engine.server.app import _Body, _error
+from fx_engine.server.app import _Body, _error, failure
 from fx_engine.server.reasoning import ReasoningStream, template_switches
 from fx_engine.server.reasoning import split as split_reasoning
 from fx_engine.server.tools import ToolCallStream, parse_tool_calls, reply_parts
@@ -58,9 +65,22 @@ class ResponsesRequest(_Body):
     user: str | None = Field(default=None, max_length=256)
     safety_identifier: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
-    truncation: Literal["disabled"] | None = None
-    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    # a hint: the prefix cache keeps entries while its budget allows, whichever is asked
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    include: list[Literal["reasoning.encrypted_content", "message.output_text.logprobs"]] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tool_calls: int | None = Field(default=None, ge=1)
     service_tier: Literal["auto", "default"] | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or ())
+
+    @property
+    def call_limit(self) -> int | None:
+        """How many function calls a reply may carry (None: any)."""
+        return 1 if self.parallel_tool_calls is False else self.max_tool_calls
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -118,7 +138,9 @@ def to_chat(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[dict[str
             params = t.get("parameters") or {"type": "object", "properties": {}}
             if t.get("strict"):
                 from fx_engine.engine.constraints import _closed
+                from fx_engine.engine.grammar_guard import check_schema
 
+                check_schema(f"tools.{i}.parameters", params)  # before _closed walks it
                 params = _closed(params)
             tools.append({"type": "function", "function": {
                 "name": t["name"], "description": t.get("description") or "", "parameters": params}})
@@ -137,6 +159,69 @@ def to_chat(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[dict[str
     if choice == "none":
         tools = None
     return msgs, tools, choice
+
+
+def _truncated(items: list[dict[str, Any]], fits: Any) -> list[dict[str, Any]]:
+    """truncation "auto": the input without its fewest oldest items (never the last) for
+    `fits(items)` to hold, found by bisection (a prompt is no longer with fewer items); a
+    function_call_output whose call was dropped goes too. Nothing fits: the input as is (the
+    request's own 400 then says why)."""
+    def cut(k: int) -> list[dict[str, Any]]:
+        rest = items[k:]
+        while len(rest) > 1 and isinstance(rest[0], dict) and rest[0].get("type") == "function_call_output":
+            rest = rest[1:]
+        return rest
+
+    if fits(items):
+        return items
+    lo, hi = 1, len(items) - 1  # the answer is in [lo, hi], if hi fits
+    if hi < 1 or not fits(cut(hi)):
+        return items
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(cut(mid)):
+            hi = mid
+        else:
+            lo = mid + 1
+    return cut(hi)
+
+
+def _logprob_record(lp: Any, top: int) -> dict[str, Any]:
+    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                             for _, t, v in lp.top[:top]]}
+
+
+def _text_logprobs(lps: Any, whole: str, text: str, top: int) -> list[dict[str, Any]]:
+    """The logprob records of the tokens that wrote `text`, the message part of the
+    generated `whole` (the thinking and tool calls split off): the tokens whose text starts
+    inside it, by their offsets in `whole`."""
+    lps = list(lps or ())
+    start = whole.find(text) if text else -1
+    if start < 0:
+        return [] if not text else [_logprob_record(lp, top) for lp in lps]
+    out, at = [], 0
+    for lp in lps:
+        if start <= at < start + len(text):
+            out.append(_logprob_record(lp, top))
+        at += len(lp.token)
+    return out
+
+
+class _Tap:
+    """A handle whose events' logprob records are kept as they pass (`seen`): a streamed
+    message's logprobs."""
+
+    def __init__(self, handle: Any):
+        self._handle, self.seen = handle, []
+
+    async def aiter(self):
+        async for ev in self._handle.aiter():
+            self.seen.extend(ev.logprobs or ())
+            yield ev
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
 
 
 def _format_constraint(text: dict[str, Any] | None) -> Any:
@@ -164,8 +249,11 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
     """Add POST /v1/responses to `app` (create_app calls this)."""
 
     def work(request: Request, body: ResponsesRequest) -> list[Any]:
-        msgs, tools, choice = to_chat(body)
         kw: dict[str, Any] = {"max_tokens": body.max_output_tokens or defaults.get("max_tokens", 512)}
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ValueError('top_logprobs: requires include: ["message.output_text.logprobs"]')
+        if body.logprobs:  # the engine reports the chosen token with >= 1 alternative
+            kw["logprobs"] = max(1, body.top_logprobs or 0)
         for name, value in (("temperature", body.temperature), ("top_p", body.top_p)):
             value = defaults.get(name) if value is None else value
             if value is not None:
@@ -188,6 +276,22 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         if bad:
             raise ValueError(f"stream_options.{bad[0]}: unknown field")
         targs = template_switches(app.state.chat_template, effort, "reasoning.effort")
+
+        def prompt(items: Any) -> list[int]:
+            msgs, tools, choice = to_chat(body.model_copy(update={"input": items}))
+            return app.state.chat_prompt(msgs, tools, choice, body.parallel_tool_calls, targs, dict(kw))
+
+        if body.truncation == "auto" and isinstance(body.input, list):
+            context = engine.model.config.max_position_embeddings + 1
+
+            def fits(items: list[dict[str, Any]]) -> bool:
+                try:
+                    return len(prompt(items)) + kw["max_tokens"] <= context
+                except ValueError:  # e.g. text that cannot fit the context at all
+                    return False
+
+            body = body.model_copy(update={"input": _truncated(body.input, fits)})
+        msgs, tools, choice = to_chat(body)
         ids = app.state.chat_prompt(msgs, tools, choice, body.parallel_tool_calls, targs, kw)
         kw["cache_salt"] = salt(request)
         kw["adapter"] = app.state.adapter_of(body.model)
@@ -217,27 +321,39 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                 "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
                 "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
                 "tool_choice": body.tool_choice or "auto", "text": body.text or {"format": {"type": "text"}},
-                "reasoning": body.reasoning, "store": False, "truncation": "disabled", "error": None,
+                "reasoning": body.reasoning, "store": False, "truncation": body.truncation or "disabled",
+                "error": None, "top_logprobs": body.top_logprobs, "max_tool_calls": body.max_tool_calls,
                 "user": body.user, "previous_response_id": None}
         inside = in_reasoning(h.prompt_token_ids)
         if body.stream:
             return StreamingResponse(_events(request, h, base, names, inside, body.parallel_tool_calls,
-                                             body.stream_options, _summarize(body)),
+                                             body.stream_options, _summarize(body), body.call_limit,
+                                             (body.top_logprobs or 0) if body.logprobs else None),
                                      media_type="text/event-stream",
                                      background=BackgroundTask(lambda: h.done or h.cancel()))
         try:
-            out = await h.aresult()
+            outs = await app.state.results(request, [h])  # None: the client left
         except Exception as e:
-            return _error(500, f"generation failed: {e!r}", kind="server_error")
+            status, msg, param = failure(e)
+            return _error(status, msg, param, kind="server_error" if status >= 500 else
+                          "invalid_request_error")
         finally:
             if not h.done:
                 h.cancel()
+        if outs is None:
+            return _error(499, "client disconnected", kind="cancelled")
+        out = outs[0]
         metrics.observe(out)
         reasoning, text = split_reasoning(think_fmt, out.text, inside)
         content, calls = parse_tool_calls(text, names) if names is not None else (text, [])
-        if body.parallel_tool_calls is False:
-            calls = calls[:1]
+        if body.call_limit is not None:
+            calls = calls[: body.call_limit]
         items = _items(reasoning, content, calls, _summarize(body))
+        if body.logprobs:
+            for item in items:
+                if item["type"] == "message":
+                    item["content"][0]["logprobs"] = _text_logprobs(out.logprobs, out.text, content,
+                                                                    body.top_logprobs or 0)
         return _final(base, items, out.finish_reason, out.usage)
 
     def _summarize(body: ResponsesRequest) -> bool:
@@ -267,10 +383,12 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
 
     async def _events(request: Request, h: Any, base: dict[str, Any], names: set[str] | None,
                       inside: bool, parallel: bool | None, body_stream_options: Any = None,
-                      summarize: bool = False):
+                      summarize: bool = False, call_limit: int | None = None, lp_top: int | None = None):
         """The typed event stream: response.created / in_progress, per output item
         output_item.added, content deltas (reasoning_text / output_text / function call
-        arguments), output_item.done, then response.completed with the whole response."""
+        arguments), output_item.done, then response.completed with the whole response.
+        lp_top (None: no logprobs): alternatives per token in the message's logprobs; each
+        output_text delta carries the records of the tokens since the previous one."""
         seq = [0]
         pad = bool((body_stream_options or {}).get("include_obfuscation"))
 
@@ -281,7 +399,8 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
             return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0], **data})}\n\n"
 
         think = ReasoningStream(think_fmt, inside)
-        tools = ToolCallStream(names) if names is not None else None
+        tools = ToolCallStream(names, call_limit) if names is not None else None
+        tap, taken = _Tap(h), [0]  # the logprob records seen, and how many were sent
         items: list[dict[str, Any]] = []
         open_kind: list[str | None] = [None]
 
@@ -292,10 +411,16 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
             out = []
             if open_kind[0] == "message":
                 part = item["content"][0]
+                if lp_top is not None:
+                    whole = "".join(lp.token for lp in tap.seen)
+                    part["logprobs"] = _text_logprobs(tap.seen, whole, part["text"], lp_top)
                 out += [ev("response.output_text.done", item_id=item["id"], output_index=idx,
-                           content_index=0, text=part["text"], logprobs=[]),
+                           content_index=0, text=part["text"], logprobs=part.get("logprobs", [])),
                         ev("response.content_part.done", item_id=item["id"], output_index=idx,
                            content_index=0, part=part)]
+            elif open_kind[0] == "function_call":
+                out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                              arguments=item["arguments"], name=item["name"]))
             else:
                 part = item["content"][0]
                 if summarize:
@@ -328,7 +453,29 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
             item["content"][0]["text"] += text
             name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
             extra = {"logprobs": []} if kind == "message" else {}
+            if lp_top is not None:
+                if kind == "message":
+                    extra["logprobs"] = [_logprob_record(lp, lp_top) for lp in tap.seen[taken[0]:]]
+                taken[0] = len(tap.seen)
             out.append(ev(name, item_id=item["id"], output_index=idx, content_index=0, delta=text, **extra))
+            return out
+
+        def call_piece(part: tuple) -> list[str]:
+            """("call", index, id, name) opens a function_call item; ("args", index, text)
+            adds to its arguments."""
+            out = []
+            if part[0] == "call":
+                out += close()
+                item = _call_item({"id": part[2], "function": {"name": part[3], "arguments": ""}})
+                item["status"] = "in_progress"
+                items.append(item)
+                out.append(ev("response.output_item.added", output_index=len(items) - 1, item=dict(item)))
+                open_kind[0] = "function_call"
+            else:
+                item = items[-1]
+                item["arguments"] += part[2]
+                out.append(ev("response.function_call_arguments.delta", item_id=item["id"],
+                              output_index=len(items) - 1, delta=part[2]))
             return out
 
         yield ev("response.created", response={**base, "status": "in_progress", "output": [],
@@ -337,10 +484,13 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                                                     "usage": None, "incomplete_details": None})
         try:
             final, calls, ended = None, [], False
-            async for part in reply_parts(request, h, think, tools, parallel is False):
+            async for part in reply_parts(request, tap, think, tools):
                 if part[0] == "end":
                     _, final, calls = part
                     ended = True
+                elif part[0] in ("call", "args"):  # function calls, arguments streamed as written
+                    for line in call_piece(part):
+                        yield line
                 else:
                     for line in piece("reasoning" if part[0] == "reasoning" else "message", part[1]):
                         yield line
@@ -348,22 +498,13 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                 return  # the client went away
             for line in close():
                 yield line
-            for c in calls:
-                item = _call_item(c)
-                items.append(item)
-                idx = len(items) - 1
-                yield ev("response.output_item.added", output_index=idx,
-                         item={**item, "arguments": "", "status": "in_progress"})
-                yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
-                         delta=item["arguments"])
-                yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                         arguments=item["arguments"], name=item["name"])
-                yield ev("response.output_item.done", output_index=idx, item=item)
             whole = _final(base, items, final.finish_reason if final is not None else "stop", final.usage)
             yield ev("response.completed" if whole["status"] == "completed" else "response.incomplete",
                      response=whole)
         except Exception as e:
-            yield ev("error", code="server_error", message=f"generation failed: {e!r}", param=None)
+            status, msg, param = failure(e)
+            yield ev("error", code="server_error" if status >= 500 else "invalid_request_error",
+                     message=msg, param=param)
         finally:
             if not h.done:
                 h.cancel()
