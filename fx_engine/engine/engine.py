@@ -393,7 +393,6 @@ class Engine:
         self._pid = os.getpid()  # the only process that may use it (see _check_process)
         self._lock = threading.Condition()
         self._pending: collections.deque[_Request] = collections.deque()  # under _lock
-        self._calls: collections.deque = collections.deque()  # (fn, Future) under _lock
         self._jobs: collections.deque = collections.deque()  # (generator, Future) under _lock
         self._closing = False
         self._abort = False
@@ -515,38 +514,13 @@ class Engine:
         return handles
 
     def call(self, fn: Callable[[], Any]) -> "concurrent.futures.Future":
-        """Run `fn()` on the thread that owns the engine's MLX state, between steps (work
-        that is not a generated row: embeddings); returns its Future. Without a started
-        engine it runs now, on the calling thread."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        if self._tp_rank is not None:  # work outside the steps would run on one rank only
-            raise ValueError("not available with tensor parallelism (work outside the engine's "
-                             "steps, e.g. embeddings)")
-        self._check_process()
-        with self._lock:
-            if self._closing:
-                raise EngineClosed("engine is closed")
-            if self.running:
-                self._calls.append((fn, fut))
-                self._lock.notify_all()
-                return fut
-        try:
-            fut.set_result(fn())
-        except BaseException as e:
-            fut.set_exception(e)
-        return fut
-
-    def _run_calls(self) -> None:
-        while True:
-            with self._lock:
-                if not self._calls:
-                    return
-                fn, fut = self._calls.popleft()
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn())
-                except BaseException as e:
-                    fut.set_exception(e)
+        """Run `fn()` on the thread that owns the engine's MLX state, at a step (work that
+        is not a generated row); returns its Future: a one-call `call_steps` job (long
+        work should be cut into steps there instead, so it never stalls the rows)."""
+        def once() -> Generator[int, None, Any]:
+            return fn()
+            yield 0  # (a generator: its one call is its first next())
+        return self.call_steps(once())
 
     def call_steps(self, steps: Generator[Any, None, Any]) -> "concurrent.futures.Future":
         """Run a step generator (`embeddings.embed_steps`: work cut into bounded calls) on
@@ -752,11 +726,11 @@ class Engine:
             while True:
                 with self._lock:
                     while not (self._pending or self._prefilling or self._live_rows()
-                               or self._closing or self._calls or self._jobs):
+                               or self._closing or self._jobs):
                         if not self._lock.wait(self._heartbeat):
                             break  # lockstep rank 0, idle: an empty step tells the others it lives
                     if self._closing and not (self._abort or self._pending or self._prefilling
-                                              or self._live_rows() or self._calls or self._jobs):
+                                              or self._live_rows() or self._jobs):
                         return
                 try:
                     self.step()
@@ -885,7 +859,6 @@ class Engine:
         they finished, run one decode/verify step over the batch (tokens are emitted as they
         are read back, `_on_token`); then the batch's upkeep (`scheduler.plan_maintenance`)."""
         t0 = time.perf_counter()
-        self._run_calls()
         self._run_job()  # one bounded call of long work (embeddings) per step
         self.steps += 1
         if self._synced_abort if self._lockstep else self._abort:  # lockstep: what every rank got
@@ -1493,11 +1466,6 @@ class Engine:
         with self._lock:
             pending = list(self._pending)
             self._pending.clear()
-            calls = list(self._calls)
-            self._calls.clear()
-        for _, fut in calls:
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(error)
         self._drop_jobs(error)
         for r in pending + list(self._prefilling) + self._batch.live():
             if r.phase != "done":

@@ -827,23 +827,28 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    async def _results(request: Request, handles: list[Any]) -> list[Any] | None:
-        """Every handle's Completion, or None once the client disconnects (the caller
-        then cancels the rows: a non-streaming client that leaves frees them too)."""
-        waiting = asyncio.ensure_future(asyncio.gather(*[h.aresult() for h in handles]))
+    async def _unless_gone(request: Request, waiting: asyncio.Future) -> Any:
+        """`waiting`'s result, or None once the client disconnects (or it was cancelled);
+        then, or if this handler is cancelled, `waiting` is cancelled."""
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
             await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
+            if not waiting.done():
+                waiting.cancel()
         if not waiting.done():
-            waiting.cancel()
             try:
                 await waiting
             except asyncio.CancelledError:
                 pass
-            return None
-        return waiting.result()
+        return None if waiting.cancelled() else waiting.result()
+
+    async def _results(request: Request, handles: list[Any]) -> list[Any] | None:
+        """Every handle's Completion, or None once the client disconnects (the caller
+        then cancels the rows: a non-streaming client that leaves frees them too)."""
+        return await _unless_gone(request, asyncio.ensure_future(
+            asyncio.gather(*[h.aresult() for h in handles])))
 
     async def _stream(request: Request, handles: list[Any], rid: str, created: int, chat: bool,
                       include_usage: bool, prompt_tokens: int, top_n: int = 0,
@@ -1155,20 +1160,6 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                           f"{model.config.vocab_size})", "tokens")
         return {"prompt": tok.decode(body.tokens)}
 
-    async def _job_result(request: Request, job: Any) -> Any:
-        """The result of an engine job (`Engine.call_steps`), or None once the client
-        disconnects; then (or if this handler is cancelled) the job is cancelled, and the
-        engine drops it at its next step."""
-        waiting = asyncio.wrap_future(job)  # (cancelling it cancels the job)
-        gone = asyncio.ensure_future(_until_disconnect(request))
-        try:
-            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not waiting.done():
-                waiting.cancel()
-        return waiting.result() if not waiting.cancelled() else None
-
     @app.post("/v1/embeddings")
     async def embeddings(request: Request, body: EmbeddingRequest):
         """Pooled, normalized final hidden states (engine/embeddings.py: the checkpoint's
@@ -1194,7 +1185,9 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
             ids = await run_in_threadpool(lambda: [prompt_ids(model, i) for i in inputs])
             steps = await run_in_threadpool(
                 lambda: embed_steps(model, ids, step_tokens=engine.step_token_budget))
-            vecs = await _job_result(request, engine.call_steps(steps))
+            # None once the client leaves: cancelling the wrapper cancels the job, which
+            # the engine drops at its next step
+            vecs = await _unless_gone(request, asyncio.wrap_future(engine.call_steps(steps)))
         except EngineClosed as e:
             return _error(503, str(e), kind="server_error")
         except ValueError as e:
