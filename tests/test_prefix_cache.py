@@ -236,8 +236,9 @@ def test_disk_budget_evicts_oldest_files(tmp_path, bi):
                          prefix_cache_disk_bytes=200_000)
     for i in range(8):
         e.submit(_text(bi, 50, offset=40 * i), max_tokens=2).result()
-    total = sum(f.stat().st_size for f in cache_dir.glob("*.safetensors"))
-    assert total <= 200_000 + 80_000  # the newest file is always kept
+    total = _folder_bytes(cache_dir)
+    assert total <= 200_000  # (the newest entry too is evicted if it does not fit)
+    assert e.prefix_cache.disk.stats()["bytes"] == total
     assert len(list(cache_dir.glob("*.safetensors"))) == len(list(cache_dir.glob("*.json")))
 
 
@@ -265,10 +266,10 @@ def _folder_bytes(folder) -> int:
     return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
 
 
-def test_disk_tier_open_removes_dead_writers_temporaries_and_counts_every_file(tmp_path, bi):
+def test_disk_tier_open_removes_dead_writers_temporaries_and_counts_live_ones(tmp_path, bi):
     """A writer killed mid-save (kill -9) leaves `.<id>.<pid>.<uuid>.tmp.*` files: at the
     next open those of a dead pid, or too old, are removed; a live writer's are kept and
-    count against the budget, as every file in the folder does."""
+    count against the budget, as the entries do."""
     import os
     import time
 
@@ -331,3 +332,123 @@ def test_rejected_disk_entries_are_deleted_not_rejected_at_every_start(tmp_path,
     # deleted (or written again, valid, by this run's own saves of the same prefix)
     assert not any(f.exists() and f.read_bytes() == data for f, data in damaged.items())
     assert restart_and_ask()[0] == []  # gone: not rejected again
+
+
+def _cache_files(folder) -> list:
+    """The files the disk tier names: `<32 hex>.json|.safetensors` and its temporaries."""
+    import re
+
+    entry = re.compile(r"[0-9a-f]{32}\.(json|safetensors)")
+    tmp = re.compile(r"\.[0-9a-f]{32}\.[0-9]+\.[0-9a-f]{32}\.tmp\.(json|safetensors)")
+    return [f for f in folder.iterdir() if entry.fullmatch(f.name) or tmp.fullmatch(f.name)]
+
+
+def test_disk_tier_never_counts_or_touches_files_it_did_not_name(tmp_path, bi):
+    """--prompt-cache-dir pointed at a folder with other files in it (a model's folder):
+    opening, saving, rejecting and evicting under a tiny budget leave every file the cache
+    did not name as it was, and they are not counted in the budget or the stats."""
+    import warnings
+
+    cache_dir = tmp_path / "shared"
+    cache_dir.mkdir()
+    foreign = {
+        "config.json": b'{"a": 1}',
+        "notes.json": b"// notes",  # a .json that is not JSON: not a damaged entry of ours
+        "tokenizer.json": b"[1, 2, 3]",
+        "model.safetensors": b"\1" * (3 << 20),  # bigger than any budget below
+        "data.bin": b"\2" * 300_000,
+        "ABCDEF0123456789ABCDEF0123456789.json": b"{",  # upper case: not a name we write
+        f".backup.{_dead_pid()}.x.tmp.json": b"{}",  # a dead pid, but not our temporary
+    }
+    for name, data in foreign.items():
+        (cache_dir / name).write_bytes(data)
+
+    def engine(budget):
+        return fx_engine.Engine(bi, max_rows=1, prefill_chunk=32, prefix_cache_dir=str(cache_dir),
+                                prefix_cache_disk_bytes=budget)
+
+    def check(e, budget):
+        for name, data in foreign.items():
+            assert (cache_dir / name).read_bytes() == data, name
+        ours = _cache_files(cache_dir)
+        assert e.prefix_cache.disk.stats()["bytes"] == sum(f.stat().st_size for f in ours) <= budget
+        return ours
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        e = engine(40_000)  # room for one small entry at a time
+        check(e, 40_000)
+        for i in range(3):
+            e.submit(_text(bi, 60, offset=40 * i) + [5], max_tokens=4).result()
+            ours = check(e, 40_000)
+        assert e.prefix_cache.disk.saves > 0 and ours  # it did save (and evict)
+        e1 = engine(40_000)  # a later process: opens, may load from disk, saves
+        check(e1, 40_000)
+        e1.submit(_text(bi, 60, offset=80) + [9], max_tokens=2).result()
+        check(e1, 40_000)
+        e2 = engine(1_000)  # eviction at open: every entry of ours goes, nothing else
+        assert check(e2, 1_000) == []
+    assert not [w for w in caught if "prefix cache" in str(w.message)]
+    assert e2.prefix_cache.disk.stats()["bytes"] == 0
+
+
+def _three_entries(tmp_path, bi):
+    """Three (key, cache, entry bytes) from one request's saves, for a DiskTier built here."""
+    e = fx_engine.Engine(bi, max_rows=1, prefill_chunk=32, prefix_cache_dir=str(tmp_path / "src"))
+    e.submit(_text(bi, 60) + [5], max_tokens=4).result()
+    disk = e.prefix_cache.disk
+    out = []
+    for key in sorted(disk.index):
+        size = sum((tmp_path / "src" / f"{disk.index[key]}{x}").stat().st_size
+                   for x in (".json", ".safetensors"))
+        out.append((key, disk.load(key), size))
+    assert len(out) >= 3
+    return disk, out[:3]
+
+
+def _tier(disk, path, budget):
+    from fx_engine.engine.prefix_cache import DiskTier
+
+    return DiskTier(path, budget, disk.expect["model"], disk.expect["tokenizer"], disk.layout,
+                    disk.expect["dtype"])
+
+
+def test_disk_entry_larger_than_the_budget_is_not_kept(tmp_path, bi):
+    from fx_engine.engine.prefix_cache import _arrays
+
+    disk, [(key, cache, size), *_] = _three_entries(tmp_path, bi)
+    # its arrays alone exceed the budget: never written
+    e = fx_engine.Engine(bi, max_rows=1, prefill_chunk=32, prefix_cache_dir=str(tmp_path / "a"),
+                         prefix_cache_disk_bytes=10_000)
+    e.submit(_text(bi, 60) + [5], max_tokens=4).result()
+    assert list((tmp_path / "a").iterdir()) == []
+    assert e.prefix_cache.disk.stats()["bytes"] == 0 and e.prefix_cache.disk.stats()["entries"] == 0
+    # its arrays fit, its files (header, metadata, tokens) do not: written, then evicted
+    nbytes = sum(a.nbytes for a in _arrays(cache).values())
+    assert nbytes < size
+    small = _tier(disk, tmp_path / "b", nbytes)
+    small.save(key, cache)
+    assert list((tmp_path / "b").iterdir()) == []
+    assert small.stats()["bytes"] == 0 and small.stats()["entries"] == 0
+    assert small.load(key) is None
+
+
+def test_disk_eviction_is_least_recently_used(tmp_path, bi):
+    """A loaded entry is recently used: the one saved after it but not read since goes first;
+    the entry just saved stays when older ones make room for it."""
+    import os
+    import time
+
+    disk, [(ka, ca, sa), (kb, cb, sb), (kc, cc, sc)] = _three_entries(tmp_path, bi)
+    folder = tmp_path / "lru"
+    tier = _tier(disk, folder, sa + sb + sc - 1)
+    tier.save(ka, ca)
+    tier.save(kb, cb)
+    now = time.time()
+    for key, age in ((ka, 200), (kb, 100)):  # A saved before B
+        for x in (".json", ".safetensors"):
+            os.utime(folder / f"{tier.index[key]}{x}", (now - age, now - age))
+    assert tier.load(ka) is not None  # A used after B was saved
+    tier.save(kc, cc)  # one byte over: B (least recently used) goes
+    assert set(tier.index) == {ka, kc}
+    assert tier.stats()["bytes"] == sa + sc == _folder_bytes(folder)

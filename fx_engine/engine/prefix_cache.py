@@ -35,6 +35,7 @@ import collections
 import hashlib
 import json
 import os
+import re
 import time
 import uuid
 import warnings
@@ -54,6 +55,11 @@ DEFAULT_BLOCK = 16
 # A disk-tier temporary this old is a dead writer's even if its pid runs again (no save of
 # an entry takes this long)
 STALE_TMP_SECONDS = 600.0
+# The disk tier's file names (see DiskTier.save): only these are ever counted, read, deleted
+# or evicted; any other file in the folder (a model's config.json, someone's notes) is not
+# the cache's and is left alone.
+_ENTRY_RE = re.compile(r"([0-9a-f]{32})\.(?:json|safetensors)")
+_TMP_RE = re.compile(r"\.([0-9a-f]{32})\.([0-9]+)\.([0-9a-f]{32})\.tmp\.(?:json|safetensors)")
 
 
 def scope_of(salt: str | None) -> str:
@@ -322,11 +328,14 @@ class DiskTier:
     metadata) is deleted then, so it is not read again at every start; entries of other
     models or versions are left alone (a folder may be shared).
 
-    On open, temporaries a killed writer left (`.<id>.<pid>.<uuid>.tmp.*`: its pid is no
-    longer running, or the file is older than STALE_TMP_SECONDS) are removed. The budget
-    counts every file in the folder (entries, orphans, other processes' writes in
-    progress); entries beyond `budget_bytes` are evicted oldest first, at open and after
-    every save."""
+    Only files named as the cache names them (`<id>` is 32 hex digits) are ever counted,
+    read, deleted or evicted: anything else in the folder (a model's config.json, a
+    tokenizer.json, weights) is not the cache's and is left alone. On open, temporaries a
+    killed writer left (`.<id>.<pid>.<uuid>.tmp.*`: its pid is no longer running, or the
+    file is older than STALE_TMP_SECONDS) are removed. The budget counts the cache's files
+    (entries of any model, orphans, other processes' writes in progress); entries go least
+    recently saved or loaded first until the total is within `budget_bytes`, at open and
+    after every save. An entry larger than the whole budget is not kept."""
 
     def __init__(self, path: str | Path, budget_bytes: int, model_fingerprint: str,
                  tokenizer_fingerprint: str, layout: tuple, dtype: str, block: int = DEFAULT_BLOCK):
@@ -342,7 +351,7 @@ class DiskTier:
         self.layout = layout
         self.index: dict[Key, str] = {}  # (scope, tokens) -> file stem
         self.loads = self.saves = self.rejected = 0
-        self.used_bytes = 0  # every file in the folder, as of the last eviction pass
+        self.used_bytes = 0  # the cache's files in the folder, as of the last eviction pass
         self._remove_stale_temporaries()
         self._scan()
         self._evict(keep=None)
@@ -364,19 +373,21 @@ class DiskTier:
         (a reused pid; a writer on another machine sharing the folder)."""
         now = time.time()
         for f in self.dir.glob(".*.tmp.*"):
-            parts = f.name.split(".")  # ["", id, pid, uuid, "tmp", ext]
-            try:
-                pid = int(parts[2])
-                age = now - f.stat().st_mtime
-            except (IndexError, ValueError, OSError):
+            m = _TMP_RE.fullmatch(f.name)
+            if m is None:
                 continue  # not one of ours
+            try:
+                pid = int(m.group(2))
+                age = now - f.stat().st_mtime
+            except (ValueError, OSError):
+                continue
             if age > STALE_TMP_SECONDS or not _pid_running(pid):
                 f.unlink(missing_ok=True)
 
     def _scan(self) -> None:
         for meta_path in self.dir.glob("*.json"):
-            if meta_path.name.startswith("."):
-                continue  # a writer's temporary
+            if not _ENTRY_RE.fullmatch(meta_path.name):
+                continue  # a writer's temporary, or not the cache's file at all
             try:
                 meta = json.loads(meta_path.read_text())
             except OSError:
@@ -446,12 +457,20 @@ class DiskTier:
             self._reject(name, f"missing array {e}")
             return None
         self.loads += 1
+        now = time.time()
+        for ext in (".safetensors", ".json"):  # recently used: evicted last (LRU)
+            try:
+                os.utime(self.dir / f"{name}{ext}", (now, now))
+            except OSError:
+                pass
         return cache
 
     def save(self, key: Key, cache: KVCache) -> None:
         scope, tokens = key
         name = self._name(key)
         arrs = _arrays(cache)
+        if sum(a.nbytes for a in arrs.values()) > self.budget:
+            return  # could never stay within the budget: not written at all
         meta = {**self._expect(scope), "checksum": _checksum(arrs), "length": str(len(tokens)),
                 "chain": (block_hashes(tokens, self.block, scope) or [b""])[-1].hex(),
                 "scope": scope}
@@ -472,32 +491,37 @@ class DiskTier:
         self._evict(keep=name)
 
     def _evict(self, keep: str | None) -> None:
-        """Bring the folder within the budget: every file counts; entries (`<id>.safetensors`
-        with its `<id>.json`, or either alone) go oldest first, never `keep` (the entry
-        just saved); other files (writes in progress) count but are not ours to delete."""
+        """Bring the cache's files within the budget. Entries (`<id>.safetensors` with its
+        `<id>.json`, or either alone) go least recently saved or loaded first, `keep` (the
+        entry just saved) last; an entry larger than the whole budget goes first (keeping
+        it would only push out everything else and still not fit). Writers' temporaries
+        count but are not ours to delete; files the cache did not name are ignored."""
         total = 0
         entries: dict[str, list] = {}  # id -> [mtime, bytes]
         for f in self.dir.iterdir():
+            entry = _ENTRY_RE.fullmatch(f.name)
+            if entry is None and not _TMP_RE.fullmatch(f.name):
+                continue  # not the cache's
             try:
+                if not f.is_file():
+                    continue
                 st = f.stat()
             except OSError:
                 continue
-            if not f.is_file():
-                continue
             total += st.st_size
-            if f.name.startswith(".") or f.suffix not in (".safetensors", ".json"):
-                continue
-            e = entries.setdefault(f.stem, [st.st_mtime, 0])
-            e[0], e[1] = min(e[0], st.st_mtime), e[1] + st.st_size
-        for _, size, stem in sorted((m, n, s) for s, (m, n) in entries.items()):
-            if total <= self.budget:
-                break
-            if stem == keep:
-                continue
+            if entry is None:
+                continue  # a write in progress
+            e = entries.setdefault(entry.group(1), [st.st_mtime, 0])
+            e[0], e[1] = max(e[0], st.st_mtime), e[1] + st.st_size
+        order = sorted((size <= self.budget, stem == keep, mtime, stem)
+                       for stem, (mtime, size) in entries.items())
+        for *_, stem in order:
+            if total <= self.budget and entries[stem][1] <= self.budget:
+                continue  # (only an oversized entry is evicted once within the budget)
             (self.dir / f"{stem}.safetensors").unlink(missing_ok=True)
             (self.dir / f"{stem}.json").unlink(missing_ok=True)
             self.index = {t: n for t, n in self.index.items() if n != stem}
-            total -= size
+            total -= entries[stem][1]
         self.used_bytes = total
 
     def stats(self) -> dict[str, Any]:
