@@ -29,6 +29,36 @@ def _layer_counts(text: str) -> list[int]:
     return counts
 
 
+def _int_at_least(low: int) -> Any:
+    """An argparse type: an integer >= low (errors name the flag, exit 2, before any load)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _check_serve(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """serve's flags that depend on each other or on the file system, checked before the
+    model loads (argparse's errors: usage, the flag, exit 2)."""
+    if a.prompt_cache_disk_bytes is not None and not a.prompt_cache:
+        p.error("argument --prompt-cache-disk-bytes: needs --prompt-cache-dir (the disk tier)")
+    if a.prompt_cache:
+        try:  # the disk tier creates it (and its parents) anyway
+            os.makedirs(a.prompt_cache, exist_ok=True)
+            usable = os.access(a.prompt_cache, os.W_OK | os.X_OK)
+        except OSError as e:
+            p.error(f"argument --prompt-cache-dir: cannot use {a.prompt_cache!r} as a directory "
+                    f"({e.strerror or e})")
+        if not usable:
+            p.error(f"argument --prompt-cache-dir: {a.prompt_cache!r} is not writable")
+
+
 def _sampling_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     p.add_argument("--model", "-m", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -316,7 +346,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     app = create_app(engine, model_id, api_key=a.api_key, defaults=defaults,
                      chat_template=template, chat_template_args=template_args,
                      max_request_bytes=a.max_request_bytes, stream_buffer=a.stream_buffer,
-                     stream_unread_bytes=a.stream_unread_bytes)
+                     stream_unread_bytes=a.stream_unread_bytes, body_timeout=a.body_timeout)
     from fx_engine.server.connections import server_config
 
     config = server_config(app, host=a.host, port=a.port, header_timeout=a.header_timeout,
@@ -494,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--header-timeout", type=float, default=10.0,
                     help="seconds a connection may take to send a request head, from its "
                          "start or its previous response (slow-header clients are closed)")
+    sv.add_argument("--body-timeout", type=float, default=30.0,
+                    help="seconds a request body may take to arrive whole, once its head has "
+                         "(a 408 beyond, and the connection is closed)")
     sv.add_argument("--timeout-keep-alive", type=int, default=5,
                     help="seconds an idle connection stays open between requests")
     sv.add_argument("--max-connections", type=int, default=512,
@@ -502,20 +535,22 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                     help="server log level: info = a start-up line and one access line per "
                          "request; every 4xx/5xx is logged with its reason (warning/error)")
-    sv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond this: 429")
-    sv.add_argument("--decode-concurrency", type=int, default=32, help="most requests in the batch")
-    sv.add_argument("--prefill-step-size", type=int, default=512, help="prefill chunk size")
-    sv.add_argument("--prompt-cache-bytes", type=int, default=512 << 20,
+    sv.add_argument("--max-queue", type=_int_at_least(0), default=256,
+                    help="requests waiting beyond this: 429")
+    sv.add_argument("--decode-concurrency", type=_int_at_least(1), default=32,
+                    help="most requests in the batch")
+    sv.add_argument("--prefill-step-size", type=_int_at_least(1), default=512, help="prefill chunk size")
+    sv.add_argument("--prompt-cache-bytes", type=_int_at_least(0), default=512 << 20,
                     help="in-memory prefix cache budget (0: off)")
-    sv.add_argument("--prompt-cache-disk-bytes", type=int, default=None,
+    sv.add_argument("--prompt-cache-disk-bytes", type=_int_at_least(1), default=None,
                     help="the disk tier's byte budget (--prompt-cache-dir; default 4 GiB; the "
                          "least recently used entries are deleted beyond it)")
-    sv.add_argument("--prompt-cache-size", type=int, default=None,
+    sv.add_argument("--prompt-cache-size", type=_int_at_least(1), default=None,
                     help="most prefix cache entries in memory (mlx_lm.server's flag)")
     sv.add_argument("--chat-template", default=None, help="a Jinja chat template (or @FILE)")
     sv.add_argument("--chat-template-args", default=None,
                     help='JSON variables for the template, e.g. \'{"enable_thinking": false}\'')
-    sv.set_defaults(func=cmd_serve)
+    sv.set_defaults(func=cmd_serve, check=lambda a: _check_serve(sv, a))
     i = sub.add_parser("info", help="versions, device, BLAS, native kernels, default model")
     i.add_argument("--model", default=None,
                    help="also show the matmul path chosen for this model (default: the default model)")
@@ -544,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "check", None) is not None:
+        args.check(args)  # flags checked before the model loads (argparse errors, exit 2)
     from fx_engine.runtime.distributed import finish
 
     try:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
+import logging
 import os
 import signal
 import socket
@@ -205,17 +207,41 @@ def test_submit_many_is_all_or_nothing(tiny):
     assert [h.result().finish_reason for h in hs] == ["length"] * 3
 
 
+class _Errors(logging.Handler):
+    """The ERROR records of the server's and uvicorn's loggers (a traceback per client)."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def __enter__(self):
+        for name in ("uvicorn.error", "fx_engine.server"):
+            logging.getLogger(name).addHandler(self)
+        return self.records
+
+    def __exit__(self, *exc):
+        for name in ("uvicorn.error", "fx_engine.server"):
+            logging.getLogger(name).removeHandler(self)
+
+
 def test_a_non_streaming_client_that_disconnects_frees_its_rows(open_server):
+    """... at once, and a client leaving is no error of the server's (no traceback)."""
     url, port = open_server["url"], open_server["port"]
     body = json.dumps({"prompt": "hello", "max_tokens": 1900, "temperature": 0.8, "n": 2}).encode()
-    s = _post_raw(port, "/v1/completions", body)
-    try:
-        assert _wait_rows(url, 2, timeout=30) == 2  # decoding
-    finally:
-        s.close()
-    assert _wait_rows(url, 0, timeout=10) == 0
+    with _Errors() as errors:
+        s = _post_raw(port, "/v1/completions", body)
+        try:
+            assert _wait_rows(url, 2, timeout=30) == 2  # decoding
+        finally:
+            s.close()
+        assert _wait_rows(url, 0, timeout=10) == 0
+        time.sleep(0.3)  # (the handler's own end comes after the rows')
     trace = [e for e in open_server["engine"].trace_events if e["kind"] == "retire"]
     assert [e["reason"] for e in trace[-2:]] == ["cancelled", "cancelled"]
+    assert not errors, [r.getMessage() for r in errors]
 
 
 # ------------------------------------------------------------------------ 3. stalls
@@ -668,6 +694,36 @@ def test_idle_and_slow_header_connections_are_closed(tiny):
                 s.close()
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_body_that_never_arrives_is_a_408_and_the_connection_closes(tiny, path):
+    """A whole head, then a body that stalls (one byte of 1,000, or none): the body has
+    its own deadline (body_timeout), on any server, or such sockets would hold their
+    connections (and --max-connections slots) forever."""
+    _, model = tiny
+    engine = fx_engine.Engine(model, max_rows=2, prefill_chunk=64)
+    app = create_app(engine, "tiny", body_timeout=1.0)
+    with serve(app, engine) as (url, port):
+        socks = []
+        for part in (b"", b"{"):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n%s" % (path.encode(), part))
+            socks.append(s)
+        try:
+            for s in socks:
+                s.settimeout(20)
+                status, err = _response(s)
+                assert status == 408, err
+                message = err["error"]["message"]
+                assert "did not arrive within 1 s" in message, err
+                assert ("type" in err) == (path == "/v1/messages"), err  # the route's shape
+                assert _closed_within(s, 10)[0]
+        finally:
+            for s in socks:
+                s.close()
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+
 def test_connections_beyond_the_limit_get_a_503(tiny):
     _, model = tiny
     engine = fx_engine.Engine(model, max_rows=2, prefill_chunk=64)
@@ -681,6 +737,12 @@ def test_connections_beyond_the_limit_get_a_503(tiny):
             status, err = _response(s)
             s.close()
             assert status == 503 and err["error"]["code"] == "too_many_connections", err
+            # a health probe is answered all the same (a full server is not a dead one)
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, ok = _response(s)
+            s.close()
+            assert status == 200 and ok == {"status": "ok"}, ok
         finally:
             for h in held:
                 h.close()
@@ -688,19 +750,29 @@ def test_connections_beyond_the_limit_get_a_503(tiny):
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 200
 
 
-def test_streams_that_are_never_read_are_cut_off_however_much_the_kernel_buffers(tiny):
+_STORY = [{"role": "user", "content": "Tell me a long story"}]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": _STORY, "max_tokens": 1900}),
+    ("/v1/messages", {"messages": _STORY, "max_tokens": 1900}),
+    ("/v1/responses", {"input": "Tell me a long story", "max_output_tokens": 1900}),
+])
+def test_streams_that_are_never_read_are_cut_off_however_much_the_kernel_buffers(tiny, path, body):
     """Clients that start streams and never read: the kernel's socket buffers absorb
     whole generations (~4 MB here), so neither `send` nor the event backlog ever blocks;
     the unread bytes the kernel holds, with nothing read for a second, cut them off, and
-    their rows are freed long before max_tokens, while another client is served."""
+    their rows are freed long before max_tokens, while another client is served. On every
+    streaming route: the route's event generator must be closed when sending fails (the
+    garbage collector would do it only when it happens to run: collection is off here)."""
     _, model = tiny
     engine = fx_engine.Engine(model, max_rows=16, prefill_chunk=64, max_queue=64)
     app = create_app(engine, "tiny", stream_unread_bytes=16 << 10)
+    gc.disable()
     with serve(app, engine, header_timeout=30) as (url, port):
-        body = json.dumps({"messages": [{"role": "user", "content": "Tell me a long story"}],
-                           "max_tokens": 1900, "temperature": 0.8, "stream": True}).encode()
+        body = json.dumps({**body, "temperature": 0.8, "stream": True}).encode()
         t_start = time.perf_counter()
-        idle = [_post_raw(port, "/v1/chat/completions", body, rcvbuf=4096) for _ in range(8)]
+        idle = [_post_raw(port, path, body, rcvbuf=4096) for _ in range(8)]
         try:
             assert _wait_rows(url, 8, timeout=30) == 8
             r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
@@ -714,5 +786,6 @@ def test_streams_that_are_never_read_are_cut_off_however_much_the_kernel_buffers
             for s in idle:  # the connection is dropped, not left holding its buffers
                 assert _closed_within(s, 30)[0]
         finally:
+            gc.enable()
             for s in idle:
                 s.close()

@@ -246,6 +246,24 @@ def test_max_tokens_beyond_the_context_is_clamped_to_the_room_left(tmp_path):
         engine.close()
 
 
+def test_a_prompt_longer_than_the_context_is_blamed_not_max_tokens(tmp_path):
+    model, engine, tc = _tiny_client(tmp_path)
+    engine.start()
+    try:
+        with tc:
+            c = anthropic.Anthropic(base_url="http://testserver", api_key="x", http_client=tc, max_retries=0)
+            long = [{"role": "user", "content": "The capital of France is Paris. " * 40}]
+            n = c.messages.count_tokens(model="x", messages=long).input_tokens
+            assert n > model.config.max_position_embeddings
+            with pytest.raises(anthropic.BadRequestError) as e:
+                c.messages.create(model="x", max_tokens=32000, messages=long, timeout=60)
+            msg = e.value.body["error"]["message"]
+            assert f"prompt ({n} tokens) alone exceeds the model's context of 128 tokens" in msg, msg
+            assert "max_tokens" not in msg
+    finally:
+        engine.close()
+
+
 def test_gate_and_routing_errors_are_anthropic_shaped(tmp_path):
     _, engine, tc = _tiny_client(tmp_path, api_key="k", max_request_bytes=4096)
     engine.start()

@@ -89,15 +89,42 @@ def test_serve_prompt_cache_names_and_disk_budget_reach_the_engine(tiny_dir, tmp
 
 
 def test_serve_disk_budget_without_a_directory_is_an_error(tiny_dir, monkeypatch, capsys):
-    code, _ = _served(monkeypatch, ["--model", str(tiny_dir), "--prompt-cache-disk-bytes", "1000"])
-    assert code == 2 and "--prompt-cache-dir" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        _served(monkeypatch, ["--model", str(tiny_dir), "--prompt-cache-disk-bytes", "1000"])
+    assert e.value.code == 2 and "--prompt-cache-dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--prompt-cache", "/dev/null/x"], "argument --prompt-cache-dir: cannot use '/dev/null/x'"),
+    (["--prompt-cache-dir", "{tmp}/pc", "--prompt-cache-disk-bytes", "0"],
+     "argument --prompt-cache-disk-bytes: expected an integer >= 1, got '0'"),
+    (["--prompt-cache-bytes", "-1"], "argument --prompt-cache-bytes: expected an integer >= 0"),
+    (["--prompt-cache-size", "0"], "argument --prompt-cache-size: expected an integer >= 1"),
+    (["--decode-concurrency", "0"], "argument --decode-concurrency: expected an integer >= 1"),
+    (["--max-queue", "-2"], "argument --max-queue: expected an integer >= 0"),
+])
+def test_bad_serve_flags_are_named_before_the_model_loads(tmp_path, monkeypatch, capsys, argv, says):
+    import fx_engine.cli as cli
+
+    def no_load(a):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(cli, "_load", no_load)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *(x.replace("{tmp}", str(tmp_path)) for x in argv)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "fx-engine serve: error: " + says in err, err
+    assert "Traceback" not in err and "prefix_cache" not in err
 
 
 def test_serve_connection_limits_reach_the_server(tiny_dir, monkeypatch):
     from fx_engine.server.connections import LimitedH11Protocol
 
     code, seen = _served(monkeypatch, ["--model", str(tiny_dir), "--header-timeout", "3",
-                                       "--timeout-keep-alive", "2", "--max-connections", "7"])
+                                       "--timeout-keep-alive", "2", "--max-connections", "7",
+                                       "--body-timeout", "4"])
     config = seen["config"]
     assert code == 0 and config.http is LimitedH11Protocol
     assert (config.fx_header_timeout, config.timeout_keep_alive, config.fx_max_connections) == (3, 2, 7)
+    [gate] = [m for m in config.app.user_middleware if m.cls.__name__ == "_Gate"]
+    assert gate.kwargs["body_timeout"] == 4

@@ -117,6 +117,20 @@ def test_bad_requests_are_400_naming_the_field(server, body, param):
     assert r.json()["error"]["param"] == param, r.json()
 
 
+@pytest.mark.parametrize("fmt,param", [
+    ({"type": "json_schema", "name": "x", "schema": {"items": {"items": {}}}}, "text.format.json_schema.schema"),
+    ({"type": "json_schema", "name": "", "schema": {}}, "text.format.json_schema.name"),
+])
+def test_text_format_errors_name_text_format_not_response_format(fmt, param, monkeypatch):
+    from fx_engine.engine import constraints, grammar_guard
+    from fx_engine.server.responses import _format_constraint
+
+    monkeypatch.setattr(grammar_guard, "MAX_SCHEMA_DEPTH", 2)  # the schema above is 3 deep
+    with pytest.raises(constraints.GrammarError) as e:
+        _format_constraint({"format": fmt})
+    assert str(e.value).split(":")[0] == param, str(e.value)
+
+
 def test_reasoning_items(tmp_path):
     from fastapi.testclient import TestClient
     from openai import OpenAI
@@ -168,8 +182,18 @@ def test_output_text_logprobs_equal_the_chat_routes(server, stream):
         assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]]
     if stream:  # the deltas carried the same records as they went
         assert [lp.model_dump() for lp in deltas] == got
-    r = httpx.post(server["url"] + "/v1/responses", timeout=60, json={"input": "hi", "top_logprobs": 2})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    # top_logprobs alone implies the include (as OpenAI takes it): never accepted and ignored
+    kw.pop("include")
+    if stream:
+        with c.responses.stream(**kw) as s:
+            alone = s.get_final_response()
+    else:
+        alone = c.responses.create(**kw)
+    again = [lp.model_dump() for lp in alone.output[0].content[0].logprobs]
+    assert [g["token"] for g in again] == [g["token"] for g in got]
+    for a, g in zip(again, got):  # (the prefix cache may hold the prompt this time)
+        assert a["logprob"] == pytest.approx(g["logprob"], abs=1e-3)
+        assert [t["token"] for t in a["top_logprobs"]] == [t["token"] for t in g["top_logprobs"]]
 
 
 @pytest.mark.parametrize("stream", [False, True])

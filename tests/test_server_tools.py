@@ -106,7 +106,8 @@ def test_streamed_parse_equals_whole_parse(text, cuts, one):
     content, got, _ = _replay(pieces + more)
     want_content, whole = parse_tool_calls(text, NAMES)
     whole = whole[:1] if one else whole
-    assert content == want_content
+    # whitespace-only content beside calls is none (the non-streamed reply's null)
+    assert content == (want_content if want_content.strip() or not whole else "")
     # the arguments streamed are the final ones, which are the non-streamed answer's
     assert [(n, a) for _, n, a in got] == [(c["function"]["name"], c["function"]["arguments"]) for c in calls] \
         == [(c["function"]["name"], c["function"]["arguments"]) for c in whole]
@@ -115,6 +116,25 @@ def test_streamed_parse_equals_whole_parse(text, cuts, one):
     for marker in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", '"name"'):
         if whole:
             assert marker not in sent
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>',
+    '\n<tool_call>{"name": "add", "arguments": {}}</tool_call>\n',
+    '\n\n[TOOL_CALLS][{"name": "add", "arguments": {}}]',
+])
+def test_whitespace_beside_calls_is_not_streamed_as_content(text):
+    for step in (1, 7, len(text)):
+        s = ToolCallStream(NAMES)
+        pieces = [p for k in range(0, len(text), step) for p in s.feed(text[k : k + step])]
+        more, calls = s.finish()
+        assert calls and not parse_tool_calls(text, NAMES)[0].strip()
+        assert [p for p in pieces + more if p[0] == "content"] == []
+    s = ToolCallStream(NAMES)  # whitespace held before a call is sent when content follows
+    pieces = s.feed("\n<tool_call>") + s.feed('{"name": "add", "arguments": {}}</tool_call> ok')
+    more, _ = s.finish()
+    assert "".join(p[1] for p in pieces + more if p[0] == "content") == "\n ok"
 
 
 def test_arguments_stream_as_they_are_written():
@@ -283,7 +303,7 @@ def _nested(depth):
         {"type": "function", "name": "f", "strict": True, "parameters": _nested(120)}]},
      "tools.0.parameters"),
     ("/v1/messages", {"messages": MSGS, "max_tokens": 4, "tool_choice": {"type": "any"},
-                      "tools": [{"name": "f", "input_schema": _nested(120)}]}, "tools.0"),
+                      "tools": [{"name": "f", "input_schema": _nested(120)}]}, "tools.0.input_schema"),
 ])
 def test_tool_schemas_are_held_to_the_schema_limits(tool_app, route, body, param):
     """A tool's schema costs what a response_format schema does: beyond the documented
@@ -439,3 +459,40 @@ def test_responses_stream_function_call_arguments(two_calls):
     with client.responses.stream(**kw, parallel_tool_calls=False) as s:
         one = [(o.name, o.arguments) for o in s.get_final_response().output if o.type == "function_call"]
     assert one == want[:1]
+
+
+def test_calls_apart_by_a_newline_stream_no_content_on_any_route(tmp_path):
+    """Two calls with "\n" between them: the non-streamed content is null (no text block,
+    no message item), and so is every stream's."""
+    from fastapi.testclient import TestClient
+
+    text = TWO_CALLS.removeprefix("Let me check.")
+    model = fx_engine.load(write_tiny_model(tmp_path / "m"))
+    engine = ScriptedEngine(model, max_rows=2, prefill_chunk=64)
+    engine.script = model.tokenizer.encode(text, add_special_tokens=False)
+    app = create_app(engine, "tiny", defaults={"max_tokens": 256}, chat_template=TEMPLATE)
+    engine.start()
+    try:
+        with TestClient(app) as c:
+            body = {"messages": MSGS, "tools": TOOLS}
+            whole = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+            assert whole["content"] is None and len(whole["tool_calls"]) == 2
+            lines = c.post("/v1/chat/completions", json={**body, "stream": True}).text.splitlines()
+            deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in lines
+                      if x.startswith("data: {") and json.loads(x[6:])["choices"]]
+            assert [d["content"] for d in deltas if d.get("content")] == []  # (the role's "" aside)
+            assert sum(len(d.get("tool_calls") or []) for d in deltas) > 2
+            ab = {"model": "tiny", "max_tokens": 256, "messages": MSGS, "tools": [
+                {"name": "get_weather", "description": "Weather in a city", "input_schema": PARAMS}]}
+            assert [b["type"] for b in c.post("/v1/messages", json=ab).json()["content"]] == ["tool_use"] * 2
+            events = c.post("/v1/messages", json={**ab, "stream": True}).text
+            assert '"type": "text"' not in events and '"type":"text"' not in events
+            rb = {"model": "tiny", "input": "Weather in Paris?", "tools": [
+                {"type": "function", "name": "get_weather", "parameters": PARAMS}]}
+            assert [o["type"] for o in c.post("/v1/responses", json=rb).json()["output"]] == ["function_call"] * 2
+            done = [json.loads(x[6:]) for x in c.post("/v1/responses", json={**rb, "stream": True}).text.splitlines()
+                    if x.startswith("data: ")]
+            assert [o["type"] for o in done[-1]["response"]["output"]] == ["function_call"] * 2
+            assert not any(e["type"] == "response.output_text.delta" for e in done)
+    finally:
+        engine.close()

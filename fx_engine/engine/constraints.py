@@ -209,7 +209,13 @@ def parse_constraint(
     (key, value), = given.items()
     field = names.get(key, key)
     if key == "response_format":
-        c = _from_response_format(value)  # its field is a path under "response_format"
+        try:
+            c = _from_response_format(value)  # its field is a path under "response_format"
+        except GrammarError as e:  # named as the caller knows the field, as a result is
+            msg = str(e)
+            if field == key or not msg.startswith(key):
+                raise
+            raise GrammarError(field + msg[len(key):]) from None
         return None if c is None else attrs.evolve(c, field=field + c.field[len(key):])
     if key == "json_schema":
         return Constraint(field, "json_schema", _schema_grammar(field, value))

@@ -336,6 +336,9 @@ def parse_request(
     if not ids:
         raise ValueError("prompt: encodes to zero tokens")
     limit = model.config.max_position_embeddings
+    if len(ids) + max_tokens > limit + 1 and len(ids) > limit:  # no max_tokens >= 1 fits
+        raise ValueError(f"prompt ({len(ids)} tokens) alone exceeds the model's context of "
+                         f"{limit} tokens")
     if len(ids) + max_tokens > limit + 1:
         raise ValueError(
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "

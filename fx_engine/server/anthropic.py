@@ -35,13 +35,14 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from fx_engine.engine.engine import EngineClosed, QueueFull
-from fx_engine.server.app import _Body
+from fx_engine.engine.grammar_guard import check_schema
+from fx_engine.server.app import EventStream, _Body
 from fx_engine.server.reasoning import ReasoningStream, template_switches
 from fx_engine.server.reasoning import split as split_reasoning
 from fx_engine.server.tools import ToolCallStream, parse_tool_calls, reply_parts
@@ -95,7 +96,7 @@ class CountTokensRequest(_Body):
 
 
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
           503: "overloaded_error"}
 
 
@@ -222,6 +223,8 @@ def to_chat(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | Non
             if t.get("type") not in (None, "custom") or not isinstance(t.get("name"), str):
                 raise ValueError(f"tools[{i}]: only custom tools with a name and an input_schema "
                                  f"are supported (got type {t.get('type')!r})")
+            # its cost, under this route's name for it (chat_prompt checks it again, cheaply)
+            check_schema(f"tools.{i}.input_schema", t.get("input_schema"))
             tools.append({"type": "function", "function": {
                 "name": t["name"], "description": t.get("description", ""),
                 "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
@@ -378,7 +381,7 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
         inside = in_reasoning(h.prompt_token_ids)
         one_call = bool((body.tool_choice or {}).get("disable_parallel_tool_use"))
         if body.stream:
-            return StreamingResponse(_events(request, h, mid, names, inside, one_call,
+            return EventStream(_events(request, h, mid, names, inside, one_call,
                                              app.state.shown_model(body.model)),
                                      media_type="text/event-stream",
                                      background=BackgroundTask(lambda: h.done or h.cancel()))

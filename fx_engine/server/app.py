@@ -47,7 +47,7 @@ from typing import Any, Literal, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.background import BackgroundTask
@@ -71,6 +71,7 @@ MAX_REQUEST_BYTES = 4 << 20  # request bodies beyond this are refused (413) unre
 STREAM_BUFFER = 256  # events per choice a streaming client may fall behind before cut-off
 OPEN_PATHS = frozenset({"/health"})  # answered without an API key
 SEND_TIMEOUT = 30.0  # seconds a client's socket may accept nothing before it is closed
+BODY_TIMEOUT = 30.0  # seconds a request body may take to arrive whole (408 beyond)
 STREAM_UNREAD_BYTES = 64 << 10  # bytes a stream's client may leave unread while not reading
 
 
@@ -409,6 +410,25 @@ def _gone_reason(e: BaseException) -> str:
     return _gone_reason(inner[0]) if inner else str(e)
 
 
+class EventStream(StreamingResponse):
+    """A streamed (SSE) response whose body generator is closed, and whose `background`
+    (freeing the request's rows) runs, however the response ends. Starlette does neither
+    when sending fails (a client cut off by _Gate, or gone): the generator would stay
+    suspended until the garbage collector finalized it, its rows generating on."""
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        done = False
+        try:
+            await super().__call__(scope, receive, send)
+            done = True
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()  # runs the generator's own `finally` (cancels its rows)
+            if not done and self.background is not None:
+                await self.background()
+
+
 def failure(e: BaseException) -> tuple[int, str, str | None]:
     """(status, message, param) for a request that failed inside the engine: the client's
     constraint hitting a grammar limit mid-output is the client's (400 naming the field);
@@ -448,9 +468,10 @@ class _Gate:
     scope (`fx_tenant`)."""
 
     def __init__(self, app: Any, tenants: dict[str, str], max_bytes: int, send_timeout: float,
-                 unread_bytes: int):
+                 unread_bytes: int, body_timeout: float):
         self.app, self.tenants, self.max_bytes = app, tenants, max_bytes
         self.send_timeout, self.unread_bytes = send_timeout, unread_bytes
+        self.body_timeout = body_timeout
 
     def _timed(self, send: Any, sock: Any) -> Any:
         """`send` that gives up on a client whose socket accepts nothing for send_timeout
@@ -518,8 +539,15 @@ class _Gate:
             if n > self.max_bytes:
                 return await self._too_large(scope, receive, send)
         chunks, total = [], 0
+        # The whole body within body_timeout: a client that sends a head and then its body
+        # slowly, or never, would hold its connection (and a --max-connections slot) forever
+        deadline = time.monotonic() + self.body_timeout
         while True:
-            msg = await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return await _route_error(scope.get("path", ""), 408, f"the request body did not "
+                                          f"arrive within {self.body_timeout:g} s")(scope, receive, send)
             if msg["type"] != "http.request":  # the client went away before the body
                 return
             body = msg.get("body", b"")
@@ -577,7 +605,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
                chat_template_args: dict[str, Any] | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES,
                stream_buffer: int = STREAM_BUFFER, send_timeout: float = SEND_TIMEOUT,
-               stream_unread_bytes: int = STREAM_UNREAD_BYTES) -> FastAPI:
+               stream_unread_bytes: int = STREAM_UNREAD_BYTES,
+               body_timeout: float = BODY_TIMEOUT) -> FastAPI:
     """The FastAPI app over a started `engine`. `defaults`: server-wide sampling defaults
     (the CLI's --temp, --top-p, --max-tokens, ...) and speculative decoding settings.
     chat_template / chat_template_args: a Jinja template replacing the model's, and extra
@@ -589,7 +618,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
     send_timeout: seconds a client's socket may accept nothing before its connection is
     closed. stream_unread_bytes: bytes a streaming client may leave unread while it reads
     nothing before it is cut off (both seen through the kernel's send queue when served by
-    server/connections.py's `server_config`, as `fx-engine serve` does)."""
+    server/connections.py's `server_config`, as `fx-engine serve` does). body_timeout:
+    seconds a request body may take to arrive whole (408 beyond)."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if any(not isinstance(k, str) or not k for k in keys):
         raise ValueError("api_key: keys must be non-empty strings")
@@ -600,10 +630,12 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
     if not isinstance(stream_unread_bytes, int) or stream_unread_bytes < 1:
         raise ValueError(f"stream_unread_bytes must be a positive integer, got {stream_unread_bytes!r}")
     app = FastAPI(title="fx-engine", version="0.1.0")
-    if not isinstance(send_timeout, (int, float)) or not send_timeout > 0:
-        raise ValueError(f"send_timeout must be a positive number, got {send_timeout!r}")
+    for name, value in (("send_timeout", send_timeout), ("body_timeout", body_timeout)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
     app.add_middleware(_Gate, tenants={k: _tenant(k) for k in keys}, max_bytes=max_request_bytes,
-                       send_timeout=float(send_timeout), unread_bytes=stream_unread_bytes)
+                       send_timeout=float(send_timeout), unread_bytes=stream_unread_bytes,
+                       body_timeout=float(body_timeout))
     metrics = Metrics(engine)
     defaults = dict(defaults or {})
     app.state.metrics = metrics
@@ -769,7 +801,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         obj = "chat.completion" if chat else "text_completion"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
+            return EventStream(
                 _stream(request, handles, rid, created, chat, include_usage, prompt_tokens,
                         getattr(body, "top_logprobs", None) or 0, tool_names,
                         getattr(body, "parallel_tool_calls", None) is False, echoes,
@@ -831,17 +863,20 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
         """`waiting`'s result, or None once the client disconnects (or it was cancelled);
         then, or if this handler is cancelled, `waiting` is cancelled."""
         gone = asyncio.ensure_future(_until_disconnect(request))
+        left = True  # until `waiting` is seen done
         try:
             await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+            left = not waiting.done()
         finally:
             gone.cancel()
-            if not waiting.done():
+            if left:
                 waiting.cancel()
-        if not waiting.done():
+        if left:  # (a cancelled gather() does not report cancelled(): its result raises)
             try:
                 await waiting
             except asyncio.CancelledError:
                 pass
+            return None
         return None if waiting.cancelled() else waiting.result()
 
     async def _results(request: Request, handles: list[Any]) -> list[Any] | None:
@@ -1128,7 +1163,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
 
         field = "messages" if body.messages is not None else "prompt"
         try:
-            return await run_in_threadpool(work)
+            # encoded on the worker thread too: FastAPI would walk and encode a long prompt's
+            # hundreds of thousands of ids and strings on the event loop
+            encoded = await run_in_threadpool(lambda: json.dumps(work()).encode())
+            return Response(encoded, media_type="application/json")
         except TemplateError as e:  # the template rejects these messages (raise_exception)
             return _error(400, f"messages: the chat template failed: {e}", "messages")
         except ValueError as e:

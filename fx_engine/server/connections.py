@@ -12,7 +12,9 @@ protocol here (uvicorn's h11 protocol, extended) adds:
   the connection is closed (a 408 first if part of a head came). Idle keep-alive
   connections are closed after `timeout_keep_alive` (uvicorn's, default 5 s).
 * **A connection limit** (`max_connections`, default 512): a connection beyond it gets a
-  503 (JSON, `Retry-After`) to its request and is closed.
+  503 (JSON, `Retry-After`) to its request and is closed; `/health` is answered anyway (a
+  load balancer's probe must not see a full server as a dead one). The request body's own
+  deadline is server/app.py's (`body_timeout`, 30 s: a 408), on any server.
 * **What a client has not read, seen from the server** (`ConnectionSocket`, in the ASGI
   scope as `scope["extensions"]["fx.socket"]`): the bytes written to the connection and
   not yet acknowledged by the client's TCP stack (the server's transport buffer plus the
@@ -35,6 +37,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+OPEN_PATHS = frozenset({"/health"})  # answered beyond the connection limit too
 HEADER_TIMEOUT = 10.0  # seconds a request head may take (from connect or the last response)
 KEEP_ALIVE_TIMEOUT = 5  # seconds an idle connection is kept between requests (uvicorn's)
 MAX_CONNECTIONS = 512  # open connections beyond this get a 503 and are closed
@@ -170,10 +173,12 @@ class LimitedH11Protocol(H11Protocol):
         super().connection_made(transport)
         # the protocol and its request cycles write and close through it
         sock = self.transport = ConnectionSocket(transport, self.header_timeout)
-        inner = self.app if len(self.connections) <= self.max_connections else _over_limit
+        inner, over = self.app, len(self.connections) > self.max_connections
 
         async def app(scope: dict, receive: Any, send: Any) -> None:
             scope.setdefault("extensions", {})["fx.socket"] = sock
+            if over and scope.get("path") not in OPEN_PATHS:  # a health probe still answers
+                return await _over_limit(scope, receive, send)
             await inner(scope, receive, send)
         self.app = app
         self._arm_head_timer()

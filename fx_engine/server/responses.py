@@ -14,7 +14,8 @@ A request becomes the chat the other routes build (`app.state.chat_prompt`):
 * `max_output_tokens`, `temperature`, `top_p`; `metadata` and `user` are echoed/logged;
   `prompt_cache_retention` is a hint (the prefix cache keeps what its budget allows).
 * `include: ["message.output_text.logprobs"]` (with `top_logprobs` 0-20 alternatives):
-  the message's `output_text` carries its tokens' logprobs (streamed: each delta its own).
+  the message's `output_text` carries its tokens' logprobs (streamed: each delta its own);
+  `top_logprobs` alone implies that include (it is never accepted and then ignored).
 * `max_tool_calls`: at most that many function calls in the reply (the first ones).
 * `truncation: "auto"`: when the prompt and max_output_tokens exceed the context, the
   fewest oldest input items are dropped (a function_call_output whose call went too);
@@ -33,13 +34,12 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from pydantic import Field
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from fx_engine.engine.engine import EngineClosed, QueueFull
-from fx_engine.server.app import _Body, _error, failure
+from fx_engine.server.app import EventStream, _Body, _error, failure
 from fx_engine.server.reasoning import ReasoningStream, template_switches
 from fx_engine.server.reasoning import split as split_reasoning
 from fx_engine.server.tools import ToolCallStream, parse_tool_calls, reply_parts
@@ -74,8 +74,8 @@ class ResponsesRequest(_Body):
     service_tier: Literal["auto", "default"] | None = None
 
     @property
-    def logprobs(self) -> bool:
-        return "message.output_text.logprobs" in (self.include or ())
+    def logprobs(self) -> bool:  # asked for, or implied by top_logprobs (as OpenAI takes it)
+        return "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs is not None
 
     @property
     def call_limit(self) -> int | None:
@@ -250,8 +250,6 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
 
     def work(request: Request, body: ResponsesRequest) -> list[Any]:
         kw: dict[str, Any] = {"max_tokens": body.max_output_tokens or defaults.get("max_tokens", 512)}
-        if body.top_logprobs is not None and not body.logprobs:
-            raise ValueError('top_logprobs: requires include: ["message.output_text.logprobs"]')
         if body.logprobs:  # the engine reports the chosen token with >= 1 alternative
             kw["logprobs"] = max(1, body.top_logprobs or 0)
         for name, value in (("temperature", body.temperature), ("top_p", body.top_p)):
@@ -326,7 +324,7 @@ def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], 
                 "user": body.user, "previous_response_id": None}
         inside = in_reasoning(h.prompt_token_ids)
         if body.stream:
-            return StreamingResponse(_events(request, h, base, names, inside, body.parallel_tool_calls,
+            return EventStream(_events(request, h, base, names, inside, body.parallel_tool_calls,
                                              body.stream_options, _summarize(body), body.call_limit,
                                              (body.top_logprobs or 0) if body.logprobs else None),
                                      media_type="text/event-stream",

@@ -21,7 +21,9 @@ ensure_ascii=False)`), so the pieces concatenate to the arguments the non-stream
 gives. `finish()` completes them from the whole text's parse: arguments it could not follow
 as they came (written before the name, given as a string) arrive there at once, as does
 content after the calls. gpt-oss's calls arrive whole at the end of their commentary message
-(the reasoning splitter holds those messages until they end). Limits: a model-supplied call
+(the reasoning splitter holds those messages until they end). Whitespace around the calls
+is never sent as content unless real content follows (the non-streamed reply's content is
+then null). Limits: a model-supplied call
 id written after the arguments is not used when streaming; a call announced that the whole
 text's parse then rejects or reads otherwise (cut off by max_tokens, malformed JSON, a
 duplicated key in its arguments) stays as streamed, its arguments as far as they got (as
@@ -400,6 +402,8 @@ class ToolCallStream:
         else:  # hold back a tail that could be the beginning of a marker
             keep = max((n for m in _MARKERS for n in range(1, len(m)) if pending.endswith(m[:n])), default=0)
             out = pending[: len(pending) - keep]
+        if self.sent == 0 and not out.strip():
+            return ""  # whitespace before a call: content only if real content follows (finish)
         self.sent += len(out)
         return out
 
@@ -468,6 +472,8 @@ class ToolCallStream:
         sent = self.text[: self.sent]
         if not calls:
             rest = self.text[self.sent :]
+        elif not content.strip():
+            rest = ""  # whitespace around calls: the non-streamed reply's content is null
         else:  # what was sent precedes the first call, so it starts `content` (by construction)
             rest = content[self.sent :] if content.startswith(sent) else ""
         if rest:  # after the announced calls' arguments: a piece of a call follows its start
