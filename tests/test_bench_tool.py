@@ -121,3 +121,32 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
         for kern in ("qmm", "qgemm", "qmm_a8"):
             assert r[kern]["us"] > 0 and r[kern]["gflops"] > 0
     assert "| 17 | head |" in proc.stdout
+
+
+def test_synth_gguf_writes_a_file_fx_engine_loads(tmp_path: Path) -> None:
+    """tools/synth_gguf.py (issue 41): random valid blocks at a tiny shape, the tokenizer padded
+    to the vocabulary; fx_engine.load reads it and decodes; llama.cpp's Q4_K_M mix at 1B."""
+    pytest.importorskip("gguf")
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import synth_gguf as sg
+    finally:
+        sys.path.pop(0)
+    import fx_engine
+    from fx_engine.loading.gguf import _Header
+
+    for arch, quant in (("llama", "Q4_K_M"), ("olmoe", "Q8_0")):
+        shape = sg.Shape("tiny", 256, 2, 512, 4, 2, 49300, tied=arch == "llama", arch=arch,
+                         experts=4 if arch == "olmoe" else 0, top_k=2 if arch == "olmoe" else 0)
+        path = sg.write_file(tmp_path / f"{arch}.gguf", shape, quant)
+        assert not path.with_name(path.name + ".partial").exists()
+        model = fx_engine.load(path)
+        assert model.config.vocab_size == 49300 and model.config.num_layers == 2
+        assert len(_Header(path).metadata["tokenizer.ggml.tokens"]) == 49300  # as llama.cpp needs
+        out = fx_engine.generate(model, "Hello", max_tokens=3, temperature=0.0)
+        assert len(out.token_ids) >= 1
+    plan = {name: kind for name, kind, _ in sg.tensor_plan(sg.SHAPES["llama-1b"], "Q4_K_M")}
+    assert plan["token_embd.weight"] == "Q6_K" and "output.weight" not in plan
+    assert [i for i in range(16) if plan[f"blk.{i}.attn_v.weight"] == "Q6_K"] == [0, 1, 4, 7, 10, 13, 14, 15]
+    assert plan["blk.2.ffn_gate.weight"] == "Q4_K" and plan["blk.2.ffn_down.weight"] == "Q4_K"
+    assert 0.79e9 < sg.estimate_bytes(sg.SHAPES["llama-1b"], "Q4_K_M") < 0.82e9

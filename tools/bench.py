@@ -52,7 +52,15 @@ Usage:
   python tools/bench.py                             # full run on the default model
   python tools/bench.py --quick                     # fewer tokens (128/512 prefill, 16 decode)
   python tools/bench.py --model PATH.gguf|FOLDER --runs 5 --json out.json --markdown out.md
+  python tools/bench.py --quick --model synth:llama-1b:Q4_K_M   # a synthetic file at a real
+                            # size (tools/synth_gguf.py: written once into its cache folder)
   python tools/bench.py --smoke                     # tiny random model, seconds, no claims
+
+For a GGUF file, the machine's DRAM read bandwidth is measured first (tools/membw.py; --no-dram
+skips it) and every decode figure is also reported as effective bandwidth: tok/s x the file's
+bytes (what llama.cpp's figures are usually read against), tok/s x the bytes a decode step
+streams (the file less an untied embedding table, which is only gathered from), and the
+latter's fraction of the measured DRAM read bandwidth.
 """
 
 from __future__ import annotations
@@ -84,6 +92,7 @@ from fx_engine.core.tree import tree_leaves  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: tools/ modules
 from oracle import _mlx_lm_skeleton, mlx_lm_dense_from_fx  # noqa: E402
+import membw  # noqa: E402
 
 try:  # the shell's attention span buckets (newer engines); None: attend over the capacity
     from fx_engine.core.cache import span_bucket
@@ -847,6 +856,42 @@ def _fmt(v: float | None, nd: int = 1) -> str:
     return f"{v:.{nd}f}"
 
 
+def gguf_stream_bytes(path: str) -> dict[str, int]:
+    """The file's bytes and the bytes a decode step reads: the tensors' data less an untied
+    embedding table (only one row per token is gathered from it)."""
+    out = {"file_bytes": Path(path).stat().st_size}
+    try:
+        from gguf import GGUFReader
+
+        tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+        embd = tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0
+        out["tensor_bytes"] = sum(tensors.values())
+        out["stream_bytes"] = out["tensor_bytes"] - embd
+    except Exception:  # pragma: no cover - the gguf package is optional here
+        pass
+    return out
+
+
+def effective_bandwidth(report: dict[str, Any]) -> dict[str, Any] | None:
+    """Per engine and decode metric: tok/s x file bytes, tok/s x streamed bytes (GB/s), and
+    the latter over the measured DRAM read bandwidth."""
+    bw = report.get("bandwidth")
+    if not bw:
+        return None
+    dram = (bw.get("dram") or {}).get("gbs")
+    fb, sb = bw["file_bytes"], bw.get("stream_bytes", bw["file_bytes"])
+    out: dict[str, Any] = {}
+    for k, v in report["results"].items():
+        for m, vals in v["metrics"].items():
+            if not m.startswith("decode@") or not vals:
+                continue
+            tok_s = vals["median"]
+            out.setdefault(k, {})[m] = {
+                "tok_s": tok_s, "file_gbs": tok_s * fb / 1e9, "stream_gbs": tok_s * sb / 1e9,
+                "of_dram": (tok_s * sb / 1e9 / dram) if dram else None}
+    return out
+
+
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
     """Ratios and target verdicts from the medians."""
     res = report["results"]
@@ -893,7 +938,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     if fx.get(d_short) and fx.get(f"decode@{long_}") and not report.get("smoke"):
         add(f"decode@{long_} no more than 1.5x slower than decode@{short}",
             fx[d_short] / fx[f"decode@{long_}"], 1.5, higher=False, note="slowdown factor")
-    return {"medians": med, "ratios": ratios, "targets": targets}
+    return {"medians": med, "ratios": ratios, "targets": targets,
+            "effective_bandwidth": effective_bandwidth(report)}
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -957,6 +1003,24 @@ def render_markdown(report: dict[str, Any]) -> str:
     for name, vals in s["ratios"].items():
         lines.append(f"| {name} | " + " | ".join(
             (_fmt(vals.get(m), 2) + "x") if vals.get(m) else "n/a" for m in metrics) + " |")
+    eff = s.get("effective_bandwidth")
+    if eff:
+        bw = report["bandwidth"]
+        d = bw.get("dram") or {}
+        lines.append("")
+        lines.append(f"Effective bandwidth of decode (tok/s x the file's {bw['file_bytes'] / 1e9:.3f} GB; "
+                     f"x the {bw.get('stream_bytes', bw['file_bytes']) / 1e9:.3f} GB a step streams), "
+                     "and the latter's fraction of the DRAM read bandwidth measured in this run"
+                     + (f" ({d['gbs']:.1f} GB/s: {d['method']})" if d.get("gbs") else " (not measured)")
+                     + ":")
+        lines.append("")
+        lines.append("| engine | metric | tok/s | GB/s (file) | GB/s (streamed) | of DRAM |")
+        lines.append("|---|---|---:|---:|---:|---:|")
+        for k, ms in eff.items():
+            for m, v in ms.items():
+                lines.append(f"| {_label(report, k)} | {m} | {_fmt(v['tok_s'], 2)} | "
+                             f"{_fmt(v['file_gbs'])} | {_fmt(v['stream_gbs'])} | "
+                             f"{_fmt(v['of_dram'], 2) if v['of_dram'] else 'n/a'} |")
     if report.get("llama_cpp_reference"):
         lines.append("")
         lines.append("llama.cpp(reference): " + ", ".join(
@@ -1033,6 +1097,19 @@ def render_text(report: dict[str, Any]) -> str:
                        f"{v.get('compared', len(ag['reference_tokens']))}, max|dlogit| "
                        f"{_sci(v.get('max_abs_logit_diff'))}, argmax equal "
                        f"{v.get('argmax_equal', 'n/a')}")
+    eff = report["summary"].get("effective_bandwidth")
+    if eff:
+        bw = report["bandwidth"]
+        d = (bw.get("dram") or {}).get("gbs")
+        out.append("")
+        out.append(f"effective bandwidth (file {bw['file_bytes'] / 1e9:.3f} GB, streamed "
+                   f"{bw.get('stream_bytes', bw['file_bytes']) / 1e9:.3f} GB per token; DRAM read "
+                   + (f"{d:.1f} GB/s)" if d else "not measured)"))
+        for k, ms in eff.items():
+            for m, v in ms.items():
+                out.append(f"  {_label(report, k):{w}s} {m:12s} {v['tok_s']:8.2f} tok/s  "
+                           f"{v['file_gbs']:6.1f} GB/s (file)  {v['stream_gbs']:6.1f} GB/s (streamed)"
+                           + (f"  {v['of_dram']:.2f} of DRAM" if v["of_dram"] else ""))
     if report.get("ceilings"):
         out.append("")
         out.append("ceilings: " + ", ".join(f"{k}={v:.1f}" for k, v in report["ceilings"].items()))
@@ -1081,6 +1158,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--only-ceilings", action="store_true",
                     help="measure only the bandwidth/GEMM ceilings and fx's decode breakdown")
     ap.add_argument("--no-agreement", action="store_true", help="skip the agreement check")
+    ap.add_argument("--no-dram", action="store_true",
+                    help="skip the DRAM read bandwidth measurement (GGUF models: effective GB/s)")
     ap.add_argument("--render", metavar="JSON",
                     help="no measurement: re-render a saved --json report (text, --markdown)")
     ap.add_argument("--json", help="write the full report as JSON here")
@@ -1146,6 +1225,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         tmp = tempfile.TemporaryDirectory(prefix="fx-bench-")
         path = str(write_tiny_model(Path(tmp.name) / "tiny"))
+    elif args.model and args.model.startswith("synth:"):  # tools/synth_gguf.py's cached file
+        import synth_gguf
+
+        path = str(synth_gguf.resolve(args.model, log=log))
     elif args.model:
         path = str(Path(args.model).expanduser())
     else:
@@ -1156,6 +1239,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     is_default = Path(path).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
 
     info = machine_info()
+    bandwidth = None
+    if is_gguf and not args.smoke:
+        bandwidth = gguf_stream_bytes(path)
+        if not args.no_dram:  # before any model is loaded: the most free memory
+            bandwidth["dram"] = membw.dram_read_gbs()
+            log(f"DRAM read {bandwidth['dram']['gbs']:.1f} GB/s ({bandwidth['dram']['method']})")
     log(f"model {path}; MLX {info['mlx']}, mlx-lm {info['mlx_lm']}, BLAS {info['blas']['name']} "
         f"{info['openblas'] or ''}")
     t0 = time.perf_counter()
@@ -1263,7 +1352,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "engines": {e.key: {"label": e.label, "notes": e.notes} for e in engines},
             "skipped": skipped, "weights_bytes": weights,
             "results": results, "agreement": ag, "ceilings": ceilings,
-            "decode_breakdown": breakdown,
+            "decode_breakdown": breakdown, "bandwidth": bandwidth,
             "llama_cpp_reference": (
                 {k: v for k, v in LLAMA_CPP_REFERENCE.items() if k in metric_names}
                 if is_default and "llama.cpp" not in {e.key for e in engines} else None),

@@ -1,6 +1,6 @@
 """Load time and memory of a K-quant GGUF: writes a synthetic Q4_K_M-like llama file (random
 valid blocks: Q4_K weights, Q6_K embedding, attn_v and every other ffn_down, F32 norms, with
-the gguf package) and loads it in a fresh process per mode, reporting the load's wall time,
+tools/synth_gguf.py's writer) and loads it in a fresh process per mode, reporting the load's wall time,
 the params' bytes and the process's peak RSS.
 
     python tools/bench_load.py                       # hidden 2048, 16 layers: ~517 MiB
@@ -23,71 +23,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# offsets of the float16 fields in each block type (d, and dmin for Q4_K), and the exponent
-# range their random values get (weights of a sane size)
-F16 = {"Q4_K": ((0, 2), (-13, -10)), "Q6_K": ((208,), (-17, -14))}
+sys.path.insert(0, str(ROOT / "tools"))
+import synth_gguf  # noqa: E402  (the synthetic GGUF writer: tools/synth_gguf.py)
 
 
 def write_file(path: Path, hidden: int, layers: int, ff: int, vocab: int, heads: int, kv_heads: int) -> None:
-    import gguf
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-
-    def blocks(kind: str, rows: int, cols: int) -> np.ndarray:
-        qtype = gguf.GGMLQuantizationType[kind]
-        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-        raw = rng.integers(0, 256, size=(rows * cols // block, nbytes), dtype=np.uint8)
-        offsets, (lo, hi) = F16[kind]
-        for off in offsets:
-            vals = rng.uniform(1, 2, len(raw)) * 2.0 ** rng.integers(lo, hi, len(raw))
-            raw[:, off : off + 2] = vals.astype(np.float16).view(np.uint8).reshape(-1, 2)
-        return raw.reshape(rows, -1)
-
-    hd = hidden // heads
-    w = gguf.GGUFWriter(str(path), "llama")
-    for key, val in (("block_count", layers), ("context_length", 4096), ("embedding_length", hidden),
-                     ("feed_forward_length", ff), ("attention.head_count", heads),
-                     ("attention.head_count_kv", kv_heads)):
-        w.add_uint32(f"llama.{key}", val)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_float32("llama.rope.freq_base", 10000.0)
-    # the default model's vocabulary (SmolLM2's byte-level BPE), as its GGUF stores it
-    from fx_engine.loading.default_model import default_model_path
-    from fx_engine.loading.gguf import _Header
-
-    for k, v in _Header(default_model_path()).metadata.items():
-        if not k.startswith("tokenizer."):
-            continue
-        if isinstance(v, str):
-            w.add_string(k, v)
-        elif isinstance(v, (list, np.ndarray)):
-            w.add_array(k, list(v.tolist() if isinstance(v, np.ndarray) else v))
-        elif isinstance(v, (bool, np.bool_)):
-            w.add_bool(k, bool(v))
-        else:
-            w.add_uint32(k, int(v))
-
-    def add(name: str, kind: str, rows: int, cols: int) -> None:
-        w.add_tensor(name, blocks(kind, rows, cols), raw_dtype=gguf.GGMLQuantizationType[kind])
-
-    add("token_embd.weight", "Q6_K", vocab, hidden)
-    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    for i in range(layers):
-        p = f"blk.{i}."
-        add(p + "attn_q.weight", "Q4_K", heads * hd, hidden)
-        add(p + "attn_k.weight", "Q4_K", kv_heads * hd, hidden)
-        add(p + "attn_v.weight", "Q6_K", kv_heads * hd, hidden)
-        add(p + "attn_output.weight", "Q4_K", hidden, heads * hd)
-        add(p + "ffn_gate.weight", "Q4_K", ff, hidden)
-        add(p + "ffn_up.weight", "Q4_K", ff, hidden)
-        add(p + "ffn_down.weight", "Q6_K" if i % 2 == 0 else "Q4_K", hidden, ff)
-        w.add_tensor(p + "attn_norm.weight", np.ones(hidden, np.float32))
-        w.add_tensor(p + "ffn_norm.weight", np.ones(hidden, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    """tools/synth_gguf.py's writer with this tool's historical Q4_K_M-like mix ("Q4_K_M-alt":
+    Q6_K attn_v on every layer and ffn_down on the even ones, Q4_K elsewhere)."""
+    shape = synth_gguf.Shape(f"load-{hidden}x{layers}", hidden, layers, ff, heads, kv_heads, vocab,
+                             tied=True, rope_theta=10000.0, context=4096)
+    synth_gguf.write_file(path, shape, "Q4_K_M-alt")
 
 
 _CHILD = r"""
