@@ -178,12 +178,15 @@ def group_params(scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array
 
 def _native_ok(lin: Linear, numerics: Numerics) -> bool:
     return (numerics.native and lin.quantized and lin.mode == "affine"
-            and kernels.supports(lin.group_size, lin.bits, numerics.activation_bits))
+            and kernels.supports(lin.group_size, lin.bits))
 
 
 def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
     args = (lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
-    if numerics.activation_bits == 8:
+    # 8-bit activations where qmm_a8 runs the format (4 and 8 bits); 5- and 6-bit weights
+    # (Q5_K, Q6_K: a Q4_K_M file's attn_v / ffn_down, a tied Q6_K head) keep their float
+    # kernels, packed, rather than a float32 copy 5-6x their size read every step
+    if numerics.activation_bits == 8 and kernels.supports(lin.group_size, lin.bits, 8):
         return kernels.qmm_a8(x, *args)
     plan = numerics.matmul
     rows = 1

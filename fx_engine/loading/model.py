@@ -211,7 +211,9 @@ def load(
     elif not _on_cpu():
         keep = True
     else:
-        keep = (lambda gs, bits: fx_native.supports(gs, bits, activation_bits)) if native else False
+        # what any native kernel runs stays packed (in the 8-bit mode, formats qmm_a8 lacks
+        # run the float kernels: core.nn._native_matmul)
+        keep = (lambda gs, bits: fx_native.supports(gs, bits)) if native else False
     mx_dtype = getattr(mx, dtype) if dtype else (mx.float32 if _on_cpu() else None)
     if activation_bits not in (None, 8):
         raise ValueError(f"activation_bits must be None or 8, got {activation_bits!r}")
