@@ -128,7 +128,8 @@ def test_embeddings_endpoint_with_the_openai_client(tiny):
 def test_chunked_embedding_equals_one_shot(tiny):
     """embed_steps cut into small calls through the KV cache (here 32 tokens a call) gives
     the vectors of the one-shot forward (`embed`: every input in one 512-token call)."""
-    from fx_engine.engine.embeddings import embed_steps, run_steps
+    from fx_engine.engine.embeddings import embed_steps
+    from fx_engine.engine.jobs import run_steps
 
     model = fx_engine.load(tiny)
     rng = np.random.default_rng(1)

@@ -31,8 +31,9 @@ from fx_engine.core.buckets import pow2_ceil, pow2_floor
 from fx_engine.core.cache import span_bucket
 from fx_engine.core.steps import hidden_step_compiled
 from fx_engine.core.tree import tree_leaves
+from fx_engine.engine.jobs import run_steps
 
-__all__ = ["POOLINGS", "pooling_of", "embed", "embed_steps", "run_steps"]
+__all__ = ["POOLINGS", "pooling_of", "embed", "embed_steps"]
 
 POOLINGS = ("last", "mean", "cls")
 ROWS = 8  # prompts per hidden_step call
@@ -87,15 +88,6 @@ def embed(model: Any, inputs: Sequence[str | Sequence[int]], pooling: str | None
     default to the checkpoint's (`pooling_of`). Runs MLX work: call it on the thread that
     owns the model's MLX state (with a started Engine: `Engine.call_steps(embed_steps(...))`)."""
     return run_steps(embed_steps(model, inputs, pooling, normalize))
-
-
-def run_steps(steps: Generator[Any, None, Any]) -> Any:
-    """Run a step generator (`embed_steps`) to its end; its return value."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as stop:
-            return stop.value
 
 
 def embed_steps(model: Any, inputs: Sequence[str | Sequence[int]], pooling: str | None = None,

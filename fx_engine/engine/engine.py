@@ -54,7 +54,7 @@ from fx_engine.core.tree import tree_leaves, tree_replace
 from fx_engine.engine import scheduler as sched
 from fx_engine.engine.batch import DecodeBatch, insert_state_row
 from fx_engine.engine.constraints import RowGrammar, grammar_tokenizer
-from fx_engine.engine.embeddings import run_steps
+from fx_engine.engine.jobs import JobQueue, run_steps
 from fx_engine.engine.handles import RequestHandle
 from fx_engine.engine.output import TokenOutput
 from fx_engine.engine.prefix_cache import DiskTier, PrefixStore
@@ -393,7 +393,7 @@ class Engine:
         self._pid = os.getpid()  # the only process that may use it (see _check_process)
         self._lock = threading.Condition()
         self._pending: collections.deque[_Request] = collections.deque()  # under _lock
-        self._jobs: collections.deque = collections.deque()  # (generator, Future) under _lock
+        self._jobs = JobQueue(self._lock)  # work beside the rows (embeddings), one call a step
         self._closing = False
         self._abort = False
         # Tensor or pipeline parallelism (model.ranks > 1): every rank's engine must run the
@@ -538,7 +538,7 @@ class Engine:
             if self._closing:
                 raise EngineClosed("engine is closed")
             if self.running:
-                self._jobs.append((steps, fut))
+                self._jobs.add(steps, fut)
                 self._lock.notify_all()
                 return fut
         try:
@@ -546,52 +546,6 @@ class Engine:
         except BaseException as e:
             fut.set_exception(e)
         return fut
-
-    def _run_job(self) -> None:
-        """Advance the oldest step generator by one call (then it goes last: round robin).
-        The Future stays pending while it runs, so a consumer can cancel it any time; a
-        cancelled one is closed here without running further."""
-        with self._lock:
-            if not self._jobs:
-                return
-            job = steps, fut = self._jobs[0]  # (stays queued while it runs: counted as work)
-        if fut.cancelled():
-            steps.close()
-            self._trace("job_cancelled")
-            return self._requeue(job, False)
-        t0 = time.perf_counter()
-        try:
-            tokens = next(steps)
-        except StopIteration as stop:
-            if fut.set_running_or_notify_cancel():
-                fut.set_result(stop.value)
-            return self._requeue(job, False)
-        except Exception as e:  # this job only
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(e)
-            return self._requeue(job, False)
-        self._trace("job_step", tokens=tokens, seconds=time.perf_counter() - t0)
-        self._requeue(job, True)
-
-    def _requeue(self, job: tuple, again: bool) -> None:
-        """Take a job off the front of the queue; `again`: back at its end (its next turn)."""
-        with self._lock:
-            if job in self._jobs:
-                self._jobs.remove(job)
-                if again:
-                    self._jobs.append(job)
-
-    def _drop_jobs(self, error: BaseException | None) -> None:
-        """Cancel (error None) or fail every queued step generator."""
-        with self._lock:
-            jobs = list(self._jobs)
-            self._jobs.clear()
-        for steps, fut in jobs:
-            steps.close()
-            if error is None:
-                fut.cancel()
-            elif fut.set_running_or_notify_cancel():
-                fut.set_exception(error)
 
     def start(self) -> "Engine":
         """Run steps on a background thread (it owns all MLX state from now on)."""
@@ -859,7 +813,7 @@ class Engine:
         they finished, run one decode/verify step over the batch (tokens are emitted as they
         are read back, `_on_token`); then the batch's upkeep (`scheduler.plan_maintenance`)."""
         t0 = time.perf_counter()
-        self._run_job()  # one bounded call of long work (embeddings) per step
+        self._jobs.run_one(self._trace)  # one bounded call of long work (embeddings)
         self.steps += 1
         if self._synced_abort if self._lockstep else self._abort:  # lockstep: what every rank got
             self._cancel_everything()
@@ -1455,7 +1409,7 @@ class Engine:
                 self._complete(r, "cancelled")
 
     def _cancel_everything(self) -> None:
-        self._drop_jobs(None)
+        self._jobs.drop(None)
         with self._lock:
             for r in self._pending:
                 r.handle._cancel = r.tp_cancel = True
@@ -1466,7 +1420,7 @@ class Engine:
         with self._lock:
             pending = list(self._pending)
             self._pending.clear()
-        self._drop_jobs(error)
+        self._jobs.drop(error)
         for r in pending + list(self._prefilling) + self._batch.live():
             if r.phase != "done":
                 self._fail(r, error)
