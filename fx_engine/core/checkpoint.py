@@ -16,7 +16,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from fx_engine.core.nn import Linear, Numerics, group_params
+from fx_engine.core.nn import Linear, Numerics, group_params, row_major
 
 
 class WeightsError(ValueError):
@@ -171,6 +171,7 @@ def stored_scales(lin: Linear, dtype: mx.Dtype, compact: bool) -> tuple[mx.array
 
 
 def dequantized(lin: Linear, dtype: mx.Dtype) -> Linear:
+    lin = row_major(lin)  # (the 8-bit mode's interleaved weights: back in rows)
     if not lin.quantized:
         return Linear(weight=lin.weight.astype(dtype), bias=cast(lin.bias, dtype), origin=lin.origin)
     if lin.mode != "affine":

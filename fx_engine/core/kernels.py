@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import mlx.core as mx
+
 _EXTENSION: list[ModuleType] = []  # the one installed extension (a loaded library, like MLX)
 _UNAVAILABLE: list[str] = []  # why it could not be loaded, when the shell tried and failed
 
-QMM_BITS = (4, 5, 6, 8)  # 5 and 6: unpacked to bytes a block of rows at a time (not qmm_a8)
+QMM_BITS = (4, 5, 6, 8)  # 5 and 6: unpacked to bytes a block of rows at a time
 FEW_GEMM_ROWS = 16  # qgemm's few-row path takes up to this many rows (qmatmul.h QG_FEW)
 
 
@@ -55,13 +57,45 @@ def qgemm(x, w, scales, biases, group_size: int, bits: int):  # type: ignore[no-
     return _module().qgemm(x, w, scales, biases, group_size, bits)
 
 
-def qmm_a8(x, w, scales, biases, group_size: int, bits: int):  # type: ignore[no-untyped-def]
+def qmm_a8(x, w, scales, biases, group_size: int, bits: int, interleaved: bool = False):  # type: ignore[no-untyped-def]
     """The product with 8-bit activations (`Numerics.activation_bits == 8`): each row of x
     rounded per weight group (d = amax / 127, xq = rint(x / d)), y = x_hat @ w_hat.T with
     exact int32 dot products per group, combined in float32 in group order. A different
     (coarser) numerics than qmm/qgemm, like llama.cpp's 8-bit activations; batch-invariant
-    and tile-independent bit for bit (the integer sums are exact)."""
-    return _module().qmm_a8(x, w, scales, biases, group_size, bits)
+    and tile-independent bit for bit (the integer sums are exact). interleaved: w is
+    `interleave16(w)` (4 or 8 bits, rows a multiple of 16) and float scales and biases are
+    `interleave16_groups`'s (the K-quant codes stay in rows): the same bits, each 16-row
+    block read as one contiguous stream with its scales beside it."""
+    return _module().qmm_a8(x, w, scales, biases, group_size, bits, interleaved)
+
+
+def interleave16(w: "mx.array") -> "mx.array":
+    """A packed uint32 weight [N, words] (N a multiple of 16, words a multiple of 4) in
+    qmm_a8's interleaved layout: per block of 16 rows and per 4 words (16 bytes) of each row,
+    the 16 rows' words word by word ([word][row]), so a decode step reads each block as one
+    contiguous stream of whole vectors instead of 16 interleaved row streams transposed in
+    registers (issue 41). The same shape and bytes, reordered; a pure op."""
+    n, words = w.shape
+    if n % 16 or words % 4:
+        raise ValueError(f"interleave16: needs rows a multiple of 16 and words a multiple of 4, got {tuple(w.shape)}")
+    return mx.contiguous(w.reshape(n // 16, 16, words // 4, 4).transpose(0, 2, 3, 1).reshape(n, words))
+
+
+def deinterleave16(w: "mx.array") -> "mx.array":
+    """`interleave16`'s inverse: the packed weight back in rows."""
+    n, words = w.shape
+    return mx.contiguous(w.reshape(n // 16, words // 4, 4, 16).transpose(0, 3, 1, 2).reshape(n, words))
+
+
+def interleave16_groups(a: "mx.array", inverse: bool = False) -> "mx.array":
+    """Per-group scales or biases [N, groups] (float32, float16 or bfloat16) in the order an
+    interleaved weight's product reads them: per block of 16 rows, [group][row] (inverse:
+    back in rows). The two-level K-quant form stays in rows (its int16 codes are decoded
+    per block)."""
+    n, g = a.shape
+    if inverse:
+        return mx.contiguous(a.reshape(n // 16, g, 16).transpose(0, 2, 1).reshape(n, g))
+    return mx.contiguous(a.reshape(n // 16, 16, g).transpose(0, 2, 1).reshape(n, g))
 
 
 def int8_dot() -> bool:
@@ -106,12 +140,10 @@ def supports(group_size: int, bits: int, activation_bits: int | None = None) -> 
     """Whether the native products run this format: 4 or 8 bits in groups of a multiple of
     32; 5 and 6 bits (GGUF's Q5_0/Q5_1/Q5_K, Q6_K: unpacked to bytes a block of rows at a
     time, then the 8-bit code) likewise; 5, 6 and 8 bits also in groups of 16 (Q6_K's).
-    With 8-bit activations (qmm_a8, which reads the packed words directly and rounds the
-    activations per group of 32 or more): 4 and 8 bits in groups of a multiple of 32."""
-    if bits not in QMM_BITS or group_size <= 0:
+    With 8-bit activations (qmm_a8: exact int8 dot products, the activations rounded per
+    weight group) the same formats."""
+    if bits not in QMM_BITS or group_size <= 0 or activation_bits not in (None, 8):
         return False
-    if activation_bits is not None:
-        return bits in (4, 8) and group_size % 32 == 0
     return group_size % 32 == 0 or (bits >= 5 and group_size == 16)
 
 

@@ -103,6 +103,12 @@ class Linear:
     # trained on the checkpoint's modules find their rows (core/adapters.py). () when the
     # weight was transformed (scaled, sliced): no adapter may target it.
     origin: tuple = static_field(default=())
+    # The packed weight is in qmm_a8's interleaved layout (`kernels.interleave16`: 16-row
+    # blocks, word by word; float scales and biases likewise, `interleave16_groups`), which
+    # only the 8-bit mode's native product reads: set at load
+    # for its 4-/8-bit matrices (`interleave_for_a8`). Anything else reading `weight` as
+    # rows (MLX's kernels, dequantize, embedding lookups) must not see one.
+    interleaved: bool = static_field(default=False)
     # Per-row low-rank adapters bound for one step (`adapters.with_adapters`); None: none.
     lora: "LoraBinding | None" = None
     # Tensor parallelism (core/parallel.py): () a whole linear; ("sum", first, end, width)
@@ -183,11 +189,11 @@ def _native_ok(lin: Linear, numerics: Numerics) -> bool:
 
 def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
     args = (lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
-    # 8-bit activations where qmm_a8 runs the format (4 and 8 bits); 5- and 6-bit weights
-    # (Q5_K, Q6_K: a Q4_K_M file's attn_v / ffn_down, a tied Q6_K head) keep their float
-    # kernels, packed, rather than a float32 copy 5-6x their size read every step
+    # 8-bit activations: qmm_a8 runs every native format (5- and 6-bit weights, such as a
+    # Q4_K_M file's attn_v / ffn_down and a tied Q6_K head, unpacked to bytes per block)
     if numerics.activation_bits == 8 and kernels.supports(lin.group_size, lin.bits, 8):
-        return kernels.qmm_a8(x, *args)
+        return kernels.qmm_a8(x, *args, interleaved=lin.interleaved)
+    _rows_layout(lin)
     plan = numerics.matmul
     rows = 1
     for n in x.shape[:-1]:
@@ -197,7 +203,42 @@ def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
     return (kernels.qgemm if plan.kernel == "qgemm" else kernels.qmm)(x, *args)
 
 
+def _rows_layout(lin: Linear) -> None:
+    if lin.interleaved:
+        raise ValueError("this linear's weight is in qmm_a8's interleaved layout (the 8-bit "
+                         "activation mode's): only that mode's native product reads it")
+
+
+def interleave_for_a8(lin: Linear) -> Linear:
+    """`lin` with its packed weight in qmm_a8's interleaved layout where that kernel reads it
+    (a 2-D 4- or 8-bit affine matrix with a multiple of 16 rows); else `lin` unchanged. For
+    the 8-bit mode's matrices only: the same products bit for bit, but a decode step reads
+    each block of 16 rows as one contiguous stream (issue 41)."""
+    if (lin.interleaved or not lin.quantized or lin.mode != "affine" or lin.bits not in (4, 8)
+            or lin.weight.ndim != 2 or lin.weight.shape[0] % 16 or lin.weight.shape[1] % 4
+            or not kernels.supports(lin.group_size, lin.bits, 8)):
+        return lin
+    if lin.scales.dtype == mx.int16:  # the two-level K-quant form: stays in rows
+        return tree_replace(lin, weight=kernels.interleave16(lin.weight), interleaved=True)
+    return tree_replace(lin, weight=kernels.interleave16(lin.weight), interleaved=True,
+                        scales=kernels.interleave16_groups(lin.scales),
+                        biases=kernels.interleave16_groups(lin.biases))
+
+
+def row_major(lin: Linear) -> Linear:
+    """`lin` with its packed weight in rows (undoing `interleave_for_a8`), for code that reads
+    the weight itself (dequantizing, slicing rows, fusing adapters)."""
+    if not lin.interleaved:
+        return lin
+    if lin.scales.dtype == mx.int16:
+        return tree_replace(lin, weight=kernels.deinterleave16(lin.weight), interleaved=False)
+    return tree_replace(lin, weight=kernels.deinterleave16(lin.weight), interleaved=False,
+                        scales=kernels.interleave16_groups(lin.scales, inverse=True),
+                        biases=kernels.interleave16_groups(lin.biases, inverse=True))
+
+
 def _matmul_rows(x: mx.array, lin: Linear) -> mx.array:
+    _rows_layout(lin)
     if lin.quantized:
         return mx.quantized_matmul(
             x, lin.weight, *group_params(lin.scales, lin.biases),
@@ -370,6 +411,7 @@ def embed(tokens: mx.array, table: Linear) -> mx.array:
         out = embed(mx.where(mine, local, 0), whole)
         return mx.distributed.all_sum(mx.where(mine[..., None], out, 0), group=table.group)
     if table.quantized:
+        _rows_layout(table)
         biases = None if table.biases is None else table.biases[tokens]  # (MXFP4: none)
         return mx.dequantize(
             table.weight[tokens], *group_params(table.scales[tokens], biases),

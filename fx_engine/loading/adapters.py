@@ -36,7 +36,7 @@ import mlx.core as mx
 
 from fx_engine.core.adapters import AdapterBank, Segment, bank_from, bucket
 from fx_engine.core.checkpoint import WeightsError, dequantized
-from fx_engine.core.nn import Linear, linears
+from fx_engine.core.nn import Linear, linears, row_major
 from fx_engine.loading.weights import _TEXT_PREFIXES
 
 __all__ = ["AdapterError", "AdapterSet", "RawAdapter", "fuse_params", "map_adapter", "read_adapter"]
@@ -246,6 +246,7 @@ def _gguf_name(module: str) -> str | None:
 
 def _rows_of(lin: Linear, start: int, n: int) -> mx.array:
     """Rows [start, start + n) of a linear's weight as float32 [n, in]."""
+    lin = row_major(lin)  # (the 8-bit mode's interleaved weights: back in rows)
     if lin.quantized:
         return dequantized(Linear(weight=lin.weight[start : start + n], scales=lin.scales[start : start + n],
                                   biases=None if lin.biases is None else lin.biases[start : start + n],

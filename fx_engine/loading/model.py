@@ -21,7 +21,8 @@ from fx_engine.runtime import native as fx_native
 from fx_engine.loading.weights import KeepQuantized, WeightsError, load_gguf, load_hf_folder
 from fx_engine.core.cache import KVCache, LayerSpec, init_cache
 from fx_engine.core.models import AnyParams, cache_layout
-from fx_engine.core.nn import MatmulPlan, Numerics, linears
+from fx_engine.core.adapters import map_linears
+from fx_engine.core.nn import MatmulPlan, Numerics, interleave_for_a8, linears
 from fx_engine.core.tree import tree_leaves
 
 QUANTIZED_KV_START = 5000  # mlx-lm's default: short contexts keep a float cache
@@ -211,8 +212,7 @@ def load(
     elif not _on_cpu():
         keep = True
     else:
-        # what any native kernel runs stays packed (in the 8-bit mode, formats qmm_a8 lacks
-        # run the float kernels: core.nn._native_matmul)
+        # what the native kernels run stays packed (qmm_a8 runs the same formats)
         keep = (lambda gs, bits: fx_native.supports(gs, bits)) if native else False
     mx_dtype = getattr(mx, dtype) if dtype else (mx.float32 if _on_cpu() else None)
     if activation_bits not in (None, 8):
@@ -290,6 +290,8 @@ def load(
         finally:
             if p.is_file() and spill is not None:  # every leaf is read: the files are done
                 shutil.rmtree(spill, ignore_errors=True)
+    if activation_bits == 8 and _on_cpu():
+        params = _interleave_a8(params)
     mx.eval(tree_leaves(params))
     quant_kinds = _weight_kinds(params)
     report = None
@@ -308,6 +310,14 @@ def load(
         pipeline_parallel=pipeline_parallel or 1,
     )
     return model.with_kv_cache(kv_bits, kv_group_size, quantized_kv_start).with_kv_dtype(kv_dtype)
+
+
+def _interleave_a8(params: Any) -> Any:
+    """The 8-bit mode's 4-/8-bit matrices in qmm_a8's interleaved layout (nn.interleave_for_a8:
+    the same bits, one contiguous stream per 16 rows in a decode step); embedding tables
+    (and a head tied to one) stay in rows, for their lookups."""
+    tables = {id(t) for t in (getattr(params, n, None) for n in ("embed", "embed_per_layer")) if t is not None}
+    return map_linears(params, lambda _, lin: lin if id(lin) in tables else interleave_for_a8(lin))
 
 
 def ram_backed(path: str | Path, mounts: str | None = None) -> bool:

@@ -153,7 +153,8 @@ class CpuKernel : public mx::UnaryPrimitive {
   virtual std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const = 0;
 };
 
-// kind: 0 qmm, 1 qgemm, 2 qmm_a8 (three kernels for one product; see each).
+// kind: 0 qmm, 1 qgemm, 2 qmm_a8 (three kernels for one product; see each), 3 qmm_a8 on an
+// interleaved weight (qmm_a8.h: il16_index).
 class QMatmul : public CpuKernel {
  public:
   QMatmul(mx::Stream s, int group_size, int bits, int kind, int fmt)
@@ -169,12 +170,14 @@ class QMatmul : public CpuKernel {
       std::vector<float> tx, ts, tb;
       std::vector<uint16_t> hs, hb;
       const Quant sc = scales_of(s, b, fmt, K / gs, bits, ts, tb, hs, hb);
-      auto* f = kind == 2 ? qmm_a8_cpu : kind == 1 ? qgemm_cpu : qmm_cpu;
+      if (kind >= 2)  // 3: the weight interleaved (qmm_a8.h's il16_index)
+        return qmm_a8_cpu(dense(x, tx), M, K, dense(w, tw), sc, gs, bits, out.data<float>(), N, kind == 3);
+      auto* f = kind == 1 ? qgemm_cpu : qmm_cpu;
       f(dense(x, tx), M, K, dense(w, tw), sc, gs, bits, out.data<float>(), N);
     };
   }
   const char* name() const override {
-    return kind_ == 2 ? "FxQMatmulA8" : kind_ == 1 ? "FxQGemm" : "FxQMatmul";
+    return kind_ == 3 ? "FxQMatmulA8Interleaved" : kind_ == 2 ? "FxQMatmulA8" : kind_ == 1 ? "FxQGemm" : "FxQMatmul";
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
@@ -501,19 +504,19 @@ mx::array swiglu(const mx::array& gu) {
 }
 
 void check_quantized(const char* op, const mx::array& w, const mx::array& scales,
-                     const mx::array& biases, int group_size, int bits, bool group16 = true) {
+                     const mx::array& biases, int group_size, int bits) {
   const std::string p = op;
   // 5 and 6 bits (GGUF's Q5_0/Q5_1/Q5_K, Q6_K) run on the 8-bit kernels, unpacked a block of
-  // rows at a time; not qmm_a8 (its integer paths read the packed words directly)
-  if (bits != 4 && bits != 8 && ((bits != 5 && bits != 6) || !group16))
-    throw std::invalid_argument(p + ": bits must be 4 or 8" + std::string(group16 ? " (or 5, 6)" : "") +
+  // rows at a time (qmm_a8's too: bytes 0..31 / 0..63 in its u8 x s8 dot products)
+  if (bits != 4 && bits != 8 && bits != 5 && bits != 6)
+    throw std::invalid_argument(p + ": bits must be 4, 5, 6 or 8" +
                                 ", got " + std::to_string(bits));
-  // 8-bit weights also in groups of 16 (a GGUF's Q6_K, widened exactly), except qmm_a8,
-  // whose activations are rounded per group of 32 or more
-  const bool g16 = group16 && bits >= 5 && group_size == 16;
+  // 5-, 6- and 8-bit weights also in groups of 16 (a GGUF's Q6_K; qmm_a8 rounds the
+  // activations per group of 16 then)
+  const bool g16 = bits >= 5 && group_size == 16;
   if (group_size <= 0 || (group_size % 32 != 0 && !g16))
     throw std::invalid_argument(p + ": group_size must be a multiple of 32" +
-                                std::string(group16 ? " (or 16 for 5, 6 and 8 bits)" : "") + ", got " +
+                                " (or 16 for 5, 6 and 8 bits), got " +
                                 std::to_string(group_size));
   if (w.ndim() != 2 || w.dtype() != mx::uint32)
     throw std::invalid_argument(p + ": w must be a 2-D uint32 array");
@@ -571,7 +574,7 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
 mx::array quantized_product(const char* op, int kind, const mx::array& x, const mx::array& w,
                             const mx::array& scales, const mx::array& biases, int group_size,
                             int bits) {
-  check_quantized(op, w, scales, biases, group_size, bits, kind != 2);
+  check_quantized(op, w, scales, biases, group_size, bits);
   const int K = static_cast<int>(w.shape(1)) * 32 / bits;
   if (x.ndim() < 1 || x.shape(-1) != K)
     throw std::invalid_argument(std::string(op) + ": x's last axis (" + std::to_string(x.shape(-1)) +
@@ -604,8 +607,10 @@ mx::array qgemm(const mx::array& x, const mx::array& w, const mx::array& scales,
 }
 
 mx::array qmm_a8(const mx::array& x, const mx::array& w, const mx::array& scales,
-                 const mx::array& biases, int group_size, int bits) {
-  return quantized_product("qmm_a8", 2, x, w, scales, biases, group_size, bits);
+                 const mx::array& biases, int group_size, int bits, bool interleaved) {
+  if (interleaved && ((bits != 4 && bits != 8) || w.ndim() != 2 || w.shape(0) % 16 != 0))
+    throw std::invalid_argument("qmm_a8: an interleaved weight must have 4 or 8 bits and a multiple of 16 rows");
+  return quantized_product("qmm_a8", interleaved ? 3 : 2, x, w, scales, biases, group_size, bits);
 }
 
 }  // namespace
@@ -619,8 +624,9 @@ NB_MODULE(_fx_native, m) {
         nb::arg("group_size"), nb::arg("bits"),
         "qmm's product with the many-rows kernel (another fixed summation order)");
   m.def("qmm_a8", &qmm_a8, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("group_size"), nb::arg("bits"),
-        "the product with x rounded to 8 bits per weight group (int8 dot products)");
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("interleaved") = false,
+        "the product with x rounded to 8 bits per weight group (int8 dot products); "
+        "interleaved: w in 16-row blocks, word by word (fx_engine.core.kernels.interleave16)");
 #if defined(__AVX512VNNI__) || defined(FX_A8_AVX2)
   m.attr("int8_dot") = true;  // qmm_a8 runs int8 dot products (VNNI or AVX2; else a scalar loop)
 #else

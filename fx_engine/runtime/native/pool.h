@@ -135,3 +135,14 @@ Pool& pool() {
   static Pool* p = new Pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   return *p;
 }
+
+// Blocks per chunk for the few-row (decode) paths, which stream each weight matrix once:
+// at least `base` (the old ~2304 weights of K), and long enough runs that each thread gets
+// about 4 chunks of consecutive blocks, rounded up to a multiple of `unit`. Each block
+// prefetches the next block's rows while it computes; with one-block chunks the threads
+// alternate blocks, and every prefetch warms the caches of the core that does not use it.
+inline int stream_chunk(int blocks, int base, int unit = 1) {
+  const int runs = 4 * pool().size();
+  const int per = std::max(base, (blocks + runs - 1) / runs);
+  return (per + unit - 1) / unit * unit;
+}

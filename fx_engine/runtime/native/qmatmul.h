@@ -326,17 +326,28 @@ struct FewBlock {
   const char* next;
   int64_t next_bytes, pf_step;
   int nv;
+  const float* s;  // the block's scales and biases as [groups][16] float32 vectors: sbuf's
+  const float* b;  // transposes, or (scales_il) the interleaved arrays' own block, decoded
 };
 
+// scales_il: the scales and biases are interleaved ([block][group][16], qmm_a8's layout:
+// qmm_a8.h il16_index), so the block's S.rows are already its [groups][16] vectors.
 inline FewBlock few_block(int K, const uint32_t* wq, const Quant& S, int gs,
-                          int bits, int N, int n0, float* sbuf, uint8_t* wtmp = nullptr) {
+                          int bits, int N, int n0, float* sbuf, uint8_t* wtmp = nullptr,
+                          bool scales_il = false) {
   FewBlock fb;
   const int words = K * bits / 32, groups = K / gs;  // (bits: the kernel's, 4 or 8)
   fb.nv = std::min(16, N - n0);
+  fb.s = sbuf;
+  fb.b = sbuf + static_cast<int64_t>(groups) * 16;
   const char* rs[16];
   const char* rb[16];
   const float *ds, *db;  // the block's rows' scales and biases as float32 (decoded if stored otherwise)
   S.rows(n0, fb.nv, scale_tmp(16, groups), ds, db);
+  if (scales_il) {
+    fb.s = ds;
+    fb.b = db;
+  }
   const char* wrows = S.weights(wq, n0, fb.nv, K, wtmp);  // (5-/6-bit rows unpacked into wtmp)
   for (int j = 0; j < 16; ++j) {
     const int64_t r = n0 + std::min(j, fb.nv - 1);
@@ -345,7 +356,7 @@ inline FewBlock few_block(int K, const uint32_t* wq, const Quant& S, int gs,
     rb[j] = reinterpret_cast<const char*>(db + (r - n0) * groups);
   }
   float* bbuf = sbuf + static_cast<int64_t>(groups) * 16;
-  int g = 0;
+  int g = scales_il ? groups : 0;  // (interleaved: nothing to transpose)
   for (; g + 4 <= groups; g += 4) {
     __m512i t[4];
     transpose16x4(rs, 4 * g, t);
@@ -360,7 +371,9 @@ inline FewBlock few_block(int K, const uint32_t* wq, const Quant& S, int gs,
     }
   // The next block's scales and biases (with float32 parameters a third of the bytes of
   // 4-bit weights in groups of 32), now: read at the start of that block, before its words.
-  S.prefetch(n0 + 16, std::max(0, std::min(16, N - n0 - 16)));
+  // (interleaved scales: two blocks ahead, their loads at a block's start stalled on DRAM)
+  const int ahead = scales_il ? 32 : 16;
+  S.prefetch(n0 + ahead, std::max(0, std::min(16, N - n0 - ahead)));
   const int64_t row_bytes = S.stored_row_bytes(K), blk_bytes = 16 * row_bytes;
   fb.next = S.stored_row(wq, n0 + 16, K);
   fb.next_bytes = std::min(blk_bytes, std::max<int64_t>(0, int64_t{N - n0 - 16} * row_bytes));
@@ -458,7 +471,7 @@ void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S,
   // ~2304 weights of K per chunk (several chunks per thread, for balance), rounded up to
   // whole groups of the blocks qgemm_few_rows runs at once (4 at 1 row, 2 at 2 rows)
   const int nb = M == 1 ? (BITS == 8 ? 2 : 4) : M == 2 ? 2 : 1;
-  const int per = (std::max(1, 4 * 576 / std::max(K, 1)) + nb - 1) / nb * nb;
+  const int per = stream_chunk(blocks, std::max(1, 4 * 576 / std::max(K, 1)), nb);
   pool().run((blocks + per - 1) / per, [&](int c) {
     // this thread's buffers for up to 4 blocks' transposed scales and biases
     thread_local std::vector<float> sb;
@@ -497,12 +510,26 @@ inline void transpose8x4(const char* const* rp, int64_t off, __m256i out[4]) {
 // The weight rows of the 8-feature block at n0 (rows past N repeat the last one: computed,
 // never stored) as byte pointers, their scales and biases transposed into sbuf[g][8] and
 // sbuf[groups + g][8]. Returns the block's number of real features.
+// scales_il: the scales and biases are interleaved ([block][group][16]: qmm_a8.h's layout):
+// this 8-row block's [groups][8] vectors are copied from its 16-row block's.
 inline int few8_setup(int K, const uint32_t* wq, const Quant& S, int gs,
-                      int bits, int N, int n0, const char** rw, float* sbuf, uint8_t* wtmp = nullptr) {
+                      int bits, int N, int n0, const char** rw, float* sbuf, uint8_t* wtmp = nullptr,
+                      bool scales_il = false) {
   const int words = K * bits / 32, groups = K / gs, nv = std::min(8, N - n0);
   const char* rs[8];
   const char* rb[8];
   const float *ds, *db;  // the block's rows' scales and biases as float32 (decoded if stored otherwise)
+  if (scales_il) {
+    S.rows(n0 / 16 * 16, 16, scale_tmp(16, groups), ds, db);
+    float* bb = sbuf + static_cast<int64_t>(groups) * 8;
+    for (int g = 0; g < groups; ++g)
+      for (int j = 0; j < 8; ++j) {
+        sbuf[g * 8 + j] = ds[g * 16 + n0 % 16 + j];
+        bb[g * 8 + j] = db[g * 16 + n0 % 16 + j];
+      }
+    for (int j = 0; j < 8; ++j) rw[j] = reinterpret_cast<const char*>(wq);  // (unused: interleaved words)
+    return nv;
+  }
   S.rows(n0, nv, scale_tmp(8, groups), ds, db);
   const char* wrows = S.weights(wq, n0, nv, K, wtmp);  // (5-/6-bit rows unpacked into wtmp)
   for (int j = 0; j < 8; ++j) {

@@ -60,7 +60,26 @@ template <> struct A8Vec<16> {
 // split order of each 32-block, even k first), d = amax / 127; returns the sum of q.
 // rint(x * (127 / amax)) clamped to [-127, 127] (round half to even: the vector
 // conversion uses the default rounding mode, as std::nearbyint does).
+inline int quant_group_scalar(const float* xg, int gs, bool split, int8_t* q, float* d) {
+  float amax = 0.0f;
+  for (int k = 0; k < gs; ++k) amax = std::max(amax, std::fabs(xg[k]));
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int sum = 0;
+  for (int k = 0; k < gs; ++k) {
+    const int v = static_cast<int>(std::max(-127.0f, std::min(127.0f, std::nearbyint(xg[k] * id))));
+    // position in the weight order: in a 32-block, k = 2p at p, k = 2p + 1 at 16 + p
+    const int p = split ? (k & ~31) + ((k & 1) ? 16 : 0) + ((k & 31) >> 1) : k;
+    q[p] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *d = amax / 127.0f;
+  return sum;
+}
+
 inline int quant_group(const float* xg, int gs, bool split, int8_t* q, float* d) {
+  // groups of 16 (a GGUF's Q6_K, never split: only 4-bit weights are) in the scalar loop:
+  // the same values (x * id rounded half to even, clamped), 16 at a time is not worth a path
+  if (gs % 32 != 0) return quant_group_scalar(xg, gs, split, q, d);
 #if defined(__AVX512F__)
   __m512 mv = _mm512_setzero_ps();
   for (int k = 0; k < gs; k += 16) mv = _mm512_max_ps(mv, _mm512_abs_ps(_mm512_loadu_ps(xg + k)));
@@ -121,19 +140,7 @@ inline int quant_group(const float* xg, int gs, bool split, int8_t* q, float* d)
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
   return _mm_cvtsi128_si32(s4);
 #else
-  float amax = 0.0f;
-  for (int k = 0; k < gs; ++k) amax = std::max(amax, std::fabs(xg[k]));
-  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-  int sum = 0;
-  for (int k = 0; k < gs; ++k) {
-    const int v = static_cast<int>(std::max(-127.0f, std::min(127.0f, std::nearbyint(xg[k] * id))));
-    // position in the weight order: in a 32-block, k = 2p at p, k = 2p + 1 at 16 + p
-    const int p = split ? (k & ~31) + ((k & 1) ? 16 : 0) + ((k & 31) >> 1) : k;
-    q[p] = static_cast<int8_t>(v);
-    sum += v;
-  }
-  *d = amax / 127.0f;
-  return sum;
+  return quant_group_scalar(xg, gs, split, q, d);
 #endif
 }
 
@@ -253,8 +260,56 @@ inline void unpack_nibbles(const uint32_t* wq, int K, uint8_t* out) {
   }
 }
 
+// The interleaved layout (`il`, Linear.interleaved: 4- and 8-bit weights in the 8-bit mode,
+// N a multiple of 16, rearranged once at load): rows in blocks of 16 and, per block and
+// per 16 bytes of each row (32 4-bit or 16 8-bit values), the 16 rows' 4 words word by
+// word, [i][row]: exactly what transpose16x4 makes of the row-major words. So the few-row
+// paths read each block as one contiguous stream of whole vectors (no transposes, one
+// stream the hardware prefetchers follow), and the int sums are the same exact integers.
+// Word w of row r: block r / 16, step w / 4, at ((r / 16) * words / 4 + w / 4) * 64 +
+// (w % 4) * 16 + r % 16.
+inline int64_t il16_index(int64_t r, int w, int words) {
+  return ((r / 16) * (words / 4) + w / 4) * 64 + (w % 4) * 16 + r % 16;
+}
+
+// Rows [r0, r0 + n) of an interleaved weight back in row-major words: out [n][words].
+inline void il16_rows(const uint32_t* wq, int64_t r0, int n, int words, uint32_t* out) {
+  for (int j = 0; j < n; ++j)
+    for (int w = 0; w < words; ++w)
+      out[static_cast<int64_t>(j) * words + w] = wq[il16_index(r0 + j, w, words)];
+}
+
+// The scales and biases of an interleaved weight are interleaved too, [block][group][16],
+// in every format but the two-level K-quant codes (which stay in rows, decoded per block
+// as before): a 16-row block's S.rows are then the [groups][16] vectors the few-row paths
+// load, with no transposes.
+inline bool il_scales(const Quant& S) { return S.fmt != SF_KQ; }
+
+// Rows [n0, n0 + n) of interleaved scales and biases back in rows, [n][groups] each.
+inline void il_scale_rows(const Quant& S, int64_t n0, int n, const float*& so, const float*& bo) {
+  const int G = S.groups;
+  const int64_t b0 = n0 / 16, nb = (n0 + n - 1) / 16 - b0 + 1;
+  thread_local std::vector<float> blk, out;
+  if (static_cast<int64_t>(blk.size()) < 2 * nb * 16 * G) blk.resize(static_cast<size_t>(2 * nb * 16 * G));
+  if (static_cast<int64_t>(out.size()) < int64_t{2} * n * G) out.resize(static_cast<size_t>(2) * n * G);
+  const float *bs, *bb;
+  S.rows(b0 * 16, static_cast<int>(nb * 16), blk.data(), bs, bb);
+  float* os = out.data();
+  float* ob = os + static_cast<int64_t>(n) * G;
+  for (int j = 0; j < n; ++j) {
+    const int64_t r = n0 + j - b0 * 16, base = r / 16 * 16 * G + r % 16;
+    for (int g = 0; g < G; ++g) {
+      os[static_cast<int64_t>(j) * G + g] = bs[base + g * 16];
+      ob[static_cast<int64_t>(j) * G + g] = bb[base + g * 16];
+    }
+  }
+  so = os;
+  bo = ob;
+}
+
 template <int R>
-void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, int bits, float* y, int N) {
+void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, int bits, float* y, int N,
+                 bool il = false) {
   const int tiles = (M + R - 1) / R, G = K / gs;
   std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
   std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
@@ -264,24 +319,35 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
   const int per = std::max(1, 4 * 576 / std::max(K, 1));
   pool().run((blocks + per - 1) / per, [&](int c) {
     thread_local std::vector<uint8_t> buf;
+    thread_local std::vector<uint32_t> rows;  // interleaved rows, back in row order
     if (static_cast<int>(buf.size()) < A8_FEAT * K)
       buf.resize(static_cast<size_t>(A8_FEAT) * K);
+    if (il && static_cast<int>(rows.size()) < A8_FEAT * words)
+      rows.resize(static_cast<size_t>(A8_FEAT) * words);
     alignas(64) float out[A8_FEAT * R];
     const int b1 = std::min(blocks, (c + 1) * per);
     float* tmp = scale_tmp(A8_FEAT, G);
     for (int bl = c * per; bl < b1; ++bl) {
       const int n0 = bl * A8_FEAT, nw = std::min(A8_FEAT, N - n0);
       const float *ds, *db;  // this block's scales and biases as float32 [nw][G]
-      S.rows(n0, nw, tmp, ds, db);
-      const uint8_t* wb;
-      if (bits == 8) {  // the packed words are the bytes, in k order: copied into L1
-        std::memcpy(buf.data(), wq + static_cast<int64_t>(n0) * words, static_cast<size_t>(nw) * K);
-        wb = buf.data();
+      if (il && il_scales(S))
+        il_scale_rows(S, n0, nw, ds, db);
+      else
+        S.rows(n0, nw, tmp, ds, db);
+      const uint8_t* wb = buf.data();
+      const uint32_t* src = wq + static_cast<int64_t>(n0) * words;  // row-major words
+      if (il) {
+        il16_rows(wq, n0, nw, words, rows.data());
+        src = rows.data();
+      }
+      if (S.unpacks()) {  // 5-/6-bit rows: unpacked to bytes (0..31 or 0..63), in k order
+        S.weights(wq, n0, nw, K, buf.data());
+      } else if (bits == 8) {  // the packed words are the bytes, in k order: copied into L1
+        std::memcpy(buf.data(), src, static_cast<size_t>(nw) * K);
       } else {
         for (int j = 0; j < nw; ++j)
-          unpack_nibbles(wq + static_cast<int64_t>(n0 + j) * words, K,
+          unpack_nibbles(src + static_cast<int64_t>(j) * words, K,
                          buf.data() + static_cast<int64_t>(j) * K);
-        wb = buf.data();
       }
       for (int t = 0; t < tiles; ++t) {
         const int m0 = t * R, mc = std::min(R, M - m0);
@@ -309,13 +375,15 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
 // per-group float steps at 8 rows. Per group and row the same float operations as
 // a8_tile: f = d[m, g] * s[n, g], acc = fma(isum, f, acc), acc = fma(xs[m, g], b[n, g],
 // acc), and the integer sums are exact: the tiles' bits (tested).
-template <int BITS, int MR>
+template <int BITS, int MR, bool IL>
 inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int K,
                          const uint32_t* wq, const Quant& S, int gs,
                          float* y, int N, int n0, float* sbuf) {
+  // IL: the block's words interleaved (il16_index): 64 words per 16 bytes of each row
+  const uint32_t* blk = wq + static_cast<int64_t>(n0) * (K * BITS / 32);
   constexpr int R = 8;  // pack_a8<8>'s tile: quad u of row m at xq + (u * R + m) * 4
-  const FewBlock fb = few_block(K, wq, S, gs, BITS, N, n0, sbuf);
-  const float* bbuf = sbuf + static_cast<int64_t>(K / gs) * 16;
+  const FewBlock fb = few_block(K, wq, S, gs, BITS, N, n0, sbuf,
+                                S.unpacks() ? weight_tmp(int64_t{16} * K) : nullptr, IL && il_scales(S));
   const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
   const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
   __m512 acc[MR];
@@ -326,29 +394,31 @@ inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int
   for (int g = 0; g < K / gs; ++g) {
     __m512i is[MR];
     for (int m = 0; m < MR; ++m) is[m] = _mm512_setzero_si512();
-    for (int k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
-      prefetch_slice(fb, k0);
+    // 32 k a step for 4-bit weights (16 bytes a row), 16 for 8-bit ones (groups of 16: a
+    // GGUF's Q6_K, unpacked to bytes); the integer sums are exact whatever the steps
+    for (int k0 = g * gs; k0 < (g + 1) * gs; k0 += (BITS == 4 ? 32 : 16)) {
+      if (k0 % 32 == 0) prefetch_slice(fb, k0);
       const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
       const int u0 = k0 / 4;
-      if constexpr (BITS == 4) {
-        __m512i wv[4];
+      __m512i wv[4];
+      if constexpr (IL) {
+        const uint32_t* st = blk + off / 16 * 64;
+        for (int i = 0; i < 4; ++i) wv[i] = _mm512_loadu_si512(st + 16 * i);
+      } else {
         transpose16x4(fb.rw, off, wv);
+      }
+      if constexpr (BITS == 4) {
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
           dots(is, _mm512_and_si512(wv[i], nib), u0 + i);
           dots(is, _mm512_and_si512(_mm512_srli_epi32(wv[i], 4), nib), u0 + 4 + i);
         }
       } else {
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          __m512i wv[4];
-          transpose16x4(fb.rw, off + 16 * h, wv);
 #pragma GCC unroll 4
-          for (int i = 0; i < 4; ++i) dots(is, wv[i], u0 + 4 * h + i);
-        }
+        for (int i = 0; i < 4; ++i) dots(is, wv[i], u0 + i);
       }
     }
-    const __m512 s = _mm512_load_ps(sbuf + g * 16), c = _mm512_load_ps(bbuf + g * 16);
+    const __m512 s = _mm512_loadu_ps(fb.s + g * 16), c = _mm512_loadu_ps(fb.b + g * 16);
     for (int m = 0; m < MR; ++m) {
       const __m512 f = _mm512_mul_ps(_mm512_set1_ps(dd[g * R + m]), s);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[m]), f, acc[m]);
@@ -359,22 +429,22 @@ inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int
   for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
 }
 
-template <int BITS>
+template <int BITS, bool IL>
 void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
   const int G = K / gs;
   std::vector<int8_t> xq(static_cast<size_t>(K) * 8);
   std::vector<float> dd(static_cast<size_t>(G) * 8), xs(dd.size());
   pack_a8<8>(x, M, K, gs, BITS == 4, xq.data(), dd.data(), xs.data());
   const int blocks = (N + 15) / 16;
-  const int per = std::max(1, 4 * 576 / std::max(K, 1));
+  const int per = stream_chunk(blocks, std::max(1, 4 * 576 / std::max(K, 1)));
   pool().run((blocks + per - 1) / per, [&](int c) {
     float* sbuf = few_sbuf(G);
     const int b1 = std::min(blocks, (c + 1) * per);
     for (int bl = c * per; bl < b1; ++bl) {
       const int n0 = bl * 16;
       auto run = [&](auto mr) {
-        a8_few_block<BITS, decltype(mr)::value>(xq.data(), dd.data(), xs.data(), K, wq, S,
-                                                gs, y, N, n0, sbuf);
+        a8_few_block<BITS, decltype(mr)::value, IL>(xq.data(), dd.data(), xs.data(), K, wq, S,
+                                                    gs, y, N, n0, sbuf);
       };
       with_rows<8>(M, run);
     }
@@ -396,10 +466,20 @@ void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S
 // the per-group float steps (the same as a8_tile's) give the tiles' bits on every build.
 // One 8-row tile against the feature block at n0, whose rows rw, real width nv and
 // transposed scales/biases sbuf few8_setup prepared (once per block, for every tile).
-template <int BITS, int MR>
+template <int BITS, int MR, bool IL>
 inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, int K,
                           const uint32_t* wq, const char* const* rw, int nv, int gs,
                           float* y, int N, int n0, const float* sbuf) {
+  // IL: the 16-row block's words interleaved (il16_index); this 8-row block is its half
+  const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16 * 16) * (K * BITS / 32) + n0 % 16;
+  auto load8 = [&](int64_t off, __m256i* wv) {  // words i of the 8 rows at byte `off` of each
+    if constexpr (IL) {
+      const uint32_t* st = blk + off / 16 * 64;
+      for (int i = 0; i < 4; ++i) wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 16 * i));
+    } else {
+      transpose8x4(rw, off, wv);
+    }
+  };
   constexpr int R = 8;  // pack_a8<8>'s tile: quad u of row m at xq + (u * R + m) * 4
   const int groups = K / gs;
   const float* bbuf = sbuf + static_cast<int64_t>(groups) * 8;
@@ -417,9 +497,11 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
   for (int g = 0; g < groups; ++g) {
     __m256i is[MR];
     for (int m = 0; m < MR; ++m) is[m] = _mm256_setzero_si256();
-    for (int k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
-      for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
-        _mm_prefetch(next + o, _MM_HINT_T0);
+    // 32 k a step for 4-bit weights, 16 for 8-bit ones (groups of 16: a GGUF's Q6_K)
+    for (int k0 = g * gs; k0 < (g + 1) * gs; k0 += (BITS == 4 ? 32 : 16)) {
+      if (k0 % 32 == 0)
+        for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
+          _mm_prefetch(next + o, _MM_HINT_T0);
       const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
       const int u0 = k0 / 4;
 #if defined(__AVXVNNI__)
@@ -428,7 +510,7 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
       // the int16 pair sums nor the 8-bit nibble split are needed. The same exact sums.
       if constexpr (BITS == 4) {
         __m256i wv[4];
-        transpose8x4(rw, off, wv);
+        load8(off, wv);
         for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
           for (int i = 0; i < 4; ++i) {
@@ -437,17 +519,16 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
                 is[m], _mm256_and_si256(_mm256_srli_epi16(wv[i], 4), nib), xb(u0 + 4 + i, m));
           }
       } else {
-        __m256i wv[8];
-        transpose8x4(rw, off, wv);
-        transpose8x4(rw, off + 16, wv + 4);
+        __m256i wv[4];
+        load8(off, wv);
         for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-          for (int i = 0; i < 8; ++i) is[m] = _mm256_dpbusd_avx_epi32(is[m], wv[i], xb(u0 + i, m));
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) is[m] = _mm256_dpbusd_avx_epi32(is[m], wv[i], xb(u0 + i, m));
       }
 #else
       if constexpr (BITS == 4) {
         __m256i wv[4];
-        transpose8x4(rw, off, wv);
+        load8(off, wv);
         __m256i lo[4], hi[4];  // quads i and 4 + i of the split order
         for (int i = 0; i < 4; ++i) {
           lo[i] = _mm256_and_si256(wv[i], nib);
@@ -463,13 +544,12 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
         }
       } else {
         const __m256i sixteen = _mm256_set1_epi16(16);
-        __m256i wv[8];
-        transpose8x4(rw, off, wv);
-        transpose8x4(rw, off + 16, wv + 4);
+        __m256i wv[4];
+        load8(off, wv);
         for (int m = 0; m < MR; ++m) {
           __m256i pl = _mm256_setzero_si256(), ph = _mm256_setzero_si256();
-#pragma GCC unroll 8
-          for (int i = 0; i < 8; ++i) {
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) {
             const __m256i x = xb(u0 + i, m);
             pl = _mm256_add_epi16(pl, _mm256_maddubs_epi16(_mm256_and_si256(wv[i], nib), x));
             ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(
@@ -493,7 +573,7 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
   for (int m = 0; m < MR; ++m) _mm256_maskstore_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
 }
 
-template <int BITS>
+template <int BITS, bool IL>
 void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
   constexpr int R = 8;
   const int G = K / gs, tiles = (M + R - 1) / R;
@@ -501,7 +581,7 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
   std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
   pack_a8<R>(x, M, K, gs, BITS == 4, xq.data(), dd.data(), xs.data());
   const int blocks = (N + 7) / 8;
-  const int per = std::max(1, 8 * 576 / std::max(K, 1));
+  const int per = stream_chunk(blocks, std::max(1, 8 * 576 / std::max(K, 1)));
   pool().run((blocks + per - 1) / per, [&](int c) {
     thread_local std::vector<float> sb;
     const size_t need = static_cast<size_t>(16 * G + 8);  // + 8: alignment
@@ -510,7 +590,8 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
     const int b1 = std::min(blocks, (c + 1) * per);
     for (int bl = c * per; bl < b1; ++bl) {
       const char* rw[8];
-      const int nv = few8_setup(K, wq, S, gs, BITS, N, bl * 8, rw, sbuf);
+      const int nv = few8_setup(K, wq, S, gs, BITS, N, bl * 8, rw, sbuf,
+                                S.unpacks() ? weight_tmp(int64_t{8} * K) : nullptr, IL && il_scales(S));
       // every pass of 8 rows over this block while its weights are in L1
       for (int t = 0; t < tiles; ++t) {
         const int8_t* xt = xq.data() + static_cast<int64_t>(t) * K * R;
@@ -518,7 +599,7 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
         const float* st = xs.data() + static_cast<int64_t>(t) * G * R;
         float* yt = y + static_cast<int64_t>(t) * R * N;
         auto run = [&](auto mr) {
-          a8_few8_block<BITS, decltype(mr)::value>(xt, dt, st, K, wq, rw, nv, gs, yt, N, bl * 8, sbuf);
+          a8_few8_block<BITS, decltype(mr)::value, IL>(xt, dt, st, K, wq, rw, nv, gs, yt, N, bl * 8, sbuf);
         };
         with_rows<8>(std::min(R, M - t * R), run);
       }
@@ -530,18 +611,27 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
 // Up to 8 rows: the few-row path (AVX-512 VNNI builds); more: tiles of 16. AVX2 builds:
 // the 8-lane path above at every row count. Elsewhere the scalar tiles (8 rows up to 8).
 // Same bits every way (exact integer sums, the same per-lane float operations).
-void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, int bits, float* y, int N) {
+// il: the weight is interleaved (il16_index; 4 or 8 bits, N a multiple of 16).
+void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, int bits, float* y, int N,
+                bool il) {
   if (M <= 0) return;
+  [[maybe_unused]] auto with_il = [&](auto f) {
+    if (il) f(std::true_type{}); else f(std::false_type{});
+  };
 #if defined(FX_A8_AVX2)
-  return with_bits(bits, [&](auto b) { qmm_a8_few8<decltype(b)::value>(x, M, K, wq, S, gs, y, N); });
+  return with_bits(bits, [&](auto b) {
+    with_il([&](auto l) { qmm_a8_few8<decltype(b)::value, decltype(l)::value>(x, M, K, wq, S, gs, y, N); });
+  });
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   if (M <= 8)
-    return with_bits(bits, [&](auto b) { qmm_a8_few<decltype(b)::value>(x, M, K, wq, S, gs, y, N); });
+    return with_bits(bits, [&](auto b) {
+      with_il([&](auto l) { qmm_a8_few<decltype(b)::value, decltype(l)::value>(x, M, K, wq, S, gs, y, N); });
+    });
 #else
-  if (M <= 8) return qmm_a8_rows<8>(x, M, K, wq, S, gs, bits, y, N);
+  if (M <= 8) return qmm_a8_rows<8>(x, M, K, wq, S, gs, bits, y, N, il);
 #endif
-  qmm_a8_rows<16>(x, M, K, wq, S, gs, bits, y, N);
+  qmm_a8_rows<16>(x, M, K, wq, S, gs, bits, y, N, il);
 }
 
 void dequant_cpu(const uint32_t* wq, const Quant& S, int gs, int bits,
