@@ -11,8 +11,9 @@ versions) with an independent producer and scorer instead of fx-engine itself:
   scorer    mlx-lm's model forward over prompt + expected tokens: each token's logprob under
             the raw distribution (log_softmax), teacher forced.
 The origin (oracle and MLX versions, BLAS, platform, date, the minimum top-2 greedy margin
-per case) is written into the document. tests/test_golden.py checks fx-engine against it
-with the kit (`golden` fixture); never edit the generated file by hand.
+per case) is written into the document, with check_producer fx_engine.generate: the kit
+checks fx-engine's own generate against the oracle's outputs (tests/test_golden.py, with
+the `golden` fixture); never edit the generated file by hand.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def main() -> int:
             refs[id(model)] = mlx_lm_model(model)
         return refs[id(model)]
 
-    def producer(model, case, ids):
-        tokens, _lps, margin = mlx_lm_generate(ref_of(model), ids, max_tokens=case.max_tokens,
+    def producer(model, case):  # tokens only: the logprobs are the scorer's (teacher forced)
+        tokens, _lps, margin = mlx_lm_generate(ref_of(model), case.prompt_ids(model), max_tokens=case.max_tokens,
                                                eos_ids=set(model.eos_ids), sampling=dict(case.sampling))
         margins[case.name] = margin
         return tokens
@@ -60,7 +61,8 @@ def main() -> int:
     cases = g.load_cases(GOLDEN / "cases.json")
     doc = g.record(cases, producer=producer, scorer=scorer,
                    producer_name=f"mlx-lm {mlx_lm.__version__} generate_step (make_sampler, "
-                                 "make_logits_processors); logprobs: mlx-lm model forward")
+                                 "make_logits_processors); logprobs: mlx-lm model forward",
+                   check_producer=g.DEFAULT_PRODUCER)  # fx_engine.generate must reproduce it
     doc["origin"]["generated_by"] = "tools/make_golden.py"
     doc["origin"]["min_top2_logprob_margin"] = margins
     g.save(doc, GOLDEN / "expected.json")
