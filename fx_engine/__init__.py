@@ -19,6 +19,14 @@ until a public name is used; `setup()` runs first then):
     with fx_engine.Engine(model, max_rows=8) as engine:  # continuous batching
         handle = engine.submit("Hello", max_tokens=32); print(handle.result().text)
 
+Your own decoding loop over the pure steps (specs/steps.md; the README's example):
+
+    logits, cache, state = fx_engine.prefill(model, [ids_a, ids_b], room=64)  # bucketed
+    state, cache = fx_engine.decode_step_compiled(model.params, cache, state)
+    logits, cache = fx_engine.logits_step_compiled(model.params, cache, state.tokens)
+    fx_engine.take_rows((state, cache), idx), repeat_rows(...), concat_rows([...])
+    fx_engine.verify_step(...), draft_sync(...); fx_engine.jit (Python scalars traced)
+
 `fx_engine.setup()` (= `fx_engine.runtime.setup`) loads the optimized BLAS and tunes malloc;
 it must run before anything imports `mlx.core` for MLX's CPU matmuls to use that BLAS, so
 programs that import mlx themselves call it first (see fx_engine/runtime/__init__.py).
@@ -51,6 +59,19 @@ _PUBLIC = {
     "logits": "engine.scoring",
     "decode_step": "core.steps", "prefill_step": "core.steps", "sample_step": "core.steps",
     "score_step": "core.steps",
+    # your own loop over the pure steps (specs/steps.md)
+    "logits_step": "core.steps", "verify_step": "core.steps", "VerifyResult": "core.steps",
+    "prefill_step_compiled": "core.steps", "decode_step_compiled": "core.steps",
+    "sample_step_compiled": "core.steps", "score_step_compiled": "core.steps",
+    "logits_step_compiled": "core.steps", "verify_step_compiled": "core.steps",
+    "DecodeState": "core.state", "init_state": "core.state", "stop_rows": "core.state",
+    "KVCache": "core.cache", "with_lengths": "core.cache",
+    "take_rows": "core.rows", "repeat_rows": "core.rows", "concat_rows": "core.rows",
+    "num_rows": "core.rows",
+    "jit": "core.tree", "tree_map": "core.tree", "tree_leaves": "core.tree",
+    "draft_sync": "core.speculative", "DraftSync": "core.speculative",
+    "prefill": "engine.prefill", "Prefilled": "engine.prefill",
+    "self_draft_model": "engine.drafters",
 }
 _SUBPACKAGES = ("cli", "core", "engine", "loading", "runtime", "server", "testing", "tracing")
 

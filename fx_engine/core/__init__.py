@@ -9,9 +9,11 @@
     models/        one module per model family, and the registry
     cache.py       cache kinds as data (dense, ring, quantized) and their write/attend rules
     sampling.py    per-row sampling parameters as arrays; filters, penalties, distributions
-    state.py       DecodeState and sample_step
-    steps.py       prefill_step, decode_step, sample_step, score_step, verify_step
-    speculative.py verify_step: row-wise acceptance and rollback
+    state.py       DecodeState, sample_step, init_state
+    steps.py       prefill_step, logits_step, decode_step, sample_step, score_step, verify_step
+    speculative.py verify_step: row-wise acceptance and rollback; draft_sync (the drafter's side)
+    rows.py        row operations on caches and states: take, reorder, repeat, concatenate
+    checks.py      the steps' argument checks (ranks, rows, dtypes), run at trace time
 
 Rules (checked by tests/test_boundary.py): a core module imports only the core (plus mlx,
 numpy, attrs, jaxtyping and the standard library's pure parts), reads no files,

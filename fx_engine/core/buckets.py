@@ -4,6 +4,8 @@ penalty windows, attention spans)."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 
 def pow2_ceil(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= n, and at least `minimum` (n <= 1 gives 1)."""
@@ -31,3 +33,23 @@ def prefill_pieces(start: int, end: int, chunk: int) -> list[tuple[int, int, int
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     return [(p, min(chunk, end - p), pow2_ceil(min(chunk, end - p), MIN_PIECE))
             for p in range(start, end, chunk)]
+
+
+def prefill_plan(lengths: Sequence[int], room: int, chunk: int = 512) -> tuple[int, list[tuple[int, int, int]]]:
+    """The static shapes of a multi-row prefill into a fresh cache (`fx_engine.prefill`):
+    (capacity, pieces). capacity = the power of two >= the longest prompt + `room` (at
+    least MIN_PIECE); pieces: `prefill_pieces(0, longest, chunk)`, shared by every row (a
+    row shorter than a piece sends fewer real tokens, padding goes to the cache's sink).
+    Prompts whose longest row and longest + room fall in the same buckets get the same
+    shapes, so they run the same compiled steps (lengths 40 and 43 with room 64: one
+    64-token piece into a 128-position cache). chunk: a power of two >= MIN_PIECE, so
+    every piece fits in the capacity."""
+    lengths = list(lengths)
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"prefill_plan: every prompt needs at least one token, got lengths {lengths[:8]}")
+    if isinstance(room, bool) or not isinstance(room, int) or room < 0:
+        raise ValueError(f"room must be an int >= 0 (tokens to decode after the prompt), got {room!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < MIN_PIECE or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two >= {MIN_PIECE}, got {chunk!r}")
+    longest = max(lengths)
+    return pow2_ceil(longest + room, MIN_PIECE), prefill_pieces(0, longest, chunk)

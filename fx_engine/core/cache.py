@@ -39,6 +39,7 @@ shell's: fx_engine/engine/kv_rows.py.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -149,6 +150,16 @@ class KVCache:
         return tuple(e.values for e in self.layers if isinstance(e, LayerKV))
 
 
+def check_cache(cache: Any, name: str = "cache") -> KVCache:
+    """Trace-time check that `cache` is a KVCache with one length per row."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"{name} must be a KVCache (Model.new_cache, fx_engine.prefill), got "
+                        f"{type(cache).__name__}")
+    if cache.lengths.ndim != 1:
+        raise ValueError(f"{name}.lengths must be int32[B], got shape {tuple(cache.lengths.shape)}")
+    return cache
+
+
 def entry_arrays(entry: Any) -> list[mx.array]:
     if isinstance(entry, QuantKV):
         return [entry.head_keys, entry.head_values, *entry.keys, *entry.values]
@@ -241,6 +252,9 @@ def init_cache(
 ) -> KVCache:
     """An empty cache: `rows` rows of `capacity` positions, one entry per spec of `layout`
     (from `fx_engine.core.models.cache_layout` or `Model.cache_layout`)."""
+    for name, v in (("rows", rows), ("capacity", capacity)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise CacheError(f"{name} must be an int >= 1, got {v!r}")
     layout = tuple(layout)
     return KVCache(
         layers=tuple(_init_entry(s, rows, capacity, dtype) for s in layout),

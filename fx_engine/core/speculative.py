@@ -40,10 +40,11 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.adapters import Adapters, with_adapters
-from fx_engine.core.cache import KVCache, commit
+from fx_engine.core.cache import CacheError, KVCache, check_cache, commit
+from fx_engine.core.checks import counts_arg, float_arg, mask_arg, span_arg, tokens_arg
 from fx_engine.core.models import AnyParams, forward, hidden_to_logits
 from fx_engine.core.sampling import (SamplingParams, _categorical_rows, _fast_logsumexp, _split_rows, _uniform_rows, apply_token_mask, process_logits, push_history, sample, sampling_distribution, top_logprobs)
-from fx_engine.core.state import DecodeState
+from fx_engine.core.state import DecodeState, check_state, stop_full_rows
 from fx_engine.core.tree import STATIC, tree_replace
 
 
@@ -144,7 +145,21 @@ def verify_step(
     mask: allowed-token bitmask per row and verified position (None: no constraint).
     adapters: each row's LoRA adapter (`core.adapters.Adapters`; None: the base model).
     """
-    b, k = drafts.shape
+    cache = check_cache(cache)
+    b = cache.rows
+    drafts = tokens_arg(drafts, b, "drafts")
+    k = drafts.shape[1]
+    if k + 1 > cache.capacity:
+        raise CacheError(f"drafts: {k} drafts + the last token per row exceed the cache's "
+                         f"capacity of {cache.capacity} positions")
+    n_draft = counts_arg(n_draft, b, "n_draft")
+    span = span_arg(span, k + 1, cache.capacity)
+    if draft_probs is not None:
+        draft_probs = float_arg(draft_probs, (b, k, None), "draft_probs", f"f32[B, K, V] (B = {b}, K = {k})")
+    if mask is not None:
+        mask = mask_arg(mask, (b, k + 1), None)
+    # A row whose cache is full cannot take even its last token: it stops (`full`).
+    state = stop_full_rows(check_state(state, b), cache.lengths, cache.capacity, 1)
     act = state.active
     # Only drafts whose positions fit in the cache are verified: a row never has accepted
     # tokens written past its capacity (they would land in the sink and be lost).
@@ -206,3 +221,62 @@ def verify_step(
     result = VerifyResult(tokens=emitted, count=count, accepted=accepted, logprobs=lp,
                           top_ids=top_ids, top_logprobs=top_vals)
     return new_state, cache, result
+
+
+# ------------------------------------------------------------------ the drafter's side
+
+
+@attrs.frozen
+class DraftSync:
+    """A speculative loop's bookkeeping after `verify_step`, per row (`draft_sync`).
+
+    count: emitted tokens to keep, `result.tokens[b, :count[b]]`: the verify's count, cut
+    just after the first stop token (EOS) inside the accepted run. stopped: a stop token
+    was kept: the row is finished (`stop_rows(state, stopped)`; the target's cache may hold
+    tokens past it, which no longer matter). draft_lengths: the drafter's cache rolled back
+    to what it processed that the target accepted (`with_lengths(draft_cache,
+    draft_lengths)`). feed[b, :n_feed[b]]: the tokens the drafter must process next, in
+    order, ending with the new `state.tokens` (its next draft's input): 1 token usually, 2
+    after a fully accepted draft (the last draft was never fed to the drafter); n_feed is
+    0 for rows that emitted nothing."""
+
+    count: Int[mx.array, "B"]
+    stopped: mx.array  # bool [B]
+    draft_lengths: Int[mx.array, "B"]
+    feed: Int[mx.array, "B K2"]
+    n_feed: Int[mx.array, "B"]
+
+
+def draft_sync(
+    result: VerifyResult, last_tokens: Int[mx.array, "B"], draft_lengths: Int[mx.array, "B"],
+    n_fed: Int[mx.array, "B"], stop_ids: Int[mx.array, "S"] | None = None,
+) -> DraftSync:
+    """What the drafter does after a verify, for a drafter with its own cache.
+
+    last_tokens: `state.tokens` before the verify (t0, the token the drafts follow).
+    draft_lengths: the drafter cache's lengths after drafting. n_fed: how many of
+    [t0, d_1, .., d_K] it processed while drafting (K drafts sampled one at a time feed t0
+    and d_1 .. d_{K-1}: n_fed = n_draft; 0 for a drafter without a cache).
+    stop_ids: token ids that end a row (EOS); None: none.
+
+    The drafter's processed tokens agree with the accepted sequence t0, d_1 .. d_a for the
+    first min(n_fed, 1 + a); it keeps those and must feed the rest plus the final token.
+    """
+    b, k1 = result.tokens.shape
+    count = result.count.astype(mx.int32)
+    stopped = mx.zeros((b,), mx.bool_)
+    if stop_ids is not None:
+        stop_ids = mx.array(stop_ids, mx.int32) if not isinstance(stop_ids, mx.array) else stop_ids
+        pos = mx.arange(k1, dtype=mx.int32)[None, :]
+        hit = mx.any(result.tokens[..., None] == stop_ids.reshape(1, 1, -1), axis=-1) & (pos < count[:, None])
+        stopped = mx.any(hit, axis=-1)
+        first = mx.argmax(hit.astype(mx.int32), axis=-1).astype(mx.int32)  # first stop position
+        count = mx.where(stopped, first + 1, count)
+    seq = mx.concatenate([last_tokens.astype(mx.int32)[:, None], result.tokens.astype(mx.int32)], axis=1)
+    keep = mx.minimum(n_fed.astype(mx.int32), count)  # count = 1 + accepted (before a stop cut)
+    emitted = count > 0
+    n_feed = mx.where(emitted, count + 1 - keep, 0)
+    cols = mx.minimum(keep[:, None] + mx.arange(k1 + 1, dtype=mx.int32)[None, :], k1)
+    feed = mx.take_along_axis(seq, cols, axis=1)
+    lengths = draft_lengths.astype(mx.int32) - n_fed.astype(mx.int32) + mx.where(emitted, keep, n_fed)
+    return DraftSync(count=count, stopped=stopped, draft_lengths=lengths, feed=feed, n_feed=n_feed)

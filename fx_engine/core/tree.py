@@ -175,12 +175,18 @@ class CompiledFunction:
     dtypes, constants) is only ever asked to separate calls that already share a structure.
     `trace_log` records every trace with the treedef and array signature that caused it,
     which is how tests and tools/trace.py count recompiles; `trace_hooks` observe traces.
+
+    prepare: called as prepare(args, kwargs) -> (args, kwargs) before the arguments are
+    flattened (the public steps convert token lists to arrays there, `jit` Python scalars),
+    so what it converts is traced as an input instead of keyed as a constant.
     """
 
-    def __init__(self, fn: Callable[..., Any], name: str | None = None, compile: bool = True):
+    def __init__(self, fn: Callable[..., Any], name: str | None = None, compile: bool = True,
+                 prepare: Callable[[tuple, dict], tuple[tuple, dict]] | None = None):
         self.fn = fn
         self.name = name or getattr(fn, "__name__", "fn")
         self.compile = compile
+        self.prepare = prepare
         self._entries: dict[TreeDef, Callable[..., Any]] = {}
         self._out_treedefs: dict[TreeDef, TreeDef] = {}
         self._out_by_sig: dict[tuple, TreeDef] = {}
@@ -222,6 +228,8 @@ class CompiledFunction:
         return mx.compile(flat) if self.compile else flat
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.prepare is not None:
+            args, kwargs = self.prepare(args, kwargs)
         leaves, in_td = tree_flatten((args, kwargs))
         entry = self._entries.get(in_td)
         if entry is None:
@@ -245,8 +253,49 @@ def _signature(leaves: Any) -> tuple:
     return tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
 
 
-def jit(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
-    """Decorator form of CompiledFunction."""
-    if fn is None:
-        return lambda f: CompiledFunction(f, name=name)
-    return CompiledFunction(fn, name=name)
+def _arg_positions(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of fn's positional parameters (without `inspect`: the core's import rules)."""
+    code = getattr(fn, "__code__", None)
+    return tuple(code.co_varnames[: code.co_argcount]) if code is not None else ()
+
+
+def scalars_as_arrays(fn: Callable[..., Any], static_argnums: tuple[int, ...] = (),
+                      static_argnames: tuple[str, ...] = ()) -> Callable[[tuple, dict], tuple[tuple, dict]]:
+    """`jit`'s prepare hook: top-level Python int / float arguments become 0-d arrays (int32,
+    float32) unless declared static by position or name; bools, strings and None stay
+    compile-time constants."""
+    names = _arg_positions(fn)
+    static_pos = {i for i in static_argnums} | {i for i, n in enumerate(names) if n in static_argnames}
+    static_kw = set(static_argnames) | {names[i] for i in static_argnums if i < len(names)}
+
+    def traced(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args = tuple(mx.array(a) if traced(a) and i not in static_pos else a for i, a in enumerate(args))
+        kwargs = {k: mx.array(v) if traced(v) and k not in static_kw else v for k, v in kwargs.items()}
+        return args, kwargs
+
+    return convert
+
+
+def jit(fn: Callable[..., Any] | None = None, *, name: str | None = None,
+        static_argnums: int | tuple[int, ...] = (), static_argnames: str | tuple[str, ...] = ()) -> Any:
+    """Compile a function of pytrees (params, caches, states, arrays): a `CompiledFunction`
+    keyed on the arguments' full static structure, usable as `@jit` or `@jit(...)`.
+
+    The rule for Python scalars: a top-level int or float argument is traced as a 0-d
+    array (int32 / float32), so `guided(p, cache, state, 1.5)` and `(..., 3.0)` share one
+    compile. Arguments the function needs as Python values (a shape, a loop count, a
+    step's `span`) are declared static: `static_argnums=(3,)` or `static_argnames="span"`;
+    each distinct static value then compiles once. bools, strings and None are always
+    static; Python scalars nested inside containers or attrs fields are static too (declare
+    attrs fields with `static_field()`, or pass arrays). `.traces` counts the compiles.
+    """
+    nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+
+    def wrap(f: Callable[..., Any]) -> CompiledFunction:
+        return CompiledFunction(f, name=name, prepare=scalars_as_arrays(f, nums, names))
+
+    return wrap if fn is None else wrap(fn)

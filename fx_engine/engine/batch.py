@@ -59,6 +59,7 @@ def insert_state_row(
         history=put(_fit_cols(state.history, w, -1, True), _fit_cols(row_state.history, w, -1, True)),
         params=params,
         active=put(state.active, row_state.active),
+        full=put(state.full, row_state.full),
         logprob=put(state.logprob, row_state.logprob),
         top_ids=put(_fit_cols(state.top_ids, n, 0, False), _fit_cols(row_state.top_ids, n, 0, False)),
         top_logprobs=put(
@@ -72,7 +73,7 @@ def take_state_rows(state: DecodeState, idx: mx.array, params: Any) -> DecodeSta
     """Rows `idx` of `state` (a gather), with `params`."""
     return tree_replace(
         state, tokens=state.tokens[idx], keys=state.keys[idx], history=state.history[idx],
-        params=params, active=state.active[idx], logprob=state.logprob[idx],
+        params=params, active=state.active[idx], full=state.full[idx], logprob=state.logprob[idx],
         top_ids=state.top_ids[idx], top_logprobs=state.top_logprobs[idx],
     )
 
@@ -85,7 +86,8 @@ def pad_state_rows(state: DecodeState, rows: int, params: Any) -> DecodeState:
 
     return tree_replace(
         state, tokens=pad(state.tokens, 0), keys=pad(state.keys, 0), history=pad(state.history, -1),
-        params=params, active=pad(state.active, False), logprob=pad(state.logprob, 0.0),
+        params=params, active=pad(state.active, False), full=pad(state.full, False),
+        logprob=pad(state.logprob, 0.0),
         top_ids=pad(state.top_ids, 0), top_logprobs=pad(state.top_logprobs, 0.0),
     )
 

@@ -1095,7 +1095,9 @@ class Engine:
         rows = batch.rows
         if not any(r is not None for r in rows):
             return
-        state = tree_replace(batch.state, active=mx.array([r is not None for r in rows]))
+        # `full` is cleared each step: after it, it names the rows that had no room
+        state = tree_replace(batch.state, active=mx.array([r is not None for r in rows]),
+                             full=mx.zeros((len(rows),), mx.bool_))
         batch.state = None
         span = span_bucket(max_len + 1, batch.cache.capacity)
         t0 = time.perf_counter()
@@ -1113,7 +1115,7 @@ class Engine:
         batch.cache = None
         mx.eval(*tree_leaves(state), *tree_leaves(cache))
         batch.state, batch.cache = state, cache
-        toks = state.tokens.tolist()
+        toks, full = state.tokens.tolist(), state.full.tolist()
         lps = top_ids = top_vals = None
         if any(r.want_logprobs for r in live):
             lps, top_ids, top_vals = state.logprob.tolist(), state.top_ids.tolist(), state.top_logprobs.tolist()
@@ -1126,6 +1128,9 @@ class Engine:
         # emit: each row's token through its output (stops, detokenizing, logprobs)
         for row, req in enumerate(rows):
             if req is None:
+                continue
+            if full[row]:  # no room for its token (the batch could not grow): stopped
+                self._complete(req, "length")
                 continue
             req.cache_len += 1
             if row in failed:  # its logits processor raised: this request only
@@ -1216,7 +1221,8 @@ class Engine:
                         mx.arange(v)[None, :] == mx.array(toks)[:, None]).astype(mx.float32)
                 rows.append(mx.pad(p.astype(mx.float32), [(0, k - p.shape[0]), (0, 0)]))
             probs = mx.stack(rows)
-        state = tree_replace(batch.state, active=mx.array([r is not None for r in rows_]))
+        state = tree_replace(batch.state, active=mx.array([r is not None for r in rows_]),
+                             full=mx.zeros((len(rows_),), mx.bool_))
         batch.state = None
         max_len = max(r.cache_len for r in live)
         span = span_bucket(max_len + k + 1, batch.cache.capacity)
@@ -1232,6 +1238,7 @@ class Engine:
         mx.eval(*tree_leaves(state), *tree_leaves(cache), *tree_leaves(res))
         batch.state, batch.cache = state, cache
         toks, counts, acc = res.tokens.tolist(), res.count.tolist(), res.accepted.tolist()
+        full = state.full.tolist()
         if any(r.want_logprobs for r in live):
             lps, top_ids, top_vals = res.logprobs.tolist(), res.top_ids.tolist(), res.top_logprobs.tolist()
         seconds = time.perf_counter() - t0
@@ -1243,6 +1250,9 @@ class Engine:
         # emit: each row's accepted drafts and correction/bonus token, in order
         for row, req in enumerate(rows_):
             if req is None:
+                continue
+            if full[row]:  # no room for its token (the batch could not grow): stopped
+                self._complete(req, "length")
                 continue
             req.cache_len += counts[row]
             if n[row]:

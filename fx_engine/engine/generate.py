@@ -148,6 +148,9 @@ def _reference_run(
         else:
             state, cache = decode_step_compiled(params, cache, state, span=span, **mask(), **ad)
         mx.eval(*tree_leaves(state), *tree_leaves(cache))
+        if state.full[0].item():  # no room for the token (the cache grows above): stopped
+            finish = "length"
+            break
     tail = out.finish(finish)
     t2 = time.perf_counter()
     usage = Usage(

@@ -26,12 +26,12 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable
 
-from fx_engine.core.steps import (decode_step_compiled, prefill_step_compiled, sample_step_compiled, score_step_compiled, verify_step_compiled)
+from fx_engine.core.steps import (decode_step_compiled, logits_step_compiled, prefill_step_compiled, sample_step_compiled, score_step_compiled, verify_step_compiled)
 from fx_engine.core.tree import CompiledFunction
 from fx_engine.tracing.graph import leaf_paths, static_values
 
 STEP_FUNCTIONS = (prefill_step_compiled, decode_step_compiled, verify_step_compiled,
-                  sample_step_compiled, score_step_compiled)
+                  sample_step_compiled, score_step_compiled, logits_step_compiled)
 
 
 def _fmt(v: Any) -> str:
