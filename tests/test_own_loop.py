@@ -301,10 +301,15 @@ def test_jit_traces_a_python_float_once_and_static_args_per_value():
     x = mx.array([1.0, 2.0])
     outs = [f(x, s).tolist() for s in (1.5, 3.0, 0.25)]
     assert outs == [[1.5, 3.0], [3.0, 6.0], [0.25, 0.5]]
-    assert f.traces == 1
+    # one structure for every value; MLX's compile itself sometimes traces a second time on
+    # the second call (fresh input arrays; it varies from process to process), never after
+    warm = f.traces
+    assert f.structures() == 1 and warm <= 2, f.trace_log
+    assert [f(x, s).tolist() for s in (4.0, -1.0, 0.5)] == [[4.0, 8.0], [-1.0, -2.0], [0.5, 1.0]]
+    assert f.traces == warm
     g = fx_engine.jit(lambda x, n: x[:n], static_argnames="n")
     assert g(x, 1).tolist() == [1.0] and g(x, 2).tolist() == [1.0, 2.0] and g(x, n=1).tolist() == [1.0]
-    assert g.traces == 3  # one per static value (positional and keyword keys differ)
+    assert g.traces == 2  # one per static value (by position or keyword: the same call)
     h = fx_engine.jit(static_argnums=1)(lambda x, n: x[:n])
     h(x, 1), h(x, 2)
     assert h.traces == 2

@@ -166,3 +166,50 @@ def test_output_structure_that_depends_on_shapes():
     assert f(mx.zeros((3,)))[1] == 3
     assert f(mx.zeros((5,)))[1] == 5
     assert f(mx.zeros((3,)))[1] == 3  # MLX reuses the first trace; our output def too
+
+
+def test_compile_key_is_the_bound_signature() -> None:
+    """Issue 43 item 4: equal calls share one trace, however they are spelled: an omitted
+    argument and its default passed explicitly, by position or by keyword."""
+    import mlx.core as mx
+
+    from fx_engine.core.tree import CompiledFunction, bound_arguments
+
+    def f(x, y=None, *, scale=2.0):  # noqa: ANN001, ANN202
+        return x * scale if y is None else x + y
+
+    cf = CompiledFunction(f)
+    x = mx.ones((3,))
+    for call in (lambda: cf(x), lambda: cf(x, None), lambda: cf(x, y=None), lambda: cf(x=x),
+                 lambda: cf(x, scale=2.0)):
+        assert mx.array_equal(call(), x * 2)
+    assert cf.traces == 1, cf.trace_log
+    assert mx.array_equal(cf(x, x), x + x) and cf.traces == 2  # a different call: a new trace
+    # calls that do not bind are left alone, and the function raises as usual
+    assert bound_arguments(f, (), {}) == ((), {})
+    assert bound_arguments(f, (x,), {"z": 1}) == ((x,), {"z": 1})
+    try:
+        cf(x, z=1)
+    except TypeError as e:
+        assert "z" in str(e)
+    else:
+        raise AssertionError("an unknown keyword must raise")
+
+
+def test_decode_step_with_and_without_mask_share_one_trace(default_model) -> None:  # noqa: ANN001
+    """decode_step_compiled(p, cache, state) and (..., mask=None) are one compiled call."""
+    import mlx.core as mx
+
+    import fx_engine
+
+    m = default_model
+    ids = m.tokenizer.encode("Hello")
+    _, cache, state = fx_engine.prefill(m, [ids], room=8)
+    before = fx_engine.decode_step_compiled.traces
+    s1, c1 = fx_engine.decode_step_compiled(m.params, cache, state)
+    mx.eval(s1.tokens)
+    mid = fx_engine.decode_step_compiled.traces
+    s2, c2 = fx_engine.decode_step_compiled(m.params, cache, state, None, mask=None)
+    mx.eval(s2.tokens)
+    assert fx_engine.decode_step_compiled.traces == mid <= before + 1
+    assert s1.tokens.tolist() == s2.tokens.tolist()

@@ -228,6 +228,7 @@ class CompiledFunction:
         return mx.compile(flat) if self.compile else flat
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = bound_arguments(self.fn, args, kwargs)
         if self.prepare is not None:
             args, kwargs = self.prepare(args, kwargs)
         leaves, in_td = tree_flatten((args, kwargs))
@@ -247,6 +248,44 @@ class CompiledFunction:
 
     def structures(self) -> int:
         return len(self._entries)
+
+
+def bound_arguments(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's arguments in one canonical form: every positional parameter by position
+    (keywords moved there), defaults applied, keyword-only ones as keywords. So equal calls
+    (`f(p, c, s)`, `f(p, c, s, mask=None)`, `f(p, c, s, None)`) have one structure and share
+    one trace. Calls it cannot bind (missing or unknown arguments, *args/**kwargs
+    functions, callables without code) are returned unchanged: the function raises as usual.
+    (Without `inspect`: the core's import rules.)"""
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_flags & 0x0C:  # CO_VARARGS | CO_VARKEYWORDS
+        return args, kwargs
+    names = code.co_varnames[: code.co_argcount]
+    kwonly = code.co_varnames[code.co_argcount: code.co_argcount + code.co_kwonlyargcount]
+    if len(args) > len(names):
+        return args, kwargs
+    bound = dict(zip(names, args))
+    defaults = getattr(fn, "__defaults__", None) or ()
+    first_default = len(names) - len(defaults)
+    for k, v in kwargs.items():
+        if k in bound or (k not in names and k not in kwonly):
+            return args, kwargs
+        bound[k] = v
+    for i, n in enumerate(names):
+        if n not in bound:
+            if i < first_default:
+                return args, kwargs  # a required argument is missing
+            bound[n] = defaults[i - first_default]
+    kwdefaults = getattr(fn, "__kwdefaults__", None) or {}
+    kw = {}
+    for n in kwonly:
+        if n in bound:
+            kw[n] = bound[n]
+        elif n in kwdefaults:
+            kw[n] = kwdefaults[n]
+        else:
+            return args, kwargs
+    return tuple(bound[n] for n in names), kw
 
 
 def _signature(leaves: Any) -> tuple:
