@@ -1,8 +1,10 @@
 import contextlib
+import json
 import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,10 +32,36 @@ def default_model_bi():
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
+def tiny_folder(tmp_path_factory):
+    """`tiny_folder(model_type="llama", **kw)`: `fx_engine.testing.write_tiny_model(folder,
+    model_type, **kw)`, written once per session for each distinct argument set and shared
+    (random weights from a fixed seed: the same arguments give the same folder). The folder
+    is read-only: a test that changes files in it writes its own with write_tiny_model."""
     from fx_engine.testing import write_tiny_model
 
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
+    made: dict[str, Path] = {}
+
+    def tiny(model_type: str = "llama", **kw) -> Path:
+        key = json.dumps([model_type, kw], sort_keys=True, default=repr)
+        if key not in made:
+            made[key] = write_tiny_model(tmp_path_factory.mktemp(f"tiny-{model_type}") / model_type, model_type, **kw)
+        return made[key]
+
+    return tiny
+
+
+@pytest.fixture(scope="session")
+def family_folders(tiny_folder):
+    """Every registered model_type's tiny example folder (its registry defaults), shared."""
+    from fx_engine.core.models import FAMILIES
+
+    return {mt: tiny_folder(mt) for fam in FAMILIES for mt in fam.model_types}
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_folder):
+    """The default tiny model's folder (llama, seed 0)."""
+    return tiny_folder("llama")
 
 
 @pytest.fixture(scope="session")
@@ -102,3 +130,36 @@ def serve(app, engine, **limits):
             srv.force_exit = True
             t.join(timeout=10)
         engine.close(wait=False)
+
+
+@pytest.fixture(scope="session")
+def served_default(default_model):
+    """One live server for the default model with the default app settings
+    (`create_app(engine, "smollm2")` over `Engine(default_model, max_rows=4)`), shared by the
+    modules that serve exactly that: {"url", "app", "engine", "model"}. Closed at the end
+    of the session."""
+    from fx_engine.server.app import create_app
+
+    engine = fx_engine.Engine(default_model, max_rows=4)
+    app = create_app(engine, "smollm2")
+    with serve(app, engine) as (url, _):
+        yield {"url": url, "app": app, "engine": engine, "model": default_model}
+
+
+# ------------------------------------------------------------------ tiers (markers)
+# Registered in pyproject.toml. By folder: every test in tests/server/ is `server`, every
+# test in tests/distributed/ is `distributed`; by fixture: a test that uses the default
+# model (directly or through a fixture) is `real_model`. `oracle`, `slow` and the rest are
+# set in the modules themselves (pytestmark or per test).
+_FOLDER_MARKS = {"server": "server", "distributed": "distributed"}
+_REAL_MODEL_FIXTURES = {"default_model", "default_model_bi", "served_default"}
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.path)).resolve()
+        if path.parent.parent == _TESTS and path.parent.name in _FOLDER_MARKS:
+            item.add_marker(_FOLDER_MARKS[path.parent.name])
+        if _REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker("real_model")

@@ -129,6 +129,19 @@ def run_mlx_lm(model: Any, prompts: list[list[int]], gen: int) -> dict[str, Any]
     return summarize_times(t0, times)
 
 
+_QUIET_LLAMA_LOG = []
+
+
+def _quiet_llama_log(llama_cpp):
+    """A llama.cpp log callback that drops every message, made once and kept for the life of
+    the process: llama_log_set installs it process-wide, so the ctypes object must outlive
+    any one peer (freed with a peer, the next model load, anywhere in the process, called a
+    dangling pointer: a segfault in llama_cpp.Llama(...) after a peer was closed)."""
+    if not _QUIET_LLAMA_LOG:
+        _QUIET_LLAMA_LOG.append(llama_cpp.llama_log_callback(lambda level, text, user: None))
+    return _QUIET_LLAMA_LOG[0]
+
+
 class LlamaCppServing:
     """A llama.cpp context sized for `n_seq` sequences of up to `per_seq` positions each."""
 
@@ -140,8 +153,7 @@ class LlamaCppServing:
         self.n_seq = n_seq
         self.n_batch = 512 + n_seq
         # The low-level API: llama_cpp.Llama has no n_seq_max / kv_unified arguments.
-        self._quiet = llama_cpp.llama_log_callback(lambda level, text, user: None)
-        llama_cpp.llama_log_set(self._quiet, None)  # its per-context logs, off
+        llama_cpp.llama_log_set(_quiet_llama_log(llama_cpp), None)  # its per-context logs, off
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(path.encode(), mparams)

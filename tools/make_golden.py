@@ -12,7 +12,7 @@ versions) with an independent producer and scorer instead of fx-engine itself:
             the raw distribution (log_softmax), teacher forced.
 The origin (oracle and MLX versions, BLAS, platform, date, the minimum top-2 greedy margin
 per case) is written into the document, with check_producer fx_engine.generate: the kit
-checks fx-engine's own generate against the oracle's outputs (tests/test_golden.py, with
+checks fx-engine's own generate against the oracle's outputs (tests/models/test_golden.py, with
 the `golden` fixture); never edit the generated file by hand.
 """
 

@@ -57,7 +57,7 @@ ENGINES = (*FX_ENGINES, "llama.cpp")
 DEFAULT_ENGINES = "fx-a8,fx-a8-kv16,llama.cpp"
 
 
-# --- the math (pure numpy; tests/test_quality_tool.py checks it) -------------------------
+# --- the math (pure numpy; tests/tools/test_quality.py checks it) -------------------------
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """log-probabilities along the last axis, in float64."""

@@ -15,7 +15,7 @@
     rows.py        row operations on caches and states: take, reorder, repeat, concatenate
     checks.py      the steps' argument checks (ranks, rows, dtypes), run at trace time
 
-Rules (checked by tests/test_boundary.py): a core module imports only the core (plus mlx,
+Rules (checked by tests/core/test_boundary.py): a core module imports only the core (plus mlx,
 numpy, attrs, jaxtyping and the standard library's pure parts), reads no files,
 environment or clock, and draws randomness only from the PRNG keys it is given. Importing
 it sets nothing up: process set-up is fx_engine.runtime's, run by the shell.

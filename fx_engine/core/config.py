@@ -7,7 +7,7 @@ name the file and the field.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
@@ -45,6 +45,57 @@ def positive_int(value: Any, key: str, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{source}: field '{key}' must be a positive integer, got {value!r}")
     return value
+
+
+def listed_eos(d: dict[str, Any]) -> tuple[Any, ...]:
+    """eos_token_id as a tuple, whatever it holds (one id or a list; () when absent)."""
+    eos = d.get("eos_token_id")
+    return tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+
+
+# ---------------------------------------------------------------- config fields as tables
+
+
+def _positive(value: Any, key: str, source: str) -> int:
+    return positive_int(value, key, source)
+
+
+def _number(kind: Callable[[Any], Any]) -> Callable[[Any, str, str], Any]:
+    return lambda value, key, source: kind(value)
+
+
+POSITIVE = _positive  # a positive integer (an error names the field and the value)
+FLOAT, INT, BOOL = _number(float), _number(int), _number(bool)  # converted as is
+
+
+@attrs.frozen
+class Field:
+    """One config.json field a family reads, as data: its `key`, how its value is checked
+    and converted (`kind`: POSITIVE, FLOAT, INT, BOOL or any (value, key, source) -> value),
+    and its `default` (`...`: required; a missing or null required field is an error that
+    names it). `or_default`: a present but false-y value (0, "", None) also takes the
+    default, as `d.get(key) or default` reads it; otherwise `d.get(key, default)`."""
+
+    key: str
+    kind: Callable[[Any, str, str], Any] = POSITIVE
+    default: Any = ...
+    or_default: bool = False
+
+
+def read_fields(d: dict[str, Any], fields: tuple[Field, ...], source: str) -> dict[str, Any]:
+    """The fields' checked values by key, read in table order (the first bad field's
+    error is the one raised), so a family declares what it reads instead of spelling
+    out each check."""
+    out = {}
+    for f in fields:
+        if f.default is ...:
+            value = required(d, f.key, source)
+        elif f.or_default:
+            value = d.get(f.key) or f.default
+        else:
+            value = d.get(f.key, f.default)
+        out[f.key] = f.kind(value, f.key, source)
+    return out
 
 
 def check_rope_scaling(scaling: dict[str, Any] | None, source: str) -> tuple | None:

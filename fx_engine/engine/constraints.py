@@ -32,15 +32,19 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
+import mlx.core as mx
 import numpy as np
+
+from fx_engine.core.sampling import mask_words
 
 from fx_engine.engine.grammar_guard import (
     GrammarError, check_grammar_text, check_schema, clean_error, on_compile_thread)
 
-__all__ = ["Constraint", "GrammarError", "RowGrammar", "parse_constraint", "grammar_tokenizer"]
+__all__ = ["Constraint", "GrammarError", "RowGrammar", "parse_constraint", "grammar_tokenizer",
+           "batch_masks", "verify_masks"]
 
 #: Whitespace allowed between JSON tokens: one optional newline and up to 16 blanks.
 JSON_WHITESPACE = r"[\n]?[ \t]{0,16}"
@@ -327,3 +331,61 @@ class RowGrammar:
     def stopped(self) -> bool:
         """The grammar is complete and allows nothing more (only end of generation)."""
         return self.matcher.is_stopped()
+
+
+# ------------------------------------------------------------------------------------------
+# A batch's masks (the engine's rows: objects with a `grammar`, RowGrammar or None)
+# ------------------------------------------------------------------------------------------
+
+
+def batch_masks(rows: Sequence[Any], vocab_size: int,
+                on_error: Callable[[Any, BaseException], None] | None = None) -> mx.array | None:
+    """The allowed-token bitmask [B, W] of every row of a decode step (constrained rows
+    from their grammar, the others all ones), or None when no row is constrained (the
+    step then takes no mask). A row whose grammar fails is left all ones and handed to
+    `on_error(row, error)` (it fails that request only; the row is inactive by the time
+    the step runs); without on_error the error propagates (a first token: the caller
+    fails its prefill row)."""
+    if not any(r is not None and r.grammar is not None for r in rows):
+        return None
+    m = np.full((len(rows), mask_words(vocab_size)), -1, np.int32)
+    for i, r in enumerate(rows):
+        if r is not None and r.grammar is not None:
+            try:
+                r.grammar.fill(m[i])
+            except Exception as e:
+                if on_error is None:
+                    raise
+                m[i] = -1
+                on_error(r, e)
+    return mx.array(m)
+
+
+def verify_masks(rows: Sequence[Any], drafts: dict[Any, Any], k: int, vocab_size: int,
+                 on_error: Callable[[Any, BaseException], None]) -> mx.array | None:
+    """A verify step's masks [B, K+1, W] (None: no constrained row): each constrained row's
+    mask at every verified position, the state its grammar would reach after each draft
+    (`RowGrammar.draft_masks`). Cuts each constrained row's drafts (in `drafts`: row ->
+    (tokens, probs)) to the prefix its grammar allows, since a disallowed draft could
+    otherwise be accepted; a row whose grammar fails loses its drafts and goes to
+    on_error."""
+    if not any(r is not None and r.grammar is not None for r in rows):
+        return None
+    m = np.full((len(rows), k + 1, mask_words(vocab_size)), -1, np.int32)
+    for i, r in enumerate(rows):
+        if r is None or r.grammar is None:
+            continue
+        toks, probs = drafts.get(r, ((), None))
+        try:
+            ok = r.grammar.draft_masks(toks, m[i])
+        except Exception as e:
+            m[i] = -1
+            drafts.pop(r, None)
+            on_error(r, e)
+            continue
+        if ok < len(toks):
+            if ok:
+                drafts[r] = (toks[:ok], None if probs is None else probs[:ok])
+            else:
+                drafts.pop(r, None)
+    return mx.array(m)

@@ -24,8 +24,9 @@ its output head, LayerSkip-style, when no smaller model is at hand).
 from __future__ import annotations
 
 import secrets
+import time
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import attrs
 import mlx.core as mx
@@ -37,6 +38,7 @@ from fx_engine.core.sampling import SamplingConfig, make_sampling_params, sampli
 from fx_engine.core.state import init_state, sample_step
 from fx_engine.core.steps import prefill_step_compiled
 from fx_engine.core.tree import tree_leaves
+from fx_engine.engine.speculation import draft_candidates
 
 
 @attrs.frozen
@@ -227,5 +229,100 @@ def as_drafter(spec: Any) -> Drafter | None:
                      f"got {type(spec).__name__}")
 
 
+# ----------------------------------------------------------------------- the engine's side
+
+
+def propose_drafts(plan: dict[Any, int], vocab: int,
+                   on_error: Callable[[Any, BaseException], None]) -> dict[Any, Any]:
+    """Ask each planned row (an engine request: `drafter`, `row_drafter`, `ids`, `cfg`,
+    `generated`) for up to k tokens: {row: (tokens, probs or None)}, rows that proposed
+    nothing left out. A drafter is user code: one that raises or returns something
+    malformed (too many tokens, negative or non-int ids, probs of the wrong shape) goes to
+    `on_error` (it fails its own request only). A draft model over another vocabulary
+    size is trimmed or zero-padded to the target's `vocab`, and a draft stops at the first
+    token the target's vocabulary does not have."""
+    out: dict[Any, Any] = {}
+    for req, k in plan.items():
+        try:
+            if req.row_drafter is None:
+                req.row_drafter = req.drafter.new_row(list(req.ids), req.cfg)
+            d = req.row_drafter.propose(list(req.ids) + req.generated, k)
+            toks = tuple(getattr(d, "tokens", ()))
+            probs = getattr(d, "probs", None)
+            if len(toks) > k or any(not isinstance(t, int) or t < 0 for t in toks):
+                raise ValueError(f"drafter proposed {toks!r}: expected at most {k} "
+                                 "non-negative token ids")
+            if probs is not None and (probs.ndim != 2 or probs.shape[0] != len(toks)):
+                raise ValueError(f"drafter probs must have shape [{len(toks)}, vocab], "
+                                 f"got {tuple(probs.shape)}")
+        except Exception as e:
+            on_error(req, e)
+            continue
+        n = next((i for i, t in enumerate(toks) if t >= vocab), len(toks))
+        toks = toks[:n]
+        if probs is not None:
+            probs = probs[:n, :vocab]
+            if probs.shape[1] < vocab:
+                probs = mx.pad(probs, [(0, 0), (0, vocab - probs.shape[1])])
+        if toks:
+            out[req] = (toks, probs)
+    return out
+
+
+def speculate(policy: Any, batch: Any, vocab: int, decided: Callable[[Callable[[], Any]], Any],
+              on_error: Callable[[Any, BaseException], None]) -> tuple[dict[Any, Any], int]:
+    """A step's drafting, planned in two halves by the speculation policy
+    (engine/speculation.py) because the drafts it weighs exist only once drafters have
+    run: which live rows of `batch` to ask for how many tokens (nothing when drafting is
+    not expected to pay: drafters' work is not free), then K from what they proposed (0: a
+    plain decode step). Returns ({row: (tokens, probs)} cut to K, K). `decided(decide)`
+    makes a decision every rank of a sharded engine shares (rank 0's: they depend on
+    timing); a drafter's failure goes to on_error."""
+    live = batch.live()
+    by_id = {r.handle.id: r for r in live}
+    asked = {by_id[i]: n for i, n in decided(lambda: {
+        r.handle.id: n for r, n in policy.plan_drafts(
+            len(batch.rows), draft_candidates(live), len(live)).items()}).items()}
+    if not asked:
+        return {}, 0
+    t0 = time.perf_counter()
+    drafts = propose_drafts(asked, vocab, on_error)
+    policy.observe_drafting(time.perf_counter() - t0)
+    live = batch.live()  # a drafter may fail its row
+    k = decided(lambda: policy.choose_k(
+        len(batch.rows), [(r.spec.alpha, len(t)) for r, (t, _) in drafts.items()],
+        len(live)) if drafts else 0)
+    if not k:
+        return {}, 0
+    return {r: (t[:k], None if p is None else p[:k]) for r, (t, p) in drafts.items()}, k
+
+
+def draft_inputs(rows: Sequence[Any], drafts: dict[Any, Any], k: int,
+                 vocab: int) -> tuple[mx.array, mx.array, mx.array | None, list[int]]:
+    """verify_step's draft inputs for the batch's rows: tokens [B, K] (zero-padded), counts
+    [B] (0: the row decodes), and the drafters' distributions [B, K, V] (None when every
+    draft is deterministic; else a point mass on each deterministic row's tokens, so one
+    array serves the batch), plus the counts as a list (what the emit loop adapts by)."""
+    b = len(rows)
+    arr = [[0] * k for _ in range(b)]
+    n = [0] * b
+    for req, (toks, _) in drafts.items():
+        if req.row is None:
+            continue
+        arr[req.row][: len(toks)] = toks
+        n[req.row] = len(toks)
+    probs = None
+    if any(p is not None for _, p in drafts.values()):
+        per_row = []
+        for req in rows:
+            toks, p = drafts.get(req, ((), None)) if req is not None else ((), None)
+            if p is None:  # deterministic drafts: a point mass on each token
+                p = mx.zeros((len(toks), vocab)) if not toks else (
+                    mx.arange(vocab)[None, :] == mx.array(toks)[:, None]).astype(mx.float32)
+            per_row.append(mx.pad(p.astype(mx.float32), [(0, k - p.shape[0]), (0, 0)]))
+        probs = mx.stack(per_row)
+    return mx.array(arr, mx.int32), mx.array(n, mx.int32), probs, n
+
+
 __all__ = ["Draft", "DraftModel", "Drafter", "PromptLookup", "RowDrafter", "as_drafter",
-           "lookup", "self_draft_model"]
+           "lookup", "self_draft_model", "propose_drafts", "draft_inputs", "speculate"]

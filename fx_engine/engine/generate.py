@@ -85,12 +85,12 @@ def _reference_run(
     ad = {} if adapter is None else {
         "adapters": Adapters(model.adapters.bank(), mx.array([adapter.slot], mx.int32))}
 
-    def mask() -> dict[str, mx.array]:  # the grammar's allowed tokens as a step argument
+    def mask() -> mx.array | None:  # the grammar's allowed tokens (None: unconstrained)
         if grammar is None:
-            return {}
+            return None
         m = np.full((1, mask_words(c.vocab_size)), -1, np.int32)
         grammar.fill(m[0])
-        return {"mask": mx.array(m)}
+        return mx.array(m)
 
     params = model.params
     c = model.config
@@ -110,7 +110,7 @@ def _reference_run(
         )
         mx.eval(logits, *tree_leaves(cache))
     state = init_state([cfg], [ids], c.vocab_size, special_token_ids=xtc_special_tokens(model))
-    state = sample_step_compiled(state, apply_processors(processors, ids, logits), **mask())
+    state = sample_step_compiled(state, apply_processors(processors, ids, logits), mask())
     mx.eval(tree_leaves(state))
     t1 = time.perf_counter()
 
@@ -144,9 +144,9 @@ def _reference_run(
             logits, cache = prefill_step_compiled(
                 params, cache, state.tokens[:, None], mx.array([1], mx.int32), span=span, **ad)
             logits = apply_processors(processors, ids + generated, logits)
-            state = sample_step_compiled(state, logits, **mask())
+            state = sample_step_compiled(state, logits, mask())
         else:
-            state, cache = decode_step_compiled(params, cache, state, span=span, **mask(), **ad)
+            state, cache = decode_step_compiled(params, cache, state, span=span, mask=mask(), **ad)
         mx.eval(*tree_leaves(state), *tree_leaves(cache))
         if state.full[0].item():  # no room for the token (the cache grows above): stopped
             finish = "length"

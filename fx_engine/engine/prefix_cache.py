@@ -527,3 +527,20 @@ class DiskTier:
     def stats(self) -> dict[str, Any]:
         return {"dir": str(self.dir), "entries": len(self.index), "loads": self.loads,
                 "saves": self.saves, "rejected": self.rejected, "bytes": self.used_bytes}
+
+
+def engine_store(model: Any, layout: Any, nbytes: int, block: int, folder: str | None,
+                 disk_bytes: int, entries: int | None) -> PrefixStore | None:
+    """An engine's prefix store for `model` (its cache `layout`): memory tier of `nbytes`
+    (and at most `entries` entries), disk tier in `folder` (None: none); None when both
+    are off. On a sharded model each rank keeps its own share of every entry, in its own
+    subdirectory (its own byte budget evicts only its files); what a request restores is
+    the length every rank holds (`lockstep.Ranks.agree_prefix`)."""
+    if model.ranks > 1 and folder is not None:
+        folder = str(Path(folder) / f"rank{mx.distributed.init().rank()}of{model.ranks}")
+    if not (nbytes or folder):
+        return None
+    disk = None if folder is None else DiskTier(
+        folder, disk_bytes, model.fingerprint, model.tokenizer.fingerprint(), layout,
+        str(model.cache_dtype).split(".")[-1], block)
+    return PrefixStore(nbytes, block, disk, entries)

@@ -1,22 +1,32 @@
 """Pure-Python step planning for the continuous-batching engine (no MLX, property-testable).
 
-The engine (fx_engine/engine/engine.py) asks these functions, once per step:
+Every decision of an engine step is made here and returned as plain data (frozen
+dataclasses of ints and tuples, hashable, picklable: a lockstep engine broadcasts them
+from rank 0, `engine/lockstep.py`). One step's `StepPlan` is built in three phases,
+because each phase's inputs exist only once the previous one has run:
 
-* which prefill pieces to run this step (`plan_prefill`): decode rows are served first, one
-  token each; what is left of the per-step token budget goes to prefill pieces, in FIFO
-  order, at most `prefill_chunk` tokens per request, each piece padded to a shape bucket
-  (`chunk_bucket`) and counted at its padded size;
-* how those pieces share `prefill_step` calls (`group_prefill`): pieces of similar padded
-  size (and the same prefill-cache shape) run as one call over several rows, a power of
-  two of them, counted at rows x the call's chunk;
-* which shape buckets to use for the decode batch (`row_bucket`, `capacity_bucket`) and the
-  prefill pieces (`chunk_bucket`);
-* whether a request can be admitted now (`kv_footprint` against the KV budget) or ever;
-* the step's plan as plain data (`plan_step` -> `StepPlan`: the prefill calls, the decode
-  rows they are planned around) and the decode batch's memory upkeep (`plan_growth` before
-  a decode/verify step, `plan_maintenance` -> `Maintenance` after it: compaction and
-  resize targets). The engine executes these plans (engine/batch.py owns the batch);
-  speculation's cost model is engine/speculation.py.
+1. `plan_intake` -> `Intake`: which cancelled requests retire, which queued requests are
+   admitted (FIFO while a row is free and the KV budget holds, `can_admit`);
+2. `plan_step` -> the prefill calls: which pieces run (`plan_prefill`: decode rows are
+   served first, one token each; the rest of the per-step token budget goes to prefill
+   pieces, FIFO, at most `prefill_chunk` tokens per request, each padded to a shape bucket
+   `chunk_bucket` and counted at its padded size), how they share `prefill_step` calls
+   (`group_prefill`: similar padded sizes and the same prefill-cache shape, a power of two
+   of rows) and how a call is split (`split_call`: scoring rows alone, power-of-two row
+   counts); admitted requests' restored prefixes change what is left to prefill, so this
+   phase follows the admissions;
+3. `plan_decode` -> `DecodePlan`: decode or verify over the whole batch, each verifying
+   row's draft length (per-row K) and the K bucket, the rows whose grammar masks are
+   filled, and the cache growth before the step; it follows the prefill calls (requests
+   they finish join the batch and decode in the same step) and the drafters (the
+   speculation policy, engine/speculation.py, weighs the drafts actually proposed).
+
+After the step, `plan_maintenance` -> `Maintenance` (drop, compaction, capacity shrink);
+`plan_growth` is the growth's arithmetic (compaction first when the KV budget demands it).
+Shape buckets: `row_bucket`, `capacity_bucket` (decode batch), `chunk_bucket` (prefill
+pieces); admission against the KV budget: `kv_footprint`, `can_admit`, `ever_fits`
+(engine/budget.py holds a model's budget). The engine executes the plans
+(engine/executor.py, engine/batch.py) and emits the tokens (engine/emit.py).
 
 The policy is documented in specs/engine.md.
 """
@@ -24,7 +34,7 @@ The policy is documented in specs/engine.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Iterable, Mapping, Sequence
 
 from fx_engine.core.buckets import pow2_ceil, pow2_floor  # noqa: F401  (re-exported)
 
@@ -74,6 +84,20 @@ def normalize_chunk(prefill_chunk: int) -> int:
     if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
     return max(MIN_CHUNK, pow2_floor(prefill_chunk))
+
+
+def step_budget(step_token_budget: int | None, prefill_chunk: int, max_rows: int) -> int:
+    """Tokens per step shared by decode rows (1 each) and prefill pieces (padded): by
+    default a whole chunk beside a full batch; never below max_rows + MIN_CHUNK, so prefill
+    always progresses (ValueError)."""
+    if step_token_budget is None:
+        step_token_budget = prefill_chunk + max_rows
+    if step_token_budget < max_rows + MIN_CHUNK:
+        raise ValueError(
+            f"step_token_budget must be >= max_rows + {MIN_CHUNK} "
+            f"({max_rows + MIN_CHUNK}), got {step_token_budget}"
+        )
+    return step_token_budget
 
 
 def plan_prefill(
@@ -228,17 +252,140 @@ def shrink_capacity_target(max_len: int, capacity: int) -> int | None:
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    """One engine step's plan, made before anything runs.
+class Intake:
+    """A step's first decisions: `retire` the cancelled requests (queued, prefilling or
+    decoding: a cancelled row is free within one step), then `admit` queued requests, in
+    FIFO order. `abort`: the engine was closed without waiting (every request is in
+    `retire`). Keys are the engine's request ids."""
 
-    decode_rows: rows decoding when the step was planned (served first: one token each).
-    prefill: the step's `prefill_step` calls, `group_prefill`'s [(C, [(key, n), ...])].
+    retire: tuple[Hashable, ...] = ()
+    admit: tuple[Hashable, ...] = ()
+    abort: bool = False
+
+
+NO_INTAKE = Intake()
+
+
+def plan_intake(
+    queued: Iterable[tuple[Hashable, int, int]],
+    admitted: Sequence[tuple[Hashable, int, int]],
+    cancelled: Sequence[Hashable],
+    max_rows: int,
+    budget_tokens: int | None,
+    abort: bool = False,
+) -> Intake:
+    """queued: (key, need, prefill slots) of the waiting requests, FIFO (read lazily: only
+    up to the first that does not fit); admitted: (key, need, prefill slots or 0 once
+    decoding) of the prefilling and decoding requests; cancelled: keys of the requests
+    whose handle was cancelled (every request when aborting), queued ones first, the
+    order they retire in. Retiring comes first, so their rows and budget are free for the
+    admissions of the same step; then requests are admitted from the head while
+    `can_admit` holds, each counted for the next: the head blocks the queue (no
+    overtaking, so long requests never starve)."""
+    if abort:
+        return Intake(tuple(cancelled), (), True)
+    gone = set(cancelled)
+    needs = [n for k, n, _ in admitted if k not in gone]
+    slots = [s for k, _, s in admitted if k not in gone and s]
+    admit = []
+    for key, need, pslots in queued:
+        if key in gone:
+            continue
+        if not can_admit(needs, need, max_rows, budget_tokens, slots, pslots):
+            break
+        needs.append(need)
+        slots.append(pslots)
+        admit.append(key)
+    return Intake(tuple(cancelled), tuple(admit))
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    """One call that runs: `size` padded tokens in each of len(pieces) rows, pieces (key,
+    real tokens) in row order. score: a `score_step` (prompt logprobs need the logits at
+    every position), always one row."""
+
+    size: int
+    pieces: tuple[tuple[Hashable, int], ...]
+    score: bool = False
+
+
+def split_call(
+    size: int, pieces: Sequence[tuple[Hashable, int]], scoring: Sequence[Hashable] | set = (),
+    planned: int | None = None,
+) -> tuple[PrefillCall, ...]:
+    """How one of `group_prefill`'s calls (`size`, `pieces`) runs. Rows in `scoring` run
+    alone, first, each at its own bucket (`score_step` returns logits at every position,
+    which only they need). When the rest is not the `planned` row count (default: all the
+    pieces; also when a testing fault hook failed some rows) it runs as power-of-two row
+    counts, largest first, each call at the widest bucket of its rows: bounded compile
+    shapes, never a row count that was not a bucket."""
+    gone = set(scoring)
+    calls = [PrefillCall(chunk_bucket(n), ((k, n),), True) for k, n in pieces if k in gone]
+    rest = [(k, n) for k, n in pieces if k not in gone]
+    if len(rest) == (len(pieces) if planned is None else planned):
+        return tuple(calls) + ((PrefillCall(size, tuple(rest)),) if rest else ())
+    at = 0
+    for rows in pow2_splits(len(rest)):
+        part = rest[at : at + rows]
+        at += rows
+        calls.append(PrefillCall(max(chunk_bucket(n) for _, n in part), tuple(part)))
+    return tuple(calls)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The step's decode or verify over the whole batch.
+
+    k: 0 for a plain `decode_step`, else the K bucket of one `verify_step` (a power of two
+    >= the longest draft). drafts: (key, draft length) of the rows that verify drafts
+    this step, the per-row K (rows not named decode: n_draft = 0). masked: the constrained
+    rows, whose grammar masks are filled before the step (a grammar may still cut a row's
+    drafts to what it allows). grow_to: positions every row must have room for (the
+    cache grows, compacting first if the KV budget demands, `plan_growth`). split: some
+    row has logits processors, so the decode runs as forward, processors, sampling.
+    """
+
+    k: int
+    drafts: tuple[tuple[Hashable, int], ...]
+    masked: tuple[Hashable, ...]
+    grow_to: int
+    split: bool = False
+
+
+def plan_decode(
+    rows: Sequence[tuple[Hashable, int, bool, bool]], drafts: Mapping[Hashable, int] | None = None,
+    k: int = 0,
+) -> DecodePlan:
+    """rows: (key, cache length, constrained, has logits processors) of the live rows;
+    drafts: key -> draft length of the rows that proposed drafts (cut to k), with k the
+    chosen K bucket (0: decode). The growth is each row's length plus its drafts plus the
+    token sampled after them (span and capacity are bucketed by the executor)."""
+    drafts = dict(drafts or {}) if k else {}
+    grow_to = max(n + drafts.get(key, 0) for key, n, _, _ in rows) + 1
+    return DecodePlan(k, tuple((key, drafts[key]) for key, _, _, _ in rows if drafts.get(key)),
+                      tuple(key for key, _, constrained, _ in rows if constrained), grow_to,
+                      any(p for _, _, _, p in rows))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step's decisions, as plain data (see the module docstring's phases).
+
+    decode_rows: rows decoding when the prefill was planned (served first: one token each).
+    prefill: the step's grouped `prefill_step` calls, `group_prefill`'s [(C, [(key, n)])].
+    calls: what runs: each group cut by `split_call` (scoring rows, power-of-two rows).
+    intake: the retirements and admissions made before (phase 1).
+    decode: the decode/verify (phase 3; None until planned, or when no row is live).
     Requests whose prompt a call finishes are inserted into the decode batch in the same
-    step; then one decode (or verify) step runs if any row is live, then `Maintenance`.
+    step; then the decode (or verify) runs, then `Maintenance`.
     """
 
     decode_rows: int
     prefill: tuple[tuple[int, tuple[tuple[Hashable, int], ...]], ...]
+    calls: tuple[PrefillCall, ...] = ()
+    intake: Intake = NO_INTAKE
+    decode: DecodePlan | None = None
 
 
 def plan_step(
@@ -247,10 +394,17 @@ def plan_step(
     prefill_chunk: int,
     step_token_budget: int,
     max_rows: int,
+    scoring: Sequence[Hashable] | set = (),
+    intake: Intake = NO_INTAKE,
 ) -> StepPlan:
-    """The step's plan: `group_prefill` over the prefilling requests (see there)."""
+    """The step's prefill plan: `group_prefill` over the prefilling requests (see there),
+    each call cut by `split_call` (`scoring`: keys of the requests that return prompt
+    logprobs); `intake` is carried along (phase 1 of the same step)."""
     calls = group_prefill(decode_rows, waiting, prefill_chunk, step_token_budget, max_rows)
-    return StepPlan(decode_rows, tuple((size, tuple(members)) for size, members in calls))
+    gone = set(scoring)
+    return StepPlan(decode_rows, tuple((size, tuple(members)) for size, members in calls),
+                    tuple(c for size, members in calls for c in split_call(size, members, gone)),
+                    intake)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The speculation policy (pure Python, no MLX, property-tested in
-tests/test_speculation_policy.py): when speculative decoding pays, and how long each
+tests/engine/test_speculation_policy.py): when speculative decoding pays, and how long each
 row's drafts are.
 
 * `SpeculationPolicy` holds the step-cost model: measured seconds (EMA) of decode (K = 0)
@@ -16,7 +16,7 @@ from typing import Iterable, Mapping
 
 from fx_engine.core.buckets import pow2_ceil
 
-__all__ = ["SpeculationPolicy", "DraftState", "EMA_OLD", "GAIN_MARGIN", "MAX_SKIP"]
+__all__ = ["SpeculationPolicy", "DraftState", "EMA_OLD", "GAIN_MARGIN", "MAX_SKIP", "draft_candidates"]
 
 EMA_OLD = 0.7  # weight of the old value in the cost / drafter-time / acceptance EMAs
 GAIN_MARGIN = 1.02  # a larger K must beat the best so far by 2%
@@ -143,3 +143,12 @@ class SpeculationPolicy:
                 self.draft_seconds):
             return {}
         return plan
+
+
+def draft_candidates(live: Iterable[object]) -> dict[object, tuple[DraftState, int]]:
+    """The live rows (engine requests) that may speculate this step, for `plan_drafts`:
+    key -> (its DraftState, tokens it may still generate). A row needs a drafter; XTC rows
+    never speculate (XTC's exclusion is not a distribution a draft can be verified
+    against)."""
+    return {r: (r.spec, r.max_tokens - len(r.generated)) for r in live  # type: ignore[attr-defined]
+            if r.drafter is not None and not r.cfg.xtc_probability > 0}  # type: ignore[attr-defined]

@@ -278,9 +278,9 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
     lins, where = _index(params)
     base = f" (the adapter was made for {raw.base})" if raw.base else ""
     # a pipeline stage holds some layers: modules of the others' are theirs to apply
-    pipe = getattr(params, "pipeline", ())
+    pipe = getattr(params, "pipeline", None)  # core.models.skeleton.PipelineStage, or None
     if pipe:
-        num_layers = pipe[3]
+        num_layers = pipe.num_layers
     out: dict[int, list[Segment]] = {}
     shapes: dict[int, tuple[int, int]] = {}
     for mod, fac in sorted(raw.modules.items()):
@@ -289,10 +289,10 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
             raise AdapterError(f"{raw.path}: module '{mod}' is an embedding table (adapters on "
                                "embeddings are not supported)")
         layer = re.search(r"(?:layers|blk)\.(\d+)\.", mod)
-        if hit is None and pipe and layer and not pipe[2] <= int(layer.group(1)) < pipe[2] + len(params.layers) \
-                and int(layer.group(1)) < pipe[3]:
+        if hit is None and pipe and layer and not pipe.first_layer <= int(layer.group(1)) < pipe.first_layer + len(
+                params.layers) and int(layer.group(1)) < pipe.num_layers:
             continue  # another stage's layer
-        if hit is None and pipe and not layer and pipe[0] < pipe[1] - 1:
+        if hit is None and pipe and not layer and pipe.hands_on:
             continue  # the head's (or another module outside the layers): the last stage's
         if hit is None and mod in ("lm_head", "output") and getattr(params, "lm_head", None) is not None \
                 and params.lm_head.tp:

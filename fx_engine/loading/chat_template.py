@@ -3,7 +3,7 @@
 A model's chat template is the only authority on how a conversation becomes a prompt, and
 models are trained on prompts rendered by transformers' `apply_chat_template`. Any difference
 in whitespace handling, filters or globals silently changes the prompt, so this module copies
-transformers' rendering semantics (checked against it in tests/test_chat_template.py):
+transformers' rendering semantics (checked against it in tests/models/test_chat_template.py):
 
 * `jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)` with the
   `loopcontrols` extension: templates come from model files and are untrusted code.

@@ -6,7 +6,7 @@ calls resolve to it. Results stay correct either way; only the summation order o
 changes (see `batch_invariant` in fx_engine.core.nn).
 
 Order of preference: MKL from PyPI (`mkl`, a dependency on Linux x86_64), then the system
-OpenBLAS. Measured (docs/benchmarks.md): on an AVX-512 Xeon MKL picks AVX-512 kernels and
+OpenBLAS. Measured (docs/benchmarks-archive.md): on an AVX-512 Xeon MKL picks AVX-512 kernels and
 streams a batch-1 GEMV near memory bandwidth (decode 1.75x, prefill@512 1.7x over Debian's
 OpenBLAS 0.3.21, which does not know that CPU and runs SSE3 kernels); on an AMD Zen 4,
 where MKL runs AVX2 kernels and OpenBLAS's own SGEMM is faster alone (151 vs 120 GFLOP/s

@@ -5,7 +5,7 @@ Why: MLX's CPU backend allocates every intermediate array with malloc. glibc ser
 blocks above its mmap threshold (128 KiB, adjusted upwards only as blocks are freed) with
 fresh mmap()s and returns the top of the heap to the OS, so each step's multi-megabyte
 intermediates (attention scores, MLP activations, logits) page-fault on first touch, every
-step. Measured here (docs/benchmarks.md): an elementwise op over 2.4M floats took 41-49
+step. Measured here (docs/benchmarks-archive.md): an elementwise op over 2.4M floats took 41-49
 ms instead of 12, and prefill@2048 ran 25% slower. Raising the mmap threshold to glibc's
 maximum (32 MiB) and disabling heap trimming keeps those blocks mapped and reused.
 

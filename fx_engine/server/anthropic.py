@@ -1,7 +1,7 @@
 """The Anthropic Messages API on the same Engine: POST /v1/messages (JSON or its SSE event
 stream), POST /v1/messages/count_tokens. What coding agents that run local models speak.
 
-A request becomes the chat the OpenAI routes build (`app.state.chat_prompt`: the model's
+A request becomes the chat the OpenAI routes build (context.py's `chat_prompt`: the model's
 chat template, tools in its format or the default tools section, enforced calls for
 `tool_choice` any/tool), so both APIs answer the same prompt the same way:
 * `system` (a string or text blocks) -> a system message; user text blocks -> user content;
@@ -34,7 +34,7 @@ import json
 import uuid
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
@@ -42,10 +42,15 @@ from starlette.concurrency import run_in_threadpool
 
 from fx_engine.engine.engine import EngineClosed, QueueFull
 from fx_engine.engine.grammar_guard import check_schema
-from fx_engine.server.app import EventStream, _Body
+from fx_engine.server.context import Ctx, ServerContext
+from fx_engine.server.protocol import ANTHROPIC_KINDS as _KINDS
+from fx_engine.server.protocol import EventStream, _Body, anthropic_error, failure, request_salt, results, sse
 from fx_engine.server.reasoning import ReasoningStream, template_switches
 from fx_engine.server.reasoning import split as split_reasoning
 from fx_engine.server.tools import ToolCallStream, parse_tool_calls, reply_parts
+
+router = APIRouter()
+
 
 class AnthropicMessage(BaseModel):
     """One turn: a string or content blocks (checked by `to_chat`). Lenient about extra
@@ -93,24 +98,6 @@ class CountTokensRequest(_Body):
     output_config: dict[str, Any] | None = None
     output_format: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None
-
-
-_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 408: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-          503: "overloaded_error"}
-
-
-def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None,
-                    details: dict[str, Any] | None = None) -> JSONResponse:
-    """Anthropic's error body; `details` (e.g. an `error_code`) is what its SDK reads to
-    recover by itself."""
-    from fx_engine.server.app import log
-
-    log.warning("%d %s: %s", status, _KINDS.get(status, "api_error"), message[:500])
-    error: dict[str, Any] = {"type": _KINDS.get(status, "api_error"), "message": message}
-    if details is not None:
-        error["details"] = details
-    return JSONResponse(status_code=status, headers=headers, content={"type": "error", "error": error})
 
 
 def unsupported_thread(thread: Any) -> JSONResponse | None:
@@ -277,215 +264,215 @@ def _usage(prompt: int, cached: int, output: int) -> dict[str, int]:
 
 
 def _sse(event: str, data: dict[str, Any]) -> str:
-    return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+    return sse(data, event)
 
 
-def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], salt: Any,
-            think_fmt: str | None, in_reasoning: Any, metrics: Any) -> None:
-    """Add the Messages routes to `app` (create_app calls this). `salt(request)`: the
-    request's prefix-cache scope (its tenant)."""
+def _prompt_of(ctx: ServerContext, body: Any, kw: dict[str, Any]) -> list[int]:
+    """The prompt ids of a request (of /v1/messages or its count_tokens); adds its output
+    constraint to `kw`."""
+    msgs, tools, choice, parallel = to_chat(body)
+    targs: dict[str, Any] = {}
+    th = body.thinking
+    if th is not None:
+        kind = th.get("type")
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise ValueError(f"thinking.type: must be enabled, disabled or adaptive, got {kind!r}")
+        if ctx.think_fmt is None and kind == "enabled":
+            raise ValueError("thinking: this model's chat template has no thinking switch")
+        if kind != "adaptive":  # adaptive: the model's (template's) own default
+            targs["enable_thinking"] = kind == "enabled"
+    oc = body.output_config or {}
+    extra = sorted(set(oc) - {"effort", "format"})
+    if extra:
+        raise ValueError(f"output_config.{extra[0]}: unknown field")
+    if oc.get("effort") is not None:
+        if oc["effort"] not in ("low", "medium", "high", "xhigh", "max"):
+            raise ValueError(f"output_config.effort: must be low, medium, high, xhigh or max, "
+                             f"got {oc['effort']!r}")
+        effort = {"xhigh": "high", "max": "high"}.get(oc["effort"], oc["effort"])
+        targs.update(template_switches(ctx.template, effort, "output_config.effort"))
+    fmt = _output_format(body)
+    if fmt is not None:
+        field = "output_format" if body.output_format is not None else "output_config.format"
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
+            raise ValueError(f'{field}: expected {{"type": "json_schema", "schema": {{...}}}}')
+        from fx_engine.engine.constraints import parse_constraint
 
-    def prompt_of(body: Any, kw: dict[str, Any]) -> list[int]:
-        msgs, tools, choice, parallel = to_chat(body)
-        targs: dict[str, Any] = {}
-        th = body.thinking
-        if th is not None:
-            kind = th.get("type")
-            if kind not in ("enabled", "disabled", "adaptive"):
-                raise ValueError(f"thinking.type: must be enabled, disabled or adaptive, got {kind!r}")
-            if think_fmt is None and kind == "enabled":
-                raise ValueError("thinking: this model's chat template has no thinking switch")
-            if kind != "adaptive":  # adaptive: the model's (template's) own default
-                targs["enable_thinking"] = kind == "enabled"
-        oc = body.output_config or {}
-        extra = sorted(set(oc) - {"effort", "format"})
-        if extra:
-            raise ValueError(f"output_config.{extra[0]}: unknown field")
-        if oc.get("effort") is not None:
-            if oc["effort"] not in ("low", "medium", "high", "xhigh", "max"):
-                raise ValueError(f"output_config.effort: must be low, medium, high, xhigh or max, "
-                                 f"got {oc['effort']!r}")
-            effort = {"xhigh": "high", "max": "high"}.get(oc["effort"], oc["effort"])
-            targs.update(template_switches(app.state.chat_template, effort, "output_config.effort"))
-        fmt = _output_format(body)
-        if fmt is not None:
-            field = "output_format" if body.output_format is not None else "output_config.format"
-            if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
-                raise ValueError(f'{field}: expected {{"type": "json_schema", "schema": {{...}}}}')
-            from fx_engine.engine.constraints import parse_constraint
+        if choice not in (None, "auto", "none"):
+            raise ValueError(f"{field}: cannot be combined with tool_choice "
+                             "any/tool (give one output constraint)")
+        kw["constraint"] = parse_constraint(json_schema=fmt["schema"],
+                                            names={"json_schema": f"{field}.schema"})
+    return ctx.chat_prompt(msgs, tools, choice, parallel, targs, kw)
 
-            if choice not in (None, "auto", "none"):
-                raise ValueError(f"{field}: cannot be combined with tool_choice "
-                                 "any/tool (give one output constraint)")
-            kw["constraint"] = parse_constraint(json_schema=fmt["schema"],
-                                                names={"json_schema": f"{field}.schema"})
-        return app.state.chat_prompt(msgs, tools, choice, parallel, targs, kw)
 
-    async def submit(request: Request, body: Any) -> tuple[list[Any], set[str] | None]:
-        def work() -> list[Any]:
-            kw: dict[str, Any] = {"max_tokens": body.max_tokens}
-            for name, value in (("temperature", body.temperature), ("top_p", body.top_p),
-                                ("top_k", body.top_k)):
-                value = defaults.get(name) if value is None else value
-                if value is not None:
-                    kw[name] = value
-            if body.stop_sequences:
-                kw["stop"] = body.stop_sequences
-            for name in ("draft_model", "num_draft_tokens", "prompt_lookup"):
-                if defaults.get(name) is not None:
-                    kw[name] = defaults[name]
-            ids = prompt_of(body, kw)
-            kw["max_tokens"] = room_left(body.max_tokens, len(ids),
-                                         engine.model.config.max_position_embeddings)
-            kw["cache_salt"] = salt(request)
-            kw["adapter"] = app.state.adapter_of(body.model)  # other names: the base
-            return engine.submit_many(ids, [kw])
+async def _submit(ctx: ServerContext, request: Request, body: Any) -> tuple[list[Any], set[str] | None]:
+    defaults = ctx.defaults
 
-        handles = await run_in_threadpool(work)
-        names = {t["name"] for t in body.tools} if body.tools and (
-            body.tool_choice or {}).get("type") != "none" else None
-        return handles, names
+    def work() -> list[Any]:
+        kw: dict[str, Any] = {"max_tokens": body.max_tokens}
+        for name, value in (("temperature", body.temperature), ("top_p", body.top_p),
+                            ("top_k", body.top_k)):
+            value = defaults.get(name) if value is None else value
+            if value is not None:
+                kw[name] = value
+        if body.stop_sequences:
+            kw["stop"] = body.stop_sequences
+        for name in ("draft_model", "num_draft_tokens", "prompt_lookup"):
+            if defaults.get(name) is not None:
+                kw[name] = defaults[name]
+        ids = _prompt_of(ctx, body, kw)
+        kw["max_tokens"] = room_left(body.max_tokens, len(ids),
+                                     ctx.model.config.max_position_embeddings)
+        kw["cache_salt"] = request_salt(request, None)  # the tenant's scope
+        kw["adapter"] = ctx.adapter_of(body.model)  # other names: the base
+        return ctx.engine.submit_many(ids, [kw])
 
-    async def guarded(request: Request, body: Any):
-        try:
-            return await submit(request, body), None
-        except QueueFull as e:
-            return None, anthropic_error(429, str(e), {"Retry-After": "1"})
-        except EngineClosed as e:
-            return None, anthropic_error(503, str(e))
-        except ValueError as e:
-            return None, anthropic_error(400, str(e))
-        except Exception as e:  # a template that cannot render these messages
-            return None, anthropic_error(400, f"messages: the chat template failed: {e}")
+    handles = await run_in_threadpool(work)
+    names = {t["name"] for t in body.tools} if body.tools and (
+        body.tool_choice or {}).get("type") != "none" else None
+    return handles, names
 
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(body: CountTokensRequest):
-        try:
-            ids = await run_in_threadpool(prompt_of, body, {})
-        except Exception as e:
-            return anthropic_error(400, str(e))
-        return {"input_tokens": len(ids)}
 
-    @app.post("/v1/messages")
-    async def messages(request: Request, body: MessagesRequest):
-        refused = unsupported_thread(body.thread)
-        if refused is not None:
-            return refused
-        got, err = await guarded(request, body)
-        if err is not None:
-            return err
-        (handles, names) = got
-        h = handles[0]
-        metrics.requests += 1
-        mid = f"msg_{uuid.uuid4().hex[:24]}"
-        inside = in_reasoning(h.prompt_token_ids)
-        one_call = bool((body.tool_choice or {}).get("disable_parallel_tool_use"))
-        if body.stream:
-            return EventStream(_events(request, h, mid, names, inside, one_call,
-                                             app.state.shown_model(body.model)),
-                                     media_type="text/event-stream",
-                                     background=BackgroundTask(lambda: h.done or h.cancel()))
-        try:
-            outs = await app.state.results(request, [h])  # None: the client left
-        except Exception as e:
-            from fx_engine.server.app import failure
+async def _guarded(ctx: ServerContext, request: Request, body: Any):
+    try:
+        return await _submit(ctx, request, body), None
+    except QueueFull as e:
+        return None, anthropic_error(429, str(e), {"Retry-After": "1"})
+    except EngineClosed as e:
+        return None, anthropic_error(503, str(e))
+    except ValueError as e:
+        return None, anthropic_error(400, str(e))
+    except Exception as e:  # a template that cannot render these messages
+        return None, anthropic_error(400, f"messages: the chat template failed: {e}")
 
-            return anthropic_error(*failure(e)[:2])
-        finally:
-            if not h.done:
-                h.cancel()
-        if outs is None:
-            return anthropic_error(499, "client disconnected")
-        out = outs[0]
-        metrics.observe(out)
-        reasoning, text = split_reasoning(think_fmt, out.text, inside)
-        content, calls = parse_tool_calls(text, names) if names is not None else (text, [])
-        if one_call:
-            calls = calls[:1]
-        stop_reason, stop_seq = _stop(out.finish_reason, out.stop_string, bool(calls))
-        return {"id": mid, "type": "message", "role": "assistant", "model": app.state.shown_model(body.model),
-                "content": _blocks(reasoning, content, calls), "stop_reason": stop_reason,
-                "stop_sequence": stop_seq,
-                "usage": _usage(out.usage.prompt_tokens, out.usage.cached_tokens,
-                                out.usage.completion_tokens)}
 
-    async def _events(request: Request, h: Any, mid: str, names: set[str] | None, inside: bool,
-                      one_call: bool = False, shown: str = model_id):
-        """Anthropic's event stream: message_start, per block content_block_start / deltas
-        / content_block_stop, message_delta (stop_reason, usage), message_stop."""
-        think = ReasoningStream(think_fmt, inside)
-        tools = ToolCallStream(names, 1 if one_call else None) if names is not None else None
-        block = {"index": -1, "type": None}
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, ctx: Ctx):
+    try:
+        ids = await run_in_threadpool(_prompt_of, ctx, body, {})
+    except Exception as e:
+        return anthropic_error(400, str(e))
+    return {"input_tokens": len(ids)}
 
-        def open_block(kind: str, extra: dict[str, Any]) -> list[str]:
-            out = []
-            if block["type"] is not None:
-                out.append(_sse("content_block_stop", {"type": "content_block_stop",
-                                                       "index": block["index"]}))
-            block["index"] += 1
-            block["type"] = kind
-            out.append(_sse("content_block_start", {"type": "content_block_start",
-                                                    "index": block["index"],
-                                                    "content_block": {"type": kind, **extra}}))
-            return out
 
-        def piece(kind: str, text: str) -> list[str]:
-            if not text:
-                return []
-            out = []
-            if block["type"] != kind:
-                out += open_block(kind, {"thinking": "", "signature": ""} if kind == "thinking"
-                                  else {"text": ""})
-            key, dtype = ("thinking", "thinking_delta") if kind == "thinking" else ("text", "text_delta")
-            out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": block["index"],
-                                                    "delta": {"type": dtype, key: text}}))
-            return out
+@router.post("/v1/messages")
+async def messages(request: Request, body: MessagesRequest, ctx: Ctx):
+    refused = unsupported_thread(body.thread)
+    if refused is not None:
+        return refused
+    got, err = await _guarded(ctx, request, body)
+    if err is not None:
+        return err
+    (handles, names) = got
+    h = handles[0]
+    ctx.metrics.requests += 1
+    mid = f"msg_{uuid.uuid4().hex[:24]}"
+    inside = ctx.in_reasoning(h.prompt_token_ids)
+    one_call = bool((body.tool_choice or {}).get("disable_parallel_tool_use"))
+    if body.stream:
+        return EventStream(_events(ctx, request, h, mid, names, inside, one_call,
+                                   ctx.shown_model(body.model)),
+                           media_type="text/event-stream",
+                           background=BackgroundTask(lambda: h.done or h.cancel()))
+    try:
+        outs = await results(request, [h])  # None: the client left
+    except Exception as e:
+        return anthropic_error(*failure(e)[:2])
+    finally:
+        if not h.done:
+            h.cancel()
+    if outs is None:
+        return anthropic_error(499, "client disconnected")
+    out = outs[0]
+    ctx.metrics.observe(out)
+    reasoning, text = split_reasoning(ctx.think_fmt, out.text, inside)
+    content, calls = parse_tool_calls(text, names) if names is not None else (text, [])
+    if one_call:
+        calls = calls[:1]
+    stop_reason, stop_seq = _stop(out.finish_reason, out.stop_string, bool(calls))
+    return {"id": mid, "type": "message", "role": "assistant", "model": ctx.shown_model(body.model),
+            "content": _blocks(reasoning, content, calls), "stop_reason": stop_reason,
+            "stop_sequence": stop_seq,
+            "usage": _usage(out.usage.prompt_tokens, out.usage.cached_tokens,
+                            out.usage.completion_tokens)}
 
-        try:
-            # message_start waits for the first token: the request is admitted by then, so
-            # its usage can say how much of the prompt the prefix cache held
-            started = _Started(h)
-            await started.start()
-            yield _sse("message_start", {"type": "message_start", "message": {
-                "id": mid, "type": "message", "role": "assistant", "model": shown, "content": [],
-                "stop_reason": None, "stop_sequence": None,
-                "usage": _usage(len(h.prompt_token_ids), h.cached_tokens, 0)}})
-            final, calls, ended = None, [], False
-            async for part in reply_parts(request, started, think, tools):
-                if part[0] == "end":
-                    _, final, calls = part
-                    ended = True
-                elif part[0] == "call":  # a tool_use block, its input streamed as written
-                    for line in open_block("tool_use", {"id": "toolu_" + part[2].removeprefix("call_"),
-                                                        "name": part[3], "input": {}}):
-                        yield line
-                elif part[0] == "args":
-                    yield _sse("content_block_delta", {"type": "content_block_delta", "index": block["index"],
-                                                       "delta": {"type": "input_json_delta", "partial_json": part[2]}})
-                else:
-                    for line in piece("thinking" if part[0] == "reasoning" else "text", part[1]):
-                        yield line
-            if not ended:
-                return  # the client went away
-            if block["type"] is not None:
-                yield _sse("content_block_stop", {"type": "content_block_stop", "index": block["index"]})
-            usage = final.usage if final is not None else None
-            stop_reason, stop_seq = _stop(final.finish_reason if final is not None else "stop",
-                                          getattr(final, "stop_string", None), bool(calls))
-            yield _sse("message_delta", {"type": "message_delta",
-                                         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_seq},
-                                         "usage": _usage(len(h.prompt_token_ids), h.cached_tokens,
-                                                         usage.completion_tokens if usage else 0)})
-            yield _sse("message_stop", {"type": "message_stop"})
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            from fx_engine.server.app import failure
 
-            status, msg, _ = failure(e)
-            yield _sse("error", {"type": "error", "error": {
-                "type": _KINDS.get(status, "api_error"), "message": msg}})
-        finally:
-            if not h.done:
-                h.cancel()
+async def _events(ctx: ServerContext, request: Request, h: Any, mid: str, names: set[str] | None,
+                  inside: bool, one_call: bool, shown: str):
+    """Anthropic's event stream: message_start, per block content_block_start / deltas
+    / content_block_stop, message_delta (stop_reason, usage), message_stop."""
+    think = ReasoningStream(ctx.think_fmt, inside)
+    tools = ToolCallStream(names, 1 if one_call else None) if names is not None else None
+    block = {"index": -1, "type": None}
+
+    def open_block(kind: str, extra: dict[str, Any]) -> list[str]:
+        out = []
+        if block["type"] is not None:
+            out.append(_sse("content_block_stop", {"type": "content_block_stop",
+                                                   "index": block["index"]}))
+        block["index"] += 1
+        block["type"] = kind
+        out.append(_sse("content_block_start", {"type": "content_block_start",
+                                                "index": block["index"],
+                                                "content_block": {"type": kind, **extra}}))
+        return out
+
+    def piece(kind: str, text: str) -> list[str]:
+        if not text:
+            return []
+        out = []
+        if block["type"] != kind:
+            out += open_block(kind, {"thinking": "", "signature": ""} if kind == "thinking"
+                              else {"text": ""})
+        key, dtype = ("thinking", "thinking_delta") if kind == "thinking" else ("text", "text_delta")
+        out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": block["index"],
+                                                "delta": {"type": dtype, key: text}}))
+        return out
+
+    try:
+        # message_start waits for the first token: the request is admitted by then, so
+        # its usage can say how much of the prompt the prefix cache held
+        started = _Started(h)
+        await started.start()
+        yield _sse("message_start", {"type": "message_start", "message": {
+            "id": mid, "type": "message", "role": "assistant", "model": shown, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": _usage(len(h.prompt_token_ids), h.cached_tokens, 0)}})
+        final, calls, ended = None, [], False
+        async for part in reply_parts(request, started, think, tools):
+            if part[0] == "end":
+                _, final, calls = part
+                ended = True
+            elif part[0] == "call":  # a tool_use block, its input streamed as written
+                for line in open_block("tool_use", {"id": "toolu_" + part[2].removeprefix("call_"),
+                                                    "name": part[3], "input": {}}):
+                    yield line
+            elif part[0] == "args":
+                yield _sse("content_block_delta", {"type": "content_block_delta", "index": block["index"],
+                                                   "delta": {"type": "input_json_delta", "partial_json": part[2]}})
+            else:
+                for line in piece("thinking" if part[0] == "reasoning" else "text", part[1]):
+                    yield line
+        if not ended:
+            return  # the client went away
+        if block["type"] is not None:
+            yield _sse("content_block_stop", {"type": "content_block_stop", "index": block["index"]})
+        usage = final.usage if final is not None else None
+        stop_reason, stop_seq = _stop(final.finish_reason if final is not None else "stop",
+                                      getattr(final, "stop_string", None), bool(calls))
+        yield _sse("message_delta", {"type": "message_delta",
+                                     "delta": {"stop_reason": stop_reason, "stop_sequence": stop_seq},
+                                     "usage": _usage(len(h.prompt_token_ids), h.cached_tokens,
+                                                     usage.completion_tokens if usage else 0)})
+        yield _sse("message_stop", {"type": "message_stop"})
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        status, msg, _ = failure(e)
+        yield _sse("error", {"type": "error", "error": {
+            "type": _KINDS.get(status, "api_error"), "message": msg}})
+    finally:
+        if not h.done:
+            h.cancel()
 

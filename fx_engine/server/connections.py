@@ -14,13 +14,13 @@ protocol here (uvicorn's h11 protocol, extended) adds:
 * **A connection limit** (`max_connections`, default 512): a connection beyond it gets a
   503 (JSON, `Retry-After`) to its request and is closed; `/health` is answered anyway (a
   load balancer's probe must not see a full server as a dead one). The request body's own
-  deadline is server/app.py's (`body_timeout`, 30 s: a 408), on any server.
+  deadline is server/gate.py's (`body_timeout`, 30 s: a 408), on any server.
 * **What a client has not read, seen from the server** (`ConnectionSocket`, in the ASGI
   scope as `scope["extensions"]["fx.socket"]`): the bytes written to the connection and
   not yet acknowledged by the client's TCP stack (the server's transport buffer plus the
   kernel's send queue). Kernel socket buffers hold megabytes: without this, a client that
   never reads looks, to `send`, like one that reads everything. The streaming routes cut
-  off a client whose unread bytes grow while it reads nothing (server/app.py `_stream`).
+  off a client whose unread bytes grow while it reads nothing (server/gate.py `_Gate`).
   What the client's own receive buffer holds (acknowledged, not yet read by the client
   program) cannot be seen by the server: a stream is cut off only once that is full.
 """

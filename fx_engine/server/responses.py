@@ -2,7 +2,7 @@
 stream). Stateless: nothing is stored, so a conversation is sent whole in `input` (a
 `previous_response_id`, `conversation`, `background` or `store: true` is a 400 that says so).
 
-A request becomes the chat the other routes build (`app.state.chat_prompt`):
+A request becomes the chat the other routes build (context.py's `chat_prompt`):
 * `instructions` -> a system message; `input` a string (one user message) or items:
   messages (`role` user/assistant/system/developer, content a string or input_text /
   output_text parts), `function_call` items (earlier calls) and `function_call_output`
@@ -27,22 +27,24 @@ The output items: a `reasoning` item (the thinking, as reasoning_text), a `messa
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 import uuid
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from pydantic import Field
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from fx_engine.engine.engine import EngineClosed, QueueFull
-from fx_engine.server.app import EventStream, _Body, _error, failure
+from fx_engine.server.context import Ctx, ServerContext
+from fx_engine.server.protocol import EventStream, _Body, _error, failure, request_salt, results, sse
 from fx_engine.server.reasoning import ReasoningStream, template_switches
 from fx_engine.server.reasoning import split as split_reasoning
 from fx_engine.server.tools import ToolCallStream, parse_tool_calls, reply_parts
+
+router = APIRouter()
 
 
 class ResponsesRequest(_Body):
@@ -244,268 +246,270 @@ def _format_constraint(text: dict[str, Any] | None) -> Any:
     raise ValueError(f"text.format.type: must be text, json_object or json_schema, got {fmt.get('type')!r}")
 
 
-def install(app: FastAPI, engine: Any, model_id: str, defaults: dict[str, Any], salt: Any,
-            think_fmt: str | None, in_reasoning: Any, metrics: Any) -> None:
-    """Add POST /v1/responses to `app` (create_app calls this)."""
+def _work(ctx: ServerContext, request: Request, body: ResponsesRequest) -> list[Any]:
+    defaults = ctx.defaults
+    kw: dict[str, Any] = {"max_tokens": body.max_output_tokens or defaults.get("max_tokens", 512)}
+    if body.logprobs:  # the engine reports the chosen token with >= 1 alternative
+        kw["logprobs"] = max(1, body.top_logprobs or 0)
+    for name, value in (("temperature", body.temperature), ("top_p", body.top_p)):
+        value = defaults.get(name) if value is None else value
+        if value is not None:
+            kw[name] = value
+    for name in ("draft_model", "num_draft_tokens", "prompt_lookup"):
+        if defaults.get(name) is not None:
+            kw[name] = defaults[name]
+    constraint = _format_constraint(body.text)
+    if constraint is not None:
+        kw["constraint"] = constraint
+    extra = sorted(set(body.reasoning or {}) - {"effort", "summary"})
+    if extra:
+        raise ValueError(f"reasoning.{extra[0]}: unknown field")
+    effort = (body.reasoning or {}).get("effort")
+    if (body.reasoning or {}).get("summary") not in (None, "auto", "concise", "detailed"):
+        raise ValueError("reasoning.summary: must be auto, concise or detailed")
+    if effort not in (None, "none", "minimal", "low", "medium", "high"):
+        raise ValueError(f"reasoning.effort: must be none, minimal, low, medium or high, got {effort!r}")
+    bad = sorted(set(body.stream_options or {}) - {"include_obfuscation"})
+    if bad:
+        raise ValueError(f"stream_options.{bad[0]}: unknown field")
+    targs = template_switches(ctx.template, effort, "reasoning.effort")
 
-    def work(request: Request, body: ResponsesRequest) -> list[Any]:
-        kw: dict[str, Any] = {"max_tokens": body.max_output_tokens or defaults.get("max_tokens", 512)}
-        if body.logprobs:  # the engine reports the chosen token with >= 1 alternative
-            kw["logprobs"] = max(1, body.top_logprobs or 0)
-        for name, value in (("temperature", body.temperature), ("top_p", body.top_p)):
-            value = defaults.get(name) if value is None else value
-            if value is not None:
-                kw[name] = value
-        for name in ("draft_model", "num_draft_tokens", "prompt_lookup"):
-            if defaults.get(name) is not None:
-                kw[name] = defaults[name]
-        constraint = _format_constraint(body.text)
-        if constraint is not None:
-            kw["constraint"] = constraint
-        extra = sorted(set(body.reasoning or {}) - {"effort", "summary"})
-        if extra:
-            raise ValueError(f"reasoning.{extra[0]}: unknown field")
-        effort = (body.reasoning or {}).get("effort")
-        if (body.reasoning or {}).get("summary") not in (None, "auto", "concise", "detailed"):
-            raise ValueError("reasoning.summary: must be auto, concise or detailed")
-        if effort not in (None, "none", "minimal", "low", "medium", "high"):
-            raise ValueError(f"reasoning.effort: must be none, minimal, low, medium or high, got {effort!r}")
-        bad = sorted(set(body.stream_options or {}) - {"include_obfuscation"})
-        if bad:
-            raise ValueError(f"stream_options.{bad[0]}: unknown field")
-        targs = template_switches(app.state.chat_template, effort, "reasoning.effort")
+    def prompt(items: Any) -> list[int]:
+        msgs, tools, choice = to_chat(body.model_copy(update={"input": items}))
+        return ctx.chat_prompt(msgs, tools, choice, body.parallel_tool_calls, targs, dict(kw))
 
-        def prompt(items: Any) -> list[int]:
-            msgs, tools, choice = to_chat(body.model_copy(update={"input": items}))
-            return app.state.chat_prompt(msgs, tools, choice, body.parallel_tool_calls, targs, dict(kw))
+    if body.truncation == "auto" and isinstance(body.input, list):
+        context = ctx.model.config.max_position_embeddings + 1
 
-        if body.truncation == "auto" and isinstance(body.input, list):
-            context = engine.model.config.max_position_embeddings + 1
+        def fits(items: list[dict[str, Any]]) -> bool:
+            try:
+                return len(prompt(items)) + kw["max_tokens"] <= context
+            except ValueError:  # e.g. text that cannot fit the context at all
+                return False
 
-            def fits(items: list[dict[str, Any]]) -> bool:
-                try:
-                    return len(prompt(items)) + kw["max_tokens"] <= context
-                except ValueError:  # e.g. text that cannot fit the context at all
-                    return False
+        body = body.model_copy(update={"input": _truncated(body.input, fits)})
+    msgs, tools, choice = to_chat(body)
+    ids = ctx.chat_prompt(msgs, tools, choice, body.parallel_tool_calls, targs, kw)
+    kw["cache_salt"] = request_salt(request, None)  # the tenant's scope
+    kw["adapter"] = ctx.adapter_of(body.model)
+    return ctx.engine.submit_many(ids, [kw])
 
-            body = body.model_copy(update={"input": _truncated(body.input, fits)})
-        msgs, tools, choice = to_chat(body)
-        ids = app.state.chat_prompt(msgs, tools, choice, body.parallel_tool_calls, targs, kw)
-        kw["cache_salt"] = salt(request)
-        kw["adapter"] = app.state.adapter_of(body.model)
-        return engine.submit_many(ids, [kw])
 
-    @app.post("/v1/responses")
-    async def responses(request: Request, body: ResponsesRequest):
-        bad = app.state.unknown_model(body.model)
-        if bad is not None:
-            return bad
-        try:
-            [h] = await run_in_threadpool(work, request, body)
-        except QueueFull as e:
-            return _error(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"})
-        except EngineClosed as e:
-            return _error(503, str(e), kind="server_error")
-        except ValueError as e:
-            msg = str(e)
-            return _error(400, msg, msg.split(":")[0].split(" ")[0])
-        except Exception as e:
-            return _error(400, f"input: the chat template failed: {e}", "input")
-        metrics.requests += 1
-        names = {t["name"] for t in body.tools} if body.tools and body.tool_choice != "none" else None
-        rid = f"resp_{uuid.uuid4().hex[:24]}"
-        base = {"id": rid, "object": "response", "created_at": int(time.time()), "model": app.state.shown_model(body.model),
-                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-                "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
-                "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
-                "tool_choice": body.tool_choice or "auto", "text": body.text or {"format": {"type": "text"}},
-                "reasoning": body.reasoning, "store": False, "truncation": body.truncation or "disabled",
-                "error": None, "top_logprobs": body.top_logprobs, "max_tool_calls": body.max_tool_calls,
-                "user": body.user, "previous_response_id": None}
-        inside = in_reasoning(h.prompt_token_ids)
-        if body.stream:
-            return EventStream(_events(request, h, base, names, inside, body.parallel_tool_calls,
-                                             body.stream_options, _summarize(body), body.call_limit,
-                                             (body.top_logprobs or 0) if body.logprobs else None),
-                                     media_type="text/event-stream",
-                                     background=BackgroundTask(lambda: h.done or h.cancel()))
-        try:
-            outs = await app.state.results(request, [h])  # None: the client left
-        except Exception as e:
-            status, msg, param = failure(e)
-            return _error(status, msg, param, kind="server_error" if status >= 500 else
-                          "invalid_request_error")
-        finally:
-            if not h.done:
-                h.cancel()
-        if outs is None:
-            return _error(499, "client disconnected", kind="cancelled")
-        out = outs[0]
-        metrics.observe(out)
-        reasoning, text = split_reasoning(think_fmt, out.text, inside)
-        content, calls = parse_tool_calls(text, names) if names is not None else (text, [])
-        if body.call_limit is not None:
-            calls = calls[: body.call_limit]
-        items = _items(reasoning, content, calls, _summarize(body))
-        if body.logprobs:
-            for item in items:
-                if item["type"] == "message":
-                    item["content"][0]["logprobs"] = _text_logprobs(out.logprobs, out.text, content,
-                                                                    body.top_logprobs or 0)
-        return _final(base, items, out.finish_reason, out.usage)
+@router.post("/v1/responses")
+async def responses(request: Request, body: ResponsesRequest, ctx: Ctx):
+    bad = ctx.unknown_model(body.model)
+    if bad is not None:
+        return bad
+    try:
+        [h] = await run_in_threadpool(_work, ctx, request, body)
+    except QueueFull as e:
+        return _error(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"})
+    except EngineClosed as e:
+        return _error(503, str(e), kind="server_error")
+    except ValueError as e:
+        msg = str(e)
+        return _error(400, msg, msg.split(":")[0].split(" ")[0])
+    except Exception as e:
+        return _error(400, f"input: the chat template failed: {e}", "input")
+    ctx.metrics.requests += 1
+    names = {t["name"] for t in body.tools} if body.tools and body.tool_choice != "none" else None
+    rid = f"resp_{uuid.uuid4().hex[:24]}"
+    base = {"id": rid, "object": "response", "created_at": int(time.time()), "model": ctx.shown_model(body.model),
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
+            "tool_choice": body.tool_choice or "auto", "text": body.text or {"format": {"type": "text"}},
+            "reasoning": body.reasoning, "store": False, "truncation": body.truncation or "disabled",
+            "error": None, "top_logprobs": body.top_logprobs, "max_tool_calls": body.max_tool_calls,
+            "user": body.user, "previous_response_id": None}
+    inside = ctx.in_reasoning(h.prompt_token_ids)
+    if body.stream:
+        return EventStream(_events(ctx, request, h, base, names, inside, body.stream_options,
+                                   _summarize(body), body.call_limit,
+                                   (body.top_logprobs or 0) if body.logprobs else None),
+                           media_type="text/event-stream",
+                           background=BackgroundTask(lambda: h.done or h.cancel()))
+    try:
+        outs = await results(request, [h])  # None: the client left
+    except Exception as e:
+        status, msg, param = failure(e)
+        return _error(status, msg, param, kind="server_error" if status >= 500 else
+                      "invalid_request_error")
+    finally:
+        if not h.done:
+            h.cancel()
+    if outs is None:
+        return _error(499, "client disconnected", kind="cancelled")
+    out = outs[0]
+    ctx.metrics.observe(out)
+    reasoning, text = split_reasoning(ctx.think_fmt, out.text, inside)
+    content, calls = parse_tool_calls(text, names) if names is not None else (text, [])
+    if body.call_limit is not None:
+        calls = calls[: body.call_limit]
+    items = _items(reasoning, content, calls, _summarize(body))
+    if body.logprobs:
+        for item in items:
+            if item["type"] == "message":
+                item["content"][0]["logprobs"] = _text_logprobs(out.logprobs, out.text, content,
+                                                                body.top_logprobs or 0)
+    return _final(base, items, out.finish_reason, out.usage)
 
-    def _summarize(body: ResponsesRequest) -> bool:
-        """reasoning.summary asked for: the reasoning item's summary carries the thinking
-        itself (the models served here write no separate summary)."""
-        return (body.reasoning or {}).get("summary") is not None
 
-    def _items(reasoning: str, text: str, calls: list[dict[str, Any]], summarize: bool) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = []
-        if reasoning:
-            items.append(_reasoning_item(reasoning, summarize))
-        if text.strip() or not (calls or reasoning):
-            items.append(_message_item(text))
-        items += [_call_item(c) for c in calls]
-        return items
+def _summarize(body: ResponsesRequest) -> bool:
+    """reasoning.summary asked for: the reasoning item's summary carries the thinking
+    itself (the models served here write no separate summary)."""
+    return (body.reasoning or {}).get("summary") is not None
 
-    def _final(base: dict[str, Any], items: list[dict[str, Any]], reason: str, usage: Any) -> dict[str, Any]:
-        done = reason != "length"
-        return {**base, "status": "completed" if done else "incomplete",
-                "incomplete_details": None if done else {"reason": "max_output_tokens"},
-                "output": items, "usage": {
-                    "input_tokens": usage.prompt_tokens,
-                    "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-                    "output_tokens": usage.completion_tokens,
-                    "output_tokens_details": {"reasoning_tokens": 0},
-                    "total_tokens": usage.prompt_tokens + usage.completion_tokens}}
 
-    async def _events(request: Request, h: Any, base: dict[str, Any], names: set[str] | None,
-                      inside: bool, parallel: bool | None, body_stream_options: Any = None,
-                      summarize: bool = False, call_limit: int | None = None, lp_top: int | None = None):
-        """The typed event stream: response.created / in_progress, per output item
-        output_item.added, content deltas (reasoning_text / output_text / function call
-        arguments), output_item.done, then response.completed with the whole response.
-        lp_top (None: no logprobs): alternatives per token in the message's logprobs; each
-        output_text delta carries the records of the tokens since the previous one."""
-        seq = [0]
-        pad = bool((body_stream_options or {}).get("include_obfuscation"))
+def _items(reasoning: str, text: str, calls: list[dict[str, Any]], summarize: bool) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    if reasoning:
+        items.append(_reasoning_item(reasoning, summarize))
+    if text.strip() or not (calls or reasoning):
+        items.append(_message_item(text))
+    items += [_call_item(c) for c in calls]
+    return items
 
-        def ev(kind: str, **data: Any) -> str:
-            seq[0] += 1
-            if pad and "delta" in data:  # OpenAI's padding, so that sizes do not reveal deltas
-                data["obfuscation"] = secrets.token_urlsafe(12)[: 16 - min(len(str(data["delta"])), 15)]
-            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0], **data})}\n\n"
 
-        think = ReasoningStream(think_fmt, inside)
-        tools = ToolCallStream(names, call_limit) if names is not None else None
-        tap, taken = _Tap(h), [0]  # the logprob records seen, and how many were sent
-        items: list[dict[str, Any]] = []
-        open_kind: list[str | None] = [None]
+def _final(base: dict[str, Any], items: list[dict[str, Any]], reason: str, usage: Any) -> dict[str, Any]:
+    done = reason != "length"
+    return {**base, "status": "completed" if done else "incomplete",
+            "incomplete_details": None if done else {"reason": "max_output_tokens"},
+            "output": items, "usage": {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+                "output_tokens": usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens}}
 
-        def close() -> list[str]:
-            if open_kind[0] is None:
-                return []
-            item, idx = items[-1], len(items) - 1
-            out = []
-            if open_kind[0] == "message":
-                part = item["content"][0]
-                if lp_top is not None:
-                    whole = "".join(lp.token for lp in tap.seen)
-                    part["logprobs"] = _text_logprobs(tap.seen, whole, part["text"], lp_top)
-                out += [ev("response.output_text.done", item_id=item["id"], output_index=idx,
-                           content_index=0, text=part["text"], logprobs=part.get("logprobs", [])),
-                        ev("response.content_part.done", item_id=item["id"], output_index=idx,
-                           content_index=0, part=part)]
-            elif open_kind[0] == "function_call":
-                out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                              arguments=item["arguments"], name=item["name"]))
-            else:
-                part = item["content"][0]
-                if summarize:
-                    item["summary"] = [{"type": "summary_text", "text": part["text"]}]
-                out += [ev("response.reasoning_text.done", item_id=item["id"], output_index=idx,
-                           content_index=0, text=part["text"]),
-                        ev("response.content_part.done", item_id=item["id"], output_index=idx,
-                           content_index=0, part=part)]
-            item["status"] = "completed"
-            out.append(ev("response.output_item.done", output_index=idx, item=item))
-            open_kind[0] = None
-            return out
 
-        def piece(kind: str, text: str) -> list[str]:
-            if not text:
-                return []
-            out = []
-            if open_kind[0] != kind:
-                out += close()
-                item = _reasoning_item("") if kind == "reasoning" else _message_item("")
-                item["status"] = "in_progress"
-                items.append(item)
-                idx = len(items) - 1
-                out.append(ev("response.output_item.added", output_index=idx,
-                              item={**item, "content": []}))
-                out.append(ev("response.content_part.added", item_id=item["id"], output_index=idx,
-                              content_index=0, part=dict(item["content"][0])))
-                open_kind[0] = kind
-            item, idx = items[-1], len(items) - 1
-            item["content"][0]["text"] += text
-            name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-            extra = {"logprobs": []} if kind == "message" else {}
+async def _events(ctx: ServerContext, request: Request, h: Any, base: dict[str, Any],
+                  names: set[str] | None, inside: bool, body_stream_options: Any = None,
+                  summarize: bool = False, call_limit: int | None = None, lp_top: int | None = None):
+    """The typed event stream: response.created / in_progress, per output item
+    output_item.added, content deltas (reasoning_text / output_text / function call
+    arguments), output_item.done, then response.completed with the whole response.
+    lp_top (None: no logprobs): alternatives per token in the message's logprobs; each
+    output_text delta carries the records of the tokens since the previous one."""
+    seq = [0]
+    pad = bool((body_stream_options or {}).get("include_obfuscation"))
+
+    def ev(kind: str, **data: Any) -> str:
+        seq[0] += 1
+        if pad and "delta" in data:  # OpenAI's padding, so that sizes do not reveal deltas
+            data["obfuscation"] = secrets.token_urlsafe(12)[: 16 - min(len(str(data["delta"])), 15)]
+        return sse({'type': kind, 'sequence_number': seq[0], **data}, kind)
+
+    think = ReasoningStream(ctx.think_fmt, inside)
+    tools = ToolCallStream(names, call_limit) if names is not None else None
+    tap, taken = _Tap(h), [0]  # the logprob records seen, and how many were sent
+    items: list[dict[str, Any]] = []
+    open_kind: list[str | None] = [None]
+
+    def close() -> list[str]:
+        if open_kind[0] is None:
+            return []
+        item, idx = items[-1], len(items) - 1
+        out = []
+        if open_kind[0] == "message":
+            part = item["content"][0]
             if lp_top is not None:
-                if kind == "message":
-                    extra["logprobs"] = [_logprob_record(lp, lp_top) for lp in tap.seen[taken[0]:]]
-                taken[0] = len(tap.seen)
-            out.append(ev(name, item_id=item["id"], output_index=idx, content_index=0, delta=text, **extra))
-            return out
+                whole = "".join(lp.token for lp in tap.seen)
+                part["logprobs"] = _text_logprobs(tap.seen, whole, part["text"], lp_top)
+            out += [ev("response.output_text.done", item_id=item["id"], output_index=idx,
+                       content_index=0, text=part["text"], logprobs=part.get("logprobs", [])),
+                    ev("response.content_part.done", item_id=item["id"], output_index=idx,
+                       content_index=0, part=part)]
+        elif open_kind[0] == "function_call":
+            out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                          arguments=item["arguments"], name=item["name"]))
+        else:
+            part = item["content"][0]
+            if summarize:
+                item["summary"] = [{"type": "summary_text", "text": part["text"]}]
+            out += [ev("response.reasoning_text.done", item_id=item["id"], output_index=idx,
+                       content_index=0, text=part["text"]),
+                    ev("response.content_part.done", item_id=item["id"], output_index=idx,
+                       content_index=0, part=part)]
+        item["status"] = "completed"
+        out.append(ev("response.output_item.done", output_index=idx, item=item))
+        open_kind[0] = None
+        return out
 
-        def call_piece(part: tuple) -> list[str]:
-            """("call", index, id, name) opens a function_call item; ("args", index, text)
-            adds to its arguments."""
-            out = []
-            if part[0] == "call":
-                out += close()
-                item = _call_item({"id": part[2], "function": {"name": part[3], "arguments": ""}})
-                item["status"] = "in_progress"
-                items.append(item)
-                out.append(ev("response.output_item.added", output_index=len(items) - 1, item=dict(item)))
-                open_kind[0] = "function_call"
-            else:
-                item = items[-1]
-                item["arguments"] += part[2]
-                out.append(ev("response.function_call_arguments.delta", item_id=item["id"],
-                              output_index=len(items) - 1, delta=part[2]))
-            return out
+    def piece(kind: str, text: str) -> list[str]:
+        if not text:
+            return []
+        out = []
+        if open_kind[0] != kind:
+            out += close()
+            item = _reasoning_item("") if kind == "reasoning" else _message_item("")
+            item["status"] = "in_progress"
+            items.append(item)
+            idx = len(items) - 1
+            out.append(ev("response.output_item.added", output_index=idx,
+                          item={**item, "content": []}))
+            out.append(ev("response.content_part.added", item_id=item["id"], output_index=idx,
+                          content_index=0, part=dict(item["content"][0])))
+            open_kind[0] = kind
+        item, idx = items[-1], len(items) - 1
+        item["content"][0]["text"] += text
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        if lp_top is not None:
+            if kind == "message":
+                extra["logprobs"] = [_logprob_record(lp, lp_top) for lp in tap.seen[taken[0]:]]
+            taken[0] = len(tap.seen)
+        out.append(ev(name, item_id=item["id"], output_index=idx, content_index=0, delta=text, **extra))
+        return out
 
-        yield ev("response.created", response={**base, "status": "in_progress", "output": [],
+    def call_piece(part: tuple) -> list[str]:
+        """("call", index, id, name) opens a function_call item; ("args", index, text)
+        adds to its arguments."""
+        out = []
+        if part[0] == "call":
+            out += close()
+            item = _call_item({"id": part[2], "function": {"name": part[3], "arguments": ""}})
+            item["status"] = "in_progress"
+            items.append(item)
+            out.append(ev("response.output_item.added", output_index=len(items) - 1, item=dict(item)))
+            open_kind[0] = "function_call"
+        else:
+            item = items[-1]
+            item["arguments"] += part[2]
+            out.append(ev("response.function_call_arguments.delta", item_id=item["id"],
+                          output_index=len(items) - 1, delta=part[2]))
+        return out
+
+    yield ev("response.created", response={**base, "status": "in_progress", "output": [],
+                                            "usage": None, "incomplete_details": None})
+    yield ev("response.in_progress", response={**base, "status": "in_progress", "output": [],
                                                 "usage": None, "incomplete_details": None})
-        yield ev("response.in_progress", response={**base, "status": "in_progress", "output": [],
-                                                    "usage": None, "incomplete_details": None})
-        try:
-            final, calls, ended = None, [], False
-            async for part in reply_parts(request, tap, think, tools):
-                if part[0] == "end":
-                    _, final, calls = part
-                    ended = True
-                elif part[0] in ("call", "args"):  # function calls, arguments streamed as written
-                    for line in call_piece(part):
-                        yield line
-                else:
-                    for line in piece("reasoning" if part[0] == "reasoning" else "message", part[1]):
-                        yield line
-            if not ended:
-                return  # the client went away
-            for line in close():
-                yield line
-            whole = _final(base, items, final.finish_reason if final is not None else "stop", final.usage)
-            yield ev("response.completed" if whole["status"] == "completed" else "response.incomplete",
-                     response=whole)
-        except Exception as e:
-            status, msg, param = failure(e)
-            yield ev("error", code="server_error" if status >= 500 else "invalid_request_error",
-                     message=msg, param=param)
-        finally:
-            if not h.done:
-                h.cancel()
+    try:
+        final, calls, ended = None, [], False
+        async for part in reply_parts(request, tap, think, tools):
+            if part[0] == "end":
+                _, final, calls = part
+                ended = True
+            elif part[0] in ("call", "args"):  # function calls, arguments streamed as written
+                for line in call_piece(part):
+                    yield line
+            else:
+                for line in piece("reasoning" if part[0] == "reasoning" else "message", part[1]):
+                    yield line
+        if not ended:
+            return  # the client went away
+        for line in close():
+            yield line
+        whole = _final(base, items, final.finish_reason if final is not None else "stop", final.usage)
+        yield ev("response.completed" if whole["status"] == "completed" else "response.incomplete",
+                 response=whole)
+    except Exception as e:
+        status, msg, param = failure(e)
+        yield ev("error", code="server_error" if status >= 500 else "invalid_request_error",
+                 message=msg, param=param)
+    finally:
+        if not h.done:
+            h.cancel()
 
 
 def _message_item(text: str) -> dict[str, Any]:

@@ -18,12 +18,15 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
-from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear, renamed
-from fx_engine.core.config import BaseConfig, ConfigError, positive_int, required, token_ids
-from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
-from fx_engine.core.nn import Linear, Numerics, apply_rope, embed, layer_norm, linear, rope_tables, swiglu_fused
-from fx_engine.core.parallel import shard_decoder
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, attend_entry, write_entry
+from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, renamed
+from fx_engine.core.config import (BaseConfig, ConfigError, gguf_hf_config, gguf_value, positive_int, required,
+                                   token_ids)
+from fx_engine.core.models.blocks import Reader, rope_in, swiglu_mlp
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.skeleton import PipelineStage, cut_layers, decoder_step, stage_logits
+from fx_engine.core.nn import Linear, Numerics, apply_rope, layer_norm, linear
+from fx_engine.core.splits import shard_decoder
 from fx_engine.core.tree import static_field
 
 
@@ -102,7 +105,7 @@ class CohereParams:
     config: CohereConfig = static_field()
     numerics: Numerics = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")
-    pipeline: tuple = static_field(default=())  # a pipeline stage's (rank, ranks, first layer, all layers)
+    pipeline: PipelineStage | None = static_field(default=None)  # a stage's (core/parallel.stage_params)
 
 
 def cache_specs(cfg: CohereConfig) -> tuple[LayerSpec, ...]:
@@ -133,27 +136,23 @@ def forward(
     p: CohereParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
-    """Same contract as `fx_engine.core.models.llama.forward`."""
+    """Same contract as `skeleton.decoder_step`: per layer one LayerNorm, then attention
+    and a SwiGLU MLP in parallel on its output."""
     cfg, num = p.config, p.numerics
-    b, t = tokens.shape
-    dt = getattr(mx, p.dtype)
-    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(dt))
-    cos, sin, perm = rope_tables(geo.positions, cfg.head_dim, base=cfg.rope_theta, scale=1.0, freqs=None,
-                                 traditional=True)
-    rope = (cos.astype(dt), sin.astype(dt), perm.astype(dt))
-    entries = []
-    for lp, entry, spec, kind in zip(p.layers, cache.layers, cache.layout, cfg.layer_types):
-        x = layer_norm(h, *lp.norm, cfg.rms_norm_eps)
-        use_rope = kind == "sliding_attention" or cfg.global_rope
-        a, entry = _attention(p, lp, x, entry, spec, rope if use_rope else None, geo)
-        h = h + a + linear(swiglu_fused(linear(x, lp.gate_up, num), num), lp.down, num)
-        entries.append(entry)
-    handed = stage_output(p, h)
-    if handed is not None:  # a pipeline stage before the last
-        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
-    h = layer_norm(h, *p.norm, cfg.rms_norm_eps).reshape(b, t, -1)
-    return h, advanced(cache, entries, geo)
+
+    def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
+        rope = rope_in(geo.positions, cfg.head_dim, getattr(mx, p.dtype), base=cfg.rope_theta, traditional=True)
+        entries = []
+        for lp, entry, spec, kind in zip(p.layers, cache.layers, cache.layout, cfg.layer_types):
+            x = layer_norm(h, *lp.norm, cfg.rms_norm_eps)
+            use_rope = kind == "sliding_attention" or cfg.global_rope
+            a, entry = _attention(p, lp, x, entry, spec, rope if use_rope else None, geo)
+            h = h + a + swiglu_mlp(x, lp.gate_up, lp.down, num)
+            entries.append(entry)
+        return h, entries
+
+    return decoder_step(p, cache, tokens, n_valid, span, layers,
+                        final_norm=lambda p, h: layer_norm(h, *p.norm, p.config.rms_norm_eps))
 
 
 def hidden_to_logits(p: CohereParams, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
@@ -161,17 +160,14 @@ def hidden_to_logits(p: CohereParams, h: Float[mx.array, "*N H"]) -> Float[mx.ar
 
 
 def assemble(cfg: CohereConfig, src: TensorSource, opts: LoadOptions) -> CohereParams:
-    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    rd, dtype, where = Reader(src, opts), opts.dtype, opts.where
     h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
     bias = cfg.attention_bias
 
-    def lin(name: str, out_f: int, in_f: int, b: bool = False) -> Linear:
-        return read_linear(src, name, out_f, in_f, opts.quant_for(name), b, where)
-
-    def norm(name: str) -> tuple[mx.array, mx.array | None]:
-        b = src.get(name + ".bias", (h,), where).astype(dtype) if cfg.layer_norm_bias else None
-        return src.get(name + ".weight", (h,), where).astype(dtype), b
+    def norm(name: str) -> tuple[mx.array, mx.array | None]:  # a LayerNorm's weight and (optional) bias
+        b = rd.vec(name + ".bias", h) if cfg.layer_norm_bias else None
+        return rd.vec(name + ".weight", h), b
 
     layers = []
     for i in range(cfg.num_layers):
@@ -183,15 +179,13 @@ def assemble(cfg: CohereConfig, src: TensorSource, opts: LoadOptions) -> CohereP
                       k_norm=src.get(a + "k_norm.weight", (cfg.num_kv_heads, hd), where).astype(dtype))
         layers.append(CohereLayer(
             norm=norm(p + "input_layernorm"),
-            qkv=fuse([lin(a + n, rows, h, bias) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))],
-                     dtype, keep),
-            o=finish(lin(a + "o_proj", h, hq, bias), dtype, keep),
-            gate_up=fuse([lin(m + "gate_proj", ff, h), lin(m + "up_proj", ff, h)], dtype, keep),
-            down=finish(lin(m + "down_proj", h, ff), dtype, keep), **qk,
+            qkv=rd.fused([rd.raw(a + n, rows, h, bias) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))]),
+            o=rd.linear(a + "o_proj", h, hq, bias),
+            gate_up=rd.fused([rd.raw(m + "gate_proj", ff, h), rd.raw(m + "up_proj", ff, h)]),
+            down=rd.linear(m + "down_proj", h, ff), **qk,
         ))
-    embed_t = finish(lin("model.embed_tokens", cfg.vocab_size, h), dtype, keep, table=True)
-    return CohereParams(embed=embed_t, layers=tuple(layers), norm=norm("model.norm"), config=cfg,
-                        numerics=opts.numerics, dtype=opts.dtype_name)
+    return CohereParams(embed=rd.table("model.embed_tokens", cfg.vocab_size, h), layers=tuple(layers),
+                        norm=norm("model.norm"), config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
 
 
 def checkpoint_layout(cfg: CohereConfig) -> dict[str, TensorSpec]:
@@ -250,8 +244,6 @@ def assemble_gguf(cfg: CohereConfig, src: TensorSource, opts: LoadOptions) -> Co
 def config_from_gguf(md: dict[str, Any], source: str) -> CohereConfig:
     """From llama.cpp's command-r / cohere2 metadata; cohere2 with llama.cpp's fixed choice
     of every 4th layer global."""
-    from fx_engine.core.config import gguf_hf_config, gguf_value
-
     arch = md.get("general.architecture")
     d = gguf_hf_config(md, arch, source, "cohere" if arch == "command-r" else "cohere2", context=8192)
     d.update(layer_norm_eps=d.pop("rms_norm_eps"), logit_scale=float(gguf_value(md, arch, "logit_scale", source)))

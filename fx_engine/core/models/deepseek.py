@@ -28,13 +28,18 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_latent, write_entry
-from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, renamed, TensorSource, TensorSpec, WeightsError, dequantized, finish, fuse, fuse_experts, finish_experts, read_experts, read_linear)
-from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, gguf_grouped_experts, gguf_hf_config, gguf_value, gguf_yarn, positive_int, required, token_ids)
-from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
-from fx_engine.core.models.moe import GGUF_GROUPED_EXPERT_NAMES, grouped_route
-from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, routed_mixture, scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
-from fx_engine.core.parallel import split, split_cols, split_experts, split_mlp, split_rows, split_vocab
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, attend_latent, write_entry
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, WeightsError,
+                                      dequantized, finish_experts, fuse_experts, read_experts, read_linear, renamed)
+from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, gguf_grouped_experts, gguf_hf_config,
+                                   gguf_value, gguf_yarn, positive_int, required, token_ids)
+from fx_engine.core.models.blocks import (GGUF_GROUPED_EXPERT_NAMES, Reader, grouped_route, read_shared_expert,
+                                          swiglu_mlp)
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.skeleton import PipelineStage, cut_layers, decoder_step, stage_logits
+from fx_engine.core.nn import (Linear, Numerics, apply_rope, linear, rms_norm, rope_tables, routed_mixture,
+                               scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
+from fx_engine.core.splits import split, split_cols, split_experts, split_mlp, split_rows, split_vocab
 from fx_engine.core.tree import static_field
 
 
@@ -158,7 +163,7 @@ class DeepseekParams:
     config: DeepseekConfig = static_field()
     numerics: Numerics = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")
-    pipeline: tuple = static_field(default=())  # a pipeline stage's (rank, ranks, first layer, all layers)
+    pipeline: PipelineStage | None = static_field(default=None)  # a stage's (core/parallel.stage_params)
 
 
 def cache_specs(cfg: DeepseekConfig) -> tuple[LayerSpec, ...]:
@@ -205,13 +210,13 @@ def _attention(p: DeepseekParams, at: MLA, x: mx.array, entry: Any, spec: LayerS
 
 def _mlp(cfg: DeepseekConfig, lp: DeepseekLayer, x: mx.array, num: Numerics) -> mx.array:
     if lp.experts is None:
-        return linear(swiglu_fused(linear(x, lp.gate_up, num), num), lp.down, num)
+        return swiglu_mlp(x, lp.gate_up, lp.down, num)
     ex = lp.experts
     idx, w = grouped_route(x @ ex.router.T, ex.correction_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
                            cfg.norm_topk_prob, cfg.routed_scaling_factor)
     y = routed_mixture(x, ex.gate_up, ex.down, idx, w, lambda gu: swiglu_fused(gu, num), num)
     if ex.shared_gate_up is not None:
-        y = y + linear(swiglu_fused(linear(x, ex.shared_gate_up, num), num), ex.shared_down, num)
+        y = y + swiglu_mlp(x, ex.shared_gate_up, ex.shared_down, num)
     return y
 
 
@@ -219,31 +224,35 @@ def forward(
     p: DeepseekParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
-    """Same contract as `fx_engine.core.models.llama.forward`."""
+    """Same contract as `skeleton.decoder_step` (latent attention, routed MLPs)."""
     cfg, num = p.config, p.numerics
-    b, t = tokens.shape
-    dt = getattr(mx, p.dtype)
-    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(dt))
+
+    def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
+        rope = _rope(p, geo.positions)
+        entries = []
+        for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
+            a, entry = _attention(p, lp.attn, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, rope,
+                                  geo)
+            h = h + a
+            h = h + _mlp(cfg, lp, rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num), num)
+            entries.append(entry)
+        return h, entries
+
+    return decoder_step(p, cache, tokens, n_valid, span, layers)
+
+
+def _rope(p: DeepseekParams, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """The tables of the shared RoPE key's dims (interleaved pairs; linear or YaRN scaling,
+    YaRN's mscale on cos and sin)."""
+    cfg, dt = p.config, getattr(mx, p.dtype)
     scale = 1.0
     sd = dict(cfg.rope_scaling or ())
     if (sd.get("type") or sd.get("rope_type")) == "linear":
         scale = 1.0 / float(sd["factor"])
-    cos, sin, perm = rope_tables(geo.positions, cfg.qk_rope_head_dim, base=cfg.rope_theta, scale=scale,
+    cos, sin, perm = rope_tables(positions, cfg.qk_rope_head_dim, base=cfg.rope_theta, scale=scale,
                                  freqs=p.rope_freqs, traditional=True)
     m = scaled_rope_mscale(sd, cfg.max_position_embeddings)
-    rope = (cos.astype(dt) * m, sin.astype(dt) * m, perm.astype(dt))
-    entries = []
-    for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
-        a, entry = _attention(p, lp.attn, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, rope, geo)
-        h = h + a
-        h = h + _mlp(cfg, lp, rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num), num)
-        entries.append(entry)
-    handed = stage_output(p, h)
-    if handed is not None:  # a pipeline stage before the last
-        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
-    h = rms_norm(h, p.norm, cfg.rms_norm_eps, num).reshape(b, t, -1)
-    return h, advanced(cache, entries, geo)
+    return cos.astype(dt) * m, sin.astype(dt) * m, perm.astype(dt)
 
 
 def hidden_to_logits(p: DeepseekParams, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
@@ -284,17 +293,10 @@ def _head_maps(cfg: DeepseekConfig, src: TensorSource, pre: str, opts: LoadOptio
 
 
 def assemble(cfg: DeepseekConfig, src: TensorSource, opts: LoadOptions) -> DeepseekParams:
-    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    rd, dtype, keep, where = Reader(src, opts), opts.dtype, opts.keep_quantized, opts.where
     h, hq, dn, dr, dv, r = (cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                             cfg.v_head_dim, cfg.kv_lora_rank)
     bias = cfg.attention_bias
-
-    def lin(name: str, out_f: int, in_f: int, b: bool = False) -> Linear:
-        return finish(read_linear(src, name, out_f, in_f, opts.quant_for(name), b, where), dtype, keep)
-
-    def vec(name: str, n: int) -> mx.array:
-        return src.get(name, (n,), where).astype(dtype)
-
     layers = []
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}."
@@ -302,11 +304,11 @@ def assemble(cfg: DeepseekConfig, src: TensorSource, opts: LoadOptions) -> Deeps
         w_uk, w_uv = _head_maps(cfg, src, a, opts)
         q_lora = cfg.q_lora_rank
         attn = MLA(
-            q_a=lin(a + "q_a_proj", q_lora, h, bias) if q_lora else None,
-            q_a_norm=vec(a + "q_a_layernorm.weight", q_lora) if q_lora else None,
-            q_b=lin(a + ("q_b_proj" if q_lora else "q_proj"), hq * (dn + dr), q_lora or h),
-            kv_a=lin(a + "kv_a_proj_with_mqa", r + dr, h, bias), kv_a_norm=vec(a + "kv_a_layernorm.weight", r),
-            w_uk=w_uk, w_uv=w_uv, o=lin(a + "o_proj", h, hq * dv, bias),
+            q_a=rd.linear(a + "q_a_proj", q_lora, h, bias) if q_lora else None,
+            q_a_norm=rd.vec(a + "q_a_layernorm.weight", q_lora) if q_lora else None,
+            q_b=rd.linear(a + ("q_b_proj" if q_lora else "q_proj"), hq * (dn + dr), q_lora or h),
+            kv_a=rd.linear(a + "kv_a_proj_with_mqa", r + dr, h, bias), kv_a_norm=rd.vec(a + "kv_a_layernorm.weight", r),
+            w_uk=w_uk, w_uv=w_uv, o=rd.linear(a + "o_proj", h, hq * dv, bias),
         )
         m = pre + "mlp."
         mlp: dict[str, Any] = {}
@@ -315,27 +317,21 @@ def assemble(cfg: DeepseekConfig, src: TensorSource, opts: LoadOptions) -> Deeps
             gate, up, down = (read_experts(src, m + "switch_mlp." + n, m + "experts.{e}." + n, e, o, k,
                                            opts.quant_for, where)
                               for n, (o, k) in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))))
-            shared = {}
-            if cfg.num_shared_experts:
-                s = cfg.num_shared_experts * f
-                parts = [read_linear(src, m + "shared_experts." + n, s, h, opts.quant_for(m + "shared_experts." + n),
-                                     False, where) for n in ("gate_proj", "up_proj")]
-                shared = dict(shared_gate_up=fuse(parts, dtype, keep), shared_down=lin(m + "shared_experts.down_proj", h, s))
+            shared = read_shared_expert(rd, h, cfg.num_shared_experts * f, m + "shared_experts.", None,
+                                        ("gate_proj", "up_proj", "down_proj"))
             mlp["experts"] = RoutedExperts(
                 router=src.get(m + "gate.weight", (e, h), where).astype(dtype),
                 correction_bias=src.get(m + "gate.e_score_correction_bias", (e,), where).astype(mx.float32),
                 gate_up=fuse_experts(gate, up, dtype, keep), down=finish_experts(down, dtype, keep), **shared)
         else:
             ff = cfg.intermediate_size
-            parts = [read_linear(src, m + n, ff, h, opts.quant_for(m + n), False, where) for n in ("gate_proj", "up_proj")]
-            mlp = dict(gate_up=fuse(parts, dtype, keep), down=lin(m + "down_proj", h, ff))
-        layers.append(DeepseekLayer(attn_norm=vec(pre + "input_layernorm.weight", h), attn=attn,
-                                    mlp_norm=vec(pre + "post_attention_layernorm.weight", h), **mlp))
-    embed_t = finish(read_linear(src, "model.embed_tokens", cfg.vocab_size, h, opts.quant_for("model.embed_tokens"),
-                                 False, where), dtype, keep, table=True, lookup_only=True)
+            mlp = dict(gate_up=rd.fused([rd.raw(m + n, ff, h) for n in ("gate_proj", "up_proj")]),
+                       down=rd.linear(m + "down_proj", h, ff))
+        layers.append(DeepseekLayer(attn_norm=rd.vec(pre + "input_layernorm.weight", h), attn=attn,
+                                    mlp_norm=rd.vec(pre + "post_attention_layernorm.weight", h), **mlp))
     return DeepseekParams(
-        embed=embed_t, layers=tuple(layers), norm=vec("model.norm.weight", h),
-        lm_head=lin("lm_head", cfg.vocab_size, h),
+        embed=rd.table("model.embed_tokens", cfg.vocab_size, h, lookup_only=True), layers=tuple(layers),
+        norm=rd.vec("model.norm.weight", h), lm_head=rd.linear("lm_head", cfg.vocab_size, h),
         rope_freqs=scaled_rope_freqs(dict(cfg.rope_scaling or ()), dr, cfg.rope_theta),
         config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
 

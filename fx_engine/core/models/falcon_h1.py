@@ -17,16 +17,16 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear
-from fx_engine.core.config import ConfigError, positive_int, required
-from fx_engine.core.models.family import DecoderParams, Family, cut_layers, stage_input, stage_logits, stage_output
-from fx_engine.core.models.llama import LlamaConfig, self_attention
-from fx_engine.core.models.mamba2 import MixerDims, MixerParams, mixer, mixer_layout, read_mixer
-from fx_engine.core.models.nemotron_h import Attention
-from fx_engine.core.models.qwen3_next import DenseMlp
-from fx_engine.core.nn import Linear, embed, linear, rms_norm, rope_tables, swiglu_fused
-from fx_engine.core.parallel import head_range, split_attention, split_head, split_mixer, split_mlp
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
+from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec
+from fx_engine.core.config import BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, listed_eos, positive_int, read_fields
+from fx_engine.core.models.blocks import Attention, DenseMlp, Reader, rope_in, self_attention, swiglu_mlp
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.llama import LlamaConfig
+from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, stage_logits
+from fx_engine.core.models.ssm import MixerDims, MixerParams, mixer, mixer_layout, read_mixer
+from fx_engine.core.nn import Linear, linear, rms_norm
+from fx_engine.core.splits import head_range, split_attention, split_head, split_mixer, split_mlp
 
 
 @attrs.frozen
@@ -45,48 +45,46 @@ class FalconH1Config(LlamaConfig):
     mlp_multipliers: tuple[float, ...] = (1.0, 1.0)
 
 
+_MULTIPLIERS = ("embedding_multiplier", "lm_head_multiplier", "attention_in_multiplier", "attention_out_multiplier",
+                "ssm_in_multiplier", "ssm_out_multiplier")
+# config.json's fields (read in this order; `read_fields`)
+_FIELDS = (
+    Field("hidden_size"), Field("num_attention_heads"), Field("mamba_n_heads"), Field("mamba_d_head"),
+    Field("rms_norm_eps", FLOAT, 1e-5), Field("mamba_n_groups", POSITIVE, 1), Field("mamba_d_state"),
+    Field("mamba_d_conv", POSITIVE, 4), Field("vocab_size"), Field("num_hidden_layers"), Field("intermediate_size"),
+    Field("rope_theta", FLOAT, 1e11), Field("rope_traditional", BOOL, False),
+    Field("max_position_embeddings", INT, 131072), Field("tie_word_embeddings", BOOL, True),
+    Field("attention_bias", BOOL, False), Field("mlp_bias", BOOL, False), Field("mamba_proj_bias", BOOL, False),
+    Field("mamba_conv_bias", BOOL, True), *(Field(k, FLOAT, 1.0) for k in _MULTIPLIERS),
+)
+
+
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> FalconH1Config:
-    hidden = positive_int(required(d, "hidden_size", source), "hidden_size", source)
-    heads = positive_int(required(d, "num_attention_heads", source), "num_attention_heads", source)
-    mheads = positive_int(required(d, "mamba_n_heads", source), "mamba_n_heads", source)
-    mhd = positive_int(required(d, "mamba_d_head", source), "mamba_d_head", source)
+    f = read_fields(d, _FIELDS, source)
+    hidden, heads, mheads, mhd = f["hidden_size"], f["num_attention_heads"], f["mamba_n_heads"], f["mamba_d_head"]
     if int(d.get("mamba_d_ssm") or mheads * mhd) != mheads * mhd:
         raise ConfigError(f"{source}: mamba_d_ssm must equal mamba_n_heads * mamba_d_head")
     if bool(d.get("mamba_proj_bias", False)) != bool(d.get("projectors_bias", False)):
         raise ConfigError(f"{source}: mamba_proj_bias != projectors_bias is not supported")
     if d.get("key_multiplier") not in (None,) and d.get("key_proj") is not None:
         raise ConfigError(f"{source}: a separate key_proj is not supported")
-    eps = float(d.get("rms_norm_eps", 1e-5))
+    eps = f["rms_norm_eps"]
     mode = "gate" if not d.get("mamba_rms_norm", False) else (
         "norm_gate" if d.get("mamba_norm_before_gate", False) else "gate_norm")
-    mix = MixerDims(hidden=hidden, heads=mheads, head_dim=mhd,
-                    groups=positive_int(d.get("mamba_n_groups", 1), "mamba_n_groups", source),
-                    state=positive_int(required(d, "mamba_d_state", source), "mamba_d_state", source),
-                    kernel=positive_int(d.get("mamba_d_conv", 4), "mamba_d_conv", source), norm_eps=eps,
-                    norm_mode=mode)
+    mix = MixerDims(hidden=hidden, heads=mheads, head_dim=mhd, groups=f["mamba_n_groups"], state=f["mamba_d_state"],
+                    kernel=f["mamba_d_conv"], norm_eps=eps, norm_mode=mode)
     sm, mm = tuple(d.get("ssm_multipliers") or (1.0,) * 5), tuple(d.get("mlp_multipliers") or (1.0, 1.0))
     if len(sm) != 5 or len(mm) != 2:
         raise ConfigError(f"{source}: ssm_multipliers must have 5 entries and mlp_multipliers 2")
-    eos = d.get("eos_token_id")
     return FalconH1Config(
-        model_type="falcon_h1", vocab_size=positive_int(required(d, "vocab_size", source), "vocab_size", source),
-        hidden_size=hidden, num_layers=positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source),
+        model_type="falcon_h1", vocab_size=f["vocab_size"], hidden_size=hidden, num_layers=f["num_hidden_layers"],
         num_heads=heads, num_kv_heads=positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source),
-        head_dim=int(d.get("head_dim") or hidden // heads),
-        intermediate_size=positive_int(required(d, "intermediate_size", source), "intermediate_size", source),
-        rms_norm_eps=eps, rope_theta=float(d.get("rope_theta", 1e11)),
-        rope_traditional=bool(d.get("rope_traditional", False)),
-        max_position_embeddings=int(d.get("max_position_embeddings", 131072)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)), qkv_bias=bool(d.get("attention_bias", False)),
-        mlp_bias=bool(d.get("mlp_bias", False)), bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else (),
-        mixer=mix, mamba_bias=bool(d.get("mamba_proj_bias", False)), conv_bias=bool(d.get("mamba_conv_bias", True)),
-        embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
-        lm_head_multiplier=float(d.get("lm_head_multiplier", 1.0)),
-        attention_in_multiplier=float(d.get("attention_in_multiplier", 1.0)),
-        attention_out_multiplier=float(d.get("attention_out_multiplier", 1.0)),
-        ssm_in_multiplier=float(d.get("ssm_in_multiplier", 1.0)),
-        ssm_out_multiplier=float(d.get("ssm_out_multiplier", 1.0)), ssm_multipliers=sm, mlp_multipliers=mm,
+        head_dim=int(d.get("head_dim") or hidden // heads), intermediate_size=f["intermediate_size"],
+        rms_norm_eps=eps, rope_theta=f["rope_theta"], rope_traditional=f["rope_traditional"],
+        max_position_embeddings=f["max_position_embeddings"], tie_word_embeddings=f["tie_word_embeddings"],
+        qkv_bias=f["attention_bias"], mlp_bias=f["mlp_bias"], bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=listed_eos(d), mixer=mix, mamba_bias=f["mamba_proj_bias"], conv_bias=f["mamba_conv_bias"],
+        ssm_multipliers=sm, mlp_multipliers=mm, **{k: f[k] for k in _MULTIPLIERS},
     )
 
 
@@ -114,28 +112,24 @@ def cache_specs(cfg: FalconH1Config) -> tuple[LayerSpec, ...]:
 
 def forward(p: FalconH1Params, cache: KVCache, tokens: mx.array, n_valid: mx.array,
             span: int | None = None) -> tuple[mx.array, KVCache]:
-    """Same contract as `fx_engine.core.models.llama.forward`."""
+    """Same contract as `skeleton.decoder_step`: per layer the mixer and attention side by
+    side on one normalized input, then a SwiGLU MLP."""
     cfg, num = p.config, p.numerics
-    b, t = tokens.shape
-    dt = getattr(mx, p.dtype)
-    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(dt))
-    cos, sin, perm = rope_tables(geo.positions, cfg.head_dim, base=cfg.rope_theta, scale=1.0, freqs=None,
-                                 traditional=cfg.rope_traditional)
-    rope = (cos.astype(dt), sin.astype(dt), perm.astype(dt))
-    entries = list(cache.layers)
-    for i, lp in enumerate(p.layers):
-        x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num)
-        m, entries[2 * i] = mixer(lp.mamba, cfg.mixer, x, entries[2 * i], cache.layout[2 * i], geo, num)
-        a, entries[2 * i + 1] = self_attention(p, lp.attn, x, entries[2 * i + 1], cache.layout[2 * i + 1], rope, geo)
-        h = h + m + a
-        x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
-        h = h + linear(swiglu_fused(linear(x, lp.mlp.gate_up, num), num), lp.mlp.down, num)
-    handed = stage_output(p, h)
-    if handed is not None:  # a pipeline stage before the last
-        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
-    h = rms_norm(h, p.norm, cfg.rms_norm_eps, num)
-    return h.reshape(b, t, -1), advanced(cache, entries, geo)
+
+    def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
+        rope = rope_in(geo.positions, cfg.head_dim, getattr(mx, p.dtype), base=cfg.rope_theta,
+                       traditional=cfg.rope_traditional)
+        entries = list(cache.layers)
+        for i, lp in enumerate(p.layers):
+            x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num)
+            m, entries[2 * i] = mixer(lp.mamba, cfg.mixer, x, entries[2 * i], cache.layout[2 * i], geo, num)
+            a, entries[2 * i + 1] = self_attention(p, lp.attn, x, entries[2 * i + 1], cache.layout[2 * i + 1], rope,
+                                                   geo)
+            h = h + m + a
+            h = h + swiglu_mlp(rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num), lp.mlp.gate_up, lp.mlp.down, num)
+        return h, entries
+
+    return decoder_step(p, cache, tokens, n_valid, span, layers)
 
 
 def hidden_to_logits(p: FalconH1Params, h: mx.array) -> mx.array:
@@ -160,42 +154,42 @@ def _scaled(lin: Linear, s: Any) -> Linear:
 
 
 def assemble(cfg: FalconH1Config, src: TensorSource, opts: LoadOptions) -> FalconH1Params:
-    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
     hid, d, mix = cfg.hidden_size, cfg.head_dim, cfg.mixer
     hq, hk = cfg.num_heads * d, cfg.num_kv_heads * d
     conv = src.get("model.layers.0.mamba.conv1d.weight")
     fold = conv.shape[-1] > conv.shape[1]  # Hugging Face's [C, 1, K]: the multipliers are not in the weights
-
-    def lin(name: str, out_f: int, in_f: int, b: bool = False, mult: Any = None) -> Linear:
-        raw = read_linear(src, name, out_f, in_f, opts.quant_for(name), b, where)
-        return _scaled(raw, mult) if fold and mult is not None else raw
-
     if fold:  # the mixer's in_proj rows: z, x, B, C, dt blocks, each with its multiplier
         sizes = (mix.inner, mix.inner, mix.groups * mix.state, mix.groups * mix.state, mix.heads)
         mup = mx.concatenate([mx.full((n,), m * cfg.ssm_in_multiplier) for n, m in zip(sizes, cfg.ssm_multipliers)])
         src = _folded_mixers(src, mup, cfg.ssm_out_multiplier)
+    rd = Reader(src, opts)
+
+    def lin(name: str, out_f: int, in_f: int, b: bool = False, mult: Any = None) -> Linear:
+        """A linear as stored, times its muP multiplier where the checkpoint has not folded it in."""
+        raw = rd.raw(name, out_f, in_f, b)
+        return _scaled(raw, mult) if fold and mult is not None else raw
+
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a, f, ab = p + "self_attn.", p + "feed_forward.", cfg.qkv_bias
         ai, ff = cfg.attention_in_multiplier, cfg.intermediate_size
         layers.append(FalconH1Layer(
-            attn_norm=src.get(p + "input_layernorm.weight", (hid,), where).astype(dtype),
+            attn_norm=rd.vec(p + "input_layernorm.weight", hid),
             mamba=read_mixer(src, p + "mamba.", mix, opts, cfg.mamba_bias, cfg.conv_bias),
-            attn=Attention(qkv=fuse([lin(a + "q_proj", hq, hid, ab, ai), lin(a + "k_proj", hk, hid, ab, ai),
-                                     lin(a + "v_proj", hk, hid, ab)], dtype, keep),
-                           o=finish(lin(a + "o_proj", hid, hq, ab, cfg.attention_out_multiplier), dtype, keep)),
-            mlp_norm=src.get(p + "pre_ff_layernorm.weight", (hid,), where).astype(dtype),
-            mlp=DenseMlp(gate_up=fuse([lin(f + "gate_proj", ff, hid, cfg.mlp_bias, cfg.mlp_multipliers[0]),
-                                       lin(f + "up_proj", ff, hid, cfg.mlp_bias)], dtype, keep),
-                         down=finish(lin(f + "down_proj", hid, ff, cfg.mlp_bias, cfg.mlp_multipliers[1]), dtype, keep))))
+            attn=Attention(qkv=rd.fused([lin(a + "q_proj", hq, hid, ab, ai), lin(a + "k_proj", hk, hid, ab, ai),
+                                         lin(a + "v_proj", hk, hid, ab)]),
+                           o=rd.finish(lin(a + "o_proj", hid, hq, ab, cfg.attention_out_multiplier))),
+            mlp_norm=rd.vec(p + "pre_ff_layernorm.weight", hid),
+            mlp=DenseMlp(gate_up=rd.fused([lin(f + "gate_proj", ff, hid, cfg.mlp_bias, cfg.mlp_multipliers[0]),
+                                           lin(f + "up_proj", ff, hid, cfg.mlp_bias)]),
+                         down=rd.finish(lin(f + "down_proj", hid, ff, cfg.mlp_bias, cfg.mlp_multipliers[1])))))
     head = None
     if not cfg.tie_word_embeddings:
-        head = finish(lin("lm_head", cfg.vocab_size, hid, False, cfg.lm_head_multiplier), dtype, keep)
+        head = rd.finish(lin("lm_head", cfg.vocab_size, hid, False, cfg.lm_head_multiplier))
     return FalconH1Params(
-        embed=finish(lin("model.embed_tokens", cfg.vocab_size, hid, False, cfg.embedding_multiplier), dtype, keep,
-                     table=True),
-        layers=tuple(layers), norm=src.get("model.final_layernorm.weight", (hid,), where).astype(dtype),
+        embed=rd.finish(lin("model.embed_tokens", cfg.vocab_size, hid, False, cfg.embedding_multiplier), table=True),
+        layers=tuple(layers), norm=rd.vec("model.final_layernorm.weight", hid),
         lm_head=head, config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
 
 

@@ -29,11 +29,15 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
-from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, fuse_experts, read_expert_stack, read_linear, renamed)
-from fx_engine.core.config import BaseConfig, ConfigError, positive_int, refuse, required, token_ids
-from fx_engine.core.models.family import (Family, cut_layers, hands_on, later_stage, stage_input, stage_logits, stage_output)
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish_experts,
+                                      fuse_experts, read_expert_stack, renamed)
+from fx_engine.core.config import BaseConfig, ConfigError, gguf_value, positive_int, refuse, required, token_ids
+from fx_engine.core.models.blocks import Reader
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.skeleton import (PipelineStage, cut_layers, hands_on, later_stage, stage_input, stage_logits,
+                                            stage_output)
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, capped, embed, gelu_tanh, linear, rms_norm, rope_tables, routed_mixture)
-from fx_engine.core.parallel import split, split_cols, split_experts, split_head, split_mlp, split_rows, split_vocab
+from fx_engine.core.splits import split, split_cols, split_experts, split_head, split_mlp, split_rows, split_vocab
 from fx_engine.core.tree import static_field
 
 
@@ -369,7 +373,7 @@ class GemmaParams:
     config: GemmaConfig = static_field(default=None)
     numerics: Numerics = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")
-    pipeline: tuple = static_field(default=())  # (rank, ranks, first layer, all layers) of a stage
+    pipeline: PipelineStage | None = static_field(default=None)  # a stage's (core/parallel.stage_params)
 
 
 def cache_specs(cfg: GemmaConfig) -> tuple[LayerSpec, ...]:
@@ -434,7 +438,8 @@ def forward(
     p: GemmaParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
-    """Same contract as `fx_engine.core.models.llama.forward`."""
+    """Same contract as `skeleton.decoder_step`, written out: a pipeline stage hands on the
+    per-layer inputs' source and shared layers' K/V with the stream."""
     cfg, num = p.config, p.numerics
     b, t = tokens.shape
     dt = getattr(mx, p.dtype)
@@ -539,18 +544,13 @@ def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions,
     to float32 weights; `norm_offset` 0 for files that store the scale itself). Projections
     of KV-shared layers, rotary buffers and activation clipping ranges in a checkpoint are
     unused (mlx-lm drops them too)."""
-    dtype, keep_quantized, where = opts.dtype, opts.keep_quantized, opts.where
+    rd, dtype, where = Reader(src, opts), opts.dtype, opts.where
     hid = cfg.hidden_size
     offset = (0.0 if cfg.is_gemma4 else 1.0) if norm_offset is None else norm_offset
-
-    def lin(name: str, out_f: int, in_f: int) -> Linear:
-        return read_linear(src, name, out_f, in_f, opts.quant_for(name), False, where)
+    lin = rd.raw
 
     def norm(name: str, n: int) -> mx.array:
         return (src.get(name, (n,), where).astype(mx.float32) + offset).astype(dtype)
-
-    def fin(x: Linear) -> Linear:
-        return finish(x, dtype, keep_quantized)
 
     layers = []
     for i in range(cfg.num_layers):
@@ -567,8 +567,8 @@ def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions,
         if cfg.hidden_size_per_layer_input:
             hpl = cfg.hidden_size_per_layer_input
             extra = dict(
-                pli_gate=fin(lin(pre + "per_layer_input_gate", hpl, hid)),
-                pli_proj=fin(lin(pre + "per_layer_projection", hid, hpl)),
+                pli_gate=rd.linear(pre + "per_layer_input_gate", hpl, hid),
+                pli_proj=rd.linear(pre + "per_layer_projection", hid, hpl),
                 pli_norm=norm(pre + "post_per_layer_input_norm.weight", hid),
             )
         if cfg.is_gemma4:
@@ -577,29 +577,26 @@ def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions,
             extra["moe"] = _read_moe(cfg, src, pre, opts, norm)
         layers.append(GemmaLayer(
             attn_norm=norm(pre + "input_layernorm.weight", hid),
-            qkv=fuse(parts, dtype, keep_quantized),
+            qkv=rd.fused(parts),
             q_norm=norm(pre + "self_attn.q_norm.weight", d) if cfg.qk_norm else None,
             k_norm=norm(pre + "self_attn.k_norm.weight", d) if own_kv and cfg.qk_norm else None,
-            o=fin(lin(pre + "self_attn.o_proj", hid, hq)),
+            o=rd.linear(pre + "self_attn.o_proj", hid, hq),
             post_attn_norm=norm(pre + "post_attention_layernorm.weight", hid),
             pre_ff_norm=norm(pre + "pre_feedforward_layernorm.weight", hid),
-            gate_up=fuse([lin(pre + "mlp.gate_proj", ff, hid), lin(pre + "mlp.up_proj", ff, hid)],
-                          dtype, keep_quantized),
-            down=fin(lin(pre + "mlp.down_proj", hid, ff)),
+            gate_up=rd.fused([lin(pre + "mlp.gate_proj", ff, hid), lin(pre + "mlp.up_proj", ff, hid)]),
+            down=rd.linear(pre + "mlp.down_proj", hid, ff),
             post_ff_norm=norm(pre + "post_feedforward_layernorm.weight", hid),
             **extra,
         ))
     tied = cfg.tie_word_embeddings if cfg.is_gemma4 else not src.has("lm_head.weight")
-    embed = finish(lin("model.embed_tokens", cfg.vocab_size, hid), dtype, keep_quantized, table=True,
-                   lookup_only=not tied)
-    lm_head = None if tied else fin(lin("lm_head", cfg.vocab_size, hid))
+    embed = rd.table("model.embed_tokens", cfg.vocab_size, hid, lookup_only=not tied)
+    lm_head = None if tied else rd.linear("lm_head", cfg.vocab_size, hid)
     per_layer = {}
     if cfg.hidden_size_per_layer_input:
         width = cfg.num_layers * cfg.hidden_size_per_layer_input
         per_layer = dict(
-            embed_per_layer=finish(lin("model.embed_tokens_per_layer", cfg.vocab_size, width),
-                                    dtype, keep_quantized, table=True, lookup_only=True),
-            per_layer_proj=fin(lin("model.per_layer_model_projection", width, hid)),
+            embed_per_layer=rd.table("model.embed_tokens_per_layer", cfg.vocab_size, width, lookup_only=True),
+            per_layer_proj=rd.linear("model.per_layer_model_projection", width, hid),
             per_layer_proj_norm=norm("model.per_layer_projection_norm.weight",
                                      cfg.hidden_size_per_layer_input),
         )
@@ -632,8 +629,6 @@ def config_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
     except for the 27B models (Gemma 3: 62 layers, Gemma 2: 46), 1/sqrt(hidden / heads).
     Checked against llama.cpp's own logits on converted tiny models (Gemma 3: max |diff|
     6.7e-3 of 30)."""
-    from fx_engine.core.config import gguf_value
-
     arch = md.get("general.architecture")
     if arch not in ("gemma2", "gemma3"):
         raise ConfigError(f"{source}: GGUF architecture {arch!r}: only gemma2 and gemma3 are supported here")
@@ -697,8 +692,7 @@ def _read_moe(cfg: GemmaConfig, src: TensorSource, pre: str, opts: LoadOptions, 
         gate_up = fuse_experts(*parts, dtype, keep_quantized)
     scale = src.get(pre + "router.scale", (hid,), where).astype(mx.float32) * hid**-0.5
     return MoEBlock(
-        router=finish(read_linear(src, pre + "router.proj", e, hid, opts.quant_for(pre + "router.proj"),
-                                    False, where), dtype, keep_quantized),
+        router=Reader(src, opts).linear(pre + "router.proj", e, hid),
         router_scale=scale.astype(dtype),
         per_expert_scale=src.get(pre + "router.per_expert_scale", (e,), where).astype(dtype),
         gate_up=gate_up if gate_up.transposed or gate_up.quantized else finish_experts(gate_up, dtype, keep_quantized),

@@ -1,6 +1,6 @@
 """GPT-OSS (`gpt_oss`), following mlx-lm 0.32's gpt_oss.py (the parity oracle).
 
-The attention is the Llama family's (`llama.self_attention`) with biases on q/k/v/o and a
+The attention is the Llama family's (`blocks.self_attention`) with biases on q/k/v/o and a
 learned sink logit per head in every softmax's denominator (attends to nothing); layers
 alternate sliding-window (a ring cache entry) and global attention, both with the same
 (YaRN-scaled) RoPE. The MLP of every layer is a mixture of experts: a router with a bias,
@@ -23,13 +23,15 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
-from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, renamed, TensorSource, TensorSpec, WeightsError, finish, fuse, fuse_experts, finish_experts, read_expert_stack, read_linear)
+import fx_engine.core.models.llama as llama
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, WeightsError,
+                                      finish_experts, fuse_experts, read_expert_stack, renamed)
 from fx_engine.core.config import ConfigError, gguf_hf_config, gguf_value, gguf_yarn, positive_int, required
-from fx_engine.core.models import llama, moe
+from fx_engine.core.models.blocks import Reader, rope_freqs, route, self_attention
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, routed_mixture
-from fx_engine.core.parallel import shard_decoder
+from fx_engine.core.splits import shard_decoder
 
 ALPHA = 1.702  # the gate's sigmoid slope (GPT-OSS's fixed constant, as mlx-lm)
 
@@ -102,14 +104,14 @@ def _layer(
     rope: tuple[mx.array, mx.array, mx.array], geo: StepGeometry,
 ) -> tuple[mx.array, Any]:
     cfg, num = p.config, p.numerics
-    a, entry = llama.self_attention(p, lp, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, rope, geo)
+    a, entry = self_attention(p, lp, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, rope, geo)
     h = h + a
     x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
     return h + _experts(cfg, lp, x, num), entry
 
 
 def _experts(cfg: GptOssConfig, lp: GptOssLayer, x: mx.array, num: Numerics) -> mx.array:
-    idx, w = moe.route(linear(x, lp.router, num), cfg.top_k, softmax_then_topk=False)
+    idx, w = route(linear(x, lp.router, num), cfg.top_k, softmax_then_topk=False)
     return routed_mixture(x, lp.gate_up, lp.down, idx, w, lambda gu: swiglu_oai(gu, cfg.swiglu_limit), num)
 
 
@@ -117,7 +119,7 @@ def forward(
     p: GptOssParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
-    """Same contract as `fx_engine.core.models.llama.forward`."""
+    """Same contract as `skeleton.decoder_step` (the Llama decoder, GPT-OSS's experts)."""
     return llama.forward(p, cache, tokens, n_valid, span, layer_fn=_layer)
 
 
@@ -126,36 +128,27 @@ hidden_to_logits = llama.hidden_to_logits
 
 def assemble(cfg: GptOssConfig, src: TensorSource, opts: LoadOptions) -> GptOssParams:
     """Params from mlx-lm's sanitized names or Hugging Face's dense expert layout."""
-    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    rd, dtype, keep = Reader(src, opts), opts.dtype, opts.keep_quantized
     h, hd, e, f = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.intermediate_size
     hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
-
-    def lin(name: str, out_f: int, in_f: int, bias: bool = True) -> Linear:
-        return read_linear(src, name, out_f, in_f, opts.quant_for(name), bias, where)
-
-    def vec(name: str, n: int) -> mx.array:
-        return src.get(name, (n,), where).astype(dtype)
-
     layers = []
     for i in range(cfg.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         gate, up, down = _expert_stacks(src, m + "experts.", e, f, h, opts)
         layers.append(GptOssLayer(
-            attn_norm=vec(f"model.layers.{i}.input_layernorm.weight", h),
-            qkv=fuse([lin(a + n, rows, h) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))],
-                     dtype, keep),
-            o=finish(lin(a + "o_proj", h, hq), dtype, keep),
-            sinks=src.get(a + "sinks", (cfg.num_heads,), where).astype(mx.float32),
-            mlp_norm=vec(f"model.layers.{i}.post_attention_layernorm.weight", h),
-            router=finish(lin(m + "router", e, h), dtype, keep),
+            attn_norm=rd.vec(f"model.layers.{i}.input_layernorm.weight", h),
+            qkv=rd.fused([rd.raw(a + n, rows, h, True) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))]),
+            o=rd.linear(a + "o_proj", h, hq, True),
+            sinks=src.get(a + "sinks", (cfg.num_heads,), opts.where).astype(mx.float32),
+            mlp_norm=rd.vec(f"model.layers.{i}.post_attention_layernorm.weight", h),
+            router=rd.linear(m + "router", e, h, True),
             gate_up=fuse_experts(gate, up, dtype, keep),
             down=finish_experts(down, dtype, keep),
         ))
-    embed = finish(lin("model.embed_tokens", cfg.vocab_size, h, False), dtype, keep, table=True,
-                   lookup_only=True)
-    return GptOssParams(embed=embed, layers=tuple(layers), norm=vec("model.norm.weight", h),
-                        lm_head=finish(lin("lm_head", cfg.vocab_size, h, False), dtype, keep),
-                        rope_freqs=llama.rope_freqs(cfg), config=cfg, numerics=opts.numerics,
+    embed = rd.table("model.embed_tokens", cfg.vocab_size, h, lookup_only=True)
+    return GptOssParams(embed=embed, layers=tuple(layers), norm=rd.vec("model.norm.weight", h),
+                        lm_head=rd.linear("lm_head", cfg.vocab_size, h),
+                        rope_freqs=rope_freqs(cfg), config=cfg, numerics=opts.numerics,
                         dtype=opts.dtype_name)
 
 

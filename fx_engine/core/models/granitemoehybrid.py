@@ -2,8 +2,8 @@
 each followed by routed SwiGLU experts plus a shared MLP (or one dense MLP), with Granite's
 embedding / attention / residual / logits multipliers; following mlx-lm 0.32's
 granitemoehybrid.py (the parity oracle). It falls out of the blocks the other families
-already have: `mamba2.mixer`, the Llama family's attention (`attention_multiplier` as its
-scale, RoPE or none), and `moe._mixture` (top-k logits, then a softmax over them; the shared
+already have: `ssm.mixer`, the Llama family's attention (`attention_multiplier` as its
+scale, RoPE or none), and `blocks.mixture` (top-k logits, then a softmax over them; the shared
 MLP added ungated).
 """
 
@@ -14,18 +14,17 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_experts, read_linear
-from fx_engine.core.config import ConfigError, positive_int, required
-from fx_engine.core.models import moe
-from fx_engine.core.models.family import DecoderParams, Family, cut_layers, stage_input, stage_logits, stage_output
-from fx_engine.core.models.llama import self_attention
-from fx_engine.core.models.mamba2 import MixerDims, mixer, mixer_layout, read_mixer
-from fx_engine.core.models.moe import Experts, MoEConfig
-from fx_engine.core.models.nemotron_h import Attention
-from fx_engine.core.models.qwen3_next import DenseMlp
-from fx_engine.core.nn import Linear, embed, linear, rms_norm, rope_tables, swiglu_fused
-from fx_engine.core.parallel import head_range, split_attention, split_experts, split_head, split_mixer, split_mlp
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
+from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, read_experts
+from fx_engine.core.config import BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, listed_eos, positive_int, read_fields
+from fx_engine.core.models.blocks import (STACKED_EXPERT_NAMES, Attention, DenseMlp, Experts, Reader, expert_stacks,
+                                          mixture, rope_in, self_attention, swiglu_mlp)
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.moe import MoEConfig
+from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, embedded_scaled, stage_logits
+from fx_engine.core.models.ssm import MixerDims, mixer, mixer_layout, read_mixer
+from fx_engine.core.nn import Linear, linear, rms_norm
+from fx_engine.core.splits import head_range, split_attention, split_experts, split_head, split_mixer, split_mlp
 
 
 @attrs.frozen
@@ -38,56 +37,58 @@ class GraniteHybridConfig(MoEConfig):
     use_moe: bool = False
 
 
+_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
+# config.json's fields (read in this order; `read_fields`), and those of the Mamba-2 mixers
+_FIELDS = (
+    Field("hidden_size"), Field("num_attention_heads"), Field("num_local_experts", INT, 0, or_default=True),
+    Field("rms_norm_eps", FLOAT), Field("intermediate_size"), Field("vocab_size"),
+    Field("max_position_embeddings", INT, 4096), Field("tie_word_embeddings", BOOL, True),
+    Field("attention_bias", BOOL, False), *(Field(k, FLOAT) for k in _MULTIPLIERS),
+    Field("num_experts_per_tok", INT, 1, or_default=True), Field("shared_intermediate_size", INT, 0, or_default=True),
+    Field("mamba_proj_bias", BOOL, False), Field("mamba_conv_bias", BOOL, True),
+)
+_MAMBA_FIELDS = tuple(Field(k, POSITIVE, None) for k in ("mamba_n_heads", "mamba_d_head", "mamba_n_groups",
+                                                          "mamba_d_state", "mamba_d_conv"))
+
+
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GraniteHybridConfig:
     types = d.get("layer_types")
     if not isinstance(types, list) or not types or set(types) - {"mamba", "attention"}:
         raise ConfigError(f"{source}: layer_types must list 'mamba' / 'attention' per layer")
-    hidden = positive_int(required(d, "hidden_size", source), "hidden_size", source)
-    heads = positive_int(required(d, "num_attention_heads", source), "num_attention_heads", source)
-    kv = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source)
     pet = d.get("position_embedding_type", "rope")
     if pet not in ("rope", "nope"):
         raise ConfigError(f"{source}: position_embedding_type {pet!r} is not supported (rope, nope)")
+    f = read_fields(d, _FIELDS, source)
+    hidden, heads, experts, eps = f["hidden_size"], f["num_attention_heads"], f["num_local_experts"], f["rms_norm_eps"]
+    kv = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source)
     theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
-    experts = int(d.get("num_local_experts") or 0)
     lim = d.get("time_step_limit") or (0.001, 100.0)
-    eps = float(required(d, "rms_norm_eps", source))
     mix = None
     if "mamba" in types:
-        mix = MixerDims(hidden=hidden, heads=positive_int(d.get("mamba_n_heads"), "mamba_n_heads", source),
-                        head_dim=positive_int(d.get("mamba_d_head"), "mamba_d_head", source),
-                        groups=positive_int(d.get("mamba_n_groups"), "mamba_n_groups", source),
-                        state=positive_int(d.get("mamba_d_state"), "mamba_d_state", source),
-                        kernel=positive_int(d.get("mamba_d_conv"), "mamba_d_conv", source),
+        m = read_fields(d, _MAMBA_FIELDS, source)
+        mix = MixerDims(hidden=hidden, heads=m["mamba_n_heads"], head_dim=m["mamba_d_head"],
+                        groups=m["mamba_n_groups"], state=m["mamba_d_state"], kernel=m["mamba_d_conv"],
                         dt_min=float(lim[0]), dt_max=float(lim[1]), norm_eps=eps)
-    eos = d.get("eos_token_id")
-    inter = positive_int(required(d, "intermediate_size", source), "intermediate_size", source)
+    inter = f["intermediate_size"]
     return GraniteHybridConfig(
-        model_type="granitemoehybrid", vocab_size=positive_int(required(d, "vocab_size", source), "vocab_size", source),
-        hidden_size=hidden, num_layers=len(types), num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads,
-        intermediate_size=inter, rms_norm_eps=eps, rope_theta=float(theta),
-        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)), qkv_bias=bool(d.get("attention_bias", False)),
-        embedding_multiplier=float(required(d, "embedding_multiplier", source)),
-        attention_multiplier=float(required(d, "attention_multiplier", source)),
-        residual_multiplier=float(required(d, "residual_multiplier", source)),
-        logits_scaling=float(required(d, "logits_scaling", source)),
-        bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else (),
-        num_experts=max(experts, 1), top_k=int(d.get("num_experts_per_tok") or 1), moe_intermediate_size=inter,
-        softmax_then_topk=False, shared_expert_intermediate_size=int(d.get("shared_intermediate_size") or 0),
-        mamba_layers=tuple(t == "mamba" for t in types), mixer=mix,
-        mamba_bias=bool(d.get("mamba_proj_bias", False)), conv_bias=bool(d.get("mamba_conv_bias", True)),
-        use_rope=pet == "rope", use_moe=experts > 0,
+        model_type="granitemoehybrid", vocab_size=f["vocab_size"], hidden_size=hidden, num_layers=len(types),
+        num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads, intermediate_size=inter, rms_norm_eps=eps,
+        rope_theta=float(theta), max_position_embeddings=f["max_position_embeddings"],
+        tie_word_embeddings=f["tie_word_embeddings"], qkv_bias=f["attention_bias"],
+        **{k: f[k] for k in _MULTIPLIERS}, bos_token_id=d.get("bos_token_id"), eos_token_ids=listed_eos(d),
+        num_experts=max(experts, 1), top_k=f["num_experts_per_tok"], moe_intermediate_size=inter,
+        softmax_then_topk=False, shared_expert_intermediate_size=f["shared_intermediate_size"],
+        mamba_layers=tuple(t == "mamba" for t in types), mixer=mix, mamba_bias=f["mamba_proj_bias"],
+        conv_bias=f["mamba_conv_bias"], use_rope=pet == "rope", use_moe=experts > 0,
     )
 
 
 @attrs.frozen
 class GraniteHybridLayer:
     attn_norm: mx.array
-    mixer: Any  # mamba2.MixerParams | nemotron_h.Attention
+    mixer: Any  # ssm.MixerParams | blocks.Attention
     mlp_norm: mx.array
-    mlp: Any  # moe.Experts (with the shared MLP) | (gate_up, down)
+    mlp: Any  # blocks.Experts (with the shared MLP) | blocks.DenseMlp
 
 
 @attrs.frozen
@@ -101,38 +102,34 @@ def cache_specs(cfg: GraniteHybridConfig) -> tuple[LayerSpec, ...]:
 
 def forward(p: GraniteHybridParams, cache: KVCache, tokens: mx.array, n_valid: mx.array,
             span: int | None = None) -> tuple[mx.array, KVCache]:
-    """Same contract as `fx_engine.core.models.llama.forward`."""
+    """Same contract as `skeleton.decoder_step`: per layer a Mamba-2 mixer or attention, then
+    routed experts (with a shared MLP) or a dense SwiGLU MLP, each branch times
+    residual_multiplier."""
     cfg, num = p.config, p.numerics
-    b, t = tokens.shape
-    dt = getattr(mx, p.dtype)
-    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(dt) * cfg.embedding_multiplier)
-    rope = None
-    if cfg.use_rope:
-        cos, sin, perm = rope_tables(geo.positions, cfg.head_dim, base=cfg.rope_theta, scale=1.0, freqs=None,
-                                     traditional=False)
-        rope = (cos.astype(dt), sin.astype(dt), perm.astype(dt))
     m = cfg.residual_multiplier
-    entries = []
-    for lp, entry, spec, is_mamba in zip(p.layers, cache.layers, cache.layout, cfg.mamba_layers):
-        x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num)
-        if is_mamba:
-            a, entry = mixer(lp.mixer, cfg.mixer, x, entry, spec, geo, num)
-        else:
-            a, entry = self_attention(p, lp.mixer, x, entry, spec, rope, geo)
-        h = h + a * m
-        x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
-        if isinstance(lp.mlp, Experts):
-            r = moe._mixture(cfg, lp.mlp, x, num)
-        else:
-            r = linear(swiglu_fused(linear(x, lp.mlp.gate_up, num), num), lp.mlp.down, num)
-        h = h + r * m
-        entries.append(entry)
-    handed = stage_output(p, h)
-    if handed is not None:  # a pipeline stage before the last
-        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
-    h = rms_norm(h, p.norm, cfg.rms_norm_eps, num)
-    return h.reshape(b, t, -1), advanced(cache, entries, geo)
+
+    def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
+        rope = None
+        if cfg.use_rope:
+            rope = rope_in(geo.positions, cfg.head_dim, getattr(mx, p.dtype), base=cfg.rope_theta)
+        entries = []
+        for lp, entry, spec, is_mamba in zip(p.layers, cache.layers, cache.layout, cfg.mamba_layers):
+            x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num)
+            if is_mamba:
+                a, entry = mixer(lp.mixer, cfg.mixer, x, entry, spec, geo, num)
+            else:
+                a, entry = self_attention(p, lp.mixer, x, entry, spec, rope, geo)
+            h = h + a * m
+            x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
+            if isinstance(lp.mlp, Experts):
+                r = mixture(cfg, lp.mlp, x, num)
+            else:
+                r = swiglu_mlp(x, lp.mlp.gate_up, lp.mlp.down, num)
+            h = h + r * m
+            entries.append(entry)
+        return h, entries
+
+    return decoder_step(p, cache, tokens, n_valid, span, layers, embedded=embedded_scaled)
 
 
 def hidden_to_logits(p: GraniteHybridParams, h: mx.array) -> mx.array:
@@ -144,12 +141,10 @@ def hidden_to_logits(p: GraniteHybridParams, h: mx.array) -> mx.array:
 
 
 def assemble(cfg: GraniteHybridConfig, src: TensorSource, opts: LoadOptions) -> GraniteHybridParams:
-    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    rd, where = Reader(src, opts), opts.where
     hid, d = cfg.hidden_size, cfg.head_dim
     hq, hk = cfg.num_heads * d, cfg.num_kv_heads * d
-
-    def lin(name: str, out_f: int, in_f: int, b: bool = False) -> Linear:
-        return read_linear(src, name, out_f, in_f, opts.quant_for(name), b, where)
+    lin = rd.raw
 
     layers = []
     for i, is_mamba in enumerate(cfg.mamba_layers):
@@ -158,9 +153,9 @@ def assemble(cfg: GraniteHybridConfig, src: TensorSource, opts: LoadOptions) -> 
             mix: Any = read_mixer(src, p + "mamba.", cfg.mixer, opts, cfg.mamba_bias, cfg.conv_bias)
         else:
             a, ab = p + "self_attn.", cfg.qkv_bias
-            mix = Attention(qkv=fuse([lin(a + n, r, hid, ab) for n, r in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))],
-                                     dtype, keep),
-                            o=finish(lin(a + "o_proj", hid, hq, ab), dtype, keep))
+            mix = Attention(qkv=rd.fused([lin(a + n, r, hid, ab) for n, r in (("q_proj", hq), ("k_proj", hk),
+                                                                              ("v_proj", hk))]),
+                            o=rd.linear(a + "o_proj", hid, hq, ab))
         if cfg.use_moe:
             m, e, f, s = p + "block_sparse_moe.", cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
             if src.has(m + "input_linear.weight"):  # Hugging Face: [E, 2F, H] gate rows first
@@ -169,33 +164,33 @@ def assemble(cfg: GraniteHybridConfig, src: TensorSource, opts: LoadOptions) -> 
                 down = Linear(weight=src.get(m + "output_linear.weight", (e, hid, f), where))
             else:
                 gate, up, down = (read_experts(src, m + st, "", e, o, n, opts.quant_for, where) for st, (o, n) in
-                                  zip(moe._STACKED, ((f, hid), (f, hid), (hid, f))))
+                                  zip(STACKED_EXPERT_NAMES, ((f, hid), (f, hid), (hid, f))))
             shared: dict[str, Any] = {}
             if s:
                 gu_s = lin(p + "shared_mlp.input_linear", 2 * s, hid)
-                shared = {"shared_gate_up": finish(gu_s, dtype, keep),
-                          "shared_down": finish(lin(p + "shared_mlp.output_linear", hid, s), dtype, keep)}
-            mlp: Any = Experts(router=finish(lin(m + "router.layer", e, hid), dtype, keep),
-                               **moe._stacks(gate, up, down, opts), **shared)
+                shared = {"shared_gate_up": rd.finish(gu_s),
+                          "shared_down": rd.linear(p + "shared_mlp.output_linear", hid, s)}
+            mlp: Any = Experts(router=rd.linear(m + "router.layer", e, hid), **expert_stacks(gate, up, down, opts),
+                               **shared)
         else:
             ff = cfg.intermediate_size
             if src.has(p + "shared_mlp.input_linear.weight"):  # Hugging Face's dense form: gate | up fused
-                gate_up = finish(lin(p + "shared_mlp.input_linear", 2 * ff, hid), dtype, keep)
-                down = finish(lin(p + "shared_mlp.output_linear", hid, ff), dtype, keep)
+                gate_up = rd.linear(p + "shared_mlp.input_linear", 2 * ff, hid)
+                down = rd.linear(p + "shared_mlp.output_linear", hid, ff)
             else:
-                gate_up = fuse([lin(p + "mlp.gate_proj", ff, hid, cfg.mlp_bias), lin(p + "mlp.up_proj", ff, hid, cfg.mlp_bias)],
-                               dtype, keep)
-                down = finish(lin(p + "mlp.down_proj", hid, ff, cfg.mlp_bias), dtype, keep)
+                gate_up = rd.fused([lin(p + "mlp.gate_proj", ff, hid, cfg.mlp_bias),
+                                    lin(p + "mlp.up_proj", ff, hid, cfg.mlp_bias)])
+                down = rd.linear(p + "mlp.down_proj", hid, ff, cfg.mlp_bias)
             mlp = DenseMlp(gate_up=gate_up, down=down)
         layers.append(GraniteHybridLayer(
-            attn_norm=src.get(p + "input_layernorm.weight", (hid,), where).astype(dtype), mixer=mix,
-            mlp_norm=src.get(p + "post_attention_layernorm.weight", (hid,), where).astype(dtype), mlp=mlp))
+            attn_norm=rd.vec(p + "input_layernorm.weight", hid), mixer=mix,
+            mlp_norm=rd.vec(p + "post_attention_layernorm.weight", hid), mlp=mlp))
     head = None
     if not cfg.tie_word_embeddings:
-        head = finish(lin("lm_head", cfg.vocab_size, hid), dtype, keep)
+        head = rd.linear("lm_head", cfg.vocab_size, hid)
     return GraniteHybridParams(
-        embed=finish(lin("model.embed_tokens", cfg.vocab_size, hid), dtype, keep, table=True), layers=tuple(layers),
-        norm=src.get("model.norm.weight", (hid,), where).astype(dtype), lm_head=head, config=cfg,
+        embed=rd.table("model.embed_tokens", cfg.vocab_size, hid), layers=tuple(layers),
+        norm=rd.vec("model.norm.weight", hid), lm_head=head, config=cfg,
         numerics=opts.numerics, dtype=opts.dtype_name)
 
 

@@ -26,14 +26,16 @@ import attrs
 import mlx.core as mx
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, recurrent_entry
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear
+import fx_engine.core.models.llama as llama
+from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec
 from fx_engine.core.config import ConfigError, positive_int, required
-from fx_engine.core.models import llama
-from fx_engine.core.models.family import Family, cut_layers
+from fx_engine.core.models.blocks import Reader, decoder_layer, swiglu_mlp
+from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LayerParams, LlamaConfig
-from fx_engine.core.models.mamba2 import conv_weight
-from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, swiglu_fused
-from fx_engine.core.parallel import head_range, split, split_attention, split_cols, split_head, split_mlp, split_rows
+from fx_engine.core.models.skeleton import PipelineStage, cut_layers
+from fx_engine.core.models.ssm import conv_weight
+from fx_engine.core.nn import Linear, Numerics, linear, rms_norm
+from fx_engine.core.splits import head_range, split, split_attention, split_cols, split_head, split_mlp, split_rows
 from fx_engine.core.recurrent import causal_conv
 from fx_engine.core.tree import static_field
 
@@ -118,7 +120,7 @@ class Lfm2Params:
     config: Lfm2Config = static_field()
     numerics: Numerics = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")
-    pipeline: tuple = static_field(default=())  # a pipeline stage's (rank, ranks, first layer, all layers)
+    pipeline: PipelineStage | None = static_field(default=None)  # a stage's (core/parallel.stage_params)
 
     @property
     def lm_head(self) -> None:  # always tied
@@ -156,17 +158,16 @@ def short_conv(p: Lfm2Params, lp: ConvLayer, x: mx.array, entry: Any, spec: Laye
 def _layer(p: Lfm2Params, lp: Any, h: mx.array, entry: Any, spec: LayerSpec, rope: Any,
            geo: StepGeometry) -> tuple[mx.array, Any]:
     if not isinstance(lp, ConvLayer):
-        return llama._layer(p, lp, h, entry, spec, rope, geo)
+        return decoder_layer(p, lp, h, entry, spec, rope, geo)
     cfg, num = p.config, p.numerics
     a, entry = short_conv(p, lp, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, geo)
     h = h + a
-    x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
-    return h + linear(swiglu_fused(linear(x, lp.gate_up, num), num), lp.down, num), entry
+    return h + swiglu_mlp(rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num), lp.gate_up, lp.down, num), entry
 
 
 def forward(p: Lfm2Params, cache: KVCache, tokens: mx.array, n_valid: mx.array,
             span: int | None = None) -> tuple[mx.array, KVCache]:
-    """Same contract as `fx_engine.core.models.llama.forward`."""
+    """Same contract as `skeleton.decoder_step` (the Llama decoder, conv layers among its own)."""
     return llama.forward(p, cache, tokens, n_valid, span, layer_fn=_layer)
 
 
@@ -175,41 +176,33 @@ def hidden_to_logits(p: Lfm2Params, h: mx.array) -> mx.array:
 
 
 def assemble(cfg: Lfm2Config, src: TensorSource, opts: LoadOptions) -> Lfm2Params:
-    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    rd, dtype, where = Reader(src, opts), opts.dtype, opts.where
     h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
-
-    def lin(name: str, out_f: int, in_f: int, b: bool = False) -> Linear:
-        return read_linear(src, name, out_f, in_f, opts.quant_for(name), b, where)
-
-    def vec(name: str, n: int) -> mx.array:
-        return src.get(name, (n,), where).astype(dtype)
-
     layers: list[Any] = []
     for i, conv in enumerate(cfg.conv_layers):
         p = f"model.layers.{i}."
         f = p + "feed_forward."
-        mlp = dict(mlp_norm=vec(p + "ffn_norm.weight", h),
-                   gate_up=fuse([lin(f + "w1", ff, h), lin(f + "w3", ff, h)], dtype, keep),
-                   down=finish(lin(f + "w2", h, ff), dtype, keep))
+        mlp = dict(mlp_norm=rd.vec(p + "ffn_norm.weight", h),
+                   gate_up=rd.fused([rd.raw(f + "w1", ff, h), rd.raw(f + "w3", ff, h)]),
+                   down=rd.linear(f + "w2", h, ff))
         if conv:
             c = p + "conv."
             layers.append(ConvLayer(
-                attn_norm=vec(p + "operator_norm.weight", h),
-                in_proj=finish(lin(c + "in_proj", 3 * h, h, cfg.conv_bias), dtype, keep),
+                attn_norm=rd.vec(p + "operator_norm.weight", h),
+                in_proj=rd.linear(c + "in_proj", 3 * h, h, cfg.conv_bias),
                 conv_w=conv_weight(src, c + "conv.weight", h, cfg.conv_kernel, where).astype(dtype),
-                conv_b=vec(c + "conv.bias", h) if cfg.conv_bias else None,
-                out_proj=finish(lin(c + "out_proj", h, h, cfg.conv_bias), dtype, keep), **mlp))
+                conv_b=rd.vec(c + "conv.bias", h) if cfg.conv_bias else None,
+                out_proj=rd.linear(c + "out_proj", h, h, cfg.conv_bias), **mlp))
         else:
             a = p + "self_attn."
             layers.append(LayerParams(
-                attn_norm=vec(p + "operator_norm.weight", h),
-                qkv=fuse([lin(a + n, rows, h) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))],
-                         dtype, keep),
-                o=finish(lin(a + "out_proj", h, hq), dtype, keep),
-                q_norm=vec(a + "q_layernorm.weight", hd), k_norm=vec(a + "k_layernorm.weight", hd), **mlp))
-    return Lfm2Params(embed=finish(lin("model.embed_tokens", cfg.vocab_size, h), dtype, keep, table=True),
-                      layers=tuple(layers), norm=vec("model.embedding_norm.weight", h), config=cfg,
+                attn_norm=rd.vec(p + "operator_norm.weight", h),
+                qkv=rd.fused([rd.raw(a + n, rows, h) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))]),
+                o=rd.linear(a + "out_proj", h, hq),
+                q_norm=rd.vec(a + "q_layernorm.weight", hd), k_norm=rd.vec(a + "k_layernorm.weight", hd), **mlp))
+    return Lfm2Params(embed=rd.table("model.embed_tokens", cfg.vocab_size, h),
+                      layers=tuple(layers), norm=rd.vec("model.embedding_norm.weight", h), config=cfg,
                       numerics=opts.numerics, dtype=opts.dtype_name)
 
 

@@ -16,12 +16,17 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-from fx_engine.core.cache import (KVCache, LayerSpec, StepGeometry, advanced, attend_entry, dense_layout, write_entry)
-from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear)
-from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, gguf_value, positive_int, required, token_ids)
-from fx_engine.core.models.family import Family, cut_layers, stage_input, stage_logits, stage_output
-from fx_engine.core.nn import (Linear, Numerics, apply_rope, embed, linear, rms_norm, rope_tables, scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
-from fx_engine.core.parallel import shard_decoder
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, dense_layout
+from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec
+from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, gguf_hf_config, gguf_value, positive_int,
+                                   required, token_ids)
+from fx_engine.core.models.blocks import (Reader, apply_partial_rope, decoder_layer, rope_freqs, rope_mscale,
+                                          scaled_rope, self_attention)
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.skeleton import (PipelineStage, cut_layers, decoder_step, embedded_tokens, final_rms_norm,
+                                            stage_logits)
+from fx_engine.core.nn import Linear, Numerics, linear
+from fx_engine.core.splits import shard_decoder
 from fx_engine.core.tree import static_field
 
 
@@ -243,8 +248,6 @@ def _ministral3_from_gguf(md: dict[str, Any], source: str) -> LlamaConfig:
     mscale_all_dim, written as is, with mscale 1 as llama.cpp assumes;
     attention.temperature_scale is llama_4_scaling_beta, whose position floor llama.cpp
     takes from the original context), then the Hugging Face path."""
-    from fx_engine.core.config import gguf_hf_config
-
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, "mistral3", key, source, default)
 
@@ -287,93 +290,8 @@ class Params:
     config: LlamaConfig = static_field()
     numerics: Numerics = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")  # activation/cache dtype name
-    # pipeline parallelism (core/parallel.py): (rank, ranks, first layer, all layers) when
-    # these params hold one stage's layers; () the whole model
-    pipeline: tuple = static_field(default=())
-
-
-def _rope(p: Any, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    cfg = p.config
-    scale = 1.0
-    if cfg.rope_type == "linear":
-        scale = 1.0 / float(dict(cfg.rope_scaling)["factor"])
-    cos, sin, perm = rope_tables(
-        positions, cfg.head_dim, base=cfg.rope_theta, scale=scale,
-        freqs=p.rope_freqs, traditional=cfg.rope_traditional,
-    )
-    m = rope_mscale(cfg)
-    if m != 1.0:  # rotation is linear: scaling the tables scales the rotated q and k
-        cos, sin = cos * m, sin * m
-    dt = _dtype(p)  # tables in float32, applied in the activation dtype (no silent upcast)
-    return cos.astype(dt), sin.astype(dt), perm.astype(dt)
-
-
-def _apply_rope(x: mx.array, rope: tuple, head_dim: int, num: Numerics, traditional: bool) -> mx.array:
-    """RoPE over the first rope-table-width dims of each head (partial rotary: the rest
-    pass through, as mlx-lm's nn.RoPE(dims < head_dim) does)."""
-    rd = rope[0].shape[-1]
-    if rd == head_dim:
-        return apply_rope(x, *rope, num, traditional)
-    return mx.concatenate([apply_rope(x[..., :rd], *rope, None, traditional), x[..., rd:]], axis=-1)
-
-
-def self_attention(
-    p: Any, lp: Any, x: mx.array, entry: Any, spec: LayerSpec,
-    rope: tuple[mx.array, mx.array, mx.array] | None, geo: StepGeometry,
-) -> tuple[mx.array, Any]:
-    """The Llama family's attention block on normalized x [B*T, H] -> (o_proj output
-    [B*T, H], the written cache entry). lp holds qkv (fused), o and optional q_norm/k_norm:
-    per head (qwen3: a weight of head_dim) or over the whole projection (OLMoE: a weight of
-    heads * head_dim; with one head the two are the same), and optional sinks [heads]
-    (GPT-OSS's attention sinks). rope None: no positional rotation (SmolLM3's NoPE layers)."""
-    cfg, num = p.config, p.numerics
-    b, t = geo.positions.shape
-    hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    eps = cfg.rms_norm_eps
-    qkv = linear(x, lp.qkv, num)
-    widths = getattr(cfg, "qk_norm_width", ())  # (over every head, but this rank holds some heads)
-    whole = lp.q_norm is not None and (lp.q_norm.shape[-1] != d or bool(widths))
-    if whole:  # norms over whole projections
-        qkv = mx.concatenate([rms_norm(qkv[:, : hq * d], lp.q_norm, eps, num, widths[0] if widths else None,
-                                       lp.o.group),
-                              rms_norm(qkv[:, hq * d : (hq + hk) * d], lp.k_norm, eps, num,
-                                       widths[1] if widths else None, lp.o.group),
-                              qkv[:, (hq + hk) * d :]], axis=-1)
-    qkv = qkv.reshape(b, t, hq + 2 * hk, d)
-    if lp.q_norm is not None and not whole:  # qwen3: per-head, before RoPE
-        qk = mx.concatenate(
-            [rms_norm(qkv[:, :, :hq], lp.q_norm, eps), rms_norm(qkv[:, :, hq : hq + hk], lp.k_norm, eps)],
-            axis=2)
-    else:
-        qk = qkv[:, :, : hq + hk]
-    if rope is not None:
-        qk = _apply_rope(qk, rope, d, num, cfg.rope_traditional)  # q and k together: one pass
-    q = qk[:, :, :hq]
-    beta = getattr(cfg, "attn_temp_beta", 0.0)
-    if beta:  # ministral3: a query temperature growing with the position (Llama 4's)
-        pos = geo.positions.astype(mx.float32)
-        temp = 1 + beta * mx.log(1 + mx.floor(pos / cfg.attn_temp_max_pos))
-        q = q * temp[:, :, None, None].astype(q.dtype)
-    k = qk[:, :, hq:].transpose(0, 2, 1, 3)
-    v = qkv[:, :, hq + hk :].transpose(0, 2, 1, 3)
-    # Write first, then attend over the written arrays (so the update can be in place).
-    entry = write_entry(entry, spec, k, v, geo, num)
-    scale = getattr(cfg, "attention_multiplier", None) or d**-0.5
-    o = attend_entry(entry, spec, q, geo, scale, num, sinks=getattr(lp, "sinks", None))
-    return linear(o.reshape(b * t, hq * d), lp.o, num), entry
-
-
-def _layer(
-    p: Any, lp: LayerParams, h: mx.array, entry: Any, spec: LayerSpec,
-    rope: tuple[mx.array, mx.array, mx.array], geo: StepGeometry,
-) -> tuple[mx.array, Any]:
-    cfg, num = p.config, p.numerics
-    a, entry = self_attention(p, lp, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, rope, geo)
-    m = getattr(cfg, "residual_multiplier", 1.0)
-    h = h + (a if m == 1.0 else a * m)
-    x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
-    r = linear(swiglu_fused(linear(x, lp.gate_up, num), num), lp.down, num)
-    return h + (r if m == 1.0 else r * m), entry
+    # pipeline parallelism (core/parallel.py): the stage these params hold; None the whole model
+    pipeline: PipelineStage | None = static_field(default=None)
 
 
 def cache_specs(cfg: LlamaConfig) -> tuple[LayerSpec, ...]:
@@ -389,45 +307,32 @@ def forward(
     p: Any, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None, rope_fn: Any = None, layer_fn: Any = None, final_norm: Any = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
-    """Run T tokens per row from each row's current length; advance lengths by n_valid.
+    """The Llama decoder's step (`skeleton.decoder_step`'s contract): per layer attention
+    then a SwiGLU MLP, each a pre-norm residual branch.
 
-    span (static): attend over cache slots [0, span) only; the caller guarantees
-    max(lengths) + T <= span <= capacity (see `span_bucket`). None: the whole capacity.
-
-    Returns the final-norm hidden states [B, T, hidden] and the new cache. Positions past
-    a row's n_valid (and past the capacity) are computed but written to the cache's sink
-    slot: a row's valid entries are never touched by another row's step.
-
-    rope_fn(params, positions [B, T]) -> (cos, sin, perm) tables over the rotated dims
-    (fewer than head_dim: partial rotary); families that share this decoder pass their own,
-    and their own layer_fn(params, layer params, h, entry, spec, rope, geo) -> (h, entry)
-    (mixture-of-experts MLPs) and final_norm(h) (LayerNorm families).
+    Families that share this decoder pass their own rope_fn(params, positions [B, T]) ->
+    (cos, sin, perm) tables over the rotated dims (fewer than head_dim: partial rotary),
+    layer_fn(params, layer params, h, entry, spec, rope, geo) -> (h, entry) (mixture-of-
+    experts MLPs) and final_norm(h) (LayerNorm families).
     """
-    b, t = tokens.shape
-    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    # The residual stream is kept 2-D [B*T, hidden]: matmuls on 2-D inputs need no
-    # flatten/unflatten nodes (each graph node costs ~10 us on CPU).
-    def embedded() -> mx.array:
-        x = embed(tokens.reshape(-1), p.embed).astype(_dtype(p))
-        m = getattr(p.config, "embedding_multiplier", 1.0)
-        return x if m == 1.0 else x * m
+    def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
+        rope = (rope_fn or scaled_rope)(p, geo.positions)  # shared by every layer
+        nope = getattr(p.config, "no_rope_layers", ())
+        entries = []
+        for i, (lp, entry, spec) in enumerate(zip(p.layers, cache.layers, cache.layout)):
+            h, entry = (layer_fn or decoder_layer)(p, lp, h, entry, spec, None if i in nope else rope, geo)
+            entries.append(entry)
+        return h, entries
 
-    h = stage_input(p, b * t, embedded)
-    rope = (rope_fn or _rope)(p, geo.positions)  # shared by every layer
-    nope = getattr(p.config, "no_rope_layers", ())
-    entries = []
-    for i, (lp, entry, spec) in enumerate(zip(p.layers, cache.layers, cache.layout)):
-        h, entry = (layer_fn or _layer)(p, lp, h, entry, spec, None if i in nope else rope, geo)
-        entries.append(entry)
-    handed = stage_output(p, h)
-    if handed is not None:  # not the last stage: the stream went on (no norm, no head)
-        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
-    h = final_norm(h) if final_norm else rms_norm(h, p.norm, p.config.rms_norm_eps, p.numerics)
-    return h.reshape(b, t, -1), advanced(cache, entries, geo)
+    return decoder_step(p, cache, tokens, n_valid, span, layers, embedded=_embedded,
+                        final_norm=(lambda _, h: final_norm(h)) if final_norm else final_rms_norm)
 
 
-def _dtype(p: Any) -> mx.Dtype:
-    return getattr(mx, p.dtype)
+def _embedded(p: Any, tokens: mx.array) -> mx.array:
+    """The embeddings, times granite's embedding_multiplier."""
+    x = embedded_tokens(p, tokens)
+    m = getattr(p.config, "embedding_multiplier", 1.0)
+    return x if m == 1.0 else x * m
 
 
 def hidden_to_logits(p: Any, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
@@ -443,7 +348,7 @@ def hidden_to_logits(p: Any, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N 
 # ------------------------------------------------------------------ checkpoints
 
 
-_HF_NAMES = {
+HF_NAMES = {
     "embed": "model.embed_tokens", "norm": "model.norm.weight", "lm_head": "lm_head",
     "layer": "model.layers.{i}.",
     "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
@@ -452,7 +357,7 @@ _HF_NAMES = {
     "mlp_norm": "post_attention_layernorm.weight", "gate": "mlp.gate_proj",
     "up": "mlp.up_proj", "down": "mlp.down_proj",
 }
-_GGUF_NAMES = {
+GGUF_NAMES = {
     "embed": "token_embd", "norm": "output_norm.weight", "lm_head": "output",
     "layer": "blk.{i}.",
     "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
@@ -464,7 +369,7 @@ _GGUF_NAMES = {
 
 def assemble(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Params:
     """Params from Hugging Face / mlx-community tensor names."""
-    return _assemble(cfg, src, opts, _HF_NAMES)
+    return _assemble(cfg, src, opts, HF_NAMES)
 
 
 def assemble_gguf(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Params:
@@ -472,7 +377,7 @@ def assemble_gguf(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Par
     rows were permuted for interleaved RoPE, and Llama-3 rope scaling is stored as
     per-frequency factors (rope_freqs.weight)."""
     fixed = unpermuted_qk(cfg, src) if cfg.model_type in ("llama", "granite", "smollm3", "ministral3") else src
-    params = _assemble(cfg, fixed, opts, _GGUF_NAMES)
+    params = _assemble(cfg, fixed, opts, GGUF_NAMES)
     if fixed.has("rope_freqs.weight"):
         # the rotation period of pair i is base^(2i/d) * factor_i
         factors = fixed.get("rope_freqs.weight", (cfg.head_dim // 2,), opts.where).astype(mx.float32)
@@ -497,59 +402,39 @@ def unpermuted_qk(cfg: Any, src: TensorSource) -> TensorSource:
 
 
 def _assemble(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions, names: dict[str, str]) -> Params:
-    dtype, keep_quantized, where = opts.dtype, opts.keep_quantized, opts.where
+    rd = Reader(src, opts)
     if cfg.tie_word_embeddings is None:
         cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has(names["lm_head"] + ".weight"))
     hid, hd = cfg.hidden_size, cfg.head_dim
     hq, hk, ff = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
-
-    def lin(name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
-        return read_linear(src, name, out_f, in_f, opts.quant_for(name), bias, where)
-
-    def vec(name: str, n: int) -> mx.array:
-        return src.get(name, (n,), where).astype(dtype)
-
     layers = []
     for i in range(cfg.num_layers):
         pre = names["layer"].format(i=i)
-        q = lin(pre + names["q"], hq, hid, cfg.qkv_bias)
-        k = lin(pre + names["k"], hk, hid, cfg.qkv_bias)
-        v = lin(pre + names["v"], hk, hid, cfg.qkv_bias)
+        q = rd.raw(pre + names["q"], hq, hid, cfg.qkv_bias)
+        k = rd.raw(pre + names["k"], hk, hid, cfg.qkv_bias)
+        v = rd.raw(pre + names["v"], hk, hid, cfg.qkv_bias)
         layers.append(
             LayerParams(
-                attn_norm=vec(pre + names["attn_norm"], hid),
-                qkv=fuse([q, k, v], dtype, keep_quantized),
-                o=finish(lin(pre + names["o"], hid, hq, cfg.o_bias), dtype, keep_quantized),
-                mlp_norm=vec(pre + names["mlp_norm"], hid),
-                gate_up=fuse(
-                    [lin(pre + names["gate"], ff, hid, cfg.mlp_bias),
-                     lin(pre + names["up"], ff, hid, cfg.mlp_bias)], dtype, keep_quantized,
-                ),
-                down=finish(lin(pre + names["down"], hid, ff, cfg.mlp_bias), dtype, keep_quantized),
-                q_norm=vec(pre + names["q_norm"], hd) if cfg.qk_norm else None,
-                k_norm=vec(pre + names["k_norm"], hd) if cfg.qk_norm else None,
+                attn_norm=rd.vec(pre + names["attn_norm"], hid),
+                qkv=rd.fused([q, k, v]),
+                o=rd.linear(pre + names["o"], hid, hq, cfg.o_bias),
+                mlp_norm=rd.vec(pre + names["mlp_norm"], hid),
+                gate_up=rd.fused([rd.raw(pre + names["gate"], ff, hid, cfg.mlp_bias),
+                                  rd.raw(pre + names["up"], ff, hid, cfg.mlp_bias)]),
+                down=rd.linear(pre + names["down"], hid, ff, cfg.mlp_bias),
+                q_norm=rd.vec(pre + names["q_norm"], hd) if cfg.qk_norm else None,
+                k_norm=rd.vec(pre + names["k_norm"], hd) if cfg.qk_norm else None,
             )
         )
-    embed = finish(lin(names["embed"], cfg.vocab_size, hid), dtype, keep_quantized, table=True,
-                   lookup_only=not cfg.tie_word_embeddings)
+    embed = rd.table(names["embed"], cfg.vocab_size, hid, lookup_only=not cfg.tie_word_embeddings)
     lm_head = None
     if not cfg.tie_word_embeddings:
-        lm_head = finish(lin(names["lm_head"], cfg.vocab_size, hid), dtype, keep_quantized)
+        lm_head = rd.linear(names["lm_head"], cfg.vocab_size, hid)
     return Params(
-        embed=embed, layers=tuple(layers), norm=vec(names["norm"], hid), lm_head=lm_head,
+        embed=embed, layers=tuple(layers), norm=rd.vec(names["norm"], hid), lm_head=lm_head,
         rope_freqs=rope_freqs(cfg), config=cfg, numerics=opts.numerics,
         dtype=opts.dtype_name,
     )
-
-
-def rope_mscale(cfg: LlamaConfig) -> float:
-    """The factor on the rotated dims of q and k (see `nn.scaled_rope_mscale`)."""
-    return scaled_rope_mscale(dict(cfg.rope_scaling or ()), cfg.max_position_embeddings)
-
-
-def rope_freqs(cfg: LlamaConfig) -> mx.array | None:
-    """The per-pair rotation periods of a scaled RoPE (see `nn.scaled_rope_freqs`)."""
-    return scaled_rope_freqs(dict(cfg.rope_scaling or ()), cfg.head_dim, cfg.rope_theta)
 
 
 def unpermute_rows(x: mx.array, n_head: int) -> mx.array:
@@ -634,6 +519,12 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             cfg.setdefault(k, v)
     return cfg
 
+
+# names other modules and tests imported before the blocks moved out (core/models/blocks.py)
+_HF_NAMES, _GGUF_NAMES, _rope, _apply_rope, _layer = HF_NAMES, GGUF_NAMES, scaled_rope, apply_partial_rope, decoder_layer
+__all__ = ["FAMILY", "GGUF_NAMES", "HF_NAMES", "LayerParams", "LlamaConfig", "Params", "assemble", "assemble_gguf",
+           "checkpoint_layout", "config_from_gguf", "config_from_hf", "decoder_layer", "forward", "hidden_to_logits", "layer_range",
+           "rope_freqs", "rope_mscale", "self_attention", "unpermute_rows", "unpermuted_qk"]
 
 _TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
          "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -2,7 +2,7 @@
 `olmoe` and `glm4_moe`, following mlx-lm 0.32's implementations (the parity oracle) and Hugging Face's
 configs.
 
-Attention is the Llama family's (`llama.self_attention`: fused q|k|v, GQA, RoPE; qwen3_moe's
+Attention is the Llama family's (`blocks.self_attention`: fused q|k|v, GQA, RoPE; qwen3_moe's
 per-head q/k norms, qwen2_moe's q/k/v biases, OLMoE's q/k norms over whole projections);
 the MLP of each MoE layer is a router over E experts, each token's top-k experts (gated
 SwiGLU MLPs, stacked [E, ...] and run through `nn.routed_glu`: only the chosen experts'
@@ -33,13 +33,19 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
-from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, renamed, TensorSource, TensorSpec, finish, fuse, fuse_experts, read_experts, read_linear, finish_experts)
+from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, read_experts, renamed
 from fx_engine.core.config import ConfigError, gguf_grouped_experts, gguf_hf_config, gguf_value, positive_int
-from fx_engine.core.models import llama
+import fx_engine.core.models.llama as llama
+from fx_engine.core.models.blocks import (GGUF_GROUPED_EXPERT_NAMES, HF_EXPERT_NAMES, STACKED_EXPERT_NAMES, Experts,
+                                          Reader, expert_stacks, grouped_route, mixture, read_shared_expert,
+                                          rope_freqs, rope_in, route, self_attention, swiglu_mlp)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
-from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, rope_tables, routed_mixture, swiglu_fused
-from fx_engine.core.parallel import shard_decoder
+from fx_engine.core.nn import Linear, rms_norm
+from fx_engine.core.splits import shard_decoder
+
+__all__ = ["FAMILY", "Experts", "GGUF_GROUPED_EXPERT_NAMES", "MoEConfig", "MoELayer", "MoEParams", "grouped_route",
+           "route"]  # (Experts, route, grouped_route: core/models/blocks.py's, kept here too)
 
 
 @attrs.frozen
@@ -144,21 +150,6 @@ def _glm4_moe_config(d: dict[str, Any], layers: int, source: str) -> MoEConfig:
 
 
 @attrs.frozen
-class Experts:
-    """A layer's routed experts: the router [E, H], the stacked expert MLPs (gate_up
-    [E, 2F, H] fused, down [E, H, F]; dense ones stored transposed for gather_mm), and
-    qwen2_moe's shared expert with its gate [1, H]."""
-
-    router: Linear
-    gate_up: Linear
-    down: Linear
-    shared_gate_up: Linear | None = None
-    shared_down: Linear | None = None
-    shared_gate: Linear | None = None  # None: the shared expert is added ungated
-    correction_bias: mx.array | None = None  # grouped sigmoid routing's selection bias [E]
-
-
-@attrs.frozen
 class MoELayer:
     attn_norm: mx.array
     qkv: Linear
@@ -180,80 +171,25 @@ def cache_specs(cfg: MoEConfig) -> tuple[LayerSpec, ...]:
     return llama.cache_specs(cfg)
 
 
-def route(logits: Float[mx.array, "N E"], k: int, softmax_then_topk: bool = True,
-          norm_topk_prob: bool = False) -> tuple[Int[mx.array, "N K"], Float[mx.array, "N K"]]:
-    """Each token's top-k experts and their weights (as mlx-lm computes them): softmax over
-    all experts then the k largest (renormalized if norm_topk_prob), or the k largest logits
-    then a softmax over those (mixtral, gpt_oss)."""
-    if not softmax_then_topk:  # the k largest logits, softmax over them
-        idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
-        return idx, mx.softmax(mx.take_along_axis(logits, idx, axis=-1), axis=-1, precise=True)
-    probs = mx.softmax(logits, axis=-1, precise=True)
-    idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
-    w = mx.take_along_axis(probs, idx, axis=-1)
-    if norm_topk_prob:
-        w = w / w.sum(axis=-1, keepdims=True)
-    return idx, w
-
-
-def grouped_route(
-    logits: Float[mx.array, "N E"], correction_bias: mx.array, k: int, n_group: int, topk_group: int,
-    norm_topk_prob: bool, scale: float,
-) -> tuple[Int[mx.array, "N K"], Float[mx.array, "N K"]]:
-    """DeepSeek-V3's routing (mlx-lm's group_expert_select): sigmoid scores plus a
-    correction bias choose the top-k experts within the topk_group best of n_group groups
-    (a group scored by its two best); the weights are the sigmoid scores themselves,
-    renormalized if norm_topk_prob (k > 1), times `scale`."""
-    scores = mx.sigmoid(logits.astype(mx.float32))
-    chosen = scores + correction_bias
-    if n_group > 1:
-        grouped = mx.unflatten(chosen, axis=-1, shape=(n_group, -1))
-        best = mx.topk(grouped, 2, axis=-1).sum(axis=-1, keepdims=True)  # [N, G, 1]
-        drop = n_group - topk_group
-        if drop:
-            worst = mx.argpartition(best, kth=drop - 1, axis=-2)[..., :drop, :]
-            grouped = mx.put_along_axis(grouped, worst, mx.array(0.0), axis=-2)
-        chosen = mx.flatten(grouped, -2, -1)
-    idx = mx.argpartition(-chosen, kth=k - 1, axis=-1)[..., :k]
-    w = mx.take_along_axis(scores, idx, axis=-1)
-    if k > 1 and norm_topk_prob:
-        w = w / w.sum(axis=-1, keepdims=True)
-    return idx, w * scale
-
-
-def _mixture(cfg: MoEConfig, ex: Experts, x: mx.array, num: Numerics) -> mx.array:
-    logits = linear(x, ex.router, num)
-    if cfg.grouped_sigmoid:
-        idx, w = grouped_route(logits, ex.correction_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
-                               cfg.norm_topk_prob, cfg.routed_scaling_factor)
-    else:
-        idx, w = route(logits, cfg.top_k, cfg.softmax_then_topk, cfg.norm_topk_prob)
-    y = routed_mixture(x, ex.gate_up, ex.down, idx, w, lambda gu: swiglu_fused(gu, num), num)  # [N, H]
-    if ex.shared_gate_up is not None:
-        s = linear(swiglu_fused(linear(x, ex.shared_gate_up, num), num), ex.shared_down, num)
-        y = y + (s if ex.shared_gate is None else mx.sigmoid(linear(x, ex.shared_gate, num)) * s)
-    return y
-
-
 def _layer(
     p: MoEParams, lp: MoELayer, h: mx.array, entry: Any, spec: LayerSpec,
     rope: tuple[mx.array, mx.array, mx.array], geo: StepGeometry,
 ) -> tuple[mx.array, Any]:
     cfg, num = p.config, p.numerics
     eps = cfg.rms_norm_eps
-    a, entry = llama.self_attention(p, lp, rms_norm(h, lp.attn_norm, eps, num), entry, spec, rope, geo)
+    a, entry = self_attention(p, lp, rms_norm(h, lp.attn_norm, eps, num), entry, spec, rope, geo)
     h = h + a
     x = rms_norm(h, lp.mlp_norm, eps, num)
     if lp.experts is None:
-        return h + linear(swiglu_fused(linear(x, lp.gate_up, num), num), lp.down, num), entry
-    return h + _mixture(cfg, lp.experts, x, num), entry
+        return h + swiglu_mlp(x, lp.gate_up, lp.down, num), entry
+    return h + mixture(cfg, lp.experts, x, num), entry
 
 
 def forward(
     p: MoEParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
-    """Same contract as `fx_engine.core.models.llama.forward` (its decoder, routed MLPs)."""
+    """Same contract as `skeleton.decoder_step` (the Llama decoder, routed MLPs)."""
     return llama.forward(p, cache, tokens, n_valid, span, layer_fn=_layer,
                          rope_fn=_partial_rope if p.config.rope_dims else None)
 
@@ -261,13 +197,14 @@ def forward(
 def _partial_rope(p: MoEParams, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """RoPE tables over the first rope_dims of each head (glm4_moe; half-split pairs)."""
     cfg = p.config
-    cos, sin, perm = rope_tables(positions, cfg.rope_dims, base=cfg.rope_theta, scale=1.0, freqs=None,
-                                 traditional=cfg.rope_traditional)
-    dt = getattr(mx, p.dtype)
-    return cos.astype(dt), sin.astype(dt), perm.astype(dt)
+    return rope_in(positions, cfg.rope_dims, getattr(mx, p.dtype), base=cfg.rope_theta,
+                   traditional=cfg.rope_traditional)
 
 
 hidden_to_logits = llama.hidden_to_logits
+
+# names other modules and tests imported before the blocks moved out (core/models/blocks.py)
+_mixture, _STACKED = mixture, STACKED_EXPERT_NAMES
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -277,109 +214,70 @@ hidden_to_logits = llama.hidden_to_logits
 _HF_MOE = {
     "mixtral": ("block_sparse_moe.", "gate", ("experts.{e}.w1", "experts.{e}.w3", "experts.{e}.w2")),
 }
-_HF_MOE_DEFAULT = ("mlp.", "gate", ("experts.{e}.gate_proj", "experts.{e}.up_proj", "experts.{e}.down_proj"))
-_STACKED = ("switch_mlp.gate_proj", "switch_mlp.up_proj", "switch_mlp.down_proj")
+_HF_MOE_DEFAULT = ("mlp.", "gate", HF_EXPERT_NAMES)
 
 
 def assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEParams:
     """Params from Hugging Face / mlx-community tensor names."""
     block, router, per_expert = _HF_MOE.get(cfg.model_type, _HF_MOE_DEFAULT)
+    rd = Reader(src, opts)
 
     def experts(pre: str) -> Experts:
         e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         b = pre + block
         gate, up, down = (
             read_experts(src, b + stacked, b + one, e, o, i, opts.quant_for, opts.where)
-            for stacked, one, (o, i) in zip(_STACKED, per_expert, ((f, h), (f, h), (h, f))))
+            for stacked, one, (o, i) in zip(STACKED_EXPERT_NAMES, per_expert, ((f, h), (f, h), (h, f))))
         shared: dict[str, Any] = {}
+        s = cfg.shared_expert_intermediate_size
         if cfg.grouped_sigmoid:  # glm4_moe: ungated shared experts, the selection bias
-            shared = _shared(cfg, src, opts, b + "shared_experts.", None, ("gate_proj", "up_proj", "down_proj"))
+            shared = read_shared_expert(rd, h, s, b + "shared_experts.", None, ("gate_proj", "up_proj", "down_proj"))
             shared["correction_bias"] = src.get(b + router + ".e_score_correction_bias", (e,),
                                                 opts.where).astype(mx.float32)
-        elif cfg.shared_expert_intermediate_size:
-            shared = _shared(cfg, src, opts, b + "shared_expert.", b + "shared_expert_gate",
-                             ("gate_proj", "up_proj", "down_proj"))
-        return Experts(router=_lin(src, opts, b + router, e, h), **_stacks(gate, up, down, opts), **shared)
+        elif s:
+            shared = read_shared_expert(rd, h, s, b + "shared_expert.", b + "shared_expert_gate",
+                                        ("gate_proj", "up_proj", "down_proj"))
+        return Experts(router=rd.linear(b + router, e, h), **expert_stacks(gate, up, down, opts), **shared)
 
-    return _assemble(cfg, src, opts, llama._HF_NAMES, experts)
-
-
-def _lin(src: TensorSource, opts: LoadOptions, name: str, out_f: int, in_f: int) -> Linear:
-    return finish(read_linear(src, name, out_f, in_f, opts.quant_for(name), False, opts.where),
-                  opts.dtype, opts.keep_quantized)
-
-
-def _stacks(gate: Linear, up: Linear, down: Linear, opts: LoadOptions) -> dict[str, Linear]:
-    fused = fuse_experts(gate, up, opts.dtype, opts.keep_quantized)
-    return {"gate_up": fused, "down": finish_experts(down, opts.dtype, opts.keep_quantized)}
-
-
-def _shared(cfg: MoEConfig, src: TensorSource, opts: LoadOptions, pre: str, gate_name: str | None,
-            names: tuple[str, str, str]) -> dict[str, Any]:
-    h, s = cfg.hidden_size, cfg.shared_expert_intermediate_size
-    if not s:
-        return {}
-    parts = [read_linear(src, pre + n, s, h, opts.quant_for(pre + n), False, opts.where) for n in names[:2]]
-    out = {"shared_gate_up": fuse(parts, opts.dtype, opts.keep_quantized),
-           "shared_down": _lin(src, opts, pre + names[2], h, s)}
-    if gate_name is not None:
-        out["shared_gate"] = _lin(src, opts, gate_name, 1, h)
-    return out
+    return _assemble(cfg, src, opts, llama.HF_NAMES, experts)
 
 
 def _assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions, names: dict[str, str],
               experts: Any) -> MoEParams:
     """The attention, norms, dense MLPs and head from `names` (llama's HF or GGUF names);
     each MoE layer's experts from `experts(layer prefix)`."""
-    dtype, keep_quantized, where = opts.dtype, opts.keep_quantized, opts.where
+    rd = Reader(src, opts)
     if cfg.tie_word_embeddings is None:
         cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has(names["lm_head"] + ".weight"))
     hid, hd = cfg.hidden_size, cfg.head_dim
     hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
     # per-head q/k norms (qwen3_moe, glm4_moe) or over the whole projection (olmoe)
     qn, kn = (hq, hk) if cfg.model_type == "olmoe" else (hd, hd)
-
-    def lin(name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
-        return read_linear(src, name, out_f, in_f, opts.quant_for(name), bias, where)
-
-    def vec(name: str, n: int) -> mx.array:
-        return src.get(name, (n,), where).astype(dtype)
-
     layers = []
     for i in range(cfg.num_layers):
         pre = names["layer"].format(i=i)
-        qkv = [lin(pre + names[n], rows, hid, cfg.qkv_bias) for n, rows in (("q", hq), ("k", hk), ("v", hk))]
+        qkv = [rd.raw(pre + names[n], rows, hid, cfg.qkv_bias) for n, rows in (("q", hq), ("k", hk), ("v", hk))]
         mlp: dict[str, Any] = {}
         if cfg.moe_layers[i]:
             mlp["experts"] = experts(pre)
         else:
             ff = cfg.intermediate_size
-            mlp["gate_up"] = fuse([lin(pre + names["gate"], ff, hid), lin(pre + names["up"], ff, hid)],
-                                  dtype, keep_quantized)
-            mlp["down"] = finish(lin(pre + names["down"], hid, ff), dtype, keep_quantized)
+            mlp["gate_up"] = rd.fused([rd.raw(pre + names["gate"], ff, hid), rd.raw(pre + names["up"], ff, hid)])
+            mlp["down"] = rd.linear(pre + names["down"], hid, ff)
         layers.append(MoELayer(
-            attn_norm=vec(pre + names["attn_norm"], hid), qkv=fuse(qkv, dtype, keep_quantized),
-            o=finish(lin(pre + names["o"], hid, hq, cfg.o_bias), dtype, keep_quantized),
-            mlp_norm=vec(pre + names["mlp_norm"], hid),
-            q_norm=vec(pre + names["q_norm"], qn) if cfg.qk_norm else None,
-            k_norm=vec(pre + names["k_norm"], kn) if cfg.qk_norm else None, **mlp,
+            attn_norm=rd.vec(pre + names["attn_norm"], hid), qkv=rd.fused(qkv),
+            o=rd.linear(pre + names["o"], hid, hq, cfg.o_bias),
+            mlp_norm=rd.vec(pre + names["mlp_norm"], hid),
+            q_norm=rd.vec(pre + names["q_norm"], qn) if cfg.qk_norm else None,
+            k_norm=rd.vec(pre + names["k_norm"], kn) if cfg.qk_norm else None, **mlp,
         ))
-    embed = finish(lin(names["embed"], cfg.vocab_size, hid), dtype, keep_quantized, table=True,
-                   lookup_only=not cfg.tie_word_embeddings)
-    head = None if cfg.tie_word_embeddings else finish(lin(names["lm_head"], cfg.vocab_size, hid),
-                                                       dtype, keep_quantized)
-    return MoEParams(embed=embed, layers=tuple(layers), norm=vec(names["norm"], hid), lm_head=head,
-                     rope_freqs=llama.rope_freqs(cfg), config=cfg, numerics=opts.numerics,
+    embed = rd.table(names["embed"], cfg.vocab_size, hid, lookup_only=not cfg.tie_word_embeddings)
+    head = None if cfg.tie_word_embeddings else rd.linear(names["lm_head"], cfg.vocab_size, hid)
+    return MoEParams(embed=embed, layers=tuple(layers), norm=rd.vec(names["norm"], hid), lm_head=head,
+                     rope_freqs=rope_freqs(cfg), config=cfg, numerics=opts.numerics,
                      dtype=opts.dtype_name)
 
 
-# llama.cpp's names of DeepSeek-V3-style routed experts (deepseek2, glm4moe) -> Hugging
-# Face's / mlx-lm's: the router, its selection bias, the stacks and the shared experts
-GGUF_GROUPED_EXPERT_NAMES = (
-    (r"\.ffn_gate_inp\.", ".mlp.gate."), (r"\.exp_probs_b\.bias$", ".mlp.gate.e_score_correction_bias"),
-    (r"\.ffn_(gate|up|down)_exps\.", r".mlp.switch_mlp.\1_proj."),
-    (r"\.ffn_(gate|up|down)_shexp\.", r".mlp.shared_experts.\1_proj."),
-)
 # glm4moe's (MTP / NextN layers past the decoder unused)
 _GLM4_MOE_GGUF_TO_HF = (
     (r"\.attn_norm\.", ".input_layernorm."), (r"\.post_attention_norm\.", ".post_attention_layernorm."),
@@ -401,18 +299,17 @@ def assemble_gguf(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEPa
         cfg = attrs.evolve(cfg, qk_norm=src.has("blk.0.attn_q_norm.weight"), qkv_bias=src.has("blk.0.attn_q.bias"))
         return assemble(cfg, renamed(src, _GLM4_MOE_GGUF_TO_HF), opts)
 
+    rd = Reader(src, opts)
+
     def experts(pre: str) -> Experts:
         e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         gate, up, down = (read_experts(src, pre + n + "_exps", pre + n + ".{e}", e, o, i, opts.quant_for, opts.where)
                           for n, (o, i) in (("ffn_gate", (f, h)), ("ffn_up", (f, h)), ("ffn_down", (h, f))))
-        shared = {}
-        if cfg.shared_expert_intermediate_size:
-            shared = _shared(cfg, src, opts, pre, pre + "ffn_gate_inp_shexp",
-                             ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"))
-        return Experts(router=_lin(src, opts, pre + "ffn_gate_inp", e, h),
-                       **_stacks(gate, up, down, opts), **shared)
+        shared = read_shared_expert(rd, h, cfg.shared_expert_intermediate_size, pre, pre + "ffn_gate_inp_shexp",
+                                    ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"))
+        return Experts(router=rd.linear(pre + "ffn_gate_inp", e, h), **expert_stacks(gate, up, down, opts), **shared)
 
-    return _assemble(cfg, src, opts, llama._GGUF_NAMES, experts)
+    return _assemble(cfg, src, opts, llama.GGUF_NAMES, experts)
 
 
 def config_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:

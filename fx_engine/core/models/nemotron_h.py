@@ -17,15 +17,16 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced
-from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, finish_experts, fuse, read_experts, read_linear)
-from fx_engine.core.config import BaseConfig, ConfigError, positive_int, required
-from fx_engine.core.models import llama
-from fx_engine.core.models.family import DecoderParams, Family, cut_layers, head_logits, stage_input, stage_output
-from fx_engine.core.models.mamba2 import MixerDims, MixerParams, mixer, mixer_layout, read_mixer
-from fx_engine.core.models.moe import grouped_route
-from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm, routed_mixture
-from fx_engine.core.parallel import (head_range, split, split_attention, split_cols, split_head, split_mixer, split_mlp,
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
+from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish_experts, read_experts
+from fx_engine.core.config import (BOOL, FLOAT, INT, BaseConfig, ConfigError, Field, listed_eos, positive_int,
+                                   read_fields)
+from fx_engine.core.models.blocks import Attention, Reader, grouped_route, self_attention
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, head_logits
+from fx_engine.core.models.ssm import MixerDims, MixerParams, mixer, mixer_layout, read_mixer
+from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, routed_mixture
+from fx_engine.core.splits import (head_range, split, split_attention, split_cols, split_head, split_mixer, split_mlp,
                                     split_rows)
 
 _KINDS = {"full_attention": "*", "attention": "*", "linear_attention": "M", "mamba": "M", "conv": "M",
@@ -52,7 +53,7 @@ class NemotronHConfig(BaseConfig):
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # the attention helpers (llama.self_attention) read these
+    # the attention helpers (blocks.self_attention) read these
     rope_traditional: bool = False
     tie_word_embeddings: bool = False
 
@@ -73,53 +74,46 @@ def _pattern(d: dict[str, Any], source: str) -> str:
     return pat
 
 
+# config.json's fields (read in this order; `read_fields`): required sizes, then optional ones
+_FIELDS = (
+    Field("hidden_size"), Field("num_attention_heads"), Field("n_groups"), Field("mamba_num_heads"),
+    Field("mamba_head_dim"), Field("ssm_state_size"), Field("conv_kernel"), Field("vocab_size"),
+    Field("layer_norm_epsilon", FLOAT, 1e-5), Field("n_routed_experts", INT, 0, or_default=True),
+    Field("intermediate_size", INT, 0, or_default=True), Field("attention_bias", BOOL, False),
+    Field("mlp_bias", BOOL, False), Field("mamba_proj_bias", BOOL, False), Field("use_conv_bias", BOOL, True),
+    Field("num_experts_per_tok", INT, 1, or_default=True), Field("moe_intermediate_size", INT, 0, or_default=True),
+    Field("moe_shared_expert_intermediate_size", INT, 0, or_default=True), Field("n_group", INT, 1, or_default=True),
+    Field("topk_group", INT, 1, or_default=True), Field("norm_topk_prob", BOOL, True),
+    Field("routed_scaling_factor", FLOAT, 1.0, or_default=True), Field("max_position_embeddings", INT, 4096),
+)
+
+
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> NemotronHConfig:
     pat = _pattern(d, source)
-    hidden = positive_int(required(d, "hidden_size", source), "hidden_size", source)
-    heads = positive_int(required(d, "num_attention_heads", source), "num_attention_heads", source)
-    kv = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source)
     if d.get("moe_latent_size"):
         raise ConfigError(f"{source}: field 'moe_latent_size' is not supported")
-    eps = float(d.get("layer_norm_epsilon", 1e-5))
+    f = read_fields(d, _FIELDS, source)
+    hidden, heads, groups, eps = f["hidden_size"], f["num_attention_heads"], f["n_groups"], f["layer_norm_epsilon"]
+    kv = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source)
     lim = d.get("time_step_limit") or (0.0, math.inf)
-    groups = positive_int(required(d, "n_groups", source), "n_groups", source)
-    mix = MixerDims(hidden=hidden, heads=positive_int(required(d, "mamba_num_heads", source), "mamba_num_heads", source),
-                    head_dim=positive_int(required(d, "mamba_head_dim", source), "mamba_head_dim", source),
-                    groups=groups, state=positive_int(required(d, "ssm_state_size", source), "ssm_state_size", source),
-                    kernel=positive_int(required(d, "conv_kernel", source), "conv_kernel", source),
-                    dt_min=float(lim[0]), dt_max=float(lim[1]), norm_eps=eps, norm_groups=groups)
-    experts = int(d.get("n_routed_experts") or 0)
+    mix = MixerDims(hidden=hidden, heads=f["mamba_num_heads"], head_dim=f["mamba_head_dim"], groups=groups,
+                    state=f["ssm_state_size"], kernel=f["conv_kernel"], dt_min=float(lim[0]), dt_max=float(lim[1]),
+                    norm_eps=eps, norm_groups=groups)
+    experts = f["n_routed_experts"]
     if "E" in pat and not experts:
         raise ConfigError(f"{source}: E (mixture-of-experts) layers need 'n_routed_experts'")
-    eos = d.get("eos_token_id")
     return NemotronHConfig(
-        model_type="nemotron_h", vocab_size=positive_int(required(d, "vocab_size", source), "vocab_size", source),
-        hidden_size=hidden, num_layers=len(pat), num_heads=heads, num_kv_heads=kv,
-        head_dim=int(d.get("head_dim") or hidden // heads),
-        intermediate_size=int(d.get("intermediate_size") or 0), rms_norm_eps=eps, pattern=pat, mixer=mix,
-        attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
-        mamba_bias=bool(d.get("mamba_proj_bias", False)), conv_bias=bool(d.get("use_conv_bias", True)),
-        num_experts=experts, top_k=int(d.get("num_experts_per_tok") or 1),
-        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
-        shared_intermediate_size=int(d.get("moe_shared_expert_intermediate_size") or 0)
-        if d.get("n_shared_experts") else 0,
-        n_group=int(d.get("n_group") or 1), topk_group=int(d.get("topk_group") or 1),
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
-        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-        bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else (),
+        model_type="nemotron_h", vocab_size=f["vocab_size"], hidden_size=hidden, num_layers=len(pat),
+        num_heads=heads, num_kv_heads=kv, head_dim=int(d.get("head_dim") or hidden // heads),
+        intermediate_size=f["intermediate_size"], rms_norm_eps=eps, pattern=pat, mixer=mix,
+        attention_bias=f["attention_bias"], mlp_bias=f["mlp_bias"], mamba_bias=f["mamba_proj_bias"],
+        conv_bias=f["use_conv_bias"], num_experts=experts, top_k=f["num_experts_per_tok"],
+        moe_intermediate_size=f["moe_intermediate_size"],
+        shared_intermediate_size=f["moe_shared_expert_intermediate_size"] if d.get("n_shared_experts") else 0,
+        n_group=f["n_group"], topk_group=f["topk_group"], norm_topk_prob=f["norm_topk_prob"],
+        routed_scaling_factor=f["routed_scaling_factor"], max_position_embeddings=f["max_position_embeddings"],
+        bos_token_id=d.get("bos_token_id"), eos_token_ids=listed_eos(d),
     )
-
-
-@attrs.frozen
-class Attention:
-    """An attention block's projections (llama.self_attention reads these; no q/k norms)."""
-
-    qkv: Linear
-    o: Linear
-    q_norm: None = None
-    k_norm: None = None
 
 
 @attrs.frozen
@@ -171,46 +165,41 @@ def _experts(cfg: NemotronHConfig, ex: ExpertsParams, x: mx.array, num: Numerics
 
 def forward(p: NemotronHParams, cache: KVCache, tokens: mx.array, n_valid: mx.array,
             span: int | None = None) -> tuple[mx.array, KVCache]:
-    """Same contract as `fx_engine.core.models.llama.forward`."""
+    """Same contract as `skeleton.decoder_step`: per layer, by the pattern, a Mamba-2 mixer
+    (M), attention (*), a ReLU^2 MLP (-) or routed experts (E), each a pre-norm residual
+    branch."""
     cfg, num = p.config, p.numerics
-    b, t = tokens.shape
-    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(getattr(mx, p.dtype)))
-    entries, at = list(cache.layers), 0
-    for kind, lp in zip(cfg.pattern, p.layers):
-        x = rms_norm(h, lp.norm, cfg.rms_norm_eps, num)
-        if kind == "M":
-            out, entries[at] = mixer(lp.block, cfg.mixer, x, entries[at], cache.layout[at], geo, num)
-            at += 1
-        elif kind == "*":
-            out, entries[at] = llama.self_attention(p, lp.block, x, entries[at], cache.layout[at], None, geo)
-            at += 1
-        elif kind == "-":
-            out = _mlp(lp.block, x, num)
-        else:
-            out = _experts(cfg, lp.block, x, num)
-        h = h + out
-    handed = stage_output(p, h)
-    if handed is not None:  # a pipeline stage before the last
-        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
-    h = rms_norm(h, p.norm, cfg.rms_norm_eps, num)
-    return h.reshape(b, t, -1), advanced(cache, entries, geo)
+
+    def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
+        entries, at = list(cache.layers), 0
+        for kind, lp in zip(cfg.pattern, p.layers):
+            x = rms_norm(h, lp.norm, cfg.rms_norm_eps, num)
+            if kind == "M":
+                out, entries[at] = mixer(lp.block, cfg.mixer, x, entries[at], cache.layout[at], geo, num)
+                at += 1
+            elif kind == "*":
+                out, entries[at] = self_attention(p, lp.block, x, entries[at], cache.layout[at], None, geo)
+                at += 1
+            elif kind == "-":
+                out = _mlp(lp.block, x, num)
+            else:
+                out = _experts(cfg, lp.block, x, num)
+            h = h + out
+        return h, entries
+
+    return decoder_step(p, cache, tokens, n_valid, span, layers)
 
 
 hidden_to_logits = head_logits
 
 
 def assemble(cfg: NemotronHConfig, src: TensorSource, opts: LoadOptions) -> NemotronHParams:
-    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    rd, dtype, keep, where = Reader(src, opts), opts.dtype, opts.keep_quantized, opts.where
     hd, hid = cfg.head_dim, cfg.hidden_size
     hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
 
-    def lin(name: str, out_f: int, in_f: int, b: bool = False) -> Linear:
-        return read_linear(src, name, out_f, in_f, opts.quant_for(name), b, where)
-
     def relu2(prefix: str, f: int, b: bool) -> Relu2Mlp:
-        return Relu2Mlp(up=finish(lin(prefix + "up_proj", f, hid, b), dtype, keep),
-                        down=finish(lin(prefix + "down_proj", hid, f, b), dtype, keep))
+        return Relu2Mlp(up=rd.linear(prefix + "up_proj", f, hid, b), down=rd.linear(prefix + "down_proj", hid, f, b))
 
     layers = []
     for i, kind in enumerate(cfg.pattern):
@@ -220,15 +209,15 @@ def assemble(cfg: NemotronHConfig, src: TensorSource, opts: LoadOptions) -> Nemo
         elif kind == "*":
             ab = cfg.attention_bias
             block = Attention(
-                qkv=fuse([lin(p + n, rows, hid, ab) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))],
-                         dtype, keep),
-                o=finish(lin(p + "o_proj", hid, hq, ab), dtype, keep))
+                qkv=rd.fused([rd.raw(p + n, rows, hid, ab) for n, rows in (("q_proj", hq), ("k_proj", hk),
+                                                                           ("v_proj", hk))]),
+                o=rd.linear(p + "o_proj", hid, hq, ab))
         elif kind == "-":
             block = relu2(p, cfg.intermediate_size, cfg.mlp_bias)
         else:
             e, f = cfg.num_experts, cfg.moe_intermediate_size
             block = ExpertsParams(
-                router=finish(lin(p + "gate", e, hid), dtype, keep),
+                router=rd.linear(p + "gate", e, hid),
                 correction_bias=src.get(p + "gate.e_score_correction_bias", (e,), where).astype(mx.float32),
                 fc1=finish_experts(read_experts(src, p + "switch_mlp.fc1", p + "experts.{e}.up_proj", e, f, hid,
                                                 opts.quant_for, where), dtype, keep),
@@ -236,12 +225,11 @@ def assemble(cfg: NemotronHConfig, src: TensorSource, opts: LoadOptions) -> Nemo
                                                 opts.quant_for, where), dtype, keep),
                 shared=relu2(p + "shared_experts.", cfg.shared_intermediate_size, cfg.mlp_bias)
                 if cfg.shared_intermediate_size else None)
-        layers.append(NemotronHLayer(norm=src.get(f"backbone.layers.{i}.norm.weight", (hid,), where).astype(dtype),
-                                     block=block))
+        layers.append(NemotronHLayer(norm=rd.vec(f"backbone.layers.{i}.norm.weight", hid), block=block))
     return NemotronHParams(
-        embed=finish(lin("backbone.embeddings", cfg.vocab_size, hid), dtype, keep, table=True),
-        layers=tuple(layers), norm=src.get("backbone.norm_f.weight", (hid,), where).astype(dtype),
-        lm_head=finish(lin("lm_head", cfg.vocab_size, hid), dtype, keep), config=cfg,
+        embed=rd.table("backbone.embeddings", cfg.vocab_size, hid),
+        layers=tuple(layers), norm=rd.vec("backbone.norm_f.weight", hid),
+        lm_head=rd.linear("lm_head", cfg.vocab_size, hid), config=cfg,
         numerics=opts.numerics, dtype=opts.dtype_name)
 
 

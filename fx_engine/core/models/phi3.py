@@ -27,14 +27,15 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
+import fx_engine.core.models.llama as llama
 from fx_engine.core.cache import KVCache, LayerSpec
-from fx_engine.core.checkpoint import (LoadOptions, TensorSource, TensorSpec, finish, read_linear)
+from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec
 from fx_engine.core.config import BaseConfig, ConfigError, gguf_value, positive_int, refuse, required, token_ids
-from fx_engine.core.models import llama
+from fx_engine.core.models.blocks import Reader
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LayerParams
 from fx_engine.core.nn import rope_tables
-from fx_engine.core.parallel import shard_decoder
+from fx_engine.core.splits import shard_decoder
 
 
 @attrs.frozen
@@ -154,7 +155,7 @@ def forward(
     p: Phi3Params, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
-    """Same contract as `fx_engine.core.models.llama.forward` (its decoder, Phi's RoPE)."""
+    """Same contract as `skeleton.decoder_step` (the Llama decoder, Phi's RoPE)."""
     return llama.forward(p, cache, tokens, n_valid, span, rope_fn=_rope)
 
 
@@ -174,34 +175,25 @@ _GGUF_NAMES = {"embed": "token_embd", "norm": "output_norm.weight", "lm_head": "
 
 
 def _assemble(cfg: Phi3Config, src: TensorSource, opts: LoadOptions, names: dict[str, str]) -> Phi3Params:
-    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    rd = Reader(src, opts)
     if cfg.tie_word_embeddings is None:
         cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has(names["lm_head"] + ".weight"))
     h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
-
-    def lin(name: str, out_f: int, in_f: int) -> Any:
-        return finish(read_linear(src, name, out_f, in_f, opts.quant_for(name), False, where), dtype, keep)
-
-    def vec(name: str) -> mx.array:
-        return src.get(name, (h,), where).astype(dtype)
-
     layers = []
     for i in range(cfg.num_layers):
         pre = names["layer"].format(i=i)
         layers.append(LayerParams(
-            attn_norm=vec(pre + names["attn_norm"]),
-            qkv=lin(pre + names["qkv"], qkv_rows, h),
-            o=lin(pre + names["o"], h, cfg.num_heads * hd),
-            mlp_norm=vec(pre + names["mlp_norm"]),
-            gate_up=lin(pre + names["gate_up"], 2 * ff, h),
-            down=lin(pre + names["down"], h, ff),
+            attn_norm=rd.vec(pre + names["attn_norm"], h),
+            qkv=rd.linear(pre + names["qkv"], qkv_rows, h),
+            o=rd.linear(pre + names["o"], h, cfg.num_heads * hd),
+            mlp_norm=rd.vec(pre + names["mlp_norm"], h),
+            gate_up=rd.linear(pre + names["gate_up"], 2 * ff, h),
+            down=rd.linear(pre + names["down"], h, ff),
         ))
-    embed = finish(read_linear(src, names["embed"], cfg.vocab_size, h,
-                               opts.quant_for(names["embed"]), False, where), dtype, keep, table=True,
-                   lookup_only=not cfg.tie_word_embeddings)
-    head = None if cfg.tie_word_embeddings else lin(names["lm_head"], cfg.vocab_size, h)
-    return Phi3Params(embed=embed, layers=tuple(layers), norm=vec(names["norm"]),
+    embed = rd.table(names["embed"], cfg.vocab_size, h, lookup_only=not cfg.tie_word_embeddings)
+    head = None if cfg.tie_word_embeddings else rd.linear(names["lm_head"], cfg.vocab_size, h)
+    return Phi3Params(embed=embed, layers=tuple(layers), norm=rd.vec(names["norm"], h),
                       lm_head=head, rope_freqs=None, config=cfg, numerics=opts.numerics,
                       dtype=opts.dtype_name)
 

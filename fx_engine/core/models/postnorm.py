@@ -25,14 +25,16 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced
-from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear, renamed
-from fx_engine.core.config import ConfigError, positive_int
-from fx_engine.core.models import llama
-from fx_engine.core.models.family import Family, stage_input, stage_output
+import fx_engine.core.models.llama as llama
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
+from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, renamed
+from fx_engine.core.config import ConfigError, gguf_hf_config, gguf_value, gguf_yarn, positive_int
+from fx_engine.core.models.blocks import Reader, rope_freqs, rope_in, scaled_rope, self_attention, swiglu_mlp
+from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
-from fx_engine.core.nn import Linear, embed, linear, rms_norm, rope_tables, swiglu_fused
-from fx_engine.core.parallel import shard_decoder
+from fx_engine.core.models.skeleton import decoder_step
+from fx_engine.core.nn import Linear, rms_norm
+from fx_engine.core.splits import shard_decoder
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -129,13 +131,11 @@ def _ropes(p: PostNormParams, positions: mx.array) -> dict[str, Any]:
     cfg = p.config
     out: dict[str, Any] = {"none": None}
     if cfg.rope_dims:  # partial rotary (glm4): tables over the rotated dims only
-        cos, sin, perm = rope_tables(positions, cfg.rope_dims, base=cfg.rope_theta, scale=1.0, freqs=None,
-                                     traditional=cfg.rope_traditional)
-        dt = getattr(mx, p.dtype)
-        out["scaled"] = out["plain"] = (cos.astype(dt), sin.astype(dt), perm.astype(dt))
+        out["scaled"] = out["plain"] = rope_in(positions, cfg.rope_dims, getattr(mx, p.dtype), base=cfg.rope_theta,
+                                               traditional=cfg.rope_traditional)
         return out
-    out["scaled"] = llama._rope(p, positions)
-    out["plain"] = out["scaled"] if cfg.rope_scaling is None else llama._rope(
+    out["scaled"] = scaled_rope(p, positions)
+    out["plain"] = out["scaled"] if cfg.rope_scaling is None else scaled_rope(
         attrs.evolve(p, config=attrs.evolve(cfg, rope_scaling=None), rope_freqs=None), positions)
     return out
 
@@ -144,29 +144,24 @@ def forward(
     p: PostNormParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
-    """Same contract as `fx_engine.core.models.llama.forward`."""
+    """Same contract as `skeleton.decoder_step`."""
     cfg, num = p.config, p.numerics
-    b, t = tokens.shape
     eps = cfg.rms_norm_eps
-    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(getattr(mx, p.dtype)))
-    ropes = _ropes(p, geo.positions)
 
     def pre(x: mx.array, w: mx.array | None) -> mx.array:
         return x if w is None else rms_norm(x, w, eps, num)
 
-    entries = []
-    for lp, entry, spec, kind in zip(p.layers, cache.layers, cache.layout, cfg.layer_rope):
-        a, entry = llama.self_attention(p, lp, pre(h, lp.attn_norm), entry, spec, ropes[kind], geo)
-        h = h + rms_norm(a, lp.post_attn_norm, eps, num)
-        r = linear(swiglu_fused(linear(pre(h, lp.mlp_norm), lp.gate_up, num), num), lp.down, num)
-        h = h + rms_norm(r, lp.post_ff_norm, eps, num)
-        entries.append(entry)
-    handed = stage_output(p, h)
-    if handed is not None:  # a pipeline stage before the last
-        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
-    h = rms_norm(h, p.norm, eps, num).reshape(b, t, -1)
-    return h, advanced(cache, entries, geo)
+    def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
+        ropes = _ropes(p, geo.positions)
+        entries = []
+        for lp, entry, spec, kind in zip(p.layers, cache.layers, cache.layout, cfg.layer_rope):
+            a, entry = self_attention(p, lp, pre(h, lp.attn_norm), entry, spec, ropes[kind], geo)
+            h = h + rms_norm(a, lp.post_attn_norm, eps, num)
+            h = h + rms_norm(swiglu_mlp(pre(h, lp.mlp_norm), lp.gate_up, lp.down, num), lp.post_ff_norm, eps, num)
+            entries.append(entry)
+        return h, entries
+
+    return decoder_step(p, cache, tokens, n_valid, span, layers)
 
 
 hidden_to_logits = llama.hidden_to_logits
@@ -180,7 +175,7 @@ _NORMS_DEFAULT = (None, "post_attention_layernorm", None, "post_feedforward_laye
 
 def assemble(cfg: PostNormConfig, src: TensorSource, opts: LoadOptions) -> PostNormParams:
     """Params from Hugging Face / mlx-community tensor names."""
-    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    rd = Reader(src, opts)
     if cfg.tie_word_embeddings is None:
         cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has("lm_head.weight"))
     h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -189,37 +184,32 @@ def assemble(cfg: PostNormConfig, src: TensorSource, opts: LoadOptions) -> PostN
     qn, kn = (hd, hd) if cfg.model_type == "exaone4" else (hq, hk)
     pre_attn, post_attn, pre_mlp, post_mlp = _NORMS.get(cfg.model_type, _NORMS_DEFAULT)
 
-    def lin(name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
-        return read_linear(src, name, out_f, in_f, opts.quant_for(name), bias, where)
-
     def vec(name: str | None, n: int) -> mx.array | None:
-        return None if name is None else src.get(name, (n,), where).astype(dtype)
+        return None if name is None else rd.vec(name, n)
 
     layers = []
     for i in range(cfg.num_layers):
         a, m, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"model.layers.{i}."
         if src.has(m + "gate_up_proj.weight"):  # stored fused (glm4)
-            gate_up = finish(lin(m + "gate_up_proj", 2 * ff, h, cfg.mlp_bias), dtype, keep)
+            gate_up = rd.linear(m + "gate_up_proj", 2 * ff, h, cfg.mlp_bias)
         else:
-            gate_up = fuse([lin(m + "gate_proj", ff, h, cfg.mlp_bias), lin(m + "up_proj", ff, h, cfg.mlp_bias)],
-                           dtype, keep)
+            gate_up = rd.fused([rd.raw(m + "gate_proj", ff, h, cfg.mlp_bias), rd.raw(m + "up_proj", ff, h, cfg.mlp_bias)])
         layers.append(PostNormLayer(
-            qkv=fuse([lin(a + n, rows, h, cfg.qkv_bias) for n, rows in
-                      (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))], dtype, keep),
-            o=finish(lin(a + "o_proj", h, hq, cfg.o_bias), dtype, keep),
+            qkv=rd.fused([rd.raw(a + n, rows, h, cfg.qkv_bias) for n, rows in
+                          (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))]),
+            o=rd.linear(a + "o_proj", h, hq, cfg.o_bias),
             q_norm=vec(a + "q_norm.weight", qn) if cfg.qk_norm else None,
             k_norm=vec(a + "k_norm.weight", kn) if cfg.qk_norm else None,
             attn_norm=vec(pre_attn and p + pre_attn + ".weight", h),
             post_attn_norm=vec(p + post_attn + ".weight", h),
             mlp_norm=vec(pre_mlp and p + pre_mlp + ".weight", h),
-            gate_up=gate_up, down=finish(lin(m + "down_proj", h, ff, cfg.mlp_bias), dtype, keep),
+            gate_up=gate_up, down=rd.linear(m + "down_proj", h, ff, cfg.mlp_bias),
             post_ff_norm=vec(p + post_mlp + ".weight", h),
         ))
-    embed_t = finish(lin("model.embed_tokens", cfg.vocab_size, h), dtype, keep, table=True,
-                     lookup_only=not cfg.tie_word_embeddings)
-    head = None if cfg.tie_word_embeddings else finish(lin("lm_head", cfg.vocab_size, h), dtype, keep)
+    embed_t = rd.table("model.embed_tokens", cfg.vocab_size, h, lookup_only=not cfg.tie_word_embeddings)
+    head = None if cfg.tie_word_embeddings else rd.linear("lm_head", cfg.vocab_size, h)
     return PostNormParams(embed=embed_t, layers=tuple(layers), norm=vec("model.norm.weight", h), lm_head=head,
-                          rope_freqs=llama.rope_freqs(cfg), config=cfg, numerics=opts.numerics,
+                          rope_freqs=rope_freqs(cfg), config=cfg, numerics=opts.numerics,
                           dtype=opts.dtype_name)
 
 
@@ -307,8 +297,6 @@ def olmo3_from_gguf(md: dict[str, Any], source: str, layers: int) -> dict[str, A
     (rope.scaling.attn_factor) is expressed as mlx-lm's mscale (0.1 mscale ln(factor) + 1)."""
     import math
 
-    from fx_engine.core.config import gguf_value, gguf_yarn
-
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, "olmo2", key, source, default)
 
@@ -335,8 +323,6 @@ def config_from_gguf(md: dict[str, Any], source: str) -> PostNormConfig:
     """An OLMo 2 / EXAONE 4 / GLM-4 config from llama.cpp's metadata (EXAONE 4: every
     `sliding_window_pattern`-th layer global, with NoPE, as mlx-lm and llama.cpp run it;
     GLM-4: RoPE over rope.dimension_count of each head)."""
-    from fx_engine.core.config import gguf_hf_config, gguf_value
-
     arch = md.get("general.architecture")
 
     def val(key: str, default: Any = ...) -> Any:

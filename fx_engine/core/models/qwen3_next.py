@@ -24,15 +24,19 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, recurrent_entry, write_entry
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish, fuse, read_experts, read_linear
+import fx_engine.core.models.llama as llama
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, attend_entry, recurrent_entry, write_entry
+from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, read_experts
 from fx_engine.core.config import ConfigError, positive_int, required
-from fx_engine.core.models import llama, moe
-from fx_engine.core.models.family import DecoderParams, Family, cut_layers, head_logits, stage_input, stage_output
-from fx_engine.core.models.mamba2 import conv_weight
-from fx_engine.core.models.moe import Experts, MoEConfig
-from fx_engine.core.nn import Linear, embed, linear, rms_norm, rope_tables, swiglu_fused
-from fx_engine.core.parallel import head_range, split, split_cols, split_experts, split_head, split_mlp, split_rows
+from fx_engine.core.models.blocks import (HF_EXPERT_NAMES, STACKED_EXPERT_NAMES, DenseMlp, Experts, Reader,
+                                          apply_partial_rope, expert_stacks, mixture, read_shared_expert, rope_in,
+                                          swiglu_mlp)
+from fx_engine.core.models.family import Family
+from fx_engine.core.models.moe import MoEConfig
+from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, head_logits
+from fx_engine.core.models.ssm import conv_weight
+from fx_engine.core.nn import Linear, linear, rms_norm
+from fx_engine.core.splits import head_range, split, split_cols, split_experts, split_head, split_mlp, split_rows
 from fx_engine.core.recurrent import causal_conv, gated_delta_scan
 
 
@@ -125,13 +129,7 @@ class Qwen3NextLayer:
     attn_norm: mx.array
     mixer: Any  # DeltaNet | GatedAttention
     mlp_norm: mx.array
-    mlp: Any  # moe.Experts | (gate_up, down) dense
-
-
-@attrs.frozen
-class DenseMlp:
-    gate_up: Linear
-    down: Linear
+    mlp: Any  # blocks.Experts | blocks.DenseMlp
 
 
 @attrs.frozen
@@ -193,7 +191,7 @@ def gated_attention(p: Qwen3NextParams, lp: GatedAttention, x: mx.array, entry: 
     kv = linear(x, lp.kv, num).reshape(b, t, 2 * hk, d)
     qk = mx.concatenate([rms_norm(q, lp.q_norm, cfg.rms_norm_eps), rms_norm(kv[:, :, :hk], lp.k_norm, cfg.rms_norm_eps)],
                         axis=2)
-    qk = llama._apply_rope(qk, rope, d, num, False)
+    qk = apply_partial_rope(qk, rope, d, num, False)
     entry = write_entry(entry, spec, qk[:, :, hq:].transpose(0, 2, 1, 3), kv[:, :, hk:].transpose(0, 2, 1, 3), geo, num)
     o = attend_entry(entry, spec, qk[:, :, :hq], geo, d**-0.5, num)
     return linear(o.reshape(b * t, hq * d) * mx.sigmoid(gate), lp.o, num), entry
@@ -201,41 +199,36 @@ def gated_attention(p: Qwen3NextParams, lp: GatedAttention, x: mx.array, entry: 
 
 def forward(p: Qwen3NextParams, cache: KVCache, tokens: mx.array, n_valid: mx.array,
             span: int | None = None) -> tuple[mx.array, KVCache]:
-    """Same contract as `fx_engine.core.models.llama.forward`."""
+    """Same contract as `skeleton.decoder_step`: per layer Gated DeltaNet or gated attention,
+    then routed experts or a dense SwiGLU MLP, each a pre-norm residual branch."""
     cfg, num = p.config, p.numerics
-    b, t = tokens.shape
-    dt = getattr(mx, p.dtype)
-    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
-    h = stage_input(p, b * t, lambda: embed(tokens.reshape(-1), p.embed).astype(dt))
-    cos, sin, perm = rope_tables(geo.positions, cfg.rope_dims or cfg.head_dim, base=cfg.rope_theta, scale=1.0,
-                                 freqs=None, traditional=False)
-    rope = (cos.astype(dt), sin.astype(dt), perm.astype(dt))
-    entries = []
-    for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
-        x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num)
-        if isinstance(lp.mixer, DeltaNet):
-            a, entry = gated_deltanet(p, lp.mixer, x, entry, spec, geo)
-        else:
-            a, entry = gated_attention(p, lp.mixer, x, entry, spec, rope, geo)
-        h = h + a
-        x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
-        if isinstance(lp.mlp, Experts):
-            h = h + moe._mixture(cfg, lp.mlp, x, num)
-        else:
-            h = h + linear(swiglu_fused(linear(x, lp.mlp.gate_up, num), num), lp.mlp.down, num)
-        entries.append(entry)
-    handed = stage_output(p, h)
-    if handed is not None:  # a pipeline stage before the last
-        return handed.reshape(b, t, -1), advanced(cache, entries, geo)
-    h = rms_norm(h, p.norm, cfg.rms_norm_eps, num)
-    return h.reshape(b, t, -1), advanced(cache, entries, geo)
+
+    def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
+        rope = rope_in(geo.positions, cfg.rope_dims or cfg.head_dim, getattr(mx, p.dtype), base=cfg.rope_theta)
+        entries = []
+        for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
+            x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num)
+            if isinstance(lp.mixer, DeltaNet):
+                a, entry = gated_deltanet(p, lp.mixer, x, entry, spec, geo)
+            else:
+                a, entry = gated_attention(p, lp.mixer, x, entry, spec, rope, geo)
+            h = h + a
+            x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
+            if isinstance(lp.mlp, Experts):
+                h = h + mixture(cfg, lp.mlp, x, num)
+            else:
+                h = h + swiglu_mlp(x, lp.mlp.gate_up, lp.mlp.down, num)
+            entries.append(entry)
+        return h, entries
+
+    return decoder_step(p, cache, tokens, n_valid, span, layers)
 
 
 hidden_to_logits = head_logits
 
 
 def assemble(cfg: Qwen3NextConfig, src: TensorSource, opts: LoadOptions) -> Qwen3NextParams:
-    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    rd, dtype, where = Reader(src, opts), opts.dtype, opts.where
     hid, d = cfg.hidden_size, cfg.head_dim
     hq, hk = cfg.num_heads * d, cfg.num_kv_heads * d
     # An unconverted Hugging Face checkpoint stores its RMSNorms as 1 + w; mlx-lm's sanitize
@@ -248,8 +241,8 @@ def assemble(cfg: Qwen3NextConfig, src: TensorSource, opts: LoadOptions) -> Qwen
         offset = 1.0 if any(src.has(f"model.layers.{i}.mlp.experts.0.up_proj.weight")
                             for i in range(cfg.num_layers)) else 0.0
 
-    def lin(name: str, out_f: int, in_f: int) -> Linear:
-        return read_linear(src, name, out_f, in_f, opts.quant_for(name), cfg.qkv_bias and "self_attn" in name, where)
+    def lin(name: str, out_f: int, in_f: int) -> Linear:  # (attention's q/k/v biases: qkv_bias)
+        return rd.raw(name, out_f, in_f, cfg.qkv_bias and "self_attn" in name)
 
     def norm(name: str, n: int, plus: float = offset) -> mx.array:
         return (src.get(name, (n,), where).astype(mx.float32) + plus).astype(dtype)
@@ -259,23 +252,22 @@ def assemble(cfg: Qwen3NextConfig, src: TensorSource, opts: LoadOptions) -> Qwen
         p = f"model.layers.{i}."
         if is_lin:
             a = p + "linear_attn."
-            qkvz, ba = _qwen3_5_projections(cfg, lin, a, dtype, keep) if cfg.qwen3_5 else (
-                finish(lin(a + "in_proj_qkvz", 2 * cfg.key_dim + 2 * cfg.value_dim, hid), dtype, keep),
-                finish(lin(a + "in_proj_ba", 2 * cfg.lin_v_heads, hid), dtype, keep))
+            qkvz, ba = _qwen3_5_projections(cfg, lin, a, rd) if cfg.qwen3_5 else (
+                rd.finish(lin(a + "in_proj_qkvz", 2 * cfg.key_dim + 2 * cfg.value_dim, hid)),
+                rd.finish(lin(a + "in_proj_ba", 2 * cfg.lin_v_heads, hid)))
             mixer: Any = DeltaNet(
                 qkvz=qkvz, ba=ba,
                 conv_w=conv_weight(src, a + "conv1d.weight", cfg.conv_dim, cfg.conv_kernel, where).astype(dtype),
                 dt_bias=src.get(a + "dt_bias", (cfg.lin_v_heads,), where).astype(mx.float32),
                 a=mx.exp(src.get(a + "A_log", (cfg.lin_v_heads,), where).astype(mx.float32)),
                 norm=norm(a + "norm.weight", cfg.lin_v_dim, 0.0),  # (stored as w, not 1 + w)
-                out_proj=finish(lin(a + "out_proj", hid, cfg.value_dim), dtype, keep))
+                out_proj=rd.finish(lin(a + "out_proj", hid, cfg.value_dim)))
         else:
             a = p + "self_attn."
             mixer = GatedAttention(
-                q=finish(lin(a + "q_proj", 2 * hq, hid), dtype, keep),
-                kv=fuse([lin(a + "k_proj", hk, hid), lin(a + "v_proj", hk, hid)], dtype, keep),
-                o=finish(read_linear(src, a + "o_proj", hid, hq, opts.quant_for(a + "o_proj"), False, where),
-                         dtype, keep),
+                q=rd.finish(lin(a + "q_proj", 2 * hq, hid)),
+                kv=rd.fused([lin(a + "k_proj", hk, hid), lin(a + "v_proj", hk, hid)]),
+                o=rd.linear(a + "o_proj", hid, hq),
                 q_norm=norm(a + "q_norm.weight", d), k_norm=norm(a + "k_norm.weight", d))
         if cfg.moe_layers[i]:
             m = p + "mlp."
@@ -286,26 +278,23 @@ def assemble(cfg: Qwen3NextConfig, src: TensorSource, opts: LoadOptions) -> Qwen
                 down = Linear(weight=src.get(m + "experts.down_proj", (e, hid, f), where))
             else:
                 gate, up, down = (read_experts(src, m + stacked, m + one, e, o, n, opts.quant_for, where)
-                                  for stacked, one, (o, n) in zip(moe._STACKED, moe._HF_MOE_DEFAULT[2],
+                                  for stacked, one, (o, n) in zip(STACKED_EXPERT_NAMES, HF_EXPERT_NAMES,
                                                                   ((f, hid), (f, hid), (hid, f))))
-            shared = moe._shared(cfg, src, opts, m + "shared_expert.", m + "shared_expert_gate",
-                                 ("gate_proj", "up_proj", "down_proj"))
-            mlp: Any = Experts(router=moe._lin(src, opts, m + "gate", e, hid), **moe._stacks(gate, up, down, opts),
-                               **shared)
+            shared = read_shared_expert(rd, hid, cfg.shared_expert_intermediate_size, m + "shared_expert.",
+                                        m + "shared_expert_gate", ("gate_proj", "up_proj", "down_proj"))
+            mlp: Any = Experts(router=rd.linear(m + "gate", e, hid), **expert_stacks(gate, up, down, opts), **shared)
         else:
             m = p + "mlp."
             ff = cfg.intermediate_size
-            mlp = DenseMlp(gate_up=fuse([lin(m + "gate_proj", ff, hid), lin(m + "up_proj", ff, hid)], dtype, keep),
-                           down=finish(lin(m + "down_proj", hid, ff), dtype, keep))
+            mlp = DenseMlp(gate_up=rd.fused([lin(m + "gate_proj", ff, hid), lin(m + "up_proj", ff, hid)]),
+                           down=rd.finish(lin(m + "down_proj", hid, ff)))
         layers.append(Qwen3NextLayer(attn_norm=norm(p + "input_layernorm.weight", hid), mixer=mixer,
                                      mlp_norm=norm(p + "post_attention_layernorm.weight", hid), mlp=mlp))
     head = None
     if not cfg.tie_word_embeddings and src.has("lm_head.weight"):
-        head = finish(read_linear(src, "lm_head", cfg.vocab_size, hid, opts.quant_for("lm_head"), False, where),
-                      dtype, keep)
+        head = rd.linear("lm_head", cfg.vocab_size, hid)
     return Qwen3NextParams(
-        embed=finish(read_linear(src, "model.embed_tokens", cfg.vocab_size, hid, opts.quant_for("model.embed_tokens"),
-                                 False, where), dtype, keep, table=True),
+        embed=rd.table("model.embed_tokens", cfg.vocab_size, hid),
         layers=tuple(layers), norm=norm("model.norm.weight", hid), lm_head=head, config=cfg,
         numerics=opts.numerics, dtype=opts.dtype_name)
 
@@ -317,7 +306,7 @@ def _rows(lin: Linear, lo: int, hi: int) -> Linear:
                   group_size=lin.group_size, bits=lin.bits, mode=lin.mode)
 
 
-def _qwen3_5_projections(cfg: Qwen3NextConfig, lin: Any, a: str, dtype: Any, keep: Any) -> tuple[Linear, Linear]:
+def _qwen3_5_projections(cfg: Qwen3NextConfig, lin: Any, a: str, rd: Reader) -> tuple[Linear, Linear]:
     """Qwen3.5's in_proj_qkv (q | k | v), in_proj_z, in_proj_b, in_proj_a regrouped into
     Qwen3-Next's layout (per key head i: q_i, k_i, its r value heads' v, then their z; and
     b_i, a_i): one forward for both."""
@@ -332,7 +321,7 @@ def _qwen3_5_projections(cfg: Qwen3NextConfig, lin: Any, a: str, dtype: Any, kee
         qkvz += [_rows(qkv, i * dk, (i + 1) * dk), _rows(qkv, kd + i * dk, kd + (i + 1) * dk),
                  _rows(qkv, v0, v0 + r * dv), _rows(z, i * r * dv, (i + 1) * r * dv)]
         ba += [_rows(b, i * r, (i + 1) * r), _rows(aa, i * r, (i + 1) * r)]
-    return fuse(qkvz, dtype, keep), fuse(ba, dtype, keep)
+    return rd.fused(qkvz), rd.fused(ba)
 
 
 def checkpoint_layout(cfg: Qwen3NextConfig) -> dict[str, TensorSpec]:

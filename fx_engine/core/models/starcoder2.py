@@ -19,13 +19,14 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
-from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish, fuse, read_linear, renamed
+import fx_engine.core.models.llama as llama
+from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, renamed
 from fx_engine.core.config import ConfigError, gguf_hf_config
-from fx_engine.core.models import llama
+from fx_engine.core.models.blocks import Reader, self_attention
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.nn import Linear, gelu, gelu_tanh, layer_norm, linear
-from fx_engine.core.parallel import shard_decoder
+from fx_engine.core.splits import shard_decoder
 
 
 @attrs.frozen
@@ -74,7 +75,7 @@ def _layer(p: Starcoder2Params, lp: Starcoder2Layer, h: mx.array, entry: Any, sp
            rope: tuple, geo: StepGeometry) -> tuple[mx.array, Any]:
     cfg, num = p.config, p.numerics
     eps = cfg.rms_norm_eps
-    a, entry = llama.self_attention(p, lp, layer_norm(h, *lp.attn_norm, eps), entry, spec, rope, geo)
+    a, entry = self_attention(p, lp, layer_norm(h, *lp.attn_norm, eps), entry, spec, rope, geo)
     h = h + a
     act = gelu_tanh if cfg.gelu_tanh else gelu
     return h + linear(act(linear(layer_norm(h, *lp.mlp_norm, eps), lp.fc, num)), lp.proj, num), entry
@@ -84,7 +85,7 @@ def forward(
     p: Starcoder2Params, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
-    """Same contract as `fx_engine.core.models.llama.forward` (its decoder, GPT-style blocks)."""
+    """Same contract as `skeleton.decoder_step` (the Llama decoder, GPT-style blocks)."""
     return llama.forward(p, cache, tokens, n_valid, span, layer_fn=_layer,
                          final_norm=lambda h: layer_norm(h, *p.norm, p.config.rms_norm_eps))
 
@@ -93,15 +94,12 @@ hidden_to_logits = llama.hidden_to_logits
 
 
 def assemble(cfg: Starcoder2Config, src: TensorSource, opts: LoadOptions) -> Starcoder2Params:
-    dtype, keep, where = opts.dtype, opts.keep_quantized, opts.where
+    rd = Reader(src, opts)
     h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
 
-    def lin(name: str, out_f: int, in_f: int, bias: bool = True) -> Linear:
-        return read_linear(src, name, out_f, in_f, opts.quant_for(name), bias, where)
-
-    def norm(name: str) -> tuple[mx.array, mx.array]:
-        return (src.get(name + ".weight", (h,), where).astype(dtype), src.get(name + ".bias", (h,), where).astype(dtype))
+    def norm(name: str) -> tuple[mx.array, mx.array]:  # a LayerNorm's weight and bias
+        return rd.vec(name + ".weight", h), rd.vec(name + ".bias", h)
 
     layers = []
     for i in range(cfg.num_layers):
@@ -109,13 +107,13 @@ def assemble(cfg: Starcoder2Config, src: TensorSource, opts: LoadOptions) -> Sta
         a, m = p + "self_attn.", p + "mlp."
         layers.append(Starcoder2Layer(
             attn_norm=norm(p + "input_layernorm"),
-            qkv=fuse([lin(a + n, rows, h) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))], dtype, keep),
-            o=finish(lin(a + "o_proj", h, hq), dtype, keep), mlp_norm=norm(p + "post_attention_layernorm"),
-            fc=finish(lin(m + "c_fc", ff, h), dtype, keep), proj=finish(lin(m + "c_proj", h, ff), dtype, keep),
+            qkv=rd.fused([rd.raw(a + n, rows, h, True) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))]),
+            o=rd.linear(a + "o_proj", h, hq, True), mlp_norm=norm(p + "post_attention_layernorm"),
+            fc=rd.linear(m + "c_fc", ff, h, True), proj=rd.linear(m + "c_proj", h, ff, True),
         ))
     tied = cfg.tie_word_embeddings
-    embed_t = finish(lin("model.embed_tokens", cfg.vocab_size, h, False), dtype, keep, table=True, lookup_only=not tied)
-    head = None if tied else finish(lin("lm_head", cfg.vocab_size, h, False), dtype, keep)
+    embed_t = rd.table("model.embed_tokens", cfg.vocab_size, h, lookup_only=not tied)
+    head = None if tied else rd.linear("lm_head", cfg.vocab_size, h)
     return Starcoder2Params(embed=embed_t, layers=tuple(layers), norm=norm("model.norm"), lm_head=head,
                             rope_freqs=None, config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
 

@@ -1,0 +1,317 @@
+"""The blocks the model families are built from: attention (Llama's, with its variants),
+RoPE tables, dense MLPs, routed experts (routing, the mixture, reading their stacks), and
+the checkpoint reader every family's `assemble` uses.
+
+Each block is a pure function over a small frozen record plus the few config fields it
+reads, so a family composes them instead of reaching into another family's private
+helpers; no family module is imported here (the registry imports the families, the
+families import this).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from jaxtyping import Float, Int
+
+from fx_engine.core.cache import LayerSpec, StepGeometry, attend_entry, write_entry
+from fx_engine.core.checkpoint import (LoadOptions, TensorSource, finish, finish_experts, fuse, fuse_experts,
+                                       read_linear)
+from fx_engine.core.nn import (Linear, Numerics, apply_rope, linear, rms_norm, rope_tables, routed_mixture,
+                               scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
+
+__all__ = ["Attention", "DenseMlp", "decoder_layer", "Experts", "GGUF_GROUPED_EXPERT_NAMES", "HF_EXPERT_NAMES", "Reader",
+           "STACKED_EXPERT_NAMES", "apply_partial_rope", "expert_stacks", "grouped_route", "mixture",
+           "read_shared_expert", "rope_freqs", "rope_in", "rope_mscale", "route", "scaled_rope", "self_attention",
+           "swiglu_mlp"]
+
+
+# ---------------------------------------------------------------- reading checkpoints
+
+
+class Reader:
+    """A family's view of a checkpoint while it assembles params: every linear read the
+    same way (its quantization from the load options, shapes checked, `where` in errors),
+    then finished or fused in the load's dtype and quantization policy. One reader instead
+    of a local `lin` / `vec` helper in every `assemble`."""
+
+    def __init__(self, src: TensorSource, opts: LoadOptions) -> None:
+        self.src, self.opts = src, opts
+
+    def raw(self, name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
+        """The linear `name` as stored (not yet finished: to fuse, cut or finish)."""
+        return read_linear(self.src, name, out_f, in_f, self.opts.quant_for(name), bias, self.opts.where)
+
+    def linear(self, name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
+        """The linear `name`, finished for the forward."""
+        return self.finish(self.raw(name, out_f, in_f, bias))
+
+    def finish(self, lin: Linear, **kwargs: Any) -> Linear:
+        return finish(lin, self.opts.dtype, self.opts.keep_quantized, **kwargs)
+
+    def fused(self, parts: list[Linear]) -> Linear:
+        """Linears read with `raw`, fused row-wise into one (q|k|v, gate|up)."""
+        return fuse(parts, self.opts.dtype, self.opts.keep_quantized)
+
+    def table(self, name: str, rows: int, width: int, lookup_only: bool = False) -> Linear:
+        """An embedding table (lookup_only: never used as the output head)."""
+        return self.finish(self.raw(name, rows, width), table=True, lookup_only=lookup_only)
+
+    def vec(self, name: str, n: int) -> mx.array:
+        """A vector (a norm's weight) in the activation dtype."""
+        return self.src.get(name, (n,), self.opts.where).astype(self.opts.dtype)
+
+    def has(self, name: str) -> bool:
+        return self.src.has(name)
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+def rope_in(positions: mx.array, dims: int, dtype: mx.Dtype, *, base: float, traditional: bool = False,
+            scale: float = 1.0, freqs: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """RoPE tables over `dims` rotated dims, computed in float32 and applied in the
+    activation dtype (no silent upcast)."""
+    cos, sin, perm = rope_tables(positions, dims, base=base, scale=scale, freqs=freqs, traditional=traditional)
+    return cos.astype(dtype), sin.astype(dtype), perm.astype(dtype)
+
+
+def rope_mscale(cfg: Any) -> float:
+    """The factor on the rotated dims of q and k (see `nn.scaled_rope_mscale`)."""
+    return scaled_rope_mscale(dict(cfg.rope_scaling or ()), cfg.max_position_embeddings)
+
+
+def rope_freqs(cfg: Any) -> mx.array | None:
+    """The per-pair rotation periods of a scaled RoPE (see `nn.scaled_rope_freqs`)."""
+    return scaled_rope_freqs(dict(cfg.rope_scaling or ()), cfg.head_dim, cfg.rope_theta)
+
+
+def scaled_rope(p: Any, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """The Llama config's RoPE tables (rope_theta, linear / llama3 / YaRN scaling with its
+    precomputed `p.rope_freqs` and mscale) over the whole head."""
+    cfg = p.config
+    scale = 1.0
+    if cfg.rope_type == "linear":
+        scale = 1.0 / float(dict(cfg.rope_scaling)["factor"])
+    cos, sin, perm = rope_tables(
+        positions, cfg.head_dim, base=cfg.rope_theta, scale=scale,
+        freqs=p.rope_freqs, traditional=cfg.rope_traditional,
+    )
+    m = rope_mscale(cfg)
+    if m != 1.0:  # rotation is linear: scaling the tables scales the rotated q and k
+        cos, sin = cos * m, sin * m
+    dt = getattr(mx, p.dtype)  # tables in float32, applied in the activation dtype (no silent upcast)
+    return cos.astype(dt), sin.astype(dt), perm.astype(dt)
+
+
+def apply_partial_rope(x: mx.array, rope: tuple, head_dim: int, num: Numerics, traditional: bool) -> mx.array:
+    """RoPE over the first rope-table-width dims of each head (partial rotary: the rest
+    pass through, as mlx-lm's nn.RoPE(dims < head_dim) does)."""
+    rd = rope[0].shape[-1]
+    if rd == head_dim:
+        return apply_rope(x, *rope, num, traditional)
+    return mx.concatenate([apply_rope(x[..., :rd], *rope, None, traditional), x[..., rd:]], axis=-1)
+
+
+# ---------------------------------------------------------------- attention
+
+
+@attrs.frozen
+class Attention:
+    """An attention block's projections alone (`self_attention` reads these; no q/k norms):
+    the hybrid families' attention layers."""
+
+    qkv: Linear
+    o: Linear
+    q_norm: None = None
+    k_norm: None = None
+
+
+def self_attention(
+    p: Any, lp: Any, x: mx.array, entry: Any, spec: LayerSpec,
+    rope: tuple[mx.array, mx.array, mx.array] | None, geo: StepGeometry,
+) -> tuple[mx.array, Any]:
+    """The Llama family's attention block on normalized x [B*T, H] -> (o_proj output
+    [B*T, H], the written cache entry). lp holds qkv (fused), o and optional q_norm/k_norm:
+    per head (qwen3: a weight of head_dim) or over the whole projection (OLMoE: a weight of
+    heads * head_dim; with one head the two are the same), and optional sinks [heads]
+    (GPT-OSS's attention sinks). rope None: no positional rotation (SmolLM3's NoPE layers)."""
+    cfg, num = p.config, p.numerics
+    b, t = geo.positions.shape
+    hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    eps = cfg.rms_norm_eps
+    qkv = linear(x, lp.qkv, num)
+    widths = getattr(cfg, "qk_norm_width", ())  # (over every head, but this rank holds some heads)
+    whole = lp.q_norm is not None and (lp.q_norm.shape[-1] != d or bool(widths))
+    if whole:  # norms over whole projections
+        qkv = mx.concatenate([rms_norm(qkv[:, : hq * d], lp.q_norm, eps, num, widths[0] if widths else None,
+                                       lp.o.group),
+                              rms_norm(qkv[:, hq * d : (hq + hk) * d], lp.k_norm, eps, num,
+                                       widths[1] if widths else None, lp.o.group),
+                              qkv[:, (hq + hk) * d :]], axis=-1)
+    qkv = qkv.reshape(b, t, hq + 2 * hk, d)
+    if lp.q_norm is not None and not whole:  # qwen3: per-head, before RoPE
+        qk = mx.concatenate(
+            [rms_norm(qkv[:, :, :hq], lp.q_norm, eps), rms_norm(qkv[:, :, hq : hq + hk], lp.k_norm, eps)],
+            axis=2)
+    else:
+        qk = qkv[:, :, : hq + hk]
+    if rope is not None:
+        qk = apply_partial_rope(qk, rope, d, num, cfg.rope_traditional)  # q and k together: one pass
+    q = qk[:, :, :hq]
+    beta = getattr(cfg, "attn_temp_beta", 0.0)
+    if beta:  # ministral3: a query temperature growing with the position (Llama 4's)
+        pos = geo.positions.astype(mx.float32)
+        temp = 1 + beta * mx.log(1 + mx.floor(pos / cfg.attn_temp_max_pos))
+        q = q * temp[:, :, None, None].astype(q.dtype)
+    k = qk[:, :, hq:].transpose(0, 2, 1, 3)
+    v = qkv[:, :, hq + hk :].transpose(0, 2, 1, 3)
+    # Write first, then attend over the written arrays (so the update can be in place).
+    entry = write_entry(entry, spec, k, v, geo, num)
+    scale = getattr(cfg, "attention_multiplier", None) or d**-0.5
+    o = attend_entry(entry, spec, q, geo, scale, num, sinks=getattr(lp, "sinks", None))
+    return linear(o.reshape(b * t, hq * d), lp.o, num), entry
+
+
+def decoder_layer(
+    p: Any, lp: Any, h: mx.array, entry: Any, spec: LayerSpec,
+    rope: tuple[mx.array, mx.array, mx.array] | None, geo: StepGeometry,
+) -> tuple[mx.array, Any]:
+    """The Llama decoder's layer on the residual stream h: pre-norm attention, then a
+    pre-norm SwiGLU MLP (lp: attn_norm, qkv, o, mlp_norm, gate_up, down), each branch
+    times granite's residual_multiplier."""
+    cfg, num = p.config, p.numerics
+    a, entry = self_attention(p, lp, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, rope, geo)
+    m = getattr(cfg, "residual_multiplier", 1.0)
+    h = h + (a if m == 1.0 else a * m)
+    r = swiglu_mlp(rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num), lp.gate_up, lp.down, num)
+    return h + (r if m == 1.0 else r * m), entry
+
+
+# ---------------------------------------------------------------- MLPs
+
+
+@attrs.frozen
+class DenseMlp:
+    """A gated SwiGLU MLP: gate|up fused rows, then down."""
+
+    gate_up: Linear
+    down: Linear
+
+
+def swiglu_mlp(x: mx.array, gate_up: Linear, down: Linear, num: Numerics) -> mx.array:
+    """down(silu(gate(x)) * up(x)) with gate|up fused: one matmul in, one out."""
+    return linear(swiglu_fused(linear(x, gate_up, num), num), down, num)
+
+
+# ---------------------------------------------------------------- routed experts
+
+
+@attrs.frozen
+class Experts:
+    """A layer's routed experts: the router [E, H], the stacked expert MLPs (gate_up
+    [E, 2F, H] fused, down [E, H, F]; dense ones stored transposed for gather_mm), and
+    qwen2_moe's shared expert with its gate [1, H]."""
+
+    router: Linear
+    gate_up: Linear
+    down: Linear
+    shared_gate_up: Linear | None = None
+    shared_down: Linear | None = None
+    shared_gate: Linear | None = None  # None: the shared expert is added ungated
+    correction_bias: mx.array | None = None  # grouped sigmoid routing's selection bias [E]
+
+
+def route(logits: Float[mx.array, "N E"], k: int, softmax_then_topk: bool = True,
+          norm_topk_prob: bool = False) -> tuple[Int[mx.array, "N K"], Float[mx.array, "N K"]]:
+    """Each token's top-k experts and their weights (as mlx-lm computes them): softmax over
+    all experts then the k largest (renormalized if norm_topk_prob), or the k largest logits
+    then a softmax over those (mixtral, gpt_oss)."""
+    if not softmax_then_topk:  # the k largest logits, softmax over them
+        idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+        return idx, mx.softmax(mx.take_along_axis(logits, idx, axis=-1), axis=-1, precise=True)
+    probs = mx.softmax(logits, axis=-1, precise=True)
+    idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
+    w = mx.take_along_axis(probs, idx, axis=-1)
+    if norm_topk_prob:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return idx, w
+
+
+def grouped_route(
+    logits: Float[mx.array, "N E"], correction_bias: mx.array, k: int, n_group: int, topk_group: int,
+    norm_topk_prob: bool, scale: float,
+) -> tuple[Int[mx.array, "N K"], Float[mx.array, "N K"]]:
+    """DeepSeek-V3's routing (mlx-lm's group_expert_select): sigmoid scores plus a
+    correction bias choose the top-k experts within the topk_group best of n_group groups
+    (a group scored by its two best); the weights are the sigmoid scores themselves,
+    renormalized if norm_topk_prob (k > 1), times `scale`."""
+    scores = mx.sigmoid(logits.astype(mx.float32))
+    chosen = scores + correction_bias
+    if n_group > 1:
+        grouped = mx.unflatten(chosen, axis=-1, shape=(n_group, -1))
+        best = mx.topk(grouped, 2, axis=-1).sum(axis=-1, keepdims=True)  # [N, G, 1]
+        drop = n_group - topk_group
+        if drop:
+            worst = mx.argpartition(best, kth=drop - 1, axis=-2)[..., :drop, :]
+            grouped = mx.put_along_axis(grouped, worst, mx.array(0.0), axis=-2)
+        chosen = mx.flatten(grouped, -2, -1)
+    idx = mx.argpartition(-chosen, kth=k - 1, axis=-1)[..., :k]
+    w = mx.take_along_axis(scores, idx, axis=-1)
+    if k > 1 and norm_topk_prob:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return idx, w * scale
+
+
+def mixture(cfg: Any, ex: Experts, x: mx.array, num: Numerics) -> mx.array:
+    """A routed-experts MLP on x [N, H]: each token's top-k SwiGLU experts weighted by the
+    router (softmax or, with `cfg.grouped_sigmoid`, DeepSeek-V3's grouped sigmoid), plus a
+    shared expert (sigmoid-gated where it has a gate). Reads the MoE config's routing fields
+    (top_k, softmax_then_topk, norm_topk_prob, and the grouped ones)."""
+    logits = linear(x, ex.router, num)
+    if cfg.grouped_sigmoid:
+        idx, w = grouped_route(logits, ex.correction_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
+                               cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    else:
+        idx, w = route(logits, cfg.top_k, cfg.softmax_then_topk, cfg.norm_topk_prob)
+    y = routed_mixture(x, ex.gate_up, ex.down, idx, w, lambda gu: swiglu_fused(gu, num), num)  # [N, H]
+    if ex.shared_gate_up is not None:
+        s = swiglu_mlp(x, ex.shared_gate_up, ex.shared_down, num)
+        y = y + (s if ex.shared_gate is None else mx.sigmoid(linear(x, ex.shared_gate, num)) * s)
+    return y
+
+
+# mlx-lm's stacked expert names (its sanitized `switch_mlp`), and Hugging Face's one tensor
+# per expert (gate, up, down) under the MoE block
+STACKED_EXPERT_NAMES = ("switch_mlp.gate_proj", "switch_mlp.up_proj", "switch_mlp.down_proj")
+HF_EXPERT_NAMES = ("experts.{e}.gate_proj", "experts.{e}.up_proj", "experts.{e}.down_proj")
+
+# llama.cpp's names of DeepSeek-V3-style routed experts (deepseek2, glm4moe) -> Hugging
+# Face's / mlx-lm's: the router, its selection bias, the stacks and the shared experts
+GGUF_GROUPED_EXPERT_NAMES = (
+    (r"\.ffn_gate_inp\.", ".mlp.gate."), (r"\.exp_probs_b\.bias$", ".mlp.gate.e_score_correction_bias"),
+    (r"\.ffn_(gate|up|down)_exps\.", r".mlp.switch_mlp.\1_proj."),
+    (r"\.ffn_(gate|up|down)_shexp\.", r".mlp.shared_experts.\1_proj."),
+)
+
+
+def expert_stacks(gate: Linear, up: Linear, down: Linear, opts: LoadOptions) -> dict[str, Linear]:
+    """The `Experts` fields gate_up (gate|up stacks fused) and down, finished."""
+    fused = fuse_experts(gate, up, opts.dtype, opts.keep_quantized)
+    return {"gate_up": fused, "down": finish_experts(down, opts.dtype, opts.keep_quantized)}
+
+
+def read_shared_expert(rd: Reader, hidden: int, width: int, pre: str, gate_name: str | None,
+                       names: tuple[str, str, str]) -> dict[str, Any]:
+    """The `Experts` fields of a shared expert of `width` features (none: {}): gate|up
+    fused, down, and its sigmoid gate [1, H] where `gate_name` names one."""
+    if not width:
+        return {}
+    out = {"shared_gate_up": rd.fused([rd.raw(pre + n, width, hidden) for n in names[:2]]),
+           "shared_down": rd.linear(pre + names[2], hidden, width)}
+    if gate_name is not None:
+        out["shared_gate"] = rd.linear(gate_name, 1, hidden)
+    return out
+
