@@ -1,5 +1,10 @@
-"""fx-engine command line: generate | chat | cache-prompt | serve | info (trace and golden
-come with their issue)."""
+"""fx-engine command line: generate | chat | cache-prompt | serve | info | trace | golden.
+
+  fx-engine generate "Why is the sky blue?"             # the default model, streamed
+  fx-engine chat -m org/name:Q4_K_M                     # a Hugging Face GGUF repo, by name
+  fx-engine serve --port 8080                           # OpenAI / Anthropic compatible API
+
+`fx-engine COMMAND --help` lists each command's options by task, with their defaults."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import sys
 from typing import Any
 
 import fx_engine  # noqa: E402
+from fx_engine.progress import working
 
 fx_engine.setup()  # BLAS preload and malloc tuning, before mlx is imported
 
@@ -59,54 +65,122 @@ def _check_serve(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             p.error(f"argument --prompt-cache-dir: {a.prompt_cache!r} is not writable")
 
 
-def _sampling_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
-    p.add_argument("--model", "-m", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--batch-invariant", action="store_true",
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written, and each option's default shown ("(default: ...)") where it
+    has one (not for switches and unset options, whose help says what "none" means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, argparse.SUPPRESS) or action.option_strings == []:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", "-m", default=None,
+                   help="GGUF file (a split file's first shard), HF folder, or Hugging Face repo "
+                        "id org/name or org/name:QUANT (the local HF cache first, then a download "
+                        "unless HF_HUB_OFFLINE=1); none: SmolLM2-135M-Instruct")
+    g.add_argument("--revision", default=None, help="branch, tag or commit of a repo id --model")
+    g.add_argument("--threads", "-t", type=_int_at_least(1), default=None,
+                   help="CPU threads for the native kernels and BLAS (FX_ENGINE_THREADS); none: "
+                        "the CPUs this process may use")
+
+
+def _numerics_args(g: Any) -> None:
+    g.add_argument("--batch-invariant", action="store_true",
                    help="fixed-tile matmuls: bitwise-identical results across batch/chunk sizes")
-    p.add_argument("--activation-bits", type=int, default=None, choices=(8,),
+    g.add_argument("--activation-bits", type=int, default=None, choices=(8,),
                    help="round activations to 8 bits per group for the 4-/8-bit matmuls (int8 "
                         "dot products, as llama.cpp does: faster, slightly different numerics)")
-    p.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
+    g.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
                    help="quantize the KV cache (full-attention layers) to 4 or 8 bits")
-    p.add_argument("--kv-group-size", type=int, default=64, help="KV quantization group size")
-    p.add_argument("--kv-dtype", default=None, choices=("float32", "float16", "bfloat16"),
-                   help="the KV cache's element type (default: the activations' dtype)")
-    p.add_argument("--quantized-kv-start", type=int, default=5000,
+    g.add_argument("--kv-group-size", type=int, default=64, help="KV quantization group size")
+    g.add_argument("--quantized-kv-start", type=int, default=5000,
                    help="positions below this stay in float when --kv-bits is set (mlx-lm's default)")
-    p.add_argument("--draft-model", default=None,
+
+
+def _sampling_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    _model_args(p)
+    g = p.add_argument_group("sampling" + (" (request defaults)" if serve else ""))
+    g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this fraction of the likeliest's probability (0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="1.1-1.3 discourages repeats")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (none: a fresh one)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    if not serve:  # the server takes these per request (response_format, ...)
+        c = p.add_argument_group("structured output (one of)")
+        c.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                       help="a JSON Schema (JSON text or @FILE) the output must match")
+        c.add_argument("--json", action="store_true", help="any JSON object")
+        c.add_argument("--regex", default=None, help="a regular expression the output must match")
+        c.add_argument("--grammar", default=None,
+                       help="a Lark or GBNF grammar (text or @FILE) the output must match")
+    n = p.add_argument_group("numerics and memory")
+    _numerics_args(n)
+    n.add_argument("--kv-dtype", default=None, choices=("float32", "float16", "bfloat16"),
+                   help="the KV cache's element type (none: the activations' dtype)")
+    d = p.add_argument_group("speculative decoding")
+    d.add_argument("--draft-model", default=None,
                    help="speculative decoding with this smaller model (same tokenizer)")
-    p.add_argument("--self-draft-layers", type=int, default=None,
+    d.add_argument("--self-draft-layers", type=int, default=None,
                    help="speculative decoding with the model's own first N layers as the draft")
-    p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="most draft tokens per step (default 4; adapted per request)")
-    p.add_argument("--prompt-lookup", action="store_true",
+    d.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="most draft tokens per step (none: 4, adapted per request)")
+    d.add_argument("--prompt-lookup", action="store_true",
                    help="speculative decoding with n-gram drafts from the prompt and output")
-    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+    t = p.add_argument_group("several processes")
+    t.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="shard the model over the N processes started by `mlx.launch -n N` "
                         "(each runs this same command; rank 0 prints)")
-    p.add_argument("--pipeline-parallel", type=int, default=None, metavar="N",
+    t.add_argument("--pipeline-parallel", type=int, default=None, metavar="N",
                    help="split the model's layers over the N processes started by `mlx.launch -n N` "
                         "(with --tensor-parallel T: T x N processes, N stages of T ranks; needs "
                         "MPI: `mpirun -np T*N`)")
-    p.add_argument("--pipeline-layers", type=_layer_counts, default=None, metavar="N,N,...",
+    t.add_argument("--pipeline-layers", type=_layer_counts, default=None, metavar="N,N,...",
                    help="each pipeline stage's number of layers (e.g. 20,10 for hosts of unequal "
-                        "memory; implies --pipeline-parallel with one stage per count); default: "
+                        "memory; implies --pipeline-parallel with one stage per count); none: "
                         "as even as possible")
-    p.add_argument("--adapter", action="append", default=None, metavar="[NAME=]PATH",
+    a = p.add_argument_group("adapters and prompt cache")
+    a.add_argument("--adapter", action="append", default=None, metavar="[NAME=]PATH",
                    help="a LoRA/DoRA adapter folder (mlx-lm or PEFT). generate/chat: the one to "
                         "use; serve: repeatable, chosen per request by model 'BASE:NAME'")
     # serve's name is --prompt-cache-dir (with this one as an alias): one option, one dest
-    p.add_argument(*(("--prompt-cache-dir",) if serve else ()), "--prompt-cache", default=None,
+    a.add_argument(*(("--prompt-cache-dir",) if serve else ()), "--prompt-cache", default=None,
                    metavar="DIR", dest="prompt_cache",
                    help="prefix-cache directory: restore the prompt's cached prefix, save new ones")
+
+
+def _text_arg(value: str) -> str:
+    """A flag's text, or a file's with @FILE."""
+    if value.startswith("@"):
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def _constraint(a: argparse.Namespace) -> dict[str, Any]:
+    """generate/chat's structured-output flags as fx_engine.stream's arguments."""
+    given = {k: v for k, v in (("json_schema", getattr(a, "json_schema", None)),
+                               ("regex", getattr(a, "regex", None)),
+                               ("grammar", getattr(a, "grammar", None))) if v is not None}
+    if getattr(a, "json", False):
+        given["response_format"] = {"type": "json_object"}
+    if len(given) > 1:
+        raise ValueError("give one of --json-schema, --json, --regex, --grammar")
+    if "json_schema" in given:
+        text = _text_arg(given["json_schema"])
+        try:
+            given["json_schema"] = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema: not valid JSON ({e})") from e
+    if "grammar" in given:
+        given["grammar"] = _text_arg(given["grammar"])
+    return given
 
 
 def _kwargs(a: argparse.Namespace, model: Any = None) -> dict[str, Any]:
@@ -122,6 +196,7 @@ def _kwargs(a: argparse.Namespace, model: Any = None) -> dict[str, Any]:
         kw["num_draft_tokens"] = a.num_draft_tokens
     if getattr(a, "prompt_cache", None):
         kw["prompt_cache_dir"] = a.prompt_cache
+    kw.update(_constraint(a))
     if model is not None and getattr(a, "adapter", None):
         names = model.adapters.names()
         if len(names) != 1:
@@ -149,7 +224,8 @@ def _draft(a: argparse.Namespace, model: Any) -> Any:
 
 
 def _load(a: argparse.Namespace):
-    model = fx_engine.load(a.model, batch_invariant=a.batch_invariant, kv_bits=a.kv_bits,
+    model = fx_engine.load(a.model, revision=getattr(a, "revision", None),
+                           batch_invariant=a.batch_invariant, kv_bits=a.kv_bits,
                            kv_group_size=a.kv_group_size, quantized_kv_start=a.quantized_kv_start,
                            activation_bits=getattr(a, "activation_bits", None),
                            kv_dtype=getattr(a, "kv_dtype", None),
@@ -177,8 +253,10 @@ def _report(usage: Any, model: Any = None) -> None:
     if usage.drafted_tokens:
         kv += (f" | drafts accepted {usage.accepted_tokens}/{usage.drafted_tokens} "
                f"({100 * usage.accepted_tokens / usage.drafted_tokens:.0f}%)")
+    cached = getattr(usage, "cached_tokens", 0) or 0
+    reuse = f" ({cached} from the prompt cache)" if cached else ""
     print(
-        f"\n[prompt: {usage.prompt_tokens} tokens, {usage.prompt_tps:.1f} tok/s | "
+        f"\n[prompt: {usage.prompt_tokens} tokens{reuse}, {usage.prompt_tps:.1f} tok/s | "
         f"generation: {usage.completion_tokens} tokens, {usage.generation_tps:.1f} tok/s | "
         f"peak memory {mx.get_peak_memory() / 1e9:.2f} GB{kv}]",
         file=sys.stderr,
@@ -281,7 +359,8 @@ def cmd_cache_prompt(a: argparse.Namespace) -> int:
     else:
         ids = list(model.tokenizer.encode(text))
     engine = fx_engine.Engine(model, max_rows=1, prefix_cache_dir=a.prompt_cache)
-    out = engine.submit(ids, max_tokens=1).result()  # the whole prompt is snapshotted
+    with working(f"prefilling {len(ids)} tokens into {a.prompt_cache}"):
+        out = engine.submit(ids, max_tokens=1).result()  # the whole prompt is snapshotted
     disk = engine.stats()["prefix_cache"]["disk"]
     print(f"cached {len(ids)} tokens in {a.prompt_cache} ({disk['entries']} entries; "
           f"{out.usage.cached_tokens} were already cached)", file=sys.stderr)
@@ -342,7 +421,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--chat-template-args: not JSON ({e})") from None
     if template_args is not None and not isinstance(template_args, dict):
         raise ValueError("--chat-template-args: must be a JSON object")
-    model_id = a.model_id or _model_id(model)
+    model_id = a.model_id or _model_id(model, a.model)
     app = create_app(engine, model_id, api_key=a.api_key, defaults=defaults,
                      chat_template=template, chat_template_args=template_args,
                      max_request_bytes=a.max_request_bytes, stream_buffer=a.stream_buffer,
@@ -381,13 +460,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
-def _model_id(model: Any) -> str:
-    """The id /v1/models lists: the file or folder name without its extension and without
-    a GGUF quantization tag (SmolLM2-135M-Instruct.Q4_1.gguf: SmolLM2-135M-Instruct, the
-    name the docs use); the server also accepts the file name, stem and path."""
+def _model_id(model: Any, spec: str | None = None) -> str:
+    """The id /v1/models lists: a Hugging Face repo id as given (org/name, org/name:QUANT:
+    the cached snapshot's folder is a commit hash), else the file or folder name without its
+    extension and without a GGUF quantization tag (SmolLM2-135M-Instruct.Q4_1.gguf:
+    SmolLM2-135M-Instruct, the name the docs use); the server also accepts the file name,
+    stem and path."""
     import re
     from pathlib import Path
 
+    from fx_engine.loading.hub import parse_model_id
+
+    if spec and not Path(spec).expanduser().exists() and parse_model_id(spec):
+        return spec
     if not model.path:
         return "fx-engine"
     p = Path(model.path)  # (a folder's name is kept whole: Mistral-7B-v0.1 has no extension)
@@ -477,41 +562,38 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fx-engine", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fx-engine", description=__doc__, formatter_class=_Help)
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text from a prompt (streams tokens)")
-    g.add_argument("prompt")
+    g = sub.add_parser("generate", formatter_class=_Help, help="generate text from a prompt (streams tokens)")
+    g.add_argument("prompt", help="the user message (with --raw: the text to continue)")
     g.add_argument("--system", default=None, help="system message")
     g.add_argument("--raw", action="store_true", help="no chat template: complete the raw text")
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
-    c = sub.add_parser("chat", help="interactive multi-turn chat with the model's chat template")
-    c.add_argument("--system", default=None)
+    c = sub.add_parser("chat", formatter_class=_Help, help="interactive multi-turn chat with the model's chat template")
+    c.add_argument("--system", default=None, help="system message")
     c.add_argument("--verbose", "-v", action="store_true", help="print speed after each reply")
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
-    cp = sub.add_parser("cache-prompt", help="prefill a prompt into a prefix-cache directory")
+    cp = sub.add_parser("cache-prompt", formatter_class=_Help, help="prefill a prompt into a prefix-cache directory")
     cp.add_argument("prompt", help="the text, @FILE, or - for stdin")
-    cp.add_argument("--prompt-cache", required=True, metavar="DIR")
+    cp.add_argument("--prompt-cache", required=True, metavar="DIR",
+                    help="the prefix-cache directory (generate/chat/serve --prompt-cache)")
     cp.add_argument("--system", action="store_true",
                     help="cache it as a chat's system message (then use generate --system)")
-    cp.add_argument("--model", "-m", default=None)
-    cp.add_argument("--batch-invariant", action="store_true")
-    cp.add_argument("--activation-bits", type=int, default=None, choices=(8,))
-    cp.add_argument("--kv-bits", type=int, default=None, choices=(4, 8))
-    cp.add_argument("--kv-group-size", type=int, default=64)
-    cp.add_argument("--quantized-kv-start", type=int, default=5000)
+    _model_args(cp)
+    _numerics_args(cp.add_argument_group("numerics and memory (as the runs that reuse it)"))
     cp.set_defaults(func=cmd_cache_prompt)
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (drop-in for mlx_lm.server)")
+    sv = sub.add_parser("serve", formatter_class=_Help, help="OpenAI-compatible HTTP server (drop-in for mlx_lm.server)")
     _sampling_args(sv, serve=True)
     sv.set_defaults(max_tokens=512)
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8080)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    sv.add_argument("--port", type=int, default=8080, help="port to listen on")
     sv.add_argument("--api-key", action="append", default=None, metavar="KEY",
                     help="require 'Authorization: Bearer KEY' on every route but /health; "
                          "give it once per tenant: each key has its own prefix-cache scope")
     sv.add_argument("--max-request-bytes", type=int, default=4 << 20,
-                    help="largest request body (413 beyond; default 4 MiB)")
+                    help="largest request body in bytes (413 beyond)")
     sv.add_argument("--shutdown-timeout", type=float, default=10.0,
                     help="seconds a graceful shutdown (SIGINT/SIGTERM) waits for open requests")
     sv.add_argument("--stream-buffer", type=int, default=256,
@@ -520,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--stream-unread-bytes", type=int, default=64 << 10,
                     help="bytes a stream's client may leave unread (in the server's and the "
                          "kernel's send buffers) while it reads nothing before it is cut off "
-                         "and its rows freed (default 64 KiB)")
+                         "and its rows freed")
     sv.add_argument("--header-timeout", type=float, default=10.0,
                     help="seconds a connection may take to send a request head, from its "
                          "start or its previous response (slow-header clients are closed)")
@@ -543,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prompt-cache-bytes", type=_int_at_least(0), default=512 << 20,
                     help="in-memory prefix cache budget (0: off)")
     sv.add_argument("--prompt-cache-disk-bytes", type=_int_at_least(1), default=None,
-                    help="the disk tier's byte budget (--prompt-cache-dir; default 4 GiB; the "
+                    help="the disk tier's byte budget (--prompt-cache-dir; none: 4 GiB; the "
                          "least recently used entries are deleted beyond it)")
     sv.add_argument("--prompt-cache-size", type=_int_at_least(1), default=None,
                     help="most prefix cache entries in memory (mlx_lm.server's flag)")
@@ -551,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--chat-template-args", default=None,
                     help='JSON variables for the template, e.g. \'{"enable_thinking": false}\'')
     sv.set_defaults(func=cmd_serve, check=lambda a: _check_serve(sv, a))
-    i = sub.add_parser("info", help="versions, device, BLAS, native kernels, default model")
+    i = sub.add_parser("info", formatter_class=_Help, help="versions, device, BLAS, native kernels, default model")
     i.add_argument("--model", default=None,
                    help="also show the matmul path chosen for this model (default: the default model)")
     i.set_defaults(func=cmd_info)
@@ -565,6 +647,13 @@ _DELEGATED = {
     "trace": ("fx_engine.tracing.cli", "step graphs, recompiles and run timelines (tools/trace.py)"),
     "golden": ("fx_engine.testing.golden_cli", "record / check golden outputs (regression tests)"),
 }
+
+
+def _set_threads(n: int) -> None:
+    """--threads: the native kernels' pool and MKL/OpenMP read these at their first parallel
+    call, which comes after this (only the BLAS preload has run)."""
+    for var in ("FX_ENGINE_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(n)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -581,6 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "check", None) is not None:
         args.check(args)  # flags checked before the model loads (argparse errors, exit 2)
+    if getattr(args, "threads", None):
+        _set_threads(args.threads)
     from fx_engine.runtime.distributed import finish
 
     try:

@@ -33,11 +33,16 @@ two-level form (int16 codes per group, the float16 factors per super-block: the 
 compute d * sc themselves, runtime/native/scales.h), the legacy types' as float16 (d and m
 are halves); both decode to exactly the float32 values above. F32 / F16 / BF16 tensors are
 read as they are. Any other type is an error naming the tensor and its type.
+
+Split files (llama.cpp's `gguf-split`, and what the Hub serves for large models:
+`PREFIX-00001-of-0000N.gguf`, each shard a GGUF with `split.no` / `split.count`, the
+metadata in the first) read as one model from the first shard's path (`gguf_files`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Union
 
@@ -46,7 +51,7 @@ import numpy as np
 
 from fx_engine.core.checkpoint import WeightsError, pack_stream
 
-__all__ = ["read_gguf", "AFFINE_TYPES", "DEQUANTIZED_TYPES"]
+__all__ = ["read_gguf", "gguf_files", "AFFINE_TYPES", "DEQUANTIZED_TYPES"]
 
 QK = 32  # elements per block of the legacy types
 QK_K = 256  # elements per super-block of the K types
@@ -440,6 +445,45 @@ def _write_safetensors(path: Path, arrays: dict[str, np.ndarray]) -> None:
             f.write(np.ascontiguousarray(a).data)
 
 
+# llama.cpp's shard names (llama_split_path): "%s-%05d-of-%05d.gguf"
+_SHARD = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+
+
+def _split_count(header: "_Header") -> tuple[int, int]:
+    meta = header.metadata
+    count = int(meta.get("split.count", 1))
+    return int(meta.get("split.no", 0)), max(count, 1)
+
+
+def _shard_paths(path: Path, header: "_Header") -> list[Path]:
+    """Every shard of the split GGUF whose first shard is `path` ([path] if not split)."""
+    no, count = _split_count(header)
+    if count == 1:
+        return [path]
+    m = _SHARD.match(path.name)
+    if no != 0:
+        first = f"{m['prefix']}-00001-of-{m['count']}.gguf" if m else "its first shard"
+        raise WeightsError(f"{path}: this is shard {no + 1} of {count} of a split GGUF; load "
+                           f"the first shard ({first}), which holds the model's metadata")
+    if m is None or int(m["count"]) != count:
+        raise WeightsError(f"{path}: a split GGUF (split.count = {count}) must be named as "
+                           f"llama.cpp's gguf-split names it (PREFIX-00001-of-{count:05d}.gguf) "
+                           "so its other shards can be found")
+    paths = [path.with_name(f"{m['prefix']}-{i:05d}-of-{m['count']}.gguf") for i in range(1, count + 1)]
+    missing = [q.name for q in paths if not q.is_file()]
+    if missing:
+        raise WeightsError(f"{path}: split GGUF of {count} shards, missing: {', '.join(missing)} "
+                           f"(expected beside it in {path.parent})")
+    return paths
+
+
+def gguf_files(path: str | Path) -> list[Path]:
+    """The files a GGUF model is read from: its shards in order for a split file's first
+    shard (errors name a missing shard), else the file itself."""
+    path = Path(path)
+    return _shard_paths(path, _Header(path))
+
+
 def read_gguf(path: str | Path, store_bits: StoreBits = None, compact: bool = False,
               spill: str | Path | None = None) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """(tensors, metadata) of a GGUF file; see the module docstring for the representation.
@@ -454,8 +498,31 @@ def read_gguf(path: str | Path, store_bits: StoreBits = None, compact: bool = Fa
     path = Path(path)
     if not path.is_file():
         raise WeightsError(f"{path}: no such file")
-    header = _Header(path)
-    data = np.memmap(path, dtype=np.uint8, mode="r") if header.size and spill is None else np.zeros(0, np.uint8)
+    first = _Header(path)
+    paths = _shard_paths(path, first)
+    headers = [first] + [_Header(q) for q in paths[1:]]
+    for i, (q, h) in enumerate(zip(paths, headers)):
+        if _split_count(h) != (i, len(paths)):
+            raise WeightsError(f"{q}: expected shard {i + 1} of {len(paths)} (split.no = {i}), its "
+                               f"header says split.no = {_split_count(h)[0]}, split.count = {_split_count(h)[1]}")
+    want = int(first.metadata.get("split.tensors.count", 0))
+    got = sum(len(h.tensors) for h in headers)
+    if len(paths) > 1 and want and want != got:
+        raise WeightsError(f"{path}: split GGUF declares {want} tensors (split.tensors.count), "
+                           f"its {len(paths)} shards hold {got}")
+    jobs = []
+    for k, (shard, header) in enumerate(zip(paths, headers)):
+        jobs += _shard_jobs(shard, k, header, spill is not None)
+    if len({job[0] for job in jobs}) != len(jobs):
+        raise WeightsError(f"{path}: a tensor name appears twice across the file's shards")
+    tensors = _convert_all(paths, jobs, store_bits, compact, spill)
+    return tensors, first.metadata
+
+
+def _shard_jobs(path: Path, k: int, header: "_Header", spilled: bool) -> list[tuple]:
+    """One conversion job per tensor of shard k: (name, kind, shape, rows, cols, source),
+    source its bytes (a memmap slice) or, when spilled, (k, start, end) to pread."""
+    data = np.memmap(path, dtype=np.uint8, mode="r") if header.size and not spilled else np.zeros(0, np.uint8)
     jobs = []
     for name, shape, type_id, offset in header.tensors:
         kind, block, nbytes = GGML_TYPES.get(type_id, (f"type {type_id}", 0, 0))
@@ -473,9 +540,15 @@ def read_gguf(path: str | Path, store_bits: StoreBits = None, compact: bool = Fa
         if end > header.size:
             raise WeightsError(f"{path}: cannot read weights: the file is truncated (tensor "
                                f"'{name}' needs bytes up to {end}, the file has {header.size})")
-        jobs.append((name, kind, shape, rows, cols, (start, end) if spill is not None else data[start:end]))
+        jobs.append((name, kind, shape, rows, cols, (k, start, end) if spilled else data[start:end]))
+    return jobs
+
+
+def _convert_all(paths: list[Path], jobs: list[tuple], store_bits: StoreBits, compact: bool,
+                 spill: str | Path | None) -> dict[str, mx.array]:
+    """Every job's tensor(s) as MLX arrays, converted on a thread per core."""
     # Tensors convert independently and numpy releases the GIL in its loops: a thread per
-    # core (2 cores: a 517 MiB K-quant file's conversion 8.5 -> 4.5 s, docs/benchmarks.md).
+    # core (2 cores: a 517 MiB K-quant file's conversion 8.5 -> 4.5 s, docs/benchmarks-archive.md).
     from concurrent.futures import ThreadPoolExecutor
 
     workers = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
@@ -498,16 +571,16 @@ def read_gguf(path: str | Path, store_bits: StoreBits = None, compact: bool = Fa
                                                             else min(want, hard), hard))
         except (ImportError, ValueError, OSError):
             pass
-        fd = os.open(path, os.O_RDONLY)
+        fds = [os.open(q, os.O_RDONLY) for q in paths]
 
         def run(job: tuple) -> dict[str, Any]:
-            name, kind, shape, rows, cols, (start, end) = job
+            name, kind, shape, rows, cols, (k, start, end) = job
             raw = np.empty(end - start, np.uint8)  # (pread returns at most ~2 GiB per call)
             done = 0
             while done < raw.size:
-                got = os.preadv(fd, [memoryview(raw)[done:]], start + done)
+                got = os.preadv(fds[k], [memoryview(raw)[done:]], start + done)
                 if got <= 0:
-                    raise WeightsError(f"{path}: cannot read weights: tensor '{name}' ends past the file")
+                    raise WeightsError(f"{paths[k]}: cannot read weights: tensor '{name}' ends past the file")
                 done += got
             out = folder / f"{name}.safetensors"  # (GGUF tensor names are unique)
             _write_safetensors(out, _convert(name, kind, shape, rows, cols, raw, store_bits, name == head, compact))
@@ -521,8 +594,9 @@ def read_gguf(path: str | Path, store_bits: StoreBits = None, compact: bool = Fa
                     tensors.update(mx.load(str(part[""])))  # lazy: read when evaluated
     finally:
         if spill is not None:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
     for name, kind, *_ in jobs:  # MLX ops need this thread's stream: reinterpret here
         if kind == "BF16" and spill is None:
             tensors[name] = tensors[name].view(mx.bfloat16)
-    return tensors, header.metadata
+    return tensors

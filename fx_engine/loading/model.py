@@ -17,6 +17,9 @@ import mlx.core as mx
 
 from fx_engine.loading.adapters import AdapterSet, fuse_params
 from fx_engine.loading.default_model import default_model_path
+from fx_engine.loading.gguf import gguf_files
+from fx_engine.loading.hub import resolve_model
+from fx_engine.progress import working
 from fx_engine.runtime import native as fx_native
 from fx_engine.loading.weights import KeepQuantized, WeightsError, load_gguf, load_hf_folder
 from fx_engine.core.cache import KVCache, LayerSpec, init_cache
@@ -156,8 +159,13 @@ def load(
     tensor_parallel: int | None = None,
     pipeline_parallel: int | None = None,
     pipeline_layers: Sequence[int] | None = None,
+    revision: str | None = None,
 ) -> Model:
-    """Load a model from a GGUF file or a Hugging Face style folder (None: the default model).
+    """Load a model from a GGUF file (a split file's first shard), a Hugging Face style
+    folder, a Hugging Face repo id `org/name` or `org/name:QUANT` (a GGUF repo's
+    quantization; resolved through the local Hugging Face cache first, then downloaded
+    unless HF_HUB_OFFLINE is set: `fx_engine.loading.hub`), or None: the default model.
+    revision: the repo's branch, tag or commit (repo ids only).
 
     dtype: activation/weight dtype ("float32", "float16", "bfloat16"); default float32 on
     CPU (MLX's CPU f16/bf16 math is 10-60x slower) and the stored dtype elsewhere.
@@ -196,9 +204,9 @@ def load(
 
     setup()  # BLAS and malloc (no-op when the entry point already ran it)
 
-    p = Path(path) if path is not None else default_model_path()
-    if not p.exists():
-        raise FileNotFoundError(f"model path does not exist: {p}")
+    if path is None and revision is not None:
+        raise ValueError("revision applies to a Hugging Face repo id (path='org/name'), not the default model")
+    p = resolve_model(path, revision=revision) if path is not None else default_model_path()
     if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
     if native is None:
@@ -256,7 +264,8 @@ def load(
         if spill is not None:  # (also gone at exit if the load fails before it is removed)
             atexit.register(shutil.rmtree, spill, True)
         try:
-            cfg, params, metadata = load_gguf(p, mx_dtype or mx.float16, keep, numerics, spill)
+            with working(f"reading {p.name}"):
+                cfg, params, metadata = load_gguf(p, mx_dtype or mx.float16, keep, numerics, spill)
         except BaseException:
             if spill is not None:
                 shutil.rmtree(spill, ignore_errors=True)
@@ -265,15 +274,16 @@ def load(
         fmt = "gguf"
         # the file alone (its header holds the metadata): not fx-engine's config class,
         # whose fields change between versions while the model does not
-        fp_src = ["gguf", str(p.stat().st_size)]
+        fp_src = ["gguf", str(sum(f.stat().st_size for f in gguf_files(p)))]
     else:
-        cfg, params, raw = load_hf_folder(p, mx_dtype, keep, numerics)
+        with working(f"reading {p.name}"):
+            cfg, params, raw = load_hf_folder(p, mx_dtype, keep, numerics)
         tokenizer = Tokenizer.from_hf_folder(p)
         fmt = "mlx-quantized" if raw.get("quantization") else "safetensors"
         fp_src = [json.dumps(raw, sort_keys=True)] + [
             f"{f.name}:{f.stat().st_size}" for f in sorted(p.glob("*.safetensors"))
         ]
-    files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
+    files = gguf_files(p) if p.is_file() else sorted(p.glob("*.safetensors"))
     fingerprint = model_fingerprint(fp_src, files)
     if sharded:
         # sharded before anything is evaluated: safetensors are read lazily (mx.load),
@@ -292,7 +302,8 @@ def load(
                 shutil.rmtree(spill, ignore_errors=True)
     if activation_bits == 8 and _on_cpu():
         params = _interleave_a8(params)
-    mx.eval(tree_leaves(params))
+    with working(f"loading {p.name}'s weights"):
+        mx.eval(tree_leaves(params))
     quant_kinds = _weight_kinds(params)
     report = None
     if matmul_plan is not None:

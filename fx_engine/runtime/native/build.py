@@ -21,6 +21,7 @@ measured and tested on one machine (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -32,6 +33,8 @@ import sys
 import sysconfig
 from pathlib import Path
 from types import ModuleType
+
+from fx_engine.progress import interactive, working
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 
@@ -241,9 +244,11 @@ def build(*, force: bool = False, log=None) -> Path:
             arch = candidates[i]
             tmp = d / f"tmp-{os.getpid()}{paths['ext_suffix']}"
             try:
-                if log:
-                    log(f"fx-engine: compiling native CPU kernels ({' '.join(arch) or 'generic'}), once per machine...")
-                _compile(cxx, paths, arch, tmp)
+                what = f"compiling native CPU kernels ({' '.join(arch) or 'generic'}), once per machine"
+                if log and not interactive():
+                    log(f"fx-engine: {what}...")  # a log line; a terminal gets a live spinner
+                with working(what) if log else contextlib.nullcontext():
+                    _compile(cxx, paths, arch, tmp)
                 _check(tmp)
                 os.replace(tmp, target)
                 failed.unlink(missing_ok=True)

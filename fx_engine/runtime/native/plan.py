@@ -30,6 +30,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
+from fx_engine.progress import working
 from fx_engine.runtime.native import FEW_GEMM_ROWS, dequantize, qgemm, qmm, status, supports
 from fx_engine.core.nn import MatmulPlan, linears
 
@@ -174,7 +175,8 @@ def choose(params: Any) -> PlanReport | None:
         decide(seconds)  # complete and usable, or measured again
         cached = True
     except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
-        seconds = measure(n, k, bits, gs)
+        with working(f"measuring the fastest matmul kernels for {desc}, once per machine"):
+            seconds = measure(n, k, bits, gs)
         cached = False
         if file is not None:
             cache[key] = seconds
