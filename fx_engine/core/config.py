@@ -64,38 +64,81 @@ def _number(kind: Callable[[Any], Any]) -> Callable[[Any, str, str], Any]:
     return lambda value, key, source: kind(value)
 
 
+def _positive_number(value: Any, key: str, source: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ConfigError(f"{source}: field '{key}' must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _maybe_bool(value: Any, key: str, source: str) -> bool | None:
+    return None if value is None else bool(value)
+
+
+def _maybe_positive(value: Any, key: str, source: str) -> int | None:
+    return None if value is None else positive_int(value, key, source)
+
+
 POSITIVE = _positive  # a positive integer (an error names the field and the value)
+POSITIVE_FLOAT = _positive_number  # a positive int or float, as a float (an error names it)
 FLOAT, INT, BOOL = _number(float), _number(int), _number(bool)  # converted as is
+MAYBE_BOOL = _maybe_bool  # None stays None ("the checkpoint decides"), else bool
+MAYBE_FLOAT = _number(lambda v: None if v is None else float(v))  # None stays None ("off"), else float
+INT_OR_ZERO = _number(lambda v: int(v or 0))  # a count whose null (or 0) means none
+MAYBE_POSITIVE = _maybe_positive  # None stays None (the feature is off), else POSITIVE
+
+
+@attrs.frozen
+class Same:
+    """A default that is another field's value, read earlier in the same table and named
+    as `read_fields` names it (`to`, else `key`): a missing num_key_value_heads is
+    num_attention_heads."""
+
+    key: str
 
 
 @attrs.frozen
 class Field:
     """One config.json field a family reads, as data: its `key`, how its value is checked
-    and converted (`kind`: POSITIVE, FLOAT, INT, BOOL or any (value, key, source) -> value),
-    and its `default` (`...`: required; a missing or null required field is an error that
-    names it). `or_default`: a present but false-y value (0, "", None) also takes the
-    default, as `d.get(key) or default` reads it; otherwise `d.get(key, default)`."""
+    and converted (`kind`: POSITIVE, FLOAT, INT, BOOL, the others above, or any
+    (value, key, source) -> value), and its `default` (`...`: required; a missing or null
+    required field is an error that names it; `Same(key)`: an earlier field's value).
+    How a present value falls back to the
+    default: `or_default`, a false-y one (0, "", None) does, as `d.get(key) or default`
+    reads it; `null_default`, a null one does, as `required(d, key, source, default)`
+    reads it; otherwise only a missing key does (`d.get(key, default)`). `to`: the name
+    its value goes by in `read_fields`' result (the config's attribute), if not `key`."""
 
     key: str
     kind: Callable[[Any, str, str], Any] = POSITIVE
     default: Any = ...
     or_default: bool = False
+    null_default: bool = False
+    to: str | None = None
 
 
 def read_fields(d: dict[str, Any], fields: tuple[Field, ...], source: str) -> dict[str, Any]:
-    """The fields' checked values by key, read in table order (the first bad field's
-    error is the one raised), so a family declares what it reads instead of spelling
-    out each check."""
-    out = {}
+    """The fields' checked values by name (`to`, else `key`), read in table order (the first
+    bad field's error is the one raised), so a family declares what it reads instead of
+    spelling out each check."""
+    out: dict[str, Any] = {}
     for f in fields:
-        if f.default is ...:
+        default = out[f.default.key] if isinstance(f.default, Same) else f.default
+        if default is ...:
             value = required(d, f.key, source)
         elif f.or_default:
-            value = d.get(f.key) or f.default
+            value = d.get(f.key) or default
+        elif f.null_default:
+            value = required(d, f.key, source, default)
         else:
-            value = d.get(f.key, f.default)
-        out[f.key] = f.kind(value, f.key, source)
+            value = d.get(f.key, default)
+        out[f.to or f.key] = f.kind(value, f.key, source)
     return out
+
+
+def read_field(d: dict[str, Any], field: Field, source: str) -> Any:
+    """One field's checked value (`read_fields` of a table of one): for a field read only
+    in some configs (a window only when some layer slides)."""
+    return read_fields(d, (field,), source)[field.to or field.key]
 
 
 def check_rope_scaling(scaling: dict[str, Any] | None, source: str) -> tuple | None:

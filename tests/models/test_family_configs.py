@@ -129,6 +129,32 @@ def test_postnorm_config_refusals():
             config_from_hf({**tiny_config(mt), **overrides}, "config.json")
 
 
+def test_config_fields_read_as_declared():
+    """`read_fields` (core/config.py): how each Field falls back to its default, `Same`
+    defaults, `to` names, and errors that name the field."""
+    from fx_engine.core.config import FLOAT, Field, Same, read_fields
+
+    table = (Field("heads"), Field("kv", default=Same("heads"), or_default=True, to="kv_heads"),
+             Field("eps", FLOAT, 1e-6, null_default=True), Field("theta", FLOAT, 1e4))
+    assert read_fields({"heads": 4, "kv": 0, "eps": None}, table, "c") == {
+        "heads": 4, "kv_heads": 4, "eps": 1e-6, "theta": 1e4}
+    assert read_fields({"heads": 4, "kv": 2, "eps": 1e-5, "theta": 5}, table, "c") == {
+        "heads": 4, "kv_heads": 2, "eps": 1e-5, "theta": 5.0}
+    with pytest.raises(ConfigError, match="c: required field 'heads' is missing"):
+        read_fields({"heads": None}, table, "c")
+    with pytest.raises(ConfigError, match="c: field 'kv' must be a positive integer, got -1"):
+        read_fields({"heads": 4, "kv": -1}, table, "c")
+
+
+def test_any_params_names_every_family():
+    """`AnyParams` (the steps' params annotation) is the union of the registry's params types."""
+    from typing import get_args
+
+    from fx_engine.core.models import FAMILIES, AnyParams
+
+    assert set(get_args(AnyParams)) == {f.params_type for f in FAMILIES}
+
+
 def test_unknown_model_type_names_the_nearest_supported_ones():
     with pytest.raises(ConfigError) as e:
         config_from_hf({**tiny_config("qwen3_moe"), "model_type": "qwen3_moe_x"}, "config.json")

@@ -20,8 +20,8 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, attend_entry, write_entry
 from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, renamed
-from fx_engine.core.config import (BaseConfig, ConfigError, gguf_hf_config, gguf_value, positive_int, required,
-                                   token_ids)
+from fx_engine.core.config import (BOOL, FLOAT, INT, BaseConfig, ConfigError, Field, Same, gguf_hf_config, gguf_value,
+                                   read_field, read_fields, token_ids)
 from fx_engine.core.models.blocks import Reader, rope_in, swiglu_mlp
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import PipelineStage, cut_layers, decoder_step, stage_logits
@@ -45,15 +45,30 @@ class CohereConfig(BaseConfig):
     eos_token_ids: tuple[int, ...] = ()
 
 
+def _number(value: Any, key: str, source: str) -> float:
+    if not isinstance(value, (int, float)):
+        raise ConfigError(f"{source}: field '{key}' must be a number, got {value!r}")
+    return float(value)
+
+
+# config.json's fields read as they are (`read_fields`, in this order), by CohereConfig's names
+_FIELDS = (
+    Field("hidden_size"), Field("num_attention_heads", to="num_heads"), Field("num_hidden_layers", to="num_layers"),
+    Field("num_key_value_heads", default=Same("num_heads"), null_default=True, to="num_kv_heads"),
+    Field("vocab_size"), Field("intermediate_size"), Field("logit_scale", _number, 0.0625),
+    Field("layer_norm_eps", FLOAT, 1e-5, or_default=True, to="rms_norm_eps"),
+    Field("rope_theta", FLOAT, 10000.0, or_default=True), Field("attention_bias", BOOL, False),
+    Field("layer_norm_bias", BOOL, False), Field("max_position_embeddings", INT, 8192, or_default=True),
+)
+
+
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> CohereConfig:
     mt = d["model_type"]
-
-    def pos(key: str, default: Any = ...) -> int:
-        return positive_int(required(d, key, source, default), key, source)
-
-    hidden, heads, layers = pos("hidden_size"), pos("num_attention_heads"), pos("num_hidden_layers")
-    kv = pos("num_key_value_heads", heads)
-    head_dim = pos("head_dim", hidden // heads) if mt == "cohere2" else hidden // heads
+    f = read_fields(d, _FIELDS, source)
+    hidden, heads, layers, kv = f["hidden_size"], f["num_heads"], f["num_layers"], f["num_kv_heads"]
+    head_dim = hidden // heads
+    if mt == "cohere2":  # (cohere's is always hidden_size / num_attention_heads)
+        head_dim = read_field(d, Field("head_dim", default=head_dim, null_default=True), source)
     if heads % kv or head_dim * heads != hidden:
         raise ConfigError(f"{source}: num_attention_heads ({heads}) x head_dim must equal hidden_size "
                           f"({hidden}) and be a multiple of num_key_value_heads ({kv})")
@@ -61,28 +76,29 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> CohereConf
         raise ConfigError(f"{source}: field 'rope_scaling' is not supported for {mt}")
     types, window = ["full_attention"] * layers, 0
     if mt == "cohere2":
-        pattern = pos("sliding_window_pattern", 4)
-        types = d.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                                         for i in range(layers)]
-        if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
-            raise ConfigError(f"{source}: layer_types must list {layers} entries of 'sliding_attention' "
-                              "or 'full_attention'")
-        window = pos("sliding_window", 4096) if "sliding_attention" in types else 0
+        types, window = _cohere2_layers(d, layers, source)
     elif d.get("use_qk_norm") and d.get("layer_norm_bias"):
         raise ConfigError(f"{source}: use_qk_norm with layer_norm_bias is not supported")
-    scale = d.get("logit_scale", 0.0625)
-    if not isinstance(scale, (int, float)):
-        raise ConfigError(f"{source}: field 'logit_scale' must be a number, got {scale!r}")
     bos, eos = token_ids(d)
     return CohereConfig(
-        model_type=mt, vocab_size=pos("vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv, head_dim=head_dim, intermediate_size=pos("intermediate_size"),
-        rms_norm_eps=float(d.get("layer_norm_eps") or 1e-5), rope_theta=float(d.get("rope_theta") or 10000.0),
-        logit_scale=float(scale), layer_types=tuple(types), global_rope=mt == "cohere",
-        sliding_window=window, attention_bias=bool(d.get("attention_bias", False)),
-        layer_norm_bias=bool(d.get("layer_norm_bias", False)), qk_norm=bool(d.get("use_qk_norm", False)) and mt == "cohere",
-        max_position_embeddings=int(d.get("max_position_embeddings") or 8192), bos_token_id=bos, eos_token_ids=eos,
+        model_type=mt, **f, head_dim=head_dim, layer_types=tuple(types), global_rope=mt == "cohere",
+        sliding_window=window, qk_norm=bool(d.get("use_qk_norm", False)) and mt == "cohere", bos_token_id=bos,
+        eos_token_ids=eos,
     )
+
+
+def _cohere2_layers(d: dict[str, Any], layers: int, source: str) -> tuple[list[str], int]:
+    """Command R7B's layer kinds (every sliding_window_pattern-th layer global, unless
+    layer_types says) and its window (0 when no layer slides)."""
+    pattern = read_field(d, Field("sliding_window_pattern", default=4, null_default=True), source)
+    types = d.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                     for i in range(layers)]
+    if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ConfigError(f"{source}: layer_types must list {layers} entries of 'sliding_attention' "
+                          "or 'full_attention'")
+    if "sliding_attention" not in types:
+        return types, 0
+    return types, read_field(d, Field("sliding_window", default=4096, null_default=True), source)
 
 
 @attrs.frozen

@@ -22,6 +22,7 @@ Checkpoints: Hugging Face's (kv_b_proj, per-expert tensors) and mlx-lm's sanitiz
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -31,8 +32,9 @@ from jaxtyping import Float, Int
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, attend_latent, write_entry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, WeightsError,
                                       dequantized, finish_experts, fuse_experts, read_experts, read_linear, renamed)
-from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, gguf_grouped_experts, gguf_hf_config,
-                                   gguf_value, gguf_yarn, positive_int, required, token_ids)
+from fx_engine.core.config import (BOOL, FLOAT, INT, INT_OR_ZERO, MAYBE_POSITIVE, BaseConfig, ConfigError, Field,
+                                   check_rope_scaling, gguf_grouped_experts, gguf_hf_config, gguf_value, gguf_yarn,
+                                   read_fields, token_ids)
 from fx_engine.core.models.blocks import (GGUF_GROUPED_EXPERT_NAMES, Reader, grouped_route, read_shared_expert,
                                           swiglu_mlp)
 from fx_engine.core.models.family import Family
@@ -68,56 +70,65 @@ class DeepseekConfig(BaseConfig):
     eos_token_ids: tuple[int, ...] = ()
 
 
-def config_from_hf(d: dict[str, Any], source: str = "config.json") -> DeepseekConfig:
-    def pos(key: str, default: Any = ...) -> int:
-        return positive_int(required(d, key, source, default), key, source)
+# config.json's fields read as they are (`read_fields`, in this order), by DeepseekConfig's names
+_FIELDS = (
+    Field("num_hidden_layers", to="num_layers"), Field("num_attention_heads", to="num_heads"), Field("hidden_size"),
+    Field("qk_nope_head_dim"), Field("qk_rope_head_dim"), Field("v_head_dim"), Field("kv_lora_rank"),
+    Field("q_lora_rank", MAYBE_POSITIVE, None),  # None: queries not low-rank (DeepSeek-V2-Lite)
+    Field("vocab_size"), Field("intermediate_size"), Field("rms_norm_eps", FLOAT, 1e-6, or_default=True),
+    Field("rope_theta", FLOAT, 10000.0, or_default=True), Field("max_position_embeddings", INT, 4096, or_default=True),
+    Field("attention_bias", BOOL, False),
+)
+# the routed experts' (when n_routed_experts is given)
+_EXPERT_FIELDS = (
+    Field("n_routed_experts", to="num_experts"), Field("num_experts_per_tok", to="top_k"),
+    Field("n_group", default=1, null_default=True), Field("topk_group", default=1, null_default=True),
+    Field("moe_intermediate_size"), Field("n_shared_experts", INT_OR_ZERO, 0, to="num_shared_experts"),
+    Field("routed_scaling_factor", FLOAT, 1.0, or_default=True), Field("norm_topk_prob", BOOL, True),
+    Field("first_k_dense_replace", INT_OR_ZERO, 0), Field("moe_layer_freq", default=1, null_default=True),
+)
 
-    layers, heads, hidden = pos("num_hidden_layers"), pos("num_attention_heads"), pos("hidden_size")
-    dn, dr, dv, r = pos("qk_nope_head_dim"), pos("qk_rope_head_dim"), pos("v_head_dim"), pos("kv_lora_rank")
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> DeepseekConfig:
+    f = read_fields(d, _FIELDS, source)
+    dn, dr, layers = f["qk_nope_head_dim"], f["qk_rope_head_dim"], f["num_layers"]
     if dr % 2:
         raise ConfigError(f"{source}: field 'qk_rope_head_dim' must be even, got {dr}")
-    q_lora = d.get("q_lora_rank")
-    q_lora = None if q_lora is None else positive_int(q_lora, "q_lora_rank", source)
     scaling = check_rope_scaling(d.get("rope_scaling"), source)
-    sd = dict(scaling or ())
-    scale = float(dn + dr) ** -0.5
-    if sd and sd.get("mscale_all_dim") and float(sd.get("factor", 1)) > 1:  # mlx-lm's YaRN fold
-        import math
-
-        s = 0.1 * float(sd["mscale_all_dim"]) * math.log(float(sd["factor"])) + 1.0
-        scale *= s * s
-    moe: dict[str, Any] = {}
-    experts = d.get("n_routed_experts")
-    if experts is not None:
-        experts = positive_int(experts, "n_routed_experts", source)
-        if (d.get("topk_method") or "noaux_tc") != "noaux_tc" or (d.get("scoring_func") or "sigmoid") != "sigmoid":
-            raise ConfigError(f"{source}: topk_method {d.get('topk_method')!r} / scoring_func "
-                              f"{d.get('scoring_func')!r} is not supported (noaux_tc with sigmoid)")
-        top_k, groups = pos("num_experts_per_tok"), pos("n_group", 1)
-        topk_group = pos("topk_group", 1)
-        if experts % groups or topk_group > groups or top_k > experts:
-            raise ConfigError(f"{source}: n_routed_experts ({experts}) must split into n_group "
-                              f"({groups}) groups, topk_group ({topk_group}) <= n_group, "
-                              f"num_experts_per_tok ({top_k}) <= n_routed_experts")
-        if groups > 1 and experts // groups < 2:
-            raise ConfigError(f"{source}: each of the n_group groups needs at least 2 experts")
-        first, freq = int(d.get("first_k_dense_replace") or 0), pos("moe_layer_freq", 1)
-        moe = dict(num_experts=experts, num_shared_experts=int(d.get("n_shared_experts") or 0),
-                   moe_intermediate_size=pos("moe_intermediate_size"), top_k=top_k, n_group=groups,
-                   topk_group=topk_group, routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
-                   norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-                   moe_layers=tuple(i >= first and i % freq == 0 for i in range(layers)))
+    moe = _experts(d, layers, source) if d.get("n_routed_experts") is not None else {"moe_layers": (False,) * layers}
     bos, eos = token_ids(d)
     return DeepseekConfig(
-        model_type=d["model_type"], vocab_size=pos("vocab_size"), hidden_size=hidden,
-        num_layers=layers, num_heads=heads, num_kv_heads=1, head_dim=dn + dr,
-        intermediate_size=pos("intermediate_size"), rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6),
-        q_lora_rank=q_lora, kv_lora_rank=r, qk_nope_head_dim=dn, qk_rope_head_dim=dr, v_head_dim=dv,
-        rope_theta=float(d.get("rope_theta") or 10000.0), attn_scale=scale, rope_scaling=scaling,
-        max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
-        attention_bias=bool(d.get("attention_bias", False)), bos_token_id=bos, eos_token_ids=eos,
-        **(moe or {"moe_layers": (False,) * layers}),
+        model_type=d["model_type"], **f, num_kv_heads=1, head_dim=dn + dr, attn_scale=_attn_scale(dn + dr, scaling),
+        rope_scaling=scaling, bos_token_id=bos, eos_token_ids=eos, **moe,
     )
+
+
+def _attn_scale(head_dim: int, scaling: tuple[tuple[str, Any], ...] | None) -> float:
+    """head_dim^-0.5, times mlx-lm's YaRN fold (its mscale squared) when the scaling has
+    mscale_all_dim and stretches the context."""
+    sd, scale = dict(scaling or ()), float(head_dim) ** -0.5
+    if sd and sd.get("mscale_all_dim") and float(sd.get("factor", 1)) > 1:
+        s = 0.1 * float(sd["mscale_all_dim"]) * math.log(float(sd["factor"])) + 1.0
+        scale *= s * s
+    return scale
+
+
+def _experts(d: dict[str, Any], layers: int, source: str) -> dict[str, Any]:
+    """DeepseekConfig's routed-expert fields: DeepSeek-V3's grouped sigmoid routing only,
+    routed layers from first_k_dense_replace on, every moe_layer_freq-th."""
+    e = read_fields(d, _EXPERT_FIELDS, source)
+    experts, top_k, groups, topk_group = e["num_experts"], e["top_k"], e["n_group"], e["topk_group"]
+    if (d.get("topk_method") or "noaux_tc") != "noaux_tc" or (d.get("scoring_func") or "sigmoid") != "sigmoid":
+        raise ConfigError(f"{source}: topk_method {d.get('topk_method')!r} / scoring_func "
+                          f"{d.get('scoring_func')!r} is not supported (noaux_tc with sigmoid)")
+    if experts % groups or topk_group > groups or top_k > experts:
+        raise ConfigError(f"{source}: n_routed_experts ({experts}) must split into n_group "
+                          f"({groups}) groups, topk_group ({topk_group}) <= n_group, "
+                          f"num_experts_per_tok ({top_k}) <= n_routed_experts")
+    if groups > 1 and experts // groups < 2:
+        raise ConfigError(f"{source}: each of the n_group groups needs at least 2 experts")
+    first, freq = e.pop("first_k_dense_replace"), e.pop("moe_layer_freq")
+    return {**e, "moe_layers": tuple(i >= first and i % freq == 0 for i in range(layers))}
 
 
 @attrs.frozen

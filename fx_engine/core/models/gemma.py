@@ -31,7 +31,8 @@ from jaxtyping import Float, Int
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish_experts,
                                       fuse_experts, read_expert_stack, renamed)
-from fx_engine.core.config import BaseConfig, ConfigError, gguf_value, positive_int, refuse, required, token_ids
+from fx_engine.core.config import (BOOL, FLOAT, INT, INT_OR_ZERO, MAYBE_BOOL, MAYBE_FLOAT, POSITIVE, BaseConfig,
+                                   ConfigError, Field, gguf_value, positive_int, read_fields, refuse, token_ids)
 from fx_engine.core.models.blocks import Reader
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import (PipelineStage, cut_layers, hands_on, later_stage, stage_input, stage_logits,
@@ -181,108 +182,132 @@ def _rope_spec(params: dict[str, Any] | None, theta: float, source: str, where: 
     )
 
 
+# config.json's fields every Gemma reads as they are (`read_fields`, in this order), by
+# GemmaConfig's names
+_FIELDS = (
+    Field("hidden_size"), Field("num_hidden_layers", to="num_layers"), Field("num_attention_heads", to="num_heads"),
+    Field("num_key_value_heads", default=1, or_default=True, to="num_kv_heads"),
+    Field("head_dim", default=256, or_default=True), Field("vocab_size"), Field("intermediate_size"),
+    Field("rms_norm_eps", FLOAT, 1e-6, or_default=True), Field("max_position_embeddings", INT, 131072, or_default=True),
+)
+
+
+def _softcap(value: Any, key: str, source: str) -> float | None:
+    if value is not None and not (isinstance(value, (int, float)) and value > 0):
+        raise ConfigError(f"{source}: field '{key}' must be a positive number or null, got {value!r}")
+    return None if value is None else float(value)
+
+
+# Gemma 2's: tanh soft-capping of the attention scores and of the logits (null: none)
+_GEMMA2_FIELDS = (Field("attn_logit_softcapping", _softcap, 50.0, to="attn_softcap"),
+                  Field("final_logit_softcapping", _softcap, 30.0), Field("rope_traditional", BOOL, False),
+                  Field("tie_word_embeddings", MAYBE_BOOL, None))
+# Gemma 3's: as stated (None: not stated; the loader decides: lm_head.weight present or not)
+_GEMMA3_FIELDS = (Field("tie_word_embeddings", MAYBE_BOOL, None),)
+# Gemma 4's (its routed experts: `_EXPERT_FIELDS`, when enable_moe_block)
+_GEMMA4_FIELDS = (
+    Field("tie_word_embeddings", BOOL, True), Field("rope_traditional", BOOL, False),
+    Field("global_head_dim", INT_OR_ZERO, 512), Field("num_global_key_value_heads", INT_OR_ZERO, 0,
+                                                      to="num_global_kv_heads"),
+    Field("attention_k_eq_v", BOOL, False), Field("final_logit_softcapping", MAYBE_FLOAT, 30.0),
+    Field("use_double_wide_mlp", BOOL, True),
+)
+_EXPERT_FIELDS = tuple(Field(k, POSITIVE, None) for k in ("num_experts", "top_k_experts", "moe_intermediate_size"))
+
+
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GemmaConfig:
-    """A GemmaConfig from a Hugging Face config.json dict (gemma3_text / gemma4_text)."""
+    """A GemmaConfig from a Hugging Face config.json dict (gemma2 / gemma3_text / gemma4_text)."""
     model_type = d["model_type"]
+    f = read_fields(d, _FIELDS, source)
+    types = _layer_kinds(d, model_type, f["num_layers"], source)
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"{source}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    if model_type != "gemma2":
+        refuse(d, source, "attn_logit_softcapping", lambda v: False, "mlx-lm does not apply it")
+    # "vision": image tokens attend bidirectionally (multimodal); text-only runs are causal
+    refuse(d, source, "use_bidirectional_attention", lambda v: v in (False, "vision"),
+           "bidirectional text attention (embedding models)")
+    refuse(d, source, "attention_bias", lambda v: not v, "Gemma attention has no biases")
+    if f["num_heads"] % f["num_kv_heads"]:
+        raise ConfigError(f"{source}: num_attention_heads ({f['num_heads']}) is not a multiple of "
+                          f"num_key_value_heads ({f['num_kv_heads']})")
+    # Gemma 2's window is 4096 when unsaid, the others' 512
+    window = positive_int(d.get("sliding_window") or (4096 if model_type == "gemma2" else 512), "sliding_window",
+                          source)
+    bos, eos_ids = token_ids(d)
+    common = dict(model_type=model_type, **f, layer_types=tuple(types), sliding_window=window, bos_token_id=bos,
+                  eos_token_ids=eos_ids)
+    variant = {"gemma2": _gemma2, "gemma4_text": _gemma4}.get(model_type, _gemma3)
+    return variant(d, common, source)
+
+
+def _layer_kinds(d: dict[str, Any], model_type: str, layers: int, source: str) -> list[str]:
+    """Each layer's attention kind. Gemma 2: even layers sliding, odd global (Hugging Face's
+    and llama.cpp's). Gemma 3 and 4 follow sliding_window_pattern as mlx-lm does (Gemma 3:
+    layer i global iff (i + 1) % pattern == 0; Gemma 4: pattern - 1 sliding then one global,
+    repeated), and Gemma 4 `layer_types` when given; mlx-lm's gemma3_text ignores
+    layer_types, so so do we, but a list that disagrees with the pattern would silently
+    change the model: refused."""
     g4 = model_type == "gemma4_text"
-    g2 = model_type == "gemma2"
-    hidden = positive_int(required(d, "hidden_size", source), "hidden_size", source)
-    layers = positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source)
-    heads = positive_int(required(d, "num_attention_heads", source), "num_attention_heads", source)
-    kv_heads = positive_int(d.get("num_key_value_heads") or 1, "num_key_value_heads", source)
-    head_dim = positive_int(d.get("head_dim") or 256, "head_dim", source)
-    window = positive_int(d.get("sliding_window") or 512, "sliding_window", source)
-    pattern = d.get("sliding_window_pattern") or (5 if g4 else 6)
-    pattern = positive_int(pattern, "sliding_window_pattern", source)
+    pattern = positive_int(d.get("sliding_window_pattern") or (5 if g4 else 6), "sliding_window_pattern", source)
     types = d.get("layer_types")
-    if g2:  # Hugging Face's and llama.cpp's Gemma 2: even layers sliding, odd layers global
+    if model_type == "gemma2":
         want = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         if types is not None and list(types) != want:
             raise ConfigError(f"{source}: layer_types must alternate sliding_attention and "
                               "full_attention (from layer 0) in Gemma 2")
         types = want
-        window = positive_int(d.get("sliding_window") or 4096, "sliding_window", source)
     elif types is None:
-        if g4:  # mlx-lm's gemma4: (pattern - 1) sliding then one full, repeated
+        if g4:
             unit = ["sliding_attention"] * (pattern - 1) + ["full_attention"]
             types = (unit * (layers // len(unit) + 1))[:layers]
-        else:  # mlx-lm's gemma3: layer i is global iff (i + 1) % pattern == 0
-            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                     for i in range(layers)]
+        else:
+            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     elif not g4:
-        # mlx-lm's gemma3_text ignores layer_types and follows the pattern: so do we, but a
-        # config whose list disagrees with its pattern would silently change the model.
-        want = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                for i in range(layers)]
+        want = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
         if list(types) != want:
             raise ConfigError(f"{source}: layer_types disagrees with sliding_window_pattern {pattern}")
     if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
         raise ConfigError(
             f"{source}: layer_types must list {layers} entries of 'sliding_attention' or "
             "'full_attention'")
-    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ConfigError(f"{source}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
-    if not g2:
-        refuse(d, source, "attn_logit_softcapping", lambda v: False, "mlx-lm does not apply it")
-    # "vision": image tokens attend bidirectionally (multimodal); text-only runs are causal
-    refuse(d, source, "use_bidirectional_attention", lambda v: v in (False, "vision"),
-            "bidirectional text attention (embedding models)")
-    refuse(d, source, "attention_bias", lambda v: not v, "Gemma attention has no biases")
-    bos, eos_ids = token_ids(d)
-    common = dict(
-        model_type=model_type,
-        vocab_size=positive_int(required(d, "vocab_size", source), "vocab_size", source),
-        hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=positive_int(required(d, "intermediate_size", source), "intermediate_size", source),
-        rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6),
-        layer_types=tuple(types), sliding_window=window,
-        max_position_embeddings=int(d.get("max_position_embeddings") or 131072),
-        bos_token_id=bos, eos_token_ids=eos_ids,
+    return types
+
+
+def _gemma2(d: dict[str, Any], common: dict[str, Any], source: str) -> GemmaConfig:
+    """Gemma 2: one RoPE for every layer (no scaling), no q/k norms, soft-capping."""
+    theta = float(d.get("rope_theta") or 10_000.0)
+    if d.get("rope_scaling"):
+        raise ConfigError(f"{source}: field 'rope_scaling' is not supported for gemma2")
+    return GemmaConfig(
+        **common, **read_fields(d, _GEMMA2_FIELDS, source), rope_sliding=RopeSpec(theta=theta),
+        rope_full=RopeSpec(theta=theta), attn_scale=float(d.get("query_pre_attn_scalar") or 144.0) ** -0.5,
+        embed_scale=common["hidden_size"]**0.5, qk_norm=False,
     )
-    if heads % kv_heads:
-        raise ConfigError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
-                          f"num_key_value_heads ({kv_heads})")
-    if g2:
-        theta = float(d.get("rope_theta") or 10_000.0)
-        if d.get("rope_scaling"):
-            raise ConfigError(f"{source}: field 'rope_scaling' is not supported for gemma2")
-        caps = {}
-        for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
-            v = d.get(key, default)
-            if v is not None and not (isinstance(v, (int, float)) and v > 0):
-                raise ConfigError(f"{source}: field '{key}' must be a positive number or null, got {v!r}")
-            caps[key] = None if v is None else float(v)
-        return GemmaConfig(
-            **common, rope_sliding=RopeSpec(theta=theta), rope_full=RopeSpec(theta=theta),
-            attn_scale=float(d.get("query_pre_attn_scalar") or 144.0) ** -0.5,
-            embed_scale=hidden**0.5, qk_norm=False, attn_softcap=caps["attn_logit_softcapping"],
-            final_logit_softcapping=caps["final_logit_softcapping"],
-            rope_traditional=bool(d.get("rope_traditional", False)),
-            tie_word_embeddings=(None if d.get("tie_word_embeddings") is None
-                                 else bool(d["tie_word_embeddings"])),
-        )
-    if not g4:
-        refuse(d, source, "final_logit_softcapping", lambda v: False, "mlx-lm's gemma3_text does not apply it")
-        scaling = d.get("rope_scaling")
-        qpas = float(d.get("query_pre_attn_scalar") or 256)
-        # the embedding scale is rounded to bfloat16, as mlx-lm does
-        embed_scale = float(mx.array(hidden**0.5, mx.bfloat16).astype(mx.float32).item())
-        return GemmaConfig(
-            **common,
-            rope_sliding=RopeSpec(theta=float(d.get("rope_local_base_freq") or 10_000.0)),
-            rope_full=_rope_spec(scaling, float(d.get("rope_theta") or 1_000_000.0), source, "rope_scaling"),
-            attn_scale=qpas**-0.5, embed_scale=embed_scale,
-            # as stated (None: not stated); the loader decides: lm_head.weight present or not
-            tie_word_embeddings=(None if d.get("tie_word_embeddings") is None
-                                 else bool(d["tie_word_embeddings"])),
-        )
-    # Gemma 4
+
+
+def _gemma3(d: dict[str, Any], common: dict[str, Any], source: str) -> GemmaConfig:
+    """Gemma 3: a local RoPE base for sliding layers, the global one (maybe scaled) for full."""
+    refuse(d, source, "final_logit_softcapping", lambda v: False, "mlx-lm's gemma3_text does not apply it")
+    qpas = float(d.get("query_pre_attn_scalar") or 256)
+    # the embedding scale is rounded to bfloat16, as mlx-lm does
+    embed_scale = float(mx.array(common["hidden_size"]**0.5, mx.bfloat16).astype(mx.float32).item())
+    return GemmaConfig(
+        **common, rope_sliding=RopeSpec(theta=float(d.get("rope_local_base_freq") or 10_000.0)),
+        rope_full=_rope_spec(d.get("rope_scaling"), float(d.get("rope_theta") or 1_000_000.0), source, "rope_scaling"),
+        attn_scale=qpas**-0.5, embed_scale=embed_scale,
+        **read_fields(d, _GEMMA3_FIELDS, source),
+    )
+
+
+def _gemma4(d: dict[str, Any], common: dict[str, Any], source: str) -> GemmaConfig:
+    """Gemma 4: a RoPE per kind (proportional on full layers), KV-shared last layers,
+    per-layer input embeddings, maybe routed experts beside each MLP."""
+    layers, types, vocab = common["num_layers"], common["layer_types"], common["vocab_size"]
     moe = {}
     if d.get("enable_moe_block"):
-        moe = {k: positive_int(d.get(k), k, source)
-               for k in ("num_experts", "top_k_experts", "moe_intermediate_size")}
+        moe = read_fields(d, _EXPERT_FIELDS, source)
         if moe["top_k_experts"] > moe["num_experts"]:
             raise ConfigError(f"{source}: top_k_experts ({moe['top_k_experts']}) exceeds "
                               f"num_experts ({moe['num_experts']})")
@@ -291,7 +316,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GemmaConfi
         "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 1e4, "rope_type": "default"},
     }
     hpl = int(d.get("hidden_size_per_layer_input", 256) or 0)
-    if hpl and int(d.get("vocab_size_per_layer_input", common["vocab_size"])) != common["vocab_size"]:
+    if hpl and int(d.get("vocab_size_per_layer_input", vocab)) != vocab:
         raise ConfigError(f"{source}: vocab_size_per_layer_input != vocab_size is not supported")
     shared = int(d.get("num_kv_shared_layers", 20) or 0)
     if not 0 <= shared < layers:
@@ -301,23 +326,12 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GemmaConfi
         if types[i] not in types[:m]:
             raise ConfigError(f"{source}: KV-shared layer {i} ({types[i]}) has no earlier "
                               "layer of its type to share with")
-    cap = d.get("final_logit_softcapping", 30.0)
-    gh = d.get("global_head_dim", 512)
     return GemmaConfig(
         **common,
-        rope_sliding=_rope_spec(rp.get("sliding_attention"), 10_000.0, source,
-                                "rope_parameters.sliding_attention"),
-        rope_full=_rope_spec(rp.get("full_attention"), 1_000_000.0, source,
-                             "rope_parameters.full_attention"),
-        attn_scale=1.0, embed_scale=hidden**0.5,
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
-        rope_traditional=bool(d.get("rope_traditional", False)),
-        global_head_dim=int(gh or 0),
-        num_global_kv_heads=int(d.get("num_global_key_value_heads") or 0),
-        attention_k_eq_v=bool(d.get("attention_k_eq_v", False)),
-        num_kv_shared_layers=shared, hidden_size_per_layer_input=hpl,
-        final_logit_softcapping=None if cap is None else float(cap),
-        use_double_wide_mlp=bool(d.get("use_double_wide_mlp", True)), v_norm=True, **moe,
+        rope_sliding=_rope_spec(rp.get("sliding_attention"), 10_000.0, source, "rope_parameters.sliding_attention"),
+        rope_full=_rope_spec(rp.get("full_attention"), 1_000_000.0, source, "rope_parameters.full_attention"),
+        attn_scale=1.0, embed_scale=common["hidden_size"]**0.5, **read_fields(d, _GEMMA4_FIELDS, source),
+        num_kv_shared_layers=shared, hidden_size_per_layer_input=hpl, v_norm=True, **moe,
     )
 
 

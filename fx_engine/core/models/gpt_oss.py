@@ -26,7 +26,7 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 import fx_engine.core.models.llama as llama
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, WeightsError,
                                       finish_experts, fuse_experts, read_expert_stack, renamed)
-from fx_engine.core.config import ConfigError, gguf_hf_config, gguf_value, gguf_yarn, positive_int, required
+from fx_engine.core.config import ConfigError, Field, gguf_hf_config, gguf_value, gguf_yarn, read_fields
 from fx_engine.core.models.blocks import Reader, rope_freqs, route, self_attention
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
@@ -43,28 +43,35 @@ class GptOssConfig(LlamaConfig):
     swiglu_limit: float = 7.0
 
 
+def _limit(value: Any, key: str, source: str) -> float:
+    if not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{source}: field '{key}' must be > 0, got {value!r}")
+    return float(value)
+
+
+# its own config.json fields (`read_fields`, in this order; the attention's: llama.config_from_hf)
+_FIELDS = (Field("num_hidden_layers"), Field("num_local_experts", to="num_experts"),
+           Field("num_experts_per_tok", to="top_k"), Field("swiglu_limit", _limit, 7.0),
+           Field("sliding_window", default=128, or_default=True))
+
+
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GptOssConfig:
-    layers = positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source)
+    f = read_fields(d, _FIELDS, source)
+    layers = f.pop("num_hidden_layers")
+    # every other layer sliding, from layer 0, unless layer_types says
     types = d.get("layer_types") or ["sliding_attention", "full_attention"] * (layers // 2)
     if (len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types)):
         raise ConfigError(f"{source}: layer_types must list {layers} entries of "
                           "'sliding_attention' or 'full_attention'")
-    experts = positive_int(required(d, "num_local_experts", source), "num_local_experts", source)
-    top_k = positive_int(required(d, "num_experts_per_tok", source), "num_experts_per_tok", source)
-    if top_k > experts:
-        raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds num_local_experts ({experts})")
-    limit = d.get("swiglu_limit", 7.0)
-    if not isinstance(limit, (int, float)) or not limit > 0:
-        raise ConfigError(f"{source}: field 'swiglu_limit' must be > 0, got {limit!r}")
+    if f["top_k"] > f["num_experts"]:
+        raise ConfigError(f"{source}: num_experts_per_tok ({f['top_k']}) exceeds num_local_experts "
+                          f"({f['num_experts']})")
     base = llama.config_from_hf(
         {**{k: v for k, v in d.items() if k not in ("layer_types", "sliding_window")},
          "model_type": "llama", "rope_theta": d.get("rope_theta", 150000), "attention_bias": True,
          "hidden_act": "silu"}, source)
-    window = positive_int(d.get("sliding_window") or 128, "sliding_window", source)
     return GptOssConfig(**{**attrs.asdict(base, recurse=False), "model_type": "gpt_oss",
-                           "tie_word_embeddings": False, "layer_types": tuple(types),
-                           "sliding_window": window},
-                        num_experts=experts, top_k=top_k, swiglu_limit=float(limit))
+                           "tie_word_embeddings": False, "layer_types": tuple(types), **f})
 
 
 @attrs.frozen

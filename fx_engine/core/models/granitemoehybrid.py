@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, read_experts
-from fx_engine.core.config import BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, listed_eos, positive_int, read_fields
+from fx_engine.core.config import BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, Same, listed_eos, read_fields
 from fx_engine.core.models.blocks import (STACKED_EXPERT_NAMES, Attention, DenseMlp, Experts, Reader, expert_stacks,
                                           mixture, rope_in, self_attention, swiglu_mlp)
 from fx_engine.core.models.family import Family
@@ -40,7 +40,9 @@ class GraniteHybridConfig(MoEConfig):
 _MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 # config.json's fields (read in this order; `read_fields`), and those of the Mamba-2 mixers
 _FIELDS = (
-    Field("hidden_size"), Field("num_attention_heads"), Field("num_local_experts", INT, 0, or_default=True),
+    Field("hidden_size"), Field("num_attention_heads"),
+    Field("num_key_value_heads", default=Same("num_attention_heads"), or_default=True),
+    Field("num_local_experts", INT, 0, or_default=True),
     Field("rms_norm_eps", FLOAT), Field("intermediate_size"), Field("vocab_size"),
     Field("max_position_embeddings", INT, 4096), Field("tie_word_embeddings", BOOL, True),
     Field("attention_bias", BOOL, False), *(Field(k, FLOAT) for k in _MULTIPLIERS),
@@ -60,7 +62,6 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GraniteHyb
         raise ConfigError(f"{source}: position_embedding_type {pet!r} is not supported (rope, nope)")
     f = read_fields(d, _FIELDS, source)
     hidden, heads, experts, eps = f["hidden_size"], f["num_attention_heads"], f["num_local_experts"], f["rms_norm_eps"]
-    kv = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source)
     theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
     lim = d.get("time_step_limit") or (0.001, 100.0)
     mix = None
@@ -72,7 +73,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GraniteHyb
     inter = f["intermediate_size"]
     return GraniteHybridConfig(
         model_type="granitemoehybrid", vocab_size=f["vocab_size"], hidden_size=hidden, num_layers=len(types),
-        num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads, intermediate_size=inter, rms_norm_eps=eps,
+        num_heads=heads, num_kv_heads=f["num_key_value_heads"], head_dim=hidden // heads, intermediate_size=inter,
+        rms_norm_eps=eps,
         rope_theta=float(theta), max_position_embeddings=f["max_position_embeddings"],
         tie_word_embeddings=f["tie_word_embeddings"], qkv_bias=f["attention_bias"],
         **{k: f[k] for k in _MULTIPLIERS}, bos_token_id=d.get("bos_token_id"), eos_token_ids=listed_eos(d),

@@ -28,7 +28,7 @@ import mlx.core as mx
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, recurrent_entry
 import fx_engine.core.models.llama as llama
 from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec
-from fx_engine.core.config import ConfigError, positive_int, required
+from fx_engine.core.config import BOOL, FLOAT, INT, ConfigError, Field, Same, listed_eos, read_fields
 from fx_engine.core.models.blocks import Reader, decoder_layer, swiglu_mlp
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LayerParams, LlamaConfig
@@ -65,8 +65,35 @@ def _ff_dim(d: dict[str, Any], source: str) -> int:
     return ff
 
 
+# config.json's fields read as they are (`read_fields`, in this order), by Lfm2Config's names
+_FIELDS = (
+    Field("num_hidden_layers", to="num_layers"), Field("hidden_size"), Field("num_attention_heads", to="num_heads"),
+    Field("num_key_value_heads", default=Same("num_heads"), or_default=True, to="num_kv_heads"),
+    Field("conv_L_cache", default=3, to="conv_kernel"), Field("vocab_size"),
+    Field("norm_eps", FLOAT, 1e-5, to="rms_norm_eps"), Field("max_position_embeddings", INT, 128000),
+    Field("conv_bias", BOOL, False),
+)
+
+
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Lfm2Config:
-    layers = positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source)
+    f = read_fields(d, _FIELDS, source)
+    layers, hidden = f["num_layers"], f["hidden_size"]
+    attn = _attention_layers(d, layers, source)
+    if d.get("block_dim", hidden) != hidden:
+        raise ConfigError(f"{source}: block_dim != hidden_size is not supported")
+    if f["conv_kernel"] < 2:
+        raise ConfigError(f"{source}: conv_L_cache must be >= 2, got {f['conv_kernel']}")
+    rope = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 1_000_000.0))
+    return Lfm2Config(
+        model_type="lfm2", **f, head_dim=hidden // f["num_heads"], intermediate_size=_ff_dim(d, source),
+        rope_theta=float(rope), tie_word_embeddings=True, qk_norm=True, bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=listed_eos(d), conv_layers=tuple(i not in attn for i in range(layers)),
+    )
+
+
+def _attention_layers(d: dict[str, Any], layers: int, source: str) -> list[int]:
+    """The layers that attend (the others convolve): full_attn_idxs, or layer_types'
+    "full_attention" entries."""
     attn = d.get("full_attn_idxs")
     if attn is None:
         types = d.get("layer_types")
@@ -75,28 +102,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Lfm2Config
         attn = [i for i, t in enumerate(types) if t == "full_attention"]
     if not attn or any(not isinstance(i, int) or not 0 <= i < layers for i in attn):
         raise ConfigError(f"{source}: full_attn_idxs must list at least one layer in [0, {layers})")
-    hidden = positive_int(required(d, "hidden_size", source), "hidden_size", source)
-    if d.get("block_dim", hidden) != hidden:
-        raise ConfigError(f"{source}: block_dim != hidden_size is not supported")
-    heads = positive_int(required(d, "num_attention_heads", source), "num_attention_heads", source)
-    kv = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source)
-    k = positive_int(d.get("conv_L_cache", 3), "conv_L_cache", source)
-    if k < 2:
-        raise ConfigError(f"{source}: conv_L_cache must be >= 2, got {k}")
-    rope = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 1_000_000.0))
-    eos = d.get("eos_token_id")
-    return Lfm2Config(
-        model_type="lfm2", vocab_size=positive_int(required(d, "vocab_size", source), "vocab_size", source),
-        hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
-        head_dim=hidden // heads, intermediate_size=_ff_dim(d, source),
-        rms_norm_eps=float(d.get("norm_eps", 1e-5)), rope_theta=float(rope),
-        max_position_embeddings=int(d.get("max_position_embeddings", 128000)),
-        tie_word_embeddings=True, qk_norm=True,
-        bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else (),
-        conv_kernel=k, conv_bias=bool(d.get("conv_bias", False)),
-        conv_layers=tuple(i not in attn for i in range(layers)),
-    )
+    return attn
 
 
 @attrs.frozen

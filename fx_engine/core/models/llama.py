@@ -18,8 +18,8 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, dense_layout
 from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec
-from fx_engine.core.config import (BaseConfig, ConfigError, check_rope_scaling, gguf_hf_config, gguf_value, positive_int,
-                                   required, token_ids)
+from fx_engine.core.config import (BOOL, FLOAT, INT, MAYBE_BOOL, POSITIVE_FLOAT, BaseConfig, ConfigError, Field, Same,
+                                   check_rope_scaling, gguf_hf_config, gguf_value, positive_int, read_fields, token_ids)
 from fx_engine.core.models.blocks import (Reader, apply_partial_rope, decoder_layer, rope_freqs, rope_mscale,
                                           scaled_rope, self_attention)
 from fx_engine.core.models.family import Family
@@ -70,90 +70,91 @@ class LlamaConfig(BaseConfig):
 
 
 
+# config.json's fields read as they are (`read_fields`, in this order), by LlamaConfig's names
+_FIELDS = (
+    Field("num_hidden_layers", to="num_layers"), Field("hidden_size"), Field("num_attention_heads", to="num_heads"),
+    Field("num_key_value_heads", default=Same("num_heads"), or_default=True, to="num_kv_heads"),
+    Field("vocab_size"), Field("intermediate_size"), Field("rms_norm_eps", FLOAT, 1e-6, null_default=True),
+    Field("rope_traditional", BOOL, False), Field("max_position_embeddings", INT, 4096, or_default=True),
+    # a config that does not say: tied unless the checkpoint has its own output head
+    Field("tie_word_embeddings", MAYBE_BOOL, None), Field("mlp_bias", BOOL, False),
+)
+# granite: the four multipliers, each a positive number
+_GRANITE_FIELDS = tuple(Field(k, POSITIVE_FLOAT) for k in (
+    "embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"))
+
+
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfig:
     """A LlamaConfig from a Hugging Face config.json dict; refuses what this family cannot
-    run (sliding windows, other activations, partial rotary), naming the field."""
+    run (other activations, partial rotary), naming the field."""
     model_type = d["model_type"]
-    # transformers >= 5 nests rope settings under rope_parameters.
-    rope_params = d.get("rope_parameters") or {}
-    rope_theta = d.get("rope_theta", rope_params.get("rope_theta"))
-    if rope_theta is None:
-        rope_theta = 1_000_000.0 if model_type == "qwen2" else 10_000.0
-    scaling = d.get("rope_scaling")
-    if scaling is None and rope_params.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-
-    # Fields that change the computation and that this implementation does not do: refuse.
-    layers = positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source)
+    f = read_fields(d, _FIELDS, source)
+    layers, hidden, heads, kv_heads = f["num_layers"], f["hidden_size"], f["num_heads"], f["num_kv_heads"]
     types, window = _layer_types(d, layers, source)
+    # Fields that change the computation and that this implementation does not do: refuse.
     if d.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported")
-    for key in ("partial_rotary_factor",):
-        if d.get(key, 1.0) != 1.0:
-            raise ConfigError(f"{source}: field '{key}' != 1 is not supported")
-
-    hidden = positive_int(required(d, "hidden_size", source), "hidden_size", source)
-    heads = positive_int(required(d, "num_attention_heads", source), "num_attention_heads", source)
-    kv_heads = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source)
+    if d.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{source}: field 'partial_rotary_factor' != 1 is not supported")
     if heads % kv_heads:
         raise ConfigError(
             f"{source}: num_attention_heads ({heads}) is not a multiple of "
             f"num_key_value_heads ({kv_heads})"
         )
-    head_dim = d.get("head_dim") or hidden // heads
-    bos, eos_ids = token_ids(d)
+    theta, scaling = _rope_settings(d, model_type)
     extra: dict[str, Any] = {}
     if "sliding_attention" in types:
         extra.update(layer_types=tuple(types), sliding_window=window)
-    if model_type == "ministral3":  # Llama 4's query temperature over long positions
-        beta = rope_params.get("llama_4_scaling_beta")
-        orig = rope_params.get("original_max_position_embeddings")
-        if not isinstance(beta, (int, float)) or not isinstance(orig, int) or orig <= 0:
-            raise ConfigError(f"{source}: rope_parameters must give llama_4_scaling_beta and "
-                              "original_max_position_embeddings for ministral3")
-        extra.update(attn_temp_beta=float(beta), attn_temp_max_pos=orig)
-    if model_type == "smollm3":  # mlx-lm: no_rope_layers[i] == 0 means layer i has no RoPE
-        flags = d.get("no_rope_layers")
-        if flags is None:
-            every = positive_int(d.get("no_rope_layer_interval") or 4, "no_rope_layer_interval", source)
-            flags = [int((i + 1) % every != 0) for i in range(layers)]
-        if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) for f in flags):
-            raise ConfigError(f"{source}: field 'no_rope_layers' must list {layers} flags of 0 or 1")
-        extra["no_rope_layers"] = tuple(i for i, f in enumerate(flags) if not f)
+    if model_type == "ministral3":
+        extra.update(_query_temperature(d.get("rope_parameters") or {}, source))
+    if model_type == "smollm3":
+        extra["no_rope_layers"] = _nope_layers(d, layers, source)
     if model_type == "granite":
-        for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
-            v = required(d, key, source)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                raise ConfigError(f"{source}: field '{key}' must be a positive number, got {v!r}")
-            extra[key] = float(v)
+        extra.update(read_fields(d, _GRANITE_FIELDS, source))
     attention_bias = bool(d.get("attention_bias", False))
+    bos, eos_ids = token_ids(d)
     return LlamaConfig(
-        model_type=model_type,
-        vocab_size=positive_int(required(d, "vocab_size", source), "vocab_size", source),
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=positive_int(head_dim, "head_dim", source),
-        intermediate_size=positive_int(
-            required(d, "intermediate_size", source), "intermediate_size", source
-        ),
-        rms_norm_eps=float(required(d, "rms_norm_eps", source, 1e-6)),
-        rope_theta=float(rope_theta),
-        rope_scaling=check_rope_scaling(scaling, source),
-        rope_traditional=bool(d.get("rope_traditional", False)),
-        max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
-        # a config that does not say: tied unless the checkpoint has its own output head
-        tie_word_embeddings=(bool(d["tie_word_embeddings"]) if d.get("tie_word_embeddings") is not None
-                             else None),
-        qkv_bias=model_type == "qwen2" or attention_bias,
-        o_bias=attention_bias and model_type != "qwen2",
-        mlp_bias=bool(d.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
-        bos_token_id=bos,
-        eos_token_ids=eos_ids,
-        **extra,
+        model_type=model_type, **f, head_dim=positive_int(d.get("head_dim") or hidden // heads, "head_dim", source),
+        rope_theta=theta, rope_scaling=check_rope_scaling(scaling, source),
+        qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias and model_type != "qwen2",
+        qk_norm=model_type == "qwen3", bos_token_id=bos, eos_token_ids=eos_ids, **extra,
     )
+
+
+def _rope_settings(d: dict[str, Any], model_type: str) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) wherever the config keeps them: transformers >= 5 nests
+    them under rope_parameters (its rope_type "default": no scaling); qwen2's base is 1e6
+    when unsaid, everyone else's 1e4."""
+    rope_params = d.get("rope_parameters") or {}
+    theta = d.get("rope_theta", rope_params.get("rope_theta"))
+    if theta is None:
+        theta = 1_000_000.0 if model_type == "qwen2" else 10_000.0
+    scaling = d.get("rope_scaling")
+    if scaling is None and rope_params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    return float(theta), scaling
+
+
+def _query_temperature(rope_params: dict[str, Any], source: str) -> dict[str, Any]:
+    """ministral3's Llama-4 query temperature over long positions (its two rope_parameters)."""
+    beta = rope_params.get("llama_4_scaling_beta")
+    orig = rope_params.get("original_max_position_embeddings")
+    if not isinstance(beta, (int, float)) or not isinstance(orig, int) or orig <= 0:
+        raise ConfigError(f"{source}: rope_parameters must give llama_4_scaling_beta and "
+                          "original_max_position_embeddings for ministral3")
+    return {"attn_temp_beta": float(beta), "attn_temp_max_pos": orig}
+
+
+def _nope_layers(d: dict[str, Any], layers: int, source: str) -> tuple[int, ...]:
+    """smollm3's layers without RoPE: mlx-lm's no_rope_layers[i] == 0, or every
+    no_rope_layer_interval-th layer when the list is not given."""
+    flags = d.get("no_rope_layers")
+    if flags is None:
+        every = positive_int(d.get("no_rope_layer_interval") or 4, "no_rope_layer_interval", source)
+        flags = [int((i + 1) % every != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise ConfigError(f"{source}: field 'no_rope_layers' must list {layers} flags of 0 or 1")
+    return tuple(i for i, f in enumerate(flags) if not f)
 
 
 def _layer_types(d: dict[str, Any], layers: int, source: str) -> tuple[list[str], int]:
@@ -317,7 +318,7 @@ def forward(
     """
     def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
         rope = (rope_fn or scaled_rope)(p, geo.positions)  # shared by every layer
-        nope = getattr(p.config, "no_rope_layers", ())
+        nope = p.config.no_rope_layers
         entries = []
         for i, (lp, entry, spec) in enumerate(zip(p.layers, cache.layers, cache.layout)):
             h, entry = (layer_fn or decoder_layer)(p, lp, h, entry, spec, None if i in nope else rope, geo)
@@ -331,7 +332,7 @@ def forward(
 def _embedded(p: Any, tokens: mx.array) -> mx.array:
     """The embeddings, times granite's embedding_multiplier."""
     x = embedded_tokens(p, tokens)
-    m = getattr(p.config, "embedding_multiplier", 1.0)
+    m = p.config.embedding_multiplier
     return x if m == 1.0 else x * m
 
 
@@ -339,7 +340,7 @@ def hidden_to_logits(p: Any, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N 
     def logits() -> mx.array:
         head = p.lm_head if p.lm_head is not None else p.embed
         out = linear(h, head, p.numerics)
-        scale = getattr(p.config, "logits_scaling", 1.0)
+        scale = p.config.logits_scaling
         return (out if scale == 1.0 else out / scale).astype(mx.float32)
 
     return stage_logits(p, h, logits)  # (a pipeline stage: the last stage's logits)
@@ -448,13 +449,12 @@ def unpermute_rows(x: mx.array, n_head: int) -> mx.array:
     return x.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def checkpoint_layout(cfg: Any, fused: bool = False) -> dict[str, TensorSpec]:
+def checkpoint_layout(cfg: LlamaConfig, fused: bool = False) -> dict[str, TensorSpec]:
     """The Hugging Face checkpoint's tensors (norms near 1). fused: the projections stored
     fused, as Phi-3 does (self_attn.qkv_proj, mlp.gate_up_proj)."""
     h, hd, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
     hq, hk, ff = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
-    qkv_bias, o_bias, mlp_bias, qk_norm = (getattr(cfg, f, False) for f in (
-        "qkv_bias", "o_bias", "mlp_bias", "qk_norm"))
+    qkv_bias, o_bias, mlp_bias, qk_norm = cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias, cfg.qk_norm
     out = {"model.embed_tokens.weight": TensorSpec((v, h), scale=0.5)}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."

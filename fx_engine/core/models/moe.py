@@ -34,7 +34,8 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, read_experts, renamed
-from fx_engine.core.config import ConfigError, gguf_grouped_experts, gguf_hf_config, gguf_value, positive_int
+from fx_engine.core.config import (BOOL, FLOAT, INT_OR_ZERO, POSITIVE, ConfigError, Field, gguf_grouped_experts,
+                                   gguf_hf_config, gguf_value, positive_int, read_fields)
 import fx_engine.core.models.llama as llama
 from fx_engine.core.models.blocks import (GGUF_GROUPED_EXPERT_NAMES, HF_EXPERT_NAMES, STACKED_EXPERT_NAMES, Experts,
                                           Reader, expert_stacks, grouped_route, mixture, read_shared_expert,
@@ -70,6 +71,28 @@ _ATTENTION = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "llama", "o
               "glm4_moe": "llama"}
 
 
+# config.json's expert fields by model_type (`read_fields`, in this order), by MoEConfig's
+# names; the attention's are the Llama family's (llama.config_from_hf). A missing count is
+# an error naming it ("got None").
+_TOP_K = Field("num_experts_per_tok", POSITIVE, None, to="top_k")
+_FIELDS = {
+    "mixtral": (Field("num_local_experts", POSITIVE, None, to="num_experts"), _TOP_K,
+                Field("norm_topk_prob", BOOL, False)),
+    "olmoe": (Field("num_experts", POSITIVE, None), _TOP_K, Field("norm_topk_prob", BOOL, False)),
+    "qwen3_moe": (Field("num_experts", POSITIVE, None), _TOP_K, Field("norm_topk_prob", BOOL, False),
+                  Field("moe_intermediate_size", POSITIVE, None),
+                  Field("decoder_sparse_step", default=1, or_default=True)),
+}
+_FIELDS["qwen2_moe"] = (*_FIELDS["qwen3_moe"], Field("shared_expert_intermediate_size", POSITIVE, None))
+_GLM4_FIELDS = (
+    Field("n_routed_experts", to="num_experts"), Field("num_experts_per_tok", to="top_k"), Field("n_group", default=1),
+    Field("topk_group", default=1), Field("partial_rotary_factor", FLOAT, 0.5),
+    Field("moe_intermediate_size"), Field("first_k_dense_replace", INT_OR_ZERO, 0),
+    Field("n_shared_experts", INT_OR_ZERO, 0), Field("attention_bias", BOOL, False, to="qkv_bias"),
+    Field("norm_topk_prob", BOOL, True), Field("routed_scaling_factor", FLOAT, 1.0, or_default=True),
+)
+
+
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> MoEConfig:
     """A MoEConfig from a Hugging Face config.json dict; refuses what it cannot run."""
     mt = d["model_type"]
@@ -82,29 +105,22 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> MoEConfig:
         raise ConfigError(f"{source}: field 'mlp_bias' is not supported for {mt} (experts without biases)")
     if d.get("clip_qkv") is not None:
         raise ConfigError(f"{source}: field 'clip_qkv' is not supported")
-    e_key = "num_local_experts" if mt == "mixtral" else "num_experts"
-    experts = positive_int(d.get(e_key), e_key, source)
-    top_k = positive_int(d.get("num_experts_per_tok"), "num_experts_per_tok", source)
-    if top_k > experts:
-        raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds {e_key} ({experts})")
-    if mt in ("qwen3_moe", "qwen2_moe"):
-        width = positive_int(d.get("moe_intermediate_size"), "moe_intermediate_size", source)
-        step = positive_int(d.get("decoder_sparse_step") or 1, "decoder_sparse_step", source)
+    f = read_fields(d, _FIELDS[mt], source)
+    if f["top_k"] > f["num_experts"]:
+        e_key = "num_local_experts" if mt == "mixtral" else "num_experts"
+        raise ConfigError(f"{source}: num_experts_per_tok ({f['top_k']}) exceeds {e_key} ({f['num_experts']})")
+    moe_layers = (True,) * layers
+    if "decoder_sparse_step" in f:  # qwen: every step-th layer routed, but mlp_only_layers
+        step = f.pop("decoder_sparse_step")
         dense = d.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
             raise ConfigError(f"{source}: field 'mlp_only_layers' must list layer indices below {layers}")
         moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
-    else:
-        width, moe_layers = base.intermediate_size, (True,) * layers
-    shared = 0
-    if mt == "qwen2_moe":
-        shared = positive_int(d.get("shared_expert_intermediate_size"), "shared_expert_intermediate_size", source)
     return MoEConfig(
         **{**attrs.asdict(base, recurse=False), "model_type": mt,
            "qk_norm": base.qk_norm or mt == "olmoe"},
-        num_experts=experts, top_k=top_k, moe_intermediate_size=width,
-        norm_topk_prob=bool(d.get("norm_topk_prob", False)), softmax_then_topk=mt != "mixtral",
-        moe_layers=moe_layers, shared_expert_intermediate_size=shared,
+        **{"moe_intermediate_size": base.intermediate_size, **f}, softmax_then_topk=mt != "mixtral",
+        moe_layers=moe_layers,
     )
 
 
@@ -112,40 +128,30 @@ def _glm4_moe_config(d: dict[str, Any], layers: int, source: str) -> MoEConfig:
     """GLM-4.5 / 4.6 / 4.7 (`glm4_moe`): Llama's attention with q/k/v biases (not o), per-head
     q/k norms if `use_qk_norm`, RoPE on the first partial_rotary_factor of each head; from
     layer first_k_dense_replace on, DeepSeek-V3's routed and shared experts."""
-    def pos(key: str, default: Any = ...) -> int:
-        v = d.get(key, default)
-        if v is ...:
-            raise ConfigError(f"{source}: required field '{key}' is missing")
-        return positive_int(v, key, source)
-
     if (d.get("topk_method") or "noaux_tc") != "noaux_tc" or (d.get("scoring_func") or "sigmoid") != "sigmoid":
         raise ConfigError(f"{source}: topk_method / scoring_func other than noaux_tc / sigmoid is not supported")
     base = llama.config_from_hf({k: v for k, v in d.items() if k != "partial_rotary_factor"}
                                 | {"model_type": "qwen3" if d.get("use_qk_norm") else "llama",
                                    "attention_bias": False}, source)
-    experts, top_k = pos("n_routed_experts"), pos("num_experts_per_tok")
-    groups, topk_group = pos("n_group", 1), pos("topk_group", 1)
+    f = read_fields(d, _GLM4_FIELDS, source)
+    experts, top_k, groups, topk_group = f["num_experts"], f["top_k"], f["n_group"], f["topk_group"]
     if experts % groups or topk_group > groups or top_k > experts or (groups > 1 and experts // groups < 2):
         raise ConfigError(f"{source}: n_routed_experts ({experts}) must split into n_group ({groups}) "
                           f"groups of 2 or more, topk_group ({topk_group}) <= n_group, "
                           f"num_experts_per_tok ({top_k}) <= n_routed_experts")
-    frac = float(d.get("partial_rotary_factor", 0.5))
+    frac = f.pop("partial_rotary_factor")
     rope_dims = int(base.head_dim * frac)
     if not 0 < frac <= 1 or rope_dims % 2:
         raise ConfigError(f"{source}: field 'partial_rotary_factor' = {frac} must give an even number "
                           f"of rotated dims in (0, head_dim = {base.head_dim}]")
     if base.rope_scaling:
         raise ConfigError(f"{source}: field 'rope_scaling' is not supported for glm4_moe (mlx-lm ignores it)")
-    width = pos("moe_intermediate_size")
-    first = int(d.get("first_k_dense_replace") or 0)
+    first, shared = f.pop("first_k_dense_replace"), f.pop("n_shared_experts")
     return MoEConfig(
-        **{**attrs.asdict(base, recurse=False), "model_type": "glm4_moe",
-           "qkv_bias": bool(d.get("attention_bias", False))},
-        num_experts=experts, top_k=top_k, moe_intermediate_size=width,
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)), moe_layers=tuple(i >= first for i in range(layers)),
-        shared_expert_intermediate_size=width * int(d.get("n_shared_experts") or 0),
-        grouped_sigmoid=True, n_group=groups, topk_group=topk_group,
-        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0), rope_dims=rope_dims,
+        **{**attrs.asdict(base, recurse=False), "model_type": "glm4_moe", "qkv_bias": f.pop("qkv_bias")}, **f,
+        moe_layers=tuple(i >= first for i in range(layers)),
+        shared_expert_intermediate_size=f["moe_intermediate_size"] * shared,
+        grouped_sigmoid=True, rope_dims=rope_dims,
     )
 
 

@@ -30,33 +30,42 @@ from jaxtyping import Float, Int
 import fx_engine.core.models.llama as llama
 from fx_engine.core.cache import KVCache, LayerSpec
 from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec
-from fx_engine.core.config import BaseConfig, ConfigError, gguf_value, positive_int, refuse, required, token_ids
+from fx_engine.core.config import (FLOAT, INT, MAYBE_BOOL, ConfigError, Field, Same, gguf_value, positive_int,
+                                   read_fields, refuse, token_ids)
 from fx_engine.core.models.blocks import Reader
 from fx_engine.core.models.family import Family
-from fx_engine.core.models.llama import LayerParams
+from fx_engine.core.models.llama import LayerParams, LlamaConfig
 from fx_engine.core.nn import rope_tables
 from fx_engine.core.splits import shard_decoder
 
 
 @attrs.frozen
-class Phi3Config(BaseConfig):
-    rope_theta: float
-    rope_dims: int  # the rotated dims of each head (partial rotary below head_dim)
+class Phi3Config(LlamaConfig):
+    """The Llama decoder's config (its Llama-only choices at their defaults: no biases,
+    q/k norms, multipliers or NoPE layers), with Phi's RoPE and one window for every layer."""
+
+    rope_dims: int = 0  # the rotated dims of each head (partial rotary below head_dim)
     rope_scale: float = 1.0  # linear scaling: positions times this
     rope_long_factor: tuple[float, ...] | None = None  # longrope / su: period factors
     rope_mscale: float = 1.0  # longrope / su: rotated dims times this
-    rope_traditional: bool = False
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # type: ignore[assignment]  # (every layer's; None: none)
     max_position_embeddings: int = 131072
-    tie_word_embeddings: bool | None = False  # None: decided by the checkpoint
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
+
+
+# config.json's fields read as they are (`read_fields`, in this order), by Phi3Config's names
+_FIELDS = (
+    Field("hidden_size"), Field("num_attention_heads", to="num_heads"),
+    Field("num_key_value_heads", default=Same("num_heads"), or_default=True, to="num_kv_heads"),
+    Field("vocab_size"), Field("num_hidden_layers", to="num_layers"), Field("intermediate_size"),
+    Field("rms_norm_eps", FLOAT, 1e-5, null_default=True),
+    Field("max_position_embeddings", INT, 131072, or_default=True),
+    Field("tie_word_embeddings", MAYBE_BOOL, None),  # None: decided by the checkpoint
+)
 
 
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Phi3Config:
-    hidden = positive_int(required(d, "hidden_size", source), "hidden_size", source)
-    heads = positive_int(required(d, "num_attention_heads", source), "num_attention_heads", source)
-    kv_heads = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source)
+    f = read_fields(d, _FIELDS, source)
+    hidden, heads, kv_heads, max_pos = f["hidden_size"], f["num_heads"], f["num_kv_heads"], f["max_position_embeddings"]
     if heads % kv_heads or hidden % heads:
         raise ConfigError(f"{source}: num_attention_heads ({heads}) must divide hidden_size "
                           f"({hidden}) and be a multiple of num_key_value_heads ({kv_heads})")
@@ -66,63 +75,57 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Phi3Config
                           f"(phi3's head_dim is hidden_size / num_attention_heads = {head_dim})")
     refuse(d, source, "hidden_act", lambda v: v in ("silu", "swish"), "phi3 runs SwiGLU")
     refuse(d, source, "attention_bias", lambda v: not v, "mlx-lm's phi3 has no attention biases")
-    # transformers >= 5 nests the RoPE settings under rope_parameters
+    rope = _rope_settings(d, head_dim, max_pos, source)
+    window = d.get("sliding_window")
+    window = positive_int(window, "sliding_window", source) if window else None
+    bos, eos_ids = token_ids(d)
+    return Phi3Config(
+        model_type=d["model_type"], **f, head_dim=head_dim, **rope,
+        # mlx-lm's SuScaledRoPE rotates the two halves whatever rope_traditional says
+        rope_traditional=bool(d.get("rope_traditional", False)) and rope.get("rope_long_factor") is None,
+        sliding_window=window if window and window < max_pos else None, bos_token_id=bos, eos_token_ids=eos_ids,
+    )
+
+
+def _rope_settings(d: dict[str, Any], head_dim: int, max_pos: int, source: str) -> dict[str, Any]:
+    """Phi3Config's RoPE fields: the rotated dims (partial_rotary_factor), base, and linear
+    or longrope / su scaling, wherever the config keeps them (transformers >= 5 nests them
+    under rope_parameters)."""
     rp = d.get("rope_parameters") or {}
     frac = float(d.get("partial_rotary_factor") or rp.get("partial_rotary_factor") or 1.0)
     rope_dims = int(head_dim * frac)
     if not 0 < frac <= 1 or rope_dims % 2:
         raise ConfigError(f"{source}: field 'partial_rotary_factor' = {frac} must give an even "
                           f"number of rotated dims in (0, head_dim = {head_dim}]")
-    max_pos = int(d.get("max_position_embeddings") or 131072)
     orig = int(d.get("original_max_position_embeddings") or 4096)
-    rope = dict(theta=float(d.get("rope_theta") or rp.get("rope_theta") or 10000.0))
+    rope: dict[str, Any] = dict(rope_theta=float(d.get("rope_theta") or rp.get("rope_theta") or 10000.0),
+                                rope_dims=rope_dims)
     scaling = d.get("rope_scaling")
     if scaling is None and (rp.get("rope_type") or rp.get("type") or "default") != "default":
         scaling = {k: v for k, v in rp.items() if k not in ("rope_theta", "partial_rotary_factor")}
-    if scaling:
-        kind = scaling.get("type") or scaling.get("rope_type")
-        if kind == "linear":
-            factor = scaling.get("factor")
-            if not isinstance(factor, (int, float)) or not factor > 0:
-                raise ConfigError(f"{source}: rope_scaling.factor must be > 0, got {factor!r}")
-            rope["scale"] = 1.0 / float(factor)
-        elif kind in ("longrope", "su"):
-            long = scaling.get("long_factor")
-            if (not isinstance(long, list) or len(long) != rope_dims // 2
-                    or not all(isinstance(x, (int, float)) and x > 0 for x in long)):
-                raise ConfigError(f"{source}: rope_scaling.long_factor must list {rope_dims // 2} "
-                                  "positive numbers (one per rotated frequency)")
-            for key in ("long_mscale", "short_mscale", "attention_factor"):
-                if scaling.get(key) is not None:
-                    raise ConfigError(f"{source}: rope_scaling.{key} is not supported "
-                                      "(mlx-lm's phi3 derives the scale from the lengths)")
-            factor = max_pos / orig
-            rope["long"] = tuple(float(x) for x in long)
-            rope["mscale"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
-        else:
-            raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported by phi3 "
-                              "(supported: linear, longrope, su)")
-    window = d.get("sliding_window")
-    window = positive_int(window, "sliding_window", source) if window else None
-    bos, eos_ids = token_ids(d)
-    tie = d.get("tie_word_embeddings")
-    return Phi3Config(
-        model_type=d["model_type"],
-        vocab_size=positive_int(required(d, "vocab_size", source), "vocab_size", source),
-        hidden_size=hidden,
-        num_layers=positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source),
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=positive_int(required(d, "intermediate_size", source), "intermediate_size", source),
-        rms_norm_eps=float(required(d, "rms_norm_eps", source, 1e-5)),
-        rope_theta=rope["theta"], rope_dims=rope_dims, rope_scale=rope.get("scale", 1.0),
-        rope_long_factor=rope.get("long"), rope_mscale=rope.get("mscale", 1.0),
-        # mlx-lm's SuScaledRoPE rotates the two halves whatever rope_traditional says
-        rope_traditional=bool(d.get("rope_traditional", False)) and "long" not in rope,
-        sliding_window=window if window and window < max_pos else None,
-        max_position_embeddings=max_pos,
-        tie_word_embeddings=None if tie is None else bool(tie),
-        bos_token_id=bos, eos_token_ids=eos_ids,
-    )
+    if not scaling:
+        return rope
+    kind = scaling.get("type") or scaling.get("rope_type")
+    if kind == "linear":
+        factor = scaling.get("factor")
+        if not isinstance(factor, (int, float)) or not factor > 0:
+            raise ConfigError(f"{source}: rope_scaling.factor must be > 0, got {factor!r}")
+        return {**rope, "rope_scale": 1.0 / float(factor)}
+    if kind not in ("longrope", "su"):
+        raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported by phi3 "
+                          "(supported: linear, longrope, su)")
+    long = scaling.get("long_factor")
+    if (not isinstance(long, list) or len(long) != rope_dims // 2
+            or not all(isinstance(x, (int, float)) and x > 0 for x in long)):
+        raise ConfigError(f"{source}: rope_scaling.long_factor must list {rope_dims // 2} "
+                          "positive numbers (one per rotated frequency)")
+    for key in ("long_mscale", "short_mscale", "attention_factor"):
+        if scaling.get(key) is not None:
+            raise ConfigError(f"{source}: rope_scaling.{key} is not supported "
+                              "(mlx-lm's phi3 derives the scale from the lengths)")
+    factor = max_pos / orig
+    return {**rope, "rope_long_factor": tuple(float(x) for x in long),
+            "rope_mscale": 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))}
 
 
 @attrs.frozen

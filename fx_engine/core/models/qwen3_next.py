@@ -27,7 +27,7 @@ import mlx.core as mx
 import fx_engine.core.models.llama as llama
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, attend_entry, recurrent_entry, write_entry
 from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, read_experts
-from fx_engine.core.config import ConfigError, positive_int, required
+from fx_engine.core.config import BOOL, INT, INT_OR_ZERO, ConfigError, Field, read_fields
 from fx_engine.core.models.blocks import (HF_EXPERT_NAMES, STACKED_EXPERT_NAMES, DenseMlp, Experts, Reader,
                                           apply_partial_rope, expert_stacks, mixture, read_shared_expert, rope_in,
                                           swiglu_mlp)
@@ -65,9 +65,24 @@ class Qwen3NextConfig(MoEConfig):
         return 2 * self.key_dim + self.value_dim
 
 
+# its own config.json fields (`read_fields`, in this order; the attention's:
+# llama.config_from_hf), by Qwen3NextConfig's names
+_FIELDS = (
+    Field("num_hidden_layers"), Field("full_attention_interval", default=4),
+    Field("linear_num_key_heads", to="lin_k_heads"), Field("linear_num_value_heads", to="lin_v_heads"),
+    Field("linear_key_head_dim", to="lin_k_dim"), Field("linear_value_head_dim", to="lin_v_dim"),
+    Field("linear_conv_kernel_dim", to="conv_kernel"), Field("num_experts", INT_OR_ZERO, 0),
+    Field("decoder_sparse_step", default=1, or_default=True), Field("num_experts_per_tok", INT, 1, or_default=True,
+                                                                    to="top_k"),
+    Field("moe_intermediate_size", INT_OR_ZERO, 0), Field("norm_topk_prob", BOOL, False),
+    Field("shared_expert_intermediate_size", INT_OR_ZERO, 0),
+)
+
+
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Qwen3NextConfig:
-    layers = positive_int(required(d, "num_hidden_layers", source), "num_hidden_layers", source)
-    interval = positive_int(d.get("full_attention_interval", 4), "full_attention_interval", source)
+    f = read_fields(d, _FIELDS, source)
+    layers, interval, step, experts = (f.pop(k) for k in ("num_hidden_layers", "full_attention_interval",
+                                                           "decoder_sparse_step", "num_experts"))
     v35 = d["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text")
     rp = d.get("rope_parameters") or {}
     if v35:  # rope settings under rope_parameters (M-RoPE sections: 1-D RoPE for text)
@@ -77,30 +92,18 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Qwen3NextC
     prf = float(d.get("partial_rotary_factor", 1.0))
     base = llama.config_from_hf({k: v for k, v in d.items() if k not in ("partial_rotary_factor", "layer_types")}
                                 | {"model_type": "qwen3"}, source)
-    nk, nv = (positive_int(required(d, f"linear_num_{w}_heads", source), f"linear_num_{w}_heads", source)
-              for w in ("key", "value"))
-    if nv % nk:
-        raise ConfigError(f"{source}: linear_num_value_heads ({nv}) is not a multiple of linear_num_key_heads ({nk})")
-    experts = int(d.get("num_experts") or 0)
-    step = positive_int(d.get("decoder_sparse_step") or 1, "decoder_sparse_step", source)
-    dense = [] if v35 else (d.get("mlp_only_layers") or [])
-    moe_layers = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
-    kernel = positive_int(required(d, "linear_conv_kernel_dim", source), "linear_conv_kernel_dim", source)
-    if kernel < 2:
+    if f["lin_v_heads"] % f["lin_k_heads"]:
+        raise ConfigError(f"{source}: linear_num_value_heads ({f['lin_v_heads']}) is not a multiple of "
+                          f"linear_num_key_heads ({f['lin_k_heads']})")
+    if f["conv_kernel"] < 2:
         raise ConfigError(f"{source}: linear_conv_kernel_dim must be >= 2")
+    # Qwen3.5: experts on every layer or none; Qwen3-Next: every step-th, but mlp_only_layers
+    dense = [] if v35 else (d.get("mlp_only_layers") or [])
     return Qwen3NextConfig(
-        **{**attrs.asdict(base, recurse=False), "model_type": d["model_type"]},
-        qwen3_5=v35,
-        num_experts=max(experts, 1), top_k=int(d.get("num_experts_per_tok") or 1),
-        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
-        norm_topk_prob=bool(d.get("norm_topk_prob", False)), softmax_then_topk=True,
-        moe_layers=moe_layers, shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
-        rope_dims=int(base.head_dim * prf),
-        linear_layers=tuple((i + 1) % interval != 0 for i in range(layers)),
-        lin_k_heads=nk, lin_v_heads=nv,
-        lin_k_dim=positive_int(required(d, "linear_key_head_dim", source), "linear_key_head_dim", source),
-        lin_v_dim=positive_int(required(d, "linear_value_head_dim", source), "linear_value_head_dim", source),
-        conv_kernel=kernel,
+        **{**attrs.asdict(base, recurse=False), "model_type": d["model_type"]}, **f, qwen3_5=v35,
+        num_experts=max(experts, 1), softmax_then_topk=True,
+        moe_layers=tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers)),
+        rope_dims=int(base.head_dim * prf), linear_layers=tuple((i + 1) % interval != 0 for i in range(layers)),
     )
 
 

@@ -12,7 +12,7 @@ FAMILIES) says which module file runs each model_type.
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, Union
 
 from fx_engine.core.cache import LayerSpec, finish_layout
 from fx_engine.core.config import ConfigError
@@ -38,7 +38,15 @@ for _f in FAMILIES:
         _BY_GGUF.setdefault(_a, []).append(_f)
 _BY_TYPE = {t: f for f in FAMILIES for t in (f.config_type, f.params_type)}
 
-AnyParams = Any  # the params pytree of any registered family (each family's params_type)
+#: the params pytree of any registered family: each family's `params_type`, spelled out so
+#: that type checkers read it (beartype checks it at run time); `FAMILIES` must list the
+#: same types (tests/models/test_every_family.py checks it)
+AnyParams = Union[
+    llama.Params, gemma.GemmaParams, phi3.Phi3Params, moe.MoEParams, postnorm.PostNormParams, gpt_oss.GptOssParams,
+    deepseek.DeepseekParams, starcoder2.Starcoder2Params, cohere.CohereParams, lfm2.Lfm2Params, mamba2.Mamba2Params,
+    nemotron_h.NemotronHParams, qwen3_next.Qwen3NextParams, granitemoehybrid.GraniteHybridParams,
+    falcon_h1.FalconH1Params,
+]
 
 __all__ = [
     "AnyParams", "FAMILIES", "FAMILY_MODULES", "Family", "MODEL_TYPE_MODULES", "cache_layout", "config_from_gguf",
