@@ -71,7 +71,7 @@ _PUBLIC = {
     "jit": "core.tree", "tree_map": "core.tree", "tree_leaves": "core.tree",
     "draft_sync": "core.speculative", "DraftSync": "core.speculative",
     "prefill": "engine.prefill", "Prefilled": "engine.prefill",
-    "self_draft_model": "engine.drafters",
+    "self_draft_model": "engine.drafters", "PromptLookup": "engine.drafters",
 }
 _SUBPACKAGES = ("cli", "core", "engine", "loading", "runtime", "server", "testing", "tracing")
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import json
 import logging
@@ -70,17 +71,21 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
     has one (not for switches and unset options, whose help says what "none" means)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, False, argparse.SUPPRESS) or action.option_strings == []:
+        # (by identity: 0 and 0.0 equal False, and their defaults are worth showing)
+        if any(action.default is x for x in (None, False, argparse.SUPPRESS)) or action.option_strings == []:
             return action.help or ""
         return super()._get_help_string(action)
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", "-m", default=None,
+    g.add_argument("--model", "-m", default=None, action="append" if several else "store",
+                   metavar="[NAME=]MODEL" if several else None,
                    help="GGUF file (a split file's first shard), HF folder, or Hugging Face repo "
                         "id org/name or org/name:QUANT (the local HF cache first, then a download "
-                        "unless HF_HUB_OFFLINE=1); none: SmolLM2-135M-Instruct")
+                        "unless HF_HUB_OFFLINE=1); none: SmolLM2-135M-Instruct" + (
+                            ". Repeatable: several models, requests choose by `model` (NAME=: the "
+                            "id it is served as; the first: when a request names none)" if several else ""))
     g.add_argument("--revision", default=None, help="branch, tag or commit of a repo id --model")
     g.add_argument("--threads", "-t", type=_int_at_least(1), default=None,
                    help="CPU threads for the native kernels and BLAS (FX_ENGINE_THREADS); none: "
@@ -100,16 +105,30 @@ def _numerics_args(g: Any) -> None:
                    help="positions below this stay in float when --kv-bits is set (mlx-lm's default)")
 
 
-def _sampling_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
-    _model_args(p)
-    g = p.add_argument_group("sampling" + (" (request defaults)" if serve else ""))
+# chat's sampling flags default to None: the model's stored settings, else llama.cpp's
+# (fx_engine/loading/sampling_defaults.py); generate and serve stay greedy by default
+_CHAT_SAMPLING = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty"}
+
+
+def _sampling_args(p: argparse.ArgumentParser, serve: bool = False, chat: bool = False) -> None:
+    _model_args(p, several=serve)
+    g = p.add_argument_group(
+        "sampling" + (" (request defaults)" if serve else ""),
+        "Each one not given comes from the model's generation_config.json or GGUF\n"
+        "general.sampling.* keys, else llama.cpp's defaults (temp 0.8, top-k 40,\n"
+        "top-p 0.95, min-p 0.05); the chat's first line says which." if chat else
+        None if serve else "Greedy unless these say otherwise (chat samples with the model's settings).")
     g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
-    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0 = off)")
-    g.add_argument("--min-p", type=float, default=0.0,
+    g.add_argument("--temp", type=float, default=None if chat else 0.0, help="temperature (0 = greedy)")
+    g.add_argument("--top-p", type=float, default=None if chat else 1.0,
+                   help="nucleus sampling mass (1 = off)")
+    g.add_argument("--top-k", type=int, default=None if chat else 0,
+                   help="keep the k likeliest tokens (0 = off)")
+    g.add_argument("--min-p", type=float, default=None if chat else 0.0,
                    help="drop tokens below this fraction of the likeliest's probability (0 = off)")
-    g.add_argument("--repetition-penalty", type=float, default=None, help="1.1-1.3 discourages repeats")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="1.1-1.3 discourages repeats (1 = off)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (none: a fresh one)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     if not serve:  # the server takes these per request (response_format, ...)
@@ -121,6 +140,15 @@ def _sampling_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         c.add_argument("--grammar", default=None,
                        help="a Lark or GBNF grammar (text or @FILE) the output must match")
     n = p.add_argument_group("numerics and memory")
+    if not serve:
+        n.add_argument("--max-kv-size", "--ctx-size", "-c", type=_int_at_least(1), default=None,
+                       metavar="N", dest="max_kv_size",
+                       help="context size: prompt + reply at most N tokens (a longer prompt is "
+                            "an error, a reply stops when the context is full); none: the "
+                            "model's own context length")
+        n.add_argument("--no-warmup", action="store_true",
+                       help="skip the warm-up run that compiles the steps before the prompt "
+                            "(its time is shown apart in the stats, not as prompt time)")
     _numerics_args(n)
     n.add_argument("--kv-dtype", default=None, choices=("float32", "float16", "bfloat16"),
                    help="the KV cache's element type (none: the activations' dtype)")
@@ -188,6 +216,9 @@ def _kwargs(a: argparse.Namespace, model: Any = None) -> dict[str, Any]:
         max_tokens=a.max_tokens, temperature=a.temp, top_p=a.top_p, top_k=a.top_k,
         min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop,
     )
+    for key in ("temperature", "top_p", "top_k", "min_p"):  # chat's unset flags (see cmd_chat)
+        if kw[key] is None:
+            del kw[key]
     if a.prompt_lookup:
         kw["prompt_lookup"] = True
     if a.draft_model is not None or a.self_draft_layers is not None:
@@ -237,10 +268,40 @@ def _load(a: argparse.Namespace):
         if not sep:
             name, path = None, spec
         fx_engine.load_adapter(model, path, name=name)
+    if getattr(a, "max_kv_size", None) is not None:  # generate/chat --max-kv-size / -c
+        model = model.with_max_context(a.max_kv_size)
     return model
 
 
-def _report(usage: Any, model: Any = None) -> None:
+def _fit(model: Any, prompt: Any, kw: dict[str, Any]) -> dict[str, Any]:
+    """max_tokens trimmed to the room the context (the model's, or --max-kv-size) leaves
+    after this prompt, so a long reply stops when the context is full (as llama.cpp's do);
+    a prompt that alone fills it is refused by stream(), naming the limit."""
+    from fx_engine.engine.request import prompt_ids
+
+    room = model.context_length + 1 - len(prompt_ids(model, prompt))
+    return {**kw, "max_tokens": room} if 1 <= room < kw["max_tokens"] else kw
+
+
+def _warm_up(model: Any, kw: dict[str, Any]) -> float:
+    """Run the request's compiled steps once on a one-token prompt before the real one (as
+    llama.cpp warms up with an empty run): MLX traces them and JIT-compiles their fused CPU
+    kernels with g++ (tens of seconds on a machine's first run, cached on disk after; the
+    kernels do not depend on the shapes, so the prompt's own bucket reuses them). The
+    seconds it took, which the stats show apart from the prompt's time."""
+    import time
+
+    skip = ("max_tokens", "stop", "prompt_cache_dir")
+    first = list(model.tokenizer.encode("Hi"))[:1] or [0]
+    t0 = time.perf_counter()
+    with working("warm-up: compiling the steps (slow the first time)"):
+        for _ in fx_engine.stream(model, first, max_tokens=2,
+                                  **{k: v for k, v in kw.items() if k not in skip}):
+            pass
+    return time.perf_counter() - t0
+
+
+def _report(usage: Any, model: Any = None, warmup: float | None = None) -> None:
     import mlx.core as mx
 
     kv_bytes = 0
@@ -255,8 +316,10 @@ def _report(usage: Any, model: Any = None) -> None:
                f"({100 * usage.accepted_tokens / usage.drafted_tokens:.0f}%)")
     cached = getattr(usage, "cached_tokens", 0) or 0
     reuse = f" ({cached} from the prompt cache)" if cached else ""
+    # the warm-up's compile time is its own field, never counted as prompt time
+    warm = f"warm-up and compile: {warmup:.2f} s | " if warmup is not None else ""
     print(
-        f"\n[prompt: {usage.prompt_tokens} tokens{reuse}, {usage.prompt_tps:.1f} tok/s | "
+        f"\n[{warm}prompt: {usage.prompt_tokens} tokens{reuse}, {usage.prompt_tps:.1f} tok/s | "
         f"generation: {usage.completion_tokens} tokens, {usage.generation_tps:.1f} tok/s | "
         f"peak memory {mx.get_peak_memory() / 1e9:.2f} GB{kv}]",
         file=sys.stderr,
@@ -282,15 +345,44 @@ def cmd_generate(a: argparse.Namespace) -> int:
         prompt = ([{"role": "system", "content": a.system}] if a.system else []) + [
             {"role": "user", "content": a.prompt}
         ]
+    kw = _fit(model, prompt, _kwargs(a, model))
+    warmup = None if a.no_warmup else _warm_up(model, kw)
     last = None
-    for delta in fx_engine.stream(model, prompt, **_kwargs(a, model)):
+    for delta in fx_engine.stream(model, prompt, **kw):
         sys.stdout.write(delta.text)
         sys.stdout.flush()
         last = delta
     sys.stdout.write("\n")
     if last is not None and last.usage is not None:
-        _report(last.usage, model)
+        _report(last.usage, model, warmup)
     return 0
+
+
+class _StopReply:
+    """Ctrl-C while chat replies: the first SIGINT stops the reply at its next token (the
+    engine is never interrupted mid-step); a second one raises KeyboardInterrupt at once,
+    which the chat loop catches too. Only the reply ends: the session goes on. The previous
+    handler (Ctrl-C at the prompt ends the chat) is back on exit."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._previous: Any = None
+
+    def __enter__(self) -> "_StopReply":
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # (signal's rule)
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.hit:
+            raise KeyboardInterrupt
+        self.hit = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
@@ -303,16 +395,28 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
         rank = mx.distributed.init().rank()
         _quiet_unless_rank0(a)
+    from fx_engine.loading.sampling_defaults import chat_sampling, describe
+
     messages: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
     interactive = sys.stdin.isatty() and not rank
+    given = {arg: getattr(a, flag) for flag, arg in _CHAT_SAMPLING.items()}
+    sampling, sources = chat_sampling(model.path, given)
+    kw = {**_kwargs(a, model), **sampling}
+    if not rank:
+        print(f"fx-engine chat: sampling {describe(sampling, sources)}", file=sys.stderr)
+    warmup = None if a.no_warmup else _warm_up(model, kw)
     if interactive:
-        print("fx-engine chat: type a message; /reset clears the conversation, /exit quits.")
+        print("fx-engine chat: type a message; /reset clears the conversation, /exit, Ctrl-D "
+              "or Ctrl-C at the prompt quits, Ctrl-C during a reply stops the reply.")
     while True:
         line: str | None = None
         if not rank:
             try:
                 line = input(">>> " if interactive else "")
             except EOFError:
+                line = None
+            except KeyboardInterrupt:  # Ctrl-C at the prompt: the chat ends (as llama.cpp's)
+                print(file=sys.stderr)
                 line = None
         if rank is not None:  # every rank runs the same conversation (SPMD)
             line = broadcast(line, rank)
@@ -328,19 +432,37 @@ def cmd_chat(a: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line})
         reply, last = [], None
+        # Ctrl-C stops this reply only; what was printed stays in the conversation as the
+        # assistant's turn (llama.cpp's interactive mode keeps it in its context; Ollama drops
+        # it but keeps the question, leaving two user turns in a row, which some chat
+        # templates refuse). Several ranks run the reply in lockstep: there Ctrl-C ends all.
+        stop = _StopReply() if rank is None else contextlib.nullcontext(None)
         try:
-            for delta in fx_engine.stream(model, messages, **_kwargs(a, model)):
-                sys.stdout.write(delta.text)
-                sys.stdout.flush()
-                reply.append(delta.text)
-                last = delta
+            with stop:
+                for delta in fx_engine.stream(model, messages, **_fit(model, messages, kw)):
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+                    reply.append(delta.text)
+                    last = delta
+                    if getattr(stop, "hit", False):
+                        break
         except ValueError as e:  # e.g. the conversation outgrew the context: keep the session
             messages.pop()
             print(f"\nfx-engine: error: {e} (try /reset)", file=sys.stderr)
             continue
+        except KeyboardInterrupt:  # a second Ctrl-C, or one before the handler was set
+            if rank is not None:
+                raise
+            stop.hit = True
         sys.stdout.write("\n")
-        if a.verbose and last is not None and last.usage is not None:
-            _report(last.usage, model)
+        if getattr(stop, "hit", False):
+            print("[reply stopped (Ctrl-C); the conversation goes on]", file=sys.stderr)
+            if not "".join(reply):  # stopped before a word: as if never asked
+                messages.pop()
+                continue
+        elif a.verbose and last is not None and last.usage is not None:
+            _report(last.usage, model, warmup)
+            warmup = None  # shown once, with the first reply
         messages.append({"role": "assistant", "content": "".join(reply)})
     return 0
 
@@ -378,7 +500,8 @@ def _disk_budget(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    """An OpenAI-compatible server (fx_engine/server/app.py) on one Engine."""
+    """An OpenAI-compatible server (fx_engine/server/app.py) on one Engine; several --model
+    (or --memory-budget, --idle-unload): a pool of them (fx_engine/server/pool.py)."""
     import uvicorn
 
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), stream=sys.stderr,
@@ -386,23 +509,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from fx_engine.server.app import create_app
 
-    model = _load(a)
+    served = _served_models(a)
+    pooled = len(served) > 1 or a.memory_budget is not None or a.idle_unload is not None
+    if len(served) > 1 and a.model_id:
+        raise ValueError("--model-id: with several --model, name each one --model NAME=PATH")
     defaults: dict[str, Any] = {"max_tokens": a.max_tokens, "temperature": a.temp, "top_p": a.top_p,
                                 "top_k": a.top_k, "min_p": a.min_p}
-    if a.draft_model or a.self_draft_layers:
-        defaults["draft_model"] = _draft(a, model)
-    if a.prompt_lookup:
-        defaults["prompt_lookup"] = True
-    if a.num_draft_tokens is not None:
-        defaults["num_draft_tokens"] = a.num_draft_tokens
+    model, engine, own = _serve_engine(a, served, 0)
+    defaults.update(own)
     tp = model.ranks > 1
-    # (sharded: every rank loaded the same draft; requests name it by its place in drafts=)
-    engine = fx_engine.Engine(model, max_rows=a.decode_concurrency, prefill_chunk=a.prefill_step_size,
-                              max_queue=a.max_queue, prefix_cache_bytes=a.prompt_cache_bytes,
-                              prefix_cache_dir=a.prompt_cache,
-                              **_disk_budget(a),
-                              prefix_cache_entries=a.prompt_cache_size, lockstep=tp,
-                              drafts=[defaults["draft_model"]] if "draft_model" in defaults else [])
+    if tp and pooled:
+        raise ValueError("several models, --memory-budget and --idle-unload: not with "
+                         "--tensor-parallel or --pipeline-parallel")
     if tp:
         import mlx.core as mx
 
@@ -421,11 +539,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--chat-template-args: not JSON ({e})") from None
     if template_args is not None and not isinstance(template_args, dict):
         raise ValueError("--chat-template-args: must be a JSON object")
-    model_id = a.model_id or _model_id(model, a.model)
-    app = create_app(engine, model_id, api_key=a.api_key, defaults=defaults,
-                     chat_template=template, chat_template_args=template_args,
-                     max_request_bytes=a.max_request_bytes, stream_buffer=a.stream_buffer,
-                     stream_unread_bytes=a.stream_unread_bytes, body_timeout=a.body_timeout)
+    model_id = served[0][0] or a.model_id or _model_id(model, served[0][1])
+    limits: dict[str, Any] = dict(api_key=a.api_key, chat_template=template,
+                                  chat_template_args=template_args,
+                                  max_request_bytes=a.max_request_bytes, stream_buffer=a.stream_buffer,
+                                  stream_unread_bytes=a.stream_unread_bytes, body_timeout=a.body_timeout)
+    pool = None
+    if not pooled:
+        app = create_app(engine, model_id, defaults=defaults, **limits)
+    else:
+        pool = _serve_pool(a, served, model_id, engine, own)
+        app = create_app(pool, defaults={k: v for k, v in defaults.items() if k not in own}, **limits)
     from fx_engine.server.connections import server_config
 
     config = server_config(app, host=a.host, port=a.port, header_timeout=a.header_timeout,
@@ -444,6 +568,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
              f"{engine.bytes_per_token:.0f} B/token", "prompt lookup" if a.prompt_lookup else (
                  "draft model" if "draft_model" in defaults else "off"), len(a.api_key or ()))
     engine.start()
+    if pool is not None:
+        log.info("models: %s; memory budget %s, idle unload %s", ", ".join(
+            f"{e.name} ({e.state})" for e in pool.entries),
+            "none" if pool.budget is None else f"{pool.budget / (1 << 30):.2f} GiB",
+            "off" if a.idle_unload is None else f"{a.idle_unload:g} s")
+        del model, engine, own, defaults  # the pool's now: unloading it frees it
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the
     # handler that was installed before it: this one, so that a requested shutdown ends
     # the process normally (exit code 0, the engine closed) instead of by the signal.
@@ -456,8 +586,100 @@ def cmd_serve(a: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        engine.close(wait=False)  # the server has stopped: nobody waits for these rows
+        if pool is not None:
+            pool.close()
+        else:
+            engine.close(wait=False)  # the server has stopped: nobody waits for these rows
     return 0
+
+
+def _served_models(a: argparse.Namespace) -> list[tuple[str | None, str | None]]:
+    """serve's --model entries as (NAME or None, MODEL or None: the default model). NAME=MODEL
+    unless the whole entry is an existing path."""
+    from pathlib import Path
+
+    out: list[tuple[str | None, str | None]] = []
+    for spec in a.model or [None]:
+        name, sep, path = (spec or "").partition("=")
+        if spec and sep and name and path and not Path(spec).expanduser().exists():
+            out.append((name, path))
+        else:
+            out.append((None, spec))
+    return out
+
+
+def _serve_engine(a: argparse.Namespace, served: list[tuple[str | None, str | None]],
+                  i: int) -> tuple[Any, Any, dict[str, Any]]:
+    """The i-th served model as serve loads it: (model, its Engine (not started), its request
+    defaults: speculation). --adapter, --revision and --draft-model apply to the first
+    model; serving several, each keeps its disk prefix cache in a folder of its own."""
+    b = argparse.Namespace(**vars(a))
+    b.model = served[i][1]
+    if i:
+        b.adapter = b.revision = None
+    if a.prompt_cache and len(served) > 1:
+        import re
+
+        name = served[i][0] or _model_id(None, served[i][1] or _default_path())
+        b.prompt_cache = os.path.join(a.prompt_cache, re.sub(r"[^\w.-]", "_", name))
+    model = _load(b)
+    own: dict[str, Any] = {}
+    if a.self_draft_layers is not None and a.draft_model is None:
+        from fx_engine.engine.drafters import self_draft_model
+
+        own["draft_model"] = self_draft_model(model, a.self_draft_layers)  # this model's own
+    elif a.draft_model or a.self_draft_layers:
+        if i == 0:
+            own["draft_model"] = _draft(a, model)
+    if a.prompt_lookup:
+        own["prompt_lookup"] = True
+    if a.num_draft_tokens is not None:
+        own["num_draft_tokens"] = a.num_draft_tokens
+    # (sharded: every rank loaded the same draft; requests name it by its place in drafts=)
+    engine = fx_engine.Engine(model, max_rows=a.decode_concurrency, prefill_chunk=a.prefill_step_size,
+                              max_queue=a.max_queue, prefix_cache_bytes=a.prompt_cache_bytes,
+                              prefix_cache_dir=b.prompt_cache,
+                              **_disk_budget(b),
+                              prefix_cache_entries=a.prompt_cache_size, lockstep=model.ranks > 1,
+                              drafts=[own["draft_model"]] if "draft_model" in own else [])
+    return model, engine, own
+
+
+def _default_path() -> str:
+    from fx_engine.loading.default_model import default_model_path
+
+    return str(default_model_path())
+
+
+def _serve_pool(a: argparse.Namespace, served: list[tuple[str | None, str | None]], first_id: str,
+                engine: Any, own: dict[str, Any]) -> Any:
+    """The ModelPool of serve's models (server/pool.py): the first loaded (`engine`), the
+    others loaded on demand; each (re)loaded as the first was."""
+    from fx_engine.loading.hub import resolve_model
+    from fx_engine.server.pool import ModelPool, ModelSpec, default_budget
+
+    def loader(i: int) -> Any:
+        def load() -> tuple[Any, dict[str, Any]]:
+            _, eng, extra = _serve_engine(a, served, i)
+            return eng, extra
+        return load
+
+    specs = [ModelSpec(first_id, load=loader(0), path=str(engine.model.path or "") or None,
+                       engine=engine, defaults=own, aliases=[served[0][1]] if served[0][1] else [],
+                       reserve=a.prompt_cache_bytes)]
+    for i, (name, spec) in enumerate(served[1:], 1):
+        path = str(resolve_model(spec)) if spec else _default_path()  # (a missing one: an error now)
+        specs.append(ModelSpec(name or _model_id(None, spec or path), load=loader(i), path=path,
+                               aliases=[spec] if spec else [], reserve=a.prompt_cache_bytes))
+    pool = ModelPool(specs, memory_budget=None if a.memory_budget is None else int(a.memory_budget * (1 << 30)),
+                     idle_unload=a.idle_unload)
+    resident = pool.resident_bytes()
+    if pool.budget is None:
+        pool.budget = default_budget(resident)
+    elif pool.budget < resident:
+        raise ValueError(f"--memory-budget: {a.memory_budget:g} GiB is less than the first model "
+                         f"needs ({resident / (1 << 30):.2f} GiB)")
+    return pool
 
 
 def _model_id(model: Any, spec: str | None = None) -> str:
@@ -473,9 +695,10 @@ def _model_id(model: Any, spec: str | None = None) -> str:
 
     if spec and not Path(spec).expanduser().exists() and parse_model_id(spec):
         return spec
-    if not model.path:
+    path = model.path if model is not None else spec  # (None: a model not loaded yet)
+    if not path:
         return "fx-engine"
-    p = Path(model.path)  # (a folder's name is kept whole: Mistral-7B-v0.1 has no extension)
+    p = Path(path)  # (a folder's name is kept whole: Mistral-7B-v0.1 has no extension)
     stem = p.stem if p.suffix.lower() == ".gguf" else p.name
     return re.sub(r"[.-](?:i?q\d\w*|f16|f32|bf16)$", "", stem, flags=re.IGNORECASE) or stem
 
@@ -564,16 +787,24 @@ def cmd_info(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fx-engine", description=__doc__, formatter_class=_Help)
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", formatter_class=_Help, help="generate text from a prompt (streams tokens)")
+    g = sub.add_parser("generate", formatter_class=_Help,
+                       help="generate text from a prompt (streams tokens; greedy by default)")
     g.add_argument("prompt", help="the user message (with --raw: the text to continue)")
     g.add_argument("--system", default=None, help="system message")
     g.add_argument("--raw", action="store_true", help="no chat template: complete the raw text")
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
-    c = sub.add_parser("chat", formatter_class=_Help, help="interactive multi-turn chat with the model's chat template")
+    c = sub.add_parser("chat", formatter_class=_Help,
+                       help="interactive multi-turn chat with the model's chat template (samples "
+                            "with the model's settings; Ctrl-C stops a reply)",
+                       description="Multi-turn chat: each line you type is a user message, rendered\n"
+                                   "with the model's chat template. Ctrl-C during a reply stops that\n"
+                                   "reply (what was printed stays in the conversation); Ctrl-C or\n"
+                                   "Ctrl-D at the prompt, or /exit, quits; /reset clears the\n"
+                                   "conversation.")
     c.add_argument("--system", default=None, help="system message")
     c.add_argument("--verbose", "-v", action="store_true", help="print speed after each reply")
-    _sampling_args(c)
+    _sampling_args(c, chat=True)
     c.set_defaults(func=cmd_chat)
     cp = sub.add_parser("cache-prompt", formatter_class=_Help, help="prefill a prompt into a prefix-cache directory")
     cp.add_argument("prompt", help="the text, @FILE, or - for stdin")
@@ -632,6 +863,15 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--chat-template", default=None, help="a Jinja chat template (or @FILE)")
     sv.add_argument("--chat-template-args", default=None,
                     help='JSON variables for the template, e.g. \'{"enable_thinking": false}\'')
+    mm = sv.add_argument_group("several models (repeat --model NAME=PATH)")
+    mm.add_argument("--memory-budget", type=float, default=None, metavar="GB",
+                    help="GiB the resident models may use together: a model is loaded on demand "
+                         "when it fits, unloading idle ones (least recently used first); a request "
+                         "that cannot fit gets a 503 with Retry-After. none: the first model plus "
+                         "80%% of the memory available once it is loaded")
+    mm.add_argument("--idle-unload", type=float, default=None, metavar="SECONDS",
+                    help="unload a model no request has used for this long (loaded again on the "
+                         "next request for it); none: never")
     sv.set_defaults(func=cmd_serve, check=lambda a: _check_serve(sv, a))
     i = sub.add_parser("info", formatter_class=_Help, help="versions, device, BLAS, native kernels, default model")
     i.add_argument("--model", default=None,

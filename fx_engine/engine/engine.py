@@ -195,7 +195,7 @@ class Engine:
         self.max_rows = max_rows
         self.step_token_budget = sched.step_budget(step_token_budget, self.prefill_chunk, max_rows)
         self.max_queue = max_queue
-        self.context_length = c.max_position_embeddings
+        self.context_length = getattr(model, "context_length", c.max_position_embeddings)
         self.eos = frozenset(model.eos_ids)
         self._special = list(_xtc_special(model))
         self.trace_events: collections.deque = collections.deque(maxlen=trace_capacity)

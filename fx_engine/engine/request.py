@@ -113,6 +113,16 @@ def xtc_special_tokens(model: Model) -> list[int]:
     return sorted(set(model.eos_ids) | set(model.tokenizer.encode("\n", add_special_tokens=False)))
 
 
+def context_limit(model: Model) -> tuple[int, str]:
+    """The longest sequence a request may reach (`Model.context_length`: the model's
+    context, or the smaller cap of `Model.with_max_context`) and how errors name it."""
+    own = model.config.max_position_embeddings
+    limit = getattr(model, "context_length", own)
+    if limit < own:
+        return limit, f"the context size of {limit} tokens (max_context, the CLI's --ctx-size; the model's is {own})"
+    return limit, f"the model's context of {limit} tokens"
+
+
 def check_prompt_size(model: Model, nbytes: int, what: str = "prompt") -> None:
     """Reject text that cannot fit the model's context before it is tokenized.
 
@@ -120,12 +130,12 @@ def check_prompt_size(model: Model, nbytes: int, what: str = "prompt") -> None:
     is at least B / max_token_bytes tokens; anything over twice the bytes the context can
     possibly hold (the factor leaves room for normalizers that shrink text) is refused
     without tokenizing it (a huge prompt would otherwise cost seconds of CPU)."""
-    limit = model.config.max_position_embeddings
+    limit, context = context_limit(model)
     most = 2 * model.tokenizer.max_token_bytes * (limit + 1)
     if nbytes > most:
         raise ValueError(
-            f"{what}: {nbytes} bytes of text cannot fit the model's context of {limit} "
-            f"tokens (at most {most} bytes are accepted)")
+            f"{what}: {nbytes} bytes of text cannot fit {context} "
+            f"(at most {most} bytes are accepted)")
 
 
 def text_bytes(x: Any) -> int:
@@ -335,14 +345,13 @@ def parse_request(
     ids = prompt_ids(model, prompt, chat)
     if not ids:
         raise ValueError("prompt: encodes to zero tokens")
-    limit = model.config.max_position_embeddings
+    limit, context = context_limit(model)
     if len(ids) + max_tokens > limit + 1 and len(ids) > limit:  # no max_tokens >= 1 fits
-        raise ValueError(f"prompt ({len(ids)} tokens) alone exceeds the model's context of "
-                         f"{limit} tokens")
+        raise ValueError(f"prompt ({len(ids)} tokens) alone exceeds {context}")
     if len(ids) + max_tokens > limit + 1:
         raise ValueError(
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
-            f"exceeds the model's context of {limit} tokens"
+            f"exceeds {context}"
         )
     cfg = _clamp_windows(cfg, len(ids) + max_tokens)
     procs = () if logits_processors is None else logits_processors

@@ -55,6 +55,25 @@ class Model:
     # how many processes hold this model's shards or stages (core/parallel.py; 1: all here)
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    # A cap on the context below the model's own (`with_max_context`; CLI --max-kv-size):
+    # prompt + max_tokens beyond it is refused. None: the model's max_position_embeddings.
+    max_context: int | None = None
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence (prompt + generated tokens) a request may reach: the model's
+        max_position_embeddings, or `max_context` when that is smaller."""
+        own = int(self.config.max_position_embeddings)
+        return own if self.max_context is None else min(own, self.max_context)
+
+    def with_max_context(self, tokens: int | None) -> "Model":
+        """The same model with its context capped at `tokens` (llama.cpp's -c, mlx-lm's
+        --max-kv-size as a hard limit): requests whose prompt + max_tokens exceed it are
+        refused, so no cache grows past it. None: the model's own context. The RoPE and
+        every other numeric stay the model's."""
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise ValueError(f"max_context must be a positive integer or None, got {tokens!r}")
+        return attrs.evolve(self, max_context=tokens)
 
     @property
     def ranks(self) -> int:

@@ -41,6 +41,8 @@ The parts (this module only composes them; nothing in server/ imports it):
   served names, sampling defaults, metrics, the chat template's formats; the `Ctx`
   dependency every route takes);
 * gate.py: the ASGI middleware in front of every route (API keys, body bounds, access log);
+* pool.py: several models in one server (`ModelPool`: routing by `model`, loading on
+  demand within a memory budget, unloading idle ones; its `Leases` middleware);
 * one router per API surface: info.py (/health, /v1/models, /metrics), chat.py and
   completions.py (with generation.py, what they share), tokenization.py, embeddings.py,
   anthropic.py (/v1/messages), responses.py (/v1/responses).
@@ -48,27 +50,31 @@ The parts (this module only composes them; nothing in server/ imports it):
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.routing import APIRoute
 
 from fx_engine.engine.engine import Engine
-from fx_engine.server import anthropic, chat, completions, embeddings, info, responses, tokenization
+from fx_engine.server import anthropic, chat, completions, embeddings, info, responses, tokenization, webchat
 from fx_engine.server.context import (BODY_TIMEOUT, MAX_REQUEST_BYTES, SEND_TIMEOUT, STREAM_BUFFER,
                                       STREAM_UNREAD_BYTES, ServerContext, ServerSettings)
 from fx_engine.server.gate import OPEN_PATHS, _Gate, _tenant
-from fx_engine.server.protocol import EventStream, failure, install_error_handlers, log
+from fx_engine.server.pool import Leases, ModelPool, ModelSpec, ModelUnavailable
+from fx_engine.server.protocol import (EventStream, _error, anthropic_error, failure,
+                                       install_error_handlers, log)
 
-__all__ = ["create_app", "EventStream", "failure", "log", "MAX_REQUEST_BYTES", "STREAM_BUFFER",
-           "SEND_TIMEOUT", "BODY_TIMEOUT", "STREAM_UNREAD_BYTES", "OPEN_PATHS"]
+__all__ = ["create_app", "ModelPool", "ModelSpec", "EventStream", "failure", "log", "MAX_REQUEST_BYTES",
+           "STREAM_BUFFER", "SEND_TIMEOUT", "BODY_TIMEOUT", "STREAM_UNREAD_BYTES", "OPEN_PATHS"]
 
 #: The API surfaces, in the order their routes are added (the OpenAPI document's order).
 ROUTERS = (info.router, chat.router, tokenization.router, embeddings.router, completions.router,
-           anthropic.router, responses.router)
+           anthropic.router, responses.router, webchat.router)
 
 
-def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | None = None,
+def create_app(engine: Engine | ModelPool, model_id: str | None = None,
+               api_key: str | Sequence[str] | None = None,
                defaults: dict[str, Any] | None = None, chat_template: str | None = None,
                chat_template_args: dict[str, Any] | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES,
@@ -87,17 +93,40 @@ def create_app(engine: Engine, model_id: str, api_key: str | Sequence[str] | Non
     closed. stream_unread_bytes: bytes a streaming client may leave unread while it reads
     nothing before it is cut off (both seen through the kernel's send queue when served by
     server/connections.py's `server_config`, as `fx-engine serve` does). body_timeout:
-    seconds a request body may take to arrive whole (408 beyond)."""
+    seconds a request body may take to arrive whole (408 beyond).
+
+    Several models: `engine` a `ModelPool` (server/pool.py; model_id None, each model's id
+    is its spec's name): requests route by their `model`, models load on demand within the
+    pool's memory budget (503 with Retry-After when it is held by models in use), idle ones
+    unload; /v1/models lists them all, /metrics labels each model's samples. The app closes
+    the pool's engines when it shuts down."""
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     settings = ServerSettings(keys, max_request_bytes, stream_buffer, send_timeout,
                               stream_unread_bytes, body_timeout)  # checked: a ValueError
-    app = FastAPI(title="fx-engine", version="0.1.0")
+    pool = engine if isinstance(engine, ModelPool) else None
+    if pool is not None and model_id is not None:
+        raise ValueError("model_id: a ModelPool's models are named by their specs")
+    if pool is None and model_id is None:
+        raise ValueError("model_id: the id /v1/models lists is needed")
+    app = FastAPI(title="fx-engine", version="0.1.0", lifespan=_closing(pool) if pool else None)
+    if pool is not None:  # (inside the gate: it sees the body the gate replays)
+        app.add_middleware(Leases, pool=pool)
     app.add_middleware(_Gate, tenants={k: _tenant(k) for k in settings.api_keys},
                        max_bytes=settings.max_request_bytes, send_timeout=settings.send_timeout,
                        unread_bytes=settings.stream_unread_bytes, body_timeout=settings.body_timeout)
-    ctx = ServerContext.build(engine, model_id, settings, defaults, chat_template, chat_template_args)
-    app.state.context = ctx  # what every route gets as its `Ctx` (context.server_context)
-    app.state.metrics = ctx.metrics
+    app.state.pool = pool
+    if pool is None:
+        ctx = ServerContext.build(engine, model_id, settings, defaults, chat_template, chat_template_args)
+        app.state.context = ctx  # what every route gets as its `Ctx` (context.server_context)
+        app.state.metrics = ctx.metrics
+    else:
+        def context(eng: Engine, spec: ModelSpec, metrics: Any, own: Any) -> ServerContext:
+            return ServerContext.build(eng, spec.name, settings, {**(defaults or {}), **(own or {})},
+                                       chat_template, chat_template_args, metrics=metrics,
+                                       aliases=pool.entry_of(spec.name).names, catalog=pool.catalog)
+        pool.attach(context)
+        app.state.context = None  # per request: the model it names (context.server_context)
+        app.add_exception_handler(ModelUnavailable, _unavailable)
     install_error_handlers(app)
     for router in ROUTERS:
         _add_routes(app, router)
@@ -112,3 +141,24 @@ def _add_routes(app: FastAPI, router: APIRouter) -> None:
         assert isinstance(route, APIRoute), route
         app.add_api_route(route.path, route.endpoint, methods=sorted(route.methods), name=route.name,
                           include_in_schema=route.include_in_schema)
+
+
+def _closing(pool: ModelPool) -> Any:
+    """The app's lifespan with a pool: its engines closed when the server stops."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        try:
+            yield
+        finally:
+            pool.close()
+    return lifespan
+
+
+async def _unavailable(request: Request, exc: Exception):
+    """A request's model cannot serve it (server/pool.py): 404, 503 with Retry-After, 500;
+    in the route's API shape."""
+    assert isinstance(exc, ModelUnavailable)
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+    if request.url.path.startswith("/v1/messages"):
+        return anthropic_error(exc.status, exc.message, headers)
+    return _error(exc.status, exc.message, "model", kind=exc.kind, headers=headers, code=exc.code)

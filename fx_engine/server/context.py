@@ -1,5 +1,6 @@
 """The typed context every API surface of the server works over: one `ServerContext` per
-app (create_app builds it; a route gets it as the `Ctx` dependency), holding the engine
+app (create_app builds it; a route gets it as the `Ctx` dependency; serving several models,
+one per model, the request's: server/pool.py), holding the engine
 (its model and tokenizer), the served model's names, the sampling defaults, the metrics,
 the server's settings and what the chat template implies (its tool-call and thinking
 formats), with the helpers the surfaces share: which model (or LoRA adapter) a request
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Mapping, Sequence
+from typing import Annotated, Any, Callable, Iterable, Mapping, Sequence
 
 from fastapi import Depends, Request
 
@@ -76,27 +77,34 @@ class ServerContext:
     think_fmt: str | None  # its thinking format (server/reasoning.py), None: none
     template_vars: frozenset[str] | None  # the variables it reads (None: unknown)
     names: frozenset[str]  # the names a request's `model` may give for the base model
+    # every id the server lists, for error messages (several models, server/pool.py;
+    # None: this model and its adapters)
+    catalog: Callable[[], list[str]] | None = None
     _token_strs: list[str | None] = field(default_factory=list, repr=False)  # token_table's
 
     @classmethod
     def build(cls, engine: Engine, model_id: str, settings: ServerSettings,
               defaults: Mapping[str, Any] | None = None, chat_template: str | None = None,
-              chat_template_args: Mapping[str, Any] | None = None) -> ServerContext:
+              chat_template_args: Mapping[str, Any] | None = None, metrics: Metrics | None = None,
+              aliases: Iterable[str] = (), catalog: Callable[[], list[str]] | None = None) -> ServerContext:
+        """`metrics`: the model's (kept across its loads by a pool; None: new ones);
+        `aliases`: more names a request may give for it; `catalog`: see the field."""
         model = engine.model
         # The names a request's `model` may give: the id /v1/models lists, or the path it was
         # loaded from, its file name with or without the extension (vLLM answers other names
         # with a 404, as OpenAI does; so does this server, except on Anthropic's route, whose
         # clients send Claude model names they cannot change)
         names = ({model_id, str(model.path), Path(str(model.path)).name, Path(str(model.path)).stem}
-                 if model.path else {model_id})
-        metrics = Metrics(engine)
+                 if model.path else {model_id}) | set(aliases)
+        if metrics is None:
+            metrics = Metrics(engine)
         template = chat_template or model.tokenizer.chat_template
         fmt, renders_tools = tool_format(template)
         return cls(engine=engine, model_id=model_id, settings=settings, defaults=dict(defaults or {}),
                    metrics=metrics, chat_template=chat_template,
                    chat_template_args=chat_template_args, template=template, tool_fmt=fmt,
                    renders_tools=renders_tools, think_fmt=reasoning_format(template),
-                   template_vars=_template_vars(template), names=frozenset(names))
+                   template_vars=_template_vars(template), names=frozenset(names), catalog=catalog)
 
     @property
     def model(self) -> Any:
@@ -128,7 +136,8 @@ class ServerContext:
         if not adapters and self.adapter_of(name) is not None:
             return _error(400, f"model: {name!r} is a LoRA adapter; this route serves the base "
                           f"model {model_id!r} only", "model")
-        listed = [model_id] + [f"{model_id}:{a}" for a in self.model.adapters.names()]
+        listed = (self.catalog() if self.catalog is not None else
+                  [model_id] + [f"{model_id}:{a}" for a in self.model.adapters.names()])
         return _error(404, f"model: the model {name!r} does not exist (this server serves "
                       f"{', '.join(map(repr, listed))}; see /v1/models)", "model", kind="not_found_error",
                       code="model_not_found")
@@ -221,8 +230,13 @@ def _template_vars(template: str | None) -> frozenset[str] | None:
 
 
 async def server_context(request: Request) -> ServerContext:
-    """The app's context (create_app keeps it in `app.state.context`)."""
-    return request.app.state.context
+    """The app's context (create_app keeps it in `app.state.context`); serving several
+    models (or unloading an idle one), the context of the model the request's `model` names,
+    loaded if need be (server/pool.py: a 404 for an unknown name, a 503 when memory is short)."""
+    pool = request.app.state.pool
+    if pool is None:
+        return request.app.state.context
+    return await pool.context_for(request)
 
 
 #: A route's context parameter: `async def route(request: Request, body: ..., ctx: Ctx)`.

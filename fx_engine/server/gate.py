@@ -12,6 +12,7 @@ from typing import Any
 from fx_engine.server.protocol import _route_error, log
 
 OPEN_PATHS = frozenset({"/health"})  # answered without an API key
+PAGE_PATHS = frozenset({"/"})  # GET and HEAD answered without one: the web chat page (webchat.py), no data
 
 
 class _ClientGone(Exception):
@@ -98,7 +99,8 @@ class _Gate:
 
     async def _handle(self, scope: dict, receive: Any, send: Any) -> None:
         headers = {k.lower(): v for k, v in scope.get("headers", ())}
-        if self.tenants and scope.get("path") not in OPEN_PATHS:
+        if self.tenants and scope.get("path") not in OPEN_PATHS and not (
+                scope.get("path") in PAGE_PATHS and scope.get("method") in ("GET", "HEAD")):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             key = auth[7:] if auth[:7].lower() == "bearer " else headers.get(
                 b"x-api-key", b"").decode("latin-1")  # the anthropic SDK's header

@@ -1,16 +1,19 @@
 """What the server serves and how it is doing: GET /health (and HEAD, for load balancers),
 GET /v1/models, GET /v1/models/{name} (the openai SDK's `models.retrieve`), GET /metrics
-(Prometheus text)."""
+(Prometheus text). Serving several models (server/pool.py), these never load one: every
+configured model is listed with its `status` (loaded, loading, unloaded), and each model's
+metrics carry its `model` label."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from fx_engine.server.context import Ctx, ServerContext
+from fx_engine.server.context import ServerContext, server_context
+from fx_engine.server.protocol import _error
 
 router = APIRouter()
 
@@ -33,14 +36,33 @@ def _models(ctx: ServerContext) -> dict[str, Any]:
 
 
 @router.get("/v1/models")
-async def models(ctx: Ctx) -> dict[str, Any]:
-    return _models(ctx)
+async def models(request: Request) -> dict[str, Any]:
+    pool = request.app.state.pool
+    if pool is not None:
+        return {"object": "list", "data": pool.listing()}
+    return _models(await server_context(request))
 
 
 @router.get("/v1/models/{name:path}")
-async def model_info(name: str, ctx: Ctx):
+async def model_info(name: str, request: Request):
     """One model (the openai SDK's `models.retrieve`): any name a request may give,
     reported under its listed id; 404 for the others."""
+    pool = request.app.state.pool
+    if pool is not None:
+        entry = pool.entry_of(name)
+        data = pool.listing()
+        if entry is not None:
+            base, sep, rest = name.partition(":")
+            adapter = (rest if sep and base in entry.names and rest in entry.adapters()
+                       else name if name not in entry.names else None)
+            shown = entry.name if adapter is None else f"{entry.name}:{adapter}"
+            found = next((m for m in data if m["id"] == shown), None)
+            if found is not None:
+                return found
+        return _error(404, f"model: the model {name!r} does not exist (this server serves "
+                      f"{', '.join(repr(m['id']) for m in data)}; see /v1/models)", "model",
+                      kind="not_found_error", code="model_not_found")
+    ctx = await server_context(request)
     bad = ctx.unknown_model(name)
     if bad is not None:
         return bad
@@ -49,5 +71,7 @@ async def model_info(name: str, ctx: Ctx):
 
 
 @router.get("/metrics")
-async def prom(ctx: Ctx) -> PlainTextResponse:
-    return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+async def prom(request: Request) -> PlainTextResponse:
+    pool = request.app.state.pool
+    text = pool.render_metrics() if pool is not None else (await server_context(request)).metrics.render()
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")

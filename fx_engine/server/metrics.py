@@ -1,11 +1,20 @@
-"""Prometheus text-format metrics for the server (no client library needed for these few)."""
+"""Prometheus text-format metrics for the server (no client library needed for these few).
+
+One model: each sample unlabelled (`fx_requests_total 3`). Several models (server/pool.py):
+every sample of a model carries its `model` label (`fx_requests_total{model="a"} 3`), each
+metric's HELP and TYPE written once, its samples together (the text format's rule)."""
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def label(name: str) -> str:
+    """A label value escaped as the text format wants it."""
+    return name.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 class Histogram:
@@ -23,18 +32,26 @@ class Histogram:
             self.total += v
             self.n += 1
 
-    def render(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+    def samples(self, labels: str = "") -> list[str]:
+        """The sample lines; labels: `model="a",` (with its comma) or empty."""
+        out = []
         acc = 0
         for b, c in zip(_BUCKETS, self.counts):
             acc += c
-            out.append(f'{self.name}_bucket{{le="{b}"}} {acc}')
-        out.append(f'{self.name}_bucket{{le="+Inf"}} {self.n}')
-        out += [f"{self.name}_sum {self.total}", f"{self.name}_count {self.n}"]
+            out.append(f'{self.name}_bucket{{{labels}le="{b}"}} {acc}')
+        out.append(f'{self.name}_bucket{{{labels}le="+Inf"}} {self.n}')
+        tail = f"{{{labels.rstrip(',')}}}" if labels else ""
+        out += [f"{self.name}_sum{tail} {self.total}", f"{self.name}_count{tail} {self.n}"]
         return out
+
+    def render(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"] + self.samples()
 
 
 class Metrics:
+    """One model's counters and histograms. `engine`: its engine, or None while the model
+    is not loaded (its gauges are then 0; the counters carry on across loads)."""
+
     def __init__(self, engine: Any):
         self.engine = engine
         self.requests = 0
@@ -53,28 +70,55 @@ class Metrics:
         self.count_tokens(completion.usage)
         self.ttft.observe(completion.usage.prompt_seconds)
 
-    def render(self) -> str:
-        st = self.engine.stats()
+    def values(self) -> list[tuple[str, str, str, float]]:
+        """(name, kind, help, value) of each scalar metric, in the order they are written."""
+        engine = self.engine
+        st = engine.stats() if engine is not None else {
+            "prefilling": 0, "decoding": 0, "queued": 0, "cache_bytes": 0, "prefill_cache_bytes": 0}
         pc = st.get("prefix_cache") or {}
+        return [
+            ("fx_requests_total", "counter", "Completions requested (n counts each).", self.requests),
+            ("fx_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
+            ("fx_generation_tokens_total", "counter", "Generated tokens of finished requests.",
+             self.completion_tokens),
+            ("fx_cached_tokens_total", "counter", "Prompt tokens restored from the prefix cache.",
+             self.cached_tokens),
+            ("fx_running_rows", "gauge", "Requests prefilling or decoding.", st["prefilling"] + st["decoding"]),
+            ("fx_queued_requests", "gauge", "Requests waiting for admission.", st["queued"]),
+            ("fx_kv_cache_bytes", "gauge", "KV cache bytes (decode batch + prefill caches).",
+             st["cache_bytes"] + st["prefill_cache_bytes"]),
+            ("fx_prefix_cache_hit_rate", "gauge", "Prefix cache lookups that hit.", pc.get("hit_rate", 0.0)),
+            ("fx_prefix_cache_bytes", "gauge", "Bytes held by the in-memory prefix cache.", pc.get("bytes", 0)),
+        ]
+
+    def render(self) -> str:
         lines = []
-
-        def metric(name: str, kind: str, help_text: str, value: float) -> None:
+        for name, kind, help_text, value in self.values():
             lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"])
-
-        metric("fx_requests_total", "counter", "Completions requested (n counts each).", self.requests)
-        metric("fx_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens)
-        metric("fx_generation_tokens_total", "counter", "Generated tokens of finished requests.",
-               self.completion_tokens)
-        metric("fx_cached_tokens_total", "counter", "Prompt tokens restored from the prefix cache.",
-               self.cached_tokens)
-        metric("fx_running_rows", "gauge", "Requests prefilling or decoding.",
-               st["prefilling"] + st["decoding"])
-        metric("fx_queued_requests", "gauge", "Requests waiting for admission.", st["queued"])
-        metric("fx_kv_cache_bytes", "gauge", "KV cache bytes (decode batch + prefill caches).",
-               st["cache_bytes"] + st["prefill_cache_bytes"])
-        metric("fx_prefix_cache_hit_rate", "gauge", "Prefix cache lookups that hit.",
-               pc.get("hit_rate", 0.0))
-        metric("fx_prefix_cache_bytes", "gauge", "Bytes held by the in-memory prefix cache.",
-               pc.get("bytes", 0))
         lines += self.ttft.render() + self.itl.render()
         return "\n".join(lines) + "\n"
+
+
+def render_models(models: Sequence[tuple[str, Metrics]],
+                  extra: Sequence[tuple[str, str, str, Sequence[tuple[str, float]]]] = ()) -> str:
+    """Several models' metrics, each sample labelled with its model; `extra`: more metrics
+    as (name, kind, help, [(labels, value)]) (labels: `model="a"` or empty)."""
+    families: dict[str, tuple[str, str, list[str]]] = {}
+    for model, m in models:
+        lab = f'model="{label(model)}"'
+        for name, kind, help_text, value in m.values():
+            families.setdefault(name, (kind, help_text, []))[2].append(f"{name}{{{lab}}} {value}")
+    for name, kind, help_text, samples in extra:
+        families.setdefault(name, (kind, help_text, []))[2].extend(
+            f"{name}{{{lab}}} {v}" if lab else f"{name} {v}" for lab, v in samples)
+    lines = []
+    for name, (kind, help_text, samples) in families.items():
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
+    for attr in ("ttft", "itl"):
+        hs = [(model, getattr(m, attr)) for model, m in models]
+        if hs:
+            h0 = hs[0][1]
+            lines += [f"# HELP {h0.name} {h0.help}", f"# TYPE {h0.name} histogram"]
+            for model, h in hs:
+                lines += h.samples(f'model="{label(model)}",')
+    return "\n".join(lines) + "\n"

@@ -420,7 +420,8 @@ def test_cli_generate_tensor_parallel(tmp_path):
 @pytest.mark.real_model
 def test_cli_chat_tensor_parallel():
     """Rank 0 reads the terminal and sends each line; every rank runs the conversation."""
-    cmd = [sys.executable, "-m", "fx_engine.cli", "chat", "--max-tokens", "8", "--tensor-parallel", "2"]
+    cmd = [sys.executable, "-m", "fx_engine.cli", "chat", "--max-tokens", "8", "--tensor-parallel", "2",
+           "--temp", "0"]  # (chat samples by default: the model's settings or llama.cpp's)
     ranks = launch_local(2, cmd, timeout=240, input="What is the capital of France?\nAnd of Italy?\n")
     assert [r.returncode for r in ranks] == [0, 0], ranks[0].stderr[-2000:]
     model = fx_engine.load()

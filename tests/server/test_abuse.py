@@ -498,6 +498,9 @@ def test_every_route_but_health_needs_a_key(keyed_server):
                 assert r.status_code == 200
                 assert httpx.head(url + path).status_code == 200  # load balancers' probe
                 continue
+            if path == "/":  # the web chat page (server/webchat.py): static, it asks for the key
+                assert r.status_code == 200 and httpx.head(url + path).status_code == 200
+                continue
             assert r.status_code == 401, (method, path, r.status_code)
             assert r.json()["error"]["type"] == "authentication_error"
             wrong = httpx.request(method, url + path, headers={"Authorization": "Bearer nope"},
