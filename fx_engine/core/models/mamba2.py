@@ -2,17 +2,8 @@
 
 Every layer is `h = h + mixer(rms_norm(h))` (the block norm with eps 1e-5, as mlx-lm and
 Hugging Face's Mamba2 build it, whatever layer_norm_epsilon says); no attention, no MLP.
-The mixer (`mixer`, core/models/ssm.py, shared with the hybrid families):
-
-    z, xBC, dt = split(in_proj(u), [I, I + conv_dim])
-    xBC = silu(causal_conv(xBC) + conv_bias);  x, B, C = split(xBC, [I, I + G*N])
-    dt = clip(softplus(dt + dt_bias), time_step_limit);  A = -exp(A_log)
-    S_t = exp(dt A) S_{t-1} + dt x B^T;  y = S C + D x   (per head; heads share B, C by group)
-    out = out_proj(rms_norm(y * silu(z)) * norm)   (per group of I / norm_groups channels)
-
-The cache holds, per layer and row, the conv's last K - 1 inputs (activation dtype) and the
-SSM state [H, P, N] (float32): fixed sizes, whatever the context. Prefill runs the chunked
-scan (`core.recurrent.ssd_scan`), not a loop over tokens.
+The mixer, its equations and its cache (conv inputs and the SSM state, fixed sizes) are
+core/models/ssm.py's, shared with the hybrid families.
 """
 
 from __future__ import annotations
