@@ -389,8 +389,14 @@ def read_expert_stack(
         if tuple(w.shape) != want or tuple(scales.shape) != (e, out_f, in_f // gs):
             raise WeightsError(f"{src.origin[name + '.weight']}: quantized expert tensor "
                                f"'{name}.weight' has shape {tuple(w.shape)}, expected {want}")
-        return Linear(weight=w, bias=b, scales=scales,
-                      biases=src.get(name + ".biases", tuple(scales.shape), where), group_size=gs, bits=bits)
+        biases = src.get(name + ".biases", None, where)
+        # (GGUF K-quants on the native kernels: two-level int16 codes with float16 factors
+        # per super-block [E, out, super-blocks, 2], `loading/gguf.py`)
+        want_b = (e, out_f, biases.shape[-2], 2) if scales.dtype == mx.int16 else tuple(scales.shape)
+        if tuple(biases.shape) != want_b:
+            raise WeightsError(f"{src.origin[name + '.biases']}: tensor '{name}.biases' has shape "
+                               f"{tuple(biases.shape)}, expected {want_b}")
+        return Linear(weight=w, bias=b, scales=scales, biases=biases, group_size=gs, bits=bits)
     if tuple(w.shape) != (e, out_f, in_f):
         raise WeightsError(f"{src.origin[name + '.weight']}: tensor '{name}.weight' has shape "
                            f"{tuple(w.shape)}, expected {(e, out_f, in_f)}")
@@ -404,7 +410,13 @@ def finish_experts(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized) 
     # Stacked experts run through mx.gather_qmm (MLX's kernels: no native CPU one), which
     # reads only the chosen experts: kept packed in any width it runs unless the policy is
     # False (a large MoE's float32 copy would not fit: 30B parameters are 120 GB). A GGUF's
-    # Q6_K stack (group 16, which gather_qmm does not run) is dequantized.
+    # Q6_K stack (group 16, which gather_qmm does not run) is dequantized. On the native
+    # CPU kernels (a callable policy) a width they run stays as stored, compact scales
+    # included (`kernels.gather_qmm`): a GGUF MoE takes about its file's bytes in memory.
+    if lin.quantized and lin.mode == "affine" and callable(keep_quantized) \
+            and keep_quantized(lin.group_size, lin.bits):
+        scales, biases = stored_scales(lin, dtype, True)
+        return attrs.evolve(lin, bias=cast(lin.bias, dtype), scales=scales, biases=biases)
     lin = expanded(lin)  # (stacks run on MLX's gather_qmm: MLX's affine form)
     if lin.quantized and lin.mode != "affine":  # MXFP4: packed whatever the policy (exact, 4 bits)
         return lin if keep_quantized is not False else Linear(
@@ -454,8 +466,12 @@ def fuse_experts(gate: Linear, up: Linear, dtype: mx.Dtype, keep_quantized: Keep
     if gate.quantized and up.quantized and gate.group_size == up.group_size and gate.bits != up.bits:
         gate, up = (widened(keep_quantized, p, force=True) for p in (gate, up))  # exact: 8 bits
     if gate.quantized and up.quantized and keep_quantized is not False and gate.bits == up.bits \
-            and gate.group_size == up.group_size and gate.group_size in GATHER_QMM_GROUPS \
-            and gate.mode == up.mode:
+            and gate.group_size == up.group_size and gate.mode == up.mode \
+            and (gate.group_size in GATHER_QMM_GROUPS or keep(keep_quantized, gate)):
+        if gate.mode == "affine" and (gate.scales.dtype, gate.biases.shape[2:]) != (up.scales.dtype, up.biases.shape[2:]):
+            # stored in different scale forms (a K-quant and a legacy type): one, float32
+            gate, up = (attrs.evolve(expanded(p), scales=expanded(p).scales.astype(mx.float32),
+                                     biases=expanded(p).biases.astype(mx.float32)) for p in (gate, up))
         cat = lambda xs: mx.concatenate(xs, axis=1)  # noqa: E731
         return finish_experts(Linear(weight=cat([gate.weight, up.weight]), bias=bias,
                                      scales=cat([gate.scales, up.scales]),

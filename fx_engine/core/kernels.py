@@ -69,6 +69,19 @@ def qmm_a8(x, w, scales, biases, group_size: int, bits: int, interleaved: bool =
     return _module().qmm_a8(x, w, scales, biases, group_size, bits, interleaved)
 
 
+GATHER_KINDS = {"qmm": 0, "qgemm": 1, "qmm_a8": 2}
+
+
+def gather_qmm(x, indices, w, scales, biases, group_size: int, bits: int, kind: str = "qmm"):  # type: ignore[no-untyped-def]
+    """Stacked experts' products: x [T, 1 or k, K], indices [T, k] into w [E, N, K packed]
+    (scales and biases [E, N, ...] in any form qmm takes) -> [T, k, N], out[t, j] =
+    x[t, j or 0] @ dequantize(w[indices[t, j]]).T. The pairs are grouped by expert inside
+    the kernel and each group runs through `kind` ("qmm", "qgemm" or "qmm_a8", the same
+    bits as that 2-D product on the expert's matrix), so only the chosen experts' packed
+    bytes are read, once per step."""
+    return _module().gather_qmm(x, indices, w, scales, biases, group_size, bits, GATHER_KINDS[kind])
+
+
 def interleave16(w: "mx.array") -> "mx.array":
     """A packed uint32 weight [N, words] (N a multiple of 16, words a multiple of 4) in
     qmm_a8's interleaved layout: per block of 16 rows and per 4 words (16 bytes) of each row,

@@ -351,6 +351,24 @@ def expert_linear(x: mx.array, lin: Linear, indices: mx.array, sorted_indices: b
     return y
 
 
+def _expert_kernel(numerics: Numerics, pairs: int) -> str:
+    """Which 2-D native kernel runs each expert's rows: the 8-bit mode's, else the plan's
+    (qgemm from the plan's many-row threshold on, where the dense path would dequantize
+    for BLAS: a stack has no dense copy), as `_native_matmul` chooses for a matrix."""
+    if numerics.activation_bits == 8:
+        return "qmm_a8"
+    plan = numerics.matmul
+    many = not numerics.batch_invariant and plan.gemm_from and pairs >= plan.gemm_from
+    return "qgemm" if plan.kernel == "qgemm" or many else "qmm"
+
+
+def _native_experts(x: mx.array, lin: Linear, indices: mx.array, kind: str) -> mx.array:
+    """x [N, 1 or K, in] through each token's experts `indices` [N, K] of a packed stack
+    -> [N, K, out] (`kernels.gather_qmm`), with the experts' own biases."""
+    y = kernels.gather_qmm(x, indices, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits, kind)
+    return y if lin.bias is None else y + lin.bias[indices].astype(y.dtype)
+
+
 SORT_EXPERT_ROWS = 64  # route this many (token, expert) pairs or more: group them by expert
 
 
@@ -366,6 +384,10 @@ def routed_glu(
     does the same), except in batch-invariant mode: there each pair's product must not
     depend on which other tokens share its expert."""
     n, k = indices.shape
+    if _native_ok(gate_up, numerics) and _native_ok(down, numerics):
+        kind = _expert_kernel(numerics, n * k)
+        h = glu(_native_experts(x[:, None, :], gate_up, indices, kind))  # [N, K, F]
+        return _native_experts(h, down, indices, kind)
     if n * k < SORT_EXPERT_ROWS or numerics.batch_invariant:
         h = glu(expert_linear(x[:, None, None, :], gate_up, indices))  # [N, K, 1, F]
         return expert_linear(h, down, indices)[:, :, 0]

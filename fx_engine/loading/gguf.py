@@ -258,8 +258,11 @@ def _affine(name: str, kind: str, data: np.ndarray, rows: int, cols: int,
     out_w, out_s, out_b = [], [], []
     step = max(1, (1 << 22) // cols)  # rows per piece: bounded temporaries
     raw = data.reshape(rows, cols // block, nbytes)
-    two_level = compact and len(lead) <= 1 and block == QK_K
-    half = compact and len(lead) <= 1 and block == QK and not name.startswith("token_embd")
+    # expert stacks (3-D) too where the native experts' product runs the width (Q4_K, Q5_K,
+    # Q6_K; every legacy type): packed as the file stores them, ~its bytes in memory
+    stack_ok = len(lead) <= 1 or kind in ("Q4_K", "Q5_K", "Q6_K") or block == QK
+    two_level = compact and stack_ok and block == QK_K
+    half = compact and stack_ok and block == QK and not name.startswith("token_embd")
     for r0 in range(0, rows, step):
         piece = raw[r0 : r0 + step]
         n = piece.shape[0]

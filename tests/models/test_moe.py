@@ -197,7 +197,13 @@ def _moe_gguf(folder: Path, out: Path, arch: str, types: tuple[str, str, str]) -
             names = [f"{pre}experts.{j}.{proj}.weight" for j in range(e)]
             stack = np.stack([weights.pop(n) for n in names])
             qtype = gguf.GGMLQuantizationType[kind]
-            packed = quantize(stack, qtype)
+            if kind.endswith("_K"):  # (the gguf package has no K-quant quantizer: random valid blocks)
+                from tests.models.test_gguf_kquant import _blocks
+
+                packed = _blocks(kind, stack.shape[0] * stack.shape[1], stack.shape[2],
+                                 np.random.default_rng(i)).reshape(*stack.shape[:2], -1)
+            else:
+                packed = quantize(stack, qtype)
             w.add_tensor(f"blk.{i}.{gname}.weight", packed, raw_dtype=qtype)
             deq = dequantize(packed, qtype).reshape(stack.shape)
             for j, n in enumerate(names):
@@ -221,17 +227,33 @@ def _moe_gguf(folder: Path, out: Path, arch: str, types: tuple[str, str, str]) -
     ("qwen2moe", "qwen2_moe", ("Q5_1", "Q8_0", "Q5_0")),
     # OLMoE: q/k norms over whole projections, no renormalization
     ("olmoe", "olmoe", ("Q8_0", "Q8_0", "Q4_0")),
+    # a Q4_K_M file's experts: Q4_K gate/up (two-level scales, fused), a Q6_K down stack
+    # (groups of 16, which MLX's gather_qmm does not run: the native product does)
+    ("olmoe", "olmoe", ("Q4_K", "Q4_K", "Q6_K")),
 ])
 def test_moe_gguf_matches_mlx_lm(tmp_path, arch, model_type, types, tiny_folder):
-    """The experts' stacks quantized (3-D GGUF tensors), kept packed with keep_quantized."""
+    """The experts' stacks quantized (3-D GGUF tensors), kept packed with keep_quantized;
+    by default on the CPU packed as stored too where the native experts' product runs the
+    format (the K-quants' two-level scales included)."""
     pytest.importorskip("gguf")
-    folder = tiny_folder(model_type)
+    k_quants = types[0].endswith("_K")  # (K-quant rows: multiples of 256)
+    folder = tiny_folder(model_type, **({"hidden_size": 256, "intermediate_size": 256} if k_quants else {}))
     oracle = _moe_gguf(folder, tmp_path / "m.gguf", arch, types)
     model = fx_engine.load(tmp_path / "m.gguf")
     assert model.config.num_experts == 8 and model.config.model_type == model_type
     assert model.config.norm_topk_prob == (arch == "qwen3moe")
     ids = _ids(model, 80)
     _compare(fx_engine.logits(model, ids, chunk=40), _mlx_lm(oracle)(mx.array([ids]))[0])
+    if k_quants and model.params.numerics.native:  # packed, the file's scale forms
+        ex = model.params.layers[0].experts
+        assert (ex.gate_up.bits, ex.gate_up.scales.dtype, ex.down.bits, ex.down.group_size,
+                ex.down.scales.dtype) == (4, mx.int16, 6, 16, mx.int16)
+        # 8-bit activations (the experts through qmm_a8): other numerics, close to the oracle
+        a8 = fx_engine.logits(fx_engine.load(tmp_path / "m.gguf", activation_bits=8), ids, chunk=40)
+        ref = _mlx_lm(oracle)(mx.array([ids]))[0]
+        rel = (mx.abs(a8 - ref).max() / mx.abs(ref).max()).item()
+        agree = (a8.argmax(-1) == ref.argmax(-1)).astype(mx.float32).mean().item()
+        assert rel < 0.05 and agree >= 0.9, (rel, agree)  # (measured: 0.026, 1.0)
     kept = fx_engine.load(tmp_path / "m.gguf", keep_quantized=True)
     assert kept.params.layers[0].experts.gate_up.quantized
     _compare(fx_engine.logits(kept, ids, chunk=40), _mlx_lm(oracle)(mx.array([ids]))[0])
@@ -244,15 +266,19 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 @settings(max_examples=40, deadline=None, database=None)
 @given(n=st.integers(1, 70), k=st.integers(1, 4), e=st.sampled_from([4, 8]), seed=st.integers(0, 10_000),
-       batch_invariant=st.booleans(), quantized=st.booleans())
-def test_batched_experts_equal_each_token_through_its_experts(n, k, e, seed, batch_invariant, quantized):
+       batch_invariant=st.booleans(), quantized=st.booleans(), native_experts=st.booleans())
+def test_batched_experts_equal_each_token_through_its_experts(n, k, e, seed, batch_invariant, quantized, native_experts):
     """nn.routed_glu (per-token gathers below 64 routed pairs; pairs grouped by expert from
     64 on, except in the batch-invariant mode), dense or 4-bit expert stacks, equals each
     token run alone through each of its chosen experts (numpy, float64)."""
     import numpy as np
 
+    from fx_engine.core import kernels
     from fx_engine.core.checkpoint import finish_experts
     from fx_engine.core.nn import Linear, Numerics, routed_glu, swiglu
+    from fx_engine.runtime import native as fx_native
+
+    fx_native.ensure(quiet=True)
 
     h, f = 64, 32
     rng = np.random.default_rng(seed)
@@ -268,8 +294,10 @@ def test_batched_experts_equal_each_token_through_its_experts(n, k, e, seed, bat
             lin = Linear(weight=q, scales=s, biases=b, group_size=32, bits=4)
             w[...] = np.asarray(mx.dequantize(q, s, b, group_size=32, bits=4))  # the reference's weights
         stacks.append(finish_experts(lin, mx.float32, True))
+    # native: the packed stacks through the native experts' product (kernels.gather_qmm)
+    native = native_experts and quantized and kernels.installed() is not None
     got = routed_glu(mx.array(x), stacks[0], stacks[1], mx.array(idx),
-                     lambda a: swiglu(a[..., :f], a[..., f:]), Numerics(batch_invariant=batch_invariant))
+                     lambda a: swiglu(a[..., :f], a[..., f:]), Numerics(batch_invariant=batch_invariant, native=native))
     ref = np.zeros((n, k, h))
     for t in range(n):
         for j in range(k):

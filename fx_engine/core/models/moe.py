@@ -19,9 +19,10 @@ weights are read) weighted by the router's probabilities:
 Checkpoints: Hugging Face's one tensor per expert (`mlp.experts.{e}.gate_proj`, Mixtral's
 `block_sparse_moe.experts.{e}.w1/w2/w3`) or mlx-lm's stacked `switch_mlp` (mlx-community
 folders, 4-/8-bit); GGUF `qwen3moe` / `qwen2moe` (llama.cpp's `ffn_*_exps` stacks and
-`ffn_gate_inp` router). Quantized expert stacks stay packed only with keep_quantized=True
-(`mx.gather_qmm`; there is no native CPU kernel for them yet): by default they are
-dequantized at load.
+`ffn_gate_inp` router). Quantized expert stacks stay packed on the native CPU kernels
+(`kernels.gather_qmm`, every width they run, a GGUF's two-level K-quant scales included:
+about the file's bytes in memory) and with keep_quantized=True (MLX's `mx.gather_qmm`);
+otherwise they are dequantized at load.
 """
 
 from __future__ import annotations

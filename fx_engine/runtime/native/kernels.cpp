@@ -17,6 +17,9 @@
 //               dequantized weight broadcast; FMA-bound, ~2x qmm from ~16 rows up. Up to
 //               16 rows (decode), vectors along 16 features dequantized in registers:
 //               the same bits at every row count, ~2x qmm at 8 rows (AVX-512 builds).
+//   gather_qmm: a stacked expert tensor's products (mixture-of-experts layers): the
+//               (token, expert) pairs grouped by expert, each group through qmm, qgemm or
+//               qmm_a8 on its expert's matrix (only the chosen experts' bytes are read).
 //   qmm_a8:     the product with each activation row rounded to 8 bits per weight group
 //               (opt-in numerics, as llama.cpp's): exact int8 dot products (AVX-512
 //               VNNI, AVX2 vpmaddubsw), no float copy of the weights; 2-3x qmm/qgemm
@@ -187,6 +190,84 @@ class QMatmul : public CpuKernel {
     auto shape = in[0].shape();
     shape.back() = in[1].shape(0);
     return {shape};
+  }
+
+ private:
+  int gs_, bits_, kind_, fmt_;
+};
+
+// A stacked expert tensor's products (mixture-of-experts layers): out[t, j] = x[t, j or 0]
+// @ W[idx[t, j]].T for x [T, X, K] (X = 1: each token's row for all its experts; X = k: a
+// row per (token, expert) pair), idx [T, k], W [E, N, K] packed -> out [T, k, N]. The
+// pairs are grouped by expert (a counting sort), then each expert's rows run through one
+// of the 2-D kernels on that expert's matrix (kind as QMatmul's: 0 qmm, 1 qgemm, 2
+// qmm_a8), so a decode step streams only the chosen experts' packed bytes, and a prefill
+// chunk reads each chosen expert once for all its rows. Every kernel is batch-invariant,
+// so a pair's result does not depend on which other pairs share its expert.
+class GatherQMatmul : public CpuKernel {
+ public:
+  GatherQMatmul(mx::Stream s, int group_size, int bits, int kind, int fmt)
+      : CpuKernel(s), gs_(group_size), bits_(bits), kind_(kind), fmt_(fmt) {}
+
+  std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const override {
+    return [x = in[0], idx = in[1], w = in[2], s = in[3], b = in[4], out, gs = gs_, bits = bits_,
+            kind = kind_, fmt = fmt_]() mutable {
+      const int T = static_cast<int>(idx.shape(0)), k = static_cast<int>(idx.shape(1));
+      const int X = static_cast<int>(x.shape(1)), K = static_cast<int>(x.shape(2));
+      const int E = static_cast<int>(w.shape(0)), N = static_cast<int>(w.shape(1));
+      const int64_t words = w.shape(2);
+      std::vector<uint32_t> tw, ti;
+      std::vector<float> tx, ts, tb;
+      std::vector<uint16_t> hs, hb;
+      const float* xp = dense(x, tx);
+      const uint32_t* ip = dense(idx, ti);
+      const uint32_t* wp = dense(w, tw);
+      const Quant sc = scales_of(s, b, fmt, K / gs, bits, ts, tb, hs, hb);
+      float* y = out.data<float>();
+      // pairs grouped by expert, in pair order within each expert
+      std::vector<int> start(E + 1, 0), order(static_cast<size_t>(T) * k);
+      for (int p = 0; p < T * k; ++p) {
+        if (ip[p] >= static_cast<uint32_t>(E)) {  // (a router picks among E: never; say so loudly)
+          std::fill(y, y + out.size(), std::nanf(""));
+          return;
+        }
+        ++start[ip[p] + 1];
+      }
+      for (int e = 0; e < E; ++e) start[e + 1] += start[e];
+      std::vector<int> fill(start.begin(), start.end() - 1);
+      for (int p = 0; p < T * k; ++p) order[fill[ip[p]]++] = p;
+      std::vector<float> xe, ye;
+      for (int e = 0; e < E; ++e) {
+        const int m = start[e + 1] - start[e];
+        if (m == 0) continue;
+        xe.resize(static_cast<size_t>(m) * K);
+        ye.resize(static_cast<size_t>(m) * N);
+        for (int i = 0; i < m; ++i) {
+          const int p = order[start[e] + i];
+          const int64_t row = X == 1 ? p / k : p;
+          std::memcpy(xe.data() + static_cast<int64_t>(i) * K, xp + row * K, sizeof(float) * K);
+        }
+        const uint32_t* we = wp + static_cast<int64_t>(e) * N * words;
+        const Quant qe = sc.at_row(static_cast<int64_t>(e) * N);
+        if (kind == 2)
+          qmm_a8_cpu(xe.data(), m, K, we, qe, gs, bits, ye.data(), N, false);
+        else
+          (kind == 1 ? qgemm_cpu : qmm_cpu)(xe.data(), m, K, we, qe, gs, bits, ye.data(), N);
+        for (int i = 0; i < m; ++i)
+          std::memcpy(y + static_cast<int64_t>(order[start[e] + i]) * N,
+                      ye.data() + static_cast<int64_t>(i) * N, sizeof(float) * N);
+      }
+    };
+  }
+  const char* name() const override {
+    return kind_ == 2 ? "FxGatherQMatmulA8" : kind_ == 1 ? "FxGatherQGemm" : "FxGatherQMatmul";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const GatherQMatmul&>(other);
+    return gs_ == o.gs_ && bits_ == o.bits_ && kind_ == o.kind_ && fmt_ == o.fmt_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {mx::Shape{in[1].shape(0), in[1].shape(1), in[2].shape(1)}};
   }
 
  private:
@@ -596,6 +677,42 @@ mx::array quantized_product(const char* op, int kind, const mx::array& x, const 
   return dt == mx::float32 ? y : mx::astype(y, dt, s);
 }
 
+mx::array gather_qmm(const mx::array& x, const mx::array& indices, const mx::array& w,
+                     const mx::array& scales, const mx::array& biases, int group_size, int bits,
+                     int kind) {
+  if (kind < 0 || kind > 2) throw std::invalid_argument("gather_qmm: kind must be 0 (qmm), 1 (qgemm) or 2 (qmm_a8)");
+  if (w.ndim() != 3 || scales.ndim() != 3 || scales.shape(0) != w.shape(0) ||
+      biases.shape(0) != w.shape(0) || biases.ndim() != (scales.dtype() == mx::int16 ? 4 : 3))
+    throw std::invalid_argument("gather_qmm: w, scales and biases must be stacked [E, N, ...] "
+                                "(biases [E, N, super-blocks, 2] with int16 scales)");
+  const int E = static_cast<int>(w.shape(0)), N = static_cast<int>(w.shape(1));
+  // the checks of one expert's matrix hold for all (the same shapes): the stack as rows
+  auto rows = [&](const mx::array& a) {
+    auto shape = a.shape();
+    shape.erase(shape.begin());
+    shape[0] *= E;
+    return mx::reshape(a, shape);
+  };
+  check_quantized("gather_qmm", rows(w), rows(scales), rows(biases), group_size, bits);
+  const int K = static_cast<int>(w.shape(2)) * 32 / bits;
+  if (x.ndim() != 3 || x.shape(2) != K)
+    throw std::invalid_argument("gather_qmm: x must be [T, 1 or k, K] with K = " + std::to_string(K) +
+                                ", the experts' input size");
+  if (indices.ndim() != 2 || indices.shape(0) != x.shape(0) ||
+      (x.shape(1) != 1 && x.shape(1) != indices.shape(1)))
+    throw std::invalid_argument("gather_qmm: indices must be [T, k] for x [T, 1 or k, K]");
+  if (!mx::issubdtype(indices.dtype(), mx::integer))
+    throw std::invalid_argument("gather_qmm: indices must be integers");
+  const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
+  const auto dt = x.dtype();
+  auto sc = scales, bc = biases;
+  const int fmt = scale_format(sc, bc, s);
+  auto y = mx::array(mx::Shape{indices.shape(0), indices.shape(1), N}, mx::float32,
+                     std::make_shared<GatherQMatmul>(s, group_size, bits, kind, fmt),
+                     {mx::astype(x, mx::float32, s), mx::astype(indices, mx::uint32, s), w, sc, bc});
+  return dt == mx::float32 ? y : mx::astype(y, dt, s);
+}
+
 mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
               const mx::array& biases, int group_size, int bits) {
   return quantized_product("qmm", 0, x, w, scales, biases, group_size, bits);
@@ -643,6 +760,10 @@ NB_MODULE(_fx_native, m) {
       "a scalar loop"
 #endif
   );
+  m.def("gather_qmm", &gather_qmm, nb::arg("x"), nb::arg("indices"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("kind"),
+        "stacked experts: x [T, 1 or k, K], indices [T, k] into w [E, N, K] -> [T, k, N]; "
+        "kind 0 qmm, 1 qgemm, 2 qmm_a8");
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), "affine dequantization -> float32 [N, K]");
   m.def("masked_softmax", &masked_softmax, nb::arg("scores"), nb::arg("mask"),

@@ -280,6 +280,15 @@ struct Quant {
     bo = tb;
   }
 
+  // The same view starting at row r0 (one matrix of a stacked expert tensor [E, N, ...]:
+  // r0 = e * N): rows are laid out alike in every format, so a pointer shift suffices.
+  inline Quant at_row(int64_t r0) const {
+    Quant q = *this;
+    q.s = static_cast<const char*>(s) + r0 * s_row_bytes();
+    q.b = static_cast<const char*>(b) + r0 * b_row_bytes();
+    return q;
+  }
+
   // Bytes of one row's scales and of its biases (for prefetching the next block's).
   inline int64_t s_row_bytes() const { return fmt == SF_F32 ? 4 * int64_t{groups} : 2 * int64_t{groups}; }
   inline int64_t b_row_bytes() const {
