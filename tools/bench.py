@@ -858,15 +858,28 @@ def _fmt(v: float | None, nd: int = 1) -> str:
 
 def gguf_stream_bytes(path: str) -> dict[str, int]:
     """The file's bytes and the bytes a decode step reads: the tensors' data less an untied
-    embedding table (only one row per token is gathered from it)."""
+    embedding table (only one row per token is gathered from it); of a mixture-of-experts
+    layer's expert stacks (`*_exps`) only the chosen experts' share, expert_used_count /
+    expert_count (a batch-1 step reads that many distinct experts per layer)."""
     out = {"file_bytes": Path(path).stat().st_size}
     try:
         from gguf import GGUFReader
 
-        tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+        reader = GGUFReader(path)
+        tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
         embd = tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0
+        arch_field = reader.fields.get("general.architecture")
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
+
+        def meta_int(key: str) -> int:
+            field = reader.fields.get(f"{arch}.{key}")
+            return int(field.parts[field.data[0]][0]) if field else 0
+
+        used, count = meta_int("expert_used_count"), meta_int("expert_count")
+        experts = sum(v for k, v in tensors.items() if "_exps." in k)
+        unread = experts - experts * used // count if used and count else 0
         out["tensor_bytes"] = sum(tensors.values())
-        out["stream_bytes"] = out["tensor_bytes"] - embd
+        out["stream_bytes"] = out["tensor_bytes"] - embd - unread
     except Exception:  # pragma: no cover - the gguf package is optional here
         pass
     return out
