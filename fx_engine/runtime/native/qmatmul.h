@@ -321,6 +321,7 @@ inline void transpose16x4(const char* const* rp, int64_t off, __m512i out[4]) {
 // sbuf[g][16] and sbuf[groups + g][16] (64-byte aligned), and the next block's packed rows
 // to prefetch a slice of per 32-k step: the 16 interleaved row streams defeat the hardware
 // prefetchers on large weights. Shared by the few-row paths of qgemm and qmm_a8.
+constexpr int FEW_PF_AHEAD = 1;  // prefetch the packed rows of the block this many ahead
 struct FewBlock {
   const char* rw[16];
   const char* next;
@@ -372,11 +373,11 @@ inline FewBlock few_block(int K, const uint32_t* wq, const Quant& S, int gs,
   // The next block's scales and biases (with float32 parameters a third of the bytes of
   // 4-bit weights in groups of 32), now: read at the start of that block, before its words.
   // (interleaved scales: two blocks ahead, their loads at a block's start stalled on DRAM)
-  const int ahead = scales_il ? 32 : 16;
+  const int ahead = scales_il ? 64 : 16;
   S.prefetch(n0 + ahead, std::max(0, std::min(16, N - n0 - ahead)));
   const int64_t row_bytes = S.stored_row_bytes(K), blk_bytes = 16 * row_bytes;
-  fb.next = S.stored_row(wq, n0 + 16, K);
-  fb.next_bytes = std::min(blk_bytes, std::max<int64_t>(0, int64_t{N - n0 - 16} * row_bytes));
+  fb.next = S.stored_row(wq, n0 + 16 * FEW_PF_AHEAD, K);
+  fb.next_bytes = std::min(blk_bytes, std::max<int64_t>(0, int64_t{N - n0 - 16 * FEW_PF_AHEAD} * row_bytes));
   fb.pf_step = ((fb.next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
   return fb;
 }
@@ -389,9 +390,14 @@ inline float* few_sbuf(int groups) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 63) & ~uintptr_t{63});
 }
 
+// Into L2 (_MM_HINT_T1), not L1: a block's 16 rows of K = 2048 are 16 KB at 4 bits, so
+// the next block's rows prefetched into a 32 KB L1 evicted the current block's before
+// they were read. Measured (1B shape, batch-1 decode with 8-bit activations, 2-core Zen 4):
+// Q4_0 17.7 -> 23.0 tok/s, Q4_K_M 15.4 -> 18.9 (AVX-512 build), Q4_0 13.4 -> 16.3 (AVX2
+// build); the float32 few-row path, bound by its FMAs, is unchanged (~10 tok/s).
 inline void prefetch_slice(const FewBlock& fb, int k0) {
   for (int64_t o = (k0 / 32) * fb.pf_step, e = std::min(fb.next_bytes, o + fb.pf_step); o < e; o += 64)
-    _mm_prefetch(fb.next + o, _MM_HINT_T0);
+    _mm_prefetch(fb.next + o, _MM_HINT_T1);
 }
 
 // NB adjacent 16-feature blocks from n0 at once (blocks past N are skipped by the caller):
@@ -416,7 +422,7 @@ inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const Qua
     for (int m = 0; m < MR; ++m) acc[t][m] = _mm512_setzero_ps();
   for (int k0 = 0; k0 < K; k0 += 32) {
     for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
-      _mm_prefetch(next + o, _MM_HINT_T0);
+      _mm_prefetch(next + o, _MM_HINT_T1);
     const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
     for (int h = 0; h < (BITS == 4 ? 1 : 2); ++h) {
       // this half's group (8-bit weights may come in groups of 16: a GGUF's Q6_K widened)
@@ -605,7 +611,7 @@ inline void qgemm_few8_blocks(const float* x, int K, const uint32_t* wq, const Q
     for (int m = 0; m < MR; ++m) acc[t][m] = _mm256_setzero_ps();
   for (int k0 = 0; k0 < K; k0 += 32) {
     for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
-      _mm_prefetch(next + o, _MM_HINT_T0);
+      _mm_prefetch(next + o, _MM_HINT_T1);
     const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
     // the 32 k of this step per block: 4-bit: one transpose, then the even k (low
     // nibbles), then the odd ones (the split order, as the AVX-512 path); 8-bit: two

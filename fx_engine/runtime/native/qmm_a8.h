@@ -501,7 +501,7 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
     for (int k0 = g * gs; k0 < (g + 1) * gs; k0 += (BITS == 4 ? 32 : 16)) {
       if (k0 % 32 == 0)
         for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
-          _mm_prefetch(next + o, _MM_HINT_T0);
+          _mm_prefetch(next + o, _MM_HINT_T1);
       const int64_t off = static_cast<int64_t>(k0) * BITS / 8;  // bytes into each row
       const int u0 = k0 / 4;
 #if defined(__AVXVNNI__)
