@@ -119,7 +119,9 @@ def _sampling_args(p: argparse.ArgumentParser, serve: bool = False, chat: bool =
         "general.sampling.* keys, else llama.cpp's defaults (temp 0.8, top-k 40,\n"
         "top-p 0.95, min-p 0.05); the chat's first line says which." if chat else
         None if serve else "Greedy unless these say otherwise (chat samples with the model's settings).")
-    g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    g.add_argument("--max-tokens", type=int, default=256,
+                   help="most tokens to generate" + (" when a request gives no max_tokens (trimmed "
+                                                     "to the room its prompt leaves)" if serve else ""))
     g.add_argument("--temp", type=float, default=None if chat else 0.0, help="temperature (0 = greedy)")
     g.add_argument("--top-p", type=float, default=None if chat else 1.0,
                    help="nucleus sampling mass (1 = off)")
@@ -140,15 +142,20 @@ def _sampling_args(p: argparse.ArgumentParser, serve: bool = False, chat: bool =
         c.add_argument("--grammar", default=None,
                        help="a Lark or GBNF grammar (text or @FILE) the output must match")
     n = p.add_argument_group("numerics and memory")
-    if not serve:
-        n.add_argument("--max-kv-size", "--ctx-size", "-c", type=_int_at_least(1), default=None,
-                       metavar="N", dest="max_kv_size",
-                       help="context size: prompt + reply at most N tokens (a longer prompt is "
-                            "an error, a reply stops when the context is full); none: the "
-                            "model's own context length")
-        n.add_argument("--no-warmup", action="store_true",
-                       help="skip the warm-up run that compiles the steps before the prompt "
-                            "(its time is shown apart in the stats, not as prompt time)")
+    n.add_argument("--max-kv-size", "--ctx-size", "-c", type=_int_at_least(1), default=None,
+                   metavar="N", dest="max_kv_size",
+                   help="context size per request: prompt + max_tokens at most N tokens (a "
+                        "request beyond it is a 400 naming the limit; without max_tokens a "
+                        "reply stops when the context is full); none: the model's own context "
+                        "length" if serve else
+                        "context size: prompt + reply at most N tokens (a longer prompt is "
+                        "an error, a reply stops when the context is full); none: the "
+                        "model's own context length")
+    n.add_argument("--no-warmup", action="store_true",
+                   help="start serving without the warm-up request that compiles the steps "
+                        "first (then the first request pays for it)" if serve else
+                        "skip the warm-up run that compiles the steps before the prompt "
+                        "(its time is shown apart in the stats, not as prompt time)")
     _numerics_args(n)
     n.add_argument("--kv-dtype", default=None, choices=("float32", "float16", "bfloat16"),
                    help="the KV cache's element type (none: the activations' dtype)")
@@ -268,7 +275,7 @@ def _load(a: argparse.Namespace):
         if not sep:
             name, path = None, spec
         fx_engine.load_adapter(model, path, name=name)
-    if getattr(a, "max_kv_size", None) is not None:  # generate/chat --max-kv-size / -c
+    if getattr(a, "max_kv_size", None) is not None:  # --max-kv-size / --ctx-size / -c
         model = model.with_max_context(a.max_kv_size)
     return model
 
@@ -502,8 +509,6 @@ def _disk_budget(a: argparse.Namespace) -> dict[str, Any]:
 def cmd_serve(a: argparse.Namespace) -> int:
     """An OpenAI-compatible server (fx_engine/server/app.py) on one Engine; several --model
     (or --memory-budget, --idle-unload): a pool of them (fx_engine/server/pool.py)."""
-    import uvicorn
-
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -515,6 +520,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError("--model-id: with several --model, name each one --model NAME=PATH")
     defaults: dict[str, Any] = {"max_tokens": a.max_tokens, "temperature": a.temp, "top_p": a.top_p,
                                 "top_k": a.top_k, "min_p": a.min_p}
+    # (given only: a request's own value wins, and none means the engine's default)
+    defaults.update({k: v for k, v in (("repetition_penalty", a.repetition_penalty),
+                                       ("seed", a.seed), ("stop", a.stop)) if v is not None})
     model, engine, own = _serve_engine(a, served, 0)
     defaults.update(own)
     tp = model.ranks > 1
@@ -557,29 +565,40 @@ def cmd_serve(a: argparse.Namespace) -> int:
                            max_connections=a.max_connections, log_level="warning",
                            timeout_graceful_shutdown=a.shutdown_timeout)
     log = logging.getLogger("fx_engine.server")
-    log.info("fx-engine %s serving %s%s (%s, fingerprint %s) on http://%s:%d; %d rows, prefill "
-             "chunk %d, queue %d, prefix cache %d MiB%s, KV %s, speculation %s, %d API key(s)",
+    own_context = int(model.config.max_position_embeddings)
+    if a.max_kv_size is not None and a.max_kv_size > own_context:  # (llama.cpp warns too)
+        log.warning("--max-kv-size %d exceeds the model's context of %d tokens: %d is used",
+                    a.max_kv_size, own_context, own_context)
+    log.info("fx-engine %s serving %s%s (%s, fingerprint %s) on http://%s:%d; context %d tokens%s, "
+             "%d rows, prefill chunk %d, queue %d, prefix cache %d MiB%s, KV %s, speculation %s, "
+             "%d API key(s)",
              fx_engine.__version__, model_id,
              "".join(f", {model_id}:{n}" for n in model.adapters.names()),
-             model.config.model_type, model.fingerprint, a.host,
-             a.port, engine.max_rows, engine.prefill_chunk, engine.max_queue,
+             model.config.model_type, model.fingerprint, a.host, a.port, model.context_length,
+             " (--max-kv-size)" if model.context_length < own_context else "",
+             engine.max_rows, engine.prefill_chunk, engine.max_queue,
              a.prompt_cache_bytes >> 20, f" + disk {a.prompt_cache} ({engine.prefix_cache.disk.budget >> 20} MiB)"
              if a.prompt_cache else "",
              f"{engine.bytes_per_token:.0f} B/token", "prompt lookup" if a.prompt_lookup else (
                  "draft model" if "draft_model" in defaults else "off"), len(a.api_key or ()))
     engine.start()
+    if not a.no_warmup:
+        _warm_up_engine(engine, own)
+    served_ids = [model_id]
     if pool is not None:
         log.info("models: %s; memory budget %s, idle unload %s", ", ".join(
             f"{e.name} ({e.state})" for e in pool.entries),
             "none" if pool.budget is None else f"{pool.budget / (1 << 30):.2f} GiB",
             "off" if a.idle_unload is None else f"{a.idle_unload:g} s")
+        served_ids = [e.name for e in pool.entries]
         del model, engine, own, defaults  # the pool's now: unloading it frees it
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the
     # handler that was installed before it: this one, so that a requested shutdown ends
     # the process normally (exit code 0, the engine closed) instead of by the signal.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server = uvicorn.Server(config)
+        server = _ready_server(config, lambda url: log.info(
+            "fx-engine ready: serving %s at %s", ", ".join(served_ids), url))
         server.run()
         if not server.started:  # e.g. the port is taken (uvicorn.run's exit code)
             return 3
@@ -591,6 +610,44 @@ def cmd_serve(a: argparse.Namespace) -> int:
         else:
             engine.close(wait=False)  # the server has stopped: nobody waits for these rows
     return 0
+
+
+def _warm_up_engine(engine: Any, extra: dict[str, Any]) -> float:
+    """serve's warm-up (as llama.cpp's server's; --no-warmup skips it): one short request
+    through the started engine's compiled steps (and the request defaults' speculation)
+    before the port opens, so that MLX's tracing and JIT compile (tens of seconds on a
+    machine's first run) are not the first client's wait. The seconds it took."""
+    import time
+
+    first = list(engine.model.tokenizer.encode("Hi"))[:1] or [0]
+    t0 = time.perf_counter()
+    with working("warm-up: compiling the steps (slow the first time)"):
+        engine.submit(first, max_tokens=2, **extra).result()
+    took = time.perf_counter() - t0
+    logging.getLogger("fx_engine.server").info("warm-up and compile: %.2f s", took)
+    return took
+
+
+def _ready_server(config: Any, ready: Any) -> Any:
+    """A uvicorn.Server that calls ready(url) once its socket listens: the model is loaded
+    and warmed by then, so this is when requests are answered at once (a supervisor or a
+    script waits for the log line; uvicorn's own "running on" line is at a level serve
+    keeps quiet). The URL has the port the system chose for --port 0."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)  # (a port in use: SystemExit, never ready)
+            if not self.started or self.should_exit:
+                return
+            host, port = config.host, config.port
+            for srv in getattr(self, "servers", ()):
+                for sock in srv.sockets or ():
+                    port = sock.getsockname()[1]
+                    break
+            ready(f"http://{f'[{host}]' if ':' in host else host}:{port}")
+
+    return Server(config)
 
 
 def _served_models(a: argparse.Namespace) -> list[tuple[str | None, str | None]]:
@@ -818,51 +875,56 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", formatter_class=_Help, help="OpenAI-compatible HTTP server (drop-in for mlx_lm.server)")
     _sampling_args(sv, serve=True)
     sv.set_defaults(max_tokens=512)
-    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    sv.add_argument("--port", type=int, default=8080, help="port to listen on")
-    sv.add_argument("--api-key", action="append", default=None, metavar="KEY",
+    hs = sv.add_argument_group("HTTP server")
+    hs.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    hs.add_argument("--port", type=int, default=8080,
+                    help="port to listen on (0: a free one, named in the ready line)")
+    hs.add_argument("--api-key", action="append", default=None, metavar="KEY",
                     help="require 'Authorization: Bearer KEY' on every route but /health; "
                          "give it once per tenant: each key has its own prefix-cache scope")
-    sv.add_argument("--max-request-bytes", type=int, default=4 << 20,
+    hs.add_argument("--model-id", default=None, help="the id /v1/models reports")
+    hs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="server log level: info = a start-up line, \"fx-engine ready: serving "
+                         "MODEL at URL\" once requests are answered, and one access line per "
+                         "request; every 4xx/5xx is logged with its reason (warning/error)")
+    hs.add_argument("--chat-template", default=None, help="a Jinja chat template (or @FILE)")
+    hs.add_argument("--chat-template-args", default=None,
+                    help='JSON variables for the template, e.g. \'{"enable_thinking": false}\'')
+    bq = sv.add_argument_group("batching and prefix cache")
+    bq.add_argument("--decode-concurrency", type=_int_at_least(1), default=32,
+                    help="most requests in the batch")
+    bq.add_argument("--prefill-step-size", type=_int_at_least(1), default=512, help="prefill chunk size")
+    bq.add_argument("--max-queue", type=_int_at_least(0), default=256,
+                    help="requests waiting beyond this: 429")
+    bq.add_argument("--prompt-cache-bytes", type=_int_at_least(0), default=512 << 20,
+                    help="in-memory prefix cache budget (0: off)")
+    bq.add_argument("--prompt-cache-disk-bytes", type=_int_at_least(1), default=None,
+                    help="the disk tier's byte budget (--prompt-cache-dir; none: 4 GiB; the "
+                         "least recently used entries are deleted beyond it)")
+    bq.add_argument("--prompt-cache-size", type=_int_at_least(1), default=None,
+                    help="most prefix cache entries in memory (mlx_lm.server's flag)")
+    cl = sv.add_argument_group("client limits (what one client may hold)")
+    cl.add_argument("--max-request-bytes", type=int, default=4 << 20,
                     help="largest request body in bytes (413 beyond)")
-    sv.add_argument("--shutdown-timeout", type=float, default=10.0,
-                    help="seconds a graceful shutdown (SIGINT/SIGTERM) waits for open requests")
-    sv.add_argument("--stream-buffer", type=int, default=256,
+    cl.add_argument("--max-connections", type=int, default=512,
+                    help="open connections beyond this get a 503 and are closed")
+    cl.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a connection may take to send a request head, from its "
+                         "start or its previous response (slow-header clients are closed)")
+    cl.add_argument("--body-timeout", type=float, default=30.0,
+                    help="seconds a request body may take to arrive whole, once its head has "
+                         "(a 408 beyond, and the connection is closed)")
+    cl.add_argument("--timeout-keep-alive", type=int, default=5,
+                    help="seconds an idle connection stays open between requests")
+    cl.add_argument("--stream-buffer", type=int, default=256,
                     help="events per choice a streaming client may fall behind before it is "
                          "cut off and its rows freed")
-    sv.add_argument("--stream-unread-bytes", type=int, default=64 << 10,
+    cl.add_argument("--stream-unread-bytes", type=int, default=64 << 10,
                     help="bytes a stream's client may leave unread (in the server's and the "
                          "kernel's send buffers) while it reads nothing before it is cut off "
                          "and its rows freed")
-    sv.add_argument("--header-timeout", type=float, default=10.0,
-                    help="seconds a connection may take to send a request head, from its "
-                         "start or its previous response (slow-header clients are closed)")
-    sv.add_argument("--body-timeout", type=float, default=30.0,
-                    help="seconds a request body may take to arrive whole, once its head has "
-                         "(a 408 beyond, and the connection is closed)")
-    sv.add_argument("--timeout-keep-alive", type=int, default=5,
-                    help="seconds an idle connection stays open between requests")
-    sv.add_argument("--max-connections", type=int, default=512,
-                    help="open connections beyond this get a 503 and are closed")
-    sv.add_argument("--model-id", default=None, help="the id /v1/models reports")
-    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                    help="server log level: info = a start-up line and one access line per "
-                         "request; every 4xx/5xx is logged with its reason (warning/error)")
-    sv.add_argument("--max-queue", type=_int_at_least(0), default=256,
-                    help="requests waiting beyond this: 429")
-    sv.add_argument("--decode-concurrency", type=_int_at_least(1), default=32,
-                    help="most requests in the batch")
-    sv.add_argument("--prefill-step-size", type=_int_at_least(1), default=512, help="prefill chunk size")
-    sv.add_argument("--prompt-cache-bytes", type=_int_at_least(0), default=512 << 20,
-                    help="in-memory prefix cache budget (0: off)")
-    sv.add_argument("--prompt-cache-disk-bytes", type=_int_at_least(1), default=None,
-                    help="the disk tier's byte budget (--prompt-cache-dir; none: 4 GiB; the "
-                         "least recently used entries are deleted beyond it)")
-    sv.add_argument("--prompt-cache-size", type=_int_at_least(1), default=None,
-                    help="most prefix cache entries in memory (mlx_lm.server's flag)")
-    sv.add_argument("--chat-template", default=None, help="a Jinja chat template (or @FILE)")
-    sv.add_argument("--chat-template-args", default=None,
-                    help='JSON variables for the template, e.g. \'{"enable_thinking": false}\'')
+    cl.add_argument("--shutdown-timeout", type=float, default=10.0,
+                    help="seconds a graceful shutdown (SIGINT/SIGTERM) waits for open requests")
     mm = sv.add_argument_group("several models (repeat --model NAME=PATH)")
     mm.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                     help="GiB the resident models may use together: a model is loaded on demand "

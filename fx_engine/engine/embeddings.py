@@ -32,6 +32,7 @@ from fx_engine.core.cache import span_bucket
 from fx_engine.core.steps import hidden_step_compiled
 from fx_engine.core.tree import tree_leaves
 from fx_engine.engine.jobs import run_steps
+from fx_engine.engine.request import ContextLengthExceeded, context_limit
 
 __all__ = ["POOLINGS", "pooling_of", "embed", "embed_steps"]
 
@@ -107,12 +108,15 @@ def embed_steps(model: Any, inputs: Sequence[str | Sequence[int]], pooling: str 
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     if step_tokens < 16:
         raise ValueError(f"step_tokens must be >= 16, got {step_tokens!r}")
-    limit = model.config.max_position_embeddings
+    # the model's context, or the smaller cap of `Model.with_max_context` (serve
+    # --max-kv-size): embeddings honour it as generation does
+    limit, context = context_limit(model)
     for i, ids in enumerate(inputs):
         if not ids:
             raise ValueError(f"input[{i}]: encodes to zero tokens")
         if len(ids) > limit:
-            raise ValueError(f"input[{i}]: {len(ids)} tokens exceed the model's context of {limit}")
+            raise ContextLengthExceeded(f"input[{i}]: {len(ids)} tokens exceed {context}",
+                                        limit, len(ids))
     return _embed_all(model, inputs, pooling, normalize, step_tokens)
 
 

@@ -113,6 +113,19 @@ def xtc_special_tokens(model: Model) -> list[int]:
     return sorted(set(model.eos_ids) | set(model.tokenizer.encode("\n", add_special_tokens=False)))
 
 
+class ContextLengthExceeded(ValueError):
+    """A request that cannot fit the context (`context_limit`): a ValueError whose message
+    names the limit, carrying the figures a server words its own error with (OpenAI's and
+    vLLM's "This model's maximum context length is N tokens...", code
+    context_length_exceeded, which clients such as LiteLLM and LangChain recognise).
+    prompt_tokens is None for text refused before it was tokenized (`check_prompt_size`)."""
+
+    def __init__(self, message: str, limit: int = 0, prompt_tokens: int | None = None,
+                 max_tokens: int = 0):
+        super().__init__(message)
+        self.limit, self.prompt_tokens, self.max_tokens = limit, prompt_tokens, max_tokens
+
+
 def context_limit(model: Model) -> tuple[int, str]:
     """The longest sequence a request may reach (`Model.context_length`: the model's
     context, or the smaller cap of `Model.with_max_context`) and how errors name it."""
@@ -133,9 +146,9 @@ def check_prompt_size(model: Model, nbytes: int, what: str = "prompt") -> None:
     limit, context = context_limit(model)
     most = 2 * model.tokenizer.max_token_bytes * (limit + 1)
     if nbytes > most:
-        raise ValueError(
+        raise ContextLengthExceeded(
             f"{what}: {nbytes} bytes of text cannot fit {context} "
-            f"(at most {most} bytes are accepted)")
+            f"(at most {most} bytes are accepted)", limit)
 
 
 def text_bytes(x: Any) -> int:
@@ -347,12 +360,12 @@ def parse_request(
         raise ValueError("prompt: encodes to zero tokens")
     limit, context = context_limit(model)
     if len(ids) + max_tokens > limit + 1 and len(ids) > limit:  # no max_tokens >= 1 fits
-        raise ValueError(f"prompt ({len(ids)} tokens) alone exceeds {context}")
+        raise ContextLengthExceeded(f"prompt ({len(ids)} tokens) alone exceeds {context}",
+                                    limit, len(ids), max_tokens)
     if len(ids) + max_tokens > limit + 1:
-        raise ValueError(
+        raise ContextLengthExceeded(
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
-            f"exceeds {context}"
-        )
+            f"exceeds {context}", limit, len(ids), max_tokens)
     cfg = _clamp_windows(cfg, len(ids) + max_tokens)
     procs = () if logits_processors is None else logits_processors
     if callable(procs) or not isinstance(procs, (list, tuple)):

@@ -42,9 +42,11 @@ from starlette.concurrency import run_in_threadpool
 
 from fx_engine.engine.engine import EngineClosed, QueueFull
 from fx_engine.engine.grammar_guard import check_schema
+from fx_engine.engine.request import ContextLengthExceeded, context_limit
 from fx_engine.server.context import Ctx, ServerContext
 from fx_engine.server.protocol import ANTHROPIC_KINDS as _KINDS
-from fx_engine.server.protocol import EventStream, _Body, anthropic_error, failure, request_salt, results, sse
+from fx_engine.server.protocol import (EventStream, _Body, anthropic_error, failure, request_salt, results,
+                                      room_left, server_defaults, sse)
 from fx_engine.server.reasoning import ReasoningStream, template_switches
 from fx_engine.server.reasoning import split as split_reasoning
 from fx_engine.server.tools import ToolCallStream, parse_tool_calls, reply_parts
@@ -120,14 +122,6 @@ def _output_format(body: Any) -> Any:
             raise ValueError("output_format: give output_config.format or output_format, not both")
         return body.output_format
     return fmt
-
-
-def room_left(max_tokens: int, prompt_tokens: int, context: int) -> int:
-    """max_tokens clamped to what the context leaves after the prompt (Claude Code asks for
-    32,000 whatever the model): the reply then stops with stop_reason "max_tokens". A
-    prompt that leaves no room keeps max_tokens, so that the engine's 400 says why."""
-    room = context + 1 - prompt_tokens  # the last sampled token is never written to the cache
-    return min(max_tokens, room) if room >= 1 else max_tokens
 
 
 class _Started:
@@ -321,9 +315,10 @@ async def _submit(ctx: ServerContext, request: Request, body: Any) -> tuple[list
         for name in ("draft_model", "num_draft_tokens", "prompt_lookup"):
             if defaults.get(name) is not None:
                 kw[name] = defaults[name]
+        server_defaults(kw, defaults)
         ids = _prompt_of(ctx, body, kw)
-        kw["max_tokens"] = room_left(body.max_tokens, len(ids),
-                                     ctx.model.config.max_position_embeddings)
+        # the context the engine enforces: the model's, or serve's --max-kv-size
+        kw["max_tokens"] = room_left(body.max_tokens, len(ids), context_limit(ctx.model)[0])
         kw["cache_salt"] = request_salt(request, None)  # the tenant's scope
         kw["adapter"] = ctx.adapter_of(body.model)  # other names: the base
         return ctx.engine.submit_many(ids, [kw])
@@ -341,6 +336,12 @@ async def _guarded(ctx: ServerContext, request: Request, body: Any):
         return None, anthropic_error(429, str(e), {"Retry-After": "1"})
     except EngineClosed as e:
         return None, anthropic_error(503, str(e))
+    except ContextLengthExceeded as e:
+        if e.prompt_tokens is None or e.prompt_tokens <= e.limit:
+            return None, anthropic_error(400, str(e))
+        # Anthropic's wording, which Claude Code reads as "compact the conversation"
+        return None, anthropic_error(400, f"prompt is too long: {e.prompt_tokens} tokens > "
+                                          f"{e.limit} maximum ({e})")
     except ValueError as e:
         return None, anthropic_error(400, str(e))
     except Exception as e:  # a template that cannot render these messages

@@ -10,7 +10,7 @@ from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from fx_engine.engine.engine import EngineClosed
-from fx_engine.engine.request import prompt_ids
+from fx_engine.engine.request import ContextLengthExceeded, prompt_ids
 from fx_engine.server.context import Ctx
 from fx_engine.server.protocol import _Body, _error, unless_gone
 
@@ -57,7 +57,8 @@ async def embeddings(request: Request, body: EmbeddingRequest, ctx: Ctx):
     except EngineClosed as e:
         return _error(503, str(e), kind="server_error")
     except ValueError as e:
-        return _error(400, f"input: {e}".replace("input: input", "input"), "input")
+        code = "context_length_exceeded" if isinstance(e, ContextLengthExceeded) else None
+        return _error(400, f"input: {e}".replace("input: input", "input"), "input", code=code)
     if vecs is None:
         return _error(499, "client disconnected", kind="cancelled")
     import base64

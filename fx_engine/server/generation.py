@@ -19,9 +19,10 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from fx_engine.engine.engine import EngineClosed, QueueFull
+from fx_engine.engine.request import ContextLengthExceeded, context_limit
 from fx_engine.server.context import ServerContext
-from fx_engine.server.protocol import (EventStream, _Base, _Body, _error, cancel, failure, request_salt,
-                                       results, sse)
+from fx_engine.server.protocol import (EventStream, _Base, _Body, _error, cancel, context_error, failure,
+                                       request_salt, results, room_left, sse)
 from fx_engine.server.reasoning import ReasoningStream
 from fx_engine.server.reasoning import split as split_reasoning
 from fx_engine.server.tools import ToolCallStream, chat_delta, parse_tool_calls
@@ -148,8 +149,9 @@ def _sampling_kwargs(r: _Sampling, defaults: dict[str, Any]) -> dict[str, Any]:
             kw["logit_bias"] = {int(k): float(v) for k, v in r.logit_bias.items()}
         except ValueError as e:
             raise ValueError(f"logit_bias: keys must be token ids ({e})") from None
-    if r.stop is not None:
-        kw["stop"] = r.stop
+    stop = r.stop if r.stop is not None else defaults.get("stop")  # (serve --stop)
+    if stop is not None:
+        kw["stop"] = stop
     for name in ("draft_model", "num_draft_tokens", "prompt_lookup"):
         if defaults.get(name) is not None:
             kw[name] = defaults[name]
@@ -219,11 +221,18 @@ async def run(ctx: ServerContext, request: Request, body: _Sampling, build: Any,
     if bad is not None:
         return bad
 
+    # no max_tokens in the request: the server's default, trimmed to the room the context
+    # leaves (as vLLM's default is); one the client chose that does not fit is a 400
+    default_length = body.max_tokens is None and body.max_completion_tokens is None
+    limit = context_limit(ctx.model)[0]  # the model's, or serve's --max-kv-size
+
     def prepare() -> list[Any]:
         built = build()  # one (prompt, kwargs), or a list of them (a list of prompts)
         handles: list[Any] = []
         try:
             for prompt, kw in (built if isinstance(built, list) else [built]):
+                if default_length and kw.get("max_tokens"):  # (0: scoring, nothing to trim)
+                    kw["max_tokens"] = room_left(kw["max_tokens"], len(prompt), limit)
                 kw["cache_salt"] = request_salt(request, body.cache_salt)
                 kw["adapter"] = ctx.adapter_of(body.model)
                 handles += ctx.engine.submit_many(prompt, _choices(body, kw))
@@ -240,6 +249,8 @@ async def run(ctx: ServerContext, request: Request, body: _Sampling, build: Any,
         return _error(503, str(e), kind="server_error", headers={"Retry-After": "5"})
     except TemplateError as e:  # the model's template rejects these messages (raise_exception)
         return _error(400, f"messages: the chat template failed: {e}", "messages")
+    except ContextLengthExceeded as e:
+        return context_error(e, ctx.model, "messages" if chat else "prompt")
     except ValueError as e:
         msg = str(e)
         param = msg.split(" ")[0].split(":")[0] if msg else None

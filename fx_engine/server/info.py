@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
+from fx_engine.engine.request import context_limit
 from fx_engine.server.context import ServerContext, server_context
 from fx_engine.server.protocol import _error
 
@@ -27,8 +28,9 @@ async def health() -> dict[str, str]:
 def _models(ctx: ServerContext) -> dict[str, Any]:
     model_id, model = ctx.model_id, ctx.model
     now = int(time.time())
+    # max_model_len: vLLM's field, the context a request may reach (serve's --max-kv-size)
     data = [{"id": model_id, "object": "model", "created": now, "owned_by": "fx-engine",
-             "root": str(model.path), "parent": None}]
+             "root": str(model.path), "parent": None, "max_model_len": context_limit(model)[0]}]
     data += [{"id": f"{model_id}:{a}", "object": "model", "created": now, "owned_by": "fx-engine",
               "root": model.adapters.get(a).raw.path, "parent": model_id}  # vLLM's LoRA entries
              for a in model.adapters.names()]

@@ -563,6 +563,8 @@ class ModelPool:
     def listing(self) -> list[dict[str, Any]]:
         """/v1/models's entries: every model (its `status`: loaded, loading or unloaded),
         each followed by its adapters (as vLLM lists LoRA modules)."""
+        from fx_engine.engine.request import context_limit
+
         now = int(time.time())
         data = []
         with self._lock:
@@ -571,7 +573,9 @@ class ModelPool:
             model = engine.model if engine is not None else None
             data.append({"id": e.name, "object": "model", "created": now, "owned_by": "fx-engine",
                          "root": str(model.path) if model is not None else e.spec.path,
-                         "parent": None, "status": state})
+                         "parent": None, "status": state,
+                         # vLLM's field (the context a request may reach); known once loaded
+                         **({"max_model_len": context_limit(model)[0]} if model is not None else {})})
             for a in (model.adapters.names() if model is not None else e.spec.adapters):
                 data.append({"id": f"{e.name}:{a}", "object": "model", "created": now,
                              "owned_by": "fx-engine", "parent": e.name, "status": state,

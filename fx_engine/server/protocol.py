@@ -86,6 +86,46 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
         "error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
+def context_error(e: Any, model: Any, what: str, length_field: str = "max_tokens"):
+    """A request longer than the context (`ContextLengthExceeded`) as OpenAI and vLLM word
+    it ("This model's maximum context length is N tokens. However, ..."), code
+    context_length_exceeded: the phrase and code clients (LiteLLM, LangChain) look for to
+    trim a conversation. `what`: the field the prompt came in (messages, prompt, input);
+    `length_field`: the one that asked for the completion's length.
+    A server-side cap (--max-kv-size) says so, with the model's own length."""
+    own = int(model.config.max_position_embeddings)
+    cap = f" (the server's --max-kv-size; the model's own is {own})" if e.limit < own else ""
+    head = f"This model's maximum context length is {e.limit} tokens{cap}. However, "
+    p, m = e.prompt_tokens, e.max_tokens
+    if p is None:  # refused before tokenizing: the engine's message has the byte counts
+        tail = f"{e}. Please reduce the length of the {what}."
+    elif p > e.limit:  # no completion fits: blame the prompt, not max_tokens
+        tail = f"your {what} resulted in {p} tokens. Please reduce the length of the {what}."
+    else:
+        tail = (f"you requested {p + m} tokens ({p} in the {what}, {m} in the completion). "
+                f"Please reduce the length of the {what} or completion ({length_field}).")
+    return _error(400, head + tail, what, code="context_length_exceeded")
+
+
+def server_defaults(kw: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """kw with serve's --seed, --repetition-penalty and --stop where the request left them
+    unset (the API surfaces without those fields take them from the server, as chat
+    completions does): a flag the server accepted is never ignored."""
+    for name in ("seed", "repetition_penalty", "stop"):
+        if kw.get(name) is None and defaults.get(name) is not None:
+            kw[name] = defaults[name]
+    return kw
+
+
+def room_left(max_tokens: int, prompt_tokens: int, context: int) -> int:
+    """max_tokens clamped to what the context leaves after the prompt (a client's default
+    that it never chose: Claude Code asks for 32,000 whatever the model, and a server's
+    --max-tokens may exceed a --max-kv-size): the reply then stops with a "length" finish.
+    A prompt that leaves no room keeps max_tokens, so that the engine's 400 says why."""
+    room = context + 1 - prompt_tokens  # the last sampled token is never written to the cache
+    return min(max_tokens, room) if room >= 1 else max_tokens
+
+
 #: Anthropic's error type of each status.
 ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                    405: "invalid_request_error", 408: "invalid_request_error", 413: "request_too_large",

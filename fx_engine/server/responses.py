@@ -38,8 +38,10 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from fx_engine.engine.engine import EngineClosed, QueueFull
+from fx_engine.engine.request import ContextLengthExceeded, context_limit
 from fx_engine.server.context import Ctx, ServerContext
-from fx_engine.server.protocol import EventStream, _Body, _error, failure, request_salt, results, sse
+from fx_engine.server.protocol import (EventStream, _Body, _error, context_error, failure, request_salt,
+                                      results, room_left, server_defaults, sse)
 from fx_engine.server.reasoning import ReasoningStream, template_switches
 from fx_engine.server.reasoning import split as split_reasoning
 from fx_engine.server.tools import ToolCallStream, parse_tool_calls, reply_parts
@@ -258,6 +260,7 @@ def _work(ctx: ServerContext, request: Request, body: ResponsesRequest) -> list[
     for name in ("draft_model", "num_draft_tokens", "prompt_lookup"):
         if defaults.get(name) is not None:
             kw[name] = defaults[name]
+    server_defaults(kw, defaults)
     constraint = _format_constraint(body.text)
     if constraint is not None:
         kw["constraint"] = constraint
@@ -278,18 +281,24 @@ def _work(ctx: ServerContext, request: Request, body: ResponsesRequest) -> list[
         msgs, tools, choice = to_chat(body.model_copy(update={"input": items}))
         return ctx.chat_prompt(msgs, tools, choice, body.parallel_tool_calls, targs, dict(kw))
 
+    limit = context_limit(ctx.model)[0]  # the model's, or serve's --max-kv-size
+    # no max_output_tokens: the server's default, trimmed to the room the prompt leaves
+    # (one the client chose that does not fit is a 400, or truncates with "auto")
+    chosen = body.max_output_tokens is not None
     if body.truncation == "auto" and isinstance(body.input, list):
-        context = ctx.model.config.max_position_embeddings + 1
+        need = kw["max_tokens"] if chosen else 1
 
         def fits(items: list[dict[str, Any]]) -> bool:
             try:
-                return len(prompt(items)) + kw["max_tokens"] <= context
+                return len(prompt(items)) + need <= limit + 1
             except ValueError:  # e.g. text that cannot fit the context at all
                 return False
 
         body = body.model_copy(update={"input": _truncated(body.input, fits)})
     msgs, tools, choice = to_chat(body)
     ids = ctx.chat_prompt(msgs, tools, choice, body.parallel_tool_calls, targs, kw)
+    if not chosen:
+        kw["max_tokens"] = room_left(kw["max_tokens"], len(ids), limit)
     kw["cache_salt"] = request_salt(request, None)  # the tenant's scope
     kw["adapter"] = ctx.adapter_of(body.model)
     return ctx.engine.submit_many(ids, [kw])
@@ -306,6 +315,8 @@ async def responses(request: Request, body: ResponsesRequest, ctx: Ctx):
         return _error(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"})
     except EngineClosed as e:
         return _error(503, str(e), kind="server_error")
+    except ContextLengthExceeded as e:
+        return context_error(e, ctx.model, "input", "max_output_tokens")
     except ValueError as e:
         msg = str(e)
         return _error(400, msg, msg.split(":")[0].split(" ")[0])

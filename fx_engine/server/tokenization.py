@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
-from fx_engine.engine.request import check_prompt_size, text_bytes
+from fx_engine.engine.request import check_prompt_size, context_limit, text_bytes
 from fx_engine.server.chat import ChatMessage, _openai_messages
 from fx_engine.server.context import Ctx
 from fx_engine.server.protocol import _Body, _error
@@ -49,7 +49,8 @@ async def tokenizer_info(ctx: Ctx) -> dict[str, Any]:
             "pad_token": names.get("pad_token") or name(tok.pad_id),
             "unk_token": names.get("unk_token") or name(tok.unk_id),
             "add_bos_token": tok.add_bos, "chat_template": ctx.chat_template or tok.chat_template,
-            "model_max_length": ctx.model.config.max_position_embeddings,
+            # what a request may reach: the model's context, or serve's --max-kv-size
+            "model_max_length": context_limit(ctx.model)[0],
             "vocab_size": tok.vocab_size}
 
 
@@ -72,7 +73,7 @@ async def tokenize(body: TokenizeRequest, ctx: Ctx):
                 messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
                 chat_template=ctx.chat_template, **targs))
         out: dict[str, Any] = {"count": len(ids), "tokens": ids,
-                               "max_model_len": model.config.max_position_embeddings}
+                               "max_model_len": context_limit(model)[0]}
         if body.return_token_strs:  # vLLM's: the vocabulary's tokens (convert_ids_to_tokens)
             table = ctx.token_table()
             out["token_strs"] = [table[i] for i in ids]
