@@ -59,7 +59,7 @@ KERNELS = ("qmm", "qgemm", "qmm_a8")
 
 
 def _arrays(lin: Any) -> tuple[Any, ...]:
-    return (lin.weight, lin.scales, lin.biases)
+    return (lin.weight, lin.quant.scales, lin.quant.biases)
 
 
 def weight_bytes(lin: Any) -> int:
@@ -91,7 +91,7 @@ def time_product(fn: Any, x: mx.array, lin: Any, rounds: int, budget: float,
 
     def call() -> Any:
         w, s, b = next(cycle)
-        return fn(x, w, s, b, lin.group_size, lin.bits)
+        return fn(x, w, s, b, lin.quant.group_size, lin.quant.bits)
 
     mx.eval(call())  # warm-up
     t0 = time.perf_counter()
@@ -147,12 +147,12 @@ def run(rows: list[int], rounds: int, budget: float, log: Any = print, *, cold: 
     dram_gbs = dram["gbs"] if dram else None
     for name, lin in lins.items():
         n = lin.weight.shape[0]
-        k = lin.weight.shape[1] * 32 // lin.bits
+        k = lin.weight.shape[1] * 32 // lin.quant.bits
         nbytes = weight_bytes(lin)
         weights = weight_set(lin, target) if cold or compare else None
         for m in rows:
             x = mx.random.normal((m, k), key=mx.random.key(m))
-            row: dict[str, Any] = {"rows": m, "linear": name, "n": n, "k": k, "bits": lin.bits,
+            row: dict[str, Any] = {"rows": m, "linear": name, "n": n, "k": k, "bits": lin.quant.bits,
                                    "weight_bytes": nbytes,
                                    "copies": len(weights) if weights else 1}
             for kern in KERNELS:

@@ -47,8 +47,9 @@ def _dense(lin: Any) -> mx.array:
     if lin.quantized:
         from fx_engine.core.nn import group_params
 
-        s, b = (a.astype(mx.float32) for a in group_params(lin.scales, lin.biases))
-        return mx.dequantize(lin.weight, s, b, group_size=lin.group_size, bits=lin.bits)
+        q = lin.quant
+        s, b = (a.astype(mx.float32) for a in group_params(q.scales, q.biases))
+        return mx.dequantize(lin.weight, s, b, group_size=q.group_size, bits=q.bits)
     return lin.dense_out_in
 
 

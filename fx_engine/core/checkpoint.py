@@ -5,7 +5,10 @@ for error messages); a family's `assemble(cfg, src, opts)` turns it into the fam
 params pytree with these helpers: read a linear (dense, or MLX affine-quantized with its
 `.scales`/`.biases`), fuse linears along the output axis, and finish each into its kept
 representation (quantized where `opts.keep_quantized` says, dense [in, out] otherwise).
-No files, no environment: arrays in, arrays out.
+A family declares its checkpoint names as tables (`Vec`, `Norm`, `Lin`, `Fused`,
+`Embedding`: params field <- tensor names, sizes, flags) that `read_tensors` reads through
+a `Reader`; what no table says (expert stacks, conv weights, regrouped projections) stays
+a small function in the family. No files, no environment: arrays in, arrays out.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from fx_engine.core.nn import Linear, Numerics, group_params, row_major
+from fx_engine.core.nn import Linear, Numerics, Quant, group_params, row_major
 
 
 class WeightsError(ValueError):
@@ -111,8 +114,7 @@ def read_linear(
             if tuple(w.shape) != (out_f, in_f // 8) or tuple(scales.shape) != (out_f, in_f // 32):
                 raise WeightsError(f"{src.origin[w_name]}: MXFP4 tensor '{w_name}' has shape {tuple(w.shape)} "
                                    f"(scales {tuple(scales.shape)}), expected ({out_f}, {in_f // 8})")
-            return Linear(weight=w, bias=b, scales=scales, group_size=32, bits=4, mode="mxfp4",
-                          origin=((prefix, out_f),))
+            return Linear(weight=w, bias=b, quant=Quant(scales, None, 32, 4, "mxfp4"), origin=((prefix, out_f),))
         if scales.dtype == mx.int16:  # a GGUF K-quant's two-level form: [out, super-blocks, 2] factors
             biases = src.get(base + ".biases", None, where)
             if biases.ndim != 3 or biases.shape[0] != scales.shape[0] or biases.shape[-1] != 2:
@@ -131,8 +133,7 @@ def read_linear(
                 f"(scales {tuple(scales.shape)}), expected ({out_f}, {in_f * bits // 32}) for "
                 f"{bits}-bit group {gs} of a [{out_f}, {in_f}] matrix"
             )
-        return Linear(weight=w, bias=b, scales=scales, biases=biases, group_size=gs, bits=bits,
-                      origin=((prefix, out_f),))
+        return Linear(weight=w, bias=b, quant=Quant(scales, biases, gs, bits), origin=((prefix, out_f),))
     if tuple(w.shape) != (out_f, in_f):
         raise WeightsError(
             f"{src.origin[w_name]}: tensor '{w_name}' has shape {tuple(w.shape)}, "
@@ -144,7 +145,7 @@ def read_linear(
 def two_level(lin: Linear) -> bool:
     """Whether a quantized linear's scales are GGUF's K-quant two-level form (see
     `nn.group_params`), which only the native kernels and `group_params` read."""
-    return lin.quantized and lin.scales is not None and lin.scales.dtype == mx.int16
+    return lin.quantized and lin.quant.scales.dtype == mx.int16
 
 
 def expanded(lin: Linear) -> Linear:
@@ -153,8 +154,8 @@ def expanded(lin: Linear) -> Linear:
     a super-block."""
     if not two_level(lin):
         return lin
-    scales, biases = group_params(lin.scales, lin.biases)
-    return attrs.evolve(lin, scales=scales, biases=biases)
+    scales, biases = group_params(lin.quant.scales, lin.quant.biases)
+    return lin.with_quant(scales=scales, biases=biases)
 
 
 def stored_scales(lin: Linear, dtype: mx.Dtype, compact: bool) -> tuple[mx.array, mx.array]:
@@ -162,26 +163,27 @@ def stored_scales(lin: Linear, dtype: mx.Dtype, compact: bool) -> tuple[mx.array
     compact forms the native kernels decode themselves (exactly) when `compact` (float32
     models on the native kernels): GGUF's two-level form, and float16 / bfloat16 scales as
     a checkpoint or GGUF legacy type holds them (half or a third of float32's bytes)."""
-    if lin.mode != "affine":  # MXFP4's E8M0 scale bytes, no biases
-        return lin.scales, lin.biases
-    if two_level(lin) or (compact and dtype == mx.float32 and lin.scales.dtype in (mx.float16, mx.bfloat16)
-                          and lin.biases.dtype == lin.scales.dtype):
-        return lin.scales, lin.biases
-    return lin.scales.astype(dtype), lin.biases.astype(dtype)
+    q = lin.quant
+    if q.mode != "affine":  # MXFP4's E8M0 scale bytes, no biases
+        return q.scales, q.biases
+    if two_level(lin) or (compact and dtype == mx.float32 and q.scales.dtype in (mx.float16, mx.bfloat16)
+                          and q.biases.dtype == q.scales.dtype):
+        return q.scales, q.biases
+    return q.scales.astype(dtype), q.biases.astype(dtype)
 
 
 def dequantized(lin: Linear, dtype: mx.Dtype) -> Linear:
     lin = row_major(lin)  # (the 8-bit mode's interleaved weights: back in rows)
     if not lin.quantized:
         return Linear(weight=lin.weight.astype(dtype), bias=cast(lin.bias, dtype), origin=lin.origin)
-    if lin.mode != "affine":
-        w = mx.dequantize(lin.weight, lin.scales, None, group_size=lin.group_size, bits=lin.bits,
-                          mode=lin.mode).astype(dtype)
+    q = lin.quant
+    if q.mode != "affine":
+        w = mx.dequantize(lin.weight, q.scales, None, group_size=q.group_size, bits=q.bits, mode=q.mode).astype(dtype)
         return Linear(weight=w, bias=cast(lin.bias, dtype), origin=lin.origin)
-    scales, biases = group_params(lin.scales, lin.biases)
+    scales, biases = group_params(q.scales, q.biases)
     w = mx.dequantize(
         lin.weight, scales.astype(dtype), biases.astype(dtype),
-        group_size=lin.group_size, bits=lin.bits,
+        group_size=q.group_size, bits=q.bits,
     ).astype(dtype)
     return Linear(weight=w, bias=cast(lin.bias, dtype), origin=lin.origin)
 
@@ -192,7 +194,7 @@ def keep(policy: KeepQuantized, lin: Linear) -> bool:
     if not lin.quantized:
         return False
     if callable(policy):  # the native kernels' formats: affine only (MXFP4 runs on MLX's kernels)
-        return lin.mode == "affine" and bool(policy(lin.group_size, lin.bits))
+        return lin.quant.mode == "affine" and bool(policy(lin.quant.group_size, lin.quant.bits))
     return bool(policy)
 
 
@@ -202,18 +204,21 @@ def widened(policy: KeepQuantized, lin: Linear, force: bool = False, bits: int |
     of its group size are (e.g. 2-/3-bit weights where the native CPU kernels run 4, 5, 6
     and 8; 4 bits in groups of 16; the narrower parts of a fusion): exact (every stored
     integer fits), and packed instead of a float copy. Otherwise `lin` unchanged."""
-    if bits is None:
-        bits = next((w for w in (5, 6) if lin.bits < w and callable(policy) and policy(lin.group_size, w)), 8)
-    if (not lin.quantized or lin.bits >= bits or policy is False or lin.mode != "affine"
-            or (keep(policy, lin) and not force) or (callable(policy) and not policy(lin.group_size, bits))):
+    if not lin.quantized:
         return lin
-    k = lin.scales.shape[-1] * lin.group_size
+    q = lin.quant
+    if bits is None:
+        bits = next((w for w in (5, 6) if q.bits < w and callable(policy) and policy(q.group_size, w)), 8)
+    if (q.bits >= bits or policy is False or q.mode != "affine"
+            or (keep(policy, lin) and not force) or (callable(policy) and not policy(q.group_size, bits))):
+        return lin
+    k = q.scales.shape[-1] * q.group_size
     words = np.asarray(lin.weight)
-    packed = (repacked_8bit(words, lin.bits, k) if bits == 8 else
-              pack_stream(repacked_8bit(words, lin.bits, k).view(np.uint8).reshape(-1, k), bits)
+    packed = (repacked_8bit(words, q.bits, k) if bits == 8 else
+              pack_stream(repacked_8bit(words, q.bits, k).view(np.uint8).reshape(-1, k), bits)
               .reshape(*words.shape[:-1], -1))
-    return Linear(weight=mx.array(packed), bias=lin.bias, scales=lin.scales, biases=lin.biases,
-                  group_size=lin.group_size, bits=bits, origin=lin.origin)
+    return Linear(weight=mx.array(packed), bias=lin.bias, quant=Quant(q.scales, q.biases, q.group_size, bits),
+                  origin=lin.origin)
 
 
 def pack_stream(q: np.ndarray, bits: int) -> np.ndarray:
@@ -279,13 +284,14 @@ def cast(x: mx.array | None, dtype: mx.Dtype) -> mx.array | None:
 def regrouped(lin: Linear, group_size: int) -> Linear:
     """`lin` with groups of `group_size`, a divisor of its own: each group's scale and bias
     repeated over its parts (exact: the same affine map for every weight)."""
-    if not lin.quantized or lin.group_size == group_size:
+    if not lin.quantized or lin.quant.group_size == group_size:
         return lin
-    r = lin.group_size // group_size
+    q = lin.quant
+    r = q.group_size // group_size
     if two_level(lin):  # the codes repeated; a super-block's factors serve r times the groups
-        return attrs.evolve(lin, scales=mx.repeat(lin.scales, r, axis=-1), group_size=group_size)
-    return attrs.evolve(lin, scales=mx.repeat(lin.scales, r, axis=-1), biases=mx.repeat(lin.biases, r, axis=-1),
-                        group_size=group_size)
+        return lin.with_quant(scales=mx.repeat(q.scales, r, axis=-1), group_size=group_size)
+    return lin.with_quant(scales=mx.repeat(q.scales, r, axis=-1), biases=mx.repeat(q.biases, r, axis=-1),
+                          group_size=group_size)
 
 
 def fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: KeepQuantized) -> Linear:
@@ -294,40 +300,42 @@ def fuse(parts: list[Linear], dtype: mx.Dtype, keep_quantized: KeepQuantized) ->
     v in groups of 16) are regrouped to the smallest when it divides the others, and parts
     of different widths widened to 8 bits: exact, and still one quantized matrix."""
     origin = sum((p.origin for p in parts), ()) if all(p.origin for p in parts) else ()
-    if any(p.quantized and p.mode != "affine" for p in parts):  # MXFP4: kept whole, or dense
-        if all(p.mode == parts[0].mode for p in parts) and keep(keep_quantized, parts[0]):
-            cat = lambda xs: mx.concatenate(xs, axis=0)  # noqa: E731
-            return Linear(weight=cat([p.weight for p in parts]), scales=cat([p.scales for p in parts]),
+    cat = lambda xs: mx.concatenate(xs, axis=0)  # noqa: E731
+    if any(p.quantized and p.quant.mode != "affine" for p in parts):  # MXFP4: kept whole, or dense
+        if len({p.quant.mode if p.quantized else "affine" for p in parts}) == 1 and keep(keep_quantized, parts[0]):
+            q = parts[0].quant
+            return Linear(weight=cat([p.weight for p in parts]),
                           bias=None if parts[0].bias is None else cat([p.bias.astype(dtype) for p in parts]),
-                          group_size=parts[0].group_size, bits=parts[0].bits, mode=parts[0].mode, origin=origin)
+                          quant=Quant(cat([p.quant.scales for p in parts]), None, q.group_size, q.bits, q.mode),
+                          origin=origin)
         parts = [dequantized(p, dtype) if p.quantized else p for p in parts]
-    if all(p.quantized for p in parts) and len({p.group_size for p in parts}) > 1:
-        g = min(p.group_size for p in parts)
-        if all(p.group_size % g == 0 for p in parts) and keep(keep_quantized, attrs.evolve(parts[0], group_size=g, bits=8)):
+    if all(p.quantized for p in parts) and len({p.quant.group_size for p in parts}) > 1:
+        g = min(p.quant.group_size for p in parts)
+        if all(p.quant.group_size % g == 0 for p in parts) and keep(keep_quantized,
+                                                                   parts[0].with_quant(group_size=g, bits=8)):
             parts = [regrouped(p, g) for p in parts]
     parts = [widened(keep_quantized, p) for p in parts]
-    if len({(p.scales.dtype, p.biases.ndim) for p in parts if p.quantized}) > 1:  # storage forms differ
+    if len({(p.quant.scales.dtype, p.quant.biases.ndim) for p in parts if p.quantized}) > 1:  # storage forms differ
         parts = [expanded(p) for p in parts]
-        if len({p.scales.dtype for p in parts if p.quantized}) > 1:
-            parts = [attrs.evolve(p, scales=p.scales.astype(mx.float32), biases=p.biases.astype(mx.float32))
+        if len({p.quant.scales.dtype for p in parts if p.quantized}) > 1:
+            parts = [p.with_quant(scales=p.quant.scales.astype(mx.float32), biases=p.quant.biases.astype(mx.float32))
                      if p.quantized else p for p in parts]
-    if (all(p.quantized for p in parts) and len({p.group_size for p in parts}) == 1
-            and len({p.bits for p in parts}) > 1):  # mixed widths (a GGUF K-quant mix): the widest
-        wide = max(p.bits for p in parts)  # (a kept width: every narrower integer fits; else 8)
-        wide = wide if keep(keep_quantized, attrs.evolve(parts[0], bits=wide)) else 8
+    if (all(p.quantized for p in parts) and len({p.quant.group_size for p in parts}) == 1
+            and len({p.quant.bits for p in parts}) > 1):  # mixed widths (a GGUF K-quant mix): the widest
+        wide = max(p.quant.bits for p in parts)  # (a kept width: every narrower integer fits; else 8)
+        wide = wide if keep(keep_quantized, parts[0].with_quant(bits=wide)) else 8
         parts = [widened(keep_quantized, p, force=True, bits=wide) for p in parts]
     same_q = all(p.quantized for p in parts) and len(
-        {(p.group_size, p.bits) for p in parts}
+        {(p.quant.group_size, p.quant.bits) for p in parts}
     ) == 1
     if same_q and keep(keep_quantized, parts[0]):
-        cat = lambda xs: mx.concatenate(xs, axis=0)  # noqa: E731
         stored = [stored_scales(p, dtype, callable(keep_quantized)) for p in parts]
+        q = parts[0].quant
         return Linear(
             weight=cat([p.weight for p in parts]),
             bias=None if parts[0].bias is None else cat([p.bias.astype(dtype) for p in parts]),
-            scales=cat([s for s, _ in stored]),
-            biases=cat([b for _, b in stored]),
-            group_size=parts[0].group_size, bits=parts[0].bits, origin=origin,
+            quant=Quant(cat([s for s, _ in stored]), cat([b for _, b in stored]), q.group_size, q.bits),
+            origin=origin,
         )
     dense = [dequantized(p, dtype) for p in parts]
     return finish(Linear(
@@ -350,16 +358,15 @@ def finish(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized, table: b
     # takes the scales' dtype; the two-level form decodes to float32 there)
     if table and lookup_only and lin.quantized and keep_quantized is not False:
         scales, biases = stored_scales(lin, dtype, False)
-        return Linear(weight=lin.weight, bias=cast(lin.bias, dtype), scales=scales,
-                      biases=biases, group_size=lin.group_size, bits=lin.bits, mode=lin.mode)
+        q = lin.quant
+        return Linear(weight=lin.weight, bias=cast(lin.bias, dtype),
+                      quant=Quant(scales, biases, q.group_size, q.bits, q.mode))
     lin = widened(keep_quantized, lin)
     if keep(keep_quantized, lin):
         scales, biases = stored_scales(lin, dtype, callable(keep_quantized) and not table)
-        return Linear(
-            weight=lin.weight, bias=cast(lin.bias, dtype), scales=scales,
-            biases=biases, group_size=lin.group_size, bits=lin.bits, mode=lin.mode,
-            origin=lin.origin,
-        )
+        q = lin.quant
+        return Linear(weight=lin.weight, bias=cast(lin.bias, dtype),
+                      quant=Quant(scales, biases, q.group_size, q.bits, q.mode), origin=lin.origin)
     dense = dequantized(lin, dtype)
     if table:
         return dense
@@ -379,7 +386,7 @@ def read_expert_stack(
         if tuple(w.shape) != (e, out_f, in_f // 8):
             raise WeightsError(f"{src.origin[name + '.weight']}: MXFP4 expert tensor '{name}.weight' has "
                                f"shape {tuple(w.shape)}, expected {(e, out_f, in_f // 8)}")
-        return Linear(weight=w, bias=b, scales=scales, group_size=32, bits=4, mode="mxfp4")
+        return Linear(weight=w, bias=b, quant=Quant(scales, None, 32, 4, "mxfp4"))
     if src.has(name + ".scales"):
         scales = src.get(name + ".scales", None, where)
         q = quant or {}
@@ -396,7 +403,7 @@ def read_expert_stack(
         if tuple(biases.shape) != want_b:
             raise WeightsError(f"{src.origin[name + '.biases']}: tensor '{name}.biases' has shape "
                                f"{tuple(biases.shape)}, expected {want_b}")
-        return Linear(weight=w, bias=b, scales=scales, biases=biases, group_size=gs, bits=bits)
+        return Linear(weight=w, bias=b, quant=Quant(scales, biases, gs, bits))
     if tuple(w.shape) != (e, out_f, in_f):
         raise WeightsError(f"{src.origin[name + '.weight']}: tensor '{name}.weight' has shape "
                            f"{tuple(w.shape)}, expected {(e, out_f, in_f)}")
@@ -413,23 +420,23 @@ def finish_experts(lin: Linear, dtype: mx.Dtype, keep_quantized: KeepQuantized) 
     # Q6_K stack (group 16, which gather_qmm does not run) is dequantized. On the native
     # CPU kernels (a callable policy) a width they run stays as stored, compact scales
     # included (`kernels.gather_qmm`): a GGUF MoE takes about its file's bytes in memory.
-    if lin.quantized and lin.mode == "affine" and callable(keep_quantized) \
-            and keep_quantized(lin.group_size, lin.bits):
+    if lin.quantized and lin.quant.mode == "affine" and callable(keep_quantized) \
+            and keep_quantized(lin.quant.group_size, lin.quant.bits):
         scales, biases = stored_scales(lin, dtype, True)
-        return attrs.evolve(lin, bias=cast(lin.bias, dtype), scales=scales, biases=biases)
+        return attrs.evolve(lin, bias=cast(lin.bias, dtype)).with_quant(scales=scales, biases=biases)
     lin = expanded(lin)  # (stacks run on MLX's gather_qmm: MLX's affine form)
-    if lin.quantized and lin.mode != "affine":  # MXFP4: packed whatever the policy (exact, 4 bits)
+    q = lin.quant
+    if lin.quantized and q.mode != "affine":  # MXFP4: packed whatever the policy (exact, 4 bits)
         return lin if keep_quantized is not False else Linear(
-            weight=mx.contiguous(mx.dequantize(lin.weight, lin.scales, None, group_size=32, bits=4,
-                                               mode=lin.mode).astype(dtype).swapaxes(-1, -2)),
+            weight=mx.contiguous(mx.dequantize(lin.weight, q.scales, None, group_size=32, bits=4,
+                                               mode=q.mode).astype(dtype).swapaxes(-1, -2)),
             bias=cast(lin.bias, dtype), transposed=True)
-    if lin.quantized and keep_quantized is not False and lin.group_size in GATHER_QMM_GROUPS:
-        return Linear(weight=lin.weight, bias=cast(lin.bias, dtype), scales=lin.scales.astype(dtype),
-                      biases=lin.biases.astype(dtype), group_size=lin.group_size, bits=lin.bits)
+    if lin.quantized and keep_quantized is not False and q.group_size in GATHER_QMM_GROUPS:
+        return Linear(weight=lin.weight, bias=cast(lin.bias, dtype),
+                      quant=Quant(q.scales.astype(dtype), q.biases.astype(dtype), q.group_size, q.bits))
     w = lin.weight
     if lin.quantized:
-        w = mx.dequantize(w, lin.scales.astype(dtype), lin.biases.astype(dtype),
-                          group_size=lin.group_size, bits=lin.bits)
+        w = mx.dequantize(w, q.scales.astype(dtype), q.biases.astype(dtype), group_size=q.group_size, bits=q.bits)
     return Linear(weight=mx.contiguous(w.astype(dtype).swapaxes(-1, -2)), bias=cast(lin.bias, dtype),
                   transposed=True)
 
@@ -448,13 +455,14 @@ def read_experts(
         return read_expert_stack(src, stacked, e, out_f, in_f, quant_for(stacked), where)
     parts = [read_linear(src, per_expert.format(e=j), out_f, in_f, quant_for(per_expert.format(e=j)),
                          False, where) for j in range(e)]
-    if len({(p.quantized, p.group_size, p.bits) for p in parts}) != 1:
+    if len({(p.quant.group_size, p.quant.bits) if p.quantized else None for p in parts}) != 1:
         raise WeightsError(f"{where}: the experts of '{per_expert}' are stored in different formats")
     stack = lambda xs: mx.stack(xs)  # noqa: E731
     if parts[0].quantized:
-        return Linear(weight=stack([p.weight for p in parts]), scales=stack([p.scales for p in parts]),
-                      biases=stack([p.biases for p in parts]), group_size=parts[0].group_size,
-                      bits=parts[0].bits)
+        q = parts[0].quant
+        return Linear(weight=stack([p.weight for p in parts]),
+                      quant=Quant(stack([p.quant.scales for p in parts]), stack([p.quant.biases for p in parts]),
+                                  q.group_size, q.bits))
     return Linear(weight=stack([p.weight for p in parts]))
 
 
@@ -463,23 +471,190 @@ def fuse_experts(gate: Linear, up: Linear, dtype: mx.Dtype, keep_quantized: Keep
     biases [E, F] likewise), in the representation `finish_experts` keeps: packed if both
     stay quantized, else dense [E, H, 2F] (transposed for gather_mm)."""
     bias = None if gate.bias is None else mx.concatenate([gate.bias, up.bias], axis=-1)
-    if gate.quantized and up.quantized and gate.group_size == up.group_size and gate.bits != up.bits:
+    if gate.quantized and up.quantized and gate.quant.group_size == up.quant.group_size \
+            and gate.quant.bits != up.quant.bits:
         gate, up = (widened(keep_quantized, p, force=True) for p in (gate, up))  # exact: 8 bits
-    if gate.quantized and up.quantized and keep_quantized is not False and gate.bits == up.bits \
-            and gate.group_size == up.group_size and gate.mode == up.mode \
-            and (gate.group_size in GATHER_QMM_GROUPS or keep(keep_quantized, gate)):
-        if gate.mode == "affine" and (gate.scales.dtype, gate.biases.shape[2:]) != (up.scales.dtype, up.biases.shape[2:]):
+    g, u = gate.quant, up.quant
+    if gate.quantized and up.quantized and keep_quantized is not False and g.bits == u.bits \
+            and g.group_size == u.group_size and g.mode == u.mode \
+            and (g.group_size in GATHER_QMM_GROUPS or keep(keep_quantized, gate)):
+        if g.mode == "affine" and (g.scales.dtype, g.biases.shape[2:]) != (u.scales.dtype, u.biases.shape[2:]):
             # stored in different scale forms (a K-quant and a legacy type): one, float32
-            gate, up = (attrs.evolve(expanded(p), scales=expanded(p).scales.astype(mx.float32),
-                                     biases=expanded(p).biases.astype(mx.float32)) for p in (gate, up))
+            gate, up = (expanded(p).with_quant(scales=expanded(p).quant.scales.astype(mx.float32),
+                                               biases=expanded(p).quant.biases.astype(mx.float32)) for p in (gate, up))
+            g, u = gate.quant, up.quant
         cat = lambda xs: mx.concatenate(xs, axis=1)  # noqa: E731
         return finish_experts(Linear(weight=cat([gate.weight, up.weight]), bias=bias,
-                                     scales=cat([gate.scales, up.scales]),
-                                     biases=None if gate.biases is None else cat([gate.biases, up.biases]),
-                                     group_size=gate.group_size, bits=gate.bits, mode=gate.mode),
+                                     quant=Quant(cat([g.scales, u.scales]),
+                                                 None if g.biases is None else cat([g.biases, u.biases]),
+                                                 g.group_size, g.bits, g.mode)),
                               dtype, keep_quantized)
     dense = [finish_experts(p, dtype, False).weight for p in (gate, up)]  # [E, H, F] each
     return Linear(weight=mx.concatenate(dense, axis=-1), bias=cast(bias, dtype), transposed=True)
+
+
+# ---------------------------------------------------------------- reading a family's checkpoint
+
+
+class Reader:
+    """A family's view of a checkpoint while it assembles params: every linear read the
+    same way (its quantization from the load options, shapes checked, `where` in errors),
+    then finished or fused in the load's dtype and quantization policy. One reader instead
+    of a local `lin` / `vec` helper in every `assemble`."""
+
+    def __init__(self, src: TensorSource, opts: LoadOptions) -> None:
+        self.src, self.opts = src, opts
+
+    def raw(self, name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
+        """The linear `name` as stored (not yet finished: to fuse, cut or finish)."""
+        return read_linear(self.src, name, out_f, in_f, self.opts.quant_for(name), bias, self.opts.where)
+
+    def linear(self, name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
+        """The linear `name`, finished for the forward."""
+        return self.finish(self.raw(name, out_f, in_f, bias))
+
+    def finish(self, lin: Linear, **kwargs: Any) -> Linear:
+        return finish(lin, self.opts.dtype, self.opts.keep_quantized, **kwargs)
+
+    def fused(self, parts: list[Linear]) -> Linear:
+        """Linears read with `raw`, fused row-wise into one (q|k|v, gate|up)."""
+        return fuse(parts, self.opts.dtype, self.opts.keep_quantized)
+
+    def table(self, name: str, rows: int, width: int, lookup_only: bool = False) -> Linear:
+        """An embedding table (lookup_only: never used as the output head)."""
+        return self.finish(self.raw(name, rows, width), table=True, lookup_only=lookup_only)
+
+    def vec(self, name: str, n: int) -> mx.array:
+        """A vector (a norm's weight) in the activation dtype."""
+        return self.src.get(name, (n,), self.opts.where).astype(self.opts.dtype)
+
+    def has(self, name: str) -> bool:
+        return self.src.has(name)
+
+
+# A family's checkpoint names as tables, as config fields are (`config.Field`): each entry
+# names a params field (`to`), the tensor(s) it is read from and their sizes; `read_tensors`
+# reads a table under a prefix. Sizes and flags are numbers / bools, or names looked up in
+# the `sizes` given to `read_tensors`, else as the config's attributes ("hidden_size",
+# "qkv_bias"): the table stays data while the shapes follow the config. Every tensor goes
+# through `TensorSource.get` / `read_linear`, so a missing or misshapen one is an error
+# naming it. `when`: a flag; where false nothing is read and the field is None (unless
+# another entry of the table reads it: a field stored in either of two layouts).
+Size = Union[int, str]
+Flag = Union[bool, str]
+
+
+@attrs.frozen
+class Vec:
+    """A vector or small array (a norm's weight, attention sinks) of `shape`, in the
+    activation dtype, or kept in float32 (`float32`). `plus`: a number (a size name) added in
+    float32 first (norms stored as w of 1 + w)."""
+
+    to: str
+    name: str
+    shape: Size | tuple[Size, ...]
+    when: Flag = True
+    plus: float | str | None = None
+    float32: bool = False
+
+    def read(self, rd: Reader, name: Callable[[str], str], value: Callable[[Any], Any]) -> mx.array:
+        shape = tuple(value(n) for n in (self.shape if isinstance(self.shape, tuple) else (self.shape,)))
+        t = rd.src.get(name(self.name), shape, rd.opts.where)
+        if self.float32:
+            return t.astype(mx.float32)
+        if self.plus is None:
+            return t.astype(rd.opts.dtype)
+        return (t.astype(mx.float32) + value(self.plus)).astype(rd.opts.dtype)
+
+
+@attrs.frozen
+class Norm:
+    """A LayerNorm: (`name`.weight, `name`.bias where `bias`, else None) of `size`."""
+
+    to: str
+    name: str
+    size: Size = "hidden_size"
+    bias: Flag = True
+    when: Flag = True
+
+    def read(self, rd: Reader, name: Callable[[str], str], value: Callable[[Any], Any]) -> tuple:
+        base, n = name(self.name), value(self.size)
+        return rd.vec(base + ".weight", n), (rd.vec(base + ".bias", n) if value(self.bias) else None)
+
+
+@attrs.frozen
+class Lin:
+    """A linear [rows, cols] (weight, `bias` where set, dense or quantized), finished."""
+
+    to: str
+    name: str
+    rows: Size
+    cols: Size
+    bias: Flag = False
+    when: Flag = True
+
+    def read(self, rd: Reader, name: Callable[[str], str], value: Callable[[Any], Any]) -> Linear:
+        return rd.linear(name(self.name), value(self.rows), value(self.cols), value(self.bias))
+
+
+@attrs.frozen
+class Fused:
+    """Linears stored apart and fused row-wise into one, in order: `parts` are
+    (name, rows), each [rows, cols] with `bias` where set (q|k|v, gate|up)."""
+
+    to: str
+    parts: tuple[tuple[str, Size], ...]
+    cols: Size
+    bias: Flag = False
+    when: Flag = True
+
+    def read(self, rd: Reader, name: Callable[[str], str], value: Callable[[Any], Any]) -> Linear:
+        cols, bias = value(self.cols), value(self.bias)
+        return rd.fused([rd.raw(name(n), value(rows), cols, bias) for n, rows in self.parts])
+
+
+@attrs.frozen
+class Embedding:
+    """An embedding table [rows, cols]; `lookup_only`: never the output head (it may stay
+    quantized in any format, see `finish`)."""
+
+    to: str
+    name: str
+    rows: Size = "vocab_size"
+    cols: Size = "hidden_size"
+    lookup_only: Flag = False
+    when: Flag = True
+
+    def read(self, rd: Reader, name: Callable[[str], str], value: Callable[[Any], Any]) -> Linear:
+        return rd.table(name(self.name), value(self.rows), value(self.cols), bool(value(self.lookup_only)))
+
+
+Entry = Union[Vec, Norm, Lin, Fused, Embedding]
+
+
+def read_tensors(rd: Reader, table: tuple[Entry, ...], cfg: Any, prefix: str = "", i: int | None = None,
+                 sizes: dict[str, Any] | None = None, rename: dict[str, str] | None = None) -> dict[str, Any]:
+    """The params fields of `table` (field name -> value, in table order) read from the
+    tensors under `prefix` (with `{i}`: layer i's). `rename`: the table's names -> this
+    checkpoint's (a GGUF file's, read as they are so that errors name its tensors), the
+    prefix included; every name the table reads must be in it."""
+    def value(v: Any) -> Any:  # a size or flag: as given, or by name (sizes, else the config)
+        if not isinstance(v, str):
+            return v
+        return sizes[v] if sizes is not None and v in sizes else getattr(cfg, v)
+
+    pre = (prefix if rename is None or not prefix else rename[prefix]).format(i=i)
+
+    def name(n: str) -> str:
+        return pre + (n if rename is None else rename[n])
+
+    out: dict[str, Any] = {}
+    for e in table:  # (two entries of one field: alternative layouts, the one whose `when` holds read)
+        if value(e.when):
+            out[e.to] = e.read(rd, name, value)
+        else:
+            out.setdefault(e.to, None)
+    return out
 
 
 # llama.cpp's tensor names shared by most architectures -> Hugging Face's (family modules

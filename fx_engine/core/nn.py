@@ -78,8 +78,48 @@ class Numerics:
 
 
 @attrs.frozen
+class Quant:
+    """How a quantized linear's weight is stored (`Linear.quant`): MLX's packed integers
+    ([out, in * bits / 32] uint32 rows) with one scale per group of `group_size` inputs and,
+    in "affine" mode, one bias per group; "mxfp4" (a GGUF's MXFP4 tensors): E2M1 codes with
+    E8M0 uint8 scales, no biases (expert stacks run by gather_qmm, matrices by
+    quantized_matmul: MLX's kernels, no native one). `interleaved`: the packed weight is in
+    qmm_a8's interleaved layout (`kernels.interleave16`: 16-row blocks, word by word; float
+    scales and biases likewise, `interleave16_groups`), which only the 8-bit mode's native
+    product reads: set at load for its 4-/8-bit matrices (`interleave_for_a8`). Anything
+    else reading `weight` as rows (MLX's kernels, dequantize, embedding lookups) must not
+    see one."""
+
+    scales: mx.array
+    biases: mx.array | None
+    group_size: int = static_field()
+    bits: int = static_field()
+    mode: str = static_field(default="affine")
+    interleaved: bool = static_field(default=False)
+
+
+@attrs.frozen
+class Shard:
+    """A tensor-parallel linear's part (core/parallel.py). "sum": this rank holds input
+    features [first, end) of `width`: the partial products (adapters' included) are summed
+    over the ranks (before the bias). "vocab": this rank holds rows [first, first + rows) of
+    a vocabulary-sized table of `width` rows, padded to the same rows on every rank: as a
+    linear the outputs are gathered over the ranks (then cut to `width`), as a table each
+    rank looks up its own rows and the embeddings are summed. `group`: the mx.distributed
+    group the collectives span: None, the world group (tensor parallelism alone); a subgroup
+    when tensor and pipeline parallelism combine (each stage's ranks split its layers:
+    core/parallel.on_group)."""
+
+    kind: str  # "sum" | "vocab"
+    first: int
+    width: int
+    end: int = 0  # ("sum" only)
+    group: Any = None
+
+
+@attrs.frozen
 class Linear:
-    """y = x @ W.T (+ bias). Dense float or MLX affine-quantized ([out, in/packing]).
+    """y = x @ W.T (+ bias). Dense float or quantized ([out, in/packing], `quant`).
 
     Dense weights are stored transposed ([in, out], `transposed=True`) when loaded for
     matmul only: `x @ W` then needs no transpose node in the graph. Embedding tables stay
@@ -88,40 +128,21 @@ class Linear:
 
     weight: mx.array
     bias: mx.array | None = None
-    scales: mx.array | None = None
-    biases: mx.array | None = None
-    group_size: int = static_field(default=0)
-    bits: int = static_field(default=0)
+    quant: Quant | None = None  # None: a dense weight
     transposed: bool = static_field(default=False)
-    # MLX's quantization mode: "affine" (scales and biases), or "mxfp4" (E2M1 codes with
-    # E8M0 uint8 scales, no biases: a GGUF's MXFP4 tensors; expert stacks run by
-    # gather_qmm, matrices by quantized_matmul: MLX's kernels, no native one)
-    mode: str = static_field(default="affine")
     # Where the rows come from: ((checkpoint module name, rows), ...) in row order (a
     # tensor-parallel shard: (name, rows kept, first row kept, the module's rows)), set by
     # `checkpoint.read_linear` and kept through fusion and re-representation, so adapters
     # trained on the checkpoint's modules find their rows (core/adapters.py). () when the
     # weight was transformed (scaled, sliced): no adapter may target it.
     origin: tuple = static_field(default=())
-    # The packed weight is in qmm_a8's interleaved layout (`kernels.interleave16`: 16-row
-    # blocks, word by word; float scales and biases likewise, `interleave16_groups`), which
-    # only the 8-bit mode's native product reads: set at load
-    # for its 4-/8-bit matrices (`interleave_for_a8`). Anything else reading `weight` as
-    # rows (MLX's kernels, dequantize, embedding lookups) must not see one.
-    interleaved: bool = static_field(default=False)
     # Per-row low-rank adapters bound for one step (`adapters.with_adapters`); None: none.
     lora: "LoraBinding | None" = None
-    # Tensor parallelism (core/parallel.py): () a whole linear; ("sum", first, end, width)
-    # this rank holds input features [first, end) of `width`: the partial products
-    # (adapters' included) are summed over the ranks (before the bias); ("vocab", start, total) this rank holds rows [start, start + rows) of a
-    # vocabulary-sized table padded to the same rows on every rank: as a linear the outputs
-    # are gathered over the ranks (then cut to `total`), as a table each rank looks up its
-    # own rows and the embeddings are summed.
-    tp: tuple = static_field(default=())
-    # The mx.distributed group that `tp` spans: None, the world group (tensor parallelism
-    # alone); a subgroup when tensor and pipeline parallelism combine (each stage's ranks
-    # split its layers: core/parallel.on_group).
-    group: Any = static_field(default=None)
+    shard: Shard | None = static_field(default=None)  # None: a whole linear
+
+    def with_quant(self, **changes: Any) -> "Linear":
+        """This quantized linear with fields of its `quant` changed (scales, bits, ...)."""
+        return tree_replace(self, quant=tree_replace(self.quant, **changes))
 
     @property
     def dense_out_in(self) -> mx.array:
@@ -132,7 +153,12 @@ class Linear:
 
     @property
     def quantized(self) -> bool:
-        return self.bits > 0
+        return self.quant is not None
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether the packed weight is in qmm_a8's interleaved layout (`Quant.interleaved`)."""
+        return self.quant is not None and self.quant.interleaved
 
     @property
     def out_features(self) -> int:
@@ -141,8 +167,14 @@ class Linear:
     @property
     def in_features(self) -> int:
         if self.quantized:
-            return int(self.scales.shape[-1] * self.group_size)
+            return int(self.quant.scales.shape[-1] * self.quant.group_size)
         return int(self.weight.shape[-2] if self.transposed else self.weight.shape[-1])
+
+
+def shard_group(lin: Linear) -> Any:
+    """The mx.distributed group a linear's collectives span (`Shard.group`; None: the world
+    group, or a whole linear): where a norm over a split vector sums its squares."""
+    return None if lin.shard is None else lin.shard.group
 
 
 def linears(tree: object) -> list[Linear]:
@@ -183,16 +215,17 @@ def group_params(scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array
 
 
 def _native_ok(lin: Linear, numerics: Numerics) -> bool:
-    return (numerics.native and lin.quantized and lin.mode == "affine"
-            and kernels.supports(lin.group_size, lin.bits))
+    return (numerics.native and lin.quantized and lin.quant.mode == "affine"
+            and kernels.supports(lin.quant.group_size, lin.quant.bits))
 
 
 def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
-    args = (lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits)
+    q = lin.quant
+    args = (lin.weight, q.scales, q.biases, q.group_size, q.bits)
     # 8-bit activations: qmm_a8 runs every native format (5- and 6-bit weights, such as a
     # Q4_K_M file's attn_v / ffn_down and a tied Q6_K head, unpacked to bytes per block)
-    if numerics.activation_bits == 8 and kernels.supports(lin.group_size, lin.bits, 8):
-        return kernels.qmm_a8(x, *args, interleaved=lin.interleaved)
+    if numerics.activation_bits == 8 and kernels.supports(q.group_size, q.bits, 8):
+        return kernels.qmm_a8(x, *args, interleaved=q.interleaved)
     _rows_layout(lin)
     plan = numerics.matmul
     rows = 1
@@ -214,15 +247,16 @@ def interleave_for_a8(lin: Linear) -> Linear:
     (a 2-D 4- or 8-bit affine matrix with a multiple of 16 rows); else `lin` unchanged. For
     the 8-bit mode's matrices only: the same products bit for bit, but a decode step reads
     each block of 16 rows as one contiguous stream (issue 41)."""
-    if (lin.interleaved or not lin.quantized or lin.mode != "affine" or lin.bits not in (4, 8)
+    q = lin.quant
+    if (lin.interleaved or not lin.quantized or q.mode != "affine" or q.bits not in (4, 8)
             or lin.weight.ndim != 2 or lin.weight.shape[0] % 16 or lin.weight.shape[1] % 4
-            or not kernels.supports(lin.group_size, lin.bits, 8)):
+            or not kernels.supports(q.group_size, q.bits, 8)):
         return lin
-    if lin.scales.dtype == mx.int16:  # the two-level K-quant form: stays in rows
-        return tree_replace(lin, weight=kernels.interleave16(lin.weight), interleaved=True)
-    return tree_replace(lin, weight=kernels.interleave16(lin.weight), interleaved=True,
-                        scales=kernels.interleave16_groups(lin.scales),
-                        biases=kernels.interleave16_groups(lin.biases))
+    out = tree_replace(lin, weight=kernels.interleave16(lin.weight))
+    if q.scales.dtype == mx.int16:  # the two-level K-quant form: stays in rows
+        return out.with_quant(interleaved=True)
+    return out.with_quant(interleaved=True, scales=kernels.interleave16_groups(q.scales),
+                          biases=kernels.interleave16_groups(q.biases))
 
 
 def row_major(lin: Linear) -> Linear:
@@ -230,19 +264,20 @@ def row_major(lin: Linear) -> Linear:
     the weight itself (dequantizing, slicing rows, fusing adapters)."""
     if not lin.interleaved:
         return lin
-    if lin.scales.dtype == mx.int16:
-        return tree_replace(lin, weight=kernels.deinterleave16(lin.weight), interleaved=False)
-    return tree_replace(lin, weight=kernels.deinterleave16(lin.weight), interleaved=False,
-                        scales=kernels.interleave16_groups(lin.scales, inverse=True),
-                        biases=kernels.interleave16_groups(lin.biases, inverse=True))
+    q, out = lin.quant, tree_replace(lin, weight=kernels.deinterleave16(lin.weight))
+    if q.scales.dtype == mx.int16:
+        return out.with_quant(interleaved=False)
+    return out.with_quant(interleaved=False, scales=kernels.interleave16_groups(q.scales, inverse=True),
+                          biases=kernels.interleave16_groups(q.biases, inverse=True))
 
 
 def _matmul_rows(x: mx.array, lin: Linear) -> mx.array:
     _rows_layout(lin)
     if lin.quantized:
+        q = lin.quant
         return mx.quantized_matmul(
-            x, lin.weight, *group_params(lin.scales, lin.biases),
-            transpose=True, group_size=lin.group_size, bits=lin.bits, mode=lin.mode,
+            x, lin.weight, *group_params(q.scales, q.biases),
+            transpose=True, group_size=q.group_size, bits=q.bits, mode=q.mode,
         )
     return x @ lin.weight if lin.transposed else x @ lin.weight.T
 
@@ -327,8 +362,8 @@ def linear(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
         y = _matmul_rows(x, lin)
     if lin.lora is not None:
         y = lora_update(x, y, lin.lora, numerics)
-    if lin.tp:
-        y = _tp_combine(y, lin.tp, lin.group)
+    if lin.shard is not None:
+        y = _tp_combine(y, lin.shard)
     if lin.bias is not None:
         y = y + lin.bias
     return y
@@ -340,8 +375,9 @@ def expert_linear(x: mx.array, lin: Linear, indices: mx.array, sorted_indices: b
     the rows come grouped by expert (x [M, 1, in], indices [M] ascending), so each expert's
     weights are read once for all its rows."""
     if lin.quantized:
-        y = mx.gather_qmm(x, lin.weight, lin.scales, lin.biases, rhs_indices=indices,
-                          transpose=True, group_size=lin.group_size, bits=lin.bits, mode=lin.mode,
+        q = lin.quant
+        y = mx.gather_qmm(x, lin.weight, q.scales, q.biases, rhs_indices=indices,
+                          transpose=True, group_size=q.group_size, bits=q.bits, mode=q.mode,
                           sorted_indices=sorted_indices)
     else:
         w = lin.weight if lin.transposed else lin.weight.swapaxes(-1, -2)
@@ -365,7 +401,8 @@ def _expert_kernel(numerics: Numerics, pairs: int) -> str:
 def _native_experts(x: mx.array, lin: Linear, indices: mx.array, kind: str) -> mx.array:
     """x [N, 1 or K, in] through each token's experts `indices` [N, K] of a packed stack
     -> [N, K, out] (`kernels.gather_qmm`), with the experts' own biases."""
-    y = kernels.gather_qmm(x, indices, lin.weight, lin.scales, lin.biases, lin.group_size, lin.bits, kind)
+    q = lin.quant
+    y = kernels.gather_qmm(x, indices, lin.weight, q.scales, q.biases, q.group_size, q.bits, kind)
     return y if lin.bias is None else y + lin.bias[indices].astype(y.dtype)
 
 
@@ -407,37 +444,38 @@ def routed_mixture(
     parallelism: each rank ran its slice of every expert's features)."""
     y = routed_glu(x, gate_up, down, indices, glu, numerics)
     y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2).astype(x.dtype)
-    return mx.distributed.all_sum(y, group=down.group) if down.tp else y
+    return mx.distributed.all_sum(y, group=down.shard.group) if down.shard is not None else y
 
 
-def _tp_combine(y: mx.array, tp: tuple, group: Any = None) -> mx.array:
-    """A tensor-parallel linear's output made whole over its group (see `Linear.tp`): every
+def _tp_combine(y: mx.array, shard: Shard) -> mx.array:
+    """A tensor-parallel linear's output made whole over its group (see `Shard`): every
     rank gets the same full result."""
-    if tp[0] == "sum":
-        return mx.distributed.all_sum(y, group=group)
-    total = tp[2]
+    if shard.kind == "sum":
+        return mx.distributed.all_sum(y, group=shard.group)
+    total = shard.width
     lead, per = y.shape[:-1], y.shape[-1]
-    parts = mx.distributed.all_gather(y.reshape(-1, per).T, group=group)  # [ranks * per, M]
+    parts = mx.distributed.all_gather(y.reshape(-1, per).T, group=shard.group)  # [ranks * per, M]
     return parts[:total].T.reshape(*lead, total)
 
 
 def embed(tokens: mx.array, table: Linear) -> mx.array:
     """Look up rows of an embedding table (dequantizing only the gathered rows). A
-    vocabulary-parallel table (`tp` "vocab") looks up the tokens in its own rows and sums
+    vocabulary-parallel table (`Shard` "vocab") looks up the tokens in its own rows and sums
     the ranks' results (other ranks' tokens contribute zeros)."""
-    if table.tp:
-        start, rows = table.tp[1], table.weight.shape[0]
+    if table.shard is not None:
+        start, rows = table.shard.first, table.weight.shape[0]
         local = tokens - start
         mine = (local >= 0) & (local < rows)
-        whole = tree_replace(table, tp=())
+        whole = tree_replace(table, shard=None)
         out = embed(mx.where(mine, local, 0), whole)
-        return mx.distributed.all_sum(mx.where(mine[..., None], out, 0), group=table.group)
+        return mx.distributed.all_sum(mx.where(mine[..., None], out, 0), group=table.shard.group)
     if table.quantized:
         _rows_layout(table)
-        biases = None if table.biases is None else table.biases[tokens]  # (MXFP4: none)
+        q = table.quant
+        biases = None if q.biases is None else q.biases[tokens]  # (MXFP4: none)
         return mx.dequantize(
-            table.weight[tokens], *group_params(table.scales[tokens], biases),
-            group_size=table.group_size, bits=table.bits, mode=table.mode,
+            table.weight[tokens], *group_params(q.scales[tokens], biases),
+            group_size=q.group_size, bits=q.bits, mode=q.mode,
         )
     return table.weight[tokens]
 

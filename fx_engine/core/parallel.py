@@ -2,10 +2,10 @@
 
 Megatron's split, on an `mx.distributed` group (the world's, or a subgroup): each rank
 holds a contiguous group of KV heads with their query heads (q|k|v rows; the same columns of o_proj, whose partial
-products are summed over the ranks: `Linear.tp = ("sum",)`), a contiguous slice of the MLP's
+products are summed over the ranks: `Linear.shard`, a "sum" `Shard`), a contiguous slice of the MLP's
 intermediate features (gate|up rows, the same columns of down_proj, summed), and a slice of
 the vocabulary (rows of the embedding table and of the output head: lookups summed, logits
-gathered: `("vocab", start, total)`). Norms, RoPE tables and biases of summed linears are
+gathered: a "vocab" `Shard`). Norms, RoPE tables and biases of summed linears are
 replicated. The shard's config says how many heads and features it holds, so the family's
 own forward runs unchanged on it, and its cache layout holds only its KV heads.
 
@@ -73,9 +73,10 @@ def shard_params(params: Any, rank: int, size: int, group: Any = None) -> Any:
     shard = family.tensor_split(params, rank, size)
     return shard if group is None else on_group(shard, group)
 def on_group(tree: Any, group: Any) -> Any:
-    """`tree` with every tensor-parallel linear's collectives on `group` (`Linear.group`):
+    """`tree` with every tensor-parallel linear's collectives on `group` (`Shard.group`):
     the families' splits name what is summed or gathered, this names over which ranks."""
-    return map_linears(tree, lambda _, lin: attrs.evolve(lin, group=group) if lin.tp else lin)
+    return map_linears(tree, lambda _, lin: lin if lin.shard is None else
+                       attrs.evolve(lin, shard=attrs.evolve(lin.shard, group=group)))
 def stage_layers(num_layers: int, size: int, layers: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
     """Each of `size` stages' [start, end) of `num_layers` layers: `layers`, one count per
     stage (hosts of unequal memory), or as even as possible (earlier stages taking the

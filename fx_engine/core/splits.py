@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from fx_engine.core.config import ConfigError
 from fx_engine.core.checkpoint import expanded, two_level
-from fx_engine.core.nn import Linear
+from fx_engine.core.nn import Linear, Shard
 
 __all__ = ["head_range", "shard_decoder", "split", "split_attention", "split_cols", "split_experts",
            "split_head", "split_mixer", "split_mlp", "split_rows", "split_vocab"]
@@ -49,8 +49,8 @@ def _cut(x: mx.array | None, axis: int, ranges: list[tuple[int, int]]) -> mx.arr
 def _check_mode(lin: Linear) -> None:
     """Affine (MLX's and GGUF's integer groups) and MXFP4 (4-bit floats in groups of 32
     with a shared exponent, no biases) split the same way: whole groups, whole words."""
-    if lin.mode not in ("affine", "mxfp4"):
-        raise ConfigError(f"tensor parallel: {lin.mode} weights are not supported")
+    if lin.quantized and lin.quant.mode not in ("affine", "mxfp4"):
+        raise ConfigError(f"tensor parallel: {lin.quant.mode} weights are not supported")
 
 
 def split_rows(lin: Linear, ranges: list[tuple[int, int]], keep_origin: bool = False) -> Linear:
@@ -67,9 +67,10 @@ def split_rows(lin: Linear, ranges: list[tuple[int, int]], keep_origin: bool = F
             at += rows
         origin = tuple(parts)
     if lin.quantized:  # [..., out, in / packing] (two-level factors: [..., out, super-blocks, 2])
-        return attrs.evolve(lin, weight=_cut(lin.weight, -2, ranges), scales=_cut(lin.scales, -2, ranges),
-                            biases=_cut(lin.biases, -3 if two_level(lin) else -2, ranges),
-                            bias=_cut(lin.bias, -1, ranges), origin=origin)
+        q = lin.quant
+        return attrs.evolve(lin, weight=_cut(lin.weight, -2, ranges), bias=_cut(lin.bias, -1, ranges),
+                            origin=origin).with_quant(scales=_cut(q.scales, -2, ranges),
+                                                      biases=_cut(q.biases, -3 if two_level(lin) else -2, ranges))
     return attrs.evolve(lin, weight=_cut(lin.weight, -1 if lin.transposed else -2, ranges),
                         bias=_cut(lin.bias, -1, ranges), origin=origin)
 
@@ -78,7 +79,7 @@ def split_cols(lin: Linear, start: int, end: int, name: str) -> Linear:
     """The input features [start, end) of a linear (or of every expert of a stack) whose
     partial products are summed over the ranks."""
     _check_mode(lin)
-    tp = ("sum", start, end, lin.in_features)
+    shard = Shard("sum", first=start, end=end, width=lin.in_features)
     if lin.bias is not None and lin.weight.ndim > 2 and start > 0:
         # an expert stack's biases are added per expert, before the mixture is summed over
         # the ranks (a dense linear adds its bias after the sum): the first rank's only
@@ -86,23 +87,23 @@ def split_cols(lin: Linear, start: int, end: int, name: str) -> Linear:
     if lin.quantized:
         # a row is one bit stream: whole 32-bit words at every multiple of 32 values (of 8
         # or 4 values for 4 and 8 bits)
-        gs, unit = lin.group_size, 32 // lin.bits if 32 % lin.bits == 0 else 32
+        bits, gs = lin.quant.bits, lin.quant.group_size
+        unit = 32 // bits if 32 % bits == 0 else 32
         if start % gs or end % gs or start % unit or end % unit:
-            raise ConfigError(f"tensor parallel: {name} ({lin.bits}-bit, groups of {gs}) cannot be "
+            raise ConfigError(f"tensor parallel: {name} ({bits}-bit, groups of {gs}) cannot be "
                               f"split at input feature {start}..{end}")
-        word = lambda i: i * lin.bits // 32  # noqa: E731  (the word where value i starts)
+        word = lambda i: i * bits // 32  # noqa: E731  (the word where value i starts)
+        weight, groups = _cut(lin.weight, -1, [(word(start), word(end))]), [(start // gs, end // gs)]
         if two_level(lin):  # the super-blocks' factors split whole, or the float32 form
-            sb = lin.in_features // lin.biases.shape[-2]
+            sb = lin.in_features // lin.quant.biases.shape[-2]
             if start % sb or end % sb:
                 lin = expanded(lin)
             else:
-                return attrs.evolve(lin, weight=_cut(lin.weight, -1, [(word(start), word(end))]),
-                                    scales=_cut(lin.scales, -1, [(start // gs, end // gs)]),
-                                    biases=_cut(lin.biases, -2, [(start // sb, end // sb)]), tp=tp)
-        return attrs.evolve(lin, weight=_cut(lin.weight, -1, [(word(start), word(end))]),
-                            scales=_cut(lin.scales, -1, [(start // gs, end // gs)]),
-                            biases=_cut(lin.biases, -1, [(start // gs, end // gs)]), tp=tp)
-    return attrs.evolve(lin, weight=_cut(lin.weight, -2 if lin.transposed else -1, [(start, end)]), tp=tp)
+                return attrs.evolve(lin, weight=weight, shard=shard).with_quant(
+                    scales=_cut(lin.quant.scales, -1, groups), biases=_cut(lin.quant.biases, -2, [(start // sb, end // sb)]))
+        return attrs.evolve(lin, weight=weight, shard=shard).with_quant(
+            scales=_cut(lin.quant.scales, -1, groups), biases=_cut(lin.quant.biases, -1, groups))
+    return attrs.evolve(lin, weight=_cut(lin.weight, -2 if lin.transposed else -1, [(start, end)]), shard=shard)
 
 
 def split_vocab(lin: Linear, rank: int, size: int) -> Linear:
@@ -123,12 +124,12 @@ def split_vocab(lin: Linear, rank: int, size: int) -> Linear:
             return mx.concatenate([x, mx.zeros(shape, x.dtype)], axis=axis)
 
         if part.quantized:
-            part = attrs.evolve(part, weight=padded(part.weight), scales=padded(part.scales),
-                                biases=padded(part.biases), bias=padded(part.bias))
+            part = attrs.evolve(part, weight=padded(part.weight), bias=padded(part.bias)).with_quant(
+                scales=padded(part.quant.scales), biases=padded(part.quant.biases))
         else:
             part = attrs.evolve(part, weight=padded(part.weight, 1 if part.transposed else 0),
                                 bias=padded(part.bias))
-    return attrs.evolve(part, tp=("vocab", start, total))
+    return attrs.evolve(part, shard=Shard("vocab", first=start, width=total))
 
 
 
@@ -175,13 +176,13 @@ def split_experts(ex: Any, rank: int, size: int, i: int) -> Any:
     family's mixture sums its weighted sum over the ranks), and a shared expert
     (shared_gate_up / shared_down) like a dense MLP."""
     f = ex.gate_up.out_features // 2
-    unit = ex.down.group_size if ex.down.quantized else 1
+    unit = ex.down.quant.group_size if ex.down.quantized else 1
     f0, f1 = split(f, size, rank, unit)
     out = attrs.evolve(ex, gate_up=split_rows(ex.gate_up, [(f0, f1), (f + f0, f + f1)]),
                        down=split_cols(ex.down, f0, f1, f"layer {i} experts' down_proj"))
     if getattr(ex, "shared_gate_up", None) is not None:
         fs = ex.shared_gate_up.out_features // 2
-        unit = ex.shared_down.group_size if ex.shared_down.quantized else 1
+        unit = ex.shared_down.quant.group_size if ex.shared_down.quantized else 1
         s0, s1 = split(fs, size, rank, unit)
         out = attrs.evolve(out, shared_gate_up=split_rows(ex.shared_gate_up, [(s0, s1), (fs + s0, fs + s1)]),
                            shared_down=split_cols(ex.shared_down, s0, s1, f"layer {i} shared expert's down_proj"))
@@ -211,7 +212,7 @@ def split_mlp(mlp: Any, rank: int, size: int, name: str, up: str = "gate_up", do
     `down` columns: this rank's slice of the intermediate features."""
     lin = getattr(mlp, down)
     f = lin.in_features
-    f0, f1 = split(f, size, rank, lin.group_size if lin.quantized else 1)
+    f0, f1 = split(f, size, rank, lin.quant.group_size if lin.quantized else 1)
     cut = [(f0, f1), (f + f0, f + f1)] if fused else [(f0, f1)]
     return attrs.evolve(mlp, **{up: split_rows(getattr(mlp, up), cut, keep_origin=True),
                                 down: split_cols(lin, f0, f1, f"{name} {down}")})

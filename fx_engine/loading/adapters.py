@@ -36,7 +36,7 @@ import mlx.core as mx
 
 from fx_engine.core.adapters import AdapterBank, Segment, bank_from, bucket
 from fx_engine.core.checkpoint import WeightsError, dequantized
-from fx_engine.core.nn import Linear, linears, row_major
+from fx_engine.core.nn import Linear, Quant, linears, row_major
 from fx_engine.loading.weights import _TEXT_PREFIXES
 
 __all__ = ["AdapterError", "AdapterSet", "RawAdapter", "fuse_params", "map_adapter", "read_adapter"]
@@ -248,9 +248,10 @@ def _rows_of(lin: Linear, start: int, n: int) -> mx.array:
     """Rows [start, start + n) of a linear's weight as float32 [n, in]."""
     lin = row_major(lin)  # (the 8-bit mode's interleaved weights: back in rows)
     if lin.quantized:
-        return dequantized(Linear(weight=lin.weight[start : start + n], scales=lin.scales[start : start + n],
-                                  biases=None if lin.biases is None else lin.biases[start : start + n],
-                                  group_size=lin.group_size, bits=lin.bits, mode=lin.mode), mx.float32).weight
+        q = lin.quant
+        rows = Quant(q.scales[start : start + n], None if q.biases is None else q.biases[start : start + n],
+                     q.group_size, q.bits, q.mode)
+        return dequantized(Linear(weight=lin.weight[start : start + n], quant=rows), mx.float32).weight
     w = lin.weight.T if lin.transposed else lin.weight
     return w[start : start + n].astype(mx.float32)
 
@@ -295,7 +296,7 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
         if hit is None and pipe and not layer and pipe.hands_on:
             continue  # the head's (or another module outside the layers): the last stage's
         if hit is None and mod in ("lm_head", "output") and getattr(params, "lm_head", None) is not None \
-                and params.lm_head.tp:
+                and params.lm_head.shard is not None:
             raise AdapterError(f"{raw.path}: module '{mod}': adapters on a vocabulary-sharded output "
                                "head (tensor parallelism) are not supported")
         if hit is None:
@@ -304,7 +305,7 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
                                + (f"; close: {', '.join(close)}" if close else ""))
         i, start, rows, m0, total = hit
         lin = lins[i]
-        if lin.weight.ndim != 2 or lin.mode != "affine":
+        if lin.weight.ndim != 2 or (lin.quantized and lin.quant.mode != "affine"):
             raise AdapterError(f"{raw.path}: module '{mod}' is an expert stack (adapters on "
                                "experts are not supported)")
         if raw.num_layers is not None and num_layers is not None and 0 <= raw.num_layers < num_layers:
@@ -313,8 +314,9 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
                 raise AdapterError(f"{raw.path}: module '{mod}' is outside the adapter's last "
                                    f"num_layers={raw.num_layers} of {num_layers} layers")
         k = lin.in_features
-        # a row-parallel shard (tp ("sum", first, end)) holds input features [first, end)
-        k0, k1, k_full = (lin.tp[1], lin.tp[2], lin.tp[3]) if lin.tp and lin.tp[0] == "sum" else (0, k, k)
+        # a row-parallel shard (a "sum" Shard) holds input features [first, end) of width
+        summed = lin.shard is not None and lin.shard.kind == "sum"
+        k0, k1, k_full = (lin.shard.first, lin.shard.end, lin.shard.width) if summed else (0, k, k)
         if fac.a.shape[0] != k_full or fac.b.shape[1] != total:
             raise AdapterError(
                 f"{raw.path}: module '{mod}' maps [{fac.a.shape[0]} -> {fac.b.shape[1]}] but the "
@@ -327,8 +329,8 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
             sq_w = mx.sum(w * w, axis=1)
             adapted = w + (b.T @ a.T)
             sq = mx.sum(adapted * adapted, axis=1)
-            if lin.tp and lin.tp[0] == "sum":  # the row norms span every rank's input slice
-                sq, sq_w = (mx.distributed.all_sum(v, group=lin.group) for v in (sq, sq_w))
+            if summed:  # the row norms span every rank's input slice
+                sq, sq_w = (mx.distributed.all_sum(v, group=lin.shard.group) for v in (sq, sq_w))
             m = fac.m.astype(mx.float32)[m0 : m0 + rows] if fac.m is not None else mx.sqrt(sq_w)
             mag = m / mx.sqrt(sq)
         out.setdefault(i, []).append(Segment(start=start, a=a, b=b, mag=mag))
@@ -437,7 +439,7 @@ def fuse_params(params: Any, segments: dict[int, list[Segment]], dtype: Any) -> 
             at = s.start + rows
         parts.append(w[at:])
         merged = mx.concatenate(parts, axis=0).astype(dtype)
-        return attrs.evolve(lin, weight=mx.contiguous(merged.T), scales=None, biases=None, group_size=0,
-                            bits=0, transposed=True)  # tensor-parallel marks (tp) kept
+        return attrs.evolve(lin, weight=mx.contiguous(merged.T), quant=None,
+                            transposed=True)  # tensor-parallel marks (shard) kept
 
     return map_linears(params, fuse)

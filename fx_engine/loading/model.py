@@ -151,7 +151,7 @@ def model_fingerprint(meta: list[str], files: list[Path]) -> str:
 def _weight_kinds(params: Any) -> str:
     """What the matmul weights became, e.g. "4-bit+8-bit (native)" or "float32"."""
     lins = linears(params)
-    bits = sorted({lin.bits for lin in lins if lin.quantized})
+    bits = sorted({lin.quant.bits for lin in lins if lin.quantized})
     kinds = [f"{b}-bit" for b in bits] + sorted({str(lin.weight.dtype).split(".")[-1]
                                                  for lin in lins if not lin.quantized})
     native = " (native kernels)" if bits and getattr(params, "numerics", None) and params.numerics.native else ""

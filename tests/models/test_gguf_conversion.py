@@ -286,7 +286,7 @@ def test_mxfp4_matrices_kept_or_dequantized_match_mlx_lm(tmp_path, keep, tiny_fo
     oracle = _gpt_oss_gguf(folder, tmp_path / "m.gguf", True, matrices=True)
     model = fx_engine.load(tmp_path / "m.gguf", keep_quantized=keep)
     o = model.params.layers[0].o
-    assert (o.mode, o.quantized) == (("mxfp4", True) if keep else ("affine", False))
+    assert (o.quant.mode if o.quantized else "affine", o.quantized) == (("mxfp4", True) if keep else ("affine", False))
     ids = model.tokenizer.encode(LONG_TEXT)[:80]
     ref, _ = load_model(oracle)
     ref.set_dtype(mx.float32)
@@ -308,7 +308,8 @@ def test_gpt_oss_gguf_matches_mlx_lm(tmp_path, mxfp4, tiny_folder):
                   "rope_theta", "swiglu_limit"):
         assert getattr(model.config, field) == getattr(want, field), field
     assert model.config.rope_type == "yarn"
-    assert model.params.layers[0].down.mode == ("mxfp4" if mxfp4 else "affine")
+    down = model.params.layers[0].down
+    assert (down.quant.mode if down.quantized else "affine") == ("mxfp4" if mxfp4 else "affine")
     ids = model.tokenizer.encode(LONG_TEXT)[:80]
     ref, _ = load_model(oracle)
     ref.set_dtype(mx.float32)

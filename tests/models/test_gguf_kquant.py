@@ -127,17 +127,17 @@ def test_kquant_gguf_matches_mlx_lm_on_its_reference_dequantization(kquant_model
     path, folder = kquant_model
     model = fx_engine.load(path)
     l0, l1 = model.params.layers
-    kinds = [(lin.bits, lin.group_size) if lin.quantized else "dense"
+    kinds = [(lin.quant.bits, lin.quant.group_size) if lin.quantized else "dense"
              for lin in (l0.o, l1.o, l0.gate_up, l0.qkv, l0.down)]
     # Q4_K kept as 4 bits; Q8_0 8 bits; Q4_K | Q5_0 fused at 5 bits (the widest part's:
     # exact); q|k|v with a Q6_K part at 6 bits in groups of 16 (the Q4_K parts' groups of 32
     # split in two, exact too); the Q6_K down projection as stored, 6 bits in groups of 16
     assert kinds == [(4, 32), (8, 32), (5, 32), (6, 16), (6, 16)], kinds
     # layer 1's IQ4_XS | IQ4_NL gate|up: codebook indices as 8-bit affine integers
-    assert (l1.gate_up.bits, l1.gate_up.group_size) == (8, 32)
+    assert (l1.gate_up.quant.bits, l1.gate_up.quant.group_size) == (8, 32)
     # the Q6_K embedding, looked up (and the head when tied): as stored
     emb = model.params.embed
-    assert ((emb.bits, emb.group_size) if emb.quantized else "dense") == (6, 16)
+    assert ((emb.quant.bits, emb.quant.group_size) if emb.quantized else "dense") == (6, 16)
     ref_model, _ = load_model(folder)
     ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)[:64]
     ours = np.asarray(fx_engine.logits(model, ids, chunk=32))
@@ -163,29 +163,30 @@ def test_kquant_scales_stay_compact_and_give_the_float32_bits(kquant_model):
     path, _ = kquant_model
     model = fx_engine.load(path)
     l0, l1 = model.params.layers
-    forms = {name: (str(lin.scales.dtype), lin.bits, lin.group_size)
+    forms = {name: (str(lin.quant.scales.dtype), lin.quant.bits, lin.quant.group_size)
              for name, lin in (("o", l0.o), ("o1", l1.o), ("qkv", l0.qkv), ("down", l0.down), ("gate_up", l0.gate_up))}
     assert forms == {"o": ("mlx.core.int16", 4, 32),  # Q4_K
                      "o1": ("mlx.core.float16", 8, 32),  # Q8_0: its d as a half
                      "qkv": ("mlx.core.int16", 6, 16),  # Q4_K q/k regrouped with a Q6_K v
                      "down": ("mlx.core.int16", 6, 16),  # Q6_K
                      "gate_up": ("mlx.core.float32", 5, 32)}, forms  # Q4_K | Q5_0: forms differ
-    assert l0.down.biases.shape == (H, FF // 256, 2) and l0.down.biases.dtype == mx.float16
+    assert l0.down.quant.biases.shape == (H, FF // 256, 2) and l0.down.quant.biases.dtype == mx.float16
 
     def as_float32(lin):
-        if not lin.quantized or lin.mode != "affine":
+        if not lin.quantized or lin.quant.mode != "affine":
             return lin
         lin = checkpoint.expanded(lin)
-        return attrs.evolve(lin, scales=lin.scales.astype(mx.float32), biases=lin.biases.astype(mx.float32))
+        return lin.with_quant(scales=lin.quant.scales.astype(mx.float32), biases=lin.quant.biases.astype(mx.float32))
 
     wide = attrs.evolve(model, params=map_linears(model.params, lambda i, lin: as_float32(lin)))
-    assert all(lin.scales.dtype == mx.float32 for lin in nn.linears(wide.params) if lin.quantized)
+    assert all(lin.quant.scales.dtype == mx.float32 for lin in nn.linears(wide.params) if lin.quantized)
     ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
     for chunk in (1, 32):
         assert np.array_equal(np.asarray(fx_engine.logits(model, ids, chunk=chunk)),
                               np.asarray(fx_engine.logits(wide, ids, chunk=chunk)))
-    compact = sum(a.nbytes for lin in nn.linears(model.params) if lin.quantized for a in (lin.scales, lin.biases))
-    full = sum(a.nbytes for lin in nn.linears(wide.params) if lin.quantized for a in (lin.scales, lin.biases))
+    compact = sum(a.nbytes for lin in nn.linears(model.params) if lin.quantized
+                  for a in (lin.quant.scales, lin.quant.biases))
+    full = sum(a.nbytes for lin in nn.linears(wide.params) if lin.quantized for a in (lin.quant.scales, lin.quant.biases))
     assert compact < 0.5 * full, (compact, full)
 
 

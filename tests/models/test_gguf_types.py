@@ -174,15 +174,15 @@ def test_widths_the_kernels_lack_are_widened_to_8_bits_exactly(bits):
     """A 2/5/6-bit linear where the policy keeps 8 bits (the native CPU kernels) becomes an
     8-bit one with the same scales and biases: the same values, not a float copy."""
     from fx_engine.core.checkpoint import finish
-    from fx_engine.core.nn import Linear
+    from fx_engine.core.nn import Linear, Quant
 
     w = mx.random.normal((8, 256), key=mx.random.key(bits))
     q, s, b = mx.quantize(w, group_size=32, bits=bits)
-    lin = Linear(weight=q, scales=s, biases=b, group_size=32, bits=bits)
+    lin = Linear(weight=q, quant=Quant(scales=s, biases=b, group_size=32, bits=bits))
     out = finish(lin, mx.float32, lambda group, width: width in (4, 8) and group % 32 == 0)
-    assert out.quantized and out.bits == 8 and out.group_size == 32
+    assert out.quantized and out.quant.bits == 8 and out.quant.group_size == 32
     np.testing.assert_array_equal(
-        np.asarray(mx.dequantize(out.weight, out.scales, out.biases, group_size=32, bits=8)),
+        np.asarray(mx.dequantize(out.weight, out.quant.scales, out.quant.biases, group_size=32, bits=8)),
         np.asarray(mx.dequantize(q, s, b, group_size=32, bits=bits)))
     dense = finish(lin, mx.float32, False)  # a bool policy: dequantized, as before
     assert not dense.quantized
@@ -192,7 +192,7 @@ def test_a_lookup_only_table_stays_quantized_in_any_format():
     """An untied embedding table (only gathered, never a matmul) keeps its stored format
     (here 6-bit, group 16: no native kernel), and its rows equal the dense table's."""
     from fx_engine.core.checkpoint import finish
-    from fx_engine.core.nn import Linear, embed
+    from fx_engine.core.nn import Linear, Quant, embed
 
     from fx_engine.core.checkpoint import pack_stream as _pack
 
@@ -200,11 +200,11 @@ def test_a_lookup_only_table_stays_quantized_in_any_format():
     q = mx.array(_pack(rng.integers(0, 64, (64, 256), dtype=np.uint8), 6))
     s = mx.array(rng.uniform(0.01, 0.1, (64, 16)).astype(np.float32))
     b = mx.array(rng.uniform(-1, 1, (64, 16)).astype(np.float32))
-    lin = Linear(weight=q, scales=s, biases=b, group_size=16, bits=6)
+    lin = Linear(weight=q, quant=Quant(scales=s, biases=b, group_size=16, bits=6))
     native = lambda group, width: width in (4, 8) and group % 32 == 0  # noqa: E731
     kept = finish(lin, mx.float32, native, table=True, lookup_only=True)
     dense = finish(lin, mx.float32, native, table=True)
-    assert kept.quantized and (kept.bits, kept.group_size) == (6, 16) and not dense.quantized
+    assert kept.quantized and (kept.quant.bits, kept.quant.group_size) == (6, 16) and not dense.quantized
     ids = mx.array([3, 0, 63, 3])
     np.testing.assert_array_equal(np.asarray(embed(ids, kept)), np.asarray(embed(ids, dense)))
     assert not finish(lin, mx.float32, False, table=True, lookup_only=True).quantized

@@ -246,8 +246,8 @@ def test_moe_gguf_matches_mlx_lm(tmp_path, arch, model_type, types, tiny_folder)
     _compare(fx_engine.logits(model, ids, chunk=40), _mlx_lm(oracle)(mx.array([ids]))[0])
     if k_quants and model.params.numerics.native:  # packed, the file's scale forms
         ex = model.params.layers[0].experts
-        assert (ex.gate_up.bits, ex.gate_up.scales.dtype, ex.down.bits, ex.down.group_size,
-                ex.down.scales.dtype) == (4, mx.int16, 6, 16, mx.int16)
+        assert (ex.gate_up.quant.bits, ex.gate_up.quant.scales.dtype, ex.down.quant.bits, ex.down.quant.group_size,
+                ex.down.quant.scales.dtype) == (4, mx.int16, 6, 16, mx.int16)
         # 8-bit activations (the experts through qmm_a8): other numerics, close to the oracle
         a8 = fx_engine.logits(fx_engine.load(tmp_path / "m.gguf", activation_bits=8), ids, chunk=40)
         ref = _mlx_lm(oracle)(mx.array([ids]))[0]
@@ -275,7 +275,7 @@ def test_batched_experts_equal_each_token_through_its_experts(n, k, e, seed, bat
 
     from fx_engine.core import kernels
     from fx_engine.core.checkpoint import finish_experts
-    from fx_engine.core.nn import Linear, Numerics, routed_glu, swiglu
+    from fx_engine.core.nn import Linear, Numerics, Quant, routed_glu, swiglu
     from fx_engine.runtime import native as fx_native
 
     fx_native.ensure(quiet=True)
@@ -291,7 +291,7 @@ def test_batched_experts_equal_each_token_through_its_experts(n, k, e, seed, bat
         lin = Linear(weight=mx.array(w))
         if quantized:
             q, s, b = mx.quantize(mx.array(w), group_size=32, bits=4)
-            lin = Linear(weight=q, scales=s, biases=b, group_size=32, bits=4)
+            lin = Linear(weight=q, quant=Quant(scales=s, biases=b, group_size=32, bits=4))
             w[...] = np.asarray(mx.dequantize(q, s, b, group_size=32, bits=4))  # the reference's weights
         stacks.append(finish_experts(lin, mx.float32, True))
     # native: the packed stacks through the native experts' product (kernels.gather_qmm)

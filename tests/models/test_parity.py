@@ -211,7 +211,7 @@ def test_gguf_quantized_kept_quantized_matches_dequantized(default_model):
     """GGUF Q4_1/Q8_0 tensors kept quantized (the GPU path) give the same logits as the
     dequantized float32 path within quantized-matmul rounding."""
     q = fx_engine.load(default_model.path, keep_quantized=True)
-    assert q.params.layers[0].qkv.bits == 4 and q.params.embed.bits == 8
+    assert q.params.layers[0].qkv.quant.bits == 4 and q.params.embed.quant.bits == 8
     ids = default_model.tokenizer.encode(LONG_TEXT)[:64]
     a = fx_engine.logits(q, ids)
     b = fx_engine.logits(default_model, ids)

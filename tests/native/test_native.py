@@ -142,10 +142,10 @@ def test_linears_run_the_planned_kernel(kernel: str, gemm_from: int) -> None:
     batch-invariant mode, and in the default mode below `gemm_from` (so decode and verify
     steps share one kernel); from `gemm_from` rows up the default mode runs a BLAS GEMM on
     the natively dequantized weight: the same product to float32 accuracy."""
-    from fx_engine.core.nn import Linear, MatmulPlan, Numerics, linear
+    from fx_engine.core.nn import Linear, MatmulPlan, Numerics, Quant, linear
 
     wq, s, b = _quantized(40, 256, 32, 4)
-    lin = Linear(weight=wq, scales=s, biases=b, group_size=32, bits=4)
+    lin = Linear(weight=wq, quant=Quant(scales=s, biases=b, group_size=32, bits=4))
     kern = native.qgemm if kernel == "qgemm" else native.qmm
     plan = MatmulPlan(kernel=kernel, gemm_from=gemm_from)
     for bi in (False, True):
@@ -668,19 +668,19 @@ def test_activation_bits_run_six_bit_weights_packed(tmp_path) -> None:
     shape = sg.Shape("tiny", 256, 2, 512, 4, 2, 49152, tied=True, arch="llama")
     path = sg.write_file(tmp_path / "q4km.gguf", shape, "Q4_K_M")
     a8 = fx_engine.load(path, activation_bits=8)
-    six = [lin for lin in linears(a8.params) if lin.quantized and lin.bits == 6]
-    assert six and {lin.group_size for lin in six} == {16}, [(lin.bits, lin.group_size) for lin in six]
+    six = [lin for lin in linears(a8.params) if lin.quantized and lin.quant.bits == 6]
+    assert six and {lin.quant.group_size for lin in six} == {16}, [(lin.quant.bits, lin.quant.group_size) for lin in six]
 
     def widen(_: int, lin):  # noqa: ANN001
-        if not (lin.quantized and lin.bits == 6):
+        if not (lin.quantized and lin.quant.bits == 6):
             return lin
         raw = np.asarray(lin.weight).view(np.uint8)
         q = np.packbits(np.unpackbits(raw, axis=-1, bitorder="little").reshape(*raw.shape[:-1], -1, 6),
                         axis=-1, bitorder="little")[..., 0].astype(np.uint32)  # MLX's LSB-first stream
-        return attrs.evolve(lin, weight=_stream(q, 8), bits=8)
+        return attrs.evolve(lin, weight=_stream(q, 8)).with_quant(bits=8)
 
     wide = attrs.evolve(a8, params=map_linears(a8.params, widen))
-    assert 6 not in {lin.bits for lin in linears(wide.params) if lin.quantized}
+    assert 6 not in {lin.quant.bits for lin in linears(wide.params) if lin.quantized}
     ids = list(range(5, 40))
     for chunk in (1, 16):
         assert np.array_equal(np.asarray(scoring.logits(a8, ids, chunk=chunk)),
@@ -1019,12 +1019,12 @@ def test_mlx_checkpoint_scales_stay_as_stored_and_give_the_float32_bits(tmp_path
     folder = write_tiny_model(tmp_path / "m", "llama", dtype=dtype, quantize={"group_size": 32, "bits": 4})
     model = fx_engine.load(folder)
     kept = [lin for lin in linears(model.params) if lin.quantized]
-    assert kept and all(lin.scales.dtype == getattr(mx, dtype) for lin in kept if lin is not model.params.embed)
+    assert kept and all(lin.quant.scales.dtype == getattr(mx, dtype) for lin in kept if lin is not model.params.embed)
 
     def wide(_: int, lin):  # noqa: ANN001
         if not lin.quantized:
             return lin
-        return attrs.evolve(lin, scales=lin.scales.astype(mx.float32), biases=lin.biases.astype(mx.float32))
+        return lin.with_quant(scales=lin.quant.scales.astype(mx.float32), biases=lin.quant.biases.astype(mx.float32))
 
     ref = attrs.evolve(model, params=map_linears(model.params, wide))
     ids = list(range(5, 40))

@@ -1,6 +1,7 @@
 """The blocks the model families are built from: attention (Llama's, with its variants),
 RoPE tables, dense MLPs, routed experts (routing, the mixture, reading their stacks), and
-the checkpoint reader every family's `assemble` uses.
+the sizes the families' checkpoint tables name (the reader and the tables' entries are
+core/checkpoint.py's `Reader` and `read_tensors`, re-exported here).
 
 Each block is a pure function over a small frozen record plus the few config fields it
 reads, so a family composes them instead of reaching into another family's private
@@ -17,54 +18,37 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import LayerSpec, StepGeometry, attend_entry, write_entry
-from fx_engine.core.checkpoint import (LoadOptions, TensorSource, finish, finish_experts, fuse, fuse_experts,
-                                       read_linear)
+from fx_engine.core.checkpoint import Fused, Lin, LoadOptions, Reader, finish_experts, fuse_experts
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, linear, rms_norm, rope_tables, routed_mixture,
-                               scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
+                               scaled_rope_freqs, scaled_rope_mscale, shard_group, swiglu_fused)
 
-__all__ = ["Attention", "DenseMlp", "decoder_layer", "Experts", "GGUF_GROUPED_EXPERT_NAMES", "HF_EXPERT_NAMES", "Reader",
-           "STACKED_EXPERT_NAMES", "apply_partial_rope", "expert_stacks", "grouped_route", "mixture",
-           "read_shared_expert", "rope_freqs", "rope_in", "rope_mscale", "route", "scaled_rope", "self_attention",
-           "swiglu_mlp"]
-
-
-# ---------------------------------------------------------------- reading checkpoints
+__all__ = ["Attention", "DenseMlp", "decoder_layer", "Experts", "GATE_UP", "GGUF_GROUPED_EXPERT_NAMES", "HF_EXPERT_NAMES",
+           "HF_LAYER", "QKV", "Reader", "STACKED_EXPERT_NAMES", "SWIGLU_MLP", "apply_partial_rope", "attention_sizes",
+           "expert_stacks", "grouped_route", "mixture", "read_shared_expert", "rope_freqs", "rope_in", "rope_mscale",
+           "route", "scaled_rope", "self_attention", "swiglu_mlp"]
 
 
-class Reader:
-    """A family's view of a checkpoint while it assembles params: every linear read the
-    same way (its quantization from the load options, shapes checked, `where` in errors),
-    then finished or fused in the load's dtype and quantization policy. One reader instead
-    of a local `lin` / `vec` helper in every `assemble`."""
+# ---------------------------------------------------------------- checkpoint names and sizes
 
-    def __init__(self, src: TensorSource, opts: LoadOptions) -> None:
-        self.src, self.opts = src, opts
+# Hugging Face's names of the Llama-style blocks most families share (their tables,
+# `checkpoint.read_tensors`): a layer's prefix, q|k|v and gate|up as (name, rows)
+HF_LAYER = "model.layers.{i}."
+QKV = (("self_attn.q_proj", "q_width"), ("self_attn.k_proj", "kv_width"), ("self_attn.v_proj", "kv_width"))
+GATE_UP = (("mlp.gate_proj", "intermediate_size"), ("mlp.up_proj", "intermediate_size"))
+# a SwiGLU MLP without biases (`DenseMlp`'s fields) under the layer's prefix
+SWIGLU_MLP = (Fused("gate_up", GATE_UP, "hidden_size"),
+              Lin("down", "mlp.down_proj", "hidden_size", "intermediate_size"))
 
-    def raw(self, name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
-        """The linear `name` as stored (not yet finished: to fuse, cut or finish)."""
-        return read_linear(self.src, name, out_f, in_f, self.opts.quant_for(name), bias, self.opts.where)
 
-    def linear(self, name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
-        """The linear `name`, finished for the forward."""
-        return self.finish(self.raw(name, out_f, in_f, bias))
 
-    def finish(self, lin: Linear, **kwargs: Any) -> Linear:
-        return finish(lin, self.opts.dtype, self.opts.keep_quantized, **kwargs)
-
-    def fused(self, parts: list[Linear]) -> Linear:
-        """Linears read with `raw`, fused row-wise into one (q|k|v, gate|up)."""
-        return fuse(parts, self.opts.dtype, self.opts.keep_quantized)
-
-    def table(self, name: str, rows: int, width: int, lookup_only: bool = False) -> Linear:
-        """An embedding table (lookup_only: never used as the output head)."""
-        return self.finish(self.raw(name, rows, width), table=True, lookup_only=lookup_only)
-
-    def vec(self, name: str, n: int) -> mx.array:
-        """A vector (a norm's weight) in the activation dtype."""
-        return self.src.get(name, (n,), self.opts.where).astype(self.opts.dtype)
-
-    def has(self, name: str) -> bool:
-        return self.src.has(name)
+def attention_sizes(cfg: Any, whole_qk_norms: bool = False) -> dict[str, Any]:
+    """The sizes and flags the families' checkpoint tables (`checkpoint.read_tensors`) name
+    beyond their config's fields: the q and k/v projections' widths, the q/k norms' (per
+    head, or over the whole projections: OLMo's) and whether the output head is untied."""
+    hd = cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    return {"q_width": q, "kv_width": kv, "q_norm_width": q if whole_qk_norms else hd,
+            "k_norm_width": kv if whole_qk_norms else hd, "untied": not getattr(cfg, "tie_word_embeddings", True)}
 
 
 # ---------------------------------------------------------------- RoPE
@@ -147,9 +131,9 @@ def self_attention(
     whole = lp.q_norm is not None and (lp.q_norm.shape[-1] != d or bool(widths))
     if whole:  # norms over whole projections
         qkv = mx.concatenate([rms_norm(qkv[:, : hq * d], lp.q_norm, eps, num, widths[0] if widths else None,
-                                       lp.o.group),
+                                       shard_group(lp.o)),
                               rms_norm(qkv[:, hq * d : (hq + hk) * d], lp.k_norm, eps, num,
-                                       widths[1] if widths else None, lp.o.group),
+                                       widths[1] if widths else None, shard_group(lp.o)),
                               qkv[:, (hq + hk) * d :]], axis=-1)
     qkv = qkv.reshape(b, t, hq + 2 * hk, d)
     if lp.q_norm is not None and not whole:  # qwen3: per-head, before RoPE

@@ -19,10 +19,11 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, attend_entry, write_entry
-from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, renamed
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Norm, Reader, TensorSource,
+                                       TensorSpec, Vec, read_tensors, renamed)
 from fx_engine.core.config import (BOOL, FLOAT, INT, BaseConfig, ConfigError, Field, Same, gguf_hf_config, gguf_value,
                                    read_field, read_fields, token_ids)
-from fx_engine.core.models.blocks import Reader, rope_in, swiglu_mlp
+from fx_engine.core.models.blocks import HF_LAYER, QKV, SWIGLU_MLP, attention_sizes, rope_in, swiglu_mlp
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import PipelineStage, cut_layers, decoder_step, stage_logits
 from fx_engine.core.nn import Linear, Numerics, apply_rope, layer_norm, linear
@@ -175,33 +176,25 @@ def hidden_to_logits(p: CohereParams, h: Float[mx.array, "*N H"]) -> Float[mx.ar
     return stage_logits(p, h, lambda: (linear(h, p.embed, p.numerics) * p.config.logit_scale).astype(mx.float32))
 
 
+# Each layer's params from its tensors under model.layers.{i}. (`read_tensors`): one
+# LayerNorm before both branches, Llama's projections, per-head q/k LayerNorm weights
+# [heads, head_dim] (Command R+); the whole model's (the head is the embedding)
+LAYER = (
+    Norm("norm", "input_layernorm", bias="layer_norm_bias"),
+    Fused("qkv", QKV, "hidden_size", bias="attention_bias"),
+    Lin("o", "self_attn.o_proj", "hidden_size", "q_width", bias="attention_bias"),
+    *SWIGLU_MLP,
+    Vec("q_norm", "self_attn.q_norm.weight", ("num_heads", "head_dim"), when="qk_norm"),
+    Vec("k_norm", "self_attn.k_norm.weight", ("num_kv_heads", "head_dim"), when="qk_norm"),
+)
+TOP = (Embedding("embed", "model.embed_tokens"), Norm("norm", "model.norm", bias="layer_norm_bias"))
+
+
 def assemble(cfg: CohereConfig, src: TensorSource, opts: LoadOptions) -> CohereParams:
-    rd, dtype, where = Reader(src, opts), opts.dtype, opts.where
-    h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    bias = cfg.attention_bias
-
-    def norm(name: str) -> tuple[mx.array, mx.array | None]:  # a LayerNorm's weight and (optional) bias
-        b = rd.vec(name + ".bias", h) if cfg.layer_norm_bias else None
-        return rd.vec(name + ".weight", h), b
-
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
-        qk = {}
-        if cfg.qk_norm:
-            qk = dict(q_norm=src.get(a + "q_norm.weight", (cfg.num_heads, hd), where).astype(dtype),
-                      k_norm=src.get(a + "k_norm.weight", (cfg.num_kv_heads, hd), where).astype(dtype))
-        layers.append(CohereLayer(
-            norm=norm(p + "input_layernorm"),
-            qkv=rd.fused([rd.raw(a + n, rows, h, bias) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))]),
-            o=rd.linear(a + "o_proj", h, hq, bias),
-            gate_up=rd.fused([rd.raw(m + "gate_proj", ff, h), rd.raw(m + "up_proj", ff, h)]),
-            down=rd.linear(m + "down_proj", h, ff), **qk,
-        ))
-    return CohereParams(embed=rd.table("model.embed_tokens", cfg.vocab_size, h), layers=tuple(layers),
-                        norm=norm("model.norm"), config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
+    rd, sizes = Reader(src, opts), attention_sizes(cfg)
+    layers = tuple(CohereLayer(**read_tensors(rd, LAYER, cfg, HF_LAYER, i, sizes)) for i in range(cfg.num_layers))
+    return CohereParams(layers=layers, **read_tensors(rd, TOP, cfg), config=cfg, numerics=opts.numerics,
+                        dtype=opts.dtype_name)
 
 
 def checkpoint_layout(cfg: CohereConfig) -> dict[str, TensorSpec]:

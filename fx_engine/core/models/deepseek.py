@@ -30,13 +30,14 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, attend_latent, write_entry
-from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, WeightsError,
-                                      dequantized, finish_experts, fuse_experts, read_experts, read_linear, renamed)
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Lin, LoadOptions, Reader, TensorSource,
+                                       TensorSpec, Vec, WeightsError, dequantized, finish_experts, fuse_experts,
+                                       read_experts, read_linear, read_tensors, renamed)
 from fx_engine.core.config import (BOOL, FLOAT, INT, INT_OR_ZERO, MAYBE_POSITIVE, BaseConfig, ConfigError, Field,
                                    check_rope_scaling, gguf_grouped_experts, gguf_hf_config, gguf_value, gguf_yarn,
                                    read_fields, token_ids)
-from fx_engine.core.models.blocks import (GGUF_GROUPED_EXPERT_NAMES, Reader, grouped_route, read_shared_expert,
-                                          swiglu_mlp)
+from fx_engine.core.models.blocks import (GGUF_GROUPED_EXPERT_NAMES, HF_LAYER, SWIGLU_MLP, grouped_route,
+                                          read_shared_expert, swiglu_mlp)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import PipelineStage, cut_layers, decoder_step, stage_logits
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, linear, rms_norm, rope_tables, routed_mixture,
@@ -303,48 +304,61 @@ def _head_maps(cfg: DeepseekConfig, src: TensorSource, pre: str, opts: LoadOptio
     return mx.contiguous(w_uk), mx.contiguous(w_uv)
 
 
+# Each layer's params from its tensors under model.layers.{i}. (`read_tensors`): the
+# attention's (under self_attn.: queries low-rank or one q_proj, DeepSeek-V2-Lite's; the
+# per-head maps are `_head_maps`'), the norms, a dense layer's MLP (`SWIGLU_MLP`); routed
+# layers' experts are `_routed_experts`'. The whole model's: the head is its own.
+ATTENTION = (
+    Lin("q_a", "q_a_proj", "q_lora_rank", "hidden_size", bias="attention_bias", when="q_lora_rank"),
+    Vec("q_a_norm", "q_a_layernorm.weight", "q_lora_rank", when="q_lora_rank"),
+    Lin("q_b", "q_b_proj", "q_width", "q_lora_rank", when="q_lora_rank"),
+    Lin("q_b", "q_proj", "q_width", "hidden_size", when="q_whole"),
+    Lin("kv_a", "kv_a_proj_with_mqa", "kv_a_width", "hidden_size", bias="attention_bias"),
+    Vec("kv_a_norm", "kv_a_layernorm.weight", "kv_lora_rank"),
+    Lin("o", "o_proj", "hidden_size", "o_width", bias="attention_bias"),
+)
+NORMS = (Vec("attn_norm", "input_layernorm.weight", "hidden_size"),
+         Vec("mlp_norm", "post_attention_layernorm.weight", "hidden_size"))
+TOP = (
+    Embedding("embed", "model.embed_tokens", lookup_only=True),
+    Vec("norm", "model.norm.weight", "hidden_size"),
+    Lin("lm_head", "lm_head", "vocab_size", "hidden_size"),
+)
+
+
 def assemble(cfg: DeepseekConfig, src: TensorSource, opts: LoadOptions) -> DeepseekParams:
-    rd, dtype, keep, where = Reader(src, opts), opts.dtype, opts.keep_quantized, opts.where
-    h, hq, dn, dr, dv, r = (cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                            cfg.v_head_dim, cfg.kv_lora_rank)
-    bias = cfg.attention_bias
-    layers = []
-    for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        a = pre + "self_attn."
+    rd = Reader(src, opts)
+    hq, dn, dr, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    sizes = {"q_width": hq * (dn + dr), "kv_a_width": cfg.kv_lora_rank + dr, "o_width": hq * dv,
+             "q_whole": not cfg.q_lora_rank}
+
+    def layer(i: int) -> DeepseekLayer:
+        a = HF_LAYER.format(i=i) + "self_attn."
         w_uk, w_uv = _head_maps(cfg, src, a, opts)
-        q_lora = cfg.q_lora_rank
-        attn = MLA(
-            q_a=rd.linear(a + "q_a_proj", q_lora, h, bias) if q_lora else None,
-            q_a_norm=rd.vec(a + "q_a_layernorm.weight", q_lora) if q_lora else None,
-            q_b=rd.linear(a + ("q_b_proj" if q_lora else "q_proj"), hq * (dn + dr), q_lora or h),
-            kv_a=rd.linear(a + "kv_a_proj_with_mqa", r + dr, h, bias), kv_a_norm=rd.vec(a + "kv_a_layernorm.weight", r),
-            w_uk=w_uk, w_uv=w_uv, o=rd.linear(a + "o_proj", h, hq * dv, bias),
-        )
-        m = pre + "mlp."
-        mlp: dict[str, Any] = {}
-        if cfg.moe_layers[i]:
-            e, f = cfg.num_experts, cfg.moe_intermediate_size
-            gate, up, down = (read_experts(src, m + "switch_mlp." + n, m + "experts.{e}." + n, e, o, k,
-                                           opts.quant_for, where)
-                              for n, (o, k) in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))))
-            shared = read_shared_expert(rd, h, cfg.num_shared_experts * f, m + "shared_experts.", None,
-                                        ("gate_proj", "up_proj", "down_proj"))
-            mlp["experts"] = RoutedExperts(
-                router=src.get(m + "gate.weight", (e, h), where).astype(dtype),
-                correction_bias=src.get(m + "gate.e_score_correction_bias", (e,), where).astype(mx.float32),
-                gate_up=fuse_experts(gate, up, dtype, keep), down=finish_experts(down, dtype, keep), **shared)
-        else:
-            ff = cfg.intermediate_size
-            mlp = dict(gate_up=rd.fused([rd.raw(m + n, ff, h) for n in ("gate_proj", "up_proj")]),
-                       down=rd.linear(m + "down_proj", h, ff))
-        layers.append(DeepseekLayer(attn_norm=rd.vec(pre + "input_layernorm.weight", h), attn=attn,
-                                    mlp_norm=rd.vec(pre + "post_attention_layernorm.weight", h), **mlp))
+        attn = MLA(**read_tensors(rd, ATTENTION, cfg, a, sizes=sizes), w_uk=w_uk, w_uv=w_uv)
+        mlp = (dict(experts=_routed_experts(cfg, rd, HF_LAYER.format(i=i) + "mlp.")) if cfg.moe_layers[i]
+               else read_tensors(rd, SWIGLU_MLP, cfg, HF_LAYER, i))
+        return DeepseekLayer(**read_tensors(rd, NORMS, cfg, HF_LAYER, i), attn=attn, **mlp)
+
     return DeepseekParams(
-        embed=rd.table("model.embed_tokens", cfg.vocab_size, h, lookup_only=True), layers=tuple(layers),
-        norm=rd.vec("model.norm.weight", h), lm_head=rd.linear("lm_head", cfg.vocab_size, h),
+        layers=tuple(layer(i) for i in range(cfg.num_layers)), **read_tensors(rd, TOP, cfg),
         rope_freqs=scaled_rope_freqs(dict(cfg.rope_scaling or ()), dr, cfg.rope_theta),
         config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
+
+
+def _routed_experts(cfg: DeepseekConfig, rd: Reader, m: str) -> RoutedExperts:
+    """A routed layer's experts under `m` (its mlp.): stacked (mlx-lm) or one tensor per
+    expert (Hugging Face), the router and its selection bias, the shared experts."""
+    src, opts, h = rd.src, rd.opts, cfg.hidden_size
+    e, f, dtype, keep = cfg.num_experts, cfg.moe_intermediate_size, opts.dtype, opts.keep_quantized
+    gate, up, down = (read_experts(src, m + "switch_mlp." + n, m + "experts.{e}." + n, e, o, k, opts.quant_for,
+                                   opts.where) for n, (o, k) in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))))
+    shared = read_shared_expert(rd, h, cfg.num_shared_experts * f, m + "shared_experts.", None,
+                                ("gate_proj", "up_proj", "down_proj"))
+    return RoutedExperts(
+        router=src.get(m + "gate.weight", (e, h), opts.where).astype(dtype),
+        correction_bias=src.get(m + "gate.e_score_correction_bias", (e,), opts.where).astype(mx.float32),
+        gate_up=fuse_experts(gate, up, dtype, keep), down=finish_experts(down, dtype, keep), **shared)
 
 
 def checkpoint_layout(cfg: DeepseekConfig) -> dict[str, TensorSpec]:

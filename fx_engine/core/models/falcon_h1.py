@@ -18,9 +18,9 @@ import attrs
 import mlx.core as mx
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec
+from fx_engine.core.checkpoint import LoadOptions, Reader, TensorSource, TensorSpec, Vec, read_tensors
 from fx_engine.core.config import BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, listed_eos, positive_int, read_fields
-from fx_engine.core.models.blocks import Attention, DenseMlp, Reader, rope_in, self_attention, swiglu_mlp
+from fx_engine.core.models.blocks import HF_LAYER, Attention, DenseMlp, rope_in, self_attention, swiglu_mlp
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, stage_logits
@@ -153,6 +153,13 @@ def _scaled(lin: Linear, s: Any) -> Linear:
     return attrs.evolve(lin, weight=w.astype(lin.weight.dtype), origin=())  # no adapter may target it
 
 
+# Each layer's norms from its tensors under model.layers.{i}. (`read_tensors`); its linears
+# are read in `assemble`, each times its muP multiplier where the checkpoint has not folded
+# it in (`_scaled`), its mixer by `read_mixer`
+NORMS = (Vec("attn_norm", "input_layernorm.weight", "hidden_size"),
+         Vec("mlp_norm", "pre_ff_layernorm.weight", "hidden_size"))
+
+
 def assemble(cfg: FalconH1Config, src: TensorSource, opts: LoadOptions) -> FalconH1Params:
     hid, d, mix = cfg.hidden_size, cfg.head_dim, cfg.mixer
     hq, hk = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -169,27 +176,26 @@ def assemble(cfg: FalconH1Config, src: TensorSource, opts: LoadOptions) -> Falco
         raw = rd.raw(name, out_f, in_f, b)
         return _scaled(raw, mult) if fold and mult is not None else raw
 
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
+    def layer(i: int) -> FalconH1Layer:
+        p = HF_LAYER.format(i=i)
         a, f, ab = p + "self_attn.", p + "feed_forward.", cfg.qkv_bias
         ai, ff = cfg.attention_in_multiplier, cfg.intermediate_size
-        layers.append(FalconH1Layer(
-            attn_norm=rd.vec(p + "input_layernorm.weight", hid),
+        return FalconH1Layer(
+            **read_tensors(rd, NORMS, cfg, HF_LAYER, i),
             mamba=read_mixer(src, p + "mamba.", mix, opts, cfg.mamba_bias, cfg.conv_bias),
             attn=Attention(qkv=rd.fused([lin(a + "q_proj", hq, hid, ab, ai), lin(a + "k_proj", hk, hid, ab, ai),
                                          lin(a + "v_proj", hk, hid, ab)]),
                            o=rd.finish(lin(a + "o_proj", hid, hq, ab, cfg.attention_out_multiplier))),
-            mlp_norm=rd.vec(p + "pre_ff_layernorm.weight", hid),
             mlp=DenseMlp(gate_up=rd.fused([lin(f + "gate_proj", ff, hid, cfg.mlp_bias, cfg.mlp_multipliers[0]),
                                            lin(f + "up_proj", ff, hid, cfg.mlp_bias)]),
-                         down=rd.finish(lin(f + "down_proj", hid, ff, cfg.mlp_bias, cfg.mlp_multipliers[1])))))
+                         down=rd.finish(lin(f + "down_proj", hid, ff, cfg.mlp_bias, cfg.mlp_multipliers[1]))))
+
     head = None
     if not cfg.tie_word_embeddings:
         head = rd.finish(lin("lm_head", cfg.vocab_size, hid, False, cfg.lm_head_multiplier))
     return FalconH1Params(
         embed=rd.finish(lin("model.embed_tokens", cfg.vocab_size, hid, False, cfg.embedding_multiplier), table=True),
-        layers=tuple(layers), norm=rd.vec("model.final_layernorm.weight", hid),
+        layers=tuple(layer(i) for i in range(cfg.num_layers)), norm=rd.vec("model.final_layernorm.weight", hid),
         lm_head=head, config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
 
 

@@ -29,11 +29,12 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
-from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, finish_experts,
-                                      fuse_experts, read_expert_stack, renamed)
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Reader, TensorSource,
+                                       TensorSpec, Vec, finish_experts, fuse_experts, read_expert_stack, read_tensors,
+                                       renamed)
 from fx_engine.core.config import (BOOL, FLOAT, INT, INT_OR_ZERO, MAYBE_BOOL, MAYBE_FLOAT, POSITIVE, BaseConfig,
                                    ConfigError, Field, gguf_value, positive_int, read_fields, refuse, token_ids)
-from fx_engine.core.models.blocks import Reader
+from fx_engine.core.models.blocks import GATE_UP, HF_LAYER
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import (PipelineStage, cut_layers, hands_on, later_stage, stage_input, stage_logits,
                                             stage_output)
@@ -551,6 +552,43 @@ def hidden_to_logits(p: GemmaParams, h: Float[mx.array, "*N H"]) -> Float[mx.arr
 # ------------------------------------------------------------------ checkpoints
 
 
+# Each layer's params from its tensors under model.layers.{i}. (`read_tensors`, with the
+# layer's own sizes: Gemma 4's vary by layer; q|k|v is `_qkv`'s, Gemma 4's routed experts
+# `_read_moe`'s). Norms are read plus `norm_offset` (Gemma 3's files store 1 + w). The whole
+# model's: the head where untied, Gemma 4's per-layer input embeddings.
+_PLI = "hidden_size_per_layer_input"  # (0: none)
+LAYER = (
+    Vec("attn_norm", "input_layernorm.weight", "hidden_size", plus="norm_offset"),
+    Vec("q_norm", "self_attn.q_norm.weight", "head_dim", plus="norm_offset", when="qk_norm"),
+    Vec("k_norm", "self_attn.k_norm.weight", "head_dim", plus="norm_offset", when="own_k_norm"),
+    Lin("o", "self_attn.o_proj", "hidden_size", "q_width"),
+    Vec("post_attn_norm", "post_attention_layernorm.weight", "hidden_size", plus="norm_offset"),
+    Vec("pre_ff_norm", "pre_feedforward_layernorm.weight", "hidden_size", plus="norm_offset"),
+    Fused("gate_up", GATE_UP, "hidden_size"),
+    Lin("down", "mlp.down_proj", "hidden_size", "intermediate_size"),
+    Vec("post_ff_norm", "post_feedforward_layernorm.weight", "hidden_size", plus="norm_offset"),
+    Lin("pli_gate", "per_layer_input_gate", _PLI, "hidden_size", when=_PLI),
+    Lin("pli_proj", "per_layer_projection", "hidden_size", _PLI, when=_PLI),
+    Vec("pli_norm", "post_per_layer_input_norm.weight", "hidden_size", plus="norm_offset", when=_PLI),
+    Vec("layer_scalar", "layer_scalar", 1, when="is_gemma4"),
+)
+TOP = (
+    Embedding("embed", "model.embed_tokens", lookup_only="untied"),
+    Vec("norm", "model.norm.weight", "hidden_size", plus="norm_offset"),
+    Lin("lm_head", "lm_head", "vocab_size", "hidden_size", when="untied"),
+    Embedding("embed_per_layer", "model.embed_tokens_per_layer", cols="per_layer_width", lookup_only=True, when=_PLI),
+    Lin("per_layer_proj", "model.per_layer_model_projection", "per_layer_width", "hidden_size", when=_PLI),
+    Vec("per_layer_proj_norm", "model.per_layer_projection_norm.weight", _PLI, plus="norm_offset", when=_PLI),
+)
+MOE = (
+    Lin("router", "router.proj", "num_experts", "hidden_size"),
+    Vec("per_expert_scale", "router.per_expert_scale", "num_experts"),
+    Vec("pre_norm", "pre_feedforward_layernorm_2.weight", "hidden_size", plus="norm_offset"),
+    Vec("post_norm", "post_feedforward_layernorm_2.weight", "hidden_size", plus="norm_offset"),
+    Vec("post_mlp_norm", "post_feedforward_layernorm_1.weight", "hidden_size", plus="norm_offset"),  # the dense MLP's
+)
+
+
 def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions,
              norm_offset: float | None = None) -> GemmaParams:
     """Gemma 3 / Gemma 4 text weights under mlx-lm's (= Hugging Face's) names. Gemma 3's
@@ -558,67 +596,35 @@ def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions,
     to float32 weights; `norm_offset` 0 for files that store the scale itself). Projections
     of KV-shared layers, rotary buffers and activation clipping ranges in a checkpoint are
     unused (mlx-lm drops them too)."""
-    rd, dtype, where = Reader(src, opts), opts.dtype, opts.where
-    hid = cfg.hidden_size
+    rd = Reader(src, opts)
     offset = (0.0 if cfg.is_gemma4 else 1.0) if norm_offset is None else norm_offset
-    lin = rd.raw
-
-    def norm(name: str, n: int) -> mx.array:
-        return (src.get(name, (n,), where).astype(mx.float32) + offset).astype(dtype)
-
-    layers = []
-    for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        d, hk, hq = cfg.layer_head_dim(i), cfg.layer_kv_heads(i), cfg.num_heads * cfg.layer_head_dim(i)
-        ff = cfg.layer_intermediate(i)
-        own_kv = cfg.computes_kv(i)
-        parts = [lin(pre + "self_attn.q_proj", hq, hid)]
-        if own_kv:
-            parts.append(lin(pre + "self_attn.k_proj", hk * d, hid))
-            if not cfg.k_eq_v(i):
-                parts.append(lin(pre + "self_attn.v_proj", hk * d, hid))
-        extra = {}
-        if cfg.hidden_size_per_layer_input:
-            hpl = cfg.hidden_size_per_layer_input
-            extra = dict(
-                pli_gate=rd.linear(pre + "per_layer_input_gate", hpl, hid),
-                pli_proj=rd.linear(pre + "per_layer_projection", hid, hpl),
-                pli_norm=norm(pre + "post_per_layer_input_norm.weight", hid),
-            )
-        if cfg.is_gemma4:
-            extra["layer_scalar"] = src.get(pre + "layer_scalar", (1,), where).astype(dtype)
-        if cfg.num_experts:
-            extra["moe"] = _read_moe(cfg, src, pre, opts, norm)
-        layers.append(GemmaLayer(
-            attn_norm=norm(pre + "input_layernorm.weight", hid),
-            qkv=rd.fused(parts),
-            q_norm=norm(pre + "self_attn.q_norm.weight", d) if cfg.qk_norm else None,
-            k_norm=norm(pre + "self_attn.k_norm.weight", d) if own_kv and cfg.qk_norm else None,
-            o=rd.linear(pre + "self_attn.o_proj", hid, hq),
-            post_attn_norm=norm(pre + "post_attention_layernorm.weight", hid),
-            pre_ff_norm=norm(pre + "pre_feedforward_layernorm.weight", hid),
-            gate_up=rd.fused([lin(pre + "mlp.gate_proj", ff, hid), lin(pre + "mlp.up_proj", ff, hid)]),
-            down=rd.linear(pre + "mlp.down_proj", hid, ff),
-            post_ff_norm=norm(pre + "post_feedforward_layernorm.weight", hid),
-            **extra,
-        ))
     tied = cfg.tie_word_embeddings if cfg.is_gemma4 else not src.has("lm_head.weight")
-    embed = rd.table("model.embed_tokens", cfg.vocab_size, hid, lookup_only=not tied)
-    lm_head = None if tied else rd.linear("lm_head", cfg.vocab_size, hid)
-    per_layer = {}
-    if cfg.hidden_size_per_layer_input:
-        width = cfg.num_layers * cfg.hidden_size_per_layer_input
-        per_layer = dict(
-            embed_per_layer=rd.table("model.embed_tokens_per_layer", cfg.vocab_size, width, lookup_only=True),
-            per_layer_proj=rd.linear("model.per_layer_model_projection", width, hid),
-            per_layer_proj_norm=norm("model.per_layer_projection_norm.weight",
-                                     cfg.hidden_size_per_layer_input),
-        )
-    return GemmaParams(
-        embed=embed, layers=tuple(layers), norm=norm("model.norm.weight", hid), lm_head=lm_head,
-        **per_layer, config=attrs.evolve(cfg, tie_word_embeddings=tied), numerics=opts.numerics,
-        dtype=opts.dtype_name,
-    )
+    sizes = {"norm_offset": offset, "untied": not tied,
+             "per_layer_width": cfg.num_layers * cfg.hidden_size_per_layer_input}
+
+    def layer(i: int) -> GemmaLayer:
+        d = cfg.layer_head_dim(i)
+        own = {**sizes, "head_dim": d, "q_width": cfg.num_heads * d, "intermediate_size": cfg.layer_intermediate(i),
+               "own_k_norm": cfg.qk_norm and cfg.computes_kv(i)}
+        moe = _read_moe(cfg, rd, HF_LAYER.format(i=i), own) if cfg.num_experts else None
+        return GemmaLayer(**read_tensors(rd, LAYER, cfg, HF_LAYER, i, own), qkv=_qkv(cfg, rd, i), moe=moe)
+
+    return GemmaParams(layers=tuple(layer(i) for i in range(cfg.num_layers)), **read_tensors(rd, TOP, cfg, sizes=sizes),
+                       config=attrs.evolve(cfg, tie_word_embeddings=tied), numerics=opts.numerics,
+                       dtype=opts.dtype_name)
+
+
+def _qkv(cfg: GemmaConfig, rd: Reader, i: int) -> Linear:
+    """Layer i's q|k|v fused: [q] in a KV-shared layer (its K/V are an earlier layer's),
+    [q; k] where k doubles as v (Gemma 4's k_eq_v)."""
+    pre, d, hid = HF_LAYER.format(i=i) + "self_attn.", cfg.layer_head_dim(i), cfg.hidden_size
+    kv = cfg.layer_kv_heads(i) * d
+    parts = [rd.raw(pre + "q_proj", cfg.num_heads * d, hid)]
+    if cfg.computes_kv(i):
+        parts.append(rd.raw(pre + "k_proj", kv, hid))
+        if not cfg.k_eq_v(i):
+            parts.append(rd.raw(pre + "v_proj", kv, hid))
+    return rd.fused(parts)
 
 
 # llama.cpp's Gemma names that are not the common ones (the converter adds 1 to every norm
@@ -689,9 +695,11 @@ def config_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
     return config_from_hf(d, source)
 
 
-def _read_moe(cfg: GemmaConfig, src: TensorSource, pre: str, opts: LoadOptions, norm: Any) -> MoEBlock:
-    """Gemma 4 MoE weights, in Hugging Face's layout (experts.gate_up_proj [E, 2F, H],
-    experts.down_proj [E, H, F]) or mlx-lm's sanitized one (experts.switch_glu.*_proj)."""
+def _read_moe(cfg: GemmaConfig, rd: Reader, pre: str, sizes: dict[str, Any]) -> MoEBlock:
+    """Gemma 4 MoE weights: `MOE`'s, the router's scale, and the experts in Hugging Face's
+    layout (experts.gate_up_proj [E, 2F, H], experts.down_proj [E, H, F]) or mlx-lm's
+    sanitized one (experts.switch_glu.*_proj)."""
+    src, opts = rd.src, rd.opts
     dtype, keep_quantized, where = opts.dtype, opts.keep_quantized, opts.where
     e, f, hid = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     hf = pre + "experts.gate_up_proj"
@@ -706,15 +714,9 @@ def _read_moe(cfg: GemmaConfig, src: TensorSource, pre: str, opts: LoadOptions, 
         gate_up = fuse_experts(*parts, dtype, keep_quantized)
     scale = src.get(pre + "router.scale", (hid,), where).astype(mx.float32) * hid**-0.5
     return MoEBlock(
-        router=Reader(src, opts).linear(pre + "router.proj", e, hid),
-        router_scale=scale.astype(dtype),
-        per_expert_scale=src.get(pre + "router.per_expert_scale", (e,), where).astype(dtype),
+        **read_tensors(rd, MOE, cfg, pre, sizes=sizes), router_scale=scale.astype(dtype),
         gate_up=gate_up if gate_up.transposed or gate_up.quantized else finish_experts(gate_up, dtype, keep_quantized),
-        down=finish_experts(down, dtype, keep_quantized),
-        pre_norm=norm(pre + "pre_feedforward_layernorm_2.weight", hid),
-        post_norm=norm(pre + "post_feedforward_layernorm_2.weight", hid),
-        post_mlp_norm=norm(pre + "post_feedforward_layernorm_1.weight", hid),
-        top_k=cfg.top_k_experts,
+        down=finish_experts(down, dtype, keep_quantized), top_k=cfg.top_k_experts,
     )
 
 
@@ -845,7 +847,7 @@ def layer_range(p: GemmaParams, start: int, end: int) -> GemmaParams:
         hpl = cfg.hidden_size_per_layer_input
         a, b = start * hpl, end * hpl  # the range's layers' inputs
         table = split_cols(p.embed_per_layer, a, b, "the per-layer input table")
-        cut = attrs.evolve(cut, embed_per_layer=attrs.evolve(table, tp=p.embed_per_layer.tp),
+        cut = attrs.evolve(cut, embed_per_layer=attrs.evolve(table, shard=p.embed_per_layer.shard),
                            per_layer_proj=split_rows(p.per_layer_proj, [(a, b)]))
     return attrs.evolve(cut, config=attrs.evolve(cut.config, num_kv_shared_layers=shared,
                                                   stage_kv_in=kv_in, stage_kv_out=kv_out))

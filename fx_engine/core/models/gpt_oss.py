@@ -24,10 +24,11 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 import fx_engine.core.models.llama as llama
-from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, WeightsError,
-                                      finish_experts, fuse_experts, read_expert_stack, renamed)
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Fused, Lin, LoadOptions, Reader, TensorSource,
+                                       TensorSpec, Vec, WeightsError, finish_experts, fuse_experts, read_expert_stack,
+                                       read_tensors, renamed)
 from fx_engine.core.config import ConfigError, Field, gguf_hf_config, gguf_value, gguf_yarn, read_fields
-from fx_engine.core.models.blocks import Reader, rope_freqs, route, self_attention
+from fx_engine.core.models.blocks import HF_LAYER, QKV, attention_sizes, rope_freqs, route, self_attention
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, routed_mixture
@@ -133,30 +134,32 @@ def forward(
 hidden_to_logits = llama.hidden_to_logits
 
 
+# Each layer's params from its tensors under model.layers.{i}. (`read_tensors`): Llama's
+# attention with biases and sinks, the router; the experts' stacks are `_expert_stacks`'.
+# The whole model's: Llama's (`llama.TOP`; untied: the head is its own).
+LAYER = (
+    Vec("attn_norm", "input_layernorm.weight", "hidden_size"),
+    Fused("qkv", QKV, "hidden_size", bias=True),
+    Lin("o", "self_attn.o_proj", "hidden_size", "q_width", bias=True),
+    Vec("sinks", "self_attn.sinks", "num_heads", float32=True),
+    Vec("mlp_norm", "post_attention_layernorm.weight", "hidden_size"),
+    Lin("router", "mlp.router", "num_experts", "hidden_size", bias=True),
+)
+
+
 def assemble(cfg: GptOssConfig, src: TensorSource, opts: LoadOptions) -> GptOssParams:
     """Params from mlx-lm's sanitized names or Hugging Face's dense expert layout."""
-    rd, dtype, keep = Reader(src, opts), opts.dtype, opts.keep_quantized
-    h, hd, e, f = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.intermediate_size
-    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    layers = []
-    for i in range(cfg.num_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        gate, up, down = _expert_stacks(src, m + "experts.", e, f, h, opts)
-        layers.append(GptOssLayer(
-            attn_norm=rd.vec(f"model.layers.{i}.input_layernorm.weight", h),
-            qkv=rd.fused([rd.raw(a + n, rows, h, True) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))]),
-            o=rd.linear(a + "o_proj", h, hq, True),
-            sinks=src.get(a + "sinks", (cfg.num_heads,), opts.where).astype(mx.float32),
-            mlp_norm=rd.vec(f"model.layers.{i}.post_attention_layernorm.weight", h),
-            router=rd.linear(m + "router", e, h, True),
-            gate_up=fuse_experts(gate, up, dtype, keep),
-            down=finish_experts(down, dtype, keep),
-        ))
-    embed = rd.table("model.embed_tokens", cfg.vocab_size, h, lookup_only=True)
-    return GptOssParams(embed=embed, layers=tuple(layers), norm=rd.vec("model.norm.weight", h),
-                        lm_head=rd.linear("lm_head", cfg.vocab_size, h),
-                        rope_freqs=rope_freqs(cfg), config=cfg, numerics=opts.numerics,
-                        dtype=opts.dtype_name)
+    rd, dtype, keep, sizes = Reader(src, opts), opts.dtype, opts.keep_quantized, attention_sizes(cfg)
+
+    def layer(i: int) -> GptOssLayer:
+        gate, up, down = _expert_stacks(src, HF_LAYER.format(i=i) + "mlp.experts.", cfg.num_experts,
+                                        cfg.intermediate_size, cfg.hidden_size, opts)
+        return GptOssLayer(**read_tensors(rd, LAYER, cfg, HF_LAYER, i, sizes),
+                           gate_up=fuse_experts(gate, up, dtype, keep), down=finish_experts(down, dtype, keep))
+
+    return GptOssParams(layers=tuple(layer(i) for i in range(cfg.num_layers)),
+                        **read_tensors(rd, llama.TOP, cfg, sizes=sizes),
+                        rope_freqs=rope_freqs(cfg), config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
 
 
 def _expert_stacks(src: TensorSource, pre: str, e: int, f: int, h: int,

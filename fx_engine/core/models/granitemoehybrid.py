@@ -15,10 +15,11 @@ import attrs
 import mlx.core as mx
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, read_experts
+from fx_engine.core.checkpoint import (Embedding, Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec,
+                                       read_experts, read_tensors)
 from fx_engine.core.config import BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, Same, listed_eos, read_fields
-from fx_engine.core.models.blocks import (STACKED_EXPERT_NAMES, Attention, DenseMlp, Experts, Reader, expert_stacks,
-                                          mixture, rope_in, self_attention, swiglu_mlp)
+from fx_engine.core.models.blocks import (GATE_UP, HF_LAYER, QKV, STACKED_EXPERT_NAMES, Attention, DenseMlp, Experts,
+                                          attention_sizes, expert_stacks, mixture, rope_in, self_attention, swiglu_mlp)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.moe import MoEConfig
 from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, embedded_scaled, stage_logits
@@ -142,58 +143,67 @@ def hidden_to_logits(p: GraniteHybridParams, h: mx.array) -> mx.array:
     return stage_logits(p, h, logits)
 
 
-def assemble(cfg: GraniteHybridConfig, src: TensorSource, opts: LoadOptions) -> GraniteHybridParams:
-    rd, where = Reader(src, opts), opts.where
-    hid, d = cfg.hidden_size, cfg.head_dim
-    hq, hk = cfg.num_heads * d, cfg.num_kv_heads * d
-    lin = rd.raw
+# Each layer's params from its tensors under model.layers.{i}. (`read_tensors`): the
+# norms; an attention layer's projections (a Mamba-2 layer's mixer is `read_mixer`'s); a
+# dense MLP stored as Hugging Face does (gate|up fused: shared_mlp.input_linear) or apart
+# (mlx-lm's), or a routed layer's shared MLP beside its experts (read in `assemble`). The
+# whole model's: the head where untied.
+NORMS = (Vec("attn_norm", "input_layernorm.weight", "hidden_size"),
+         Vec("mlp_norm", "post_attention_layernorm.weight", "hidden_size"))
+ATTENTION = (Fused("qkv", QKV, "hidden_size", bias="qkv_bias"),
+             Lin("o", "self_attn.o_proj", "hidden_size", "q_width", bias="qkv_bias"))
+DENSE = (
+    Lin("gate_up", "shared_mlp.input_linear", "gate_up_width", "hidden_size", when="gate_up_stored"),
+    Lin("down", "shared_mlp.output_linear", "hidden_size", "intermediate_size", when="gate_up_stored"),
+    Fused("gate_up", GATE_UP, "hidden_size", bias="mlp_bias", when="gate_up_apart"),
+    Lin("down", "mlp.down_proj", "hidden_size", "intermediate_size", bias="mlp_bias", when="gate_up_apart"),
+)
+SHARED = (
+    Lin("shared_gate_up", "shared_mlp.input_linear", "shared_gate_up_width", "hidden_size",
+        when="shared_expert_intermediate_size"),
+    Lin("shared_down", "shared_mlp.output_linear", "hidden_size", "shared_expert_intermediate_size",
+        when="shared_expert_intermediate_size"),
+)
+TOP = (Embedding("embed", "model.embed_tokens"), Vec("norm", "model.norm.weight", "hidden_size"),
+       Lin("lm_head", "lm_head", "vocab_size", "hidden_size", when="untied"))
 
-    layers = []
-    for i, is_mamba in enumerate(cfg.mamba_layers):
-        p = f"model.layers.{i}."
-        if is_mamba:
-            mix: Any = read_mixer(src, p + "mamba.", cfg.mixer, opts, cfg.mamba_bias, cfg.conv_bias)
-        else:
-            a, ab = p + "self_attn.", cfg.qkv_bias
-            mix = Attention(qkv=rd.fused([lin(a + n, r, hid, ab) for n, r in (("q_proj", hq), ("k_proj", hk),
-                                                                              ("v_proj", hk))]),
-                            o=rd.linear(a + "o_proj", hid, hq, ab))
+
+def assemble(cfg: GraniteHybridConfig, src: TensorSource, opts: LoadOptions) -> GraniteHybridParams:
+    rd = Reader(src, opts)
+    sizes = {**attention_sizes(cfg), "gate_up_width": 2 * cfg.intermediate_size,
+             "shared_gate_up_width": 2 * cfg.shared_expert_intermediate_size}
+
+    def layer(i: int, is_mamba: bool) -> GraniteHybridLayer:
+        p = HF_LAYER.format(i=i)
+        mix = (read_mixer(src, p + "mamba.", cfg.mixer, opts, cfg.mamba_bias, cfg.conv_bias) if is_mamba
+               else Attention(**read_tensors(rd, ATTENTION, cfg, HF_LAYER, i, sizes)))
         if cfg.use_moe:
-            m, e, f, s = p + "block_sparse_moe.", cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-            if src.has(m + "input_linear.weight"):  # Hugging Face: [E, 2F, H] gate rows first
-                gu = src.get(m + "input_linear.weight", (e, 2 * f, hid), where)
-                gate, up = Linear(weight=gu[:, :f]), Linear(weight=gu[:, f:])
-                down = Linear(weight=src.get(m + "output_linear.weight", (e, hid, f), where))
-            else:
-                gate, up, down = (read_experts(src, m + st, "", e, o, n, opts.quant_for, where) for st, (o, n) in
-                                  zip(STACKED_EXPERT_NAMES, ((f, hid), (f, hid), (hid, f))))
-            shared: dict[str, Any] = {}
-            if s:
-                gu_s = lin(p + "shared_mlp.input_linear", 2 * s, hid)
-                shared = {"shared_gate_up": rd.finish(gu_s),
-                          "shared_down": rd.linear(p + "shared_mlp.output_linear", hid, s)}
-            mlp: Any = Experts(router=rd.linear(m + "router.layer", e, hid), **expert_stacks(gate, up, down, opts),
-                               **shared)
+            mlp: Any = Experts(router=rd.linear(p + "block_sparse_moe.router.layer", cfg.num_experts, cfg.hidden_size),
+                               **_expert_stacks(cfg, rd, p + "block_sparse_moe."),
+                               **read_tensors(rd, SHARED, cfg, HF_LAYER, i, sizes))
         else:
-            ff = cfg.intermediate_size
-            if src.has(p + "shared_mlp.input_linear.weight"):  # Hugging Face's dense form: gate | up fused
-                gate_up = rd.linear(p + "shared_mlp.input_linear", 2 * ff, hid)
-                down = rd.linear(p + "shared_mlp.output_linear", hid, ff)
-            else:
-                gate_up = rd.fused([lin(p + "mlp.gate_proj", ff, hid, cfg.mlp_bias),
-                                    lin(p + "mlp.up_proj", ff, hid, cfg.mlp_bias)])
-                down = rd.linear(p + "mlp.down_proj", hid, ff, cfg.mlp_bias)
-            mlp = DenseMlp(gate_up=gate_up, down=down)
-        layers.append(GraniteHybridLayer(
-            attn_norm=rd.vec(p + "input_layernorm.weight", hid), mixer=mix,
-            mlp_norm=rd.vec(p + "post_attention_layernorm.weight", hid), mlp=mlp))
-    head = None
-    if not cfg.tie_word_embeddings:
-        head = rd.linear("lm_head", cfg.vocab_size, hid)
+            stored = rd.has(p + "shared_mlp.input_linear.weight")
+            flags = {"gate_up_stored": stored, "gate_up_apart": not stored}
+            mlp = DenseMlp(**read_tensors(rd, DENSE, cfg, HF_LAYER, i, {**sizes, **flags}))
+        return GraniteHybridLayer(**read_tensors(rd, NORMS, cfg, HF_LAYER, i), mixer=mix, mlp=mlp)
+
     return GraniteHybridParams(
-        embed=rd.table("model.embed_tokens", cfg.vocab_size, hid), layers=tuple(layers),
-        norm=rd.vec("model.norm.weight", hid), lm_head=head, config=cfg,
-        numerics=opts.numerics, dtype=opts.dtype_name)
+        layers=tuple(layer(i, m) for i, m in enumerate(cfg.mamba_layers)), **read_tensors(rd, TOP, cfg, sizes=sizes),
+        config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
+
+
+def _expert_stacks(cfg: GraniteHybridConfig, rd: Reader, m: str) -> dict[str, Linear]:
+    """The experts' gate_up and down under `m` (block_sparse_moe.): Hugging Face's fused
+    input_linear [E, 2F, H] (gate rows first) and output_linear, or mlx-lm's stacks."""
+    src, opts, e, f, hid = rd.src, rd.opts, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    if src.has(m + "input_linear.weight"):
+        gu = src.get(m + "input_linear.weight", (e, 2 * f, hid), opts.where)
+        gate, up = Linear(weight=gu[:, :f]), Linear(weight=gu[:, f:])
+        down = Linear(weight=src.get(m + "output_linear.weight", (e, hid, f), opts.where))
+    else:
+        gate, up, down = (read_experts(src, m + st, "", e, o, n, opts.quant_for, opts.where) for st, (o, n) in
+                          zip(STACKED_EXPERT_NAMES, ((f, hid), (f, hid), (hid, f))))
+    return expert_stacks(gate, up, down, opts)
 
 
 def checkpoint_layout(cfg: GraniteHybridConfig) -> dict[str, TensorSpec]:

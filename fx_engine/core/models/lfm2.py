@@ -27,9 +27,10 @@ import mlx.core as mx
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, recurrent_entry
 import fx_engine.core.models.llama as llama
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec
+from fx_engine.core.checkpoint import (Embedding, Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec,
+                                       read_tensors)
 from fx_engine.core.config import BOOL, FLOAT, INT, ConfigError, Field, Same, listed_eos, read_fields
-from fx_engine.core.models.blocks import Reader, decoder_layer, swiglu_mlp
+from fx_engine.core.models.blocks import HF_LAYER, QKV, attention_sizes, decoder_layer, swiglu_mlp
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LayerParams, LlamaConfig
 from fx_engine.core.models.skeleton import PipelineStage, cut_layers
@@ -181,35 +182,43 @@ def hidden_to_logits(p: Lfm2Params, h: mx.array) -> mx.array:
     return llama.hidden_to_logits(p, h)
 
 
+# Each layer's params from its tensors under model.layers.{i}. (`read_tensors`): a conv
+# operator (its conv weight is `conv_weight`'s: either axis order) or Llama's attention with
+# per-head q/k norms, then the MLP; the whole model's (the head is the embedding)
+CONV = (
+    Vec("attn_norm", "operator_norm.weight", "hidden_size"),
+    Lin("in_proj", "conv.in_proj", "conv_in_width", "hidden_size", bias="conv_bias"),
+    Vec("conv_b", "conv.conv.bias", "hidden_size", when="conv_bias"),
+    Lin("out_proj", "conv.out_proj", "hidden_size", "hidden_size", bias="conv_bias"),
+)
+ATTENTION = (
+    Vec("attn_norm", "operator_norm.weight", "hidden_size"),
+    Fused("qkv", QKV, "hidden_size"),
+    Lin("o", "self_attn.out_proj", "hidden_size", "q_width"),
+    Vec("q_norm", "self_attn.q_layernorm.weight", "head_dim"),
+    Vec("k_norm", "self_attn.k_layernorm.weight", "head_dim"),
+)
+MLP = (
+    Vec("mlp_norm", "ffn_norm.weight", "hidden_size"),
+    Fused("gate_up", (("feed_forward.w1", "intermediate_size"), ("feed_forward.w3", "intermediate_size")),
+          "hidden_size"),
+    Lin("down", "feed_forward.w2", "hidden_size", "intermediate_size"),
+)
+TOP = (Embedding("embed", "model.embed_tokens"), Vec("norm", "model.embedding_norm.weight", "hidden_size"))
+
+
 def assemble(cfg: Lfm2Config, src: TensorSource, opts: LoadOptions) -> Lfm2Params:
-    rd, dtype, where = Reader(src, opts), opts.dtype, opts.where
-    h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    layers: list[Any] = []
-    for i, conv in enumerate(cfg.conv_layers):
-        p = f"model.layers.{i}."
-        f = p + "feed_forward."
-        mlp = dict(mlp_norm=rd.vec(p + "ffn_norm.weight", h),
-                   gate_up=rd.fused([rd.raw(f + "w1", ff, h), rd.raw(f + "w3", ff, h)]),
-                   down=rd.linear(f + "w2", h, ff))
-        if conv:
-            c = p + "conv."
-            layers.append(ConvLayer(
-                attn_norm=rd.vec(p + "operator_norm.weight", h),
-                in_proj=rd.linear(c + "in_proj", 3 * h, h, cfg.conv_bias),
-                conv_w=conv_weight(src, c + "conv.weight", h, cfg.conv_kernel, where).astype(dtype),
-                conv_b=rd.vec(c + "conv.bias", h) if cfg.conv_bias else None,
-                out_proj=rd.linear(c + "out_proj", h, h, cfg.conv_bias), **mlp))
-        else:
-            a = p + "self_attn."
-            layers.append(LayerParams(
-                attn_norm=rd.vec(p + "operator_norm.weight", h),
-                qkv=rd.fused([rd.raw(a + n, rows, h) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))]),
-                o=rd.linear(a + "out_proj", h, hq),
-                q_norm=rd.vec(a + "q_layernorm.weight", hd), k_norm=rd.vec(a + "k_layernorm.weight", hd), **mlp))
-    return Lfm2Params(embed=rd.table("model.embed_tokens", cfg.vocab_size, h),
-                      layers=tuple(layers), norm=rd.vec("model.embedding_norm.weight", h), config=cfg,
-                      numerics=opts.numerics, dtype=opts.dtype_name)
+    rd, sizes = Reader(src, opts), {**attention_sizes(cfg), "conv_in_width": 3 * cfg.hidden_size}
+
+    def layer(i: int, conv: bool) -> Any:
+        mlp = read_tensors(rd, MLP, cfg, HF_LAYER, i, sizes)
+        if not conv:
+            return LayerParams(**read_tensors(rd, ATTENTION, cfg, HF_LAYER, i, sizes), **mlp)
+        w = conv_weight(src, HF_LAYER.format(i=i) + "conv.conv.weight", cfg.hidden_size, cfg.conv_kernel, opts.where)
+        return ConvLayer(**read_tensors(rd, CONV, cfg, HF_LAYER, i, sizes), conv_w=w.astype(opts.dtype), **mlp)
+
+    return Lfm2Params(layers=tuple(layer(i, conv) for i, conv in enumerate(cfg.conv_layers)),
+                      **read_tensors(rd, TOP, cfg), config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
 
 
 def checkpoint_layout(cfg: Lfm2Config) -> dict[str, TensorSpec]:
@@ -263,7 +272,7 @@ def tensor_split(p: Lfm2Params, rank: int, size: int) -> Lfm2Params:
     cfg = p.config
     h = cfg.hidden_size
     q0, q1, k0, k1 = head_range(cfg.num_heads, cfg.num_kv_heads, rank, size)
-    units = [lp.out_proj.group_size for lp in p.layers if isinstance(lp, ConvLayer) and lp.out_proj.quantized]
+    units = [lp.out_proj.quant.group_size for lp in p.layers if isinstance(lp, ConvLayer) and lp.out_proj.quantized]
     c0, c1 = split(h, size, rank, max([1] + units))
     layers = []
     for i, lp in enumerate(p.layers):

@@ -17,11 +17,12 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, dense_layout
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec
+from fx_engine.core.checkpoint import (Embedding, Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec,
+                                       read_tensors)
 from fx_engine.core.config import (BOOL, FLOAT, INT, MAYBE_BOOL, POSITIVE_FLOAT, BaseConfig, ConfigError, Field, Same,
                                    check_rope_scaling, gguf_hf_config, gguf_value, positive_int, read_fields, token_ids)
-from fx_engine.core.models.blocks import (Reader, apply_partial_rope, decoder_layer, rope_freqs, rope_mscale,
-                                          scaled_rope, self_attention)
+from fx_engine.core.models.blocks import (GATE_UP, HF_LAYER, QKV, apply_partial_rope, attention_sizes, decoder_layer,
+                                          rope_freqs, rope_mscale, scaled_rope, self_attention)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import (PipelineStage, cut_layers, decoder_step, embedded_tokens, final_rms_norm,
                                             stage_logits)
@@ -349,28 +350,41 @@ def hidden_to_logits(p: Any, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N 
 # ------------------------------------------------------------------ checkpoints
 
 
-HF_NAMES = {
-    "embed": "model.embed_tokens", "norm": "model.norm.weight", "lm_head": "lm_head",
-    "layer": "model.layers.{i}.",
-    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj", "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight", "attn_norm": "input_layernorm.weight",
-    "mlp_norm": "post_attention_layernorm.weight", "gate": "mlp.gate_proj",
-    "up": "mlp.up_proj", "down": "mlp.down_proj",
-}
+# Each layer's params from its tensors under model.layers.{i}. (Hugging Face / mlx-community
+# names; `read_tensors`): q|k|v and gate|up each read apart and fused into one matrix.
+# Sizes not in the config: `attention_sizes`.
+ATTENTION = (
+    Vec("attn_norm", "input_layernorm.weight", "hidden_size"),
+    Fused("qkv", QKV, "hidden_size", bias="qkv_bias"),
+    Lin("o", "self_attn.o_proj", "hidden_size", "q_width", bias="o_bias"),
+    Vec("q_norm", "self_attn.q_norm.weight", "q_norm_width", when="qk_norm"),  # qwen3
+    Vec("k_norm", "self_attn.k_norm.weight", "k_norm_width", when="qk_norm"),
+)
+MLP = (
+    Vec("mlp_norm", "post_attention_layernorm.weight", "hidden_size"),
+    Fused("gate_up", GATE_UP, "hidden_size", bias="mlp_bias"),
+    Lin("down", "mlp.down_proj", "hidden_size", "intermediate_size", bias="mlp_bias"),
+)
+# the whole model's (the output head only where untied)
+TOP = (
+    Embedding("embed", "model.embed_tokens", lookup_only="untied"),
+    Vec("norm", "model.norm.weight", "hidden_size"),
+    Lin("lm_head", "lm_head", "vocab_size", "hidden_size", when="untied"),
+)
+# llama.cpp's names for the same tensors, read as they are (errors name the file's tensors)
 GGUF_NAMES = {
-    "embed": "token_embd", "norm": "output_norm.weight", "lm_head": "output",
-    "layer": "blk.{i}.",
-    "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
-    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
-    "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
-    "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
+    HF_LAYER: "blk.{i}.", "model.embed_tokens": "token_embd", "model.norm.weight": "output_norm.weight",
+    "lm_head": "output", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
 def assemble(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Params:
     """Params from Hugging Face / mlx-community tensor names."""
-    return _assemble(cfg, src, opts, HF_NAMES)
+    return _assemble(cfg, src, opts)
 
 
 def assemble_gguf(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Params:
@@ -402,40 +416,22 @@ def unpermuted_qk(cfg: Any, src: TensorSource) -> TensorSource:
     return out
 
 
-def _assemble(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions, names: dict[str, str]) -> Params:
-    rd = Reader(src, opts)
-    if cfg.tie_word_embeddings is None:
-        cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has(names["lm_head"] + ".weight"))
-    hid, hd = cfg.hidden_size, cfg.head_dim
-    hq, hk, ff = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
-    layers = []
-    for i in range(cfg.num_layers):
-        pre = names["layer"].format(i=i)
-        q = rd.raw(pre + names["q"], hq, hid, cfg.qkv_bias)
-        k = rd.raw(pre + names["k"], hk, hid, cfg.qkv_bias)
-        v = rd.raw(pre + names["v"], hk, hid, cfg.qkv_bias)
-        layers.append(
-            LayerParams(
-                attn_norm=rd.vec(pre + names["attn_norm"], hid),
-                qkv=rd.fused([q, k, v]),
-                o=rd.linear(pre + names["o"], hid, hq, cfg.o_bias),
-                mlp_norm=rd.vec(pre + names["mlp_norm"], hid),
-                gate_up=rd.fused([rd.raw(pre + names["gate"], ff, hid, cfg.mlp_bias),
-                                  rd.raw(pre + names["up"], ff, hid, cfg.mlp_bias)]),
-                down=rd.linear(pre + names["down"], hid, ff, cfg.mlp_bias),
-                q_norm=rd.vec(pre + names["q_norm"], hd) if cfg.qk_norm else None,
-                k_norm=rd.vec(pre + names["k_norm"], hd) if cfg.qk_norm else None,
-            )
-        )
-    embed = rd.table(names["embed"], cfg.vocab_size, hid, lookup_only=not cfg.tie_word_embeddings)
-    lm_head = None
-    if not cfg.tie_word_embeddings:
-        lm_head = rd.linear(names["lm_head"], cfg.vocab_size, hid)
-    return Params(
-        embed=embed, layers=tuple(layers), norm=rd.vec(names["norm"], hid), lm_head=lm_head,
-        rope_freqs=rope_freqs(cfg), config=cfg, numerics=opts.numerics,
-        dtype=opts.dtype_name,
-    )
+def with_tied(cfg: Any, src: TensorSource, rename: dict[str, str] | None = None) -> Any:
+    """`cfg` with tie_word_embeddings decided where the config leaves it to the checkpoint
+    (None): tied unless the checkpoint has its own output head."""
+    if cfg.tie_word_embeddings is not None:
+        return cfg
+    head = rename["lm_head"] if rename else "lm_head"
+    return attrs.evolve(cfg, tie_word_embeddings=not src.has(head + ".weight"))
+
+
+def _assemble(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions, rename: dict[str, str] | None = None) -> Params:
+    rd, cfg = Reader(src, opts), with_tied(cfg, src, rename)
+    sizes = attention_sizes(cfg)
+    layers = tuple(LayerParams(**read_tensors(rd, ATTENTION + MLP, cfg, HF_LAYER, i, sizes, rename))
+                   for i in range(cfg.num_layers))
+    return Params(layers=layers, **read_tensors(rd, TOP, cfg, sizes=sizes, rename=rename), rope_freqs=rope_freqs(cfg),
+                  config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
 
 
 def unpermute_rows(x: mx.array, n_head: int) -> mx.array:
@@ -521,10 +517,11 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 # names other modules and tests imported before the blocks moved out (core/models/blocks.py)
-_HF_NAMES, _GGUF_NAMES, _rope, _apply_rope, _layer = HF_NAMES, GGUF_NAMES, scaled_rope, apply_partial_rope, decoder_layer
-__all__ = ["FAMILY", "GGUF_NAMES", "HF_NAMES", "LayerParams", "LlamaConfig", "Params", "assemble", "assemble_gguf",
-           "checkpoint_layout", "config_from_gguf", "config_from_hf", "decoder_layer", "forward", "hidden_to_logits", "layer_range",
-           "rope_freqs", "rope_mscale", "self_attention", "unpermute_rows", "unpermuted_qk"]
+_rope, _apply_rope, _layer = scaled_rope, apply_partial_rope, decoder_layer
+__all__ = ["ATTENTION", "FAMILY", "GGUF_NAMES", "LayerParams", "LlamaConfig", "MLP", "Params", "TOP", "assemble",
+           "assemble_gguf", "checkpoint_layout", "config_from_gguf", "config_from_hf", "decoder_layer", "forward",
+           "hidden_to_logits", "layer_range", "rope_freqs", "rope_mscale", "self_attention", "unpermute_rows",
+           "unpermuted_qk", "with_tied"]
 
 _TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
          "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -15,9 +15,8 @@ import attrs
 import mlx.core as mx
 
 from fx_engine.core.cache import KVCache, LayerSpec
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec
+from fx_engine.core.checkpoint import Embedding, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec, read_tensors
 from fx_engine.core.config import BOOL, FLOAT, BaseConfig, ConfigError, Field, listed_eos, positive_int, read_fields, required
-from fx_engine.core.models.blocks import Reader
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, head_logits
 from fx_engine.core.models.ssm import MixerDims, MixerParams, conv_weight, mixer, mixer_layout, read_mixer
@@ -107,18 +106,22 @@ def forward(p: Mamba2Params, cache: KVCache, tokens: mx.array, n_valid: mx.array
 hidden_to_logits = head_logits
 
 
+# The whole model's params from its tensors (`read_tensors`); each layer's are its norm
+# and its mixer (`ssm.read_mixer`) under backbone.layers.{i}.
+TOP = (Embedding("embed", "backbone.embeddings"), Vec("norm", "backbone.norm_f.weight", "hidden_size"),
+       Lin("lm_head", "lm_head", "vocab_size", "hidden_size", when="untied"))
+
+
 def assemble(cfg: Mamba2Config, src: TensorSource, opts: LoadOptions) -> Mamba2Params:
     rd, h = Reader(src, opts), cfg.hidden_size
+    # (biases as the checkpoint has them)
     bias, conv_bias = src.has("backbone.layers.0.mixer.in_proj.bias"), src.has("backbone.layers.0.mixer.conv1d.bias")
     layers = tuple(Mamba2Layer(
         norm=rd.vec(f"backbone.layers.{i}.norm.weight", h),
         mixer=read_mixer(src, f"backbone.layers.{i}.mixer.", cfg.mixer, opts, bias, conv_bias))
         for i in range(cfg.num_layers))
-    emb = rd.table("backbone.embeddings", cfg.vocab_size, h)
-    head = None if cfg.tie_word_embeddings else rd.linear("lm_head", cfg.vocab_size, h)
-    return Mamba2Params(embed=emb, layers=layers,
-                        norm=rd.vec("backbone.norm_f.weight", h), lm_head=head, config=cfg, numerics=opts.numerics,
-                        dtype=opts.dtype_name)
+    return Mamba2Params(layers=layers, **read_tensors(rd, TOP, cfg, sizes={"untied": not cfg.tie_word_embeddings}),
+                        config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
 
 
 def checkpoint_layout(cfg: Mamba2Config) -> dict[str, TensorSpec]:

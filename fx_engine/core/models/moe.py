@@ -27,20 +27,21 @@ otherwise they are dequantized at load.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
-from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, read_experts, renamed
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, Reader, TensorSource, TensorSpec,
+                                       read_experts, read_tensors, renamed)
 from fx_engine.core.config import (BOOL, FLOAT, INT_OR_ZERO, POSITIVE, ConfigError, Field, gguf_grouped_experts,
                                    gguf_hf_config, gguf_value, positive_int, read_fields)
 import fx_engine.core.models.llama as llama
-from fx_engine.core.models.blocks import (GGUF_GROUPED_EXPERT_NAMES, HF_EXPERT_NAMES, STACKED_EXPERT_NAMES, Experts,
-                                          Reader, expert_stacks, grouped_route, mixture, read_shared_expert,
-                                          rope_freqs, rope_in, route, self_attention, swiglu_mlp)
+from fx_engine.core.models.blocks import (GGUF_GROUPED_EXPERT_NAMES, HF_EXPERT_NAMES, HF_LAYER, STACKED_EXPERT_NAMES,
+                                          SWIGLU_MLP, Experts, attention_sizes, expert_stacks, grouped_route, mixture,
+                                          read_shared_expert, rope_freqs, rope_in, route, self_attention, swiglu_mlp)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.nn import Linear, rms_norm
@@ -229,9 +230,9 @@ def assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEParams:
     block, router, per_expert = _HF_MOE.get(cfg.model_type, _HF_MOE_DEFAULT)
     rd = Reader(src, opts)
 
-    def experts(pre: str) -> Experts:
+    def experts(layer: int) -> Experts:
         e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        b = pre + block
+        b = HF_LAYER.format(i=layer) + block
         gate, up, down = (
             read_experts(src, b + stacked, b + one, e, o, i, opts.quant_for, opts.where)
             for stacked, one, (o, i) in zip(STACKED_EXPERT_NAMES, per_expert, ((f, h), (f, h), (h, f))))
@@ -246,43 +247,31 @@ def assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEParams:
                                         ("gate_proj", "up_proj", "down_proj"))
         return Experts(router=rd.linear(b + router, e, h), **expert_stacks(gate, up, down, opts), **shared)
 
-    return _assemble(cfg, src, opts, llama.HF_NAMES, experts)
+    return _assemble(cfg, src, opts, experts)
 
 
-def _assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions, names: dict[str, str],
-              experts: Any) -> MoEParams:
-    """The attention, norms, dense MLPs and head from `names` (llama's HF or GGUF names);
-    each MoE layer's experts from `experts(layer prefix)`."""
-    rd = Reader(src, opts)
-    if cfg.tie_word_embeddings is None:
-        cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has(names["lm_head"] + ".weight"))
-    hid, hd = cfg.hidden_size, cfg.head_dim
-    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    # per-head q/k norms (qwen3_moe, glm4_moe) or over the whole projection (olmoe)
-    qn, kn = (hq, hk) if cfg.model_type == "olmoe" else (hd, hd)
-    layers = []
-    for i in range(cfg.num_layers):
-        pre = names["layer"].format(i=i)
-        qkv = [rd.raw(pre + names[n], rows, hid, cfg.qkv_bias) for n, rows in (("q", hq), ("k", hk), ("v", hk))]
-        mlp: dict[str, Any] = {}
+# Each layer's attention and norms are Llama's (`llama.ATTENTION` and the MLP's norm; q/k
+# norms per head, or OLMoE's over the whole projections); a dense layer's MLP is Llama's
+# without biases (`SWIGLU_MLP`); a routed layer's experts come from the family's hook
+_LAYER = llama.ATTENTION + llama.MLP[:1]
+
+
+def _assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions, experts: Callable[[int], Experts],
+              rename: dict[str, str] | None = None) -> MoEParams:
+    """The attention, norms, dense MLPs and head from the tables above (under `rename`:
+    llama.cpp's names); each MoE layer's experts from `experts(layer)`."""
+    rd, cfg = Reader(src, opts), llama.with_tied(cfg, src, rename)
+    sizes = attention_sizes(cfg, whole_qk_norms=cfg.model_type == "olmoe")
+
+    def layer(i: int) -> MoELayer:
+        f = read_tensors(rd, _LAYER, cfg, HF_LAYER, i, sizes, rename)
         if cfg.moe_layers[i]:
-            mlp["experts"] = experts(pre)
-        else:
-            ff = cfg.intermediate_size
-            mlp["gate_up"] = rd.fused([rd.raw(pre + names["gate"], ff, hid), rd.raw(pre + names["up"], ff, hid)])
-            mlp["down"] = rd.linear(pre + names["down"], hid, ff)
-        layers.append(MoELayer(
-            attn_norm=rd.vec(pre + names["attn_norm"], hid), qkv=rd.fused(qkv),
-            o=rd.linear(pre + names["o"], hid, hq, cfg.o_bias),
-            mlp_norm=rd.vec(pre + names["mlp_norm"], hid),
-            q_norm=rd.vec(pre + names["q_norm"], qn) if cfg.qk_norm else None,
-            k_norm=rd.vec(pre + names["k_norm"], kn) if cfg.qk_norm else None, **mlp,
-        ))
-    embed = rd.table(names["embed"], cfg.vocab_size, hid, lookup_only=not cfg.tie_word_embeddings)
-    head = None if cfg.tie_word_embeddings else rd.linear(names["lm_head"], cfg.vocab_size, hid)
-    return MoEParams(embed=embed, layers=tuple(layers), norm=rd.vec(names["norm"], hid), lm_head=head,
-                     rope_freqs=rope_freqs(cfg), config=cfg, numerics=opts.numerics,
-                     dtype=opts.dtype_name)
+            return MoELayer(**f, experts=experts(i))
+        return MoELayer(**f, **read_tensors(rd, SWIGLU_MLP, cfg, HF_LAYER, i, sizes, rename))
+
+    layers = tuple(layer(i) for i in range(cfg.num_layers))
+    return MoEParams(layers=layers, **read_tensors(rd, llama.TOP, cfg, sizes=sizes, rename=rename),
+                     rope_freqs=rope_freqs(cfg), config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
 
 
 # glm4moe's (MTP / NextN layers past the decoder unused)
@@ -308,15 +297,16 @@ def assemble_gguf(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEPa
 
     rd = Reader(src, opts)
 
-    def experts(pre: str) -> Experts:
+    def experts(layer: int) -> Experts:
         e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        pre = f"blk.{layer}."
         gate, up, down = (read_experts(src, pre + n + "_exps", pre + n + ".{e}", e, o, i, opts.quant_for, opts.where)
                           for n, (o, i) in (("ffn_gate", (f, h)), ("ffn_up", (f, h)), ("ffn_down", (h, f))))
         shared = read_shared_expert(rd, h, cfg.shared_expert_intermediate_size, pre, pre + "ffn_gate_inp_shexp",
                                     ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"))
         return Experts(router=rd.linear(pre + "ffn_gate_inp", e, h), **expert_stacks(gate, up, down, opts), **shared)
 
-    return _assemble(cfg, src, opts, llama.GGUF_NAMES, experts)
+    return _assemble(cfg, src, opts, experts, llama.GGUF_NAMES)
 
 
 def config_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:

@@ -18,10 +18,11 @@ import attrs
 import mlx.core as mx
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, finish_experts, read_experts
+from fx_engine.core.checkpoint import (Embedding, Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec,
+                                       finish_experts, read_experts, read_tensors)
 from fx_engine.core.config import (BOOL, FLOAT, INT, BaseConfig, ConfigError, Field, listed_eos, positive_int,
                                    read_fields)
-from fx_engine.core.models.blocks import Attention, Reader, grouped_route, self_attention
+from fx_engine.core.models.blocks import Attention, attention_sizes, grouped_route, self_attention
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, head_logits
 from fx_engine.core.models.ssm import MixerDims, MixerParams, mixer, mixer_layout, read_mixer
@@ -193,44 +194,53 @@ def forward(p: NemotronHParams, cache: KVCache, tokens: mx.array, n_valid: mx.ar
 hidden_to_logits = head_logits
 
 
+# Each layer's params from its tensors under backbone.layers.{i}. (`read_tensors`): its
+# norm, then one block under mixer.: a Mamba-2 mixer (`read_mixer`), attention, a ReLU^2
+# MLP (`mlp_width` wide: the layer's, or the shared experts' beside routed ones), or
+# routed experts (`_read_experts`). The whole model's: the head is its own.
+LAYER = "backbone.layers.{i}."
+ATTENTION = (Fused("qkv", (("q_proj", "q_width"), ("k_proj", "kv_width"), ("v_proj", "kv_width")), "hidden_size",
+                   bias="attention_bias"),
+             Lin("o", "o_proj", "hidden_size", "q_width", bias="attention_bias"))
+RELU2 = (Lin("up", "up_proj", "mlp_width", "hidden_size", bias="mlp_bias"),
+         Lin("down", "down_proj", "hidden_size", "mlp_width", bias="mlp_bias"))
+TOP = (Embedding("embed", "backbone.embeddings"), Vec("norm", "backbone.norm_f.weight", "hidden_size"),
+       Lin("lm_head", "lm_head", "vocab_size", "hidden_size"))
+
+
 def assemble(cfg: NemotronHConfig, src: TensorSource, opts: LoadOptions) -> NemotronHParams:
-    rd, dtype, keep, where = Reader(src, opts), opts.dtype, opts.keep_quantized, opts.where
-    hd, hid = cfg.head_dim, cfg.hidden_size
-    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    rd, sizes = Reader(src, opts), {**attention_sizes(cfg), "mlp_width": cfg.intermediate_size}
 
-    def relu2(prefix: str, f: int, b: bool) -> Relu2Mlp:
-        return Relu2Mlp(up=rd.linear(prefix + "up_proj", f, hid, b), down=rd.linear(prefix + "down_proj", hid, f, b))
-
-    layers = []
-    for i, kind in enumerate(cfg.pattern):
-        p = f"backbone.layers.{i}.mixer."
+    def block(p: str, kind: str) -> Any:
         if kind == "M":
-            block: Any = read_mixer(src, p, cfg.mixer, opts, cfg.mamba_bias, cfg.conv_bias)
-        elif kind == "*":
-            ab = cfg.attention_bias
-            block = Attention(
-                qkv=rd.fused([rd.raw(p + n, rows, hid, ab) for n, rows in (("q_proj", hq), ("k_proj", hk),
-                                                                           ("v_proj", hk))]),
-                o=rd.linear(p + "o_proj", hid, hq, ab))
-        elif kind == "-":
-            block = relu2(p, cfg.intermediate_size, cfg.mlp_bias)
-        else:
-            e, f = cfg.num_experts, cfg.moe_intermediate_size
-            block = ExpertsParams(
-                router=rd.linear(p + "gate", e, hid),
-                correction_bias=src.get(p + "gate.e_score_correction_bias", (e,), where).astype(mx.float32),
-                fc1=finish_experts(read_experts(src, p + "switch_mlp.fc1", p + "experts.{e}.up_proj", e, f, hid,
-                                                opts.quant_for, where), dtype, keep),
-                fc2=finish_experts(read_experts(src, p + "switch_mlp.fc2", p + "experts.{e}.down_proj", e, hid, f,
-                                                opts.quant_for, where), dtype, keep),
-                shared=relu2(p + "shared_experts.", cfg.shared_intermediate_size, cfg.mlp_bias)
-                if cfg.shared_intermediate_size else None)
-        layers.append(NemotronHLayer(norm=rd.vec(f"backbone.layers.{i}.norm.weight", hid), block=block))
-    return NemotronHParams(
-        embed=rd.table("backbone.embeddings", cfg.vocab_size, hid),
-        layers=tuple(layers), norm=rd.vec("backbone.norm_f.weight", hid),
-        lm_head=rd.linear("lm_head", cfg.vocab_size, hid), config=cfg,
-        numerics=opts.numerics, dtype=opts.dtype_name)
+            return read_mixer(src, p, cfg.mixer, opts, cfg.mamba_bias, cfg.conv_bias)
+        if kind == "*":
+            return Attention(**read_tensors(rd, ATTENTION, cfg, p, sizes=sizes))
+        if kind == "-":
+            return Relu2Mlp(**read_tensors(rd, RELU2, cfg, p, sizes=sizes))
+        return _read_experts(cfg, rd, p)
+
+    layers = tuple(NemotronHLayer(norm=rd.vec(LAYER.format(i=i) + "norm.weight", cfg.hidden_size),
+                                  block=block(LAYER.format(i=i) + "mixer.", kind))
+                   for i, kind in enumerate(cfg.pattern))
+    return NemotronHParams(layers=layers, **read_tensors(rd, TOP, cfg), config=cfg, numerics=opts.numerics,
+                           dtype=opts.dtype_name)
+
+
+def _read_experts(cfg: NemotronHConfig, rd: Reader, p: str) -> ExpertsParams:
+    """A routed layer's experts under `p`: the router and its selection bias, the fc1 / fc2
+    stacks (mlx-lm's) or one tensor per expert (Hugging Face's), the shared ReLU^2 MLP."""
+    src, opts, hid, e, f = rd.src, rd.opts, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    stack = lambda lin: finish_experts(lin, opts.dtype, opts.keep_quantized)  # noqa: E731
+    s = cfg.shared_intermediate_size
+    return ExpertsParams(
+        router=rd.linear(p + "gate", e, hid),
+        correction_bias=src.get(p + "gate.e_score_correction_bias", (e,), opts.where).astype(mx.float32),
+        fc1=stack(read_experts(src, p + "switch_mlp.fc1", p + "experts.{e}.up_proj", e, f, hid, opts.quant_for,
+                               opts.where)),
+        fc2=stack(read_experts(src, p + "switch_mlp.fc2", p + "experts.{e}.down_proj", e, hid, f, opts.quant_for,
+                               opts.where)),
+        shared=Relu2Mlp(**read_tensors(rd, RELU2, cfg, p + "shared_experts.", sizes={"mlp_width": s})) if s else None)
 
 
 def checkpoint_layout(cfg: NemotronHConfig) -> dict[str, TensorSpec]:
@@ -299,7 +309,7 @@ def tensor_split(p: NemotronHParams, rank: int, size: int) -> NemotronHParams:
             b = split_mlp(b, rank, size, name, up="up", fused=False)
         else:
             f = b.fc2.in_features
-            f0, f1 = split(f, size, rank, b.fc2.group_size if b.fc2.quantized else 1)
+            f0, f1 = split(f, size, rank, b.fc2.quant.group_size if b.fc2.quantized else 1)
             b = attrs.evolve(b, fc1=split_rows(b.fc1, [(f0, f1)]), fc2=split_cols(b.fc2, f0, f1, f"{name} experts' down"),
                              shared=None if b.shared is None else split_mlp(b.shared, rank, size, name, up="up",
                                                                             fused=False))

@@ -29,10 +29,10 @@ from jaxtyping import Float, Int
 
 import fx_engine.core.models.llama as llama
 from fx_engine.core.cache import KVCache, LayerSpec
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec
+from fx_engine.core.checkpoint import Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec, read_tensors
 from fx_engine.core.config import (FLOAT, INT, MAYBE_BOOL, ConfigError, Field, Same, gguf_value, positive_int,
                                    read_fields, refuse, token_ids)
-from fx_engine.core.models.blocks import Reader
+from fx_engine.core.models.blocks import HF_LAYER, attention_sizes
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LayerParams, LlamaConfig
 from fx_engine.core.nn import rope_tables
@@ -165,45 +165,39 @@ def forward(
 hidden_to_logits = llama.hidden_to_logits
 
 
-_HF_NAMES = {"embed": "model.embed_tokens", "norm": "model.norm.weight", "lm_head": "lm_head",
-             "layer": "model.layers.{i}.", "attn_norm": "input_layernorm.weight",
-             "qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj",
-             "mlp_norm": "post_attention_layernorm.weight", "gate_up": "mlp.gate_up_proj",
-             "down": "mlp.down_proj"}
+# Each layer's params from its tensors under model.layers.{i}. (`read_tensors`; Llama's
+# with the projections stored fused), and the whole model's: Llama's `TOP`
+LAYER = (
+    Vec("attn_norm", "input_layernorm.weight", "hidden_size"),
+    Lin("qkv", "self_attn.qkv_proj", "qkv_width", "hidden_size"),
+    Lin("o", "self_attn.o_proj", "hidden_size", "q_width"),
+    Vec("mlp_norm", "post_attention_layernorm.weight", "hidden_size"),
+    Lin("gate_up", "mlp.gate_up_proj", "gate_up_width", "hidden_size"),
+    Lin("down", "mlp.down_proj", "hidden_size", "intermediate_size"),
+)
 # llama.cpp's names (its converter keeps phi3's fused projections and half-split RoPE)
-_GGUF_NAMES = {"embed": "token_embd", "norm": "output_norm.weight", "lm_head": "output",
-               "layer": "blk.{i}.", "attn_norm": "attn_norm.weight", "qkv": "attn_qkv",
-               "o": "attn_output", "mlp_norm": "ffn_norm.weight", "gate_up": "ffn_up",
-               "down": "ffn_down"}
+_GGUF_NAMES = {
+    HF_LAYER: "blk.{i}.", "model.embed_tokens": "token_embd", "model.norm.weight": "output_norm.weight",
+    "lm_head": "output", "input_layernorm.weight": "attn_norm.weight", "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
 
 
-def _assemble(cfg: Phi3Config, src: TensorSource, opts: LoadOptions, names: dict[str, str]) -> Phi3Params:
-    rd = Reader(src, opts)
-    if cfg.tie_word_embeddings is None:
-        cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has(names["lm_head"] + ".weight"))
-    h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
-    layers = []
-    for i in range(cfg.num_layers):
-        pre = names["layer"].format(i=i)
-        layers.append(LayerParams(
-            attn_norm=rd.vec(pre + names["attn_norm"], h),
-            qkv=rd.linear(pre + names["qkv"], qkv_rows, h),
-            o=rd.linear(pre + names["o"], h, cfg.num_heads * hd),
-            mlp_norm=rd.vec(pre + names["mlp_norm"], h),
-            gate_up=rd.linear(pre + names["gate_up"], 2 * ff, h),
-            down=rd.linear(pre + names["down"], h, ff),
-        ))
-    embed = rd.table(names["embed"], cfg.vocab_size, h, lookup_only=not cfg.tie_word_embeddings)
-    head = None if cfg.tie_word_embeddings else rd.linear(names["lm_head"], cfg.vocab_size, h)
-    return Phi3Params(embed=embed, layers=tuple(layers), norm=rd.vec(names["norm"], h),
-                      lm_head=head, rope_freqs=None, config=cfg, numerics=opts.numerics,
-                      dtype=opts.dtype_name)
+def _assemble(cfg: Phi3Config, src: TensorSource, opts: LoadOptions,
+              rename: dict[str, str] | None = None) -> Phi3Params:
+    rd, cfg = Reader(src, opts), llama.with_tied(cfg, src, rename)
+    sizes = attention_sizes(cfg)
+    sizes.update(qkv_width=sizes["q_width"] + 2 * sizes["kv_width"], gate_up_width=2 * cfg.intermediate_size)
+    layers = tuple(LayerParams(**read_tensors(rd, LAYER, cfg, HF_LAYER, i, sizes, rename))
+                   for i in range(cfg.num_layers))
+    return Phi3Params(layers=layers, **read_tensors(rd, llama.TOP, cfg, sizes=sizes, rename=rename),
+                      rope_freqs=None, config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
 
 
 def assemble(cfg: Phi3Config, src: TensorSource, opts: LoadOptions) -> Phi3Params:
     """Params from Hugging Face / mlx-community names (projections already fused)."""
-    return _assemble(cfg, src, opts, _HF_NAMES)
+    return _assemble(cfg, src, opts)
 
 
 def assemble_gguf(cfg: Phi3Config, src: TensorSource, opts: LoadOptions) -> Phi3Params:

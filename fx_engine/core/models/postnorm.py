@@ -27,9 +27,11 @@ from jaxtyping import Float, Int
 
 import fx_engine.core.models.llama as llama
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
-from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, renamed
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec,
+                                       read_tensors, renamed)
 from fx_engine.core.config import ConfigError, gguf_hf_config, gguf_value, gguf_yarn, positive_int
-from fx_engine.core.models.blocks import Reader, rope_freqs, rope_in, scaled_rope, self_attention, swiglu_mlp
+from fx_engine.core.models.blocks import (GATE_UP, HF_LAYER, attention_sizes, rope_freqs, rope_in, scaled_rope,
+                                          self_attention, swiglu_mlp)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.models.skeleton import decoder_step
@@ -173,44 +175,39 @@ _NORMS = {
 _NORMS_DEFAULT = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
 
 
+# the MLP: Llama's, its gate|up stored apart or fused (glm4), as each layer's tensors are
+_MLP = (
+    Lin("gate_up", "mlp.gate_up_proj", "gate_up_width", "hidden_size", bias="mlp_bias", when="gate_up_stored"),
+    Fused("gate_up", GATE_UP, "hidden_size", bias="mlp_bias", when="gate_up_apart"),
+    Lin("down", "mlp.down_proj", "hidden_size", "intermediate_size", bias="mlp_bias"),
+)
+
+
+def _layer_table(model_type: str) -> tuple:
+    """Each layer's params from its tensors under model.layers.{i}. (`read_tensors`): Llama's
+    attention projections and q/k norms, this model type's norms, the MLP."""
+    names = _NORMS.get(model_type, _NORMS_DEFAULT)
+    norms = tuple(Vec(to, f"{n}.weight", "hidden_size", when=n is not None)
+                  for to, n in zip(("attn_norm", "post_attn_norm", "mlp_norm", "post_ff_norm"), names))
+    return llama.ATTENTION[1:] + norms + _MLP
+
+
 def assemble(cfg: PostNormConfig, src: TensorSource, opts: LoadOptions) -> PostNormParams:
     """Params from Hugging Face / mlx-community tensor names."""
-    rd = Reader(src, opts)
-    if cfg.tie_word_embeddings is None:
-        cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has("lm_head.weight"))
-    h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    rd, cfg = Reader(src, opts), llama.with_tied(cfg, src)
     # q/k norms per head (exaone4) or over the whole projections (olmo)
-    qn, kn = (hd, hd) if cfg.model_type == "exaone4" else (hq, hk)
-    pre_attn, post_attn, pre_mlp, post_mlp = _NORMS.get(cfg.model_type, _NORMS_DEFAULT)
+    sizes = attention_sizes(cfg, whole_qk_norms=cfg.model_type != "exaone4")
+    sizes["gate_up_width"] = 2 * cfg.intermediate_size
+    table = _layer_table(cfg.model_type)
 
-    def vec(name: str | None, n: int) -> mx.array | None:
-        return None if name is None else rd.vec(name, n)
+    def layer(i: int) -> PostNormLayer:
+        stored = rd.has(HF_LAYER.format(i=i) + "mlp.gate_up_proj.weight")
+        flags = {"gate_up_stored": stored, "gate_up_apart": not stored}
+        return PostNormLayer(**read_tensors(rd, table, cfg, HF_LAYER, i, {**sizes, **flags}))
 
-    layers = []
-    for i in range(cfg.num_layers):
-        a, m, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"model.layers.{i}."
-        if src.has(m + "gate_up_proj.weight"):  # stored fused (glm4)
-            gate_up = rd.linear(m + "gate_up_proj", 2 * ff, h, cfg.mlp_bias)
-        else:
-            gate_up = rd.fused([rd.raw(m + "gate_proj", ff, h, cfg.mlp_bias), rd.raw(m + "up_proj", ff, h, cfg.mlp_bias)])
-        layers.append(PostNormLayer(
-            qkv=rd.fused([rd.raw(a + n, rows, h, cfg.qkv_bias) for n, rows in
-                          (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))]),
-            o=rd.linear(a + "o_proj", h, hq, cfg.o_bias),
-            q_norm=vec(a + "q_norm.weight", qn) if cfg.qk_norm else None,
-            k_norm=vec(a + "k_norm.weight", kn) if cfg.qk_norm else None,
-            attn_norm=vec(pre_attn and p + pre_attn + ".weight", h),
-            post_attn_norm=vec(p + post_attn + ".weight", h),
-            mlp_norm=vec(pre_mlp and p + pre_mlp + ".weight", h),
-            gate_up=gate_up, down=rd.linear(m + "down_proj", h, ff, cfg.mlp_bias),
-            post_ff_norm=vec(p + post_mlp + ".weight", h),
-        ))
-    embed_t = rd.table("model.embed_tokens", cfg.vocab_size, h, lookup_only=not cfg.tie_word_embeddings)
-    head = None if cfg.tie_word_embeddings else rd.linear("lm_head", cfg.vocab_size, h)
-    return PostNormParams(embed=embed_t, layers=tuple(layers), norm=vec("model.norm.weight", h), lm_head=head,
-                          rope_freqs=rope_freqs(cfg), config=cfg, numerics=opts.numerics,
-                          dtype=opts.dtype_name)
+    return PostNormParams(layers=tuple(layer(i) for i in range(cfg.num_layers)),
+                          **read_tensors(rd, llama.TOP, cfg, sizes=sizes), rope_freqs=rope_freqs(cfg), config=cfg,
+                          numerics=opts.numerics, dtype=opts.dtype_name)
 
 
 def checkpoint_layout(cfg: PostNormConfig) -> dict[str, TensorSpec]:

@@ -26,16 +26,17 @@ import mlx.core as mx
 
 import fx_engine.core.models.llama as llama
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, attend_entry, recurrent_entry, write_entry
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec, read_experts
+from fx_engine.core.checkpoint import (Embedding, Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec,
+                                       read_experts, read_tensors)
 from fx_engine.core.config import BOOL, INT, INT_OR_ZERO, ConfigError, Field, read_fields
-from fx_engine.core.models.blocks import (HF_EXPERT_NAMES, STACKED_EXPERT_NAMES, DenseMlp, Experts, Reader,
-                                          apply_partial_rope, expert_stacks, mixture, read_shared_expert, rope_in,
-                                          swiglu_mlp)
+from fx_engine.core.models.blocks import (HF_EXPERT_NAMES, HF_LAYER, STACKED_EXPERT_NAMES, SWIGLU_MLP, DenseMlp,
+                                          Experts, apply_partial_rope, attention_sizes, expert_stacks, mixture,
+                                          read_shared_expert, rope_in, swiglu_mlp)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.moe import MoEConfig
 from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, head_logits
 from fx_engine.core.models.ssm import conv_weight
-from fx_engine.core.nn import Linear, linear, rms_norm
+from fx_engine.core.nn import Linear, Quant, linear, rms_norm
 from fx_engine.core.splits import head_range, split, split_cols, split_experts, split_head, split_mlp, split_rows
 from fx_engine.core.recurrent import causal_conv, gated_delta_scan
 
@@ -230,94 +231,110 @@ def forward(p: Qwen3NextParams, cache: KVCache, tokens: mx.array, n_valid: mx.ar
 hidden_to_logits = head_logits
 
 
+# Each layer's params from its tensors under model.layers.{i}. (`read_tensors`): the
+# norms (RMSNorms stored as w of 1 + w in an unconverted checkpoint: `norm_offset` added);
+# the mixer, gated attention under self_attn. (q with its gate, q/k/v biases where the
+# config says) or a gated DeltaNet under linear_attn. (Qwen3.5's four input projections
+# regrouped, `_qwen3_5_projections`; its conv and decay in `_delta_net`); the MLP, dense
+# (`SWIGLU_MLP`) or routed (`_read_experts`). The whole model's: the head where untied and
+# stored.
+NORMS = (Vec("attn_norm", "input_layernorm.weight", "hidden_size", plus="norm_offset"),
+         Vec("mlp_norm", "post_attention_layernorm.weight", "hidden_size", plus="norm_offset"))
+ATTENTION = (
+    Lin("q", "q_proj", "gated_q_width", "hidden_size", bias="qkv_bias"),
+    Fused("kv", (("k_proj", "kv_width"), ("v_proj", "kv_width")), "hidden_size", bias="qkv_bias"),
+    Lin("o", "o_proj", "hidden_size", "q_width"),
+    Vec("q_norm", "q_norm.weight", "head_dim", plus="norm_offset"),
+    Vec("k_norm", "k_norm.weight", "head_dim", plus="norm_offset"),
+)
+DELTA_NET = (
+    Lin("qkvz", "in_proj_qkvz", "qkvz_width", "hidden_size", when="qkvz_stored"),
+    Lin("ba", "in_proj_ba", "ba_width", "hidden_size", when="qkvz_stored"),
+    Vec("dt_bias", "dt_bias", "lin_v_heads", float32=True),
+    Vec("norm", "norm.weight", "lin_v_dim", plus=0.0),  # (stored as w, not 1 + w)
+    Lin("out_proj", "out_proj", "hidden_size", "value_dim"),
+)
+TOP = (Embedding("embed", "model.embed_tokens"), Vec("norm", "model.norm.weight", "hidden_size", plus="norm_offset"),
+       Lin("lm_head", "lm_head", "vocab_size", "hidden_size", when="head_stored"))
+
+
 def assemble(cfg: Qwen3NextConfig, src: TensorSource, opts: LoadOptions) -> Qwen3NextParams:
-    rd, dtype, where = Reader(src, opts), opts.dtype, opts.where
-    hid, d = cfg.hidden_size, cfg.head_dim
-    hq, hk = cfg.num_heads * d, cfg.num_kv_heads * d
-    # An unconverted Hugging Face checkpoint stores its RMSNorms as 1 + w; mlx-lm's sanitize
-    # folds the 1 in when it sees one (Qwen3-Next: by its per-expert tensors; Qwen3.5: by its
-    # [C, 1, K] conv weights), and so does this reader.
+    rd = Reader(src, opts)
+    sizes = {**attention_sizes(cfg), "norm_offset": _norm_offset(cfg, src), "qkvz_stored": not cfg.qwen3_5,
+             "gated_q_width": 2 * cfg.num_heads * cfg.head_dim, "qkvz_width": 2 * cfg.key_dim + 2 * cfg.value_dim,
+             "ba_width": 2 * cfg.lin_v_heads, "head_stored": not cfg.tie_word_embeddings and src.has("lm_head.weight")}
+
+    def layer(i: int, is_lin: bool) -> Qwen3NextLayer:
+        p = HF_LAYER.format(i=i)
+        mixer = (_delta_net(cfg, rd, p + "linear_attn.", sizes) if is_lin
+                 else GatedAttention(**read_tensors(rd, ATTENTION, cfg, p + "self_attn.", sizes=sizes)))
+        mlp = (_read_experts(cfg, rd, p + "mlp.") if cfg.moe_layers[i]
+               else DenseMlp(**read_tensors(rd, SWIGLU_MLP, cfg, HF_LAYER, i, sizes)))
+        return Qwen3NextLayer(mixer=mixer, mlp=mlp, **read_tensors(rd, NORMS, cfg, HF_LAYER, i, sizes))
+
+    return Qwen3NextParams(
+        layers=tuple(layer(i, is_lin) for i, is_lin in enumerate(cfg.linear_layers)),
+        **read_tensors(rd, TOP, cfg, sizes=sizes), config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
+
+
+def _norm_offset(cfg: Qwen3NextConfig, src: TensorSource) -> float:
+    """1.0 where the RMSNorms are stored as w of 1 + w (an unconverted Hugging Face
+    checkpoint): mlx-lm's sanitize folds the 1 in when it sees one (Qwen3-Next: by its
+    per-expert tensors; Qwen3.5: by its [C, 1, K] conv weights), and so does this reader."""
     if cfg.qwen3_5:
         convs = [f"model.layers.{i}.linear_attn.conv1d.weight" for i, lin in enumerate(cfg.linear_layers) if lin]
-        offset = 1.0 if any(src.get(n).shape[-1] != 1 for n in convs[:1]) else 0.0
+        return 1.0 if any(src.get(n).shape[-1] != 1 for n in convs[:1]) else 0.0
+    return 1.0 if any(src.has(f"model.layers.{i}.mlp.experts.0.up_proj.weight")
+                      for i in range(cfg.num_layers)) else 0.0
+
+
+def _delta_net(cfg: Qwen3NextConfig, rd: Reader, a: str, sizes: dict[str, Any]) -> DeltaNet:
+    """A gated DeltaNet mixer under `a` (linear_attn.): its table, Qwen3.5's projections
+    regrouped, the conv weight (either axis order) and the decay rates exp(A_log)."""
+    src, where, nv = rd.src, rd.opts.where, cfg.lin_v_heads
+    f = read_tensors(rd, DELTA_NET, cfg, a, sizes=sizes)
+    if cfg.qwen3_5:
+        f["qkvz"], f["ba"] = _qwen3_5_projections(cfg, a, rd)
+    return DeltaNet(**f, conv_w=conv_weight(src, a + "conv1d.weight", cfg.conv_dim, cfg.conv_kernel, where)
+                    .astype(rd.opts.dtype), a=mx.exp(src.get(a + "A_log", (nv,), where).astype(mx.float32)))
+
+
+def _read_experts(cfg: Qwen3NextConfig, rd: Reader, m: str) -> Experts:
+    """A routed layer's experts under `m` (mlp.): Qwen3.5-MoE's fused gate_up_proj
+    [E, 2F, H] (gate rows first), or mlx-lm's stacks / one tensor per expert; the router,
+    the gated shared expert."""
+    src, opts, e, f, hid = rd.src, rd.opts, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    if src.has(m + "experts.gate_up_proj"):
+        gu = src.get(m + "experts.gate_up_proj", (e, 2 * f, hid), opts.where)
+        gate, up = Linear(weight=gu[:, :f]), Linear(weight=gu[:, f:])
+        down = Linear(weight=src.get(m + "experts.down_proj", (e, hid, f), opts.where))
     else:
-        offset = 1.0 if any(src.has(f"model.layers.{i}.mlp.experts.0.up_proj.weight")
-                            for i in range(cfg.num_layers)) else 0.0
-
-    def lin(name: str, out_f: int, in_f: int) -> Linear:  # (attention's q/k/v biases: qkv_bias)
-        return rd.raw(name, out_f, in_f, cfg.qkv_bias and "self_attn" in name)
-
-    def norm(name: str, n: int, plus: float = offset) -> mx.array:
-        return (src.get(name, (n,), where).astype(mx.float32) + plus).astype(dtype)
-
-    layers = []
-    for i, is_lin in enumerate(cfg.linear_layers):
-        p = f"model.layers.{i}."
-        if is_lin:
-            a = p + "linear_attn."
-            qkvz, ba = _qwen3_5_projections(cfg, lin, a, rd) if cfg.qwen3_5 else (
-                rd.finish(lin(a + "in_proj_qkvz", 2 * cfg.key_dim + 2 * cfg.value_dim, hid)),
-                rd.finish(lin(a + "in_proj_ba", 2 * cfg.lin_v_heads, hid)))
-            mixer: Any = DeltaNet(
-                qkvz=qkvz, ba=ba,
-                conv_w=conv_weight(src, a + "conv1d.weight", cfg.conv_dim, cfg.conv_kernel, where).astype(dtype),
-                dt_bias=src.get(a + "dt_bias", (cfg.lin_v_heads,), where).astype(mx.float32),
-                a=mx.exp(src.get(a + "A_log", (cfg.lin_v_heads,), where).astype(mx.float32)),
-                norm=norm(a + "norm.weight", cfg.lin_v_dim, 0.0),  # (stored as w, not 1 + w)
-                out_proj=rd.finish(lin(a + "out_proj", hid, cfg.value_dim)))
-        else:
-            a = p + "self_attn."
-            mixer = GatedAttention(
-                q=rd.finish(lin(a + "q_proj", 2 * hq, hid)),
-                kv=rd.fused([lin(a + "k_proj", hk, hid), lin(a + "v_proj", hk, hid)]),
-                o=rd.linear(a + "o_proj", hid, hq),
-                q_norm=norm(a + "q_norm.weight", d), k_norm=norm(a + "k_norm.weight", d))
-        if cfg.moe_layers[i]:
-            m = p + "mlp."
-            e, f = cfg.num_experts, cfg.moe_intermediate_size
-            if src.has(m + "experts.gate_up_proj"):  # Qwen3.5-MoE (HF): [E, 2F, H] gate rows first
-                gu = src.get(m + "experts.gate_up_proj", (e, 2 * f, hid), where)
-                gate, up = Linear(weight=gu[:, :f]), Linear(weight=gu[:, f:])
-                down = Linear(weight=src.get(m + "experts.down_proj", (e, hid, f), where))
-            else:
-                gate, up, down = (read_experts(src, m + stacked, m + one, e, o, n, opts.quant_for, where)
-                                  for stacked, one, (o, n) in zip(STACKED_EXPERT_NAMES, HF_EXPERT_NAMES,
-                                                                  ((f, hid), (f, hid), (hid, f))))
-            shared = read_shared_expert(rd, hid, cfg.shared_expert_intermediate_size, m + "shared_expert.",
-                                        m + "shared_expert_gate", ("gate_proj", "up_proj", "down_proj"))
-            mlp: Any = Experts(router=rd.linear(m + "gate", e, hid), **expert_stacks(gate, up, down, opts), **shared)
-        else:
-            m = p + "mlp."
-            ff = cfg.intermediate_size
-            mlp = DenseMlp(gate_up=rd.fused([lin(m + "gate_proj", ff, hid), lin(m + "up_proj", ff, hid)]),
-                           down=rd.finish(lin(m + "down_proj", hid, ff)))
-        layers.append(Qwen3NextLayer(attn_norm=norm(p + "input_layernorm.weight", hid), mixer=mixer,
-                                     mlp_norm=norm(p + "post_attention_layernorm.weight", hid), mlp=mlp))
-    head = None
-    if not cfg.tie_word_embeddings and src.has("lm_head.weight"):
-        head = rd.linear("lm_head", cfg.vocab_size, hid)
-    return Qwen3NextParams(
-        embed=rd.table("model.embed_tokens", cfg.vocab_size, hid),
-        layers=tuple(layers), norm=norm("model.norm.weight", hid), lm_head=head, config=cfg,
-        numerics=opts.numerics, dtype=opts.dtype_name)
+        gate, up, down = (read_experts(src, m + stacked, m + one, e, o, n, opts.quant_for, opts.where)
+                          for stacked, one, (o, n) in zip(STACKED_EXPERT_NAMES, HF_EXPERT_NAMES,
+                                                          ((f, hid), (f, hid), (hid, f))))
+    shared = read_shared_expert(rd, hid, cfg.shared_expert_intermediate_size, m + "shared_expert.",
+                                m + "shared_expert_gate", ("gate_proj", "up_proj", "down_proj"))
+    return Experts(router=rd.linear(m + "gate", e, hid), **expert_stacks(gate, up, down, opts), **shared)
 
 
 def _rows(lin: Linear, lo: int, hi: int) -> Linear:
     """Output rows [lo, hi) of a (dense or quantized, not yet finished) Linear."""
     cut = lambda a: None if a is None else a[lo:hi]  # noqa: E731
-    return Linear(weight=lin.weight[lo:hi], bias=cut(lin.bias), scales=cut(lin.scales), biases=cut(lin.biases),
-                  group_size=lin.group_size, bits=lin.bits, mode=lin.mode)
+    q = lin.quant
+    quant = None if q is None else Quant(cut(q.scales), cut(q.biases), q.group_size, q.bits, q.mode)
+    return Linear(weight=lin.weight[lo:hi], bias=cut(lin.bias), quant=quant)
 
 
-def _qwen3_5_projections(cfg: Qwen3NextConfig, lin: Any, a: str, rd: Reader) -> tuple[Linear, Linear]:
+def _qwen3_5_projections(cfg: Qwen3NextConfig, a: str, rd: Reader) -> tuple[Linear, Linear]:
     """Qwen3.5's in_proj_qkv (q | k | v), in_proj_z, in_proj_b, in_proj_a regrouped into
     Qwen3-Next's layout (per key head i: q_i, k_i, its r value heads' v, then their z; and
     b_i, a_i): one forward for both."""
     hid = cfg.hidden_size
     nk, dk, nv, dv = cfg.lin_k_heads, cfg.lin_k_dim, cfg.lin_v_heads, cfg.lin_v_dim
     r, kd = nv // nk, cfg.key_dim
-    qkv = lin(a + "in_proj_qkv", 2 * kd + cfg.value_dim, hid)
-    z, b, aa = lin(a + "in_proj_z", cfg.value_dim, hid), lin(a + "in_proj_b", nv, hid), lin(a + "in_proj_a", nv, hid)
+    qkv = rd.raw(a + "in_proj_qkv", 2 * kd + cfg.value_dim, hid)
+    z = rd.raw(a + "in_proj_z", cfg.value_dim, hid)
+    b, aa = rd.raw(a + "in_proj_b", nv, hid), rd.raw(a + "in_proj_a", nv, hid)
     qkvz, ba = [], []
     for i in range(nk):
         v0 = 2 * kd + i * r * dv

@@ -22,10 +22,9 @@ import attrs
 import mlx.core as mx
 
 from fx_engine.core.cache import LayerSpec, StepGeometry, recurrent_entry
-from fx_engine.core.checkpoint import LoadOptions, TensorSource, TensorSpec
+from fx_engine.core.checkpoint import Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec, read_tensors
 from fx_engine.core.config import ConfigError
-from fx_engine.core.models.blocks import Reader
-from fx_engine.core.nn import Linear, Numerics, linear, rms_norm
+from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, shard_group
 from fx_engine.core.recurrent import causal_conv, ssd_scan
 
 __all__ = ["MixerDims", "MixerParams", "conv_weight", "mixer", "mixer_layout", "read_mixer"]
@@ -110,7 +109,7 @@ def mixer(mp: MixerParams, dims: MixerDims, x: mx.array, entry: Any, spec: Layer
         y = y.reshape(b, t, i) * mp.norm
     else:
         y = rms_norm(y, mp.norm, dims.norm_eps, width=dims.norm_width or None,
-                     group=mp.out_proj.group)
+                     group=shard_group(mp.out_proj))
     if dims.norm_mode == "norm_gate":
         y = y * gate
     out = linear(y.reshape(b * t, i), mp.out_proj, num)
@@ -129,21 +128,30 @@ def conv_weight(src: TensorSource, name: str, channels: int, k: int, where: str)
                       f"or ({channels}, {k}, 1)")
 
 
+# A mixer's params from its tensors under the mixer's prefix (`read_tensors`, sizes the
+# MixerDims' and `read_mixer`'s); the conv weight (either axis order) and the decay rates
+# -exp(A_log) are read in `read_mixer`
+MIXER = (
+    Lin("in_proj", "in_proj", "in_width", "hidden", bias="bias"),
+    Vec("conv_b", "conv1d.bias", "conv_dim", when="conv_bias"),
+    Vec("dt_bias", "dt_bias", "heads", float32=True),
+    Vec("d", "D", "heads", float32=True),
+    Vec("norm", "norm.weight", "inner", when="norm_weight"),
+    Lin("out_proj", "out_proj", "hidden", "inner", bias="bias"),
+)
+
+
 def read_mixer(src: TensorSource, prefix: str, dims: MixerDims, opts: LoadOptions, bias: bool,
                conv_bias: bool) -> MixerParams:
     """A mixer's params under `prefix` (`...mixer.`); bias: in_proj and out_proj have
     biases, conv_bias: the conv has one."""
-    rd, dtype, where = Reader(src, opts), opts.dtype, opts.where
-    i, cd, h = dims.inner, dims.conv_dim, dims.heads
+    rd, where = Reader(src, opts), opts.where
+    sizes = {"in_width": dims.inner + dims.conv_dim + dims.heads, "bias": bias, "conv_bias": conv_bias,
+             "norm_weight": dims.norm_mode != "gate"}
     return MixerParams(
-        in_proj=rd.linear(prefix + "in_proj", i + cd + h, dims.hidden, bias),
-        conv_w=conv_weight(src, prefix + "conv1d.weight", cd, dims.kernel, where).astype(dtype),
-        conv_b=rd.vec(prefix + "conv1d.bias", cd) if conv_bias else None,
-        dt_bias=src.get(prefix + "dt_bias", (h,), where).astype(mx.float32),
-        a=-mx.exp(src.get(prefix + "A_log", (h,), where).astype(mx.float32)),
-        d=src.get(prefix + "D", (h,), where).astype(mx.float32),
-        norm=None if dims.norm_mode == "gate" else rd.vec(prefix + "norm.weight", i),
-        out_proj=rd.linear(prefix + "out_proj", dims.hidden, i, bias),
+        **read_tensors(rd, MIXER, dims, prefix, sizes=sizes),
+        conv_w=conv_weight(src, prefix + "conv1d.weight", dims.conv_dim, dims.kernel, where).astype(opts.dtype),
+        a=-mx.exp(src.get(prefix + "A_log", (dims.heads,), where).astype(mx.float32)),
     )
 
 

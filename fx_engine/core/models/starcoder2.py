@@ -20,9 +20,10 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 import fx_engine.core.models.llama as llama
-from fx_engine.core.checkpoint import GGUF_COMMON_NAMES, LoadOptions, TensorSource, TensorSpec, renamed
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Norm, Reader, TensorSource,
+                                       TensorSpec, read_tensors, renamed)
 from fx_engine.core.config import ConfigError, gguf_hf_config
-from fx_engine.core.models.blocks import Reader, self_attention
+from fx_engine.core.models.blocks import HF_LAYER, QKV, attention_sizes, self_attention
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.nn import Linear, gelu, gelu_tanh, layer_norm, linear
@@ -93,29 +94,29 @@ def forward(
 hidden_to_logits = llama.hidden_to_logits
 
 
+# Each layer's params from its tensors under model.layers.{i}. (`read_tensors`): Llama's
+# attention with biases, LayerNorms with biases, the GPT MLP; the whole model's likewise
+LAYER = (
+    Norm("attn_norm", "input_layernorm"),
+    Fused("qkv", QKV, "hidden_size", bias=True),
+    Lin("o", "self_attn.o_proj", "hidden_size", "q_width", bias=True),
+    Norm("mlp_norm", "post_attention_layernorm"),
+    Lin("fc", "mlp.c_fc", "intermediate_size", "hidden_size", bias=True),
+    Lin("proj", "mlp.c_proj", "hidden_size", "intermediate_size", bias=True),
+)
+TOP = (
+    Embedding("embed", "model.embed_tokens", lookup_only="untied"),
+    Norm("norm", "model.norm"),
+    Lin("lm_head", "lm_head", "vocab_size", "hidden_size", when="untied"),
+)
+
+
 def assemble(cfg: Starcoder2Config, src: TensorSource, opts: LoadOptions) -> Starcoder2Params:
-    rd = Reader(src, opts)
-    h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
-
-    def norm(name: str) -> tuple[mx.array, mx.array]:  # a LayerNorm's weight and bias
-        return rd.vec(name + ".weight", h), rd.vec(name + ".bias", h)
-
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
-        layers.append(Starcoder2Layer(
-            attn_norm=norm(p + "input_layernorm"),
-            qkv=rd.fused([rd.raw(a + n, rows, h, True) for n, rows in (("q_proj", hq), ("k_proj", hk), ("v_proj", hk))]),
-            o=rd.linear(a + "o_proj", h, hq, True), mlp_norm=norm(p + "post_attention_layernorm"),
-            fc=rd.linear(m + "c_fc", ff, h, True), proj=rd.linear(m + "c_proj", h, ff, True),
-        ))
-    tied = cfg.tie_word_embeddings
-    embed_t = rd.table("model.embed_tokens", cfg.vocab_size, h, lookup_only=not tied)
-    head = None if tied else rd.linear("lm_head", cfg.vocab_size, h)
-    return Starcoder2Params(embed=embed_t, layers=tuple(layers), norm=norm("model.norm"), lm_head=head,
-                            rope_freqs=None, config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
+    rd, sizes = Reader(src, opts), attention_sizes(cfg)
+    layers = tuple(Starcoder2Layer(**read_tensors(rd, LAYER, cfg, HF_LAYER, i, sizes))
+                   for i in range(cfg.num_layers))
+    return Starcoder2Params(layers=layers, **read_tensors(rd, TOP, cfg, sizes=sizes), rope_freqs=None, config=cfg,
+                            numerics=opts.numerics, dtype=opts.dtype_name)
 
 
 def checkpoint_layout(cfg: Starcoder2Config) -> dict[str, TensorSpec]:

@@ -135,9 +135,10 @@ def _representative(params: Any) -> tuple[int, int, int, int] | None:
     groups of 16) holding the most weights; None if there are none."""
     totals: dict[tuple[int, int, int, int], int] = {}
     for lin in linears(params):
-        if lin.quantized and lin.weight.ndim == 2 and supports(lin.group_size, lin.bits):
-            n, k = int(lin.weight.shape[0]), int(lin.weight.shape[1]) * 32 // lin.bits
-            totals[(n, k, lin.bits, lin.group_size)] = totals.get((n, k, lin.bits, lin.group_size), 0) + n * k
+        q = lin.quant
+        if lin.quantized and lin.weight.ndim == 2 and supports(q.group_size, q.bits):
+            n, k = int(lin.weight.shape[0]), int(lin.weight.shape[1]) * 32 // q.bits
+            totals[(n, k, q.bits, q.group_size)] = totals.get((n, k, q.bits, q.group_size), 0) + n * k
     return max(totals, key=lambda s: totals[s]) if totals else None
 
 
