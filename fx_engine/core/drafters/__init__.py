@@ -1,0 +1,9 @@
+"""Learned drafters: small heads that propose tokens for speculative decoding from the
+target's own hidden states (issue 45).
+
+    eagle3.py   EAGLE-3 heads in their published format (SafeAILab/EAGLE, SpecForge, vLLM and
+                SGLang checkpoints): config, params from checkpoint tensors, the pure forward
+                over an fx-engine KV cache, greedy chained drafting, draft -> target vocab maps
+
+Pure core, like every module under fx_engine/core (tests/core/test_boundary.py).
+"""

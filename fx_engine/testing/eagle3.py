@@ -1,0 +1,85 @@
+"""Write tiny random EAGLE-3 heads in the published format (config.json + model.safetensors),
+for tests of fx_engine.core.drafters.eagle3 (and users' own).
+
+The layout is EAGLE's / SpecForge's: a flat Llama config with draft_vocab_size and
+target_hidden_size; tensors fc, midlayer.* (q/k/v over 2H inputs), norm, lm_head
+[draft_vocab, H], d2t (int64 offsets) and t2d (bool mask over the target vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+# where the layer's tensors live, per reference: EAGLE / SpecForge, vLLM (speculators), SGLang
+NAME_STYLES = {"midlayer": "midlayer.", "layers.0": "layers.0.", "model.midlayer": "model.midlayer."}
+
+
+def tiny_eagle3_config(target_hidden: int = 48, **overrides: Any) -> dict[str, Any]:
+    """config.json of a tiny head for a target `target_hidden` wide (3 * target_hidden must
+    differ from hidden_size: the references tell the two kinds of hidden input apart by width)."""
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 32,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
+           "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "rope_scaling": None, "max_position_embeddings": 2048, "vocab_size": 96, "draft_vocab_size": 40,
+           "target_hidden_size": target_hidden, "tie_word_embeddings": False, "torch_dtype": "float32",
+           "bos_token_id": 1, "eos_token_id": 2}
+    return {**cfg, **overrides}
+
+
+def tiny_eagle3_tensors(cfg: dict[str, Any], *, seed: int = 0, style: str = "midlayer", embed: bool = False,
+                        dtype: str = "float32") -> dict[str, mx.array]:
+    """Random tensors of a head of config `cfg` under the `style`'s names: norms near 1,
+    projections ~N(0, 0.15^2) (large enough that attention is not uniform), d2t / t2d a random
+    sorted draft vocabulary. embed: also the head's own embed_tokens."""
+    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    ff, v, dv = cfg["intermediate_size"], cfg["vocab_size"], cfg.get("draft_vocab_size") or cfg["vocab_size"]
+    ht = cfg.get("target_hidden_size") or h
+    pre = NAME_STYLES[style]
+    top = "model." if style == "model.midlayer" else ""
+    shapes = {top + "fc.weight": (h, 3 * ht), pre + "self_attn.q_proj.weight": (heads * hd, 2 * h),
+              pre + "self_attn.k_proj.weight": (kv * hd, 2 * h), pre + "self_attn.v_proj.weight": (kv * hd, 2 * h),
+              pre + "self_attn.o_proj.weight": (h, heads * hd), pre + "mlp.gate_proj.weight": (ff, h),
+              pre + "mlp.up_proj.weight": (ff, h), pre + "mlp.down_proj.weight": (h, ff),
+              "lm_head.weight": (dv, h)}
+    norms = (pre + "input_layernorm.weight", pre + "hidden_norm.weight", pre + "post_attention_layernorm.weight",
+             top + "norm.weight")
+    if embed:
+        shapes[top + "embed_tokens.weight"] = (v, h)
+    rng = np.random.default_rng(seed)
+    out = {n: rng.normal(0.0, 0.15, s) for n, s in shapes.items()}
+    out.update({n: 1.0 + rng.normal(0.0, 0.1, (h,)) for n in norms})
+    tensors = {n: mx.array(a.astype(np.float32)).astype(getattr(mx, dtype)) for n, a in out.items()}
+    ids = np.sort(rng.choice(v, size=dv, replace=False))  # real heads: the most frequent target tokens, sorted
+    mask = np.zeros(v, dtype=bool)
+    mask[ids] = True
+    tensors["d2t"] = mx.array((ids - np.arange(dv)).astype(np.int64))
+    tensors["t2d"] = mx.array(mask)
+    return tensors
+
+
+def write_tiny_eagle3(folder: str | Path, target_hidden: int = 48, *, seed: int = 0, style: str = "midlayer",
+                      embed: bool = False, dtype: str = "float32", **config: Any) -> Path:
+    """Write a random EAGLE-3 head folder (config.json, model.safetensors); returns its path.
+    `config` overrides config.json fields (tiny_eagle3_config's)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_eagle3_config(target_hidden, **config)
+    mx.save_safetensors(str(folder / "model.safetensors"),
+                        tiny_eagle3_tensors(cfg, seed=seed, style=style, embed=embed, dtype=dtype))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    return folder
+
+
+def read_eagle3_folder(folder: str | Path) -> tuple[dict[str, Any], dict[str, mx.array]]:
+    """(config.json as a dict, every tensor of the folder's safetensors files)."""
+    folder = Path(folder)
+    tensors: dict[str, mx.array] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(mx.load(str(f)))
+    return json.loads((folder / "config.json").read_text()), tensors
