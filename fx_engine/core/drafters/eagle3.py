@@ -44,7 +44,7 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, den
 from fx_engine.core.checkpoint import Fused, Lin, LoadOptions, Reader, TensorSource, Vec, WeightsError, read_tensors
 from fx_engine.core.config import (BOOL, FLOAT, INT, BaseConfig, ConfigError, Field, Same, check_rope_scaling,
                                    positive_int, read_fields, refuse)
-from fx_engine.core.models.blocks import GATE_UP, QKV, rope_freqs, scaled_rope, self_attention, swiglu_mlp
+from fx_engine.core.models.blocks import GATE_UP, QKV, rope_freqs, rope_type_of, scaled_rope, self_attention, swiglu_mlp
 from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm
 from fx_engine.core.tree import static_field
 
@@ -73,10 +73,7 @@ class Eagle3Config(BaseConfig):
 
     @property
     def rope_type(self) -> str:
-        if not self.rope_scaling:
-            return "default"
-        d = dict(self.rope_scaling)
-        return str(d.get("type") or d.get("rope_type") or "default")
+        return rope_type_of(self.rope_scaling)
 
     @property
     def fc_in(self) -> int:

@@ -67,6 +67,15 @@ def rope_mscale(cfg: Any) -> float:
     return scaled_rope_mscale(dict(cfg.rope_scaling or ()), cfg.max_position_embeddings)
 
 
+def rope_type_of(rope_scaling: Any) -> str:
+    """The RoPE scaling's kind ("default" when none): Hugging Face spells the key `type`
+    in older configs and `rope_type` in newer ones."""
+    if not rope_scaling:
+        return "default"
+    d = dict(rope_scaling)
+    return str(d.get("type") or d.get("rope_type") or "default")
+
+
 def rope_freqs(cfg: Any) -> mx.array | None:
     """The per-pair rotation periods of a scaled RoPE (see `nn.scaled_rope_freqs`)."""
     return scaled_rope_freqs(dict(cfg.rope_scaling or ()), cfg.head_dim, cfg.rope_theta)

@@ -22,13 +22,15 @@ from fx_engine.core.checkpoint import (Embedding, Fused, Lin, LoadOptions, Reade
 from fx_engine.core.config import (BOOL, FLOAT, INT, MAYBE_BOOL, POSITIVE_FLOAT, BaseConfig, ConfigError, Field, Same,
                                    check_rope_scaling, gguf_hf_config, gguf_value, positive_int, read_fields, token_ids)
 from fx_engine.core.models.blocks import (GATE_UP, HF_LAYER, QKV, apply_partial_rope, attention_sizes, decoder_layer,
-                                          rope_freqs, rope_mscale, scaled_rope, self_attention)
+                                          rope_freqs, rope_mscale, rope_type_of, scaled_rope, self_attention)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import (PipelineStage, cut_layers, decoder_step, embedded_tokens, final_rms_norm,
                                             stage_logits)
 from fx_engine.core.nn import Linear, Numerics, linear
 from fx_engine.core.splits import shard_decoder
 from fx_engine.core.tree import static_field
+
+
 
 
 @attrs.frozen
@@ -64,10 +66,7 @@ class LlamaConfig(BaseConfig):
 
     @property
     def rope_type(self) -> str:
-        if not self.rope_scaling:
-            return "default"
-        d = dict(self.rope_scaling)
-        return str(d.get("type") or d.get("rope_type") or "default")
+        return rope_type_of(self.rope_scaling)
 
 
 
