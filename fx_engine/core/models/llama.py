@@ -31,8 +31,6 @@ from fx_engine.core.splits import shard_decoder
 from fx_engine.core.tree import static_field
 
 
-
-
 @attrs.frozen
 class LlamaConfig(BaseConfig):
     rope_theta: float
