@@ -95,9 +95,13 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
 def _numerics_args(g: Any) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="fixed-tile matmuls: bitwise-identical results across batch/chunk sizes")
+    g.add_argument("--numerics", default="auto", choices=("auto", "exact", "int8"),
+                   help="how activations meet quantized weights: int8 rounds them to 8 bits per "
+                        "group (int8 dot products, as llama.cpp does: 1.5-2.5x faster), exact "
+                        "keeps float32 (mlx-lm's numerics); auto (default): int8 for quantized "
+                        "models on CPUs with int8 dot products, else exact (docs/numerics.md)")
     g.add_argument("--activation-bits", type=int, default=None, choices=(8,),
-                   help="round activations to 8 bits per group for the 4-/8-bit matmuls (int8 "
-                        "dot products, as llama.cpp does: faster, slightly different numerics)")
+                   help="8: the older spelling of --numerics int8")
     g.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
                    help="quantize the KV cache (full-attention layers) to 4 or 8 bits")
     g.add_argument("--kv-group-size", type=int, default=64, help="KV quantization group size")
@@ -257,7 +261,9 @@ def _draft(a: argparse.Namespace, model: Any) -> Any:
 
             _DRAFTS[key] = self_draft_model(model, a.self_draft_layers)
         else:
-            _DRAFTS[key] = fx_engine.load(a.draft_model)
+            # (the target's numerics: a draft only proposes, the target's verify decides)
+            _DRAFTS[key] = fx_engine.load(a.draft_model, numerics=getattr(a, "numerics", "auto"),
+                                          activation_bits=getattr(a, "activation_bits", None))
     return _DRAFTS[key]
 
 
@@ -265,6 +271,7 @@ def _load(a: argparse.Namespace):
     model = fx_engine.load(a.model, revision=getattr(a, "revision", None),
                            batch_invariant=a.batch_invariant, kv_bits=a.kv_bits,
                            kv_group_size=a.kv_group_size, quantized_kv_start=a.quantized_kv_start,
+                           numerics=getattr(a, "numerics", "auto"),
                            activation_bits=getattr(a, "activation_bits", None),
                            kv_dtype=getattr(a, "kv_dtype", None),
                            tensor_parallel=getattr(a, "tensor_parallel", None),
@@ -569,12 +576,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.max_kv_size is not None and a.max_kv_size > own_context:  # (llama.cpp warns too)
         log.warning("--max-kv-size %d exceeds the model's context of %d tokens: %d is used",
                     a.max_kv_size, own_context, own_context)
-    log.info("fx-engine %s serving %s%s (%s, fingerprint %s) on http://%s:%d; context %d tokens%s, "
+    log.info("fx-engine %s serving %s%s (%s, %s numerics, fingerprint %s) on http://%s:%d; context %d tokens%s, "
              "%d rows, prefill chunk %d, queue %d, prefix cache %d MiB%s, KV %s, speculation %s, "
              "%d API key(s)",
              fx_engine.__version__, model_id,
              "".join(f", {model_id}:{n}" for n in model.adapters.names()),
-             model.config.model_type, model.fingerprint, a.host, a.port, model.context_length,
+             model.config.model_type, model.numerics, model.fingerprint, a.host, a.port, model.context_length,
              " (--max-kv-size)" if model.context_length < own_context else "",
              engine.max_rows, engine.prefill_chunk, engine.max_queue,
              a.prompt_cache_bytes >> 20, f" + disk {a.prompt_cache} ({engine.prefix_cache.disk.budget >> 20} MiB)"
@@ -784,13 +791,19 @@ def _plan_lines(model_path: str | None) -> list[str]:
     if native.ensure(quiet=True) is None:
         return ["  (no native kernels: MLX ops)"]
     try:
-        model = fx_engine.load(model_path)
+        model = fx_engine.load(model_path, numerics="exact")
     except Exception as e:  # noqa: BLE001 - info reports, never crashes
         return [f"  (could not load the model: {type(e).__name__}: {e})"]
+    from fx_engine.loading.model import auto_numerics
+
+    chosen = auto_numerics(model.params, model.params.numerics.native)
+    lines = [f"  numerics by default: {chosen}" + (
+        " (8-bit activations into the quantized matmuls; --numerics exact: float32)"
+        if chosen == "int8" else " (float32 activations)")]
     report = model.matmul_report
     if report is None:
-        return ["  (not measured: no 4-/8-bit linears run on the native kernels here)"]
-    return ["  " + line for line in report.lines()]
+        return lines + ["  (not measured: no 4-/8-bit linears run on the native kernels here)"]
+    return lines + ["  in exact numerics:"] + ["  " + line for line in report.lines()]
 
 
 def _model_types_line() -> str:

@@ -3,16 +3,18 @@
 
 One process, one BLAS, the same weights for every engine:
 
-  fx            fx-engine as the shell runs it (`fx_engine.load(path)`: on the CPU with the
-                native kernels, the GGUF's 4-/8-bit tensors kept quantized; compiled
+  fx            fx-engine in its exact numerics (`fx_engine.load(path, numerics="exact")`:
+                float32 activations, mlx-lm's numerics; on the CPU with the native
+                kernels, the GGUF's 4-/8-bit tensors kept quantized; compiled
                 steps, prefill chunks of 512, attention span buckets), timed through
                 `fx_engine.stream` itself (one delta per token) with EOS suppressed by a logit
                 bias, so every engine decodes the same number of tokens.
   fx-bi         the same with `load(..., batch_invariant=True)`.
-  fx-a8         the same with `load(..., activation_bits=8, kv_dtype="float16")`:
+  fx-a8         the same with `load(..., numerics="int8", kv_dtype="float16")`:
                 activations rounded to 8 bits per weight group for the 4-/8-bit matmuls
                 (int8 dot products) and a float16 KV cache, the numerics llama.cpp runs
-                by default. Opt-in: not in the default list.
+                by default (`load`'s default numerics="auto" picks int8 for quantized
+                models on CPUs with int8 dot products). Not in the default list.
   fx-mlx        fx-engine without its native kernels (`load(..., native=False)`): weights
                 dequantized to dense float32, every op MLX's own (the default until the
                 native kernels existed).
@@ -113,8 +115,9 @@ except ImportError:  # pragma: no cover
 LLAMA_CPP_REFERENCE = {"decode@64": 77.7, "prefill@512": 194.0, "prefill@2048": 159.0}
 REFERENCE_SOURCE = "shared/reference/default-model.md (llama.cpp, 2 threads, same machines)"
 
-# fx-engine with llama.cpp's kind of numerics (8-bit activations, float16 KV cache): opt-in.
-FX_A8 = {"activation_bits": 8, "kv_dtype": "float16"}
+# fx-engine with llama.cpp's kind of numerics (8-bit activations, float16 KV cache).
+FX_A8 = {"numerics": "int8", "kv_dtype": "float16"}
+FX_EXACT = {"numerics": "exact"}
 
 ENGINE_LABELS = {
     "fx": "fx-engine",
@@ -1261,7 +1264,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log(f"model {path}; MLX {info['mlx']}, mlx-lm {info['mlx_lm']}, BLAS {info['blas']['name']} "
         f"{info['openblas'] or ''}")
     t0 = time.perf_counter()
-    fx_model = fx_engine.load(path)
+    fx_model = fx_engine.load(path, **FX_EXACT)
     log(f"loaded fx-engine model in {time.perf_counter() - t0:.1f}s ({fx_model.weight_format})")
     if fx_model.matmul_report is not None:
         info["matmul_plan"] = fx_model.matmul_report.lines()
@@ -1277,7 +1280,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     fx_eng = FxEngine(fx_model, "fx")
     engines.append(fx_eng)  # the reference of every ratio: always measured
     if "fx-bi" in wanted:
-        engines.append(FxEngine(fx_engine.load(path, batch_invariant=True), "fx-bi"))
+        engines.append(FxEngine(fx_engine.load(path, batch_invariant=True, **FX_EXACT), "fx-bi"))
     if "fx-mlx" in wanted:
         engines.append(FxEngine(fx_engine.load(path, native=False), "fx-mlx"))
     if "fx-a8" in wanted:

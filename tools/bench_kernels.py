@@ -120,7 +120,7 @@ def run(rows: list[int], rounds: int, budget: float, log: Any = print, *, cold: 
     from fx_engine.runtime import native
 
     path = _model_path(model)
-    loaded = fx_engine.load(path) if path else fx_engine.load()
+    loaded = fx_engine.load(path, numerics="exact")  # rows layout: every kernel reads it
     if not loaded.params.numerics.native:
         raise SystemExit("the native kernels are not available on this machine")
     layer = loaded.params.layers[layer_index]

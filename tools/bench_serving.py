@@ -5,11 +5,13 @@ uniformly from [64, 512] tokens with a fixed seed (distinct text per request, so
 prompts share a prefix); each request generates exactly 128 tokens, greedy (EOS
 suppressed for fx-engine with a logit bias, no stop tokens for mlx-lm).
 
-  fx           fx_engine.Engine(max_rows=N, prefill_chunk=512), driven step by step in this
+  fx           fx_engine.Engine(max_rows=N, prefill_chunk=512) on the model loaded with
+               numerics="exact" (float32 activations), driven step by step in this
                thread; a token's time is when the step that produced it returned.
-  fx-a8        the same with `fx_engine.load(..., activation_bits=8, kv_dtype="float16")`
+  fx-a8        the same with `fx_engine.load(..., numerics="int8", kv_dtype="float16")`
                (8-bit activations for the quantized matmuls and a float16 KV cache, as
-               llama.cpp computes; opt-in numerics).
+               llama.cpp computes; what numerics="auto" picks on such CPUs, with the
+               float16 cache).
   mlx-lm-f32   mlx-lm's BatchGenerator (completion_batch_size=N, prefill_batch_size
                min(N, 8), its default prefill step of 2048) on the same dense float32
                arrays fx-engine runs on; a token's time is when `next_generated()` returned it.

@@ -7,7 +7,7 @@ item 4; docs/numerics.md).
                             [--json OUT.json] [--markdown OUT.md]
 
 For each model file (default: the default model), the reference is fx-engine's default
-numerics on that file (`fx_engine.load(FILE)`: float32 activations, the quantized weights
+numerics on that file (`fx_engine.load(FILE, numerics="exact")`: float32 activations, the quantized weights
 as stored). Each candidate engine runs the same token ids (fx-engine's tokenizer; llama.cpp
 is fed the ids, never the text) over the same non-overlapping windows of `--window` tokens,
 each window a fresh context. Per candidate, over every position that predicts a next token:
@@ -16,7 +16,7 @@ each window a fresh context. Per candidate, over every position that predicts a 
 - top-1 agreement: the candidate's argmax equals the reference's;
 - perplexity of the candidate and of the reference on the text's next tokens.
 
-Candidates (`--engines`): `fx-a8` (`activation_bits=8`), `fx-a8-kv16` (that and a float16 KV
+Candidates (`--engines`): `fx-a8` (`numerics="int8"`), `fx-a8-kv16` (that and a float16 KV
 cache: tools/bench.py's fx-a8), `fx-kv16` (the float16 KV cache alone), `llama.cpp`
 (llama-cpp-python, its default numerics: 8-bit activations for quantized weights, float16
 KV cache; skipped when not installed). With more than one `--model`, each other file's
@@ -49,9 +49,9 @@ DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"  # on every Debian/Ubuntu mach
 
 # fx-engine's candidate numerics: load() keyword arguments
 FX_ENGINES: dict[str, dict[str, Any]] = {
-    "fx-a8": {"activation_bits": 8},
-    "fx-a8-kv16": {"activation_bits": 8, "kv_dtype": "float16"},
-    "fx-kv16": {"kv_dtype": "float16"},
+    "fx-a8": {"numerics": "int8"},
+    "fx-a8-kv16": {"numerics": "int8", "kv_dtype": "float16"},
+    "fx-kv16": {"numerics": "exact", "kv_dtype": "float16"},
 }
 ENGINES = (*FX_ENGINES, "llama.cpp")
 DEFAULT_ENGINES = "fx-a8,fx-a8-kv16,llama.cpp"
@@ -202,7 +202,7 @@ def run(models: list[str], ref_model: str | None, text_path: str, window: int, m
     raw = Path(text_path).read_bytes()
     text = raw.decode("utf-8", errors="replace")
     t0 = time.perf_counter()
-    ref_fx = fx_engine.load(ref_model)
+    ref_fx = fx_engine.load(ref_model, numerics="exact")
     ids = ref_fx.tokenizer.encode(text)  # the model asks for no BOS: the same ids as llama.cpp's
     if max_tokens:
         ids = ids[:max_tokens]
@@ -218,7 +218,7 @@ def run(models: list[str], ref_model: str | None, text_path: str, window: int, m
     tmp = tempfile.TemporaryDirectory(prefix="fx-quality-")
     try:
         for path in models:
-            ref = ref_fx if path == ref_model else fx_engine.load(path)
+            ref = ref_fx if path == ref_model else fx_engine.load(path, numerics="exact")
             label = _label(path)
             entry = {"path": str(path), "bytes": os.path.getsize(path), "fx_weights": ref.weight_format}
             report["models"][label] = entry

@@ -25,7 +25,7 @@ from fx_engine.loading.weights import KeepQuantized, WeightsError, load_gguf, lo
 from fx_engine.core.cache import KVCache, LayerSpec, init_cache
 from fx_engine.core.models import AnyParams, cache_layout
 from fx_engine.core.adapters import map_linears
-from fx_engine.core.nn import MatmulPlan, Numerics, interleave_for_a8, linears
+from fx_engine.core.nn import MatmulPlan, Numerics, interleave_for_a8, linears, row_major
 from fx_engine.core.tree import tree_leaves
 
 QUANTIZED_KV_START = 5000  # mlx-lm's default: short contexts keep a float cache
@@ -87,8 +87,33 @@ class Model:
             ids |= set(self.tokenizer.eos_ids)
         return tuple(sorted(ids))
 
-    def with_numerics(self, numerics: Numerics) -> "Model":
-        return attrs.evolve(self, params=attrs.evolve(self.params, numerics=numerics))
+    @property
+    def numerics(self) -> str:
+        """Which numerics run: "int8" (8-bit activations into the quantized matmuls) or
+        "exact" (float32 activations), as `load(numerics=...)` chose."""
+        return "int8" if self.params.numerics.activation_bits == 8 else "exact"
+
+    def with_numerics(self, numerics: Numerics | str) -> "Model":
+        """The same weights in other numerics: "exact" or "int8" (see `load`), or a
+        `fx_engine.core.nn.Numerics`. The 8-bit mode's matrices are re-laid out (its
+        interleaved layout, or back to rows) so each mode reads what it expects."""
+        old = self.params.numerics
+        if isinstance(numerics, str):
+            if numerics not in ("exact", "int8"):
+                raise ValueError(f"numerics must be 'exact', 'int8' or a Numerics, got {numerics!r}")
+            if numerics == "int8" and not old.native:
+                raise ValueError("numerics='int8' needs fx-engine's native CPU kernels (this model "
+                                 "was loaded with native=False)")
+            numerics = attrs.evolve(old, activation_bits=8 if numerics == "int8" else None)
+        elif not isinstance(numerics, Numerics):
+            raise ValueError(f"numerics must be 'exact', 'int8' or a Numerics, got {numerics!r}")
+        params = self.params
+        if numerics.activation_bits == 8 and old.activation_bits != 8 and _on_cpu():
+            params = _interleave_a8(params)
+        elif numerics.activation_bits != 8 and old.activation_bits == 8:
+            params = map_linears(params, lambda _, lin: row_major(lin))
+        fingerprint = self.fingerprint.removesuffix("-int8") + ("-int8" if numerics.activation_bits == 8 else "")
+        return attrs.evolve(self, params=attrs.evolve(params, numerics=numerics), fingerprint=fingerprint)
 
     def with_kv_cache(
         self, bits: int | None = None, group_size: int = 64,
@@ -172,6 +197,7 @@ def load(
     kv_group_size: int = 64,
     quantized_kv_start: int = QUANTIZED_KV_START,
     native: bool | None = None,
+    numerics: str | None = None,
     activation_bits: int | None = None,
     kv_dtype: str | None = None,
     matmul_plan: MatmulPlan | None = None,
@@ -196,9 +222,15 @@ def load(
     arithmetic independent of the batch and chunk (see fx_engine.core.nn.Numerics).
     kv_bits / kv_group_size / quantized_kv_start: the KV cache kind (see
     `Model.with_kv_cache`; mlx-lm's options of the same names).
-    activation_bits: 8 rounds the activations entering each 4-/8-bit matmul to 8 bits per
-    weight group (int8 dot products in the native kernels, as llama.cpp computes; 2-3x
-    faster matmuls, other numerics than the float32 default). None: float32.
+    numerics: how activations meet quantized weights. "exact" (None, the default here): float32
+    activations, mlx-lm's numerics, so a loop of your own and golden tests match mlx-lm.
+    "int8": each activation row entering a 4/5/6/8-bit matmul is rounded to 8 bits per
+    weight group and multiplied with int8 dot products in the native kernels, as llama.cpp
+    does (1.5-2.5x faster decode and prefill; next-token KL ~0.004 from float32, what
+    llama.cpp's own rounding costs: docs/numerics.md). "auto" (the CLI's and server's
+    default): "int8" for a model with such quantized matmuls on a CPU whose native build has
+    an int8 dot product, else "exact". `Model.numerics` says which runs.
+    activation_bits: 8 is the older spelling of numerics="int8".
     kv_dtype: the float KV cache's element type ("float16": half the memory and half the
     bytes attention reads per decode step; None: the activations' dtype).
     matmul_plan: which native kernel runs the float32 quantized matmuls (a
@@ -242,26 +274,13 @@ def load(
         # what the native kernels run stays packed (qmm_a8 runs the same formats)
         keep = (lambda gs, bits: fx_native.supports(gs, bits)) if native else False
     mx_dtype = getattr(mx, dtype) if dtype else (mx.float32 if _on_cpu() else None)
-    if activation_bits not in (None, 8):
-        raise ValueError(f"activation_bits must be None or 8, got {activation_bits!r}")
-    if activation_bits is not None and not native:
-        raise ValueError("activation_bits=8 needs fx-engine's native CPU kernels (native=True; "
-                         f"available: {fx_native.available()})")
-    if activation_bits is not None and fx_native.available() and not fx_native.int8_dot():
-        # without AVX-512 VNNI or AVX2 (a build for another CPU), qmm_a8 runs its scalar
-        # loop (exact, the same bits, but many times slower than the default float
-        # kernels): say so, never silently
-        warnings.warn("activation_bits=8: this CPU's native build has no int8 dot-product "
-                      f"kernel ({fx_native.isa()}: a scalar loop), so this mode is slower "
-                      "than the default here (fx-engine info)", stacklevel=2)
-    if matmul_plan is not None:
-        if not isinstance(matmul_plan, MatmulPlan):
-            raise ValueError(f"matmul_plan must be a fx_engine.core.nn.MatmulPlan or None, got {matmul_plan!r}")
-        if not native or activation_bits is not None:
-            raise ValueError("matmul_plan chooses the native float32 kernels: it needs native=True "
-                             "and activation_bits=None")
-    numerics = Numerics(batch_invariant=batch_invariant, native=bool(native),
-                        activation_bits=activation_bits)
+    choice = _numerics_choice(numerics, activation_bits, matmul_plan, bool(native))
+    if matmul_plan is not None and not isinstance(matmul_plan, MatmulPlan):
+        raise ValueError(f"matmul_plan must be a fx_engine.core.nn.MatmulPlan or None, got {matmul_plan!r}")
+    if matmul_plan is not None and not native:
+        raise ValueError("matmul_plan chooses the native float32 kernels: it needs native=True")
+    # (the weights are read in either numerics: the 8-bit mode is chosen once they are)
+    numerics_ = Numerics(batch_invariant=batch_invariant, native=bool(native))
     if pipeline_layers is not None:
         counts = tuple(pipeline_layers) if isinstance(pipeline_layers, (list, tuple)) else ()
         if not counts or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts):
@@ -284,7 +303,7 @@ def load(
             atexit.register(shutil.rmtree, spill, True)
         try:
             with working(f"reading {p.name}"):
-                cfg, params, metadata = load_gguf(p, mx_dtype or mx.float16, keep, numerics, spill)
+                cfg, params, metadata = load_gguf(p, mx_dtype or mx.float16, keep, numerics_, spill)
         except BaseException:
             if spill is not None:
                 shutil.rmtree(spill, ignore_errors=True)
@@ -296,7 +315,7 @@ def load(
         fp_src = ["gguf", str(sum(f.stat().st_size for f in gguf_files(p)))]
     else:
         with working(f"reading {p.name}"):
-            cfg, params, raw = load_hf_folder(p, mx_dtype, keep, numerics)
+            cfg, params, raw = load_hf_folder(p, mx_dtype, keep, numerics_)
         tokenizer = Tokenizer.from_hf_folder(p)
         fmt = "mlx-quantized" if raw.get("quantization") else "safetensors"
         fp_src = [json.dumps(raw, sort_keys=True)] + [
@@ -319,20 +338,25 @@ def load(
         finally:
             if p.is_file() and spill is not None:  # every leaf is read: the files are done
                 shutil.rmtree(spill, ignore_errors=True)
-    if activation_bits == 8 and _on_cpu():
-        params = _interleave_a8(params)
+    activation_bits = _activation_bits(choice, params, bool(native))
+    if activation_bits == 8:
+        numerics_ = attrs.evolve(numerics_, activation_bits=8)
+        params = attrs.evolve(params, numerics=numerics_)
+        fingerprint += "-int8"  # (a disk prefix cache holds KV computed in these numerics)
+        if _on_cpu():
+            params = _interleave_a8(params)
     with working(f"loading {p.name}'s weights"):
         mx.eval(tree_leaves(params))
     quant_kinds = _weight_kinds(params)
     report = None
     if matmul_plan is not None:
-        params = attrs.evolve(params, numerics=attrs.evolve(numerics, matmul=matmul_plan))
+        params = attrs.evolve(params, numerics=attrs.evolve(numerics_, matmul=matmul_plan))
     elif native and activation_bits is None and _on_cpu():
         from fx_engine.runtime.native import plan
 
         report = plan.choose(params)  # measured once per machine and shape (cached)
         if report is not None:
-            params = attrs.evolve(params, numerics=attrs.evolve(numerics, matmul=report.plan))
+            params = attrs.evolve(params, numerics=attrs.evolve(numerics_, matmul=report.plan))
     model = Model(
         config=cfg, params=params, tokenizer=tokenizer, path=str(p),
         fingerprint=fingerprint, weight_format=f"{fmt} -> {quant_kinds}",
@@ -340,6 +364,61 @@ def load(
         pipeline_parallel=pipeline_parallel or 1,
     )
     return model.with_kv_cache(kv_bits, kv_group_size, quantized_kv_start).with_kv_dtype(kv_dtype)
+
+
+NUMERICS = ("auto", "exact", "int8")
+
+
+def _numerics_choice(numerics: Any, activation_bits: Any, matmul_plan: Any, native: bool) -> str:
+    """`load`'s numerics request, checked: "auto", "exact" or "int8" (errors name the option)."""
+    if numerics is None:
+        numerics = "int8" if activation_bits == 8 else "exact"
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(map(repr, NUMERICS))}, got {numerics!r}")
+    if activation_bits not in (None, 8):
+        raise ValueError(f"activation_bits must be None or 8, got {activation_bits!r}")
+    if activation_bits == 8:
+        if numerics == "exact":
+            raise ValueError("activation_bits=8 asks for numerics='int8', but numerics='exact' was given")
+        numerics = "int8"
+    if matmul_plan is not None:
+        if numerics == "int8":
+            raise ValueError("matmul_plan chooses the native float32 kernels: it needs numerics='exact' "
+                             "(or 'auto'), not 'int8'")
+        numerics = "exact"
+    if numerics == "int8":
+        if not native:
+            raise ValueError("numerics='int8' needs fx-engine's native CPU kernels (native=True; "
+                             f"available: {fx_native.available()})")
+        if fx_native.available() and not fx_native.int8_dot():
+            # without AVX-512 VNNI or AVX2 (a build for another CPU), qmm_a8 runs its scalar
+            # loop (exact, the same bits, but many times slower than the float kernels): say
+            # so, never silently ("auto" does not choose it there)
+            warnings.warn("numerics='int8': this CPU's native build has no int8 dot-product "
+                          f"kernel ({fx_native.isa()}: a scalar loop), so this mode is slower "
+                          "than numerics='exact' here (fx-engine info)", stacklevel=3)
+    return numerics
+
+
+def auto_numerics(params: Any, native: bool) -> str:
+    """What numerics="auto" chooses for loaded weights: "int8" where the 8-bit mode pays and
+    costs what llama.cpp's numerics cost (decided by measurement, docs/numerics.md): native
+    kernels on the CPU with an int8 dot product, and at least one quantized matmul they run
+    with 8-bit activations; else "exact"."""
+    if not (native and _on_cpu() and fx_native.int8_dot()):
+        return "exact"
+    from fx_engine.core import kernels
+
+    eligible = any(lin.quantized and kernels.supports(lin.quant.group_size, lin.quant.bits, 8)
+                   for lin in linears(params))
+    return "int8" if eligible else "exact"
+
+
+def _activation_bits(choice: str, params: Any, native: bool) -> int | None:
+    """8 where the loaded model runs in the 8-bit mode, None for float32 activations."""
+    if choice == "auto":
+        choice = auto_numerics(params, native)
+    return 8 if choice == "int8" else None
 
 
 def _interleave_a8(params: Any) -> Any:

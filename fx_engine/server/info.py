@@ -28,9 +28,11 @@ async def health() -> dict[str, str]:
 def _models(ctx: ServerContext) -> dict[str, Any]:
     model_id, model = ctx.model_id, ctx.model
     now = int(time.time())
-    # max_model_len: vLLM's field, the context a request may reach (serve's --max-kv-size)
+    # max_model_len: vLLM's field, the context a request may reach (serve's --max-kv-size);
+    # numerics: "int8" or "exact" (serve --numerics; docs/numerics.md)
     data = [{"id": model_id, "object": "model", "created": now, "owned_by": "fx-engine",
-             "root": str(model.path), "parent": None, "max_model_len": context_limit(model)[0]}]
+             "root": str(model.path), "parent": None, "max_model_len": context_limit(model)[0],
+             "numerics": model.numerics}]
     data += [{"id": f"{model_id}:{a}", "object": "model", "created": now, "owned_by": "fx-engine",
               "root": model.adapters.get(a).raw.path, "parent": model_id}  # vLLM's LoRA entries
              for a in model.adapters.names()]

@@ -575,7 +575,8 @@ class ModelPool:
                          "root": str(model.path) if model is not None else e.spec.path,
                          "parent": None, "status": state,
                          # vLLM's field (the context a request may reach); known once loaded
-                         **({"max_model_len": context_limit(model)[0]} if model is not None else {})})
+                         **({"max_model_len": context_limit(model)[0], "numerics": model.numerics}
+                            if model is not None else {})})
             for a in (model.adapters.names() if model is not None else e.spec.adapters):
                 data.append({"id": f"{e.name}:{a}", "object": "model", "created": now,
                              "owned_by": "fx-engine", "parent": e.name, "status": state,

@@ -722,7 +722,7 @@ def test_activation_bits_model_option() -> None:
     assert out.text.startswith("The largest planet") and len(out.token_ids) == 12
     with pytest.raises(ValueError, match="activation_bits must be None or 8"):
         fx_engine.load(activation_bits=4)
-    with pytest.raises(ValueError, match="activation_bits=8 needs"):
+    with pytest.raises(ValueError, match="numerics=.int8. needs"):
         fx_engine.load(activation_bits=8, native=False)
 
 

@@ -114,7 +114,11 @@ def test_a_pinned_plan_skips_the_measurement(tmp_path, monkeypatch) -> None:
     assert m.params.numerics.matmul == pinned and m.matmul_report is None
     with pytest.raises(ValueError, match="matmul_plan must be"):
         fx_engine.load(path, matmul_plan="qmm")
-    with pytest.raises(ValueError, match="needs native=True and activation_bits=None"):
+    with pytest.raises(ValueError, match="needs numerics='exact'"):
         fx_engine.load(path, matmul_plan=pinned, activation_bits=8)
+    with pytest.raises(ValueError, match="needs numerics='exact'"):
+        fx_engine.load(path, matmul_plan=pinned, numerics="int8")
+    # "auto" with a pinned float32 plan: the plan's numerics
+    assert fx_engine.load(path, matmul_plan=pinned, numerics="auto").numerics == "exact"
     with pytest.raises(ValueError, match="needs native=True"):
         fx_engine.load(path, matmul_plan=pinned, native=False)

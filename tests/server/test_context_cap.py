@@ -86,6 +86,8 @@ def test_serve_logs_ready_and_holds_every_route_to_max_kv_size(tiny_dir):
         with httpx.Client(base_url=url, timeout=120) as c:
             [listed] = c.get("/v1/models").json()["data"]
             assert listed["id"] == "tiny" and listed["max_model_len"] == CAP
+            # which numerics serve chose (--numerics auto): listed and in the start-up line
+            assert listed["numerics"] in ("exact", "int8") and f"{listed['numerics']} numerics" in log
             assert c.post("/tokenize", json={"prompt": "hi"}).json()["max_model_len"] == CAP
             assert c.get("/tokenizer_info").json()["model_max_length"] == CAP
 
