@@ -107,13 +107,20 @@ def generate(model: Any, texts: list[str], max_tokens: int, rows: int,
     prompt_ids = [list(model.tokenizer.apply_chat_template([{"role": "user", "content": t}]))
                   for t in texts]
     answers: list[list[int]] = []
+    every = max(1, len(prompt_ids) // 10)
     with fx_engine.Engine(model, max_rows=rows, prefill_chunk=512) as engine:
-        handles = [engine.submit(ids, max_tokens=max_tokens, temperature=0.0) for ids in prompt_ids]
-        for i, h in enumerate(handles):
-            answers.append(list(h.result().token_ids))
-            if (i + 1) % max(1, len(handles) // 10) == 0:
-                log(f"{i + 1}/{len(handles)} answers")
-    return prompt_ids, answers
+        # a window of submitted requests (the engine's queue is bounded): the oldest is
+        # collected before the next is submitted, in order
+        window = min(engine.max_queue, 4 * rows)
+        handles = []
+        for i, ids in enumerate(prompt_ids + [None] * window):
+            if i >= window:
+                answers.append(list(handles[i - window].result().token_ids))
+                if len(answers) % every == 0:
+                    log(f"{len(answers)}/{len(prompt_ids)} answers")
+            if ids is not None:
+                handles.append(engine.submit(ids, max_tokens=max_tokens, temperature=0.0))
+    return prompt_ids, answers[:len(prompt_ids)]
 
 
 def pack(prompt_ids: list[list[int]], answers: list[list[int]]) -> dict[str, np.ndarray]:
