@@ -14,6 +14,7 @@ once, keeps the conversation's KV for later requests (`keep_prefix`), and ends t
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -146,6 +147,7 @@ class Emitter:
             prompt_seconds=(t_first - req.t_admit) if req.t_admit else 0.0,
             generation_seconds=now - t_first,
             drafted_tokens=req.spec.drafted, accepted_tokens=req.spec.accepted,
+            draft_rounds=req.spec.rounds, drafter=drafter_kind(req.drafter) if req.spec.rounds else None,
         )
         h = req.handle
         h.timings["finished"] = now
@@ -174,3 +176,12 @@ class Emitter:
         self.trace("retire", request=req.handle.id, row=req.row, reason=reason,
                    generated=len(req.generated), **fields)
         req.row = None
+
+
+def drafter_kind(drafter: Any) -> str | None:
+    """A drafter's name in usage and /metrics: its `kind` attribute, else its class name in
+    snake case (PromptLookup -> "prompt_lookup", DraftModel -> "draft_model")."""
+    if drafter is None:
+        return None
+    kind = getattr(drafter, "kind", None)
+    return kind if isinstance(kind, str) else re.sub(r"(?<!^)(?=[A-Z])", "_", type(drafter).__name__).lower()

@@ -45,6 +45,8 @@ class Usage:
     generation_seconds: float = 0.0
     drafted_tokens: int = 0  # speculative decoding: drafts verified by the target
     accepted_tokens: int = 0  # ... of which the target accepted
+    draft_rounds: int = 0  # ... in this many verify steps (mean accepted length: 1 + accepted / rounds)
+    drafter: str | None = None  # which kind drafted them (`drafter_kind`), None: no speculation
 
     @property
     def total_tokens(self) -> int:

@@ -27,7 +27,7 @@ ALPHA_PRIOR = 0.6  # acceptance-rate prior until measured
 class DraftState:
     """One speculating row's adaptive draft length and counters."""
 
-    __slots__ = ("k_max", "k", "skip", "misses", "drafted", "accepted", "alpha")
+    __slots__ = ("k_max", "k", "skip", "misses", "drafted", "accepted", "rounds", "alpha")
 
     def __init__(self, k_max: int) -> None:
         self.k_max = k_max
@@ -36,6 +36,7 @@ class DraftState:
         self.misses = 0  # fully rejected drafts in a row
         self.drafted = 0
         self.accepted = 0
+        self.rounds = 0  # verifies of this row's drafts
         self.alpha = ALPHA_PRIOR  # EMA of the per-token acceptance rate
 
     def plan(self, left: int) -> int:
@@ -53,6 +54,7 @@ class DraftState:
         steps of plain decoding) so a row whose drafts keep failing stops paying for them."""
         self.drafted += drafted
         self.accepted += accepted
+        self.rounds += 1
         self.alpha = EMA_OLD * self.alpha + (1 - EMA_OLD) * (accepted / drafted)
         if accepted == drafted:
             self.k = min(self.k_max, 2 * self.k)

@@ -58,6 +58,9 @@ class Metrics:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
+        # speculative decoding per drafter kind: [verify rounds, drafted tokens, accepted tokens]
+        self.spec: dict[str, list[int]] = {}
+        self._spec_lock = threading.Lock()
         self.ttft = Histogram("fx_time_to_first_token_seconds", "Time to first token (streamed requests).")
         self.itl = Histogram("fx_inter_token_latency_seconds", "Time between tokens of a streamed request.")
 
@@ -65,6 +68,35 @@ class Metrics:
         self.prompt_tokens += usage.prompt_tokens
         self.completion_tokens += usage.completion_tokens
         self.cached_tokens += usage.cached_tokens
+        if getattr(usage, "draft_rounds", 0) and usage.drafter:
+            with self._spec_lock:
+                c = self.spec.setdefault(usage.drafter, [0, 0, 0])
+                c[0] += usage.draft_rounds
+                c[1] += usage.drafted_tokens
+                c[2] += usage.accepted_tokens
+
+    def labelled(self) -> list[tuple[str, str, str, list[tuple[str, float]]]]:
+        """(name, kind, help, [(labels, value)]) of the metrics with a `drafter` label (vLLM's
+        spec_decode counters, and the two figures people read off them)."""
+        with self._spec_lock:
+            spec = {k: list(v) for k, v in sorted(self.spec.items())}
+
+        def each(f: Any) -> list[tuple[str, float]]:
+            return [(f'drafter="{label(k)}"', f(*v)) for k, v in spec.items()]
+
+        return [
+            ("fx_spec_decode_num_drafts_total", "counter", "Verify steps that checked a row's drafts.",
+             each(lambda r, d, a: r)),
+            ("fx_spec_decode_num_draft_tokens_total", "counter", "Drafted tokens verified by the target.",
+             each(lambda r, d, a: d)),
+            ("fx_spec_decode_num_accepted_tokens_total", "counter", "Drafted tokens the target accepted.",
+             each(lambda r, d, a: a)),
+            ("fx_spec_decode_acceptance_rate", "gauge", "Accepted / drafted tokens.",
+             each(lambda r, d, a: a / d if d else 0.0)),
+            ("fx_spec_decode_mean_accepted_length", "gauge",
+             "Tokens per verify step of a drafting row: 1 + accepted drafts / verify steps (vLLM's mean "
+             "acceptance length).", each(lambda r, d, a: 1 + a / r if r else 0.0)),
+        ]
 
     def observe(self, completion: Any) -> None:
         self.count_tokens(completion.usage)
@@ -95,6 +127,10 @@ class Metrics:
         lines = []
         for name, kind, help_text, value in self.values():
             lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"])
+        for name, kind, help_text, samples in self.labelled():
+            if samples:
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
+                          *(f"{name}{{{lab}}} {v}" for lab, v in samples)]
         lines += self.ttft.render() + self.itl.render()
         return "\n".join(lines) + "\n"
 
@@ -108,6 +144,10 @@ def render_models(models: Sequence[tuple[str, Metrics]],
         lab = f'model="{label(model)}"'
         for name, kind, help_text, value in m.values():
             families.setdefault(name, (kind, help_text, []))[2].append(f"{name}{{{lab}}} {value}")
+        for name, kind, help_text, samples in m.labelled():
+            if samples:
+                families.setdefault(name, (kind, help_text, []))[2].extend(
+                    f"{name}{{{lab},{dl}}} {v}" for dl, v in samples)
     for name, kind, help_text, samples in extra:
         families.setdefault(name, (kind, help_text, []))[2].extend(
             f"{name}{{{lab}}} {v}" if lab else f"{name} {v}" for lab, v in samples)

@@ -1,0 +1,61 @@
+"""/metrics for speculative decoding: per drafter kind, the verify steps, drafted and
+accepted tokens, the acceptance rate and the mean accepted length (issue 45, item 6), from
+the requests' own usage."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+
+import fx_engine
+from fx_engine.engine.drafters import PromptLookup
+from fx_engine.engine.request import Usage
+from fx_engine.server.app import create_app
+from fx_engine.server.metrics import Metrics, render_models
+from tests.conftest import serve
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    m = re.search(rf"^{name}\{{{re.escape(want)}\}} (\S+)$", text, re.M)
+    assert m, f"{name}{{{want}}} not in:\n{text}"
+    return float(m.group(1))
+
+
+def test_counters_and_figures_per_drafter() -> None:
+    m = Metrics(None)
+    m.count_tokens(Usage(5, 10, drafted_tokens=12, accepted_tokens=6, draft_rounds=4, drafter="prompt_lookup"))
+    m.count_tokens(Usage(5, 10, drafted_tokens=8, accepted_tokens=2, draft_rounds=4, drafter="prompt_lookup"))
+    m.count_tokens(Usage(5, 10, drafted_tokens=3, accepted_tokens=3, draft_rounds=1, drafter="eagle3"))
+    m.count_tokens(Usage(5, 10))  # no speculation: counted nowhere
+    text = m.render()
+    assert _value(text, "fx_spec_decode_num_drafts_total", drafter="prompt_lookup") == 8
+    assert _value(text, "fx_spec_decode_num_draft_tokens_total", drafter="prompt_lookup") == 20
+    assert _value(text, "fx_spec_decode_num_accepted_tokens_total", drafter="prompt_lookup") == 8
+    assert _value(text, "fx_spec_decode_acceptance_rate", drafter="prompt_lookup") == 0.4
+    assert _value(text, "fx_spec_decode_mean_accepted_length", drafter="prompt_lookup") == 2.0
+    assert _value(text, "fx_spec_decode_mean_accepted_length", drafter="eagle3") == 4.0
+    assert text.count("# TYPE fx_spec_decode_acceptance_rate gauge") == 1
+    several = render_models([("a", m), ("b", Metrics(None))])
+    assert _value(several, "fx_spec_decode_num_drafts_total", model="a", drafter="eagle3") == 1
+    assert 'model="b",drafter' not in several
+    assert "fx_spec_decode" not in Metrics(None).render()  # nothing drafted: no samples
+
+
+def test_a_served_request_with_prompt_lookup_is_counted(default_model) -> None:
+    engine = fx_engine.Engine(default_model, max_rows=4)
+    app = create_app(engine, "smollm2", defaults={"prompt_lookup": PromptLookup(1, 3)})
+    text = "The lighthouse keeper climbed the stairs every night to light the lamp. " * 3
+    with serve(app, engine) as (url, _):
+        with httpx.Client(base_url=url, timeout=120) as h:
+            r = h.post("/v1/chat/completions", json={
+                "model": "smollm2", "max_tokens": 40, "temperature": 0,
+                "messages": [{"role": "user", "content": "Repeat exactly: " + text}]})
+            assert r.status_code == 200
+            metrics = h.get("/metrics").text
+    steps = _value(metrics, "fx_spec_decode_num_drafts_total", drafter="prompt_lookup")
+    drafted = _value(metrics, "fx_spec_decode_num_draft_tokens_total", drafter="prompt_lookup")
+    accepted = _value(metrics, "fx_spec_decode_num_accepted_tokens_total", drafter="prompt_lookup")
+    assert 0 < steps <= drafted and 0 < accepted <= drafted
+    assert _value(metrics, "fx_spec_decode_mean_accepted_length", drafter="prompt_lookup") == 1 + accepted / steps
