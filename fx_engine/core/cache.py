@@ -131,6 +131,10 @@ class KVCache:
     capacity: int = static_field()  # usable positions per row (dense slots)
     # a verify step's forward: recurrent entries keep their per-position states (RecState.steps)
     keep_steps: bool = static_field(default=False)
+    # a step's forward that also returns hidden states (a `skeleton.Capture`; None: none). Set
+    # by `models.forward(..., capture=)` for the one step, read by its StepGeometry; never
+    # kept past the step (`advanced` drops it)
+    capture: Any = static_field(default=None)
 
     @property
     def rows(self) -> int:
@@ -292,6 +296,15 @@ class StepGeometry:
         self.valid = (offs < n_valid[:, None]) & (self.positions < cache.capacity)
         self.end = mx.minimum(cache.lengths + n_valid, cache.capacity)  # lengths after
         self._memo: dict[tuple, mx.array] = {}
+        self.capture = cache.capture  # a skeleton.Capture, or None
+        self.layer_inputs: list[mx.array] = []  # (capturing) the stream entering each layer
+
+    def layer_input(self, h: mx.array) -> None:
+        """A family's layer loop reports the residual stream [B*T, hidden] entering each of
+        its layers, in order (`skeleton.decoder_step` picks the captured ones; a step that
+        captures nothing keeps nothing, so its graph is unchanged)."""
+        if self.capture is not None:
+            self.layer_inputs.append(h)
 
     def _get(self, key: tuple, make: Callable[[], mx.array]) -> mx.array:
         if key not in self._memo:

@@ -42,7 +42,7 @@ from jaxtyping import Float, Int
 from fx_engine.core.adapters import Adapters, with_adapters
 from fx_engine.core.cache import CacheError, KVCache, check_cache, commit
 from fx_engine.core.checks import counts_arg, float_arg, mask_arg, span_arg, tokens_arg
-from fx_engine.core.models import AnyParams, forward, hidden_to_logits
+from fx_engine.core.models import AnyParams, Capture, forward, hidden_to_logits
 from fx_engine.core.sampling import (SamplingParams, _categorical_rows, _fast_logsumexp, _split_rows, _uniform_rows, apply_token_mask, process_logits, push_history, sample, sampling_distribution, top_logprobs)
 from fx_engine.core.state import DecodeState, check_state, stop_full_rows
 from fx_engine.core.tree import STATIC, tree_replace
@@ -137,13 +137,16 @@ def verify_step(
     params: AnyParams, cache: KVCache, state: DecodeState, drafts: Int[mx.array, "B K"],
     n_draft: Int[mx.array, "B"], draft_probs: Float[mx.array, "B K V"] | None = None,
     span: int | None = None, mask: Int[mx.array, "B K1 W"] | None = None,
-    adapters: Adapters | None = None,
+    adapters: Adapters | None = None, capture: Capture | None = None,
 ) -> tuple[DecodeState, KVCache, VerifyResult]:
     """Verify up to K drafts per row in one target pass (see the module docstring).
 
     span (static): attend over the first `span` cache slots (>= max(lengths) + K + 1).
     mask: allowed-token bitmask per row and verified position (None: no constraint).
     adapters: each row's LoRA adapter (`core.adapters.Adapters`; None: the base model).
+    capture: also return the hidden states at these layer boundaries (`core.models.Capture`)
+    of the K + 1 verified positions [B, K + 1, points * H], fourth: those of the first
+    `result.count[b]` positions are the accepted sequence's (the rest were rejected).
     """
     cache = check_cache(cache)
     b = cache.rows
@@ -173,7 +176,8 @@ def verify_step(
     if recurrent:  # recurrent states cannot be rolled back: keep the one after each position
         cache = tree_replace(cache, keep_steps=True)
     params = with_adapters(params, adapters)
-    h, cache = forward(params, cache, tokens, act.astype(mx.int32) * (1 + n_draft), span)
+    out = forward(params, cache, tokens, act.astype(mx.int32) * (1 + n_draft), span, capture)
+    h, cache = out[0], out[1]
     logits = hidden_to_logits(params, h).astype(mx.float32)  # [B, K+1, V]
     if mask is not None:
         logits = apply_token_mask(logits, mask)
@@ -220,7 +224,7 @@ def verify_step(
     cache = commit(cache, new_len, new_len - old)
     result = VerifyResult(tokens=emitted, count=count, accepted=accepted, logprobs=lp,
                           top_ids=top_ids, top_logprobs=top_vals)
-    return new_state, cache, result
+    return (new_state, cache, result) if capture is None else (new_state, cache, result, out[2])
 
 
 # ------------------------------------------------------------------ the drafter's side

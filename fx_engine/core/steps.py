@@ -10,7 +10,12 @@
         -> (state, cache, VerifyResult)              (fx_engine/core/speculative.py)
 
 Every step that runs the model also takes `adapters` (`core.adapters.Adapters`: the
-stacked LoRA/DoRA factors and each row's adapter slot; None: the base model only).
+stacked LoRA/DoRA factors and each row's adapter slot; None: the base model only), and
+`capture` (`core.models.Capture`: hidden states at chosen layer boundaries; None: none):
+with a capture, the step returns one more value at the end, the captured states of every
+position it processed [B, T, points * H] from the same forward (a prefill's whole chunk, a
+decode's one position, a verify's K + 1), garbage past each row's valid tokens. That is the
+seam learned drafters (EAGLE-3, MTP) read the target through.
 
 Inputs are checked when a step is traced (core/checks.py: ranks, rows, dtypes, a chunk
 longer than the capacity), so a wrong one fails with the argument's name and expected
@@ -35,7 +40,7 @@ from jaxtyping import Bool, Float, Int
 from fx_engine.core.adapters import Adapters, with_adapters
 from fx_engine.core.cache import CacheError, KVCache, check_cache
 from fx_engine.core.checks import convert_args, counts_arg, span_arg, to_int_array, tokens_arg
-from fx_engine.core.models import AnyParams, forward, hidden_to_logits
+from fx_engine.core.models import AnyParams, Capture, forward, hidden_to_logits
 from fx_engine.core.state import DecodeState, check_state, sample_step, stop_full_rows
 from fx_engine.core.tree import CompiledFunction
 
@@ -63,6 +68,20 @@ def past_capacity(cache: KVCache, n_valid: Int[mx.array, "B"], t: int) -> Bool[m
     return (offs < n_valid[:, None]) & (cache.lengths[:, None] + offs >= cache.capacity)
 
 
+def run_forward(
+    params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
+    span: int | None, capture: Capture | None,
+) -> tuple[Float[mx.array, "B T H"], KVCache, mx.array | None]:
+    """The model's forward as every step runs it: (hidden, cache, captured or None)."""
+    out = forward(params, cache, tokens, n_valid, span, capture)
+    return (out[0], out[1], out[2] if capture is not None else None)
+
+
+def with_captured(out: tuple, captured: mx.array | None) -> tuple:
+    """A step's outputs, and its captured states last when it captured."""
+    return out if captured is None else (*out, captured)
+
+
 def mark_cut(h: Float[mx.array, "B T H"], cut: Bool[mx.array, "B T"]) -> Float[mx.array, "B T H"]:
     """NaN hidden states where a token did not fit: every logit computed from them is NaN
     (the row's length stopped at the capacity), so an overflow is visible, never silent."""
@@ -71,7 +90,7 @@ def mark_cut(h: Float[mx.array, "B T H"], cut: Bool[mx.array, "B T"]) -> Float[m
 
 def prefill_step(
     params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B C"], n_valid: Int[mx.array, "B"],
-    span: int | None = None, adapters: Adapters | None = None,
+    span: int | None = None, adapters: Adapters | None = None, capture: Capture | None = None,
 ) -> tuple[Float[mx.array, "B V"], KVCache]:
     """Process a chunk of C tokens per row (rows at any positions; n_valid[b] <= C real
     tokens, the rest padding). Returns logits of each row's last valid token (garbage for
@@ -82,17 +101,17 @@ def prefill_step(
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
     cut = past_capacity(cache, n_valid, tokens.shape[1])
     params = with_adapters(params, adapters)
-    h, cache = forward(params, cache, tokens, n_valid, span)
+    h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture)
     last = mx.maximum(n_valid - 1, 0)[:, None]
     h_last = mx.take_along_axis(h, last[:, :, None], axis=1)  # [B, 1, H]
     h_last = mark_cut(h_last, mx.take_along_axis(cut, last, axis=1))[:, 0]
-    return hidden_to_logits(params, h_last), cache
+    return with_captured((hidden_to_logits(params, h_last), cache), captured)
 
 
 def logits_step(
     params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B"] | Int[mx.array, "B T"],
     n_valid: Int[mx.array, "B"] | int | None = None, span: int | None = None,
-    adapters: Adapters | None = None,
+    adapters: Adapters | None = None, capture: Capture | None = None,
 ) -> tuple[Float[mx.array, "B V"] | Float[mx.array, "B T V"], KVCache]:
     """The forward alone: feed new tokens and return their logits (float32), no sampling.
 
@@ -115,39 +134,40 @@ def logits_step(
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
     cut = past_capacity(cache, n_valid, tokens.shape[1])
     params = with_adapters(params, adapters)
-    h, cache = forward(params, cache, tokens, n_valid, span)
+    h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture)
     logits = hidden_to_logits(params, mark_cut(h, cut))
-    return (logits[:, 0] if one else logits), cache
+    return with_captured(((logits[:, 0] if one else logits), cache), captured)
 
 
 def score_step(
     params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
-    span: int | None = None, adapters: Adapters | None = None,
+    span: int | None = None, adapters: Adapters | None = None, capture: Capture | None = None,
 ) -> tuple[Float[mx.array, "B T V"], KVCache]:
     """Like prefill_step but returns logits at every position (teacher forcing, verify);
     NaN at positions whose token did not fit in the cache."""
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
     cut = past_capacity(cache, n_valid, tokens.shape[1])
     params = with_adapters(params, adapters)
-    h, cache = forward(params, cache, tokens, n_valid, span)
-    return hidden_to_logits(params, mark_cut(h, cut)), cache
+    h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture)
+    return with_captured((hidden_to_logits(params, mark_cut(h, cut)), cache), captured)
 
 
 def hidden_step(
     params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
-    span: int | None = None, adapters: Adapters | None = None,
+    span: int | None = None, adapters: Adapters | None = None, capture: Capture | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
     """Like prefill_step but returns the final-norm hidden states at every position (what
     embedding models pool; no output head); NaN where a token did not fit."""
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
     cut = past_capacity(cache, n_valid, tokens.shape[1])
-    h, cache = forward(with_adapters(params, adapters), cache, tokens, n_valid, span)
-    return mark_cut(h, cut), cache
+    h, cache, captured = run_forward(with_adapters(params, adapters), cache, tokens, n_valid, span, capture)
+    return with_captured((mark_cut(h, cut), cache), captured)
 
 
 def decode_step(
     params: AnyParams, cache: KVCache, state: DecodeState, span: int | None = None,
     mask: Int[mx.array, "B W"] | None = None, adapters: Adapters | None = None,
+    capture: Capture | None = None,
 ) -> tuple[DecodeState, KVCache]:
     """One token per active row: forward the last sampled token, sample the next one.
     span (static): attend over the first `span` cache slots (>= max(lengths) + 1).
@@ -160,9 +180,9 @@ def decode_step(
     state = stop_full_rows(state, cache.lengths, cache.capacity, 1)
     n_valid = state.active.astype(mx.int32)
     params = with_adapters(params, adapters)
-    h, cache = forward(params, cache, state.tokens[:, None], n_valid, span)
+    h, cache, captured = run_forward(params, cache, state.tokens[:, None], n_valid, span, capture)
     logits = hidden_to_logits(params, h[:, 0])
-    return sample_step(state, logits, mask), cache
+    return with_captured((sample_step(state, logits, mask), cache), captured)
 
 
 # Token ids and counts given as lists / ints become arrays before the compiled forms

@@ -18,7 +18,20 @@ longest common prefix of what it has seen.
 
 Shipped: `PromptLookup` (n-gram matching, no second model) and `DraftModel` (a smaller model
 with the same tokenizer; `self_draft_model` builds one from the target's first layers and
-its output head, LayerSkip-style, when no smaller model is at hand).
+its output head, LayerSkip-style, when no smaller model is at hand), and in
+engine/eagle3_drafter.py `Eagle3Drafter` (an EAGLE-3 head reading the target's hidden states).
+
+Drafters that read the target's hidden states (learned heads: EAGLE-3, MTP) declare which
+ones as `capture` (a `core.models.Capture`); the engine then runs every target step over
+their rows with that capture (inside the same compiled forward: `step_capture`) and hands
+each row drafter the states of the positions the step processed and kept:
+
+    class RowDrafter:
+        def observe(self, start: int, states: mx.array, tokens: list[int]) -> None: ...
+
+`states` [n, points * hidden] are those of positions start .. start + n - 1 (a prefill
+chunk, a decode position, a verify's accepted positions); `tokens` the row's sequence as
+known then (`observe_captured`).
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ import mlx.core as mx
 
 from fx_engine.core.buckets import pow2_ceil, prefill_pieces
 from fx_engine.core.cache import span_bucket, with_lengths
-from fx_engine.core.models import family_of
+from fx_engine.core.models import Capture, family_of
 from fx_engine.core.sampling import SamplingConfig, make_sampling_params, sampling_distribution
 from fx_engine.core.state import init_state, sample_step
 from fx_engine.core.steps import prefill_step_compiled
@@ -219,6 +232,44 @@ def self_draft_model(model: Any, num_layers: int) -> Any:
                         fingerprint=f"{model.fingerprint}-first{num_layers}")
 
 
+def capture_of(drafter: Any) -> Capture | None:
+    """The hidden states a drafter reads from the target's steps (None: none)."""
+    return getattr(drafter, "capture", None)
+
+
+def step_capture(rows: Sequence[Any]) -> Capture | None:
+    """The capture a target step over `rows` (engine requests or None) runs with: the one
+    its rows' drafters share, else their union (boundaries in first-seen order, normed if any
+    asks); None when no row's drafter reads hidden states (the step is the plain one)."""
+    caps = [c for c in (capture_of(r.drafter) for r in rows if r is not None) if c is not None]
+    if not caps:
+        return None
+    if all(c == caps[0] for c in caps):
+        return caps[0]
+    layers: list[int] = []
+    for c in caps:
+        layers += [b for b in c.layers if b not in layers]
+    return Capture(tuple(layers), normed=any(c.normed for c in caps))
+
+
+def observe_captured(req: Any, union: Capture, states: mx.array, start: int, tokens: Sequence[int]) -> None:
+    """Hand a row's drafter the captured states [n, union.points * hidden] of positions start
+    .. start + n - 1, cut to its own capture's points (its row drafter made if need be). A
+    drafter without a capture is left alone; its errors are the caller's (the request's)."""
+    mine = capture_of(req.drafter)
+    if mine is None or states.shape[0] == 0:
+        return
+    if mine != union:
+        width = states.shape[-1] // union.points
+        order = list(union.layers) + (["normed"] if union.normed else [])
+        pick = list(mine.layers) + (["normed"] if mine.normed else [])
+        cols = [order.index(x) * width + j for x in pick for j in range(width)]
+        states = mx.take(states, mx.array(cols, mx.int32), axis=-1)
+    if req.row_drafter is None:
+        req.row_drafter = req.drafter.new_row(list(req.ids), req.cfg)
+    req.row_drafter.observe(start, states, tokens)
+
+
 def as_drafter(spec: Any) -> Drafter | None:
     """Normalise the request's drafter argument (None, a Drafter, or a Model)."""
     if spec is None or hasattr(spec, "new_row"):
@@ -324,5 +375,6 @@ def draft_inputs(rows: Sequence[Any], drafts: dict[Any, Any], k: int,
     return mx.array(arr, mx.int32), mx.array(n, mx.int32), probs, n
 
 
-__all__ = ["Draft", "DraftModel", "Drafter", "PromptLookup", "RowDrafter", "as_drafter",
-           "lookup", "self_draft_model", "propose_drafts", "draft_inputs", "speculate"]
+__all__ = ["Draft", "DraftModel", "Drafter", "PromptLookup", "RowDrafter", "as_drafter", "capture_of",
+           "lookup", "observe_captured", "self_draft_model", "propose_drafts", "draft_inputs", "speculate",
+           "step_capture"]

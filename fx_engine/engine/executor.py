@@ -13,6 +13,12 @@ says and reads the results back, once per call:
 * the decode or verify step (`decode`, `verify`), after the plan's cache growth and grammar
   masks, returning a `StepResult` for the one emit loop (engine/emit.py).
 
+Rows whose drafter reads the target's hidden states (`drafters.capture_of`: EAGLE-3 heads)
+make every step over them capture those states in the same forward (`step_capture`); the
+executor hands each such row's drafter the states of the positions the step kept
+(`drafters.observe_captured`: a prefill's chunk, a decode's position, a verify's accepted
+ones). Such a request does not restore a cached prefix (its drafter needs every position).
+
 Failures are contained where they happen: a prefill call's failure fails its rows, a
 row's logits processor or grammar fails that row, through the emitter.
 """
@@ -34,7 +40,7 @@ from fx_engine.core.steps import (decode_step_compiled, prefill_step_compiled, s
 from fx_engine.core.tree import tree_leaves, tree_replace
 from fx_engine.engine import scheduler as sched
 from fx_engine.engine.constraints import batch_masks, verify_masks
-from fx_engine.engine.drafters import draft_inputs
+from fx_engine.engine.drafters import capture_of, draft_inputs, observe_captured, step_capture
 from fx_engine.engine.emit import Emitter, StepResult, keep_prefix
 from fx_engine.engine.kv_rows import row_view, stack_rows
 from fx_engine.engine.lockstep import by_key
@@ -120,6 +126,8 @@ class Executor:
         (on a sharded engine a restore the others made is a RankMismatch instead)."""
         store = self.prefix_store
         if store is None or req.plp is not None:  # scoring needs every position
+            return
+        if capture_of(req.drafter) is not None:  # its drafter reads every position's hidden states
             return
         entry, m = None, 0
         try:
@@ -209,17 +217,20 @@ class Executor:
             tokens = [r.ids[s : s + n] + [0] * (size - n) for (r, n), s in zip(pieces, starts)]
             t0 = time.perf_counter()
             step = score_step_compiled if score else prefill_step_compiled
-            logits, cache = step(
+            capture = step_capture(reqs)
+            out = step(
                 self.params, cache, mx.array(tokens, mx.int32),
                 mx.array([n for _, n in pieces], mx.int32),
-                span=span_bucket(max(starts) + size, cap), adapters=self.adapters(reqs),
+                span=span_bucket(max(starts) + size, cap), adapters=self.adapters(reqs), capture=capture,
             )
+            logits, cache = out[0], out[1]
+            captured = out[2] if capture is not None else None
             if score:
                 all_logits = logits
                 last = mx.array([n - 1 for _, n in pieces], mx.int32)
                 logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
             host = time.perf_counter() - t0  # graph build + call; the rest is evaluation
-            mx.eval(logits, *tree_leaves(cache))
+            mx.eval(logits, *tree_leaves(cache), *([] if captured is None else [captured]))
             if score:
                 for i, ((r, n), s) in enumerate(zip(pieces, starts)):
                     self._prompt_logprobs(r, all_logits[i, :n], s, n)
@@ -232,6 +243,8 @@ class Executor:
         finished = []
         for i, ((req, n), start) in enumerate(zip(pieces, starts)):
             try:
+                if captured is not None:
+                    observe_captured(req, capture, captured[i, :n], start, req.ids)
                 req.pcache = row_view(cache, i)
                 req.prefilled = start + n
                 # one event per row, all with the call's id, end time and duration
@@ -318,19 +331,23 @@ class Executor:
             return None
         state = self._take_state(rows)
         span = span_bucket(max_len + 1, batch.cache.capacity)
+        capture = step_capture(rows)
         t0 = time.perf_counter()
         traces = decode_step_compiled.traces
         failed: dict[int, BaseException] = {}
         if plan.split:  # a genuinely different step: forward, the processors, sampling
-            state, cache = self._decode_with_processors(state, span, failed, mask)
+            state, cache, captured = self._decode_with_processors(state, span, failed, mask, capture)
         else:  # forward and sampling in one compiled step (mask=None: unconstrained)
-            state, cache = decode_step_compiled(self.params, batch.cache, state, span=span,
-                                                mask=mask, adapters=self.adapters(rows))
+            out = decode_step_compiled(self.params, batch.cache, state, span=span,
+                                       mask=mask, adapters=self.adapters(rows), capture=capture)
+            state, cache, captured = out[0], out[1], (out[2] if capture is not None else None)
         host = time.perf_counter() - t0
         batch.cache = None
-        mx.eval(*tree_leaves(state), *tree_leaves(cache))
+        mx.eval(*tree_leaves(state), *tree_leaves(cache), *([] if captured is None else [captured]))
         batch.state, batch.cache = state, cache
         toks, full = state.tokens.tolist(), state.full.tolist()
+        if captured is not None:
+            self._observe(rows, capture, captured, [1] * len(rows), full, failed)
         lps = None
         if any(r.want_logprobs for r in live):
             lps = ([[v] for v in state.logprob.tolist()], [[v] for v in state.top_ids.tolist()],
@@ -362,17 +379,24 @@ class Executor:
         state = self._take_state(rows)
         max_len = max(r.cache_len for r in live)
         span = span_bucket(max_len + k + 1, batch.cache.capacity)
+        capture = step_capture(rows)
         t0 = time.perf_counter()
         traces = verify_step_compiled.traces
-        state, cache, res = verify_step_compiled(
+        out = verify_step_compiled(
             self.params, batch.cache, state, arr, n_arr, probs, span=span, mask=masks,
-            adapters=self.adapters(rows))
+            adapters=self.adapters(rows), capture=capture)
+        state, cache, res = out[0], out[1], out[2]
+        captured = out[3] if capture is not None else None
         host = time.perf_counter() - t0
         batch.cache = None
-        mx.eval(*tree_leaves(state), *tree_leaves(cache), *tree_leaves(res))
+        mx.eval(*tree_leaves(state), *tree_leaves(cache), *tree_leaves(res),
+                *([] if captured is None else [captured]))
         batch.state, batch.cache = state, cache
         toks, counts, acc = res.tokens.tolist(), res.count.tolist(), res.accepted.tolist()
         full = state.full.tolist()
+        failed: dict[int, BaseException] = {}
+        if captured is not None:
+            self._observe(rows, capture, captured, counts, full, failed)
         lps = None
         if any(r.want_logprobs for r in live):
             lps = (res.logprobs.tolist(), res.top_ids.tolist(), res.top_logprobs.tolist())
@@ -382,21 +406,38 @@ class Executor:
         self.trace("verify", batch=len(live), rows=len(rows), k=k, drafted=sum(n), accepted=sum(acc),
                    capacity=cache.capacity, span=span, requests=[r.handle.id for r in live],
                    seconds=seconds, host_seconds=host)
-        return StepResult(rows, toks, counts, full, lps, n, acc)
+        return StepResult(rows, toks, counts, full, lps, n, acc, failed=failed)
+
+    def _observe(self, rows: Sequence[Any], capture: Any, captured: mx.array, kept: Sequence[int],
+                 full: Sequence[bool], failed: dict[int, BaseException]) -> None:
+        """After a decode or verify step that captured: each capturing row's drafter gets
+        the states of its first kept[i] positions (from its cache length before the step;
+        the emit loop advances that). A row that had no room or failed gets nothing; a
+        drafter that raises fails its request only (`failed`: the emit loop fails it)."""
+        for i, req in enumerate(rows):
+            if req is None or full[i] or i in failed or not kept[i] or capture_of(req.drafter) is None:
+                continue
+            try:
+                observe_captured(req, capture, captured[i, : kept[i]], req.cache_len,
+                                 list(req.ids) + req.generated)
+            except Exception as e:
+                failed[i] = e
 
     def _decode_with_processors(
         self, state: DecodeState, span: int, failed: dict[int, BaseException],
-        mask: mx.array | None = None,
-    ) -> tuple[DecodeState, KVCache]:
+        mask: mx.array | None = None, capture: Any = None,
+    ) -> tuple[DecodeState, KVCache, mx.array | None]:
         """decode_step split in two around the rows' logits processors: the forward (a
         one-token prefill_step), the processors eagerly per row, then sample_step. A row
         whose processor raises keeps its unprocessed logits and is failed by the emit loop;
-        the other rows are unaffected."""
+        the other rows are unaffected. Returns the captured states too (None: none asked)."""
         batch = self.batch
-        logits, cache = prefill_step_compiled(
+        out = prefill_step_compiled(
             self.params, batch.cache, state.tokens[:, None], state.active.astype(mx.int32),
-            span=span, adapters=self.adapters(batch.rows),
+            span=span, adapters=self.adapters(batch.rows), capture=capture,
         )
+        logits, cache = out[0], out[1]
+        captured = out[2] if capture is not None else None
         batch.cache = None
         rows = [logits[i : i + 1] for i in range(logits.shape[0])]
         for i, req in enumerate(batch.rows):
@@ -406,4 +447,4 @@ class Executor:
                 rows[i] = run_processors(req.processors, req.ids + req.generated, rows[i])
             except Exception as e:
                 failed[i] = e
-        return sample_step_compiled(state, mx.concatenate(rows, axis=0), mask), cache
+        return sample_step_compiled(state, mx.concatenate(rows, axis=0), mask), cache, captured

@@ -83,3 +83,44 @@ def read_eagle3_folder(folder: str | Path) -> tuple[dict[str, Any], dict[str, mx
     for f in sorted(folder.glob("*.safetensors")):
         tensors.update(mx.load(str(f)))
     return json.loads((folder / "config.json").read_text()), tensors
+
+
+def write_echo_pair(folder: str | Path, *, layers: int = 6, seed: int = 0) -> tuple[Path, Path]:
+    """A tiny Llama target and an EAGLE-3 head whose first draft is always right and whose
+    chained drafts are wrong: for tests that need both accepted and rejected drafts.
+
+    The target's layers add nothing (o_proj, down_proj zero) and its untied head maps token
+    x to pi(x), pi swapping 2i and 2i + 1: greedy output alternates x, pi(x), x, ... The
+    head's fc passes the first captured boundary through (the embedding of x_t), its layer
+    adds nothing and its lm_head is the embedding table, so the draft after the pair
+    (x_t, x_{t+1}) is x_t = x_{t+2} (right); a chained draft repeats it (x_{t+3} = pi(x_t):
+    wrong). Returns (target folder, head folder)."""
+    from fx_engine.testing.tiny import write_tiny_model
+
+    folder = Path(folder)
+    target = write_tiny_model(folder / "target", "llama", seed=seed, num_hidden_layers=layers,
+                              tie_word_embeddings=False)
+    w = dict(mx.load(str(target / "model.safetensors")))
+    table = np.array(w["model.embed_tokens.weight"])
+    v, h = table.shape
+    swap = np.arange(v).reshape(-1, 2)[:, ::-1].reshape(-1)
+    w["lm_head.weight"] = mx.array(table[swap])
+    w["model.norm.weight"] = mx.ones((h,))
+    for name in list(w):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = mx.zeros_like(w[name])
+    mx.save_safetensors(str(target / "model.safetensors"), w, metadata={"format": "mlx"})
+
+    head = folder / "head"
+    head.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_eagle3_config(h, hidden_size=h, num_attention_heads=4, num_key_value_heads=2, head_dim=h // 4,
+                             vocab_size=v, draft_vocab_size=v, intermediate_size=2 * h)
+    t = {n: a for n, a in tiny_eagle3_tensors(cfg, seed=seed + 1).items() if n not in ("d2t", "t2d")}
+    t["fc.weight"] = mx.array(np.concatenate([np.eye(h), np.zeros((h, 2 * h))], axis=1).astype(np.float32))
+    t["midlayer.self_attn.o_proj.weight"] = mx.zeros_like(t["midlayer.self_attn.o_proj.weight"])
+    t["midlayer.mlp.down_proj.weight"] = mx.zeros_like(t["midlayer.mlp.down_proj.weight"])
+    t["lm_head.weight"] = mx.array(table)
+    t["norm.weight"] = mx.ones((h,))
+    mx.save_safetensors(str(head / "model.safetensors"), t)
+    (head / "config.json").write_text(json.dumps(cfg, indent=1))
+    return target, head

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -138,7 +139,8 @@ def test_loader_round_trips_the_tiny_folder(tmp_path):
     d, tensors = read_eagle3_folder(folder)
     cfg = eagle3.config_from_hf(d)
     assert (cfg.draft_vocab_size, cfg.vocab_size, cfg.target_hidden_size, cfg.fc_in) == (40, 96, TARGET_H, 72)
-    assert cfg.aux_layer_ids == (1, 4, 7) and eagle3.aux_layers(cfg, 10) == (1, 4, 7)
+    # pinned ids starting at 1: SpecForge's "output of layer i", the boundaries i + 1 (SGLang's reading)
+    assert cfg.aux_layer_ids == (1, 4, 7) and eagle3.aux_layers(cfg, 10) == (2, 5, 8)
     p = eagle3.eagle3_params_from_tensors(tensors, cfg)
     L = "midlayer."
     qkv = np.concatenate([_np(tensors[L + f"self_attn.{x}_proj.weight"]) for x in "qkv"])
@@ -321,3 +323,221 @@ def test_the_step_compiles_once_for_steady_state_decode():
         np.testing.assert_allclose(_np(lg), _np(want), rtol=1e-6, atol=1e-6)
         cache = nxt
     assert cache.lengths.tolist() == [3, 3] and step.traces == 1
+
+
+# ---------------------------------------------------------------- (e) the target's states, captured in its steps
+
+
+def _mlx_lm_boundaries(path, tokens):
+    """Every layer boundary of the target on `tokens`, from an independent uncompiled forward:
+    mlx-lm's Llama run layer by layer (boundary b < N: the stream entering layer b, as vLLM's
+    `hidden_states + residual` before layer b; N: after the last layer)."""
+    from pathlib import Path
+
+    from mlx_lm.utils import load_model
+
+    ref, _ = load_model(Path(path))
+    ref.set_dtype(mx.float32)
+    h = ref.model.embed_tokens(mx.array([tokens]))
+    out = []
+    for layer in ref.model.layers:
+        out.append(h)
+        h = layer(h, "causal", None)
+    out.append(h)
+    return [np.array(x[0], np.float64) for x in out]
+
+
+@pytest.fixture(scope="module")
+def target6(tiny_folder):
+    import fx_engine
+
+    path = tiny_folder("llama", num_hidden_layers=6)
+    return path, fx_engine.load(path)
+
+
+@pytest.mark.oracle
+def test_steps_capture_the_layer_boundaries_of_every_position(target6):
+    """prefill (two rows, one padded), decode and verify return, from their own forward, the
+    stream entering the chosen layers (and after the last, and the final norm's output) at
+    every position they processed: equal to mlx-lm's layer-by-layer forward; the steps'
+    other outputs are bitwise those of the same steps without a capture."""
+    from fx_engine.core.models import Capture
+    from fx_engine.core.sampling import SamplingConfig
+    from fx_engine.core.state import init_state
+    from fx_engine.core.steps import decode_step_compiled, prefill_step_compiled, verify_step_compiled
+
+    path, m = target6
+    n, H = m.config.num_layers, m.config.hidden_size
+    cap = Capture((2, 3, 0, n), normed=True)
+    rows = [[5, 9, 17, 40, 3, 77, 12], [101, 7, 64]]
+    toks = mx.array([r + [0] * (7 - len(r)) for r in rows], mx.int32)
+    nv = mx.array([len(r) for r in rows], mx.int32)
+    plain_lg, plain_cache = prefill_step_compiled(m.params, m.new_cache(2, 64), toks, nv, span=64)
+    lg, cache, got = prefill_step_compiled(m.params, m.new_cache(2, 64), toks, nv, span=64, capture=cap)
+    assert got.shape == (2, 7, 5 * H) and got.dtype == mx.float32
+    np.testing.assert_array_equal(np.array(lg), np.array(plain_lg))
+    for a, b in zip(tree_leaves(cache), tree_leaves(plain_cache), strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+    def check(row, tokens, got_row, first):
+        ref = _mlx_lm_boundaries(path, tokens)
+        m_ref = np.array(mx.fast.rms_norm(mx.array(ref[n].astype(np.float32)), m.params.norm, m.config.rms_norm_eps),
+                         np.float64)
+        for j, b in enumerate(cap.layers):
+            np.testing.assert_allclose(_np(got_row[:, j * H:(j + 1) * H]), ref[b][first:], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(_np(got_row[:, 4 * H:]), m_ref[first:], rtol=1e-4, atol=1e-4)
+
+    for i, r in enumerate(rows):
+        check(i, r, got[i, : len(r)], 0)
+
+    # decode: one position per row (the last sampled token)
+    state = init_state([SamplingConfig(), SamplingConfig()], rows, m.config.vocab_size)
+    state = attrs.evolve(state, tokens=mx.array([33, 44], mx.int32))
+    plain_state, _ = decode_step_compiled(m.params, plain_cache, state, span=64)
+    new_state, cache, got = decode_step_compiled(m.params, cache, state, span=64, capture=cap)
+    np.testing.assert_array_equal(np.array(new_state.tokens), np.array(plain_state.tokens))
+    assert got.shape == (2, 1, 5 * H)
+    for i, (r, t) in enumerate(zip(rows, (33, 44))):
+        check(i, r + [t], got[i], len(r))
+
+    # verify: the last token and 3 drafts per row (row 1 drafts 1): K + 1 positions
+    seqs = [r + [t] for r, t in zip(rows, (33, 44))]
+    state = attrs.evolve(new_state, tokens=mx.array([8, 9], mx.int32))
+    drafts = mx.array([[70, 71, 72], [90, 0, 0]], mx.int32)
+    out = verify_step_compiled(m.params, cache, state, drafts, mx.array([3, 1], mx.int32), span=64, capture=cap)
+    assert len(out) == 4 and out[3].shape == (2, 4, 5 * H)
+    check(0, seqs[0] + [8, 70, 71, 72], out[3][0], len(seqs[0]))
+    check(1, seqs[1] + [9, 90], out[3][1, :2], len(seqs[1]))
+
+
+def test_every_family_through_the_decoder_skeleton_captures(tiny_folder):
+    """Each family's layer loop reports one stream per layer: a capture of every boundary
+    and the final norm's output runs, its normed part is the step's own hidden states, and
+    its logits are bitwise those of the step without it. Gemma's forward (written out, not
+    through skeleton.decoder_step) refuses, naming the model type."""
+    import fx_engine
+    from fx_engine.core.models import FAMILIES, Capture, CaptureError
+    from fx_engine.core.steps import hidden_step, logits_step
+
+    toks = mx.array([[5, 9, 17, 40, 3], [101, 7, 64, 2, 0]], mx.int32)
+    nv = mx.array([5, 4], mx.int32)
+    for fam in FAMILIES:
+        mt = fam.model_types[0]
+        m = fx_engine.load(tiny_folder(mt))
+        n, H = m.config.num_layers, m.config.hidden_size
+        cap = Capture(tuple(range(n + 1)), normed=True)
+        if fam.name == "gemma":
+            with pytest.raises(CaptureError, match=f"not supported for {mt} models"):
+                logits_step(m.params, m.new_cache(2, 16), toks, nv, capture=cap)
+            continue
+        lg, _, got = logits_step(m.params, m.new_cache(2, 16), toks, nv, capture=cap)
+        plain, _ = logits_step(m.params, m.new_cache(2, 16), toks, nv)
+        hid, _ = hidden_step(m.params, m.new_cache(2, 16), toks, nv)
+        assert got.shape == (2, 5, (n + 2) * H), mt
+        np.testing.assert_array_equal(np.array(lg), np.array(plain), err_msg=mt)
+        np.testing.assert_allclose(_np(got[..., (n + 1) * H:]), _np(hid), rtol=1e-5, atol=1e-5, err_msg=mt)
+
+
+def test_capture_refusals_name_what_is_wrong(target6):
+    from fx_engine.core.models import Capture, CaptureError, forward
+    from fx_engine.core.models.skeleton import PipelineStage
+
+    _, m = target6
+    toks, nv = mx.zeros((1, 2), mx.int32), mx.array([2], mx.int32)
+    with pytest.raises(CaptureError, match="not boundaries of a 6-layer llama model"):
+        forward(m.params, m.new_cache(1, 8), toks, nv, None, Capture((2, 7)))
+    staged = attrs.evolve(m.params, pipeline=PipelineStage(1, 2, 3, 6))
+    with pytest.raises(CaptureError, match="pipeline parallelism"):
+        forward(staged, m.new_cache(1, 8), toks, nv, None, Capture((2,)))
+    with pytest.raises(CaptureError, match="at least one"):
+        Capture(())
+    with pytest.raises(CaptureError, match="integers >= 0"):
+        Capture((-1,))
+
+
+def test_capture_is_its_own_compiled_entry_and_the_plain_step_is_unchanged(target6):
+    """A capturing step compiles once per capture (a static key); the plain step keeps its
+    own entry: alternating them recompiles neither."""
+    from fx_engine.core.models import Capture
+    from fx_engine.core.steps import prefill_step_compiled
+
+    _, m = target6
+    toks, nv = mx.array([[5, 9, 17, 40]], mx.int32), mx.array([4], mx.int32)
+    before = prefill_step_compiled.traces
+    for _ in range(2):
+        for cap in (None, Capture((2, 3, 3)), None, Capture((2, 3, 3))):
+            out = prefill_step_compiled(m.params, m.new_cache(1, 32), toks, nv, span=32, capture=cap)
+            assert len(out) == (2 if cap is None else 3)
+    assert prefill_step_compiled.traces - before <= 2
+
+
+# ---------------------------------------------------------------- (f) which layers, and the head against its target
+
+
+def test_aux_layer_conventions():
+    """Unpinned: vLLM's / EAGLE's (2, N // 2, N - 3). Pinned ids starting at 1 are
+    SpecForge's layer outputs (boundaries i + 1, SGLang's reading); others are boundaries as
+    they are (vLLM's reading), N included (after the last layer)."""
+    base = tiny_eagle3_config(TARGET_H)
+    cfg = eagle3.config_from_hf(base)
+    assert eagle3.aux_layers(cfg, 32) == (2, 16, 29) and eagle3.aux_layers(cfg, 6) == (2, 3, 3)
+    def pinned(ids):
+        return eagle3.config_from_hf({**base, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}})
+
+    assert eagle3.aux_layers(pinned([1, 15, 28]), 32) == (2, 16, 29)  # SpecForge's default, the same states
+    assert eagle3.aux_layers(pinned([2, 16, 29]), 32) == (2, 16, 29)
+    assert eagle3.aux_layers(pinned([24, 30, 36]), 36) == (24, 30, 36)  # NVIDIA's gpt-oss head: 36 = after the last
+    with pytest.raises(ConfigError, match=r"eagle_aux_hidden_state_layer_ids \[24, 30, 37\].*36-layer target"):
+        eagle3.aux_layers(pinned([24, 30, 37]), 36)
+
+
+def test_check_target_names_the_mismatched_field():
+    import types
+
+    cfg = eagle3.config_from_hf(tiny_eagle3_config(TARGET_H))  # hidden 32, vocab 96, target hidden 24
+    ok = types.SimpleNamespace(model_type="llama", hidden_size=TARGET_H, vocab_size=96, num_layers=8)
+    assert eagle3.check_target(cfg, ok, own_embed=True) == (2, 4, 5)
+    with pytest.raises(ConfigError, match="target_hidden_size = 24 but the llama target's hidden_size is 40"):
+        eagle3.check_target(cfg, types.SimpleNamespace(**{**vars(ok), "hidden_size": 40}), own_embed=True)
+    with pytest.raises(ConfigError, match="vocab_size = 96 but the llama target's vocab_size is 100"):
+        eagle3.check_target(cfg, types.SimpleNamespace(**{**vars(ok), "vocab_size": 100}), own_embed=True)
+    with pytest.raises(ConfigError, match="hidden_size = 32 differs .* no embed_tokens of its own"):
+        eagle3.check_target(cfg, ok, own_embed=False)
+    with pytest.raises(ConfigError, match="not boundaries of a 2-layer target"):
+        eagle3.check_target(cfg, types.SimpleNamespace(**{**vars(ok), "num_layers": 2}), own_embed=True)
+
+
+def test_folder_loader_checks_the_head_against_its_target(tmp_path, target6):
+    from fx_engine.loading.drafter import load_eagle3_head
+
+    _, m = target6  # hidden 64, vocab 384, 6 layers
+    kw = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=384,
+              draft_vocab_size=128, intermediate_size=96)
+    folder = write_tiny_eagle3(tmp_path / "head", 64, seed=14, **kw)
+    p = load_eagle3_head(folder, m)
+    assert p.config.draft_vocab_size == 128 and p.dtype == "float32" and p.embed is None
+    assert load_eagle3_head(folder, m, dtype="bfloat16").lm_head.weight.dtype == mx.bfloat16
+    # shards with their index, as larger heads ship
+    cfg, tensors = read_eagle3_folder(folder)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for f, part in halves.items():
+        mx.save_safetensors(str(sharded / f), {n: tensors[n] for n in part})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: f for f, part in halves.items() for n in part}}))
+    (sharded / "config.json").write_text(json.dumps(cfg))
+    q = load_eagle3_head(sharded, m)
+    for a, b in zip(tree_leaves(p), tree_leaves(q), strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+    wrong = write_tiny_eagle3(tmp_path / "wrong", 48, seed=14, **kw)
+    with pytest.raises(ConfigError, match="target_hidden_size = 48 but the llama target's hidden_size is 64"):
+        load_eagle3_head(wrong, m)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text(json.dumps(cfg))
+    (pickled / "pytorch_model.bin").write_bytes(b"\0")
+    with pytest.raises(WeightsError, match="no \\*.safetensors files \\(it has pytorch_model.bin: convert"):
+        load_eagle3_head(pickled, m)

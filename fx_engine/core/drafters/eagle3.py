@@ -28,7 +28,15 @@ writes through the same `write_entry` / `attend_entry` as every family's attenti
 drafter's state rolls back with the target's by length (issue 45, item 4).
 
 Which target layers feed a_t: the residual stream *entering* layers `aux_layers(...)`
-(vLLM's and EAGLE's capture point; default (2, N // 2, N - 3)), concatenated in that order.
+(vLLM's and EAGLE's capture point, `hidden_states + residual` before the layer; default
+(2, N // 2, N - 3)), concatenated in that order; `skeleton.Capture(aux_layers(...))`
+captures them inside the target's compiled steps. Layer ids a checkpoint pins
+(`eagle_aux_hidden_state_layer_ids`) come in two conventions, read as SGLang reads them
+(sgl-project/sglang#25454): ids starting at 1 are SpecForge's "output of layer i" (the
+boundary i + 1; its default [1, N // 2 - 1, N - 4] is the same states as the unpinned
+default), other ids are boundaries as they are (vLLM reads every pinned id that way; the
+final boundary N, after the last layer and before the final norm, is allowed: NVIDIA's
+gpt-oss heads pin it).
 """
 
 from __future__ import annotations
@@ -46,11 +54,12 @@ from fx_engine.core.config import (BOOL, FLOAT, INT, BaseConfig, ConfigError, Fi
                                    positive_int, read_fields, refuse)
 from fx_engine.core.models.blocks import GATE_UP, QKV, rope_freqs, rope_type_of, scaled_rope, self_attention, swiglu_mlp
 from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm
-from fx_engine.core.tree import static_field
+from fx_engine.core.tree import CompiledFunction, static_field
 
-__all__ = ["Eagle3Config", "Eagle3Layer", "Eagle3Params", "aux_layers", "cache_specs", "config_from_hf",
-           "draft_chain", "draft_logits", "draft_target_ids", "eagle3_forward", "eagle3_params_from_tensors",
-           "greedy_target_ids", "project_target_hidden", "target_logits", "target_probs", "to_target_ids"]
+__all__ = ["Eagle3Config", "Eagle3Layer", "Eagle3Params", "aux_layers", "cache_specs", "check_target",
+           "config_from_hf", "draft_chain", "draft_logits", "draft_target_ids", "eagle3_forward",
+           "eagle3_params_from_tensors", "greedy_target_ids", "head_step", "head_step_compiled",
+           "project_target_hidden", "target_logits", "target_probs", "to_target_ids"]
 
 
 # ---------------------------------------------------------------- config
@@ -201,13 +210,42 @@ def _aux_ids(d: dict[str, Any], source: str) -> tuple[int, ...] | None:
 
 
 def aux_layers(cfg: Eagle3Config, target_layers: int) -> tuple[int, ...]:
-    """The target layers whose *input* residual stream (before the layer; index 0: the
-    embeddings) the head's fc takes, in concatenation order: the checkpoint's pinned ids, else
-    vLLM's and EAGLE's default (2, N // 2, N - 3)."""
-    ids = cfg.aux_layer_ids or (2, target_layers // 2, target_layers - 3)
-    if not all(0 <= i < target_layers for i in ids):
-        raise ConfigError(f"EAGLE-3 aux layers {ids} are not layers of a {target_layers}-layer target")
+    """The layer boundaries of the target whose residual stream the head's fc takes, in
+    concatenation order (`skeleton.Capture`'s: boundary b < N is the stream entering layer
+    b, 0 the embeddings, N the stream after the last layer): vLLM's and EAGLE's default
+    (2, N // 2, N - 3), or the checkpoint's pinned ids, SpecForge's "output of layer i" ids
+    (first id 1) shifted to boundaries i + 1 (see the module docstring)."""
+    n = target_layers
+    if cfg.aux_layer_ids is None:
+        ids = (2, n // 2, n - 3)
+    elif cfg.aux_layer_ids[0] == 1:  # SpecForge's layer outputs (SGLang's reading)
+        ids = tuple(i + 1 for i in cfg.aux_layer_ids)
+    else:
+        ids = cfg.aux_layer_ids
+    if not all(0 <= i <= n for i in ids):
+        pinned = "" if cfg.aux_layer_ids is None else f" (eagle_aux_hidden_state_layer_ids {list(cfg.aux_layer_ids)})"
+        raise ConfigError(f"EAGLE-3 aux layer boundaries {ids}{pinned} are not boundaries of a {n}-layer "
+                          f"target (0 .. {n})")
     return tuple(ids)
+
+
+def check_target(cfg: Eagle3Config, target: Any, own_embed: bool) -> tuple[int, ...]:
+    """The head against its target's config (`hidden_size`, `vocab_size`, `num_layers`):
+    the fc takes the target's hidden states (target_hidden_size), d2t maps into the target's
+    vocabulary (vocab_size), the aux layers lie in the target, and a head without its own
+    embed_tokens reads the target's table (its hidden_size is the target's). Returns the aux
+    layer boundaries; a mismatch is a ConfigError naming both fields."""
+    kind = getattr(target, "model_type", "target")
+    for head_field, target_field in (("target_hidden_size", "hidden_size"), ("vocab_size", "vocab_size")):
+        mine, theirs = getattr(cfg, head_field), getattr(target, target_field)
+        if mine != theirs:
+            raise ConfigError(f"EAGLE-3 head: {head_field} = {mine} but the {kind} target's {target_field} is "
+                              f"{theirs}: the head was trained for another model")
+    if not own_embed and cfg.hidden_size != target.hidden_size:
+        raise ConfigError(f"EAGLE-3 head: hidden_size = {cfg.hidden_size} differs from the {kind} target's "
+                          f"hidden_size {target.hidden_size} and the head has no embed_tokens of its own "
+                          "(it would read the target's embeddings)")
+    return aux_layers(cfg, target.num_layers)
 
 
 # ---------------------------------------------------------------- params
@@ -353,6 +391,31 @@ def target_probs(p: Eagle3Params, logits: Float[mx.array, "*N Vd"]) -> Float[mx.
 
 
 # ---------------------------------------------------------------- chained drafting
+
+
+def head_step(
+    p: Eagle3Params, table: Linear | None, hidden: Float[mx.array, "B T Hin"], tokens: Int[mx.array, "B T"],
+    cache: KVCache, n_valid: Int[mx.array, "B"], span: int | None = None,
+) -> tuple[Int[mx.array, "B"], Float[mx.array, "B H"], KVCache]:
+    """One head step over T pairs per row (hidden: the target's captured states, 3 H_t wide,
+    or the head's own previous output, H wide; tokens: the target ids after them), the unit
+    an engine drafter chains: the greedy draft (a target id) after each row's last valid pair,
+    the pre-norm hidden state it came from (the next chained step's input) and the cache.
+    Rows with n_valid == 0 are untouched (their outputs meaningless). `table`: the target's
+    embedding table (the head's own is used when the checkpoint ships one)."""
+    table = p.embed if p.embed is not None else table
+    if table is None:
+        raise ValueError("head_step: the head has no embedding table of its own: pass the target's")
+    n_valid = n_valid.astype(mx.int32)
+    logits, h, cache = eagle3_forward(p, embed(tokens, table).astype(getattr(mx, p.dtype)), hidden, cache,
+                                      n_valid, span)
+    last = mx.maximum(n_valid - 1, 0)[:, None, None]
+    lg = mx.take_along_axis(logits, last, axis=1)[:, 0]
+    return greedy_target_ids(p, lg), mx.take_along_axis(h, last, axis=1)[:, 0], cache
+
+
+# the engine's compiled form (keyed on the hidden width, T and span: a few shapes)
+head_step_compiled = CompiledFunction(head_step, name="eagle3_head_step")
 
 
 def draft_chain(

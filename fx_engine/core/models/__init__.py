@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from fx_engine.core.models.gemma import GemmaConfig, GemmaLayer, GemmaParams
 from fx_engine.core.models.llama import LayerParams, LlamaConfig, Params
-from fx_engine.core.models.registry import (FAMILIES, FAMILY_MODULES, MODEL_TYPE_MODULES, AnyParams, Family,
-                                            cache_layout, config_from_gguf, config_from_hf, family_of, forward,
-                                            gguf_family, hf_family, hidden_to_logits, model_type_modules, model_types,
-                                            module_file, text_config_of)
+from fx_engine.core.models.registry import (FAMILIES, FAMILY_MODULES, MODEL_TYPE_MODULES, AnyParams, Capture,
+                                            CaptureError, Family, cache_layout, config_from_gguf, config_from_hf,
+                                            family_of, forward, gguf_family, hf_family, hidden_to_logits,
+                                            model_type_modules, model_types, module_file, text_config_of)
 
 __all__ = [
-    "AnyParams", "FAMILIES", "FAMILY_MODULES", "Family", "GemmaConfig", "GemmaLayer", "GemmaParams", "LayerParams",
-    "LlamaConfig", "MODEL_TYPE_MODULES", "Params", "cache_layout", "config_from_gguf", "config_from_hf",
-    "family_of", "forward", "gguf_family", "hf_family", "hidden_to_logits", "model_type_modules", "model_types",
-    "module_file", "text_config_of",
+    "AnyParams", "Capture", "CaptureError", "FAMILIES", "FAMILY_MODULES", "Family", "GemmaConfig", "GemmaLayer",
+    "GemmaParams", "LayerParams", "LlamaConfig", "MODEL_TYPE_MODULES", "Params", "cache_layout", "config_from_gguf",
+    "config_from_hf", "family_of", "forward", "gguf_family", "hf_family", "hidden_to_logits", "model_type_modules",
+    "model_types", "module_file", "text_config_of",
 ]

@@ -161,6 +161,7 @@ def forward(
         rope = rope_in(geo.positions, cfg.head_dim, getattr(mx, p.dtype), base=cfg.rope_theta, traditional=True)
         entries = []
         for lp, entry, spec, kind in zip(p.layers, cache.layers, cache.layout, cfg.layer_types):
+            geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)
             x = layer_norm(h, *lp.norm, cfg.rms_norm_eps)
             use_rope = kind == "sliding_attention" or cfg.global_rope
             a, entry = _attention(p, lp, x, entry, spec, rope if use_rope else None, geo)

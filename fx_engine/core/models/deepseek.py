@@ -243,6 +243,7 @@ def forward(
         rope = _rope(p, geo.positions)
         entries = []
         for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
+            geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)
             a, entry = _attention(p, lp.attn, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, rope,
                                   geo)
             h = h + a

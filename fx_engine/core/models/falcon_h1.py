@@ -121,6 +121,7 @@ def forward(p: FalconH1Params, cache: KVCache, tokens: mx.array, n_valid: mx.arr
                        traditional=cfg.rope_traditional)
         entries = list(cache.layers)
         for i, lp in enumerate(p.layers):
+            geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)
             x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num)
             m, entries[2 * i] = mixer(lp.mamba, cfg.mixer, x, entries[2 * i], cache.layout[2 * i], geo, num)
             a, entries[2 * i + 1] = self_attention(p, lp.attn, x, entries[2 * i + 1], cache.layout[2 * i + 1], rope,

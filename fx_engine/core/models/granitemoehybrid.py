@@ -117,6 +117,7 @@ def forward(p: GraniteHybridParams, cache: KVCache, tokens: mx.array, n_valid: m
             rope = rope_in(geo.positions, cfg.head_dim, getattr(mx, p.dtype), base=cfg.rope_theta)
         entries = []
         for lp, entry, spec, is_mamba in zip(p.layers, cache.layers, cache.layout, cfg.mamba_layers):
+            geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)
             x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num)
             if is_mamba:
                 a, entry = mixer(lp.mixer, cfg.mixer, x, entry, spec, geo, num)

@@ -319,6 +319,7 @@ def forward(
         nope = p.config.no_rope_layers
         entries = []
         for i, (lp, entry, spec) in enumerate(zip(p.layers, cache.layers, cache.layout)):
+            geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)
             h, entry = (layer_fn or decoder_layer)(p, lp, h, entry, spec, None if i in nope else rope, geo)
             entries.append(entry)
         return h, entries

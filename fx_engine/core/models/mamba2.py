@@ -94,6 +94,7 @@ def forward(p: Mamba2Params, cache: KVCache, tokens: mx.array, n_valid: mx.array
     def layers(h: mx.array, geo: Any) -> tuple[mx.array, list[Any]]:
         entries = []
         for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
+            geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)
             a, entry = mixer(lp.mixer, cfg.mixer, rms_norm(h, lp.norm, cfg.block_norm_eps, num), entry, spec, geo,
                              num)
             h = h + a

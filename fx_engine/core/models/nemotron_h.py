@@ -174,6 +174,7 @@ def forward(p: NemotronHParams, cache: KVCache, tokens: mx.array, n_valid: mx.ar
     def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
         entries, at = list(cache.layers), 0
         for kind, lp in zip(cfg.pattern, p.layers):
+            geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)
             x = rms_norm(h, lp.norm, cfg.rms_norm_eps, num)
             if kind == "M":
                 out, entries[at] = mixer(lp.block, cfg.mixer, x, entries[at], cache.layout[at], geo, num)

@@ -157,6 +157,7 @@ def forward(
         ropes = _ropes(p, geo.positions)
         entries = []
         for lp, entry, spec, kind in zip(p.layers, cache.layers, cache.layout, cfg.layer_rope):
+            geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)
             a, entry = self_attention(p, lp, pre(h, lp.attn_norm), entry, spec, ropes[kind], geo)
             h = h + rms_norm(a, lp.post_attn_norm, eps, num)
             h = h + rms_norm(swiglu_mlp(pre(h, lp.mlp_norm), lp.gate_up, lp.down, num), lp.post_ff_norm, eps, num)

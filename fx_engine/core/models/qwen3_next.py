@@ -211,6 +211,7 @@ def forward(p: Qwen3NextParams, cache: KVCache, tokens: mx.array, n_valid: mx.ar
         rope = rope_in(geo.positions, cfg.rope_dims or cfg.head_dim, getattr(mx, p.dtype), base=cfg.rope_theta)
         entries = []
         for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
+            geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)
             x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num)
             if isinstance(lp.mixer, DeltaNet):
                 a, entry = gated_deltanet(p, lp.mixer, x, entry, spec, geo)

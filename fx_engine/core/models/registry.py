@@ -19,6 +19,8 @@ from fx_engine.core.config import ConfigError
 from fx_engine.core.models import (cohere, deepseek, falcon_h1, gemma, gpt_oss, granitemoehybrid, lfm2, llama, mamba2,
                                    moe, nemotron_h, phi3, postnorm, qwen3_next, starcoder2)
 from fx_engine.core.models.family import Family
+from fx_engine.core.models.skeleton import Capture, CaptureError
+from fx_engine.core.tree import tree_replace
 
 _MODULES = (llama, gemma, phi3, moe, postnorm, gpt_oss, deepseek, starcoder2, cohere, lfm2, mamba2, nemotron_h,
             qwen3_next, granitemoehybrid, falcon_h1)
@@ -49,9 +51,9 @@ AnyParams = Union[
 ]
 
 __all__ = [
-    "AnyParams", "FAMILIES", "FAMILY_MODULES", "Family", "MODEL_TYPE_MODULES", "cache_layout", "config_from_gguf",
-    "config_from_hf", "family_of", "forward", "gguf_family", "hf_family", "hidden_to_logits", "model_type_modules",
-    "model_types", "module_file", "text_config_of",
+    "AnyParams", "Capture", "CaptureError", "FAMILIES", "FAMILY_MODULES", "Family", "MODEL_TYPE_MODULES",
+    "cache_layout", "config_from_gguf", "config_from_hf", "family_of", "forward", "gguf_family", "hf_family",
+    "hidden_to_logits", "model_type_modules", "model_types", "module_file", "text_config_of",
 ]
 
 
@@ -142,8 +144,23 @@ def config_from_gguf(md: dict[str, Any], source: str) -> Any:
     return gguf_family(md, source).config_from_gguf(md, source)
 
 
-def forward(params: Any, cache: Any, tokens: Any, n_valid: Any, span: int | None = None) -> Any:
-    return family_of(params).forward(params, cache, tokens, n_valid, span)
+def forward(params: Any, cache: Any, tokens: Any, n_valid: Any, span: int | None = None,
+            capture: Capture | None = None) -> Any:
+    """The family's forward: (final hidden [B, T, H], cache); with a `skeleton.Capture`,
+    (hidden, cache, captured [B, T, points * H]), the captured states of every position
+    from the same forward. A family whose forward does not go through
+    `skeleton.decoder_step` refuses capture (CaptureError naming its model type)."""
+    family = family_of(params)
+    if capture is None:
+        return family.forward(params, cache, tokens, n_valid, span)
+    if not isinstance(capture, Capture):
+        raise TypeError(f"capture must be a fx_engine.core.models.skeleton.Capture, got {type(capture).__name__}")
+    out = family.forward(params, tree_replace(cache, capture=capture), tokens, n_valid, span)
+    if len(out) != 3:
+        kind = getattr(params.config, "model_type", family.name)
+        raise CaptureError(f"capturing hidden states is not supported for {kind} models (the {family.name} "
+                           "forward does not go through skeleton.decoder_step)")
+    return out
 
 
 def hidden_to_logits(params: Any, h: Any) -> Any:

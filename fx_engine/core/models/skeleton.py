@@ -8,6 +8,14 @@ new stream and the written cache entries; everything before (the geometry, the e
 or the previous stage's stream) and after (the hand-over to the next stage, or the final
 norm) is here once, so a family reads as its layers. The params records themselves
 (`DecoderParams`) and the pipeline stage they may hold (`PipelineStage`) live here too.
+
+Capturing hidden states (the seam learned drafters read the target through: EAGLE-3's
+three aux layers, an MTP head's last hidden state): a `Capture` names boundaries of the
+layer stack; `models.forward(..., capture=)` hands it to this step through the cache (like
+`keep_steps`), each family's layer loop reports the stream entering each layer
+(`geo.layer_input(h)`), and the step returns, next to its hidden states and cache, the
+captured states of every position it processed [B, T, points * hidden]: no second forward.
+Without a Capture nothing is recorded and the graph is the one it always was.
 """
 
 from __future__ import annotations
@@ -21,8 +29,41 @@ from fx_engine.core.cache import KVCache, StepGeometry, advanced
 from fx_engine.core.nn import Numerics, embed, linear, rms_norm
 from fx_engine.core.tree import static_field
 
-__all__ = ["DecoderParams", "PipelineStage", "cut_layers", "decoder_step", "embedded_scaled", "embedded_tokens",
-           "final_rms_norm", "hands_on", "head_logits", "later_stage", "stage_input", "stage_logits", "stage_output"]
+__all__ = ["Capture", "CaptureError", "DecoderParams", "PipelineStage", "captured_states", "cut_layers",
+           "decoder_step", "embedded_scaled", "embedded_tokens", "final_rms_norm", "hands_on", "head_logits",
+           "later_stage", "stage_input", "stage_logits", "stage_output"]
+
+
+class CaptureError(ValueError):
+    """A capture this model cannot give (its family does not report its layers, a
+    pipeline stage, a boundary outside the model): the message names the model type."""
+
+
+@attrs.frozen
+class Capture:
+    """Which hidden states a step returns next to its output, at every position it
+    processes (a static value: part of the compiled step's key).
+
+    layers: boundaries of the layer stack, in output order, each b in [0, N] (N: the
+    model's num_layers): b < N the residual stream *entering* layer b (0: the embeddings as
+    the first layer reads them; vLLM's and SGLang's EAGLE-3 capture point, their
+    `hidden_states + residual` before layer b), b == N the stream after the last layer,
+    before the final norm. normed: also the final norm's output (what the output head
+    reads), after them. The captured array is [B, T, (len(layers) + normed) * hidden]."""
+
+    layers: tuple[int, ...] = static_field(default=(), converter=tuple)
+    normed: bool = static_field(default=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.layers and not self.normed:
+            raise CaptureError("Capture: name at least one layer boundary or normed=True")
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in self.layers):
+            raise CaptureError(f"Capture: layer boundaries must be integers >= 0, got {self.layers!r}")
+
+    @property
+    def points(self) -> int:
+        """How many hidden states each position gets."""
+        return len(self.layers) + int(self.normed)
 
 
 @attrs.frozen
@@ -173,18 +214,56 @@ def decoder_step(
     kept 2-D [B*T, hidden] (matmuls on 2-D inputs need no flatten/unflatten nodes; each
     graph node costs ~10 us on CPU), and returns every cache entry, written or not, in
     layout order. Returns the final-norm hidden states [B, T, hidden] (on a pipeline stage
-    before the last: the stream as sent on) and the new cache. Positions past a row's
+    before the last: the stream as sent on) and the new cache; when the cache carries a
+    `Capture` (`cache.capture`), also the captured states [B, T, points * hidden] (the
+    family's loop calls `geo.layer_input(h)` first thing for each layer). Positions past a row's
     n_valid (and past the capacity) are computed but written to the cache's sink slot: a
     row's valid entries are never touched by another row's step.
     """
     b, t = tokens.shape
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
+    if geo.capture is not None:
+        _check_capture(p, geo.capture)
     h = stage_input(p, b * t, lambda: embedded(p, tokens))
     h, entries = layers(h, geo)
     handed = stage_output(p, h)
     if handed is not None:  # not the last stage: the stream went on (no norm, no head)
         return handed.reshape(b, t, -1), advanced(cache, entries, geo)
-    return final_norm(p, h).reshape(b, t, -1), advanced(cache, entries, geo)
+    out = final_norm(p, h)
+    if geo.capture is None:
+        return out.reshape(b, t, -1), advanced(cache, entries, geo)
+    return out.reshape(b, t, -1), advanced(cache, entries, geo), captured_states(p, geo, h, out).reshape(b, t, -1)
+
+
+def _model_type(p: Any) -> str:
+    return getattr(p.config, "model_type", type(p).__name__)
+
+
+def _check_capture(p: Any, capture: Capture) -> None:
+    """Trace-time: the boundaries lie in the model; a pipeline stage refuses (its captured
+    layers may live on other ranks: nothing carries them to the last stage yet)."""
+    if _stage(p) is not None:
+        raise CaptureError(f"capturing hidden states is not supported with pipeline parallelism "
+                           f"({_model_type(p)}: use tensor parallelism or one process)")
+    n = p.config.num_layers
+    bad = [b for b in capture.layers if b > n]
+    if bad:
+        raise CaptureError(f"capture boundaries {bad} are not boundaries of a {n}-layer "
+                           f"{_model_type(p)} model (0 .. {n})")
+
+
+def captured_states(p: Any, geo: StepGeometry, h: mx.array, out: mx.array) -> mx.array:
+    """The capture of a step [B*T, points * hidden]: the streams its layers reported
+    entering each layer (`geo.layer_input`), h after the last one, the final norm's out."""
+    n = p.config.num_layers
+    seen = geo.layer_inputs
+    if len(seen) != n:
+        raise CaptureError(f"the {_model_type(p)} forward reported {len(seen)} layer inputs for {n} layers: "
+                           "its layer loop does not support capturing hidden states")
+    streams = [seen[b] if b < n else h for b in geo.capture.layers]
+    if geo.capture.normed:
+        streams.append(out)
+    return streams[0] if len(streams) == 1 else mx.concatenate(streams, axis=-1)
 
 
 def head_logits(p: DecoderParams, h: Any) -> Any:

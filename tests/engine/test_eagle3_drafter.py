@@ -1,0 +1,272 @@
+"""EAGLE-3 heads drafting inside the engine (fx_engine.engine.eagle3_drafter): greedy output
+identical with and without the head (a random head: drafts mostly rejected; an "echo" head
+whose first draft is always right and chained ones wrong: accepted and rejected drafts in
+every verify), batched rows equal to each request alone, the head's cache after rollbacks
+equal to a head fed the accepted sequence from scratch, no steady-state recompiles, grammars
+and sampled rows composing, and the refusals."""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import fx_engine
+from fx_engine.core.buckets import pow2_ceil
+from fx_engine.core.config import ConfigError
+from fx_engine.core.drafters import eagle3
+from fx_engine.core.models import CaptureError
+from fx_engine.engine.drafters import PromptLookup
+from fx_engine.engine.eagle3_drafter import FLUSH_AT, Eagle3Drafter
+from fx_engine.engine.generate import reference_generate
+from fx_engine.engine.speculation import SpeculationPolicy
+from fx_engine.testing.eagle3 import write_echo_pair, write_tiny_eagle3
+
+HEAD = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=384,
+            draft_vocab_size=128, intermediate_size=96)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_folder):
+    """A tiny 6-layer Llama (aux layers (2, 3, 3)), batch-invariant: verify and decode give
+    bitwise-equal logits, so greedy identity is exact."""
+    return fx_engine.load(tiny_folder("llama", num_hidden_layers=6), batch_invariant=True)
+
+
+@pytest.fixture(scope="module")
+def random_head(target, tmp_path_factory):
+    """A random head over a 128-token draft vocabulary (d2t / t2d maps)."""
+    return Eagle3Drafter.load(write_tiny_eagle3(tmp_path_factory.mktemp("head") / "h", 64, seed=3, **HEAD), target)
+
+
+@pytest.fixture
+def steady_policy(monkeypatch):
+    """The speculation policy's cost model weighs measured seconds (compiles, a machine shared
+    with other work): a test that counts drafts fixes it to verify every step's drafts at the
+    longest one's K bucket, so it sees the same steps on every run. The acceptance-aware
+    per-row draft lengths (DraftState: adapt, back-off) stay the policy's."""
+    monkeypatch.setattr(SpeculationPolicy, "choose_k",
+                        lambda self, rows, drafts, live, extra=0.0: pow2_ceil(max(n for _, n in drafts)))
+
+
+class Recording(Eagle3Drafter):
+    """The drafter, keeping its rows (to look at a row's head after generation)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.rows = []
+
+    def new_row(self, prompt, sampling):
+        row = super().new_row(prompt, sampling)
+        self.rows.append(row)
+        return row
+
+
+@pytest.fixture(scope="module")
+def echo(tmp_path_factory):
+    """(target, drafter) of `write_echo_pair`: first drafts right, chained drafts wrong."""
+    t, h = write_echo_pair(tmp_path_factory.mktemp("echo"))
+    model = fx_engine.load(t, batch_invariant=True)
+    return model, Recording.load(h, model)
+
+
+def _prompt(model, n, offset=0):
+    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. 0123456789 def add(a, b): " * 8)
+    return ids[offset: offset + n]
+
+
+def test_greedy_output_is_identical_with_a_random_head(target, random_head):
+    for n, k in ((9, 4), (40, 2), (70, 8)):
+        prompt = _prompt(target, n, offset=n)
+        ref = reference_generate(target, prompt, max_tokens=24, temperature=0.0)
+        got = fx_engine.generate(target, prompt, max_tokens=24, temperature=0.0, draft_model=random_head,
+                                 num_draft_tokens=k)
+        assert got.token_ids == ref.token_ids and got.finish_reason == ref.finish_reason
+        assert got.usage.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_accepted_and_rejected_drafts_keep_greedy_output(echo, k, steady_policy):
+    model, drafter = echo
+    prompt = [5, 9, 17, 40, 30]
+    ref = reference_generate(model, prompt, max_tokens=20, temperature=0.0)
+    got = fx_engine.generate(model, prompt, max_tokens=20, temperature=0.0, draft_model=drafter,
+                             num_draft_tokens=k)
+    assert got.token_ids == ref.token_ids
+    assert got.usage.accepted_tokens > 0
+    if k > 1:  # chained drafts are wrong: rejections (and the head's rollback) happen
+        assert got.usage.accepted_tokens < got.usage.drafted_tokens
+
+
+def test_the_heads_cache_after_rollbacks_is_a_head_fed_the_accepted_sequence(echo, steady_policy):
+    """After a generation full of rejected chained drafts, the row's head holds exactly the
+    pairs (the target's captured states at t, token t + 1) of the accepted sequence: its K/V
+    equal those of a fresh head fed the final sequence's pairs in one step."""
+    from fx_engine.core.cache import init_cache
+    from fx_engine.core.nn import embed
+    from fx_engine.core.steps import prefill_step
+
+    model, drafter = echo
+    drafter.rows.clear()
+    prompt = [5, 9, 17, 40, 3, 77]
+    got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, draft_model=drafter, num_draft_tokens=4)
+    assert got.usage.drafted_tokens > got.usage.accepted_tokens > 0
+    (row,) = drafter.rows
+    assert row.broken is None and row.fed > len(prompt)
+    seq = prompt + list(got.token_ids)
+    f = row.fed
+    _, _, aux = prefill_step(model.params, model.new_cache(1, 64), mx.array([seq], mx.int32),
+                             mx.array([len(seq)], mx.int32), capture=drafter.capture)
+    head = drafter.head
+    fresh = init_cache(eagle3.cache_specs(head.config), 1, 64)
+    _, _, fresh = eagle3.eagle3_forward(head, embed(mx.array([seq[1: f + 1]]), drafter.table), aux[:, :f], fresh,
+                                        mx.array([f], mx.int32))
+    have = row.cache
+    for a, b in ((have.keys[0], fresh.keys[0]), (have.values[0], fresh.values[0])):
+        np.testing.assert_allclose(np.array(a[:, :, :f]), np.array(b[:, :, :f]), rtol=1e-5, atol=1e-5)
+    # the states the last step captured wait for their next tokens; fed now, the head drafts
+    # the echo of the last position's token (its first draft is always right)
+    c = row.captured
+    assert f < c < len(seq)
+    assert row.propose(seq[: c + 1], 2).tokens == (seq[c - 1], seq[c - 1])
+
+
+@pytest.mark.parametrize("which", ["random", "echo"])
+def test_batched_rows_equal_each_request_alone(target, random_head, echo, which, steady_policy):
+    """Rows with the head, without a drafter and with prompt lookup, joining one step apart,
+    share prefill, decode and verify steps (each step captures for the head's rows only
+    what it needs): every request's tokens equal its plain greedy run alone."""
+    model, head = (target, random_head) if which == "random" else echo
+    kinds = [{"draft_model": head, "num_draft_tokens": 4}, {}, {"prompt_lookup": PromptLookup(1, 3)},
+             {"draft_model": head, "num_draft_tokens": 2}]
+    prompts = [_prompt(model, n, offset=3 * n) for n in (12, 30, 5, 47)]
+    alone = [reference_generate(model, p, max_tokens=20, temperature=0.0).token_ids for p in prompts]
+    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=16)
+    handles = []
+    for p, kw in zip(prompts, kinds):
+        handles.append(engine.submit(p, max_tokens=20, temperature=0.0, **kw))
+        engine.step()
+    results = [h.result() for h in handles]
+    engine.close()
+    assert [r.token_ids for r in results] == alone
+    assert results[0].usage.drafted_tokens > 0
+    if which == "echo":
+        assert results[0].usage.accepted_tokens > 0
+
+
+def test_long_prompts_feed_the_head_in_pieces_and_prefix_hits_do_not_starve_it(echo, steady_policy):
+    """A prompt longer than FLUSH_AT, prefilled in small chunks, feeds the head early (in
+    bounded pieces); a second request sharing its prefix does not restore the prefix (its
+    head needs every position's states) and drafts as well."""
+    model, drafter = echo
+    drafter.rows.clear()
+    prompt = [int(x) for x in np.random.default_rng(0).integers(3, 380, size=FLUSH_AT + 40)]
+    ref = reference_generate(model, prompt, max_tokens=12, temperature=0.0)
+    engine = fx_engine.Engine(model, max_rows=2, prefill_chunk=32)
+    for _ in range(2):
+        got = engine.submit(prompt, max_tokens=12, temperature=0.0, draft_model=drafter).result()
+        assert got.token_ids == ref.token_ids and got.usage.accepted_tokens > 0
+        assert got.usage.cached_tokens == 0
+    engine.close()
+    assert all(r.broken is None for r in drafter.rows)
+
+
+def test_grammars_and_sampled_rows_compose(target, echo, steady_policy):
+    model, drafter = echo
+    # a constrained row: drafts the grammar disallows are cut, output as without drafting
+    kw = dict(max_tokens=10, temperature=0.0, regex="[a-z ]{1,12}")
+    plain = fx_engine.generate(model, [5, 9, 17], **kw)
+    spec = fx_engine.generate(model, [5, 9, 17], draft_model=drafter, num_draft_tokens=3, **kw)
+    assert spec.token_ids == plain.token_ids
+    # a sampled row (the acceptance rule's random path; top_k=1 makes the target's draw the
+    # argmax): deterministic drafts are verified exactly, so the output is the greedy one
+    ref = reference_generate(model, [5, 9, 17], max_tokens=16, temperature=0.0)
+    got = fx_engine.generate(model, [5, 9, 17], max_tokens=16, temperature=0.8, top_k=1, seed=3,
+                             draft_model=drafter, num_draft_tokens=3)
+    assert got.token_ids == ref.token_ids and got.usage.accepted_tokens > 0
+
+
+def test_no_recompiles_in_steady_state(echo, steady_policy):
+    """The head's steps are keyed on a few shapes (power-of-two pair counts, the span): a
+    second generation of the same shape compiles nothing new, neither the head nor the
+    target's capturing prefill, decode and verify steps."""
+    from fx_engine.core.steps import decode_step_compiled, prefill_step_compiled, verify_step_compiled
+
+    model, drafter = echo
+    prompt = [5, 9, 17, 40, 30]
+    fns = (eagle3.head_step_compiled, prefill_step_compiled, decode_step_compiled, verify_step_compiled)
+    for _ in range(2):
+        fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, draft_model=drafter, num_draft_tokens=4)
+    before = [f.traces for f in fns]
+    got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, draft_model=drafter, num_draft_tokens=4)
+    assert got.usage.accepted_tokens > 0
+    assert [f.traces for f in fns] == before
+
+
+def test_refusals(target, tiny_folder, tmp_path):
+    head = write_tiny_eagle3(tmp_path / "h", 64, seed=3, **HEAD)
+    with pytest.raises(ValueError, match="tensor / pipeline parallelism"):
+        Eagle3Drafter.load(head, attrs.evolve(target, tensor_parallel=2))
+    with pytest.raises(ConfigError, match="vocab_size = 384 but the llama target's vocab_size is 500"):
+        Eagle3Drafter.load(head, fx_engine.load(tiny_folder("llama", num_hidden_layers=6, vocab_size=500)))
+    gemma = fx_engine.load(tiny_folder("gemma3_text"))
+    g = gemma.config
+    other = write_tiny_eagle3(tmp_path / "g", g.hidden_size, seed=3, **{
+        **HEAD, "hidden_size": g.hidden_size, "head_dim": g.hidden_size // 4, "vocab_size": g.vocab_size,
+        "draft_vocab_size": 64, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}})
+    with pytest.raises(CaptureError, match="not supported for gemma3_text models"):
+        Eagle3Drafter.load(other, gemma)
+
+
+@pytest.mark.oracle  # (the adapter is made by mlx-lm's own LoRA layers: tools/oracle.py)
+def test_adapters_compose(tiny_folder, tmp_path, steady_policy):
+    """A request on a LoRA adapter drafts from the adapted target's captured states; its
+    output is the adapted target's greedy output (and the base rows beside it are the base's)."""
+    from fx_engine.loading.adapters import AdapterSet
+    from tools.oracle import write_mlx_lm_adapter
+
+    path = tiny_folder("llama", num_hidden_layers=6)
+    model = attrs.evolve(fx_engine.load(path, batch_invariant=True), adapters=AdapterSet())
+    adapter = write_mlx_lm_adapter(path, tmp_path / "ad", rank=4, scale=3.0, num_layers=3, init_scale=0.2, seed=1)
+    fx_engine.load_adapter(model, adapter, name="ft")
+    drafter = Eagle3Drafter.load(write_tiny_eagle3(tmp_path / "h", 64, seed=3, **HEAD), model)
+    prompt = _prompt(model, 30, offset=7)
+    engine = fx_engine.Engine(model, max_rows=2, prefill_chunk=16)
+    tuned = engine.submit(prompt, max_tokens=16, temperature=0.0, adapter="ft", draft_model=drafter)
+    base = engine.submit(prompt, max_tokens=16, temperature=0.0, draft_model=drafter)
+    tuned, base = tuned.result(), base.result()
+    engine.close()
+    want = reference_generate(model, prompt, max_tokens=16, temperature=0.0, adapter="ft").token_ids
+    assert tuned.token_ids == want
+    assert base.token_ids == reference_generate(model, prompt, max_tokens=16, temperature=0.0).token_ids
+    assert tuned.token_ids != base.token_ids and tuned.usage.drafted_tokens > 0
+
+
+def test_a_rows_states_feed_early_replace_on_overlap_and_stop_at_a_gap(echo):
+    """The row drafter's bookkeeping: many waiting states feed the head early (all but the
+    last, whose next token is unknown); states from an earlier position replace what the row
+    had from there (its head rolled back); a gap stops the row's drafting (it proposes
+    nothing; the engine then decodes it)."""
+    model, drafter = echo
+    row = drafter.new_row([], None)
+    width = drafter.capture.points * model.config.hidden_size
+    states = mx.random.normal((FLUSH_AT + 10, width), key=mx.random.key(0))
+    tokens = list(range(4, FLUSH_AT + 14))
+    row.observe(0, states[:100], tokens)
+    assert (row.fed, row.waiting) == (0, 100)  # below FLUSH_AT: nothing fed yet
+    row.observe(100, states[100:], tokens)
+    assert (row.fed, row.waiting, row.cache.lengths.tolist()) == (FLUSH_AT + 9, 1, [FLUSH_AT + 9])
+    row.observe(50, states[50:60])  # the target ran positions 50.. again
+    assert (row.fed, row.waiting, row.captured, row.cache.lengths.tolist()) == (50, 10, 60, [50])
+    assert len(row.propose(tokens[:61], 3).tokens) == 3
+    row.observe(70, states[:1])  # positions 60 .. 69 never came
+    assert row.broken is not None and row.propose(tokens[:72], 3).tokens == ()
+
+
+def test_a_head_folder_is_told_from_a_model_folder(tiny_folder, tmp_path):
+    from fx_engine.loading.drafter import is_eagle3_head
+
+    assert is_eagle3_head(write_tiny_eagle3(tmp_path / "h", 64, seed=3, **HEAD))
+    assert not is_eagle3_head(tiny_folder("llama", num_hidden_layers=6))
+    assert not is_eagle3_head(tmp_path / "nothing-here")
