@@ -165,7 +165,9 @@ def _sampling_args(p: argparse.ArgumentParser, serve: bool = False, chat: bool =
                    help="the KV cache's element type (none: the activations' dtype)")
     d = p.add_argument_group("speculative decoding")
     d.add_argument("--draft-model", default=None,
-                   help="speculative decoding with this smaller model (same tokenizer)")
+                   help="speculative decoding with this smaller model (same tokenizer), or an "
+                        "EAGLE-3 head's folder (config.json with draft_vocab_size; "
+                        "docs/cli.md#speculative-decoding)")
     d.add_argument("--self-draft-layers", type=int, default=None,
                    help="speculative decoding with the model's own first N layers as the draft")
     d.add_argument("--num-draft-tokens", type=int, default=None,
@@ -260,11 +262,22 @@ def _draft(a: argparse.Namespace, model: Any) -> Any:
             from fx_engine.engine.drafters import self_draft_model
 
             _DRAFTS[key] = self_draft_model(model, a.self_draft_layers)
+        elif _is_head(a.draft_model):
+            from fx_engine.engine.eagle3_drafter import Eagle3Drafter
+
+            _DRAFTS[key] = Eagle3Drafter.load(a.draft_model, model)
         else:
             # (the target's numerics: a draft only proposes, the target's verify decides)
             _DRAFTS[key] = fx_engine.load(a.draft_model, numerics=getattr(a, "numerics", "auto"),
                                           activation_bits=getattr(a, "activation_bits", None))
     return _DRAFTS[key]
+
+
+def _is_head(path: str) -> bool:
+    """Whether --draft-model names an EAGLE-3 head's folder rather than a model."""
+    from fx_engine.loading.drafter import is_eagle3_head
+
+    return is_eagle3_head(path)
 
 
 def _load(a: argparse.Namespace):
@@ -587,7 +600,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
              a.prompt_cache_bytes >> 20, f" + disk {a.prompt_cache} ({engine.prefix_cache.disk.budget >> 20} MiB)"
              if a.prompt_cache else "",
              f"{engine.bytes_per_token:.0f} B/token", "prompt lookup" if a.prompt_lookup else (
-                 "draft model" if "draft_model" in defaults else "off"), len(a.api_key or ()))
+                 _drafter_name(defaults.get("draft_model")) if "draft_model" in defaults else "off"),
+             len(a.api_key or ()))
     engine.start()
     if not a.no_warmup:
         _warm_up_engine(engine, own)
@@ -705,8 +719,13 @@ def _serve_engine(a: argparse.Namespace, served: list[tuple[str | None, str | No
                               prefix_cache_dir=b.prompt_cache,
                               **_disk_budget(b),
                               prefix_cache_entries=a.prompt_cache_size, lockstep=model.ranks > 1,
-                              drafts=[own["draft_model"]] if "draft_model" in own else [])
+                              # (models only: a head drafts beside one process's target)
+                              drafts=[own["draft_model"]] if hasattr(own.get("draft_model"), "params") else [])
     return model, engine, own
+
+
+def _drafter_name(d: Any) -> str:
+    return "EAGLE-3 head" if type(d).__name__ == "Eagle3Drafter" else "draft model"
 
 
 def _default_path() -> str:

@@ -9,7 +9,9 @@ of a batch has its own passage / topic), for each drafter:
   none        plain decoding;
   lookup      prompt lookup (n-gram 1..3), num_draft_tokens 4 (the default) and 8;
   self-draft  a draft model made of the target's first 8 layers and its head
-              (self-speculative; no smaller real model is available offline).
+              (self-speculative; no smaller real model is available offline);
+  eagle3      an EAGLE-3 head (`--eagle3 DIR`: e.g. tools/train_drafter.py's for the
+              default model), num_draft_tokens 4 (the default) and 6 (`eagle3-k6`).
 Reported per cell: decode throughput (generated tokens / time from the first request's first
 token to the last request's last token, so prefill is excluded), the ratio to plain decoding
 of the same task and batch, and the acceptance rate (accepted / drafted). Medians over
@@ -73,8 +75,9 @@ def run_cell(model: Any, task: str, batch: int, spec: dict[str, Any]) -> dict[st
     tokens = sum(len(o.token_ids) for o in outs)
     drafted = sum(o.usage.drafted_tokens for o in outs)
     accepted = sum(o.usage.accepted_tokens for o in outs)
+    rounds = sum(o.usage.draft_rounds for o in outs)
     return {"tok_s": tokens / (last - first), "tokens": tokens, "drafted": drafted,
-            "accepted": accepted}
+            "accepted": accepted, "rounds": rounds}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -85,14 +88,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tasks", default="grounded,open")
     ap.add_argument("--drafters", default="none,lookup,lookup-k8,self-draft")
     ap.add_argument("--self-draft-layers", type=int, default=8)
+    ap.add_argument("--eagle3", default=None, help="an EAGLE-3 head's folder (adds the eagle3 drafters)")
+    ap.add_argument("--numerics", default="exact", choices=("auto", "exact", "int8"))
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    model = fx_engine.load(a.model)
+    model = fx_engine.load(a.model, numerics=a.numerics)
     drafters = {
         "none": {}, "lookup": {"prompt_lookup": PromptLookup(1, 3)},
         "lookup-k8": {"prompt_lookup": PromptLookup(1, 3), "num_draft_tokens": 8},
         "self-draft": {"draft_model": self_draft_model(model, a.self_draft_layers)},
     }
+    if a.eagle3:
+        from fx_engine.engine.eagle3_drafter import Eagle3Drafter
+
+        head = Eagle3Drafter.load(a.eagle3, model)
+        drafters.update({"eagle3": {"draft_model": head},
+                         "eagle3-k6": {"draft_model": head, "num_draft_tokens": 6}})
     names = a.drafters.split(",")
     cells = [(t, int(b), d) for t in a.tasks.split(",") for b in a.batches.split(",") for d in names]
     results: dict[tuple, list[dict[str, float]]] = {c: [] for c in cells}
@@ -108,10 +119,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         base = statistics.median(x["tok_s"] for x in results[(task, batch, "none")]) \
             if (task, batch, "none") in results else float("nan")
         dr, ac = sum(x["drafted"] for x in runs), sum(x["accepted"] for x in runs)
+        rd = sum(x.get("rounds", 0) for x in runs)
         rows.append({"task": task, "batch": batch, "drafter": d, "tok_s": med,
                      "speedup": med / base, "acceptance": ac / dr if dr else None,
+                     "mean_accepted_length": 1 + ac / rd if rd else None,
                      "runs": [x["tok_s"] for x in runs]})
-    report = {"model": model.path, "weights": model.weight_format, "runs": a.runs,
+    report = {"model": model.path, "weights": model.weight_format, "numerics": model.numerics,
+              "eagle3": a.eagle3, "runs": a.runs,
               "self_draft_layers": a.self_draft_layers, "rows": rows,
               "blas": __import__("fx_engine.runtime.blas", fromlist=["active"]).active()["name"]}
     print()
@@ -122,12 +136,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(report: dict[str, Any]) -> str:
-    lines = ["| task | batch | drafter | decode tok/s (median) | vs plain | acceptance |",
-             "|---|---:|---|---:|---:|---:|"]
+    lines = ["| task | batch | drafter | decode tok/s (median) | vs plain | acceptance | mean accepted length |",
+             "|---|---:|---|---:|---:|---:|---:|"]
     for r in report["rows"]:
         acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
+        mal = "-" if r.get("mean_accepted_length") is None else f"{r['mean_accepted_length']:.2f}"
         lines.append(f"| {r['task']} | {r['batch']} | {r['drafter']} | {r['tok_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {acc} |")
+                     f"{r['speedup']:.2f}x | {acc} | {mal} |")
     return "\n".join(lines)
 
 

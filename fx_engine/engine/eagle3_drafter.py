@@ -43,6 +43,7 @@ from fx_engine.core.cache import KVCache, init_cache, span_bucket, with_lengths
 from fx_engine.core.drafters import eagle3
 from fx_engine.core.models import Capture, forward
 from fx_engine.core.sampling import SamplingConfig
+from fx_engine.core.tree import tree_leaves
 from fx_engine.engine.drafters import Draft
 from fx_engine.engine.kv_rows import resize
 
@@ -65,6 +66,9 @@ class Eagle3Drafter:
             raise ValueError("EAGLE-3 drafting is not supported for targets split over processes (tensor / "
                              "pipeline parallelism): use prompt_lookup or a draft model there")
         layers = eagle3.check_target(head.config, target.config, own_embed=head.embed is not None)
+        # evaluated here: lazily read arrays belong to this thread's stream, and the engine
+        # drafts on its own thread (MLX: "no Stream(cpu, 0) in current thread")
+        mx.eval(tree_leaves(head))
         self.head = head
         self.target = target
         self.table = head.embed if head.embed is not None else target.params.embed

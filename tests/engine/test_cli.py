@@ -126,3 +126,18 @@ def test_serve_connection_limits_reach_the_server(tiny_dir, monkeypatch):
     assert (config.fx_header_timeout, config.timeout_keep_alive, config.fx_max_connections) == (3, 2, 7)
     [gate] = [m for m in config.app.user_middleware if m.cls.__name__ == "_Gate"]
     assert gate.kwargs["body_timeout"] == 4
+
+
+def test_draft_model_takes_an_eagle3_head_folder(tmp_path, capsys):
+    """--draft-model DIR with an EAGLE-3 head's folder drafts with the head (the echo pair's
+    first drafts are always right): the same text as without it, drafts accepted."""
+    from fx_engine.testing.eagle3 import write_echo_pair
+
+    target, head = write_echo_pair(tmp_path / "pair")
+    base = ["generate", "hello there", "--raw", "--model", str(target), "--max-tokens", "16"]
+    assert main(base) == 0
+    plain = capsys.readouterr()
+    assert main([*base, "--draft-model", str(head)]) == 0
+    drafted = capsys.readouterr()
+    assert drafted.out == plain.out
+    assert "drafts accepted" in drafted.err and "drafts accepted 0/" not in drafted.err

@@ -59,3 +59,20 @@ def test_a_served_request_with_prompt_lookup_is_counted(default_model) -> None:
     accepted = _value(metrics, "fx_spec_decode_num_accepted_tokens_total", drafter="prompt_lookup")
     assert 0 < steps <= drafted and 0 < accepted <= drafted
     assert _value(metrics, "fx_spec_decode_mean_accepted_length", drafter="prompt_lookup") == 1 + accepted / steps
+
+
+def test_an_eagle3_head_is_counted_under_its_kind(tmp_path) -> None:
+    from fx_engine.engine.eagle3_drafter import Eagle3Drafter
+    from fx_engine.testing.eagle3 import write_echo_pair
+
+    target, head = write_echo_pair(tmp_path / "pair")
+    model = fx_engine.load(target)
+    engine = fx_engine.Engine(model, max_rows=2)
+    app = create_app(engine, "echo", defaults={"draft_model": Eagle3Drafter.load(head, model)})
+    with serve(app, engine) as (url, _):
+        with httpx.Client(base_url=url, timeout=120) as h:
+            r = h.post("/v1/completions", json={"model": "echo", "prompt": "hello there", "max_tokens": 16,
+                                                 "temperature": 0})
+            assert r.status_code == 200
+            metrics = h.get("/metrics").text
+    assert _value(metrics, "fx_spec_decode_num_accepted_tokens_total", drafter="eagle3") > 0
