@@ -168,6 +168,15 @@ def tree_replace(obj: Any, **changes: Any) -> Any:
     return new
 
 
+_TRACES = [0]  # every CompiledFunction's traces, together
+
+
+def total_traces() -> int:
+    """How many traces (compiles) every CompiledFunction made so far: a timing that saw this
+    number change measured a compile, not the steady state."""
+    return _TRACES[0]
+
+
 class CompiledFunction:
     """`mx.compile` keyed on the full static structure of the arguments.
 
@@ -209,6 +218,7 @@ class CompiledFunction:
             entry = {"function": self.name, "structure_id": self._ids.setdefault(in_td, len(self._ids)),
                      "signature": sig, "treedef": in_td}
             self.trace_log.append(entry)
+            _TRACES[0] += 1
             for hook in self.trace_hooks:
                 hook("start", entry)
             out = self.fn(*args, **kwargs)

@@ -50,7 +50,7 @@ from fx_engine.core.models import Capture, family_of
 from fx_engine.core.sampling import SamplingConfig, make_sampling_params, sampling_distribution
 from fx_engine.core.state import init_state, sample_step
 from fx_engine.core.steps import prefill_step_compiled
-from fx_engine.core.tree import tree_leaves
+from fx_engine.core.tree import total_traces, tree_leaves
 from fx_engine.engine.speculation import draft_candidates
 
 
@@ -336,9 +336,10 @@ def speculate(policy: Any, batch: Any, vocab: int, decided: Callable[[Callable[[
             len(batch.rows), draft_candidates(live), len(live)).items()}).items()}
     if not asked:
         return {}, 0
-    t0 = time.perf_counter()
+    t0, traces = time.perf_counter(), total_traces()
     drafts = propose_drafts(asked, vocab, on_error)
-    policy.observe_drafting(time.perf_counter() - t0)
+    if total_traces() == traces:  # (a drafter's first compile is not its cost)
+        policy.observe_drafting(time.perf_counter() - t0)
     live = batch.live()  # a drafter may fail its row
     k = decided(lambda: policy.choose_k(
         len(batch.rows), [(r.spec.alpha, len(t)) for r, (t, _) in drafts.items()],

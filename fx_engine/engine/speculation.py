@@ -89,7 +89,14 @@ class SpeculationPolicy:
         self.cost[key] = seconds if old is None else EMA_OLD * old + (1 - EMA_OLD) * seconds
 
     def observe_drafting(self, seconds: float) -> None:
+        """The drafters of a speculating step took `seconds` (compiles excluded)."""
         self.draft_seconds = EMA_OLD * self.draft_seconds + (1 - EMA_OLD) * seconds
+
+    def forget_drafting(self) -> None:
+        """A step where drafting was judged too dear: the estimate decays toward zero, so
+        drafting is tried (and timed) again after a while instead of never (one slow
+        measurement, a loaded machine's, must not switch drafting off for good)."""
+        self.draft_seconds *= EMA_OLD
 
     def step_cost(self, rows: int, k: int) -> float | None:
         """Expected seconds of a step with K = k (0: decode) at row bucket `rows`:
@@ -143,6 +150,7 @@ class SpeculationPolicy:
         if plan and not self.choose_k(
                 rows, [(candidates[key][0].alpha, n) for key, n in plan.items()], live,
                 self.draft_seconds):
+            self.forget_drafting()
             return {}
         return plan
 

@@ -162,3 +162,24 @@ def test_plan_drafts(policy, rows, extra_live):
     if plan:
         assert policy.choose_k(4, [(cands[i][0].alpha, n) for i, n in plan.items()], live,
                                policy.draft_seconds) > 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(base=st.floats(1e-3, 0.1), spike=st.floats(20.0, 1000.0))
+def test_one_slow_drafting_step_does_not_switch_drafting_off_for_good(base, spike):
+    """A drafting time measured once at a spike (a loaded machine) makes drafting look too
+    dear; each step that skips drafting for it decays the estimate, so a row whose drafts
+    are always accepted drafts again within a bounded number of steps."""
+    policy = SpeculationPolicy()
+    policy.observe(4, 0, base)
+    for k in (1, 2, 4):
+        policy.observe(4, k, base * 1.2)
+    policy.observe_drafting(spike * base)
+    ds = DraftState(4)
+    ds.alpha = 1.0
+    for step in range(200):
+        if policy.plan_drafts(4, {"row": (ds, 100)}, 4):
+            break
+    else:
+        pytest.fail("drafting never resumed")
+    assert step > 0  # (the spike did hold it off at first)
