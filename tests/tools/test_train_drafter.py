@@ -150,3 +150,25 @@ def test_a_tiny_training_run_writes_a_loadable_head(tiny_folder, tmp_path) -> No
     assert p.config.draft_vocab_size == 64 and p.embed is None
     model = fx_engine.load(target)
     assert p.config.vocab_size == model.config.vocab_size and p.config.target_hidden_size == model.config.hidden_size
+
+
+def test_training_continues_from_a_saved_head(tiny_folder, tmp_path, capsys) -> None:
+    """--init DIR starts from a saved head (its draft vocabulary kept): before any step it
+    scores what the saved head scored (float16 weights); the target's states come from the
+    cache written beside the data by the first run."""
+    import drafter_data
+
+    target = tiny_folder("llama", num_hidden_layers=6)
+    data = tmp_path / "d.npz"
+    drafter_data.main(["--model", str(target), "--out", str(data), "--prompts", "8", "--max-tokens", "12",
+                       "--rows", "4", "--numerics", "exact"])
+    # (a small learning rate: the tiny model's repetitive answers are learnt to a zero loss fast)
+    common = ["--data", str(data), "--steps", "2", "--batch", "2", "--seq", "256", "--holdout", "0.25",
+              "--lr", "1e-5"]
+    first = td.main([*common, "--out", str(tmp_path / "a"), "--draft-vocab", "300", "--epochs", "2"])
+    assert first["history"][-1]["loss"] > 0  # (answer tokens were scored)
+    assert list(tmp_path.glob("d.features-*.npy"))
+    again = td.main([*common, "--out", str(tmp_path / "b"), "--init", str(tmp_path / "a"), "--epochs", "1"])
+    assert "features from" in capsys.readouterr().err
+    assert again["draft_vocab_size"] == 300 and again["init_recipe"] == first
+    assert abs(again["history"][0]["loss"] - first["history"][-1]["loss"]) < 2e-2 * first["history"][-1]["loss"]
