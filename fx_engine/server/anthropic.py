@@ -46,6 +46,7 @@ from fx_engine.engine.request import ContextLengthExceeded, context_limit
 from fx_engine.server.context import Ctx, ServerContext
 from fx_engine.server.protocol import ANTHROPIC_KINDS as _KINDS
 from fx_engine.server.protocol import (EventStream, _Body, anthropic_error, failure, request_salt, results,
+                                      speculation,
                                       room_left, server_defaults, sse)
 from fx_engine.server.reasoning import ReasoningStream, template_switches
 from fx_engine.server.reasoning import split as split_reasoning
@@ -89,6 +90,9 @@ class MessagesRequest(_Body):
     cache_control: dict[str, Any] | None = None
     speed: Literal["standard"] | None = None
     user_profile_id: str | None = Field(default=None, max_length=256)
+    # fx-engine's field: false runs this request without the server's speculative decoding
+    # (the same output, at plain decoding's speed)
+    speculative_decoding: bool | None = None
 
 class CountTokensRequest(_Body):
     model: str | None = None
@@ -312,9 +316,7 @@ async def _submit(ctx: ServerContext, request: Request, body: Any) -> tuple[list
                 kw[name] = value
         if body.stop_sequences:
             kw["stop"] = body.stop_sequences
-        for name in ("draft_model", "num_draft_tokens", "prompt_lookup"):
-            if defaults.get(name) is not None:
-                kw[name] = defaults[name]
+        speculation(kw, defaults, body.speculative_decoding)
         server_defaults(kw, defaults)
         ids = _prompt_of(ctx, body, kw)
         # the context the engine enforces: the model's, or serve's --max-kv-size

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from fx_engine.engine.engine import EngineClosed, QueueFull
 from fx_engine.engine.request import ContextLengthExceeded, context_limit
 from fx_engine.server.context import ServerContext
-from fx_engine.server.protocol import (EventStream, _Base, _Body, _error, cancel, context_error, failure,
+from fx_engine.server.protocol import (EventStream, _Base, _Body, _error, cancel, context_error, failure, speculation,
                                        request_salt, results, room_left, sse)
 from fx_engine.server.reasoning import ReasoningStream
 from fx_engine.server.reasoning import split as split_reasoning
@@ -56,6 +56,9 @@ class _Sampling(_Body):
     n: int = Field(default=1, ge=1, le=16)
     xtc_probability: float | None = None
     xtc_threshold: float | None = None
+    # fx-engine's field: false runs this request without the server's speculative decoding
+    # (the same output, at plain decoding's speed)
+    speculative_decoding: bool | None = None
     # vLLM's field: this request reuses (and leaves) prefix-cache entries only among
     # requests with the same salt (and API key)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
@@ -152,9 +155,7 @@ def _sampling_kwargs(r: _Sampling, defaults: dict[str, Any]) -> dict[str, Any]:
     stop = r.stop if r.stop is not None else defaults.get("stop")  # (serve --stop)
     if stop is not None:
         kw["stop"] = stop
-    for name in ("draft_model", "num_draft_tokens", "prompt_lookup"):
-        if defaults.get(name) is not None:
-            kw[name] = defaults[name]
+    speculation(kw, defaults, r.speculative_decoding)
     return kw
 
 

@@ -117,6 +117,19 @@ def server_defaults(kw: dict[str, Any], defaults: dict[str, Any]) -> dict[str, A
     return kw
 
 
+def speculation(kw: dict[str, Any], defaults: dict[str, Any], wanted: bool | None) -> dict[str, Any]:
+    """kw with the server's speculative decoding (serve --draft-model, --prompt-lookup,
+    --num-draft-tokens) unless the request opted out (`speculative_decoding: false`, an
+    fx-engine field on every generation route: the output is the same either way, only its
+    speed differs)."""
+    if wanted is False:
+        return kw
+    for name in ("draft_model", "num_draft_tokens", "prompt_lookup"):
+        if defaults.get(name) is not None:
+            kw[name] = defaults[name]
+    return kw
+
+
 def room_left(max_tokens: int, prompt_tokens: int, context: int) -> int:
     """max_tokens clamped to what the context leaves after the prompt (a client's default
     that it never chose: Claude Code asks for 32,000 whatever the model, and a server's

@@ -40,7 +40,7 @@ from starlette.concurrency import run_in_threadpool
 from fx_engine.engine.engine import EngineClosed, QueueFull
 from fx_engine.engine.request import ContextLengthExceeded, context_limit
 from fx_engine.server.context import Ctx, ServerContext
-from fx_engine.server.protocol import (EventStream, _Body, _error, context_error, failure, request_salt,
+from fx_engine.server.protocol import (EventStream, _Body, _error, context_error, failure, request_salt, speculation,
                                       results, room_left, server_defaults, sse)
 from fx_engine.server.reasoning import ReasoningStream, template_switches
 from fx_engine.server.reasoning import split as split_reasoning
@@ -76,6 +76,10 @@ class ResponsesRequest(_Body):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_tool_calls: int | None = Field(default=None, ge=1)
     service_tier: Literal["auto", "default"] | None = None
+
+    # fx-engine's field: false runs this request without the server's speculative decoding
+    # (the same output, at plain decoding's speed)
+    speculative_decoding: bool | None = None
 
     @property
     def logprobs(self) -> bool:  # asked for, or implied by top_logprobs (as OpenAI takes it)
@@ -257,9 +261,7 @@ def _work(ctx: ServerContext, request: Request, body: ResponsesRequest) -> list[
         value = defaults.get(name) if value is None else value
         if value is not None:
             kw[name] = value
-    for name in ("draft_model", "num_draft_tokens", "prompt_lookup"):
-        if defaults.get(name) is not None:
-            kw[name] = defaults[name]
+    speculation(kw, defaults, body.speculative_decoding)
     server_defaults(kw, defaults)
     constraint = _format_constraint(body.text)
     if constraint is not None:

@@ -40,6 +40,9 @@ NO_EFFECT = {
     "cache_control": "Anthropic's prompt-caching hint; prefix caching is always on",
     "speed": "Anthropic's speed tier: only 'standard', the behaviour",
     "user_profile_id": "Anthropic's user attribution id",
+    "speculative_decoding": "false runs the request without the server's drafts: the same output by "
+                            "design, only slower (its effect, no drafts counted, is tested in "
+                            "test_spec_metrics: test_a_request_opts_out_of_speculation_on_every_route)",
 }
 
 # field -> (baseline additions, variant additions); `None` baseline additions: {}.

@@ -76,3 +76,46 @@ def test_an_eagle3_head_is_counted_under_its_kind(tmp_path) -> None:
             assert r.status_code == 200
             metrics = h.get("/metrics").text
     assert _value(metrics, "fx_spec_decode_num_accepted_tokens_total", drafter="eagle3") > 0
+
+
+def test_a_request_opts_out_of_speculation_on_every_route(default_model) -> None:
+    """speculative_decoding: false (chat, completions, Anthropic messages, Responses): the
+    same greedy text, and no drafts counted for it; a value of another type is a 400 naming
+    the field."""
+    engine = fx_engine.Engine(default_model, max_rows=4)
+    app = create_app(engine, "smollm2", defaults={"prompt_lookup": PromptLookup(1, 3)})
+    text = "The lighthouse keeper climbed the stairs every night to light the lamp. " * 3
+    msgs = [{"role": "user", "content": "Repeat exactly: " + text}]
+    routes = [("/v1/chat/completions", {"messages": msgs, "max_tokens": 24, "temperature": 0}),
+              ("/v1/completions", {"prompt": "Repeat exactly: " + text, "max_tokens": 24, "temperature": 0}),
+              ("/v1/messages", {"messages": msgs, "max_tokens": 24, "temperature": 0}),
+              ("/v1/responses", {"input": msgs, "max_output_tokens": 24, "temperature": 0})]
+
+    def drafts(h) -> float:
+        m = re.search(r'^fx_spec_decode_num_draft_tokens_total\{drafter="prompt_lookup"\} (\S+)$',
+                      h.get("/metrics").text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    with serve(app, engine) as (url, _):
+        with httpx.Client(base_url=url, timeout=120) as h:
+            for path, body in routes:
+                body = {"model": "smollm2", **body}
+                before = drafts(h)
+                off = h.post(path, json={**body, "speculative_decoding": False})
+                assert off.status_code == 200, off.text
+                assert drafts(h) == before, path
+                on = h.post(path, json=body)
+                assert on.status_code == 200 and drafts(h) > before, path
+                assert _texts(off.json()) == _texts(on.json()) != "", path
+            bad = h.post("/v1/chat/completions", json={"model": "smollm2", "messages": msgs,
+                                                        "speculative_decoding": "sometimes"})
+            assert bad.status_code == 400 and "speculative_decoding" in bad.json()["error"]["message"]
+
+
+def _texts(body: dict) -> str:
+    """A reply's text on any route."""
+    if "choices" in body:
+        return "".join(c.get("text") or c["message"]["content"] for c in body["choices"])
+    if "content" in body:
+        return "".join(b.get("text", "") for b in body["content"])
+    return "".join(c.get("text", "") for o in body["output"] for c in o.get("content", []))
