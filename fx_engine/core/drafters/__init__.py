@@ -4,6 +4,10 @@ target's own hidden states (issue 45).
     eagle3.py   EAGLE-3 heads in their published format (SafeAILab/EAGLE, SpecForge, vLLM and
                 SGLang checkpoints): config, params from checkpoint tensors, the pure forward
                 over an fx-engine KV cache, greedy chained drafting, draft -> target vocab maps
+    mtp.py      multi-token-prediction modules shipped in target checkpoints (DeepSeek-V3,
+                GLM-4.5, Qwen3-Next / Qwen3.5, MiMo; glm4moe GGUF NextN layers): config,
+                params from checkpoint tensors, the pure forward over an fx-engine KV cache
+                (the target family's own decoder layer), greedy chained drafting
 
 Pure core, like every module under fx_engine/core (tests/core/test_boundary.py).
 """
