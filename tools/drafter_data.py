@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--rows", type=int, default=32, help="requests decoded at once")
     ap.add_argument("--seed", type=int, default=0, help="the prompt set's shuffle")
+    ap.add_argument("--offset", type=int, default=0,
+                    help="skip this many prompts of the shuffled set (a second file with other prompts)")
     ap.add_argument("--numerics", default="auto", choices=("auto", "exact", "int8"))
     a = ap.parse_args(argv)
     if a.prompts < 1 or a.max_tokens < 1 or a.rows < 1:
@@ -152,14 +154,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import fx_engine
 
     model = fx_engine.load(a.model, numerics=a.numerics)
-    texts = prompts(a.prompts, a.seed)
+    texts = prompts(a.offset + a.prompts, a.seed)[a.offset:]
+    if not texts:
+        ap.error(f"--offset {a.offset}: the prompt set has only {len(prompts(10**9, a.seed))} prompts")
     t0 = time.perf_counter()
     prompt_ids, answers = generate(model, texts, a.max_tokens, a.rows,
                                    log=lambda m: print(m, file=sys.stderr, flush=True))
     seconds = time.perf_counter() - t0
     arrays = pack(prompt_ids, answers)
     meta = {"tool": "tools/drafter_data.py", "model": model.path, "fingerprint": model.fingerprint,
-            "numerics": model.numerics, "prompts": len(texts), "seed": a.seed,
+            "numerics": model.numerics, "prompts": len(texts), "seed": a.seed, "offset": a.offset,
             "max_tokens": a.max_tokens, "temperature": 0.0, "tokens": int(arrays["tokens"].size),
             "answer_tokens": int(sum(len(x) for x in answers)), "seconds": round(seconds, 1),
             "sample_prompts": texts[:5]}

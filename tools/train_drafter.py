@@ -214,6 +214,33 @@ def target_features(model: Any, ids: list[int], layers: tuple[int, ...]) -> np.n
     return np.asarray(hidden_states(model, ids, layers).astype(mx.float16))
 
 
+def conversations(model: Any, path: Path, data: Any, layers: tuple[int, ...], T: int,
+                  log: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One data file's conversations cut / padded to T: token ids [N, T], lengths [N], where
+    the answers start [N] and the target's states [N, T, 3 H] (float16). The states depend
+    on the data, the target and the layers only: kept beside the data for the next run
+    (~0.9 GB for 1024 conversations of 256 tokens)."""
+    tokens, starts, answers = data["tokens"], data["starts"], data["answer_starts"]
+    n = len(answers)
+    toks, lens = np.zeros((n, T), np.int32), np.zeros(n, np.int32)
+    for i in range(n):
+        ids = tokens[starts[i]:starts[i + 1]][:T]
+        toks[i, :len(ids)], lens[i] = ids, len(ids)
+    first = np.minimum(answers - starts[:-1], T).astype(np.int32)
+    shape = (n, T, 3 * model.config.hidden_size)
+    cached = path.with_suffix(f".features-{model.fingerprint}-{'-'.join(map(str, layers))}-{T}.npy")
+    if cached.exists() and np.load(cached, mmap_mode="r").shape == shape:
+        log(f"features from {cached}")
+        return toks, lens, first, np.load(cached)
+    feats = np.zeros(shape, np.float16)
+    for i in range(n):
+        feats[i, :lens[i]] = target_features(model, toks[i, :lens[i]].tolist(), layers)
+        if (i + 1) % max(1, n // 10) == 0:
+            log(f"features {i + 1}/{n} ({path.name})")
+    np.save(cached, feats)
+    return toks, lens, first, feats
+
+
 # ---------------------------------------------------------------- training
 
 
@@ -238,7 +265,7 @@ def save_head(out: Path, w: dict[str, mx.array], cfg: dict[str, Any], vocab_ids:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="tools/drafter_data.py's .npz")
+    ap.add_argument("--data", required=True, nargs="+", help="tools/drafter_data.py's .npz files")
     ap.add_argument("--out", required=True, help="the head's folder")
     ap.add_argument("--model", default=None, help="the target (default: the data's model)")
     ap.add_argument("--draft-vocab", type=int, default=8192)
@@ -254,13 +281,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = ap.parse_args(argv)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     t_start = time.perf_counter()
-    data = np.load(Path(a.data).expanduser())
-    meta = json.loads(str(data["meta"]))
-    model = fx_engine.load(a.model or meta["model"], numerics="exact")
+    files = [Path(d).expanduser() for d in a.data]
+    datas = [np.load(f) for f in files]
+    metas = [json.loads(str(d["meta"])) for d in datas]
+    model = fx_engine.load(a.model or metas[0]["model"], numerics="exact")
     from fx_engine.core.drafters.eagle3 import aux_layers, config_from_hf
 
-    tokens, starts, answers = data["tokens"], data["starts"], data["answer_starts"]
-    convs = len(answers)
+    tokens = np.concatenate([d["tokens"] for d in datas])
     cfg = head_config(model, min(a.draft_vocab, model.config.vocab_size))
     config_from_hf(cfg)  # the loader's checks, before any work
     layers = aux_layers(config_from_hf(cfg), model.config.num_layers)
@@ -273,34 +300,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         vocab_ids = draft_vocab(tokens, model.config.vocab_size, cfg["draft_vocab_size"])
     t2d_index = np.full(model.config.vocab_size, -1, np.int32)
     t2d_index[vocab_ids] = np.arange(len(vocab_ids), dtype=np.int32)
-    answer_tokens = np.concatenate([tokens[answers[i]:starts[i + 1]] for i in range(convs)])
-    coverage = float(np.isin(answer_tokens, vocab_ids).mean())
-    log(f"{convs} conversations, {tokens.size} tokens; draft vocab {len(vocab_ids)} covers {coverage:.3f} "
-        f"of the answer tokens; aux layers {layers}")
 
     t0 = time.perf_counter()
     T = a.seq
-    shape = (convs, T, 3 * model.config.hidden_size)
-    toks = np.zeros((convs, T), np.int32)
-    lens = np.zeros(convs, np.int32)
-    for i in range(convs):
-        ids = tokens[starts[i]:starts[i + 1]][:T].tolist()
-        toks[i, :len(ids)], lens[i] = ids, len(ids)
-    # the target's states depend on the data, the target and the layers only: kept beside
-    # the data for the next run (float16, ~0.9 GB for 1024 conversations of 256 tokens)
-    cached = Path(a.data).expanduser().with_suffix(
-        f".features-{model.fingerprint}-{'-'.join(map(str, layers))}-{T}.npy")
-    if cached.exists() and np.load(cached, mmap_mode="r").shape == shape:
-        feats = np.load(cached)
-        log(f"features from {cached}")
-    else:
-        feats = np.zeros(shape, np.float16)
-        for i in range(convs):
-            feats[i, :lens[i]] = target_features(model, toks[i, :lens[i]].tolist(), layers)
-            if (i + 1) % max(1, convs // 10) == 0:
-                log(f"features {i + 1}/{convs}")
-        np.save(cached, feats)
-    first = np.minimum(answers - starts[:-1], T).astype(np.int32)
+    parts = [conversations(model, f, d, layers, T, log) for f, d in zip(files, datas)]
+    toks, lens, first, feats = (np.concatenate([p[i] for p in parts]) for i in range(4))
+    convs = len(lens)
+    answer_tokens = np.concatenate([toks[i, first[i]:lens[i]] for i in range(convs)])
+    coverage = float(np.isin(answer_tokens, vocab_ids).mean())
+    log(f"{convs} conversations, {tokens.size} tokens; draft vocab {len(vocab_ids)} covers {coverage:.3f} "
+        f"of the answer tokens; aux layers {layers}")
     feature_seconds = time.perf_counter() - t0
 
     embed_table, head, norm = target_tables(model)
@@ -366,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         history.append({"epoch": epoch, "train_loss": round(float(np.mean(run)), 4), **evaluate()})
         log(f"epoch {epoch}: {history[-1]}")
     recipe = {"tool": "tools/train_drafter.py", "argv": sys.argv[1:] if argv is None else list(argv),
-              "data": meta, "target": {"path": model.path, "fingerprint": model.fingerprint,
+              "data": metas if len(metas) > 1 else metas[0], "target": {"path": model.path, "fingerprint": model.fingerprint,
                                        "numerics": model.numerics, "aux_layers": list(layers)},
               "draft_vocab_size": len(vocab_ids), "draft_vocab_coverage": round(coverage, 4),
               "conversations": {"train": len(train), "holdout": len(hold)}, "steps_unrolled": a.steps,

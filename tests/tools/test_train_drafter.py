@@ -5,6 +5,7 @@ loading through the published-format loader."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -172,3 +173,18 @@ def test_training_continues_from_a_saved_head(tiny_folder, tmp_path, capsys) -> 
     assert "features from" in capsys.readouterr().err
     assert again["draft_vocab_size"] == 300 and again["init_recipe"] == first
     assert abs(again["history"][0]["loss"] - first["history"][-1]["loss"]) < 2e-2 * first["history"][-1]["loss"]
+
+
+def test_several_data_files_train_together(tiny_folder, tmp_path) -> None:
+    import drafter_data
+
+    target = tiny_folder("llama", num_hidden_layers=6)
+    files = [tmp_path / "a.npz", tmp_path / "b.npz"]
+    for f, offset in zip(files, (0, 4)):
+        drafter_data.main(["--model", str(target), "--out", str(f), "--prompts", "4", "--max-tokens", "8",
+                           "--rows", "4", "--numerics", "exact", "--offset", str(offset)])
+    metas = [json.loads(str(np.load(f)["meta"])) for f in files]
+    assert metas[1]["sample_prompts"][0] == drafter_data.prompts(8)[4]
+    recipe = td.main(["--data", *map(str, files), "--out", str(tmp_path / "h"), "--draft-vocab", "300",
+                      "--steps", "2", "--batch", "2", "--seq", "256", "--holdout", "0.25", "--epochs", "1"])
+    assert recipe["data"] == metas and recipe["conversations"] == {"train": 6, "holdout": 2}
