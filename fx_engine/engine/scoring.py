@@ -20,12 +20,7 @@ def logits(model: Model, token_ids: Sequence[int], chunk: int = 512, adapter: st
     ad = {}
     if adapter is not None:
         ad = {"adapters": Adapters(model.adapters.bank(), mx.array([model.adapters.get(adapter).slot], mx.int32))}
-    ids = list(token_ids)
-    if not ids:
-        raise ValueError("token_ids: must not be empty")
-    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < model.config.vocab_size]
-    if bad:
-        raise ValueError(f"token_ids: {bad[0]!r} is not a token id in [0, {model.config.vocab_size})")
+    ids = checked_ids(model, token_ids)
     size = pow2_ceil(min(chunk, len(ids)), 16)
     cache = model.new_cache(1, pow2_ceil(len(ids) + size, 256), headroom=size)
     out = []
@@ -50,12 +45,7 @@ def hidden_states(model: Model, token_ids: Sequence[int], layers: Sequence[int],
     and what tools/train_drafter.py trains on."""
     from fx_engine.core.models import Capture
 
-    ids = list(token_ids)
-    if not ids:
-        raise ValueError("token_ids: must not be empty")
-    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < model.config.vocab_size]
-    if bad:
-        raise ValueError(f"token_ids: {bad[0]!r} is not a token id in [0, {model.config.vocab_size})")
+    ids = checked_ids(model, token_ids)
     capture = Capture(tuple(layers))
     size = pow2_ceil(min(chunk, len(ids)), 16)
     cache = model.new_cache(1, pow2_ceil(len(ids) + size, 256), headroom=size)
@@ -70,3 +60,14 @@ def hidden_states(model: Model, token_ids: Sequence[int], layers: Sequence[int],
         mx.eval(captured, *tree_leaves(cache))
         out.append(captured)
     return mx.concatenate(out, axis=0)
+
+
+def checked_ids(model: Model, token_ids: Sequence[int]) -> list[int]:
+    """token_ids as a list, refused when empty or holding a non-id (the error names it)."""
+    ids = list(token_ids)
+    if not ids:
+        raise ValueError("token_ids: must not be empty")
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < model.config.vocab_size]
+    if bad:
+        raise ValueError(f"token_ids: {bad[0]!r} is not a token id in [0, {model.config.vocab_size})")
+    return ids
