@@ -60,16 +60,24 @@ def load_gguf(
     return params.config, params, metadata
 
 
-def read_hf_config(folder: Path) -> tuple[Any, dict[str, Any]]:
-    path = folder / "config.json"
+def read_json_object(folder: str | Path, name: str = "config.json",
+                     missing: str = "is this a Hugging Face model folder?") -> tuple[dict[str, Any], Path]:
+    """A folder's JSON file as a dict (and its path); a missing file, bad JSON or another
+    kind of value is a ConfigError naming the file."""
+    path = Path(folder) / name
     if not path.exists():
-        raise ConfigError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
+        raise ConfigError(f"{folder}: no {name} ({missing})")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: invalid JSON ({e})") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")
+    return raw, path
+
+
+def read_hf_config(folder: Path) -> tuple[Any, dict[str, Any]]:
+    raw, path = read_json_object(folder)
     return config_from_hf(raw, str(path)), raw
 
 

@@ -1,0 +1,42 @@
+"""Vision encoders as pure core code (issue 46: images in, text out), one module per
+family, like the text models in fx_engine/core/models/: a frozen config read from the
+checkpoint's config.json, params read from its tensors, a pure forward from preprocessed
+pixels to the text model's image token embeddings.
+
+`VISION_MODULES` maps a multimodal config.json `model_type` to its module; each module has
+`config_from_hf(d, source)`, `assemble(cfg, src, opts)`, `checkpoint_layout(cfg)`,
+`is_vision_tensor(name)` and `encode_images(params, pixels)`.
+
+* siglip.py: the SigLIP vision tower (Gemma 3's).
+* gemma3.py: Gemma 3's projector, the splice of image embeddings into the token
+  embeddings, the prompt layout and the image-token attention masks.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from fx_engine.core.config import ConfigError
+from fx_engine.core.vision import gemma3, siglip
+
+#: multimodal config.json model_type -> the module that runs its image path
+VISION_MODULES: dict[str, ModuleType] = {gemma3.MODEL_TYPE: gemma3}
+
+
+def vision_module(d: dict[str, Any], source: str = "config.json") -> ModuleType:
+    """The module running a config.json's image path, or a ConfigError naming what is
+    supported."""
+    mt = d.get("model_type")
+    if mt not in VISION_MODULES:
+        raise ConfigError(f"{source}: images are not supported for model_type {mt!r} (supported: "
+                          f"{', '.join(VISION_MODULES)})")
+    return VISION_MODULES[mt]
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Any:
+    """The image path's config of a multimodal config.json dict."""
+    return vision_module(d, source).config_from_hf(d, source)
+
+
+__all__ = ["VISION_MODULES", "config_from_hf", "gemma3", "siglip", "vision_module"]

@@ -1,0 +1,225 @@
+"""Gemma 3's pixel preprocessing (issue 46), from a checkpoint's preprocessor_config.json.
+
+What Hugging Face's Gemma3ImageProcessor does with pan-and-scan off, step for step as its
+PIL backend (transformers' `Gemma3ImageProcessorPil`, the one used without torch, and so
+the one mlx-vlm uses here) computes it:
+
+1. to RGB (`do_convert_rgb`, on unless false): a PIL image or array with alpha is composited
+   onto white, grayscale repeated to three channels. Encoded image bytes and files are
+   first opened as transformers' and mlx-vlm's `load_image` do: EXIF orientation applied,
+   then PIL's convert("RGB") (alpha dropped, not composited).
+2. resize to size.height x size.width with PIL's filter `resample` (2: bilinear), on the
+   8-bit image (`do_resize`); without resizing, the image must already be that size.
+3. rescale: float64(x) * rescale_factor, then float32 (`do_rescale`).
+4. normalize: (x - image_mean) / image_std per channel, in float32 (`do_normalize`).
+5. channels first: one [3, H, W] float32 array per image; a batch is [N, 3, H, W], the
+   layout fx_engine/core/vision/siglip.py reads.
+
+Transformers' default Gemma3ImageProcessorFast (torchvision) resizes float tensors with
+its own antialiasing and so differs in the last bits of some pixels; pan-and-scan (extra
+crops of a wide or tall image, each its own image) is not implemented: a config that turns
+it on is refused. Pillow is needed here (a lazy import: the rest of fx-engine does not).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+import numpy as np
+
+from fx_engine.core.config import ConfigError
+
+#: the Gemma 3 image processors whose rules these are
+PROCESSOR_TYPES = ("Gemma3ImageProcessor", "Gemma3ImageProcessorFast", "Gemma3ImageProcessorPil")
+#: PIL's resampling filters by their codes (PIL.Image.Resampling)
+RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
+
+
+class ImageError(ValueError):
+    """An image that cannot be read or preprocessed; the message says which and why."""
+
+
+@attrs.frozen
+class ImageProcessorConfig:
+    """preprocessor_config.json's rules (defaults: Gemma3ImageProcessor's)."""
+
+    height: int = 224
+    width: int = 224
+    resample: int = 2
+    do_resize: bool = True
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    do_convert_rgb: bool = True
+    image_seq_length: int | None = None  # the processor's image tokens per image (informative)
+
+
+def _flag(d: dict[str, Any], key: str, default: bool, source: str) -> bool:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ConfigError(f"{source}: field '{key}' must be true, false or null, got {v!r}")
+    return v
+
+
+def _channels(d: dict[str, Any], key: str, source: str, positive: bool = False) -> tuple[float, float, float]:
+    v = d.get(key, 0.5)
+    vals = [v] * 3 if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    if (not isinstance(vals, list) or len(vals) != 3
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vals)):
+        raise ConfigError(f"{source}: field '{key}' must be a number or a list of 3 numbers, got {v!r}")
+    if positive and not all(x > 0 for x in vals):
+        raise ConfigError(f"{source}: field '{key}' must be > 0, got {v!r}")
+    return tuple(float(x) for x in vals)  # type: ignore[return-value]
+
+
+def processor_config_from_dict(d: dict[str, Any], source: str = "preprocessor_config.json",
+                               image_size: int | None = None) -> ImageProcessorConfig:
+    """The rules of a preprocessor_config.json dict; ConfigError naming the field for what
+    is malformed or not implemented. image_size: the vision tower's (the resize target
+    must be image_size x image_size)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: expected a JSON object")
+    kind = d.get("image_processor_type")
+    if kind is not None and kind not in PROCESSOR_TYPES:
+        raise ConfigError(f"{source}: image_processor_type {kind!r} is not supported ({', '.join(PROCESSOR_TYPES)})")
+    if d.get("do_pan_and_scan"):
+        raise ConfigError(f"{source}: field 'do_pan_and_scan' = true is not supported (pan-and-scan is not "
+                          "implemented; set it to null or false)")
+    for key in ("do_center_crop", "do_pad"):
+        if d.get(key):
+            raise ConfigError(f"{source}: field '{key}' = true is not supported (not part of Gemma 3's processing)")
+    size = d.get("size", {"height": 224, "width": 224})
+    if not (isinstance(size, dict) and set(size) == {"height", "width"}
+            and all(isinstance(size[k], int) and not isinstance(size[k], bool) and size[k] > 0 for k in size)):
+        raise ConfigError(f"{source}: field 'size' must be {{\"height\": H, \"width\": W}} with positive integers, "
+                          f"got {size!r}")
+    resample = d.get("resample", 2)
+    resample = 2 if resample is None else resample
+    if isinstance(resample, bool) or resample not in RESAMPLE:
+        raise ConfigError(f"{source}: field 'resample' must be a PIL filter code "
+                          f"({', '.join(f'{k}: {v}' for k, v in RESAMPLE.items())}), got {resample!r}")
+    factor = d.get("rescale_factor", 1 / 255)
+    factor = 1 / 255 if factor is None else factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ConfigError(f"{source}: field 'rescale_factor' must be a positive number, got {factor!r}")
+    seq = d.get("image_seq_length")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0):
+        raise ConfigError(f"{source}: field 'image_seq_length' must be a positive integer, got {seq!r}")
+    cfg = ImageProcessorConfig(
+        height=size["height"], width=size["width"], resample=resample, do_resize=_flag(d, "do_resize", True, source),
+        do_rescale=_flag(d, "do_rescale", True, source), rescale_factor=float(factor),
+        do_normalize=_flag(d, "do_normalize", True, source), image_mean=_channels(d, "image_mean", source),
+        image_std=_channels(d, "image_std", source, positive=True),
+        do_convert_rgb=_flag(d, "do_convert_rgb", True, source), image_seq_length=seq)
+    if image_size is not None and (cfg.height, cfg.width) != (image_size, image_size):
+        raise ConfigError(f"{source}: size {cfg.height}x{cfg.width} is not the vision tower's image_size "
+                          f"{image_size}x{image_size}")
+    return cfg
+
+
+def read_processor_config(folder: str | Path, image_size: int | None = None) -> ImageProcessorConfig:
+    """A model folder's preprocessor_config.json rules (`processor_config_from_dict`)."""
+    from fx_engine.loading.weights import read_json_object
+
+    d, path = read_json_object(folder, "preprocessor_config.json", "the image preprocessing rules")
+    return processor_config_from_dict(d, str(path), image_size)
+
+
+def _pil() -> Any:
+    try:
+        import PIL.Image
+        import PIL.ImageOps
+    except ImportError as e:  # pragma: no cover (the test extra installs it)
+        raise ImportError("images need Pillow: pip install pillow") from e
+    return PIL
+
+
+def _opened(data: bytes | Path, what: str) -> Any:
+    """An encoded image (bytes or a file) opened as load_image does (EXIF orientation, RGB)."""
+    PIL = _pil()
+    try:
+        image = PIL.Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
+        image.load()
+        image = PIL.ImageOps.exif_transpose(image)
+    except (OSError, ValueError, SyntaxError) as e:  # PIL.UnidentifiedImageError is an OSError
+        raise ImageError(f"{what}: not a readable image ({e})") from e
+    return image.convert("RGB")
+
+
+def _rgb_array(image: Any, what: str, convert: bool) -> np.ndarray:
+    """[H, W, 3] uint8 RGB of one image (the conversion rules of the module docstring)."""
+    PIL = _pil()
+    if isinstance(image, str):
+        raise ImageError(f"{what}: a str is not an image (pass a pathlib.Path for a file, or the encoded bytes)")
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        image = _opened(bytes(image), what)
+    elif isinstance(image, os.PathLike):
+        if not Path(image).is_file():
+            raise ImageError(f"{what}: no such file: {image}")
+        image = _opened(Path(image), what)
+    if isinstance(image, PIL.Image.Image):
+        if convert:
+            if "A" in image.getbands() or image.info.get("transparency") is not None:
+                rgba = image.convert("RGBA")
+                white = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                image = PIL.Image.alpha_composite(white, rgba).convert("RGB")
+            else:
+                image = image.convert("RGB")
+        arr = np.array(image)
+    elif isinstance(image, np.ndarray):
+        arr = image
+        if arr.dtype != np.uint8:
+            raise ImageError(f"{what}: a numpy image must be uint8 (0-255), got {arr.dtype}")
+        if arr.ndim == 2:
+            arr = arr[..., None]
+        if arr.ndim != 3 or arr.shape[-1] not in (1, 3, 4):
+            raise ImageError(f"{what}: a numpy image must be [H, W], [H, W, 1], [H, W, 3] or [H, W, 4] "
+                             f"(channels last), got shape {list(image.shape)}")
+        if convert and arr.shape[-1] == 1:
+            arr = np.repeat(arr, 3, axis=-1)
+        elif convert and arr.shape[-1] == 4:  # onto white, as transformers' convert_to_rgb
+            alpha = arr[..., 3:4] / 255
+            arr = np.round(alpha * arr[..., :3] + (1 - alpha) * 255).astype(np.uint8)
+    else:
+        raise ImageError(f"{what}: unsupported image type {type(image).__name__} (a PIL image, encoded image "
+                         "bytes, a file path, or a uint8 numpy array)")
+    if arr.ndim != 3 or arr.shape[-1] != 3:
+        raise ImageError(f"{what}: expected an RGB image, got shape {list(arr.shape)} (do_convert_rgb is off)")
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ImageError(f"{what}: the image is empty ({arr.shape[1]}x{arr.shape[0]})")
+    return arr
+
+
+def preprocess_one(image: Any, cfg: ImageProcessorConfig, what: str = "image") -> np.ndarray:
+    """One image -> [3, height, width] float32 pixels (the module docstring's steps)."""
+    PIL = _pil()
+    arr = _rgb_array(image, what, cfg.do_convert_rgb)
+    if cfg.do_resize:
+        if arr.shape[:2] != (cfg.height, cfg.width):
+            arr = np.array(PIL.Image.fromarray(arr).resize((cfg.width, cfg.height), resample=cfg.resample))
+    elif arr.shape[:2] != (cfg.height, cfg.width):
+        raise ImageError(f"{what}: {arr.shape[1]}x{arr.shape[0]} pixels, but resizing is off and the model reads "
+                         f"{cfg.width}x{cfg.height}")
+    x = (arr.astype(np.float64) * cfg.rescale_factor).astype(np.float32) if cfg.do_rescale else arr
+    if cfg.do_normalize:
+        x = x.astype(np.float32) if not np.issubdtype(x.dtype, np.floating) else x
+        x = (x - np.array(cfg.image_mean, x.dtype)) / np.array(cfg.image_std, x.dtype)
+    return np.ascontiguousarray(np.asarray(x, np.float32).transpose(2, 0, 1))
+
+
+def preprocess(images: Any | Sequence[Any], cfg: ImageProcessorConfig) -> np.ndarray:
+    """Images (one, or a list / tuple of them: PIL images, encoded bytes, file paths, uint8
+    arrays [H, W(, C)]) -> pixels [N, 3, height, width] float32, channels first. ImageError
+    (naming the image by its index) for what cannot be read."""
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    if not images:
+        raise ImageError("no images given")
+    return np.stack([preprocess_one(im, cfg, f"image {i}") for i, im in enumerate(images)])

@@ -1,0 +1,54 @@
+"""Shell-side loading of a multimodal checkpoint's image path (issue 46): config.json's
+vision part and the vision tower's / projector's tensors of a Hugging Face or
+mlx-community folder, into the pure core's params (fx_engine/core/vision/).
+
+The text model of the same folder loads as before (`fx_engine.load`, which drops these
+tensors); the engine does not yet feed images to it (see fx_engine/core/vision/gemma3.py
+for what it will need).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from fx_engine.core.checkpoint import KeepQuantized, LoadOptions, TensorSource, WeightsError
+from fx_engine.core.config import ConfigError
+from fx_engine.core.nn import Numerics
+from fx_engine.core.vision import vision_module
+from fx_engine.loading.weights import read_json_object
+
+
+def read_config(folder: str | Path) -> tuple[Any, dict[str, Any]]:
+    """(the image path's config, config.json as a dict) of a model folder."""
+    raw, path = read_json_object(folder)
+    return vision_module(raw, str(path)).config_from_hf(raw, str(path)), raw
+
+
+def load_vision(folder: str | Path, dtype: mx.Dtype | None = None, keep_quantized: KeepQuantized = False,
+                numerics: Numerics | None = None) -> Any:
+    """The image path's params of a model folder (its safetensors files' vision tensors
+    only). dtype: the activations' (None: the tensors' float dtype, else float32);
+    keep_quantized: as for the text model (quantized vision linears stay packed where it
+    says so, else are dequantized)."""
+    folder = Path(folder)
+    cfg, raw = read_config(folder)
+    module = vision_module(raw)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{folder}: no *.safetensors files")
+    src = TensorSource()
+    stored = None
+    for f in files:
+        tensors = {n: t for n, t in mx.load(str(f)).items() if module.is_vision_tensor(n)}
+        src.add(f, tensors)
+        stored = stored or next((t.dtype for t in tensors.values()
+                                 if t.dtype in (mx.float32, mx.float16, mx.bfloat16)), None)
+    quant = raw.get("quantization") or raw.get("quantization_config")
+    if quant and ("group_size" not in quant or "bits" not in quant):
+        raise ConfigError(f"{folder / 'config.json'}: quantization needs group_size and bits")
+    opts = LoadOptions(dtype=dtype or stored or mx.float32, keep_quantized=keep_quantized,
+                       numerics=numerics or Numerics(), quant=quant, where=str(folder))
+    return module.assemble(cfg, src, opts)

@@ -1,0 +1,108 @@
+"""Write tiny random-weight Gemma 3 multimodal checkpoints (model_type `gemma3`: a text model
+under text_config, a SigLIP tower under vision_config) as Hugging Face style folders.
+
+The folder: config.json (text_config: a tiny `gemma3_text`, vision_config: a tiny SigLIP,
+the projector's mm_tokens_per_image and the image token ids inside the tiny vocabulary),
+model.safetensors under Hugging Face's multimodal names (language_model.model.*,
+vision_tower.vision_model.*, multi_modal_projector.*), preprocessor_config.json (a
+Gemma3ImageProcessor's, at the tower's image size), and the tiny tokenizer files of
+`write_tiny_model`. Loadable by fx-engine's text loader (the text model), by
+`fx_engine.loading.vision` (the image path) and by mlx-vlm (the oracle).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from fx_engine.testing.tiny import CHATML, _tokenizer_json, _weights, tiny_config
+
+#: the tiny tower: 8 x 8 patches of 4 x 4 pixels, pooled 2 x 2 into 16 image tokens
+TINY_VISION = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "patch_size": 4, "image_size": 32,
+               "layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh", "vision_use_head": False}
+#: image token ids inside the tiny text model's 384-token vocabulary
+TINY_IDS = {"boi_token_index": 380, "eoi_token_index": 381, "image_token_index": 382}
+
+
+def tiny_gemma3_config(*, text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None,
+                       mm_tokens_per_image: int = 16, **top: Any) -> dict[str, Any]:
+    """config.json of a tiny Gemma 3 multimodal model (each part's overrides applied)."""
+    text_cfg = tiny_config("gemma3_text", **(text or {}))
+    text_cfg.pop("architectures", None)
+    text_cfg["mm_tokens_per_image"] = mm_tokens_per_image  # (mlx-vlm reads it here)
+    return {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+            "text_config": text_cfg, "vision_config": {**TINY_VISION, **(vision or {})},
+            "mm_tokens_per_image": mm_tokens_per_image, **TINY_IDS,
+            # mlx-vlm divides image embeddings by sqrt(config.hidden_size) (default 2048)
+            "hidden_size": text_cfg["hidden_size"],
+            "eos_token_id": text_cfg["eos_token_id"], "bos_token_id": text_cfg["bos_token_id"], **top}
+
+
+def preprocessor_config(image_size: int, **overrides: Any) -> dict[str, Any]:
+    """A Gemma3ImageProcessor's preprocessor_config.json, as google/gemma-3-*-it ship it,
+    at `image_size`."""
+    return {"image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+            "do_convert_rgb": None, "do_normalize": True, "do_pan_and_scan": None, "do_rescale": True,
+            "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+            "image_seq_length": 256, "pan_and_scan_max_num_crops": None, "pan_and_scan_min_crop_size": None,
+            "pan_and_scan_min_ratio_to_activate": None, "resample": 2, "rescale_factor": 0.00392156862745098,
+            "size": {"height": image_size, "width": image_size}, **overrides}
+
+
+def _vision_weights(cfg: dict[str, Any], dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
+    from fx_engine.core.vision import gemma3
+
+    layout = gemma3.checkpoint_layout(gemma3.config_from_hf(cfg, "tiny"))
+    keys = iter(mx.random.split(mx.random.key(seed + 7919), len(layout)))
+    return {name: (spec.center + spec.scale * mx.random.normal(spec.shape, key=next(keys))).astype(dtype)
+            for name, spec in layout.items()}
+
+
+def write_tiny_gemma3_vlm(
+    folder: str | Path, *, dtype: str = "float32", seed: int = 0, layout: str = "hf",
+    quantize_vision: dict[str, int] | None = None, preprocessor: dict[str, Any] | None = None, **config: Any,
+) -> Path:
+    """Write a random-weight Gemma 3 multimodal folder; returns its path.
+
+    layout: "hf" (Hugging Face's tensors) or "mlx" (as mlx-vlm's conversion stores them:
+    the patch conv's weight channels last). quantize_vision={"group_size": 32, "bits": 4}:
+    the tower's linears MLX affine-quantized with a `quantization` entry, as an
+    mlx-community folder that quantized its vision tower (the text model stays dense).
+    config: `tiny_gemma3_config`'s arguments (text=..., vision=..., mm_tokens_per_image=...,
+    top-level fields); preprocessor: preprocessor_config.json overrides.
+    """
+    if layout not in ("hf", "mlx"):
+        raise ValueError(f"layout must be 'hf' or 'mlx', got {layout!r}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_gemma3_config(**config)
+    dt = getattr(mx, dtype)
+    text = _weights(cfg["text_config"], dt, seed)
+    weights = {("language_model." + n): w for n, w in text.items()}  # model.* and lm_head.*
+    vision = _vision_weights(cfg, dt, seed)
+    if layout == "mlx":
+        name = "vision_tower.vision_model.embeddings.patch_embedding.weight"
+        vision[name] = mx.contiguous(vision[name].transpose(0, 2, 3, 1))
+    if quantize_vision:
+        gs, bits = quantize_vision["group_size"], quantize_vision["bits"]
+        for name in [n for n in vision if n.endswith(".weight") and ("self_attn." in n or "mlp." in n)]:
+            q, s, b = mx.quantize(vision[name], group_size=gs, bits=bits)
+            base = name[: -len(".weight")]
+            vision[name], vision[base + ".scales"], vision[base + ".biases"] = q, s, b
+        cfg["quantization"] = {"group_size": gs, "bits": bits}
+    weights.update(vision)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    size = cfg["vision_config"].get("image_size", 224)
+    (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(size, **(preprocessor or {})),
+                                                                indent=1))
+    (folder / "tokenizer.json").write_text(_tokenizer_json(cfg["text_config"]["vocab_size"]))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
+        "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast",
+    }, indent=1))
+    return folder
