@@ -165,9 +165,10 @@ def _sampling_args(p: argparse.ArgumentParser, serve: bool = False, chat: bool =
                    help="the KV cache's element type (none: the activations' dtype)")
     d = p.add_argument_group("speculative decoding")
     d.add_argument("--draft-model", default=None,
-                   help="speculative decoding with this smaller model (same tokenizer), or an "
-                        "EAGLE-3 head's folder (config.json with draft_vocab_size; "
-                        "docs/cli.md#speculative-decoding)")
+                   help="speculative decoding with this smaller model (same tokenizer), an "
+                        "EAGLE-3 head's folder (config.json with draft_vocab_size), or mtp: "
+                        "the MTP module the model's checkpoint ships (DeepSeek-V3, GLM-4.5, "
+                        "Qwen3-Next; docs/cli.md#speculative-decoding)")
     d.add_argument("--self-draft-layers", type=int, default=None,
                    help="speculative decoding with the model's own first N layers as the draft")
     d.add_argument("--num-draft-tokens", type=int, default=None,
@@ -255,6 +256,11 @@ _DRAFTS: dict[Any, Any] = {}
 def _draft(a: argparse.Namespace, model: Any) -> Any:
     """The draft model, loaded once per process (chat reuses it across turns)."""
     key = (a.draft_model, a.self_draft_layers)
+    if a.draft_model == "mtp" and a.self_draft_layers is None:
+        # the MTP module the model's own checkpoint ships (kept per model by mtp_drafter_for)
+        from fx_engine.engine.mtp_drafter import mtp_drafter_for
+
+        return mtp_drafter_for(model)
     if key not in _DRAFTS:
         if a.draft_model is not None and a.self_draft_layers is not None:
             raise ValueError("give --draft-model or --self-draft-layers, not both")
@@ -725,7 +731,7 @@ def _serve_engine(a: argparse.Namespace, served: list[tuple[str | None, str | No
 
 
 def _drafter_name(d: Any) -> str:
-    return "EAGLE-3 head" if type(d).__name__ == "Eagle3Drafter" else "draft model"
+    return {"eagle3": "EAGLE-3 head", "mtp": "MTP module"}.get(getattr(d, "kind", None), "draft model")
 
 
 def _default_path() -> str:
@@ -837,6 +843,17 @@ def _model_types_line() -> str:
     return " | ".join(parts)
 
 
+def _speculative_line(model_path: str) -> str:
+    """What a checkpoint ships to draft with (its MTP modules), from its headers only."""
+    from fx_engine.loading.drafter import mtp_summary
+    from fx_engine.loading.hub import resolve_model
+
+    try:
+        return mtp_summary(resolve_model(model_path)) or "none (no MTP module in this checkpoint)"
+    except Exception as e:  # noqa: BLE001 - info reports, never crashes
+        return f"(could not read the checkpoint: {type(e).__name__}: {e})"
+
+
 def cmd_info(a: argparse.Namespace) -> int:
     import mlx.core as mx
 
@@ -866,6 +883,8 @@ def cmd_info(a: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    if a.model is not None:
+        print(f"speculative modules: {_speculative_line(a.model)}")
     if a.model is not None or not default.startswith("not installed"):
         print(f"matmul path chosen at load ({a.model or 'default model'}; measured once per "
               "machine, build and shape):")
@@ -969,7 +988,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=cmd_serve, check=lambda a: _check_serve(sv, a))
     i = sub.add_parser("info", formatter_class=_Help, help="versions, device, BLAS, native kernels, default model")
     i.add_argument("--model", default=None,
-                   help="also show the matmul path chosen for this model (default: the default model)")
+                   help="also show the matmul path chosen for this model (default: the default "
+                        "model) and the speculative (MTP) modules its checkpoint ships")
     i.set_defaults(func=cmd_info)
     for name, (_, text) in _DELEGATED.items():  # listed in --help; run by main() directly
         sub.add_parser(name, help=f"{text}; see fx-engine {name} --help", add_help=False)

@@ -19,7 +19,9 @@ longest common prefix of what it has seen.
 Shipped: `PromptLookup` (n-gram matching, no second model) and `DraftModel` (a smaller model
 with the same tokenizer; `self_draft_model` builds one from the target's first layers and
 its output head, LayerSkip-style, when no smaller model is at hand), and in
-engine/eagle3_drafter.py `Eagle3Drafter` (an EAGLE-3 head reading the target's hidden states).
+engine/eagle3_drafter.py `Eagle3Drafter` (an EAGLE-3 head reading the target's hidden states)
+and engine/mtp_drafter.py `MtpDrafter` (the MTP module a target checkpoint ships;
+`draft_model="mtp"` names the model's own), both fed through engine/captured_drafter.py.
 
 Drafters that read the target's hidden states (learned heads: EAGLE-3, MTP) declare which
 ones as `capture` (a `core.models.Capture`); the engine then runs every target step over

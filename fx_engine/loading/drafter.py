@@ -1,6 +1,9 @@
-"""Learned drafters' checkpoints (issue 45): EAGLE-3 head folders as they are published.
+"""Learned drafters' checkpoints (issue 45): EAGLE-3 head folders as they are published,
+and the MTP modules target checkpoints ship beside their layers.
 
     load_eagle3_head(path, target=None, dtype=None, revision=None) -> Eagle3Params
+    load_mtp_module(path, target=None, dtype=None, revision=None) -> MtpParams
+    mtp_summary(path) -> str | None            (`fx-engine info`'s line)
 
 A head folder is a config.json (EAGLE's / SpecForge's flat Llama config with
 draft_vocab_size and target_hidden_size, or vLLM's speculators format) and its weights in
@@ -15,6 +18,15 @@ not run); given the target (a Model or its config), the head is checked against 
 
 The engine's drafter around a loaded head is `fx_engine.engine.eagle3_drafter.Eagle3Drafter`
 (`Eagle3Drafter.load(path, target)` calls this).
+
+MTP modules (DeepSeek-V3, GLM-4.5, Qwen3-Next / Qwen3.5, MiMo) live in the target's own
+checkpoint: a Hugging Face folder's safetensors (model.layers.{N}.*, mtp.*,
+model.mtp_layers.*: only the shards holding them are opened, and only their tensors read)
+or a GGUF where llama.cpp writes them (glm4moe's blk.{N}.nextn.*: only those tensors are
+converted). The text model's own loader leaves them unread. `fx_engine.core.drafters.mtp`
+reads the config and tensors (and refuses, naming the field or tensor, what it does not
+run); the engine's drafter around them is `fx_engine.engine.mtp_drafter.MtpDrafter`
+(`MtpDrafter.from_model(model)` calls `load_mtp_module(model.path, model)`).
 """
 
 from __future__ import annotations
@@ -23,14 +35,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import mlx.core as mx
 
 from fx_engine.core.checkpoint import LoadOptions, WeightsError
 from fx_engine.core.config import ConfigError
-from fx_engine.core.drafters import eagle3
+from fx_engine.core.nn import Numerics
+from fx_engine.core.drafters import eagle3, mtp
 from fx_engine.loading.hub import resolve_model
 
-__all__ = ["is_eagle3_head", "load_eagle3_head", "read_head_folder"]
+__all__ = ["is_eagle3_head", "load_eagle3_head", "load_mtp_module", "mtp_config", "mtp_summary", "read_head_folder"]
 
 
 def is_eagle3_head(path: str | Path) -> bool:
@@ -113,3 +127,164 @@ def load_eagle3_head(path: str | Path, target: Any = None, *, dtype: str | None 
     if target_cfg is not None:
         eagle3.check_target(cfg, target_cfg, own_embed=params.embed is not None)
     return params
+
+
+# ---------------------------------------------------------------- MTP modules in target checkpoints
+
+
+def mtp_config(path: str | Path) -> mtp.MtpConfig:
+    """The MTP modules a checkpoint (a local model folder or GGUF file) ships, from its
+    config.json or GGUF metadata; a checkpoint that ships none is a ConfigError naming it
+    and the field that says so."""
+    from fx_engine.loading.gguf import read_gguf_metadata
+    from fx_engine.loading.weights import read_json_object
+
+    path = Path(path)
+    try:
+        if path.is_file():
+            return mtp.config_from_gguf(read_gguf_metadata(path), str(path))
+        raw, cfg_file = read_json_object(path)
+        return mtp.config_from_hf(raw, str(cfg_file))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: the checkpoint ships no MTP module fx-engine can draft with ({e})") from None
+
+
+def _prefixes(cfg: mtp.MtpConfig) -> tuple[str, ...]:
+    """Where a checkpoint keeps the modules' tensors (Hugging Face names)."""
+    if cfg.kind == "qwen3_next":
+        return ("mtp.",)
+    if cfg.kind == "mimo":
+        return ("model.mtp_layers.",)
+    return tuple(mtp.module_prefix(cfg, k) for k in range(cfg.num_modules))
+
+
+def _safetensors_names(folder: Path) -> dict[str, list[str]]:
+    """file name -> the tensor names it holds, from the index or each file's header (no
+    tensor read)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index}: malformed index ({e})") from e
+        out: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            out.setdefault(file, []).append(name)
+        return out
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size))
+        except (OSError, ValueError) as e:
+            raise WeightsError(f"{f}: cannot read the safetensors header ({e})") from e
+        out[f.name] = [n for n in header if n != "__metadata__"]
+    return out
+
+
+def _keep_like(target: Any) -> Any:
+    """Which quantized linears stay quantized, as the target's load chose (on CPU: what the
+    native kernels run when the target uses them, else none; elsewhere all)."""
+    if mx.default_device() != mx.cpu:
+        return True
+    numerics = getattr(getattr(target, "params", None), "numerics", None)
+    if numerics is not None and numerics.native:
+        from fx_engine.runtime import native
+
+        return lambda group, bits: native.supports(group, bits)
+    return False
+
+
+def load_mtp_module(path: str | Path, target: Any = None, *, dtype: str | None = None,
+                    revision: str | None = None) -> mtp.MtpParams:
+    """The MTP modules of the checkpoint at `path` (a model folder, a GGUF file, or a Hub
+    repo id): its config read with `mtp.config_from_hf` / `config_from_gguf`, the modules'
+    tensors alone read under their published names (the target's tables are not read
+    again: the drafter uses the loaded target's).
+
+    target: the Model the modules draft for: checked against it (`mtp.check_target`:
+    family, hidden size, vocabulary, layer count), and its dtype, numerics and quantized-
+    weight policy used; None: float32, not checked. A checkpoint that ships no module is a
+    ConfigError naming it; one whose config declares modules its weights do not hold (mlx-lm
+    and most converters drop them) a WeightsError saying so."""
+    from fx_engine.loading.weights import gguf_read_options
+
+    where = resolve_model(path, revision=revision)
+    cfg = mtp_config(where)
+    target_cfg = getattr(target, "config", None)
+    if target_cfg is not None:
+        mtp.check_target(cfg, target_cfg)
+    name = dtype or getattr(getattr(target, "params", None), "dtype", None) or "float32"
+    if name not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got {name!r}")
+    keep = _keep_like(target) if target is not None else False
+    numerics = getattr(getattr(target, "params", None), "numerics", None)
+    numerics = (attrs.evolve(numerics, activation_bits=None) if numerics is not None else Numerics())
+    described = f"{cfg.num_modules} MTP module{'s' if cfg.num_modules > 1 else ''}"
+    if where.is_file():  # a GGUF: llama.cpp's NextN layers, blk.{N + k}.*
+        from fx_engine.loading.gguf import read_gguf
+
+        blocks = tuple(f"blk.{cfg.first_layer + k}." for k in range(cfg.num_modules))
+        store_bits, compact = gguf_read_options(getattr(mx, name), keep, numerics)
+        tensors, _ = read_gguf(where, store_bits, compact, only=lambda n: n.startswith(blocks))
+        if not any(".nextn." in n for n in tensors):
+            raise WeightsError(f"{where}: its metadata declares {described} but the file holds no "
+                               f"blk.{cfg.first_layer}.nextn.* tensors")
+        opts = LoadOptions(dtype=getattr(mx, name), keep_quantized=keep, numerics=numerics, where=str(where))
+        return mtp.mtp_params_from_gguf(tensors, cfg, opts)
+    prefixes = _prefixes(cfg)
+    files = {f: names for f, names in _safetensors_names(where).items()
+             if any(n.startswith(prefixes) for n in names)}
+    if not files:
+        raise WeightsError(f"{where}: config.json declares {described} but its weights hold no tensor under "
+                           f"{', '.join(repr(p + '*') for p in prefixes)} (mlx-lm's conversions, and most "
+                           "others, drop them: use the original checkpoint)")
+    tensors: dict[str, mx.array] = {}
+    for f in sorted(files):
+        if not (where / f).is_file():
+            raise WeightsError(f"{where}: shard file missing: {f}")
+        try:
+            loaded = mx.load(str(where / f))  # (lazy: only the modules' tensors are read)
+        except Exception as e:  # mlx's messages are terse
+            raise WeightsError(f"{where / f}: cannot read weights ({e}); is the file truncated or corrupt?") from e
+        tensors.update({n: a for n, a in loaded.items() if n.startswith(prefixes)})
+    raw = json.loads((where / "config.json").read_text())
+    quant = raw.get("quantization") or raw.get("quantization_config")
+    opts = LoadOptions(dtype=getattr(mx, name), keep_quantized=keep, numerics=numerics, quant=quant,
+                       where=str(where))
+    return mtp.mtp_params_from_tensors(tensors, cfg, opts)
+
+
+def mtp_summary(path: str | Path) -> str | None:
+    """`fx-engine info`'s line on the speculative modules a local checkpoint ships (None:
+    none): e.g. "1 MTP module (DeepSeek-V3 format, from model.layers.61.*)", with a note
+    when the config declares modules the weights do not hold. Reads headers only."""
+    from fx_engine.loading.gguf import read_gguf_metadata
+
+    path = Path(path)
+    if path.is_file():
+        md = read_gguf_metadata(path)
+        n = mtp.mtp_layers_in_gguf(md)
+        if not n:
+            return None
+        arch = md.get("general.architecture")
+        try:
+            cfg = mtp.config_from_gguf(md, str(path))
+        except ConfigError:
+            return f"{n} MTP (NextN) layer{'s' if n > 1 else ''} ({arch}; not read by fx-engine for this architecture)"
+        return f"{n} MTP (NextN) layer{'s' if n > 1 else ''} ({arch}, from blk.{cfg.first_layer}.nextn.*)"
+    from fx_engine.loading.weights import read_json_object
+
+    raw, _ = read_json_object(path)
+    line = mtp.describe(raw)
+    if line is None:
+        return None
+    try:
+        prefixes = _prefixes(mtp.config_from_hf(raw))
+        names = [n for names in _safetensors_names(path).values() for n in names]
+    except (ConfigError, WeightsError) as e:
+        return f"{line}; not usable here: {e}"
+    if not any(n.startswith(prefixes) for n in names):
+        return f"{line}; but the weights do not hold it (dropped at conversion): --draft-model mtp is refused"
+    return f"{line}; --draft-model mtp drafts with it"

@@ -51,7 +51,7 @@ import numpy as np
 
 from fx_engine.core.checkpoint import WeightsError, pack_stream
 
-__all__ = ["read_gguf", "gguf_files", "AFFINE_TYPES", "DEQUANTIZED_TYPES"]
+__all__ = ["read_gguf", "read_gguf_metadata", "gguf_files", "AFFINE_TYPES", "DEQUANTIZED_TYPES"]
 
 QK = 32  # elements per block of the legacy types
 QK_K = 256  # elements per super-block of the K types
@@ -487,8 +487,17 @@ def gguf_files(path: str | Path) -> list[Path]:
     return _shard_paths(path, _Header(path))
 
 
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """A GGUF file's metadata (its first shard's header), no tensor read."""
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsError(f"{path}: no such file")
+    return _Header(path).metadata
+
+
 def read_gguf(path: str | Path, store_bits: StoreBits = None, compact: bool = False,
-              spill: str | Path | None = None) -> tuple[dict[str, mx.array], dict[str, Any]]:
+              spill: str | Path | None = None,
+              only: Callable[[str], bool] | None = None) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """(tensors, metadata) of a GGUF file; see the module docstring for the representation.
     store_bits(name, group, bits, is_head) -> the width to pack each affine tensor's integers in (None:
     its own; the loader widens what the CPU kernels do not run (2, 3 bits) here, in numpy,
@@ -497,7 +506,8 @@ def read_gguf(path: str | Path, store_bits: StoreBits = None, compact: bool = Fa
     where each converted tensor is written (safetensors) and freed at once, each tensor's
     bytes read with pread rather than mapped: the arrays come back lazy (mx.load), so a
     sharded load reads back only what its rank keeps (peak memory ~ its shard plus one
-    tensor's conversion, not the whole model)."""
+    tensor's conversion, not the whole model). only: read just the tensors whose GGUF name
+    it accepts (e.g. a checkpoint's MTP layers)."""
     path = Path(path)
     if not path.is_file():
         raise WeightsError(f"{path}: no such file")
@@ -518,6 +528,8 @@ def read_gguf(path: str | Path, store_bits: StoreBits = None, compact: bool = Fa
         jobs += _shard_jobs(shard, k, header, spill is not None)
     if len({job[0] for job in jobs}) != len(jobs):
         raise WeightsError(f"{path}: a tensor name appears twice across the file's shards")
+    if only is not None:
+        jobs = [job for job in jobs if only(job[0])]
     tensors = _convert_all(paths, jobs, store_bits, compact, spill)
     return tensors, first.metadata
 

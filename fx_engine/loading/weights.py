@@ -20,7 +20,8 @@ from fx_engine.core.config import ConfigError
 from fx_engine.core.models import config_from_hf, gguf_family, hf_family
 from fx_engine.core.nn import Numerics
 
-__all__ = ["KeepQuantized", "WeightsError", "load_gguf", "load_hf_folder", "read_hf_config"]
+__all__ = ["KeepQuantized", "WeightsError", "gguf_read_options", "load_gguf", "load_hf_folder", "read_hf_config",
+           "read_json_object"]
 
 
 def _mx_load(path: Path, **kw: Any) -> Any:
@@ -30,12 +31,9 @@ def _mx_load(path: Path, **kw: Any) -> Any:
         raise WeightsError(f"{path}: cannot read weights ({e}); is the file truncated or corrupt?") from e
 
 
-def load_gguf(
-    path: Path, dtype: mx.Dtype, keep_quantized: KeepQuantized, numerics: Numerics,
-    spill: Path | None = None,
-) -> tuple[Any, Any, dict[str, Any]]:
-    from fx_engine.loading.gguf import read_gguf  # llama.cpp's reader, K-quants included
-
+def gguf_read_options(dtype: mx.Dtype, keep_quantized: KeepQuantized, numerics: Numerics) -> tuple[Any, bool]:
+    """(store_bits, compact) for `read_gguf`, as a model's load reads its GGUF: the widths
+    the kernels run and the scales' form they decode."""
     store_bits = None
     if callable(keep_quantized):
         # widths the kernels do not run (Q2_K, Q3_K), widened while reading (numpy, one
@@ -50,6 +48,16 @@ def load_gguf(
     # with the native kernels (float32), scales and biases in the compact forms they decode
     # themselves: K-quants two-level as the file stores them, legacy types as halves
     compact = callable(keep_quantized) and numerics.native and dtype == mx.float32
+    return store_bits, bool(compact)
+
+
+def load_gguf(
+    path: Path, dtype: mx.Dtype, keep_quantized: KeepQuantized, numerics: Numerics,
+    spill: Path | None = None,
+) -> tuple[Any, Any, dict[str, Any]]:
+    from fx_engine.loading.gguf import read_gguf  # llama.cpp's reader, K-quants included
+
+    store_bits, compact = gguf_read_options(dtype, keep_quantized, numerics)
     tensors, metadata = read_gguf(path, store_bits, compact, spill)
     family = gguf_family(metadata, str(path))
     cfg = family.config_from_gguf(metadata, str(path))

@@ -465,3 +465,83 @@ def write_glm4moe_mtp_gguf(path: Any, cfg: dict[str, Any], tensors: dict[str, mx
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# ---------------------------------------------------------------- target checkpoints that ship their modules
+
+
+def write_mtp_target(folder: Any, kind: str = "deepseek_v3", *, seed: int = 0, module_seed: int | None = None,
+                     **config: Any) -> Any:
+    """A tiny target folder of format `kind`'s family (deepseek_v3, glm4_moe, qwen3_next) whose
+    checkpoint also holds its MTP module under the published names, as the real checkpoints
+    store it (DeepSeek-V3 / GLM-4.5: model.layers.{N}.* with the copies of the tables;
+    Qwen3-Next: mtp.*): random module weights. `config` overrides config.json fields.
+    Returns the folder."""
+    import json
+    from pathlib import Path
+
+    from fx_engine.testing.tiny import write_tiny_model
+
+    extra = {"num_nextn_predict_layers": 1} if kind in ("deepseek_v3", "glm4_moe") else {}
+    folder = write_tiny_model(Path(folder), kind, seed=seed, **{**extra, **config})
+    d = json.loads((folder / "config.json").read_text())
+    trunk = dict(mx.load(str(folder / "model.safetensors")))
+    module = tiny_mtp_tensors(kind, d, seed=seed + 1 if module_seed is None else module_seed)
+    for k in range(max(1, int(d.get("num_nextn_predict_layers") or 1))):
+        pre = mtp_prefix(kind, d, k)
+        if kind in ("deepseek_v3", "glm4_moe"):  # the copies of the target's own tables
+            module[pre + "embed_tokens.weight"] = trunk["model.embed_tokens.weight"]
+            module[pre + "shared_head.head.weight"] = trunk.get("lm_head.weight", trunk["model.embed_tokens.weight"])
+    own = {n: a for n, a in module.items() if n not in ("model.embed_tokens.weight", "lm_head.weight")}
+    mx.save_safetensors(str(folder / "model.safetensors"), {**trunk, **own}, metadata={"format": "mlx"})
+    return folder
+
+
+def write_mtp_echo_target(folder: Any, *, seed: int = 0, scale: float = 1e-5) -> Any:
+    """A tiny DeepSeek-V3 target with an MTP module whose first draft is always right and whose
+    chained drafts are wrong: for tests that need both accepted and rejected drafts.
+
+    The embedding table pairs tokens 2i and 2i + 1 through R (e(2i + 1) = R e(2i), R flipping
+    the sign of the second half of the features: an involution, so e(pi(x)) = R e(x) with pi
+    swapping 2i and 2i + 1). The target's layers add nothing (o_proj, down_proj zero), its
+    final norm is 1 and its head maps x to pi(x): greedy output alternates x, pi(x), x, ...
+    The module's layer adds nothing too and its eh_proj is scale * [R, 3 R]: the first step
+    over the target's pair (h_t = norm(e(x_t)), x_{t+1}) is dominated by 3 R norm(h_t) ~
+    e(x_{t+1}), so it drafts pi(x_{t+1}) = x_{t+2} (right). A chained step's hidden state is
+    the module's own pre-norm output, `scale` small: far below sqrt(rms_norm_eps), hnorm
+    leaves it near zero, the embedding path R e(d) of its previous draft d = x_{t+2} = x_t
+    dominates and it drafts pi(pi(x_t)) = x_t again, where x_{t+3} = pi(x_t) (wrong).
+    Returns the folder."""
+    import json
+    from pathlib import Path
+
+    from fx_engine.testing.tiny import write_tiny_model
+
+    folder = write_tiny_model(Path(folder), "deepseek_v3", seed=seed, num_nextn_predict_layers=1,
+                              tie_word_embeddings=False)
+    d = json.loads((folder / "config.json").read_text())
+    h, v, n = d["hidden_size"], d["vocab_size"], d["num_hidden_layers"]
+    rng = np.random.default_rng(seed)
+    flip = np.concatenate([np.ones(h // 2), -np.ones(h - h // 2)])
+    base = rng.normal(0.0, 1.0, (v // 2, h))
+    table = np.empty((v, h))
+    table[0::2], table[1::2] = base, base * flip
+    swap = np.arange(v).reshape(-1, 2)[:, ::-1].reshape(-1)
+    w = dict(mx.load(str(folder / "model.safetensors")))
+    w["model.embed_tokens.weight"] = mx.array(table.astype(np.float32))
+    w["lm_head.weight"] = mx.array(table[swap].astype(np.float32))
+    w["model.norm.weight"] = mx.ones((h,))
+    pre = f"model.layers.{n}."
+    module = {k: a for k, a in tiny_mtp_tensors("deepseek_v3", d, seed=seed + 1).items() if k.startswith(pre)}
+    r = np.diag(flip)
+    module.update({pre + "enorm.weight": mx.ones((h,)), pre + "hnorm.weight": mx.ones((h,)),
+                   pre + "shared_head.norm.weight": mx.full((h,), 100.0),
+                   pre + "eh_proj.weight": mx.array((scale * np.concatenate([r, 3 * r], axis=1)).astype(np.float32)),
+                   pre + "embed_tokens.weight": w["model.embed_tokens.weight"],
+                   pre + "shared_head.head.weight": w["lm_head.weight"]})
+    w.update(module)
+    for name in list(w):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = mx.zeros_like(w[name])
+    mx.save_safetensors(str(folder / "model.safetensors"), w, metadata={"format": "mlx"})
+    return folder

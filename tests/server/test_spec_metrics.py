@@ -78,6 +78,28 @@ def test_an_eagle3_head_is_counted_under_its_kind(tmp_path) -> None:
     assert _value(metrics, "fx_spec_decode_num_accepted_tokens_total", drafter="eagle3") > 0
 
 
+def test_an_mtp_module_is_counted_under_its_kind_and_a_request_opts_out(tmp_path) -> None:
+    """serve --draft-model mtp: the checkpoint's own MTP module drafts (counted as
+    drafter="mtp"); a request with speculative_decoding: false gets the same text, no drafts."""
+    from fx_engine.engine.mtp_drafter import mtp_drafter_for
+    from fx_engine.testing.mtp import write_mtp_echo_target
+
+    model = fx_engine.load(write_mtp_echo_target(tmp_path / "echo"))
+    engine = fx_engine.Engine(model, max_rows=2)
+    app = create_app(engine, "echo", defaults={"draft_model": mtp_drafter_for(model)})
+    body = {"model": "echo", "prompt": "hello there", "max_tokens": 16, "temperature": 0}
+    with serve(app, engine) as (url, _):
+        with httpx.Client(base_url=url, timeout=120) as h:
+            on = h.post("/v1/completions", json=body)
+            assert on.status_code == 200
+            accepted = _value(h.get("/metrics").text, "fx_spec_decode_num_accepted_tokens_total", drafter="mtp")
+            off = h.post("/v1/completions", json={**body, "speculative_decoding": False})
+            assert off.status_code == 200 and _texts(off.json()) == _texts(on.json())
+            metrics = h.get("/metrics").text
+    assert accepted > 0 and _value(metrics, "fx_spec_decode_num_accepted_tokens_total", drafter="mtp") == accepted
+    assert 1 < _value(metrics, "fx_spec_decode_mean_accepted_length", drafter="mtp")
+
+
 def test_a_request_opts_out_of_speculation_on_every_route(default_model) -> None:
     """speculative_decoding: false (chat, completions, Anthropic messages, Responses): the
     same greedy text, and no drafts counted for it; a value of another type is a 400 naming

@@ -1,0 +1,331 @@
+"""MTP modules shipped in target checkpoints drafting inside the engine
+(fx_engine.engine.mtp_drafter): tiny targets whose checkpoint holds the module where the real
+ones do (DeepSeek-V3 and GLM-4.5: model.layers.{N}.*; Qwen3-Next, a hybrid recurrent target:
+mtp.*; GLM-4.5's GGUF: blk.{N}.nextn.*) load and draft; greedy output identical with and
+without the module (random modules: drafts rejected; an "echo" module whose first draft is
+always right and chained ones wrong: accepted and rejected drafts in every verify), batched
+rows equal to each request alone, the module's cache after rollbacks equal to a module fed
+the accepted sequence from scratch, no steady-state recompiles, grammars and sampled rows
+composing, `draft_model="mtp"`, the refusals, and the command line's flag and info line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import fx_engine
+from fx_engine.core.buckets import pow2_ceil
+from fx_engine.core.checkpoint import WeightsError
+from fx_engine.core.config import ConfigError
+from fx_engine.core.drafters import mtp
+from fx_engine.engine.captured_drafter import FLUSH_AT
+from fx_engine.engine.drafters import PromptLookup
+from fx_engine.engine.generate import reference_generate
+from fx_engine.engine.mtp_drafter import MtpDrafter, mtp_drafter_for
+from fx_engine.engine.speculation import SpeculationPolicy
+from fx_engine.testing.mtp import write_mtp_echo_target, write_mtp_target
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """kind -> (target, its drafter): tiny targets of the three families the engine loads,
+    each with a random MTP module in its checkpoint; batch-invariant (verify and decode give
+    bitwise-equal logits, so greedy identity is exact)."""
+    out = {}
+    for kind in ("deepseek_v3", "glm4_moe", "qwen3_next"):
+        model = fx_engine.load(write_mtp_target(tmp_path_factory.mktemp(kind) / kind, kind, seed=3),
+                               batch_invariant=True)
+        out[kind] = (model, MtpDrafter.from_model(model))
+    return out
+
+
+@pytest.fixture
+def steady_policy(monkeypatch):
+    """A test that counts drafts fixes the policy's K choice (its cost model weighs measured
+    seconds) to the longest draft's bucket; the per-row adaptation stays the policy's."""
+    monkeypatch.setattr(SpeculationPolicy, "choose_k",
+                        lambda self, rows, drafts, live, extra=0.0: pow2_ceil(max(n for _, n in drafts)))
+
+
+class Recording(MtpDrafter):
+    """The drafter, keeping its rows (to look at a row's module cache after generation)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.rows = []
+
+    def new_row(self, prompt, sampling):
+        row = super().new_row(prompt, sampling)
+        self.rows.append(row)
+        return row
+
+
+@pytest.fixture(scope="module")
+def echo(tmp_path_factory):
+    """(target, drafter) of `write_mtp_echo_target`: first drafts right, chained drafts wrong."""
+    model = fx_engine.load(write_mtp_echo_target(tmp_path_factory.mktemp("echo") / "t"), batch_invariant=True)
+    return model, Recording.from_model(model)
+
+
+def _prompt(model, n, offset=0):
+    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. 0123456789 def add(a, b): " * 8)
+    return ids[offset: offset + n]
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe", "qwen3_next"])
+def test_greedy_output_is_identical_with_a_random_module(targets, kind):
+    """Qwen3-Next's linear-attention layers roll their recurrent state back with the verify,
+    the module's attention cache by length: the output is the plain one."""
+    model, drafter = targets[kind]
+    assert drafter.kind == "mtp" and drafter.capture == mtp.target_capture(drafter.config, model.config.num_layers)
+    for n, k in ((9, 4), (40, 2)):
+        prompt = _prompt(model, n, offset=n)
+        ref = reference_generate(model, prompt, max_tokens=16, temperature=0.0)
+        got = fx_engine.generate(model, prompt, max_tokens=16, temperature=0.0, draft_model=drafter,
+                                 num_draft_tokens=k)
+        assert got.token_ids == ref.token_ids and got.finish_reason == ref.finish_reason
+        assert got.usage.drafted_tokens > 0 and got.usage.drafter == "mtp"
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_accepted_and_rejected_drafts_keep_greedy_output(echo, k, steady_policy):
+    model, drafter = echo
+    prompt = [5, 9, 17, 40, 30]
+    ref = reference_generate(model, prompt, max_tokens=20, temperature=0.0)
+    got = fx_engine.generate(model, prompt, max_tokens=20, temperature=0.0, draft_model=drafter,
+                             num_draft_tokens=k)
+    assert got.token_ids == ref.token_ids
+    assert got.usage.accepted_tokens > 0
+    if k == 1:  # every first draft is right
+        assert got.usage.accepted_tokens == got.usage.drafted_tokens
+    else:  # chained drafts are wrong: rejections (and the module's rollback) happen
+        assert got.usage.accepted_tokens < got.usage.drafted_tokens
+
+
+def test_the_modules_cache_after_rollbacks_is_a_module_fed_the_accepted_sequence(echo, steady_policy):
+    """After a generation full of rejected chained drafts, the row's module holds exactly
+    the pairs (the target's captured state at t, token t + 1) of the accepted sequence: its
+    latent K/V equal those of a fresh module fed the final sequence's pairs in one step."""
+    from fx_engine.core.steps import prefill_step
+
+    model, drafter = echo
+    drafter.rows.clear()
+    prompt = [5, 9, 17, 40, 3, 77]
+    got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, draft_model=drafter, num_draft_tokens=4)
+    assert got.usage.drafted_tokens > got.usage.accepted_tokens > 0
+    (row,) = drafter.rows
+    assert row.broken is None and row.fed > len(prompt)
+    seq = prompt + list(got.token_ids)
+    f = row.fed
+    _, _, states = prefill_step(model.params, model.new_cache(1, 64), mx.array([seq], mx.int32),
+                                mx.array([len(seq)], mx.int32), capture=drafter.capture)
+    fresh = drafter.new_cache(64)
+    _, _, fresh = mtp.mtp_forward(drafter.module, drafter.tables, states[:, :f], mx.array([seq[1: f + 1]]), fresh,
+                                  mx.array([f], mx.int32))
+    have = row.cache
+    assert have.lengths.tolist()[0] >= f  # (chained guesses past `fed` are dropped at the next propose)
+    for a, b in ((have.keys[0], fresh.keys[0]), (have.values[0], fresh.values[0])):
+        np.testing.assert_allclose(np.array(a[:, :, :f]), np.array(b[:, :, :f]), rtol=1e-5, atol=1e-5)
+    # the states the last step captured wait for their next tokens; fed now, the module
+    # drafts the token two ahead (right), then repeats it (its chained drafts are wrong)
+    c = row.captured
+    assert f < c < len(seq)
+    assert row.propose(seq[: c + 1], 2).tokens == (seq[c - 1], seq[c - 1])
+
+
+@pytest.mark.parametrize("which", ["random", "echo", "qwen3_next"])
+def test_batched_rows_equal_each_request_alone(targets, echo, which, steady_policy):
+    """Rows with the module, without a drafter and with prompt lookup, joining one step
+    apart, share prefill, decode and verify steps: every request's tokens equal its plain
+    greedy run alone."""
+    model, drafter = {"random": targets["deepseek_v3"], "echo": echo, "qwen3_next": targets["qwen3_next"]}[which]
+    kinds = [{"draft_model": drafter, "num_draft_tokens": 4}, {}, {"prompt_lookup": PromptLookup(1, 3)},
+             {"draft_model": drafter, "num_draft_tokens": 2}]
+    prompts = [_prompt(model, n, offset=3 * n) for n in (12, 30, 5, 47)]
+    alone = [reference_generate(model, p, max_tokens=16, temperature=0.0).token_ids for p in prompts]
+    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=16)
+    handles = []
+    for p, kw in zip(prompts, kinds):
+        handles.append(engine.submit(p, max_tokens=16, temperature=0.0, **kw))
+        engine.step()
+    results = [h.result() for h in handles]
+    engine.close()
+    assert [r.token_ids for r in results] == alone
+    assert results[0].usage.drafted_tokens > 0
+    if which == "echo":
+        assert results[0].usage.accepted_tokens > 0
+
+
+def test_long_prompts_feed_the_module_in_pieces(echo, steady_policy):
+    """A prompt longer than FLUSH_AT, prefilled in small chunks, feeds the module early (in
+    bounded pieces); a second request sharing its prefix does not restore it (the module
+    needs every position's state) and drafts as well."""
+    model, drafter = echo
+    drafter.rows.clear()
+    prompt = [int(x) for x in np.random.default_rng(0).integers(3, 380, size=FLUSH_AT + 40)]
+    ref = reference_generate(model, prompt, max_tokens=10, temperature=0.0)
+    engine = fx_engine.Engine(model, max_rows=2, prefill_chunk=64)
+    for _ in range(2):
+        got = engine.submit(prompt, max_tokens=10, temperature=0.0, draft_model=drafter).result()
+        assert got.token_ids == ref.token_ids and got.usage.accepted_tokens > 0
+        assert got.usage.cached_tokens == 0
+    engine.close()
+    assert all(r.broken is None for r in drafter.rows)
+
+
+def test_grammars_and_sampled_rows_compose(echo, steady_policy):
+    model, drafter = echo
+    kw = dict(max_tokens=10, temperature=0.0, regex="[a-z ]{1,12}")
+    plain = fx_engine.generate(model, [5, 9, 17], **kw)
+    spec = fx_engine.generate(model, [5, 9, 17], draft_model=drafter, num_draft_tokens=3, **kw)
+    assert spec.token_ids == plain.token_ids
+    # a sampled row (top_k=1: the target's draw is its argmax): deterministic drafts are
+    # verified exactly, so the output is the greedy one
+    ref = reference_generate(model, [5, 9, 17], max_tokens=16, temperature=0.0)
+    got = fx_engine.generate(model, [5, 9, 17], max_tokens=16, temperature=0.8, top_k=1, seed=3,
+                             draft_model=drafter, num_draft_tokens=3)
+    assert got.token_ids == ref.token_ids and got.usage.accepted_tokens > 0
+
+
+def test_no_recompiles_in_steady_state(echo, steady_policy):
+    """The module's steps are keyed on a few shapes (power-of-two pair counts, the span): a
+    third generation of the same shape compiles nothing new, neither the module nor the
+    target's capturing prefill, decode and verify steps."""
+    from fx_engine.core.steps import decode_step_compiled, prefill_step_compiled, verify_step_compiled
+
+    model, drafter = echo
+    prompt = [5, 9, 17, 40, 30]
+    fns = (mtp.mtp_step_compiled, prefill_step_compiled, decode_step_compiled, verify_step_compiled)
+    for _ in range(2):
+        fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, draft_model=drafter, num_draft_tokens=4)
+    before = [f.traces for f in fns]
+    got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, draft_model=drafter, num_draft_tokens=4)
+    assert got.usage.accepted_tokens > 0
+    assert [f.traces for f in fns] == before
+
+
+def test_draft_model_mtp_names_the_checkpoints_own_module(echo, tiny_folder):
+    model, _ = echo
+    first = mtp_drafter_for(model)
+    assert mtp_drafter_for(model) is first  # built once per model
+    assert mtp_drafter_for(model.with_max_context(512)) is first  # (its variants share the params)
+    ref = reference_generate(model, [5, 9, 17, 40], max_tokens=12, temperature=0.0)
+    got = fx_engine.generate(model, [5, 9, 17, 40], max_tokens=12, temperature=0.0, draft_model="mtp")
+    assert got.token_ids == ref.token_ids and got.usage.accepted_tokens > 0 and got.usage.drafter == "mtp"
+    with fx_engine.Engine(model, max_rows=2) as engine:
+        h = engine.submit([5, 9, 17, 40], max_tokens=12, temperature=0.0, draft_model="mtp")
+        assert h.result().token_ids == ref.token_ids
+    with pytest.raises(ValueError, match="the one name it takes is 'mtp'"):
+        fx_engine.generate(model, [5, 9], max_tokens=2, draft_model="eagle")
+    llama = fx_engine.load(tiny_folder("llama"))
+    with pytest.raises(ConfigError, match="ships no MTP module fx-engine can draft with .*model_type 'llama'"):
+        fx_engine.generate(llama, [5, 9], max_tokens=2, draft_model="mtp")
+
+
+def test_refusals(targets, echo, tmp_path):
+    model, drafter = targets["deepseek_v3"]
+    with pytest.raises(ValueError, match="tensor / pipeline parallelism"):
+        MtpDrafter(drafter.module, None, attrs.evolve(model, tensor_parallel=2))
+    with pytest.raises(ValueError, match="tensor / pipeline parallelism"):
+        MtpDrafter(drafter.module, None, attrs.evolve(model, pipeline_parallel=2))
+    # a module of another family or size than the target
+    glm, _ = targets["glm4_moe"]
+    with pytest.raises(ConfigError, match="DeepSeek-V3 format cannot draft for a glm4_moe target"):
+        MtpDrafter.load(model.path, glm)
+    # a config that declares a module its weights do not hold (mlx-lm's conversions drop it)
+    folder = write_mtp_target(tmp_path / "dropped", "deepseek_v3", seed=5)
+    w = {n: a for n, a in mx.load(str(folder / "model.safetensors")).items() if not n.startswith("model.layers.3.")}
+    mx.save_safetensors(str(folder / "model.safetensors"), w)
+    dropped = fx_engine.load(folder)
+    with pytest.raises(WeightsError, match=r"declares 1 MTP module but its weights hold no tensor under "
+                                           r"'model.layers.3.\*' \(mlx-lm's conversions"):
+        MtpDrafter.from_model(dropped)
+    from fx_engine.loading.drafter import mtp_summary
+
+    assert "but the weights do not hold it (dropped at conversion)" in mtp_summary(folder)
+    # a config without modules
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ConfigError, match=f"{folder}: the checkpoint ships no MTP module .*"
+                                          "'num_nextn_predict_layers' = 0"):
+        MtpDrafter.load(folder, dropped)
+
+
+def test_glm4moe_gguf_nextn_layer_drafts_as_the_safetensors_one(targets, tmp_path):
+    """llama.cpp's glm4moe GGUF keeps the MTP layer as blk.{N}.nextn.* with the layer's usual
+    tensors: a drafter read from it (only those tensors converted) drafts what the drafter
+    read from the safetensors folder drafts."""
+    from fx_engine.loading.drafter import mtp_summary
+    from fx_engine.testing.mtp import write_glm4moe_mtp_gguf
+
+    model, from_folder = targets["glm4_moe"]
+    cfg = json.loads((Path(model.path) / "config.json").read_text())
+    tensors = dict(mx.load(str(Path(model.path) / "model.safetensors")))
+    mine = {n: a for n, a in tensors.items() if n.startswith("model.layers.3.") or not n.startswith("model.layers.")}
+    path = write_glm4moe_mtp_gguf(tmp_path / "m.gguf", cfg, mine)
+    from_gguf = MtpDrafter.load(path, model)
+    assert mtp_summary(path) == "1 MTP (NextN) layer (glm4moe, from blk.3.nextn.*)"
+    prompt = _prompt(model, 20, offset=4)
+    for d in (from_folder, from_gguf):
+        ref = reference_generate(model, prompt, max_tokens=10, temperature=0.0)
+        got = fx_engine.generate(model, prompt, max_tokens=10, temperature=0.0, draft_model=d, num_draft_tokens=3)
+        assert got.token_ids == ref.token_ids and got.usage.drafted_tokens > 0
+    states = mx.random.normal((12, model.config.hidden_size), key=mx.random.key(1))
+    rows = [d.new_row([], None) for d in (from_folder, from_gguf)]
+    for r in rows:
+        r.observe(0, states)
+    drafts = [r.propose(prompt[:13], 3).tokens for r in rows]
+    assert len(drafts[0]) == 3 and drafts[0] == drafts[1]
+
+
+def test_command_line_flag_and_info_line(tmp_path, capsys):
+    """--draft-model mtp drafts with the checkpoint's own module (the same text as without
+    it, drafts accepted); `fx-engine info --model` names the module it ships."""
+    from fx_engine.cli import main
+
+    target = write_mtp_echo_target(tmp_path / "echo")
+    base = ["generate", "hello there", "--raw", "--model", str(target), "--max-tokens", "16"]
+    assert main(base) == 0
+    plain = capsys.readouterr()
+    assert main([*base, "--draft-model", "mtp"]) == 0
+    drafted = capsys.readouterr()
+    assert drafted.out == plain.out
+    assert "drafts accepted" in drafted.err and "drafts accepted 0/" not in drafted.err
+    assert main(["info", "--model", str(target)]) == 0
+    out = capsys.readouterr().out
+    assert ("speculative modules: 1 MTP module (DeepSeek-V3 format, from model.layers.3.*); "
+            "--draft-model mtp drafts with it") in out
+
+
+@pytest.mark.oracle  # (the adapter is made by mlx-lm's own LoRA layers: tools/oracle.py)
+def test_adapters_compose(tmp_path, steady_policy):
+    """A request on a LoRA adapter drafts from the adapted target's captured states; its
+    output is the adapted target's greedy output (and the base rows beside it the base's)."""
+    from fx_engine.loading.adapters import AdapterSet
+    from tools.oracle import write_mlx_lm_adapter
+
+    from fx_engine.testing import write_tiny_model
+
+    path = write_mtp_target(tmp_path / "ds", "deepseek_v3", seed=7)
+    model = attrs.evolve(fx_engine.load(path, batch_invariant=True), adapters=AdapterSet())
+    # (mlx-lm's loader refuses the MTP layer's tensors: the adapter is made on the same trunk without them)
+    trunk = write_tiny_model(tmp_path / "trunk", "deepseek_v3", seed=7, num_nextn_predict_layers=1)
+    adapter = write_mlx_lm_adapter(trunk, tmp_path / "ad", rank=4, scale=3.0, num_layers=3, init_scale=0.2, seed=1,
+                                   keys=["self_attn.o_proj", "self_attn.q_b_proj"])
+    fx_engine.load_adapter(model, adapter, name="ft")
+    drafter = MtpDrafter.from_model(model)
+    prompt = _prompt(model, 30, offset=7)
+    engine = fx_engine.Engine(model, max_rows=2, prefill_chunk=16)
+    tuned = engine.submit(prompt, max_tokens=12, temperature=0.0, adapter="ft", draft_model=drafter)
+    base = engine.submit(prompt, max_tokens=12, temperature=0.0, draft_model=drafter)
+    tuned, base = tuned.result(), base.result()
+    engine.close()
+    want = reference_generate(model, prompt, max_tokens=12, temperature=0.0, adapter="ft").token_ids
+    assert tuned.token_ids == want
+    assert base.token_ids == reference_generate(model, prompt, max_tokens=12, temperature=0.0).token_ids
+    assert tuned.token_ids != base.token_ids and tuned.usage.drafted_tokens > 0
