@@ -72,7 +72,7 @@ _PUBLIC = {
     "draft_sync": "core.speculative", "DraftSync": "core.speculative",
     "prefill": "engine.prefill", "Prefilled": "engine.prefill",
     "self_draft_model": "engine.drafters", "PromptLookup": "engine.drafters",
-    "Eagle3Drafter": "engine.eagle3_drafter",
+    "Eagle3Drafter": "engine.eagle3_drafter", "MtpDrafter": "engine.mtp_drafter",
 }
 _SUBPACKAGES = ("cli", "core", "engine", "loading", "runtime", "server", "testing", "tracing")
 

@@ -22,17 +22,43 @@ def pow2_floor(n: int) -> int:
 MIN_PIECE = 16  # the smallest padded prefill piece
 
 
-def prefill_pieces(start: int, end: int, chunk: int) -> list[tuple[int, int, int]]:
+def prefill_pieces(start: int, end: int, chunk: int,
+                   keep_whole: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int, int]]:
     """How a prompt's tokens [start, end) are fed in chunks: (position, tokens, padded size)
     per piece, every piece `chunk` tokens but the last, each padded to the power-of-two
     bucket of its length (at least MIN_PIECE): the shapes prefill steps compile for. The
     one chunking rule of the single-request paths (the reference loop, scoring, drafters);
     the engine's scheduler plans pieces of several requests under a step budget with the
-    same buckets."""
+    same buckets.
+
+    keep_whole: sorted [a, b) spans no piece may cut (an image's tokens attend to each
+    other: `vision.gemma3.image_token_runs`): a piece that would end inside one ends at its
+    start instead, or, when the span starts the piece, at its end (a piece longer than
+    `chunk`: `max_piece` says the longest). ValueError when `start` lies inside a span."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    return [(p, min(chunk, end - p), pow2_ceil(min(chunk, end - p), MIN_PIECE))
-            for p in range(start, end, chunk)]
+    if not keep_whole:
+        return [(p, min(chunk, end - p), pow2_ceil(min(chunk, end - p), MIN_PIECE))
+                for p in range(start, end, chunk)]
+    for a, b in keep_whole:
+        if a < start < b:
+            raise ValueError(f"prefill from position {start} would start inside the span [{a}, {b}) "
+                             "that must be fed whole (an image)")
+    out, p = [], start
+    while p < end:
+        e = min(p + chunk, end)
+        for a, b in keep_whole:
+            if a < e < b:
+                e = a if a > p else min(b, end)
+                break
+        out.append((p, e - p, pow2_ceil(e - p, MIN_PIECE)))
+        p = e
+    return out
+
+
+def max_piece(pieces: Sequence[tuple[int, int, int]]) -> int:
+    """The longest padded size of `prefill_pieces`' pieces (the ring headroom they need + 1)."""
+    return max((size for _, _, size in pieces), default=MIN_PIECE)
 
 
 def prefill_plan(lengths: Sequence[int], room: int, chunk: int = 512) -> tuple[int, list[tuple[int, int, int]]]:

@@ -282,9 +282,16 @@ class StepGeometry:
 
     span (static): dense entries attend over slots [0, span) only; the caller guarantees
     max(lengths) + T <= span <= capacity (see `span_bucket`). None: the whole capacity.
+
+    horizon [B, T] (optional): the last key position each query may see, in place of its
+    own position (Gemma 3's image tokens see their whole image during prefill:
+    `vision.gemma3.image_horizon`); the sliding-window test stays on the query's own
+    position. With a horizon the step is not causal, so attention is not blocked by the
+    causal tail (`causal`).
     """
 
-    def __init__(self, cache: KVCache, n_valid: mx.array, t: int, span: int | None):
+    def __init__(self, cache: KVCache, n_valid: mx.array, t: int, span: int | None,
+                 horizon: mx.array | None = None):
         self.t = t
         self.n_valid = n_valid
         self.keep_steps = cache.keep_steps  # recurrent entries keep per-position states
@@ -292,6 +299,8 @@ class StepGeometry:
         self.span = cache.capacity if span is None else span
         self.bounded = span is not None  # the span contract holds: blocked attention is safe
         self.positions = write_positions(cache.lengths, t)  # [B, T]
+        self.causal = horizon is None
+        self.horizon = self.positions if horizon is None else horizon
         offs = mx.arange(t, dtype=mx.int32)[None, :]
         self.valid = (offs < n_valid[:, None]) & (self.positions < cache.capacity)
         self.end = mx.minimum(cache.lengths + n_valid, cache.capacity)  # lengths after
@@ -338,7 +347,7 @@ class StepGeometry:
                 held = s[None, :]
             q = self.positions[:, :, None]
             k = held[:, None, :]
-            m = k <= q
+            m = k <= (q if self.causal else self.horizon[:, :, None])
             if ring:
                 m = m & (k >= 0)
             if window is not None:
@@ -400,7 +409,7 @@ def attend_entry(
         n = min(geo.span, spec.ring)
         mask = geo.mask(n, spec.window, spec.ring)
         # While the span fits in the ring, slot == position: the causal-tail blocking holds.
-        tail = geo.bounded and geo.span <= spec.ring
+        tail = geo.bounded and geo.causal and geo.span <= spec.ring
         return attention(q, entry.keys[:, :, :n], entry.values[:, :, :n], mask, scale,
                          numerics, causal_tail=tail, softcap=softcap, sinks=sinks)
     mask = geo.mask(geo.span, spec.window)
@@ -414,7 +423,7 @@ def attend_entry(
             mask, scale, spec.group_size, spec.bits, softcap=softcap, sinks=sinks,
         )
     return attention(q, entry.keys[:, :, : geo.span], entry.values[:, :, : geo.span], mask,
-                     scale, numerics, causal_tail=geo.bounded, softcap=softcap, sinks=sinks)
+                     scale, numerics, causal_tail=geo.bounded and geo.causal, softcap=softcap, sinks=sinks)
 
 
 def attend_latent(
@@ -432,7 +441,8 @@ def attend_latent(
     c, pe = entry.keys[:, :, : geo.span], entry.values[:, :, : geo.span]
     k = mx.concatenate([c, pe.astype(c.dtype)], axis=-1)
     q = mx.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)
-    return attention(q, k, c, geo.mask(geo.span, spec.window), scale, numerics, causal_tail=geo.bounded)
+    return attention(q, k, c, geo.mask(geo.span, spec.window), scale, numerics,
+                     causal_tail=geo.bounded and geo.causal)
 
 
 def advanced(cache: KVCache, layers: Sequence[Any], geo: StepGeometry) -> KVCache:

@@ -70,10 +70,11 @@ def past_capacity(cache: KVCache, n_valid: Int[mx.array, "B"], t: int) -> Bool[m
 
 def run_forward(
     params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
-    span: int | None, capture: Capture | None,
+    span: int | None, capture: Capture | None, images: Any = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache, mx.array | None]:
-    """The model's forward as every step runs it: (hidden, cache, captured or None)."""
-    out = forward(params, cache, tokens, n_valid, span, capture)
+    """The model's forward as every step runs it: (hidden, cache, captured or None).
+    images: the step's image rows (`vision.gemma3.ImageInput`; None: text only)."""
+    out = forward(params, cache, tokens, n_valid, span, capture, images=images)
     return (out[0], out[1], out[2] if capture is not None else None)
 
 
@@ -91,17 +92,21 @@ def mark_cut(h: Float[mx.array, "B T H"], cut: Bool[mx.array, "B T"]) -> Float[m
 def prefill_step(
     params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B C"], n_valid: Int[mx.array, "B"],
     span: int | None = None, adapters: Adapters | None = None, capture: Capture | None = None,
+    images: Any = None,
 ) -> tuple[Float[mx.array, "B V"], KVCache]:
     """Process a chunk of C tokens per row (rows at any positions; n_valid[b] <= C real
     tokens, the rest padding). Returns logits of each row's last valid token (garbage for
     rows with n_valid == 0, whose length does not move) and the cache with lengths += n_valid.
     span (static): attend over the first `span` cache slots (>= max(lengths) + C).
     A row whose last valid token lies past the capacity gets NaN logits.
+    images: the chunk's image rows (`core.vision.gemma3.ImageInput`; Gemma 3): spliced at
+    the image tokens, each image's tokens attending to the whole image; the chunk must hold
+    whole image runs. None: text only (the graph is unchanged).
     """
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
     cut = past_capacity(cache, n_valid, tokens.shape[1])
     params = with_adapters(params, adapters)
-    h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture)
+    h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture, images)
     last = mx.maximum(n_valid - 1, 0)[:, None]
     h_last = mx.take_along_axis(h, last[:, :, None], axis=1)  # [B, 1, H]
     h_last = mark_cut(h_last, mx.take_along_axis(cut, last, axis=1))[:, 0]
@@ -111,7 +116,7 @@ def prefill_step(
 def logits_step(
     params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B"] | Int[mx.array, "B T"],
     n_valid: Int[mx.array, "B"] | int | None = None, span: int | None = None,
-    adapters: Adapters | None = None, capture: Capture | None = None,
+    adapters: Adapters | None = None, capture: Capture | None = None, images: Any = None,
 ) -> tuple[Float[mx.array, "B V"] | Float[mx.array, "B T V"], KVCache]:
     """The forward alone: feed new tokens and return their logits (float32), no sampling.
 
@@ -119,7 +124,7 @@ def logits_step(
     -> logits [B, V]. tokens int32[B, T]: T per row -> logits at every position [B, T, V].
     n_valid: real tokens per row (default all of them; `state.active` works: 0 leaves a row
     untouched, its logits meaningless). Positions whose token did not fit in the cache are
-    NaN. span (static): as for the other steps.
+    NaN. span (static): as for the other steps. images: as for prefill_step.
     """
     cache = check_cache(cache)
     tokens = to_int_array(tokens, "tokens")
@@ -134,7 +139,7 @@ def logits_step(
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
     cut = past_capacity(cache, n_valid, tokens.shape[1])
     params = with_adapters(params, adapters)
-    h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture)
+    h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture, images)
     logits = hidden_to_logits(params, mark_cut(h, cut))
     return with_captured(((logits[:, 0] if one else logits), cache), captured)
 
@@ -142,25 +147,29 @@ def logits_step(
 def score_step(
     params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None, adapters: Adapters | None = None, capture: Capture | None = None,
+    images: Any = None,
 ) -> tuple[Float[mx.array, "B T V"], KVCache]:
     """Like prefill_step but returns logits at every position (teacher forcing, verify);
-    NaN at positions whose token did not fit in the cache."""
+    NaN at positions whose token did not fit in the cache. images: as for prefill_step."""
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
     cut = past_capacity(cache, n_valid, tokens.shape[1])
     params = with_adapters(params, adapters)
-    h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture)
+    h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture, images)
     return with_captured((hidden_to_logits(params, mark_cut(h, cut)), cache), captured)
 
 
 def hidden_step(
     params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None, adapters: Adapters | None = None, capture: Capture | None = None,
+    images: Any = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
     """Like prefill_step but returns the final-norm hidden states at every position (what
-    embedding models pool; no output head); NaN where a token did not fit."""
+    embedding models pool; no output head); NaN where a token did not fit. images: as for
+    prefill_step."""
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
     cut = past_capacity(cache, n_valid, tokens.shape[1])
-    h, cache, captured = run_forward(with_adapters(params, adapters), cache, tokens, n_valid, span, capture)
+    h, cache, captured = run_forward(with_adapters(params, adapters), cache, tokens, n_valid, span, capture,
+                                     images)
     return with_captured((mark_cut(h, cut), cache), captured)
 
 

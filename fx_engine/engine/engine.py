@@ -54,6 +54,7 @@ from fx_engine.engine.drafters import speculate
 from fx_engine.engine.emit import Emitter
 from fx_engine.engine.executor import Executor, LogitsProcessorError
 from fx_engine.engine.handles import RequestHandle
+from fx_engine.engine.image_prompt import EncoderCache, ImagePrompt, has_images, image_prompt, whole_images
 from fx_engine.engine.jobs import JobQueue, run_steps
 from fx_engine.engine.kv_rows import insert_row
 from fx_engine.engine.lockstep import (Ranks, RankMismatch, StepMessage, by_key, check_drafts, draft_ref, follow_step,
@@ -149,6 +150,8 @@ class Engine:
     lockstep / drafts: a tensor- or pipeline-parallel engine whose requests reach rank 0
       only (the other ranks `follow()`), and the draft models every rank loaded, in the same
       order (engine/lockstep.py).
+    encoder_cache_bytes: a multimodal model's image encodings kept by image content (an
+      image sent again is not re-encoded; engine/image_prompt.EncoderCache; 0: none).
     """
 
     def __init__(
@@ -172,6 +175,7 @@ class Engine:
         prefix_cache_entries: int | None = None,
         lockstep: bool = False,
         drafts: Sequence[Any] = (),
+        encoder_cache_bytes: int = 256 << 20,
     ):
         if not isinstance(max_rows, int) or max_rows < 1:
             raise ValueError(f"max_rows must be a positive integer, got {max_rows!r}")
@@ -187,6 +191,7 @@ class Engine:
         # Ring entries need headroom for the longest step: a prefill chunk or a verify.
         self._headroom = max(sched.normalize_chunk(prefill_chunk), MAX_DRAFT_TOKENS)
         self.cache_layout = model.cache_layout(self._headroom)
+        self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.prefix_cache = engine_store(model, self.cache_layout, prefix_cache_bytes, prefix_block_size,
                                          prefix_cache_dir, prefix_cache_disk_bytes, prefix_cache_entries)
         self.prefill_chunk = sched.normalize_chunk(prefill_chunk)
@@ -288,9 +293,13 @@ class Engine:
         if self._ranks is not None and self._ranks.follows:
             raise RuntimeError(f"rank {self._ranks.rank} follows rank 0 (lockstep): submit requests on "
                                "rank 0; call engine.follow() here")
+        image = None
+        if isinstance(prompt, ImagePrompt) or has_images(prompt):  # encoded once for the n choices
+            image = self._image_prompt(prompt, kwargs_list)
+            prompt = image.ids
         made = []
         for kw in kwargs_list:
-            made.append(self._make_request(prompt if not made else made[0][1], kw))
+            made.append(self._make_request(prompt if not made else made[0][1], kw, image))
         if self._ranks is not None and self._ranks.leads:  # what the other ranks will be sent
             for (req, ids), kw in zip(made, kwargs_list):
                 req.record = request_record(ids, self._draft_ref(kw), req.cfg.seed)
@@ -421,11 +430,41 @@ class Engine:
         """A lockstep request's arguments with its draft model as a lockstep.DraftRef."""
         return draft_ref(self._drafts, kw)
 
-    def _make_request(self, prompt: Any, kw: dict[str, Any]) -> tuple[_Request, list[int]]:
+    def _image_prompt(self, messages: Any, kwargs_list: Sequence[dict[str, Any]]) -> ImagePrompt:
+        """Chat messages with images: their prompt and image rows (`image_prompt`; or an
+        `ImagePrompt` made by the caller), after the refusals of what does not take images
+        yet."""
+        if self._ranks is not None:
+            raise ValueError("images: a sharded (tensor / pipeline parallel) engine does not take images yet")
+        for kw in kwargs_list:
+            for key in ("draft_model", "prompt_lookup", "prompt_logprobs"):
+                if kw.get(key) not in (None, False, 0):
+                    raise ValueError(f"{key} is not supported with images yet")
+            if kw.get("max_tokens") == 0:
+                raise ValueError("max_tokens=0 (scoring a prompt) is not supported with images yet")
+        if isinstance(messages, ImagePrompt):
+            image = messages
+            if self.model.vision is None:
+                raise ValueError("images: this engine's model has no vision tower")
+        else:
+            image = image_prompt(self.model, messages, cache=self.encoder_cache)
+        run = image.spans[0][1] - image.spans[0][0]
+        if run > self.prefill_chunk or sched.chunk_bucket(run) > self.step_token_budget - self.max_rows:
+            raise ValueError(f"images: an image is {run} tokens; a prefill piece holds whole images, so the "
+                             f"engine's prefill_chunk ({self.prefill_chunk}) must be >= {run} and its "
+                             f"step_token_budget ({self.step_token_budget}) >= max_rows + "
+                             f"{sched.chunk_bucket(run)}")
+        return image
+
+    def _make_request(self, prompt: Any, kw: dict[str, Any],
+                      image: ImagePrompt | None = None) -> tuple[_Request, list[int]]:
         """Validate and tokenize (the same validation as fx_engine.generate; prefill_chunk
-        is an engine setting here) and build the request's record, in the caller's thread."""
+        is an engine setting here) and build the request's record, in the caller's thread.
+        image: the prompt's images (then `prompt` is its ids)."""
         if self._ranks is not None and not self._ranks.lockstep and kw.get("seed") is None:
             kw = {**kw, "seed": spmd_seed()}
+        if image is not None:
+            kw = {k: v for k, v in kw.items() if k not in ("chat", "chat_template")}
         r = parse_request(self.model, prompt, **kw)
         ids, max_tokens = r.ids, r.max_tokens
         self.budget.check_fits(len(ids), max_tokens)
@@ -440,8 +479,13 @@ class Engine:
             # the prefix-cache scope of an adapter's rows: its contents' fingerprint (never
             # shared with the base or another adapter; stable across restarts for the disk tier)
             salt = f"\x00adapter:{r.adapter.fingerprint}\x00{salt or ''}"
+        if image is not None:
+            # the prefix-cache scope holds the images' content: a prefix is reused only by a
+            # prompt with the same images (a follow-up turn), never by other pixels
+            salt = f"\x00images:{','.join(image.digests)}\x00{salt or ''}"
         req = _Request(None, ids, r.sampling, max_tokens, out, r.processors, r.drafter,
                        r.num_draft_tokens, salt, grammar)
+        req.image = image
         req.slot = 0 if r.adapter is None else r.adapter.slot
         if r.prompt_logprobs is not None:
             req.plp = r.prompt_logprobs
@@ -655,8 +699,9 @@ class Engine:
         prefilling = self._prefilling
         return sched.plan_step(
             sum(r is not None for r in self._batch.rows),
-            [(r.handle.id, len(r.ids) - r.prefilled, self.budget.prefill_slots(len(r.ids)))
-             for r in prefilling],
+            [(r.handle.id, len(r.ids) - r.prefilled if r.image is None else
+              whole_images(r.image.spans, r.prefilled, min(len(r.ids) - r.prefilled, self.prefill_chunk)),
+              self.budget.prefill_slots(len(r.ids))) for r in prefilling],
             self.prefill_chunk, self.step_token_budget, self.max_rows,
             scoring={r.handle.id for r in prefilling if r.plp is not None}, intake=intake,
         )

@@ -13,11 +13,12 @@ says and reads the results back, once per call:
 * the decode or verify step (`decode`, `verify`), after the plan's cache growth and grammar
   masks, returning a `StepResult` for the one emit loop (engine/emit.py).
 
-Rows whose drafter reads the target's hidden states (`drafters.capture_of`: EAGLE-3 heads)
-make every step over them capture those states in the same forward (`step_capture`); the
-executor hands each such row's drafter the states of the positions the step kept
-(`drafters.observe_captured`: a prefill's chunk, a decode's position, a verify's accepted
-ones). Such a request does not restore a cached prefix (its drafter needs every position).
+Rows whose drafter reads the target's hidden states (`drafters.capture_of`: EAGLE-3 heads,
+MTP modules) make every step over them capture those states in the same forward
+(`step_capture`); the executor hands each such row's drafter the states of the positions
+the step kept (`drafters.observe_captured`: a prefill's chunk, a decode's position, a
+verify's accepted ones). Such a request does not restore a cached prefix (its drafter
+needs every position).
 
 Failures are contained where they happen: a prefill call's failure fails its rows, a
 row's logits processor or grammar fails that row, through the emitter.
@@ -35,6 +36,7 @@ from fx_engine.core.adapters import Adapters
 from fx_engine.core.cache import KVCache, span_bucket
 from fx_engine.core.sampling import top_logprobs
 from fx_engine.core.state import DecodeState, init_state
+from fx_engine.engine.image_prompt import step_images, whole_images
 from fx_engine.core.steps import (decode_step_compiled, prefill_step_compiled, sample_step_compiled,
                                   score_step_compiled, verify_step_compiled)
 from fx_engine.core.tree import tree_leaves, tree_replace
@@ -136,6 +138,8 @@ class Executor:
             self.trace("prefix_error", request=req.handle.id, error=repr(e))
         if self.ranks is not None:
             entry, m = self.ranks.agree_prefix(entry, m)
+        if entry is not None and req.image is not None and whole_images(req.image.spans, 0, m) != m:
+            entry, m = None, 0  # (a prefix ending inside an image: prefilled whole instead)
         try:
             if entry is None:
                 return
@@ -185,10 +189,14 @@ class Executor:
             try:
                 if self.fault_hook is not None:
                     self.fault_hook("prefill", req.handle)
+                if req.image is not None:  # a piece never cuts an image (its tokens see each other)
+                    n = whole_images(req.image.spans, req.prefilled, n)
+                    if n == 0:  # the budget left too little for the next image: a later step
+                        continue
                 ok.append((req, n))
             except Exception as e:
                 self.emitter.fail(req, e)
-        if len(ok) == len(call.pieces):
+        if len(ok) == len(call.pieces) and all(n == m for (_, n), (_, m) in zip(ok, call.pieces)):
             return self._prefill_rows(call.size, ok, call.score)
         done: list[Any] = []
         at = {id(r): r for r, _ in ok}
@@ -218,10 +226,16 @@ class Executor:
             t0 = time.perf_counter()
             step = score_step_compiled if score else prefill_step_compiled
             capture = step_capture(reqs)
+            img = {}
+            if self.model.vision is not None and any(r.image is not None for r in reqs):
+                images = step_images([(r, s, n) for (r, n), s in zip(pieces, starts)],
+                                     self.model.vision.config.image_token_index)
+                img = {} if images is None else {"images": images}
             out = step(
                 self.params, cache, mx.array(tokens, mx.int32),
                 mx.array([n for _, n in pieces], mx.int32),
                 span=span_bucket(max(starts) + size, cap), adapters=self.adapters(reqs), capture=capture,
+                **img,
             )
             logits, cache = out[0], out[1]
             captured = out[2] if capture is not None else None

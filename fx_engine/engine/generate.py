@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import mlx.core as mx
 import numpy as np
 
-from fx_engine.core.buckets import prefill_pieces
+from fx_engine.core.buckets import max_piece, prefill_pieces
 from fx_engine.core.cache import span_bucket
 from fx_engine.engine.kv_rows import resize
 from fx_engine.loading.model import Model
@@ -30,6 +30,8 @@ from fx_engine.core.tree import tree_leaves
 from fx_engine.engine.output import TokenOutput
 from fx_engine.engine.request import (PREFILL_CHUNK, Completion, TextDelta, Usage, apply_processors, bucket, parse_request, prompt_ids, xtc_special_tokens)
 from fx_engine.engine.stops import StopMatcher
+from fx_engine.engine.image_prompt import ImagePrompt, has_images, image_prompt
+from fx_engine.core.vision.gemma3 import ImageInput
 
 MIN_CAPACITY = 256
 
@@ -47,6 +49,28 @@ def stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
     return iter(_submit(model, prompt, kwargs))  # validated now; steps run as you iterate
 
 
+def _image_stream(model: Model, messages: Any, kwargs: dict[str, Any]) -> tuple[list[int], Iterator[TextDelta]]:
+    """(prompt ids, deltas) of chat messages with images (`image_prompt`) on the reference
+    loop, its prefill chunks holding whole images. Validated and the images encoded now."""
+    kwargs = dict(kwargs)
+    for key in ("prompt_cache_dir", "draft_model", "prompt_lookup", "prompt_logprobs"):
+        if kwargs.get(key) not in (None, False, 0):
+            raise ValueError(f"{key} is not supported with images yet")
+    if kwargs.get("max_tokens") == 0:
+        raise ValueError("max_tokens=0 (scoring a prompt) is not supported with images yet")
+    kwargs.pop("chat", None)
+    ip = image_prompt(model, messages, chat_template=kwargs.pop("chat_template", None))
+    r = parse_request(model, ip.ids, **kwargs)
+    grammar = None
+    if r.constraint is not None:
+        from fx_engine.engine.constraints import RowGrammar, grammar_tokenizer
+
+        grammar = RowGrammar(r.constraint, grammar_tokenizer(
+            model.tokenizer, model.config.vocab_size, model.eos_ids))
+    return r.ids, _reference_run(model, r.ids, r.sampling, r.max_tokens, r.stops, r.n_top > 0,
+                                 r.prefill_chunk, r.processors, grammar, r.adapter, image=ip)
+
+
 def _submit(model: Model, prompt: Any, kwargs: dict[str, Any]) -> Any:
     """A one-row Engine's handle for this request (its steps run as the caller waits)."""
     from fx_engine.engine.engine import Engine  # engine.py imports this module's types
@@ -61,6 +85,8 @@ def _submit(model: Model, prompt: Any, kwargs: dict[str, Any]) -> Any:
 
 def reference_stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextDelta]:
     """`stream` without the Engine: the plain single-request loop (same arguments)."""
+    if has_images(prompt):
+        return _image_stream(model, prompt, kwargs)[1]
     r = parse_request(model, prompt, **kwargs)
     if r.prompt_logprobs is not None or r.max_tokens == 0:
         raise ValueError("prompt_logprobs / max_tokens=0: the reference loop does not score "
@@ -78,7 +104,7 @@ def reference_stream(model: Model, prompt: Any, **kwargs: Any) -> Iterator[TextD
 def _reference_run(
     model: Model, ids: list[int], cfg: SamplingConfig, max_tokens: int, stops: StopMatcher,
     want_logprobs: bool, prefill_chunk: int, processors: tuple = (), grammar: Any = None,
-    adapter: Any = None,
+    adapter: Any = None, image: ImagePrompt | None = None,
 ) -> Iterator[TextDelta]:
     tok = model.tokenizer
     # the row's adapter as a step input (slot `adapter.slot` of the model's adapter bank)
@@ -100,13 +126,21 @@ def _reference_run(
     # Padding of the last chunk goes to the cache's sink slot: room for the prompt and the
     # first decoded token is enough; decode grows the cache by buckets.
     capacity = bucket(len(ids) + 1, MIN_CAPACITY)
-    cache = model.new_cache(1, capacity, headroom=chunk)
+    # images: no chunk cuts an image (its tokens attend to each other), so a chunk may
+    # grow past `chunk` to hold one, and the rings need the headroom
+    pieces = prefill_pieces(0, len(ids), chunk, image.spans if image is not None else ())
+    cache = model.new_cache(1, max(capacity, max_piece(pieces)), headroom=max(chunk, max_piece(pieces)))
     logits = None
-    for start, n, size in prefill_pieces(0, len(ids), chunk):
+    for start, n, size in pieces:
         padded = ids[start : start + n] + [0] * (size - n)
+        img = {}
+        if image is not None and any(a < start + n and start < b for a, b in image.spans):
+            before = sum(min(b, start) - a for a, b in image.spans if a < start)  # image rows used
+            img = {"images": ImageInput(rows=image.rows, start=mx.array([before], mx.int32),
+                                        token_index=model.vision.config.image_token_index)}
         logits, cache = prefill_step_compiled(
             params, cache, mx.array([padded], mx.int32), mx.array([n], mx.int32),
-            span=span_bucket(start + size, cache.capacity), **ad,
+            span=span_bucket(start + size, cache.capacity), **ad, **img,
         )
         mx.eval(logits, *tree_leaves(cache))
     state = init_state([cfg], [ids], c.vocab_size, special_token_ids=xtc_special_tokens(model))
@@ -177,12 +211,16 @@ def _collect(ids: tuple[int, ...], deltas: Iterator[TextDelta], want_logprobs: b
 
 
 def generate(model: Model, prompt: Any, **kwargs: Any) -> Completion:
-    """Generate a whole completion; takes the same arguments as `stream`."""
+    """Generate a whole completion; takes the same arguments as `stream`. Chat messages
+    may hold images (engine/image_prompt.py: a multimodal model's)."""
     return _submit(model, prompt, kwargs).result()
 
 
 def reference_generate(model: Model, prompt: Any, **kwargs: Any) -> Completion:
     """`generate` without the Engine (the reference loop)."""
+    if has_images(prompt):
+        ids, deltas = _image_stream(model, prompt, kwargs)
+        return _collect(tuple(ids), deltas, bool(kwargs.get("logprobs")))
     ids = tuple(prompt_ids(model, prompt, kwargs.get("chat")))
     return _collect(ids, reference_stream(model, prompt, **kwargs), bool(kwargs.get("logprobs")))
 

@@ -15,6 +15,7 @@ import attrs
 from fx_engine.core.buckets import pow2_ceil
 from fx_engine.loading.model import Model
 from fx_engine.core.sampling import SamplingConfig
+from fx_engine.engine.image_prompt import has_images
 from fx_engine.engine.stops import StopMatcher
 
 PREFILL_CHUNK = 512
@@ -166,6 +167,9 @@ def text_bytes(x: Any) -> int:
 
 def prompt_ids(model: Model, prompt: Any, chat: bool | None = None) -> list[int]:
     """Token ids for a str prompt, a list of token ids, or a list of chat messages."""
+    if has_images(prompt):  # (never rendered without its image rows: that would be silently wrong)
+        raise ValueError("prompt: chat messages with images go through fx_engine.generate / stream / "
+                         "Engine.submit (which encode the images); token ids cannot carry them")
     tok = model.tokenizer
     if isinstance(prompt, (str, list, tuple)) and not (
             prompt and all(isinstance(t, int) for t in prompt)):
@@ -285,8 +289,9 @@ def parse_request(
     eagerly on this request's row before sampling (see `apply_processors`); penalties and
     logit_bias apply after them. A processor that raises fails this request only.
     Speculative decoding (exact: greedy output is unchanged, sampled output has the target's
-    distribution): draft_model (a smaller Model with the same tokenizer, or any drafter with
-    `new_row`, see fx_engine.engine.drafters), or prompt_lookup=True (n-gram drafting from
+    distribution): draft_model (a smaller Model with the same tokenizer, any drafter with
+    `new_row`, see fx_engine.engine.drafters, or "mtp": the MTP module the model's own
+    checkpoint ships, `MtpDrafter.from_model`), or prompt_lookup=True (n-gram drafting from
     the prompt and generated text; or a PromptLookup(ngram_min, ngram_max)); at most
     num_draft_tokens drafts per step (default 4; adapted per row from its acceptance).
     cache_salt: scopes prefix-cache reuse (vLLM's field): a request restores only KV that
@@ -376,7 +381,7 @@ def parse_request(
     for i, f in enumerate(procs):
         if not callable(f):
             raise ValueError(f"logits_processors[{i}] must be callable, got {type(f).__name__}")
-    drafter, k = _parse_speculation(draft_model, num_draft_tokens, prompt_lookup)
+    drafter, k = _parse_speculation(draft_model, num_draft_tokens, prompt_lookup, model)
     if drafter is not None and procs:
         raise ValueError("logits_processors cannot be combined with speculative decoding "
                          "(draft_model / prompt_lookup)")
@@ -408,11 +413,20 @@ def _clamp_windows(cfg: SamplingConfig, most: int) -> SamplingConfig:
 MAX_DRAFT_TOKENS = 16
 
 
-def _parse_speculation(draft_model: Any, num_draft_tokens: Any, prompt_lookup: Any) -> tuple[Any, int]:
+def _parse_speculation(draft_model: Any, num_draft_tokens: Any, prompt_lookup: Any,
+                       model: Any = None) -> tuple[Any, int]:
     from fx_engine.engine.drafters import PromptLookup, as_drafter
 
     if draft_model is not None and prompt_lookup not in (False, None):
         raise ValueError("give draft_model or prompt_lookup, not both")
+    if isinstance(draft_model, str):
+        if draft_model != "mtp":
+            raise ValueError(f"draft_model={draft_model!r}: the one name it takes is 'mtp' (the MTP module "
+                             "shipped in the model's own checkpoint); a draft model is passed loaded "
+                             "(fx_engine.load(path)), a head as a drafter (Eagle3Drafter.load(path, model))")
+        from fx_engine.engine.mtp_drafter import mtp_drafter_for
+
+        draft_model = mtp_drafter_for(model)
     drafter = as_drafter(draft_model)
     if prompt_lookup is True:
         drafter = PromptLookup()

@@ -23,7 +23,7 @@ class RequestState:
         "handle", "ids", "cfg", "max_tokens", "out", "generated", "want_logprobs", "need",
         "prefilled", "pcache", "row", "cache_len", "phase", "t_admit", "t_first", "row_state",
         "processors", "drafter", "row_drafter", "spec", "cached", "salt", "grammar", "plp",
-        "slot", "record",
+        "slot", "record", "image",
     )
 
     def __init__(self, handle, ids, cfg, max_tokens, out, processors=(), drafter=None,
@@ -58,3 +58,5 @@ class RequestState:
         # lockstep rank 0: the record the other ranks have not been sent yet (None: sent,
         # or not lockstep)
         self.record: Any = None
+        # a prompt with images (engine/image_prompt.ImagePrompt: its rows, runs, digests), or None
+        self.image: Any = None

@@ -26,6 +26,7 @@ from fx_engine.core.cache import KVCache, LayerSpec, init_cache
 from fx_engine.core.models import AnyParams, cache_layout
 from fx_engine.core.adapters import map_linears
 from fx_engine.core.nn import MatmulPlan, Numerics, interleave_for_a8, linears, row_major
+from fx_engine.core.config import ConfigError
 from fx_engine.core.tree import tree_leaves
 
 QUANTIZED_KV_START = 5000  # mlx-lm's default: short contexts keep a float cache
@@ -58,6 +59,11 @@ class Model:
     # A cap on the context below the model's own (`with_max_context`; CLI --max-kv-size):
     # prompt + max_tokens beyond it is refused. None: the model's max_position_embeddings.
     max_context: int | None = None
+    # A multimodal checkpoint's image path (issue 46): the vision tower and projector's
+    # params (`core.vision`, e.g. gemma3.Gemma3VisionParams; None: a text-only model) and
+    # the folder's preprocessing rules (`loading.images.ImageProcessorConfig`)
+    vision: Any = attrs.field(default=None, eq=False)
+    image_processor: Any = attrs.field(default=None, eq=False)
 
     @property
     def context_length(self) -> int:
@@ -357,13 +363,42 @@ def load(
         report = plan.choose(params)  # measured once per machine and shape (cached)
         if report is not None:
             params = attrs.evolve(params, numerics=attrs.evolve(numerics_, matmul=report.plan))
+    vision, processor = (None, None) if p.is_file() else _load_image_path(p, raw, mx_dtype, keep, numerics_)
     model = Model(
         config=cfg, params=params, tokenizer=tokenizer, path=str(p),
         fingerprint=fingerprint, weight_format=f"{fmt} -> {quant_kinds}",
         matmul_report=report, tensor_parallel=tensor_parallel or 1,
-        pipeline_parallel=pipeline_parallel or 1,
+        pipeline_parallel=pipeline_parallel or 1, vision=vision, image_processor=processor,
     )
     return model.with_kv_cache(kv_bits, kv_group_size, quantized_kv_start).with_kv_dtype(kv_dtype)
+
+
+def _load_image_path(folder: Path, raw: dict[str, Any], dtype: Any, keep: Any,
+                     numerics: Numerics) -> tuple[Any, Any]:
+    """(vision params, preprocessing rules) of a multimodal folder whose image path
+    fx-engine runs (`core.vision.VISION_MODULES`: a vision_config beside the text model);
+    (None, None) for a text-only model. A folder without preprocessor_config.json gets
+    the processor's defaults at the tower's image size."""
+    from fx_engine.core.vision import VISION_MODULES
+    from fx_engine.loading.images import ImageProcessorConfig, read_processor_config
+    from fx_engine.loading.vision import load_vision
+
+    if raw.get("model_type") not in VISION_MODULES or not isinstance(raw.get("vision_config"), dict):
+        return None, None
+    try:
+        with working(f"loading {folder.name}'s vision tower"):
+            vision = load_vision(folder, dtype, keep, numerics)
+            mx.eval(tree_leaves(vision))
+        size = vision.config.image_size
+        if (folder / "preprocessor_config.json").exists():
+            processor = read_processor_config(folder, size)
+        else:
+            processor = ImageProcessorConfig(height=size, width=size)
+    except (ConfigError, WeightsError) as e:
+        # the text model still runs (as before the image path existed); images are refused
+        warnings.warn(f"{folder}: the image path is not loaded, images will be refused ({e})", stacklevel=3)
+        return None, None
+    return vision, processor
 
 
 NUMERICS = ("auto", "exact", "int8")

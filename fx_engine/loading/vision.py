@@ -2,9 +2,11 @@
 vision part and the vision tower's / projector's tensors of a Hugging Face or
 mlx-community folder, into the pure core's params (fx_engine/core/vision/).
 
-The text model of the same folder loads as before (`fx_engine.load`, which drops these
-tensors); the engine does not yet feed images to it (see fx_engine/core/vision/gemma3.py
-for what it will need).
+`fx_engine.load` reads the text model of the same folder (dropping these tensors from it)
+and this image path onto `Model.vision` (with the folder's preprocessing rules on
+`Model.image_processor`); `fx_engine.generate(model, messages_with_images)`
+(engine/image_prompt.py) encodes the images and prefills the text model with their rows
+(`core.vision.gemma3.ImageInput`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry, write_positions
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Reader, TensorSource,
                                        TensorSpec, Vec, finish_experts, fuse_experts, read_expert_stack, read_tensors,
                                        renamed)
@@ -41,6 +41,7 @@ from fx_engine.core.models.skeleton import (PipelineStage, cut_layers, hands_on,
 from fx_engine.core.nn import (Linear, Numerics, apply_rope, capped, embed, gelu_tanh, linear, rms_norm, rope_tables, routed_mixture)
 from fx_engine.core.splits import split, split_cols, split_experts, split_head, split_mlp, split_rows, split_vocab
 from fx_engine.core.tree import static_field
+from fx_engine.core.vision.gemma3 import ImageInput, check_image_input, image_horizon, splice_images
 
 
 # Multimodal checkpoints whose text model fx-engine runs (the vision/audio towers are
@@ -451,21 +452,39 @@ def _experts(moe: MoEBlock, h: mx.array, eps: float, num: Numerics) -> mx.array:
 
 def forward(
     p: GemmaParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
-    span: int | None = None,
+    span: int | None = None, images: ImageInput | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
     """Same contract as `skeleton.decoder_step`, written out: a pipeline stage hands on the
-    per-layer inputs' source and shared layers' K/V with the stream."""
+    per-layer inputs' source and shared layers' K/V with the stream.
+
+    images (Gemma 3 only): the step's image embedding rows, spliced in place of the image
+    tokens' embeddings after the sqrt(hidden) scaling, and (`images.bidirectional`) the
+    tokens of each image attending to the whole image (`vision.gemma3.image_horizon`)."""
     cfg, num = p.config, p.numerics
     b, t = tokens.shape
     dt = getattr(mx, p.dtype)
     eps = cfg.rms_norm_eps
     clip = cfg.model_type == "gemma3_text"  # mlx-lm's clip_residual
-    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
+    horizon = None
+    if images is not None:
+        if cfg.model_type != "gemma3_text" or cfg.stage_kv_in or cfg.stage_kv_out:
+            raise ValueError(f"images: a {cfg.model_type} text model takes no image rows (Gemma 3's does)")
+        images = check_image_input(images, b, cfg.hidden_size)
+        if images.bidirectional:
+            horizon = image_horizon(tokens, write_positions(cache.lengths, t), images.token_index)
+    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span, horizon)
     flat = tokens.reshape(-1)
     hid, pli_on = cfg.hidden_size, p.embed_per_layer is not None
     kv_widths = [cfg.handed_kv_width(kind) for kind in cfg.stage_kv_in]
-    h = stage_input(p, b * t, lambda: embed(flat, p.embed).astype(dt) * mx.array(cfg.embed_scale, dt),
-                    width=hid * (2 if pli_on else 1) + sum(kv_widths))
+
+    def embeddings() -> mx.array:
+        e = embed(flat, p.embed).astype(dt) * mx.array(cfg.embed_scale, dt)
+        if images is None:
+            return e
+        return splice_images(e.reshape(b, t, hid), tokens, images.rows, images.token_index,
+                             images.start).reshape(b * t, hid)
+
+    h = stage_input(p, b * t, embeddings, width=hid * (2 if pli_on else 1) + sum(kv_widths))
     h0, handed_kv = h, {}  # the embeddings (per-layer inputs' source); K/V handed in
     if later_stage(p):  # a pipeline stage's stream: [h | embeddings | K, V per kind handed in]
         widths = [hid] + [hid] * pli_on + kv_widths

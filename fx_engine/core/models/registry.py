@@ -145,12 +145,20 @@ def config_from_gguf(md: dict[str, Any], source: str) -> Any:
 
 
 def forward(params: Any, cache: Any, tokens: Any, n_valid: Any, span: int | None = None,
-            capture: Capture | None = None) -> Any:
+            capture: Capture | None = None, images: Any = None) -> Any:
     """The family's forward: (final hidden [B, T, H], cache); with a `skeleton.Capture`,
     (hidden, cache, captured [B, T, points * H]), the captured states of every position
     from the same forward. A family whose forward does not go through
-    `skeleton.decoder_step` refuses capture (CaptureError naming its model type)."""
+    `skeleton.decoder_step` refuses capture (CaptureError naming its model type).
+    images: a `vision.gemma3.ImageInput` (the step's image rows; Gemma 3 text models only,
+    without capture); None: text only."""
     family = family_of(params)
+    if images is not None:
+        if family.name != "gemma" or capture is not None:
+            kind = getattr(params.config, "model_type", family.name)
+            raise ValueError(f"images: {kind} models take no image rows" if capture is None else
+                             "images: a step with images does not capture hidden states")
+        return family.forward(params, cache, tokens, n_valid, span, images=images)
     if capture is None:
         return family.forward(params, cache, tokens, n_valid, span)
     if not isinstance(capture, Capture):

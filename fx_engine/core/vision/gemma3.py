@@ -21,7 +21,8 @@ multiplies every embedding by bfloat16(sqrt(text hidden)): the same where hidden
 the text model's and its square root is exact in bfloat16, else off by their ratio; its
 `config.hidden_size` defaults to 2048 when the top-level config.json does not say.)
 
-Attention over image tokens (what the text model must do; not done here): Hugging Face
+Attention over image tokens (the text model's forward does it for a step given an
+`ImageInput`: fx_engine/core/models/gemma.py, through `StepGeometry`'s horizon): Hugging Face
 (transformers 5.x, `create_masks_for_vision_model`, fed by the processor's token_type_ids
 = 1 exactly at the soft tokens) makes the tokens of one image run attend to each other
 bidirectionally during prefill: full-attention layers use causal OR same-image, sliding
@@ -266,6 +267,40 @@ def expand_image_text(text: str, cfg: Gemma3VisionConfig, n_images: int | None =
     if n_images is not None and found != n_images:
         raise ValueError(f"the prompt has {found} {boi} placeholder(s), but {n_images} image(s) were given")
     return text.replace(boi, f"\n\n{boi}{image * cfg.mm_tokens_per_image}{eoi}\n\n")
+
+
+@attrs.frozen
+class ImageInput:
+    """A step's image rows (an argument of the step functions; None: a text-only step,
+    whose graph is unchanged).
+
+    rows: the image embedding rows [M, H] (`encode_images`' [N, mm, H] flattened) of every
+    image any row of the step reads; start: per row, the index in `rows` of the row its
+    first image token in this step takes (the images of a row are consecutive rows, in
+    prompt order; a chunk after part of a row's images starts past them). Positions
+    holding `token_index` take rows in order (`splice_images`). bidirectional: the tokens
+    of one image attend to each other (Hugging Face's Gemma 3 prefill rule,
+    `image_horizon`); False: plain causal (mlx-vlm's generation). A step's chunk must hold
+    whole image runs (the shell plans chunks so: `image_token_runs`)."""
+
+    rows: Float[mx.array, "M H"]
+    start: Int[mx.array, "B"]
+    token_index: int = static_field()
+    bidirectional: bool = static_field(default=True)
+
+
+def check_image_input(images: Any, rows: int, hidden: int) -> ImageInput:
+    """Trace-time check of a step's `images` argument (rows [M, H] or [N, mm, H], start [B])."""
+    if not isinstance(images, ImageInput):
+        raise TypeError(f"images must be a fx_engine.core.vision.gemma3.ImageInput, got {type(images).__name__}")
+    r = images.rows
+    if r.ndim not in (2, 3) or r.shape[-1] != hidden or r.shape[0] == 0:
+        raise ValueError(f"images.rows must be [M, {hidden}] (or [N, mm, {hidden}]) image embedding rows, got "
+                         f"shape {tuple(r.shape)}")
+    if images.start.ndim != 1 or images.start.shape[0] != rows:
+        raise ValueError(f"images.start must be int32[{rows}] (one index per row), got shape "
+                         f"{tuple(images.start.shape)}")
+    return attrs.evolve(images, rows=r.reshape(-1, hidden)) if r.ndim == 3 else images
 
 
 def image_groups(tokens: Int[mx.array, "B T"], image_token_index: int) -> Int[mx.array, "B T"]:

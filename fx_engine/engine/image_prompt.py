@@ -1,0 +1,345 @@
+"""Chat messages with images -> a Gemma 3 prompt's token ids and its image rows (issue 46).
+
+A message's content may be a list of parts, OpenAI-, Anthropic- and Responses-style:
+
+    {"type": "text", "text": "..."}                         (also "input_text")
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}   (or the url alone)
+    {"type": "input_image", "image_url": "data:..."}        (the Responses API)
+    {"type": "image", "image": PIL image | bytes | pathlib.Path | uint8 array}
+    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "..."}}
+
+Only data URLs are read (no network: an http(s) URL is refused). The messages are
+rendered with the chat template, given each image as {"type": "image"} (Gemma 3's template
+writes `<start_of_image>` for it); a template that does not write one placeholder per image
+(one that only knows string content) gets each message's parts joined into a string with
+the placeholder in each image's place instead. Each placeholder becomes Gemma3Processor's
+"\\n\\n<start_of_image>" + image tokens + "<end_of_image>\\n\\n", the text between tokenized
+piece by piece (the image tokens are special tokens, so a tokenizer splits there anyway),
+the image ids inserted as ids: the prompt does not depend on whether the tokenizer knows
+the image strings. The images are preprocessed (loading/images.py) and encoded by the
+model's vision tower (`encode_images_compiled`) into rows [N * mm, H].
+
+Errors are ImageError (a ValueError): images to a model without an image path, more than
+`max_images`, a bad data URL or base64, a media type that is not an image, an undecodable
+image, more than `max_pixels` pixels.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import copy
+import hashlib
+import io
+import threading
+from typing import Any, NamedTuple, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from fx_engine.loading.images import ImageError, preprocess
+
+#: most images in one request (Gemma 3: 256 tokens each)
+MAX_IMAGES = 16
+#: most pixels in one decoded image (before resizing)
+MAX_PIXELS = 8192 * 8192
+IMAGE_TYPES = ("image", "image_url", "input_image")
+TEXT_TYPES = ("text", "input_text")
+#: the encoded formats Pillow reads that a request may declare
+MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp", "image/tiff")
+
+
+class ImagePrompt(NamedTuple):
+    """A prompt with images: its ids, the images' embedding rows [N * mm, H] in prompt
+    order, and each image's token run [start, end) in `ids`."""
+
+    ids: list[int]
+    rows: mx.array
+    spans: list[tuple[int, int]]
+    digests: tuple[str, ...] = ()  # each image's content hash (sha256 of its pixels)
+
+
+def has_images(prompt: Any) -> bool:
+    """Whether a prompt is chat messages with at least one image part."""
+    if not isinstance(prompt, (list, tuple)):
+        return False
+    for m in prompt:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, (list, tuple)) and any(
+                isinstance(part, dict) and part.get("type") in IMAGE_TYPES for part in content):
+            return True
+    return False
+
+
+def _data_url(url: Any, what: str) -> bytes:
+    if not isinstance(url, str):
+        raise ImageError(f"{what}: the image url must be a string, got {type(url).__name__}")
+    if not url.startswith("data:"):
+        scheme = url.split(":", 1)[0] if ":" in url else url[:16]
+        raise ImageError(f"{what}: only data URLs (data:image/png;base64,...) are read, not {scheme!r} URLs")
+    head, sep, data = url[5:].partition(",")
+    if not sep:
+        raise ImageError(f"{what}: a data URL needs a comma before its data")
+    parts = head.split(";")
+    media = parts[0].strip().lower()
+    if media and media not in MEDIA_TYPES:
+        raise ImageError(f"{what}: unsupported media type {media!r} (supported: {', '.join(MEDIA_TYPES)})")
+    if "base64" not in parts[1:]:
+        raise ImageError(f"{what}: the data URL must be base64-encoded (data:<type>;base64,<data>)")
+    return _b64(data, what)
+
+
+def _b64(data: Any, what: str) -> bytes:
+    if not isinstance(data, str):
+        raise ImageError(f"{what}: base64 data must be a string, got {type(data).__name__}")
+    try:
+        return base64.b64decode("".join(data.split()), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"{what}: invalid base64 data ({e})") from e
+
+
+def _image_of(part: dict[str, Any], what: str) -> Any:
+    """The image a part carries: encoded bytes, or a PIL image / path / array as given."""
+    kind = part.get("type")
+    if kind in ("image_url", "input_image"):
+        url = part.get("image_url")
+        if isinstance(url, dict):
+            url = url.get("url")
+        return _data_url(url, what)
+    if "image" in part:
+        return part["image"]
+    source = part.get("source")
+    if isinstance(source, dict):
+        if source.get("type") == "base64":
+            media = str(source.get("media_type", "")).lower()
+            if media not in MEDIA_TYPES:
+                raise ImageError(f"{what}: unsupported media type {media!r} (supported: {', '.join(MEDIA_TYPES)})")
+            return _b64(source.get("data"), what)
+        if source.get("type") == "url":
+            return _data_url(source.get("url"), what)
+        raise ImageError(f"{what}: image source type {source.get('type')!r} is not supported (base64, url)")
+    if "url" in part:
+        return _data_url(part["url"], what)
+    raise ImageError(f"{what}: an image part needs 'image', 'image_url' or 'source'")
+
+
+def _check_pixels(image: Any, what: str, max_pixels: int) -> None:
+    """Refuse a decoded image over `max_pixels` before it is decoded in full (PIL opens lazily)."""
+    size = None
+    if isinstance(image, (bytes, bytearray)):
+        import PIL.Image
+
+        try:
+            with PIL.Image.open(io.BytesIO(bytes(image))) as im:
+                size = im.size
+        except Exception as e:  # PIL.UnidentifiedImageError, DecompressionBombError, ...
+            raise ImageError(f"{what}: not a readable image ({e})") from e
+    elif hasattr(image, "size") and isinstance(getattr(image, "size"), tuple):
+        size = image.size
+    elif hasattr(image, "shape"):
+        size = tuple(image.shape[:2])
+    if size is not None and size[0] * size[1] > max_pixels:
+        raise ImageError(f"{what}: {size[0]}x{size[1]} pixels is more than the {max_pixels} allowed per image")
+
+
+def split_messages(messages: Sequence[dict[str, Any]], max_images: int = MAX_IMAGES,
+                   max_pixels: int = MAX_PIXELS) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(messages whose image parts are {"type": "image"} and text parts {"type": "text"},
+    the images in order). ImageError for a bad part."""
+    out, images = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, (list, tuple)):
+            out.append(m)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            what = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in IMAGE_TYPES:
+                images.append(_image_of(part, what))
+                if len(images) > max_images:
+                    raise ImageError(f"{what}: more than {max_images} images in one request")
+                _check_pixels(images[-1], what, max_pixels)
+                parts.append({"type": "image"})
+            elif kind in TEXT_TYPES:
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise ImageError(f"{what}: a text part needs a string 'text'")
+                parts.append({"type": "text", "text": text})
+            else:
+                raise ImageError(f"{what}: unsupported content part type {kind!r} (text, image_url, image, "
+                                 "input_image)")
+        out.append({**m, "content": parts})
+    return out, images
+
+
+def _flattened(messages: list[dict[str, Any]], boi: str) -> list[dict[str, Any]]:
+    """Each list content joined into a string, `boi` in each image's place (text parts
+    trimmed, as Gemma 3's template does)."""
+    out = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, list):
+            m = {**m, "content": "".join(boi if p["type"] == "image" else p["text"].strip() for p in c)}
+        out.append(m)
+    return out
+
+
+class EncoderCache:
+    """The vision tower's output per image content (its pixels' digest): [mm, H] rows,
+    least recently used first out under a byte budget. Thread-safe (the engine's callers
+    encode in their own threads); rows are stored evaluated."""
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"encoder cache bytes must be an int >= 0, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.hits = self.misses = 0
+        self._rows: collections.OrderedDict[str, mx.array] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, digest: str) -> mx.array | None:
+        with self._lock:
+            rows = self._rows.get(digest)
+            if rows is None:
+                self.misses += 1
+                return None
+            self._rows.move_to_end(digest)
+            self.hits += 1
+            return rows
+
+    def put(self, digest: str, rows: mx.array) -> None:
+        with self._lock:
+            if digest in self._rows or rows.nbytes > self.max_bytes:
+                return
+            self._rows[digest] = rows
+            self.nbytes += rows.nbytes
+            while self.nbytes > self.max_bytes:
+                _, old = self._rows.popitem(last=False)
+                self.nbytes -= old.nbytes
+
+
+def _encode(vision: Any, pixels: np.ndarray, digests: Sequence[str], cache: EncoderCache | None) -> mx.array:
+    """The images' rows [N * mm, H], evaluated: the cached ones from `cache`, the others
+    encoded together (`encode_images_compiled`) and cached."""
+    from fx_engine.core.vision.gemma3 import encode_images_compiled
+
+    have = [cache.get(d) if cache is not None else None for d in digests]
+    todo = [i for i, r in enumerate(have) if r is None]
+    if todo:
+        out = encode_images_compiled(vision, mx.array(pixels[todo]))
+        mx.eval(out)
+        for k, i in enumerate(todo):
+            have[i] = mx.contiguous(out[k])
+        mx.eval(*(have[i] for i in todo))
+        if cache is not None:
+            for i in todo:
+                cache.put(digests[i], have[i])
+    rows = mx.concatenate(have, axis=0) if len(have) > 1 else have[0]
+    mx.eval(rows)  # (evaluated here: the engine's thread reads them; no lazy graph crosses threads)
+    return rows
+
+
+def image_prompt(model: Any, messages: Sequence[dict[str, Any]], *, max_images: int = MAX_IMAGES,
+                 max_pixels: int = MAX_PIXELS, chat_template: str | None = None,
+                 cache: EncoderCache | None = None) -> ImagePrompt:
+    """The prompt of chat `messages` with images, for `model` (a loaded multimodal Model).
+    cache: the images' encodings by content (an image seen before is not encoded again)."""
+    from fx_engine.core.vision.gemma3 import BOI_TEXT
+
+    norm, images = split_messages(messages, max_images, max_pixels)
+    _vision_of(model)
+    if not images:
+        raise ImageError("no images in the messages")
+    tok = model.tokenizer
+    kw = {} if chat_template is None else {"chat_template": chat_template}
+    try:
+        text = tok.apply_chat_template(copy.deepcopy(norm), add_generation_prompt=True, tokenize=False, **kw)
+    except Exception:  # a template that only knows string content (jinja's TypeError, ...)
+        text = None
+    if text is None or text.count(BOI_TEXT) != len(images):  # the template does not write image parts
+        text = tok.apply_chat_template(_flattened(norm, BOI_TEXT), add_generation_prompt=True, tokenize=False, **kw)
+    return image_prompt_from_text(model, text, images, cache=cache)
+
+
+def _vision_of(model: Any) -> Any:
+    vision = getattr(model, "vision", None)
+    if vision is None or getattr(model, "image_processor", None) is None:
+        kind = getattr(model.config, "model_type", "this")
+        raise ImageError(f"images were given, but {kind} model {getattr(model, 'path', '')!s} has no vision tower "
+                         "(a text-only model; use a multimodal checkpoint, e.g. a Gemma 3 folder with "
+                         "vision_config)")
+    return vision
+
+
+def image_prompt_from_text(model: Any, text: str, images: Sequence[Any], *,
+                           cache: EncoderCache | None = None) -> ImagePrompt:
+    """The prompt of already rendered `text` (a chat template's output: one
+    `<start_of_image>` per image, in order) with `images` (PIL images, encoded bytes, paths,
+    uint8 arrays): the seam for callers that render the template themselves (the server:
+    tools, template switches). Enter it into `Engine.submit` as the prompt."""
+    from fx_engine.core.vision.gemma3 import BOI_TEXT, image_token_runs
+
+    vision = _vision_of(model)
+    images = list(images)
+    if not images:
+        raise ImageError("no images given")
+    cfg = vision.config
+    tok = model.tokenizer
+    pieces = text.split(BOI_TEXT)
+    if len(pieces) - 1 != len(images):
+        raise ImageError(f"the rendered prompt has {len(pieces) - 1} {BOI_TEXT} placeholder(s) for {len(images)} "
+                         "image(s) (does a text part contain the placeholder?)")
+    run = [cfg.boi_token_index] + [cfg.image_token_index] * cfg.mm_tokens_per_image + [cfg.eoi_token_index]
+    ids = list(tok.encode(pieces[0] + "\n\n", add_special_tokens=False))
+    for k, piece in enumerate(pieces[1:]):
+        tail = "\n\n" + piece + ("\n\n" if k + 2 < len(pieces) else "")
+        ids += run + list(tok.encode(tail, add_special_tokens=False))
+    spans = image_token_runs(ids, cfg, len(images))
+    pixels = preprocess(images, model.image_processor)
+    digests = tuple(hashlib.sha256(np.ascontiguousarray(p).tobytes()).hexdigest() for p in pixels)
+    return ImagePrompt(ids, _encode(vision, pixels, digests, cache), spans, digests)
+
+
+def whole_images(spans: Sequence[tuple[int, int]], start: int, n: int) -> int:
+    """The most tokens <= n a prefill piece from `start` may take without cutting an image
+    run (0: not even one: a run starts at `start` and is longer than n)."""
+    end = start + n
+    for a, b in spans:
+        if a < end < b:
+            return max(0, a - start)
+    return n
+
+
+def step_images(pieces: Sequence[tuple[Any, int, int]], token_index: int) -> Any:
+    """A prefill call's `ImageInput` (None when no piece holds an image token): pieces are
+    (request, start, n) per row, a request's `image` its ImagePrompt or None. The rows of
+    every image request of the call are stacked (padded to a power of two of rows, so
+    calls compile per bucket); each row starts at its request's rows + the image tokens
+    before `start`."""
+    from fx_engine.core.buckets import pow2_ceil
+    from fx_engine.core.vision.gemma3 import ImageInput
+
+    parts, starts, used, offset = [], [], False, 0
+    for req, start, n in pieces:
+        ip = getattr(req, "image", None)
+        if ip is None:
+            starts.append(0)
+            continue
+        starts.append(offset + sum(min(b, start) - a for a, b in ip.spans if a < start))
+        parts.append(ip.rows)
+        offset += int(ip.rows.shape[0])
+        used = used or any(a < start + n and start < b for a, b in ip.spans)
+    if not used:
+        return None
+    rows = mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+    pad = pow2_ceil(offset, 16) - offset
+    if pad:
+        rows = mx.concatenate([rows, mx.zeros((pad, rows.shape[1]), rows.dtype)], axis=0)
+    return ImageInput(rows=rows, start=mx.array(starts, mx.int32), token_index=token_index)
