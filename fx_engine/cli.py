@@ -17,6 +17,7 @@ import platform
 import shutil
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import fx_engine  # noqa: E402
@@ -374,11 +375,20 @@ def cmd_generate(a: argparse.Namespace) -> int:
     model = _load(a)
     _quiet_unless_rank0(a)
     prompt: Any = a.prompt
+    images = [Path(p) for p in (a.image or ())]
+    if images and a.raw:
+        raise ValueError("--image needs the chat template: leave out --raw")
+    missing = [str(p) for p in images if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"--image: no such file: {missing[0]}")
     if not a.raw:
+        content: Any = a.prompt
+        if images:  # (the images first, then the question: as Gemma 3's examples put them)
+            content = [{"type": "image", "image": p} for p in images] + [{"type": "text", "text": a.prompt}]
         prompt = ([{"role": "system", "content": a.system}] if a.system else []) + [
-            {"role": "user", "content": a.prompt}
+            {"role": "user", "content": content}
         ]
-    kw = _fit(model, prompt, _kwargs(a, model))
+    kw = _kwargs(a, model) if images else _fit(model, prompt, _kwargs(a, model))
     warmup = None if a.no_warmup else _warm_up(model, kw)
     last = None
     for delta in fx_engine.stream(model, prompt, **kw):
@@ -900,6 +910,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the user message (with --raw: the text to continue)")
     g.add_argument("--system", default=None, help="system message")
     g.add_argument("--raw", action="store_true", help="no chat template: complete the raw text")
+    g.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image file for the user message (repeatable; models with an image "
+                        "path, e.g. Gemma 3)")
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", formatter_class=_Help,

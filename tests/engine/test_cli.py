@@ -141,3 +141,29 @@ def test_draft_model_takes_an_eagle3_head_folder(tmp_path, capsys):
     drafted = capsys.readouterr()
     assert drafted.out == plain.out
     assert "drafts accepted" in drafted.err and "drafts accepted 0/" not in drafted.err
+
+
+def test_generate_takes_images(tmp_path, capsys):
+    """--image PATH (repeatable) on a model with an image path: the same text as
+    fx_engine.generate with those image parts; clear errors for a missing file, --raw, and a
+    text-only model."""
+    import numpy as np
+    from PIL import Image
+
+    import fx_engine
+    from fx_engine.testing.vision import write_tiny_gemma3_vlm
+
+    folder = write_tiny_gemma3_vlm(tmp_path / "vlm")
+    pic = tmp_path / "a.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 30, 3), dtype=np.uint8)).save(pic)
+    assert main(["generate", "What is this?", "--model", str(folder), "--image", str(pic), "--max-tokens", "6",
+                 "--no-warmup"]) == 0
+    out = capsys.readouterr()
+    model = fx_engine.load(folder)
+    want = fx_engine.generate(model, [{"role": "user", "content": [
+        {"type": "image", "image": pic}, {"type": "text", "text": "What is this?"}]}], max_tokens=6, temperature=0.0)
+    assert out.out == want.text + "\n"
+    assert main(["generate", "x", "--model", str(folder), "--image", str(tmp_path / "none.png")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["generate", "x", "--model", str(folder), "--image", str(pic), "--raw"]) == 2
+    assert "--raw" in capsys.readouterr().err
