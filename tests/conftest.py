@@ -163,3 +163,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(_FOLDER_MARKS[path.parent.name])
         if _REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker("real_model")
+
+
+@pytest.fixture
+def steady_policy(monkeypatch):
+    """The speculation policy's cost model weighs measured seconds (compiles, a machine shared
+    with other work): a test that counts drafts fixes it to verify every step's drafts at the
+    longest one's K bucket, so it sees the same steps on every run. The acceptance-aware
+    per-row draft lengths (DraftState: adapt, back-off) stay the policy's."""
+    from fx_engine.core.buckets import pow2_ceil
+    from fx_engine.engine.speculation import SpeculationPolicy
+
+    monkeypatch.setattr(SpeculationPolicy, "choose_k",
+                        lambda self, rows, drafts, live, extra=0.0: pow2_ceil(max(n for _, n in drafts)))

@@ -13,14 +13,13 @@ import numpy as np
 import pytest
 
 import fx_engine
-from fx_engine.core.buckets import pow2_ceil
+from tests.engine import drafter_checks
 from fx_engine.core.config import ConfigError
 from fx_engine.core.drafters import eagle3
 from fx_engine.core.models import CaptureError
 from fx_engine.engine.drafters import PromptLookup
 from fx_engine.engine.eagle3_drafter import FLUSH_AT, Eagle3Drafter
 from fx_engine.engine.generate import reference_generate
-from fx_engine.engine.speculation import SpeculationPolicy
 from fx_engine.testing.eagle3 import write_echo_pair, write_tiny_eagle3
 
 HEAD = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=384,
@@ -38,16 +37,6 @@ def target(tiny_folder):
 def random_head(target, tmp_path_factory):
     """A random head over a 128-token draft vocabulary (d2t / t2d maps)."""
     return Eagle3Drafter.load(write_tiny_eagle3(tmp_path_factory.mktemp("head") / "h", 64, seed=3, **HEAD), target)
-
-
-@pytest.fixture
-def steady_policy(monkeypatch):
-    """The speculation policy's cost model weighs measured seconds (compiles, a machine shared
-    with other work): a test that counts drafts fixes it to verify every step's drafts at the
-    longest one's K bucket, so it sees the same steps on every run. The acceptance-aware
-    per-row draft lengths (DraftState: adapt, back-off) stay the policy's."""
-    monkeypatch.setattr(SpeculationPolicy, "choose_k",
-                        lambda self, rows, drafts, live, extra=0.0: pow2_ceil(max(n for _, n in drafts)))
 
 
 class Recording(Eagle3Drafter):
@@ -174,34 +163,12 @@ def test_long_prompts_feed_the_head_in_pieces_and_prefix_hits_do_not_starve_it(e
 
 def test_grammars_and_sampled_rows_compose(target, echo, steady_policy):
     model, drafter = echo
-    # a constrained row: drafts the grammar disallows are cut, output as without drafting
-    kw = dict(max_tokens=10, temperature=0.0, regex="[a-z ]{1,12}")
-    plain = fx_engine.generate(model, [5, 9, 17], **kw)
-    spec = fx_engine.generate(model, [5, 9, 17], draft_model=drafter, num_draft_tokens=3, **kw)
-    assert spec.token_ids == plain.token_ids
-    # a sampled row (the acceptance rule's random path; top_k=1 makes the target's draw the
-    # argmax): deterministic drafts are verified exactly, so the output is the greedy one
-    ref = reference_generate(model, [5, 9, 17], max_tokens=16, temperature=0.0)
-    got = fx_engine.generate(model, [5, 9, 17], max_tokens=16, temperature=0.8, top_k=1, seed=3,
-                             draft_model=drafter, num_draft_tokens=3)
-    assert got.token_ids == ref.token_ids and got.usage.accepted_tokens > 0
+    drafter_checks.grammars_and_sampled_rows_compose(model, drafter)
 
 
 def test_no_recompiles_in_steady_state(echo, steady_policy):
-    """The head's steps are keyed on a few shapes (power-of-two pair counts, the span): a
-    second generation of the same shape compiles nothing new, neither the head nor the
-    target's capturing prefill, decode and verify steps."""
-    from fx_engine.core.steps import decode_step_compiled, prefill_step_compiled, verify_step_compiled
-
     model, drafter = echo
-    prompt = [5, 9, 17, 40, 30]
-    fns = (eagle3.head_step_compiled, prefill_step_compiled, decode_step_compiled, verify_step_compiled)
-    for _ in range(2):
-        fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, draft_model=drafter, num_draft_tokens=4)
-    before = [f.traces for f in fns]
-    got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, draft_model=drafter, num_draft_tokens=4)
-    assert got.usage.accepted_tokens > 0
-    assert [f.traces for f in fns] == before
+    drafter_checks.no_recompiles_in_steady_state(model, drafter, eagle3.head_step_compiled)
 
 
 def test_refusals(target, tiny_folder, tmp_path):

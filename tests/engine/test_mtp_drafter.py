@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import fx_engine
-from fx_engine.core.buckets import pow2_ceil
+from tests.engine import drafter_checks
 from fx_engine.core.checkpoint import WeightsError
 from fx_engine.core.config import ConfigError
 from fx_engine.core.drafters import mtp
@@ -27,7 +27,6 @@ from fx_engine.engine.captured_drafter import FLUSH_AT
 from fx_engine.engine.drafters import PromptLookup
 from fx_engine.engine.generate import reference_generate
 from fx_engine.engine.mtp_drafter import MtpDrafter, mtp_drafter_for
-from fx_engine.engine.speculation import SpeculationPolicy
 from fx_engine.testing.mtp import write_mtp_echo_target, write_mtp_target
 
 
@@ -42,14 +41,6 @@ def targets(tmp_path_factory):
                                batch_invariant=True)
         out[kind] = (model, MtpDrafter.from_model(model))
     return out
-
-
-@pytest.fixture
-def steady_policy(monkeypatch):
-    """A test that counts drafts fixes the policy's K choice (its cost model weighs measured
-    seconds) to the longest draft's bucket; the per-row adaptation stays the policy's."""
-    monkeypatch.setattr(SpeculationPolicy, "choose_k",
-                        lambda self, rows, drafts, live, extra=0.0: pow2_ceil(max(n for _, n in drafts)))
 
 
 class Recording(MtpDrafter):
@@ -180,33 +171,12 @@ def test_long_prompts_feed_the_module_in_pieces(echo, steady_policy):
 
 def test_grammars_and_sampled_rows_compose(echo, steady_policy):
     model, drafter = echo
-    kw = dict(max_tokens=10, temperature=0.0, regex="[a-z ]{1,12}")
-    plain = fx_engine.generate(model, [5, 9, 17], **kw)
-    spec = fx_engine.generate(model, [5, 9, 17], draft_model=drafter, num_draft_tokens=3, **kw)
-    assert spec.token_ids == plain.token_ids
-    # a sampled row (top_k=1: the target's draw is its argmax): deterministic drafts are
-    # verified exactly, so the output is the greedy one
-    ref = reference_generate(model, [5, 9, 17], max_tokens=16, temperature=0.0)
-    got = fx_engine.generate(model, [5, 9, 17], max_tokens=16, temperature=0.8, top_k=1, seed=3,
-                             draft_model=drafter, num_draft_tokens=3)
-    assert got.token_ids == ref.token_ids and got.usage.accepted_tokens > 0
+    drafter_checks.grammars_and_sampled_rows_compose(model, drafter)
 
 
 def test_no_recompiles_in_steady_state(echo, steady_policy):
-    """The module's steps are keyed on a few shapes (power-of-two pair counts, the span): a
-    third generation of the same shape compiles nothing new, neither the module nor the
-    target's capturing prefill, decode and verify steps."""
-    from fx_engine.core.steps import decode_step_compiled, prefill_step_compiled, verify_step_compiled
-
     model, drafter = echo
-    prompt = [5, 9, 17, 40, 30]
-    fns = (mtp.mtp_step_compiled, prefill_step_compiled, decode_step_compiled, verify_step_compiled)
-    for _ in range(2):
-        fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, draft_model=drafter, num_draft_tokens=4)
-    before = [f.traces for f in fns]
-    got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, draft_model=drafter, num_draft_tokens=4)
-    assert got.usage.accepted_tokens > 0
-    assert [f.traces for f in fns] == before
+    drafter_checks.no_recompiles_in_steady_state(model, drafter, mtp.mtp_step_compiled)
 
 
 def test_draft_model_mtp_names_the_checkpoints_own_module(echo, tiny_folder):
