@@ -307,7 +307,7 @@ def test_server_tensor_by_pipeline_with_the_openai_client():
     from tests.conftest import free_port, wait_healthy
 
     port = free_port()
-    proc = start_mpi(4, [sys.executable, "-m", "fx_engine.cli", "serve", "--tensor-parallel", "2",
+    proc = start_mpi(4, [sys.executable, "-m", "fx_engine.cli", "serve", "--tensor-parallel", "2", "--numerics", "exact",
                          "--pipeline-parallel", "2", "--port", str(port), "--model-id", "smol"],
                      env={"FX_ENGINE_TP_TIMEOUT": "30"})
     try:
@@ -409,7 +409,7 @@ def test_a_lost_rank_is_an_error_not_a_hang():
 @pytest.mark.real_model
 def test_cli_generate_tensor_parallel(tmp_path):
     cmd = [sys.executable, "-m", "fx_engine.cli", "generate", "The capital of France is", "--raw",
-           "--max-tokens", "8", "--tensor-parallel", "2"]
+           "--max-tokens", "8", "--tensor-parallel", "2", "--numerics", "exact"]
     ranks = launch_local(2, cmd, timeout=240)
     assert [r.returncode for r in ranks] == [0, 0], ranks[0].stderr[-2000:]
     want = fx_engine.generate(fx_engine.load(), "The capital of France is", max_tokens=8, temperature=0.0)
@@ -420,7 +420,7 @@ def test_cli_generate_tensor_parallel(tmp_path):
 @pytest.mark.real_model
 def test_cli_chat_tensor_parallel():
     """Rank 0 reads the terminal and sends each line; every rank runs the conversation."""
-    cmd = [sys.executable, "-m", "fx_engine.cli", "chat", "--max-tokens", "8", "--tensor-parallel", "2",
+    cmd = [sys.executable, "-m", "fx_engine.cli", "chat", "--max-tokens", "8", "--tensor-parallel", "2", "--numerics", "exact",
            "--temp", "0"]  # (chat samples by default: the model's settings or llama.cpp's)
     ranks = launch_local(2, cmd, timeout=240, input="What is the capital of France?\nAnd of Italy?\n")
     assert [r.returncode for r in ranks] == [0, 0], ranks[0].stderr[-2000:]
@@ -488,7 +488,7 @@ def test_server_tensor_parallel_with_the_openai_client(tmp_path, split):
     from tests.conftest import free_port, wait_healthy
 
     port = free_port()
-    procs = start_local(2, [sys.executable, "-m", "fx_engine.cli", "serve", f"--{split}-parallel", "2",
+    procs = start_local(2, [sys.executable, "-m", "fx_engine.cli", "serve", f"--{split}-parallel", "2", "--numerics", "exact",
                             "--port", str(port), "--model-id", "smol", "--prompt-lookup",
                             # a small prefix cache: entries are evicted, alike on both ranks
                             # (rank 0 holds 2 of SmolLM2's 3 KV heads, rank 1 one)
