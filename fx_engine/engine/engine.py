@@ -54,7 +54,7 @@ from fx_engine.engine.drafters import speculate
 from fx_engine.engine.emit import Emitter
 from fx_engine.engine.executor import Executor, LogitsProcessorError
 from fx_engine.engine.handles import RequestHandle
-from fx_engine.engine.image_prompt import EncoderCache, ImagePrompt, has_images, image_prompt, whole_images
+from fx_engine.engine.image_prompt import EncoderCache, ImagePrompt, engine_image_prompt, has_images, whole_images
 from fx_engine.engine.jobs import JobQueue, run_steps
 from fx_engine.engine.kv_rows import insert_row
 from fx_engine.engine.lockstep import (Ranks, RankMismatch, StepMessage, by_key, check_drafts, draft_ref, follow_step,
@@ -431,30 +431,10 @@ class Engine:
         return draft_ref(self._drafts, kw)
 
     def _image_prompt(self, messages: Any, kwargs_list: Sequence[dict[str, Any]]) -> ImagePrompt:
-        """Chat messages with images: their prompt and image rows (`image_prompt`; or an
-        `ImagePrompt` made by the caller), after the refusals of what does not take images
-        yet."""
-        if self._ranks is not None:
-            raise ValueError("images: a sharded (tensor / pipeline parallel) engine does not take images yet")
-        for kw in kwargs_list:
-            for key in ("draft_model", "prompt_lookup", "prompt_logprobs"):
-                if kw.get(key) not in (None, False, 0):
-                    raise ValueError(f"{key} is not supported with images yet")
-            if kw.get("max_tokens") == 0:
-                raise ValueError("max_tokens=0 (scoring a prompt) is not supported with images yet")
-        if isinstance(messages, ImagePrompt):
-            image = messages
-            if self.model.vision is None:
-                raise ValueError("images: this engine's model has no vision tower")
-        else:
-            image = image_prompt(self.model, messages, cache=self.encoder_cache)
-        run = image.spans[0][1] - image.spans[0][0]
-        if run > self.prefill_chunk or sched.chunk_bucket(run) > self.step_token_budget - self.max_rows:
-            raise ValueError(f"images: an image is {run} tokens; a prefill piece holds whole images, so the "
-                             f"engine's prefill_chunk ({self.prefill_chunk}) must be >= {run} and its "
-                             f"step_token_budget ({self.step_token_budget}) >= max_rows + "
-                             f"{sched.chunk_bucket(run)}")
-        return image
+        """Chat messages with images: their prompt and image rows (image_prompt.engine_image_prompt)."""
+        return engine_image_prompt(self.model, messages, kwargs_list, sharded=self._ranks is not None,
+                                   prefill_chunk=self.prefill_chunk, step_token_budget=self.step_token_budget,
+                                   max_rows=self.max_rows, cache=self.encoder_cache)
 
     def _make_request(self, prompt: Any, kw: dict[str, Any],
                       image: ImagePrompt | None = None) -> tuple[_Request, list[int]]:

@@ -343,3 +343,33 @@ def step_images(pieces: Sequence[tuple[Any, int, int]], token_index: int) -> Any
     if pad:
         rows = mx.concatenate([rows, mx.zeros((pad, rows.shape[1]), rows.dtype)], axis=0)
     return ImageInput(rows=rows, start=mx.array(starts, mx.int32), token_index=token_index)
+
+
+def engine_image_prompt(model: Any, messages: Any, kwargs_list: Sequence[dict[str, Any]], *, sharded: bool,
+                        prefill_chunk: int, step_token_budget: int, max_rows: int,
+                        cache: EncoderCache | None) -> ImagePrompt:
+    """An Engine's image request: its prompt and image rows (`image_prompt`, or an
+    `ImagePrompt` the caller made), after the refusals of what does not take images yet and
+    the check that a whole image fits one prefill piece of this engine."""
+    from fx_engine.engine import scheduler as sched
+
+    if sharded:
+        raise ValueError("images: a sharded (tensor / pipeline parallel) engine does not take images yet")
+    for kw in kwargs_list:
+        for key in ("draft_model", "prompt_lookup", "prompt_logprobs"):
+            if kw.get(key) not in (None, False, 0):
+                raise ValueError(f"{key} is not supported with images yet")
+        if kw.get("max_tokens") == 0:
+            raise ValueError("max_tokens=0 (scoring a prompt) is not supported with images yet")
+    if isinstance(messages, ImagePrompt):
+        image = messages
+        if model.vision is None:
+            raise ValueError("images: this engine's model has no vision tower")
+    else:
+        image = image_prompt(model, messages, cache=cache)
+    run = image.spans[0][1] - image.spans[0][0]
+    if run > prefill_chunk or sched.chunk_bucket(run) > step_token_budget - max_rows:
+        raise ValueError(f"images: an image is {run} tokens; a prefill piece holds whole images, so the "
+                         f"engine's prefill_chunk ({prefill_chunk}) must be >= {run} and its "
+                         f"step_token_budget ({step_token_budget}) >= max_rows + {sched.chunk_bucket(run)}")
+    return image
