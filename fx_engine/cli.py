@@ -587,7 +587,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     limits: dict[str, Any] = dict(api_key=a.api_key, chat_template=template,
                                   chat_template_args=template_args,
                                   max_request_bytes=a.max_request_bytes, stream_buffer=a.stream_buffer,
-                                  stream_unread_bytes=a.stream_unread_bytes, body_timeout=a.body_timeout)
+                                  stream_unread_bytes=a.stream_unread_bytes, body_timeout=a.body_timeout,
+                                  image_urls=not a.no_image_urls, image_url_bytes=a.image_url_max_bytes,
+                                  image_url_timeout=a.image_url_timeout)
     pool = None
     if not pooled:
         app = create_app(engine, model_id, defaults=defaults, **limits)
@@ -970,6 +972,13 @@ def build_parser() -> argparse.ArgumentParser:
     cl = sv.add_argument_group("client limits (what one client may hold)")
     cl.add_argument("--max-request-bytes", type=int, default=4 << 20,
                     help="largest request body in bytes (413 beyond)")
+    cl.add_argument("--no-image-urls", action="store_true",
+                    help="do not fetch images that requests name by http(s) URL (a 400 asking for "
+                         "a data URL): for a server open to clients it should not make requests for")
+    cl.add_argument("--image-url-max-bytes", type=_int_at_least(1), default=20 << 20,
+                    help="largest image fetched from an http(s) URL, in bytes (a 400 beyond)")
+    cl.add_argument("--image-url-timeout", type=float, default=10.0,
+                    help="seconds one image URL's fetch may take (a 400 beyond)")
     cl.add_argument("--max-connections", type=int, default=512,
                     help="open connections beyond this get a 503 and are closed")
     cl.add_argument("--header-timeout", type=float, default=10.0,

@@ -278,6 +278,16 @@ def _vision_of(model: Any) -> Any:
     return vision
 
 
+def image_placeholder(model: Any) -> str:
+    """The text a rendered prompt holds in each image's place for `model` (what
+    `image_prompt_from_text` splits at): Gemma 3's `<start_of_image>`. ImageError for a
+    model without an image path."""
+    from fx_engine.core.vision.gemma3 import BOI_TEXT
+
+    _vision_of(model)
+    return BOI_TEXT
+
+
 def image_prompt_from_text(model: Any, text: str, images: Sequence[Any], *,
                            cache: EncoderCache | None = None) -> ImagePrompt:
     """The prompt of already rendered `text` (a chat template's output: one
@@ -373,3 +383,10 @@ def engine_image_prompt(model: Any, messages: Any, kwargs_list: Sequence[dict[st
                          f"engine's prefill_chunk ({prefill_chunk}) must be >= {run} and its "
                          f"step_token_budget ({step_token_budget}) >= max_rows + {sched.chunk_bucket(run)}")
     return image
+
+
+def joined_parts(messages: list[dict[str, Any]], placeholder: str) -> list[dict[str, Any]]:
+    """`split_messages`' messages with each list content joined into one string, the
+    model's `placeholder` in each image's place: for a chat template that only knows string
+    content (the server renders templates itself: server/context.py)."""
+    return _flattened(messages, placeholder)

@@ -43,7 +43,8 @@ from starlette.concurrency import run_in_threadpool
 from fx_engine.engine.engine import EngineClosed, QueueFull
 from fx_engine.engine.grammar_guard import check_schema
 from fx_engine.engine.request import ContextLengthExceeded, context_limit
-from fx_engine.server.context import Ctx, ServerContext
+from fx_engine.server.context import Ctx, ServerContext, prompt_length
+from fx_engine.server.media import TEXT_ONLY
 from fx_engine.server.protocol import ANTHROPIC_KINDS as _KINDS
 from fx_engine.server.protocol import (EventStream, _Body, anthropic_error, failure, request_salt, results,
                                       speculation,
@@ -163,8 +164,10 @@ def _text_of(blocks: Any, where: str) -> str:
     return "".join(out)
 
 
-def to_chat(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, Any, bool | None]:
-    """(OpenAI-shaped messages, tools, tool_choice, parallel_tool_calls) of a request."""
+def to_chat(body: Any, vision: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, Any,
+                                                     bool | None]:
+    """(OpenAI-shaped messages, tools, tool_choice, parallel_tool_calls) of a request.
+    vision: whether the model takes images (else an image block is a 400 naming it)."""
     msgs: list[dict[str, Any]] = []
     if body.system:
         msgs.append({"role": "system", "content": _text_of(body.system, "system")})
@@ -177,7 +180,11 @@ def to_chat(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | Non
         for j, b in enumerate(m.content):
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text":
-                text.append(str(b.get("text", "")))
+                text.append({"type": "text", "text": str(b.get("text", ""))})
+            elif kind == "image" and m.role == "user":  # (base64 or url source: read in chat_prompt)
+                if not vision:
+                    raise ValueError(f"{where}[{j}].type: 'image': {TEXT_ONLY}")
+                text.append(b)
             elif kind == "tool_use" and m.role == "assistant":
                 if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                     raise ValueError(f"{where}[{j}]: a tool_use block needs a name and an object input")
@@ -197,7 +204,9 @@ def to_chat(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | Non
                                  f"{m.role} message")
         msgs += results
         if text or calls or not results:
-            msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
+            images = any(p["type"] == "image" for p in text)
+            msg: dict[str, Any] = {"role": m.role,
+                                   "content": text if images else "".join(p["text"] for p in text)}
             if calls:
                 msg["tool_calls"] = calls
             msgs.append(msg)
@@ -268,7 +277,7 @@ def _sse(event: str, data: dict[str, Any]) -> str:
 def _prompt_of(ctx: ServerContext, body: Any, kw: dict[str, Any]) -> list[int]:
     """The prompt ids of a request (of /v1/messages or its count_tokens); adds its output
     constraint to `kw`."""
-    msgs, tools, choice, parallel = to_chat(body)
+    msgs, tools, choice, parallel = to_chat(body, ctx.model.vision is not None)
     targs: dict[str, Any] = {}
     th = body.thinking
     if th is not None:
@@ -320,7 +329,7 @@ async def _submit(ctx: ServerContext, request: Request, body: Any) -> tuple[list
         server_defaults(kw, defaults)
         ids = _prompt_of(ctx, body, kw)
         # the context the engine enforces: the model's, or serve's --max-kv-size
-        kw["max_tokens"] = room_left(body.max_tokens, len(ids), context_limit(ctx.model)[0])
+        kw["max_tokens"] = room_left(body.max_tokens, prompt_length(ids), context_limit(ctx.model)[0])
         kw["cache_salt"] = request_salt(request, None)  # the tenant's scope
         kw["adapter"] = ctx.adapter_of(body.model)  # other names: the base
         return ctx.engine.submit_many(ids, [kw])
@@ -356,7 +365,7 @@ async def count_tokens(body: CountTokensRequest, ctx: Ctx):
         ids = await run_in_threadpool(_prompt_of, ctx, body, {})
     except Exception as e:
         return anthropic_error(400, str(e))
-    return {"input_tokens": len(ids)}
+    return {"input_tokens": prompt_length(ids)}
 
 
 @router.post("/v1/messages")

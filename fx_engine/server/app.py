@@ -58,8 +58,9 @@ from fastapi.routing import APIRoute
 
 from fx_engine.engine.engine import Engine
 from fx_engine.server import anthropic, chat, completions, embeddings, info, responses, tokenization, webchat
-from fx_engine.server.context import (BODY_TIMEOUT, MAX_REQUEST_BYTES, SEND_TIMEOUT, STREAM_BUFFER,
-                                      STREAM_UNREAD_BYTES, ServerContext, ServerSettings)
+from fx_engine.server.context import (BODY_TIMEOUT, IMAGE_URL_BYTES, IMAGE_URL_TIMEOUT, MAX_REQUEST_BYTES,
+                                      SEND_TIMEOUT, STREAM_BUFFER, STREAM_UNREAD_BYTES, ServerContext,
+                                      ServerSettings)
 from fx_engine.server.gate import OPEN_PATHS, _Gate, _tenant
 from fx_engine.server.pool import Leases, ModelPool, ModelSpec, ModelUnavailable
 from fx_engine.server.protocol import (EventStream, _error, anthropic_error, failure,
@@ -80,7 +81,8 @@ def create_app(engine: Engine | ModelPool, model_id: str | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES,
                stream_buffer: int = STREAM_BUFFER, send_timeout: float = SEND_TIMEOUT,
                stream_unread_bytes: int = STREAM_UNREAD_BYTES,
-               body_timeout: float = BODY_TIMEOUT) -> FastAPI:
+               body_timeout: float = BODY_TIMEOUT, image_urls: bool = True,
+               image_url_bytes: int = IMAGE_URL_BYTES, image_url_timeout: float = IMAGE_URL_TIMEOUT) -> FastAPI:
     """The FastAPI app over a started `engine`. `defaults`: server-wide sampling defaults
     (the CLI's --temp, --top-p, --max-tokens, ...) and speculative decoding settings.
     chat_template / chat_template_args: a Jinja template replacing the model's, and extra
@@ -93,7 +95,9 @@ def create_app(engine: Engine | ModelPool, model_id: str | None = None,
     closed. stream_unread_bytes: bytes a streaming client may leave unread while it reads
     nothing before it is cut off (both seen through the kernel's send queue when served by
     server/connections.py's `server_config`, as `fx-engine serve` does). body_timeout:
-    seconds a request body may take to arrive whole (408 beyond).
+    seconds a request body may take to arrive whole (408 beyond). image_urls: fetch images
+    that requests name by http(s) URL (False: a 400 asking for a data URL), each at most
+    image_url_bytes and image_url_timeout seconds (server/media.py).
 
     Several models: `engine` a `ModelPool` (server/pool.py; model_id None, each model's id
     is its spec's name): requests route by their `model`, models load on demand within the
@@ -102,7 +106,8 @@ def create_app(engine: Engine | ModelPool, model_id: str | None = None,
     the pool's engines when it shuts down."""
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     settings = ServerSettings(keys, max_request_bytes, stream_buffer, send_timeout,
-                              stream_unread_bytes, body_timeout)  # checked: a ValueError
+                              stream_unread_bytes, body_timeout, image_urls, image_url_bytes,
+                              image_url_timeout)  # checked: a ValueError
     pool = engine if isinstance(engine, ModelPool) else None
     if pool is not None and model_id is not None:
         raise ValueError("model_id: a ModelPool's models are named by their specs")

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field, field_validator
 
 from fx_engine.server.context import Ctx
+from fx_engine.server.media import TEXT_ONLY
 from fx_engine.server.generation import _sampling_kwargs, _Sampling, run
 from fx_engine.server.protocol import _Base, _error
 from fx_engine.server.reasoning import template_switches
@@ -58,12 +59,13 @@ class ChatRequest(_Sampling):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
-def _openai_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Chat messages as the template gets them (OpenAI's developer role is a system one)."""
+def _openai_messages(messages: list[ChatMessage], vision: bool = False) -> list[dict[str, Any]]:
+    """Chat messages as the template gets them (OpenAI's developer role is a system one).
+    vision: whether the model takes images (else an image part is a 400 naming it)."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         msg: dict[str, Any] = {"role": m.role if m.role != "developer" else "system",
-                               "content": _content(m)}
+                               "content": _content(m, f"messages[{i}].content", vision)}
         for extra in ("name", "tool_calls", "tool_call_id"):
             if getattr(m, extra) is not None:
                 msg[extra] = getattr(m, extra)
@@ -71,15 +73,24 @@ def _openai_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _content(m: ChatMessage) -> str:
+def _content(m: ChatMessage, where: str, vision: bool) -> str | list[dict[str, Any]]:
+    """A message's content for the template: a string, or (with image parts) its text and
+    image parts as a list (server/context.py's `chat_prompt` makes the image prompt)."""
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
-    parts = []
-    for p in m.content:  # OpenAI content parts: text only
-        if p.get("type") != "text":
-            raise ValueError(f"messages: content part type {p.get('type')!r} is not supported (text only)")
-        parts.append(str(p.get("text", "")))
-    return "".join(parts)
+    parts, images = [], False
+    for i, p in enumerate(m.content):  # OpenAI content parts: text and image_url
+        kind = p.get("type")
+        if kind == "image_url":
+            if not vision:
+                raise ValueError(f"{where}[{i}].type: {kind!r}: {TEXT_ONLY}")
+            images = True
+        elif kind != "text":
+            raise ValueError(f"{where}[{i}].type: {kind!r} is not supported (text, image_url)")
+        parts.append(p)
+    if images:
+        return parts
+    return "".join(str(p.get("text", "")) for p in parts)
 
 
 @router.post("/v1/chat/completions")
@@ -102,7 +113,7 @@ async def chat_completions(request: Request, body: ChatRequest, ctx: Ctx):
                           "in tools", "tool_choice.function.name")
 
     def build() -> tuple[Any, dict[str, Any]]:  # on a worker thread
-        messages = _openai_messages(body.messages)
+        messages = _openai_messages(body.messages, ctx.model.vision is not None)
         kw = _sampling_kwargs(body, ctx.defaults)
         if body.logprobs:  # the engine reports the chosen token with >= 1 alternative
             kw["logprobs"] = max(1, body.top_logprobs or 0)

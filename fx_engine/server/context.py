@@ -17,9 +17,12 @@ from fastapi import Depends, Request
 
 from fx_engine.engine.engine import Engine
 from fx_engine.engine.grammar_guard import check_schema
+from fx_engine.engine.image_prompt import (ImagePrompt, has_images, image_placeholder, image_prompt_from_text,
+                                           joined_parts, split_messages)
 from fx_engine.engine.request import check_prompt_size, prompt_ids, text_bytes
 from fx_engine.server.metrics import Metrics
 from fx_engine.server.protocol import _error
+from fx_engine.server.media import fetch_image_urls
 from fx_engine.server.reasoning import reasoning_format, starts_in_reasoning
 from fx_engine.server.tools import render_tools_in_prompt, template_messages, tool_call_grammar, tool_format
 
@@ -28,6 +31,8 @@ STREAM_BUFFER = 256  # events per choice a streaming client may fall behind befo
 SEND_TIMEOUT = 30.0  # seconds a client's socket may accept nothing before it is closed
 BODY_TIMEOUT = 30.0  # seconds a request body may take to arrive whole (408 beyond)
 STREAM_UNREAD_BYTES = 64 << 10  # bytes a stream's client may leave unread while not reading
+IMAGE_URL_BYTES = 20 << 20  # the largest image the server fetches from an http(s) URL
+IMAGE_URL_TIMEOUT = 10.0  # seconds one image URL's fetch may take
 
 # Arguments of the chat template the server passes itself (the request's own fields): a
 # chat_template_kwargs entry of the same name is a 400 on every route.
@@ -45,15 +50,20 @@ class ServerSettings:
     send_timeout: float = SEND_TIMEOUT
     stream_unread_bytes: int = STREAM_UNREAD_BYTES
     body_timeout: float = BODY_TIMEOUT
+    image_urls: bool = True  # fetch images named by http(s) URLs (server/media.py)
+    image_url_bytes: int = IMAGE_URL_BYTES
+    image_url_timeout: float = IMAGE_URL_TIMEOUT
 
     def __post_init__(self) -> None:
         if any(not isinstance(k, str) or not k for k in self.api_keys):
             raise ValueError("api_key: keys must be non-empty strings")
-        for name in ("max_request_bytes", "stream_buffer", "stream_unread_bytes"):
+        if not isinstance(self.image_urls, bool):
+            raise ValueError(f"image_urls must be true or false, got {self.image_urls!r}")
+        for name in ("max_request_bytes", "stream_buffer", "stream_unread_bytes", "image_url_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("send_timeout", "body_timeout"):
+        for name in ("send_timeout", "body_timeout", "image_url_timeout"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
@@ -168,12 +178,24 @@ class ServerContext:
 
     def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     choice: Any, parallel: bool | None, template_kwargs: Mapping[str, Any] | None,
-                    kw: dict[str, Any]) -> list[int]:
+                    kw: dict[str, Any]) -> list[int] | ImagePrompt:
         """Prompt ids of chat messages (OpenAI's shapes) with their tools (None: no tools
         in the prompt); adds the tool-call constraint to `kw` when `choice` demands calls.
         On a worker thread (templating and tokenizing release the GIL). Every route that
-        takes a chat (OpenAI's, Anthropic's, Responses) builds its prompt here."""
+        takes a chat (OpenAI's, Anthropic's, Responses) builds its prompt here.
+
+        Messages with image parts give an `ImagePrompt` (its ids and the images' encoder
+        rows; `prompt_length` counts it): http(s) images fetched (server/media.py), the
+        template rendered with one placeholder per image (`_image_prompt`)."""
         model = self.model
+        images: list[Any] | None = None
+        if has_images(messages):
+            s = self.settings
+            messages, images = split_messages(fetch_image_urls(
+                messages, enabled=s.image_urls, max_bytes=s.image_url_bytes, timeout=s.image_url_timeout))
+            image_placeholder(model)  # (a text-only model: its 400 before any templating)
+            for key in ("draft_model", "prompt_lookup"):  # (the server's speculation: the same
+                kw.pop(key, None)  # output without it; the engine does not draft image rows yet)
         messages = template_messages(messages)
         check_prompt_size(model, text_bytes(messages), "messages")  # before templating
         targs = {**(self.chat_template_args or {}), **(template_kwargs or {})}
@@ -196,11 +218,35 @@ class ServerContext:
                 messages, tools = render_tools_in_prompt(messages, tools), None
             else:
                 targs.setdefault("tools", tools)
+        if images is not None:
+            return self._image_prompt(messages, images, targs)
         if self.chat_template is not None or targs:
             return list(model.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True,
                 chat_template=self.chat_template, **targs))
         return prompt_ids(model, messages)
+
+    def _image_prompt(self, messages: list[dict[str, Any]], images: list[Any],
+                      targs: Mapping[str, Any]) -> ImagePrompt:
+        """The prompt of messages whose image parts are {"type": "image"}: rendered by the
+        template (one that only knows string content gets each message's parts joined with
+        the model's placeholder in each image's place), then each placeholder expanded into
+        the image's tokens and the images encoded (the engine's encoder cache: an image
+        sent again is not encoded again)."""
+        model = self.model
+        mark = image_placeholder(model)
+
+        def render(msgs: list[dict[str, Any]]) -> str:
+            return model.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
+                                                       chat_template=self.chat_template, **targs)
+
+        try:
+            text = render(messages)
+        except Exception:  # a template that only knows string content (its errors: below)
+            text = None
+        if text is None or text.count(mark) != len(images):
+            text = render(joined_parts(messages, mark))
+        return image_prompt_from_text(model, text, images, cache=self.engine.encoder_cache)
 
     # ---- the tokenizer
 
@@ -227,6 +273,11 @@ def _template_vars(template: str | None) -> frozenset[str] | None:
         return frozenset(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
     except jinja2.TemplateSyntaxError:
         return None
+
+
+def prompt_length(prompt: list[int] | ImagePrompt) -> int:
+    """The tokens of a prompt `chat_prompt` built (an image prompt's ids included)."""
+    return len(prompt.ids) if isinstance(prompt, ImagePrompt) else len(prompt)
 
 
 async def server_context(request: Request) -> ServerContext:

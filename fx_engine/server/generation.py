@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from fx_engine.engine.engine import EngineClosed, QueueFull
 from fx_engine.engine.request import ContextLengthExceeded, context_limit
-from fx_engine.server.context import ServerContext
+from fx_engine.server.context import ServerContext, prompt_length
 from fx_engine.server.protocol import (EventStream, _Base, _Body, _error, cancel, context_error, failure, speculation,
                                        request_salt, results, room_left, sse)
 from fx_engine.server.reasoning import ReasoningStream
@@ -233,7 +233,7 @@ async def run(ctx: ServerContext, request: Request, body: _Sampling, build: Any,
         try:
             for prompt, kw in (built if isinstance(built, list) else [built]):
                 if default_length and kw.get("max_tokens"):  # (0: scoring, nothing to trim)
-                    kw["max_tokens"] = room_left(kw["max_tokens"], len(prompt), limit)
+                    kw["max_tokens"] = room_left(kw["max_tokens"], prompt_length(prompt), limit)
                 kw["cache_salt"] = request_salt(request, body.cache_salt)
                 kw["adapter"] = ctx.adapter_of(body.model)
                 handles += ctx.engine.submit_many(prompt, _choices(body, kw))

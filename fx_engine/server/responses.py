@@ -39,7 +39,8 @@ from starlette.concurrency import run_in_threadpool
 
 from fx_engine.engine.engine import EngineClosed, QueueFull
 from fx_engine.engine.request import ContextLengthExceeded, context_limit
-from fx_engine.server.context import Ctx, ServerContext
+from fx_engine.server.context import Ctx, ServerContext, prompt_length
+from fx_engine.server.media import TEXT_ONLY
 from fx_engine.server.protocol import (EventStream, _Body, _error, context_error, failure, request_salt, speculation,
                                       results, room_left, server_defaults, sse)
 from fx_engine.server.reasoning import ReasoningStream, template_switches
@@ -91,20 +92,36 @@ class ResponsesRequest(_Body):
         return 1 if self.parallel_tool_calls is False else self.max_tool_calls
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, images: bool = False, vision: bool = False) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or text parts joined; with `images` (a message's
+    content, not a tool output's), input_image parts too, kept as a list of parts then
+    (server/context.py's `chat_prompt` makes the image prompt); vision: whether the model
+    takes images (else such a part is a 400 naming it)."""
     if isinstance(content, str):
         return content
-    out = []
+    out, has_image = [], False
     for j, part in enumerate(content or ()):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images:
+            if not vision:
+                raise ValueError(f"{where}[{j}].type: 'input_image': {TEXT_ONLY}")
+            if part.get("file_id") is not None:
+                raise ValueError(f"{where}[{j}].file_id: files are not supported (give image_url: a data "
+                                 "URL or an http(s) URL)")
+            out.append(part)
+            has_image = True
+            continue
         if kind not in ("input_text", "output_text", "text"):
-            raise ValueError(f"{where}[{j}].type: {kind!r} is not supported (text parts only)")
-        out.append(str(part.get("text", "")))
-    return "".join(out)
+            allowed = "text and input_image parts" if images else "text parts only"
+            raise ValueError(f"{where}[{j}].type: {kind!r} is not supported ({allowed})")
+        out.append({"type": "text", "text": str(part.get("text", ""))})
+    return out if has_image else "".join(p["text"] for p in out)
 
 
-def to_chat(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, Any]:
-    """(OpenAI chat messages, function tools, tool_choice) of a Responses request."""
+def to_chat(body: ResponsesRequest, vision: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None,
+                                                                   Any]:
+    """(OpenAI chat messages, function tools, tool_choice) of a Responses request. vision:
+    whether the model takes images."""
     msgs: list[dict[str, Any]] = []
     if body.instructions:
         msgs.append({"role": "system", "content": body.instructions})
@@ -118,7 +135,7 @@ def to_chat(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[dict[str
             if role not in ("user", "assistant", "system", "developer"):
                 raise ValueError(f"{where}.role: must be user, assistant, system or developer")
             msgs.append({"role": "system" if role == "developer" else role,
-                         "content": _content_text(it.get("content"), f"{where}.content")})
+                         "content": _content_text(it.get("content"), f"{where}.content", images=True, vision=vision)})
         elif kind == "function_call":
             call = {"id": str(it.get("call_id") or it.get("id") or f"call_{uuid.uuid4().hex[:24]}"),
                     "type": "function", "function": {"name": it.get("name"),
@@ -279,8 +296,10 @@ def _work(ctx: ServerContext, request: Request, body: ResponsesRequest) -> list[
         raise ValueError(f"stream_options.{bad[0]}: unknown field")
     targs = template_switches(ctx.template, effort, "reasoning.effort")
 
+    vision = ctx.model.vision is not None
+
     def prompt(items: Any) -> list[int]:
-        msgs, tools, choice = to_chat(body.model_copy(update={"input": items}))
+        msgs, tools, choice = to_chat(body.model_copy(update={"input": items}), vision)
         return ctx.chat_prompt(msgs, tools, choice, body.parallel_tool_calls, targs, dict(kw))
 
     limit = context_limit(ctx.model)[0]  # the model's, or serve's --max-kv-size
@@ -292,15 +311,15 @@ def _work(ctx: ServerContext, request: Request, body: ResponsesRequest) -> list[
 
         def fits(items: list[dict[str, Any]]) -> bool:
             try:
-                return len(prompt(items)) + need <= limit + 1
+                return prompt_length(prompt(items)) + need <= limit + 1
             except ValueError:  # e.g. text that cannot fit the context at all
                 return False
 
         body = body.model_copy(update={"input": _truncated(body.input, fits)})
-    msgs, tools, choice = to_chat(body)
+    msgs, tools, choice = to_chat(body, vision)
     ids = ctx.chat_prompt(msgs, tools, choice, body.parallel_tool_calls, targs, kw)
     if not chosen:
-        kw["max_tokens"] = room_left(kw["max_tokens"], len(ids), limit)
+        kw["max_tokens"] = room_left(kw["max_tokens"], prompt_length(ids), limit)
     kw["cache_salt"] = request_salt(request, None)  # the tenant's scope
     kw["adapter"] = ctx.adapter_of(body.model)
     return ctx.engine.submit_many(ids, [kw])

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
+from fx_engine.engine.image_prompt import has_images
 from fx_engine.engine.request import check_prompt_size, context_limit, text_bytes
 from fx_engine.server.chat import ChatMessage, _openai_messages
 from fx_engine.server.context import Ctx
@@ -66,12 +67,18 @@ async def tokenize(body: TokenizeRequest, ctx: Ctx):
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         else:  # the chat route's messages and template rules
             ctx.check_template_kwargs(body.chat_template_kwargs)
-            messages = template_messages(_openai_messages(body.messages))
-            check_prompt_size(model, text_bytes(messages), "messages")
-            targs = {**(ctx.chat_template_args or {}), **(body.chat_template_kwargs or {})}
-            ids = list(tok.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                chat_template=ctx.chat_template, **targs))
+            messages = _openai_messages(body.messages, model.vision is not None)
+            if has_images(messages):  # the image prompt's ids (its images' tokens included)
+                if body.add_generation_prompt is False:
+                    raise ValueError("add_generation_prompt: false is not supported with images")
+                ids = ctx.chat_prompt(messages, None, None, None, body.chat_template_kwargs, {}).ids
+            else:
+                messages = template_messages(messages)
+                check_prompt_size(model, text_bytes(messages), "messages")
+                targs = {**(ctx.chat_template_args or {}), **(body.chat_template_kwargs or {})}
+                ids = list(tok.apply_chat_template(
+                    messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
+                    chat_template=ctx.chat_template, **targs))
         out: dict[str, Any] = {"count": len(ids), "tokens": ids,
                                "max_model_len": context_limit(model)[0]}
         if body.return_token_strs:  # vLLM's: the vocabulary's tokens (convert_ids_to_tokens)
