@@ -150,3 +150,16 @@ def test_synth_gguf_writes_a_file_fx_engine_loads(tmp_path: Path) -> None:
     assert [i for i in range(16) if plan[f"blk.{i}.attn_v.weight"] == "Q6_K"] == [0, 1, 4, 7, 10, 13, 14, 15]
     assert plan["blk.2.ffn_gate.weight"] == "Q4_K" and plan["blk.2.ffn_down.weight"] == "Q4_K"
     assert 0.79e9 < sg.estimate_bytes(sg.SHAPES["llama-1b"], "Q4_K_M") < 0.82e9
+
+
+def test_bench_vision_smoke(tmp_path: Path) -> None:
+    """tools/bench_vision.py (issue 46's benchmark against mlx-vlm) end to end on the tests'
+    tiny Gemma 3: both engines timed, the medians written."""
+    out = tmp_path / "vision.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_vision.py"), "--geometry", "tiny",
+                           "--runs", "1", "--tokens", "4", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    med = json.loads(out.read_text())["medians"]
+    assert set(med) == {"fx", "mlx-vlm"} and all(m["ttft"] > 0 for m in med.values())
+    assert "fx speed vs mlx-vlm" in proc.stdout
