@@ -33,8 +33,9 @@ glm4_moe_mtp.py, qwen3_next_mtp.py / qwen3_5_mtp.py, mimo_mtp.py) and SGLang
                mtp_num_hidden_layers of them): a gated full-attention layer, routed or dense
                MLP. Takes the target's final-norm output.
   mimo         model.mtp_layers.{k}.{token_layernorm, hidden_layernorm, input_proj,
-               final_layernorm} and a Qwen2 decoder layer there. Takes the stream after the
-               target's last layer, before its final norm.
+               final_layernorm} and a Qwen2 decoder layer there (the target itself, model_type
+               "mimo", loads in the llama family as Qwen2, leaving these unread). Takes the
+               stream after the target's last layer, before its final norm.
 
 (N: the target's num_hidden_layers.) "final-norm output" is what the target's output head
 reads (vLLM's DeepseekV2Model / Glm4MoeModel / Qwen3NextModel return it, and the drafter
@@ -45,10 +46,24 @@ residual` before its norm, which MiMoForCausalLM.compute_logits applies itself.
 Where the references differ, this module follows vLLM and says so in the config:
 `mask_first_position` (SGLang does not zero position 0's embedding) and `chain_normed`
 (SGLang's NextN returns the shared head's normed state, so its chained DeepSeek steps feed
-that back; vLLM feeds the pre-norm one). K > 1 drafts chain module 0 on its own output
-(vLLM's `spec_step_idx % num_mtp_layers` with the published one module per checkpoint);
-the other modules of a checkpoint with several are loaded and run by `mtp_forward(...,
-module=k)` but not chained (each would need its own prefill over the target's positions).
+that back; vLLM feeds the pre-norm one).
+
+K > 1 drafts chain module 0 on its own output, one position further each step: what vLLM's
+v1 proposer runs (it calls the model with `spec_step_idx` 0: module 0 throughout) and,
+for the published checkpoints, the only choice there is: DeepSeek-V3 / R1, GLM-4.5, the
+Qwen3-Next / Qwen3.5 releases and MiMo-7B (its report: one MTP layer for speculative
+decoding) all ship one module. The other modules of a checkpoint with several (a config's
+num_nextn_predict_layers / mtp_num_hidden_layers > 1: tiny tests, future checkpoints) are
+loaded, counted by `fx-engine info` and run by `mtp_forward(..., module=k)`, but drafts do
+not chain through them. Doing so as the modules were trained (the DeepSeek-V3 report's
+sequential MTP: module k at position i reads module k - 1's output at i and the embedding
+of x_{i+k+1}, attending over its own K/V of every earlier position) would give each module
+k > 0 its own stream to feed, lagging module k - 1's by one token: the engine's row
+(engine/captured_drafter.py's `CapturedRow`) feeds one stream of target states, and a
+second, lagged one per module (with its own rollback) is more than a local change there.
+vLLM v0's `spec_step_idx` alternative (module j at draft step j, at position t + j, its
+cache holding only the chain's own steps) is not what the modules were trained on either,
+so it is not offered in its place.
 
 The module's attention keeps its K/V in an ordinary `KVCache` (`cache_specs`: one entry per
 module, the family's own kind: DeepSeek's latent entry, dense for the others); positions are
@@ -252,12 +267,14 @@ def _qwen3_next_layer_config(d: dict[str, Any], n: int, source: str) -> tuple[An
 
 
 def _mimo_layer_config(d: dict[str, Any], n: int, source: str) -> tuple[Any, int]:
-    # MiMo is Qwen2's decoder (vLLM's Qwen2DecoderLayer: q/k/v biases, none on o_proj)
-    target = llama.config_from_hf({**d, "model_type": "qwen2"}, source)
+    # MiMo is Qwen2's decoder (vLLM's Qwen2DecoderLayer: q/k/v biases, none on o_proj); the
+    # llama family reads model_type "mimo" as Qwen2 (its RoPE base 1e4 when unsaid, as
+    # Hugging Face's MiMoConfig)
+    target = llama.config_from_hf({**d, "model_type": "mimo"}, source)
     if target.layer_types:
         raise ConfigError(f"{source}: sliding-window layers (use_sliding_window / layer_types) are not "
                           "supported for MiMo's MTP modules")
-    return attrs.evolve(target, model_type="mimo", num_layers=n), 0
+    return attrs.evolve(target, num_layers=n), 0
 
 
 _LAYER_CONFIG = {"deepseek_v3": _deepseek_layer_config, "glm4_moe": _glm_layer_config,
@@ -296,7 +313,7 @@ def check_target(cfg: MtpConfig, target: Any) -> None:
         family = family_of(target).name
     except TypeError:
         family = None
-    if family != _FAMILY[cfg.kind] or (cfg.kind == "glm4_moe" and mt != "glm4_moe"):
+    if family != _FAMILY[cfg.kind] or (cfg.kind in ("glm4_moe", "mimo") and mt != cfg.kind):
         raise ConfigError(f"MTP modules of the {_NAMES[cfg.kind]} format cannot draft for a {mt} target")
     for field in ("hidden_size", "vocab_size"):
         mine, theirs = getattr(cfg.layer, field), getattr(target, field)
@@ -361,8 +378,9 @@ def target_tables(target_params: Any) -> MtpTables:
 def tables_from_tensors(tensors: Mapping[str, mx.array], cfg: MtpConfig, opts: LoadOptions | None = None,
                         tied: bool | None = None) -> MtpTables:
     """The target's tables from its checkpoint tensors (model.embed_tokens, lm_head; tied
-    when `tied` or, None, when the checkpoint has no lm_head): for a target the engine does
-    not load itself (MiMo)."""
+    when `tied` or, None, when the checkpoint has no lm_head): for modules tested or run
+    without their loaded target (the engine's drafter takes a loaded target's:
+    `target_tables`)."""
     opts = opts or LoadOptions(dtype=mx.float32, where="MTP target tables")
     src = TensorSource()
     src.add(opts.where, dict(tensors))

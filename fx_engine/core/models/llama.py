@@ -1,11 +1,14 @@
 """The Llama family, everything about it in one module: llama (2/3, rope scaling linear/llama3), mistral,
-qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), SmolLM2; tied or untied embeddings. Its config
-(from config.json and GGUF metadata), its checkpoint names (Hugging Face / mlx-community and
+qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), SmolLM2, MiMo (a Qwen2 trunk); tied or untied embeddings.
+Its config (from config.json and GGUF metadata), its checkpoint names (Hugging Face / mlx-community and
 llama.cpp's, with the converter's q/k permutation undone), its cache layout, its pure
 forward and output head; the decoder is shared with families of the same shape (phi3).
 
 Projections are fused at load time (q|k|v into one matrix, gate|up into one): fewer graph
 nodes, and on CPU each node costs ~10 us to evaluate whatever its size.
+
+MiMo checkpoints (model_type "mimo") also hold MTP modules under model.mtp_layers.*, left
+unread here: the drafter's loader reads them (fx_engine.core.drafters.mtp).
 """
 
 from __future__ import annotations
@@ -110,11 +113,12 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
     if model_type == "granite":
         extra.update(read_fields(d, _GRANITE_FIELDS, source))
     attention_bias = bool(d.get("attention_bias", False))
+    qwen2 = model_type in ("qwen2", "mimo")  # MiMo's trunk is Qwen2's (q/k/v biases, none on o_proj)
     bos, eos_ids = token_ids(d)
     return LlamaConfig(
         model_type=model_type, **f, head_dim=positive_int(d.get("head_dim") or hidden // heads, "head_dim", source),
         rope_theta=theta, rope_scaling=check_rope_scaling(scaling, source),
-        qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias and model_type != "qwen2",
+        qkv_bias=qwen2 or attention_bias, o_bias=attention_bias and not qwen2,
         qk_norm=model_type == "qwen3", bos_token_id=bos, eos_token_ids=eos_ids, **extra,
     )
 
@@ -122,7 +126,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
 def _rope_settings(d: dict[str, Any], model_type: str) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) wherever the config keeps them: transformers >= 5 nests
     them under rope_parameters (its rope_type "default": no scaling); qwen2's base is 1e6
-    when unsaid, everyone else's 1e4."""
+    when unsaid, everyone else's 1e4 (MiMo's too: Hugging Face's MiMoConfig and mlx-lm)."""
     rope_params = d.get("rope_parameters") or {}
     theta = d.get("rope_theta", rope_params.get("rope_theta"))
     if theta is None:
@@ -494,6 +498,8 @@ def layer_range(p: Params, start: int, end: int) -> Params:
 def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """config.json of a tiny random test model (fx_engine.testing.tiny)."""
     cfg = {"model_type": model_type, **_TINY, **overrides}
+    if model_type == "mimo":  # (the trunk alone: MiMo's MTP modules are fx_engine.testing.mtp's)
+        cfg["architectures"] = ["MiMoForCausalLM"]
     if model_type == "qwen3":  # Qwen3 configs always state head_dim
         cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     if model_type == "smollm3":  # every 4th layer without RoPE (SmolLM3-3B's interval)
@@ -529,7 +535,7 @@ _TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_l
 
 FAMILY = Family(
     name="llama", model_types=("llama", "mistral", "qwen2", "qwen3", "smollm2", "smollm3", "granite",
-                               "ministral3"),
+                               "ministral3", "mimo"),
     wrappers={"mistral3": ("ministral3", {"vocab_size": 131072, "tie_word_embeddings": False})},
     config_type=LlamaConfig, params_type=Params, config_from_hf=config_from_hf,
     assemble=assemble, cache_specs=cache_specs, forward=forward,
