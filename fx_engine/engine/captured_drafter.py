@@ -13,12 +13,21 @@ rollback after a rejection needs no call, and the drafter never sees a rejected 
 
 The drafter (the row's `owner`) supplies the step and the cache:
 
-    owner.step(hidden [1, T, W], ids [1, T], cache, n_valid [1], span) -> (tok [1], h [1, H], cache)
-    owner.new_cache(capacity) -> KVCache
+    owner.step(hidden [B, T, W], ids [B, T], cache, n_valid [B], span) -> (tok [B], h [B, H], cache)
+    owner.new_cache(capacity) -> KVCache   (one row)
 
-`step` runs the pairs (hidden[t], ids[t]) for t < n_valid from the cache's length and
-returns the greedy draft after the last valid pair and the hidden state a chained step
-feeds back (T = 1 with a chained step's own state and draft).
+`step` runs each row's pairs (hidden[b, t], ids[b, t]) for t < n_valid[b] from the row's
+cache length and returns the greedy draft after its last valid pair and the hidden state a
+chained step feeds back (T = 1 with a chained step's own state and draft); rows with
+n_valid 0 are left as they were.
+
+Rows of one drafter asked in the same engine step draft together (`propose_batch`, the
+drafters' `propose_rows`, used by the engine's `propose_drafts`): their caches stacked into
+one B-row cache (B a power of two, padding rows idle), the new pairs fed in one call per
+round (T: a power-of-two bucket of the round's largest count, n_valid per row), the k - 1
+chained steps in one call each (rows past their own k idle), the caches split back. One
+drafter call per step instead of one per row; the drafts are each row's own (bitwise the
+same under batch-invariant numerics, which a batch-invariant target's drafters take).
 
 A row whose captured states have a gap (a prefix restored from the prefix cache is skipped
 for these requests so that does not happen) stops drafting (`broken` says why) and decodes.
@@ -33,7 +42,7 @@ import mlx.core as mx
 from fx_engine.core.buckets import pow2_ceil
 from fx_engine.core.cache import KVCache, span_bucket, with_lengths
 from fx_engine.engine.drafters import Draft
-from fx_engine.engine.kv_rows import resize
+from fx_engine.engine.kv_rows import resize, row_view, stack_rows
 
 __all__ = ["CapturedRow", "FEED_CHUNK", "FLUSH_AT", "MIN_CAPACITY"]
 
@@ -81,15 +90,8 @@ class CapturedRow:
     def propose(self, tokens: list[int], k: int) -> Draft:
         """Up to k greedy drafts after `tokens` (prompt and generated tokens; the target has
         processed all but the last)."""
-        if k <= 0 or self.broken is not None:
-            return Draft()
-        n = len(tokens) - 1
-        if self.captured < n:
-            self._break(f"the target processed {n} positions, the row has states for {self.captured}")
-            return Draft()
-        if self.captured > n:
-            self._truncate(n)
-        if n <= self.fed:  # no new pair (asked twice without a target step between): no draft
+        n = self._prepare(tokens, k)
+        if n is None:
             return Draft()
         tok, h = self._feed(tokens, n, extra=k - 1)
         owner, out = self.owner, [tok]
@@ -100,6 +102,117 @@ class CapturedRow:
             self.length += 1
             out.append(tok)
         return Draft(tuple(int(t) for t in mx.concatenate(out).tolist()))
+
+    def _prepare(self, tokens: Sequence[int], k: int) -> int | None:
+        """The checks before drafting: None when the row drafts nothing this time (k <= 0,
+        broken, no new pair), else n (the positions the target processed: pairs up to n are
+        fed). Truncates states the target did not keep."""
+        if k <= 0 or self.broken is not None:
+            return None
+        n = len(tokens) - 1
+        if self.captured < n:
+            self._break(f"the target processed {n} positions, the row has states for {self.captured}")
+            return None
+        if self.captured > n:
+            self._truncate(n)
+        if n <= self.fed:  # no new pair (asked twice without a target step between): no draft
+            return None
+        return n
+
+    @classmethod
+    def propose_batch(cls, rows: Sequence["CapturedRow"], tokens_list: Sequence[Sequence[int]],
+                      ks: Sequence[int]) -> list[Draft]:
+        """`propose` for several rows of one drafter in one batched drafter call per step
+        (issue 45): the rows' caches stacked into one (capacities padded to the largest,
+        rows to a power of two: padding rows idle with n_valid 0), the new pairs fed in
+        rounds of at most FEED_CHUNK per row (T: the round's power-of-two bucket, n_valid per
+        row), then max(k) - 1 chained steps (a row whose k is reached idles), the caches
+        split back. The same drafts as each row's `propose` (bitwise so under batch-invariant
+        numerics). Nothing is kept on the rows unless every row's drafting succeeds (an
+        error leaves them as `_prepare` left them: the caller may ask each row alone)."""
+        drafts = [Draft()] * len(rows)
+        todo = []  # (index, n, k)
+        for i, (row, tokens, k) in enumerate(zip(rows, tokens_list, ks)):
+            n = row._prepare(tokens, k)
+            if n is not None:
+                todo.append((i, n, k))
+        if not todo:
+            return drafts
+        owner = rows[todo[0][0]].owner
+        if len(todo) == 1 or any(rows[i].owner is not owner for i, _, _ in todo):
+            for i, _, k in todo:  # (one row: the per-row path, its own shapes)
+                drafts[i] = rows[i].propose(list(tokens_list[i]), k)
+            return drafts
+        for i, n, k in todo:  # each row's capacity, as its own `propose` would grow it
+            row = rows[i]
+            row._ensure(n + max(k - 1, FEED_CHUNK))
+            if row.length != row.fed:  # chained guesses past the real pairs: dropped
+                row.cache = with_lengths(row.cache, mx.array([row.fed], mx.int32))
+                row.length = row.fed
+        caps = [rows[i].cache.capacity for i, _, _ in todo]
+        cap = max(caps)
+        b = len(todo)
+        bp = pow2_ceil(b)
+        parts = [rows[i].cache if c == cap else resize(rows[i].cache, capacity=cap)
+                 for (i, _, _), c in zip(todo, caps)]
+        if bp > b:
+            parts += [owner.new_cache(cap)] * (bp - b)
+        cache = stack_rows(parts)
+        lengths = [rows[i].fed for i, _, _ in todo] + [0] * (bp - b)
+        counts = [n - rows[i].fed for i, n, _ in todo]
+        states = []
+        for i, _, _ in todo:
+            st = rows[i].states
+            states.append(mx.concatenate(st, axis=0) if len(st) > 1 else st[0])
+        width = states[0].shape[-1]
+        last_tok: list[Any] = [None] * b
+        last_h: list[Any] = [None] * b
+        done = [0] * b
+        while any(d < c for d, c in zip(done, counts)):  # feed: rounds of <= FEED_CHUNK pairs a row
+            ms = [min(FEED_CHUNK, c - d) for d, c in zip(done, counts)]
+            size = pow2_ceil(max(ms))
+            hid, ids = [], []
+            for j, (i, _, _) in enumerate(todo):
+                m, d, fed = ms[j], done[j], rows[i].fed
+                piece = states[j][d : d + m]
+                if size > m:
+                    piece = mx.pad(piece, [(0, size - m), (0, 0)])
+                hid.append(piece)
+                ids.append(list(tokens_list[i][fed + d + 1 : fed + d + m + 1]) + [0] * (size - m))
+            if bp > b:
+                hid += [mx.zeros((size, width), states[0].dtype)] * (bp - b)
+                ids += [[0] * size] * (bp - b)
+            span = span_bucket(max(lengths) + size, cap)  # (the step's contract: max(lengths) + T)
+            tok, h, cache = owner.step(mx.stack(hid), mx.array(ids, mx.int32), cache,
+                                       mx.array(ms + [0] * (bp - b), mx.int32), span)
+            for j in range(b):
+                if ms[j]:
+                    done[j] += ms[j]
+                    lengths[j] += ms[j]
+                    if done[j] == counts[j]:
+                        last_tok[j], last_h[j] = tok[j : j + 1], h[j : j + 1]
+        tok = mx.concatenate(last_tok + [mx.zeros((bp - b,), last_tok[0].dtype)] * (bp > b))
+        h = mx.concatenate(last_h + [mx.zeros((bp - b, last_h[0].shape[-1]), last_h[0].dtype)] * (bp > b))
+        out = [tok]
+        chained = [k - 1 for _, _, k in todo]
+        for step in range(max(chained)):  # chained: each row's own hidden state and draft
+            act = [1 if step < c else 0 for c in chained] + [0] * (bp - b)
+            span = span_bucket(max(lengths) + 1, cap)
+            tok, h, cache = owner.step(h[:, None], tok[:, None], cache, mx.array(act, mx.int32), span)
+            lengths = [ln + a for ln, a in zip(lengths, act)]
+            out.append(tok)
+        got = mx.stack(out, axis=1).tolist()  # [bp, 1 + max chained] (evaluates: errors surface here)
+        for j, (i, n, k) in enumerate(todo):  # every row succeeded: keep its new state
+            row = rows[i]
+            view = row_view(cache, j)
+            row.cache = view if caps[j] == cap else resize(view, capacity=caps[j])
+            row.length = lengths[j]
+            rest = states[j][counts[j]:]
+            row.fed = n
+            row.states = [rest] if rest.shape[0] else []
+            row.waiting = rest.shape[0]
+            drafts[i] = Draft(tuple(int(t) for t in got[j][:k]))
+        return drafts
 
     # ---------------------------------------------------------------- the drafter's cache
     def _feed(self, tokens: Sequence[int], upto: int, extra: int = 0) -> tuple[Any, Any]:

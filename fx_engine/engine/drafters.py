@@ -293,13 +293,21 @@ def propose_drafts(plan: dict[Any, int], vocab: int,
     malformed (too many tokens, negative or non-int ids, probs of the wrong shape) goes to
     `on_error` (it fails its own request only). A draft model over another vocabulary
     size is trimmed or zero-padded to the target's `vocab`, and a draft stops at the first
-    token the target's vocabulary does not have."""
+    token the target's vocabulary does not have.
+
+    Rows of one drafter object that has `propose_rows(rows, tokens_list, ks)` (the learned
+    heads: one batched drafter call per step for all of them) are asked together; if that
+    call raises, each of its rows is asked alone (a bad row fails only itself)."""
+    batched = _batched_drafts(plan)
     out: dict[Any, Any] = {}
     for req, k in plan.items():
         try:
-            if req.row_drafter is None:
-                req.row_drafter = req.drafter.new_row(list(req.ids), req.cfg)
-            d = req.row_drafter.propose(list(req.ids) + req.generated, k)
+            if req in batched:
+                d = batched[req]
+            else:
+                if req.row_drafter is None:
+                    req.row_drafter = req.drafter.new_row(list(req.ids), req.cfg)
+                d = req.row_drafter.propose(list(req.ids) + req.generated, k)
             toks = tuple(getattr(d, "tokens", ()))
             probs = getattr(d, "probs", None)
             if len(toks) > k or any(not isinstance(t, int) or t < 0 for t in toks):
@@ -320,6 +328,34 @@ def propose_drafts(plan: dict[Any, int], vocab: int,
         if toks:
             out[req] = (toks, probs)
     return out
+
+
+def _batched_drafts(plan: dict[Any, int]) -> dict[Any, Any]:
+    """{row: its Draft} for the planned rows whose drafter proposes rows together
+    (`propose_rows`), two or more rows of one drafter object per call. Rows left out (a
+    drafter without the hook, a lone row, a row drafter that could not be made, a batched
+    call that raised) are asked alone by the caller."""
+    groups: dict[int, list[Any]] = {}
+    for req in plan:
+        if callable(getattr(req.drafter, "propose_rows", None)):
+            groups.setdefault(id(req.drafter), []).append(req)
+    got: dict[Any, Any] = {}
+    for reqs in groups.values():
+        if len(reqs) < 2:
+            continue
+        try:
+            for req in reqs:
+                if req.row_drafter is None:
+                    req.row_drafter = req.drafter.new_row(list(req.ids), req.cfg)
+            drafts = reqs[0].drafter.propose_rows([r.row_drafter for r in reqs],
+                                                  [list(r.ids) + r.generated for r in reqs],
+                                                  [plan[r] for r in reqs])
+            if len(drafts) != len(reqs):
+                raise ValueError(f"propose_rows returned {len(drafts)} drafts for {len(reqs)} rows")
+        except Exception:  # (each row alone: the error, if it is one row's, fails it only)
+            continue
+        got.update(zip(reqs, drafts))
+    return got
 
 
 def speculate(policy: Any, batch: Any, vocab: int, decided: Callable[[Callable[[], Any]], Any],

@@ -39,6 +39,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
 import mlx.core as mx
 
 from fx_engine.core.cache import KVCache, init_cache
@@ -66,6 +67,13 @@ class Eagle3Drafter:
         # evaluated here: lazily read arrays belong to this thread's stream, and the engine
         # drafts on its own thread (MLX: "no Stream(cpu, 0) in current thread")
         mx.eval(tree_leaves(head))
+        num = getattr(getattr(target, "params", None), "numerics", None)
+        if num is not None and num.batch_invariant and not head.numerics.batch_invariant:
+            # a batch-invariant target's head is too: its rows draft the same alone or
+            # batched with others (`propose_rows`), as the MTP modules (loaded with the
+            # target's numerics) do
+            head = attrs.evolve(head, numerics=attrs.evolve(head.numerics, batch_invariant=True, tile=num.tile,
+                                                            kv_block=num.kv_block))
         self.head = head
         self.target = target
         self.table = head.embed if head.embed is not None else target.params.embed
@@ -85,6 +93,11 @@ class Eagle3Drafter:
 
     def new_row(self, prompt: list[int], sampling: SamplingConfig) -> CapturedRow:
         return CapturedRow(self)
+
+    def propose_rows(self, rows: list[CapturedRow], tokens_list: list[list[int]], ks: list[int]) -> list:
+        """Several of its rows' `propose` in one batched call per step (the engine's
+        `propose_drafts` uses it for the rows of one step): the same drafts as each alone."""
+        return CapturedRow.propose_batch(rows, tokens_list, ks)
 
     # ---------------------------------------------------------------- what its rows run
     def step(self, hidden: mx.array, ids: mx.array, cache: KVCache, n_valid: mx.array,

@@ -96,6 +96,11 @@ class MtpDrafter:
     def new_row(self, prompt: list[int], sampling: SamplingConfig) -> CapturedRow:
         return CapturedRow(self)
 
+    def propose_rows(self, rows: list[CapturedRow], tokens_list: list[list[int]], ks: list[int]) -> list:
+        """Several of its rows' `propose` in one batched call per step (the engine's
+        `propose_drafts` uses it for the rows of one step): the same drafts as each alone."""
+        return CapturedRow.propose_batch(rows, tokens_list, ks)
+
     # ---------------------------------------------------------------- what its rows run
     def step(self, hidden: mx.array, ids: mx.array, cache: KVCache, n_valid: mx.array,
              span: int) -> tuple[mx.array, mx.array, KVCache]:

@@ -38,3 +38,27 @@ def no_recompiles_in_steady_state(model: Any, drafter: Any, drafter_step: Any) -
     got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, draft_model=drafter, num_draft_tokens=4)
     assert got.usage.accepted_tokens > 0
     assert [f.traces for f in fns] == before
+
+
+def no_recompiles_with_concurrent_rows(model: Any, drafter: Any, drafter_step: Any) -> None:
+    """Several rows of one drafter drafting together (one batched drafter call per step, its
+    row count a power of two): a third run of the same requests compiles nothing new."""
+    from fx_engine.core.steps import decode_step_compiled, prefill_step_compiled, verify_step_compiled
+
+    prompts = [[5, 9, 17, 40, 30], [7, 3, 11], [21, 8, 5, 40, 30, 9, 12]]
+    fns = (drafter_step, prefill_step_compiled, decode_step_compiled, verify_step_compiled)
+
+    def run() -> list[Any]:
+        engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=16)
+        handles = [engine.submit(p, max_tokens=24, temperature=0.0, draft_model=drafter, num_draft_tokens=k)
+                   for p, k in zip(prompts, (4, 2, 3))]
+        out = [h.result() for h in handles]
+        engine.close()
+        return out
+
+    for _ in range(2):
+        run()
+    before = [f.traces for f in fns]
+    got = run()
+    assert all(r.usage.accepted_tokens > 0 for r in got)
+    assert [f.traces for f in fns] == before
