@@ -78,7 +78,7 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
         return super()._get_help_string(action)
 
 
-def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+def _model_args(p: argparse.ArgumentParser, several: bool = False, mmproj: bool = False) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", "-m", default=None, action="append" if several else "store",
                    metavar="[NAME=]MODEL" if several else None,
@@ -88,6 +88,10 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
                             ". Repeatable: several models, requests choose by `model` (NAME=: the "
                             "id it is served as; the first: when a request names none)" if several else ""))
     g.add_argument("--revision", default=None, help="branch, tag or commit of a repo id --model")
+    if mmproj:
+        g.add_argument("--mmproj", default=None, metavar="FILE",
+                       help="llama.cpp's mmproj GGUF for a GGUF --model (Gemma 3's vision tower and "
+                            "projector): images with a GGUF text model" + (" (the first model)" if several else ""))
     g.add_argument("--threads", "-t", type=_int_at_least(1), default=None,
                    help="CPU threads for the native kernels and BLAS (FX_ENGINE_THREADS); none: "
                         "the CPUs this process may use")
@@ -117,7 +121,7 @@ _CHAT_SAMPLING = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "mi
 
 
 def _sampling_args(p: argparse.ArgumentParser, serve: bool = False, chat: bool = False) -> None:
-    _model_args(p, several=serve)
+    _model_args(p, several=serve, mmproj=not chat)
     g = p.add_argument_group(
         "sampling" + (" (request defaults)" if serve else ""),
         "Each one not given comes from the model's generation_config.json or GGUF\n"
@@ -296,7 +300,8 @@ def _load(a: argparse.Namespace):
                            kv_dtype=getattr(a, "kv_dtype", None),
                            tensor_parallel=getattr(a, "tensor_parallel", None),
                            pipeline_parallel=getattr(a, "pipeline_parallel", None),
-                           pipeline_layers=getattr(a, "pipeline_layers", None))
+                           pipeline_layers=getattr(a, "pipeline_layers", None),
+                           **({"mmproj": a.mmproj} if getattr(a, "mmproj", None) else {}))
     for spec in getattr(a, "adapter", None) or ():
         name, sep, path = spec.partition("=")
         if not sep:
@@ -712,7 +717,7 @@ def _serve_engine(a: argparse.Namespace, served: list[tuple[str | None, str | No
     b = argparse.Namespace(**vars(a))
     b.model = served[i][1]
     if i:
-        b.adapter = b.revision = None
+        b.adapter = b.revision = b.mmproj = None
     if a.prompt_cache and len(served) > 1:
         import re
 

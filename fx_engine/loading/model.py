@@ -211,6 +211,7 @@ def load(
     pipeline_parallel: int | None = None,
     pipeline_layers: Sequence[int] | None = None,
     revision: str | None = None,
+    mmproj: str | Path | None = None,
 ) -> Model:
     """Load a model from a GGUF file (a split file's first shard), a Hugging Face style
     folder, a Hugging Face repo id `org/name` or `org/name:QUANT` (a GGUF repo's
@@ -255,6 +256,8 @@ def load(
     pipeline_layers: each stage's number of layers (e.g. (20, 10): hosts of unequal
     memory; their sum is the model's layers; implies pipeline_parallel=len). None: as even
     as possible. Every rank must pass the same.
+    mmproj: llama.cpp's mmproj GGUF for a GGUF text model (Gemma 3: its vision tower and
+    projector, `fx_engine.loading.mmproj`): the model's image path. A folder has its own.
     """
     from fx_engine.loading.tokenizer import Tokenizer
     from fx_engine.runtime import setup
@@ -264,6 +267,9 @@ def load(
     if path is None and revision is not None:
         raise ValueError("revision applies to a Hugging Face repo id (path='org/name'), not the default model")
     p = resolve_model(path, revision=revision) if path is not None else default_model_path()
+    if mmproj is not None and not p.is_file():
+        raise ValueError(f"mmproj applies to a GGUF text model; {p} is a folder (its image path, if any, "
+                         "comes from its own vision_config)")
     if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
     if native is None:
@@ -363,7 +369,16 @@ def load(
         report = plan.choose(params)  # measured once per machine and shape (cached)
         if report is not None:
             params = attrs.evolve(params, numerics=attrs.evolve(numerics_, matmul=report.plan))
-    vision, processor = (None, None) if p.is_file() else _load_image_path(p, raw, mx_dtype, keep, numerics_)
+    if mmproj is not None:  # llama.cpp's second file: the image path of a GGUF text model
+        from fx_engine.loading.mmproj import load_mmproj
+
+        with working(f"loading {Path(mmproj).name}'s vision tower"):
+            vision, processor = load_mmproj(mmproj, cfg, metadata, dtype=getattr(mx, params.dtype),
+                                            keep_quantized=keep, numerics=numerics_)
+            mx.eval(tree_leaves(vision))
+        fingerprint = model_fingerprint([fingerprint, "mmproj"], [Path(mmproj)])
+    else:
+        vision, processor = (None, None) if p.is_file() else _load_image_path(p, raw, mx_dtype, keep, numerics_)
     model = Model(
         config=cfg, params=params, tokenizer=tokenizer, path=str(p),
         fingerprint=fingerprint, weight_format=f"{fmt} -> {quant_kinds}",
