@@ -301,6 +301,17 @@ def eagle3_forward(
     head's own previous outputs (H wide: as they are), the references' rule. Returns float32
     draft-vocab logits, the pre-norm output hidden states (what a chained step feeds back) and
     the new cache."""
+    b, t, _ = embeds.shape
+    h, cache = eagle3_hidden(p, embeds, hidden, cache, n_valid, span)
+    return draft_logits(p, h.reshape(b * t, -1)).reshape(b, t, -1), h, cache
+
+
+def eagle3_hidden(
+    p: Eagle3Params, embeds: Float[mx.array, "B T H"], hidden: Float[mx.array, "B T Hin"], cache: KVCache,
+    n_valid: Int[mx.array, "B"], span: int | None = None,
+) -> tuple[Float[mx.array, "B T H"], KVCache]:
+    """`eagle3_forward` without the draft logits: the pre-norm output hidden states and the
+    new cache (a step that needs the logits of one position per row takes them after)."""
     cfg = p.config
     b, t, width = embeds.shape
     if width != cfg.hidden_size:
@@ -309,7 +320,7 @@ def eagle3_forward(
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
     g = _incoming(p, hidden.reshape(b * t, -1).astype(dt))
     h, entry = _decoder_layer(p, embeds.reshape(b * t, width).astype(dt), g, cache.layers[0], cache.layout[0], geo)
-    return draft_logits(p, h).reshape(b, t, -1), h.reshape(b, t, -1), advanced(cache, [entry], geo)
+    return h.reshape(b, t, -1), advanced(cache, [entry], geo)
 
 
 def project_target_hidden(p: Eagle3Params, aux: Float[mx.array, "*N Hin"]) -> Float[mx.array, "*N H"]:
@@ -407,11 +418,10 @@ def head_step(
     if table is None:
         raise ValueError("head_step: the head has no embedding table of its own: pass the target's")
     n_valid = n_valid.astype(mx.int32)
-    logits, h, cache = eagle3_forward(p, embed(tokens, table).astype(getattr(mx, p.dtype)), hidden, cache,
-                                      n_valid, span)
+    h, cache = eagle3_hidden(p, embed(tokens, table).astype(getattr(mx, p.dtype)), hidden, cache, n_valid, span)
     last = mx.maximum(n_valid - 1, 0)[:, None, None]
-    lg = mx.take_along_axis(logits, last, axis=1)[:, 0]
-    return greedy_target_ids(p, lg), mx.take_along_axis(h, last, axis=1)[:, 0], cache
+    hl = mx.take_along_axis(h, last, axis=1)[:, 0]  # (the logits of the last valid pair only:
+    return greedy_target_ids(p, draft_logits(p, hl)), hl, cache  # a feed of T pairs pays one head)
 
 
 # the engine's compiled form (keyed on the hidden width, T and span: a few shapes)

@@ -638,6 +638,32 @@ def mtp_forward(
     the token after it, x_{p+1}. tables: the target's (None only if the module carries its
     own). Returns float32 logits predicting x_{p+2}, the hidden states a chained step
     feeds back (`MtpConfig.chain_normed`) and the new cache (the module's entry written)."""
+    b, t = next_tokens.shape
+    normed, fed, cache = _mtp_hidden(p, tables, hidden, next_tokens, cache, n_valid, span, module)
+    logits = _mtp_logits(p, tables, module, normed.reshape(b * t, -1))
+    return logits.reshape(b, t, -1), fed, cache
+
+
+def _mtp_tables(p: MtpParams, tables: MtpTables | None, module: int) -> tuple[Any, Any]:
+    """(embedding table, head) of module `module`: its own, else the target's."""
+    m = p.modules[module]
+    table = m.embed if m.embed is not None else (tables.embed if tables is not None else None)
+    head = m.head if m.head is not None else (tables.head if tables is not None else None)
+    if table is None or head is None:
+        raise ValueError("mtp_forward: the module has no embedding table / head of its own: pass the target's tables")
+    return table, head
+
+
+def _mtp_logits(p: MtpParams, tables: MtpTables | None, module: int, normed: mx.array) -> mx.array:
+    return linear(normed, _mtp_tables(p, tables, module)[1], p.numerics).astype(mx.float32)
+
+
+def _mtp_hidden(
+    p: MtpParams, tables: MtpTables | None, hidden: Float[mx.array, "B T H"], next_tokens: Int[mx.array, "B T"],
+    cache: KVCache, n_valid: Int[mx.array, "B"], span: int | None, module: int,
+) -> tuple[Float[mx.array, "B T H"], Float[mx.array, "B T H"], KVCache]:
+    """`mtp_forward` without the logits: (the final-normed states the head reads, the states
+    a chained step feeds back, the new cache)."""
     cfg, num = p.config, p.numerics
     b, t = next_tokens.shape
     width = cfg.hidden_size
@@ -647,10 +673,7 @@ def mtp_forward(
     if not 0 <= module < cfg.num_modules:
         raise ValueError(f"mtp_forward: module {module} of {cfg.num_modules}")
     m = p.modules[module]
-    table = m.embed if m.embed is not None else (tables.embed if tables is not None else None)
-    head = m.head if m.head is not None else (tables.head if tables is not None else None)
-    if table is None or head is None:
-        raise ValueError("mtp_forward: the module has no embedding table / head of its own: pass the target's tables")
+    table, _ = _mtp_tables(p, tables, module)
     dt, eps = getattr(mx, p.dtype), cfg.rms_norm_eps
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
     e = embed(next_tokens.reshape(-1), table).astype(dt)
@@ -661,11 +684,10 @@ def mtp_forward(
     x = linear(mx.concatenate([hn, en] if cfg.hidden_first else [en, hn], axis=-1), m.proj, num)
     out, entry = _decoder_layer(p, m.layer, x, cache.layers[module], cache.layout[module], geo)
     normed = rms_norm(out, m.norm, eps, num)
-    logits = linear(normed, head, num).astype(mx.float32)
     layers = list(cache.layers)
     layers[module] = entry
     fed = normed if cfg.chain_normed else out
-    return logits.reshape(b, t, -1), fed.reshape(b, t, -1), advanced(cache, layers, geo)
+    return normed.reshape(b, t, -1), fed.reshape(b, t, -1), advanced(cache, layers, geo)
 
 
 def greedy_ids(logits: Float[mx.array, "*N V"]) -> Int[mx.array, "*N"]:
@@ -681,10 +703,11 @@ def mtp_step(
     step feeds back, and the cache. Rows with n_valid == 0 are untouched (outputs
     meaningless)."""
     n_valid = n_valid.astype(mx.int32)
-    logits, h, cache = mtp_forward(p, tables, hidden, next_tokens, cache, n_valid, span)
+    normed, fed, cache = _mtp_hidden(p, tables, hidden, next_tokens, cache, n_valid, span, 0)
     last = mx.maximum(n_valid - 1, 0)[:, None, None]
-    lg = mx.take_along_axis(logits, last, axis=1)[:, 0]
-    return greedy_ids(lg), lg, mx.take_along_axis(h, last, axis=1)[:, 0], cache
+    # the head on the last valid pair only (a feed of T pairs pays one head, not T)
+    lg = _mtp_logits(p, tables, 0, mx.take_along_axis(normed, last, axis=1)[:, 0])
+    return greedy_ids(lg), lg, mx.take_along_axis(fed, last, axis=1)[:, 0], cache
 
 
 # the engine's compiled form (keyed on T and span: a few shapes)
