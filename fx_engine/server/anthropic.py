@@ -164,6 +164,25 @@ def _text_of(blocks: Any, where: str) -> str:
     return "".join(out)
 
 
+def _result_content(blocks: Any, where: str, vision: bool) -> str | list[dict[str, Any]]:
+    """A tool_result's content: a string, text blocks joined, or (with image blocks: a
+    screenshot a tool returned) its text and image parts as a list."""
+    if isinstance(blocks, str) or not any(isinstance(b, dict) and b.get("type") == "image" for b in blocks or ()):
+        return _text_of(blocks, where)
+    parts = []
+    for j, b in enumerate(blocks):
+        kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+        if kind == "image":
+            if not vision:
+                raise ValueError(f"{where}[{j}].type: 'image': {TEXT_ONLY}")
+            parts.append(b)
+        elif kind == "text":
+            parts.append({"type": "text", "text": str(b.get("text", ""))})
+        else:
+            raise ValueError(f"{where}[{j}].type: {kind!r} is not supported here (text, image)")
+    return parts
+
+
 def to_chat(body: Any, vision: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, Any,
                                                      bool | None]:
     """(OpenAI-shaped messages, tools, tool_choice, parallel_tool_calls) of a request.
@@ -192,9 +211,10 @@ def to_chat(body: Any, vision: bool = False) -> tuple[list[dict[str, Any]], list
                               "type": "function",
                               "function": {"name": b["name"], "arguments": b.get("input", {})}})
             elif kind == "tool_result" and m.role == "user":
-                content = _text_of(b.get("content", ""), f"{where}[{j}].content")
+                content = _result_content(b.get("content", ""), f"{where}[{j}].content", vision)
                 if b.get("is_error"):
-                    content = f"Error: {content}"
+                    content = (f"Error: {content}" if isinstance(content, str)
+                               else [{"type": "text", "text": "Error: "}, *content])
                 results.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
                                 "content": content})
             elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":

@@ -554,7 +554,10 @@ def render_tools_in_prompt(messages: list[dict[str, Any]], tools: list[dict[str,
             blocks = [f'{_OPEN}\n{json.dumps({"name": tc["function"].get("name"), "arguments": tc["function"].get("arguments", {})}, ensure_ascii=False)}\n{_CLOSE}'
                       for tc in m.pop("tool_calls")]
             m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
-        if m.get("role") == "tool":
+        if m.get("role") == "tool" and isinstance(m.get("content"), list):  # (with images: parts)
+            m = {"role": "user", "content": [{"type": "text", "text": "<tool_response>\n"}, *m["content"],
+                                             {"type": "text", "text": "\n</tool_response>"}]}
+        elif m.get("role") == "tool":
             m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
         out.append(m)
     if out and out[0].get("role") == "system":

@@ -276,3 +276,25 @@ def test_serve_flags_reach_the_settings():
     a = build_parser().parse_args(["serve", "--no-image-urls", "--image-url-max-bytes", "1000",
                                    "--image-url-timeout", "2.5"])
     assert (a.no_image_urls, a.image_url_max_bytes, a.image_url_timeout) == (True, 1000, 2.5)
+
+
+def test_anthropic_tool_results_may_carry_images(server, model):
+    """A tool that returns a screenshot (what coding agents send): the tool_result's image
+    block reaches the prompt as the image, not a 400."""
+    png = base64.b64encode(_png(11)).decode()
+    body = {"model": "tiny-vlm", "max_tokens": 4, "temperature": 0, "messages": [
+        {"role": "user", "content": "take a screenshot"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "here it is"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]}]}],
+        "tools": [{"name": "shot", "description": "a screenshot", "input_schema": {"type": "object"}}]}
+    r = httpx.post(server["url"] + "/v1/messages", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    count = httpx.post(server["url"] + "/v1/messages/count_tokens", json={
+        k: v for k, v in body.items() if k not in ("max_tokens", "temperature")}, timeout=120).json()
+    without = httpx.post(server["url"] + "/v1/messages/count_tokens", json={
+        **{k: v for k, v in body.items() if k not in ("max_tokens", "temperature")},
+        "messages": body["messages"][:2] + [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "here it is"}]}]}, timeout=120).json()
+    assert count["input_tokens"] > without["input_tokens"] + 16  # the image's tokens are in the prompt
