@@ -1,4 +1,6 @@
-"""Chat messages with images -> a Gemma 3 prompt's token ids and its image rows (issue 46).
+"""Chat messages with images -> a multimodal prompt's token ids and its image rows (issue 46):
+Gemma 3 and Idefics3 / SmolVLM (the model's vision module, `core.vision.VISION_MODULES`,
+decides the placeholder and its expansion).
 
 A message's content may be a list of parts, OpenAI-, Anthropic- and Responses-style:
 
@@ -22,6 +24,13 @@ model's vision tower (`encode_images_compiled`) into rows [N * mm, H].
 Errors are ImageError (a ValueError): images to a model without an image path, more than
 `max_images`, a bad data URL or base64, a media type that is not an image, an undecodable
 image, more than `max_pixels` pixels.
+
+Idefics3 / SmolVLM: the placeholder is `<image>` (what their chat templates write); each
+image is preprocessed into tiles (loading/images.idefics3_tiles: rows x cols tiles and the
+global image), and the placeholder becomes Idefics3Processor's expansion
+(core/vision/idefics3.prompt_segments): its text pieces tokenized, its image-token runs
+inserted as ids, one run of tokens_per_tile per tile. `spans` are those runs (several per
+image); an image's rows are all its tiles' rows, in order.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import numpy as np
 
 from fx_engine.loading.images import ImageError, preprocess
 
-#: most images in one request (Gemma 3: 256 tokens each)
+#: most images in one request (Gemma 3: 256 tokens each; Idefics3: up to rows x cols + 1 tiles each)
 MAX_IMAGES = 16
 #: most pixels in one decoded image (before resizing)
 MAX_PIXELS = 8192 * 8192
@@ -52,7 +61,8 @@ MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif"
 
 class ImagePrompt(NamedTuple):
     """A prompt with images: its ids, the images' embedding rows [N * mm, H] in prompt
-    order, and each image's token run [start, end) in `ids`."""
+    order, and the image-token runs [start, end) in `ids` (Gemma 3: one per image;
+    Idefics3: one per tile)."""
 
     ids: list[int]
     rows: mx.array
@@ -225,18 +235,28 @@ class EncoderCache:
                 self.nbytes -= old.nbytes
 
 
-def _encode(vision: Any, pixels: np.ndarray, digests: Sequence[str], cache: EncoderCache | None) -> mx.array:
-    """The images' rows [N * mm, H], evaluated: the cached ones from `cache`, the others
-    encoded together (`encode_images_compiled`) and cached."""
-    from fx_engine.core.vision.gemma3 import encode_images_compiled
+def _vision_module(vision: Any) -> Any:
+    from fx_engine.core.vision import VISION_MODULES
 
+    return VISION_MODULES[vision.config.model_type]
+
+
+def _encode(vision: Any, pixels: Sequence[np.ndarray], digests: Sequence[str], cache: EncoderCache | None) -> mx.array:
+    """The images' rows [sum of tiles * mm, H], evaluated: the cached ones from `cache`, the
+    others encoded together (the vision module's `encode_images_compiled`) and cached.
+    pixels: per image, its tiles [T, C, S, S] (Gemma 3: T = 1)."""
+    encode = _vision_module(vision).encode_images_compiled
     have = [cache.get(d) if cache is not None else None for d in digests]
     todo = [i for i, r in enumerate(have) if r is None]
     if todo:
-        out = encode_images_compiled(vision, mx.array(pixels[todo]))
+        batch = np.concatenate([pixels[i] for i in todo], axis=0)
+        out = encode(vision, mx.array(batch))
         mx.eval(out)
-        for k, i in enumerate(todo):
-            have[i] = mx.contiguous(out[k])
+        at = 0
+        for i in todo:
+            t = int(pixels[i].shape[0])
+            have[i] = mx.contiguous(out[at:at + t].reshape(-1, out.shape[-1]))
+            at += t
         mx.eval(*(have[i] for i in todo))
         if cache is not None:
             for i in todo:
@@ -251,10 +271,8 @@ def image_prompt(model: Any, messages: Sequence[dict[str, Any]], *, max_images: 
                  cache: EncoderCache | None = None) -> ImagePrompt:
     """The prompt of chat `messages` with images, for `model` (a loaded multimodal Model).
     cache: the images' encodings by content (an image seen before is not encoded again)."""
-    from fx_engine.core.vision.gemma3 import BOI_TEXT
-
     norm, images = split_messages(messages, max_images, max_pixels)
-    _vision_of(model)
+    BOI_TEXT = _vision_of(model).config.placeholder
     if not images:
         raise ImageError("no images in the messages")
     tok = model.tokenizer
@@ -280,20 +298,18 @@ def _vision_of(model: Any) -> Any:
 
 def image_placeholder(model: Any) -> str:
     """The text a rendered prompt holds in each image's place for `model` (what
-    `image_prompt_from_text` splits at): Gemma 3's `<start_of_image>`. ImageError for a
-    model without an image path."""
-    from fx_engine.core.vision.gemma3 import BOI_TEXT
-
-    _vision_of(model)
-    return BOI_TEXT
+    `image_prompt_from_text` splits at): Gemma 3's `<start_of_image>`, Idefics3 / SmolVLM's
+    `<image>`. ImageError for a model without an image path."""
+    return _vision_of(model).config.placeholder
 
 
 def image_prompt_from_text(model: Any, text: str, images: Sequence[Any], *,
                            cache: EncoderCache | None = None) -> ImagePrompt:
     """The prompt of already rendered `text` (a chat template's output: one
-    `<start_of_image>` per image, in order) with `images` (PIL images, encoded bytes, paths,
-    uint8 arrays): the seam for callers that render the template themselves (the server:
-    tools, template switches). Enter it into `Engine.submit` as the prompt."""
+    placeholder per image (`image_placeholder`), in order) with `images` (PIL images,
+    encoded bytes, paths, uint8 arrays): the seam for callers that render the template
+    themselves (the server: tools, template switches). Enter it into `Engine.submit` as the
+    prompt."""
     from fx_engine.core.vision.gemma3 import BOI_TEXT, image_token_runs
 
     vision = _vision_of(model)
@@ -301,6 +317,8 @@ def image_prompt_from_text(model: Any, text: str, images: Sequence[Any], *,
     if not images:
         raise ImageError("no images given")
     cfg = vision.config
+    if cfg.model_type != "gemma3":
+        return _idefics3_prompt(model, vision, text, images, cache)
     tok = model.tokenizer
     pieces = text.split(BOI_TEXT)
     if len(pieces) - 1 != len(images):
@@ -313,6 +331,39 @@ def image_prompt_from_text(model: Any, text: str, images: Sequence[Any], *,
         ids += run + list(tok.encode(tail, add_special_tokens=False))
     spans = image_token_runs(ids, cfg, len(images))
     pixels = preprocess(images, model.image_processor)
+    digests = tuple(hashlib.sha256(np.ascontiguousarray(p).tobytes()).hexdigest() for p in pixels)
+    return ImagePrompt(ids, _encode(vision, [p[None] for p in pixels], digests, cache), spans, digests)
+
+
+def _idefics3_prompt(model: Any, vision: Any, text: str, images: list[Any], cache: EncoderCache | None) -> ImagePrompt:
+    """Idefics3 / SmolVLM's `image_prompt_from_text` (the module docstring)."""
+    from fx_engine.core.vision import idefics3
+    from fx_engine.loading.images import Idefics3ProcessorConfig, idefics3_tiles
+
+    cfg = vision.config
+    rules = model.image_processor
+    if not isinstance(rules, Idefics3ProcessorConfig):  # a folder without preprocessor_config.json
+        rules = Idefics3ProcessorConfig(longest_edge=4 * cfg.image_size, max_image_size=cfg.image_size)
+    tok = model.tokenizer
+    pieces = text.split(idefics3.PLACEHOLDER)
+    if len(pieces) - 1 != len(images):
+        raise ImageError(f"the rendered prompt has {len(pieces) - 1} {idefics3.PLACEHOLDER} placeholder(s) for "
+                         f"{len(images)} image(s) (does a text part contain the placeholder?)")
+    tiled = [idefics3_tiles(im, rules, f"image {i}") for i, im in enumerate(images)]
+
+    def encoded(piece: str) -> list[int]:
+        return list(tok.encode(piece, add_special_tokens=False)) if piece else []
+
+    ids = encoded(pieces[0])
+    for (tiles, rows, cols), piece in zip(tiled, pieces[1:]):
+        for seg in idefics3.prompt_segments(cfg, rows, cols):
+            ids += encoded(seg) if isinstance(seg, str) else [cfg.image_token_index] * seg
+        ids += encoded(piece)
+    try:
+        spans = idefics3.image_token_runs(ids, cfg, [t.shape[0] for t, _, _ in tiled])
+    except ValueError as e:  # e.g. an <image> token written in a text part
+        raise ImageError(str(e)) from e
+    pixels = [t for t, _, _ in tiled]
     digests = tuple(hashlib.sha256(np.ascontiguousarray(p).tobytes()).hexdigest() for p in pixels)
     return ImagePrompt(ids, _encode(vision, pixels, digests, cache), spans, digests)
 
@@ -334,7 +385,7 @@ def step_images(pieces: Sequence[tuple[Any, int, int]], token_index: int) -> Any
     calls compile per bucket); each row starts at its request's rows + the image tokens
     before `start`."""
     from fx_engine.core.buckets import pow2_ceil
-    from fx_engine.core.vision.gemma3 import ImageInput
+    from fx_engine.core.vision.splice import ImageInput
 
     parts, starts, used, offset = [], [], False, 0
     for req, start, n in pieces:

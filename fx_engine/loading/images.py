@@ -1,4 +1,6 @@
-"""Gemma 3's pixel preprocessing (issue 46), from a checkpoint's preprocessor_config.json.
+"""Pixel preprocessing (issue 46), from a checkpoint's preprocessor_config.json: Gemma 3's
+(below) and Idefics3 / SmolVLM's tiling (`idefics3_tiles`, at the end of this module;
+`read_processor_config` picks by image_processor_type).
 
 What Hugging Face's Gemma3ImageProcessor does with pan-and-scan off, step for step as its
 PIL backend (transformers' `Gemma3ImageProcessorPil`, the one used without torch, and so
@@ -24,6 +26,7 @@ it on is refused. Pillow is needed here (a lazy import: the rest of fx-engine do
 from __future__ import annotations
 
 import io
+import math
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -125,11 +128,14 @@ def processor_config_from_dict(d: dict[str, Any], source: str = "preprocessor_co
     return cfg
 
 
-def read_processor_config(folder: str | Path, image_size: int | None = None) -> ImageProcessorConfig:
-    """A model folder's preprocessor_config.json rules (`processor_config_from_dict`)."""
+def read_processor_config(folder: str | Path, image_size: int | None = None) -> Any:
+    """A model folder's preprocessor_config.json rules (`processor_config_from_dict`; an
+    Idefics3 / SmolVLM image processor's: `idefics3_config_from_dict`)."""
     from fx_engine.loading.weights import read_json_object
 
     d, path = read_json_object(folder, "preprocessor_config.json", "the image preprocessing rules")
+    if d.get("image_processor_type") in IDEFICS3_PROCESSOR_TYPES:
+        return idefics3_config_from_dict(d, str(path), image_size)
     return processor_config_from_dict(d, str(path), image_size)
 
 
@@ -223,3 +229,136 @@ def preprocess(images: Any | Sequence[Any], cfg: ImageProcessorConfig) -> np.nda
     if not images:
         raise ImageError("no images given")
     return np.stack([preprocess_one(im, cfg, f"image {i}") for i, im in enumerate(images)])
+
+
+# ---------------------------------------------------------------- Idefics3 / SmolVLM
+# Idefics3ImageProcessor's rules (transformers' torch-free Idefics3ImageProcessorPil /
+# SmolVLMImageProcessorPil, step for step; every resize is PIL's on the 8-bit image):
+# 1. to RGB as above; 2. resize so the longest edge is size.longest_edge (the other edge
+# int(edge * aspect), rounded up to even, at least 1; then scaled down below 4096);
+# 3. with do_image_splitting: resize again to multiples of max_image_size.longest_edge (M)
+# (the longer edge ceil'd to a multiple of M, the other int(longer / aspect) ceil'd to a
+# multiple), cut into rows x cols tiles of M x M (row-major) when larger than M, plus the
+# global image (the resized image resized to M x M); an image that is not larger is one
+# tile, rows = cols = 0. Without splitting: the image resized to M x M, rows = cols = 0;
+# 4. rescale and normalize as above, each tile [3, M, M] float32.
+IDEFICS3_PROCESSOR_TYPES = ("Idefics3ImageProcessor", "Idefics3ImageProcessorPil", "Idefics3ImageProcessorFast",
+                            "SmolVLMImageProcessor", "SmolVLMImageProcessorPil", "SmolVLMImageProcessorFast")
+MAX_IMAGE_SIZE = 4096  # transformers' Idefics3 absolute maximum edge
+
+
+@attrs.frozen
+class Idefics3ProcessorConfig:
+    """preprocessor_config.json's rules for Idefics3 / SmolVLM (defaults: the processor's)."""
+
+    longest_edge: int = 4 * 364  # size.longest_edge
+    max_image_size: int = 364  # max_image_size.longest_edge: the tile side
+    resample: int = 1  # LANCZOS
+    do_resize: bool = True
+    do_image_splitting: bool = True
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    do_convert_rgb: bool = True
+
+
+def _edge(d: dict[str, Any], key: str, default: int, source: str) -> int:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not (isinstance(v, dict) and isinstance(v.get("longest_edge"), int) and not isinstance(v["longest_edge"], bool)
+            and v["longest_edge"] > 0):
+        raise ConfigError(f"{source}: field '{key}' must be {{\"longest_edge\": N}} with a positive integer, got {v!r}")
+    return v["longest_edge"]
+
+
+def idefics3_config_from_dict(d: dict[str, Any], source: str = "preprocessor_config.json",
+                              image_size: int | None = None) -> Idefics3ProcessorConfig:
+    """The Idefics3 / SmolVLM rules of a preprocessor_config.json dict (image_size: the
+    tower's, which must be the tile side)."""
+    resample = d.get("resample", 1)
+    resample = 1 if resample is None else resample
+    if isinstance(resample, bool) or resample not in RESAMPLE:
+        raise ConfigError(f"{source}: field 'resample' must be a PIL filter code, got {resample!r}")
+    factor = d.get("rescale_factor", 1 / 255)
+    factor = 1 / 255 if factor is None else factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ConfigError(f"{source}: field 'rescale_factor' must be a positive number, got {factor!r}")
+    tile = _edge(d, "max_image_size", 364, source)
+    cfg = Idefics3ProcessorConfig(
+        longest_edge=_edge(d, "size", 4 * 364, source), max_image_size=tile, resample=resample,
+        do_resize=_flag(d, "do_resize", True, source), do_image_splitting=_flag(d, "do_image_splitting", True, source),
+        do_rescale=_flag(d, "do_rescale", True, source), rescale_factor=float(factor),
+        do_normalize=_flag(d, "do_normalize", True, source), image_mean=_channels(d, "image_mean", source),
+        image_std=_channels(d, "image_std", source, positive=True),
+        do_convert_rgb=_flag(d, "do_convert_rgb", True, source))
+    if image_size is not None and tile != image_size:
+        raise ConfigError(f"{source}: max_image_size.longest_edge {tile} is not the vision tower's image_size "
+                          f"{image_size} (each tile is one tower input)")
+    return cfg
+
+
+def _longest_edge_size(h: int, w: int, edge: int) -> tuple[int, int]:
+    """Idefics3's get_resize_output_image_size: (height, width)."""
+    aspect = w / h
+    if w >= h:
+        w, h = edge, int(edge / aspect)
+        h += h % 2
+    else:
+        h, w = edge, int(edge * aspect)
+        w += w % 2
+    h, w = max(h, 1), max(w, 1)
+    aspect = w / h
+    if w >= h and w > MAX_IMAGE_SIZE:
+        w, h = MAX_IMAGE_SIZE, int(MAX_IMAGE_SIZE / aspect)
+    elif h > w and h > MAX_IMAGE_SIZE:
+        h, w = MAX_IMAGE_SIZE, int(MAX_IMAGE_SIZE * aspect)
+    return max(h, 1), max(w, 1)
+
+
+def _resized(arr: np.ndarray, h: int, w: int, resample: int) -> np.ndarray:
+    if arr.shape[:2] == (h, w):
+        return arr
+    return np.array(_pil().Image.fromarray(arr).resize((w, h), resample=resample))
+
+
+def _normalized(arr: np.ndarray, cfg: Any) -> np.ndarray:
+    x = (arr.astype(np.float64) * cfg.rescale_factor).astype(np.float32) if cfg.do_rescale else arr
+    if cfg.do_normalize:
+        x = x.astype(np.float32) if not np.issubdtype(x.dtype, np.floating) else x
+        x = (x - np.array(cfg.image_mean, x.dtype)) / np.array(cfg.image_std, x.dtype)
+    return np.ascontiguousarray(np.asarray(x, np.float32).transpose(2, 0, 1))
+
+
+def idefics3_tiles(image: Any, cfg: Idefics3ProcessorConfig, what: str = "image") -> tuple[np.ndarray, int, int]:
+    """One image -> (tiles [T, 3, M, M] float32, rows, cols): rows x cols tiles row-major
+    then the global image (T = rows * cols + 1), or one tile with rows = cols = 0."""
+    arr = _rgb_array(image, what, cfg.do_convert_rgb)
+    m = cfg.max_image_size
+    if cfg.do_resize:
+        arr = _resized(arr, *_longest_edge_size(*arr.shape[:2], cfg.longest_edge), cfg.resample)
+    rows = cols = 0
+    if cfg.do_image_splitting:
+        h, w = arr.shape[:2]
+        aspect = w / h
+        if w >= h:
+            w = math.ceil(w / m) * m
+            h = math.ceil(int(w / aspect) / m) * m
+        else:
+            h = math.ceil(h / m) * m
+            w = math.ceil(int(h * aspect) / m) * m
+        arr = _resized(arr, h, w, cfg.resample)
+        if h > m or w > m:
+            rows, cols = (h - m) // m + 1, (w - m) // m + 1
+            tiles = [arr[r * m:(r + 1) * m, c * m:(c + 1) * m] for r in range(rows) for c in range(cols)]
+            tiles.append(_resized(arr, m, m, cfg.resample))
+        else:
+            tiles = [arr]
+    else:
+        tiles = [_resized(arr, m, m, cfg.resample)]
+    for t in tiles:
+        if t.shape[:2] != (m, m):
+            raise ImageError(f"{what}: a {t.shape[1]}x{t.shape[0]} tile, but the model reads {m}x{m} (resizing off?)")
+    return np.stack([_normalized(np.ascontiguousarray(t), cfg) for t in tiles]), rows, cols

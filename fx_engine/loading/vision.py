@@ -6,7 +6,8 @@ mlx-community folder, into the pure core's params (fx_engine/core/vision/).
 and this image path onto `Model.vision` (with the folder's preprocessing rules on
 `Model.image_processor`); `fx_engine.generate(model, messages_with_images)`
 (engine/image_prompt.py) encodes the images and prefills the text model with their rows
-(`core.vision.gemma3.ImageInput`).
+(`core.vision.splice.ImageInput`). Gemma 3 (`gemma3`) and Idefics3 / SmolVLM (`idefics3`,
+`smolvlm`): `core.vision.VISION_MODULES`.
 """
 
 from __future__ import annotations

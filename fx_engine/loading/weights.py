@@ -93,6 +93,8 @@ _TEXT_PREFIXES = (  # multimodal checkpoints: where the text model's tensors liv
     ("model.language_model.", "model."),  # transformers >= 4.52
     ("language_model.model.", "model."),  # earlier transformers, mlx-community
     ("language_model.lm_head.", "lm_head."),
+    ("model.text_model.", "model."),  # Idefics3 / SmolVLM (Hugging Face)
+    ("language_model.", "model."),  # Idefics3 / SmolVLM (mlx-vlm's conversions: no inner .model)
 )
 
 

@@ -174,7 +174,8 @@ def test_prefill_compiled_with_images_batch_equals_solo(model):
 def test_images_refused_by_other_families(tmp_path):
     from fx_engine.testing.tiny import write_tiny_model
 
-    m = fx_engine.load(str(write_tiny_model(tmp_path / "llama", "llama")))
+    # (the Llama family takes image rows since Idefics3 / SmolVLM: tests/models/test_vision_idefics3.py)
+    m = fx_engine.load(str(write_tiny_model(tmp_path / "phi3", "phi3")))
     img = ImageInput(rows=mx.zeros((4, m.config.hidden_size)), start=mx.array([0], mx.int32), token_index=3)
     with pytest.raises(ValueError, match="take no image rows"):
         logits_step(m.params, m.new_cache(1, 16), mx.array([[1, 2]], mx.int32), 2, images=img)

@@ -32,6 +32,7 @@ from fx_engine.core.models.skeleton import (PipelineStage, cut_layers, decoder_s
 from fx_engine.core.nn import Linear, Numerics, linear
 from fx_engine.core.splits import shard_decoder
 from fx_engine.core.tree import static_field
+from fx_engine.core.vision.splice import check_image_input, splice_images
 
 
 @attrs.frozen
@@ -309,6 +310,7 @@ def cache_specs(cfg: LlamaConfig) -> tuple[LayerSpec, ...]:
 def forward(
     p: Any, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None, rope_fn: Any = None, layer_fn: Any = None, final_norm: Any = None,
+    images: Any = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
     """The Llama decoder's step (`skeleton.decoder_step`'s contract): per layer attention
     then a SwiGLU MLP, each a pre-norm residual branch.
@@ -317,7 +319,13 @@ def forward(
     (cos, sin, perm) tables over the rotated dims (fewer than head_dim: partial rotary),
     layer_fn(params, layer params, h, entry, spec, rope, geo) -> (h, entry) (mixture-of-
     experts MLPs) and final_norm(h) (LayerNorm families).
+
+    images: a `vision.splice.ImageInput` (Idefics3 / SmolVLM's text model: the step's image
+    rows replace the embeddings at the image token positions; attention stays causal, its
+    `bidirectional` is not read); None: text only, the graph unchanged.
     """
+    embedded = _embedded if images is None else _spliced(p, tokens, images)
+
     def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
         rope = (rope_fn or scaled_rope)(p, geo.positions)  # shared by every layer
         nope = p.config.no_rope_layers
@@ -328,8 +336,22 @@ def forward(
             entries.append(entry)
         return h, entries
 
-    return decoder_step(p, cache, tokens, n_valid, span, layers, embedded=_embedded,
+    return decoder_step(p, cache, tokens, n_valid, span, layers, embedded=embedded,
                         final_norm=(lambda _, h: final_norm(h)) if final_norm else final_rms_norm)
+
+
+def _spliced(p: Any, tokens: mx.array, images: Any) -> Any:
+    """`_embedded` with a step's image rows spliced in at the image token positions."""
+    if getattr(p, "pipeline", None) is not None:
+        raise ValueError("images: a pipeline stage takes no image rows")
+    b, t = tokens.shape
+    images = check_image_input(images, b, p.config.hidden_size)
+
+    def embedded(p: Any, tokens: mx.array) -> mx.array:
+        e = _embedded(p, tokens).reshape(b, t, -1)
+        return splice_images(e, tokens, images.rows, images.token_index, images.start).reshape(b * t, -1)
+
+    return embedded
 
 
 def _embedded(p: Any, tokens: mx.array) -> mx.array:
@@ -536,7 +558,9 @@ _TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_l
 FAMILY = Family(
     name="llama", model_types=("llama", "mistral", "qwen2", "qwen3", "smollm2", "smollm3", "granite",
                                "ministral3", "mimo"),
-    wrappers={"mistral3": ("ministral3", {"vocab_size": 131072, "tie_word_embeddings": False})},
+    wrappers={"mistral3": ("ministral3", {"vocab_size": 131072, "tie_word_embeddings": False}),
+              # Idefics3 / SmolVLM(2): a Llama text model (images: core/vision/idefics3.py)
+              "idefics3": ("llama", {}), "smolvlm": ("llama", {})},
     config_type=LlamaConfig, params_type=Params, config_from_hf=config_from_hf,
     assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,

@@ -150,11 +150,11 @@ def forward(params: Any, cache: Any, tokens: Any, n_valid: Any, span: int | None
     (hidden, cache, captured [B, T, points * H]), the captured states of every position
     from the same forward. A family whose forward does not go through
     `skeleton.decoder_step` refuses capture (CaptureError naming its model type).
-    images: a `vision.gemma3.ImageInput` (the step's image rows; Gemma 3 text models only,
-    without capture); None: text only."""
+    images: a `vision.splice.ImageInput` (the step's image rows; Gemma 3 text models and the
+    Llama family's (Idefics3 / SmolVLM), without capture); None: text only."""
     family = family_of(params)
     if images is not None:
-        if family.name != "gemma" or capture is not None:
+        if family.name not in ("gemma", "llama") or capture is not None:
             kind = getattr(params.config, "model_type", family.name)
             raise ValueError(f"images: {kind} models take no image rows" if capture is None else
                              "images: a step with images does not capture hidden states")

@@ -8,8 +8,14 @@ pixels to the text model's image token embeddings.
 `is_vision_tensor(name)` and `encode_images(params, pixels)`.
 
 * siglip.py: the SigLIP vision tower (Gemma 3's).
-* gemma3.py: Gemma 3's projector, the splice of image embeddings into the token
-  embeddings, the prompt layout and the image-token attention masks.
+* gemma3.py: Gemma 3's projector, the prompt layout and the image-token attention masks.
+* idefics3.py: Idefics3 / SmolVLM's connector (pixel shuffle + projection), tiles and
+  prompt layout (a Llama text model).
+* splice.py: `ImageInput` and the splice of image rows into the token embeddings (any
+  family).
+
+Each module also names `PLACEHOLDER`-like prompt text through its config's `placeholder`
+(engine/image_prompt.py reads it) and has `encode_images_compiled`.
 """
 
 from __future__ import annotations
@@ -18,10 +24,10 @@ from types import ModuleType
 from typing import Any
 
 from fx_engine.core.config import ConfigError
-from fx_engine.core.vision import gemma3, siglip
+from fx_engine.core.vision import gemma3, idefics3, siglip, splice
 
 #: multimodal config.json model_type -> the module that runs its image path
-VISION_MODULES: dict[str, ModuleType] = {gemma3.MODEL_TYPE: gemma3}
+VISION_MODULES: dict[str, ModuleType] = {gemma3.MODEL_TYPE: gemma3, **{mt: idefics3 for mt in idefics3.MODEL_TYPES}}
 
 
 def vision_module(d: dict[str, Any], source: str = "config.json") -> ModuleType:
@@ -39,4 +45,4 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Any:
     return vision_module(d, source).config_from_hf(d, source)
 
 
-__all__ = ["VISION_MODULES", "config_from_hf", "gemma3", "siglip", "vision_module"]
+__all__ = ["VISION_MODULES", "config_from_hf", "gemma3", "idefics3", "siglip", "splice", "vision_module"]

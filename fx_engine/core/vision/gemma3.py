@@ -51,6 +51,8 @@ from fx_engine.core.config import POSITIVE, ConfigError, Field, read_field
 from fx_engine.core.nn import Linear, linear, rms_norm
 from fx_engine.core.tree import CompiledFunction, static_field
 from fx_engine.core.vision import siglip
+# (moved to splice.py; re-exported here, where they were first defined)
+from fx_engine.core.vision.splice import ImageInput, check_image_input, splice_images  # noqa: F401
 
 MODEL_TYPE = "gemma3"
 #: where the tower's and the projector's tensors live: Hugging Face's original names (the
@@ -86,6 +88,11 @@ class Gemma3VisionConfig:
     @property
     def image_size(self) -> int:
         return self.vision.image_size
+
+    @property
+    def placeholder(self) -> str:
+        """What the chat template writes in an image's place."""
+        return BOI_TEXT
 
 
 def _token_id(d: dict[str, Any], keys: tuple[str, str], default: int, source: str) -> int:
@@ -209,30 +216,6 @@ def encode_images(p: Gemma3VisionParams, pixels: Float[mx.array, "N C S S"]) -> 
 encode_images_compiled = CompiledFunction(encode_images, name="encode_images")
 
 
-def splice_images(
-    embeds: Float[mx.array, "B T H"], tokens: Int[mx.array, "B T"], images: mx.array, image_token_index: int,
-    start: Int[mx.array, "B"] | None = None,
-) -> Float[mx.array, "B T H"]:
-    """`embeds` (the text embeddings, already scaled by the text model's embed_scale) with
-    the positions holding `image_token_index` replaced by image embedding rows, in order.
-
-    images: [N, mm, H] (`encode_images`) or [M, H] rows. Row b's first image token takes
-    row start[b]; None: the rows before it are the image tokens of rows 0..b-1 (Hugging
-    Face's masked_scatter over the flattened batch). A prefill chunk passes, per row, how
-    many image tokens of that row's images came before the chunk. Shapes do not depend on
-    the data (compiles once per shape); counts are not checked here (`image_token_runs`
-    does, before): an index past the last row repeats it."""
-    h = embeds.shape[-1]
-    rows = images.reshape(-1, h).astype(embeds.dtype)
-    is_image = tokens == image_token_index
-    seen = mx.cumsum(is_image.astype(mx.int32), axis=1)  # image tokens up to and including t
-    if start is None:
-        per_row = seen[:, -1]
-        start = mx.cumsum(per_row) - per_row
-    idx = mx.clip(start.astype(mx.int32)[:, None] + seen - 1, 0, rows.shape[0] - 1)
-    return mx.where(is_image[..., None], rows[idx], embeds)
-
-
 def image_token_runs(tokens: Sequence[int] | np.ndarray, cfg: Gemma3VisionConfig,
                      n_images: int | None = None) -> list[tuple[int, int]]:
     """The [start, end) spans of the image soft-token runs of one token sequence, checked:
@@ -267,40 +250,6 @@ def expand_image_text(text: str, cfg: Gemma3VisionConfig, n_images: int | None =
     if n_images is not None and found != n_images:
         raise ValueError(f"the prompt has {found} {boi} placeholder(s), but {n_images} image(s) were given")
     return text.replace(boi, f"\n\n{boi}{image * cfg.mm_tokens_per_image}{eoi}\n\n")
-
-
-@attrs.frozen
-class ImageInput:
-    """A step's image rows (an argument of the step functions; None: a text-only step,
-    whose graph is unchanged).
-
-    rows: the image embedding rows [M, H] (`encode_images`' [N, mm, H] flattened) of every
-    image any row of the step reads; start: per row, the index in `rows` of the row its
-    first image token in this step takes (the images of a row are consecutive rows, in
-    prompt order; a chunk after part of a row's images starts past them). Positions
-    holding `token_index` take rows in order (`splice_images`). bidirectional: the tokens
-    of one image attend to each other (Hugging Face's Gemma 3 prefill rule,
-    `image_horizon`); False: plain causal (mlx-vlm's generation). A step's chunk must hold
-    whole image runs (the shell plans chunks so: `image_token_runs`)."""
-
-    rows: Float[mx.array, "M H"]
-    start: Int[mx.array, "B"]
-    token_index: int = static_field()
-    bidirectional: bool = static_field(default=True)
-
-
-def check_image_input(images: Any, rows: int, hidden: int) -> ImageInput:
-    """Trace-time check of a step's `images` argument (rows [M, H] or [N, mm, H], start [B])."""
-    if not isinstance(images, ImageInput):
-        raise TypeError(f"images must be a fx_engine.core.vision.gemma3.ImageInput, got {type(images).__name__}")
-    r = images.rows
-    if r.ndim not in (2, 3) or r.shape[-1] != hidden or r.shape[0] == 0:
-        raise ValueError(f"images.rows must be [M, {hidden}] (or [N, mm, {hidden}]) image embedding rows, got "
-                         f"shape {tuple(r.shape)}")
-    if images.start.ndim != 1 or images.start.shape[0] != rows:
-        raise ValueError(f"images.start must be int32[{rows}] (one index per row), got shape "
-                         f"{tuple(images.start.shape)}")
-    return attrs.evolve(images, rows=r.reshape(-1, hidden)) if r.ndim == 3 else images
 
 
 def image_groups(tokens: Int[mx.array, "B T"], image_token_index: int) -> Int[mx.array, "B T"]:

@@ -48,8 +48,9 @@ from fx_engine.core.config import FLOAT, POSITIVE, ConfigError, Field, read_fiel
 from fx_engine.core.nn import Linear, Numerics, attention, gelu_tanh, layer_norm, linear
 from fx_engine.core.tree import static_field
 
-#: vision_config model_types read as SigLIP (mlx-vlm also names Gemma 3's tower these)
-MODEL_TYPES = ("siglip_vision_model", "gemma3_vision", "gemma3")
+#: vision_config model_types read as SigLIP (mlx-vlm also names Gemma 3's tower these;
+#: Idefics3 / SmolVLM's tower is the same architecture: core/vision/idefics3.py)
+MODEL_TYPES = ("siglip_vision_model", "gemma3_vision", "gemma3", "idefics3_vision", "idefics3", "smolvlm_vision")
 #: hidden_act values computed as GELU's tanh form (mlx-vlm uses that form whatever it says)
 TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_tanh")
 #: query rows per attention block: bounds the score matrix of one block to

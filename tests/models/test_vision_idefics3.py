@@ -1,0 +1,364 @@
+"""Idefics3 / SmolVLM's image path (issue 46, a second vision-language family): the SigLIP
+tower + connector (pixel shuffle, projection) against mlx-vlm 0.7.10's idefics3 / smolvlm
+classes with the same random weights, the Llama text forward with image rows spliced in
+against mlx-vlm's whole forward, preprocessing (tiling) against transformers' torch-free
+Idefics3ImageProcessorPil / SmolVLMImageProcessorPil (bit for bit), the prompt expansion
+against transformers' Idefics3Processor, and `fx_engine.generate` / an Engine batch.
+
+Tolerance: float32 on both sides from identical weights (summation order, fused q|k|v):
+~1e-5 measured, TOL = 2e-4.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import fx_engine
+from fx_engine.core.steps import logits_step
+from fx_engine.core.vision import idefics3, vision_module
+from fx_engine.core.vision.splice import ImageInput
+from fx_engine.engine.image_prompt import image_placeholder, image_prompt, image_prompt_from_text
+from fx_engine.loading.images import Idefics3ProcessorConfig, idefics3_config_from_dict, idefics3_tiles
+from fx_engine.loading.vision import load_vision
+from fx_engine.testing.tiny import _CORPUS, CHATML, _weights, tiny_config
+
+TOL = 2e-4
+ROWS = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<fake_token_around_image>", "<image>", "<global-img>",
+            *ROWS]
+IMAGE_ID = SPECIALS.index("<image>")
+VISION = {"model_type": "idefics3_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "patch_size": 4, "image_size": 32, "layer_norm_eps": 1e-6,
+          "hidden_act": "gelu_pytorch_tanh"}
+#: tiles of 32 x 32 (8 x 8 patches, shuffled by 2: 16 tokens a tile), images resized to 64
+PREPROCESSOR = {"image_processor_type": "Idefics3ImageProcessor", "do_convert_rgb": True, "do_image_splitting": True,
+                "do_normalize": True, "do_pad": True, "do_rescale": True, "do_resize": True,
+                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "max_image_size": {"longest_edge": 32},
+                "resample": 1, "rescale_factor": 1 / 255, "size": {"longest_edge": 64}}
+
+
+def _tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return tok.to_str()
+
+
+def write_tiny_idefics3(folder: Path, model_type: str = "idefics3", layout: str = "hf", seed: int = 0,
+                        preprocessor: dict | None = None) -> Path:
+    """A random-weight Idefics3 / SmolVLM folder under Hugging Face's names (layout "mlx":
+    mlx-vlm's converted names, the patch conv channels last)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    text = tiny_config("llama", tie_word_embeddings=False)  # (mlx-vlm's text model always has lm_head)
+    text.pop("architectures", None)
+    cfg = {"model_type": model_type, "architectures": ["Idefics3ForConditionalGeneration"], "text_config": text,
+           "vision_config": dict(VISION), "scale_factor": 2, "image_token_id": IMAGE_ID,
+           "vocab_size": text["vocab_size"], "eos_token_id": 2, "bos_token_id": 1, "tie_word_embeddings": False}
+    weights = {}
+    for name, w in _weights(text, mx.float32, seed).items():
+        weights["lm_head.weight" if name == "lm_head.weight" else "model.text_model." + name[len("model."):]] = w
+    layout_v = idefics3.checkpoint_layout(idefics3.config_from_hf(cfg))
+    keys = iter(mx.random.split(mx.random.key(seed + 7919), len(layout_v)))
+    vis = {n: (s.center + s.scale * mx.random.normal(s.shape, key=next(keys))) for n, s in layout_v.items()}
+    if layout == "mlx":
+        vis = {n[len("model."):]: w for n, w in vis.items()}
+        pn = "vision_model.embeddings.patch_embedding.weight"
+        vis[pn] = mx.contiguous(vis[pn].transpose(0, 2, 3, 1))
+        weights = {("language_model." + n[len("model.text_model."):] if n.startswith("model.text_model.")
+                    else "language_model.lm_head.weight"): w for n, w in weights.items()}
+    weights.update(vis)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    (folder / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, **(preprocessor or {})}))
+    (folder / "tokenizer.json").write_text(_tokenizer_json(text["vocab_size"]))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
+        "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def folder(kind: str = "idefics3") -> Path:
+        if kind not in made:
+            mt, layout = {"idefics3": ("idefics3", "hf"), "smolvlm": ("smolvlm", "hf"),
+                          "mlx": ("idefics3", "mlx"), "nosplit": ("idefics3", "hf")}[kind]
+            made[kind] = write_tiny_idefics3(tmp_path_factory.mktemp(f"idefics3-{kind}") / "m", mt, layout,
+                                             preprocessor={"do_image_splitting": False} if kind == "nosplit" else None)
+        return made[kind]
+
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(folders):
+    return fx_engine.load(str(folders("idefics3")))
+
+
+def _mlx_vlm(path: Path):
+    from mlx_vlm.utils import load_model
+
+    ref = load_model(Path(path))
+    # mlx-vlm's post_layernorm has LayerNorm's default eps (1e-5); Hugging Face's the config's
+    ref.vision_model.post_layernorm.eps = VISION["layer_norm_eps"]
+    return ref
+
+
+def _close(ours, ref, tol=TOL) -> float:
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    diff = mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+    assert diff <= tol, f"max |diff| = {diff}"
+    return diff
+
+
+def _png(seed: int, size=(48, 40)) -> bytes:
+    import PIL.Image
+
+    arr = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    PIL.Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _messages(*images, text="what is in the picture?"):
+    parts = [img if isinstance(img, dict) else {"type": "image", "image": img} for img in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+# ---------------------------------------------------------------- the encoder
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("kind", ["idefics3", "smolvlm", "mlx"])
+def test_encoder_matches_mlx_vlm(folders, kind):
+    path = folders(kind)
+    params, ref = load_vision(path), _mlx_vlm(path)
+    assert vision_module({"model_type": params.config.model_type}) is idefics3
+    pix = mx.random.uniform(-1, 1, (3, 3, 32, 32), key=mx.random.key(3))
+    feats, _, _ = ref.vision_model(pix.transpose(0, 2, 3, 1))
+    want = ref.connector(feats)
+    got = idefics3.encode_images(params, pix)
+    assert got.shape == (3, 16, 64)
+    _close(got, want)
+    assert mx.array_equal(idefics3.encode_images_compiled(params, pix), got)
+
+
+def test_position_ids_follow_hugging_face():
+    assert (idefics3.bucketized_positions(8) == np.arange(64)).all()
+    assert (idefics3.bucketized_positions(32) == np.arange(32 * 32)).all()
+    ids = idefics3.bucketized_positions(25)  # float32 rounding: not the identity
+    assert ids.shape == (625,) and not (ids == np.arange(625)).all()
+
+
+# ---------------------------------------------------------------- preprocessing
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("flavour", ["idefics3", "smolvlm"])
+@pytest.mark.parametrize("split", [True, False])
+def test_tiles_match_transformers(flavour, split):
+    import PIL.Image
+
+    if flavour == "idefics3":
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil as P
+    else:
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil as P
+    rng = np.random.default_rng(0)
+    for longest in (96, 32):  # 32: the whole image is one tile (rows = cols = 0 even when splitting)
+        d = {**PREPROCESSOR, "do_image_splitting": split, "size": {"longest_edge": longest}}
+        d.pop("image_processor_type")
+        hf, cfg = P(**d), idefics3_config_from_dict(d, image_size=32)
+        for h, w in [(40, 40), (50, 90), (90, 37), (20, 25), (300, 200)]:
+            img = PIL.Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+            out = hf(images=[[img]], return_row_col_info=True)
+            tiles, rows, cols = idefics3_tiles(img, cfg)
+            assert (rows, cols) == (out["rows"][0][0], out["cols"][0][0])
+            np.testing.assert_array_equal(tiles, np.asarray(out["pixel_values"])[0])
+
+
+# ---------------------------------------------------------------- the prompt and the text forward
+
+
+def test_prompt_layout(model):
+    assert image_placeholder(model) == "<image>"
+    ip = image_prompt(model, _messages(_png(1)))
+    cfg = model.vision.config
+    # 48 x 40 -> 64 x 54 -> 64 x 64: 2 x 2 tiles and the global image, 16 tokens each
+    assert len(ip.spans) == 5 and all(b - a == 16 for a, b in ip.spans)
+    assert ip.rows.shape == (5 * 16, 64) and len(ip.digests) == 1
+    assert sum(t == cfg.image_token_index for t in ip.ids) == 80
+    segs = idefics3.prompt_segments(cfg, 1, 2)
+    assert segs == ["<fake_token_around_image><row_1_col_1>", 16, "<fake_token_around_image><row_1_col_2>", 16,
+                    "\n\n<fake_token_around_image><global-img>", 16, "<fake_token_around_image>"]
+    assert idefics3.prompt_segments(cfg, 0, 0) == ["<fake_token_around_image><global-img>", 16,
+                                                   "<fake_token_around_image>"]
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("kind", ["idefics3", "nosplit"])
+def test_prompt_ids_match_transformers_processor(folders, kind):
+    import PIL.Image
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
+
+    path = folders(kind)
+    m = fx_engine.load(str(path))
+    d = json.loads((path / "preprocessor_config.json").read_text())
+    d.pop("image_processor_type")
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    proc = Idefics3Processor(image_processor=Idefics3ImageProcessorPil(**d), tokenizer=tok, image_seq_len=16)
+    imgs = [PIL.Image.open(io.BytesIO(_png(2))), PIL.Image.open(io.BytesIO(_png(3, (30, 70))))]
+    text = "<|im_start|>user\n<image>what is this? and <image> that<|im_end|>\n<|im_start|>assistant\n"
+    want = proc(text=[text], images=[imgs])["input_ids"][0]
+    ip = image_prompt_from_text(m, text, imgs)
+    assert ip.ids == list(want)
+    tiles = np.concatenate([idefics3_tiles(im, m.image_processor)[0] for im in imgs])
+    assert ip.rows.shape[0] == tiles.shape[0] * 16 == len(ip.spans) * 16
+    assert (len(ip.spans) == 2) == (kind == "nosplit")
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("kind", ["idefics3", "smolvlm", "mlx"])
+def test_logits_match_mlx_vlm(folders, kind):
+    """The whole prompt through our Llama forward with the image rows spliced in, against
+    mlx-vlm's Model(input_ids, pixel_values) on the same ids and tiles; also in chunks.
+    "mlx": mlx-vlm's converted names (language_model.*, vision_model.*, connector.*)."""
+    import PIL.Image
+
+    path = folders(kind)
+    m = fx_engine.load(str(path))
+    ref = _mlx_vlm(path)
+    imgs = [PIL.Image.open(io.BytesIO(_png(4))), PIL.Image.open(io.BytesIO(_png(5, (70, 30))))]
+    ip = image_prompt(m, _messages(*[{"type": "image", "image": i} for i in imgs]))
+    tiles = np.concatenate([idefics3_tiles(im, m.image_processor)[0] for im in imgs])
+    ids = mx.array([ip.ids], mx.int32)
+    want = ref(ids, mx.array(tiles)[None]).logits[0]
+    n = len(ip.ids)
+    cache = m.new_cache(1, 512, headroom=256)
+    img = ImageInput(rows=ip.rows, start=mx.array([0], mx.int32), token_index=m.vision.config.image_token_index,
+                     bidirectional=False)
+    got, _ = logits_step(m.params, cache, ids, n, images=img)
+    _close(got[0], want)
+    # in chunks at the spans' edges (each run whole): the rows before a chunk counted
+    cache = m.new_cache(1, 512, headroom=256)
+    out, pos, used = [], 0, 0
+    cuts = [ip.spans[1][0], ip.spans[3][1], n]
+    for end in cuts:
+        piece = ip.ids[pos:end]
+        img = ImageInput(rows=ip.rows, start=mx.array([used], mx.int32), token_index=IMAGE_ID, bidirectional=False)
+        lg, cache = logits_step(m.params, cache, mx.array([piece], mx.int32), len(piece), images=img)
+        out.append(lg[0])
+        used += piece.count(IMAGE_ID)
+        pos = end
+    _close(mx.concatenate(out, axis=0), want)
+
+
+def test_without_images_the_llama_step_is_unchanged(model):
+    ids = mx.array([[1, 5, 6, 7]], mx.int32)
+    a, _ = logits_step(model.params, model.new_cache(1, 16), ids, 4)
+    img = ImageInput(rows=mx.zeros((16, 64)), start=mx.array([0], mx.int32), token_index=IMAGE_ID)
+    b, _ = logits_step(model.params, model.new_cache(1, 16), ids, 4, images=img)  # no image token: same
+    _close(a, b, 0)
+
+
+# ---------------------------------------------------------------- generation
+
+
+def _greedy_mlx_vlm(folder, model, messages, n):
+    """Greedy decoding with mlx-vlm's whole forward, no cache (each step the whole sequence)."""
+    import PIL.Image
+
+    ref = _mlx_vlm(folder)
+    ip = image_prompt(model, messages)
+    imgs = [PIL.Image.open(io.BytesIO(p["image"])) for m in messages for p in m["content"] if p["type"] == "image"]
+    tiles = mx.array(np.concatenate([idefics3_tiles(im, model.image_processor)[0] for im in imgs]))[None]
+    ids, out = list(ip.ids), []
+    for _ in range(n):
+        tok = int(mx.argmax(ref(mx.array([ids]), tiles).logits[0, -1]).item())
+        out.append(tok)
+        if tok in model.eos_ids:
+            break
+        ids.append(tok)
+    return ip.ids, out
+
+
+@pytest.mark.oracle
+def test_generate_with_an_image_equals_mlx_vlm_greedy(folders, model):
+    msgs = _messages(_png(6), text="describe")
+    done = fx_engine.generate(model, msgs, max_tokens=6)
+    prompt, want = _greedy_mlx_vlm(folders("idefics3"), model, msgs, 6)
+    assert len(want) == 6  # (no early end: six tokens compared)
+    assert list(done.prompt_token_ids) == prompt
+    assert list(done.token_ids) == want[:len(done.token_ids)] and len(done.token_ids) == len(want)
+    from fx_engine.engine.generate import reference_generate
+
+    again = reference_generate(model, msgs, max_tokens=6, prefill_chunk=32)
+    assert list(again.token_ids) == list(done.token_ids)
+
+
+def test_engine_batches_image_rows_with_text_rows(model):
+    from fx_engine.engine.engine import Engine
+    from fx_engine.engine.generate import reference_generate
+
+    prompts = [_messages(_png(7)), [{"role": "user", "content": "a plain text request"}],
+               _messages(_png(8), _png(9, (20, 90)), text="two of them")]
+    solo = [reference_generate(model, p, max_tokens=5, prefill_chunk=32, logprobs=2) for p in prompts]
+    for budget in (48, 256):
+        with Engine(model, max_rows=3, prefill_chunk=32, step_token_budget=budget, prefix_cache_bytes=0) as engine:
+            done = [h.result() for h in [engine.submit(p, max_tokens=5, logprobs=2) for p in prompts]]
+        for d, s in zip(done, solo):
+            assert d.prompt_token_ids == s.prompt_token_ids
+            assert d.token_ids == s.token_ids
+            for x, y in zip(d.logprobs, s.logprobs, strict=True):
+                assert [t[0] for t in x.top] == [t[0] for t in y.top]
+                assert max(abs(p[2] - q[2]) for p, q in zip(x.top, y.top)) <= 1e-4
+
+
+def test_no_preprocessor_config_uses_the_processor_defaults(folders, tmp_path):
+    import shutil
+
+    path = shutil.copytree(folders("idefics3"), tmp_path / "m")
+    (path / "preprocessor_config.json").unlink()
+    m = fx_engine.load(str(path))
+    assert not isinstance(m.image_processor, Idefics3ProcessorConfig)
+    ip = image_prompt(m, _messages(_png(1)))
+    # the defaults at the tower's 32-pixel tiles: longest edge 128, 48 x 40 -> 128 x 128: 4 x 4 tiles + global
+    assert len(ip.spans) == 17
+
+
+def test_engine_prefix_cache_and_encoder_cache(model):
+    """A follow-up turn reuses the first turn's prompt (tiles and all) and its image rows;
+    the same text with other pixels reuses nothing; both equal the reference loop."""
+    from fx_engine.engine.engine import Engine
+    from fx_engine.engine.generate import reference_generate
+
+    first = _messages(_png(10), text="describe this picture in some detail please")
+    with Engine(model, max_rows=2, prefill_chunk=32) as engine:
+        a = engine.submit(first, max_tokens=4).result()
+        turn = first + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "and more?"}]
+        b = engine.submit(turn, max_tokens=4, logprobs=2).result()
+        other = _messages(_png(11), text="describe this picture in some detail please")
+        c = engine.submit(other, max_tokens=4, logprobs=2).result()
+        enc = engine.encoder_cache
+    assert b.usage.cached_tokens > 80
+    assert c.usage.cached_tokens == 0
+    assert (enc.hits, enc.misses, len(enc)) == (1, 2, 2)
+    for got, msgs in ((b, turn), (c, other)):
+        want = reference_generate(model, msgs, max_tokens=4, logprobs=2)
+        assert got.token_ids == want.token_ids
+        for x, y in zip(got.logprobs, want.logprobs, strict=True):
+            assert max(abs(p[2] - q[2]) for p, q in zip(x.top, y.top)) <= 1e-4
