@@ -28,7 +28,7 @@ _CORPUS = [
 ]
 
 
-def _tokenizer_json(vocab_size: int) -> str:
+def _tokenizer_json(vocab_size: int, specials: list[str] | None = None) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -36,7 +36,7 @@ def _tokenizer_json(vocab_size: int) -> str:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=specials or ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -26,68 +26,12 @@ from fx_engine.core.vision.splice import ImageInput
 from fx_engine.engine.image_prompt import image_placeholder, image_prompt, image_prompt_from_text
 from fx_engine.loading.images import Idefics3ProcessorConfig, idefics3_config_from_dict, idefics3_tiles
 from fx_engine.loading.vision import load_vision
-from fx_engine.testing.tiny import _CORPUS, CHATML, _weights, tiny_config
+from fx_engine.testing.vision import IDEFICS3_IMAGE_ID as IMAGE_ID
+from fx_engine.testing.vision import IDEFICS3_PREPROCESSOR as PREPROCESSOR
+from fx_engine.testing.vision import IDEFICS3_VISION as VISION
+from fx_engine.testing.vision import write_tiny_idefics3
 
 TOL = 2e-4
-ROWS = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<fake_token_around_image>", "<image>", "<global-img>",
-            *ROWS]
-IMAGE_ID = SPECIALS.index("<image>")
-VISION = {"model_type": "idefics3_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "patch_size": 4, "image_size": 32, "layer_norm_eps": 1e-6,
-          "hidden_act": "gelu_pytorch_tanh"}
-#: tiles of 32 x 32 (8 x 8 patches, shuffled by 2: 16 tokens a tile), images resized to 64
-PREPROCESSOR = {"image_processor_type": "Idefics3ImageProcessor", "do_convert_rgb": True, "do_image_splitting": True,
-                "do_normalize": True, "do_pad": True, "do_rescale": True, "do_resize": True,
-                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "max_image_size": {"longest_edge": 32},
-                "resample": 1, "rescale_factor": 1 / 255, "size": {"longest_edge": 64}}
-
-
-def _tokenizer_json(vocab_size: int) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    return tok.to_str()
-
-
-def write_tiny_idefics3(folder: Path, model_type: str = "idefics3", layout: str = "hf", seed: int = 0,
-                        preprocessor: dict | None = None) -> Path:
-    """A random-weight Idefics3 / SmolVLM folder under Hugging Face's names (layout "mlx":
-    mlx-vlm's converted names, the patch conv channels last)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    text = tiny_config("llama", tie_word_embeddings=False)  # (mlx-vlm's text model always has lm_head)
-    text.pop("architectures", None)
-    cfg = {"model_type": model_type, "architectures": ["Idefics3ForConditionalGeneration"], "text_config": text,
-           "vision_config": dict(VISION), "scale_factor": 2, "image_token_id": IMAGE_ID,
-           "vocab_size": text["vocab_size"], "eos_token_id": 2, "bos_token_id": 1, "tie_word_embeddings": False}
-    weights = {}
-    for name, w in _weights(text, mx.float32, seed).items():
-        weights["lm_head.weight" if name == "lm_head.weight" else "model.text_model." + name[len("model."):]] = w
-    layout_v = idefics3.checkpoint_layout(idefics3.config_from_hf(cfg))
-    keys = iter(mx.random.split(mx.random.key(seed + 7919), len(layout_v)))
-    vis = {n: (s.center + s.scale * mx.random.normal(s.shape, key=next(keys))) for n, s in layout_v.items()}
-    if layout == "mlx":
-        vis = {n[len("model."):]: w for n, w in vis.items()}
-        pn = "vision_model.embeddings.patch_embedding.weight"
-        vis[pn] = mx.contiguous(vis[pn].transpose(0, 2, 3, 1))
-        weights = {("language_model." + n[len("model.text_model."):] if n.startswith("model.text_model.")
-                    else "language_model.lm_head.weight"): w for n, w in weights.items()}
-    weights.update(vis)
-    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
-    (folder / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, **(preprocessor or {})}))
-    (folder / "tokenizer.json").write_text(_tokenizer_json(text["vocab_size"]))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
-        "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return folder
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     made: dict[str, Path] = {}

@@ -298,3 +298,24 @@ def test_anthropic_tool_results_may_carry_images(server, model):
         "messages": body["messages"][:2] + [{"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "t1", "content": "here it is"}]}]}, timeout=120).json()
     assert count["input_tokens"] > without["input_tokens"] + 16  # the image's tokens are in the prompt
+
+
+def test_an_idefics3_model_serves_images(tmp_path):
+    """The routes are family-neutral: a SmolVLM / Idefics3 model (placeholder `<image>`,
+    tiles) answers a chat with an image as the Python API does, and /tokenize counts its
+    tiles' tokens."""
+    from fx_engine.server.app import create_app
+    from fx_engine.testing.vision import write_tiny_idefics3
+
+    model = fx_engine.load(str(write_tiny_idefics3(tmp_path / "smolvlm", "smolvlm")))
+    msgs = _user(TEXT, _image_url(_data_url(_png(12, (60, 40)))))
+    want = fx_engine.generate(model, msgs, max_tokens=6, temperature=0)
+    engine = fx_engine.Engine(model, max_rows=2)
+    with serve(create_app(engine, "tiny-smolvlm"), engine) as (url, _):
+        r = httpx.post(url + "/v1/chat/completions", timeout=120,
+                       json={"messages": msgs, "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want.text
+        assert r.json()["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+        tok = httpx.post(url + "/tokenize", json={"messages": msgs}, timeout=120).json()
+        assert tok["tokens"] == list(want.prompt_token_ids)
