@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from fx_engine.core.cache import KVCache
+from fx_engine.engine.image_prompt import prefix_key
 from fx_engine.engine.kv_rows import snapshot_row
 from fx_engine.engine.request import Usage
 
@@ -56,7 +57,8 @@ def keep_prefix(store: Any, trace: Callable[..., None], req: Any, tokens: Sequen
     if store is None or len(tokens) < 1:
         return
     try:
-        store.add(tokens, snapshot_row(cache, row, len(tokens)), salt=req.salt)
+        # (an image prompt's entries are keyed by its images' content: image_prompt.prefix_key)
+        store.add(prefix_key(req.image, tokens), snapshot_row(cache, row, len(tokens)), salt=req.salt)
     except Exception as e:
         trace("prefix_error", error=repr(e))
 

@@ -459,10 +459,6 @@ class Engine:
             # the prefix-cache scope of an adapter's rows: its contents' fingerprint (never
             # shared with the base or another adapter; stable across restarts for the disk tier)
             salt = f"\x00adapter:{r.adapter.fingerprint}\x00{salt or ''}"
-        if image is not None:
-            # the prefix-cache scope holds the images' content: a prefix is reused only by a
-            # prompt with the same images (a follow-up turn), never by other pixels
-            salt = f"\x00images:{','.join(image.digests)}\x00{salt or ''}"
         req = _Request(None, ids, r.sampling, max_tokens, out, r.processors, r.drafter,
                        r.num_draft_tokens, salt, grammar)
         req.image = image

@@ -36,7 +36,7 @@ from fx_engine.core.adapters import Adapters
 from fx_engine.core.cache import KVCache, span_bucket
 from fx_engine.core.sampling import top_logprobs
 from fx_engine.core.state import DecodeState, init_state
-from fx_engine.engine.image_prompt import step_images, whole_images
+from fx_engine.engine.image_prompt import prefix_key, step_images, whole_images
 from fx_engine.core.steps import (decode_step_compiled, prefill_step_compiled, sample_step_compiled,
                                   score_step_compiled, verify_step_compiled)
 from fx_engine.core.tree import tree_leaves, tree_replace
@@ -133,7 +133,7 @@ class Executor:
             return
         entry, m = None, 0
         try:
-            entry, m = store.lookup(req.ids, req.salt)
+            entry, m = store.lookup(prefix_key(req.image, req.ids), req.salt)
         except Exception as e:
             self.trace("prefix_error", request=req.handle.id, error=repr(e))
         if self.ranks is not None:

@@ -68,6 +68,7 @@ class ImagePrompt(NamedTuple):
     rows: mx.array
     spans: list[tuple[int, int]]
     digests: tuple[str, ...] = ()  # each image's content hash (sha256 of its pixels)
+    image_tokens: tuple[int, ...] = ()  # each image's number of image tokens (its rows)
 
 
 def has_images(prompt: Any) -> bool:
@@ -332,7 +333,8 @@ def image_prompt_from_text(model: Any, text: str, images: Sequence[Any], *,
     spans = image_token_runs(ids, cfg, len(images))
     pixels = preprocess(images, model.image_processor)
     digests = tuple(hashlib.sha256(np.ascontiguousarray(p).tobytes()).hexdigest() for p in pixels)
-    return ImagePrompt(ids, _encode(vision, [p[None] for p in pixels], digests, cache), spans, digests)
+    return ImagePrompt(ids, _encode(vision, [p[None] for p in pixels], digests, cache), spans, digests,
+                       (cfg.mm_tokens_per_image,) * len(images))
 
 
 def _idefics3_prompt(model: Any, vision: Any, text: str, images: list[Any], cache: EncoderCache | None) -> ImagePrompt:
@@ -365,7 +367,33 @@ def _idefics3_prompt(model: Any, vision: Any, text: str, images: list[Any], cach
         raise ImageError(str(e)) from e
     pixels = [t for t, _, _ in tiled]
     digests = tuple(hashlib.sha256(np.ascontiguousarray(p).tobytes()).hexdigest() for p in pixels)
-    return ImagePrompt(ids, _encode(vision, pixels, digests, cache), spans, digests)
+    per_tile = [b - a for a, b in spans]  # (one run per tile, images in order)
+    counts, at = [], 0
+    for p in pixels:
+        counts.append(sum(per_tile[at:at + p.shape[0]]))
+        at += p.shape[0]
+    return ImagePrompt(ids, _encode(vision, pixels, digests, cache), spans, digests, tuple(counts))
+
+
+def prefix_key(image: ImagePrompt | None, tokens: Sequence[int]) -> list[int]:
+    """The ids a prefix-cache entry of an image prompt is keyed by: `tokens` (a prefix of the
+    prompt, or the prompt and its reply) with each image's tokens replaced by negative ids
+    drawn from its content digest (31 bits of it per token, the digest's 256 bits cycling
+    over the image's tokens). So a follow-up turn with the same images, or with more images
+    after them, reuses the KV up to where its content first differs (vLLM keys its blocks by
+    the images' hashes likewise); other pixels never match, and text before the first image
+    is shared with any prompt. Text-only requests: `tokens` as they are."""
+    if image is None:
+        return list(tokens)
+    key = list(tokens)
+    positions = [p for a, b in image.spans for p in range(a, b) if p < len(key)]
+    at = 0
+    for digest, n in zip(image.digests, image.image_tokens, strict=True):
+        marks = [-1 - int(digest[i:i + 8], 16) % (2**31 - 1) for i in range(0, len(digest), 8)]
+        for j, p in enumerate(positions[at:at + n]):
+            key[p] = marks[j % len(marks)]
+        at += n
+    return key
 
 
 def whole_images(spans: Sequence[tuple[int, int]], start: int, n: int) -> int:

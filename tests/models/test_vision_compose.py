@@ -114,3 +114,33 @@ def test_an_image_row_keeps_its_grammar(model):
     assert out.text == ref.text and list(out.token_ids) == list(ref.token_ids)
     pick = fx_engine.generate(model, msgs, max_tokens=8, choice=["a cat", "a dog", "a bird"], temperature=1.0, seed=6)
     assert pick.text in ("a cat", "a dog", "a bird") and pick.finish_reason == "stop", pick
+
+
+def test_prefix_cache_reuses_per_image(model):
+    """Entries are keyed per image (image_prompt.prefix_key): a follow-up turn that adds a
+    second picture reuses the first turn's KV through its picture; a prompt whose first
+    picture differs reuses nothing past the text before it; the outputs are the reference
+    loop's."""
+    from fx_engine.engine.image_prompt import image_prompt, prefix_key
+
+    first = _messages(20, "describe this picture in some detail please")
+    with fx_engine.Engine(model, max_rows=2, prefill_chunk=32) as engine:
+        a = engine.submit(first, max_tokens=4).result()
+        turn = first + [{"role": "assistant", "content": a.text},
+                        {"role": "user", "content": [{"type": "text", "text": "and this one?"},
+                                                     {"type": "image", "image": _png(21)}]}]
+        b = engine.submit(turn, max_tokens=4, logprobs=2).result()
+        swapped = _messages(22, "describe this picture in some detail please") + turn[1:]
+        c = engine.submit(swapped, max_tokens=4, logprobs=2).result()
+    first_image_end = image_prompt(model, turn).spans[0][1]
+    assert b.usage.cached_tokens >= first_image_end  # through the first picture (and the reply)
+    assert c.usage.cached_tokens <= image_prompt(model, swapped).spans[0][0]
+    _same(b, reference_generate(model, turn, max_tokens=4, logprobs=2, prefill_chunk=32))
+    _same(c, reference_generate(model, swapped, max_tokens=4, logprobs=2, prefill_chunk=32))
+    # the keys themselves: text ids kept, image tokens content-derived and negative
+    ip = image_prompt(model, turn)
+    key = prefix_key(ip, ip.ids)
+    inside = {p for s, e in ip.spans for p in range(s, e)}
+    assert all(k == i for p, (k, i) in enumerate(zip(key, ip.ids)) if p not in inside)
+    assert all(key[p] < 0 for p in inside)
+    assert key[ip.spans[0][0]] != key[ip.spans[1][0]]  # two pictures, two keys

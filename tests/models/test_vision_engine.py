@@ -371,7 +371,8 @@ def test_engine_prefix_cache_keys_images_by_content(model):
         c = engine.submit(other, max_tokens=4, logprobs=3).result()
         enc = engine.encoder_cache
     assert b.usage.cached_tokens > 30  # the first turn's prompt, image and all, reused
-    assert c.usage.cached_tokens == 0  # the same text with other pixels: nothing reused
+    # the same text with other pixels: at most the text before the image is reused
+    assert c.usage.cached_tokens <= image_prompt(model, other).spans[0][0]
     assert (enc.hits, enc.misses, len(enc)) == (1, 2, 2)  # the follow-up's image was not re-encoded
     from fx_engine.engine.generate import reference_generate
 

@@ -286,7 +286,8 @@ def test_no_preprocessor_config_uses_the_processor_defaults(folders, tmp_path):
 
 def test_engine_prefix_cache_and_encoder_cache(model):
     """A follow-up turn reuses the first turn's prompt (tiles and all) and its image rows;
-    the same text with other pixels reuses nothing; both equal the reference loop."""
+    the same text with other pixels reuses at most the text before the image; both equal the
+    reference loop."""
     from fx_engine.engine.engine import Engine
     from fx_engine.engine.generate import reference_generate
 
@@ -299,7 +300,7 @@ def test_engine_prefix_cache_and_encoder_cache(model):
         c = engine.submit(other, max_tokens=4, logprobs=2).result()
         enc = engine.encoder_cache
     assert b.usage.cached_tokens > 80
-    assert c.usage.cached_tokens == 0
+    assert c.usage.cached_tokens <= image_prompt(model, other).spans[0][0]  # never past the first image token
     assert (enc.hits, enc.misses, len(enc)) == (1, 2, 2)
     for got, msgs in ((b, turn), (c, other)):
         want = reference_generate(model, msgs, max_tokens=4, logprobs=2)
