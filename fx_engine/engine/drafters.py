@@ -174,9 +174,11 @@ class _DraftRow:
             common = 0
         self.cache = with_lengths(self.cache, mx.array([common], mx.int32))
         logits = None
+        vocab = m.config.vocab_size  # (ids it does not have, e.g. a multimodal target's image
+        ids = [t if t < vocab else 0 for t in tokens]  # tokens, are fed as 0: drafts only)
         for pos, n, size in prefill_pieces(common, len(tokens), chunk):
             logits, self.cache = prefill_step_compiled(
-                m.params, self.cache, mx.array([tokens[pos : pos + n] + [0] * (size - n)], mx.int32),
+                m.params, self.cache, mx.array([ids[pos : pos + n] + [0] * (size - n)], mx.int32),
                 mx.array([n], mx.int32), span=span_bucket(pos + size, self.cache.capacity))
         self.fed = list(tokens)
         return logits

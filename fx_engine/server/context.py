@@ -194,8 +194,9 @@ class ServerContext:
             messages, images = split_messages(fetch_image_urls(
                 messages, enabled=s.image_urls, max_bytes=s.image_url_bytes, timeout=s.image_url_timeout))
             image_placeholder(model)  # (a text-only model: its 400 before any templating)
-            for key in ("draft_model", "prompt_lookup"):  # (the server's speculation: the same
-                kw.pop(key, None)  # output without it; the engine does not draft image rows yet)
+            if kw.get("draft_model") == "mtp" or getattr(kw.get("draft_model"), "capture", None) is not None:
+                kw.pop("draft_model")  # (the server's learned drafter: the same output without it;
+                # one fed the target's hidden states does not draft image rows yet)
         messages = template_messages(messages)
         check_prompt_size(model, text_bytes(messages), "messages")  # before templating
         targs = {**(self.chat_template_args or {}), **(template_kwargs or {})}
