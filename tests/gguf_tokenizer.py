@@ -1,20 +1,12 @@
-"""Test helper: a tiny model folder's byte-level BPE tokenizer as GGUF metadata ("gpt2"
-model: tokens by id, merges, control tokens), as llama.cpp's converter writes it."""
+"""Test helpers: a tiny model folder's byte-level BPE tokenizer as GGUF metadata
+(`add_tokenizer`: fx_engine.testing.gguf's, as llama.cpp's converter writes it), and the
+mlx-lm oracle folder of what a GGUF holds."""
 
-import json
 from pathlib import Path
 
+from fx_engine.testing.gguf import add_bpe_tokenizer as add_tokenizer
 
-def add_tokenizer(writer, folder: Path, eos_id: int) -> None:
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {t["content"] for t in tok["added_tokens"]}
-    writer.add_string("tokenizer.ggml.model", "gpt2")
-    writer.add_array("tokenizer.ggml.tokens", [t for t, _ in vocab])
-    writer.add_array("tokenizer.ggml.token_type", [3 if t in specials else 1 for t, _ in vocab])
-    writer.add_array("tokenizer.ggml.merges",
-                     [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    writer.add_uint32("tokenizer.ggml.eos_token_id", eos_id)
+__all__ = ["add_tokenizer", "write_oracle"]
 
 
 def write_oracle(folder: Path, out: Path, weights: dict) -> Path:

@@ -1,14 +1,15 @@
 """Image prompts: fx-engine against mlx-vlm on the same weights, same run (issue 46, item 5).
 
-    python tools/bench_vision.py                       # Gemma 3 4B's vision tower, 4 text layers
+    python tools/bench_vision.py                       # Gemma 3 4B's vision tower, 6 text layers
     python tools/bench_vision.py --folder DIR          # a real multimodal folder (both engines load it)
 
 Without --folder a synthetic Gemma 3 folder is written (random weights: meaningless output,
 real shapes; fx_engine/testing/vision.py's writer) at a real geometry, `--geometry`:
   gemma3-4b   google/gemma-3-4b-it's: SigLIP-so400m tower at 896 x 896 (4096 patches of 14,
               27 layers, width 1152), 256 image tokens, text width 2560, 8 / 4 heads of 256,
-              ff 10240, vocab 262208; `--text-layers` of the text model's 34 (default 4: the
-              tower is what an image prompt's first token waits on);
+              ff 10240, vocab 262208; `--text-layers` of the text model's 34 (default 6: one
+              sliding-window pattern, the fewest mlx-vlm's Gemma 3 runs; the tower is what an
+              image prompt's first token waits on);
   gemma3-small the same tower at 448 x 448 (1024 patches), for a quicker check;
   tiny        the tests' tiny model (a smoke test of this tool).
 The prompt: a short question and one image (a fresh random image per run, so neither
@@ -112,7 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--folder", help="a multimodal model folder (default: a synthetic one, --geometry)")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="gemma3-4b")
-    ap.add_argument("--text-layers", type=int, default=4)
+    ap.add_argument("--text-layers", type=int, default=6)
     ap.add_argument("--dtype", default="float32", help="the synthetic folder's dtype")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)

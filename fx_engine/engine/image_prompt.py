@@ -273,18 +273,28 @@ def image_prompt(model: Any, messages: Sequence[dict[str, Any]], *, max_images: 
     """The prompt of chat `messages` with images, for `model` (a loaded multimodal Model).
     cache: the images' encodings by content (an image seen before is not encoded again)."""
     norm, images = split_messages(messages, max_images, max_pixels)
-    BOI_TEXT = _vision_of(model).config.placeholder
     if not images:
         raise ImageError("no images in the messages")
-    tok = model.tokenizer
     kw = {} if chat_template is None else {"chat_template": chat_template}
+    return image_prompt_from_text(model, render_with_images(model, norm, len(images), **kw), images, cache=cache)
+
+
+def render_with_images(model: Any, messages: list[dict[str, Any]], n_images: int, **template_kwargs: Any) -> str:
+    """`split_messages`' messages rendered by the chat template (`template_kwargs`: its
+    chat_template and variables), one placeholder per image (`image_placeholder`); a
+    template that does not write one per image part (one that only knows string content)
+    gets each message's parts joined into a string, the placeholder in each image's place."""
+    mark = image_placeholder(model)
+    tok = model.tokenizer
     try:
-        text = tok.apply_chat_template(copy.deepcopy(norm), add_generation_prompt=True, tokenize=False, **kw)
-    except Exception:  # a template that only knows string content (jinja's TypeError, ...)
+        text = tok.apply_chat_template(copy.deepcopy(messages), add_generation_prompt=True, tokenize=False,
+                                       **template_kwargs)
+    except Exception:  # a template that only knows string content (jinja's TypeError, ...): below
         text = None
-    if text is None or text.count(BOI_TEXT) != len(images):  # the template does not write image parts
-        text = tok.apply_chat_template(_flattened(norm, BOI_TEXT), add_generation_prompt=True, tokenize=False, **kw)
-    return image_prompt_from_text(model, text, images, cache=cache)
+    if text is None or text.count(mark) != n_images:
+        text = tok.apply_chat_template(_flattened(messages, mark), add_generation_prompt=True, tokenize=False,
+                                       **template_kwargs)
+    return text
 
 
 def _vision_of(model: Any) -> Any:
@@ -467,10 +477,3 @@ def engine_image_prompt(model: Any, messages: Any, kwargs_list: Sequence[dict[st
                          f"engine's prefill_chunk ({prefill_chunk}) must be >= {run} and its "
                          f"step_token_budget ({step_token_budget}) >= max_rows + {sched.chunk_bucket(run)}")
     return image
-
-
-def joined_parts(messages: list[dict[str, Any]], placeholder: str) -> list[dict[str, Any]]:
-    """`split_messages`' messages with each list content joined into one string, the
-    model's `placeholder` in each image's place: for a chat template that only knows string
-    content (the server renders templates itself: server/context.py)."""
-    return _flattened(messages, placeholder)

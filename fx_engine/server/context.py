@@ -18,7 +18,7 @@ from fastapi import Depends, Request
 from fx_engine.engine.engine import Engine
 from fx_engine.engine.grammar_guard import check_schema
 from fx_engine.engine.image_prompt import (ImagePrompt, has_images, image_placeholder, image_prompt_from_text,
-                                           joined_parts, split_messages)
+                                           render_with_images, split_messages)
 from fx_engine.engine.request import check_prompt_size, prompt_ids, text_bytes
 from fx_engine.server.metrics import Metrics
 from fx_engine.server.protocol import _error
@@ -229,25 +229,12 @@ class ServerContext:
 
     def _image_prompt(self, messages: list[dict[str, Any]], images: list[Any],
                       targs: Mapping[str, Any]) -> ImagePrompt:
-        """The prompt of messages whose image parts are {"type": "image"}: rendered by the
-        template (one that only knows string content gets each message's parts joined with
-        the model's placeholder in each image's place), then each placeholder expanded into
-        the image's tokens and the images encoded (the engine's encoder cache: an image
-        sent again is not encoded again)."""
-        model = self.model
-        mark = image_placeholder(model)
-
-        def render(msgs: list[dict[str, Any]]) -> str:
-            return model.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
-                                                       chat_template=self.chat_template, **targs)
-
-        try:
-            text = render(messages)
-        except Exception:  # a template that only knows string content (its errors: below)
-            text = None
-        if text is None or text.count(mark) != len(images):
-            text = render(joined_parts(messages, mark))
-        return image_prompt_from_text(model, text, images, cache=self.engine.encoder_cache)
+        """The prompt of messages whose image parts are {"type": "image"}: rendered with one
+        placeholder per image (`render_with_images`), each expanded into its image's tokens,
+        the images encoded (the engine's encoder cache: an image sent again is not encoded
+        again)."""
+        text = render_with_images(self.model, messages, len(images), chat_template=self.chat_template, **targs)
+        return image_prompt_from_text(self.model, text, images, cache=self.engine.encoder_cache)
 
     # ---- the tokenizer
 

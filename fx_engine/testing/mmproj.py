@@ -20,7 +20,6 @@ Needs the `gguf` package (llama.cpp's gguf-py).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -152,63 +151,12 @@ def write_mmproj(folder: str | Path, out: str | Path, *, outtype: str = "f16", p
     return out
 
 
-_TEXT_NAMES = (
-    (r"^language_model\.model\.embed_tokens\.", "token_embd."), (r"^language_model\.model\.norm\.", "output_norm."),
-    (r"^language_model\.lm_head\.", "output."), (r"^language_model\.model\.layers\.(\d+)\.", r"blk.\1."),
-    (r"input_layernorm", "attn_norm"), (r"self_attn\.q_norm", "attn_q_norm"), (r"self_attn\.k_norm", "attn_k_norm"),
-    (r"self_attn\.q_proj", "attn_q"), (r"self_attn\.k_proj", "attn_k"), (r"self_attn\.v_proj", "attn_v"),
-    (r"self_attn\.o_proj", "attn_output"), (r"post_attention_layernorm", "post_attention_norm"),
-    (r"pre_feedforward_layernorm", "ffn_norm"), (r"post_feedforward_layernorm", "post_ffw_norm"),
-    (r"mlp\.gate_proj", "ffn_gate"), (r"mlp\.up_proj", "ffn_up"), (r"mlp\.down_proj", "ffn_down"),
-)
-
-
 def write_text_gguf(folder: str | Path, out: str | Path) -> Path:
-    """The folder's Gemma 3 text model as llama.cpp's Gemma3Model writes it (architecture
-    gemma3: its keys, tensor names, every norm weight + 1, q/k unpermuted), with the
-    folder's byte-level BPE vocabulary (control tokens: tokenizer.json's added tokens) and
-    chat template."""
-    import gguf
+    """The folder's Gemma 3 text model as llama.cpp's Gemma3Model writes it
+    (`fx_engine.testing.gguf.write_gemma_gguf`)."""
+    from fx_engine.testing.gguf import write_gemma_gguf
 
-    folder, out = Path(folder), Path(out)
-    cfg = json.loads((folder / "config.json").read_text())["text_config"]
-    w = gguf.GGUFWriter(str(out), "gemma3")
-    for key, fn, value in (("context_length", w.add_uint32, cfg["max_position_embeddings"]),
-                           ("embedding_length", w.add_uint32, cfg["hidden_size"]),
-                           ("block_count", w.add_uint32, cfg["num_hidden_layers"]),
-                           ("feed_forward_length", w.add_uint32, cfg["intermediate_size"]),
-                           ("attention.head_count", w.add_uint32, cfg["num_attention_heads"]),
-                           ("attention.head_count_kv", w.add_uint32, cfg["num_key_value_heads"]),
-                           ("attention.layer_norm_rms_epsilon", w.add_float32, cfg["rms_norm_eps"]),
-                           ("attention.key_length", w.add_uint32, cfg["head_dim"]),
-                           ("attention.value_length", w.add_uint32, cfg["head_dim"]),
-                           ("rope.freq_base", w.add_float32, cfg["rope_theta"]),
-                           ("attention.sliding_window", w.add_uint32, cfg["sliding_window"])):
-        fn(f"gemma3.{key}", value)
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {t["content"] for t in tok["added_tokens"]}
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_array("tokenizer.ggml.tokens", [t for t, _ in vocab])
-    w.add_array("tokenizer.ggml.token_type", [3 if t in specials else 1 for t, _ in vocab])
-    w.add_array("tokenizer.ggml.merges", [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
-    w.add_uint32("tokenizer.ggml.bos_token_id", cfg["bos_token_id"])
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
-    tc = json.loads((folder / "tokenizer_config.json").read_text())
-    if tc.get("chat_template"):
-        w.add_string("tokenizer.chat_template", tc["chat_template"])
-    for name, x in sorted(mx.load(str(folder / "model.safetensors")).items()):
-        if not name.startswith("language_model."):
-            continue
-        x = _numpy(x)
-        if name.endswith("norm.weight"):
-            x = x + np.float32(1.0)
-        for pat, rep in _TEXT_NAMES:
-            name = re.sub(pat, rep, name)
-        w.add_tensor(name, x)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    return out
+    return write_gemma_gguf(folder, out, "gemma3")
 
 
 def write_tiny_gemma3_gguf_pair(folder: str | Path, *, outtype: str = "f32", f16_projection_folder: bool = True,

@@ -21,7 +21,6 @@ from fx_engine.testing import write_tiny_model
 from fx_engine.engine.generate import reference_generate
 
 from tests.conftest import LONG_TEXT
-from tests.gguf_tokenizer import add_tokenizer
 from tests.models.test_parity import _compare
 
 pytestmark = pytest.mark.oracle
@@ -253,50 +252,11 @@ def test_multimodal_checkpoints_run_their_text_model(tmp_path, wrapper, prefix):
 
 
 def _gemma_gguf(folder: Path, out: Path, arch: str = "gemma3") -> None:
-    """Convert a tiny gemma3_text / gemma2 folder as llama.cpp's converter does: its tensor
-    names, its gemma3.* / gemma2.* metadata keys (Gemma 2's soft-capping values), every
-    norm weight + 1 (stored as the scale itself), the gate/up/down projections and q/k/v
-    unfused and unpermuted (Gemma rotates halves)."""
-    import json
-    import re
+    """A tiny gemma3_text / gemma2 folder as llama.cpp's converter writes it
+    (fx_engine.testing.gguf.write_gemma_gguf)."""
+    from fx_engine.testing.gguf import write_gemma_gguf
 
-    import gguf
-    import numpy as np
-
-    cfg = json.loads((folder / "config.json").read_text())
-    w = gguf.GGUFWriter(str(out), arch)
-    for key, fn, v in (("context_length", w.add_uint32, cfg["max_position_embeddings"]),
-                       ("embedding_length", w.add_uint32, cfg["hidden_size"]),
-                       ("block_count", w.add_uint32, cfg["num_hidden_layers"]),
-                       ("feed_forward_length", w.add_uint32, cfg["intermediate_size"]),
-                       ("attention.head_count", w.add_uint32, cfg["num_attention_heads"]),
-                       ("attention.head_count_kv", w.add_uint32, cfg["num_key_value_heads"]),
-                       ("attention.layer_norm_rms_epsilon", w.add_float32, cfg["rms_norm_eps"]),
-                       ("attention.key_length", w.add_uint32, cfg["head_dim"]),
-                       ("attention.value_length", w.add_uint32, cfg["head_dim"]),
-                       ("rope.freq_base", w.add_float32, cfg["rope_theta"]),
-                       ("attention.sliding_window", w.add_uint32, cfg["sliding_window"])):
-        fn(f"{arch}.{key}", v)
-    if arch == "gemma2":
-        w.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
-        w.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
-    add_tokenizer(w, folder, cfg["eos_token_id"])
-    names = ((r"^model\.embed_tokens\.", "token_embd."), (r"^model\.norm\.", "output_norm."),
-             (r"^lm_head\.", "output."), (r"^model\.layers\.(\d+)\.", r"blk.\1."),
-             (r"input_layernorm", "attn_norm"), (r"self_attn\.q_norm", "attn_q_norm"),
-             (r"self_attn\.k_norm", "attn_k_norm"), (r"self_attn\.q_proj", "attn_q"),
-             (r"self_attn\.k_proj", "attn_k"), (r"self_attn\.v_proj", "attn_v"),
-             (r"self_attn\.o_proj", "attn_output"), (r"post_attention_layernorm", "post_attention_norm"),
-             (r"pre_feedforward_layernorm", "ffn_norm"), (r"post_feedforward_layernorm", "post_ffw_norm"),
-             (r"mlp\.gate_proj", "ffn_gate"), (r"mlp\.up_proj", "ffn_up"), (r"mlp\.down_proj", "ffn_down"))
-    for name, x in sorted(mx.load(str(folder / "model.safetensors")).items()):
-        x = np.asarray(x.astype(mx.float32))
-        if name.endswith("norm.weight"):
-            x = x + np.float32(1.0)
-        for pat, rep in names:
-            name = re.sub(pat, rep, name)
-        w.add_tensor(name, x)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    write_gemma_gguf(folder, out, arch)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": False}], ids=["tied", "untied"])
