@@ -276,7 +276,8 @@ def _draft(a: argparse.Namespace, model: Any) -> Any:
         elif _is_head(a.draft_model):
             from fx_engine.engine.eagle3_drafter import Eagle3Drafter
 
-            _DRAFTS[key] = Eagle3Drafter.load(a.draft_model, model)
+            # (its matrices in 8 bits on the native kernels: the drafts' cost, not the output)
+            _DRAFTS[key] = Eagle3Drafter.load(a.draft_model, model, bits=8)
         else:
             # (the target's numerics: a draft only proposes, the target's verify decides)
             _DRAFTS[key] = fx_engine.load(a.draft_model, numerics=getattr(a, "numerics", "auto"),

@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--drafters", default="none,lookup,lookup-k8,self-draft")
     ap.add_argument("--self-draft-layers", type=int, default=8)
     ap.add_argument("--eagle3", default=None, help="an EAGLE-3 head's folder (adds the eagle3 drafters)")
+    ap.add_argument("--eagle3-bits", default="8", choices=["8", "4", "none"],
+                    help="the head's matrices quantized at load (Eagle3Drafter.load's bits; the CLI's 8)")
     ap.add_argument("--numerics", default="exact", choices=("auto", "exact", "int8"))
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.eagle3:
         from fx_engine.engine.eagle3_drafter import Eagle3Drafter
 
-        head = Eagle3Drafter.load(a.eagle3, model)
+        head = Eagle3Drafter.load(a.eagle3, model, bits=None if a.eagle3_bits == "none" else int(a.eagle3_bits))
         drafters.update({"eagle3": {"draft_model": head},
                          "eagle3-k6": {"draft_model": head, "num_draft_tokens": 6}})
     names = a.drafters.split(",")
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "mean_accepted_length": 1 + ac / rd if rd else None,
                      "runs": [x["tok_s"] for x in runs]})
     report = {"model": model.path, "weights": model.weight_format, "numerics": model.numerics,
-              "eagle3": a.eagle3, "runs": a.runs,
+              "eagle3": a.eagle3, "eagle3_bits": a.eagle3_bits, "runs": a.runs,
               "self_draft_layers": a.self_draft_layers, "rows": rows,
               "blas": __import__("fx_engine.runtime.blas", fromlist=["active"]).active()["name"]}
     print()

@@ -237,3 +237,25 @@ def test_a_head_folder_is_told_from_a_model_folder(tiny_folder, tmp_path):
     assert is_eagle3_head(write_tiny_eagle3(tmp_path / "h", 64, seed=3, **HEAD))
     assert not is_eagle3_head(tiny_folder("llama", num_hidden_layers=6))
     assert not is_eagle3_head(tmp_path / "nothing-here")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_head_quantized_at_load_keeps_output_and_still_drafts_right(tmp_path, bits, steady_policy):
+    """`Eagle3Drafter.load(..., bits=)` runs the head's matrices quantized on the target's
+    native kernels: the echo head's first drafts stay right (accepted), the output is plain
+    greedy's, and its linears are packed (the native formats) with the target's numerics."""
+    from fx_engine.runtime import native as fx_native
+
+    t, h = write_echo_pair(tmp_path)
+    model = fx_engine.load(t, batch_invariant=True)
+    drafter = Eagle3Drafter.load(h, model, bits=bits)
+    if not model.params.numerics.native or not fx_native.supports(32, bits):
+        pytest.skip("native kernels unavailable: the head stays as stored")
+    assert drafter.head.lm_head.quantized and drafter.head.layer.qkv.quantized
+    assert drafter.head.lm_head.quant.bits == bits and drafter.head.numerics.native
+    prompt = [5, 9, 17, 40, 30]
+    ref = reference_generate(model, prompt, max_tokens=20, temperature=0.0)
+    got = fx_engine.generate(model, prompt, max_tokens=20, temperature=0.0, draft_model=drafter, num_draft_tokens=3)
+    assert got.token_ids == ref.token_ids and got.usage.accepted_tokens > 0
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        Eagle3Drafter.load(h, model, bits=3)

@@ -49,11 +49,12 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, dense_layout
-from fx_engine.core.checkpoint import Fused, Lin, LoadOptions, Reader, TensorSource, Vec, WeightsError, read_tensors
+from fx_engine.core.checkpoint import (Fused, KeepQuantized, Lin, LoadOptions, Reader, TensorSource, Vec, WeightsError,
+                                       finish, read_tensors)
 from fx_engine.core.config import (BOOL, FLOAT, INT, BaseConfig, ConfigError, Field, Same, check_rope_scaling,
                                    positive_int, read_fields, refuse)
 from fx_engine.core.models.blocks import GATE_UP, QKV, rope_freqs, rope_type_of, scaled_rope, self_attention, swiglu_mlp
-from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm
+from fx_engine.core.nn import Linear, Numerics, Quant, embed, linear, rms_norm
 from fx_engine.core.tree import CompiledFunction, static_field
 
 __all__ = ["Eagle3Config", "Eagle3Layer", "Eagle3Params", "aux_layers", "cache_specs", "check_target",
@@ -280,6 +281,27 @@ class Eagle3Params:
     config: Eagle3Config = static_field()
     numerics: Numerics = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")
+
+
+def quantized_head(p: Eagle3Params, bits: int, keep: KeepQuantized, numerics: Numerics,
+                   group_size: int = 32) -> Eagle3Params:
+    """The head with its matrices (fc, the layer's q|k|v, o, gate|up, down, the draft
+    lm_head; not an embedding table) affine-quantized to `bits` in groups of `group_size`,
+    kept packed where `keep` says (the native kernels' formats) and run with `numerics`:
+    a head step streams a quarter of float32's bytes for its drafts (which the target's
+    verify still decides: the output does not change)."""
+    dt = getattr(mx, p.dtype)
+
+    def q(lin: Linear) -> Linear:
+        if lin.quantized or lin.in_features % group_size:
+            return lin
+        w, s, b = mx.quantize(lin.dense_out_in, group_size=group_size, bits=bits)
+        return finish(Linear(weight=w, bias=lin.bias, quant=Quant(s, b, group_size, bits), origin=lin.origin), dt,
+                      keep)
+
+    layer = p.layer
+    layer = attrs.evolve(layer, qkv=q(layer.qkv), o=q(layer.o), gate_up=q(layer.gate_up), down=q(layer.down))
+    return attrs.evolve(p, fc=q(p.fc), layer=layer, lm_head=q(p.lm_head), numerics=numerics)
 
 
 def cache_specs(cfg: Eagle3Config) -> tuple[LayerSpec, ...]:
