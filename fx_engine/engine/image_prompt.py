@@ -47,7 +47,7 @@ from typing import Any, NamedTuple, Sequence
 import mlx.core as mx
 import numpy as np
 
-from fx_engine.loading.images import ImageError, preprocess
+from fx_engine.loading.images import ImageError, preprocess_crops
 
 #: most images in one request (Gemma 3: 256 tokens each; Idefics3: up to rows x cols + 1 tiles each)
 MAX_IMAGES = 16
@@ -336,15 +336,39 @@ def image_prompt_from_text(model: Any, text: str, images: Sequence[Any], *,
         raise ImageError(f"the rendered prompt has {len(pieces) - 1} {BOI_TEXT} placeholder(s) for {len(images)} "
                          "image(s) (does a text part contain the placeholder?)")
     run = [cfg.boi_token_index] + [cfg.image_token_index] * cfg.mm_tokens_per_image + [cfg.eoi_token_index]
-    ids = list(tok.encode(pieces[0] + "\n\n", add_special_tokens=False))
-    for k, piece in enumerate(pieces[1:]):
-        tail = "\n\n" + piece + ("\n\n" if k + 2 < len(pieces) else "")
-        ids += run + list(tok.encode(tail, add_special_tokens=False))
-    spans = image_token_runs(ids, cfg, len(images))
-    pixels = preprocess(images, model.image_processor)
+    # each image: the image, then its pan-and-scan crops (none unless the folder turns it on)
+    pixels = [preprocess_crops(im, model.image_processor, f"image {i}") for i, im in enumerate(images)]
+    segments: list[str | None] = [pieces[0]]  # text, and None for a run of image tokens
+    for p, piece in zip(pixels, pieces[1:]):
+        segments += _gemma3_image_segments(p.shape[0] - 1) + [piece]
+    ids: list[int] = []
+    text_run = ""
+    for seg in segments + [None]:  # (adjacent text pieces tokenized together, as one string is)
+        if seg is not None:
+            text_run += seg
+            continue
+        ids += list(tok.encode(text_run, add_special_tokens=False)) if text_run else []
+        text_run = ""
+        ids += run
+    ids = ids[:-len(run)]  # (the sentinel's run)
+    spans = image_token_runs(ids, cfg, sum(p.shape[0] for p in pixels))
     digests = tuple(hashlib.sha256(np.ascontiguousarray(p).tobytes()).hexdigest() for p in pixels)
-    return ImagePrompt(ids, _encode(vision, [p[None] for p in pixels], digests, cache), spans, digests,
-                       (cfg.mm_tokens_per_image,) * len(images))
+    return ImagePrompt(ids, _encode(vision, pixels, digests, cache), spans, digests,
+                       tuple(cfg.mm_tokens_per_image * p.shape[0] for p in pixels))
+
+
+def _gemma3_image_segments(crops: int) -> list[str | None]:
+    """What Gemma3Processor writes for one image placeholder (None: a run of image tokens,
+    boi + image tokens + eoi): "\n\n" run "\n\n"; with pan-and-scan crops, "Here is the
+    original image " + that + " and here are some crops to help you see better " + the
+    crops' runs joined by " "."""
+    one: list[str | None] = ["\n\n", None, "\n\n"]
+    if not crops:
+        return one
+    out: list[str | None] = ["Here is the original image ", *one, " and here are some crops to help you see better "]
+    for c in range(crops):
+        out += ([" "] if c else []) + one
+    return out
 
 
 def _idefics3_prompt(model: Any, vision: Any, text: str, images: list[Any], cache: EncoderCache | None) -> ImagePrompt:

@@ -61,6 +61,12 @@ class ImageProcessorConfig:
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     do_convert_rgb: bool = True
     image_seq_length: int | None = None  # the processor's image tokens per image (informative)
+    # Gemma 3's pan-and-scan (off unless the folder turns it on): a wide or tall image also
+    # goes in as 2..pan_max_crops crops (`pan_and_scan_crops`), each an image of its own
+    pan_and_scan: bool = False
+    pan_min_crop_size: int = 256
+    pan_max_crops: int = 4
+    pan_min_ratio: float = 1.2
 
 
 def _flag(d: dict[str, Any], key: str, default: bool, source: str) -> bool:
@@ -93,9 +99,16 @@ def processor_config_from_dict(d: dict[str, Any], source: str = "preprocessor_co
     kind = d.get("image_processor_type")
     if kind is not None and kind not in PROCESSOR_TYPES:
         raise ConfigError(f"{source}: image_processor_type {kind!r} is not supported ({', '.join(PROCESSOR_TYPES)})")
-    if d.get("do_pan_and_scan"):
-        raise ConfigError(f"{source}: field 'do_pan_and_scan' = true is not supported (pan-and-scan is not "
-                          "implemented; set it to null or false)")
+    pan = {}
+    for key, field, kind, default in (("pan_and_scan_min_crop_size", "pan_min_crop_size", int, 256),
+                                      ("pan_and_scan_max_num_crops", "pan_max_crops", int, 4),
+                                      ("pan_and_scan_min_ratio_to_activate", "pan_min_ratio", float, 1.2)):
+        v = d.get(key)
+        v = default if v is None else v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or (kind is int and v != int(v)):
+            raise ConfigError(f"{source}: field {key!r} must be a positive {'integer' if kind is int else 'number'}, "
+                              f"got {v!r}")
+        pan[field] = kind(v)
     for key in ("do_center_crop", "do_pad"):
         if d.get(key):
             raise ConfigError(f"{source}: field '{key}' = true is not supported (not part of Gemma 3's processing)")
@@ -121,7 +134,8 @@ def processor_config_from_dict(d: dict[str, Any], source: str = "preprocessor_co
         do_rescale=_flag(d, "do_rescale", True, source), rescale_factor=float(factor),
         do_normalize=_flag(d, "do_normalize", True, source), image_mean=_channels(d, "image_mean", source),
         image_std=_channels(d, "image_std", source, positive=True),
-        do_convert_rgb=_flag(d, "do_convert_rgb", True, source), image_seq_length=seq)
+        do_convert_rgb=_flag(d, "do_convert_rgb", True, source), image_seq_length=seq,
+        pan_and_scan=_flag(d, "do_pan_and_scan", False, source), **pan)
     if image_size is not None and (cfg.height, cfg.width) != (image_size, image_size):
         raise ConfigError(f"{source}: size {cfg.height}x{cfg.width} is not the vision tower's image_size "
                           f"{image_size}x{image_size}")
@@ -206,8 +220,40 @@ def _rgb_array(image: Any, what: str, convert: bool) -> np.ndarray:
 
 def preprocess_one(image: Any, cfg: ImageProcessorConfig, what: str = "image") -> np.ndarray:
     """One image -> [3, height, width] float32 pixels (the module docstring's steps)."""
-    PIL = _pil()
+    return _pixels(_rgb_array(image, what, cfg.do_convert_rgb), cfg, what)
+
+
+def pan_and_scan_crops(arr: np.ndarray, cfg: ImageProcessorConfig) -> list[np.ndarray]:
+    """Gemma 3's pan-and-scan (Gemma3ImageProcessor's rule) of an RGB image [H, W, 3]: none
+    unless its long side is at least `pan_min_ratio` times the short one; else n crops
+    side by side along the long side, n the aspect ratio rounded half up, at most the long
+    side // pan_min_crop_size, clamped to [2, pan_max_crops], each ceil(side / n) long
+    (the last one what is left); none if a crop would be under pan_min_crop_size."""
+    h, w = arr.shape[:2]
+    long_, short = (w, h) if w >= h else (h, w)
+    if long_ / short < cfg.pan_min_ratio:
+        return []
+    n = min(int(math.floor(long_ / short + 0.5)), long_ // cfg.pan_min_crop_size)
+    n = min(cfg.pan_max_crops, max(2, n))
+    size = int(math.ceil(long_ / n))
+    if min(size, short) < cfg.pan_min_crop_size:
+        return []
+    if w >= h:
+        return [arr[:, i * size:(i + 1) * size] for i in range(n)]
+    return [arr[i * size:(i + 1) * size] for i in range(n)]
+
+
+def preprocess_crops(image: Any, cfg: ImageProcessorConfig, what: str = "image") -> np.ndarray:
+    """One image -> [1 + crops, 3, height, width]: the image, then its pan-and-scan crops
+    (none unless `cfg.pan_and_scan`), each preprocessed as an image of its own."""
     arr = _rgb_array(image, what, cfg.do_convert_rgb)
+    crops = pan_and_scan_crops(arr, cfg) if cfg.pan_and_scan else []
+    return np.stack([_pixels(a, cfg, what) for a in [arr, *crops]])
+
+
+def _pixels(arr: np.ndarray, cfg: ImageProcessorConfig, what: str) -> np.ndarray:
+    """An RGB uint8 image [H, W, 3] resized, rescaled, normalized: [3, height, width] float32."""
+    PIL = _pil()
     if cfg.do_resize:
         if arr.shape[:2] != (cfg.height, cfg.width):
             arr = np.array(PIL.Image.fromarray(arr).resize((cfg.width, cfg.height), resample=cfg.resample))

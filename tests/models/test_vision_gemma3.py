@@ -421,7 +421,8 @@ def test_patch_layout_ambiguity_is_refused():
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"do_pan_and_scan": True}, "pan-and-scan is not implemented"),
+    ({"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 0}, "'pan_and_scan_max_num_crops' must be a positive"),
+    ({"pan_and_scan_min_ratio_to_activate": "x"}, "'pan_and_scan_min_ratio_to_activate' must be a positive number"),
     ({"size": {"shortest_edge": 32}}, "field 'size'"),
     ({"resample": 7}, "field 'resample'"),
     ({"image_std": [0.5, 0, 0.5]}, "'image_std' must be > 0"),

@@ -9,8 +9,9 @@ tower's layer_norm_eps; the 1 is folded in at load) and projected by
 `mm_input_projection_weight` [Dv, text_hidden] (stored as in -> out; a plain matrix, never
 quantized). Result: [N, mm_tokens_per_image, text_hidden] per image.
 
-The prompt (Gemma3Processor, pan-and-scan off): each `<start_of_image>` in the text
-becomes "\\n\\n<start_of_image>" + "<image_soft_token>" * mm_tokens_per_image +
+The prompt (Gemma3Processor; with pan-and-scan crops engine/image_prompt.py also writes its
+"Here is the original image ... crops" text, one run per crop): each `<start_of_image>`
+in the text becomes "\\n\\n<start_of_image>" + "<image_soft_token>" * mm_tokens_per_image +
 "<end_of_image>\\n\\n" before tokenizing (`expand_image_text`), so each image is one
 contiguous run of `image_token_index` ids between `boi_token_index` and
 `eoi_token_index`. The image embeddings replace the embeddings at those positions, in
