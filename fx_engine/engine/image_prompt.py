@@ -301,9 +301,12 @@ def _vision_of(model: Any) -> Any:
     vision = getattr(model, "vision", None)
     if vision is None or getattr(model, "image_processor", None) is None:
         kind = getattr(model.config, "model_type", "this")
-        raise ImageError(f"images were given, but {kind} model {getattr(model, 'path', '')!s} has no vision tower "
-                         "(a text-only model; use a multimodal checkpoint, e.g. a Gemma 3 folder with "
-                         "vision_config)")
+        path = str(getattr(model, "path", "") or "")
+        hint = ("a GGUF file holds the text model only: load its mmproj file too (load(..., mmproj=FILE), "
+                "--mmproj FILE; Gemma 3)" if path.lower().endswith(".gguf") else
+                "a text-only model; use a multimodal checkpoint: a Gemma 3, Idefics3 or SmolVLM folder with "
+                "vision_config")
+        raise ImageError(f"images were given, but {kind} model {path} has no vision tower ({hint})")
     return vision
 
 

@@ -203,3 +203,13 @@ def test_text_vocabulary_without_image_tokens_is_refused(pair, tmp_path):
     text = write_text_gguf(plain, tmp_path / "plain.gguf")
     with pytest.raises(ConfigError, match="vocabulary has no '<start_of_image>' token"):
         fx_engine.load(str(text), mmproj=str(mm))
+
+
+def test_images_to_a_gguf_without_its_mmproj_say_what_to_load(pair):
+    """A GGUF text model given images: the ImageError names the mmproj file as the fix."""
+    from fx_engine.loading.images import ImageError
+
+    _, text_gguf, _ = pair
+    model = fx_engine.load(str(text_gguf))
+    with pytest.raises(ImageError, match=r"load its mmproj file too .*--mmproj FILE"):
+        fx_engine.generate(model, _messages(_png(1)), max_tokens=2)
