@@ -44,7 +44,7 @@ from fx_engine.core.cache import KVCache, span_bucket, with_lengths
 from fx_engine.engine.drafters import Draft
 from fx_engine.engine.kv_rows import resize, row_view, stack_rows
 
-__all__ = ["CapturedRow", "FEED_CHUNK", "FLUSH_AT", "MIN_CAPACITY"]
+__all__ = ["CapturedDrafter", "CapturedRow", "FEED_CHUNK", "FLUSH_AT", "MIN_CAPACITY"]
 
 FEED_CHUNK = 128  # the most pairs one step feeds (longer runs: several steps)
 FLUSH_AT = 256  # waiting states that make `observe` feed the drafter early (bounded memory)
@@ -275,3 +275,17 @@ class CapturedRow:
     def _break(self, why: str) -> None:
         self.broken = why
         self.states, self.waiting, self.cache, self.length = [], 0, None, 0
+
+
+class CapturedDrafter:
+    """What a drafter fed the target's captured states shares (EAGLE-3 heads, MTP modules):
+    its rows are `CapturedRow`s, proposed together per step. Subclasses supply `capture`,
+    `step` and `new_cache` (the module docstring's owner interface)."""
+
+    def new_row(self, prompt: list[int], sampling: Any) -> CapturedRow:
+        return CapturedRow(self)
+
+    def propose_rows(self, rows: list[CapturedRow], tokens_list: list[list[int]], ks: list[int]) -> list:
+        """Several of its rows' `propose` in one batched call per step (the engine's
+        `propose_drafts` uses it for the rows of one step): the same drafts as each alone."""
+        return CapturedRow.propose_batch(rows, tokens_list, ks)

@@ -45,14 +45,13 @@ import mlx.core as mx
 from fx_engine.core.cache import KVCache, init_cache
 from fx_engine.core.drafters import eagle3
 from fx_engine.core.models import Capture, forward
-from fx_engine.core.sampling import SamplingConfig
 from fx_engine.core.tree import tree_leaves
-from fx_engine.engine.captured_drafter import FEED_CHUNK, FLUSH_AT, MIN_CAPACITY, CapturedRow
+from fx_engine.engine.captured_drafter import FEED_CHUNK, FLUSH_AT, MIN_CAPACITY, CapturedDrafter, CapturedRow
 
 __all__ = ["Eagle3Drafter", "Eagle3Row", "FEED_CHUNK", "FLUSH_AT", "MIN_CAPACITY"]
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(CapturedDrafter):
     """An EAGLE-3 head drafting for `target` (a Model): a Drafter (`new_row`) whose rows are
     fed the target's captured hidden states by the engine (`capture`). `head`: the head's
     params (`loading.drafter.load_eagle3_head`, or `Eagle3Drafter.load`)."""
@@ -103,14 +102,6 @@ class Eagle3Drafter:
 
                 head = eagle3.quantized_head(head, bits, lambda gs, b: fx_native.supports(gs, b), num)
         return cls(head, target)
-
-    def new_row(self, prompt: list[int], sampling: SamplingConfig) -> CapturedRow:
-        return CapturedRow(self)
-
-    def propose_rows(self, rows: list[CapturedRow], tokens_list: list[list[int]], ks: list[int]) -> list:
-        """Several of its rows' `propose` in one batched call per step (the engine's
-        `propose_drafts` uses it for the rows of one step): the same drafts as each alone."""
-        return CapturedRow.propose_batch(rows, tokens_list, ks)
 
     # ---------------------------------------------------------------- what its rows run
     def step(self, hidden: mx.array, ids: mx.array, cache: KVCache, n_valid: mx.array,

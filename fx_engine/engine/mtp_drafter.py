@@ -43,14 +43,13 @@ import mlx.core as mx
 from fx_engine.core.cache import KVCache, init_cache
 from fx_engine.core.drafters import mtp
 from fx_engine.core.models import forward
-from fx_engine.core.sampling import SamplingConfig
 from fx_engine.core.tree import tree_leaves
-from fx_engine.engine.captured_drafter import CapturedRow
+from fx_engine.engine.captured_drafter import CapturedDrafter
 
 __all__ = ["MtpDrafter", "mtp_drafter_for"]
 
 
-class MtpDrafter:
+class MtpDrafter(CapturedDrafter):
     """A checkpoint's MTP module drafting for `target` (a Model): a Drafter (`new_row`) whose
     rows are fed the target's captured states by the engine (`capture`). module: the
     modules' params (`loading.drafter.load_mtp_module`); tables: the embedding table and
@@ -92,14 +91,6 @@ class MtpDrafter:
         (its folder's safetensors or its GGUF); a ConfigError naming the checkpoint if it
         ships none."""
         return cls.load(model.path, model)
-
-    def new_row(self, prompt: list[int], sampling: SamplingConfig) -> CapturedRow:
-        return CapturedRow(self)
-
-    def propose_rows(self, rows: list[CapturedRow], tokens_list: list[list[int]], ks: list[int]) -> list:
-        """Several of its rows' `propose` in one batched call per step (the engine's
-        `propose_drafts` uses it for the rows of one step): the same drafts as each alone."""
-        return CapturedRow.propose_batch(rows, tokens_list, ks)
 
     # ---------------------------------------------------------------- what its rows run
     def step(self, hidden: mx.array, ids: mx.array, cache: KVCache, n_valid: mx.array,
