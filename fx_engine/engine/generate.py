@@ -30,8 +30,7 @@ from fx_engine.core.tree import tree_leaves
 from fx_engine.engine.output import TokenOutput
 from fx_engine.engine.request import (PREFILL_CHUNK, Completion, TextDelta, Usage, apply_processors, bucket, parse_request, prompt_ids, xtc_special_tokens)
 from fx_engine.engine.stops import StopMatcher
-from fx_engine.engine.image_prompt import ImagePrompt, has_images, image_prompt
-from fx_engine.core.vision.gemma3 import ImageInput
+from fx_engine.engine.image_prompt import ImagePrompt, has_images, image_prompt, prompt_step_images
 
 MIN_CAPACITY = 256
 
@@ -134,10 +133,9 @@ def _reference_run(
     for start, n, size in pieces:
         padded = ids[start : start + n] + [0] * (size - n)
         img = {}
-        if image is not None and any(a < start + n and start < b for a, b in image.spans):
-            before = sum(min(b, start) - a for a, b in image.spans if a < start)  # image rows used
-            img = {"images": ImageInput(rows=image.rows, start=mx.array([before], mx.int32),
-                                        token_index=model.vision.config.image_token_index)}
+        if image is not None:  # (the step's image rows, and M-RoPE offsets: image_prompt.step_images)
+            images = prompt_step_images(image, start, n, model.vision.config.image_token_index)
+            img = {} if images is None else {"images": images}
         logits, cache = prefill_step_compiled(
             params, cache, mx.array([padded], mx.int32), mx.array([n], mx.int32),
             span=span_bucket(start + size, cache.capacity), **ad, **img,

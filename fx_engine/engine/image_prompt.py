@@ -1,5 +1,5 @@
 """Chat messages with images -> a multimodal prompt's token ids and its image rows (issue 46):
-Gemma 3 and Idefics3 / SmolVLM (the model's vision module, `core.vision.VISION_MODULES`,
+Gemma 3, Idefics3 / SmolVLM and Qwen2(.5)-VL (the model's vision module, `core.vision.VISION_MODULES`,
 decides the placeholder and its expansion).
 
 A message's content may be a list of parts, OpenAI-, Anthropic- and Responses-style:
@@ -31,6 +31,12 @@ global image), and the placeholder becomes Idefics3Processor's expansion
 (core/vision/idefics3.prompt_segments): its text pieces tokenized, its image-token runs
 inserted as ids, one run of tokens_per_tile per tile. `spans` are those runs (several per
 image); an image's rows are all its tiles' rows, in order.
+
+Qwen2(.5)-VL: the placeholder is "<|vision_start|><|image_pad|><|vision_end|>" (what its
+chat template writes); each image is resized to multiples of 28 pixels and cut into
+patches (loading/images_qwen2_vl.py), its <|image_pad|> becomes t * h * w / merge^2 image
+tokens, and the prompt carries its M-RoPE offsets (`ImagePrompt.rope_offsets`), which
+every prefill piece before the last image's end passes to the step (`step_images`).
 """
 
 from __future__ import annotations
@@ -69,6 +75,19 @@ class ImagePrompt(NamedTuple):
     spans: list[tuple[int, int]]
     digests: tuple[str, ...] = ()  # each image's content hash (sha256 of its pixels)
     image_tokens: tuple[int, ...] = ()  # each image's number of image tokens (its rows)
+    # Qwen2(.5)-VL (M-RoPE): each token's three rotary ids minus its cache position, int32
+    # [3, len(ids)] (core/vision/qwen2_vl.rope_offsets: zero from `rope_until` on), and the
+    # prompt's rope_delta; None / 0: plain RoPE
+    rope_offsets: Any = None
+    rope_delta: int = 0
+
+    @property
+    def rope_until(self) -> int:
+        """The index past the last token whose rotary ids are not its cache position."""
+        if self.rope_offsets is None:
+            return 0
+        cols = np.flatnonzero(np.any(np.asarray(self.rope_offsets) != 0, axis=0))
+        return int(cols[-1]) + 1 if cols.size else 0
 
 
 def has_images(prompt: Any) -> bool:
@@ -304,8 +323,8 @@ def _vision_of(model: Any) -> Any:
         path = str(getattr(model, "path", "") or "")
         hint = ("a GGUF file holds the text model only: load its mmproj file too (load(..., mmproj=FILE), "
                 "--mmproj FILE; Gemma 3)" if path.lower().endswith(".gguf") else
-                "a text-only model; use a multimodal checkpoint: a Gemma 3, Idefics3 or SmolVLM folder with "
-                "vision_config")
+                "a text-only model; use a multimodal checkpoint: a Gemma 3, Idefics3, SmolVLM, Qwen2-VL or "
+                "Qwen2.5-VL folder with vision_config")
         raise ImageError(f"images were given, but {kind} model {path} has no vision tower ({hint})")
     return vision
 
@@ -313,7 +332,8 @@ def _vision_of(model: Any) -> Any:
 def image_placeholder(model: Any) -> str:
     """The text a rendered prompt holds in each image's place for `model` (what
     `image_prompt_from_text` splits at): Gemma 3's `<start_of_image>`, Idefics3 / SmolVLM's
-    `<image>`. ImageError for a model without an image path."""
+    `<image>`, Qwen2(.5)-VL's `<|vision_start|><|image_pad|><|vision_end|>`. ImageError for
+    a model without an image path."""
     return _vision_of(model).config.placeholder
 
 
@@ -331,6 +351,8 @@ def image_prompt_from_text(model: Any, text: str, images: Sequence[Any], *,
     if not images:
         raise ImageError("no images given")
     cfg = vision.config
+    if cfg.model_type in ("qwen2_5_vl", "qwen2_vl"):
+        return _qwen2_vl_prompt(model, vision, text, images, cache)
     if cfg.model_type != "gemma3":
         return _idefics3_prompt(model, vision, text, images, cache)
     tok = model.tokenizer
@@ -412,6 +434,67 @@ def _idefics3_prompt(model: Any, vision: Any, text: str, images: list[Any], cach
     return ImagePrompt(ids, _encode(vision, pixels, digests, cache), spans, digests, tuple(counts))
 
 
+def _qwen2_vl_prompt(model: Any, vision: Any, text: str, images: list[Any], cache: EncoderCache | None) -> ImagePrompt:
+    """Qwen2(.5)-VL's `image_prompt_from_text`: each "<|vision_start|><|image_pad|><|vision_end|>"
+    becomes vision_start + t * h * w / merge^2 image tokens + vision_end (Qwen2_5_VLProcessor's
+    expansion; the text between tokenized piece by piece), the images preprocessed
+    (loading/images_qwen2_vl.py) and encoded one by one, and the prompt's M-RoPE offsets
+    (core/vision/qwen2_vl.rope_offsets)."""
+    from fx_engine.core.vision import qwen2_vl
+    from fx_engine.loading.images_qwen2_vl import Qwen2VLProcessorConfig, preprocess_one
+
+    cfg = vision.config
+    rules = model.image_processor
+    if not isinstance(rules, Qwen2VLProcessorConfig):
+        rules = Qwen2VLProcessorConfig(patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+                                       merge_size=cfg.spatial_merge_size)
+    tok = model.tokenizer
+    pieces = text.split(qwen2_vl.PLACEHOLDER)
+    if len(pieces) - 1 != len(images):
+        raise ImageError(f"the rendered prompt has {len(pieces) - 1} {qwen2_vl.PLACEHOLDER} placeholder(s) for "
+                         f"{len(images)} image(s) (does a text part contain the placeholder?)")
+    done = [preprocess_one(im, rules, f"image {i}") for i, im in enumerate(images)]
+    grids = [g for _, g in done]
+
+    def encoded(piece: str) -> list[int]:
+        return list(tok.encode(piece, add_special_tokens=False)) if piece else []
+
+    ids = encoded(pieces[0])
+    for g, piece in zip(grids, pieces[1:]):
+        ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * cfg.image_tokens(g) + [cfg.vision_end_token_id]
+        ids += encoded(piece)
+    try:
+        spans = qwen2_vl.image_token_runs(ids, cfg, grids)
+    except ValueError as e:  # e.g. an <|image_pad|> token written in a text part
+        raise ImageError(str(e)) from e
+    digests = tuple(hashlib.sha256(np.ascontiguousarray(p).tobytes() + repr(g).encode()).hexdigest()
+                    for p, g in done)
+    offsets, delta = qwen2_vl.rope_offsets(ids, grids, cfg)
+    return ImagePrompt(ids, _encode_qwen2_vl(vision, done, digests, cache), spans, digests,
+                       tuple(cfg.image_tokens(g) for g in grids), offsets, delta)
+
+
+def _encode_qwen2_vl(vision: Any, done: Sequence[tuple[np.ndarray, tuple]], digests: Sequence[str],
+                     cache: EncoderCache | None) -> mx.array:
+    """The images' rows [sum of image tokens, H], evaluated: each image encoded alone (one
+    compiled trace per image size; an image encodes alike alone or with others) or taken
+    from `cache`."""
+    from fx_engine.core.vision import qwen2_vl
+
+    have = []
+    for (patches, grid), digest in zip(done, digests):
+        rows = cache.get(digest) if cache is not None else None
+        if rows is None:
+            rows = mx.contiguous(qwen2_vl.encode_images_compiled(vision, mx.array(patches), [grid]))
+            mx.eval(rows)
+            if cache is not None:
+                cache.put(digest, rows)
+        have.append(rows)
+    rows = mx.concatenate(have, axis=0) if len(have) > 1 else have[0]
+    mx.eval(rows)  # (the engine's thread reads them)
+    return rows
+
+
 def prefix_key(image: ImagePrompt | None, tokens: Sequence[int]) -> list[int]:
     """The ids a prefix-cache entry of an image prompt is keyed by: `tokens` (a prefix of the
     prompt, or the prompt and its reply) with each image's tokens replaced by negative ids
@@ -419,10 +502,18 @@ def prefix_key(image: ImagePrompt | None, tokens: Sequence[int]) -> list[int]:
     over the image's tokens). So a follow-up turn with the same images, or with more images
     after them, reuses the KV up to where its content first differs (vLLM keys its blocks by
     the images' hashes likewise); other pixels never match, and text before the first image
-    is shared with any prompt. Text-only requests: `tokens` as they are."""
+    is shared with any prompt. Text-only requests: `tokens` as they are.
+
+    An M-RoPE prompt (Qwen2(.5)-VL) with a rope_delta stores its keys rotated by ids
+    shifted by -delta (core/vision/qwen2_vl.py's docstring), so its first token is marked
+    by the delta too: entries are shared only between prompts of the same delta (a
+    follow-up turn without new images), never with text-only ones."""
     if image is None:
         return list(tokens)
     key = list(tokens)
+    if image.rope_delta and key:
+        h = hashlib.sha256(f"mrope:{image.rope_delta}:{key[0]}".encode()).hexdigest()
+        key[0] = -1 - int(h[:8], 16) % (2**31 - 1)
     positions = [p for a, b in image.spans for p in range(a, b) if p < len(key)]
     at = 0
     for digest, n in zip(image.digests, image.image_tokens, strict=True):
@@ -444,17 +535,27 @@ def whole_images(spans: Sequence[tuple[int, int]], start: int, n: int) -> int:
 
 
 def step_images(pieces: Sequence[tuple[Any, int, int]], token_index: int) -> Any:
-    """A prefill call's `ImageInput` (None when no piece holds an image token): pieces are
-    (request, start, n) per row, a request's `image` its ImagePrompt or None. The rows of
-    every image request of the call are stacked (padded to a power of two of rows, so
-    calls compile per bucket); each row starts at its request's rows + the image tokens
-    before `start`."""
+    """A prefill call's `ImageInput` (None when no piece holds an image token, nor a token
+    whose M-RoPE ids are not its cache position): pieces are (request, start, n) per row, a
+    request's `image` its ImagePrompt or None. The rows of every image request of the call
+    are stacked (padded to a power of two of rows, so calls compile per bucket); each row
+    starts at its request's rows + the image tokens before `start`. M-RoPE requests'
+    offsets (`ImagePrompt.rope_offsets`) are stacked likewise (a power of two of columns),
+    each row reading from its request's offsets at `start`; other rows none."""
     from fx_engine.core.buckets import pow2_ceil
     from fx_engine.core.vision.splice import ImageInput
 
     parts, starts, used, offset = [], [], False, 0
+    tables, pos_starts, columns = [], [], 0
     for req, start, n in pieces:
         ip = getattr(req, "image", None)
+        if ip is None or ip.rope_offsets is None:
+            pos_starts.append(-1)
+        else:
+            pos_starts.append(columns + start)
+            tables.append(np.asarray(ip.rope_offsets, np.int32))
+            columns += tables[-1].shape[1]
+            used = used or start < ip.rope_until
         if ip is None:
             starts.append(0)
             continue
@@ -468,7 +569,18 @@ def step_images(pieces: Sequence[tuple[Any, int, int]], token_index: int) -> Any
     pad = pow2_ceil(offset, 16) - offset
     if pad:
         rows = mx.concatenate([rows, mx.zeros((pad, rows.shape[1]), rows.dtype)], axis=0)
-    return ImageInput(rows=rows, start=mx.array(starts, mx.int32), token_index=token_index)
+    pos = {}
+    if tables:
+        table = np.zeros((3, pow2_ceil(columns, 64)), np.int32)
+        table[:, :columns] = np.concatenate(tables, axis=1)
+        pos = {"positions": mx.array(table), "position_start": mx.array(pos_starts, mx.int32)}
+    return ImageInput(rows=rows, start=mx.array(starts, mx.int32), token_index=token_index, **pos)
+
+
+def prompt_step_images(image: ImagePrompt | None, start: int, n: int, token_index: int) -> Any:
+    """`step_images` of one prompt's prefill piece [start, start + n) (the reference loop's)."""
+    holder = collections.namedtuple("Piece", "image")(image)
+    return step_images([(holder, start, n)], token_index)
 
 
 def engine_image_prompt(model: Any, messages: Any, kwargs_list: Sequence[dict[str, Any]], *, sharded: bool,
@@ -498,9 +610,11 @@ def engine_image_prompt(model: Any, messages: Any, kwargs_list: Sequence[dict[st
             raise ValueError("images: this engine's model has no vision tower")
     else:
         image = image_prompt(model, messages, cache=cache)
-    run = image.spans[0][1] - image.spans[0][0]
+    run = max(b - a for a, b in image.spans)  # (Qwen2(.5)-VL's images differ in size: the largest)
     if run > prefill_chunk or sched.chunk_bucket(run) > step_token_budget - max_rows:
+        fewer = (" (or give the images fewer pixels: preprocessor_config.json's max_pixels)"
+                 if image.rope_offsets is not None else "")
         raise ValueError(f"images: an image is {run} tokens; a prefill piece holds whole images, so the "
                          f"engine's prefill_chunk ({prefill_chunk}) must be >= {run} and its "
-                         f"step_token_budget ({step_token_budget}) >= max_rows + {sched.chunk_bucket(run)}")
+                         f"step_token_budget ({step_token_budget}) >= max_rows + {sched.chunk_bucket(run)}{fewer}")
     return image

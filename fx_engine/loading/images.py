@@ -1,6 +1,8 @@
 """Pixel preprocessing (issue 46), from a checkpoint's preprocessor_config.json: Gemma 3's
 (below) and Idefics3 / SmolVLM's tiling (`idefics3_tiles`, at the end of this module;
-`read_processor_config` picks by image_processor_type).
+`read_processor_config` picks by image_processor_type). The fields every family's rules
+share (resize filter, rescale, normalize, RGB) are `PixelRules`, read by `read_pixel_rules`
+and applied by `normalized_pixels` (Qwen2-VL's rules: loading/images_qwen2_vl.py).
 
 What Hugging Face's Gemma3ImageProcessor does with pan-and-scan off, step for step as its
 PIL backend (transformers' `Gemma3ImageProcessorPil`, the one used without torch, and so
@@ -47,11 +49,11 @@ class ImageError(ValueError):
 
 
 @attrs.frozen
-class ImageProcessorConfig:
-    """preprocessor_config.json's rules (defaults: Gemma3ImageProcessor's)."""
+class PixelRules:
+    """What every image processor here shares (preprocessor_config.json's fields of these
+    names): RGB conversion, the PIL resize filter, rescale and normalize. Each family's
+    config subclasses it with its own fields and defaults; `read_pixel_rules` reads them."""
 
-    height: int = 224
-    width: int = 224
     resample: int = 2
     do_resize: bool = True
     do_rescale: bool = True
@@ -60,6 +62,14 @@ class ImageProcessorConfig:
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     do_convert_rgb: bool = True
+
+
+@attrs.frozen
+class ImageProcessorConfig(PixelRules):
+    """preprocessor_config.json's rules (defaults: Gemma3ImageProcessor's)."""
+
+    height: int = 224
+    width: int = 224
     image_seq_length: int | None = None  # the processor's image tokens per image (informative)
     # Gemma 3's pan-and-scan (off unless the folder turns it on): a wide or tall image also
     # goes in as 2..pan_max_crops crops (`pan_and_scan_crops`), each an image of its own
@@ -78,8 +88,11 @@ def _flag(d: dict[str, Any], key: str, default: bool, source: str) -> bool:
     return v
 
 
-def _channels(d: dict[str, Any], key: str, source: str, positive: bool = False) -> tuple[float, float, float]:
-    v = d.get(key, 0.5)
+def _channels(d: dict[str, Any], key: str, source: str, positive: bool = False,
+              default: tuple[float, float, float] = (0.5, 0.5, 0.5)) -> tuple[float, float, float]:
+    v = d.get(key)
+    if v is None:
+        return default
     vals = [v] * 3 if isinstance(v, (int, float)) and not isinstance(v, bool) else v
     if (not isinstance(vals, list) or len(vals) != 3
             or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vals)):
@@ -87,6 +100,36 @@ def _channels(d: dict[str, Any], key: str, source: str, positive: bool = False) 
     if positive and not all(x > 0 for x in vals):
         raise ConfigError(f"{source}: field '{key}' must be > 0, got {v!r}")
     return tuple(float(x) for x in vals)  # type: ignore[return-value]
+
+
+def read_pixel_rules(d: dict[str, Any], source: str, defaults: PixelRules) -> dict[str, Any]:
+    """`PixelRules`' fields of a preprocessor_config.json dict (a missing or null field:
+    `defaults`' value), checked: ConfigError naming the field. Returns them as keywords
+    for the family's config (a `PixelRules` subclass)."""
+    resample = d.get("resample")
+    resample = defaults.resample if resample is None else resample
+    if isinstance(resample, bool) or resample not in RESAMPLE:
+        raise ConfigError(f"{source}: field 'resample' must be a PIL filter code "
+                          f"({', '.join(f'{k}: {v}' for k, v in RESAMPLE.items())}), got {resample!r}")
+    factor = d.get("rescale_factor")
+    factor = defaults.rescale_factor if factor is None else factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ConfigError(f"{source}: field 'rescale_factor' must be a positive number, got {factor!r}")
+    return {"resample": resample, "rescale_factor": float(factor),
+            "image_mean": _channels(d, "image_mean", source, default=defaults.image_mean),
+            "image_std": _channels(d, "image_std", source, positive=True, default=defaults.image_std),
+            **{k: _flag(d, k, getattr(defaults, k), source)
+               for k in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")}}
+
+
+def normalized_pixels(arr: np.ndarray, cfg: PixelRules) -> np.ndarray:
+    """An 8-bit [H, W, C] image rescaled (float64 times rescale_factor, then float32) and
+    normalized ((x - mean) / std in float32) as `cfg` says: [C, H, W] float32."""
+    x = (arr.astype(np.float64) * cfg.rescale_factor).astype(np.float32) if cfg.do_rescale else arr
+    if cfg.do_normalize:
+        x = x.astype(np.float32) if not np.issubdtype(x.dtype, np.floating) else x
+        x = (x - np.array(cfg.image_mean, x.dtype)) / np.array(cfg.image_std, x.dtype)
+    return np.ascontiguousarray(np.asarray(x, np.float32).transpose(2, 0, 1))
 
 
 def processor_config_from_dict(d: dict[str, Any], source: str = "preprocessor_config.json",
@@ -117,25 +160,12 @@ def processor_config_from_dict(d: dict[str, Any], source: str = "preprocessor_co
             and all(isinstance(size[k], int) and not isinstance(size[k], bool) and size[k] > 0 for k in size)):
         raise ConfigError(f"{source}: field 'size' must be {{\"height\": H, \"width\": W}} with positive integers, "
                           f"got {size!r}")
-    resample = d.get("resample", 2)
-    resample = 2 if resample is None else resample
-    if isinstance(resample, bool) or resample not in RESAMPLE:
-        raise ConfigError(f"{source}: field 'resample' must be a PIL filter code "
-                          f"({', '.join(f'{k}: {v}' for k, v in RESAMPLE.items())}), got {resample!r}")
-    factor = d.get("rescale_factor", 1 / 255)
-    factor = 1 / 255 if factor is None else factor
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-        raise ConfigError(f"{source}: field 'rescale_factor' must be a positive number, got {factor!r}")
     seq = d.get("image_seq_length")
     if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0):
         raise ConfigError(f"{source}: field 'image_seq_length' must be a positive integer, got {seq!r}")
     cfg = ImageProcessorConfig(
-        height=size["height"], width=size["width"], resample=resample, do_resize=_flag(d, "do_resize", True, source),
-        do_rescale=_flag(d, "do_rescale", True, source), rescale_factor=float(factor),
-        do_normalize=_flag(d, "do_normalize", True, source), image_mean=_channels(d, "image_mean", source),
-        image_std=_channels(d, "image_std", source, positive=True),
-        do_convert_rgb=_flag(d, "do_convert_rgb", True, source), image_seq_length=seq,
-        pan_and_scan=_flag(d, "do_pan_and_scan", False, source), **pan)
+        height=size["height"], width=size["width"], **read_pixel_rules(d, source, ImageProcessorConfig()),
+        image_seq_length=seq, pan_and_scan=_flag(d, "do_pan_and_scan", False, source), **pan)
     if image_size is not None and (cfg.height, cfg.width) != (image_size, image_size):
         raise ConfigError(f"{source}: size {cfg.height}x{cfg.width} is not the vision tower's image_size "
                           f"{image_size}x{image_size}")
@@ -260,11 +290,7 @@ def _pixels(arr: np.ndarray, cfg: ImageProcessorConfig, what: str) -> np.ndarray
     elif arr.shape[:2] != (cfg.height, cfg.width):
         raise ImageError(f"{what}: {arr.shape[1]}x{arr.shape[0]} pixels, but resizing is off and the model reads "
                          f"{cfg.width}x{cfg.height}")
-    x = (arr.astype(np.float64) * cfg.rescale_factor).astype(np.float32) if cfg.do_rescale else arr
-    if cfg.do_normalize:
-        x = x.astype(np.float32) if not np.issubdtype(x.dtype, np.floating) else x
-        x = (x - np.array(cfg.image_mean, x.dtype)) / np.array(cfg.image_std, x.dtype)
-    return np.ascontiguousarray(np.asarray(x, np.float32).transpose(2, 0, 1))
+    return normalized_pixels(arr, cfg)
 
 
 def preprocess(images: Any | Sequence[Any], cfg: ImageProcessorConfig) -> np.ndarray:
@@ -294,20 +320,13 @@ MAX_IMAGE_SIZE = 4096  # transformers' Idefics3 absolute maximum edge
 
 
 @attrs.frozen
-class Idefics3ProcessorConfig:
+class Idefics3ProcessorConfig(PixelRules):
     """preprocessor_config.json's rules for Idefics3 / SmolVLM (defaults: the processor's)."""
 
+    resample: int = 1  # LANCZOS
     longest_edge: int = 4 * 364  # size.longest_edge
     max_image_size: int = 364  # max_image_size.longest_edge: the tile side
-    resample: int = 1  # LANCZOS
-    do_resize: bool = True
     do_image_splitting: bool = True
-    do_rescale: bool = True
-    rescale_factor: float = 1 / 255
-    do_normalize: bool = True
-    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    do_convert_rgb: bool = True
 
 
 def _edge(d: dict[str, Any], key: str, default: int, source: str) -> int:
@@ -324,22 +343,11 @@ def idefics3_config_from_dict(d: dict[str, Any], source: str = "preprocessor_con
                               image_size: int | None = None) -> Idefics3ProcessorConfig:
     """The Idefics3 / SmolVLM rules of a preprocessor_config.json dict (image_size: the
     tower's, which must be the tile side)."""
-    resample = d.get("resample", 1)
-    resample = 1 if resample is None else resample
-    if isinstance(resample, bool) or resample not in RESAMPLE:
-        raise ConfigError(f"{source}: field 'resample' must be a PIL filter code, got {resample!r}")
-    factor = d.get("rescale_factor", 1 / 255)
-    factor = 1 / 255 if factor is None else factor
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-        raise ConfigError(f"{source}: field 'rescale_factor' must be a positive number, got {factor!r}")
     tile = _edge(d, "max_image_size", 364, source)
     cfg = Idefics3ProcessorConfig(
-        longest_edge=_edge(d, "size", 4 * 364, source), max_image_size=tile, resample=resample,
-        do_resize=_flag(d, "do_resize", True, source), do_image_splitting=_flag(d, "do_image_splitting", True, source),
-        do_rescale=_flag(d, "do_rescale", True, source), rescale_factor=float(factor),
-        do_normalize=_flag(d, "do_normalize", True, source), image_mean=_channels(d, "image_mean", source),
-        image_std=_channels(d, "image_std", source, positive=True),
-        do_convert_rgb=_flag(d, "do_convert_rgb", True, source))
+        longest_edge=_edge(d, "size", 4 * 364, source), max_image_size=tile,
+        do_image_splitting=_flag(d, "do_image_splitting", True, source),
+        **read_pixel_rules(d, source, Idefics3ProcessorConfig()))
     if image_size is not None and tile != image_size:
         raise ConfigError(f"{source}: max_image_size.longest_edge {tile} is not the vision tower's image_size "
                           f"{image_size} (each tile is one tower input)")
@@ -368,14 +376,6 @@ def _resized(arr: np.ndarray, h: int, w: int, resample: int) -> np.ndarray:
     if arr.shape[:2] == (h, w):
         return arr
     return np.array(_pil().Image.fromarray(arr).resize((w, h), resample=resample))
-
-
-def _normalized(arr: np.ndarray, cfg: Any) -> np.ndarray:
-    x = (arr.astype(np.float64) * cfg.rescale_factor).astype(np.float32) if cfg.do_rescale else arr
-    if cfg.do_normalize:
-        x = x.astype(np.float32) if not np.issubdtype(x.dtype, np.floating) else x
-        x = (x - np.array(cfg.image_mean, x.dtype)) / np.array(cfg.image_std, x.dtype)
-    return np.ascontiguousarray(np.asarray(x, np.float32).transpose(2, 0, 1))
 
 
 def idefics3_tiles(image: Any, cfg: Idefics3ProcessorConfig, what: str = "image") -> tuple[np.ndarray, int, int]:
@@ -407,4 +407,4 @@ def idefics3_tiles(image: Any, cfg: Idefics3ProcessorConfig, what: str = "image"
     for t in tiles:
         if t.shape[:2] != (m, m):
             raise ImageError(f"{what}: a {t.shape[1]}x{t.shape[0]} tile, but the model reads {m}x{m} (resizing off?)")
-    return np.stack([_normalized(np.ascontiguousarray(t), cfg) for t in tiles]), rows, cols
+    return np.stack([normalized_pixels(np.ascontiguousarray(t), cfg) for t in tiles]), rows, cols

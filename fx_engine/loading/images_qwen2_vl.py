@@ -35,7 +35,7 @@ import attrs
 import numpy as np
 
 from fx_engine.core.config import ConfigError
-from fx_engine.loading.images import RESAMPLE, ImageError, _pil, _rgb_array
+from fx_engine.loading.images import ImageError, PixelRules, _pil, _rgb_array, normalized_pixels, read_pixel_rules
 
 #: the image processors whose rules these are
 PROCESSOR_TYPES = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
@@ -47,35 +47,22 @@ MAX_ASPECT = 200
 
 
 @attrs.frozen
-class Qwen2VLProcessorConfig:
-    """preprocessor_config.json's rules (defaults: Qwen2VLImageProcessor's)."""
+class Qwen2VLProcessorConfig(PixelRules):
+    """preprocessor_config.json's rules (defaults: Qwen2VLImageProcessor's; the resize,
+    rescale and normalize fields: loading/images.PixelRules)."""
 
+    resample: int = 3
+    image_mean: tuple[float, float, float] = CLIP_MEAN
+    image_std: tuple[float, float, float] = CLIP_STD
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
-    resample: int = 3
-    do_resize: bool = True
-    do_rescale: bool = True
-    rescale_factor: float = 1 / 255
-    do_normalize: bool = True
-    image_mean: tuple[float, float, float] = CLIP_MEAN
-    image_std: tuple[float, float, float] = CLIP_STD
-    do_convert_rgb: bool = True
 
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
-
-
-def _flag(d: dict[str, Any], key: str, default: bool, source: str) -> bool:
-    v = d.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise ConfigError(f"{source}: field '{key}' must be true, false or null, got {v!r}")
-    return v
 
 
 def _positive(d: dict[str, Any], key: str, default: int, source: str) -> int:
@@ -85,19 +72,6 @@ def _positive(d: dict[str, Any], key: str, default: int, source: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ConfigError(f"{source}: field '{key}' must be a positive integer, got {v!r}")
     return v
-
-
-def _channels(d: dict[str, Any], key: str, default: tuple, source: str, positive: bool = False) -> tuple:
-    v = d.get(key)
-    if v is None:
-        return default
-    vals = [v] * 3 if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-    if (not isinstance(vals, list) or len(vals) != 3
-            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vals)):
-        raise ConfigError(f"{source}: field '{key}' must be a number or a list of 3 numbers, got {v!r}")
-    if positive and not all(x > 0 for x in vals):
-        raise ConfigError(f"{source}: field '{key}' must be > 0, got {v!r}")
-    return tuple(float(x) for x in vals)
 
 
 def processor_config_from_dict(d: dict[str, Any], source: str = "preprocessor_config.json") -> Qwen2VLProcessorConfig:
@@ -126,29 +100,15 @@ def processor_config_from_dict(d: dict[str, Any], source: str = "preprocessor_co
     if picked["min_pixels"] > picked["max_pixels"]:
         raise ConfigError(f"{source}: min_pixels ({picked['min_pixels']}) is larger than max_pixels "
                           f"({picked['max_pixels']})")
-    resample = d.get("resample")
-    resample = 3 if resample is None else resample
-    if isinstance(resample, bool) or resample not in RESAMPLE:
-        raise ConfigError(f"{source}: field 'resample' must be a PIL filter code "
-                          f"({', '.join(f'{k}: {v}' for k, v in RESAMPLE.items())}), got {resample!r}")
-    factor = d.get("rescale_factor")
-    factor = 1 / 255 if factor is None else factor
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-        raise ConfigError(f"{source}: field 'rescale_factor' must be a positive number, got {factor!r}")
-    do_resize = _flag(d, "do_resize", True, source)
-    if not do_resize:
+    rules = read_pixel_rules(d, source, Qwen2VLProcessorConfig())
+    if not rules["do_resize"]:
         raise ConfigError(f"{source}: field 'do_resize' = false is not supported (images would have to come in "
                           "multiples of patch_size * merge_size already)")
     return Qwen2VLProcessorConfig(
         min_pixels=picked["min_pixels"], max_pixels=picked["max_pixels"],
         patch_size=_positive(d, "patch_size", 14, source),
         temporal_patch_size=_positive(d, "temporal_patch_size", 2, source),
-        merge_size=_positive(d, "merge_size", 2, source), resample=resample, do_resize=do_resize,
-        do_rescale=_flag(d, "do_rescale", True, source), rescale_factor=float(factor),
-        do_normalize=_flag(d, "do_normalize", True, source),
-        image_mean=_channels(d, "image_mean", CLIP_MEAN, source),
-        image_std=_channels(d, "image_std", CLIP_STD, source, positive=True),
-        do_convert_rgb=_flag(d, "do_convert_rgb", True, source))
+        merge_size=_positive(d, "merge_size", 2, source), **rules)
 
 
 def check_matches(proc: Qwen2VLProcessorConfig, tower: Any, source: str = "preprocessor_config.json") -> None:
@@ -209,11 +169,7 @@ def preprocess_one(image: Any, cfg: Qwen2VLProcessorConfig, what: str = "image")
         raise ImageError(f"{what}: {w}x{h} pixels: {e}") from None
     if (th, tw) != (h, w):
         arr = np.array(_pil().Image.fromarray(arr).resize((tw, th), resample=cfg.resample))
-    x = (arr.astype(np.float64) * cfg.rescale_factor).astype(np.float32) if cfg.do_rescale else arr
-    if cfg.do_normalize:
-        x = x.astype(np.float32) if not np.issubdtype(x.dtype, np.floating) else x
-        x = (x - np.array(cfg.image_mean, x.dtype)) / np.array(cfg.image_std, x.dtype)
-    patches, gh, gw = patchify(np.asarray(x, np.float32).transpose(2, 0, 1), cfg)
+    patches, gh, gw = patchify(normalized_pixels(arr, cfg), cfg)
     return patches, (1, gh, gw)
 
 
@@ -231,3 +187,16 @@ def preprocess(images: Any | Sequence[Any], cfg: Qwen2VLProcessorConfig) -> tupl
 def image_tokens(grid_thw: np.ndarray, merge_size: int) -> list[int]:
     """Image tokens (<|image_pad|> repeats) of each image: t * h * w / merge_size^2."""
     return [int(t * h * w) // merge_size ** 2 for t, h, w in np.asarray(grid_thw).tolist()]
+
+
+def folder_processor_config(folder: str | Path, tower: Any) -> Qwen2VLProcessorConfig:
+    """The rules `fx_engine.load` puts on `Model.image_processor` for a Qwen2(.5)-VL folder:
+    its preprocessor_config.json's (checked against the tower's patch geometry), or the
+    processor's defaults at the tower's geometry when the folder has none."""
+    path = Path(folder) / "preprocessor_config.json"
+    if not path.exists():
+        return Qwen2VLProcessorConfig(patch_size=tower.patch_size, temporal_patch_size=tower.temporal_patch_size,
+                                      merge_size=tower.spatial_merge_size)
+    cfg = read_processor_config(folder)
+    check_matches(cfg, tower, str(path))
+    return cfg

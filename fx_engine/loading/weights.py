@@ -95,6 +95,8 @@ _TEXT_PREFIXES = (  # multimodal checkpoints: where the text model's tensors liv
     ("language_model.lm_head.", "lm_head."),
     ("model.text_model.", "model."),  # Idefics3 / SmolVLM (Hugging Face)
     ("language_model.", "model."),  # Idefics3 / SmolVLM (mlx-vlm's conversions: no inner .model)
+    # Qwen2(.5)-VL before transformers 4.52: the text model's own names beside visual.*
+    ("model.embed_tokens.", "model.embed_tokens."), ("model.layers.", "model.layers."), ("model.norm.", "model.norm."),
 )
 
 

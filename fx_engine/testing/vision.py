@@ -1,7 +1,8 @@
 """Write tiny random-weight multimodal checkpoints as Hugging Face style folders: Gemma 3
 (`write_tiny_gemma3_vlm`, model_type `gemma3`: a text model under text_config, a SigLIP tower
 under vision_config) and Idefics3 / SmolVLM (`write_tiny_idefics3`: a Llama text model, the
-tower, the pixel-shuffle connector, tiles of 32 pixels).
+tower, the pixel-shuffle connector, tiles of 32 pixels) and Qwen2.5-VL / Qwen2-VL
+(`write_tiny_qwen2_vl`: a Qwen2 text model with M-RoPE, the window-attention tower).
 
 The folder: config.json (text_config: a tiny `gemma3_text`, vision_config: a tiny SigLIP,
 the projector's mm_tokens_per_image and the image token ids inside the tiny vocabulary),
@@ -159,5 +160,76 @@ def write_tiny_idefics3(folder: str | Path, model_type: str = "idefics3", layout
     (folder / "tokenizer.json").write_text(_tokenizer_json(text["vocab_size"], IDEFICS3_SPECIALS))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
+        "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+# ---------------------------------------------------------------- Qwen2.5-VL / Qwen2-VL
+
+QWEN2_VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                     "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+#: the multimodal token ids inside the tiny vocabulary (config.json's fields)
+QWEN2_VL_IDS = {"vision_start_token_id": 3, "vision_end_token_id": 4, "image_token_id": 6, "video_token_id": 7}
+#: tiny towers (patch 4, merge 2: 8 pixels a merged token; Qwen2.5-VL's windows 16 pixels:
+#: 2 x 2 merged tokens), out_hidden_size = the tiny text model's hidden size
+QWEN2_5_VL_VISION = {"model_type": "qwen2_5_vl", "depth": 3, "hidden_size": 32, "intermediate_size": 48,
+                     "num_heads": 2, "out_hidden_size": 64, "patch_size": 4, "temporal_patch_size": 2,
+                     "spatial_merge_size": 2, "in_channels": 3, "window_size": 16, "fullatt_block_indexes": [1],
+                     "hidden_act": "silu", "tokens_per_second": 2}
+QWEN2_VL_VISION = {"model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2,
+                   "num_heads": 2, "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2,
+                   "in_chans": 3, "hidden_act": "quick_gelu"}
+#: Qwen2VLImageProcessor's rules at the tiny patch geometry: images resized to multiples of
+#: 8 pixels, between 4 and 36 merged tokens
+QWEN2_VL_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "do_convert_rgb": True,
+                         "do_normalize": True, "do_rescale": True, "do_resize": True,
+                         "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                         "image_std": [0.26862954, 0.26130258, 0.27577711], "min_pixels": 16 * 16,
+                         "max_pixels": 48 * 48, "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+                         "resample": 3, "rescale_factor": 1 / 255}
+#: the tiny text model's M-RoPE sections (head_dim 16: 8 frequencies)
+QWEN2_VL_MROPE = [2, 3, 3]
+
+
+def write_tiny_qwen2_vl(folder: str | Path, model_type: str = "qwen2_5_vl", layout: str = "hf", seed: int = 0,
+                        preprocessor: dict | None = None) -> Path:
+    """A random-weight Qwen2.5-VL (or Qwen2-VL: model_type "qwen2_vl") folder: a tiny Qwen2
+    text model with M-RoPE and the tiny tower. layout "hf": as the published folders
+    (transformers < 4.52: the text model's fields at config.json's top level, tensors
+    model.* / lm_head.* / visual.*; mlx-vlm reads it); "nested": transformers >= 4.52's
+    (text_config; model.language_model.*, model.visual.*)."""
+    from fx_engine.core.vision import qwen2_vl
+
+    if layout not in ("hf", "nested"):
+        raise ValueError(f"layout must be 'hf' or 'nested', got {layout!r}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    text = tiny_config("qwen2", tie_word_embeddings=False,
+                       rope_scaling={"type": "mrope", "mrope_section": list(QWEN2_VL_MROPE)})
+    text.pop("architectures", None)
+    vision = dict(QWEN2_5_VL_VISION if model_type == "qwen2_5_vl" else QWEN2_VL_VISION)
+    arch = "Qwen2_5_VLForConditionalGeneration" if model_type == "qwen2_5_vl" else "Qwen2VLForConditionalGeneration"
+    top = {"architectures": [arch], "vision_config": vision, **QWEN2_VL_IDS}
+    if layout == "hf":
+        cfg = {**text, **top, "model_type": model_type}
+    else:
+        cfg = {"model_type": model_type, **top, "text_config": {**text, "model_type": f"{model_type}_text"},
+               "vocab_size": text["vocab_size"], "tie_word_embeddings": False}
+    weights = {}
+    for name, w in _weights(text, mx.float32, seed).items():
+        if layout == "nested" and name.startswith("model."):
+            name = "model.language_model." + name[len("model."):]
+        weights[name] = w
+    layout_v = qwen2_vl.checkpoint_layout(qwen2_vl.config_from_hf(cfg))
+    keys = iter(mx.random.split(mx.random.key(seed + 7919), len(layout_v)))
+    for name, spec in layout_v.items():
+        w = spec.center + spec.scale * mx.random.normal(spec.shape, key=next(keys))
+        weights[("model." + name) if layout == "nested" else name] = w
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    (folder / "preprocessor_config.json").write_text(json.dumps({**QWEN2_VL_PREPROCESSOR, **(preprocessor or {})}))
+    (folder / "tokenizer.json").write_text(_tokenizer_json(text["vocab_size"], QWEN2_VL_SPECIALS))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
         "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast"}))
     return folder

@@ -9,6 +9,11 @@ nodes, and on CPU each node costs ~10 us to evaluate whatever its size.
 
 MiMo checkpoints (model_type "mimo") also hold MTP modules under model.mtp_layers.*, left
 unread here: the drafter's loader reads them (fx_engine.core.drafters.mtp).
+
+Qwen2-VL / Qwen2.5-VL checkpoints (model_types "qwen2_vl", "qwen2_5_vl") run their Qwen2
+text model here; a prefill step of an image prompt rotates with M-RoPE over 3-D position
+ids (core/models/mrope.py; the prompt side: core/vision/qwen2_vl.py), every other step
+with plain RoPE.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ from fx_engine.core.config import (BOOL, FLOAT, INT, MAYBE_BOOL, POSITIVE_FLOAT,
 from fx_engine.core.models.blocks import (GATE_UP, HF_LAYER, QKV, apply_partial_rope, attention_sizes, decoder_layer,
                                           rope_freqs, rope_mscale, rope_type_of, scaled_rope, self_attention)
 from fx_engine.core.models.family import Family
+from fx_engine.core.models.mrope import mrope_tables
 from fx_engine.core.models.skeleton import (PipelineStage, cut_layers, decoder_step, embedded_tokens, final_rms_norm,
                                             stage_logits)
 from fx_engine.core.nn import Linear, Numerics, linear
 from fx_engine.core.splits import shard_decoder
 from fx_engine.core.tree import static_field
-from fx_engine.core.vision.splice import check_image_input, splice_images
+from fx_engine.core.vision.splice import check_image_input, splice_images, step_positions
 
 
 @attrs.frozen
@@ -65,6 +71,10 @@ class LlamaConfig(BaseConfig):
     # tensor parallelism (core/parallel.py): the whole q and k projections' widths when
     # their norms (OLMo's, over every head) are split over the ranks; () not split
     qk_norm_width: tuple[int, ...] = ()
+    # Qwen2(.5)-VL's M-RoPE (rope_scaling.mrope_section): how many of the head_dim / 2
+    # frequencies take their angle from the temporal, height and width position ids
+    # (core/models/mrope.py; only steps with image positions use it: text is plain RoPE)
+    mrope_section: tuple[int, ...] = ()
 
     @property
     def rope_type(self) -> str:
@@ -104,7 +114,9 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
             f"num_key_value_heads ({kv_heads})"
         )
     theta, scaling = _rope_settings(d, model_type)
-    extra: dict[str, Any] = {}
+    head_dim = positive_int(d.get("head_dim") or hidden // heads, "head_dim", source)
+    scaling, mrope = _mrope_section(scaling, d.get("rope_parameters") or {}, head_dim, source)
+    extra: dict[str, Any] = {"mrope_section": mrope} if mrope else {}
     if "sliding_attention" in types:
         extra.update(layer_types=tuple(types), sliding_window=window)
     if model_type == "ministral3":
@@ -117,7 +129,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
     qwen2 = model_type in ("qwen2", "mimo")  # MiMo's trunk is Qwen2's (q/k/v biases, none on o_proj)
     bos, eos_ids = token_ids(d)
     return LlamaConfig(
-        model_type=model_type, **f, head_dim=positive_int(d.get("head_dim") or hidden // heads, "head_dim", source),
+        model_type=model_type, **f, head_dim=head_dim,
         rope_theta=theta, rope_scaling=check_rope_scaling(scaling, source),
         qkv_bias=qwen2 or attention_bias, o_bias=attention_bias and not qwen2,
         qk_norm=model_type == "qwen3", bos_token_id=bos, eos_token_ids=eos_ids, **extra,
@@ -136,6 +148,26 @@ def _rope_settings(d: dict[str, Any], model_type: str) -> tuple[float, dict[str,
     if scaling is None and rope_params.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
     return float(theta), scaling
+
+
+def _mrope_section(scaling: dict[str, Any] | None, rope_params: dict[str, Any], head_dim: int,
+                   source: str) -> tuple[dict[str, Any] | None, tuple[int, ...]]:
+    """(rope_scaling without its M-RoPE keys, mrope_section) of a Qwen2(.5)-VL text config:
+    its rope_scaling {"type": "mrope" (older) or "default", "mrope_section": [t, h, w]} is
+    no scaling at all, only the sections (which must cover the head_dim / 2 frequencies)."""
+    section = (scaling or {}).get("mrope_section", rope_params.get("mrope_section"))
+    if section is None:
+        return scaling, ()
+    if (not isinstance(section, (list, tuple)) or len(section) != 3
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in section)
+            or sum(section) != head_dim // 2):
+        raise ConfigError(f"{source}: rope_scaling.mrope_section must be 3 integers >= 0 summing to head_dim / 2 "
+                          f"({head_dim // 2}), got {section!r}")
+    kind = rope_type_of(scaling)
+    if kind not in ("default", "mrope"):
+        raise ConfigError(f"{source}: rope_scaling type {kind!r} with mrope_section is not supported (M-RoPE "
+                          "takes no scaling)")
+    return None, tuple(section)
 
 
 def _query_temperature(rope_params: dict[str, Any], source: str) -> dict[str, Any]:
@@ -320,11 +352,14 @@ def forward(
     layer_fn(params, layer params, h, entry, spec, rope, geo) -> (h, entry) (mixture-of-
     experts MLPs) and final_norm(h) (LayerNorm families).
 
-    images: a `vision.splice.ImageInput` (Idefics3 / SmolVLM's text model: the step's image
-    rows replace the embeddings at the image token positions; attention stays causal, its
-    `bidirectional` is not read); None: text only, the graph unchanged.
+    images: a `vision.splice.ImageInput` (Idefics3 / SmolVLM's and Qwen2(.5)-VL's text
+    models: the step's image rows replace the embeddings at the image token positions;
+    attention stays causal, its `bidirectional` is not read; with `positions`, Qwen2(.5)-VL's
+    M-RoPE over the 3-D position ids instead of RoPE); None: text only, the graph unchanged.
     """
     embedded = _embedded if images is None else _spliced(p, tokens, images)
+    if images is not None and images.positions is not None:  # Qwen2(.5)-VL: M-RoPE over 3-D ids
+        rope_fn = _mrope(p, images)
 
     def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
         rope = (rope_fn or scaled_rope)(p, geo.positions)  # shared by every layer
@@ -338,6 +373,19 @@ def forward(
 
     return decoder_step(p, cache, tokens, n_valid, span, layers, embedded=embedded,
                         final_norm=(lambda _, h: final_norm(h)) if final_norm else final_rms_norm)
+
+
+def _mrope(p: Any, images: Any) -> Any:
+    """The rope_fn of a step with M-RoPE offsets (`ImageInput.positions`): tables over the
+    step's 3-D ids (its cache positions plus the offsets) instead of plain RoPE's."""
+    if not p.config.mrope_section:
+        raise ValueError(f"images: 3-D (M-RoPE) positions given to a {p.config.model_type} model without "
+                         "rope_scaling.mrope_section")
+
+    def rope(p: Any, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return mrope_tables(p, step_positions(images, positions))
+
+    return rope
 
 
 def _spliced(p: Any, tokens: mx.array, images: Any) -> Any:
@@ -560,7 +608,9 @@ FAMILY = Family(
                                "ministral3", "mimo"),
     wrappers={"mistral3": ("ministral3", {"vocab_size": 131072, "tie_word_embeddings": False}),
               # Idefics3 / SmolVLM(2): a Llama text model (images: core/vision/idefics3.py)
-              "idefics3": ("llama", {}), "smolvlm": ("llama", {})},
+              "idefics3": ("llama", {}), "smolvlm": ("llama", {}),
+              # Qwen2(.5)-VL: a Qwen2 text model with M-RoPE (images: core/vision/qwen2_vl.py)
+              "qwen2_5_vl": ("qwen2", {}), "qwen2_vl": ("qwen2", {})},
     config_type=LlamaConfig, params_type=Params, config_from_hf=config_from_hf,
     assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,

@@ -32,6 +32,9 @@ FAMILY_MODULES: dict[str, str] = {m.FAMILY.name: m.__name__ for m in _MODULES}
 MODEL_TYPE_MODULES: dict[str, str] = {mt: m.__name__ for m in _MODULES
                                       for mt in (*m.FAMILY.model_types, *m.FAMILY.wrappers)}
 
+#: wrappers whose config.json may keep the text model's fields at the top level, without a
+#: text_config (Qwen2(.5)-VL's as published before transformers 4.52; mlx-vlm reads both)
+TOP_LEVEL_TEXT = ("qwen2_5_vl", "qwen2_vl")
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 _BY_WRAPPER = {mt: f for f in FAMILIES for mt in f.wrappers}
 _BY_GGUF: dict[str, list[Family]] = {}
@@ -88,7 +91,7 @@ def hf_family(d: dict[str, Any], source: str = "config.json") -> Family:
     what is supported."""
     mt = d.get("model_type")
     fam = _BY_MODEL_TYPE.get(mt)
-    if fam is None and mt in _BY_WRAPPER and isinstance(d.get("text_config"), dict):
+    if fam is None and mt in _BY_WRAPPER and (isinstance(d.get("text_config"), dict) or mt in TOP_LEVEL_TEXT):
         fam = _BY_WRAPPER[mt]
     if fam is None:
         near = difflib.get_close_matches(str(mt), [*_BY_MODEL_TYPE, *_BY_WRAPPER], n=3, cutoff=0.5)
@@ -106,7 +109,10 @@ def text_config_of(d: dict[str, Any]) -> dict[str, Any]:
     top-level vocab_size wins; head counts default as in its wrapper)."""
     fam = _BY_WRAPPER[d["model_type"]]
     text_type, defaults = fam.wrappers[d["model_type"]]
-    out = {**{k: v for k, v in defaults.items() if k != "vocab_size"}, **d["text_config"]}
+    text = d.get("text_config")
+    if not isinstance(text, dict):  # (TOP_LEVEL_TEXT: the top level is the text config)
+        text = {k: v for k, v in d.items() if k not in ("vision_config", "model_type")}
+    out = {**{k: v for k, v in defaults.items() if k != "vocab_size"}, **text}
     vocab = d.get("vocab_size", out.get("vocab_size", defaults.get("vocab_size")))
     if vocab is not None:
         out["vocab_size"] = vocab

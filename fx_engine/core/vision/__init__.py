@@ -5,12 +5,16 @@ pixels to the text model's image token embeddings.
 
 `VISION_MODULES` maps a multimodal config.json `model_type` to its module; each module has
 `config_from_hf(d, source)`, `assemble(cfg, src, opts)`, `checkpoint_layout(cfg)`,
-`is_vision_tensor(name)` and `encode_images(params, pixels)`.
+`is_vision_tensor(name)` and `encode_images(params, pixels)` (Qwen2(.5)-VL's:
+`encode_images(params, patches, grid_thw)`).
 
 * siglip.py: the SigLIP vision tower (Gemma 3's).
 * gemma3.py: Gemma 3's projector, the prompt layout and the image-token attention masks.
 * idefics3.py: Idefics3 / SmolVLM's connector (pixel shuffle + projection), tiles and
   prompt layout (a Llama text model).
+* qwen2_vl.py: Qwen2.5-VL's and Qwen2-VL's vision transformer (window attention, 2-D
+  rotary, patch merger), the prompt's image-token runs and its 3-D (M-RoPE) positions
+  (a Qwen2 text model: core/models/llama.py with core/models/mrope.py).
 * splice.py: `ImageInput` and the splice of image rows into the token embeddings (any
   family).
 
@@ -24,10 +28,11 @@ from types import ModuleType
 from typing import Any
 
 from fx_engine.core.config import ConfigError
-from fx_engine.core.vision import gemma3, idefics3, siglip, splice
+from fx_engine.core.vision import gemma3, idefics3, qwen2_vl, siglip, splice
 
 #: multimodal config.json model_type -> the module that runs its image path
-VISION_MODULES: dict[str, ModuleType] = {gemma3.MODEL_TYPE: gemma3, **{mt: idefics3 for mt in idefics3.MODEL_TYPES}}
+VISION_MODULES: dict[str, ModuleType] = {gemma3.MODEL_TYPE: gemma3, **{mt: idefics3 for mt in idefics3.MODEL_TYPES},
+                                          **{mt: qwen2_vl for mt in qwen2_vl.MODEL_TYPES}}
 
 
 def vision_module(d: dict[str, Any], source: str = "config.json") -> ModuleType:
@@ -45,4 +50,4 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Any:
     return vision_module(d, source).config_from_hf(d, source)
 
 
-__all__ = ["VISION_MODULES", "config_from_hf", "gemma3", "idefics3", "siglip", "splice", "vision_module"]
+__all__ = ["VISION_MODULES", "config_from_hf", "gemma3", "idefics3", "qwen2_vl", "siglip", "splice", "vision_module"]

@@ -41,13 +41,13 @@ merger.ln_q.weight, merger.mlp.0.{weight,bias}, merger.mlp.2.{weight,bias}. Qwen
 norms also have .bias and the MLP is blocks.{i}.mlp.{fc1,fc2}.{weight,bias}; merger.ln_q.bias.
 Linears may be MLX affine-quantized (.scales / .biases); the patch conv is always dense.
 
-NOT REGISTERED in VISION_MODULES yet (fx_engine/core/vision/__init__.py): the lead does it
-with the text half below. `encode_images(params, patches, grid_thw)` takes the grid as a
-third argument (Gemma 3's takes pixels only): the shell must pass what
-`fx_engine.loading.images_qwen2_vl.preprocess` returns.
+Registered in VISION_MODULES (fx_engine/core/vision/__init__.py) with the text side below.
+`encode_images(params, patches, grid_thw)` takes the grid as a third argument (Gemma 3's
+takes pixels only): the shell passes what `fx_engine.loading.images_qwen2_vl.preprocess`
+returns (engine/image_prompt.py encodes image by image).
 
-What the second half (the text side; not done here) needs
----------------------------------------------------------
+The text side (how the engine does it: the end of this docstring)
+-----------------------------------------------------------------
 1. Prompt expansion (transformers' processing_qwen2_5_vl.Qwen2_5_VLProcessor.__call__;
    mlx-vlm uses the same processor): the chat template writes
    "<|vision_start|><|image_pad|><|vision_end|>" per image; the processor replaces each
@@ -86,6 +86,20 @@ What the second half (the text side; not done here) needs
    the top level (older config.json) holds the Qwen2 text model's fields incl.
    rope_scaling.mrope_section; vision_config.out_hidden_size (2.5) / hidden_size (2) must
    equal the text hidden_size (checked in `config_from_hf`).
+
+How fx-engine carries the rope delta: it does not. Rotary attention scores depend only on
+the differences of the query's and the key's ids (per frequency section), so every id of
+a prompt may be shifted by one constant: the prompt's ids are stored *minus its
+rope_delta* (`rope_offsets`: each token's three ids minus its cache position, zero for the
+text after the last image), so decoded tokens (and a follow-up turn's text) are at their
+cache positions on all three rows, which is plain RoPE: decode steps, speculation, batching
+and row surgery need nothing new, and no per-row state is added to the cache. The offsets
+travel with a prefill step's image rows (`splice.ImageInput.positions`; the Llama forward
+then rotates with `models.mrope.mrope_tables`). The same prefix under another final delta
+(a later image) is another rotation of the same keys, so the prefix cache keys an M-RoPE
+prompt by its delta too (engine/image_prompt.prefix_key). Exact in real arithmetic; in
+float32 the angles are those of ids shifted by |delta| (against mlx-vlm, which rotates by
+the unshifted ids: logits within ~2e-6 in tests/models/test_qwen2_vl_text.py).
 """
 
 from __future__ import annotations
@@ -107,6 +121,8 @@ from fx_engine.core.tree import CompiledFunction, static_field
 MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 #: where the tower's tensors live: Hugging Face (< 4.52, >= 4.52) and mlx-vlm's conversions
 TOWER_PREFIXES = ("visual.", "model.visual.", "vision_tower.")
+#: what the chat template writes per image (the processor expands the <|image_pad|>)
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 #: the tower's norms' eps (hard-coded in transformers and mlx-vlm)
 EPS = 1e-6
 #: rotary base of the 2-D vision rope (VisionRotaryEmbedding's theta)
@@ -166,7 +182,12 @@ class Qwen2VLConfig:
     @property
     def placeholder(self) -> str:
         """What the chat template writes in an image's place."""
-        return "<|vision_start|><|image_pad|><|vision_end|>"
+        return PLACEHOLDER
+
+    @property
+    def image_token_index(self) -> int:
+        """The image token (the name the shell's splice reads for every family)."""
+        return self.image_token_id
 
     def image_tokens(self, grid: Sequence[int]) -> int:
         """The image tokens (text positions) of one image of grid (t, h, w)."""
@@ -618,3 +639,53 @@ def split_images(rows: mx.array, grid_thw: Any, cfg: Qwen2VLConfig) -> list[mx.a
     sizes = [cfg.image_tokens(g) for g in _grids(grid_thw, cfg)]
     cuts = np.cumsum(sizes)[:-1].tolist()
     return list(mx.split(rows, cuts, axis=0)) if cuts else [rows]
+
+
+# ---------------------------------------------------------------- the text side: prompt and positions
+
+
+def image_token_runs(tokens: Sequence[int] | np.ndarray, cfg: Qwen2VLConfig,
+                     grid_thw: Any = None) -> list[tuple[int, int]]:
+    """The [start, end) spans of the image-token runs of a token sequence (one per image),
+    checked against the images' token counts when `grid_thw` is given. ValueError otherwise."""
+    t = np.asarray(tokens).reshape(-1)
+    edges = np.diff(np.concatenate([[0], (t == cfg.image_token_id).astype(np.int8), [0]]))
+    spans = list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+    if grid_thw is not None:
+        want = [cfg.image_tokens(g) for g in _grids(grid_thw, cfg)]
+        got = [b - a for a, b in spans]
+        if got != want:
+            raise ValueError(f"the prompt's image-token runs are {got} tokens long, but the images have {want}")
+    return spans
+
+
+def rope_positions(tokens: Sequence[int] | np.ndarray, grid_thw: Any, cfg: Qwen2VLConfig) -> tuple[np.ndarray, int]:
+    """get_rope_index for one unpadded prompt (images only): its three position ids
+    [3, L] (temporal, height, width) and its rope_delta (max id + 1 - L). Text runs count
+    on from the last id + 1 on all three rows; an image of grid (t, h, w) starting at id s
+    gets (s + frame, s + row, s + column) over its merged grid (t, h / m, w / m),
+    row-major: the text after it starts at its largest id + 1."""
+    t = np.asarray(tokens).reshape(-1)
+    grids = _grids(grid_thw, cfg) if grid_thw is not None and len(grid_thw) else ()
+    spans = image_token_runs(t, cfg, grid_thw if grids else None)
+    m = cfg.spatial_merge_size
+    pos = np.zeros((3, t.size), np.int64)
+    at = nxt = 0
+    for (a, b), (gt, gh, gw) in zip(spans, grids):
+        pos[:, at:a] = nxt + np.arange(a - at)
+        s = nxt + a - at
+        pos[:, a:b] = np.indices((gt, gh // m, gw // m)).reshape(3, -1) + s
+        nxt = int(pos[:, a:b].max()) + 1
+        at = b
+    pos[:, at:] = nxt + np.arange(t.size - at)
+    delta = int(pos.max()) + 1 - t.size if t.size else 0
+    return pos, delta
+
+
+def rope_offsets(tokens: Sequence[int] | np.ndarray, grid_thw: Any, cfg: Qwen2VLConfig) -> tuple[np.ndarray, int]:
+    """(offsets int32 [3, L], rope_delta): each token's three ids shifted by -rope_delta,
+    minus its cache position, what `splice.ImageInput.positions` holds (the module
+    docstring: shifted so that the text after the last image, and decoding, is plain RoPE;
+    the offsets are zero there)."""
+    pos, delta = rope_positions(tokens, grid_thw, cfg)
+    return (pos - delta - np.arange(pos.shape[1])[None, :]).astype(np.int32), delta

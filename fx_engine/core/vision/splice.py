@@ -55,12 +55,34 @@ class ImageInput:
     `image_horizon`); False: plain causal (mlx-vlm's generation). A causal family (the Llama
     family's Idefics3 / SmolVLM text models) ignores it: its image tokens are always
     causal. A step's chunk must hold whole image runs (the shell plans chunks so:
-    `image_token_runs`)."""
+    `image_token_runs`).
+
+    positions, position_start (Qwen2(.5)-VL's M-RoPE; None: plain RoPE): `positions` [3, P]
+    holds, for the prompts of the step's M-RoPE rows one after another, each token's three
+    rotary position ids minus its cache position (`vision.qwen2_vl.rope_offsets`: zero for
+    the text after the last image); row b's token t reads column position_start[b] + t, a
+    row with position_start < 0 none (its three ids are its cache position).
+    `step_positions` turns them into the step's [3, B, T] ids."""
 
     rows: Float[mx.array, "M H"]
     start: Int[mx.array, "B"]
     token_index: int = static_field()
     bidirectional: bool = static_field(default=True)
+    positions: Int[mx.array, "3 P"] | None = None
+    position_start: Int[mx.array, "B"] | None = None
+
+
+def step_positions(images: ImageInput, positions: Int[mx.array, "B T"]) -> Int[mx.array, "3 B T"]:
+    """The step's M-RoPE position ids: its cache positions [B, T] (on all three rows) plus
+    each row's offsets from `images.positions` (module docstring of `ImageInput`). Shapes do
+    not depend on the data: a column past the table repeats its last one (only padding
+    slots of a row read there; their outputs are never used)."""
+    b, t = positions.shape
+    table = images.positions.astype(mx.int32)
+    start = images.position_start.astype(mx.int32)
+    idx = mx.clip(start[:, None] + mx.arange(t, dtype=mx.int32)[None, :], 0, table.shape[1] - 1)  # [B, T]
+    offsets = mx.where((start >= 0)[None, :, None], table[:, idx], 0)  # [3, B, T]
+    return positions[None].astype(mx.int32) + offsets
 
 
 def check_image_input(images: Any, rows: int, hidden: int) -> ImageInput:
@@ -74,4 +96,13 @@ def check_image_input(images: Any, rows: int, hidden: int) -> ImageInput:
     if images.start.ndim != 1 or images.start.shape[0] != rows:
         raise ValueError(f"images.start must be int32[{rows}] (one index per row), got shape "
                          f"{tuple(images.start.shape)}")
+    if (images.positions is None) != (images.position_start is None):
+        raise ValueError("images.positions and images.position_start go together (both or neither)")
+    if images.positions is not None:
+        if images.positions.ndim != 2 or images.positions.shape[0] != 3 or images.positions.shape[1] == 0:
+            raise ValueError(f"images.positions must be int32[3, P] (M-RoPE offsets), got shape "
+                             f"{tuple(images.positions.shape)}")
+        if images.position_start.ndim != 1 or images.position_start.shape[0] != rows:
+            raise ValueError(f"images.position_start must be int32[{rows}], got shape "
+                             f"{tuple(images.position_start.shape)}")
     return attrs.evolve(images, rows=r.reshape(-1, hidden)) if r.ndim == 3 else images
