@@ -6,18 +6,27 @@ position t is (the target's captured states at t, the token at t + 1), the input
 EAGLE and MTP modules take: fed lazily when the next token is known (at `propose`, or early
 when many states wait), in chunks of a few power-of-two shapes. `propose(tokens, k)` feeds
 the new pairs, then chains the drafter on its own output (its hidden state and the token it
-drafted) for k greedy drafts. The chained entries are the drafter's guesses, not the
-target's: the next `propose` rolls the cache back by length to its real pairs
-(`with_lengths`) and feeds the target's states of the positions the verify accepted. So
-rollback after a rejection needs no call, and the drafter never sees a rejected token.
+drafted) for k drafts: a greedy row's (temperature 0, or no sampling settings) are the
+argmax; a sampled row's are drawn from the drafter's distribution processed with the row's
+sampling settings (`core.drafters.sampled.draw`; the row's own PRNG key stream, derived from
+the request's seed as the draft model's is: `drafters.draft_sampling`) and reported as the
+Draft's probs (q over the target's vocabulary) for the target's acceptance rule. The chained
+entries are the drafter's guesses, not the target's: the next `propose` rolls the cache back
+by length to its real pairs (`with_lengths`) and feeds the target's states of the positions
+the verify accepted. So rollback after a rejection needs no call, and the drafter never sees
+a rejected token (nor a rejected draw: a sampled row's key stream just moves on).
 
 The drafter (the row's `owner`) supplies the step and the cache:
 
-    owner.step(hidden [B, T, W], ids [B, T], cache, n_valid [B], span) -> (tok [B], h [B, H], cache)
+    owner.step(hidden [B, T, W], ids [B, T], cache, n_valid [B], span)
+        -> (tok [B], logits [B, Vs], h [B, H], cache)
     owner.new_cache(capacity) -> KVCache   (one row)
+    owner.draft_ids: [Vs] int32 target id of each of the logits' ids (None: the same ids)
+    owner.target_probs(q [n, Vs]) -> [n, V]   (q over the target's vocabulary)
 
 `step` runs each row's pairs (hidden[b, t], ids[b, t]) for t < n_valid[b] from the row's
-cache length and returns the greedy draft after its last valid pair and the hidden state a
+cache length and returns the greedy draft after its last valid pair (a target id), the
+float32 logits it is the argmax of (what a sampled row draws from) and the hidden state a
 chained step feeds back (T = 1 with a chained step's own state and draft); rows with
 n_valid 0 are left as they were.
 
@@ -28,6 +37,8 @@ round (T: a power-of-two bucket of the round's largest count, n_valid per row), 
 chained steps in one call each (rows past their own k idle), the caches split back. One
 drafter call per step instead of one per row; the drafts are each row's own (bitwise the
 same under batch-invariant numerics, which a batch-invariant target's drafters take).
+Greedy and sampled rows draft together: the sampled rows' draws are one `draw` call per
+round, row-wise (each row's key), greedy rows keep the argmax.
 
 A row whose captured states have a gap (a prefix restored from the prefix cache is skipped
 for these requests so that does not happen) stops drafting (`broken` says why) and decodes.
@@ -41,7 +52,9 @@ import mlx.core as mx
 
 from fx_engine.core.buckets import pow2_ceil
 from fx_engine.core.cache import KVCache, span_bucket, with_lengths
-from fx_engine.engine.drafters import Draft
+from fx_engine.core.drafters.sampled import draw_compiled
+from fx_engine.core.sampling import SamplingConfig, init_keys, make_sampling_params
+from fx_engine.engine.drafters import Draft, draft_sampling
 from fx_engine.engine.kv_rows import resize, row_view, stack_rows
 
 __all__ = ["CapturedDrafter", "CapturedRow", "FEED_CHUNK", "FLUSH_AT", "MIN_CAPACITY"]
@@ -49,14 +62,19 @@ __all__ = ["CapturedDrafter", "CapturedRow", "FEED_CHUNK", "FLUSH_AT", "MIN_CAPA
 FEED_CHUNK = 128  # the most pairs one step feeds (longer runs: several steps)
 FLUSH_AT = 256  # waiting states that make `observe` feed the drafter early (bounded memory)
 MIN_CAPACITY = 256  # the drafter cache's smallest capacity (grown in powers of two)
+_GREEDY = SamplingConfig()  # (a greedy or padding row's settings in a sampled batch's draw)
 
 
 class CapturedRow:
     """One request's drafter state: its cache (`fed` real pairs, positions [0, fed)) and the
     captured states of positions [fed, fed + waiting) not fed yet."""
 
-    def __init__(self, owner: Any):
+    def __init__(self, owner: Any, sampling: SamplingConfig | None = None):
         self.owner = owner
+        # a sampled row's own settings and PRNG key [1, 2] (None: it drafts greedily)
+        self.sampling = None if sampling is None or sampling.temperature == 0 else draft_sampling(sampling)
+        self.keys = None if self.sampling is None else init_keys([self.sampling])
+        self._params: Any = None  # (its SamplingParams, made at its first draw)
         self.cache: KVCache | None = None
         self.fed = 0
         self.states: list[mx.array] = []  # [n_i, W] chunks, contiguous from position `fed`
@@ -88,20 +106,34 @@ class CapturedRow:
             self._feed(tokens, min(self.captured - 1, len(tokens) - 1))
 
     def propose(self, tokens: list[int], k: int) -> Draft:
-        """Up to k greedy drafts after `tokens` (prompt and generated tokens; the target has
-        processed all but the last)."""
+        """Up to k drafts after `tokens` (prompt and generated tokens; the target has
+        processed all but the last): greedy, or, for a sampled row, drawn (with q)."""
         n = self._prepare(tokens, k)
         if n is None:
             return Draft()
-        tok, h = self._feed(tokens, n, extra=k - 1)
-        owner, out = self.owner, [tok]
+        tok, lg, h = self._feed(tokens, n, extra=k - 1)
+        owner = self.owner
         one = mx.ones((1,), mx.int32)
+        keys, qs = self.keys, []
+        if self.sampling is not None:
+            if self._params is None or self._params.vocab_size != lg.shape[-1]:
+                self._params = make_sampling_params([self.sampling], lg.shape[-1])
+            tok, q, keys = draw_compiled(lg, tok, self._params, keys, one.astype(mx.bool_), _draft_ids(owner))
+            qs.append(q)
+        out = [tok]
         for _ in range(k - 1):  # chained: the drafter's own hidden state and draft
             span = span_bucket(self.length + 1, self.cache.capacity)
-            tok, h, self.cache = owner.step(h[:, None], tok[:, None], self.cache, one, span)
+            tok, lg, h, self.cache = owner.step(h[:, None], tok[:, None], self.cache, one, span)
             self.length += 1
+            if self.sampling is not None:
+                tok, q, keys = draw_compiled(lg, tok, self._params, keys, one.astype(mx.bool_), _draft_ids(owner))
+                qs.append(q)
             out.append(tok)
-        return Draft(tuple(int(t) for t in mx.concatenate(out).tolist()))
+        drafted = tuple(int(t) for t in mx.concatenate(out).tolist())
+        if self.sampling is None:
+            return Draft(drafted)
+        self.keys = keys
+        return Draft(drafted, _target_probs(owner, mx.concatenate(qs, axis=0)))
 
     def _prepare(self, tokens: Sequence[int], k: int) -> int | None:
         """The checks before drafting: None when the row drafts nothing this time (k <= 0,
@@ -166,6 +198,7 @@ class CapturedRow:
             states.append(mx.concatenate(st, axis=0) if len(st) > 1 else st[0])
         width = states[0].shape[-1]
         last_tok: list[Any] = [None] * b
+        last_lg: list[Any] = [None] * b
         last_h: list[Any] = [None] * b
         done = [0] * b
         while any(d < c for d, c in zip(done, counts)):  # feed: rounds of <= FEED_CHUNK pairs a row
@@ -183,25 +216,41 @@ class CapturedRow:
                 hid += [mx.zeros((size, width), states[0].dtype)] * (bp - b)
                 ids += [[0] * size] * (bp - b)
             span = span_bucket(max(lengths) + size, cap)  # (the step's contract: max(lengths) + T)
-            tok, h, cache = owner.step(mx.stack(hid), mx.array(ids, mx.int32), cache,
-                                       mx.array(ms + [0] * (bp - b), mx.int32), span)
+            tok, lg, h, cache = owner.step(mx.stack(hid), mx.array(ids, mx.int32), cache,
+                                           mx.array(ms + [0] * (bp - b), mx.int32), span)
             for j in range(b):
                 if ms[j]:
                     done[j] += ms[j]
                     lengths[j] += ms[j]
                     if done[j] == counts[j]:
-                        last_tok[j], last_h[j] = tok[j : j + 1], h[j : j + 1]
-        tok = mx.concatenate(last_tok + [mx.zeros((bp - b,), last_tok[0].dtype)] * (bp > b))
-        h = mx.concatenate(last_h + [mx.zeros((bp - b, last_h[0].shape[-1]), last_h[0].dtype)] * (bp > b))
-        out = [tok]
+                        last_tok[j], last_lg[j], last_h[j] = tok[j : j + 1], lg[j : j + 1], h[j : j + 1]
+        pad = bp > b
+        tok = mx.concatenate(last_tok + [mx.zeros((bp - b,), last_tok[0].dtype)] * pad)
+        h = mx.concatenate(last_h + [mx.zeros((bp - b, last_h[0].shape[-1]), last_h[0].dtype)] * pad)
         chained = [k - 1 for _, _, k in todo]
+        sampled = [rows[i].sampling is not None for i, _, _ in todo]
+        qs: list[Any] = []
+        if any(sampled):  # one draw per round for the sampled rows (greedy rows keep the argmax)
+            lg = mx.concatenate(last_lg + [mx.zeros((bp - b, last_lg[0].shape[-1]), last_lg[0].dtype)] * pad)
+            params = make_sampling_params([rows[i].sampling or _GREEDY for i, _, _ in todo]
+                                          + [_GREEDY] * (bp - b), lg.shape[-1])
+            keys = mx.concatenate([rows[i].keys if rows[i].sampling is not None else mx.zeros((1, 2), mx.uint32)
+                                   for i, _, _ in todo] + [mx.zeros((bp - b, 2), mx.uint32)] * pad)
+            act = mx.array([1] * b + [0] * (bp - b), mx.bool_)
+            tok, q, keys = draw_compiled(lg, tok, params, keys, act, _draft_ids(owner))
+            qs.append(q)
+        out = [tok]
         for step in range(max(chained)):  # chained: each row's own hidden state and draft
             act = [1 if step < c else 0 for c in chained] + [0] * (bp - b)
             span = span_bucket(max(lengths) + 1, cap)
-            tok, h, cache = owner.step(h[:, None], tok[:, None], cache, mx.array(act, mx.int32), span)
+            tok, lg, h, cache = owner.step(h[:, None], tok[:, None], cache, mx.array(act, mx.int32), span)
             lengths = [ln + a for ln, a in zip(lengths, act)]
+            if any(sampled):
+                tok, q, keys = draw_compiled(lg, tok, params, keys, mx.array(act, mx.bool_), _draft_ids(owner))
+                qs.append(q)
             out.append(tok)
         got = mx.stack(out, axis=1).tolist()  # [bp, 1 + max chained] (evaluates: errors surface here)
+        probs = mx.stack(qs, axis=1) if qs else None  # [bp, 1 + max chained, Vs]
         for j, (i, n, k) in enumerate(todo):  # every row succeeded: keep its new state
             row = rows[i]
             view = row_view(cache, j)
@@ -211,14 +260,18 @@ class CapturedRow:
             row.fed = n
             row.states = [rest] if rest.shape[0] else []
             row.waiting = rest.shape[0]
-            drafts[i] = Draft(tuple(int(t) for t in got[j][:k]))
+            if row.sampling is None:
+                drafts[i] = Draft(tuple(int(t) for t in got[j][:k]))
+            else:
+                row.keys = keys[j : j + 1]
+                drafts[i] = Draft(tuple(int(t) for t in got[j][:k]), _target_probs(owner, probs[j, :k]))
         return drafts
 
     # ---------------------------------------------------------------- the drafter's cache
-    def _feed(self, tokens: Sequence[int], upto: int, extra: int = 0) -> tuple[Any, Any]:
+    def _feed(self, tokens: Sequence[int], upto: int, extra: int = 0) -> tuple[Any, Any, Any]:
         """Feed pairs [fed, upto) (states waiting, tokens[t + 1]) after rolling the cache back
         to its real pairs; room for `extra` chained pairs after them. Returns the draft and
-        hidden state after the last pair ([1] and [1, H])."""
+        logits and hidden state after the last pair ([1], [1, Vs] and [1, H])."""
         owner = self.owner
         self._ensure(upto + max(extra, FEED_CHUNK))  # (a padded piece's sink writes fit too)
         if self.length != self.fed:  # chained guesses past the real pairs: dropped
@@ -226,10 +279,10 @@ class CapturedRow:
             self.length = self.fed
         count = upto - self.fed
         if count <= 0:
-            return None, None
+            return None, None, None
         states = mx.concatenate(self.states, axis=0) if len(self.states) > 1 else self.states[0]
         rest = states[count:]
-        tok = h = None
+        tok = lg = h = None
         done = 0
         while done < count:
             m = min(FEED_CHUNK, count - done)
@@ -240,14 +293,14 @@ class CapturedRow:
                 hid = mx.pad(hid, [(0, size - m), (0, 0)])
                 ids += [0] * (size - m)
             span = span_bucket(self.length + size, self.cache.capacity)
-            tok, h, self.cache = owner.step(hid[None], mx.array([ids], mx.int32), self.cache,
-                                            mx.array([m], mx.int32), span)
+            tok, lg, h, self.cache = owner.step(hid[None], mx.array([ids], mx.int32), self.cache,
+                                                mx.array([m], mx.int32), span)
             done += m
             self.length += m
         self.fed = upto
         self.states = [rest] if rest.shape[0] else []
         self.waiting = rest.shape[0]
-        return tok, h
+        return tok, lg, h
 
     def _ensure(self, needed: int) -> None:
         """A cache of at least `needed` positions (grown in powers of two, kept)."""
@@ -277,13 +330,31 @@ class CapturedRow:
         self.states, self.waiting, self.cache, self.length = [], 0, None, 0
 
 
+def _draft_ids(owner: Any) -> Any:
+    return getattr(owner, "draft_ids", None)
+
+
+def _target_probs(owner: Any, q: mx.array) -> mx.array:
+    fn = getattr(owner, "target_probs", None)
+    return q if fn is None else fn(q)
+
+
 class CapturedDrafter:
     """What a drafter fed the target's captured states shares (EAGLE-3 heads, MTP modules):
     its rows are `CapturedRow`s, proposed together per step. Subclasses supply `capture`,
-    `step` and `new_cache` (the module docstring's owner interface)."""
+    `step` and `new_cache`, and where the step's logits are over another vocabulary than the
+    target's, `draft_ids` and `target_probs` (the module docstring's owner interface)."""
+
+    draft_ids: Any = None  # (the step's logits are over the target's vocabulary)
 
     def new_row(self, prompt: list[int], sampling: Any) -> CapturedRow:
-        return CapturedRow(self)
+        """A request's row: it drafts greedily, or sampled when `sampling` (the request's
+        SamplingConfig) has a temperature > 0."""
+        return CapturedRow(self, sampling)
+
+    def target_probs(self, q: mx.array) -> mx.array:
+        """A sampled row's q [n, Vs] over the target's vocabulary (here: the same)."""
+        return q
 
     def propose_rows(self, rows: list[CapturedRow], tokens_list: list[list[int]], ks: list[int]) -> list:
         """Several of its rows' `propose` in one batched call per step (the engine's

@@ -129,21 +129,24 @@ class DraftModel:
         return _DraftRow(self, sampling)
 
 
+def draft_sampling(sampling: SamplingConfig) -> SamplingConfig:
+    """A sampling drafter's own sampling settings (the draft model's, the learned heads'):
+    the request's filters and temperature, no penalties or bias (their effect belongs to the
+    target; q only needs to be the distribution drawn from). A seeded request's drafts get
+    their own key stream: drawing drafts with the target's own uniforms would correlate them
+    with the target's later draws. (An unseeded row, possible in users' own loops, gets
+    fresh entropy: the core would otherwise give both streams seed 0.)"""
+    seed = (secrets.randbits(63) if sampling.seed is None
+            else (sampling.seed * 0x9E3779B1 + 0x7F4A7C15) % 2**64)
+    return SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                          min_p=sampling.min_p, seed=seed)
+
+
 class _DraftRow:
     def __init__(self, owner: DraftModel, sampling: SamplingConfig):
         self.owner = owner
         m = owner.model
-        # The draft's own sampling: same filters/temperature, no penalties or bias (their
-        # effect belongs to the target; q only needs to be the distribution drawn from).
-        # A seeded request's draft gets its own key stream: drawing drafts with the target's
-        # own uniforms would correlate them with the target's later draws.
-        # (an unseeded row, possible in users' own loops, gets fresh entropy: the core would
-        # otherwise give both streams seed 0)
-        seed = (secrets.randbits(63) if sampling.seed is None
-                else (sampling.seed * 0x9E3779B1 + 0x7F4A7C15) % 2**64)
-        self.sampling = SamplingConfig(
-            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            min_p=sampling.min_p, seed=seed)
+        self.sampling = draft_sampling(sampling)
         self.params = make_sampling_params([self.sampling], m.config.vocab_size)
         self.keys = None
         self.cache = None
@@ -416,6 +419,6 @@ def draft_inputs(rows: Sequence[Any], drafts: dict[Any, Any], k: int,
     return mx.array(arr, mx.int32), mx.array(n, mx.int32), probs, n
 
 
-__all__ = ["Draft", "DraftModel", "Drafter", "PromptLookup", "RowDrafter", "as_drafter", "capture_of",
+__all__ = ["Draft", "DraftModel", "Drafter", "PromptLookup", "RowDrafter", "as_drafter", "capture_of", "draft_sampling",
            "lookup", "observe_captured", "self_draft_model", "propose_drafts", "draft_inputs", "speculate",
            "step_capture"]

@@ -17,9 +17,11 @@ How it runs, per request (row):
   the next token is known (at `propose`, or early when many states wait), in chunks of a
   few power-of-two shapes (`head_step_compiled`, keyed on the chunk and span buckets).
 * `propose(tokens, k)` feeds the new pairs, then chains the head on its own output (its
-  pre-norm hidden state and the token it drafted) for k greedy drafts, mapped from the
-  draft vocabulary through d2t (deterministic drafts: `verify_step` keeps sampled rows'
-  output distribution exact). The chained entries are the head's guesses, not the target's:
+  pre-norm hidden state and the token it drafted) for k drafts, mapped from the draft
+  vocabulary through d2t: a greedy row's are the argmax; a sampled row's (temperature > 0)
+  are drawn from the head's distribution processed with the row's sampling settings
+  (`core.drafters.sampled`), reported over the target's vocabulary (zero outside the draft
+  vocabulary) as q for the target's acceptance rule. The chained entries are the head's guesses, not the target's:
   the next `propose` rolls the head's cache back by length to its real pairs (`with_lengths`)
   and feeds the target's states of the positions the verify accepted, as EAGLE and vLLM do.
   So rollback after a rejection needs no call, and the head never sees a rejected token.
@@ -76,6 +78,8 @@ class Eagle3Drafter(CapturedDrafter):
         self.head = head
         self.target = target
         self.table = head.embed if head.embed is not None else target.params.embed
+        self.draft_ids = eagle3.draft_target_ids(head)  # (a sampled draft's target id)
+        mx.eval(self.draft_ids)
         self.capture = Capture(layers)
         # the target's family must capture: a refusal (CaptureError naming its model type)
         # now, not at its first request; building the graph computes nothing
@@ -105,14 +109,19 @@ class Eagle3Drafter(CapturedDrafter):
 
     # ---------------------------------------------------------------- what its rows run
     def step(self, hidden: mx.array, ids: mx.array, cache: KVCache, n_valid: mx.array,
-             span: int) -> tuple[mx.array, mx.array, KVCache]:
-        """One head step over pairs (hidden [1, T, 3 H_t] or a chained [1, 1, H], ids [1, T]):
-        the draft after the last valid pair (in the target's vocabulary), its hidden state,
-        the cache (`eagle3.head_step_compiled`, keyed on T and span)."""
+             span: int) -> tuple[mx.array, mx.array, mx.array, KVCache]:
+        """One head step over pairs (hidden [B, T, 3 H_t] or a chained [B, 1, H], ids [B, T]):
+        the greedy draft after the last valid pair (in the target's vocabulary), the
+        draft-vocabulary logits it is the argmax of, its hidden state, the cache
+        (`eagle3.head_step_compiled`, keyed on T and span)."""
         return eagle3.head_step_compiled(self.head, self.table, hidden, ids, cache, n_valid, span=span)
 
     def new_cache(self, capacity: int) -> KVCache:
         return init_cache(eagle3.cache_specs(self.head.config), 1, capacity, getattr(mx, self.head.dtype))
+
+    def target_probs(self, q: mx.array) -> mx.array:
+        """A sampled row's q [n, Vd] over the target's vocabulary [n, V] (zero elsewhere)."""
+        return eagle3.draft_probs_to_target(self.head, q)
 
 
 # (the row: one request's head, fed the target's captured states; engine/captured_drafter.py)

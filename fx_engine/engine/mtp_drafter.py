@@ -19,11 +19,14 @@ side is engine/captured_drafter.py's `CapturedRow`):
   t, the token at t + 1), fed lazily in power-of-two chunks (`mtp.mtp_step_compiled`, keyed
   on the chunk and span buckets).
 * `propose(tokens, k)`: the new pairs, then k - 1 steps of module 0 chained on its own
-  output (the hidden state the format feeds back, `chain_normed`, and its greedy draft),
-  vLLM's K > 1. The next `propose` rolls the module's cache back by length to its real pairs
-  and feeds the target's states of the accepted positions: the module's state rolls back
-  with the target's, recurrent targets (Qwen3-Next's linear-attention layers) included: the
-  target rolls its own state back, the module's layer is full attention.
+  output (the hidden state the format feeds back, `chain_normed`, and its draft), vLLM's
+  K > 1. Greedy rows draft the argmax; sampled rows (temperature > 0) draw each draft from
+  the module's distribution processed with the row's sampling settings and report it as q
+  for the target's acceptance rule (`core.drafters.sampled`). The next `propose` rolls the
+  module's cache back by length to its real pairs and feeds the target's states of the
+  accepted positions: the module's state rolls back with the target's, recurrent targets
+  (Qwen3-Next's linear-attention layers) included: the target rolls its own state back, the
+  module's layer is full attention.
 
 Refused (ValueError / ConfigError / CaptureError, at construction): targets split over
 processes (tensor / pipeline parallel), a module of another family or size than the target
@@ -94,11 +97,12 @@ class MtpDrafter(CapturedDrafter):
 
     # ---------------------------------------------------------------- what its rows run
     def step(self, hidden: mx.array, ids: mx.array, cache: KVCache, n_valid: mx.array,
-             span: int) -> tuple[mx.array, mx.array, KVCache]:
-        """One step of module 0 over pairs (hidden [1, T, H], ids [1, T]): the greedy draft
-        after the last valid pair, the hidden state a chained step feeds back, the cache."""
-        tok, _, h, cache = mtp.mtp_step_compiled(self.module, self.tables, hidden, ids, cache, n_valid, span)
-        return tok, h, cache
+             span: int) -> tuple[mx.array, mx.array, mx.array, KVCache]:
+        """One step of module 0 over pairs (hidden [B, T, H], ids [B, T]): the greedy draft
+        after the last valid pair, the logits it is the argmax of (over the target's
+        vocabulary: what a sampled row draws from), the hidden state a chained step feeds
+        back, the cache."""
+        return mtp.mtp_step_compiled(self.module, self.tables, hidden, ids, cache, n_valid, span)
 
     def new_cache(self, capacity: int) -> KVCache:
         return init_cache(mtp.cache_specs(self.config), 1, capacity, getattr(mx, self.module.dtype))

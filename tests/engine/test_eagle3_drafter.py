@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import attrs
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import fx_engine
@@ -17,8 +16,7 @@ from tests.engine import drafter_checks
 from fx_engine.core.config import ConfigError
 from fx_engine.core.drafters import eagle3
 from fx_engine.core.models import CaptureError
-from fx_engine.engine.drafters import PromptLookup
-from fx_engine.engine.eagle3_drafter import FLUSH_AT, Eagle3Drafter
+from fx_engine.engine.eagle3_drafter import Eagle3Drafter
 from fx_engine.engine.generate import reference_generate
 from fx_engine.testing.eagle3 import write_echo_pair, write_tiny_eagle3
 
@@ -60,32 +58,16 @@ def echo(tmp_path_factory):
     return model, Recording.load(h, model)
 
 
-def _prompt(model, n, offset=0):
-    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. 0123456789 def add(a, b): " * 8)
-    return ids[offset: offset + n]
+_prompt = drafter_checks.prompt
 
 
 def test_greedy_output_is_identical_with_a_random_head(target, random_head):
-    for n, k in ((9, 4), (40, 2), (70, 8)):
-        prompt = _prompt(target, n, offset=n)
-        ref = reference_generate(target, prompt, max_tokens=24, temperature=0.0)
-        got = fx_engine.generate(target, prompt, max_tokens=24, temperature=0.0, draft_model=random_head,
-                                 num_draft_tokens=k)
-        assert got.token_ids == ref.token_ids and got.finish_reason == ref.finish_reason
-        assert got.usage.drafted_tokens > 0
+    drafter_checks.greedy_output_is_identical(target, random_head, ((9, 4), (40, 2), (70, 8)), max_tokens=24)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_accepted_and_rejected_drafts_keep_greedy_output(echo, k, steady_policy):
-    model, drafter = echo
-    prompt = [5, 9, 17, 40, 30]
-    ref = reference_generate(model, prompt, max_tokens=20, temperature=0.0)
-    got = fx_engine.generate(model, prompt, max_tokens=20, temperature=0.0, draft_model=drafter,
-                             num_draft_tokens=k)
-    assert got.token_ids == ref.token_ids
-    assert got.usage.accepted_tokens > 0
-    if k > 1:  # chained drafts are wrong: rejections (and the head's rollback) happen
-        assert got.usage.accepted_tokens < got.usage.drafted_tokens
+    drafter_checks.accepted_and_rejected_drafts_keep_greedy_output(*echo, k)
 
 
 def test_the_heads_cache_after_rollbacks_is_a_head_fed_the_accepted_sequence(echo, steady_policy):
@@ -94,31 +76,16 @@ def test_the_heads_cache_after_rollbacks_is_a_head_fed_the_accepted_sequence(ech
     equal those of a fresh head fed the final sequence's pairs in one step."""
     from fx_engine.core.cache import init_cache
     from fx_engine.core.nn import embed
-    from fx_engine.core.steps import prefill_step
 
     model, drafter = echo
-    drafter.rows.clear()
-    prompt = [5, 9, 17, 40, 3, 77]
-    got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, draft_model=drafter, num_draft_tokens=4)
-    assert got.usage.drafted_tokens > got.usage.accepted_tokens > 0
-    (row,) = drafter.rows
-    assert row.broken is None and row.fed > len(prompt)
-    seq = prompt + list(got.token_ids)
-    f = row.fed
-    _, _, aux = prefill_step(model.params, model.new_cache(1, 64), mx.array([seq], mx.int32),
-                             mx.array([len(seq)], mx.int32), capture=drafter.capture)
     head = drafter.head
-    fresh = init_cache(eagle3.cache_specs(head.config), 1, 64)
-    _, _, fresh = eagle3.eagle3_forward(head, embed(mx.array([seq[1: f + 1]]), drafter.table), aux[:, :f], fresh,
-                                        mx.array([f], mx.int32))
-    have = row.cache
-    for a, b in ((have.keys[0], fresh.keys[0]), (have.values[0], fresh.values[0])):
-        np.testing.assert_allclose(np.array(a[:, :, :f]), np.array(b[:, :, :f]), rtol=1e-5, atol=1e-5)
-    # the states the last step captured wait for their next tokens; fed now, the head drafts
-    # the echo of the last position's token (its first draft is always right)
-    c = row.captured
-    assert f < c < len(seq)
-    assert row.propose(seq[: c + 1], 2).tokens == (seq[c - 1], seq[c - 1])
+
+    def fresh(seq, f, aux):
+        cache = init_cache(eagle3.cache_specs(head.config), 1, 64)
+        return eagle3.eagle3_forward(head, embed(mx.array([seq[1: f + 1]]), drafter.table), aux[:, :f], cache,
+                                     mx.array([f], mx.int32))[2]
+
+    drafter_checks.cache_after_rollbacks_is_fed_the_accepted_sequence(model, drafter, fresh)
 
 
 @pytest.mark.parametrize("which", ["random", "echo"])
@@ -127,38 +94,14 @@ def test_batched_rows_equal_each_request_alone(target, random_head, echo, which,
     share prefill, decode and verify steps (each step captures for the head's rows only
     what it needs): every request's tokens equal its plain greedy run alone."""
     model, head = (target, random_head) if which == "random" else echo
-    kinds = [{"draft_model": head, "num_draft_tokens": 4}, {}, {"prompt_lookup": PromptLookup(1, 3)},
-             {"draft_model": head, "num_draft_tokens": 2}]
-    prompts = [_prompt(model, n, offset=3 * n) for n in (12, 30, 5, 47)]
-    alone = [reference_generate(model, p, max_tokens=20, temperature=0.0).token_ids for p in prompts]
-    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=16)
-    handles = []
-    for p, kw in zip(prompts, kinds):
-        handles.append(engine.submit(p, max_tokens=20, temperature=0.0, **kw))
-        engine.step()
-    results = [h.result() for h in handles]
-    engine.close()
-    assert [r.token_ids for r in results] == alone
-    assert results[0].usage.drafted_tokens > 0
-    if which == "echo":
-        assert results[0].usage.accepted_tokens > 0
+    drafter_checks.batched_rows_equal_each_request_alone(model, head, max_tokens=20, echo=which == "echo")
 
 
 def test_long_prompts_feed_the_head_in_pieces_and_prefix_hits_do_not_starve_it(echo, steady_policy):
     """A prompt longer than FLUSH_AT, prefilled in small chunks, feeds the head early (in
     bounded pieces); a second request sharing its prefix does not restore the prefix (its
     head needs every position's states) and drafts as well."""
-    model, drafter = echo
-    drafter.rows.clear()
-    prompt = [int(x) for x in np.random.default_rng(0).integers(3, 380, size=FLUSH_AT + 40)]
-    ref = reference_generate(model, prompt, max_tokens=12, temperature=0.0)
-    engine = fx_engine.Engine(model, max_rows=2, prefill_chunk=32)
-    for _ in range(2):
-        got = engine.submit(prompt, max_tokens=12, temperature=0.0, draft_model=drafter).result()
-        assert got.token_ids == ref.token_ids and got.usage.accepted_tokens > 0
-        assert got.usage.cached_tokens == 0
-    engine.close()
-    assert all(r.broken is None for r in drafter.rows)
+    drafter_checks.long_prompts_feed_in_pieces(*echo, max_tokens=12, prefill_chunk=32)
 
 
 def test_grammars_and_sampled_rows_compose(target, echo, steady_policy):
@@ -211,24 +154,7 @@ def test_adapters_compose(tiny_folder, tmp_path, steady_policy):
 
 
 def test_a_rows_states_feed_early_replace_on_overlap_and_stop_at_a_gap(echo):
-    """The row drafter's bookkeeping: many waiting states feed the head early (all but the
-    last, whose next token is unknown); states from an earlier position replace what the row
-    had from there (its head rolled back); a gap stops the row's drafting (it proposes
-    nothing; the engine then decodes it)."""
-    model, drafter = echo
-    row = drafter.new_row([], None)
-    width = drafter.capture.points * model.config.hidden_size
-    states = mx.random.normal((FLUSH_AT + 10, width), key=mx.random.key(0))
-    tokens = list(range(4, FLUSH_AT + 14))
-    row.observe(0, states[:100], tokens)
-    assert (row.fed, row.waiting) == (0, 100)  # below FLUSH_AT: nothing fed yet
-    row.observe(100, states[100:], tokens)
-    assert (row.fed, row.waiting, row.cache.lengths.tolist()) == (FLUSH_AT + 9, 1, [FLUSH_AT + 9])
-    row.observe(50, states[50:60])  # the target ran positions 50.. again
-    assert (row.fed, row.waiting, row.captured, row.cache.lengths.tolist()) == (50, 10, 60, [50])
-    assert len(row.propose(tokens[:61], 3).tokens) == 3
-    row.observe(70, states[:1])  # positions 60 .. 69 never came
-    assert row.broken is not None and row.propose(tokens[:72], 3).tokens == ()
+    drafter_checks.rows_feed_early_replace_on_overlap_and_stop_at_a_gap(*echo)
 
 
 def test_a_head_folder_is_told_from_a_model_folder(tiny_folder, tmp_path):

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import attrs
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import fx_engine
@@ -23,8 +22,6 @@ from tests.engine import drafter_checks
 from fx_engine.core.checkpoint import WeightsError
 from fx_engine.core.config import ConfigError
 from fx_engine.core.drafters import mtp
-from fx_engine.engine.captured_drafter import FLUSH_AT
-from fx_engine.engine.drafters import PromptLookup
 from fx_engine.engine.generate import reference_generate
 from fx_engine.engine.mtp_drafter import MtpDrafter, mtp_drafter_for
 from fx_engine.testing.mtp import write_mtp_echo_target, write_mtp_target
@@ -63,9 +60,7 @@ def echo(tmp_path_factory):
     return model, Recording.from_model(model)
 
 
-def _prompt(model, n, offset=0):
-    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. 0123456789 def add(a, b): " * 8)
-    return ids[offset: offset + n]
+_prompt = drafter_checks.prompt
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe", "qwen3_next"])
@@ -74,59 +69,26 @@ def test_greedy_output_is_identical_with_a_random_module(targets, kind):
     the module's attention cache by length: the output is the plain one."""
     model, drafter = targets[kind]
     assert drafter.kind == "mtp" and drafter.capture == mtp.target_capture(drafter.config, model.config.num_layers)
-    for n, k in ((9, 4), (40, 2)):
-        prompt = _prompt(model, n, offset=n)
-        ref = reference_generate(model, prompt, max_tokens=16, temperature=0.0)
-        got = fx_engine.generate(model, prompt, max_tokens=16, temperature=0.0, draft_model=drafter,
-                                 num_draft_tokens=k)
-        assert got.token_ids == ref.token_ids and got.finish_reason == ref.finish_reason
-        assert got.usage.drafted_tokens > 0 and got.usage.drafter == "mtp"
+    got = drafter_checks.greedy_output_is_identical(model, drafter, ((9, 4), (40, 2)), max_tokens=16)
+    assert all(r.usage.drafter == "mtp" for r in got)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_accepted_and_rejected_drafts_keep_greedy_output(echo, k, steady_policy):
-    model, drafter = echo
-    prompt = [5, 9, 17, 40, 30]
-    ref = reference_generate(model, prompt, max_tokens=20, temperature=0.0)
-    got = fx_engine.generate(model, prompt, max_tokens=20, temperature=0.0, draft_model=drafter,
-                             num_draft_tokens=k)
-    assert got.token_ids == ref.token_ids
-    assert got.usage.accepted_tokens > 0
-    if k == 1:  # every first draft is right
-        assert got.usage.accepted_tokens == got.usage.drafted_tokens
-    else:  # chained drafts are wrong: rejections (and the module's rollback) happen
-        assert got.usage.accepted_tokens < got.usage.drafted_tokens
+    drafter_checks.accepted_and_rejected_drafts_keep_greedy_output(*echo, k)
 
 
 def test_the_modules_cache_after_rollbacks_is_a_module_fed_the_accepted_sequence(echo, steady_policy):
     """After a generation full of rejected chained drafts, the row's module holds exactly
     the pairs (the target's captured state at t, token t + 1) of the accepted sequence: its
     latent K/V equal those of a fresh module fed the final sequence's pairs in one step."""
-    from fx_engine.core.steps import prefill_step
-
     model, drafter = echo
-    drafter.rows.clear()
-    prompt = [5, 9, 17, 40, 3, 77]
-    got = fx_engine.generate(model, prompt, max_tokens=24, temperature=0.0, draft_model=drafter, num_draft_tokens=4)
-    assert got.usage.drafted_tokens > got.usage.accepted_tokens > 0
-    (row,) = drafter.rows
-    assert row.broken is None and row.fed > len(prompt)
-    seq = prompt + list(got.token_ids)
-    f = row.fed
-    _, _, states = prefill_step(model.params, model.new_cache(1, 64), mx.array([seq], mx.int32),
-                                mx.array([len(seq)], mx.int32), capture=drafter.capture)
-    fresh = drafter.new_cache(64)
-    _, _, fresh = mtp.mtp_forward(drafter.module, drafter.tables, states[:, :f], mx.array([seq[1: f + 1]]), fresh,
-                                  mx.array([f], mx.int32))
-    have = row.cache
-    assert have.lengths.tolist()[0] >= f  # (chained guesses past `fed` are dropped at the next propose)
-    for a, b in ((have.keys[0], fresh.keys[0]), (have.values[0], fresh.values[0])):
-        np.testing.assert_allclose(np.array(a[:, :, :f]), np.array(b[:, :, :f]), rtol=1e-5, atol=1e-5)
-    # the states the last step captured wait for their next tokens; fed now, the module
-    # drafts the token two ahead (right), then repeats it (its chained drafts are wrong)
-    c = row.captured
-    assert f < c < len(seq)
-    assert row.propose(seq[: c + 1], 2).tokens == (seq[c - 1], seq[c - 1])
+
+    def fresh(seq, f, states):
+        return mtp.mtp_forward(drafter.module, drafter.tables, states[:, :f], mx.array([seq[1: f + 1]]),
+                               drafter.new_cache(64), mx.array([f], mx.int32))[2]
+
+    drafter_checks.cache_after_rollbacks_is_fed_the_accepted_sequence(model, drafter, fresh)
 
 
 @pytest.mark.parametrize("which", ["random", "echo", "qwen3_next"])
@@ -135,38 +97,18 @@ def test_batched_rows_equal_each_request_alone(targets, echo, which, steady_poli
     apart, share prefill, decode and verify steps: every request's tokens equal its plain
     greedy run alone."""
     model, drafter = {"random": targets["deepseek_v3"], "echo": echo, "qwen3_next": targets["qwen3_next"]}[which]
-    kinds = [{"draft_model": drafter, "num_draft_tokens": 4}, {}, {"prompt_lookup": PromptLookup(1, 3)},
-             {"draft_model": drafter, "num_draft_tokens": 2}]
-    prompts = [_prompt(model, n, offset=3 * n) for n in (12, 30, 5, 47)]
-    alone = [reference_generate(model, p, max_tokens=16, temperature=0.0).token_ids for p in prompts]
-    engine = fx_engine.Engine(model, max_rows=4, prefill_chunk=16)
-    handles = []
-    for p, kw in zip(prompts, kinds):
-        handles.append(engine.submit(p, max_tokens=16, temperature=0.0, **kw))
-        engine.step()
-    results = [h.result() for h in handles]
-    engine.close()
-    assert [r.token_ids for r in results] == alone
-    assert results[0].usage.drafted_tokens > 0
-    if which == "echo":
-        assert results[0].usage.accepted_tokens > 0
+    drafter_checks.batched_rows_equal_each_request_alone(model, drafter, max_tokens=16, echo=which == "echo")
 
 
 def test_long_prompts_feed_the_module_in_pieces(echo, steady_policy):
     """A prompt longer than FLUSH_AT, prefilled in small chunks, feeds the module early (in
     bounded pieces); a second request sharing its prefix does not restore it (the module
     needs every position's state) and drafts as well."""
-    model, drafter = echo
-    drafter.rows.clear()
-    prompt = [int(x) for x in np.random.default_rng(0).integers(3, 380, size=FLUSH_AT + 40)]
-    ref = reference_generate(model, prompt, max_tokens=10, temperature=0.0)
-    engine = fx_engine.Engine(model, max_rows=2, prefill_chunk=64)
-    for _ in range(2):
-        got = engine.submit(prompt, max_tokens=10, temperature=0.0, draft_model=drafter).result()
-        assert got.token_ids == ref.token_ids and got.usage.accepted_tokens > 0
-        assert got.usage.cached_tokens == 0
-    engine.close()
-    assert all(r.broken is None for r in drafter.rows)
+    drafter_checks.long_prompts_feed_in_pieces(*echo, max_tokens=10, prefill_chunk=64)
+
+
+def test_a_rows_states_feed_early_replace_on_overlap_and_stop_at_a_gap(echo):
+    drafter_checks.rows_feed_early_replace_on_overlap_and_stop_at_a_gap(*echo)
 
 
 def test_grammars_and_sampled_rows_compose(echo, steady_policy):

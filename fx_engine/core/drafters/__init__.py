@@ -8,6 +8,8 @@ target's own hidden states (issue 45).
                 GLM-4.5, Qwen3-Next / Qwen3.5, MiMo; glm4moe GGUF NextN layers): config,
                 params from checkpoint tensors, the pure forward over an fx-engine KV cache
                 (the target family's own decoder layer), greedy chained drafting
+    sampled.py  sampled drafting for both: a sampled row's draft drawn from its head's
+                distribution processed with the row's sampling settings, q for verification
 
 Pure core, like every module under fx_engine/core (tests/core/test_boundary.py).
 """

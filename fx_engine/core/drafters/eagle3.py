@@ -58,8 +58,8 @@ from fx_engine.core.nn import Linear, Numerics, Quant, embed, linear, rms_norm
 from fx_engine.core.tree import CompiledFunction, static_field
 
 __all__ = ["Eagle3Config", "Eagle3Layer", "Eagle3Params", "aux_layers", "cache_specs", "check_target",
-           "config_from_hf", "draft_chain", "draft_logits", "draft_target_ids", "eagle3_forward",
-           "eagle3_params_from_tensors", "greedy_target_ids", "head_step", "head_step_compiled",
+           "config_from_hf", "draft_chain", "draft_logits", "draft_probs_to_target", "draft_target_ids",
+           "eagle3_forward", "eagle3_params_from_tensors", "greedy_target_ids", "head_step", "head_step_compiled",
            "project_target_hidden", "target_logits", "target_probs", "to_target_ids"]
 
 
@@ -423,19 +423,26 @@ def target_probs(p: Eagle3Params, logits: Float[mx.array, "*N Vd"]) -> Float[mx.
     return _scattered(p, mx.softmax(logits.astype(mx.float32), axis=-1, precise=True), 0.0)
 
 
+def draft_probs_to_target(p: Eagle3Params, probs: Float[mx.array, "*N Vd"]) -> Float[mx.array, "*N V"]:
+    """A distribution over the draft vocabulary (a sampled draft's q) over the target's:
+    each draft id's probability at its target id, zero elsewhere."""
+    return _scattered(p, probs.astype(mx.float32), 0.0)
+
+
 # ---------------------------------------------------------------- chained drafting
 
 
 def head_step(
     p: Eagle3Params, table: Linear | None, hidden: Float[mx.array, "B T Hin"], tokens: Int[mx.array, "B T"],
     cache: KVCache, n_valid: Int[mx.array, "B"], span: int | None = None,
-) -> tuple[Int[mx.array, "B"], Float[mx.array, "B H"], KVCache]:
+) -> tuple[Int[mx.array, "B"], Float[mx.array, "B Vd"], Float[mx.array, "B H"], KVCache]:
     """One head step over T pairs per row (hidden: the target's captured states, 3 H_t wide,
     or the head's own previous output, H wide; tokens: the target ids after them), the unit
     an engine drafter chains: the greedy draft (a target id) after each row's last valid pair,
-    the pre-norm hidden state it came from (the next chained step's input) and the cache.
-    Rows with n_valid == 0 are untouched (their outputs meaningless). `table`: the target's
-    embedding table (the head's own is used when the checkpoint ships one)."""
+    the draft-vocabulary logits it is the argmax of (a sampled row draws from them:
+    `sampled.draw`), the pre-norm hidden state they came from (the next chained step's input)
+    and the cache. Rows with n_valid == 0 are untouched (their outputs meaningless). `table`:
+    the target's embedding table (the head's own is used when the checkpoint ships one)."""
     table = p.embed if p.embed is not None else table
     if table is None:
         raise ValueError("head_step: the head has no embedding table of its own: pass the target's")
@@ -443,7 +450,8 @@ def head_step(
     h, cache = eagle3_hidden(p, embed(tokens, table).astype(getattr(mx, p.dtype)), hidden, cache, n_valid, span)
     last = mx.maximum(n_valid - 1, 0)[:, None, None]
     hl = mx.take_along_axis(h, last, axis=1)[:, 0]  # (the logits of the last valid pair only:
-    return greedy_target_ids(p, draft_logits(p, hl)), hl, cache  # a feed of T pairs pays one head)
+    lg = draft_logits(p, hl)  # a feed of T pairs pays one head)
+    return greedy_target_ids(p, lg), lg, hl, cache
 
 
 # the engine's compiled form (keyed on the hidden width, T and span: a few shapes)
