@@ -37,6 +37,15 @@ chat template writes); each image is resized to multiples of 28 pixels and cut i
 patches (loading/images_qwen2_vl.py), its <|image_pad|> becomes t * h * w / merge^2 image
 tokens, and the prompt carries its M-RoPE offsets (`ImagePrompt.rope_offsets`), which
 every prefill piece before the last image's end passes to the step (`step_images`).
+Qwen3-VL: the same prompt (16-pixel patches: multiples of 32 pixels), and each image's
+DeepStack rows (`ImagePrompt.deepstack`) travel with its rows into the step.
+
+Mistral 3 (Pixtral): the placeholder is "[IMG]" (what its chat template writes); each
+image is resized to fit the processor's longest edge in multiples of patch_size *
+spatial_merge_size pixels (loading/images_pixtral.py, no tiling), and the placeholder
+becomes its rows of image tokens, each row ended by [IMG_BREAK], the last by [IMG_END]
+(core/vision/pixtral.prompt_ids; the break / end ids from the tokenizer). `spans` are the
+rows' runs; the images are encoded one at a time (one compiled trace per image size).
 """
 
 from __future__ import annotations
@@ -80,6 +89,9 @@ class ImagePrompt(NamedTuple):
     # prompt's rope_delta; None / 0: plain RoPE
     rope_offsets: Any = None
     rope_delta: int = 0
+    # Qwen3-VL: the images' DeepStack features [L, N * mm, H], rows parallel to `rows`
+    # (core/vision/qwen3_vl.py); None: none
+    deepstack: Any = None
 
     @property
     def rope_until(self) -> int:
@@ -323,8 +335,8 @@ def _vision_of(model: Any) -> Any:
         path = str(getattr(model, "path", "") or "")
         hint = ("a GGUF file holds the text model only: load its mmproj file too (load(..., mmproj=FILE), "
                 "--mmproj FILE; Gemma 3)" if path.lower().endswith(".gguf") else
-                "a text-only model; use a multimodal checkpoint: a Gemma 3, Idefics3, SmolVLM, Qwen2-VL or "
-                "Qwen2.5-VL folder with vision_config")
+                "a text-only model; use a multimodal checkpoint: a Gemma 3, Idefics3, SmolVLM, Qwen2-VL, "
+                "Qwen2.5-VL, Qwen3-VL or Mistral 3 folder with vision_config")
         raise ImageError(f"images were given, but {kind} model {path} has no vision tower ({hint})")
     return vision
 
@@ -351,8 +363,10 @@ def image_prompt_from_text(model: Any, text: str, images: Sequence[Any], *,
     if not images:
         raise ImageError("no images given")
     cfg = vision.config
-    if cfg.model_type in ("qwen2_5_vl", "qwen2_vl"):
+    if cfg.model_type in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"):
         return _qwen2_vl_prompt(model, vision, text, images, cache)
+    if cfg.model_type == "mistral3":
+        return _pixtral_prompt(model, vision, text, images, cache)
     if cfg.model_type != "gemma3":
         return _idefics3_prompt(model, vision, text, images, cache)
     tok = model.tokenizer
@@ -439,8 +453,9 @@ def _qwen2_vl_prompt(model: Any, vision: Any, text: str, images: list[Any], cach
     becomes vision_start + t * h * w / merge^2 image tokens + vision_end (Qwen2_5_VLProcessor's
     expansion; the text between tokenized piece by piece), the images preprocessed
     (loading/images_qwen2_vl.py) and encoded one by one, and the prompt's M-RoPE offsets
-    (core/vision/qwen2_vl.rope_offsets)."""
-    from fx_engine.core.vision import qwen2_vl
+    (core/vision/qwen2_vl.rope_offsets). Qwen3-VL's likewise (its module re-exports these),
+    with its DeepStack rows."""
+    qwen2_vl = _vision_module(vision)  # (qwen2_vl or qwen3_vl: the same prompt side)
     from fx_engine.loading.images_qwen2_vl import Qwen2VLProcessorConfig, preprocess_one
 
     cfg = vision.config
@@ -470,29 +485,98 @@ def _qwen2_vl_prompt(model: Any, vision: Any, text: str, images: list[Any], cach
     digests = tuple(hashlib.sha256(np.ascontiguousarray(p).tobytes() + repr(g).encode()).hexdigest()
                     for p, g in done)
     offsets, delta = qwen2_vl.rope_offsets(ids, grids, cfg)
-    return ImagePrompt(ids, _encode_qwen2_vl(vision, done, digests, cache), spans, digests,
-                       tuple(cfg.image_tokens(g) for g in grids), offsets, delta)
+    rows, deepstack = _encode_qwen2_vl(vision, done, digests, cache)
+    return ImagePrompt(ids, rows, spans, digests, tuple(cfg.image_tokens(g) for g in grids), offsets, delta,
+                       deepstack)
 
 
 def _encode_qwen2_vl(vision: Any, done: Sequence[tuple[np.ndarray, tuple]], digests: Sequence[str],
-                     cache: EncoderCache | None) -> mx.array:
-    """The images' rows [sum of image tokens, H], evaluated: each image encoded alone (one
-    compiled trace per image size; an image encodes alike alone or with others) or taken
-    from `cache`."""
-    from fx_engine.core.vision import qwen2_vl
-
+                     cache: EncoderCache | None) -> tuple[mx.array, mx.array | None]:
+    """The images' rows [sum of image tokens, H] and DeepStack rows [L, sum, H] (Qwen3-VL;
+    else None), evaluated: each image encoded alone (one compiled trace per image size; an
+    image encodes alike alone or with others) or taken from `cache` (Qwen3-VL's cached as
+    one [1 + L, tokens, H] array)."""
+    encode = _vision_module(vision).encode_images_compiled
     have = []
     for (patches, grid), digest in zip(done, digests):
         rows = cache.get(digest) if cache is not None else None
         if rows is None:
-            rows = mx.contiguous(qwen2_vl.encode_images_compiled(vision, mx.array(patches), [grid]))
+            out = encode(vision, mx.array(patches), [grid])
+            if isinstance(out, tuple):  # Qwen3-VL: (rows, deepstack)
+                out = mx.concatenate([out[0][None], out[1]], axis=0)
+            rows = mx.contiguous(out)
+            mx.eval(rows)
+            if cache is not None:
+                cache.put(digest, rows)
+        have.append(rows)
+    axis = 1 if have[0].ndim == 3 else 0
+    rows = mx.concatenate(have, axis=axis) if len(have) > 1 else have[0]
+    mx.eval(rows)  # (the engine's thread reads them)
+    if axis == 0:
+        return rows, None
+    main, deep = mx.contiguous(rows[0]), (mx.contiguous(rows[1:]) if rows.shape[0] > 1 else None)
+    mx.eval(main, *([] if deep is None else [deep]))  # (evaluated here too: no lazy slice crosses threads)
+    return main, deep
+
+
+def _special_id(tok: Any, text: str) -> int:
+    """The id of a special token string (one id, or ImageError)."""
+    ids = list(tok.encode(text, add_special_tokens=False))
+    if len(ids) != 1:
+        raise ImageError(f"the tokenizer does not have {text} as one token (it encodes to {ids}): the image "
+                         "prompt cannot be laid out")
+    return int(ids[0])
+
+
+def _pixtral_prompt(model: Any, vision: Any, text: str, images: list[Any], cache: EncoderCache | None) -> ImagePrompt:
+    """Mistral 3's `image_prompt_from_text`: each "[IMG]" becomes rows of "[IMG]" * cols each
+    ended by "[IMG_BREAK]", the last by "[IMG_END]" (PixtralProcessor's expansion:
+    core/vision/pixtral.py; the text between tokenized piece by piece), the images
+    preprocessed (loading/images_pixtral.py) and encoded one size at a time."""
+    from fx_engine.core.vision import pixtral
+    from fx_engine.loading.images_pixtral import PixtralProcessorConfig, preprocess_one
+
+    cfg = vision.config
+    rules = model.image_processor
+    if not isinstance(rules, PixtralProcessorConfig):
+        rules = PixtralProcessorConfig(longest_edge=cfg.image_size, patch_size=cfg.patch_size,
+                                       merge_size=cfg.spatial_merge_size)
+    tok = model.tokenizer
+    pieces = text.split(pixtral.PLACEHOLDER)
+    if len(pieces) - 1 != len(images):
+        raise ImageError(f"the rendered prompt has {len(pieces) - 1} {pixtral.PLACEHOLDER} placeholder(s) for "
+                         f"{len(images)} image(s) (does a text part contain the placeholder?)")
+    if _special_id(tok, pixtral.PLACEHOLDER) != cfg.image_token_index:
+        raise ImageError(f"the tokenizer's {pixtral.PLACEHOLDER} is not config.json's image_token_index "
+                         f"({cfg.image_token_index})")
+    brk, end = _special_id(tok, pixtral.BREAK_TEXT), _special_id(tok, pixtral.END_TEXT)
+    pixels = [preprocess_one(im, rules, f"image {i}") for i, im in enumerate(images)]
+    grids = [cfg.token_grid(p.shape[1], p.shape[2]) for p in pixels]
+
+    def encoded(piece: str) -> list[int]:
+        return list(tok.encode(piece, add_special_tokens=False)) if piece else []
+
+    ids = encoded(pieces[0])
+    for (r, c), piece in zip(grids, pieces[1:]):
+        ids += pixtral.prompt_ids(cfg, r, c, brk, end) + encoded(piece)
+    try:
+        spans = pixtral.image_token_runs(ids, cfg, grids)
+    except ValueError as e:  # e.g. an [IMG] token written in a text part
+        raise ImageError(str(e)) from e
+    digests = tuple(hashlib.sha256(np.ascontiguousarray(p).tobytes() + repr(p.shape).encode()).hexdigest()
+                    for p in pixels)
+    have = []
+    for p, digest in zip(pixels, digests):
+        rows = cache.get(digest) if cache is not None else None
+        if rows is None:  # (one compiled trace per image size)
+            rows = mx.contiguous(pixtral.encode_images_compiled(vision, mx.array(p[None]))[0])
             mx.eval(rows)
             if cache is not None:
                 cache.put(digest, rows)
         have.append(rows)
     rows = mx.concatenate(have, axis=0) if len(have) > 1 else have[0]
     mx.eval(rows)  # (the engine's thread reads them)
-    return rows
+    return ImagePrompt(ids, rows, spans, digests, tuple(r * c for r, c in grids))
 
 
 def prefix_key(image: ImagePrompt | None, tokens: Sequence[int]) -> list[int]:
@@ -546,7 +630,7 @@ def step_images(pieces: Sequence[tuple[Any, int, int]], token_index: int) -> Any
     from fx_engine.core.vision.splice import ImageInput
 
     parts, starts, used, offset = [], [], False, 0
-    tables, pos_starts, columns = [], [], 0
+    tables, pos_starts, columns, deep = [], [], 0, []
     for req, start, n in pieces:
         ip = getattr(req, "image", None)
         if ip is None or ip.rope_offsets is None:
@@ -561,6 +645,7 @@ def step_images(pieces: Sequence[tuple[Any, int, int]], token_index: int) -> Any
             continue
         starts.append(offset + sum(min(b, start) - a for a, b in ip.spans if a < start))
         parts.append(ip.rows)
+        deep.append(getattr(ip, "deepstack", None))
         offset += int(ip.rows.shape[0])
         used = used or any(a < start + n and start < b for a, b in ip.spans)
     if not used:
@@ -574,6 +659,11 @@ def step_images(pieces: Sequence[tuple[Any, int, int]], token_index: int) -> Any
         table = np.zeros((3, pow2_ceil(columns, 64)), np.int32)
         table[:, :columns] = np.concatenate(tables, axis=1)
         pos = {"positions": mx.array(table), "position_start": mx.array(pos_starts, mx.int32)}
+    if any(d is not None for d in deep):  # Qwen3-VL's DeepStack rows, parallel to the rows
+        stack = mx.concatenate(deep, axis=1) if len(deep) > 1 else deep[0]
+        if pad:
+            stack = mx.concatenate([stack, mx.zeros((stack.shape[0], pad, stack.shape[2]), stack.dtype)], axis=1)
+        pos["deepstack"] = stack
     return ImageInput(rows=rows, start=mx.array(starts, mx.int32), token_index=token_index, **pos)
 
 
@@ -608,6 +698,9 @@ def engine_image_prompt(model: Any, messages: Any, kwargs_list: Sequence[dict[st
         image = messages
         if model.vision is None:
             raise ValueError("images: this engine's model has no vision tower")
+        if getattr(model.vision.config, "deepstack_visual_indexes", ()) and image.deepstack is None:
+            raise ValueError("images: this Qwen3-VL model's ImagePrompt needs its DeepStack rows "
+                             "(ImagePrompt.deepstack: make it with image_prompt / image_prompt_from_text)")
     else:
         image = image_prompt(model, messages, cache=cache)
     run = max(b - a for a, b in image.spans)  # (Qwen2(.5)-VL's images differ in size: the largest)

@@ -404,10 +404,14 @@ def _load_image_path(folder: Path, raw: dict[str, Any], dtype: Any, keep: Any,
         with working(f"loading {folder.name}'s vision tower"):
             vision = load_vision(folder, dtype, keep, numerics)
             mx.eval(tree_leaves(vision))
-        if raw.get("model_type") in ("qwen2_5_vl", "qwen2_vl"):  # (no fixed image size: its own rules)
+        if raw.get("model_type") in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"):  # (no fixed image size: its own rules)
             from fx_engine.loading.images_qwen2_vl import folder_processor_config
 
             return vision, folder_processor_config(folder, vision.config)
+        if raw.get("model_type") == "mistral3":  # (Pixtral: any image size, its own rules)
+            from fx_engine.loading.images_pixtral import folder_processor_config as pixtral_rules
+
+            return vision, pixtral_rules(folder, vision.config)
         size = vision.config.image_size
         if (folder / "preprocessor_config.json").exists():
             processor = read_processor_config(folder, size)

@@ -7,7 +7,8 @@ and this image path onto `Model.vision` (with the folder's preprocessing rules o
 `Model.image_processor`); `fx_engine.generate(model, messages_with_images)`
 (engine/image_prompt.py) encodes the images and prefills the text model with their rows
 (`core.vision.splice.ImageInput`). Gemma 3 (`gemma3`), Idefics3 / SmolVLM (`idefics3`,
-`smolvlm`) and Qwen2.5-VL / Qwen2-VL (`qwen2_5_vl`, `qwen2_vl`): `core.vision.VISION_MODULES`.
+`smolvlm`), Qwen2.5-VL / Qwen2-VL (`qwen2_5_vl`, `qwen2_vl`) and Qwen3-VL (`qwen3_vl`):
+`core.vision.VISION_MODULES`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 (`write_tiny_gemma3_vlm`, model_type `gemma3`: a text model under text_config, a SigLIP tower
 under vision_config) and Idefics3 / SmolVLM (`write_tiny_idefics3`: a Llama text model, the
 tower, the pixel-shuffle connector, tiles of 32 pixels) and Qwen2.5-VL / Qwen2-VL
-(`write_tiny_qwen2_vl`: a Qwen2 text model with M-RoPE, the window-attention tower).
+(`write_tiny_qwen2_vl`: a Qwen2 text model with M-RoPE, the window-attention tower) and
+Mistral 3 (`write_tiny_mistral3`: a Mistral text model, the Pixtral tower and projector).
 
 The folder: config.json (text_config: a tiny `gemma3_text`, vision_config: a tiny SigLIP,
 the projector's mm_tokens_per_image and the image token ids inside the tiny vocabulary),
@@ -228,6 +229,160 @@ def write_tiny_qwen2_vl(folder: str | Path, model_type: str = "qwen2_5_vl", layo
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     (folder / "preprocessor_config.json").write_text(json.dumps({**QWEN2_VL_PREPROCESSOR, **(preprocessor or {})}))
+    (folder / "tokenizer.json").write_text(_tokenizer_json(text["vocab_size"], QWEN2_VL_SPECIALS))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
+        "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+# ---------------------------------------------------------------- Mistral 3 (Pixtral)
+
+MISTRAL3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+MISTRAL3_IMAGE_ID = MISTRAL3_SPECIALS.index("[IMG]")
+#: the tiny Pixtral tower: patches of 4 pixels, merged 2 x 2 (8 pixels an image token), at
+#: most 16 x 16 patches (images resized to a longest edge of 64)
+MISTRAL3_VISION = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "head_dim": 8, "patch_size": 4, "image_size": 64,
+                   "rope_theta": 10000.0, "hidden_act": "silu", "num_channels": 3}
+MISTRAL3_PREPROCESSOR = {"image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+                         "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+                         "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                         "image_std": [0.26862954, 0.26130258, 0.27577711], "patch_size": {"height": 4, "width": 4},
+                         "resample": 3, "rescale_factor": 1 / 255, "size": {"longest_edge": 64}}
+
+
+def tiny_mistral3_config(vision: dict[str, Any] | None = None, **top: Any) -> dict[str, Any]:
+    """config.json of a tiny Mistral 3 (a `mistral` text model, the tiny Pixtral tower with
+    `vision`'s overrides)."""
+    text = tiny_config("mistral", tie_word_embeddings=False, head_dim=16)  # (mlx-vlm's Mistral reads head_dim)
+    text.pop("architectures", None)
+    return {"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"], "text_config": text,
+            "vision_config": {**MISTRAL3_VISION, **(vision or {})}, "image_token_index": MISTRAL3_IMAGE_ID,
+            "spatial_merge_size": 2, "multimodal_projector_bias": False, "projector_hidden_act": "gelu",
+            "vision_feature_layer": -1, "vocab_size": text["vocab_size"], "eos_token_id": 2, "bos_token_id": 1,
+            "tie_word_embeddings": False, **top}
+
+
+def write_tiny_mistral3(folder: str | Path, layout: str = "hf", seed: int = 0,
+                        preprocessor: dict | None = None, **top: Any) -> Path:
+    """A random-weight Mistral 3 folder: the tiny `mistral` text model and the tiny Pixtral
+    tower and projector (core/vision/pixtral.checkpoint_layout; every layer of the tower,
+    whatever vision_feature_layer says). Its tensors are exactly those mlx-vlm 0.7.10's
+    `mistral3.Model` has for this config (tests/models/test_mistral3_vision.py checks
+    names and shapes against its classes; mlx-vlm is not imported here). layout "hf":
+    transformers >= 4.52's names (model.vision_tower.*, model.multi_modal_projector.*,
+    model.language_model.*, lm_head.*; the patch conv [hidden, C, p, p]); "legacy":
+    earlier transformers' (vision_tower.*, multi_modal_projector.*, language_model.model.*,
+    language_model.lm_head.*); "mlx": mlx-vlm's conversions' (vision_tower.vision_model.*,
+    multi_modal_projector.*, language_model.*; the patch conv channels last). top:
+    config.json overrides (multimodal_projector_bias=True, vision_feature_layer=...,
+    vision={...}: vision_config's)."""
+    from fx_engine.core.vision import pixtral
+
+    if layout not in ("hf", "legacy", "mlx"):
+        raise ValueError(f"layout must be 'hf', 'legacy' or 'mlx', got {layout!r}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_mistral3_config(**top)
+    weights = {}
+    for name, w in _weights(cfg["text_config"], mx.float32, seed).items():
+        if name.startswith("model."):
+            name = {"hf": "model.language_model.", "legacy": "language_model.model.",
+                    "mlx": "language_model.model."}[layout] + name[len("model."):]
+        else:  # lm_head.weight
+            name = name if layout == "hf" else "language_model." + name
+        weights[name] = w
+    tower, proj = {"hf": ("model.vision_tower.", "model.multi_modal_projector."),
+                   "legacy": ("vision_tower.", "multi_modal_projector."),
+                   "mlx": ("vision_tower.vision_model.", "multi_modal_projector.")}[layout]
+    vcfg = pixtral.config_from_hf({**cfg, "vision_feature_layer": -1}, "tiny")  # (every layer stored)
+    spec = pixtral.checkpoint_layout(vcfg, tower, proj)
+    keys = iter(mx.random.split(mx.random.key(seed + 7919), len(spec)))
+    for name, s in spec.items():
+        w = s.center + s.scale * mx.random.normal(s.shape, key=next(keys))
+        if layout == "mlx" and name.endswith("patch_conv.weight"):
+            w = mx.contiguous(w.transpose(0, 2, 3, 1))
+        weights[name] = w
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    (folder / "preprocessor_config.json").write_text(json.dumps({**MISTRAL3_PREPROCESSOR, **(preprocessor or {})}))
+    (folder / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": cfg["vision_config"]["patch_size"],
+        "spatial_merge_size": cfg["spatial_merge_size"], "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
+        "image_end_token": "[IMG_END]"}))
+    (folder / "tokenizer.json").write_text(_tokenizer_json(cfg["text_config"]["vocab_size"], MISTRAL3_SPECIALS))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
+        "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+# ---------------------------------------------------------------- Qwen3-VL
+
+#: the tiny Qwen3-VL tower: patch 4, merge 2 (8 pixels a merged token), a 4 x 4 learned
+#: position grid, DeepStack features from blocks 0 and 2 (into the tiny text model's two
+#: layers), out_hidden_size = the tiny text model's hidden size
+QWEN3_VL_VISION = {"model_type": "qwen3_vl", "depth": 3, "hidden_size": 32, "intermediate_size": 48,
+                   "num_heads": 2, "out_hidden_size": 64, "patch_size": 4, "temporal_patch_size": 2,
+                   "spatial_merge_size": 2, "in_channels": 3, "num_position_embeddings": 16,
+                   "deepstack_visual_indexes": [0, 2], "hidden_act": "gelu_pytorch_tanh"}
+#: Qwen3-VL's preprocessor_config.json form (size.shortest_edge / longest_edge, mean = std =
+#: 0.5) at the tiny geometry
+QWEN3_VL_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "do_convert_rgb": True,
+                         "do_normalize": True, "do_rescale": True, "do_resize": True,
+                         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                         "size": {"shortest_edge": 16 * 16, "longest_edge": 48 * 48}, "patch_size": 4,
+                         "temporal_patch_size": 2, "merge_size": 2, "resample": 3, "rescale_factor": 1 / 255}
+#: the tiny text model's interleaved M-RoPE sections (head_dim 16: 8 frequencies; t h w t h w t t)
+QWEN3_VL_MROPE = [4, 2, 2]
+
+
+def write_tiny_qwen3_vl(folder: str | Path, seed: int = 0, preprocessor: dict | None = None,
+                        vision: dict | None = None, layout: str = "hf") -> Path:
+    """A random-weight Qwen3-VL folder as transformers >= 4.57 writes it (text_config with
+    rope_scaling {mrope_section, mrope_interleaved}; model.language_model.*, model.visual.*,
+    lm_head.*): a tiny Qwen3 text model (q / k norms) and the tiny tower with its DeepStack
+    mergers. mlx-vlm reads it (the oracle). layout "mlx": as mlx-vlm's conversions store it
+    (language_model.model.*, language_model.lm_head.*, vision_tower.*, the patch conv's
+    weight channels last)."""
+    if layout not in ("hf", "mlx"):
+        raise ValueError(f"layout must be 'hf' or 'mlx', got {layout!r}")
+    from fx_engine.core.vision import qwen3_vl
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    text = tiny_config("qwen3", tie_word_embeddings=False,
+                       rope_scaling={"rope_type": "default", "mrope_section": list(QWEN3_VL_MROPE),
+                                     "mrope_interleaved": True})
+    text.pop("architectures", None)
+    cfg = {"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
+           "text_config": {**text, "model_type": "qwen3_vl_text"},
+           "vision_config": {**QWEN3_VL_VISION, **(vision or {})},
+           **QWEN2_VL_IDS, "vocab_size": text["vocab_size"], "tie_word_embeddings": False}
+    weights = {}
+    for name, w in _weights(text, mx.float32, seed).items():
+        weights[("model.language_model." + name[len("model."):]) if name.startswith("model.") else name] = w
+    layout_v = qwen3_vl.checkpoint_layout(qwen3_vl.config_from_hf(cfg))
+    keys = iter(mx.random.split(mx.random.key(seed + 7919), len(layout_v)))
+    for name, spec in layout_v.items():
+        weights[name] = spec.center + spec.scale * mx.random.normal(spec.shape, key=next(keys))
+    if layout == "mlx":
+        renamed = {}
+        for name, w in weights.items():
+            if name.startswith("model.visual."):
+                name = "vision_tower." + name[len("model.visual."):]
+                if name.endswith("patch_embed.proj.weight"):
+                    w = mx.contiguous(w.transpose(0, 2, 3, 4, 1))
+            elif name.startswith("model.language_model."):
+                name = "language_model.model." + name[len("model.language_model."):]
+            else:
+                name = "language_model." + name
+            renamed[name] = w
+        weights = renamed
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    (folder / "preprocessor_config.json").write_text(json.dumps({**QWEN3_VL_PREPROCESSOR, **(preprocessor or {})}))
     (folder / "tokenizer.json").write_text(_tokenizer_json(text["vocab_size"], QWEN2_VL_SPECIALS))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,

@@ -13,7 +13,9 @@ unread here: the drafter's loader reads them (fx_engine.core.drafters.mtp).
 Qwen2-VL / Qwen2.5-VL checkpoints (model_types "qwen2_vl", "qwen2_5_vl") run their Qwen2
 text model here; a prefill step of an image prompt rotates with M-RoPE over 3-D position
 ids (core/models/mrope.py; the prompt side: core/vision/qwen2_vl.py), every other step
-with plain RoPE.
+with plain RoPE. Qwen3-VL ("qwen3_vl") runs its Qwen3 text model likewise, with the
+M-RoPE frequencies interleaved and its DeepStack rows (`ImageInput.deepstack`) added at
+the image tokens after the first layers (core/vision/qwen3_vl.py).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from fx_engine.core.models.skeleton import (PipelineStage, cut_layers, decoder_s
 from fx_engine.core.nn import Linear, Numerics, linear
 from fx_engine.core.splits import shard_decoder
 from fx_engine.core.tree import static_field
-from fx_engine.core.vision.splice import check_image_input, splice_images, step_positions
+from fx_engine.core.vision.splice import check_image_input, deepstack_adder, splice_images, step_positions
 
 
 @attrs.frozen
@@ -75,6 +77,9 @@ class LlamaConfig(BaseConfig):
     # frequencies take their angle from the temporal, height and width position ids
     # (core/models/mrope.py; only steps with image positions use it: text is plain RoPE)
     mrope_section: tuple[int, ...] = ()
+    # Qwen3-VL's M-RoPE layout: the sections' frequencies interleaved (t h w t h w ...)
+    # instead of consecutive (core/models/mrope.py)
+    mrope_interleaved: bool = False
 
     @property
     def rope_type(self) -> str:
@@ -117,6 +122,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
     head_dim = positive_int(d.get("head_dim") or hidden // heads, "head_dim", source)
     scaling, mrope = _mrope_section(scaling, d.get("rope_parameters") or {}, head_dim, source)
     extra: dict[str, Any] = {"mrope_section": mrope} if mrope else {}
+    if mrope and _mrope_interleaved(d):
+        extra["mrope_interleaved"] = True
     if "sliding_attention" in types:
         extra.update(layer_types=tuple(types), sliding_window=window)
     if model_type == "ministral3":
@@ -168,6 +175,13 @@ def _mrope_section(scaling: dict[str, Any] | None, rope_params: dict[str, Any], 
         raise ConfigError(f"{source}: rope_scaling type {kind!r} with mrope_section is not supported (M-RoPE "
                           "takes no scaling)")
     return None, tuple(section)
+
+
+def _mrope_interleaved(d: dict[str, Any]) -> bool:
+    """Whether a text config's M-RoPE is interleaved: Qwen3-VL's always is (its wrapper
+    sets `mrope_interleaved`; checkpoints also write it in rope_scaling / rope_parameters)."""
+    return bool(d.get("mrope_interleaved") or (d.get("rope_scaling") or {}).get("mrope_interleaved")
+                or (d.get("rope_parameters") or {}).get("mrope_interleaved"))
 
 
 def _query_temperature(rope_params: dict[str, Any], source: str) -> dict[str, Any]:
@@ -355,11 +369,13 @@ def forward(
     images: a `vision.splice.ImageInput` (Idefics3 / SmolVLM's and Qwen2(.5)-VL's text
     models: the step's image rows replace the embeddings at the image token positions;
     attention stays causal, its `bidirectional` is not read; with `positions`, Qwen2(.5)-VL's
-    M-RoPE over the 3-D position ids instead of RoPE); None: text only, the graph unchanged.
+    M-RoPE over the 3-D position ids instead of RoPE; with `deepstack` (Qwen3-VL), feature
+    i added at the image tokens after layer i); None: text only, the graph unchanged.
     """
     embedded = _embedded if images is None else _spliced(p, tokens, images)
     if images is not None and images.positions is not None:  # Qwen2(.5)-VL: M-RoPE over 3-D ids
         rope_fn = _mrope(p, images)
+    deep = None if images is None or images.deepstack is None else deepstack_adder(tokens, images)
 
     def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
         rope = (rope_fn or scaled_rope)(p, geo.positions)  # shared by every layer
@@ -368,6 +384,8 @@ def forward(
         for i, (lp, entry, spec) in enumerate(zip(p.layers, cache.layers, cache.layout)):
             geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)
             h, entry = (layer_fn or decoder_layer)(p, lp, h, entry, spec, None if i in nope else rope, geo)
+            if deep is not None and i < deep.layers:  # Qwen3-VL's DeepStack features at the image tokens
+                h = deep(i, h)
             entries.append(entry)
         return h, entries
 
@@ -610,7 +628,10 @@ FAMILY = Family(
               # Idefics3 / SmolVLM(2): a Llama text model (images: core/vision/idefics3.py)
               "idefics3": ("llama", {}), "smolvlm": ("llama", {}),
               # Qwen2(.5)-VL: a Qwen2 text model with M-RoPE (images: core/vision/qwen2_vl.py)
-              "qwen2_5_vl": ("qwen2", {}), "qwen2_vl": ("qwen2", {})},
+              "qwen2_5_vl": ("qwen2", {}), "qwen2_vl": ("qwen2", {}),
+              # Qwen3-VL: a Qwen3 text model with interleaved M-RoPE and DeepStack (images:
+              # core/vision/qwen3_vl.py)
+              "qwen3_vl": ("qwen3", {"mrope_interleaved": True})},
     config_type=LlamaConfig, params_type=Params, config_from_hf=config_from_hf,
     assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,

@@ -6,6 +6,11 @@ taking its angles from position row i (transformers' Qwen2_5_VLRotaryEmbedding; 
 `MRoPERotaryEmbedding(style="chunked")`). The frequencies are plain RoPE's (rope_theta, no
 scaling), applied rotate-half style.
 
+Qwen3-VL interleaves the sections instead (`LlamaConfig.mrope_interleaved`; transformers'
+Qwen3VLTextRotaryEmbedding.recomposition_frequencies, mlx-vlm's style="interleaved"):
+frequency j reads the height row where j % 3 == 1 and j < 3 * section[1], the width row
+where j % 3 == 2 and j < 3 * section[2], the temporal row otherwise.
+
 A token whose three ids are equal (every text token) is rotated exactly as plain RoPE
 rotates it at that position (the same angles, the same float32 products), so text-only
 steps keep `blocks.scaled_rope` and its graph.
@@ -20,6 +25,17 @@ import numpy as np
 from jaxtyping import Float, Int
 
 
+def frequency_rows(section: Any, interleaved: bool = False) -> np.ndarray:
+    """int32 [head_dim / 2]: the position row (0 t, 1 h, 2 w) each rotary frequency reads."""
+    if not interleaved:
+        return np.repeat(np.arange(3), section).astype(np.int32)
+    half = int(sum(section))
+    rows = np.zeros(half, np.int32)
+    for dim in (1, 2):
+        rows[dim:min(3 * int(section[dim]), half):3] = dim
+    return rows
+
+
 def mrope_tables(p: Any, positions: Int[mx.array, "3 B T"]) -> tuple[
         Float[mx.array, "B T 1 D"], Float[mx.array, "B T 1 D"], Float[mx.array, "D D"]]:
     """`nn.rope_tables`' (cos, signed sin, pair permutation) for 3-D position ids, in the
@@ -28,7 +44,7 @@ def mrope_tables(p: Any, positions: Int[mx.array, "3 B T"]) -> tuple[
     d = cfg.head_dim
     half = d // 2
     # the position row (t, h, w) each frequency reads: section sizes from the config
-    which = mx.array(np.repeat(np.arange(3), cfg.mrope_section).astype(np.int32))
+    which = mx.array(frequency_rows(cfg.mrope_section, getattr(cfg, "mrope_interleaved", False)))
     inv = mx.power(mx.array(cfg.rope_theta, mx.float32), -mx.arange(0, d, 2, dtype=mx.float32) / d)
     pos = mx.take(positions, which, axis=0)  # [D/2, B, T]
     theta = pos.transpose(1, 2, 0).astype(mx.float32) * inv  # [B, T, D/2]

@@ -15,6 +15,12 @@ pixels to the text model's image token embeddings.
 * qwen2_vl.py: Qwen2.5-VL's and Qwen2-VL's vision transformer (window attention, 2-D
   rotary, patch merger), the prompt's image-token runs and its 3-D (M-RoPE) positions
   (a Qwen2 text model: core/models/llama.py with core/models/mrope.py).
+* qwen3_vl.py: Qwen3-VL's vision transformer (learned position grid, DeepStack mergers;
+  `encode_images` returns (rows, deepstack)); the prompt side is qwen2_vl.py's (a Qwen3 text
+  model with interleaved M-RoPE and DeepStack: core/models/llama.py).
+* pixtral.py: Mistral 3's (`mistral3`) Pixtral tower (2-D rotary), projector with its
+  patch merger, and the prompt's [IMG] / [IMG_BREAK] / [IMG_END] layout (a Mistral text
+  model; images of any size: `encode_images(params, pixels)` per image size).
 * splice.py: `ImageInput` and the splice of image rows into the token embeddings (any
   family).
 
@@ -28,11 +34,13 @@ from types import ModuleType
 from typing import Any
 
 from fx_engine.core.config import ConfigError
-from fx_engine.core.vision import gemma3, idefics3, qwen2_vl, siglip, splice
+from fx_engine.core.vision import gemma3, idefics3, pixtral, qwen2_vl, qwen3_vl, siglip, splice
 
 #: multimodal config.json model_type -> the module that runs its image path
 VISION_MODULES: dict[str, ModuleType] = {gemma3.MODEL_TYPE: gemma3, **{mt: idefics3 for mt in idefics3.MODEL_TYPES},
-                                          **{mt: qwen2_vl for mt in qwen2_vl.MODEL_TYPES}}
+                                          **{mt: qwen2_vl for mt in qwen2_vl.MODEL_TYPES},
+                                          **{mt: pixtral for mt in pixtral.MODEL_TYPES},
+                                          **{mt: qwen3_vl for mt in qwen3_vl.MODEL_TYPES}}
 
 
 def vision_module(d: dict[str, Any], source: str = "config.json") -> ModuleType:
@@ -50,4 +58,5 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Any:
     return vision_module(d, source).config_from_hf(d, source)
 
 
-__all__ = ["VISION_MODULES", "config_from_hf", "gemma3", "idefics3", "qwen2_vl", "siglip", "splice", "vision_module"]
+__all__ = ["VISION_MODULES", "config_from_hf", "gemma3", "idefics3", "pixtral", "qwen2_vl", "qwen3_vl", "siglip", "splice",
+           "vision_module"]

@@ -62,7 +62,12 @@ class ImageInput:
     rotary position ids minus its cache position (`vision.qwen2_vl.rope_offsets`: zero for
     the text after the last image); row b's token t reads column position_start[b] + t, a
     row with position_start < 0 none (its three ids are its cache position).
-    `step_positions` turns them into the step's [3, B, T] ids."""
+    `step_positions` turns them into the step's [3, B, T] ids.
+
+    deepstack (Qwen3-VL's DeepStack; None: none): [L, M, H] rows parallel to `rows` (image
+    token k of the step reads row k of each, by the same `start`); the text model adds
+    deepstack[i] at the image tokens to its hidden states after decoder layer i
+    (`deepstack_adder`)."""
 
     rows: Float[mx.array, "M H"]
     start: Int[mx.array, "B"]
@@ -70,6 +75,7 @@ class ImageInput:
     bidirectional: bool = static_field(default=True)
     positions: Int[mx.array, "3 P"] | None = None
     position_start: Int[mx.array, "B"] | None = None
+    deepstack: Float[mx.array, "L M H"] | None = None
 
 
 def step_positions(images: ImageInput, positions: Int[mx.array, "B T"]) -> Int[mx.array, "3 B T"]:
@@ -83,6 +89,31 @@ def step_positions(images: ImageInput, positions: Int[mx.array, "B T"]) -> Int[m
     idx = mx.clip(start[:, None] + mx.arange(t, dtype=mx.int32)[None, :], 0, table.shape[1] - 1)  # [B, T]
     offsets = mx.where((start >= 0)[None, :, None], table[:, idx], 0)  # [3, B, T]
     return positions[None].astype(mx.int32) + offsets
+
+
+class DeepstackAdder:
+    """`deepstack_adder`'s result: adder(i, h [B*T, H]) -> h with images.deepstack[i]
+    added at the step's image tokens (elsewhere h unchanged, bit for bit); `layers` = L."""
+
+    def __init__(self, tokens: mx.array, images: ImageInput):
+        deep = images.deepstack
+        self.layers = int(deep.shape[0])
+        self.rows = deep.reshape(self.layers, -1, deep.shape[-1])
+        is_image = tokens == images.token_index
+        seen = mx.cumsum(is_image.astype(mx.int32), axis=1)
+        idx = mx.clip(images.start.astype(mx.int32)[:, None] + seen - 1, 0, self.rows.shape[1] - 1)
+        self.mask = is_image.reshape(-1, 1)
+        self.index = idx.reshape(-1)
+
+    def __call__(self, i: int, h: mx.array) -> mx.array:
+        return mx.where(self.mask, h + self.rows[i][self.index].astype(h.dtype), h)
+
+
+def deepstack_adder(tokens: Int[mx.array, "B T"], images: ImageInput) -> DeepstackAdder:
+    """What a text model's layer loop calls after layer i < adder.layers (Qwen3-VL's
+    DeepStack; mlx-vlm's `_deepstack_process`, transformers' `Qwen3VLTextModel._deepstack_process`:
+    the visual features added at the image positions, after the layer)."""
+    return DeepstackAdder(tokens, images)
 
 
 def check_image_input(images: Any, rows: int, hidden: int) -> ImageInput:
@@ -105,4 +136,8 @@ def check_image_input(images: Any, rows: int, hidden: int) -> ImageInput:
         if images.position_start.ndim != 1 or images.position_start.shape[0] != rows:
             raise ValueError(f"images.position_start must be int32[{rows}], got shape "
                              f"{tuple(images.position_start.shape)}")
+    d = images.deepstack
+    if d is not None and (d.ndim != 3 or d.shape[-1] != hidden or d.shape[1] != r.size // hidden):
+        raise ValueError(f"images.deepstack must be [L, {r.size // hidden}, {hidden}] (rows parallel to "
+                         f"images.rows), got shape {tuple(d.shape)}")
     return attrs.evolve(images, rows=r.reshape(-1, hidden)) if r.ndim == 3 else images
