@@ -100,6 +100,65 @@ def deinterleave16(w: "mx.array") -> "mx.array":
     return mx.contiguous(w.reshape(n // 16, words // 4, 4, 16).transpose(0, 3, 1, 2).reshape(n, words))
 
 
+def _unpack6(w: "mx.array") -> "mx.array":
+    """MLX's 6-bit packing (a little-endian bit stream, 4 values per 3 bytes) [N, words] ->
+    the values [N, K] as uint32 0..63."""
+    n = w.shape[0]
+    b = w.view(mx.uint8).reshape(n, -1, 3).astype(mx.uint32)
+    b0, b1, b2 = b[..., 0], b[..., 1], b[..., 2]
+    v = mx.stack([b0 & 63, (b0 >> 6) | ((b1 & 15) << 2), (b1 >> 4) | ((b2 & 3) << 4), b2 >> 2], axis=-1)
+    return v.reshape(n, -1)
+
+
+def _pack6(v: "mx.array") -> "mx.array":
+    """`_unpack6`'s inverse: values [N, K] (0..63) -> MLX's 6-bit words [N, K * 6 / 32]."""
+    n = v.shape[0]
+    q = v.astype(mx.uint32).reshape(n, -1, 4)
+    v0, v1, v2, v3 = q[..., 0], q[..., 1], q[..., 2], q[..., 3]
+    b = mx.stack([v0 | ((v1 & 3) << 6), (v1 >> 2) | ((v2 & 15) << 4), (v2 >> 4) | (v3 << 2)], axis=-1)
+    return b.astype(mx.uint8).reshape(n, -1).view(mx.uint32)
+
+
+def _shifts(n: int, step: int) -> "mx.array":
+    return mx.arange(0, n * step, step, dtype=mx.uint32)
+
+
+def interleave16_planes(w: "mx.array") -> "mx.array":
+    """A 6-bit packed weight [N, words] (N a multiple of 16, K = words * 32 / 6 a multiple
+    of 32) in qmm_a8's planes layout (the runtime's il6_base): per block of 16 rows and per
+    32-k step, 96 words: the values' low 4 bits as 4 words per row in 4-bit packing (nibble
+    j of word i = value 8i + j), [word][row]; then their high 2 bits as 2 words per row
+    (byte b of word p holds at bits 2i the high bits of value 8i + 2b + p), [word][row]. So
+    the 8-bit mode's few-row product reads one contiguous stream and builds each weight
+    byte with a shift, a mask and an or. The same shape and bit count; a pure op."""
+    n, words = w.shape
+    if n % 16 or (words * 32) % (6 * 32):
+        raise ValueError(f"interleave16_planes: needs rows a multiple of 16 and K a multiple of 32, "
+                         f"got {tuple(w.shape)}")
+    v = _unpack6(w).reshape(n, -1, 4, 8)  # [N, steps, i, j]: value 8i + j of the step
+    lo = ((v & 15) << _shifts(8, 4)).sum(-1).astype(mx.uint32)  # [N, S, 4]
+    hi = (v >> 4).reshape(n, -1, 4, 4, 2)  # [N, S, i, b, p]: value 8i + 2b + p
+    hi = (hi << (_shifts(4, 2)[:, None, None] + _shifts(4, 8)[None, :, None])).sum((2, 3)).astype(mx.uint32)
+    words6 = mx.concatenate([lo, hi], axis=-1)  # [N, S, 6]
+    return mx.contiguous(words6.reshape(n // 16, 16, -1, 6).transpose(0, 2, 3, 1).reshape(n, words))
+
+
+def deinterleave16_planes(w: "mx.array") -> "mx.array":
+    """`interleave16_planes`' inverse: the 6-bit weight back in rows (MLX's packing)."""
+    n, words = w.shape
+    blk = w.reshape(n // 16, -1, 6, 16).transpose(0, 3, 1, 2).reshape(n, -1, 6)  # [N, S, 6]
+    lo = (blk[..., :4, None] >> _shifts(8, 4)) & 15  # [N, S, i, j]
+    hi = (blk[..., 4:, None, None] >> (_shifts(4, 2)[:, None] + _shifts(4, 8)[None, :])) & 3  # [N, S, p, i, b]
+    hi = hi.transpose(0, 1, 3, 4, 2).reshape(lo.shape)  # [N, S, i, 2b + p]
+    return _pack6((lo | (hi << 4)).reshape(n, -1))
+
+
+def il_planes() -> bool:
+    """Whether this build's qmm_a8 reads 6-bit weights in the planes layout
+    (`interleave16_planes`: AVX-512 VNNI builds)."""
+    return bool(getattr(_module(), "il_planes", False))
+
+
 def interleave16_groups(a: "mx.array", inverse: bool = False) -> "mx.array":
     """Per-group scales or biases [N, groups] (float32, float16 or bfloat16) in the order an
     interleaved weight's product reads them: per block of 16 rows, [group][row] (inverse:

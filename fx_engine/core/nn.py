@@ -242,17 +242,27 @@ def _rows_layout(lin: Linear) -> None:
                          "activation mode's): only that mode's native product reads it")
 
 
+def _planes(q: Any, weight: mx.array) -> bool:
+    """Whether a 6-bit weight goes (or went) in qmm_a8's planes layout."""
+    return q.bits == 6 and weight.ndim == 2 and (weight.shape[1] * 32 // 6) % 32 == 0
+
+
 def interleave_for_a8(lin: Linear) -> Linear:
     """`lin` with its packed weight in qmm_a8's interleaved layout where that kernel reads it
-    (a 2-D 4- or 8-bit affine matrix with a multiple of 16 rows); else `lin` unchanged. For
-    the 8-bit mode's matrices only: the same products bit for bit, but a decode step reads
-    each block of 16 rows as one contiguous stream (issue 41)."""
+    (a 2-D 4- or 8-bit affine matrix with a multiple of 16 rows; 6-bit ones in the planes
+    layout, `kernels.interleave16_planes`, where the build reads them); else `lin`
+    unchanged. For the 8-bit mode's matrices only: the same products bit for bit, but a
+    decode step reads each block of 16 rows as one contiguous stream (issue 41)."""
     q = lin.quant
-    if (lin.interleaved or not lin.quantized or q.mode != "affine" or q.bits not in (4, 8)
-            or lin.weight.ndim != 2 or lin.weight.shape[0] % 16 or lin.weight.shape[1] % 4
-            or not kernels.supports(q.group_size, q.bits, 8)):
+    if (lin.interleaved or not lin.quantized or q.mode != "affine" or lin.weight.ndim != 2
+            or lin.weight.shape[0] % 16 or not kernels.supports(q.group_size, q.bits, 8)):
         return lin
-    out = tree_replace(lin, weight=kernels.interleave16(lin.weight))
+    if q.bits == 6 and _planes(q, lin.weight) and kernels.il_planes():
+        out = tree_replace(lin, weight=kernels.interleave16_planes(lin.weight))
+    elif q.bits in (4, 8) and lin.weight.shape[1] % 4 == 0:
+        out = tree_replace(lin, weight=kernels.interleave16(lin.weight))
+    else:
+        return lin
     if q.scales.dtype == mx.int16:  # the two-level K-quant form: stays in rows
         return out.with_quant(interleaved=True)
     return out.with_quant(interleaved=True, scales=kernels.interleave16_groups(q.scales),
@@ -264,7 +274,8 @@ def row_major(lin: Linear) -> Linear:
     the weight itself (dequantizing, slicing rows, fusing adapters)."""
     if not lin.interleaved:
         return lin
-    q, out = lin.quant, tree_replace(lin, weight=kernels.deinterleave16(lin.weight))
+    q = lin.quant
+    out = tree_replace(lin, weight=(kernels.deinterleave16_planes if q.bits == 6 else kernels.deinterleave16)(lin.weight))
     if q.scales.dtype == mx.int16:
         return out.with_quant(interleaved=False)
     return out.with_quant(interleaved=False, scales=kernels.interleave16_groups(q.scales, inverse=True),
@@ -470,14 +481,31 @@ def embed(tokens: mx.array, table: Linear) -> mx.array:
         out = embed(mx.where(mine, local, 0), whole)
         return mx.distributed.all_sum(mx.where(mine[..., None], out, 0), group=table.shard.group)
     if table.quantized:
-        _rows_layout(table)
         q = table.quant
-        biases = None if q.biases is None else q.biases[tokens]  # (MXFP4: none)
-        return mx.dequantize(
-            table.weight[tokens], *group_params(q.scales[tokens], biases),
-            group_size=q.group_size, bits=q.bits, mode=q.mode,
-        )
+        w, scales, biases = (_interleaved_rows(table, tokens) if table.interleaved else
+                             (table.weight[tokens], q.scales[tokens], None if q.biases is None else q.biases[tokens]))
+        return mx.dequantize(w, *group_params(scales, biases),  # (MXFP4: no biases)
+                             group_size=q.group_size, bits=q.bits, mode=q.mode)
     return table.weight[tokens]
+
+
+def _interleaved_rows(table: Linear, tokens: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
+    """Rows `tokens` of an interleaved table (a head tied to the embeddings, in the 8-bit
+    mode's layout) in the rows layout: the 16-row blocks holding them, gathered, put back in
+    rows, each token's row picked. (weight, scales, biases) shaped [*tokens.shape, ...]."""
+    q, flat = table.quant, tokens.reshape(-1)
+    block, lane = flat // 16, flat % 16
+    pick = mx.arange(flat.shape[0]) * 16 + lane  # row t * 16 + lane of the gathered blocks
+
+    def rows(a: mx.array, back: Any) -> mx.array:
+        blocks = a.reshape(a.shape[0] // 16, -1)[block].reshape(-1, a.shape[1])  # [T * 16, cols]
+        return back(blocks)[pick].reshape(*tokens.shape, a.shape[1])
+
+    weight = rows(table.weight, kernels.deinterleave16_planes if q.bits == 6 else kernels.deinterleave16)
+    if q.scales.dtype == mx.int16:  # the two-level K-quant form stays in rows
+        return weight, q.scales[tokens], q.biases[tokens]
+    back = lambda a: kernels.interleave16_groups(a, inverse=True)  # noqa: E731
+    return weight, rows(q.scales, back), rows(q.biases, back)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float, numerics: Numerics | None = None,

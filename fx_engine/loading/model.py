@@ -480,10 +480,14 @@ def _activation_bits(choice: str, params: Any, native: bool) -> int | None:
 
 
 def _interleave_a8(params: Any) -> Any:
-    """The 8-bit mode's 4-/8-bit matrices in qmm_a8's interleaved layout (nn.interleave_for_a8:
-    the same bits, one contiguous stream per 16 rows in a decode step); embedding tables
-    (and a head tied to one) stay in rows, for their lookups."""
-    tables = {id(t) for t in (getattr(params, n, None) for n in ("embed", "embed_per_layer")) if t is not None}
+    """The 8-bit mode's 4-/6-/8-bit matrices in qmm_a8's interleaved layout
+    (nn.interleave_for_a8: the same bits, one contiguous stream per 16 rows in a decode
+    step). Embedding tables stay in rows for their lookups, except one the head is tied to:
+    it is the largest matrix of a small model (a 6-bit Q6_K table: ~30% of a 1B decode step)
+    and its lookups read the interleaved blocks (nn.embed)."""
+    tied = hasattr(params, "lm_head") and params.lm_head is None
+    names = ("embed_per_layer",) if tied else ("embed", "embed_per_layer")
+    tables = {id(t) for t in (getattr(params, n, None) for n in names) if t is not None}
     return map_linears(params, lambda _, lin: lin if id(lin) in tables else interleave_for_a8(lin))
 
 

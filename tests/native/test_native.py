@@ -657,7 +657,7 @@ def test_activation_bits_run_six_bit_weights_packed(tmp_path) -> None:
     import attrs
 
     from fx_engine.core.adapters import map_linears
-    from fx_engine.core.nn import linears
+    from fx_engine.core.nn import linears, row_major
 
     tools = Path(__file__).resolve().parents[2] / "tools"
     sys.path.insert(0, str(tools))
@@ -674,6 +674,7 @@ def test_activation_bits_run_six_bit_weights_packed(tmp_path) -> None:
     def widen(_: int, lin):  # noqa: ANN001
         if not (lin.quantized and lin.quant.bits == 6):
             return lin
+        lin = row_major(lin)  # (the planes layout, where the build reads 6-bit weights so)
         raw = np.asarray(lin.weight).view(np.uint8)
         q = np.packbits(np.unpackbits(raw, axis=-1, bitorder="little").reshape(*raw.shape[:-1], -1, 6),
                         axis=-1, bitorder="little")[..., 0].astype(np.uint32)  # MLX's LSB-first stream
@@ -757,6 +758,11 @@ for bits in (4, 8):  # the interleaved layout: the row-major weight's bits, ever
     for m in (1, 3, 8, 9, 40):
         outs[f"il{m}_{bits}"] = np.asarray(mod.qmm_a8(xi[:m], ii, isi, ibi, 32, bits, interleaved=True))
         outs[f"ro{m}_{bits}"] = np.asarray(mod.qmm_a8(xi[:m], wi, si, bi, 32, bits))
+        for dt in ("float16", "bfloat16"):  # stored scales, converted as the kernel reads them
+            t = getattr(mx, dt)
+            outs[f"il{m}_{bits}_{dt}"] = np.asarray(mod.qmm_a8(xi[:m], ii, isi.astype(t), ibi.astype(t), 32,
+                                                               bits, interleaved=True))
+            outs[f"ro{m}_{bits}_{dt}"] = np.asarray(mod.qmm_a8(xi[:m], wi, si.astype(t), bi.astype(t), 32, bits))
 for m in (1, 3, 9, 40):  # 8-bit activations rounded per group of 16 (a Q6_K head)
     outs[f"a8_{m}_g16"] = np.asarray(mod.qmm_a8(x40[:m], wq, s, b, 16, 8))
 same = []  # compact scales (float16, two-level) against their float32 values: the same bits
@@ -899,6 +905,8 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     for bits in (4, 8):
         for m in (1, 3, 8, 9, 40):
             assert np.array_equal(got[f"il{m}_{bits}"], got[f"ro{m}_{bits}"]), (bits, m)
+            for dt in ("float16", "bfloat16"):
+                assert np.array_equal(got[f"il{m}_{bits}_{dt}"], got[f"ro{m}_{bits}_{dt}"]), (bits, m, dt)
     w16a, s16a, b16a = (mx.array(data[n]) for n in ("w16", "s16", "b16"))
     for m in (1, 3, 9, 40):  # qmm_a8 in groups of 16: this machine's bits (exact sums)
         assert np.array_equal(got[f"a8_{m}_g16"], np.asarray(native.qmm_a8(
@@ -1076,7 +1084,8 @@ def test_interleaved_weights_give_the_row_major_bits(bits: int, gs: int) -> None
     """qmm_a8 on a weight in its interleaved layout (kernels.interleave16: 16-row blocks, word
     by word, read as one contiguous stream per block by the few-row paths, gathered back into
     rows by the many-row tiles) gives the row-major weight's bits at every row count, with
-    float32, float16 and two-level scales; interleave16 is a permutation that deinterleave16
+    float32, float16, bfloat16 and two-level scales (stored interleaved, converted as the
+    kernels read them); interleave16 is a permutation that deinterleave16
     undoes; wrong shapes are clear errors."""
     from fx_engine.core import kernels
 
@@ -1086,14 +1095,14 @@ def test_interleaved_weights_give_the_row_major_bits(bits: int, gs: int) -> None
     assert il.shape == wq.shape and not np.array_equal(np.asarray(il), np.asarray(wq))
     assert np.array_equal(np.asarray(kernels.deinterleave16(il)), np.asarray(wq))
     assert sorted(np.asarray(il).ravel()) == sorted(np.asarray(wq).ravel())
-    forms = [(s, b), (s.astype(mx.float16), b.astype(mx.float16))]
+    forms = [(s, b), (s.astype(mx.float16), b.astype(mx.float16)), (s.astype(mx.bfloat16), b.astype(mx.bfloat16))]
     if gs == 32:
         forms.append(_compact_scales(n, k // gs, "kq", 8)[0])
     for cs, cb in forms:
         kq = cs.dtype == mx.int16  # (the K-quant codes stay in rows)
         ics, icb = (cs, cb) if kq else (kernels.interleave16_groups(cs), kernels.interleave16_groups(cb))
         if not kq:
-            assert np.array_equal(np.asarray(kernels.interleave16_groups(ics, inverse=True)), np.asarray(cs))
+            assert mx.array_equal(kernels.interleave16_groups(ics, inverse=True), cs).item()
         for m in (1, 2, 5, 8, 9, 16, 17, 40):
             x = mx.array(RNG.standard_normal((m, k)).astype(np.float32))
             assert np.array_equal(np.asarray(native.qmm_a8(x, il, ics, icb, gs, bits, interleaved=True)),
@@ -1104,24 +1113,80 @@ def test_interleaved_weights_give_the_row_major_bits(bits: int, gs: int) -> None
         kernels.interleave16(wq[:40])
 
 
-def test_activation_bits_model_runs_interleaved_weights(tmp_path) -> None:
-    """In the 8-bit mode the loader puts the 4-/8-bit matrices in qmm_a8's interleaved layout
-    (the embedding table stays in rows for its lookups): the logits equal those of the same
-    params in rows, bit for bit, at decode and chunked prefill; code that reads the weight
-    itself gets rows back (nn.row_major), and MLX's kernels refuse an interleaved one."""
+@pytest.mark.parametrize("gs", [16, 32, 64])
+def test_6_bit_planes_give_the_rows_bits(gs: int) -> None:
+    """6-bit weights in qmm_a8's planes layout (kernels.interleave16_planes: per 16-row block
+    and 32-k step, the low nibbles as 4-bit interleaved words, then the high 2 bits in 2
+    words per row) give the rows layout's bits at every row count, with float32, float16,
+    bfloat16 and two-level scales; the layout is the documented one (checked entry by entry
+    from its definition with numpy), deinterleave16_planes undoes it, and a build without
+    the planes path refuses such a weight."""
+    from fx_engine.core import kernels
+
+    n, k = 48, 512
+    q = RNG.integers(0, 64, (n, k)).astype(np.uint32)
+    wq = _stream(q, 6)
+    il = kernels.interleave16_planes(wq)
+    assert il.shape == wq.shape and mx.array_equal(kernels.deinterleave16_planes(il), wq).item()
+    words, blocks = np.asarray(il), k // 32 * 96  # 96 words per block per 32-k step
+    for r in (0, 7, 16, 47):
+        blk = words.reshape(n // 16, blocks)[r // 16]
+        for st in range(k // 32):
+            base = st * 96 + r % 16
+            for i in range(4):
+                for j in range(8):
+                    lo = (blk[base + 16 * i] >> (4 * j)) & 15
+                    hi = (blk[base + 64 + 16 * (j & 1)] >> (8 * (j >> 1) + 2 * i)) & 3
+                    assert lo + 16 * hi == q[r, 32 * st + 8 * i + j], (r, st, i, j)
+    if not kernels.il_planes():  # (AVX2 and portable builds keep 6-bit weights in rows)
+        s, b = (mx.ones((n, k // gs)),) * 2
+        with pytest.raises(ValueError, match="planes"):
+            native.qmm_a8(mx.ones((1, k)), il, s, b, gs, 6, interleaved=True)
+        return
+    s = mx.array(RNG.uniform(0.001, 0.02, (n, k // gs)).astype(np.float32))
+    b = mx.array(RNG.uniform(-1, 1, (n, k // gs)).astype(np.float32))
+    forms = [(s, b), (s.astype(mx.float16), b.astype(mx.float16)), (s.astype(mx.bfloat16), b.astype(mx.bfloat16))]
+    if gs in (16, 32):
+        forms.append(_compact_scales(n, k // gs, "kq", 16 if gs == 16 else 8)[0])
+    for cs, cb in forms:
+        kq = cs.dtype == mx.int16  # (the K-quant codes stay in rows)
+        ics, icb = (cs, cb) if kq else (kernels.interleave16_groups(cs), kernels.interleave16_groups(cb))
+        for m in (1, 2, 5, 8, 9, 16, 17, 40):
+            x = mx.array(RNG.standard_normal((m, k)).astype(np.float32))
+            assert np.array_equal(np.asarray(native.qmm_a8(x, il, ics, icb, gs, 6, interleaved=True)),
+                                  np.asarray(native.qmm_a8(x, wq, cs, cb, gs, 6))), (m, cs.dtype)
+    with pytest.raises(ValueError, match="interleave16_planes"):
+        kernels.interleave16_planes(wq[:40])
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_activation_bits_model_runs_interleaved_weights(tmp_path, bits: int) -> None:
+    """In the 8-bit mode the loader puts the 4-/8-bit matrices (6-bit ones as planes where
+    the build reads them) in qmm_a8's interleaved layout, a head tied to the embeddings
+    included (its lookups gather the interleaved blocks): the logits equal those of the
+    same params in rows, bit for bit, at decode and chunked prefill; the embeddings looked
+    up are the rows layout's; code that reads the weight itself gets rows back
+    (nn.row_major), and MLX's kernels refuse an interleaved one."""
+    from fx_engine.core import kernels
     from fx_engine.core.adapters import map_linears
-    from fx_engine.core.nn import Numerics, linear, linears, row_major
+    from fx_engine.core.nn import Numerics, embed, linear, linears, row_major
     from fx_engine.testing.tiny import write_tiny_model
 
-    folder = write_tiny_model(tmp_path / "m", "llama", quantize={"group_size": 32, "bits": 4})
+    folder = write_tiny_model(tmp_path / "m", "llama", quantize={"group_size": 32, "bits": bits},
+                              tie_word_embeddings=True)
     a8 = fx_engine.load(folder, activation_bits=8)
     il = [lin for lin in linears(a8.params) if lin.interleaved]
-    assert il and not a8.params.embed.interleaved
+    planes = bits == 6 and kernels.il_planes()
+    assert a8.params.lm_head is None and bool(il) == (bits == 4 or planes)
+    assert a8.params.embed.interleaved == (bits == 4 or planes)
     rows = __import__("attrs").evolve(a8, params=map_linears(a8.params, lambda _, lin: row_major(lin)))
     assert not any(lin.interleaved for lin in linears(rows.params))
+    toks = mx.array([[0, 5, 17, 31], [a8.params.embed.weight.shape[0] - 1, 16, 15, 2]])
+    assert mx.array_equal(embed(toks, a8.params.embed), embed(toks, rows.params.embed)).item()
     ids = list(range(5, 40))
     for chunk in (1, 16):
         assert np.array_equal(np.asarray(scoring.logits(a8, ids, chunk=chunk)),
                               np.asarray(scoring.logits(rows, ids, chunk=chunk)))
-    with pytest.raises(ValueError, match="interleaved layout"):
-        linear(mx.ones((1, il[0].in_features)), il[0], Numerics())
+    for lin in il[:1]:  # (none: a build without the planes path keeps 6-bit weights in rows)
+        with pytest.raises(ValueError, match="interleaved layout"):
+            linear(mx.ones((1, lin.in_features)), lin, Numerics())

@@ -328,14 +328,19 @@ struct FewBlock {
   int64_t next_bytes, pf_step;
   int nv;
   const float* s;  // the block's scales and biases as [groups][16] float32 vectors: sbuf's
-  const float* b;  // transposes, or (scales_il) the interleaved arrays' own block, decoded
+  const float* b;  // transposes (unused with scales_il)
+  // scales_il: the interleaved arrays' own block ([groups][16] in their stored format,
+  // fmt), which the kernel converts per group as it reads them (il_group16 / il_group8)
+  const void* sil = nullptr;
+  const void* bil = nullptr;
+  int fmt = SF_F32;
 };
 
 // scales_il: the scales and biases are interleaved ([block][group][16], qmm_a8's layout:
 // qmm_a8.h il16_index), so the block's S.rows are already its [groups][16] vectors.
 inline FewBlock few_block(int K, const uint32_t* wq, const Quant& S, int gs,
                           int bits, int N, int n0, float* sbuf, uint8_t* wtmp = nullptr,
-                          bool scales_il = false) {
+                          bool scales_il = false, bool rows_unused = false) {
   FewBlock fb;
   const int words = K * bits / 32, groups = K / gs;  // (bits: the kernel's, 4 or 8)
   fb.nv = std::min(16, N - n0);
@@ -343,18 +348,25 @@ inline FewBlock few_block(int K, const uint32_t* wq, const Quant& S, int gs,
   fb.b = sbuf + static_cast<int64_t>(groups) * 16;
   const char* rs[16];
   const char* rb[16];
-  const float *ds, *db;  // the block's rows' scales and biases as float32 (decoded if stored otherwise)
-  S.rows(n0, fb.nv, scale_tmp(16, groups), ds, db);
+  const float *ds = nullptr, *db = nullptr;  // the block's rows' scales and biases as float32
   if (scales_il) {
-    fb.s = ds;
-    fb.b = db;
+    // interleaved: read in place, converted per group by the kernel (a decoding pass here
+    // wrote 2 x 16 x groups floats per block: ~15% of a 1B decode step, measured)
+    fb.sil = static_cast<const char*>(S.s) + int64_t{n0} * S.s_row_bytes();
+    fb.bil = static_cast<const char*>(S.b) + int64_t{n0} * S.b_row_bytes();
+    fb.fmt = S.fmt;
+  } else {
+    S.rows(n0, fb.nv, scale_tmp(16, groups), ds, db);
   }
-  const char* wrows = S.weights(wq, n0, fb.nv, K, wtmp);  // (5-/6-bit rows unpacked into wtmp)
+  // (5-/6-bit rows unpacked into wtmp; rows_unused: the kernel reads its own layout)
+  const char* wrows = rows_unused ? reinterpret_cast<const char*>(wq) : S.weights(wq, n0, fb.nv, K, wtmp);
   for (int j = 0; j < 16; ++j) {
     const int64_t r = n0 + std::min(j, fb.nv - 1);
-    fb.rw[j] = wrows + (r - n0) * words * 4;
-    rs[j] = reinterpret_cast<const char*>(ds + (r - n0) * groups);
-    rb[j] = reinterpret_cast<const char*>(db + (r - n0) * groups);
+    fb.rw[j] = rows_unused ? wrows : wrows + (r - n0) * words * 4;
+    if (!scales_il) {
+      rs[j] = reinterpret_cast<const char*>(ds + (r - n0) * groups);
+      rb[j] = reinterpret_cast<const char*>(db + (r - n0) * groups);
+    }
   }
   float* bbuf = sbuf + static_cast<int64_t>(groups) * 16;
   int g = scales_il ? groups : 0;  // (interleaved: nothing to transpose)
@@ -516,8 +528,8 @@ inline void transpose8x4(const char* const* rp, int64_t off, __m256i out[4]) {
 // The weight rows of the 8-feature block at n0 (rows past N repeat the last one: computed,
 // never stored) as byte pointers, their scales and biases transposed into sbuf[g][8] and
 // sbuf[groups + g][8]. Returns the block's number of real features.
-// scales_il: the scales and biases are interleaved ([block][group][16]: qmm_a8.h's layout):
-// this 8-row block's [groups][8] vectors are copied from its 16-row block's.
+// scales_il: the scales and biases are interleaved ([block][group][16]: qmm_a8.h's layout),
+// read in place by the kernel: sbuf is left alone.
 inline int few8_setup(int K, const uint32_t* wq, const Quant& S, int gs,
                       int bits, int N, int n0, const char** rw, float* sbuf, uint8_t* wtmp = nullptr,
                       bool scales_il = false) {
@@ -525,14 +537,7 @@ inline int few8_setup(int K, const uint32_t* wq, const Quant& S, int gs,
   const char* rs[8];
   const char* rb[8];
   const float *ds, *db;  // the block's rows' scales and biases as float32 (decoded if stored otherwise)
-  if (scales_il) {
-    S.rows(n0 / 16 * 16, 16, scale_tmp(16, groups), ds, db);
-    float* bb = sbuf + static_cast<int64_t>(groups) * 8;
-    for (int g = 0; g < groups; ++g)
-      for (int j = 0; j < 8; ++j) {
-        sbuf[g * 8 + j] = ds[g * 16 + n0 % 16 + j];
-        bb[g * 8 + j] = db[g * 16 + n0 % 16 + j];
-      }
+  if (scales_il) {  // (the kernel reads them in place: qmm_a8.h's il_group8)
     for (int j = 0; j < 8; ++j) rw[j] = reinterpret_cast<const char*>(wq);  // (unused: interleaved words)
     return nv;
   }

@@ -56,11 +56,12 @@ template <> struct A8Vec<16> {
 };
 #endif
 
-// One group of gs values (a multiple of 32) -> q in the weight order (split: the 4-bit
-// split order of each 32-block, even k first), d = amax / 127; returns the sum of q.
-// rint(x * (127 / amax)) clamped to [-127, 127] (round half to even: the vector
-// conversion uses the default rounding mode, as std::nearbyint does).
-inline int quant_group_scalar(const float* xg, int gs, bool split, int8_t* q, float* d) {
+// One group of gs values -> q in the weight order (split: the 4-bit split order of each
+// 32-block, even k first), d = amax / 127; returns the sum of q. rint(x * (127 / amax))
+// clamped to [-127, 127] (round half to even: the vector conversion uses the default
+// rounding mode, as std::nearbyint does). k0: the group's first k (a group of 16 is half a
+// 32-block: split, its values land in both halves of the block, at q + p(k0 + k) - k0).
+inline int quant_group_scalar(const float* xg, int gs, bool split, int8_t* q, float* d, int k0 = 0) {
   float amax = 0.0f;
   for (int k = 0; k < gs; ++k) amax = std::max(amax, std::fabs(xg[k]));
   const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -68,18 +69,19 @@ inline int quant_group_scalar(const float* xg, int gs, bool split, int8_t* q, fl
   for (int k = 0; k < gs; ++k) {
     const int v = static_cast<int>(std::max(-127.0f, std::min(127.0f, std::nearbyint(xg[k] * id))));
     // position in the weight order: in a 32-block, k = 2p at p, k = 2p + 1 at 16 + p
-    const int p = split ? (k & ~31) + ((k & 1) ? 16 : 0) + ((k & 31) >> 1) : k;
-    q[p] = static_cast<int8_t>(v);
+    const int ka = k0 + k;
+    const int p = split ? (ka & ~31) + ((ka & 1) ? 16 : 0) + ((ka & 31) >> 1) : ka;
+    q[p - k0] = static_cast<int8_t>(v);
     sum += v;
   }
   *d = amax / 127.0f;
   return sum;
 }
 
-inline int quant_group(const float* xg, int gs, bool split, int8_t* q, float* d) {
-  // groups of 16 (a GGUF's Q6_K, never split: only 4-bit weights are) in the scalar loop:
-  // the same values (x * id rounded half to even, clamped), 16 at a time is not worth a path
-  if (gs % 32 != 0) return quant_group_scalar(xg, gs, split, q, d);
+inline int quant_group(const float* xg, int gs, bool split, int8_t* q, float* d, int k0) {
+  // groups of 16 (a GGUF's Q6_K; split for the 6-bit planes) in the scalar loop: the same
+  // values (x * id rounded half to even, clamped), 16 at a time is not worth a path
+  if (gs % 32 != 0) return quant_group_scalar(xg, gs, split, q, d, k0);
 #if defined(__AVX512F__)
   __m512 mv = _mm512_setzero_ps();
   for (int k = 0; k < gs; k += 16) mv = _mm512_max_ps(mv, _mm512_abs_ps(_mm512_loadu_ps(xg + k)));
@@ -147,9 +149,10 @@ inline int quant_group(const float* xg, int gs, bool split, int8_t* q, float* d)
 // x rows [M, K] -> per tile of R rows: xq [K/4][R][4] int8 (K in the weight rows' order),
 // d and xs [G][R] floats (zeros for padding rows). Each group is rounded on its own, so a
 // row's values never depend on the other rows. One chunk per row (padding rows included).
-template <int R>
-void pack_a8(const float* x, int M, int K, int gs, bool split, int8_t* xq, float* dd,
-             float* xs) {
+// The few-row paths pack a single tile of exactly M rows (R = M): a tile padded to 8 rows
+// spread one row's quads over 8x the bytes, which at K = 8192 no longer fit in L1.
+inline void pack_a8(int R, const float* x, int M, int K, int gs, bool split, int8_t* xq, float* dd,
+                    float* xs) {
   const int tiles = (M + R - 1) / R, G = K / gs;
   pool().run(tiles * R, [&](int c) {
     const int t = c / R, i = c % R, m = t * R + i;
@@ -166,7 +169,7 @@ void pack_a8(const float* x, int M, int K, int gs, bool split, int8_t* xq, float
       const float* xr = x + static_cast<int64_t>(m) * K;
       for (int g = 0; g < G; ++g) {
         float dv;
-        const int sum = quant_group(xr + static_cast<int64_t>(g) * gs, gs, split, rb + g * gs, &dv);
+        const int sum = quant_group(xr + static_cast<int64_t>(g) * gs, gs, split, rb + g * gs, &dv, g * gs);
         d[g * R + i] = dv;
         s[g * R + i] = dv * static_cast<float>(sum);
       }
@@ -285,6 +288,27 @@ inline void il16_rows(const uint32_t* wq, int64_t r0, int n, int words, uint32_t
 // load, with no transposes.
 inline bool il_scales(const Quant& S) { return S.fmt != SF_KQ; }
 
+// Group g's 16 (or, from lane `at`, 8) values of an interleaved block's scales or biases
+// (`p`: the block's [groups][16] in its stored format) as float32: the exact conversions
+// Quant::rows makes (F16C's vcvtph2ps; bfloat16 is the float's high half), done as the
+// kernel reads the group instead of in a pass over the block first.
+#if defined(__AVX512F__)
+inline __m512 il_group16(const void* p, int fmt, int g) {
+  if (fmt == SF_F32) return _mm512_loadu_ps(static_cast<const float*>(p) + g * 16);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + g * 16));
+  if (fmt == SF_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+inline __m256 il_group8(const void* p, int fmt, int g, int at) {
+  if (fmt == SF_F32) return _mm256_loadu_ps(static_cast<const float*>(p) + g * 16 + at);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + g * 16 + at));
+  if (fmt == SF_F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // Rows [n0, n0 + n) of interleaved scales and biases back in rows, [n][groups] each.
 inline void il_scale_rows(const Quant& S, int64_t n0, int n, const float*& so, const float*& bo) {
   const int G = S.groups;
@@ -307,13 +331,42 @@ inline void il_scale_rows(const Quant& S, int64_t n0, int n, const float*& so, c
   bo = ob;
 }
 
+// The 6-bit planes layout (`il` with 6-bit weights: the 8-bit mode's 6-bit matrices on
+// AVX-512 VNNI builds, core.kernels.interleave16_planes): per 16-row block and per 32-k
+// step, 96 words: the low 4 bits of the 32 values as the 4-bit interleaved words ([i][row],
+// i = 0..3: nibble j of word i = value 8i + j), then their high 2 bits, 2 words per row
+// ([p][row]: byte b of word p holds at bits 2i the high bits of value 8i + 2b + p). The
+// few-row path builds each quad of 4 weight bytes from one contiguous stream with a shift,
+// a mask and a ternary-logic or (a8_few6_block), where the 6-bit rows were unpacked to
+// bytes in memory first (a 6-bit tied head: ~30% of a 1B model's decode step).
+inline int64_t il6_base(int64_t r, int step, int K) {
+  return (r / 16) * int64_t{K} * 3 + int64_t{step} * 96 + r % 16;
+}
+
+// Rows [r0, r0 + n) of a 6-bit planes weight as bytes 0..63 in k order: out [n][K].
+inline void il6_rows(const uint32_t* wq, int64_t r0, int n, int K, uint8_t* out) {
+  for (int j = 0; j < n; ++j) {
+    uint8_t* o = out + static_cast<int64_t>(j) * K;
+    for (int st = 0; st < K / 32; ++st) {
+      const int64_t base = il6_base(r0 + j, st, K);
+      const uint32_t h[2] = {wq[base + 64], wq[base + 80]};
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t lo = wq[base + 16 * i];
+        for (int v = 0; v < 8; ++v)
+          o[32 * st + 8 * i + v] = static_cast<uint8_t>(((lo >> (4 * v)) & 15u) |
+                                                        (((h[v & 1] >> (8 * (v >> 1) + 2 * i)) & 3u) << 4));
+      }
+    }
+  }
+}
+
 template <int R>
 void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, int bits, float* y, int N,
                  bool il = false) {
   const int tiles = (M + R - 1) / R, G = K / gs;
   std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
   std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
-  pack_a8<R>(x, M, K, gs, bits == 4, xq.data(), dd.data(), xs.data());
+  pack_a8(R, x, M, K, gs, bits == 4, xq.data(), dd.data(), xs.data());
   const int words = K * bits / 32;
   const int blocks = (N + A8_FEAT - 1) / A8_FEAT;
   const int per = std::max(1, 4 * 576 / std::max(K, 1));
@@ -336,12 +389,15 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
         S.rows(n0, nw, tmp, ds, db);
       const uint8_t* wb = buf.data();
       const uint32_t* src = wq + static_cast<int64_t>(n0) * words;  // row-major words
-      if (il) {
+      if (il && !S.unpacks()) {
         il16_rows(wq, n0, nw, words, rows.data());
         src = rows.data();
       }
       if (S.unpacks()) {  // 5-/6-bit rows: unpacked to bytes (0..31 or 0..63), in k order
-        S.weights(wq, n0, nw, K, buf.data());
+        if (il)
+          il6_rows(wq, n0, nw, K, buf.data());
+        else
+          S.weights(wq, n0, nw, K, buf.data());
       } else if (bits == 8) {  // the packed words are the bytes, in k order: copied into L1
         std::memcpy(buf.data(), src, static_cast<size_t>(nw) * K);
       } else {
@@ -381,7 +437,7 @@ inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int
                          float* y, int N, int n0, float* sbuf) {
   // IL: the block's words interleaved (il16_index): 64 words per 16 bytes of each row
   const uint32_t* blk = wq + static_cast<int64_t>(n0) * (K * BITS / 32);
-  constexpr int R = 8;  // pack_a8<8>'s tile: quad u of row m at xq + (u * R + m) * 4
+  constexpr int R = MR;  // pack_a8's tile of M = MR rows: quad u of row m at xq + (u * R + m) * 4
   const FewBlock fb = few_block(K, wq, S, gs, BITS, N, n0, sbuf,
                                 S.unpacks() ? weight_tmp(int64_t{16} * K) : nullptr, IL && il_scales(S));
   const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
@@ -418,7 +474,14 @@ inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int
         for (int i = 0; i < 4; ++i) dots(is, wv[i], u0 + i);
       }
     }
-    const __m512 s = _mm512_loadu_ps(fb.s + g * 16), c = _mm512_loadu_ps(fb.b + g * 16);
+    __m512 s, c;
+    if (fb.sil) {
+      s = il_group16(fb.sil, fb.fmt, g);
+      c = il_group16(fb.bil, fb.fmt, g);
+    } else {
+      s = _mm512_loadu_ps(fb.s + g * 16);
+      c = _mm512_loadu_ps(fb.b + g * 16);
+    }
     for (int m = 0; m < MR; ++m) {
       const __m512 f = _mm512_mul_ps(_mm512_set1_ps(dd[g * R + m]), s);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[m]), f, acc[m]);
@@ -434,7 +497,7 @@ void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S
   const int G = K / gs;
   std::vector<int8_t> xq(static_cast<size_t>(K) * 8);
   std::vector<float> dd(static_cast<size_t>(G) * 8), xs(dd.size());
-  pack_a8<8>(x, M, K, gs, BITS == 4, xq.data(), dd.data(), xs.data());
+  pack_a8(M, x, M, K, gs, BITS == 4, xq.data(), dd.data(), xs.data());
   const int blocks = (N + 15) / 16;
   const int per = stream_chunk(blocks, std::max(1, 4 * 576 / std::max(K, 1)));
   pool().run((blocks + per - 1) / per, [&](int c) {
@@ -450,9 +513,99 @@ void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S
     }
   });
 }
+
+// qmm_a8's few-row path on the 6-bit planes layout (il6_base): per 32-k step the block's 4
+// low-nibble vectors and 2 high-bit vectors, every quad (lo & 0x0F) | (hi shifted & 0x30)
+// (one vpternlogd), then the vpdpbusd of a8_few_block. Groups of 16 (a GGUF's Q6_K) are
+// quads {0, 1, 4, 5} and {2, 3, 6, 7} of a step in the split order; larger groups whole
+// steps. The integer sums are the unpacked bytes' exact sums and the per-group float steps
+// are a8_few_block's, in group order: the rows layout's bits.
+template <int MR>
+inline void a8_few6_block(const int8_t* xq, const float* dd, const float* xs, int K,
+                          const uint32_t* wq, const Quant& S, int gs,
+                          float* y, int N, int n0, float* sbuf) {
+  const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16) * K * 3;
+  constexpr int R = MR;  // pack_a8's tile of M = MR rows
+  const FewBlock fb = few_block(K, wq, S, gs, 8, N, n0, sbuf, nullptr, il_scales(S), true);
+  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
+  const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F), m30 = _mm512_set1_epi32(0x30303030);
+  __m512 acc[MR];
+  __m512i is[MR];
+  for (int m = 0; m < MR; ++m) {
+    acc[m] = _mm512_setzero_ps();
+    is[m] = _mm512_setzero_si512();
+  }
+  auto dots = [&](__m512i w, int u) {
+    for (int m = 0; m < MR; ++m) is[m] = dpbusd(is[m], w, _mm512_set1_epi32(xq4[u * R + m]));
+  };
+  auto group = [&](int g) {  // a8_few_block's float steps for group g, then a new integer sum
+    __m512 s, c;
+    if (fb.sil) {
+      s = il_group16(fb.sil, fb.fmt, g);
+      c = il_group16(fb.bil, fb.fmt, g);
+    } else {
+      s = _mm512_loadu_ps(fb.s + g * 16);
+      c = _mm512_loadu_ps(fb.b + g * 16);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512 f = _mm512_mul_ps(_mm512_set1_ps(dd[g * R + m]), s);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[m]), f, acc[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xs[g * R + m]), c, acc[m]);
+      is[m] = _mm512_setzero_si512();
+    }
+  };
+  for (int k0 = 0; k0 < K; k0 += 32) {
+    prefetch_slice(fb, k0);
+    const uint32_t* st = blk + static_cast<int64_t>(k0 / 32) * 96;
+    const __m512i h[2] = {_mm512_loadu_si512(st + 64), _mm512_loadu_si512(st + 80)};
+    // quad i (even values of the step's 32) and 4 + i (odd ones): value bits 4..5 from
+    // bits 2i..2i+1 of each byte of h[0] / h[1], moved to bits 4..5
+    auto high = [&](const __m512i& v, int i) {
+      const __m512i t = i == 0 ? _mm512_slli_epi32(v, 4) : i == 1 ? _mm512_slli_epi32(v, 2)
+                        : i == 2 ? v : _mm512_srli_epi32(v, 2);
+      return _mm512_and_si512(t, m30);
+    };
+    auto quads = [&](int i) {  // quads i and 4 + i: (lo & 0x0F) | high, as (A & B) | C
+      const __m512i w = _mm512_loadu_si512(st + 16 * i);
+      dots(_mm512_ternarylogic_epi32(w, nib, high(h[0], i), 0xEA), k0 / 4 + i);
+      dots(_mm512_ternarylogic_epi32(_mm512_srli_epi32(w, 4), nib, high(h[1], i), 0xEA), k0 / 4 + 4 + i);
+    };
+    if (gs == 16) {  // two groups a step: quads {0, 1, 4, 5}, then {2, 3, 6, 7}
+      quads(0);
+      quads(1);
+      group(k0 / 16);
+      quads(2);
+      quads(3);
+      group(k0 / 16 + 1);
+    } else {
+      for (int i = 0; i < 4; ++i) quads(i);
+      if ((k0 + 32) % gs == 0) group(k0 / gs);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << fb.nv) - 1);
+  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
+}
+
+inline void qmm_a8_few6(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
+  const int G = K / gs;
+  std::vector<int8_t> xq(static_cast<size_t>(K) * M);
+  std::vector<float> dd(static_cast<size_t>(G) * M), xs(dd.size());
+  pack_a8(M, x, M, K, gs, true, xq.data(), dd.data(), xs.data());
+  const int blocks = (N + 15) / 16;
+  const int per = stream_chunk(blocks, std::max(1, 4 * 576 / std::max(K, 1)));
+  pool().run((blocks + per - 1) / per, [&](int c) {
+    float* sbuf = few_sbuf(G);
+    const int b1 = std::min(blocks, (c + 1) * per);
+    for (int bl = c * per; bl < b1; ++bl)
+      with_rows<8>(M, [&](auto mr) {
+        a8_few6_block<decltype(mr)::value>(xq.data(), dd.data(), xs.data(), K, wq, S, gs, y, N, bl * 16, sbuf);
+      });
+  });
+}
+#define FX_A8_PLANES 1  // qmm_a8 reads 6-bit weights in the planes layout (il6_base)
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512VNNI__) && defined(__AVX512F__))
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !(defined(__AVX512VNNI__) && defined(__AVX512F__))
 #define FX_A8_AVX2 1
 // qmm_a8 on AVX2 (and AVX-512 builds without VNNI), at every row count: the few-row
 // orientation of a8_few_block at 8 features per ymm, 8 rows per pass over the weights.
@@ -469,7 +622,7 @@ void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S
 template <int BITS, int MR, bool IL>
 inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, int K,
                           const uint32_t* wq, const char* const* rw, int nv, int gs,
-                          float* y, int N, int n0, const float* sbuf) {
+                          float* y, int N, int n0, const float* sbuf, const Quant& S, bool sil, int R) {
   // IL: the 16-row block's words interleaved (il16_index); this 8-row block is its half
   const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16 * 16) * (K * BITS / 32) + n0 % 16;
   auto load8 = [&](int64_t off, __m256i* wv) {  // words i of the 8 rows at byte `off` of each
@@ -480,9 +633,11 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
       transpose8x4(rw, off, wv);
     }
   };
-  constexpr int R = 8;  // pack_a8<8>'s tile: quad u of row m at xq + (u * R + m) * 4
+  // pack_a8's tile: quad u of row m at xq + (u * R + m) * 4 (R = M when M < 8)
   const int groups = K / gs;
   const float* bbuf = sbuf + static_cast<int64_t>(groups) * 8;
+  const char* ps = static_cast<const char*>(S.s) + int64_t{n0 / 16 * 16} * S.s_row_bytes();
+  const char* pb = static_cast<const char*>(S.b) + int64_t{n0 / 16 * 16} * S.b_row_bytes();
   const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
   const __m256i nib = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
   // the next block's packed rows, a slice per 32-k step (interleaved row streams defeat
@@ -561,7 +716,14 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
       }
 #endif
     }
-    const __m256 s = _mm256_load_ps(sbuf + g * 8), c = _mm256_load_ps(bbuf + g * 8);
+    __m256 s, c;
+    if (sil) {  // interleaved scales and biases, read in place (this half of the 16-row block)
+      s = il_group8(ps, S.fmt, g, n0 % 16);
+      c = il_group8(pb, S.fmt, g, n0 % 16);
+    } else {
+      s = _mm256_load_ps(sbuf + g * 8);
+      c = _mm256_load_ps(bbuf + g * 8);
+    }
     for (int m = 0; m < MR; ++m) {
       const __m256 f = _mm256_mul_ps(_mm256_set1_ps(dd[g * R + m]), s);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), f, acc[m]);
@@ -575,11 +737,11 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
 
 template <int BITS, bool IL>
 void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
-  constexpr int R = 8;
+  const int R = std::min(8, M);  // (one tile of exactly M rows for a few rows)
   const int G = K / gs, tiles = (M + R - 1) / R;
   std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
   std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
-  pack_a8<R>(x, M, K, gs, BITS == 4, xq.data(), dd.data(), xs.data());
+  pack_a8(R, x, M, K, gs, BITS == 4, xq.data(), dd.data(), xs.data());
   const int blocks = (N + 7) / 8;
   const int per = stream_chunk(blocks, std::max(1, 8 * 576 / std::max(K, 1)));
   pool().run((blocks + per - 1) / per, [&](int c) {
@@ -590,6 +752,8 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
     const int b1 = std::min(blocks, (c + 1) * per);
     for (int bl = c * per; bl < b1; ++bl) {
       const char* rw[8];
+      if (IL && il_scales(S))  // the scales 4 blocks of 16 ahead (few_block's distance)
+        S.prefetch(bl * 8 + 64, std::max(0, std::min(8, N - bl * 8 - 64)));
       const int nv = few8_setup(K, wq, S, gs, BITS, N, bl * 8, rw, sbuf,
                                 S.unpacks() ? weight_tmp(int64_t{8} * K) : nullptr, IL && il_scales(S));
       // every pass of 8 rows over this block while its weights are in L1
@@ -599,7 +763,8 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
         const float* st = xs.data() + static_cast<int64_t>(t) * G * R;
         float* yt = y + static_cast<int64_t>(t) * R * N;
         auto run = [&](auto mr) {
-          a8_few8_block<BITS, decltype(mr)::value, IL>(xt, dt, st, K, wq, rw, nv, gs, yt, N, bl * 8, sbuf);
+          a8_few8_block<BITS, decltype(mr)::value, IL>(xt, dt, st, K, wq, rw, nv, gs, yt, N, bl * 8, sbuf, S,
+                                                      IL && il_scales(S), R);
         };
         with_rows<8>(std::min(R, M - t * R), run);
       }
@@ -624,6 +789,10 @@ void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S
   });
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  if (il && S.wbits == 6) {  // the planes layout
+    if (M <= 8) return qmm_a8_few6(x, M, K, wq, S, gs, y, N);
+    return qmm_a8_rows<16>(x, M, K, wq, S, gs, bits, y, N, il);
+  }
   if (M <= 8)
     return with_bits(bits, [&](auto b) {
       with_il([&](auto l) { qmm_a8_few<decltype(b)::value, decltype(l)::value>(x, M, K, wq, S, gs, y, N); });
