@@ -63,9 +63,10 @@ def qmm_a8(x, w, scales, biases, group_size: int, bits: int, interleaved: bool =
     exact int32 dot products per group, combined in float32 in group order. A different
     (coarser) numerics than qmm/qgemm, like llama.cpp's 8-bit activations; batch-invariant
     and tile-independent bit for bit (the integer sums are exact). interleaved: w is
-    `interleave16(w)` (4 or 8 bits, rows a multiple of 16) and float scales and biases are
-    `interleave16_groups`'s (the K-quant codes stay in rows): the same bits, each 16-row
-    block read as one contiguous stream with its scales beside it."""
+    `interleave16(w)` (4 or 8 bits, rows a multiple of 16; 6 bits: `interleave16_planes(w)`
+    where `il_planes()`), scales and biases `interleave16_groups`'s (the K-quant form: its
+    codes `interleave16_groups`'s, its factors `interleave16_factors`'): the same bits, each
+    16-row block read as one contiguous stream, its scales converted as they are read."""
     return _module().qmm_a8(x, w, scales, biases, group_size, bits, interleaved)
 
 
@@ -159,11 +160,20 @@ def il_planes() -> bool:
     return bool(getattr(_module(), "il_planes", False))
 
 
+def interleave16_factors(f: "mx.array", inverse: bool = False) -> "mx.array":
+    """The two-level K-quant form's factors [N, super-blocks, 2] (float16 (d, e) per row and
+    super-block) in the order an interleaved weight's product reads them: per block of 16
+    rows, [super-block][d or e][row] (inverse: back in rows). The same shape."""
+    n, sbk, two = f.shape
+    if inverse:
+        return mx.contiguous(f.reshape(n // 16, sbk, two, 16).transpose(0, 3, 1, 2).reshape(n, sbk, two))
+    return mx.contiguous(f.reshape(n // 16, 16, sbk, two).transpose(0, 2, 3, 1).reshape(n, sbk, two))
+
+
 def interleave16_groups(a: "mx.array", inverse: bool = False) -> "mx.array":
-    """Per-group scales or biases [N, groups] (float32, float16 or bfloat16) in the order an
-    interleaved weight's product reads them: per block of 16 rows, [group][row] (inverse:
-    back in rows). The two-level K-quant form stays in rows (its int16 codes are decoded
-    per block)."""
+    """Per-group scales or biases [N, groups] (float32, float16 or bfloat16; the K-quant
+    form's int16 codes) in the order an interleaved weight's product reads them: per block
+    of 16 rows, [group][row] (inverse: back in rows)."""
     n, g = a.shape
     if inverse:
         return mx.contiguous(a.reshape(n // 16, g, 16).transpose(0, 2, 1).reshape(n, g))

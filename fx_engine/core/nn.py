@@ -263,10 +263,9 @@ def interleave_for_a8(lin: Linear) -> Linear:
         out = tree_replace(lin, weight=kernels.interleave16(lin.weight))
     else:
         return lin
-    if q.scales.dtype == mx.int16:  # the two-level K-quant form: stays in rows
-        return out.with_quant(interleaved=True)
+    kq = q.scales.dtype == mx.int16  # the two-level K-quant form: codes and (d, e) factors
     return out.with_quant(interleaved=True, scales=kernels.interleave16_groups(q.scales),
-                          biases=kernels.interleave16_groups(q.biases))
+                          biases=(kernels.interleave16_factors if kq else kernels.interleave16_groups)(q.biases))
 
 
 def row_major(lin: Linear) -> Linear:
@@ -276,10 +275,9 @@ def row_major(lin: Linear) -> Linear:
         return lin
     q = lin.quant
     out = tree_replace(lin, weight=(kernels.deinterleave16_planes if q.bits == 6 else kernels.deinterleave16)(lin.weight))
-    if q.scales.dtype == mx.int16:
-        return out.with_quant(interleaved=False)
+    back = kernels.interleave16_factors if q.scales.dtype == mx.int16 else kernels.interleave16_groups
     return out.with_quant(interleaved=False, scales=kernels.interleave16_groups(q.scales, inverse=True),
-                          biases=kernels.interleave16_groups(q.biases, inverse=True))
+                          biases=back(q.biases, inverse=True))
 
 
 def _matmul_rows(x: mx.array, lin: Linear) -> mx.array:
@@ -498,14 +496,13 @@ def _interleaved_rows(table: Linear, tokens: mx.array) -> tuple[mx.array, mx.arr
     pick = mx.arange(flat.shape[0]) * 16 + lane  # row t * 16 + lane of the gathered blocks
 
     def rows(a: mx.array, back: Any) -> mx.array:
-        blocks = a.reshape(a.shape[0] // 16, -1)[block].reshape(-1, a.shape[1])  # [T * 16, cols]
-        return back(blocks)[pick].reshape(*tokens.shape, a.shape[1])
+        blocks = a.reshape(a.shape[0] // 16, -1)[block].reshape(-1, *a.shape[1:])  # [T * 16, ...]
+        return back(blocks)[pick].reshape(*tokens.shape, *a.shape[1:])
 
     weight = rows(table.weight, kernels.deinterleave16_planes if q.bits == 6 else kernels.deinterleave16)
-    if q.scales.dtype == mx.int16:  # the two-level K-quant form stays in rows
-        return weight, q.scales[tokens], q.biases[tokens]
-    back = lambda a: kernels.interleave16_groups(a, inverse=True)  # noqa: E731
-    return weight, rows(q.scales, back), rows(q.biases, back)
+    groups = lambda a: kernels.interleave16_groups(a, inverse=True)  # noqa: E731
+    factors = lambda a: kernels.interleave16_factors(a, inverse=True)  # noqa: E731
+    return weight, rows(q.scales, groups), rows(q.biases, factors if q.scales.dtype == mx.int16 else groups)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float, numerics: Numerics | None = None,

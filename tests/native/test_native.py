@@ -763,6 +763,14 @@ for bits in (4, 8):  # the interleaved layout: the row-major weight's bits, ever
             outs[f"il{m}_{bits}_{dt}"] = np.asarray(mod.qmm_a8(xi[:m], ii, isi.astype(t), ibi.astype(t), 32,
                                                                bits, interleaved=True))
             outs[f"ro{m}_{bits}_{dt}"] = np.asarray(mod.qmm_a8(xi[:m], wi, si.astype(t), bi.astype(t), 32, bits))
+x512 = mx.array(d["x512"])
+for key, bits, gs in (("k4", 4, 32), ("p6g16", 6, 16), ("p6g32", 6, 32)):  # interleaved K-quant form, 6-bit planes
+    w, s_, b_, iw, is_, ib_ = (mx.array(d[f"{key}_{n}"]) for n in ("w", "s", "b", "iw", "is", "ib"))
+    outs[f"planes_{key}"] = bool(getattr(mod, "il_planes", False)) or bits != 6
+    for m in (1, 3, 8, 9, 40):
+        outs[f"ro_{key}_{m}"] = np.asarray(mod.qmm_a8(x512[:m], w, s_, b_, gs, bits))
+        if outs[f"planes_{key}"]:
+            outs[f"il_{key}_{m}"] = np.asarray(mod.qmm_a8(x512[:m], iw, is_, ib_, gs, bits, interleaved=True))
 for m in (1, 3, 9, 40):  # 8-bit activations rounded per group of 16 (a Q6_K head)
     outs[f"a8_{m}_g16"] = np.asarray(mod.qmm_a8(x40[:m], wq, s, b, 16, 8))
 same = []  # compact scales (float16, two-level) against their float32 values: the same bits
@@ -872,6 +880,15 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     for bits in (5, 6):
         q = RNG.integers(0, 1 << bits, (29, 512)).astype(np.uint32)
         data.update({f"p{bits}": np.asarray(_stream(q, bits)), f"p{bits}_8": np.asarray(_stream(q, 8))})
+    for key, bits, gs, kind in (("k4", 4, 32, "kq"), ("p6g16", 6, 16, "kq"), ("p6g32", 6, 32, "float16")):
+        q = RNG.integers(0, 1 << bits, (32, 512)).astype(np.uint32)
+        w = _stream(q, bits)
+        (cs, cb), _ = _compact_scales(32, 512 // gs, kind, 256 // gs)
+        iw = core_kernels.interleave16_planes(w) if bits == 6 else core_kernels.interleave16(w)
+        ib = (core_kernels.interleave16_factors if kind == "kq" else core_kernels.interleave16_groups)(cb)
+        data.update({f"{key}_w": np.asarray(w), f"{key}_s": np.asarray(cs), f"{key}_b": np.asarray(cb),
+                     f"{key}_iw": np.asarray(iw), f"{key}_is": np.asarray(core_kernels.interleave16_groups(cs)),
+                     f"{key}_ib": np.asarray(ib)})
     for fmt, kind in (("h", "float16"), ("kq", "kq")):  # 29 rows of 512 / 32 = 16 groups
         (cs, cb), (fs, fb) = _compact_scales(29, 16, kind, 8)
         data.update({f"{fmt}_s": np.asarray(cs), f"{fmt}_b": np.asarray(cb), f"{fmt}_fs": fs, f"{fmt}_fb": fb})
@@ -907,6 +924,11 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
             assert np.array_equal(got[f"il{m}_{bits}"], got[f"ro{m}_{bits}"]), (bits, m)
             for dt in ("float16", "bfloat16"):
                 assert np.array_equal(got[f"il{m}_{bits}_{dt}"], got[f"ro{m}_{bits}_{dt}"]), (bits, m, dt)
+    for key in ("k4", "p6g16", "p6g32"):  # the K-quant form interleaved; 6-bit planes (AVX2 builds read them)
+        assert bool(got[f"planes_{key}"]) == (avx2 or key == "k4"), key
+        for m in (1, 3, 8, 9, 40):
+            if bool(got[f"planes_{key}"]):
+                assert np.array_equal(got[f"il_{key}_{m}"], got[f"ro_{key}_{m}"]), (key, m)
     w16a, s16a, b16a = (mx.array(data[n]) for n in ("w16", "s16", "b16"))
     for m in (1, 3, 9, 40):  # qmm_a8 in groups of 16: this machine's bits (exact sums)
         assert np.array_equal(got[f"a8_{m}_g16"], np.asarray(native.qmm_a8(
@@ -1084,8 +1106,8 @@ def test_interleaved_weights_give_the_row_major_bits(bits: int, gs: int) -> None
     """qmm_a8 on a weight in its interleaved layout (kernels.interleave16: 16-row blocks, word
     by word, read as one contiguous stream per block by the few-row paths, gathered back into
     rows by the many-row tiles) gives the row-major weight's bits at every row count, with
-    float32, float16, bfloat16 and two-level scales (stored interleaved, converted as the
-    kernels read them); interleave16 is a permutation that deinterleave16
+    float32, float16, bfloat16 and two-level scales (stored interleaved, the K-quant factors
+    too, converted as the kernels read them); interleave16 is a permutation that deinterleave16
     undoes; wrong shapes are clear errors."""
     from fx_engine.core import kernels
 
@@ -1099,10 +1121,11 @@ def test_interleaved_weights_give_the_row_major_bits(bits: int, gs: int) -> None
     if gs == 32:
         forms.append(_compact_scales(n, k // gs, "kq", 8)[0])
     for cs, cb in forms:
-        kq = cs.dtype == mx.int16  # (the K-quant codes stay in rows)
-        ics, icb = (cs, cb) if kq else (kernels.interleave16_groups(cs), kernels.interleave16_groups(cb))
-        if not kq:
-            assert mx.array_equal(kernels.interleave16_groups(ics, inverse=True), cs).item()
+        kq = cs.dtype == mx.int16  # (the K-quant form: codes as groups, (d, e) factors per super-block)
+        back = kernels.interleave16_factors if kq else kernels.interleave16_groups
+        ics, icb = kernels.interleave16_groups(cs), back(cb)
+        assert mx.array_equal(kernels.interleave16_groups(ics, inverse=True), cs).item()
+        assert mx.array_equal(back(icb, inverse=True), cb).item()
         for m in (1, 2, 5, 8, 9, 16, 17, 40):
             x = mx.array(RNG.standard_normal((m, k)).astype(np.float32))
             assert np.array_equal(np.asarray(native.qmm_a8(x, il, ics, icb, gs, bits, interleaved=True)),
@@ -1149,8 +1172,9 @@ def test_6_bit_planes_give_the_rows_bits(gs: int) -> None:
     if gs in (16, 32):
         forms.append(_compact_scales(n, k // gs, "kq", 16 if gs == 16 else 8)[0])
     for cs, cb in forms:
-        kq = cs.dtype == mx.int16  # (the K-quant codes stay in rows)
-        ics, icb = (cs, cb) if kq else (kernels.interleave16_groups(cs), kernels.interleave16_groups(cb))
+        kq = cs.dtype == mx.int16  # (the K-quant form: codes as groups, (d, e) factors per super-block)
+        ics = kernels.interleave16_groups(cs)
+        icb = (kernels.interleave16_factors if kq else kernels.interleave16_groups)(cb)
         for m in (1, 2, 5, 8, 9, 16, 17, 40):
             x = mx.array(RNG.standard_normal((m, k)).astype(np.float32))
             assert np.array_equal(np.asarray(native.qmm_a8(x, il, ics, icb, gs, 6, interleaved=True)),

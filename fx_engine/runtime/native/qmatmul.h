@@ -334,6 +334,7 @@ struct FewBlock {
   const void* sil = nullptr;
   const void* bil = nullptr;
   int fmt = SF_F32;
+  int sb = 1;  // (SF_KQ: groups per super-block)
 };
 
 // scales_il: the scales and biases are interleaved ([block][group][16], qmm_a8's layout:
@@ -355,6 +356,7 @@ inline FewBlock few_block(int K, const uint32_t* wq, const Quant& S, int gs,
     fb.sil = static_cast<const char*>(S.s) + int64_t{n0} * S.s_row_bytes();
     fb.bil = static_cast<const char*>(S.b) + int64_t{n0} * S.b_row_bytes();
     fb.fmt = S.fmt;
+    fb.sb = S.sb;
   } else {
     S.rows(n0, fb.nv, scale_tmp(16, groups), ds, db);
   }
@@ -532,7 +534,7 @@ inline void transpose8x4(const char* const* rp, int64_t off, __m256i out[4]) {
 // read in place by the kernel: sbuf is left alone.
 inline int few8_setup(int K, const uint32_t* wq, const Quant& S, int gs,
                       int bits, int N, int n0, const char** rw, float* sbuf, uint8_t* wtmp = nullptr,
-                      bool scales_il = false) {
+                      bool scales_il = false, bool rows_unused = false) {
   const int words = K * bits / 32, groups = K / gs, nv = std::min(8, N - n0);
   const char* rs[8];
   const char* rb[8];
@@ -542,10 +544,11 @@ inline int few8_setup(int K, const uint32_t* wq, const Quant& S, int gs,
     return nv;
   }
   S.rows(n0, nv, scale_tmp(8, groups), ds, db);
-  const char* wrows = S.weights(wq, n0, nv, K, wtmp);  // (5-/6-bit rows unpacked into wtmp)
+  // (5-/6-bit rows unpacked into wtmp; rows_unused: the kernel reads its own layout)
+  const char* wrows = rows_unused ? reinterpret_cast<const char*>(wq) : S.weights(wq, n0, nv, K, wtmp);
   for (int j = 0; j < 8; ++j) {
     const int64_t r = n0 + std::min(j, nv - 1);
-    rw[j] = wrows + (r - n0) * words * 4;
+    rw[j] = rows_unused ? wrows : wrows + (r - n0) * words * 4;
     rs[j] = reinterpret_cast<const char*>(ds + (r - n0) * groups);
     rb[j] = reinterpret_cast<const char*>(db + (r - n0) * groups);
   }

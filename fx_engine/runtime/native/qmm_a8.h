@@ -282,30 +282,71 @@ inline void il16_rows(const uint32_t* wq, int64_t r0, int n, int words, uint32_t
       out[static_cast<int64_t>(j) * words + w] = wq[il16_index(r0 + j, w, words)];
 }
 
-// The scales and biases of an interleaved weight are interleaved too, [block][group][16],
-// in every format but the two-level K-quant codes (which stay in rows, decoded per block
-// as before): a 16-row block's S.rows are then the [groups][16] vectors the few-row paths
-// load, with no transposes.
-inline bool il_scales(const Quant& S) { return S.fmt != SF_KQ; }
-
-// Group g's 16 (or, from lane `at`, 8) values of an interleaved block's scales or biases
-// (`p`: the block's [groups][16] in its stored format) as float32: the exact conversions
-// Quant::rows makes (F16C's vcvtph2ps; bfloat16 is the float's high half), done as the
-// kernel reads the group instead of in a pass over the block first.
+// The scales and biases of an interleaved weight are interleaved too, [block][group][16]
+// (core.kernels.interleave16_groups), and the K-quant form's factors [block][super-block]
+// [2][16] (interleave16_factors): the few-row paths read a block's group g as vectors in
+// place (il_scales16 / il_scales8), with no decoding pass or transposes.
+//
+// Group g's 16 (or, from lane `at`, 8) scales and biases of an interleaved block (sp, bp:
+// the block's arrays, in their stored format) as float32: the exact conversions Quant::rows
+// makes (F16C's vcvtph2ps; bfloat16 is the float's high half; the two-level codes as
+// decode_kq: s = d * a, b = (-e) * c), done as the kernel reads the group instead of in a
+// pass over the block first (which wrote 2 x 16 x groups floats a block: ~15% of a 1B
+// decode step, measured).
 #if defined(__AVX512F__)
-inline __m512 il_group16(const void* p, int fmt, int g) {
-  if (fmt == SF_F32) return _mm512_loadu_ps(static_cast<const float*>(p) + g * 16);
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + g * 16));
-  if (fmt == SF_F16) return _mm512_cvtph_ps(h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+inline void il_scales16(const void* sp, const void* bp, int fmt, int sb, int g, __m512& s, __m512& c) {
+  if (fmt == SF_F32) {
+    s = _mm512_loadu_ps(static_cast<const float*>(sp) + g * 16);
+    c = _mm512_loadu_ps(static_cast<const float*>(bp) + g * 16);
+    return;
+  }
+  auto half16 = [](const void* p, int64_t at) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + at));
+  };
+  if (fmt == SF_KQ) {
+    const __m512i v = _mm512_cvtepi16_epi32(half16(sp, g * 16));
+    const int64_t f = int64_t{g / sb} * 32;  // this super-block's (d, e) vectors
+    const __m512 d = _mm512_cvtph_ps(half16(bp, f));
+    const __m512 e = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(half16(bp, f + 16)));
+    s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24)));
+    c = _mm512_mul_ps(e, _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 8)));
+    return;
+  }
+  if (fmt == SF_F16) {
+    s = _mm512_cvtph_ps(half16(sp, g * 16));
+    c = _mm512_cvtph_ps(half16(bp, g * 16));
+    return;
+  }
+  s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half16(sp, g * 16)), 16));
+  c = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half16(bp, g * 16)), 16));
 }
 #endif
 #if defined(__AVX2__) && defined(__F16C__)
-inline __m256 il_group8(const void* p, int fmt, int g, int at) {
-  if (fmt == SF_F32) return _mm256_loadu_ps(static_cast<const float*>(p) + g * 16 + at);
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + g * 16 + at));
-  if (fmt == SF_F16) return _mm256_cvtph_ps(h);
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+inline void il_scales8(const void* sp, const void* bp, int fmt, int sb, int g, int at, __m256& s, __m256& c) {
+  if (fmt == SF_F32) {
+    s = _mm256_loadu_ps(static_cast<const float*>(sp) + g * 16 + at);
+    c = _mm256_loadu_ps(static_cast<const float*>(bp) + g * 16 + at);
+    return;
+  }
+  auto half8 = [](const void* p, int64_t i) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+  };
+  if (fmt == SF_KQ) {
+    const __m256i v = _mm256_cvtepi16_epi32(half8(sp, g * 16 + at));
+    const int64_t f = int64_t{g / sb} * 32 + at;
+    const __m256 d = _mm256_cvtph_ps(half8(bp, f));
+    const __m256 e = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(half8(bp, f + 16)));
+    s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24)));
+    c = _mm256_mul_ps(e, _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 8)));
+    return;
+  }
+  if (fmt == SF_F16) {
+    s = _mm256_cvtph_ps(half8(sp, g * 16 + at));
+    c = _mm256_cvtph_ps(half8(bp, g * 16 + at));
+    return;
+  }
+  s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half8(sp, g * 16 + at)), 16));
+  c = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half8(bp, g * 16 + at)), 16));
 }
 #endif
 
@@ -316,10 +357,27 @@ inline void il_scale_rows(const Quant& S, int64_t n0, int n, const float*& so, c
   thread_local std::vector<float> blk, out;
   if (static_cast<int64_t>(blk.size()) < 2 * nb * 16 * G) blk.resize(static_cast<size_t>(2 * nb * 16 * G));
   if (static_cast<int64_t>(out.size()) < int64_t{2} * n * G) out.resize(static_cast<size_t>(2) * n * G);
-  const float *bs, *bb;
-  S.rows(b0 * 16, static_cast<int>(nb * 16), blk.data(), bs, bb);
   float* os = out.data();
   float* ob = os + static_cast<int64_t>(n) * G;
+  so = os;
+  bo = ob;
+  if (S.fmt == SF_KQ) {  // codes [block][g][16], factors [block][super-block][2][16]: decode_kq's floats
+    const int16_t* codes = static_cast<const int16_t*>(S.s);
+    const uint16_t* fac = static_cast<const uint16_t*>(S.b);
+    for (int j = 0; j < n; ++j) {
+      const int64_t r = n0 + j, blk16 = r / 16, lane = r % 16;
+      for (int g = 0; g < G; ++g) {
+        const int16_t c = codes[(blk16 * G + g) * 16 + lane];
+        const int64_t f = (blk16 * (G / S.sb) + g / S.sb) * 32 + lane;
+        const float d = half_to_float(fac[f]), e = -half_to_float(fac[f + 16]);
+        os[static_cast<int64_t>(j) * G + g] = d * static_cast<float>(static_cast<int8_t>(c & 0xFF));
+        ob[static_cast<int64_t>(j) * G + g] = e * static_cast<float>(static_cast<int16_t>(c >> 8));
+      }
+    }
+    return;
+  }
+  const float *bs, *bb;
+  S.rows(b0 * 16, static_cast<int>(nb * 16), blk.data(), bs, bb);
   for (int j = 0; j < n; ++j) {
     const int64_t r = n0 + j - b0 * 16, base = r / 16 * 16 * G + r % 16;
     for (int g = 0; g < G; ++g) {
@@ -327,8 +385,6 @@ inline void il_scale_rows(const Quant& S, int64_t n0, int n, const float*& so, c
       ob[static_cast<int64_t>(j) * G + g] = bb[base + g * 16];
     }
   }
-  so = os;
-  bo = ob;
 }
 
 // The 6-bit planes layout (`il` with 6-bit weights: the 8-bit mode's 6-bit matrices on
@@ -383,7 +439,7 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
     for (int bl = c * per; bl < b1; ++bl) {
       const int n0 = bl * A8_FEAT, nw = std::min(A8_FEAT, N - n0);
       const float *ds, *db;  // this block's scales and biases as float32 [nw][G]
-      if (il && il_scales(S))
+      if (il)
         il_scale_rows(S, n0, nw, ds, db);
       else
         S.rows(n0, nw, tmp, ds, db);
@@ -439,7 +495,7 @@ inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int
   const uint32_t* blk = wq + static_cast<int64_t>(n0) * (K * BITS / 32);
   constexpr int R = MR;  // pack_a8's tile of M = MR rows: quad u of row m at xq + (u * R + m) * 4
   const FewBlock fb = few_block(K, wq, S, gs, BITS, N, n0, sbuf,
-                                S.unpacks() ? weight_tmp(int64_t{16} * K) : nullptr, IL && il_scales(S));
+                                S.unpacks() ? weight_tmp(int64_t{16} * K) : nullptr, IL);
   const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
   const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
   __m512 acc[MR];
@@ -476,8 +532,7 @@ inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int
     }
     __m512 s, c;
     if (fb.sil) {
-      s = il_group16(fb.sil, fb.fmt, g);
-      c = il_group16(fb.bil, fb.fmt, g);
+      il_scales16(fb.sil, fb.bil, fb.fmt, fb.sb, g, s, c);
     } else {
       s = _mm512_loadu_ps(fb.s + g * 16);
       c = _mm512_loadu_ps(fb.b + g * 16);
@@ -526,7 +581,7 @@ inline void a8_few6_block(const int8_t* xq, const float* dd, const float* xs, in
                           float* y, int N, int n0, float* sbuf) {
   const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16) * K * 3;
   constexpr int R = MR;  // pack_a8's tile of M = MR rows
-  const FewBlock fb = few_block(K, wq, S, gs, 8, N, n0, sbuf, nullptr, il_scales(S), true);
+  const FewBlock fb = few_block(K, wq, S, gs, 8, N, n0, sbuf, nullptr, true, true);
   const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
   const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F), m30 = _mm512_set1_epi32(0x30303030);
   __m512 acc[MR];
@@ -541,8 +596,7 @@ inline void a8_few6_block(const int8_t* xq, const float* dd, const float* xs, in
   auto group = [&](int g) {  // a8_few_block's float steps for group g, then a new integer sum
     __m512 s, c;
     if (fb.sil) {
-      s = il_group16(fb.sil, fb.fmt, g);
-      c = il_group16(fb.bil, fb.fmt, g);
+      il_scales16(fb.sil, fb.bil, fb.fmt, fb.sb, g, s, c);
     } else {
       s = _mm512_loadu_ps(fb.s + g * 16);
       c = _mm512_loadu_ps(fb.b + g * 16);
@@ -718,8 +772,7 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
     }
     __m256 s, c;
     if (sil) {  // interleaved scales and biases, read in place (this half of the 16-row block)
-      s = il_group8(ps, S.fmt, g, n0 % 16);
-      c = il_group8(pb, S.fmt, g, n0 % 16);
+      il_scales8(ps, pb, S.fmt, S.sb, g, n0 % 16, s, c);
     } else {
       s = _mm256_load_ps(sbuf + g * 8);
       c = _mm256_load_ps(bbuf + g * 8);
@@ -752,10 +805,10 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
     const int b1 = std::min(blocks, (c + 1) * per);
     for (int bl = c * per; bl < b1; ++bl) {
       const char* rw[8];
-      if (IL && il_scales(S))  // the scales 4 blocks of 16 ahead (few_block's distance)
+      if (IL)  // the scales 4 blocks of 16 ahead (few_block's distance)
         S.prefetch(bl * 8 + 64, std::max(0, std::min(8, N - bl * 8 - 64)));
       const int nv = few8_setup(K, wq, S, gs, BITS, N, bl * 8, rw, sbuf,
-                                S.unpacks() ? weight_tmp(int64_t{8} * K) : nullptr, IL && il_scales(S));
+                                S.unpacks() ? weight_tmp(int64_t{8} * K) : nullptr, IL);
       // every pass of 8 rows over this block while its weights are in L1
       for (int t = 0; t < tiles; ++t) {
         const int8_t* xt = xq.data() + static_cast<int64_t>(t) * K * R;
@@ -764,13 +817,134 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
         float* yt = y + static_cast<int64_t>(t) * R * N;
         auto run = [&](auto mr) {
           a8_few8_block<BITS, decltype(mr)::value, IL>(xt, dt, st, K, wq, rw, nv, gs, yt, N, bl * 8, sbuf, S,
-                                                      IL && il_scales(S), R);
+                                                      IL, R);
         };
         with_rows<8>(std::min(R, M - t * R), run);
       }
     }
   });
 }
+#endif
+
+#if defined(FX_A8_AVX2)
+// a8_few6_block at 8 features per ymm (this 8-row half of each 16-row block: its lanes
+// n0 % 16 .. + 8 of the planes' words), every row count in tiles of 8 rows. Without
+// AVX-VNNI, vpmaddubsw adds pairs of u8 x s8 products in saturating int16: a 6-bit pair is
+// at most 2 * 63 * 127 = 16002, so two quads' pairs (32004) add up exactly in int16 before
+// each vpmaddwd; the int32 sums are the rows layout's exact integers.
+template <int MR>
+inline void a8_few8_block6(const int8_t* xq, const float* dd, const float* xs, int K,
+                           const uint32_t* wq, int gs, float* y, int N, int n0, const float* sbuf,
+                           const Quant& S, bool sil, int R) {
+  const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16) * K * 3 + n0 % 16;
+  const int groups = K / gs;
+  const float* bbuf = sbuf + static_cast<int64_t>(groups) * 8;
+  const char* ps = static_cast<const char*>(S.s) + int64_t{n0 / 16 * 16} * S.s_row_bytes();
+  const char* pb = static_cast<const char*>(S.b) + int64_t{n0 / 16 * 16} * S.b_row_bytes();
+  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
+  const __m256i nib = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  // the next 16-row block's stream, a slice per 32-k step (once per block: from its first half)
+  const char* next = reinterpret_cast<const char*>(wq + (static_cast<int64_t>(n0 / 16) + 1) * K * 3);
+  const int64_t next_bytes = n0 % 16 == 0 && n0 / 16 * 16 + 16 < N ? int64_t{K} * 12 : 0;
+  const int64_t slice = next_bytes / (K / 32);
+  __m256 acc[MR];
+  __m256i is[MR];
+  for (int m = 0; m < MR; ++m) {
+    acc[m] = _mm256_setzero_ps();
+    is[m] = _mm256_setzero_si256();
+  }
+  auto xb = [&](int u, int m) { return _mm256_set1_epi32(xq4[u * R + m]); };
+  auto group = [&](int g) {  // a8_few8_block's float steps for group g, then a new integer sum
+    __m256 s, c;
+    if (sil) {
+      il_scales8(ps, pb, S.fmt, S.sb, g, n0 % 16, s, c);
+    } else {
+      s = _mm256_load_ps(sbuf + g * 8);
+      c = _mm256_load_ps(bbuf + g * 8);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m256 f = _mm256_mul_ps(_mm256_set1_ps(dd[g * R + m]), s);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), f, acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(xs[g * R + m]), c, acc[m]);
+      is[m] = _mm256_setzero_si256();
+    }
+  };
+  for (int k0 = 0; k0 < K; k0 += 32) {
+    for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
+      _mm_prefetch(next + o, _MM_HINT_T1);
+    const uint32_t* st = blk + static_cast<int64_t>(k0 / 32) * 96;
+    const __m256i h[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 64)),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 80))};
+    auto high = [&](const __m256i& v, int i) {  // bits 2i..2i+1 of each byte -> bits 4..5
+      const __m256i t = i == 0 ? _mm256_slli_epi32(v, 4) : i == 1 ? _mm256_slli_epi32(v, 2)
+                        : i == 2 ? v : _mm256_srli_epi32(v, 2);
+      return _mm256_and_si256(t, m30);
+    };
+    // quads i and 4 + i (even and odd values of 8i .. 8i + 7), then their dot products
+    auto pair = [&](int i) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 16 * i));
+      const __m256i a = _mm256_or_si256(_mm256_and_si256(w, nib), high(h[0], i));
+      const __m256i b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), nib), high(h[1], i));
+      const int u = k0 / 4 + i;
+      for (int m = 0; m < MR; ++m) {
+#if defined(__AVXVNNI__)
+        is[m] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(is[m], a, xb(u, m)), b, xb(u + 4, m));
+#else
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(a, xb(u, m)), _mm256_maddubs_epi16(b, xb(u + 4, m)));
+        is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+      }
+    };
+    if (gs == 16) {  // two groups a step: quads {0, 1, 4, 5}, then {2, 3, 6, 7}
+      pair(0);
+      pair(1);
+      group(k0 / 16);
+      pair(2);
+      pair(3);
+      group(k0 / 16 + 1);
+    } else {
+      for (int i = 0; i < 4; ++i) pair(i);
+      if ((k0 + 32) % gs == 0) group(k0 / gs);
+    }
+  }
+  alignas(32) static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  const int nv = std::min(8, N - n0);
+  const __m256i keep = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 - nv));
+  for (int m = 0; m < MR; ++m) _mm256_maskstore_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
+}
+
+inline void qmm_a8_few8_6(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
+  const int R = std::min(8, M);  // (one tile of exactly M rows for a few rows)
+  const int G = K / gs, tiles = (M + R - 1) / R;
+  std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
+  std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
+  pack_a8(R, x, M, K, gs, true, xq.data(), dd.data(), xs.data());
+  const int blocks = (N + 7) / 8;
+  const bool sil = true;  // (interleaved scales, every format)
+  const int per = stream_chunk(blocks, std::max(1, 8 * 576 / std::max(K, 1)));
+  pool().run((blocks + per - 1) / per, [&](int c) {
+    thread_local std::vector<float> sb;
+    const size_t need = static_cast<size_t>(16 * G + 8);  // + 8: alignment
+    if (sb.size() < need) sb.resize(need);
+    float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 31) & ~uintptr_t{31});
+    const int b1 = std::min(blocks, (c + 1) * per);
+    for (int bl = c * per; bl < b1; ++bl) {
+      const char* rw[8];
+      if (sil)  // the scales 4 blocks of 16 ahead (few_block's distance)
+        S.prefetch(bl * 8 + 64, std::max(0, std::min(8, N - bl * 8 - 64)));
+      few8_setup(K, wq, S, gs, 8, N, bl * 8, rw, sbuf, nullptr, sil, true);
+      for (int t = 0; t < tiles; ++t) {
+        with_rows<8>(std::min(R, M - t * R), [&](auto mr) {
+          a8_few8_block6<decltype(mr)::value>(xq.data() + static_cast<int64_t>(t) * K * R,
+                                              dd.data() + static_cast<int64_t>(t) * G * R,
+                                              xs.data() + static_cast<int64_t>(t) * G * R, K, wq, gs,
+                                              y + static_cast<int64_t>(t) * R * N, N, bl * 8, sbuf, S, sil, R);
+        });
+      }
+    }
+  });
+}
+#define FX_A8_PLANES 1  // qmm_a8 reads 6-bit weights in the planes layout (il6_base)
 #endif
 
 // Up to 8 rows: the few-row path (AVX-512 VNNI builds); more: tiles of 16. AVX2 builds:
@@ -784,6 +958,7 @@ void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S
     if (il) f(std::true_type{}); else f(std::false_type{});
   };
 #if defined(FX_A8_AVX2)
+  if (il && S.wbits == 6) return qmm_a8_few8_6(x, M, K, wq, S, gs, y, N);  // the planes layout
   return with_bits(bits, [&](auto b) {
     with_il([&](auto l) { qmm_a8_few8<decltype(b)::value, decltype(l)::value>(x, M, K, wq, S, gs, y, N); });
   });
