@@ -63,8 +63,8 @@ def qmm_a8(x, w, scales, biases, group_size: int, bits: int, interleaved: bool =
     exact int32 dot products per group, combined in float32 in group order. A different
     (coarser) numerics than qmm/qgemm, like llama.cpp's 8-bit activations; batch-invariant
     and tile-independent bit for bit (the integer sums are exact). interleaved: w is
-    `interleave16(w)` (4 or 8 bits, rows a multiple of 16; 6 bits: `interleave16_planes(w)`
-    where `il_planes()`), scales and biases `interleave16_groups`'s (the K-quant form: its
+    `interleave16(w)` (4 or 8 bits, rows a multiple of 16; 5 or 6 bits:
+    `interleave16_planes(w, bits)` where `il_planes()`), scales and biases `interleave16_groups`'s (the K-quant form: its
     codes `interleave16_groups`'s, its factors `interleave16_factors`'): the same bits, each
     16-row block read as one contiguous stream, its scales converted as they are read."""
     return _module().qmm_a8(x, w, scales, biases, group_size, bits, interleaved)
@@ -101,22 +101,20 @@ def deinterleave16(w: "mx.array") -> "mx.array":
     return mx.contiguous(w.reshape(n // 16, words // 4, 4, 16).transpose(0, 3, 1, 2).reshape(n, words))
 
 
-def _unpack6(w: "mx.array") -> "mx.array":
-    """MLX's 6-bit packing (a little-endian bit stream, 4 values per 3 bytes) [N, words] ->
-    the values [N, K] as uint32 0..63."""
+def _unpack_bits(w: "mx.array", bits: int) -> "mx.array":
+    """MLX's 5- or 6-bit packing (a little-endian bit stream: 8 values per `bits` bytes)
+    [N, words] -> the values [N, K] as uint32."""
     n = w.shape[0]
-    b = w.view(mx.uint8).reshape(n, -1, 3).astype(mx.uint32)
-    b0, b1, b2 = b[..., 0], b[..., 1], b[..., 2]
-    v = mx.stack([b0 & 63, (b0 >> 6) | ((b1 & 15) << 2), (b1 >> 4) | ((b2 & 3) << 4), b2 >> 2], axis=-1)
-    return v.reshape(n, -1)
+    b = w.view(mx.uint8).reshape(n, -1, bits).astype(mx.uint64)
+    x = (b << mx.arange(0, 8 * bits, 8, dtype=mx.uint64)).sum(-1)  # 8 * bits bits a group
+    return ((x[..., None] >> mx.arange(0, 8 * bits, bits, dtype=mx.uint64)) & ((1 << bits) - 1)).astype(mx.uint32).reshape(n, -1)
 
 
-def _pack6(v: "mx.array") -> "mx.array":
-    """`_unpack6`'s inverse: values [N, K] (0..63) -> MLX's 6-bit words [N, K * 6 / 32]."""
+def _pack_bits(v: "mx.array", bits: int) -> "mx.array":
+    """`_unpack_bits`' inverse: values [N, K] -> MLX's packed words [N, K * bits / 32]."""
     n = v.shape[0]
-    q = v.astype(mx.uint32).reshape(n, -1, 4)
-    v0, v1, v2, v3 = q[..., 0], q[..., 1], q[..., 2], q[..., 3]
-    b = mx.stack([v0 | ((v1 & 3) << 6), (v1 >> 2) | ((v2 & 15) << 4), (v2 >> 4) | (v3 << 2)], axis=-1)
+    x = (v.astype(mx.uint64).reshape(n, -1, 8) << mx.arange(0, 8 * bits, bits, dtype=mx.uint64)).sum(-1)
+    b = (x[..., None] >> mx.arange(0, 8 * bits, 8, dtype=mx.uint64)) & 255
     return b.astype(mx.uint8).reshape(n, -1).view(mx.uint32)
 
 
@@ -124,39 +122,56 @@ def _shifts(n: int, step: int) -> "mx.array":
     return mx.arange(0, n * step, step, dtype=mx.uint32)
 
 
-def interleave16_planes(w: "mx.array") -> "mx.array":
-    """A 6-bit packed weight [N, words] (N a multiple of 16, K = words * 32 / 6 a multiple
-    of 32) in qmm_a8's planes layout (the runtime's il6_base): per block of 16 rows and per
-    32-k step, 96 words: the values' low 4 bits as 4 words per row in 4-bit packing (nibble
-    j of word i = value 8i + j), [word][row]; then their high 2 bits as 2 words per row
-    (byte b of word p holds at bits 2i the high bits of value 8i + 2b + p), [word][row]. So
-    the 8-bit mode's few-row product reads one contiguous stream and builds each weight
-    byte with a shift, a mask and an or. The same shape and bit count; a pure op."""
+def planes_shape_ok(w: "mx.array", bits: int) -> bool:
+    """Whether a packed 5- or 6-bit weight [N, words] fits the planes layout: N a multiple
+    of 16, K = words * 32 / bits a multiple of 32."""
+    return (bits in (5, 6) and w.ndim == 2 and w.shape[0] % 16 == 0
+            and (w.shape[1] * 32) % (bits * 32) == 0)
+
+
+def interleave16_planes(w: "mx.array", bits: int = 6) -> "mx.array":
+    """A 5- or 6-bit packed weight [N, words] (N a multiple of 16, K = words * 32 / bits a
+    multiple of 32) in qmm_a8's planes layout (the runtime's ilp_base): per block of 16 rows
+    and per 32-k step, 16 * bits words: the values' low 4 bits as 4 words per row in 4-bit
+    packing (nibble j of word i = value 8i + j), [word][row]; then their high bits as
+    bits - 4 words per row, [word][row]: 6 bits: byte b of word p holds at bits 2i the high
+    2 bits of value 8i + 2b + p; 5 bits: byte b of the word holds at bit i the high bit of
+    value 8i + 2b, at bit 4 + i that of value 8i + 2b + 1. So the 8-bit mode's few-row
+    product reads one contiguous stream and builds each weight byte with a shift, a mask
+    and an or. The same shape and bit count; a pure op."""
+    if not planes_shape_ok(w, bits):
+        raise ValueError(f"interleave16_planes: needs {bits} in (5, 6), rows a multiple of 16 and K a "
+                         f"multiple of 32, got {tuple(w.shape)}")
     n, words = w.shape
-    if n % 16 or (words * 32) % (6 * 32):
-        raise ValueError(f"interleave16_planes: needs rows a multiple of 16 and K a multiple of 32, "
-                         f"got {tuple(w.shape)}")
-    v = _unpack6(w).reshape(n, -1, 4, 8)  # [N, steps, i, j]: value 8i + j of the step
+    v = _unpack_bits(w, bits).reshape(n, -1, 4, 8)  # [N, steps, i, j]: value 8i + j of the step
     lo = ((v & 15) << _shifts(8, 4)).sum(-1).astype(mx.uint32)  # [N, S, 4]
     hi = (v >> 4).reshape(n, -1, 4, 4, 2)  # [N, S, i, b, p]: value 8i + 2b + p
-    hi = (hi << (_shifts(4, 2)[:, None, None] + _shifts(4, 8)[None, :, None])).sum((2, 3)).astype(mx.uint32)
-    words6 = mx.concatenate([lo, hi], axis=-1)  # [N, S, 6]
-    return mx.contiguous(words6.reshape(n // 16, 16, -1, 6).transpose(0, 2, 3, 1).reshape(n, words))
+    if bits == 6:
+        hi = (hi << (_shifts(4, 2)[:, None, None] + _shifts(4, 8)[None, :, None])).sum((2, 3))  # [N, S, p]
+    else:
+        hi = (hi << (_shifts(4, 1)[:, None, None] + _shifts(4, 8)[None, :, None]
+                     + _shifts(2, 4)[None, None, :])).sum((2, 3, 4))[..., None]  # [N, S, 1]
+    planes = mx.concatenate([lo, hi.astype(mx.uint32)], axis=-1)  # [N, S, bits]
+    return mx.contiguous(planes.reshape(n // 16, 16, -1, bits).transpose(0, 2, 3, 1).reshape(n, words))
 
 
-def deinterleave16_planes(w: "mx.array") -> "mx.array":
-    """`interleave16_planes`' inverse: the 6-bit weight back in rows (MLX's packing)."""
+def deinterleave16_planes(w: "mx.array", bits: int = 6) -> "mx.array":
+    """`interleave16_planes`' inverse: the weight back in rows (MLX's packing)."""
     n, words = w.shape
-    blk = w.reshape(n // 16, -1, 6, 16).transpose(0, 3, 1, 2).reshape(n, -1, 6)  # [N, S, 6]
+    blk = w.reshape(n // 16, -1, bits, 16).transpose(0, 3, 1, 2).reshape(n, -1, bits)  # [N, S, bits]
     lo = (blk[..., :4, None] >> _shifts(8, 4)) & 15  # [N, S, i, j]
-    hi = (blk[..., 4:, None, None] >> (_shifts(4, 2)[:, None] + _shifts(4, 8)[None, :])) & 3  # [N, S, p, i, b]
-    hi = hi.transpose(0, 1, 3, 4, 2).reshape(lo.shape)  # [N, S, i, 2b + p]
-    return _pack6((lo | (hi << 4)).reshape(n, -1))
+    if bits == 6:
+        hi = (blk[..., 4:, None, None] >> (_shifts(4, 2)[:, None] + _shifts(4, 8)[None, :])) & 3  # [N, S, p, i, b]
+        hi = hi.transpose(0, 1, 3, 4, 2)  # [N, S, i, b, p]
+    else:
+        hi = (blk[..., 4, None, None, None] >> (_shifts(4, 1)[:, None, None] + _shifts(4, 8)[None, :, None]
+                                                 + _shifts(2, 4)[None, None, :])) & 1  # [N, S, i, b, p]
+    return _pack_bits((lo | (hi.reshape(lo.shape) << 4)).reshape(n, -1), bits)
 
 
 def il_planes() -> bool:
-    """Whether this build's qmm_a8 reads 6-bit weights in the planes layout
-    (`interleave16_planes`: AVX-512 VNNI builds)."""
+    """Whether this build's qmm_a8 reads 5- and 6-bit weights in the planes layout
+    (`interleave16_planes`: AVX-512 VNNI and AVX2 builds)."""
     return bool(getattr(_module(), "il_planes", False))
 
 

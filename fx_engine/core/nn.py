@@ -242,23 +242,25 @@ def _rows_layout(lin: Linear) -> None:
                          "activation mode's): only that mode's native product reads it")
 
 
-def _planes(q: Any, weight: mx.array) -> bool:
-    """Whether a 6-bit weight goes (or went) in qmm_a8's planes layout."""
-    return q.bits == 6 and weight.ndim == 2 and (weight.shape[1] * 32 // 6) % 32 == 0
+def _back_in_rows(bits: int) -> Callable[[mx.array], mx.array]:
+    """The inverse of an interleaved weight's layout (4/8 bits: words; 5/6 bits: planes)."""
+    if bits in (5, 6):
+        return lambda w: kernels.deinterleave16_planes(w, bits)
+    return kernels.deinterleave16
 
 
 def interleave_for_a8(lin: Linear) -> Linear:
     """`lin` with its packed weight in qmm_a8's interleaved layout where that kernel reads it
-    (a 2-D 4- or 8-bit affine matrix with a multiple of 16 rows; 6-bit ones in the planes
-    layout, `kernels.interleave16_planes`, where the build reads them); else `lin`
+    (a 2-D 4- or 8-bit affine matrix with a multiple of 16 rows; 5- and 6-bit ones in the
+    planes layout, `kernels.interleave16_planes`, where the build reads them); else `lin`
     unchanged. For the 8-bit mode's matrices only: the same products bit for bit, but a
     decode step reads each block of 16 rows as one contiguous stream (issue 41)."""
     q = lin.quant
     if (lin.interleaved or not lin.quantized or q.mode != "affine" or lin.weight.ndim != 2
             or lin.weight.shape[0] % 16 or not kernels.supports(q.group_size, q.bits, 8)):
         return lin
-    if q.bits == 6 and _planes(q, lin.weight) and kernels.il_planes():
-        out = tree_replace(lin, weight=kernels.interleave16_planes(lin.weight))
+    if kernels.planes_shape_ok(lin.weight, q.bits) and kernels.il_planes():
+        out = tree_replace(lin, weight=kernels.interleave16_planes(lin.weight, q.bits))
     elif q.bits in (4, 8) and lin.weight.shape[1] % 4 == 0:
         out = tree_replace(lin, weight=kernels.interleave16(lin.weight))
     else:
@@ -274,7 +276,7 @@ def row_major(lin: Linear) -> Linear:
     if not lin.interleaved:
         return lin
     q = lin.quant
-    out = tree_replace(lin, weight=(kernels.deinterleave16_planes if q.bits == 6 else kernels.deinterleave16)(lin.weight))
+    out = tree_replace(lin, weight=_back_in_rows(q.bits)(lin.weight))
     back = kernels.interleave16_factors if q.scales.dtype == mx.int16 else kernels.interleave16_groups
     return out.with_quant(interleaved=False, scales=kernels.interleave16_groups(q.scales, inverse=True),
                           biases=back(q.biases, inverse=True))
@@ -499,7 +501,7 @@ def _interleaved_rows(table: Linear, tokens: mx.array) -> tuple[mx.array, mx.arr
         blocks = a.reshape(a.shape[0] // 16, -1)[block].reshape(-1, *a.shape[1:])  # [T * 16, ...]
         return back(blocks)[pick].reshape(*tokens.shape, *a.shape[1:])
 
-    weight = rows(table.weight, kernels.deinterleave16_planes if q.bits == 6 else kernels.deinterleave16)
+    weight = rows(table.weight, _back_in_rows(q.bits))
     groups = lambda a: kernels.interleave16_groups(a, inverse=True)  # noqa: E731
     factors = lambda a: kernels.interleave16_factors(a, inverse=True)  # noqa: E731
     return weight, rows(q.scales, groups), rows(q.biases, factors if q.scales.dtype == mx.int16 else groups)

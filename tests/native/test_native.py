@@ -764,9 +764,9 @@ for bits in (4, 8):  # the interleaved layout: the row-major weight's bits, ever
                                                                bits, interleaved=True))
             outs[f"ro{m}_{bits}_{dt}"] = np.asarray(mod.qmm_a8(xi[:m], wi, si.astype(t), bi.astype(t), 32, bits))
 x512 = mx.array(d["x512"])
-for key, bits, gs in (("k4", 4, 32), ("p6g16", 6, 16), ("p6g32", 6, 32)):  # interleaved K-quant form, 6-bit planes
+for key, bits, gs in (("k4", 4, 32), ("p6g16", 6, 16), ("p6g32", 6, 32), ("p5g32", 5, 32)):  # K-quant form, planes
     w, s_, b_, iw, is_, ib_ = (mx.array(d[f"{key}_{n}"]) for n in ("w", "s", "b", "iw", "is", "ib"))
-    outs[f"planes_{key}"] = bool(getattr(mod, "il_planes", False)) or bits != 6
+    outs[f"planes_{key}"] = bool(getattr(mod, "il_planes", False)) or bits == 4
     for m in (1, 3, 8, 9, 40):
         outs[f"ro_{key}_{m}"] = np.asarray(mod.qmm_a8(x512[:m], w, s_, b_, gs, bits))
         if outs[f"planes_{key}"]:
@@ -880,11 +880,12 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     for bits in (5, 6):
         q = RNG.integers(0, 1 << bits, (29, 512)).astype(np.uint32)
         data.update({f"p{bits}": np.asarray(_stream(q, bits)), f"p{bits}_8": np.asarray(_stream(q, 8))})
-    for key, bits, gs, kind in (("k4", 4, 32, "kq"), ("p6g16", 6, 16, "kq"), ("p6g32", 6, 32, "float16")):
+    for key, bits, gs, kind in (("k4", 4, 32, "kq"), ("p6g16", 6, 16, "kq"), ("p6g32", 6, 32, "float16"),
+                                ("p5g32", 5, 32, "kq")):
         q = RNG.integers(0, 1 << bits, (32, 512)).astype(np.uint32)
         w = _stream(q, bits)
         (cs, cb), _ = _compact_scales(32, 512 // gs, kind, 256 // gs)
-        iw = core_kernels.interleave16_planes(w) if bits == 6 else core_kernels.interleave16(w)
+        iw = core_kernels.interleave16_planes(w, bits) if bits in (5, 6) else core_kernels.interleave16(w)
         ib = (core_kernels.interleave16_factors if kind == "kq" else core_kernels.interleave16_groups)(cb)
         data.update({f"{key}_w": np.asarray(w), f"{key}_s": np.asarray(cs), f"{key}_b": np.asarray(cb),
                      f"{key}_iw": np.asarray(iw), f"{key}_is": np.asarray(core_kernels.interleave16_groups(cs)),
@@ -924,7 +925,7 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
             assert np.array_equal(got[f"il{m}_{bits}"], got[f"ro{m}_{bits}"]), (bits, m)
             for dt in ("float16", "bfloat16"):
                 assert np.array_equal(got[f"il{m}_{bits}_{dt}"], got[f"ro{m}_{bits}_{dt}"]), (bits, m, dt)
-    for key in ("k4", "p6g16", "p6g32"):  # the K-quant form interleaved; 6-bit planes (AVX2 builds read them)
+    for key in ("k4", "p6g16", "p6g32", "p5g32"):  # the K-quant form interleaved; planes (AVX2 builds read them)
         assert bool(got[f"planes_{key}"]) == (avx2 or key == "k4"), key
         for m in (1, 3, 8, 9, 40):
             if bool(got[f"planes_{key}"]):
@@ -1136,35 +1137,38 @@ def test_interleaved_weights_give_the_row_major_bits(bits: int, gs: int) -> None
         kernels.interleave16(wq[:40])
 
 
+@pytest.mark.parametrize("bits", [5, 6])
 @pytest.mark.parametrize("gs", [16, 32, 64])
-def test_6_bit_planes_give_the_rows_bits(gs: int) -> None:
-    """6-bit weights in qmm_a8's planes layout (kernels.interleave16_planes: per 16-row block
-    and 32-k step, the low nibbles as 4-bit interleaved words, then the high 2 bits in 2
-    words per row) give the rows layout's bits at every row count, with float32, float16,
-    bfloat16 and two-level scales; the layout is the documented one (checked entry by entry
-    from its definition with numpy), deinterleave16_planes undoes it, and a build without
-    the planes path refuses such a weight."""
+def test_5_and_6_bit_planes_give_the_rows_bits(gs: int, bits: int) -> None:
+    """5- and 6-bit weights in qmm_a8's planes layout (kernels.interleave16_planes: per
+    16-row block and 32-k step, the low nibbles as 4-bit interleaved words, then the high
+    bits in bits - 4 words per row) give the rows layout's bits at every row count, with
+    float32, float16, bfloat16 and two-level scales; the layout is the documented one
+    (checked entry by entry from its definition with numpy), deinterleave16_planes undoes
+    it, and a build without the planes path refuses such a weight."""
     from fx_engine.core import kernels
 
     n, k = 48, 512
-    q = RNG.integers(0, 64, (n, k)).astype(np.uint32)
-    wq = _stream(q, 6)
-    il = kernels.interleave16_planes(wq)
-    assert il.shape == wq.shape and mx.array_equal(kernels.deinterleave16_planes(il), wq).item()
-    words, blocks = np.asarray(il), k // 32 * 96  # 96 words per block per 32-k step
+    q = RNG.integers(0, 1 << bits, (n, k)).astype(np.uint32)
+    wq = _stream(q, bits)
+    il = kernels.interleave16_planes(wq, bits)
+    assert il.shape == wq.shape and mx.array_equal(kernels.deinterleave16_planes(il, bits), wq).item()
+    words, step = np.asarray(il), 16 * bits  # words per block per 32-k step
     for r in (0, 7, 16, 47):
-        blk = words.reshape(n // 16, blocks)[r // 16]
+        blk = words.reshape(n // 16, k // 32 * step)[r // 16]
         for st in range(k // 32):
-            base = st * 96 + r % 16
+            base = st * step + r % 16
             for i in range(4):
                 for j in range(8):
                     lo = (blk[base + 16 * i] >> (4 * j)) & 15
-                    hi = (blk[base + 64 + 16 * (j & 1)] >> (8 * (j >> 1) + 2 * i)) & 3
+                    b, p = j >> 1, j & 1  # value 8i + 2b + p
+                    hi = ((blk[base + 64 + 16 * p] >> (8 * b + 2 * i)) & 3 if bits == 6
+                          else (blk[base + 64] >> (8 * b + 4 * p + i)) & 1)
                     assert lo + 16 * hi == q[r, 32 * st + 8 * i + j], (r, st, i, j)
     if not kernels.il_planes():  # (AVX2 and portable builds keep 6-bit weights in rows)
         s, b = (mx.ones((n, k // gs)),) * 2
         with pytest.raises(ValueError, match="planes"):
-            native.qmm_a8(mx.ones((1, k)), il, s, b, gs, 6, interleaved=True)
+            native.qmm_a8(mx.ones((1, k)), il, s, b, gs, bits, interleaved=True)
         return
     s = mx.array(RNG.uniform(0.001, 0.02, (n, k // gs)).astype(np.float32))
     b = mx.array(RNG.uniform(-1, 1, (n, k // gs)).astype(np.float32))
@@ -1177,15 +1181,15 @@ def test_6_bit_planes_give_the_rows_bits(gs: int) -> None:
         icb = (kernels.interleave16_factors if kq else kernels.interleave16_groups)(cb)
         for m in (1, 2, 5, 8, 9, 16, 17, 40):
             x = mx.array(RNG.standard_normal((m, k)).astype(np.float32))
-            assert np.array_equal(np.asarray(native.qmm_a8(x, il, ics, icb, gs, 6, interleaved=True)),
-                                  np.asarray(native.qmm_a8(x, wq, cs, cb, gs, 6))), (m, cs.dtype)
+            assert np.array_equal(np.asarray(native.qmm_a8(x, il, ics, icb, gs, bits, interleaved=True)),
+                                  np.asarray(native.qmm_a8(x, wq, cs, cb, gs, bits))), (m, cs.dtype)
     with pytest.raises(ValueError, match="interleave16_planes"):
-        kernels.interleave16_planes(wq[:40])
+        kernels.interleave16_planes(wq[:40], bits)
 
 
-@pytest.mark.parametrize("bits", [4, 6])
+@pytest.mark.parametrize("bits", [4, 5, 6])
 def test_activation_bits_model_runs_interleaved_weights(tmp_path, bits: int) -> None:
-    """In the 8-bit mode the loader puts the 4-/8-bit matrices (6-bit ones as planes where
+    """In the 8-bit mode the loader puts the 4-/8-bit matrices (5-/6-bit ones as planes where
     the build reads them) in qmm_a8's interleaved layout, a head tied to the embeddings
     included (its lookups gather the interleaved blocks): the logits equal those of the
     same params in rows, bit for bit, at decode and chunked prefill; the embeddings looked
@@ -1200,7 +1204,7 @@ def test_activation_bits_model_runs_interleaved_weights(tmp_path, bits: int) -> 
                               tie_word_embeddings=True)
     a8 = fx_engine.load(folder, activation_bits=8)
     il = [lin for lin in linears(a8.params) if lin.interleaved]
-    planes = bits == 6 and kernels.il_planes()
+    planes = bits in (5, 6) and kernels.il_planes()
     assert a8.params.lm_head is None and bool(il) == (bits == 4 or planes)
     assert a8.params.embed.interleaved == (bits == 4 or planes)
     rows = __import__("attrs").evolve(a8, params=map_linears(a8.params, lambda _, lin: row_major(lin)))

@@ -726,13 +726,13 @@ mx::array qgemm(const mx::array& x, const mx::array& w, const mx::array& scales,
 mx::array qmm_a8(const mx::array& x, const mx::array& w, const mx::array& scales,
                  const mx::array& biases, int group_size, int bits, bool interleaved) {
 #if defined(FX_A8_PLANES)
-  const bool planes = bits == 6 && w.ndim() == 2 && (w.shape(1) * 32 / 6) % 32 == 0;
+  const bool planes = (bits == 5 || bits == 6) && w.ndim() == 2 && (w.shape(1) * 32) % (bits * 32) == 0;
 #else
   const bool planes = false;  // (this build's qmm_a8 has no 6-bit planes path)
 #endif
   if (interleaved && ((bits != 4 && bits != 8 && !planes) || w.ndim() != 2 || w.shape(0) % 16 != 0))
-    throw std::invalid_argument("qmm_a8: an interleaved weight must have 4 or 8 bits (6 in planes where the "
-                                "build has them: il_planes) and a multiple of 16 rows");
+    throw std::invalid_argument("qmm_a8: an interleaved weight must have 4 or 8 bits (5 or 6 in planes where "
+                                "the build has them: il_planes) and a multiple of 16 rows");
   return quantized_product("qmm_a8", interleaved ? 3 : 2, x, w, scales, biases, group_size, bits);
 }
 
@@ -756,7 +756,7 @@ NB_MODULE(_fx_native, m) {
   m.attr("int8_dot") = false;
 #endif
 #if defined(FX_A8_PLANES)
-  m.attr("il_planes") = true;  // qmm_a8 reads 6-bit weights interleaved as planes (interleave16_planes)
+  m.attr("il_planes") = true;  // qmm_a8 reads 5-/6-bit weights interleaved as planes (interleave16_planes)
 #else
   m.attr("il_planes") = false;
 #endif

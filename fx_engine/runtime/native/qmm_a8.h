@@ -363,13 +363,16 @@ inline void il_scale_rows(const Quant& S, int64_t n0, int n, const float*& so, c
   bo = ob;
   if (S.fmt == SF_KQ) {  // codes [block][g][16], factors [block][super-block][2][16]: decode_kq's floats
     const int16_t* codes = static_cast<const int16_t*>(S.s);
-    const uint16_t* fac = static_cast<const uint16_t*>(S.b);
+    const int64_t per = int64_t{G / S.sb} * 32;  // a block's factors
+    thread_local std::vector<float> fac;  // the blocks' factors as floats (one conversion pass)
+    if (static_cast<int64_t>(fac.size()) < nb * per) fac.resize(static_cast<size_t>(nb * per));
+    halves_to_floats(static_cast<const uint16_t*>(S.b) + b0 * per, static_cast<int>(nb * per), fac.data());
     for (int j = 0; j < n; ++j) {
       const int64_t r = n0 + j, blk16 = r / 16, lane = r % 16;
       for (int g = 0; g < G; ++g) {
         const int16_t c = codes[(blk16 * G + g) * 16 + lane];
-        const int64_t f = (blk16 * (G / S.sb) + g / S.sb) * 32 + lane;
-        const float d = half_to_float(fac[f]), e = -half_to_float(fac[f + 16]);
+        const int64_t f = (blk16 - b0) * per + (g / S.sb) * 32 + lane;
+        const float d = fac[f], e = -fac[f + 16];
         os[static_cast<int64_t>(j) * G + g] = d * static_cast<float>(static_cast<int8_t>(c & 0xFF));
         ob[static_cast<int64_t>(j) * G + g] = e * static_cast<float>(static_cast<int16_t>(c >> 8));
       }
@@ -387,30 +390,33 @@ inline void il_scale_rows(const Quant& S, int64_t n0, int n, const float*& so, c
   }
 }
 
-// The 6-bit planes layout (`il` with 6-bit weights: the 8-bit mode's 6-bit matrices on
-// AVX-512 VNNI builds, core.kernels.interleave16_planes): per 16-row block and per 32-k
-// step, 96 words: the low 4 bits of the 32 values as the 4-bit interleaved words ([i][row],
-// i = 0..3: nibble j of word i = value 8i + j), then their high 2 bits, 2 words per row
-// ([p][row]: byte b of word p holds at bits 2i the high bits of value 8i + 2b + p). The
-// few-row path builds each quad of 4 weight bytes from one contiguous stream with a shift,
-// a mask and a ternary-logic or (a8_few6_block), where the 6-bit rows were unpacked to
-// bytes in memory first (a 6-bit tied head: ~30% of a 1B model's decode step).
-inline int64_t il6_base(int64_t r, int step, int K) {
-  return (r / 16) * int64_t{K} * 3 + int64_t{step} * 96 + r % 16;
+// The planes layout (`il` with 5- or 6-bit weights: the 8-bit mode's 5-/6-bit matrices,
+// core.kernels.interleave16_planes): per 16-row block and per 32-k step, 16 * BITS words:
+// the low 4 bits of the 32 values as the 4-bit interleaved words ([i][row], i = 0..3:
+// nibble j of word i = value 8i + j), then their high bits, BITS - 4 words per row: 6 bits,
+// [p][row], byte b of word p holding at bits 2i the high 2 bits of value 8i + 2b + p; 5
+// bits, [row], byte b holding at bit i the high bit of value 8i + 2b and at bit 4 + i that
+// of value 8i + 2b + 1. The few-row paths build each quad of 4 weight bytes from one
+// contiguous stream with a shift, a mask and an or (a8_fewp_block), where the rows were
+// unpacked to bytes in memory first (a 6-bit tied head: ~30% of a 1B model's decode step).
+inline int64_t ilp_base(int bits, int64_t r, int step, int K) {
+  return (r / 16) * int64_t{K} * bits / 2 + int64_t{step} * 16 * bits + r % 16;
 }
 
-// Rows [r0, r0 + n) of a 6-bit planes weight as bytes 0..63 in k order: out [n][K].
-inline void il6_rows(const uint32_t* wq, int64_t r0, int n, int K, uint8_t* out) {
+// Rows [r0, r0 + n) of a planes weight as bytes in k order: out [n][K].
+inline void ilp_rows(int bits, const uint32_t* wq, int64_t r0, int n, int K, uint8_t* out) {
   for (int j = 0; j < n; ++j) {
     uint8_t* o = out + static_cast<int64_t>(j) * K;
     for (int st = 0; st < K / 32; ++st) {
-      const int64_t base = il6_base(r0 + j, st, K);
-      const uint32_t h[2] = {wq[base + 64], wq[base + 80]};
+      const int64_t base = ilp_base(bits, r0 + j, st, K);
       for (int i = 0; i < 4; ++i) {
         const uint32_t lo = wq[base + 16 * i];
-        for (int v = 0; v < 8; ++v)
-          o[32 * st + 8 * i + v] = static_cast<uint8_t>(((lo >> (4 * v)) & 15u) |
-                                                        (((h[v & 1] >> (8 * (v >> 1) + 2 * i)) & 3u) << 4));
+        for (int v = 0; v < 8; ++v) {
+          const int b = v >> 1, p = v & 1;
+          const uint32_t hi = bits == 6 ? (wq[base + 64 + 16 * p] >> (8 * b + 2 * i)) & 3u
+                                        : (wq[base + 64] >> (8 * b + 4 * p + i)) & 1u;
+          o[32 * st + 8 * i + v] = static_cast<uint8_t>(((lo >> (4 * v)) & 15u) | (hi << 4));
+        }
       }
     }
   }
@@ -451,7 +457,7 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
       }
       if (S.unpacks()) {  // 5-/6-bit rows: unpacked to bytes (0..31 or 0..63), in k order
         if (il)
-          il6_rows(wq, n0, nw, K, buf.data());
+          ilp_rows(S.wbits, wq, n0, nw, K, buf.data());
         else
           S.weights(wq, n0, nw, K, buf.data());
       } else if (bits == 8) {  // the packed words are the bytes, in k order: copied into L1
@@ -569,21 +575,22 @@ void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S
   });
 }
 
-// qmm_a8's few-row path on the 6-bit planes layout (il6_base): per 32-k step the block's 4
-// low-nibble vectors and 2 high-bit vectors, every quad (lo & 0x0F) | (hi shifted & 0x30)
-// (one vpternlogd), then the vpdpbusd of a8_few_block. Groups of 16 (a GGUF's Q6_K) are
+// qmm_a8's few-row path on the planes layout (ilp_base): per 32-k step the block's 4
+// low-nibble vectors and BITS - 4 high-bit vectors, every quad (lo & 0x0F) | (hi shifted &
+// mask) (one vpternlogd), then the vpdpbusd of a8_few_block. Groups of 16 (a GGUF's Q6_K) are
 // quads {0, 1, 4, 5} and {2, 3, 6, 7} of a step in the split order; larger groups whole
 // steps. The integer sums are the unpacked bytes' exact sums and the per-group float steps
 // are a8_few_block's, in group order: the rows layout's bits.
-template <int MR>
-inline void a8_few6_block(const int8_t* xq, const float* dd, const float* xs, int K,
+template <int BITS, int MR>
+inline void a8_fewp_block(const int8_t* xq, const float* dd, const float* xs, int K,
                           const uint32_t* wq, const Quant& S, int gs,
                           float* y, int N, int n0, float* sbuf) {
-  const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16) * K * 3;
+  const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16) * K * BITS / 2;
   constexpr int R = MR;  // pack_a8's tile of M = MR rows
   const FewBlock fb = few_block(K, wq, S, gs, 8, N, n0, sbuf, nullptr, true, true);
   const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
-  const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F), m30 = _mm512_set1_epi32(0x30303030);
+  const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
+  const __m512i mhi = _mm512_set1_epi32(BITS == 6 ? 0x30303030 : 0x10101010);
   __m512 acc[MR];
   __m512i is[MR];
   for (int m = 0; m < MR; ++m) {
@@ -610,19 +617,21 @@ inline void a8_few6_block(const int8_t* xq, const float* dd, const float* xs, in
   };
   for (int k0 = 0; k0 < K; k0 += 32) {
     prefetch_slice(fb, k0);
-    const uint32_t* st = blk + static_cast<int64_t>(k0 / 32) * 96;
-    const __m512i h[2] = {_mm512_loadu_si512(st + 64), _mm512_loadu_si512(st + 80)};
-    // quad i (even values of the step's 32) and 4 + i (odd ones): value bits 4..5 from
-    // bits 2i..2i+1 of each byte of h[0] / h[1], moved to bits 4..5
-    auto high = [&](const __m512i& v, int i) {
-      const __m512i t = i == 0 ? _mm512_slli_epi32(v, 4) : i == 1 ? _mm512_slli_epi32(v, 2)
-                        : i == 2 ? v : _mm512_srli_epi32(v, 2);
-      return _mm512_and_si512(t, m30);
+    const uint32_t* st = blk + static_cast<int64_t>(k0 / 32) * 16 * BITS;
+    const __m512i h[2] = {_mm512_loadu_si512(st + 64), BITS == 6 ? _mm512_loadu_si512(st + 80) : _mm512_setzero_si512()};
+    // quad q (q < 4: the even values 8q + 2b of the step's 32; q >= 4: the odd ones
+    // 8(q - 4) + 2b + 1): its high value bits moved to bits 4.. of each byte (6 bits: bits
+    // 2i..2i+1 of h[q / 4], i = q % 4; 5 bits: bit q of h[0])
+    auto high = [&](int q) {
+      const int at = BITS == 6 ? 2 * (q % 4) : q;
+      const __m512i v = h[BITS == 6 ? q / 4 : 0];
+      const __m512i t = at < 4 ? _mm512_slli_epi32(v, 4 - at) : at == 4 ? v : _mm512_srli_epi32(v, at - 4);
+      return _mm512_and_si512(t, mhi);
     };
     auto quads = [&](int i) {  // quads i and 4 + i: (lo & 0x0F) | high, as (A & B) | C
       const __m512i w = _mm512_loadu_si512(st + 16 * i);
-      dots(_mm512_ternarylogic_epi32(w, nib, high(h[0], i), 0xEA), k0 / 4 + i);
-      dots(_mm512_ternarylogic_epi32(_mm512_srli_epi32(w, 4), nib, high(h[1], i), 0xEA), k0 / 4 + 4 + i);
+      dots(_mm512_ternarylogic_epi32(w, nib, high(i), 0xEA), k0 / 4 + i);
+      dots(_mm512_ternarylogic_epi32(_mm512_srli_epi32(w, 4), nib, high(4 + i), 0xEA), k0 / 4 + 4 + i);
     };
     if (gs == 16) {  // two groups a step: quads {0, 1, 4, 5}, then {2, 3, 6, 7}
       quads(0);
@@ -640,7 +649,8 @@ inline void a8_few6_block(const int8_t* xq, const float* dd, const float* xs, in
   for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
 }
 
-inline void qmm_a8_few6(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
+template <int BITS>
+void qmm_a8_fewp(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
   const int G = K / gs;
   std::vector<int8_t> xq(static_cast<size_t>(K) * M);
   std::vector<float> dd(static_cast<size_t>(G) * M), xs(dd.size());
@@ -652,11 +662,11 @@ inline void qmm_a8_few6(const float* x, int M, int K, const uint32_t* wq, const 
     const int b1 = std::min(blocks, (c + 1) * per);
     for (int bl = c * per; bl < b1; ++bl)
       with_rows<8>(M, [&](auto mr) {
-        a8_few6_block<decltype(mr)::value>(xq.data(), dd.data(), xs.data(), K, wq, S, gs, y, N, bl * 16, sbuf);
+        a8_fewp_block<BITS, decltype(mr)::value>(xq.data(), dd.data(), xs.data(), K, wq, S, gs, y, N, bl * 16, sbuf);
       });
   });
 }
-#define FX_A8_PLANES 1  // qmm_a8 reads 6-bit weights in the planes layout (il6_base)
+#define FX_A8_PLANES 1  // qmm_a8 reads 5-/6-bit weights in the planes layout (ilp_base)
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !(defined(__AVX512VNNI__) && defined(__AVX512F__))
@@ -827,25 +837,25 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
 #endif
 
 #if defined(FX_A8_AVX2)
-// a8_few6_block at 8 features per ymm (this 8-row half of each 16-row block: its lanes
+// a8_fewp_block at 8 features per ymm (this 8-row half of each 16-row block: its lanes
 // n0 % 16 .. + 8 of the planes' words), every row count in tiles of 8 rows. Without
 // AVX-VNNI, vpmaddubsw adds pairs of u8 x s8 products in saturating int16: a 6-bit pair is
 // at most 2 * 63 * 127 = 16002, so two quads' pairs (32004) add up exactly in int16 before
 // each vpmaddwd; the int32 sums are the rows layout's exact integers.
-template <int MR>
-inline void a8_few8_block6(const int8_t* xq, const float* dd, const float* xs, int K,
+template <int BITS, int MR>
+inline void a8_few8_blockp(const int8_t* xq, const float* dd, const float* xs, int K,
                            const uint32_t* wq, int gs, float* y, int N, int n0, const float* sbuf,
                            const Quant& S, bool sil, int R) {
-  const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16) * K * 3 + n0 % 16;
+  const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16) * K * BITS / 2 + n0 % 16;
   const int groups = K / gs;
   const float* bbuf = sbuf + static_cast<int64_t>(groups) * 8;
   const char* ps = static_cast<const char*>(S.s) + int64_t{n0 / 16 * 16} * S.s_row_bytes();
   const char* pb = static_cast<const char*>(S.b) + int64_t{n0 / 16 * 16} * S.b_row_bytes();
   const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
-  const __m256i nib = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  const __m256i nib = _mm256_set1_epi8(0x0F), mhi = _mm256_set1_epi8(BITS == 6 ? 0x30 : 0x10);
   // the next 16-row block's stream, a slice per 32-k step (once per block: from its first half)
-  const char* next = reinterpret_cast<const char*>(wq + (static_cast<int64_t>(n0 / 16) + 1) * K * 3);
-  const int64_t next_bytes = n0 % 16 == 0 && n0 / 16 * 16 + 16 < N ? int64_t{K} * 12 : 0;
+  const char* next = reinterpret_cast<const char*>(wq + (static_cast<int64_t>(n0 / 16) + 1) * K * BITS / 2);
+  const int64_t next_bytes = n0 % 16 == 0 && n0 / 16 * 16 + 16 < N ? int64_t{K} * BITS * 2 : 0;
   const int64_t slice = next_bytes / (K / 32);
   __m256 acc[MR];
   __m256i is[MR];
@@ -872,19 +882,21 @@ inline void a8_few8_block6(const int8_t* xq, const float* dd, const float* xs, i
   for (int k0 = 0; k0 < K; k0 += 32) {
     for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
       _mm_prefetch(next + o, _MM_HINT_T1);
-    const uint32_t* st = blk + static_cast<int64_t>(k0 / 32) * 96;
+    const uint32_t* st = blk + static_cast<int64_t>(k0 / 32) * 16 * BITS;
     const __m256i h[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 64)),
-                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 80))};
-    auto high = [&](const __m256i& v, int i) {  // bits 2i..2i+1 of each byte -> bits 4..5
-      const __m256i t = i == 0 ? _mm256_slli_epi32(v, 4) : i == 1 ? _mm256_slli_epi32(v, 2)
-                        : i == 2 ? v : _mm256_srli_epi32(v, 2);
-      return _mm256_and_si256(t, m30);
+                          BITS == 6 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 80))
+                                    : _mm256_setzero_si256()};
+    auto high = [&](int q) {  // quad q's high value bits -> bits 4.. of each byte (a8_fewp_block's)
+      const int at = BITS == 6 ? 2 * (q % 4) : q;
+      const __m256i v = h[BITS == 6 ? q / 4 : 0];
+      const __m256i t = at < 4 ? _mm256_slli_epi32(v, 4 - at) : at == 4 ? v : _mm256_srli_epi32(v, at - 4);
+      return _mm256_and_si256(t, mhi);
     };
     // quads i and 4 + i (even and odd values of 8i .. 8i + 7), then their dot products
     auto pair = [&](int i) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 16 * i));
-      const __m256i a = _mm256_or_si256(_mm256_and_si256(w, nib), high(h[0], i));
-      const __m256i b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), nib), high(h[1], i));
+      const __m256i a = _mm256_or_si256(_mm256_and_si256(w, nib), high(i));
+      const __m256i b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), nib), high(4 + i));
       const int u = k0 / 4 + i;
       for (int m = 0; m < MR; ++m) {
 #if defined(__AVXVNNI__)
@@ -913,7 +925,8 @@ inline void a8_few8_block6(const int8_t* xq, const float* dd, const float* xs, i
   for (int m = 0; m < MR; ++m) _mm256_maskstore_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
 }
 
-inline void qmm_a8_few8_6(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
+template <int BITS>
+void qmm_a8_few8p(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
   const int R = std::min(8, M);  // (one tile of exactly M rows for a few rows)
   const int G = K / gs, tiles = (M + R - 1) / R;
   std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
@@ -935,7 +948,7 @@ inline void qmm_a8_few8_6(const float* x, int M, int K, const uint32_t* wq, cons
       few8_setup(K, wq, S, gs, 8, N, bl * 8, rw, sbuf, nullptr, sil, true);
       for (int t = 0; t < tiles; ++t) {
         with_rows<8>(std::min(R, M - t * R), [&](auto mr) {
-          a8_few8_block6<decltype(mr)::value>(xq.data() + static_cast<int64_t>(t) * K * R,
+          a8_few8_blockp<BITS, decltype(mr)::value>(xq.data() + static_cast<int64_t>(t) * K * R,
                                               dd.data() + static_cast<int64_t>(t) * G * R,
                                               xs.data() + static_cast<int64_t>(t) * G * R, K, wq, gs,
                                               y + static_cast<int64_t>(t) * R * N, N, bl * 8, sbuf, S, sil, R);
@@ -944,7 +957,7 @@ inline void qmm_a8_few8_6(const float* x, int M, int K, const uint32_t* wq, cons
     }
   });
 }
-#define FX_A8_PLANES 1  // qmm_a8 reads 6-bit weights in the planes layout (il6_base)
+#define FX_A8_PLANES 1  // qmm_a8 reads 5-/6-bit weights in the planes layout (ilp_base)
 #endif
 
 // Up to 8 rows: the few-row path (AVX-512 VNNI builds); more: tiles of 16. AVX2 builds:
@@ -958,14 +971,16 @@ void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S
     if (il) f(std::true_type{}); else f(std::false_type{});
   };
 #if defined(FX_A8_AVX2)
-  if (il && S.wbits == 6) return qmm_a8_few8_6(x, M, K, wq, S, gs, y, N);  // the planes layout
+  if (il && S.unpacks())  // 5-/6-bit weights in the planes layout
+    return S.wbits == 6 ? qmm_a8_few8p<6>(x, M, K, wq, S, gs, y, N) : qmm_a8_few8p<5>(x, M, K, wq, S, gs, y, N);
   return with_bits(bits, [&](auto b) {
     with_il([&](auto l) { qmm_a8_few8<decltype(b)::value, decltype(l)::value>(x, M, K, wq, S, gs, y, N); });
   });
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-  if (il && S.wbits == 6) {  // the planes layout
-    if (M <= 8) return qmm_a8_few6(x, M, K, wq, S, gs, y, N);
+  if (il && S.unpacks()) {  // 5-/6-bit weights in the planes layout
+    if (M <= 8)
+      return S.wbits == 6 ? qmm_a8_fewp<6>(x, M, K, wq, S, gs, y, N) : qmm_a8_fewp<5>(x, M, K, wq, S, gs, y, N);
     return qmm_a8_rows<16>(x, M, K, wq, S, gs, bits, y, N, il);
   }
   if (M <= 8)
