@@ -676,7 +676,7 @@ class Engine:
         return sched.plan_step(
             sum(r is not None for r in self._batch.rows),
             [(r.handle.id, len(r.ids) - r.prefilled if r.image is None else
-              whole_images(r.image.spans, r.prefilled, min(len(r.ids) - r.prefilled, self.prefill_chunk)),
+              whole_images(r.image, r.prefilled, min(len(r.ids) - r.prefilled, self.prefill_chunk)),
               self.budget.prefill_slots(len(r.ids))) for r in prefilling],
             self.prefill_chunk, self.step_token_budget, self.max_rows,
             scoring={r.handle.id for r in prefilling if r.plp is not None}, intake=intake,

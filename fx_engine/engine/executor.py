@@ -138,7 +138,7 @@ class Executor:
             self.trace("prefix_error", request=req.handle.id, error=repr(e))
         if self.ranks is not None:
             entry, m = self.ranks.agree_prefix(entry, m)
-        if entry is not None and req.image is not None and whole_images(req.image.spans, 0, m) != m:
+        if entry is not None and req.image is not None and whole_images(req.image, 0, m) != m:
             entry, m = None, 0  # (a prefix ending inside an image: prefilled whole instead)
         try:
             if entry is None:
@@ -189,8 +189,8 @@ class Executor:
             try:
                 if self.fault_hook is not None:
                     self.fault_hook("prefill", req.handle)
-                if req.image is not None:  # a piece never cuts an image (its tokens see each other)
-                    n = whole_images(req.image.spans, req.prefilled, n)
+                if req.image is not None:  # a piece never cuts a Gemma 3 image (its tokens see each other)
+                    n = whole_images(req.image, req.prefilled, n)
                     if n == 0:  # the budget left too little for the next image: a later step
                         continue
                 ok.append((req, n))

@@ -92,6 +92,10 @@ class ImagePrompt(NamedTuple):
     # Qwen3-VL: the images' DeepStack features [L, N * mm, H], rows parallel to `rows`
     # (core/vision/qwen3_vl.py); None: none
     deepstack: Any = None
+    # whether a prefill piece must hold whole images: Gemma 3's image tokens attend to each
+    # other (bidirectionally), so an image's run is prefilled in one piece; the causal
+    # families' (Idefics3, Qwen-VL, Mistral 3) runs are cut like text
+    whole: bool = False
 
     @property
     def rope_until(self) -> int:
@@ -393,7 +397,7 @@ def image_prompt_from_text(model: Any, text: str, images: Sequence[Any], *,
     spans = image_token_runs(ids, cfg, sum(p.shape[0] for p in pixels))
     digests = tuple(hashlib.sha256(np.ascontiguousarray(p).tobytes()).hexdigest() for p in pixels)
     return ImagePrompt(ids, _encode(vision, pixels, digests, cache), spans, digests,
-                       tuple(cfg.mm_tokens_per_image * p.shape[0] for p in pixels))
+                       tuple(cfg.mm_tokens_per_image * p.shape[0] for p in pixels), whole=True)
 
 
 def _gemma3_image_segments(crops: int) -> list[str | None]:
@@ -608,11 +612,14 @@ def prefix_key(image: ImagePrompt | None, tokens: Sequence[int]) -> list[int]:
     return key
 
 
-def whole_images(spans: Sequence[tuple[int, int]], start: int, n: int) -> int:
+def whole_images(image: ImagePrompt, start: int, n: int) -> int:
     """The most tokens <= n a prefill piece from `start` may take without cutting an image
-    run (0: not even one: a run starts at `start` and is longer than n)."""
+    run where the family needs whole runs (`ImagePrompt.whole`; else n) (0: not even one: a
+    run starts at `start` and is longer than n)."""
+    if not image.whole:
+        return n
     end = start + n
-    for a, b in spans:
+    for a, b in image.spans:
         if a < end < b:
             return max(0, a - start)
     return n
@@ -673,12 +680,23 @@ def prompt_step_images(image: ImagePrompt | None, start: int, n: int, token_inde
     return step_images([(holder, start, n)], token_index)
 
 
+def _mrope_model(model: Any) -> bool:
+    """Whether `model` places its image tokens at M-RoPE positions (Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL: its tower's model_type, or its text config's mrope_section)."""
+    from fx_engine.core.vision import qwen2_vl, qwen3_vl
+
+    return (getattr(model.vision.config, "model_type", None) in (*qwen2_vl.MODEL_TYPES, *qwen3_vl.MODEL_TYPES)
+            or bool(getattr(model.config, "mrope_section", ())))
+
+
 def engine_image_prompt(model: Any, messages: Any, kwargs_list: Sequence[dict[str, Any]], *, sharded: bool,
                         prefill_chunk: int, step_token_budget: int, max_rows: int,
                         cache: EncoderCache | None) -> ImagePrompt:
     """An Engine's image request: its prompt and image rows (`image_prompt`, or an
     `ImagePrompt` the caller made), after the refusals of what does not take images yet and
-    the check that a whole image fits one prefill piece of this engine."""
+    of a hand-made ImagePrompt without what its model reads (Qwen3-VL's DeepStack rows,
+    Qwen-VL's M-RoPE offsets), and the check that a whole image fits one prefill piece of
+    this engine."""
     from fx_engine.engine import scheduler as sched
 
     if sharded:
@@ -701,10 +719,16 @@ def engine_image_prompt(model: Any, messages: Any, kwargs_list: Sequence[dict[st
         if getattr(model.vision.config, "deepstack_visual_indexes", ()) and image.deepstack is None:
             raise ValueError("images: this Qwen3-VL model's ImagePrompt needs its DeepStack rows "
                              "(ImagePrompt.deepstack: make it with image_prompt / image_prompt_from_text)")
+        if _mrope_model(model) and image.rope_offsets is None:
+            # (without them its image tokens would run at plain RoPE positions, not the model's)
+            raise ValueError("images: this Qwen-VL model's ImagePrompt needs its M-RoPE position offsets "
+                             "(ImagePrompt.rope_offsets: make it with image_prompt / image_prompt_from_text)")
+        # (a hand-made prompt for Gemma 3 still keeps its images whole: its tokens see each other)
+        image = image._replace(whole=image.whole or model.vision.config.model_type == "gemma3")
     else:
         image = image_prompt(model, messages, cache=cache)
-    run = max(b - a for a, b in image.spans)  # (Qwen2(.5)-VL's images differ in size: the largest)
-    if run > prefill_chunk or sched.chunk_bucket(run) > step_token_budget - max_rows:
+    run = max(b - a for a, b in image.spans)  # (images may differ in size: the largest)
+    if image.whole and (run > prefill_chunk or sched.chunk_bucket(run) > step_token_budget - max_rows):
         fewer = (" (or give the images fewer pixels: preprocessor_config.json's max_pixels)"
                  if image.rope_offsets is not None else "")
         raise ValueError(f"images: an image is {run} tokens; a prefill piece holds whole images, so the "

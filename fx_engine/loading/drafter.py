@@ -35,7 +35,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import attrs
 import mlx.core as mx
 
 from fx_engine.core.checkpoint import LoadOptions, WeightsError
@@ -219,8 +218,11 @@ def load_mtp_module(path: str | Path, target: Any = None, *, dtype: str | None =
     if name not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got {name!r}")
     keep = _keep_like(target) if target is not None else False
-    numerics = getattr(getattr(target, "params", None), "numerics", None)
-    numerics = (attrs.evolve(numerics, activation_bits=None) if numerics is not None else Numerics())
+    # the target's numerics, its 8-bit mode included: the modules read the target's head
+    # (lm_head or the tied table), which that mode keeps in qmm_a8's interleaved layout that
+    # only its product reads; the modules' own matrices stay in rows, which qmm_a8 reads too
+    # (as an EAGLE-3 head quantized at load runs in the target's numerics)
+    numerics = getattr(getattr(target, "params", None), "numerics", None) or Numerics()
     described = f"{cfg.num_modules} MTP module{'s' if cfg.num_modules > 1 else ''}"
     if where.is_file():  # a GGUF: llama.cpp's NextN layers, blk.{N + k}.*
         from fx_engine.loading.gguf import read_gguf

@@ -17,6 +17,49 @@ from fx_engine.engine.drafters import PromptLookup
 from fx_engine.engine.generate import reference_generate
 
 
+def quantize_checkpoint(folder: Any, group_size: int = 32, bits: int = 4) -> Any:
+    """Rewrite a tiny checkpoint folder's model.safetensors MLX affine-quantized as
+    mlx-community's conversions store it: every 2-D `.weight` whose input width divides into
+    groups (linears, tables, MTP modules' own), with `.scales` / `.biases` and config.json's
+    `quantization`, except MoE routers (`mlp.gate.weight`: not quantized by mlx-lm). Returns
+    the folder."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    f = folder / "model.safetensors"
+    out: dict[str, mx.array] = {}
+    for name, a in mx.load(str(f)).items():
+        if (name.endswith(".weight") and a.ndim == 2 and a.shape[1] % group_size == 0
+                and not name.endswith("mlp.gate.weight")):
+            base = name[: -len(".weight")]
+            out[name], out[base + ".scales"], out[base + ".biases"] = mx.quantize(a, group_size=group_size, bits=bits)
+        else:
+            out[name] = a
+    mx.save_safetensors(str(f), out, metadata={"format": "mlx"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization"] = {"group_size": group_size, "bits": bits}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    return folder
+
+
+def int8_target(folder: Any) -> Any:
+    """The model at `folder` loaded in the 8-bit activation mode (numerics="int8"),
+    batch-invariant, or a pytest skip where the native kernels are not built; its head
+    (lm_head, or the table it is tied to) is in qmm_a8's interleaved layout, which only that
+    mode's native product reads."""
+    import pytest
+
+    from fx_engine.runtime import native
+
+    if native.ensure(quiet=True) is None:
+        pytest.skip("native kernels unavailable: no 8-bit activation mode")
+    model = fx_engine.load(folder, numerics="int8", batch_invariant=True)
+    head = model.params.lm_head if getattr(model.params, "lm_head", None) is not None else model.params.embed
+    assert model.numerics == "int8" and head.interleaved
+    return model
+
+
 def prompt(model: Any, n: int, offset: int = 0) -> list[int]:
     """n tokens of a fixed text from `offset`."""
     ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. 0123456789 def add(a, b): " * 8)

@@ -185,3 +185,29 @@ def test_a_head_quantized_at_load_keeps_output_and_still_drafts_right(tmp_path, 
     assert got.token_ids == ref.token_ids and got.usage.accepted_tokens > 0
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         Eagle3Drafter.load(h, model, bits=3)
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_a_quantized_target_in_the_8bit_mode_drafts(tmp_path, bits, steady_policy):
+    """A 4-bit target loaded with numerics="int8" (its matrices, head included, in qmm_a8's
+    interleaved layout): the head (its own lm_head; as stored, or quantized at load and run
+    in the target's numerics) drafts from the target's states and embeddings, the echo
+    head's first drafts still right, and the output is the int8 target's own greedy output."""
+    t, h = write_echo_pair(tmp_path)
+    model = drafter_checks.int8_target(drafter_checks.quantize_checkpoint(t, bits=4))
+    drafter = Eagle3Drafter.load(h, model, bits=bits)
+    if bits is not None:
+        assert drafter.head.lm_head.quantized and drafter.head.numerics == model.params.numerics
+    drafter_checks.accepted_and_rejected_drafts_keep_greedy_output(model, drafter, 3)
+
+
+def test_a_tied_quantized_target_in_the_8bit_mode_drafts(tmp_path, steady_policy):
+    """The head looks its tokens up in the target's embedding table, which a tied int8
+    target keeps interleaved (it is the head): the drafted output is the target's own."""
+    from fx_engine.testing import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "tied", "llama", num_hidden_layers=6)
+    model = drafter_checks.int8_target(drafter_checks.quantize_checkpoint(folder, bits=4))
+    assert model.params.lm_head is None
+    drafter = Eagle3Drafter.load(write_tiny_eagle3(tmp_path / "h", 64, seed=3, **HEAD), model)
+    drafter_checks.greedy_output_is_identical(model, drafter, ((9, 4), (40, 2)), max_tokens=16)

@@ -78,6 +78,28 @@ def test_accepted_and_rejected_drafts_keep_greedy_output(echo, k, steady_policy)
     drafter_checks.accepted_and_rejected_drafts_keep_greedy_output(*echo, k)
 
 
+@pytest.mark.parametrize("which", ["echo", "tied"])
+def test_a_quantized_target_in_the_8bit_mode_drafts(which, tmp_path, steady_policy):
+    """A 4-bit target loaded with numerics="int8" keeps its head (lm_head, or the embedding
+    table it is tied to) in qmm_a8's interleaved layout; the module reads that head (and,
+    tied, looks its embeddings up in it) and runs in the target's numerics: it drafts (the
+    echo module's first drafts still right), and the output is the int8 target's own greedy
+    output."""
+    if which == "echo":
+        folder = write_mtp_echo_target(tmp_path / "echo")
+    else:
+        folder = write_mtp_target(tmp_path / "tied", "glm4_moe", seed=5, tie_word_embeddings=True)
+    model = drafter_checks.int8_target(drafter_checks.quantize_checkpoint(folder, bits=4))
+    drafter = MtpDrafter.from_model(model)
+    assert drafter.module.numerics == model.params.numerics
+    assert drafter.module.modules[0].proj.quantized and not drafter.module.modules[0].proj.interleaved
+    if which == "echo":
+        drafter_checks.accepted_and_rejected_drafts_keep_greedy_output(model, drafter, 3)
+    else:
+        assert model.params.lm_head is None
+        drafter_checks.greedy_output_is_identical(model, drafter, ((9, 4), (40, 2)), max_tokens=16)
+
+
 def test_the_modules_cache_after_rollbacks_is_a_module_fed_the_accepted_sequence(echo, steady_policy):
     """After a generation full of rejected chained drafts, the row's module holds exactly
     the pairs (the target's captured state at t, token t + 1) of the accepted sequence: its

@@ -182,8 +182,10 @@ def test_logits_match_mlx_vlm(folders, kind):
     n = len(ip.ids)
     got, _ = logits_step(m.params, m.new_cache(1, 256), ids, n, images=_whole(ip, m))
     _close(got[0], want)
-    # (without the offsets the image prompt is not the model's: the check has teeth)
-    plain = ImageInput(rows=ip.rows, start=mx.array([0], mx.int32), token_index=IMAGE_ID)
+    # (without the offsets the image prompt is not the model's: the check has teeth; a step
+    # without them is refused, one with zero offsets is plain RoPE's)
+    plain = ImageInput(rows=ip.rows, start=mx.array([0], mx.int32), token_index=IMAGE_ID,
+                       positions=mx.zeros((3, n), mx.int32), position_start=mx.array([0], mx.int32))
     wrong, _ = logits_step(m.params, m.new_cache(1, 256), ids, n, images=plain)
     assert mx.abs(wrong[0] - want).max().item() > 100 * TOL
     cache, out, pos = m.new_cache(1, 256), [], 0
@@ -360,17 +362,29 @@ def test_routes_serve_a_qwen2_5_vl_model(model):
         assert tok["tokens"] == list(want.prompt_token_ids)
 
 
-def test_engine_refuses_an_image_larger_than_a_prefill_piece(model):
-    """Images differ in size: the largest must fit one prefill piece (a clear error, not a
-    request that never advances)."""
+def test_engine_cuts_an_image_larger_than_a_prefill_piece(model):
+    """Qwen's image tokens attend causally, so a prefill piece may end inside an image (a
+    photo's ~1,000 tokens against the Engine's 512-token pieces): pieces smaller than either
+    image give the reference loop's tokens and logprobs (whole images), with the image rows
+    and M-RoPE offsets picked up where each piece starts; a prefix-cache hit that ends
+    inside an image is reused the same way."""
     from fx_engine.engine.engine import Engine
+    from fx_engine.engine.generate import reference_generate
 
     msgs = _messages(_png(1, (16, 16)), _png(2, (48, 48)))
     runs = [b - a for a, b in image_prompt(model, msgs).spans]
     assert runs[0] < runs[1]
+    want = reference_generate(model, msgs, max_tokens=4, logprobs=2)
+    for chunk in (runs[0] - 3, runs[1] - 4):
+        with Engine(model, max_rows=1, prefill_chunk=chunk, prefix_cache_bytes=0) as engine:
+            got = engine.submit(msgs, max_tokens=4, logprobs=2).result()
+        assert got.prompt_token_ids == want.prompt_token_ids and got.token_ids == want.token_ids, chunk
+        for x, y in zip(got.logprobs, want.logprobs, strict=True):
+            assert max(abs(p[2] - q[2]) for p, q in zip(x.top, y.top)) <= 1e-4
     with Engine(model, max_rows=1, prefill_chunk=runs[1] - 4) as engine:
-        with pytest.raises(ValueError, match="max_pixels"):
-            engine.submit(msgs, max_tokens=2)
+        first = engine.submit(msgs, max_tokens=4, logprobs=2).result()
+        again = engine.submit(msgs, max_tokens=4, logprobs=2).result()  # (its prefix cached)
+    assert first.token_ids == again.token_ids == want.token_ids
 
 
 def test_mrope_config_forms_and_refusals(folders, model):
@@ -392,3 +406,24 @@ def test_mrope_config_forms_and_refusals(folders, model):
                 {"type": "yarn", "factor": 2.0, "mrope_section": section}):
         with pytest.raises(ConfigError, match="mrope_section"):
             config_from_hf({**d, "rope_scaling": bad})
+
+
+def test_steps_refuse_images_without_their_mrope_positions(model):
+    """An M-RoPE model (rope_scaling.mrope_section) given image rows without their 3-D
+    position offsets would run plain RoPE over the image tokens: the step refuses, naming
+    the field (a hand-made ImagePrompt without rope_offsets likewise, at the engine)."""
+    from fx_engine.engine.engine import Engine
+
+    ip = image_prompt(model, _messages(_png(1)))
+    n = len(ip.ids)
+    ids = mx.array([ip.ids], mx.int32)
+    bare = ImageInput(rows=ip.rows, start=mx.array([0], mx.int32), token_index=IMAGE_ID)
+    with pytest.raises(ValueError, match=r"images\.positions: .*M-RoPE"):
+        logits_step(model.params, model.new_cache(1, 64), ids, n, images=bare)
+    whole = _whole(ip, model)
+    assert whole.positions is not None
+    logits_step(model.params, model.new_cache(1, 64), ids, n, images=whole)  # (the prompt's own: runs)
+    with Engine(model, max_rows=1) as engine:
+        with pytest.raises(ValueError, match="rope_offsets"):
+            engine.submit(ip._replace(rope_offsets=None), max_tokens=2)
+        assert engine.submit(ip, max_tokens=2).result().token_ids

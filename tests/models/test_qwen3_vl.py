@@ -192,7 +192,7 @@ def test_logits_match_mlx_vlm(model, ref):
     assert whole.deepstack is not None
     got, _ = logits_step(model.params, model.new_cache(1, 256), ids, n, images=whole)
     _close(got[0], want)
-    bare = attrs.evolve(whole, deepstack=None)
+    bare = attrs.evolve(whole, deepstack=mx.zeros_like(whole.deepstack))  # (None: refused)
     no_deep, _ = logits_step(model.params, model.new_cache(1, 256), ids, n, images=bare)
     assert mx.abs(no_deep[0] - want).max().item() > 100 * TOL
     chunked = attrs.evolve(model.params, config=attrs.evolve(model.config, mrope_interleaved=False))
@@ -364,7 +364,25 @@ def test_engine_refuses_an_image_prompt_without_its_deepstack_rows(model):
     with Engine(model, max_rows=1) as engine:
         with pytest.raises(ValueError, match="DeepStack"):
             engine.submit(ip._replace(deepstack=None), max_tokens=2)
+        with pytest.raises(ValueError, match="rope_offsets"):
+            engine.submit(ip._replace(rope_offsets=None), max_tokens=2)
         assert engine.submit(ip, max_tokens=2).result().token_ids
+
+
+def test_steps_refuse_images_without_deepstack_rows_or_mrope_positions(model):
+    """Composed by hand, a Qwen3-VL step's images without their DeepStack rows (or without
+    their M-RoPE offsets) would run the wrong model without a word: refused, naming the
+    field; the prompt's own (`step_images`) run."""
+    ip = image_prompt(model, _messages(_png(1)))
+    n, ids = len(ip.ids), mx.array([ip.ids], mx.int32)
+    whole = _whole(ip, model)
+    assert whole.deepstack is not None and whole.positions is not None
+    logits_step(model.params, model.new_cache(1, 64), ids, n, images=whole)
+    with pytest.raises(ValueError, match=r"images\.deepstack: .*Qwen3-VL"):
+        logits_step(model.params, model.new_cache(1, 64), ids, n, images=attrs.evolve(whole, deepstack=None))
+    no_pos = attrs.evolve(whole, positions=None, position_start=None)
+    with pytest.raises(ValueError, match=r"images\.positions: .*M-RoPE"):
+        logits_step(model.params, model.new_cache(1, 64), ids, n, images=no_pos)
 
 
 def test_routes_serve_a_qwen3_vl_model(model):

@@ -388,6 +388,23 @@ def test_engine_refuses_what_images_do_not_take_yet(model):
             engine.submit(_messages(_png(1)), max_tokens=2, prompt_logprobs=1)
 
 
+def test_engine_keeps_gemma3_images_whole(tmp_path):
+    """Gemma 3's image tokens attend to each other, so an image's run is prefilled in one
+    piece: an engine whose pieces are shorter refuses it (naming the fix), also for a
+    prompt made by hand without the `whole` mark."""
+    from fx_engine.engine.engine import Engine
+    from fx_engine.engine.image_prompt import image_prompt
+
+    model = fx_engine.load(str(write_tiny_gemma3_vlm(tmp_path / "m", mm_tokens_per_image=64)))
+    msgs = _messages(_png(1))
+    ip = image_prompt(model, msgs)
+    assert ip.whole and max(b - a for a, b in ip.spans) == 64
+    with Engine(model, max_rows=1, prefill_chunk=32) as engine:
+        for prompt in (msgs, ip._replace(whole=False)):
+            with pytest.raises(ValueError, match="whole images"):
+                engine.submit(prompt, max_tokens=2)
+
+
 def test_encoder_cache_budget_and_identity(model):
     from fx_engine.engine.image_prompt import EncoderCache
 

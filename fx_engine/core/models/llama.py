@@ -78,7 +78,8 @@ class LlamaConfig(BaseConfig):
     # (core/models/mrope.py; only steps with image positions use it: text is plain RoPE)
     mrope_section: tuple[int, ...] = ()
     # Qwen3-VL's M-RoPE layout: the sections' frequencies interleaved (t h w t h w ...)
-    # instead of consecutive (core/models/mrope.py)
+    # instead of consecutive (core/models/mrope.py); Qwen3-VL's alone, so it also says the
+    # image steps carry DeepStack rows (`forward` refuses images without them)
     mrope_interleaved: bool = False
 
     @property
@@ -370,8 +371,12 @@ def forward(
     models: the step's image rows replace the embeddings at the image token positions;
     attention stays causal, its `bidirectional` is not read; with `positions`, Qwen2(.5)-VL's
     M-RoPE over the 3-D position ids instead of RoPE; with `deepstack` (Qwen3-VL), feature
-    i added at the image tokens after layer i); None: text only, the graph unchanged.
+    i added at the image tokens after layer i); None: text only, the graph unchanged. A
+    ValueError naming the field where a Qwen-VL model's images lack `positions` (any config
+    with mrope_section) or Qwen3-VL's lack `deepstack` (`_check_vl_images`).
     """
+    if images is not None:
+        _check_vl_images(p.config, images)
     embedded = _embedded if images is None else _spliced(p, tokens, images)
     if images is not None and images.positions is not None:  # Qwen2(.5)-VL: M-RoPE over 3-D ids
         rope_fn = _mrope(p, images)
@@ -391,6 +396,23 @@ def forward(
 
     return decoder_step(p, cache, tokens, n_valid, span, layers, embedded=embedded,
                         final_norm=(lambda _, h: final_norm(h)) if final_norm else final_rms_norm)
+
+
+def _check_vl_images(cfg: Any, images: Any) -> None:
+    """Refuse a step's images that the model would read wrong without a word: a Qwen-VL text
+    model (rope_scaling.mrope_section) places its image tokens at M-RoPE positions, so its
+    image steps carry them (`ImageInput.positions`; without them plain RoPE would run); and
+    Qwen3-VL's (its text config's M-RoPE interleaved: that layout is Qwen3-VL's, the
+    wrapper sets it) adds DeepStack features at the image tokens (`ImageInput.deepstack`,
+    [0, M, H] where its tower has none)."""
+    if getattr(cfg, "mrope_section", ()) and images.positions is None:
+        raise ValueError(f"images.positions: this {cfg.model_type} text model uses M-RoPE (rope_scaling."
+                         "mrope_section): its image steps need the prompt's 3-D position offsets "
+                         "(ImageInput.positions / position_start, from vision.qwen2_vl.rope_offsets)")
+    if getattr(cfg, "mrope_interleaved", False) and images.deepstack is None:
+        raise ValueError("images.deepstack: this Qwen3-VL text model (interleaved M-RoPE) adds DeepStack "
+                         "features at the image tokens: its image steps need them (ImageInput.deepstack, "
+                         "the second result of vision.qwen3_vl.encode_images)")
 
 
 def _mrope(p: Any, images: Any) -> Any:

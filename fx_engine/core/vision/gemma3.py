@@ -47,11 +47,12 @@ import mlx.core as mx
 import numpy as np
 from jaxtyping import Bool, Float, Int
 
-from fx_engine.core.checkpoint import LoadOptions, Reader, TensorSource, TensorSpec, Vec, WeightsError, read_tensors
+from fx_engine.core.checkpoint import LoadOptions, Reader, TensorSource, TensorSpec, Vec, read_tensors
 from fx_engine.core.config import POSITIVE, ConfigError, Field, read_field
 from fx_engine.core.nn import Linear, linear, rms_norm
 from fx_engine.core.tree import CompiledFunction, static_field
 from fx_engine.core.vision import siglip
+from fx_engine.core.vision.siglip import tensor_prefix as _prefix
 # (moved to splice.py; re-exported here, where they were first defined)
 from fx_engine.core.vision.splice import ImageInput, check_image_input, splice_images  # noqa: F401
 
@@ -158,13 +159,6 @@ class Gemma3VisionParams:
 def is_vision_tensor(name: str) -> bool:
     """Whether a checkpoint tensor belongs to the image path (tower or projector)."""
     return name.startswith(TOWER_PREFIXES + PROJECTOR_PREFIXES)
-
-
-def _prefix(src: TensorSource, prefixes: tuple[str, ...], probe: str, what: str, where: str) -> str:
-    for p in prefixes:
-        if src.has(p + probe):
-            return p
-    raise WeightsError(f"{where}: no {what} tensors (looked for {', '.join(repr(p + probe) for p in prefixes)})")
 
 
 def assemble(cfg: Gemma3VisionConfig, src: TensorSource, opts: LoadOptions) -> Gemma3VisionParams:

@@ -38,11 +38,12 @@ import mlx.core as mx
 import numpy as np
 from jaxtyping import Float
 
-from fx_engine.core.checkpoint import LoadOptions, Reader, TensorSource, TensorSpec, WeightsError
+from fx_engine.core.checkpoint import LoadOptions, Reader, TensorSource, TensorSpec
 from fx_engine.core.config import POSITIVE, ConfigError, Field, read_field
 from fx_engine.core.nn import Linear, linear
 from fx_engine.core.tree import CompiledFunction, static_field
 from fx_engine.core.vision import siglip
+from fx_engine.core.vision.siglip import tensor_prefix as _prefix
 
 MODEL_TYPES = ("idefics3", "smolvlm")
 #: Hugging Face's names, then mlx-vlm's conversions (mlx-community)
@@ -122,13 +123,6 @@ class Idefics3VisionParams:
 
 def is_vision_tensor(name: str) -> bool:
     return name.startswith(TOWER_PREFIXES + CONNECTOR_PREFIXES)
-
-
-def _prefix(src: TensorSource, prefixes: tuple[str, ...], probe: str, what: str, where: str) -> str:
-    for p in prefixes:
-        if src.has(p + probe):
-            return p
-    raise WeightsError(f"{where}: no {what} tensors (looked for {', '.join(repr(p + probe) for p in prefixes)})")
 
 
 def bucketized_positions(n: int) -> np.ndarray:

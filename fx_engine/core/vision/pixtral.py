@@ -62,12 +62,11 @@ import mlx.core as mx
 import numpy as np
 from jaxtyping import Float
 
-from fx_engine.core.checkpoint import (Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec, WeightsError,
-                                       read_tensors)
+from fx_engine.core.checkpoint import Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec, read_tensors
 from fx_engine.core.config import ConfigError
 from fx_engine.core.nn import Linear, Numerics, attention, gelu, linear, rms_norm
 from fx_engine.core.tree import CompiledFunction, static_field
-from fx_engine.core.vision.siglip import _patch_weight
+from fx_engine.core.vision.siglip import _patch_weight, tensor_prefix as _prefix
 
 MODEL_TYPES = ("mistral3",)
 #: the tower's tensors: mlx-vlm's conversions, transformers >= 4.52, earlier transformers
@@ -245,13 +244,6 @@ _LAYER = (
 def is_vision_tensor(name: str) -> bool:
     """Whether a checkpoint tensor belongs to the image path (tower or projector)."""
     return name.startswith(TOWER_PREFIXES + PROJECTOR_PREFIXES)
-
-
-def _prefix(src: TensorSource, prefixes: tuple[str, ...], probe: str, what: str, where: str) -> str:
-    for p in prefixes:
-        if src.has(p + probe):
-            return p
-    raise WeightsError(f"{where}: no {what} tensors (looked for {', '.join(repr(p + probe) for p in prefixes)})")
 
 
 def assemble(cfg: PixtralConfig, src: TensorSource, opts: LoadOptions) -> PixtralParams:

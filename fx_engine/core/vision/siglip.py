@@ -156,6 +156,16 @@ _LAYER = (
 )
 
 
+def tensor_prefix(src: TensorSource, prefixes: tuple[str, ...], probe: str, what: str, where: str) -> str:
+    """The first of `prefixes` under which the checkpoint holds `probe` (where a tower's or
+    projector's tensors live: Hugging Face's or mlx-vlm's names); a WeightsError naming
+    `what` and the names looked for when none does. (The image towers' shared helper.)"""
+    for p in prefixes:
+        if src.has(p + probe):
+            return p
+    raise WeightsError(f"{where}: no {what} tensors (looked for {', '.join(repr(p + probe) for p in prefixes)})")
+
+
 def _patch_weight(cfg: SiglipConfig, src: TensorSource, name: str, where: str) -> mx.array:
     """The patch conv's weight as [hidden, C * p * p] in (channel, row, column) order, from
     Hugging Face's [hidden, C, p, p] or mlx-vlm's converted [hidden, p, p, C]."""
