@@ -155,7 +155,7 @@ def run(rows: list[int], rounds: int, budget: float, log: Any = print, *, cold: 
         weights = weight_set(lin, target) if cold or compare else None
         from fx_engine.core.nn import interleave_for_a8
 
-        il = interleave_for_a8(lin)  # (unchanged where the 8-bit mode keeps rows: 5-/6-bit)
+        il = interleave_for_a8(lin)  # (unchanged where the 8-bit mode keeps rows: 5-/6-bit without il_planes)
         il_weights = (weight_set(il, target) if cold or compare else None) if il.interleaved else None
         for m in rows:
             x = mx.random.normal((m, k), key=mx.random.key(m))
@@ -166,7 +166,7 @@ def run(rows: list[int], rounds: int, budget: float, log: Any = print, *, cold: 
                 fn, kl, kw = getattr(native, kern, None), lin, weights
                 if kern == IL_KERNEL:
                     if not il.interleaved:
-                        row[kern] = {"error": "kept in rows by the 8-bit mode (5-/6-bit): qmm_a8's figure"}
+                        row[kern] = {"error": "kept in rows by the 8-bit mode on this build: qmm_a8's figure"}
                         continue
                     fn, kl, kw = (lambda *a: native.qmm_a8(*a, interleaved=True)), il, il_weights
                 try:

@@ -157,8 +157,26 @@ def interleave16_planes(w: "mx.array", bits: int = 6) -> "mx.array":
 
 def deinterleave16_planes(w: "mx.array", bits: int = 6) -> "mx.array":
     """`interleave16_planes`' inverse: the weight back in rows (MLX's packing)."""
-    n, words = w.shape
-    blk = w.reshape(n // 16, -1, bits, 16).transpose(0, 3, 1, 2).reshape(n, -1, bits)  # [N, S, bits]
+    n = w.shape[0]
+    return planes_to_rows(w.reshape(n // 16, -1, bits, 16).transpose(0, 3, 1, 2).reshape(n, -1, bits), bits)
+
+
+def il16_take(a: "mx.array", rows: "mx.array") -> "mx.array":
+    """Rows `rows` [T] of an array in a 16-row interleaved layout ([block][element][16]:
+    `interleave16`'s words, `interleave16_groups`' scales, `interleave16_factors`' factors,
+    `interleave16_planes`' words) gathered straight into rows [T, *a.shape[1:]] (for the
+    planes: each row's [steps, bits] words, `planes_to_rows`' input): only the T rows'
+    elements are read, not their blocks."""
+    per = a.size // a.shape[0]  # elements per row
+    base = (rows // 16) * (16 * per) + rows % 16
+    idx = base.astype(mx.int64)[:, None] + mx.arange(per, dtype=mx.int64)[None, :] * 16
+    return mx.take(a.reshape(-1), idx.reshape(-1)).reshape(rows.shape[0], *a.shape[1:])
+
+
+def planes_to_rows(blk: "mx.array", bits: int) -> "mx.array":
+    """Rows' planes words [N, steps, bits] (`interleave16_planes`' words of each row, in
+    order) -> those rows in MLX's packing [N, steps * bits]."""
+    n = blk.shape[0]
     lo = (blk[..., :4, None] >> _shifts(8, 4)) & 15  # [N, S, i, j]
     if bits == 6:
         hi = (blk[..., 4:, None, None] >> (_shifts(4, 2)[:, None] + _shifts(4, 8)[None, :])) & 3  # [N, S, p, i, b]

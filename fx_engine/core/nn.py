@@ -84,11 +84,12 @@ class Quant:
     in "affine" mode, one bias per group; "mxfp4" (a GGUF's MXFP4 tensors): E2M1 codes with
     E8M0 uint8 scales, no biases (expert stacks run by gather_qmm, matrices by
     quantized_matmul: MLX's kernels, no native one). `interleaved`: the packed weight is in
-    qmm_a8's interleaved layout (`kernels.interleave16`: 16-row blocks, word by word; float
-    scales and biases likewise, `interleave16_groups`), which only the 8-bit mode's native
-    product reads: set at load for its 4-/8-bit matrices (`interleave_for_a8`). Anything
-    else reading `weight` as rows (MLX's kernels, dequantize, embedding lookups) must not
-    see one."""
+    qmm_a8's interleaved layout (`kernels.interleave16`: 16-row blocks, word by word; 5-/6-bit
+    weights `interleave16_planes`; scales and biases likewise, `interleave16_groups` /
+    `interleave16_factors`), which only the 8-bit mode's native product and `embed` read:
+    set at load for its matrices (`interleave_for_a8`; a tied embedding table too). Anything
+    else reading `weight` as rows (MLX's kernels, dequantize, slicing rows) must call
+    `row_major` first; the products refuse an interleaved weight."""
 
     scales: mx.array
     biases: mx.array | None
@@ -223,7 +224,8 @@ def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
     q = lin.quant
     args = (lin.weight, q.scales, q.biases, q.group_size, q.bits)
     # 8-bit activations: qmm_a8 runs every native format (5- and 6-bit weights, such as a
-    # Q4_K_M file's attn_v / ffn_down and a tied Q6_K head, unpacked to bytes per block)
+    # Q4_K_M file's attn_v / ffn_down and a tied Q6_K head: interleaved as planes where the
+    # build reads them, else unpacked to bytes per block)
     if numerics.activation_bits == 8 and kernels.supports(q.group_size, q.bits, 8):
         return kernels.qmm_a8(x, *args, interleaved=q.interleaved)
     _rows_layout(lin)
@@ -491,20 +493,19 @@ def embed(tokens: mx.array, table: Linear) -> mx.array:
 
 def _interleaved_rows(table: Linear, tokens: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
     """Rows `tokens` of an interleaved table (a head tied to the embeddings, in the 8-bit
-    mode's layout) in the rows layout: the 16-row blocks holding them, gathered, put back in
-    rows, each token's row picked. (weight, scales, biases) shaped [*tokens.shape, ...]."""
+    mode's layout) in the rows layout: each token's elements gathered out of its 16-row
+    block (`kernels.il16_take`), 5-/6-bit planes repacked. (weight, scales, biases) shaped
+    [*tokens.shape, ...]."""
     q, flat = table.quant, tokens.reshape(-1)
-    block, lane = flat // 16, flat % 16
-    pick = mx.arange(flat.shape[0]) * 16 + lane  # row t * 16 + lane of the gathered blocks
 
-    def rows(a: mx.array, back: Any) -> mx.array:
-        blocks = a.reshape(a.shape[0] // 16, -1)[block].reshape(-1, *a.shape[1:])  # [T * 16, ...]
-        return back(blocks)[pick].reshape(*tokens.shape, *a.shape[1:])
+    def rows(a: mx.array) -> mx.array:
+        return kernels.il16_take(a, flat)
 
-    weight = rows(table.weight, _back_in_rows(q.bits))
-    groups = lambda a: kernels.interleave16_groups(a, inverse=True)  # noqa: E731
-    factors = lambda a: kernels.interleave16_factors(a, inverse=True)  # noqa: E731
-    return weight, rows(q.scales, groups), rows(q.biases, factors if q.scales.dtype == mx.int16 else groups)
+    weight = rows(table.weight.reshape(table.weight.shape[0], -1, q.bits) if q.bits in (5, 6) else table.weight)
+    if q.bits in (5, 6):
+        weight = kernels.planes_to_rows(weight, q.bits)
+    out = (weight, rows(q.scales), rows(q.biases))
+    return tuple(a.reshape(*tokens.shape, *a.shape[1:]) for a in out)  # type: ignore[return-value]
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float, numerics: Numerics | None = None,

@@ -117,7 +117,7 @@ class Model:
         if numerics.activation_bits == 8 and old.activation_bits != 8 and _on_cpu():
             params = _interleave_a8(params)
         elif numerics.activation_bits != 8 and old.activation_bits == 8:
-            params = map_linears(params, lambda _, lin: row_major(lin))
+            params = map_linears(params, lambda _, lin: _by_row_chunks(row_major, lin))
         fingerprint = self.fingerprint.removesuffix("-int8") + ("-int8" if numerics.activation_bits == 8 else "")
         return attrs.evolve(self, params=attrs.evolve(params, numerics=numerics), fingerprint=fingerprint)
 
@@ -480,15 +480,44 @@ def _activation_bits(choice: str, params: Any, native: bool) -> int | None:
 
 
 def _interleave_a8(params: Any) -> Any:
-    """The 8-bit mode's 4-/6-/8-bit matrices in qmm_a8's interleaved layout
+    """The 8-bit mode's 4-/5-/6-/8-bit matrices in qmm_a8's interleaved layout
     (nn.interleave_for_a8: the same bits, one contiguous stream per 16 rows in a decode
     step). Embedding tables stay in rows for their lookups, except one the head is tied to:
-    it is the largest matrix of a small model (a 6-bit Q6_K table: ~30% of a 1B decode step)
-    and its lookups read the interleaved blocks (nn.embed)."""
+    it is the largest matrix of a small model (a 6-bit Q6_K table at the 1B shape: a third
+    of a decode step's bytes) and its lookups gather the interleaved rows (nn.embed)."""
     tied = hasattr(params, "lm_head") and params.lm_head is None
     names = ("embed_per_layer",) if tied else ("embed", "embed_per_layer")
     tables = {id(t) for t in (getattr(params, n, None) for n in names) if t is not None}
-    return map_linears(params, lambda _, lin: lin if id(lin) in tables else interleave_for_a8(lin))
+    return map_linears(params, lambda _, lin: lin if id(lin) in tables else _by_row_chunks(interleave_for_a8, lin))
+
+
+#: rows re-laid out at a time (a multiple of 16: the layouts are per 16-row block)
+RELAYOUT_ROWS = 4096
+
+
+def _by_row_chunks(relayout: Any, lin: Any) -> Any:
+    """relayout(lin) (nn.interleave_for_a8 or nn.row_major), made RELAYOUT_ROWS rows at a
+    time, each evaluated before the next: the 5-/6-bit planes' repacking holds ~10 bytes
+    of temporaries per weight byte (a 1B model's tied Q6_K table: ~2 GB at once), and the
+    16-row layouts are block-local, so the pieces concatenate to the whole's result."""
+    out = relayout(lin)
+    if out is lin or lin.weight.ndim != 2 or lin.weight.shape[0] <= RELAYOUT_ROWS:
+        return out
+    parts = []
+    for r0 in range(0, lin.weight.shape[0], RELAYOUT_ROWS):
+        piece = relayout(_rows_of(lin, r0, r0 + RELAYOUT_ROWS))
+        mx.eval(piece.weight, piece.quant.scales, piece.quant.biases)
+        parts.append(piece)
+    cat = lambda name: mx.concatenate([getattr(p.quant, name) for p in parts])  # noqa: E731
+    return attrs.evolve(out, weight=mx.concatenate([p.weight for p in parts])).with_quant(
+        scales=cat("scales"), biases=cat("biases"))
+
+
+def _rows_of(lin: Any, r0: int, r1: int) -> Any:
+    """Rows [r0, r1) of a quantized linear (weight, scales, biases; its bias, if any, stays:
+    only the matrices are re-laid out here)."""
+    q = lin.quant
+    return attrs.evolve(lin, weight=lin.weight[r0:r1]).with_quant(scales=q.scales[r0:r1], biases=q.biases[r0:r1])
 
 
 def ram_backed(path: str | Path, mounts: str | None = None) -> bool:

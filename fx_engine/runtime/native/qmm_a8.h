@@ -263,7 +263,8 @@ inline void unpack_nibbles(const uint32_t* wq, int K, uint8_t* out) {
   }
 }
 
-// The interleaved layout (`il`, Linear.interleaved: 4- and 8-bit weights in the 8-bit mode,
+// The interleaved layout (`il`, Linear.interleaved: 4- and 8-bit weights in the 8-bit mode
+// (5- and 6-bit ones: the planes layout below, ilp_base),
 // N a multiple of 16, rearranged once at load): rows in blocks of 16 and, per block and
 // per 16 bytes of each row (32 4-bit or 16 8-bit values), the 16 rows' 4 words word by
 // word, [i][row]: exactly what transpose16x4 makes of the row-major words. So the few-row
@@ -291,8 +292,8 @@ inline void il16_rows(const uint32_t* wq, int64_t r0, int n, int words, uint32_t
 // the block's arrays, in their stored format) as float32: the exact conversions Quant::rows
 // makes (F16C's vcvtph2ps; bfloat16 is the float's high half; the two-level codes as
 // decode_kq: s = d * a, b = (-e) * c), done as the kernel reads the group instead of in a
-// pass over the block first (which wrote 2 x 16 x groups floats a block: ~15% of a 1B
-// decode step, measured).
+// pass over the block first (which wrote 2 x 16 x groups floats a block: Quant::rows was
+// 15% of a 1B decode step's perf samples).
 #if defined(__AVX512F__)
 inline void il_scales16(const void* sp, const void* bp, int fmt, int sb, int g, __m512& s, __m512& c) {
   if (fmt == SF_F32) {
@@ -398,7 +399,8 @@ inline void il_scale_rows(const Quant& S, int64_t n0, int n, const float*& so, c
 // bits, [row], byte b holding at bit i the high bit of value 8i + 2b and at bit 4 + i that
 // of value 8i + 2b + 1. The few-row paths build each quad of 4 weight bytes from one
 // contiguous stream with a shift, a mask and an or (a8_fewp_block), where the rows were
-// unpacked to bytes in memory first (a 6-bit tied head: ~30% of a 1B model's decode step).
+// unpacked to bytes in memory first (a tied Q6_K head at the 1B shape: 28% of the bytes a
+// decode step reads; its product 15.5 -> 9-12 ms a step, measured).
 inline int64_t ilp_base(int bits, int64_t r, int step, int K) {
   return (r / 16) * int64_t{K} * bits / 2 + int64_t{step} * 16 * bits + r % 16;
 }
@@ -584,9 +586,9 @@ void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S
 template <int BITS, int MR>
 inline void a8_fewp_block(const int8_t* xq, const float* dd, const float* xs, int K,
                           const uint32_t* wq, const Quant& S, int gs,
-                          float* y, int N, int n0, float* sbuf) {
+                          float* y, int N, int n0, float* sbuf, int R) {
+  // R: pack_a8's tile rows (MR = R but in a last, partial tile of 8)
   const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16) * K * BITS / 2;
-  constexpr int R = MR;  // pack_a8's tile of M = MR rows
   const FewBlock fb = few_block(K, wq, S, gs, 8, N, n0, sbuf, nullptr, true, true);
   const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
   const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
@@ -649,21 +651,29 @@ inline void a8_fewp_block(const int8_t* xq, const float* dd, const float* xs, in
   for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
 }
 
+// Every row count: tiles of 8 rows (one tile of exactly M rows up to 8), each 16-row block
+// read from DRAM once and run against every tile while it is in cache (the planes' bytes
+// rebuilt per tile: ALU work, where unpacking rows to bytes for the many-row tiles was a
+// scalar pass over the whole matrix, measured 1.20x -> 1.00x llama.cpp serving 32 rows).
 template <int BITS>
 void qmm_a8_fewp(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
-  const int G = K / gs;
-  std::vector<int8_t> xq(static_cast<size_t>(K) * M);
-  std::vector<float> dd(static_cast<size_t>(G) * M), xs(dd.size());
-  pack_a8(M, x, M, K, gs, true, xq.data(), dd.data(), xs.data());
+  const int G = K / gs, R = std::min(8, M), tiles = (M + R - 1) / R;
+  std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
+  std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
+  pack_a8(R, x, M, K, gs, true, xq.data(), dd.data(), xs.data());
   const int blocks = (N + 15) / 16;
   const int per = stream_chunk(blocks, std::max(1, 4 * 576 / std::max(K, 1)));
   pool().run((blocks + per - 1) / per, [&](int c) {
     float* sbuf = few_sbuf(G);
     const int b1 = std::min(blocks, (c + 1) * per);
     for (int bl = c * per; bl < b1; ++bl)
-      with_rows<8>(M, [&](auto mr) {
-        a8_fewp_block<BITS, decltype(mr)::value>(xq.data(), dd.data(), xs.data(), K, wq, S, gs, y, N, bl * 16, sbuf);
-      });
+      for (int t = 0; t < tiles; ++t)
+        with_rows<8>(std::min(R, M - t * R), [&](auto mr) {
+          a8_fewp_block<BITS, decltype(mr)::value>(
+              xq.data() + static_cast<int64_t>(t) * K * R, dd.data() + static_cast<int64_t>(t) * G * R,
+              xs.data() + static_cast<int64_t>(t) * G * R, K, wq, S, gs, y + static_cast<int64_t>(t) * R * N, N,
+              bl * 16, sbuf, R);
+        });
   });
 }
 #define FX_A8_PLANES 1  // qmm_a8 reads 5-/6-bit weights in the planes layout (ilp_base)
@@ -963,7 +973,7 @@ void qmm_a8_few8p(const float* x, int M, int K, const uint32_t* wq, const Quant&
 // Up to 8 rows: the few-row path (AVX-512 VNNI builds); more: tiles of 16. AVX2 builds:
 // the 8-lane path above at every row count. Elsewhere the scalar tiles (8 rows up to 8).
 // Same bits every way (exact integer sums, the same per-lane float operations).
-// il: the weight is interleaved (il16_index; 4 or 8 bits, N a multiple of 16).
+// il: the weight is interleaved (il16_index: 4 or 8 bits; ilp_base: 5 or 6 bits; N a multiple of 16).
 void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, int bits, float* y, int N,
                 bool il) {
   if (M <= 0) return;
@@ -978,11 +988,8 @@ void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S
   });
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-  if (il && S.unpacks()) {  // 5-/6-bit weights in the planes layout
-    if (M <= 8)
-      return S.wbits == 6 ? qmm_a8_fewp<6>(x, M, K, wq, S, gs, y, N) : qmm_a8_fewp<5>(x, M, K, wq, S, gs, y, N);
-    return qmm_a8_rows<16>(x, M, K, wq, S, gs, bits, y, N, il);
-  }
+  if (il && S.unpacks())  // 5-/6-bit weights in the planes layout, every row count
+    return S.wbits == 6 ? qmm_a8_fewp<6>(x, M, K, wq, S, gs, y, N) : qmm_a8_fewp<5>(x, M, K, wq, S, gs, y, N);
   if (M <= 8)
     return with_bits(bits, [&](auto b) {
       with_il([&](auto l) { qmm_a8_few<decltype(b)::value, decltype(l)::value>(x, M, K, wq, S, gs, y, N); });
