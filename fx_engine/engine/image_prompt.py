@@ -701,17 +701,13 @@ def engine_image_prompt(model: Any, messages: Any, kwargs_list: Sequence[dict[st
 
     if sharded:
         raise ValueError("images: a sharded (tensor / pipeline parallel) engine does not take images yet")
-    for kw in kwargs_list:
-        if kw.get("prompt_logprobs") not in (None, False, 0):
-            raise ValueError("prompt_logprobs is not supported with images yet")
+    for kw in kwargs_list:  # (prompt_logprobs and max_tokens=0 score through score_step with the rows)
         drafter = kw.get("draft_model")
         if drafter == "mtp" or getattr(drafter, "capture", None) is not None:
             # (prompt lookup and draft models draft image rows; a learned head reads the
             # target's hidden states, which a step with images does not capture yet)
             raise ValueError("draft_model: a drafter fed the target's hidden states (EAGLE-3, MTP) is not "
                              "supported with images yet (prompt_lookup and draft models are)")
-        if kw.get("max_tokens") == 0:
-            raise ValueError("max_tokens=0 (scoring a prompt) is not supported with images yet")
     if isinstance(messages, ImagePrompt):
         image = messages
         if model.vision is None:
