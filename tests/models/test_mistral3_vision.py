@@ -16,7 +16,6 @@ gate|up): ~3e-6 measured on the tower and projector, TOL = 2e-4 on logits.
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
@@ -36,8 +35,10 @@ from fx_engine.loading.vision import load_vision
 from fx_engine.testing.vision import MISTRAL3_IMAGE_ID as IMAGE_ID
 from fx_engine.testing.vision import MISTRAL3_PREPROCESSOR as PREPROCESSOR
 from fx_engine.testing.vision import tiny_mistral3_config, write_tiny_mistral3
+from tests.models.vision_checks import close, greedy_tokens, image, load_mlx_vlm, messages, png
 
 TOL = 2e-4
+SIZE = (48, 40)  # the test images' (width, height) where a test names none
 KINDS = {"hf": ("hf", {}), "legacy": ("legacy", {}), "mlx": ("mlx", {}),
          # a projector with biases and the tower's next-to-last hidden state
          "variant": ("hf", {"multimodal_projector_bias": True, "vision_feature_layer": -2}),
@@ -61,36 +62,6 @@ def folders(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(folders):
     return fx_engine.load(str(folders("hf")))
-
-
-def _mlx_vlm(path: Path):
-    from mlx_vlm.utils import load_model
-
-    return load_model(Path(path))
-
-
-def _close(ours, ref, tol=TOL) -> float:
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    diff = mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32)).max().item()
-    assert diff <= tol, f"max |diff| = {diff}"
-    return diff
-
-
-def _img(seed: int, size=(48, 40)):
-    import PIL.Image
-
-    return PIL.Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
-
-
-def _png(seed: int, size=(48, 40)) -> bytes:
-    buf = io.BytesIO()
-    _img(seed, size).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _messages(*images, text="what is in the picture?"):
-    parts = [img if isinstance(img, dict) else {"type": "image", "image": img} for img in images]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
 def _processor(path: Path):
@@ -143,7 +114,7 @@ def test_encoder_matches_mlx_vlm(folders, kind):
     images of several sizes (odd token grids, one token), and two images of one size in one
     batch (each attends to itself only: mlx-vlm's block mask over the concatenation)."""
     path = folders(kind)
-    params, ref = load_vision(path), _mlx_vlm(path)
+    params, ref = load_vision(path), load_mlx_vlm(path)
     if kind == "wide":  # (with the numerics fx_engine.load picks)
         params = fx_engine.load(str(path)).vision
     assert vision_module({"model_type": "mistral3"}) is pixtral
@@ -151,16 +122,16 @@ def test_encoder_matches_mlx_vlm(folders, kind):
     for h, w in [(64, 48), (24, 40), (8, 8), (40, 64)]:
         pix = mx.random.uniform(-1, 1, (1, 3, h, w), key=mx.random.key(h * 100 + w))
         _, states = ref.vision_tower(pix.transpose(0, 2, 3, 1), output_hidden_states=True, image_sizes=[(h, w)])
-        _close(pixtral.tower(params, pix)[0], states[layer][0], 1e-4)
+        close(pixtral.tower(params, pix)[0], states[layer][0], 1e-4)
         want = ref.multi_modal_projector(states[layer][0], [(h, w)])
         got = pixtral.encode_images(params, pix)[0]
         assert got.shape == ((h // 8) * (w // 8), 64)
-        _close(got, want, 1e-4)
+        close(got, want, 1e-4)
         assert mx.array_equal(pixtral.encode_images_compiled(params, pix)[0], got)
     pix = mx.random.uniform(-1, 1, (2, 3, 16, 24), key=mx.random.key(5))
     _, states = ref.vision_tower(pix.transpose(0, 2, 3, 1), output_hidden_states=True, image_sizes=[(16, 24)] * 2)
     want = ref.multi_modal_projector(states[layer][0], [(16, 24)] * 2)
-    _close(pixtral.encode_images(params, pix).reshape(-1, 64), want, 1e-4)
+    close(pixtral.encode_images(params, pix).reshape(-1, 64), want, 1e-4)
 
 
 def test_attention_in_query_blocks_is_the_same(folders, monkeypatch):
@@ -169,7 +140,7 @@ def test_attention_in_query_blocks_is_the_same(folders, monkeypatch):
     pix = mx.random.uniform(-1, 1, (1, 3, 64, 56), key=mx.random.key(9))  # 224 patches
     whole = pixtral.encode_images(params, pix)
     monkeypatch.setattr(pixtral, "QUERY_BLOCK", 48)
-    _close(pixtral.encode_images(params, pix), whole, 1e-5)
+    close(pixtral.encode_images(params, pix), whole, 1e-5)
 
 
 def test_config_refusals():
@@ -201,7 +172,7 @@ def test_pixels_match_transformers_and_mlx_vlm(model):
     assert isinstance(rules, PixtralProcessorConfig) and rules.factor == 8
     hf, mv = PixtralImageProcessorPil(**d), PixtralImageProcessor(**d)
     for w, h in [(48, 40), (37, 100), (90, 7), (64, 64), (200, 300), (5, 5), (65, 64)]:
-        img = _img(w * 1000 + h, (w, h))
+        img = image(w * 1000 + h, (w, h))
         ours = preprocess_one(img, rules)
         for out, exact in ((hf(images=[img], patch_size=8), True), (mv(images=[img], patch_size=8), False)):
             theirs = np.asarray(out["pixel_values"])[0]
@@ -230,7 +201,7 @@ def test_preprocessor_config_checks():
 def test_prompt_ids_match_the_processor(folders, model):
     path = folders("hf")
     proc = _processor(path)
-    imgs = [_img(2, (70, 40)), _img(3, (20, 90)), _img(4, (8, 8))]
+    imgs = [image(2, (70, 40)), image(3, (20, 90)), image(4, (8, 8))]
     text = "<|im_start|>user\n[IMG]what is this? and [IMG] that, [IMG]<|im_end|>\n<|im_start|>assistant\n"
     want = proc(text=[text], images=imgs)
     ip = image_prompt_from_text(model, text, imgs)
@@ -249,10 +220,10 @@ def test_prompt_layout_and_errors(model):
     cfg = model.vision.config
     assert pixtral.prompt_ids(cfg, 2, 3, 90, 91) == [IMAGE_ID] * 3 + [90] + [IMAGE_ID] * 3 + [91]
     assert pixtral.prompt_ids(cfg, 1, 1, 90, 91) == [IMAGE_ID, 91]
-    ip = image_prompt(model, _messages(_png(1)))  # 48 x 40: 5 rows of 6 tokens
+    ip = image_prompt(model, messages(png(1, SIZE)))  # 48 x 40: 5 rows of 6 tokens
     assert [b - a for a, b in ip.spans] == [6] * 5 and ip.image_tokens == (30,)
     with pytest.raises(ImageError, match="placeholder"):
-        image_prompt(model, _messages(_png(1), text="a literal [IMG] in the text"))
+        image_prompt(model, messages(png(1, SIZE), text="a literal [IMG] in the text"))
 
 
 # ---------------------------------------------------------------- the text forward
@@ -266,8 +237,8 @@ def test_logits_match_mlx_vlm(folders, kind):
     (padded) pixels; also in prefill chunks cut inside an image (the text model is causal)."""
     path = folders(kind)
     m = fx_engine.load(str(path))
-    ref = _mlx_vlm(path)
-    imgs = [_img(5, (70, 30)), _img(6, (30, 60))]
+    ref = load_mlx_vlm(path)
+    imgs = [image(5, (70, 30)), image(6, (30, 60))]
     text = "<|im_start|>user\n[IMG]describe [IMG] both<|im_end|>\n<|im_start|>assistant\n"
     inputs = _processor(path)(text=[text], images=imgs)
     want = ref(mx.array(inputs["input_ids"]), mx.array(inputs["pixel_values"]), mask=None,
@@ -277,7 +248,7 @@ def test_logits_match_mlx_vlm(folders, kind):
     n = len(ip.ids)
     img = ImageInput(rows=ip.rows, start=mx.array([0], mx.int32), token_index=IMAGE_ID, bidirectional=False)
     got, _ = logits_step(m.params, m.new_cache(1, 512, headroom=256), mx.array([ip.ids], mx.int32), n, images=img)
-    _close(got[0], want)
+    close(got[0], want, TOL)
     cache, out, pos, used = m.new_cache(1, 512, headroom=256), [], 0, 0
     for end in (ip.spans[1][0] + 2, ip.spans[-2][1] - 1, n):
         piece = ip.ids[pos:end]
@@ -286,7 +257,7 @@ def test_logits_match_mlx_vlm(folders, kind):
         out.append(lg[0])
         used += piece.count(IMAGE_ID)
         pos = end
-    _close(mx.concatenate(out, axis=0), want)
+    close(mx.concatenate(out, axis=0), want, TOL)
 
 
 def test_text_only_prompt_is_the_text_model_alone(folders, model, tmp_path):
@@ -316,7 +287,7 @@ def test_text_only_prompt_is_the_text_model_alone(folders, model, tmp_path):
     plain, _ = logits_step(model.params, model.new_cache(1, 16), ids, 4)
     img = ImageInput(rows=mx.zeros((16, 64)), start=mx.array([0], mx.int32), token_index=IMAGE_ID)
     same, _ = logits_step(model.params, model.new_cache(1, 16), ids, 4, images=img)
-    _close(plain, same, 0)
+    close(plain, same, 0)
 
 
 # ---------------------------------------------------------------- generation
@@ -327,22 +298,16 @@ def test_generate_with_images_equals_mlx_vlm_greedy(folders, model):
     """fx_engine.generate's greedy tokens against mlx-vlm's whole forward run again on the
     growing sequence (no cache), the images as the processor gives them."""
     path = folders("hf")
-    ref, proc = _mlx_vlm(path), _processor(path)
-    imgs = [_img(7, (64, 40)), _img(8, (24, 56))]
-    msgs = _messages(*[{"type": "image", "image": i} for i in imgs], text="describe")
+    ref, proc = load_mlx_vlm(path), _processor(path)
+    imgs = [image(7, (64, 40)), image(8, (24, 56))]
+    msgs = messages(*[{"type": "image", "image": i} for i in imgs], text="describe")
     done = fx_engine.generate(model, msgs, max_tokens=6)
     text = "<|im_start|>user\n[IMG][IMG]describe<|im_end|>\n<|im_start|>assistant\n"
     inputs = proc(text=[text], images=imgs)
     ids = np.asarray(inputs["input_ids"][0]).tolist()
     assert list(done.prompt_token_ids) == ids
     pixels, sizes = mx.array(inputs["pixel_values"]), np.asarray(inputs["image_sizes"]).tolist()
-    want = []
-    for _ in range(6):
-        tok = int(mx.argmax(ref(mx.array([ids]), pixels, mask=None, image_sizes=sizes).logits[0, -1]).item())
-        want.append(tok)
-        if tok in model.eos_ids:
-            break
-        ids.append(tok)
+    want = greedy_tokens(lambda x: ref(x, pixels, mask=None, image_sizes=sizes).logits, ids, 6, model.eos_ids)
     assert len(want) == 6  # (no early end: six tokens compared)
     assert list(done.token_ids) == want
     from fx_engine.engine.generate import reference_generate
@@ -355,8 +320,8 @@ def test_engine_batches_image_rows_with_text_rows(model):
     from fx_engine.engine.engine import Engine
     from fx_engine.engine.generate import reference_generate
 
-    prompts = [_messages(_png(9)), [{"role": "user", "content": "a plain text request"}],
-               _messages(_png(10), _png(11, (20, 90)), text="two of them")]
+    prompts = [messages(png(9, SIZE)), [{"role": "user", "content": "a plain text request"}],
+               messages(png(10, SIZE), png(11, (20, 90)), text="two of them")]
     solo = [reference_generate(model, p, max_tokens=5, prefill_chunk=32, logprobs=2) for p in prompts]
     for budget in (48, 256):
         with Engine(model, max_rows=3, prefill_chunk=32, step_token_budget=budget, prefix_cache_bytes=0) as engine:
@@ -376,12 +341,12 @@ def test_engine_prefix_cache_and_encoder_cache(model):
     from fx_engine.engine.engine import Engine
     from fx_engine.engine.generate import reference_generate
 
-    first = _messages(_png(12), text="describe this picture in some detail please")
+    first = messages(png(12, SIZE), text="describe this picture in some detail please")
     with Engine(model, max_rows=2, prefill_chunk=32) as engine:
         a = engine.submit(first, max_tokens=4).result()
         turn = first + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "and more?"}]
         b = engine.submit(turn, max_tokens=4, logprobs=2).result()
-        other = _messages(_png(13), text="describe this picture in some detail please")
+        other = messages(png(13, SIZE), text="describe this picture in some detail please")
         c = engine.submit(other, max_tokens=4, logprobs=2).result()
         enc = engine.encoder_cache
     assert b.usage.cached_tokens > 30
@@ -404,7 +369,7 @@ def test_http_chat_with_an_image(model):
     from fx_engine.server.app import create_app
     from tests.conftest import serve
 
-    url_ = "data:image/png;base64," + base64.b64encode(_png(14, (60, 40))).decode()
+    url_ = "data:image/png;base64," + base64.b64encode(png(14, (60, 40))).decode()
     msgs = [{"role": "user", "content": [{"type": "text", "text": "describe the picture"},
                                          {"type": "image_url", "image_url": {"url": url_}}]}]
     want = fx_engine.generate(model, msgs, max_tokens=6, temperature=0)

@@ -29,6 +29,8 @@ from fx_engine.engine.image_prompt import (image_placeholder, image_prompt, imag
                                            step_images)
 from fx_engine.loading.images_qwen2_vl import preprocess
 from fx_engine.testing.vision import QWEN2_VL_IDS, write_tiny_qwen2_vl
+from tests.models.vision_checks import (close, load_mlx_vlm, messages, png, qwen_greedy, qwen_pixels,
+                                        two_images, whole_images)
 
 TOL = 2e-4
 IMAGE_ID = QWEN2_VL_IDS["image_token_id"]
@@ -53,54 +55,6 @@ def model(folders):
     return fx_engine.load(str(folders("qwen2_5_vl")))
 
 
-def _mlx_vlm(path: Path):
-    from mlx_vlm.utils import load_model
-
-    return load_model(Path(path))
-
-
-def _close(ours, ref, tol=TOL) -> float:
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    diff = mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32)).max().item()
-    assert diff <= tol, f"max |diff| = {diff}"
-    return diff
-
-
-def _png(seed: int, size=(40, 30)) -> bytes:
-    import PIL.Image
-
-    arr = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    PIL.Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _messages(*images, text="what is in the picture?"):
-    parts = [img if isinstance(img, dict) else {"type": "image", "image": img} for img in images]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-def _two_images():
-    """Messages with two images of different sizes and text between and after them."""
-    return [{"role": "user", "content": [
-        {"type": "text", "text": "compare"}, {"type": "image", "image": _png(4)},
-        {"type": "text", "text": "with this one"}, {"type": "image", "image": _png(5, (24, 56))},
-        {"type": "text", "text": "what differs?"}]}]
-
-
-def _pixels(model, messages):
-    """The processor's pixel_values and image_grid_thw of the messages' images."""
-    import PIL.Image
-
-    imgs = [PIL.Image.open(io.BytesIO(p["image"])) for m in messages for p in m["content"] if p["type"] == "image"]
-    patches, grid = preprocess(imgs, model.image_processor)
-    return mx.array(patches), mx.array(grid)
-
-
-def _whole(ip, model) -> ImageInput:
-    return step_images([(type("R", (), {"image": ip})(), 0, len(ip.ids))], model.vision.config.image_token_index)
-
-
 # ---------------------------------------------------------------- the prompt and its positions
 
 
@@ -108,7 +62,7 @@ def test_registered_and_prompt_layout(model):
     assert vision_module({"model_type": "qwen2_5_vl"}) is qwen2_vl
     assert vision_module({"model_type": "qwen2_vl"}) is qwen2_vl
     assert image_placeholder(model) == "<|vision_start|><|image_pad|><|vision_end|>"
-    ip = image_prompt(model, _messages(_png(1)))
+    ip = image_prompt(model, messages(png(1)))
     cfg = model.vision.config
     # 40 x 30 -> 40 x 32 pixels: 8 x 10 patches, 4 x 5 merged tokens
     assert ip.spans == [(ip.spans[0][0], ip.spans[0][0] + 20)] and ip.image_tokens == (20,)
@@ -136,7 +90,7 @@ def test_prompt_ids_match_transformers_processor(folders, model):
     d.pop("image_processor_type")
     tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
     proc = Processor(image_processor=Qwen2VLImageProcessorPil(**d), tokenizer=tok)
-    imgs = [PIL.Image.open(io.BytesIO(_png(2))), PIL.Image.open(io.BytesIO(_png(3, (30, 70))))]
+    imgs = [PIL.Image.open(io.BytesIO(png(2))), PIL.Image.open(io.BytesIO(png(3, (30, 70))))]
     mark = image_placeholder(model)
     text = f"<|im_start|>user\n{mark}what is this? and {mark} that<|im_end|>\n<|im_start|>assistant\n"
     out = proc(text=[text], images=imgs)
@@ -148,10 +102,10 @@ def test_prompt_ids_match_transformers_processor(folders, model):
 
 @pytest.mark.oracle
 def test_rope_positions_match_mlx_vlm(folders, model):
-    ref = _mlx_vlm(folders("qwen2_5_vl"))
-    msgs = _two_images()
+    ref = load_mlx_vlm(folders("qwen2_5_vl"))
+    msgs = two_images()
     ip = image_prompt(model, msgs)
-    _, grid = _pixels(model, msgs)
+    _, grid = qwen_pixels(model, msgs)
     want, delta = ref.language_model.get_rope_index(mx.array([ip.ids]), grid)
     pos, ours = qwen2_vl.rope_positions(ip.ids, np.asarray(grid), model.vision.config)
     assert pos.tolist() == np.asarray(want)[:, 0].tolist()
@@ -173,15 +127,15 @@ def test_logits_match_mlx_vlm(folders, kind):
     in chunks: text before the images (M-RoPE offsets, no image token), an image, the rest."""
     path = folders(kind)
     m = fx_engine.load(str(path))
-    ref = _mlx_vlm(path)
-    msgs = _two_images()
+    ref = load_mlx_vlm(path)
+    msgs = two_images()
     ip = image_prompt(m, msgs)
-    pixels, grid = _pixels(m, msgs)
+    pixels, grid = qwen_pixels(m, msgs)
     ids = mx.array([ip.ids], mx.int32)
     want = ref(ids, pixels, image_grid_thw=grid).logits[0]
     n = len(ip.ids)
-    got, _ = logits_step(m.params, m.new_cache(1, 256), ids, n, images=_whole(ip, m))
-    _close(got[0], want)
+    got, _ = logits_step(m.params, m.new_cache(1, 256), ids, n, images=whole_images(ip, m))
+    close(got[0], want, TOL)
     # (without the offsets the image prompt is not the model's: the check has teeth; a step
     # without them is refused, one with zero offsets is plain RoPE's)
     plain = ImageInput(rows=ip.rows, start=mx.array([0], mx.int32), token_index=IMAGE_ID,
@@ -198,7 +152,7 @@ def test_logits_match_mlx_vlm(folders, kind):
         out.append(lg[0])
         pos = end
     assert step_images([(holder, ip.spans[1][1], n - ip.spans[1][1])], IMAGE_ID) is None  # plain text after
-    _close(mx.concatenate(out, axis=0), want)
+    close(mx.concatenate(out, axis=0), want, TOL)
 
 
 @pytest.mark.oracle
@@ -206,11 +160,11 @@ def test_text_only_prompt_is_plain_rope(folders, model):
     """A text-only prompt is the Qwen2 step unchanged (no image input, plain RoPE), equal to
     mlx-vlm's text path; an M-RoPE step whose three ids are the cache positions gives the
     same bits."""
-    ref = _mlx_vlm(folders("qwen2_5_vl"))
+    ref = load_mlx_vlm(folders("qwen2_5_vl"))
     ids = mx.array([model.tokenizer.encode("The quick brown fox jumps over the lazy dog.")], mx.int32)
     n = ids.shape[1]
     a, _ = logits_step(model.params, model.new_cache(1, 64), ids, n)
-    _close(a[0], ref(ids).logits[0])
+    close(a[0], ref(ids).logits[0], TOL)
     zeros = ImageInput(rows=mx.zeros((16, 64)), start=mx.array([0], mx.int32), token_index=IMAGE_ID,
                        positions=mx.zeros((3, 64), mx.int32), position_start=mx.array([0], mx.int32))
     b, _ = logits_step(model.params, model.new_cache(1, 64), ids, n, images=zeros)
@@ -222,31 +176,15 @@ def test_nested_config_layout_loads_the_same_model(folders, model):
     """transformers >= 4.52's folders (text_config, model.language_model.*, model.visual.*)."""
     nested = fx_engine.load(str(folders("nested")))
     assert nested.config == model.config and nested.vision.config == model.vision.config
-    ip = image_prompt(model, _messages(_png(6)))
+    ip = image_prompt(model, messages(png(6)))
     ids = mx.array([ip.ids], mx.int32)
-    a, _ = logits_step(model.params, model.new_cache(1, 64), ids, len(ip.ids), images=_whole(ip, model))
-    ip2 = image_prompt(nested, _messages(_png(6)))
-    b, _ = logits_step(nested.params, nested.new_cache(1, 64), ids, len(ip.ids), images=_whole(ip2, nested))
+    a, _ = logits_step(model.params, model.new_cache(1, 64), ids, len(ip.ids), images=whole_images(ip, model))
+    ip2 = image_prompt(nested, messages(png(6)))
+    b, _ = logits_step(nested.params, nested.new_cache(1, 64), ids, len(ip.ids), images=whole_images(ip2, nested))
     assert ip2.ids == ip.ids and mx.array_equal(a, b)
 
 
 # ---------------------------------------------------------------- generation
-
-
-def _greedy_mlx_vlm(folder, model, messages, n):
-    """Greedy decoding with mlx-vlm's whole forward, no cache (each step the whole sequence:
-    its get_rope_index puts the generated text after the images)."""
-    ref = _mlx_vlm(folder)
-    ip = image_prompt(model, messages)
-    pixels, grid = _pixels(model, messages)
-    ids, out = list(ip.ids), []
-    for _ in range(n):
-        tok = int(mx.argmax(ref(mx.array([ids]), pixels, image_grid_thw=grid).logits[0, -1]).item())
-        out.append(tok)
-        if tok in model.eos_ids:
-            break
-        ids.append(tok)
-    return ip.ids, out
 
 
 @pytest.mark.oracle
@@ -254,28 +192,28 @@ def test_decode_logits_match_mlx_vlm(folders, model):
     """Decode steps (one token, no image input: plain RoPE at the cache position) after an
     image prompt, against mlx-vlm's whole forward over the prompt and the tokens so far
     (its ids for them: cache position + rope delta on all three rows)."""
-    ref = _mlx_vlm(folders("qwen2_5_vl"))
-    msgs = _two_images()
+    ref = load_mlx_vlm(folders("qwen2_5_vl"))
+    msgs = two_images()
     ip = image_prompt(model, msgs)
-    pixels, grid = _pixels(model, msgs)
+    pixels, grid = qwen_pixels(model, msgs)
     ids = mx.array([ip.ids], mx.int32)
-    lg, cache = logits_step(model.params, model.new_cache(1, 256), ids, len(ip.ids), images=_whole(ip, model))
+    lg, cache = logits_step(model.params, model.new_cache(1, 256), ids, len(ip.ids), images=whole_images(ip, model))
     seq = list(ip.ids)
     for _ in range(4):
         tok = int(mx.argmax(lg[0, -1]).item())
         seq.append(tok)
         lg, cache = logits_step(model.params, cache, mx.array([[tok]], mx.int32), 1)
         want = ref(mx.array([seq]), pixels, image_grid_thw=grid).logits[0, -1]
-        _close(lg[0, -1], want)
+        close(lg[0, -1], want, TOL)
 
 
 @pytest.mark.oracle
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen2_vl"])
 def test_generate_with_images_equals_mlx_vlm_greedy(folders, kind):
     m = fx_engine.load(str(folders(kind)))
-    msgs = _two_images()
+    msgs = two_images()
     done = fx_engine.generate(m, msgs, max_tokens=6)
-    prompt, want = _greedy_mlx_vlm(folders(kind), m, msgs, 6)
+    prompt, want = qwen_greedy(load_mlx_vlm(folders(kind)), m, msgs, 6)
     assert len(want) == 6  # (no early end: six tokens compared)
     assert list(done.prompt_token_ids) == prompt
     assert list(done.token_ids) == want
@@ -289,7 +227,7 @@ def test_engine_batches_image_rows_with_text_rows(model):
     from fx_engine.engine.engine import Engine
     from fx_engine.engine.generate import reference_generate
 
-    prompts = [_messages(_png(7)), [{"role": "user", "content": "a plain text request"}], _two_images()]
+    prompts = [messages(png(7)), [{"role": "user", "content": "a plain text request"}], two_images()]
     solo = [reference_generate(model, p, max_tokens=5, prefill_chunk=32, logprobs=2) for p in prompts]
     for budget in (48, 256):
         with Engine(model, max_rows=3, prefill_chunk=32, step_token_budget=budget, prefix_cache_bytes=0) as engine:
@@ -305,8 +243,8 @@ def test_engine_batches_image_rows_with_text_rows(model):
 def test_prefix_keys_carry_the_rope_delta(model):
     """Prompts of another rope delta never share a prefix-cache entry (their keys are rotated
     by other shifts), nor with text; the same images do."""
-    a = image_prompt(model, _messages(_png(1)))
-    b = image_prompt(model, _messages(_png(1), _png(2)))
+    a = image_prompt(model, messages(png(1)))
+    b = image_prompt(model, messages(png(1), png(2)))
     assert a.rope_delta != b.rope_delta
     ka, kb = prefix_key(a, a.ids), prefix_key(b, b.ids)
     assert ka[0] != kb[0] and ka[0] != a.ids[0] and ka[1:a.spans[0][0]] == a.ids[1:a.spans[0][0]]
@@ -319,13 +257,13 @@ def test_engine_prefix_cache_follow_up_turn(model):
     from fx_engine.engine.engine import Engine
     from fx_engine.engine.generate import reference_generate
 
-    first = _messages(_png(10), text="describe this picture in some detail please")
+    first = messages(png(10), text="describe this picture in some detail please")
     with Engine(model, max_rows=2, prefill_chunk=32) as engine:
         a = engine.submit(first, max_tokens=4).result()
         turn = first + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "and more?"}]
         b = engine.submit(turn, max_tokens=4, logprobs=2).result()
         more = turn + [{"role": "assistant", "content": b.text},
-                       {"role": "user", "content": [{"type": "image", "image": _png(11)},
+                       {"role": "user", "content": [{"type": "image", "image": png(11)},
                                                     {"type": "text", "text": "and this?"}]}]
         c = engine.submit(more, max_tokens=4, logprobs=2).result()
     assert b.usage.cached_tokens > 20
@@ -347,7 +285,7 @@ def test_routes_serve_a_qwen2_5_vl_model(model):
     from fx_engine.server.app import create_app
     from tests.conftest import serve
 
-    url_img = "data:image/png;base64," + base64.b64encode(_png(12, (60, 40))).decode()
+    url_img = "data:image/png;base64," + base64.b64encode(png(12, (60, 40))).decode()
     msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                          {"type": "image_url", "image_url": {"url": url_img}}]}]
     want = fx_engine.generate(model, msgs, max_tokens=6, temperature=0)
@@ -371,7 +309,7 @@ def test_engine_cuts_an_image_larger_than_a_prefill_piece(model):
     from fx_engine.engine.engine import Engine
     from fx_engine.engine.generate import reference_generate
 
-    msgs = _messages(_png(1, (16, 16)), _png(2, (48, 48)))
+    msgs = messages(png(1, (16, 16)), png(2, (48, 48)))
     runs = [b - a for a, b in image_prompt(model, msgs).spans]
     assert runs[0] < runs[1]
     want = reference_generate(model, msgs, max_tokens=4, logprobs=2)
@@ -414,13 +352,13 @@ def test_steps_refuse_images_without_their_mrope_positions(model):
     the field (a hand-made ImagePrompt without rope_offsets likewise, at the engine)."""
     from fx_engine.engine.engine import Engine
 
-    ip = image_prompt(model, _messages(_png(1)))
+    ip = image_prompt(model, messages(png(1)))
     n = len(ip.ids)
     ids = mx.array([ip.ids], mx.int32)
     bare = ImageInput(rows=ip.rows, start=mx.array([0], mx.int32), token_index=IMAGE_ID)
     with pytest.raises(ValueError, match=r"images\.positions: .*M-RoPE"):
         logits_step(model.params, model.new_cache(1, 64), ids, n, images=bare)
-    whole = _whole(ip, model)
+    whole = whole_images(ip, model)
     assert whole.positions is not None
     logits_step(model.params, model.new_cache(1, 64), ids, n, images=whole)  # (the prompt's own: runs)
     with Engine(model, max_rows=1) as engine:

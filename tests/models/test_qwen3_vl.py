@@ -25,12 +25,13 @@ import pytest
 import fx_engine
 from fx_engine.core.steps import logits_step
 from fx_engine.core.vision import qwen2_vl, qwen3_vl, vision_module
-from fx_engine.core.vision.splice import ImageInput
 from fx_engine.engine.image_prompt import (image_placeholder, image_prompt, image_prompt_from_text, prefix_key,
                                            step_images)
 from fx_engine.loading.images_qwen2_vl import preprocess
 from fx_engine.testing.tiny import write_tiny_model
 from fx_engine.testing.vision import QWEN2_VL_IDS, QWEN3_VL_MROPE, write_tiny_qwen3_vl
+from tests.models.vision_checks import (close, load_mlx_vlm, messages, png, qwen_greedy, qwen_pixels,
+                                        two_images, whole_images)
 
 TOL = 2e-4
 IMAGE_ID = QWEN2_VL_IDS["image_token_id"]
@@ -48,49 +49,7 @@ def model(folder):
 
 @pytest.fixture(scope="module")
 def ref(folder):
-    from mlx_vlm.utils import load_model
-
-    return load_model(Path(folder))
-
-
-def _close(ours, want, tol=TOL) -> float:
-    assert ours.shape == want.shape, (ours.shape, want.shape)
-    diff = mx.abs(ours.astype(mx.float32) - want.astype(mx.float32)).max().item()
-    assert diff <= tol, f"max |diff| = {diff}"
-    return diff
-
-
-def _png(seed: int, size=(40, 30)) -> bytes:
-    import PIL.Image
-
-    arr = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    PIL.Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _messages(*images, text="what is in the picture?"):
-    return [{"role": "user", "content": [*({"type": "image", "image": i} for i in images),
-                                         {"type": "text", "text": text}]}]
-
-
-def _two_images():
-    return [{"role": "user", "content": [
-        {"type": "text", "text": "compare"}, {"type": "image", "image": _png(4)},
-        {"type": "text", "text": "with this one"}, {"type": "image", "image": _png(5, (24, 56))},
-        {"type": "text", "text": "what differs?"}]}]
-
-
-def _pixels(model, messages):
-    import PIL.Image
-
-    imgs = [PIL.Image.open(io.BytesIO(p["image"])) for m in messages for p in m["content"] if p["type"] == "image"]
-    patches, grid = preprocess(imgs, model.image_processor)
-    return mx.array(patches), mx.array(grid)
-
-
-def _whole(ip, model) -> ImageInput:
-    return step_images([(type("R", (), {"image": ip})(), 0, len(ip.ids))], model.vision.config.image_token_index)
+    return load_mlx_vlm(folder)
 
 
 # ---------------------------------------------------------------- config, tower, prompt
@@ -103,7 +62,7 @@ def test_registered_config_and_prompt_layout(model):
     assert cfg.mrope_section == tuple(QWEN3_VL_MROPE)
     assert model.vision.config.deepstack_visual_indexes == (0, 2)
     assert image_placeholder(model) == "<|vision_start|><|image_pad|><|vision_end|>"
-    ip = image_prompt(model, _messages(_png(1)))
+    ip = image_prompt(model, messages(png(1)))
     # 40 x 30 -> 40 x 32 pixels: 8 x 10 patches, 4 x 5 merged tokens
     assert ip.image_tokens == (20,) and ip.rows.shape == (20, 64) and ip.deepstack.shape == (2, 20, 64)
     a, b = ip.spans[0]
@@ -124,14 +83,14 @@ def test_interleaved_frequency_rows():
 def test_tower_matches_mlx_vlm(model, ref):
     """Rows and DeepStack features of two images of different sizes (each resampling the
     learned position grid), together and compiled, against mlx-vlm's VisionModel."""
-    msgs = _two_images()
-    pixels, grid = _pixels(model, msgs)
+    msgs = two_images()
+    pixels, grid = qwen_pixels(model, msgs)
     want_rows, want_deep = ref.vision_tower(pixels, grid)
     rows, deep = qwen3_vl.encode_images(model.vision, pixels, np.asarray(grid))
-    _close(rows, want_rows, 1e-4)
+    close(rows, want_rows, 1e-4)
     assert deep.shape[0] == len(want_deep) == 2
     for d, w in zip(deep, want_deep):
-        _close(d, w, 1e-4)
+        close(d, w, 1e-4)
     rc, dc = qwen3_vl.encode_images_compiled(model.vision, pixels, np.asarray(grid))
     assert mx.array_equal(rc, rows) and mx.array_equal(dc, deep)
 
@@ -152,7 +111,7 @@ def test_prompt_ids_match_transformers_processor(folder, model):
     d.pop("image_processor_type")
     tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
     proc = Processor(image_processor=Qwen2VLImageProcessorPil(**d), tokenizer=tok, video_processor=None)
-    imgs = [PIL.Image.open(io.BytesIO(_png(2))), PIL.Image.open(io.BytesIO(_png(3, (30, 70))))]
+    imgs = [PIL.Image.open(io.BytesIO(png(2))), PIL.Image.open(io.BytesIO(png(3, (30, 70))))]
     mark = image_placeholder(model)
     text = f"<|im_start|>user\n{mark}what is this? and {mark} that<|im_end|>\n<|im_start|>assistant\n"
     out = proc(text=[text], images=imgs)
@@ -164,9 +123,9 @@ def test_prompt_ids_match_transformers_processor(folder, model):
 
 @pytest.mark.oracle
 def test_rope_positions_match_mlx_vlm(model, ref):
-    msgs = _two_images()
+    msgs = two_images()
     ip = image_prompt(model, msgs)
-    _, grid = _pixels(model, msgs)
+    _, grid = qwen_pixels(model, msgs)
     want, delta = ref.language_model.get_rope_index(mx.array([ip.ids]), grid)
     pos, ours = qwen3_vl.rope_positions(ip.ids, np.asarray(grid), model.vision.config)
     assert pos.tolist() == np.asarray(want)[:, 0].tolist()
@@ -182,16 +141,16 @@ def test_logits_match_mlx_vlm(model, ref):
     interleaved M-RoPE, DeepStack), against mlx-vlm's Model(input_ids, pixel_values,
     image_grid_thw); then in chunks: text before the images, an image, the rest. Without
     the DeepStack rows, or with chunked M-RoPE, the logits differ (the checks have teeth)."""
-    msgs = _two_images()
+    msgs = two_images()
     ip = image_prompt(model, msgs)
-    pixels, grid = _pixels(model, msgs)
+    pixels, grid = qwen_pixels(model, msgs)
     ids = mx.array([ip.ids], mx.int32)
     want = ref(ids, pixels, image_grid_thw=grid).logits[0]
     n = len(ip.ids)
-    whole = _whole(ip, model)
+    whole = whole_images(ip, model)
     assert whole.deepstack is not None
     got, _ = logits_step(model.params, model.new_cache(1, 256), ids, n, images=whole)
-    _close(got[0], want)
+    close(got[0], want, TOL)
     bare = attrs.evolve(whole, deepstack=mx.zeros_like(whole.deepstack))  # (None: refused)
     no_deep, _ = logits_step(model.params, model.new_cache(1, 256), ids, n, images=bare)
     assert mx.abs(no_deep[0] - want).max().item() > 100 * TOL
@@ -207,24 +166,24 @@ def test_logits_match_mlx_vlm(model, ref):
                                 **({} if img is None else {"images": img}))
         out.append(lg[0])
         pos = end
-    _close(mx.concatenate(out, axis=0), want)
+    close(mx.concatenate(out, axis=0), want, TOL)
 
 
 @pytest.mark.oracle
 def test_decode_logits_match_mlx_vlm(model, ref):
     """Decode steps after an image prompt (plain RoPE at the cache position, no DeepStack)
     against mlx-vlm's whole forward over the prompt and the tokens so far."""
-    msgs = _two_images()
+    msgs = two_images()
     ip = image_prompt(model, msgs)
-    pixels, grid = _pixels(model, msgs)
+    pixels, grid = qwen_pixels(model, msgs)
     lg, cache = logits_step(model.params, model.new_cache(1, 256), mx.array([ip.ids], mx.int32), len(ip.ids),
-                            images=_whole(ip, model))
+                            images=whole_images(ip, model))
     seq = list(ip.ids)
     for _ in range(3):
         tok = int(mx.argmax(lg[0, -1]).item())
         seq.append(tok)
         lg, cache = logits_step(model.params, cache, mx.array([[tok]], mx.int32), 1)
-        _close(lg[0, -1], ref(mx.array([seq]), pixels, image_grid_thw=grid).logits[0, -1])
+        close(lg[0, -1], ref(mx.array([seq]), pixels, image_grid_thw=grid).logits[0, -1], TOL)
 
 
 @pytest.mark.oracle
@@ -234,7 +193,7 @@ def test_text_only_prompt_is_plain_qwen3(folder, model, ref, tmp_path):
     ids = mx.array([model.tokenizer.encode("The quick brown fox jumps over the lazy dog.")], mx.int32)
     n = ids.shape[1]
     a, _ = logits_step(model.params, model.new_cache(1, 64), ids, n)
-    _close(a[0], ref(ids).logits[0])
+    close(a[0], ref(ids).logits[0], TOL)
     plain = write_tiny_model(tmp_path / "qwen3", "qwen3", tie_word_embeddings=False)
     tensors = mx.load(str(folder / "model.safetensors"))
     pre = "model.language_model."
@@ -251,19 +210,11 @@ def test_text_only_prompt_is_plain_qwen3(folder, model, ref, tmp_path):
 
 @pytest.mark.oracle
 def test_generate_with_images_equals_mlx_vlm_greedy(folder, model, ref):
-    msgs = _two_images()
+    msgs = two_images()
     done = fx_engine.generate(model, msgs, max_tokens=6)
-    ip = image_prompt(model, msgs)
-    pixels, grid = _pixels(model, msgs)
-    ids, want = list(ip.ids), []
-    for _ in range(6):
-        tok = int(mx.argmax(ref(mx.array([ids]), pixels, image_grid_thw=grid).logits[0, -1]).item())
-        want.append(tok)
-        if tok in model.eos_ids:
-            break
-        ids.append(tok)
+    prompt, want = qwen_greedy(ref, model, msgs, 6)
     assert len(want) == 6
-    assert list(done.prompt_token_ids) == ip.ids
+    assert list(done.prompt_token_ids) == prompt
     assert list(done.token_ids) == want
     from fx_engine.engine.generate import reference_generate
 
@@ -275,7 +226,7 @@ def test_engine_batches_image_rows_with_text_rows(model):
     from fx_engine.engine.engine import Engine
     from fx_engine.engine.generate import reference_generate
 
-    prompts = [_messages(_png(7)), [{"role": "user", "content": "a plain text request"}], _two_images()]
+    prompts = [messages(png(7)), [{"role": "user", "content": "a plain text request"}], two_images()]
     solo = [reference_generate(model, p, max_tokens=5, prefill_chunk=32, logprobs=2) for p in prompts]
     for budget in (48, 256):
         with Engine(model, max_rows=3, prefill_chunk=32, step_token_budget=budget, prefix_cache_bytes=0) as engine:
@@ -294,13 +245,13 @@ def test_engine_prefix_cache_follow_up_turn(model):
     from fx_engine.engine.engine import Engine
     from fx_engine.engine.generate import reference_generate
 
-    first = _messages(_png(10), text="describe this picture in some detail please")
+    first = messages(png(10), text="describe this picture in some detail please")
     with Engine(model, max_rows=2, prefill_chunk=32) as engine:
         a = engine.submit(first, max_tokens=4).result()
         turn = first + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "and more?"}]
         b = engine.submit(turn, max_tokens=4, logprobs=2).result()
         more = turn + [{"role": "assistant", "content": b.text},
-                       {"role": "user", "content": [{"type": "image", "image": _png(11)},
+                       {"role": "user", "content": [{"type": "image", "image": png(11)},
                                                     {"type": "text", "text": "and this?"}]}]
         c = engine.submit(more, max_tokens=4, logprobs=2).result()
     assert b.usage.cached_tokens > 20
@@ -319,8 +270,8 @@ def test_encoder_cache_keeps_the_deepstack_rows(model):
     from fx_engine.engine.image_prompt import EncoderCache
 
     cache = EncoderCache()
-    a = image_prompt(model, _messages(_png(1), _png(2, (24, 40))), cache=cache)
-    b = image_prompt(model, _messages(_png(2, (24, 40))), cache=cache)
+    a = image_prompt(model, messages(png(1), png(2, (24, 40))), cache=cache)
+    b = image_prompt(model, messages(png(2, (24, 40))), cache=cache)
     assert cache.hits == 1
     n = a.image_tokens[0]
     assert mx.array_equal(b.rows, a.rows[n:]) and mx.array_equal(b.deepstack, a.deepstack[:, n:])
@@ -342,25 +293,23 @@ def test_config_refusals(folder):
 def test_mlx_layout_loads_the_same_model(tmp_path, model, folder):
     """mlx-vlm's converted names (language_model.model.*, vision_tower.*, the patch conv
     channels last) load the same model as transformers' names; mlx-vlm reads it too."""
-    from mlx_vlm.utils import load_model
-
     other = write_tiny_qwen3_vl(tmp_path / "mlx", layout="mlx")
     m = fx_engine.load(str(other))
     assert m.config == model.config and m.vision.config == model.vision.config
-    ip = image_prompt(model, _messages(_png(6)))
+    ip = image_prompt(model, messages(png(6)))
     ids = mx.array([ip.ids], mx.int32)
-    a, _ = logits_step(model.params, model.new_cache(1, 64), ids, len(ip.ids), images=_whole(ip, model))
-    ip2 = image_prompt(m, _messages(_png(6)))
-    b, _ = logits_step(m.params, m.new_cache(1, 64), ids, len(ip.ids), images=_whole(ip2, m))
+    a, _ = logits_step(model.params, model.new_cache(1, 64), ids, len(ip.ids), images=whole_images(ip, model))
+    ip2 = image_prompt(m, messages(png(6)))
+    b, _ = logits_step(m.params, m.new_cache(1, 64), ids, len(ip.ids), images=whole_images(ip2, m))
     assert ip2.ids == ip.ids and mx.array_equal(a, b)
-    pixels, grid = _pixels(m, _messages(_png(6)))
-    _close(b[0], load_model(Path(other))(ids, pixels, image_grid_thw=grid).logits[0])
+    pixels, grid = qwen_pixels(m, messages(png(6)))
+    close(b[0], load_mlx_vlm(other)(ids, pixels, image_grid_thw=grid).logits[0], TOL)
 
 
 def test_engine_refuses_an_image_prompt_without_its_deepstack_rows(model):
     from fx_engine.engine.engine import Engine
 
-    ip = image_prompt(model, _messages(_png(1)))
+    ip = image_prompt(model, messages(png(1)))
     with Engine(model, max_rows=1) as engine:
         with pytest.raises(ValueError, match="DeepStack"):
             engine.submit(ip._replace(deepstack=None), max_tokens=2)
@@ -373,9 +322,9 @@ def test_steps_refuse_images_without_deepstack_rows_or_mrope_positions(model):
     """Composed by hand, a Qwen3-VL step's images without their DeepStack rows (or without
     their M-RoPE offsets) would run the wrong model without a word: refused, naming the
     field; the prompt's own (`step_images`) run."""
-    ip = image_prompt(model, _messages(_png(1)))
+    ip = image_prompt(model, messages(png(1)))
     n, ids = len(ip.ids), mx.array([ip.ids], mx.int32)
-    whole = _whole(ip, model)
+    whole = whole_images(ip, model)
     assert whole.deepstack is not None and whole.positions is not None
     logits_step(model.params, model.new_cache(1, 64), ids, n, images=whole)
     with pytest.raises(ValueError, match=r"images\.deepstack: .*Qwen3-VL"):
@@ -395,7 +344,7 @@ def test_routes_serve_a_qwen3_vl_model(model):
     from fx_engine.server.app import create_app
     from tests.conftest import serve
 
-    url_img = "data:image/png;base64," + base64.b64encode(_png(12, (60, 40))).decode()
+    url_img = "data:image/png;base64," + base64.b64encode(png(12, (60, 40))).decode()
     msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                          {"type": "image_url", "image_url": {"url": url_img}}]}]
     want = fx_engine.generate(model, msgs, max_tokens=6, temperature=0)

@@ -29,6 +29,7 @@ from fx_engine.loading.images import (ImageError, ImageProcessorConfig, preproce
                                       read_processor_config)
 from fx_engine.loading.vision import load_vision, read_config
 from fx_engine.testing.vision import TINY_IDS, preprocessor_config, tiny_gemma3_config, write_tiny_gemma3_vlm
+from tests.models.vision_checks import close, load_mlx_vlm
 
 TOL = 1e-4
 IMG, BOI, EOI = TINY_IDS["image_token_index"], TINY_IDS["boi_token_index"], TINY_IDS["eoi_token_index"]
@@ -50,9 +51,7 @@ def folders(tmp_path_factory):
 
 
 def _mlx_vlm(path: Path):
-    from mlx_vlm.utils import load_model
-
-    ref = load_model(Path(path))
+    ref = load_mlx_vlm(path)
     cfg = json.loads((path / "config.json").read_text())
     # mlx-vlm's post_layernorm has LayerNorm's default eps (1e-5); Hugging Face's the config's
     ref.vision_tower.vision_model.post_layernorm.eps = cfg["vision_config"]["layer_norm_eps"]
@@ -61,13 +60,6 @@ def _mlx_vlm(path: Path):
 
 def _pixels(n: int, size: int = 32, seed: int = 3) -> mx.array:
     return mx.random.uniform(-1, 1, (n, 3, size, size), key=mx.random.key(seed))
-
-
-def _close(ours: mx.array, ref: mx.array) -> float:
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    diff = mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32)).max().item()
-    assert diff <= TOL, f"max |diff| = {diff}"
-    return diff
 
 
 # ---------------------------------------------------------------- against mlx-vlm
@@ -82,10 +74,10 @@ def test_tower_and_projector_match_mlx_vlm(folders, kind):
     pix = _pixels(2)
     feats = siglip.forward(params.tower, pix)
     want, _, _ = ref.vision_tower(pix.transpose(0, 2, 3, 1))  # mlx-vlm's tower reads NHWC
-    _close(feats, want)
+    close(feats, want, TOL)
     assert feats.shape == (2, 64, 32)
     emb = gemma3.encode_images(params, pix)
-    _close(emb, ref.multi_modal_projector(want))
+    close(emb, ref.multi_modal_projector(want), TOL)
     assert emb.shape == (2, 16, 64)
     compiled = gemma3.encode_images_compiled(params, pix)
     assert mx.array_equal(compiled, emb)
@@ -101,7 +93,7 @@ def test_quantized_tower_matches_mlx_vlm(folders, keep):
     assert type(ref.vision_tower.vision_model.encoder.layers[0].mlp.fc1).__name__ == "QuantizedLinear"
     pix = _pixels(1, seed=5)
     want, _, _ = ref.vision_tower(pix.transpose(0, 2, 3, 1))
-    _close(gemma3.encode_images(params, pix), ref.multi_modal_projector(want))
+    close(gemma3.encode_images(params, pix), ref.multi_modal_projector(want), TOL)
 
 
 @pytest.mark.oracle
@@ -118,7 +110,7 @@ def test_splice_matches_mlx_vlm_input_embeddings(folders):
     want = ref.get_input_embeddings(ids, pix, mask=mx.ones(ids.shape)).inputs_embeds
     table = mx.load(str(path / "model.safetensors"))["language_model.model.embed_tokens.weight"]
     images = gemma3.encode_images(params, pix) / cfg.text_hidden_size ** 0.5
-    _close(gemma3.splice_images(table[ids], ids, images, cfg.image_token_index), want)
+    close(gemma3.splice_images(table[ids], ids, images, cfg.image_token_index), want, TOL)
     assert gemma3.image_token_runs(ids[0].tolist(), cfg, n_images=2) == [(4, 20), (24, 40)]
 
 
@@ -163,7 +155,7 @@ def test_batch_invariant_mode_encodes_an_image_alike_in_any_batch(folders, kind)
     pix = _pixels(3, seed=11)
     alone = gemma3.encode_images(params, pix[1:2])
     assert mx.array_equal(gemma3.encode_images(params, pix)[1:2], alone)
-    _close(alone, gemma3.encode_images(load_vision(folders(kind), keep_quantized=True), pix[1:2]))
+    close(alone, gemma3.encode_images(load_vision(folders(kind), keep_quantized=True), pix[1:2]), TOL)
 
 
 def test_tower_refuses_pixels_of_the_wrong_shape(folders):

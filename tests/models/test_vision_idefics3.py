@@ -30,8 +30,12 @@ from fx_engine.testing.vision import IDEFICS3_IMAGE_ID as IMAGE_ID
 from fx_engine.testing.vision import IDEFICS3_PREPROCESSOR as PREPROCESSOR
 from fx_engine.testing.vision import IDEFICS3_VISION as VISION
 from fx_engine.testing.vision import write_tiny_idefics3
+from tests.models.vision_checks import close, greedy_tokens, load_mlx_vlm, messages, png
 
 TOL = 2e-4
+SIZE = (48, 40)  # the test images' (width, height) where a test names none
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     made: dict[str, Path] = {}
@@ -53,33 +57,10 @@ def model(folders):
 
 
 def _mlx_vlm(path: Path):
-    from mlx_vlm.utils import load_model
-
-    ref = load_model(Path(path))
+    ref = load_mlx_vlm(path)
     # mlx-vlm's post_layernorm has LayerNorm's default eps (1e-5); Hugging Face's the config's
     ref.vision_model.post_layernorm.eps = VISION["layer_norm_eps"]
     return ref
-
-
-def _close(ours, ref, tol=TOL) -> float:
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    diff = mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32)).max().item()
-    assert diff <= tol, f"max |diff| = {diff}"
-    return diff
-
-
-def _png(seed: int, size=(48, 40)) -> bytes:
-    import PIL.Image
-
-    arr = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    PIL.Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _messages(*images, text="what is in the picture?"):
-    parts = [img if isinstance(img, dict) else {"type": "image", "image": img} for img in images]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
 # ---------------------------------------------------------------- the encoder
@@ -96,7 +77,7 @@ def test_encoder_matches_mlx_vlm(folders, kind):
     want = ref.connector(feats)
     got = idefics3.encode_images(params, pix)
     assert got.shape == (3, 16, 64)
-    _close(got, want)
+    close(got, want, TOL)
     assert mx.array_equal(idefics3.encode_images_compiled(params, pix), got)
 
 
@@ -138,7 +119,7 @@ def test_tiles_match_transformers(flavour, split):
 
 def test_prompt_layout(model):
     assert image_placeholder(model) == "<image>"
-    ip = image_prompt(model, _messages(_png(1)))
+    ip = image_prompt(model, messages(png(1, SIZE)))
     cfg = model.vision.config
     # 48 x 40 -> 64 x 54 -> 64 x 64: 2 x 2 tiles and the global image, 16 tokens each
     assert len(ip.spans) == 5 and all(b - a == 16 for a, b in ip.spans)
@@ -165,7 +146,7 @@ def test_prompt_ids_match_transformers_processor(folders, kind):
     d.pop("image_processor_type")
     tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
     proc = Idefics3Processor(image_processor=Idefics3ImageProcessorPil(**d), tokenizer=tok, image_seq_len=16)
-    imgs = [PIL.Image.open(io.BytesIO(_png(2))), PIL.Image.open(io.BytesIO(_png(3, (30, 70))))]
+    imgs = [PIL.Image.open(io.BytesIO(png(2, SIZE))), PIL.Image.open(io.BytesIO(png(3, (30, 70))))]
     text = "<|im_start|>user\n<image>what is this? and <image> that<|im_end|>\n<|im_start|>assistant\n"
     want = proc(text=[text], images=[imgs])["input_ids"][0]
     ip = image_prompt_from_text(m, text, imgs)
@@ -186,8 +167,8 @@ def test_logits_match_mlx_vlm(folders, kind):
     path = folders(kind)
     m = fx_engine.load(str(path))
     ref = _mlx_vlm(path)
-    imgs = [PIL.Image.open(io.BytesIO(_png(4))), PIL.Image.open(io.BytesIO(_png(5, (70, 30))))]
-    ip = image_prompt(m, _messages(*[{"type": "image", "image": i} for i in imgs]))
+    imgs = [PIL.Image.open(io.BytesIO(png(4, SIZE))), PIL.Image.open(io.BytesIO(png(5, (70, 30))))]
+    ip = image_prompt(m, messages(*[{"type": "image", "image": i} for i in imgs]))
     tiles = np.concatenate([idefics3_tiles(im, m.image_processor)[0] for im in imgs])
     ids = mx.array([ip.ids], mx.int32)
     want = ref(ids, mx.array(tiles)[None]).logits[0]
@@ -196,7 +177,7 @@ def test_logits_match_mlx_vlm(folders, kind):
     img = ImageInput(rows=ip.rows, start=mx.array([0], mx.int32), token_index=m.vision.config.image_token_index,
                      bidirectional=False)
     got, _ = logits_step(m.params, cache, ids, n, images=img)
-    _close(got[0], want)
+    close(got[0], want, TOL)
     # in chunks at the spans' edges (each run whole): the rows before a chunk counted
     cache = m.new_cache(1, 512, headroom=256)
     out, pos, used = [], 0, 0
@@ -208,7 +189,7 @@ def test_logits_match_mlx_vlm(folders, kind):
         out.append(lg[0])
         used += piece.count(IMAGE_ID)
         pos = end
-    _close(mx.concatenate(out, axis=0), want)
+    close(mx.concatenate(out, axis=0), want, TOL)
 
 
 def test_without_images_the_llama_step_is_unchanged(model):
@@ -216,33 +197,26 @@ def test_without_images_the_llama_step_is_unchanged(model):
     a, _ = logits_step(model.params, model.new_cache(1, 16), ids, 4)
     img = ImageInput(rows=mx.zeros((16, 64)), start=mx.array([0], mx.int32), token_index=IMAGE_ID)
     b, _ = logits_step(model.params, model.new_cache(1, 16), ids, 4, images=img)  # no image token: same
-    _close(a, b, 0)
+    close(a, b, 0)
 
 
 # ---------------------------------------------------------------- generation
 
 
-def _greedy_mlx_vlm(folder, model, messages, n):
+def _greedy_mlx_vlm(folder, model, msgs, n):
     """Greedy decoding with mlx-vlm's whole forward, no cache (each step the whole sequence)."""
     import PIL.Image
 
     ref = _mlx_vlm(folder)
-    ip = image_prompt(model, messages)
-    imgs = [PIL.Image.open(io.BytesIO(p["image"])) for m in messages for p in m["content"] if p["type"] == "image"]
+    ip = image_prompt(model, msgs)
+    imgs = [PIL.Image.open(io.BytesIO(p["image"])) for m in msgs for p in m["content"] if p["type"] == "image"]
     tiles = mx.array(np.concatenate([idefics3_tiles(im, model.image_processor)[0] for im in imgs]))[None]
-    ids, out = list(ip.ids), []
-    for _ in range(n):
-        tok = int(mx.argmax(ref(mx.array([ids]), tiles).logits[0, -1]).item())
-        out.append(tok)
-        if tok in model.eos_ids:
-            break
-        ids.append(tok)
-    return ip.ids, out
+    return ip.ids, greedy_tokens(lambda ids: ref(ids, tiles).logits, ip.ids, n, model.eos_ids)
 
 
 @pytest.mark.oracle
 def test_generate_with_an_image_equals_mlx_vlm_greedy(folders, model):
-    msgs = _messages(_png(6), text="describe")
+    msgs = messages(png(6, SIZE), text="describe")
     done = fx_engine.generate(model, msgs, max_tokens=6)
     prompt, want = _greedy_mlx_vlm(folders("idefics3"), model, msgs, 6)
     assert len(want) == 6  # (no early end: six tokens compared)
@@ -258,8 +232,8 @@ def test_engine_batches_image_rows_with_text_rows(model):
     from fx_engine.engine.engine import Engine
     from fx_engine.engine.generate import reference_generate
 
-    prompts = [_messages(_png(7)), [{"role": "user", "content": "a plain text request"}],
-               _messages(_png(8), _png(9, (20, 90)), text="two of them")]
+    prompts = [messages(png(7, SIZE)), [{"role": "user", "content": "a plain text request"}],
+               messages(png(8, SIZE), png(9, (20, 90)), text="two of them")]
     solo = [reference_generate(model, p, max_tokens=5, prefill_chunk=32, logprobs=2) for p in prompts]
     for budget in (48, 256):
         with Engine(model, max_rows=3, prefill_chunk=32, step_token_budget=budget, prefix_cache_bytes=0) as engine:
@@ -279,7 +253,7 @@ def test_no_preprocessor_config_uses_the_processor_defaults(folders, tmp_path):
     (path / "preprocessor_config.json").unlink()
     m = fx_engine.load(str(path))
     assert not isinstance(m.image_processor, Idefics3ProcessorConfig)
-    ip = image_prompt(m, _messages(_png(1)))
+    ip = image_prompt(m, messages(png(1, SIZE)))
     # the defaults at the tower's 32-pixel tiles: longest edge 128, 48 x 40 -> 128 x 128: 4 x 4 tiles + global
     assert len(ip.spans) == 17
 
@@ -291,12 +265,12 @@ def test_engine_prefix_cache_and_encoder_cache(model):
     from fx_engine.engine.engine import Engine
     from fx_engine.engine.generate import reference_generate
 
-    first = _messages(_png(10), text="describe this picture in some detail please")
+    first = messages(png(10, SIZE), text="describe this picture in some detail please")
     with Engine(model, max_rows=2, prefill_chunk=32) as engine:
         a = engine.submit(first, max_tokens=4).result()
         turn = first + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "and more?"}]
         b = engine.submit(turn, max_tokens=4, logprobs=2).result()
-        other = _messages(_png(11), text="describe this picture in some detail please")
+        other = messages(png(11, SIZE), text="describe this picture in some detail please")
         c = engine.submit(other, max_tokens=4, logprobs=2).result()
         enc = engine.encoder_cache
     assert b.usage.cached_tokens > 80

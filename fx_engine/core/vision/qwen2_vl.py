@@ -334,13 +334,14 @@ def is_vision_tensor(name: str) -> bool:
     return name.startswith(TOWER_PREFIXES)
 
 
-def _prefix(src: TensorSource, where: str) -> str:
+def _prefix(src: TensorSource, where: str, prefixes: Sequence[str] = TOWER_PREFIXES) -> str:
+    """The first of `prefixes` under which the checkpoint holds the patch embedding."""
     probe = "patch_embed.proj.weight"
-    for p in TOWER_PREFIXES:
+    for p in prefixes:
         if src.has(p + probe):
             return p
     raise WeightsError(f"{where}: no vision tower tensors (looked for "
-                       f"{', '.join(repr(p + probe) for p in TOWER_PREFIXES)})")
+                       f"{', '.join(repr(p + probe) for p in prefixes)})")
 
 
 def _patch_weight(cfg: Qwen2VLConfig, src: TensorSource, name: str, where: str) -> mx.array:
@@ -381,42 +382,50 @@ def assemble(cfg: Qwen2VLConfig, src: TensorSource, opts: LoadOptions) -> Qwen2V
                          dtype=opts.dtype_name)
 
 
+def _spec(*shape: int, scale: float = 0.1, center: float = 0.0) -> TensorSpec:
+    return TensorSpec(tuple(shape), center=center, scale=scale)
+
+
+def _lin_specs(name: str, rows: int, cols: int) -> dict[str, TensorSpec]:
+    """A linear's weight [rows, cols] and bias, for tiny test models."""
+    return {name + ".weight": _spec(rows, cols, scale=0.15), name + ".bias": _spec(rows, scale=0.05)}
+
+
+def _patch_spec(cfg: Any) -> TensorSpec:
+    """The patch conv's weight in Hugging Face's layout [hidden, C, T, P, P]."""
+    return _spec(cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size,
+                 scale=0.15)
+
+
 def checkpoint_layout(cfg: Qwen2VLConfig) -> dict[str, TensorSpec]:
     """The tower's tensors under Hugging Face's names (`visual.`), for tiny test models."""
     h, f, o = cfg.hidden_size, cfg.intermediate_size, cfg.out_hidden_size
     m = h * cfg.merge_unit
     pre = TOWER_PREFIXES[0]
 
-    def S(*shape: int, scale: float = 0.1, center: float = 0.0) -> TensorSpec:
-        return TensorSpec(tuple(shape), center=center, scale=scale)
-
     def norm(name: str) -> dict[str, TensorSpec]:
-        out = {name + ".weight": S(h, center=1.0)}
+        out = {name + ".weight": _spec(h, center=1.0)}
         if cfg.v2:
-            out[name + ".bias"] = S(h, scale=0.05)
+            out[name + ".bias"] = _spec(h, scale=0.05)
         return out
 
-    def lin(name: str, rows: int, cols: int) -> dict[str, TensorSpec]:
-        return {name + ".weight": S(rows, cols, scale=0.15), name + ".bias": S(rows, scale=0.05)}
-
-    out = {pre + "patch_embed.proj.weight": S(h, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size,
-                                              cfg.patch_size, scale=0.15)}
+    out = {pre + "patch_embed.proj.weight": _patch_spec(cfg)}
     for i in range(cfg.depth):
         b = f"{pre}blocks.{i}."
         out.update(norm(b + "norm1"))
-        out.update(lin(b + "attn.qkv", 3 * h, h))
-        out.update(lin(b + "attn.proj", h, h))
+        out.update(_lin_specs(b + "attn.qkv", 3 * h, h))
+        out.update(_lin_specs(b + "attn.proj", h, h))
         out.update(norm(b + "norm2"))
         if cfg.v2:
-            out.update(lin(b + "mlp.fc1", f, h))
-            out.update(lin(b + "mlp.fc2", h, f))
+            out.update(_lin_specs(b + "mlp.fc1", f, h))
+            out.update(_lin_specs(b + "mlp.fc2", h, f))
         else:
-            out.update(lin(b + "mlp.gate_proj", f, h))
-            out.update(lin(b + "mlp.up_proj", f, h))
-            out.update(lin(b + "mlp.down_proj", h, f))
+            out.update(_lin_specs(b + "mlp.gate_proj", f, h))
+            out.update(_lin_specs(b + "mlp.up_proj", f, h))
+            out.update(_lin_specs(b + "mlp.down_proj", h, f))
     out.update(norm(pre + "merger.ln_q"))
-    out.update(lin(pre + "merger.mlp.0", m, m))
-    out.update(lin(pre + "merger.mlp.2", o, m))
+    out.update(_lin_specs(pre + "merger.mlp.0", m, m))
+    out.update(_lin_specs(pre + "merger.mlp.2", o, m))
     return out
 
 
@@ -494,6 +503,11 @@ def _segments(lengths: Sequence[int]) -> _Segments:
     return _Segments(gather, valid, scatter)
 
 
+def _frame_segments(grids: Sequence[tuple[int, int, int]]) -> _Segments:
+    """Full attention's segments: one per frame of each image."""
+    return _segments([h * w for t, h, w in grids for _ in range(t)])
+
+
 @attrs.frozen
 class Geometry:
     """What the forward needs from grid_thw, computed once (numpy, static for a compile):
@@ -521,9 +535,8 @@ def geometry(grid_thw: Any, cfg: Qwen2VLConfig) -> Geometry:
         merged_order, win_lens = _window_index(grids, cfg)
         win_lens = [ln * unit for ln in win_lens]
     order = (merged_order[:, None] * unit + np.arange(unit)[None]).reshape(-1)
-    frame_lens = [h * w for t, h, w in grids for _ in range(t)]
     return Geometry(grids=grids, order=order, restore=np.argsort(merged_order), rows_cols=pos[order],
-                    windows=_segments(win_lens), frames=_segments(frame_lens))
+                    windows=_segments(win_lens), frames=_frame_segments(grids))
 
 
 # ---------------------------------------------------------------- forward
@@ -538,6 +551,23 @@ def _rope(rows_cols: np.ndarray, head_dim: int) -> tuple[mx.array, mx.array]:
     freqs = (rc[:, :, None] * inv[None, None]).reshape(rc.shape[0], -1)  # [N, dim]: rows' | cols'
     emb = mx.concatenate([freqs, freqs], axis=-1)
     return mx.cos(emb), mx.sin(emb)
+
+
+def _embed_patches(p: Any, patches: mx.array, grids: Sequence[tuple[int, int, int]], family: str) -> mx.array:
+    """The patch embedding [N, hidden] (in the params' dtype, the processor's order) of
+    patches [N, C*T*P*P], their count checked against the grids; `p`: a Qwen2-VL or
+    Qwen3-VL tower's params, `family` names it in the error."""
+    cfg = p.config
+    n = int(sum(t * h * w for t, h, w in grids))
+    if patches.ndim != 2 or tuple(patches.shape) != (n, cfg.patch_features):
+        raise ValueError(f"{family}: patches must be [{n}, {cfg.patch_features}] (sum of t*h*w over grid_thw, "
+                         f"C*T*P*P), got {list(patches.shape)}")
+    return linear(patches.astype(getattr(mx, p.dtype)), p.patch, p.numerics)
+
+
+def _segment_arrays(sg: _Segments) -> tuple[mx.array, mx.array, mx.array]:
+    """Segments as `_attention` takes them: gather [S, L], the valid mask [S, 1, 1, L], scatter [N]."""
+    return mx.array(sg.gather), mx.array(sg.valid)[:, None, None, :], mx.array(sg.scatter)
 
 
 def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -589,17 +619,11 @@ def forward(p: Qwen2VLParams, patches: Float[mx.array, "N F"], geo: Geometry) ->
     """The tower on patches [N, C*T*P*P] (processor order) with a precomputed Geometry:
     [N / m^2, out_hidden_size] in the processor's order, in the params' dtype."""
     cfg, num = p.config, p.numerics
-    n = int(sum(t * h * w for t, h, w in geo.grids))
-    if patches.ndim != 2 or tuple(patches.shape) != (n, cfg.patch_features):
-        raise ValueError(f"Qwen2-VL: patches must be [{n}, {cfg.patch_features}] (sum of t*h*w over grid_thw, "
-                         f"C*T*P*P), got {list(patches.shape)}")
-    dt = getattr(mx, p.dtype)
-    x = linear(patches.astype(dt), p.patch, num)[mx.array(geo.order)]
+    x = _embed_patches(p, patches, geo.grids, "Qwen2-VL")[mx.array(geo.order)]
+    n = x.shape[0]
     cos, sin = _rope(geo.rows_cols, cfg.head_dim)
     full = set(cfg.fullatt_block_indexes)
-    frames, windows = (
-        (mx.array(sg.gather), mx.array(sg.valid)[:, None, None, :], mx.array(sg.scatter))
-        for sg in (geo.frames, geo.windows))
+    frames, windows = _segment_arrays(geo.frames), _segment_arrays(geo.windows)
     for i, lp in enumerate(p.layers):
         seg = frames if i in full else windows
         x = x + _attention(_norm(x, lp.norm1, cfg.v2), lp, cfg, num, cos, sin, seg)

@@ -62,15 +62,15 @@ import mlx.core as mx
 import numpy as np
 from jaxtyping import Float
 
-from fx_engine.core.checkpoint import (Lin, LoadOptions, Norm, Reader, TensorSource, TensorSpec, WeightsError,
-                                       read_tensors)
+from fx_engine.core.checkpoint import Lin, LoadOptions, Norm, Reader, TensorSource, TensorSpec, read_tensors
 from fx_engine.core.config import ConfigError, Field, read_fields
 from fx_engine.core.nn import Linear, Numerics, embed, gelu, gelu_tanh, layer_norm, linear
 from fx_engine.core.tree import CompiledFunction, static_field
 from fx_engine.core.vision import qwen2_vl
-from fx_engine.core.vision.qwen2_vl import (PLACEHOLDER, Qwen2VLLayer, _attention, _grids, _patch_weight,  # noqa: F401
-                                            _positions, _rope, _segments, image_token_runs, rope_offsets,
-                                            rope_positions)
+from fx_engine.core.vision.qwen2_vl import (PLACEHOLDER, Qwen2VLLayer, _attention, _embed_patches,  # noqa: F401
+                                            _frame_segments, _Grid, _grids, _lin_specs, _patch_spec,
+                                            _patch_weight, _positions, _rope, _segment_arrays, _spec,
+                                            image_token_runs, rope_offsets, rope_positions)
 
 #: multimodal config.json model_types this module reads
 MODEL_TYPES = ("qwen3_vl",)
@@ -210,18 +210,9 @@ def is_vision_tensor(name: str) -> bool:
     return name.startswith(TOWER_PREFIXES)
 
 
-def _prefix(src: TensorSource, where: str) -> str:
-    probe = "patch_embed.proj.weight"
-    for p in TOWER_PREFIXES:
-        if src.has(p + probe):
-            return p
-    raise WeightsError(f"{where}: no vision tower tensors (looked for "
-                       f"{', '.join(repr(p + probe) for p in TOWER_PREFIXES)})")
-
-
 def assemble(cfg: Qwen3VLConfig, src: TensorSource, opts: LoadOptions) -> Qwen3VLParams:
     """The tower's params from a checkpoint's tensors (any prefix of TOWER_PREFIXES)."""
-    pre = _prefix(src, opts.where)
+    pre = qwen2_vl._prefix(src, opts.where, TOWER_PREFIXES)
     rd = Reader(src, opts)
     w = _patch_weight(cfg, src, pre + "patch_embed.proj.weight", opts.where)
     patch = rd.finish(Linear(weight=w, bias=rd.vec(pre + "patch_embed.proj.bias", cfg.hidden_size)))
@@ -244,32 +235,25 @@ def checkpoint_layout(cfg: Qwen3VLConfig) -> dict[str, TensorSpec]:
     m = h * cfg.merge_unit
     pre = TOWER_PREFIXES[0]
 
-    def S(*shape: int, scale: float = 0.1, center: float = 0.0) -> TensorSpec:
-        return TensorSpec(tuple(shape), center=center, scale=scale)
-
     def norm(name: str, n: int = h) -> dict[str, TensorSpec]:
-        return {name + ".weight": S(n, center=1.0), name + ".bias": S(n, scale=0.05)}
+        return {name + ".weight": _spec(n, center=1.0), name + ".bias": _spec(n, scale=0.05)}
 
-    def lin(name: str, rows: int, cols: int) -> dict[str, TensorSpec]:
-        return {name + ".weight": S(rows, cols, scale=0.15), name + ".bias": S(rows, scale=0.05)}
-
-    out = {pre + "patch_embed.proj.weight": S(h, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size,
-                                              cfg.patch_size, scale=0.15),
-           pre + "patch_embed.proj.bias": S(h, scale=0.05),
-           pre + "pos_embed.weight": S(cfg.num_position_embeddings, h, scale=0.3)}
+    out = {pre + "patch_embed.proj.weight": _patch_spec(cfg),
+           pre + "patch_embed.proj.bias": _spec(h, scale=0.05),
+           pre + "pos_embed.weight": _spec(cfg.num_position_embeddings, h, scale=0.3)}
     for i in range(cfg.depth):
         b = f"{pre}blocks.{i}."
         out.update(norm(b + "norm1"))
-        out.update(lin(b + "attn.qkv", 3 * h, h))
-        out.update(lin(b + "attn.proj", h, h))
+        out.update(_lin_specs(b + "attn.qkv", 3 * h, h))
+        out.update(_lin_specs(b + "attn.proj", h, h))
         out.update(norm(b + "norm2"))
-        out.update(lin(b + "mlp.linear_fc1", f, h))
-        out.update(lin(b + "mlp.linear_fc2", h, f))
+        out.update(_lin_specs(b + "mlp.linear_fc1", f, h))
+        out.update(_lin_specs(b + "mlp.linear_fc2", h, f))
     for base, n in ([(pre + "merger.", h)] +
                     [(f"{pre}deepstack_merger_list.{j}.", m) for j in range(len(cfg.deepstack_visual_indexes))]):
         out.update(norm(base + "norm", n))
-        out.update(lin(base + "linear_fc1", m, m))
-        out.update(lin(base + "linear_fc2", o, m))
+        out.update(_lin_specs(base + "linear_fc1", m, m))
+        out.update(_lin_specs(base + "linear_fc2", o, m))
     return out
 
 
@@ -312,7 +296,7 @@ def geometry(grid_thw: Any, cfg: Qwen3VLConfig) -> Geometry:
     heights = np.concatenate([np.full(t * h * w, h) for t, h, w in grids])
     widths = np.concatenate([np.full(t * h * w, w) for t, h, w in grids])
     index, weight = _interpolation(pos, heights, widths, cfg.grid_side)
-    frames = _segments([h * w for t, h, w in grids for _ in range(t)])
+    frames = _frame_segments(grids)
     return Geometry(grids=grids, rows_cols=pos, pos_index=index, pos_weight=weight, frames=frames)
 
 
@@ -334,17 +318,12 @@ def forward(p: Qwen3VLParams, patches: Float[mx.array, "N F"], geo: Geometry) ->
     """The tower on patches [N, C*T*P*P] (processor order) with a precomputed Geometry:
     (rows [N / m^2, out], deepstack [L, N / m^2, out]) in the params' dtype."""
     cfg, num = p.config, p.numerics
-    n = int(sum(t * h * w for t, h, w in geo.grids))
-    if patches.ndim != 2 or tuple(patches.shape) != (n, cfg.patch_features):
-        raise ValueError(f"Qwen3-VL: patches must be [{n}, {cfg.patch_features}] (sum of t*h*w over grid_thw, "
-                         f"C*T*P*P), got {list(patches.shape)}")
     dt = getattr(mx, p.dtype)
-    x = linear(patches.astype(dt), p.patch, num)
+    x = _embed_patches(p, patches, geo.grids, "Qwen3-VL")
     taps = embed(mx.array(geo.pos_index), p.pos_embed).astype(dt) * mx.array(geo.pos_weight).astype(dt)[:, :, None]
     x = x + (taps[0] + taps[1] + taps[2] + taps[3])
     cos, sin = _rope(geo.rows_cols, cfg.head_dim)
-    sg = geo.frames
-    seg = (mx.array(sg.gather), mx.array(sg.valid)[:, None, None, :], mx.array(sg.scatter))
+    seg = _segment_arrays(geo.frames)
     deep = []
     for i, lp in enumerate(p.layers):
         x = x + _attention(layer_norm(x, *lp.norm1, EPS), lp, cfg, num, cos, sin, seg)
@@ -363,11 +342,6 @@ def encode_images(p: Qwen3VLParams, patches: Float[mx.array, "N F"], grid_thw: A
     returns them) -> (their token embeddings [M, out], their DeepStack features
     [L, M, out]), image after image."""
     return forward(p, patches, geometry(grid_thw, p.config))
-
-
-@attrs.frozen
-class _Grid:
-    grids: tuple[tuple[int, int, int], ...] = static_field()
 
 
 def _encode_static(p: Qwen3VLParams, patches: mx.array, grid: _Grid) -> tuple[mx.array, mx.array]:
