@@ -295,7 +295,7 @@ class Engine:
                                "rank 0; call engine.follow() here")
         image = None
         if isinstance(prompt, ImagePrompt) or has_images(prompt):  # encoded once for the n choices
-            image = self._image_prompt(prompt, kwargs_list)
+            image = self._image_prompt(prompt)
             prompt = image.ids
         made = []
         for kw in kwargs_list:
@@ -430,9 +430,9 @@ class Engine:
         """A lockstep request's arguments with its draft model as a lockstep.DraftRef."""
         return draft_ref(self._drafts, kw)
 
-    def _image_prompt(self, messages: Any, kwargs_list: Sequence[dict[str, Any]]) -> ImagePrompt:
+    def _image_prompt(self, messages: Any) -> ImagePrompt:
         """Chat messages with images: their prompt and image rows (image_prompt.engine_image_prompt)."""
-        return engine_image_prompt(self.model, messages, kwargs_list, sharded=self._ranks is not None,
+        return engine_image_prompt(self.model, messages, sharded=self._ranks is not None,
                                    prefill_chunk=self.prefill_chunk, step_token_budget=self.step_token_budget,
                                    max_rows=self.max_rows, cache=self.encoder_cache)
 

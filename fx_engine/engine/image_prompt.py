@@ -689,11 +689,11 @@ def _mrope_model(model: Any) -> bool:
             or bool(getattr(model.config, "mrope_section", ())))
 
 
-def engine_image_prompt(model: Any, messages: Any, kwargs_list: Sequence[dict[str, Any]], *, sharded: bool,
+def engine_image_prompt(model: Any, messages: Any, *, sharded: bool,
                         prefill_chunk: int, step_token_budget: int, max_rows: int,
                         cache: EncoderCache | None) -> ImagePrompt:
     """An Engine's image request: its prompt and image rows (`image_prompt`, or an
-    `ImagePrompt` the caller made), after the refusals of what does not take images yet and
+    `ImagePrompt` the caller made), after the refusals of a sharded engine (no images yet) and
     of a hand-made ImagePrompt without what its model reads (Qwen3-VL's DeepStack rows,
     Qwen-VL's M-RoPE offsets), and the check that a whole image fits one prefill piece of
     this engine."""
@@ -701,13 +701,9 @@ def engine_image_prompt(model: Any, messages: Any, kwargs_list: Sequence[dict[st
 
     if sharded:
         raise ValueError("images: a sharded (tensor / pipeline parallel) engine does not take images yet")
-    for kw in kwargs_list:  # (prompt_logprobs and max_tokens=0 score through score_step with the rows)
-        drafter = kw.get("draft_model")
-        if drafter == "mtp" or getattr(drafter, "capture", None) is not None:
-            # (prompt lookup and draft models draft image rows; a learned head reads the
-            # target's hidden states, which a step with images does not capture yet)
-            raise ValueError("draft_model: a drafter fed the target's hidden states (EAGLE-3, MTP) is not "
-                             "supported with images yet (prompt_lookup and draft models are)")
+    # (prompt_logprobs and max_tokens=0 score through score_step with the image rows; every
+    # drafter composes: learned heads read the states the prefill steps capture with the
+    # rows spliced in, and embed the prompt's ids, image placeholders included)
     if isinstance(messages, ImagePrompt):
         image = messages
         if model.vision is None:

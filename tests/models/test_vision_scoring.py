@@ -12,7 +12,6 @@ Tolerance: float32 logits of magnitude ~1 from identical weights, 2e-4.
 from __future__ import annotations
 
 import io
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -21,24 +20,11 @@ import pytest
 import fx_engine
 from fx_engine.core.steps import logits_step
 from fx_engine.engine.engine import Engine
-from fx_engine.engine.image_prompt import image_prompt, step_images
+from fx_engine.engine.image_prompt import image_prompt
 from fx_engine.testing.vision import write_tiny_gemma3_vlm, write_tiny_idefics3, write_tiny_qwen2_vl
+from tests.models.vision_checks import load_mlx_vlm, messages, png, qwen_pixels, two_images, whole_images
 
 TOL = 2e-4
-
-
-def _png(seed: int, size=(48, 40)) -> bytes:
-    import PIL.Image
-
-    arr = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    PIL.Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _messages(*pngs: bytes, text: str = "what is in the picture?") -> list[dict]:
-    parts = [{"type": "image", "image": p} for p in pngs]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
 def _log_softmax(logits: mx.array) -> np.ndarray:
@@ -84,16 +70,15 @@ def gemma3(tmp_path_factory):
 @pytest.mark.parametrize("max_tokens", [0, 3])
 def test_idefics3_prompt_logprobs_match_mlx_vlm(idefics3, max_tokens):
     import PIL.Image
-    from mlx_vlm.utils import load_model
 
     from fx_engine.loading.images import idefics3_tiles
     from fx_engine.testing.vision import IDEFICS3_VISION
 
     path, model = idefics3
-    pngs = [_png(4), _png(5, (70, 30))]
-    msgs = _messages(*pngs)
+    pngs = [png(4, (48, 40)), png(5, (70, 30))]
+    msgs = messages(*pngs)
     ip = image_prompt(model, msgs)
-    ref = load_model(Path(path))
+    ref = load_mlx_vlm(path)
     ref.vision_model.post_layernorm.eps = IDEFICS3_VISION["layer_norm_eps"]
     tiles = np.concatenate([idefics3_tiles(PIL.Image.open(io.BytesIO(p)), model.image_processor)[0] for p in pngs])
     lsm = _log_softmax(ref(mx.array([ip.ids], mx.int32), mx.array(tiles)[None]).logits[0])
@@ -115,22 +100,11 @@ def test_idefics3_prompt_logprobs_match_mlx_vlm(idefics3, max_tokens):
 def test_qwen2_5_vl_prompt_logprobs_match_mlx_vlm(qwen):
     """M-RoPE positions through the score calls (the prompt's ids stored shifted by its rope
     delta, pieces starting inside an image)."""
-    import PIL.Image
-    from mlx_vlm.utils import load_model
-
-    from fx_engine.loading.images_qwen2_vl import preprocess
-
     path, model = qwen
-    pngs = [_png(4, (40, 30)), _png(5, (24, 56))]
-    msgs = [{"role": "user", "content": [
-        {"type": "text", "text": "compare"}, {"type": "image", "image": pngs[0]},
-        {"type": "text", "text": "with this one"}, {"type": "image", "image": pngs[1]},
-        {"type": "text", "text": "what differs?"}]}]
+    msgs = two_images()
     ip = image_prompt(model, msgs)
-    patches, grid = preprocess([PIL.Image.open(io.BytesIO(p)) for p in pngs], model.image_processor)
-    ref = load_model(Path(path))
-    lsm = _log_softmax(ref(mx.array([ip.ids], mx.int32), mx.array(patches),
-                           image_grid_thw=mx.array(grid)).logits[0])
+    patches, grid = qwen_pixels(model, msgs)
+    lsm = _log_softmax(load_mlx_vlm(path)(mx.array([ip.ids], mx.int32), patches, image_grid_thw=grid).logits[0])
     for chunk in (16, 512):
         scored = fx_engine.generate(model, msgs, prompt_logprobs=2, max_tokens=0, prefill_chunk=chunk)
         _check(scored, ip.ids, lsm, 2)
@@ -140,11 +114,10 @@ def test_gemma3_prompt_logprobs_match_the_whole_prompt_step(gemma3):
     """Gemma 3's images stay whole in every piece (bidirectional within an image); the text
     around them is cut at the piece size."""
     _, model = gemma3
-    msgs = _messages(_png(6, (40, 40)), text="describe the picture in a few words please")
+    msgs = messages(png(6, (40, 40)), text="describe the picture in a few words please")
     ip = image_prompt(model, msgs)
     run = max(b - a for a, b in ip.spans)
-    holder = type("R", (), {"image": ip})()
-    img = step_images([(holder, 0, len(ip.ids))], model.vision.config.image_token_index)
+    img = whole_images(ip, model)
     got, _ = logits_step(model.params, model.new_cache(1, 512, headroom=256), mx.array([ip.ids], mx.int32),
                          len(ip.ids), images=img)
     lsm = _log_softmax(got[0])
@@ -158,9 +131,9 @@ def test_scoring_image_rows_batch_with_text_rows_and_fill_the_prefix_cache(idefi
     request: each equals its solo run; the scored prompt's KV is kept, so a follow-up turn
     on the same image starts from it."""
     _, model = idefics3
-    first = _messages(_png(8), text="remember this picture")
+    first = messages(png(8, (48, 40)), text="remember this picture")
     text = [{"role": "user", "content": "a plain text request"}]
-    other = _messages(_png(9, (30, 60)))
+    other = messages(png(9, (30, 60)))
     solo = [fx_engine.generate(model, first, prompt_logprobs=1, max_tokens=0, prefill_chunk=32),
             fx_engine.generate(model, text, prompt_logprobs=1, max_tokens=2, prefill_chunk=32, temperature=0),
             fx_engine.generate(model, other, max_tokens=3, prefill_chunk=32, temperature=0)]
@@ -189,4 +162,4 @@ def test_the_reference_loop_still_refuses_scoring_images(idefics3):
 
     _, model = idefics3
     with pytest.raises(ValueError, match="prompt_logprobs is not supported with images"):
-        reference_generate(model, _messages(_png(1)), prompt_logprobs=1)
+        reference_generate(model, messages(png(1, (48, 40))), prompt_logprobs=1)

@@ -157,19 +157,20 @@ def forward(params: Any, cache: Any, tokens: Any, n_valid: Any, span: int | None
     from the same forward. A family whose forward does not go through
     `skeleton.decoder_step` refuses capture (CaptureError naming its model type).
     images: a `vision.splice.ImageInput` (the step's image rows; Gemma 3 text models and the
-    Llama family's (Idefics3 / SmolVLM), without capture); None: text only."""
+    Llama family's: Idefics3 / SmolVLM, Qwen-VL, Mistral 3); None: text only. With both, the
+    captured states are those of the forward with the image rows spliced in."""
     family = family_of(params)
+    kw = {}
     if images is not None:
-        if family.name not in ("gemma", "llama") or capture is not None:
+        if family.name not in ("gemma", "llama"):
             kind = getattr(params.config, "model_type", family.name)
-            raise ValueError(f"images: {kind} models take no image rows" if capture is None else
-                             "images: a step with images does not capture hidden states")
-        return family.forward(params, cache, tokens, n_valid, span, images=images)
+            raise ValueError(f"images: {kind} models take no image rows")
+        kw = {"images": images}
     if capture is None:
-        return family.forward(params, cache, tokens, n_valid, span)
+        return family.forward(params, cache, tokens, n_valid, span, **kw)
     if not isinstance(capture, Capture):
         raise TypeError(f"capture must be a fx_engine.core.models.skeleton.Capture, got {type(capture).__name__}")
-    out = family.forward(params, tree_replace(cache, capture=capture), tokens, n_valid, span)
+    out = family.forward(params, tree_replace(cache, capture=capture), tokens, n_valid, span, **kw)
     if len(out) != 3:
         kind = getattr(params.config, "model_type", family.name)
         raise CaptureError(f"capturing hidden states is not supported for {kind} models (the {family.name} "
