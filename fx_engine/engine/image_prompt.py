@@ -302,6 +302,38 @@ def _encode(vision: Any, pixels: Sequence[np.ndarray], digests: Sequence[str], c
     return rows
 
 
+def _placeholder_pieces(text: str, placeholder: str, n_images: int) -> list[str]:
+    """The rendered prompt's text around its image placeholders (n_images + 1 pieces), or
+    ImageError when it has another number of them."""
+    pieces = text.split(placeholder)
+    if len(pieces) - 1 != n_images:
+        raise ImageError(f"the rendered prompt has {len(pieces) - 1} {placeholder} placeholder(s) for "
+                         f"{n_images} image(s) (does a text part contain the placeholder?)")
+    return pieces
+
+
+def _text_ids(tok: Any, piece: str) -> list[int]:
+    """A text piece between image runs, tokenized on its own (no special tokens added)."""
+    return list(tok.encode(piece, add_special_tokens=False)) if piece else []
+
+
+def _encode_each(inputs: Sequence[Any], digests: Sequence[str], cache: EncoderCache | None,
+                 encode_one: Any) -> list[mx.array]:
+    """Each image's encoding, evaluated: taken from `cache` by its digest, else
+    `encode_one(input)` alone (one compiled trace per image size: an image encodes alike
+    alone or with others) and cached."""
+    have = []
+    for item, digest in zip(inputs, digests):
+        rows = cache.get(digest) if cache is not None else None
+        if rows is None:
+            rows = mx.contiguous(encode_one(item))
+            mx.eval(rows)
+            if cache is not None:
+                cache.put(digest, rows)
+        have.append(rows)
+    return have
+
+
 def image_prompt(model: Any, messages: Sequence[dict[str, Any]], *, max_images: int = MAX_IMAGES,
                  max_pixels: int = MAX_PIXELS, chat_template: str | None = None,
                  cache: EncoderCache | None = None) -> ImagePrompt:
@@ -338,7 +370,7 @@ def _vision_of(model: Any) -> Any:
         kind = getattr(model.config, "model_type", "this")
         path = str(getattr(model, "path", "") or "")
         hint = ("a GGUF file holds the text model only: load its mmproj file too (load(..., mmproj=FILE), "
-                "--mmproj FILE; Gemma 3)" if path.lower().endswith(".gguf") else
+                "--mmproj FILE; Gemma 3, Idefics3 / SmolVLM, Mistral 3)" if path.lower().endswith(".gguf") else
                 "a text-only model; use a multimodal checkpoint: a Gemma 3, Idefics3, SmolVLM, Qwen2-VL, "
                 "Qwen2.5-VL, Qwen3-VL or Mistral 3 folder with vision_config")
         raise ImageError(f"images were given, but {kind} model {path} has no vision tower ({hint})")
@@ -374,10 +406,7 @@ def image_prompt_from_text(model: Any, text: str, images: Sequence[Any], *,
     if cfg.model_type != "gemma3":
         return _idefics3_prompt(model, vision, text, images, cache)
     tok = model.tokenizer
-    pieces = text.split(BOI_TEXT)
-    if len(pieces) - 1 != len(images):
-        raise ImageError(f"the rendered prompt has {len(pieces) - 1} {BOI_TEXT} placeholder(s) for {len(images)} "
-                         "image(s) (does a text part contain the placeholder?)")
+    pieces = _placeholder_pieces(text, BOI_TEXT, len(images))
     run = [cfg.boi_token_index] + [cfg.image_token_index] * cfg.mm_tokens_per_image + [cfg.eoi_token_index]
     # each image: the image, then its pan-and-scan crops (none unless the folder turns it on)
     pixels = [preprocess_crops(im, model.image_processor, f"image {i}") for i, im in enumerate(images)]
@@ -424,20 +453,13 @@ def _idefics3_prompt(model: Any, vision: Any, text: str, images: list[Any], cach
     if not isinstance(rules, Idefics3ProcessorConfig):  # a folder without preprocessor_config.json
         rules = Idefics3ProcessorConfig(longest_edge=4 * cfg.image_size, max_image_size=cfg.image_size)
     tok = model.tokenizer
-    pieces = text.split(idefics3.PLACEHOLDER)
-    if len(pieces) - 1 != len(images):
-        raise ImageError(f"the rendered prompt has {len(pieces) - 1} {idefics3.PLACEHOLDER} placeholder(s) for "
-                         f"{len(images)} image(s) (does a text part contain the placeholder?)")
+    pieces = _placeholder_pieces(text, idefics3.PLACEHOLDER, len(images))
     tiled = [idefics3_tiles(im, rules, f"image {i}") for i, im in enumerate(images)]
-
-    def encoded(piece: str) -> list[int]:
-        return list(tok.encode(piece, add_special_tokens=False)) if piece else []
-
-    ids = encoded(pieces[0])
+    ids = _text_ids(tok, pieces[0])
     for (tiles, rows, cols), piece in zip(tiled, pieces[1:]):
         for seg in idefics3.prompt_segments(cfg, rows, cols):
-            ids += encoded(seg) if isinstance(seg, str) else [cfg.image_token_index] * seg
-        ids += encoded(piece)
+            ids += _text_ids(tok, seg) if isinstance(seg, str) else [cfg.image_token_index] * seg
+        ids += _text_ids(tok, piece)
     try:
         spans = idefics3.image_token_runs(ids, cfg, [t.shape[0] for t, _, _ in tiled])
     except ValueError as e:  # e.g. an <image> token written in a text part
@@ -468,20 +490,13 @@ def _qwen2_vl_prompt(model: Any, vision: Any, text: str, images: list[Any], cach
         rules = Qwen2VLProcessorConfig(patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
                                        merge_size=cfg.spatial_merge_size)
     tok = model.tokenizer
-    pieces = text.split(qwen2_vl.PLACEHOLDER)
-    if len(pieces) - 1 != len(images):
-        raise ImageError(f"the rendered prompt has {len(pieces) - 1} {qwen2_vl.PLACEHOLDER} placeholder(s) for "
-                         f"{len(images)} image(s) (does a text part contain the placeholder?)")
+    pieces = _placeholder_pieces(text, qwen2_vl.PLACEHOLDER, len(images))
     done = [preprocess_one(im, rules, f"image {i}") for i, im in enumerate(images)]
     grids = [g for _, g in done]
-
-    def encoded(piece: str) -> list[int]:
-        return list(tok.encode(piece, add_special_tokens=False)) if piece else []
-
-    ids = encoded(pieces[0])
+    ids = _text_ids(tok, pieces[0])
     for g, piece in zip(grids, pieces[1:]):
         ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * cfg.image_tokens(g) + [cfg.vision_end_token_id]
-        ids += encoded(piece)
+        ids += _text_ids(tok, piece)
     try:
         spans = qwen2_vl.image_token_runs(ids, cfg, grids)
     except ValueError as e:  # e.g. an <|image_pad|> token written in a text part
@@ -501,18 +516,15 @@ def _encode_qwen2_vl(vision: Any, done: Sequence[tuple[np.ndarray, tuple]], dige
     image encodes alike alone or with others) or taken from `cache` (Qwen3-VL's cached as
     one [1 + L, tokens, H] array)."""
     encode = _vision_module(vision).encode_images_compiled
-    have = []
-    for (patches, grid), digest in zip(done, digests):
-        rows = cache.get(digest) if cache is not None else None
-        if rows is None:
-            out = encode(vision, mx.array(patches), [grid])
-            if isinstance(out, tuple):  # Qwen3-VL: (rows, deepstack)
-                out = mx.concatenate([out[0][None], out[1]], axis=0)
-            rows = mx.contiguous(out)
-            mx.eval(rows)
-            if cache is not None:
-                cache.put(digest, rows)
-        have.append(rows)
+
+    def one(item: tuple[np.ndarray, tuple]) -> mx.array:
+        patches, grid = item
+        out = encode(vision, mx.array(patches), [grid])
+        if isinstance(out, tuple):  # Qwen3-VL: (rows, deepstack)
+            out = mx.concatenate([out[0][None], out[1]], axis=0)
+        return out
+
+    have = _encode_each(done, digests, cache, one)
     axis = 1 if have[0].ndim == 3 else 0
     rows = mx.concatenate(have, axis=axis) if len(have) > 1 else have[0]
     mx.eval(rows)  # (the engine's thread reads them)
@@ -546,38 +558,24 @@ def _pixtral_prompt(model: Any, vision: Any, text: str, images: list[Any], cache
         rules = PixtralProcessorConfig(longest_edge=cfg.image_size, patch_size=cfg.patch_size,
                                        merge_size=cfg.spatial_merge_size)
     tok = model.tokenizer
-    pieces = text.split(pixtral.PLACEHOLDER)
-    if len(pieces) - 1 != len(images):
-        raise ImageError(f"the rendered prompt has {len(pieces) - 1} {pixtral.PLACEHOLDER} placeholder(s) for "
-                         f"{len(images)} image(s) (does a text part contain the placeholder?)")
+    pieces = _placeholder_pieces(text, pixtral.PLACEHOLDER, len(images))
     if _special_id(tok, pixtral.PLACEHOLDER) != cfg.image_token_index:
         raise ImageError(f"the tokenizer's {pixtral.PLACEHOLDER} is not config.json's image_token_index "
                          f"({cfg.image_token_index})")
     brk, end = _special_id(tok, pixtral.BREAK_TEXT), _special_id(tok, pixtral.END_TEXT)
     pixels = [preprocess_one(im, rules, f"image {i}") for i, im in enumerate(images)]
     grids = [cfg.token_grid(p.shape[1], p.shape[2]) for p in pixels]
-
-    def encoded(piece: str) -> list[int]:
-        return list(tok.encode(piece, add_special_tokens=False)) if piece else []
-
-    ids = encoded(pieces[0])
+    ids = _text_ids(tok, pieces[0])
     for (r, c), piece in zip(grids, pieces[1:]):
-        ids += pixtral.prompt_ids(cfg, r, c, brk, end) + encoded(piece)
+        ids += pixtral.prompt_ids(cfg, r, c, brk, end) + _text_ids(tok, piece)
     try:
         spans = pixtral.image_token_runs(ids, cfg, grids)
     except ValueError as e:  # e.g. an [IMG] token written in a text part
         raise ImageError(str(e)) from e
     digests = tuple(hashlib.sha256(np.ascontiguousarray(p).tobytes() + repr(p.shape).encode()).hexdigest()
                     for p in pixels)
-    have = []
-    for p, digest in zip(pixels, digests):
-        rows = cache.get(digest) if cache is not None else None
-        if rows is None:  # (one compiled trace per image size)
-            rows = mx.contiguous(pixtral.encode_images_compiled(vision, mx.array(p[None]))[0])
-            mx.eval(rows)
-            if cache is not None:
-                cache.put(digest, rows)
-        have.append(rows)
+    have = _encode_each(pixels, digests, cache,
+                        lambda p: pixtral.encode_images_compiled(vision, mx.array(p[None]))[0])
     rows = mx.concatenate(have, axis=0) if len(have) > 1 else have[0]
     mx.eval(rows)  # (the engine's thread reads them)
     return ImagePrompt(ids, rows, spans, digests, tuple(r * c for r, c in grids))

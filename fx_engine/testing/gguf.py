@@ -9,6 +9,13 @@ text_config and language_model.* tensors) as llama.cpp's Gemma2Model / Gemma3Mod
 it: its gemma2.* / gemma3.* keys (Gemma 2's soft-capping values), tensor names, every norm
 weight + 1 (stored as the scale itself), q/k/v and gate/up/down unfused and unpermuted
 (Gemma rotates halves), with the folder's vocabulary and chat template.
+`write_llama_gguf`: a Llama text model (a text-only folder, or an Idefics3 / SmolVLM or
+Mistral 3 folder's text_config and text model tensors) as llama.cpp's LlamaModel writes it:
+llama.* keys, gguf-py's tensor names, the q/k rows permuted for interleaved RoPE.
+`write_qwen2vl_gguf` / `write_qwen3vl_gguf`: a Qwen2(.5)-VL / Qwen3-VL folder's text model
+as its Qwen2VLModel / Qwen3VLTextModel writes it (architecture qwen2vl / qwen3vl,
+rope.dimension_sections; fx-engine does not read those architectures yet: the tests that
+need them skip until it does).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["add_bpe_tokenizer", "write_gemma_gguf"]
+__all__ = ["add_bpe_tokenizer", "write_gemma_gguf", "write_llama_gguf", "write_qwen2vl_gguf", "write_qwen3vl_gguf"]
 
 _GEMMA_NAMES = (
     (r"^(language_model\.)?model\.embed_tokens\.", "token_embd."), (r"^(language_model\.)?model\.norm\.", "output_norm."),
@@ -86,5 +93,87 @@ def write_gemma_gguf(folder: str | Path, out: str | Path, arch: str = "gemma3") 
         for pat, rep in _GEMMA_NAMES:
             name = re.sub(pat, rep, name)
         w.add_tensor(name, x)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return out
+
+
+def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: each head's rows from half-split to interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(folder: str | Path, out: str | Path) -> Path:
+    """The folder's Llama text model as one GGUF file at `out` (module docstring); an
+    Idefics3 / SmolVLM folder's vision tower and connector are left to its mmproj."""
+    return _write_text_gguf(folder, out, "llama")
+
+
+def write_qwen2vl_gguf(folder: str | Path, out: str | Path) -> Path:
+    """A Qwen2-VL / Qwen2.5-VL folder's text model as llama.cpp's Qwen2VLModel writes it:
+    architecture qwen2vl, the qwen2vl.* keys with M-RoPE's rope.dimension_sections (the
+    folder's mrope_section padded with zeros to 4), q / k unpermuted (Qwen rotates halves);
+    the vision tower is left to its mmproj."""
+    return _write_text_gguf(folder, out, "qwen2vl")
+
+
+def write_qwen3vl_gguf(folder: str | Path, out: str | Path) -> Path:
+    """A Qwen3-VL folder's text model as llama.cpp's Qwen3VLTextModel writes it: architecture
+    qwen3vl (Qwen3's q / k norms), rope.dimension_sections and n_deepstack_layers."""
+    return _write_text_gguf(folder, out, "qwen3vl")
+
+
+def _write_text_gguf(folder: str | Path, out: str | Path, arch: str) -> Path:
+    import gguf
+
+    folder, out = Path(folder), Path(out)
+    raw = json.loads((folder / "config.json").read_text())
+    cfg = raw.get("text_config", raw)
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(out), arch)
+    for key, fn, value in (("context_length", w.add_uint32, cfg["max_position_embeddings"]),
+                           ("embedding_length", w.add_uint32, cfg["hidden_size"]),
+                           ("block_count", w.add_uint32, cfg["num_hidden_layers"]),
+                           ("feed_forward_length", w.add_uint32, cfg["intermediate_size"]),
+                           ("rope.dimension_count", w.add_uint32, head_dim),
+                           ("attention.key_length", w.add_uint32, head_dim),
+                           ("attention.value_length", w.add_uint32, head_dim),
+                           ("attention.head_count", w.add_uint32, heads),
+                           ("attention.head_count_kv", w.add_uint32, kv),
+                           ("attention.layer_norm_rms_epsilon", w.add_float32, cfg["rms_norm_eps"]),
+                           ("rope.freq_base", w.add_float32, cfg.get("rope_theta", 10000.0)),
+                           ("vocab_size", w.add_uint32, raw.get("vocab_size", cfg["vocab_size"]))):
+        fn(f"{arch}.{key}", value)
+    if arch in ("qwen2vl", "qwen3vl"):
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        sections = list(rope["mrope_section"])
+        w.add_array(f"{arch}.rope.dimension_sections", sections + [0] * max(0, 4 - len(sections)))
+    if arch == "qwen3vl":
+        w.add_uint32("qwen3vl.n_deepstack_layers", len(raw["vision_config"].get("deepstack_visual_indexes", [])))
+    add_bpe_tokenizer(w, folder, raw.get("eos_token_id", cfg["eos_token_id"]))
+    if cfg.get("bos_token_id") is not None:
+        w.add_uint32("tokenizer.ggml.bos_token_id", cfg["bos_token_id"])
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    w.add_bool("tokenizer.ggml.add_bos_token", bool(tc.get("add_bos_token", False)))
+    if tc.get("chat_template"):
+        w.add_string("tokenizer.chat_template", tc["chat_template"])
+    for name, x in sorted(mx.load(str(folder / "model.safetensors")).items()):
+        # (a multimodal folder's text model: Idefics3's, transformers >= 4.52's, earlier ones')
+        for old, new in (("model.text_model.", "model."), ("model.language_model.", "model."),
+                         ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")):
+            if name.startswith(old):
+                name = new + name[len(old):]
+        if not name.startswith(("model.layers.", "model.embed_tokens.", "model.norm.", "lm_head.")):
+            continue  # (a vision tower and connector: the mmproj file's)
+        x = np.asarray(x.astype(mx.float32))
+        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+            x = _llama_permute(x, heads)
+        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+            x = _llama_permute(x, kv)
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise ValueError(f"no llama.cpp name for {name}")
+        w.add_tensor(target, x)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return out

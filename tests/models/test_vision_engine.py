@@ -380,14 +380,6 @@ def test_engine_prefix_cache_keys_images_by_content(model):
     _same_logprobs(c, reference_generate(model, other, max_tokens=4, logprobs=3))
 
 
-def test_engine_refuses_what_images_do_not_take_yet(model):
-    from fx_engine.engine.engine import Engine
-
-    with Engine(model, max_rows=1, prefill_chunk=16) as engine:
-        with pytest.raises(ValueError, match="prompt_logprobs"):
-            engine.submit(_messages(_png(1)), max_tokens=2, prompt_logprobs=1)
-
-
 def test_engine_keeps_gemma3_images_whole(tmp_path):
     """Gemma 3's image tokens attend to each other, so an image's run is prefilled in one
     piece: an engine whose pieces are shorter refuses it (naming the fix), also for a
