@@ -23,10 +23,8 @@ run exactly as for a folder
 * "qwen2vl_merger" / "qwen2.5vl_merger" (its Qwen2VLVisionModel) and "qwen3vl_merger" (its
   Qwen3VLVisionModel): Qwen2-VL's / Qwen2.5-VL's / Qwen3-VL's vision transformer and patch
   merger (Qwen3-VL's DeepStack mergers too), beside a text model with M-RoPE. llama.cpp
-  writes that text model as architecture qwen2vl / qwen3vl (rope.dimension_sections),
-  which fx-engine's GGUF loader does not read yet: `load_mmproj` takes a text config with
-  mrope_section, but `fx_engine.load("text.gguf", mmproj=...)` stops at the text file
-  until it does.
+  writes that text model as architecture qwen2vl / qwen3vl (its M-RoPE sections in
+  rope.dimension_sections: core/models/llama.py reads them).
 
 Other projector types ("glm4v", "mlp", ...) are refused naming
 clip.projector_type and listing these.

@@ -159,21 +159,41 @@ def test_generation_with_the_mmproj_image_path_equals_the_folder(case):
 
 @pytest.mark.oracle
 def test_load_text_gguf_with_mmproj_equals_the_folder(case, tmp_path):
-    """The whole path, `fx_engine.load("text.gguf", mmproj=...)`, once fx-engine reads the
-    text GGUF llama.cpp writes for Qwen-VL (architecture qwen2vl / qwen3vl): skipped until then."""
+    """The whole path, `fx_engine.load("text.gguf", mmproj=...)`: the text GGUF llama.cpp
+    writes for Qwen-VL (architecture qwen2vl / qwen3vl: M-RoPE sections in
+    rope.dimension_sections, qwen3vl's interleaved) beside its mmproj."""
     from fx_engine.testing.mmproj import write_text_gguf
 
     folder, mm, ref, _ = case
     text = write_text_gguf(folder, tmp_path / "text.gguf")
-    try:
-        model = fx_engine.load(str(text), mmproj=str(mm))
-    except ConfigError as e:
-        if re.search(r"GGUF architecture 'qwen[23]vl' is not supported", str(e)):
-            pytest.skip("fx-engine does not read llama.cpp's qwen2vl / qwen3vl text GGUF yet")
-        raise
+    model = fx_engine.load(str(text), mmproj=str(mm))
+    assert model.config.mrope_section == ref.config.mrope_section
+    assert model.config.mrope_interleaved == ref.config.mrope_interleaved
     want = fx_engine.generate(ref, _messages(_png(1)), max_tokens=8)
     got = fx_engine.generate(model, _messages(_png(1)), max_tokens=8)
     assert got.prompt_token_ids == want.prompt_token_ids and got.token_ids == want.token_ids
+
+
+def test_text_gguf_m_rope_sections_are_checked(case, tmp_path):
+    """rope.dimension_sections: 3 sections (a zero fourth) summing to head_dim / 2; a missing
+    key or another layout is a ConfigError naming it."""
+    from fx_engine.core.models.llama import config_from_gguf
+    from fx_engine.loading.gguf import read_gguf_metadata
+    from fx_engine.testing.mmproj import write_text_gguf
+
+    folder, _, ref, _ = case
+    md = read_gguf_metadata(write_text_gguf(folder, tmp_path / "text.gguf"))
+    arch = md["general.architecture"]
+    key = f"{arch}.rope.dimension_sections"
+    assert config_from_gguf(md, "t.gguf").mrope_section == ref.config.mrope_section
+    t, h, w = ref.config.mrope_section
+    for bad, why in (([t, h, w, 2], "must be 3 sections"), ([t + 1, h, w, 0], "summing to head_dim / 2"),
+                     (None, "is missing")):
+        broken = {k: v for k, v in md.items() if k != key}
+        if bad is not None:
+            broken[key] = np.array(bad, np.int32)
+        with pytest.raises(ConfigError, match=re.escape(key) + ".*" + re.escape(why) if bad else re.escape(why)):
+            config_from_gguf(broken, "t.gguf")
 
 
 def test_pixel_bounds_and_window_default_to_the_processor_s_and_clip_cpp_s(case, tmp_path):

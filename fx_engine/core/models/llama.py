@@ -240,7 +240,7 @@ def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = No
     if arch == "mistral3":
         return _ministral3_from_gguf(md, source)
     attention = attention or {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "granite": "llama",
-                              "smollm3": "llama"}[arch]
+                              "smollm3": "llama", "qwen2vl": "qwen2", "qwen3vl": "qwen3"}[arch]
     extra: dict[str, Any] = {}
     if arch == "granite":  # llama.cpp's granite keys for the four multipliers
         extra = {f: float(gguf_value(md, arch, key, source)) for f, key in (
@@ -270,6 +270,8 @@ def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = No
     rope_dims = int(val("rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise ConfigError(f"{source}: partial rotary embeddings (rope.dimension_count) unsupported")
+    if arch in ("qwen2vl", "qwen3vl"):  # Qwen-VL text models: M-RoPE (Qwen3-VL's interleaved)
+        extra = _mrope_from_gguf(md, arch, head_dim, source)
     return LlamaConfig(
         model_type=arch if arch in ("granite", "smollm3") else attention,
         **extra,
@@ -290,6 +292,23 @@ def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = No
         bos_token_id=int(bos.item()) if bos is not None else None,
         eos_token_ids=(int(eos.item()),) if eos is not None else (),
     )
+
+
+def _mrope_from_gguf(md: dict[str, Any], arch: str, head_dim: int, source: str) -> dict[str, Any]:
+    """The M-RoPE fields of llama.cpp's qwen2vl / qwen3vl text files: its converters write
+    the text config's mrope_section [t, h, w] padded with zeros to 4 entries as
+    rope.dimension_sections (a non-zero fourth section is another model's layout: refused);
+    qwen3vl's rotation is interleaved (llama.cpp's IMROPE, Qwen3-VL's own), which the
+    architecture alone says."""
+    key = f"{arch}.rope.dimension_sections"
+    raw = md.get(key)
+    if raw is None:
+        raise ConfigError(f"{source}: {key} is missing (the M-RoPE sections of a {arch} text model)")
+    sections = [int(x) for x in (raw.tolist() if hasattr(raw, "tolist") else raw)]
+    if len(sections) not in (3, 4) or sum(sections[3:]) != 0:
+        raise ConfigError(f"{source}: {key} must be 3 sections [t, h, w] (padded with a zero to 4), got {sections}")
+    _, mrope = _mrope_section({"type": "default", "mrope_section": sections[:3]}, {}, head_dim, f"{source}: {key}")
+    return {"mrope_section": mrope, **({"mrope_interleaved": True} if arch == "qwen3vl" else {})}
 
 
 def _ministral3_from_gguf(md: dict[str, Any], source: str) -> LlamaConfig:
@@ -657,7 +676,7 @@ FAMILY = Family(
     config_type=LlamaConfig, params_type=Params, config_from_hf=config_from_hf,
     assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    gguf_architectures=("llama", "qwen2", "qwen3", "granite", "smollm3", "mistral3"), config_from_gguf=config_from_gguf,
+    gguf_architectures=("llama", "qwen2", "qwen3", "granite", "smollm3", "mistral3", "qwen2vl", "qwen3vl"), config_from_gguf=config_from_gguf,
     gguf_accepts=lambda md: not md.get(f"{md.get('general.architecture')}.expert_count"),
     assemble_gguf=assemble_gguf, tensor_split=shard_decoder, layer_range=layer_range,
     tiny_config=tiny_config,
