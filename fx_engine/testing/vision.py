@@ -130,24 +130,31 @@ IDEFICS3_PREPROCESSOR = {"image_processor_type": "Idefics3ImageProcessor", "do_c
 
 
 def write_tiny_idefics3(folder: str | Path, model_type: str = "idefics3", layout: str = "hf", seed: int = 0,
-                        preprocessor: dict | None = None) -> Path:
+                        preprocessor: dict | None = None, *, text: dict | None = None,
+                        vision: dict | None = None, dtype: str = "float32", **top: Any) -> Path:
     """A random-weight Idefics3 / SmolVLM folder under Hugging Face's names (layout "mlx":
-    mlx-vlm's converted names, the patch conv channels last)."""
+    mlx-vlm's converted names, the patch conv channels last). text / vision: overrides of
+    the tiny text_config / vision_config (a real geometry: tools/bench_vision.py); top:
+    config.json's (scale_factor=...); dtype: the tensors'."""
     from fx_engine.core.vision import idefics3
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    text = tiny_config("llama", tie_word_embeddings=False)  # (mlx-vlm's text model always has lm_head)
+    dt = getattr(mx, dtype)
+    text = tiny_config("llama", **{"tie_word_embeddings": False,  # (mlx-vlm's text model always has lm_head)
+                                   **(text or {})})
     text.pop("architectures", None)
     cfg = {"model_type": model_type, "architectures": ["Idefics3ForConditionalGeneration"], "text_config": text,
-           "vision_config": dict(IDEFICS3_VISION), "scale_factor": 2, "image_token_id": IDEFICS3_IMAGE_ID,
-           "vocab_size": text["vocab_size"], "eos_token_id": 2, "bos_token_id": 1, "tie_word_embeddings": False}
+           "vision_config": {**IDEFICS3_VISION, **(vision or {})}, "scale_factor": 2,
+           "image_token_id": IDEFICS3_IMAGE_ID, "vocab_size": text["vocab_size"], "eos_token_id": 2,
+           "bos_token_id": 1, "tie_word_embeddings": False, **top}
     weights = {}
-    for name, w in _weights(text, mx.float32, seed).items():
+    for name, w in _weights(text, dt, seed).items():
         weights["lm_head.weight" if name == "lm_head.weight" else "model.text_model." + name[len("model."):]] = w
     layout_v = idefics3.checkpoint_layout(idefics3.config_from_hf(cfg))
     keys = iter(mx.random.split(mx.random.key(seed + 7919), len(layout_v)))
-    vis = {n: (s.center + s.scale * mx.random.normal(s.shape, key=next(keys))) for n, s in layout_v.items()}
+    vis = {n: (s.center + s.scale * mx.random.normal(s.shape, key=next(keys))).astype(dt)
+           for n, s in layout_v.items()}
     if layout == "mlx":
         vis = {n[len("model."):]: w for n, w in vis.items()}
         pn = "vision_model.embeddings.patch_embedding.weight"
@@ -193,22 +200,27 @@ QWEN2_VL_MROPE = [2, 3, 3]
 
 
 def write_tiny_qwen2_vl(folder: str | Path, model_type: str = "qwen2_5_vl", layout: str = "hf", seed: int = 0,
-                        preprocessor: dict | None = None) -> Path:
+                        preprocessor: dict | None = None, *, text: dict | None = None,
+                        vision: dict | None = None, dtype: str = "float32") -> Path:
     """A random-weight Qwen2.5-VL (or Qwen2-VL: model_type "qwen2_vl") folder: a tiny Qwen2
     text model with M-RoPE and the tiny tower. layout "hf": as the published folders
     (transformers < 4.52: the text model's fields at config.json's top level, tensors
     model.* / lm_head.* / visual.*; mlx-vlm reads it); "nested": transformers >= 4.52's
-    (text_config; model.language_model.*, model.visual.*)."""
+    (text_config; model.language_model.*, model.visual.*). text / vision: overrides of the
+    tiny text model's fields / vision_config (a real geometry: tools/bench_vision.py);
+    dtype: the tensors'."""
     from fx_engine.core.vision import qwen2_vl
 
     if layout not in ("hf", "nested"):
         raise ValueError(f"layout must be 'hf' or 'nested', got {layout!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    text = tiny_config("qwen2", tie_word_embeddings=False,
-                       rope_scaling={"type": "mrope", "mrope_section": list(QWEN2_VL_MROPE)})
+    dt = getattr(mx, dtype)
+    text = tiny_config("qwen2", **{"tie_word_embeddings": False,
+                                   "rope_scaling": {"type": "mrope", "mrope_section": list(QWEN2_VL_MROPE)},
+                                   **(text or {})})
     text.pop("architectures", None)
-    vision = dict(QWEN2_5_VL_VISION if model_type == "qwen2_5_vl" else QWEN2_VL_VISION)
+    vision = {**(QWEN2_5_VL_VISION if model_type == "qwen2_5_vl" else QWEN2_VL_VISION), **(vision or {})}
     arch = "Qwen2_5_VLForConditionalGeneration" if model_type == "qwen2_5_vl" else "Qwen2VLForConditionalGeneration"
     top = {"architectures": [arch], "vision_config": vision, **QWEN2_VL_IDS}
     if layout == "hf":
@@ -217,14 +229,14 @@ def write_tiny_qwen2_vl(folder: str | Path, model_type: str = "qwen2_5_vl", layo
         cfg = {"model_type": model_type, **top, "text_config": {**text, "model_type": f"{model_type}_text"},
                "vocab_size": text["vocab_size"], "tie_word_embeddings": False}
     weights = {}
-    for name, w in _weights(text, mx.float32, seed).items():
+    for name, w in _weights(text, dt, seed).items():
         if layout == "nested" and name.startswith("model."):
             name = "model.language_model." + name[len("model."):]
         weights[name] = w
     layout_v = qwen2_vl.checkpoint_layout(qwen2_vl.config_from_hf(cfg))
     keys = iter(mx.random.split(mx.random.key(seed + 7919), len(layout_v)))
     for name, spec in layout_v.items():
-        w = spec.center + spec.scale * mx.random.normal(spec.shape, key=next(keys))
+        w = (spec.center + spec.scale * mx.random.normal(spec.shape, key=next(keys))).astype(dt)
         weights[("model." + name) if layout == "nested" else name] = w
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -252,10 +264,12 @@ MISTRAL3_PREPROCESSOR = {"image_processor_type": "PixtralImageProcessor", "proce
                          "resample": 3, "rescale_factor": 1 / 255, "size": {"longest_edge": 64}}
 
 
-def tiny_mistral3_config(vision: dict[str, Any] | None = None, **top: Any) -> dict[str, Any]:
-    """config.json of a tiny Mistral 3 (a `mistral` text model, the tiny Pixtral tower with
-    `vision`'s overrides)."""
-    text = tiny_config("mistral", tie_word_embeddings=False, head_dim=16)  # (mlx-vlm's Mistral reads head_dim)
+def tiny_mistral3_config(vision: dict[str, Any] | None = None, *, text: dict[str, Any] | None = None,
+                         **top: Any) -> dict[str, Any]:
+    """config.json of a tiny Mistral 3 (a `mistral` text model with `text`'s overrides, the
+    tiny Pixtral tower with `vision`'s overrides)."""
+    text = tiny_config("mistral", **{"tie_word_embeddings": False, "head_dim": 16,  # (mlx-vlm's Mistral reads head_dim)
+                                     **(text or {})})
     text.pop("architectures", None)
     return {"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"], "text_config": text,
             "vision_config": {**MISTRAL3_VISION, **(vision or {})}, "image_token_index": MISTRAL3_IMAGE_ID,
@@ -265,7 +279,7 @@ def tiny_mistral3_config(vision: dict[str, Any] | None = None, **top: Any) -> di
 
 
 def write_tiny_mistral3(folder: str | Path, layout: str = "hf", seed: int = 0,
-                        preprocessor: dict | None = None, **top: Any) -> Path:
+                        preprocessor: dict | None = None, *, dtype: str = "float32", **top: Any) -> Path:
     """A random-weight Mistral 3 folder: the tiny `mistral` text model and the tiny Pixtral
     tower and projector (core/vision/pixtral.checkpoint_layout; every layer of the tower,
     whatever vision_feature_layer says). Its tensors are exactly those mlx-vlm 0.7.10's
@@ -277,7 +291,7 @@ def write_tiny_mistral3(folder: str | Path, layout: str = "hf", seed: int = 0,
     language_model.lm_head.*); "mlx": mlx-vlm's conversions' (vision_tower.vision_model.*,
     multi_modal_projector.*, language_model.*; the patch conv channels last). top:
     config.json overrides (multimodal_projector_bias=True, vision_feature_layer=...,
-    vision={...}: vision_config's)."""
+    vision={...}: vision_config's, text={...}: text_config's); dtype: the tensors'."""
     from fx_engine.core.vision import pixtral
 
     if layout not in ("hf", "legacy", "mlx"):
@@ -285,8 +299,9 @@ def write_tiny_mistral3(folder: str | Path, layout: str = "hf", seed: int = 0,
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = tiny_mistral3_config(**top)
+    dt = getattr(mx, dtype)
     weights = {}
-    for name, w in _weights(cfg["text_config"], mx.float32, seed).items():
+    for name, w in _weights(cfg["text_config"], dt, seed).items():
         if name.startswith("model."):
             name = {"hf": "model.language_model.", "legacy": "language_model.model.",
                     "mlx": "language_model.model."}[layout] + name[len("model."):]
@@ -300,7 +315,7 @@ def write_tiny_mistral3(folder: str | Path, layout: str = "hf", seed: int = 0,
     spec = pixtral.checkpoint_layout(vcfg, tower, proj)
     keys = iter(mx.random.split(mx.random.key(seed + 7919), len(spec)))
     for name, s in spec.items():
-        w = s.center + s.scale * mx.random.normal(s.shape, key=next(keys))
+        w = (s.center + s.scale * mx.random.normal(s.shape, key=next(keys))).astype(dt)
         if layout == "mlx" and name.endswith("patch_conv.weight"):
             w = mx.contiguous(w.transpose(0, 2, 3, 1))
         weights[name] = w
@@ -339,34 +354,38 @@ QWEN3_VL_MROPE = [4, 2, 2]
 
 
 def write_tiny_qwen3_vl(folder: str | Path, seed: int = 0, preprocessor: dict | None = None,
-                        vision: dict | None = None, layout: str = "hf") -> Path:
+                        vision: dict | None = None, layout: str = "hf", *, text: dict | None = None,
+                        dtype: str = "float32") -> Path:
     """A random-weight Qwen3-VL folder as transformers >= 4.57 writes it (text_config with
     rope_scaling {mrope_section, mrope_interleaved}; model.language_model.*, model.visual.*,
     lm_head.*): a tiny Qwen3 text model (q / k norms) and the tiny tower with its DeepStack
     mergers. mlx-vlm reads it (the oracle). layout "mlx": as mlx-vlm's conversions store it
     (language_model.model.*, language_model.lm_head.*, vision_tower.*, the patch conv's
-    weight channels last)."""
+    weight channels last). text: overrides of the tiny text model's fields (a real geometry:
+    tools/bench_vision.py); dtype: the tensors'."""
     if layout not in ("hf", "mlx"):
         raise ValueError(f"layout must be 'hf' or 'mlx', got {layout!r}")
     from fx_engine.core.vision import qwen3_vl
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    text = tiny_config("qwen3", tie_word_embeddings=False,
-                       rope_scaling={"rope_type": "default", "mrope_section": list(QWEN3_VL_MROPE),
-                                     "mrope_interleaved": True})
+    dt = getattr(mx, dtype)
+    text = tiny_config("qwen3", **{"tie_word_embeddings": False,
+                                   "rope_scaling": {"rope_type": "default", "mrope_section": list(QWEN3_VL_MROPE),
+                                                    "mrope_interleaved": True},
+                                   **(text or {})})
     text.pop("architectures", None)
     cfg = {"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
            "text_config": {**text, "model_type": "qwen3_vl_text"},
            "vision_config": {**QWEN3_VL_VISION, **(vision or {})},
            **QWEN2_VL_IDS, "vocab_size": text["vocab_size"], "tie_word_embeddings": False}
     weights = {}
-    for name, w in _weights(text, mx.float32, seed).items():
+    for name, w in _weights(text, dt, seed).items():
         weights[("model.language_model." + name[len("model."):]) if name.startswith("model.") else name] = w
     layout_v = qwen3_vl.checkpoint_layout(qwen3_vl.config_from_hf(cfg))
     keys = iter(mx.random.split(mx.random.key(seed + 7919), len(layout_v)))
     for name, spec in layout_v.items():
-        weights[name] = spec.center + spec.scale * mx.random.normal(spec.shape, key=next(keys))
+        weights[name] = (spec.center + spec.scale * mx.random.normal(spec.shape, key=next(keys))).astype(dt)
     if layout == "mlx":
         renamed = {}
         for name, w in weights.items():
