@@ -168,11 +168,27 @@ def _read_until(fd, pattern, timeout, buf=b""):
     return buf
 
 
+def _stacks(p: subprocess.Popen) -> str:
+    """A hung child's threads: native (gdb, where installed) and Python (PYTHONFAULTHANDLER
+    dumps every thread on SIGABRT), with the end of what it wrote to stderr."""
+    native = ""
+    if shutil.which("gdb"):
+        native = subprocess.run(["gdb", "-p", str(p.pid), "-batch", "-ex", "thread apply all bt 30"],
+                                capture_output=True, text=True, timeout=120).stdout
+    p.send_signal(signal.SIGABRT)
+    try:
+        p.wait(30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+    err = p.stderr.read().decode(errors="replace")
+    return f"--- native threads ---\n{native[-20000:]}\n--- stderr ---\n{err[-8000:]}"
+
+
 @pytest.mark.real_model
 def test_chat_process_survives_ctrl_c_mid_reply_and_exits_on_ctrl_c_at_the_prompt():
     """The real thing: `python -m fx_engine chat` on the default model, SIGINT while it
     streams a long greedy reply, then another message, then SIGINT at the prompt."""
-    env = {**os.environ, "FX_ENGINE_PROGRESS": "0"}
+    env = {**os.environ, "FX_ENGINE_PROGRESS": "0", "PYTHONFAULTHANDLER": "1"}
     p = subprocess.Popen([sys.executable, "-m", "fx_engine", "chat", "--temp", "0", "--max-tokens",
                           "2000", "-v"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, env=env)
@@ -187,7 +203,10 @@ def test_chat_process_survives_ctrl_c_mid_reply_and_exits_on_ctrl_c_at_the_promp
         err = _read_until(p.stderr.fileno(), rb"generation: \d+ tokens", 120, err)  # -v's stats
         time.sleep(0.5)  # back at the prompt (reading stdin)
         p.send_signal(signal.SIGINT)
-        rc = p.wait(60)
+        try:
+            rc = p.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the chat did not exit after Ctrl-C at the prompt:\n" + _stacks(p))
         rest_out, rest_err = p.stdout.read(), p.stderr.read()
     finally:
         if p.poll() is None:
