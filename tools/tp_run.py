@@ -14,6 +14,8 @@ alone: the single-process reference).
                    lockstep Engine (rank 0 submits, the others follow; the draft named by
                    its place in Engine(drafts=), as `fx-engine serve` runs)
     --keep-quantized  every quantized weight kept packed (the GPU's form: MLX's kernels)
+    --image SEED   a multimodal --model: the prompts are chat messages with one random image
+                   (from SEED, the same on every rank) before the text
     --prefix-dir D with --lockstep: the lockstep Engine with the prefix cache's disk tier in
                    D, run twice (the second Engine starts with an empty memory tier, so its
                    requests restore from disk: "cached" per request)
@@ -62,6 +64,7 @@ def main() -> None:
     ap.add_argument("--prefix-dir", default=None, help="--lockstep: the disk tier's folder (two passes)")
     ap.add_argument("--kv-budget-bytes", type=int, default=None, help="--lockstep: the engine's KV budget")
     ap.add_argument("--keep-quantized", action="store_true", help="keep every quantized weight packed")
+    ap.add_argument("--image", type=int, default=None, help="chat messages with a random image from this seed")
     a = ap.parse_args()
     import resource
 
@@ -95,10 +98,13 @@ def main() -> None:
         draft = (self_draft_model(model, int(a.draft[5:])) if a.draft.startswith("self:")
                  else fx_engine.load(a.draft))
         kw["draft_model"] = draft
+    def prompt(text: str) -> object:
+        return text if a.image is None else _image_messages(a.image, text)
+
     times = []
     for _ in range(a.runs):
         t0 = time.perf_counter()
-        c = fx_engine.generate(model, a.prompt, **kw)
+        c = fx_engine.generate(model, prompt(a.prompt), **kw)
         times.append(time.perf_counter() - t0)
     out.update(tokens=list(c.token_ids), text=c.text, seconds=times,
                decode_tps=c.usage.generation_tps, prompt_tps=c.usage.prompt_tps)
@@ -123,7 +129,7 @@ def main() -> None:
             engine.follow()
         else:
             engine.start()
-            hs = [engine.submit(a.prompt + " y" * i, **kw) for i in range(a.lockstep)]
+            hs = [engine.submit(prompt(a.prompt + " y" * i), **kw) for i in range(a.lockstep)]
             res = [h.result() for h in hs]
             engine.close()
             out["lockstep"] = [list(r.token_ids) for r in res]
@@ -131,6 +137,18 @@ def main() -> None:
             out.setdefault("cached", []).append([r.usage.cached_tokens for r in res])
     if rank == 0 or a.all_ranks:
         print(json.dumps(out), flush=True)
+
+
+def _image_messages(seed: int, text: str) -> list[dict]:
+    """One user turn: a random 48 x 40 RGB image (PNG bytes from `seed`), then `text`."""
+    import io
+
+    import numpy as np
+    import PIL.Image
+
+    buf = io.BytesIO()
+    PIL.Image.fromarray(np.random.default_rng(seed).integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(buf, "PNG")
+    return [{"role": "user", "content": [{"type": "image", "image": buf.getvalue()}, {"type": "text", "text": text}]}]
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ from fx_engine.engine.drafters import speculate
 from fx_engine.engine.emit import Emitter
 from fx_engine.engine.executor import Executor, LogitsProcessorError
 from fx_engine.engine.handles import RequestHandle
-from fx_engine.engine.image_prompt import EncoderCache, ImagePrompt, engine_image_prompt, has_images, whole_images
+from fx_engine.engine.image_prompt import (EncoderCache, ImagePrompt, engine_image_prompt, from_portable, has_images,
+                                           portable, whole_images)
 from fx_engine.engine.jobs import JobQueue, run_steps
 from fx_engine.engine.kv_rows import insert_row
 from fx_engine.engine.lockstep import (Ranks, RankMismatch, StepMessage, by_key, check_drafts, draft_ref, follow_step,
@@ -302,7 +303,8 @@ class Engine:
             made.append(self._make_request(prompt if not made else made[0][1], kw, image))
         if self._ranks is not None and self._ranks.leads:  # what the other ranks will be sent
             for (req, ids), kw in zip(made, kwargs_list):
-                req.record = request_record(ids, self._draft_ref(kw), req.cfg.seed)
+                req.record = request_record(ids, self._draft_ref(kw), req.cfg.seed,
+                                            None if image is None else portable(image))
         with self._lock:
             if self._closing:
                 raise EngineClosed("engine is closed")
@@ -432,7 +434,7 @@ class Engine:
 
     def _image_prompt(self, messages: Any) -> ImagePrompt:
         """Chat messages with images: their prompt and image rows (image_prompt.engine_image_prompt)."""
-        return engine_image_prompt(self.model, messages, sharded=self._ranks is not None,
+        return engine_image_prompt(self.model, messages, pipeline=self.model.pipeline_parallel > 1,
                                    prefill_chunk=self.prefill_chunk, step_token_budget=self.step_token_budget,
                                    max_rows=self.max_rows, cache=self.encoder_cache)
 
@@ -618,7 +620,8 @@ class Engine:
 
     def _queue_record(self, rec: Any) -> None:
         """A follower: make rank 0's request from its record, queued under rank 0's id."""
-        req, ids = self._make_request(list(rec.ids), self._ranks.resolve_draft(self._drafts, rec.kwargs))
+        image = None if rec.image is None else from_portable(rec.image)
+        req, ids = self._make_request(list(rec.ids), self._ranks.resolve_draft(self._drafts, rec.kwargs), image)
         with self._lock:
             req.handle = RequestHandle(self, rec.id, tuple(ids))
             self._next_id = max(self._next_id, rec.id + 1)

@@ -687,18 +687,42 @@ def _mrope_model(model: Any) -> bool:
             or bool(getattr(model.config, "mrope_section", ())))
 
 
-def engine_image_prompt(model: Any, messages: Any, *, sharded: bool,
+def portable(image: ImagePrompt) -> dict[str, Any]:
+    """An ImagePrompt as plain data (numpy arrays, their MLX dtypes by name): what a lockstep
+    engine's rank 0 sends the other ranks with the request (engine/lockstep.RequestRecord),
+    so they splice the same rows without encoding the images again."""
+    def plain(x: Any) -> Any:
+        if x is None or not isinstance(x, mx.array):
+            return x  # (None, or already numpy: M-RoPE offsets)
+        return (str(x.dtype).split(".")[-1], np.asarray(x.astype(mx.float32) if x.dtype == mx.bfloat16 else x))
+
+    return {**image._asdict(), "rows": plain(image.rows), "deepstack": plain(image.deepstack),
+            "rope_offsets": plain(image.rope_offsets)}
+
+
+def from_portable(data: dict[str, Any]) -> ImagePrompt:
+    """`portable`'s inverse: the same ImagePrompt, its arrays bit for bit (bfloat16 travels
+    as float32, which holds it exactly)."""
+    def array(x: Any) -> Any:
+        return mx.array(x[1]).astype(getattr(mx, x[0])) if isinstance(x, tuple) else x
+
+    return ImagePrompt(**{**data, "rows": array(data["rows"]), "deepstack": array(data["deepstack"]),
+                          "rope_offsets": array(data["rope_offsets"])})
+
+
+def engine_image_prompt(model: Any, messages: Any, *, pipeline: bool,
                         prefill_chunk: int, step_token_budget: int, max_rows: int,
                         cache: EncoderCache | None) -> ImagePrompt:
     """An Engine's image request: its prompt and image rows (`image_prompt`, or an
-    `ImagePrompt` the caller made), after the refusals of a sharded engine (no images yet) and
+    `ImagePrompt` the caller made), after the refusals of a pipeline-parallel engine (no
+    images yet; tensor-parallel ranks each splice the rows, their hidden states whole) and
     of a hand-made ImagePrompt without what its model reads (Qwen3-VL's DeepStack rows,
     Qwen-VL's M-RoPE offsets), and the check that a whole image fits one prefill piece of
     this engine."""
     from fx_engine.engine import scheduler as sched
 
-    if sharded:
-        raise ValueError("images: a sharded (tensor / pipeline parallel) engine does not take images yet")
+    if pipeline:
+        raise ValueError("images: a pipeline-parallel engine does not take images yet (a tensor-parallel one does)")
     # (prompt_logprobs and max_tokens=0 score through score_step with the image rows; every
     # drafter composes: learned heads read the states the prefill steps capture with the
     # rows spliced in, and embed the prompt's ids, image placeholders included)

@@ -92,15 +92,16 @@ def draft_ref(drafts: Sequence[Any], kw: dict[str, Any]) -> dict[str, Any]:
 @attrs.frozen
 class RequestRecord:
     """What the other ranks of a lockstep engine need to make the same request as rank 0:
-    its id, the prompt's token ids and the arguments, with the seed rank 0 drew (plain
-    data: pickled)."""
+    its id, the prompt's token ids and the arguments, with the seed rank 0 drew, and a
+    prompt with images its rows (image_prompt.portable; plain data: pickled)."""
 
     id: int
     ids: tuple[int, ...]
     kwargs: dict = attrs.field(eq=False)
+    image: dict | None = attrs.field(default=None, eq=False)
 
 
-def request_record(ids: Sequence[int], kw: dict[str, Any], seed: Any) -> RequestRecord:
+def request_record(ids: Sequence[int], kw: dict[str, Any], seed: Any, image: dict | None = None) -> RequestRecord:
     """A request's record, made at submit (so arguments that cannot be sent to the other
     ranks are a ValueError there, naming them); the id is set when it is queued."""
     kw = {k: v for k, v in kw.items() if k != "chat"}
@@ -111,7 +112,7 @@ def request_record(ids: Sequence[int], kw: dict[str, Any], seed: Any) -> Request
         bad = [k for k, v in kw.items() if not _picklable(v)]
         raise ValueError(f"{', '.join(bad) or 'arguments'}: with tensor parallelism a request's arguments "
                          f"must be plain data sent to every rank ({type(e).__name__})") from None
-    return RequestRecord(-1, tuple(ids), kw)
+    return RequestRecord(-1, tuple(ids), kw, image)
 
 
 def _picklable(v: Any) -> bool:

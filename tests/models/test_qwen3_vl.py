@@ -355,3 +355,21 @@ def test_routes_serve_a_qwen3_vl_model(model):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == want.text
         assert r.json()["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+
+
+def test_an_image_prompt_travels_to_other_ranks_bit_for_bit(model):
+    """image_prompt.portable / from_portable: what a lockstep engine's rank 0 sends with a
+    request (pickled): rows (bfloat16 too), DeepStack rows and M-RoPE offsets come back
+    equal, so the other ranks splice what rank 0 encoded."""
+    import pickle
+
+    from fx_engine.engine.image_prompt import from_portable, portable
+
+    ip = image_prompt(model, messages(png(1), png(2, (24, 56))))
+    for sent in (ip, ip._replace(rows=ip.rows.astype(mx.bfloat16), deepstack=ip.deepstack.astype(mx.bfloat16))):
+        back = from_portable(pickle.loads(pickle.dumps(portable(sent))))
+        assert back.ids == sent.ids and back.spans == sent.spans and back.digests == sent.digests
+        assert back.rope_delta == sent.rope_delta and back.whole == sent.whole
+        assert back.rows.dtype == sent.rows.dtype and mx.array_equal(back.rows, sent.rows)
+        assert back.deepstack.dtype == sent.deepstack.dtype and mx.array_equal(back.deepstack, sent.deepstack)
+        assert np.array_equal(np.asarray(back.rope_offsets), np.asarray(sent.rope_offsets))
