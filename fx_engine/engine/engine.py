@@ -434,7 +434,7 @@ class Engine:
 
     def _image_prompt(self, messages: Any) -> ImagePrompt:
         """Chat messages with images: their prompt and image rows (image_prompt.engine_image_prompt)."""
-        return engine_image_prompt(self.model, messages, pipeline=self.model.pipeline_parallel > 1,
+        return engine_image_prompt(self.model, messages,
                                    prefill_chunk=self.prefill_chunk, step_token_budget=self.step_token_budget,
                                    max_rows=self.max_rows, cache=self.encoder_cache)
 

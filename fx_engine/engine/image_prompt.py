@@ -710,19 +710,15 @@ def from_portable(data: dict[str, Any]) -> ImagePrompt:
                           "rope_offsets": array(data["rope_offsets"])})
 
 
-def engine_image_prompt(model: Any, messages: Any, *, pipeline: bool,
+def engine_image_prompt(model: Any, messages: Any, *,
                         prefill_chunk: int, step_token_budget: int, max_rows: int,
                         cache: EncoderCache | None) -> ImagePrompt:
     """An Engine's image request: its prompt and image rows (`image_prompt`, or an
-    `ImagePrompt` the caller made), after the refusals of a pipeline-parallel engine (no
-    images yet; tensor-parallel ranks each splice the rows, their hidden states whole) and
-    of a hand-made ImagePrompt without what its model reads (Qwen3-VL's DeepStack rows,
+    `ImagePrompt` the caller made), after the refusals of a hand-made ImagePrompt without what its model reads (Qwen3-VL's DeepStack rows,
     Qwen-VL's M-RoPE offsets), and the check that a whole image fits one prefill piece of
     this engine."""
     from fx_engine.engine import scheduler as sched
 
-    if pipeline:
-        raise ValueError("images: a pipeline-parallel engine does not take images yet (a tensor-parallel one does)")
     # (prompt_logprobs and max_tokens=0 score through score_step with the image rows; every
     # drafter composes: learned heads read the states the prefill steps capture with the
     # rows spliced in, and embed the prompt's ids, image placeholders included)

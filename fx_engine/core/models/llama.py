@@ -400,6 +400,7 @@ def forward(
     if images is not None and images.positions is not None:  # Qwen2(.5)-VL: M-RoPE over 3-D ids
         rope_fn = _mrope(p, images)
     deep = None if images is None or images.deepstack is None else deepstack_adder(tokens, images)
+    first = p.pipeline.first_layer if getattr(p, "pipeline", None) is not None else 0  # (DeepStack: global layers)
 
     def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
         rope = (rope_fn or scaled_rope)(p, geo.positions)  # shared by every layer
@@ -408,8 +409,8 @@ def forward(
         for i, (lp, entry, spec) in enumerate(zip(p.layers, cache.layers, cache.layout)):
             geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)
             h, entry = (layer_fn or decoder_layer)(p, lp, h, entry, spec, None if i in nope else rope, geo)
-            if deep is not None and i < deep.layers:  # Qwen3-VL's DeepStack features at the image tokens
-                h = deep(i, h)
+            if deep is not None and first + i < deep.layers:  # Qwen3-VL's DeepStack features at the image tokens
+                h = deep(first + i, h)
             entries.append(entry)
         return h, entries
 
@@ -448,9 +449,8 @@ def _mrope(p: Any, images: Any) -> Any:
 
 
 def _spliced(p: Any, tokens: mx.array, images: Any) -> Any:
-    """`_embedded` with a step's image rows spliced in at the image token positions."""
-    if getattr(p, "pipeline", None) is not None:
-        raise ValueError("images: a pipeline stage takes no image rows")
+    """`_embedded` with a step's image rows spliced in at the image token positions (on a
+    pipeline, the first stage's: the later ones receive its stream, never embed)."""
     b, t = tokens.shape
     images = check_image_input(images, b, p.config.hidden_size)
 
