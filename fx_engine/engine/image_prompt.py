@@ -370,7 +370,7 @@ def _vision_of(model: Any) -> Any:
         kind = getattr(model.config, "model_type", "this")
         path = str(getattr(model, "path", "") or "")
         hint = ("a GGUF file holds the text model only: load its mmproj file too (load(..., mmproj=FILE), "
-                "--mmproj FILE; Gemma 3, Idefics3 / SmolVLM, Mistral 3)" if path.lower().endswith(".gguf") else
+                "--mmproj FILE; Gemma 3, Idefics3 / SmolVLM, Mistral 3, Qwen2(.5)-VL, Qwen3-VL)" if path.lower().endswith(".gguf") else
                 "a text-only model; use a multimodal checkpoint: a Gemma 3, Idefics3, SmolVLM, Qwen2-VL, "
                 "Qwen2.5-VL, Qwen3-VL or Mistral 3 folder with vision_config")
         raise ImageError(f"images were given, but {kind} model {path} has no vision tower ({hint})")
