@@ -57,7 +57,8 @@ What the converter writes, and how it is read back:
   wins), clip.vision.window_size (not written by the converter: clip.cpp's 112 pixels, the
   released models' window, when absent), clip.vision.spatial_merge_size (2 when absent,
   as clip.cpp assumes), image_min_pixels / image_max_pixels (not written by the converter:
-  Qwen2VLImageProcessor's 56 * 56 and 28 * 28 * 1280 when absent). Qwen2-VL's
+  the released models' preprocessor_config.json 3136 and 12845056 when absent, as their
+  folders give; not Qwen2VLImageProcessor's smaller class defaults). Qwen2-VL's
   feed_forward_length is the merger's output size (the converter's reading of its config):
   the MLP width is taken from v.blk.0.ffn_up.weight instead (2.5's is checked against it);
   attention.layer_norm_epsilon is the text model's rms_norm_eps (the tower's norms use
@@ -450,7 +451,9 @@ def mmproj_config(md: dict[str, Any], text_hidden: int, ids: dict[str, int], sou
         _check_projection_dim(md, text_hidden, source)
         return _qwen_config(md, text_hidden, ids, source, tensor_size)
     if kind == "pixtral":
-        _check_projection_dim(md, text_hidden, source)
+        # (not clip.vision.projection_dim: convert_hf_to_gguf.py's --mistral-format path writes
+        # params.json's hidden_dim there, the text model's feed-forward width; clip.cpp sizes
+        # the projector by mm.2's rows, as _pixtral_params checks them against the text model)
         return _pixtral_config(md, text_hidden, ids, source, text_eps, projector_bias)
     tower = _siglip_config(md, source)
     _check_projection_dim(md, text_hidden, source)
@@ -474,9 +477,11 @@ def mmproj_config(md: dict[str, Any], text_hidden: int, ids: dict[str, int], sou
 #: clip.cpp's Qwen2.5-VL attention window in pixels when the file does not say (the released
 #: models' window_size)
 QWEN_WINDOW = 112
-#: the image processor's (min_pixels, max_pixels) when the file does not say: Qwen2VLImageProcessor's
-#: defaults, and Qwen3-VL's released preprocessor_config.json size (shortest / longest edge)
-QWEN_PIXELS = {"qwen2vl_merger": (56 * 56, 28 * 28 * 1280), "qwen2.5vl_merger": (56 * 56, 28 * 28 * 1280),
+#: (min_pixels, max_pixels) when the file does not say (llama.cpp's converters never write
+#: them): the released checkpoints' preprocessor_config.json values, which their folders
+#: give (Qwen2-VL / Qwen2.5-VL: min_pixels 3136, max_pixels 12845056; Qwen3-VL: size's
+#: shortest / longest edge), not Qwen2VLImageProcessor's smaller class defaults
+QWEN_PIXELS = {"qwen2vl_merger": (3136, 12845056), "qwen2.5vl_merger": (3136, 12845056),
                "qwen3vl_merger": (65536, 16777216)}
 
 
@@ -594,9 +599,12 @@ def _channels(md: dict[str, Any], key: str, positive: bool, source: str) -> tupl
 
 
 def preproc_edge(md: dict[str, Any], image_size: int, source: str) -> int:
-    """Idefics3's resize before tiling (clip.vision.preproc_image_size; without it, one
-    tile's side: the converter's own fallback when the folder's processor has no size)."""
-    edge = _int(md, "clip.vision.preproc_image_size", source, image_size)
+    """Idefics3's resize before tiling (clip.vision.preproc_image_size). Files converted
+    before llama.cpp wrote that key (its Idefics3 tiling came later; such files' images ran
+    untiled there) take Idefics3ImageProcessor's rule for the released models, 4 tiles a
+    side (SmolVLM's longest_edge 2048 = 4 x 512, Idefics3's 1456 = 4 x 364): what their
+    folders give, and the engine's rule for a folder without a processor size."""
+    edge = _int(md, "clip.vision.preproc_image_size", source, 4 * image_size)
     if edge < image_size:
         raise ConfigError(f"{source}: clip.vision.preproc_image_size {edge} is less than clip.vision.image_size "
                           f"{image_size} (the tile side)")
@@ -671,6 +679,11 @@ def read_mmproj_tensors(path: Path, block_count: int, projector: str = "gemma3",
     tensors, _ = read_gguf(path)
     want = expected_tensors(block_count, projector, deepstack)
     missing = [n for n in want if n not in tensors]
+    if projector == "pixtral" and {"mm.input_norm.weight", "mm.patch_merger.weight"} <= set(missing) \
+            and len(missing) == 2:
+        raise WeightsError(f"{path}: a pixtral mmproj without a patch merger (mm.input_norm, mm.patch_merger: "
+                           "Pixtral-12B's or LightOnOCR's projector) is not supported; Mistral 3's (Mistral "
+                           "Small 3.1 / 3.2) is")
     if missing:
         shown = ", ".join(repr(n) for n in missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise WeightsError(f"{path}: missing tensor(s) {shown} (an mmproj for {_DESCRIBED[projector]} with "

@@ -105,8 +105,7 @@ PROJECTORS = {"gemma3": "gemma3", "idefics3": "idefics3", "smolvlm": "idefics3",
               "qwen2_5_vl": "qwen2.5vl_merger"}
 #: the image processor's pixel bounds and clip.cpp's attention window (what a file without
 #: the keys gets: loading/mmproj.py): a tiny folder's other values are written as extra keys
-_QWEN_PIXELS = {"qwen2_vl": (56 * 56, 28 * 28 * 1280), "qwen2_5_vl": (56 * 56, 28 * 28 * 1280),
-                "qwen3_vl": (65536, 16777216)}
+_QWEN_PIXELS = {"qwen2_vl": (3136, 12845056), "qwen2_5_vl": (3136, 12845056), "qwen3_vl": (65536, 16777216)}
 _QWEN_WINDOW = 112
 #: SmolVLM2 folders leave these tower sizes out; the converter fills in transformers' defaults
 _SMOLVLM_DEFAULTS = {"hidden_size": 1152, "num_attention_heads": 16, "intermediate_size": 3072}

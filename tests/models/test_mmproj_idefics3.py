@@ -161,6 +161,20 @@ def test_wrong_projector_dims_are_refused(pair, tmp_path):
         fx_engine.load(str(text), mmproj=str(mm))
 
 
+def test_a_file_without_preproc_image_size_tiles_as_the_processor(pair, tmp_path):
+    """Files converted before llama.cpp wrote clip.vision.preproc_image_size: the longest
+    edge is Idefics3ImageProcessor's 4 tiles a side (the released models' size), so images
+    still tile as through their folders."""
+    from fx_engine.loading.mmproj import preproc_edge
+
+    folder, text, _ = pair
+    mm = write_mmproj(folder, tmp_path / "old.gguf", drop_metadata=("clip.vision.preproc_image_size",))
+    md = {"clip.vision.image_size": 32}
+    assert preproc_edge(md, 32, "f") == 128 and preproc_edge({**md, "clip.vision.preproc_image_size": 64}, 32, "f") == 64
+    model = fx_engine.load(str(text), mmproj=str(mm))
+    assert model.image_processor.longest_edge == 128 and model.image_processor.max_image_size == 32
+
+
 def test_missing_tensor_and_metadata_are_named(pair, tmp_path):
     folder, text, _ = pair
     mm = write_mmproj(folder, tmp_path / "cut.gguf", skip=("mm.model.fc.weight",))

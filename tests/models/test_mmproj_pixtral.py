@@ -121,10 +121,12 @@ def test_image_prompt_through_gguf_and_mmproj_equals_the_folder(models):
 
 
 def test_wrong_projector_dims_are_refused(pair, tmp_path):
+    """The projector's output width is mm.2's rows (as clip.cpp sizes it); projection_dim is
+    not read: convert_hf_to_gguf.py's --mistral-format path writes params.json's hidden_dim
+    (the text model's feed-forward width) there, so such a file still loads."""
     folder, text, _ = pair
     mm = write_mmproj(folder, tmp_path / "dim.gguf", metadata={"clip.vision.projection_dim": 128})
-    with pytest.raises(ConfigError, match=r"clip.vision.projection_dim = 128, but the text model's hidden size"):
-        fx_engine.load(str(text), mmproj=str(mm))
+    assert fx_engine.load(str(text), mmproj=str(mm)).vision is not None
     from fx_engine.loading.mmproj import load_mmproj
 
     tokens = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
@@ -132,6 +134,15 @@ def test_wrong_projector_dims_are_refused(pair, tmp_path):
     with pytest.raises(WeightsError, match=r"tensor 'mm.2.weight' has 64 rows, but the text model's hidden size is "
                                            r"128"):
         load_mmproj(mm, other, {"tokenizer.ggml.tokens": tokens}, dtype=mx.float32)
+
+
+def test_a_projector_without_a_patch_merger_is_named(pair, tmp_path):
+    """Pixtral-12B's / LightOnOCR's pixtral mmproj files (no mm.input_norm, mm.patch_merger):
+    refused as a variant, not as a broken file."""
+    folder, text, _ = pair
+    mm = write_mmproj(folder, tmp_path / "nomerge.gguf", skip=("mm.input_norm.weight", "mm.patch_merger.weight"))
+    with pytest.raises(WeightsError, match="a pixtral mmproj without a patch merger .* is not supported"):
+        fx_engine.load(str(text), mmproj=str(mm))
 
 
 def test_activation_and_tensors_are_named(pair, tmp_path):

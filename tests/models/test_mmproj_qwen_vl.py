@@ -198,8 +198,9 @@ def test_text_gguf_m_rope_sections_are_checked(case, tmp_path):
 
 def test_pixel_bounds_and_window_default_to_the_processor_s_and_clip_cpp_s(case, tmp_path):
     """A file without the keys (what the converter writes for the released models): the
-    processor's min / max pixels (Qwen2VLImageProcessor's; Qwen3-VL's released
-    preprocessor_config.json's), clip.cpp's 112-pixel window (Qwen2.5-VL)."""
+    released models' preprocessor_config.json min / max pixels (what their folders give,
+    not Qwen2VLImageProcessor's smaller class defaults), clip.cpp's 112-pixel window
+    (Qwen2.5-VL)."""
     folder, _, ref, tokens = case
     mm = write_mmproj(folder, tmp_path / "plain.gguf", drop_metadata=(
         "clip.vision.image_min_pixels", "clip.vision.image_max_pixels", "clip.vision.window_size"))
@@ -207,7 +208,7 @@ def test_pixel_bounds_and_window_default_to_the_processor_s_and_clip_cpp_s(case,
     if vision.config.model_type == "qwen3_vl":
         assert (rules.min_pixels, rules.max_pixels) == (65536, 16777216)
     else:
-        assert (rules.min_pixels, rules.max_pixels) == (56 * 56, 28 * 28 * 1280)
+        assert (rules.min_pixels, rules.max_pixels) == (3136, 12845056)
         assert vision.config.window_size == (0 if vision.config.v2 else 112)
 
 
