@@ -323,72 +323,71 @@ inline void transpose16x4(const char* const* rp, int64_t off, __m512i out[4]) {
 // prefetchers on large weights. Shared by the few-row paths of qgemm and qmm_a8.
 constexpr int FEW_PF_AHEAD = 1;  // prefetch the packed rows of the block this many ahead
 struct FewBlock {
-  const char* rw[16];
+  const char* rw[16];  // the rows' bytes (the rows layout's: unset for an interleaved block)
   const char* next;
   int64_t next_bytes, pf_step;
   int nv;
-  const float* s;  // the block's scales and biases as [groups][16] float32 vectors: sbuf's
-  const float* b;  // transposes (unused with scales_il)
-  // scales_il: the interleaved arrays' own block ([groups][16] in their stored format,
-  // fmt), which the kernel converts per group as it reads them (qmm_a8.h's il_scales16 / il_scales8)
+  const float* s = nullptr;  // the block's scales and biases as [groups][16] float32 vectors:
+  const float* b = nullptr;  // sbuf's transposes (the rows layout's)
+  // il: the interleaved arrays' own block ([groups][16] in their stored format, fmt), which
+  // the kernel converts per group as it reads them (qmm_a8.h's il_scales16)
   const void* sil = nullptr;
   const void* bil = nullptr;
   int fmt = SF_F32;
   int sb = 1;  // (SF_KQ: groups per super-block)
 };
 
-// scales_il: the scales and biases are interleaved ([block][group][16], qmm_a8's layout:
-// qmm_a8.h il16_index): the kernel reads the block's [groups][16] vectors in place.
+// il: the interleaved layout (qmm_a8.h: il16_index's words or ilp_base's planes, the
+// scales and biases [block][group][16]): the kernel reads the block's words and its
+// [groups][16] scale vectors in place, so no rows (rw) or transposes are made here and
+// sbuf is not used.
 inline FewBlock few_block(int K, const uint32_t* wq, const Quant& S, int gs,
                           int bits, int N, int n0, float* sbuf, uint8_t* wtmp = nullptr,
-                          bool scales_il = false, bool rows_unused = false) {
+                          bool il = false) {
   FewBlock fb;
   const int words = K * bits / 32, groups = K / gs;  // (bits: the kernel's, 4 or 8)
   fb.nv = std::min(16, N - n0);
-  fb.s = sbuf;
-  fb.b = sbuf + static_cast<int64_t>(groups) * 16;
-  const char* rs[16];
-  const char* rb[16];
-  const float *ds = nullptr, *db = nullptr;  // the block's rows' scales and biases as float32
-  if (scales_il) {
-    // interleaved: read in place, converted per group by the kernel (a decoding pass here
-    // wrote 2 x 16 x groups floats per block; Quant::rows was 15% of a 1B decode step's
-    // samples in a perf profile, with the in-kernel conversion decode went 25 -> 33 tok/s)
+  if (il) {
+    // read in place, converted per group by the kernel (a decoding pass here wrote 2 x 16
+    // x groups floats per block; Quant::rows was 15% of a 1B decode step's samples in a
+    // perf profile, with the in-kernel conversion decode went 25 -> 33 tok/s)
     fb.sil = static_cast<const char*>(S.s) + int64_t{n0} * S.s_row_bytes();
     fb.bil = static_cast<const char*>(S.b) + int64_t{n0} * S.b_row_bytes();
     fb.fmt = S.fmt;
     fb.sb = S.sb;
   } else {
+    fb.s = sbuf;
+    fb.b = sbuf + static_cast<int64_t>(groups) * 16;
+    const char* rs[16];
+    const char* rb[16];
+    const float *ds, *db;  // the block's rows' scales and biases as float32
     S.rows(n0, fb.nv, scale_tmp(16, groups), ds, db);
-  }
-  // (5-/6-bit rows unpacked into wtmp; rows_unused: the kernel reads its own layout)
-  const char* wrows = rows_unused ? reinterpret_cast<const char*>(wq) : S.weights(wq, n0, fb.nv, K, wtmp);
-  for (int j = 0; j < 16; ++j) {
-    const int64_t r = n0 + std::min(j, fb.nv - 1);
-    fb.rw[j] = rows_unused ? wrows : wrows + (r - n0) * words * 4;
-    if (!scales_il) {
+    const char* wrows = S.weights(wq, n0, fb.nv, K, wtmp);  // (5-/6-bit rows unpacked into wtmp)
+    for (int j = 0; j < 16; ++j) {
+      const int64_t r = n0 + std::min(j, fb.nv - 1);
+      fb.rw[j] = wrows + (r - n0) * words * 4;
       rs[j] = reinterpret_cast<const char*>(ds + (r - n0) * groups);
       rb[j] = reinterpret_cast<const char*>(db + (r - n0) * groups);
     }
-  }
-  float* bbuf = sbuf + static_cast<int64_t>(groups) * 16;
-  int g = scales_il ? groups : 0;  // (interleaved: nothing to transpose)
-  for (; g + 4 <= groups; g += 4) {
-    __m512i t[4];
-    transpose16x4(rs, 4 * g, t);
-    for (int i = 0; i < 4; ++i) _mm512_store_si512(sbuf + (g + i) * 16, t[i]);
-    transpose16x4(rb, 4 * g, t);
-    for (int i = 0; i < 4; ++i) _mm512_store_si512(bbuf + (g + i) * 16, t[i]);
-  }
-  for (; g < groups; ++g)
-    for (int j = 0; j < 16; ++j) {
-      sbuf[g * 16 + j] = reinterpret_cast<const float*>(rs[j])[g];
-      bbuf[g * 16 + j] = reinterpret_cast<const float*>(rb[j])[g];
+    float* bbuf = sbuf + static_cast<int64_t>(groups) * 16;
+    int g = 0;
+    for (; g + 4 <= groups; g += 4) {
+      __m512i t[4];
+      transpose16x4(rs, 4 * g, t);
+      for (int i = 0; i < 4; ++i) _mm512_store_si512(sbuf + (g + i) * 16, t[i]);
+      transpose16x4(rb, 4 * g, t);
+      for (int i = 0; i < 4; ++i) _mm512_store_si512(bbuf + (g + i) * 16, t[i]);
     }
+    for (; g < groups; ++g)
+      for (int j = 0; j < 16; ++j) {
+        sbuf[g * 16 + j] = reinterpret_cast<const float*>(rs[j])[g];
+        bbuf[g * 16 + j] = reinterpret_cast<const float*>(rb[j])[g];
+      }
+  }
   // The next block's scales and biases (with float32 parameters a third of the bytes of
   // 4-bit weights in groups of 32), now: read at the start of that block, before its words.
   // (interleaved scales: two blocks ahead, their loads at a block's start stalled on DRAM)
-  const int ahead = scales_il ? 64 : 16;
+  const int ahead = il ? 64 : 16;
   S.prefetch(n0 + ahead, std::max(0, std::min(16, N - n0 - ahead)));
   const int64_t row_bytes = S.stored_row_bytes(K), blk_bytes = 16 * row_bytes;
   fb.next = S.stored_row(wq, n0 + 16 * FEW_PF_AHEAD, K);
@@ -530,26 +529,19 @@ inline void transpose8x4(const char* const* rp, int64_t off, __m256i out[4]) {
 
 // The weight rows of the 8-feature block at n0 (rows past N repeat the last one: computed,
 // never stored) as byte pointers, their scales and biases transposed into sbuf[g][8] and
-// sbuf[groups + g][8]. Returns the block's number of real features.
-// scales_il: the scales and biases are interleaved ([block][group][16]: qmm_a8.h's layout),
-// read in place by the kernel: sbuf is left alone.
+// sbuf[groups + g][8]. Returns the block's number of real features. (The rows layout's:
+// qmm_a8's interleaved blocks are read in place, with no setup.)
 inline int few8_setup(int K, const uint32_t* wq, const Quant& S, int gs,
-                      int bits, int N, int n0, const char** rw, float* sbuf, uint8_t* wtmp = nullptr,
-                      bool scales_il = false, bool rows_unused = false) {
+                      int bits, int N, int n0, const char** rw, float* sbuf, uint8_t* wtmp = nullptr) {
   const int words = K * bits / 32, groups = K / gs, nv = std::min(8, N - n0);
   const char* rs[8];
   const char* rb[8];
   const float *ds, *db;  // the block's rows' scales and biases as float32 (decoded if stored otherwise)
-  if (scales_il) {  // (the kernel reads them in place: qmm_a8.h's il_scales8)
-    for (int j = 0; j < 8; ++j) rw[j] = reinterpret_cast<const char*>(wq);  // (unused: interleaved words)
-    return nv;
-  }
   S.rows(n0, nv, scale_tmp(8, groups), ds, db);
-  // (5-/6-bit rows unpacked into wtmp; rows_unused: the kernel reads its own layout)
-  const char* wrows = rows_unused ? reinterpret_cast<const char*>(wq) : S.weights(wq, n0, nv, K, wtmp);
+  const char* wrows = S.weights(wq, n0, nv, K, wtmp);  // (5-/6-bit rows unpacked into wtmp)
   for (int j = 0; j < 8; ++j) {
     const int64_t r = n0 + std::min(j, nv - 1);
-    rw[j] = rows_unused ? wrows : wrows + (r - n0) * words * 4;
+    rw[j] = wrows + (r - n0) * words * 4;
     rs[j] = reinterpret_cast<const char*>(ds + (r - n0) * groups);
     rb[j] = reinterpret_cast<const char*>(db + (r - n0) * groups);
   }

@@ -37,9 +37,12 @@ inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
 }
+#endif
 
-// R rows per tile: 16, one zmm of int32 lanes (up to 8 rows take the few-row path).
-template <int R> struct A8Vec;
+// W lanes of int32 sums (I) and of floats (F): 16 (a zmm: the VNNI tiles' 16 rows, the
+// few-row paths' 16 features), 8 (a ymm: the AVX2 few-row path's 8 features), 1 (scalar).
+template <int W> struct A8Vec;
+#if defined(__AVX512F__)
 template <> struct A8Vec<16> {
   using I = __m512i;
   using F = __m512;
@@ -55,6 +58,42 @@ template <> struct A8Vec<16> {
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+template <> struct A8Vec<8> {
+  using I = __m256i;
+  using F = __m256;
+  static F fbcast(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+};
+#endif
+template <> struct A8Vec<1> {
+  using I = int32_t;
+  using F = float;
+  static F fbcast(float v) { return v; }
+  static F mul(F a, F b) { return a * b; }
+  static F fma(F a, F b, F c) { return std::fma(a, b, c); }
+  static F cvt(I a) { return static_cast<float>(a); }
+};
+
+// The per-group float step of every qmm_a8 kernel (the formula above), lane by lane:
+// acc + isum * (d * s), then + xs * b, two FMAs in this order (d and xs: the activation
+// row's factor and scaled sum for the group; s and b: the feature's scale and bias).
+template <class V>
+inline typename V::F a8_step(typename V::F acc, typename V::I is, typename V::F d, typename V::F s,
+                             typename V::F xs, typename V::F b) {
+  return V::fma(xs, b, V::fma(V::cvt(is), V::mul(d, s), acc));
+}
+
+// The few-row paths' step for group g: MR rows (pack_a8's tile of R rows: d, xs at [g][R])
+// against one block's scale and bias vectors s and b.
+template <class V, int MR>
+inline void a8_group(typename V::F (&acc)[MR], const typename V::I (&is)[MR], typename V::F s, typename V::F b,
+                     const float* dd, const float* xs, int R, int g) {
+  for (int m = 0; m < MR; ++m)
+    acc[m] = a8_step<V>(acc[m], is[m], V::fbcast(dd[g * R + m]), s, V::fbcast(xs[g * R + m]), b);
+}
 
 // One group of gs values -> q in the weight order (split: the 4-bit split order of each
 // 32-block, even k first), d = amax / 127; returns the sum of q. rint(x * (127 / amax))
@@ -204,11 +243,9 @@ inline void a8_tile(const int8_t* __restrict xq, const float* __restrict dd,
       }
     }
     const typename V::F dv = V::fload(dd + g * R), sv = V::fload(xs + g * R);
-    for (int j = 0; j < NW; ++j) {
-      const typename V::F f = V::mul(dv, V::fbcast(sc[static_cast<int64_t>(j) * G + g]));
-      acc[j] = V::fma(V::cvt(is[j]), f, acc[j]);
-      acc[j] = V::fma(sv, V::fbcast(bi[static_cast<int64_t>(j) * G + g]), acc[j]);
-    }
+    for (int j = 0; j < NW; ++j)
+      acc[j] = a8_step<V>(acc[j], is[j], dv, V::fbcast(sc[static_cast<int64_t>(j) * G + g]), sv,
+                          V::fbcast(bi[static_cast<int64_t>(j) * G + g]));
   }
   for (int j = 0; j < NW; ++j) V::store(out + j * R, acc[j]);
 #else
@@ -222,9 +259,8 @@ inline void a8_tile(const int8_t* __restrict xq, const float* __restrict dd,
           for (int b = 0; b < 4; ++b)
             is += static_cast<int32_t>(wb[static_cast<int64_t>(j) * K + g * gs + u * 4 + b]) *
                   xq[((static_cast<int64_t>(g) * quads + u) * R + i) * 4 + b];
-        const float f = dd[g * R + i] * sc[static_cast<int64_t>(j) * G + g];
-        acc = std::fma(static_cast<float>(is), f, acc);
-        acc = std::fma(xs[g * R + i], bi[static_cast<int64_t>(j) * G + g], acc);
+        acc = a8_step<A8Vec<1>>(acc, is, dd[g * R + i], sc[static_cast<int64_t>(j) * G + g], xs[g * R + i],
+                                bi[static_cast<int64_t>(j) * G + g]);
       }
       out[j * R + i] = acc;
     }
@@ -290,8 +326,8 @@ inline void il16_rows(const uint32_t* wq, int64_t r0, int n, int words, uint32_t
 //
 // Group g's 16 (or, from lane `at`, 8) scales and biases of an interleaved block (sp, bp:
 // the block's arrays, in their stored format) as float32: the exact conversions Quant::rows
-// makes (F16C's vcvtph2ps; bfloat16 is the float's high half; the two-level codes as
-// decode_kq: s = d * a, b = (-e) * c), done as the kernel reads the group instead of in a
+// makes (F16C's vcvtph2ps; bfloat16 is the float's high half; the two-level codes through
+// scales.h's kq_decode16 / kq_decode8: s = d * a, b = (-e) * c), done as the kernel reads the group instead of in a
 // pass over the block first (which wrote 2 x 16 x groups floats a block: Quant::rows was
 // 15% of a 1B decode step's perf samples).
 #if defined(__AVX512F__)
@@ -305,12 +341,9 @@ inline void il_scales16(const void* sp, const void* bp, int fmt, int sb, int g, 
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + at));
   };
   if (fmt == SF_KQ) {
-    const __m512i v = _mm512_cvtepi16_epi32(half16(sp, g * 16));
     const int64_t f = int64_t{g / sb} * 32;  // this super-block's (d, e) vectors
-    const __m512 d = _mm512_cvtph_ps(half16(bp, f));
-    const __m512 e = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(half16(bp, f + 16)));
-    s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24)));
-    c = _mm512_mul_ps(e, _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 8)));
+    kq_decode16(static_cast<const int16_t*>(sp) + g * 16, _mm512_cvtph_ps(half16(bp, f)),
+                _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(half16(bp, f + 16))), s, c);
     return;
   }
   if (fmt == SF_F16) {
@@ -333,12 +366,9 @@ inline void il_scales8(const void* sp, const void* bp, int fmt, int sb, int g, i
     return _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
   };
   if (fmt == SF_KQ) {
-    const __m256i v = _mm256_cvtepi16_epi32(half8(sp, g * 16 + at));
     const int64_t f = int64_t{g / sb} * 32 + at;
-    const __m256 d = _mm256_cvtph_ps(half8(bp, f));
-    const __m256 e = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(half8(bp, f + 16)));
-    s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24)));
-    c = _mm256_mul_ps(e, _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 8)));
+    kq_decode8(static_cast<const int16_t*>(sp) + g * 16 + at, _mm256_cvtph_ps(half8(bp, f)),
+               _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(half8(bp, f + 16))), s, c);
     return;
   }
   if (fmt == SF_F16) {
@@ -371,11 +401,9 @@ inline void il_scale_rows(const Quant& S, int64_t n0, int n, const float*& so, c
     for (int j = 0; j < n; ++j) {
       const int64_t r = n0 + j, blk16 = r / 16, lane = r % 16;
       for (int g = 0; g < G; ++g) {
-        const int16_t c = codes[(blk16 * G + g) * 16 + lane];
         const int64_t f = (blk16 - b0) * per + (g / S.sb) * 32 + lane;
-        const float d = fac[f], e = -fac[f + 16];
-        os[static_cast<int64_t>(j) * G + g] = d * static_cast<float>(static_cast<int8_t>(c & 0xFF));
-        ob[static_cast<int64_t>(j) * G + g] = e * static_cast<float>(static_cast<int16_t>(c >> 8));
+        kq_decode(codes[(blk16 * G + g) * 16 + lane], fac[f], -fac[f + 16], os[static_cast<int64_t>(j) * G + g],
+                  ob[static_cast<int64_t>(j) * G + g]);
       }
     }
     return;
@@ -493,10 +521,9 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
 // every row's dot product with it is one vpdpbusd against its broadcast activation quad.
 // The tiles above broadcast the weights and spend half their work on unpacking and
 // per-group float steps at 8 rows. Per group and row the same float operations as
-// a8_tile: f = d[m, g] * s[n, g], acc = fma(isum, f, acc), acc = fma(xs[m, g], b[n, g],
-// acc), and the integer sums are exact: the tiles' bits (tested).
+// a8_tile (a8_step), and the integer sums are exact: the tiles' bits (tested).
 template <int BITS, int MR, bool IL>
-inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int K,
+[[gnu::noinline]] void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int K,
                          const uint32_t* wq, const Quant& S, int gs,
                          float* y, int N, int n0, float* sbuf) {
   // IL: the block's words interleaved (il16_index): 64 words per 16 bytes of each row
@@ -539,42 +566,16 @@ inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int
       }
     }
     __m512 s, c;
-    if (fb.sil) {
+    if constexpr (IL) {
       il_scales16(fb.sil, fb.bil, fb.fmt, fb.sb, g, s, c);
     } else {
       s = _mm512_loadu_ps(fb.s + g * 16);
       c = _mm512_loadu_ps(fb.b + g * 16);
     }
-    for (int m = 0; m < MR; ++m) {
-      const __m512 f = _mm512_mul_ps(_mm512_set1_ps(dd[g * R + m]), s);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[m]), f, acc[m]);
-      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xs[g * R + m]), c, acc[m]);
-    }
+    a8_group<A8Vec<16>>(acc, is, s, c, dd, xs, R, g);
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << fb.nv) - 1);
   for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
-}
-
-template <int BITS, bool IL>
-void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
-  const int G = K / gs;
-  std::vector<int8_t> xq(static_cast<size_t>(K) * 8);
-  std::vector<float> dd(static_cast<size_t>(G) * 8), xs(dd.size());
-  pack_a8(M, x, M, K, gs, BITS == 4, xq.data(), dd.data(), xs.data());
-  const int blocks = (N + 15) / 16;
-  const int per = stream_chunk(blocks, std::max(1, 4 * 576 / std::max(K, 1)));
-  pool().run((blocks + per - 1) / per, [&](int c) {
-    float* sbuf = few_sbuf(G);
-    const int b1 = std::min(blocks, (c + 1) * per);
-    for (int bl = c * per; bl < b1; ++bl) {
-      const int n0 = bl * 16;
-      auto run = [&](auto mr) {
-        a8_few_block<BITS, decltype(mr)::value, IL>(xq.data(), dd.data(), xs.data(), K, wq, S,
-                                                    gs, y, N, n0, sbuf);
-      };
-      with_rows<8>(M, run);
-    }
-  });
 }
 
 // qmm_a8's few-row path on the planes layout (ilp_base): per 32-k step the block's 4
@@ -582,14 +583,16 @@ void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S
 // mask) (one vpternlogd), then the vpdpbusd of a8_few_block. Groups of 16 (a GGUF's Q6_K) are
 // quads {0, 1, 4, 5} and {2, 3, 6, 7} of a step in the split order; larger groups whole
 // steps. The integer sums are the unpacked bytes' exact sums and the per-group float steps
-// are a8_few_block's, in group order: the rows layout's bits.
+// are a8_few_block's, in group order: the rows layout's bits. The planes layout always
+// comes with interleaved scales (one `interleaved` flag for the weight and its scales:
+// kernels.cpp's qmm_a8, core.nn.interleave_for_a8), read in place.
 template <int BITS, int MR>
 inline void a8_fewp_block(const int8_t* xq, const float* dd, const float* xs, int K,
                           const uint32_t* wq, const Quant& S, int gs,
-                          float* y, int N, int n0, float* sbuf, int R) {
+                          float* y, int N, int n0, int R) {
   // R: pack_a8's tile rows (MR = R but in a last, partial tile of 8)
   const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16) * K * BITS / 2;
-  const FewBlock fb = few_block(K, wq, S, gs, 8, N, n0, sbuf, nullptr, true, true);
+  const FewBlock fb = few_block(K, wq, S, gs, 8, N, n0, nullptr, nullptr, true);
   const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
   const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
   const __m512i mhi = _mm512_set1_epi32(BITS == 6 ? 0x30303030 : 0x10101010);
@@ -604,18 +607,9 @@ inline void a8_fewp_block(const int8_t* xq, const float* dd, const float* xs, in
   };
   auto group = [&](int g) {  // a8_few_block's float steps for group g, then a new integer sum
     __m512 s, c;
-    if (fb.sil) {
-      il_scales16(fb.sil, fb.bil, fb.fmt, fb.sb, g, s, c);
-    } else {
-      s = _mm512_loadu_ps(fb.s + g * 16);
-      c = _mm512_loadu_ps(fb.b + g * 16);
-    }
-    for (int m = 0; m < MR; ++m) {
-      const __m512 f = _mm512_mul_ps(_mm512_set1_ps(dd[g * R + m]), s);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[m]), f, acc[m]);
-      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xs[g * R + m]), c, acc[m]);
-      is[m] = _mm512_setzero_si512();
-    }
+    il_scales16(fb.sil, fb.bil, fb.fmt, fb.sb, g, s, c);
+    a8_group<A8Vec<16>>(acc, is, s, c, dd, xs, R, g);
+    for (int m = 0; m < MR; ++m) is[m] = _mm512_setzero_si512();
   };
   for (int k0 = 0; k0 < K; k0 += 32) {
     prefetch_slice(fb, k0);
@@ -651,28 +645,35 @@ inline void a8_fewp_block(const int8_t* xq, const float* dd, const float* xs, in
   for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
 }
 
-// Every row count: tiles of 8 rows (one tile of exactly M rows up to 8), each 16-row block
-// read from DRAM once and run against every tile while it is in cache (the planes' bytes
-// rebuilt per tile: ALU work, where unpacking rows to bytes for the many-row tiles was a
-// scalar pass over the whole matrix, measured 1.20x -> 1.00x llama.cpp serving 32 rows).
-template <int BITS>
-void qmm_a8_fewp(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
+// The driver of both: the activations in tiles of 8 rows (one tile of exactly M rows up
+// to 8), then each 16-feature block read from DRAM once and run against every tile while
+// it is in cache. PLANES: BITS-bit (5 or 6) weights in the planes layout, a8_fewp_block,
+// at every row count (the planes' bytes rebuilt per tile: ALU work, where unpacking rows
+// to bytes for the many-row tiles was a scalar pass over the whole matrix, measured 1.20x
+// -> 1.00x llama.cpp serving 32 rows); else 4-/8-bit weights (IL: interleaved),
+// a8_few_block, up to 8 rows (more: the tiles of 16 rows).
+template <int BITS, bool IL, bool PLANES = false>
+void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
   const int G = K / gs, R = std::min(8, M), tiles = (M + R - 1) / R;
   std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
   std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
-  pack_a8(R, x, M, K, gs, true, xq.data(), dd.data(), xs.data());
+  pack_a8(R, x, M, K, gs, PLANES || BITS == 4, xq.data(), dd.data(), xs.data());
   const int blocks = (N + 15) / 16;
   const int per = stream_chunk(blocks, std::max(1, 4 * 576 / std::max(K, 1)));
   pool().run((blocks + per - 1) / per, [&](int c) {
-    float* sbuf = few_sbuf(G);
+    float* sbuf = IL || PLANES ? nullptr : few_sbuf(G);  // (interleaved scales: read in place)
     const int b1 = std::min(blocks, (c + 1) * per);
     for (int bl = c * per; bl < b1; ++bl)
       for (int t = 0; t < tiles; ++t)
         with_rows<8>(std::min(R, M - t * R), [&](auto mr) {
-          a8_fewp_block<BITS, decltype(mr)::value>(
-              xq.data() + static_cast<int64_t>(t) * K * R, dd.data() + static_cast<int64_t>(t) * G * R,
-              xs.data() + static_cast<int64_t>(t) * G * R, K, wq, S, gs, y + static_cast<int64_t>(t) * R * N, N,
-              bl * 16, sbuf, R);
+          const int8_t* xt = xq.data() + static_cast<int64_t>(t) * K * R;
+          const float* dt = dd.data() + static_cast<int64_t>(t) * G * R;
+          const float* st = xs.data() + static_cast<int64_t>(t) * G * R;
+          float* yt = y + static_cast<int64_t>(t) * R * N;
+          if constexpr (PLANES)
+            a8_fewp_block<BITS, decltype(mr)::value>(xt, dt, st, K, wq, S, gs, yt, N, bl * 16, R);
+          else  // (one tile: R = M = MR)
+            a8_few_block<BITS, decltype(mr)::value, IL>(xt, dt, st, K, wq, S, gs, yt, N, bl * 16, sbuf);
         });
   });
 }
@@ -692,11 +693,12 @@ void qmm_a8_fewp(const float* x, int M, int K, const uint32_t* wq, const Quant& 
 // weight and combined in int32 (vpmaddwd by 16 and by 1). The integer sums are exact, so
 // the per-group float steps (the same as a8_tile's) give the tiles' bits on every build.
 // One 8-row tile against the feature block at n0, whose rows rw, real width nv and
-// transposed scales/biases sbuf few8_setup prepared (once per block, for every tile).
+// transposed scales/biases sbuf few8_setup prepared (once per block, for every tile; IL:
+// the interleaved words and scales, read in place: rw and sbuf unused).
 template <int BITS, int MR, bool IL>
 inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, int K,
                           const uint32_t* wq, const char* const* rw, int nv, int gs,
-                          float* y, int N, int n0, const float* sbuf, const Quant& S, bool sil, int R) {
+                          float* y, int N, int n0, const float* sbuf, const Quant& S, int R) {
   // IL: the 16-row block's words interleaved (il16_index); this 8-row block is its half
   const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16 * 16) * (K * BITS / 32) + n0 % 16;
   auto load8 = [&](int64_t off, __m256i* wv) {  // words i of the 8 rows at byte `off` of each
@@ -709,7 +711,6 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
   };
   // pack_a8's tile: quad u of row m at xq + (u * R + m) * 4 (R = M when M < 8)
   const int groups = K / gs;
-  const float* bbuf = sbuf + static_cast<int64_t>(groups) * 8;
   const char* ps = static_cast<const char*>(S.s) + int64_t{n0 / 16 * 16} * S.s_row_bytes();
   const char* pb = static_cast<const char*>(S.b) + int64_t{n0 / 16 * 16} * S.b_row_bytes();
   const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
@@ -791,62 +792,19 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
 #endif
     }
     __m256 s, c;
-    if (sil) {  // interleaved scales and biases, read in place (this half of the 16-row block)
+    if constexpr (IL) {  // interleaved scales and biases, read in place (this half of the 16-row block)
       il_scales8(ps, pb, S.fmt, S.sb, g, n0 % 16, s, c);
     } else {
       s = _mm256_load_ps(sbuf + g * 8);
-      c = _mm256_load_ps(bbuf + g * 8);
+      c = _mm256_load_ps(sbuf + (groups + g) * 8);
     }
-    for (int m = 0; m < MR; ++m) {
-      const __m256 f = _mm256_mul_ps(_mm256_set1_ps(dd[g * R + m]), s);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), f, acc[m]);
-      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(xs[g * R + m]), c, acc[m]);
-    }
+    a8_group<A8Vec<8>>(acc, is, s, c, dd, xs, R, g);
   }
   alignas(32) static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
   const __m256i keep = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 - nv));
   for (int m = 0; m < MR; ++m) _mm256_maskstore_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
 }
 
-template <int BITS, bool IL>
-void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
-  const int R = std::min(8, M);  // (one tile of exactly M rows for a few rows)
-  const int G = K / gs, tiles = (M + R - 1) / R;
-  std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
-  std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
-  pack_a8(R, x, M, K, gs, BITS == 4, xq.data(), dd.data(), xs.data());
-  const int blocks = (N + 7) / 8;
-  const int per = stream_chunk(blocks, std::max(1, 8 * 576 / std::max(K, 1)));
-  pool().run((blocks + per - 1) / per, [&](int c) {
-    thread_local std::vector<float> sb;
-    const size_t need = static_cast<size_t>(16 * G + 8);  // + 8: alignment
-    if (sb.size() < need) sb.resize(need);
-    float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 31) & ~uintptr_t{31});
-    const int b1 = std::min(blocks, (c + 1) * per);
-    for (int bl = c * per; bl < b1; ++bl) {
-      const char* rw[8];
-      if (IL)  // the scales 4 blocks of 16 ahead (few_block's distance)
-        S.prefetch(bl * 8 + 64, std::max(0, std::min(8, N - bl * 8 - 64)));
-      const int nv = few8_setup(K, wq, S, gs, BITS, N, bl * 8, rw, sbuf,
-                                S.unpacks() ? weight_tmp(int64_t{8} * K) : nullptr, IL);
-      // every pass of 8 rows over this block while its weights are in L1
-      for (int t = 0; t < tiles; ++t) {
-        const int8_t* xt = xq.data() + static_cast<int64_t>(t) * K * R;
-        const float* dt = dd.data() + static_cast<int64_t>(t) * G * R;
-        const float* st = xs.data() + static_cast<int64_t>(t) * G * R;
-        float* yt = y + static_cast<int64_t>(t) * R * N;
-        auto run = [&](auto mr) {
-          a8_few8_block<BITS, decltype(mr)::value, IL>(xt, dt, st, K, wq, rw, nv, gs, yt, N, bl * 8, sbuf, S,
-                                                      IL, R);
-        };
-        with_rows<8>(std::min(R, M - t * R), run);
-      }
-    }
-  });
-}
-#endif
-
-#if defined(FX_A8_AVX2)
 // a8_fewp_block at 8 features per ymm (this 8-row half of each 16-row block: its lanes
 // n0 % 16 .. + 8 of the planes' words), every row count in tiles of 8 rows. Without
 // AVX-VNNI, vpmaddubsw adds pairs of u8 x s8 products in saturating int16: a 6-bit pair is
@@ -854,11 +812,8 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
 // each vpmaddwd; the int32 sums are the rows layout's exact integers.
 template <int BITS, int MR>
 inline void a8_few8_blockp(const int8_t* xq, const float* dd, const float* xs, int K,
-                           const uint32_t* wq, int gs, float* y, int N, int n0, const float* sbuf,
-                           const Quant& S, bool sil, int R) {
+                           const uint32_t* wq, int nv, int gs, float* y, int N, int n0, const Quant& S, int R) {
   const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16) * K * BITS / 2 + n0 % 16;
-  const int groups = K / gs;
-  const float* bbuf = sbuf + static_cast<int64_t>(groups) * 8;
   const char* ps = static_cast<const char*>(S.s) + int64_t{n0 / 16 * 16} * S.s_row_bytes();
   const char* pb = static_cast<const char*>(S.b) + int64_t{n0 / 16 * 16} * S.b_row_bytes();
   const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
@@ -876,18 +831,9 @@ inline void a8_few8_blockp(const int8_t* xq, const float* dd, const float* xs, i
   auto xb = [&](int u, int m) { return _mm256_set1_epi32(xq4[u * R + m]); };
   auto group = [&](int g) {  // a8_few8_block's float steps for group g, then a new integer sum
     __m256 s, c;
-    if (sil) {
-      il_scales8(ps, pb, S.fmt, S.sb, g, n0 % 16, s, c);
-    } else {
-      s = _mm256_load_ps(sbuf + g * 8);
-      c = _mm256_load_ps(bbuf + g * 8);
-    }
-    for (int m = 0; m < MR; ++m) {
-      const __m256 f = _mm256_mul_ps(_mm256_set1_ps(dd[g * R + m]), s);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), f, acc[m]);
-      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(xs[g * R + m]), c, acc[m]);
-      is[m] = _mm256_setzero_si256();
-    }
+    il_scales8(ps, pb, S.fmt, S.sb, g, n0 % 16, s, c);  // (interleaved scales, as a8_fewp_block's)
+    a8_group<A8Vec<8>>(acc, is, s, c, dd, xs, R, g);
+    for (int m = 0; m < MR; ++m) is[m] = _mm256_setzero_si256();
   };
   for (int k0 = 0; k0 < K; k0 += 32) {
     for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
@@ -930,38 +876,53 @@ inline void a8_few8_blockp(const int8_t* xq, const float* dd, const float* xs, i
     }
   }
   alignas(32) static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-  const int nv = std::min(8, N - n0);
   const __m256i keep = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 - nv));
   for (int m = 0; m < MR; ++m) _mm256_maskstore_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
 }
 
-template <int BITS>
-void qmm_a8_few8p(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
-  const int R = std::min(8, M);  // (one tile of exactly M rows for a few rows)
+// The driver of both: the activations in tiles of 8 rows (one tile of exactly M rows up
+// to 8), then each 8-feature block run against every tile while its weights are in L1
+// (the rows layout's block set up once for all tiles: few8_setup). PLANES: BITS-bit (5 or
+// 6) weights in the planes layout, a8_few8_blockp; else 4-/8-bit ones (IL: interleaved),
+// a8_few8_block.
+template <int BITS, bool IL, bool PLANES = false>
+void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
+  constexpr bool il = IL || PLANES;  // (the planes layout is interleaved, scales too)
+  const int R = std::min(8, M);
   const int G = K / gs, tiles = (M + R - 1) / R;
   std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
   std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
-  pack_a8(R, x, M, K, gs, true, xq.data(), dd.data(), xs.data());
+  pack_a8(R, x, M, K, gs, PLANES || BITS == 4, xq.data(), dd.data(), xs.data());
   const int blocks = (N + 7) / 8;
-  const bool sil = true;  // (interleaved scales, every format)
   const int per = stream_chunk(blocks, std::max(1, 8 * 576 / std::max(K, 1)));
   pool().run((blocks + per - 1) / per, [&](int c) {
-    thread_local std::vector<float> sb;
-    const size_t need = static_cast<size_t>(16 * G + 8);  // + 8: alignment
-    if (sb.size() < need) sb.resize(need);
-    float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 31) & ~uintptr_t{31});
+    float* sbuf = nullptr;  // the rows layout's transposed scales and biases: [2][G][8]
+    if constexpr (!il) {
+      thread_local std::vector<float> sb;
+      const size_t need = static_cast<size_t>(16 * G + 8);  // + 8: alignment
+      if (sb.size() < need) sb.resize(need);
+      sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 31) & ~uintptr_t{31});
+    }
     const int b1 = std::min(blocks, (c + 1) * per);
     for (int bl = c * per; bl < b1; ++bl) {
       const char* rw[8];
-      if (sil)  // the scales 4 blocks of 16 ahead (few_block's distance)
+      int nv;
+      if constexpr (il) {  // the scales 4 blocks of 16 ahead (few_block's distance)
         S.prefetch(bl * 8 + 64, std::max(0, std::min(8, N - bl * 8 - 64)));
-      few8_setup(K, wq, S, gs, 8, N, bl * 8, rw, sbuf, nullptr, sil, true);
+        nv = std::min(8, N - bl * 8);
+      } else {
+        nv = few8_setup(K, wq, S, gs, BITS, N, bl * 8, rw, sbuf, S.unpacks() ? weight_tmp(int64_t{8} * K) : nullptr);
+      }
       for (int t = 0; t < tiles; ++t) {
+        const int8_t* xt = xq.data() + static_cast<int64_t>(t) * K * R;
+        const float* dt = dd.data() + static_cast<int64_t>(t) * G * R;
+        const float* st = xs.data() + static_cast<int64_t>(t) * G * R;
+        float* yt = y + static_cast<int64_t>(t) * R * N;
         with_rows<8>(std::min(R, M - t * R), [&](auto mr) {
-          a8_few8_blockp<BITS, decltype(mr)::value>(xq.data() + static_cast<int64_t>(t) * K * R,
-                                              dd.data() + static_cast<int64_t>(t) * G * R,
-                                              xs.data() + static_cast<int64_t>(t) * G * R, K, wq, gs,
-                                              y + static_cast<int64_t>(t) * R * N, N, bl * 8, sbuf, S, sil, R);
+          if constexpr (PLANES)
+            a8_few8_blockp<BITS, decltype(mr)::value>(xt, dt, st, K, wq, nv, gs, yt, N, bl * 8, S, R);
+          else
+            a8_few8_block<BITS, decltype(mr)::value, IL>(xt, dt, st, K, wq, rw, nv, gs, yt, N, bl * 8, sbuf, S, R);
         });
       }
     }
@@ -982,14 +943,16 @@ void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S
   };
 #if defined(FX_A8_AVX2)
   if (il && S.unpacks())  // 5-/6-bit weights in the planes layout
-    return S.wbits == 6 ? qmm_a8_few8p<6>(x, M, K, wq, S, gs, y, N) : qmm_a8_few8p<5>(x, M, K, wq, S, gs, y, N);
+    return S.wbits == 6 ? qmm_a8_few8<6, true, true>(x, M, K, wq, S, gs, y, N)
+                        : qmm_a8_few8<5, true, true>(x, M, K, wq, S, gs, y, N);
   return with_bits(bits, [&](auto b) {
     with_il([&](auto l) { qmm_a8_few8<decltype(b)::value, decltype(l)::value>(x, M, K, wq, S, gs, y, N); });
   });
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   if (il && S.unpacks())  // 5-/6-bit weights in the planes layout, every row count
-    return S.wbits == 6 ? qmm_a8_fewp<6>(x, M, K, wq, S, gs, y, N) : qmm_a8_fewp<5>(x, M, K, wq, S, gs, y, N);
+    return S.wbits == 6 ? qmm_a8_few<6, true, true>(x, M, K, wq, S, gs, y, N)
+                        : qmm_a8_few<5, true, true>(x, M, K, wq, S, gs, y, N);
   if (M <= 8)
     return with_bits(bits, [&](auto b) {
       with_il([&](auto l) { qmm_a8_few<decltype(b)::value, decltype(l)::value>(x, M, K, wq, S, gs, y, N); });

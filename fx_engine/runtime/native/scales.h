@@ -71,22 +71,46 @@ enum ScaleFmt : int {
   SF_KQ = 3,
 };
 
-// One super-block of the two-level form: sb groups' codes c and the factors (d, e) -> s =
-// d * a, b = -(e * c) = (-e) * c (the same float: negation is exact). Written so the
-// compiler vectorizes it (the codes' bytes sign-extended, one multiply each).
+// The two-level form's decode, one helper per width: code c (int16: a signed scale code a
+// in the low byte, a signed bias code in the high one) and the factors d and ne = -e ->
+// s = d * a, b = ne * c = -(e * c) (the same float: negation is exact). Every copy of that
+// arithmetic runs through these: decode_kq_block / decode_kq below, qmm_a8.h's
+// il_scales16 / il_scales8 / il_scale_rows. Each caller negates e as it always has (the
+// in-kernel readers il_scales16 / il_scales8 as 0 - e: the same float but for a zero e,
+// +0 for -0, which no qmm_a8 sum can tell apart: its accumulators start at +0). Python's
+// copy is fx_engine.core.nn.group_params (the MLX fallbacks' view): the same floats.
+inline void kq_decode(int16_t c, float d, float ne, float& s, float& b) {
+  s = d * static_cast<float>(static_cast<int8_t>(c & 0xFF));
+  b = ne * static_cast<float>(static_cast<int16_t>(c >> 8));
+}
+#if defined(__AVX2__)
+// 8 codes at c (sign-extended to int32, their low and high bytes sign-extended in place,
+// converted: exact), times the factors' vectors (one rounding multiply each).
+inline void kq_decode8(const int16_t* c, __m256 d, __m256 ne, __m256& s, __m256& b) {
+  const __m256i v = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+  s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24)));
+  b = _mm256_mul_ps(ne, _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 8)));
+}
+#endif
+#if defined(__AVX512F__)
+// 16 codes at c: kq_decode8 at 16 lanes.
+inline void kq_decode16(const int16_t* c, __m512 d, __m512 ne, __m512& s, __m512& b) {
+  const __m512i v = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+  s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24)));
+  b = _mm512_mul_ps(ne, _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 8)));
+}
+#endif
+
+// One super-block of the two-level form: sb groups' codes c and the factors (d, e).
+// Written so the compiler vectorizes it (the codes' bytes sign-extended, one multiply each).
 inline void decode_kq_block(const int16_t* c, const uint16_t* f, int sb, float* so, float* bo) {
   const float d = half_to_float(f[0]), e = -half_to_float(f[1]);
-  for (int g = 0; g < sb; ++g) {
-    so[g] = d * static_cast<float>(static_cast<int8_t>(c[g] & 0xFF));
-    bo[g] = e * static_cast<float>(static_cast<int16_t>(c[g] >> 8));
-  }
+  for (int g = 0; g < sb; ++g) kq_decode(c[g], d, e, so[g], bo[g]);
 }
 
 // `blocks` super-blocks of sb groups each (codes c, factors f: (d, e) per super-block).
-// With AVX2 (and AVX-512 builds), 8 groups per step: the codes sign-extended to int32,
-// their low and high bytes sign-extended in place, converted, times the broadcast factor
-// (sb is a multiple of 8 for every K-quant: 8 or 16); elsewhere the scalar blocks. The
-// same floats either way (one exact conversion, one rounding multiply).
+// With AVX2 (and AVX-512 builds), 8 groups per step (kq_decode8: sb is a multiple of 8 for
+// every K-quant: 8 or 16); elsewhere the scalar blocks. The same floats either way.
 inline void decode_kq(const int16_t* c, const uint16_t* f, int64_t blocks, int sb, float* so, float* bo) {
 #if defined(__AVX2__)
   if (sb % 8 == 0) {
@@ -96,11 +120,10 @@ inline void decode_kq(const int16_t* c, const uint16_t* f, int64_t blocks, int s
     for (int64_t u = 0; u < blocks; ++u) {
       const __m256 d = _mm256_set1_ps(fac[2 * u]), e = _mm256_set1_ps(-fac[2 * u + 1]);
       for (int64_t g = u * sb; g < (u + 1) * sb; g += 8) {
-        const __m256i v = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + g)));
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 8));
-        _mm256_storeu_ps(so + g, _mm256_mul_ps(d, lo));
-        _mm256_storeu_ps(bo + g, _mm256_mul_ps(e, hi));
+        __m256 s, b;
+        kq_decode8(c + g, d, e, s, b);
+        _mm256_storeu_ps(so + g, s);
+        _mm256_storeu_ps(bo + g, b);
       }
     }
     return;
