@@ -17,6 +17,20 @@ from fx_engine.engine.drafters import PromptLookup
 from fx_engine.engine.generate import reference_generate
 
 
+class RecordsRows:
+    """A drafter mixin keeping the rows it makes (`drafter.rows`: to look at a row's
+    drafter cache after generation): `class Recording(RecordsRows, Eagle3Drafter)`."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.rows: list[Any] = []
+
+    def new_row(self, prompt: Any, sampling: Any) -> Any:
+        row = super().new_row(prompt, sampling)  # type: ignore[misc]
+        self.rows.append(row)
+        return row
+
+
 def quantize_checkpoint(folder: Any, group_size: int = 32, bits: int = 4) -> Any:
     """Rewrite a tiny checkpoint folder's model.safetensors MLX affine-quantized as
     mlx-community's conversions store it: every 2-D `.weight` whose input width divides into

@@ -21,23 +21,15 @@ from fx_engine.engine.generate import reference_generate
 from fx_engine.engine.image_prompt import image_prompt, step_images
 from fx_engine.testing.eagle3 import write_tiny_eagle3
 from fx_engine.testing.vision import write_tiny_idefics3
+from tests.engine.drafter_checks import RecordsRows
 from tests.models.vision_checks import messages, png
 
 HEAD = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=384,
             draft_vocab_size=128, intermediate_size=96, eagle_aux_hidden_state_layer_ids=[0, 1, 1])
 
 
-class Recording(Eagle3Drafter):
+class Recording(RecordsRows, Eagle3Drafter):
     """The drafter, keeping its rows (to look at a row's head after generation)."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.rows = []
-
-    def new_row(self, prompt, sampling):
-        row = super().new_row(prompt, sampling)
-        self.rows.append(row)
-        return row
 
 
 @pytest.fixture(scope="module")

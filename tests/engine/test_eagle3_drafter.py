@@ -37,17 +37,8 @@ def random_head(target, tmp_path_factory):
     return Eagle3Drafter.load(write_tiny_eagle3(tmp_path_factory.mktemp("head") / "h", 64, seed=3, **HEAD), target)
 
 
-class Recording(Eagle3Drafter):
+class Recording(drafter_checks.RecordsRows, Eagle3Drafter):
     """The drafter, keeping its rows (to look at a row's head after generation)."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.rows = []
-
-    def new_row(self, prompt, sampling):
-        row = super().new_row(prompt, sampling)
-        self.rows.append(row)
-        return row
 
 
 @pytest.fixture(scope="module")

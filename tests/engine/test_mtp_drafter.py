@@ -40,17 +40,8 @@ def targets(tmp_path_factory):
     return out
 
 
-class Recording(MtpDrafter):
+class Recording(drafter_checks.RecordsRows, MtpDrafter):
     """The drafter, keeping its rows (to look at a row's module cache after generation)."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.rows = []
-
-    def new_row(self, prompt, sampling):
-        row = super().new_row(prompt, sampling)
-        self.rows.append(row)
-        return row
 
 
 @pytest.fixture(scope="module")

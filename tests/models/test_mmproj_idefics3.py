@@ -11,7 +11,6 @@ for F16 / Q8_0 matrices) and the folder's greedy generation with a tiled image.
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import types
@@ -26,6 +25,8 @@ from fx_engine.core.checkpoint import WeightsError
 from fx_engine.core.config import ConfigError
 from fx_engine.core.vision import idefics3
 from fx_engine.loading.vision import load_vision
+
+from tests.models.vision_checks import messages, png
 
 gguf = pytest.importorskip("gguf")
 
@@ -49,17 +50,11 @@ def _tiles(n: int = 3, seed: int = 3) -> mx.array:
 
 
 def _png(seed: int, size=(52, 40)) -> bytes:
-    from PIL import Image
-
-    arr = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
+    return png(seed, size)
 
 
 def _messages(*images: bytes) -> list[dict]:
-    return [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
-                                         {"type": "text", "text": "What is in the picture?"}]}]
+    return messages(*images, text="What is in the picture?")
 
 
 def test_mmproj_config_and_processor_match_the_folder(pair, models):

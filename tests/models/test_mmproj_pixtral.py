@@ -12,7 +12,6 @@ folder's greedy generation with images of two sizes.
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import types
@@ -27,6 +26,8 @@ from fx_engine.core.checkpoint import WeightsError
 from fx_engine.core.config import ConfigError
 from fx_engine.core.vision import pixtral
 from fx_engine.loading.vision import load_vision
+
+from tests.models.vision_checks import messages, png
 
 gguf = pytest.importorskip("gguf")
 
@@ -50,17 +51,11 @@ def _pixels(h: int = 32, w: int = 48, seed: int = 3) -> mx.array:
 
 
 def _png(seed: int, size=(52, 40)) -> bytes:
-    from PIL import Image
-
-    arr = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
+    return png(seed, size)
 
 
 def _messages(*images: bytes) -> list[dict]:
-    return [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
-                                         {"type": "text", "text": "What is in the picture?"}]}]
+    return messages(*images, text="What is in the picture?")
 
 
 def test_mmproj_config_and_processor_match_the_folder(pair, models):

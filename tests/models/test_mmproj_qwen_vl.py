@@ -17,7 +17,6 @@ folder's greedy generation with the mmproj's image path put on the folder's text
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import types
@@ -35,6 +34,8 @@ from fx_engine.engine.image_prompt import _vision_module
 from fx_engine.loading.images_qwen2_vl import preprocess_one
 from fx_engine.loading.mmproj import load_mmproj
 from fx_engine.testing.vision import write_tiny_qwen2_vl, write_tiny_qwen3_vl
+
+from tests.models.vision_checks import messages, png
 
 gguf = pytest.importorskip("gguf")
 
@@ -74,16 +75,11 @@ def _image(seed: int, size=(52, 40)) -> np.ndarray:
 
 
 def _png(seed: int, size=(52, 40)) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(_image(seed, size)).save(buf, format="PNG")
-    return buf.getvalue()
+    return png(seed, size)
 
 
 def _messages(*images: bytes) -> list[dict]:
-    return [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
-                                         {"type": "text", "text": "What is in the picture?"}]}]
+    return messages(*images, text="What is in the picture?")
 
 
 def test_the_file_is_written_as_llama_cpp_does(case):
