@@ -523,7 +523,7 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
 // per-group float steps at 8 rows. Per group and row the same float operations as
 // a8_tile (a8_step), and the integer sums are exact: the tiles' bits (tested).
 template <int BITS, int MR, bool IL>
-[[gnu::noinline]] void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int K,
+inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int K,
                          const uint32_t* wq, const Quant& S, int gs,
                          float* y, int N, int n0, float* sbuf) {
   // IL: the block's words interleaved (il16_index): 64 words per 16 bytes of each row
@@ -663,18 +663,22 @@ void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S
   pool().run((blocks + per - 1) / per, [&](int c) {
     float* sbuf = IL || PLANES ? nullptr : few_sbuf(G);  // (interleaved scales: read in place)
     const int b1 = std::min(blocks, (c + 1) * per);
-    for (int bl = c * per; bl < b1; ++bl)
-      for (int t = 0; t < tiles; ++t)
-        with_rows<8>(std::min(R, M - t * R), [&](auto mr) {
-          const int8_t* xt = xq.data() + static_cast<int64_t>(t) * K * R;
-          const float* dt = dd.data() + static_cast<int64_t>(t) * G * R;
-          const float* st = xs.data() + static_cast<int64_t>(t) * G * R;
-          float* yt = y + static_cast<int64_t>(t) * R * N;
-          if constexpr (PLANES)
-            a8_fewp_block<BITS, decltype(mr)::value>(xt, dt, st, K, wq, S, gs, yt, N, bl * 16, R);
-          else  // (one tile: R = M = MR)
-            a8_few_block<BITS, decltype(mr)::value, IL>(xt, dt, st, K, wq, S, gs, yt, N, bl * 16, sbuf);
+    for (int bl = c * per; bl < b1; ++bl) {
+      if constexpr (PLANES) {
+        for (int t = 0; t < tiles; ++t)
+          with_rows<8>(std::min(R, M - t * R), [&](auto mr) {
+            a8_fewp_block<BITS, decltype(mr)::value>(
+                xq.data() + static_cast<int64_t>(t) * K * R, dd.data() + static_cast<int64_t>(t) * G * R,
+                xs.data() + static_cast<int64_t>(t) * G * R, K, wq, S, gs, y + static_cast<int64_t>(t) * R * N, N,
+                bl * 16, R);
+          });
+      } else {  // (up to 8 rows: one tile, R = M = MR)
+        with_rows<8>(M, [&](auto mr) {
+          a8_few_block<BITS, decltype(mr)::value, IL>(xq.data(), dd.data(), xs.data(), K, wq, S, gs, y, N, bl * 16,
+                                                      sbuf);
         });
+      }
+    }
   });
 }
 #define FX_A8_PLANES 1  // qmm_a8 reads 5-/6-bit weights in the planes layout (ilp_base)
