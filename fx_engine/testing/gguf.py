@@ -77,13 +77,7 @@ def write_gemma_gguf(folder: str | Path, out: str | Path, arch: str = "gemma3") 
     if arch == "gemma2":
         w.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
         w.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
-    add_bpe_tokenizer(w, folder, cfg["eos_token_id"])
-    if cfg.get("bos_token_id") is not None:
-        w.add_uint32("tokenizer.ggml.bos_token_id", cfg["bos_token_id"])
-    tc = json.loads((folder / "tokenizer_config.json").read_text())
-    w.add_bool("tokenizer.ggml.add_bos_token", bool(tc.get("add_bos_token", False)))
-    if tc.get("chat_template"):
-        w.add_string("tokenizer.chat_template", tc["chat_template"])
+    _add_tokenizer(w, folder, cfg["eos_token_id"], cfg.get("bos_token_id"))
     for name, x in sorted(mx.load(str(folder / "model.safetensors")).items()):
         if "text_config" in raw and not name.startswith("language_model."):
             continue  # (the vision tower and projector: the mmproj file's)
@@ -100,6 +94,18 @@ def write_gemma_gguf(folder: str | Path, out: str | Path, arch: str = "gemma3") 
 def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's LlamaModel.permute: each head's rows from half-split to interleaved pairs."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _add_tokenizer(w: Any, folder: Path, eos: Any, bos: int | None) -> None:
+    """The folder's byte-level BPE vocabulary, its BOS / EOS ids, add_bos_token and chat
+    template as the GGUF tokenizer.* keys llama.cpp's converters write."""
+    add_bpe_tokenizer(w, folder, eos)
+    if bos is not None:
+        w.add_uint32("tokenizer.ggml.bos_token_id", bos)
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    w.add_bool("tokenizer.ggml.add_bos_token", bool(tc.get("add_bos_token", False)))
+    if tc.get("chat_template"):
+        w.add_string("tokenizer.chat_template", tc["chat_template"])
 
 
 def write_llama_gguf(folder: str | Path, out: str | Path) -> Path:
@@ -151,13 +157,7 @@ def _write_text_gguf(folder: str | Path, out: str | Path, arch: str) -> Path:
         w.add_array(f"{arch}.rope.dimension_sections", sections + [0] * max(0, 4 - len(sections)))
     if arch == "qwen3vl":
         w.add_uint32("qwen3vl.n_deepstack_layers", len(raw["vision_config"].get("deepstack_visual_indexes", [])))
-    add_bpe_tokenizer(w, folder, raw.get("eos_token_id", cfg["eos_token_id"]))
-    if cfg.get("bos_token_id") is not None:
-        w.add_uint32("tokenizer.ggml.bos_token_id", cfg["bos_token_id"])
-    tc = json.loads((folder / "tokenizer_config.json").read_text())
-    w.add_bool("tokenizer.ggml.add_bos_token", bool(tc.get("add_bos_token", False)))
-    if tc.get("chat_template"):
-        w.add_string("tokenizer.chat_template", tc["chat_template"])
+    _add_tokenizer(w, folder, raw.get("eos_token_id", cfg["eos_token_id"]), cfg.get("bos_token_id"))
     for name, x in sorted(mx.load(str(folder / "model.safetensors")).items()):
         # (a multimodal folder's text model: Idefics3's, transformers >= 4.52's, earlier ones')
         for old, new in (("model.text_model.", "model."), ("model.language_model.", "model."),
