@@ -45,7 +45,8 @@ image is resized to fit the processor's longest edge in multiples of patch_size 
 spatial_merge_size pixels (loading/images_pixtral.py, no tiling), and the placeholder
 becomes its rows of image tokens, each row ended by [IMG_BREAK], the last by [IMG_END]
 (core/vision/pixtral.prompt_ids; the break / end ids from the tokenizer). `spans` are the
-rows' runs; the images are encoded one at a time (one compiled trace per image size).
+rows' runs; the images are encoded one at a time (one compiled trace per image-size bucket:
+core/vision/buckets.py).
 """
 
 from __future__ import annotations
@@ -320,7 +321,7 @@ def _text_ids(tok: Any, piece: str) -> list[int]:
 def _encode_each(inputs: Sequence[Any], digests: Sequence[str], cache: EncoderCache | None,
                  encode_one: Any) -> list[mx.array]:
     """Each image's encoding, evaluated: taken from `cache` by its digest, else
-    `encode_one(input)` alone (one compiled trace per image size: an image encodes alike
+    `encode_one(input)` alone (one compiled trace per image-size bucket: an image encodes alike
     alone or with others) and cached."""
     have = []
     for item, digest in zip(inputs, digests):
@@ -512,7 +513,7 @@ def _qwen2_vl_prompt(model: Any, vision: Any, text: str, images: list[Any], cach
 def _encode_qwen2_vl(vision: Any, done: Sequence[tuple[np.ndarray, tuple]], digests: Sequence[str],
                      cache: EncoderCache | None) -> tuple[mx.array, mx.array | None]:
     """The images' rows [sum of image tokens, H] and DeepStack rows [L, sum, H] (Qwen3-VL;
-    else None), evaluated: each image encoded alone (one compiled trace per image size; an
+    else None), evaluated: each image encoded alone (one compiled trace per image-size bucket; an
     image encodes alike alone or with others) or taken from `cache` (Qwen3-VL's cached as
     one [1 + L, tokens, H] array)."""
     encode = _vision_module(vision).encode_images_compiled

@@ -146,18 +146,54 @@ def test_window_order_is_mlx_vlms(towers):
         assert (np.diff(cu) // cfg.merge_unit).tolist() == lens
 
 
-def test_compiled_encoder_equals_eager_and_traces_once_per_grid(towers):
-    _, _, params, _ = towers()
-    grid = GRIDS["two images"]
+@pytest.mark.parametrize("mt", ["qwen2_5_vl", "qwen2_vl"])
+@pytest.mark.parametrize("grid", list(GRIDS.values()), ids=list(GRIDS))
+def test_compiled_padded_encoder_matches_mlx_vlm(towers, mt, grid):
+    """The compiled forward pads the patches to a size bucket (padding patches, window and
+    frame slots that real tokens never attend to): mlx-vlm's unpadded output all the same."""
+    cfg, _, params, ref = towers(mt)
     pix = _patches(grid, seed=6)
+    assert qwen2_vl.padded_tokens(qwen2_vl._grids(grid, cfg), cfg.merge_unit) >= pix.shape[0]
+    got = qwen2_vl.encode_images_compiled(params, pix, grid)
+    assert got.shape == (sum(cfg.image_tokens(x) for x in grid), 40)
+    _close(got, ref(pix, mx.array(grid)))
+
+
+def test_compiled_encoder_traces_once_per_size_bucket(towers):
+    """Images whose merged-token count and window count fall in the same buckets share one
+    trace (4 x 5, 5 x 4 and 3 x 6 merged tokens: 20 padded, 6 windows); another bucket
+    traces once more; the padding never reaches the output (bucket neighbours encode alike
+    alone and as the eager unpadded forward)."""
+    _, _, params, _ = towers()
     fn = qwen2_vl._compiled
     before = fn.traces
-    eager = qwen2_vl.encode_images(params, pix, grid)
-    _close(qwen2_vl.encode_images_compiled(params, pix, grid), eager)
-    qwen2_vl.encode_images_compiled(params, _patches(grid, seed=7), np.array(grid))
+    same = [[[1, 8, 10]], [[1, 10, 8]], [[1, 6, 12]]]
+    for i, grid in enumerate(same):
+        pix = _patches(grid, seed=10 + i)
+        _close(qwen2_vl.encode_images_compiled(params, pix, np.array(grid)), qwen2_vl.encode_images(params, pix, grid))
     assert fn.traces - before == 1
-    qwen2_vl.encode_images_compiled(params, _patches(GRIDS["one"]), GRIDS["one"])
+    qwen2_vl.encode_images_compiled(params, _patches([[1, 12, 14]]), [[1, 12, 14]])  # 42 -> 48 tokens
     assert fn.traces - before == 2
+    qwen2_vl.encode_images_compiled(params, _patches([[1, 14, 12]], seed=3), [[1, 14, 12]])
+    assert fn.traces - before == 2
+
+
+def test_geometry_padding_is_inert(towers):
+    """Padded geometry: real tokens keep their order, positions and segments; padding
+    patches sit last in both orders, scatter to slot 0, and every segment row has a key."""
+    cfg, _, _, _ = towers()
+    grid = [[1, 6, 10]]
+    plain = qwen2_vl.geometry(grid, cfg)
+    padded = qwen2_vl.geometry(grid, cfg, tokens=80)
+    n, m = 60, 15
+    assert np.array_equal(np.array(padded.order)[:n], np.array(plain.order))
+    assert np.array_equal(np.array(padded.order)[n:], np.arange(n, 80))
+    assert np.array_equal(np.array(padded.restore)[:m], np.array(plain.restore))
+    assert np.array_equal(np.array(padded.rows_cols)[:n], np.array(plain.rows_cols))
+    assert np.array(padded.windows.valid).any(axis=1).all() and np.array(padded.frames.valid).any(axis=1).all()
+    assert (np.array(padded.windows.scatter)[n:] == 0).all()
+    with pytest.raises(ValueError, match="cannot pad 60 patches to 62"):
+        qwen2_vl.geometry(grid, cfg, tokens=62)
 
 
 def test_images_encode_alike_alone_or_together(towers):

@@ -66,6 +66,7 @@ from fx_engine.core.checkpoint import Fused, Lin, LoadOptions, Reader, TensorSou
 from fx_engine.core.config import ConfigError
 from fx_engine.core.nn import Linear, Numerics, attention, gelu, linear, rms_norm
 from fx_engine.core.tree import CompiledFunction, static_field
+from fx_engine.core.vision.buckets import size_bucket
 from fx_engine.core.vision.siglip import _patch_weight, tensor_prefix as _prefix
 
 MODEL_TYPES = ("mistral3",)
@@ -321,7 +322,8 @@ def patchify(pixels: Float[mx.array, "B C H W"], patch: int) -> Float[mx.array, 
 
 
 def _attention(x: mx.array, lp: PixtralLayer, cfg: PixtralConfig, cos: mx.array, sin: mx.array,
-               num: Numerics) -> mx.array:
+               keys: mx.array, num: Numerics) -> mx.array:
+    """Every patch attends to every valid patch of its image; keys: bool [N] (padding False)."""
     b, n, _ = x.shape
     hq, d = cfg.num_heads, cfg.head_dim
     q, k, v = mx.split(linear(x, lp.qkv, num), 3, axis=-1)
@@ -330,30 +332,64 @@ def _attention(x: mx.array, lp: PixtralLayer, cfg: PixtralConfig, cos: mx.array,
     k = _rotate(k.reshape(b, n, hq, d), cq, sq).transpose(0, 2, 1, 3)
     v = v.reshape(b, n, hq, d).transpose(0, 2, 1, 3)
     outs = []
-    for j0 in range(0, n, QUERY_BLOCK):  # every patch sees every patch of its image
+    for j0 in range(0, n, QUERY_BLOCK):
         j1 = min(n, j0 + QUERY_BLOCK)
-        mask = mx.broadcast_to(mx.array(True), (b, 1, j1 - j0, n))
+        mask = mx.broadcast_to(keys[None, None, None, :], (b, 1, j1 - j0, n))
         outs.append(attention(q[:, j0:j1], k, v, mask, d ** -0.5, num))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
     return linear(out, lp.o, num)
 
 
-def tower(p: PixtralParams, pixels: Float[mx.array, "B C H W"]) -> Float[mx.array, "B N D"]:
-    """The tower's patch features [B, gh * gw, hidden] (the vision_feature_layer state) of
-    images [B, C, H, W] of one size (each image attends to itself only)."""
-    cfg, num = p.config, p.numerics
+def _check_pixels(cfg: PixtralConfig, pixels: mx.array) -> tuple[int, int]:
+    """The patch grid (gh, gw) of images [B, C, H, W], or a ValueError."""
     if pixels.ndim != 4 or pixels.shape[1] != cfg.num_channels:
         raise ValueError(f"Pixtral: pixels must be [B, {cfg.num_channels}, H, W] (channels first), "
                          f"got {list(pixels.shape)}")
     gh, gw = pixels.shape[2] // cfg.patch_size, pixels.shape[3] // cfg.patch_size
     if not gh or not gw:
         raise ValueError(f"Pixtral: a {pixels.shape[3]}x{pixels.shape[2]} image is smaller than one patch")
-    dt = getattr(mx, p.dtype)
-    x = rms_norm(linear(patchify(pixels.astype(dt), cfg.patch_size), p.patch, num), p.ln_pre, TOWER_EPS)
+    return gh, gw
+
+
+@attrs.frozen
+class Geometry:
+    """What the tower and projector need from an image size, as array inputs (so that a
+    compiled encoder traces once per padded size, not per image size): the patches'
+    rotary cos / sin [N, head_dim], which of the N (padded) patches are real (keys), and
+    the merger's gather: [M, m * m] patch indexes of each merged token (row-major blocks,
+    each block's patches row-major; padding tokens gather patch 0 and are dropped)."""
+
+    cos: mx.array
+    sin: mx.array
+    keys: mx.array  # bool [N]
+    merge: mx.array  # int32 [M, m * m]
+
+
+def geometry(cfg: PixtralConfig, gh: int, gw: int, tokens: int | None = None, merged: int | None = None) -> Geometry:
+    """The Geometry of a gh x gw patch grid, padded to `tokens` patches and `merged` image
+    tokens (None: unpadded)."""
+    n, m = gh * gw, cfg.spatial_merge_size
+    h2, w2 = gh // m, gw // m
+    tokens = n if tokens is None else tokens
+    merged = h2 * w2 if merged is None else merged
+    if tokens < n or merged < h2 * w2:
+        raise ValueError(f"Pixtral: cannot pad {n} patches / {h2 * w2} image tokens to {tokens} / {merged}")
     cos, sin = rotary(cfg, gh, gw)
+    pad = mx.zeros((tokens - n, cos.shape[1]), cos.dtype)
+    blocks = (np.arange(h2)[:, None] * m * gw + np.arange(w2)[None, :] * m).reshape(-1)
+    inner = (np.arange(m)[:, None] * gw + np.arange(m)[None, :]).reshape(-1)
+    merge = np.zeros((merged, m * m), np.int32)
+    merge[:h2 * w2] = blocks[:, None] + inner[None, :]
+    return Geometry(cos=mx.concatenate([cos, pad]), sin=mx.concatenate([sin, pad]),
+                    keys=mx.array(np.arange(tokens) < n), merge=mx.array(merge))
+
+
+def _tower(p: PixtralParams, patches: Float[mx.array, "B N F"], geo: Geometry) -> Float[mx.array, "B N D"]:
+    cfg, num = p.config, p.numerics
+    x = rms_norm(linear(patches, p.patch, num), p.ln_pre, TOWER_EPS)
     act = mx.sigmoid if cfg.hidden_act == "silu" else None
     for lp in p.layers:
-        x = x + _attention(rms_norm(x, lp.attention_norm, TOWER_EPS), lp, cfg, cos, sin, num)
+        x = x + _attention(rms_norm(x, lp.attention_norm, TOWER_EPS), lp, cfg, geo.cos, geo.sin, geo.keys, num)
         gu = linear(rms_norm(x, lp.ffn_norm, TOWER_EPS), lp.gate_up, num)
         g, u = mx.split(gu, 2, axis=-1)
         g = g * act(g) if act is not None else gelu(g)
@@ -361,36 +397,59 @@ def tower(p: PixtralParams, pixels: Float[mx.array, "B C H W"]) -> Float[mx.arra
     return x
 
 
-def merge_patches(feats: Float[mx.array, "B N D"], gh: int, gw: int, m: int) -> Float[mx.array, "B M E"]:
-    """The patch merger's unfold: [B, gh * gw, D] -> [B, (gh // m) * (gw // m), D * m * m],
-    each m x m block flattened in (channel, row, column) order, blocks row-major."""
+def tower(p: PixtralParams, pixels: Float[mx.array, "B C H W"]) -> Float[mx.array, "B N D"]:
+    """The tower's patch features [B, gh * gw, hidden] (the vision_feature_layer state) of
+    images [B, C, H, W] of one size (each image attends to itself only)."""
+    cfg = p.config
+    gh, gw = _check_pixels(cfg, pixels)
+    return _tower(p, patchify(pixels.astype(getattr(mx, p.dtype)), cfg.patch_size), geometry(cfg, gh, gw))
+
+
+def merge_patches(feats: Float[mx.array, "B N D"], merge: Float[mx.array, "M K"]) -> Float[mx.array, "B M E"]:
+    """The patch merger's unfold: [B, N, D] -> [B, M, D * m * m] through the Geometry's
+    gather, each m x m block flattened in (channel, row, column) order, blocks row-major
+    (torch's unfold: trailing odd rows / columns dropped)."""
     b, _, d = feats.shape
-    h2, w2 = gh // m, gw // m
-    x = feats.reshape(b, gh, gw, d)[:, :h2 * m, :w2 * m]
-    x = x.reshape(b, h2, m, w2, m, d).transpose(0, 1, 3, 5, 2, 4)
-    return x.reshape(b, h2 * w2, d * m * m)
+    x = feats[:, merge]  # [B, M, m * m, D]
+    return x.transpose(0, 1, 3, 2).reshape(b, merge.shape[0], d * merge.shape[1])
 
 
-def project(p: PixtralParams, feats: Float[mx.array, "B N D"], gh: int, gw: int) -> Float[mx.array, "B M H"]:
+def project(p: PixtralParams, feats: Float[mx.array, "B N D"], geo: Geometry) -> Float[mx.array, "B M H"]:
     """The multimodal projector: patch features -> image token embeddings."""
     cfg, num = p.config, p.numerics
     x = rms_norm(feats, p.norm, cfg.text_rms_norm_eps)
-    x = linear(merge_patches(x, gh, gw, cfg.spatial_merge_size), p.merge, num)
+    x = linear(merge_patches(x, geo.merge), p.merge, num)
     return linear(gelu(linear(x, p.linear_1, num)), p.linear_2, num)
+
+
+def _encode(p: PixtralParams, patches: Float[mx.array, "B N F"], geo: Geometry) -> Float[mx.array, "B M H"]:
+    return project(p, _tower(p, patches, geo), geo)
 
 
 def encode_images(p: PixtralParams, pixels: Float[mx.array, "N C H W"]) -> Float[mx.array, "N M H"]:
     """Images [N, 3, H, W] of one size (preprocessed, channels first) -> their token
     embeddings [N, (H / f) * (W / f), text_hidden], f = patch_size * spatial_merge_size,
-    rows row-major, in the params' dtype."""
+    rows row-major, in the params' dtype (eager, unpadded)."""
     cfg = p.config
-    gh, gw = pixels.shape[2] // cfg.patch_size, pixels.shape[3] // cfg.patch_size
-    return project(p, tower(p, pixels), gh, gw)
+    gh, gw = _check_pixels(cfg, pixels)
+    return _encode(p, patchify(pixels.astype(getattr(mx, p.dtype)), cfg.patch_size), geometry(cfg, gh, gw))
 
 
-#: `encode_images` compiled: one trace per image size (the processor's sizes are multiples
-#: of patch_size * spatial_merge_size: the shell encodes image by image)
-encode_images_compiled = CompiledFunction(encode_images, name="encode_images_pixtral")
+_compiled = CompiledFunction(_encode, name="encode_images_pixtral")
+
+
+def encode_images_compiled(p: PixtralParams, pixels: Float[mx.array, "N C H W"]) -> Float[mx.array, "N M H"]:
+    """`encode_images` compiled and bucketed by image size: the patches padded to a size
+    bucket of their count and the image tokens to one of theirs (padding patches are never
+    keys; padding tokens are dropped), so one trace serves every image size in the bucket."""
+    cfg = p.config
+    gh, gw = _check_pixels(cfg, pixels)
+    m = cfg.spatial_merge_size
+    merged = (gh // m) * (gw // m)
+    patches = patchify(pixels.astype(getattr(mx, p.dtype)), cfg.patch_size)
+    tokens = size_bucket(gh * gw)
+    patches = mx.pad(patches, ((0, 0), (0, tokens - gh * gw), (0, 0)))
+    return _compiled(p, patches, geometry(cfg, gh, gw, tokens, size_bucket(merged)))[:, :merged]
 
 
 def prompt_ids(cfg: PixtralConfig, rows: int, cols: int, break_id: int, end_id: int) -> list[int]:

@@ -116,6 +116,7 @@ from fx_engine.core.checkpoint import (Fused, Lin, LoadOptions, Norm, Reader, Te
 from fx_engine.core.config import ConfigError, Field, read_fields
 from fx_engine.core.nn import Linear, Numerics, attention, gelu, layer_norm, linear, rms_norm, swiglu_fused
 from fx_engine.core.tree import CompiledFunction, static_field
+from fx_engine.core.vision.buckets import size_bucket
 
 #: multimodal config.json model_types this module reads (the top level's)
 MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
@@ -479,95 +480,138 @@ def _window_index(grids: Sequence[tuple[int, int, int]], cfg: Qwen2VLConfig) -> 
 
 
 @attrs.frozen
-class _Segments:
+class Segments:
     """Attention segments as a padded batch: gather [S, L] token indexes, valid [S, L],
-    scatter [N] each token's flat slot (s * L + l)."""
+    scatter [N] each token's flat slot (s * L + l). Padding (slots past a segment's end,
+    whole padding segments, tokens past the real ones) gathers token 0 and is never a key
+    of a real query; a padding segment keeps its first slot valid so that no softmax row is
+    empty (no NaN anywhere), and padding tokens take slot 0's output (dropped at the end)."""
 
-    gather: np.ndarray
-    valid: np.ndarray
-    scatter: np.ndarray
+    gather: mx.array
+    valid: mx.array
+    scatter: mx.array
 
 
-def _segments(lengths: Sequence[int]) -> _Segments:
+def _segments(lengths: Sequence[int], tokens: int | None = None, slots: int | None = None,
+              width: int | None = None) -> Segments:
+    """Segments of consecutive tokens of `lengths`, padded to `slots` segments of `width`
+    and `tokens` tokens (defaults: unpadded)."""
     n, s = int(sum(lengths)), len(lengths)
-    width = max(lengths)
-    gather = np.zeros((s, width), np.int32)
-    valid = np.zeros((s, width), bool)
-    scatter = np.zeros(n, np.int32)
+    width = max(lengths) if width is None else width
+    slots = s if slots is None else slots
+    tokens = n if tokens is None else tokens
+    gather = np.zeros((slots, width), np.int32)
+    valid = np.zeros((slots, width), bool)
+    valid[s:, 0] = True
+    scatter = np.zeros(tokens, np.int32)
     start = 0
     for i, ln in enumerate(lengths):
         gather[i, :ln] = np.arange(start, start + ln)
         valid[i, :ln] = True
         scatter[start:start + ln] = i * width + np.arange(ln)
         start += ln
-    return _Segments(gather, valid, scatter)
+    return Segments(mx.array(gather), mx.array(valid), mx.array(scatter))
 
 
-def _frame_segments(grids: Sequence[tuple[int, int, int]]) -> _Segments:
+def _frame_lengths(grids: Sequence[tuple[int, int, int]]) -> list[int]:
     """Full attention's segments: one per frame of each image."""
-    return _segments([h * w for t, h, w in grids for _ in range(t)])
+    return [h * w for t, h, w in grids for _ in range(t)]
+
+
+def _frame_segments(grids: Sequence[tuple[int, int, int]], tokens: int | None = None,
+                    bucketed: bool = False) -> Segments:
+    """Full attention's segments (one per frame of each image), their width padded to a
+    size bucket when `bucketed` (the frame count stays exact: images per call)."""
+    lens = _frame_lengths(grids)
+    return _segments(lens, tokens, width=size_bucket(max(lens)) if bucketed else None)
+
+
+def padded_tokens(grids: Sequence[tuple[int, int, int]], unit: int) -> int:
+    """The patch count a compiled forward pads the images of `grids` to: merged tokens
+    rounded up to a size bucket, times the merge unit."""
+    return size_bucket(sum(t * h * w for t, h, w in grids) // unit) * unit
 
 
 @attrs.frozen
 class Geometry:
-    """What the forward needs from grid_thw, computed once (numpy, static for a compile):
-    the window order of the patches and its inverse over merged tokens, each (window-
-    ordered) patch's (row, column) for the rotary embedding, and the two attention
-    segmentations."""
+    """What the forward needs from grid_thw, as array inputs (so that a compiled forward
+    traces once per padded size, not per image size): the window order of the patches and
+    its inverse over merged tokens, each (window-ordered) patch's (row, column) for the
+    rotary embedding, and the two attention segmentations. Padded to `tokens` patches: the
+    padding patches sit at the end in both orders."""
 
-    grids: tuple[tuple[int, int, int], ...]
-    order: np.ndarray  # [N] window-ordered position -> processor position (patches)
-    restore: np.ndarray  # [N / m^2] processor position -> window-ordered position (merged tokens)
-    rows_cols: np.ndarray  # [N, 2] in window order
-    windows: _Segments  # window attention (2.5)
-    frames: _Segments  # full attention (one segment per frame of each image)
+    order: mx.array  # [N] int32, window-ordered position -> processor position (patches)
+    restore: mx.array  # [N / m^2] int32, processor position -> window-ordered position (merged)
+    rows_cols: mx.array  # [N, 2] float32 in window order
+    windows: Segments  # window attention (2.5; Qwen2-VL: the frames)
+    frames: Segments  # full attention (one segment per frame of each image)
 
 
-def geometry(grid_thw: Any, cfg: Qwen2VLConfig) -> Geometry:
+def geometry(grid_thw: Any, cfg: Qwen2VLConfig, tokens: int | None = None) -> Geometry:
+    """The Geometry of `grid_thw`, padded to `tokens` patches (None: unpadded; else the
+    windows' count and the frames' width are padded to size buckets too)."""
     grids = _grids(grid_thw, cfg)
     unit = cfg.merge_unit
     pos = _positions(grids, cfg.spatial_merge_size)
     n = pos.shape[0]
+    padded = tokens is not None
+    tokens = n if tokens is None else tokens
+    if tokens < n or tokens % unit:
+        raise ValueError(f"Qwen2-VL: cannot pad {n} patches to {tokens} (a multiple of {unit} >= {n})")
+    frames = _frame_segments(grids, tokens, bucketed=padded)
     if cfg.v2:
         merged_order = np.arange(n // unit)
-        win_lens = [n]
+        windows = frames  # (every layer attends over its frame)
     else:
         merged_order, win_lens = _window_index(grids, cfg)
-        win_lens = [ln * unit for ln in win_lens]
+        cap = cfg.window_tokens ** 2 * unit
+        windows = _segments([ln * unit for ln in win_lens], tokens, width=cap if padded else None,
+                            slots=size_bucket(len(win_lens)) if padded else None)
+    merged_order = np.concatenate([merged_order, np.arange(n // unit, tokens // unit)])
     order = (merged_order[:, None] * unit + np.arange(unit)[None]).reshape(-1)
-    return Geometry(grids=grids, order=order, restore=np.argsort(merged_order), rows_cols=pos[order],
-                    windows=_segments(win_lens), frames=_frame_segments(grids))
+    rows_cols = np.concatenate([pos, np.zeros((tokens - n, 2), pos.dtype)])[order]
+    return Geometry(order=mx.array(order.astype(np.int32)), restore=mx.array(np.argsort(merged_order).astype(np.int32)),
+                    rows_cols=mx.array(rows_cols.astype(np.float32)), windows=windows, frames=frames)
+
+
+def pad_patches(patches: mx.array, tokens: int) -> mx.array:
+    """Patches [N, F] with zero rows appended up to `tokens`."""
+    n = patches.shape[0]
+    return patches if n == tokens else mx.concatenate([patches, mx.zeros((tokens - n, patches.shape[1]), patches.dtype)])
 
 
 # ---------------------------------------------------------------- forward
 
 
-def _rope(rows_cols: np.ndarray, head_dim: int) -> tuple[mx.array, mx.array]:
+def _rope(rc: mx.array, head_dim: int) -> tuple[mx.array, mx.array]:
     """cos, sin [N, head_dim] of the 2-D rotary embedding (VisionRotaryEmbedding of
-    head_dim / 2 over rows then columns, repeated for rotate-half)."""
+    head_dim / 2 over rows then columns, repeated for rotate-half) of rows_cols [N, 2] float32."""
     dim = head_dim // 2
     inv = 1.0 / (ROPE_THETA ** (mx.arange(0, dim, 2, dtype=mx.float32) / dim))
-    rc = mx.array(rows_cols.astype(np.float32))
     freqs = (rc[:, :, None] * inv[None, None]).reshape(rc.shape[0], -1)  # [N, dim]: rows' | cols'
     emb = mx.concatenate([freqs, freqs], axis=-1)
     return mx.cos(emb), mx.sin(emb)
 
 
-def _embed_patches(p: Any, patches: mx.array, grids: Sequence[tuple[int, int, int]], family: str) -> mx.array:
-    """The patch embedding [N, hidden] (in the params' dtype, the processor's order) of
-    patches [N, C*T*P*P], their count checked against the grids; `p`: a Qwen2-VL or
-    Qwen3-VL tower's params, `family` names it in the error."""
-    cfg = p.config
+def check_patches(patches: mx.array, grids: Sequence[tuple[int, int, int]], features: int, family: str) -> int:
+    """The patch count of `grids`, checked against patches [N, C*T*P*P]; `family` names the
+    tower in the error."""
     n = int(sum(t * h * w for t, h, w in grids))
-    if patches.ndim != 2 or tuple(patches.shape) != (n, cfg.patch_features):
-        raise ValueError(f"{family}: patches must be [{n}, {cfg.patch_features}] (sum of t*h*w over grid_thw, "
+    if patches.ndim != 2 or tuple(patches.shape) != (n, features):
+        raise ValueError(f"{family}: patches must be [{n}, {features}] (sum of t*h*w over grid_thw, "
                          f"C*T*P*P), got {list(patches.shape)}")
+    return n
+
+
+def _embed_patches(p: Any, patches: mx.array) -> mx.array:
+    """The patch embedding [N, hidden] (in the params' dtype, the processor's order) of
+    patches [N, C*T*P*P]; `p`: a Qwen2-VL or Qwen3-VL tower's params."""
     return linear(patches.astype(getattr(mx, p.dtype)), p.patch, p.numerics)
 
 
-def _segment_arrays(sg: _Segments) -> tuple[mx.array, mx.array, mx.array]:
+def _segment_arrays(sg: Segments) -> tuple[mx.array, mx.array, mx.array]:
     """Segments as `_attention` takes them: gather [S, L], the valid mask [S, 1, 1, L], scatter [N]."""
-    return mx.array(sg.gather), mx.array(sg.valid)[:, None, None, :], mx.array(sg.scatter)
+    return sg.gather, sg.valid[:, None, None, :], sg.scatter
 
 
 def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -616,10 +660,11 @@ def _mlp(x: mx.array, lp: Qwen2VLLayer, v2: bool, num: Numerics) -> mx.array:
 
 
 def forward(p: Qwen2VLParams, patches: Float[mx.array, "N F"], geo: Geometry) -> Float[mx.array, "M O"]:
-    """The tower on patches [N, C*T*P*P] (processor order) with a precomputed Geometry:
-    [N / m^2, out_hidden_size] in the processor's order, in the params' dtype."""
+    """The tower on patches [N, C*T*P*P] (processor order, padded to the Geometry's size)
+    with a Geometry: [N / m^2, out_hidden_size] in the processor's order (padding rows
+    last), in the params' dtype."""
     cfg, num = p.config, p.numerics
-    x = _embed_patches(p, patches, geo.grids, "Qwen2-VL")[mx.array(geo.order)]
+    x = _embed_patches(p, patches)[geo.order]
     n = x.shape[0]
     cos, sin = _rope(geo.rows_cols, cfg.head_dim)
     full = set(cfg.fullatt_block_indexes)
@@ -630,32 +675,32 @@ def forward(p: Qwen2VLParams, patches: Float[mx.array, "N F"], geo: Geometry) ->
         x = x + _mlp(_norm(x, lp.norm2, cfg.v2), lp, cfg.v2, num)
     x = _norm(x, p.merger_norm, cfg.v2).reshape(n // cfg.merge_unit, cfg.merge_unit * cfg.hidden_size)
     x = linear(gelu(linear(x, p.merger_fc1, num)), p.merger_fc2, num)
-    return x[mx.array(geo.restore)]
+    return x[geo.restore]
 
 
 def encode_images(p: Qwen2VLParams, patches: Float[mx.array, "N F"], grid_thw: Any) -> Float[mx.array, "M O"]:
     """Patches [N, C*T*P*P] of the images of `grid_thw` [images, 3] (both as the
     processor returns them: fx_engine/loading/images_qwen2_vl.py) -> their token
-    embeddings [sum(t*h*w) / m^2, out_hidden_size], image after image."""
-    return forward(p, patches, geometry(grid_thw, p.config))
+    embeddings [sum(t*h*w) / m^2, out_hidden_size], image after image (eager, unpadded)."""
+    cfg = p.config
+    check_patches(patches, _grids(grid_thw, cfg), cfg.patch_features, "Qwen2-VL")
+    return forward(p, patches, geometry(grid_thw, cfg))
 
 
-@attrs.frozen
-class _Grid:
-    grids: tuple[tuple[int, int, int], ...] = static_field()
-
-
-def _encode_static(p: Qwen2VLParams, patches: mx.array, grid: _Grid) -> mx.array:
-    return forward(p, patches, geometry(grid.grids, p.config))
-
-
-_compiled = CompiledFunction(_encode_static, name="qwen2_vl_encode_images")
+_compiled = CompiledFunction(forward, name="qwen2_vl_encode_images")
 
 
 def encode_images_compiled(p: Qwen2VLParams, patches: mx.array, grid_thw: Any) -> mx.array:
-    """`encode_images` compiled: one trace per params structure and grid_thw (the grid is
-    part of the compile key: each new set of image sizes traces again)."""
-    return _compiled(p, patches, _Grid(_grids(grid_thw, p.config)))
+    """`encode_images` compiled and bucketed by image size: the patches are padded to
+    `padded_tokens` and the geometry passed as arrays, so one trace serves every set of
+    images with the same padded size (and, for Qwen2.5-VL, window-count bucket; the frame
+    count of the call is exact: the engine encodes image by image)."""
+    cfg = p.config
+    grids = _grids(grid_thw, cfg)
+    n = check_patches(patches, grids, cfg.patch_features, "Qwen2-VL")
+    tokens = padded_tokens(grids, cfg.merge_unit)
+    out = _compiled(p, pad_patches(patches, tokens), geometry(grids, cfg, tokens))
+    return out[:n // cfg.merge_unit]
 
 
 def split_images(rows: mx.array, grid_thw: Any, cfg: Qwen2VLConfig) -> list[mx.array]:

@@ -67,10 +67,11 @@ from fx_engine.core.config import ConfigError, Field, read_fields
 from fx_engine.core.nn import Linear, Numerics, embed, gelu, gelu_tanh, layer_norm, linear
 from fx_engine.core.tree import CompiledFunction, static_field
 from fx_engine.core.vision import qwen2_vl
-from fx_engine.core.vision.qwen2_vl import (PLACEHOLDER, Qwen2VLLayer, _attention, _embed_patches,  # noqa: F401
-                                            _frame_segments, _Grid, _grids, _lin_specs, _patch_spec,
+from fx_engine.core.vision.qwen2_vl import (PLACEHOLDER, Qwen2VLLayer, Segments, _attention,  # noqa: F401
+                                            _embed_patches, _frame_segments, _grids, _lin_specs, _patch_spec,
                                             _patch_weight, _positions, _rope, _segment_arrays, _spec,
-                                            image_token_runs, rope_offsets, rope_positions)
+                                            check_patches, image_token_runs, pad_patches, padded_tokens,
+                                            rope_offsets, rope_positions)
 
 #: multimodal config.json model_types this module reads
 MODEL_TYPES = ("qwen3_vl",)
@@ -262,15 +263,16 @@ def checkpoint_layout(cfg: Qwen3VLConfig) -> dict[str, TensorSpec]:
 
 @attrs.frozen
 class Geometry:
-    """What the forward needs from grid_thw (numpy, static for a compile): each patch's
-    (row, column), the four position-table rows and weights of its interpolated position
-    embedding, and the attention segments (one per frame of each image)."""
+    """What the forward needs from grid_thw, as array inputs (a compiled forward traces
+    once per padded size): each patch's (row, column), the four position-table rows and
+    weights of its interpolated position embedding, and the attention segments (one per
+    frame of each image). Padded to `tokens` patches at the end (rows / columns 0, weights
+    0; qwen2_vl.Segments' padding)."""
 
-    grids: tuple[tuple[int, int, int], ...]
-    rows_cols: np.ndarray  # [N, 2]
-    pos_index: np.ndarray  # [4, N] int32
-    pos_weight: np.ndarray  # [4, N] float32
-    frames: Any  # qwen2_vl._Segments
+    rows_cols: mx.array  # [N, 2] float32
+    pos_index: mx.array  # [4, N] int32
+    pos_weight: mx.array  # [4, N] float32
+    frames: Segments
 
 
 def _interpolation(rows_cols: np.ndarray, heights: np.ndarray, widths: np.ndarray,
@@ -290,14 +292,24 @@ def _interpolation(rows_cols: np.ndarray, heights: np.ndarray, widths: np.ndarra
     return index, weight
 
 
-def geometry(grid_thw: Any, cfg: Qwen3VLConfig) -> Geometry:
+def geometry(grid_thw: Any, cfg: Qwen3VLConfig, tokens: int | None = None) -> Geometry:
+    """The Geometry of `grid_thw`, padded to `tokens` patches (None: unpadded; else the
+    frames' width is padded to a size bucket too)."""
     grids = _grids(grid_thw, cfg)
     pos = _positions(grids, cfg.spatial_merge_size)
+    n = pos.shape[0]
+    padded = tokens is not None
+    tokens = n if tokens is None else tokens
+    if tokens < n or tokens % cfg.merge_unit:
+        raise ValueError(f"Qwen3-VL: cannot pad {n} patches to {tokens} (a multiple of {cfg.merge_unit} >= {n})")
     heights = np.concatenate([np.full(t * h * w, h) for t, h, w in grids])
     widths = np.concatenate([np.full(t * h * w, w) for t, h, w in grids])
     index, weight = _interpolation(pos, heights, widths, cfg.grid_side)
-    frames = _frame_segments(grids)
-    return Geometry(grids=grids, rows_cols=pos, pos_index=index, pos_weight=weight, frames=frames)
+    pad = tokens - n
+    return Geometry(rows_cols=mx.array(np.concatenate([pos, np.zeros((pad, 2), pos.dtype)]).astype(np.float32)),
+                    pos_index=mx.array(np.pad(index, ((0, 0), (0, pad)))),
+                    pos_weight=mx.array(np.pad(weight, ((0, 0), (0, pad)))),
+                    frames=_frame_segments(grids, tokens, bucketed=padded))
 
 
 # ---------------------------------------------------------------- forward
@@ -315,12 +327,13 @@ def _merge(x: mx.array, mp: Qwen3VLMerger, cfg: Qwen3VLConfig, num: Numerics, po
 
 def forward(p: Qwen3VLParams, patches: Float[mx.array, "N F"], geo: Geometry) -> tuple[
         Float[mx.array, "M O"], Float[mx.array, "L M O"]]:
-    """The tower on patches [N, C*T*P*P] (processor order) with a precomputed Geometry:
-    (rows [N / m^2, out], deepstack [L, N / m^2, out]) in the params' dtype."""
+    """The tower on patches [N, C*T*P*P] (processor order, padded to the Geometry's size)
+    with a Geometry: (rows [N / m^2, out], deepstack [L, N / m^2, out]) in the params'
+    dtype (padding rows last)."""
     cfg, num = p.config, p.numerics
     dt = getattr(mx, p.dtype)
-    x = _embed_patches(p, patches, geo.grids, "Qwen3-VL")
-    taps = embed(mx.array(geo.pos_index), p.pos_embed).astype(dt) * mx.array(geo.pos_weight).astype(dt)[:, :, None]
+    x = _embed_patches(p, patches)
+    taps = embed(geo.pos_index, p.pos_embed).astype(dt) * geo.pos_weight.astype(dt)[:, :, None]
     x = x + (taps[0] + taps[1] + taps[2] + taps[3])
     cos, sin = _rope(geo.rows_cols, cfg.head_dim)
     seg = _segment_arrays(geo.frames)
@@ -340,17 +353,22 @@ def encode_images(p: Qwen3VLParams, patches: Float[mx.array, "N F"], grid_thw: A
         Float[mx.array, "M O"], Float[mx.array, "L M O"]]:
     """Patches [N, C*T*P*P] of the images of `grid_thw` [images, 3] (as the processor
     returns them) -> (their token embeddings [M, out], their DeepStack features
-    [L, M, out]), image after image."""
-    return forward(p, patches, geometry(grid_thw, p.config))
+    [L, M, out]), image after image (eager, unpadded)."""
+    cfg = p.config
+    check_patches(patches, _grids(grid_thw, cfg), cfg.patch_features, "Qwen3-VL")
+    return forward(p, patches, geometry(grid_thw, cfg))
 
 
-def _encode_static(p: Qwen3VLParams, patches: mx.array, grid: _Grid) -> tuple[mx.array, mx.array]:
-    return forward(p, patches, geometry(grid.grids, p.config))
-
-
-_compiled = CompiledFunction(_encode_static, name="qwen3_vl_encode_images")
+_compiled = CompiledFunction(forward, name="qwen3_vl_encode_images")
 
 
 def encode_images_compiled(p: Qwen3VLParams, patches: mx.array, grid_thw: Any) -> tuple[mx.array, mx.array]:
-    """`encode_images` compiled (one trace per params structure and grid_thw)."""
-    return _compiled(p, patches, _Grid(_grids(grid_thw, p.config)))
+    """`encode_images` compiled and bucketed by image size (qwen2_vl.encode_images_compiled's
+    padding: one trace per padded size and frame count)."""
+    cfg = p.config
+    grids = _grids(grid_thw, cfg)
+    n = check_patches(patches, grids, cfg.patch_features, "Qwen3-VL")
+    tokens = padded_tokens(grids, cfg.merge_unit)
+    rows, deep = _compiled(p, pad_patches(patches, tokens), geometry(grids, cfg, tokens))
+    m = n // cfg.merge_unit
+    return rows[:m], deep[:, :m]
