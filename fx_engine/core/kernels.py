@@ -70,7 +70,7 @@ def qmm_a8(x, w, scales, biases, group_size: int, bits: int, interleaved: bool =
     return _module().qmm_a8(x, w, scales, biases, group_size, bits, interleaved)
 
 
-GATHER_KINDS = {"qmm": 0, "qgemm": 1, "qmm_a8": 2}
+GATHER_KINDS = {"qmm": 0, "qgemm": 1, "qmm_a8": 2, "qmm_a8_il": 3}
 
 
 def gather_qmm(x, indices, w, scales, biases, group_size: int, bits: int, kind: str = "qmm"):  # type: ignore[no-untyped-def]
@@ -78,8 +78,9 @@ def gather_qmm(x, indices, w, scales, biases, group_size: int, bits: int, kind: 
     (scales and biases [E, N, ...] in any form qmm takes) -> [T, k, N], out[t, j] =
     x[t, j or 0] @ dequantize(w[indices[t, j]]).T. The pairs are grouped by expert inside
     the kernel and each group runs through `kind` ("qmm", "qgemm" or "qmm_a8", the same
-    bits as that 2-D product on the expert's matrix), so only the chosen experts' packed
-    bytes are read, once per step."""
+    bits as that 2-D product on the expert's matrix; "qmm_a8_il": qmm_a8 on a stack whose
+    matrices are each in its interleaved layout, nn.interleave_for_a8), so only the chosen
+    experts' packed bytes are read, once per step."""
     return _module().gather_qmm(x, indices, w, scales, biases, group_size, bits, GATHER_KINDS[kind])
 
 

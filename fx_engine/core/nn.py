@@ -7,6 +7,7 @@ metadata carried by the params pytree; it selects the batch-invariant matmul mod
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Callable
 
 import attrs
@@ -251,25 +252,40 @@ def _back_in_rows(bits: int) -> Callable[[mx.array], mx.array]:
     return kernels.deinterleave16
 
 
+def _per_matrix(fn: Callable[[mx.array], mx.array], a: mx.array, stacked: bool) -> mx.array:
+    """fn (a 16-row-block layout op on [rows, ...]) applied to each matrix of a stack
+    [E, N, ...] at once: the stack's rows flattened (N a multiple of 16, so no block
+    straddles two experts), then shaped back."""
+    if not stacked:
+        return fn(a)
+    return fn(a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])).reshape(a.shape)
+
+
 def interleave_for_a8(lin: Linear) -> Linear:
     """`lin` with its packed weight in qmm_a8's interleaved layout where that kernel reads it
-    (a 2-D 4- or 8-bit affine matrix with a multiple of 16 rows; 5- and 6-bit ones in the
-    planes layout, `kernels.interleave16_planes`, where the build reads them); else `lin`
-    unchanged. For the 8-bit mode's matrices only: the same products bit for bit, but a
-    decode step reads each block of 16 rows as one contiguous stream (issue 41)."""
+    (a 4- or 8-bit affine matrix, or a stack of expert matrices, with a multiple of 16 rows;
+    5- and 6-bit ones in the planes layout, `kernels.interleave16_planes`, where the build
+    reads them); else `lin` unchanged. For the 8-bit mode's matrices only: the same
+    products bit for bit, but a decode step reads each block of 16 rows as one contiguous
+    stream (issue 41); an expert stack's blocks per expert (`kernels.gather_qmm`'s
+    "qmm_a8_il")."""
     q = lin.quant
-    if (lin.interleaved or not lin.quantized or q.mode != "affine" or lin.weight.ndim != 2
-            or lin.weight.shape[0] % 16 or not kernels.supports(q.group_size, q.bits, 8)):
+    if (lin.interleaved or not lin.quantized or q.mode != "affine" or lin.weight.ndim not in (2, 3)
+            or lin.weight.shape[-2] % 16 or not kernels.supports(q.group_size, q.bits, 8)):
         return lin
-    if kernels.planes_shape_ok(lin.weight, q.bits) and kernels.il_planes():
-        out = tree_replace(lin, weight=kernels.interleave16_planes(lin.weight, q.bits))
-    elif q.bits in (4, 8) and lin.weight.shape[1] % 4 == 0:
-        out = tree_replace(lin, weight=kernels.interleave16(lin.weight))
+    stacked = lin.weight.ndim == 3
+    rows = lin.weight.reshape(-1, lin.weight.shape[-1])
+    if kernels.planes_shape_ok(rows, q.bits) and kernels.il_planes():
+        layout = partial(kernels.interleave16_planes, bits=q.bits)
+    elif q.bits in (4, 8) and lin.weight.shape[-1] % 4 == 0:
+        layout = kernels.interleave16
     else:
         return lin
     kq = q.scales.dtype == mx.int16  # the two-level K-quant form: codes and (d, e) factors
-    return out.with_quant(interleaved=True, scales=kernels.interleave16_groups(q.scales),
-                          biases=(kernels.interleave16_factors if kq else kernels.interleave16_groups)(q.biases))
+    factors = kernels.interleave16_factors if kq else kernels.interleave16_groups
+    out = tree_replace(lin, weight=_per_matrix(layout, lin.weight, stacked))
+    return out.with_quant(interleaved=True, scales=_per_matrix(kernels.interleave16_groups, q.scales, stacked),
+                          biases=_per_matrix(factors, q.biases, stacked))
 
 
 def row_major(lin: Linear) -> Linear:
@@ -278,10 +294,12 @@ def row_major(lin: Linear) -> Linear:
     if not lin.interleaved:
         return lin
     q = lin.quant
-    out = tree_replace(lin, weight=_back_in_rows(q.bits)(lin.weight))
+    stacked = lin.weight.ndim == 3
     back = kernels.interleave16_factors if q.scales.dtype == mx.int16 else kernels.interleave16_groups
-    return out.with_quant(interleaved=False, scales=kernels.interleave16_groups(q.scales, inverse=True),
-                          biases=back(q.biases, inverse=True))
+    out = tree_replace(lin, weight=_per_matrix(_back_in_rows(q.bits), lin.weight, stacked))
+    return out.with_quant(interleaved=False,
+                          scales=_per_matrix(partial(kernels.interleave16_groups, inverse=True), q.scales, stacked),
+                          biases=_per_matrix(partial(back, inverse=True), q.biases, stacked))
 
 
 def _matmul_rows(x: mx.array, lin: Linear) -> mx.array:
@@ -388,6 +406,7 @@ def expert_linear(x: mx.array, lin: Linear, indices: mx.array, sorted_indices: b
     the rows come grouped by expert (x [M, 1, in], indices [M] ascending), so each expert's
     weights are read once for all its rows."""
     if lin.quantized:
+        _rows_layout(lin)
         q = lin.quant
         y = mx.gather_qmm(x, lin.weight, q.scales, q.biases, rhs_indices=indices,
                           transpose=True, group_size=q.group_size, bits=q.bits, mode=q.mode,
@@ -415,6 +434,8 @@ def _native_experts(x: mx.array, lin: Linear, indices: mx.array, kind: str) -> m
     """x [N, 1 or K, in] through each token's experts `indices` [N, K] of a packed stack
     -> [N, K, out] (`kernels.gather_qmm`), with the experts' own biases."""
     q = lin.quant
+    if q.interleaved:  # (only the 8-bit mode interleaves: kind is "qmm_a8")
+        kind += "_il"
     y = kernels.gather_qmm(x, indices, lin.weight, q.scales, q.biases, q.group_size, q.bits, kind)
     return y if lin.bias is None else y + lin.bias[indices].astype(y.dtype)
 
@@ -434,10 +455,17 @@ def routed_glu(
     does the same), except in batch-invariant mode: there each pair's product must not
     depend on which other tokens share its expert."""
     n, k = indices.shape
-    if _native_ok(gate_up, numerics) and _native_ok(down, numerics):
+    native_gu, native_down = _native_ok(gate_up, numerics), _native_ok(down, numerics)
+    if native_gu or native_down:
+        # (one stack in a native format and the other not, e.g. a dense gate_up beside a
+        # packed down: each through its own product; the 8-bit mode's interleaved stacks
+        # are read by the native one only)
         kind = _expert_kernel(numerics, n * k)
-        h = glu(_native_experts(x[:, None, :], gate_up, indices, kind))  # [N, K, F]
-        return _native_experts(h, down, indices, kind)
+        h = glu(_native_experts(x[:, None, :], gate_up, indices, kind) if native_gu
+                else expert_linear(x[:, None, None, :], gate_up, indices)[:, :, 0])  # [N, K, F]
+        if native_down:
+            return _native_experts(h, down, indices, kind)
+        return expert_linear(h[:, :, None, :], down, indices)[:, :, 0]
     if n * k < SORT_EXPERT_ROWS or numerics.batch_invariant:
         h = glu(expert_linear(x[:, None, None, :], gate_up, indices))  # [N, K, 1, F]
         return expert_linear(h, down, indices)[:, :, 0]

@@ -498,15 +498,18 @@ RELAYOUT_ROWS = 4096
 
 def _by_row_chunks(relayout: Any, lin: Any) -> Any:
     """relayout(lin) (nn.interleave_for_a8 or nn.row_major), made RELAYOUT_ROWS rows at a
-    time, each evaluated before the next: the 5-/6-bit planes' repacking holds ~10 bytes
-    of temporaries per weight byte (a 1B model's tied Q6_K table: ~2 GB at once), and the
-    16-row layouts are block-local, so the pieces concatenate to the whole's result."""
+    time (an expert stack: as many whole experts), each evaluated before the next: the
+    5-/6-bit planes' repacking holds ~10 bytes of temporaries per weight byte (a 1B model's
+    tied Q6_K table: ~2 GB at once), and the 16-row layouts are block-local, so the pieces
+    concatenate to the whole's result."""
     out = relayout(lin)
-    if out is lin or lin.weight.ndim != 2 or lin.weight.shape[0] <= RELAYOUT_ROWS:
+    per = lin.weight.shape[1] if lin.weight.ndim == 3 else 1  # rows per index of axis 0
+    if out is lin or lin.weight.ndim not in (2, 3) or lin.weight.shape[0] * per <= RELAYOUT_ROWS:
         return out
     parts = []
-    for r0 in range(0, lin.weight.shape[0], RELAYOUT_ROWS):
-        piece = relayout(_rows_of(lin, r0, r0 + RELAYOUT_ROWS))
+    step = max(1, RELAYOUT_ROWS // per)
+    for r0 in range(0, lin.weight.shape[0], step):
+        piece = relayout(_rows_of(lin, r0, r0 + step))
         mx.eval(piece.weight, piece.quant.scales, piece.quant.biases)
         parts.append(piece)
     cat = lambda name: mx.concatenate([getattr(p.quant, name) for p in parts])  # noqa: E731
@@ -515,8 +518,8 @@ def _by_row_chunks(relayout: Any, lin: Any) -> Any:
 
 
 def _rows_of(lin: Any, r0: int, r1: int) -> Any:
-    """Rows [r0, r1) of a quantized linear (weight, scales, biases; its bias, if any, stays:
-    only the matrices are re-laid out here)."""
+    """Rows [r0, r1) of a quantized linear, or experts [r0, r1) of a stack (weight, scales,
+    biases; its bias, if any, stays: only the matrices are re-laid out here)."""
     q = lin.quant
     return attrs.evolve(lin, weight=lin.weight[r0:r1]).with_quant(scales=q.scales[r0:r1], biases=q.biases[r0:r1])
 

@@ -7,6 +7,7 @@ against mlx-lm on the reference dequantization of the same tensors."""
 import json
 from pathlib import Path
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -254,6 +255,22 @@ def test_moe_gguf_matches_mlx_lm(tmp_path, arch, model_type, types, tiny_folder)
         rel = (mx.abs(a8 - ref).max() / mx.abs(ref).max()).item()
         agree = (a8.argmax(-1) == ref.argmax(-1)).astype(mx.float32).mean().item()
         assert rel < 0.05 and agree >= 0.9, (rel, agree)  # (measured: 0.026, 1.0)
+    if model.params.numerics.native:
+        # the 8-bit mode interleaves each expert's matrix (a decode step reads each 16-row
+        # block as one stream): the logits of the same stacks in rows, bit for bit
+        from fx_engine.core.adapters import map_linears
+        from fx_engine.core.nn import row_major
+
+        a8m = fx_engine.load(tmp_path / "m.gguf", activation_bits=8)
+        ex = a8m.params.layers[0].experts
+        stacks = [lin for lin in (ex.gate_up, ex.down) if lin.quantized]  # (Q5_1's float gate_up: dense)
+        assert stacks and all(lin.interleaved and lin.weight.ndim == 3 for lin in stacks)
+        rows = attrs.evolve(a8m, params=map_linears(a8m.params, lambda _, lin: row_major(lin)))
+        assert not any(lin.interleaved for lin in (rows.params.layers[0].experts.gate_up,
+                                                   rows.params.layers[0].experts.down))
+        for chunk in (1, 40):
+            assert mx.array_equal(fx_engine.logits(a8m, ids[:48], chunk=chunk),
+                                  fx_engine.logits(rows, ids[:48], chunk=chunk)).item()
     kept = fx_engine.load(tmp_path / "m.gguf", keep_quantized=True)
     assert kept.params.layers[0].experts.gate_up.quantized
     _compare(fx_engine.logits(kept, ids, chunk=40), _mlx_lm(oracle)(mx.array([ids]))[0])

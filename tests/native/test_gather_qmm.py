@@ -97,6 +97,39 @@ def test_inside_compile_and_other_dtypes() -> None:
     assert y16.dtype == mx.float16
 
 
+@pytest.mark.parametrize("bits,gs,fmt", [(4, 32, "float32"), (4, 32, "kq"), (8, 32, "float16"),
+                                         (6, 16, "kq"), (5, 32, "kq")])
+@pytest.mark.parametrize("t,k", [(1, 4), (20, 3)])
+def test_interleaved_stack_gives_the_rows_bits(bits: int, gs: int, fmt: str, t: int, k: int) -> None:
+    """A stack in the 8-bit mode's layout (nn.interleave_for_a8: each expert's matrix
+    interleaved, 5-/6-bit ones as planes where the build reads them) through "qmm_a8_il"
+    gives the rows stack's "qmm_a8" bits (decode's one row per expert and prefill's many);
+    nn.row_major gives the rows back; MLX's gather path refuses it."""
+    from fx_engine.core import kernels
+    from fx_engine.core.nn import Linear, Quant, expert_linear, interleave_for_a8, row_major
+
+    e, n, kk = 5, 48, 512
+    (w, s, b), _ = _stack(e, n, kk, gs, bits, fmt)
+    lin = Linear(weight=w, quant=Quant(scales=s, biases=b, group_size=gs, bits=bits))
+    il = interleave_for_a8(lin)
+    if bits in (5, 6) and not kernels.il_planes():
+        assert il is lin
+        return
+    assert il.interleaved and il.weight.shape == w.shape and not mx.array_equal(il.weight, w).item()
+    back = row_major(il)
+    for a, c in ((back.weight, w), (back.quant.scales, s), (back.quant.biases, b)):
+        assert mx.array_equal(a, c).item()
+    x = mx.array(RNG.standard_normal((t, 1, kk)).astype(np.float32))
+    idx = mx.array(RNG.integers(0, e, (t, k)).astype(np.int32))
+    q = il.quant
+    got = native.gather_qmm(x, idx, il.weight, q.scales, q.biases, gs, bits, "qmm_a8_il")
+    assert np.array_equal(np.asarray(got), np.asarray(native.gather_qmm(x, idx, w, s, b, gs, bits, "qmm_a8")))
+    with pytest.raises(ValueError, match="interleaved layout"):
+        expert_linear(x[:, :, None], il, idx)
+    with pytest.raises(ValueError, match="multiple of 16 rows per expert"):
+        native.gather_qmm(x, idx, w[:, :40], s[:, :40], b[:, :40], gs, bits, "qmm_a8_il")
+
+
 def test_arguments_are_checked() -> None:
     (w, s, b), _ = _stack(4, 32, 256, 32, 4, "float32")
     x = mx.ones((2, 1, 256))

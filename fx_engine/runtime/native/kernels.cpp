@@ -249,8 +249,8 @@ class GatherQMatmul : public CpuKernel {
         }
         const uint32_t* we = wp + static_cast<int64_t>(e) * N * words;
         const Quant qe = sc.at_row(static_cast<int64_t>(e) * N);
-        if (kind == 2)
-          qmm_a8_cpu(xe.data(), m, K, we, qe, gs, bits, ye.data(), N, false);
+        if (kind >= 2)  // 3: the stack interleaved per expert (interleave16 / planes of each matrix)
+          qmm_a8_cpu(xe.data(), m, K, we, qe, gs, bits, ye.data(), N, kind == 3);
         else
           (kind == 1 ? qgemm_cpu : qmm_cpu)(xe.data(), m, K, we, qe, gs, bits, ye.data(), N);
         for (int i = 0; i < m; ++i)
@@ -260,7 +260,8 @@ class GatherQMatmul : public CpuKernel {
     };
   }
   const char* name() const override {
-    return kind_ == 2 ? "FxGatherQMatmulA8" : kind_ == 1 ? "FxGatherQGemm" : "FxGatherQMatmul";
+    return kind_ == 3 ? "FxGatherQMatmulA8IL" : kind_ == 2 ? "FxGatherQMatmulA8" : kind_ == 1 ? "FxGatherQGemm"
+                                                                                        : "FxGatherQMatmul";
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const GatherQMatmul&>(other);
@@ -677,10 +678,23 @@ mx::array quantized_product(const char* op, int kind, const mx::array& x, const 
   return dt == mx::float32 ? y : mx::astype(y, dt, s);
 }
 
+// Whether a [N, K] matrix of `bits` can be read interleaved by qmm_a8: N a multiple of 16,
+// 4 or 8 bits (words: K a multiple of 32 values' worth of 4 words), or 5 / 6 bits as planes
+// (K a multiple of 32) where the build has that path.
+bool il_layout_ok(int bits, int K, int N) {
+  if (N % 16 != 0) return false;
+#if defined(FX_A8_PLANES)
+  if (bits == 5 || bits == 6) return K % 32 == 0;
+#endif
+  return (bits == 4 || bits == 8) && (int64_t{K} * bits) % 128 == 0;
+}
+
 mx::array gather_qmm(const mx::array& x, const mx::array& indices, const mx::array& w,
                      const mx::array& scales, const mx::array& biases, int group_size, int bits,
                      int kind) {
-  if (kind < 0 || kind > 2) throw std::invalid_argument("gather_qmm: kind must be 0 (qmm), 1 (qgemm) or 2 (qmm_a8)");
+  if (kind < 0 || kind > 3)
+    throw std::invalid_argument("gather_qmm: kind must be 0 (qmm), 1 (qgemm), 2 (qmm_a8) or 3 (qmm_a8 on a stack "
+                                "interleaved per expert)");
   if (w.ndim() != 3 || scales.ndim() != 3 || scales.shape(0) != w.shape(0) ||
       biases.shape(0) != w.shape(0) || biases.ndim() != (scales.dtype() == mx::int16 ? 4 : 3))
     throw std::invalid_argument("gather_qmm: w, scales and biases must be stacked [E, N, ...] "
@@ -695,6 +709,9 @@ mx::array gather_qmm(const mx::array& x, const mx::array& indices, const mx::arr
   };
   check_quantized("gather_qmm", rows(w), rows(scales), rows(biases), group_size, bits);
   const int K = static_cast<int>(w.shape(2)) * 32 / bits;
+  if (kind == 3 && !il_layout_ok(bits, K, N))
+    throw std::invalid_argument("gather_qmm: an interleaved stack must have 4 or 8 bits (5 or 6 in planes where the "
+                                "build has them: il_planes) and a multiple of 16 rows per expert");
   if (x.ndim() != 3 || x.shape(2) != K)
     throw std::invalid_argument("gather_qmm: x must be [T, 1 or k, K] with K = " + std::to_string(K) +
                                 ", the experts' input size");
@@ -725,12 +742,8 @@ mx::array qgemm(const mx::array& x, const mx::array& w, const mx::array& scales,
 
 mx::array qmm_a8(const mx::array& x, const mx::array& w, const mx::array& scales,
                  const mx::array& biases, int group_size, int bits, bool interleaved) {
-#if defined(FX_A8_PLANES)
-  const bool planes = (bits == 5 || bits == 6) && w.ndim() == 2 && (w.shape(1) * 32) % (bits * 32) == 0;
-#else
-  const bool planes = false;  // (this build's qmm_a8 has no 6-bit planes path)
-#endif
-  if (interleaved && ((bits != 4 && bits != 8 && !planes) || w.ndim() != 2 || w.shape(0) % 16 != 0))
+  if (interleaved && (w.ndim() != 2 || !il_layout_ok(bits, static_cast<int>(w.shape(1) * 32 / bits),
+                                                     static_cast<int>(w.shape(0)))))
     throw std::invalid_argument("qmm_a8: an interleaved weight must have 4 or 8 bits (5 or 6 in planes where "
                                 "the build has them: il_planes) and a multiple of 16 rows");
   return quantized_product("qmm_a8", interleaved ? 3 : 2, x, w, scales, biases, group_size, bits);

@@ -217,12 +217,13 @@ inline void pack_a8(int R, const float* x, int M, int K, int gs, bool split, int
   });
 }
 
-// out[j][i] for NW features (weight bytes wb + j * K, scales/biases sc/bi + j * G) against
-// one tile of R rows.
+// out[j][i] for NW features (weight bytes wb + j * K; group g's scale and bias at
+// sc / bi + j * sj + g * sg: [features][groups] rows, or an interleaved block's
+// [groups][16]) against one tile of R rows.
 template <int R, int NW>
 inline void a8_tile(const int8_t* __restrict xq, const float* __restrict dd,
                     const float* __restrict xs, const uint8_t* __restrict wb,
-                    const float* __restrict sc, const float* __restrict bi, int K, int gs,
+                    const float* __restrict sc, const float* __restrict bi, int sj, int sg, int K, int gs,
                     float* __restrict out) {
   const int G = K / gs, quads = gs / 4;
 #if defined(__AVX512VNNI__)
@@ -244,8 +245,8 @@ inline void a8_tile(const int8_t* __restrict xq, const float* __restrict dd,
     }
     const typename V::F dv = V::fload(dd + g * R), sv = V::fload(xs + g * R);
     for (int j = 0; j < NW; ++j)
-      acc[j] = a8_step<V>(acc[j], is[j], dv, V::fbcast(sc[static_cast<int64_t>(j) * G + g]), sv,
-                          V::fbcast(bi[static_cast<int64_t>(j) * G + g]));
+      acc[j] = a8_step<V>(acc[j], is[j], dv, V::fbcast(sc[static_cast<int64_t>(j) * sj + g * sg]), sv,
+                          V::fbcast(bi[static_cast<int64_t>(j) * sj + g * sg]));
   }
   for (int j = 0; j < NW; ++j) V::store(out + j * R, acc[j]);
 #else
@@ -259,8 +260,8 @@ inline void a8_tile(const int8_t* __restrict xq, const float* __restrict dd,
           for (int b = 0; b < 4; ++b)
             is += static_cast<int32_t>(wb[static_cast<int64_t>(j) * K + g * gs + u * 4 + b]) *
                   xq[((static_cast<int64_t>(g) * quads + u) * R + i) * 4 + b];
-        acc = a8_step<A8Vec<1>>(acc, is, dd[g * R + i], sc[static_cast<int64_t>(j) * G + g], xs[g * R + i],
-                                bi[static_cast<int64_t>(j) * G + g]);
+        acc = a8_step<A8Vec<1>>(acc, is, dd[g * R + i], sc[static_cast<int64_t>(j) * sj + g * sg], xs[g * R + i],
+                                bi[static_cast<int64_t>(j) * sj + g * sg]);
       }
       out[j * R + i] = acc;
     }
@@ -269,21 +270,21 @@ inline void a8_tile(const int8_t* __restrict xq, const float* __restrict dd,
 
 template <int R>
 inline void a8_tile_any(int nw, const int8_t* xq, const float* dd, const float* xs,
-                        const uint8_t* wb, const float* sc, const float* bi, int K, int gs,
+                        const uint8_t* wb, const float* sc, const float* bi, int sj, int sg, int K, int gs,
                         float* out) {
   switch (nw) {
-    case 12: a8_tile<R, 12>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
-    case 11: a8_tile<R, 11>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
-    case 10: a8_tile<R, 10>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
-    case 9: a8_tile<R, 9>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
-    case 8: a8_tile<R, 8>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
-    case 7: a8_tile<R, 7>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
-    case 6: a8_tile<R, 6>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
-    case 5: a8_tile<R, 5>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
-    case 4: a8_tile<R, 4>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
-    case 3: a8_tile<R, 3>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
-    case 2: a8_tile<R, 2>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
-    default: a8_tile<R, 1>(xq, dd, xs, wb, sc, bi, K, gs, out); break;
+    case 12: a8_tile<R, 12>(xq, dd, xs, wb, sc, bi, sj, sg, K, gs, out); break;
+    case 11: a8_tile<R, 11>(xq, dd, xs, wb, sc, bi, sj, sg, K, gs, out); break;
+    case 10: a8_tile<R, 10>(xq, dd, xs, wb, sc, bi, sj, sg, K, gs, out); break;
+    case 9: a8_tile<R, 9>(xq, dd, xs, wb, sc, bi, sj, sg, K, gs, out); break;
+    case 8: a8_tile<R, 8>(xq, dd, xs, wb, sc, bi, sj, sg, K, gs, out); break;
+    case 7: a8_tile<R, 7>(xq, dd, xs, wb, sc, bi, sj, sg, K, gs, out); break;
+    case 6: a8_tile<R, 6>(xq, dd, xs, wb, sc, bi, sj, sg, K, gs, out); break;
+    case 5: a8_tile<R, 5>(xq, dd, xs, wb, sc, bi, sj, sg, K, gs, out); break;
+    case 4: a8_tile<R, 4>(xq, dd, xs, wb, sc, bi, sj, sg, K, gs, out); break;
+    case 3: a8_tile<R, 3>(xq, dd, xs, wb, sc, bi, sj, sg, K, gs, out); break;
+    case 2: a8_tile<R, 2>(xq, dd, xs, wb, sc, bi, sj, sg, K, gs, out); break;
+    default: a8_tile<R, 1>(xq, dd, xs, wb, sc, bi, sj, sg, K, gs, out); break;
   }
 }
 static_assert(A8_FEAT == 12, "a8_tile_any dispatches 1..12 features");
@@ -312,11 +313,44 @@ inline int64_t il16_index(int64_t r, int w, int words) {
   return ((r / 16) * (words / 4) + w / 4) * 64 + (w % 4) * 16 + r % 16;
 }
 
-// Rows [r0, r0 + n) of an interleaved weight back in row-major words: out [n][words].
-inline void il16_rows(const uint32_t* wq, int64_t r0, int n, int words, uint32_t* out) {
-  for (int j = 0; j < n; ++j)
-    for (int w = 0; w < words; ++w)
-      out[static_cast<int64_t>(j) * words + w] = wq[il16_index(r0 + j, w, words)];
+// One 16-row block of an interleaved 4- or 8-bit weight (blk: its words) back in rows of
+// K bytes in k order, as the rows path reads them (8 bits: the words' bytes; 4 bits: the
+// nibbles in the split order, unpack_nibbles'): out [16][K]. Per 16 bytes of the rows a
+// 4 x 16 word transpose, 4 x 4 at a time in SSE2 registers (x86), a word at a time elsewhere.
+inline void il16_unpack(const uint32_t* blk, int K, int bits, uint8_t* out) {
+  const int steps = K * bits / 128;  // 16 bytes of each row per step
+  for (int st = 0; st < steps; ++st) {
+    const uint32_t* w = blk + static_cast<int64_t>(st) * 64;  // [i][row]: word i of the rows' 16 bytes
+    for (int q = 0; q < 4; ++q) {  // rows 4q .. 4q + 3
+      u8x16 v[4];
+#if defined(__SSE2__)
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 4 * q));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 + 4 * q));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 + 4 * q));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 48 + 4 * q));
+      const __m128i ab0 = _mm_unpacklo_epi32(a, b), ab1 = _mm_unpackhi_epi32(a, b);
+      const __m128i cd0 = _mm_unpacklo_epi32(c, d), cd1 = _mm_unpackhi_epi32(c, d);
+      const __m128i t[4] = {_mm_unpacklo_epi64(ab0, cd0), _mm_unpackhi_epi64(ab0, cd0),
+                            _mm_unpacklo_epi64(ab1, cd1), _mm_unpackhi_epi64(ab1, cd1)};
+      for (int k = 0; k < 4; ++k) std::memcpy(&v[k], &t[k], 16);
+#else
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t words[4] = {w[4 * q + k], w[16 + 4 * q + k], w[32 + 4 * q + k], w[48 + 4 * q + k]};
+        std::memcpy(&v[k], words, 16);
+      }
+#endif
+      for (int k = 0; k < 4; ++k) {
+        uint8_t* o = out + static_cast<int64_t>(4 * q + k) * K;
+        if (bits == 8) {
+          std::memcpy(o + 16 * st, &v[k], 16);
+        } else {
+          const u8x16 lo = v[k] & 15, hi = v[k] >> 4;
+          std::memcpy(o + 32 * st, &lo, 16);
+          std::memcpy(o + 32 * st + 16, &hi, 16);
+        }
+      }
+    }
+  }
 }
 
 // The scales and biases of an interleaved weight are interleaved too, [block][group][16]
@@ -381,42 +415,26 @@ inline void il_scales8(const void* sp, const void* bp, int fmt, int sb, int g, i
 }
 #endif
 
-// Rows [n0, n0 + n) of interleaved scales and biases back in rows, [n][groups] each.
-inline void il_scale_rows(const Quant& S, int64_t n0, int n, const float*& so, const float*& bo) {
+// Block blk's interleaved scales and biases as float32 [groups][16] each (a8_tile's
+// strides 1, 16): the stored block converted (Quant::rows over its 16 rows' worth of
+// values), or the K-quant codes decoded against the block's factors.
+inline void il_scale_block(const Quant& S, int64_t blk, float* tmp, const float*& so, const float*& bo) {
   const int G = S.groups;
-  const int64_t b0 = n0 / 16, nb = (n0 + n - 1) / 16 - b0 + 1;
-  thread_local std::vector<float> blk, out;
-  if (static_cast<int64_t>(blk.size()) < 2 * nb * 16 * G) blk.resize(static_cast<size_t>(2 * nb * 16 * G));
-  if (static_cast<int64_t>(out.size()) < int64_t{2} * n * G) out.resize(static_cast<size_t>(2) * n * G);
-  float* os = out.data();
-  float* ob = os + static_cast<int64_t>(n) * G;
+  if (S.fmt != SF_KQ) return S.rows(blk * 16, 16, tmp, so, bo);
+  const int16_t* codes = static_cast<const int16_t*>(S.s) + blk * G * 16;
+  const int64_t per = int64_t{G / S.sb} * 32;  // the block's factors [super-block][2][16]
+  thread_local std::vector<float> fac;
+  if (static_cast<int64_t>(fac.size()) < per) fac.resize(static_cast<size_t>(per));
+  halves_to_floats(static_cast<const uint16_t*>(S.b) + blk * per, static_cast<int>(per), fac.data());
+  float* os = tmp;
+  float* ob = tmp + int64_t{16} * G;
+  for (int g = 0; g < G; ++g)
+    for (int lane = 0; lane < 16; ++lane) {
+      const int64_t f = (g / S.sb) * 32 + lane;
+      kq_decode(codes[g * 16 + lane], fac[f], -fac[f + 16], os[g * 16 + lane], ob[g * 16 + lane]);
+    }
   so = os;
   bo = ob;
-  if (S.fmt == SF_KQ) {  // codes [block][g][16], factors [block][super-block][2][16]: decode_kq's floats
-    const int16_t* codes = static_cast<const int16_t*>(S.s);
-    const int64_t per = int64_t{G / S.sb} * 32;  // a block's factors
-    thread_local std::vector<float> fac;  // the blocks' factors as floats (one conversion pass)
-    if (static_cast<int64_t>(fac.size()) < nb * per) fac.resize(static_cast<size_t>(nb * per));
-    halves_to_floats(static_cast<const uint16_t*>(S.b) + b0 * per, static_cast<int>(nb * per), fac.data());
-    for (int j = 0; j < n; ++j) {
-      const int64_t r = n0 + j, blk16 = r / 16, lane = r % 16;
-      for (int g = 0; g < G; ++g) {
-        const int64_t f = (blk16 - b0) * per + (g / S.sb) * 32 + lane;
-        kq_decode(codes[(blk16 * G + g) * 16 + lane], fac[f], -fac[f + 16], os[static_cast<int64_t>(j) * G + g],
-                  ob[static_cast<int64_t>(j) * G + g]);
-      }
-    }
-    return;
-  }
-  const float *bs, *bb;
-  S.rows(b0 * 16, static_cast<int>(nb * 16), blk.data(), bs, bb);
-  for (int j = 0; j < n; ++j) {
-    const int64_t r = n0 + j - b0 * 16, base = r / 16 * 16 * G + r % 16;
-    for (int g = 0; g < G; ++g) {
-      os[static_cast<int64_t>(j) * G + g] = bs[base + g * 16];
-      ob[static_cast<int64_t>(j) * G + g] = bb[base + g * 16];
-    }
-  }
 }
 
 // The planes layout (`il` with 5- or 6-bit weights: the 8-bit mode's 5-/6-bit matrices,
@@ -460,53 +478,53 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
   std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
   pack_a8(R, x, M, K, gs, bits == 4, xq.data(), dd.data(), xs.data());
   const int words = K * bits / 32;
-  const int blocks = (N + A8_FEAT - 1) / A8_FEAT;
+  // A unit: A8_FEAT features in rows; an interleaved weight's 16-row block (two 8-feature
+  // tiles, its scales read in place with strides 1 and 16).
+  const int feat = il ? 16 : A8_FEAT;
+  const int units = (N + feat - 1) / feat;
   const int per = std::max(1, 4 * 576 / std::max(K, 1));
-  pool().run((blocks + per - 1) / per, [&](int c) {
+  pool().run((units + per - 1) / per, [&](int c) {
     thread_local std::vector<uint8_t> buf;
-    thread_local std::vector<uint32_t> rows;  // interleaved rows, back in row order
-    if (static_cast<int>(buf.size()) < A8_FEAT * K)
-      buf.resize(static_cast<size_t>(A8_FEAT) * K);
-    if (il && static_cast<int>(rows.size()) < A8_FEAT * words)
-      rows.resize(static_cast<size_t>(A8_FEAT) * words);
+    if (static_cast<int>(buf.size()) < 16 * K) buf.resize(static_cast<size_t>(16) * K);
     alignas(64) float out[A8_FEAT * R];
-    const int b1 = std::min(blocks, (c + 1) * per);
-    float* tmp = scale_tmp(A8_FEAT, G);
-    for (int bl = c * per; bl < b1; ++bl) {
-      const int n0 = bl * A8_FEAT, nw = std::min(A8_FEAT, N - n0);
-      const float *ds, *db;  // this block's scales and biases as float32 [nw][G]
-      if (il)
-        il_scale_rows(S, n0, nw, ds, db);
-      else
+    const int u1 = std::min(units, (c + 1) * per);
+    float* tmp = scale_tmp(16, G);
+    for (int un = c * per; un < u1; ++un) {
+      const int n0 = un * feat, nw = std::min(feat, N - n0);
+      const float *ds, *db;  // this unit's scales and biases as float32
+      int sj = G, sg = 1;
+      if (il) {
+        il_scale_block(S, n0 / 16, tmp, ds, db);
+        sj = 1;
+        sg = 16;
+      } else {
         S.rows(n0, nw, tmp, ds, db);
-      const uint8_t* wb = buf.data();
-      const uint32_t* src = wq + static_cast<int64_t>(n0) * words;  // row-major words
-      if (il && !S.unpacks()) {
-        il16_rows(wq, n0, nw, words, rows.data());
-        src = rows.data();
       }
       if (S.unpacks()) {  // 5-/6-bit rows: unpacked to bytes (0..31 or 0..63), in k order
         if (il)
           ilp_rows(S.wbits, wq, n0, nw, K, buf.data());
         else
           S.weights(wq, n0, nw, K, buf.data());
+      } else if (il) {
+        il16_unpack(wq + static_cast<int64_t>(n0) * words, K, bits, buf.data());
       } else if (bits == 8) {  // the packed words are the bytes, in k order: copied into L1
-        std::memcpy(buf.data(), src, static_cast<size_t>(nw) * K);
+        std::memcpy(buf.data(), wq + static_cast<int64_t>(n0) * words, static_cast<size_t>(nw) * K);
       } else {
         for (int j = 0; j < nw; ++j)
-          unpack_nibbles(src + static_cast<int64_t>(j) * words, K,
-                         buf.data() + static_cast<int64_t>(j) * K);
+          unpack_nibbles(wq + static_cast<int64_t>(n0 + j) * words, K, buf.data() + static_cast<int64_t>(j) * K);
       }
-      for (int t = 0; t < tiles; ++t) {
-        const int m0 = t * R, mc = std::min(R, M - m0);
-        a8_tile_any<R>(nw, xq.data() + static_cast<int64_t>(t) * K * R,
-                       dd.data() + static_cast<int64_t>(t) * G * R,
-                       xs.data() + static_cast<int64_t>(t) * G * R, wb,
-                       ds, db, K,
-                       gs, out);
-        for (int i = 0; i < mc; ++i) {
-          float* yr = y + static_cast<int64_t>(m0 + i) * N + n0;
-          for (int j = 0; j < nw; ++j) yr[j] = out[j * R + i];
+      const int step = il ? 8 : A8_FEAT;
+      for (int f0 = 0; f0 < nw; f0 += step) {
+        const int fw = std::min(step, nw - f0);
+        for (int t = 0; t < tiles; ++t) {
+          const int m0 = t * R, mc = std::min(R, M - m0);
+          a8_tile_any<R>(fw, xq.data() + static_cast<int64_t>(t) * K * R, dd.data() + static_cast<int64_t>(t) * G * R,
+                         xs.data() + static_cast<int64_t>(t) * G * R, buf.data() + static_cast<int64_t>(f0) * K,
+                         ds + static_cast<int64_t>(f0) * sj, db + static_cast<int64_t>(f0) * sj, sj, sg, K, gs, out);
+          for (int i = 0; i < mc; ++i) {
+            float* yr = y + static_cast<int64_t>(m0 + i) * N + n0 + f0;
+            for (int j = 0; j < fw; ++j) yr[j] = out[j * R + i];
+          }
         }
       }
     }

@@ -75,7 +75,7 @@ enum ScaleFmt : int {
 // in the low byte, a signed bias code in the high one) and the factors d and ne = -e ->
 // s = d * a, b = ne * c = -(e * c) (the same float: negation is exact). Every copy of that
 // arithmetic runs through these: decode_kq_block / decode_kq below, qmm_a8.h's
-// il_scales16 / il_scales8 / il_scale_rows. Each caller negates e as it always has (the
+// il_scales16 / il_scales8 / il_scale_block. Each caller negates e as it always has (the
 // in-kernel readers il_scales16 / il_scales8 as 0 - e: the same float but for a zero e,
 // +0 for -0, which no qmm_a8 sum can tell apart: its accumulators start at +0). Python's
 // copy is fx_engine.core.nn.group_params (the MLX fallbacks' view): the same floats.
