@@ -1,6 +1,7 @@
-"""Power-of-two shape buckets (pure): the one rounding rule behind the static shapes that
-keep steady state from recompiling (prefill chunks, cache capacities, decode batch rows,
-penalty windows, attention spans)."""
+"""Shape buckets (pure): the rounding rules behind the static shapes that keep steady state
+from recompiling: powers of two (prefill chunks, cache capacities, decode batch rows,
+penalty windows, attention spans) and, where padding costs compute in proportion,
+quarter-octave sizes (`size_bucket`: the vision towers' image sizes)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ def pow2_floor(n: int) -> int:
     if n < 1:
         raise ValueError(f"pow2_floor needs n >= 1, got {n}")
     return 1 << (n.bit_length() - 1)
+
+
+def size_bucket(n: int, least: int = 1) -> int:
+    """The smallest of 1, 2, ..., 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... (2^k * {4, 5,
+    6, 7} / 4) that is >= max(n, least): 4 buckets per octave, so at most 25% of a padded
+    size is padding and sizes up to S compile O(log S) shapes. The any-size vision towers
+    (core/vision/qwen2_vl.py, qwen3_vl.py, pixtral.py) pad their patches and image tokens
+    to it: one compiled trace per bucket instead of one per image size (issue 46)."""
+    n = max(int(n), int(least), 1)
+    step = max(1, (1 << (n.bit_length() - 1)) // 4)
+    return -(-n // step) * step
 
 
 MIN_PIECE = 16  # the smallest padded prefill piece

@@ -46,7 +46,7 @@ spatial_merge_size pixels (loading/images_pixtral.py, no tiling), and the placeh
 becomes its rows of image tokens, each row ended by [IMG_BREAK], the last by [IMG_END]
 (core/vision/pixtral.prompt_ids; the break / end ids from the tokenizer). `spans` are the
 rows' runs; the images are encoded one at a time (one compiled trace per image-size bucket:
-core/vision/buckets.py).
+core/buckets.size_bucket).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""fx_engine.core.buckets: the one power-of-two rounding rule behind every static shape."""
+"""fx_engine.core.buckets: the power-of-two rounding rule behind every static shape, and the
+quarter-octave size buckets of the vision towers."""
 
 from __future__ import annotations
 
@@ -59,3 +60,20 @@ def test_the_ring_rule_for_reusing_a_cached_row() -> None:
     assert prefix_in_cache((dense, ring), 64, 10)  # never wrapped
     assert prefix_in_cache((dense, ring), 100, 100)  # wrapped, the whole row
     assert not prefix_in_cache((dense, ring), 100, 99)  # wrapped: a prefix is gone
+
+
+@given(st.integers(1, 1 << 20), st.integers(1, 64))
+def test_size_bucket_pads_at_most_a_quarter_and_is_monotonic(n: int, least: int) -> None:
+    from fx_engine.core.buckets import size_bucket
+
+    b = size_bucket(n, least)
+    assert b >= max(n, least) and (b - max(n, least)) * 4 < b
+    assert size_bucket(b, least) == b  # a bucket is its own bucket
+    assert size_bucket(n + 1, least) >= b
+
+
+def test_size_buckets_are_four_per_octave() -> None:
+    from fx_engine.core.buckets import size_bucket
+
+    assert [size_bucket(n) for n in (1, 7, 8, 9, 11, 16, 17, 21, 33, 1000)] == [1, 7, 8, 10, 12, 16, 20, 24, 40, 1024]
+    assert {size_bucket(n) for n in range(65, 129)} == {80, 96, 112, 128}

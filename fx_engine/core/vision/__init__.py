@@ -21,9 +21,10 @@ pixels to the text model's image token embeddings.
 * pixtral.py: Mistral 3's (`mistral3`) Pixtral tower (2-D rotary), projector with its
   patch merger, and the prompt's [IMG] / [IMG_BREAK] / [IMG_END] layout (a Mistral text
   model; images of any size: `encode_images(params, pixels)` per image size).
-* buckets.py: the size buckets the any-size towers (Qwen2-VL / 2.5-VL / 3-VL, Pixtral)
-  pad to in `encode_images_compiled`, so a compiled tower traces once per bucket (4 per
-  octave of tokens), not per image size.
+
+The any-size towers (Qwen2-VL / 2.5-VL / 3-VL, Pixtral) pad to core/buckets.size_bucket in
+`encode_images_compiled`, so a compiled tower traces once per bucket (4 per octave of
+tokens), not per image size.
 * splice.py: `ImageInput` and the splice of image rows into the token embeddings (any
   family).
 
@@ -37,7 +38,7 @@ from types import ModuleType
 from typing import Any
 
 from fx_engine.core.config import ConfigError
-from fx_engine.core.vision import buckets, gemma3, idefics3, pixtral, qwen2_vl, qwen3_vl, siglip, splice
+from fx_engine.core.vision import gemma3, idefics3, pixtral, qwen2_vl, qwen3_vl, siglip, splice
 
 #: multimodal config.json model_type -> the module that runs its image path
 VISION_MODULES: dict[str, ModuleType] = {gemma3.MODEL_TYPE: gemma3, **{mt: idefics3 for mt in idefics3.MODEL_TYPES},
@@ -61,5 +62,5 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Any:
     return vision_module(d, source).config_from_hf(d, source)
 
 
-__all__ = ["VISION_MODULES", "buckets", "config_from_hf", "gemma3", "idefics3", "pixtral", "qwen2_vl", "qwen3_vl", "siglip", "splice",
+__all__ = ["VISION_MODULES", "config_from_hf", "gemma3", "idefics3", "pixtral", "qwen2_vl", "qwen3_vl", "siglip", "splice",
            "vision_module"]

@@ -66,7 +66,7 @@ from fx_engine.core.checkpoint import Fused, Lin, LoadOptions, Reader, TensorSou
 from fx_engine.core.config import ConfigError
 from fx_engine.core.nn import Linear, Numerics, attention, gelu, linear, rms_norm
 from fx_engine.core.tree import CompiledFunction, static_field
-from fx_engine.core.vision.buckets import size_bucket
+from fx_engine.core.buckets import size_bucket
 from fx_engine.core.vision.siglip import _patch_weight, tensor_prefix as _prefix
 
 MODEL_TYPES = ("mistral3",)

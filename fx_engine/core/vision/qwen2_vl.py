@@ -116,7 +116,7 @@ from fx_engine.core.checkpoint import (Fused, Lin, LoadOptions, Norm, Reader, Te
 from fx_engine.core.config import ConfigError, Field, read_fields
 from fx_engine.core.nn import Linear, Numerics, attention, gelu, layer_norm, linear, rms_norm, swiglu_fused
 from fx_engine.core.tree import CompiledFunction, static_field
-from fx_engine.core.vision.buckets import size_bucket
+from fx_engine.core.buckets import size_bucket
 
 #: multimodal config.json model_types this module reads (the top level's)
 MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
