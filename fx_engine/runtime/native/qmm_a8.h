@@ -217,10 +217,12 @@ inline void pack_a8(int R, const float* x, int M, int K, int gs, bool split, int
   });
 }
 
-// out[j][i] for NW features (weight bytes wb + j * K; group g's scale and bias at
-// sc / bi + j * sj + g * sg: [features][groups] rows, or an interleaved block's
-// [groups][16]) against one tile of R rows.
-template <int R, int NW>
+// out[j][i] for NW features against one tile of R rows. The weight bytes: rows (wb + j * K,
+// k order), or QM (quad-major, an interleaved block's layout: quad q of feature j, 4
+// bytes, at wb + (q * 16 + j) * 4, so every feature's quads are reached from one pointer);
+// group g's scale and bias at sc / bi + j * sj + g * sg ([features][groups] rows, or an
+// interleaved block's [groups][16]).
+template <int R, int NW, bool QM = false>
 inline void a8_tile(const int8_t* __restrict xq, const float* __restrict dd,
                     const float* __restrict xs, const uint8_t* __restrict wb,
                     const float* __restrict sc, const float* __restrict bi, int sj, int sg, int K, int gs,
@@ -234,12 +236,12 @@ inline void a8_tile(const int8_t* __restrict xq, const float* __restrict dd,
     typename V::I is[NW];
     for (int j = 0; j < NW; ++j) is[j] = V::izero();
     const int8_t* qg = xq + static_cast<int64_t>(g) * quads * R * 4;
-    const uint8_t* wg = wb + static_cast<int64_t>(g) * gs;
+    const uint8_t* wg = wb + static_cast<int64_t>(g) * (QM ? quads * 64 : gs);
     for (int u = 0; u < quads; ++u) {
       const typename V::I xv = V::iload(qg + u * R * 4);
       for (int j = 0; j < NW; ++j) {
         int32_t w4;
-        std::memcpy(&w4, wg + static_cast<int64_t>(j) * K + u * 4, 4);
+        std::memcpy(&w4, QM ? wg + u * 64 + j * 4 : wg + static_cast<int64_t>(j) * K + u * 4, 4);
         is[j] = dpbusd(is[j], V::ibcast(w4), xv);
       }
     }
@@ -258,7 +260,8 @@ inline void a8_tile(const int8_t* __restrict xq, const float* __restrict dd,
         int32_t is = 0;
         for (int u = 0; u < quads; ++u)
           for (int b = 0; b < 4; ++b)
-            is += static_cast<int32_t>(wb[static_cast<int64_t>(j) * K + g * gs + u * 4 + b]) *
+            is += static_cast<int32_t>(wb[QM ? ((static_cast<int64_t>(g) * quads + u) * 16 + j) * 4 + b
+                                             : static_cast<int64_t>(j) * K + g * gs + u * 4 + b]) *
                   xq[((static_cast<int64_t>(g) * quads + u) * R + i) * 4 + b];
         acc = a8_step<A8Vec<1>>(acc, is, dd[g * R + i], sc[static_cast<int64_t>(j) * sj + g * sg], xs[g * R + i],
                                 bi[static_cast<int64_t>(j) * sj + g * sg]);
@@ -313,44 +316,18 @@ inline int64_t il16_index(int64_t r, int w, int words) {
   return ((r / 16) * (words / 4) + w / 4) * 64 + (w % 4) * 16 + r % 16;
 }
 
-// One 16-row block of an interleaved 4- or 8-bit weight (blk: its words) back in rows of
-// K bytes in k order, as the rows path reads them (8 bits: the words' bytes; 4 bits: the
-// nibbles in the split order, unpack_nibbles'): out [16][K]. Per 16 bytes of the rows a
-// 4 x 16 word transpose, 4 x 4 at a time in SSE2 registers (x86), a word at a time elsewhere.
-inline void il16_unpack(const uint32_t* blk, int K, int bits, uint8_t* out) {
-  const int steps = K * bits / 128;  // 16 bytes of each row per step
-  for (int st = 0; st < steps; ++st) {
-    const uint32_t* w = blk + static_cast<int64_t>(st) * 64;  // [i][row]: word i of the rows' 16 bytes
-    for (int q = 0; q < 4; ++q) {  // rows 4q .. 4q + 3
-      u8x16 v[4];
-#if defined(__SSE2__)
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 4 * q));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 + 4 * q));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 + 4 * q));
-      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 48 + 4 * q));
-      const __m128i ab0 = _mm_unpacklo_epi32(a, b), ab1 = _mm_unpackhi_epi32(a, b);
-      const __m128i cd0 = _mm_unpacklo_epi32(c, d), cd1 = _mm_unpackhi_epi32(c, d);
-      const __m128i t[4] = {_mm_unpacklo_epi64(ab0, cd0), _mm_unpackhi_epi64(ab0, cd0),
-                            _mm_unpacklo_epi64(ab1, cd1), _mm_unpackhi_epi64(ab1, cd1)};
-      for (int k = 0; k < 4; ++k) std::memcpy(&v[k], &t[k], 16);
-#else
-      for (int k = 0; k < 4; ++k) {
-        const uint32_t words[4] = {w[4 * q + k], w[16 + 4 * q + k], w[32 + 4 * q + k], w[48 + 4 * q + k]};
-        std::memcpy(&v[k], words, 16);
+// One 16-row block of an interleaved 4-bit weight as quads [K / 4][16] (a8_tile's QM
+// layout), without a transpose: word i of a 16-byte step holds, in its low nibbles, quad
+// i of the step's 32 values in the split order (unpack_nibbles') and in its high ones
+// quad 4 + i, for all 16 rows side by side. (An 8-bit block is quad-major as stored.)
+inline void il16_quads4(const uint32_t* blk, int K, uint32_t* out) {
+  for (int st = 0; st < K / 32; ++st)
+    for (int i = 0; i < 4; ++i)
+      for (int r = 0; r < 16; ++r) {
+        const uint32_t w = blk[static_cast<int64_t>(st) * 64 + i * 16 + r];
+        out[(static_cast<int64_t>(st) * 8 + i) * 16 + r] = w & 0x0F0F0F0Fu;
+        out[(static_cast<int64_t>(st) * 8 + 4 + i) * 16 + r] = (w >> 4) & 0x0F0F0F0Fu;
       }
-#endif
-      for (int k = 0; k < 4; ++k) {
-        uint8_t* o = out + static_cast<int64_t>(4 * q + k) * K;
-        if (bits == 8) {
-          std::memcpy(o + 16 * st, &v[k], 16);
-        } else {
-          const u8x16 lo = v[k] & 15, hi = v[k] >> 4;
-          std::memcpy(o + 32 * st, &lo, 16);
-          std::memcpy(o + 32 * st + 16, &hi, 16);
-        }
-      }
-    }
-  }
 }
 
 // The scales and biases of an interleaved weight are interleaved too, [block][group][16]
@@ -479,7 +456,7 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
   pack_a8(R, x, M, K, gs, bits == 4, xq.data(), dd.data(), xs.data());
   const int words = K * bits / 32;
   // A unit: A8_FEAT features in rows; an interleaved weight's 16-row block (two 8-feature
-  // tiles, its scales read in place with strides 1 and 16).
+  // tiles over its quad-major bytes, its scales read in place with strides 1 and 16).
   const int feat = il ? 16 : A8_FEAT;
   const int units = (N + feat - 1) / feat;
   const int per = std::max(1, 4 * 576 / std::max(K, 1));
@@ -500,13 +477,20 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
       } else {
         S.rows(n0, nw, tmp, ds, db);
       }
+      const uint8_t* wb = buf.data();
+      const bool quad_major = il && !S.unpacks();
       if (S.unpacks()) {  // 5-/6-bit rows: unpacked to bytes (0..31 or 0..63), in k order
         if (il)
           ilp_rows(S.wbits, wq, n0, nw, K, buf.data());
         else
           S.weights(wq, n0, nw, K, buf.data());
-      } else if (il) {
-        il16_unpack(wq + static_cast<int64_t>(n0) * words, K, bits, buf.data());
+      } else if (il) {  // quad-major (a8_tile's QM): 8-bit blocks as stored, 4-bit ones split in place
+        const uint32_t* blk = wq + static_cast<int64_t>(n0) * words;
+        if (bits == 8) {
+          wb = reinterpret_cast<const uint8_t*>(blk);
+        } else {
+          il16_quads4(blk, K, reinterpret_cast<uint32_t*>(buf.data()));
+        }
       } else if (bits == 8) {  // the packed words are the bytes, in k order: copied into L1
         std::memcpy(buf.data(), wq + static_cast<int64_t>(n0) * words, static_cast<size_t>(nw) * K);
       } else {
@@ -518,9 +502,13 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
         const int fw = std::min(step, nw - f0);
         for (int t = 0; t < tiles; ++t) {
           const int m0 = t * R, mc = std::min(R, M - m0);
-          a8_tile_any<R>(fw, xq.data() + static_cast<int64_t>(t) * K * R, dd.data() + static_cast<int64_t>(t) * G * R,
-                         xs.data() + static_cast<int64_t>(t) * G * R, buf.data() + static_cast<int64_t>(f0) * K,
-                         ds + static_cast<int64_t>(f0) * sj, db + static_cast<int64_t>(f0) * sj, sj, sg, K, gs, out);
+          const int8_t* xt = xq.data() + static_cast<int64_t>(t) * K * R;
+          const float *dt = dd.data() + static_cast<int64_t>(t) * G * R, *st = xs.data() + static_cast<int64_t>(t) * G * R;
+          if (quad_major)
+            a8_tile<R, 8, true>(xt, dt, st, wb + f0 * 4, ds + f0, db + f0, 1, 16, K, gs, out);
+          else
+            a8_tile_any<R>(fw, xt, dt, st, wb + static_cast<int64_t>(f0) * K, ds + static_cast<int64_t>(f0) * sj,
+                           db + static_cast<int64_t>(f0) * sj, sj, sg, K, gs, out);
           for (int i = 0; i < mc; ++i) {
             float* yr = y + static_cast<int64_t>(m0 + i) * N + n0 + f0;
             for (int j = 0; j < fw; ++j) yr[j] = out[j * R + i];
