@@ -166,8 +166,9 @@ _TEXT_MODELS = {"gemma3": (("gemma3_text",), "Gemma 3 text model (GGUF architect
                                                                 "or 'mistral3', as llama.cpp writes Mistral 3's)"),
                 **{k: (("qwen2",), "Qwen2 text model with M-RoPE (GGUF architecture 'qwen2vl', its "
                                    "rope.dimension_sections)") for k in ("qwen2vl_merger", "qwen2.5vl_merger")},
-                "qwen3vl_merger": (("qwen3",), "Qwen3 text model with interleaved M-RoPE and DeepStack (GGUF "
-                                               "architecture 'qwen3vl')")}
+                "qwen3vl_merger": (("qwen3", "qwen3_moe"), "Qwen3 or Qwen3-MoE text model with interleaved M-RoPE "
+                                                           "and DeepStack (GGUF architecture 'qwen3vl' or "
+                                                           "'qwen3vlmoe')")}
 #: llama.cpp's Gemma 3 pool (patches a side per image token a side) when the file does not say
 DEFAULT_SCALE_FACTOR = 4
 #: Idefics3's pixel shuffle when the file does not say (Hugging Face's default)
@@ -816,7 +817,7 @@ def load_mmproj(path: str | Path, text_config: Any, text_metadata: dict[str, Any
                           f"model; the {kind} projector needs a {text_what}")
     if kind in _QWEN and not getattr(text_config, "mrope_section", ()):
         raise ConfigError(f"{source}: the {kind} projector needs a text model with M-RoPE (mrope_section: GGUF "
-                          "architecture 'qwen2vl' / 'qwen3vl'); this text model has plain RoPE")
+                          "architecture 'qwen2vl' / 'qwen3vl' / 'qwen3vlmoe'); this text model has plain RoPE")
     extra = _row_col_tokens(md, source) if kind == "idefics3" else ()
     ids = image_token_ids(text_metadata.get("tokenizer.ggml.tokens"), f"{source} (with the text model)", kind, extra)
     vocab = int(getattr(text_config, "vocab_size", 0) or 0)

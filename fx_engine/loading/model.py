@@ -405,7 +405,7 @@ def _load_image_path(folder: Path, raw: dict[str, Any], dtype: Any, keep: Any,
         with working(f"loading {folder.name}'s vision tower"):
             vision = load_vision(folder, dtype, keep, numerics)
             mx.eval(tree_leaves(vision))
-        if raw.get("model_type") in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"):  # (no fixed image size: its own rules)
+        if vision.config.model_type in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"):  # (no fixed image size: its own rules)
             from fx_engine.loading.images_qwen2_vl import folder_processor_config
 
             return vision, folder_processor_config(folder, vision.config)

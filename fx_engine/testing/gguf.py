@@ -124,8 +124,11 @@ def write_qwen2vl_gguf(folder: str | Path, out: str | Path) -> Path:
 
 def write_qwen3vl_gguf(folder: str | Path, out: str | Path) -> Path:
     """A Qwen3-VL folder's text model as llama.cpp's Qwen3VLTextModel writes it: architecture
-    qwen3vl (Qwen3's q / k norms), rope.dimension_sections and n_deepstack_layers."""
-    return _write_text_gguf(folder, out, "qwen3vl")
+    qwen3vl (Qwen3's q / k norms), rope.dimension_sections and n_deepstack_layers; a
+    Qwen3-VL-MoE folder's as its Qwen3VLMoeTextModel: architecture qwen3vlmoe, the expert
+    keys, the fused experts split into ffn_gate_exps / ffn_up_exps / ffn_down_exps stacks."""
+    mt = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    return _write_text_gguf(folder, out, "qwen3vlmoe" if mt == "qwen3_vl_moe" else "qwen3vl")
 
 
 def _write_text_gguf(folder: str | Path, out: str | Path, arch: str) -> Path:
@@ -151,12 +154,16 @@ def _write_text_gguf(folder: str | Path, out: str | Path, arch: str) -> Path:
                            ("rope.freq_base", w.add_float32, cfg.get("rope_theta", 10000.0)),
                            ("vocab_size", w.add_uint32, raw.get("vocab_size", cfg["vocab_size"]))):
         fn(f"{arch}.{key}", value)
-    if arch in ("qwen2vl", "qwen3vl"):
+    if arch in ("qwen2vl", "qwen3vl", "qwen3vlmoe"):
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         sections = list(rope["mrope_section"])
         w.add_array(f"{arch}.rope.dimension_sections", sections + [0] * max(0, 4 - len(sections)))
-    if arch == "qwen3vl":
-        w.add_uint32("qwen3vl.n_deepstack_layers", len(raw["vision_config"].get("deepstack_visual_indexes", [])))
+    if arch in ("qwen3vl", "qwen3vlmoe"):
+        w.add_uint32(f"{arch}.n_deepstack_layers", len(raw["vision_config"].get("deepstack_visual_indexes", [])))
+    if arch == "qwen3vlmoe":
+        for key, value in (("expert_count", cfg["num_experts"]), ("expert_used_count", cfg["num_experts_per_tok"]),
+                           ("expert_feed_forward_length", cfg["moe_intermediate_size"])):
+            w.add_uint32(f"{arch}.{key}", value)
     _add_tokenizer(w, folder, raw.get("eos_token_id", cfg["eos_token_id"]), cfg.get("bos_token_id"))
     for name, x in sorted(mx.load(str(folder / "model.safetensors")).items()):
         # (a multimodal folder's text model: Idefics3's, transformers >= 4.52's, earlier ones')
@@ -167,6 +174,15 @@ def _write_text_gguf(folder: str | Path, out: str | Path, arch: str) -> Path:
         if not name.startswith(("model.layers.", "model.embed_tokens.", "model.norm.", "lm_head.")):
             continue  # (a vision tower and connector: the mmproj file's)
         x = np.asarray(x.astype(mx.float32))
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):  # (Qwen3-VL-MoE: x @ W)
+            blk = "blk." + name[len("model.layers."):].split(".", 1)[0]
+            if name.endswith("down_proj"):
+                w.add_tensor(f"{blk}.ffn_down_exps.weight", np.ascontiguousarray(x.transpose(0, 2, 1)))
+            else:
+                f = x.shape[2] // 2
+                w.add_tensor(f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(x[..., :f].transpose(0, 2, 1)))
+                w.add_tensor(f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(x[..., f:].transpose(0, 2, 1)))
+            continue
         if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
             x = _llama_permute(x, heads)
         elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):

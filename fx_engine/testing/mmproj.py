@@ -101,11 +101,12 @@ def _numpy(x: mx.array) -> np.ndarray:
 
 #: the folder families written here: config.json model_type -> clip.projector_type
 PROJECTORS = {"gemma3": "gemma3", "idefics3": "idefics3", "smolvlm": "idefics3", "mistral3": "pixtral",
-              "qwen2_vl": "qwen2vl_merger", "qwen3_vl": "qwen3vl_merger",
+              "qwen2_vl": "qwen2vl_merger", "qwen3_vl": "qwen3vl_merger", "qwen3_vl_moe": "qwen3vl_merger",
               "qwen2_5_vl": "qwen2.5vl_merger"}
 #: the image processor's pixel bounds and clip.cpp's attention window (what a file without
 #: the keys gets: loading/mmproj.py): a tiny folder's other values are written as extra keys
-_QWEN_PIXELS = {"qwen2_vl": (3136, 12845056), "qwen2_5_vl": (3136, 12845056), "qwen3_vl": (65536, 16777216)}
+_QWEN_PIXELS = {"qwen2_vl": (3136, 12845056), "qwen2_5_vl": (3136, 12845056), "qwen3_vl": (65536, 16777216),
+               "qwen3_vl_moe": (65536, 16777216)}
 _QWEN_WINDOW = 112
 #: SmolVLM2 folders leave these tower sizes out; the converter fills in transformers' defaults
 _SMOLVLM_DEFAULTS = {"hidden_size": 1152, "num_attention_heads": 16, "intermediate_size": 3072}
@@ -182,7 +183,7 @@ def _qwen_metadata(cfg: dict[str, Any], pre: dict[str, Any], v: dict[str, Any]) 
     text = cfg.get("text_config") or cfg
     md: dict[str, Any] = {"clip.projector_type": PROJECTORS[cfg["model_type"]],
                           "clip.vision.attention.layer_norm_epsilon": float(text.get("rms_norm_eps", 1e-6))}
-    if cfg["model_type"] == "qwen3_vl":  # (Qwen3VLVisionModel: gelu, merge size, DeepStack flags)
+    if cfg["model_type"] in ("qwen3_vl", "qwen3_vl_moe"):  # (Qwen3VLVisionModel: gelu, merge size, DeepStack flags)
         md["clip.use_gelu"] = True
         if v.get("spatial_merge_size") is not None:
             md["clip.vision.spatial_merge_size"] = int(v["spatial_merge_size"])
@@ -344,8 +345,8 @@ def write_text_gguf(folder: str | Path, out: str | Path) -> Path:
     """The folder's text model as llama.cpp writes it: Gemma 3's as its Gemma3Model
     (`fx_engine.testing.gguf.write_gemma_gguf`), Idefics3 / SmolVLM's as its LlamaModel
     (`write_llama_gguf`; Mistral 3's with a `mistral` text model likewise), Qwen2(.5)-VL's as
-    its Qwen2VLModel (`write_qwen2vl_gguf`), Qwen3-VL's as its Qwen3VLTextModel
-    (`write_qwen3vl_gguf`)."""
+    its Qwen2VLModel (`write_qwen2vl_gguf`), Qwen3-VL's as its Qwen3VLTextModel and
+    Qwen3-VL-MoE's as its Qwen3VLMoeTextModel (`write_qwen3vl_gguf`)."""
     from fx_engine.testing.gguf import write_gemma_gguf, write_llama_gguf, write_qwen2vl_gguf, write_qwen3vl_gguf
 
     mt = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
@@ -353,7 +354,7 @@ def write_text_gguf(folder: str | Path, out: str | Path) -> Path:
         return write_llama_gguf(folder, out)
     if mt in ("qwen2_vl", "qwen2_5_vl"):
         return write_qwen2vl_gguf(folder, out)
-    if mt == "qwen3_vl":
+    if mt in ("qwen3_vl", "qwen3_vl_moe"):
         return write_qwen3vl_gguf(folder, out)
     return write_gemma_gguf(folder, out, "gemma3")
 

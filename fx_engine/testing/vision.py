@@ -353,16 +353,39 @@ QWEN3_VL_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "d
 QWEN3_VL_MROPE = [4, 2, 2]
 
 
+def _fused_experts(weights: dict[str, mx.array], text: dict, stacked: bool) -> dict[str, mx.array]:
+    """A Qwen3-MoE checkpoint's per-expert tensors (mlp.experts.{e}.{gate,up,down}_proj)
+    as Qwen3-VL-MoE's fused ones (x @ W) or, `stacked`, mlx-vlm's switch_mlp stacks."""
+    out = {k: v for k, v in weights.items() if ".mlp.experts." not in k}
+    for i in range(text["num_hidden_layers"]):
+        pre = f"model.layers.{i}.mlp."
+        if pre + "experts.0.gate_proj.weight" not in weights:
+            continue
+        stack = {n: mx.stack([weights[f"{pre}experts.{e}.{n}_proj.weight"] for e in range(text["num_experts"])])
+                 for n in ("gate", "up", "down")}  # [E, out, in]
+        if stacked:
+            for n, w in stack.items():
+                out[f"{pre}switch_mlp.{n}_proj.weight"] = w
+        else:
+            out[pre + "experts.gate_up_proj"] = mx.contiguous(
+                mx.concatenate([stack["gate"], stack["up"]], axis=1).swapaxes(1, 2))
+            out[pre + "experts.down_proj"] = mx.contiguous(stack["down"].swapaxes(1, 2))
+    return out
+
+
 def write_tiny_qwen3_vl(folder: str | Path, seed: int = 0, preprocessor: dict | None = None,
                         vision: dict | None = None, layout: str = "hf", *, text: dict | None = None,
-                        dtype: str = "float32") -> Path:
+                        dtype: str = "float32", moe: bool = False) -> Path:
     """A random-weight Qwen3-VL folder as transformers >= 4.57 writes it (text_config with
     rope_scaling {mrope_section, mrope_interleaved}; model.language_model.*, model.visual.*,
     lm_head.*): a tiny Qwen3 text model (q / k norms) and the tiny tower with its DeepStack
     mergers. mlx-vlm reads it (the oracle). layout "mlx": as mlx-vlm's conversions store it
     (language_model.model.*, language_model.lm_head.*, vision_tower.*, the patch conv's
     weight channels last). text: overrides of the tiny text model's fields (a real geometry:
-    tools/bench_vision.py); dtype: the tensors'."""
+    tools/bench_vision.py); dtype: the tensors'. moe: Qwen3-VL-MoE (`qwen3_vl_moe`): a tiny
+    Qwen3-MoE text model, its experts fused as the released checkpoints store them
+    (mlp.experts.gate_up_proj [E, H, 2F], gate then up; down_proj [E, F, H]: x @ W), or
+    mlx-vlm's switch_mlp stacks in the "mlx" layout."""
     if layout not in ("hf", "mlx"):
         raise ValueError(f"layout must be 'hf' or 'mlx', got {layout!r}")
     from fx_engine.core.vision import qwen3_vl
@@ -370,17 +393,22 @@ def write_tiny_qwen3_vl(folder: str | Path, seed: int = 0, preprocessor: dict | 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     dt = getattr(mx, dtype)
-    text = tiny_config("qwen3", **{"tie_word_embeddings": False,
+    text = tiny_config("qwen3_moe" if moe else "qwen3", **{"tie_word_embeddings": False,
                                    "rope_scaling": {"rope_type": "default", "mrope_section": list(QWEN3_VL_MROPE),
                                                     "mrope_interleaved": True},
                                    **(text or {})})
     text.pop("architectures", None)
-    cfg = {"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
-           "text_config": {**text, "model_type": "qwen3_vl_text"},
-           "vision_config": {**QWEN3_VL_VISION, **(vision or {})},
+    mt = "qwen3_vl_moe" if moe else "qwen3_vl"
+    cfg = {"model_type": mt, "architectures": ["Qwen3VLMoeForConditionalGeneration" if moe
+                                                else "Qwen3VLForConditionalGeneration"],
+           "text_config": {**text, "model_type": mt + "_text"},
+           "vision_config": {**QWEN3_VL_VISION, "model_type": mt, **(vision or {})},
            **QWEN2_VL_IDS, "vocab_size": text["vocab_size"], "tie_word_embeddings": False}
     weights = {}
-    for name, w in _weights(text, dt, seed).items():
+    text_weights = _weights(text, dt, seed)
+    if moe:
+        text_weights = _fused_experts(text_weights, text, stacked=layout == "mlx")
+    for name, w in text_weights.items():
         weights[("model.language_model." + name[len("model."):]) if name.startswith("model.") else name] = w
     layout_v = qwen3_vl.checkpoint_layout(qwen3_vl.config_from_hf(cfg))
     keys = iter(mx.random.split(mx.random.key(seed + 7919), len(layout_v)))

@@ -41,15 +41,16 @@ gguf = pytest.importorskip("gguf")
 
 from fx_engine.testing.mmproj import write_mmproj  # noqa: E402
 
-KINDS = {"qwen2_5_vl": "qwen2.5vl_merger", "qwen2_vl": "qwen2vl_merger", "qwen3_vl": "qwen3vl_merger"}
+KINDS = {"qwen2_5_vl": "qwen2.5vl_merger", "qwen2_vl": "qwen2vl_merger", "qwen3_vl": "qwen3vl_merger",
+         "qwen3_vl_moe": "qwen3vl_merger"}
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
 def case(request, tmp_path_factory):
     """(folder, mmproj-f32.gguf, the folder's model, its vocabulary) of one tiny Qwen-VL."""
     root = tmp_path_factory.mktemp(f"mmproj-{request.param}")
-    folder = (write_tiny_qwen3_vl(root / "m") if request.param == "qwen3_vl"
-              else write_tiny_qwen2_vl(root / "m", request.param))
+    folder = (write_tiny_qwen3_vl(root / "m", moe=request.param == "qwen3_vl_moe")
+              if request.param.startswith("qwen3_vl") else write_tiny_qwen2_vl(root / "m", request.param))
     mm = write_mmproj(folder, root / "mmproj-f32.gguf", outtype="f32")
     return folder, mm, fx_engine.load(str(folder)), _vocabulary(folder)
 
@@ -173,12 +174,13 @@ def test_load_text_gguf_with_mmproj_equals_the_folder(case, tmp_path):
 def test_text_gguf_m_rope_sections_are_checked(case, tmp_path):
     """rope.dimension_sections: 3 sections (a zero fourth) summing to head_dim / 2; a missing
     key or another layout is a ConfigError naming it."""
-    from fx_engine.core.models.llama import config_from_gguf
+    from fx_engine.core.models.registry import gguf_family
     from fx_engine.loading.gguf import read_gguf_metadata
     from fx_engine.testing.mmproj import write_text_gguf
 
     folder, _, ref, _ = case
     md = read_gguf_metadata(write_text_gguf(folder, tmp_path / "text.gguf"))
+    config_from_gguf = gguf_family(md, "t.gguf").config_from_gguf  # (qwen3vlmoe: the MoE family's)
     arch = md["general.architecture"]
     key = f"{arch}.rope.dimension_sections"
     assert config_from_gguf(md, "t.gguf").mrope_section == ref.config.mrope_section
@@ -246,7 +248,7 @@ def test_text_model_without_m_rope_or_image_tokens_is_refused(case):
     with pytest.raises(ConfigError, match="needs a text model with M-RoPE"):
         load_mmproj(mm, plain, {"tokenizer.ggml.tokens": tokens}, dtype=mx.float32)
     gemma = types.SimpleNamespace(model_type="gemma3_text", hidden_size=64)
-    with pytest.raises(ConfigError, match="needs a Qwen[23] text model with .*M-RoPE"):
+    with pytest.raises(ConfigError, match="needs a Qwen[23].* text model with .*M-RoPE"):
         load_mmproj(mm, gemma, {"tokenizer.ggml.tokens": tokens}, dtype=mx.float32)
     for missing in ("<|image_pad|>", "<|vision_start|>"):
         cut = [t if t != missing else "<|other|>" for t in tokens]

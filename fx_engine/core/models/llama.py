@@ -270,7 +270,7 @@ def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = No
     rope_dims = int(val("rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise ConfigError(f"{source}: partial rotary embeddings (rope.dimension_count) unsupported")
-    if arch in ("qwen2vl", "qwen3vl"):  # Qwen-VL text models: M-RoPE (Qwen3-VL's interleaved)
+    if arch in ("qwen2vl", "qwen3vl", "qwen3vlmoe"):  # Qwen-VL text models: M-RoPE (Qwen3-VL's interleaved)
         extra = _mrope_from_gguf(md, arch, head_dim, source)
     return LlamaConfig(
         model_type=arch if arch in ("granite", "smollm3") else attention,
@@ -295,11 +295,11 @@ def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = No
 
 
 def _mrope_from_gguf(md: dict[str, Any], arch: str, head_dim: int, source: str) -> dict[str, Any]:
-    """The M-RoPE fields of llama.cpp's qwen2vl / qwen3vl text files: its converters write
+    """The M-RoPE fields of llama.cpp's qwen2vl / qwen3vl / qwen3vlmoe text files: its converters write
     the text config's mrope_section [t, h, w] padded with zeros to 4 entries as
     rope.dimension_sections (a non-zero fourth section is another model's layout: refused);
-    qwen3vl's rotation is interleaved (llama.cpp's IMROPE, Qwen3-VL's own), which the
-    architecture alone says."""
+    qwen3vl's and qwen3vlmoe's rotation is interleaved (llama.cpp's IMROPE, Qwen3-VL's own),
+    which the architecture alone says."""
     key = f"{arch}.rope.dimension_sections"
     raw = md.get(key)
     if raw is None:
@@ -308,7 +308,7 @@ def _mrope_from_gguf(md: dict[str, Any], arch: str, head_dim: int, source: str) 
     if len(sections) not in (3, 4) or sum(sections[3:]) != 0:
         raise ConfigError(f"{source}: {key} must be 3 sections [t, h, w] (padded with a zero to 4), got {sections}")
     _, mrope = _mrope_section({"type": "default", "mrope_section": sections[:3]}, {}, head_dim, f"{source}: {key}")
-    return {"mrope_section": mrope, **({"mrope_interleaved": True} if arch == "qwen3vl" else {})}
+    return {"mrope_section": mrope, **({"mrope_interleaved": True} if arch in ("qwen3vl", "qwen3vlmoe") else {})}
 
 
 def _ministral3_from_gguf(md: dict[str, Any], source: str) -> LlamaConfig:

@@ -195,11 +195,12 @@ def _layer(
 
 def forward(
     p: MoEParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
-    span: int | None = None,
+    span: int | None = None, images: Any = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
-    """Same contract as `skeleton.decoder_step` (the Llama decoder, routed MLPs)."""
+    """Same contract as `skeleton.decoder_step` (the Llama decoder, routed MLPs). images:
+    `llama.forward`'s (Qwen3-VL-MoE's text model: image rows, M-RoPE offsets, DeepStack)."""
     return llama.forward(p, cache, tokens, n_valid, span, layer_fn=_layer,
-                         rope_fn=_partial_rope if p.config.rope_dims else None)
+                         rope_fn=_partial_rope if p.config.rope_dims else None, images=images)
 
 
 def _partial_rope(p: MoEParams, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -233,9 +234,12 @@ def assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEParams:
     def experts(layer: int) -> Experts:
         e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         b = HF_LAYER.format(i=layer) + block
-        gate, up, down = (
-            read_experts(src, b + stacked, b + one, e, o, i, opts.quant_for, opts.where)
-            for stacked, one, (o, i) in zip(STACKED_EXPERT_NAMES, per_expert, ((f, h), (f, h), (h, f))))
+        if src.has(b + "experts.gate_up_proj"):
+            gate, up, down = _fused_hf_experts(src, b + "experts.", e, f, h, opts.where)
+        else:
+            gate, up, down = (
+                read_experts(src, b + stacked, b + one, e, o, i, opts.quant_for, opts.where)
+                for stacked, one, (o, i) in zip(STACKED_EXPERT_NAMES, per_expert, ((f, h), (f, h), (h, f))))
         shared: dict[str, Any] = {}
         s = cfg.shared_expert_intermediate_size
         if cfg.grouped_sigmoid:  # glm4_moe: ungated shared experts, the selection bias
@@ -248,6 +252,23 @@ def assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEParams:
         return Experts(router=rd.linear(b + router, e, h), **expert_stacks(gate, up, down, opts), **shared)
 
     return _assemble(cfg, src, opts, experts)
+
+
+def _fused_hf_experts(src: TensorSource, pre: str, e: int, f: int, h: int, where: str) -> tuple[Linear, Linear, Linear]:
+    """The gate, up and down stacks [E, F, H], [E, F, H], [E, H, F] of Hugging Face's fused
+    expert tensors: `gate_up_proj` with gate then up along its 2F axis and `down_proj`,
+    either as x @ W ([E, H, 2F] and [E, F, H]: Qwen3-VL-MoE's released checkpoints,
+    transformers' Qwen3VLMoeTextExperts; mlx-vlm's sanitize transposes them) or as rows
+    ([E, 2F, H] and [E, H, F]: transformers 5's fused experts). Which one: the shapes (where
+    H == 2F, down_proj's, whose F != H then)."""
+    gu_shape, down_shape = (tuple(src.get(pre + n, None, where).shape) for n in ("gate_up_proj", "down_proj"))
+    by_x = gu_shape == (e, h, 2 * f) if h != 2 * f else down_shape == (e, f, h)
+    want = ((e, h, 2 * f), (e, f, h)) if by_x else ((e, 2 * f, h), (e, h, f))
+    gu = src.get(pre + "gate_up_proj", want[0], where)
+    down = src.get(pre + "down_proj", want[1], where)
+    if by_x:
+        gu, down = gu.swapaxes(-1, -2), down.swapaxes(-1, -2)
+    return Linear(weight=gu[:, :f]), Linear(weight=gu[:, f:]), Linear(weight=down)
 
 
 # Each layer's attention and norms are Llama's (`llama.ATTENTION` and the MLP's norm; q/k
@@ -317,7 +338,7 @@ def config_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:
     arch = md.get("general.architecture")
     if arch == "glm4moe":
         return _glm4_moe_from_gguf(md, source)
-    base = llama.config_from_gguf(md, source, attention={"qwen3moe": "qwen3", "qwen2moe": "qwen2",
+    base = llama.config_from_gguf(md, source, attention={"qwen3moe": "qwen3", "qwen2moe": "qwen2", "qwen3vlmoe": "qwen3",
                                                          "llama": "llama", "olmoe": "llama"}[arch], ff_default=0)
 
     def val(key: str, default: Any = ...) -> Any:
@@ -330,11 +351,11 @@ def config_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:
     return MoEConfig(
         **{**attrs.asdict(base, recurse=False),
            "model_type": {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral",
-                          "olmoe": "olmoe"}[arch],
+                          "olmoe": "olmoe", "qwen3vlmoe": "qwen3_moe"}[arch],
            "qk_norm": base.qk_norm or arch == "olmoe"},  # OLMoE: norms over whole projections
         num_experts=experts, top_k=top_k,
         moe_intermediate_size=int(width if width is not None else val("feed_forward_length")),
-        norm_topk_prob=arch == "qwen3moe", softmax_then_topk=not mixtral,
+        norm_topk_prob=arch in ("qwen3moe", "qwen3vlmoe"), softmax_then_topk=not mixtral,
         moe_layers=(True,) * base.num_layers, shared_expert_intermediate_size=shared,
     )
 
@@ -417,9 +438,14 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
 FAMILY = Family(
     name="moe", model_types=tuple(_ATTENTION), config_type=MoEConfig, params_type=MoEParams,
+    # Qwen3-VL-MoE (Qwen3-VL-30B-A3B, -235B-A22B): a Qwen3-MoE text model with interleaved
+    # M-RoPE and DeepStack (images: core/vision/qwen3_vl.py); its router always renormalizes
+    # the top k (transformers' Qwen3VLMoeTextSparseMoeBlock; mlx-vlm's default)
+    wrappers={"qwen3_vl_moe": ("qwen3_moe", {"mrope_interleaved": True, "norm_topk_prob": True})},
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    gguf_architectures=("qwen3moe", "qwen2moe", "olmoe", "glm4moe", "llama"), config_from_gguf=config_from_gguf,
+    gguf_architectures=("qwen3moe", "qwen2moe", "olmoe", "glm4moe", "llama", "qwen3vlmoe"),
+    config_from_gguf=config_from_gguf,
     gguf_accepts=lambda md: bool(md.get(f"{md.get('general.architecture')}.expert_count")),
     assemble_gguf=assemble_gguf, tensor_split=shard_decoder, layer_range=llama.layer_range, tiny_config=tiny_config,
 )

@@ -156,13 +156,14 @@ def forward(params: Any, cache: Any, tokens: Any, n_valid: Any, span: int | None
     (hidden, cache, captured [B, T, points * H]), the captured states of every position
     from the same forward. A family whose forward does not go through
     `skeleton.decoder_step` refuses capture (CaptureError naming its model type).
-    images: a `vision.splice.ImageInput` (the step's image rows; Gemma 3 text models and the
-    Llama family's: Idefics3 / SmolVLM, Qwen-VL, Mistral 3); None: text only. With both, the
+    images: a `vision.splice.ImageInput` (the step's image rows; Gemma 3 text models, the
+    Llama family's: Idefics3 / SmolVLM, Qwen-VL, Mistral 3, and the MoE family's Qwen3-VL-MoE);
+    None: text only. With both, the
     captured states are those of the forward with the image rows spliced in."""
     family = family_of(params)
     kw = {}
     if images is not None:
-        if family.name not in ("gemma", "llama"):
+        if family.name not in ("gemma", "llama", "moe"):
             kind = getattr(params.config, "model_type", family.name)
             raise ValueError(f"images: {kind} models take no image rows")
         kw = {"images": images}

@@ -74,7 +74,7 @@ from fx_engine.core.vision.qwen2_vl import (PLACEHOLDER, Qwen2VLLayer, Segments,
                                             rope_offsets, rope_positions)
 
 #: multimodal config.json model_types this module reads
-MODEL_TYPES = ("qwen3_vl",)
+MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")  # (the MoE one: the same tower)
 TOWER_PREFIXES = ("model.visual.", "visual.", "vision_tower.")
 EPS = 1e-6
 
