@@ -118,6 +118,14 @@ class Model:
             params = _interleave_a8(params)
         elif numerics.activation_bits != 8 and old.activation_bits == 8:
             params = map_linears(params, lambda _, lin: _by_row_chunks(row_major, lin))
+            if numerics.native and numerics.matmul == MatmulPlan() and _on_cpu():
+                # (an 8-bit load measures no float32 kernel plan: take the one `load` would,
+                # measured once per machine and shape, so the logits are a fresh load's)
+                from fx_engine.runtime.native import plan
+
+                report = plan.choose(params)
+                if report is not None:
+                    numerics = attrs.evolve(numerics, matmul=report.plan)
         fingerprint = self.fingerprint.removesuffix("-int8") + ("-int8" if numerics.activation_bits == 8 else "")
         return attrs.evolve(self, params=attrs.evolve(params, numerics=numerics), fingerprint=fingerprint)
 
