@@ -16,10 +16,13 @@ weights are read) weighted by the router's probabilities:
 - qwen2_moe adds a shared expert to every token, gated by sigmoid(shared_expert_gate(x));
 - qwen2_moe / qwen3_moe layers listed in `mlp_only_layers`, or off the `decoder_sparse_step`
   grid, have a dense SwiGLU MLP instead.
+Qwen3-VL-MoE (`qwen3_vl_moe`, a multimodal wrapper) runs its Qwen3-MoE text model here with
+`llama.forward`'s image inputs (interleaved M-RoPE, DeepStack; the tower: core/vision/qwen3_vl.py).
 Checkpoints: Hugging Face's one tensor per expert (`mlp.experts.{e}.gate_proj`, Mixtral's
-`block_sparse_moe.experts.{e}.w1/w2/w3`) or mlx-lm's stacked `switch_mlp` (mlx-community
-folders, 4-/8-bit); GGUF `qwen3moe` / `qwen2moe` (llama.cpp's `ffn_*_exps` stacks and
-`ffn_gate_inp` router). Quantized expert stacks stay packed on the native CPU kernels
+`block_sparse_moe.experts.{e}.w1/w2/w3`), its fused `mlp.experts.gate_up_proj` / `down_proj`
+(Qwen3-VL-MoE; `_fused_hf_experts`) or mlx-lm's stacked `switch_mlp` (mlx-community
+folders, 4-/8-bit); GGUF `qwen3moe` / `qwen2moe` / `qwen3vlmoe` (llama.cpp's `ffn_*_exps`
+stacks and `ffn_gate_inp` router). Quantized expert stacks stay packed on the native CPU kernels
 (`kernels.gather_qmm`, every width they run, a GGUF's two-level K-quant scales included:
 about the file's bytes in memory) and with keep_quantized=True (MLX's `mx.gather_qmm`);
 otherwise they are dequantized at load.
