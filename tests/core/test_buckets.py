@@ -62,18 +62,23 @@ def test_the_ring_rule_for_reusing_a_cached_row() -> None:
     assert not prefix_in_cache((dense, ring), 100, 99)  # wrapped: a prefix is gone
 
 
-@given(st.integers(1, 1 << 20), st.integers(1, 64))
-def test_size_bucket_pads_at_most_a_quarter_and_is_monotonic(n: int, least: int) -> None:
+@given(st.integers(1, 1 << 20), st.integers(1, 64), st.sampled_from([1, 2, 4, 8, 16]))
+def test_size_bucket_pads_at_most_one_part_in_per_octave_and_is_monotonic(n: int, least: int, per: int) -> None:
     from fx_engine.core.buckets import size_bucket
 
-    b = size_bucket(n, least)
-    assert b >= max(n, least) and (b - max(n, least)) * 4 < b
-    assert size_bucket(b, least) == b  # a bucket is its own bucket
-    assert size_bucket(n + 1, least) >= b
+    b = size_bucket(n, least, per)
+    assert b >= max(n, least) and (b - max(n, least)) * (per + 1) < b
+    assert size_bucket(b, least, per) == b  # a bucket is its own bucket
+    assert size_bucket(n + 1, least, per) >= b
 
 
-def test_size_buckets_are_four_per_octave() -> None:
+def test_size_buckets_per_octave() -> None:
     from fx_engine.core.buckets import size_bucket
 
-    assert [size_bucket(n) for n in (1, 7, 8, 9, 11, 16, 17, 21, 33, 1000)] == [1, 7, 8, 10, 12, 16, 20, 24, 40, 1024]
-    assert {size_bucket(n) for n in range(65, 129)} == {80, 96, 112, 128}
+    assert [size_bucket(n, per_octave=4) for n in (1, 7, 8, 9, 11, 16, 17, 21, 33, 1000)] == [
+        1, 7, 8, 10, 12, 16, 20, 24, 40, 1024]
+    assert {size_bucket(n, per_octave=4) for n in range(65, 129)} == {80, 96, 112, 128}
+    assert {size_bucket(n) for n in range(129, 257)} == set(range(144, 257, 16))  # 8 per octave by default
+    assert size_bucket(391) == 416
+    with pytest.raises(ValueError, match="power of two"):
+        size_bucket(5, per_octave=6)

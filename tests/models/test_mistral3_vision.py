@@ -135,17 +135,17 @@ def test_encoder_matches_mlx_vlm(folders, kind):
 
 
 def test_compiled_encoder_traces_once_per_size_bucket(folders):
-    """Image sizes whose patch and token counts fall in the same buckets (9 x 10, 10 x 9 and
-    11 x 8 patches: 96 padded patches, 20 tokens) share one compiled trace, each
+    """Image sizes whose patch and token counts fall in the same buckets (9 x 10 and 10 x 9
+    patches: 96 padded patches, 20 tokens) share one compiled trace, each
     padded encoding equal to its eager unpadded one; another bucket traces once more."""
     params = load_vision(folders("hf"))
     fn = pixtral._compiled
     before = fn.traces
-    for h, w in [(36, 40), (40, 36), (44, 32)]:
+    for h, w in [(36, 40), (40, 36)]:
         pix = mx.random.uniform(-1, 1, (1, 3, h, w), key=mx.random.key(h + w))
         close(pixtral.encode_images_compiled(params, pix), pixtral.encode_images(params, pix), 1e-5)
     assert fn.traces - before == 1
-    pix = mx.random.uniform(-1, 1, (2, 3, 48, 80), key=mx.random.key(3))  # 240 -> 256 patches
+    pix = mx.random.uniform(-1, 1, (2, 3, 52, 80), key=mx.random.key(3))  # 260 -> 288 patches
     close(pixtral.encode_images_compiled(params, pix), pixtral.encode_images(params, pix), 1e-5)
     assert fn.traces - before == 2
 

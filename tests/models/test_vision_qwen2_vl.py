@@ -161,18 +161,19 @@ def test_compiled_padded_encoder_matches_mlx_vlm(towers, mt, grid):
 
 def test_compiled_encoder_traces_once_per_size_bucket(towers):
     """Images whose merged-token count and window count fall in the same buckets share one
-    trace (4 x 5, 5 x 4 and 3 x 6 merged tokens: 20 padded, 6 windows); another bucket
-    traces once more; the padding never reaches the output (bucket neighbours encode alike
-    alone and as the eager unpadded forward)."""
+    trace (4 x 5 and 5 x 4 merged tokens: 20, 6 windows); another bucket traces once more
+    (6 x 7 and 7 x 6: 42 padded to 44); the padding never reaches the output (each equals
+    the eager unpadded forward)."""
     _, _, params, _ = towers()
     fn = qwen2_vl._compiled
     before = fn.traces
-    same = [[[1, 8, 10]], [[1, 10, 8]], [[1, 6, 12]]]
+    same = [[[1, 8, 10]], [[1, 10, 8]]]
     for i, grid in enumerate(same):
         pix = _patches(grid, seed=10 + i)
         _close(qwen2_vl.encode_images_compiled(params, pix, np.array(grid)), qwen2_vl.encode_images(params, pix, grid))
     assert fn.traces - before == 1
-    qwen2_vl.encode_images_compiled(params, _patches([[1, 12, 14]]), [[1, 12, 14]])  # 42 -> 48 tokens
+    pix = _patches([[1, 12, 14]])
+    _close(qwen2_vl.encode_images_compiled(params, pix, [[1, 12, 14]]), qwen2_vl.encode_images(params, pix, [[1, 12, 14]]))
     assert fn.traces - before == 2
     qwen2_vl.encode_images_compiled(params, _patches([[1, 14, 12]], seed=3), [[1, 14, 12]])
     assert fn.traces - before == 2
