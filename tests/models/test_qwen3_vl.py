@@ -30,8 +30,8 @@ from fx_engine.engine.image_prompt import (image_placeholder, image_prompt, imag
 from fx_engine.loading.images_qwen2_vl import preprocess
 from fx_engine.testing.tiny import write_tiny_model
 from fx_engine.testing.vision import QWEN2_VL_IDS, QWEN3_VL_MROPE, write_tiny_qwen3_vl
-from tests.models.vision_checks import (close, load_mlx_vlm, messages, png, qwen_greedy, qwen_pixels,
-                                        two_images, whole_images)
+from tests.models.vision_checks import (close, load_mlx_vlm, messages, png, qwen_decode_matches, qwen_greedy,
+                                        qwen_pixels, two_images, whole_images)
 
 TOL = 2e-4
 IMAGE_ID = QWEN2_VL_IDS["image_token_id"]
@@ -181,17 +181,7 @@ def test_logits_match_mlx_vlm(model, ref):
 def test_decode_logits_match_mlx_vlm(model, ref):
     """Decode steps after an image prompt (plain RoPE at the cache position, no DeepStack)
     against mlx-vlm's whole forward over the prompt and the tokens so far."""
-    msgs = two_images()
-    ip = image_prompt(model, msgs)
-    pixels, grid = qwen_pixels(model, msgs)
-    lg, cache = logits_step(model.params, model.new_cache(1, 256), mx.array([ip.ids], mx.int32), len(ip.ids),
-                            images=whole_images(ip, model))
-    seq = list(ip.ids)
-    for _ in range(3):
-        tok = int(mx.argmax(lg[0, -1]).item())
-        seq.append(tok)
-        lg, cache = logits_step(model.params, cache, mx.array([[tok]], mx.int32), 1)
-        close(lg[0, -1], ref(mx.array([seq]), pixels, image_grid_thw=grid).logits[0, -1], TOL)
+    qwen_decode_matches(ref, model, two_images(), 3, TOL)
 
 
 @pytest.mark.oracle

@@ -24,11 +24,10 @@ import pytest
 import fx_engine
 from fx_engine.core.models.moe import _fused_hf_experts
 from fx_engine.core.checkpoint import TensorSource
-from fx_engine.core.steps import logits_step
 from fx_engine.core.vision import qwen3_vl, vision_module
 from fx_engine.engine.image_prompt import image_prompt
 from fx_engine.testing.vision import write_tiny_qwen3_vl
-from tests.models.vision_checks import close, load_mlx_vlm, qwen_greedy, qwen_pixels, two_images, whole_images
+from tests.models.vision_checks import close, load_mlx_vlm, qwen_decode_matches, qwen_greedy, qwen_pixels, two_images
 
 TOL = 2e-4
 
@@ -68,16 +67,8 @@ def test_logits_and_decode_match_mlx_vlm(pair):
     msgs = two_images()
     ip = image_prompt(model, msgs)
     pixels, grid = qwen_pixels(model, msgs)
-    want = ref(mx.array([ip.ids]), pixels, image_grid_thw=grid).logits[0]
-    lg, cache = logits_step(model.params, model.new_cache(1, 256), mx.array([ip.ids], mx.int32), len(ip.ids),
-                            images=whole_images(ip, model))
-    close(lg[0], want, TOL)
-    seq = list(ip.ids)
-    for _ in range(3):
-        tok = int(mx.argmax(lg[0, -1]).item())
-        seq.append(tok)
-        lg, cache = logits_step(model.params, cache, mx.array([[tok]], mx.int32), 1)
-        close(lg[0, -1], ref(mx.array([seq]), pixels, image_grid_thw=grid).logits[0, -1], TOL)
+    prompt = qwen_decode_matches(ref, model, msgs, 3, TOL)
+    close(prompt, ref(mx.array([ip.ids]), pixels, image_grid_thw=grid).logits[0], TOL)
 
 
 @pytest.mark.oracle

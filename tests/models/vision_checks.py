@@ -94,6 +94,26 @@ def whole_images(ip: Any, model: Any) -> ImageInput:
     return step_images([(type("R", (), {"image": ip})(), 0, len(ip.ids))], model.vision.config.image_token_index)
 
 
+def qwen_decode_matches(ref: Any, model: Any, msgs: list[dict], steps: int, tol: float) -> mx.array:
+    """The image prompt's logits [L, vocab] through our step (image rows, M-RoPE offsets,
+    DeepStack), then `steps` greedy decode steps (plain RoPE at the cache position) each
+    checked against mlx-vlm's whole Qwen-VL forward `ref` over the prompt and the tokens so
+    far; returns the prompt's logits (the caller checks them)."""
+    from fx_engine.core.steps import logits_step
+
+    ip = image_prompt(model, msgs)
+    pixels, grid = qwen_pixels(model, msgs)
+    lg, cache = logits_step(model.params, model.new_cache(1, 256), mx.array([ip.ids], mx.int32), len(ip.ids),
+                            images=whole_images(ip, model))
+    prompt, seq = lg[0], list(ip.ids)
+    for _ in range(steps):
+        tok = int(mx.argmax(lg[0, -1]).item())
+        seq.append(tok)
+        lg, cache = logits_step(model.params, cache, mx.array([[tok]], mx.int32), 1)
+        close(lg[0, -1], ref(mx.array([seq]), pixels, image_grid_thw=grid).logits[0, -1], tol)
+    return prompt
+
+
 def qwen_greedy(ref: Any, model: Any, msgs: list[dict], n: int) -> tuple[list[int], list[int]]:
     """(prompt ids, up to n greedy tokens) with mlx-vlm's whole Qwen-VL forward `ref`, no
     cache (each step the whole sequence: its get_rope_index puts the generated text after
