@@ -1,5 +1,5 @@
 """fx_engine.core.buckets: the power-of-two rounding rule behind every static shape, and the
-quarter-octave size buckets of the vision towers."""
+finer size buckets of the vision towers."""
 
 from __future__ import annotations
 

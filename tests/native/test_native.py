@@ -1105,8 +1105,8 @@ def test_5_and_6_bit_weights_give_the_8_bit_bits(bits: int, gs: int) -> None:
 @pytest.mark.parametrize("gs", [32, 64, 128])
 def test_interleaved_weights_give_the_row_major_bits(bits: int, gs: int) -> None:
     """qmm_a8 on a weight in its interleaved layout (kernels.interleave16: 16-row blocks, word
-    by word, read as one contiguous stream per block by the few-row paths, gathered back into
-    rows by the many-row tiles) gives the row-major weight's bits at every row count, with
+    by word, read as one contiguous stream per block by the few-row paths and quad-major by
+    the many-row tiles) gives the row-major weight's bits at every row count, with
     float32, float16, bfloat16 and two-level scales (stored interleaved, the K-quant factors
     too, converted as the kernels read them); interleave16 is a permutation that deinterleave16
     undoes; wrong shapes are clear errors."""

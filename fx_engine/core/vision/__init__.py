@@ -21,12 +21,12 @@ pixels to the text model's image token embeddings.
 * pixtral.py: Mistral 3's (`mistral3`) Pixtral tower (2-D rotary), projector with its
   patch merger, and the prompt's [IMG] / [IMG_BREAK] / [IMG_END] layout (a Mistral text
   model; images of any size: `encode_images(params, pixels)` per image size).
-
-The any-size towers (Qwen2-VL / 2.5-VL / 3-VL, Pixtral) pad to core/buckets.size_bucket in
-`encode_images_compiled`, so a compiled tower traces once per bucket (4 per octave of
-tokens), not per image size.
 * splice.py: `ImageInput` and the splice of image rows into the token embeddings (any
   family).
+
+The any-size towers (Qwen2-VL / 2.5-VL / 3-VL, Pixtral) pad to core/buckets.size_bucket in
+`encode_images_compiled`, so a compiled tower traces once per bucket (8 per octave of
+tokens), not per image size.
 
 Each module also names `PLACEHOLDER`-like prompt text through its config's `placeholder`
 (engine/image_prompt.py reads it) and has `encode_images_compiled`.

@@ -693,8 +693,8 @@ _compiled = CompiledFunction(forward, name="qwen2_vl_encode_images")
 def encode_images_compiled(p: Qwen2VLParams, patches: mx.array, grid_thw: Any) -> mx.array:
     """`encode_images` compiled and bucketed by image size: the patches are padded to
     `padded_tokens` and the geometry passed as arrays, so one trace serves every set of
-    images with the same padded size (and, for Qwen2.5-VL, window-count bucket; the frame
-    count of the call is exact: the engine encodes image by image)."""
+    images with the same padded size, frame count (exact: the engine encodes image by
+    image) and largest frame's bucket, and for Qwen2.5-VL window-count bucket."""
     cfg = p.config
     grids = _grids(grid_thw, cfg)
     n = check_patches(patches, grids, cfg.patch_features, "Qwen2-VL")

@@ -201,8 +201,9 @@ class QMatmul : public CpuKernel {
 // row per (token, expert) pair), idx [T, k], W [E, N, K] packed -> out [T, k, N]. The
 // pairs are grouped by expert (a counting sort), then each expert's rows run through one
 // of the 2-D kernels on that expert's matrix (kind as QMatmul's: 0 qmm, 1 qgemm, 2
-// qmm_a8), so a decode step streams only the chosen experts' packed bytes, and a prefill
-// chunk reads each chosen expert once for all its rows. Every kernel is batch-invariant,
+// qmm_a8, 3 qmm_a8 on a stack interleaved per expert), so a decode step streams only the
+// chosen experts' packed bytes, and a prefill chunk reads each chosen expert once for all
+// its rows. Every kernel is batch-invariant,
 // so a pair's result does not depend on which other pairs share its expert.
 class GatherQMatmul : public CpuKernel {
  public:
@@ -787,7 +788,7 @@ NB_MODULE(_fx_native, m) {
   m.def("gather_qmm", &gather_qmm, nb::arg("x"), nb::arg("indices"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("kind"),
         "stacked experts: x [T, 1 or k, K], indices [T, k] into w [E, N, K] -> [T, k, N]; "
-        "kind 0 qmm, 1 qgemm, 2 qmm_a8");
+        "kind 0 qmm, 1 qgemm, 2 qmm_a8, 3 qmm_a8 on a stack interleaved per expert (interleave16 of each matrix)");
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), "affine dequantization -> float32 [N, K]");
   m.def("masked_softmax", &masked_softmax, nb::arg("scores"), nb::arg("mask"),

@@ -24,7 +24,8 @@
 // activation bytes. The weight bytes are in the weight rows' order: 8-bit weights straight
 // from the packed words (little-endian, k order), 4-bit ones unpacked per call into the
 // split order of dequant_row (low nibbles of a 32-block first), which the activations are
-// packed in too. Up to 8 rows on AVX-512 VNNI builds: the few-row path (a8_few_block),
+// packed in too; an interleaved weight's 16-row block is read quad-major instead (a8_tile's
+// QM: 8-bit blocks as stored, 4-bit ones split into nibble quads, il16_quads4). Up to 8 rows on AVX-512 VNNI builds: the few-row path (a8_few_block),
 // vectors along 16 features instead, with the same bits. AVX2 builds (and AVX-512 builds
 // without VNNI) run an 8-feature version of that path at every row count (a8_few8_block:
 // vpmaddubsw/vpmaddwd, or AVX-VNNI's ymm vpdpbusd), the same bits again.
