@@ -340,15 +340,17 @@ def _attention(x: mx.array, lp: PixtralLayer, cfg: PixtralConfig, cos: mx.array,
     return linear(out, lp.o, num)
 
 
-def _check_pixels(cfg: PixtralConfig, pixels: mx.array) -> tuple[int, int]:
-    """The patch grid (gh, gw) of images [B, C, H, W], or a ValueError."""
+def _patches(p: PixtralParams, pixels: mx.array) -> tuple[mx.array, int, int]:
+    """Images [B, C, H, W] as patches [B, gh * gw, C * P * P] in the params' dtype, and the
+    patch grid (gh, gw); a ValueError for a wrong shape or an image smaller than a patch."""
+    cfg = p.config
     if pixels.ndim != 4 or pixels.shape[1] != cfg.num_channels:
         raise ValueError(f"Pixtral: pixels must be [B, {cfg.num_channels}, H, W] (channels first), "
                          f"got {list(pixels.shape)}")
     gh, gw = pixels.shape[2] // cfg.patch_size, pixels.shape[3] // cfg.patch_size
     if not gh or not gw:
         raise ValueError(f"Pixtral: a {pixels.shape[3]}x{pixels.shape[2]} image is smaller than one patch")
-    return gh, gw
+    return patchify(pixels.astype(getattr(mx, p.dtype)), cfg.patch_size), gh, gw
 
 
 @attrs.frozen
@@ -400,9 +402,8 @@ def _tower(p: PixtralParams, patches: Float[mx.array, "B N F"], geo: Geometry) -
 def tower(p: PixtralParams, pixels: Float[mx.array, "B C H W"]) -> Float[mx.array, "B N D"]:
     """The tower's patch features [B, gh * gw, hidden] (the vision_feature_layer state) of
     images [B, C, H, W] of one size (each image attends to itself only)."""
-    cfg = p.config
-    gh, gw = _check_pixels(cfg, pixels)
-    return _tower(p, patchify(pixels.astype(getattr(mx, p.dtype)), cfg.patch_size), geometry(cfg, gh, gw))
+    patches, gh, gw = _patches(p, pixels)
+    return _tower(p, patches, geometry(p.config, gh, gw))
 
 
 def merge_patches(feats: Float[mx.array, "B N D"], merge: Float[mx.array, "M K"]) -> Float[mx.array, "B M E"]:
@@ -430,9 +431,8 @@ def encode_images(p: PixtralParams, pixels: Float[mx.array, "N C H W"]) -> Float
     """Images [N, 3, H, W] of one size (preprocessed, channels first) -> their token
     embeddings [N, (H / f) * (W / f), text_hidden], f = patch_size * spatial_merge_size,
     rows row-major, in the params' dtype (eager, unpadded)."""
-    cfg = p.config
-    gh, gw = _check_pixels(cfg, pixels)
-    return _encode(p, patchify(pixels.astype(getattr(mx, p.dtype)), cfg.patch_size), geometry(cfg, gh, gw))
+    patches, gh, gw = _patches(p, pixels)
+    return _encode(p, patches, geometry(p.config, gh, gw))
 
 
 _compiled = CompiledFunction(_encode, name="encode_images_pixtral")
@@ -443,10 +443,9 @@ def encode_images_compiled(p: PixtralParams, pixels: Float[mx.array, "N C H W"])
     bucket of their count and the image tokens to one of theirs (padding patches are never
     keys; padding tokens are dropped), so one trace serves every image size in the bucket."""
     cfg = p.config
-    gh, gw = _check_pixels(cfg, pixels)
+    patches, gh, gw = _patches(p, pixels)
     m = cfg.spatial_merge_size
     merged = (gh // m) * (gw // m)
-    patches = patchify(pixels.astype(getattr(mx, p.dtype)), cfg.patch_size)
     tokens = size_bucket(gh * gw)
     patches = mx.pad(patches, ((0, 0), (0, tokens - gh * gw), (0, 0)))
     return _compiled(p, patches, geometry(cfg, gh, gw, tokens, size_bucket(merged)))[:, :merged]
