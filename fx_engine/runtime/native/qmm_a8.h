@@ -729,8 +729,19 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
   // the next block's packed rows, a slice per 32-k step (interleaved row streams defeat
   // the hardware prefetchers)
   const int words = K * BITS / 32;
-  const char* next = reinterpret_cast<const char*>(wq + int64_t{n0 + 8} * words);
-  const int64_t next_bytes = std::max(0, std::min(8, N - n0 - 8)) * int64_t{words} * 4;
+  const char* next;
+  int64_t next_bytes;
+  if constexpr (IL) {
+    // the next 16-row block (one contiguous stream), half of it during each 8-row pass over
+    // this one: rows + 8 would be this block's own second half (and the next block's second
+    // half never prefetched)
+    const int64_t nb0 = int64_t{n0 / 16 * 16 + 16}, half = int64_t{8} * words * 4;
+    next = reinterpret_cast<const char*>(wq + nb0 * words) + (n0 % 16 ? half : 0);
+    next_bytes = nb0 < N ? half : 0;
+  } else {
+    next = reinterpret_cast<const char*>(wq + int64_t{n0 + 8} * words);
+    next_bytes = std::max(0, std::min(8, N - n0 - 8)) * int64_t{words} * 4;
+  }
   const int64_t slice = ((next_bytes + 63) / 64 + K / 32 - 1) / (K / 32) * 64;
   __m256 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
@@ -816,14 +827,202 @@ inline void a8_few8_block(const int8_t* xq, const float* dd, const float* xs, in
   for (int m = 0; m < MR; ++m) _mm256_maskstore_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
 }
 
+// f(std::integral_constant<int, fmt>{}) for a scales format (scales.h's SF_*).
+template <typename F>
+inline void with_fmt(int fmt, F&& f) {
+  switch (fmt) {
+    case SF_F32: return f(std::integral_constant<int, SF_F32>{});
+    case SF_F16: return f(std::integral_constant<int, SF_F16>{});
+    case SF_BF16: return f(std::integral_constant<int, SF_BF16>{});
+    default: return f(std::integral_constant<int, SF_KQ>{});
+  }
+}
+
+// The most common case of a8_few16_il, spelled out: one row, 4-bit weights in groups of 32
+// (GGUF's Q4_0, Q4_1, Q4_K), the scales' format a constant. Each 32-k step is one group, so
+// its int16 pair sums add in a tree (exact in any order: 8 pairs of at most 3810) straight
+// into the group's float step, with no int32 accumulator carried between steps; the next
+// block's 256 bytes a step prefetched by four fixed instructions. The general loop kept its
+// accumulators on the stack and measured ~1.35 instructions a cycle on L3-resident weights.
+template <int FMT>
+inline void a8_il4_g32_row(const int8_t* xq, const float* dd, const float* xs, int K, const uint32_t* wq,
+                           float* y, int N, int n0, const Quant& S) {
+  const int words = K / 8, steps = K / 32;
+  const uint32_t* blk = wq + static_cast<int64_t>(n0) * words;
+  const char* ps = static_cast<const char*>(S.s) + int64_t{n0} * S.s_row_bytes();
+  const char* pb = static_cast<const char*>(S.b) + int64_t{n0} * S.b_row_bytes();
+  const int sb = S.sb;
+  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
+  const __m256i nib = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+  // the next block, 256 bytes a step (no next block: this one's own lines again, harmless)
+  const char* next = reinterpret_cast<const char*>(n0 + 16 < N ? blk + 16 * words : blk);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int g = 0; g < steps; ++g) {
+    const char* pf = next + int64_t{g} * 256;
+    _mm_prefetch(pf, _MM_HINT_T1);
+    _mm_prefetch(pf + 64, _MM_HINT_T1);
+    _mm_prefetch(pf + 128, _MM_HINT_T1);
+    _mm_prefetch(pf + 192, _MM_HINT_T1);
+    const uint32_t* st = blk + int64_t{g} * 64;
+    __m256i x[8];
+    for (int j = 0; j < 8; ++j) x[j] = _mm256_set1_epi32(xq4[8 * g + j]);
+    auto half = [&](int h) {
+      __m256i t[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 16 * i + 8 * h));
+        t[i] = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, nib), x[i]),
+                                _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), nib), x[4 + i]));
+      }
+      return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(t[0], t[1]), _mm256_add_epi16(t[2], t[3])), one);
+    };
+    const __m256i is0 = half(0), is1 = half(1);
+    const __m256 d = _mm256_set1_ps(dd[g]), xg = _mm256_set1_ps(xs[g]);
+    __m256 s, c;
+    il_scales8(ps, pb, FMT, sb, g, 0, s, c);
+    acc0 = _mm256_fmadd_ps(xg, c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(is0), _mm256_mul_ps(d, s), acc0));
+    il_scales8(ps, pb, FMT, sb, g, 8, s, c);
+    acc1 = _mm256_fmadd_ps(xg, c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(is1), _mm256_mul_ps(d, s), acc1));
+  }
+  _mm256_storeu_ps(y + n0, acc0);
+  _mm256_storeu_ps(y + n0 + 8, acc1);
+}
+
+// a8_few8_blockp<6, 1, 2> spelled out for GGUF's Q6_K (6-bit planes in groups of 16: a
+// tied head, Q4_K_M's down / v matrices), one row, the scales' format a constant: quads
+// {0, 1, 4, 5} and {2, 3, 6, 7} of each 32-k step are its two groups, each quad pair's sums
+// (at most 2 * 16002, exact in int16) widened by one vpmaddwd, no accumulators carried
+// between steps (the general loop's, on the stack, cost it ~1.5x on cached weights).
+template <int FMT>
+inline void a8_p6_g16_row(const int8_t* xq, const float* dd, const float* xs, int K, const uint32_t* wq,
+                          float* y, int N, int n0, const Quant& S) {
+  const int steps = K / 32;
+  const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16) * K * 3;  // 16 rows x K x 6 bits
+  const char* ps = static_cast<const char*>(S.s) + int64_t{n0} * S.s_row_bytes();
+  const char* pb = static_cast<const char*>(S.b) + int64_t{n0} * S.b_row_bytes();
+  const int sb = S.sb;
+  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
+  const __m256i nib = _mm256_set1_epi8(0x0F), mhi = _mm256_set1_epi8(0x30), one = _mm256_set1_epi16(1);
+  // the next block, 384 bytes a step (no next block: this one's own lines again, harmless)
+  const char* next = reinterpret_cast<const char*>(n0 + 16 < N ? blk + int64_t{K} * 3 : blk);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int k = 0; k < steps; ++k) {
+    const char* pf = next + int64_t{k} * 384;
+    for (int l = 0; l < 6; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
+    const uint32_t* st = blk + int64_t{k} * 96;
+    auto ld = [&](int at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + at)); };
+    // quad q's high 2 bits, at bits 2 * (q % 4) of the bytes of high word q / 4 -> bits 4, 5
+    auto high = [&](int e, int q) {
+      const __m256i v = ld(64 + 16 * (q / 4) + 8 * e);
+      const int at = 2 * (q % 4);
+      const __m256i t = at < 4 ? _mm256_slli_epi32(v, 4 - at) : at == 4 ? v : _mm256_srli_epi32(v, at - 4);
+      return _mm256_and_si256(t, mhi);
+    };
+    __m256i is[2][2];  // [half][group of the step]
+    for (int i = 0; i < 4; ++i) {  // quads i and 4 + i of both halves, against their activations
+      const __m256i xa = _mm256_set1_epi32(xq4[8 * k + i]), xb = _mm256_set1_epi32(xq4[8 * k + 4 + i]);
+      for (int e = 0; e < 2; ++e) {
+        const __m256i w = ld(16 * i + 8 * e);
+        const __m256i a = _mm256_or_si256(_mm256_and_si256(w, nib), high(e, i));
+        const __m256i b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), nib), high(e, 4 + i));
+        const __m256i m = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(a, xa), _mm256_maddubs_epi16(b, xb)), one);
+        is[e][i / 2] = i % 2 ? _mm256_add_epi32(is[e][i / 2], m) : m;
+      }
+    }
+    for (int e = 0; e < 2; ++e)
+      for (int j = 0; j < 2; ++j) {
+        __m256 s, c;
+        il_scales8(ps, pb, FMT, sb, 2 * k + j, 8 * e, s, c);
+        acc[e] = _mm256_fmadd_ps(_mm256_set1_ps(xs[2 * k + j]), c,
+                                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[e][j]), _mm256_mul_ps(_mm256_set1_ps(dd[2 * k + j]), s), acc[e]));
+      }
+  }
+  _mm256_storeu_ps(y + n0, acc[0]);
+  _mm256_storeu_ps(y + n0 + 8, acc[1]);
+}
+
+constexpr int FEW16_ROWS = 1;  // up to this many rows take a8_few16_il
+// a8_few8_block for one or two rows on an interleaved weight, both 8-feature halves of a
+// 16-row block in one pass: the block's 64-byte lines read whole and once, the next block
+// prefetched whole, and two independent chains of int16 pair sums (one half at a time left
+// a single chain waiting on vpmaddubsw's latency: the AVX2 build read ~24 GB/s at one row
+// where the AVX-512 build's whole-block pass reads ~37). The same integer sums and per-group
+// float steps lane by lane: the same bits.
+template <int BITS, int MR>
+inline void a8_few16_il(const int8_t* xq, const float* dd, const float* xs, int K, const uint32_t* wq,
+                        int gs, float* y, int N, int n0, const Quant& S, int R) {
+  const int words = K * BITS / 32, groups = K / gs;
+  const uint32_t* blk = wq + static_cast<int64_t>(n0) * words;
+  const char* ps = static_cast<const char*>(S.s) + int64_t{n0} * S.s_row_bytes();
+  const char* pb = static_cast<const char*>(S.b) + int64_t{n0} * S.b_row_bytes();
+  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
+  const __m256i nib = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+  const char* next = reinterpret_cast<const char*>(blk + 16 * words);
+  const int64_t next_bytes = n0 + 16 < N ? int64_t{16} * words * 4 : 0;
+  const int64_t slice = next_bytes / (K / 32);
+  __m256 acc[2][MR];
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MR; ++m) acc[h][m] = _mm256_setzero_ps();
+  auto xb = [&](int u, int m) { return _mm256_set1_epi32(xq4[u * R + m]); };
+  for (int g = 0; g < groups; ++g) {
+    __m256i is[2][MR];
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MR; ++m) is[h][m] = _mm256_setzero_si256();
+    for (int k0 = g * gs; k0 < (g + 1) * gs; k0 += (BITS == 4 ? 32 : 16)) {
+      if (k0 % 32 == 0)
+        for (int64_t o = (k0 / 32) * slice, e = o + slice; o < e; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+      const uint32_t* st = blk + static_cast<int64_t>(k0) * BITS / 8 / 16 * 64;
+      auto ld = [&](int i, int h) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 16 * i + 8 * h)); };
+      const int u0 = k0 / 4;
+      if constexpr (BITS == 4) {
+        __m256i p[2][MR];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i w = ld(i, h);
+            const __m256i lo = _mm256_and_si256(w, nib), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
+            for (int m = 0; m < MR; ++m) {
+              const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xb(u0 + i, m)),
+                                                 _mm256_maddubs_epi16(hi, xb(u0 + 4 + i, m)));
+              p[h][m] = i == 0 ? t : _mm256_add_epi16(p[h][m], t);
+            }
+          }
+        for (int h = 0; h < 2; ++h)
+          for (int m = 0; m < MR; ++m) is[h][m] = _mm256_add_epi32(is[h][m], _mm256_madd_epi16(p[h][m], one));
+      } else {
+        const __m256i sixteen = _mm256_set1_epi16(16);
+        for (int h = 0; h < 2; ++h)
+          for (int m = 0; m < MR; ++m) {
+            __m256i pl = _mm256_setzero_si256(), ph = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) {
+              const __m256i w = ld(i, h), x = xb(u0 + i, m);
+              pl = _mm256_add_epi16(pl, _mm256_maddubs_epi16(_mm256_and_si256(w, nib), x));
+              ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), nib), x));
+            }
+            is[h][m] = _mm256_add_epi32(is[h][m], _mm256_add_epi32(_mm256_madd_epi16(pl, one),
+                                                                   _mm256_madd_epi16(ph, sixteen)));
+          }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256 s, c;
+      il_scales8(ps, pb, S.fmt, S.sb, g, 8 * h, s, c);
+      a8_group<A8Vec<8>>(acc[h], is[h], s, c, dd, xs, R, g);
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + static_cast<int64_t>(m) * N + n0 + 8 * h, acc[h][m]);
+}
+
 // a8_fewp_block at 8 features per ymm (this 8-row half of each 16-row block: its lanes
 // n0 % 16 .. + 8 of the planes' words), every row count in tiles of 8 rows. Without
 // AVX-VNNI, vpmaddubsw adds pairs of u8 x s8 products in saturating int16: a 6-bit pair is
 // at most 2 * 63 * 127 = 16002, so two quads' pairs (32004) add up exactly in int16 before
 // each vpmaddwd; the int32 sums are the rows layout's exact integers.
-template <int BITS, int MR>
+template <int BITS, int MR, int H = 1>
 inline void a8_few8_blockp(const int8_t* xq, const float* dd, const float* xs, int K,
                            const uint32_t* wq, int nv, int gs, float* y, int N, int n0, const Quant& S, int R) {
+  // H = 2: both 8-feature halves of the 16-row block at n0 in one pass (a8_few16_il's reason)
   const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16) * K * BITS / 2 + n0 % 16;
   const char* ps = static_cast<const char*>(S.s) + int64_t{n0 / 16 * 16} * S.s_row_bytes();
   const char* pb = static_cast<const char*>(S.b) + int64_t{n0 / 16 * 16} * S.b_row_bytes();
@@ -833,45 +1032,53 @@ inline void a8_few8_blockp(const int8_t* xq, const float* dd, const float* xs, i
   const char* next = reinterpret_cast<const char*>(wq + (static_cast<int64_t>(n0 / 16) + 1) * K * BITS / 2);
   const int64_t next_bytes = n0 % 16 == 0 && n0 / 16 * 16 + 16 < N ? int64_t{K} * BITS * 2 : 0;
   const int64_t slice = next_bytes / (K / 32);
-  __m256 acc[MR];
-  __m256i is[MR];
-  for (int m = 0; m < MR; ++m) {
-    acc[m] = _mm256_setzero_ps();
-    is[m] = _mm256_setzero_si256();
-  }
+  __m256 acc[H][MR];
+  __m256i is[H][MR];
+  for (int e = 0; e < H; ++e)
+    for (int m = 0; m < MR; ++m) {
+      acc[e][m] = _mm256_setzero_ps();
+      is[e][m] = _mm256_setzero_si256();
+    }
   auto xb = [&](int u, int m) { return _mm256_set1_epi32(xq4[u * R + m]); };
   auto group = [&](int g) {  // a8_few8_block's float steps for group g, then a new integer sum
-    __m256 s, c;
-    il_scales8(ps, pb, S.fmt, S.sb, g, n0 % 16, s, c);  // (interleaved scales, as a8_fewp_block's)
-    a8_group<A8Vec<8>>(acc, is, s, c, dd, xs, R, g);
-    for (int m = 0; m < MR; ++m) is[m] = _mm256_setzero_si256();
+    for (int e = 0; e < H; ++e) {
+      __m256 s, c;
+      il_scales8(ps, pb, S.fmt, S.sb, g, n0 % 16 + 8 * e, s, c);  // (interleaved scales, as a8_fewp_block's)
+      a8_group<A8Vec<8>>(acc[e], is[e], s, c, dd, xs, R, g);
+      for (int m = 0; m < MR; ++m) is[e][m] = _mm256_setzero_si256();
+    }
   };
   for (int k0 = 0; k0 < K; k0 += 32) {
     for (int64_t o = (k0 / 32) * slice, e = std::min(next_bytes, o + slice); o < e; o += 64)
       _mm_prefetch(next + o, _MM_HINT_T1);
     const uint32_t* st = blk + static_cast<int64_t>(k0 / 32) * 16 * BITS;
-    const __m256i h[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 64)),
-                          BITS == 6 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 80))
-                                    : _mm256_setzero_si256()};
-    auto high = [&](int q) {  // quad q's high value bits -> bits 4.. of each byte (a8_fewp_block's)
+    __m256i hv[H][2];
+    for (int e = 0; e < H; ++e) {
+      hv[e][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 64 + 8 * e));
+      hv[e][1] = BITS == 6 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 80 + 8 * e))
+                           : _mm256_setzero_si256();
+    }
+    auto high = [&](int e, int q) {  // quad q's high value bits -> bits 4.. of each byte (a8_fewp_block's)
       const int at = BITS == 6 ? 2 * (q % 4) : q;
-      const __m256i v = h[BITS == 6 ? q / 4 : 0];
+      const __m256i v = hv[e][BITS == 6 ? q / 4 : 0];
       const __m256i t = at < 4 ? _mm256_slli_epi32(v, 4 - at) : at == 4 ? v : _mm256_srli_epi32(v, at - 4);
       return _mm256_and_si256(t, mhi);
     };
     // quads i and 4 + i (even and odd values of 8i .. 8i + 7), then their dot products
     auto pair = [&](int i) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 16 * i));
-      const __m256i a = _mm256_or_si256(_mm256_and_si256(w, nib), high(i));
-      const __m256i b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), nib), high(4 + i));
-      const int u = k0 / 4 + i;
-      for (int m = 0; m < MR; ++m) {
+      for (int e = 0; e < H; ++e) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 16 * i + 8 * e));
+        const __m256i a = _mm256_or_si256(_mm256_and_si256(w, nib), high(e, i));
+        const __m256i b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), nib), high(e, 4 + i));
+        const int u = k0 / 4 + i;
+        for (int m = 0; m < MR; ++m) {
 #if defined(__AVXVNNI__)
-        is[m] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(is[m], a, xb(u, m)), b, xb(u + 4, m));
+          is[e][m] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(is[e][m], a, xb(u, m)), b, xb(u + 4, m));
 #else
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(a, xb(u, m)), _mm256_maddubs_epi16(b, xb(u + 4, m)));
-        is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(a, xb(u, m)), _mm256_maddubs_epi16(b, xb(u + 4, m)));
+          is[e][m] = _mm256_add_epi32(is[e][m], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 #endif
+        }
       }
     };
     if (gs == 16) {  // two groups a step: quads {0, 1, 4, 5}, then {2, 3, 6, 7}
@@ -887,8 +1094,11 @@ inline void a8_few8_blockp(const int8_t* xq, const float* dd, const float* xs, i
     }
   }
   alignas(32) static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-  const __m256i keep = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 - nv));
-  for (int m = 0; m < MR; ++m) _mm256_maskstore_ps(y + static_cast<int64_t>(m) * N + n0, keep, acc[m]);
+  for (int e = 0; e < H; ++e) {
+    const int ne = std::max(0, std::min(8, nv - 8 * e));
+    const __m256i keep = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 - ne));
+    for (int m = 0; m < MR; ++m) _mm256_maskstore_ps(y + static_cast<int64_t>(m) * N + n0 + 8 * e, keep, acc[e][m]);
+  }
 }
 
 // The driver of both: the activations in tiles of 8 rows (one tile of exactly M rows up
@@ -905,6 +1115,36 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
   std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
   pack_a8(R, x, M, K, gs, PLANES || BITS == 4, xq.data(), dd.data(), xs.data());
   const int blocks = (N + 7) / 8;
+#if !defined(__AVXVNNI__)
+  if constexpr (il) {
+    if (M <= FEW16_ROWS) {  // whole 16-row blocks (N is a multiple of 16 here)
+      const int per = stream_chunk(blocks / 2, std::max(1, 4 * 576 / std::max(K, 1)));
+      pool().run((blocks / 2 + per - 1) / per, [&](int c) {
+        const int b1 = std::min(blocks / 2, (c + 1) * per);
+        for (int bl = c * per; bl < b1; ++bl) {
+          S.prefetch(bl * 16 + 64, std::max(0, std::min(16, N - bl * 16 - 64)));
+          with_rows<FEW16_ROWS>(M, [&](auto mr) {
+            if constexpr (PLANES && BITS == 6)
+              if (gs == 16 && decltype(mr)::value == 1 && N - bl * 16 >= 16)
+                return with_fmt(S.fmt, [&](auto f) {
+                  a8_p6_g16_row<decltype(f)::value>(xq.data(), dd.data(), xs.data(), K, wq, y, N, bl * 16, S);
+                });
+            if constexpr (PLANES)
+              a8_few8_blockp<BITS, decltype(mr)::value, 2>(xq.data(), dd.data(), xs.data(), K, wq, std::min(16, N - bl * 16),
+                                                           gs, y, N, bl * 16, S, R);
+            else if (BITS == 4 && gs == 32 && decltype(mr)::value == 1)
+              with_fmt(S.fmt, [&](auto f) {
+                a8_il4_g32_row<decltype(f)::value>(xq.data(), dd.data(), xs.data(), K, wq, y, N, bl * 16, S);
+              });
+            else
+              a8_few16_il<BITS, decltype(mr)::value>(xq.data(), dd.data(), xs.data(), K, wq, gs, y, N, bl * 16, S, R);
+          });
+        }
+      });
+      return;
+    }
+  }
+#endif
   const int per = stream_chunk(blocks, std::max(1, 8 * 576 / std::max(K, 1)));
   pool().run((blocks + per - 1) / per, [&](int c) {
     float* sbuf = nullptr;  // the rows layout's transposed scales and biases: [2][G][8]
