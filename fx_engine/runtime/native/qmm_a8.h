@@ -448,13 +448,74 @@ inline void ilp_rows(int bits, const uint32_t* wq, int64_t r0, int n, int K, uin
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define FX_A8_PLANE_QUADS 1
+// Up to this many rows the planes take the few-row path (a8_fewp_block); more, the tiles
+// over ilp_quads' bytes.
+constexpr int PLANES_FEW_ROWS = 8;
+// One 16-row block of a planes weight (ilp_base) as a8_tile's quad-major quads [K / 4][16],
+// each byte (lo & 0x0F) | high bits, built a vector of 16 rows' quads at a time as
+// a8_fewp_block builds them (one vpternlogd each), so the many-row tiles run 5- and 6-bit
+// weights as they run 8-bit ones: the bytes built once per block for every tile of rows.
+// (ilp_rows, a scalar pass to k-order rows, cost more than the products it fed; the few-row
+// path at every row count rebuilt the bytes per tile of 8 rows: prefill@512 of Q5_K_M /
+// Q6_K files ran at 0.87x llama.cpp's.) The quads are in the split order of each 32-k step
+// (even values first, as the activations are packed), and in groups of 16 (GGUF's Q6_K) a
+// step's quads {0, 1, 4, 5} (its first group) come first, then {2, 3, 6, 7}: the order
+// split_group16_quads gives the activations, so a8_tile's group g reads its own quads.
+template <int BITS>
+inline void ilp_quads(const uint32_t* blk, int K, bool g16, uint32_t* out) {
+  const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
+  const __m512i mhi = _mm512_set1_epi32(BITS == 6 ? 0x30303030 : 0x10101010);
+  static constexpr int at_g16[8] = {0, 1, 4, 5, 2, 3, 6, 7};  // position of quad q
+  for (int k0 = 0; k0 < K; k0 += 32) {
+    const uint32_t* st = blk + static_cast<int64_t>(k0 / 32) * 16 * BITS;
+    const __m512i h[2] = {_mm512_loadu_si512(st + 64), BITS == 6 ? _mm512_loadu_si512(st + 80) : _mm512_setzero_si512()};
+    auto high = [&](int q) {  // (a8_fewp_block's)
+      const int at = BITS == 6 ? 2 * (q % 4) : q;
+      const __m512i v = h[BITS == 6 ? q / 4 : 0];
+      const __m512i t = at < 4 ? _mm512_slli_epi32(v, 4 - at) : at == 4 ? v : _mm512_srli_epi32(v, at - 4);
+      return _mm512_and_si512(t, mhi);
+    };
+    uint32_t* o = out + static_cast<int64_t>(k0 / 4) * 16;
+    for (int i = 0; i < 4; ++i) {
+      const __m512i w = _mm512_loadu_si512(st + 16 * i);
+      _mm512_storeu_si512(o + 16 * (g16 ? at_g16[i] : i), _mm512_ternarylogic_epi32(w, nib, high(i), 0xEA));
+      _mm512_storeu_si512(o + 16 * (g16 ? at_g16[4 + i] : 4 + i),
+                          _mm512_ternarylogic_epi32(_mm512_srli_epi32(w, 4), nib, high(4 + i), 0xEA));
+    }
+  }
+}
+
+// pack_a8's tiles (split order, groups of 16) -> ilp_quads' order: in every 32-k step, quads
+// 2, 3 and 4, 5 swapped, so each group's 4 quads are adjacent.
+inline void split_group16_quads(int8_t* xq, int tiles, int R, int K) {
+  const int64_t q = int64_t{R} * 4;  // bytes of one quad position (R rows)
+  std::vector<int8_t> t(static_cast<size_t>(2 * q));
+  for (int64_t s = 0; s < int64_t{tiles} * (K / 32); ++s) {
+    int8_t* a = xq + s * 8 * q;
+    std::memcpy(t.data(), a + 2 * q, 2 * q);
+    std::memcpy(a + 2 * q, a + 4 * q, 2 * q);
+    std::memcpy(a + 4 * q, t.data(), 2 * q);
+  }
+}
+#endif
+
 template <int R>
 void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, int bits, float* y, int N,
                  bool il = false) {
   const int tiles = (M + R - 1) / R, G = K / gs;
   std::vector<int8_t> xq(static_cast<size_t>(tiles) * K * R);
   std::vector<float> dd(static_cast<size_t>(tiles) * G * R), xs(dd.size());
-  pack_a8(R, x, M, K, gs, bits == 4, xq.data(), dd.data(), xs.data());
+#if defined(FX_A8_PLANE_QUADS)
+  const bool pq = il && S.unpacks();  // planes: ilp_quads, quad-major
+#else
+  const bool pq = false;
+#endif
+  pack_a8(R, x, M, K, gs, bits == 4 || pq, xq.data(), dd.data(), xs.data());
+#if defined(FX_A8_PLANE_QUADS)
+  if (pq && gs == 16) split_group16_quads(xq.data(), tiles, R, K);
+#endif
   const int words = K * bits / 32;
   // A unit: A8_FEAT features in rows; an interleaved weight's 16-row block (two 8-feature
   // tiles over its quad-major bytes, its scales read in place with strides 1 and 16).
@@ -479,8 +540,18 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
         S.rows(n0, nw, tmp, ds, db);
       }
       const uint8_t* wb = buf.data();
-      const bool quad_major = il && !S.unpacks();
+      const bool quad_major = il && (!S.unpacks() || pq);
       if (S.unpacks()) {  // 5-/6-bit rows: unpacked to bytes (0..31 or 0..63), in k order
+#if defined(FX_A8_PLANE_QUADS)
+        if (pq) {
+          const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16) * K * S.wbits / 2;
+          uint32_t* o = reinterpret_cast<uint32_t*>(buf.data());
+          if (S.wbits == 6)
+            ilp_quads<6>(blk, K, gs == 16, o);
+          else
+            ilp_quads<5>(blk, K, gs == 16, o);
+        } else
+#endif
         if (il)
           ilp_rows(S.wbits, wq, n0, nw, K, buf.data());
         else
@@ -1201,7 +1272,7 @@ void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S
   });
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-  if (il && S.unpacks())  // 5-/6-bit weights in the planes layout, every row count
+  if (il && S.unpacks() && M <= PLANES_FEW_ROWS)  // 5-/6-bit weights in the planes layout
     return S.wbits == 6 ? qmm_a8_few<6, true, true>(x, M, K, wq, S, gs, y, N)
                         : qmm_a8_few<5, true, true>(x, M, K, wq, S, gs, y, N);
   if (M <= 8)
