@@ -28,7 +28,9 @@
 // QM: 8-bit blocks as stored, 4-bit ones split into nibble quads, il16_quads4). Up to 8 rows on AVX-512 VNNI builds: the few-row path (a8_few_block),
 // vectors along 16 features instead, with the same bits. AVX2 builds (and AVX-512 builds
 // without VNNI) run an 8-feature version of that path at every row count (a8_few8_block:
-// vpmaddubsw/vpmaddwd, or AVX-VNNI's ymm vpdpbusd), the same bits again.
+// vpmaddubsw/vpmaddwd, or AVX-VNNI's ymm vpdpbusd; one row on an interleaved weight both
+// halves of a 16-row block at once, a8_few16_il), the same bits again. 5-/6-bit planes
+// above 8 rows on VNNI builds: the tiles over ilp_quads' bytes.
 constexpr int A8_FEAT = 12;  // output features per tile
 
 #if defined(__AVX512VNNI__)
@@ -725,11 +727,10 @@ inline void a8_fewp_block(const int8_t* xq, const float* dd, const float* xs, in
 
 // The driver of both: the activations in tiles of 8 rows (one tile of exactly M rows up
 // to 8), then each 16-feature block read from DRAM once and run against every tile while
-// it is in cache. PLANES: BITS-bit (5 or 6) weights in the planes layout, a8_fewp_block,
-// at every row count (the planes' bytes rebuilt per tile: ALU work, where unpacking rows
-// to bytes for the many-row tiles was a scalar pass over the whole matrix, measured 1.20x
-// -> 1.00x llama.cpp serving 32 rows); else 4-/8-bit weights (IL: interleaved),
-// a8_few_block, up to 8 rows (more: the tiles of 16 rows).
+// it is in cache. PLANES: BITS-bit (5 or 6) weights in the planes layout, a8_fewp_block
+// (the planes' bytes rebuilt per tile), up to PLANES_FEW_ROWS rows (more: the tiles of 16
+// rows over ilp_quads' bytes); else 4-/8-bit weights (IL: interleaved), a8_few_block, up to
+// 8 rows (more: the tiles of 16 rows).
 template <int BITS, bool IL, bool PLANES = false>
 void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
   const int G = K / gs, R = std::min(8, M), tiles = (M + R - 1) / R;
@@ -1253,8 +1254,8 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
 #define FX_A8_PLANES 1  // qmm_a8 reads 5-/6-bit weights in the planes layout (ilp_base)
 #endif
 
-// Up to 8 rows: the few-row path (AVX-512 VNNI builds); more: tiles of 16. AVX2 builds:
-// the 8-lane path above at every row count. Elsewhere the scalar tiles (8 rows up to 8).
+// Up to 8 rows: the few-row path (AVX-512 VNNI builds); more: tiles of 16 (5-/6-bit planes
+// too, over ilp_quads' bytes). AVX2 builds: the 8-lane path above at every row count. Elsewhere the scalar tiles (8 rows up to 8).
 // Same bits every way (exact integer sums, the same per-lane float operations).
 // il: the weight is interleaved (il16_index: 4 or 8 bits; ilp_base: 5 or 6 bits; N a multiple of 16).
 void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, int bits, float* y, int N,
