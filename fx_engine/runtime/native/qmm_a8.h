@@ -1012,6 +1012,47 @@ inline void a8_p6_g16_row(const int8_t* xq, const float* dd, const float* xs, in
   _mm256_storeu_ps(y + n0 + 8, acc[1]);
 }
 
+// a8_few8_block's tile of MR rows (2..8) on an interleaved 4-bit weight in groups of 32,
+// spelled out as a8_il4_g32_row is: each 32-k step is one group, its int16 pair sums tree
+// added and widened straight into the group's float step, row by row, so only the step's
+// 8 nibble vectors stay live across the rows (the general loop kept MR int32 sums and MR
+// float accumulators live and spilled them every step). The same sums, the same bits.
+template <int FMT, int MR>
+inline void a8_il4_g32_tile(const int8_t* xq, const float* dd, const float* xs, int K, const uint32_t* wq,
+                            float* y, int N, int n0, const Quant& S, int R) {
+  const int words = K / 8, steps = K / 32;
+  const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16 * 16) * words + n0 % 16;
+  const char* ps = static_cast<const char*>(S.s) + int64_t{n0 / 16 * 16} * S.s_row_bytes();
+  const char* pb = static_cast<const char*>(S.b) + int64_t{n0 / 16 * 16} * S.b_row_bytes();
+  const int sb = S.sb;
+  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
+  const __m256i nib = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int g = 0; g < steps; ++g) {
+    const uint32_t* st = blk + int64_t{g} * 64;
+    __m256i lo[4], hi[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 16 * i));
+      lo[i] = _mm256_and_si256(w, nib);
+      hi[i] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
+    }
+    __m256 s, c;
+    il_scales8(ps, pb, FMT, sb, g, n0 % 16, s, c);
+    const int32_t* xg = xq4 + int64_t{8} * g * R;
+    for (int m = 0; m < MR; ++m) {
+      __m256i t[4];
+      for (int i = 0; i < 4; ++i)
+        t[i] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], _mm256_set1_epi32(xg[i * R + m])),
+                                _mm256_maddubs_epi16(hi[i], _mm256_set1_epi32(xg[(4 + i) * R + m])));
+      const __m256i is = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(t[0], t[1]), _mm256_add_epi16(t[2], t[3])), one);
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(xs[g * R + m]), c,
+                               _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(_mm256_set1_ps(dd[g * R + m]), s), acc[m]));
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + static_cast<int64_t>(m) * N + n0, acc[m]);
+}
+
 constexpr int FEW16_ROWS = 1;  // up to this many rows take a8_few16_il
 // a8_few8_block for one or two rows on an interleaved weight, both 8-feature halves of a
 // 16-row block in one pass: the block's 64-byte lines read whole and once, the next block
@@ -1242,10 +1283,18 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
         const float* st = xs.data() + static_cast<int64_t>(t) * G * R;
         float* yt = y + static_cast<int64_t>(t) * R * N;
         with_rows<8>(std::min(R, M - t * R), [&](auto mr) {
-          if constexpr (PLANES)
+          if constexpr (PLANES) {
             a8_few8_blockp<BITS, decltype(mr)::value>(xt, dt, st, K, wq, nv, gs, yt, N, bl * 8, S, R);
-          else
+          } else {
+#if !defined(__AVXVNNI__)
+            if constexpr (IL && BITS == 4)
+              if (gs == 32)
+                return with_fmt(S.fmt, [&](auto f) {
+                  a8_il4_g32_tile<decltype(f)::value, decltype(mr)::value>(xt, dt, st, K, wq, yt, N, bl * 8, S, R);
+                });
+#endif
             a8_few8_block<BITS, decltype(mr)::value, IL>(xt, dt, st, K, wq, rw, nv, gs, yt, N, bl * 8, sbuf, S, R);
+          }
         });
       }
     }
