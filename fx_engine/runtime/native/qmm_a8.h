@@ -1258,6 +1258,9 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
     }
   }
 #endif
+  // interleaved 4-bit in groups of 32 with one-level scales: a8_il4_g32_tile (K-quant codes
+  // measured slower that way: the general tile keeps them)
+  [[maybe_unused]] const bool g32 = IL && BITS == 4 && gs == 32 && S.fmt != SF_KQ;
   const int per = stream_chunk(blocks, std::max(1, 8 * 576 / std::max(K, 1)));
   pool().run((blocks + per - 1) / per, [&](int c) {
     float* sbuf = nullptr;  // the rows layout's transposed scales and biases: [2][G][8]
@@ -1282,19 +1285,22 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
         const float* dt = dd.data() + static_cast<int64_t>(t) * G * R;
         const float* st = xs.data() + static_cast<int64_t>(t) * G * R;
         float* yt = y + static_cast<int64_t>(t) * R * N;
-        with_rows<8>(std::min(R, M - t * R), [&](auto mr) {
-          if constexpr (PLANES) {
-            a8_few8_blockp<BITS, decltype(mr)::value>(xt, dt, st, K, wq, nv, gs, yt, N, bl * 8, S, R);
-          } else {
 #if !defined(__AVXVNNI__)
-            if constexpr (IL && BITS == 4)
-              if (gs == 32)
-                return with_fmt(S.fmt, [&](auto f) {
-                  a8_il4_g32_tile<decltype(f)::value, decltype(mr)::value>(xt, dt, st, K, wq, yt, N, bl * 8, S, R);
-                });
-#endif
-            a8_few8_block<BITS, decltype(mr)::value, IL>(xt, dt, st, K, wq, rw, nv, gs, yt, N, bl * 8, sbuf, S, R);
+        if constexpr (IL && !PLANES && BITS == 4)
+          if (g32) {  // (dispatched apart: inside the general lambda it slowed the general path's code)
+            with_fmt(S.fmt, [&](auto f) {
+              with_rows<8>(std::min(R, M - t * R), [&](auto mr) {
+                a8_il4_g32_tile<decltype(f)::value, decltype(mr)::value>(xt, dt, st, K, wq, yt, N, bl * 8, S, R);
+              });
+            });
+            continue;
           }
+#endif
+        with_rows<8>(std::min(R, M - t * R), [&](auto mr) {
+          if constexpr (PLANES)
+            a8_few8_blockp<BITS, decltype(mr)::value>(xt, dt, st, K, wq, nv, gs, yt, N, bl * 8, S, R);
+          else
+            a8_few8_block<BITS, decltype(mr)::value, IL>(xt, dt, st, K, wq, rw, nv, gs, yt, N, bl * 8, sbuf, S, R);
         });
       }
     }
