@@ -764,9 +764,10 @@ for bits in (4, 8):  # the interleaved layout: the row-major weight's bits, ever
                                                                bits, interleaved=True))
             outs[f"ro{m}_{bits}_{dt}"] = np.asarray(mod.qmm_a8(xi[:m], wi, si.astype(t), bi.astype(t), 32, bits))
 x512 = mx.array(d["x512"])
-for key, bits, gs in (("k4", 4, 32), ("p6g16", 6, 16), ("p6g32", 6, 32), ("p5g32", 5, 32)):  # K-quant form, planes
+for key in d["il_forms"]:  # compact scales; planes; other group sizes (IL_FORMS)
+    bits, gs = int(d[f"{key}_bits"]), int(d[f"{key}_gs"])
     w, s_, b_, iw, is_, ib_ = (mx.array(d[f"{key}_{n}"]) for n in ("w", "s", "b", "iw", "is", "ib"))
-    outs[f"planes_{key}"] = bool(getattr(mod, "il_planes", False)) or bits == 4
+    outs[f"planes_{key}"] = bool(getattr(mod, "il_planes", False)) or bits in (4, 8)
     for m in (1, 3, 8, 9, 40):
         outs[f"ro_{key}_{m}"] = np.asarray(mod.qmm_a8(x512[:m], w, s_, b_, gs, bits))
         if outs[f"planes_{key}"]:
@@ -809,6 +810,15 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
+# Interleaved weights the portable builds run against their rows layout, (key, bits, group
+# size, scales form): each AVX2 path's formats and group sizes (the one-row kernels take
+# the scales' format as a template constant, 4-bit in groups of 32 and 6-bit in groups of 16
+# their own kernels, other group sizes the general ones; bfloat16 scales: the il{m}_{bits}
+# runs, numpy holds no bfloat16).
+IL_FORMS = (("k4", 4, 32, "kq"), ("p6g16", 6, 16, "kq"), ("p6g32", 6, 32, "float16"), ("p5g32", 5, 32, "kq"),
+            ("p6g16h", 6, 16, "float16"), ("p5g16", 5, 16, "kq"),
+            ("p5g64", 5, 64, "float16"), ("h4g64", 4, 64, "float16"), ("h4g128", 4, 128, "float16"),
+            ("h8g16", 8, 16, "float16"), ("k8g32", 8, 32, "kq"))
 PORTABLE = ["x86-64-v3", "x86-64"] + ["x86-64-v3 -mavxvnni"] * _cpu_has("avx_vnni")
 
 
@@ -880,19 +890,20 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     for bits in (5, 6):
         q = RNG.integers(0, 1 << bits, (29, 512)).astype(np.uint32)
         data.update({f"p{bits}": np.asarray(_stream(q, bits)), f"p{bits}_8": np.asarray(_stream(q, 8))})
-    for key, bits, gs, kind in (("k4", 4, 32, "kq"), ("p6g16", 6, 16, "kq"), ("p6g32", 6, 32, "float16"),
-                                ("p5g32", 5, 32, "kq")):
+    for key, bits, gs, kind in IL_FORMS:
         q = RNG.integers(0, 1 << bits, (32, 512)).astype(np.uint32)
         w = _stream(q, bits)
         (cs, cb), _ = _compact_scales(32, 512 // gs, kind, 256 // gs)
         iw = core_kernels.interleave16_planes(w, bits) if bits in (5, 6) else core_kernels.interleave16(w)
         ib = (core_kernels.interleave16_factors if kind == "kq" else core_kernels.interleave16_groups)(cb)
+        data.update({f"{key}_bits": np.array(bits), f"{key}_gs": np.array(gs)})
         data.update({f"{key}_w": np.asarray(w), f"{key}_s": np.asarray(cs), f"{key}_b": np.asarray(cb),
                      f"{key}_iw": np.asarray(iw), f"{key}_is": np.asarray(core_kernels.interleave16_groups(cs)),
                      f"{key}_ib": np.asarray(ib)})
     for fmt, kind in (("h", "float16"), ("kq", "kq")):  # 29 rows of 512 / 32 = 16 groups
         (cs, cb), (fs, fb) = _compact_scales(29, 16, kind, 8)
         data.update({f"{fmt}_s": np.asarray(cs), f"{fmt}_b": np.asarray(cb), f"{fmt}_fs": fs, f"{fmt}_fb": fb})
+    data["il_forms"] = np.array([key for key, _, _, _ in IL_FORMS])
     np.savez(tmp_path / "in.npz", **data)
     r = subprocess.run([sys.executable, "-c", _PORTABLE_RUN, str(so), str(tmp_path / "in.npz"),
                         str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=300,
@@ -925,8 +936,8 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
             assert np.array_equal(got[f"il{m}_{bits}"], got[f"ro{m}_{bits}"]), (bits, m)
             for dt in ("float16", "bfloat16"):
                 assert np.array_equal(got[f"il{m}_{bits}_{dt}"], got[f"ro{m}_{bits}_{dt}"]), (bits, m, dt)
-    for key in ("k4", "p6g16", "p6g32", "p5g32"):  # the K-quant form interleaved; planes (AVX2 builds read them)
-        assert bool(got[f"planes_{key}"]) == (avx2 or key == "k4"), key
+    for key, bits, _, _ in IL_FORMS:  # the interleaved forms (5-/6-bit planes: AVX2 builds read them)
+        assert bool(got[f"planes_{key}"]) == (avx2 or bits in (4, 8)), key
         for m in (1, 3, 8, 9, 40):
             if bool(got[f"planes_{key}"]):
                 assert np.array_equal(got[f"il_{key}_{m}"], got[f"ro_{key}_{m}"]), (key, m)

@@ -1054,7 +1054,7 @@ inline void a8_il4_g32_tile(const int8_t* xq, const float* dd, const float* xs, 
 }
 
 constexpr int FEW16_ROWS = 1;  // up to this many rows take a8_few16_il
-// a8_few8_block for one or two rows on an interleaved weight, both 8-feature halves of a
+// a8_few8_block for one row (FEW16_ROWS) on an interleaved weight, both 8-feature halves of a
 // 16-row block in one pass: the block's 64-byte lines read whole and once, the next block
 // prefetched whole, and two independent chains of int16 pair sums (one half at a time left
 // a single chain waiting on vpmaddubsw's latency: the AVX2 build read ~24 GB/s at one row
@@ -1258,9 +1258,8 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
     }
   }
 #endif
-  // interleaved 4-bit in groups of 32 with one-level scales: a8_il4_g32_tile (K-quant codes
-  // measured slower that way: the general tile keeps them)
-  [[maybe_unused]] const bool g32 = IL && BITS == 4 && gs == 32 && S.fmt != SF_KQ;
+  // interleaved 4-bit in groups of 32 (Q4_0, Q4_1, Q4_K): a8_il4_g32_tile
+  [[maybe_unused]] const bool g32 = IL && BITS == 4 && gs == 32;
   const int per = stream_chunk(blocks, std::max(1, 8 * 576 / std::max(K, 1)));
   pool().run((blocks + per - 1) / per, [&](int c) {
     float* sbuf = nullptr;  // the rows layout's transposed scales and biases: [2][G][8]
