@@ -755,7 +755,7 @@ for m in range(1, 17):
 for bits in (4, 8):  # the interleaved layout: the row-major weight's bits, every row count
     wi, si, bi, ii, isi, ibi = (mx.array(d[f"{n}{bits}"]) for n in ("wi", "si", "bi", "ii", "isi", "ibi"))
     xi = mx.concatenate([mx.array(d["x"])] * 4)[:40]
-    for m in (1, 3, 8, 9, 40):
+    for m in (1, 2, 3, 5, 8, 9, 40):
         outs[f"il{m}_{bits}"] = np.asarray(mod.qmm_a8(xi[:m], ii, isi, ibi, 32, bits, interleaved=True))
         outs[f"ro{m}_{bits}"] = np.asarray(mod.qmm_a8(xi[:m], wi, si, bi, 32, bits))
         for dt in ("float16", "bfloat16"):  # stored scales, converted as the kernel reads them
@@ -768,7 +768,7 @@ for key in d["il_forms"]:  # compact scales; planes; other group sizes (IL_FORMS
     bits, gs = int(d[f"{key}_bits"]), int(d[f"{key}_gs"])
     w, s_, b_, iw, is_, ib_ = (mx.array(d[f"{key}_{n}"]) for n in ("w", "s", "b", "iw", "is", "ib"))
     outs[f"planes_{key}"] = bool(getattr(mod, "il_planes", False)) or bits in (4, 8)
-    for m in (1, 3, 8, 9, 40):
+    for m in (1, 2, 3, 5, 8, 9, 40):
         outs[f"ro_{key}_{m}"] = np.asarray(mod.qmm_a8(x512[:m], w, s_, b_, gs, bits))
         if outs[f"planes_{key}"]:
             outs[f"il_{key}_{m}"] = np.asarray(mod.qmm_a8(x512[:m], iw, is_, ib_, gs, bits, interleaved=True))
@@ -932,13 +932,13 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     for m in range(1, 17):
         assert np.array_equal(got[f"qgemm{m}_g16"], got["qgemm40_g16"][:m]), m
     for bits in (4, 8):
-        for m in (1, 3, 8, 9, 40):
+        for m in (1, 2, 3, 5, 8, 9, 40):
             assert np.array_equal(got[f"il{m}_{bits}"], got[f"ro{m}_{bits}"]), (bits, m)
             for dt in ("float16", "bfloat16"):
                 assert np.array_equal(got[f"il{m}_{bits}_{dt}"], got[f"ro{m}_{bits}_{dt}"]), (bits, m, dt)
     for key, bits, _, _ in IL_FORMS:  # the interleaved forms (5-/6-bit planes: AVX2 builds read them)
         assert bool(got[f"planes_{key}"]) == (avx2 or bits in (4, 8)), key
-        for m in (1, 3, 8, 9, 40):
+        for m in (1, 2, 3, 5, 8, 9, 40):
             if bool(got[f"planes_{key}"]):
                 assert np.array_equal(got[f"il_{key}_{m}"], got[f"ro_{key}_{m}"]), (key, m)
     w16a, s16a, b16a = (mx.array(data[n]) for n in ("w16", "s16", "b16"))

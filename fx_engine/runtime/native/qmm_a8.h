@@ -1053,8 +1053,11 @@ inline void a8_il4_g32_tile(const int8_t* xq, const float* dd, const float* xs, 
   for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + static_cast<int64_t>(m) * N + n0, acc[m]);
 }
 
-constexpr int FEW16_ROWS = 1;  // up to this many rows take a8_few16_il
-// a8_few8_block for one row (FEW16_ROWS) on an interleaved weight, both 8-feature halves of a
+// Up to this many rows take a8_few16_il (5-/6-bit planes: one row). Measured, gate_up
+// 16384 x 2048 cold: 2 rows 0.77 ms against 1.14-1.21 in a8_il4_g32_tile, 4 rows 1.28 against
+// 1.51; 6 rows alike; 8 rows 2.94 against 2.32 (2 x MR accumulators spill).
+constexpr int FEW16_ROWS = 4;
+// a8_few8_block for up to FEW16_ROWS rows on an interleaved weight, both 8-feature halves of a
 // 16-row block in one pass: the block's 64-byte lines read whole and once, the next block
 // prefetched whole, and two independent chains of int16 pair sums (one half at a time left
 // a single chain waiting on vpmaddubsw's latency: the AVX2 build read ~24 GB/s at one row
@@ -1230,7 +1233,7 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
   const int blocks = (N + 7) / 8;
 #if !defined(__AVXVNNI__)
   if constexpr (il) {
-    if (M <= FEW16_ROWS) {  // whole 16-row blocks (N is a multiple of 16 here)
+    if (M <= (PLANES ? 1 : FEW16_ROWS)) {  // whole 16-row blocks (N is a multiple of 16 here)
       const int per = stream_chunk(blocks / 2, std::max(1, 4 * 576 / std::max(K, 1)));
       pool().run((blocks / 2 + per - 1) / per, [&](int c) {
         const int b1 = std::min(blocks / 2, (c + 1) * per);
