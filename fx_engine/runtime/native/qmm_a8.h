@@ -450,6 +450,27 @@ inline void ilp_rows(int bits, const uint32_t* wq, int64_t r0, int n, int K, uin
   }
 }
 
+// The planes' high bits of quad q (q < 4: the even values 8q + 2b of a 32-k step; q >= 4:
+// the odd ones 8(q - 4) + 2b + 1) moved to bits 4.. of each byte, from v, the high word that
+// holds them (6 bits: bits 2i..2i+1 of word q / 4, i = q % 4; 5 bits: bit q of word 0); mhi:
+// 0x30 or 0x10 in every byte. Every planes reader builds a quad as (lo & 0x0F) | this.
+template <int BITS>
+inline int plane_high_at(int q) { return BITS == 6 ? 2 * (q % 4) : q; }
+#if defined(__AVX512F__)
+template <int BITS>
+inline __m512i plane_high16(__m512i v, int q, __m512i mhi) {
+  const int at = plane_high_at<BITS>(q);
+  return _mm512_and_si512(at < 4 ? _mm512_slli_epi32(v, 4 - at) : at == 4 ? v : _mm512_srli_epi32(v, at - 4), mhi);
+}
+#endif
+#if defined(__AVX2__)
+template <int BITS>
+inline __m256i plane_high8(__m256i v, int q, __m256i mhi) {
+  const int at = plane_high_at<BITS>(q);
+  return _mm256_and_si256(at < 4 ? _mm256_slli_epi32(v, 4 - at) : at == 4 ? v : _mm256_srli_epi32(v, at - 4), mhi);
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define FX_A8_PLANE_QUADS 1
 // Up to this many rows the planes take the few-row path (a8_fewp_block); more, the tiles
@@ -473,12 +494,7 @@ inline void ilp_quads(const uint32_t* blk, int K, bool g16, uint32_t* out) {
   for (int k0 = 0; k0 < K; k0 += 32) {
     const uint32_t* st = blk + static_cast<int64_t>(k0 / 32) * 16 * BITS;
     const __m512i h[2] = {_mm512_loadu_si512(st + 64), BITS == 6 ? _mm512_loadu_si512(st + 80) : _mm512_setzero_si512()};
-    auto high = [&](int q) {  // (a8_fewp_block's)
-      const int at = BITS == 6 ? 2 * (q % 4) : q;
-      const __m512i v = h[BITS == 6 ? q / 4 : 0];
-      const __m512i t = at < 4 ? _mm512_slli_epi32(v, 4 - at) : at == 4 ? v : _mm512_srli_epi32(v, at - 4);
-      return _mm512_and_si512(t, mhi);
-    };
+    auto high = [&](int q) { return plane_high16<BITS>(h[BITS == 6 ? q / 4 : 0], q, mhi); };
     uint32_t* o = out + static_cast<int64_t>(k0 / 4) * 16;
     for (int i = 0; i < 4; ++i) {
       const __m512i w = _mm512_loadu_si512(st + 16 * i);
@@ -695,15 +711,8 @@ inline void a8_fewp_block(const int8_t* xq, const float* dd, const float* xs, in
     prefetch_slice(fb, k0);
     const uint32_t* st = blk + static_cast<int64_t>(k0 / 32) * 16 * BITS;
     const __m512i h[2] = {_mm512_loadu_si512(st + 64), BITS == 6 ? _mm512_loadu_si512(st + 80) : _mm512_setzero_si512()};
-    // quad q (q < 4: the even values 8q + 2b of the step's 32; q >= 4: the odd ones
-    // 8(q - 4) + 2b + 1): its high value bits moved to bits 4.. of each byte (6 bits: bits
-    // 2i..2i+1 of h[q / 4], i = q % 4; 5 bits: bit q of h[0])
-    auto high = [&](int q) {
-      const int at = BITS == 6 ? 2 * (q % 4) : q;
-      const __m512i v = h[BITS == 6 ? q / 4 : 0];
-      const __m512i t = at < 4 ? _mm512_slli_epi32(v, 4 - at) : at == 4 ? v : _mm512_srli_epi32(v, at - 4);
-      return _mm512_and_si512(t, mhi);
-    };
+    // quad q's high value bits (plane_high16)
+    auto high = [&](int q) { return plane_high16<BITS>(h[BITS == 6 ? q / 4 : 0], q, mhi); };
     auto quads = [&](int i) {  // quads i and 4 + i: (lo & 0x0F) | high, as (A & B) | C
       const __m512i w = _mm512_loadu_si512(st + 16 * i);
       dots(_mm512_ternarylogic_epi32(w, nib, high(i), 0xEA), k0 / 4 + i);
@@ -951,9 +960,9 @@ inline void a8_il4_g32_row(const int8_t* xq, const float* dd, const float* xs, i
     const __m256 d = _mm256_set1_ps(dd[g]), xg = _mm256_set1_ps(xs[g]);
     __m256 s, c;
     il_scales8(ps, pb, FMT, sb, g, 0, s, c);
-    acc0 = _mm256_fmadd_ps(xg, c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(is0), _mm256_mul_ps(d, s), acc0));
+    acc0 = a8_step<A8Vec<8>>(acc0, is0, d, s, xg, c);
     il_scales8(ps, pb, FMT, sb, g, 8, s, c);
-    acc1 = _mm256_fmadd_ps(xg, c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(is1), _mm256_mul_ps(d, s), acc1));
+    acc1 = a8_step<A8Vec<8>>(acc1, is1, d, s, xg, c);
   }
   _mm256_storeu_ps(y + n0, acc0);
   _mm256_storeu_ps(y + n0 + 8, acc1);
@@ -983,12 +992,7 @@ inline void a8_p6_g16_row(const int8_t* xq, const float* dd, const float* xs, in
     const uint32_t* st = blk + int64_t{k} * 96;
     auto ld = [&](int at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + at)); };
     // quad q's high 2 bits, at bits 2 * (q % 4) of the bytes of high word q / 4 -> bits 4, 5
-    auto high = [&](int e, int q) {
-      const __m256i v = ld(64 + 16 * (q / 4) + 8 * e);
-      const int at = 2 * (q % 4);
-      const __m256i t = at < 4 ? _mm256_slli_epi32(v, 4 - at) : at == 4 ? v : _mm256_srli_epi32(v, at - 4);
-      return _mm256_and_si256(t, mhi);
-    };
+    auto high = [&](int e, int q) { return plane_high8<6>(ld(64 + 16 * (q / 4) + 8 * e), q, mhi); };
     __m256i is[2][2];  // [half][group of the step]
     for (int i = 0; i < 4; ++i) {  // quads i and 4 + i of both halves, against their activations
       const __m256i xa = _mm256_set1_epi32(xq4[8 * k + i]), xb = _mm256_set1_epi32(xq4[8 * k + 4 + i]);
@@ -1004,8 +1008,7 @@ inline void a8_p6_g16_row(const int8_t* xq, const float* dd, const float* xs, in
       for (int j = 0; j < 2; ++j) {
         __m256 s, c;
         il_scales8(ps, pb, FMT, sb, 2 * k + j, 8 * e, s, c);
-        acc[e] = _mm256_fmadd_ps(_mm256_set1_ps(xs[2 * k + j]), c,
-                                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[e][j]), _mm256_mul_ps(_mm256_set1_ps(dd[2 * k + j]), s), acc[e]));
+        acc[e] = a8_step<A8Vec<8>>(acc[e], is[e][j], _mm256_set1_ps(dd[2 * k + j]), s, _mm256_set1_ps(xs[2 * k + j]), c);
       }
   }
   _mm256_storeu_ps(y + n0, acc[0]);
@@ -1046,8 +1049,7 @@ inline void a8_il4_g32_tile(const int8_t* xq, const float* dd, const float* xs, 
         t[i] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], _mm256_set1_epi32(xg[i * R + m])),
                                 _mm256_maddubs_epi16(hi[i], _mm256_set1_epi32(xg[(4 + i) * R + m])));
       const __m256i is = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(t[0], t[1]), _mm256_add_epi16(t[2], t[3])), one);
-      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(xs[g * R + m]), c,
-                               _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(_mm256_set1_ps(dd[g * R + m]), s), acc[m]));
+      acc[m] = a8_step<A8Vec<8>>(acc[m], is, _mm256_set1_ps(dd[g * R + m]), s, _mm256_set1_ps(xs[g * R + m]), c);
     }
   }
   for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + static_cast<int64_t>(m) * N + n0, acc[m]);
@@ -1174,12 +1176,7 @@ inline void a8_few8_blockp(const int8_t* xq, const float* dd, const float* xs, i
       hv[e][1] = BITS == 6 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 80 + 8 * e))
                            : _mm256_setzero_si256();
     }
-    auto high = [&](int e, int q) {  // quad q's high value bits -> bits 4.. of each byte (a8_fewp_block's)
-      const int at = BITS == 6 ? 2 * (q % 4) : q;
-      const __m256i v = hv[e][BITS == 6 ? q / 4 : 0];
-      const __m256i t = at < 4 ? _mm256_slli_epi32(v, 4 - at) : at == 4 ? v : _mm256_srli_epi32(v, at - 4);
-      return _mm256_and_si256(t, mhi);
-    };
+    auto high = [&](int e, int q) { return plane_high8<BITS>(hv[e][BITS == 6 ? q / 4 : 0], q, mhi); };
     // quads i and 4 + i (even and odd values of 8i .. 8i + 7), then their dot products
     auto pair = [&](int i) {
       for (int e = 0; e < H; ++e) {
