@@ -98,6 +98,12 @@ class Quant:
     bits: int = static_field()
     mode: str = static_field(default="affine")
     interleaved: bool = static_field(default=False)
+    # m where every bias is m * its scale in float32 (GGUF's Q4_0 / Q5_0 / Q8_0: w = d (q -
+    # 2^(bits-1))), found by `implied_bias` when the 8-bit mode interleaves the matrix: its
+    # product then reads the float16 scales alone (kernels.qmm_a8 with biases [m]), 2 bytes
+    # of parameters a group instead of 4 (a 1B Q4_0 decode step: 61 of 842 MB). `biases`
+    # stays, for the lookups and for `row_major`. None: the biases are read.
+    bias_multiplier: float | None = static_field(default=None)
 
 
 @attrs.frozen
@@ -221,9 +227,18 @@ def _native_ok(lin: Linear, numerics: Numerics) -> bool:
             and kernels.supports(lin.quant.group_size, lin.quant.bits))
 
 
+def _product_biases(q: Quant) -> mx.array | None:
+    """The biases input of a native product of q: the stored biases, or the one float32
+    multiplier of an interleaved matrix whose biases are its scales times it
+    (`Quant.bias_multiplier`; the kernels' SF_F16M form, the same floats)."""
+    if q.interleaved and q.bias_multiplier is not None and q.scales.dtype == mx.float16:
+        return mx.array([q.bias_multiplier], dtype=mx.float32)
+    return q.biases
+
+
 def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
     q = lin.quant
-    args = (lin.weight, q.scales, q.biases, q.group_size, q.bits)
+    args = (lin.weight, q.scales, _product_biases(q), q.group_size, q.bits)
     # 8-bit activations: qmm_a8 runs every native format (5- and 6-bit weights, such as a
     # Q4_K_M file's attn_v / ffn_down and a tied Q6_K head: interleaved as planes where the
     # build reads them, else unpacked to bytes per block)
@@ -285,7 +300,20 @@ def interleave_for_a8(lin: Linear) -> Linear:
     factors = kernels.interleave16_factors if kq else kernels.interleave16_groups
     out = tree_replace(lin, weight=_per_matrix(layout, lin.weight, stacked))
     return out.with_quant(interleaved=True, scales=_per_matrix(kernels.interleave16_groups, q.scales, stacked),
-                          biases=_per_matrix(factors, q.biases, stacked))
+                          biases=_per_matrix(factors, q.biases, stacked), bias_multiplier=implied_bias(q))
+
+
+def implied_bias(q: Quant) -> float | None:
+    """m when every bias of q is exactly m * its scale in float32 (float16 scales and
+    biases; m = -2^(bits-1), a GGUF Q4_0 / Q5_0 / Q8_0 tensor's, w = d (q - 2^(bits-1))),
+    else None. Then the kernels may form each bias from its scale (`Quant.bias_multiplier`)
+    and get the same floats. Checked on the values (one pass over them, at load), never
+    assumed from a file's type name."""
+    if q.mode != "affine" or q.biases is None or q.scales.dtype != mx.float16 or q.biases.dtype != mx.float16:
+        return None
+    m = -float(2 ** (q.bits - 1))
+    same = mx.all(q.scales.astype(mx.float32) * m == q.biases.astype(mx.float32))
+    return m if bool(same.item()) else None
 
 
 def row_major(lin: Linear) -> Linear:
@@ -297,7 +325,7 @@ def row_major(lin: Linear) -> Linear:
     stacked = lin.weight.ndim == 3
     back = kernels.interleave16_factors if q.scales.dtype == mx.int16 else kernels.interleave16_groups
     out = tree_replace(lin, weight=_per_matrix(_back_in_rows(q.bits), lin.weight, stacked))
-    return out.with_quant(interleaved=False,
+    return out.with_quant(interleaved=False, bias_multiplier=None,
                           scales=_per_matrix(partial(kernels.interleave16_groups, inverse=True), q.scales, stacked),
                           biases=_per_matrix(partial(back, inverse=True), q.biases, stacked))
 
@@ -436,7 +464,7 @@ def _native_experts(x: mx.array, lin: Linear, indices: mx.array, kind: str) -> m
     q = lin.quant
     if q.interleaved:  # (only the 8-bit mode interleaves: kind is "qmm_a8")
         kind += "_il"
-    y = kernels.gather_qmm(x, indices, lin.weight, q.scales, q.biases, q.group_size, q.bits, kind)
+    y = kernels.gather_qmm(x, indices, lin.weight, q.scales, _product_biases(q), q.group_size, q.bits, kind)
     return y if lin.bias is None else y + lin.bias[indices].astype(y.dtype)
 
 

@@ -64,7 +64,13 @@ def gguf_llama3_and_reference(tmp_path_factory):
     return _build(tmp_path_factory.mktemp("gguf3"), rope_scaling=LLAMA3)
 
 
-def _build(d, rope_scaling):
+@pytest.fixture(scope="module")
+def gguf_q4_0_and_reference(tmp_path_factory):  # every layer's matrix Q4_0, the output Q8_0
+    qtypes = {**TYPES, **{k: Q.Q4_0 for k in HF}, "output": Q.Q8_0}
+    return _build(tmp_path_factory.mktemp("gguf_q4_0"), rope_scaling=None, qtypes=qtypes)
+
+
+def _build(d, rope_scaling, qtypes=TYPES):
     from mlx_lm.models import llama
     from mlx_lm.models.rope_utils import initialize_rope
 
@@ -105,9 +111,9 @@ def _build(d, rope_scaling):
 
     def put(gguf_name: str, hf_name: str, kind: str, permute_heads: int | None = None):
         W = hf[hf_name]
-        raw_perm, _ = _quant_roundtrip(_permute(W, permute_heads) if permute_heads else W, TYPES[kind])
-        _, deq = _quant_roundtrip(W, TYPES[kind])  # reference: same rows, unpermuted
-        w.add_tensor(gguf_name, raw_perm, raw_dtype=TYPES[kind] if TYPES[kind] not in (Q.F32, Q.F16) else None)
+        raw_perm, _ = _quant_roundtrip(_permute(W, permute_heads) if permute_heads else W, qtypes[kind])
+        _, deq = _quant_roundtrip(W, qtypes[kind])  # reference: same rows, unpermuted
+        w.add_tensor(gguf_name, raw_perm, raw_dtype=qtypes[kind] if qtypes[kind] not in (Q.F32, Q.F16) else None)
         ref[hf_name] = mx.array(deq)
 
     put("token_embd.weight", "model.embed_tokens.weight", "token_embd")
@@ -177,3 +183,27 @@ def test_gguf_tokenizer_round_trip(gguf_and_reference):
     m = fx_engine.load(gguf_and_reference[0])
     text = "What is the capital of France? 0123456789"
     assert m.tokenizer.decode(m.tokenizer.encode(text)) == text
+
+
+def test_gguf_8_bit_mode_reads_q4_0_and_q8_0_scales_alone(gguf_q4_0_and_reference, gguf_and_reference):
+    """In the 8-bit mode the Q4_0 / Q8_0 matrices (w = d (q - 8) / d (q - 128): every bias
+    -8 or -128 times its scale, checked on the values at load) are run from their float16
+    scales alone (Quant.bias_multiplier: a decode step reads 2 bytes of parameters a group,
+    not 4); Q4_1's own minimums, and matrices fused from mixed types, are read as stored.
+    The logits equal, bit for bit, those of the same interleaved params told to read
+    every stored bias; the exact numerics are not touched."""
+    from fx_engine.core.adapters import map_linears
+    from fx_engine.core.nn import linears
+
+    for path, want in ((gguf_q4_0_and_reference[0], 2 * 4 * [-8.0] + [-128.0]),  # qkv, o, gate_up, down x 2; output
+                       (gguf_and_reference[0], [-128.0])):  # (mixed layers: only the Q8_0 output)
+        a8 = fx_engine.load(path, numerics="int8")
+        got = [lin.quant.bias_multiplier for lin in linears(a8.params) if lin.quantized and lin.interleaved]
+        assert sorted(m for m in got if m is not None) == sorted(want), got
+        assert not any(lin.quant.bias_multiplier for lin in linears(fx_engine.load(path).params) if lin.quantized)
+        stored = __import__("attrs").evolve(a8, params=map_linears(
+            a8.params, lambda _, lin: lin.with_quant(bias_multiplier=None) if lin.quantized else lin))
+        ids = a8.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:40]
+        for chunk in (1, 16):
+            assert np.array_equal(np.asarray(fx_engine.logits(a8, ids, chunk=chunk)),
+                                  np.asarray(fx_engine.logits(stored, ids, chunk=chunk)))

@@ -130,6 +130,26 @@ def test_interleaved_stack_gives_the_rows_bits(bits: int, gs: int, fmt: str, t: 
         native.gather_qmm(x, idx, w[:, :40], s[:, :40], b[:, :40], gs, bits, "qmm_a8_il")
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_stack_with_implied_biases_gives_the_stored_biases_bits(bits: int) -> None:
+    """An expert stack of GGUF Q4_0 / Q8_0 matrices (float16 scales, biases -2^(bits-1) times
+    them): interleave_for_a8 records the multiplier (nn.implied_bias) and "qmm_a8_il" with
+    the one multiplier as its biases (nn._product_biases) gives the stored biases' bits, for
+    every expert, at decode and prefill row counts."""
+    from fx_engine.core.nn import Linear, Quant, _product_biases, interleave_for_a8
+
+    e, n, kk, gs = 5, 48, 512, 32
+    (w, s, _), _ = _stack(e, n, kk, gs, bits, "float16")
+    b = (s.astype(mx.float32) * -(2 ** (bits - 1))).astype(mx.float16)
+    il = interleave_for_a8(Linear(weight=w, quant=Quant(scales=s, biases=b, group_size=gs, bits=bits)))
+    assert il.quant.bias_multiplier == -(2 ** (bits - 1))
+    for t, k in ((1, 4), (20, 3)):
+        x = mx.array(RNG.standard_normal((t, 1, kk)).astype(np.float32))
+        idx = mx.array(RNG.integers(0, e, (t, k)).astype(np.int32))
+        got = native.gather_qmm(x, idx, il.weight, il.quant.scales, _product_biases(il.quant), gs, bits, "qmm_a8_il")
+        assert np.array_equal(np.asarray(got), np.asarray(native.gather_qmm(x, idx, w, s, b, gs, bits, "qmm_a8")))
+
+
 def test_arguments_are_checked() -> None:
     (w, s, b), _ = _stack(4, 32, 256, 32, 4, "float32")
     x = mx.ones((2, 1, 256))

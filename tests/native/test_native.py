@@ -818,7 +818,11 @@ def _cpu_has(flag: str) -> bool:
 IL_FORMS = (("k4", 4, 32, "kq"), ("p6g16", 6, 16, "kq"), ("p6g32", 6, 32, "float16"), ("p5g32", 5, 32, "kq"),
             ("p6g16h", 6, 16, "float16"), ("p5g16", 5, 16, "kq"),
             ("p5g64", 5, 64, "float16"), ("h4g64", 4, 64, "float16"), ("h4g128", 4, 128, "float16"),
-            ("h8g16", 8, 16, "float16"), ("k8g32", 8, 32, "kq"))
+            ("h8g16", 8, 16, "float16"), ("k8g32", 8, 32, "kq"),
+            # float16 scales with the biases implied (one multiplier, scales.h's SF_F16M):
+            # interleaved with the multiplier, against the rows layout's stored biases
+            ("m4g32", 4, 32, "implied"), ("m4g64", 4, 64, "implied"), ("m8g32", 8, 32, "implied"),
+            ("m8g16", 8, 16, "implied"), ("m5g32", 5, 32, "implied"))
 PORTABLE = ["x86-64-v3", "x86-64"] + ["x86-64-v3 -mavxvnni"] * _cpu_has("avx_vnni")
 
 
@@ -893,9 +897,14 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     for key, bits, gs, kind in IL_FORMS:
         q = RNG.integers(0, 1 << bits, (32, 512)).astype(np.uint32)
         w = _stream(q, bits)
-        (cs, cb), _ = _compact_scales(32, 512 // gs, kind, 256 // gs)
         iw = core_kernels.interleave16_planes(w, bits) if bits in (5, 6) else core_kernels.interleave16(w)
-        ib = (core_kernels.interleave16_factors if kind == "kq" else core_kernels.interleave16_groups)(cb)
+        if kind == "implied":
+            mult = -float(2 ** (bits - 1))
+            cs = mx.array(RNG.uniform(-0.05, 0.05, (32, 512 // gs)).astype(np.float16))
+            cb, ib = (cs.astype(mx.float32) * mult).astype(mx.float16), mx.array([mult], dtype=mx.float32)
+        else:
+            (cs, cb), _ = _compact_scales(32, 512 // gs, kind, 256 // gs)
+            ib = (core_kernels.interleave16_factors if kind == "kq" else core_kernels.interleave16_groups)(cb)
         data.update({f"{key}_bits": np.array(bits), f"{key}_gs": np.array(gs)})
         data.update({f"{key}_w": np.asarray(w), f"{key}_s": np.asarray(cs), f"{key}_b": np.asarray(cb),
                      f"{key}_iw": np.asarray(iw), f"{key}_is": np.asarray(core_kernels.interleave16_groups(cs)),
@@ -1146,6 +1155,62 @@ def test_interleaved_weights_give_the_row_major_bits(bits: int, gs: int) -> None
         native.qmm_a8(mx.ones((1, k)), wq[:40], s[:40], b[:40], gs, bits, interleaved=True)
     with pytest.raises(ValueError, match="interleave16"):
         kernels.interleave16(wq[:40])
+
+
+@pytest.mark.parametrize("bits,gs", [(4, 32), (4, 64), (5, 32), (8, 32), (8, 16)])
+def test_biases_implied_by_the_scales_give_the_stored_biases_bits(bits: int, gs: int) -> None:
+    """GGUF's Q4_0 / Q5_0 / Q8_0 store only d per group (w = d (q - 2^(bits-1))). A product
+    may take, as its biases, the one float32 multiplier m of float16 scales (scales.h's
+    SF_F16M: each bias formed as m * s; the 8-bit mode's interleaved matrices, so a decode
+    step streams half the parameter bytes). Every kernel, layout and row count gives the
+    bits of the stored biases; nn.implied_bias finds m from the values alone (not from a
+    type name), interleave_for_a8 records it and row_major drops it; malformed forms are
+    clear errors."""
+    from fx_engine.core import kernels
+    from fx_engine.core.nn import Linear, Quant, _product_biases, implied_bias, interleave_for_a8, row_major
+
+    n, k, m = 48, 512, -float(2 ** (bits - 1))
+    q = RNG.integers(0, 1 << bits, (n, k)).astype(np.uint32)
+    wq = _stream(q, bits)
+    d = RNG.uniform(-0.05, 0.05, (n, k // gs)).astype(np.float16)
+    d[0, :3] = (0, 6e-8, -65504 / 256)  # a zero, a subnormal half, a large one (m * d still a half)
+    s = mx.array(d)
+    b = mx.array((d.astype(np.float32) * np.float32(m)).astype(np.float16))
+    assert np.array_equal(np.asarray(b).astype(np.float32), d.astype(np.float32) * np.float32(m))
+    mult = mx.array([m], dtype=mx.float32)
+    for x_rows in (1, 2, 5, 8, 9, 16, 17, 40):
+        x = mx.array(RNG.standard_normal((x_rows, k)).astype(np.float32))
+        for op in (native.qmm, native.qgemm, native.qmm_a8):
+            assert np.array_equal(np.asarray(op(x, wq, s, mult, gs, bits)), np.asarray(op(x, wq, s, b, gs, bits))), \
+                (op, x_rows)
+    assert np.array_equal(np.asarray(native.dequantize(wq, s, mult, gs, bits)),
+                          np.asarray(native.dequantize(wq, s, b, gs, bits)))
+    lin = Linear(weight=wq, quant=Quant(scales=s, biases=b, group_size=gs, bits=bits))
+    assert implied_bias(lin.quant) == m
+    il = interleave_for_a8(lin)
+    if il is not lin:  # (a build without the planes path keeps 5-bit weights in rows)
+        assert il.quant.bias_multiplier == m and _product_biases(il.quant).tolist() == [m]
+        back = row_major(il).quant
+        assert back.bias_multiplier is None and mx.array_equal(_product_biases(back), b).item()
+        ilq = il.quant
+        for x_rows in (1, 2, 5, 8, 9, 16, 17, 40):
+            x = mx.array(RNG.standard_normal((x_rows, k)).astype(np.float32))
+            want = np.asarray(native.qmm_a8(x, wq, s, b, gs, bits))
+            for biases in (ilq.biases, mult):
+                got = native.qmm_a8(x, il.weight, ilq.scales, biases, gs, bits, interleaved=True)
+                assert np.array_equal(np.asarray(got), want), x_rows
+    # found from the values: one bias off, float32 parameters, another multiple: no m
+    off = np.asarray(b).copy()
+    off[n - 1, k // gs - 1] = np.nextafter(off[n - 1, k // gs - 1], np.float16(np.inf))  # one half's ulp
+    assert implied_bias(Quant(scales=s, biases=mx.array(off), group_size=gs, bits=bits)) is None
+    assert implied_bias(Quant(scales=s.astype(mx.float32), biases=b.astype(mx.float32), group_size=gs,
+                              bits=bits)) is None
+    assert implied_bias(Quant(scales=s, biases=(s * 2 * m).astype(mx.float16), group_size=gs, bits=bits)) is None
+    x = mx.ones((1, k))
+    with pytest.raises(ValueError, match="one float32 multiplier"):
+        native.qmm(x, wq, s.astype(mx.float32), mult, gs, bits)  # (float32 scales: no such form)
+    with pytest.raises(ValueError, match="one float32 multiplier"):
+        native.qmm_a8(x, wq, s, mx.array([m, m]), gs, bits)
 
 
 @pytest.mark.parametrize("bits", [5, 6])

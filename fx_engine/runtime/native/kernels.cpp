@@ -128,6 +128,7 @@ inline Quant scales_of(const mx::array& s, const mx::array& b, int fmt, int grou
                         std::vector<float>& ts, std::vector<float>& tb,
                         std::vector<uint16_t>& hs, std::vector<uint16_t>& hb) {
   if (fmt == SF_F32) return Quant{dense(s, ts), dense(b, tb), fmt, groups, 1, wbits};
+  if (fmt == SF_F16M) return Quant{dense(s, hs), dense(b, tb), fmt, groups, 1, wbits};
   // (int16 codes are read through their 16 bits, like the halves)
   const int sb = fmt == SF_KQ ? groups / static_cast<int>(b.shape(-2)) : 1;
   return Quant{dense(s, hs), dense(b, hb), fmt, groups, sb, wbits};
@@ -586,6 +587,13 @@ mx::array swiglu(const mx::array& gu) {
   return dt == mx::float32 ? y : mx::astype(y, dt, s);
 }
 
+// The biases input of scales.h's SF_F16M form: float16 scales and, as the biases, the one
+// float32 multiplier m of b = m * s (a [1] array, for every row: an expert stack's too).
+inline bool biases_implied(const mx::array& scales, const mx::array& biases) {
+  return scales.dtype() == mx::float16 && biases.dtype() == mx::float32 && biases.ndim() == 1 &&
+         biases.size() == 1;
+}
+
 void check_quantized(const char* op, const mx::array& w, const mx::array& scales,
                      const mx::array& biases, int group_size, int bits) {
   const std::string p = op;
@@ -621,8 +629,10 @@ void check_quantized(const char* op, const mx::array& w, const mx::array& scales
                                       "[N, super-blocks, 2] dividing the groups");
     return;
   }
+  if (biases_implied(scales, biases)) return;  // (scales.h SF_F16M)
   if (biases.shape() != scales.shape())
-    throw std::invalid_argument(p + ": scales/biases must have shape [N, K / group_size]");
+    throw std::invalid_argument(p + ": scales/biases must have shape [N, K / group_size]"
+                                " (or float16 scales with one float32 multiplier as the biases)");
   for (const auto& a : {scales, biases})
     if (!mx::issubdtype(a.dtype(), mx::floating))
       throw std::invalid_argument(p + ": scales/biases must be floating point (or int16 two-level scales)");
@@ -633,6 +643,7 @@ void check_quantized(const char* op, const mx::array& w, const mx::array& scales
 // is, any other mix converted to float32 in the graph.
 int scale_format(mx::array& scales, mx::array& biases, mx::Stream s) {
   if (scales.dtype() == mx::int16) return SF_KQ;
+  if (biases_implied(scales, biases)) return SF_F16M;
   if (scales.dtype() == biases.dtype()) {
     if (scales.dtype() == mx::float32) return SF_F32;
     if (scales.dtype() == mx::float16) return SF_F16;
@@ -696,10 +707,12 @@ mx::array gather_qmm(const mx::array& x, const mx::array& indices, const mx::arr
   if (kind < 0 || kind > 3)
     throw std::invalid_argument("gather_qmm: kind must be 0 (qmm), 1 (qgemm), 2 (qmm_a8) or 3 (qmm_a8 on a stack "
                                 "interleaved per expert)");
+  const bool implied = biases_implied(scales, biases);  // (one multiplier for the stack)
   if (w.ndim() != 3 || scales.ndim() != 3 || scales.shape(0) != w.shape(0) ||
-      biases.shape(0) != w.shape(0) || biases.ndim() != (scales.dtype() == mx::int16 ? 4 : 3))
+      (!implied && (biases.shape(0) != w.shape(0) || biases.ndim() != (scales.dtype() == mx::int16 ? 4 : 3))))
     throw std::invalid_argument("gather_qmm: w, scales and biases must be stacked [E, N, ...] "
-                                "(biases [E, N, super-blocks, 2] with int16 scales)");
+                                "(biases [E, N, super-blocks, 2] with int16 scales, [1] as float16 scales' "
+                                "multiplier)");
   const int E = static_cast<int>(w.shape(0)), N = static_cast<int>(w.shape(1));
   // the checks of one expert's matrix hold for all (the same shapes): the stack as rows
   auto rows = [&](const mx::array& a) {
@@ -708,7 +721,7 @@ mx::array gather_qmm(const mx::array& x, const mx::array& indices, const mx::arr
     shape[0] *= E;
     return mx::reshape(a, shape);
   };
-  check_quantized("gather_qmm", rows(w), rows(scales), rows(biases), group_size, bits);
+  check_quantized("gather_qmm", rows(w), rows(scales), implied ? biases : rows(biases), group_size, bits);
   const int K = static_cast<int>(w.shape(2)) * 32 / bits;
   if (kind == 3 && !il_layout_ok(bits, K, N))
     throw std::invalid_argument("gather_qmm: an interleaved stack must have 4 or 8 bits (5 or 6 in planes where the "

@@ -365,6 +365,11 @@ inline void il_scales16(const void* sp, const void* bp, int fmt, int sb, int g, 
     c = _mm512_cvtph_ps(half16(bp, g * 16));
     return;
   }
+  if (fmt == SF_F16M) {
+    s = _mm512_cvtph_ps(half16(sp, g * 16));
+    c = _mm512_mul_ps(s, _mm512_set1_ps(*static_cast<const float*>(bp)));
+    return;
+  }
   s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half16(sp, g * 16)), 16));
   c = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half16(bp, g * 16)), 16));
 }
@@ -388,6 +393,11 @@ inline void il_scales8(const void* sp, const void* bp, int fmt, int sb, int g, i
   if (fmt == SF_F16) {
     s = _mm256_cvtph_ps(half8(sp, g * 16 + at));
     c = _mm256_cvtph_ps(half8(bp, g * 16 + at));
+    return;
+  }
+  if (fmt == SF_F16M) {
+    s = _mm256_cvtph_ps(half8(sp, g * 16 + at));
+    c = _mm256_mul_ps(s, _mm256_set1_ps(*static_cast<const float*>(bp)));
     return;
   }
   s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half8(sp, g * 16 + at)), 16));
@@ -635,8 +645,8 @@ inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int
     for (int m = 0; m < MR; ++m) is[m] = dpbusd(is[m], w, _mm512_set1_epi32(xq4[u * R + m]));
   };
   for (int g = 0; g < K / gs; ++g) {
-    __m512i is[MR];
-    for (int m = 0; m < MR; ++m) is[m] = _mm512_setzero_si512();
+    __m512i is[MR], ih[MR];
+    for (int m = 0; m < MR; ++m) is[m] = ih[m] = _mm512_setzero_si512();
     // 32 k a step for 4-bit weights (16 bytes a row), 16 for 8-bit ones (groups of 16: a
     // GGUF's Q6_K, unpacked to bytes); the integer sums are exact whatever the steps
     for (int k0 = g * gs; k0 < (g + 1) * gs; k0 += (BITS == 4 ? 32 : 16)) {
@@ -654,13 +664,14 @@ inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
           dots(is, _mm512_and_si512(wv[i], nib), u0 + i);
-          dots(is, _mm512_and_si512(_mm512_srli_epi32(wv[i], 4), nib), u0 + 4 + i);
+          dots(ih, _mm512_and_si512(_mm512_srli_epi32(wv[i], 4), nib), u0 + 4 + i);
         }
       } else {
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) dots(is, wv[i], u0 + i);
+        for (int i = 0; i < 4; ++i) dots(i % 2 ? ih : is, wv[i], u0 + i);
       }
     }
+    for (int m = 0; m < MR; ++m) is[m] = _mm512_add_epi32(is[m], ih[m]);
     __m512 s, c;
     if constexpr (IL) {
       il_scales16(fb.sil, fb.bil, fb.fmt, fb.sb, g, s, c);
@@ -915,6 +926,7 @@ inline void with_fmt(int fmt, F&& f) {
     case SF_F32: return f(std::integral_constant<int, SF_F32>{});
     case SF_F16: return f(std::integral_constant<int, SF_F16>{});
     case SF_BF16: return f(std::integral_constant<int, SF_BF16>{});
+    case SF_F16M: return f(std::integral_constant<int, SF_F16M>{});
     default: return f(std::integral_constant<int, SF_KQ>{});
   }
 }

@@ -69,6 +69,13 @@ enum ScaleFmt : int {
   // (sc - 32, sc - 32); Q2_K: (d, dmin) and (sc, m). 0.625 bits per weight in groups of
   // 32 (Q4_K's file: 0.5), where float32 scales and biases take 2.
   SF_KQ = 3,
+  // float16 scales [N, G] whose biases are a fixed multiple of them, b = m * s (GGUF's
+  // Q4_0 / Q5_0 / Q8_0: w = d (q - 2^(bits-1)), so m = -2^(bits-1)): the biases input is
+  // that one float32 m ([1]), so a product streams 2 bytes of parameters a group, not 4
+  // (a Q4_0 matrix's bytes: 20 -> 18 a group of 32, the file's). The caller has checked
+  // that m * s, rounded to float32, equals every stored bias (nn.implied_bias): the same
+  // floats as SF_F16 with the biases read.
+  SF_F16M = 4,
 };
 
 // The two-level form's decode, one helper per width: code c (int16: a signed scale code a
@@ -287,6 +294,10 @@ struct Quant {
     if (fmt == SF_F16) {
       halves_to_floats(static_cast<const uint16_t*>(s) + r0 * G, static_cast<int>(cnt), ts);
       halves_to_floats(static_cast<const uint16_t*>(b) + r0 * G, static_cast<int>(cnt), tb);
+    } else if (fmt == SF_F16M) {
+      halves_to_floats(static_cast<const uint16_t*>(s) + r0 * G, static_cast<int>(cnt), ts);
+      const float m = *static_cast<const float*>(b);
+      for (int64_t i = 0; i < cnt; ++i) tb[i] = ts[i] * m;
     } else if (fmt == SF_BF16) {
       const uint16_t* ps = static_cast<const uint16_t*>(s) + r0 * G;
       const uint16_t* pb = static_cast<const uint16_t*>(b) + r0 * G;
@@ -314,7 +325,8 @@ struct Quant {
 
   // Bytes of one row's scales and of its biases (for prefetching the next block's).
   inline int64_t s_row_bytes() const { return fmt == SF_F32 ? 4 * int64_t{groups} : 2 * int64_t{groups}; }
-  inline int64_t b_row_bytes() const {
+  inline int64_t b_row_bytes() const {  // (SF_F16M: 0, one multiplier for every row)
+    if (fmt == SF_F16M) return 0;
     return fmt == SF_F32 ? 4 * int64_t{groups} : fmt == SF_KQ ? 4 * int64_t{groups / sb} : 2 * int64_t{groups};
   }
   inline void prefetch(int64_t r0, int64_t n) const {
