@@ -214,12 +214,30 @@ def group_params(scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array
     float32 s = d * a, b = -(e * c), exactly the native kernels' values
     (runtime/native/scales.h). The loader stores that form only where the native kernels
     run a linear; this is the path of lookups and of the MLX fallbacks."""
-    if scales.dtype != mx.int16:
+    if scales.dtype not in (mx.int16, mx.int8):
         return scales, biases
-    codes = scales.view(mx.int8).reshape(*scales.shape, 2).astype(mx.float32)  # little-endian bytes
+    if scales.dtype == mx.int8:  # one code for both (`one_code`: an interleaved Q6_K / Q3_K matrix)
+        a = c = scales.astype(mx.float32)
+    else:
+        codes = scales.view(mx.int8).reshape(*scales.shape, 2).astype(mx.float32)  # little-endian bytes
+        a, c = codes[..., 0], codes[..., 1]
     per = scales.shape[-1] // biases.shape[-2]
     d, e = (mx.repeat(biases[..., i].astype(mx.float32), per, axis=-1) for i in (0, 1))
-    return d * codes[..., 0], -(e * codes[..., 1])
+    return d * a, -(e * c)
+
+
+def one_code(codes: mx.array) -> mx.array | None:
+    """The two-level form's int16 codes as int8 where every group's bias code equals its
+    scale code (GGUF's Q6_K: (sc, sc); Q3_K: (sc - 32, sc - 32)), else None: the kernels'
+    SF_KQ1 form, the same floats from half the code bytes (checked on the values)."""
+    pair = codes.view(mx.int8).reshape(*codes.shape, 2)
+    return pair[..., 0] if bool(mx.all(pair[..., 0] == pair[..., 1]).item()) else None
+
+
+def two_codes(codes: mx.array) -> mx.array:
+    """`one_code`'s inverse: int8 codes a -> the int16 codes (a, a)."""
+    lo = codes.view(mx.uint8).astype(mx.uint16)
+    return (lo | (lo << 8)).view(mx.int16)
 
 
 def _native_ok(lin: Linear, numerics: Numerics) -> bool:
@@ -298,8 +316,10 @@ def interleave_for_a8(lin: Linear) -> Linear:
         return lin
     kq = q.scales.dtype == mx.int16  # the two-level K-quant form: codes and (d, e) factors
     factors = kernels.interleave16_factors if kq else kernels.interleave16_groups
+    codes = (one_code(q.scales) if kq else None)
+    scales = q.scales if codes is None else codes  # (a Q6_K matrix: one int8 code a group)
     out = tree_replace(lin, weight=_per_matrix(layout, lin.weight, stacked))
-    return out.with_quant(interleaved=True, scales=_per_matrix(kernels.interleave16_groups, q.scales, stacked),
+    return out.with_quant(interleaved=True, scales=_per_matrix(kernels.interleave16_groups, scales, stacked),
                           biases=_per_matrix(factors, q.biases, stacked), bias_multiplier=implied_bias(q))
 
 
@@ -323,10 +343,12 @@ def row_major(lin: Linear) -> Linear:
         return lin
     q = lin.quant
     stacked = lin.weight.ndim == 3
-    back = kernels.interleave16_factors if q.scales.dtype == mx.int16 else kernels.interleave16_groups
+    kq = q.scales.dtype in (mx.int16, mx.int8)
+    back = kernels.interleave16_factors if kq else kernels.interleave16_groups
+    scales = two_codes(q.scales) if q.scales.dtype == mx.int8 else q.scales  # (rows keep int16 codes)
     out = tree_replace(lin, weight=_per_matrix(_back_in_rows(q.bits), lin.weight, stacked))
     return out.with_quant(interleaved=False, bias_multiplier=None,
-                          scales=_per_matrix(partial(kernels.interleave16_groups, inverse=True), q.scales, stacked),
+                          scales=_per_matrix(partial(kernels.interleave16_groups, inverse=True), scales, stacked),
                           biases=_per_matrix(partial(back, inverse=True), q.biases, stacked))
 
 

@@ -46,7 +46,13 @@ def _quant_roundtrip(w: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray]:
         return w.astype(np.float32), w.astype(np.float32)
     if qtype == Q.F16:
         return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
-    raw = gguf.quants.quantize(w.astype(np.float32), qtype)
+    if qtype == Q.Q6_K:  # (the gguf package has no Q6_K quantizer: random valid blocks, small d)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = np.random.default_rng(w.shape[0]).integers(0, 256, (w.shape[0], w.shape[1] // block, size), np.uint8)
+        raw[..., -2:] = np.full(raw.shape[:-1], 1e-4, np.float16).view(np.uint8).reshape(*raw.shape[:-1], 2)
+        raw = raw.reshape(w.shape[0], -1)
+    else:
+        raw = gguf.quants.quantize(w.astype(np.float32), qtype)
     return raw, gguf.quants.dequantize(raw, qtype).reshape(w.shape).astype(np.float32)
 
 
@@ -65,8 +71,8 @@ def gguf_llama3_and_reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gguf_q4_0_and_reference(tmp_path_factory):  # every layer's matrix Q4_0, the output Q8_0
-    qtypes = {**TYPES, **{k: Q.Q4_0 for k in HF}, "output": Q.Q8_0}
+def gguf_q4_0_and_reference(tmp_path_factory):  # the layers' matrices Q4_0 (ffn_down Q6_K), the output Q8_0
+    qtypes = {**TYPES, **{k: Q.Q4_0 for k in HF}, "ffn_down": Q.Q6_K, "output": Q.Q8_0}
     return _build(tmp_path_factory.mktemp("gguf_q4_0"), rope_scaling=None, qtypes=qtypes)
 
 
@@ -185,24 +191,31 @@ def test_gguf_tokenizer_round_trip(gguf_and_reference):
     assert m.tokenizer.decode(m.tokenizer.encode(text)) == text
 
 
-def test_gguf_8_bit_mode_reads_q4_0_and_q8_0_scales_alone(gguf_q4_0_and_reference, gguf_and_reference):
+def test_gguf_8_bit_mode_reads_compact_parameters(gguf_q4_0_and_reference, gguf_and_reference):
     """In the 8-bit mode the Q4_0 / Q8_0 matrices (w = d (q - 8) / d (q - 128): every bias
     -8 or -128 times its scale, checked on the values at load) are run from their float16
     scales alone (Quant.bias_multiplier: a decode step reads 2 bytes of parameters a group,
     not 4); Q4_1's own minimums, and matrices fused from mixed types, are read as stored.
-    The logits equal, bit for bit, those of the same interleaved params told to read
-    every stored bias; the exact numerics are not touched."""
+    A Q6_K matrix (its bias codes equal to its scale codes) keeps one int8 code a group
+    (nn.one_code). The logits equal, bit for bit, those of the same interleaved params
+    with every stored bias and both codes; the exact numerics are not touched."""
     from fx_engine.core.adapters import map_linears
-    from fx_engine.core.nn import linears
+    from fx_engine.core.nn import linears, two_codes
 
-    for path, want in ((gguf_q4_0_and_reference[0], 2 * 4 * [-8.0] + [-128.0]),  # qkv, o, gate_up, down x 2; output
-                       (gguf_and_reference[0], [-128.0])):  # (mixed layers: only the Q8_0 output)
+    def stored_form(lin):
+        if not lin.quantized:
+            return lin
+        q = lin.quant
+        return lin.with_quant(bias_multiplier=None, scales=two_codes(q.scales) if q.scales.dtype == mx.int8 else q.scales)
+
+    for path, want, int8_codes in ((gguf_q4_0_and_reference[0], 2 * 3 * [-8.0] + [-128.0], 2),  # qkv, o, gate_up x 2; output
+                                   (gguf_and_reference[0], [-128.0], 0)):  # (mixed layers: only the Q8_0 output)
         a8 = fx_engine.load(path, numerics="int8")
         got = [lin.quant.bias_multiplier for lin in linears(a8.params) if lin.quantized and lin.interleaved]
         assert sorted(m for m in got if m is not None) == sorted(want), got
+        assert sum(lin.quant.scales.dtype == mx.int8 for lin in linears(a8.params) if lin.quantized) == int8_codes
         assert not any(lin.quant.bias_multiplier for lin in linears(fx_engine.load(path).params) if lin.quantized)
-        stored = __import__("attrs").evolve(a8, params=map_linears(
-            a8.params, lambda _, lin: lin.with_quant(bias_multiplier=None) if lin.quantized else lin))
+        stored = __import__("attrs").evolve(a8, params=map_linears(a8.params, lambda _, lin: stored_form(lin)))
         ids = a8.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:40]
         for chunk in (1, 16):
             assert np.array_equal(np.asarray(fx_engine.logits(a8, ids, chunk=chunk)),

@@ -26,10 +26,10 @@ def _stack(e: int, n: int, k: int, gs: int, bits: int, fmt: str):
     q = RNG.integers(0, 1 << bits, (e * n, k), dtype=np.uint32)
     w = mx.array(pack_stream(q, bits).reshape(e, n, -1))
     g = k // gs
-    if fmt == "kq":
+    if fmt in ("kq", "kq1"):  # kq1: every bias code equal to its scale code (a Q6_K's)
         sb = 256 // gs
         a = RNG.integers(-128, 128, (e * n, g)).astype(np.int8)
-        c = RNG.integers(-128, 128, (e * n, g)).astype(np.int8)
+        c = a if fmt == "kq1" else RNG.integers(-128, 128, (e * n, g)).astype(np.int8)
         de = RNG.uniform(1e-4, 2e-3, (e * n, g // sb, 2)).astype(np.float16)
         codes = (a.astype(np.uint8).astype(np.uint16) | (c.astype(np.uint8).astype(np.uint16) << 8)).view(np.int16)
         d, f = (np.repeat(de[..., i].astype(np.float32), sb, axis=1) for i in (0, 1))
@@ -98,7 +98,7 @@ def test_inside_compile_and_other_dtypes() -> None:
 
 
 @pytest.mark.parametrize("bits,gs,fmt", [(4, 32, "float32"), (4, 32, "kq"), (8, 32, "float16"),
-                                         (6, 16, "kq"), (5, 32, "kq")])
+                                         (6, 16, "kq"), (5, 32, "kq"), (6, 16, "kq1")])
 @pytest.mark.parametrize("t,k", [(1, 4), (20, 3)])
 def test_interleaved_stack_gives_the_rows_bits(bits: int, gs: int, fmt: str, t: int, k: int) -> None:
     """A stack in the 8-bit mode's layout (nn.interleave_for_a8: each expert's matrix
@@ -116,6 +116,7 @@ def test_interleaved_stack_gives_the_rows_bits(bits: int, gs: int, fmt: str, t: 
         assert il is lin
         return
     assert il.interleaved and il.weight.shape == w.shape and not mx.array_equal(il.weight, w).item()
+    assert il.quant.scales.dtype == (mx.int8 if fmt == "kq1" else s.dtype)  # (nn.one_code)
     back = row_major(il)
     for a, c in ((back.weight, w), (back.quant.scales, s), (back.quant.biases, b)):
         assert mx.array_equal(a, c).item()

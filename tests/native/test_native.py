@@ -822,7 +822,9 @@ IL_FORMS = (("k4", 4, 32, "kq"), ("p6g16", 6, 16, "kq"), ("p6g32", 6, 32, "float
             # float16 scales with the biases implied (one multiplier, scales.h's SF_F16M):
             # interleaved with the multiplier, against the rows layout's stored biases
             ("m4g32", 4, 32, "implied"), ("m4g64", 4, 64, "implied"), ("m8g32", 8, 32, "implied"),
-            ("m8g16", 8, 16, "implied"), ("m5g32", 5, 32, "implied"))
+            ("m8g16", 8, 16, "implied"), ("m5g32", 5, 32, "implied"),
+            # one int8 code a group (scales.h's SF_KQ1): interleaved, against the rows' int16 codes
+            ("o6g16", 6, 16, "kq1"), ("o6g32", 6, 32, "kq1"), ("o4g32", 4, 32, "kq1"), ("o8g32", 8, 32, "kq1"))
 PORTABLE = ["x86-64-v3", "x86-64"] + ["x86-64-v3 -mavxvnni"] * _cpu_has("avx_vnni")
 
 
@@ -880,6 +882,7 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
         wq, s, b = _quantized(29, 192, 32, bits)
         data.update({f"w{bits}": np.asarray(wq), f"s{bits}": np.asarray(s), f"b{bits}": np.asarray(b)})
     from fx_engine.core import kernels as core_kernels
+    from fx_engine.core.nn import one_code
 
     for bits in (4, 8):
         wi, si, bi = _quantized(32, 192, 32, bits)
@@ -904,10 +907,11 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
             cb, ib = (cs.astype(mx.float32) * mult).astype(mx.float16), mx.array([mult], dtype=mx.float32)
         else:
             (cs, cb), _ = _compact_scales(32, 512 // gs, kind, 256 // gs)
-            ib = (core_kernels.interleave16_factors if kind == "kq" else core_kernels.interleave16_groups)(cb)
+            ib = (core_kernels.interleave16_factors if kind in ("kq", "kq1") else core_kernels.interleave16_groups)(cb)
         data.update({f"{key}_bits": np.array(bits), f"{key}_gs": np.array(gs)})
+        ics = core_kernels.interleave16_groups(one_code(cs) if kind == "kq1" else cs)
         data.update({f"{key}_w": np.asarray(w), f"{key}_s": np.asarray(cs), f"{key}_b": np.asarray(cb),
-                     f"{key}_iw": np.asarray(iw), f"{key}_is": np.asarray(core_kernels.interleave16_groups(cs)),
+                     f"{key}_iw": np.asarray(iw), f"{key}_is": np.asarray(ics),
                      f"{key}_ib": np.asarray(ib)})
     for fmt, kind in (("h", "float16"), ("kq", "kq")):  # 29 rows of 512 / 32 = 16 groups
         (cs, cb), (fs, fb) = _compact_scales(29, 16, kind, 8)
@@ -995,15 +999,16 @@ def test_build_key_covers_every_source_file(tmp_path, monkeypatch) -> None:
 
 def _compact_scales(n: int, g: int, fmt: str, sb: int):
     """Random group scales and biases stored compactly (`fmt`: float16, bfloat16, or the
-    two-level int16 codes + float16 (d, e) factors per super-block of `sb` groups), and
-    the float32 values they stand for (numpy, exact: s = d * a, b = -(e * c))."""
+    two-level int16 codes + float16 (d, e) factors per super-block of `sb` groups; "kq1":
+    the same with every bias code equal to its scale code, as a Q6_K's), and the float32
+    values they stand for (numpy, exact: s = d * a, b = -(e * c))."""
     if fmt in ("float16", "bfloat16"):
         dt = mx.float16 if fmt == "float16" else mx.bfloat16
         s = mx.array(RNG.uniform(0.001, 0.05, (n, g)).astype(np.float32)).astype(dt)
         b = mx.array(RNG.uniform(-0.5, 0.5, (n, g)).astype(np.float32)).astype(dt)
         return (s, b), (np.asarray(s.astype(mx.float32)), np.asarray(b.astype(mx.float32)))
     a = RNG.integers(-128, 128, (n, g)).astype(np.int8)
-    c = RNG.integers(-128, 128, (n, g)).astype(np.int8)
+    c = a if fmt == "kq1" else RNG.integers(-128, 128, (n, g)).astype(np.int8)  # kq1: one code (Q6_K's)
     de = RNG.uniform(1e-5, 2e-3, (n, g // sb, 2)).astype(np.float16)
     codes = (a.astype(np.uint8).astype(np.uint16) | (c.astype(np.uint8).astype(np.uint16) << 8)).view(np.int16)
     d, e = (np.repeat(de[..., i].astype(np.float32), sb, axis=1) for i in (0, 1))
@@ -1211,6 +1216,49 @@ def test_biases_implied_by_the_scales_give_the_stored_biases_bits(bits: int, gs:
         native.qmm(x, wq, s.astype(mx.float32), mult, gs, bits)  # (float32 scales: no such form)
     with pytest.raises(ValueError, match="one float32 multiplier"):
         native.qmm_a8(x, wq, s, mx.array([m, m]), gs, bits)
+
+
+@pytest.mark.parametrize("bits,gs", [(6, 16), (6, 32), (5, 32), (4, 32), (8, 32)])
+def test_one_code_two_level_form_gives_the_int16_codes_bits(bits: int, gs: int) -> None:
+    """GGUF's Q6_K (and Q3_K) store one scale code per group, used for the bias too: the
+    8-bit mode keeps it as one int8 code (scales.h's SF_KQ1, nn.one_code: 1 byte of codes
+    a group, not 2). Every kernel, layout and row count gives the int16 codes' bits, and
+    nn.group_params the same floats; interleave_for_a8 stores the int8 codes only where
+    every pair agrees (checked on the values) and row_major gives the int16 codes back."""
+    from fx_engine.core import kernels
+    from fx_engine.core.nn import Linear, Quant, group_params, interleave_for_a8, one_code, row_major, two_codes
+
+    n, k, sb = 48, 512, 256 // gs
+    q = RNG.integers(0, 1 << bits, (n, k)).astype(np.uint32)
+    wq = _stream(q, bits)
+    (codes, de), (fs, fb) = _compact_scales(n, k // gs, "kq1", sb)
+    one = one_code(codes)
+    assert one is not None and one.dtype == mx.int8 and mx.array_equal(two_codes(one), codes).item()
+    for got, want in zip(group_params(one, de), (fs, fb)):
+        assert np.array_equal(np.asarray(got), want)
+    for x_rows in (1, 2, 5, 8, 9, 16, 17, 40):
+        x = mx.array(RNG.standard_normal((x_rows, k)).astype(np.float32))
+        for op in (native.qmm, native.qgemm, native.qmm_a8):
+            assert np.array_equal(np.asarray(op(x, wq, one, de, gs, bits)), np.asarray(op(x, wq, codes, de, gs, bits))), \
+                (op, x_rows)
+    assert np.array_equal(np.asarray(native.dequantize(wq, one, de, gs, bits)),
+                          np.asarray(native.dequantize(wq, codes, de, gs, bits)))
+    lin = Linear(weight=wq, quant=Quant(scales=codes, biases=de, group_size=gs, bits=bits))
+    il = interleave_for_a8(lin)
+    if il is not lin:  # (a build without the planes path keeps 5-/6-bit weights in rows)
+        assert il.quant.scales.dtype == mx.int8
+        back = row_major(il)
+        assert back.quant.scales.dtype == mx.int16 and mx.array_equal(back.quant.scales, codes).item()
+        for x_rows in (1, 2, 5, 8, 9, 16, 17, 40):
+            x = mx.array(RNG.standard_normal((x_rows, k)).astype(np.float32))
+            got = native.qmm_a8(x, il.weight, il.quant.scales, il.quant.biases, gs, bits, interleaved=True)
+            assert np.array_equal(np.asarray(got), np.asarray(native.qmm_a8(x, wq, codes, de, gs, bits))), x_rows
+    (two, _), _ = _compact_scales(n, k // gs, "kq", sb)  # (random bias codes: kept as int16)
+    assert one_code(two) is None
+    assert interleave_for_a8(Linear(weight=wq, quant=Quant(scales=two, biases=de, group_size=gs, bits=bits))
+                             ).quant.scales.dtype == mx.int16
+    with pytest.raises(ValueError, match="two-level"):
+        native.qmm(mx.ones((1, k)), wq, one, de.astype(mx.float32), gs, bits)
 
 
 @pytest.mark.parametrize("bits", [5, 6])

@@ -130,7 +130,11 @@ inline Quant scales_of(const mx::array& s, const mx::array& b, int fmt, int grou
   if (fmt == SF_F32) return Quant{dense(s, ts), dense(b, tb), fmt, groups, 1, wbits};
   if (fmt == SF_F16M) return Quant{dense(s, hs), dense(b, tb), fmt, groups, 1, wbits};
   // (int16 codes are read through their 16 bits, like the halves)
-  const int sb = fmt == SF_KQ ? groups / static_cast<int>(b.shape(-2)) : 1;
+  const int sb = two_level_fmt(fmt) ? groups / static_cast<int>(b.shape(-2)) : 1;
+  if (fmt == SF_KQ1) {  // (int8 codes: a strided view copied byte by byte)
+    thread_local std::vector<int8_t> bs;
+    return Quant{dense(s, bs), dense(b, hb), fmt, groups, sb, wbits};
+  }
   return Quant{dense(s, hs), dense(b, hb), fmt, groups, sb, wbits};
 }
 
@@ -587,6 +591,11 @@ mx::array swiglu(const mx::array& gu) {
   return dt == mx::float32 ? y : mx::astype(y, dt, s);
 }
 
+// Whether scales are a two-level form's codes (scales.h SF_KQ: int16; SF_KQ1: int8).
+inline bool two_level(const mx::array& scales) {
+  return scales.dtype() == mx::int16 || scales.dtype() == mx::int8;
+}
+
 // The biases input of scales.h's SF_F16M form: float16 scales and, as the biases, the one
 // float32 multiplier m of b = m * s (a [1] array, for every row: an expert stack's too).
 inline bool biases_implied(const mx::array& scales, const mx::array& biases) {
@@ -622,10 +631,10 @@ void check_quantized(const char* op, const mx::array& w, const mx::array& scales
                                 "number of " + std::to_string(bits) + "-bit values");
   if (scales.ndim() != 2 || scales.shape(0) != w.shape(0) || scales.shape(1) != K / group_size)
     throw std::invalid_argument(p + ": scales/biases must have shape [N, K / group_size]");
-  if (scales.dtype() == mx::int16) {  // the two-level form (scales.h SF_KQ)
+  if (two_level(scales)) {  // the two-level forms (scales.h SF_KQ, SF_KQ1)
     if (biases.dtype() != mx::float16 || biases.ndim() != 3 || biases.shape(0) != w.shape(0) ||
         biases.shape(2) != 2 || biases.shape(1) <= 0 || scales.shape(1) % biases.shape(1) != 0)
-      throw std::invalid_argument(p + ": int16 (two-level) scales take float16 biases of shape "
+      throw std::invalid_argument(p + ": int16 / int8 (two-level) scales take float16 biases of shape "
                                       "[N, super-blocks, 2] dividing the groups");
     return;
   }
@@ -635,7 +644,7 @@ void check_quantized(const char* op, const mx::array& w, const mx::array& scales
                                 " (or float16 scales with one float32 multiplier as the biases)");
   for (const auto& a : {scales, biases})
     if (!mx::issubdtype(a.dtype(), mx::floating))
-      throw std::invalid_argument(p + ": scales/biases must be floating point (or int16 two-level scales)");
+      throw std::invalid_argument(p + ": scales/biases must be floating point (or int16 / int8 two-level scales)");
 }
 
 // The storage format of a product's scales and biases (scales.h), and the arrays the
@@ -643,6 +652,7 @@ void check_quantized(const char* op, const mx::array& w, const mx::array& scales
 // is, any other mix converted to float32 in the graph.
 int scale_format(mx::array& scales, mx::array& biases, mx::Stream s) {
   if (scales.dtype() == mx::int16) return SF_KQ;
+  if (scales.dtype() == mx::int8) return SF_KQ1;
   if (biases_implied(scales, biases)) return SF_F16M;
   if (scales.dtype() == biases.dtype()) {
     if (scales.dtype() == mx::float32) return SF_F32;
@@ -709,9 +719,9 @@ mx::array gather_qmm(const mx::array& x, const mx::array& indices, const mx::arr
                                 "interleaved per expert)");
   const bool implied = biases_implied(scales, biases);  // (one multiplier for the stack)
   if (w.ndim() != 3 || scales.ndim() != 3 || scales.shape(0) != w.shape(0) ||
-      (!implied && (biases.shape(0) != w.shape(0) || biases.ndim() != (scales.dtype() == mx::int16 ? 4 : 3))))
+      (!implied && (biases.shape(0) != w.shape(0) || biases.ndim() != (two_level(scales) ? 4 : 3))))
     throw std::invalid_argument("gather_qmm: w, scales and biases must be stacked [E, N, ...] "
-                                "(biases [E, N, super-blocks, 2] with int16 scales, [1] as float16 scales' "
+                                "(biases [E, N, super-blocks, 2] with int16 / int8 scales, [1] as float16 scales' "
                                 "multiplier)");
   const int E = static_cast<int>(w.shape(0)), N = static_cast<int>(w.shape(1));
   // the checks of one expert's matrix hold for all (the same shapes): the stack as rows

@@ -360,6 +360,12 @@ inline void il_scales16(const void* sp, const void* bp, int fmt, int sb, int g, 
                 _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(half16(bp, f + 16))), s, c);
     return;
   }
+  if (fmt == SF_KQ1) {
+    const int64_t f = int64_t{g / sb} * 32;
+    kq1_decode16(static_cast<const int8_t*>(sp) + g * 16, _mm512_cvtph_ps(half16(bp, f)),
+                 _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(half16(bp, f + 16))), s, c);
+    return;
+  }
   if (fmt == SF_F16) {
     s = _mm512_cvtph_ps(half16(sp, g * 16));
     c = _mm512_cvtph_ps(half16(bp, g * 16));
@@ -390,6 +396,12 @@ inline void il_scales8(const void* sp, const void* bp, int fmt, int sb, int g, i
                _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(half8(bp, f + 16))), s, c);
     return;
   }
+  if (fmt == SF_KQ1) {
+    const int64_t f = int64_t{g / sb} * 32 + at;
+    kq1_decode8(static_cast<const int8_t*>(sp) + g * 16 + at, _mm256_cvtph_ps(half8(bp, f)),
+                _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(half8(bp, f + 16))), s, c);
+    return;
+  }
   if (fmt == SF_F16) {
     s = _mm256_cvtph_ps(half8(sp, g * 16 + at));
     c = _mm256_cvtph_ps(half8(bp, g * 16 + at));
@@ -410,8 +422,8 @@ inline void il_scales8(const void* sp, const void* bp, int fmt, int sb, int g, i
 // values), or the K-quant codes decoded against the block's factors.
 inline void il_scale_block(const Quant& S, int64_t blk, float* tmp, const float*& so, const float*& bo) {
   const int G = S.groups;
-  if (S.fmt != SF_KQ) return S.rows(blk * 16, 16, tmp, so, bo);
-  const int16_t* codes = static_cast<const int16_t*>(S.s) + blk * G * 16;
+  if (!two_level_fmt(S.fmt)) return S.rows(blk * 16, 16, tmp, so, bo);
+  const char* codes = static_cast<const char*>(S.s) + blk * G * 16 * S.s_row_bytes() / G;
   const int64_t per = int64_t{G / S.sb} * 32;  // the block's factors [super-block][2][16]
   thread_local std::vector<float> fac;
   if (static_cast<int64_t>(fac.size()) < per) fac.resize(static_cast<size_t>(per));
@@ -421,7 +433,11 @@ inline void il_scale_block(const Quant& S, int64_t blk, float* tmp, const float*
   for (int g = 0; g < G; ++g)
     for (int lane = 0; lane < 16; ++lane) {
       const int64_t f = (g / S.sb) * 32 + lane;
-      kq_decode(codes[g * 16 + lane], fac[f], -fac[f + 16], os[g * 16 + lane], ob[g * 16 + lane]);
+      const int i = g * 16 + lane;
+      if (S.fmt == SF_KQ1)
+        kq1_decode(reinterpret_cast<const int8_t*>(codes)[i], fac[f], -fac[f + 16], os[i], ob[i]);
+      else
+        kq_decode(reinterpret_cast<const int16_t*>(codes)[i], fac[f], -fac[f + 16], os[i], ob[i]);
     }
   so = os;
   bo = ob;
@@ -927,6 +943,7 @@ inline void with_fmt(int fmt, F&& f) {
     case SF_F16: return f(std::integral_constant<int, SF_F16>{});
     case SF_BF16: return f(std::integral_constant<int, SF_BF16>{});
     case SF_F16M: return f(std::integral_constant<int, SF_F16M>{});
+    case SF_KQ1: return f(std::integral_constant<int, SF_KQ1>{});
     default: return f(std::integral_constant<int, SF_KQ>{});
   }
 }

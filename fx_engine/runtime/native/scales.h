@@ -76,7 +76,13 @@ enum ScaleFmt : int {
   // that m * s, rounded to float32, equals every stored bias (nn.implied_bias): the same
   // floats as SF_F16 with the biases read.
   SF_F16M = 4,
+  // SF_KQ where every group's bias code equals its scale code (GGUF's Q6_K: (sc, sc); Q3_K:
+  // (sc - 32, sc - 32)): scales int8 [N, G], the one code a, biases SF_KQ's float16 factors
+  // [N, G / S, 2]: s = d * a, b = -(e * a), the same floats. 1 byte of codes a group, not 2
+  // (a Q6_K matrix: 6.625 bits a weight, not 7.125; the file's are 6.5625).
+  SF_KQ1 = 5,
 };
+inline bool two_level_fmt(int fmt) { return fmt == SF_KQ || fmt == SF_KQ1; }
 
 // The two-level form's decode, one helper per width: code c (int16: a signed scale code a
 // in the low byte, a signed bias code in the high one) and the factors d and ne = -e ->
@@ -105,6 +111,27 @@ inline void kq_decode16(const int16_t* c, __m512 d, __m512 ne, __m512& s, __m512
   const __m512i v = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
   s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24)));
   b = _mm512_mul_ps(ne, _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 8)));
+}
+#endif
+
+// SF_KQ1's decode (one int8 code a for both): s = d * a, b = ne * a, kq_decode's floats
+// for c = a, one helper per width.
+inline void kq1_decode(int8_t a, float d, float ne, float& s, float& b) {
+  s = d * static_cast<float>(a);
+  b = ne * static_cast<float>(a);
+}
+#if defined(__AVX2__)
+inline void kq1_decode8(const int8_t* c, __m256 d, __m256 ne, __m256& s, __m256& b) {
+  const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+  s = _mm256_mul_ps(d, a);
+  b = _mm256_mul_ps(ne, a);
+}
+#endif
+#if defined(__AVX512F__)
+inline void kq1_decode16(const int8_t* c, __m512 d, __m512 ne, __m512& s, __m512& b) {
+  const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+  s = _mm512_mul_ps(d, a);
+  b = _mm512_mul_ps(ne, a);
 }
 #endif
 
@@ -305,6 +332,13 @@ struct Quant {
         ts[i] = bf16_to_float(ps[i]);
         tb[i] = bf16_to_float(pb[i]);
       }
+    } else if (fmt == SF_KQ1) {  // as SF_KQ, one int8 code a group
+      const int8_t* codes = static_cast<const int8_t*>(s) + r0 * G;
+      const uint16_t* fac = static_cast<const uint16_t*>(b) + r0 * 2 * (G / sb);
+      for (int64_t u = 0; u < cnt / sb; ++u) {
+        const float d = half_to_float(fac[2 * u]), e = -half_to_float(fac[2 * u + 1]);
+        for (int64_t g = u * sb; g < (u + 1) * sb; ++g) kq1_decode(codes[g], d, e, ts[g], tb[g]);
+      }
     } else {  // SF_KQ: n rows of G / sb super-blocks (sb 8: groups of 32; 16: of 16)
       const int16_t* codes = static_cast<const int16_t*>(s) + r0 * G;
       const uint16_t* fac = static_cast<const uint16_t*>(b) + r0 * 2 * (G / sb);
@@ -324,10 +358,12 @@ struct Quant {
   }
 
   // Bytes of one row's scales and of its biases (for prefetching the next block's).
-  inline int64_t s_row_bytes() const { return fmt == SF_F32 ? 4 * int64_t{groups} : 2 * int64_t{groups}; }
+  inline int64_t s_row_bytes() const {
+    return fmt == SF_F32 ? 4 * int64_t{groups} : fmt == SF_KQ1 ? int64_t{groups} : 2 * int64_t{groups};
+  }
   inline int64_t b_row_bytes() const {  // (SF_F16M: 0, one multiplier for every row)
     if (fmt == SF_F16M) return 0;
-    return fmt == SF_F32 ? 4 * int64_t{groups} : fmt == SF_KQ ? 4 * int64_t{groups / sb} : 2 * int64_t{groups};
+    return fmt == SF_F32 ? 4 * int64_t{groups} : two_level_fmt(fmt) ? 4 * int64_t{groups / sb} : 2 * int64_t{groups};
   }
   inline void prefetch(int64_t r0, int64_t n) const {
 #if defined(__x86_64__)
