@@ -316,7 +316,7 @@ def interleave_for_a8(lin: Linear) -> Linear:
         return lin
     kq = q.scales.dtype == mx.int16  # the two-level K-quant form: codes and (d, e) factors
     factors = kernels.interleave16_factors if kq else kernels.interleave16_groups
-    codes = (one_code(q.scales) if kq else None)
+    codes = one_code(q.scales) if kq else None
     scales = q.scales if codes is None else codes  # (a Q6_K matrix: one int8 code a group)
     out = tree_replace(lin, weight=_per_matrix(layout, lin.weight, stacked))
     return out.with_quant(interleaved=True, scales=_per_matrix(kernels.interleave16_groups, scales, stacked),

@@ -25,7 +25,7 @@ from fx_engine.loading.weights import KeepQuantized, WeightsError, load_gguf, lo
 from fx_engine.core.cache import KVCache, LayerSpec, init_cache
 from fx_engine.core.models import AnyParams, cache_layout
 from fx_engine.core.adapters import map_linears
-from fx_engine.core.nn import MatmulPlan, Numerics, interleave_for_a8, linears, row_major
+from fx_engine.core.nn import MatmulPlan, Numerics, interleave_for_a8, linears, row_major, two_codes
 from fx_engine.core.config import ConfigError
 from fx_engine.core.tree import tree_leaves
 
@@ -518,6 +518,8 @@ def _by_row_chunks(relayout: Any, lin: Any) -> Any:
     step = max(1, RELAYOUT_ROWS // per)
     for r0 in range(0, lin.weight.shape[0], step):
         piece = relayout(_rows_of(lin, r0, r0 + step))
+        if piece.quant.scales.dtype != out.quant.scales.dtype:  # (the whole's form: one code a
+            piece = piece.with_quant(scales=two_codes(piece.quant.scales))  # group only if all agree)
         mx.eval(piece.weight, piece.quant.scales, piece.quant.biases)
         parts.append(piece)
     cat = lambda name: mx.concatenate([getattr(p.quant, name) for p in parts])  # noqa: E731

@@ -1261,6 +1261,30 @@ def test_one_code_two_level_form_gives_the_int16_codes_bits(bits: int, gs: int) 
         native.qmm(mx.ones((1, k)), wq, one, de.astype(mx.float32), gs, bits)
 
 
+def test_relayout_by_row_chunks_keeps_the_whole_matrix_form(monkeypatch) -> None:
+    """The loader interleaves a large matrix a few thousand rows at a time
+    (loading.model._by_row_chunks): the pieces take the whole matrix's compact form, so a
+    matrix fused from rows whose bias codes equal their scale codes (a Q6_K v) and rows whose
+    do not (Q4_K q, k) keeps int16 codes throughout, and its products and rows are the
+    whole relayout's."""
+    from fx_engine.core.nn import Linear, Quant, interleave_for_a8, row_major
+    from fx_engine.loading import model as loading
+
+    monkeypatch.setattr(loading, "RELAYOUT_ROWS", 32)
+    n, k, gs = 96, 512, 32
+    wq = _stream(RNG.integers(0, 16, (n, k)).astype(np.uint32), 4)
+    (same, de), _ = _compact_scales(n, k // gs, "kq1", 8)
+    (mixed, _), _ = _compact_scales(n, k // gs, "kq", 8)
+    codes = mx.concatenate([mixed[:32], same[32:]])  # rows 32..95 agree, rows 0..31 do not
+    for c, dtype in ((codes, mx.int16), (same, mx.int8)):
+        lin = Linear(weight=wq, quant=Quant(scales=c, biases=de, group_size=gs, bits=4))
+        whole, chunked = interleave_for_a8(lin), loading._by_row_chunks(interleave_for_a8, lin)
+        assert whole.quant.scales.dtype == chunked.quant.scales.dtype == dtype
+        for a, b in ((whole.weight, chunked.weight), (whole.quant.scales, chunked.quant.scales),
+                     (whole.quant.biases, chunked.quant.biases), (row_major(chunked).quant.scales, c)):
+            assert mx.array_equal(a, b).item()
+
+
 @pytest.mark.parametrize("bits", [5, 6])
 @pytest.mark.parametrize("gs", [16, 32, 64])
 def test_5_and_6_bit_planes_give_the_rows_bits(gs: int, bits: int) -> None:
