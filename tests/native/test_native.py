@@ -1162,6 +1162,19 @@ def test_interleaved_weights_give_the_row_major_bits(bits: int, gs: int) -> None
         kernels.interleave16(wq[:40])
 
 
+def _same_products(wq, form, stored, gs: int, bits: int) -> None:
+    """Every rows-layout product (qmm, qgemm, qmm_a8) at 1-40 rows, and dequantize, give the
+    same bits with the scales and biases `form` as with `stored`."""
+    k = wq.shape[1] * 32 // bits
+    for x_rows in (1, 2, 5, 8, 9, 16, 17, 40):
+        x = mx.array(RNG.standard_normal((x_rows, k)).astype(np.float32))
+        for op in (native.qmm, native.qgemm, native.qmm_a8):
+            assert np.array_equal(np.asarray(op(x, wq, *form, gs, bits)), np.asarray(op(x, wq, *stored, gs, bits))), \
+                (op, x_rows)
+    assert np.array_equal(np.asarray(native.dequantize(wq, *form, gs, bits)),
+                          np.asarray(native.dequantize(wq, *stored, gs, bits)))
+
+
 @pytest.mark.parametrize("bits,gs", [(4, 32), (4, 64), (5, 32), (8, 32), (8, 16)])
 def test_biases_implied_by_the_scales_give_the_stored_biases_bits(bits: int, gs: int) -> None:
     """GGUF's Q4_0 / Q5_0 / Q8_0 store only d per group (w = d (q - 2^(bits-1))). A product
@@ -1171,7 +1184,6 @@ def test_biases_implied_by_the_scales_give_the_stored_biases_bits(bits: int, gs:
     bits of the stored biases; nn.implied_bias finds m from the values alone (not from a
     type name), interleave_for_a8 records it and row_major drops it; malformed forms are
     clear errors."""
-    from fx_engine.core import kernels
     from fx_engine.core.nn import Linear, Quant, _product_biases, implied_bias, interleave_for_a8, row_major
 
     n, k, m = 48, 512, -float(2 ** (bits - 1))
@@ -1183,13 +1195,7 @@ def test_biases_implied_by_the_scales_give_the_stored_biases_bits(bits: int, gs:
     b = mx.array((d.astype(np.float32) * np.float32(m)).astype(np.float16))
     assert np.array_equal(np.asarray(b).astype(np.float32), d.astype(np.float32) * np.float32(m))
     mult = mx.array([m], dtype=mx.float32)
-    for x_rows in (1, 2, 5, 8, 9, 16, 17, 40):
-        x = mx.array(RNG.standard_normal((x_rows, k)).astype(np.float32))
-        for op in (native.qmm, native.qgemm, native.qmm_a8):
-            assert np.array_equal(np.asarray(op(x, wq, s, mult, gs, bits)), np.asarray(op(x, wq, s, b, gs, bits))), \
-                (op, x_rows)
-    assert np.array_equal(np.asarray(native.dequantize(wq, s, mult, gs, bits)),
-                          np.asarray(native.dequantize(wq, s, b, gs, bits)))
+    _same_products(wq, (s, mult), (s, b), gs, bits)
     lin = Linear(weight=wq, quant=Quant(scales=s, biases=b, group_size=gs, bits=bits))
     assert implied_bias(lin.quant) == m
     il = interleave_for_a8(lin)
@@ -1225,7 +1231,6 @@ def test_one_code_two_level_form_gives_the_int16_codes_bits(bits: int, gs: int) 
     a group, not 2). Every kernel, layout and row count gives the int16 codes' bits, and
     nn.group_params the same floats; interleave_for_a8 stores the int8 codes only where
     every pair agrees (checked on the values) and row_major gives the int16 codes back."""
-    from fx_engine.core import kernels
     from fx_engine.core.nn import Linear, Quant, group_params, interleave_for_a8, one_code, row_major, two_codes
 
     n, k, sb = 48, 512, 256 // gs
@@ -1236,13 +1241,7 @@ def test_one_code_two_level_form_gives_the_int16_codes_bits(bits: int, gs: int) 
     assert one is not None and one.dtype == mx.int8 and mx.array_equal(two_codes(one), codes).item()
     for got, want in zip(group_params(one, de), (fs, fb)):
         assert np.array_equal(np.asarray(got), want)
-    for x_rows in (1, 2, 5, 8, 9, 16, 17, 40):
-        x = mx.array(RNG.standard_normal((x_rows, k)).astype(np.float32))
-        for op in (native.qmm, native.qgemm, native.qmm_a8):
-            assert np.array_equal(np.asarray(op(x, wq, one, de, gs, bits)), np.asarray(op(x, wq, codes, de, gs, bits))), \
-                (op, x_rows)
-    assert np.array_equal(np.asarray(native.dequantize(wq, one, de, gs, bits)),
-                          np.asarray(native.dequantize(wq, codes, de, gs, bits)))
+    _same_products(wq, (one, de), (codes, de), gs, bits)
     lin = Linear(weight=wq, quant=Quant(scales=codes, biases=de, group_size=gs, bits=bits))
     il = interleave_for_a8(lin)
     if il is not lin:  # (a build without the planes path keeps 5-/6-bit weights in rows)

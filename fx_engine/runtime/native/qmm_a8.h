@@ -423,7 +423,7 @@ inline void il_scales8(const void* sp, const void* bp, int fmt, int sb, int g, i
 inline void il_scale_block(const Quant& S, int64_t blk, float* tmp, const float*& so, const float*& bo) {
   const int G = S.groups;
   if (!two_level_fmt(S.fmt)) return S.rows(blk * 16, 16, tmp, so, bo);
-  const char* codes = static_cast<const char*>(S.s) + blk * G * 16 * S.s_row_bytes() / G;
+  const char* codes = static_cast<const char*>(S.s) + blk * 16 * S.s_row_bytes();  // (int16 or int8 codes)
   const int64_t per = int64_t{G / S.sb} * 32;  // the block's factors [super-block][2][16]
   thread_local std::vector<float> fac;
   if (static_cast<int64_t>(fac.size()) < per) fac.resize(static_cast<size_t>(per));
