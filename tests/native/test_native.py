@@ -98,22 +98,29 @@ def test_quantized_products_leading_dims_strided_input_and_dtype(op) -> None:
 
 
 @pytest.mark.parametrize("op", PRODUCTS)
-def test_quantized_products_are_batch_invariant(op) -> None:
+@pytest.mark.parametrize("bits,gs", [(4, 32), (4, 64), (8, 32), (8, 16)])
+def test_quantized_products_are_batch_invariant(op, bits: int, gs: int) -> None:
     """A row's output is bitwise the same alone, in any batch, at any position, and with
     any thread count: the property the batch-invariant mode relies on (for qgemm: also at
-    any position inside its 32-row tiles, and in a partial tile)."""
-    wq, s, b = _quantized(200, 576, 32, 4)
+    any position inside its 32-row tiles, and in a partial tile; for qmm: its fused path
+    up to 16 rows in passes of 8, its 4-row tiles on a dequantized copy above, n = 200
+    not a multiple of the 6 or 12 features either runs at once)."""
+    if gs == 16:
+        (wq, s, b), _ = _group16(200, 576)
+    else:
+        wq, s, b = _quantized(200, 576, gs, bits)
     x = mx.array(RNG.standard_normal((70, 576)).astype(np.float32))
-    full = np.asarray(op(x, wq, s, b, 32, 4))
+    full = np.asarray(op(x, wq, s, b, gs, bits))
     for i, rows in [(0, slice(0, 1)), (5, slice(5, 6)), (5, slice(3, 10)), (39, slice(30, 40)),
-                    (45, slice(17, 70)), (69, slice(0, 70, 3))]:
-        part = np.asarray(op(x[rows], wq, s, b, 32, 4))
+                    (45, slice(17, 70)), (69, slice(0, 70, 3)), (20, slice(20, 36)),
+                    (36, slice(20, 37)), (2, slice(0, 4)), (3, slice(0, 5)), (8, slice(1, 10))]:
+        part = np.asarray(op(x[rows], wq, s, b, gs, bits))
         assert np.array_equal(part[(i - rows.start) // (rows.step or 1)], full[i])
     mod = native._module()
     threads = mod.num_threads()
     try:
         mod.set_num_threads(1)
-        single = np.asarray(op(x, wq, s, b, 32, 4))
+        single = np.asarray(op(x, wq, s, b, gs, bits))
     finally:
         mod.set_num_threads(threads)
     assert np.array_equal(single, full)
@@ -744,14 +751,17 @@ for bits in (4, 8):
     outs[f"qmm_{bits}"] = np.asarray(mod.qmm(x, wq, s, b, 32, bits))
     x40 = mx.concatenate([x] * 4)[:40]  # qgemm's many-row tiles
     outs[f"qgemm40_{bits}"] = np.asarray(mod.qgemm(x40, wq, s, b, 32, bits))
+    outs[f"qmm40_{bits}"] = np.asarray(mod.qmm(x40, wq, s, b, 32, bits))
     for m in range(1, 17):  # its few-row path, 8 rows per pass over the weights
         outs[f"qgemm{m}_{bits}"] = np.asarray(mod.qgemm(x40[:m], wq, s, b, 32, bits))
+        outs[f"qmm{m}_{bits}"] = np.asarray(mod.qmm(x40[:m], wq, s, b, 32, bits))
 wq, s, b = (mx.array(d[n]) for n in ("w16", "s16", "b16"))  # 8 bits in groups of 16
 x40 = mx.concatenate([mx.array(d["x"])] * 4)[:40]
 outs["qgemm40_g16"] = np.asarray(mod.qgemm(x40, wq, s, b, 16, 8))
 outs["qmm_g16"] = np.asarray(mod.qmm(x40, wq, s, b, 16, 8))
 for m in range(1, 17):
     outs[f"qgemm{m}_g16"] = np.asarray(mod.qgemm(x40[:m], wq, s, b, 16, 8))
+    outs[f"qmm{m}_g16"] = np.asarray(mod.qmm(x40[:m], wq, s, b, 16, 8))
 for bits in (4, 8):  # the interleaved layout: the row-major weight's bits, every row count
     wi, si, bi, ii, isi, ibi = (mx.array(d[f"{n}{bits}"]) for n in ("wi", "si", "bi", "ii", "isi", "ibi"))
     xi = mx.concatenate([mx.array(d["x"])] * 4)[:40]
@@ -869,7 +879,8 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     compact scales (float16, the two-level K-quant form) give their float32 values' bits,
     and 5-/6-bit weights (unpacked with AVX2 shuffles, or a loop) the 8-bit form's.
     qgemm's AVX2 few-row path gives its many-row tiles' bits at every row count 1..16,
-    and both give this machine's qgemm bits (the same arithmetic on every path)."""
+    and both give this machine's qgemm bits (the same arithmetic on every path); so does
+    qmm's fused few-row path its dequantized copy's, and the AVX2 build this machine's qmm."""
     import subprocess
     import sys
 
@@ -932,6 +943,12 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
         many = got[f"qgemm40_{bits}"]
         for m in range(1, 17):
             assert np.array_equal(got[f"qgemm{m}_{bits}"], many[:m]), (bits, m)
+            # qmm's fused few-row path (dequantized in registers) gives its copy's bits
+            assert np.array_equal(got[f"qmm{m}_{bits}"], got[f"qmm40_{bits}"][:m]), (bits, m)
+        if avx2:  # and this machine's qmm (the same FMAs and horizontal-sum tree)
+            wq, s, b = (mx.array(data[f"{n}{bits}"]) for n in ("w", "s", "b"))
+            x40 = mx.concatenate([mx.array(data["x"])] * 4)[:40]
+            assert np.array_equal(got[f"qmm40_{bits}"], np.asarray(native.qmm(x40, wq, s, b, 32, bits)))
         # this machine's own qgemm (AVX-512): the same bits where both fuse their FMAs
         # (baseline x86-64 has no FMA instruction: a product and a sum, other bits)
         if native.tiled_gemm() and avx2:
@@ -944,6 +961,7 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
         np.testing.assert_allclose(got[key], ref16, rtol=2e-5, atol=2e-5 * np.abs(ref16).max())
     for m in range(1, 17):
         assert np.array_equal(got[f"qgemm{m}_g16"], got["qgemm40_g16"][:m]), m
+        assert np.array_equal(got[f"qmm{m}_g16"], got["qmm_g16"][:m]), m
     for bits in (4, 8):
         for m in (1, 2, 3, 5, 8, 9, 40):
             assert np.array_equal(got[f"il{m}_{bits}"], got[f"ro{m}_{bits}"]), (bits, m)

@@ -169,6 +169,250 @@ void qmm_range(const float* x, int M, int K, const uint32_t* wq, const Quant& S,
   }
 }
 
+// ---------------------------------------------------------------- qmm: a few rows, fused
+// Up to QM_FEW rows (decode and verify steps) the dequantized copy above costs more than
+// the products it serves: a 4-bit weight took shift, mask, convert, scale, bias, store and
+// a reload per use. Here each weight row is read once, in place (one contiguous stream per
+// output feature, which the hardware prefetchers follow), dequantized in registers and
+// used at once by every row of the pass. The arithmetic per output is qmm_tile's exactly:
+// w = scale * q + bias rounded as in dequant_row, acc = fma(x, w, acc) over k in steps of
+// 16 (the 4-bit split order), from +0, then hsum: the same bits at every row count (tested).
+//
+// AVX-512: a group's 16 possible 4-bit values are computed once (scale * [0..15] + bias,
+// the same mul and add) and each weight vector is one lookup (vpermps indexes by the low
+// 4 bits of each lane): per 32 weights a widening load, a shift, two lookups and the FMAs.
+constexpr int QM_FEW = 16;  // up to this many rows take this path
+constexpr int QM_PASS = 8;  // rows per pass over a few weight rows (their accumulators)
+constexpr int QM_AHEAD = 2;  // tiles ahead whose rows are prefetched (1, 3, 4, 8: slower)
+
+// Output features run at once for MR rows: independent accumulator chains (one row alone
+// would wait on the FMA latency) within the 32 vector registers (AVX-512; the AVX2 build's
+// v16 halves spill a little more, measured acceptable).
+template <int MR>
+constexpr int qm_feats() { return MR == 1 ? 6 : MR == 2 ? 4 : MR <= 4 ? 3 : 2; }
+
+// One group's dequantization state: its lookup table (AVX-512, 4 bits) or its scale and
+// bias in every lane.
+struct GroupDeq {
+  v16 s, c;
+};
+inline GroupDeq group_deq(int bits, float s, float c) {
+#if defined(__AVX512F__)
+  if (bits == 4) {
+    const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return {bcast(s) * iota + bcast(c), v16{}};  // the values scale * q + bias, q = 0..15
+  }
+#else
+  (void)bits;
+#endif
+  return {bcast(s), bcast(c)};
+}
+
+// 32 4-bit weights (16 bytes, split order) -> their dequantized values: lo (low nibbles,
+// the first 16 in split order), hi.
+inline void deq4x32(const uint8_t* p, const GroupDeq& d, v16& lo, v16& hi) {
+#if defined(__AVX512F__)
+  const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 t = reinterpret_cast<const __m512&>(d.s);
+  const __m512 a = _mm512_permutexvar_ps(idx, t), b = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), t);
+  std::memcpy(&lo, &a, 64);
+  std::memcpy(&hi, &b, 64);
+#else
+  const u8x16 v = *reinterpret_cast<const u8x16*>(p);
+  lo = d.s * to_float(v & 15) + d.c;
+  hi = d.s * to_float(v >> 4) + d.c;
+#endif
+}
+
+// 16 8-bit weights -> their dequantized values.
+inline v16 deq8x16(const uint8_t* p, const GroupDeq& d) {
+  return d.s * to_float(*reinterpret_cast<const u8x16*>(p)) + d.c;
+}
+
+// MR rows of x (row stride K, split order for 4 bits) against NF weight rows (rw[f], their
+// float32 scales and biases rs[f], rb[f]): y[m * N + f] for f < NF.
+// pf: bytes [pf, pf + pf_bytes) prefetched into L2 a slice per group (the rows a few tiles
+// ahead: one row's stream alone is read at about half the DRAM's rate, measured).
+template <int BITS, int MR, int NF>
+inline void qmm_fused_tile(const float* x, int K, const uint8_t* const* rw, const float* const* rs,
+                           const float* const* rb, int gs, float* y, int N, const char* pf,
+                           int64_t pf_bytes) {
+  v16 acc[MR][NF];
+  for (int m = 0; m < MR; ++m)
+    for (int f = 0; f < NF; ++f) acc[m][f] = v16{};
+  const int64_t pf_step = ((pf_bytes + 63) / 64 + K / gs - 1) / (K / gs) * 64;
+  for (int g = 0; g < K / gs; ++g) {
+#if defined(__x86_64__)
+    for (int64_t o = g * pf_step, e = std::min(pf_bytes, o + pf_step); o < e; o += 64)
+      _mm_prefetch(pf + o, _MM_HINT_T1);
+#endif
+    GroupDeq d[NF];
+    for (int f = 0; f < NF; ++f) d[f] = group_deq(BITS, rs[f][g], rb[f][g]);
+    for (int j = g * gs; j < (g + 1) * gs; j += BITS == 4 ? 32 : 16) {
+      if constexpr (BITS == 4) {
+        v16 lo[NF], hi[NF];
+        for (int f = 0; f < NF; ++f) deq4x32(rw[f] + j / 2, d[f], lo[f], hi[f]);
+        for (int m = 0; m < MR; ++m) {
+          v16 xl = load(x + int64_t{m} * K + j), xh = load(x + int64_t{m} * K + j + VL);
+#if defined(__AVX512F__)
+          if constexpr (NF > 1) asm("" : "+v"(xl), "+v"(xh));  // loaded once (qmm_many_tile)
+#endif
+          for (int f = 0; f < NF; ++f) acc[m][f] = fma(xh, hi[f], fma(xl, lo[f], acc[m][f]));
+        }
+      } else {
+        v16 w[NF];
+        for (int f = 0; f < NF; ++f) w[f] = deq8x16(rw[f] + j, d[f]);
+        for (int m = 0; m < MR; ++m) {
+          v16 xv = load(x + int64_t{m} * K + j);
+#if defined(__AVX512F__)
+          if constexpr (NF > 1) asm("" : "+v"(xv));
+#endif
+          for (int f = 0; f < NF; ++f) acc[m][f] = fma(xv, w[f], acc[m][f]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int f = 0; f < NF; ++f) y[int64_t{m} * N + f] = hsum(acc[m][f]);
+}
+
+// Output features [n0, n1) for all M (<= QM_FEW) rows, in passes of QM_PASS rows.
+template <int BITS>
+void qmm_fused_range(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs,
+                     float* y, int N, int n0, int n1) {
+  constexpr int NFMAX = qm_feats<1>();
+  const int groups = K / gs;
+  float* tmp = scale_tmp(NFMAX, groups);
+  uint8_t* wt = S.unpacks() ? weight_tmp(int64_t{NFMAX} * K) : nullptr;
+  const int64_t row_bytes = int64_t{K} * BITS / 8;
+  for (int m0 = 0; m0 < M; m0 += QM_PASS)
+    with_rows<QM_PASS>(std::min(QM_PASS, M - m0), [&](auto mr) {
+      constexpr int MR = decltype(mr)::value, NF = qm_feats<MR>();
+      const float* xm = x + int64_t{m0} * K;
+      float* ym = y + int64_t{m0} * N;
+      for (int n = n0; n < n1; n += NF) {
+        const int nf = std::min(NF, n1 - n);
+        const float *ds, *db;
+        S.rows(n, nf, tmp, ds, db);
+        const char* w = S.weights(wq, n, nf, K, wt);  // (5-/6-bit rows unpacked into wt)
+        const uint8_t* rw[NF];
+        const float* rs[NF];
+        const float* rb[NF];
+        for (int f = 0; f < NF; ++f) {
+          const int r = std::min(f, nf - 1);
+          rw[f] = reinterpret_cast<const uint8_t*>(w) + r * row_bytes;
+          rs[f] = ds + int64_t{r} * groups;
+          rb[f] = db + int64_t{r} * groups;
+        }
+        // the stored rows QM_AHEAD tiles on (across the range's end: the next range is
+        // usually this thread's too), and their scales
+        const int64_t ahead = n + int64_t{QM_AHEAD} * NF, pf_rows = std::max<int64_t>(0, std::min<int64_t>(NF, N - ahead));
+        const char* pf = S.stored_row(wq, ahead, K);
+        const int64_t pf_bytes = pf_rows * S.stored_row_bytes(K);
+        S.prefetch(ahead, pf_rows);
+        if (nf == NF) {
+          qmm_fused_tile<BITS, MR, NF>(xm, K, rw, rs, rb, gs, ym + n, N, pf, pf_bytes);
+        } else {  // the range's last few features: one at a time
+          for (int f = 0; f < nf; ++f)
+            qmm_fused_tile<BITS, MR, 1>(xm, K, rw + f, rs + f, rb + f, gs, ym + n + f, N, pf, f ? 0 : pf_bytes);
+        }
+      }
+    });
+}
+
+#if defined(__AVX512F__)
+// ---------------------------------------------------------------- qmm: many rows (AVX-512)
+// Above QM_FEW rows (prefill chunks) the dequantized copy pays: a thread dequantizes a
+// chunk of output features (~256 KB of float32, L2) once, then runs every 4-row tile of
+// the activations against it, 6 features at a time: 24 accumulators, 4 activation vectors
+// and one weight vector per step (10 loads per 24 FMAs; qmm_tile's 4 x 4 made 8 per 16).
+// The same arithmetic per output as every qmm path (acc = fma(x, w, acc) over k in steps
+// of 16 from +0, then hsum), so the same bits.
+constexpr int QM_TILE_ROWS = 4, QM_TILE_FEAT = 6;
+
+// k per pass (K = 8192: 4096 measured ~10% faster than one pass; 512-2048 slower)
+constexpr int QM_KC = 4096;
+
+// acc[MR][NB] (kept in st between passes over k) += x[m, k0:k1] * w[f, k0:k1].
+template <int MR, int NB>
+inline void qmm_many_tile(const float* __restrict x, int64_t ld, const float* __restrict w, int k0, int k1,
+                          v16* st, bool first) {
+  v16 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int f = 0; f < NB; ++f) acc[m][f] = first ? v16{} : st[m * NB + f];
+  for (int k = k0; k < k1; k += VL) {
+    v16 xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = load(x + m * ld + k);
+    for (int f = 0; f < NB; ++f) {
+      v16 wv = load(w + f * ld + k);
+      asm("" : "+v"(wv));  // one load into a register: GCC otherwise folds it into every FMA
+      for (int m = 0; m < MR; ++m) acc[m][f] = fma(xv[m], wv, acc[m][f]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int f = 0; f < NB; ++f) st[m * NB + f] = acc[m][f];
+}
+
+// MR rows of x against the chunk's nc dequantized features (w, stride K) -> y[m * N + f]:
+// in passes of QM_KC over k, every block of 6 features per pass (their accumulators kept
+// in st between passes).
+template <int MR>
+inline void qmm_many_rows(const float* x, int64_t ld, int K, const float* w, int nc, float* y, int N, v16* st) {
+  for (int k0 = 0; k0 < K; k0 += QM_KC) {
+    const int k1 = std::min(K, k0 + QM_KC);
+    for (int f = 0; f < nc; f += QM_TILE_FEAT)
+      with_rows<QM_TILE_FEAT>(std::min(QM_TILE_FEAT, nc - f), [&](auto nb) {
+        qmm_many_tile<MR, decltype(nb)::value>(x, ld, w + f * ld, k0, k1,
+                                                 st + int64_t{f} * MR, k0 == 0);
+      });
+  }
+  for (int f = 0; f < nc; f += QM_TILE_FEAT) {
+    const int nb = std::min(QM_TILE_FEAT, nc - f);
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < nb; ++j) y[int64_t{m} * N + f + j] = hsum(st[int64_t{f} * MR + m * nb + j]);
+  }
+}
+
+void qmm_many(const float* x0, int M, int K, const uint32_t* wq, const Quant& S, int gs, int bits,
+              float* y, int N) {
+  const int groups = K / gs;
+  // Rows of the activations and of the dequantized weights 16 floats apart from a multiple
+  // of 4 KB: 10 streams at a stride of K floats (a power of two) fall in the same L1 sets.
+  const int64_t ld = K + VL;
+  std::vector<float> xp(static_cast<size_t>(M) * ld);
+  for (int m = 0; m < M; ++m) std::memcpy(xp.data() + m * ld, x0 + int64_t{m} * K, sizeof(float) * K);
+  const float* x = xp.data();
+  // features per chunk: whole blocks of 6, ~256 KB of dequantized rows
+  const int per = QM_TILE_FEAT * std::max(2, 65536 / (QM_TILE_FEAT * std::max(K, 1)));
+  pool().run((N + per - 1) / per, [&](int c) {
+    const int n0 = c * per, n1 = std::min(N, n0 + per), nc = n1 - n0;
+    thread_local std::vector<float> buf;
+    if (buf.size() < static_cast<size_t>(per) * ld) buf.resize(static_cast<size_t>(per) * ld);
+    float* tmp = scale_tmp(per, groups);
+    uint8_t* wt = S.unpacks() ? weight_tmp(int64_t{per} * K) : nullptr;
+    const float *ds, *db;
+    S.rows(n0, nc, tmp, ds, db);
+    const char* w = S.weights(wq, n0, nc, K, wt);
+    const int64_t row_bytes = int64_t{K} * (bits == 4 ? 4 : 8) / 8;
+    for (int j = 0; j < nc; ++j) {
+      const uint32_t* row = reinterpret_cast<const uint32_t*>(w + j * row_bytes);
+      if (bits == 4)
+        dequant_row<4>(row, ds + int64_t{j} * groups, db + int64_t{j} * groups, K, gs, buf.data() + j * ld);
+      else  // 8 bits, and 5/6 unpacked to bytes
+        dequant_row<8>(row, ds + int64_t{j} * groups, db + int64_t{j} * groups, K, gs, buf.data() + j * ld);
+    }
+    thread_local std::vector<v16> st;
+    if (st.size() < static_cast<size_t>(QM_TILE_ROWS) * per) st.resize(static_cast<size_t>(QM_TILE_ROWS) * per);
+    int m = 0;
+    for (; m + QM_TILE_ROWS <= M; m += QM_TILE_ROWS)
+      qmm_many_rows<QM_TILE_ROWS>(x + m * ld, ld, K, buf.data(), nc, y + int64_t{m} * N + n0, N, st.data());
+    with_rows<QM_TILE_ROWS - 1>(M - m, [&](auto mr) {
+      qmm_many_rows<decltype(mr)::value>(x + m * ld, ld, K, buf.data(), nc, y + int64_t{m} * N + n0, N, st.data());
+    });
+  });
+}
+#endif
+
 void qmm_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S,
              int gs, int bits, float* y, int N) {
   constexpr int NB = 4;
@@ -179,6 +423,23 @@ void qmm_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S,
     split_rows(x, M, K, xs.data());
     x = xs.data();
   }
+  if (M <= QM_FEW) {
+    // Chunks of whole tiles (12 features: a multiple of every qm_feats), ~24 KB of 4-bit
+    // weights or more each, about 4 runs of consecutive tiles per thread (stream_chunk:
+    // each tile prefetches the rows a few tiles on, which a chunk's first tiles miss).
+    const int per = 12 * stream_chunk((N + 11) / 12, std::max(1, 4096 / std::max(K, 1)));
+    pool().run((N + per - 1) / per, [&](int c) {
+      const int n0 = c * per, n1 = std::min(N, n0 + per);
+      if (bits == 4)
+        qmm_fused_range<4>(x, M, K, wq, S, gs, y, N, n0, n1);
+      else  // 8 bits, and 5/6 unpacked to bytes
+        qmm_fused_range<8>(x, M, K, wq, S, gs, y, N, n0, n1);
+    });
+    return;
+  }
+#if defined(__AVX512F__)
+  return qmm_many(x, M, K, wq, S, gs, bits, y, N);
+#endif
   // Parallel over output features: each y[m, n] is computed by exactly one thread.
   // Chunks of output features, ~32 KB of 4-bit weights or more each.
   const int per = std::max(4, 16384 / std::max(K, 1));
