@@ -102,7 +102,8 @@ class Quant:
     # 2^(bits-1))), found by `implied_bias` when the 8-bit mode interleaves the matrix: its
     # product then reads the float16 scales alone (kernels.qmm_a8 with biases [m]), 2 bytes
     # of parameters a group instead of 4 (a 1B Q4_0 decode step: 61 of 842 MB). `biases`
-    # stays, for the lookups and for `row_major`. None: the biases are read.
+    # stays, for the lookups and for `row_major`. None: the biases are read. The float32
+    # numerics' native products read the same form in rows (`with_implied_bias`).
     bias_multiplier: float | None = static_field(default=None)
 
 
@@ -247,9 +248,9 @@ def _native_ok(lin: Linear, numerics: Numerics) -> bool:
 
 def _product_biases(q: Quant) -> mx.array | None:
     """The biases input of a native product of q: the stored biases, or the one float32
-    multiplier of an interleaved matrix whose biases are its scales times it
-    (`Quant.bias_multiplier`; the kernels' SF_F16M form, the same floats)."""
-    if q.interleaved and q.bias_multiplier is not None and q.scales.dtype == mx.float16:
+    multiplier of a matrix whose biases are its scales times it (`Quant.bias_multiplier`;
+    the kernels' SF_F16M form, the same floats), in either layout."""
+    if q.bias_multiplier is not None and q.scales.dtype == mx.float16:
         return mx.array([q.bias_multiplier], dtype=mx.float32)
     return q.biases
 
@@ -319,8 +320,19 @@ def interleave_for_a8(lin: Linear) -> Linear:
     codes = one_code(q.scales) if kq else None
     scales = q.scales if codes is None else codes  # (a Q6_K matrix: one int8 code a group)
     out = tree_replace(lin, weight=_per_matrix(layout, lin.weight, stacked))
+    implied = q.bias_multiplier if q.bias_multiplier is not None else implied_bias(q)
     return out.with_quant(interleaved=True, scales=_per_matrix(kernels.interleave16_groups, scales, stacked),
-                          biases=_per_matrix(factors, q.biases, stacked), bias_multiplier=implied_bias(q))
+                          biases=_per_matrix(factors, q.biases, stacked), bias_multiplier=implied)
+
+
+def with_implied_bias(lin: Linear) -> Linear:
+    """`lin` with `Quant.bias_multiplier` recorded where its biases are a multiple of its
+    scales (`implied_bias`), for the float32 numerics' native products (rows layout): a
+    1B Q4_0 decode step then reads 2 bytes of parameters a group, not 4."""
+    if not lin.quantized or lin.quant.bias_multiplier is not None:
+        return lin
+    m = implied_bias(lin.quant)
+    return lin if m is None else lin.with_quant(bias_multiplier=m)
 
 
 def implied_bias(q: Quant) -> float | None:
@@ -347,7 +359,7 @@ def row_major(lin: Linear) -> Linear:
     back = kernels.interleave16_factors if kq else kernels.interleave16_groups
     scales = two_codes(q.scales) if q.scales.dtype == mx.int8 else q.scales  # (rows keep int16 codes)
     out = tree_replace(lin, weight=_per_matrix(_back_in_rows(q.bits), lin.weight, stacked))
-    return out.with_quant(interleaved=False, bias_multiplier=None,
+    return out.with_quant(interleaved=False,  # (bias_multiplier kept: the same values)
                           scales=_per_matrix(partial(kernels.interleave16_groups, inverse=True), scales, stacked),
                           biases=_per_matrix(partial(back, inverse=True), q.biases, stacked))
 

@@ -25,7 +25,8 @@ from fx_engine.loading.weights import KeepQuantized, WeightsError, load_gguf, lo
 from fx_engine.core.cache import KVCache, LayerSpec, init_cache
 from fx_engine.core.models import AnyParams, cache_layout
 from fx_engine.core.adapters import map_linears
-from fx_engine.core.nn import MatmulPlan, Numerics, interleave_for_a8, linears, row_major, two_codes
+from fx_engine.core.nn import (MatmulPlan, Numerics, interleave_for_a8, linears, row_major, two_codes,
+                               with_implied_bias)
 from fx_engine.core.config import ConfigError
 from fx_engine.core.tree import tree_leaves
 
@@ -366,6 +367,8 @@ def load(
         fingerprint += "-int8"  # (a disk prefix cache holds KV computed in these numerics)
         if _on_cpu():
             params = _interleave_a8(params)
+    elif numerics_.native and _on_cpu():  # (the float32 products read float16 scales alone
+        params = map_linears(params, lambda _, lin: with_implied_bias(lin))  # where they can)
     with working(f"loading {p.name}'s weights"):
         mx.eval(tree_leaves(params))
     quant_kinds = _weight_kinds(params)

@@ -198,7 +198,9 @@ def test_gguf_8_bit_mode_reads_compact_parameters(gguf_q4_0_and_reference, gguf_
     not 4); Q4_1's own minimums, and matrices fused from mixed types, are read as stored.
     A Q6_K matrix (its bias codes equal to its scale codes) keeps one int8 code a group
     (nn.one_code). The logits equal, bit for bit, those of the same interleaved params
-    with every stored bias and both codes; the exact numerics are not touched."""
+    with every stored bias and both codes. The float32 numerics record the same multipliers
+    on their rows-layout matrices (nn.with_implied_bias), with the same logits as the
+    stored biases give."""
     from fx_engine.core.adapters import map_linears
     from fx_engine.core.nn import linears, two_codes
 
@@ -214,9 +216,12 @@ def test_gguf_8_bit_mode_reads_compact_parameters(gguf_q4_0_and_reference, gguf_
         got = [lin.quant.bias_multiplier for lin in linears(a8.params) if lin.quantized and lin.interleaved]
         assert sorted(m for m in got if m is not None) == sorted(want), got
         assert sum(lin.quant.scales.dtype == mx.int8 for lin in linears(a8.params) if lin.quantized) == int8_codes
-        assert not any(lin.quant.bias_multiplier for lin in linears(fx_engine.load(path).params) if lin.quantized)
-        stored = __import__("attrs").evolve(a8, params=map_linears(a8.params, lambda _, lin: stored_form(lin)))
+        exact = fx_engine.load(path)  # the float32 numerics: the same multipliers, rows layout
+        got = [lin.quant.bias_multiplier for lin in linears(exact.params) if lin.quantized and not lin.interleaved]
+        assert sorted(m for m in got if m is not None) == sorted(want), got
         ids = a8.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:40]
-        for chunk in (1, 16):
-            assert np.array_equal(np.asarray(fx_engine.logits(a8, ids, chunk=chunk)),
-                                  np.asarray(fx_engine.logits(stored, ids, chunk=chunk)))
+        for model in (a8, exact):
+            stored = __import__("attrs").evolve(model, params=map_linears(model.params, lambda _, lin: stored_form(lin)))
+            for chunk in (1, 16):
+                assert np.array_equal(np.asarray(fx_engine.logits(model, ids, chunk=chunk)),
+                                      np.asarray(fx_engine.logits(stored, ids, chunk=chunk)))

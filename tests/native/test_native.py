@@ -1200,9 +1200,10 @@ def test_biases_implied_by_the_scales_give_the_stored_biases_bits(bits: int, gs:
     SF_F16M: each bias formed as m * s; the 8-bit mode's interleaved matrices, so a decode
     step streams half the parameter bytes). Every kernel, layout and row count gives the
     bits of the stored biases; nn.implied_bias finds m from the values alone (not from a
-    type name), interleave_for_a8 records it and row_major drops it; malformed forms are
-    clear errors."""
-    from fx_engine.core.nn import Linear, Quant, _product_biases, implied_bias, interleave_for_a8, row_major
+    type name), interleave_for_a8 and with_implied_bias record it and row_major keeps it;
+    malformed forms are clear errors."""
+    from fx_engine.core.nn import (Linear, Quant, _product_biases, implied_bias, interleave_for_a8, row_major,
+                                   with_implied_bias)
 
     n, k, m = 48, 512, -float(2 ** (bits - 1))
     q = RNG.integers(0, 1 << bits, (n, k)).astype(np.uint32)
@@ -1216,11 +1217,12 @@ def test_biases_implied_by_the_scales_give_the_stored_biases_bits(bits: int, gs:
     _same_products(wq, (s, mult), (s, b), gs, bits)
     lin = Linear(weight=wq, quant=Quant(scales=s, biases=b, group_size=gs, bits=bits))
     assert implied_bias(lin.quant) == m
+    assert with_implied_bias(lin).quant.bias_multiplier == m and _product_biases(with_implied_bias(lin).quant).tolist() == [m]
     il = interleave_for_a8(lin)
     if il is not lin:  # (a build without the planes path keeps 5-bit weights in rows)
         assert il.quant.bias_multiplier == m and _product_biases(il.quant).tolist() == [m]
         back = row_major(il).quant
-        assert back.bias_multiplier is None and mx.array_equal(_product_biases(back), b).item()
+        assert back.bias_multiplier == m and _product_biases(back).tolist() == [m]  # (the same values)
         ilq = il.quant
         for x_rows in (1, 2, 5, 8, 9, 16, 17, 40):
             x = mx.array(RNG.standard_normal((x_rows, k)).astype(np.float32))

@@ -189,7 +189,15 @@ constexpr int QM_AHEAD = 2;  // tiles ahead whose rows are prefetched (1, 3, 4, 
 // would wait on the FMA latency) within the 32 vector registers (AVX-512; the AVX2 build's
 // v16 halves spill a little more, measured acceptable).
 template <int MR>
-constexpr int qm_feats() { return MR == 1 ? 6 : MR == 2 ? 4 : MR <= 4 ? 3 : 2; }
+constexpr int qm_feats() {
+#if defined(__AVX512F__)
+  return MR == 1 ? 6 : MR == 2 ? 4 : MR <= 4 ? 3 : 2;
+#elif defined(FX_AVX2)  // (16 registers: 2 per accumulator)
+  return MR == 1 ? 3 : MR == 2 ? 2 : 1;
+#else
+  return MR == 1 ? 2 : 1;
+#endif
+}
 
 // One group's dequantization state: its lookup table (AVX-512, 4 bits) or its scale and
 // bias in every lane.
@@ -229,6 +237,56 @@ inline v16 deq8x16(const uint8_t* p, const GroupDeq& d) {
   return d.s * to_float(*reinterpret_cast<const u8x16*>(p)) + d.c;
 }
 
+#if defined(FX_AVX2)
+// The AVX2 build's tile: qmm_fused_tile below with each v16 as its two 8-float halves spelled
+// out (lanes 0-7, 8-15: the same lanes, the same FMAs, the same hsum), which GCC's generic
+// 64-byte vectors turned into ~4x slower code here.
+template <int BITS, int MR, int NF>
+inline void qmm_fused_tile_avx2(const float* x, int K, const uint8_t* const* rw, const float* const* rs,
+                                const float* const* rb, int gs, float* y, int N, const char* pf,
+                                int64_t pf_bytes) {
+  __m256 acc[MR][NF][2];
+  for (int m = 0; m < MR; ++m)
+    for (int f = 0; f < NF; ++f) acc[m][f][0] = acc[m][f][1] = _mm256_setzero_ps();
+  const int64_t pf_step = ((pf_bytes + 63) / 64 + K / gs - 1) / (K / gs) * 64;
+  const __m128i low = _mm_set1_epi8(15);
+  for (int g = 0; g < K / gs; ++g) {
+    for (int64_t o = g * pf_step, e = std::min(pf_bytes, o + pf_step); o < e; o += 64)
+      _mm_prefetch(pf + o, _MM_HINT_T1);
+    __m256 sv[NF], cv[NF];
+    for (int f = 0; f < NF; ++f) {
+      sv[f] = _mm256_broadcast_ss(rs[f] + g);
+      cv[f] = _mm256_broadcast_ss(rb[f] + g);
+    }
+    // 16 bytes -> vectors of 8 values (4 bits: the low nibbles of bytes 0-7, of 8-15, then
+    // the high ones; 8 bits: bytes 0-7, 8-15), each scale * q + bias
+    auto deq = [&](__m128i b, int f, __m256* w) {
+      for (int i = 0; i < 2; ++i) {
+        const __m128i part = i ? _mm_srli_si128(b, 8) : b;
+        w[i] = _mm256_add_ps(_mm256_mul_ps(sv[f], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part))), cv[f]);
+      }
+    };
+    for (int j = g * gs; j < (g + 1) * gs; j += BITS == 4 ? 32 : 16) {
+      for (int f = 0; f < NF; ++f) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rw[f] + (BITS == 4 ? j / 2 : j)));
+        __m256 w[4];
+        if constexpr (BITS == 4) {
+          deq(_mm_and_si128(b, low), f, w);
+          deq(_mm_and_si128(_mm_srli_epi16(b, 4), low), f, w + 2);
+        } else {
+          deq(b, f, w);
+        }
+        for (int m = 0; m < MR; ++m)
+          for (int i = 0; i < (BITS == 4 ? 4 : 2); ++i)
+            acc[m][f][i % 2] = _mm256_fmadd_ps(_mm256_loadu_ps(x + int64_t{m} * K + j + 8 * i), w[i], acc[m][f][i % 2]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int f = 0; f < NF; ++f) y[int64_t{m} * N + f] = hsum(join(acc[m][f][0], acc[m][f][1]));
+}
+#endif
+
 // MR rows of x (row stride K, split order for 4 bits) against NF weight rows (rw[f], their
 // float32 scales and biases rs[f], rb[f]): y[m * N + f] for f < NF.
 // pf: bytes [pf, pf + pf_bytes) prefetched into L2 a slice per group (the rows a few tiles
@@ -237,6 +295,9 @@ template <int BITS, int MR, int NF>
 inline void qmm_fused_tile(const float* x, int K, const uint8_t* const* rw, const float* const* rs,
                            const float* const* rb, int gs, float* y, int N, const char* pf,
                            int64_t pf_bytes) {
+#if defined(FX_AVX2)
+  return qmm_fused_tile_avx2<BITS, MR, NF>(x, K, rw, rs, rb, gs, y, N, pf, pf_bytes);
+#endif
   v16 acc[MR][NF];
   for (int m = 0; m < MR; ++m)
     for (int f = 0; f < NF; ++f) acc[m][f] = v16{};
