@@ -63,9 +63,10 @@ class Numerics:
     # fx_engine.core.kernels for 4-/8-bit linears (CPU), batch-invariant by construction.
     # `matmul` says which: one kernel at every row count in batch-invariant mode (and in
     # the default mode below `matmul.gemm_from`), so a token's matmuls never depend on its
-    # batch or chunk there. Measured at load per machine (fx_engine.runtime.native.plan); on the
-    # default model qgemm won everywhere on AVX-512 and AVX2 builds alike (the BLAS GEMM
-    # on dequantized weights came within 10% at 512 rows on AVX2 only).
+    # batch or chunk there. Measured at load per machine (fx_engine.runtime.native.plan): on
+    # the default model qgemm wins (AVX-512 and AVX2 builds alike; the BLAS GEMM on
+    # dequantized weights came within 10% at 512 rows on AVX2 only), at the 1B shape qmm
+    # (its fused one-row path ~1.8x qgemm's, its many-row tiles level with them; AVX-512).
     native: bool = False
     matmul: MatmulPlan = MatmulPlan()
     # 8: the native kernels round each activation row to 8 bits per weight group before a

@@ -556,10 +556,10 @@ void qmm_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S,
 // the other way round: vectors run along the activation rows and every dequantized
 // weight value is broadcast. A register tile holds 12 output features x 32 rows (24
 // accumulators), so each weight value is read once per 32 rows and each activation
-// vector once per 12 features: the loop is bound by the FMA units, not by loads (qmm's
-// 4x4 inner-product tile streams the activations from L2 once per 4 features). Measured
+// vector once per 12 features: the loop is bound by the FMA units, not by loads. Measured
 // on a 2-core Zen 4 (FMA peak 229 GFLOP/s): 197 GFLOP/s at 512 rows, 147 at 32, vs ~80
-// for qmm and ~110-130 for MKL's SGEMM on the dequantized weight. Below ~16 rows most
+// for qmm's old 4x4 tile (its AVX-512 many-row path now: ~160-200 at K = 2048-8192, ~175
+// at K = 576) and ~110-130 for MKL's SGEMM on the dequantized weight. Below ~16 rows most
 // vector lanes would be padding: qmm is the kernel there. The tile needs 24 + 3 vector
 // registers: AVX-512 only (`tiled_gemm` tells Python; elsewhere a v16 is 2-4 registers
 // and the tile would spill, so fx_engine.nn keeps the BLAS path there).
