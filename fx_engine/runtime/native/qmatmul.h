@@ -186,8 +186,8 @@ constexpr int QM_PASS = 8;  // rows per pass over a few weight rows (their accum
 constexpr int QM_AHEAD = 2;  // tiles ahead whose rows are prefetched (1, 3, 4, 8: slower)
 
 // Output features run at once for MR rows: independent accumulator chains (one row alone
-// would wait on the FMA latency) within the 32 vector registers (AVX-512; the AVX2 build's
-// v16 halves spill a little more, measured acceptable).
+// would wait on the FMA latency) within the vector registers (32 on AVX-512; AVX2's 16
+// hold half a v16 each).
 template <int MR>
 constexpr int qm_feats() {
 #if defined(__AVX512F__)
@@ -475,7 +475,8 @@ void qmm_many(const float* x0, int M, int K, const uint32_t* wq, const Quant& S,
               float* y, int N) {
   const int groups = K / gs;
   // Rows of the activations and of the dequantized weights 16 floats apart from a multiple
-  // of 4 KB: 10 streams at a stride of K floats (a power of two) fall in the same L1 sets.
+  // of 4 KB, so a tile's 10 streams (at a stride of K floats, often a power of two) do not
+  // all fall in the same L1 sets (a precaution: no difference was measured at K = 2048).
   const int64_t ld = K + VL;
   std::vector<float> xp(static_cast<size_t>(M) * ld);
   for (int m = 0; m < M; ++m) std::memcpy(xp.data() + m * ld, x0 + int64_t{m} * K, sizeof(float) * K);
