@@ -2,7 +2,8 @@
 
 The native build offers several ways to run a float32-activation product with 4-/8-bit
 weights: `qgemm` (register tiles, plus a few-row path on AVX-512 and AVX2 builds), `qmm`
-(a dequantized copy and inner products) and a BLAS GEMM (MLX's dense matmul) on the
+(inner products along k: weights dequantized in registers for a decode step's few rows,
+a dequantized chunk under register tiles above) and a BLAS GEMM (MLX's dense matmul) on the
 natively dequantized weight. Which is fastest depends on the CPU, the build's vector
 width, the BLAS and the row count: on AVX-512 qgemm's tiles beat the GEMM at every row
 count; on AVX2 the tile spills and the GEMM wins from a few dozen rows. So when a model
