@@ -797,11 +797,23 @@ for fmt in ("h", "kq"):
 for bits in (5, 6):  # unpacked to bytes (AVX2 shuffles / a loop), against the 8-bit bits
     wp, w8 = mx.array(d[f"p{bits}"]), mx.array(d[f"p{bits}_8"])
     s32, b32 = mx.array(d["kq_fs"]), mx.array(d["kq_fb"])
+    ks, kb = mx.array(d["kq_s"]), mx.array(d["kq_b"])
     for m in (1, 3, 9, 40):
         xm = mx.array(d["x512"])[:m]
         for op in (mod.qmm, mod.qgemm, mod.qmm_a8):
             same.append(np.array_equal(np.asarray(op(xm, wp, s32, b32, 32, bits)), np.asarray(op(xm, w8, s32, b32, 32, 8))))
+            # two-level scales on 5-/6-bit values (the float kernels dequantize with one FMA:
+            # Quant::fma_exact) against their float32 values on the 8-bit bytes (a multiply
+            # and an add)
+            same.append(np.array_equal(np.asarray(op(xm, wp, ks, kb, 32, bits)), np.asarray(op(xm, w8, s32, b32, 32, 8))))
     same.append(np.array_equal(np.asarray(mod.dequantize(wp, s32, b32, 32, bits)), np.asarray(mod.dequantize(w8, s32, b32, 32, 8))))
+w8 = mx.array(d["p6_8"])  # 8-bit weights with float16 scales (one FMA) against float32 ones
+hs, hb, hfs, hfb = (mx.array(d[k]) for k in ("h_s", "h_b", "h_fs", "h_fb"))
+for m in (1, 3, 9, 40):
+    xm = mx.array(d["x512"])[:m]
+    for op in (mod.qmm, mod.qgemm, mod.qmm_a8):
+        same.append(np.array_equal(np.asarray(op(xm, w8, hs, hb, 32, 8)), np.asarray(op(xm, w8, hfs, hfb, 32, 8))))
+same.append(np.array_equal(np.asarray(mod.dequantize(w8, hs, hb, 32, 8)), np.asarray(mod.dequantize(w8, hfs, hfb, 32, 8))))
 outs["compact_same"] = np.array(same)
 outs["isa"] = np.array(mod.isa)
 outs["few_gemm"] = np.array(mod.few_gemm)
@@ -938,7 +950,7 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     assert bool(got["int8_dot"]) == avx2  # vpmaddubsw on AVX2, a scalar loop on baseline
     assert str(got["int8_dot_isa"]).startswith("AVX-VNNI" if extra else "AVX2" if avx2 else "a scalar")
     assert str(got["isa"]) == ("avx2" if avx2 else "generic") and bool(got["few_gemm"]) == avx2
-    assert got["compact_same"].all() and got["compact_same"].size == 26 + 26
+    assert got["compact_same"].all() and got["compact_same"].size == 26 + 26 + 24 + 13
     for bits in (4, 8):
         many = got[f"qgemm40_{bits}"]
         for m in range(1, 17):

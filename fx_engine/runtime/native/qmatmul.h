@@ -199,6 +199,26 @@ constexpr int qm_feats() {
 #endif
 }
 
+// w = s * q + c as dequant_row rounds it (a multiply, then an add), or with FE
+// (Quant::fma_exact: s * q exact in float32) one FMA: the same float, one instruction a
+// vector fewer. Per width: v16 (which is AVX-512's __m512 to GCC) and AVX2's __m256.
+template <bool FE>
+inline v16 deq_affine(v16 s, v16 q, v16 c) {
+  if constexpr (FE)
+    return fma(s, q, c);
+  else
+    return s * q + c;
+}
+#if defined(__AVX2__) && defined(__FMA__)
+template <bool FE>
+inline __m256 deq_affine(__m256 s, __m256 q, __m256 c) {
+  if constexpr (FE)
+    return _mm256_fmadd_ps(s, q, c);
+  else
+    return _mm256_add_ps(_mm256_mul_ps(s, q), c);
+}
+#endif
+
 // One group's dequantization state: its lookup table (AVX-512, 4 bits) or its scale and
 // bias in every lane.
 struct GroupDeq {
@@ -218,6 +238,7 @@ inline GroupDeq group_deq(int bits, float s, float c) {
 
 // 32 4-bit weights (16 bytes, split order) -> their dequantized values: lo (low nibbles,
 // the first 16 in split order), hi.
+template <bool FE>
 inline void deq4x32(const uint8_t* p, const GroupDeq& d, v16& lo, v16& hi) {
 #if defined(__AVX512F__)
   const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -227,26 +248,29 @@ inline void deq4x32(const uint8_t* p, const GroupDeq& d, v16& lo, v16& hi) {
   std::memcpy(&hi, &b, 64);
 #else
   const u8x16 v = *reinterpret_cast<const u8x16*>(p);
-  lo = d.s * to_float(v & 15) + d.c;
-  hi = d.s * to_float(v >> 4) + d.c;
+  lo = deq_affine<FE>(d.s, to_float(v & 15), d.c);
+  hi = deq_affine<FE>(d.s, to_float(v >> 4), d.c);
 #endif
 }
 
 // 16 8-bit weights -> their dequantized values.
+template <bool FE>
 inline v16 deq8x16(const uint8_t* p, const GroupDeq& d) {
-  return d.s * to_float(*reinterpret_cast<const u8x16*>(p)) + d.c;
+  return deq_affine<FE>(d.s, to_float(*reinterpret_cast<const u8x16*>(p)), d.c);
 }
 
 #if defined(FX_AVX2)
 // The AVX2 build's tile: qmm_fused_tile below with each v16 as its two 8-float halves spelled
 // out (lanes 0-7, 8-15: the same lanes, the same FMAs, the same hsum), which GCC's generic
 // 64-byte vectors turned into ~4x slower code here.
-template <int BITS, int MR, int NF>
+template <int BITS, int MR, int NF, bool FE>
 inline void qmm_fused_tile_avx2(const float* x, int K, const uint8_t* const* rw, const float* const* rs,
                                 const float* const* rb, int gs, float* y, int N, const char* pf,
                                 int64_t pf_bytes) {
   __m256 acc[MR][NF][2];
+  #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
+    #pragma GCC unroll 16
     for (int f = 0; f < NF; ++f) acc[m][f][0] = acc[m][f][1] = _mm256_setzero_ps();
   const int64_t pf_step = ((pf_bytes + 63) / 64 + K / gs - 1) / (K / gs) * 64;
   const __m128i low = _mm_set1_epi8(15);
@@ -254,6 +278,7 @@ inline void qmm_fused_tile_avx2(const float* x, int K, const uint8_t* const* rw,
     for (int64_t o = g * pf_step, e = std::min(pf_bytes, o + pf_step); o < e; o += 64)
       _mm_prefetch(pf + o, _MM_HINT_T1);
     __m256 sv[NF], cv[NF];
+    #pragma GCC unroll 16
     for (int f = 0; f < NF; ++f) {
       sv[f] = _mm256_broadcast_ss(rs[f] + g);
       cv[f] = _mm256_broadcast_ss(rb[f] + g);
@@ -263,10 +288,11 @@ inline void qmm_fused_tile_avx2(const float* x, int K, const uint8_t* const* rw,
     auto deq = [&](__m128i b, int f, __m256* w) {
       for (int i = 0; i < 2; ++i) {
         const __m128i part = i ? _mm_srli_si128(b, 8) : b;
-        w[i] = _mm256_add_ps(_mm256_mul_ps(sv[f], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part))), cv[f]);
+        w[i] = deq_affine<FE>(sv[f], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part)), cv[f]);
       }
     };
     for (int j = g * gs; j < (g + 1) * gs; j += BITS == 4 ? 32 : 16) {
+      #pragma GCC unroll 16
       for (int f = 0; f < NF; ++f) {
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rw[f] + (BITS == 4 ? j / 2 : j)));
         __m256 w[4];
@@ -276,13 +302,16 @@ inline void qmm_fused_tile_avx2(const float* x, int K, const uint8_t* const* rw,
         } else {
           deq(b, f, w);
         }
+        #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m)
           for (int i = 0; i < (BITS == 4 ? 4 : 2); ++i)
             acc[m][f][i % 2] = _mm256_fmadd_ps(_mm256_loadu_ps(x + int64_t{m} * K + j + 8 * i), w[i], acc[m][f][i % 2]);
       }
     }
   }
+  #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
+    #pragma GCC unroll 16
     for (int f = 0; f < NF; ++f) y[int64_t{m} * N + f] = hsum(join(acc[m][f][0], acc[m][f][1]));
 }
 #endif
@@ -291,15 +320,17 @@ inline void qmm_fused_tile_avx2(const float* x, int K, const uint8_t* const* rw,
 // float32 scales and biases rs[f], rb[f]): y[m * N + f] for f < NF.
 // pf: bytes [pf, pf + pf_bytes) prefetched into L2 a slice per group (the rows a few tiles
 // ahead: one row's stream alone is read at about half the DRAM's rate, measured).
-template <int BITS, int MR, int NF>
+template <int BITS, int MR, int NF, bool FE>
 inline void qmm_fused_tile(const float* x, int K, const uint8_t* const* rw, const float* const* rs,
                            const float* const* rb, int gs, float* y, int N, const char* pf,
                            int64_t pf_bytes) {
 #if defined(FX_AVX2)
-  return qmm_fused_tile_avx2<BITS, MR, NF>(x, K, rw, rs, rb, gs, y, N, pf, pf_bytes);
+  return qmm_fused_tile_avx2<BITS, MR, NF, FE>(x, K, rw, rs, rb, gs, y, N, pf, pf_bytes);
 #endif
   v16 acc[MR][NF];
+  #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
+    #pragma GCC unroll 16
     for (int f = 0; f < NF; ++f) acc[m][f] = v16{};
   const int64_t pf_step = ((pf_bytes + 63) / 64 + K / gs - 1) / (K / gs) * 64;
   for (int g = 0; g < K / gs; ++g) {
@@ -308,32 +339,41 @@ inline void qmm_fused_tile(const float* x, int K, const uint8_t* const* rw, cons
       _mm_prefetch(pf + o, _MM_HINT_T1);
 #endif
     GroupDeq d[NF];
+    #pragma GCC unroll 16
     for (int f = 0; f < NF; ++f) d[f] = group_deq(BITS, rs[f][g], rb[f][g]);
     for (int j = g * gs; j < (g + 1) * gs; j += BITS == 4 ? 32 : 16) {
       if constexpr (BITS == 4) {
         v16 lo[NF], hi[NF];
-        for (int f = 0; f < NF; ++f) deq4x32(rw[f] + j / 2, d[f], lo[f], hi[f]);
+        #pragma GCC unroll 16
+        for (int f = 0; f < NF; ++f) deq4x32<FE>(rw[f] + j / 2, d[f], lo[f], hi[f]);
+        #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m) {
           v16 xl = load(x + int64_t{m} * K + j), xh = load(x + int64_t{m} * K + j + VL);
 #if defined(__AVX512F__)
           if constexpr (NF > 1) asm("" : "+v"(xl), "+v"(xh));  // loaded once (qmm_many_tile)
 #endif
+          #pragma GCC unroll 16
           for (int f = 0; f < NF; ++f) acc[m][f] = fma(xh, hi[f], fma(xl, lo[f], acc[m][f]));
         }
       } else {
         v16 w[NF];
-        for (int f = 0; f < NF; ++f) w[f] = deq8x16(rw[f] + j, d[f]);
+        #pragma GCC unroll 16
+        for (int f = 0; f < NF; ++f) w[f] = deq8x16<FE>(rw[f] + j, d[f]);
+        #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m) {
           v16 xv = load(x + int64_t{m} * K + j);
 #if defined(__AVX512F__)
           if constexpr (NF > 1) asm("" : "+v"(xv));
 #endif
+          #pragma GCC unroll 16
           for (int f = 0; f < NF; ++f) acc[m][f] = fma(xv, w[f], acc[m][f]);
         }
       }
     }
   }
+  #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
+    #pragma GCC unroll 16
     for (int f = 0; f < NF; ++f) y[int64_t{m} * N + f] = hsum(acc[m][f]);
 }
 
@@ -346,38 +386,46 @@ void qmm_fused_range(const float* x, int M, int K, const uint32_t* wq, const Qua
   float* tmp = scale_tmp(NFMAX, groups);
   uint8_t* wt = S.unpacks() ? weight_tmp(int64_t{NFMAX} * K) : nullptr;
   const int64_t row_bytes = int64_t{K} * BITS / 8;
+#if defined(__AVX512F__)
+  constexpr bool fe_used = BITS == 8;  // (4 bits: lookups in a table made once a group)
+#else
+  constexpr bool fe_used = true;
+#endif
   for (int m0 = 0; m0 < M; m0 += QM_PASS)
     with_rows<QM_PASS>(std::min(QM_PASS, M - m0), [&](auto mr) {
-      constexpr int MR = decltype(mr)::value, NF = qm_feats<MR>();
-      const float* xm = x + int64_t{m0} * K;
-      float* ym = y + int64_t{m0} * N;
-      for (int n = n0; n < n1; n += NF) {
-        const int nf = std::min(NF, n1 - n);
-        const float *ds, *db;
-        S.rows(n, nf, tmp, ds, db);
-        const char* w = S.weights(wq, n, nf, K, wt);  // (5-/6-bit rows unpacked into wt)
-        const uint8_t* rw[NF];
-        const float* rs[NF];
-        const float* rb[NF];
-        for (int f = 0; f < NF; ++f) {
-          const int r = std::min(f, nf - 1);
-          rw[f] = reinterpret_cast<const uint8_t*>(w) + r * row_bytes;
-          rs[f] = ds + int64_t{r} * groups;
-          rb[f] = db + int64_t{r} * groups;
+      with_flag<fe_used>(S.fma_exact(), [&](auto fe) {
+        constexpr int MR = decltype(mr)::value, NF = qm_feats<MR>();
+        constexpr bool FE = decltype(fe)::value;
+        const float* xm = x + int64_t{m0} * K;
+        float* ym = y + int64_t{m0} * N;
+        for (int n = n0; n < n1; n += NF) {
+          const int nf = std::min(NF, n1 - n);
+          const float *ds, *db;
+          S.rows(n, nf, tmp, ds, db);
+          const char* w = S.weights(wq, n, nf, K, wt);  // (5-/6-bit rows unpacked into wt)
+          const uint8_t* rw[NF];
+          const float* rs[NF];
+          const float* rb[NF];
+          for (int f = 0; f < NF; ++f) {
+            const int r = std::min(f, nf - 1);
+            rw[f] = reinterpret_cast<const uint8_t*>(w) + r * row_bytes;
+            rs[f] = ds + int64_t{r} * groups;
+            rb[f] = db + int64_t{r} * groups;
+          }
+          // the stored rows QM_AHEAD tiles on (across the range's end: the next range is
+          // usually this thread's too), and their scales
+          const int64_t ahead = n + int64_t{QM_AHEAD} * NF, pf_rows = std::max<int64_t>(0, std::min<int64_t>(NF, N - ahead));
+          const char* pf = S.stored_row(wq, ahead, K);
+          const int64_t pf_bytes = pf_rows * S.stored_row_bytes(K);
+          S.prefetch(ahead, pf_rows);
+          if (nf == NF) {
+            qmm_fused_tile<BITS, MR, NF, FE>(xm, K, rw, rs, rb, gs, ym + n, N, pf, pf_bytes);
+          } else {  // the range's last few features: one at a time
+            for (int f = 0; f < nf; ++f)
+              qmm_fused_tile<BITS, MR, 1, FE>(xm, K, rw + f, rs + f, rb + f, gs, ym + n + f, N, pf, f ? 0 : pf_bytes);
+          }
         }
-        // the stored rows QM_AHEAD tiles on (across the range's end: the next range is
-        // usually this thread's too), and their scales
-        const int64_t ahead = n + int64_t{QM_AHEAD} * NF, pf_rows = std::max<int64_t>(0, std::min<int64_t>(NF, N - ahead));
-        const char* pf = S.stored_row(wq, ahead, K);
-        const int64_t pf_bytes = pf_rows * S.stored_row_bytes(K);
-        S.prefetch(ahead, pf_rows);
-        if (nf == NF) {
-          qmm_fused_tile<BITS, MR, NF>(xm, K, rw, rs, rb, gs, ym + n, N, pf, pf_bytes);
-        } else {  // the range's last few features: one at a time
-          for (int f = 0; f < nf; ++f)
-            qmm_fused_tile<BITS, MR, 1>(xm, K, rw + f, rs + f, rb + f, gs, ym + n + f, N, pf, f ? 0 : pf_bytes);
-        }
-      }
+      });
     });
 }
 
@@ -778,7 +826,7 @@ inline void prefetch_slice(const FewBlock& fb, int k0) {
 // each output's sum is one chain of dependent FMAs (the fixed order), so one or two rows
 // alone wait on the FMA latency (measured: 1 row took ~as long as 4); NB blocks give NB x MR
 // independent chains with the same per-output arithmetic.
-template <int BITS, int MR, int NB>
+template <int BITS, int MR, int NB, bool FE>
 inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N, int n0, float* sbuf) {
   const int groups = K / gs;
   FewBlock fb[NB];
@@ -821,7 +869,7 @@ inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const Qua
             const int sh = BITS == 4 ? 8 * b + 4 * half : 8 * b;
             for (int t = 0; t < NB; ++t) {
               const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(wv[t][i], sh), low));
-              const __m512 w = _mm512_add_ps(_mm512_mul_ps(s[t], q), c[t]);
+              const __m512 w = deq_affine<FE>(s[t], q, c[t]);
               for (int m = 0; m < MR; ++m)
                 acc[t][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[static_cast<int64_t>(m) * K + k]), w, acc[t][m]);
             }
@@ -835,14 +883,14 @@ inline void qgemm_few_block(const float* x, int K, const uint32_t* wq, const Qua
   }
 }
 
-template <int BITS, int MR>
+template <int BITS, int MR, bool FE>
 inline void qgemm_few_rows(const float* x, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N, int b0, int b1, float* sbuf) {
   // independent FMA chains for few rows (8-bit weights: the head, bound by memory; more
   // blocks there only add register pressure)
   constexpr int NB = BITS == 8 ? (MR == 1 ? 2 : 1) : MR == 1 ? 4 : MR == 2 ? 2 : 1;
   int bl = b0;
-  for (; bl + NB <= b1; bl += NB) qgemm_few_block<BITS, MR, NB>(x, K, wq, S, gs, y, N, 16 * bl, sbuf);
-  for (; bl < b1; ++bl) qgemm_few_block<BITS, MR, 1>(x, K, wq, S, gs, y, N, 16 * bl, sbuf);
+  for (; bl + NB <= b1; bl += NB) qgemm_few_block<BITS, MR, NB, FE>(x, K, wq, S, gs, y, N, 16 * bl, sbuf);
+  for (; bl < b1; ++bl) qgemm_few_block<BITS, MR, 1, FE>(x, K, wq, S, gs, y, N, 16 * bl, sbuf);
 }
 
 template <int BITS>
@@ -860,7 +908,9 @@ void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S,
     float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sb.data()) + 63) & ~uintptr_t{63});
     const int b0 = c * per, b1 = std::min(blocks, (c + 1) * per);
     with_rows<QG_FEW>(M, [&](auto mr) {
-      qgemm_few_rows<BITS, decltype(mr)::value>(x, K, wq, S, gs, y, N, b0, b1, sbuf);
+      with_flag(S.fma_exact(), [&](auto fe) {
+        qgemm_few_rows<BITS, decltype(mr)::value, decltype(fe)::value>(x, K, wq, S, gs, y, N, b0, b1, sbuf);
+      });
     });
   });
 }
@@ -951,7 +1001,7 @@ struct Few8Chunk {
 // stride K). Several blocks at once for few rows: each output's sum is one chain of
 // dependent FMAs (the fixed order), so one row alone would wait on the FMA latency; NB
 // blocks give NB x MR independent chains with the same per-output arithmetic.
-template <int BITS, int MR, int NB>
+template <int BITS, int MR, int NB, bool FE>
 inline void qgemm_few8_blocks(const float* x, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N,
                               int bl, const Few8Chunk& ch) {
   const int groups = K / gs, n0 = 8 * bl, first = bl - ch.b0;
@@ -991,8 +1041,7 @@ inline void qgemm_few8_blocks(const float* x, int K, const uint32_t* wq, const Q
             for (int t = 0; t < NB; ++t) {
               const float* st = sb[t] + gi * 8;
               const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(wv[t][i], sh), low));
-              const __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_load_ps(st), q),
-                                             _mm256_load_ps(st + 8 * groups));
+              const __m256 w = deq_affine<FE>(_mm256_load_ps(st), q, _mm256_load_ps(st + 8 * groups));
               for (int m = 0; m < MR; ++m)
                 acc[t][m] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + static_cast<int64_t>(m) * K + k),
                                             w, acc[t][m]);
@@ -1010,18 +1059,18 @@ inline void qgemm_few8_blocks(const float* x, int K, const uint32_t* wq, const Q
 
 // setup(bl, n): blocks [bl, bl + n) made ready in the chunk just before they run (one pass
 // over the rows), or nothing (every block set up before the first of several passes).
-template <int BITS, int MR, class Setup>
+template <int BITS, int MR, bool FE, class Setup>
 inline void qgemm_few8_rows(const float* x, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N,
                             int b0, int b1, const Few8Chunk& ch, Setup&& setup) {
   constexpr int NB = MR <= 2 ? 2 : 1;  // independent FMA chains for one or two rows
   int bl = b0;
   for (; bl + NB <= b1; bl += NB) {
     setup(bl, NB);
-    qgemm_few8_blocks<BITS, MR, NB>(x, K, wq, S, gs, y, N, bl, ch);
+    qgemm_few8_blocks<BITS, MR, NB, FE>(x, K, wq, S, gs, y, N, bl, ch);
   }
   for (; bl < b1; ++bl) {
     setup(bl, 1);
-    qgemm_few8_blocks<BITS, MR, 1>(x, K, wq, S, gs, y, N, bl, ch);
+    qgemm_few8_blocks<BITS, MR, 1, FE>(x, K, wq, S, gs, y, N, bl, ch);
   }
 }
 
@@ -1058,8 +1107,11 @@ void qgemm_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S,
       const float* xm = x + static_cast<int64_t>(m0) * K;
       float* ym = y + static_cast<int64_t>(m0) * N;
       with_rows<QG_PASS>(std::min(QG_PASS, M - m0), [&](auto mr) {
-        qgemm_few8_rows<BITS, decltype(mr)::value>(xm, K, wq, S, gs, ym, N, b0, b1, ch, [&](int bl, int n) {
-          if (!once) setup(bl, n);
+        with_flag(S.fma_exact(), [&](auto fe) {
+          qgemm_few8_rows<BITS, decltype(mr)::value, decltype(fe)::value>(xm, K, wq, S, gs, ym, N, b0, b1, ch,
+                                                                          [&](int bl, int n) {
+            if (!once) setup(bl, n);
+          });
         });
       });
     }

@@ -291,6 +291,18 @@ struct Quant {
   inline const char* stored_row(const uint32_t* wq, int64_t r, int K) const {
     return reinterpret_cast<const char*>(wq) + r * stored_row_bytes(K);
   }
+  // Whether scale * q is exact in float32 for every weight the kernels read (q < 2^4, or
+  // a byte: 8-bit values, 5-/6-bit ones unpacked): a half scale has 11 significant bits and
+  // a bfloat16 one 8, so s q has at most 19; a two-level scale d * a at most 18 (d a half,
+  // |a| <= 128), so s q at most 24 with 4- to 6-bit values. Then fl(fl(s q) + b), the
+  // dequantized weight, equals fma(s, q, b) (the same exact sum, rounded once): the few-row
+  // kernels' FE variant dequantizes with one FMA instead of a multiply and an add, the same
+  // floats. Float32 scales (24 bits) and two-level ones with 8-bit values may round s q.
+  inline bool fma_exact() const {
+    if (fmt == SF_F32) return false;
+    return two_level_fmt(fmt) ? wbits <= 6 : true;
+  }
+
   // Rows [r0, r0 + n) in the kernel's layout (4 or 8 bits, K * kbits / 8 bytes each,
   // contiguous): the stored rows, or unpacked into tmp [n][K].
   inline const char* weights(const uint32_t* wq, int64_t r0, int n, int K, uint8_t* tmp) const {

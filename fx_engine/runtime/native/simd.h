@@ -110,6 +110,16 @@ inline void with_rows(int m, F&& f) {
   }(std::make_integer_sequence<int, MAX>{});
 }
 
+// f(std::bool_constant<b>{}) for a runtime b (a kernel's variant chosen once per call);
+// USED = false: f(false) alone (a variant that makes no difference is not compiled).
+template <bool USED = true, typename F>
+inline void with_flag(bool b, F&& f) {
+  if constexpr (USED) {
+    if (b) return f(std::true_type{});
+  }
+  f(std::false_type{});
+}
+
 // f(std::integral_constant<int, bits>{}) for the weight layouts the kernels run: 4 bits,
 // or bytes (8 bits, and 5/6 bits unpacked to bytes: Quant::weights).
 template <typename F>
