@@ -9,7 +9,12 @@ width, the BLAS and the row count: on AVX-512 qgemm's tiles beat the GEMM at eve
 count; on AVX2 the tile spills and the GEMM wins from a few dozen rows. So when a model
 loads, `choose` times the candidates on that model's most common weight shape at the row
 counts a step uses, and returns the `MatmulPlan` (static numerics: part of the compile key)
-with a report of what was measured and why it chose so. Results are cached per build, BLAS,
+with a report of what was measured and why it chose so. The kernels are timed as a step
+runs them: on weights streaming from memory (a rotating set of copies larger than the
+caches), with float16 scales and biases (GGUF files' and MLX checkpoints' storage, which
+the few-row paths dequantize with one FMA: Quant::fma_exact). The kernel is the one with
+the smaller time over a request's calls (`REQUEST`): a step's row count, not each product
+alike, is what a user waits on. Results are cached per build, BLAS,
 thread count and shape, next to the native build (`plans.json`), so it is measured once
 per machine; `fx-engine info` prints the report.
 
@@ -36,10 +41,17 @@ from fx_engine.runtime.native import FEW_GEMM_ROWS, dequantize, qgemm, qmm, stat
 from fx_engine.core.nn import MatmulPlan, linears
 
 KERNEL_ROWS = (1, 8, 64, 512)  # qgemm vs qmm: decode, a decode batch, prefill chunks
+# The calls of one request at those row counts: a 576-token prompt (a 512- and a 64-row
+# chunk) and 256 generated tokens, half decoded alone and half in steps of 8 rows. Decode
+# steps are most of a chat's time, so a kernel that is faster there (qmm's fused one-row
+# path) wins though its prefill tiles are slower; a geometric mean over the row counts
+# weighed a 512-row chunk like one decode step.
+REQUEST = {1: 128, 8: 16, 64: 1, 512: 1}
+COLD_BYTES = 96 << 20  # the rotating weights: more than an L3 (32 MB here) holds
 GEMM_ROWS = (32, 64, 128, 256, 512)  # the BLAS GEMM competes above the few-row path
 # (both kernels are timed at every row count of either tuple)
 MARGIN = 1.1  # a path must be this much faster to replace the default qgemm (noise)
-PLAN_VERSION = 2  # bumped when what is measured changes: older entries are measured again
+PLAN_VERSION = 3  # bumped when what is measured changes: older entries are measured again
 
 
 @attrs.frozen
@@ -80,40 +92,54 @@ def _time(fn: Any, reps: int = 3, budget: float = 0.05) -> float:
 
 def measure(n: int, k: int, bits: int, gs: int) -> dict[str, dict[int, float]]:
     """Seconds per product of each candidate at each row count, on random weights of the
-    given shape (the kernels' speed does not depend on the values)."""
+    given shape (the kernels' speed does not depend on the values), each call on the next
+    of a rotating set of copies (COLD_BYTES in all: a decode step reads its weights from
+    memory, and a one-row product that finds them in cache measures the cache)."""
     rng = np.random.default_rng(0)
-    # random packed integers, scales and biases (mx.quantize has no group 16)
-    wq = mx.array(rng.integers(0, 2**32, (n, k * bits // 32), dtype=np.uint32))
-    sc = mx.array(rng.uniform(0.001, 0.01, (n, k // gs)).astype(np.float32))
-    bi = mx.array(rng.uniform(-0.1, 0.1, (n, k // gs)).astype(np.float32))
-    mx.eval(wq, sc, bi)
-    args = (wq, sc, bi, gs, bits)
+    copies = max(1, min(64, -(-COLD_BYTES // (n * k * bits // 8))))
+    # random packed integers, float16 scales and biases (mx.quantize has no group 16)
+    mats = [(mx.array(rng.integers(0, 2**32, (n, k * bits // 32), dtype=np.uint32)),
+             mx.array(rng.uniform(0.001, 0.01, (n, k // gs)).astype(np.float16)),
+             mx.array(rng.uniform(-0.1, 0.1, (n, k // gs)).astype(np.float16))) for _ in range(copies)]
+    mx.eval(mats)
+    turn = [0]
+
+    def args() -> tuple:
+        turn[0] = (turn[0] + 1) % copies
+        return (*mats[turn[0]], gs, bits)
+
     xs = {m: mx.array(rng.standard_normal((m, k)).astype(np.float32))
           for m in sorted(set(KERNEL_ROWS) | set(GEMM_ROWS))}
     mx.eval(list(xs.values()))
     out: dict[str, dict[int, float]] = {"qgemm": {}, "qmm": {}, "gemm": {}}
     for m in xs:
-        out["qgemm"][m] = _time(lambda: qgemm(xs[m], *args))
-        out["qmm"][m] = _time(lambda: qmm(xs[m], *args))
+        out["qgemm"][m] = _time(lambda: qgemm(xs[m], *args()))
+        out["qmm"][m] = _time(lambda: qmm(xs[m], *args()))
         if m in GEMM_ROWS:
-            out["gemm"][m] = _time(lambda: xs[m] @ dequantize(*args).T)
+            out["gemm"][m] = _time(lambda: xs[m] @ dequantize(*args()).T)
     return out
+
+
+def request_seconds(by_rows: dict[int, float]) -> float:
+    """One request's time in a kernel's products of the measured shape (REQUEST's calls)."""
+    return sum(calls * by_rows[m] for m, calls in REQUEST.items())
 
 
 def decide(seconds: dict[str, dict[int, float]]) -> tuple[MatmulPlan, str]:
     """The plan from measured times (pure; the property tests drive it with made-up ones).
 
-    kernel: qmm only if it is MARGIN faster than qgemm in the geometric mean over the
-    kernel row counts (batch-invariant mode runs it at every row count). gemm_from: the
+    kernel: qmm only if a request's products (REQUEST) take MARGIN less time with it than
+    with qgemm (the kernel serves every row count: one summation order). gemm_from: the
     smallest measured row count from which the GEMM (dequantizing included) is MARGIN
     faster than that kernel at it and at every larger measured count."""
     q, f = seconds["qgemm"], seconds["qmm"]
-    ratio = float(np.exp(np.mean([np.log(f[m] / q[m]) for m in KERNEL_ROWS])))
+    ratio = request_seconds(f) / request_seconds(q)
     kernel = "qmm" if ratio * MARGIN < 1.0 else "qgemm"
     kern = f if kernel == "qmm" else q
+    calls = ", ".join(f"{c} x {m}" for m, c in sorted(REQUEST.items()))
     why = [f"{kernel} ({'qmm' if kernel == 'qgemm' else 'qgemm'} takes "
-           f"{(ratio if kernel == 'qgemm' else 1 / ratio):.2f}x its time, geometric mean over "
-           f"{', '.join(map(str, KERNEL_ROWS))} rows)"]
+           f"{(ratio if kernel == 'qgemm' else 1 / ratio):.2f}x its time over a request's products: "
+           f"{calls} rows)"]
     gemm_from = 0
     for m in sorted(GEMM_ROWS, reverse=True):
         if seconds["gemm"][m] * MARGIN < kern[m]:
