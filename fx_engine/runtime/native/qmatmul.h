@@ -182,7 +182,11 @@ void qmm_range(const float* x, int M, int K, const uint32_t* wq, const Quant& S,
 // the same mul and add) and each weight vector is one lookup (vpermps indexes by the low
 // 4 bits of each lane): per 32 weights a widening load, a shift, two lookups and the FMAs.
 constexpr int QM_FEW = 16;  // up to this many rows take this path
+#if defined(FX_AVX2)
+constexpr int QM_PASS = 4;  // rows per pass over a few weight rows (AVX2: 8 rows' halves would spill)
+#else
 constexpr int QM_PASS = 8;  // rows per pass over a few weight rows (their accumulators)
+#endif
 constexpr int QM_AHEAD = 2;  // tiles ahead whose rows are prefetched (1, 3, 4, 8: slower)
 
 // Output features run at once for MR rows: independent accumulator chains (one row alone
@@ -429,16 +433,24 @@ void qmm_fused_range(const float* x, int M, int K, const uint32_t* wq, const Qua
     });
 }
 
-#if defined(__AVX512F__)
-// ---------------------------------------------------------------- qmm: many rows (AVX-512)
+#if defined(__AVX512F__) || defined(FX_AVX2)
+// ---------------------------------------------------------------- qmm: many rows (AVX-512, AVX2)
 // Above QM_FEW rows (prefill chunks) the dequantized copy pays: a thread dequantizes a
 // chunk of output features (~256 KB of float32, L2) once, then runs every 4-row tile of
 // the activations against it, 6 features at a time: 24 accumulators, 4 activation vectors
 // and one weight vector per step (10 loads per 24 FMAs; qmm_tile's 4 x 4 made 8 per 16).
+// AVX2 (16 registers of 8 floats: a v16 accumulator is two): tiles of 3 rows x 2 features,
+// 12 accumulators, the two halves of each 16-k step in turn (10 loads per 12 FMAs; qmm_tile
+// there kept 32 halves and spilled them: 64 rows of 16384 x 2048 took 7x qgemm's time).
 // The same arithmetic per output as every qmm path (acc = fma(x, w, acc) over k in steps
 // of 16 from +0, then hsum), so the same bits.
+#if defined(__AVX512F__)
 constexpr int QM_TILE_ROWS = 4, QM_TILE_FEAT = 6;
+#else
+constexpr int QM_TILE_ROWS = 3, QM_TILE_FEAT = 2;
+#endif
 
+#if defined(__AVX512F__)
 // *out[i] = hsum(*a[i]) for 16 vectors at once: the same adds in the same tree as hsum()
 // (_mm512_reduce_add_ps: lanes i + (i + 8), then i + (i + 4), then (0 + 2) + (1 + 3)), done
 // across registers (~3 instructions a vector instead of ~8: at K = 576 the one-by-one sums
@@ -463,6 +475,11 @@ inline void hsum16(const v16* const* a, float* const* out) {
   for (int L = 0; L < 4; ++L)
     for (int e = 0; e < 4; ++e) *out[4 * e + L] = v[4 * L + e];
 }
+#else
+inline void hsum16(const v16* const* a, float* const* out) {  // (AVX2: one by one, the same tree)
+  for (int i = 0; i < 16; ++i) *out[i] = hsum(*a[i]);
+}
+#endif
 
 // k per pass (K = 8192: 4096 measured ~10% faster than one pass; 512-2048 slower)
 constexpr int QM_KC = 4096;
@@ -471,6 +488,39 @@ constexpr int QM_KC = 4096;
 template <int MR, int NB>
 inline void qmm_many_tile(const float* __restrict x, int64_t ld, const float* __restrict w, int k0, int k1,
                           v16* st, bool first) {
+#if defined(FX_AVX2)
+  __m256 acc[MR][NB][2];  // lanes 0-7 and 8-15 of each v16 accumulator
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int f = 0; f < NB; ++f) {
+      if (first)
+        acc[m][f][0] = acc[m][f][1] = _mm256_setzero_ps();
+      else
+        halves(st[m * NB + f], acc[m][f][0], acc[m][f][1]);
+    }
+  for (int k = k0; k < k1; k += VL)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256 wv[NB];
+#pragma GCC unroll 16
+      for (int f = 0; f < NB; ++f) {
+        wv[f] = _mm256_loadu_ps(w + f * ld + k + 8 * h);
+        asm("" : "+x"(wv[f]));
+      }
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        __m256 xv = _mm256_loadu_ps(x + m * ld + k + 8 * h);
+        asm("" : "+x"(xv));
+#pragma GCC unroll 16
+        for (int f = 0; f < NB; ++f) acc[m][f][h] = _mm256_fmadd_ps(xv, wv[f], acc[m][f][h]);
+      }
+    }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int f = 0; f < NB; ++f) st[m * NB + f] = join(acc[m][f][0], acc[m][f][1]);
+#else
   v16 acc[MR][NB];
   for (int m = 0; m < MR; ++m)
     for (int f = 0; f < NB; ++f) acc[m][f] = first ? v16{} : st[m * NB + f];
@@ -485,6 +535,7 @@ inline void qmm_many_tile(const float* __restrict x, int64_t ld, const float* __
   }
   for (int m = 0; m < MR; ++m)
     for (int f = 0; f < NB; ++f) st[m * NB + f] = acc[m][f];
+#endif
 }
 
 // MR rows of x against the chunk's nc dequantized features (w, stride K) -> y[m * N + f]:
@@ -584,7 +635,7 @@ void qmm_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S,
     });
     return;
   }
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(FX_AVX2)
   return qmm_many(x, M, K, wq, S, gs, bits, y, N);
 #endif
   // Parallel over output features: each y[m, n] is computed by exactly one thread.
