@@ -168,3 +168,47 @@ def test_a_pinned_plan_skips_the_measurement(tmp_path, monkeypatch) -> None:
     assert fx_engine.load(path, matmul_plan=pinned, numerics="auto").numerics == "exact"
     with pytest.raises(ValueError, match="needs native=True"):
         fx_engine.load(path, matmul_plan=pinned, native=False)
+
+
+def test_each_kernel_layout_is_timed_and_weighed_by_its_weights(tmp_path, monkeypatch) -> None:
+    """A model with 4-bit layers and an 8-bit head: both layouts are measured (the head on
+    at most MEASURED_ROWS features), and the plan decides on their times scaled to the
+    weights each stands for, summed (checked here against an independent sum)."""
+    from fx_engine.core.nn import linears
+
+    from fx_engine.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "q", quantize={"group_size": 32, "bits": 4})
+    model = fx_engine.load(path, matmul_plan=fx_engine.core.nn.MatmulPlan("qgemm", 0))
+    lins = [lin for lin in linears(model.params) if lin.quantized and lin.weight.ndim == 2]
+    assert lins
+    shapes = {}
+    for lin in lins:
+        n, k = int(lin.weight.shape[0]), int(lin.weight.shape[1]) * 32 // lin.quant.bits
+        shapes[(n, k, lin.quant.bits, lin.quant.group_size)] = shapes.get((n, k, lin.quant.bits, lin.quant.group_size), 0) + n * k
+    reps = plan._representatives(model.params)
+    assert [r for r, _ in reps] == [max(shapes, key=shapes.get)] and reps[0][1] == sum(shapes.values())
+    # a (made-up) 8-bit layout next to the 4-bit one: two representatives, largest first
+    monkeypatch.setattr(plan, "MEASURED_ROWS", 48)
+    seen = []
+
+    def fake_measure(n, k, bits, gs):
+        seen.append((n, k, bits, gs))
+        t = 1e-6 * (2.0 if bits == 8 else 1.0)
+        return {"qgemm": {m: t * m for m in ROWS}, "qmm": {m: t * m * (0.5 if bits == 8 else 1.5) for m in ROWS},
+                "gemm": {m: t * m * 9 for m in plan.GEMM_ROWS}}
+
+    monkeypatch.setattr(plan, "_representatives", lambda params: [((40, 64, 4, 32), 3 * 40 * 64), ((96, 64, 8, 32), 96 * 64)])
+    monkeypatch.setattr(plan, "measure", fake_measure)
+    monkeypatch.setattr(plan, "_cache_file", lambda: tmp_path / "plans.json")
+    report = plan.choose(model.params)
+    assert seen == [(40, 64, 4, 32), (48, 64, 8, 32)] and "(of 96)" in report.shape and "% of the weights" in report.shape
+    # 4-bit: 3 products' worth of its measured shape; 8-bit: 96 / 48 = 2 of its measured one
+    for c in ("qgemm", "qmm"):
+        for m in ROWS:
+            want = 3 * fake_measure(40, 64, 4, 32)[c][m] + 2 * fake_measure(48, 64, 8, 32)[c][m]
+            assert math.isclose(report.seconds[c][m], want, rel_tol=1e-12)
+    # qmm 1.5x slower on the 4-bit layout and 2x faster on the 8-bit one: weighed, 3 x 1.5 +
+    # 2 x 2 x 0.5 = 6.5 against 3 + 4 = 7, within the margin: qgemm
+    assert report.plan.kernel == "qgemm"
+

@@ -7,9 +7,11 @@ a dequantized chunk under register tiles above) and a BLAS GEMM (MLX's dense mat
 natively dequantized weight. Which is fastest depends on the CPU, the build's vector
 width, the BLAS and the row count: on AVX-512 qgemm's tiles beat the GEMM at every row
 count; on AVX2 the tile spills and the GEMM wins from a few dozen rows. So when a model
-loads, `choose` times the candidates on that model's most common weight shape at the row
-counts a step uses, and returns the `MatmulPlan` (static numerics: part of the compile key)
-with a report of what was measured and why it chose so. The kernels are timed as a step
+loads, `choose` times the candidates at the row counts a step uses on that model's most
+common weight shape of each kernel layout (4-bit; bytes: 8-bit, 5-/6-bit unpacked),
+weighed by the weights each stands for, and returns the `MatmulPlan` (static numerics:
+part of the compile key) with a report of what was measured and why it chose so. The
+kernels are timed as a step
 runs them: on weights streaming from memory (a rotating set of copies larger than the
 caches), with float16 scales and biases (GGUF files' and MLX checkpoints' storage, which
 the few-row paths dequantize with one FMA: Quant::fma_exact). The kernel is the one with
@@ -57,7 +59,7 @@ PLAN_VERSION = 3  # bumped when what is measured changes: older entries are meas
 @attrs.frozen
 class PlanReport:
     plan: MatmulPlan
-    shape: str  # "N x K, B-bit, group G"
+    shape: str  # what was timed: "N x K, B-bit, group G" per kernel layout
     seconds: dict[str, dict[int, float]]  # candidate -> rows -> best seconds
     reason: str
     cached: bool = False
@@ -157,16 +159,38 @@ def decide(seconds: dict[str, dict[int, float]]) -> tuple[MatmulPlan, str]:
     return MatmulPlan(kernel=kernel, gemm_from=gemm_from), "; ".join(why)
 
 
-def _representative(params: Any) -> tuple[int, int, int, int] | None:
-    """(N, K, bits, group) of the native-kernel linears (4-/8-bit, groups of 32k; 8-bit in
-    groups of 16) holding the most weights; None if there are none."""
+MEASURED_ROWS = 16384  # a shape is timed on at most this many output features (a head's
+# 128256 would take seconds a call at 512 rows); its time is scaled to the class's weights
+
+
+def _representatives(params: Any) -> list[tuple[tuple[int, int, int, int], int]]:
+    """Per kernel layout (4-bit; bytes: 8-bit and 5-/6-bit unpacked), the native-kernel
+    linears' shape (N, K, bits, group) holding the most weights, with that layout's total
+    weights: largest first; empty if there are none. The layouts run different code (a
+    Q4 file's Q6_K head is a quarter of its decode step), so each is timed."""
     totals: dict[tuple[int, int, int, int], int] = {}
     for lin in linears(params):
         q = lin.quant
         if lin.quantized and lin.weight.ndim == 2 and supports(q.group_size, q.bits):
             n, k = int(lin.weight.shape[0]), int(lin.weight.shape[1]) * 32 // q.bits
             totals[(n, k, q.bits, q.group_size)] = totals.get((n, k, q.bits, q.group_size), 0) + n * k
-    return max(totals, key=lambda s: totals[s]) if totals else None
+    out = []
+    for layout in (4, 8):
+        mine = {s: t for s, t in totals.items() if (s[2] == 4) == (layout == 4)}
+        if mine:
+            out.append((max(mine, key=lambda s: mine[s]), sum(mine.values())))
+    return sorted(out, key=lambda r: -r[1])
+
+
+def combine(parts: list[tuple[dict[str, dict[int, float]], float]]) -> dict[str, dict[int, float]]:
+    """A step's products from the layouts' measurements: each (seconds, weights it stands
+    for / weights measured) scaled and summed, per candidate and row count."""
+    out: dict[str, dict[int, float]] = {}
+    for seconds, scale in parts:
+        for c, by_rows in seconds.items():
+            for m, t in by_rows.items():
+                out.setdefault(c, {})[m] = out.get(c, {}).get(m, 0.0) + scale * t
+    return out
 
 
 def _cache_file() -> Path | None:
@@ -183,14 +207,28 @@ def _cache_key(shape: tuple[int, int, int, int]) -> str:
                        sorted(threads.items()), list(shape)])
 
 
+def _measured(shape: tuple[int, int, int, int], cache: dict[str, Any]) -> tuple[dict[str, dict[int, float]], bool]:
+    """One shape's seconds: from the cache when complete, else measured (and put there)."""
+    key = _cache_key(shape)
+    try:
+        seconds = {c: {int(m): float(t) for m, t in cache[key][c].items()} for c in ("qgemm", "qmm", "gemm")}
+        decide(seconds)  # complete and usable, or measured again
+        return seconds, True
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
+        n, k, bits, gs = shape
+        with working(f"measuring the fastest matmul kernels for {n} x {k}, {bits}-bit, group {gs}, "
+                     "once per machine"):
+            seconds = measure(n, k, bits, gs)
+        cache[key] = seconds
+        return seconds, False
+
+
 def choose(params: Any) -> PlanReport | None:
     """The measured plan for a model's params (None: no quantized linear to measure)."""
-    shape = _representative(params)
-    if shape is None:
+    reps = _representatives(params)
+    if not reps:
         return None
-    n, k, bits, gs = shape
-    desc = f"{n} x {k}, {bits}-bit, group {gs}"
-    file, key = _cache_file(), _cache_key(shape)
+    file = _cache_file()
     cache: dict[str, Any] = {}
     if file is not None and file.exists():
         try:
@@ -198,21 +236,23 @@ def choose(params: Any) -> PlanReport | None:
         except (OSError, ValueError):
             pass
         cache = cache if isinstance(cache, dict) else {}
-    try:
-        seconds = {c: {int(m): float(t) for m, t in cache[key][c].items()} for c in ("qgemm", "qmm", "gemm")}
-        decide(seconds)  # complete and usable, or measured again
-        cached = True
-    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
-        with working(f"measuring the fastest matmul kernels for {desc}, once per machine"):
-            seconds = measure(n, k, bits, gs)
-        cached = False
-        if file is not None:
-            cache[key] = seconds
-            tmp = file.with_suffix(f".{os.getpid()}.tmp")
-            try:
-                tmp.write_text(json.dumps(cache, indent=1))
-                os.replace(tmp, file)
-            except OSError:
-                pass  # a read-only cache: measured again next time
+    everything = sum(total for _, total in reps)
+    parts, descs, cached = [], [], True
+    for (n, k, bits, gs), total in reps:
+        rows = min(n, MEASURED_ROWS)
+        seconds, hit = _measured((rows, k, bits, gs), cache)
+        cached = cached and hit
+        parts.append((seconds, total / (rows * k)))
+        descs.append(f"{rows} x {k}" + (f" (of {n})" if rows < n else "")
+                     + f", {bits}-bit, group {gs}" + (f": {100 * total / everything:.0f}% of the weights" if len(reps) > 1 else ""))
+    if not cached and file is not None:
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(cache, indent=1))
+            os.replace(tmp, file)
+        except OSError:
+            pass  # a read-only cache: measured again next time
+    # one layout: its own times (per product); several: a step's products, scaled
+    seconds = parts[0][0] if len(parts) == 1 else combine(parts)
     plan, reason = decide(seconds)
-    return PlanReport(plan=plan, shape=desc, seconds=seconds, reason=reason, cached=cached)
+    return PlanReport(plan=plan, shape="; ".join(descs), seconds=seconds, reason=reason, cached=cached)
