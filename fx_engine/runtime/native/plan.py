@@ -11,14 +11,13 @@ loads, `choose` times the candidates at the row counts a step uses on that model
 common weight shape of each kernel layout (4-bit; bytes: 8-bit, 5-/6-bit unpacked),
 weighed by the weights each stands for, and returns the `MatmulPlan` (static numerics:
 part of the compile key) with a report of what was measured and why it chose so. The
-kernels are timed as a step
-runs them: on weights streaming from memory (a rotating set of copies larger than the
-caches), with float16 scales and biases (GGUF files' and MLX checkpoints' storage, which
-the few-row paths dequantize with one FMA: Quant::fma_exact). The kernel is the one with
-the smaller time over a request's calls (`REQUEST`): a step's row count, not each product
-alike, is what a user waits on. Results are cached per build, BLAS,
-thread count and shape, next to the native build (`plans.json`), so it is measured once
-per machine; `fx-engine info` prints the report.
+kernels are timed as a step runs them: on weights streaming from memory (a rotating set of
+copies larger than the caches), with float16 scales and biases (GGUF files' and MLX
+checkpoints' storage, which the few-row paths dequantize with one FMA: Quant::fma_exact).
+The kernel is the one with the smaller time over a request's calls (`REQUEST`): a step's
+row count, not each product alike, is what a user waits on. Results are cached per build,
+BLAS, thread count and shape, next to the native build (`plans.json`), so each shape is
+measured once per machine; `fx-engine info` prints the report.
 
 The plan is part of the numerics (in batch-invariant mode qgemm and qmm give different
 bits; in the default mode the GEMM does): a first measurement taken on a busy machine is
@@ -160,7 +159,7 @@ def decide(seconds: dict[str, dict[int, float]]) -> tuple[MatmulPlan, str]:
 
 
 MEASURED_ROWS = 16384  # a shape is timed on at most this many output features (a head's
-# 128256 would take seconds a call at 512 rows); its time is scaled to the class's weights
+# 128256 would take seconds a call at 512 rows); its time is scaled to its layout's weights
 
 
 def _representatives(params: Any) -> list[tuple[tuple[int, int, int, int], int]]:
