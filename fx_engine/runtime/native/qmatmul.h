@@ -331,6 +331,8 @@ inline void qmm_fused_tile(const float* x, int K, const uint8_t* const* rw, cons
 #if defined(FX_AVX2)
   return qmm_fused_tile_avx2<BITS, MR, NF, FE>(x, K, rw, rs, rb, gs, y, N, pf, pf_bytes);
 #endif
+  // (the unroll pragmas: GCC keeps acc in registers only once its loops are unrolled; at
+  // 4-16 rows it stored all of them every step: 8 rows of 8192 x 576, 1390 -> 599 us)
   v16 acc[MR][NF];
   #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
