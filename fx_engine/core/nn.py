@@ -63,10 +63,11 @@ class Numerics:
     # fx_engine.core.kernels for 4-/8-bit linears (CPU), batch-invariant by construction.
     # `matmul` says which: one kernel at every row count in batch-invariant mode (and in
     # the default mode below `matmul.gemm_from`), so a token's matmuls never depend on its
-    # batch or chunk there. Measured at load per machine (fx_engine.runtime.native.plan): on
-    # the default model qgemm wins (AVX-512 and AVX2 builds alike; the BLAS GEMM on
-    # dequantized weights came within 10% at 512 rows on AVX2 only), at the 1B shape qmm
-    # (its fused one-row path ~1.8x qgemm's, its many-row tiles level with them; AVX-512).
+    # batch or chunk there. Measured at load per machine (fx_engine.runtime.native.plan, by a
+    # request's time over each kernel layout's products): on the Zen 4 machine of
+    # 2026-12-06 qmm for the default model (its 8-bit head weighed in; the 4-bit layers
+    # alone were a tie) and the 1B shape (its fused one-row path ~1.5x qgemm's, its
+    # many-row tiles level with them), on AVX-512 and AVX2 builds alike.
     native: bool = False
     matmul: MatmulPlan = MatmulPlan()
     # 8: the native kernels round each activation row to 8 bits per weight group before a
