@@ -399,6 +399,27 @@ def write_entry(
     return LayerKV(_put(entry.keys, k, slots, fast), _put(entry.values, v, slots, fast))
 
 
+def fused_write(entry: Any, spec: LayerSpec, numerics: Numerics | None) -> bool:
+    """Whether `write_rotated_entry` can write this entry: a dense float32 / float16 one
+    (no window ring, no quantization) with the native kernels."""
+    return (numerics is not None and numerics.native and not spec.ring and not spec.bits
+            and isinstance(entry, LayerKV) and entry.keys.dtype in (mx.float32, mx.float16)
+            and entry.values.shape == entry.keys.shape and entry.values.dtype == entry.keys.dtype)
+
+
+def write_rotated_entry(
+    entry: LayerKV, qkv: mx.array, q_heads: int, rope: tuple[mx.array, mx.array, mx.array],
+    traditional: bool, geo: StepGeometry,
+) -> tuple[mx.array, LayerKV]:
+    """The fused q | k | v projection [B*T, (Hq + 2 Hk) * D] (float32) with RoPE over every
+    dim of q and k (tables from `nn.rope_tables`): q [B, T, Hq, D] rotated and the entry with
+    this step's rotated k and v written (where `fused_write` holds). One native node for what
+    reshape, slices, rope, transposes and two cache writes (`write_entry`) do in ten."""
+    q, keys, values = kernels.qkv_rope_put(qkv, rope[0], rope[1], traditional, q_heads, entry.keys,
+                                           entry.values, geo.slots(0, geo.capacity))
+    return q, LayerKV(keys, values)
+
+
 def attend_entry(
     entry: Any, spec: LayerSpec, q: mx.array, geo: StepGeometry, scale: float,
     numerics: Numerics, softcap: float | None = None, sinks: mx.array | None = None,
@@ -422,8 +443,9 @@ def attend_entry(
             tuple(a[:, :, :rest] for a in entry.values),
             mask, scale, spec.group_size, spec.bits, softcap=softcap, sinks=sinks,
         )
-    return attention(q, entry.keys[:, :, : geo.span], entry.values[:, :, : geo.span], mask,
-                     scale, numerics, causal_tail=geo.bounded and geo.causal, softcap=softcap, sinks=sinks)
+    # (the whole arrays: attention reads the first span slots, the mask's)
+    return attention(q, entry.keys, entry.values, mask, scale, numerics,
+                     causal_tail=geo.bounded and geo.causal, softcap=softcap, sinks=sinks)
 
 
 def attend_latent(

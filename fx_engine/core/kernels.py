@@ -282,6 +282,23 @@ def kv_put(cache, new, slots):  # type: ignore[no-untyped-def]
     return _module().kv_put(cache, new, slots)
 
 
+def qkv_rope_put(qkv, cos, sin, traditional: bool, q_heads: int, keys, values, slots):  # type: ignore[no-untyped-def]
+    """An attention layer's inputs from its fused projection in one node: qkv [B*T, (Hq +
+    2 Hk) * D] float32 (q | k | v heads), RoPE tables cos / signed sin [B, T, 1, D]
+    (`nn.rope_tables`), caches keys / values [B, Hk, S, D] (float32 / float16), slots
+    [B, T] -> (q [B, T, Hq, D] rotated, keys, values with the rotated k and v written at
+    the slots). The same values as reshape + slices + `rope` + transposes + `kv_put` (float16
+    caches: rounded to nearest even, as astype); in place when the caches are donatable;
+    slots outside [0, S) are skipped."""
+    return tuple(_module().qkv_rope_put(qkv, cos, sin, traditional, q_heads, keys, values, slots))
+
+
+def add_rms_norm(h, a, weight, eps: float):  # type: ignore[no-untyped-def]
+    """(h + a, rms_norm(h + a, weight, eps)) for float32 h, a [..., D] in one node: a residual
+    add and the next pre-norm (the same values as the add and `rms_norm`)."""
+    return tuple(_module().add_rms_norm(h, a, weight, eps))
+
+
 def swiglu(gu):  # type: ignore[no-untyped-def]
     """silu(gate) * up for the fused gate|up projection gu [..., 2F] -> [..., F], in one
     node, with fx_engine.core.nn.fast_exp's arithmetic (float32)."""
@@ -289,9 +306,9 @@ def swiglu(gu):  # type: ignore[no-untyped-def]
 
 
 def attend(q, k, v, mask, scale: float):  # type: ignore[no-untyped-def]
-    """Grouped-query attention in one node for a few query tokens per row (decode, verify):
-    q [B, T, Hq, D] (float32), k/v [B, Hk, S, D] (strided views of the cache are read in
-    place), bool mask [B, T, S] -> [B, T, Hq * D]."""
+    """Grouped-query attention in one node: q [B, T, Hq, D] (float32) over the first S
+    slots of k/v [B, Hk, >= S, D] (the whole cache, or strided views of it, read in place),
+    bool mask [B, T, S] -> [B, T, Hq * D]."""
     return _module().attend(q, k, v, mask, scale)
 
 

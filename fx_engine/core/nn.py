@@ -615,6 +615,19 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float, numerics: Numerics | Non
     return mx.fast.rms_norm(x, weight, eps)
 
 
+def add_rms_norm(h: mx.array, a: mx.array, weight: mx.array, eps: float,
+                 numerics: Numerics | None = None) -> tuple[mx.array, mx.array]:
+    """(h + a, rms_norm(h + a)): a residual add and the next branch's pre-norm. Native
+    (float32): one node with the same values as the two (each graph node costs several
+    microseconds of scheduling on the CPU, a decode step's add about as much as its work)."""
+    if (numerics is not None and numerics.native and h.dtype == a.dtype == mx.float32
+            and h.shape == a.shape):
+        s, y = kernels.add_rms_norm(h, a, weight, eps)
+        return s, y
+    s = h + a
+    return s, rms_norm(s, weight, eps, numerics)
+
+
 def _rope_kind(scaling: dict) -> str:
     return str(scaling.get("type") or scaling.get("rope_type") or "default") if scaling else "default"
 
@@ -784,8 +797,10 @@ def attention(
 ) -> mx.array:
     """Grouped-query softmax attention.
 
-    q [B, T, Hq, D] (token-major, as projected), k [B, Hk, S, D] and v [B, Hk, S, Dv] (the
-    cache; Dv = D but for MLA's latent), bool mask [B, 1, T, S]. Returns [B, T, Hq*Dv]. The Hq/Hk query heads that share a KV head are
+    q [B, T, Hq, D] (token-major, as projected), k [B, Hk, >= S, D] and v [B, Hk, >= S, Dv]
+    (the cache; Dv = D but for MLA's latent), bool mask [B, 1, T, S]: the first S slots of
+    k and v are read (a whole cache may be passed: the native kernel reads its first S
+    slots in place, no slice node). Returns [B, T, Hq*Dv]. The Hq/Hk query heads that share a KV head are
     stacked into the rows of one matmul per (row, KV head), so K and V are never repeated.
     In batch-invariant mode the query rows are cut into fixed tiles so that a query's
     scores never depend on the chunk size (the BLAS kernel sees the same M every time).
@@ -804,7 +819,7 @@ def attention(
     (GPT-OSS's attention sinks, as mx.fast.scaled_dot_product_attention's `sinks`); MLX path.
     """
     b, t, hq, d = q.shape
-    hk, s, dv = k.shape[1], k.shape[2], v.shape[-1]
+    hk, s, dv = k.shape[1], mask.shape[-1], v.shape[-1]
     if (numerics.native and not numerics.batch_invariant and d % 16 == 0 and softcap is None
             and sinks is None and dv == d
             and q.dtype == mx.float32 and k.dtype == v.dtype and k.dtype in (mx.float32, mx.float16)):
@@ -815,6 +830,8 @@ def attention(
         # mode, where a token's arithmetic must not depend on whether it came in a chunk
         # or a decode step: that mode takes the tiled GEMM path below.
         return kernels.attend(q, k, v, mx.broadcast_to(mask[:, 0], (b, t, s)), scale)
+    if k.shape[2] > s:
+        k, v = k[:, :, :s], v[:, :, :s]
     if k.dtype != q.dtype:  # a cache stored in another dtype (Model.kv_dtype): computed in q's
         k, v = k.astype(q.dtype), v.astype(q.dtype)
     if causal_tail and not numerics.batch_invariant and QUERY_BLOCK < t <= s:

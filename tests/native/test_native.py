@@ -360,6 +360,166 @@ def test_kernels_inside_compile_do_not_retrace() -> None:
 
 @pytest.mark.real_model
 @pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype", [mx.float32, mx.float16])
+def test_attend_reads_the_first_mask_slots_of_a_whole_cache(kv_dtype) -> None:  # noqa: ANN001
+    """k / v holding more slots than the mask (the whole cache, no span slice in the graph)
+    give the bits of the span slices; for one token (decode) and a prefill chunk."""
+    for t in (1, 20):
+        q = mx.array(RNG.standard_normal((2, t, 6, 32)).astype(np.float32))
+        kc = mx.array(RNG.standard_normal((2, 3, 90, 32)).astype(np.float32)).astype(kv_dtype)
+        vc = mx.array(RNG.standard_normal((2, 3, 90, 32)).astype(np.float32)).astype(kv_dtype)
+        mask = mx.array(np.tril(np.ones((t, 50), bool), k=50 - t)[None].repeat(2, 0))
+        whole = np.asarray(native.attend(q, kc, vc, mask, 0.2))
+        sliced = np.asarray(native.attend(q, kc[:, :, :50], vc[:, :, :50], mask, 0.2))
+        assert np.array_equal(whole, sliced)
+
+
+def _unfused_qkv(qkv, cos, sin, trad, hq, keys, values, slots):  # noqa: ANN001, ANN202
+    """qkv_rope_put's definition from the separate ops (as self_attention composed them)."""
+    b, t = slots.shape
+    hk, d = keys.shape[1], keys.shape[3]
+    x = qkv.reshape(b, t, hq + 2 * hk, d)
+    qk = native.rope(x[:, :, : hq + hk], cos, sin, trad)
+    k = qk[:, :, hq:].transpose(0, 2, 1, 3)
+    v = x[:, :, hq + hk:].transpose(0, 2, 1, 3)
+    return (qk[:, :, :hq], native.kv_put(keys, k, slots), native.kv_put(values, v, slots))
+
+
+@pytest.mark.parametrize("kv_dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("b,t,hq,hk,d", [(1, 1, 9, 3, 64), (3, 4, 4, 2, 32), (2, 7, 8, 8, 16)])
+def test_qkv_rope_put_is_the_separate_ops(b, t, hq, hk, d, traditional, kv_dtype) -> None:  # noqa: ANN001
+    """native.qkv_rope_put gives the bits of reshape + slices + rope + transposes + kv_put
+    (float16 caches: astype's rounding), skips out-of-range slots, leaves caches the caller
+    holds untouched; float16 conversion edge cases ride in v (not rotated): ties, the
+    overflow threshold, subnormals, infinities, NaN."""
+    from fx_engine.core.nn import rope_tables
+
+    s_cap = 12
+    pos = mx.array(RNG.integers(0, 3000, (b, t)).astype(np.int32))
+    cos, sin, _ = rope_tables(pos, d, base=10000.0, scale=1.0, freqs=None, traditional=traditional)
+    x = RNG.standard_normal((b * t, (hq + 2 * hk) * d)).astype(np.float32) * 4
+    edge = np.array([65519.0, 65520.0, 65535.9, 65536.0, 1e6, -65520.0, 2.0**-25, 2.0**-24 * 1.5,
+                     2.0**-24 * 2.5, 2.0**-14 * (1 - 2.0**-11), 2.0**-15 * 3, 1e-9, -3e-8, 6.1e-5,
+                     np.inf, -np.inf, np.nan, -0.0, 1 + 2.0**-11, 1 + 3 * 2.0**-11, 2049.0, 4097.0],
+                    np.float32)
+    vals = np.concatenate([edge, (RNG.standard_normal(4096) * 10.0 ** RNG.integers(-9, 6, 4096))
+                           .astype(np.float32)])
+    v_at = (hq + hk) * d
+    x[:, v_at:] = np.resize(vals, (b * t, hk * d))
+    qkv = mx.array(x)
+    keys = mx.array(RNG.standard_normal((b, hk, s_cap, d)).astype(np.float32)).astype(kv_dtype)
+    values = mx.array(RNG.standard_normal((b, hk, s_cap, d)).astype(np.float32)).astype(kv_dtype)
+    before = (np.asarray(keys.astype(mx.float32)), np.asarray(values.astype(mx.float32)))
+    slots = np.stack([RNG.permutation(s_cap)[:t] for _ in range(b)]).astype(np.int32)
+    slots[0, 0] = -1 if t > 1 else slots[0, 0]
+    slots[-1, -1] = s_cap if b > 1 else slots[-1, -1]  # both skipped
+    slots = mx.array(slots)
+    got = native.qkv_rope_put(qkv, cos, sin, traditional, hq, keys, values, slots)
+    want = _unfused_qkv(qkv, cos, sin, traditional, hq, keys, values, slots)
+    assert [a.shape for a in got] == [(b, t, hq, d), keys.shape, values.shape]
+    assert [a.dtype for a in got] == [mx.float32, kv_dtype, kv_dtype]
+    for g, w in zip(got, want):
+        g, w = np.asarray(g), np.asarray(w)
+        assert np.array_equal(g.view(np.uint8), w.view(np.uint8))  # bit for bit, NaNs included
+    assert np.array_equal(np.asarray(keys.astype(mx.float32)), before[0])  # untouched
+    assert np.array_equal(np.asarray(values.astype(mx.float32)), before[1])
+
+
+def test_qkv_rope_put_in_a_compiled_step_writes_in_place_and_errors() -> None:
+    """Inside mx.compile with the caches given away, both results reuse the caches' buffers
+    (no cache copy a call); wrong shapes name the argument."""
+    from fx_engine.core.nn import rope_tables
+
+    keys, values = mx.zeros((2, 4, 4096, 64)), mx.zeros((2, 4, 4096, 64))  # 8 MB each
+
+    def step(k, v, qkv, pos):  # noqa: ANN001, ANN202
+        cos, sin, _ = rope_tables(pos, 64, base=10000.0, scale=1.0, freqs=None, traditional=False)
+        return native.qkv_rope_put(qkv, cos, sin, False, 8, k, v, pos)[1:]
+
+    step = mx.compile(step)
+    qkv = mx.ones((2, 16 * 64))
+    for i in range(3):
+        keys, values = step(keys, values, qkv, mx.full((2, 1), i, mx.int32))
+        mx.eval(keys, values)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    for i in range(3, 8):
+        keys, values = step(keys, values, qkv * i, mx.full((2, 1), i, mx.int32))
+        mx.eval(keys, values)
+    assert mx.get_peak_memory() - base < 4 * 2**20  # a copy would add 8 MB
+    v = np.asarray(values)
+    assert (v[:, :, :8, 0] == np.array([1, 1, 1, 3, 4, 5, 6, 7])).all() and (v[:, :, 8:] == 0).all()
+    cos = sin = mx.zeros((2, 1, 1, 64))
+    sl = mx.zeros((2, 1), mx.int32)
+    k16 = mx.zeros((2, 4, 8, 64))
+    with pytest.raises(ValueError, match="qkv must be"):
+        native.qkv_rope_put(mx.zeros((2, 15 * 64)), cos, sin, False, 8, k16, k16, sl)
+    with pytest.raises(ValueError, match="q_heads must be"):
+        native.qkv_rope_put(qkv, cos, sin, False, 6, k16, k16, sl)
+    with pytest.raises(ValueError, match="keys and values must be"):
+        native.qkv_rope_put(qkv, cos, sin, False, 8, k16, k16.astype(mx.float16), sl)
+    with pytest.raises(ValueError, match="cos and sin must be"):
+        native.qkv_rope_put(qkv, cos[:, :, :, :32], sin, False, 8, k16, k16, sl)
+    with pytest.raises(ValueError, match="slots must be"):
+        native.qkv_rope_put(qkv, cos, sin, False, 8, k16, k16, mx.zeros((3, 1), mx.int32))
+
+
+def test_add_rms_norm_is_the_add_and_the_norm() -> None:
+    from fx_engine.core.nn import Numerics, add_rms_norm
+
+    h = mx.array(RNG.standard_normal((3, 2, 576)).astype(np.float32) * 3)
+    a = mx.array(RNG.standard_normal((3, 2, 576)).astype(np.float32))
+    w = mx.array(RNG.standard_normal(576).astype(np.float32))
+    s, y = native.add_rms_norm(h, a, w, 1e-5)
+    assert np.array_equal(np.asarray(s), np.asarray(h + a))
+    assert np.array_equal(np.asarray(y), np.asarray(native.rms_norm(h + a, w, 1e-5)))
+    s2, y2 = add_rms_norm(h, a, w, 1e-5, Numerics(native=True))  # the model-facing op
+    assert np.array_equal(np.asarray(s2), np.asarray(s)) and np.array_equal(np.asarray(y2), np.asarray(y))
+    with pytest.raises(ValueError, match="one shape"):
+        native.add_rms_norm(h, a[:1], w, 1e-5)
+    with pytest.raises(ValueError, match="weight must be"):
+        native.add_rms_norm(h, a, w[:5], 1e-5)
+
+
+@pytest.mark.parametrize("numerics,kv_dtype", [("exact", "float32"), ("int8", "float16")])
+def test_fused_layer_nodes_give_the_separate_ops_bits(numerics, kv_dtype, monkeypatch) -> None:  # noqa: ANN001
+    """The default model's prefill and decode steps with the fused attention-input and
+    add + norm nodes against the same steps traced with the separate ops: the same logits,
+    tokens and cache bit for bit."""
+    from fx_engine.core import nn
+    from fx_engine.core.models import blocks
+    from fx_engine.core.steps import decode_step, prefill_step
+    from fx_engine.core.tree import CompiledFunction
+
+    m = fx_engine.load(numerics=numerics, kv_dtype=kv_dtype)
+    ids = [list(range(100, 140)), list(range(300, 340))]
+
+    def run():  # noqa: ANN202
+        pre, dec = CompiledFunction(prefill_step), CompiledFunction(decode_step)
+        logits, cache, state = fx_engine.prefill(m, ids, room=64)
+        out = [logits]
+        for _ in range(4):
+            state, cache = dec(m.params, cache, state)
+            out.append(state.tokens)
+        more, cache = pre(m.params, cache, mx.array([[5, 6, 7]] * 2), mx.array([3, 2]))
+        out += [more, cache.layers[3].keys, cache.layers[3].values]
+        mx.eval(out)
+        return [np.asarray(a) for a in out]
+
+    calls: list[int] = []
+    write = blocks.write_rotated_entry
+    monkeypatch.setattr(blocks, "write_rotated_entry", lambda *a: calls.append(1) or write(*a))
+    fused = run()
+    assert calls  # the fused path ran
+    monkeypatch.setattr(blocks, "fused_write", lambda *a: False)
+    monkeypatch.setattr(blocks, "add_rms_norm",
+                        lambda h, a, w, eps, num=None: (h + a, nn.rms_norm(h + a, w, eps, num)))
+    separate = run()
+    for f, s in zip(fused, separate):
+        assert np.array_equal(f.view(np.uint8), s.view(np.uint8))
+
+
 def test_default_model_native_and_mlx_paths_agree() -> None:
     """The default model (Q4_1/Q8_0 GGUF) kept quantized with the native kernels against
     the same weights dequantized to float32 on MLX's own ops: same greedy answer, logits
@@ -503,7 +663,7 @@ def test_attend_argument_errors() -> None:
     k = mx.zeros((1, 2, 8, 64))
     m = mx.ones((1, 1, 8), mx.bool_)
     with pytest.raises(ValueError, match="mask must be bool"):
-        native.attend(q, k, k, mx.ones((1, 1, 7), mx.bool_), 1.0)
+        native.attend(q, k, k, mx.ones((1, 1, 9), mx.bool_), 1.0)  # more slots than k holds
     with pytest.raises(ValueError, match="multiple of Hk"):
         native.attend(mx.zeros((1, 1, 3, 64)), k, k, m, 1.0)
     with pytest.raises(ValueError, match="head_dim"):
@@ -819,6 +979,10 @@ outs["isa"] = np.array(mod.isa)
 outs["few_gemm"] = np.array(mod.few_gemm)
 q, kv = mx.array(d["q"]), mx.array(d["kv"]).astype(mx.float16)
 outs["attend16"] = np.asarray(mod.attend(q, kv, kv, mx.ones((1, 1, 40), mx.bool_), 0.125))
+cache = mx.zeros((1, 2, 5, 16), mx.float16)  # the fused attention inputs (its float16 rounding)
+for i, a in enumerate(mod.qkv_rope_put(mx.array(d["qkv"]), mx.array(d["cos"]), mx.array(d["sin"]), False, 4,
+                                       cache, cache, mx.array([[0, 4, 2]]))):
+    outs[f"qkv_put{i}"] = np.asarray(a.astype(mx.float32))
 outs["int8_dot"] = np.array(mod.int8_dot)
 outs["int8_dot_isa"] = np.array(mod.int8_dot_isa)
 np.savez(sys.argv[3], **outs)
@@ -901,6 +1065,12 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     data = {"x": RNG.standard_normal((11, 192)).astype(np.float32),
             "q": RNG.standard_normal((1, 1, 4, 32)).astype(np.float32),
             "kv": RNG.standard_normal((1, 2, 40, 32)).astype(np.float32)}
+    from fx_engine.core.nn import rope_tables
+
+    cos, sin, _ = rope_tables(mx.array([[3, 70, 1000]]), 16, base=10000.0, scale=1.0, freqs=None,
+                              traditional=False)
+    data.update(qkv=(RNG.standard_normal((3, 8 * 16)) * 10.0 ** RNG.integers(-8, 6, (3, 128))).astype(np.float32),
+                cos=np.asarray(cos), sin=np.asarray(sin))
     for bits in (4, 8):
         wq, s, b = _quantized(29, 192, 32, bits)
         data.update({f"w{bits}": np.asarray(wq), f"s{bits}": np.asarray(s), f"b{bits}": np.asarray(b)})
@@ -988,6 +1158,10 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     for m in (1, 3, 9, 40):  # qmm_a8 in groups of 16: this machine's bits (exact sums)
         assert np.array_equal(got[f"a8_{m}_g16"], np.asarray(native.qmm_a8(
             mx.array(x40[:m].astype(np.float32)), w16a, s16a, b16a, 16, 8))), m
+    cache = mx.zeros((1, 2, 5, 16), mx.float16)
+    for i, a in enumerate(native.qkv_rope_put(mx.array(data["qkv"]), mx.array(data["cos"]), mx.array(data["sin"]),
+                                              False, 4, cache, cache, mx.array([[0, 4, 2]]))):
+        assert np.array_equal(got[f"qkv_put{i}"], np.asarray(a.astype(mx.float32))), i
     kv = mx.array(data["kv"]).astype(mx.float16)  # its portable float16 conversion
     np.testing.assert_allclose(got["attend16"], np.asarray(native.attend(
         mx.array(data["q"]), kv, kv, mx.ones((1, 1, 40), mx.bool_), 0.125)), rtol=1e-5, atol=1e-6)

@@ -17,9 +17,10 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-from fx_engine.core.cache import LayerSpec, StepGeometry, attend_entry, write_entry
+from fx_engine.core.cache import (LayerSpec, StepGeometry, attend_entry, fused_write, write_entry,
+                                  write_rotated_entry)
 from fx_engine.core.checkpoint import Fused, Lin, LoadOptions, Reader, finish_experts, fuse_experts
-from fx_engine.core.nn import (Linear, Numerics, apply_rope, linear, rms_norm, rope_tables, routed_mixture,
+from fx_engine.core.nn import (Linear, Numerics, add_rms_norm, apply_rope, linear, rms_norm, rope_tables, routed_mixture,
                                scaled_rope_freqs, scaled_rope_mscale, shard_group, swiglu_fused)
 
 __all__ = ["Attention", "DenseMlp", "decoder_layer", "Experts", "GATE_UP", "GGUF_GROUPED_EXPERT_NAMES", "HF_EXPERT_NAMES",
@@ -136,6 +137,16 @@ def self_attention(
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     qkv = linear(x, lp.qkv, num)
+    scale = getattr(cfg, "attention_multiplier", None) or d**-0.5
+    beta = getattr(cfg, "attn_temp_beta", 0.0)
+    if (lp.q_norm is None and rope is not None and not beta and fused_write(entry, spec, num)
+            and rope[0].shape == rope[1].shape == (b, t, 1, d) and qkv.dtype == rope[0].dtype == mx.float32
+            and entry.keys.shape[1] == hk and entry.keys.shape[3] == d and qkv.shape == (b * t, (hq + 2 * hk) * d)):
+        # The common layer (no q/k norms, RoPE over whole heads, a dense cache): one node
+        # from the projection to q and the written cache, the same values as below.
+        q, entry = write_rotated_entry(entry, qkv, hq, rope, cfg.rope_traditional, geo)
+        o = attend_entry(entry, spec, q, geo, scale, num, sinks=getattr(lp, "sinks", None))
+        return linear(o.reshape(b * t, hq * d), lp.o, num), entry
     widths = getattr(cfg, "qk_norm_width", ())  # (over every head, but this rank holds some heads)
     whole = lp.q_norm is not None and (lp.q_norm.shape[-1] != d or bool(widths))
     if whole:  # norms over whole projections
@@ -154,7 +165,6 @@ def self_attention(
     if rope is not None:
         qk = apply_partial_rope(qk, rope, d, num, cfg.rope_traditional)  # q and k together: one pass
     q = qk[:, :, :hq]
-    beta = getattr(cfg, "attn_temp_beta", 0.0)
     if beta:  # ministral3: a query temperature growing with the position (Llama 4's)
         pos = geo.positions.astype(mx.float32)
         temp = 1 + beta * mx.log(1 + mx.floor(pos / cfg.attn_temp_max_pos))
@@ -163,7 +173,6 @@ def self_attention(
     v = qkv[:, :, hq + hk :].transpose(0, 2, 1, 3)
     # Write first, then attend over the written arrays (so the update can be in place).
     entry = write_entry(entry, spec, k, v, geo, num)
-    scale = getattr(cfg, "attention_multiplier", None) or d**-0.5
     o = attend_entry(entry, spec, q, geo, scale, num, sinks=getattr(lp, "sinks", None))
     return linear(o.reshape(b * t, hq * d), lp.o, num), entry
 
@@ -178,8 +187,8 @@ def decoder_layer(
     cfg, num = p.config, p.numerics
     a, entry = self_attention(p, lp, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, rope, geo)
     m = getattr(cfg, "residual_multiplier", 1.0)
-    h = h + (a if m == 1.0 else a * m)
-    r = swiglu_mlp(rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num), lp.gate_up, lp.down, num)
+    h, x = add_rms_norm(h, a if m == 1.0 else a * m, lp.mlp_norm, cfg.rms_norm_eps, num)
+    r = swiglu_mlp(x, lp.gate_up, lp.down, num)
     return h + (r if m == 1.0 else r * m), entry
 
 

@@ -421,6 +421,201 @@ class KvPut : public mx::UnaryPrimitive {
   }
 };
 
+// An output that takes over a donatable cache input's buffer (the step holds the only
+// reference: the write is in place, as KvPut's) or gets a fresh one; true when donated.
+inline bool take_or_alloc(const mx::array& cache, mx::array& out) {
+  if (cache.flags().row_contiguous && cache.is_donatable() && cache.itemsize() == out.itemsize()) {
+    out.copy_shared_buffer(cache);
+    return true;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return false;
+}
+
+// A cache's row-contiguous copy into out (when its buffer could not be taken over).
+inline void copy_cache(const mx::array& cache, mx::array& out) {
+  if (cache.flags().row_contiguous) {
+    std::memcpy(out.data<char>(), cache.data<char>(), out.nbytes());
+  } else if (cache.itemsize() == 4) {
+    std::vector<float> t;
+    std::memcpy(out.data<char>(), dense<float>(cache, t), out.nbytes());
+  } else {
+    std::vector<uint16_t> t;
+    std::memcpy(out.data<char>(), dense<uint16_t>(cache, t), out.nbytes());
+  }
+}
+
+// qkv_rope_put: an attention layer's inputs from its fused projection, in three nodes.
+// qkv [B*T, (Hq + 2 Hk) * D] (q | k | v heads, as the fused projection returns them),
+// tables cos / signed sin [B, T, 1, D], caches keys / values [B, Hk, S, D] (float32 or
+// float16), slots [B, T] -> q [B, T, Hq, D] rotated, and the caches with the rotated k and
+// v written at the slots (in place when donatable; slots outside [0, S) skipped). The same
+// values as reshape, slices, rope (rope_cpu: the same expression), transposes, astypes and
+// two kv_puts: ten graph nodes a layer, each several microseconds of MLX's scheduling on
+// the CPU, where the work itself is a few hundred values a token. One node per output
+// (part 0: q, 1: keys, 2: values), not one node with three: MLX gives each output of a
+// multi-output node its own reference to the inputs, so a cache input could never be
+// donated (written in place) there.
+class QkvPart : public mx::UnaryPrimitive {
+ public:
+  QkvPart(mx::Stream s, int part, int hq, bool traditional)
+      : mx::UnaryPrimitive(s), part_(part), hq_(hq), trad_(traditional) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    const bool donated = part_ == 0 ? false : take_or_alloc(in[0], out);
+    if (part_ == 0) out.set_data(mx::allocator::malloc(out.nbytes()));
+    if (out.size() == 0) return;
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    if (part_ == 0) {
+      enc.dispatch([qkv = in[0], c = in[1], sn = in[2], out, hq = hq_, trad = trad_]() mutable {
+        const int D = static_cast<int>(out.shape(3));
+        const int64_t N = static_cast<int64_t>(out.shape(0)) * out.shape(1);
+        const int64_t W = qkv.shape(1);
+        std::vector<float> tx, tc, ts;
+        const float* x = dense(qkv, tx);
+        const float* cp = dense(c, tc);
+        const float* sp = dense(sn, ts);
+        for (int64_t n = 0; n < N; ++n)
+          rope_cpu(x + n * W, cp + n * D, sp + n * D, out.data<float>() + n * hq * D, 1, hq, D, trad);
+      });
+      return;
+    }
+    // parts 1, 2: in = (cache, qkv, slots[, cos, sin])
+    enc.dispatch([in, out, part = part_, hq = hq_, trad = trad_, donated]() mutable {
+      const mx::array &cache = in[0], &qkv = in[1], &sl = in[2];
+      if (!donated) copy_cache(cache, out);
+      const int B = static_cast<int>(out.shape(0)), Hk = static_cast<int>(out.shape(1));
+      const int64_t S = out.shape(2);
+      const int D = static_cast<int>(out.shape(3));
+      const int T = static_cast<int>(sl.shape(1));
+      const int64_t W = qkv.shape(1);
+      const int64_t off = static_cast<int64_t>(part == 1 ? hq : hq + Hk) * D;  // the k or v heads
+      std::vector<float> tx, tc, ts, kr(static_cast<size_t>(Hk) * D);
+      std::vector<int32_t> tsl;
+      const float* x = dense(qkv, tx);
+      const int32_t* slots = dense<int32_t>(sl, tsl);
+      const float* cp = part == 1 ? dense(in[3], tc) : nullptr;
+      const float* sp = part == 1 ? dense(in[4], ts) : nullptr;
+      const bool half = out.itemsize() == 2;
+      for (int64_t n = 0; n < static_cast<int64_t>(B) * T; ++n) {
+        const int64_t slot = slots[n];
+        if (slot < 0 || slot >= S) continue;  // never produced by the cache's geometry
+        const float* src = x + n * W + off;
+        if (part == 1) {  // k: rotated first
+          rope_cpu(src, cp + n * D, sp + n * D, kr.data(), 1, Hk, D, trad);
+          src = kr.data();
+        }
+        const int64_t b = n / T;
+        for (int h = 0; h < Hk; ++h) {
+          const int64_t at = ((b * Hk + h) * S + slot) * D;
+          const float* sh = src + static_cast<int64_t>(h) * D;
+          if (half) {
+            uint16_t* dst = out.data<uint16_t>() + at;
+            for (int d = 0; d < D; ++d) dst[d] = float_to_half(sh[d]);
+          } else {
+            std::memcpy(out.data<float>() + at, sh, sizeof(float) * D);
+          }
+        }
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("fx_engine native kernels run on the CPU only");
+  }
+  const char* name() const override {
+    return part_ == 0 ? "FxQkvRopeQ" : part_ == 1 ? "FxQkvRopePutK" : "FxQkvPutV";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const QkvPart&>(other);
+    return part_ == o.part_ && hq_ == o.hq_ && trad_ == o.trad_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    if (part_ == 0) return {mx::Shape{in[1].shape(0), in[1].shape(1), hq_, in[1].shape(3)}};
+    return {in[0].shape()};
+  }
+
+ private:
+  int part_, hq_;
+  bool trad_;
+};
+
+std::vector<mx::array> qkv_rope_put(const mx::array& qkv, const mx::array& cos, const mx::array& sin,
+                                    bool traditional, int q_heads, const mx::array& keys,
+                                    const mx::array& values, const mx::array& slots) {
+  const std::string p = "qkv_rope_put: ";
+  const auto dt = keys.dtype();
+  if (keys.ndim() != 4 || (dt != mx::float32 && dt != mx::float16) || values.dtype() != dt ||
+      values.shape() != keys.shape())
+    throw std::invalid_argument(p + "keys and values must be float32 or float16 [B, Hk, S, D], alike");
+  const int B = keys.shape(0), Hk = keys.shape(1), D = keys.shape(3);
+  if (D == 0 || D % 2 != 0) throw std::invalid_argument(p + "head_dim must be even and positive");
+  if (slots.ndim() != 2 || slots.shape(0) != B)
+    throw std::invalid_argument(p + "slots must be [B, T] for the caches' B rows");
+  const int T = slots.shape(1);
+  if (q_heads <= 0 || Hk == 0 || q_heads % Hk != 0)
+    throw std::invalid_argument(p + "q_heads must be a positive multiple of the caches' KV heads");
+  if (qkv.ndim() != 2 || qkv.dtype() != mx::float32 || qkv.shape(0) != B * T ||
+      qkv.shape(1) != (q_heads + 2 * Hk) * D)
+    throw std::invalid_argument(p + "qkv must be float32 [B*T, (q_heads + 2 * Hk) * D]");
+  const auto want = mx::Shape{B, T, 1, D};
+  if (cos.shape() != want || sin.shape() != want || cos.dtype() != mx::float32 || sin.dtype() != mx::float32)
+    throw std::invalid_argument(p + "cos and sin must be float32 [B, T, 1, D]");
+  const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
+  const auto sl = mx::astype(slots, mx::int32, s);
+  auto part = [&](int k) { return std::make_shared<QkvPart>(s, k, q_heads, traditional); };
+  return {mx::array(mx::Shape{B, T, q_heads, D}, mx::float32, part(0), {qkv, cos, sin}),
+          mx::array(keys.shape(), dt, part(1), {keys, qkv, sl, cos, sin}),
+          mx::array(values.shape(), dt, part(2), {values, qkv, sl})};
+}
+
+// add_rms_norm: (h + a, rms_norm(h + a) * w) in one node: a residual add and the next
+// branch's pre-norm (the sum as MLX's add computes it, the norm as rms_norm's).
+class AddRmsNorm : public mx::Primitive {
+ public:
+  AddRmsNorm(mx::Stream s, float eps) : mx::Primitive(s), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    for (auto& o : outs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    if (outs[0].size() == 0) return;
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    for (auto& o : outs) enc.set_output_array(o);
+    enc.dispatch([h = in[0], a = in[1], w = in[2], sum = outs[0], y = outs[1], eps = eps_]() mutable {
+      std::vector<float> th, ta, tw;
+      const float* hp = dense(h, th);
+      const float* ap = dense(a, ta);
+      float* sp = sum.data<float>();
+      for (size_t i = 0; i < sum.size(); ++i) sp[i] = hp[i] + ap[i];
+      const int D = static_cast<int>(sum.shape(-1));
+      rms_norm_cpu(sp, dense(w, tw), eps, y.data<float>(), static_cast<int64_t>(sum.size() / D), D);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("fx_engine native kernels run on the CPU only");
+  }
+  const char* name() const override { return "FxAddRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const AddRmsNorm&>(other).eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape(), in[0].shape()};
+  }
+
+ private:
+  float eps_;
+};
+
+std::vector<mx::array> add_rms_norm(const mx::array& h, const mx::array& a, const mx::array& w, float eps) {
+  if (h.ndim() < 1 || h.dtype() != mx::float32 || a.dtype() != mx::float32 || a.shape() != h.shape())
+    throw std::invalid_argument("add_rms_norm: h and a must be float32 arrays of one shape");
+  if (w.ndim() != 1 || w.shape(0) != h.shape(-1) || w.shape(0) == 0)
+    throw std::invalid_argument("add_rms_norm: weight must be [D] for h [..., D], D > 0");
+  const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
+  return mx::array::make_arrays({h.shape(), h.shape()}, {mx::float32, mx::float32},
+                                std::make_shared<AddRmsNorm>(s, eps), {h, a, mx::astype(w, mx::float32, s)});
+}
+
 class Swiglu : public CpuKernel {
  public:
   explicit Swiglu(mx::Stream s) : CpuKernel(s) {}
@@ -448,18 +643,19 @@ class Attend : public CpuKernel {
       std::vector<float> tq;
       std::vector<uint8_t> tm;
       const int B = q.shape(0), T = q.shape(1), Hq = q.shape(2), D = q.shape(3);
-      const int Hk = k.shape(1), S = k.shape(2);
-      // K and V are read through their strides (a span slice of the cache is a view):
-      // only the head dimension must be contiguous, else they are copied here. (Strides
-      // exist only once an array is evaluated, so this is decided here, not when the
-      // graph is built.)
+      // The first S = mask's slots of K and V are read (they may hold more: the whole
+      // cache, no span slice in the graph), through their strides: only the head
+      // dimension must be contiguous, else they are copied here. (Strides exist only once
+      // an array is evaluated, so this is decided here, not when the graph is built.)
+      const int Hk = k.shape(1), S = m.shape(2);
       auto run = [&](auto tag) {
         using E = decltype(tag);
         std::vector<E> tk, tv;
-        auto view = [S, D, Hk](const mx::array& a, std::vector<E>& tmp) {
+        auto view = [D, Hk](const mx::array& a, std::vector<E>& tmp) {
           if (a.strides()[3] != 1) {
             const E* p = dense<E>(a, tmp);
-            return Strided4<E>{p, static_cast<int64_t>(Hk) * S * D, static_cast<int64_t>(S) * D, D};
+            const int64_t Sa = a.shape(2);
+            return Strided4<E>{p, static_cast<int64_t>(Hk) * Sa * D, Sa * D, D};
           }
           return Strided4<E>{a.data<E>(), static_cast<int64_t>(a.strides()[0]),
                              static_cast<int64_t>(a.strides()[1]), static_cast<int64_t>(a.strides()[2])};
@@ -502,8 +698,8 @@ mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v,
   if (D == 0 || D % 16 != 0)
     throw std::invalid_argument(p + "head_dim must be a positive multiple of 16");
   if (mask.ndim() != 3 || mask.dtype() != mx::bool_ || mask.shape(0) != B ||
-      mask.shape(1) != T || mask.shape(2) != k.shape(2))
-    throw std::invalid_argument(p + "mask must be bool [B, T, S]");
+      mask.shape(1) != T || mask.shape(2) > k.shape(2))
+    throw std::invalid_argument(p + "mask must be bool [B, T, S] with S at most k's slots");
   const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
   return mx::array(mx::Shape{B, T, Hq * D}, mx::float32, std::make_shared<Attend>(s, scale),
                    {q, k, v, mask});
@@ -817,12 +1013,18 @@ NB_MODULE(_fx_native, m) {
   m.def("masked_softmax", &masked_softmax, nb::arg("scores"), nb::arg("mask"),
         "softmax over the last axis of float32 scores [B, H, T, S] where bool mask [B, T, S]");
   m.def("attend", &attend, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask"),
-        nb::arg("scale"), "GQA attention of q [B, T, Hq, D] over k, v [B, Hk, S, D] -> [B, T, Hq*D]");
+        nb::arg("scale"), "GQA attention of q [B, T, Hq, D] over the first S slots of k, v [B, Hk, >= S, D] "
+        "(S: mask [B, T, S]) -> [B, T, Hq*D]");
   m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("traditional"),
         "x * cos + partner(x) * sin for x [B, T, H, D], tables [B, T, 1, D]");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("swiglu", &swiglu, nb::arg("gu"));
   m.def("kv_put", &kv_put, nb::arg("cache"), nb::arg("new"), nb::arg("slots"));
+  m.def("qkv_rope_put", &qkv_rope_put, nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"),
+        nb::arg("traditional"), nb::arg("q_heads"), nb::arg("keys"), nb::arg("values"), nb::arg("slots"),
+        "qkv [B*T, (Hq + 2Hk) * D] -> (q [B, T, Hq, D] rotated, keys, values with k, v written at slots [B, T])");
+  m.def("add_rms_norm", &add_rms_norm, nb::arg("h"), nb::arg("a"), nb::arg("weight"), nb::arg("eps"),
+        "(h + a, rms_norm(h + a) * weight)");
 #if defined(__AVX512F__)
   m.attr("tiled_gemm") = true;  // qgemm's register tile fits (see qgemm_cpu)
 #else

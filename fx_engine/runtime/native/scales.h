@@ -38,6 +38,31 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
+// float -> float16 bits, rounded to nearest even, as MLX's CPU astype writes them (the fused
+// cache writes store what an astype then a put stored): infinity past the largest half,
+// subnormal halves below 2^-14 (rounded by one float addition of a magic number), and
+// NaN as MLX's 0x7d00 with the sign.
+inline uint16_t float_to_half(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  if (u >= 0x47800000u)  // >= 65536 (every such float rounds past the largest half), inf, NaN
+    return static_cast<uint16_t>(sign | (u > 0x7f800000u ? 0x7d00u : 0x7c00u));
+  if (u < 0x38800000u) {  // below 2^-14: adding 0.5 leaves the rounded half's bits at the bottom
+    const uint32_t magic = 126u << 23;  // 0.5: its ulp is 2^-24, the subnormal half's unit
+    float a, m;
+    std::memcpy(&a, &u, 4);
+    std::memcpy(&m, &magic, 4);
+    const float r = a + m;
+    uint32_t rb;
+    std::memcpy(&rb, &r, 4);
+    return static_cast<uint16_t>(sign | (rb - magic));
+  }
+  const uint32_t odd = (u >> 13) & 1u;  // ties to even
+  return static_cast<uint16_t>(sign | ((u + 0xc8000fffu + odd) >> 13));  // rebias 127 -> 15, round
+}
+
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
