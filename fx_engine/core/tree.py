@@ -47,9 +47,39 @@ def tree_flatten(tree: Any) -> tuple[list[mx.array], TreeDef]:
     return leaves, treedef
 
 
+class _HashedTreeDef(tuple):
+    """A treedef that computes its hash once (a plain tuple rehashes every node on every
+    lookup): memoized subtrees (the params) and each call's whole key, which the compile
+    wrapper looks up twice."""
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = tuple.__hash__(self)
+        return h
+
+
 # Immutable trees that are flattened on every step (model params: hundreds of leaves) can
 # opt in to memoized flattening with a class attribute `__fx_memo_flatten__ = True`.
 _MEMO: dict[int, tuple[Any, list[mx.array], TreeDef]] = {}
+
+# Per attrs class: (leaf field names, static field names, memoized?), read once: a step
+# flattens the same few classes hundreds of times (a cache's entries, a state's fields).
+_KINDS: dict[type, tuple[tuple[str, ...], tuple[str, ...], bool] | None] = {}
+
+
+def _kind(cls: type) -> tuple[tuple[str, ...], tuple[str, ...], bool] | None:
+    k = _KINDS.get(cls, False)
+    if k is False:
+        if attrs.has(cls):
+            fields = attrs.fields(cls)
+            k = (tuple(f.name for f in fields if not _is_static(f)),
+                 tuple(f.name for f in fields if _is_static(f)),
+                 bool(getattr(cls, "__fx_memo_flatten__", False)))
+        else:
+            k = None
+        _KINDS[cls] = k
+    return k
 
 
 def _flatten(node: Any, leaves: list[mx.array]) -> TreeDef:
@@ -58,25 +88,25 @@ def _flatten(node: Any, leaves: list[mx.array]) -> TreeDef:
         return ("leaf",)
     if node is None:
         return ("none",)
-    if getattr(type(node), "__fx_memo_flatten__", False):
+    kind = _kind(type(node))
+    if kind is None:
+        return _flatten_other(node, leaves)
+    if kind[2]:
         hit = _MEMO.get(id(node))
         if hit is not None and hit[0]() is node:
             leaves.extend(hit[1])
             return hit[2]
         sub: list[mx.array] = []
-        td = _flatten_attrs(node, sub)
+        td = _HashedTreeDef(_flatten_attrs(node, sub, kind))
         _MEMO[id(node)] = (weakref.ref(node, lambda _, k=id(node): _MEMO.pop(k, None)), sub, td)
         leaves.extend(sub)
         return td
-    if attrs.has(type(node)):
-        return _flatten_attrs(node, leaves)
-    return _flatten_other(node, leaves)
+    return _flatten_attrs(node, leaves, kind)
 
 
-def _flatten_attrs(node: Any, leaves: list[mx.array]) -> TreeDef:
-    fields = attrs.fields(type(node))
-    dynamic = tuple(f.name for f in fields if not _is_static(f))
-    static = tuple((f.name, _freeze(getattr(node, f.name))) for f in fields if _is_static(f))
+def _flatten_attrs(node: Any, leaves: list[mx.array], kind: tuple) -> TreeDef:
+    dynamic, static_names, _ = kind
+    static = tuple((name, _freeze(getattr(node, name))) for name in static_names)
     children = tuple(_flatten(getattr(node, name), leaves) for name in dynamic)
     return ("attrs", type(node), dynamic, static, children)
 
@@ -100,10 +130,16 @@ def _flatten_other(node: Any, leaves: list[mx.array]) -> TreeDef:
     )
 
 
+_FROZEN_TYPES = (int, float, str, bool, type(None))
+
+
 def _freeze(value: Any) -> Any:
     """Make a static value hashable (lists become tuples, dicts sorted item tuples)."""
     if isinstance(value, mx.array):
         raise TypeError("an mx.array cannot be a static field; declare it as a leaf")
+    if type(value) is tuple and all(isinstance(v, _FROZEN_TYPES) or _kind(type(v)) is not None
+                                    for v in value):
+        return value  # (already hashable: scalars, attrs instances, e.g. a cache's layout)
     if isinstance(value, (list, tuple)):
         return tuple(_freeze(v) for v in value)
     if isinstance(value, dict):
@@ -122,6 +158,9 @@ def tree_unflatten(treedef: TreeDef, leaves: list[mx.array]) -> Any:
     return out
 
 
+_SET = object.__setattr__
+
+
 def _unflatten(td: TreeDef, it: Any) -> Any:
     kind = td[0]
     if kind == "leaf":
@@ -132,12 +171,12 @@ def _unflatten(td: TreeDef, it: Any) -> Any:
         return td[2]
     if kind == "attrs":
         _, cls, dynamic, static, children = td
-        values = {name: _unflatten(c, it) for name, c in zip(dynamic, children)}
-        values.update(dict(static))
         # Bypass validators/converters: leaves inside a trace are tracers.
         obj = object.__new__(cls)
-        for name, value in values.items():
-            object.__setattr__(obj, name, value)
+        for name, c in zip(dynamic, children):
+            _SET(obj, name, _unflatten(c, it))
+        for name, value in static:
+            _SET(obj, name, value)
         return obj
     if kind == "namedtuple":
         return td[1](*(_unflatten(c, it) for c in td[2]))
@@ -242,6 +281,7 @@ class CompiledFunction:
         if self.prepare is not None:
             args, kwargs = self.prepare(args, kwargs)
         leaves, in_td = tree_flatten((args, kwargs))
+        in_td = _HashedTreeDef(in_td)  # hashed once for the lookups below
         entry = self._entries.get(in_td)
         if entry is None:
             with self._lock:

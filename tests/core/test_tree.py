@@ -88,6 +88,26 @@ def test_static_fields_are_not_leaves():
     assert tree_unflatten(td, leaves).n == 7
 
 
+@attrs.frozen
+class Spec:
+    dims: tuple = static_field()
+
+
+def test_static_values_key_by_value_whatever_their_container() -> None:
+    """Static values are keyed by value: a tuple of scalars or attrs instances as it is, a
+    list (or a tuple holding one) as the equal tuple; an equal structure gives an equal,
+    equally hashed key (a hit), a different one another key."""
+    keys = [tree_flatten(Spec(dims=d))[1] for d in
+            [(1, 2), [1, 2], (1, [2]), (1, (2,)), ((1, 2),), (Spec((1,)), 2), (Spec((1,)), 2)]]
+    assert keys[0] == keys[1] and hash(keys[0]) == hash(keys[1])
+    assert keys[2] == keys[3] != keys[0] and hash(keys[2]) == hash(keys[3])
+    assert keys[4] != keys[0] and keys[5] == keys[6] and hash(keys[5]) == hash(keys[6])
+    f = CompiledFunction(lambda s, x: x * len(s.dims))
+    assert f(Spec((1, 2)), mx.array(1.0)).item() == 2 and f(Spec([1, 2]), mx.array(1.0)).item() == 2
+    assert f.traces == 1
+    assert f(Spec((1, 2, 3)), mx.array(1.0)).item() == 3 and f.traces == 2
+
+
 def test_tree_map():
     t = Outer(xs=(mx.array([1.0]),), inner=Inner(a=mx.array([2.0])))
     out = tree_map(lambda x: x * 10, t)
