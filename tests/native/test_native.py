@@ -625,6 +625,27 @@ def test_attend_row_is_independent_of_span_and_batch() -> None:
     assert np.array_equal(run([1], 512)[0], run([2, 1], 576)[1])
 
 
+@pytest.mark.parametrize("kv_dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("t,hq,hk", [(1, 9, 3), (3, 10, 2), (2, 5, 1), (1, 16, 2)])
+def test_attend_row_alone_gives_its_bits_among_others(t, hq, hk, kv_dtype) -> None:  # noqa: ANN001
+    """A row alone (a model with few KV heads: fewer work items than threads) gives the bits
+    it gets among other rows, for decode and verify-sized steps, with rows that end inside a
+    block of keys and a hole in a mask."""
+    b, s, d = 4, 700, 64
+    q = mx.array(RNG.standard_normal((b, t, hq, d)).astype(np.float32))
+    kc = mx.array(RNG.standard_normal((b, hk, s, d)).astype(np.float32)).astype(kv_dtype)
+    vc = mx.array(RNG.standard_normal((b, hk, s, d)).astype(np.float32)).astype(kv_dtype)
+    m = np.zeros((b, t, s), bool)
+    for i, n in enumerate([300, 641, 257, 600]):
+        for ti in range(t):
+            m[i, ti, : n + ti] = True
+    m[3, 0, 5] = False  # a hole
+    whole = np.asarray(native.attend(q, kc, vc, mx.array(m), 0.125))
+    for i in range(b):
+        alone = np.asarray(native.attend(q[i:i + 1], kc[i:i + 1], vc[i:i + 1], mx.array(m[i:i + 1]), 0.125))
+        assert np.array_equal(alone[0], whole[i]), i
+
+
 def test_attend_prefill_rows_are_independent_of_the_chunk() -> None:
     """Bitwise, for chunks of more than 16 tokens (the prefill kernel): a query row's output
     is the same in a chunk of 48 tokens as in the two chunks of 24 that cover it (same
