@@ -423,16 +423,21 @@ def write_rotated_entry(
 def attend_entry(
     entry: Any, spec: LayerSpec, q: mx.array, geo: StepGeometry, scale: float,
     numerics: Numerics, softcap: float | None = None, sinks: mx.array | None = None,
+    flat: bool = False,
 ) -> mx.array:
-    """Attention of q [B, T, Hq, D] over one (already written) entry: [B, T, Hq * D].
-    softcap: attention logit soft-capping; sinks: per-head sink logits (see `attention`)."""
+    """Attention of q [B, T, Hq, D] over one (already written) entry: [B, T, Hq * D]
+    ([B*T, Hq * D] if flat). softcap: attention logit soft-capping; sinks: per-head sink
+    logits (see `attention`)."""
+    if spec.bits and flat:
+        b, t = q.shape[:2]
+        return attend_entry(entry, spec, q, geo, scale, numerics, softcap, sinks).reshape(b * t, -1)
     if spec.ring:
         n = min(geo.span, spec.ring)
         mask = geo.mask(n, spec.window, spec.ring)
         # While the span fits in the ring, slot == position: the causal-tail blocking holds.
         tail = geo.bounded and geo.causal and geo.span <= spec.ring
         return attention(q, entry.keys[:, :, :n], entry.values[:, :, :n], mask, scale,
-                         numerics, causal_tail=tail, softcap=softcap, sinks=sinks)
+                         numerics, causal_tail=tail, softcap=softcap, sinks=sinks, flat=flat)
     mask = geo.mask(geo.span, spec.window)
     if spec.bits:
         f = min(entry.head_slots, geo.span)
@@ -445,7 +450,7 @@ def attend_entry(
         )
     # (the whole arrays: attention reads the first span slots, the mask's)
     return attention(q, entry.keys, entry.values, mask, scale, numerics,
-                     causal_tail=geo.bounded and geo.causal, softcap=softcap, sinks=sinks)
+                     causal_tail=geo.bounded and geo.causal, softcap=softcap, sinks=sinks, flat=flat)
 
 
 def attend_latent(

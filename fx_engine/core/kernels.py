@@ -40,24 +40,26 @@ def _module() -> ModuleType:
     return _EXTENSION[0]
 
 
-def qmm(x, w, scales, biases, group_size: int, bits: int):  # type: ignore[no-untyped-def]
+def qmm(x, w, scales, biases, group_size: int, bits: int, add=None):  # type: ignore[no-untyped-def]
     """x[..., K] @ dequantize(w, scales, biases).T -> [..., N]: a pure op (an MLX primitive).
     scales / biases (every product and dequantize alike): float32, float16 or bfloat16
     pairs [N, K / group_size], or GGUF's K-quant two-level form (int16 scales [N, groups],
     float16 biases [N, super-blocks, 2]; `nn.group_params`), each decoded in the kernel
-    to the same float32 values: the same bits, fewer bytes."""
-    return _module().qmm(x, w, scales, biases, group_size, bits)
+    to the same float32 values: the same bits, fewer bytes. add (every product alike): a
+    float32 array of the product's shape, returned as add + product from the same node (a
+    residual branch's last projection: the separate add's bits without its graph node)."""
+    return _module().qmm(x, w, scales, biases, group_size, bits, add)
 
 
-def qgemm(x, w, scales, biases, group_size: int, bits: int):  # type: ignore[no-untyped-def]
+def qgemm(x, w, scales, biases, group_size: int, bits: int, add=None):  # type: ignore[no-untyped-def]
     """qmm's product with the many-rows kernel: vectors along the rows of x, register tiles
     of 12 features x 32 rows. ~2x qmm's speed from ~16 rows up; below that most vector
     lanes are padding. Batch-invariant too, with another fixed summation order than qmm
     (each output a sequential float32 sum over K), so the two differ in the last bits."""
-    return _module().qgemm(x, w, scales, biases, group_size, bits)
+    return _module().qgemm(x, w, scales, biases, group_size, bits, add)
 
 
-def qmm_a8(x, w, scales, biases, group_size: int, bits: int, interleaved: bool = False):  # type: ignore[no-untyped-def]
+def qmm_a8(x, w, scales, biases, group_size: int, bits: int, interleaved: bool = False, add=None):  # type: ignore[no-untyped-def]
     """The product with 8-bit activations (`Numerics.activation_bits == 8`): each row of x
     rounded per weight group (d = amax / 127, xq = rint(x / d)), y = x_hat @ w_hat.T with
     exact int32 dot products per group, combined in float32 in group order. A different
@@ -67,7 +69,7 @@ def qmm_a8(x, w, scales, biases, group_size: int, bits: int, interleaved: bool =
     `interleave16_planes(w, bits)` where `il_planes()`), scales and biases `interleave16_groups`'s (the K-quant form: its
     codes `interleave16_groups`'s, its factors `interleave16_factors`'): the same bits, each
     16-row block read as one contiguous stream, its scales converted as they are read."""
-    return _module().qmm_a8(x, w, scales, biases, group_size, bits, interleaved)
+    return _module().qmm_a8(x, w, scales, biases, group_size, bits, interleaved, add)
 
 
 GATHER_KINDS = {"qmm": 0, "qgemm": 1, "qmm_a8": 2, "qmm_a8_il": 3}
@@ -305,11 +307,12 @@ def swiglu(gu):  # type: ignore[no-untyped-def]
     return _module().swiglu(gu)
 
 
-def attend(q, k, v, mask, scale: float):  # type: ignore[no-untyped-def]
+def attend(q, k, v, mask, scale: float, flat: bool = False):  # type: ignore[no-untyped-def]
     """Grouped-query attention in one node: q [B, T, Hq, D] (float32) over the first S
     slots of k/v [B, Hk, >= S, D] (the whole cache, or strided views of it, read in place),
-    bool mask [B, T, S] -> [B, T, Hq * D]."""
-    return _module().attend(q, k, v, mask, scale)
+    bool mask [B, T, S] -> [B, T, Hq * D] ([B*T, Hq * D] if flat: what the output
+    projection reads, without a reshape node)."""
+    return _module().attend(q, k, v, mask, scale, flat)
 
 
 def rope(x, cos, sin, traditional: bool):  # type: ignore[no-untyped-def]

@@ -257,22 +257,25 @@ def _product_biases(q: Quant) -> mx.array | None:
     return q.biases
 
 
-def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
+def _native_matmul(x: mx.array, lin: Linear, numerics: Numerics, add: mx.array | None = None) -> mx.array:
+    """The native product; add (float32, the product's shape): add + product, in the same
+    node where a native kernel computes it."""
     q = lin.quant
     args = (lin.weight, q.scales, _product_biases(q), q.group_size, q.bits)
     # 8-bit activations: qmm_a8 runs every native format (5- and 6-bit weights, such as a
     # Q4_K_M file's attn_v / ffn_down and a tied Q6_K head: interleaved as planes where the
     # build reads them, else unpacked to bytes per block)
     if numerics.activation_bits == 8 and kernels.supports(q.group_size, q.bits, 8):
-        return kernels.qmm_a8(x, *args, interleaved=q.interleaved)
+        return kernels.qmm_a8(x, *args, interleaved=q.interleaved, add=add)
     _rows_layout(lin)
     plan = numerics.matmul
     rows = 1
     for n in x.shape[:-1]:
         rows *= n
     if not numerics.batch_invariant and plan.gemm_from and rows >= plan.gemm_from:
-        return x @ kernels.dequantize(*args).astype(x.dtype).T
-    return (kernels.qgemm if plan.kernel == "qgemm" else kernels.qmm)(x, *args)
+        y = x @ kernels.dequantize(*args).astype(x.dtype).T
+        return y if add is None else add + y
+    return (kernels.qgemm if plan.kernel == "qgemm" else kernels.qmm)(x, *args, add=add)
 
 
 def _rows_layout(lin: Linear) -> None:
@@ -446,7 +449,16 @@ def lora_update(x: mx.array, y: mx.array, lora: LoraBinding, numerics: Numerics)
     return out.reshape(*lead, -1)
 
 
-def linear(x: mx.array, lin: Linear, numerics: Numerics) -> mx.array:
+def linear(x: mx.array, lin: Linear, numerics: Numerics, residual: mx.array | None = None) -> mx.array:
+    """x @ W.T (+ LoRA, tensor-parallel combine, bias). residual: an array of the output's
+    shape returned as residual + that (a residual branch's last projection); the native
+    kernels add it in the product's own node (the same bits, one graph node fewer)."""
+    if residual is not None:
+        if (_native_ok(lin, numerics) and lin.lora is None and lin.shard is None and lin.bias is None
+                and x.dtype == residual.dtype == mx.float32
+                and residual.shape == (*x.shape[:-1], lin.weight.shape[0])):
+            return _native_matmul(x, lin, numerics, add=residual)
+        return residual + linear(x, lin, numerics)
     if _native_ok(lin, numerics):
         y = _native_matmul(x, lin, numerics)
     elif numerics.batch_invariant:
@@ -794,6 +806,7 @@ QUERY_BLOCK = 128  # query rows per block in prefill attention (see `attention`)
 def attention(
     q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float, numerics: Numerics,
     causal_tail: bool = False, softcap: float | None = None, sinks: mx.array | None = None,
+    flat: bool = False,
 ) -> mx.array:
     """Grouped-query softmax attention.
 
@@ -817,19 +830,25 @@ def attention(
 
     sinks [Hq]: a per-head logit in every softmax's denominator that attends to nothing
     (GPT-OSS's attention sinks, as mx.fast.scaled_dot_product_attention's `sinks`); MLX path.
+
+    flat: return [B*T, Hq*Dv] (what an output projection reads; the native kernel writes
+    that shape, no reshape node).
     """
     b, t, hq, d = q.shape
     hk, s, dv = k.shape[1], mask.shape[-1], v.shape[-1]
-    if (numerics.native and not numerics.batch_invariant and d % 16 == 0 and softcap is None
-            and sinks is None and dv == d
-            and q.dtype == mx.float32 and k.dtype == v.dtype and k.dtype in (mx.float32, mx.float16)):
+    native = (numerics.native and not numerics.batch_invariant and d % 16 == 0 and softcap is None
+              and sinks is None and dv == d
+              and q.dtype == mx.float32 and k.dtype == v.dtype and k.dtype in (mx.float32, mx.float16))
+    if flat and not native:
+        return attention(q, k, v, mask, scale, numerics, causal_tail, softcap, sinks).reshape(b * t, hq * dv)
+    if native:
         # One native node per layer instead of ~15: for decode and verify (<= 16 tokens) one
         # pass over each row's K/V, for prefill chunks register-tiled scores and P @ V per
         # block of 16 query tokens, keys only up to each block's last visible slot (no
         # per-(row, head) BLAS calls, no causal blocking needed). Not in batch-invariant
         # mode, where a token's arithmetic must not depend on whether it came in a chunk
         # or a decode step: that mode takes the tiled GEMM path below.
-        return kernels.attend(q, k, v, mx.broadcast_to(mask[:, 0], (b, t, s)), scale)
+        return kernels.attend(q, k, v, mx.broadcast_to(mask[:, 0], (b, t, s)), scale, flat)
     if k.shape[2] > s:
         k, v = k[:, :, :s], v[:, :, :s]
     if k.dtype != q.dtype:  # a cache stored in another dtype (Model.kv_dtype): computed in q's

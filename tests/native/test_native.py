@@ -363,7 +363,8 @@ def test_kernels_inside_compile_do_not_retrace() -> None:
 @pytest.mark.parametrize("kv_dtype", [mx.float32, mx.float16])
 def test_attend_reads_the_first_mask_slots_of_a_whole_cache(kv_dtype) -> None:  # noqa: ANN001
     """k / v holding more slots than the mask (the whole cache, no span slice in the graph)
-    give the bits of the span slices; for one token (decode) and a prefill chunk."""
+    give the bits of the span slices; for one token (decode) and a prefill chunk; flat
+    output alike."""
     for t in (1, 20):
         q = mx.array(RNG.standard_normal((2, t, 6, 32)).astype(np.float32))
         kc = mx.array(RNG.standard_normal((2, 3, 90, 32)).astype(np.float32)).astype(kv_dtype)
@@ -372,6 +373,8 @@ def test_attend_reads_the_first_mask_slots_of_a_whole_cache(kv_dtype) -> None:  
         whole = np.asarray(native.attend(q, kc, vc, mask, 0.2))
         sliced = np.asarray(native.attend(q, kc[:, :, :50], vc[:, :, :50], mask, 0.2))
         assert np.array_equal(whole, sliced)
+        flat = native.attend(q, kc, vc, mask, 0.2, flat=True)  # [B*T, Hq*D]: no reshape node
+        assert flat.shape == (2 * t, 6 * 32) and np.array_equal(np.asarray(flat), whole.reshape(2 * t, -1))
 
 
 def _unfused_qkv(qkv, cos, sin, trad, hq, keys, values, slots):  # noqa: ANN001, ANN202
@@ -465,6 +468,42 @@ def test_qkv_rope_put_in_a_compiled_step_writes_in_place_and_errors() -> None:
         native.qkv_rope_put(qkv, cos, sin, False, 8, k16, k16, mx.zeros((3, 1), mx.int32))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_products_with_an_addend_are_the_separate_add(bits: int) -> None:
+    """qmm / qgemm / qmm_a8 (also interleaved) with add=c give c + the product bit for bit,
+    for one row, a few and many, leading dims and a strided addend; nn.linear's residual
+    takes that path where it can and is the same sum elsewhere; bad addends are errors."""
+    from fx_engine.core.kernels import interleave16, interleave16_groups
+
+    wq, s, b = _quantized(48, 128, 32, bits)
+    for m in (1, 5, 40):
+        x = mx.array(RNG.standard_normal((m, 128)).astype(np.float32))
+        c = mx.array(RNG.standard_normal((m, 96)).astype(np.float32))[:, ::2]  # strided
+        for op in (native.qmm, native.qgemm, native.qmm_a8):
+            assert np.array_equal(np.asarray(op(x, wq, s, b, 32, bits, add=c)), np.asarray(c + op(x, wq, s, b, 32, bits)))
+        il = (interleave16(wq), interleave16_groups(s), interleave16_groups(b))
+        assert np.array_equal(np.asarray(native.qmm_a8(x, *il, 32, bits, interleaved=True, add=c)),
+                              np.asarray(c + native.qmm_a8(x, wq, s, b, 32, bits)))
+    x3 = mx.array(RNG.standard_normal((2, 3, 128)).astype(np.float32))
+    c3 = mx.array(RNG.standard_normal((2, 3, 48)).astype(np.float32))
+    assert np.array_equal(np.asarray(native.qmm(x3, wq, s, b, 32, bits, add=c3)), np.asarray(c3 + native.qmm(x3, wq, s, b, 32, bits)))
+    with pytest.raises(ValueError, match="add must be float32 of the product's shape"):
+        native.qmm(x3, wq, s, b, 32, bits, add=c3[:, :2])
+    with pytest.raises(ValueError, match="add must be float32"):
+        native.qmm(x3, wq, s, b, 32, bits, add=c3.astype(mx.float16))
+
+
+def test_linear_residual_is_residual_plus_linear() -> None:
+    from fx_engine.core.nn import Numerics, linear
+
+    m = fx_engine.load()
+    lin = m.params.layers[0].down
+    x = mx.array(RNG.standard_normal((3, lin.weight.shape[1] * 32 // lin.quant.bits)).astype(np.float32))
+    h = mx.array(RNG.standard_normal((3, lin.weight.shape[0])).astype(np.float32))
+    for num in (m.params.numerics, Numerics()):  # the native kernels' node, and MLX's ops
+        assert np.array_equal(np.asarray(linear(x, lin, num, residual=h)), np.asarray(h + linear(x, lin, num)))
+
+
 def test_add_rms_norm_is_the_add_and_the_norm() -> None:
     from fx_engine.core.nn import Numerics, add_rms_norm
 
@@ -484,9 +523,9 @@ def test_add_rms_norm_is_the_add_and_the_norm() -> None:
 
 @pytest.mark.parametrize("numerics,kv_dtype", [("exact", "float32"), ("int8", "float16")])
 def test_fused_layer_nodes_give_the_separate_ops_bits(numerics, kv_dtype, monkeypatch) -> None:  # noqa: ANN001
-    """The default model's prefill and decode steps with the fused attention-input and
-    add + norm nodes against the same steps traced with the separate ops: the same logits,
-    tokens and cache bit for bit."""
+    """The default model's prefill and decode steps with the fused attention-input, add +
+    norm and product + residual nodes against the same steps traced with the separate ops:
+    the same logits, tokens and cache bit for bit."""
     from fx_engine.core import nn
     from fx_engine.core.models import blocks
     from fx_engine.core.steps import decode_step, prefill_step
@@ -515,6 +554,9 @@ def test_fused_layer_nodes_give_the_separate_ops_bits(numerics, kv_dtype, monkey
     monkeypatch.setattr(blocks, "fused_write", lambda *a: False)
     monkeypatch.setattr(blocks, "add_rms_norm",
                         lambda h, a, w, eps, num=None: (h + a, nn.rms_norm(h + a, w, eps, num)))
+    mlp = blocks.swiglu_mlp
+    monkeypatch.setattr(blocks, "swiglu_mlp", lambda x, gu, down, num, residual=None: (
+        mlp(x, gu, down, num) if residual is None else residual + mlp(x, gu, down, num)))
     separate = run()
     for f, s in zip(fused, separate):
         assert np.array_equal(f.view(np.uint8), s.view(np.uint8))

@@ -145,8 +145,8 @@ def self_attention(
         # The common layer (no q/k norms, RoPE over whole heads, a dense cache): one node
         # from the projection to q and the written cache, the same values as below.
         q, entry = write_rotated_entry(entry, qkv, hq, rope, cfg.rope_traditional, geo)
-        o = attend_entry(entry, spec, q, geo, scale, num, sinks=getattr(lp, "sinks", None))
-        return linear(o.reshape(b * t, hq * d), lp.o, num), entry
+        o = attend_entry(entry, spec, q, geo, scale, num, sinks=getattr(lp, "sinks", None), flat=True)
+        return linear(o, lp.o, num), entry
     widths = getattr(cfg, "qk_norm_width", ())  # (over every head, but this rank holds some heads)
     whole = lp.q_norm is not None and (lp.q_norm.shape[-1] != d or bool(widths))
     if whole:  # norms over whole projections
@@ -188,8 +188,9 @@ def decoder_layer(
     a, entry = self_attention(p, lp, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, rope, geo)
     m = getattr(cfg, "residual_multiplier", 1.0)
     h, x = add_rms_norm(h, a if m == 1.0 else a * m, lp.mlp_norm, cfg.rms_norm_eps, num)
-    r = swiglu_mlp(x, lp.gate_up, lp.down, num)
-    return h + (r if m == 1.0 else r * m), entry
+    if m == 1.0:  # (the residual add inside the down projection's node)
+        return swiglu_mlp(x, lp.gate_up, lp.down, num, residual=h), entry
+    return h + swiglu_mlp(x, lp.gate_up, lp.down, num) * m, entry
 
 
 # ---------------------------------------------------------------- MLPs
@@ -203,9 +204,11 @@ class DenseMlp:
     down: Linear
 
 
-def swiglu_mlp(x: mx.array, gate_up: Linear, down: Linear, num: Numerics) -> mx.array:
-    """down(silu(gate(x)) * up(x)) with gate|up fused: one matmul in, one out."""
-    return linear(swiglu_fused(linear(x, gate_up, num), num), down, num)
+def swiglu_mlp(x: mx.array, gate_up: Linear, down: Linear, num: Numerics,
+               residual: mx.array | None = None) -> mx.array:
+    """down(silu(gate(x)) * up(x)) with gate|up fused: one matmul in, one out. residual:
+    returned as residual + that (`linear`'s: the add in the down projection's node)."""
+    return linear(swiglu_fused(linear(x, gate_up, num), num), down, num, residual=residual)
 
 
 # ---------------------------------------------------------------- routed experts

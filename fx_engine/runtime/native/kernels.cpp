@@ -69,6 +69,7 @@
 #endif
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
@@ -165,10 +166,24 @@ class CpuKernel : public mx::UnaryPrimitive {
 // interleaved weight (qmm_a8.h: il16_index).
 class QMatmul : public CpuKernel {
  public:
-  QMatmul(mx::Stream s, int group_size, int bits, int kind, int fmt)
-      : CpuKernel(s), gs_(group_size), bits_(bits), kind_(kind), fmt_(fmt) {}
+  QMatmul(mx::Stream s, int group_size, int bits, int kind, int fmt, bool add = false)
+      : CpuKernel(s), gs_(group_size), bits_(bits), kind_(kind), fmt_(fmt), add_(add) {}
 
   std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const override {
+    auto product = product_task(in, out);
+    if (!add_) return product;
+    // out = c + product: the product first, then one add an element (a residual branch's
+    // last projection: the bits of the separate add, without its graph node)
+    return [product = std::move(product), c = in[4], out]() mutable {
+      product();
+      std::vector<float> tc;
+      const float* cp = dense(c, tc);
+      float* o = out.data<float>();
+      for (size_t i = 0; i < out.size(); ++i) o[i] = cp[i] + o[i];
+    };
+  }
+
+  std::function<void()> product_task(const std::vector<mx::array>& in, mx::array out) const {
     return [x = in[0], w = in[1], s = in[2], b = in[3], out, gs = gs_, bits = bits_,
             kind = kind_, fmt = fmt_]() mutable {
       const int K = static_cast<int>(x.shape(-1));
@@ -189,7 +204,7 @@ class QMatmul : public CpuKernel {
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
-    return gs_ == o.gs_ && bits_ == o.bits_ && kind_ == o.kind_ && fmt_ == o.fmt_;
+    return gs_ == o.gs_ && bits_ == o.bits_ && kind_ == o.kind_ && fmt_ == o.fmt_ && add_ == o.add_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     auto shape = in[0].shape();
@@ -199,6 +214,7 @@ class QMatmul : public CpuKernel {
 
  private:
   int gs_, bits_, kind_, fmt_;
+  bool add_;
 };
 
 // A stacked expert tensor's products (mixture-of-experts layers): out[t, j] = x[t, j or 0]
@@ -637,7 +653,7 @@ class Swiglu : public CpuKernel {
 
 class Attend : public CpuKernel {
  public:
-  Attend(mx::Stream s, float scale) : CpuKernel(s), scale_(scale) {}
+  Attend(mx::Stream s, float scale, bool flat) : CpuKernel(s), scale_(scale), flat_(flat) {}
   std::function<void()> task(const std::vector<mx::array>& in, mx::array out) const override {
     return [q = in[0], k = in[1], v = in[2], m = in[3], out, scale = scale_]() mutable {
       std::vector<float> tq;
@@ -673,18 +689,24 @@ class Attend : public CpuKernel {
   }
   const char* name() const override { return "FxAttend"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return scale_ == static_cast<const Attend&>(other).scale_;
+    auto& o = static_cast<const Attend&>(other);
+    return scale_ == o.scale_ && flat_ == o.flat_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    return {mx::Shape{in[0].shape(0), in[0].shape(1), in[0].shape(2) * in[0].shape(3)}};
+    return {attend_shape(in[0], flat_)};
+  }
+  static mx::Shape attend_shape(const mx::array& q, bool flat) {
+    const int hd = q.shape(2) * q.shape(3);
+    return flat ? mx::Shape{q.shape(0) * q.shape(1), hd} : mx::Shape{q.shape(0), q.shape(1), hd};
   }
 
  private:
   float scale_;
+  bool flat_;
 };
 
 mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v,
-                 const mx::array& mask, float scale) {
+                 const mx::array& mask, float scale, bool flat) {
   const std::string p = "attend: ";
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
     throw std::invalid_argument(p + "q must be [B, T, Hq, D] and k, v [B, Hk, S, D]");
@@ -701,7 +723,7 @@ mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v,
       mask.shape(1) != T || mask.shape(2) > k.shape(2))
     throw std::invalid_argument(p + "mask must be bool [B, T, S] with S at most k's slots");
   const mx::Stream s = mx::to_stream(mx::Device(mx::Device::cpu));
-  return mx::array(mx::Shape{B, T, Hq * D}, mx::float32, std::make_shared<Attend>(s, scale),
+  return mx::array(Attend::attend_shape(q, flat), mx::float32, std::make_shared<Attend>(s, scale, flat),
                    {q, k, v, mask});
 }
 
@@ -873,7 +895,7 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
 
 mx::array quantized_product(const char* op, int kind, const mx::array& x, const mx::array& w,
                             const mx::array& scales, const mx::array& biases, int group_size,
-                            int bits) {
+                            int bits, const std::optional<mx::array>& add) {
   check_quantized(op, w, scales, biases, group_size, bits);
   const int K = static_cast<int>(w.shape(1)) * 32 / bits;
   if (x.ndim() < 1 || x.shape(-1) != K)
@@ -890,6 +912,13 @@ mx::array quantized_product(const char* op, int kind, const mx::array& x, const 
   const int fmt = scale_format(sc, bc, s);
   auto shape = x.shape();
   shape.back() = N;
+  if (add) {
+    if (dt != mx::float32 || add->dtype() != mx::float32 || add->shape() != shape)
+      throw std::invalid_argument(std::string(op) + ": add must be float32 of the product's shape, "
+                                  "with float32 x");
+    return mx::array(shape, mx::float32, std::make_shared<QMatmul>(s, group_size, bits, kind, fmt, true),
+                     {xc, wc, sc, bc, *add});
+  }
   auto y = mx::array(shape, mx::float32,
                      std::make_shared<QMatmul>(s, group_size, bits, kind, fmt),
                      {xc, wc, sc, bc});
@@ -951,22 +980,23 @@ mx::array gather_qmm(const mx::array& x, const mx::array& indices, const mx::arr
 }
 
 mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
-              const mx::array& biases, int group_size, int bits) {
-  return quantized_product("qmm", 0, x, w, scales, biases, group_size, bits);
+              const mx::array& biases, int group_size, int bits, const std::optional<mx::array>& add) {
+  return quantized_product("qmm", 0, x, w, scales, biases, group_size, bits, add);
 }
 
 mx::array qgemm(const mx::array& x, const mx::array& w, const mx::array& scales,
-                const mx::array& biases, int group_size, int bits) {
-  return quantized_product("qgemm", 1, x, w, scales, biases, group_size, bits);
+                const mx::array& biases, int group_size, int bits, const std::optional<mx::array>& add) {
+  return quantized_product("qgemm", 1, x, w, scales, biases, group_size, bits, add);
 }
 
 mx::array qmm_a8(const mx::array& x, const mx::array& w, const mx::array& scales,
-                 const mx::array& biases, int group_size, int bits, bool interleaved) {
+                 const mx::array& biases, int group_size, int bits, bool interleaved,
+                 const std::optional<mx::array>& add) {
   if (interleaved && (w.ndim() != 2 || !il_layout_ok(bits, static_cast<int>(w.shape(1) * 32 / bits),
                                                      static_cast<int>(w.shape(0)))))
     throw std::invalid_argument("qmm_a8: an interleaved weight must have 4 or 8 bits (5 or 6 in planes where "
                                 "the build has them: il_planes) and a multiple of 16 rows");
-  return quantized_product("qmm_a8", interleaved ? 3 : 2, x, w, scales, biases, group_size, bits);
+  return quantized_product("qmm_a8", interleaved ? 3 : 2, x, w, scales, biases, group_size, bits, add);
 }
 
 }  // namespace
@@ -974,13 +1004,14 @@ mx::array qmm_a8(const mx::array& x, const mx::array& w, const mx::array& scales
 NB_MODULE(_fx_native, m) {
   m.doc() = "fx-engine native CPU kernels (MLX primitives)";
   m.def("qmm", &qmm, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("group_size"), nb::arg("bits"),
-        "x[..., K] @ dequantize(w, scales, biases)[N, K].T -> [..., N] (float32 math)");
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("add") = nb::none(),
+        "x[..., K] @ dequantize(w, scales, biases)[N, K].T -> [..., N] (float32 math); "
+        "add: a float32 [..., N] added to the product (add + product, in the same node)");
   m.def("qgemm", &qgemm, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("group_size"), nb::arg("bits"),
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("add") = nb::none(),
         "qmm's product with the many-rows kernel (another fixed summation order)");
   m.def("qmm_a8", &qmm_a8, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("group_size"), nb::arg("bits"), nb::arg("interleaved") = false,
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("interleaved") = false, nb::arg("add") = nb::none(),
         "the product with x rounded to 8 bits per weight group (int8 dot products); "
         "interleaved: w in 16-row blocks, word by word (fx_engine.core.kernels.interleave16)");
 #if defined(__AVX512VNNI__) || defined(FX_A8_AVX2)
@@ -1013,8 +1044,8 @@ NB_MODULE(_fx_native, m) {
   m.def("masked_softmax", &masked_softmax, nb::arg("scores"), nb::arg("mask"),
         "softmax over the last axis of float32 scores [B, H, T, S] where bool mask [B, T, S]");
   m.def("attend", &attend, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask"),
-        nb::arg("scale"), "GQA attention of q [B, T, Hq, D] over the first S slots of k, v [B, Hk, >= S, D] "
-        "(S: mask [B, T, S]) -> [B, T, Hq*D]");
+        nb::arg("scale"), nb::arg("flat") = false, "GQA attention of q [B, T, Hq, D] over the first S slots of k, v [B, Hk, >= S, D] "
+        "(S: mask [B, T, S]) -> [B, T, Hq*D] ([B*T, Hq*D] if flat)");
   m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("traditional"),
         "x * cos + partner(x) * sin for x [B, T, H, D], tables [B, T, 1, D]");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
