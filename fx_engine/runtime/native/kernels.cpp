@@ -369,6 +369,31 @@ class RmsNorm : public CpuKernel {
   float eps_;
 };
 
+// An output that takes over a donatable cache input's buffer (the step holds the only
+// reference: the cache write is in place, as MLX's own scatter does) or gets a fresh one;
+// true when donated (the cache writes: KvPut, QkvPart).
+inline bool take_or_alloc(const mx::array& cache, mx::array& out) {
+  if (cache.flags().row_contiguous && cache.is_donatable() && cache.itemsize() == out.itemsize()) {
+    out.copy_shared_buffer(cache);
+    return true;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return false;
+}
+
+// A cache's row-contiguous copy into out (when its buffer could not be taken over).
+inline void copy_cache(const mx::array& cache, mx::array& out) {
+  if (cache.flags().row_contiguous) {
+    std::memcpy(out.data<char>(), cache.data<char>(), out.nbytes());
+  } else if (cache.itemsize() == 4) {
+    std::vector<float> t;
+    std::memcpy(out.data<char>(), dense<float>(cache, t), out.nbytes());
+  } else {
+    std::vector<uint16_t> t;
+    std::memcpy(out.data<char>(), dense<uint16_t>(cache, t), out.nbytes());
+  }
+}
+
 // kv_put: cache [B, H, S, D] with new [B, H, T, D] written at slots [B, T] (the cache
 // write of a step: mx.put_along_axis(cache, slots[:, None, :, None], new, axis=2)), in
 // place when the cache's buffer is donatable (the step holds the only reference), as MLX's
@@ -379,12 +404,7 @@ class KvPut : public mx::UnaryPrimitive {
   using mx::UnaryPrimitive::UnaryPrimitive;
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     const mx::array& cache = in[0];
-    const bool donated = cache.flags().row_contiguous && cache.is_donatable() &&
-                         cache.itemsize() == out.itemsize();
-    if (donated)
-      out.copy_shared_buffer(cache);
-    else
-      out.set_data(mx::allocator::malloc(out.nbytes()));
+    const bool donated = take_or_alloc(cache, out);
     if (out.size() == 0) return;
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
@@ -395,17 +415,7 @@ class KvPut : public mx::UnaryPrimitive {
       const int T = static_cast<int>(nw.shape(2));
       const size_t isz = out.itemsize();
       char* o = out.data<char>();
-      if (!donated) {  // an independent copy of the cache first
-        if (cache.flags().row_contiguous) {
-          std::memcpy(o, cache.data<char>(), out.nbytes());
-        } else if (isz == 4) {
-          std::vector<float> t4;
-          std::memcpy(o, dense<float>(cache, t4), out.nbytes());
-        } else {
-          std::vector<uint16_t> t2;
-          std::memcpy(o, dense<uint16_t>(cache, t2), out.nbytes());
-        }
-      }
+      if (!donated) copy_cache(cache, out);  // an independent copy of the cache first
       std::vector<int32_t> ts;
       const int32_t* slots = dense<int32_t>(sl, ts);
       const char* src = nw.data<char>();
@@ -437,30 +447,6 @@ class KvPut : public mx::UnaryPrimitive {
   }
 };
 
-// An output that takes over a donatable cache input's buffer (the step holds the only
-// reference: the write is in place, as KvPut's) or gets a fresh one; true when donated.
-inline bool take_or_alloc(const mx::array& cache, mx::array& out) {
-  if (cache.flags().row_contiguous && cache.is_donatable() && cache.itemsize() == out.itemsize()) {
-    out.copy_shared_buffer(cache);
-    return true;
-  }
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  return false;
-}
-
-// A cache's row-contiguous copy into out (when its buffer could not be taken over).
-inline void copy_cache(const mx::array& cache, mx::array& out) {
-  if (cache.flags().row_contiguous) {
-    std::memcpy(out.data<char>(), cache.data<char>(), out.nbytes());
-  } else if (cache.itemsize() == 4) {
-    std::vector<float> t;
-    std::memcpy(out.data<char>(), dense<float>(cache, t), out.nbytes());
-  } else {
-    std::vector<uint16_t> t;
-    std::memcpy(out.data<char>(), dense<uint16_t>(cache, t), out.nbytes());
-  }
-}
-
 // qkv_rope_put: an attention layer's inputs from its fused projection, in three nodes.
 // qkv [B*T, (Hq + 2 Hk) * D] (q | k | v heads, as the fused projection returns them),
 // tables cos / signed sin [B, T, 1, D], caches keys / values [B, Hk, S, D] (float32 or
@@ -478,7 +464,8 @@ class QkvPart : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(s), part_(part), hq_(hq), trad_(traditional) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    const bool donated = part_ == 0 ? false : take_or_alloc(in[0], out);
+    // q: a fresh buffer; keys / values: the cache's own where it can be taken over
+    const bool donated = part_ != 0 && take_or_alloc(in[0], out);
     if (part_ == 0) out.set_data(mx::allocator::malloc(out.nbytes()));
     if (out.size() == 0) return;
     auto& enc = mx::cpu::get_command_encoder(stream());
