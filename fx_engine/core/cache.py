@@ -56,7 +56,7 @@ class CacheError(ValueError):
     """A step or cache operation that the cache layout cannot hold (named in the message)."""
 
 
-@attrs.frozen(cache_hash=True)  # (hashed in every step's compile key)
+@attrs.frozen
 class LayerSpec:
     """Static description of one cache entry (hashable: part of the compile key)."""
 

@@ -285,7 +285,8 @@ def kv_put(cache, new, slots):  # type: ignore[no-untyped-def]
 
 
 def qkv_rope_put(qkv, cos, sin, traditional: bool, q_heads: int, keys, values, slots):  # type: ignore[no-untyped-def]
-    """An attention layer's inputs from its fused projection in one node: qkv [B*T, (Hq +
+    """An attention layer's inputs from its fused projection in three nodes (one per output,
+    so the caches can be written in place): qkv [B*T, (Hq +
     2 Hk) * D] float32 (q | k | v heads), RoPE tables cos / signed sin [B, T, 1, D]
     (`nn.rope_tables`), caches keys / values [B, Hk, S, D] (float32 / float16), slots
     [B, T] -> (q [B, T, Hq, D] rotated, keys, values with the rotated k and v written at

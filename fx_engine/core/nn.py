@@ -634,8 +634,7 @@ def add_rms_norm(h: mx.array, a: mx.array, weight: mx.array, eps: float,
     microseconds of scheduling on the CPU, a decode step's add about as much as its work)."""
     if (numerics is not None and numerics.native and h.dtype == a.dtype == mx.float32
             and h.shape == a.shape):
-        s, y = kernels.add_rms_norm(h, a, weight, eps)
-        return s, y
+        return kernels.add_rms_norm(h, a, weight, eps)
     s = h + a
     return s, rms_norm(s, weight, eps, numerics)
 

@@ -108,6 +108,21 @@ def test_static_values_key_by_value_whatever_their_container() -> None:
     assert f(Spec((1, 2, 3)), mx.array(1.0)).item() == 3 and f.traces == 2
 
 
+def test_rebuilt_static_specs_hash_like_constructed_ones() -> None:
+    """A cache's LayerSpec rebuilt by tree_unflatten / tree_replace (object.__new__, fields
+    set directly) hashes and compares like one built by its constructor (it is part of
+    every compile key)."""
+    from fx_engine.core.cache import LayerSpec
+    from fx_engine.core.tree import tree_replace
+
+    s = LayerSpec(kv_heads=3, head_dim=64)
+    leaves, td = tree_flatten(s)
+    r = tree_unflatten(td, leaves)
+    assert r == s and hash(r) == hash(s)
+    t = tree_replace(s, ring=8)
+    assert hash(t) == hash(LayerSpec(kv_heads=3, head_dim=64, ring=8)) and t != s
+
+
 def test_tree_map():
     t = Outer(xs=(mx.array([1.0]),), inner=Inner(a=mx.array([2.0])))
     out = tree_map(lambda x: x * 10, t)
