@@ -52,7 +52,7 @@ COLD_BYTES = 96 << 20  # the rotating weights: more than an L3 (32 MB here) hold
 GEMM_ROWS = (32, 64, 128, 256, 512)  # the BLAS GEMM competes above the few-row path
 # (both kernels are timed at every row count of either tuple)
 MARGIN = 1.1  # a path must be this much faster to replace the default qgemm (noise)
-PLAN_VERSION = 3  # bumped when what is measured changes: older entries are measured again
+PLAN_VERSION = 4  # bumped when what is measured changes: older entries are measured again
 
 
 @attrs.frozen
@@ -74,20 +74,26 @@ class PlanReport:
         return out
 
 
-def _time(fn: Any, reps: int = 3, budget: float = 0.05) -> float:
-    """Best of `reps` rounds (each enough calls for ~budget/reps s) after a warm-up: the
-    minimum resists another process's bursts on a shared machine."""
-    mx.eval(fn())
-    t0 = time.perf_counter()
-    mx.eval(fn())
-    one = max(time.perf_counter() - t0, 1e-7)
-    calls = max(1, int(budget / reps / one))
-    best = float("inf")
-    for _ in range(reps):
+def _time_all(fns: dict[str, Any], rounds: int = 5, budget: float = 0.15) -> dict[str, float]:
+    """Seconds per call of each candidate: the best of `rounds` rounds, the candidates'
+    rounds alternated (a burst of another process's load hits both, not one), after a
+    warm-up. A round evaluates its calls as one graph, as a step does: a separate
+    `mx.eval` per call adds ~35 us of MLX's own per-evaluation cost (measured on a 2-vCPU
+    Zen 4), which in a one-row product of a small model's matrix (~70-100 us) diluted the
+    kernels' ratio towards 1 (qgemm 1.25x qmm's time there, 1.4x evaluated as a graph)."""
+    calls = {}
+    for name, fn in fns.items():
+        mx.eval(fn())
         t0 = time.perf_counter()
-        for _ in range(calls):
-            mx.eval(fn())
-        best = min(best, (time.perf_counter() - t0) / calls)
+        mx.eval(fn())
+        one = max(time.perf_counter() - t0, 1e-7)
+        calls[name] = max(1, min(64, int(budget / len(fns) / rounds / one)))
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            mx.eval([fn() for _ in range(calls[name])])
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls[name])
     return best
 
 
@@ -113,11 +119,12 @@ def measure(n: int, k: int, bits: int, gs: int) -> dict[str, dict[int, float]]:
           for m in sorted(set(KERNEL_ROWS) | set(GEMM_ROWS))}
     mx.eval(list(xs.values()))
     out: dict[str, dict[int, float]] = {"qgemm": {}, "qmm": {}, "gemm": {}}
-    for m in xs:
-        out["qgemm"][m] = _time(lambda: qgemm(xs[m], *args()))
-        out["qmm"][m] = _time(lambda: qmm(xs[m], *args()))
+    for m, x in xs.items():
+        fns = {"qgemm": lambda: qgemm(x, *args()), "qmm": lambda: qmm(x, *args())}
         if m in GEMM_ROWS:
-            out["gemm"][m] = _time(lambda: xs[m] @ dequantize(*args()).T)
+            fns["gemm"] = lambda: x @ dequantize(*args()).T
+        for name, t in _time_all(fns).items():
+            out[name][m] = t
     return out
 
 
