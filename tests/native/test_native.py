@@ -845,19 +845,44 @@ def test_qmm_a8_is_batch_and_tile_invariant() -> None:
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("n", [37, 200])
 def test_qmm_a8_few_rows_give_the_tiles_bits(bits: int, gs: int, n: int) -> None:
-    """Up to 8 rows run the few-row path on AVX-512 VNNI builds (vectors along 16
-    features, a dot product per row against each weight quad), more rows the 16-row tiles:
-    every row count from 1 to 8 gives the tiles' bits. n = 37 and 200: partial last feature
-    blocks; 200 x 640 also splits over several pool chunks; gs = 64, 128: several 32-k
-    steps per group; 20, 10 or 5 groups: every branch of the scale transposition."""
+    """Up to 32 rows run the few-row path on AVX-512 VNNI builds (vectors along 16
+    features, a dot product per row against each weight quad; in passes of 8 rows over each
+    block, the last pass partial), more rows the 16-row tiles: every row count from 1 to 32
+    gives the tiles' bits. n = 37 and 200: partial last feature blocks; 200 x 640 also
+    splits over several pool chunks; gs = 64, 128: several 32-k steps per group; 20, 10 or
+    5 groups: every branch of the scale transposition."""
     if not native.int8_dot():
         pytest.skip("no AVX-512 VNNI: qmm_a8 has no few-row path on this build")
     wq, s, b = _quantized(n, 640, gs, bits)
-    x = mx.array(RNG.standard_normal((24, 640)).astype(np.float32) * 2)
+    x = mx.array(RNG.standard_normal((48, 640)).astype(np.float32) * 2)
     full = np.asarray(native.qmm_a8(x, wq, s, b, gs, bits))
-    for m in range(1, 9):
+    for m in range(1, 33):
         part = np.asarray(native.qmm_a8(x[5 : 5 + m], wq, s, b, gs, bits))
         assert np.array_equal(part, full[5 : 5 + m]), m
+
+
+@pytest.mark.parametrize("bits,gs", [(4, 32), (8, 32), (8, 16), (5, 32), (6, 16), (6, 32)])
+def test_qmm_a8_few_row_passes_give_the_tiles_bits_interleaved(bits: int, gs: int) -> None:
+    """The 8-bit mode's layouts (interleaved 4-/8-bit blocks, 5-/6-bit planes with their
+    interleaved scales): every row count the few-row passes take (1-32, 8 rows a pass)
+    gives the bits of the 16-row tiles (48 rows), float16 scales as GGUF files store them."""
+    from fx_engine.core import kernels
+
+    if not native.int8_dot():
+        pytest.skip("no AVX-512 VNNI: qmm_a8 has no few-row path on this build")
+    if bits in (5, 6) and not kernels.il_planes():
+        pytest.skip("no planes layout on this build")
+    n, k = 64, 512
+    q = RNG.integers(0, 1 << bits, (n, k)).astype(np.uint32)
+    wq = _stream(q, bits)
+    il = kernels.interleave16_planes(wq, bits) if bits in (5, 6) else kernels.interleave16(wq)
+    s = kernels.interleave16_groups(mx.array(RNG.uniform(0.001, 0.02, (n, k // gs)).astype(np.float16)))
+    b = kernels.interleave16_groups(mx.array(RNG.uniform(-1, 1, (n, k // gs)).astype(np.float16)))
+    x = mx.array(RNG.standard_normal((48, k)).astype(np.float32))
+    full = np.asarray(native.qmm_a8(x, il, s, b, gs, bits, interleaved=True))
+    for m in range(1, 33):
+        part = np.asarray(native.qmm_a8(x[7 : 7 + m], il, s, b, gs, bits, interleaved=True))
+        assert np.array_equal(part, full[7 : 7 + m]), m
 
 
 def test_qmm_a8_inputs_and_errors() -> None:

@@ -499,9 +499,13 @@ inline __m256i plane_high8(__m256i v, int q, __m256i mhi) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define FX_A8_PLANE_QUADS 1
-// Up to this many rows the planes take the few-row path (a8_fewp_block); more, the tiles
-// over ilp_quads' bytes.
-constexpr int PLANES_FEW_ROWS = 8;
+// Up to this many rows the few-row paths (a8_few_block; the planes: a8_fewp_block) run, in
+// passes of 8 rows over each 16-feature block while it is in cache; more, the tiles of 16
+// rows (the planes: over ilp_quads' bytes). Measured at the 1B shape (Q4_K_M: 4- and
+// 6-bit, cold weights, 2 threads, AVX-512 VNNI Zen 4): the passes take 0.65-0.75x the
+// tiles' time at 16-24 rows and 0.86-0.92x at 32, tie at 64 and lose from 128 (1.05-1.16x
+// on 4 bits): a 16-row tile unpacks and steps each weight for 16 rows only.
+constexpr int A8_FEW_ROWS = 32, PLANES_FEW_ROWS = 32;
 // One 16-row block of a planes weight (ilp_base) as a8_tile's quad-major quads [K / 4][16],
 // each byte (lo & 0x0F) | high bits, built a vector of 16 rows' quads at a time as
 // a8_fewp_block builds them (one vpternlogd each), so the many-row tiles run 5- and 6-bit
@@ -647,10 +651,11 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
 template <int BITS, int MR, bool IL>
 inline void a8_few_block(const int8_t* xq, const float* dd, const float* xs, int K,
                          const uint32_t* wq, const Quant& S, int gs,
-                         float* y, int N, int n0, float* sbuf) {
+                         float* y, int N, int n0, float* sbuf, int R = MR) {
   // IL: the block's words interleaved (il16_index): 64 words per 16 bytes of each row
   const uint32_t* blk = wq + static_cast<int64_t>(n0) * (K * BITS / 32);
-  constexpr int R = MR;  // pack_a8's tile of M = MR rows: quad u of row m at xq + (u * R + m) * 4
+  // R: pack_a8's tile rows (quad u of row m at xq + (u * R + m) * 4): MR but in a last,
+  // partial tile of 8
   const FewBlock fb = few_block(K, wq, S, gs, BITS, N, n0, sbuf,
                                 S.unpacks() ? weight_tmp(int64_t{16} * K) : nullptr, IL);
   const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
@@ -787,11 +792,14 @@ void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S
                 xs.data() + static_cast<int64_t>(t) * G * R, K, wq, S, gs, y + static_cast<int64_t>(t) * R * N, N,
                 bl * 16, R);
           });
-      } else {  // (up to 8 rows: one tile, R = M = MR)
-        with_rows<8>(M, [&](auto mr) {
-          a8_few_block<BITS, decltype(mr)::value, IL>(xq.data(), dd.data(), xs.data(), K, wq, S, gs, y, N, bl * 16,
-                                                      sbuf);
-        });
+      } else {
+        for (int t = 0; t < tiles; ++t)
+          with_rows<8>(std::min(R, M - t * R), [&](auto mr) {
+            a8_few_block<BITS, decltype(mr)::value, IL>(
+                xq.data() + static_cast<int64_t>(t) * K * R, dd.data() + static_cast<int64_t>(t) * G * R,
+                xs.data() + static_cast<int64_t>(t) * G * R, K, wq, S, gs, y + static_cast<int64_t>(t) * R * N, N,
+                bl * 16, sbuf, R);
+          });
       }
     }
   });
@@ -1359,7 +1367,7 @@ void qmm_a8_cpu(const float* x, int M, int K, const uint32_t* wq, const Quant& S
   if (il && S.unpacks() && M <= PLANES_FEW_ROWS)  // 5-/6-bit weights in the planes layout
     return S.wbits == 6 ? qmm_a8_few<6, true, true>(x, M, K, wq, S, gs, y, N)
                         : qmm_a8_few<5, true, true>(x, M, K, wq, S, gs, y, N);
-  if (M <= 8)
+  if (M <= A8_FEW_ROWS)
     return with_bits(bits, [&](auto b) {
       with_il([&](auto l) { qmm_a8_few<decltype(b)::value, decltype(l)::value>(x, M, K, wq, S, gs, y, N); });
     });
