@@ -87,6 +87,16 @@ def available() -> bool:
 
 
 def status() -> dict[str, Any]:
+    """available, path, error (why unavailable), threads, and fallback: why the loaded build
+    is a more portable one than this machine's first choice (its flags failed), else None."""
     mod = _STATE["module"]
+    fallback = None
+    if mod is not None:
+        try:
+            from .build import fallback as why  # (POSIX only, as the build)
+
+            fallback = why(_STATE["path"])
+        except ImportError:
+            pass
     return {"available": mod is not None, "path": _STATE["path"], "error": _STATE["error"],
-            "threads": mod.num_threads() if mod is not None else None}
+            "threads": mod.num_threads() if mod is not None else None, "fallback": fallback}

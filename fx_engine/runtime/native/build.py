@@ -200,6 +200,25 @@ def _compile(cxx: str, paths: dict[str, str], arch: list[str], out: Path) -> Non
             o.unlink(missing_ok=True)
 
 
+FALLBACK = "fallback: this build replaces the failed"  # BUILD's line after a failed first choice
+
+
+def fallback(path: Path | str | None) -> str | None:
+    """Why the build at `path` is not the first choice of flags for this machine (the failed
+    attempt's first line), or None. A compile error in the -march=native variant would
+    otherwise pass unnoticed: the generic build runs every kernel, only slower."""
+    if not path:
+        return None
+    try:
+        text = (Path(path).parent / "BUILD").read_text()
+    except OSError:
+        return None
+    if FALLBACK not in text:
+        return None
+    rest = text.split(FALLBACK, 1)[1].strip().splitlines()
+    return " ".join(rest[:2]).strip() or "an earlier attempt failed"
+
+
 def _compiled(returncode: int, stderr: str, arch: list[str]) -> None:
     if returncode < 0:
         raise _Transient(f"the compiler was killed by signal {-returncode}")
@@ -252,7 +271,15 @@ def build(*, force: bool = False, log=None) -> Path:
                 _check(tmp)
                 os.replace(tmp, target)
                 failed.unlink(missing_ok=True)
-                (d / "BUILD").write_text(f"compiler: {cxx}\nflags: {' '.join(arch)}\nsource: {SOURCE}\n")
+                info = f"compiler: {cxx}\nflags: {' '.join(arch)}\nsource: {SOURCE}\n"
+                if errors:  # a more portable build than this machine could run: say why
+                    first = ' '.join(candidates[0]) or 'generic'
+                    info += f"{FALLBACK} {first}:\n" + "\n\n".join(errors) + "\n"
+                    if log:
+                        log(f"fx-engine: the native kernels' {first} build failed "
+                            f"({errors[0].strip().splitlines()[0]}); using the {' '.join(arch) or 'generic'} "
+                            f"build instead, which is slower (details: {d / 'BUILD'})")
+                (d / "BUILD").write_text(info)
                 return target
             except (subprocess.TimeoutExpired, _Transient) as e:
                 # A loaded machine or a killed compiler says nothing about this build:
