@@ -103,3 +103,19 @@ def test_the_native_build_uses_this_machines_vector_extensions() -> None:
         assert native.isa() == "avx512"
     elif {"avx2", "fma"} <= flags:
         assert native.isa() == "avx2"
+
+
+def test_info_prints_a_fallback_build(monkeypatch) -> None:  # noqa: ANN001
+    """`fx-engine info`'s native line names a fallback build and why (nothing otherwise)."""
+    import pytest
+
+    from fx_engine import cli
+    from fx_engine.runtime import native
+
+    if native.ensure(quiet=True) is None:
+        pytest.skip("no native kernels on this machine")
+    real = native.status
+    assert "fallback" not in cli._native_line() or real()["fallback"]
+    monkeypatch.setattr(native, "status", lambda: {**real(), "fallback": "-march=native: compiling kernels.cpp failed"})
+    line = cli._native_line()
+    assert "fallback            -march=native: compiling kernels.cpp failed" in line
