@@ -25,7 +25,7 @@
 // from the packed words (little-endian, k order), 4-bit ones unpacked per call into the
 // split order of dequant_row (low nibbles of a 32-block first), which the activations are
 // packed in too; an interleaved weight's 16-row block is read quad-major instead (a8_tile's
-// QM: 8-bit blocks as stored, 4-bit ones split into nibble quads, il16_quads4). Up to 8 rows on AVX-512 VNNI builds: the few-row path (a8_few_block),
+// QM: 8-bit blocks as stored, 4-bit ones split into nibble quads, il16_quads4). Up to 32 rows on AVX-512 VNNI builds: the few-row path (a8_few_block, 8 rows a pass),
 // vectors along 16 features instead, with the same bits. AVX2 builds (and AVX-512 builds
 // without VNNI) run an 8-feature version of that path at every row count (a8_few8_block:
 // vpmaddubsw/vpmaddwd, or AVX-VNNI's ymm vpdpbusd; one row on an interleaved weight both
@@ -640,7 +640,8 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-// qmm_a8 for up to 8 rows (decode batches): the other orientation, as qgemm's few-row
+// qmm_a8 for up to 8 rows a pass (decode batches; up to A8_FEW_ROWS rows in passes of 8
+// over each block): the other orientation, as qgemm's few-row
 // path. Vectors run along 16 output features; a quad of 4 weight bytes per lane comes
 // straight from the packed words (16 rows' words transposed in registers; for 4 bits the
 // low or high nibbles of a word: quads i and 4 + i of its 32-block in the split order), and
@@ -771,7 +772,7 @@ inline void a8_fewp_block(const int8_t* xq, const float* dd, const float* xs, in
 // it is in cache. PLANES: BITS-bit (5 or 6) weights in the planes layout, a8_fewp_block
 // (the planes' bytes rebuilt per tile), up to PLANES_FEW_ROWS rows (more: the tiles of 16
 // rows over ilp_quads' bytes); else 4-/8-bit weights (IL: interleaved), a8_few_block, up to
-// 8 rows (more: the tiles of 16 rows).
+// A8_FEW_ROWS rows (more: the tiles of 16 rows).
 template <int BITS, bool IL, bool PLANES = false>
 void qmm_a8_few(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, float* y, int N) {
   const int G = K / gs, R = std::min(8, M), tiles = (M + R - 1) / R;
@@ -1345,7 +1346,7 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
 #define FX_A8_PLANES 1  // qmm_a8 reads 5-/6-bit weights in the planes layout (ilp_base)
 #endif
 
-// Up to 8 rows: the few-row path (AVX-512 VNNI builds); more: tiles of 16 (5-/6-bit planes
+// Up to 32 rows: the few-row path in passes of 8 rows (AVX-512 VNNI builds); more: tiles of 16 (5-/6-bit planes
 // too, over ilp_quads' bytes). AVX2 builds: the 8-lane path above at every row count. Elsewhere the scalar tiles (8 rows up to 8).
 // Same bits every way (exact integer sums, the same per-lane float operations).
 // il: the weight is interleaved (il16_index: 4 or 8 bits; ilp_base: 5 or 6 bits; N a multiple of 16).
