@@ -50,7 +50,7 @@ def ensure(*, quiet: bool = False) -> ModuleType | None:
             mod = build.import_extension(path)
             mod.set_num_threads(_threads())
             kernels.install(mod)
-            _STATE.update(module=mod, path=str(path), error=None)
+            _STATE.update(module=mod, path=str(path), error=None, fallback=build.fallback(path))
         except Exception as e:  # noqa: BLE001 - any failure means: run without native kernels
             _STATE.update(module=None, error=f"{type(e).__name__}: {e}")
             kernels.install(None, f"unavailable: {_STATE['error']}")
@@ -90,13 +90,6 @@ def status() -> dict[str, Any]:
     """available, path, error (why unavailable), threads, and fallback: why the loaded build
     is a more portable one than this machine's first choice (its flags failed), else None."""
     mod = _STATE["module"]
-    fallback = None
-    if mod is not None:
-        try:
-            from .build import fallback as why  # (POSIX only, as the build)
-
-            fallback = why(_STATE["path"])
-        except ImportError:
-            pass
     return {"available": mod is not None, "path": _STATE["path"], "error": _STATE["error"],
-            "threads": mod.num_threads() if mod is not None else None, "fallback": fallback}
+            "threads": mod.num_threads() if mod is not None else None,
+            "fallback": _STATE.get("fallback") if mod is not None else None}
