@@ -46,7 +46,7 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Int
 
-from fx_engine.core import kernels
+from fx_engine.core import kernels, packing
 from fx_engine.core.buckets import pow2_floor
 from fx_engine.core.nn import Numerics, attention, quantized_attention
 from fx_engine.core.tree import static_field, tree_replace
@@ -135,6 +135,10 @@ class KVCache:
     # by `models.forward(..., capture=)` for the one step, read by its StepGeometry; never
     # kept past the step (`advanced` drops it)
     capture: Any = static_field(default=None)
+    # a step's forward over packed rows (core/packing.py: its row-wise work on this many
+    # rows holding the valid tokens; None: B*T). Set by `models.forward(..., pack=)` for
+    # the one step like `capture`, dropped by `advanced`
+    packed: int | None = static_field(default=None)
 
     @property
     def rows(self) -> int:
@@ -288,11 +292,19 @@ class StepGeometry:
     `vision.gemma3.image_horizon`); the sliding-window test stays on the query's own
     position. With a horizon the step is not causal, so attention is not blocked by the
     causal tail (`causal`).
+
+    cache.packed (static, core/packing.py): the step's residual stream holds its valid
+    tokens alone in that many rows; `pack` / `unpack` move an array of rows between that
+    and the B*T layout every other method here speaks. A row's tokens that do not fit
+    count as not valid (its length stops before them).
     """
 
     def __init__(self, cache: KVCache, n_valid: mx.array, t: int, span: int | None,
                  horizon: mx.array | None = None):
         self.t = t
+        self.packed = cache.packed
+        if self.packed is not None:
+            n_valid = packing.fitted(n_valid, self.packed)
         self.n_valid = n_valid
         self.keep_steps = cache.keep_steps  # recurrent entries keep per-position states
         self.capacity = cache.capacity
@@ -307,6 +319,19 @@ class StepGeometry:
         self._memo: dict[tuple, mx.array] = {}
         self.capture = cache.capture  # a skeleton.Capture, or None
         self.layer_inputs: list[mx.array] = []  # (capturing) the stream entering each layer
+
+    def pack(self, x: mx.array) -> mx.array:
+        """Rows [B*T, ...] -> the packed rows [packed, ...] (unchanged when not packing)."""
+        if self.packed is None:
+            return x
+        return mx.take(x, self._get(("pack",), lambda: packing.pack_index(self.n_valid, self.t, self.packed)),
+                       axis=0)
+
+    def unpack(self, x: mx.array) -> mx.array:
+        """Packed rows [packed, ...] -> [B*T, ...] (padding positions: some row's copy)."""
+        if self.packed is None:
+            return x
+        return mx.take(x, self._get(("unpack",), lambda: packing.unpack_index(self.n_valid, self.t)), axis=0)
 
     def layer_input(self, h: mx.array) -> None:
         """A family's layer loop reports the residual stream [B*T, hidden] entering each of

@@ -40,6 +40,7 @@ from jaxtyping import Bool, Float, Int
 from fx_engine.core.adapters import Adapters, with_adapters
 from fx_engine.core.cache import CacheError, KVCache, check_cache
 from fx_engine.core.checks import convert_args, counts_arg, span_arg, to_int_array, tokens_arg
+from fx_engine.core import packing
 from fx_engine.core.models import AnyParams, Capture, forward, hidden_to_logits
 from fx_engine.core.state import DecodeState, check_state, sample_step, stop_full_rows
 from fx_engine.core.tree import CompiledFunction
@@ -68,13 +69,23 @@ def past_capacity(cache: KVCache, n_valid: Int[mx.array, "B"], t: int) -> Bool[m
     return (offs < n_valid[:, None]) & (cache.lengths[:, None] + offs >= cache.capacity)
 
 
+def not_fitted(cut: Bool[mx.array, "B T"], n_valid: Int[mx.array, "B"], pack: int | None) -> Bool[mx.array, "B T"]:
+    """`cut` and the valid tokens that did not fit in `pack` packed rows (the step drops
+    them too: core/packing.py)."""
+    if pack is None:
+        return cut
+    offs = mx.arange(cut.shape[1], dtype=mx.int32)[None, :]
+    return cut | ((offs < n_valid[:, None]) & (offs >= packing.fitted(n_valid, pack)[:, None]))
+
+
 def run_forward(
     params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
-    span: int | None, capture: Capture | None, images: Any = None,
+    span: int | None, capture: Capture | None, images: Any = None, pack: int | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache, mx.array | None]:
     """The model's forward as every step runs it: (hidden, cache, captured or None).
-    images: the step's image rows (`vision.gemma3.ImageInput`; None: text only)."""
-    out = forward(params, cache, tokens, n_valid, span, capture, images=images)
+    images: the step's image rows (`vision.gemma3.ImageInput`; None: text only).
+    pack: its row-wise work on this many packed rows (core/packing.py; None: B*T)."""
+    out = forward(params, cache, tokens, n_valid, span, capture, images=images, pack=pack)
     return (out[0], out[1], out[2] if capture is not None else None)
 
 
@@ -92,7 +103,7 @@ def mark_cut(h: Float[mx.array, "B T H"], cut: Bool[mx.array, "B T"]) -> Float[m
 def prefill_step(
     params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B C"], n_valid: Int[mx.array, "B"],
     span: int | None = None, adapters: Adapters | None = None, capture: Capture | None = None,
-    images: Any = None,
+    images: Any = None, pack: int | None = None,
 ) -> tuple[Float[mx.array, "B V"], KVCache]:
     """Process a chunk of C tokens per row (rows at any positions; n_valid[b] <= C real
     tokens, the rest padding). Returns logits of each row's last valid token (garbage for
@@ -102,11 +113,20 @@ def prefill_step(
     images: the chunk's image rows (`core.vision.gemma3.ImageInput`; Gemma 3): spliced at
     the image tokens, each image's tokens attending to the whole image; the chunk must hold
     whole image runs. None: text only (the graph is unchanged).
+    pack (static): the projections and MLPs run on this many rows holding the chunk's valid
+    tokens, row after row, not on all B*C (core/packing.py: the same outputs, less work
+    where rows are padded; at least sum(n_valid): a row's tokens past it are dropped like
+    tokens past the capacity, its logits NaN). None: all B*C. Families whose layers read
+    the padded layout refuse it (ValueError), as do steps with images or adapters.
     """
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
-    cut = past_capacity(cache, n_valid, tokens.shape[1])
+    pack = packing.check_pack(pack)
+    if pack is not None and adapters is not None:
+        raise ValueError("pack: a step with adapters does not run on packed rows (each batch row's "
+                         "adapter applies to its padded rows); pass pack=None")
+    cut = not_fitted(past_capacity(cache, n_valid, tokens.shape[1]), n_valid, pack)
     params = with_adapters(params, adapters)
-    h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture, images)
+    h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture, images, pack)
     last = mx.maximum(n_valid - 1, 0)[:, None]
     h_last = mx.take_along_axis(h, last[:, :, None], axis=1)  # [B, 1, H]
     h_last = mark_cut(h_last, mx.take_along_axis(cut, last, axis=1))[:, 0]

@@ -197,17 +197,20 @@ class Executor:
             except Exception as e:
                 self.emitter.fail(req, e)
         if len(ok) == len(call.pieces) and all(n == m for (_, n), (_, m) in zip(ok, call.pieces)):
-            return self._prefill_rows(call.size, ok, call.score)
+            return self._prefill_rows(call.size, ok, call.score, call.packed)
         done: list[Any] = []
         at = {id(r): r for r, _ in ok}
-        for part in sched.split_call(call.size, [(id(r), n) for r, n in ok], planned=len(call.pieces)):
-            done += self._prefill_rows(part.size, [(at[k], n) for k, n in part.pieces], call.score)
+        for part in sched.split_call(call.size, [(id(r), n) for r, n in ok], planned=len(call.pieces),
+                                     packs=call.packed is not None):
+            done += self._prefill_rows(part.size, [(at[k], n) for k, n in part.pieces], call.score, part.packed)
         return done
 
-    def _prefill_rows(self, size: int, pieces: list[tuple[Any, int]], score: bool = False) -> list[Any]:
+    def _prefill_rows(self, size: int, pieces: list[tuple[Any, int]], score: bool = False,
+                      packed: int | None = None) -> list[Any]:
         """One prefill_step (score=True: score_step, and each row's prompt logprobs from
-        its logits at every position) over `pieces`; see `prefill`. A failure of the call
-        fails its rows only."""
+        its logits at every position) over `pieces`; see `prefill`. packed: its products on
+        that many packed rows (`prefill_step`'s pack; the plan packs only text rows on the
+        base model). A failure of the call fails its rows only."""
         if not pieces:
             return []
         reqs = [r for r, _ in pieces]
@@ -231,6 +234,8 @@ class Executor:
                 images = step_images([(r, s, n) for (r, n), s in zip(pieces, starts)],
                                      self.model.vision.config.image_token_index)
                 img = {} if images is None else {"images": images}
+            if packed is not None and not score:
+                img["pack"] = packed
             out = step(
                 self.params, cache, mx.array(tokens, mx.int32),
                 mx.array([n for _, n in pieces], mx.int32),
@@ -263,7 +268,7 @@ class Executor:
                 req.prefilled = start + n
                 # one event per row, all with the call's id, end time and duration
                 self.trace("prefill", t=t1, request=req.handle.id, tokens=n, padded=size,
-                           start=start, rows=len(pieces), call=self.prefill_calls,
+                           packed=packed, start=start, rows=len(pieces), call=self.prefill_calls,
                            seconds=t1 - t0, host_seconds=host)
                 if req.prefilled < len(req.ids):
                     self._keep(req, req.ids[: req.prefilled], req.pcache, 0)  # a chunk boundary

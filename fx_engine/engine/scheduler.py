@@ -34,7 +34,7 @@ The policy is documented in specs/engine.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Mapping, Sequence
+from typing import Collection, Hashable, Iterable, Mapping, Sequence
 
 from fx_engine.core.buckets import pow2_ceil, pow2_floor  # noqa: F401  (re-exported)
 
@@ -105,15 +105,18 @@ def plan_prefill(
     waiting: Sequence[tuple[Hashable, int]],
     prefill_chunk: int,
     step_token_budget: int,
+    packable: Collection[Hashable] = (),
 ) -> list[tuple[Hashable, int]]:
     """Prefill pieces for one step: [(key, n_tokens)] in FIFO order.
 
     decode_rows: rows that decode this step (each costs one token of the budget).
     waiting: (key, remaining prompt tokens) of admitted requests still prefilling, FIFO.
     Each piece has n <= min(remaining, prefill_chunk) real tokens and costs its padded size
-    `chunk_bucket(n)`; the padded sizes sum to at most `step_token_budget - decode_rows`
-    (the engine guarantees that is >= MIN_CHUNK, so prefill always progresses). A piece that
-    does not finish its prompt is exactly a bucket shape (no padding waste).
+    `chunk_bucket(n)`, or n where its request is `packable` (its calls run on packed rows,
+    core/packing.py, whose padding costs no products); the costs sum to at most
+    `step_token_budget - decode_rows` (the engine guarantees that is >= MIN_CHUNK, so
+    prefill always progresses). A piece that does not finish its prompt is exactly a
+    bucket shape (no padding waste).
     """
     avail = step_token_budget - decode_rows
     plan: list[tuple[Hashable, int]] = []
@@ -122,17 +125,27 @@ def plan_prefill(
             continue
         if avail < MIN_CHUNK:
             break
+        cost = (lambda n: n) if key in packable else chunk_bucket
         n = min(remaining, prefill_chunk, avail)
-        if chunk_bucket(n) > avail or (n < remaining and chunk_bucket(n) != n):
+        if cost(n) > avail or (n < remaining and chunk_bucket(n) != n):
             n = pow2_floor(min(n, avail))
             if n < MIN_CHUNK:
                 break
         plan.append((key, n))
-        avail -= chunk_bucket(n)
+        avail -= cost(n)
     return plan
 
 
 MAX_GROUP_PAD = 1.25  # a piece joins a wider call only if its padded shape grows <= 25%
+# ... or, packed (its products on the valid tokens alone), if its attention's rows grow
+# <= 4x: attention is ~1-4% of a 1B model's work per token at spans up to 512
+PACKED_GROUP_PAD = 4.0
+
+
+def packed_rows(tokens: int) -> int:
+    """The packed rows (core/packing.py) a call of `tokens` valid tokens runs on: the
+    prefill pieces' shape bucket of the total (< 20% padding, few shapes)."""
+    return chunk_bucket(tokens)
 
 
 def pow2_splits(n: int) -> list[int]:
@@ -146,6 +159,7 @@ def group_prefill(
     prefill_chunk: int,
     step_token_budget: int,
     max_rows: int,
+    packable: Collection[Hashable] = (),
 ) -> list[tuple[int, list[tuple[Hashable, int]]]]:
     """Batched prefill for one step: [(C, [(key, n), ...])], each entry one `prefill_step`
     call over len(pieces) rows (a power of two <= max_rows) of C tokens, row i holding n_i
@@ -161,24 +175,34 @@ def group_prefill(
     `step_token_budget - decode_rows`. Why: one forward over B rows of C tokens costs less
     than B forwards of C (measured 1.1-1.4x for C <= 128 on a 2-core CPU, more on GPUs),
     and N prompts that arrive together get their first tokens together.
+
+    packable: keys of requests whose calls may run on packed rows (`packed_rows`; the
+    engine: a family that packs, no images, no adapter). They cost their real tokens, call
+    only with each other, and join a call whose C is at most PACKED_GROUP_PAD x their own
+    bucket (the padding costs attention alone); their calls' packed rows sum to at most
+    the budget, up to `packed_rows`' rounding.
     """
     remaining = {k: r for k, r, _ in waiting}
     gkey = {k: g for k, _, g in waiting}
     order = {k: i for i, (k, _, _) in enumerate(waiting)}
     pieces = plan_prefill(decode_rows, [(k, r) for k, r, _ in waiting], prefill_chunk,
-                          step_token_budget)
-    slack = step_token_budget - decode_rows - sum(chunk_bucket(n) for _, n in pieces)
+                          step_token_budget, packable)
+    slack = step_token_budget - decode_rows - sum(n if k in packable else chunk_bucket(n) for k, n in pieces)
     calls: list[tuple[int, Hashable, list[tuple[Hashable, int]]]] = []  # (C, group, pieces)
     for key, n in sorted(pieces, key=lambda kn: -chunk_bucket(kn[1])):  # stable: FIFO ties
         own = chunk_bucket(n)
+        packs = key in packable
+        group = (gkey[key], packs)
         for i, (c, g, members) in enumerate(calls):
-            if (g == gkey[key] and len(members) < max_rows and own * MAX_GROUP_PAD >= c
-                    and c - own <= slack):
-                slack -= c - own
-                members.append((key, min(remaining[key], c)))
+            grown = min(remaining[key], c)
+            extra = grown - n if packs else c - own  # what joining costs the budget
+            if (g == group and len(members) < max_rows and own * (PACKED_GROUP_PAD if packs else MAX_GROUP_PAD) >= c
+                    and extra <= slack):
+                slack -= extra
+                members.append((key, grown))
                 break
         else:
-            calls.append((own, gkey[key], [(key, n)]))
+            calls.append((own, group, [(key, n)]))
     out: list[tuple[int, list[tuple[Hashable, int]]]] = []
     for _, _, members in calls:
         members.sort(key=lambda kn: (-kn[1], order[kn[0]]))
@@ -303,33 +327,43 @@ def plan_intake(
 class PrefillCall:
     """One call that runs: `size` padded tokens in each of len(pieces) rows, pieces (key,
     real tokens) in row order. score: a `score_step` (prompt logprobs need the logits at
-    every position), always one row."""
+    every position), always one row. packed: the rows its products run on (`prefill_step`'s
+    `pack`: `packed_rows` of its tokens), None: all rows x size."""
 
     size: int
     pieces: tuple[tuple[Hashable, int], ...]
     score: bool = False
+    packed: int | None = None
+
+
+def packed_call(size: int, pieces: Sequence[tuple[Hashable, int]], packs: bool) -> PrefillCall:
+    """A (not scoring) call of these pieces at C = size, on packed rows when `packs` and
+    that is fewer rows than the padded ones (one row never is: its bucket is its C)."""
+    rows = packed_rows(sum(n for _, n in pieces)) if packs else None
+    return PrefillCall(size, tuple(pieces), packed=rows if rows is not None and rows < size * len(pieces) else None)
 
 
 def split_call(
     size: int, pieces: Sequence[tuple[Hashable, int]], scoring: Sequence[Hashable] | set = (),
-    planned: int | None = None,
+    planned: int | None = None, packs: bool = False,
 ) -> tuple[PrefillCall, ...]:
     """How one of `group_prefill`'s calls (`size`, `pieces`) runs. Rows in `scoring` run
     alone, first, each at its own bucket (`score_step` returns logits at every position,
     which only they need). When the rest is not the `planned` row count (default: all the
     pieces; also when a testing fault hook failed some rows) it runs as power-of-two row
     counts, largest first, each call at the widest bucket of its rows: bounded compile
-    shapes, never a row count that was not a bucket."""
+    shapes, never a row count that was not a bucket. packs: the calls but the scoring ones
+    run on packed rows (`packed_call`)."""
     gone = set(scoring)
     calls = [PrefillCall(chunk_bucket(n), ((k, n),), True) for k, n in pieces if k in gone]
     rest = [(k, n) for k, n in pieces if k not in gone]
     if len(rest) == (len(pieces) if planned is None else planned):
-        return tuple(calls) + ((PrefillCall(size, tuple(rest)),) if rest else ())
+        return tuple(calls) + ((packed_call(size, rest, packs),) if rest else ())
     at = 0
     for rows in pow2_splits(len(rest)):
         part = rest[at : at + rows]
         at += rows
-        calls.append(PrefillCall(max(chunk_bucket(n) for _, n in part), tuple(part)))
+        calls.append(packed_call(max(chunk_bucket(n) for _, n in part), part, packs))
     return tuple(calls)
 
 
@@ -396,14 +430,18 @@ def plan_step(
     max_rows: int,
     scoring: Sequence[Hashable] | set = (),
     intake: Intake = NO_INTAKE,
+    packable: Collection[Hashable] = (),
 ) -> StepPlan:
     """The step's prefill plan: `group_prefill` over the prefilling requests (see there),
     each call cut by `split_call` (`scoring`: keys of the requests that return prompt
-    logprobs); `intake` is carried along (phase 1 of the same step)."""
-    calls = group_prefill(decode_rows, waiting, prefill_chunk, step_token_budget, max_rows)
+    logprobs; `packable`: of those whose calls may run on packed rows, never scoring ones);
+    `intake` is carried along (phase 1 of the same step)."""
     gone = set(scoring)
+    packable = set(packable) - gone
+    calls = group_prefill(decode_rows, waiting, prefill_chunk, step_token_budget, max_rows, packable)
     return StepPlan(decode_rows, tuple((size, tuple(members)) for size, members in calls),
-                    tuple(c for size, members in calls for c in split_call(size, members, gone)),
+                    tuple(c for size, members in calls
+                          for c in split_call(size, members, gone, packs=members[0][0] in packable)),
                     intake)
 
 

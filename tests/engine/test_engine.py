@@ -135,6 +135,67 @@ def test_group_prefill_calls(decode, waiting, chunk_pow, extra, max_rows):
         assert sched.group_prefill(0, same, chunk, budget, max_rows) == [(chunk, [(0, chunk), (1, chunk)])]
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    decode=st.integers(0, 16),
+    waiting=st.lists(st.tuples(st.integers(0, 700), st.sampled_from([256, 512]), st.booleans()), max_size=12),
+    chunk_pow=st.integers(4, 9),
+    extra=st.integers(16, 1200),
+    max_rows=st.integers(1, 12),
+    scoring=st.sets(st.integers(0, 11), max_size=3),
+)
+def test_packed_prefill_calls(decode, waiting, chunk_pow, extra, max_rows, scoring):
+    """Requests whose calls may run on packed rows: they cost their real tokens (the calls'
+    costs within the budget, packed rows rounded up by `packed_rows`), share calls only with
+    each other, join calls up to PACKED_GROUP_PAD x their bucket, and their calls name the
+    packed rows, fewer than the padded ones; scoring rows never pack."""
+    chunk = 1 << chunk_pow
+    budget = decode + extra
+    w = [(k, r, g) for k, (r, g, _) in enumerate(waiting)]
+    asked = {k for k, (_, _, p) in enumerate(waiting) if p}
+    packable = asked - scoring  # (plan_step's rule: scoring rows run score_step, unpacked)
+    calls = sched.group_prefill(decode, w, chunk, budget, max_rows, packable)
+    base = sched.plan_prefill(decode, [(k, r) for k, r, _ in w], chunk, budget, packable)
+    keys = [k for _, members in calls for k, _ in members]
+    assert sorted(keys) == [k for k, _ in base] and len(set(keys)) == len(keys)
+    cost = 0
+    for c, members in calls:
+        rows = len(members)
+        assert rows & (rows - 1) == 0 and rows <= max_rows
+        assert len({(waiting[k][1], k in packable) for k, _ in members}) == 1  # one shape, one kind
+        assert c == max(sched.chunk_bucket(n) for _, n in members)
+        packs = members[0][0] in packable
+        cost += sum(n for _, n in members) if packs else c * rows
+        for k, n in members:
+            assert c <= (sched.PACKED_GROUP_PAD if packs else sched.MAX_GROUP_PAD) * sched.chunk_bucket(n)
+            if n < waiting[k][0]:
+                assert n == c
+    assert cost <= budget - decode
+    plan = sched.plan_step(decode, w, chunk, budget, max_rows, scoring=scoring, packable=asked)
+    assert sorted(k for call in plan.calls for k, _ in call.pieces) == sorted(keys)
+    for call in plan.calls:
+        tokens = sum(n for _, n in call.pieces)
+        if call.packed is not None:
+            assert not call.score and all(k in packable and k not in scoring for k, _ in call.pieces)
+            assert call.packed == sched.packed_rows(tokens) and tokens <= call.packed < call.size * len(call.pieces)
+        elif all(k in packable and k not in scoring for k, _ in call.pieces) and len(call.pieces) > 1:
+            assert sched.packed_rows(tokens) >= call.size * len(call.pieces)  # packing would not save rows
+
+
+def test_packed_calls_of_a_chat_burst():
+    """Eight short chats at once (the serving benchmark's N=8 prompt lengths): padded to their
+    buckets they take six calls and 528 rows of products, one step short of the budget; packed,
+    one call of 448 rows."""
+    lengths = [49, 67, 68, 36, 44, 110, 25, 30]
+    w = [(k, n, 256) for k, n in enumerate(lengths)]
+    padded = sched.plan_step(0, w, 512, 512 + 8, 8)
+    assert len(padded.calls) == 6 and sum(c.size * len(c.pieces) for c in padded.calls) == 512
+    assert dict(p for c in padded.calls for p in c.pieces)[7] == 16  # the last prompt: 16 of 30 tokens
+    packed = sched.plan_step(0, w, 512, 512 + 8, 8, packable=set(range(8)))
+    assert [(c.size, c.packed, len(c.pieces)) for c in packed.calls] == [(112, 448, 8)]
+    assert sorted(packed.calls[0].pieces) == list(enumerate(lengths))
+
+
 @given(n=st.integers(0, 100))
 def test_pow2_splits(n):
     parts = sched.pow2_splits(n)
@@ -402,6 +463,19 @@ def test_batched_prefill_late_joins_and_prefix_rows(bi_model):
     assert late[0].result().token_ids == alone(bi_model, base + prompt(40, 2), max_tokens=5,
                                                temperature=1.0, seed=4).token_ids
     assert late[1].result().token_ids == alone(bi_model, prompt(150, 3), max_tokens=5).token_ids
+
+
+def test_a_burst_prefills_on_packed_rows(bi_model):
+    """Prompts of different lengths arriving together share one call on packed rows (the
+    trace names them), and each request's output is the one it produces alone."""
+    lengths = [10, 37, 50, 23]
+    engine = Engine(bi_model, max_rows=4, prefill_chunk=64, step_token_budget=132)
+    hs = [engine.submit(prompt(n, i), max_tokens=6) for i, n in enumerate(lengths)]
+    run_all(engine)
+    calls = {e["call"]: (e["rows"], e["padded"], e["packed"]) for e in engine.trace_events if e["kind"] == "prefill"}
+    assert list(calls.values()) == [(4, 64, sched.packed_rows(sum(lengths)))]
+    for i, (h, n) in enumerate(zip(hs, lengths)):
+        assert h.result().token_ids == alone(bi_model, prompt(n, i), max_tokens=6).token_ids
 
 
 def test_batched_prefill_failure_stays_in_its_row(bi_model):

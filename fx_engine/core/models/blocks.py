@@ -131,12 +131,13 @@ def self_attention(
     [B*T, H], the written cache entry). lp holds qkv (fused), o and optional q_norm/k_norm:
     per head (qwen3: a weight of head_dim) or over the whole projection (OLMoE: a weight of
     heads * head_dim; with one head the two are the same), and optional sinks [heads]
-    (GPT-OSS's attention sinks). rope None: no positional rotation (SmolLM3's NoPE layers)."""
+    (GPT-OSS's attention sinks). rope None: no positional rotation (SmolLM3's NoPE layers).
+    x and the output are the step's packed rows when it packs (`StepGeometry.pack`)."""
     cfg, num = p.config, p.numerics
     b, t = geo.positions.shape
     hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
-    qkv = linear(x, lp.qkv, num)
+    qkv = geo.unpack(linear(x, lp.qkv, num))  # (packed rows: attention reads the B*T layout)
     scale = getattr(cfg, "attention_multiplier", None) or d**-0.5
     beta = getattr(cfg, "attn_temp_beta", 0.0)
     if (lp.q_norm is None and rope is not None and not beta and fused_write(entry, spec, num)
@@ -146,7 +147,7 @@ def self_attention(
         # from the projection to q and the written cache, the same values as below.
         q, entry = write_rotated_entry(entry, qkv, hq, rope, cfg.rope_traditional, geo)
         o = attend_entry(entry, spec, q, geo, scale, num, sinks=getattr(lp, "sinks", None), flat=True)
-        return linear(o, lp.o, num), entry
+        return linear(geo.pack(o), lp.o, num), entry
     widths = getattr(cfg, "qk_norm_width", ())  # (over every head, but this rank holds some heads)
     whole = lp.q_norm is not None and (lp.q_norm.shape[-1] != d or bool(widths))
     if whole:  # norms over whole projections
@@ -174,7 +175,7 @@ def self_attention(
     # Write first, then attend over the written arrays (so the update can be in place).
     entry = write_entry(entry, spec, k, v, geo, num)
     o = attend_entry(entry, spec, q, geo, scale, num, sinks=getattr(lp, "sinks", None))
-    return linear(o.reshape(b * t, hq * d), lp.o, num), entry
+    return linear(geo.pack(o.reshape(b * t, hq * d)), lp.o, num), entry
 
 
 def decoder_layer(

@@ -50,5 +50,9 @@ class Family:
     # (params, rank, ranks) -> that rank's tensor-parallel shard (core/parallel.py: heads,
     # MLP features, experts' features, vocabulary rows); None: not split over ranks
     tensor_split: Callable[[Any, int, int], Any] | None = None
+    # whether its forward runs on packed rows (core/packing.py; `models.forward(..., pack=)`):
+    # its layers work row by row but for `blocks.self_attention`, which packs and unpacks
+    # (recurrent layers, convolutions, its own attention: False)
+    packs_rows: bool = False
     # (model_type, overrides) -> config.json of a tiny random test model (testing.tiny)
     tiny_config: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None

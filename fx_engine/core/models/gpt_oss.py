@@ -242,6 +242,7 @@ def config_from_gguf(md: dict[str, Any], source: str) -> GptOssConfig:
     return config_from_hf(d, source)
 
 FAMILY = Family(
+    packs_rows=True,  # row-wise layers around blocks.self_attention (core/packing.py)
     name="gpt_oss", model_types=("gpt_oss",), config_type=GptOssConfig, params_type=GptOssParams,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,

@@ -440,6 +440,7 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 FAMILY = Family(
+    packs_rows=True,  # row-wise layers around blocks.self_attention (core/packing.py)
     name="moe", model_types=tuple(_ATTENTION), config_type=MoEConfig, params_type=MoEParams,
     # Qwen3-VL-MoE (Qwen3-VL-30B-A3B, -235B-A22B): a Qwen3-MoE text model with interleaved
     # M-RoPE and DeepStack (images: core/vision/qwen3_vl.py); its router always renormalizes

@@ -257,6 +257,7 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 FAMILY = Family(
+    packs_rows=True,  # row-wise layers around blocks.self_attention (core/packing.py)
     name="phi3", model_types=("phi3",), config_type=Phi3Config, params_type=Phi3Params,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
     forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,

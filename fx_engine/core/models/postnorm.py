@@ -340,6 +340,7 @@ def config_from_gguf(md: dict[str, Any], source: str) -> PostNormConfig:
     return config_from_hf(d, source)
 
 FAMILY = Family(
+    packs_rows=True,  # row-wise layers around blocks.self_attention (core/packing.py)
     name="postnorm", model_types=("olmo2", "olmo3", "exaone4", "glm4"), config_type=PostNormConfig,
     params_type=PostNormParams, config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
     forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,

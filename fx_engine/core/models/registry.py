@@ -151,7 +151,7 @@ def config_from_gguf(md: dict[str, Any], source: str) -> Any:
 
 
 def forward(params: Any, cache: Any, tokens: Any, n_valid: Any, span: int | None = None,
-            capture: Capture | None = None, images: Any = None) -> Any:
+            capture: Capture | None = None, images: Any = None, pack: int | None = None) -> Any:
     """The family's forward: (final hidden [B, T, H], cache); with a `skeleton.Capture`,
     (hidden, cache, captured [B, T, points * H]), the captured states of every position
     from the same forward. A family whose forward does not go through
@@ -159,9 +159,20 @@ def forward(params: Any, cache: Any, tokens: Any, n_valid: Any, span: int | None
     images: a `vision.splice.ImageInput` (the step's image rows; Gemma 3 text models, the
     Llama family's: Idefics3 / SmolVLM, Qwen-VL, Mistral 3, and the MoE family's Qwen3-VL-MoE);
     None: text only. With both, the
-    captured states are those of the forward with the image rows spliced in."""
+    captured states are those of the forward with the image rows spliced in.
+    pack: the row-wise work on this many rows holding the valid tokens (core/packing.py;
+    None: on all B*T); a ValueError for families that cannot (`Family.packs_rows`) and
+    with images."""
     family = family_of(params)
     kw = {}
+    if pack is not None:
+        if not family.packs_rows:
+            kind = getattr(params.config, "model_type", family.name)
+            raise ValueError(f"pack: {kind} models do not run on packed rows (their layers read the "
+                             "padded [B, T] layout); pass pack=None")
+        if images is not None:
+            raise ValueError("pack: a step with image rows does not run on packed rows; pass pack=None")
+        cache = tree_replace(cache, packed=pack)
     if images is not None:
         if family.name not in ("gemma", "llama", "moe"):
             kind = getattr(params.config, "model_type", family.name)

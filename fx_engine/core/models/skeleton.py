@@ -219,13 +219,23 @@ def decoder_step(
     family's loop calls `geo.layer_input(h)` first thing for each layer). Positions past a row's
     n_valid (and past the capacity) are computed but written to the cache's sink slot: a
     row's valid entries are never touched by another row's step.
+
+    With `cache.packed` (core/packing.py) the stream `layers` runs on is the packed rows
+    [packed, hidden]; whatever the family does across rows goes through `geo.unpack` /
+    `geo.pack` (its attention: `blocks.self_attention`), and the returned states are
+    unpacked again.
     """
     b, t = tokens.shape
     geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span)
     if geo.capture is not None:
         _check_capture(p, geo.capture)
     h = stage_input(p, b * t, lambda: embedded(p, tokens))
+    if geo.packed is not None:  # (core/packing.py: the family's layers run on the packed rows)
+        if _stage(p) is not None:
+            raise ValueError(f"pack: packed rows are not supported with pipeline parallelism ({_model_type(p)})")
+        h = geo.pack(h)
     h, entries = layers(h, geo)
+    h = geo.unpack(h)
     handed = stage_output(p, h)
     if handed is not None:  # not the last stage: the stream went on (no norm, no head)
         return handed.reshape(b, t, -1), advanced(cache, entries, geo)
@@ -260,7 +270,7 @@ def captured_states(p: Any, geo: StepGeometry, h: mx.array, out: mx.array) -> mx
     if len(seen) != n:
         raise CaptureError(f"the {_model_type(p)} forward reported {len(seen)} layer inputs for {n} layers: "
                            "its layer loop does not support capturing hidden states")
-    streams = [seen[b] if b < n else h for b in geo.capture.layers]
+    streams = [geo.unpack(seen[b]) if b < n else h for b in geo.capture.layers]
     if geo.capture.normed:
         streams.append(out)
     return streams[0] if len(streams) == 1 else mx.concatenate(streams, axis=-1)

@@ -172,6 +172,7 @@ def config_from_gguf(md: dict[str, Any], source: str) -> Starcoder2Config:
     return config_from_hf(d, source)
 
 FAMILY = Family(
+    packs_rows=True,  # row-wise layers around blocks.self_attention (core/packing.py)
     name="starcoder2", model_types=("starcoder2",), config_type=Starcoder2Config,
     params_type=Starcoder2Params, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=llama.cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,

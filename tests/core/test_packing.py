@@ -1,0 +1,185 @@
+"""Packed rows (fx_engine/core/packing.py): `prefill_step(..., pack=R)` runs its products on
+the valid tokens alone and gives the padded step's outputs, for every family that packs;
+tokens that do not fit are dropped like tokens past the capacity; what cannot pack refuses."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fx_engine
+from fx_engine.core import packing
+from fx_engine.core.models import FAMILIES, Capture, family_of
+from fx_engine.core.steps import prefill_step, prefill_step_compiled
+from fx_engine.core.tree import tree_leaves
+
+PACKING_TYPES = [mt for fam in FAMILIES if fam.packs_rows for mt in fam.model_types]
+# one model type of every family that does not pack (recurrent layers, own attention)
+REFUSING_TYPES = [fam.model_types[0] for fam in FAMILIES if not fam.packs_rows]
+
+
+# ------------------------------------------------------------------ the index maps
+
+
+def reference_maps(n_valid: list[int], t: int, pack: int) -> tuple[list[int], list[int | None], list[int | None]]:
+    """(fitted counts, packed row of each padded position, padded position of each packed
+    row), by walking the rows in order (None: padding)."""
+    fit, unpack, pack_of = [], [None] * (len(n_valid) * t), [None] * pack
+    j = 0
+    for b, n in enumerate(n_valid):
+        k = max(0, min(n, pack - j))
+        fit.append(k)
+        for i in range(k):
+            unpack[b * t + i] = j
+            pack_of[j] = b * t + i
+            j += 1
+    return fit, unpack, pack_of
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_valid=st.lists(st.integers(0, 9), min_size=1, max_size=6), t=st.integers(1, 9),
+       pack=st.integers(1, 60))
+def test_index_maps_match_walking_the_rows(n_valid, t, pack):
+    n_valid = [min(n, t) for n in n_valid]
+    fit, unpack, pack_of = reference_maps(n_valid, t, pack)
+    got_fit = packing.fitted(mx.array(n_valid, mx.int32), pack)
+    assert got_fit.tolist() == fit
+    got_unpack = packing.unpack_index(got_fit, t).tolist()
+    got_pack = packing.pack_index(got_fit, t, pack).tolist()
+    assert len(got_unpack) == len(n_valid) * t and len(got_pack) == pack
+    assert all(0 <= j < pack for j in got_unpack) and all(0 <= p < len(n_valid) * t for p in got_pack)
+    assert [g for g, r in zip(got_unpack, unpack) if r is not None] == [r for r in unpack if r is not None]
+    assert [g for g, r in zip(got_pack, pack_of) if r is not None] == [r for r in pack_of if r is not None]
+    # the round trip: a padded position's packed row holds that position
+    assert all(got_pack[got_unpack[p]] == p for p, r in enumerate(unpack) if r is not None)
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.0, "16"])
+def test_pack_values_are_checked(tiny_model, bad):
+    with pytest.raises(ValueError, match="pack must be None or an int >= 1"):
+        prefill_step(tiny_model.params, tiny_model.new_cache(1, 32), [[1, 2, 3]], [3], pack=bad)
+
+
+# ------------------------------------------------------------------ the steps
+
+
+LENGTHS = [5, 0, 17, 9]  # a row with no tokens among them
+CHUNK = 32
+
+
+def _prefill(model, tokens, lengths, pack, capture=None):
+    out = prefill_step(model.params, model.new_cache(len(lengths), 64), tokens, mx.array(lengths, mx.int32),
+                       span=64, pack=pack, capture=capture)
+    mx.eval(*tree_leaves(out))
+    return out
+
+
+def _tokens(model, rows=len(LENGTHS), seed=0):
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.integers(0, model.config.vocab_size, size=(rows, CHUNK)).astype(np.int32))
+
+
+def _written(cache, lengths):
+    """Each row's written K/V slots of every attention entry (the valid positions)."""
+    out = []
+    for e in cache.layers:
+        for a in tree_leaves(e):
+            if a.ndim == 4:  # [B, heads, slots, D]
+                out.append([np.array(a[b, :, :n]) for b, n in enumerate(lengths)])
+    return out
+
+
+@pytest.mark.parametrize("model_type", PACKING_TYPES)
+def test_packed_prefill_equals_padded(family_folders, model_type):
+    """Every family that packs: the logits of each row with tokens, the written K/V and the
+    lengths are bitwise the padded step's, for packed rows exactly the tokens, rounded up,
+    and all of the padded ones."""
+    model = fx_engine.load(family_folders[model_type])
+    assert family_of(model.params).packs_rows
+    tokens = _tokens(model)
+    ref_logits, ref_cache = _prefill(model, tokens, LENGTHS, None)
+    rows = [b for b, n in enumerate(LENGTHS) if n]
+    for pack in (sum(LENGTHS), 48, len(LENGTHS) * CHUNK):
+        logits, cache = _prefill(model, tokens, LENGTHS, pack)
+        assert np.array_equal(np.array(logits)[rows], np.array(ref_logits)[rows]), pack
+        assert cache.lengths.tolist() == ref_cache.lengths.tolist() == LENGTHS
+        for got, ref in zip(_written(cache, LENGTHS), _written(ref_cache, LENGTHS)):
+            assert all(np.array_equal(g, r) for g, r in zip(got, ref))
+
+
+def test_packed_prefill_equals_padded_on_the_default_model(default_model):
+    """The real model's quantized products (the native kernels) at different row counts."""
+    tokens = _tokens(default_model, seed=1)
+    lengths = [31, 2, 0, 32]
+    ref_logits, ref_cache = _prefill(default_model, tokens, lengths, None)
+    logits, cache = _prefill(default_model, tokens, lengths, 80)
+    assert np.array_equal(np.array(logits)[[0, 1, 3]], np.array(ref_logits)[[0, 1, 3]])
+    for got, ref in zip(_written(cache, lengths), _written(ref_cache, lengths)):
+        assert all(np.array_equal(g, r) for g, r in zip(got, ref))
+
+
+def test_tokens_past_the_packed_rows_are_dropped_like_past_the_capacity(tiny_model):
+    """pack < the valid tokens: rows fill in order; the row cut short keeps what fitted
+    (its length stops there, its K/V those of a prefill of that many tokens) and gets NaN
+    logits, as do the rows after it, which keep length 0: never silently wrong."""
+    tokens = _tokens(tiny_model)
+    logits, cache = _prefill(tiny_model, tokens, LENGTHS, 12)  # row 0: 5, row 2: 7 of 17
+    assert cache.lengths.tolist() == [5, 0, 7, 0]
+    lg = np.array(logits)
+    assert np.isfinite(lg[0]).all() and np.isnan(lg[2]).all() and np.isnan(lg[3]).all()
+    ref_logits, ref_cache = _prefill(tiny_model, tokens, [5, 0, 7, 0], None)
+    assert np.array_equal(lg[0], np.array(ref_logits)[0])
+    for got, ref in zip(_written(cache, [5, 0, 7, 0]), _written(ref_cache, [5, 0, 7, 0])):
+        assert all(np.array_equal(g, r) for g, r in zip(got, ref))
+
+
+def test_compiled_packed_prefill_compiles_once_per_pack(tiny_model):
+    """pack is static: one trace per value, none for the same value with other counts."""
+    tokens = _tokens(tiny_model)
+    fn = prefill_step_compiled
+    before = len(fn.trace_log)
+    for lengths in ([5, 0, 17, 9], [1, 2, 3, 4], [0, 0, 31, 0]):
+        out = fn(tiny_model.params, tiny_model.new_cache(4, 64), tokens, lengths, span=64, pack=32)
+        mx.eval(*tree_leaves(out))
+        ref = prefill_step(tiny_model.params, tiny_model.new_cache(4, 64), tokens, mx.array(lengths, mx.int32),
+                           span=64)
+        rows = [b for b, n in enumerate(lengths) if n]
+        assert np.array_equal(np.array(out[0])[rows], np.array(ref[0])[rows])
+    assert len(fn.trace_log) - before == 1
+
+
+def test_packed_capture_equals_padded(tiny_model):
+    """Captured hidden states (the drafters' seam) at every valid position are unchanged."""
+    tokens = _tokens(tiny_model)
+    capture = Capture(layers=(0, 1), normed=True)
+    ref = _prefill(tiny_model, tokens, LENGTHS, None, capture)[2]
+    got = _prefill(tiny_model, tokens, LENGTHS, 32, capture)[2]
+    for b, n in enumerate(LENGTHS):
+        assert np.array_equal(np.array(got[b, :n]), np.array(ref[b, :n]))
+
+
+@pytest.mark.parametrize("model_type", REFUSING_TYPES)
+def test_families_that_cannot_pack_refuse(family_folders, model_type):
+    model = fx_engine.load(family_folders[model_type])
+    with pytest.raises(ValueError, match="do not run on packed rows"):
+        _prefill(model, _tokens(model), LENGTHS, 32)
+
+
+def test_adapters_refuse_packing(tiny_model):
+    from fx_engine.core.adapters import Adapters, AdapterBank
+
+    adapters = Adapters(AdapterBank(()), mx.zeros((len(LENGTHS),), mx.int32))
+    with pytest.raises(ValueError, match="adapters does not run on packed rows"):
+        prefill_step(tiny_model.params, tiny_model.new_cache(len(LENGTHS), 64), _tokens(tiny_model),
+                     LENGTHS, pack=32, adapters=adapters)
+
+
+def test_nan_marks_only_what_did_not_fit(tiny_model):
+    """A pack that holds every token marks nothing (the fitted counts are the counts)."""
+    logits, _ = _prefill(tiny_model, _tokens(tiny_model), LENGTHS, sum(LENGTHS))
+    assert not any(math.isnan(x) for b, n in enumerate(LENGTHS) if n for x in np.array(logits)[b][:8])
