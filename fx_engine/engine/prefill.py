@@ -10,7 +10,9 @@ length, which a cache of exactly `len(ids) + room` positions would cost (the cap
 part of every step's compile key).
 
 It runs `prefill_step_compiled` piece by piece and evaluates after each (a host loop,
-hence in the shell); everything it calls is the pure core's.
+hence in the shell); everything it calls is the pure core's. Where the family packs rows
+and no adapters are given, a piece whose rows hold fewer tokens than rows x its size runs
+on packed rows (`prefill_step`'s `pack`: the same outputs, no products on padding).
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import mlx.core as mx
 from fx_engine.core.adapters import Adapters
 from fx_engine.core.buckets import prefill_plan
 from fx_engine.core.cache import KVCache, init_cache, span_bucket
-from fx_engine.core.models import cache_layout
+from fx_engine.core.models import cache_layout, family_of
 from fx_engine.core.sampling import SamplingConfig
 from fx_engine.core.state import DecodeState, init_state
 from fx_engine.core.steps import prefill_step_compiled, sample_step_compiled
 from fx_engine.core.tree import tree_leaves
+from fx_engine.engine.scheduler import packed_rows
 
 __all__ = ["Prefilled", "prefill"]
 
@@ -89,10 +92,16 @@ def prefill(
     capacity, pieces = prefill_plan(lengths, room, chunk)
     cache = init_cache(layout, len(prompts), capacity, dtype)
     ad = {} if adapters is None else {"adapters": adapters}
+    packs = adapters is None and family_of(params).packs_rows and getattr(params, "pipeline", None) is None
     logits = None
     for pos, n, size in pieces:
         tokens = [(p[pos : pos + n] + [0] * size)[:size] for p in prompts]
         counts = [max(0, min(n, length - pos)) for length in lengths]
+        rows = packed_rows(sum(counts))  # prompts of different lengths: products on their tokens only
+        if packs and rows < size * len(prompts):
+            ad["pack"] = rows
+        else:
+            ad.pop("pack", None)
         lg, cache = prefill_step_compiled(
             params, cache, mx.array(tokens, mx.int32), mx.array(counts, mx.int32),
             span=span_bucket(pos + size, capacity), **ad)

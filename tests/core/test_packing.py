@@ -183,3 +183,30 @@ def test_nan_marks_only_what_did_not_fit(tiny_model):
     """A pack that holds every token marks nothing (the fitted counts are the counts)."""
     logits, _ = _prefill(tiny_model, _tokens(tiny_model), LENGTHS, sum(LENGTHS))
     assert not any(math.isnan(x) for b, n in enumerate(LENGTHS) if n for x in np.array(logits)[b][:8])
+
+
+def test_fx_engine_prefill_packs_prompts_of_different_lengths(tiny_model):
+    """`fx_engine.prefill` runs a piece whose rows hold few tokens on packed rows: its logits
+    and K/V are those of the same plan's padded prefill_step."""
+    from fx_engine.core.buckets import prefill_plan
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, tiny_model.config.vocab_size, size=n).tolist() for n in (3, 40, 11)]
+    lengths = [len(p) for p in prompts]
+    seen = []
+    hook = lambda kind, entry: seen.append("pack" in str(entry["treedef"])) if kind == "start" else None  # noqa: E731
+    prefill_step_compiled.trace_hooks.append(hook)
+    try:
+        logits, cache, _ = fx_engine.prefill(tiny_model, prompts, room=8, chunk=64)
+    finally:
+        prefill_step_compiled.trace_hooks.remove(hook)
+    assert any(seen)
+    capacity, pieces = prefill_plan(lengths, 8, 64)
+    assert pieces == [(0, 40, 64)]  # one piece, 3 x 64 padded positions for 54 tokens
+    tokens = mx.array([(p + [0] * 64)[:64] for p in prompts], mx.int32)
+    ref_logits, ref_cache = prefill_step(tiny_model.params, tiny_model.new_cache(3, capacity), tokens,
+                                         mx.array(lengths, mx.int32), span=capacity)
+    assert np.array_equal(np.array(logits), np.array(ref_logits))
+    assert cache.lengths.tolist() == lengths
+    for got, ref in zip(_written(cache, lengths), _written(ref_cache, lengths)):
+        assert all(np.array_equal(g, r) for g, r in zip(got, ref))
