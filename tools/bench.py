@@ -1198,6 +1198,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="serving engines: fx, fx-a8, mlx-lm-f32, mlx-lm, llama.cpp")
     ap.add_argument("--gen-tokens", type=int, default=None,
                     help="generated tokens per request (serving; 128)")
+    ap.add_argument("--gen-range", default=None, metavar="LO,HI",
+                    help="generated tokens per request drawn uniformly (serving; in place of "
+                         "--gen-tokens: rows finish at different steps, as a server's do)")
     ap.add_argument("--prompt-range", default=None, metavar="LO,HI",
                     help="prompt lengths in tokens, drawn uniformly (serving; 64,512; "
                          "short chat turns: 20,120)")
@@ -1413,8 +1416,18 @@ def _serving_main(args: Any, argv: list[str] | None, path: str, is_gguf: bool, f
         if not 1 <= lo <= hi:
             raise SystemExit(f"--prompt-range needs 1 <= LO <= HI, got {args.prompt_range!r}")
         lo_hi = (lo, hi)
+    if args.gen_range:
+        if args.gen_tokens:
+            raise SystemExit("give --gen-tokens or --gen-range, not both")
+        try:
+            glo, ghi = (int(x) for x in args.gen_range.split(","))
+        except ValueError:
+            raise SystemExit(f"--gen-range must be LO,HI (two integers), got {args.gen_range!r}")
+        if not 1 <= glo <= ghi:
+            raise SystemExit(f"--gen-range needs 1 <= LO <= HI, got {args.gen_range!r}")
+        gen = (glo, ghi)
     if args.smoke:
-        ns, gen, lo_hi = [1, 2], args.gen_tokens or 4, (8, 16)
+        ns, gen, lo_hi = [1, 2], gen if args.gen_range else (args.gen_tokens or 4), (8, 16)
     engines: dict[str, tuple[str, Any]] = {}
     labels: dict[str, str] = {}
     for key in [e.strip() for e in args.serving_engines.split(",") if e.strip()]:
@@ -1450,7 +1463,8 @@ def _serving_main(args: Any, argv: list[str] | None, path: str, is_gguf: bool, f
         "model": {"path": path, "weight_format": fx_model.weight_format,
                   "fingerprint": fx_model.fingerprint},
         "engines": {k: {"label": labels[k]} for k in engines},
-        "serving": {"ns": ns, "gen_tokens": gen, "prompt_range": list(lo_hi), "runs": args.runs,
+        "serving": {"ns": ns, "gen_tokens": gen if isinstance(gen, int) else list(gen), "prompt_range": list(lo_hi),
+                    "runs": args.runs,
                     "warmup": args.warmup, "results": results},
     }
     md = bs.render_serving(report, lambda k: labels.get(k, k))

@@ -63,6 +63,16 @@ def serving_prompts(model: Any, n: int, seed: int, lo: int, hi: int,
     return out
 
 
+def serving_gens(n: int, seed: int, gen: int | tuple[int, int]) -> list[int]:
+    """Each request's generated tokens: `gen` for all, or uniform in [lo, hi] (`--gen-range`:
+    answers of different lengths, so rows finish at different steps and the batch runs
+    with free rows, as a server's does)."""
+    if isinstance(gen, int):
+        return [gen] * n
+    rng = random.Random(seed + 7919)
+    return [rng.randint(gen[0], gen[1]) for _ in range(n)]
+
+
 def _percentile(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -87,13 +97,13 @@ def summarize_times(t0: float, times: list[list[float]]) -> dict[str, Any]:
     }
 
 
-def run_fx(model: Any, prompts: list[list[int]], gen: int) -> dict[str, Any]:
+def run_fx(model: Any, prompts: list[list[int]], gens: list[int]) -> dict[str, Any]:
     from fx_engine.engine.engine import Engine
 
-    bias = {int(i): -1e9 for i in model.eos_ids}  # always decode `gen` tokens
+    bias = {int(i): -1e9 for i in model.eos_ids}  # always decode `gens[i]` tokens
     engine = Engine(model, max_rows=len(prompts), prefill_chunk=512)
     t0 = time.perf_counter()
-    handles = [engine.submit(p, max_tokens=gen, logit_bias=bias) for p in prompts]
+    handles = [engine.submit(p, max_tokens=g, logit_bias=bias) for p, g in zip(prompts, gens)]
     times: list[list[float]] = [[] for _ in prompts]
     while engine.step():
         now = time.perf_counter()
@@ -113,14 +123,14 @@ def run_fx(model: Any, prompts: list[list[int]], gen: int) -> dict[str, Any]:
     return out
 
 
-def run_mlx_lm(model: Any, prompts: list[list[int]], gen: int) -> dict[str, Any]:
+def run_mlx_lm(model: Any, prompts: list[list[int]], gens: list[int]) -> dict[str, Any]:
     from mlx_lm.generate import BatchGenerator
 
     n = len(prompts)
-    bg = BatchGenerator(model, max_tokens=gen, stop_tokens=None, completion_batch_size=n,
+    bg = BatchGenerator(model, max_tokens=max(gens), stop_tokens=None, completion_batch_size=n,
                         prefill_batch_size=min(n, 8))
     t0 = time.perf_counter()
-    uids = bg.insert(prompts, [gen] * n)
+    uids = bg.insert(prompts, list(gens))
     index = {u: i for i, u in enumerate(uids)}
     times: list[list[float]] = [[] for _ in prompts]
     while responses := bg.next_generated():
@@ -212,7 +222,7 @@ class LlamaCppServing:
         return int(row.argmax())
 
 
-def run_llama_cpp(peer: LlamaCppServing, prompts: list[list[int]], gen: int) -> dict[str, Any]:
+def run_llama_cpp(peer: LlamaCppServing, prompts: list[list[int]], gens: list[int]) -> dict[str, Any]:
     import collections
 
     peer.clear()
@@ -249,24 +259,26 @@ def run_llama_cpp(peer: LlamaCppServing, prompts: list[list[int]], gen: int) -> 
             if i in waiting and fed[i] == len(prompts[i]):
                 waiting.remove(i)
                 generating.append(i)
-        generating = [i for i in generating if len(times[i]) < gen]
+        generating = [i for i in generating if len(times[i]) < gens[i]]
     out = summarize_times(t0, times)
     out["first_tokens"] = [t[:8] for t in tokens]  # for a sanity check against fx's
     return out
 
 
 def run_serving(engines: dict[str, tuple[str, Any]], fx_model: Any, ns: list[int], runs: int,
-                warmup: int, gen: int, prompt_range: tuple[int, int],
+                warmup: int, gen: int | tuple[int, int], prompt_range: tuple[int, int],
                 base: Callable[[Any, int], list[int]], log: Callable[[str], None],
                 ) -> dict[str, Any]:
-    """engines: key -> ("fx" | "mlx-lm", model). Returns {n: {key: {"runs": [...]}}}."""
+    """engines: key -> ("fx" | "mlx-lm", model); gen: tokens per request, or a (lo, hi)
+    range (`serving_gens`). Returns {n: {key: {"runs": [...]}}}."""
     results: dict[str, Any] = {}
     keys = list(engines)
     for n in ns:
         prompts = serving_prompts(fx_model, n, seed=n, lo=prompt_range[0], hi=prompt_range[1],
                                   base=base)
+        gens = serving_gens(n, n, gen)
         res = {k: {"runs": []} for k in keys}
-        results[str(n)] = {"prompt_tokens": [len(p) for p in prompts], "engines": res}
+        results[str(n)] = {"prompt_tokens": [len(p) for p in prompts], "gen_tokens": gens, "engines": res}
 
         peers: dict[str, Any] = {}
 
@@ -274,10 +286,10 @@ def run_serving(engines: dict[str, tuple[str, Any]], fx_model: Any, ns: list[int
             kind, model = engines[key]
             if kind == "llama.cpp":  # model: the GGUF path; one context per N
                 if key not in peers:
-                    peers[key] = LlamaCppServing(model, n, max(map(len, prompts)) + gen + 8,
+                    peers[key] = LlamaCppServing(model, n, max(map(len, prompts)) + max(gens) + 8,
                                                  list(fx_model.eos_ids))
-                return run_llama_cpp(peers[key], prompts, gen)
-            r = (run_fx if kind == "fx" else run_mlx_lm)(model, prompts, gen)
+                return run_llama_cpp(peers[key], prompts, gens)
+            r = (run_fx if kind == "fx" else run_mlx_lm)(model, prompts, gens)
             mx.clear_cache()
             return r
 
@@ -306,8 +318,10 @@ def render_serving(report: dict[str, Any], label: Callable[[str], str]) -> list[
     if not s:
         return []
     lines = ["", f"Serving: N concurrent requests (burst), prompts {s['prompt_range'][0]}-"
-                 f"{s['prompt_range'][1]} tokens, {s['gen_tokens']} generated tokens each, "
-                 f"greedy; medians of {s['runs']} runs after {s['warmup']} warm-up."
+                 f"{s['prompt_range'][1]} tokens, "
+                 + (f"{s['gen_tokens']} generated tokens each, " if isinstance(s['gen_tokens'], int) else
+                    f"{s['gen_tokens'][0]}-{s['gen_tokens'][1]} generated tokens (uniform per request), ")
+                 + f"greedy; medians of {s['runs']} runs after {s['warmup']} warm-up."
                  + (f" **Busy machine**: {report['machine']['busy_processes']} busy-loop "
                     "process(es) (one core each) ran throughout (`--busy`)."
                     if (report.get("machine") or {}).get("busy_processes") else ""), "",

@@ -2,7 +2,7 @@
 
     prefill_step(params, cache, tokens[B, C], n_valid[B]) -> (logits[B, V], cache)
     logits_step(params, cache, tokens[B] | [B, T], n_valid=None) -> (logits[B, V] | [B, T, V], cache)
-    decode_step(params, cache, state, span=None, mask=None) -> (state, cache)
+    decode_step(params, cache, state, span=None, mask=None, pack=None) -> (state, cache)
     sample_step(state, logits[B, V], mask=None) -> state
     score_step(params, cache, tokens[B, T], n_valid[B]) -> (logits[B, T, V], cache)
     hidden_step(params, cache, tokens[B, T], n_valid[B]) -> (hidden[B, T, H], cache)
@@ -120,10 +120,7 @@ def prefill_step(
     the padded layout refuse it (ValueError), as do steps with images or adapters.
     """
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
-    pack = packing.check_pack(pack)
-    if pack is not None and adapters is not None:
-        raise ValueError("pack: a step with adapters does not run on packed rows (each batch row's "
-                         "adapter applies to its padded rows); pass pack=None")
+    pack = packed_arg(pack, adapters)
     cut = not_fitted(past_capacity(cache, n_valid, tokens.shape[1]), n_valid, pack)
     params = with_adapters(params, adapters)
     h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture, images, pack)
@@ -196,22 +193,49 @@ def hidden_step(
 def decode_step(
     params: AnyParams, cache: KVCache, state: DecodeState, span: int | None = None,
     mask: Int[mx.array, "B W"] | None = None, adapters: Adapters | None = None,
-    capture: Capture | None = None,
+    capture: Capture | None = None, pack: int | None = None,
 ) -> tuple[DecodeState, KVCache]:
     """One token per active row: forward the last sampled token, sample the next one.
     span (static): attend over the first `span` cache slots (>= max(lengths) + 1).
     mask: allowed-token bitmask per row (`sampling.apply_token_mask`; None: no constraint).
     An active row whose cache is full (length == capacity) cannot take its token: it stops
-    (inactive, `state.full` set; finish_reason "length") and is otherwise untouched."""
+    (inactive, `state.full` set; finish_reason "length") and is otherwise untouched.
+    pack (static): the products, the output head included, run on this many rows holding
+    the active rows' tokens (core/packing.py; a batch with free rows: no work on them),
+    the same outputs. It must hold the active rows: an active row past it is not run, its
+    logits are NaN, so it stops as a full row does. None: every row."""
     cache = check_cache(cache)
     state = check_state(state, cache.rows)
     span = span_arg(span, 1, cache.capacity)
+    pack = packed_arg(pack, adapters)
     state = stop_full_rows(state, cache.lengths, cache.capacity, 1)
     n_valid = state.active.astype(mx.int32)
     params = with_adapters(params, adapters)
-    h, cache, captured = run_forward(params, cache, state.tokens[:, None], n_valid, span, capture)
-    logits = hidden_to_logits(params, h[:, 0])
+    h, cache, captured = run_forward(params, cache, state.tokens[:, None], n_valid, span, capture, pack=pack)
+    logits = packed_logits(params, h[:, 0], n_valid, pack)
     return with_captured((sample_step(state, logits, mask), cache), captured)
+
+
+def packed_arg(pack: Any, adapters: Adapters | None) -> int | None:
+    """A step's `pack`, checked: None or an int >= 1, and no adapters with it (ValueError)."""
+    pack = packing.check_pack(pack)
+    if pack is not None and adapters is not None:
+        raise ValueError("pack: a step with adapters does not run on packed rows (each batch row's "
+                         "adapter applies to its padded rows); pass pack=None")
+    return pack
+
+
+def packed_logits(params: AnyParams, h: Float[mx.array, "B H"], n_valid: Int[mx.array, "B"],
+                  pack: int | None) -> Float[mx.array, "B V"]:
+    """The output head on one position per row; packed (`pack` rows): on the rows with a
+    token alone, spread back to the rows (rows without one: another row's logits, never
+    read), NaN for a row whose token did not fit."""
+    if pack is None:
+        return hidden_to_logits(params, h)
+    fit = packing.fitted(n_valid, pack)
+    logits = hidden_to_logits(params, mx.take(h, packing.pack_index(fit, 1, pack), axis=0))
+    logits = mx.take(logits, packing.unpack_index(fit, 1), axis=0)
+    return mark_cut(logits[:, None], ((n_valid > 0) & (fit == 0))[:, None])[:, 0]
 
 
 # Token ids and counts given as lists / ints become arrays before the compiled forms

@@ -46,7 +46,7 @@ import attrs
 import mlx.core as mx
 
 from fx_engine.core.cache import KVCache
-from fx_engine.core.models import family_of
+from fx_engine.core.models import packs_rows
 from fx_engine.engine import scheduler as sched
 from fx_engine.engine.batch import DecodeBatch, insert_state_row
 from fx_engine.engine.budget import KVBudget, with_kv_cache_kind
@@ -203,7 +203,7 @@ class Engine:
         self.step_token_budget = sched.step_budget(step_token_budget, self.prefill_chunk, max_rows)
         # Text prompts on the base model prefill on packed rows where the family's layers
         # allow (core/packing.py: no product on a padded position); pipeline stages do not.
-        self._packs = family_of(self.params).packs_rows and getattr(self.params, "pipeline", None) is None
+        self._packs = packs_rows(self.params)
         self.max_queue = max_queue
         self.context_length = getattr(model, "context_length", c.max_position_embeddings)
         self.eos = frozenset(model.eos_ids)

@@ -33,7 +33,9 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 
 from fx_engine.core.adapters import Adapters
+from fx_engine.core.buckets import pow2_ceil
 from fx_engine.core.cache import KVCache, span_bucket
+from fx_engine.core.models import packs_rows
 from fx_engine.core.sampling import top_logprobs
 from fx_engine.core.state import DecodeState, init_state
 from fx_engine.engine.image_prompt import prefix_key, step_images, whole_images
@@ -108,6 +110,9 @@ class Executor:
         self.trace = trace
         self.fault_hook: Callable[[str, Any], None] | None = None
         self.prefill_calls = 0  # prefill_step calls so far (the `call` of prefill events)
+        # Steps on packed rows (core/packing.py) where the family's layers allow: prefill
+        # calls of text prompts (planned by the scheduler), decode batches with free rows.
+        self.packs = packs_rows(self.params)
 
     def adapters(self, rows: Sequence[Any]) -> Adapters | None:
         """The `adapters` step argument for these rows (None when every row is on the base
@@ -354,11 +359,17 @@ class Executor:
         t0 = time.perf_counter()
         traces = decode_step_compiled.traces
         failed: dict[int, BaseException] = {}
+        packed: dict[str, int] = {}
         if plan.split:  # a genuinely different step: forward, the processors, sampling
             state, cache, captured = self._decode_with_processors(state, span, failed, mask, capture)
         else:  # forward and sampling in one compiled step (mask=None: unconstrained)
+            adapters = self.adapters(rows)
+            # a batch with free rows (its row bucket above the live rows, until compaction
+            # shrinks it): the products on the live rows' bucket alone
+            pack = pow2_ceil(len(live)) if self.packs and adapters is None else None
+            packed = {} if pack is None or pack >= len(rows) else {"pack": pack}
             out = decode_step_compiled(self.params, batch.cache, state, span=span,
-                                       mask=mask, adapters=self.adapters(rows), capture=capture)
+                                       mask=mask, adapters=adapters, capture=capture, **packed)
             state, cache, captured = out[0], out[1], (out[2] if capture is not None else None)
         host = time.perf_counter() - t0
         batch.cache = None
@@ -374,8 +385,8 @@ class Executor:
         seconds = time.perf_counter() - t0
         if decode_step_compiled.traces == traces and not failed:
             self.policy.observe(len(rows), 0, seconds)
-        self.trace("decode", batch=len(live), rows=len(rows), capacity=cache.capacity,
-                   span=span, requests=[r.handle.id for r in live], seconds=seconds,
+        self.trace("decode", batch=len(live), rows=len(rows), packed=packed.get("pack") if not plan.split else None,
+                   capacity=cache.capacity, span=span, requests=[r.handle.id for r in live], seconds=seconds,
                    host_seconds=host)
         return StepResult(rows, [[t] for t in toks], [1] * len(rows), full, lps, failed=failed)
 

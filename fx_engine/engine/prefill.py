@@ -24,7 +24,7 @@ import mlx.core as mx
 from fx_engine.core.adapters import Adapters
 from fx_engine.core.buckets import prefill_plan
 from fx_engine.core.cache import KVCache, init_cache, span_bucket
-from fx_engine.core.models import cache_layout, family_of
+from fx_engine.core.models import cache_layout, packs_rows
 from fx_engine.core.sampling import SamplingConfig
 from fx_engine.core.state import DecodeState, init_state
 from fx_engine.core.steps import prefill_step_compiled, sample_step_compiled
@@ -92,7 +92,7 @@ def prefill(
     capacity, pieces = prefill_plan(lengths, room, chunk)
     cache = init_cache(layout, len(prompts), capacity, dtype)
     ad = {} if adapters is None else {"adapters": adapters}
-    packs = adapters is None and family_of(params).packs_rows and getattr(params, "pipeline", None) is None
+    packs = adapters is None and packs_rows(params)
     logits = None
     for pos, n, size in pieces:
         tokens = [(p[pos : pos + n] + [0] * size)[:size] for p in prompts]

@@ -68,6 +68,14 @@ def test_pack_values_are_checked(tiny_model, bad):
 # ------------------------------------------------------------------ the steps
 
 
+@pytest.fixture(scope="module")
+def bi_tiny(tiny_dir):
+    """The tiny model in the batch-invariant mode: its float products give a row the same
+    bits at any row count (MLX's matmul may not, in the last bit), so packed == padded
+    holds bit for bit on every machine."""
+    return fx_engine.load(tiny_dir, batch_invariant=True)
+
+
 LENGTHS = [5, 0, 17, 9]  # a row with no tokens among them
 CHUNK = 32
 
@@ -98,8 +106,10 @@ def _written(cache, lengths):
 def test_packed_prefill_equals_padded(family_folders, model_type):
     """Every family that packs: the logits of each row with tokens, the written K/V and the
     lengths are bitwise the padded step's, for packed rows exactly the tokens, rounded up,
-    and all of the padded ones."""
-    model = fx_engine.load(family_folders[model_type])
+    and all of the padded ones. (The batch-invariant mode: a row's float products do not
+    depend on the row count there, as MLX's matmul's may in the last bit; the native
+    kernels' never do: the default model's test below.)"""
+    model = fx_engine.load(family_folders[model_type], batch_invariant=True)
     assert family_of(model.params).packs_rows
     tokens = _tokens(model)
     ref_logits, ref_cache = _prefill(model, tokens, LENGTHS, None)
@@ -123,42 +133,42 @@ def test_packed_prefill_equals_padded_on_the_default_model(default_model):
         assert all(np.array_equal(g, r) for g, r in zip(got, ref))
 
 
-def test_tokens_past_the_packed_rows_are_dropped_like_past_the_capacity(tiny_model):
+def test_tokens_past_the_packed_rows_are_dropped_like_past_the_capacity(bi_tiny):
     """pack < the valid tokens: rows fill in order; the row cut short keeps what fitted
     (its length stops there, its K/V those of a prefill of that many tokens) and gets NaN
     logits, as do the rows after it, which keep length 0: never silently wrong."""
-    tokens = _tokens(tiny_model)
-    logits, cache = _prefill(tiny_model, tokens, LENGTHS, 12)  # row 0: 5, row 2: 7 of 17
+    tokens = _tokens(bi_tiny)
+    logits, cache = _prefill(bi_tiny, tokens, LENGTHS, 12)  # row 0: 5, row 2: 7 of 17
     assert cache.lengths.tolist() == [5, 0, 7, 0]
     lg = np.array(logits)
     assert np.isfinite(lg[0]).all() and np.isnan(lg[2]).all() and np.isnan(lg[3]).all()
-    ref_logits, ref_cache = _prefill(tiny_model, tokens, [5, 0, 7, 0], None)
+    ref_logits, ref_cache = _prefill(bi_tiny, tokens, [5, 0, 7, 0], None)
     assert np.array_equal(lg[0], np.array(ref_logits)[0])
     for got, ref in zip(_written(cache, [5, 0, 7, 0]), _written(ref_cache, [5, 0, 7, 0])):
         assert all(np.array_equal(g, r) for g, r in zip(got, ref))
 
 
-def test_compiled_packed_prefill_compiles_once_per_pack(tiny_model):
+def test_compiled_packed_prefill_compiles_once_per_pack(bi_tiny):
     """pack is static: one trace per value, none for the same value with other counts."""
-    tokens = _tokens(tiny_model)
+    tokens = _tokens(bi_tiny)
     fn = prefill_step_compiled
     before = len(fn.trace_log)
     for lengths in ([5, 0, 17, 9], [1, 2, 3, 4], [0, 0, 31, 0]):
-        out = fn(tiny_model.params, tiny_model.new_cache(4, 64), tokens, lengths, span=64, pack=32)
+        out = fn(bi_tiny.params, bi_tiny.new_cache(4, 64), tokens, lengths, span=64, pack=32)
         mx.eval(*tree_leaves(out))
-        ref = prefill_step(tiny_model.params, tiny_model.new_cache(4, 64), tokens, mx.array(lengths, mx.int32),
+        ref = prefill_step(bi_tiny.params, bi_tiny.new_cache(4, 64), tokens, mx.array(lengths, mx.int32),
                            span=64)
         rows = [b for b, n in enumerate(lengths) if n]
         assert np.array_equal(np.array(out[0])[rows], np.array(ref[0])[rows])
     assert len(fn.trace_log) - before == 1
 
 
-def test_packed_capture_equals_padded(tiny_model):
+def test_packed_capture_equals_padded(bi_tiny):
     """Captured hidden states (the drafters' seam) at every valid position are unchanged."""
-    tokens = _tokens(tiny_model)
+    tokens = _tokens(bi_tiny)
     capture = Capture(layers=(0, 1), normed=True)
-    ref = _prefill(tiny_model, tokens, LENGTHS, None, capture)[2]
-    got = _prefill(tiny_model, tokens, LENGTHS, 32, capture)[2]
+    ref = _prefill(bi_tiny, tokens, LENGTHS, None, capture)[2]
+    got = _prefill(bi_tiny, tokens, LENGTHS, 32, capture)[2]
     for b, n in enumerate(LENGTHS):
         assert np.array_equal(np.array(got[b, :n]), np.array(ref[b, :n]))
 
@@ -185,28 +195,76 @@ def test_nan_marks_only_what_did_not_fit(tiny_model):
     assert not any(math.isnan(x) for b, n in enumerate(LENGTHS) if n for x in np.array(logits)[b][:8])
 
 
-def test_fx_engine_prefill_packs_prompts_of_different_lengths(tiny_model):
+def test_fx_engine_prefill_packs_prompts_of_different_lengths(bi_tiny):
     """`fx_engine.prefill` runs a piece whose rows hold few tokens on packed rows: its logits
     and K/V are those of the same plan's padded prefill_step."""
     from fx_engine.core.buckets import prefill_plan
 
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, tiny_model.config.vocab_size, size=n).tolist() for n in (3, 40, 11)]
+    prompts = [rng.integers(0, bi_tiny.config.vocab_size, size=n).tolist() for n in (3, 40, 11)]
     lengths = [len(p) for p in prompts]
     seen = []
     hook = lambda kind, entry: seen.append("pack" in str(entry["treedef"])) if kind == "start" else None  # noqa: E731
     prefill_step_compiled.trace_hooks.append(hook)
     try:
-        logits, cache, _ = fx_engine.prefill(tiny_model, prompts, room=8, chunk=64)
+        logits, cache, _ = fx_engine.prefill(bi_tiny, prompts, room=8, chunk=64)
     finally:
         prefill_step_compiled.trace_hooks.remove(hook)
     assert any(seen)
     capacity, pieces = prefill_plan(lengths, 8, 64)
     assert pieces == [(0, 40, 64)]  # one piece, 3 x 64 padded positions for 54 tokens
     tokens = mx.array([(p + [0] * 64)[:64] for p in prompts], mx.int32)
-    ref_logits, ref_cache = prefill_step(tiny_model.params, tiny_model.new_cache(3, capacity), tokens,
+    ref_logits, ref_cache = prefill_step(bi_tiny.params, bi_tiny.new_cache(3, capacity), tokens,
                                          mx.array(lengths, mx.int32), span=capacity)
     assert np.array_equal(np.array(logits), np.array(ref_logits))
     assert cache.lengths.tolist() == lengths
     for got, ref in zip(_written(cache, lengths), _written(ref_cache, lengths)):
         assert all(np.array_equal(g, r) for g, r in zip(got, ref))
+
+
+# ------------------------------------------------------------------ decode
+
+
+def _decode_setup(model, active):
+    import attrs
+
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [10]]
+    _, cache, state = fx_engine.prefill(model, prompts, room=16)
+    return cache, attrs.evolve(state, active=mx.array(active))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_bi_model", "default_model"])
+def test_packed_decode_equals_padded(request, tiny_dir, fixture):
+    """A batch with free rows decodes its active rows on packed rows (the output head too):
+    the same tokens, logprobs and cache; inactive rows untouched. (The tiny float model in
+    the batch-invariant mode, see above; the default model's native kernels as it runs.)"""
+    from fx_engine.core.steps import decode_step
+
+    model = fx_engine.load(tiny_dir, batch_invariant=True) if fixture == "tiny_bi_model" else request.getfixturevalue(fixture)
+    cache, state = _decode_setup(model, [True, False, True, True])
+    ref_state, ref_cache = decode_step(model.params, cache, state)
+    mx.eval(*tree_leaves(ref_state), *tree_leaves(ref_cache))
+    for pack in (3, 4):
+        got_state, got_cache = decode_step(model.params, cache, state, pack=pack)
+        mx.eval(*tree_leaves(got_state), *tree_leaves(got_cache))
+        assert got_state.tokens.tolist() == ref_state.tokens.tolist()
+        assert np.array_equal(np.array(got_state.logprob), np.array(ref_state.logprob))
+        assert got_state.active.tolist() == [True, False, True, True] and not any(got_state.full.tolist())
+        lengths = got_cache.lengths.tolist()
+        assert lengths == ref_cache.lengths.tolist()
+        for got, ref in zip(_written(got_cache, lengths), _written(ref_cache, lengths)):
+            assert all(np.array_equal(g, r) for g, r in zip(got, ref))
+
+
+def test_an_active_row_past_the_packed_rows_stops(bi_tiny):
+    """pack below the active rows: the rows that fit decode as without it; the next active
+    row is not run (its length and token stay) and stops, as a full row does."""
+    from fx_engine.core.steps import decode_step
+
+    cache, state = _decode_setup(bi_tiny, [True, False, True, True])
+    ref_state, _ = decode_step(bi_tiny.params, cache, state)
+    got_state, got_cache = decode_step(bi_tiny.params, cache, state, pack=2)
+    assert got_state.tokens.tolist()[:3] == ref_state.tokens.tolist()[:3]
+    assert got_state.tokens.tolist()[3] == state.tokens.tolist()[3]
+    assert got_state.active.tolist() == [True, False, True, False] and got_state.full.tolist()[3]
+    assert got_cache.lengths.tolist() == [5, 2, 4, 1]

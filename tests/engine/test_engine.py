@@ -478,6 +478,21 @@ def test_a_burst_prefills_on_packed_rows(bi_model):
         assert h.result().token_ids == alone(bi_model, prompt(n, i), max_tokens=6).token_ids
 
 
+def test_a_batch_with_free_rows_decodes_on_packed_rows(bi_model):
+    """Requests that finish early leave free rows in the batch's row bucket (compaction
+    waits until the live rows fit in a quarter of it): the decode steps then run on the
+    live rows' bucket of packed rows (traced), and every request's output is its own."""
+    budgets = [2, 3, 20, 20, 2, 3, 4, 20]
+    engine = Engine(bi_model, max_rows=8, prefill_chunk=64, step_token_budget=8 * 64)
+    hs = [engine.submit(prompt(12 + 3 * i, i), max_tokens=m) for i, m in enumerate(budgets)]
+    run_all(engine)
+    decodes = [(e["batch"], e["rows"], e["packed"]) for e in engine.trace_events if e["kind"] == "decode"]
+    assert (3, 8, 4) in decodes  # three live rows of eight: four packed rows
+    assert all(p is None if b > r // 2 else p == sched.pow2_ceil(b) for b, r, p in decodes)
+    for i, (h, m) in enumerate(zip(hs, budgets)):
+        assert h.result().token_ids == alone(bi_model, prompt(12 + 3 * i, i), max_tokens=m).token_ids
+
+
 def test_batched_prefill_failure_stays_in_its_row(bi_model):
     """A request failing in a shared prefill call fails alone; the call's other rows run."""
     engine = Engine(bi_model, max_rows=4, prefill_chunk=64, step_token_budget=4 * 64 + 4)

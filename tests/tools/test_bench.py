@@ -37,12 +37,14 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert "| tok/s (median) |" in md and "fx/mlx-lm" in md
 
 
-def test_bench_serving_smoke(tmp_path: Path) -> None:
-    """The serving workload: every engine delivers N x gen tokens, metrics are finite."""
+@pytest.mark.parametrize("gen", [[], ["--gen-range", "2,6"]])
+def test_bench_serving_smoke(tmp_path: Path, gen) -> None:
+    """The serving workload: every engine delivers each request's generated tokens (N x gen,
+    or each request's own count drawn from --gen-range), metrics are finite."""
     out_json = tmp_path / "serving.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench.py"), "--smoke", "--serving",
-         "--serving-engines", "fx,fx-a8,mlx-lm-f32", "--json", str(out_json)],
+         "--serving-engines", "fx,fx-a8,mlx-lm-f32", "--json", str(out_json), *gen],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -50,9 +52,13 @@ def test_bench_serving_smoke(tmp_path: Path) -> None:
     s = report["serving"]
     for n, block in s["results"].items():
         assert set(block["engines"]) == {"fx", "fx-a8", "mlx-lm-f32"}
+        if gen:
+            assert s["gen_tokens"] == [2, 6] and all(2 <= g <= 6 for g in block["gen_tokens"])
+        else:
+            assert block["gen_tokens"] == [s["gen_tokens"]] * int(n)
         for key, v in block["engines"].items():
             for run in v["runs"]:
-                assert run["tokens"] == int(n) * s["gen_tokens"], (n, key)
+                assert run["tokens"] == sum(block["gen_tokens"]), (n, key)
                 assert run["tok_s"] > 0 and run["ttft_p50"] > 0 and run["itl_p50"] >= 0
     assert "aggregate throughput ratio" in proc.stdout
     assert "fx-engine (8-bit activations, float16 KV) / mlx-lm" in proc.stdout
@@ -95,10 +101,11 @@ def test_llama_cpp_serving_peer_decodes_what_fx_engine_decodes(default_model) ->
     prompts = [ids, ids[5:], ids[:-3]]
     peer = bs.LlamaCppServing(default_model.path, len(prompts), 64 + len(ids), list(default_model.eos_ids))
     try:
-        out = bs.run_llama_cpp(peer, prompts, 6)
+        out = bs.run_llama_cpp(peer, prompts, [6, 6, 6])
+        varied = bs.run_llama_cpp(peer, prompts, [2, 5, 3])
     finally:
         peer.close()
-    assert out["tokens"] == 18
+    assert out["tokens"] == 18 and varied["tokens"] == 10
     bias = {int(e): -1e9 for e in default_model.eos_ids}
     for p, got in zip(prompts, out["first_tokens"]):
         want = fx_engine.generate(default_model, p, max_tokens=3, temperature=0.0, logit_bias=bias)

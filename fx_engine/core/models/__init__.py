@@ -21,11 +21,12 @@ from fx_engine.core.models.llama import LayerParams, LlamaConfig, Params
 from fx_engine.core.models.registry import (FAMILIES, FAMILY_MODULES, MODEL_TYPE_MODULES, AnyParams, Capture,
                                             CaptureError, Family, cache_layout, config_from_gguf, config_from_hf,
                                             family_of, forward, gguf_family, hf_family, hidden_to_logits,
-                                            model_type_modules, model_types, module_file, text_config_of)
+                                            model_type_modules, model_types, module_file, packs_rows,
+                                            text_config_of)
 
 __all__ = [
     "AnyParams", "Capture", "CaptureError", "FAMILIES", "FAMILY_MODULES", "Family", "GemmaConfig", "GemmaLayer",
     "GemmaParams", "LayerParams", "LlamaConfig", "MODEL_TYPE_MODULES", "Params", "cache_layout", "config_from_gguf",
-    "config_from_hf", "family_of", "forward", "gguf_family", "hf_family", "hidden_to_logits", "model_type_modules",
+    "config_from_hf", "family_of", "forward", "packs_rows", "gguf_family", "hf_family", "hidden_to_logits", "model_type_modules",
     "model_types", "module_file", "text_config_of",
 ]

@@ -190,6 +190,13 @@ def forward(params: Any, cache: Any, tokens: Any, n_valid: Any, span: int | None
     return out
 
 
+def packs_rows(params: Any) -> bool:
+    """Whether steps of these params may run on packed rows (core/packing.py; the steps'
+    `pack`): the family's layers allow it (`Family.packs_rows`) and they are not a
+    pipeline stage."""
+    return family_of(params).packs_rows and getattr(params, "pipeline", None) is None
+
+
 def hidden_to_logits(params: Any, h: Any) -> Any:
     return family_of(params).hidden_to_logits(params, h)
 
