@@ -6,6 +6,8 @@
     sample_step(state, logits[B, V], mask=None) -> state
     score_step(params, cache, tokens[B, T], n_valid[B]) -> (logits[B, T, V], cache)
     hidden_step(params, cache, tokens[B, T], n_valid[B]) -> (hidden[B, T, H], cache)
+    (prefill_step, score_step, hidden_step and decode_step also take `pack`: their products
+    on the valid tokens alone, core/packing.py)
     verify_step(params, cache, state, drafts[B, K], n_draft[B], draft_probs=None, mask=None)
         -> (state, cache, VerifyResult)              (fx_engine/core/speculative.py)
 
@@ -164,29 +166,32 @@ def logits_step(
 def score_step(
     params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None, adapters: Adapters | None = None, capture: Capture | None = None,
-    images: Any = None,
+    images: Any = None, pack: int | None = None,
 ) -> tuple[Float[mx.array, "B T V"], KVCache]:
     """Like prefill_step but returns logits at every position (teacher forcing, verify);
-    NaN at positions whose token did not fit in the cache. images: as for prefill_step."""
+    NaN at positions whose token did not fit in the cache (or in `pack`). images, pack: as
+    for prefill_step."""
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
-    cut = past_capacity(cache, n_valid, tokens.shape[1])
+    pack = packed_arg(pack, adapters)
+    cut = not_fitted(past_capacity(cache, n_valid, tokens.shape[1]), n_valid, pack)
     params = with_adapters(params, adapters)
-    h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture, images)
+    h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture, images, pack)
     return with_captured((hidden_to_logits(params, mark_cut(h, cut)), cache), captured)
 
 
 def hidden_step(
     params: AnyParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None, adapters: Adapters | None = None, capture: Capture | None = None,
-    images: Any = None,
+    images: Any = None, pack: int | None = None,
 ) -> tuple[Float[mx.array, "B T H"], KVCache]:
     """Like prefill_step but returns the final-norm hidden states at every position (what
-    embedding models pool; no output head); NaN where a token did not fit. images: as for
-    prefill_step."""
+    embedding models pool; no output head); NaN where a token did not fit. images, pack: as
+    for prefill_step."""
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
-    cut = past_capacity(cache, n_valid, tokens.shape[1])
+    pack = packed_arg(pack, adapters)
+    cut = not_fitted(past_capacity(cache, n_valid, tokens.shape[1]), n_valid, pack)
     h, cache, captured = run_forward(with_adapters(params, adapters), cache, tokens, n_valid, span, capture,
-                                     images)
+                                     images, pack)
     return with_captured((mark_cut(h, cut), cache), captured)
 
 

@@ -9,7 +9,9 @@ normalized, what decoder-only embedding models (Qwen3-Embedding, gte-Qwen2, e5-m
 and vLLM's default for them.
 
 Inputs are batched: up to `ROWS` prompts per `hidden_step` call, chunked like prefill through
-a KV cache, each row's pooled vector accumulated over its valid positions only.
+a KV cache, each row's pooled vector accumulated over its valid positions only. Where the
+family packs rows, a call's products run on its valid tokens alone (`pack`, core/packing.py):
+the row bucket's empty rows and the shorter prompts' padding cost nothing there.
 
 `embed_steps` is the same work as a generator that yields after every `hidden_step` call of
 at most `step_tokens` tokens (rows x chunk, powers of two): the Engine advances it by one
@@ -29,10 +31,12 @@ import numpy as np
 
 from fx_engine.core.buckets import pow2_ceil, pow2_floor
 from fx_engine.core.cache import span_bucket
+from fx_engine.core.models import packs_rows
 from fx_engine.core.steps import hidden_step_compiled
 from fx_engine.core.tree import tree_leaves
 from fx_engine.engine.jobs import run_steps
 from fx_engine.engine.request import ContextLengthExceeded, context_limit
+from fx_engine.engine.scheduler import packed_rows
 
 __all__ = ["POOLINGS", "pooling_of", "embed", "embed_steps"]
 
@@ -153,6 +157,7 @@ def _embed_rows(model: Any, rows: list[list[int]], pooling: str,
     chunk = _chunk(longest, step_tokens)
     cache = model.new_cache(b, pow2_ceil(longest + chunk, 256), headroom=chunk)
     lengths = np.array([len(r) for r in rows] + [0] * (b - len(rows)))
+    packs = packs_rows(model.params)
     acc = mx.zeros((b, model.config.hidden_size), mx.float32)
     for start in range(0, longest, chunk):
         n = np.clip(lengths - start, 0, chunk)
@@ -160,8 +165,10 @@ def _embed_rows(model: Any, rows: list[list[int]], pooling: str,
         for i, r in enumerate(rows):
             piece = r[start : start + chunk]
             toks[i, : len(piece)] = piece
+        rows_packed = packed_rows(int(n.sum()))  # (padding rows and positions: no products)
+        pack = {"pack": rows_packed} if packs and rows_packed < b * chunk else {}
         h, cache = hidden_step_compiled(model.params, cache, mx.array(toks), mx.array(n, mx.int32),
-                                        span=span_bucket(start + chunk, cache.capacity))
+                                        span=span_bucket(start + chunk, cache.capacity), **pack)
         h = h.astype(mx.float32)
         if pooling == "mean":
             valid = (mx.arange(chunk)[None, :] < mx.array(n)[:, None])[..., None]

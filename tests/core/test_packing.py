@@ -149,18 +149,21 @@ def test_tokens_past_the_packed_rows_are_dropped_like_past_the_capacity(bi_tiny)
 
 
 def test_compiled_packed_prefill_compiles_once_per_pack(bi_tiny):
-    """pack is static: one trace per value, none for the same value with other counts."""
+    """pack is static: part of the compile key (another value traces again), the counts
+    are not (the same value with other counts runs the compiled step)."""
     tokens = _tokens(bi_tiny)
     fn = prefill_step_compiled
-    before = len(fn.trace_log)
-    for lengths in ([5, 0, 17, 9], [1, 2, 3, 4], [0, 0, 31, 0]):
-        out = fn(bi_tiny.params, bi_tiny.new_cache(4, 64), tokens, lengths, span=64, pack=32)
+    traces = []
+    for lengths, pack in (([5, 0, 17, 9], 32), ([1, 2, 3, 4], 32), ([0, 0, 31, 0], 32), ([3, 3, 3, 3], 48)):
+        before = len(fn.trace_log)
+        out = fn(bi_tiny.params, bi_tiny.new_cache(4, 64), tokens, lengths, span=64, pack=pack)
+        traces.append(len(fn.trace_log) - before)
         mx.eval(*tree_leaves(out))
         ref = prefill_step(bi_tiny.params, bi_tiny.new_cache(4, 64), tokens, mx.array(lengths, mx.int32),
                            span=64)
         rows = [b for b, n in enumerate(lengths) if n]
         assert np.array_equal(np.array(out[0])[rows], np.array(ref[0])[rows])
-    assert len(fn.trace_log) - before == 1
+    assert traces[1:] == [0, 0, 1]  # (the first may have been traced by an earlier test)
 
 
 def test_packed_capture_equals_padded(bi_tiny):
@@ -195,7 +198,7 @@ def test_nan_marks_only_what_did_not_fit(tiny_model):
     assert not any(math.isnan(x) for b, n in enumerate(LENGTHS) if n for x in np.array(logits)[b][:8])
 
 
-def test_fx_engine_prefill_packs_prompts_of_different_lengths(bi_tiny):
+def test_fx_engine_prefill_packs_prompts_of_different_lengths(bi_tiny, monkeypatch):
     """`fx_engine.prefill` runs a piece whose rows hold few tokens on packed rows: its logits
     and K/V are those of the same plan's padded prefill_step."""
     from fx_engine.core.buckets import prefill_plan
@@ -203,14 +206,11 @@ def test_fx_engine_prefill_packs_prompts_of_different_lengths(bi_tiny):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, bi_tiny.config.vocab_size, size=n).tolist() for n in (3, 40, 11)]
     lengths = [len(p) for p in prompts]
-    seen = []
-    hook = lambda kind, entry: seen.append("pack" in str(entry["treedef"])) if kind == "start" else None  # noqa: E731
-    prefill_step_compiled.trace_hooks.append(hook)
-    try:
-        logits, cache, _ = fx_engine.prefill(bi_tiny, prompts, room=8, chunk=64)
-    finally:
-        prefill_step_compiled.trace_hooks.remove(hook)
-    assert any(seen)
+    from fx_engine.engine import prefill as prefill_module
+
+    seen = _recording(monkeypatch, prefill_module, "prefill_step_compiled")
+    logits, cache, _ = fx_engine.prefill(bi_tiny, prompts, room=8, chunk=64)
+    assert seen == [64]  # 54 tokens in 3 rows x 64: products on packed_rows(54) = 64
     capacity, pieces = prefill_plan(lengths, 8, 64)
     assert pieces == [(0, 40, 64)]  # one piece, 3 x 64 padded positions for 54 tokens
     tokens = mx.array([(p + [0] * 64)[:64] for p in prompts], mx.int32)
@@ -268,3 +268,56 @@ def test_an_active_row_past_the_packed_rows_stops(bi_tiny):
     assert got_state.tokens.tolist()[3] == state.tokens.tolist()[3]
     assert got_state.active.tolist() == [True, False, True, False] and got_state.full.tolist()[3]
     assert got_cache.lengths.tolist() == [5, 2, 4, 1]
+
+
+@pytest.mark.parametrize("step_name", ["score_step", "hidden_step"])
+def test_packed_score_and_hidden_steps_equal_padded(bi_tiny, step_name):
+    """The steps that return every position (scoring, embeddings' hidden states) take
+    `pack` too: the valid positions bitwise the padded step's, NaN past the packed rows."""
+    from fx_engine.core import steps
+
+    step = getattr(steps, step_name)
+    tokens = _tokens(bi_tiny)
+
+    def run(pack):
+        out = step(bi_tiny.params, bi_tiny.new_cache(len(LENGTHS), 64), tokens, mx.array(LENGTHS, mx.int32),
+                   span=64, pack=pack)
+        mx.eval(*tree_leaves(out))
+        return np.array(out[0]), out[1]
+
+    ref, ref_cache = run(None)
+    got, cache = run(sum(LENGTHS))
+    for b, n in enumerate(LENGTHS):
+        assert np.array_equal(got[b, :n], ref[b, :n])
+    assert cache.lengths.tolist() == ref_cache.lengths.tolist()
+    cut, cut_cache = run(12)  # row 0: 5 tokens, row 2: 7 of 17
+    assert cut_cache.lengths.tolist() == [5, 0, 7, 0]
+    assert np.array_equal(cut[0, :5], ref[0, :5]) and np.isnan(cut[2, 7:17]).all() and np.isnan(cut[3, :9]).all()
+    assert np.isfinite(cut[2, :7]).all()
+
+
+def _recording(monkeypatch, module, name):
+    """Replace module.name (a compiled step) by a wrapper recording each call's `pack`."""
+    seen, real = [], getattr(module, name)
+
+    def step(*args, **kwargs):
+        seen.append(kwargs.get("pack"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, step)
+    return seen
+
+
+def test_embeddings_run_on_packed_rows(tiny_dir, monkeypatch):
+    """`embed` packs a call's rows (five prompts: a row bucket of 8, three empty) and gives
+    each prompt the vector it gets alone, in the batch-invariant mode bit for bit."""
+    from fx_engine.engine import embeddings
+
+    model = fx_engine.load(tiny_dir, batch_invariant=True)
+    rng = np.random.default_rng(5)
+    inputs = [rng.integers(3, 200, size=n).tolist() for n in (9, 30, 17, 4, 25)]
+    seen = _recording(monkeypatch, embeddings, "hidden_step_compiled")
+    together = embeddings.embed(model, inputs, pooling="mean", normalize=False)
+    assert seen == [96]  # 85 tokens in 8 rows x 32 positions: products on packed_rows(85) = 96 rows
+    for i, ids in enumerate(inputs):
+        assert np.array_equal(together[i], embeddings.embed(model, [ids], pooling="mean", normalize=False)[0])
