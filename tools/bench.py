@@ -1401,6 +1401,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return report
 
 
+def _range_arg(flag: str, value: str) -> tuple[int, int]:
+    """A LO,HI option's two integers, 1 <= LO <= HI (SystemExit naming the flag)."""
+    try:
+        lo, hi = (int(x) for x in value.split(","))
+    except ValueError:
+        raise SystemExit(f"{flag} must be LO,HI (two integers), got {value!r}")
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"{flag} needs 1 <= LO <= HI, got {value!r}")
+    return lo, hi
+
+
 def _serving_main(args: Any, argv: list[str] | None, path: str, is_gguf: bool, fx_model: Any,
                   info: dict[str, Any], tmp: Any) -> dict[str, Any]:
     """`--serving`: fx_engine.Engine vs mlx-lm's BatchGenerator (see tools/bench_serving.py)."""
@@ -1409,23 +1420,11 @@ def _serving_main(args: Any, argv: list[str] | None, path: str, is_gguf: bool, f
     ns = [int(x) for x in args.serving_n.split(",") if x.strip()]
     gen, lo_hi = args.gen_tokens or bs.GEN_TOKENS, bs.PROMPT_RANGE
     if args.prompt_range:
-        try:
-            lo, hi = (int(x) for x in args.prompt_range.split(","))
-        except ValueError:
-            raise SystemExit(f"--prompt-range must be LO,HI (two integers), got {args.prompt_range!r}")
-        if not 1 <= lo <= hi:
-            raise SystemExit(f"--prompt-range needs 1 <= LO <= HI, got {args.prompt_range!r}")
-        lo_hi = (lo, hi)
+        lo_hi = _range_arg("--prompt-range", args.prompt_range)
     if args.gen_range:
         if args.gen_tokens:
             raise SystemExit("give --gen-tokens or --gen-range, not both")
-        try:
-            glo, ghi = (int(x) for x in args.gen_range.split(","))
-        except ValueError:
-            raise SystemExit(f"--gen-range must be LO,HI (two integers), got {args.gen_range!r}")
-        if not 1 <= glo <= ghi:
-            raise SystemExit(f"--gen-range needs 1 <= LO <= HI, got {args.gen_range!r}")
-        gen = (glo, ghi)
+        gen = _range_arg("--gen-range", args.gen_range)
     if args.smoke:
         ns, gen, lo_hi = [1, 2], gen if args.gen_range else (args.gen_tokens or 4), (8, 16)
     engines: dict[str, tuple[str, Any]] = {}
