@@ -18,19 +18,25 @@ bits at every row count, so a packed step's outputs equal the padded step's.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import mlx.core as mx
 from jaxtyping import Int
 
-__all__ = ["check_pack", "fitted", "pack_index", "unpack_index"]
+__all__ = ["check_pack", "fitted", "on_packed", "pack_index", "unpack_index"]
 
 
-def check_pack(pack: object) -> int | None:
-    """`pack` as the steps take it: None (no packing) or an int >= 1 (ValueError naming it)."""
+def check_pack(pack: object, adapters: Any = None) -> int | None:
+    """`pack` as the steps take it: None (no packing) or an int >= 1, and no adapters with
+    it (ValueError naming the field: each batch row's adapter applies to its padded rows)."""
     if pack is None:
         return None
     if isinstance(pack, bool) or not isinstance(pack, int) or pack < 1:
         raise ValueError(f"pack must be None or an int >= 1 (rows the packed tokens fill, at least "
                          f"the step's valid tokens), got {pack!r}")
+    if adapters is not None:
+        raise ValueError("pack: a step with adapters does not run on packed rows (each batch row's "
+                         "adapter applies to its padded rows); pass pack=None")
     return pack
 
 
@@ -50,6 +56,14 @@ def unpack_index(n_fit: Int[mx.array, "B"], t: int) -> Int[mx.array, "BT"]:
     offs = mx.arange(t, dtype=mx.int32)[None, :]
     at = _starts(n_fit)[:, None] + offs
     return mx.where(offs < n_fit[:, None], at, 0).reshape(-1)
+
+
+def on_packed(fn: Callable[[mx.array], mx.array], x: mx.array, n_fit: Int[mx.array, "B"], t: int,
+              pack: int) -> mx.array:
+    """fn (row-wise: an output head) on the packed rows of x [B*T, ...] only, its result
+    spread back to [B*T, ...] (padding positions: another position's row, never read)."""
+    y = fn(mx.take(x, pack_index(n_fit, t, pack), axis=0))
+    return mx.take(y, unpack_index(n_fit, t), axis=0)
 
 
 def pack_index(n_fit: Int[mx.array, "B"], t: int, pack: int) -> Int[mx.array, "R"]:

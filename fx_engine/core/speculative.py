@@ -39,6 +39,7 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
+from fx_engine.core import packing
 from fx_engine.core.adapters import Adapters, with_adapters
 from fx_engine.core.cache import CacheError, KVCache, check_cache, commit
 from fx_engine.core.checks import counts_arg, float_arg, mask_arg, span_arg, tokens_arg
@@ -137,7 +138,7 @@ def verify_step(
     params: AnyParams, cache: KVCache, state: DecodeState, drafts: Int[mx.array, "B K"],
     n_draft: Int[mx.array, "B"], draft_probs: Float[mx.array, "B K V"] | None = None,
     span: int | None = None, mask: Int[mx.array, "B K1 W"] | None = None,
-    adapters: Adapters | None = None, capture: Capture | None = None,
+    adapters: Adapters | None = None, capture: Capture | None = None, pack: int | None = None,
 ) -> tuple[DecodeState, KVCache, VerifyResult]:
     """Verify up to K drafts per row in one target pass (see the module docstring).
 
@@ -147,6 +148,11 @@ def verify_step(
     capture: also return the hidden states at these layer boundaries (`core.models.Capture`)
     of the K + 1 verified positions [B, K + 1, points * H], fourth: those of the first
     `result.count[b]` positions are the accepted sequence's (the rest were rejected).
+    pack (static): the products, the output head included, on this many rows holding the
+    active rows' last tokens and drafts (core/packing.py; rows drafting fewer than K: no
+    work on their padding), the same outputs. Rows filled in order; a row's drafts past
+    `pack` are not verified (as drafts past the capacity are not), an active row with no
+    room at all stops as a full row does.
     """
     cache = check_cache(cache)
     b = cache.rows
@@ -170,15 +176,27 @@ def verify_step(
     n_draft = mx.where(act, mx.minimum(mx.minimum(n_draft.astype(mx.int32), room), k), 0)
     if "xtc" in state.params.features:  # XTC's random removal is not a fixed distribution
         n_draft = mx.where(state.params.xtc_probability > 0, 0, n_draft)
+    pack = packing.check_pack(pack, adapters)
+    if pack is not None:  # what fits in the packed rows: fewer drafts, or no room (the row stops)
+        fit = packing.fitted(act.astype(mx.int32) * (1 + n_draft), pack)
+        lost = act & (fit == 0)
+        state = tree_replace(state, active=act & ~lost, full=state.full | lost)
+        act = state.active
+        n_draft = mx.where(act, mx.minimum(n_draft, fit - 1), 0)
     tokens = mx.concatenate([state.tokens[:, None], drafts.astype(mx.int32)], axis=1)
     old = cache.lengths
     recurrent = any(s.state for s in cache.layout)
     if recurrent:  # recurrent states cannot be rolled back: keep the one after each position
         cache = tree_replace(cache, keep_steps=True)
     params = with_adapters(params, adapters)
-    out = forward(params, cache, tokens, act.astype(mx.int32) * (1 + n_draft), span, capture)
+    n_valid = act.astype(mx.int32) * (1 + n_draft)
+    out = forward(params, cache, tokens, n_valid, span, capture, pack=pack)
     h, cache = out[0], out[1]
-    logits = hidden_to_logits(params, h).astype(mx.float32)  # [B, K+1, V]
+    if pack is None:
+        logits = hidden_to_logits(params, h).astype(mx.float32)  # [B, K+1, V]
+    else:  # the head on the packed rows alone
+        logits = packing.on_packed(lambda x: hidden_to_logits(params, x).astype(mx.float32),
+                                   h.reshape(b * (k + 1), -1), n_valid, k + 1, pack).reshape(b, k + 1, -1)
     if mask is not None:
         logits = apply_token_mask(logits, mask)
     v = logits.shape[-1]

@@ -122,7 +122,7 @@ def prefill_step(
     the padded layout refuse it (ValueError), as do steps with images or adapters.
     """
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
-    pack = packed_arg(pack, adapters)
+    pack = packing.check_pack(pack, adapters)
     cut = not_fitted(past_capacity(cache, n_valid, tokens.shape[1]), n_valid, pack)
     params = with_adapters(params, adapters)
     h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture, images, pack)
@@ -172,7 +172,7 @@ def score_step(
     NaN at positions whose token did not fit in the cache (or in `pack`). images, pack: as
     for prefill_step."""
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
-    pack = packed_arg(pack, adapters)
+    pack = packing.check_pack(pack, adapters)
     cut = not_fitted(past_capacity(cache, n_valid, tokens.shape[1]), n_valid, pack)
     params = with_adapters(params, adapters)
     h, cache, captured = run_forward(params, cache, tokens, n_valid, span, capture, images, pack)
@@ -188,7 +188,7 @@ def hidden_step(
     embedding models pool; no output head); NaN where a token did not fit. images, pack: as
     for prefill_step."""
     cache, tokens, n_valid, span = step_inputs(cache, tokens, n_valid, span)
-    pack = packed_arg(pack, adapters)
+    pack = packing.check_pack(pack, adapters)
     cut = not_fitted(past_capacity(cache, n_valid, tokens.shape[1]), n_valid, pack)
     h, cache, captured = run_forward(with_adapters(params, adapters), cache, tokens, n_valid, span, capture,
                                      images, pack)
@@ -212,7 +212,7 @@ def decode_step(
     cache = check_cache(cache)
     state = check_state(state, cache.rows)
     span = span_arg(span, 1, cache.capacity)
-    pack = packed_arg(pack, adapters)
+    pack = packing.check_pack(pack, adapters)
     state = stop_full_rows(state, cache.lengths, cache.capacity, 1)
     n_valid = state.active.astype(mx.int32)
     params = with_adapters(params, adapters)
@@ -221,25 +221,14 @@ def decode_step(
     return with_captured((sample_step(state, logits, mask), cache), captured)
 
 
-def packed_arg(pack: Any, adapters: Adapters | None) -> int | None:
-    """A step's `pack`, checked: None or an int >= 1, and no adapters with it (ValueError)."""
-    pack = packing.check_pack(pack)
-    if pack is not None and adapters is not None:
-        raise ValueError("pack: a step with adapters does not run on packed rows (each batch row's "
-                         "adapter applies to its padded rows); pass pack=None")
-    return pack
-
-
 def packed_logits(params: AnyParams, h: Float[mx.array, "B H"], n_valid: Int[mx.array, "B"],
                   pack: int | None) -> Float[mx.array, "B V"]:
     """The output head on one position per row; packed (`pack` rows): on the rows with a
-    token alone, spread back to the rows (rows without one: another row's logits, never
-    read), NaN for a row whose token did not fit."""
+    token alone (`packing.on_packed`), NaN for a row whose token did not fit."""
     if pack is None:
         return hidden_to_logits(params, h)
     fit = packing.fitted(n_valid, pack)
-    logits = hidden_to_logits(params, mx.take(h, packing.pack_index(fit, 1, pack), axis=0))
-    logits = mx.take(logits, packing.unpack_index(fit, 1), axis=0)
+    logits = packing.on_packed(lambda x: hidden_to_logits(params, x), h, fit, 1, pack)
     return mark_cut(logits[:, None], ((n_valid > 0) & (fit == 0))[:, None])[:, 0]
 
 

@@ -412,9 +412,15 @@ class Executor:
         capture = step_capture(rows)
         t0 = time.perf_counter()
         traces = verify_step_compiled.traces
+        adapters = self.adapters(rows)
+        # rows verifying fewer than K drafts (per-row K), and free rows: the products on the
+        # live rows' tokens alone (their count bounds what the step runs: no row is cut)
+        tokens = sum(1 + n[i] for i, r in enumerate(rows) if r is not None)
+        pack = sched.packed_rows(tokens) if self.packs and adapters is None else None
+        packed = {} if pack is None or pack >= len(rows) * (k + 1) else {"pack": pack}
         out = verify_step_compiled(
             self.params, batch.cache, state, arr, n_arr, probs, span=span, mask=masks,
-            adapters=self.adapters(rows), capture=capture)
+            adapters=adapters, capture=capture, **packed)
         state, cache, res = out[0], out[1], out[2]
         captured = out[3] if capture is not None else None
         host = time.perf_counter() - t0
@@ -433,7 +439,8 @@ class Executor:
         seconds = time.perf_counter() - t0
         if verify_step_compiled.traces == traces:
             self.policy.observe(len(rows), k, seconds)
-        self.trace("verify", batch=len(live), rows=len(rows), k=k, drafted=sum(n), accepted=sum(acc),
+        self.trace("verify", batch=len(live), rows=len(rows), k=k, packed=packed.get("pack"), drafted=sum(n),
+                   accepted=sum(acc),
                    capacity=cache.capacity, span=span, requests=[r.handle.id for r in live],
                    seconds=seconds, host_seconds=host)
         return StepResult(rows, toks, counts, full, lps, n, acc, failed=failed)

@@ -321,3 +321,52 @@ def test_embeddings_run_on_packed_rows(tiny_dir, monkeypatch):
     assert seen == [96]  # 85 tokens in 8 rows x 32 positions: products on packed_rows(85) = 96 rows
     for i, ids in enumerate(inputs):
         assert np.array_equal(together[i], embeddings.embed(model, [ids], pooling="mean", normalize=False)[0])
+
+
+# ------------------------------------------------------------------ verify
+
+
+VERIFY_DRAFTS = [[100, 5, 7, 9], [1, 2, 3, 4], [11, 12, 0, 0], [13, 0, 0, 0]]
+VERIFY_N = [4, 4, 2, 1]  # row 1 inactive: 2 + 3 + 2 = 12 positions of 16 to verify (5 + 0 + 3 + 2)
+
+
+def _verify(model, pack):
+    from fx_engine.core.speculative import verify_step
+
+    cache, state = _decode_setup(model, [True, False, True, True])
+    out = verify_step(model.params, cache, state, mx.array(VERIFY_DRAFTS, mx.int32), mx.array(VERIFY_N, mx.int32),
+                      pack=pack)
+    mx.eval(*tree_leaves(out))
+    return state, out
+
+
+@pytest.mark.parametrize("fixture", ["tiny_bi_model", "default_model"])
+def test_packed_verify_equals_padded(request, tiny_dir, fixture):
+    """Rows verifying different numbers of drafts (and a free row) on packed rows: the
+    same accepted tokens, logprobs, state and cache."""
+    model = fx_engine.load(tiny_dir, batch_invariant=True) if fixture == "tiny_bi_model" else request.getfixturevalue(fixture)
+    _, (ref_state, ref_cache, ref) = _verify(model, None)
+    for pack in (10, 16):
+        _, (state, cache, res) = _verify(model, pack)
+        assert res.count.tolist() == ref.count.tolist()
+        for b, c in enumerate(ref.count.tolist()):
+            assert res.tokens[b, :c].tolist() == ref.tokens[b, :c].tolist()
+            assert np.array_equal(np.array(res.logprobs[b, :c]), np.array(ref.logprobs[b, :c]))
+        assert state.tokens.tolist() == ref_state.tokens.tolist() and not any(state.full.tolist())
+        lengths = cache.lengths.tolist()
+        assert lengths == ref_cache.lengths.tolist()
+        for got, want in zip(_written(cache, lengths), _written(ref_cache, lengths)):
+            assert all(np.array_equal(g, r) for g, r in zip(got, want))
+
+
+def test_verify_drafts_past_the_packed_rows_are_not_verified(bi_tiny):
+    """pack below the positions: the rows that fit verify as without it; the row cut short
+    verifies the drafts that fit (as drafts past the capacity are cut); a row with no room
+    at all stops as a full row does (nothing written, its token kept)."""
+    start, (_, ref_cache, ref) = _verify(bi_tiny, None)
+    state, (cut_state, cut_cache, cut) = _verify(bi_tiny, 6)  # row 0: 5 positions, row 2: 1 of 3, row 3: none
+    assert cut.count.tolist()[:2] == ref.count.tolist()[:2] and cut.count.tolist()[3] == 0
+    assert cut.count.tolist()[2] == 1 and cut.accepted.tolist()[2] == 0  # its drafts not verified: one token
+    assert cut_state.active.tolist() == [True, False, True, False] and cut_state.full.tolist()[3]
+    assert cut_state.tokens.tolist()[3] == start.tokens.tolist()[3]
+    assert cut_cache.lengths.tolist() == [ref_cache.lengths.tolist()[0], 2, 4, 1]

@@ -293,3 +293,19 @@ def test_draft_model_with_another_vocabulary_size(bi, tiny_folder):
     assert got.token_ids == ref.token_ids and got.usage.drafted_tokens > 0
     out = fx_engine.generate(bi, prompt, max_tokens=20, temperature=0.7, seed=1, draft_model=big)
     assert len(out.token_ids) > 0
+
+
+def test_verify_steps_run_on_packed_rows(bi, steady_policy):
+    """Rows drafting different numbers of tokens (per-row K) share verify steps on packed
+    rows (traced; no work on the shorter drafts' padding) and each request's tokens are
+    its plain greedy run's. (The target drafts for itself: every draft is accepted, so the
+    per-row draft lengths grow to each request's K.)"""
+    engine = fx_engine.Engine(bi, max_rows=4, prefill_chunk=64)
+    reqs = [(_prompt(bi, n, offset=n), k) for n, k in ((40, 8), (60, 1), (35, 2), (50, 1))]
+    hs = [engine.submit(p, max_tokens=30, temperature=0.0, draft_model=bi, num_draft_tokens=k) for p, k in reqs]
+    while engine.step():
+        pass
+    verifies = [e for e in engine.trace_events if e["kind"] == "verify"]
+    assert any(e["packed"] is not None and e["packed"] < e["rows"] * (e["k"] + 1) for e in verifies)
+    for h, (p, _) in zip(hs, reqs):
+        assert h.result().token_ids == reference_generate(bi, p, max_tokens=30, temperature=0.0).token_ids
