@@ -111,7 +111,8 @@ class Executor:
         self.fault_hook: Callable[[str, Any], None] | None = None
         self.prefill_calls = 0  # prefill_step calls so far (the `call` of prefill events)
         # Steps on packed rows (core/packing.py) where the family's layers allow: prefill
-        # calls of text prompts (planned by the scheduler), decode batches with free rows.
+        # calls of text prompts (planned by the scheduler), decode batches with free rows,
+        # verify steps whose rows draft fewer than the K bucket.
         self.packs = packs_rows(self.params)
 
     def adapters(self, rows: Sequence[Any]) -> Adapters | None:
