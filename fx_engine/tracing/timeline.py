@@ -198,13 +198,14 @@ def chrome_trace(events: Iterable[dict[str, Any]], compiles: Iterable[dict[str, 
                 continue  # already drawn
             if len(rows) > 1:
                 args = {"call": e["call"], "rows": len(rows), "padded": e.get("padded"),
-                        "seconds": e.get("seconds"), "host_seconds": e.get("host_seconds"),
+                        "packed": e.get("packed"), "seconds": e.get("seconds"), "host_seconds": e.get("host_seconds"),
                         "requests": [r.get("request") for r in rows],
                         "tokens": [r.get("tokens") for r in rows], "step": e.get("step")}
         if kind == "step" or kind in _TIMED:
             dur = e.get("seconds", 0.0)
             if kind == "prefill" and isinstance(args.get("tokens"), list):
-                label = f"prefill x{args['rows']} ({sum(args['tokens'])} tok)"
+                label = f"prefill x{args['rows']} ({sum(args['tokens'])} tok"
+                label += f", {args['packed']} packed rows)" if args.get("packed") else ")"
             else:
                 label = kind if kind == "step" else (
                     f"{kind} ({e['tokens']} tok)" if kind == "prefill" else f"{kind} x{e.get('batch', '?')}")

@@ -164,3 +164,14 @@ def test_batched_prefill_call_is_one_slice(tiny_model):
     slices = [e for e in trace["traceEvents"] if e.get("cat") == "prefill"]
     assert len(slices) == 1 and slices[0]["name"] == "prefill x4 (120 tok)"
     assert sorted(slices[0]["args"]["requests"]) == sorted(h.id for h in hs)
+    # prompts of different lengths: the call runs on packed rows, and the slice says so
+    engine = fx_engine.Engine(tiny_model, max_rows=4, prefill_chunk=32, step_token_budget=4 * 32 + 4,
+                              prefix_cache_bytes=0)
+    hs = [engine.submit(list(range(10 + i, 10 + i + n)), max_tokens=3) for i, n in enumerate((10, 30, 12, 25))]
+    while engine.step():
+        pass
+    trace = chrome_trace(list(engine.trace_events))
+    assert validate_chrome_trace(trace) == []
+    slices = [e for e in trace["traceEvents"] if e.get("cat") == "prefill"]
+    assert [e["name"] for e in slices] == ["prefill x4 (77 tok, 80 packed rows)"]
+    assert slices[0]["args"]["packed"] == 80 and slices[0]["args"]["padded"] == 32
