@@ -12,8 +12,10 @@ products for 429 tokens, and several calls; packed they are one call of 448 rows
 Tokens that do not fit in R (R < sum(n_valid)) are not processed at all, as tokens past
 the cache's capacity are not: `fitted` cuts each row's count to what fits (rows in
 order), the row's length stops there and the steps mark its outputs NaN
-(`steps.prefill_step`), never silently wrong. The row-wise kernels give each row the same
-bits at every row count, so a packed step's outputs equal the padded step's.
+(`steps.prefill_step`), never silently wrong. Where a row's products do not depend on the
+row count (the native kernels, the batch-invariant mode) a packed step's outputs equal the
+padded step's bit for bit; float weights through MLX's matmul may differ in the last bit,
+as they do between batch sizes.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@
     sample_step(state, logits[B, V], mask=None) -> state
     score_step(params, cache, tokens[B, T], n_valid[B]) -> (logits[B, T, V], cache)
     hidden_step(params, cache, tokens[B, T], n_valid[B]) -> (hidden[B, T, H], cache)
-    (prefill_step, score_step, hidden_step and decode_step also take `pack`: their products
-    on the valid tokens alone, core/packing.py)
+    (prefill_step, score_step, hidden_step, decode_step and verify_step also take `pack`:
+    their products on the valid tokens alone, core/packing.py)
     verify_step(params, cache, state, drafts[B, K], n_draft[B], draft_probs=None, mask=None)
         -> (state, cache, VerifyResult)              (fx_engine/core/speculative.py)
 
@@ -39,10 +39,10 @@ from typing import Any
 import mlx.core as mx
 from jaxtyping import Bool, Float, Int
 
+from fx_engine.core import packing
 from fx_engine.core.adapters import Adapters, with_adapters
 from fx_engine.core.cache import CacheError, KVCache, check_cache
 from fx_engine.core.checks import convert_args, counts_arg, span_arg, to_int_array, tokens_arg
-from fx_engine.core import packing
 from fx_engine.core.models import AnyParams, Capture, forward, hidden_to_logits
 from fx_engine.core.state import DecodeState, check_state, sample_step, stop_full_rows
 from fx_engine.core.tree import CompiledFunction

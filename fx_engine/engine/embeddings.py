@@ -36,7 +36,7 @@ from fx_engine.core.steps import hidden_step_compiled
 from fx_engine.core.tree import tree_leaves
 from fx_engine.engine.jobs import run_steps
 from fx_engine.engine.request import ContextLengthExceeded, context_limit
-from fx_engine.engine.scheduler import packed_rows
+from fx_engine.engine.scheduler import pack_arg
 
 __all__ = ["POOLINGS", "pooling_of", "embed", "embed_steps"]
 
@@ -165,8 +165,7 @@ def _embed_rows(model: Any, rows: list[list[int]], pooling: str,
         for i, r in enumerate(rows):
             piece = r[start : start + chunk]
             toks[i, : len(piece)] = piece
-        rows_packed = packed_rows(int(n.sum()))  # (padding rows and positions: no products)
-        pack = {"pack": rows_packed} if packs and rows_packed < b * chunk else {}
+        pack = pack_arg(int(n.sum()), b * chunk) if packs else {}  # (padding: no products)
         h, cache = hidden_step_compiled(model.params, cache, mx.array(toks), mx.array(n, mx.int32),
                                         span=span_bucket(start + chunk, cache.capacity), **pack)
         h = h.astype(mx.float32)

@@ -46,7 +46,6 @@ import attrs
 import mlx.core as mx
 
 from fx_engine.core.cache import KVCache
-from fx_engine.core.models import packs_rows
 from fx_engine.engine import scheduler as sched
 from fx_engine.engine.batch import DecodeBatch, insert_state_row
 from fx_engine.engine.budget import KVBudget, with_kv_cache_kind
@@ -201,9 +200,6 @@ class Engine:
                                         self.prefill_chunk, kv_budget_tokens, kv_budget_bytes)
         self.max_rows = max_rows
         self.step_token_budget = sched.step_budget(step_token_budget, self.prefill_chunk, max_rows)
-        # Text prompts on the base model prefill on packed rows where the family's layers
-        # allow (core/packing.py: no product on a padded position); pipeline stages do not.
-        self._packs = packs_rows(self.params)
         self.max_queue = max_queue
         self.context_length = getattr(model, "context_length", c.max_position_embeddings)
         self.eos = frozenset(model.eos_ids)
@@ -687,7 +683,9 @@ class Engine:
               self.budget.prefill_slots(len(r.ids))) for r in prefilling],
             self.prefill_chunk, self.step_token_budget, self.max_rows,
             scoring={r.handle.id for r in prefilling if r.plp is not None}, intake=intake,
-            packable={r.handle.id for r in prefilling if r.image is None and not r.slot} if self._packs else (),
+            # text prompts on the base model prefill on packed rows where the family allows
+            packable={r.handle.id for r in prefilling if r.image is None and not r.slot}
+            if self._executor.packs else (),
         )
 
     # ---------------------------------------------------------------- phase 3: decode

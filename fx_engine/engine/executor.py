@@ -417,8 +417,7 @@ class Executor:
         # rows verifying fewer than K drafts (per-row K), and free rows: the products on the
         # live rows' tokens alone (their count bounds what the step runs: no row is cut)
         tokens = sum(1 + n[i] for i, r in enumerate(rows) if r is not None)
-        pack = sched.packed_rows(tokens) if self.packs and adapters is None else None
-        packed = {} if pack is None or pack >= len(rows) * (k + 1) else {"pack": pack}
+        packed = sched.pack_arg(tokens, len(rows) * (k + 1)) if self.packs and adapters is None else {}
         out = verify_step_compiled(
             self.params, batch.cache, state, arr, n_arr, probs, span=span, mask=masks,
             adapters=adapters, capture=capture, **packed)

@@ -29,7 +29,7 @@ from fx_engine.core.sampling import SamplingConfig
 from fx_engine.core.state import DecodeState, init_state
 from fx_engine.core.steps import prefill_step_compiled, sample_step_compiled
 from fx_engine.core.tree import tree_leaves
-from fx_engine.engine.scheduler import packed_rows
+from fx_engine.engine.scheduler import pack_arg
 
 __all__ = ["Prefilled", "prefill"]
 
@@ -92,19 +92,15 @@ def prefill(
     capacity, pieces = prefill_plan(lengths, room, chunk)
     cache = init_cache(layout, len(prompts), capacity, dtype)
     ad = {} if adapters is None else {"adapters": adapters}
-    packs = adapters is None and packs_rows(params)
+    packs = adapters is None and packs_rows(params)  # prompts of different lengths: products on their tokens only
     logits = None
     for pos, n, size in pieces:
         tokens = [(p[pos : pos + n] + [0] * size)[:size] for p in prompts]
         counts = [max(0, min(n, length - pos)) for length in lengths]
-        rows = packed_rows(sum(counts))  # prompts of different lengths: products on their tokens only
-        if packs and rows < size * len(prompts):
-            ad["pack"] = rows
-        else:
-            ad.pop("pack", None)
+        pack = pack_arg(sum(counts), size * len(prompts)) if packs else {}
         lg, cache = prefill_step_compiled(
             params, cache, mx.array(tokens, mx.int32), mx.array(counts, mx.int32),
-            span=span_bucket(pos + size, capacity), **ad)
+            span=span_bucket(pos + size, capacity), **ad, **pack)
         ends = mx.array([pos < length <= pos + n for length in lengths])  # rows done here
         logits = lg if logits is None else mx.where(ends[:, None], lg, logits)
         mx.eval(logits, *tree_leaves(cache))

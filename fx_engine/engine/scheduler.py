@@ -148,6 +148,14 @@ def packed_rows(tokens: int) -> int:
     return chunk_bucket(tokens)
 
 
+def pack_arg(tokens: int, padded: int) -> dict[str, int]:
+    """A step's `pack` keyword for `tokens` valid tokens in `padded` positions (rows x
+    chunk): {"pack": packed_rows(tokens)} where that is fewer rows, else {} (the padded
+    step: packing would save nothing)."""
+    rows = packed_rows(tokens)
+    return {"pack": rows} if rows < padded else {}
+
+
 def pow2_splits(n: int) -> list[int]:
     """n as a sum of distinct powers of two, largest first (7 -> [4, 2, 1])."""
     return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1]
@@ -339,8 +347,8 @@ class PrefillCall:
 def packed_call(size: int, pieces: Sequence[tuple[Hashable, int]], packs: bool) -> PrefillCall:
     """A (not scoring) call of these pieces at C = size, on packed rows when `packs` and
     that is fewer rows than the padded ones (one row never is: its bucket is its C)."""
-    rows = packed_rows(sum(n for _, n in pieces)) if packs else None
-    return PrefillCall(size, tuple(pieces), packed=rows if rows is not None and rows < size * len(pieces) else None)
+    pack = pack_arg(sum(n for _, n in pieces), size * len(pieces)) if packs else {}
+    return PrefillCall(size, tuple(pieces), packed=pack.get("pack"))
 
 
 def split_call(
