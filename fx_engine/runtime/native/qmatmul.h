@@ -266,7 +266,13 @@ inline v16 deq8x16(const uint8_t* p, const GroupDeq& d) {
 #if defined(FX_AVX2)
 // The AVX2 build's tile: qmm_fused_tile below with each v16 as its two 8-float halves spelled
 // out (lanes 0-7, 8-15: the same lanes, the same FMAs, the same hsum), which GCC's generic
-// 64-byte vectors turned into ~4x slower code here.
+// 64-byte vectors turned into ~4x slower code here. Each half's 8 bytes are widened to
+// int32 lanes straight from memory (vpmovzxbd m64); a 4-bit half's low nibbles are then
+// `& 15` and its high ones `>> 4`, so a 32-k step is two widening loads, two ands, two
+// shifts, four conversions and the FMAs: no byte shuffles of a loaded register (the
+// 16-byte load split with vpsrldq and widened from registers, and its nibbles masked
+// before widening, measured 8.1 -> 13.2 G weights/s a core on a cached 4-bit matrix,
+// Zen 3; every product bit for bit the same).
 template <int BITS, int MR, int NF, bool FE>
 inline void qmm_fused_tile_avx2(const float* x, int K, const uint8_t* const* rw, const float* const* rs,
                                 const float* const* rb, int gs, float* y, int N, const char* pf,
@@ -277,34 +283,31 @@ inline void qmm_fused_tile_avx2(const float* x, int K, const uint8_t* const* rw,
     #pragma GCC unroll 16
     for (int f = 0; f < NF; ++f) acc[m][f][0] = acc[m][f][1] = _mm256_setzero_ps();
   const int64_t pf_step = ((pf_bytes + 63) / 64 + K / gs - 1) / (K / gs) * 64;
-  const __m128i low = _mm_set1_epi8(15);
+  const __m256i low = _mm256_set1_epi32(15);
+  auto widen8 = [](const uint8_t* p) {  // 8 bytes -> 8 int32 lanes
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  };
   for (int g = 0; g < K / gs; ++g) {
     for (int64_t o = g * pf_step, e = std::min(pf_bytes, o + pf_step); o < e; o += 64)
       _mm_prefetch(pf + o, _MM_HINT_T1);
-    __m256 sv[NF], cv[NF];
-    #pragma GCC unroll 16
-    for (int f = 0; f < NF; ++f) {
-      sv[f] = _mm256_broadcast_ss(rs[f] + g);
-      cv[f] = _mm256_broadcast_ss(rb[f] + g);
-    }
-    // 16 bytes -> vectors of 8 values (4 bits: the low nibbles of bytes 0-7, of 8-15, then
-    // the high ones; 8 bits: bytes 0-7, 8-15), each scale * q + bias
-    auto deq = [&](__m128i b, int f, __m256* w) {
-      for (int i = 0; i < 2; ++i) {
-        const __m128i part = i ? _mm_srli_si128(b, 8) : b;
-        w[i] = deq_affine<FE>(sv[f], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part)), cv[f]);
-      }
-    };
     for (int j = g * gs; j < (g + 1) * gs; j += BITS == 4 ? 32 : 16) {
       #pragma GCC unroll 16
       for (int f = 0; f < NF; ++f) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rw[f] + (BITS == 4 ? j / 2 : j)));
+        const __m256 sv = _mm256_broadcast_ss(rs[f] + g), cv = _mm256_broadcast_ss(rb[f] + g);
+        auto deq = [&](__m256i q) { return deq_affine<FE>(sv, _mm256_cvtepi32_ps(q), cv); };
+        // vectors of 8 values (4 bits: the low nibbles of bytes 0-7, of 8-15, then the
+        // high ones; 8 bits: bytes 0-7, 8-15), each scale * q + bias
+        const uint8_t* p = rw[f] + (BITS == 4 ? j / 2 : j);
+        const __m256i va = widen8(p), vb = widen8(p + 8);
         __m256 w[4];
         if constexpr (BITS == 4) {
-          deq(_mm_and_si128(b, low), f, w);
-          deq(_mm_and_si128(_mm_srli_epi16(b, 4), low), f, w + 2);
+          w[0] = deq(_mm256_and_si256(va, low));
+          w[1] = deq(_mm256_and_si256(vb, low));
+          w[2] = deq(_mm256_srli_epi32(va, 4));
+          w[3] = deq(_mm256_srli_epi32(vb, 4));
         } else {
-          deq(b, f, w);
+          w[0] = deq(va);
+          w[1] = deq(vb);
         }
         #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m)
