@@ -1067,6 +1067,9 @@ outs["isa"] = np.array(mod.isa)
 outs["few_gemm"] = np.array(mod.few_gemm)
 q, kv = mx.array(d["q"]), mx.array(d["kv"]).astype(mx.float16)
 outs["attend16"] = np.asarray(mod.attend(q, kv, kv, mx.ones((1, 1, 40), mx.bool_), 0.125))
+causal = mx.array(np.tril(np.ones((40, 40), bool))[None])  # 40 query tokens: the prefill kernel
+for name, cache in (("attend_pre", mx.array(d["kv"])), ("attend_pre16", kv)):
+    outs[name] = np.asarray(mod.attend(mx.array(d["qp"]), cache, cache, causal, 0.125))
 cache = mx.zeros((1, 2, 5, 16), mx.float16)  # the fused attention inputs (its float16 rounding)
 for i, a in enumerate(mod.qkv_rope_put(mx.array(d["qkv"]), mx.array(d["cos"]), mx.array(d["sin"]), False, 4,
                                        cache, cache, mx.array([[0, 4, 2]]))):
@@ -1117,8 +1120,13 @@ def portable_builds(tmp_path_factory):  # noqa: ANN001, ANN201
         pytest.skip("no C++ compiler")
     paths = build._paths()
 
+    # (the folders made here, one at a time: pytest's mktemp is not thread-safe, and two
+    # threads numbering "portable" folders at once failed now and then with "portable is
+    # not a normalized and relative path")
+    dirs = {arch: tmp_path_factory.mktemp("portable") for arch in PORTABLE}
+
     def one(arch: str) -> Path:
-        so = tmp_path_factory.mktemp("portable") / ("_fx_native" + paths["ext_suffix"])
+        so = dirs[arch] / ("_fx_native" + paths["ext_suffix"])
         march, *extra = arch.split()
         build._compile(cxx, paths, [f"-march={march}", *extra], so)
         build._check(so)  # the build's own smoke check passes too
@@ -1152,7 +1160,8 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     march, *extra = arch.split()
     data = {"x": RNG.standard_normal((11, 192)).astype(np.float32),
             "q": RNG.standard_normal((1, 1, 4, 32)).astype(np.float32),
-            "kv": RNG.standard_normal((1, 2, 40, 32)).astype(np.float32)}
+            "kv": RNG.standard_normal((1, 2, 40, 32)).astype(np.float32),
+            "qp": RNG.standard_normal((1, 40, 4, 32)).astype(np.float32)}
     from fx_engine.core.nn import rope_tables
 
     cos, sin, _ = rope_tables(mx.array([[3, 70, 1000]]), 16, base=10000.0, scale=1.0, freqs=None,
@@ -1253,6 +1262,21 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     kv = mx.array(data["kv"]).astype(mx.float16)  # its portable float16 conversion
     np.testing.assert_allclose(got["attend16"], np.asarray(native.attend(
         mx.array(data["q"]), kv, kv, mx.ones((1, 1, 40), mx.bool_), 0.125)), rtol=1e-5, atol=1e-6)
+    # prefill attention (40 query tokens, causal; AVX2 builds: their own tiles of 8-float
+    # halves): the float64 softmax(q k^T / 8) v, and on FMA builds this machine's bits
+    causal = np.tril(np.ones((40, 40), bool))
+    for name, cache in (("attend_pre", data["kv"]), ("attend_pre16", data["kv"].astype(np.float16))):
+        k64 = cache.astype(np.float64)[0]  # [Hk, S, D]
+        ref = np.empty((40, 4, 32))
+        for h in range(4):
+            sc = data["qp"][0, :, h].astype(np.float64) @ k64[h // 2].T * 0.125
+            sc = np.where(causal, sc, -np.inf)
+            p = np.exp(sc - sc.max(axis=1, keepdims=True))
+            ref[:, h] = (p / p.sum(axis=1, keepdims=True)) @ k64[h // 2]
+        np.testing.assert_allclose(got[name].reshape(40, 4, 32), ref, rtol=1e-5, atol=1e-5)
+        if avx2:
+            mine = native.attend(mx.array(data["qp"]), mx.array(cache), mx.array(cache), mx.array(causal[None]), 0.125)
+            assert np.array_equal(got[name], np.asarray(mine)), name
     x = mx.array(data["x"])
     for bits in (4, 8):
         wq, s, b = (mx.array(data[f"{n}{bits}"]) for n in ("w", "s", "b"))

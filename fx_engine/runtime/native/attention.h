@@ -195,11 +195,74 @@ inline v16 load_kv(const uint16_t* p) {
 #endif
 }
 
+// The tiles' accumulators stay in the vector registers: 32 of 16 floats on AVX-512, but 16
+// of 8 on AVX2 (and SSE), where a v16 takes two, so there the tiles are half as wide. (8 x 2
+// and 4 x 4 vectors of 16 on AVX2 spilled every accumulator on every step: prefill
+// attention was a fifth of a 512-token prefill at the 1B shape, Zen 3.) The tile shapes
+// only share loads: every score and output element is the same sequence of FMAs.
+#if defined(__AVX512F__)
+constexpr int PMR = 8;   // score tile: rows
+constexpr int PKV = 2;   // score tile: vectors of 16 keys
+constexpr int PVD = 4;   // P @ V tile: vectors of 16 of the head dimension (x 4 rows)
+#else
+constexpr int PMR = 4;
+constexpr int PKV = 1;
+constexpr int PVD = 1;
+#endif
+
 // o[g][c] = sum over j < end[g] of p[g][j] * v[j][16c..16c+16), sequentially over j; the
 // rows share each V load up to the smallest end, then finish alone.
+#if defined(FX_AVX2)
+// 8 cache values as floats (load_kv's halves).
+inline __m256 load_kv8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_kv8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// pv_tile and score_tile on AVX2 with each v16 as its two 8-float halves in __m256 values:
+// GCC keeps arrays of the 64-byte vector type in memory there and moves them through
+// general registers (vmovq / vpinsrq), which made prefill attention a fifth of a 512-token
+// prefill at the 1B shape (Zen 3). The same FMAs lane by lane, in the same order.
+template <typename E, int MR, int ND>
+inline void pv_tile_avx2(const float* const* p, const E* vb, int64_t vs, const int* end,
+                         float* const* o) {
+  int emin = end[0];
+  for (int g = 1; g < MR; ++g) emin = std::min(emin, end[g]);
+  __m256 acc[MR][2 * ND];
+  #pragma GCC unroll 16
+  for (int g = 0; g < MR; ++g)
+    #pragma GCC unroll 16
+    for (int c = 0; c < 2 * ND; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int j = 0; j < emin; ++j) {
+    const E* vj = vb + j * vs;
+    __m256 vv[2 * ND];
+    #pragma GCC unroll 16
+    for (int c = 0; c < 2 * ND; ++c) vv[c] = load_kv8(vj + 8 * c);
+    #pragma GCC unroll 16
+    for (int g = 0; g < MR; ++g) {
+      const __m256 pj = _mm256_broadcast_ss(p[g] + j);
+      #pragma GCC unroll 16
+      for (int c = 0; c < 2 * ND; ++c) acc[g][c] = _mm256_fmadd_ps(pj, vv[c], acc[g][c]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int g = 0; g < MR; ++g)
+    #pragma GCC unroll 16
+    for (int c = 0; c < 2 * ND; ++c) _mm256_storeu_ps(o[g] + 8 * c, acc[g][c]);
+  for (int g = 0; g < MR; ++g)
+    for (int j = emin; j < end[g]; ++j) {
+      const __m256 pj = _mm256_broadcast_ss(p[g] + j);
+      for (int c = 0; c < 2 * ND; ++c)
+        _mm256_storeu_ps(o[g] + 8 * c, _mm256_fmadd_ps(pj, load_kv8(vb + j * vs + 8 * c), _mm256_loadu_ps(o[g] + 8 * c)));
+    }
+}
+#endif
+
 template <typename E, int MR, int ND>
 inline void pv_tile(const float* const* p, const E* vb, int64_t vs, const int* end,
                     float* const* o) {
+#if defined(FX_AVX2)
+  return pv_tile_avx2<E, MR, ND>(p, vb, vs, end, o);
+#endif
   int emin = end[0];
   for (int g = 1; g < MR; ++g) emin = std::min(emin, end[g]);
   v16 acc[MR][ND];
@@ -339,8 +402,8 @@ void attend_cpu(const float* q, Strided4<E> k, Strided4<E> v, const uint8_t* mas
         // memcpy call).
         static_assert(AG == 4, "ends lists AG values");
         const int ends[AG] = {e, e, e, e};
-        for (int d0 = 0; d0 < D; d0 += 4 * VL) {
-          const int nd = std::min(4 * VL, D - d0) / VL;
+        for (int d0 = 0; d0 < D; d0 += PVD * VL) {
+          const int nd = std::min(PVD * VL, D - d0) / VL;
           float* od[AG];
           for (int g = 0; g < ng; ++g) od[g] = o[g] + d0;
           switch (ng) {
@@ -369,13 +432,41 @@ void attend_cpu(const float* q, Strided4<E> k, Strided4<E> v, const uint8_t* mas
 // span or the thread (its order differs from attend's, which is for a few tokens).
 constexpr int PB = 16;   // query tokens per work item
 constexpr int ATTEND_MAX_T = 16;  // attend_cpu up to this many query tokens per row
-constexpr int PMR = 8;   // score tile: rows
-constexpr int PKV = 2;   // score tile: vectors of 16 keys
 
 // acc[r][c] = sum_d q[r][d] * kt[c][d][0..16), sequentially over d; out rows of stride ld.
+#if defined(FX_AVX2)
+template <int MR, int NV>
+inline void score_tile_avx2(const float* __restrict qs, int D, const float* __restrict kblk,
+                            float* __restrict out, int64_t ld) {
+  __m256 acc[MR][2 * NV];
+  #pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 16
+    for (int c = 0; c < 2 * NV; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    __m256 kv[2 * NV];
+    #pragma GCC unroll 16
+    for (int c = 0; c < 2 * NV; ++c) kv[c] = _mm256_loadu_ps(kblk + static_cast<int64_t>(c / 2) * D * VL + d * VL + 8 * (c % 2));
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m256 qv = _mm256_broadcast_ss(qs + static_cast<int64_t>(r) * D + d);
+      #pragma GCC unroll 16
+      for (int c = 0; c < 2 * NV; ++c) acc[r][c] = _mm256_fmadd_ps(qv, kv[c], acc[r][c]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 16
+    for (int c = 0; c < 2 * NV; ++c) _mm256_storeu_ps(out + r * ld + 8 * c, acc[r][c]);
+}
+#endif
+
 template <int MR, int NV>
 inline void score_tile(const float* __restrict qs, int D, const float* __restrict kblk,
                        float* __restrict out, int64_t ld) {
+#if defined(FX_AVX2)
+  return score_tile_avx2<MR, NV>(qs, D, kblk, out, ld);
+#endif
   v16 acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NV; ++c) acc[r][c] = v16{};
@@ -488,8 +579,8 @@ void attend_prefill_cpu(const float* q, Strided4<E> k, Strided4<E> v, const uint
     // visible keys in order (rows of a tile share the V loads up to the smallest end).
     for (int r0 = 0; r0 < R; r0 += 4) {
       const int mr = std::min(4, R - r0);
-      for (int d0 = 0; d0 < D; d0 += 4 * VL) {
-        const int nd = std::min(4 * VL, D - d0) / VL;
+      for (int d0 = 0; d0 < D; d0 += PVD * VL) {
+        const int nd = std::min(PVD * VL, D - d0) / VL;
         const float* pp[4];
         float* oo[4];
         int er[4];

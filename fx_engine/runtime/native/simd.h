@@ -45,7 +45,17 @@ inline v16 fma(v16 a, v16 b, v16 acc) {
 #endif
 }
 
-inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+// Unaligned 16-float loads and stores. On AVX2 each half is one vmovups: GCC lowers the
+// vector extension's 64-byte unaligned access (a type wider than any register there)
+// through 8-byte pieces, vmovq / vpinsrq via general registers and the stack (seen in
+// prefill attention's tiles, a fifth of a 512-token prefill at the 1B shape, Zen 3).
+inline v16 load(const float* p) {
+#if defined(FX_AVX2)
+  return join(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+#else
+  return *reinterpret_cast<const v16u*>(p);
+#endif
+}
 
 // One float in every lane, loaded straight from memory. (`v16{} + *p` would compute
 // 0.0f + x, an add then a register broadcast: two extra uops per use, and the broadcast's
@@ -62,7 +72,16 @@ inline v16 splat(const float* p) {
   return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
 #endif
 }
-inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+inline void store(float* p, v16 v) {
+#if defined(FX_AVX2)
+  __m256 lo, hi;
+  halves(v, lo, hi);
+  _mm256_storeu_ps(p, lo);
+  _mm256_storeu_ps(p + 8, hi);
+#else
+  *reinterpret_cast<v16u*>(p) = v;
+#endif
+}
 
 // x in every lane (for a value computed in a register; splat() loads from memory).
 inline v16 bcast(float x) {
