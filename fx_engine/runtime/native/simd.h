@@ -45,10 +45,10 @@ inline v16 fma(v16 a, v16 b, v16 acc) {
 #endif
 }
 
-// Unaligned 16-float loads and stores. On AVX2 each half is one vmovups: GCC lowers the
-// vector extension's 64-byte unaligned access (a type wider than any register there)
-// through 8-byte pieces, vmovq / vpinsrq via general registers and the stack (seen in
-// prefill attention's tiles, a fifth of a 512-token prefill at the 1B shape, Zen 3).
+// Unaligned 16-float loads and stores; on AVX2 written out as one vmovups a half, like the
+// other primitives here (the 64-byte vector type is wider than any AVX2 register, and GCC
+// moves values of it through general registers and the stack where it must lower them
+// itself: vmovq / vpinsrq in the prefill attention tiles, which now use __m256 halves).
 inline v16 load(const float* p) {
 #if defined(FX_AVX2)
   return join(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
