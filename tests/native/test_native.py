@@ -1067,6 +1067,7 @@ outs["isa"] = np.array(mod.isa)
 outs["few_gemm"] = np.array(mod.few_gemm)
 q, kv = mx.array(d["q"]), mx.array(d["kv"]).astype(mx.float16)
 outs["attend16"] = np.asarray(mod.attend(q, kv, kv, mx.ones((1, 1, 40), mx.bool_), 0.125))
+outs["softmax"] = np.asarray(mod.masked_softmax(mx.array(d["sm_x"]), mx.array(d["sm_m"])))
 causal = mx.array(np.tril(np.ones((40, 40), bool))[None])  # 40 query tokens: the prefill kernel
 for name, cache in (("attend_pre", mx.array(d["kv"])), ("attend_pre16", kv)):
     outs[name] = np.asarray(mod.attend(mx.array(d["qp"]), cache, cache, causal, 0.125))
@@ -1161,7 +1162,11 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     data = {"x": RNG.standard_normal((11, 192)).astype(np.float32),
             "q": RNG.standard_normal((1, 1, 4, 32)).astype(np.float32),
             "kv": RNG.standard_normal((1, 2, 40, 32)).astype(np.float32),
-            "qp": RNG.standard_normal((1, 40, 4, 32)).astype(np.float32)}
+            "qp": RNG.standard_normal((1, 40, 4, 32)).astype(np.float32),
+            # masked softmax: magnitudes up to the exp clamps, rows of 53 (a 16-lane tail),
+            # a fully masked row
+            "sm_x": (RNG.standard_normal((1, 2, 4, 53)) * 10.0 ** RNG.integers(-2, 3, (1, 2, 4, 53))).astype(np.float32),
+            "sm_m": np.concatenate([RNG.random((1, 3, 53)) < 0.8, np.zeros((1, 1, 53), bool)], axis=1)}
     from fx_engine.core.nn import rope_tables
 
     cos, sin, _ = rope_tables(mx.array([[3, 70, 1000]]), 16, base=10000.0, scale=1.0, freqs=None,
@@ -1262,6 +1267,9 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     kv = mx.array(data["kv"]).astype(mx.float16)  # its portable float16 conversion
     np.testing.assert_allclose(got["attend16"], np.asarray(native.attend(
         mx.array(data["q"]), kv, kv, mx.ones((1, 1, 40), mx.bool_), 0.125)), rtol=1e-5, atol=1e-6)
+    # masked softmax (AVX2: on 8-float halves; no FMA anywhere): every build, the same bits
+    assert np.array_equal(got["softmax"], np.asarray(native.masked_softmax(
+        mx.array(data["sm_x"]), mx.array(data["sm_m"])))), arch
     # prefill attention (40 query tokens, causal; AVX2 builds: their own tiles of 8-float
     # halves): the float64 softmax(q k^T / 8) v, and on FMA builds this machine's bits
     causal = np.tril(np.ones((40, 40), bool))

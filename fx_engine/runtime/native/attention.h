@@ -57,6 +57,61 @@ inline int mask_end(const uint8_t* m, int S) {
   return e;
 }
 
+#if defined(FX_AVX2)
+// vexp on 8 lanes: the same operations lane by lane (a multiply, the two clamps as selects,
+// the rounding trick, the polynomial's multiplies and adds unfused, 2**n built in the
+// exponent field; n is integral, so the conversion's rounding mode does not matter).
+inline __m256 vexp8(__m256 x) {
+  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  t = _mm256_max_ps(_mm256_set1_ps(-127.0f), t);  // t < lo ? lo : t (a NaN t stays)
+  t = _mm256_min_ps(_mm256_set1_ps(128.0f), t);   // t > hi ? hi : t
+  const __m256 big = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(t, big), big);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
+  for (const float c : {1.5403530393381608e-04f, 1.3333558146428443e-03f, 9.618129107628477e-03f,
+                        5.550410866482158e-02f, 2.402265069591007e-01f, 6.931471805599453e-01f, 1.0f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(c));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// masked() on 8 lanes: x where the mask byte is set, else FMIN.
+inline __m256 masked8(const float* x, const uint8_t* m) {
+  const __m256i mi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
+  const __m256 off = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mi, _mm256_setzero_si256()));
+  return _mm256_blendv_ps(_mm256_loadu_ps(x), _mm256_set1_ps(FMIN), off);
+}
+
+// softmax_row's vector part on AVX2, each v16 as its two 8-float halves (GCC's lowering of
+// the generic 16-float code went through the stack: softmax was ~5% of a 512-token 1B
+// prefill on Zen 3). The same lanes, operations and reductions (hmax over lanes 0..15,
+// hsum's tree), so the same floats. x, m: the row's first E16 slots (a multiple of 16) and
+// the tail padded to 16 by the caller. Returns the row max's vector part.
+inline float softmax_max8(const float* x, const uint8_t* m, int E16) {
+  __m256 lo = _mm256_set1_ps(FMIN), hi = lo;
+  for (int j = 0; j < E16; j += VL) {
+    const __m256 a = masked8(x + j, m + j), b = masked8(x + j + 8, m + j + 8);
+    lo = _mm256_blendv_ps(lo, a, _mm256_cmp_ps(a, lo, _CMP_GT_OQ));  // v > vm ? v : vm
+    hi = _mm256_blendv_ps(hi, b, _mm256_cmp_ps(b, hi, _CMP_GT_OQ));
+  }
+  return hmax(join(lo, hi));
+}
+inline v16 softmax_exp8(const float* x, const uint8_t* m, int E16, float mx_, float* out) {
+  const __m256 vmx = _mm256_set1_ps(mx_);
+  __m256 lo = _mm256_setzero_ps(), hi = lo;
+  for (int j = 0; j < E16; j += VL) {
+    const __m256 a = vexp8(_mm256_sub_ps(masked8(x + j, m + j), vmx));
+    const __m256 b = vexp8(_mm256_sub_ps(masked8(x + j + 8, m + j + 8), vmx));
+    _mm256_storeu_ps(out + j, a);
+    _mm256_storeu_ps(out + j + 8, b);
+    lo = _mm256_add_ps(lo, a);
+    hi = _mm256_add_ps(hi, b);
+  }
+  return join(lo, hi);
+}
+#endif
+
 // Softmax of one row of scores over its unmasked slots; masked slots get exact zeros and a
 // fully masked row is uniform (as softmax(where(mask, x, finfo.min)) gives). Only slots
 // before the row's last unmasked one are visited, in a fixed vector order, so the result
@@ -68,12 +123,16 @@ void softmax_row(const float* x, const uint8_t* m, int S, float* out) {
     return;
   }
   const int E16 = E - E % VL;
+#if defined(FX_AVX2)
+  float mx_ = softmax_max8(x, m, E16);
+#else
   v16 vm = bcast(FMIN);
   for (int j = 0; j < E16; j += VL) {
     const v16 v = masked(x + j, m + j);
     vm = v > vm ? v : vm;
   }
   float mx_ = hmax(vm);
+#endif
   for (int j = E16; j < E; ++j) {
     const float v = m[j] ? x[j] : FMIN;
     mx_ = v > mx_ ? v : mx_;
@@ -91,12 +150,16 @@ void softmax_row(const float* x, const uint8_t* m, int S, float* out) {
     for (int j = 0; j < S; ++j) out[j] = sum > 0.0f ? out[j] / sum : 1.0f / static_cast<float>(S);
     return;
   }
+#if defined(FX_AVX2)
+  const v16 vs = softmax_exp8(x, m, E16, mx_, out);
+#else
   v16 vs = v16{};
   for (int j = 0; j < E16; j += VL) {
     const v16 e = vexp(masked(x + j, m + j) - mx_);
     store(out + j, e);
     vs += e;
   }
+#endif
   v16 vt = v16{};
   if (E16 < E) {  // the tail through the same vector code; padding lanes add nothing
     float xt[VL] = {0}, et[VL];
