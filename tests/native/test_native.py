@@ -1153,7 +1153,10 @@ def test_portable_build_runs_the_same_products(tmp_path, arch: str, portable_bui
     and 5-/6-bit weights (unpacked with AVX2 shuffles, or a loop) the 8-bit form's.
     qgemm's AVX2 few-row path gives its many-row tiles' bits at every row count 1..16,
     and both give this machine's qgemm bits (the same arithmetic on every path); so does
-    qmm's fused few-row path its dequantized copy's, and the AVX2 build this machine's qmm."""
+    qmm's fused few-row path its dequantized copy's, and the AVX2 build this machine's qmm.
+    Prefill attention (the AVX2 build's own tiles) matches float64 and, on FMA builds,
+    this machine's bits; the masked softmax (no FMA in it) gives this machine's bits on
+    every build."""
     import subprocess
     import sys
 
