@@ -205,6 +205,19 @@ def gguf_value(md: dict[str, Any], arch: str, key: str, source: str, default: An
     return v.item() if hasattr(v, "item") else v
 
 
+def trunk_layers(md: dict[str, Any], arch: str, source: str) -> int:
+    """The decoder layers a GGUF file's trunk runs: llama.cpp counts the NextN (MTP)
+    modules it keeps (`<arch>.nextn_predict_layers`, the last blocks: GLM-4.5's glm4moe,
+    GLM-4.7-Flash's and DeepSeek's deepseek2, ...) in block_count; run as ordinary layers
+    they would silently change every output. Drafters read them (core/drafters/mtp.py)."""
+    blocks = int(gguf_value(md, arch, "block_count", source))
+    nextn = int(gguf_value(md, arch, "nextn_predict_layers", source, 0) or 0)
+    if not 0 <= nextn < blocks:
+        raise ConfigError(f"{source}: {arch}.nextn_predict_layers {nextn} with block_count {blocks}: "
+                          "the NextN layers must be fewer than the blocks")
+    return blocks - nextn
+
+
 def gguf_hf_config(md: dict[str, Any], arch: str, source: str, model_type: str, *,
                    rope_theta: float = 10000.0, context: int = 4096, ffn: bool = True) -> dict[str, Any]:
     """The config.json fields every llama.cpp architecture writes the same way, from its
@@ -218,7 +231,7 @@ def gguf_hf_config(md: dict[str, Any], arch: str, source: str, model_type: str, 
     eps = val("attention.layer_norm_rms_epsilon", None)
     eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
     d: dict[str, Any] = {
-        "model_type": model_type, "hidden_size": hidden, "num_hidden_layers": int(val("block_count")),
+        "model_type": model_type, "hidden_size": hidden, "num_hidden_layers": trunk_layers(md, arch, source),
         "num_attention_heads": heads, "num_key_value_heads": int(val("attention.head_count_kv", heads)),
         "rms_norm_eps": float(eps if eps is not None else val("attention.layer_norm_epsilon")),
         "rope_theta": float(val("rope.freq_base", rope_theta)),

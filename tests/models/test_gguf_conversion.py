@@ -402,6 +402,60 @@ def test_deepseek2_gguf_matches_mlx_lm(tmp_path, split_kv_b, tiny_folder):
     _compare(fx_engine.logits(model, ids, chunk=40), ref(mx.array([ids]))[0])
 
 
+def _with_nextn_block(src: Path, dst: Path, arch: str) -> None:
+    """src's GGUF with a NextN (MTP) module appended as newer llama.cpp converters keep it
+    (GLM-4.7-Flash's deepseek2 files): block_count + 1, `<arch>.nextn_predict_layers` 1, the
+    last block a full decoder layer (a copy of the last trunk block's tensors, perturbed)
+    plus its blk.N.nextn.* tensors."""
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), arch)
+    n = int(r.fields[f"{arch}.block_count"].contents())
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name in ("general.architecture", f"{arch}.block_count"):
+            continue
+        t = f.types[0]
+        w.add_key_value(f.name, f.contents(), t, sub_type=f.types[-1] if t == gguf.GGUFValueType.ARRAY else None)
+    w.add_uint32(f"{arch}.block_count", n + 1)
+    w.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+    hidden = int(r.fields[f"{arch}.embedding_length"].contents())
+    rng = np.random.default_rng(1)
+    for t in r.tensors:
+        raw = None if t.tensor_type in plain else t.tensor_type
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=raw)
+        if t.name.startswith(f"blk.{n - 1}."):
+            data = np.array(t.data)
+            if raw is None:
+                data = data + rng.normal(scale=0.5, size=data.shape).astype(data.dtype)
+            w.add_tensor(f"blk.{n}." + t.name[len(f"blk.{n - 1}."):], data, raw_dtype=raw)
+    for name, shape in (("eh_proj.weight", (hidden, 2 * hidden)), ("enorm.weight", (hidden,)),
+                        ("hnorm.weight", (hidden,)), ("shared_head_norm.weight", (hidden,))):
+        w.add_tensor(f"blk.{n}.nextn.{name}", rng.normal(size=shape).astype(np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+
+def test_deepseek2_gguf_with_its_nextn_block_runs_the_trunk_alone(tmp_path, tiny_folder):
+    """llama.cpp counts a kept NextN (MTP) module in deepseek2's block_count (GLM-4.7-Flash,
+    DeepSeek V3.2): the trunk runs block_count - nextn_predict_layers layers, the same logits
+    as the file without it (run as a layer, the module changed every output, silently);
+    a count that leaves no trunk is refused by name."""
+    from mlx_lm.utils import load_model
+
+    folder = tiny_folder("deepseek_v3")
+    oracle = _deepseek_gguf(folder, tmp_path / "m.gguf", True)
+    _with_nextn_block(tmp_path / "m.gguf", tmp_path / "nextn.gguf", "deepseek2")
+    model = fx_engine.load(tmp_path / "nextn.gguf")
+    assert model.config.num_layers == fx_engine.load(folder).config.num_layers
+    ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    ref, _ = load_model(oracle)
+    ref.set_dtype(mx.float32)
+    _compare(fx_engine.logits(model, ids, chunk=40), ref(mx.array([ids]))[0])
+    from fx_engine.core.config import ConfigError, trunk_layers
+    md = {"deepseek2.block_count": 3, "deepseek2.nextn_predict_layers": 3}
+    with pytest.raises(ConfigError, match="nextn_predict_layers"):
+        trunk_layers(md, "deepseek2", "f.gguf")
+
+
 def _glm4moe_gguf(folder: Path, out: Path, q8: bool = True) -> Path:
     """A tiny glm4_moe folder as llama.cpp writes glm4moe: TensorNameMap names, experts
     stacked as Q8_0, the correction bias as exp_probs_b.bias, partial RoPE as

@@ -365,12 +365,11 @@ def config_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:
 
 def _glm4_moe_from_gguf(md: dict[str, Any], source: str) -> MoEConfig:
     """GLM-4.5 from llama.cpp's glm4moe metadata (its block_count includes the NextN / MTP
-    layers, which are not run; sigmoid routing only)."""
+    layers, which the trunk does not run: gguf_hf_config; sigmoid routing only)."""
     d = gguf_hf_config(md, "glm4moe", source, "glm4_moe")
     d.update(gguf_grouped_experts(md, "glm4moe", source))
     hd = d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
-    d.update(num_hidden_layers=d["num_hidden_layers"] - int(gguf_value(md, "glm4moe", "nextn_predict_layers", source, 0)),
-             partial_rotary_factor=int(gguf_value(md, "glm4moe", "rope.dimension_count", source, hd // 2)) / hd,
+    d.update(partial_rotary_factor=int(gguf_value(md, "glm4moe", "rope.dimension_count", source, hd // 2)) / hd,
              tie_word_embeddings=False, use_qk_norm=True, attention_bias=True)  # the file decides these two
     return config_from_hf(d, source)
 
