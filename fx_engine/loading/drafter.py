@@ -7,11 +7,11 @@ and the MTP modules target checkpoints ship beside their layers.
 
 A head folder is a config.json (EAGLE's / SpecForge's flat Llama config with
 draft_vocab_size and target_hidden_size, or vLLM's speculators format) and its weights in
-safetensors (model.safetensors, or shards with model.safetensors.index.json), as
-yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, SpecForge's, vLLM's speculators' and SGLang's heads
-are published (a head that only ships pytorch_model.bin must be converted to safetensors
-first: reading pickles is not done here). `path` is a local folder or a Hugging Face repo
-id (`loading.hub.resolve_model`). The config and tensors are read by
+safetensors (model.safetensors, or shards with model.safetensors.index.json) as SpecForge's,
+vLLM's speculators', NVIDIA's and SGLang's heads are published, or in PyTorch's
+pytorch_model.bin (or its shards) as yuhuili/EAGLE3-LLaMA3.1-Instruct-8B and AngelSlim's
+are: read without torch and without running the pickle (`loading.torch_pickle`). `path` is
+a local folder or a Hugging Face repo id (`loading.hub.resolve_model`). The config and tensors are read by
 `fx_engine.core.drafters.eagle3` (which refuses, naming the field or tensor, what it does
 not run); given the target (a Model or its config), the head is checked against it
 (`eagle3.check_target`: hidden size, vocabulary, aux layers in range).
@@ -42,6 +42,7 @@ from fx_engine.core.config import ConfigError
 from fx_engine.core.nn import Numerics
 from fx_engine.core.drafters import eagle3, mtp
 from fx_engine.loading.hub import resolve_model
+from fx_engine.loading.torch_pickle import read_torch_checkpoint
 
 __all__ = ["is_eagle3_head", "load_eagle3_head", "load_mtp_module", "mtp_config", "mtp_summary", "read_head_folder"]
 
@@ -62,9 +63,29 @@ def is_eagle3_head(path: str | Path) -> bool:
             or any("eagle3" in str(a).lower() for a in archs))
 
 
+def _weight_files(folder: Path) -> list[Path]:
+    """The head's weight files: the safetensors (one file, or the shards
+    model.safetensors.index.json names, all present), else PyTorch's pytorch_model.bin (or
+    the shards pytorch_model.bin.index.json names)."""
+    for index, pattern in ((folder / "model.safetensors.index.json", "*.safetensors"),
+                           (folder / "pytorch_model.bin.index.json", "pytorch_model*.bin")):
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError) as e:
+                raise WeightsError(f"{index}: malformed index ({e})") from e
+            missing = [n for n in names if not (folder / n).is_file()]
+            if missing:
+                raise WeightsError(f"{index}: shard files missing: {', '.join(missing)}")
+            return [folder / n for n in names]
+        files = sorted(folder.glob(pattern))
+        if files:
+            return files
+    return []
+
+
 def read_head_folder(folder: Path) -> tuple[dict[str, Any], dict[str, mx.array]]:
-    """(config.json as a dict, every tensor of the folder's safetensors files): one file, or
-    the shards its model.safetensors.index.json names (all present)."""
+    """(config.json as a dict, every tensor of the folder's weight files: `_weight_files`)."""
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise ConfigError(f"{folder}: no config.json (an EAGLE-3 head folder has config.json and safetensors)")
@@ -74,29 +95,20 @@ def read_head_folder(folder: Path) -> tuple[dict[str, Any], dict[str, mx.array]]
         raise ConfigError(f"{cfg_file}: not JSON ({e})") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{cfg_file}: expected a JSON object")
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError) as e:
-            raise WeightsError(f"{index}: malformed index ({e})") from e
-        missing = [n for n in names if not (folder / n).is_file()]
-        if missing:
-            raise WeightsError(f"{index}: shard files missing: {', '.join(missing)}")
-        files = [folder / n for n in names]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
+    files = _weight_files(folder)
     if not files:
-        pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
-        hint = (f" (it has {', '.join(pickles)}: convert them to safetensors, e.g. with safetensors.torch."
-                "save_file over torch.load's state dict)") if pickles else ""
-        raise WeightsError(f"{folder}: no *.safetensors files{hint}")
+        others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+        raise WeightsError(f"{folder}: no weights (model*.safetensors or pytorch_model*.bin)"
+                           + (f"; it has {', '.join(others)}" if others else ""))
     tensors: dict[str, mx.array] = {}
     for f in files:
-        try:
-            loaded = mx.load(str(f))
-        except Exception as e:  # mlx's messages are terse
-            raise WeightsError(f"{f}: cannot read weights ({e}); is the file truncated or corrupt?") from e
+        if f.suffix == ".bin":
+            loaded = read_torch_checkpoint(f)
+        else:
+            try:
+                loaded = mx.load(str(f))
+            except Exception as e:  # mlx's messages are terse
+                raise WeightsError(f"{f}: cannot read weights ({e}); is the file truncated or corrupt?") from e
         for name in loaded:
             if name in tensors:
                 raise WeightsError(f"{folder}: tensor '{name}' is in more than one file")
@@ -112,9 +124,9 @@ def load_eagle3_head(path: str | Path, target: Any = None, *, dtype: str | None 
     naming the field: target_hidden_size vs hidden_size, vocab_size, the aux layer ids, the
     embeddings); None: not checked. dtype: the head's activation/weight dtype ("float32",
     "float16", "bfloat16"); default the target's (a Model's), else float32."""
-    folder = resolve_model(path, revision=revision)
+    folder = resolve_model(path, revision=revision, torch_bins=True)
     if not folder.is_dir():
-        raise ConfigError(f"{path}: an EAGLE-3 head is a folder (config.json and safetensors), got {folder}")
+        raise ConfigError(f"{path}: an EAGLE-3 head is a folder (config.json and its weights), got {folder}")
     raw, tensors = read_head_folder(folder)
     cfg = eagle3.config_from_hf(raw, str(folder / "config.json"))
     target_cfg = getattr(target, "config", target)

@@ -21,6 +21,7 @@ only model file otherwise, and else an error listing the choices.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import sys
 from pathlib import Path
@@ -95,21 +96,33 @@ def choose_gguf(files: list[str], quant: str | None, repo: str = "") -> list[str
                         f"(files: {', '.join(units)})")
 
 
-def _folder_ready(folder: Path) -> bool:
+# PyTorch's weight files, which only a drafter head's folder may hold instead of
+# safetensors (`resolve_model(..., torch_bins=True)`; read by loading.torch_pickle)
+TORCH_BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+
+
+def _folder_ready(folder: Path, torch_bins: bool = False) -> bool:
     """Whether a cached snapshot holds a loadable Hugging Face folder: config.json and every
-    safetensors file its index names (or one safetensors file when unsharded)."""
+    safetensors file its index names (or one safetensors file when unsharded); with
+    torch_bins, PyTorch's pytorch_model*.bin likewise when there are no safetensors."""
+    import json
+
     if not (folder / "config.json").is_file():
         return False
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        import json
-
-        try:
-            names = set(json.loads(index.read_text())["weight_map"].values())
-        except (ValueError, KeyError, TypeError):
-            return False
-        return all((folder / n).is_file() for n in names)
-    return any(folder.glob("*.safetensors"))
+    kinds = [("model.safetensors.index.json", "*.safetensors")]
+    if torch_bins:
+        kinds.append(("pytorch_model.bin.index.json", "pytorch_model*.bin"))
+    for index_name, pattern in kinds:
+        index = folder / index_name
+        if index.is_file():
+            try:
+                names = set(json.loads(index.read_text())["weight_map"].values())
+            except (ValueError, KeyError, TypeError):
+                return False
+            return all((folder / n).is_file() for n in names)
+        if any(folder.glob(pattern)):
+            return True
+    return False
 
 
 def _cached(repo: str, revision: str | None) -> Path | None:
@@ -132,7 +145,8 @@ def _local_files(folder: Path) -> list[str]:
     return sorted(str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file() or f.is_symlink())
 
 
-def _from_cache(repo: str, quant: str | None, revision: str | None, tried: list[str]) -> Path | None:
+def _from_cache(repo: str, quant: str | None, revision: str | None, tried: list[str],
+                torch_bins: bool = False) -> Path | None:
     from huggingface_hub import constants
 
     snap = _cached(repo, revision)
@@ -142,7 +156,7 @@ def _from_cache(repo: str, quant: str | None, revision: str | None, tried: list[
         return None
     files = _local_files(snap)
     ggufs = _sets(files)
-    if quant is not None or (ggufs and not _folder_ready(snap)):
+    if quant is not None or (ggufs and not _folder_ready(snap, torch_bins)):
         try:
             chosen = choose_gguf(files, quant, repo)
         except ModelNotFound as e:
@@ -152,9 +166,10 @@ def _from_cache(repo: str, quant: str | None, revision: str | None, tried: list[
             return snap / chosen[0]
         tried.append(f"the cached snapshot {snap}: shards missing")
         return None
-    if _folder_ready(snap):
+    if _folder_ready(snap, torch_bins):
         return snap
-    tried.append(f"the cached snapshot {snap}: no config.json with its safetensors")
+    tried.append(f"the cached snapshot {snap}: no config.json with its safetensors"
+                 + (" or pytorch_model.bin" if torch_bins else ""))
     return None
 
 
@@ -178,12 +193,15 @@ def _progress(enabled: bool | None) -> Any:
     return scope()
 
 
-def _download(repo: str, quant: str | None, revision: str | None, progress: bool | None) -> Path:
+def _download(repo: str, quant: str | None, revision: str | None, progress: bool | None,
+              torch_bins: bool = False) -> Path:
     from huggingface_hub import HfApi, snapshot_download
 
     with _progress(progress):
         files = HfApi().list_repo_files(repo, revision=revision)
-        ready = "config.json" in files and any(f.endswith(".safetensors") for f in files)
+        weights = any(f.endswith(".safetensors") for f in files)
+        bins = torch_bins and not weights and any(fnmatch.fnmatch(f, TORCH_BIN_PATTERNS[0]) for f in files)
+        ready = "config.json" in files and (weights or bins)
         if quant is not None or (not ready and _sets(files)):
             chosen = choose_gguf(files, quant, repo)
             snap = Path(snapshot_download(repo, revision=revision, allow_patterns=chosen))
@@ -191,19 +209,21 @@ def _download(repo: str, quant: str | None, revision: str | None, progress: bool
         if not ready:
             raise ModelNotFound(f"{repo}: neither a model folder (config.json with safetensors) "
                                 f"nor GGUF files (the repository has: {', '.join(files[:20])})")
-        snap = Path(snapshot_download(repo, revision=revision, allow_patterns=FOLDER_PATTERNS))
-    if not _folder_ready(snap):
+        snap = Path(snapshot_download(repo, revision=revision,
+                                      allow_patterns=FOLDER_PATTERNS + (TORCH_BIN_PATTERNS if bins else [])))
+    if not _folder_ready(snap, torch_bins):
         raise ModelNotFound(f"{repo}: downloaded to {snap}, but it has no config.json with its "
                             "safetensors")
     return snap
 
 
 def resolve_model(spec: str | Path, *, revision: str | None = None,
-                  progress: bool | None = None) -> Path:
+                  progress: bool | None = None, torch_bins: bool = False) -> Path:
     """A local path for a model given as a path, `org/name`, or `org/name:QUANT`.
 
     revision: a branch, tag or commit of the repo (None: main). progress: download bars
-    (None: only when stderr is a terminal)."""
+    (None: only when stderr is a terminal). torch_bins: a folder whose weights are PyTorch's
+    pytorch_model*.bin (no safetensors) also resolves (drafter heads: loading/drafter.py)."""
     p = Path(spec).expanduser()
     if p.exists():
         if revision is not None:
@@ -218,14 +238,14 @@ def resolve_model(spec: str | Path, *, revision: str | None = None,
     from huggingface_hub import constants
 
     tried: list[str] = [f"a local path ./{spec}: none"]
-    found = _from_cache(repo, quant, revision, tried)
+    found = _from_cache(repo, quant, revision, tried, torch_bins)
     if found is not None:
         return found
     if constants.HF_HUB_OFFLINE:
         tried.append("the Hub: not tried, HF_HUB_OFFLINE is set")
     else:
         try:
-            return _download(repo, quant, revision, progress)
+            return _download(repo, quant, revision, progress, torch_bins)
         except ModelNotFound as e:
             tried.append(f"the Hub ({constants.ENDPOINT}): {e}")
         except Exception as e:  # noqa: BLE001 - HTTP, connection (httpx's own classes), disk: all say what failed

@@ -3,7 +3,9 @@ for tests of fx_engine.core.drafters.eagle3 (and users' own).
 
 The layout is EAGLE's / SpecForge's: a flat Llama config with draft_vocab_size and
 target_hidden_size; tensors fc, midlayer.* (q/k/v over 2H inputs), norm, lm_head
-[draft_vocab, H], d2t (int64 offsets) and t2d (bool mask over the target vocabulary).
+[draft_vocab, H], d2t (int64 offsets) and t2d (bool mask over the target vocabulary); with
+norm_before_fc (top level or in eagle_config) input_norm [3 H_t], with fc_norm
+fc_norm.{0,1,2} [H_t] (vLLM speculators' / NVIDIA's input norms).
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ def tiny_eagle3_tensors(cfg: dict[str, Any], *, seed: int = 0, style: str = "mid
     rng = np.random.default_rng(seed)
     out = {n: rng.normal(0.0, 0.15, s) for n, s in shapes.items()}
     out.update({n: 1.0 + rng.normal(0.0, 0.1, (h,)) for n in norms})
+    eagle = cfg.get("eagle_config") or {}
+    if cfg.get("norm_before_fc") or eagle.get("norm_before_fc"):  # one norm over the 3 target states
+        out[top + "input_norm.weight"] = 1.0 + rng.normal(0.0, 0.3, (3 * ht,))
+    if cfg.get("fc_norm"):  # a norm on each target state
+        out.update({f"{top}fc_norm.{i}.weight": 1.0 + rng.normal(0.0, 0.3, (ht,)) for i in range(3)})
     tensors = {n: mx.array(a.astype(np.float32)).astype(getattr(mx, dtype)) for n, a in out.items()}
     ids = np.sort(rng.choice(v, size=dv, replace=False))  # real heads: the most frequent target tokens, sorted
     mask = np.zeros(v, dtype=bool)

@@ -54,13 +54,23 @@ def _rope(x, pos, theta):
 def reference(w, cfg, embeds, hidden, pos, past=None):
     """The head's step from the published equations. w: checkpoint tensors (EAGLE's names);
     embeds [B, T, H], hidden [B, T, 3Ht or H], pos [B, T]; past: (keys, values, positions) of
-    earlier steps. Returns (logits, pre-norm output hidden, (keys, values, positions))."""
+    earlier steps. Returns (logits, the output hidden a chained step feeds back: pre-norm, or
+    normed with norm_output, (keys, values, positions))."""
     f = {n: np.asarray(a, np.float64) for n, a in w.items() if n not in ("d2t", "t2d")}
     L = "midlayer."
     H, eps, theta = cfg["hidden_size"], cfg["rms_norm_eps"], cfg["rope_theta"]
     hq, hk, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     b, t, _ = embeds.shape
-    g = hidden @ f["fc.weight"].T if hidden.shape[-1] != H else hidden  # fc on the target's states only
+    if hidden.shape[-1] != H:  # the target's states: the input norms the head has, then fc
+        ht = cfg["target_hidden_size"]
+        if "input_norm.weight" in f:  # norm_before_fc: one norm over the concatenation
+            hidden = _rms(hidden, f["input_norm.weight"], eps)
+        if "fc_norm.0.weight" in f:  # fc_norm: each state alone
+            hidden = np.concatenate([_rms(hidden[..., i * ht:(i + 1) * ht], f[f"fc_norm.{i}.weight"], eps)
+                                     for i in range(3)], -1)
+        g = hidden @ f["fc.weight"].T
+    else:
+        g = hidden
     n = _rms(g, f[L + "hidden_norm.weight"], eps)
     residual = n if cfg.get("norm_before_residual") else g
     x = np.concatenate([_rms(embeds, f[L + "input_layernorm.weight"], eps), n], -1)  # [B, T, 2H]
@@ -84,6 +94,8 @@ def reference(w, cfg, embeds, hidden, pos, past=None):
     gate, up = m @ f[L + "mlp.gate_proj.weight"].T, m @ f[L + "mlp.up_proj.weight"].T
     h = h + (gate / (1 + np.exp(-gate)) * up) @ f[L + "mlp.down_proj.weight"].T
     logits = _rms(h, f["norm.weight"], eps) @ f["lm_head.weight"].T
+    if cfg.get("norm_output"):  # speculators' norm_output: the normed state is fed back
+        h = _rms(h, f["norm.weight"], eps)
     return logits, h, (k, v, kpos)
 
 
@@ -94,9 +106,16 @@ def _np(x):
 # ---------------------------------------------------------------- (a) the forward against the reference
 
 
-@pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_forward_matches_the_reference(norm_before_residual):
-    cfg, w, p = _head(norm_before_residual=norm_before_residual)
+VARIANTS = {"eagle": {}, "norm_before_residual": {"norm_before_residual": True},
+            # vLLM speculators' / NVIDIA's input norms and feedback (SGLang's Eagle3LlamaModel)
+            "norm_before_fc": {"norm_before_fc": True},
+            "eagle_config.norm_before_fc": {"eagle_config": {"norm_before_fc": True}},
+            "fc_norm+norm_output": {"fc_norm": True, "norm_output": True, "norm_before_residual": True}}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_forward_matches_the_reference(variant):
+    cfg, w, p = _head(**VARIANTS[variant])
     rng = np.random.default_rng(1)
     b, t0, t1, H = 2, 6, 2, cfg["hidden_size"]
     # step 1: the target's three states (through fc); step 2: the head's own states (no fc)
@@ -127,6 +146,12 @@ def test_the_reference_is_not_blind():
     right = reference(w, cfg, e, a, pos)[1]
     wrong = reference(w, {**cfg, "norm_before_residual": True}, e, a, pos)[1]
     assert np.abs(right - wrong).max() > 1e-2
+    # the input norms and the normed feedback move it too
+    for flags in ({"norm_before_fc": True}, {"fc_norm": True}):
+        cfg2, w2, _ = _head(**flags)
+        plain = {n: t for n, t in w2.items() if n != "input_norm.weight" and not n.startswith("fc_norm.")}
+        assert np.abs(reference(w2, cfg2, e, a, pos)[0] - reference(plain, cfg2, e, a, pos)[0]).max() > 1e-2
+    assert np.abs(reference(w, {**cfg, "norm_output": True}, e, a, pos)[1] - right).max() > 1e-2
 
 
 # ---------------------------------------------------------------- (b) the loader
@@ -207,6 +232,42 @@ def test_config_refuses_what_it_does_not_run(field, value, message):
         eagle3.config_from_hf(cfg)
 
 
+def test_config_reads_what_the_exporters_write():
+    """The keys real exporters write (their config.json's, abridged): NVIDIA ModelOpt's
+    eagle_config flags at the values this head runs, speculators' norm flags (always written,
+    false or true), SpecForge's target_model_type / decoder_sparse_step, and the generation
+    and task defaults of a full PretrainedConfig.to_dict(); a flag set otherwise is refused
+    by name, and an input norm's tensor without its flag is an unexpected tensor."""
+    modelopt = {"eagle_aux_hidden_state_layer_ids": [1, 10, 20], "use_aux_hidden_state": True,
+                "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True, "use_mtp_layernorm": False,
+                "next_layer_regular": True, "parallel_draft_step": 1, "parallel_draft_heads_num_layers": 1}
+    cfg = eagle3.config_from_hf(tiny_eagle3_config(TARGET_H, eagle_config=modelopt))
+    assert cfg.aux_layer_ids == (1, 10, 20) and not cfg.norm_before_fc
+    nvidia = tiny_eagle3_config(TARGET_H, eagle_config={**modelopt, "norm_before_fc": True})
+    assert eagle3.config_from_hf(nvidia).norm_before_fc
+    for key, value in (("use_last_layernorm", False), ("parallel_draft_step", 3), ("use_mtp_layernorm", True)):
+        with pytest.raises(ConfigError, match=f"eagle_config.{key} = {value!r} is not supported"):
+            eagle3.config_from_hf(tiny_eagle3_config(TARGET_H, eagle_config={**modelopt, key: value}))
+    with pytest.raises(ConfigError, match="disagree"):
+        eagle3.config_from_hf(tiny_eagle3_config(TARGET_H, norm_before_fc=False, eagle_config={"norm_before_fc": True}))
+    extra = {"target_model_type": "gemma3", "decoder_sparse_step": 1, "output_attentions": False, "return_dict": True,
+             "num_beams": 1, "id2label": {"0": "LABEL_0"}, "norm_before_fc": False, "fc_norm": False,
+             "norm_output": False}
+    cfg = eagle3.config_from_hf(tiny_eagle3_config(TARGET_H, **extra))
+    assert not (cfg.norm_before_fc or cfg.fc_norm or cfg.norm_output)
+    flags = eagle3.config_from_hf(tiny_eagle3_config(TARGET_H, norm_before_fc=True, fc_norm=True, norm_output=True))
+    assert flags.norm_before_fc and flags.fc_norm and flags.norm_output
+    with pytest.raises(ConfigError, match="unknown EAGLE-3 config field"):
+        eagle3.config_from_hf(tiny_eagle3_config(TARGET_H, eagle_fancy_new_norm=True))
+    raw = tiny_eagle3_config(TARGET_H, norm_before_fc=True)
+    tensors = tiny_eagle3_tensors(raw)
+    with pytest.raises(WeightsError, match="'input_norm.weight'"):  # the flag without its tensor
+        eagle3.eagle3_params_from_tensors({n: t for n, t in tensors.items() if n != "input_norm.weight"},
+                                          eagle3.config_from_hf(raw))
+    with pytest.raises(WeightsError, match="unexpected tensor.*'input_norm.weight'"):  # the tensor without its flag
+        eagle3.eagle3_params_from_tensors(tensors, eagle3.config_from_hf(tiny_eagle3_config(TARGET_H)))
+
+
 def test_config_reads_the_speculators_format():
     """vLLM's speculators layout: the layer's config nested, the EAGLE-3 fields at the top."""
     flat = tiny_eagle3_config(TARGET_H)
@@ -217,6 +278,10 @@ def test_config_reads_the_speculators_format():
               "speculators_config": {"algorithm": "eagle3"}}
     cfg = eagle3.config_from_hf(json.loads(json.dumps(nested)))
     assert cfg.norm_before_residual and cfg.aux_layer_ids == (2, 5, 9)
+    assert not (cfg.norm_before_fc or cfg.fc_norm or cfg.norm_output)
+    # since 2026-03 speculators writes its norm flags at the top level, false or true
+    newer = eagle3.config_from_hf({**nested, "norm_before_fc": True, "fc_norm": False, "norm_output": True})
+    assert newer.norm_before_fc and newer.norm_output and not newer.fc_norm
     assert (cfg.draft_vocab_size, cfg.target_hidden_size, cfg.hidden_size) == (40, TARGET_H, 32)
     assert eagle3.aux_layers(eagle3.config_from_hf(flat), 32) == (2, 16, 29)  # vLLM's default
 
@@ -224,8 +289,9 @@ def test_config_reads_the_speculators_format():
 # ---------------------------------------------------------------- (c) chained drafting = one prefill
 
 
-def test_chained_drafts_equal_one_prefill_and_token_by_token():
-    cfg, _, p = _head(seed=5)
+@pytest.mark.parametrize("variant", ["eagle", "fc_norm+norm_output"])
+def test_chained_drafts_equal_one_prefill_and_token_by_token(variant):
+    cfg, w, p = _head(seed=5, **VARIANTS[variant])
     rng = np.random.default_rng(6)
     b, t0, k, H = 2, 5, 3, cfg["hidden_size"]
     table = Linear(weight=mx.array(rng.normal(size=(cfg["vocab_size"], H)).astype(np.float32)))  # the target's
@@ -235,6 +301,16 @@ def test_chained_drafts_equal_one_prefill_and_token_by_token():
     assert ids.shape == (b, k) and logits.shape == (b, k, cfg["draft_vocab_size"]) and hiddens.shape == (b, k, H)
     np.testing.assert_array_equal(np.array(ids), np.array(eagle3.greedy_target_ids(p, logits)))
     assert chained.lengths.tolist() == [t0 + k - 1] * b
+    # the reference's chain: each step fed the hidden state the last one gave back
+    emb = np.asarray(table.weight, np.float64)
+    pos = np.tile(np.arange(t0), (b, 1))
+    r_lg, r_h, past = reference(w, cfg, emb[np.array(tokens)], _np(aux), pos)
+    for j in range(k):
+        np.testing.assert_allclose(_np(logits[:, j]), r_lg[:, -1], rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(_np(hiddens[:, j]), r_h[:, -1], rtol=2e-4, atol=2e-4)
+        if j < k - 1:
+            r_lg, r_h, past = reference(w, cfg, emb[np.array(ids[:, j: j + 1])], r_h[:, -1:],
+                                        np.full((b, 1), t0 + j), past)
 
     # the same pairs in one prefill: the target's states projected first (fc is per position),
     # then the head's own states with the tokens it drafted
@@ -538,6 +614,10 @@ def test_folder_loader_checks_the_head_against_its_target(tmp_path, target6):
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     (pickled / "config.json").write_text(json.dumps(cfg))
-    (pickled / "pytorch_model.bin").write_bytes(b"\0")
-    with pytest.raises(WeightsError, match="no \\*.safetensors files \\(it has pytorch_model.bin: convert"):
+    (pickled / "pytorch_model.bin").write_bytes(b"\0")  # (heads in torch's zip format: test_torch_pickle.py)
+    with pytest.raises(WeightsError, match="pytorch_model.bin: not a zip archive"):
+        load_eagle3_head(pickled, m)
+    (pickled / "pytorch_model.bin").unlink()
+    (pickled / "weights.pt").write_bytes(b"\0")
+    with pytest.raises(WeightsError, match="no weights .* it has weights.pt"):
         load_eagle3_head(pickled, m)

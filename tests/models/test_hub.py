@@ -214,11 +214,13 @@ class FakeHub:
         self.server.server_close()
 
 
-def _resolve(spec: str, env: dict[str, str], revision: str | None = None) -> subprocess.CompletedProcess:
+def _resolve(spec: str, env: dict[str, str], revision: str | None = None,
+             torch_bins: bool = False) -> subprocess.CompletedProcess:
     """resolve_model in a fresh process (huggingface_hub reads HF_ENDPOINT / HF_HOME /
     HF_HUB_OFFLINE when imported)."""
     code = ("import sys; from fx_engine.loading.hub import resolve_model\n"
-            "try:\n print(resolve_model(sys.argv[1], revision=sys.argv[2] or None, progress=False))\n"
+            "try:\n print(resolve_model(sys.argv[1], revision=sys.argv[2] or None, progress=False, "
+            f"torch_bins={torch_bins}))\n"
             "except FileNotFoundError as e:\n print('ERROR', e); sys.exit(3)\n")
     full = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     full.update(env)
@@ -230,7 +232,7 @@ def _folder_files(folder: Path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in folder.iterdir() if f.is_file()}
 
 
-SHA_MAIN, SHA_V1, SHA_GGUF = "a" * 40, "b" * 40, "c" * 40
+SHA_MAIN, SHA_V1, SHA_GGUF, SHA_HEAD = "a" * 40, "b" * 40, "c" * 40, "d" * 40
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +243,17 @@ def hub(tiny_dir, split_default):
     gguf_repo["mmproj-model-f16.gguf"] = b"projector, never fetched"
     gguf_repo["model-Q8_0.gguf"] = b"another quantization, never fetched"
     gguf_repo["README.md"] = b"# a GGUF repo"
+    from fx_engine.testing.eagle3 import tiny_eagle3_config, tiny_eagle3_tensors
+    from tests.models.test_torch_pickle import _save_tensors
+
+    head_dir = tiny_dir.parent / "torch-head"  # yuhuili's layout: config.json + pytorch_model.bin
+    head_dir.mkdir(exist_ok=True)
+    head_cfg = tiny_eagle3_config(24)
+    _save_tensors(tiny_eagle3_tensors(head_cfg), head_dir / "pytorch_model.bin")
+    head = {"config.json": json.dumps(head_cfg).encode(),
+            "pytorch_model.bin": (head_dir / "pytorch_model.bin").read_bytes(), "training_state.bin": b"never fetched"}
     server = FakeHub({
+        "eagle-org/EAGLE3-tiny": {"main": (SHA_HEAD, head), SHA_HEAD: (SHA_HEAD, head)},
         "tiny-org/tiny-llama": {"main": (SHA_MAIN, files), SHA_MAIN: (SHA_MAIN, files),
                                 "v1": (SHA_V1, files), SHA_V1: (SHA_V1, files)},
         "gguf-org/smol-GGUF": {"main": (SHA_GGUF, gguf_repo), SHA_GGUF: (SHA_GGUF, gguf_repo)},
@@ -266,6 +278,24 @@ def test_hub_download_then_offline_cache(hub, tiny_dir, tmp_path):
     # what it resolved to loads as the original folder does
     a, b = fx_engine.load(snap), fx_engine.load(tiny_dir)
     np.testing.assert_array_equal(_logits(a), _logits(b))
+
+
+def test_hub_head_with_only_pytorch_model_bin(hub, tmp_path):
+    """A drafter head published as config.json + pytorch_model.bin resolves for a head
+    (torch_bins: only pytorch_model*.bin fetched beside the JSON), from the Hub and then
+    from the cache offline; a model's resolution still wants safetensors."""
+    from fx_engine.loading.drafter import load_eagle3_head
+
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")}
+    r = _resolve("eagle-org/EAGLE3-tiny", env)
+    assert r.returncode == 3 and "neither a model folder" in r.stdout
+    r = _resolve("eagle-org/EAGLE3-tiny", env, torch_bins=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    snap = Path(r.stdout.strip().splitlines()[-1])
+    assert sorted(p.name for p in snap.iterdir()) == ["config.json", "pytorch_model.bin"]
+    r = _resolve("eagle-org/EAGLE3-tiny", {**env, "HF_HUB_OFFLINE": "1"}, torch_bins=True)
+    assert r.returncode == 0 and Path(r.stdout.strip().splitlines()[-1]) == snap, r.stdout + r.stderr
+    assert load_eagle3_head(snap).config.draft_vocab_size == 40
 
 
 def test_hub_revision_pin_and_errors(hub, tmp_path):

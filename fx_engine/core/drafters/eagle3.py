@@ -10,6 +10,9 @@ the draft sequence, with the pair (g_t, x_{t+1}): g_t the hidden input, x_{t+1} 
 token after it, at position t:
 
     g   = fc(a_t)                     if g_t is the target's, a_t = [l_lo; l_mid; l_hi] (3 H_t wide)
+                                      (a_t first RMS-normed whole: norm_before_fc, tensor input_norm;
+                                      or each l apart: fc_norm, tensors fc_norm.{0,1,2}: vLLM
+                                      speculators' and NVIDIA's flags, SGLang's Eagle3LlamaModel)
     g   = g_t                         if g_t is the head's own previous output (H wide: no fc)
     e   = input_layernorm(embed(x_{t+1}))
     n   = hidden_norm(g)
@@ -18,7 +21,8 @@ token after it, at position t:
                                                      RoPE at position t, causal over the head's cache)
     out = h + down(silu(gate(m)) * up(m)),  m = post_attention_layernorm(h)
     logits = lm_head(norm(out))                     [draft_vocab]
-    next hidden = out                               (pre-norm: fed back on chained steps)
+    next hidden = out                               (pre-norm: fed back on chained steps;
+                                                     norm(out) with speculators' norm_output)
 
 A draft id d is target id d + d2t[d]; t2d[v] says whether target id v is in the draft vocab.
 
@@ -79,6 +83,9 @@ class Eagle3Config(BaseConfig):
     rope_traditional: bool = False  # (what blocks.scaled_rope / self_attention read; HF heads: half-split)
     max_position_embeddings: int = 2048
     norm_before_residual: bool = False
+    norm_before_fc: bool = False  # one RMSNorm over the three concatenated target states
+    fc_norm: bool = False  # an RMSNorm on each of the three target states (Eagle 3.1)
+    norm_output: bool = False  # chained steps feed back norm(out), not out
     aux_layer_ids: tuple[int, ...] | None = None  # None: the target's default (`aux_layers`)
 
     @property
@@ -100,6 +107,9 @@ _FIELDS = (
     Field("draft_vocab_size", default=Same("vocab_size"), null_default=True),
     Field("target_hidden_size", default=Same("hidden_size"), null_default=True),
     Field("norm_before_residual", BOOL, False, null_default=True),
+    Field("norm_before_fc", BOOL, False, null_default=True),
+    Field("fc_norm", BOOL, False, null_default=True),
+    Field("norm_output", BOOL, False, null_default=True),
 )
 
 # Fields that would change the math if set otherwise, and what this implementation runs:
@@ -128,12 +138,35 @@ _READ = frozenset({f.key for f in _FIELDS} | {k for k, _, _ in _REFUSED} | {
     "eagle_aux_hidden_state_layer_ids"})
 _HARMLESS = frozenset({
     "architectures", "_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype",
+    # SpecForge's note of the target's family (never read by SpecForge, vLLM or SGLang); a
+    # Qwen-MoE layer config's MoE spacing (the head's one layer is dense whatever it says)
+    "target_model_type", "decoder_sparse_step",
     "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "attention_dropout",
     "pretraining_tp", "tie_word_embeddings", "max_window_layers", "sliding_window",
     # vLLM speculators' format (`_flattened`): its bookkeeping around the layer's config
     "speculators_model_type", "speculators_config", "speculators_version", "embed_requires_grad",
-    "has_no_defaults_at_init", "transformer_layer_config"})
-_EAGLE_CONFIG_KEYS = frozenset({"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state"})
+    "has_no_defaults_at_init", "transformer_layer_config"}) | frozenset(
+    # transformers' PretrainedConfig attributes, which a full (not diff) to_dict() writes:
+    # generation defaults and task bookkeeping, never read by a head's forward
+    ("output_hidden_states", "output_attentions", "return_dict", "torchscript", "use_bfloat16",
+     "tf_legacy_loss", "pruned_heads", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder",
+     "cross_attention_hidden_size", "add_cross_attention", "tie_encoder_decoder", "finetuning_task",
+     "id2label", "label2id", "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id",
+     "task_specific_params", "problem_type", "max_length", "min_length", "do_sample", "early_stopping",
+     "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
+     "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+     "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate",
+     "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "num_labels",
+     "is_causal", "attn_implementation", "_attn_implementation_autoset"))
+# eagle_config (EAGLE's and NVIDIA ModelOpt's exports): the keys read, and ModelOpt's flags
+# with the value this module runs (the one layer's usual norms, no parallel drafting, no
+# MTP norm); another value is an error naming it. parallel_draft_heads_num_layers only
+# counts the heads of a parallel draft, so it is read only with parallel_draft_step > 1.
+_EAGLE_CONFIG_KEYS = frozenset({"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "norm_before_fc",
+                                "parallel_draft_heads_num_layers"})
+_EAGLE_CONFIG_FIXED = {"use_input_layernorm_in_first_layer": True, "use_last_layernorm": True,
+                       "use_mtp_layernorm": False, "parallel_draft_step": 1, "next_layer_regular": True}
 
 
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Eagle3Config:
@@ -156,6 +189,12 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Eagle3Conf
         # the references tell the target's states from the head's own by their width
         raise ConfigError(f"{source}: 3 * target_hidden_size == hidden_size ({f['hidden_size']}): the "
                           "target's and the head's hidden states cannot be told apart")
+    nbf = (d.get("eagle_config") or {}).get("norm_before_fc") if isinstance(d.get("eagle_config"), dict) else None
+    if nbf is not None:  # (NVIDIA's heads say it inside eagle_config: vLLM #42143)
+        if d.get("norm_before_fc") is not None and bool(d["norm_before_fc"]) != bool(nbf):
+            raise ConfigError(f"{source}: norm_before_fc {d['norm_before_fc']!r} and eagle_config.norm_before_fc "
+                              f"{nbf!r} disagree")
+        f["norm_before_fc"] = bool(nbf)
     theta, scaling = _rope_settings(d)
     head_dim = positive_int(d.get("head_dim") or f["hidden_size"] // f["num_heads"], "head_dim", source)
     return Eagle3Config(model_type="llama", num_layers=1, head_dim=head_dim, rope_theta=theta,
@@ -172,7 +211,8 @@ def _flattened(d: dict[str, Any], source: str) -> dict[str, Any]:
     kind = d.get("speculators_model_type")
     if kind != "eagle3":
         raise ConfigError(f"{source}: speculators_model_type {kind!r} is not supported (eagle3)")
-    lifted = ("draft_vocab_size", "target_hidden_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids")
+    lifted = ("draft_vocab_size", "target_hidden_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids",
+              "norm_before_fc", "fc_norm", "norm_output")
     return {**{k: v for k, v in d.items() if k not in lifted}, **layer,
             **{k: d[k] for k in lifted if d.get(k) is not None}}
 
@@ -191,9 +231,13 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def _aux_ids(d: dict[str, Any], source: str) -> tuple[int, ...] | None:
     """The target layers the checkpoint pins (eagle_config's or the top level's), or None."""
     eagle = d.get("eagle_config") or {}
-    if not isinstance(eagle, dict) or set(eagle) - _EAGLE_CONFIG_KEYS:
-        extra = sorted(set(eagle) - _EAGLE_CONFIG_KEYS) if isinstance(eagle, dict) else eagle
+    if not isinstance(eagle, dict) or set(eagle) - _EAGLE_CONFIG_KEYS - set(_EAGLE_CONFIG_FIXED):
+        extra = sorted(set(eagle) - _EAGLE_CONFIG_KEYS - set(_EAGLE_CONFIG_FIXED)) if isinstance(eagle, dict) else eagle
         raise ConfigError(f"{source}: eagle_config field(s) {extra!r} are not supported")
+    for key, want in _EAGLE_CONFIG_FIXED.items():
+        if key in eagle and eagle[key] is not None and eagle[key] != want:
+            raise ConfigError(f"{source}: eagle_config.{key} = {eagle[key]!r} is not supported (this head runs "
+                              f"{key} = {want!r}: one decoder layer with its usual norms, one draft a step)")
     if eagle.get("use_aux_hidden_state", True) is False:
         raise ConfigError(f"{source}: eagle_config.use_aux_hidden_state = false is not supported "
                           "(the published heads take three target layers through fc)")
@@ -277,6 +321,8 @@ class Eagle3Params:
     d2t: Int[mx.array, "Vd"]  # int64 offsets: draft id d is target id d + d2t[d]
     t2d: mx.array  # bool [vocab]: target ids in the draft vocabulary
     embed: Linear | None  # the head's own embedding table, or None: the target's is used
+    fc_input_norm: mx.array | None  # norm_before_fc's weight [3 H_t], else None
+    fc_norms: tuple[mx.array, ...] | None  # fc_norm's three weights [H_t] each, else None
     rope_freqs: mx.array | None  # precomputed for llama3 / yarn / longrope scaling, else None
     config: Eagle3Config = static_field()
     numerics: Numerics = static_field(factory=Numerics)
@@ -321,11 +367,11 @@ def eagle3_forward(
     positions); lengths advance by n_valid, as `skeleton.decoder_step`'s contract says (span
     likewise). hidden: the target's three concatenated states (3 H_t wide: through fc) or the
     head's own previous outputs (H wide: as they are), the references' rule. Returns float32
-    draft-vocab logits, the pre-norm output hidden states (what a chained step feeds back) and
-    the new cache."""
+    draft-vocab logits, the output hidden states a chained step feeds back (`fed_back`: the
+    pre-norm ones unless the head says norm_output) and the new cache."""
     b, t, _ = embeds.shape
     h, cache = eagle3_hidden(p, embeds, hidden, cache, n_valid, span)
-    return draft_logits(p, h.reshape(b * t, -1)).reshape(b, t, -1), h, cache
+    return draft_logits(p, h.reshape(b * t, -1)).reshape(b, t, -1), fed_back(p, h), cache
 
 
 def eagle3_hidden(
@@ -346,9 +392,23 @@ def eagle3_hidden(
 
 
 def project_target_hidden(p: Eagle3Params, aux: Float[mx.array, "*N Hin"]) -> Float[mx.array, "*N H"]:
-    """fc over the target's three concatenated hidden states (per position: a pure linear
-    map, so projecting first and feeding H-wide states gives the same step)."""
-    return linear(aux.astype(getattr(mx, p.dtype)), p.fc, p.numerics)
+    """fc over the target's three concatenated hidden states, after the checkpoint's input
+    norms (per position: so projecting first and feeding H-wide states gives the same step)."""
+    x = aux.astype(getattr(mx, p.dtype))
+    eps, num = p.config.rms_norm_eps, p.numerics
+    if p.fc_input_norm is not None:  # norm_before_fc: one norm over the 3 H_t concatenation
+        x = rms_norm(x, p.fc_input_norm, eps, num)
+    if p.fc_norms is not None:  # fc_norm: each target state normed alone
+        w = p.config.target_hidden_size
+        x = mx.concatenate([rms_norm(x[..., i * w:(i + 1) * w], n, eps, num) for i, n in enumerate(p.fc_norms)],
+                           axis=-1)
+    return linear(x, p.fc, p.numerics)
+
+
+def fed_back(p: Eagle3Params, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N H"]:
+    """The hidden state a chained step takes from the head's output h (pre-norm): h, or
+    norm(h) for heads trained so (speculators' norm_output: the state the logits came from)."""
+    return rms_norm(h, p.norm, p.config.rms_norm_eps, p.numerics) if p.config.norm_output else h
 
 
 def _incoming(p: Eagle3Params, g: mx.array) -> mx.array:
@@ -360,7 +420,7 @@ def _incoming(p: Eagle3Params, g: mx.array) -> mx.array:
     if g.shape[-1] != cfg.fc_in:
         raise ValueError(f"eagle3_forward: hidden states are {g.shape[-1]} wide: expected the target's three "
                          f"({cfg.fc_in}) or the head's own ({cfg.hidden_size})")
-    return linear(g, p.fc, p.numerics)
+    return project_target_hidden(p, g)
 
 
 def _decoder_layer(p: Eagle3Params, e: mx.array, g: mx.array, entry: Any, spec: LayerSpec,
@@ -440,8 +500,8 @@ def head_step(
     or the head's own previous output, H wide; tokens: the target ids after them), the unit
     an engine drafter chains: the greedy draft (a target id) after each row's last valid pair,
     the draft-vocabulary logits it is the argmax of (a sampled row draws from them:
-    `sampled.draw`), the pre-norm hidden state they came from (the next chained step's input)
-    and the cache. Rows with n_valid == 0 are untouched (their outputs meaningless). `table`:
+    `sampled.draw`), the hidden state the next chained step takes (`fed_back` of the one they
+    came from) and the cache. Rows with n_valid == 0 are untouched (their outputs meaningless). `table`:
     the target's embedding table (the head's own is used when the checkpoint ships one)."""
     table = p.embed if p.embed is not None else table
     if table is None:
@@ -451,7 +511,7 @@ def head_step(
     last = mx.maximum(n_valid - 1, 0)[:, None, None]
     hl = mx.take_along_axis(h, last, axis=1)[:, 0]  # (the logits of the last valid pair only:
     lg = draft_logits(p, hl)  # a feed of T pairs pays one head)
-    return greedy_target_ids(p, lg), lg, hl, cache
+    return greedy_target_ids(p, lg), lg, fed_back(p, hl), cache
 
 
 # the engine's compiled form (keyed on the hidden width, T and span: a few shapes)
@@ -469,7 +529,7 @@ def draft_chain(
     when the checkpoint ships one). span must cover max(lengths) + T + K - 1.
 
     Returns the drafts as target ids [B, K], the draft-vocab logits each was drawn from
-    [B, K, Vd] (for `target_probs`), the hidden states those logits came from [B, K, H] and
+    [B, K, Vd] (for `target_probs`), the hidden states fed back after each [B, K, H] and
     the cache (K - 1 pairs past the new ones: roll it back by length after verification)."""
     table = p.embed if p.embed is not None else table
     if table is None:
@@ -517,6 +577,9 @@ _TOP_TABLE = (
 # optional: EAGLE trains a frozen copy of the target's and saves none; vLLM loads one when present
 _EMBED = "embed_tokens"
 _MAPS = ("d2t", "t2d")
+# the input norms of heads that set norm_before_fc / fc_norm (speculators' names; SGLang's)
+_FC_INPUT_NORM = "input_norm.weight"
+_FC_NORMS = tuple(f"fc_norm.{i}.weight" for i in range(3))
 
 
 def eagle3_params_from_tensors(tensors: Mapping[str, mx.array], cfg: Eagle3Config,
@@ -528,7 +591,7 @@ def eagle3_params_from_tensors(tensors: Mapping[str, mx.array], cfg: Eagle3Confi
     A missing, misshapen or unexpected tensor is an error naming it."""
     opts = opts or LoadOptions(dtype=mx.float32, where="EAGLE-3 head")
     named = _canonical_names(tensors, opts.where)
-    _check_expected(named, opts.where)
+    _check_expected(named, cfg, opts.where)
     src = TensorSource()
     src.add(opts.where, named)
     rd = Reader(src, opts)
@@ -538,7 +601,10 @@ def eagle3_params_from_tensors(tensors: Mapping[str, mx.array], cfg: Eagle3Confi
     top = read_tensors(rd, _TOP_TABLE, cfg, sizes=sizes)
     own = rd.table(_EMBED, cfg.vocab_size, cfg.hidden_size, lookup_only=True) if rd.has(_EMBED + ".weight") else None
     d2t, t2d = _vocab_maps(named, cfg, opts.where)
-    return Eagle3Params(layer=layer, **top, d2t=d2t, t2d=t2d, embed=own, rope_freqs=rope_freqs(cfg),
+    fc_input_norm = rd.vec(_FC_INPUT_NORM, cfg.fc_in) if cfg.norm_before_fc else None
+    fc_norms = tuple(rd.vec(n, cfg.target_hidden_size) for n in _FC_NORMS) if cfg.fc_norm else None
+    return Eagle3Params(layer=layer, **top, d2t=d2t, t2d=t2d, embed=own, fc_input_norm=fc_input_norm,
+                        fc_norms=fc_norms, rope_freqs=rope_freqs(cfg),
                         config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
 
 
@@ -573,11 +639,13 @@ def _expected_names() -> tuple[set[str], set[str]]:
     return names | {b + ".weight" for b in bases}, bases | {_EMBED}
 
 
-def _check_expected(named: dict[str, mx.array], where: str) -> None:
-    """Unexpected tensors (another layer, q/k norms, biases, a parallel-drafting mask_hidden)
-    are an error naming them: the head they belong to computes something else."""
+def _check_expected(named: dict[str, mx.array], cfg: Eagle3Config, where: str) -> None:
+    """Unexpected tensors (another layer, q/k norms, biases, a parallel-drafting mask_hidden,
+    input norms the config does not turn on) are an error naming them: the head they belong
+    to computes something else."""
     names, bases = _expected_names()
     allowed = names | {_EMBED + ".weight", *_MAPS} | {b + s for b in bases for s in (".scales", ".biases")}
+    allowed |= ({_FC_INPUT_NORM} if cfg.norm_before_fc else set()) | (set(_FC_NORMS) if cfg.fc_norm else set())
     unexpected = sorted(set(named) - allowed)
     if unexpected:
         raise WeightsError(f"{where}: unexpected tensor(s) for an EAGLE-3 head: {', '.join(map(repr, unexpected))}")
