@@ -287,7 +287,7 @@ def _draft(a: argparse.Namespace, model: Any) -> Any:
 
 
 def _is_head(path: str) -> bool:
-    """Whether --draft-model names an EAGLE-3 head's folder rather than a model."""
+    """Whether --draft-model names an EAGLE-3 head (a folder or a Hub repo id) rather than a model."""
     from fx_engine.loading.drafter import is_eagle3_head
 
     return is_eagle3_head(path)

@@ -47,11 +47,36 @@ from fx_engine.loading.torch_pickle import read_torch_checkpoint
 __all__ = ["is_eagle3_head", "load_eagle3_head", "load_mtp_module", "mtp_config", "mtp_summary", "read_head_folder"]
 
 
+def _config_file(path: str | Path) -> Path | None:
+    """config.json of a local folder, or of a Hub repo id: its cached snapshot's, else that
+    one small file fetched (not the weights); None when there is none to read."""
+    local = Path(path).expanduser()
+    if local.exists():
+        return local / "config.json"
+    from fx_engine.loading.hub import _cached, parse_model_id
+
+    parsed = parse_model_id(str(path))
+    if parsed is None or parsed[1] is not None:
+        return None
+    snap = _cached(parsed[0], None)
+    if snap is not None and (snap / "config.json").is_file():
+        return snap / "config.json"
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(parsed[0], "config.json"))
+    except Exception:  # noqa: BLE001 - offline, no such repo or file: not a head we can see
+        return None
+
+
 def is_eagle3_head(path: str | Path) -> bool:
-    """Whether the local folder `path` holds an EAGLE-3 head rather than a model (for a
-    command line's or server's one draft option: a head's config.json names an Eagle3
-    architecture, vLLM's speculators type eagle3, or a draft_vocab_size). No download."""
-    cfg_file = Path(path).expanduser() / "config.json"
+    """Whether `path` (a local folder or a Hub repo id) holds an EAGLE-3 head rather than a
+    model (for a command line's or server's one draft option: a head's config.json names an
+    Eagle3 architecture, vLLM's speculators type eagle3, or a draft_vocab_size). A repo id's
+    config.json alone is read (cached, or fetched: no weights)."""
+    cfg_file = _config_file(path)
+    if cfg_file is None:
+        return False
     try:
         raw = json.loads(cfg_file.read_text())
     except (OSError, ValueError):
@@ -219,10 +244,12 @@ def load_mtp_module(path: str | Path, target: Any = None, *, dtype: str | None =
     weight policy used; None: float32, not checked. A checkpoint that ships no module is a
     ConfigError naming it; one whose config declares modules its weights do not hold (mlx-lm
     and most converters drop them) a WeightsError saying so."""
-    from fx_engine.loading.weights import gguf_read_options
+    from fx_engine.loading.weights import gguf_read_options, mlx_quantization
 
     where = resolve_model(path, revision=revision)
     cfg = mtp_config(where)
+    if where.is_dir():  # (before any weights are read: an FP8 original is refused by name)
+        mlx_quantization(json.loads((where / "config.json").read_text()), where / "config.json")
     target_cfg = getattr(target, "config", None)
     if target_cfg is not None:
         mtp.check_target(cfg, target_cfg)
@@ -264,7 +291,7 @@ def load_mtp_module(path: str | Path, target: Any = None, *, dtype: str | None =
             raise WeightsError(f"{where / f}: cannot read weights ({e}); is the file truncated or corrupt?") from e
         tensors.update({n: a for n, a in loaded.items() if n.startswith(prefixes)})
     raw = json.loads((where / "config.json").read_text())
-    quant = raw.get("quantization") or raw.get("quantization_config")
+    quant = mlx_quantization(raw, where / "config.json")
     opts = LoadOptions(dtype=getattr(mx, name), keep_quantized=keep, numerics=numerics, quant=quant,
                        where=str(where))
     return mtp.mtp_params_from_tensors(tensors, cfg, opts)

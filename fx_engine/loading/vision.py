@@ -19,10 +19,9 @@ from typing import Any
 import mlx.core as mx
 
 from fx_engine.core.checkpoint import KeepQuantized, LoadOptions, TensorSource, WeightsError
-from fx_engine.core.config import ConfigError
 from fx_engine.core.nn import Numerics
 from fx_engine.core.vision import vision_module
-from fx_engine.loading.weights import read_json_object
+from fx_engine.loading.weights import mlx_quantization, read_json_object
 
 
 def read_config(folder: str | Path) -> tuple[Any, dict[str, Any]]:
@@ -50,9 +49,7 @@ def load_vision(folder: str | Path, dtype: mx.Dtype | None = None, keep_quantize
         src.add(f, tensors)
         stored = stored or next((t.dtype for t in tensors.values()
                                  if t.dtype in (mx.float32, mx.float16, mx.bfloat16)), None)
-    quant = raw.get("quantization") or raw.get("quantization_config")
-    if quant and ("group_size" not in quant or "bits" not in quant):
-        raise ConfigError(f"{folder / 'config.json'}: quantization needs group_size and bits")
+    quant = mlx_quantization(raw, folder / "config.json")
     opts = LoadOptions(dtype=dtype or stored or mx.float32, keep_quantized=keep_quantized,
                        numerics=numerics or Numerics(), quant=quant, where=str(folder))
     return module.assemble(cfg, src, opts)

@@ -24,6 +24,25 @@ __all__ = ["KeepQuantized", "WeightsError", "gguf_read_options", "load_gguf", "l
            "read_json_object"]
 
 
+
+def mlx_quantization(raw: dict[str, Any], where: str | Path) -> dict[str, Any] | None:
+    """config.json's quantization as the loaders read it: MLX's affine groups
+    (`quantization` or `quantization_config` with group_size and bits), or None. Other
+    schemes (an original checkpoint's FP8 blocks: DeepSeek-V3, GLM-4.5-FP8, Qwen3-Next-FP8;
+    AWQ, GPTQ, compressed-tensors, bitsandbytes) are refused naming their quant_method."""
+    quant = raw.get("quantization") or raw.get("quantization_config")
+    if not quant:
+        return None
+    if not isinstance(quant, dict):
+        raise ConfigError(f"{where}: quantization is {quant!r}, not an object")
+    method = quant.get("quant_method")
+    if method not in (None, "mlx", "affine") and not ("group_size" in quant and "bits" in quant):
+        raise ConfigError(f"{where}: quantization_config.quant_method {method!r} is not read (fx-engine reads "
+                          "MLX's affine groups and GGUF files): use the checkpoint's BF16 copy or a conversion")
+    if "group_size" not in quant or "bits" not in quant:
+        raise ConfigError(f"{where}: quantization needs group_size and bits")
+    return quant
+
 def _mx_load(path: Path, **kw: Any) -> Any:
     try:
         return mx.load(str(path), **kw)
@@ -142,9 +161,7 @@ def load_hf_folder(
         for t in tensors.values():
             if t.dtype in (mx.float16, mx.bfloat16, mx.float32):
                 stored_dtype = stored_dtype or t.dtype
-    quant = raw.get("quantization") or raw.get("quantization_config")
-    if quant and ("group_size" not in quant or "bits" not in quant):
-        raise ConfigError(f"{folder / 'config.json'}: quantization needs group_size and bits")
+    quant = mlx_quantization(raw, folder / "config.json")
     opts = LoadOptions(dtype=dtype or stored_dtype or mx.float32, keep_quantized=keep_quantized,
                        numerics=numerics, quant=quant, where=str(folder))
     params = hf_family(raw).assemble(cfg, src, opts)

@@ -296,6 +296,17 @@ def test_hub_head_with_only_pytorch_model_bin(hub, tmp_path):
     r = _resolve("eagle-org/EAGLE3-tiny", {**env, "HF_HUB_OFFLINE": "1"}, torch_bins=True)
     assert r.returncode == 0 and Path(r.stdout.strip().splitlines()[-1]) == snap, r.stdout + r.stderr
     assert load_eagle3_head(snap).config.draft_vocab_size == 40
+    # --draft-model ORG/HEAD: told apart from a model by its config.json alone, fetched or cached
+    code = ("import sys; from fx_engine.loading.drafter import is_eagle3_head\n"
+            "print(is_eagle3_head(sys.argv[1]), is_eagle3_head('tiny-org/tiny-llama'))\n")
+    for home in (tmp_path / "fresh", tmp_path / "hf"):
+        full = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+        full.update({"HF_ENDPOINT": hub.url, "HF_HOME": str(home)})
+        before = len(hub.requests)
+        r = subprocess.run([sys.executable, "-c", code, "eagle-org/EAGLE3-tiny"], env=full, cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and r.stdout.split() == ["True", "False"], r.stdout + r.stderr
+        assert not any(p.endswith(".bin") for p in hub.requests[before:])
 
 
 def test_hub_revision_pin_and_errors(hub, tmp_path):

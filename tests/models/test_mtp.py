@@ -437,3 +437,25 @@ def test_a_loaded_target_feeds_the_module_through_the_capture_seam(tmp_path):
     ids, lgs, _, _ = mtp.draft_chain(p, mtp.target_tables(m.params), hidden, nxt, _cache(cfg, 1), mx.array([5]), 1)
     ref = reference_step("deepseek_v3", d, w, _np(hidden), np.array(nxt), np.arange(5)[None])
     np.testing.assert_allclose(_np(lgs[:, 0]), ref["logits"][:, -1], **TOL)
+
+
+def test_an_fp8_original_checkpoint_is_refused_by_name(tmp_path):
+    """DeepSeek-V3's, GLM-4.5-FP8's and Qwen3-Next-FP8's originals (the copies that keep
+    their MTP layers) store FP8 blocks with weight_scale_inv: a ConfigError naming the
+    quant_method, before any weights are read (it was a KeyError from deep in the loader);
+    the model loader says the same."""
+    import json
+
+    import fx_engine
+    from fx_engine.loading.drafter import load_mtp_module
+    from fx_engine.testing.mtp import write_mtp_target
+
+    folder = write_mtp_target(tmp_path / "ds", "deepseek_v3")
+    raw = json.loads((folder / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="quant_method 'fp8' is not read"):
+        load_mtp_module(folder)
+    with pytest.raises(ConfigError, match="quant_method 'fp8' is not read"):
+        fx_engine.load(folder)
