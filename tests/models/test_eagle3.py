@@ -282,6 +282,10 @@ def test_config_reads_the_speculators_format():
     # since 2026-03 speculators writes its norm flags at the top level, false or true
     newer = eagle3.config_from_hf({**nested, "norm_before_fc": True, "fc_norm": False, "norm_output": True})
     assert newer.norm_before_fc and newer.norm_output and not newer.fc_norm
+    # since 2026-06 its default layer config is Qwen3's (run by a Llama layer: same head)
+    qwen3 = {**nested, "transformer_layer_config": {**layer, "model_type": "qwen3", "use_sliding_window": False,
+                                                    "max_window_layers": 28, "attention_bias": False}}
+    assert eagle3.config_from_hf(qwen3) == cfg
     assert (cfg.draft_vocab_size, cfg.target_hidden_size, cfg.hidden_size) == (40, TARGET_H, 32)
     assert eagle3.aux_layers(eagle3.config_from_hf(flat), 32) == (2, 16, 29)  # vLLM's default
 

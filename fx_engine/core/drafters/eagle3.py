@@ -115,7 +115,10 @@ _FIELDS = (
 # Fields that would change the math if set otherwise, and what this implementation runs:
 # (key, accepted values, why). A field set to anything else is an error naming it.
 _REFUSED = (
-    ("model_type", lambda v: v == "llama", "EAGLE-3 heads are one Llama decoder layer"),
+    # (vLLM speculators' heads since 2026-06 carry a Qwen3 layer config, and their Qwen3
+    # "first layer" is HF's LlamaDecoderLayer over it: no q/k norms, head_dim as the config
+    # says; speculators models/eagle3/model_definitions_qwen3.py)
+    ("model_type", lambda v: v in ("llama", "qwen3"), "EAGLE-3 heads are one Llama decoder layer"),
     ("num_hidden_layers", lambda v: v == 1,
      "one decoder layer: vLLM and SGLang run the extra layers of deeper heads differently"),
     ("hidden_act", lambda v: v in ("silu", "swish"), "the MLP is SwiGLU"),
