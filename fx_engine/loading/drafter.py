@@ -10,10 +10,10 @@ draft_vocab_size and target_hidden_size, or vLLM's speculators format) and its w
 safetensors (model.safetensors, or shards with model.safetensors.index.json) as SpecForge's,
 vLLM's speculators', NVIDIA's and SGLang's heads are published, or in PyTorch's
 pytorch_model.bin (or its shards) as yuhuili/EAGLE3-LLaMA3.1-Instruct-8B and AngelSlim's
-are: read without torch and without running the pickle (`loading.torch_pickle`). `path` is
-a local folder or a Hugging Face repo id (`loading.hub.resolve_model`). The config and tensors are read by
-`fx_engine.core.drafters.eagle3` (which refuses, naming the field or tensor, what it does
-not run); given the target (a Model or its config), the head is checked against it
+are: read without torch and without running the pickle (`loading.torch_pickle`). `path`
+is a local folder or a Hugging Face repo id (`loading.hub.resolve_model`). The config and
+tensors are read by `fx_engine.core.drafters.eagle3` (which refuses, naming the field or
+tensor, what it does not run); given the target (a Model or its config), the head is checked against it
 (`eagle3.check_target`: hidden size, vocabulary, aux layers in range).
 
 The engine's drafter around a loaded head is `fx_engine.engine.eagle3_drafter.Eagle3Drafter`
@@ -113,7 +113,7 @@ def read_head_folder(folder: Path) -> tuple[dict[str, Any], dict[str, mx.array]]
     """(config.json as a dict, every tensor of the folder's weight files: `_weight_files`)."""
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
-        raise ConfigError(f"{folder}: no config.json (an EAGLE-3 head folder has config.json and safetensors)")
+        raise ConfigError(f"{folder}: no config.json (an EAGLE-3 head folder has config.json and its weights)")
     try:
         raw = json.loads(cfg_file.read_text())
     except ValueError as e:
