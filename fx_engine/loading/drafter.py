@@ -219,6 +219,43 @@ def _safetensors_names(folder: Path) -> dict[str, list[str]]:
     return out
 
 
+def _mtp_checkpoint(path: str | Path, revision: str | None) -> Path:
+    """The local checkpoint holding `path`'s MTP modules: a local path, a cached snapshot, or
+    for a Hub repo id of a sharded folder only what reading the modules needs: config.json,
+    the index and the shards holding their tensors (an original checkpoint is hundreds of
+    GB; its modules one or two shards). Other repos resolve as models do."""
+    from fx_engine.loading.hub import _cached, parse_model_id
+
+    parsed = parse_model_id(str(path))
+    if Path(path).expanduser().exists() or parsed is None or parsed[1] is not None:
+        return resolve_model(path, revision=revision)
+    repo = parsed[0]
+    snap = _cached(repo, revision)
+    index_name = "model.safetensors.index.json"
+    try:
+        from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+
+        if snap is None or not (snap / "config.json").is_file():
+            files = HfApi().list_repo_files(repo, revision=revision)
+            if index_name not in files or "config.json" not in files:
+                return resolve_model(path, revision=revision)
+            for name in ("config.json", index_name):
+                snap = Path(hf_hub_download(repo, name, revision=revision)).parent
+        if not (snap / index_name).is_file():
+            return resolve_model(path, revision=revision)
+        prefixes = _prefixes(mtp_config(snap))
+        shards = sorted({f for f, names in _safetensors_names(snap).items()
+                         if any(n.startswith(prefixes) for n in names)})
+        if all((snap / f).is_file() for f in shards):
+            return snap
+        return Path(snapshot_download(repo, revision=revision,
+                                      allow_patterns=["config.json", index_name, *shards]))
+    except (ConfigError, WeightsError):
+        raise
+    except Exception:  # noqa: BLE001 - offline or no such repo: resolve_model says what it tried
+        return resolve_model(path, revision=revision)
+
+
 def _keep_like(target: Any) -> Any:
     """Which quantized linears stay quantized, as the target's load chose (on CPU: what the
     native kernels run when the target uses them, else none; elsewhere all)."""
@@ -246,7 +283,7 @@ def load_mtp_module(path: str | Path, target: Any = None, *, dtype: str | None =
     and most converters drop them) a WeightsError saying so."""
     from fx_engine.loading.weights import gguf_read_options, mlx_quantization
 
-    where = resolve_model(path, revision=revision)
+    where = _mtp_checkpoint(path, revision)
     cfg = mtp_config(where)
     if where.is_dir():  # (before any weights are read: an FP8 original is refused by name)
         mlx_quantization(json.loads((where / "config.json").read_text()), where / "config.json")

@@ -232,7 +232,7 @@ def _folder_files(folder: Path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in folder.iterdir() if f.is_file()}
 
 
-SHA_MAIN, SHA_V1, SHA_GGUF, SHA_HEAD = "a" * 40, "b" * 40, "c" * 40, "d" * 40
+SHA_MAIN, SHA_V1, SHA_GGUF, SHA_HEAD, SHA_MTP = "a" * 40, "b" * 40, "c" * 40, "d" * 40, "e" * 40
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +252,23 @@ def hub(tiny_dir, split_default):
     _save_tensors(tiny_eagle3_tensors(head_cfg), head_dir / "pytorch_model.bin")
     head = {"config.json": json.dumps(head_cfg).encode(),
             "pytorch_model.bin": (head_dir / "pytorch_model.bin").read_bytes(), "training_state.bin": b"never fetched"}
+    from fx_engine.testing.mtp import write_mtp_target
+
+    # an original checkpoint that keeps its MTP layer, sharded: the trunk, then the module
+    ds = write_mtp_target(tiny_dir.parent / "mtp-original", "deepseek_v3")
+    n = json.loads((ds / "config.json").read_text())["num_hidden_layers"]
+    weights = mx.load(str(ds / "model.safetensors"))
+    module = {k for k in weights if k.startswith(f"model.layers.{n}.")}
+    parts = {"model-00001-of-00002.safetensors": {k: v for k, v in weights.items() if k not in module},
+             "model-00002-of-00002.safetensors": {k: v for k, v in weights.items() if k in module}}
+    original = {"config.json": (ds / "config.json").read_bytes(), "README.md": b"# original"}
+    for name, part in parts.items():
+        mx.save_safetensors(str(ds / name), part)
+        original[name] = (ds / name).read_bytes()
+    original["model.safetensors.index.json"] = json.dumps(
+        {"weight_map": {k: f for f, part in parts.items() for k in part}}).encode()
     server = FakeHub({
+        "mtp-org/ds-original": {"main": (SHA_MTP, original), SHA_MTP: (SHA_MTP, original)},
         "eagle-org/EAGLE3-tiny": {"main": (SHA_HEAD, head), SHA_HEAD: (SHA_HEAD, head)},
         "tiny-org/tiny-llama": {"main": (SHA_MAIN, files), SHA_MAIN: (SHA_MAIN, files),
                                 "v1": (SHA_V1, files), SHA_V1: (SHA_V1, files)},
@@ -307,6 +323,28 @@ def test_hub_head_with_only_pytorch_model_bin(hub, tmp_path):
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and r.stdout.split() == ["True", "False"], r.stdout + r.stderr
         assert not any(p.endswith(".bin") for p in hub.requests[before:])
+
+
+def test_hub_mtp_module_fetches_only_its_shards(hub, tmp_path):
+    """MtpDrafter.load(ORG/ORIGINAL, model) on a sharded original: config.json, the index and
+    the shard holding model.layers.{N}.* are fetched, not the trunk's shard (hundreds of GB
+    for DeepSeek-V3); the module read equals the local folder's."""
+    code = ("import sys; from fx_engine.loading.drafter import load_mtp_module\n"
+            "p = load_mtp_module(sys.argv[1]); print(p.config.num_modules, p.config.first_layer)\n")
+    full = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    full.update({"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")})
+    before = len(hub.requests)
+    r = subprocess.run([sys.executable, "-c", code, "mtp-org/ds-original"], env=full, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    fetched = [p for p in hub.requests[before:] if "/resolve/" in p]
+    assert any(p.endswith("model-00002-of-00002.safetensors") for p in fetched), fetched
+    assert not any(p.endswith(("model-00001-of-00002.safetensors", "README.md")) for p in fetched), fetched
+    # again, from the cache: nothing more fetched
+    before = len(hub.requests)
+    r2 = subprocess.run([sys.executable, "-c", code, "mtp-org/ds-original"], env={**full, "HF_HUB_OFFLINE": "1"},
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r2.returncode == 0 and r2.stdout == r.stdout and len(hub.requests) == before, r2.stdout + r2.stderr
 
 
 def test_hub_revision_pin_and_errors(hub, tmp_path):
