@@ -53,12 +53,12 @@ def _config_file(path: str | Path) -> Path | None:
     local = Path(path).expanduser()
     if local.exists():
         return local / "config.json"
-    from fx_engine.loading.hub import _cached, parse_model_id
+    from fx_engine.loading.hub import cached_snapshot, parse_model_id
 
     parsed = parse_model_id(str(path))
     if parsed is None or parsed[1] is not None:
         return None
-    snap = _cached(parsed[0], None)
+    snap = cached_snapshot(parsed[0], None)
     if snap is not None and (snap / "config.json").is_file():
         return snap / "config.json"
     try:
@@ -224,13 +224,13 @@ def _mtp_checkpoint(path: str | Path, revision: str | None) -> Path:
     for a Hub repo id of a sharded folder only what reading the modules needs: config.json,
     the index and the shards holding their tensors (an original checkpoint is hundreds of
     GB; its modules one or two shards). Other repos resolve as models do."""
-    from fx_engine.loading.hub import _cached, parse_model_id
+    from fx_engine.loading.hub import cached_snapshot, parse_model_id
 
     parsed = parse_model_id(str(path))
     if Path(path).expanduser().exists() or parsed is None or parsed[1] is not None:
         return resolve_model(path, revision=revision)
     repo = parsed[0]
-    snap = _cached(repo, revision)
+    snap = cached_snapshot(repo, revision)
     index_name = "model.safetensors.index.json"
     try:
         from huggingface_hub import HfApi, hf_hub_download, snapshot_download

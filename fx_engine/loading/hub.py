@@ -29,7 +29,7 @@ from typing import Any
 
 from fx_engine.loading.default_model import ModelNotFound
 
-__all__ = ["resolve_model", "parse_model_id", "choose_gguf", "ModelNotFound"]
+__all__ = ["resolve_model", "parse_model_id", "choose_gguf", "cached_snapshot", "ModelNotFound"]
 
 # a repo id: owner/name of letters, digits, "-", "_", "." (the Hub's rule), optional :QUANT
 _REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?::(?P<quant>[\w.-]+))?$")
@@ -125,7 +125,7 @@ def _folder_ready(folder: Path, torch_bins: bool = False) -> bool:
     return False
 
 
-def _cached(repo: str, revision: str | None) -> Path | None:
+def cached_snapshot(repo: str, revision: str | None) -> Path | None:
     """The cached snapshot folder of repo@revision, or None (nothing cached). Read from the
     cache's own layout (refs/<revision> names the commit, snapshots/<commit> holds the files)
     rather than snapshot_download(local_files_only=True): recent huggingface_hub versions
@@ -149,7 +149,7 @@ def _from_cache(repo: str, quant: str | None, revision: str | None, tried: list[
                 torch_bins: bool = False) -> Path | None:
     from huggingface_hub import constants
 
-    snap = _cached(repo, revision)
+    snap = cached_snapshot(repo, revision)
     if snap is None:
         tried.append(f"the Hugging Face cache ({constants.HF_HUB_CACHE}): no snapshot of {repo}"
                      f" at revision {revision or 'main'}")

@@ -36,7 +36,7 @@ def mlx_quantization(raw: dict[str, Any], where: str | Path) -> dict[str, Any] |
     if not isinstance(quant, dict):
         raise ConfigError(f"{where}: quantization is {quant!r}, not an object")
     method = quant.get("quant_method")
-    if method not in (None, "mlx", "affine") and not ("group_size" in quant and "bits" in quant):
+    if method not in (None, "mlx", "affine"):  # (AWQ and GPTQ say bits and group_size too)
         raise ConfigError(f"{where}: quantization_config.quant_method {method!r} is not read (fx-engine reads "
                           "MLX's affine groups and GGUF files): use the checkpoint's BF16 copy or a conversion")
     if "group_size" not in quant or "bits" not in quant:

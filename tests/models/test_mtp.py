@@ -459,3 +459,8 @@ def test_an_fp8_original_checkpoint_is_refused_by_name(tmp_path):
         load_mtp_module(folder)
     with pytest.raises(ConfigError, match="quant_method 'fp8' is not read"):
         fx_engine.load(folder)
+    # AWQ / GPTQ configs carry bits and group_size too: still not MLX's groups
+    raw["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="quant_method 'awq' is not read"):
+        load_mtp_module(folder)
