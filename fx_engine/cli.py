@@ -172,9 +172,10 @@ def _sampling_args(p: argparse.ArgumentParser, serve: bool = False, chat: bool =
     d = p.add_argument_group("speculative decoding")
     d.add_argument("--draft-model", default=None,
                    help="speculative decoding with this smaller model (same tokenizer), an "
-                        "EAGLE-3 head's folder (config.json with draft_vocab_size), or mtp: "
+                        "EAGLE-3 head's folder (config.json with draft_vocab_size), mtp: "
                         "the MTP module the model's checkpoint ships (DeepSeek-V3, GLM-4.5, "
-                        "Qwen3-Next; docs/cli.md#speculative-decoding)")
+                        "Qwen3-Next), or an MTP module published alone (SGLang's NextN "
+                        "folder, an MTP-only GGUF; docs/cli.md#speculative-decoding)")
     d.add_argument("--self-draft-layers", type=int, default=None,
                    help="speculative decoding with the model's own first N layers as the draft")
     d.add_argument("--num-draft-tokens", type=int, default=None,
@@ -279,11 +280,24 @@ def _draft(a: argparse.Namespace, model: Any) -> Any:
 
             # (its matrices in 8 bits on the native kernels: the drafts' cost, not the output)
             _DRAFTS[key] = Eagle3Drafter.load(a.draft_model, model, bits=8)
+        elif _is_mtp(a.draft_model):
+            # an MTP module published apart from its target (SGLang's NextN export, an MTP-only
+            # GGUF) for a target whose own checkpoint dropped it
+            from fx_engine.engine.mtp_drafter import MtpDrafter
+
+            _DRAFTS[key] = MtpDrafter.load(a.draft_model, model)
         else:
             # (the target's numerics: a draft only proposes, the target's verify decides)
             _DRAFTS[key] = fx_engine.load(a.draft_model, numerics=getattr(a, "numerics", "auto"),
                                           activation_bits=getattr(a, "activation_bits", None))
     return _DRAFTS[key]
+
+
+def _is_mtp(path: str) -> bool:
+    """Whether --draft-model names MTP modules alone (`loading.drafter.is_mtp_checkpoint`)."""
+    from fx_engine.loading.drafter import is_mtp_checkpoint
+
+    return is_mtp_checkpoint(path)
 
 
 def _is_head(path: str) -> bool:
@@ -905,6 +919,8 @@ def cmd_info(a: argparse.Namespace) -> int:
         print(f"{k:<{width}}  {v}")
     if a.model is not None:
         print(f"speculative modules: {_speculative_line(a.model)}")
+    if a.model is not None and _is_mtp(a.model):
+        return 0  # (a drafter's checkpoint: no model to load and measure)
     if a.model is not None or not default.startswith("not installed"):
         print(f"matmul path chosen at load ({a.model or 'default model'}; measured once per "
               "machine, build and shape):")

@@ -41,10 +41,11 @@ from fx_engine.core.checkpoint import LoadOptions, WeightsError
 from fx_engine.core.config import ConfigError
 from fx_engine.core.nn import Numerics
 from fx_engine.core.drafters import eagle3, mtp
+from fx_engine.loading.fp8 import dequantize_fp8, fp8_blocks
 from fx_engine.loading.hub import resolve_model
 from fx_engine.loading.torch_pickle import read_torch_checkpoint
 
-__all__ = ["is_eagle3_head", "load_eagle3_head", "load_mtp_module", "mtp_config", "mtp_summary", "read_head_folder"]
+__all__ = ["is_eagle3_head", "is_mtp_checkpoint", "load_eagle3_head", "load_mtp_module", "mtp_config", "mtp_summary", "read_head_folder"]
 
 
 def _config_file(path: str | Path) -> Path | None:
@@ -69,23 +70,50 @@ def _config_file(path: str | Path) -> Path | None:
         return None
 
 
+def _config_of(path: str | Path) -> dict[str, Any] | None:
+    """`_config_file`'s JSON object, None when there is none or it is not one."""
+    cfg_file = _config_file(path)
+    if cfg_file is None:
+        return None
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
 def is_eagle3_head(path: str | Path) -> bool:
     """Whether `path` (a local folder or a Hub repo id) holds an EAGLE-3 head rather than a
     model (for a command line's or server's one draft option: a head's config.json names an
     Eagle3 architecture, vLLM's speculators type eagle3, or a draft_vocab_size). A repo id's
     config.json alone is read (cached, or fetched: no weights)."""
-    cfg_file = _config_file(path)
-    if cfg_file is None:
-        return False
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (OSError, ValueError):
-        return False
-    if not isinstance(raw, dict):
+    raw = _config_of(path)
+    if raw is None:
         return False
     archs = raw.get("architectures") or []
     return (raw.get("speculators_model_type") == "eagle3" or "draft_vocab_size" in raw
             or any("eagle3" in str(a).lower() for a in archs))
+
+
+def is_mtp_checkpoint(path: str | Path) -> bool:
+    """Whether `path` holds MTP modules alone, published apart from their target (for a
+    command line's or server's one draft option): SGLang's NextN exports (config.json's
+    architecture ...NextN, e.g. DeepseekV3ForCausalLMNextN: the module as layer 0, no
+    trunk; a local folder or a Hub repo id, its config.json alone read), or a GGUF whose
+    metadata declares NextN layers and which holds no trunk layer (llama.cpp's MTP-only
+    files: `convert_hf_to_gguf.py --mtp`, the companion of a `--no-mtp` target)."""
+    from fx_engine.loading.gguf import read_gguf_metadata, read_gguf_tensor_names
+
+    local = Path(path).expanduser()
+    if local.is_file():
+        try:
+            if not mtp.mtp_layers_in_gguf(read_gguf_metadata(local)):
+                return False
+            return not any(n.startswith("blk.0.") for n in read_gguf_tensor_names(local))
+        except (WeightsError, ConfigError):
+            return False
+    raw = _config_of(path)
+    return raw is not None and any("NextN" in str(a) for a in raw.get("architectures") or ())
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -285,7 +313,7 @@ def load_mtp_module(path: str | Path, target: Any = None, *, dtype: str | None =
 
     where = _mtp_checkpoint(path, revision)
     cfg = mtp_config(where)
-    if where.is_dir():  # (before any weights are read: an FP8 original is refused by name)
+    if where.is_dir():  # (before any weights are read: a scheme not read is refused by name)
         mlx_quantization(json.loads((where / "config.json").read_text()), where / "config.json")
     target_cfg = getattr(target, "config", None)
     if target_cfg is not None:
@@ -329,6 +357,9 @@ def load_mtp_module(path: str | Path, target: Any = None, *, dtype: str | None =
         tensors.update({n: a for n, a in loaded.items() if n.startswith(prefixes)})
     raw = json.loads((where / "config.json").read_text())
     quant = mlx_quantization(raw, where / "config.json")
+    blocks = fp8_blocks(raw, where / "config.json")
+    if blocks is not None:  # DeepSeek-V3's original and its NextN exports: FP8 blocks
+        tensors = dequantize_fp8(tensors, blocks, getattr(mx, name), where)
     opts = LoadOptions(dtype=getattr(mx, name), keep_quantized=keep, numerics=numerics, quant=quant,
                        where=str(where))
     return mtp.mtp_params_from_tensors(tensors, cfg, opts)
@@ -341,6 +372,7 @@ def mtp_summary(path: str | Path) -> str | None:
     from fx_engine.loading.gguf import read_gguf_metadata
 
     path = Path(path)
+    alone = f"; published alone (no trunk): --draft-model {path} drafts with it beside its target"
     if path.is_file():
         md = read_gguf_metadata(path)
         n = mtp.mtp_layers_in_gguf(md)
@@ -351,7 +383,8 @@ def mtp_summary(path: str | Path) -> str | None:
             cfg = mtp.config_from_gguf(md, str(path))
         except ConfigError:
             return f"{n} MTP (NextN) layer{'s' if n > 1 else ''} ({arch}; not read by fx-engine for this architecture)"
-        return f"{n} MTP (NextN) layer{'s' if n > 1 else ''} ({arch}, from blk.{cfg.first_layer}.nextn.*)"
+        line = f"{n} MTP (NextN) layer{'s' if n > 1 else ''} ({arch}, from blk.{cfg.first_layer}.nextn.*)"
+        return line + (alone if is_mtp_checkpoint(path) else "")
     from fx_engine.loading.weights import read_json_object
 
     raw, _ = read_json_object(path)
@@ -365,4 +398,4 @@ def mtp_summary(path: str | Path) -> str | None:
         return f"{line}; not usable here: {e}"
     if not any(n.startswith(prefixes) for n in names):
         return f"{line}; but the weights do not hold it (dropped at conversion): --draft-model mtp is refused"
-    return f"{line}; --draft-model mtp drafts with it"
+    return line + (alone if is_mtp_checkpoint(path) else "; --draft-model mtp drafts with it")

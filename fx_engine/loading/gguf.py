@@ -51,7 +51,7 @@ import numpy as np
 
 from fx_engine.core.checkpoint import WeightsError, pack_stream
 
-__all__ = ["read_gguf", "read_gguf_metadata", "gguf_files", "AFFINE_TYPES", "DEQUANTIZED_TYPES"]
+__all__ = ["read_gguf", "read_gguf_metadata", "read_gguf_tensor_names", "gguf_files", "AFFINE_TYPES", "DEQUANTIZED_TYPES"]
 
 QK = 32  # elements per block of the legacy types
 QK_K = 256  # elements per super-block of the K types
@@ -493,6 +493,14 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise WeightsError(f"{path}: no such file")
     return _Header(path).metadata
+
+
+def read_gguf_tensor_names(path: str | Path) -> list[str]:
+    """The tensor names of a GGUF file's first shard (its header only)."""
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsError(f"{path}: no such file")
+    return [t[0] for t in _Header(path).tensors]
 
 
 def read_gguf(path: str | Path, store_bits: StoreBits = None, compact: bool = False,

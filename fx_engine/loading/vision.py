@@ -21,6 +21,7 @@ import mlx.core as mx
 from fx_engine.core.checkpoint import KeepQuantized, LoadOptions, TensorSource, WeightsError
 from fx_engine.core.nn import Numerics
 from fx_engine.core.vision import vision_module
+from fx_engine.loading.fp8 import dequantize_fp8_source, fp8_blocks, is_fp8_scale
 from fx_engine.loading.weights import mlx_quantization, read_json_object
 
 
@@ -47,9 +48,12 @@ def load_vision(folder: str | Path, dtype: mx.Dtype | None = None, keep_quantize
     for f in files:
         tensors = {n: t for n, t in mx.load(str(f)).items() if module.is_vision_tensor(n)}
         src.add(f, tensors)
-        stored = stored or next((t.dtype for t in tensors.values()
-                                 if t.dtype in (mx.float32, mx.float16, mx.bfloat16)), None)
+        stored = stored or next((t.dtype for n, t in tensors.items()
+                                 if t.dtype in (mx.float32, mx.float16, mx.bfloat16) and not is_fp8_scale(n)), None)
     quant = mlx_quantization(raw, folder / "config.json")
+    blocks = fp8_blocks(raw, folder / "config.json")
+    if blocks is not None:
+        src = dequantize_fp8_source(src, blocks, dtype or stored or mx.bfloat16, folder)
     opts = LoadOptions(dtype=dtype or stored or mx.float32, keep_quantized=keep_quantized,
                        numerics=numerics or Numerics(), quant=quant, where=str(folder))
     return module.assemble(cfg, src, opts)

@@ -19,6 +19,7 @@ from fx_engine.core.checkpoint import KeepQuantized, LoadOptions, TensorSource, 
 from fx_engine.core.config import ConfigError
 from fx_engine.core.models import config_from_hf, gguf_family, hf_family
 from fx_engine.core.nn import Numerics
+from fx_engine.loading.fp8 import dequantize_fp8_source, fp8_blocks, is_fp8_scale
 
 __all__ = ["KeepQuantized", "WeightsError", "gguf_read_options", "load_gguf", "load_hf_folder", "read_hf_config",
            "read_json_object"]
@@ -28,14 +29,18 @@ __all__ = ["KeepQuantized", "WeightsError", "gguf_read_options", "load_gguf", "l
 def mlx_quantization(raw: dict[str, Any], where: str | Path) -> dict[str, Any] | None:
     """config.json's quantization as the loaders read it: MLX's affine groups
     (`quantization` or `quantization_config` with group_size and bits), or None. Other
-    schemes (an original checkpoint's FP8 blocks: DeepSeek-V3, GLM-4.5-FP8, Qwen3-Next-FP8;
-    AWQ, GPTQ, compressed-tensors, bitsandbytes) are refused naming their quant_method."""
+    schemes (AWQ, GPTQ, compressed-tensors, bitsandbytes, per-tensor FP8) are refused
+    naming their quant_method; Hugging Face's FP8 blocks (quant_method "fp8": DeepSeek-V3's,
+    Qwen3-*-FP8's originals) give None here: `loading.fp8` dequantizes them as they are read."""
     quant = raw.get("quantization") or raw.get("quantization_config")
     if not quant:
         return None
     if not isinstance(quant, dict):
         raise ConfigError(f"{where}: quantization is {quant!r}, not an object")
     method = quant.get("quant_method")
+    if method == "fp8" and "quantization" not in raw:
+        fp8_blocks(raw, where)  # (its fields checked here too: a ConfigError naming one it cannot run)
+        return None
     if method not in (None, "mlx", "affine"):  # (AWQ and GPTQ say bits and group_size too)
         raise ConfigError(f"{where}: quantization_config.quant_method {method!r} is not read (fx-engine reads "
                           "MLX's affine groups and GGUF files): use the checkpoint's BF16 copy or a conversion")
@@ -158,11 +163,15 @@ def load_hf_folder(
         if wrapper:
             tensors = _text_model_tensors(tensors)
         src.add(f, tensors)
-        for t in tensors.values():
-            if t.dtype in (mx.float16, mx.bfloat16, mx.float32):
+        for name, t in tensors.items():
+            if t.dtype in (mx.float16, mx.bfloat16, mx.float32) and not is_fp8_scale(name):
                 stored_dtype = stored_dtype or t.dtype
     quant = mlx_quantization(raw, folder / "config.json")
-    opts = LoadOptions(dtype=dtype or stored_dtype or mx.float32, keep_quantized=keep_quantized,
+    blocks = fp8_blocks(raw, folder / "config.json")
+    dtype = dtype or stored_dtype or (mx.float32 if blocks is None else mx.bfloat16)
+    if blocks is not None:  # (to the model's dtype: bfloat16, as stored beside them, unless asked)
+        src = dequantize_fp8_source(src, blocks, dtype, folder)
+    opts = LoadOptions(dtype=dtype, keep_quantized=keep_quantized,
                        numerics=numerics, quant=quant, where=str(folder))
     params = hf_family(raw).assemble(cfg, src, opts)
     return params.config, params, raw

@@ -467,6 +467,80 @@ def write_glm4moe_mtp_gguf(path: Any, cfg: dict[str, Any], tensors: dict[str, mx
     return path
 
 
+def write_deepseek2_mtp_gguf(path: Any, cfg: dict[str, Any], tensors: dict[str, mx.array], *,
+                             split_kv_b: bool = True) -> Any:
+    """A GGUF of a tiny DeepSeek-V3 (`tiny_mtp_config("deepseek_v3")`) holding its MTP layer as
+    newer llama.cpp converters write deepseek2 (GLM-4.7-Flash, DeepSeek V3.2, and their
+    MTP-only files): block_count counting the NextN layers, `deepseek2.nextn_predict_layers`,
+    the layer's MLA tensors under deepseek2's names (kv_b split into attn_k_b [H, r, dn] and
+    attn_v_b [H, dv, r] with the MLA key/value lengths, or kept whole), experts stacked as
+    ffn_*_exps, shared experts as ffn_*_shexp, the selection bias as exp_probs_b.bias, and
+    blk.{N}.nextn.{eh_proj, enorm, hnorm, shared_head_norm, shared_head_head, embed_tokens}.
+    `tensors`: Hugging Face names (the module's layer and whatever else to write: the
+    tables, trunk layers). float32 tensors; returns the path."""
+    import gguf
+
+    n_main, n = cfg["num_hidden_layers"], cfg.get("num_nextn_predict_layers", 1)
+    h, e = cfg["num_attention_heads"], cfg["n_routed_experts"]
+    dn, dr, dv, r = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, n_main + n)
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    ys = cfg["rope_scaling"]
+    md: dict[str, Any] = {
+        "context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"],
+        "block_count": n_main + n, "feed_forward_length": cfg["intermediate_size"], "attention.head_count": h,
+        "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]), "rope.freq_base": float(cfg["rope_theta"]),
+        "attention.q_lora_rank": cfg["q_lora_rank"], "attention.kv_lora_rank": r, "rope.dimension_count": dr,
+        "expert_count": e, "expert_used_count": cfg["num_experts_per_tok"],
+        "expert_shared_count": cfg["n_shared_experts"], "expert_feed_forward_length": cfg["moe_intermediate_size"],
+        "leading_dense_block_count": cfg["first_k_dense_replace"],
+        "expert_weights_scale": float(cfg["routed_scaling_factor"]), "expert_gating_func": 2,
+        "expert_group_count": cfg["n_group"], "expert_group_used_count": cfg["topk_group"],
+        "rope.scaling.factor": float(ys["factor"]),
+        "rope.scaling.original_context_length": ys["original_max_position_embeddings"],
+        "rope.scaling.yarn_log_multiplier": 0.1 * float(ys["mscale_all_dim"]), "nextn_predict_layers": n,
+        "vocab_size": cfg["vocab_size"]}
+    if split_kv_b:  # MLA as one shared KV head over the latent
+        md.update({"attention.head_count_kv": 1, "attention.key_length": r + dr, "attention.value_length": r,
+                   "attention.key_length_mla": dn + dr, "attention.value_length_mla": dv})
+    else:
+        md.update({"attention.head_count_kv": h, "attention.key_length": dn + dr, "attention.value_length": dv})
+    for key, value in md.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"deepseek2.{key}", value)
+    w.add_bool("deepseek2.expert_weights_norm", bool(cfg["norm_topk_prob"]))
+    w.add_string("deepseek2.rope.scaling.type", "yarn")
+    arrays = {k: np.asarray(v.astype(mx.float32)) for k, v in tensors.items()}
+    nextn = {"eh_proj.weight": "eh_proj", "enorm.weight": "enorm", "hnorm.weight": "hnorm",
+             "shared_head.norm.weight": "shared_head_norm", "shared_head.head.weight": "shared_head_head",
+             "embed_tokens.weight": "embed_tokens"}
+    for i in range(n_main + n):
+        m = f"model.layers.{i}."
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            keys = [f"{m}mlp.experts.{j}.{proj}.weight" for j in range(e)]
+            if keys[0] in arrays:
+                w.add_tensor(f"blk.{i}.ffn_{proj.split('_')[0]}_exps.weight", np.stack([arrays.pop(k) for k in keys]))
+        bias = arrays.pop(m + "mlp.gate.e_score_correction_bias", None)
+        if bias is not None:
+            w.add_tensor(f"blk.{i}.exp_probs_b.bias", bias)
+        kv_b = arrays.pop(m + "self_attn.kv_b_proj.weight", None)
+        if kv_b is not None and split_kv_b:
+            x = kv_b.reshape(h, dn + dv, r)
+            w.add_tensor(f"blk.{i}.attn_k_b.weight", np.ascontiguousarray(x[:, :dn].transpose(0, 2, 1)))
+            w.add_tensor(f"blk.{i}.attn_v_b.weight", np.ascontiguousarray(x[:, dn:]))
+        elif kv_b is not None:
+            w.add_tensor(f"blk.{i}.attn_kv_b.weight", kv_b)
+        for hf, gg in nextn.items():  # (gguf-py's deepseek2 map may lack the NextN names)
+            if m + hf in arrays:
+                w.add_tensor(f"blk.{i}.nextn.{gg}.weight", arrays.pop(m + hf))
+    for name, x in sorted(arrays.items()):
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 # ---------------------------------------------------------------- target checkpoints that ship their modules
 
 
@@ -494,6 +568,37 @@ def write_mtp_target(folder: Any, kind: str = "deepseek_v3", *, seed: int = 0, m
             module[pre + "shared_head.head.weight"] = trunk.get("lm_head.weight", trunk["model.embed_tokens.weight"])
     own = {n: a for n, a in module.items() if n not in ("model.embed_tokens.weight", "lm_head.weight")}
     mx.save_safetensors(str(folder / "model.safetensors"), {**trunk, **own}, metadata={"format": "mlx"})
+    return folder
+
+
+def write_nextn_export(target: Any, folder: Any) -> Any:
+    """SGLang's NextN export of a DeepSeek-V3 target folder (its scripts/export_deepseek_nextn.py's
+    layout): the target's other files copied, config.json with num_hidden_layers 1 and
+    architectures ["DeepseekV3ForCausalLMNextN"], the MTP layer's tensors renamed from
+    model.layers.{N}.* to model.layers.0.* without its copies of the tables (embed_tokens,
+    shared_head.head) in nextn_layer_parameters.safetensors, and an index naming them.
+    Returns the folder."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    target, folder = Path(target), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in target.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+            shutil.copy2(f, folder / f.name)
+    d = json.loads((target / "config.json").read_text())
+    pre = f"model.layers.{d['num_hidden_layers']}."
+    tensors = {}
+    for f in sorted(target.glob("*.safetensors")):
+        for name, a in mx.load(str(f)).items():
+            if name.startswith(pre) and "embed_tokens" not in name and "shared_head.head" not in name:
+                tensors["model.layers.0." + name[len(pre):]] = a
+    mx.save_safetensors(str(folder / "nextn_layer_parameters.safetensors"), tensors, metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: "nextn_layer_parameters.safetensors" for n in tensors}}))
+    (folder / "config.json").write_text(json.dumps({**d, "num_hidden_layers": 1,
+                                                    "architectures": ["DeepseekV3ForCausalLMNextN"]}, indent=2))
     return folder
 
 

@@ -194,7 +194,8 @@ def test_glm4moe_gguf_nextn_layer_drafts_as_the_safetensors_one(targets, tmp_pat
     mine = {n: a for n, a in tensors.items() if n.startswith("model.layers.3.") or not n.startswith("model.layers.")}
     path = write_glm4moe_mtp_gguf(tmp_path / "m.gguf", cfg, mine)
     from_gguf = MtpDrafter.load(path, model)
-    assert mtp_summary(path) == "1 MTP (NextN) layer (glm4moe, from blk.3.nextn.*)"
+    assert mtp_summary(path) == ("1 MTP (NextN) layer (glm4moe, from blk.3.nextn.*); published alone (no "
+                                 f"trunk): --draft-model {path} drafts with it beside its target")
     prompt = _prompt(model, 20, offset=4)
     for d in (from_folder, from_gguf):
         ref = reference_generate(model, prompt, max_tokens=10, temperature=0.0)
@@ -206,6 +207,37 @@ def test_glm4moe_gguf_nextn_layer_drafts_as_the_safetensors_one(targets, tmp_pat
         r.observe(0, states)
     drafts = [r.propose(prompt[:13], 3).tokens for r in rows]
     assert len(drafts[0]) == 3 and drafts[0] == drafts[1]
+
+
+@pytest.mark.parametrize("split_kv_b", [True, False])
+def test_deepseek2_gguf_nextn_layer_drafts_as_the_safetensors_one(targets, tmp_path, split_kv_b):
+    """llama.cpp's deepseek2 GGUF keeps the MTP layer (GLM-4.7-Flash, DeepSeek V3.2; an
+    MTP-only file holds it alone): a drafter read from it (kv_b split or whole) drafts what
+    the drafter read from the safetensors folder drafts (and the same logits)."""
+    from fx_engine.loading.drafter import mtp_summary
+    from fx_engine.testing.mtp import write_deepseek2_mtp_gguf
+
+    model, from_folder = targets["deepseek_v3"]
+    cfg = json.loads((Path(model.path) / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    tensors = dict(mx.load(str(Path(model.path) / "model.safetensors")))
+    mine = {k: a for k, a in tensors.items() if k.startswith(f"model.layers.{n}.") or not k.startswith("model.layers.")}
+    path = write_deepseek2_mtp_gguf(tmp_path / "m.gguf", cfg, mine, split_kv_b=split_kv_b)
+    from_gguf = MtpDrafter.load(path, model)
+    assert mtp_summary(path).startswith(f"1 MTP (NextN) layer (deepseek2, from blk.{n}.nextn.*); published alone")
+    prompt = _prompt(model, 20, offset=4)
+    ref = reference_generate(model, prompt, max_tokens=10, temperature=0.0)
+    got = fx_engine.generate(model, prompt, max_tokens=10, temperature=0.0, draft_model=from_gguf, num_draft_tokens=3)
+    assert got.token_ids == ref.token_ids and got.usage.drafted_tokens > 0
+    states = mx.random.normal((12, model.config.hidden_size), key=mx.random.key(1))
+    rows = [d.new_row([], None) for d in (from_folder, from_gguf)]
+    for r in rows:
+        r.observe(0, states)
+    drafts = [r.propose(prompt[:13], 3).tokens for r in rows]
+    assert len(drafts[0]) == 3 and drafts[0] == drafts[1]
+    logits = [mtp.draft_chain(d.module, d.tables, states[None, :4], mx.array([prompt[1:5]]),
+                              d.new_cache(16), mx.array([4]), 1)[1] for d in (from_folder, from_gguf)]
+    assert mx.allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5).item()
 
 
 def test_command_line_flag_and_info_line(tmp_path, capsys):
@@ -225,6 +257,65 @@ def test_command_line_flag_and_info_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert ("speculative modules: 1 MTP module (DeepSeek-V3 format, from model.layers.3.*); "
             "--draft-model mtp drafts with it") in out
+
+
+def _trunk_only(target, folder):
+    """The target as a conversion that dropped its MTP layer (mlx-lm's, llama.cpp's
+    --no-mtp): the same config, the module's tensors gone."""
+    import shutil
+
+    shutil.copytree(target, folder)
+    n = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    w = {k: a for k, a in mx.load(str(folder / "model.safetensors")).items()
+         if not k.startswith(f"model.layers.{n}.")}
+    mx.save_safetensors(str(folder / "model.safetensors"), w, metadata={"format": "mlx"})
+    return folder
+
+
+def test_a_module_published_alone_drafts_from_the_command_line(tmp_path, capsys):
+    """--draft-model FOLDER with SGLang's NextN export of the module (the layer renamed to
+    layer 0, the tables left out), and its FP8 copy (the published exports are DeepSeek-V3's
+    FP8 blocks), for a target whose own checkpoint dropped the module (--draft-model mtp is
+    refused there): the same text as without a draft, drafts accepted."""
+    from fx_engine.cli import main
+    from fx_engine.loading.drafter import is_mtp_checkpoint
+    from fx_engine.testing.fp8 import write_fp8_folder
+    from fx_engine.testing.mtp import write_nextn_export
+
+    full = write_mtp_echo_target(tmp_path / "echo")
+    trunk = _trunk_only(full, tmp_path / "trunk")
+    export = write_nextn_export(full, tmp_path / "nextn")
+    write_fp8_folder(export, tmp_path / "nextn-fp8", (32, 32))
+    assert is_mtp_checkpoint(export) and not is_mtp_checkpoint(full) and not is_mtp_checkpoint(trunk)
+    base = ["generate", "hello there", "--raw", "--model", str(trunk), "--max-tokens", "16"]
+    assert main(base) == 0
+    plain = capsys.readouterr()
+    assert main([*base, "--draft-model", "mtp"]) != 0
+    assert "weights hold no tensor" in capsys.readouterr().err
+    for draft in (export, tmp_path / "nextn-fp8"):
+        assert main([*base, "--draft-model", str(draft)]) == 0
+        drafted = capsys.readouterr()
+        assert drafted.out == plain.out
+        assert "drafts accepted" in drafted.err and "drafts accepted 0/" not in drafted.err
+    assert main(["info", "--model", str(export)]) == 0
+    assert ("speculative modules: 1 MTP module (DeepSeek-V3 format, from model.layers.0.*); published alone "
+            f"(no trunk): --draft-model {export} drafts with it beside its target") in capsys.readouterr().out
+
+
+def test_an_mtp_only_gguf_is_told_from_a_model(targets, tmp_path):
+    """A GGUF declaring NextN layers and holding no trunk layer (llama.cpp's --mtp file) is a
+    drafter's checkpoint; one holding the trunk's layers is a model."""
+    from fx_engine.loading.drafter import is_mtp_checkpoint
+    from fx_engine.testing.mtp import write_glm4moe_mtp_gguf
+
+    model, _ = targets["glm4_moe"]
+    cfg = json.loads((Path(model.path) / "config.json").read_text())
+    tensors = dict(mx.load(str(Path(model.path) / "model.safetensors")))
+    mine = {n: a for n, a in tensors.items() if n.startswith("model.layers.3.") or not n.startswith("model.layers.")}
+    assert is_mtp_checkpoint(write_glm4moe_mtp_gguf(tmp_path / "m.gguf", cfg, mine))
+    with_trunk = {n: a for n, a in tensors.items() if n.startswith(("model.layers.0.", "model.layers.3."))}
+    assert not is_mtp_checkpoint(write_glm4moe_mtp_gguf(tmp_path / "t.gguf", cfg, with_trunk))
+    assert not is_mtp_checkpoint(tmp_path / "missing.gguf")
 
 
 @pytest.mark.oracle  # (the adapter is made by mlx-lm's own LoRA layers: tools/oracle.py)

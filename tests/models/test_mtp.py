@@ -439,27 +439,30 @@ def test_a_loaded_target_feeds_the_module_through_the_capture_seam(tmp_path):
     np.testing.assert_allclose(_np(lgs[:, 0]), ref["logits"][:, -1], **TOL)
 
 
-def test_an_fp8_original_checkpoint_is_refused_by_name(tmp_path):
-    """DeepSeek-V3's, GLM-4.5-FP8's and Qwen3-Next-FP8's originals (the copies that keep
-    their MTP layers) store FP8 blocks with weight_scale_inv: a ConfigError naming the
-    quant_method, before any weights are read (it was a KeyError from deep in the loader);
-    the model loader says the same."""
+def test_an_fp8_original_checkpoint_reads_its_module_dequantized(tmp_path):
+    """DeepSeek-V3's original (the copy that keeps its MTP layer) stores FP8 blocks with
+    weight_scale_inv: the module's tensors are dequantized as read (loading.fp8) and equal
+    the module loaded from the same exact values stored as floats; a quantization scheme
+    not read (AWQ / GPTQ: they carry bits and group_size too) is refused by name."""
     import json
 
-    import fx_engine
+    import numpy as np
+
     from fx_engine.loading.drafter import load_mtp_module
+    from fx_engine.testing.fp8 import write_fp8_folder
     from fx_engine.testing.mtp import write_mtp_target
 
     folder = write_mtp_target(tmp_path / "ds", "deepseek_v3")
+    raw0 = json.loads((folder / "config.json").read_text())
+    exact = write_fp8_folder(folder, tmp_path / "ds-fp8", (32, 32))
+    assert any(n.startswith(mtp_prefix("deepseek_v3", raw0)) for n in exact)  # (the module's own linears too)
+    w = dict(mx.load(str(folder / "model.safetensors")))
+    w.update({n: mx.array(v.astype(np.float32)) for n, v in exact.items()})
+    mx.save_safetensors(str(folder / "model.safetensors"), w)
+    got, want = load_mtp_module(tmp_path / "ds-fp8"), load_mtp_module(folder)
+    for a, b in zip(tree_leaves(got), tree_leaves(want), strict=True):
+        np.testing.assert_array_equal(_np(a), _np(b))
     raw = json.loads((folder / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128]}
-    (folder / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match="quant_method 'fp8' is not read"):
-        load_mtp_module(folder)
-    with pytest.raises(ConfigError, match="quant_method 'fp8' is not read"):
-        fx_engine.load(folder)
-    # AWQ / GPTQ configs carry bits and group_size too: still not MLX's groups
     raw["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
     (folder / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="quant_method 'awq' is not read"):

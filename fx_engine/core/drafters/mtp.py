@@ -25,7 +25,9 @@ glm4_moe_mtp.py, qwen3_next_mtp.py / qwen3_5_mtp.py, mimo_mtp.py) and SGLang
   deepseek_v3  module k at model.layers.{N + k}.* (num_nextn_predict_layers of them): enorm
                (norm_e), hnorm (norm_h), eh_proj (proj), shared_head.norm (norm_out), and
                shared_head.head / embed_tokens, copies of the target's; a DeepSeek decoder
-               layer (MLA, routed experts). Takes the target's final-norm output.
+               layer (MLA, routed experts). Takes the target's final-norm output. GGUF
+               (deepseek2: GLM-4.7-Flash, DeepSeek V3.2): blk.{N + k}.nextn.* and the
+               layer's deepseek2 names; SGLang's NextN export: the layer as model.layers.0.*.
   glm4_moe     the same names (GGUF: blk.{N + k}.nextn.*); a GLM-4.5 decoder layer (moe.py's).
                Takes the target's final-norm output.
   qwen3_next   mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.fc, mtp.norm (shared by
@@ -203,8 +205,9 @@ def describe(d: dict[str, Any]) -> str | None:
         return None
     t = _text_config(d)
     kind = _KIND[t["model_type"]]
+    nextn = any("NextN" in str(a) for a in d.get("architectures") or ())  # (SGLang's export: layer 0)
     where = {"qwen3_next": "mtp.layers.0", "mimo": "model.mtp_layers.0"}.get(
-        kind, f"model.layers.{t.get('num_hidden_layers', '?')}")
+        kind, f"model.layers.{0 if nextn else t.get('num_hidden_layers', '?')}")
     return f"{n} MTP module{'s' if n > 1 else ''} ({_NAMES[kind]} format, from {where}.*)"
 
 
@@ -284,22 +287,26 @@ _LAYER_CONFIG = {"deepseek_v3": _deepseek_layer_config, "glm4_moe": _glm_layer_c
 def config_from_gguf(md: dict[str, Any], source: str = "GGUF", *, mask_first_position: bool | None = None,
                      chain_normed: bool | None = None) -> MtpConfig:
     """The MTP (NextN) layers of a GGUF, where llama.cpp writes them: glm4moe (GLM-4.5 /
-    4.6: `blk.{N + k}.nextn.*` next to the layer's usual tensors; block_count includes
-    them). llama.cpp's deepseek2 and qwen3next converters drop the MTP layers."""
+    4.6) and deepseek2 (GLM-4.7-Flash, DeepSeek V3.2, and MTP-only files): `blk.{N + k}.nextn.*`
+    next to the layer's usual tensors; block_count includes them. llama.cpp's qwen3next /
+    qwen35 files are not read by fx-engine (no GGUF trunk for them)."""
     arch = md.get("general.architecture")
-    if arch != "glm4moe":
+    if arch not in ("glm4moe", "deepseek2"):
         raise ConfigError(f"{source}: GGUF architecture {arch!r}: llama.cpp writes no MTP (NextN) tensors "
-                          "fx-engine reads for it (glm4moe only)")
+                          "fx-engine reads for it (glm4moe and deepseek2 only)")
     n = mtp_layers_in_gguf(md)
     if n < 1:
-        raise ConfigError(f"{source}: GGUF metadata 'glm4moe.nextn_predict_layers' = {n}: the file ships no "
+        raise ConfigError(f"{source}: GGUF metadata '{arch}.nextn_predict_layers' = {n}: the file ships no "
                           "MTP (NextN) layers")
-    target = moe.config_from_gguf(md, source)  # (its num_layers: block_count - nextn_predict_layers)
+    # (the target's num_layers: block_count - nextn_predict_layers)
+    target = moe.config_from_gguf(md, source) if arch == "glm4moe" else deepseek.config_from_gguf(md, source)
     first = target.num_layers
-    dense = int(gguf_value(md, "glm4moe", "leading_dense_block_count", source, 0) or 0)
-    layer = attrs.evolve(target, num_layers=n, moe_layers=tuple(_routed(first + k, dense, 1) for k in range(n)))
-    return MtpConfig(kind="glm4_moe", num_modules=n, layer=layer, first_layer=first,
-                     mask_first_position=True if mask_first_position is None else mask_first_position,
+    dense = int(gguf_value(md, arch, "leading_dense_block_count", source, 0) or 0)
+    experts = int(gguf_value(md, arch, "expert_count", source, 0) or 0) > 0
+    layer = attrs.evolve(target, num_layers=n, moe_layers=tuple(experts and _routed(first + k, dense, 1)
+                                                                for k in range(n)))
+    return MtpConfig(kind="glm4_moe" if arch == "glm4moe" else "deepseek_v3", num_modules=n, layer=layer,
+                     first_layer=first, mask_first_position=True if mask_first_position is None else mask_first_position,
                      chain_normed=False if chain_normed is None else chain_normed)
 
 
@@ -451,7 +458,8 @@ def mtp_params_from_tensors(tensors: Mapping[str, mx.array], cfg: MtpConfig, opt
     Hugging Face checkpoints (None: 1, or 0 where the module's experts are in mlx-lm's
     stacked layout, whose converter folds the 1 in).
     A missing or misshapen tensor is a WeightsError naming it, and so is any tensor under a
-    module's prefix that this loader does not read (FP8 scales, another variant's)."""
+    module's prefix that this loader does not read (another variant's; FP8 scales are
+    `loading.fp8`'s to apply before)."""
     opts = opts or LoadOptions(dtype=mx.float32, where="MTP module")
     src = TensorSource()
     src.add(opts.where, dict(tensors))
@@ -577,12 +585,15 @@ _GGUF_NEXTN_NAMES = (
 def mtp_params_from_gguf(tensors: Mapping[str, mx.array], cfg: MtpConfig, opts: LoadOptions | None = None, *,
                          own_tables: bool = False) -> MtpParams:
     """MtpParams from a GGUF's tensors (`loading.gguf.read_gguf`'s, under llama.cpp's names):
-    glm4moe's NextN layers, blk.{N + k}.nextn.{eh_proj, enorm, hnorm, shared_head_norm,
-    shared_head_head, embed_tokens} and the layer's usual attention / expert tensors; q/k
-    norms and q/k/v biases as the file has them."""
+    glm4moe's and deepseek2's NextN layers, blk.{N + k}.nextn.{eh_proj, enorm, hnorm,
+    shared_head_norm, shared_head_head, embed_tokens} and the layer's usual attention /
+    expert tensors under the family's names (glm4moe: q/k norms and q/k/v biases as the
+    file has them; deepseek2: kv_b whole or split into k_b / v_b)."""
     opts = opts or LoadOptions(dtype=mx.float32, where="MTP module (GGUF)")
     raw = TensorSource()
     raw.add(opts.where, dict(tensors))
+    if cfg.kind == "deepseek_v3":
+        return _assemble(cfg, renamed(raw, _GGUF_NEXTN_NAMES + deepseek._GGUF_TO_HF), opts, own_tables, None)
     blk = f"blk.{cfg.first_layer}."
     layer = attrs.evolve(cfg.layer, qk_norm=raw.has(blk + "attn_q_norm.weight"), qkv_bias=raw.has(blk + "attn_q.bias"))
     cfg = attrs.evolve(cfg, layer=layer)

@@ -16,8 +16,9 @@ groups (each group scored by its two best); the weights are the sigmoid scores (
 bias), renormalized if `norm_topk_prob`, times `routed_scaling_factor`; shared experts
 (one SwiGLU of n_shared_experts * moe_intermediate_size) are added for every token.
 Checkpoints: Hugging Face's (kv_b_proj, per-expert tensors) and mlx-lm's sanitized ones
-(embed_q / unembed_out, switch_mlp stacks; mlx-community's quantized folders). FP8
-(weight_scale_inv) and the multi-token-prediction layer are not read.
+(embed_q / unembed_out, switch_mlp stacks; mlx-community's quantized folders); the original
+FP8 checkpoints (weight_scale_inv) are dequantized as they are read (`loading.fp8`). The
+multi-token-prediction layer is the drafter's (`core.drafters.mtp`), not read here.
 """
 
 from __future__ import annotations
