@@ -83,10 +83,19 @@ def _config_of(path: str | Path) -> dict[str, Any] | None:
 
 
 def is_eagle3_head(path: str | Path) -> bool:
-    """Whether `path` (a local folder or a Hub repo id) holds an EAGLE-3 head rather than a
-    model (for a command line's or server's one draft option: a head's config.json names an
-    Eagle3 architecture, vLLM's speculators type eagle3, or a draft_vocab_size). A repo id's
-    config.json alone is read (cached, or fetched: no weights)."""
+    """Whether `path` (a local folder or GGUF, or a Hub repo id) holds an EAGLE-3 head rather
+    than a model (for a command line's or server's one draft option: a head's config.json
+    names an Eagle3 architecture, vLLM's speculators type eagle3, or a draft_vocab_size; a
+    GGUF's architecture is eagle3). A repo id's config.json alone is read (cached, or
+    fetched: no weights)."""
+    local = Path(path).expanduser()
+    if local.is_file():  # llama.cpp's conversion: a GGUF of architecture eagle3
+        from fx_engine.loading.gguf import read_gguf_metadata
+
+        try:
+            return read_gguf_metadata(local).get("general.architecture") == "eagle3"
+        except WeightsError:
+            return False
     raw = _config_of(path)
     if raw is None:
         return False
@@ -178,19 +187,45 @@ def load_eagle3_head(path: str | Path, target: Any = None, *, dtype: str | None 
     embeddings); None: not checked. dtype: the head's activation/weight dtype ("float32",
     "float16", "bfloat16"); default the target's (a Model's), else float32."""
     folder = resolve_model(path, revision=revision, torch_bins=True)
-    if not folder.is_dir():
-        raise ConfigError(f"{path}: an EAGLE-3 head is a folder (config.json and its weights), got {folder}")
-    raw, tensors = read_head_folder(folder)
-    cfg = eagle3.config_from_hf(raw, str(folder / "config.json"))
     target_cfg = getattr(target, "config", target)
     name = dtype or getattr(getattr(target, "params", None), "dtype", None) or "float32"
     if name not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got {name!r}")
-    params = eagle3.eagle3_params_from_tensors(
-        tensors, cfg, LoadOptions(dtype=getattr(mx, name), where=str(folder)))
+    if folder.is_file() and _is_gguf(folder):  # llama.cpp's conversion of a head (architecture eagle3)
+        cfg, params = _gguf_head(folder, getattr(mx, name))
+    elif not folder.is_dir():
+        raise ConfigError(f"{path}: an EAGLE-3 head is a folder (config.json and its weights) or llama.cpp's "
+                          f"eagle3 GGUF, got {folder}")
+    else:
+        raw, tensors = read_head_folder(folder)
+        cfg = eagle3.config_from_hf(raw, str(folder / "config.json"))
+        params = eagle3.eagle3_params_from_tensors(
+            tensors, cfg, LoadOptions(dtype=getattr(mx, name), where=str(folder)))
     if target_cfg is not None:
         eagle3.check_target(cfg, target_cfg, own_embed=params.embed is not None)
     return params
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _gguf_head(path: Path, dtype: Any) -> tuple[eagle3.Eagle3Config, eagle3.Eagle3Params]:
+    """A head llama.cpp's converter wrote (`convert_hf_to_gguf.py HEAD --target-model-dir
+    TARGET`: architecture eagle3), its matrices dequantized to `dtype` (a CLI head is
+    requantized for the native kernels by `Eagle3Drafter.load(bits=8)`)."""
+    from fx_engine.loading.gguf import read_gguf, read_gguf_metadata
+
+    md = read_gguf_metadata(path)
+    if md.get("general.architecture") != "eagle3":
+        raise ConfigError(f"{path}: GGUF architecture {md.get('general.architecture')!r} is a model, not an "
+                          "EAGLE-3 head (eagle3)")
+    tensors, _ = read_gguf(path)
+    if "output.weight" not in tensors:
+        raise WeightsError(f"{path}: missing tensor 'output.weight' (the head's draft-vocabulary lm_head)")
+    cfg = eagle3.config_from_gguf(md, tensors["output.weight"].shape[0], str(path))
+    return cfg, eagle3.eagle3_params_from_gguf(tensors, cfg, LoadOptions(dtype=dtype, where=str(path)))
 
 
 # ---------------------------------------------------------------- MTP modules in target checkpoints

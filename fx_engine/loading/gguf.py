@@ -406,6 +406,9 @@ def _mxfp4(name: str, data: np.ndarray, rows: int, cols: int, lead: tuple[int, .
 StoreBits = Union[Callable[[str, int, int, bool], int], None]
 
 
+_INT_TYPES = {"I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
 def _convert(name: str, kind: str, shape: list[int], rows: int, cols: int,
              raw: np.ndarray, store_bits: StoreBits = None, head: bool = False,
              compact: bool = False) -> dict[str, np.ndarray]:
@@ -413,6 +416,8 @@ def _convert(name: str, kind: str, shape: list[int], rows: int, cols: int,
     if kind in FLOAT_TYPES:
         dt = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[kind]
         return {name: np.frombuffer(raw, dtype=dt).reshape(shape)}  # BF16: bits
+    if kind in _INT_TYPES:  # (index tables: an EAGLE-3 head's d2t)
+        return {name: np.frombuffer(raw, dtype=_INT_TYPES[kind]).reshape(shape)}
     if kind == "MXFP4" and len(shape) >= 2:
         return _mxfp4(name, raw, rows, cols, tuple(shape[:-1]))
     if kind in _AFFINE:  # stacked (expert) tensors [E, rows, cols]: each row alike
@@ -425,7 +430,8 @@ def _convert(name: str, kind: str, shape: list[int], rows: int, cols: int,
 
 
 _ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint32): "U32",
-              np.dtype(np.int16): "I16", np.dtype(np.uint8): "U8", np.dtype(np.uint16): "BF16"}
+              np.dtype(np.int16): "I16", np.dtype(np.uint8): "U8", np.dtype(np.uint16): "BF16",
+              np.dtype(np.int8): "I8", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64"}
 
 
 def _write_safetensors(path: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -549,10 +555,11 @@ def _shard_jobs(path: Path, k: int, header: "_Header", spilled: bool) -> list[tu
     jobs = []
     for name, shape, type_id, offset in header.tensors:
         kind, block, nbytes = GGML_TYPES.get(type_id, (f"type {type_id}", 0, 0))
-        if kind not in FLOAT_TYPES + AFFINE_TYPES + DEQUANTIZED_TYPES + MX_TYPES:
+        known = FLOAT_TYPES + AFFINE_TYPES + DEQUANTIZED_TYPES + MX_TYPES + tuple(_INT_TYPES)
+        if kind not in known:
             raise WeightsError(
                 f"{path}: tensor '{name}' has GGML type {kind}, which fx-engine cannot read "
-                f"(supported: {', '.join(FLOAT_TYPES + AFFINE_TYPES + DEQUANTIZED_TYPES + MX_TYPES)})")
+                f"(supported: {', '.join(known)})")
         cols = shape[-1]
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         if cols % block:

@@ -131,3 +131,78 @@ def write_echo_pair(folder: str | Path, *, layers: int = 6, seed: int = 0) -> tu
     mx.save_safetensors(str(head / "model.safetensors"), t)
     (head / "config.json").write_text(json.dumps(cfg, indent=1))
     return target, head
+
+
+def write_eagle3_gguf(folder: str | Path, out: str | Path, target_layers: int, *, quant: str | None = None) -> Path:
+    """The head folder as llama.cpp's converter writes it (`convert_hf_to_gguf.py HEAD
+    --target-model-dir TARGET`: architecture eagle3): its Llama layer's hparams under eagle3.*,
+    `eagle3.extract_layers` = (2, N // 2, N - 3) of the N-layer target (the converter derives
+    them from the target, not the head's config), `eagle3.target_hidden_size`,
+    `eagle3.norm_before_residual`; the layer as blk.0 (hidden_norm as attn_norm_2, q / k rows
+    permuted as for any llama), fc.weight, output / output_norm / token_embd, d2t as the
+    absolute target ids in I64 (t2d dropped), a llama3 RoPE's factors as rope_freqs.weight.
+    quant: "Q8_0" for the matrices (else float32). Returns the path."""
+    import gguf
+    from gguf.quants import quantize
+
+    cfg, tensors = read_eagle3_folder(folder)
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv, hd = cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(out), "eagle3")
+    for key, value in {"block_count": 1, "context_length": cfg["max_position_embeddings"], "embedding_length": h,
+                       "feed_forward_length": cfg["intermediate_size"], "attention.head_count": heads,
+                       "attention.head_count_kv": kv, "vocab_size": cfg["vocab_size"], "rope.dimension_count": hd,
+                       "attention.key_length": hd, "attention.value_length": hd,
+                       "target_hidden_size": cfg.get("target_hidden_size") or h}.items():
+        w.add_uint32(f"eagle3.{key}", value)
+    w.add_float32("eagle3.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]))
+    w.add_float32("eagle3.rope.freq_base", float(cfg.get("rope_theta", 10000.0)))
+    w.add_bool("eagle3.norm_before_residual", bool(cfg.get("norm_before_residual", False)))
+    w.add_array("eagle3.extract_layers", [2, target_layers // 2, target_layers - 3])
+    a = {n: np.asarray(t.astype(mx.float32)) if t.dtype != mx.int64 else np.asarray(t) for n, t in tensors.items()
+         if n != "t2d"}
+
+    def permute(x: np.ndarray, n: int) -> np.ndarray:  # llama.cpp's LlamaModel.permute
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    names = {"fc.weight": "fc.weight", "lm_head.weight": "output.weight", "norm.weight": "output_norm.weight",
+             "embed_tokens.weight": "token_embd.weight", "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
+             "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
+             "midlayer.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+             "midlayer.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+             "midlayer.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+             "midlayer.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+             "midlayer.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+             "midlayer.mlp.gate_proj.weight": "blk.0.ffn_gate.weight", "midlayer.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+             "midlayer.mlp.down_proj.weight": "blk.0.ffn_down.weight"}
+    a["midlayer.self_attn.q_proj.weight"] = permute(a["midlayer.self_attn.q_proj.weight"], heads)
+    a["midlayer.self_attn.k_proj.weight"] = permute(a["midlayer.self_attn.k_proj.weight"], kv)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name, x in sorted(a.items()):
+        if name == "d2t":
+            w.add_tensor("d2t", (x + np.arange(x.size)).astype(np.int64), raw_dtype=gguf.GGMLQuantizationType.I64)
+        elif quant == "Q8_0" and x.ndim == 2 and x.shape[1] % 32 == 0:
+            w.add_tensor(names[name], quantize(x, q8), raw_dtype=q8)
+        else:
+            w.add_tensor(names[name], x)
+    scaling = cfg.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":  # the converter's generate_extra_tensors
+        base, factor = float(cfg.get("rope_theta", 10000.0)), float(scaling["factor"])
+        lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old = float(scaling["original_max_position_embeddings"])
+        factors = []
+        for f in 1.0 / base ** (np.arange(0, hd, 2) / hd):
+            wavelen = 2 * np.pi / f
+            if wavelen < old / hi:
+                factors.append(1.0)
+            elif wavelen > old / lo:
+                factors.append(factor)
+            else:
+                smooth = (old / wavelen - lo) / (hi - lo)
+                factors.append(1 / ((1 - smooth) / factor + smooth))
+        w.add_tensor("rope_freqs.weight", np.array(factors, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out)

@@ -625,3 +625,72 @@ def test_folder_loader_checks_the_head_against_its_target(tmp_path, target6):
     (pickled / "weights.pt").write_bytes(b"\0")
     with pytest.raises(WeightsError, match="no weights .* it has weights.pt"):
         load_eagle3_head(pickled, m)
+
+
+# ---------------------------------------------------------------- llama.cpp's eagle3 GGUF
+
+
+@pytest.mark.parametrize("rope", ["none", "llama3"])
+def test_llama_cpp_gguf_head_reads_as_its_folder(tmp_path, target6, rope):
+    """A head converted by llama.cpp (architecture eagle3: the layer as blk.0 with q / k rows
+    permuted, hidden_norm as attn_norm_2, d2t as absolute ids, extract_layers the target's
+    boundaries, a llama3 RoPE as rope_freqs factors) loads as the folder it came from: every
+    param equal, the same target boundaries; with Q8_0 matrices, the same drafts."""
+    from fx_engine.loading.drafter import is_eagle3_head, is_mtp_checkpoint, load_eagle3_head
+    from fx_engine.testing.eagle3 import write_eagle3_gguf
+
+    _, m = target6  # hidden 64, vocab 384, 6 layers
+    kw = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=384,
+              draft_vocab_size=128, intermediate_size=96)
+    if rope == "llama3":
+        kw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    folder = write_tiny_eagle3(tmp_path / "head", 64, seed=21, embed=True, **kw)
+    path = write_eagle3_gguf(folder, tmp_path / "head.gguf", m.config.num_layers)
+    assert is_eagle3_head(path) and not is_mtp_checkpoint(path)
+    want, got = load_eagle3_head(folder, m), load_eagle3_head(path, m)
+    assert eagle3.aux_layers(got.config, 6) == eagle3.aux_layers(want.config, 6) == (2, 3, 3)
+    for a, b in zip(tree_leaves(want), tree_leaves(got), strict=True):
+        if rope == "llama3" and a.dtype == mx.float32 and a.shape == (8,):  # (rope periods: float math)
+            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6)
+        else:
+            np.testing.assert_array_equal(np.array(a), np.array(b))
+    q8 = load_eagle3_head(write_eagle3_gguf(folder, tmp_path / "q8.gguf", 6, quant="Q8_0"), m)
+    rng = np.random.default_rng(5)
+    hidden = mx.array(rng.normal(size=(1, 5, 3 * 64)).astype(np.float32))
+    toks = mx.array(rng.integers(0, 384, (1, 5)))
+    cache = lambda: init_cache(eagle3.cache_specs(want.config), 1, 16)  # noqa: E731
+    drafts = [eagle3.draft_chain(p, None, hidden, toks, cache(), mx.array([5]), 3)[0].tolist() for p in (want, q8)]
+    assert drafts[0] == drafts[1]
+    from fx_engine.engine.eagle3_drafter import Eagle3Drafter
+
+    assert Eagle3Drafter.load(path, m, bits=8).head.config.aux_are_boundaries  # (the CLI's and server's way)
+
+
+def test_gguf_head_refusals_name_what_is_wrong(tmp_path, target6):
+    import gguf
+
+    from fx_engine.loading.drafter import load_eagle3_head
+    from fx_engine.testing.eagle3 import write_eagle3_gguf
+
+    _, m = target6
+    kw = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=384,
+              draft_vocab_size=128, intermediate_size=96)
+    path = write_eagle3_gguf(write_tiny_eagle3(tmp_path / "head", 64, seed=22, **kw), tmp_path / "h.gguf", 6)
+    r = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(tmp_path / "extra.gguf"), "eagle3")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        t = f.types[0]
+        w.add_key_value(f.name, f.contents(), t, sub_type=f.types[-1] if t == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.add_tensor("blk.0.attn_q_norm.weight", np.ones(16, np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(WeightsError, match="unexpected tensor 'blk.0.attn_q_norm.weight' for an EAGLE-3 head"):
+        load_eagle3_head(tmp_path / "extra.gguf", m)
+    with pytest.raises(ConfigError, match="is not an EAGLE-3 head"):
+        eagle3.config_from_gguf({"general.architecture": "llama"}, 128, "m.gguf")
+    with pytest.raises(ConfigError, match="'eagle3.extract_layers' is missing"):
+        eagle3.config_from_gguf({"general.architecture": "eagle3"}, 128, "m.gguf")

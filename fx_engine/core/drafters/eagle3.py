@@ -56,14 +56,15 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, den
 from fx_engine.core.checkpoint import (Fused, KeepQuantized, Lin, LoadOptions, Reader, TensorSource, Vec, WeightsError,
                                        finish, read_tensors)
 from fx_engine.core.config import (BOOL, FLOAT, INT, BaseConfig, ConfigError, Field, Same, check_rope_scaling,
-                                   positive_int, read_fields, refuse)
+                                   gguf_hf_config, gguf_value, positive_int, read_fields, refuse)
 from fx_engine.core.models.blocks import GATE_UP, QKV, rope_freqs, rope_type_of, scaled_rope, self_attention, swiglu_mlp
+from fx_engine.core.models.llama import unpermuted_qk
 from fx_engine.core.nn import Linear, Numerics, Quant, embed, linear, rms_norm
 from fx_engine.core.tree import CompiledFunction, static_field
 
 __all__ = ["Eagle3Config", "Eagle3Layer", "Eagle3Params", "aux_layers", "cache_specs", "check_target",
-           "config_from_hf", "draft_chain", "draft_logits", "draft_probs_to_target", "draft_target_ids",
-           "eagle3_forward", "eagle3_params_from_tensors", "greedy_target_ids", "head_step", "head_step_compiled",
+           "config_from_gguf", "config_from_hf", "draft_chain", "draft_logits", "draft_probs_to_target", "draft_target_ids",
+           "eagle3_forward", "eagle3_params_from_gguf", "eagle3_params_from_tensors", "greedy_target_ids", "head_step", "head_step_compiled",
            "project_target_hidden", "target_logits", "target_probs", "to_target_ids"]
 
 
@@ -87,6 +88,7 @@ class Eagle3Config(BaseConfig):
     fc_norm: bool = False  # an RMSNorm on each of the three target states (Eagle 3.1)
     norm_output: bool = False  # chained steps feed back norm(out), not out
     aux_layer_ids: tuple[int, ...] | None = None  # None: the target's default (`aux_layers`)
+    aux_are_boundaries: bool = False  # the ids are boundaries as they are (llama.cpp's extract_layers)
 
     @property
     def rope_type(self) -> str:
@@ -266,7 +268,7 @@ def aux_layers(cfg: Eagle3Config, target_layers: int) -> tuple[int, ...]:
     n = target_layers
     if cfg.aux_layer_ids is None:
         ids = (2, n // 2, n - 3)
-    elif cfg.aux_layer_ids[0] == 1:  # SpecForge's layer outputs (SGLang's reading)
+    elif cfg.aux_layer_ids[0] == 1 and not cfg.aux_are_boundaries:  # SpecForge's layer outputs (SGLang's reading)
         ids = tuple(i + 1 for i in cfg.aux_layer_ids)
     else:
         ids = cfg.aux_layer_ids
@@ -609,6 +611,79 @@ def eagle3_params_from_tensors(tensors: Mapping[str, mx.array], cfg: Eagle3Confi
     return Eagle3Params(layer=layer, **top, d2t=d2t, t2d=t2d, embed=own, fc_input_norm=fc_input_norm,
                         fc_norms=fc_norms, rope_freqs=rope_freqs(cfg),
                         config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
+
+
+# ---------------------------------------------------------------- llama.cpp's eagle3 GGUF
+
+
+def config_from_gguf(md: Mapping[str, Any], draft_vocab_size: int, source: str = "GGUF") -> Eagle3Config:
+    """An Eagle3Config from the metadata of a head llama.cpp's converter wrote (architecture
+    eagle3: the head's one Llama layer under eagle3.*, `eagle3.target_hidden_size`,
+    `eagle3.extract_layers` the target layers it reads, `eagle3.norm_before_residual`).
+    draft_vocab_size: the output head's rows (the file says it by that tensor's shape)."""
+    arch = md.get("general.architecture")
+    if arch != "eagle3":
+        raise ConfigError(f"{source}: GGUF architecture {arch!r} is not an EAGLE-3 head (eagle3)")
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(dict(md), "eagle3", key, source, default)
+
+    if "eagle3.extract_layers" not in md:
+        raise ConfigError(f"{source}: GGUF metadata 'eagle3.extract_layers' is missing (the target layers the "
+                          "head reads)")
+    d = gguf_hf_config(dict(md), "eagle3", source, "llama")
+    # extract_layers: the boundaries whose stream llama.cpp's graph takes (the input of layer
+    # il), written as the target's (2, N // 2, N - 3)
+    d.update(draft_vocab_size=int(draft_vocab_size), target_hidden_size=int(val("target_hidden_size")),
+             norm_before_residual=bool(val("norm_before_residual", False)),
+             eagle_aux_hidden_state_layer_ids=[int(i) for i in md["eagle3.extract_layers"]])
+    kind = val("rope.scaling.type", None)
+    if kind not in (None, "none"):
+        if kind != "linear":  # (llama3's factors travel as the rope_freqs tensor)
+            raise ConfigError(f"{source}: eagle3.rope.scaling.type {kind!r} is not supported (linear, or none)")
+        d["rope_scaling"] = {"rope_type": "linear", "factor": float(val("rope.scaling.factor"))}
+    return attrs.evolve(config_from_hf(d, source), aux_are_boundaries=True)
+
+
+# llama.cpp's names -> EAGLE's (its LlamaModel converter on a head: the layer as blk.0 with
+# hidden_norm as attn_norm_2, q / k rows permuted as for any llama, d2t as absolute target ids)
+_GGUF_VECS = {"output_norm.weight": "norm.weight", "blk.0.attn_norm_2.weight": LAYER + "hidden_norm.weight",
+              "blk.0.attn_norm.weight": LAYER + "input_layernorm.weight",
+              "blk.0.ffn_norm.weight": LAYER + "post_attention_layernorm.weight"}
+_GGUF_LINEARS = {"token_embd": _EMBED, "output": "lm_head", "fc": "fc", "blk.0.attn_q": LAYER + "self_attn.q_proj",
+                 "blk.0.attn_k": LAYER + "self_attn.k_proj", "blk.0.attn_v": LAYER + "self_attn.v_proj",
+                 "blk.0.attn_output": LAYER + "self_attn.o_proj", "blk.0.ffn_gate": LAYER + "mlp.gate_proj",
+                 "blk.0.ffn_up": LAYER + "mlp.up_proj", "blk.0.ffn_down": LAYER + "mlp.down_proj"}
+
+
+def eagle3_params_from_gguf(tensors: Mapping[str, mx.array], cfg: Eagle3Config,
+                            opts: LoadOptions | None = None) -> Eagle3Params:
+    """Eagle3Params from a head's GGUF tensors (`loading.gguf.read_gguf`'s, llama.cpp's
+    names): renamed to EAGLE's, q / k rows unpermuted, d2t's absolute ids back to offsets,
+    a llama3 RoPE's rope_freqs factors applied; then read as `eagle3_params_from_tensors`
+    reads a folder's. A tensor of another name is an error naming it."""
+    opts = opts or LoadOptions(dtype=mx.float32, where="EAGLE-3 head (GGUF)")
+    src = TensorSource()
+    src.add(opts.where, dict(tensors))
+    src = unpermuted_qk(cfg, src)
+    named: dict[str, mx.array] = {}
+    for name, t in src.tensors.items():
+        base, dot, suffix = name.rpartition(".")
+        if name in _GGUF_VECS:
+            named[_GGUF_VECS[name]] = t
+        elif name == "d2t":  # (absolute ids; the checkpoints' d2t is the offset from each draft id)
+            named["d2t"] = t.astype(mx.int64) - mx.arange(t.shape[0], dtype=mx.int64)
+        elif base in _GGUF_LINEARS and suffix in ("weight", "scales", "biases"):
+            named[f"{_GGUF_LINEARS[base]}.{suffix}"] = t
+        elif name != "rope_freqs.weight":
+            raise WeightsError(f"{opts.where}: unexpected tensor '{name}' for an EAGLE-3 head (llama.cpp's eagle3 "
+                               f"names: {', '.join(sorted([*_GGUF_VECS, *(b + '.weight' for b in _GGUF_LINEARS), 'd2t']))})")
+    params = eagle3_params_from_tensors(named, cfg, opts)
+    if src.has("rope_freqs.weight"):  # the rotation period of pair i is base^(2i/d) * factor_i
+        hd = cfg.head_dim
+        factors = src.get("rope_freqs.weight", (hd // 2,), opts.where).astype(mx.float32)
+        params = attrs.evolve(params, rope_freqs=cfg.rope_theta ** (mx.arange(0, hd, 2) / hd) * factors)
+    return params
 
 
 def _canonical_names(tensors: Mapping[str, mx.array], where: str) -> dict[str, mx.array]:
