@@ -69,10 +69,13 @@ def dequantize_block_fp8(weight: mx.array, scale_inv: mx.array, block: tuple[int
     blocks cut), in `dtype`."""
     r, c = block
     rows, cols = weight.shape[-2:]
+    lead = tuple(weight.shape[:-2])
+    pr, pc = -rows % r, -cols % c  # (edge blocks padded, then cut: the scales broadcast, never repeated)
     w = mx.from_fp8(weight, dtype=mx.float32)
-    s = scale_inv.astype(mx.float32)
-    s = mx.repeat(mx.repeat(s, r, axis=-2)[..., :rows, :], c, axis=-1)[..., :cols]
-    return (w * s).astype(dtype)
+    if pr or pc:
+        w = mx.pad(w, [(0, 0)] * len(lead) + [(0, pr), (0, pc)])
+    w = w.reshape(*lead, (rows + pr) // r, r, (cols + pc) // c, c) * scale_inv.astype(mx.float32)[..., None, :, None]
+    return w.reshape(*lead, rows + pr, cols + pc)[..., :rows, :cols].astype(dtype)
 
 
 def dequantize_fp8(tensors: Mapping[str, mx.array], block: tuple[int, int], dtype: mx.Dtype,
