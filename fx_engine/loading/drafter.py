@@ -44,6 +44,7 @@ from fx_engine.core.drafters import eagle3, mtp
 from fx_engine.loading.fp8 import dequantize_fp8, fp8_blocks
 from fx_engine.loading.hub import resolve_model
 from fx_engine.loading.torch_pickle import read_torch_checkpoint
+from fx_engine.loading.weights import index_shards, read_weight_map
 
 __all__ = ["is_eagle3_head", "is_mtp_checkpoint", "load_eagle3_head", "load_mtp_module", "mtp_config", "mtp_summary", "read_head_folder"]
 
@@ -132,14 +133,7 @@ def _weight_files(folder: Path) -> list[Path]:
     for index, pattern in ((folder / "model.safetensors.index.json", "*.safetensors"),
                            (folder / "pytorch_model.bin.index.json", "pytorch_model*.bin")):
         if index.is_file():
-            try:
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (ValueError, KeyError, TypeError) as e:
-                raise WeightsError(f"{index}: malformed index ({e})") from e
-            missing = [n for n in names if not (folder / n).is_file()]
-            if missing:
-                raise WeightsError(f"{index}: shard files missing: {', '.join(missing)}")
-            return [folder / n for n in names]
+            return [folder / n for n in index_shards(index)]
         files = sorted(folder.glob(pattern))
         if files:
             return files
@@ -262,12 +256,8 @@ def _safetensors_names(folder: Path) -> dict[str, list[str]]:
     tensor read)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise WeightsError(f"{index}: malformed index ({e})") from e
         out: dict[str, list[str]] = {}
-        for name, file in weight_map.items():
+        for name, file in read_weight_map(index).items():
             out.setdefault(file, []).append(name)
         return out
     out = {}

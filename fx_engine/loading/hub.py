@@ -105,7 +105,8 @@ def _folder_ready(folder: Path, torch_bins: bool = False) -> bool:
     """Whether a cached snapshot holds a loadable Hugging Face folder: config.json and every
     safetensors file its index names (or one safetensors file when unsharded); with
     torch_bins, PyTorch's pytorch_model*.bin likewise when there are no safetensors."""
-    import json
+    from fx_engine.core.checkpoint import WeightsError
+    from fx_engine.loading.weights import index_shards
 
     if not (folder / "config.json").is_file():
         return False
@@ -116,10 +117,10 @@ def _folder_ready(folder: Path, torch_bins: bool = False) -> bool:
         index = folder / index_name
         if index.is_file():
             try:
-                names = set(json.loads(index.read_text())["weight_map"].values())
-            except (ValueError, KeyError, TypeError):
+                index_shards(index)
+            except WeightsError:
                 return False
-            return all((folder / n).is_file() for n in names)
+            return True
         if any(folder.glob(pattern)):
             return True
     return False

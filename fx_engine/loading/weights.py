@@ -21,8 +21,8 @@ from fx_engine.core.models import config_from_hf, gguf_family, hf_family
 from fx_engine.core.nn import Numerics
 from fx_engine.loading.fp8 import dequantize_fp8_source, fp8_blocks, is_fp8_scale
 
-__all__ = ["KeepQuantized", "WeightsError", "gguf_read_options", "load_gguf", "load_hf_folder", "read_hf_config",
-           "read_json_object"]
+__all__ = ["KeepQuantized", "WeightsError", "gguf_read_options", "index_shards", "load_gguf", "load_hf_folder",
+           "read_hf_config", "read_json_object", "read_weight_map"]
 
 
 
@@ -47,6 +47,28 @@ def mlx_quantization(raw: dict[str, Any], where: str | Path) -> dict[str, Any] |
     if "group_size" not in quant or "bits" not in quant:
         raise ConfigError(f"{where}: quantization needs group_size and bits")
     return quant
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """A sharded checkpoint's index (model.safetensors.index.json, pytorch_model.bin.index.json)
+    as tensor name -> shard file; a malformed one is a WeightsError naming it."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"weight_map is {type(weight_map).__name__}, not an object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise WeightsError(f"{index}: malformed index ({e})") from e
+    return weight_map
+
+
+def index_shards(index: Path) -> list[str]:
+    """The shard files an index names (sorted), every one present beside it; missing ones are
+    a WeightsError naming them."""
+    names = sorted(set(read_weight_map(index).values()))
+    missing = [n for n in names if not (index.parent / n).is_file()]
+    if missing:
+        raise WeightsError(f"{index}: shard files missing: {', '.join(missing)}")
+    return names
+
 
 def _mx_load(path: Path, **kw: Any) -> Any:
     try:
@@ -148,13 +170,7 @@ def load_hf_folder(
         raise WeightsError(f"{folder}: no *.safetensors files")
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        try:
-            wanted = set(json.loads(index.read_text())["weight_map"].values())
-        except (json.JSONDecodeError, KeyError) as e:
-            raise WeightsError(f"{index}: malformed index ({e})") from e
-        missing = [f for f in wanted if not (folder / f).exists()]
-        if missing:
-            raise WeightsError(f"{index}: shard files missing: {', '.join(sorted(missing))}")
+        index_shards(index)
     src = TensorSource()
     stored_dtype = None
     wrapper = raw.get("model_type") in hf_family(raw, str(folder / "config.json")).wrappers
