@@ -416,6 +416,31 @@ def reference_step(kind: str, d: dict[str, Any], tensors: dict[str, Any], hidden
 # ---------------------------------------------------------------- GGUF (llama.cpp's glm4moe NextN layers)
 
 
+def _finish(w: Any, names: Any, arrays: dict[str, np.ndarray], path: Any) -> Any:
+    """The remaining tensors under gguf-py's names for the architecture, then the file."""
+    for name, x in sorted(arrays.items()):
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_expert_stacks(w: Any, arrays: dict[str, np.ndarray], i: int, experts: int) -> None:
+    """Layer i's routed experts (taken out of `arrays`) as llama.cpp writes them: each
+    projection stacked as blk.{i}.ffn_{gate,up,down}_exps, the selection bias as
+    blk.{i}.exp_probs_b.bias."""
+    m = f"model.layers.{i}.mlp."
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        keys = [f"{m}experts.{j}.{proj}.weight" for j in range(experts)]
+        if keys[0] in arrays:
+            w.add_tensor(f"blk.{i}.ffn_{proj.split('_')[0]}_exps.weight", np.stack([arrays.pop(k) for k in keys]))
+    bias = arrays.pop(m + "gate.e_score_correction_bias", None)
+    if bias is not None:
+        w.add_tensor(f"blk.{i}.exp_probs_b.bias", bias)
+
+
 def write_glm4moe_mtp_gguf(path: Any, cfg: dict[str, Any], tensors: dict[str, mx.array]) -> Any:
     """A GGUF of a tiny GLM-4.5 (`tiny_mtp_config("glm4_moe")`) holding its MTP layers as
     llama.cpp's converter writes them: architecture glm4moe, block_count counting the NextN
@@ -448,23 +473,9 @@ def write_glm4moe_mtp_gguf(path: Any, cfg: dict[str, Any], tensors: dict[str, mx
     w.add_float32("glm4moe.expert_weights_scale", float(cfg["routed_scaling_factor"]))
     w.add_bool("glm4moe.expert_weights_norm", bool(cfg["norm_topk_prob"]))
     arrays = {k: np.asarray(v.astype(mx.float32)) for k, v in tensors.items()}
-    e = cfg["n_routed_experts"]
     for i in range(n_main, n_main + n):
-        m = f"model.layers.{i}.mlp."
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            keys = [f"{m}experts.{j}.{proj}.weight" for j in range(e)]
-            if keys[0] in arrays:
-                w.add_tensor(f"blk.{i}.ffn_{proj.split('_')[0]}_exps.weight", np.stack([arrays.pop(k) for k in keys]))
-        bias = arrays.pop(m + "gate.e_score_correction_bias", None)
-        if bias is not None:
-            w.add_tensor(f"blk.{i}.exp_probs_b.bias", bias)
-    for name, x in sorted(arrays.items()):
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        _add_expert_stacks(w, arrays, i, cfg["n_routed_experts"])
+    return _finish(w, names, arrays, path)
 
 
 def write_deepseek2_mtp_gguf(path: Any, cfg: dict[str, Any], tensors: dict[str, mx.array], *,
@@ -515,13 +526,7 @@ def write_deepseek2_mtp_gguf(path: Any, cfg: dict[str, Any], tensors: dict[str, 
              "embed_tokens.weight": "embed_tokens"}
     for i in range(n_main + n):
         m = f"model.layers.{i}."
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            keys = [f"{m}mlp.experts.{j}.{proj}.weight" for j in range(e)]
-            if keys[0] in arrays:
-                w.add_tensor(f"blk.{i}.ffn_{proj.split('_')[0]}_exps.weight", np.stack([arrays.pop(k) for k in keys]))
-        bias = arrays.pop(m + "mlp.gate.e_score_correction_bias", None)
-        if bias is not None:
-            w.add_tensor(f"blk.{i}.exp_probs_b.bias", bias)
+        _add_expert_stacks(w, arrays, i, e)
         kv_b = arrays.pop(m + "self_attn.kv_b_proj.weight", None)
         if kv_b is not None and split_kv_b:
             x = kv_b.reshape(h, dn + dv, r)
@@ -532,13 +537,7 @@ def write_deepseek2_mtp_gguf(path: Any, cfg: dict[str, Any], tensors: dict[str, 
         for hf, gg in nextn.items():  # (gguf-py's deepseek2 map may lack the NextN names)
             if m + hf in arrays:
                 w.add_tensor(f"blk.{i}.nextn.{gg}.weight", arrays.pop(m + hf))
-    for name, x in sorted(arrays.items()):
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _finish(w, names, arrays, path)
 
 
 # ---------------------------------------------------------------- target checkpoints that ship their modules

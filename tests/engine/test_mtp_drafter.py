@@ -196,9 +196,15 @@ def test_glm4moe_gguf_nextn_layer_drafts_as_the_safetensors_one(targets, tmp_pat
     from_gguf = MtpDrafter.load(path, model)
     assert mtp_summary(path) == ("1 MTP (NextN) layer (glm4moe, from blk.3.nextn.*); published alone (no "
                                  f"trunk): --draft-model {path} drafts with it beside its target")
+    _drafts_alike(model, from_folder, from_gguf)
+
+
+def _drafts_alike(model, from_folder, from_gguf):
+    """Both drafters keep the target's greedy output while drafting, and draft the same
+    tokens from the same captured states; returns those states."""
     prompt = _prompt(model, 20, offset=4)
+    ref = reference_generate(model, prompt, max_tokens=10, temperature=0.0)
     for d in (from_folder, from_gguf):
-        ref = reference_generate(model, prompt, max_tokens=10, temperature=0.0)
         got = fx_engine.generate(model, prompt, max_tokens=10, temperature=0.0, draft_model=d, num_draft_tokens=3)
         assert got.token_ids == ref.token_ids and got.usage.drafted_tokens > 0
     states = mx.random.normal((12, model.config.hidden_size), key=mx.random.key(1))
@@ -207,6 +213,7 @@ def test_glm4moe_gguf_nextn_layer_drafts_as_the_safetensors_one(targets, tmp_pat
         r.observe(0, states)
     drafts = [r.propose(prompt[:13], 3).tokens for r in rows]
     assert len(drafts[0]) == 3 and drafts[0] == drafts[1]
+    return states, prompt
 
 
 @pytest.mark.parametrize("split_kv_b", [True, False])
@@ -225,16 +232,7 @@ def test_deepseek2_gguf_nextn_layer_drafts_as_the_safetensors_one(targets, tmp_p
     path = write_deepseek2_mtp_gguf(tmp_path / "m.gguf", cfg, mine, split_kv_b=split_kv_b)
     from_gguf = MtpDrafter.load(path, model)
     assert mtp_summary(path).startswith(f"1 MTP (NextN) layer (deepseek2, from blk.{n}.nextn.*); published alone")
-    prompt = _prompt(model, 20, offset=4)
-    ref = reference_generate(model, prompt, max_tokens=10, temperature=0.0)
-    got = fx_engine.generate(model, prompt, max_tokens=10, temperature=0.0, draft_model=from_gguf, num_draft_tokens=3)
-    assert got.token_ids == ref.token_ids and got.usage.drafted_tokens > 0
-    states = mx.random.normal((12, model.config.hidden_size), key=mx.random.key(1))
-    rows = [d.new_row([], None) for d in (from_folder, from_gguf)]
-    for r in rows:
-        r.observe(0, states)
-    drafts = [r.propose(prompt[:13], 3).tokens for r in rows]
-    assert len(drafts[0]) == 3 and drafts[0] == drafts[1]
+    states, prompt = _drafts_alike(model, from_folder, from_gguf)
     logits = [mtp.draft_chain(d.module, d.tables, states[None, :4], mx.array([prompt[1:5]]),
                               d.new_cache(16), mx.array([4]), 1)[1] for d in (from_folder, from_gguf)]
     assert mx.allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5).item()
