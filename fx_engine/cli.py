@@ -883,6 +883,8 @@ def _speculative_line(model_path: str) -> str:
     from fx_engine.loading.hub import resolve_model
 
     try:
+        if _is_head(model_path):
+            return f"an EAGLE-3 head: --draft-model {model_path} drafts with it beside its target"
         return mtp_summary(resolve_model(model_path)) or "none (no MTP module in this checkpoint)"
     except Exception as e:  # noqa: BLE001 - info reports, never crashes
         return f"(could not read the checkpoint: {type(e).__name__}: {e})"
@@ -919,7 +921,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         print(f"{k:<{width}}  {v}")
     if a.model is not None:
         print(f"speculative modules: {_speculative_line(a.model)}")
-    if a.model is not None and _is_mtp(a.model):
+    if a.model is not None and (_is_mtp(a.model) or _is_head(a.model)):
         return 0  # (a drafter's checkpoint: no model to load and measure)
     if a.model is not None or not default.startswith("not installed"):
         print(f"matmul path chosen at load ({a.model or 'default model'}; measured once per "

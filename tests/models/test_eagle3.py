@@ -667,6 +667,19 @@ def test_llama_cpp_gguf_head_reads_as_its_folder(tmp_path, target6, rope):
     assert Eagle3Drafter.load(path, m, bits=8).head.config.aux_are_boundaries  # (the CLI's and server's way)
 
 
+def test_info_names_a_head_and_loads_no_model(tmp_path, capsys):
+    from fx_engine.cli import main
+    from fx_engine.testing.eagle3 import write_eagle3_gguf
+
+    folder = write_tiny_eagle3(tmp_path / "head", 64, seed=23, hidden_size=64, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, vocab_size=384, draft_vocab_size=128)
+    for path in (folder, write_eagle3_gguf(folder, tmp_path / "h.gguf", 6)):
+        assert main(["info", "--model", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert f"speculative modules: an EAGLE-3 head: --draft-model {path} drafts with it" in out
+        assert "matmul path chosen" not in out
+
+
 def test_gguf_head_refusals_name_what_is_wrong(tmp_path, target6):
     import gguf
 
