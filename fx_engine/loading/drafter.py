@@ -46,7 +46,8 @@ from fx_engine.loading.hub import resolve_model
 from fx_engine.loading.torch_pickle import read_torch_checkpoint
 from fx_engine.loading.weights import index_shards, read_weight_map
 
-__all__ = ["is_eagle3_head", "is_mtp_checkpoint", "load_eagle3_head", "load_mtp_module", "mtp_config", "mtp_summary", "read_head_folder"]
+__all__ = ["is_eagle3_head", "is_mtp_checkpoint", "load_eagle3_head", "load_mtp_module", "mtp_config", "mtp_summary",
+           "read_head_folder"]
 
 
 def _config_file(path: str | Path) -> Path | None:
@@ -201,6 +202,7 @@ def load_eagle3_head(path: str | Path, target: Any = None, *, dtype: str | None 
 
 
 def _is_gguf(path: Path) -> bool:
+    """Whether a file starts with GGUF's magic."""
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"
 
