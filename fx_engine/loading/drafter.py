@@ -124,7 +124,7 @@ def is_mtp_checkpoint(path: str | Path) -> bool:
         except (WeightsError, ConfigError):
             return False
     raw = _config_of(path)
-    return raw is not None and any("NextN" in str(a) for a in raw.get("architectures") or ())
+    return raw is not None and mtp.is_nextn_export(raw)
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -38,7 +38,7 @@ def mlx_quantization(raw: dict[str, Any], where: str | Path) -> dict[str, Any] |
     if not isinstance(quant, dict):
         raise ConfigError(f"{where}: quantization is {quant!r}, not an object")
     method = quant.get("quant_method")
-    if method == "fp8" and "quantization" not in raw:
+    if method == "fp8":
         fp8_blocks(raw, where)  # (its fields checked here too: a ConfigError naming one it cannot run)
         return None
     if method not in (None, "mlx", "affine"):  # (AWQ and GPTQ say bits and group_size too)

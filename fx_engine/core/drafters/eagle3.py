@@ -621,17 +621,18 @@ def config_from_gguf(md: Mapping[str, Any], draft_vocab_size: int, source: str =
     eagle3: the head's one Llama layer under eagle3.*, `eagle3.target_hidden_size`,
     `eagle3.extract_layers` the target layers it reads, `eagle3.norm_before_residual`).
     draft_vocab_size: the output head's rows (the file says it by that tensor's shape)."""
+    md = dict(md)
     arch = md.get("general.architecture")
     if arch != "eagle3":
         raise ConfigError(f"{source}: GGUF architecture {arch!r} is not an EAGLE-3 head (eagle3)")
 
     def val(key: str, default: Any = ...) -> Any:
-        return gguf_value(dict(md), "eagle3", key, source, default)
+        return gguf_value(md, "eagle3", key, source, default)
 
     if "eagle3.extract_layers" not in md:
         raise ConfigError(f"{source}: GGUF metadata 'eagle3.extract_layers' is missing (the target layers the "
                           "head reads)")
-    d = gguf_hf_config(dict(md), "eagle3", source, "llama")
+    d = gguf_hf_config(md, "eagle3", source, "llama")
     # extract_layers: the boundaries whose stream llama.cpp's graph takes (the input of layer
     # il), written as the target's (2, N // 2, N - 3)
     d.update(draft_vocab_size=int(draft_vocab_size), target_hidden_size=int(val("target_hidden_size")),

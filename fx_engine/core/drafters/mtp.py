@@ -98,8 +98,8 @@ from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm, scaled_
 from fx_engine.core.tree import CompiledFunction, static_field
 
 __all__ = ["KINDS", "MtpConfig", "MtpModule", "MtpParams", "MtpTables", "cache_specs", "check_target",
-           "config_from_gguf", "config_from_hf", "describe", "draft_chain", "greedy_ids", "module_prefix",
-           "mtp_forward", "mtp_layers_in", "mtp_layers_in_gguf", "mtp_params_from_gguf", "mtp_params_from_tensors",
+           "config_from_gguf", "config_from_hf", "describe", "draft_chain", "greedy_ids", "is_nextn_export",
+           "module_prefix", "mtp_forward", "mtp_layers_in", "mtp_layers_in_gguf", "mtp_params_from_gguf", "mtp_params_from_tensors",
            "mtp_step", "mtp_step_compiled", "tables_from_tensors", "target_capture", "target_tables"]
 
 KINDS = ("deepseek_v3", "glm4_moe", "qwen3_next", "mimo")
@@ -198,6 +198,12 @@ def mtp_layers_in_gguf(md: dict[str, Any]) -> int:
     return int(gguf_value(md, str(arch), "nextn_predict_layers", "GGUF", 0) or 0) if arch else 0
 
 
+def is_nextn_export(d: dict[str, Any]) -> bool:
+    """Whether a config.json is SGLang's NextN export of a checkpoint's MTP module (an
+    architecture ...NextN, e.g. DeepseekV3ForCausalLMNextN: the module alone, as layer 0)."""
+    return any("NextN" in str(a) for a in d.get("architectures") or ())
+
+
 def describe(d: dict[str, Any]) -> str | None:
     """A line for `fx-engine info`: the MTP modules a config.json ships, or None."""
     n = mtp_layers_in(d)
@@ -205,7 +211,7 @@ def describe(d: dict[str, Any]) -> str | None:
         return None
     t = _text_config(d)
     kind = _KIND[t["model_type"]]
-    nextn = any("NextN" in str(a) for a in d.get("architectures") or ())  # (SGLang's export: layer 0)
+    nextn = is_nextn_export(d)  # (the layer at 0)
     where = {"qwen3_next": "mtp.layers.0", "mimo": "model.mtp_layers.0"}.get(
         kind, f"model.layers.{0 if nextn else t.get('num_hidden_layers', '?')}")
     return f"{n} MTP module{'s' if n > 1 else ''} ({_NAMES[kind]} format, from {where}.*)"
@@ -241,9 +247,9 @@ def _routed(index: int, first_dense: int, freq: int) -> bool:
 
 def _deepseek_layer_config(d: dict[str, Any], n: int, source: str) -> tuple[Any, int]:
     target = deepseek.config_from_hf(d, source)
-    # SGLang's NextN checkpoints (DeepseekV3ForCausalLMNextN: the MTP layer alone, as layer 0;
-    # its decoder layer is always a routed one there)
-    nextn = any("NextN" in str(a) for a in d.get("architectures") or ())
+    # SGLang's NextN checkpoints (the MTP layer alone, as layer 0; its decoder layer is always
+    # a routed one there)
+    nextn = is_nextn_export(d)
     first = 0 if nextn else target.num_layers
     experts = d.get("n_routed_experts") is not None
     flags = tuple(experts and (nextn or _routed(first + k, int(d.get("first_k_dense_replace") or 0),
