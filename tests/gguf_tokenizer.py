@@ -19,3 +19,31 @@ def write_oracle(folder: Path, out: Path, weights: dict) -> Path:
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (out / name).write_bytes((folder / name).read_bytes())
     return out
+
+
+_LLAMA_CPP_LOGITS = r"""
+import json, sys
+import numpy as np
+import llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, logits_all=True, verbose=False, n_threads=2)
+ids = json.loads(sys.argv[2])
+llm.eval(ids)
+np.save(sys.argv[3], np.array(llm.scores[: len(ids)], dtype=np.float32))
+llm.close()
+"""
+
+
+def llama_cpp_logits(path: Path, ids: list, out: Path):
+    """llama.cpp's logits (float32 [len(ids), V]) of `ids` through the GGUF at `path`, by
+    llama-cpp-python in its own process (an optional peer: the caller skips without it);
+    `out`: a scratch .npy path."""
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    r = subprocess.run([sys.executable, "-c", _LLAMA_CPP_LOGITS, str(path), json.dumps(ids), str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return np.load(out)

@@ -411,7 +411,7 @@ def mtp_summary(path: str | Path) -> str | None:
         except ConfigError:
             return f"{n} MTP (NextN) layer{'s' if n > 1 else ''} ({arch}; not read by fx-engine for this architecture)"
         line = f"{n} MTP (NextN) layer{'s' if n > 1 else ''} ({arch}, from blk.{cfg.first_layer}.nextn.*)"
-        return line + (alone if is_mtp_checkpoint(path) else "")
+        return line + (alone if is_mtp_checkpoint(path) else "; --draft-model mtp drafts with it")
     from fx_engine.loading.weights import read_json_object
 
     raw, _ = read_json_object(path)

@@ -16,6 +16,9 @@ llama.* keys, gguf-py's tensor names, the q/k rows permuted for interleaved RoPE
 as its Qwen2VLModel / Qwen3VLTextModel writes it (architecture qwen2vl / qwen3vl,
 rope.dimension_sections; fx-engine does not read those architectures yet: the tests that
 need them skip until it does).
+`write_qwen3_next_gguf`: a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE folder (the text model, or a
+Qwen3.5 multimodal wrapper's; its MTP module) as convert_hf_to_gguf.py's Qwen3NextModel /
+Qwen3_5TextModel / Qwen3_5MoeTextModel write it (see its docstring).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["add_bpe_tokenizer", "write_gemma_gguf", "write_llama_gguf", "write_qwen2vl_gguf", "write_qwen3vl_gguf"]
+__all__ = ["add_bpe_tokenizer", "write_gemma_gguf", "write_llama_gguf", "write_qwen2vl_gguf", "write_qwen3_next_gguf",
+           "write_qwen3vl_gguf"]
 
 _GEMMA_NAMES = (
     (r"^(language_model\.)?model\.embed_tokens\.", "token_embd."), (r"^(language_model\.)?model\.norm\.", "output_norm."),
@@ -191,5 +195,159 @@ def _write_text_gguf(folder: str | Path, out: str | Path, arch: str) -> Path:
         if target is None:
             raise ValueError(f"no llama.cpp name for {name}")
         w.add_tensor(target, x)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return out
+
+
+_QWEN3_NEXT_ARCHS = {"qwen3_next": "qwen3next", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe",
+                     "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
+
+
+def _tiled_value_heads(x: np.ndarray, axis: int, nk: int, r: int, width: int) -> np.ndarray:
+    """`x`'s value heads (`width` entries each along `axis`) from grouped order (key head i's
+    j-th at i * r + j) to llama.cpp's tiled order (at j * nk + i)."""
+    x = np.moveaxis(x, axis, 0)
+    rest = x.shape[1:]
+    x = x.reshape(nk, r, width, *rest).swapaxes(0, 1).reshape(nk * r * width, *rest)
+    return np.ascontiguousarray(np.moveaxis(x, 0, axis))
+
+
+def write_qwen3_next_gguf(folder: str | Path, out: str | Path, *, q8: Any = None, mtp: str = "with") -> Path:
+    """A Qwen3-Next / Qwen3.5 / Qwen3.5-MoE folder as llama.cpp's converter writes it
+    (convert_hf_to_gguf.py's Qwen3NextModel, Qwen3_5TextModel, Qwen3_5MoeTextModel: architecture
+    qwen3next / qwen35 / qwen35moe). Its keys: the ssm.* sizes (conv_kernel, state_size = the
+    key head width, group_count = key heads, time_step_rank = value heads, inner_size = all
+    value channels), full_attention_interval, rope.dimension_count (the rotated share of a
+    head), qwen2moe's expert keys; qwen35*: rope.dimension_sections and, with an MTP module,
+    nextn_predict_layers with block_count counting it. Its tensors, under gguf-py's names:
+    every RMSNorm but the DeltaNet's + 1, A_log as -exp(A_log), dt_bias as ssm_dt.bias, the
+    conv weight squeezed, Qwen3-Next's in_proj_qkvz split into attn_qkv (q | k | v) and
+    attn_gate (z), experts stacked (Qwen3.5-MoE's gate_up_proj split); qwen35* with fewer key
+    than value heads: the value heads in tiled order (in_proj_qkv's v rows, z, b, a, A, dt,
+    the conv's v channels, out_proj's columns); the MTP module (qwen35* only: the qwen3next
+    converter drops it) at blk.{N}: nextn.{eh_proj, enorm, hnorm, shared_head_norm} and its
+    layer's usual names. mtp: "with" (the default), "none" (its --no-mtp) or "only" (its
+    --mtp-only: the module with the tables and final norm, no trunk layer). q8(hf_name,
+    array) -> True: that matrix (or expert stack, by its stacked name) as Q8_0 (gguf-py's
+    reference quantizer; row transforms commute with it). Returns `out`."""
+    import gguf
+    from gguf.quants import quantize
+
+    folder, out = Path(folder), Path(out)
+    raw = json.loads((folder / "config.json").read_text())
+    cfg = {**raw, **raw.get("text_config", {})}
+    arch = _QWEN3_NEXT_ARCHS[raw["model_type"]]
+    v35 = arch != "qwen3next"
+    n, hid = cfg["num_hidden_layers"], cfg["hidden_size"]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, r = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], nv // nk
+    heads = cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or hid // heads
+    rope = cfg.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    prf = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    nextn = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "norm": "shared_head.norm"}
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        for name, x in mx.load(str(f)).items():
+            for old, new in (("model.language_model.", "model."), ("model.mtp.", "mtp.")):
+                if name.startswith(old):
+                    name = new + name[len(old):]
+            if name.startswith("mtp.") and (not v35 or mtp == "none"):
+                continue
+            if name.startswith("mtp."):  # _Qwen35MtpMixin.filter_tensors: as layer n's
+                part = name.split(".")
+                name = (f"model.layers.{n + int(part[2])}." + ".".join(part[3:]) if part[1] == "layers"
+                        else f"model.layers.{n}.{nextn[part[1]]}.{part[2]}")
+            elif mtp == "only" and name not in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+                continue
+            if name.startswith(("model.", "lm_head.")):
+                tensors[name] = np.asarray(x.astype(mx.float32))
+    n_mtp = len({k.split(".")[2] for k in tensors if k.startswith("model.layers.") and int(k.split(".")[2]) >= n})
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n + n_mtp)
+    w = gguf.GGUFWriter(str(out), arch)
+    ints = {"context_length": cfg["max_position_embeddings"], "embedding_length": hid, "block_count": n + n_mtp,
+            "feed_forward_length": cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
+            "attention.head_count": heads,
+            "attention.head_count_kv": cfg["num_key_value_heads"], "attention.key_length": hd,
+            "attention.value_length": hd, "ssm.conv_kernel": cfg["linear_conv_kernel_dim"], "ssm.state_size": dk,
+            "ssm.group_count": nk, "ssm.time_step_rank": nv, "ssm.inner_size": dv * nv,
+            "full_attention_interval": cfg.get("full_attention_interval", 4),
+            "rope.dimension_count": int(hd * prf), "vocab_size": cfg["vocab_size"]}
+    if cfg.get("num_experts"):
+        ints.update({"expert_count": cfg["num_experts"], "expert_used_count": cfg["num_experts_per_tok"],
+                     "expert_feed_forward_length": cfg["moe_intermediate_size"],
+                     "expert_shared_feed_forward_length": cfg.get("shared_expert_intermediate_size", 0)})
+    if n_mtp:
+        ints["nextn_predict_layers"] = n_mtp
+    for key, value in ints.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]))
+    w.add_float32(f"{arch}.rope.freq_base", float(theta))
+    if v35:
+        sections = list(rope.get("mrope_section", [11, 11, 10]))
+        w.add_array(f"{arch}.rope.dimension_sections", sections + [0] * (4 - len(sections)))
+    _add_tokenizer(w, folder, cfg["eos_token_id"], cfg.get("bos_token_id"))
+
+    def add(name: str, target: str, x: np.ndarray) -> None:
+        if q8 is not None and x.ndim in (2, 3) and x.shape[-1] % 32 == 0 and q8(name, x):
+            w.add_tensor(target, quantize(x, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(target, np.ascontiguousarray(x))
+
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, x in sorted(tensors.items()):
+        if v35 and nk != nv and ".linear_attn." in name:  # _LinearAttentionVReorderBase
+            if "in_proj_qkv." in name:
+                x = np.concatenate([x[: 2 * nk * dk], _tiled_value_heads(x[2 * nk * dk :], 0, nk, r, dv)])
+            elif "in_proj_z." in name:
+                x = _tiled_value_heads(x, 0, nk, r, dv)
+            elif "in_proj_b." in name or "in_proj_a." in name or name.endswith((".A_log", ".dt_bias")):
+                x = _tiled_value_heads(x, 0, nk, r, 1)
+            elif "conv1d." in name:
+                x = x.reshape(x.shape[0], -1)
+                x = np.concatenate([x[: 2 * nk * dk], _tiled_value_heads(x[2 * nk * dk :], 0, nk, r, dv)])
+            elif "out_proj." in name:
+                x = _tiled_value_heads(x, 1, nk, r, dv)
+        if name.endswith(".A_log"):  # Qwen3NextModel.modify_tensors
+            x = -np.exp(x)
+        elif name.endswith(".dt_bias"):
+            name = name[: -len("dt_bias")] + "dt_proj.bias"
+        elif "conv1d" in name:
+            x = x.reshape(x.shape[0], -1)
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            x = x + 1
+        m = re.match(r"model\.layers\.(\d+)\.(eh_proj|enorm|hnorm|shared_head\.norm)\.weight$", name)
+        if m:  # (gguf-py's NEXTN_* names, which its map may not list for the architecture)
+            add(name, f"blk.{m[1]}.nextn.{m[2].replace('.', '_')}.weight", x)
+            continue
+        if name.endswith("in_proj_qkvz.weight"):  # [q, k, v, z] per key head -> q | k | v, and z
+            g = x.reshape(nk, 2 * dk + 2 * r * dv, hid)
+            q, k, v, z = np.split(g, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+            blk = "blk." + name.split(".")[2]
+            add(name, f"{blk}.attn_qkv.weight", np.concatenate([a.reshape(-1, hid) for a in (q, k, v)]))
+            add(name, f"{blk}.attn_gate.weight", z.reshape(-1, hid))
+            continue
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):  # (Qwen3.5-MoE: stacked)
+            blk = "blk." + name.split(".")[2]
+            if name.endswith("down_proj"):
+                add(name, f"{blk}.ffn_down_exps.weight", x)
+            else:
+                f = x.shape[1] // 2
+                add(name, f"{blk}.ffn_gate_exps.weight", x[:, :f])
+                add(name, f"{blk}.ffn_up_exps.weight", x[:, f:])
+            continue
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$", name)
+        if m:  # Qwen2MoeModel: one stack per projection
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = x
+            continue
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise ValueError(f"no llama.cpp name for {name}")
+        add(name, target, x)
+    for key, stack in sorted(experts.items()):
+        i, proj = key.split(".")
+        add(f"model.layers.{i}.mlp.experts.{proj}", f"blk.{i}.ffn_{proj.split('_')[0]}_exps.weight",
+            np.stack([stack[j] for j in sorted(stack)]))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return out

@@ -79,14 +79,17 @@ def write_mimo_target(folder: Any, *, seed: int = 0, module_seed: int | None = N
 
 
 def write_qwen3_5_wrapper_target(folder: Any, wrapper: str = "qwen3_5", *, seed: int = 0,
-                                 module_seed: int | None = None, agree: bool = False, tied: bool = False) -> Path:
+                                 module_seed: int | None = None, agree: bool = False, tied: bool = False,
+                                 **config: Any) -> Path:
     """A tiny Qwen3.5 checkpoint as Hugging Face ships it: config.json {"model_type":
     wrapper, "text_config": {... mtp_num_hidden_layers: 1}}, the text model's tensors under
-    model.language_model.*, lm_head.weight (unless tied), and its MTP module under mtp.*."""
+    model.language_model.*, lm_head.weight (unless tied), and its MTP module under mtp.*.
+    `config` overrides the text config's fields."""
     text_type = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}[wrapper]
     if agree and tied:
         raise ValueError("write_qwen3_5_wrapper_target: an agreeing target has its own output head (tied=False)")
-    folder = write_tiny_model(Path(folder), text_type, seed=seed, mtp_num_hidden_layers=1, tie_word_embeddings=tied)
+    folder = write_tiny_model(Path(folder), text_type, seed=seed, mtp_num_hidden_layers=1, tie_word_embeddings=tied,
+                              **config)
     d = json.loads((folder / "config.json").read_text())
     trunk = dict(mx.load(str(folder / "model.safetensors")))
     mseed = seed + 1 if module_seed is None else module_seed

@@ -81,3 +81,61 @@ def test_batched_rows_with_and_without_the_module(models, wrapper, steady_policy
     engine.close()
     assert [r.token_ids for r in results] == alone
     assert results[0].usage.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_gguf_module_drafts_as_the_folders(models, wrapper, tmp_path, steady_policy):
+    """The checkpoint converted as llama.cpp's converter writes qwen35 / qwen35moe (the
+    module at blk.{N}.nextn.* and blk.{N}.*, norms as 1 + w; testing.gguf's writer):
+    `draft_model="mtp"` on the GGUF target reads its module, which drafts what the folder's
+    drafts; greedy output kept, and with the agreeing target every draft accepted."""
+    import mlx.core as mx
+
+    from fx_engine.testing.gguf import write_qwen3_next_gguf
+
+    for agree in (False, True):
+        folder_model = models[wrapper, agree]
+        path = write_qwen3_next_gguf(folder_model.path, tmp_path / f"{agree}.gguf")
+        assert mtp_summary(path) == (f"1 MTP (NextN) layer ({wrapper.replace('_', '')}, from blk.4.nextn.*); "
+                                     "--draft-model mtp drafts with it")
+        model = fx_engine.load(path, batch_invariant=True)
+        ref = reference_generate(model, PROMPT, max_tokens=16, temperature=0.0)
+        got = fx_engine.generate(model, PROMPT, max_tokens=16, temperature=0.0, draft_model="mtp", num_draft_tokens=3)
+        assert got.token_ids == ref.token_ids and got.usage.drafted_tokens > 0
+        if agree:
+            assert got.usage.accepted_tokens == got.usage.drafted_tokens
+        drafters = [MtpDrafter.from_model(m) for m in (folder_model, model)]
+        states = mx.random.normal((12, model.config.hidden_size), key=mx.random.key(1))
+        rows = [d.new_row([], None) for d in drafters]
+        for r in rows:
+            r.observe(0, states)
+        drafts = [r.propose(PROMPT + [7, 8, 9], 3).tokens for r in rows]
+        assert len(drafts[0]) == 3 and drafts[0] == drafts[1], agree
+
+
+def test_mtp_only_gguf_from_the_command_line(tmp_path, capsys):
+    """llama.cpp's split of a Qwen3.5 checkpoint into a trunk GGUF (--no-mtp) and an MTP-only
+    one (--mtp-only: the module with the tables, no trunk layer): `--draft-model mtp-only.gguf`
+    drafts beside the trunk (the same text as without, every draft accepted with the
+    agreeing module); `--draft-model mtp` is refused on the trunk; `fx-engine info` says the
+    file is published alone."""
+    from fx_engine.cli import main
+    from fx_engine.loading.drafter import is_mtp_checkpoint
+    from fx_engine.testing.gguf import write_qwen3_next_gguf
+
+    folder = write_qwen3_5_wrapper_target(tmp_path / "t", seed=3, agree=True)
+    trunk = write_qwen3_next_gguf(folder, tmp_path / "trunk.gguf", mtp="none")
+    alone = write_qwen3_next_gguf(folder, tmp_path / "mtp-only.gguf", mtp="only")
+    assert is_mtp_checkpoint(alone) and not is_mtp_checkpoint(trunk)
+    base = ["generate", "hello there", "--raw", "--model", str(trunk), "--max-tokens", "16"]
+    assert main(base) == 0
+    plain = capsys.readouterr()
+    assert main([*base, "--draft-model", "mtp"]) != 0
+    capsys.readouterr()
+    assert main([*base, "--draft-model", str(alone)]) == 0
+    drafted = capsys.readouterr()
+    assert drafted.out == plain.out
+    assert "drafts accepted" in drafted.err and "drafts accepted 0/" not in drafted.err
+    assert main(["info", "--model", str(alone)]) == 0
+    assert (f"1 MTP (NextN) layer (qwen35, from blk.4.nextn.*); published alone (no trunk): --draft-model {alone} "
+            "drafts with it beside its target") in capsys.readouterr().out

@@ -15,7 +15,7 @@ import fx_engine
 from fx_engine.testing import write_tiny_model
 
 from tests.conftest import LONG_TEXT
-from tests.gguf_tokenizer import add_tokenizer, write_oracle
+from tests.gguf_tokenizer import add_tokenizer, llama_cpp_logits, write_oracle
 from tests.models.test_parity import _compare
 
 pytestmark = pytest.mark.oracle
@@ -168,18 +168,6 @@ def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrid
     _compare(fx_engine.logits(model, ids, chunk=32), ref(mx.array([ids]))[0])
 
 
-_LLAMA_CPP_LOGITS = r"""
-import json, sys
-import numpy as np
-import llama_cpp
-llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, logits_all=True, verbose=False, n_threads=2)
-ids = json.loads(sys.argv[2])
-llm.eval(ids)
-np.save(sys.argv[3], np.array(llm.scores[: len(ids)], dtype=np.float32))
-llm.close()
-"""
-
-
 @pytest.mark.parametrize("model_type,arch,permute,overrides", [
     ("granite", "granite", True, {}), ("smollm3", "smollm3", True, {}), ("olmo2", "olmo2", False, {}),
     ("starcoder2", "starcoder2", False, {"hidden_act": "gelu_pytorch_tanh"}),
@@ -196,8 +184,6 @@ def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, over
     logits up to 29)."""
     import importlib.util
     import json
-    import subprocess
-    import sys
 
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python (an optional peer) is not installed")
@@ -223,10 +209,7 @@ def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, over
     convert(folder, tmp_path / "m.gguf", arch, md, permute, q8_mlp=False)
     model = fx_engine.load(tmp_path / "m.gguf")
     ids = model.tokenizer.encode(LONG_TEXT)[:48]
-    r = subprocess.run([sys.executable, "-c", _LLAMA_CPP_LOGITS, str(tmp_path / "m.gguf"), json.dumps(ids),
-                        str(tmp_path / "l.npy")], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    theirs, ours = np.load(tmp_path / "l.npy"), np.asarray(fx_engine.logits(model, ids))
+    theirs, ours = llama_cpp_logits(tmp_path / "m.gguf", ids, tmp_path / "l.npy"), np.asarray(fx_engine.logits(model, ids))
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3 * np.abs(theirs).max())
 
 

@@ -336,8 +336,10 @@ def test_glm4moe_gguf_nextn_layer_reads_as_the_safetensors_one(tmp_path):
             np.testing.assert_array_equal(_np(a), _np(b))
     with pytest.raises(ConfigError, match="'glm4moe.nextn_predict_layers' = 0"):
         mtp.config_from_gguf({**md, "glm4moe.nextn_predict_layers": 0}, "m.gguf")
-    with pytest.raises(ConfigError, match="architecture 'qwen3next'"):  # (no GGUF trunk read for it)
-        mtp.config_from_gguf({"general.architecture": "qwen3next"}, "m.gguf")
+    with pytest.raises(ConfigError, match="architecture 'llama'"):  # (llama.cpp writes no NextN layers for it)
+        mtp.config_from_gguf({"general.architecture": "llama"}, "m.gguf")
+    with pytest.raises(ConfigError, match="'qwen35.nextn_predict_layers' = 0"):
+        mtp.config_from_gguf({"general.architecture": "qwen35"}, "m.gguf")
     with pytest.raises(ConfigError, match="'deepseek2.nextn_predict_layers' = 0"):
         mtp.config_from_gguf({"general.architecture": "deepseek2"}, "m.gguf")
 

@@ -293,22 +293,30 @@ _LAYER_CONFIG = {"deepseek_v3": _deepseek_layer_config, "glm4_moe": _glm_layer_c
 def config_from_gguf(md: dict[str, Any], source: str = "GGUF", *, mask_first_position: bool | None = None,
                      chain_normed: bool | None = None) -> MtpConfig:
     """The MTP (NextN) layers of a GGUF, where llama.cpp writes them: glm4moe (GLM-4.5 /
-    4.6) and deepseek2 (GLM-4.7-Flash, DeepSeek V3.2, and MTP-only files): `blk.{N + k}.nextn.*`
-    next to the layer's usual tensors; block_count includes them. llama.cpp's qwen3next /
-    qwen35 files are not read by fx-engine (no GGUF trunk for them)."""
+    4.6), deepseek2 (GLM-4.7-Flash, DeepSeek V3.2, and MTP-only files) and qwen35 /
+    qwen35moe (Qwen3.5 / 3.6, and their mtp-*.gguf files; qwen3next too, should a converter
+    write them): `blk.{N + k}.nextn.*` next to the layer's usual tensors; block_count
+    includes them. The two reference choices default as `config_from_hf`'s for the format."""
     arch = md.get("general.architecture")
-    if arch not in ("glm4moe", "deepseek2"):
+    if arch not in ("glm4moe", "deepseek2", *qwen3_next._GGUF_ARCHS):
         raise ConfigError(f"{source}: GGUF architecture {arch!r}: llama.cpp writes no MTP (NextN) tensors "
-                          "fx-engine reads for it (glm4moe and deepseek2 only)")
+                          "fx-engine reads for it (glm4moe, deepseek2, qwen35, qwen35moe and qwen3next only)")
     n = mtp_layers_in_gguf(md)
     if n < 1:
         raise ConfigError(f"{source}: GGUF metadata '{arch}.nextn_predict_layers' = {n}: the file ships no "
                           "MTP (NextN) layers")
+    experts = int(gguf_value(md, arch, "expert_count", source, 0) or 0) > 0
+    if arch in qwen3_next._GGUF_ARCHS:  # one full-attention layer each, routed where the trunk's are
+        target = qwen3_next.config_from_gguf(md, source)
+        layer = attrs.evolve(target, num_layers=n, linear_layers=(False,) * n, lin_out_tiled=False,
+                             moe_layers=(experts and arch != "qwen35",) * n)
+        return MtpConfig(kind="qwen3_next", num_modules=n, layer=layer, first_layer=target.num_layers,
+                         mask_first_position=bool(mask_first_position),
+                         chain_normed=True if chain_normed is None else chain_normed)
     # (the target's num_layers: block_count - nextn_predict_layers)
     target = moe.config_from_gguf(md, source) if arch == "glm4moe" else deepseek.config_from_gguf(md, source)
     first = target.num_layers
     dense = int(gguf_value(md, arch, "leading_dense_block_count", source, 0) or 0)
-    experts = int(gguf_value(md, arch, "expert_count", source, 0) or 0) > 0
     layer = attrs.evolve(target, num_layers=n, moe_layers=tuple(experts and _routed(first + k, dense, 1)
                                                                 for k in range(n)))
     return MtpConfig(kind="glm4_moe" if arch == "glm4moe" else "deepseek_v3", num_modules=n, layer=layer,
@@ -591,13 +599,22 @@ _GGUF_NEXTN_NAMES = (
 def mtp_params_from_gguf(tensors: Mapping[str, mx.array], cfg: MtpConfig, opts: LoadOptions | None = None, *,
                          own_tables: bool = False) -> MtpParams:
     """MtpParams from a GGUF's tensors (`loading.gguf.read_gguf`'s, under llama.cpp's names):
-    glm4moe's and deepseek2's NextN layers, blk.{N + k}.nextn.{eh_proj, enorm, hnorm,
-    shared_head_norm, shared_head_head, embed_tokens} and the layer's usual attention /
+    glm4moe's, deepseek2's and qwen35's NextN layers, blk.{N + k}.nextn.{eh_proj, enorm,
+    hnorm, shared_head_norm, shared_head_head, embed_tokens} and the layer's usual attention /
     expert tensors under the family's names (glm4moe: q/k norms and q/k/v biases as the
-    file has them; deepseek2: kv_b whole or split into k_b / v_b)."""
+    file has them; deepseek2: kv_b whole or split into k_b / v_b; qwen35: Qwen3.5's module,
+    its pair's tensors at blk.{N}.nextn.*)."""
     opts = opts or LoadOptions(dtype=mx.float32, where="MTP module (GGUF)")
     raw = TensorSource()
     raw.add(opts.where, dict(tensors))
+    if cfg.kind == "qwen3_next":  # blk.{N}.nextn.* -> mtp.*, blk.{N + k}.* -> mtp.layers.{k}.*
+        n0 = cfg.first_layer
+        top = tuple((rf"^blk\.{n0}\.nextn\.{gg}\.", f"mtp.{hf}.") for gg, hf in (
+            ("eh_proj", "fc"), ("enorm", "pre_fc_norm_embedding"), ("hnorm", "pre_fc_norm_hidden"),
+            ("shared_head_norm", "norm"), ("shared_head_head", "shared_head.head"), ("embed_tokens", "embed_tokens")))
+        layers = tuple((rf"^blk\.{n0 + k}\.", f"mtp.layers.{k}.") for k in range(cfg.num_modules))
+        src = qwen3_next.gguf_source(raw, top + layers + qwen3_next.GGUF_TO_HF)
+        return _assemble(cfg, src, opts, own_tables, 0.0)  # (its converter stores the norms as 1 + w)
     if cfg.kind == "deepseek_v3":
         return _assemble(cfg, renamed(raw, _GGUF_NEXTN_NAMES + deepseek._GGUF_TO_HF), opts, own_tables, None)
     blk = f"blk.{cfg.first_layer}."

@@ -26,9 +26,10 @@ import mlx.core as mx
 
 import fx_engine.core.models.llama as llama
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, attend_entry, recurrent_entry, write_entry
-from fx_engine.core.checkpoint import (Embedding, Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec,
-                                       read_experts, read_tensors)
-from fx_engine.core.config import BOOL, INT, INT_OR_ZERO, ConfigError, Field, read_fields
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Reader, TensorSource,
+                                       TensorSpec, Vec, WeightsError, read_experts, read_tensors, renamed)
+from fx_engine.core.config import (BOOL, INT, INT_OR_ZERO, ConfigError, Field, gguf_hf_config, gguf_value,
+                                   read_fields)
 from fx_engine.core.models.blocks import (HF_EXPERT_NAMES, HF_LAYER, STACKED_EXPERT_NAMES, SWIGLU_MLP, DenseMlp,
                                           Experts, apply_partial_rope, attention_sizes, expert_stacks, mixture,
                                           read_shared_expert, rope_in, swiglu_mlp)
@@ -52,6 +53,10 @@ class Qwen3NextConfig(MoEConfig):
     # Qwen3.5 ("qwen3_5_text" / "qwen3_5_moe_text", the text model of qwen3_5 / qwen3_5_moe):
     # the same model with separate q|k|v, z, b, a projections, MoE on every layer or none
     qwen3_5: bool = False
+    # out_proj's input columns in llama.cpp's tiled value-head order (its qwen35 / qwen35moe
+    # GGUFs with fewer key than value heads: column block j * nk + i is value head i * r + j,
+    # for ggml's broadcast); the forward permutes the values to match (`gated_deltanet`)
+    lin_out_tiled: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -180,6 +185,8 @@ def gated_deltanet(p: Qwen3NextParams, lp: DeltaNet, x: mx.array, entry: Any, sp
     o, s_new, s_steps = gated_delta_scan(qh, kh, vh, log_g, beta, s_state, geo.keep_steps)
     o = rms_norm(o.astype(x.dtype), lp.norm, cfg.rms_norm_eps)
     o = (z.astype(f32) * mx.sigmoid(z.astype(f32)) * o.astype(f32)).astype(x.dtype)
+    if cfg.lin_out_tiled:  # value head i * r + j to column block j * nk + i (config field)
+        o = o.reshape(b, t, nk, r, dv).swapaxes(2, 3)
     out = linear(o.reshape(b * t, nv * dv), lp.out_proj, num)
     steps = None if conv_steps is None else [conv_steps.astype(conv_state.dtype), s_steps]
     return out, recurrent_entry(spec, [conv_new.astype(conv_state.dtype), s_new], steps, geo)
@@ -236,7 +243,7 @@ hidden_to_logits = head_logits
 # norms (RMSNorms stored as w of 1 + w in an unconverted checkpoint: `norm_offset` added);
 # the mixer, gated attention under self_attn. (q with its gate, q/k/v biases where the
 # config says) or a gated DeltaNet under linear_attn. (Qwen3.5's four input projections
-# regrouped, `_qwen3_5_projections`; its conv and decay in `_delta_net`); the MLP, dense
+# regrouped, `_qwen3_5_qkvz` / `_qwen3_5_ba`; its conv and decay in `_delta_net`); the MLP, dense
 # (`SWIGLU_MLP`) or routed (`_read_experts`). The whole model's: the head where untied and
 # stored.
 NORMS = (Vec("attn_norm", "input_layernorm.weight", "hidden_size", plus="norm_offset"),
@@ -250,7 +257,7 @@ ATTENTION = (
 )
 DELTA_NET = (
     Lin("qkvz", "in_proj_qkvz", "qkvz_width", "hidden_size", when="qkvz_stored"),
-    Lin("ba", "in_proj_ba", "ba_width", "hidden_size", when="qkvz_stored"),
+    Lin("ba", "in_proj_ba", "ba_width", "hidden_size", when="ba_stored"),
     Vec("dt_bias", "dt_bias", "lin_v_heads", float32=True),
     Vec("norm", "norm.weight", "lin_v_dim", plus=0.0),  # (stored as w, not 1 + w)
     Lin("out_proj", "out_proj", "hidden_size", "value_dim"),
@@ -260,8 +267,12 @@ TOP = (Embedding("embed", "model.embed_tokens"), Vec("norm", "model.norm.weight"
 
 
 def assemble(cfg: Qwen3NextConfig, src: TensorSource, opts: LoadOptions) -> Qwen3NextParams:
+    return _assemble(cfg, src, opts, _norm_offset(cfg, src))
+
+
+def _assemble(cfg: Qwen3NextConfig, src: TensorSource, opts: LoadOptions, norm_offset: float) -> Qwen3NextParams:
     rd = Reader(src, opts)
-    sizes = {**attention_sizes(cfg), "norm_offset": _norm_offset(cfg, src), "qkvz_stored": not cfg.qwen3_5,
+    sizes = {**attention_sizes(cfg), "norm_offset": norm_offset,
              "gated_q_width": 2 * cfg.num_heads * cfg.head_dim, "qkvz_width": 2 * cfg.key_dim + 2 * cfg.value_dim,
              "ba_width": 2 * cfg.lin_v_heads, "head_stored": not cfg.tie_word_embeddings and src.has("lm_head.weight")}
 
@@ -290,14 +301,21 @@ def _norm_offset(cfg: Qwen3NextConfig, src: TensorSource) -> float:
 
 
 def _delta_net(cfg: Qwen3NextConfig, rd: Reader, a: str, sizes: dict[str, Any]) -> DeltaNet:
-    """A gated DeltaNet mixer under `a` (linear_attn.): its table, Qwen3.5's projections
-    regrouped, the conv weight (either axis order) and the decay rates exp(A_log)."""
+    """A gated DeltaNet mixer under `a` (linear_attn.): its table; Qwen3.5's projections
+    (q|k|v and z, b and a: also llama.cpp's qwen3next layout) regrouped; the conv weight
+    (either axis order, or squeezed) and the decay rates exp(A_log) (llama.cpp's files
+    store -exp(A_log) itself: `decay`)."""
     src, where, nv = rd.src, rd.opts.where, cfg.lin_v_heads
-    f = read_tensors(rd, DELTA_NET, cfg, a, sizes=sizes)
-    if cfg.qwen3_5:
-        f["qkvz"], f["ba"] = _qwen3_5_projections(cfg, a, rd)
+    stored = {"qkvz_stored": src.has(a + "in_proj_qkvz.weight"), "ba_stored": src.has(a + "in_proj_ba.weight")}
+    f = read_tensors(rd, DELTA_NET, cfg, a, sizes={**sizes, **stored})
+    if not stored["qkvz_stored"]:
+        f["qkvz"] = _qwen3_5_qkvz(cfg, a, rd)
+    if not stored["ba_stored"]:
+        f["ba"] = _qwen3_5_ba(cfg, a, rd)
+    decay = (-src.get(a + "decay", (nv,), where).astype(mx.float32) if src.has(a + "decay")
+             else mx.exp(src.get(a + "A_log", (nv,), where).astype(mx.float32)))
     return DeltaNet(**f, conv_w=conv_weight(src, a + "conv1d.weight", cfg.conv_dim, cfg.conv_kernel, where)
-                    .astype(rd.opts.dtype), a=mx.exp(src.get(a + "A_log", (nv,), where).astype(mx.float32)))
+                    .astype(rd.opts.dtype), a=decay)
 
 
 def _read_experts(cfg: Qwen3NextConfig, rd: Reader, m: str) -> Experts:
@@ -326,23 +344,141 @@ def _rows(lin: Linear, lo: int, hi: int) -> Linear:
     return Linear(weight=lin.weight[lo:hi], bias=cut(lin.bias), quant=quant)
 
 
-def _qwen3_5_projections(cfg: Qwen3NextConfig, a: str, rd: Reader) -> tuple[Linear, Linear]:
-    """Qwen3.5's in_proj_qkv (q | k | v), in_proj_z, in_proj_b, in_proj_a regrouped into
-    Qwen3-Next's layout (per key head i: q_i, k_i, its r value heads' v, then their z; and
-    b_i, a_i): one forward for both."""
-    hid = cfg.hidden_size
-    nk, dk, nv, dv = cfg.lin_k_heads, cfg.lin_k_dim, cfg.lin_v_heads, cfg.lin_v_dim
-    r, kd = nv // nk, cfg.key_dim
+def _qwen3_5_qkvz(cfg: Qwen3NextConfig, a: str, rd: Reader) -> Linear:
+    """Qwen3.5's in_proj_qkv (q | k | v) and in_proj_z regrouped into Qwen3-Next's in_proj_qkvz
+    layout (per key head i: q_i, k_i, its r value heads' v, then their z): one forward for
+    both."""
+    hid, nk, dk, dv, kd = cfg.hidden_size, cfg.lin_k_heads, cfg.lin_k_dim, cfg.lin_v_dim, cfg.key_dim
+    r = cfg.lin_v_heads // nk
     qkv = rd.raw(a + "in_proj_qkv", 2 * kd + cfg.value_dim, hid)
     z = rd.raw(a + "in_proj_z", cfg.value_dim, hid)
-    b, aa = rd.raw(a + "in_proj_b", nv, hid), rd.raw(a + "in_proj_a", nv, hid)
-    qkvz, ba = [], []
+    parts = []
     for i in range(nk):
         v0 = 2 * kd + i * r * dv
-        qkvz += [_rows(qkv, i * dk, (i + 1) * dk), _rows(qkv, kd + i * dk, kd + (i + 1) * dk),
-                 _rows(qkv, v0, v0 + r * dv), _rows(z, i * r * dv, (i + 1) * r * dv)]
-        ba += [_rows(b, i * r, (i + 1) * r), _rows(aa, i * r, (i + 1) * r)]
-    return rd.fused(qkvz), rd.fused(ba)
+        parts += [_rows(qkv, i * dk, (i + 1) * dk), _rows(qkv, kd + i * dk, kd + (i + 1) * dk),
+                  _rows(qkv, v0, v0 + r * dv), _rows(z, i * r * dv, (i + 1) * r * dv)]
+    return rd.fused(parts)
+
+
+def _qwen3_5_ba(cfg: Qwen3NextConfig, a: str, rd: Reader) -> Linear:
+    """Qwen3.5's in_proj_b and in_proj_a regrouped into in_proj_ba's layout (per key head i:
+    its r value heads' b, then their a)."""
+    hid, nk, nv = cfg.hidden_size, cfg.lin_k_heads, cfg.lin_v_heads
+    r = nv // nk
+    b, aa = rd.raw(a + "in_proj_b", nv, hid), rd.raw(a + "in_proj_a", nv, hid)
+    return rd.fused([x for i in range(nk) for x in (_rows(b, i * r, (i + 1) * r), _rows(aa, i * r, (i + 1) * r))])
+
+
+# llama.cpp's qwen3next / qwen35 / qwen35moe tensor names -> Hugging Face's (its converter,
+# convert_hf_to_gguf.py's Qwen3NextModel and Qwen3_5TextModel / Qwen3_5MoeTextModel, writes
+# Qwen3-Next's in_proj_qkvz as attn_qkv (q | k | v) + attn_gate (z), A_log as ssm_a =
+# -exp(A_log) (read as `decay`), dt_bias as ssm_dt.bias, the conv weight squeezed to
+# [C, K], every RMSNorm but the DeltaNet's as 1 + w, experts stacked; MTP layers: `mtp`)
+GGUF_TO_HF = (
+    (r"\.post_attention_norm\.", ".post_attention_layernorm."), (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.attn_qkv\.", ".linear_attn.in_proj_qkv."), (r"\.attn_gate\.", ".linear_attn.in_proj_z."),
+    (r"\.ssm_ba\.", ".linear_attn.in_proj_ba."), (r"\.ssm_beta\.", ".linear_attn.in_proj_b."),
+    (r"\.ssm_alpha\.", ".linear_attn.in_proj_a."), (r"\.ssm_conv1d\.", ".linear_attn.conv1d."),
+    (r"\.ssm_dt\.bias$", ".linear_attn.dt_bias"), (r"\.ssm_a(\.weight)?$", ".linear_attn.decay"),
+    (r"\.ssm_norm\.", ".linear_attn.norm."), (r"\.ssm_out\.", ".linear_attn.out_proj."),
+    (r"\.ffn_gate_inp_shexp\.", ".mlp.shared_expert_gate."), (r"\.ffn_gate_inp\.", ".mlp.gate."),
+    (r"\.ffn_(gate|up|down)_exps\.", r".mlp.switch_mlp.\1_proj."),
+    (r"\.ffn_(gate|up|down)_shexp\.", r".mlp.shared_expert.\1_proj."),
+) + GGUF_COMMON_NAMES
+
+_GGUF_ARCHS = {"qwen3next": "qwen3_next", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
+
+
+def config_from_gguf(md: dict[str, Any], source: str) -> Qwen3NextConfig:
+    """Qwen3-Next / Qwen3.5 / Qwen3.5-MoE from llama.cpp's qwen3next / qwen35 / qwen35moe
+    metadata: the gated DeltaNet's sizes under ssm.* (group_count: key heads, time_step_rank:
+    value heads, state_size: the key head width, inner_size: all value channels),
+    full_attention_interval (or attention.recurrent_layers, per layer), the rotated share of
+    each head as rope.dimension_count, experts as qwen2moe's keys; block_count counts the MTP
+    (NextN) layers, which the trunk does not run (`config.trunk_layers`)."""
+    arch = md.get("general.architecture")
+    mt = _GGUF_ARCHS[arch]
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, arch, key, source, default)
+
+    d = gguf_hf_config(md, arch, source, mt, rope_theta=10000000.0, ffn=False)
+    hd = d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+    nv, inner = int(val("ssm.time_step_rank")), int(val("ssm.inner_size"))
+    if nv < 1 or inner % nv:
+        raise ConfigError(f"{source}: {arch}.ssm.inner_size ({inner}) is not a multiple of {arch}.ssm.time_step_rank "
+                          f"({nv}, the value heads)")
+    experts = int(val("expert_count", 0) or 0) if arch != "qwen35" else 0
+    d.update(linear_num_key_heads=int(val("ssm.group_count")), linear_num_value_heads=nv,
+             linear_key_head_dim=int(val("ssm.state_size")), linear_value_head_dim=inner // nv,
+             linear_conv_kernel_dim=int(val("ssm.conv_kernel")),
+             full_attention_interval=int(val("full_attention_interval", 4)),
+             partial_rotary_factor=int(val("rope.dimension_count", hd)) / hd, tie_word_embeddings=False,
+             intermediate_size=int(val("feed_forward_length", 0) or val("expert_feed_forward_length", 0) or 1))
+    if experts:
+        d.update(num_experts=experts, num_experts_per_tok=int(val("expert_used_count")),
+                 moe_intermediate_size=int(val("expert_feed_forward_length")),
+                 shared_expert_intermediate_size=int(val("expert_shared_feed_forward_length", 0) or 0),
+                 norm_topk_prob=bool(val("expert_weights_norm", True)))
+    cfg = config_from_hf(d, source)
+    pattern = val("attention.recurrent_layers", None)
+    if pattern is not None:  # per layer (the trunk's; MTP layers are attention layers)
+        flags = tuple(bool(x) for x in list(pattern)[: cfg.num_layers])
+        if len(flags) != cfg.num_layers:
+            raise ConfigError(f"{source}: {arch}.attention.recurrent_layers has {len(flags)} entries for "
+                              f"{cfg.num_layers} layers")
+        cfg = attrs.evolve(cfg, linear_layers=flags)
+    return attrs.evolve(cfg, lin_out_tiled=arch != "qwen3next" and cfg.lin_k_heads != cfg.lin_v_heads)
+
+
+def assemble_gguf(cfg: Qwen3NextConfig, src: TensorSource, opts: LoadOptions) -> Qwen3NextParams:
+    """Params from llama.cpp's tensors (`GGUF_TO_HF`): the head tied where the file has no
+    output.weight; qwen35's value heads put back in Hugging Face's grouped order
+    (`grouped_value_heads`) but in ssm_out's columns (`Qwen3NextConfig.lin_out_tiled`)."""
+    src = gguf_source(src, GGUF_TO_HF)
+    cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has("lm_head.weight"))
+    if cfg.lin_out_tiled:
+        src = grouped_value_heads(cfg, src, [f"model.layers.{i}.linear_attn." for i, lin in
+                                             enumerate(cfg.linear_layers) if lin])
+    return _assemble(cfg, src, opts, 0.0)
+
+
+def gguf_source(src: TensorSource, rules: tuple[tuple[str, str], ...]) -> TensorSource:
+    """A GGUF's tensors under Hugging Face's names (`rules`: GGUF_TO_HF, with the MTP
+    layers' before it), the shared experts' gates as [1, H] (llama.cpp reads them as
+    vectors: a converter may write them so)."""
+    out = renamed(src, rules)
+    for name, t in out.tensors.items():
+        if name.endswith("shared_expert_gate.weight") and t.ndim == 1:
+            out.tensors[name] = t.reshape(1, -1)
+    return out
+
+
+def grouped_value_heads(cfg: Qwen3NextConfig, src: TensorSource, prefixes: list[str]) -> TensorSource:
+    """The DeltaNet tensors under `prefixes` with their value heads back in grouped order
+    (head i * r + j: key head i's j-th), from llama.cpp's tiled order (j * nk + i, which its
+    qwen35 converter writes where nk < nv): the rows of in_proj_qkv's v part, in_proj_z,
+    in_proj_b / in_proj_a, the conv's v channels, dt_bias and the decay. Row permutations
+    only (quantized rows move with their scales): ssm_out's columns stay tiled."""
+    nk, nv, dv, kd = cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_v_dim, cfg.key_dim
+    r = nv // nk
+    heads = mx.array([(h % r) * nk + h // r for h in range(nv)])  # grouped head h <- tiled position
+    chans = (heads[:, None] * dv + mx.arange(dv)[None]).reshape(-1)
+    with_v = mx.concatenate([mx.arange(2 * kd), 2 * kd + chans])
+    perms = {"in_proj_qkv.": with_v, "conv1d.weight": with_v, "in_proj_z.": chans, "in_proj_b.": heads,
+             "in_proj_a.": heads, "dt_bias": heads, "decay": heads}
+    out = TensorSource()
+    out.tensors, out.origin = dict(src.tensors), dict(src.origin)
+    for name, t in src.tensors.items():
+        for a in prefixes:
+            key = name[len(a):] if name.startswith(a) else None
+            perm = next((p for k, p in perms.items() if key is not None and key.startswith(k)), None)
+            if perm is not None:
+                if t.shape[0] != perm.size:
+                    raise WeightsError(f"{src.origin[name]}: tensor '{name}' has {t.shape[0]} rows, expected "
+                                       f"{perm.size}")
+                out.tensors[name] = mx.take(t, perm, axis=0)
+    return out
 
 
 def checkpoint_layout(cfg: Qwen3NextConfig) -> dict[str, TensorSpec]:
@@ -435,6 +571,10 @@ def tensor_split(p: Qwen3NextParams, rank: int, size: int) -> Qwen3NextParams:
     with their query heads (q|gate rows per head); MLP and experts' intermediate features;
     the vocabulary."""
     cfg = p.config
+    if cfg.lin_out_tiled and size > 1:
+        raise ConfigError(f"tensor parallelism: this {cfg.model_type} model's DeltaNet output projections are in "
+                          "llama.cpp's tiled value-head order (a qwen35 GGUF), which ranks cannot split by key "
+                          "head; load its Hugging Face checkpoint to split it over ranks")
     q0, q1, k0, k1 = head_range(cfg.num_heads, cfg.num_kv_heads, rank, size)
     nk, dk, dv, d, hk = cfg.lin_k_heads, cfg.lin_k_dim, cfg.lin_v_dim, cfg.head_dim, cfg.num_kv_heads
     r = cfg.lin_v_heads // nk
@@ -468,4 +608,5 @@ FAMILY = Family(
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,
+    gguf_architectures=tuple(_GGUF_ARCHS), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )

@@ -118,14 +118,17 @@ def mixer(mp: MixerParams, dims: MixerDims, x: mx.array, entry: Any, spec: Layer
 
 
 def conv_weight(src: TensorSource, name: str, channels: int, k: int, where: str) -> mx.array:
-    """A depthwise conv weight as [channels, K]: Hugging Face stores [C, 1, K], mlx-lm [C, K, 1]."""
+    """A depthwise conv weight as [channels, K]: Hugging Face stores [C, 1, K], mlx-lm [C, K, 1],
+    llama.cpp's converters [C, K] (squeezed)."""
     w = src.get(name, None, where)
+    if tuple(w.shape) == (channels, k):
+        return w
     if tuple(w.shape) == (channels, 1, k):
         return w[:, 0, :]
     if tuple(w.shape) == (channels, k, 1):
         return w[:, :, 0]
-    raise ConfigError(f"{where}: {name} has shape {tuple(w.shape)}, expected ({channels}, 1, {k}) "
-                      f"or ({channels}, {k}, 1)")
+    raise ConfigError(f"{where}: {name} has shape {tuple(w.shape)}, expected ({channels}, 1, {k}), "
+                      f"({channels}, {k}, 1) or ({channels}, {k})")
 
 
 # A mixer's params from its tensors under the mixer's prefix (`read_tensors`, sizes the
