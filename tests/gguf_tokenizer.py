@@ -47,3 +47,26 @@ def llama_cpp_logits(path: Path, ids: list, out: Path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return np.load(out)
+
+
+def dequantized_copy(src: Path, dst: Path) -> Path:
+    """The GGUF at `src` with every tensor dequantized to F32 by gguf-py's reference (the
+    metadata copied): what a quantized file holds, for a peer run without its quantized
+    products (llama.cpp rounds the activations of those)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for field in r.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
+            continue
+        kind = field.types[0]
+        sub = {"sub_type": field.types[-1]} if kind == gguf.GGUFValueType.ARRAY else {}
+        w.add_key_value(field.name, field.contents(), kind, **sub)
+    for t in r.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        w.add_tensor(t.name, dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return dst

@@ -112,3 +112,31 @@ def test_gguf_matches_llama_cpp(tmp_path, kind):
     ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)[:48]
     theirs, ours = llama_cpp_logits(path, ids, tmp_path / "l.npy"), np.asarray(fx_engine.logits(model, ids))
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3 * np.abs(theirs).max())
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
+def test_llama_cpp_k_quants(tmp_path, model_type):
+    """A file llama.cpp's own quantizer made Q4_K_M (Q4_K / Q6_K matrices, Q6_K head; the
+    rows fx-engine regroups and un-tiles in its compact K-quant form): fx-engine's logits
+    equal llama.cpp's from the same weights dequantized to F32 (llama.cpp's own Q4_K
+    products round the activations to 8 bits, which these random models amplify)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python (an optional peer) is not installed")
+    import llama_cpp
+
+    from tests.gguf_tokenizer import dequantized_copy
+
+    sizes = dict(hidden_size=256, intermediate_size=512, linear_key_head_dim=64, linear_value_head_dim=64,
+                 head_dim=64, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+    if model_type == "qwen3_next":
+        sizes["linear_num_value_heads"] = 2  # (the other case tiles 2 key heads over 4 value heads)
+    folder = write_tiny_model(tmp_path / "m", model_type, seed=7, **sizes)
+    f32, q4 = write_qwen3_next_gguf(folder, tmp_path / "f32.gguf"), tmp_path / "q4_k_m.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(q4).encode(), params) == 0
+    model = fx_engine.load(q4)
+    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)[:48]
+    theirs = llama_cpp_logits(dequantized_copy(q4, tmp_path / "deq.gguf"), ids, tmp_path / "l.npy")
+    np.testing.assert_allclose(np.asarray(fx_engine.logits(model, ids)), theirs, rtol=0,
+                               atol=1e-3 * np.abs(theirs).max())
