@@ -145,7 +145,8 @@ class Linear:
     # tensor-parallel shard: (name, rows kept, first row kept, the module's rows)), set by
     # `checkpoint.read_linear` and kept through fusion and re-representation, so adapters
     # trained on the checkpoint's modules find their rows (core/adapters.py). () when the
-    # weight was transformed (scaled, sliced): no adapter may target it.
+    # weight was transformed (scaled, sliced): no adapter may target it; a name "<module>
+    # (why)" refuses the module's adapters with that reason.
     origin: tuple = static_field(default=())
     # Per-row low-rank adapters bound for one step (`adapters.with_adapters`); None: none.
     lora: "LoraBinding | None" = None

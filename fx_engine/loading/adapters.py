@@ -299,7 +299,10 @@ def map_adapter(params: Any, raw: RawAdapter, num_layers: int | None = None
                 and params.lm_head.shard is not None:
             raise AdapterError(f"{raw.path}: module '{mod}': adapters on a vocabulary-sharded output "
                                "head (tensor parallelism) are not supported")
-        if hit is None:
+        if hit is None:  # (a linear kept apart by name: "<module> (why)", `nn.Linear.origin`)
+            why = next((n[len(mod) + 2 : -1] for n in where if n.startswith(mod + " (")), None)
+            if why:
+                raise AdapterError(f"{raw.path}: module '{mod}' cannot be adapted: {why}")
             close = difflib.get_close_matches(mod, list(where), n=2)
             raise AdapterError(f"{raw.path}: module '{mod}' is not a linear of this model{base}"
                                + (f"; close: {', '.join(close)}" if close else ""))

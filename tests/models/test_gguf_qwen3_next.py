@@ -10,6 +10,7 @@ MTP module qwen35 files carry (blk.{N}.nextn.*, and llama.cpp's MTP-only files) 
 the folder's does."""
 
 import importlib.util
+import json
 
 import mlx.core as mx
 import numpy as np
@@ -140,3 +141,30 @@ def test_llama_cpp_k_quants(tmp_path, model_type):
     theirs = llama_cpp_logits(dequantized_copy(q4, tmp_path / "deq.gguf"), ids, tmp_path / "l.npy")
     np.testing.assert_allclose(np.asarray(fx_engine.logits(model, ids)), theirs, rtol=0,
                                atol=1e-3 * np.abs(theirs).max())
+
+
+def test_adapters_on_a_tiled_file(tmp_path):
+    """An adapter (mlx-lm's format) on a qwen35 file: on the attention projections it applies;
+    on a DeltaNet out_proj, whose columns the file keeps in llama.cpp's tiled order (an
+    adapter's A factor reads the checkpoint's), it is refused by name, never applied to the
+    wrong columns."""
+    from fx_engine.loading.adapters import AdapterError
+
+    folder = write_tiny_model(tmp_path / "m", "qwen3_5_text", seed=3)
+    model = fx_engine.load(write_qwen3_next_gguf(folder, tmp_path / "m.gguf"))
+
+    def adapter(out, key, fan_in, fan_out, layer):
+        out.mkdir()
+        base = f"model.layers.{layer}.{key}"
+        mx.save_safetensors(str(out / "adapters.safetensors"), {
+            base + ".lora_a": 0.3 * mx.random.normal((fan_in, 4), key=mx.random.key(1)),
+            base + ".lora_b": 0.3 * mx.random.normal((4, fan_out), key=mx.random.key(2))})
+        (out / "adapter_config.json").write_text(json.dumps({
+            "fine_tune_type": "lora", "num_layers": 4,
+            "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0, "keys": [key]}}))
+        return out
+
+    fx_engine.load_adapter(model, adapter(tmp_path / "q", "self_attn.o_proj", 64, 64, 3), name="q")
+    assert np.abs(np.asarray(fx_engine.logits(model, IDS, adapter="q")) - _logits(model)).max() > 1e-3
+    with pytest.raises(AdapterError, match="out_proj' cannot be adapted: its columns are in llama.cpp's tiled"):
+        fx_engine.load_adapter(model, adapter(tmp_path / "o", "linear_attn.out_proj", 64, 64, 0), name="o")

@@ -314,6 +314,10 @@ def _delta_net(cfg: Qwen3NextConfig, rd: Reader, a: str, sizes: dict[str, Any]) 
         f["ba"] = _qwen3_5_ba(cfg, a, rd)
     decay = (-src.get(a + "decay", (nv,), where).astype(mx.float32) if src.has(a + "decay")
              else mx.exp(src.get(a + "A_log", (nv,), where).astype(mx.float32)))
+    if cfg.lin_out_tiled:  # an adapter's A factor reads the checkpoint's column order: refused by name
+        f["out_proj"] = attrs.evolve(f["out_proj"], origin=((
+            a + "out_proj (its columns are in llama.cpp's tiled value-head order, not the order an adapter's "
+                "factors read)", cfg.hidden_size),))
     return DeltaNet(**f, conv_w=conv_weight(src, a + "conv1d.weight", cfg.conv_dim, cfg.conv_kernel, where)
                     .astype(rd.opts.dtype), a=decay)
 
