@@ -298,7 +298,7 @@ def config_from_gguf(md: dict[str, Any], source: str = "GGUF", *, mask_first_pos
     write them): `blk.{N + k}.nextn.*` next to the layer's usual tensors; block_count
     includes them. The two reference choices default as `config_from_hf`'s for the format."""
     arch = md.get("general.architecture")
-    if arch not in ("glm4moe", "deepseek2", *qwen3_next._GGUF_ARCHS):
+    if arch not in ("glm4moe", "deepseek2", *qwen3_next.GGUF_ARCHS):
         raise ConfigError(f"{source}: GGUF architecture {arch!r}: llama.cpp writes no MTP (NextN) tensors "
                           "fx-engine reads for it (glm4moe, deepseek2, qwen35, qwen35moe and qwen3next only)")
     n = mtp_layers_in_gguf(md)
@@ -306,7 +306,7 @@ def config_from_gguf(md: dict[str, Any], source: str = "GGUF", *, mask_first_pos
         raise ConfigError(f"{source}: GGUF metadata '{arch}.nextn_predict_layers' = {n}: the file ships no "
                           "MTP (NextN) layers")
     experts = int(gguf_value(md, arch, "expert_count", source, 0) or 0) > 0
-    if arch in qwen3_next._GGUF_ARCHS:  # one full-attention layer each, routed where the trunk's are
+    if arch in qwen3_next.GGUF_ARCHS:  # one full-attention layer each, routed where the trunk's are
         target = qwen3_next.config_from_gguf(md, source)
         layer = attrs.evolve(target, num_layers=n, linear_layers=(False,) * n, lin_out_tiled=False,
                              moe_layers=(experts and arch != "qwen35",) * n)

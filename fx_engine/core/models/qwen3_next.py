@@ -390,7 +390,7 @@ GGUF_TO_HF = (
     (r"\.ffn_(gate|up|down)_shexp\.", r".mlp.shared_expert.\1_proj."),
 ) + GGUF_COMMON_NAMES
 
-_GGUF_ARCHS = {"qwen3next": "qwen3_next", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
+GGUF_ARCHS = {"qwen3next": "qwen3_next", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
 
 
 def config_from_gguf(md: dict[str, Any], source: str) -> Qwen3NextConfig:
@@ -401,7 +401,7 @@ def config_from_gguf(md: dict[str, Any], source: str) -> Qwen3NextConfig:
     each head as rope.dimension_count, experts as qwen2moe's keys; block_count counts the MTP
     (NextN) layers, which the trunk does not run (`config.trunk_layers`)."""
     arch = md.get("general.architecture")
-    mt = _GGUF_ARCHS[arch]
+    mt = GGUF_ARCHS[arch]
 
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, arch, key, source, default)
@@ -612,5 +612,5 @@ FAMILY = Family(
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,
-    gguf_architectures=tuple(_GGUF_ARCHS), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
+    gguf_architectures=tuple(GGUF_ARCHS), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )
