@@ -305,11 +305,10 @@ def config_from_gguf(md: dict[str, Any], source: str = "GGUF", *, mask_first_pos
     if n < 1:
         raise ConfigError(f"{source}: GGUF metadata '{arch}.nextn_predict_layers' = {n}: the file ships no "
                           "MTP (NextN) layers")
-    experts = int(gguf_value(md, arch, "expert_count", source, 0) or 0) > 0
     if arch in qwen3_next.GGUF_ARCHS:  # one full-attention layer each, routed where the trunk's are
         target = qwen3_next.config_from_gguf(md, source)
         layer = attrs.evolve(target, num_layers=n, linear_layers=(False,) * n, lin_out_tiled=False,
-                             moe_layers=(experts and arch != "qwen35",) * n)
+                             moe_layers=(any(target.moe_layers),) * n)
         return MtpConfig(kind="qwen3_next", num_modules=n, layer=layer, first_layer=target.num_layers,
                          mask_first_position=bool(mask_first_position),
                          chain_normed=True if chain_normed is None else chain_normed)
@@ -317,6 +316,7 @@ def config_from_gguf(md: dict[str, Any], source: str = "GGUF", *, mask_first_pos
     target = moe.config_from_gguf(md, source) if arch == "glm4moe" else deepseek.config_from_gguf(md, source)
     first = target.num_layers
     dense = int(gguf_value(md, arch, "leading_dense_block_count", source, 0) or 0)
+    experts = int(gguf_value(md, arch, "expert_count", source, 0) or 0) > 0
     layer = attrs.evolve(target, num_layers=n, moe_layers=tuple(experts and _routed(first + k, dense, 1)
                                                                 for k in range(n)))
     return MtpConfig(kind="glm4_moe" if arch == "glm4moe" else "deepseek_v3", num_modules=n, layer=layer,
