@@ -6,7 +6,7 @@ from pathlib import Path
 
 from fx_engine.testing.gguf import add_bpe_tokenizer as add_tokenizer
 
-__all__ = ["add_tokenizer", "write_oracle"]
+__all__ = ["add_tokenizer", "dequantized_copy", "llama_cpp_logits", "llama_cpp_tokenize", "write_oracle"]
 
 
 def write_oracle(folder: Path, out: Path, weights: dict) -> Path:
@@ -70,3 +70,34 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
         w.add_tensor(t.name, dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return dst
+
+
+# llama.cpp runs in its own process: loading it next to MLX, MKL and the native kernels in
+# one process crashed (a segmentation fault in llama_model_load, seen once in the full suite)
+_LLAMA_CPP_TOKENIZE = r"""
+import json, sys
+import llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
+texts, add_bos = json.loads(sys.stdin.read()), sys.argv[2] == "1"
+print(json.dumps([llm.tokenize(t.encode(), add_bos=add_bos, special=True) for t in texts]))
+llm.close()
+"""
+
+
+def llama_cpp_tokenize(path: Path, texts: list, add_bos: bool) -> list:
+    """llama.cpp's token ids of `texts` by the GGUF vocabulary at `path` (special tokens
+    parsed), by llama-cpp-python in its own process; skips the test where it is not
+    installed (an optional peer, not in CI)."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    import pytest
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python (an optional peer) is not installed")
+    r = subprocess.run([sys.executable, "-c", _LLAMA_CPP_TOKENIZE, str(path), "1" if add_bos else "0"],
+                       input=json.dumps(texts), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])

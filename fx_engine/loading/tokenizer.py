@@ -22,80 +22,21 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from fx_engine.loading import chat_template as _chat
+from fx_engine.loading.pretokenizers import GGUF_PRE_TOKENIZERS, PreTokenizerSpec, pre_tokenizer
 
-__all__ = ["StreamingDetokenizer", "Tokenizer", "GGUF_PRE_TOKENIZERS"]
+__all__ = ["StreamingDetokenizer", "Tokenizer", "GGUF_PRE_TOKENIZERS", "gguf_pre_tokenizer"]
 
 # llama.cpp's token types (gguf `tokenizer.ggml.token_type`).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
 _REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode yields for incomplete/invalid bytes
 _SPM_SPACE = "\u2581"  # SentencePiece's visible space "▁"
-
-
-# --------------------------------------------------------------------------------------------
-# Pre-tokenizers for byte-level BPE vocabularies, keyed by `tokenizer.ggml.pre`
-# --------------------------------------------------------------------------------------------
-
-# Llama-3's split (also used by several derived vocabularies, see GGUF_PRE_TOKENIZERS).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Qwen2's split: like Llama-3's but one digit per piece.
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _gpt2_pre() -> pre_tokenizers.PreTokenizer:
-    # ByteLevel(use_regex=True) applies exactly GPT-2's split regex before mapping bytes.
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-def _digits_then_gpt2_pre() -> pre_tokenizers.PreTokenizer:
-    # StarCoder/SmolLM: every digit is its own piece first (llama.cpp's `\p{N}` split; the
-    # original tokenizer.json has Digits(individual_digits=True)), then GPT-2's regex.
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    )
-
-
-def _regex_then_bytes(pattern: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
-    def build() -> pre_tokenizers.PreTokenizer:
-        # Split with the vocabulary's own regex, then only map bytes (no second GPT-2 split).
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-
-    return build
-
-
-# name -> (pre-tokenizer builder, ignore_merges, add_bos default when the file does not say).
-# ignore_merges/add_bos follow llama.cpp (llama-vocab.cpp) and Llama-3's tokenizer.json: a whole
-# pre-token found in the vocabulary is used as is, and Llama-3 prepends <|begin_of_text|>.
-GGUF_PRE_TOKENIZERS: dict[str, tuple[Callable[[], pre_tokenizers.PreTokenizer], bool, bool]] = {
-    "default": (_gpt2_pre, False, False),
-    "gpt2": (_gpt2_pre, False, False),
-    "smollm": (_digits_then_gpt2_pre, False, False),
-    "starcoder": (_digits_then_gpt2_pre, False, False),
-    "refact": (_digits_then_gpt2_pre, False, False),
-    "llama-bpe": (_regex_then_bytes(_LLAMA3_SPLIT), True, True),
-    "llama3": (_regex_then_bytes(_LLAMA3_SPLIT), True, True),
-    "llama-v3": (_regex_then_bytes(_LLAMA3_SPLIT), True, True),
-    "falcon3": (_regex_then_bytes(_LLAMA3_SPLIT), True, True),
-    "qwen2": (_regex_then_bytes(_QWEN2_SPLIT), False, False),
-    "deepseek-r1-qwen": (_regex_then_bytes(_QWEN2_SPLIT), False, False),
-}
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,14 +170,18 @@ def _added_tokens_from_types(tokens: list[str], token_types: list[int], special_
     return special, user
 
 
-def _build_byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], token_types: list[int], source: str) -> tuple[HFTokenizer, bool]:
-    """GGUF `gpt2` model: GPT-2 style byte-level BPE. Returns (backend, default add_bos)."""
+def gguf_pre_tokenizer(metadata: Mapping[str, Any], source: str) -> PreTokenizerSpec:
+    """The file's `tokenizer.ggml.pre` (llama.cpp's default where it has none), or a
+    ValueError naming it and the names this reads (loading/pretokenizers.py)."""
     pre = _meta(metadata, "tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE_TOKENIZERS:
-        raise ValueError(
-            f"{source}: unsupported tokenizer.ggml.pre = {pre!r}; supported: {sorted(GGUF_PRE_TOKENIZERS)}"
-        )
-    build_pre, ignore_merges, default_add_bos = GGUF_PRE_TOKENIZERS[pre]
+        raise ValueError(f"{source}: unsupported tokenizer.ggml.pre = {pre!r}; supported: {sorted(GGUF_PRE_TOKENIZERS)}")
+    return GGUF_PRE_TOKENIZERS[pre]
+
+
+def _build_byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], token_types: list[int], source: str) -> tuple[HFTokenizer, bool]:
+    """GGUF `gpt2` model: GPT-2 style byte-level BPE. Returns (backend, default add_bos)."""
+    spec = gguf_pre_tokenizer(metadata, source)
     raw_merges = _meta(metadata, "tokenizer.ggml.merges")
     if raw_merges is None:
         raise ValueError(f"{source}: GGUF byte-level BPE vocabulary has no tokenizer.ggml.merges")
@@ -244,19 +189,19 @@ def _build_byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], token_
         model = models.BPE(
             vocab=_first_index_vocab(tokens),
             merges=_parse_merges(raw_merges, source),
-            ignore_merges=ignore_merges,
+            ignore_merges=spec.ignore_merges,
             fuse_unk=False,
             byte_fallback=False,
         )
     except Exception as e:  # the Rust side reports merges naming unknown tokens this way
         raise ValueError(f"{source}: inconsistent vocabulary/merges: {e}") from e
     backend = HFTokenizer(model)
-    backend.pre_tokenizer = build_pre()
+    backend.pre_tokenizer = pre_tokenizer(spec)
     backend.decoder = decoders.ByteLevel()
     special, user = _added_tokens_from_types(tokens, token_types, {TOKEN_CONTROL})
     backend.add_special_tokens(special)
     backend.add_tokens(user)
-    return backend, default_add_bos
+    return backend, spec.add_bos
 
 
 def _merges_from_scores(tokens: list[str], scores: list[float], token_types: list[int]) -> list[tuple[str, str]]:

@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fx_engine.loading.tokenizer import StreamingDetokenizer, Tokenizer
+from tests.gguf_tokenizer import llama_cpp_tokenize
 
 pytestmark = pytest.mark.oracle
 
@@ -731,30 +732,6 @@ LLAMA_CPP_TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnewlines  ", "N
                    "Ünïcödé 🙂 中文テキスト", "def f(x):\n    return x**2  # comment", "<|im_start|>user\nHi<|im_end|>",
                    "don't won't I'm they're", "a" * 50 + " " + "ab" * 20]
 
-# llama.cpp runs in its own process: loading it next to MLX, MKL and the native kernels in
-# one process crashed (a segmentation fault in llama_model_load, seen once in the full suite)
-_LLAMA_CPP_TOKENIZE = r"""
-import json, sys
-import llama_cpp
-llm = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
-texts, add_bos = json.loads(sys.stdin.read()), sys.argv[2] == "1"
-print(json.dumps([llm.tokenize(t.encode(), add_bos=add_bos, special=True) for t in texts]))
-llm.close()
-"""
-
-
-def _llama_cpp_tokenize(path: Path, texts: list[str], add_bos: bool) -> list[list[int]]:
-    import subprocess
-    import sys
-
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python (an optional peer) is not installed")
-    r = subprocess.run([sys.executable, "-c", _LLAMA_CPP_TOKENIZE, str(path), "1" if add_bos else "0"],
-                       input=json.dumps(texts), capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def _random_texts(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     alphabet = list("thequick brownfox12 3.,!?'\n\tüé日🙂<>|_")
@@ -765,7 +742,7 @@ def test_gguf_byte_level_bpe_matches_llama_cpp(gguf_path, tok) -> None:
     """The default model's GGUF vocabulary (llama.cpp's `smollm` byte-level BPE) encodes as
     llama.cpp's own tokenizer does, special tokens included (fixed texts and 300 random)."""
     texts = LLAMA_CPP_TEXTS + _random_texts(300)
-    want = _llama_cpp_tokenize(gguf_path, texts, add_bos=False)
+    want = llama_cpp_tokenize(gguf_path, texts, add_bos=False)
     for text, ids in zip(texts, want):
         assert tok.encode(text, add_special_tokens=False) == ids, text
 
@@ -792,5 +769,5 @@ def test_gguf_sentencepiece_matches_llama_cpp(spm_pair, tmp_path) -> None:
     w.add_unk_token_id(sp.unk_id())
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     texts = ["the quick brown fox", " café naïve über ", "hello\nworld  <think> dog", "日🤗 byte fallback"]
-    for text, ids in zip(texts, _llama_cpp_tokenize(tmp_path / "spm.gguf", texts, add_bos=True)):
+    for text, ids in zip(texts, llama_cpp_tokenize(tmp_path / "spm.gguf", texts, add_bos=True)):
         assert tok.encode(text) == ids, text
