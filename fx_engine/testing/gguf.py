@@ -3,7 +3,8 @@ writes GGUF files, for tests that read GGUF against the folder they came from (n
 `gguf` package, llama.cpp's gguf-py).
 
 `add_bpe_tokenizer`: a folder's byte-level BPE tokenizer as GGUF metadata ("gpt2" model:
-tokens by id, merges, control tokens = tokenizer.json's added tokens). `write_gemma_gguf`:
+tokens by id, merges, control tokens = tokenizer.json's added tokens; the tiny folders'
+GPT-2 split as the converter names it, "gpt-2"). `write_gemma_gguf`:
 a Gemma 2 / Gemma 3 text model (a text-only folder, or a Gemma 3 multimodal folder's
 text_config and language_model.* tensors) as llama.cpp's Gemma2Model / Gemma3Model writes
 it: its gemma2.* / gemma3.* keys (Gemma 2's soft-capping values), tensor names, every norm
@@ -18,7 +19,8 @@ rope.dimension_sections; fx-engine does not read those architectures yet: the te
 need them skip until it does).
 `write_qwen3_next_gguf`: a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE folder (the text model, or a
 Qwen3.5 multimodal wrapper's; its MTP module) as convert_hf_to_gguf.py's Qwen3NextModel /
-Qwen3_5TextModel / Qwen3_5MoeTextModel write it (see its docstring).
+Qwen3_5TextModel / Qwen3_5MoeTextModel write it (see its docstring). `write_lfm2_gguf`: an
+LFM2 folder as its LFM2Model writes it.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["add_bpe_tokenizer", "write_gemma_gguf", "write_llama_gguf", "write_qwen2vl_gguf", "write_qwen3_next_gguf",
-           "write_qwen3vl_gguf"]
+__all__ = ["add_bpe_tokenizer", "write_gemma_gguf", "write_lfm2_gguf", "write_llama_gguf", "write_qwen2vl_gguf",
+           "write_qwen3_next_gguf", "write_qwen3vl_gguf"]
 
 _GEMMA_NAMES = (
     (r"^(language_model\.)?model\.embed_tokens\.", "token_embd."), (r"^(language_model\.)?model\.norm\.", "output_norm."),
@@ -51,6 +53,7 @@ def add_bpe_tokenizer(writer: Any, folder: str | Path, eos_id: int) -> None:
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     specials = {t["content"] for t in tok["added_tokens"]}
     writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_string("tokenizer.ggml.pre", "gpt-2")
     writer.add_array("tokenizer.ggml.tokens", [t for t, _ in vocab])
     writer.add_array("tokenizer.ggml.token_type", [3 if t in specials else 1 for t, _ in vocab])
     writer.add_array("tokenizer.ggml.merges",
@@ -349,5 +352,46 @@ def write_qwen3_next_gguf(folder: str | Path, out: str | Path, *, q8: Any = None
         i, proj = key.split(".")
         add(f"model.layers.{i}.mlp.experts.{proj}", f"blk.{i}.ffn_{proj.split('_')[0]}_exps.weight",
             np.stack([stack[j] for j in sorted(stack)]))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return out
+
+
+def write_lfm2_gguf(folder: str | Path, out: str | Path, *, q8: Any = None) -> Path:
+    """An LFM2 folder as convert_hf_to_gguf.py's LFM2Model writes it (architecture lfm2):
+    attention.head_count_kv per layer (0 on the convolution layers), shortconv.l_cache,
+    feed_forward_length as the MLP's real width, gguf-py's tensor names (its map calls the
+    final norm token_embd_norm), the conv weight squeezed to [C, K], nothing permuted.
+    q8(hf_name, array) -> True: that matrix as Q8_0 (gguf-py's reference quantizer)."""
+    import gguf
+    from gguf.quants import quantize
+
+    folder, out = Path(folder), Path(out)
+    cfg = json.loads((folder / "config.json").read_text())
+    n, hid = cfg["num_hidden_layers"], cfg["hidden_size"]
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update({k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(f)).items()})
+    attn = cfg.get("full_attn_idxs") or [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, n)
+    w = gguf.GGUFWriter(str(out), "lfm2")
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", hid),
+                       ("block_count", n), ("feed_forward_length", tensors["model.layers.0.feed_forward.w1.weight"].shape[0]),
+                       ("attention.head_count", cfg["num_attention_heads"]), ("vocab_size", cfg["vocab_size"]),
+                       ("shortconv.l_cache", cfg["conv_L_cache"])):
+        w.add_uint32(f"lfm2.{key}", value)
+    w.add_array("lfm2.attention.head_count_kv", [cfg["num_key_value_heads"] if i in attn else 0 for i in range(n)])
+    w.add_float32("lfm2.attention.layer_norm_rms_epsilon", float(cfg["norm_eps"]))
+    w.add_float32("lfm2.rope.freq_base", float(cfg.get("rope_theta", 1_000_000.0)))
+    _add_tokenizer(w, folder, cfg["eos_token_id"], cfg.get("bos_token_id"))
+    for name, x in sorted(tensors.items()):
+        if name.endswith("conv.conv.weight"):
+            x = x.reshape(x.shape[0], -1)  # LFM2Model.modify_tensors: squeeze(1)
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise ValueError(f"no llama.cpp name for {name}")
+        if q8 is not None and x.ndim == 2 and x.shape[-1] % 32 == 0 and q8(name, x):
+            w.add_tensor(target, quantize(x, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(target, np.ascontiguousarray(x))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return out

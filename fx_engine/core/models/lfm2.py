@@ -27,9 +27,10 @@ import mlx.core as mx
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, recurrent_entry
 import fx_engine.core.models.llama as llama
-from fx_engine.core.checkpoint import (Embedding, Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec,
-                                       read_tensors)
-from fx_engine.core.config import BOOL, FLOAT, INT, ConfigError, Field, Same, listed_eos, read_fields
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Reader, TensorSource,
+                                       TensorSpec, Vec, WeightsError, read_tensors, renamed)
+from fx_engine.core.config import (BOOL, FLOAT, INT, ConfigError, Field, Same, gguf_hf_config, gguf_value, listed_eos,
+                                   read_fields)
 from fx_engine.core.models.blocks import HF_LAYER, QKV, attention_sizes, decoder_layer, swiglu_mlp
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LayerParams, LlamaConfig
@@ -250,6 +251,52 @@ def checkpoint_layout(cfg: Lfm2Config) -> dict[str, TensorSpec]:
     return out
 
 
+# llama.cpp's names (convert_hf_to_gguf.py's LFM2Model, gguf-py's TensorNameMap) -> Hugging
+# Face's: the final norm as token_embd_norm (older converters) or output_norm, the conv
+# weight squeezed to [C, K] (`conv_weight` reads it), nothing permuted (NEOX RoPE)
+GGUF_TO_HF = (
+    (r"^(token_embd_norm|output_norm)\.", "model.embedding_norm."), (r"\.attn_norm\.", ".operator_norm."),
+    (r"\.shortconv\.(conv|in_proj|out_proj)\.", r".conv.\1."), (r"\.attn_output\.", ".self_attn.out_proj."),
+    (r"\.attn_q_norm\.", ".self_attn.q_layernorm."), (r"\.attn_k_norm\.", ".self_attn.k_layernorm."),
+    (r"\.ffn_gate\.", ".feed_forward.w1."), (r"\.ffn_up\.", ".feed_forward.w3."), (r"\.ffn_down\.", ".feed_forward.w2."),
+) + GGUF_COMMON_NAMES
+
+
+def config_from_gguf(md: dict[str, Any], source: str) -> Lfm2Config:
+    """LFM2 from llama.cpp's lfm2 metadata: attention.head_count_kv per layer (0 on the
+    convolution layers, the KV heads on the attention ones), shortconv.l_cache, and
+    feed_forward_length as the MLP's width already adjusted."""
+    kv = md.get("lfm2.attention.head_count_kv")
+    per_layer = [int(x) for x in (kv.tolist() if hasattr(kv, "tolist") else kv)] if kv is not None else None
+    if not isinstance(per_layer, list):
+        raise ConfigError(f"{source}: GGUF metadata 'lfm2.attention.head_count_kv' must list each layer's KV heads "
+                          "(0 on convolution layers)")
+    heads = {x for x in per_layer if x}
+    if len(heads) != 1:
+        raise ConfigError(f"{source}: lfm2.attention.head_count_kv {per_layer}: expected one KV head count on the "
+                          "attention layers and 0 on the others")
+    d = gguf_hf_config({k: v for k, v in md.items() if k != "lfm2.attention.head_count_kv"}, "lfm2", source, "lfm2",
+                       rope_theta=1_000_000.0, context=128000)
+    if len(per_layer) != d["num_hidden_layers"]:
+        raise ConfigError(f"{source}: lfm2.attention.head_count_kv has {len(per_layer)} entries for "
+                          f"{d['num_hidden_layers']} layers")
+    ff = d.pop("intermediate_size")
+    d.update(num_key_value_heads=heads.pop(), norm_eps=d.pop("rms_norm_eps"), block_ff_dim=ff,
+             block_auto_adjust_ff_dim=False, conv_L_cache=int(gguf_value(md, "lfm2", "shortconv.l_cache", source)),
+             full_attn_idxs=[i for i, x in enumerate(per_layer) if x])
+    return config_from_hf(d, source)
+
+
+def assemble_gguf(cfg: Lfm2Config, src: TensorSource, opts: LoadOptions) -> Lfm2Params:
+    src = renamed(src, GGUF_TO_HF)
+    conv = next((i for i, c in enumerate(cfg.conv_layers) if c), None)  # (the metadata has no conv_bias key)
+    cfg = attrs.evolve(cfg, conv_bias=conv is not None and src.has(f"model.layers.{conv}.conv.in_proj.bias"))
+    if src.has("lm_head.weight"):  # LFM2's head is the embedding; a separate one would go unread
+        raise WeightsError(f"{src.origin['lm_head.weight']}: an LFM2 file with its own output head: fx-engine's "
+                           "LFM2 ties the head to the embedding")
+    return assemble(cfg, src, opts)
+
+
 def layer_range(p: Lfm2Params, start: int, end: int) -> Lfm2Params:
     return cut_layers(p, start, end, per_layer=("conv_layers",))
 
@@ -293,6 +340,7 @@ FAMILY = Family(
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,
+    gguf_architectures=("lfm2",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )
 
 __all__ = ["FAMILY", "Lfm2Config", "Lfm2Params", "ConvLayer", "short_conv"]

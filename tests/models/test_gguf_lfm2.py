@@ -1,0 +1,91 @@
+"""LFM2 GGUF files (llama.cpp's lfm2), as its converter writes them
+(`fx_engine.testing.gguf.write_lfm2_gguf`, after convert_hf_to_gguf.py's LFM2Model; tensor
+names from gguf-py's own TensorNameMap): fx-engine's logits from the file equal its logits
+from the Hugging Face folder the file was written from (that path is checked against
+mlx-lm in test_family_configs), Q8_0 matrices included; and, where llama-cpp-python is
+installed, llama.cpp's own logits from the same file (the independent check of the layout
+llama.cpp reads: per-layer KV heads, the squeezed conv weight, the final norm's name)."""
+
+import importlib.util
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import fx_engine
+from fx_engine.core.config import ConfigError
+from fx_engine.testing import write_tiny_model
+from tests.gguf_tokenizer import llama_cpp_logits
+
+gguf = pytest.importorskip("gguf")
+
+from fx_engine.testing.gguf import write_lfm2_gguf  # noqa: E402
+
+IDS = list(range(5, 69))
+
+
+def _logits(model, ids=IDS):
+    return np.asarray(fx_engine.logits(model, ids, chunk=16))
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # conv, attention, conv, conv
+    {"layer_types": ["full_attention", "conv", "conv", "full_attention"], "conv_L_cache": 4, "num_key_value_heads": 4},
+    {"conv_bias": True},
+])
+def test_gguf_logits_equal_the_folders(tmp_path, overrides):
+    folder = write_tiny_model(tmp_path / "m", "lfm2", seed=3, **overrides)
+    model = fx_engine.load(write_lfm2_gguf(folder, tmp_path / "m.gguf"))
+    ref = fx_engine.load(folder)
+    cfg = model.config
+    assert cfg.model_type == "lfm2" and cfg.conv_layers == ref.config.conv_layers
+    assert (cfg.conv_kernel, cfg.num_kv_heads, cfg.intermediate_size) == (
+        ref.config.conv_kernel, ref.config.num_kv_heads, ref.config.intermediate_size)
+    np.testing.assert_allclose(_logits(model), _logits(ref), rtol=0, atol=2e-5)
+
+
+def test_q8_0_matrices(tmp_path):
+    """Every projection Q8_0: the logits of the folder holding the same values, dequantized."""
+    from gguf.quants import dequantize, quantize
+
+    folder = write_tiny_model(tmp_path / "m", "lfm2", seed=5)
+    chosen = lambda name, x: ".layers." in name and "norm" not in name and "conv.conv" not in name  # noqa: E731
+    model = fx_engine.load(write_lfm2_gguf(folder, tmp_path / "m.gguf", q8=chosen))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    weights = dict(mx.load(str(folder / "model.safetensors")))
+    for name, w in weights.items():
+        x = np.asarray(w.astype(mx.float32))
+        if x.ndim == 2 and x.shape[-1] % 32 == 0 and chosen(name, x):
+            weights[name] = mx.array(dequantize(quantize(x, q8), q8).reshape(x.shape))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    np.testing.assert_allclose(_logits(model), _logits(fx_engine.load(folder)), rtol=0, atol=2e-5)
+
+
+def test_refusals(tmp_path):
+    from fx_engine.core.models import lfm2
+    from fx_engine.loading.gguf import read_gguf_metadata
+
+    folder = write_tiny_model(tmp_path / "m", "lfm2", seed=3)
+    md = read_gguf_metadata(write_lfm2_gguf(folder, tmp_path / "m.gguf"))
+    kv = "lfm2.attention.head_count_kv"
+    for value, match in ((None, "must list each layer"), (mx.array([0, 2, 0]), "3 entries for 4 layers"),
+                         (mx.array([0, 2, 0, 1]), "one KV head count"), (mx.array([0, 0, 0, 0]), "one KV head count")):
+        bad = {k: v for k, v in md.items() if k != kv} if value is None else {**md, kv: value}
+        with pytest.raises(ConfigError, match=match):
+            lfm2.config_from_gguf(bad, "x.gguf")
+    with pytest.raises(ConfigError, match="shortconv.l_cache"):
+        lfm2.config_from_gguf({k: v for k, v in md.items() if k != "lfm2.shortconv.l_cache"}, "x.gguf")
+
+
+@pytest.mark.parametrize("overrides", [{}, {"layer_types": ["full_attention", "conv", "conv", "full_attention"]}])
+def test_llama_cpp_logits(tmp_path, overrides):
+    """llama.cpp reads the same file to the same logits (its NEOX RoPE on unpermuted q/k, the
+    short convolution's state, the norm after the last layer)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python (an optional peer) is not installed")
+    folder = write_tiny_model(tmp_path / "m", "lfm2", seed=3, **overrides)
+    path = write_lfm2_gguf(folder, tmp_path / "m.gguf")
+    model = fx_engine.load(path)
+    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)[:48]
+    theirs, ours = llama_cpp_logits(path, ids, tmp_path / "l.npy"), np.asarray(fx_engine.logits(model, ids))
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3 * np.abs(theirs).max())
