@@ -20,7 +20,8 @@ need them skip until it does).
 `write_qwen3_next_gguf`: a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE folder (the text model, or a
 Qwen3.5 multimodal wrapper's; its MTP module) as convert_hf_to_gguf.py's Qwen3NextModel /
 Qwen3_5TextModel / Qwen3_5MoeTextModel write it (see its docstring). `write_lfm2_gguf`: an
-LFM2 folder as its LFM2Model writes it.
+LFM2 folder as its LFM2Model writes it; `write_granite_hybrid_gguf`: a Granite 4.0 hybrid
+folder as its GraniteHybridModel writes it (the Mamba-2 mixers as its Mamba2Model does).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["add_bpe_tokenizer", "write_gemma_gguf", "write_lfm2_gguf", "write_llama_gguf", "write_qwen2vl_gguf",
-           "write_qwen3_next_gguf", "write_qwen3vl_gguf"]
+__all__ = ["add_bpe_tokenizer", "write_gemma_gguf", "write_granite_hybrid_gguf", "write_lfm2_gguf", "write_llama_gguf",
+           "write_qwen2vl_gguf", "write_qwen3_next_gguf", "write_qwen3vl_gguf"]
 
 _GEMMA_NAMES = (
     (r"^(language_model\.)?model\.embed_tokens\.", "token_embd."), (r"^(language_model\.)?model\.norm\.", "output_norm."),
@@ -393,5 +394,101 @@ def write_lfm2_gguf(folder: str | Path, out: str | Path, *, q8: Any = None) -> P
             w.add_tensor(target, quantize(x, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(target, np.ascontiguousarray(x))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return out
+
+
+def _mamba2_tensor(name: str, x: np.ndarray, groups: int) -> tuple[str, np.ndarray]:
+    """A Mamba-2 mixer tensor as Mamba2Model.modify_tensors writes it (its HF name for the
+    name map): dt_bias as dt_proj.bias, -exp(A_log) and D as [H, 1], the conv weight
+    squeezed, the gated norm's weight as [groups, inner / groups]."""
+    if name.endswith(".dt_bias"):
+        return name[: -len("dt_bias")] + "dt_proj.bias", x
+    if name.endswith(".A_log"):
+        return name, -np.exp(x).reshape(-1, 1)
+    if name.endswith(".D"):
+        return name, x.reshape(-1, 1)
+    if name.endswith("conv1d.weight"):
+        return name, x.reshape(x.shape[0], -1)
+    if name.endswith("norm.weight") and (".mamba." in name or ".mixer." in name):
+        return name, x.reshape(groups, -1)
+    return name, x
+
+
+def write_granite_hybrid_gguf(folder: str | Path, out: str | Path, *, q8: Any = None) -> Path:
+    """A Granite 4.0 hybrid folder as convert_hf_to_gguf.py's GraniteHybridModel writes it
+    (architecture granitehybrid): attention.head_count_kv per layer (0 on Mamba-2 layers),
+    Granite's multipliers as attention.scale / embedding_scale / residual_scale /
+    logit_scale, the mixers' ssm.* sizes (time_step_rank: the mixer's heads), the q/k rows
+    permuted (LlamaModel.permute), the experts' fused input_linear split into gate / up
+    stacks, the shared MLP's input split (ffn_*_shexp, or ffn_* without experts), the mixers'
+    tensors as Mamba2Model writes them. rope.scaling.finetuned says whether attention
+    rotates: the converter sets it for Bamba checkpoints (Granite 4.0's hybrids run without
+    RoPE); here it follows the folder's position_embedding_type, which agrees for those.
+    q8(hf_name, array) -> True: that matrix (or expert stack) as Q8_0."""
+    import gguf
+    from gguf.quants import quantize
+
+    folder, out = Path(folder), Path(out)
+    cfg = json.loads((folder / "config.json").read_text())
+    n, hid = cfg["num_hidden_layers"], cfg["hidden_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    attn = [i for i, t in enumerate(cfg["layer_types"]) if t == "attention"]
+    experts = cfg.get("num_local_experts") or 0
+    rope = cfg.get("position_embedding_type", "rope") == "rope"
+    inner = cfg["mamba_n_heads"] * cfg["mamba_d_head"]
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update({k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(f)).items()})
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GRANITE_HYBRID, n)
+    w = gguf.GGUFWriter(str(out), "granitehybrid")
+    for key, value in (("context_length", cfg["max_position_embeddings"] if rope else 2**20),
+                       ("embedding_length", hid), ("block_count", n), ("feed_forward_length", cfg["intermediate_size"]),
+                       ("attention.head_count", heads), ("vocab_size", cfg["vocab_size"]),
+                       ("expert_count", experts), ("expert_used_count", cfg.get("num_experts_per_tok", 0) if experts else 0),
+                       ("expert_shared_feed_forward_length", cfg.get("shared_intermediate_size", 0)),
+                       ("ssm.conv_kernel", cfg["mamba_d_conv"]), ("ssm.state_size", cfg["mamba_d_state"]),
+                       ("ssm.group_count", cfg["mamba_n_groups"]), ("ssm.inner_size", inner),
+                       ("ssm.time_step_rank", cfg["mamba_n_heads"])):
+        w.add_uint32(f"granitehybrid.{key}", value)
+    w.add_array("granitehybrid.attention.head_count_kv", [kv if i in attn else 0 for i in range(n)])
+    for key, field in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                       ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling"),
+                       ("attention.layer_norm_rms_epsilon", "rms_norm_eps"), ("rope.freq_base", "rope_theta")):
+        w.add_float32(f"granitehybrid.{key}", float(cfg[field]))
+    w.add_bool("granitehybrid.rope.scaling.finetuned", rope)
+    _add_tokenizer(w, folder, cfg["eos_token_id"], cfg.get("bos_token_id"))
+
+    def add(name: str, target: str, x: np.ndarray) -> None:
+        if q8 is not None and x.ndim in (2, 3) and x.shape[-1] % 32 == 0 and q8(name, x):
+            w.add_tensor(target, quantize(x, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(target, np.ascontiguousarray(x))
+
+    for name, x in sorted(tensors.items()):
+        bid = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        blk = f"blk.{bid}"
+        if name.endswith("block_sparse_moe.input_linear.weight"):  # GraniteMoeModel: [E, 2F, H] -> gate, up
+            f = x.shape[1] // 2
+            add(name, f"{blk}.ffn_gate_exps.weight", x[:, :f])
+            add(name, f"{blk}.ffn_up_exps.weight", x[:, f:])
+            continue
+        if name.endswith("shared_mlp.input_linear.weight"):
+            f, kind = x.shape[0] // 2, "shexp" if experts else ""
+            add(name, f"{blk}.ffn_gate{'_' + kind if kind else ''}.weight", x[:f])
+            add(name, f"{blk}.ffn_up{'_' + kind if kind else ''}.weight", x[f:])
+            continue
+        if name.endswith("shared_mlp.output_linear.weight") and not experts:
+            add(name, f"{blk}.ffn_down.weight", x)
+            continue
+        if name.endswith("self_attn.q_proj.weight"):
+            x = _llama_permute(x, heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            x = _llama_permute(x, kv)
+        name, x = _mamba2_tensor(name, x, cfg["mamba_n_groups"])
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise ValueError(f"no llama.cpp name for {name}")
+        add(name, target, x)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return out

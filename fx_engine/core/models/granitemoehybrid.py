@@ -15,15 +15,17 @@ import attrs
 import mlx.core as mx
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
-from fx_engine.core.checkpoint import (Embedding, Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec,
-                                       read_experts, read_tensors)
-from fx_engine.core.config import BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, Same, listed_eos, read_fields
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Reader, TensorSource,
+                                       TensorSpec, Vec, read_experts, read_tensors, renamed)
+from fx_engine.core.config import (BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, Same, gguf_hf_config, gguf_value,
+                                   listed_eos, read_fields)
 from fx_engine.core.models.blocks import (GATE_UP, HF_LAYER, QKV, STACKED_EXPERT_NAMES, Attention, DenseMlp, Experts,
                                           attention_sizes, expert_stacks, mixture, rope_in, self_attention, swiglu_mlp)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.moe import MoEConfig
 from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, embedded_scaled, stage_logits
-from fx_engine.core.models.ssm import MixerDims, mixer, mixer_layout, read_mixer
+from fx_engine.core.models.llama import unpermuted_qk
+from fx_engine.core.models.ssm import MixerDims, gguf_mixer_names, gguf_mixer_source, mixer, mixer_layout, read_mixer
 from fx_engine.core.nn import Linear, linear, rms_norm
 from fx_engine.core.splits import head_range, split_attention, split_experts, split_head, split_mixer, split_mlp
 
@@ -160,10 +162,14 @@ DENSE = (
     Lin("down", "mlp.down_proj", "hidden_size", "intermediate_size", bias="mlp_bias", when="gate_up_apart"),
 )
 SHARED = (
-    Lin("shared_gate_up", "shared_mlp.input_linear", "shared_gate_up_width", "hidden_size",
-        when="shared_expert_intermediate_size"),
+    Lin("shared_gate_up", "shared_mlp.input_linear", "shared_gate_up_width", "hidden_size", when="shared_stored"),
     Lin("shared_down", "shared_mlp.output_linear", "hidden_size", "shared_expert_intermediate_size",
-        when="shared_expert_intermediate_size"),
+        when="shared_stored"),
+    # (llama.cpp's converter splits input_linear into ffn_gate_shexp / ffn_up_shexp)
+    Fused("shared_gate_up", (("shared_mlp.gate_proj", "shared_expert_intermediate_size"),
+                             ("shared_mlp.up_proj", "shared_expert_intermediate_size")), "hidden_size",
+          when="shared_apart"),
+    Lin("shared_down", "shared_mlp.down_proj", "hidden_size", "shared_expert_intermediate_size", when="shared_apart"),
 )
 TOP = (Embedding("embed", "model.embed_tokens"), Vec("norm", "model.norm.weight", "hidden_size"),
        Lin("lm_head", "lm_head", "vocab_size", "hidden_size", when="untied"))
@@ -179,9 +185,11 @@ def assemble(cfg: GraniteHybridConfig, src: TensorSource, opts: LoadOptions) -> 
         mix = (read_mixer(src, p + "mamba.", cfg.mixer, opts, cfg.mamba_bias, cfg.conv_bias) if is_mamba
                else Attention(**read_tensors(rd, ATTENTION, cfg, HF_LAYER, i, sizes)))
         if cfg.use_moe:
+            shared, stored = cfg.shared_expert_intermediate_size > 0, rd.has(p + "shared_mlp.input_linear.weight")
+            flags = {"shared_stored": shared and stored, "shared_apart": shared and not stored}
             mlp: Any = Experts(router=rd.linear(p + "block_sparse_moe.router.layer", cfg.num_experts, cfg.hidden_size),
                                **_expert_stacks(cfg, rd, p + "block_sparse_moe."),
-                               **read_tensors(rd, SHARED, cfg, HF_LAYER, i, sizes))
+                               **read_tensors(rd, SHARED, cfg, HF_LAYER, i, {**sizes, **flags}))
         else:
             stored = rd.has(p + "shared_mlp.input_linear.weight")
             flags = {"gate_up_stored": stored, "gate_up_apart": not stored}
@@ -205,6 +213,73 @@ def _expert_stacks(cfg: GraniteHybridConfig, rd: Reader, m: str) -> dict[str, Li
         gate, up, down = (read_experts(src, m + st, "", e, o, n, opts.quant_for, opts.where) for st, (o, n) in
                           zip(STACKED_EXPERT_NAMES, ((f, hid), (f, hid), (hid, f))))
     return expert_stacks(gate, up, down, opts)
+
+
+# llama.cpp's names (convert_hf_to_gguf.py's GraniteHybridModel: Mamba2Model's mixers,
+# GraniteMoeModel's attention with LlamaModel's q/k row permutation, experts stacked, the
+# shared MLP's input split in two) -> Hugging Face's (the experts as mlx-lm's stacks)
+GGUF_TO_HF = gguf_mixer_names("mamba") + (
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.ffn_gate_inp\.", ".block_sparse_moe.router.layer."),
+    (r"\.ffn_(gate|up|down)_exps\.", r".block_sparse_moe.switch_mlp.\1_proj."),
+    (r"\.ffn_(gate|up|down)_shexp\.", r".shared_mlp.\1_proj."),
+) + GGUF_COMMON_NAMES
+
+
+def config_from_gguf(md: dict[str, Any], source: str) -> GraniteHybridConfig:
+    """Granite 4.0 hybrid (and Bamba) from llama.cpp's granitehybrid metadata: the layer kinds
+    from attention.head_count_kv per layer (0 on Mamba-2 layers), Granite's multipliers as
+    its *_scale keys, the mixers' ssm.* sizes (time_step_rank: the mixer's heads), RoPE only
+    where rope.scaling.finetuned says (the converter's flag for it: Granite 4.0's hybrids run
+    without). The time step is not clamped (llama.cpp's scan; the file carries no limit)."""
+    arch = "granitehybrid"
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, arch, key, source, default)
+
+    kv = md.get(f"{arch}.attention.head_count_kv")
+    per_layer = [int(x) for x in (kv.tolist() if hasattr(kv, "tolist") else [kv])] if kv is not None else []
+    d = gguf_hf_config({k: v for k, v in md.items() if k != f"{arch}.attention.head_count_kv"}, arch, source,
+                       "granitemoehybrid")
+    n = d.pop("num_hidden_layers")
+    if len(per_layer) == 1:  # one count for every layer: all attention
+        per_layer = per_layer * n
+    if len(per_layer) != n or len({x for x in per_layer if x}) > 1:
+        raise ConfigError(f"{source}: {arch}.attention.head_count_kv {per_layer}: expected one KV head count on the "
+                          f"attention layers and 0 on the Mamba-2 layers, {n} entries")
+    inner, heads = int(val("ssm.inner_size", 0) or 0), int(val("ssm.time_step_rank", 0) or 0)
+    experts = int(val("expert_count", 0) or 0)
+    d.update(
+        layer_types=["attention" if x else "mamba" for x in per_layer],
+        num_key_value_heads=max(per_layer) or d["num_attention_heads"],
+        num_local_experts=experts, num_experts_per_tok=int(val("expert_used_count", 1) or 1),
+        shared_intermediate_size=int(val("expert_shared_feed_forward_length", 0) or 0),
+        attention_multiplier=float(val("attention.scale")), embedding_multiplier=float(val("embedding_scale")),
+        residual_multiplier=float(val("residual_scale")), logits_scaling=float(val("logit_scale")),
+        position_embedding_type="rope" if val("rope.scaling.finetuned", False) else "nope",
+        time_step_limit=(0.0, float("inf")))
+    if 0 in per_layer:
+        if not heads or inner % heads:
+            raise ConfigError(f"{source}: {arch}.ssm.inner_size ({inner}) is not a multiple of "
+                              f"{arch}.ssm.time_step_rank ({heads}, the mixers' heads)")
+        d.update(mamba_n_heads=heads, mamba_d_head=inner // heads, mamba_n_groups=int(val("ssm.group_count")),
+                 mamba_d_state=int(val("ssm.state_size")), mamba_d_conv=int(val("ssm.conv_kernel")))
+    return config_from_hf(d, source)
+
+
+def assemble_gguf(cfg: GraniteHybridConfig, src: TensorSource, opts: LoadOptions) -> GraniteHybridParams:
+    """Params from llama.cpp's tensors: q/k rows un-permuted (the converter permutes them for
+    interleaved RoPE, even where the model runs none), the mixers' vectors reshaped
+    (`ssm.gguf_mixer_source`); the biases, the tied head and the vocabulary's rows (the
+    converter pads the vocabulary list) as the tensors say."""
+    src = gguf_mixer_source(renamed(unpermuted_qk(cfg, src), GGUF_TO_HF))
+    first = next((i for i, m in enumerate(cfg.mamba_layers) if m), None)
+    mamba = f"model.layers.{first}.mamba." if first is not None else None
+    cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has("lm_head.weight"),
+                       vocab_size=int(src.get("model.embed_tokens.weight").shape[0]),
+                       mamba_bias=bool(mamba and src.has(mamba + "in_proj.bias")),
+                       conv_bias=bool(mamba and src.has(mamba + "conv1d.bias")))
+    return assemble(cfg, src, opts)
 
 
 def checkpoint_layout(cfg: GraniteHybridConfig) -> dict[str, TensorSpec]:
@@ -278,4 +353,5 @@ FAMILY = Family(
     params_type=GraniteHybridParams, config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
     forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,
+    gguf_architectures=("granitehybrid",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )

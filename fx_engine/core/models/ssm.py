@@ -27,7 +27,8 @@ from fx_engine.core.config import ConfigError
 from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, shard_group
 from fx_engine.core.recurrent import causal_conv, ssd_scan
 
-__all__ = ["MixerDims", "MixerParams", "conv_weight", "mixer", "mixer_layout", "read_mixer"]
+__all__ = ["MixerDims", "MixerParams", "conv_weight", "gguf_mixer_names", "gguf_mixer_source", "mixer", "mixer_layout",
+           "read_mixer"]
 
 
 @attrs.frozen
@@ -154,8 +155,31 @@ def read_mixer(src: TensorSource, prefix: str, dims: MixerDims, opts: LoadOption
     return MixerParams(
         **read_tensors(rd, MIXER, dims, prefix, sizes=sizes),
         conv_w=conv_weight(src, prefix + "conv1d.weight", dims.conv_dim, dims.kernel, where).astype(opts.dtype),
-        a=-mx.exp(src.get(prefix + "A_log", (dims.heads,), where).astype(mx.float32)),
+        a=(src.get(prefix + "decay", (dims.heads,), where).astype(mx.float32) if src.has(prefix + "decay")
+           else -mx.exp(src.get(prefix + "A_log", (dims.heads,), where).astype(mx.float32))),
     )
+
+
+def gguf_mixer_names(mixer: str) -> tuple[tuple[str, str], ...]:
+    """llama.cpp's Mamba-2 mixer tensor names (blk.N.ssm_*) -> Hugging Face's under each
+    layer's `mixer` module (`renamed` rules, before GGUF_COMMON_NAMES); ssm_a, which holds
+    -exp(A_log), as `decay` (`read_mixer` takes it as the decay itself)."""
+    return ((r"\.ssm_in\.", f".{mixer}.in_proj."), (r"\.ssm_conv1d\.", f".{mixer}.conv1d."),
+            (r"\.ssm_dt\.bias$", f".{mixer}.dt_bias"), (r"\.ssm_a(\.weight)?$", f".{mixer}.decay"),
+            (r"\.ssm_d(\.weight)?$", f".{mixer}.D"), (r"\.ssm_norm\.", f".{mixer}.norm."),
+            (r"\.ssm_out\.", f".{mixer}.out_proj."))
+
+
+def gguf_mixer_source(src: TensorSource) -> TensorSource:
+    """The renamed tensors with the mixers' vectors back in Hugging Face's shapes: llama.cpp's
+    Mamba2Model converter stores the decay and D as [H, 1] and the gated norm's weight as
+    [groups, inner / groups] (the conv weight's [C, K] `conv_weight` reads)."""
+    out = TensorSource()
+    out.tensors, out.origin = dict(src.tensors), dict(src.origin)
+    for name, t in src.tensors.items():
+        if name.endswith((".decay", ".D", ".norm.weight")) and t.ndim == 2 and ".layers." in name:
+            out.tensors[name] = t.reshape(-1)
+    return out
 
 
 def mixer_layout(prefix: str, dims: MixerDims, bias: bool, conv_bias: bool) -> dict[str, TensorSpec]:

@@ -1,0 +1,102 @@
+"""Granite 4.0 hybrid GGUF files (llama.cpp's granitehybrid), as its converter writes them
+(`fx_engine.testing.gguf.write_granite_hybrid_gguf`, after convert_hf_to_gguf.py's
+GraniteHybridModel and Mamba2Model; tensor names from gguf-py's own TensorNameMap):
+fx-engine's logits from the file equal its logits from the Hugging Face folder the file was
+written from (that path is checked against mlx-lm in test_family_configs), Q8_0 matrices
+and expert stacks included; and, where llama-cpp-python is installed, llama.cpp's own
+logits from the same file (the independent check of the layout: per-layer KV heads, the
+permuted q/k rows, the mixers' decay / D / grouped norm shapes, the split expert and shared
+inputs, Granite's multipliers)."""
+
+import importlib.util
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import fx_engine
+from fx_engine.core.config import ConfigError
+from fx_engine.testing import write_tiny_model
+from tests.gguf_tokenizer import llama_cpp_logits
+
+gguf = pytest.importorskip("gguf")
+
+from fx_engine.testing.gguf import write_granite_hybrid_gguf  # noqa: E402
+
+IDS = list(range(5, 69))
+NOPE = {"position_embedding_type": "nope"}  # Granite 4.0's hybrids
+
+
+def _logits(model, ids=IDS):
+    return np.asarray(fx_engine.logits(model, ids, chunk=16))
+
+
+@pytest.mark.parametrize("overrides", [
+    NOPE,  # routed experts with a shared MLP
+    {},  # RoPE (Bamba-style), the q/k rows un-permuted
+    {**NOPE, "num_local_experts": 0, "tie_word_embeddings": False},  # one dense MLP, its own head
+    {**NOPE, "mamba_proj_bias": True, "mamba_conv_bias": False},
+])
+def test_gguf_logits_equal_the_folders(tmp_path, overrides):
+    folder = write_tiny_model(tmp_path / "m", "granitemoehybrid", seed=3, **overrides)
+    model = fx_engine.load(write_granite_hybrid_gguf(folder, tmp_path / "m.gguf"))
+    ref = fx_engine.load(folder)
+    cfg, want = model.config, ref.config
+    for field in ("mamba_layers", "use_moe", "use_rope", "mamba_bias", "conv_bias", "tie_word_embeddings",
+                  "num_kv_heads", "embedding_multiplier", "attention_multiplier", "residual_multiplier",
+                  "logits_scaling", "shared_expert_intermediate_size"):
+        assert getattr(cfg, field) == getattr(want, field), field
+    assert (cfg.mixer.heads, cfg.mixer.head_dim, cfg.mixer.groups, cfg.mixer.state) == (
+        want.mixer.heads, want.mixer.head_dim, want.mixer.groups, want.mixer.state)
+    np.testing.assert_allclose(_logits(model), _logits(ref), rtol=0, atol=2e-5)
+
+
+def test_q8_0_matrices(tmp_path):
+    """Every projection and expert stack Q8_0 (the permuted q/k rows move with their
+    scales): the logits of the folder holding the same values, dequantized."""
+    from gguf.quants import dequantize, quantize
+
+    folder = write_tiny_model(tmp_path / "m", "granitemoehybrid", seed=5, **NOPE)
+    chosen = lambda name, x: ".layers." in name and "norm" not in name and x.shape[-1] % 32 == 0  # noqa: E731
+    model = fx_engine.load(write_granite_hybrid_gguf(folder, tmp_path / "m.gguf", q8=chosen))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    weights = dict(mx.load(str(folder / "model.safetensors")))
+    for name, w in weights.items():
+        x = np.asarray(w.astype(mx.float32))
+        if x.ndim in (2, 3) and chosen(name, x) and "conv1d" not in name:
+            weights[name] = mx.array(dequantize(quantize(x, q8), q8).reshape(x.shape))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    np.testing.assert_allclose(_logits(model), _logits(fx_engine.load(folder)), rtol=0, atol=2e-5)
+
+
+def test_refusals(tmp_path):
+    from fx_engine.core.models import granitemoehybrid as gmh
+    from fx_engine.loading.gguf import read_gguf_metadata
+
+    folder = write_tiny_model(tmp_path / "m", "granitemoehybrid", seed=3, **NOPE)
+    md = read_gguf_metadata(write_granite_hybrid_gguf(folder, tmp_path / "m.gguf"))
+    kv = "granitehybrid.attention.head_count_kv"
+    for value, match in ((mx.array([0, 2, 0]), "4 entries"), (mx.array([0, 2, 0, 1]), "one KV head count")):
+        with pytest.raises(ConfigError, match=match):
+            gmh.config_from_gguf({**md, kv: value}, "x.gguf")
+    with pytest.raises(ConfigError, match="ssm.time_step_rank"):
+        gmh.config_from_gguf({**md, "granitehybrid.ssm.time_step_rank": mx.array(7)}, "x.gguf")
+    with pytest.raises(ConfigError, match="logit_scale"):
+        gmh.config_from_gguf({k: v for k, v in md.items() if k != "granitehybrid.logit_scale"}, "x.gguf")
+
+
+@pytest.mark.parametrize("overrides", [NOPE, {}, {**NOPE, "num_local_experts": 0}])
+def test_llama_cpp_logits(tmp_path, overrides):
+    """llama.cpp reads the same file to the same logits. Its graph asks for mixers twice as
+    wide as the model and one B/C group, as Granite 4.0's and Bamba's are (16 heads of 8
+    over a width of 64): with more groups llama.cpp normalizes the gated output per group,
+    where Hugging Face's and mlx-lm's Granite normalize its whole width."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python (an optional peer) is not installed")
+    folder = write_tiny_model(tmp_path / "m", "granitemoehybrid", seed=3, mamba_n_heads=16, mamba_n_groups=1,
+                              **overrides)
+    path = write_granite_hybrid_gguf(folder, tmp_path / "m.gguf")
+    model = fx_engine.load(path)
+    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)[:48]
+    theirs, ours = llama_cpp_logits(path, ids, tmp_path / "l.npy"), np.asarray(fx_engine.logits(model, ids))
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3 * np.abs(theirs).max())
