@@ -21,7 +21,8 @@ need them skip until it does).
 Qwen3.5 multimodal wrapper's; its MTP module) as convert_hf_to_gguf.py's Qwen3NextModel /
 Qwen3_5TextModel / Qwen3_5MoeTextModel write it (see its docstring). `write_lfm2_gguf`: an
 LFM2 folder as its LFM2Model writes it; `write_granite_hybrid_gguf`: a Granite 4.0 hybrid
-folder as its GraniteHybridModel writes it (the Mamba-2 mixers as its Mamba2Model does).
+folder as its GraniteHybridModel writes it (the Mamba-2 mixers as its Mamba2Model does);
+`write_nemotron_h_gguf`: a Nemotron-H folder as its NemotronHModel writes it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = ["add_bpe_tokenizer", "write_gemma_gguf", "write_granite_hybrid_gguf", "write_lfm2_gguf", "write_llama_gguf",
-           "write_qwen2vl_gguf", "write_qwen3_next_gguf", "write_qwen3vl_gguf"]
+           "write_nemotron_h_gguf", "write_qwen2vl_gguf", "write_qwen3_next_gguf", "write_qwen3vl_gguf"]
 
 _GEMMA_NAMES = (
     (r"^(language_model\.)?model\.embed_tokens\.", "token_embd."), (r"^(language_model\.)?model\.norm\.", "output_norm."),
@@ -490,5 +491,80 @@ def write_granite_hybrid_gguf(folder: str | Path, out: str | Path, *, q8: Any = 
         if target is None:
             raise ValueError(f"no llama.cpp name for {name}")
         add(name, target, x)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return out
+
+
+def write_nemotron_h_gguf(folder: str | Path, out: str | Path, *, q8: Any = None) -> Path:
+    """A Nemotron-H folder as convert_hf_to_gguf.py's NemotronHModel writes it: architecture
+    nemotron_h_moe where the pattern routes experts (E layers), else nemotron_h; per-layer
+    attention.head_count_kv (the * layers') and feed_forward_length (the - or E layers'),
+    key/value lengths, the mixers' ssm.* sizes and tensors as Mamba2Model writes them, the
+    q/k rows permuted (LlamaModel.permute), the routed experts stacked (up / down), the
+    router's correction bias as exp_probs_b, the experts' keys. q8(hf_name, array) -> True:
+    that matrix (or expert stack) as Q8_0."""
+    import gguf
+    from gguf.quants import quantize
+
+    folder, out = Path(folder), Path(out)
+    cfg = json.loads((folder / "config.json").read_text())
+    pattern, hid = cfg["hybrid_override_pattern"], cfg["hidden_size"]
+    n, heads, kv = len(pattern), cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    moe = "E" in pattern
+    arch = "nemotron_h_moe" if moe else "nemotron_h"
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update({k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(f)).items()})
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n)
+    w = gguf.GGUFWriter(str(out), arch)
+    ff = cfg["moe_intermediate_size"] if moe else cfg["intermediate_size"]
+    ints = {"context_length": 2**20, "embedding_length": hid, "block_count": n, "attention.head_count": heads,
+            "attention.key_length": cfg["head_dim"], "attention.value_length": cfg["head_dim"],
+            "vocab_size": cfg["vocab_size"], "ssm.conv_kernel": cfg["conv_kernel"],
+            "ssm.state_size": cfg["ssm_state_size"], "ssm.group_count": cfg["n_groups"],
+            "ssm.inner_size": cfg["mamba_num_heads"] * cfg["mamba_head_dim"], "ssm.time_step_rank": cfg["mamba_num_heads"]}
+    if moe:
+        ints.update({"expert_used_count": cfg["num_experts_per_tok"], "expert_feed_forward_length": ff,
+                     "expert_shared_feed_forward_length": cfg["moe_shared_expert_intermediate_size"],
+                     "expert_count": cfg["n_routed_experts"], "expert_shared_count": cfg.get("n_shared_experts", 0),
+                     "expert_group_count": cfg["n_group"]})
+        w.add_bool(f"{arch}.expert_weights_norm", bool(cfg["norm_topk_prob"]))
+        w.add_float32(f"{arch}.expert_weights_scale", float(cfg["routed_scaling_factor"]))
+    for key, value in ints.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_array(f"{arch}.attention.head_count_kv", [kv if c == "*" else 0 for c in pattern])
+    w.add_array(f"{arch}.feed_forward_length", [ff if c in "-E" else 0 for c in pattern])
+    w.add_float32(f"{arch}.attention.layer_norm_epsilon", float(cfg["layer_norm_epsilon"]))  # (TextModel: its key)
+    w.add_bool(f"{arch}.rope.scaling.finetuned", False)
+    _add_tokenizer(w, folder, cfg["eos_token_id"], cfg.get("bos_token_id"))
+
+    def add(name: str, target: str, x: np.ndarray) -> None:
+        if q8 is not None and x.ndim in (2, 3) and x.shape[-1] % 32 == 0 and q8(name, x):
+            w.add_tensor(target, quantize(x, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(target, np.ascontiguousarray(x))
+
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, x in sorted(tensors.items()):
+        m = re.match(r"backbone\.layers\.(\d+)\.mixer\.experts\.(\d+)\.(up|down)_proj\.weight$", name)
+        if m:
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = x
+            continue
+        if name.endswith("mixer.gate.e_score_correction_bias"):
+            add(name, f"blk.{name.split('.')[2]}.exp_probs_b.bias", x)
+            continue
+        if name.endswith(("mixer.q_proj.weight", "mixer.q_proj.bias")):
+            x = _llama_permute(x, heads)
+        elif name.endswith(("mixer.k_proj.weight", "mixer.k_proj.bias")):
+            x = _llama_permute(x, kv)
+        name, x = _mamba2_tensor(name, x, cfg["n_groups"])
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise ValueError(f"no llama.cpp name for {name}")
+        add(name, target, x)
+    for key, stack in sorted(experts.items()):
+        i, proj = key.split(".")
+        add(f"backbone.layers.{i}.mixer.experts.{proj}", f"blk.{i}.ffn_{proj}_exps.weight",
+            np.stack([stack[j] for j in sorted(stack)]))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return out

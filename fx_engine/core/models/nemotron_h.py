@@ -19,13 +19,15 @@ import mlx.core as mx
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 from fx_engine.core.checkpoint import (Embedding, Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec,
-                                       finish_experts, read_experts, read_tensors)
-from fx_engine.core.config import (BOOL, FLOAT, INT, BaseConfig, ConfigError, Field, listed_eos, positive_int,
-                                   read_fields)
+                                       finish_experts, read_experts, read_tensors, renamed)
+from fx_engine.core.config import (BOOL, FLOAT, INT, BaseConfig, ConfigError, Field, gguf_hf_config, gguf_value,
+                                   listed_eos, positive_int, read_fields, trunk_layers)
 from fx_engine.core.models.blocks import Attention, attention_sizes, grouped_route, self_attention
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, head_logits
-from fx_engine.core.models.ssm import MixerDims, MixerParams, mixer, mixer_layout, read_mixer
+from fx_engine.core.models.llama import unpermuted_qk
+from fx_engine.core.models.ssm import (MixerDims, MixerParams, gguf_mixer_names, gguf_mixer_source, mixer, mixer_layout,
+                                       read_mixer)
 from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, routed_mixture
 from fx_engine.core.splits import (head_range, split, split_attention, split_cols, split_head, split_mixer, split_mlp,
                                     split_rows)
@@ -244,6 +246,91 @@ def _read_experts(cfg: NemotronHConfig, rd: Reader, p: str) -> ExpertsParams:
         shared=Relu2Mlp(**read_tensors(rd, RELU2, cfg, p + "shared_experts.", sizes={"mlp_width": s})) if s else None)
 
 
+# llama.cpp's names (convert_hf_to_gguf.py's NemotronHModel over GraniteHybridModel: Mamba2Model's
+# mixers, LlamaModel's q/k row permutation, experts stacked; nemotron_h_moe for the routed
+# models) -> Hugging Face's (the experts as mlx-lm's fc1 / fc2 stacks)
+GGUF_ARCHS = ("nemotron_h", "nemotron_h_moe")
+GGUF_TO_HF = (
+    (r"^blk\.(\d+)\.attn_norm\.", r"backbone.layers.\1.norm."), *gguf_mixer_names("mixer"),
+    (r"\.attn_(q|k|v)\.", r".mixer.\1_proj."), (r"\.attn_output\.", ".mixer.o_proj."),
+    (r"\.ffn_up_exps\.", ".mixer.switch_mlp.fc1."), (r"\.ffn_down_exps\.", ".mixer.switch_mlp.fc2."),
+    (r"\.ffn_(up|down)_shexp\.", r".mixer.shared_experts.\1_proj."), (r"\.ffn_gate_inp\.", ".mixer.gate."),
+    (r"\.exp_probs_b(\.bias)?$", ".mixer.gate.e_score_correction_bias"), (r"\.ffn_(up|down)\.", r".mixer.\1_proj."),
+    (r"^blk\.(\d+)\.", r"backbone.layers.\1."), (r"^token_embd\.", "backbone.embeddings."),
+    (r"^output_norm\.", "backbone.norm_f."), (r"^output\.", "lm_head."),
+)
+
+
+def _per_layer(md: dict[str, Any], key: str, n: int, source: str) -> list[int]:
+    """A per-layer metadata array (one value repeated where the file stores a scalar), its
+    first n entries (the trunk's: llama.cpp counts an MTP block after them)."""
+    v = md.get(key)
+    if v is None:
+        raise ConfigError(f"{source}: GGUF metadata '{key}' is missing")
+    values = [int(x) for x in (v.tolist() if hasattr(v, "tolist") else v)] if not isinstance(v, int) else [v]
+    values = values * n if len(values) == 1 else values
+    if len(values) < n:
+        raise ConfigError(f"{source}: GGUF metadata '{key}' has {len(values)} entries for {n} layers")
+    return values[:n]
+
+
+def config_from_gguf(md: dict[str, Any], source: str) -> NemotronHConfig:
+    """Nemotron-H from llama.cpp's nemotron_h / nemotron_h_moe metadata: the layer pattern
+    from the per-layer arrays (attention.head_count_kv > 0: attention; feed_forward_length >
+    0: the MLP, or the routed experts in nemotron_h_moe; else a Mamba-2 mixer), the mixers'
+    ssm.* sizes, the experts' keys; an MTP block after the trunk (nextn_predict_layers) is
+    not run."""
+    arch = md.get("general.architecture")
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, arch, key, source, default)
+
+    n = trunk_layers(md, arch, source)
+    kv = _per_layer(md, f"{arch}.attention.head_count_kv", n, source)
+    ff = _per_layer(md, f"{arch}.feed_forward_length", n, source)
+    if len({x for x in kv if x}) > 1:
+        raise ConfigError(f"{source}: {arch}.attention.head_count_kv {kv}: expected one KV head count on the "
+                          "attention layers")
+    routed = arch == "nemotron_h_moe"
+    pattern = "".join("*" if k else ("E" if routed else "-") if f else "M" for k, f in zip(kv, ff))
+    d = gguf_hf_config({k: v for k, v in md.items() if k not in (f"{arch}.attention.head_count_kv",)}, arch, source,
+                       "nemotron_h", ffn=False)
+    inner, heads = int(val("ssm.inner_size")), int(val("ssm.time_step_rank"))
+    if heads < 1 or inner % heads:
+        raise ConfigError(f"{source}: {arch}.ssm.inner_size ({inner}) is not a multiple of {arch}.ssm.time_step_rank "
+                          f"({heads}, the mixers' heads)")
+    d.update(hybrid_override_pattern=pattern, num_key_value_heads=max(kv) or d["num_attention_heads"],
+             layer_norm_epsilon=d.pop("rms_norm_eps"), n_groups=int(val("ssm.group_count")), mamba_num_heads=heads,
+             mamba_head_dim=inner // heads, ssm_state_size=int(val("ssm.state_size")),
+             conv_kernel=int(val("ssm.conv_kernel")), intermediate_size=0 if routed else max(ff),
+             time_step_limit=(0.0, float("inf")))
+    if routed:
+        d.update(n_routed_experts=int(val("expert_count")), num_experts_per_tok=int(val("expert_used_count")),
+                 moe_intermediate_size=int(val("expert_feed_forward_length")),
+                 moe_shared_expert_intermediate_size=int(val("expert_shared_feed_forward_length", 0) or 0),
+                 n_shared_experts=int(val("expert_shared_count", 0) or 0),
+                 n_group=int(val("expert_group_count", 1) or 1), topk_group=int(val("expert_group_used_count", 1) or 1),
+                 norm_topk_prob=bool(val("expert_weights_norm", True)),
+                 routed_scaling_factor=float(val("expert_weights_scale", 1.0) or 1.0))
+        if val("moe_latent_size", None):
+            raise ConfigError(f"{source}: {arch}.moe_latent_size is not supported")
+    return config_from_hf(d, source)
+
+
+def assemble_gguf(cfg: NemotronHConfig, src: TensorSource, opts: LoadOptions) -> NemotronHParams:
+    """Params from llama.cpp's tensors: q/k rows un-permuted (the converter permutes them
+    though no RoPE runs), the mixers' vectors reshaped (`ssm.gguf_mixer_source`), the biases
+    as the tensors say."""
+    src = gguf_mixer_source(renamed(unpermuted_qk(cfg, src), GGUF_TO_HF))
+    first = {k: next((i for i, c in enumerate(cfg.pattern) if c == k), None) for k in "M*-E"}
+    layer = lambda k: f"backbone.layers.{first[k]}.mixer." if first[k] is not None else None  # noqa: E731
+    has = lambda k, name: layer(k) is not None and src.has(layer(k) + name)  # noqa: E731
+    cfg = attrs.evolve(cfg, mamba_bias=has("M", "in_proj.bias"), conv_bias=has("M", "conv1d.bias"),
+                       attention_bias=has("*", "q_proj.bias"), mlp_bias=has("-", "up_proj.bias"),
+                       vocab_size=int(src.get("backbone.embeddings.weight").shape[0]))
+    return assemble(cfg, src, opts)
+
+
 def checkpoint_layout(cfg: NemotronHConfig) -> dict[str, TensorSpec]:
     """Hugging Face's names (experts one tensor each, conv weights [C, 1, K])."""
     hid, hd = cfg.hidden_size, cfg.head_dim
@@ -324,6 +411,7 @@ FAMILY = Family(
     params_type=NemotronHParams, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
     checkpoint_layout=checkpoint_layout, tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,
+    gguf_architectures=GGUF_ARCHS, config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )
 
 __all__ = ["FAMILY", "NemotronHConfig", "NemotronHParams", "MixerParams", "Attention"]
