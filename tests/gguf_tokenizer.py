@@ -101,3 +101,39 @@ def llama_cpp_tokenize(path: Path, texts: list, add_bos: bool) -> list:
                        input=json.dumps(texts), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def assert_llama_cpp_logits(path: Path, scratch: Path) -> None:
+    """fx-engine's logits of a short text through the GGUF at `path` equal llama.cpp's own
+    (within 1e-3 of the largest logit); skips where llama-cpp-python is not installed."""
+    import importlib.util
+
+    import numpy as np
+    import pytest
+
+    import fx_engine
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python (an optional peer) is not installed")
+    model = fx_engine.load(path)
+    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)[:48]
+    theirs, ours = llama_cpp_logits(path, ids, scratch / "l.npy"), np.asarray(fx_engine.logits(model, ids))
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3 * np.abs(theirs).max())
+
+
+def q8_0_round_trip(folder: Path, chosen) -> None:
+    """The folder's matrices that `chosen(name, array)` picks (rows of whole 32-blocks) replaced
+    by their Q8_0 round trip (gguf-py's reference quantizer): what a file written with those
+    matrices in Q8_0 holds."""
+    import mlx.core as mx
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    q8 = GGMLQuantizationType.Q8_0
+    weights = dict(mx.load(str(folder / "model.safetensors")))
+    for name, w in weights.items():
+        x = np.asarray(w.astype(mx.float32))
+        if x.ndim in (2, 3) and x.shape[-1] % 32 == 0 and chosen(name, x):
+            weights[name] = mx.array(dequantize(quantize(x, q8), q8).reshape(x.shape))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)

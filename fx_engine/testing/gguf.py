@@ -105,6 +105,18 @@ def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _add_tensor(w: Any, target: str, x: np.ndarray, q8: bool) -> None:
+    """`x` as tensor `target`: Q8_0 (gguf-py's reference quantizer) where asked and its rows
+    are whole blocks of 32 (matrices and expert stacks), else as it is."""
+    import gguf
+    from gguf.quants import quantize
+
+    if q8 and x.ndim in (2, 3) and x.shape[-1] % 32 == 0:
+        w.add_tensor(target, quantize(x, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+        w.add_tensor(target, np.ascontiguousarray(x))
+
+
 def _add_tokenizer(w: Any, folder: Path, eos: Any, bos: int | None) -> None:
     """The folder's byte-level BPE vocabulary, its BOS / EOS ids, add_bos_token and chat
     template as the GGUF tokenizer.* keys llama.cpp's converters write."""
@@ -236,7 +248,6 @@ def write_qwen3_next_gguf(folder: str | Path, out: str | Path, *, q8: Any = None
     array) -> True: that matrix (or expert stack, by its stacked name) as Q8_0 (gguf-py's
     reference quantizer; row transforms commute with it). Returns `out`."""
     import gguf
-    from gguf.quants import quantize
 
     folder, out = Path(folder), Path(out)
     raw = json.loads((folder / "config.json").read_text())
@@ -295,10 +306,7 @@ def write_qwen3_next_gguf(folder: str | Path, out: str | Path, *, q8: Any = None
     _add_tokenizer(w, folder, cfg["eos_token_id"], cfg.get("bos_token_id"))
 
     def add(name: str, target: str, x: np.ndarray) -> None:
-        if q8 is not None and x.ndim in (2, 3) and x.shape[-1] % 32 == 0 and q8(name, x):
-            w.add_tensor(target, quantize(x, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(target, np.ascontiguousarray(x))
+        _add_tensor(w, target, x, q8 is not None and q8(name, x))
 
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, x in sorted(tensors.items()):
@@ -365,7 +373,6 @@ def write_lfm2_gguf(folder: str | Path, out: str | Path, *, q8: Any = None) -> P
     final norm token_embd_norm), the conv weight squeezed to [C, K], nothing permuted.
     q8(hf_name, array) -> True: that matrix as Q8_0 (gguf-py's reference quantizer)."""
     import gguf
-    from gguf.quants import quantize
 
     folder, out = Path(folder), Path(out)
     cfg = json.loads((folder / "config.json").read_text())
@@ -391,10 +398,7 @@ def write_lfm2_gguf(folder: str | Path, out: str | Path, *, q8: Any = None) -> P
         target = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if target is None:
             raise ValueError(f"no llama.cpp name for {name}")
-        if q8 is not None and x.ndim == 2 and x.shape[-1] % 32 == 0 and q8(name, x):
-            w.add_tensor(target, quantize(x, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(target, np.ascontiguousarray(x))
+        _add_tensor(w, target, x, q8 is not None and q8(name, x))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return out
 
@@ -428,7 +432,6 @@ def write_granite_hybrid_gguf(folder: str | Path, out: str | Path, *, q8: Any = 
     RoPE); here it follows the folder's position_embedding_type, which agrees for those.
     q8(hf_name, array) -> True: that matrix (or expert stack) as Q8_0."""
     import gguf
-    from gguf.quants import quantize
 
     folder, out = Path(folder), Path(out)
     cfg = json.loads((folder / "config.json").read_text())
@@ -461,10 +464,7 @@ def write_granite_hybrid_gguf(folder: str | Path, out: str | Path, *, q8: Any = 
     _add_tokenizer(w, folder, cfg["eos_token_id"], cfg.get("bos_token_id"))
 
     def add(name: str, target: str, x: np.ndarray) -> None:
-        if q8 is not None and x.ndim in (2, 3) and x.shape[-1] % 32 == 0 and q8(name, x):
-            w.add_tensor(target, quantize(x, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(target, np.ascontiguousarray(x))
+        _add_tensor(w, target, x, q8 is not None and q8(name, x))
 
     for name, x in sorted(tensors.items()):
         bid = int(name.split(".")[2]) if name.startswith("model.layers.") else None
@@ -504,7 +504,6 @@ def write_nemotron_h_gguf(folder: str | Path, out: str | Path, *, q8: Any = None
     router's correction bias as exp_probs_b, the experts' keys. q8(hf_name, array) -> True:
     that matrix (or expert stack) as Q8_0."""
     import gguf
-    from gguf.quants import quantize
 
     folder, out = Path(folder), Path(out)
     cfg = json.loads((folder / "config.json").read_text())
@@ -539,10 +538,7 @@ def write_nemotron_h_gguf(folder: str | Path, out: str | Path, *, q8: Any = None
     _add_tokenizer(w, folder, cfg["eos_token_id"], cfg.get("bos_token_id"))
 
     def add(name: str, target: str, x: np.ndarray) -> None:
-        if q8 is not None and x.ndim in (2, 3) and x.shape[-1] % 32 == 0 and q8(name, x):
-            w.add_tensor(target, quantize(x, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(target, np.ascontiguousarray(x))
+        _add_tensor(w, target, x, q8 is not None and q8(name, x))
 
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, x in sorted(tensors.items()):

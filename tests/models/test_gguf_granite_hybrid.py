@@ -8,7 +8,6 @@ logits from the same file (the independent check of the layout: per-layer KV hea
 permuted q/k rows, the mixers' decay / D / grouped norm shapes, the split expert and shared
 inputs, Granite's multipliers)."""
 
-import importlib.util
 
 import mlx.core as mx
 import numpy as np
@@ -17,7 +16,7 @@ import pytest
 import fx_engine
 from fx_engine.core.config import ConfigError
 from fx_engine.testing import write_tiny_model
-from tests.gguf_tokenizer import llama_cpp_logits
+from tests.gguf_tokenizer import assert_llama_cpp_logits, q8_0_round_trip
 
 gguf = pytest.importorskip("gguf")
 
@@ -54,18 +53,10 @@ def test_gguf_logits_equal_the_folders(tmp_path, overrides):
 def test_q8_0_matrices(tmp_path):
     """Every projection and expert stack Q8_0 (the permuted q/k rows move with their
     scales): the logits of the folder holding the same values, dequantized."""
-    from gguf.quants import dequantize, quantize
-
     folder = write_tiny_model(tmp_path / "m", "granitemoehybrid", seed=5, **NOPE)
     chosen = lambda name, x: ".layers." in name and "norm" not in name and x.shape[-1] % 32 == 0  # noqa: E731
     model = fx_engine.load(write_granite_hybrid_gguf(folder, tmp_path / "m.gguf", q8=chosen))
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    weights = dict(mx.load(str(folder / "model.safetensors")))
-    for name, w in weights.items():
-        x = np.asarray(w.astype(mx.float32))
-        if x.ndim in (2, 3) and chosen(name, x) and "conv1d" not in name:
-            weights[name] = mx.array(dequantize(quantize(x, q8), q8).reshape(x.shape))
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    q8_0_round_trip(folder, chosen)
     np.testing.assert_allclose(_logits(model), _logits(fx_engine.load(folder)), rtol=0, atol=2e-5)
 
 
@@ -91,12 +82,6 @@ def test_llama_cpp_logits(tmp_path, overrides):
     wide as the model and one B/C group, as Granite 4.0's and Bamba's are (16 heads of 8
     over a width of 64): with more groups llama.cpp normalizes the gated output per group,
     where Hugging Face's and mlx-lm's Granite normalize its whole width."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python (an optional peer) is not installed")
     folder = write_tiny_model(tmp_path / "m", "granitemoehybrid", seed=3, mamba_n_heads=16, mamba_n_groups=1,
                               **overrides)
-    path = write_granite_hybrid_gguf(folder, tmp_path / "m.gguf")
-    model = fx_engine.load(path)
-    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)[:48]
-    theirs, ours = llama_cpp_logits(path, ids, tmp_path / "l.npy"), np.asarray(fx_engine.logits(model, ids))
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3 * np.abs(theirs).max())
+    assert_llama_cpp_logits(write_granite_hybrid_gguf(folder, tmp_path / "m.gguf"), tmp_path)

@@ -7,7 +7,6 @@ and expert stacks included; and, where llama-cpp-python is installed, llama.cpp'
 logits from the same file (the layer pattern from the per-layer arrays, the mixers, the
 permuted q/k rows, the routed ReLU^2 experts with their correction bias)."""
 
-import importlib.util
 
 import mlx.core as mx
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 import fx_engine
 from fx_engine.core.config import ConfigError
 from fx_engine.testing import write_tiny_model
-from tests.gguf_tokenizer import llama_cpp_logits
+from tests.gguf_tokenizer import assert_llama_cpp_logits, q8_0_round_trip
 
 gguf = pytest.importorskip("gguf")
 
@@ -56,18 +55,10 @@ def test_gguf_logits_equal_the_folders(tmp_path, overrides, arch):
 def test_q8_0_matrices(tmp_path):
     """Every projection and expert stack Q8_0: the logits of the folder holding the same
     values, dequantized."""
-    from gguf.quants import dequantize, quantize
-
     folder = write_tiny_model(tmp_path / "m", "nemotron_h", seed=5, **ROUTED)
     chosen = lambda name, x: ".layers." in name and "norm" not in name and "conv1d" not in name  # noqa: E731
     model = fx_engine.load(write_nemotron_h_gguf(folder, tmp_path / "m.gguf", q8=chosen))
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    weights = dict(mx.load(str(folder / "model.safetensors")))
-    for name, w in weights.items():
-        x = np.asarray(w.astype(mx.float32))
-        if x.ndim == 2 and x.shape[-1] % 32 == 0 and chosen(name, x):  # (each expert's rows as in the stack)
-            weights[name] = mx.array(dequantize(quantize(x, q8), q8).reshape(x.shape))
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    q8_0_round_trip(folder, chosen)
     np.testing.assert_allclose(_logits(model), _logits(fx_engine.load(folder)), rtol=0, atol=2e-5)
 
 
@@ -91,11 +82,5 @@ def test_refusals(tmp_path):
 @pytest.mark.parametrize("overrides", [ROUTED, DENSE])
 def test_llama_cpp_logits(tmp_path, overrides):
     """llama.cpp reads the same file to the same logits."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python (an optional peer) is not installed")
     folder = write_tiny_model(tmp_path / "m", "nemotron_h", seed=3, **overrides)
-    path = write_nemotron_h_gguf(folder, tmp_path / "m.gguf")
-    model = fx_engine.load(path)
-    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)[:48]
-    theirs, ours = llama_cpp_logits(path, ids, tmp_path / "l.npy"), np.asarray(fx_engine.logits(model, ids))
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3 * np.abs(theirs).max())
+    assert_llama_cpp_logits(write_nemotron_h_gguf(folder, tmp_path / "m.gguf"), tmp_path)
