@@ -205,6 +205,16 @@ def gguf_value(md: dict[str, Any], arch: str, key: str, source: str, default: An
     return v.item() if hasattr(v, "item") else v
 
 
+def gguf_ints(md: dict[str, Any], key: str) -> list[int] | None:
+    """GGUF metadata `key` as a list of ints (a scalar as one entry; None where missing):
+    llama.cpp's per-layer arrays (attention.head_count_kv, feed_forward_length)."""
+    v = md.get(key)
+    if v is None:
+        return None
+    raw = v.tolist() if hasattr(v, "tolist") else v
+    return [int(x) for x in (raw if isinstance(raw, (list, tuple)) else [raw])]
+
+
 def trunk_layers(md: dict[str, Any], arch: str, source: str) -> int:
     """The decoder layers a GGUF file's trunk runs: llama.cpp counts the NextN (MTP)
     modules it keeps (`<arch>.nextn_predict_layers`, the last blocks: GLM-4.5's glm4moe,

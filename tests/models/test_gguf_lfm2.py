@@ -60,7 +60,7 @@ def test_refusals(tmp_path):
     md = read_gguf_metadata(write_lfm2_gguf(folder, tmp_path / "m.gguf"))
     kv = "lfm2.attention.head_count_kv"
     for value, match in ((None, "must list each layer"), (mx.array([0, 2, 0]), "3 entries for 4 layers"),
-                         (mx.array([0, 2, 0, 1]), "one KV head count"), (mx.array([0, 0, 0, 0]), "one KV head count")):
+                         (mx.array([0, 2, 0, 1]), "one KV head count"), (mx.array([0, 0, 0, 0]), "one KV head count"), (mx.array(2), "1 entries for 4 layers")):
         bad = {k: v for k, v in md.items() if k != kv} if value is None else {**md, kv: value}
         with pytest.raises(ConfigError, match=match):
             lfm2.config_from_gguf(bad, "x.gguf")

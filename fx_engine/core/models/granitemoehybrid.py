@@ -17,8 +17,8 @@ import mlx.core as mx
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Reader, TensorSource,
                                        TensorSpec, Vec, read_experts, read_tensors, renamed)
-from fx_engine.core.config import (BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, Same, gguf_hf_config, gguf_value,
-                                   listed_eos, read_fields)
+from fx_engine.core.config import (BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, Same, gguf_hf_config, gguf_ints,
+                                   gguf_value, listed_eos, read_fields)
 from fx_engine.core.models.blocks import (GATE_UP, HF_LAYER, QKV, STACKED_EXPERT_NAMES, Attention, DenseMlp, Experts,
                                           attention_sizes, expert_stacks, mixture, rope_in, self_attention, swiglu_mlp)
 from fx_engine.core.models.family import Family
@@ -237,8 +237,7 @@ def config_from_gguf(md: dict[str, Any], source: str) -> GraniteHybridConfig:
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, arch, key, source, default)
 
-    kv = md.get(f"{arch}.attention.head_count_kv")
-    per_layer = [int(x) for x in (kv.tolist() if hasattr(kv, "tolist") else [kv])] if kv is not None else []
+    per_layer = gguf_ints(md, f"{arch}.attention.head_count_kv") or []
     d = gguf_hf_config({k: v for k, v in md.items() if k != f"{arch}.attention.head_count_kv"}, arch, source,
                        "granitemoehybrid")
     n = d.pop("num_hidden_layers")

@@ -29,8 +29,8 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, recurrent_ent
 import fx_engine.core.models.llama as llama
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Reader, TensorSource,
                                        TensorSpec, Vec, WeightsError, read_tensors, renamed)
-from fx_engine.core.config import (BOOL, FLOAT, INT, ConfigError, Field, Same, gguf_hf_config, gguf_value, listed_eos,
-                                   read_fields)
+from fx_engine.core.config import (BOOL, FLOAT, INT, ConfigError, Field, Same, gguf_hf_config, gguf_ints, gguf_value,
+                                   listed_eos, read_fields)
 from fx_engine.core.models.blocks import HF_LAYER, QKV, attention_sizes, decoder_layer, swiglu_mlp
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LayerParams, LlamaConfig
@@ -266,9 +266,8 @@ def config_from_gguf(md: dict[str, Any], source: str) -> Lfm2Config:
     """LFM2 from llama.cpp's lfm2 metadata: attention.head_count_kv per layer (0 on the
     convolution layers, the KV heads on the attention ones), shortconv.l_cache, and
     feed_forward_length as the MLP's width already adjusted."""
-    kv = md.get("lfm2.attention.head_count_kv")
-    per_layer = [int(x) for x in (kv.tolist() if hasattr(kv, "tolist") else kv)] if kv is not None else None
-    if not isinstance(per_layer, list):
+    per_layer = gguf_ints(md, "lfm2.attention.head_count_kv")
+    if per_layer is None:
         raise ConfigError(f"{source}: GGUF metadata 'lfm2.attention.head_count_kv' must list each layer's KV heads "
                           "(0 on convolution layers)")
     heads = {x for x in per_layer if x}

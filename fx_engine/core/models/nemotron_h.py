@@ -20,8 +20,8 @@ import mlx.core as mx
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 from fx_engine.core.checkpoint import (Embedding, Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec,
                                        finish_experts, read_experts, read_tensors, renamed)
-from fx_engine.core.config import (BOOL, FLOAT, INT, BaseConfig, ConfigError, Field, gguf_hf_config, gguf_value,
-                                   listed_eos, positive_int, read_fields, trunk_layers)
+from fx_engine.core.config import (BOOL, FLOAT, INT, BaseConfig, ConfigError, Field, gguf_hf_config, gguf_ints,
+                                   gguf_value, listed_eos, positive_int, read_fields, trunk_layers)
 from fx_engine.core.models.blocks import Attention, attention_sizes, grouped_route, self_attention
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, head_logits
@@ -264,10 +264,9 @@ GGUF_TO_HF = (
 def _per_layer(md: dict[str, Any], key: str, n: int, source: str) -> list[int]:
     """A per-layer metadata array (one value repeated where the file stores a scalar), its
     first n entries (the trunk's: llama.cpp counts an MTP block after them)."""
-    v = md.get(key)
-    if v is None:
+    values = gguf_ints(md, key)
+    if values is None:
         raise ConfigError(f"{source}: GGUF metadata '{key}' is missing")
-    values = [int(x) for x in (v.tolist() if hasattr(v, "tolist") else v)] if not isinstance(v, int) else [v]
     values = values * n if len(values) == 1 else values
     if len(values) < n:
         raise ConfigError(f"{source}: GGUF metadata '{key}' has {len(values)} entries for {n} layers")
