@@ -117,6 +117,16 @@ def _add_tensor(w: Any, target: str, x: np.ndarray, q8: bool) -> None:
         w.add_tensor(target, np.ascontiguousarray(x))
 
 
+def _add_expert_stacks(add: Any, experts: dict[str, dict[int, np.ndarray]], hf_name: str, kind: Any) -> None:
+    """The per-expert matrices gathered under "layer.proj" keys as llama.cpp's stacked
+    blk.{i}.ffn_{kind(proj)}_exps tensors (experts in index order), through the writer's
+    `add(hf_name, target, array)`."""
+    for key, stack in sorted(experts.items()):
+        i, proj = key.split(".")
+        add(hf_name.format(i=i, proj=proj), f"blk.{i}.ffn_{kind(proj)}_exps.weight",
+            np.stack([stack[j] for j in sorted(stack)]))
+
+
 def _add_tokenizer(w: Any, folder: Path, eos: Any, bos: int | None) -> None:
     """The folder's byte-level BPE vocabulary, its BOS / EOS ids, add_bos_token and chat
     template as the GGUF tokenizer.* keys llama.cpp's converters write."""
@@ -358,10 +368,7 @@ def write_qwen3_next_gguf(folder: str | Path, out: str | Path, *, q8: Any = None
         if target is None:
             raise ValueError(f"no llama.cpp name for {name}")
         add(name, target, x)
-    for key, stack in sorted(experts.items()):
-        i, proj = key.split(".")
-        add(f"model.layers.{i}.mlp.experts.{proj}", f"blk.{i}.ffn_{proj.split('_')[0]}_exps.weight",
-            np.stack([stack[j] for j in sorted(stack)]))
+    _add_expert_stacks(add, experts, "model.layers.{i}.mlp.experts.{proj}", lambda proj: proj.split("_")[0])
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return out
 
@@ -558,9 +565,6 @@ def write_nemotron_h_gguf(folder: str | Path, out: str | Path, *, q8: Any = None
         if target is None:
             raise ValueError(f"no llama.cpp name for {name}")
         add(name, target, x)
-    for key, stack in sorted(experts.items()):
-        i, proj = key.split(".")
-        add(f"backbone.layers.{i}.mixer.experts.{proj}", f"blk.{i}.ffn_{proj}_exps.weight",
-            np.stack([stack[j] for j in sorted(stack)]))
+    _add_expert_stacks(add, experts, "backbone.layers.{i}.mixer.experts.{proj}", lambda proj: proj)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return out

@@ -19,7 +19,7 @@ import pytest
 import fx_engine
 from fx_engine.core.config import ConfigError
 from fx_engine.testing import write_tiny_model
-from tests.gguf_tokenizer import llama_cpp_logits
+from tests.gguf_tokenizer import assert_llama_cpp_logits, llama_cpp_logits
 
 gguf = pytest.importorskip("gguf")
 
@@ -99,8 +99,6 @@ def test_gguf_matches_llama_cpp(tmp_path, kind):
     tensors and runs the trunk alone). llama.cpp takes the value heads as wide as the key
     heads (ssm.state_size). Measured with llama-cpp-python 0.3.36: max |diff| 2e-4 of
     logits up to 2.7."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python (an optional peer) is not installed")
     sizes = {"linear_key_head_dim": 16, "linear_value_head_dim": 16}
     if kind == "qwen3_next":
         folder = write_tiny_model(tmp_path / "m", "qwen3_next", seed=3, **sizes)
@@ -108,11 +106,7 @@ def test_gguf_matches_llama_cpp(tmp_path, kind):
         from tests.engine.mtp_targets import write_qwen3_5_wrapper_target
 
         folder = write_qwen3_5_wrapper_target(tmp_path / "m", kind, seed=3, **sizes)
-    path = write_qwen3_next_gguf(folder, tmp_path / "m.gguf")
-    model = fx_engine.load(path)
-    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)[:48]
-    theirs, ours = llama_cpp_logits(path, ids, tmp_path / "l.npy"), np.asarray(fx_engine.logits(model, ids))
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3 * np.abs(theirs).max())
+    assert_llama_cpp_logits(write_qwen3_next_gguf(folder, tmp_path / "m.gguf"), tmp_path)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
