@@ -79,9 +79,9 @@ def test_refusals(tmp_path):
 @pytest.mark.parametrize("overrides", [NOPE, {}, {**NOPE, "num_local_experts": 0}])
 def test_llama_cpp_logits(tmp_path, overrides):
     """llama.cpp reads the same file to the same logits. Its graph asks for mixers twice as
-    wide as the model and one B/C group, as Granite 4.0's and Bamba's are (16 heads of 8
-    over a width of 64): with more groups llama.cpp normalizes the gated output per group,
-    where Hugging Face's and mlx-lm's Granite normalize its whole width."""
-    folder = write_tiny_model(tmp_path / "m", "granitemoehybrid", seed=3, mamba_n_heads=16, mamba_n_groups=1,
+    wide as the model, as Granite 4.0's and Bamba's are (16 heads of 8 over a width of 64);
+    two B/C groups, whose gated norm llama.cpp, Hugging Face and fx-engine run per group
+    (mlx-lm over the whole width)."""
+    folder = write_tiny_model(tmp_path / "m", "granitemoehybrid", seed=3, mamba_n_heads=16, mamba_n_groups=2,
                               **overrides)
     assert_llama_cpp_logits(write_granite_hybrid_gguf(folder, tmp_path / "m.gguf"), tmp_path)

@@ -5,13 +5,22 @@ mixer's recurrent state and the attention's K/V.
 
 muP multipliers: Hugging Face checkpoints keep them apart from the weights; mlx-lm folds
 them into the weights when it converts one (it detects an unconverted checkpoint by its
-[C, 1, K] conv weights), and so does this reader: the embedding, q/k/o, the mixer's in_proj
+[C, 1, K] conv weights), and so does this reader: the embedding, q/k/v/o, the mixer's in_proj
 (per block of rows: z, x, B, C, dt) and out_proj, the MLP's gate and down projections. The
 tied output head is then scaled by lm_head_multiplier / embedding_multiplier.
+
+Where mlx-lm parts from the model's reference (Hugging Face's FalconH1, which llama.cpp's
+converter and graph follow too), this reader follows the reference: k is scaled by
+key_multiplier (mlx-lm folds it into a `key_proj` tensor no checkpoint has, so its k runs
+unscaled), v by attention_in_multiplier (Hugging Face scales the attention's input), the
+mixer's gated norm runs per B/C group, and a config without mamba_norm_before_gate
+normalizes before the gate (Hugging Face's default). An already converted (mlx-lm) folder is
+read as its weights stand.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -39,6 +48,7 @@ class FalconH1Config(LlamaConfig):
     lm_head_multiplier: float = 1.0
     attention_in_multiplier: float = 1.0
     attention_out_multiplier: float = 1.0
+    key_multiplier: float = 1.0
     ssm_in_multiplier: float = 1.0
     ssm_out_multiplier: float = 1.0
     ssm_multipliers: tuple[float, ...] = (1.0,) * 5
@@ -46,7 +56,7 @@ class FalconH1Config(LlamaConfig):
 
 
 _MULTIPLIERS = ("embedding_multiplier", "lm_head_multiplier", "attention_in_multiplier", "attention_out_multiplier",
-                "ssm_in_multiplier", "ssm_out_multiplier")
+                "key_multiplier", "ssm_in_multiplier", "ssm_out_multiplier")
 # config.json's fields (read in this order; `read_fields`)
 _FIELDS = (
     Field("hidden_size"), Field("num_attention_heads"), Field("mamba_n_heads"), Field("mamba_d_head"),
@@ -66,13 +76,17 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> FalconH1Co
         raise ConfigError(f"{source}: mamba_d_ssm must equal mamba_n_heads * mamba_d_head")
     if bool(d.get("mamba_proj_bias", False)) != bool(d.get("projectors_bias", False)):
         raise ConfigError(f"{source}: mamba_proj_bias != projectors_bias is not supported")
-    if d.get("key_multiplier") not in (None,) and d.get("key_proj") is not None:
-        raise ConfigError(f"{source}: a separate key_proj is not supported")
     eps = f["rms_norm_eps"]
     mode = "gate" if not d.get("mamba_rms_norm", False) else (
-        "norm_gate" if d.get("mamba_norm_before_gate", False) else "gate_norm")
+        "norm_gate" if d.get("mamba_norm_before_gate", True) in (True, None) else "gate_norm")
+    lim = d.get("time_step_limit") or (0.0, math.inf)  # (Hugging Face's clamp of the time step)
+    try:
+        lo, hi = (float(v) for v in lim)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: time_step_limit must be a pair of numbers, got {lim!r}") from None
     mix = MixerDims(hidden=hidden, heads=mheads, head_dim=mhd, groups=f["mamba_n_groups"], state=f["mamba_d_state"],
-                    kernel=f["mamba_d_conv"], norm_eps=eps, norm_mode=mode)
+                    kernel=f["mamba_d_conv"], norm_eps=eps, norm_mode=mode, norm_groups=f["mamba_n_groups"],
+                    dt_min=lo, dt_max=hi)
     sm, mm = tuple(d.get("ssm_multipliers") or (1.0,) * 5), tuple(d.get("mlp_multipliers") or (1.0, 1.0))
     if len(sm) != 5 or len(mm) != 2:
         raise ConfigError(f"{source}: ssm_multipliers must have 5 entries and mlp_multipliers 2")
@@ -145,13 +159,14 @@ def hidden_to_logits(p: FalconH1Params, h: mx.array) -> mx.array:
     return stage_logits(p, h, logits)
 
 
-def _scaled(lin: Linear, s: Any) -> Linear:
-    """A dense Linear's rows times s (a number, or one per output row)."""
+def _scaled(lin: Linear, inp: float = 1.0, out: float = 1.0) -> Linear:
+    """A dense Linear for Hugging Face's `layer(x * inp) * out`: the weight times inp * out,
+    the bias times out."""
     if lin.quantized:
         raise ConfigError("falcon_h1: an unconverted checkpoint (multipliers not folded in) must be dense")
-    s = mx.array(s, mx.float32) if not isinstance(s, mx.array) else s
-    w = lin.weight.astype(mx.float32) * (s[:, None] if s.ndim else s)
-    return attrs.evolve(lin, weight=w.astype(lin.weight.dtype), origin=())  # no adapter may target it
+    w = (lin.weight.astype(mx.float32) * (inp * out)).astype(lin.weight.dtype)
+    b = None if lin.bias is None else (lin.bias.astype(mx.float32) * out).astype(lin.bias.dtype)
+    return attrs.evolve(lin, weight=w, bias=b, origin=())  # no adapter may target it
 
 
 # Each layer's norms from its tensors under model.layers.{i}. (`read_tensors`); its linears
@@ -168,14 +183,15 @@ def assemble(cfg: FalconH1Config, src: TensorSource, opts: LoadOptions) -> Falco
     fold = conv.shape[-1] > conv.shape[1]  # Hugging Face's [C, 1, K]: the multipliers are not in the weights
     if fold:  # the mixer's in_proj rows: z, x, B, C, dt blocks, each with its multiplier
         sizes = (mix.inner, mix.inner, mix.groups * mix.state, mix.groups * mix.state, mix.heads)
-        mup = mx.concatenate([mx.full((n,), m * cfg.ssm_in_multiplier) for n, m in zip(sizes, cfg.ssm_multipliers)])
-        src = _folded_mixers(src, mup, cfg.ssm_out_multiplier)
+        mup = mx.concatenate([mx.full((n,), m) for n, m in zip(sizes, cfg.ssm_multipliers)])
+        src = _folded_mixers(src, mup, cfg.ssm_in_multiplier, cfg.ssm_out_multiplier)
     rd = Reader(src, opts)
 
-    def lin(name: str, out_f: int, in_f: int, b: bool = False, mult: Any = None) -> Linear:
-        """A linear as stored, times its muP multiplier where the checkpoint has not folded it in."""
+    def lin(name: str, out_f: int, in_f: int, b: bool = False, inp: float = 1.0, out: float = 1.0) -> Linear:
+        """A linear as stored, with its muP multipliers (on its input, on its output) where
+        the checkpoint has not folded them in."""
         raw = rd.raw(name, out_f, in_f, b)
-        return _scaled(raw, mult) if fold and mult is not None else raw
+        return _scaled(raw, inp, out) if fold and (inp, out) != (1.0, 1.0) else raw
 
     def layer(i: int) -> FalconH1Layer:
         p = HF_LAYER.format(i=i)
@@ -184,33 +200,46 @@ def assemble(cfg: FalconH1Config, src: TensorSource, opts: LoadOptions) -> Falco
         return FalconH1Layer(
             **read_tensors(rd, NORMS, cfg, HF_LAYER, i),
             mamba=read_mixer(src, p + "mamba.", mix, opts, cfg.mamba_bias, cfg.conv_bias),
-            attn=Attention(qkv=rd.fused([lin(a + "q_proj", hq, hid, ab, ai), lin(a + "k_proj", hk, hid, ab, ai),
-                                         lin(a + "v_proj", hk, hid, ab)]),
-                           o=rd.finish(lin(a + "o_proj", hid, hq, ab, cfg.attention_out_multiplier))),
-            mlp=DenseMlp(gate_up=rd.fused([lin(f + "gate_proj", ff, hid, cfg.mlp_bias, cfg.mlp_multipliers[0]),
+            # (Hugging Face: the attention's input times attention_in_multiplier, k times
+            # key_multiplier, its output times attention_out_multiplier)
+            attn=Attention(qkv=rd.fused([lin(a + "q_proj", hq, hid, ab, inp=ai),
+                                         lin(a + "k_proj", hk, hid, ab, inp=ai, out=cfg.key_multiplier),
+                                         lin(a + "v_proj", hk, hid, ab, inp=ai)]),
+                           o=rd.finish(lin(a + "o_proj", hid, hq, ab, out=cfg.attention_out_multiplier))),
+            mlp=DenseMlp(gate_up=rd.fused([lin(f + "gate_proj", ff, hid, cfg.mlp_bias, out=cfg.mlp_multipliers[0]),
                                            lin(f + "up_proj", ff, hid, cfg.mlp_bias)]),
-                         down=rd.finish(lin(f + "down_proj", hid, ff, cfg.mlp_bias, cfg.mlp_multipliers[1]))))
+                         down=rd.finish(lin(f + "down_proj", hid, ff, cfg.mlp_bias, out=cfg.mlp_multipliers[1]))))
 
     head = None
     if not cfg.tie_word_embeddings:
-        head = rd.finish(lin("lm_head", cfg.vocab_size, hid, False, cfg.lm_head_multiplier))
+        head = rd.finish(lin("lm_head", cfg.vocab_size, hid, False, out=cfg.lm_head_multiplier))
     return FalconH1Params(
-        embed=rd.finish(lin("model.embed_tokens", cfg.vocab_size, hid, False, cfg.embedding_multiplier), table=True),
+        embed=rd.finish(lin("model.embed_tokens", cfg.vocab_size, hid, False, out=cfg.embedding_multiplier),
+                        table=True),
         layers=tuple(layer(i) for i in range(cfg.num_layers)), norm=rd.vec("model.final_layernorm.weight", hid),
         lm_head=head, config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
 
 
-def _folded_mixers(src: TensorSource, mup: mx.array, out_mult: float) -> TensorSource:
-    """A copy of `src` (the same arrays) whose mixers' in_proj rows and out_proj carry
-    their multipliers (an unconverted checkpoint, dense)."""
+def _folded_mixers(src: TensorSource, mup: mx.array, ssm_in: float, ssm_out: float) -> TensorSource:
+    """A copy of `src` (the same arrays) whose mixers carry their multipliers (an unconverted
+    checkpoint, dense), as Hugging Face runs them: in_proj(x * ssm_in) * mup (per row: the z,
+    x, B, C, dt blocks), out_proj(y) * ssm_out."""
     out = TensorSource()
     out.tensors, out.origin = dict(src.tensors), src.origin
     for name, w in src.tensors.items():
-        if name.endswith("mamba.in_proj.weight") or name.endswith("mamba.out_proj.weight"):
-            if w.dtype == mx.uint32:
-                raise ConfigError("falcon_h1: an unconverted checkpoint (multipliers not folded in) must be dense")
-            s = mup[:, None] if name.endswith("in_proj.weight") else out_mult
-            out.tensors[name] = (w.astype(mx.float32) * s).astype(w.dtype)
+        kind = next((k for k in ("in_proj", "out_proj") if name.endswith(f"mamba.{k}.weight")
+                     or name.endswith(f"mamba.{k}.bias")), None)
+        if kind is None:
+            continue
+        if w.dtype == mx.uint32:
+            raise ConfigError("falcon_h1: an unconverted checkpoint (multipliers not folded in) must be dense")
+        weight = name.endswith(".weight")
+        if kind == "in_proj":
+            s = mup * (ssm_in if weight else 1.0)
+            s = s[:, None] if weight else s
+        else:
+            s = ssm_out
+        out.tensors[name] = (w.astype(mx.float32) * s).astype(w.dtype)
     return out
 
 
@@ -227,8 +256,12 @@ def checkpoint_layout(cfg: FalconH1Config) -> dict[str, TensorSpec]:
         out.update(mixer_layout(p + "mamba.", cfg.mixer, cfg.mamba_bias, cfg.conv_bias))
         for n, shape in (("q_proj", (hq, hid)), ("k_proj", (hk, hid)), ("v_proj", (hk, hid)), ("o_proj", (hid, hq))):
             out[p + "self_attn." + n + ".weight"] = TensorSpec(shape)
+            if cfg.qkv_bias:
+                out[p + "self_attn." + n + ".bias"] = TensorSpec(shape[:1], scale=0.05)
         for n, shape in (("gate_proj", (ff, hid)), ("up_proj", (ff, hid)), ("down_proj", (hid, ff))):
             out[p + "feed_forward." + n + ".weight"] = TensorSpec(shape)
+            if cfg.mlp_bias:
+                out[p + "feed_forward." + n + ".bias"] = TensorSpec(shape[:1], scale=0.05)
     return out
 
 
@@ -242,7 +275,10 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5, "attention_in_multiplier": 1.0,
             "attention_out_multiplier": 0.9375, "ssm_in_multiplier": 1.25,
             "ssm_multipliers": [0.35, 0.25, 0.35, 0.5, 0.35], "ssm_out_multiplier": 0.24,
-            "mlp_multipliers": [0.88, 0.59], "key_multiplier": 0.39, "bos_token_id": 1, "eos_token_id": 2,
+            "mlp_multipliers": [0.88, 0.59], "bos_token_id": 1, "eos_token_id": 2,
+            # key_multiplier 1, one group: where mlx-lm (the registry's parity oracle) parts from
+            # Hugging Face (tests/models/test_ssm_reference.py checks other values)
+            "key_multiplier": 1.0,
             **overrides}
 
 def layer_range(p: FalconH1Params, start: int, end: int) -> FalconH1Params:

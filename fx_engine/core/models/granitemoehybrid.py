@@ -1,7 +1,11 @@
 """Granite 4.0 hybrid (`granitemoehybrid`): Mamba-2 mixers and attention layers (`layer_types`),
 each followed by routed SwiGLU experts plus a shared MLP (or one dense MLP), with Granite's
 embedding / attention / residual / logits multipliers; following mlx-lm 0.32's
-granitemoehybrid.py (the parity oracle). It falls out of the blocks the other families
+granitemoehybrid.py (the parity oracle), except that the mixers' gated norm runs per B/C
+group, as Hugging Face's GraniteMoeHybrid and Bamba (transformers 5's
+GraniteMoeHybridRMSNormGated, group_size = intermediate / n_groups) and llama.cpp run it
+(mlx-lm normalizes the whole width: the same at n_groups = 1, the published checkpoints'
+value). It falls out of the blocks the other families
 already have: `ssm.mixer`, the Llama family's attention (`attention_multiplier` as its
 scale, RoPE or none), and `blocks.mixture` (top-k logits, then a softmax over them; the shared
 MLP added ungated).
@@ -72,7 +76,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GraniteHyb
         m = read_fields(d, _MAMBA_FIELDS, source)
         mix = MixerDims(hidden=hidden, heads=m["mamba_n_heads"], head_dim=m["mamba_d_head"],
                         groups=m["mamba_n_groups"], state=m["mamba_d_state"], kernel=m["mamba_d_conv"],
-                        dt_min=float(lim[0]), dt_max=float(lim[1]), norm_eps=eps)
+                        dt_min=float(lim[0]), dt_max=float(lim[1]), norm_eps=eps,
+                        norm_groups=m["mamba_n_groups"])
     inter = f["intermediate_size"]
     return GraniteHybridConfig(
         model_type="granitemoehybrid", vocab_size=f["vocab_size"], hidden_size=hidden, num_layers=len(types),
@@ -320,7 +325,10 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "residual_multiplier": 0.25, "layer_types": ["mamba", "attention", "mamba", "mamba"],
             "rms_norm_eps": 1e-5, "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 64,
             "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_proj_bias": False, "mamba_d_state": 16,
-            "mamba_d_conv": 4, "mamba_n_groups": 2, "mamba_conv_bias": True, "position_embedding_type": "rope",
+            "mamba_d_conv": 4, "mamba_conv_bias": True, "position_embedding_type": "rope",
+            # one group: mlx-lm (the registry's parity oracle) normalizes the whole width
+            # (tests/models/test_ssm_reference.py checks grouped norms)
+            "mamba_n_groups": 1,
             "tie_word_embeddings": True, "rope_theta": 10000.0, "time_step_limit": [0.001, 100.0],
             "bos_token_id": 1, "eos_token_id": 2, **overrides}
 

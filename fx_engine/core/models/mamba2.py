@@ -1,4 +1,8 @@
-"""Mamba-2 (`mamba2`), following mlx-lm 0.32's mamba2.py + ssm.py (the parity oracle).
+"""Mamba-2 (`mamba2`), following mlx-lm 0.32's mamba2.py + ssm.py (the parity oracle), except
+where mlx-lm parts from the model's reference: the gated norm runs per B/C group (n_groups
+groups of intermediate_size / n_groups channels), as Hugging Face's Mamba2 (transformers 5's
+Mamba2RMSNormGated), the original mamba_ssm and llama.cpp run it; mlx-lm normalizes the
+whole width, which agrees only at n_groups = 1 (Mamba-Codestral-7B has 8 groups).
 
 Every layer is `h = h + mixer(rms_norm(h))` (the block norm with eps 1e-5, as mlx-lm and
 Hugging Face's Mamba2 build it, whatever layer_norm_epsilon says); no attention, no MLP.
@@ -71,7 +75,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Mamba2Conf
     lo, hi = _limits(d, source)
     state = positive_int(d.get("ssm_state_size") or required(d, "state_size", source), "state_size", source)
     mix = MixerDims(hidden=f["hidden_size"], heads=heads, head_dim=f["head_dim"], groups=groups, state=state,
-                    kernel=f["conv_kernel"], dt_min=lo, dt_max=hi, norm_eps=eps)
+                    kernel=f["conv_kernel"], dt_min=lo, dt_max=hi, norm_eps=eps, norm_groups=groups)
     if mix.kernel < 2:
         raise ConfigError(f"{source}: conv_kernel must be >= 2")
     return Mamba2Config(
@@ -144,7 +148,10 @@ def layer_range(p: Mamba2Params, start: int, end: int) -> Mamba2Params:
 def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
     return {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "vocab_size": 384,
             "hidden_size": 64, "num_hidden_layers": 3, "num_heads": 8, "head_dim": 16,
-            "intermediate_size": 128, "state_size": 16, "n_groups": 2, "conv_kernel": 4,
+            "intermediate_size": 128, "state_size": 16, "conv_kernel": 4,
+            # one group: mlx-lm (the registry's parity oracle) normalizes the whole width;
+            # grouped norms are checked against a reference in tests/models/test_ssm_reference.py
+            "n_groups": 1,
             "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True,
             "tie_word_embeddings": False, "time_step_limit": [0.0, 100.0], "time_step_rank": "auto",
             "bos_token_id": 1, "eos_token_id": 2, **overrides}
