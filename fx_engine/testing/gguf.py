@@ -22,7 +22,9 @@ Qwen3.5 multimodal wrapper's; its MTP module) as convert_hf_to_gguf.py's Qwen3Ne
 Qwen3_5TextModel / Qwen3_5MoeTextModel write it (see its docstring). `write_lfm2_gguf`: an
 LFM2 folder as its LFM2Model writes it; `write_granite_hybrid_gguf`: a Granite 4.0 hybrid
 folder as its GraniteHybridModel writes it (the Mamba-2 mixers as its Mamba2Model does);
-`write_nemotron_h_gguf`: a Nemotron-H folder as its NemotronHModel writes it.
+`write_nemotron_h_gguf`: a Nemotron-H folder as its NemotronHModel writes it;
+`write_mamba2_gguf` / `write_falcon_h1_gguf`: a Mamba-2 / Falcon-H1 folder as its
+Mamba2Model / FalconH1Model writes it (Falcon-H1's multipliers folded into the tensors).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["add_bpe_tokenizer", "write_gemma_gguf", "write_granite_hybrid_gguf", "write_lfm2_gguf", "write_llama_gguf",
-           "write_nemotron_h_gguf", "write_qwen2vl_gguf", "write_qwen3_next_gguf", "write_qwen3vl_gguf"]
+__all__ = ["add_bpe_tokenizer", "write_falcon_h1_gguf", "write_gemma_gguf", "write_granite_hybrid_gguf", "write_lfm2_gguf",
+           "write_llama_gguf", "write_mamba2_gguf", "write_nemotron_h_gguf", "write_qwen2vl_gguf", "write_qwen3_next_gguf",
+           "write_qwen3vl_gguf"]
 
 _GEMMA_NAMES = (
     (r"^(language_model\.)?model\.embed_tokens\.", "token_embd."), (r"^(language_model\.)?model\.norm\.", "output_norm."),
@@ -567,4 +570,95 @@ def write_nemotron_h_gguf(folder: str | Path, out: str | Path, *, q8: Any = None
         add(name, target, x)
     _add_expert_stacks(add, experts, "backbone.layers.{i}.mixer.experts.{proj}", lambda proj: proj)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return out
+
+
+def _folder_tensors(folder: Path) -> dict[str, np.ndarray]:
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update({k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(f)).items()})
+    return tensors
+
+
+def _write_named(w: Any, names: Any, tensors: dict[str, np.ndarray], groups: int, q8: Any) -> None:
+    """Each (Hugging Face name, array) as the Mamba-2 converters write it (`_mamba2_tensor`)
+    under gguf-py's name for it; q8(hf_name, array) -> True: that matrix as Q8_0."""
+    for name, x in sorted(tensors.items()):
+        name, x = _mamba2_tensor(name, x, groups)
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise ValueError(f"no llama.cpp name for {name}")
+        _add_tensor(w, target, x, q8 is not None and q8(name, x))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+
+def write_mamba2_gguf(folder: str | Path, out: str | Path, *, q8: Any = None) -> Path:
+    """A Mamba-2 folder as convert_hf_to_gguf.py's Mamba2Model writes it (architecture mamba2):
+    the ssm.* sizes (time_step_rank: inner / head_dim, the heads), head_count and
+    feed_forward_length 0, one RMS eps, the mixers' tensors (`_mamba2_tensor`), the head
+    only where the folder has one. The vocabulary must be a multiple of 16 (the converter
+    pads the token list to one)."""
+    import gguf
+
+    folder, out = Path(folder), Path(out)
+    cfg = json.loads((folder / "config.json").read_text())
+    if cfg["vocab_size"] % 16:
+        raise ValueError("write_mamba2_gguf: a vocabulary that is a multiple of 16 (the converter pads to one)")
+    n, inner = cfg["num_hidden_layers"], cfg["num_heads"] * cfg["head_dim"]
+    w = gguf.GGUFWriter(str(out), "mamba2")
+    for key, value in (("context_length", 2**20), ("embedding_length", cfg["hidden_size"]),
+                       ("feed_forward_length", 0), ("attention.head_count", 0), ("block_count", n),
+                       ("ssm.conv_kernel", cfg["conv_kernel"]), ("ssm.inner_size", inner),
+                       ("ssm.state_size", cfg["state_size"]), ("ssm.time_step_rank", inner // cfg["head_dim"]),
+                       ("ssm.group_count", cfg["n_groups"])):
+        w.add_uint32(f"mamba2.{key}", value)
+    w.add_float32("mamba2.attention.layer_norm_rms_epsilon", float(cfg["layer_norm_epsilon"]))
+    _add_tokenizer(w, folder, cfg["eos_token_id"], cfg.get("bos_token_id"))
+    _write_named(w, gguf.get_tensor_name_map(gguf.MODEL_ARCH.MAMBA2, n), _folder_tensors(folder), cfg["n_groups"], q8)
+    return out
+
+
+def write_falcon_h1_gguf(folder: str | Path, out: str | Path, *, q8: Any = None) -> Path:
+    """A Falcon-H1 folder as convert_hf_to_gguf.py's FalconH1Model writes it (architecture
+    falcon-h1): the attention's sizes, the mixers' ssm.* sizes, the mixers' tensors as its
+    Mamba2Model writes them, q/k unpermuted, and the muP multipliers folded into the tensors
+    by the name they contain: embed_tokens and lm_head, q / v (attention_in_multiplier), k
+    (times key_multiplier too), o_proj, the mixers' in_proj (ssm_in_multiplier, then the z,
+    x, B, C, dt row blocks' ssm_multipliers) and out_proj, the MLP's gate and down. (The
+    converter scales a bias as its weight, and cannot write an in_proj bias: refused.)"""
+    import gguf
+
+    folder, out = Path(folder), Path(out)
+    cfg = json.loads((folder / "config.json").read_text())
+    n, arch = cfg["num_hidden_layers"], "falcon-h1"
+    inner, gn = cfg["mamba_d_ssm"], cfg["mamba_n_groups"] * cfg["mamba_d_state"]
+    ai, (gm, dm), zx = cfg["attention_in_multiplier"], cfg["mlp_multipliers"], cfg["ssm_multipliers"]
+    tensors = _folder_tensors(folder)
+    for name, x in tensors.items():
+        if "in_proj" in name and x.ndim == 1:
+            raise ValueError("write_falcon_h1_gguf: the converter cannot write an in_proj bias")
+        scale = next((s for key, s in (("down_proj", dm), ("gate_proj", gm), ("k_proj", cfg["key_multiplier"] * ai),
+                                       ("q_proj", ai), ("v_proj", ai), ("o_proj", cfg["attention_out_multiplier"]),
+                                       ("out_proj", cfg["ssm_out_multiplier"]), ("in_proj", cfg["ssm_in_multiplier"]),
+                                       ("lm_head", cfg["lm_head_multiplier"]),
+                                       ("embed_tokens", cfg["embedding_multiplier"])) if key in name), 1.0)
+        x = x * scale
+        if "in_proj" in name:  # the z, x, B, C, dt row blocks
+            bounds = (0, inner, 2 * inner, 2 * inner + gn, 2 * inner + 2 * gn, x.shape[0])
+            x = np.concatenate([x[a:b] * m for a, b, m in zip(bounds, bounds[1:], zx)])
+        tensors[name] = x
+    w = gguf.GGUFWriter(str(out), arch)
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", cfg["hidden_size"]),
+                       ("block_count", n), ("feed_forward_length", cfg["intermediate_size"]),
+                       ("attention.head_count", cfg["num_attention_heads"]),
+                       ("attention.head_count_kv", cfg["num_key_value_heads"]),
+                       ("attention.key_length", cfg["head_dim"]), ("attention.value_length", cfg["head_dim"]),
+                       ("ssm.conv_kernel", cfg["mamba_d_conv"]), ("ssm.inner_size", inner),
+                       ("ssm.state_size", cfg["mamba_d_state"]), ("ssm.time_step_rank", inner // cfg["mamba_d_head"]),
+                       ("ssm.group_count", cfg["mamba_n_groups"]), ("vocab_size", cfg["vocab_size"])):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]))
+    w.add_float32(f"{arch}.rope.freq_base", float(cfg["rope_theta"]))
+    _add_tokenizer(w, folder, cfg["eos_token_id"], cfg.get("bos_token_id"))
+    _write_named(w, gguf.get_tensor_name_map(gguf.MODEL_ARCH.FALCON_H1, n), tensors, cfg["mamba_n_groups"], q8)
     return out

@@ -16,6 +16,12 @@ unscaled), v by attention_in_multiplier (Hugging Face scales the attention's inp
 mixer's gated norm runs per B/C group, and a config without mamba_norm_before_gate
 normalizes before the gate (Hugging Face's default). An already converted (mlx-lm) folder is
 read as its weights stand.
+
+GGUF: llama.cpp's falcon-h1 files (`config_from_gguf`, `assemble_gguf`), whose converter
+(FalconH1Model) folds the multipliers into the tensors as Hugging Face runs them (except a
+tied head: without an output tensor llama.cpp's logits are the scaled embedding's, and so
+are fx-engine's from the file), and runs the mixers' gated norm after the gate whatever
+mamba_norm_before_gate said (its graph has no other order; the file does not say).
 """
 
 from __future__ import annotations
@@ -27,13 +33,16 @@ import attrs
 import mlx.core as mx
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
-from fx_engine.core.checkpoint import LoadOptions, Reader, TensorSource, TensorSpec, Vec, read_tensors
-from fx_engine.core.config import BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, listed_eos, positive_int, read_fields
+from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, Reader, TensorSource, TensorSpec, Vec, read_tensors,
+                                       renamed)
+from fx_engine.core.config import (BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, gguf_hf_config, gguf_value, listed_eos,
+                                   positive_int, read_fields)
 from fx_engine.core.models.blocks import HF_LAYER, Attention, DenseMlp, rope_in, self_attention, swiglu_mlp
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, stage_logits
-from fx_engine.core.models.ssm import MixerDims, MixerParams, mixer, mixer_layout, read_mixer
+from fx_engine.core.models.ssm import (MixerDims, MixerParams, gguf_mixer_names, gguf_mixer_source, mixer, mixer_layout,
+                                       read_mixer)
 from fx_engine.core.nn import Linear, linear, rms_norm
 from fx_engine.core.splits import head_range, split_attention, split_head, split_mixer, split_mlp
 
@@ -243,6 +252,52 @@ def _folded_mixers(src: TensorSource, mup: mx.array, ssm_in: float, ssm_out: flo
     return out
 
 
+# llama.cpp's names (convert_hf_to_gguf.py's FalconH1Model: Mamba2Model's mixers, q/k not
+# permuted: Falcon-H1 rotates halves) -> Hugging Face's. The MLP's norm is blk.N.ffn_norm
+# with no .weight (gguf-py maps the whole name pre_ff_layernorm.weight; llama.cpp's loader
+# asks for it so)
+GGUF_TO_HF = (
+    *gguf_mixer_names("mamba"), (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm(\.weight)?$", ".pre_ff_layernorm.weight"),
+    (r"\.ffn_(gate|up|down)\.", r".feed_forward.\1_proj."), (r"^output_norm\.", "model.final_layernorm."),
+    *GGUF_COMMON_NAMES,
+)
+
+
+def config_from_gguf(md: dict[str, Any], source: str) -> FalconH1Config:
+    """Falcon-H1 from llama.cpp's falcon-h1 metadata: the attention's sizes, the mixers'
+    ssm.* sizes (time_step_rank: the mixers' heads); the multipliers are in the tensors
+    (1 here), the time step unclamped (llama.cpp's scan)."""
+    arch = "falcon-h1"
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, arch, key, source, default)
+
+    d = gguf_hf_config(md, arch, source, "falcon_h1", rope_theta=1e11)
+    inner, heads = int(val("ssm.inner_size")), int(val("ssm.time_step_rank"))
+    if not heads or inner % heads:
+        raise ConfigError(f"{source}: {arch}.ssm.inner_size ({inner}) is not a multiple of "
+                          f"{arch}.ssm.time_step_rank ({heads}, the mixers' heads)")
+    d.update(mamba_d_ssm=inner, mamba_n_heads=heads, mamba_d_head=inner // heads,
+             mamba_n_groups=int(val("ssm.group_count", 1) or 1), mamba_d_state=int(val("ssm.state_size")),
+             mamba_d_conv=int(val("ssm.conv_kernel")), mamba_rms_norm=True, mamba_norm_before_gate=False)
+    return config_from_hf(d, source)
+
+
+def assemble_gguf(cfg: FalconH1Config, src: TensorSource, opts: LoadOptions) -> FalconH1Params:
+    """Params from llama.cpp's tensors (the multipliers already in them): the mixers' vectors
+    reshaped (`ssm.gguf_mixer_source`); the gated norm, the biases and the tied head as the
+    tensors say; the vocabulary the embedding's rows."""
+    src = gguf_mixer_source(renamed(src, GGUF_TO_HF))
+    p = "model.layers.0."
+    mix = attrs.evolve(cfg.mixer, norm_mode="gate_norm" if src.has(p + "mamba.norm.weight") else "gate")
+    cfg = attrs.evolve(cfg, mixer=mix, tie_word_embeddings=not src.has("lm_head.weight"),
+                       vocab_size=int(src.get("model.embed_tokens.weight").shape[0]),
+                       qkv_bias=src.has(p + "self_attn.q_proj.bias"), mlp_bias=src.has(p + "feed_forward.gate_proj.bias"),
+                       mamba_bias=src.has(p + "mamba.in_proj.bias"), conv_bias=src.has(p + "mamba.conv1d.bias"))
+    return assemble(cfg, src, opts)
+
+
 def checkpoint_layout(cfg: FalconH1Config) -> dict[str, TensorSpec]:
     hid, d = cfg.hidden_size, cfg.head_dim
     hq, hk, ff = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
@@ -307,4 +362,5 @@ FAMILY = Family(
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,
+    gguf_architectures=("falcon-h1",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )

@@ -4,10 +4,14 @@ groups of intermediate_size / n_groups channels), as Hugging Face's Mamba2 (tran
 Mamba2RMSNormGated), the original mamba_ssm and llama.cpp run it; mlx-lm normalizes the
 whole width, which agrees only at n_groups = 1 (Mamba-Codestral-7B has 8 groups).
 
-Every layer is `h = h + mixer(rms_norm(h))` (the block norm with eps 1e-5, as mlx-lm and
-Hugging Face's Mamba2 build it, whatever layer_norm_epsilon says); no attention, no MLP.
-The mixer, its equations and its cache (conv inputs and the SSM state, fixed sizes) are
-core/models/ssm.py's, shared with the hybrid families.
+Every layer is `h = h + mixer(rms_norm(h))` (the block norm with layer_norm_epsilon, as
+Hugging Face's Mamba2Block and llama.cpp build it; mlx-lm's is 1e-5 whatever the config
+says); no attention, no MLP. The mixer, its equations and its cache (conv inputs and the SSM
+state, fixed sizes) are core/models/ssm.py's, shared with the hybrid families.
+
+GGUF: llama.cpp's mamba2 files (`config_from_gguf`, `assemble_gguf`: Mamba2Model's
+conversion: ssm.* sizes, the decay stored as -exp(A_log), D and the grouped norm reshaped,
+the conv squeezed, the tied head omitted or not as the tensors say).
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ import attrs
 import mlx.core as mx
 
 from fx_engine.core.cache import KVCache, LayerSpec
-from fx_engine.core.checkpoint import Embedding, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec, read_tensors
-from fx_engine.core.config import BOOL, FLOAT, BaseConfig, ConfigError, Field, listed_eos, positive_int, read_fields, required
+from fx_engine.core.checkpoint import (Embedding, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec, read_tensors,
+                                       renamed)
+from fx_engine.core.config import (BOOL, FLOAT, BaseConfig, ConfigError, Field, gguf_hf_config, gguf_value, listed_eos,
+                                   positive_int, read_fields, required)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, head_logits
-from fx_engine.core.models.ssm import MixerDims, MixerParams, conv_weight, mixer, mixer_layout, read_mixer
+from fx_engine.core.models.ssm import (MixerDims, MixerParams, conv_weight, gguf_mixer_names, gguf_mixer_source, mixer,
+                                       mixer_layout, read_mixer)
 from fx_engine.core.nn import rms_norm
 from fx_engine.core.splits import split_head, split_mixer
 
@@ -81,7 +88,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Mamba2Conf
     return Mamba2Config(
         model_type="mamba2", vocab_size=f["vocab_size"], hidden_size=f["hidden_size"],
         num_layers=f["num_hidden_layers"], num_heads=heads, num_kv_heads=heads, head_dim=mix.head_dim,
-        intermediate_size=mix.inner, rms_norm_eps=eps, mixer=mix, tie_word_embeddings=f["tie_word_embeddings"],
+        intermediate_size=mix.inner, rms_norm_eps=eps, block_norm_eps=eps, mixer=mix,
+        tie_word_embeddings=f["tie_word_embeddings"],
         bos_token_id=d.get("bos_token_id"), eos_token_ids=listed_eos(d),
     )
 
@@ -129,6 +137,47 @@ def assemble(cfg: Mamba2Config, src: TensorSource, opts: LoadOptions) -> Mamba2P
                         config=cfg, numerics=opts.numerics, dtype=opts.dtype_name)
 
 
+# llama.cpp's names (convert_hf_to_gguf.py's Mamba2Model) -> Hugging Face's
+GGUF_TO_HF = (
+    (r"^blk\.(\d+)\.attn_norm\.", r"backbone.layers.\1.norm."), *gguf_mixer_names("mixer"),
+    (r"^blk\.(\d+)\.", r"backbone.layers.\1."), (r"^token_embd\.", "backbone.embeddings."),
+    (r"^output_norm\.", "backbone.norm_f."), (r"^output\.", "lm_head."),
+)
+
+
+def config_from_gguf(md: dict[str, Any], source: str) -> Mamba2Config:
+    """Mamba-2 from llama.cpp's mamba2 metadata: the mixers' ssm.* sizes (time_step_rank: the
+    heads), one norm eps for the blocks, the mixers and the final norm (as llama.cpp runs
+    them); no time-step clamp (llama.cpp's scan has none)."""
+    arch = "mamba2"
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, arch, key, source, default)
+
+    inner, heads = int(val("ssm.inner_size")), int(val("ssm.time_step_rank"))
+    if not heads or inner % heads:
+        raise ConfigError(f"{source}: {arch}.ssm.inner_size ({inner}) is not a multiple of "
+                          f"{arch}.ssm.time_step_rank ({heads}, the mixers' heads)")
+    d = gguf_hf_config(md, arch, source, "mamba2", ffn=False)  # (head_count: 0, unused)
+    return config_from_hf({
+        "model_type": "mamba2", "hidden_size": d["hidden_size"], "num_hidden_layers": d["num_hidden_layers"],
+        "num_heads": heads, "head_dim": inner // heads, "n_groups": int(val("ssm.group_count", 1) or 1),
+        "state_size": int(val("ssm.state_size")), "conv_kernel": int(val("ssm.conv_kernel")),
+        "vocab_size": d["vocab_size"] or 1, "layer_norm_epsilon": d["rms_norm_eps"],
+        "bos_token_id": d["bos_token_id"], "eos_token_id": d["eos_token_id"],
+    }, source)
+
+
+def assemble_gguf(cfg: Mamba2Config, src: TensorSource, opts: LoadOptions) -> Mamba2Params:
+    """Params from llama.cpp's tensors: the mixers' vectors reshaped (`ssm.gguf_mixer_source`),
+    the head tied where the file has no output tensor, the vocabulary the embedding's rows
+    (the converter pads the token list)."""
+    src = gguf_mixer_source(renamed(src, GGUF_TO_HF))
+    cfg = attrs.evolve(cfg, tie_word_embeddings=not src.has("lm_head.weight"),
+                       vocab_size=int(src.get("backbone.embeddings.weight").shape[0]))
+    return assemble(cfg, src, opts)
+
+
 def checkpoint_layout(cfg: Mamba2Config) -> dict[str, TensorSpec]:
     h = cfg.hidden_size
     out = {"backbone.embeddings.weight": TensorSpec((cfg.vocab_size, h), scale=0.5),
@@ -174,4 +223,5 @@ FAMILY = Family(
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,
+    gguf_architectures=("mamba2",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )
