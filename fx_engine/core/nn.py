@@ -656,6 +656,8 @@ def scaled_rope_mscale(scaling: dict, max_position_embeddings: int) -> float:
         def get(m: float) -> float:
             return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1.0
 
+        if scaling.get("attention_factor") is not None:  # (Hugging Face: a given factor wins)
+            return float(scaling["attention_factor"])
         return get(float(scaling.get("mscale", 1))) / get(float(scaling.get("mscale_all_dim", 0)))
     if kind == "longrope":
         orig = float(scaling["original_max_position_embeddings"])
@@ -697,8 +699,10 @@ def scaled_rope_freqs(scaling: dict, dims: int, base: float) -> mx.array | None:
     def correction_dim(rotations: float) -> float:
         return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), d - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True) is not False:  # (gpt-oss: False, as OpenAI's and Hugging Face's code run it)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
     if low == high:
         high += 0.001  # as mlx-lm: no division by zero
     ramp = mx.clip((mx.arange(d // 2, dtype=mx.float32) - low) / (high - low), 0, 1)

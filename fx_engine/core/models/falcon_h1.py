@@ -87,7 +87,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> FalconH1Co
         raise ConfigError(f"{source}: mamba_proj_bias != projectors_bias is not supported")
     eps = f["rms_norm_eps"]
     mode = "gate" if not d.get("mamba_rms_norm", False) else (
-        "norm_gate" if d.get("mamba_norm_before_gate", True) in (True, None) else "gate_norm")
+        "norm_gate" if bool(d.get("mamba_norm_before_gate", True)) else "gate_norm")
     lim = d.get("time_step_limit") or (0.0, math.inf)  # (Hugging Face's clamp of the time step)
     try:
         lo, hi = (float(v) for v in lim)

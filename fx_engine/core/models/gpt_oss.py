@@ -211,7 +211,9 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "rope_theta": 150000.0, "max_position_embeddings": 4096, "sliding_window": 16,
             "num_local_experts": 8, "num_experts_per_tok": 2, "swiglu_limit": 7.0,
             "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                             "original_max_position_embeddings": 256, "truncate": False},
+                             # (published: "truncate": false, which mlx-lm, the registry's parity
+                             # oracle, does not read; tests/models/test_rope_reference.py checks it)
+                             "original_max_position_embeddings": 256, "truncate": True},
             "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, **overrides}
 
 

@@ -1,0 +1,68 @@
+"""Scaled RoPE against references written from Hugging Face's rope code (transformers 5.25
+modeling_rope_utils.py), in float64 numpy, where mlx-lm (the registry's parity oracle) runs
+otherwise: YaRN's `truncate` (gpt-oss's published configs say false: the correction range
+is not rounded to whole dims, as OpenAI's reference code runs it) and a given
+`attention_factor`."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import fx_engine
+from fx_engine.core.nn import scaled_rope_freqs, scaled_rope_mscale
+from fx_engine.testing import write_tiny_model
+
+
+def yarn_inv_freq(scaling: dict, dim: int, base: float) -> np.ndarray:
+    """Hugging Face's _compute_yarn_parameters' inverse frequencies."""
+    factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def corr(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr(beta_fast), corr(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
+    extra_factor = 1 - ramp
+    pos = base ** (np.arange(0, dim, 2) / dim)
+    return (1 / (factor * pos)) * (1 - extra_factor) + (1 / pos) * extra_factor
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+@pytest.mark.parametrize("dim,base,orig,factor", [(64, 150000.0, 4096, 32.0), (16, 150000.0, 256, 8.0),
+                                                  (128, 10000.0, 4096, 4.0)])
+def test_yarn_frequencies(truncate, dim, base, orig, factor):
+    scaling = {"rope_type": "yarn", "factor": factor, "beta_fast": 32.0, "beta_slow": 1.0,
+               "original_max_position_embeddings": orig, "truncate": truncate}
+    got = 1.0 / np.asarray(scaled_rope_freqs(scaling, dim, base), np.float64)
+    np.testing.assert_allclose(got, yarn_inv_freq(scaling, dim, base), rtol=2e-6)
+
+
+def test_gpt_oss_reads_truncate_false(tmp_path):
+    """gpt-oss's published rope_scaling (truncate false) reaches the model's rotation: its
+    periods are Hugging Face's, and differ from the truncated ones (mlx-lm's)."""
+    from fx_engine.core.models.gpt_oss import tiny_config
+
+    scaling = {**tiny_config("gpt_oss", {})["rope_scaling"], "truncate": False}
+    model = fx_engine.load(write_tiny_model(tmp_path / "m", "gpt_oss", rope_scaling=scaling))
+    got = 1.0 / np.asarray(model.params.rope_freqs, np.float64)
+    np.testing.assert_allclose(got, yarn_inv_freq(scaling, 16, 150000.0), rtol=2e-6)
+    assert not np.allclose(got, yarn_inv_freq({**scaling, "truncate": True}, 16, 150000.0), rtol=1e-3)
+
+
+def test_yarn_attention_factor():
+    """A given attention_factor is the scale (Hugging Face); else 0.1 ln(factor) + 1, or the
+    ratio of the two mscales where both are given."""
+    base = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
+    assert scaled_rope_mscale({**base, "attention_factor": 1.25}, 131072) == 1.25
+    assert scaled_rope_mscale(base, 131072) == pytest.approx(0.1 * math.log(32) + 1)
+    both = {**base, "mscale": 0.707, "mscale_all_dim": 0.707}
+    assert scaled_rope_mscale(both, 131072) == pytest.approx(1.0)
