@@ -80,7 +80,9 @@ _FIELDS = (
     Field("linear_conv_kernel_dim", to="conv_kernel"), Field("num_experts", INT_OR_ZERO, 0),
     Field("decoder_sparse_step", default=1, or_default=True), Field("num_experts_per_tok", INT, 1, or_default=True,
                                                                     to="top_k"),
-    Field("moe_intermediate_size", INT_OR_ZERO, 0), Field("norm_topk_prob", BOOL, False),
+    # (Hugging Face: Qwen3NextConfig's default True; Qwen3.5-MoE always renormalizes and has
+    # no such field: its published configs leave it out)
+    Field("moe_intermediate_size", INT_OR_ZERO, 0), Field("norm_topk_prob", BOOL, True),
     Field("shared_expert_intermediate_size", INT_OR_ZERO, 0),
 )
 
@@ -90,10 +92,16 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Qwen3NextC
     layers, interval, step, experts = (f.pop(k) for k in ("num_hidden_layers", "full_attention_interval",
                                                            "decoder_sparse_step", "num_experts"))
     v35 = d["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text")
+    if d["model_type"] == "qwen3_5_moe_text":
+        f["norm_topk_prob"] = True  # (Hugging Face's Qwen3.5-MoE router renormalizes whatever a config says)
+        if d.get("intermediate_size") is None:  # (no dense MLP: its configs have no such field)
+            d = {**d, "intermediate_size": f["moe_intermediate_size"] or f["shared_expert_intermediate_size"]}
     rp = d.get("rope_parameters") or {}
-    if v35:  # rope settings under rope_parameters (M-RoPE sections: 1-D RoPE for text)
-        d = {**d, "rope_theta": rp.get("rope_theta", d.get("rope_theta", 100000.0)),
-             "partial_rotary_factor": rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)),
+    if v35 or "rope_theta" in rp:  # rope settings under rope_parameters (Qwen3.5, and configs saved
+        # by transformers 5; Qwen3.5's M-RoPE sections: 1-D RoPE for text)
+        d = {**d, "rope_theta": rp.get("rope_theta", d.get("rope_theta", 100000.0 if v35 else 10000.0)),
+             "partial_rotary_factor": rp.get("partial_rotary_factor", d.get("partial_rotary_factor",
+                                                                             0.25 if v35 else 1.0)),
              "rope_parameters": None, "head_dim": d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]}
     prf = float(d.get("partial_rotary_factor", 1.0))
     base = llama.config_from_hf({k: v for k, v in d.items() if k not in ("partial_rotary_factor", "layer_types")}
