@@ -5,6 +5,7 @@ and the engine's features on it."""
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import fx_engine
@@ -26,10 +27,12 @@ CASES = [
     {"num_key_value_heads": 4},
     # Phi-4-mini's shape: partial rotary (0.5 of head_dim 16 -> 8 dims, 4 frequencies)
     {"partial_rotary_factor": 0.5},
-    # long-context Phi-3: longrope factors and the mscale of max_pos / original_max_pos
-    {"rope_scaling": {"type": "longrope", "long_factor": LONG, "short_factor": [1.0] * 8},
+    # long-context Phi-3: longrope factors and the mscale of max_pos / original_max_pos (the
+    # short factors the long ones: mlx-lm rotates by the long ones at every position; the
+    # short ones below the original length are checked in test_phi3_short_factors_*)
+    {"rope_scaling": {"type": "longrope", "long_factor": LONG, "short_factor": LONG},
      "max_position_embeddings": 16384, "original_max_position_embeddings": 1024},
-    {"rope_scaling": {"type": "su", "long_factor": LONG[:4], "short_factor": [1.0] * 4},
+    {"rope_scaling": {"type": "su", "long_factor": LONG[:4], "short_factor": LONG[:4]},
      "partial_rotary_factor": 0.5, "max_position_embeddings": 8192,
      "original_max_position_embeddings": 4096},
     # mlx-lm requires long_factor even for linear scaling (and ignores it there)
@@ -170,7 +173,7 @@ def _phi3_gguf(folder: Path, out: Path, q8: tuple[str, ...] = ()) -> dict:
 
 @pytest.mark.parametrize("overrides", [
     {"partial_rotary_factor": 0.5},
-    {"rope_scaling": {"type": "longrope", "long_factor": LONG, "short_factor": [1.0] * 8},
+    {"rope_scaling": {"type": "longrope", "long_factor": LONG, "short_factor": LONG},
      "max_position_embeddings": 16384, "original_max_position_embeddings": 1024},
 ], ids=["partial", "longrope"])
 def test_phi3_from_gguf_matches_mlx_lm(tmp_path, overrides):
@@ -188,3 +191,56 @@ def test_phi3_from_gguf_matches_mlx_lm(tmp_path, overrides):
     ids = model.tokenizer.encode(LONG_TEXT)[:80]
     assert ids == fx_engine.load(folder).tokenizer.encode(LONG_TEXT)[:80]
     _compare(fx_engine.logits(model, ids, chunk=32), ref_model(mx.array([ids]))[0])
+
+
+def _hf_longrope_tables(positions, factors_at, rot, base, mscale):
+    """Hugging Face's longrope rotation (modeling_rope_utils._compute_longrope_parameters,
+    float64): inv_freq = 1 / (factors * base^(2i/d)), cos/sin of position * inv_freq over
+    the two halves, times attention_factor."""
+    out = []
+    for p in positions:
+        f = np.asarray(factors_at(p), np.float64)
+        inv = 1.0 / (f * base ** (np.arange(0, rot, 2) / rot))
+        ang = np.concatenate([p * inv, p * inv])
+        out.append((np.cos(ang) * mscale, np.sin(ang) * mscale))
+    return out
+
+
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_phi3_short_factors_below_the_original_length(tmp_path, source):
+    """Positions below original_max_position_embeddings rotate by short_factor, the others
+    by long_factor (Hugging Face's longrope while the sequence fits, llama.cpp's at a context
+    up to the original length; mlx-lm: long everywhere), from a folder and from a GGUF."""
+    import math
+
+    from fx_engine.core.models.phi3 import _rope
+
+    short = [0.5 + 0.125 * i for i in range(8)]
+    overrides = {"rope_scaling": {"type": "longrope", "long_factor": LONG, "short_factor": short},
+                 "max_position_embeddings": 4096, "original_max_position_embeddings": 32}
+    folder = write_tiny_model(tmp_path / "m", "phi3", **overrides)
+    path = folder
+    if source == "gguf":
+        _phi3_gguf(folder, tmp_path / "m.gguf", q8=())
+        path = tmp_path / "m.gguf"
+    model = fx_engine.load(path)
+    positions = [0, 5, 31, 32, 33, 200]
+    cos, sin, _ = _rope(model.params, mx.array([positions]))
+    mscale = math.sqrt(1 + math.log(4096 / 32) / math.log(32))
+    want = _hf_longrope_tables(positions, lambda p: short if p < 32 else LONG, 16, 10000.0, mscale)
+    for j, (c, s) in enumerate(want):
+        np.testing.assert_allclose(np.asarray(cos[0, j, 0], np.float64), c, rtol=0, atol=3e-5)
+        np.testing.assert_allclose(np.abs(np.asarray(sin[0, j, 0], np.float64)), np.abs(s), rtol=0, atol=3e-5)
+
+
+def test_phi3_short_factors_llama_cpp_logits(tmp_path):
+    """llama.cpp at a context of the original length (256) rotates by the short factors, as
+    fx-engine does below it: the same logits from the same file."""
+    from tests.gguf_tokenizer import assert_llama_cpp_logits
+
+    short = [0.5 + 0.125 * i for i in range(8)]
+    folder = write_tiny_model(tmp_path / "m", "phi3", rope_scaling={
+        "type": "longrope", "long_factor": LONG, "short_factor": short},
+        max_position_embeddings=4096, original_max_position_embeddings=256)
+    _phi3_gguf(folder, tmp_path / "m.gguf", q8=())
+    assert_llama_cpp_logits(tmp_path / "m.gguf", tmp_path)

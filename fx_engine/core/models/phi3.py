@@ -5,16 +5,23 @@ checkpoints store the projections already fused (`qkv_proj`, `gate_up_proj`); Ro
 only the first `partial_rotary_factor * head_dim` dims of each head (Phi-4-mini: 0.75); and
 long-context checkpoints scale RoPE with per-frequency factors (`rope_scaling` type
 `longrope` / `su`): periods multiplied by `long_factor`, rotated dims multiplied by
-sqrt(1 + ln(max_pos / original_max_pos) / ln(original_max_pos)). As in mlx-lm, the long
-factors are used at every length (Hugging Face switches to `short_factor` below
-`original_max_position_embeddings`). head_dim is hidden_size / num_attention_heads.
+sqrt(1 + ln(max_pos / original_max_pos) / ln(original_max_pos)). Positions below
+`original_max_position_embeddings` rotate by `short_factor`, the others by `long_factor`, as
+Hugging Face (its longrope update: short factors while the sequence fits the original
+length), vLLM and llama.cpp (short factors for contexts up to the original length) run them;
+mlx-lm uses the long factors at every length, so Phi-3.5 / Phi-4-mini prompts under 4,096
+tokens rotated otherwise than their reference. The choice is per position (a cached key
+keeps the rotation of its own position), which is Hugging Face's for prompts up to the
+original length and for decoding past it; a prompt longer than it in one forward Hugging Face
+rotates wholly by the long factors. head_dim is hidden_size / num_attention_heads.
 `sliding_window` (below max_position_embeddings) is applied as a ring cache entry, with the
 same semantics as Gemma's sliding layers (each query sees the last `sliding_window` keys),
 as Hugging Face's Phi3 applies it; mlx-lm and llama.cpp ignore it (measured: llama.cpp
 0.3.36 on a GGUF with a 24-token window diverges from position 24 on, exactly where
 windowed attention starts to differ), which gives the same output within the window.
 GGUF (llama.cpp's converter): attn_qkv / ffn_up hold the fused projections, RoPE factors
-are tensors (rope_factors_long/short) with their scale as `phi3.rope.scaling.attn_factor`;
+are tensors (rope_factors_long/short) with their scale as `phi3.rope.scaling.attn_factor`
+(the same per-position choice: llama.cpp's below a context of the original length);
 checked against llama.cpp's own logits on such files (max |diff| 1.4e-3 of 6.6, float32).
 """
 
@@ -47,6 +54,8 @@ class Phi3Config(LlamaConfig):
     rope_dims: int = 0  # the rotated dims of each head (partial rotary below head_dim)
     rope_scale: float = 1.0  # linear scaling: positions times this
     rope_long_factor: tuple[float, ...] | None = None  # longrope / su: period factors
+    rope_short_factor: tuple[float, ...] | None = None  # ... below rope_original_max (None: long)
+    rope_original_max: int = 4096  # original_max_position_embeddings
     rope_mscale: float = 1.0  # longrope / su: rotated dims times this
     sliding_window: int | None = None  # type: ignore[assignment]  # (every layer's; None: none)
     max_position_embeddings: int = 131072
@@ -97,7 +106,8 @@ def _rope_settings(d: dict[str, Any], head_dim: int, max_pos: int, source: str) 
     if not 0 < frac <= 1 or rope_dims % 2:
         raise ConfigError(f"{source}: field 'partial_rotary_factor' = {frac} must give an even "
                           f"number of rotated dims in (0, head_dim = {head_dim}]")
-    orig = int(d.get("original_max_position_embeddings") or 4096)
+    orig = int(d.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings")
+               or (d.get("rope_scaling") or {}).get("original_max_position_embeddings") or 4096)
     rope: dict[str, Any] = dict(rope_theta=float(d.get("rope_theta") or rp.get("rope_theta") or 10000.0),
                                 rope_dims=rope_dims)
     scaling = d.get("rope_scaling")
@@ -114,17 +124,23 @@ def _rope_settings(d: dict[str, Any], head_dim: int, max_pos: int, source: str) 
     if kind not in ("longrope", "su"):
         raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported by phi3 "
                           "(supported: linear, longrope, su)")
-    long = scaling.get("long_factor")
-    if (not isinstance(long, list) or len(long) != rope_dims // 2
-            or not all(isinstance(x, (int, float)) and x > 0 for x in long)):
-        raise ConfigError(f"{source}: rope_scaling.long_factor must list {rope_dims // 2} "
-                          "positive numbers (one per rotated frequency)")
+    factors = {}
+    for key in ("long_factor", "short_factor"):
+        v = scaling.get(key)
+        if v is None and key == "short_factor":
+            continue
+        if (not isinstance(v, list) or len(v) != rope_dims // 2
+                or not all(isinstance(x, (int, float)) and x > 0 for x in v)):
+            raise ConfigError(f"{source}: rope_scaling.{key} must list {rope_dims // 2} "
+                              "positive numbers (one per rotated frequency)")
+        factors[key] = tuple(float(x) for x in v)
     for key in ("long_mscale", "short_mscale", "attention_factor"):
         if scaling.get(key) is not None:
             raise ConfigError(f"{source}: rope_scaling.{key} is not supported "
                               "(mlx-lm's phi3 derives the scale from the lengths)")
     factor = max_pos / orig
-    return {**rope, "rope_long_factor": tuple(float(x) for x in long),
+    return {**rope, "rope_long_factor": factors["long_factor"], "rope_short_factor": factors.get("short_factor"),
+            "rope_original_max": orig,
             "rope_mscale": 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))}
 
 
@@ -142,12 +158,18 @@ def cache_specs(cfg: Phi3Config) -> tuple[LayerSpec, ...]:
 def _rope(p: Phi3Params, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     cfg = p.config
     rd = cfg.rope_dims
-    freqs = None
-    if cfg.rope_long_factor is not None:  # mlx-lm's SuScaledRoPE: periods times long_factor
-        freqs = mx.array(cfg.rope_long_factor, mx.float32) * (
-            cfg.rope_theta ** (mx.arange(0, rd, 2, dtype=mx.float32) / rd))
-    cos, sin, perm = rope_tables(positions, rd, base=cfg.rope_theta, scale=cfg.rope_scale,
-                                 freqs=freqs, traditional=cfg.rope_traditional)
+
+    def tables(factors: tuple[float, ...] | None) -> tuple[mx.array, mx.array, mx.array]:
+        freqs = None if factors is None else mx.array(factors, mx.float32) * (
+            cfg.rope_theta ** (mx.arange(0, rd, 2, dtype=mx.float32) / rd))  # periods times the factors
+        return rope_tables(positions, rd, base=cfg.rope_theta, scale=cfg.rope_scale, freqs=freqs,
+                           traditional=cfg.rope_traditional)
+
+    cos, sin, perm = tables(cfg.rope_long_factor)
+    if cfg.rope_short_factor is not None and cfg.rope_short_factor != cfg.rope_long_factor:
+        short_cos, short_sin, _ = tables(cfg.rope_short_factor)
+        short = (positions < cfg.rope_original_max)[:, :, None, None]  # [B, T, 1, 1]
+        cos, sin = mx.where(short, short_cos, cos), mx.where(short, short_sin, sin)
     if cfg.rope_mscale != 1.0:  # rotation is linear: scaling the tables scales the rotated dims
         cos, sin = cos * cfg.rope_mscale, sin * cfg.rope_mscale
     dt = getattr(mx, p.dtype)
@@ -202,11 +224,17 @@ def assemble(cfg: Phi3Config, src: TensorSource, opts: LoadOptions) -> Phi3Param
 
 def assemble_gguf(cfg: Phi3Config, src: TensorSource, opts: LoadOptions) -> Phi3Params:
     """Params from llama.cpp's names. Long-context files carry the RoPE factors as tensors
-    (rope_factors_long/short.weight): the long ones are used at every length, as mlx-lm
-    does (llama.cpp uses the short ones when its context is at most the original one)."""
+    (rope_factors_long/short.weight): the short ones below the original length (llama.cpp
+    uses them when its context is at most the original one), the long ones from there."""
     if src.has("rope_factors_long.weight"):
-        long = src.get("rope_factors_long.weight", (cfg.rope_dims // 2,), opts.where)
-        cfg = attrs.evolve(cfg, rope_long_factor=tuple(float(x) for x in long.astype(mx.float32).tolist()))
+        def factors(name: str) -> tuple[float, ...] | None:
+            if not src.has(name):
+                return None
+            t = src.get(name, (cfg.rope_dims // 2,), opts.where)
+            return tuple(float(x) for x in t.astype(mx.float32).tolist())
+
+        cfg = attrs.evolve(cfg, rope_long_factor=factors("rope_factors_long.weight"),
+                           rope_short_factor=factors("rope_factors_short.weight"))
     else:  # no longrope: no scale either
         cfg = attrs.evolve(cfg, rope_mscale=1.0)
     return _assemble(cfg, src, opts, _GGUF_NAMES)
@@ -235,7 +263,7 @@ def config_from_gguf(md: dict[str, Any], source: str) -> Phi3Config:
         rms_norm_eps=float(val("attention.layer_norm_rms_epsilon")),
         rope_theta=float(val("rope.freq_base", 10000.0)), rope_dims=rope_dims,
         # the long factors come with the tensors (assemble_gguf); their scale is metadata
-        rope_mscale=float(val("rope.scaling.attn_factor", default_mscale)),
+        rope_mscale=float(val("rope.scaling.attn_factor", default_mscale)), rope_original_max=orig,
         sliding_window=window if 0 < window < max_pos else None,
         max_position_embeddings=max_pos, tie_word_embeddings=None,
         bos_token_id=int(bos.item()) if bos is not None else None,
