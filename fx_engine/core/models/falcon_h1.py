@@ -1,6 +1,7 @@
 """Falcon-H1 (`falcon_h1`): every layer runs a Mamba-2 mixer and attention side by side on the
 same normalized input (their outputs added to the residual), then a SwiGLU MLP; following
-mlx-lm 0.32's falcon_h1.py (the parity oracle). Each layer has two cache entries: the
+mlx-lm 0.32's falcon_h1.py (the parity oracle) where it agrees with the model's reference
+(below). Each layer has two cache entries: the
 mixer's recurrent state and the attention's K/V.
 
 muP multipliers: Hugging Face checkpoints keep them apart from the weights; mlx-lm folds

@@ -1,11 +1,12 @@
 """Granite 4.0 hybrid (`granitemoehybrid`): Mamba-2 mixers and attention layers (`layer_types`),
 each followed by routed SwiGLU experts plus a shared MLP (or one dense MLP), with Granite's
 embedding / attention / residual / logits multipliers; following mlx-lm 0.32's
-granitemoehybrid.py (the parity oracle), except that the mixers' gated norm runs per B/C
-group, as Hugging Face's GraniteMoeHybrid and Bamba (transformers 5's
-GraniteMoeHybridRMSNormGated, group_size = intermediate / n_groups) and llama.cpp run it
-(mlx-lm normalizes the whole width: the same at n_groups = 1, the published checkpoints'
-value). It falls out of the blocks the other families
+granitemoehybrid.py (the parity oracle) where it agrees with the model's reference.
+
+The mixers' gated norm runs per B/C group, as Hugging Face's GraniteMoeHybrid and Bamba
+(transformers 5's GraniteMoeHybridRMSNormGated, group_size = intermediate / n_groups) and
+llama.cpp run it (mlx-lm normalizes the whole width: the same at n_groups = 1, the published
+checkpoints' value). It falls out of the blocks the other families
 already have: `ssm.mixer`, the Llama family's attention (`attention_multiplier` as its
 scale, RoPE or none), and `blocks.mixture` (top-k logits, then a softmax over them; the shared
 MLP added ungated).

@@ -1,5 +1,7 @@
-"""Mamba-2 (`mamba2`), following mlx-lm 0.32's mamba2.py + ssm.py (the parity oracle), except
-where mlx-lm parts from the model's reference: the gated norm runs per B/C group (n_groups
+"""Mamba-2 (`mamba2`), following mlx-lm 0.32's mamba2.py + ssm.py (the parity oracle) where it
+agrees with the model's reference.
+
+Where mlx-lm parts from it: the gated norm runs per B/C group (n_groups
 groups of intermediate_size / n_groups channels), as Hugging Face's Mamba2 (transformers 5's
 Mamba2RMSNormGated), the original mamba_ssm and llama.cpp run it; mlx-lm normalizes the
 whole width, which agrees only at n_groups = 1 (Mamba-Codestral-7B has 8 groups).

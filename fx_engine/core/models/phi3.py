@@ -1,4 +1,5 @@
-"""Phi-3 / Phi-3.5 / Phi-4-mini (`phi3`), following mlx-lm 0.32's phi3.py (the parity oracle).
+"""Phi-3 / Phi-3.5 / Phi-4-mini (`phi3`), following mlx-lm 0.32's phi3.py (the parity oracle)
+where it agrees with the model's reference (not: longrope's short factors, below).
 
 The decoder is the Llama family's (pre-norm attention and SwiGLU MLP, GQA); what is Phi's:
 checkpoints store the projections already fused (`qkv_proj`, `gate_up_proj`); RoPE may rotate
