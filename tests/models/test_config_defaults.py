@@ -33,3 +33,19 @@ def test_qwen3_next_defaults_and_rope_parameters():
     cfg = config_from_hf(saved)
     assert cfg.rope_theta == pytest.approx(123456.0)
     assert cfg.rope_dims == cfg.head_dim // 4
+
+
+def test_gemma3_text_rope_parameters_per_layer_kind():
+    """Gemma 3 configs saved by transformers 5 keep each layer kind's RoPE under
+    rope_parameters (the 4B-27B models' x8 linear scaling of the global layers with them)
+    and write no rope_theta / rope_scaling / rope_local_base_freq: the same config as the
+    old keys give."""
+    old = _tiny("gemma3_text", rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                rope_scaling={"rope_type": "linear", "factor": 8.0})
+    saved = {k: v for k, v in old.items() if k not in ("rope_theta", "rope_scaling", "rope_local_base_freq")}
+    saved["rope_parameters"] = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    want = config_from_hf(old)
+    assert want.rope_full.scale == 1 / 8
+    assert config_from_hf(saved) == want

@@ -295,10 +295,20 @@ def _gemma3(d: dict[str, Any], common: dict[str, Any], source: str) -> GemmaConf
     qpas = float(d.get("query_pre_attn_scalar") or 256)
     # the embedding scale is rounded to bfloat16, as mlx-lm does
     embed_scale = float(mx.array(common["hidden_size"]**0.5, mx.bfloat16).astype(mx.float32).item())
+    rp = d.get("rope_parameters") or {}
+    if isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
+        # saved by transformers 5: each layer kind's RoPE under rope_parameters (rope_theta,
+        # rope_scaling and rope_local_base_freq are then not written)
+        ropes = dict(rope_sliding=_rope_spec(rp.get("sliding_attention"), 10_000.0, source,
+                                             "rope_parameters.sliding_attention"),
+                     rope_full=_rope_spec(rp.get("full_attention"), 1_000_000.0, source,
+                                          "rope_parameters.full_attention"))
+    else:
+        ropes = dict(rope_sliding=RopeSpec(theta=float(d.get("rope_local_base_freq") or 10_000.0)),
+                     rope_full=_rope_spec(d.get("rope_scaling"), float(d.get("rope_theta") or 1_000_000.0), source,
+                                          "rope_scaling"))
     return GemmaConfig(
-        **common, rope_sliding=RopeSpec(theta=float(d.get("rope_local_base_freq") or 10_000.0)),
-        rope_full=_rope_spec(d.get("rope_scaling"), float(d.get("rope_theta") or 1_000_000.0), source, "rope_scaling"),
-        attn_scale=qpas**-0.5, embed_scale=embed_scale,
+        **common, **ropes, attn_scale=qpas**-0.5, embed_scale=embed_scale,
         **read_fields(d, _GEMMA3_FIELDS, source),
     )
 
