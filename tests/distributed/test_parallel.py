@@ -110,6 +110,8 @@ def _tiny(tmp_path: Path, kind: str) -> Path:
                      num_attention_heads=8)
     if kind == "gemma4_text-keqv2":  # (as many global KV heads as sliding ones: split alike)
         extra.update(attention_k_eq_v=True, num_global_key_value_heads=2, num_key_value_heads=2)
+    if kind == "mamba2":  # two B/C groups, each with its own gated norm (one per rank at 2)
+        extra.update(n_groups=2)
     if kind == "mamba2-g1":
         extra.update(n_groups=1)
     if kind == "mamba2-q4":  # in_proj rows and out_proj columns kept packed, cut on whole groups
@@ -458,7 +460,7 @@ def test_misuse_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "hi", "--pipeline-layers", "20,x"])
     assert e.value.code == 2 and "expected positive layer counts such as 20,10" in capsys.readouterr().err
-    mamba = fx_engine.load(write_tiny_model(tmp_path / "m", "mamba2"))  # 8 heads in 2 B/C groups
+    mamba = fx_engine.load(write_tiny_model(tmp_path / "m", "mamba2", n_groups=2))  # 8 heads in 2 B/C groups
     with pytest.raises(ConfigError, match="heads 3..5 span 2 of its B/C groups"):  # 3 + 3 + 2 heads
         shard_params(mamba.params, 0, 3)  # (rank 1's heads; every rank refuses alike)
     moe = fx_engine.load(write_tiny_model(tmp_path / "q", "qwen3_moe", quantize={"group_size": 32, "bits": 4}))
