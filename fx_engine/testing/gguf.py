@@ -387,9 +387,7 @@ def write_lfm2_gguf(folder: str | Path, out: str | Path, *, q8: Any = None) -> P
     folder, out = Path(folder), Path(out)
     cfg = json.loads((folder / "config.json").read_text())
     n, hid = cfg["num_hidden_layers"], cfg["hidden_size"]
-    tensors = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        tensors.update({k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(f)).items()})
+    tensors = _folder_tensors(folder)
     attn = cfg.get("full_attn_idxs") or [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, n)
     w = gguf.GGUFWriter(str(out), "lfm2")
@@ -430,6 +428,16 @@ def _mamba2_tensor(name: str, x: np.ndarray, groups: int) -> tuple[str, np.ndarr
     return name, x
 
 
+def _mamba2_named(names: Any, name: str, x: np.ndarray, groups: int) -> tuple[str, np.ndarray]:
+    """(gguf-py's name, array) of a Hugging Face tensor as the Mamba-2 converters write it
+    (`_mamba2_tensor`); a name gguf-py does not map is an error."""
+    hf, x = _mamba2_tensor(name, x, groups)
+    target = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+    if target is None:
+        raise ValueError(f"no llama.cpp name for {hf}")
+    return target, x
+
+
 def write_granite_hybrid_gguf(folder: str | Path, out: str | Path, *, q8: Any = None) -> Path:
     """A Granite 4.0 hybrid folder as convert_hf_to_gguf.py's GraniteHybridModel writes it
     (architecture granitehybrid): attention.head_count_kv per layer (0 on Mamba-2 layers),
@@ -451,9 +459,7 @@ def write_granite_hybrid_gguf(folder: str | Path, out: str | Path, *, q8: Any = 
     experts = cfg.get("num_local_experts") or 0
     rope = cfg.get("position_embedding_type", "rope") == "rope"
     inner = cfg["mamba_n_heads"] * cfg["mamba_d_head"]
-    tensors = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        tensors.update({k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(f)).items()})
+    tensors = _folder_tensors(folder)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GRANITE_HYBRID, n)
     w = gguf.GGUFWriter(str(out), "granitehybrid")
     for key, value in (("context_length", cfg["max_position_embeddings"] if rope else 2**20),
@@ -496,11 +502,7 @@ def write_granite_hybrid_gguf(folder: str | Path, out: str | Path, *, q8: Any = 
             x = _llama_permute(x, heads)
         elif name.endswith("self_attn.k_proj.weight"):
             x = _llama_permute(x, kv)
-        name, x = _mamba2_tensor(name, x, cfg["mamba_n_groups"])
-        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if target is None:
-            raise ValueError(f"no llama.cpp name for {name}")
-        add(name, target, x)
+        add(name, *_mamba2_named(names, name, x, cfg["mamba_n_groups"]))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return out
 
@@ -521,9 +523,7 @@ def write_nemotron_h_gguf(folder: str | Path, out: str | Path, *, q8: Any = None
     n, heads, kv = len(pattern), cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     moe = "E" in pattern
     arch = "nemotron_h_moe" if moe else "nemotron_h"
-    tensors = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        tensors.update({k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(f)).items()})
+    tensors = _folder_tensors(folder)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n)
     w = gguf.GGUFWriter(str(out), arch)
     ff = cfg["moe_intermediate_size"] if moe else cfg["intermediate_size"]
@@ -563,17 +563,14 @@ def write_nemotron_h_gguf(folder: str | Path, out: str | Path, *, q8: Any = None
             x = _llama_permute(x, heads)
         elif name.endswith(("mixer.k_proj.weight", "mixer.k_proj.bias")):
             x = _llama_permute(x, kv)
-        name, x = _mamba2_tensor(name, x, cfg["n_groups"])
-        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if target is None:
-            raise ValueError(f"no llama.cpp name for {name}")
-        add(name, target, x)
+        add(name, *_mamba2_named(names, name, x, cfg["n_groups"]))
     _add_expert_stacks(add, experts, "backbone.layers.{i}.mixer.experts.{proj}", lambda proj: proj)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return out
 
 
 def _folder_tensors(folder: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a folder's safetensors, as float32 numpy arrays."""
     tensors = {}
     for f in sorted(folder.glob("*.safetensors")):
         tensors.update({k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(f)).items()})
@@ -584,10 +581,7 @@ def _write_named(w: Any, names: Any, tensors: dict[str, np.ndarray], groups: int
     """Each (Hugging Face name, array) as the Mamba-2 converters write it (`_mamba2_tensor`)
     under gguf-py's name for it; q8(hf_name, array) -> True: that matrix as Q8_0."""
     for name, x in sorted(tensors.items()):
-        name, x = _mamba2_tensor(name, x, groups)
-        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if target is None:
-            raise ValueError(f"no llama.cpp name for {name}")
+        target, x = _mamba2_named(names, name, x, groups)
         _add_tensor(w, target, x, q8 is not None and q8(name, x))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
 
