@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -66,3 +67,34 @@ def test_yarn_attention_factor():
     assert scaled_rope_mscale(base, 131072) == pytest.approx(0.1 * math.log(32) + 1)
     both = {**base, "mscale": 0.707, "mscale_all_dim": 0.707}
     assert scaled_rope_mscale(both, 131072) == pytest.approx(1.0)
+
+
+def _yarn_mscale(factor: float) -> float:
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text", "falcon_h1", "granitemoehybrid", "lfm2"])
+def test_yarn_reaches_the_families_that_build_rope_in_their_forward(tmp_path, model_type):
+    """Families whose forward builds its RoPE tables itself (Qwen3-Next / Qwen3.5 over a
+    partial rotary, Falcon-H1, Granite 4.0 hybrid, LFM2) apply a configured YaRN: the
+    tables are Hugging Face's (frequencies over the rotated dims, cos / sin times the
+    attention factor), and the logits move with it. Before, the scaling was read and
+    dropped."""
+    from fx_engine.core.models import config_from_hf
+    from fx_engine.core.models.blocks import config_rope
+    from fx_engine.testing.tiny import tiny_config
+
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    extra = {"position_embedding_type": "rope"} if model_type == "granitemoehybrid" else {}
+    cfg = config_from_hf({**tiny_config(model_type), **extra, "rope_scaling": scaling})
+    dims = getattr(cfg, "rope_dims", 0) or cfg.head_dim
+    pos = np.arange(300)
+    cos = np.asarray(config_rope(cfg, mx.array(pos)[None], mx.float32, dims)[0], np.float64)[0, :, 0]
+    want = np.cos(pos[:, None] * yarn_inv_freq(scaling, dims, cfg.rope_theta)[None]) * _yarn_mscale(4.0)
+    np.testing.assert_allclose(cos[:, : dims // 2], want, atol=2e-5)  # (cos repeats over the two halves)
+
+    plain = fx_engine.load(write_tiny_model(tmp_path / "a", model_type, **extra))
+    scaled = fx_engine.load(write_tiny_model(tmp_path / "b", model_type, **extra, rope_scaling=scaling))
+    ids = list(range(3, 200))
+    a, b = (np.asarray(fx_engine.logits(m, ids, chunk=64), np.float64) for m in (plain, scaled))
+    assert not np.allclose(a, b, atol=1e-4)

@@ -91,7 +91,8 @@ from fx_engine.core.checkpoint import (Lin, LoadOptions, Reader, TensorSource, V
 from fx_engine.core.config import ConfigError, gguf_value
 from fx_engine.core.models.blocks import (HF_EXPERT_NAMES, STACKED_EXPERT_NAMES, SWIGLU_MLP, DenseMlp, Experts,
                                           attention_sizes, decoder_layer, expert_stacks, mixture,
-                                          read_shared_expert, rope_freqs, rope_in, scaled_rope, swiglu_mlp)
+                                          config_rope, read_shared_expert, rope_freqs, scaled_rope, swiglu_mlp)
+from fx_engine.core.models import hf_config
 from fx_engine.core.models.registry import family_of
 from fx_engine.core.models.skeleton import Capture
 from fx_engine.core.nn import Linear, Numerics, embed, linear, rms_norm, scaled_rope_freqs
@@ -223,7 +224,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json", *, mask_first
     choices default to vLLM's (module docstring); `chain_normed=True` is SGLang's chaining of
     DeepSeek's NextN, `mask_first_position=False` SGLang's unmasked position 0. A model type
     without MTP modules, or a config that ships none, is a ConfigError naming the field."""
-    d = _text_config(d)
+    d = hf_config.normalize(_text_config(hf_config.decode_floats(d)))  # (as the target's config is read)
     mt = d.get("model_type")
     kind = _KIND.get(mt)
     if kind is None:
@@ -651,7 +652,7 @@ def _decoder_layer(p: MtpParams, lp: Any, h: mx.array, entry: Any, spec: LayerSp
         rope = moe._partial_rope(view, geo.positions) if lc.rope_dims else scaled_rope(view, geo.positions)
         return moe._layer(view, lp, h, entry, spec, rope, geo)
     if cfg.kind == "qwen3_next":  # qwen3_next.forward's full-attention layer
-        rope = rope_in(geo.positions, lc.rope_dims or lc.head_dim, getattr(mx, p.dtype), base=lc.rope_theta)
+        rope = config_rope(lc, geo.positions, getattr(mx, p.dtype), lc.rope_dims)
         a, entry = qwen3_next.gated_attention(view, lp.mixer, rms_norm(h, lp.attn_norm, eps, num), entry, spec,
                                               rope, geo)
         h = h + a

@@ -85,19 +85,35 @@ def rope_freqs(cfg: Any) -> mx.array | None:
 def scaled_rope(p: Any, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """The Llama config's RoPE tables (rope_theta, linear / llama3 / YaRN scaling with its
     precomputed `p.rope_freqs` and mscale) over the whole head."""
-    cfg = p.config
+    return scaled_rope_over(p.config, positions, p.config.head_dim, p.rope_freqs, getattr(mx, p.dtype))
+
+
+def config_rope(cfg: Any, positions: mx.array, dtype: mx.Dtype, dims: int | None = None,
+                ) -> tuple[mx.array, mx.array, mx.array]:
+    """`scaled_rope_over` the config's rotated dims (`dims`, else the whole head) with the
+    scaled periods computed here: for families whose params hold no precomputed
+    `rope_freqs` (a trace-time constant under mx.compile)."""
+    dims = dims or cfg.head_dim
+    freqs = scaled_rope_freqs(dict(cfg.rope_scaling or ()), dims, cfg.rope_theta)
+    return scaled_rope_over(cfg, positions, dims, freqs, dtype)
+
+
+def scaled_rope_over(cfg: Any, positions: mx.array, dims: int, freqs: mx.array | None,
+                     dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
+    """RoPE tables over `dims` rotated dims with the config's scaling: linear's position
+    scale, `freqs` (the scaled periods over those dims: `nn.scaled_rope_freqs`), YaRN's /
+    longrope's mscale. A partial rotary scales the frequencies of the rotated dims only
+    (Hugging Face's dim = head_dim * partial_rotary_factor)."""
     scale = 1.0
     if cfg.rope_type == "linear":
         scale = 1.0 / float(dict(cfg.rope_scaling)["factor"])
-    cos, sin, perm = rope_tables(
-        positions, cfg.head_dim, base=cfg.rope_theta, scale=scale,
-        freqs=p.rope_freqs, traditional=cfg.rope_traditional,
-    )
+    cos, sin, perm = rope_tables(positions, dims, base=cfg.rope_theta, scale=scale, freqs=freqs,
+                                 traditional=cfg.rope_traditional)
     m = rope_mscale(cfg)
     if m != 1.0:  # rotation is linear: scaling the tables scales the rotated q and k
         cos, sin = cos * m, sin * m
-    dt = getattr(mx, p.dtype)  # tables in float32, applied in the activation dtype (no silent upcast)
-    return cos.astype(dt), sin.astype(dt), perm.astype(dt)
+    # tables in float32, applied in the activation dtype (no silent upcast)
+    return cos.astype(dtype), sin.astype(dtype), perm.astype(dtype)
 
 
 def apply_partial_rope(x: mx.array, rope: tuple, head_dim: int, num: Numerics, traditional: bool) -> mx.array:

@@ -36,9 +36,10 @@ import mlx.core as mx
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, LoadOptions, Reader, TensorSource, TensorSpec, Vec, read_tensors,
                                        renamed)
-from fx_engine.core.config import (BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, gguf_hf_config, gguf_value, listed_eos,
+from fx_engine.core.config import (BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, check_rope_scaling, gguf_hf_config,
+                                   gguf_value, listed_eos,
                                    positive_int, read_fields)
-from fx_engine.core.models.blocks import HF_LAYER, Attention, DenseMlp, rope_in, self_attention, swiglu_mlp
+from fx_engine.core.models.blocks import HF_LAYER, Attention, DenseMlp, config_rope, self_attention, swiglu_mlp
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, stage_logits
@@ -105,6 +106,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> FalconH1Co
         num_heads=heads, num_kv_heads=positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads", source),
         head_dim=int(d.get("head_dim") or hidden // heads), intermediate_size=f["intermediate_size"],
         rms_norm_eps=eps, rope_theta=f["rope_theta"], rope_traditional=f["rope_traditional"],
+        rope_scaling=check_rope_scaling(d.get("rope_scaling"), source),
         max_position_embeddings=f["max_position_embeddings"], tie_word_embeddings=f["tie_word_embeddings"],
         qkv_bias=f["attention_bias"], mlp_bias=f["mlp_bias"], bos_token_id=d.get("bos_token_id"),
         eos_token_ids=listed_eos(d), mixer=mix, mamba_bias=f["mamba_proj_bias"], conv_bias=f["mamba_conv_bias"],
@@ -141,8 +143,7 @@ def forward(p: FalconH1Params, cache: KVCache, tokens: mx.array, n_valid: mx.arr
     cfg, num = p.config, p.numerics
 
     def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
-        rope = rope_in(geo.positions, cfg.head_dim, getattr(mx, p.dtype), base=cfg.rope_theta,
-                       traditional=cfg.rope_traditional)
+        rope = config_rope(cfg, geo.positions, getattr(mx, p.dtype))
         entries = list(cache.layers)
         for i, lp in enumerate(p.layers):
             geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)

@@ -246,13 +246,15 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GemmaConfi
 
 def _layer_kinds(d: dict[str, Any], model_type: str, layers: int, source: str) -> list[str]:
     """Each layer's attention kind. Gemma 2: even layers sliding, odd global (Hugging Face's
-    and llama.cpp's). Gemma 3 and 4 follow sliding_window_pattern as mlx-lm does (Gemma 3:
-    layer i global iff (i + 1) % pattern == 0; Gemma 4: pattern - 1 sliding then one global,
-    repeated), and Gemma 4 `layer_types` when given; mlx-lm's gemma3_text ignores
-    layer_types, so so do we, but a list that disagrees with the pattern would silently
-    change the model: refused."""
+    and llama.cpp's). Gemma 3 follows sliding_window_pattern as mlx-lm does (layer i global
+    iff (i + 1) % pattern == 0); mlx-lm's gemma3_text ignores layer_types, so so do we, but
+    a list that disagrees with the pattern would silently change the model: refused.
+    Gemma 4: its `layer_types`, or without them sliding_window_pattern's (as mlx-lm reads
+    it) with Hugging Face's default, 6 (five sliding then one global; mlx-lm's is 5). (Hugging
+    Face also turns a list's last layer global; published configs end global, and a list
+    ending sliding is kept as mlx-lm keeps it: a self-draft's first layers are such a model.)"""
     g4 = model_type == "gemma4_text"
-    pattern = positive_int(d.get("sliding_window_pattern") or (5 if g4 else 6), "sliding_window_pattern", source)
+    pattern = positive_int(d.get("sliding_window_pattern") or 6, "sliding_window_pattern", source)
     types = d.get("layer_types")
     if model_type == "gemma2":
         want = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
@@ -261,11 +263,7 @@ def _layer_kinds(d: dict[str, Any], model_type: str, layers: int, source: str) -
                               "full_attention (from layer 0) in Gemma 2")
         types = want
     elif types is None:
-        if g4:
-            unit = ["sliding_attention"] * (pattern - 1) + ["full_attention"]
-            types = (unit * (layers // len(unit) + 1))[:layers]
-        else:
-            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     elif not g4:
         want = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
         if list(types) != want:
@@ -313,10 +311,44 @@ def _gemma3(d: dict[str, Any], common: dict[str, Any], source: str) -> GemmaConf
     )
 
 
+def _per_layer_config(d: dict[str, Any], types: tuple[str, ...], source: str) -> dict[str, Any]:
+    """`d` with Gemma 4's global-layer sizes as global_head_dim / num_global_key_value_heads:
+    transformers 5.25 saves them as per_layer_config {layer index: {"head_dim",
+    "num_key_value_heads"}} on the full-attention layers. Any other per-layer setting, or
+    one on other layers, would change the model in ways fx-engine does not run: refused."""
+    plc = d.get("per_layer_config")
+    if not plc:
+        return d
+    if not isinstance(plc, dict) or not all(isinstance(v, dict) for v in plc.values()):
+        raise ConfigError(f"{source}: per_layer_config must map layer indices to objects")
+    full = {i for i, t in enumerate(types) if t == "full_attention"}
+    try:  # (keys are zero-padded indices: "05")
+        plc = {int(i): v for i, v in plc.items()}
+    except ValueError:
+        raise ConfigError(f"{source}: per_layer_config's keys must be layer indices") from None
+    out = dict(d)
+    for key, field in (("head_dim", "global_head_dim"), ("num_key_value_heads", "num_global_key_value_heads")):
+        values = {v[key] for v in plc.values() if key in v}
+        if not values:
+            continue
+        if len(values) > 1 or {i for i, v in plc.items() if key in v} != full:
+            raise ConfigError(f"{source}: per_layer_config: one {key} on every full-attention layer ({sorted(full)}) "
+                              "is supported, no other per-layer sizes")
+        out[field] = values.pop()
+    other = {k for v in plc.values() for k in v} - {"head_dim", "num_key_value_heads"}
+    if other:
+        raise ConfigError(f"{source}: per_layer_config: {sorted(other)} per layer is not supported")
+    return out
+
+
 def _gemma4(d: dict[str, Any], common: dict[str, Any], source: str) -> GemmaConfig:
     """Gemma 4: a RoPE per kind (proportional on full layers), KV-shared last layers,
     per-layer input embeddings, maybe routed experts beside each MLP."""
     layers, types, vocab = common["num_layers"], common["layer_types"], common["vocab_size"]
+    for key in ("rope_theta", "rope_scaling"):  # (what Hugging Face would make of them is not Gemma 4's RoPE)
+        if d.get(key) is not None:
+            raise ConfigError(f"{source}: field {key!r} is not read for gemma4_text: its RoPE is given per layer "
+                              "kind under rope_parameters")
     moe = {}
     if d.get("enable_moe_block"):
         moe = read_fields(d, _EXPERT_FIELDS, source)
@@ -342,7 +374,7 @@ def _gemma4(d: dict[str, Any], common: dict[str, Any], source: str) -> GemmaConf
         **common,
         rope_sliding=_rope_spec(rp.get("sliding_attention"), 10_000.0, source, "rope_parameters.sliding_attention"),
         rope_full=_rope_spec(rp.get("full_attention"), 1_000_000.0, source, "rope_parameters.full_attention"),
-        attn_scale=1.0, embed_scale=common["hidden_size"]**0.5, **read_fields(d, _GEMMA4_FIELDS, source),
+        attn_scale=1.0, embed_scale=common["hidden_size"]**0.5, **read_fields(_per_layer_config(d, types, source), _GEMMA4_FIELDS, source),
         num_kv_shared_layers=shared, hidden_size_per_layer_input=hpl, v_norm=True, **moe,
     )
 
@@ -932,6 +964,7 @@ FAMILY = Family(
     tensor_split=tensor_split, layer_range=layer_range, tiny_config=lambda model_type, overrides: {
         "model_type": model_type, "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384,
-        "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True,
-        "bos_token_id": 1, "eos_token_id": 2, **_TINY[model_type], **overrides},
+        "max_position_embeddings": 2048, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+        **({} if model_type == "gemma4_text" else {"rope_theta": 10000.0}),  # (Gemma 4's: rope_parameters)
+        **_TINY[model_type], **overrides},
 )

@@ -22,10 +22,11 @@ import mlx.core as mx
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Reader, TensorSource,
                                        TensorSpec, Vec, read_experts, read_tensors, renamed)
-from fx_engine.core.config import (BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, Same, gguf_hf_config, gguf_ints,
+from fx_engine.core.config import (BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, Same, check_rope_scaling, gguf_hf_config,
+                                   gguf_ints,
                                    gguf_value, listed_eos, read_fields)
 from fx_engine.core.models.blocks import (GATE_UP, HF_LAYER, QKV, STACKED_EXPERT_NAMES, Attention, DenseMlp, Experts,
-                                          attention_sizes, expert_stacks, mixture, rope_in, self_attention, swiglu_mlp)
+                                          attention_sizes, config_rope, expert_stacks, mixture, self_attention, swiglu_mlp)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.moe import MoEConfig
 from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, embedded_scaled, stage_logits
@@ -65,7 +66,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GraniteHyb
     types = d.get("layer_types")
     if not isinstance(types, list) or not types or set(types) - {"mamba", "attention"}:
         raise ConfigError(f"{source}: layer_types must list 'mamba' / 'attention' per layer")
-    pet = d.get("position_embedding_type", "rope")
+    pet = d.get("position_embedding_type") or "nope"  # Hugging Face's default (None): no RoPE
     if pet not in ("rope", "nope"):
         raise ConfigError(f"{source}: position_embedding_type {pet!r} is not supported (rope, nope)")
     f = read_fields(d, _FIELDS, source)
@@ -85,6 +86,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GraniteHyb
         num_heads=heads, num_kv_heads=f["num_key_value_heads"], head_dim=hidden // heads, intermediate_size=inter,
         rms_norm_eps=eps,
         rope_theta=float(theta), max_position_embeddings=f["max_position_embeddings"],
+        rope_scaling=check_rope_scaling(d.get("rope_scaling"), source) if pet == "rope" else None,
         tie_word_embeddings=f["tie_word_embeddings"], qkv_bias=f["attention_bias"],
         **{k: f[k] for k in _MULTIPLIERS}, bos_token_id=d.get("bos_token_id"), eos_token_ids=listed_eos(d),
         num_experts=max(experts, 1), top_k=f["num_experts_per_tok"], moe_intermediate_size=inter,
@@ -122,7 +124,7 @@ def forward(p: GraniteHybridParams, cache: KVCache, tokens: mx.array, n_valid: m
     def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
         rope = None
         if cfg.use_rope:
-            rope = rope_in(geo.positions, cfg.head_dim, getattr(mx, p.dtype), base=cfg.rope_theta)
+            rope = config_rope(cfg, geo.positions, getattr(mx, p.dtype))
         entries = []
         for lp, entry, spec, is_mamba in zip(p.layers, cache.layers, cache.layout, cfg.mamba_layers):
             geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)

@@ -29,9 +29,10 @@ from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, recurrent_ent
 import fx_engine.core.models.llama as llama
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Reader, TensorSource,
                                        TensorSpec, Vec, WeightsError, read_tensors, renamed)
-from fx_engine.core.config import (BOOL, FLOAT, INT, ConfigError, Field, Same, gguf_hf_config, gguf_ints, gguf_value,
+from fx_engine.core.config import (BOOL, FLOAT, INT, ConfigError, Field, Same, check_rope_scaling, gguf_hf_config, gguf_ints,
+                                   gguf_value,
                                    listed_eos, read_fields)
-from fx_engine.core.models.blocks import HF_LAYER, QKV, attention_sizes, decoder_layer, swiglu_mlp
+from fx_engine.core.models.blocks import HF_LAYER, QKV, attention_sizes, decoder_layer, rope_freqs, swiglu_mlp
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LayerParams, LlamaConfig
 from fx_engine.core.models.skeleton import PipelineStage, cut_layers
@@ -85,10 +86,10 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Lfm2Config
         raise ConfigError(f"{source}: block_dim != hidden_size is not supported")
     if f["conv_kernel"] < 2:
         raise ConfigError(f"{source}: conv_L_cache must be >= 2, got {f['conv_kernel']}")
-    rope = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 1_000_000.0))
+    rope = d.get("rope_theta", 1_000_000.0)  # (lifted from rope_parameters by hf_config.normalize)
     return Lfm2Config(
         model_type="lfm2", **f, head_dim=hidden // f["num_heads"], intermediate_size=_ff_dim(d, source),
-        rope_theta=float(rope), tie_word_embeddings=True, qk_norm=True, bos_token_id=d.get("bos_token_id"),
+        rope_theta=float(rope), rope_scaling=check_rope_scaling(d.get("rope_scaling"), source), tie_word_embeddings=True, qk_norm=True, bos_token_id=d.get("bos_token_id"),
         eos_token_ids=listed_eos(d), conv_layers=tuple(i not in attn for i in range(layers)),
     )
 
@@ -135,8 +136,8 @@ class Lfm2Params:
         return None
 
     @property
-    def rope_freqs(self) -> None:
-        return None
+    def rope_freqs(self) -> mx.array | None:  # (the scaled periods, when the config scales RoPE)
+        return rope_freqs(self.config)
 
 
 def cache_specs(cfg: Lfm2Config) -> tuple[LayerSpec, ...]:

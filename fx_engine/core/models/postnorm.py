@@ -48,6 +48,7 @@ class PostNormConfig(LlamaConfig):
     layer_rope: tuple[str, ...] = ()
     pre_norms: bool = False  # GLM-4: the sublayers' inputs are normalized too
     rope_dims: int = 0  # rotated dims per head (0: all; GLM-4: partial)
+    plain_rope_theta: float | None = None  # OLMo 3's sliding layers' own base (None: rope_theta)
 
 
 def _types(d: dict[str, Any], layers: int, default: list[str], source: str) -> list[str]:
@@ -59,6 +60,27 @@ def _types(d: dict[str, Any], layers: int, default: list[str], source: str) -> l
     return types
 
 
+def _olmo3_rope(d: dict[str, Any], source: str) -> tuple[dict[str, Any], float | None]:
+    """(config with the global layers' RoPE as rope_theta / rope_scaling, the sliding
+    layers' base) of an OLMo 3 config. transformers 5 saves RoPE per layer kind under
+    rope_parameters; the scaling (YaRN in the long-context models) is the global layers'
+    only, as Hugging Face's Olmo3Config puts a top-level rope_scaling."""
+    rp = d.get("rope_parameters")
+    if not isinstance(rp, dict) or not {FULL, SLIDING} & set(rp):
+        return d, None
+    full, sliding = rp.get(FULL) or {}, rp.get(SLIDING) or {}
+    if sliding.get("rope_type", sliding.get("type", "default")) != "default":
+        raise ConfigError(f"{source}: rope_parameters.{SLIDING}: only the default RoPE is supported on "
+                          "OLMo 3's sliding layers")
+    theta = full.get("rope_theta", d.get("rope_theta", 10_000.0))
+    scaling = None
+    if full.get("rope_type", full.get("type", "default")) != "default":
+        scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+    out = {**{k: v for k, v in d.items() if k != "rope_parameters"}, "rope_theta": theta, "rope_scaling": scaling}
+    plain = float(sliding.get("rope_theta", theta))
+    return out, None if plain == float(theta) else plain
+
+
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> PostNormConfig:
     mt = d["model_type"]
     layers = positive_int(d.get("num_hidden_layers"), "num_hidden_layers", source)
@@ -66,6 +88,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> PostNormCo
     if mt == "olmo3":
         types = _types(d, layers, [FULL if (i + 1) % 4 == 0 else SLIDING for i in range(layers)], source)
         rope = ["plain" if t == SLIDING else "scaled" for t in types]
+        d, plain_theta = _olmo3_rope(d, source)
+        extra["plain_rope_theta"] = plain_theta
     elif mt == "exaone4":
         pattern = d.get("sliding_window_pattern")
         if isinstance(pattern, int) and not isinstance(pattern, bool):  # Hugging Face: every n-th global
@@ -137,8 +161,10 @@ def _ropes(p: PostNormParams, positions: mx.array) -> dict[str, Any]:
                                                traditional=cfg.rope_traditional)
         return out
     out["scaled"] = scaled_rope(p, positions)
-    out["plain"] = out["scaled"] if cfg.rope_scaling is None else scaled_rope(
-        attrs.evolve(p, config=attrs.evolve(cfg, rope_scaling=None), rope_freqs=None), positions)
+    plain_theta = cfg.rope_theta if cfg.plain_rope_theta is None else cfg.plain_rope_theta
+    out["plain"] = out["scaled"] if cfg.rope_scaling is None and plain_theta == cfg.rope_theta else scaled_rope(
+        attrs.evolve(p, config=attrs.evolve(cfg, rope_scaling=None, rope_theta=plain_theta), rope_freqs=None),
+        positions)
     return out
 
 

@@ -32,7 +32,7 @@ from fx_engine.core.config import (BOOL, INT, INT_OR_ZERO, ConfigError, Field, g
                                    read_fields)
 from fx_engine.core.models.blocks import (HF_EXPERT_NAMES, HF_LAYER, STACKED_EXPERT_NAMES, SWIGLU_MLP, DenseMlp,
                                           Experts, apply_partial_rope, attention_sizes, expert_stacks, mixture,
-                                          read_shared_expert, rope_in, swiglu_mlp)
+                                          config_rope, read_shared_expert, swiglu_mlp)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.moe import MoEConfig
 from fx_engine.core.models.skeleton import DecoderParams, cut_layers, decoder_step, head_logits
@@ -96,13 +96,11 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Qwen3NextC
         f["norm_topk_prob"] = True  # (Hugging Face's Qwen3.5-MoE router renormalizes whatever a config says)
         if d.get("intermediate_size") is None:  # (no dense MLP: its configs have no such field)
             d = {**d, "intermediate_size": f["moe_intermediate_size"] or f["shared_expert_intermediate_size"]}
-    rp = d.get("rope_parameters") or {}
-    if v35 or "rope_theta" in rp:  # rope settings under rope_parameters (Qwen3.5, and configs saved
-        # by transformers 5; Qwen3.5's M-RoPE sections: 1-D RoPE for text)
-        d = {**d, "rope_theta": rp.get("rope_theta", d.get("rope_theta", 100000.0 if v35 else 10000.0)),
-             "partial_rotary_factor": rp.get("partial_rotary_factor", d.get("partial_rotary_factor",
-                                                                             0.25 if v35 else 1.0)),
-             "rope_parameters": None, "head_dim": d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]}
+    # (rope_theta / partial_rotary_factor / rope_scaling as hf_config.normalize lifts them from
+    # rope_parameters; Qwen3.5's M-RoPE sections: 1-D RoPE for text, so none of them read)
+    scaling = {k: v for k, v in (d.get("rope_scaling") or {}).items() if not k.startswith("mrope")}
+    d = {**d, "rope_parameters": None, "rope_scaling": scaling or None,
+         "head_dim": d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]}
     prf = float(d.get("partial_rotary_factor", 1.0))
     base = llama.config_from_hf({k: v for k, v in d.items() if k not in ("partial_rotary_factor", "layer_types")}
                                 | {"model_type": "qwen3"}, source)
@@ -223,7 +221,7 @@ def forward(p: Qwen3NextParams, cache: KVCache, tokens: mx.array, n_valid: mx.ar
     cfg, num = p.config, p.numerics
 
     def layers(h: mx.array, geo: StepGeometry) -> tuple[mx.array, list[Any]]:
-        rope = rope_in(geo.positions, cfg.rope_dims or cfg.head_dim, getattr(mx, p.dtype), base=cfg.rope_theta)
+        rope = config_rope(cfg, geo.positions, getattr(mx, p.dtype), cfg.rope_dims)
         entries = []
         for lp, entry, spec in zip(p.layers, cache.layers, cache.layout):
             geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)

@@ -16,8 +16,8 @@ from typing import Any, Union
 
 from fx_engine.core.cache import LayerSpec, finish_layout
 from fx_engine.core.config import ConfigError
-from fx_engine.core.models import (cohere, deepseek, falcon_h1, gemma, gpt_oss, granitemoehybrid, lfm2, llama, mamba2,
-                                   moe, nemotron_h, phi3, postnorm, qwen3_next, starcoder2)
+from fx_engine.core.models import (cohere, deepseek, falcon_h1, gemma, gpt_oss, granitemoehybrid, hf_config, lfm2, llama,
+                                   mamba2, moe, nemotron_h, phi3, postnorm, qwen3_next, starcoder2)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import Capture, CaptureError
 from fx_engine.core.tree import tree_replace
@@ -128,11 +128,12 @@ def text_config_of(d: dict[str, Any]) -> dict[str, Any]:
 
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Any:
     """The config of any registered family from a Hugging Face config.json dict (the text
-    model's, for a multimodal wrapper)."""
+    model's, for a multimodal wrapper), read as Hugging Face's configuration class reads it
+    (`hf_config.normalize`: either dialect, its defaults for what the config leaves out)."""
     fam = hf_family(d, source)
     if d.get("model_type") in fam.wrappers:
-        d = text_config_of(d)
-    return fam.config_from_hf(d, source)
+        d = text_config_of(hf_config.decode_floats(d))
+    return fam.config_from_hf(hf_config.normalize(d), source)
 
 
 def gguf_family(md: dict[str, Any], source: str) -> Family:

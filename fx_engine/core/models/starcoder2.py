@@ -43,7 +43,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Starcoder2
         raise ConfigError(f"{source}: hidden_act {act!r} is not supported for starcoder2")
     if d.get("use_bias") is False:
         raise ConfigError(f"{source}: field 'use_bias' = false is not supported (mlx-lm's starcoder2 has biases)")
-    hd = d["hidden_size"] // d["num_attention_heads"] if d.get("num_attention_heads") else None
+    hd = d["hidden_size"] // d["num_attention_heads"] if d.get("num_attention_heads") and d.get("hidden_size") else None
     # Llama's reading with StarCoder's names (norm_epsilon, no head_dim field) and windows
     # as Mistral's
     base = llama.config_from_hf(
