@@ -98,3 +98,41 @@ def test_yarn_reaches_the_families_that_build_rope_in_their_forward(tmp_path, mo
     ids = list(range(3, 200))
     a, b = (np.asarray(fx_engine.logits(m, ids, chunk=64), np.float64) for m in (plain, scaled))
     assert not np.allclose(a, b, atol=1e-4)
+
+
+def test_deepseek_rope_interleave_false(tmp_path):
+    """DeepSeek-V3's rope_interleave (Hugging Face, default true): false rotates the two
+    halves of the rope dims instead of adjacent pairs. Hugging Face's interleaved path is its
+    half-rotation on de-interleaved dims, so a checkpoint whose q and k rope rows are
+    de-interleaved (x0, x2, ..., x1, x3, ...) and says false computes the same logits as the
+    original saying true; and differs from the original saying false (the flag is read)."""
+    import json
+
+    src = write_tiny_model(tmp_path / "a", "deepseek_v3")
+    cfg = json.loads((src / "config.json").read_text())
+    dn, dr, hq = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["num_attention_heads"]
+    perm = np.concatenate([np.arange(0, dr, 2), np.arange(1, dr, 2)])
+    w = {k: np.asarray(v) for k, v in mx.load(str(src / "model.safetensors")).items()}
+    for name in list(w):
+        if name.endswith("self_attn.q_b_proj.weight"):
+            rows = w[name].reshape(hq, dn + dr, -1).copy()
+            rows[:, dn:] = rows[:, dn:][:, perm]
+            w[name] = rows.reshape(hq * (dn + dr), -1)
+        elif name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
+            rope_rows = w[name][-dr:][perm]
+            w[name] = np.concatenate([w[name][:-dr], rope_rows])
+    out = tmp_path / "b"
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in w.items()},
+                        metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**cfg, "rope_interleave": False}))
+    ids = list(range(3, 40))
+    want = np.asarray(fx_engine.logits(fx_engine.load(src), ids, chunk=16), np.float64)
+    got = np.asarray(fx_engine.logits(fx_engine.load(out), ids, chunk=16), np.float64)
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
+    (src / "config.json").write_text(json.dumps({**cfg, "rope_interleave": False}))
+    other = np.asarray(fx_engine.logits(fx_engine.load(src), ids, chunk=16), np.float64)
+    assert not np.allclose(other, want, atol=1e-3)

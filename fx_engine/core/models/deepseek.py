@@ -8,7 +8,8 @@ latent c = RMSNorm(kv_a(x)[:r]) (r = kv_lora_rank) and one shared RoPE key
 k_pe = rope(kv_a(x)[r:]) (dr dims), a `LayerSpec` with value_dim (what mlx-lm stores too).
 Attention runs in the absorbed form for every step: q_nope is mapped into the latent space
 per head (W_UK, from kv_b_proj), scores are q_lat . c + q_pe . k_pe, the output is mapped
-out of it per head (W_UV), then o_proj. RoPE is interleaved ("traditional") over dr dims,
+out of it per head (W_UV), then o_proj. RoPE is interleaved ("traditional"; Hugging Face's
+rope_interleave, which a config may turn off) over dr dims,
 with YaRN's mscale_all_dim squared folded into the attention scale.
 MoE layers (from `first_k_dense_replace`, every `moe_layer_freq`): sigmoid router scores
 plus a correction bias choose the top-k experts within the `topk_group` best of `n_group`
@@ -68,6 +69,9 @@ class DeepseekConfig(BaseConfig):
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] = ()
+    # RoPE on adjacent pairs (Hugging Face's rope_interleave, default true: the checkpoints'
+    # layout); false: on the two halves of the rotated dims
+    rope_interleave: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -101,7 +105,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> DeepseekCo
     bos, eos = token_ids(d)
     return DeepseekConfig(
         model_type=d["model_type"], **f, num_kv_heads=1, head_dim=dn + dr, attn_scale=_attn_scale(dn + dr, scaling),
-        rope_scaling=scaling, bos_token_id=bos, eos_token_ids=eos, **moe,
+        rope_scaling=scaling, rope_interleave=bool(d.get("rope_interleave", True)), bos_token_id=bos,
+        eos_token_ids=eos, **moe,
     )
 
 
@@ -211,8 +216,8 @@ def _attention(p: DeepseekParams, at: MLA, x: mx.array, entry: Any, spec: LayerS
     ckv = linear(x, at.kv_a, num)  # [N, r + dr]
     r = cfg.kv_lora_rank
     latent = rms_norm(ckv[:, :r], at.kv_a_norm, eps, num)
-    k_pe = apply_rope(ckv[:, r:].reshape(b, t, 1, dr), *rope, None, True)  # interleaved pairs
-    q_pe = apply_rope(q[:, :, dn:].reshape(b, t, hq, dr), *rope, None, True)
+    k_pe = apply_rope(ckv[:, r:].reshape(b, t, 1, dr), *rope, None, cfg.rope_interleave)
+    q_pe = apply_rope(q[:, :, dn:].reshape(b, t, hq, dr), *rope, None, cfg.rope_interleave)
     entry = write_entry(entry, spec, latent.reshape(b, t, 1, r).transpose(0, 2, 1, 3),
                         k_pe.transpose(0, 2, 1, 3), geo, num)
     q_lat = per_head(q[:, :, :dn], at.w_uk, num).reshape(b, t, hq, r)
@@ -256,7 +261,8 @@ def forward(
 
 
 def _rope(p: DeepseekParams, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """The tables of the shared RoPE key's dims (interleaved pairs; linear or YaRN scaling,
+    """The tables of the shared RoPE key's dims (interleaved pairs unless rope_interleave is
+    false; linear or YaRN scaling,
     YaRN's mscale on cos and sin)."""
     cfg, dt = p.config, getattr(mx, p.dtype)
     scale = 1.0
@@ -264,7 +270,7 @@ def _rope(p: DeepseekParams, positions: mx.array) -> tuple[mx.array, mx.array, m
     if (sd.get("type") or sd.get("rope_type")) == "linear":
         scale = 1.0 / float(sd["factor"])
     cos, sin, perm = rope_tables(positions, cfg.qk_rope_head_dim, base=cfg.rope_theta, scale=scale,
-                                 freqs=p.rope_freqs, traditional=True)
+                                 freqs=p.rope_freqs, traditional=cfg.rope_interleave)
     m = scaled_rope_mscale(sd, cfg.max_position_embeddings)
     return cos.astype(dt) * m, sin.astype(dt) * m, perm.astype(dt)
 
