@@ -376,3 +376,40 @@ def test_mixtral_gguf_as_llama_with_experts(tmp_path, stacked, tiny_folder):
     assert model.config.model_type == "mixtral" and model.config.num_experts == e
     ids = _ids(model, 80)
     _compare(fx_engine.logits(model, ids, chunk=40), _mlx_lm(oracle)(mx.array([ids]))[0])
+
+
+@pytest.mark.parametrize("k,n_group,topk_group,norm", [(2, 4, 2, True), (1, 4, 2, True), (3, 8, 3, False),
+                                                      (1, 1, 1, True)])
+def test_grouped_route_matches_hugging_faces_router(k, n_group, topk_group, norm):
+    """DeepSeek-V3's grouped sigmoid routing against Hugging Face's DeepseekV3TopkRouter
+    written in float64 numpy: experts of dropped groups never chosen (-inf), even where the
+    kept experts' biased scores are negative (mlx-lm filled them with 0, and chose them);
+    the weights renormalized at top_k 1 too."""
+    from fx_engine.core.models.blocks import grouped_route
+
+    rng = np.random.default_rng(k * 100 + n_group)
+    n, e, scale = 64, 32, 2.5
+    logits = rng.normal(0, 2, (n, e))
+    bias = rng.normal(-1.0, 0.5, e)  # mostly below -sigmoid: biased scores negative
+
+    scores = 1 / (1 + np.exp(-logits))
+    choice = scores + bias
+    group = np.sort(choice.reshape(n, n_group, -1), axis=-1)[..., -2:].sum(-1) if n_group > 1 else np.zeros((n, 1))
+    keep = np.argsort(-group, axis=-1)[:, :topk_group]
+    mask = np.zeros((n, n_group), bool)
+    np.put_along_axis(mask, keep, True, axis=-1)
+    choice = np.where(np.repeat(mask, e // n_group, axis=-1), choice, -np.inf)
+    want_idx = np.argsort(-choice, axis=-1)[:, :k]
+    want_w = np.take_along_axis(scores, want_idx, -1)
+    if norm:
+        want_w = want_w / (want_w.sum(-1, keepdims=True) + 1e-20)
+    want_w *= scale
+
+    idx, w = grouped_route(mx.array(logits, mx.float32), mx.array(bias, mx.float32), k, n_group, topk_group,
+                           norm, scale)
+    idx, w = np.asarray(idx), np.asarray(w, np.float64)
+    order = np.argsort(idx, -1)
+    want_order = np.argsort(want_idx, -1)
+    np.testing.assert_array_equal(np.take_along_axis(idx, order, -1), np.take_along_axis(want_idx, want_order, -1))
+    np.testing.assert_allclose(np.take_along_axis(w, order, -1), np.take_along_axis(want_w, want_order, -1),
+                               rtol=1e-5)

@@ -266,10 +266,12 @@ def grouped_route(
     logits: Float[mx.array, "N E"], correction_bias: mx.array, k: int, n_group: int, topk_group: int,
     norm_topk_prob: bool, scale: float,
 ) -> tuple[Int[mx.array, "N K"], Float[mx.array, "N K"]]:
-    """DeepSeek-V3's routing (mlx-lm's group_expert_select): sigmoid scores plus a
-    correction bias choose the top-k experts within the topk_group best of n_group groups
-    (a group scored by its two best); the weights are the sigmoid scores themselves,
-    renormalized if norm_topk_prob (k > 1), times `scale`."""
+    """DeepSeek-V3's routing (Hugging Face's DeepseekV3TopkRouter; GLM-4.5's and
+    Nemotron-H's are the same): sigmoid scores plus a correction bias choose the top-k
+    experts within the topk_group best of n_group groups (a group scored by its two best;
+    the other groups' experts are out, -inf: mlx-lm's 0 let them in over experts whose
+    biased score is negative); the weights are the sigmoid scores themselves, renormalized
+    if norm_topk_prob (at k = 1 too: a weight of 1), times `scale`."""
     scores = mx.sigmoid(logits.astype(mx.float32))
     chosen = scores + correction_bias
     if n_group > 1:
@@ -278,11 +280,11 @@ def grouped_route(
         drop = n_group - topk_group
         if drop:
             worst = mx.argpartition(best, kth=drop - 1, axis=-2)[..., :drop, :]
-            grouped = mx.put_along_axis(grouped, worst, mx.array(0.0), axis=-2)
+            grouped = mx.put_along_axis(grouped, worst, mx.array(-mx.inf), axis=-2)
         chosen = mx.flatten(grouped, -2, -1)
     idx = mx.argpartition(-chosen, kth=k - 1, axis=-1)[..., :k]
     w = mx.take_along_axis(scores, idx, axis=-1)
-    if k > 1 and norm_topk_prob:
+    if norm_topk_prob:
         w = w / w.sum(axis=-1, keepdims=True)
     return idx, w * scale
 

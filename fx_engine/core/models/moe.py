@@ -406,7 +406,9 @@ def checkpoint_layout(cfg: MoEConfig) -> dict[str, TensorSpec]:
             if not cfg.grouped_sigmoid:
                 out[b + "shared_expert_gate.weight"] = TensorSpec((1, h), scale=0.3)
         if cfg.grouped_sigmoid:
-            out[b + router + ".e_score_correction_bias"] = TensorSpec((cfg.num_experts,), scale=0.1)
+            # (centred at 1: every biased score positive, where mlx-lm's routing, which lets
+            # dropped groups' experts in at 0, agrees with Hugging Face's, the parity oracle's)
+            out[b + router + ".e_score_correction_bias"] = TensorSpec((cfg.num_experts,), center=1.0, scale=0.1)
     return out
 
 
