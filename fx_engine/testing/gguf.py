@@ -10,6 +10,7 @@ text_config and language_model.* tensors) as llama.cpp's Gemma2Model / Gemma3Mod
 it: its gemma2.* / gemma3.* keys (Gemma 2's soft-capping values), tensor names, every norm
 weight + 1 (stored as the scale itself), q/k/v and gate/up/down unfused and unpermuted
 (Gemma rotates halves), with the folder's vocabulary and chat template.
+`write_gemma4_gguf`: a Gemma 4 text folder as its Gemma4Model writes it (see there).
 `write_llama_gguf`: a Llama text model (a text-only folder, or an Idefics3 / SmolVLM or
 Mistral 3 folder's text_config and text model tensors) as llama.cpp's LlamaModel writes it:
 llama.* keys, gguf-py's tensor names, the q/k rows permuted for interleaved RoPE.
@@ -37,7 +38,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["add_bpe_tokenizer", "write_falcon_h1_gguf", "write_gemma_gguf", "write_granite_hybrid_gguf", "write_lfm2_gguf",
+__all__ = ["add_bpe_tokenizer", "write_falcon_h1_gguf", "write_gemma4_gguf", "write_gemma_gguf", "write_granite_hybrid_gguf", "write_lfm2_gguf",
            "write_llama_gguf", "write_mamba2_gguf", "write_nemotron_h_gguf", "write_qwen2vl_gguf", "write_qwen3_next_gguf",
            "write_qwen3vl_gguf"]
 
@@ -99,6 +100,77 @@ def write_gemma_gguf(folder: str | Path, out: str | Path, arch: str = "gemma3") 
         for pat, rep in _GEMMA_NAMES:
             name = re.sub(pat, rep, name)
         w.add_tensor(name, x)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return out
+
+
+def write_gemma4_gguf(folder: str | Path, out: str | Path, *, q8: Any = None) -> Path:
+    """A Gemma 4 text folder (its config listing layer_types) as convert_hf_to_gguf.py's
+    Gemma4Model writes it (architecture gemma4): the global layers' head size as
+    key_length / value_length and the sliding ones' as *_swa, the KV heads per layer where
+    the global layers have their own count, feed_forward_length per layer with the
+    double-wide MLP, the layer kinds as sliding_window_pattern (true: sliding), the RoPE
+    bases per kind, the proportional RoPE as a rope_freqs tensor (1 on the rotated pairs,
+    1e30 on the others), shared_kv_layers, embedding_length_per_layer_input; the norms as
+    stored (Gemma 4 keeps the scale itself), gguf-py's tensor names, layer_scalar as
+    layer_output_scale, the router's scale as ffn_gate_inp.scale and per-expert scale as
+    ffn_down_exps.scale, the experts' fused gate_up stack as ffn_gate_up_exps. Tokenizer:
+    the folder's byte-level BPE (`_add_tokenizer`). q8(hf_name, array) -> True: Q8_0."""
+    import gguf
+
+    folder, out = Path(folder), Path(out)
+    cfg = json.loads((folder / "config.json").read_text())
+    n, types = cfg["num_hidden_layers"], cfg["layer_types"]
+    shared = cfg.get("num_kv_shared_layers") or 0
+    rp = cfg["rope_parameters"]
+    gd, hd = cfg["global_head_dim"], cfg["head_dim"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, n)
+    w = gguf.GGUFWriter(str(out), "gemma4")
+    a = "gemma4."
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", cfg["hidden_size"]),
+                       ("block_count", n), ("attention.head_count", cfg["num_attention_heads"]),
+                       ("attention.key_length", gd), ("attention.value_length", gd),
+                       ("attention.key_length_swa", hd), ("attention.value_length_swa", hd),
+                       ("attention.sliding_window", cfg["sliding_window"]), ("attention.shared_kv_layers", shared),
+                       ("embedding_length_per_layer_input", cfg.get("hidden_size_per_layer_input") or 0),
+                       ("rope.dimension_count", gd),
+                       ("rope.dimension_count_swa", int(hd * rp["sliding_attention"].get("partial_rotary_factor", 1.0)))):
+        w.add_uint32(a + key, value)
+    ff = cfg["intermediate_size"]
+    if cfg.get("use_double_wide_mlp"):
+        w.add_array(a + "feed_forward_length", [ff if i < n - shared else 2 * ff for i in range(n)])
+    else:
+        w.add_uint32(a + "feed_forward_length", ff)
+    kv, gkv = cfg["num_key_value_heads"], cfg.get("num_global_key_value_heads")
+    if gkv is not None:
+        w.add_array(a + "attention.head_count_kv", [kv if t == "sliding_attention" else gkv for t in types])
+    else:
+        w.add_uint32(a + "attention.head_count_kv", kv)
+    w.add_array(a + "attention.sliding_window_pattern", [t == "sliding_attention" for t in types])
+    w.add_float32(a + "attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    w.add_float32(a + "rope.freq_base", rp["full_attention"]["rope_theta"])
+    w.add_float32(a + "rope.freq_base_swa", rp["sliding_attention"]["rope_theta"])
+    if cfg.get("final_logit_softcapping"):
+        w.add_float32(a + "final_logit_softcapping", cfg["final_logit_softcapping"])
+    if cfg.get("enable_moe_block"):
+        for key, value in (("expert_count", cfg["num_experts"]), ("expert_used_count", cfg["top_k_experts"]),
+                           ("expert_feed_forward_length", cfg["moe_intermediate_size"])):
+            w.add_uint32(a + key, value)
+    _add_tokenizer(w, folder, cfg["eos_token_id"], cfg.get("bos_token_id"))
+    rotated = int(gd * rp["full_attention"].get("partial_rotary_factor", 1.0) / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (gd // 2 - rotated), np.float32))
+    special = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
+               "layer_scalar": "layer_output_scale.weight", "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+               "experts.down_proj": "ffn_down_exps.weight"}
+    for name, x in sorted(_folder_tensors(folder).items()):
+        hit = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
+        if hit and hit[2] in special:
+            target = f"blk.{hit[1]}.{special[hit[2]]}"
+        else:
+            target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise ValueError(f"no llama.cpp name for {name}")
+        _add_tensor(w, target, x, q8 is not None and x.ndim >= 2 and q8(name, x))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return out
 
@@ -381,32 +453,56 @@ def write_lfm2_gguf(folder: str | Path, out: str | Path, *, q8: Any = None) -> P
     attention.head_count_kv per layer (0 on the convolution layers), shortconv.l_cache,
     feed_forward_length as the MLP's real width, gguf-py's tensor names (its map calls the
     final norm token_embd_norm), the conv weight squeezed to [C, K], nothing permuted.
+    An LFM2-MoE folder as its LFM2MoeModel writes it (architecture lfm2moe): the same, plus
+    expert_count, expert_used_count, expert_feed_forward_length, leading_dense_block_count
+    and expert_gating_func (2: sigmoid), each routed layer's experts stacked as
+    ffn_{gate,up,down}_exps (w1, w3, w2) and its expert_bias as exp_probs_b.bias.
     q8(hf_name, array) -> True: that matrix as Q8_0 (gguf-py's reference quantizer)."""
     import gguf
 
     folder, out = Path(folder), Path(out)
     cfg = json.loads((folder / "config.json").read_text())
+    moe = cfg["model_type"] == "lfm2_moe"
+    arch = "lfm2moe" if moe else "lfm2"
     n, hid = cfg["num_hidden_layers"], cfg["hidden_size"]
     tensors = _folder_tensors(folder)
     attn = cfg.get("full_attn_idxs") or [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, n)
-    w = gguf.GGUFWriter(str(out), "lfm2")
-    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", hid),
-                       ("block_count", n), ("feed_forward_length", tensors["model.layers.0.feed_forward.w1.weight"].shape[0]),
-                       ("attention.head_count", cfg["num_attention_heads"]), ("vocab_size", cfg["vocab_size"]),
-                       ("shortconv.l_cache", cfg["conv_L_cache"])):
-        w.add_uint32(f"lfm2.{key}", value)
-    w.add_array("lfm2.attention.head_count_kv", [cfg["num_key_value_heads"] if i in attn else 0 for i in range(n)])
-    w.add_float32("lfm2.attention.layer_norm_rms_epsilon", float(cfg["norm_eps"]))
-    w.add_float32("lfm2.rope.freq_base", float(cfg.get("rope_theta", 1_000_000.0)))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2MOE if moe else gguf.MODEL_ARCH.LFM2, n)
+    w = gguf.GGUFWriter(str(out), arch)
+    ff = cfg["intermediate_size"] if moe else tensors["model.layers.0.feed_forward.w1.weight"].shape[0]
+    ints = {"context_length": cfg["max_position_embeddings"], "embedding_length": hid, "block_count": n,
+            "feed_forward_length": ff, "attention.head_count": cfg["num_attention_heads"],
+            "vocab_size": cfg["vocab_size"], "shortconv.l_cache": cfg["conv_L_cache"]}
+    if moe:
+        ints.update({"expert_count": cfg["num_experts"], "expert_used_count": cfg["num_experts_per_tok"],
+                     "expert_feed_forward_length": cfg["moe_intermediate_size"],
+                     "leading_dense_block_count": cfg["num_dense_layers"], "expert_gating_func": 2})
+    for key, value in ints.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_array(f"{arch}.attention.head_count_kv", [cfg["num_key_value_heads"] if i in attn else 0 for i in range(n)])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg["norm_eps"]))
+    w.add_float32(f"{arch}.rope.freq_base", float(cfg.get("rope_theta", 1_000_000.0)))
     _add_tokenizer(w, folder, cfg["eos_token_id"], cfg.get("bos_token_id"))
+    experts: dict[str, dict[int, np.ndarray]] = {}
     for name, x in sorted(tensors.items()):
+        hit = re.match(r"model\.layers\.(\d+)\.feed_forward\.experts\.(\d+)\.(w[123])\.weight$", name)
+        if hit:  # (LFM2MoeModel.modify_tensors: stacked per layer and projection)
+            experts.setdefault(f"{hit[1]}.{hit[3]}", {})[int(hit[2])] = x
+            continue
         if name.endswith("conv.conv.weight"):
             x = x.reshape(x.shape[0], -1)  # LFM2Model.modify_tensors: squeeze(1)
+        if name.endswith(".expert_bias"):
+            name += ".bias"  # (LFM2MoeModel: the bias's gguf-py name is exp_probs_b.bias)
         target = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if target is None:
             raise ValueError(f"no llama.cpp name for {name}")
         _add_tensor(w, target, x, q8 is not None and q8(name, x))
+
+    def add(hf: str, target: str, x: np.ndarray) -> None:
+        _add_tensor(w, target, x, q8 is not None and q8(hf, x))
+
+    _add_expert_stacks(add, experts, "model.layers.{i}.feed_forward.experts.{proj}",
+                       lambda proj: {"w1": "gate", "w3": "up", "w2": "down"}[proj])
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return out
 

@@ -79,14 +79,15 @@ FAMILY_CASES = [(k, s) for k in ("llama-q4", "qwen3", "qwen2-untied", "phi3", "s
 # per stage; Gemma 4 hands the embeddings (its per-layer inputs' source) and the K/V of a
 # KV-shared layer's source on an earlier stage with the stream (6 layers: stage 1's shared
 # layers attend over its own layer 3 and stage 0's layer 2)
-OWN_CONFIG = ["cohere2", "deepseek_v3", "gpt_oss", "lfm2", "mamba2", "nemotron_h", "qwen3_next",
+OWN_CONFIG = ["cohere2", "deepseek_v3", "gpt_oss", "lfm2", "lfm2_moe", "mamba2", "nemotron_h", "qwen3_next",
               "qwen3_5_moe_text", "granitemoehybrid", "falcon_h1", "gemma4_text-moe"]
 FAMILY_CASES += [(k, "pp") for k in OWN_CONFIG]
 # and over ranks (Family.tensor_split): Mamba-2 mixers' heads with their B/C groups (2 groups
 # split; one group replicated: -g1), their gated norm per group or over every rank's
 # channels; Gated DeltaNet's key heads with their value heads; LFM2's convolution channels
+# (LFM2-MoE's with each expert's features)
 FAMILY_CASES += [(k, "tp") for k in ("mamba2", "mamba2-g1", "mamba2-q4", "nemotron_h", "granitemoehybrid",
-                                     "falcon_h1", "qwen3_next", "qwen3_5_moe_text", "lfm2")]
+                                     "falcon_h1", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe")]
 # Gemma 4: per-layer head sizes, KV-shared layers (query rows only), the per-layer input
 # table's vocabulary rows; global layers with fewer KV heads and keys as values; experts
 FAMILY_CASES += [(k, "tp") for k in ("gemma4_text", "gemma4_text-keqv", "gemma4_text-keqv2", "gemma4_text-moe")]

@@ -38,6 +38,8 @@ WAIVED = {
 #: a default config fx-engine cannot run as it stands (not a real checkpoint), made one
 DEFAULT_FIXES = {
     "glm4_moe": {"head_dim": 128},  # 4096 / 96 heads leaves 21 rotated pairs at the 0.5 rotary fraction
+    # (Lfm2MoeConfig has no default layer kinds, without which its own model cannot run: LFM2-8B-A1B's spacing)
+    "lfm2_moe": {"layer_types": ["full_attention" if i % 4 == 2 else "conv" for i in range(32)]},
 }
 
 

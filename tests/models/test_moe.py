@@ -413,3 +413,34 @@ def test_grouped_route_matches_hugging_faces_router(k, n_group, topk_group, norm
     np.testing.assert_array_equal(np.take_along_axis(idx, order, -1), np.take_along_axis(want_idx, want_order, -1))
     np.testing.assert_allclose(np.take_along_axis(w, order, -1), np.take_along_axis(want_w, want_order, -1),
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("use_bias,norm,k", [(True, True, 4), (False, True, 2), (True, False, 1), (False, False, 3)])
+def test_lfm2_moe_route_matches_hugging_faces_router(use_bias, norm, k):
+    """LFM2-MoE's routing (`grouped_route` with one group, as lfm2.py's config asks for it)
+    against Hugging Face's Lfm2MoeTopKRouter written in float64 numpy: sigmoid scores, the
+    expert_bias choosing the top-k only (the weights are the unbiased scores), renormalized
+    with 1e-6 in the sum, times routed_scaling_factor; without use_expert_bias the scores
+    alone choose."""
+    from fx_engine.core.models.blocks import grouped_route
+
+    rng = np.random.default_rng(k + 10 * use_bias)
+    n, e, scale = 64, 16, 1.5
+    logits = rng.normal(0, 1.5, (n, e)) - 4.0  # small scores: the 1e-6 moves the weights by ~1e-5 of themselves
+    bias = rng.normal(0, 0.3, e)
+    scores = 1 / (1 + np.exp(-logits))
+    want_idx = np.argsort(-(scores + bias if use_bias else scores), axis=-1)[:, :k]
+    want_w = np.take_along_axis(scores, want_idx, -1)
+    if norm:
+        want_w = want_w / (want_w.sum(-1, keepdims=True) + 1e-6)
+    want_w *= scale
+
+    idx, w = grouped_route(mx.array(logits, mx.float32), mx.array(bias, mx.float32) if use_bias else None, k, 1, 1,
+                           norm, scale, norm_eps=1e-6)
+    idx, w = np.asarray(idx), np.asarray(w, np.float64)
+    order, want_order = np.argsort(idx, -1), np.argsort(want_idx, -1)
+    np.testing.assert_array_equal(np.take_along_axis(idx, order, -1), np.take_along_axis(want_idx, want_order, -1))
+    np.testing.assert_allclose(np.take_along_axis(w, order, -1), np.take_along_axis(want_w, want_order, -1),
+                               rtol=1e-6)
+    if use_bias:  # (the bias does choose here: scores alone pick other experts for some tokens)
+        assert (np.sort(np.argsort(-scores, -1)[:, :k], -1) != np.sort(want_idx, -1)).any()

@@ -1,4 +1,4 @@
-"""Recurrent cache entries: LFM2's gated short convolutions, Mamba-2's SSM, Nemotron-H's
+"""Recurrent cache entries: LFM2's gated short convolutions (LFM2-MoE's too), Mamba-2's SSM, Nemotron-H's
 hybrid, Qwen3-Next's Gated DeltaNet, Granite 4.0's hybrid (dense, NoPE variant here; the MoE one
 with RoPE runs in test_every_family.py), Falcon-H1's parallel mixer + attention.
 
@@ -31,11 +31,11 @@ from tests.models.test_parity import assert_greedy_matches_mlx_lm
 pytestmark = pytest.mark.oracle
 
 
-FAMILIES = {"lfm2": {"conv_bias": True, "conv_L_cache": 4}, "mamba2": {},
+FAMILIES = {"lfm2": {"conv_bias": True, "conv_L_cache": 4}, "lfm2_moe": {"conv_L_cache": 4}, "mamba2": {},
             "nemotron_h": {"hybrid_override_pattern": "M*-ME"}, "qwen3_next": {"mlp_only_layers": [1]},
             "granitemoehybrid": {"num_local_experts": 0, "position_embedding_type": "nope"},
             "falcon_h1": {"mamba_norm_before_gate": True}}
-EXACT = {"lfm2": 0.0, "mamba2": 2e-4, "nemotron_h": 2e-4, "qwen3_next": 2e-4, "granitemoehybrid": 2e-4,
+EXACT = {"lfm2": 0.0, "lfm2_moe": 0.0, "mamba2": 2e-4, "nemotron_h": 2e-4, "qwen3_next": 2e-4, "granitemoehybrid": 2e-4,
          "falcon_h1": 2e-4}
 
 

@@ -263,17 +263,19 @@ def route(logits: Float[mx.array, "N E"], k: int, softmax_then_topk: bool = True
 
 
 def grouped_route(
-    logits: Float[mx.array, "N E"], correction_bias: mx.array, k: int, n_group: int, topk_group: int,
-    norm_topk_prob: bool, scale: float,
+    logits: Float[mx.array, "N E"], correction_bias: mx.array | None, k: int, n_group: int, topk_group: int,
+    norm_topk_prob: bool, scale: float, norm_eps: float = 0.0,
 ) -> tuple[Int[mx.array, "N K"], Float[mx.array, "N K"]]:
     """DeepSeek-V3's routing (Hugging Face's DeepseekV3TopkRouter; GLM-4.5's and
     Nemotron-H's are the same): sigmoid scores plus a correction bias choose the top-k
     experts within the topk_group best of n_group groups (a group scored by its two best;
     the other groups' experts are out, -inf: mlx-lm's 0 let them in over experts whose
     biased score is negative); the weights are the sigmoid scores themselves, renormalized
-    if norm_topk_prob (at k = 1 too: a weight of 1), times `scale`."""
+    if norm_topk_prob (at k = 1 too: a weight of 1; `norm_eps` added to their sum, LFM2-MoE's
+    1e-6), times `scale`. No correction bias (None): the scores alone choose (LFM2-MoE
+    without use_expert_bias)."""
     scores = mx.sigmoid(logits.astype(mx.float32))
-    chosen = scores + correction_bias
+    chosen = scores if correction_bias is None else scores + correction_bias
     if n_group > 1:
         grouped = mx.unflatten(chosen, axis=-1, shape=(n_group, -1))
         best = mx.topk(grouped, 2, axis=-1).sum(axis=-1, keepdims=True)  # [N, G, 1]
@@ -285,7 +287,7 @@ def grouped_route(
     idx = mx.argpartition(-chosen, kth=k - 1, axis=-1)[..., :k]
     w = mx.take_along_axis(scores, idx, axis=-1)
     if norm_topk_prob:
-        w = w / w.sum(axis=-1, keepdims=True)
+        w = w / (w.sum(axis=-1, keepdims=True) + norm_eps if norm_eps else w.sum(axis=-1, keepdims=True))
     return idx, w * scale
 
 
@@ -297,7 +299,7 @@ def mixture(cfg: Any, ex: Experts, x: mx.array, num: Numerics) -> mx.array:
     logits = linear(x, ex.router, num)
     if cfg.grouped_sigmoid:
         idx, w = grouped_route(logits, ex.correction_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
-                               cfg.norm_topk_prob, cfg.routed_scaling_factor)
+                               cfg.norm_topk_prob, cfg.routed_scaling_factor, cfg.topk_norm_eps)
     else:
         idx, w = route(logits, cfg.top_k, cfg.softmax_then_topk, cfg.norm_topk_prob)
     y = routed_mixture(x, ex.gate_up, ex.down, idx, w, lambda gu: swiglu_fused(gu, num), num)  # [N, H]

@@ -72,6 +72,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                 "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                  "original_max_position_embeddings": 4096, "truncate": False}},
     "lfm2": {"num_key_value_heads": 8},
+    "lfm2_moe": {"num_key_value_heads": 8},
     "cohere": {"rope_theta": 500_000.0},
     "falcon_h1": {"max_position_embeddings": 8192, "num_key_value_heads": 8, "rope_theta": 10_000.0},
     "granitemoehybrid": {"max_position_embeddings": 2048, "num_local_experts": 8, "num_experts_per_tok": 2,

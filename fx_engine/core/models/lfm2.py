@@ -1,5 +1,5 @@
-"""LFM2 (`lfm2`, Liquid AI): gated short convolutions and attention, following mlx-lm 0.32's
-lfm2.py (the parity oracle).
+"""LFM2 (`lfm2`, Liquid AI) and LFM2-MoE (`lfm2_moe`): gated short convolutions and
+attention, following mlx-lm 0.32's lfm2.py and lfm2_moe.py (the parity oracles).
 
 Most layers are a gated short convolution instead of attention:
 
@@ -16,6 +16,13 @@ Padding positions (beyond a row's n_valid) enter the conv as zeros and the state
 after each row's last valid token, so rows at different positions and chunk sizes give the
 same state as one token at a time. A verify step (`keep_steps`) keeps the state after every
 position (the window ending there: a gather), and `cache.commit` selects per row.
+
+LFM2-MoE (LFM2-8B-A1B, LFM2-24B-A2B) is the same decoder whose MLPs from layer
+`num_dense_layers` on are routed experts (Hugging Face's Lfm2MoeSparseMoeBlock): sigmoid
+scores, the top-k chosen by score + `expert_bias` (use_expert_bias), weighted by the
+unbiased scores, renormalized over the k with 1e-6 in the sum (norm_topk_prob) and times
+routed_scaling_factor: `blocks.grouped_route` with one group. Its dense MLPs are
+`intermediate_size` wide as written (dense LFM2's 2/3 adjustment does not apply).
 """
 
 from __future__ import annotations
@@ -28,27 +35,33 @@ import mlx.core as mx
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, recurrent_entry
 import fx_engine.core.models.llama as llama
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Reader, TensorSource,
-                                       TensorSpec, Vec, WeightsError, read_tensors, renamed)
-from fx_engine.core.config import (BOOL, FLOAT, INT, ConfigError, Field, Same, check_rope_scaling, gguf_hf_config, gguf_ints,
-                                   gguf_value,
-                                   listed_eos, read_fields)
-from fx_engine.core.models.blocks import HF_LAYER, QKV, attention_sizes, decoder_layer, rope_freqs, swiglu_mlp
+                                       TensorSpec, Vec, WeightsError, read_experts, read_tensors, renamed)
+from fx_engine.core.config import (BOOL, FLOAT, INT, POSITIVE, ConfigError, Field, Same, check_rope_scaling, gguf_hf_config,
+                                   gguf_ints, gguf_value, listed_eos, positive_int, read_fields)
+from fx_engine.core.models.blocks import (HF_LAYER, QKV, STACKED_EXPERT_NAMES, Experts, attention_sizes, decoder_layer,
+                                          expert_stacks, mixture, rope_freqs, self_attention, swiglu_mlp)
 from fx_engine.core.models.family import Family
-from fx_engine.core.models.llama import LayerParams, LlamaConfig
+from fx_engine.core.models.llama import LayerParams
+from fx_engine.core.models.moe import MoEConfig, MoELayer, _fused_hf_experts
 from fx_engine.core.models.skeleton import PipelineStage, cut_layers
 from fx_engine.core.models.ssm import conv_weight
 from fx_engine.core.nn import Linear, Numerics, linear, rms_norm
-from fx_engine.core.splits import head_range, split, split_attention, split_cols, split_head, split_mlp, split_rows
+from fx_engine.core.splits import (head_range, split, split_attention, split_cols, split_experts, split_head, split_mlp,
+                                   split_rows)
 from fx_engine.core.recurrent import causal_conv
 from fx_engine.core.tree import static_field
 
 
 @attrs.frozen
-class Lfm2Config(LlamaConfig):
+class Lfm2Config(MoEConfig):
+    """Dense LFM2 has no routed layers (moe_layers empty); LFM2-MoE's routing fields are
+    MoEConfig's (grouped_sigmoid with one group)."""
+
     conv_kernel: int = 3  # conv_L_cache: taps of the short convolution
     conv_bias: bool = False
     conv_layers: tuple[bool, ...] = ()  # per layer: a short convolution (else attention)
     conv_channels: int = 0  # a tensor-parallel shard's channels of each convolution (0: hidden_size)
+    expert_bias: bool = False  # LFM2-MoE's use_expert_bias: the routed layers' selection bias
 
 
 def _ff_dim(d: dict[str, Any], source: str) -> int:
@@ -78,7 +91,17 @@ _FIELDS = (
 )
 
 
+# LFM2-MoE's routing fields (Hugging Face's Lfm2MoeConfig defaults), by MoEConfig's names
+_MOE_FIELDS = (
+    Field("num_experts", POSITIVE, 32), Field("num_experts_per_tok", POSITIVE, 4, to="top_k"),
+    Field("moe_intermediate_size", POSITIVE, 1792), Field("num_dense_layers", INT, 2),
+    Field("norm_topk_prob", BOOL, True), Field("use_expert_bias", BOOL, True),
+    Field("routed_scaling_factor", FLOAT, 1.0),
+)
+
+
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Lfm2Config:
+    mt = d.get("model_type", "lfm2")
     f = read_fields(d, _FIELDS, source)
     layers, hidden = f["num_layers"], f["hidden_size"]
     attn = _attention_layers(d, layers, source)
@@ -87,10 +110,27 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Lfm2Config
     if f["conv_kernel"] < 2:
         raise ConfigError(f"{source}: conv_L_cache must be >= 2, got {f['conv_kernel']}")
     rope = d.get("rope_theta", 1_000_000.0)  # (lifted from rope_parameters by hf_config.normalize)
+    head_dim = positive_int(d.get("head_dim") or hidden // f["num_heads"], "head_dim", source)  # (HF reads it)
+    moe: dict[str, Any] = {"expert_bias": False}
+    if mt == "lfm2_moe":
+        m = read_fields(d, _MOE_FIELDS, source)
+        if m["top_k"] > m["num_experts"]:
+            raise ConfigError(f"{source}: num_experts_per_tok ({m['top_k']}) exceeds num_experts ({m['num_experts']})")
+        dense = m.pop("num_dense_layers")
+        if not 0 <= dense <= layers:
+            raise ConfigError(f"{source}: num_dense_layers ({dense}) must be in [0, {layers}]")
+        bias = m.pop("use_expert_bias")
+        moe = {**m, "moe_layers": tuple(i >= dense for i in range(layers)), "grouped_sigmoid": True,
+               "topk_norm_eps": 1e-6, "expert_bias": bias}
+        ff = positive_int(d.get("intermediate_size", 7168), "intermediate_size", source)  # as written
+    else:
+        ff = _ff_dim(d, source)
     return Lfm2Config(
-        model_type="lfm2", **f, head_dim=hidden // f["num_heads"], intermediate_size=_ff_dim(d, source),
-        rope_theta=float(rope), rope_scaling=check_rope_scaling(d.get("rope_scaling"), source), tie_word_embeddings=True, qk_norm=True, bos_token_id=d.get("bos_token_id"),
+        model_type=mt, **f, head_dim=head_dim, intermediate_size=ff,
+        rope_theta=float(rope), rope_scaling=check_rope_scaling(d.get("rope_scaling"), source),
+        tie_word_embeddings=True, qk_norm=True, bos_token_id=d.get("bos_token_id"),
         eos_token_ids=listed_eos(d), conv_layers=tuple(i not in attn for i in range(layers)),
+        **moe,
     )
 
 
@@ -102,6 +142,9 @@ def _attention_layers(d: dict[str, Any], layers: int, source: str) -> list[int]:
         types = d.get("layer_types")
         if not isinstance(types, list) or len(types) != layers:
             raise ConfigError(f"{source}: 'full_attn_idxs' or 'layer_types' ({layers} entries) is required")
+        if set(types) - {"conv", "full_attention"}:  # (no other kind exists: never read as something else)
+            raise ConfigError(f"{source}: layer_types entries must be 'conv' or 'full_attention', got "
+                              f"{sorted(set(map(str, types)) - {'conv', 'full_attention'})}")
         attn = [i for i, t in enumerate(types) if t == "full_attention"]
     if not attn or any(not isinstance(i, int) or not 0 <= i < layers for i in attn):
         raise ConfigError(f"{source}: full_attn_idxs must list at least one layer in [0, {layers})")
@@ -116,15 +159,16 @@ class ConvLayer:
     conv_b: mx.array | None
     out_proj: Linear
     mlp_norm: mx.array
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | None = None  # None: routed experts
+    down: Linear | None = None
+    experts: Experts | None = None  # LFM2-MoE's routed layers
 
 
 @attrs.frozen
 class Lfm2Params:
     __fx_memo_flatten__ = True
     embed: Linear
-    layers: tuple[Any, ...]  # ConvLayer | llama.LayerParams
+    layers: tuple[Any, ...]  # ConvLayer | llama.LayerParams | moe.MoELayer (LFM2-MoE's routed attention layers)
     norm: mx.array  # embedding_norm (the final norm)
     config: Lfm2Config = static_field()
     numerics: Numerics = static_field(factory=Numerics)
@@ -166,12 +210,20 @@ def short_conv(p: Lfm2Params, lp: ConvLayer, x: mx.array, entry: Any, spec: Laye
 
 def _layer(p: Lfm2Params, lp: Any, h: mx.array, entry: Any, spec: LayerSpec, rope: Any,
            geo: StepGeometry) -> tuple[mx.array, Any]:
-    if not isinstance(lp, ConvLayer):
+    experts = getattr(lp, "experts", None)
+    if not isinstance(lp, ConvLayer) and experts is None:
         return decoder_layer(p, lp, h, entry, spec, rope, geo)
     cfg, num = p.config, p.numerics
-    a, entry = short_conv(p, lp, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num), entry, spec, geo)
+    x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, num)
+    if isinstance(lp, ConvLayer):
+        a, entry = short_conv(p, lp, x, entry, spec, geo)
+    else:
+        a, entry = self_attention(p, lp, x, entry, spec, rope, geo)
     h = h + a
-    return h + swiglu_mlp(rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num), lp.gate_up, lp.down, num), entry
+    x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, num)
+    if experts is not None:
+        return h + mixture(cfg, experts, x, num), entry
+    return h + swiglu_mlp(x, lp.gate_up, lp.down, num), entry
 
 
 def forward(p: Lfm2Params, cache: KVCache, tokens: mx.array, n_valid: mx.array,
@@ -207,15 +259,42 @@ MLP = (
     Lin("down", "feed_forward.w2", "hidden_size", "intermediate_size"),
 )
 TOP = (Embedding("embed", "model.embed_tokens"), Vec("norm", "model.embedding_norm.weight", "hidden_size"))
+# LFM2-MoE's per-expert Hugging Face names (gate, up, down) under feed_forward.; mlx-lm's
+# conversions stack them as switch_mlp.* (`STACKED_EXPERT_NAMES`) and call the dense MLPs'
+# w1 / w3 / w2 gate_proj / up_proj / down_proj (read back under Hugging Face's names)
+HF_EXPERTS = ("experts.{e}.w1", "experts.{e}.w3", "experts.{e}.w2")
+_MLX_MOE_NAMES = ((r"\.feed_forward\.gate_proj\.", ".feed_forward.w1."), (r"\.feed_forward\.up_proj\.", ".feed_forward.w3."),
+                  (r"\.feed_forward\.down_proj\.", ".feed_forward.w2."))
+
+
+def _experts(cfg: Lfm2Config, src: TensorSource, rd: Reader, opts: LoadOptions, i: int) -> Experts:
+    """Layer i's routed experts: the router (feed_forward.gate), the stacks (one tensor per
+    expert, transformers 5's fused gate_up_proj / down_proj, or mlx-lm's switch_mlp) and
+    the selection bias (feed_forward.expert_bias, float32) where use_expert_bias."""
+    e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    b = HF_LAYER.format(i=i) + "feed_forward."
+    if src.has(b + "experts.gate_up_proj"):
+        gate, up, down = _fused_hf_experts(src, b + "experts.", e, f, h, opts.where)
+    else:
+        gate, up, down = (read_experts(src, b + stacked, b + one, e, o, n, opts.quant_for, opts.where)
+                          for stacked, one, (o, n) in zip(STACKED_EXPERT_NAMES, HF_EXPERTS, ((f, h), (f, h), (h, f))))
+    bias = src.get(b + "expert_bias", (e,), opts.where).astype(mx.float32) if cfg.expert_bias else None
+    return Experts(router=rd.linear(b + "gate", e, h), **expert_stacks(gate, up, down, opts), correction_bias=bias)
 
 
 def assemble(cfg: Lfm2Config, src: TensorSource, opts: LoadOptions) -> Lfm2Params:
+    if cfg.moe_layers and any(".feed_forward.gate_proj." in n for n in src.tensors):
+        src = renamed(src, _MLX_MOE_NAMES)  # an mlx-lm conversion of LFM2-MoE
     rd, sizes = Reader(src, opts), {**attention_sizes(cfg), "conv_in_width": 3 * cfg.hidden_size}
 
     def layer(i: int, conv: bool) -> Any:
-        mlp = read_tensors(rd, MLP, cfg, HF_LAYER, i, sizes)
+        routed = bool(cfg.moe_layers) and cfg.moe_layers[i]
+        if routed:
+            mlp = {**read_tensors(rd, MLP[:1], cfg, HF_LAYER, i, sizes), "experts": _experts(cfg, src, rd, opts, i)}
+        else:
+            mlp = read_tensors(rd, MLP, cfg, HF_LAYER, i, sizes)
         if not conv:
-            return LayerParams(**read_tensors(rd, ATTENTION, cfg, HF_LAYER, i, sizes), **mlp)
+            return (MoELayer if routed else LayerParams)(**read_tensors(rd, ATTENTION, cfg, HF_LAYER, i, sizes), **mlp)
         w = conv_weight(src, HF_LAYER.format(i=i) + "conv.conv.weight", cfg.hidden_size, cfg.conv_kernel, opts.where)
         return ConvLayer(**read_tensors(rd, CONV, cfg, HF_LAYER, i, sizes), conv_w=w.astype(opts.dtype), **mlp)
 
@@ -229,11 +308,20 @@ def checkpoint_layout(cfg: Lfm2Config) -> dict[str, TensorSpec]:
     hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
     out = {"model.embed_tokens.weight": TensorSpec((cfg.vocab_size, h), scale=0.5),
            "model.embedding_norm.weight": TensorSpec((h,), center=1.0, scale=0.1)}
+    e, mf = cfg.num_experts, cfg.moe_intermediate_size
     for i, conv in enumerate(cfg.conv_layers):
         p = f"model.layers.{i}."
-        for n, shape in (("feed_forward.w1", (ff, h)), ("feed_forward.w3", (ff, h)),
-                         ("feed_forward.w2", (h, ff))):
-            out[p + n + ".weight"] = TensorSpec(shape)
+        if cfg.moe_layers and cfg.moe_layers[i]:  # LFM2-MoE's published layout: one tensor per expert
+            out[p + "feed_forward.gate.weight"] = TensorSpec((e, h))
+            if cfg.expert_bias:  # (centred off 0: sigmoid scores + bias, where the bias can decide)
+                out[p + "feed_forward.expert_bias"] = TensorSpec((e,), center=0.1, scale=0.3)
+            for j in range(e):
+                for n, shape in (("w1", (mf, h)), ("w3", (mf, h)), ("w2", (h, mf))):
+                    out[p + f"feed_forward.experts.{j}.{n}.weight"] = TensorSpec(shape)
+        else:
+            for n, shape in (("feed_forward.w1", (ff, h)), ("feed_forward.w3", (ff, h)),
+                             ("feed_forward.w2", (h, ff))):
+                out[p + n + ".weight"] = TensorSpec(shape)
         for n in ("operator_norm", "ffn_norm"):
             out[p + n + ".weight"] = TensorSpec((h,), center=1.0, scale=0.1)
         if conv:
@@ -263,32 +351,57 @@ GGUF_TO_HF = (
 ) + GGUF_COMMON_NAMES
 
 
+# lfm2moe's routed layers (convert_hf_to_gguf.py's LFM2MoeModel): the router, the stacks
+# [E, out, in] and the selection bias (expert_bias, written as exp_probs_b.bias)
+GGUF_MOE_TO_HF = (
+    (r"\.ffn_gate_inp\.", ".feed_forward.gate."), (r"\.exp_probs_b\.bias$", ".feed_forward.expert_bias"),
+    (r"\.ffn_(gate|up|down)_exps\.", r".feed_forward.switch_mlp.\1_proj."),
+)
+
+
 def config_from_gguf(md: dict[str, Any], source: str) -> Lfm2Config:
     """LFM2 from llama.cpp's lfm2 metadata: attention.head_count_kv per layer (0 on the
     convolution layers, the KV heads on the attention ones), shortconv.l_cache, and
-    feed_forward_length as the MLP's width already adjusted."""
-    per_layer = gguf_ints(md, "lfm2.attention.head_count_kv")
+    feed_forward_length as the MLP's width already adjusted. LFM2-MoE (lfm2moe) adds
+    expert_count, expert_used_count, expert_feed_forward_length, leading_dense_block_count
+    and expert_gating_func (sigmoid: 2); llama.cpp always renormalizes the top-k weights,
+    needs the selection bias and writes no routed_scaling_factor (1)."""
+    arch = md.get("general.architecture", "lfm2")
+    kv = f"{arch}.attention.head_count_kv"
+    per_layer = gguf_ints(md, kv)
     if per_layer is None:
-        raise ConfigError(f"{source}: GGUF metadata 'lfm2.attention.head_count_kv' must list each layer's KV heads "
+        raise ConfigError(f"{source}: GGUF metadata '{kv}' must list each layer's KV heads "
                           "(0 on convolution layers)")
     heads = {x for x in per_layer if x}
     if len(heads) != 1:
-        raise ConfigError(f"{source}: lfm2.attention.head_count_kv {per_layer}: expected one KV head count on the "
+        raise ConfigError(f"{source}: {kv} {per_layer}: expected one KV head count on the "
                           "attention layers and 0 on the others")
-    d = gguf_hf_config({k: v for k, v in md.items() if k != "lfm2.attention.head_count_kv"}, "lfm2", source, "lfm2",
+    d = gguf_hf_config({k: v for k, v in md.items() if k != kv}, arch, source, "lfm2",
                        rope_theta=1_000_000.0, context=128000)
     if len(per_layer) != d["num_hidden_layers"]:
-        raise ConfigError(f"{source}: lfm2.attention.head_count_kv has {len(per_layer)} entries for "
+        raise ConfigError(f"{source}: {kv} has {len(per_layer)} entries for "
                           f"{d['num_hidden_layers']} layers")
     ff = d.pop("intermediate_size")
     d.update(num_key_value_heads=heads.pop(), norm_eps=d.pop("rms_norm_eps"), block_ff_dim=ff,
-             block_auto_adjust_ff_dim=False, conv_L_cache=int(gguf_value(md, "lfm2", "shortconv.l_cache", source)),
+             block_auto_adjust_ff_dim=False, conv_L_cache=int(gguf_value(md, arch, "shortconv.l_cache", source)),
              full_attn_idxs=[i for i, x in enumerate(per_layer) if x])
+    if arch == "lfm2moe":
+        def val(key: str, default: Any = ...) -> Any:
+            return gguf_value(md, arch, key, source, default)
+
+        if int(val("expert_gating_func", 2)) != 2:
+            raise ConfigError(f"{source}: lfm2moe.expert_gating_func {val('expert_gating_func')!r}: LFM2-MoE "
+                              "routes by sigmoid scores (2)")
+        d.update(model_type="lfm2_moe", intermediate_size=ff, num_experts=int(val("expert_count")),
+                 num_experts_per_tok=int(val("expert_used_count")),
+                 moe_intermediate_size=int(val("expert_feed_forward_length")),
+                 num_dense_layers=int(val("leading_dense_block_count", 0)), norm_topk_prob=True,
+                 use_expert_bias=True)
     return config_from_hf(d, source)
 
 
 def assemble_gguf(cfg: Lfm2Config, src: TensorSource, opts: LoadOptions) -> Lfm2Params:
-    src = renamed(src, GGUF_TO_HF)
+    src = renamed(src, GGUF_MOE_TO_HF + GGUF_TO_HF)
     conv = next((i for i, c in enumerate(cfg.conv_layers) if c), None)  # (the metadata has no conv_bias key)
     cfg = attrs.evolve(cfg, conv_bias=conv is not None and src.has(f"model.layers.{conv}.conv.in_proj.bias"))
     if src.has("lm_head.weight"):  # LFM2's head is the embedding; a separate one would go unread
@@ -298,10 +411,19 @@ def assemble_gguf(cfg: Lfm2Config, src: TensorSource, opts: LoadOptions) -> Lfm2
 
 
 def layer_range(p: Lfm2Params, start: int, end: int) -> Lfm2Params:
-    return cut_layers(p, start, end, per_layer=("conv_layers",))
+    return cut_layers(p, start, end, per_layer=("conv_layers", "moe_layers"))
 
 
 def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    if model_type == "lfm2_moe":  # LFM2-8B-A1B's layout, small: a dense layer, then routed ones
+        return {"model_type": "lfm2_moe", "architectures": ["Lfm2MoeForCausalLM"], "vocab_size": 384,
+                "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+                "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3, "num_dense_layers": 1, "num_experts": 8,
+                "num_experts_per_tok": 2, "norm_topk_prob": True, "use_expert_bias": True,
+                "routed_scaling_factor": 1.0, "rope_theta": 1_000_000.0,
+                "layer_types": ["conv", "full_attention", "conv", "full_attention"], "tie_word_embeddings": True,
+                "bos_token_id": 1, "eos_token_id": 2, **overrides}
     return {"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "vocab_size": 384,
             "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
             "num_key_value_heads": 2, "max_position_embeddings": 2048, "norm_eps": 1e-5,
@@ -315,7 +437,8 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
 def tensor_split(p: Lfm2Params, rank: int, size: int) -> Lfm2Params:
     """Rank `rank` of `size`'s shard (core/parallel.py): each short convolution's channels
     (their B, C, x rows of in_proj, taps and out_proj columns, summed: the convolution is
-    per channel), attention heads, MLP features, the vocabulary."""
+    per channel), attention heads, MLP features (each expert's, the router replicated),
+    the vocabulary."""
     cfg = p.config
     h = cfg.hidden_size
     q0, q1, k0, k1 = head_range(cfg.num_heads, cfg.num_kv_heads, rank, size)
@@ -330,17 +453,20 @@ def tensor_split(p: Lfm2Params, rank: int, size: int) -> Lfm2Params:
                               out_proj=split_cols(lp.out_proj, c0, c1, f"{name} out_proj"))
         else:
             lp = split_attention(lp, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rank, size, name)
-        layers.append(split_mlp(lp, rank, size, name))
+        if getattr(lp, "experts", None) is not None:
+            layers.append(attrs.evolve(lp, experts=split_experts(lp.experts, rank, size, i)))
+        else:
+            layers.append(split_mlp(lp, rank, size, name))
     small = attrs.evolve(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, conv_channels=c1 - c0)
     return split_head(attrs.evolve(p, layers=tuple(layers), config=small), rank, size)
 
 
 FAMILY = Family(
-    name="lfm2", model_types=("lfm2",), config_type=Lfm2Config, params_type=Lfm2Params,
+    name="lfm2", model_types=("lfm2", "lfm2_moe"), config_type=Lfm2Config, params_type=Lfm2Params,
     config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,
-    gguf_architectures=("lfm2",), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
+    gguf_architectures=("lfm2", "lfm2moe"), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
 )
 
 __all__ = ["FAMILY", "Lfm2Config", "Lfm2Params", "ConvLayer", "short_conv"]

@@ -68,6 +68,7 @@ class MoEConfig(LlamaConfig):
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    topk_norm_eps: float = 0.0  # added to the top-k weights' sum when renormalizing (LFM2-MoE: 1e-6)
     rope_dims: int = 0  # rotated dims per head (0: all)
 
 
