@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, decoders, models, normalizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from fx_engine.loading import chat_template as _chat
@@ -268,6 +268,36 @@ def _build_sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str], tok
     return backend, True  # llama.cpp and transformers add BOS to SentencePiece vocabularies by default
 
 
+def _build_gemma4_bpe(metadata: Mapping[str, Any], tokens: list[str], token_types: list[int], source: str) -> tuple[HFTokenizer, bool]:
+    """GGUF `gemma4` model (Gemma 4: convert_hf_to_gguf.py's Gemma4Model writes no
+    tokenizer.ggml.pre), as llama.cpp reads it (LLAMA_VOCAB_PRE_TYPE_GEMMA4): spaces escaped
+    to "▁" and no space prefix, the text split only into runs of newlines and runs of
+    anything else (`[^\n]+|[\n]+`), BPE by the file's merges over whole UTF-8 characters
+    (no byte-level alphabet), a character with no token as its <0xXX> byte tokens, BOS added.
+    A run of newlines that is itself a token is emitted whole (llama.cpp looks it up before
+    merging): such tokens are registered as added tokens, matched before the split. (So a
+    run longer than the longest newline token, 31 in Gemma's vocabulary, is taken as the
+    longest tokens first, where llama.cpp merges it by BPE: the one known deviation.)"""
+    raw_merges = _meta(metadata, "tokenizer.ggml.merges")
+    if raw_merges is None:
+        raise ValueError(f"{source}: GGUF gemma4 vocabulary has no tokenizer.ggml.merges")
+    try:
+        model = models.BPE(vocab=_first_index_vocab(tokens), merges=_parse_merges(raw_merges, source),
+                           fuse_unk=False, byte_fallback=True)
+    except Exception as e:
+        raise ValueError(f"{source}: inconsistent vocabulary/merges: {e}") from e
+    backend = HFTokenizer(model)
+    backend.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[^\n]+|[\n]+"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    special, user = _added_tokens_from_types(tokens, token_types, {TOKEN_CONTROL, TOKEN_UNKNOWN})
+    newline_runs = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, token_types)
+                    if t and set(t) == {"\n"} and ty in (TOKEN_NORMAL, TOKEN_USER_DEFINED)]
+    backend.add_special_tokens(special)
+    backend.add_tokens(user + newline_runs)
+    return backend, True
+
+
 # --------------------------------------------------------------------------------------------
 # The tokenizer
 # --------------------------------------------------------------------------------------------
@@ -336,10 +366,12 @@ class Tokenizer:
             backend, default_add_bos = _build_byte_level_bpe(metadata, tokens, token_types, source)
         elif model_type == "llama":
             backend, default_add_bos = _build_sentencepiece_bpe(metadata, tokens, token_types, source)
+        elif model_type == "gemma4":
+            backend, default_add_bos = _build_gemma4_bpe(metadata, tokens, token_types, source)
         else:
             raise NotImplementedError(
                 f"{source}: tokenizer.ggml.model = {model_type!r} is not supported "
-                "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece BPE)"
+                "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece BPE, 'gemma4' BPE)"
             )
 
         n = len(tokens)

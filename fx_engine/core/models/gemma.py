@@ -30,10 +30,11 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, advanced, attend_entry, write_entry, write_positions
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Reader, TensorSource,
-                                       TensorSpec, Vec, finish_experts, fuse_experts, read_expert_stack, read_tensors,
-                                       renamed)
+                                       TensorSpec, Vec, WeightsError, finish_experts, fuse_experts, read_expert_stack,
+                                       read_tensors, renamed)
 from fx_engine.core.config import (BOOL, FLOAT, INT, INT_OR_ZERO, MAYBE_BOOL, MAYBE_FLOAT, POSITIVE, BaseConfig,
-                                   ConfigError, Field, gguf_value, positive_int, read_fields, refuse, token_ids)
+                                   ConfigError, Field, gguf_ints, gguf_value, positive_int, read_fields, refuse,
+                                   token_ids)
 from fx_engine.core.models.blocks import GATE_UP, HF_LAYER
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import (PipelineStage, cut_layers, hands_on, later_stage, stage_input, stage_logits,
@@ -698,9 +699,53 @@ _GGUF_TO_HF = (
 ) + GGUF_COMMON_NAMES
 
 
+# Gemma 4's own (convert_hf_to_gguf.py's Gemma4Model; gguf-py's names): the per-layer
+# inputs, the layer's output scalar, the routed experts beside the MLP and their router
+_GEMMA4_GGUF_TO_HF = (
+    (r"^per_layer_token_embd\.", "model.embed_tokens_per_layer."),
+    (r"^per_layer_model_proj\.", "model.per_layer_model_projection."),
+    (r"^per_layer_proj_norm\.", "model.per_layer_projection_norm."),
+    (r"\.inp_gate\.", ".per_layer_input_gate."), (r"\.proj\.", ".per_layer_projection."),
+    (r"\.post_norm\.", ".post_per_layer_input_norm."), (r"\.layer_output_scale\.weight$", ".layer_scalar"),
+    (r"\.ffn_gate_inp\.scale$", ".router.scale"), (r"\.ffn_gate_inp\.", ".router.proj."),
+    (r"\.ffn_down_exps\.scale$", ".router.per_expert_scale"),
+    (r"\.ffn_gate_up_exps\.", ".experts.gate_up."), (r"\.ffn_down_exps\.", ".experts.down."),
+    (r"\.pre_ffw_norm_2\.", ".pre_feedforward_layernorm_2."), (r"\.post_ffw_norm_1\.", ".post_feedforward_layernorm_1."),
+    (r"\.post_ffw_norm_2\.", ".post_feedforward_layernorm_2."),
+)
+
+
 def assemble_gguf(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions) -> GemmaParams:
-    """Gemma 2 / 3 from llama.cpp's names (no row permutation: Gemma rotates halves)."""
-    return assemble(cfg, renamed(src, _GGUF_TO_HF), opts, norm_offset=0.0)
+    """Gemma 2 / 3 / 4 from llama.cpp's names (no row permutation: Gemma rotates halves).
+    Gemma 4's global layers' rotated fraction is the file's rope_freqs tensor (1 on the
+    rotated pairs, 1e30 on the identity ones: llama.cpp's form of the proportional RoPE),
+    and k_eq_v is a global layer computing K/V without attn_v."""
+    if not cfg.is_gemma4:
+        return assemble(cfg, renamed(src, _GGUF_TO_HF), opts, norm_offset=0.0)
+    cfg = attrs.evolve(cfg, rope_full=attrs.evolve(cfg.rope_full, rotary_fraction=_gguf_rotary_fraction(cfg, src, opts)))
+    full = [i for i in range(cfg.first_shared_layer) if not cfg.is_sliding(i)]
+    no_v = {i for i in full if not src.has(f"blk.{i}.attn_v.weight")}
+    if no_v and no_v != set(full):
+        raise WeightsError(f"{opts.where}: global layers {sorted(no_v)} have no attn_v but layers "
+                           f"{sorted(set(full) - no_v)} do (k_eq_v is all global layers or none)")
+    if no_v:  # (their KV heads: the file's per-layer head_count_kv, already in num_global_kv_heads)
+        cfg = attrs.evolve(cfg, attention_k_eq_v=True)
+    return assemble(cfg, renamed(src, _GEMMA4_GGUF_TO_HF + _GGUF_TO_HF), opts, norm_offset=0.0)
+
+
+def _gguf_rotary_fraction(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions) -> float:
+    """The global layers' rotated fraction from rope_freqs [global_head_dim / 2]: its leading
+    1s rotate, the 1e30s (a period too long to turn) do not; no tensor: every pair rotates
+    (llama.cpp then uses no frequency factors)."""
+    half = cfg.kind_head_dim("full_attention") // 2
+    if not src.has("rope_freqs.weight"):
+        return 1.0
+    f = src.get("rope_freqs.weight", (half,), opts.where).astype(mx.float32).tolist()
+    ones = next((i for i, x in enumerate(f) if x != 1.0), half)
+    if any(x < 1e20 for x in f[ones:]):
+        raise WeightsError(f"{opts.where}: rope_freqs.weight holds frequency factors other than 1 (rotated) and "
+                           "1e30 (not rotated): not Gemma 4's proportional RoPE, which is all fx-engine runs")
+    return 2 * ones / (2 * half)
 
 
 def config_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
@@ -711,8 +756,10 @@ def config_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
     Checked against llama.cpp's own logits on converted tiny models (Gemma 3: max |diff|
     6.7e-3 of 30)."""
     arch = md.get("general.architecture")
+    if arch == "gemma4":
+        return _gemma4_from_gguf(md, source)
     if arch not in ("gemma2", "gemma3"):
-        raise ConfigError(f"{source}: GGUF architecture {arch!r}: only gemma2 and gemma3 are supported here")
+        raise ConfigError(f"{source}: GGUF architecture {arch!r}: only gemma2, gemma3 and gemma4 are supported here")
 
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, arch, key, source, default)
@@ -756,6 +803,84 @@ def config_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
     return config_from_hf(d, source)
 
 
+def _gemma4_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
+    """Gemma 4 from llama.cpp's gemma4 metadata (convert_hf_to_gguf.py's Gemma4Model), as the
+    config.json it came from: key_length / key_length_swa as global_head_dim / head_dim,
+    head_count_kv per layer (the global layers' own count) or one, feed_forward_length per
+    layer (twice as wide on the KV-shared layers: use_double_wide_mlp) or one, the layer
+    kinds from sliding_window_pattern (true: sliding), the RoPE base per kind. The global
+    layers' rotated fraction is in the rope_freqs tensor (`assemble_gguf`), k_eq_v is read
+    from which tensors the global layers have."""
+    a = "gemma4"
+
+    def val(key: str, default: Any = ...) -> Any:
+        return gguf_value(md, a, key, source, default)
+
+    layers = int(val("block_count"))
+    sliding = md.get(f"{a}.attention.sliding_window_pattern")
+    sliding = sliding.tolist() if hasattr(sliding, "tolist") else sliding
+    if not isinstance(sliding, list) or len(sliding) != layers:
+        raise ConfigError(f"{source}: GGUF metadata '{a}.attention.sliding_window_pattern' must list {layers} "
+                          "flags (true: a sliding layer)")
+    types = ["sliding_attention" if x else "full_attention" for x in sliding]
+    shared = int(val("attention.shared_kv_layers", 0))
+    per_layer = {}
+    for key in ("attention.head_count_kv", "feed_forward_length"):
+        v = gguf_ints(md, f"{a}.{key}")
+        if v is None:
+            raise ConfigError(f"{source}: GGUF metadata '{a}.{key}' is required")
+        if len(v) not in (1, layers):
+            raise ConfigError(f"{source}: GGUF metadata '{a}.{key}' has {len(v)} entries for {layers} layers")
+        per_layer[key] = v * layers if len(v) == 1 else v
+    kv_by_kind: dict[str, set[int]] = {}
+    for t, k in zip(types, per_layer["attention.head_count_kv"]):
+        kv_by_kind.setdefault(t, set()).add(k)
+    if any(len(v) > 1 for v in kv_by_kind.values()):
+        raise ConfigError(f"{source}: {a}.attention.head_count_kv {per_layer['attention.head_count_kv']}: one count "
+                          "per layer kind is supported")
+    ff = per_layer["feed_forward_length"]
+    m = layers - shared
+    double = any(x != ff[0] for x in ff)
+    if double and (ff[:m] != [ff[0]] * m or ff[m:] != [2 * ff[0]] * shared):
+        raise ConfigError(f"{source}: {a}.feed_forward_length {ff}: per-layer widths other than Gemma 4's "
+                          "double-wide KV-shared layers are not supported")
+    gd, hd = int(val("attention.key_length")), int(val("attention.key_length_swa"))
+    if int(val("attention.value_length", gd)) != gd or int(val("attention.value_length_swa", hd)) != hd:
+        raise ConfigError(f"{source}: {a}.attention.value_length(_swa) != key_length(_swa) is not supported")
+    rot_swa = int(val("rope.dimension_count_swa", hd))
+    if rot_swa <= 0 or rot_swa > hd or rot_swa % 2:
+        raise ConfigError(f"{source}: {a}.rope.dimension_count_swa {rot_swa} must be even, in (0, {hd}]")
+    sliding_kv = kv_by_kind.get("sliding_attention", kv_by_kind.get("full_attention")).copy().pop()
+    full_kv = kv_by_kind.get("full_attention", {sliding_kv}).copy().pop()
+    eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
+    d: dict[str, Any] = {
+        "model_type": "gemma4_text", "hidden_size": int(val("embedding_length")), "num_hidden_layers": layers,
+        "num_attention_heads": int(val("attention.head_count")), "num_key_value_heads": sliding_kv,
+        "num_global_key_value_heads": full_kv if full_kv != sliding_kv else None,
+        "head_dim": hd, "global_head_dim": gd, "intermediate_size": ff[0], "use_double_wide_mlp": double,
+        "rms_norm_eps": float(val("attention.layer_norm_rms_epsilon", 1e-6)),
+        "sliding_window": int(val("attention.sliding_window")), "layer_types": types,
+        "num_kv_shared_layers": shared,
+        "hidden_size_per_layer_input": int(val("embedding_length_per_layer_input", 0)),
+        "final_logit_softcapping": float(val("final_logit_softcapping")) if val("final_logit_softcapping", None)
+        is not None else None,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "proportional", "rope_theta": float(val("rope.freq_base", 1_000_000.0)),
+                               "partial_rotary_factor": 1.0},  # (the file's rope_freqs says: assemble_gguf)
+            "sliding_attention": {"rope_type": "default", "rope_theta": float(val("rope.freq_base_swa", 10_000.0)),
+                                  "partial_rotary_factor": rot_swa / hd},
+        },
+        "vocab_size": int(val("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", []))),
+        "max_position_embeddings": int(val("context_length", 131072)),
+        "bos_token_id": int(bos.item()) if bos is not None else None,
+        "eos_token_id": int(eos.item()) if eos is not None else None,
+    }
+    if val("expert_count", None) is not None:
+        d.update(enable_moe_block=True, num_experts=int(val("expert_count")), top_k_experts=int(val("expert_used_count")),
+                 moe_intermediate_size=int(val("expert_feed_forward_length")))
+    return config_from_hf(d, source)
+
+
 def _read_moe(cfg: GemmaConfig, rd: Reader, pre: str, sizes: dict[str, Any]) -> MoEBlock:
     """Gemma 4 MoE weights: `MOE`'s, the router's scale, and the experts in Hugging Face's
     layout (experts.gate_up_proj [E, 2F, H], experts.down_proj [E, H, F]) or mlx-lm's
@@ -764,7 +889,13 @@ def _read_moe(cfg: GemmaConfig, rd: Reader, pre: str, sizes: dict[str, Any]) -> 
     dtype, keep_quantized, where = opts.dtype, opts.keep_quantized, opts.where
     e, f, hid = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     hf = pre + "experts.gate_up_proj"
-    if src.has(hf):
+    if src.has(pre + "experts.gate_up.weight"):  # a GGUF's fused stack (ffn_gate_up_exps), maybe quantized
+        gu = pre + "experts.gate_up"
+        gate_up = finish_experts(read_expert_stack(src, gu, e, 2 * f, hid, opts.quant_for(gu), where), dtype,
+                                 keep_quantized)
+        dn = pre + "experts.down"
+        down = read_expert_stack(src, dn, e, hid, f, opts.quant_for(dn), where)
+    elif src.has(hf):
         gate_up = Linear(weight=src.get(hf, (e, 2 * f, hid), where))
         down = Linear(weight=src.get(pre + "experts.down_proj", (e, hid, f), where))
     else:
@@ -960,7 +1091,7 @@ FAMILY = Family(
     params_type=GemmaParams, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
     checkpoint_layout=checkpoint_layout, wrappers=MULTIMODAL_WRAPPERS,
-    gguf_architectures=("gemma2", "gemma3"), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
+    gguf_architectures=("gemma2", "gemma3", "gemma4"), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
     tensor_split=tensor_split, layer_range=layer_range, tiny_config=lambda model_type, overrides: {
         "model_type": model_type, "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384,
