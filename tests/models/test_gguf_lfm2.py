@@ -44,10 +44,14 @@ def test_gguf_logits_equal_the_folders(tmp_path, overrides):
     np.testing.assert_allclose(_logits(model), _logits(ref), rtol=0, atol=2e-5)
 
 
-def test_q8_0_matrices(tmp_path):
-    """Every projection Q8_0: the logits of the folder holding the same values, dequantized."""
-    folder = write_tiny_model(tmp_path / "m", "lfm2", seed=5)
-    chosen = lambda name, x: ".layers." in name and "norm" not in name and "conv.conv" not in name  # noqa: E731
+@pytest.mark.parametrize("model_type", ["lfm2", "lfm2_moe"])
+def test_q8_0_matrices(tmp_path, model_type):
+    """Every projection Q8_0 (LFM2-MoE's expert stacks and router too): the logits of the
+    folder holding the same values, dequantized (each expert's rows round-trip alike
+    stacked or alone)."""
+    folder = write_tiny_model(tmp_path / "m", model_type, seed=5)
+    chosen = lambda name, x: ".layers." in name and "norm" not in name and "conv.conv" not in name \
+        and x.ndim >= 2  # noqa: E731
     model = fx_engine.load(write_lfm2_gguf(folder, tmp_path / "m.gguf", q8=chosen))
     q8_0_round_trip(folder, chosen)
     np.testing.assert_allclose(_logits(model), _logits(fx_engine.load(folder)), rtol=0, atol=2e-5)
@@ -92,17 +96,6 @@ def test_lfm2_moe_gguf_logits_equal_the_folders(tmp_path, overrides):
                   "intermediate_size", "norm_topk_prob", "expert_bias", "topk_norm_eps"):
         assert getattr(model.config, field) == getattr(ref.config, field), field
     np.testing.assert_allclose(_logits(model), _logits(ref), rtol=0, atol=2e-5)
-
-
-def test_lfm2_moe_q8_0_matrices(tmp_path):
-    """The expert stacks and the other projections in Q8_0: the folder's logits with the same
-    values (each expert's rows round-trip alike stacked or alone)."""
-    folder = write_tiny_model(tmp_path / "m", "lfm2_moe", seed=5)
-    chosen = lambda name, x: ".layers." in name and "norm" not in name and "conv.conv" not in name \
-        and x.ndim >= 2 and not name.endswith("feed_forward.gate.weight")  # noqa: E731
-    model = fx_engine.load(write_lfm2_gguf(folder, tmp_path / "m.gguf", q8=chosen))
-    q8_0_round_trip(folder, chosen)
-    np.testing.assert_allclose(_logits(model), _logits(fx_engine.load(folder)), rtol=0, atol=2e-5)
 
 
 def test_lfm2_moe_refusals(tmp_path):
