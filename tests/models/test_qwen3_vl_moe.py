@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import fx_engine
-from fx_engine.core.models.moe import _fused_hf_experts
+from fx_engine.core.models.moe import fused_hf_experts
 from fx_engine.core.checkpoint import TensorSource
 from fx_engine.core.vision import qwen3_vl, vision_module
 from fx_engine.engine.image_prompt import image_prompt
@@ -96,6 +96,6 @@ def test_fused_experts_either_orientation():
         rows = TensorSource()
         rows.add("r", {"experts.gate_up_proj": mx.concatenate([g, u], 1), "experts.down_proj": d})
         for src in (as_x, rows):
-            got = _fused_hf_experts(src, "experts.", e, f, h, "test")
+            got = fused_hf_experts(src, "experts.", e, f, h, "test")
             for lin, w in zip(got, (g, u, d)):
                 assert np.array_equal(np.asarray(lin.weight), np.asarray(w))

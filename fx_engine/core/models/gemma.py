@@ -850,8 +850,9 @@ def _gemma4_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
     rot_swa = int(val("rope.dimension_count_swa", hd))
     if rot_swa <= 0 or rot_swa > hd or rot_swa % 2:
         raise ConfigError(f"{source}: {a}.rope.dimension_count_swa {rot_swa} must be even, in (0, {hd}]")
-    sliding_kv = kv_by_kind.get("sliding_attention", kv_by_kind.get("full_attention")).copy().pop()
-    full_kv = kv_by_kind.get("full_attention", {sliding_kv}).copy().pop()
+    kv = {kind: next(iter(counts)) for kind, counts in kv_by_kind.items()}  # (one count per kind, checked above)
+    sliding_kv = kv.get("sliding_attention", kv.get("full_attention"))
+    full_kv = kv.get("full_attention", sliding_kv)
     eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
     d: dict[str, Any] = {
         "model_type": "gemma4_text", "hidden_size": int(val("embedding_length")), "num_hidden_layers": layers,

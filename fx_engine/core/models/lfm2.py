@@ -42,7 +42,7 @@ from fx_engine.core.models.blocks import (HF_LAYER, QKV, STACKED_EXPERT_NAMES, E
                                           expert_stacks, mixture, rope_freqs, self_attention, swiglu_mlp)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LayerParams
-from fx_engine.core.models.moe import MoEConfig, MoELayer, _fused_hf_experts
+from fx_engine.core.models.moe import MoEConfig, MoELayer, fused_hf_experts
 from fx_engine.core.models.skeleton import PipelineStage, cut_layers
 from fx_engine.core.models.ssm import conv_weight
 from fx_engine.core.nn import Linear, Numerics, linear, rms_norm
@@ -274,7 +274,7 @@ def _experts(cfg: Lfm2Config, src: TensorSource, rd: Reader, opts: LoadOptions, 
     e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     b = HF_LAYER.format(i=i) + "feed_forward."
     if src.has(b + "experts.gate_up_proj"):
-        gate, up, down = _fused_hf_experts(src, b + "experts.", e, f, h, opts.where)
+        gate, up, down = fused_hf_experts(src, b + "experts.", e, f, h, opts.where)
     else:
         gate, up, down = (read_experts(src, b + stacked, b + one, e, o, n, opts.quant_for, opts.where)
                           for stacked, one, (o, n) in zip(STACKED_EXPERT_NAMES, HF_EXPERTS, ((f, h), (f, h), (h, f))))

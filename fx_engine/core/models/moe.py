@@ -20,7 +20,7 @@ Qwen3-VL-MoE (`qwen3_vl_moe`, a multimodal wrapper) runs its Qwen3-MoE text mode
 `llama.forward`'s image inputs (interleaved M-RoPE, DeepStack; the tower: core/vision/qwen3_vl.py).
 Checkpoints: Hugging Face's one tensor per expert (`mlp.experts.{e}.gate_proj`, Mixtral's
 `block_sparse_moe.experts.{e}.w1/w2/w3`), its fused `mlp.experts.gate_up_proj` / `down_proj`
-(Qwen3-VL-MoE; `_fused_hf_experts`) or mlx-lm's stacked `switch_mlp` (mlx-community
+(Qwen3-VL-MoE; `fused_hf_experts`) or mlx-lm's stacked `switch_mlp` (mlx-community
 folders, 4-/8-bit); GGUF `qwen3moe` / `qwen2moe` / `qwen3vlmoe` (llama.cpp's `ffn_*_exps`
 stacks and `ffn_gate_inp` router). Quantized expert stacks stay packed on the native CPU kernels
 (`kernels.gather_qmm`, every width they run, a GGUF's two-level K-quant scales included:
@@ -50,7 +50,7 @@ from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.nn import Linear, rms_norm
 from fx_engine.core.splits import shard_decoder
 
-__all__ = ["FAMILY", "Experts", "GGUF_GROUPED_EXPERT_NAMES", "MoEConfig", "MoELayer", "MoEParams", "grouped_route",
+__all__ = ["FAMILY", "Experts", "GGUF_GROUPED_EXPERT_NAMES", "MoEConfig", "MoELayer", "MoEParams", "fused_hf_experts", "grouped_route",
            "route"]  # (Experts, route, grouped_route: core/models/blocks.py's, kept here too)
 
 
@@ -239,7 +239,7 @@ def assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEParams:
         e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         b = HF_LAYER.format(i=layer) + block
         if src.has(b + "experts.gate_up_proj"):
-            gate, up, down = _fused_hf_experts(src, b + "experts.", e, f, h, opts.where)
+            gate, up, down = fused_hf_experts(src, b + "experts.", e, f, h, opts.where)
         else:
             gate, up, down = (
                 read_experts(src, b + stacked, b + one, e, o, i, opts.quant_for, opts.where)
@@ -258,7 +258,7 @@ def assemble(cfg: MoEConfig, src: TensorSource, opts: LoadOptions) -> MoEParams:
     return _assemble(cfg, src, opts, experts)
 
 
-def _fused_hf_experts(src: TensorSource, pre: str, e: int, f: int, h: int, where: str) -> tuple[Linear, Linear, Linear]:
+def fused_hf_experts(src: TensorSource, pre: str, e: int, f: int, h: int, where: str) -> tuple[Linear, Linear, Linear]:
     """The gate, up and down stacks [E, F, H], [E, F, H], [E, H, F] of Hugging Face's fused
     expert tensors: `gate_up_proj` with gate then up along its 2F axis and `down_proj`,
     either as x @ W ([E, H, 2F] and [E, F, H]: Qwen3-VL-MoE's released checkpoints,
