@@ -47,6 +47,11 @@ becomes its rows of image tokens, each row ended by [IMG_BREAK], the last by [IM
 (core/vision/pixtral.prompt_ids; the break / end ids from the tokenizer). `spans` are the
 rows' runs; the images are encoded one at a time (one compiled trace per image-size bucket:
 core/buckets.size_bucket).
+
+Gemma 4: the placeholder is "<|image|>" (what its chat template writes); each image is
+resized within its soft-token budget keeping its aspect ratio and cut into patches
+(loading/images_gemma4.py), and the placeholder becomes "<|image>" + its soft tokens +
+"<image|>" (core/vision/gemma4.py); images encoded one at a time, as Mistral 3's.
 """
 
 from __future__ import annotations
@@ -372,7 +377,7 @@ def _vision_of(model: Any) -> Any:
         path = str(getattr(model, "path", "") or "")
         hint = ("a GGUF file holds the text model only: load its mmproj file too (load(..., mmproj=FILE), "
                 "--mmproj FILE; Gemma 3, Idefics3 / SmolVLM, Mistral 3, Qwen2(.5)-VL, Qwen3-VL)" if path.lower().endswith(".gguf") else
-                "a text-only model; use a multimodal checkpoint: a Gemma 3, Idefics3, SmolVLM, Qwen2-VL, "
+                "a text-only model; use a multimodal checkpoint: a Gemma 3, Gemma 4, Idefics3, SmolVLM, Qwen2-VL, "
                 "Qwen2.5-VL, Qwen3-VL or Mistral 3 folder with vision_config")
         raise ImageError(f"images were given, but {kind} model {path} has no vision tower ({hint})")
     return vision
@@ -404,6 +409,8 @@ def image_prompt_from_text(model: Any, text: str, images: Sequence[Any], *,
         return _qwen2_vl_prompt(model, vision, text, images, cache)
     if cfg.model_type == "mistral3":
         return _pixtral_prompt(model, vision, text, images, cache)
+    if cfg.model_type == "gemma4":
+        return _gemma4_prompt(model, vision, text, images, cache)
     if cfg.model_type != "gemma3":
         return _idefics3_prompt(model, vision, text, images, cache)
     tok = model.tokenizer
@@ -582,6 +589,40 @@ def _pixtral_prompt(model: Any, vision: Any, text: str, images: list[Any], cache
     return ImagePrompt(ids, rows, spans, digests, tuple(r * c for r, c in grids))
 
 
+def _gemma4_prompt(model: Any, vision: Any, text: str, images: list[Any], cache: EncoderCache | None) -> ImagePrompt:
+    """Gemma 4's `image_prompt_from_text`: each "<|image|>" becomes "<|image>" + n image
+    tokens + "<image|>" (Gemma4Processor's expansion; n the image's soft tokens), the text
+    between tokenized piece by piece, the images preprocessed (loading/images_gemma4.py)
+    and encoded one at a time (one compiled trace per size bucket). An image stays in one
+    prefill piece where the model's image tokens see each other (`use_bidirectional_attention`
+    "vision")."""
+    from fx_engine.core.vision import gemma4
+    from fx_engine.loading.images_gemma4 import Gemma4ProcessorConfig, preprocess_one
+
+    cfg = vision.config
+    rules = model.image_processor
+    if not isinstance(rules, Gemma4ProcessorConfig):
+        rules = Gemma4ProcessorConfig(patch_size=cfg.patch_size, pooling_kernel_size=cfg.pooling_kernel_size)
+    tok = model.tokenizer
+    pieces = _placeholder_pieces(text, gemma4.PLACEHOLDER, len(images))
+    done = [preprocess_one(im, rules, f"image {i}") for i, im in enumerate(images)]
+    counts = [gemma4.image_tokens(cfg, g) for _, g in done]
+    ids = _text_ids(tok, pieces[0])
+    for n, piece in zip(counts, pieces[1:]):
+        ids += [cfg.boi_token_index] + [cfg.image_token_index] * n + [cfg.eoi_token_index] + _text_ids(tok, piece)
+    try:
+        spans = gemma4.image_token_runs(ids, cfg, counts)
+    except ValueError as e:  # e.g. an <|image|> token written in a text part
+        raise ImageError(str(e)) from e
+    digests = tuple(hashlib.sha256(np.ascontiguousarray(p).tobytes() + repr(g).encode()).hexdigest()
+                    for p, g in done)
+    have = _encode_each(done, digests, cache,
+                        lambda item: gemma4.encode_image_compiled(vision, mx.array(item[0]), item[1]))
+    rows = mx.concatenate(have, axis=0) if len(have) > 1 else have[0]
+    mx.eval(rows)  # (the engine's thread reads them)
+    return ImagePrompt(ids, rows, spans, digests, tuple(counts), whole=cfg.bidirectional)
+
+
 def prefix_key(image: ImagePrompt | None, tokens: Sequence[int]) -> list[int]:
     """The ids a prefix-cache entry of an image prompt is keyed by: `tokens` (a prefix of the
     prompt, or the prompt and its reply) with each image's tokens replaced by negative ids
@@ -734,8 +775,10 @@ def engine_image_prompt(model: Any, messages: Any, *,
             # (without them its image tokens would run at plain RoPE positions, not the model's)
             raise ValueError("images: this Qwen-VL model's ImagePrompt needs its M-RoPE position offsets "
                              "(ImagePrompt.rope_offsets: make it with image_prompt / image_prompt_from_text)")
-        # (a hand-made prompt for Gemma 3 still keeps its images whole: its tokens see each other)
-        image = image._replace(whole=image.whole or model.vision.config.model_type == "gemma3")
+        # (a hand-made prompt for Gemma 3, or a Gemma 4 whose image tokens see each other,
+        # still keeps its images whole)
+        vc = model.vision.config
+        image = image._replace(whole=image.whole or vc.model_type == "gemma3" or bool(getattr(vc, "bidirectional", False)))
     else:
         image = image_prompt(model, messages, cache=cache)
     run = max(b - a for a, b in image.spans)  # (images may differ in size: the largest)

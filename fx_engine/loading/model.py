@@ -420,6 +420,10 @@ def _load_image_path(folder: Path, raw: dict[str, Any], dtype: Any, keep: Any,
             from fx_engine.loading.images_qwen2_vl import folder_processor_config
 
             return vision, folder_processor_config(folder, vision.config)
+        if raw.get("model_type") == "gemma4":  # (any aspect ratio within a soft-token budget)
+            from fx_engine.loading.images_gemma4 import folder_processor_config as gemma4_rules
+
+            return vision, gemma4_rules(folder, vision.config)
         if raw.get("model_type") == "mistral3":  # (Pixtral: any image size, its own rules)
             from fx_engine.loading.images_pixtral import folder_processor_config as pixtral_rules
 

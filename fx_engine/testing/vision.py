@@ -3,7 +3,8 @@
 under vision_config) and Idefics3 / SmolVLM (`write_tiny_idefics3`: a Llama text model, the
 tower, the pixel-shuffle connector, tiles of 32 pixels) and Qwen2.5-VL / Qwen2-VL
 (`write_tiny_qwen2_vl`: a Qwen2 text model with M-RoPE, the window-attention tower) and
-Mistral 3 (`write_tiny_mistral3`: a Mistral text model, the Pixtral tower and projector).
+Mistral 3 (`write_tiny_mistral3`: a Mistral text model, the Pixtral tower and projector) and
+Gemma 4 (`write_tiny_gemma4`: a Gemma 4 text model, its own tower and embedder).
 
 The folder: config.json (text_config: a tiny `gemma3_text`, vision_config: a tiny SigLIP,
 the projector's mm_tokens_per_image and the image token ids inside the tiny vocabulary),
@@ -433,5 +434,84 @@ def write_tiny_qwen3_vl(folder: str | Path, seed: int = 0, preprocessor: dict | 
     (folder / "tokenizer.json").write_text(_tokenizer_json(text["vocab_size"], QWEN2_VL_SPECIALS))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
+        "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+# ---------------------------------------------------------------- Gemma 4
+
+#: the tiny Gemma 4 tower: patches of 4 pixels pooled 3 x 3 (12 pixels a soft token),
+#: grouped-query heads of 8, a 256-entry position table (the longest side at 70 soft
+#: tokens: 210 patches), 70 soft tokens an image
+GEMMA4_VISION = {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "patch_size": 4,
+                 "pooling_kernel_size": 3, "position_embedding_size": 256, "default_output_length": 70,
+                 "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+                 "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
+                 "use_clipped_linears": False, "standardize": False}
+GEMMA4_SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<|image|>", "<|image>", "<image|>"]
+GEMMA4_IDS = {"image_token_id": 3, "boi_token_id": 4, "eoi_token_id": 5}
+#: Gemma4ImageProcessor's preprocessor_config.json at the tiny geometry
+GEMMA4_PREPROCESSOR = {"image_processor_type": "Gemma4ImageProcessor", "do_convert_rgb": True, "do_normalize": False,
+                       "do_rescale": True, "do_resize": True, "image_mean": [0.0, 0.0, 0.0],
+                       "image_std": [1.0, 1.0, 1.0], "max_soft_tokens": 70, "patch_size": 4,
+                       "pooling_kernel_size": 3, "resample": 3, "rescale_factor": 1 / 255}
+
+
+def tiny_gemma4_config(vision: dict[str, Any] | None = None, *, text: dict[str, Any] | None = None,
+                       **top: Any) -> dict[str, Any]:
+    """config.json of a tiny Gemma 4 (the tiny `gemma4_text` with `text`'s overrides, the
+    tiny tower with `vision`'s)."""
+    text_cfg = tiny_config("gemma4_text", **{"pad_token_id": 0, **(text or {})})
+    text_cfg.pop("architectures", None)
+    return {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text_cfg,
+            "vision_config": {**GEMMA4_VISION, **(vision or {})}, "audio_config": None, **GEMMA4_IDS,
+            "vision_soft_tokens_per_image": 70, "vocab_size": text_cfg["vocab_size"], "eos_token_id": 2,
+            "bos_token_id": 1, "pad_token_id": 0, "tie_word_embeddings": True, **top}
+
+
+def write_tiny_gemma4(folder: str | Path, layout: str = "hf", seed: int = 0, preprocessor: dict | None = None, *,
+                      dtype: str = "float32", quantize_vision: dict[str, int] | None = None, **top: Any) -> Path:
+    """A random-weight Gemma 4 folder: the tiny `gemma4_text` model (per-layer inputs,
+    KV-shared layers) and the tiny vision tower and embedder (core/vision/gemma4.checkpoint_layout).
+    layout "hf": transformers 5's names (model.language_model.*, model.vision_tower.*,
+    model.embed_vision.*); "mlx": mlx-vlm's conversions' (language_model.model.*,
+    vision_tower.*, embed_vision.*). top: config.json overrides (vision={...},
+    text={...}: e.g. use_bidirectional_attention "vision"); quantize_vision: the tower's
+    linears MLX affine-quantized ({"group_size": 32, "bits": 4}) with a `quantization`
+    entry. mlx-vlm reads it (the oracle)."""
+    from fx_engine.core.vision import gemma4
+
+    if layout not in ("hf", "mlx"):
+        raise ValueError(f"layout must be 'hf' or 'mlx', got {layout!r}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_gemma4_config(**top)
+    dt = getattr(mx, dtype)
+    weights = {}
+    for name, w in _weights(cfg["text_config"], dt, seed).items():
+        if name.startswith("model."):
+            name = {"hf": "model.language_model.", "mlx": "language_model.model."}[layout] + name[len("model."):]
+        weights[name] = w
+    spec = gemma4.checkpoint_layout(gemma4.config_from_hf(cfg, "tiny"),
+                                    *{"hf": gemma4.TOWER_PREFIXES[0:1] + gemma4.EMBEDDER_PREFIXES[0:1],
+                                      "mlx": gemma4.TOWER_PREFIXES[1:2] + gemma4.EMBEDDER_PREFIXES[1:2]}[layout])
+    keys = iter(mx.random.split(mx.random.key(seed + 7919), len(spec)))
+    for name, s in spec.items():
+        weights[name] = (s.center + s.scale * mx.random.normal(s.shape, key=next(keys))).astype(dt)
+    if quantize_vision:
+        gs, bits = quantize_vision["group_size"], quantize_vision["bits"]
+        for name in [n for n in weights if n.endswith(".linear.weight")]:
+            q, s, b = mx.quantize(weights[name], group_size=gs, bits=bits)
+            base = name[: -len(".weight")]
+            weights[name], weights[base + ".scales"], weights[base + ".biases"] = q, s, b
+        cfg["quantization"] = {"group_size": gs, "bits": bits}
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    (folder / "preprocessor_config.json").write_text(json.dumps({**GEMMA4_PREPROCESSOR, **(preprocessor or {})}))
+    (folder / "tokenizer.json").write_text(_tokenizer_json(cfg["vocab_size"], GEMMA4_SPECIALS))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<pad>", "add_bos_token": False,
+        "image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
         "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast"}))
     return folder

@@ -95,6 +95,10 @@ class GemmaConfig(BaseConfig):
     num_experts: int = 0  # > 0: each layer adds a routed mixture of experts (Gemma 4 MoE)
     top_k_experts: int = 0
     moe_intermediate_size: int = 0
+    # use_bidirectional_attention "vision": with images, an image's tokens see each other on
+    # sliding layers during prefill (Hugging Face's create_masks_for_vision_model)
+    vision_bidirectional: bool = False
+    pad_token_id: int = 0  # the per-layer inputs' id for image tokens (Hugging Face's Gemma4Model)
     # A pipeline stage of a model with KV-shared layers (`layer_range`): the layer kinds
     # whose source layer (an earlier stage's) hands its new K/V on to this stage each step,
     # in the stream's order, and what this stage hands on: (kind, the layer here that
@@ -377,7 +381,18 @@ def _gemma4(d: dict[str, Any], common: dict[str, Any], source: str) -> GemmaConf
         rope_full=_rope_spec(rp.get("full_attention"), 1_000_000.0, source, "rope_parameters.full_attention"),
         attn_scale=1.0, embed_scale=common["hidden_size"]**0.5, **read_fields(_per_layer_config(d, types, source), _GEMMA4_FIELDS, source),
         num_kv_shared_layers=shared, hidden_size_per_layer_input=hpl, v_norm=True, **moe,
+        vision_bidirectional=d.get("use_bidirectional_attention") == "vision",
+        pad_token_id=_pad_id(d, source),
     )
+
+
+def _pad_id(d: dict[str, Any], source: str) -> int:
+    v = d.get("pad_token_id")
+    if v is None:
+        return 0
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < d.get("vocab_size", v + 1):
+        raise ConfigError(f"{source}: field 'pad_token_id' must be a token id, got {v!r}")
+    return v
 
 
 @attrs.frozen
@@ -500,9 +515,12 @@ def forward(
     """Same contract as `skeleton.decoder_step`, written out: a pipeline stage hands on the
     per-layer inputs' source and shared layers' K/V with the stream.
 
-    images (Gemma 3 only): the step's image embedding rows, spliced in place of the image
+    images (Gemma 3 and 4): the step's image embedding rows, spliced in place of the image
     tokens' embeddings after the sqrt(hidden) scaling, and (`images.bidirectional`) the
-    tokens of each image attending to the whole image (`vision.gemma3.image_horizon`)."""
+    tokens of each image attending to the whole image (`vision.gemma3.image_horizon`):
+    Gemma 3 on every layer, Gemma 4 on sliding layers where its config says "vision"
+    (core/vision/gemma4.py). Gemma 4's per-layer inputs look image tokens up as the pad
+    token."""
     cfg, num = p.config, p.numerics
     b, t = tokens.shape
     dt = getattr(mx, p.dtype)
@@ -510,12 +528,15 @@ def forward(
     clip = cfg.model_type == "gemma3_text"  # mlx-lm's clip_residual
     horizon = None
     if images is not None:
-        if cfg.model_type != "gemma3_text" or cfg.stage_kv_in or cfg.stage_kv_out:
-            raise ValueError(f"images: a {cfg.model_type} text model takes no image rows (Gemma 3's does)")
+        if cfg.model_type not in ("gemma3_text", "gemma4_text") or cfg.stage_kv_in or cfg.stage_kv_out:
+            raise ValueError(f"images: a {cfg.model_type} text model takes no image rows (Gemma 3's and 4's do)")
         images = check_image_input(images, b, cfg.hidden_size)
-        if images.bidirectional:
+        if images.bidirectional and (not cfg.is_gemma4 or cfg.vision_bidirectional):
             horizon = image_horizon(tokens, write_positions(cache.lengths, t), images.token_index)
-    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span, horizon)
+    geo = StepGeometry(cache, n_valid.astype(mx.int32), t, span, None if cfg.is_gemma4 else horizon)
+    # (Gemma 4: full-attention layers stay causal; its sliding layers read with the horizon)
+    geo_sliding = geo if horizon is None or not cfg.is_gemma4 else StepGeometry(
+        cache, n_valid.astype(mx.int32), t, span, horizon)
     flat = tokens.reshape(-1)
     hid, pli_on = cfg.hidden_size, p.embed_per_layer is not None
     kv_widths = [cfg.handed_kv_width(kind) for kind in cfg.stage_kv_in]
@@ -545,7 +566,8 @@ def forward(
     pli = None
     if p.embed_per_layer is not None:  # Gemma 4 per-layer inputs [B*T, L, hidden_per_layer]
         n_l, hpl = cfg.num_layers, cfg.hidden_size_per_layer_input
-        tok_part = embed(flat, p.embed_per_layer).astype(dt) * (hpl**0.5)
+        ids = flat if images is None else mx.where(flat == images.token_index, cfg.pad_token_id, flat)
+        tok_part = embed(ids, p.embed_per_layer).astype(dt) * (hpl**0.5)
         proj = linear(h0, p.per_layer_proj, num) * (cfg.hidden_size**-0.5)
         proj = rms_norm(proj.reshape(-1, n_l, hpl), p.per_layer_proj_norm, eps, num)
         pli = (proj + tok_part.reshape(-1, n_l, hpl)) * (2.0**-0.5)
@@ -579,7 +601,7 @@ def forward(
                                      v.transpose(0, 2, 1, 3), geo, num)
         else:
             q = apply_rope(q, *rope, num, cfg.rope_traditional)
-        o = attend_entry(entries[src], spec, q, geo, cfg.attn_scale, num,
+        o = attend_entry(entries[src], spec, q, geo_sliding if cfg.is_sliding(i) else geo, cfg.attn_scale, num,
                          softcap=cfg.attn_softcap).reshape(b * t, hq * d)
         h = _add(h, rms_norm(linear(o, lp.o, num), lp.post_attn_norm, eps, num), clip)
         r = _mlp(lp.gate_up, lp.down, rms_norm(h, lp.pre_ff_norm, eps, num), num)

@@ -6,10 +6,13 @@ pixels to the text model's image token embeddings.
 `VISION_MODULES` maps a multimodal config.json `model_type` to its module; each module has
 `config_from_hf(d, source)`, `assemble(cfg, src, opts)`, `checkpoint_layout(cfg)`,
 `is_vision_tensor(name)` and `encode_images(params, pixels)` (Qwen2(.5)-VL's:
-`encode_images(params, patches, grid_thw)`).
+`encode_images(params, patches, grid_thw)`; Gemma 4's, one image at a time:
+`encode_image(params, patches, grid)`).
 
 * siglip.py: the SigLIP vision tower (Gemma 3's).
 * gemma3.py: Gemma 3's projector, the prompt layout and the image-token attention masks.
+* gemma4.py: Gemma 4's own vision transformer (2-D rotary, images of any aspect ratio
+  within a soft-token budget, k x k pooling), its projection and prompt layout.
 * idefics3.py: Idefics3 / SmolVLM's connector (pixel shuffle + projection), tiles and
   prompt layout (a Llama text model).
 * qwen2_vl.py: Qwen2.5-VL's and Qwen2-VL's vision transformer (window attention, 2-D
@@ -38,10 +41,10 @@ from types import ModuleType
 from typing import Any
 
 from fx_engine.core.config import ConfigError
-from fx_engine.core.vision import gemma3, idefics3, pixtral, qwen2_vl, qwen3_vl, siglip, splice
+from fx_engine.core.vision import gemma3, gemma4, idefics3, pixtral, qwen2_vl, qwen3_vl, siglip, splice
 
 #: multimodal config.json model_type -> the module that runs its image path
-VISION_MODULES: dict[str, ModuleType] = {gemma3.MODEL_TYPE: gemma3, **{mt: idefics3 for mt in idefics3.MODEL_TYPES},
+VISION_MODULES: dict[str, ModuleType] = {gemma3.MODEL_TYPE: gemma3, gemma4.MODEL_TYPE: gemma4, **{mt: idefics3 for mt in idefics3.MODEL_TYPES},
                                           **{mt: qwen2_vl for mt in qwen2_vl.MODEL_TYPES},
                                           **{mt: pixtral for mt in pixtral.MODEL_TYPES},
                                           **{mt: qwen3_vl for mt in qwen3_vl.MODEL_TYPES}}
@@ -62,5 +65,5 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Any:
     return vision_module(d, source).config_from_hf(d, source)
 
 
-__all__ = ["VISION_MODULES", "config_from_hf", "gemma3", "idefics3", "pixtral", "qwen2_vl", "qwen3_vl", "siglip", "splice",
+__all__ = ["VISION_MODULES", "config_from_hf", "gemma3", "gemma4", "idefics3", "pixtral", "qwen2_vl", "qwen3_vl", "siglip", "splice",
            "vision_module"]
