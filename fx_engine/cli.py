@@ -91,7 +91,7 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False, mmproj: bool 
     if mmproj:
         g.add_argument("--mmproj", default=None, metavar="FILE",
                        help="llama.cpp's mmproj GGUF for a GGUF --model (the vision tower and projector of "
-                            "Gemma 3, Idefics3 / SmolVLM, Mistral 3, Qwen2(.5)-VL, Qwen3-VL): images "
+                            "Gemma 3, Gemma 4, Idefics3 / SmolVLM, Mistral 3, Qwen2(.5)-VL, Qwen3-VL): images "
                             "with a GGUF text model" + (" (the first model)" if several else ""))
     g.add_argument("--threads", "-t", type=_int_at_least(1), default=None,
                    help="CPU threads for the native kernels and BLAS (FX_ENGINE_THREADS); none: "

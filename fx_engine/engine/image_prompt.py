@@ -1,5 +1,5 @@
 """Chat messages with images -> a multimodal prompt's token ids and its image rows (issue 46):
-Gemma 3, Idefics3 / SmolVLM and Qwen2(.5)-VL (the model's vision module, `core.vision.VISION_MODULES`,
+Gemma 3, Gemma 4, Idefics3 / SmolVLM, Mistral 3 and Qwen-VL (the model's vision module, `core.vision.VISION_MODULES`,
 decides the placeholder and its expansion).
 
 A message's content may be a list of parts, OpenAI-, Anthropic- and Responses-style:
@@ -376,7 +376,7 @@ def _vision_of(model: Any) -> Any:
         kind = getattr(model.config, "model_type", "this")
         path = str(getattr(model, "path", "") or "")
         hint = ("a GGUF file holds the text model only: load its mmproj file too (load(..., mmproj=FILE), "
-                "--mmproj FILE; Gemma 3, Idefics3 / SmolVLM, Mistral 3, Qwen2(.5)-VL, Qwen3-VL)" if path.lower().endswith(".gguf") else
+                "--mmproj FILE; Gemma 3, Gemma 4, Idefics3 / SmolVLM, Mistral 3, Qwen2(.5)-VL, Qwen3-VL)" if path.lower().endswith(".gguf") else
                 "a text-only model; use a multimodal checkpoint: a Gemma 3, Gemma 4, Idefics3, SmolVLM, Qwen2-VL, "
                 "Qwen2.5-VL, Qwen3-VL or Mistral 3 folder with vision_config")
         raise ImageError(f"images were given, but {kind} model {path} has no vision tower ({hint})")

@@ -1,5 +1,5 @@
 """llama.cpp's mmproj GGUF files (issue 46): the image path beside a GGUF text model, for
-Gemma 3, Idefics3 / SmolVLM, Mistral 3 (Pixtral), Qwen2-VL / Qwen2.5-VL and Qwen3-VL.
+Gemma 3, Gemma 4, Idefics3 / SmolVLM, Mistral 3 (Pixtral), Qwen2-VL / Qwen2.5-VL and Qwen3-VL.
 
 llama.cpp runs a multimodal model as two files: the text model's GGUF and an "mmproj"
 GGUF (`general.architecture` "clip", `clip.projector_type` naming the projector): the
@@ -25,6 +25,29 @@ run exactly as for a folder
   merger (Qwen3-VL's DeepStack mergers too), beside a text model with M-RoPE. llama.cpp
   writes that text model as architecture qwen2vl / qwen3vl (its M-RoPE sections in
   rope.dimension_sections: core/models/llama.py reads them).
+
+* "gemma4v" (its Gemma4VisionAudioModel, for Gemma4ForConditionalGeneration folders;
+  clip.vision.projector_type, the file may hold an audio encoder too, not read): Gemma 4's
+  tower and embedder (core/vision/gemma4.py), beside a GGUF of architecture gemma4.
+  Written: the common keys (image_size a placeholder 224; layer_norm_epsilon 1e-6, the
+  converter's default: Gemma 4's vision config names its eps rms_norm_eps); not written
+  and taken here as clip.cpp takes them: head size = hidden / heads, the 3 x 3 pool, the
+  rotary base 100; the KV heads from attn_k's rows (the released towers': all heads), the
+  position table's size from v.position_embd's rows, clipped linears and standardize from
+  whether v.blk.N.attn_q.input_min and v.std_bias are there. The tanh GELU of Hugging Face's
+  config (the file says neither clip.use_gelu nor use_silu; one saying use_silu is
+  refused). Tensors (gguf-py's names): v.patch_embd.weight (input_proj [hidden, p * p * 3]
+  as a conv kernel [hidden, 3, p, p]: put back), v.position_embd.weight ([2, P, hidden],
+  F32), v.blk.N.{ln1, attn_post_norm, ln2, ffn_post_norm} (input_layernorm,
+  post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm; no + 1),
+  attn_q/k/v/out and ffn_gate/up/down (the .linear weights; their clip bounds as
+  attn_q.input_min etc., [1] F32), attn_q_norm / attn_k_norm, v.std_bias / v.std_scale,
+  mm.input_projection.weight (embed_vision.embedding_projection). Image tokens `<|image|>`,
+  `<|image>`, `<image|>` by name. Preprocessing: Gemma4ImageProcessor's resize within 280
+  soft tokens (its default; the file does not say) with the file's mean / std, where
+  clip.cpp letterboxes into its own token range. The image tokens' attention follows the
+  text model (core/models/gemma.py's GGUF reader: "vision" for a model without per-layer
+  inputs, as the published configs say).
 
 Other projector types ("glm4v", "mlp", ...) are refused naming
 clip.projector_type and listing these.
@@ -151,8 +174,9 @@ from fx_engine.core.config import ConfigError
 from fx_engine.core.nn import Linear, Numerics
 
 #: the projector types read here (clip.projector_type) and what each is
-SUPPORTED_PROJECTORS = ("gemma3", "idefics3", "pixtral", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
-_DESCRIBED = {"gemma3": "Gemma 3", "idefics3": "Idefics3 / SmolVLM", "pixtral": "Mistral 3 (Pixtral)",
+SUPPORTED_PROJECTORS = ("gemma3", "gemma4v", "idefics3", "pixtral", "qwen2vl_merger", "qwen2.5vl_merger",
+                        "qwen3vl_merger")
+_DESCRIBED = {"gemma3": "Gemma 3", "gemma4v": "Gemma 4", "idefics3": "Idefics3 / SmolVLM", "pixtral": "Mistral 3 (Pixtral)",
               "qwen2vl_merger": "Qwen2-VL", "qwen2.5vl_merger": "Qwen2.5-VL", "qwen3vl_merger": "Qwen3-VL"}
 #: the Qwen projectors' tower model_type (core/vision/qwen2_vl.py runs Qwen2(.5)-VL's,
 #: qwen3_vl.py Qwen3-VL's)
@@ -160,6 +184,7 @@ _QWEN = {"qwen2vl_merger": "qwen2_vl", "qwen2.5vl_merger": "qwen2_5_vl", "qwen3v
 #: the text models (their config's model_type, as the GGUF reads) each projector goes with,
 #: and the GGUF architecture that gives it (for the error)
 _TEXT_MODELS = {"gemma3": (("gemma3_text",), "Gemma 3 text model (GGUF architecture 'gemma3')"),
+                "gemma4v": (("gemma4_text",), "Gemma 4 text model (GGUF architecture 'gemma4')"),
                 "idefics3": (("llama",), "Llama text model (GGUF architecture 'llama', as llama.cpp writes "
                                          "SmolVLM's)"),
                 "pixtral": (("llama", "mistral", "ministral3"), "Mistral text model (GGUF architecture 'llama' "
@@ -182,6 +207,8 @@ _IDEFICS3_TOWER = "model.vision_model."
 _IDEFICS3_PROJ = "model.connector.modality_projection.proj."
 _PIXTRAL_TOWER, _PIXTRAL_PROJ = "vision_tower.", "multi_modal_projector."
 _PIXTRAL_LAYER = _PIXTRAL_TOWER + r"transformer.layers.\1."
+_GEMMA4_TOWER = "model.vision_tower."
+_GEMMA4_LAYER = _GEMMA4_TOWER + r"encoder.layers.\1."
 _QWEN_TOWER = "visual."
 
 
@@ -200,6 +227,10 @@ def _tower_renames(tower: str) -> tuple[tuple[str, str], ...]:
             (r"^v\.blk\.(\d+)\.ffn_down\.", tower + r"encoder.layers.\1.mlp.fc2."))
 
 
+#: Gemma 4's linears: GGUF name -> Hugging Face name (under the layer)
+_GEMMA4_LINEARS = (("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+                   ("attn_out", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+                   ("ffn_down", "mlp.down_proj"))
 #: GGUF name -> Hugging Face name, per projector (Qwen-VL's: `_qwen_renames`)
 _TO_HF = {
     "gemma3": _tower_renames(_TOWER) + ((r"^mm\.input_projection\.weight$", _PROJ + "mm_input_projection_weight"),
@@ -215,6 +246,20 @@ _TO_HF = {
         (r"^mm\.input_norm\.", _PIXTRAL_PROJ + "norm."),
         (r"^mm\.patch_merger\.", _PIXTRAL_PROJ + "patch_merger.merging_layer."),
         (r"^mm\.(1|2)\.", _PIXTRAL_PROJ + r"linear_\1.")),
+    # (Gemma 4: each linear's weight under .linear, its clip bounds beside it; the patch
+    # conv is put back into the folder's layout first: _gemma4_source)
+    "gemma4v": (
+        (r"^v\.position_embd\.weight$", _GEMMA4_TOWER + "patch_embedder.position_embedding_table"),
+        (r"^v\.std_(bias|scale)$", _GEMMA4_TOWER + r"std_\1"),
+        *((rf"^v\.blk\.(\d+)\.{g}\.", _GEMMA4_LAYER + f"{h}.")
+          for g, h in (("ln1", "input_layernorm"), ("attn_post_norm", "post_attention_layernorm"),
+                       ("ln2", "pre_feedforward_layernorm"), ("ffn_post_norm", "post_feedforward_layernorm"),
+                       ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"))),
+        *((rf"^v\.blk\.(\d+)\.{g}\.(weight|scales|biases)$", _GEMMA4_LAYER + f"{h}.linear.\\2")
+          for g, h in _GEMMA4_LINEARS),
+        *((rf"^v\.blk\.(\d+)\.{g}\.((input|output)_(min|max))$", _GEMMA4_LAYER + f"{h}.\\2")
+          for g, h in _GEMMA4_LINEARS),
+        (r"^mm\.input_projection\.", "model.embed_vision.embedding_projection.")),
 }
 
 
@@ -243,7 +288,9 @@ IDEFICS3_IMAGE_TOKENS = {"image": "<image>", "fake": "<fake_token_around_image>"
 QWEN2_VL_IMAGE_TOKENS = {"vision_start_token_id": "<|vision_start|>", "image_token_id": "<|image_pad|>",
                          "vision_end_token_id": "<|vision_end|>", "video_token_id": "<|video_pad|>"}
 PIXTRAL_IMAGE_TOKENS = {"image": "[IMG]", "break": "[IMG_BREAK]", "end": "[IMG_END]"}
-_IMAGE_TOKENS = {"gemma3": IMAGE_TOKENS, "idefics3": IDEFICS3_IMAGE_TOKENS, "pixtral": PIXTRAL_IMAGE_TOKENS,
+GEMMA4_IMAGE_TOKENS = {"image": "<|image|>", "boi": "<|image>", "eoi": "<image|>"}
+_IMAGE_TOKENS = {"gemma3": IMAGE_TOKENS, "gemma4v": GEMMA4_IMAGE_TOKENS, "idefics3": IDEFICS3_IMAGE_TOKENS,
+                 "pixtral": PIXTRAL_IMAGE_TOKENS,
                  **{k: QWEN2_VL_IMAGE_TOKENS for k in _QWEN}}
 
 
@@ -282,9 +329,20 @@ def _qwen3_tensors(block_count: int, deepstack: Sequence[int] = ()) -> list[str]
             + [f"v.deepstack.{i}.{n}.{s}" for i in deepstack for n in ("norm", "fc1", "fc2") for s in wb])
 
 
+def _gemma4_tensors(block_count: int) -> list[str]:
+    """A Gemma 4 mmproj's tensors (no biases; the clip bounds and v.std_bias / v.std_scale
+    only where the model has them: optional)."""
+    block = ["ln1", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_out", "attn_post_norm", "ln2",
+             "ffn_gate", "ffn_up", "ffn_down", "ffn_post_norm"]
+    return (["v.patch_embd.weight", "v.position_embd.weight"]
+            + [f"v.blk.{i}.{n}.weight" for i in range(block_count) for n in block] + ["mm.input_projection.weight"])
+
+
 def expected_tensors(block_count: int, projector: str = "gemma3", deepstack: Sequence[int] = ()) -> list[str]:
     """The GGUF tensor names an mmproj of `projector` type with `block_count` blocks holds
     (deepstack: Qwen3-VL's DeepStack layers)."""
+    if projector == "gemma4v":
+        return _gemma4_tensors(block_count)
     if projector == "qwen3vl_merger":
         return _qwen3_tensors(block_count, deepstack)
     if projector in _QWEN:
@@ -349,7 +407,7 @@ def _token_index(tokens: Sequence[str] | None, source: str) -> dict[str, int]:
     return index
 
 
-_TEXT_HINT = {"gemma3": "is the text model Gemma 3 4B/12B/27B?",
+_TEXT_HINT = {"gemma3": "is the text model Gemma 3 4B/12B/27B?", "gemma4v": "is the text model Gemma 4?",
               "idefics3": "is the text model this mmproj's Idefics3 / SmolVLM?",
               "pixtral": "is the text model this mmproj's Mistral 3?",
               **{k: "is the text model this mmproj's Qwen-VL?" for k in _QWEN}}
@@ -694,6 +752,8 @@ def read_mmproj_tensors(path: Path, block_count: int, projector: str = "gemma3",
         return _qwen3_source(path, tensors, deepstack)
     if projector in _QWEN:
         return _qwen_source(path, tensors, projector)
+    if projector == "gemma4v":
+        return _gemma4_source(path, tensors)
     src = TensorSource()
     src.add(path, {n: t for n, t in tensors.items() if re.match(r"^(v|mm)\.", n)})
     return renamed(src, _TO_HF[projector])
@@ -828,6 +888,8 @@ def load_mmproj(path: str | Path, text_config: Any, text_metadata: dict[str, Any
         return _qwen_params(path, md, int(text_config.hidden_size), ids, opts, source)
     if kind == "pixtral":
         return _pixtral_params(path, md, text_config, ids, opts, source)
+    if kind == "gemma4v":
+        return _gemma4_params(path, md, text_config, ids, opts, source)
     cfg = mmproj_config(md, int(text_config.hidden_size), ids, source)
     src = read_mmproj_tensors(path, cfg.vision.num_layers, kind)
     if kind == "idefics3":
@@ -921,3 +983,67 @@ def _idefics3_params(cfg: Any, src: TensorSource, opts: LoadOptions, source: str
                            f"first), expected ({cfg.text_hidden_size}, {cols}): the text model's hidden size x "
                            "the vision hidden size * clip.vision.projector.scale_factor^2")
     return idefics3.assemble(cfg, src, opts)
+
+
+def _gemma4_source(path: Path, tensors: dict[str, mx.array]) -> TensorSource:
+    """A Gemma 4 mmproj's tensors under Hugging Face's names: the patch conv [hidden, 3, p, p]
+    (the converter's view of input_proj) back to input_proj [hidden, p * p * 3] in (row,
+    column, channel) order, the rest renamed."""
+    src = TensorSource()
+    src.add(path, {n: t for n, t in tensors.items() if re.match(r"^(v|mm)\.", n) and n != "v.patch_embd.weight"})
+    out = renamed(src, _TO_HF["gemma4v"])
+    probe = TensorSource()
+    probe.add(path, {n: t for n, t in tensors.items() if n.startswith("v.patch_embd.")})
+    w = probe.tensors["v.patch_embd.weight"]
+    if w.ndim != 4 or w.shape[1] != 3 or w.shape[2] != w.shape[3]:
+        raise WeightsError(f"{path}: tensor 'v.patch_embd.weight' has shape {tuple(w.shape)} (rows first), expected "
+                           "[hidden, 3, patch, patch]")
+    w = _dense(probe, "v.patch_embd.weight", tuple(w.shape), str(path))
+    name = _GEMMA4_TOWER + "patch_embedder.input_proj.weight"
+    out.tensors[name] = mx.contiguous(w.transpose(0, 2, 3, 1).reshape(w.shape[0], -1))
+    out.origin[name] = f"{path} (v.patch_embd.weight)"
+    return out
+
+
+def _gemma4_params(path: Path, md: dict[str, Any], text_config: Any, ids: dict[str, int], opts: LoadOptions,
+                   source: str) -> tuple[Any, Any]:
+    """Gemma 4's (params, rules): its config from clip.vision.* and the tensors (what the
+    converter does not write: head size = hidden / heads, the KV heads from attn_k's rows
+    (the released towers': as many as the query heads), the 3 x 3
+    pool and rotary base 100 (clip.cpp fixes them too), the position table's size from its
+    rows, clipped linears and standardize from whether their tensors are there; the image
+    tokens' attention from the text model: `use_bidirectional_attention`), the folder's
+    assembly (`gemma4.assemble`), and Gemma4ImageProcessor's rules at the file's patch size
+    and mean / std (280 soft tokens an image, the processor's default)."""
+    from fx_engine.core.vision import gemma4
+    from fx_engine.loading.images_gemma4 import Gemma4ProcessorConfig
+
+    if bool(_value(md, "clip.use_silu", source, False)):
+        raise ConfigError(f"{source}: clip.use_silu is true, but Gemma 4's vision tower runs the tanh GELU")
+    blocks = _int(md, "clip.vision.block_count", source)
+    src = read_mmproj_tensors(path, blocks, "gemma4v")
+    _check_projection_dim(md, int(text_config.hidden_size), source)
+    table = src.tensors[_GEMMA4_TOWER + "patch_embedder.position_embedding_table"]
+    heads = _int(md, "clip.vision.attention.head_count", source)
+    hidden = _int(md, "clip.vision.embedding_length", source)
+    pool = _int(md, "clip.vision.projector.scale_factor", source, 3)
+    k_rows = int(src.tensors[_GEMMA4_TOWER + "encoder.layers.0.self_attn.k_proj.linear.weight"].shape[0])
+    vision = {"model_type": "gemma4_vision", "hidden_size": hidden,
+              "intermediate_size": _int(md, "clip.vision.feed_forward_length", source), "num_hidden_layers": blocks,
+              "num_attention_heads": heads,
+              "num_key_value_heads": _int(md, "clip.vision.attention.head_count_kv", source,
+                                          max(1, k_rows // max(1, hidden // heads))),
+              "head_dim": hidden // heads, "patch_size": _int(md, "clip.vision.patch_size", source),
+              "pooling_kernel_size": pool, "rms_norm_eps": _eps(md, source),
+              "position_embedding_size": int(table.shape[1]) if table.ndim == 3 else 0,
+              "use_clipped_linears": src.has(_GEMMA4_TOWER + "encoder.layers.0.self_attn.q_proj.input_min"),
+              "standardize": src.has(_GEMMA4_TOWER + "std_bias")}
+    text = {"hidden_size": int(text_config.hidden_size),
+            "use_bidirectional_attention": "vision" if getattr(text_config, "vision_bidirectional", False) else None}
+    cfg = gemma4.config_from_hf({"model_type": "gemma4", "text_config": text, "vision_config": vision,
+                                 "image_token_id": ids["image"], "boi_token_id": ids["boi"],
+                                 "eoi_token_id": ids["eoi"]}, f"{source}: clip.vision.*")
+    rules = Gemma4ProcessorConfig(patch_size=cfg.patch_size, pooling_kernel_size=cfg.pooling_kernel_size,
+                                  do_normalize=True, image_mean=_channels(md, "clip.vision.image_mean", False, source),
+                                  image_std=_channels(md, "clip.vision.image_std", True, source))
+    return gemma4.assemble(cfg, src, opts), rules

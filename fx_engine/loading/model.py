@@ -265,8 +265,8 @@ def load(
     pipeline_layers: each stage's number of layers (e.g. (20, 10): hosts of unequal
     memory; their sum is the model's layers; implies pipeline_parallel=len). None: as even
     as possible. Every rank must pass the same.
-    mmproj: llama.cpp's mmproj GGUF for a GGUF text model (Gemma 3, Idefics3 / SmolVLM,
-    Mistral 3: its vision tower and projector, `fx_engine.loading.mmproj`): the model's
+    mmproj: llama.cpp's mmproj GGUF for a GGUF text model (Gemma 3, Gemma 4, Idefics3 /
+    SmolVLM, Mistral 3, Qwen-VL: its vision tower and projector, `fx_engine.loading.mmproj`): the model's
     image path. A folder has its own.
     """
     from fx_engine.loading.tokenizer import Tokenizer

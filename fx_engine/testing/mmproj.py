@@ -1,4 +1,5 @@
-"""Write a tiny Gemma 3 (`write_tiny_gemma3_vlm`), Idefics3 / SmolVLM (`write_tiny_idefics3`),
+"""Write a tiny Gemma 3 (`write_tiny_gemma3_vlm`), Gemma 4 (`write_tiny_gemma4_gguf_pair`,
+`write_gemma4_mmproj`), Idefics3 / SmolVLM (`write_tiny_idefics3`),
 Mistral 3 (`write_tiny_mistral3`), Qwen2(.5)-VL (`write_tiny_qwen2_vl`) or Qwen3-VL
 (`write_tiny_qwen3_vl`) multimodal folder as llama.cpp's two files: the text model's GGUF and
 the mmproj GGUF (fx_engine/loading/mmproj.py reads the latter).
@@ -404,4 +405,110 @@ def write_tiny_mistral3_gguf_pair(folder: str | Path, *, outtype: str = "f32", *
     write_tiny_mistral3(folder, **kw)
     text_gguf = write_text_gguf(folder, folder.parent / f"{folder.name}-text.gguf")
     mmproj = write_mmproj(folder, folder.parent / f"{folder.name}-mmproj-{outtype}.gguf", outtype=outtype)
+    return folder, text_gguf, mmproj
+
+
+def write_gemma4_mmproj(folder: str | Path, out: str | Path, *, outtype: str = "f16",
+                        metadata: dict[str, Any] | None = None, skip: Iterable[str] = ()) -> Path:
+    """A Gemma 4 folder's vision tower and embedder as llama.cpp's mmproj GGUF, as its
+    Gemma4VisionAudioModel converter writes them: clip.vision.projector_type "gemma4v"
+    (clip.projector_type not written), clip.vision.image_size 224 (a placeholder), the
+    tower's sizes, layer_norm_epsilon 1e-6 (the converter reads vision_config's
+    layer_norm_eps, which Gemma 4's does not have), projection_dim, the processor's mean /
+    std; no head_count_kv, pool or rotary keys. Tensors: the converter's renames
+    (encoder. -> vision_model.model., .linear.weight -> .weight, the position table +
+    .weight, 0-D clip bounds as [1]) through the installed gguf package's MMPROJ name map;
+    input_proj [hidden, p * p * 3] written as the conv kernel [hidden, 3, p, p] (F16 at
+    outtype f16, else F32), the position table and every 1-D tensor F32, the other
+    matrices the outtype. metadata: keys added or replaced; skip: GGUF tensors left out."""
+    import gguf
+
+    folder, out = Path(folder), Path(out)
+    cfg = json.loads((folder / "config.json").read_text())
+    pre = json.loads((folder / "preprocessor_config.json").read_text())
+    v = cfg["vision_config"]
+    md: dict[str, Any] = {
+        "general.file_type": {"f32": 0, "f16": 1, "q8_0": 7}[outtype], "clip.has_vision_encoder": True,
+        "clip.vision.projector_type": "gemma4v", "clip.vision.projection_dim": cfg["text_config"]["hidden_size"],
+        "clip.vision.image_size": 224, "clip.vision.patch_size": v["patch_size"],
+        "clip.vision.embedding_length": v["hidden_size"], "clip.vision.feed_forward_length": v["intermediate_size"],
+        "clip.vision.block_count": v["num_hidden_layers"], "clip.vision.attention.head_count": v["num_attention_heads"],
+        "clip.vision.attention.layer_norm_epsilon": float(v.get("layer_norm_eps", 1e-6)),
+        "clip.vision.image_mean": [float(x) for x in pre.get("image_mean", [0.0] * 3)],
+        "clip.vision.image_std": [float(x) for x in pre.get("image_std", [1.0] * 3)], **(metadata or {})}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(3, v["num_hidden_layers"]))
+    w = gguf.GGUFWriter(str(out), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    for key, value in md.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, list):
+            w.add_array(key, value)
+        else:
+            w.add_uint32(key, value)
+    skip = set(skip)
+    p = v["patch_size"]
+    tensors = mx.load(str(folder / "model.safetensors"))
+    for name in sorted(tensors):
+        if not name.startswith(("model.vision_tower.", "model.embed_vision.")):
+            continue
+        x = _numpy(tensors[name])
+        hf = name.replace("model.vision_tower.encoder.", "vision_model.model.").replace(".linear.weight", ".weight")
+        if hf.endswith("position_embedding_table"):
+            hf += ".weight"
+        if x.ndim == 0:
+            x = x.reshape(1)
+        if hf.endswith("patch_embedder.input_proj.weight"):
+            x = x.reshape(x.shape[0], p, p, 3).transpose(0, 3, 1, 2)
+        target = names.get_name(hf, try_suffixes=(".weight", ".bias", ".input_max", ".input_min", ".output_max",
+                                                  ".output_min"))
+        if target is None:
+            raise ValueError(f"no llama.cpp name for {name}")
+        if target in skip:
+            continue
+        if "patch_embd" in target:
+            kind = "F16" if outtype == "f16" else "F32"
+        elif "position_embd" in target or x.ndim <= 1 or target.endswith("_norm.weight"):
+            kind = "F32"
+        elif outtype == "q8_0" and x.shape[-1] % 32 == 0:
+            kind = "Q8_0"
+        else:
+            kind = "F32" if outtype == "f32" else "F16"
+        if kind == "Q8_0":
+            w.add_tensor(target, gguf.quants.quantize(np.ascontiguousarray(x), gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(target, np.ascontiguousarray(x).astype(np.float16 if kind == "F16" else np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return out
+
+
+def write_tiny_gemma4_gguf_pair(folder: str | Path, *, outtype: str = "f32", **kw: Any) -> tuple[Path, Path, Path]:
+    """A tiny Gemma 4 folder (`write_tiny_gemma4`; its vocabulary has <|image|>, <|image>,
+    <image|>) and its two llama.cpp files: (folder, text.gguf, mmproj.gguf) beside it (the
+    text model as `fx_engine.testing.gguf.write_gemma4_gguf` writes it, from a text-only
+    copy of the folder listing its layer kinds)."""
+    from fx_engine.core.models import config_from_hf
+    from fx_engine.testing.gguf import write_gemma4_gguf
+    from fx_engine.testing.vision import write_tiny_gemma4
+
+    folder = Path(folder)
+    write_tiny_gemma4(folder, **kw)
+    cfg = json.loads((folder / "config.json").read_text())
+    text_dir = folder.parent / f"{folder.name}-text"
+    text_dir.mkdir(parents=True, exist_ok=True)
+    text = dict(cfg["text_config"])
+    text["layer_types"] = list(config_from_hf(text, "tiny").layer_types)
+    (text_dir / "config.json").write_text(json.dumps(text))
+    weights = {"model." + n[len("model.language_model."):]: t for n, t in mx.load(str(folder / "model.safetensors")).items()
+               if n.startswith("model.language_model.")}
+    mx.save_safetensors(str(text_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (text_dir / f).write_text((folder / f).read_text())
+    text_gguf = write_gemma4_gguf(text_dir, folder.parent / f"{folder.name}-text.gguf")
+    mmproj = write_gemma4_mmproj(folder, folder.parent / f"{folder.name}-mmproj-{outtype}.gguf", outtype=outtype)
     return folder, text_gguf, mmproj

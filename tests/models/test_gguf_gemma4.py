@@ -33,8 +33,11 @@ CASES = {
     "shared": {"layer_types": KINDS, "num_kv_shared_layers": 3},
     "k_eq_v": {"layer_types": KINDS, "num_kv_shared_layers": 3, "attention_k_eq_v": True,
                "num_global_key_value_heads": 1, "num_key_value_heads": 2, "num_attention_heads": 4},
+    # (26B-A4B's shape: no per-layer inputs, and its config's use_bidirectional_attention
+    # "vision", which a GGUF does not carry: the reader infers it from the missing inputs)
     "moe": {"layer_types": KINDS, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
-            "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
+            "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+            "use_bidirectional_attention": "vision"},
     "tiny_default": {"layer_types": KINDS},
 }
 IDS = list(range(5, 69))

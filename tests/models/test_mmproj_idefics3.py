@@ -134,7 +134,7 @@ def _fields(cfg) -> dict:
 def test_unsupported_projector_type_is_refused_listing_the_supported(pair, tmp_path):
     folder, text, _ = pair
     mm = write_mmproj(folder, tmp_path / "llava.gguf", projector_type="mlp")
-    listed = ("gemma3 (Gemma 3), idefics3 (Idefics3 / SmolVLM), pixtral (Mistral 3 (Pixtral)), "
+    listed = ("gemma3 (Gemma 3), gemma4v (Gemma 4), idefics3 (Idefics3 / SmolVLM), pixtral (Mistral 3 (Pixtral)), "
               "qwen2vl_merger (Qwen2-VL), qwen2.5vl_merger (Qwen2.5-VL), qwen3vl_merger (Qwen3-VL)")
     refusal = f"clip.projector_type 'mlp' is not supported (supported: {listed})"
     with pytest.raises(ConfigError, match=re.escape(refusal)):

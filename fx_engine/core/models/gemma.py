@@ -876,6 +876,8 @@ def _gemma4_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
     sliding_kv = kv.get("sliding_attention", kv.get("full_attention"))
     full_kv = kv.get("full_attention", sliding_kv)
     eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
+    pad = md.get("tokenizer.ggml.padding_token_id")
+    ple = int(val("embedding_length_per_layer_input", 0))
     d: dict[str, Any] = {
         "model_type": "gemma4_text", "hidden_size": int(val("embedding_length")), "num_hidden_layers": layers,
         "num_attention_heads": int(val("attention.head_count")), "num_key_value_heads": sliding_kv,
@@ -884,7 +886,11 @@ def _gemma4_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
         "rms_norm_eps": float(val("attention.layer_norm_rms_epsilon", 1e-6)),
         "sliding_window": int(val("attention.sliding_window")), "layer_types": types,
         "num_kv_shared_layers": shared,
-        "hidden_size_per_layer_input": int(val("embedding_length_per_layer_input", 0)),
+        "hidden_size_per_layer_input": ple,
+        # (the file does not say: the published configs give "vision" to the models without
+        # per-layer inputs (26B-A4B, 31B) and nothing to those with them (E2B, E4B))
+        "use_bidirectional_attention": None if ple else "vision",
+        "pad_token_id": int(pad.item()) if pad is not None else 0,
         "final_logit_softcapping": float(val("final_logit_softcapping")) if val("final_logit_softcapping", None)
         is not None else None,
         "rope_parameters": {
