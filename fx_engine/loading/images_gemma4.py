@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from fx_engine.core.config import ConfigError
+from fx_engine.core.config import POSITIVE, ConfigError, Field, read_field
 from fx_engine.loading.images import ImageError, PixelRules, _pil, _rgb_array, normalized_pixels, read_pixel_rules
 
 #: the image processors whose rules these are
@@ -57,12 +57,7 @@ class Gemma4ProcessorConfig(PixelRules):
 
 
 def _positive(d: dict[str, Any], key: str, default: int, source: str) -> int:
-    v = d.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ConfigError(f"{source}: field '{key}' must be a positive integer, got {v!r}")
-    return v
+    return read_field(d, Field(key, POSITIVE, default, null_default=True), source)
 
 
 def processor_config_from_dict(d: dict[str, Any], source: str = "preprocessor_config.json",

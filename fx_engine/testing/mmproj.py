@@ -257,6 +257,21 @@ def _is_mmproj_tensor(family: str, name: str) -> bool:
     return name.startswith(("multi_modal_projector.", "vision_tower.")) and "vision_model.head." not in name
 
 
+def _add_metadata(w: Any, md: dict[str, Any]) -> None:
+    """Each key with its GGUF type (bools, strings, float32, arrays, else uint32)."""
+    for key, value in md.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, list):
+            w.add_array(key, value)
+        else:
+            w.add_uint32(key, value)
+
+
 def write_mmproj(folder: str | Path, out: str | Path, *, outtype: str = "f16", projector_type: str | None = None,
                  skip: Iterable[str] = (), metadata: dict[str, Any] | None = None,
                  drop_metadata: Iterable[str] = ()) -> Path:
@@ -293,17 +308,7 @@ def write_mmproj(folder: str | Path, out: str | Path, *, outtype: str = "f16", p
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(3, v["num_hidden_layers"]))
     w = gguf.GGUFWriter(str(out), "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
-    for key, value in md.items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, list):
-            w.add_array(key, value)
-        else:
-            w.add_uint32(key, value)
+    _add_metadata(w, md)
     skip = set(skip)
     tensors = mx.load(str(folder / "model.safetensors"))
     for name in sorted(tensors):
@@ -439,17 +444,7 @@ def write_gemma4_mmproj(folder: str | Path, out: str | Path, *, outtype: str = "
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(3, v["num_hidden_layers"]))
     w = gguf.GGUFWriter(str(out), "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
-    for key, value in md.items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, list):
-            w.add_array(key, value)
-        else:
-            w.add_uint32(key, value)
+    _add_metadata(w, md)
     skip = set(skip)
     p = v["patch_size"]
     tensors = mx.load(str(folder / "model.safetensors"))

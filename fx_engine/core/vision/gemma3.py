@@ -97,7 +97,7 @@ class Gemma3VisionConfig:
         return BOI_TEXT
 
 
-def _token_id(d: dict[str, Any], keys: tuple[str, str], default: int, source: str) -> int:
+def token_id_field(d: dict[str, Any], keys: tuple[str, ...], default: int, source: str) -> int:
     """A token id stored as `<name>_index` or `<name>_id` (Hugging Face accepts both)."""
     found = {k: d[k] for k in keys if d.get(k) is not None}
     for k, v in found.items():
@@ -139,7 +139,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Gemma3Visi
         raise ConfigError(f"{source}: {tower.patches_per_side} patches a side (vision_config.image_size "
                           f"{tower.image_size} / patch_size {tower.patch_size}) do not pool evenly into "
                           f"{side} tokens a side (mm_tokens_per_image {mm})")
-    ids = {name: _token_id(d, (f"{name}_index", f"{name}_id"), default, source)
+    ids = {name: token_id_field(d, (f"{name}_index", f"{name}_id"), default, source)
            for name, default in (("image_token", 262144), ("boi_token", 255999), ("eoi_token", 256000))}
     if len(set(ids.values())) != 3:
         raise ConfigError(f"{source}: the image, start-of-image and end-of-image token ids must differ, got {ids}")

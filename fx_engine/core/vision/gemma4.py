@@ -64,9 +64,10 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.buckets import size_bucket
 from fx_engine.core.checkpoint import LoadOptions, Reader, TensorSource, TensorSpec
-from fx_engine.core.config import ConfigError
+from fx_engine.core.config import BOOL, POSITIVE, POSITIVE_FLOAT, ConfigError, Field, Same, read_field, read_fields
 from fx_engine.core.nn import Linear, Numerics, attention, gelu_tanh, linear
 from fx_engine.core.tree import CompiledFunction, static_field
+from fx_engine.core.vision.gemma3 import token_id_field
 from fx_engine.core.vision.siglip import TANH_GELU, tensor_prefix as _prefix
 
 MODEL_TYPE = "gemma4"
@@ -128,43 +129,18 @@ class Gemma4VisionConfig:
         return int(self.default_output_length ** 0.5) * self.pooling_kernel_size * self.patch_size
 
 
-def _int(d: dict[str, Any], key: str, default: int | None, source: str, minimum: int = 1) -> int:
-    v = d.get(key)
-    if v is None:
-        if default is None:
-            raise ConfigError(f"{source}: field '{key}' is missing")
-        return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ConfigError(f"{source}: field '{key}' must be an integer >= {minimum}, got {v!r}")
-    return v
-
-
-def _float(d: dict[str, Any], key: str, default: float, source: str) -> float:
-    v = d.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ConfigError(f"{source}: field '{key}' must be a positive number, got {v!r}")
-    return float(v)
-
-
-def _flag(d: dict[str, Any], key: str, source: str) -> bool:
-    v = d.get(key, False)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise ConfigError(f"{source}: field '{key}' must be true or false, got {v!r}")
-    return v
-
-
-def _token_id(d: dict[str, Any], names: tuple[str, ...], default: int, source: str) -> int:
-    found = {k: d[k] for k in names if d.get(k) is not None}
-    for k, v in found.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ConfigError(f"{source}: field '{k}' must be a token id (an integer >= 0), got {v!r}")
-    if len(set(found.values())) > 1:
-        raise ConfigError(f"{source}: fields {' and '.join(repr(k) for k in found)} disagree ({found})")
-    return next(iter(found.values()), default)
+#: vision_config's fields (defaults: Gemma4VisionConfig's, transformers 5.x)
+_FIELDS = (
+    Field("hidden_size", POSITIVE, 768, null_default=True), Field("intermediate_size", POSITIVE, 3072, null_default=True),
+    Field("num_hidden_layers", POSITIVE, 16, null_default=True, to="num_layers"),
+    Field("num_attention_heads", POSITIVE, 12, null_default=True, to="num_heads"),
+    Field("num_key_value_heads", POSITIVE, Same("num_heads"), null_default=True, to="num_kv_heads"),
+    Field("patch_size", POSITIVE, 16, null_default=True), Field("pooling_kernel_size", POSITIVE, 3, null_default=True),
+    Field("position_embedding_size", POSITIVE, 10240, null_default=True),
+    Field("rms_norm_eps", POSITIVE_FLOAT, 1e-6, null_default=True),
+    Field("standardize", BOOL, False, null_default=True), Field("use_clipped_linears", BOOL, False, null_default=True,
+                                                                 to="clipped_linears"),
+)
 
 
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Gemma4VisionConfig:
@@ -192,33 +168,28 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Gemma4Visi
         raise ConfigError(f"{vs}: field 'rope_parameters' must be an object, got {rope!r}")
     if rope.get("rope_type", "axial") not in ("axial", "default"):
         raise ConfigError(f"{vs}: rope_parameters.rope_type {rope.get('rope_type')!r} is not supported (axial)")
-    hidden = _int(v, "hidden_size", 768, vs)
-    heads = _int(v, "num_attention_heads", 12, vs)
-    kv = _int(v, "num_key_value_heads", heads, vs)
-    head_dim = _int(v, "head_dim", hidden // heads, vs)
+    f = read_fields(v, _FIELDS, vs)
+    heads, kv = f["num_heads"], f["num_kv_heads"]
+    head_dim = read_field(v, Field("head_dim", POSITIVE, f["hidden_size"] // heads, null_default=True), vs)
     if heads % kv:
         raise ConfigError(f"{vs}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv})")
     if head_dim % 4:
         raise ConfigError(f"{vs}: head_dim ({head_dim}) must be a multiple of 4 (a rotary pair per axis)")
-    text_hidden = _int(text, "hidden_size", None, f"{source}: text_config")
+    text_hidden = read_field(text, Field("hidden_size"), f"{source}: text_config")
     bidir = text.get("use_bidirectional_attention")
     if bidir not in (None, False, "vision"):
         raise ConfigError(f"{source}: text_config.use_bidirectional_attention {bidir!r} is not supported "
                           "(null or 'vision')")
-    ids = {"image": _token_id(d, ("image_token_id", "image_token_index"), 258880, source),
-           "boi": _token_id(d, ("boi_token_id", "boi_token_index"), 255999, source),
-           "eoi": _token_id(d, ("eoi_token_id", "eoi_token_index"), 258882, source)}
+    ids = {"image": token_id_field(d, ("image_token_id", "image_token_index"), 258880, source),
+           "boi": token_id_field(d, ("boi_token_id", "boi_token_index"), 255999, source),
+           "eoi": token_id_field(d, ("eoi_token_id", "eoi_token_index"), 258882, source)}
     if len(set(ids.values())) != 3:
         raise ConfigError(f"{source}: the image, start-of-image and end-of-image token ids must differ, got {ids}")
+    soft = read_field(v, Field("default_output_length", POSITIVE, d.get("vision_soft_tokens_per_image") or 280,
+                                null_default=True), vs)
     return Gemma4VisionConfig(
-        hidden_size=hidden, intermediate_size=_int(v, "intermediate_size", 3072, vs),
-        num_layers=_int(v, "num_hidden_layers", 16, vs), num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
-        text_hidden_size=text_hidden, patch_size=_int(v, "patch_size", 16, vs),
-        pooling_kernel_size=_int(v, "pooling_kernel_size", 3, vs),
-        position_embedding_size=_int(v, "position_embedding_size", 10240, vs),
-        default_output_length=_int(v, "default_output_length", d.get("vision_soft_tokens_per_image") or 280, vs),
-        rms_norm_eps=_float(v, "rms_norm_eps", 1e-6, vs), rope_theta=_float(rope, "rope_theta", 100.0, vs),
-        standardize=_flag(v, "standardize", vs), clipped_linears=_flag(v, "use_clipped_linears", vs),
+        **f, head_dim=head_dim, text_hidden_size=text_hidden, default_output_length=soft,
+        rope_theta=read_field(rope, Field("rope_theta", POSITIVE_FLOAT, 100.0, null_default=True), vs),
         image_token_index=ids["image"], boi_token_index=ids["boi"], eoi_token_index=ids["eoi"],
         bidirectional=bidir == "vision")
 
