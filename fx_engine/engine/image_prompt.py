@@ -620,7 +620,8 @@ def _gemma4_prompt(model: Any, vision: Any, text: str, images: list[Any], cache:
                         lambda item: gemma4.encode_image_compiled(vision, mx.array(item[0]), item[1]))
     rows = mx.concatenate(have, axis=0) if len(have) > 1 else have[0]
     mx.eval(rows)  # (the engine's thread reads them)
-    return ImagePrompt(ids, rows, spans, digests, tuple(counts), whole=cfg.bidirectional)
+    return ImagePrompt(ids, rows, spans, digests, tuple(counts),
+                       whole=bool(getattr(model.config, "vision_bidirectional", False)))
 
 
 def prefix_key(image: ImagePrompt | None, tokens: Sequence[int]) -> list[int]:
@@ -777,8 +778,8 @@ def engine_image_prompt(model: Any, messages: Any, *,
                              "(ImagePrompt.rope_offsets: make it with image_prompt / image_prompt_from_text)")
         # (a hand-made prompt for Gemma 3, or a Gemma 4 whose image tokens see each other,
         # still keeps its images whole)
-        vc = model.vision.config
-        image = image._replace(whole=image.whole or vc.model_type == "gemma3" or bool(getattr(vc, "bidirectional", False)))
+        image = image._replace(whole=image.whole or model.vision.config.model_type == "gemma3"
+                               or bool(getattr(model.config, "vision_bidirectional", False)))
     else:
         image = image_prompt(model, messages, cache=cache)
     run = max(b - a for a, b in image.spans)  # (images may differ in size: the largest)

@@ -1012,7 +1012,7 @@ def _gemma4_params(path: Path, md: dict[str, Any], text_config: Any, ids: dict[s
     (the released towers': as many as the query heads), the 3 x 3
     pool and rotary base 100 (clip.cpp fixes them too), the position table's size from its
     rows, clipped linears and standardize from whether their tensors are there; the image
-    tokens' attention from the text model: `use_bidirectional_attention`), the folder's
+    tokens' attention is the text model's: its `vision_bidirectional`), the folder's
     assembly (`gemma4.assemble`), and Gemma4ImageProcessor's rules at the file's patch size
     and mean / std (280 soft tokens an image, the processor's default)."""
     from fx_engine.core.vision import gemma4
@@ -1038,8 +1038,7 @@ def _gemma4_params(path: Path, md: dict[str, Any], text_config: Any, ids: dict[s
               "position_embedding_size": int(table.shape[1]) if table.ndim == 3 else 0,
               "use_clipped_linears": src.has(_GEMMA4_TOWER + "encoder.layers.0.self_attn.q_proj.input_min"),
               "standardize": src.has(_GEMMA4_TOWER + "std_bias")}
-    text = {"hidden_size": int(text_config.hidden_size),
-            "use_bidirectional_attention": "vision" if getattr(text_config, "vision_bidirectional", False) else None}
+    text = {"hidden_size": int(text_config.hidden_size)}
     cfg = gemma4.config_from_hf({"model_type": "gemma4", "text_config": text, "vision_config": vision,
                                  "image_token_id": ids["image"], "boi_token_id": ids["boi"],
                                  "eoi_token_id": ids["eoi"]}, f"{source}: clip.vision.*")

@@ -52,7 +52,7 @@ def test_mmproj_config_and_processor_match_the_folder(models):
     for field in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                   "text_hidden_size", "patch_size", "pooling_kernel_size", "position_embedding_size", "rms_norm_eps",
                   "rope_theta", "standardize", "clipped_linears", "image_token_index", "boi_token_index",
-                  "eoi_token_index", "bidirectional"):
+                  "eoi_token_index"):
         assert getattr(got, field) == getattr(want, field), field
     a, b = ref.image_processor, model.image_processor
     assert (a.patch_size, a.pooling_kernel_size, a.max_soft_tokens, a.resample) == \
@@ -106,7 +106,7 @@ def test_image_attention_follows_the_text_model(tmp_path):
                                                                          "use_bidirectional_attention": "vision"},
                                                    **BUDGET)
     ref, model = fx_engine.load(str(folder)), fx_engine.load(str(text), mmproj=str(mm))
-    assert model.config.vision_bidirectional and model.vision.config.bidirectional
+    assert model.config.vision_bidirectional
     msgs = messages(png(4, (40, 30)))
     assert image_prompt(model, msgs).whole
     want = fx_engine.generate(ref, msgs, max_tokens=4, logprobs=3)

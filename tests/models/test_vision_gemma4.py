@@ -185,8 +185,14 @@ def test_attention_in_query_blocks_is_the_same(folders, monkeypatch):
 def test_config_refusals():
     cfg = tiny_gemma4_config()
     c = gemma4.config_from_hf(cfg)
-    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.text_hidden_size, c.bidirectional) == (4, 2, 8, 64, False)
-    assert gemma4.config_from_hf(tiny_gemma4_config(**BIDI)).bidirectional
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.text_hidden_size) == (4, 2, 8, 64)
+    # (the image tokens' attention rule is the text model's)
+    from fx_engine.core.models import config_from_hf as text_config
+
+    assert not text_config(cfg["text_config"]).vision_bidirectional
+    assert text_config(tiny_gemma4_config(**BIDI)["text_config"]).vision_bidirectional
+    with pytest.raises(ConfigError, match="use_bidirectional_attention"):
+        text_config({**cfg["text_config"], "use_bidirectional_attention": "all"})
     v = cfg["vision_config"]
     for bad, match in (({"vision_config": {**v, "head_dim": 6}}, "head_dim"),
                        ({"vision_config": {**v, "hidden_activation": "relu"}}, "hidden_activation"),
@@ -195,8 +201,6 @@ def test_config_refusals():
                        ({"vision_config": {**v, "rope_parameters": {"rope_type": "yarn"}}}, "rope_type"),
                        ({"vision_config": {**v, "model_type": "siglip_vision_model"}}, "model_type"),
                        ({"image_token_id": 4}, "must differ"),
-                       ({"text_config": {**cfg["text_config"], "use_bidirectional_attention": "all"}},
-                        "use_bidirectional_attention"),
                        ({"vision_config": None}, "vision_config")):
         with pytest.raises(ConfigError, match=match):
             gemma4.config_from_hf({**cfg, **bad})

@@ -36,9 +36,9 @@ instead, padding keys masked, so one compiled trace serves every image size in a
 Prompt (Gemma4Processor): the chat template writes "<|image|>" per image; the processor
 replaces it with "<|image>" + "<|image|>" * n + "<image|>" (n: the image's soft tokens),
 no newlines around it. The text model's attention over them (the text config's
-`use_bidirectional_attention`): "vision" (26B-A4B, 31B): during prefill the tokens of one
-image attend to each other on sliding-window layers only (Hugging Face's
-create_masks_for_vision_model: full-attention layers stay causal, sliding ones are
+`use_bidirectional_attention`, core/models/gemma.py's `vision_bidirectional`): "vision"
+(26B-A4B, 31B): during prefill the tokens of one image attend to each other on
+sliding-window layers only (Hugging Face's create_masks_for_vision_model: full-attention layers stay causal, sliding ones are
 window AND (causal OR same image)); otherwise (E2B, E4B) plain causal. mlx-vlm 0.7.10
 overlays the image blocks on both kinds of layers: fx-engine follows Hugging Face.
 The per-layer input embeddings (E2B / E4B) look image tokens up as the pad token
@@ -109,9 +109,6 @@ class Gemma4VisionConfig:
     image_token_index: int = 258880
     boi_token_index: int = 255999
     eoi_token_index: int = 258882
-    # text_config.use_bidirectional_attention == "vision": an image's tokens see each
-    # other on sliding layers during prefill (prompts keep an image in one prefill piece)
-    bidirectional: bool = False
     model_type: str = MODEL_TYPE
 
     @property
@@ -122,11 +119,6 @@ class Gemma4VisionConfig:
     @property
     def patch_features(self) -> int:
         return 3 * self.patch_size ** 2
-
-    @property
-    def image_size(self) -> int:
-        """(informative) the side of a square image at the default budget, in pixels."""
-        return int(self.default_output_length ** 0.5) * self.pooling_kernel_size * self.patch_size
 
 
 #: vision_config's fields (defaults: Gemma4VisionConfig's, transformers 5.x)
@@ -176,10 +168,6 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Gemma4Visi
     if head_dim % 4:
         raise ConfigError(f"{vs}: head_dim ({head_dim}) must be a multiple of 4 (a rotary pair per axis)")
     text_hidden = read_field(text, Field("hidden_size"), f"{source}: text_config")
-    bidir = text.get("use_bidirectional_attention")
-    if bidir not in (None, False, "vision"):
-        raise ConfigError(f"{source}: text_config.use_bidirectional_attention {bidir!r} is not supported "
-                          "(null or 'vision')")
     ids = {"image": token_id_field(d, ("image_token_id", "image_token_index"), 258880, source),
            "boi": token_id_field(d, ("boi_token_id", "boi_token_index"), 255999, source),
            "eoi": token_id_field(d, ("eoi_token_id", "eoi_token_index"), 258882, source)}
@@ -190,8 +178,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Gemma4Visi
     return Gemma4VisionConfig(
         **f, head_dim=head_dim, text_hidden_size=text_hidden, default_output_length=soft,
         rope_theta=read_field(rope, Field("rope_theta", POSITIVE_FLOAT, 100.0, null_default=True), vs),
-        image_token_index=ids["image"], boi_token_index=ids["boi"], eoi_token_index=ids["eoi"],
-        bidirectional=bidir == "vision")
+        image_token_index=ids["image"], boi_token_index=ids["boi"], eoi_token_index=ids["eoi"])
 
 
 @attrs.frozen
