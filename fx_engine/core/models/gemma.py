@@ -250,30 +250,23 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GemmaConfi
 
 
 def _layer_kinds(d: dict[str, Any], model_type: str, layers: int, source: str) -> list[str]:
-    """Each layer's attention kind. Gemma 2: even layers sliding, odd global (Hugging Face's
-    and llama.cpp's). Gemma 3 follows sliding_window_pattern as mlx-lm does (layer i global
-    iff (i + 1) % pattern == 0); mlx-lm's gemma3_text ignores layer_types, so so do we, but
-    a list that disagrees with the pattern would silently change the model: refused.
-    Gemma 4: its `layer_types`, or without them sliding_window_pattern's (as mlx-lm reads
-    it) with Hugging Face's default, 6 (five sliding then one global; mlx-lm's is 5). (Hugging
-    Face also turns a list's last layer global; published configs end global, and a list
-    ending sliding is kept as mlx-lm keeps it: a self-draft's first layers are such a model.)"""
-    g4 = model_type == "gemma4_text"
+    """Each layer's attention kind: the config's `layer_types` (Hugging Face's model classes
+    run what it lists; mlx-lm's gemma2 / gemma3_text ignore it, the same wherever a list
+    agrees with the pattern, as published ones do). Without one, as Hugging Face's
+    configuration classes derive it: Gemma 2 even layers sliding, odd global; Gemma 3 and 4
+    layer i global iff (i + 1) % sliding_window_pattern == 0, default 6 (mlx-lm's Gemma 4
+    default is 5). (Hugging Face also turns a Gemma 4 list's last layer global; published
+    configs end global, and a list ending sliding is kept as mlx-lm keeps it: a
+    self-draft's first layers are such a model.)"""
     pattern = positive_int(d.get("sliding_window_pattern") or 6, "sliding_window_pattern", source)
     types = d.get("layer_types")
-    if model_type == "gemma2":
-        want = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-        if types is not None and list(types) != want:
-            raise ConfigError(f"{source}: layer_types must alternate sliding_attention and "
-                              "full_attention (from layer 0) in Gemma 2")
-        types = want
+    if types is None and model_type == "gemma2":
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     elif types is None:
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
-    elif not g4:
-        want = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
-        if list(types) != want:
-            raise ConfigError(f"{source}: layer_types disagrees with sliding_window_pattern {pattern}")
-    if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+    if not isinstance(types, list):
+        types = None
+    if types is None or len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
         raise ConfigError(
             f"{source}: layer_types must list {layers} entries of 'sliding_attention' or "
             "'full_attention'")

@@ -48,6 +48,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048},
     "granite": {"max_position_embeddings": 2048},
     "mistral": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
+    "ministral": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
     "ministral3": {"max_position_embeddings": 262144, "num_key_value_heads": 8, "rms_norm_eps": 1e-5},
     "mixtral": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
                 "rope_theta": 1_000_000.0},
@@ -60,7 +61,9 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "olmo3": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0},
     "olmoe": {"rms_norm_eps": 1e-5},
-    "exaone4": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+    # (Exaone4Config: a 4096 window on three of every four layers unless the config says)
+    "exaone4": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "sliding_window": 4096,
+                "sliding_window_pattern": 4},
     "glm4": {"max_position_embeddings": 131072, "num_key_value_heads": 2, "rms_norm_eps": 1.5625e-07,
              "attention_bias": True},
     "gemma2": {"max_position_embeddings": 8192, "num_key_value_heads": 4, "query_pre_attn_scalar": 256},

@@ -108,7 +108,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
     model_type = d["model_type"]
     f = read_fields(d, _FIELDS, source)
     layers, hidden, heads, kv_heads = f["num_layers"], f["hidden_size"], f["num_heads"], f["num_kv_heads"]
-    types, window = _layer_types(d, layers, source)
+    types, window = layer_kinds(d, layers, source)
     # Fields that change the computation and that this implementation does not do: refuse.
     if d.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported")
@@ -207,25 +207,49 @@ def _nope_layers(d: dict[str, Any], layers: int, source: str) -> tuple[int, ...]
     return tuple(i for i, f in enumerate(flags) if not f)
 
 
-def _layer_types(d: dict[str, Any], layers: int, source: str) -> tuple[list[str], int]:
-    """Each layer's attention kind and the window, as Hugging Face reads them: `layer_types`
-    when given; else Mistral's `sliding_window` on every layer, Qwen's `use_sliding_window`
-    on the layers from `max_window_layers` on. mlx-lm follows only `layer_types` (it runs
-    Mistral and Qwen windows as full attention: the same output while a sequence fits)."""
-    types = d.get("layer_types")
-    window = d.get("sliding_window")
-    mt, max_pos = d["model_type"], d.get("max_position_embeddings") or 0
-    if types is None:
-        types = ["full_attention"] * layers
-        if mt == "mistral" and window and (not max_pos or window < max_pos):
-            types = ["sliding_attention"] * layers
-        elif d.get("use_sliding_window") and window:
-            first = int(d.get("max_window_layers") or 0)
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+def layer_kinds(d: dict[str, Any], layers: int, source: str) -> tuple[list[str], int]:
+    """Each layer's attention kind and the window, as Hugging Face's configuration and model
+    classes (transformers 5.25) decide them for `d["model_type"]`. mlx-lm follows only
+    `layer_types` (it runs Mistral's and Qwen's windows as full attention: the same output
+    while a sequence fits its window):
+    - mistral, mixtral, ministral: `sliding_window` on every layer (a mistral config with
+      layer_types is read by AutoConfig as Ministral's, which runs the list);
+    - qwen2 / qwen3 / mimo (Qwen2's): `use_sliding_window`, then the layers from
+      `max_window_layers` (28) on, unless `layer_types` says; a layer listed as sliding
+      without use_sliding_window has no window (Qwen2Config sets sliding_window None);
+    - qwen2_moe: its class's own default: the even layers below max_window_layers;
+    - qwen3_moe: every layer when use_sliding_window (Qwen3MoeConfig has no layer kinds);
+    - smollm3: only the NoPE layers (no_rope_layers) slide, and only with use_sliding_window;
+    - others: `layer_types` when given, else full attention."""
+    mt, types, window = d["model_type"], d.get("layer_types"), d.get("sliding_window")
+    max_pos = d.get("max_position_embeddings") or 0
+    use = bool(d.get("use_sliding_window")) and window is not None
+    full = ["full_attention"] * layers
+    if mt == "mixtral" or (mt in ("mistral", "ministral") and types is None):
+        types = ["sliding_attention"] * layers if window else full
+    elif mt == "qwen3_moe":
+        types = ["sliding_attention"] * layers if use else full
+    elif mt in ("qwen2", "qwen3", "mimo", "qwen2_moe", "smollm3") and types is None:
+        first = d.get("max_window_layers")
+        first = 28 if first is None else int(first)
+        if mt == "smollm3":
+            nope = set(_nope_layers(d, layers, source))
+            types = ["sliding_attention" if use and i in nope else "full_attention" for i in range(layers)]
+        elif mt == "qwen2_moe":
+            types = ["sliding_attention" if use and i % 2 == 0 and i < first else "full_attention"
+                     for i in range(layers)]
+        else:
+            types = ["sliding_attention" if use and i >= first else "full_attention" for i in range(layers)]
+    elif types is None:
+        types = full
     if (not isinstance(types, list) or len(types) != layers
             or any(t not in ("full_attention", "sliding_attention") for t in types)):
         raise ConfigError(f"{source}: layer_types must list {layers} entries of 'full_attention' "
                           "or 'sliding_attention'")
+    if mt in ("qwen2", "qwen3", "mimo", "qwen2_moe", "smollm3") and not use:
+        types = full  # (listed as sliding, but the class leaves such layers without a window)
+    if window and max_pos and window >= max_pos:
+        types = full  # (a window as long as the context: the same attention, kept dense)
     if "sliding_attention" in types:
         return types, positive_int(window, "sliding_window", source)
     return types, 0
@@ -664,8 +688,8 @@ _TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_l
 
 FAMILY = Family(
     packs_rows=True,  # row-wise layers around blocks.self_attention (core/packing.py)
-    name="llama", model_types=("llama", "mistral", "qwen2", "qwen3", "smollm2", "smollm3", "granite",
-                               "ministral3", "mimo"),
+    name="llama", model_types=("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm2", "smollm3",
+                               "granite", "ministral3", "mimo"),
     wrappers={"mistral3": ("ministral3", {"vocab_size": 131072, "tie_word_embeddings": False}),
               # Idefics3 / SmolVLM(2): a Llama text model (images: core/vision/idefics3.py)
               "idefics3": ("llama", {}), "smolvlm": ("llama", {}),

@@ -122,8 +122,12 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> MoEConfig:
         if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
             raise ConfigError(f"{source}: field 'mlp_only_layers' must list layer indices below {layers}")
         moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    # the attention's model type reads its own windows: each MoE class decides its own
+    types, window = llama.layer_kinds({**defaults, **d}, layers, source)
+    kinds = {"layer_types": tuple(types), "sliding_window": window} if window else {"layer_types": (),
+                                                                                     "sliding_window": 0}
     return MoEConfig(
-        **{**attrs.asdict(base, recurse=False), "model_type": mt,
+        **{**attrs.asdict(base, recurse=False), "model_type": mt, **kinds,
            "qk_norm": base.qk_norm or mt == "olmoe"},
         **{"moe_intermediate_size": base.intermediate_size, **f}, softmax_then_topk=mt != "mixtral",
         moe_layers=moe_layers,
@@ -136,7 +140,9 @@ def _glm4_moe_config(d: dict[str, Any], layers: int, source: str) -> MoEConfig:
     layer first_k_dense_replace on, DeepSeek-V3's routed and shared experts."""
     if (d.get("topk_method") or "noaux_tc") != "noaux_tc" or (d.get("scoring_func") or "sigmoid") != "sigmoid":
         raise ConfigError(f"{source}: topk_method / scoring_func other than noaux_tc / sigmoid is not supported")
-    base = llama.config_from_hf({k: v for k, v in d.items() if k != "partial_rotary_factor"}
+    # (Glm4MoeAttention reads no window: a config's sliding-window keys are not GLM's)
+    base = llama.config_from_hf({k: v for k, v in d.items() if k not in (
+                                    "partial_rotary_factor", "layer_types", "use_sliding_window", "sliding_window")}
                                 | {"model_type": "qwen3" if d.get("use_qk_norm") else "llama",
                                    "attention_bias": False}, source)
     f = read_fields(d, _GLM4_FIELDS, source)

@@ -9,8 +9,10 @@ h = h + norm(attn(h)), h = h + norm(mlp(h)). Per model type:
   projections; OLMo 3 adds sliding-window layers (`layer_types`, by default three sliding
   then one global), which rotate with the plain RoPE while global layers use the
   configured scaling (YaRN in the long-context models).
-- exaone4: per-head q/k norms; with a `sliding_window_pattern` ("LLLG"), local layers are
-  sliding-window layers with RoPE and global layers have no positional encoding (NoPE).
+- exaone4: per-head q/k norms; with a `sliding_window` (Hugging Face's default 4096) and
+  `sliding_window_pattern` ("LLLG", or every n-th layer global; default 4) or `layer_types`,
+  local layers are sliding-window layers with RoPE and global layers have no positional
+  encoding (NoPE); without a window every layer is global with RoPE.
 - glm4: "sandwich" norms (on each sublayer's input too), q/k/v biases, the fused
   gate_up_proj, RoPE on the first partial_rotary_factor of each head with interleaved
   pairs.
@@ -98,13 +100,17 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> PostNormCo
                                     or "G" not in pattern):
             raise ConfigError(f"{source}: field 'sliding_window_pattern' must be a string of L and G "
                               f"(with a G) or a layer count, got {pattern!r}")
-        if pattern and d.get("layer_types") is None:
+        # a window runs where the layer kinds come from layer_types or the pattern (a null
+        # pattern without layer_types, which Hugging Face cannot load, reads as mlx-lm's: no
+        # window, RoPE everywhere)
+        windowed = d.get("sliding_window") is not None and (pattern or d.get("layer_types") is not None)
+        if pattern and windowed and d.get("layer_types") is None:
             types = [SLIDING if pattern[i % len(pattern)] == "L" else FULL for i in range(layers)]
         else:
             types = _types(d, layers, [FULL] * layers, source)
-        hybrid = SLIDING in types
-        # mlx-lm's exaone4: with local layers, global ones have no RoPE (NoPE)
-        rope = ["scaled" if t == SLIDING or not hybrid else "none" for t in types]
+        # Hugging Face's Exaone4Attention: with a sliding_window, global layers have no RoPE
+        # (NoPE), whether or not any layer slides (mlx-lm: only when some layer does)
+        rope = ["scaled" if t == SLIDING or not windowed else "none" for t in types]
     else:  # olmo2, glm4: every layer global with the configured RoPE
         types = _types(d, layers, [FULL] * layers, source)
         if SLIDING in types:

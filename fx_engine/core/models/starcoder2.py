@@ -45,9 +45,9 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Starcoder2
         raise ConfigError(f"{source}: field 'use_bias' = false is not supported (mlx-lm's starcoder2 has biases)")
     hd = d["hidden_size"] // d["num_attention_heads"] if d.get("num_attention_heads") and d.get("hidden_size") else None
     # Llama's reading with StarCoder's names (norm_epsilon, no head_dim field) and windows
-    # as Mistral's
+    # as Mistral's (Starcoder2Attention: every layer's, no layer kinds)
     base = llama.config_from_hf(
-        {**{k: v for k, v in d.items() if k != "hidden_act"}, "model_type": "mistral",
+        {**{k: v for k, v in d.items() if k not in ("hidden_act", "layer_types")}, "model_type": "mistral",
          "rms_norm_eps": d.get("norm_epsilon", 1e-5), "head_dim": hd,
          "rope_theta": d.get("rope_theta", 100000.0), "attention_bias": True}, source)
     return Starcoder2Config(**{**attrs.asdict(base, recurse=False), "model_type": "starcoder2",
