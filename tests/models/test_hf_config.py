@@ -154,3 +154,87 @@ def test_rope_parameters_lifted_to_the_old_keys():
     assert d["rope_theta"] == 3.0 and d["rope_scaling"]["rope_type"] == "linear"
     nested = {"full_attention": {"rope_type": "default", "rope_theta": 3.0}}
     assert "rope_theta" not in normalize({"model_type": "llama", "rope_parameters": nested})
+
+
+#: fields no model class reads at inference (training, initialization, bookkeeping, kernels)
+NOT_INFERENCE = {
+    "initializer_range", "use_cache", "attention_dropout", "hidden_dropout", "embedding_dropout",
+    "residual_dropout", "mlp_dropout", "embd_pdrop", "resid_pdrop", "output_router_logits",
+    "router_aux_loss_coef", "router_jitter_noise", "router_z_loss_coef", "aux_loss_coef",
+    "pretraining_tp", "rescale_prenorm_residual", "time_step_floor", "time_step_max", "time_step_min",
+    "time_step_rank", "use_mamba_kernels", "mamba_chunk_size", "chunk_size", "moe_shared_expert_overlap",
+    "chunk_size_feed_forward", "num_logits_to_keep", "pad_token_id", "return_dict",
+    "output_hidden_states", "output_attentions", "tie_encoder_decoder", "is_encoder_decoder",
+    "is_decoder", "add_cross_attention", "tf_legacy_loss", "use_bfloat16",
+}
+#: fields a model type's class reads that leave fx-engine's config as it is, each for a reason
+READ_ELSEWHERE = {
+    # MLA: head sizes come from the nope / rope / v dims (head_dim is the rotary width Hugging
+    # Face derives, qk_head_dim their sum, KV heads the query heads'); the MTP layers are the
+    # drafter's (core/drafters/mtp.py)
+    "deepseek_v3": {"head_dim", "num_key_value_heads", "qk_head_dim", "num_nextn_predict_layers"},
+    "glm4_moe": {"num_nextn_predict_layers"}, "nemotron_h": {"num_nextn_predict_layers"},
+    # the pattern builds layer_types, which the default config lists
+    "exaone4": {"sliding_window_pattern"},
+    # the mixer's widths are given (mamba_d_ssm, num_heads x head_dim); the gated norm's order
+    # only matters with mamba_rms_norm, off by default; biases are read from the weights
+    "falcon_h1": {"mamba_expand", "mamba_norm_before_gate"},
+    "granitemoehybrid": {"mamba_expand", "num_hidden_layers"},  # (layer_types lists the layers)
+    "mamba2": {"expand", "use_bias", "use_conv_bias", "residual_in_fp32"},
+    # Hugging Face's NemotronH reads neither (its mixer's biases are use_bias; the shared
+    # expert's width is moe_shared_expert_intermediate_size); residuals stay float32 here
+    "nemotron_h": {"expand", "mamba_proj_bias", "n_shared_experts", "residual_in_fp32",
+                   "num_nextn_predict_layers"},
+    "phi3": {"original_max_position_embeddings"},  # (read with longrope scaling alone)
+    # the default config has no window, so use_sliding_window / max_window_layers switch
+    # nothing (tests/models/test_layer_kinds.py moves them with a window)
+    "qwen2": {"use_sliding_window", "max_window_layers"}, "qwen3": {"use_sliding_window", "max_window_layers"},
+    "qwen3_moe": {"use_sliding_window"}, "smollm3": {"use_sliding_window", "no_rope_layer_interval"},
+    "qwen2_moe": {"use_sliding_window", "sliding_window", "max_window_layers"},
+}
+
+
+def _moved(v):
+    """Another value of the same kind (None: a kind this test does not move)."""
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, int):
+        return v * 2 + 1
+    if isinstance(v, float):
+        return v * 1.5 + 0.25
+    return None
+
+
+@pytest.mark.parametrize("mt", TYPES)
+def test_each_field_the_class_reads_changes_the_config_or_is_refused(mt):
+    """Nothing accepted and then ignored: for each scalar field of the class's default config,
+    another value changes fx-engine's config or is refused naming a field (a field Hugging
+    Face's model class reads but fx-engine's model does not would silently run another
+    model). Exceptions are listed above with their reasons."""
+    full = _hf_default(mt)
+    want = _fx(full)
+    skip = NOT_INFERENCE | WAIVED | READ_ELSEWHERE.get(mt, set()) | {"model_type"}
+    ignored = []
+    for key, value in sorted(full.items()):
+        moved = _moved(value)
+        if key in skip or key.startswith("_") or moved is None:
+            continue
+        try:
+            got = _fx({**full, key: moved})
+        except ConfigError:
+            continue
+        if got == want:
+            ignored.append(f"{key}={value!r}")
+    assert not ignored, f"{mt}: fields read by Hugging Face's class that change nothing here: {ignored}"
+
+
+def test_lfm2_mlp_width_rounds_only_with_a_multiplier():
+    """Hugging Face's Lfm2MLP: int(2F/3), then scaled and rounded up to block_multiple_of only
+    when block_ffn_dim_multiplier is set (mlx-lm rounded either way)."""
+    base = {**tiny_config("lfm2"), "block_auto_adjust_ff_dim": True, "block_multiple_of": 96}
+    for ff, mult in ((200, None), (200, 1.0), (300, 1.5), (1000, None)):
+        d = {**base, "block_ff_dim": ff, "intermediate_size": ff, "block_ffn_dim_multiplier": mult}
+        width = int(2 * ff / 3)
+        if mult is not None:
+            width = 96 * ((int(mult * width) + 95) // 96)
+        assert config_from_hf(d).intermediate_size == width, (ff, mult)

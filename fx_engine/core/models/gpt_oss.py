@@ -6,7 +6,8 @@ alternate sliding-window (a ring cache entry) and global attention, both with th
 (YaRN-scaled) RoPE. The MLP of every layer is a mixture of experts: a router with a bias,
 each token's top-k logits softmaxed over those k (the MoE family's `route` in its mixtral
 mode), experts with biases and GPT-OSS's clamped SwiGLU:
-(clip(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7).
+(clip(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7) (the config's swiglu_limit
+and swiglu_alpha; mlx-lm fixes the slope).
 Checkpoints: mlx-lm's sanitized names (`mlp.experts.{gate,up,down}_proj.weight/.bias`
 stacked [E, out, in]; what mlx-community's affine-quantized folders hold) and Hugging
 Face's dense layout (`mlp.experts.gate_up_proj` [E, H, 2F] with gate and up interleaved
@@ -34,7 +35,6 @@ from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, routed_mixture
 from fx_engine.core.splits import shard_decoder
 
-ALPHA = 1.702  # the gate's sigmoid slope (GPT-OSS's fixed constant, as mlx-lm)
 
 
 @attrs.frozen
@@ -42,6 +42,7 @@ class GptOssConfig(LlamaConfig):
     num_experts: int = 1
     top_k: int = 1
     swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702  # the gate's sigmoid slope (mlx-lm fixes it at 1.702)
 
 
 def _limit(value: Any, key: str, source: str) -> float:
@@ -53,6 +54,7 @@ def _limit(value: Any, key: str, source: str) -> float:
 # its own config.json fields (`read_fields`, in this order; the attention's: llama.config_from_hf)
 _FIELDS = (Field("num_hidden_layers"), Field("num_local_experts", to="num_experts"),
            Field("num_experts_per_tok", to="top_k"), Field("swiglu_limit", _limit, 7.0),
+           Field("swiglu_alpha", _limit, 1.702),
            Field("sliding_window", default=128, or_default=True))
 
 
@@ -69,8 +71,9 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GptOssConf
                           f"({f['num_experts']})")
     base = llama.config_from_hf(
         {**{k: v for k, v in d.items() if k not in ("layer_types", "sliding_window")},
-         "model_type": "llama", "rope_theta": d.get("rope_theta", 150000), "attention_bias": True,
-         "hidden_act": "silu"}, source)
+         "model_type": "llama", "rope_theta": d.get("rope_theta", 150000), "hidden_act": "silu",
+         # (GptOssAttention's q/k/v/o biases follow attention_bias, GptOssConfig's default True)
+         "attention_bias": bool(d.get("attention_bias", True))}, source)
     return GptOssConfig(**{**attrs.asdict(base, recurse=False), "model_type": "gpt_oss",
                            "tie_word_embeddings": False, "layer_types": tuple(types), **f})
 
@@ -78,7 +81,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GptOssConf
 @attrs.frozen
 class GptOssLayer:
     attn_norm: mx.array
-    qkv: Linear  # with biases
+    qkv: Linear  # with biases (attention_bias)
     o: Linear
     sinks: mx.array  # [heads]
     mlp_norm: mx.array
@@ -100,11 +103,11 @@ def cache_specs(cfg: GptOssConfig) -> tuple[LayerSpec, ...]:
                  for t in cfg.layer_types)
 
 
-def swiglu_oai(gu: mx.array, limit: float) -> mx.array:
+def swiglu_oai(gu: mx.array, limit: float, alpha: float = 1.702) -> mx.array:
     """GPT-OSS's clamped SwiGLU of a fused gate|up [..., 2F] -> [..., F]."""
     f = gu.shape[-1] // 2
     g, u = mx.minimum(gu[..., :f], limit), mx.clip(gu[..., f:], -limit, limit)
-    return (u + 1.0) * (g * mx.sigmoid(ALPHA * g))
+    return (u + 1.0) * (g * mx.sigmoid(alpha * g))
 
 
 def _layer(
@@ -120,7 +123,7 @@ def _layer(
 
 def _experts(cfg: GptOssConfig, lp: GptOssLayer, x: mx.array, num: Numerics) -> mx.array:
     idx, w = route(linear(x, lp.router, num), cfg.top_k, softmax_then_topk=False)
-    return routed_mixture(x, lp.gate_up, lp.down, idx, w, lambda gu: swiglu_oai(gu, cfg.swiglu_limit), num)
+    return routed_mixture(x, lp.gate_up, lp.down, idx, w, lambda gu: swiglu_oai(gu, cfg.swiglu_limit, cfg.swiglu_alpha), num)
 
 
 def forward(
@@ -139,8 +142,8 @@ hidden_to_logits = llama.hidden_to_logits
 # The whole model's: Llama's (`llama.TOP`; untied: the head is its own).
 LAYER = (
     Vec("attn_norm", "input_layernorm.weight", "hidden_size"),
-    Fused("qkv", QKV, "hidden_size", bias=True),
-    Lin("o", "self_attn.o_proj", "hidden_size", "q_width", bias=True),
+    Fused("qkv", QKV, "hidden_size", bias="qkv_bias"),
+    Lin("o", "self_attn.o_proj", "hidden_size", "q_width", bias="o_bias"),
     Vec("sinks", "self_attn.sinks", "num_heads", float32=True),
     Vec("mlp_norm", "post_attention_layernorm.weight", "hidden_size"),
     Lin("router", "mlp.router", "num_experts", "hidden_size", bias=True),
@@ -190,7 +193,8 @@ def checkpoint_layout(cfg: GptOssConfig) -> dict[str, TensorSpec]:
         a, m = p + "self_attn.", p + "mlp."
         for n, rows, cols in (("q_proj", hq, h), ("k_proj", hk, h), ("v_proj", hk, h), ("o_proj", h, hq)):
             out[a + n + ".weight"] = TensorSpec((rows, cols))
-            out[a + n + ".bias"] = TensorSpec((rows,), scale=0.05)
+            if cfg.qkv_bias:
+                out[a + n + ".bias"] = TensorSpec((rows,), scale=0.05)
         out[a + "sinks"] = TensorSpec((cfg.num_heads,), scale=1.0)
         out[m + "router.weight"] = TensorSpec((e, h), scale=0.5)
         out[m + "router.bias"] = TensorSpec((e,), scale=0.1)

@@ -74,10 +74,10 @@ def _ff_dim(d: dict[str, Any], source: str) -> int:
     if d.get("block_auto_adjust_ff_dim", True):
         ff = int(2 * ff / 3)
         mult = d.get("block_ffn_dim_multiplier")
-        if mult is not None:
+        if mult is not None:  # (Hugging Face's Lfm2MLP rounds only with a multiplier)
             ff = int(mult * ff)
-        m = int(d.get("block_multiple_of", 256))
-        ff = m * ((ff + m - 1) // m)
+            m = int(d.get("block_multiple_of", 256))
+            ff = m * ((ff + m - 1) // m)
     return ff
 
 

@@ -124,10 +124,12 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> MoEConfig:
         moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
     # the attention's model type reads its own windows: each MoE class decides its own
     types, window = llama.layer_kinds({**defaults, **d}, layers, source)
-    kinds = {"layer_types": tuple(types), "sliding_window": window} if window else {"layer_types": (),
+    extra = {"layer_types": tuple(types), "sliding_window": window} if window else {"layer_types": (),
                                                                                      "sliding_window": 0}
+    if mt == "qwen2_moe":  # (Qwen2MoeAttention: q/k/v biases as qkv_bias says, default true)
+        extra["qkv_bias"] = bool(d.get("qkv_bias", True))
     return MoEConfig(
-        **{**attrs.asdict(base, recurse=False), "model_type": mt, **kinds,
+        **{**attrs.asdict(base, recurse=False), "model_type": mt, **extra,
            "qk_norm": base.qk_norm or mt == "olmoe"},
         **{"moe_intermediate_size": base.intermediate_size, **f}, softmax_then_topk=mt != "mixtral",
         moe_layers=moe_layers,
