@@ -173,7 +173,7 @@ READ_ELSEWHERE = {
     # Face derives, qk_head_dim their sum, KV heads the query heads'); the MTP layers are the
     # drafter's (core/drafters/mtp.py)
     "deepseek_v3": {"head_dim", "num_key_value_heads", "qk_head_dim", "num_nextn_predict_layers"},
-    "glm4_moe": {"num_nextn_predict_layers"}, "nemotron_h": {"num_nextn_predict_layers"},
+    "glm4_moe": {"num_nextn_predict_layers"},
     # the pattern builds layer_types, which the default config lists
     "exaone4": {"sliding_window_pattern"},
     # the mixer's widths are given (mamba_d_ssm, num_heads x head_dim); the gated norm's order
