@@ -36,7 +36,6 @@ from fx_engine.core.nn import Linear, Numerics, linear, rms_norm, routed_mixture
 from fx_engine.core.splits import shard_decoder
 
 
-
 @attrs.frozen
 class GptOssConfig(LlamaConfig):
     num_experts: int = 1
@@ -123,7 +122,8 @@ def _layer(
 
 def _experts(cfg: GptOssConfig, lp: GptOssLayer, x: mx.array, num: Numerics) -> mx.array:
     idx, w = route(linear(x, lp.router, num), cfg.top_k, softmax_then_topk=False)
-    return routed_mixture(x, lp.gate_up, lp.down, idx, w, lambda gu: swiglu_oai(gu, cfg.swiglu_limit, cfg.swiglu_alpha), num)
+    return routed_mixture(x, lp.gate_up, lp.down, idx, w,
+                          lambda gu: swiglu_oai(gu, cfg.swiglu_limit, cfg.swiglu_alpha), num)
 
 
 def forward(
