@@ -72,3 +72,29 @@ def test_gpt_oss_reads_swiglu_alpha(tmp_path):
     base = _logits(write_tiny_model(tmp_path / "a", "gpt_oss"))
     assert np.abs(_logits(write_tiny_model(tmp_path / "b", "gpt_oss", swiglu_alpha=1.0)) - base).max() > 1e-4
     np.testing.assert_array_equal(_logits(write_tiny_model(tmp_path / "c", "gpt_oss", swiglu_alpha=1.702)), base)
+
+
+@pytest.mark.parametrize("mt", ["cohere", "cohere2"])
+def test_cohere_untied_head_is_read(tmp_path, mt):
+    """tie_word_embeddings false: Hugging Face's CohereForCausalLM multiplies by its own
+    lm_head (times logit_scale). The same model with lm_head = the embedding gives the tied
+    model's logits; another lm_head moves them (mlx-lm always tied: lm_head ignored)."""
+    tied = write_tiny_model(tmp_path / "tied", mt, tie_word_embeddings=True)
+    base = _logits(tied)
+    weights = mx.load(str(tied / "model.safetensors"))
+    mx.eval(weights)
+    cfg = json.loads((tied / "config.json").read_text())
+    for name, head in (("same", weights["model.embed_tokens.weight"]),
+                       ("other", weights["model.embed_tokens.weight"][::-1])):
+        path = tmp_path / name
+        path.mkdir()
+        for f in tied.iterdir():
+            if f.name not in ("model.safetensors", "config.json"):
+                (path / f.name).write_bytes(f.read_bytes())
+        (path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+        mx.save_safetensors(str(path / "model.safetensors"), {**weights, "lm_head.weight": head})
+        got = _logits(path)
+        if name == "same":
+            np.testing.assert_allclose(got, base, rtol=1e-5, atol=1e-5)
+        else:
+            np.testing.assert_allclose(got, base[:, ::-1], rtol=1e-4, atol=1e-4)

@@ -4,7 +4,8 @@ cohere.py / cohere2.py (the parity oracle).
 A parallel block: one LayerNorm (no bias unless `layer_norm_bias`) feeds both the
 attention and the SwiGLU MLP, and both outputs join the residual stream together,
 h = h + attn(n) + mlp(n). RoPE rotates interleaved pairs ("traditional"); the logits are
-the tied embedding's times `logit_scale`. cohere may normalize q and k per head with a
+the tied embedding's times `logit_scale` (an own lm_head's with tie_word_embeddings false,
+as Hugging Face's CohereForCausalLM; mlx-lm always ties). cohere may normalize q and k per head with a
 LayerNorm whose weight is per head ([heads, head_dim]; `use_qk_norm`). cohere2 has
 sliding-window layers (every `sliding_window_pattern`-th layer global) where only the
 sliding layers rotate: global layers have no positional encoding (NoPE).
@@ -21,10 +22,11 @@ from jaxtyping import Float, Int
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, attend_entry, write_entry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Norm, Reader, TensorSource,
                                        TensorSpec, Vec, read_tensors, renamed)
-from fx_engine.core.config import (BOOL, FLOAT, INT, BaseConfig, ConfigError, Field, Same, gguf_hf_config, gguf_value,
-                                   read_field, read_fields, token_ids)
+from fx_engine.core.config import (BOOL, FLOAT, INT, MAYBE_BOOL, BaseConfig, ConfigError, Field, Same, gguf_hf_config,
+                                   gguf_value, read_field, read_fields, token_ids)
 from fx_engine.core.models.blocks import HF_LAYER, QKV, SWIGLU_MLP, attention_sizes, rope_in, swiglu_mlp
 from fx_engine.core.models.family import Family
+from fx_engine.core.models.llama import with_tied
 from fx_engine.core.models.skeleton import PipelineStage, cut_layers, decoder_step, stage_logits
 from fx_engine.core.nn import Linear, Numerics, apply_rope, layer_norm, linear
 from fx_engine.core.splits import shard_decoder
@@ -44,6 +46,9 @@ class CohereConfig(BaseConfig):
     max_position_embeddings: int = 8192
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Hugging Face's CohereForCausalLM: tied unless the config says false (then lm_head);
+    # unsaid, the checkpoint decides (its own lm_head or none)
+    tie_word_embeddings: bool | None = None
 
 
 def _number(value: Any, key: str, source: str) -> float:
@@ -60,6 +65,7 @@ _FIELDS = (
     Field("layer_norm_eps", FLOAT, 1e-5, or_default=True, to="rms_norm_eps"),
     Field("rope_theta", FLOAT, 10000.0, or_default=True), Field("attention_bias", BOOL, False),
     Field("layer_norm_bias", BOOL, False), Field("max_position_embeddings", INT, 8192, or_default=True),
+    Field("tie_word_embeddings", MAYBE_BOOL, None),
 )
 
 
@@ -119,6 +125,7 @@ class CohereParams:
     embed: Linear
     layers: tuple[CohereLayer, ...]
     norm: tuple[mx.array, mx.array | None]
+    lm_head: Linear | None  # None: the embedding (tied)
     config: CohereConfig = static_field()
     numerics: Numerics = static_field(factory=Numerics)
     dtype: str = static_field(default="float32")
@@ -174,7 +181,8 @@ def forward(
 
 
 def hidden_to_logits(p: CohereParams, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
-    return stage_logits(p, h, lambda: (linear(h, p.embed, p.numerics) * p.config.logit_scale).astype(mx.float32))
+    head = p.lm_head if p.lm_head is not None else p.embed
+    return stage_logits(p, h, lambda: (linear(h, head, p.numerics) * p.config.logit_scale).astype(mx.float32))
 
 
 # Each layer's params from its tensors under model.layers.{i}. (`read_tensors`): one
@@ -188,14 +196,16 @@ LAYER = (
     Vec("q_norm", "self_attn.q_norm.weight", ("num_heads", "head_dim"), when="qk_norm"),
     Vec("k_norm", "self_attn.k_norm.weight", ("num_kv_heads", "head_dim"), when="qk_norm"),
 )
-TOP = (Embedding("embed", "model.embed_tokens"), Norm("norm", "model.norm", bias="layer_norm_bias"))
+TOP = (Embedding("embed", "model.embed_tokens"), Norm("norm", "model.norm", bias="layer_norm_bias"),
+       Lin("lm_head", "lm_head", "vocab_size", "hidden_size", when="untied"))
 
 
 def assemble(cfg: CohereConfig, src: TensorSource, opts: LoadOptions) -> CohereParams:
+    cfg = with_tied(cfg, src)
     rd, sizes = Reader(src, opts), attention_sizes(cfg)
     layers = tuple(CohereLayer(**read_tensors(rd, LAYER, cfg, HF_LAYER, i, sizes)) for i in range(cfg.num_layers))
-    return CohereParams(layers=layers, **read_tensors(rd, TOP, cfg), config=cfg, numerics=opts.numerics,
-                        dtype=opts.dtype_name)
+    return CohereParams(layers=layers, **read_tensors(rd, TOP, cfg, sizes=sizes), config=cfg,
+                        numerics=opts.numerics, dtype=opts.dtype_name)
 
 
 def checkpoint_layout(cfg: CohereConfig) -> dict[str, TensorSpec]:
@@ -217,6 +227,8 @@ def checkpoint_layout(cfg: CohereConfig) -> dict[str, TensorSpec]:
         out[n + ".weight"] = TensorSpec((h,), center=1.0, scale=0.1)
         if cfg.layer_norm_bias:
             out[n + ".bias"] = TensorSpec((h,), scale=0.05)
+    if cfg.tie_word_embeddings is False:
+        out["lm_head.weight"] = TensorSpec((v, h), scale=0.2)
     return out
 
 
