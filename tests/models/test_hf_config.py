@@ -181,8 +181,9 @@ READ_ELSEWHERE = {
     "falcon_h1": {"mamba_expand", "mamba_norm_before_gate"},
     "granitemoehybrid": {"mamba_expand", "num_hidden_layers"},  # (layer_types lists the layers)
     "mamba2": {"expand", "use_bias", "use_conv_bias", "residual_in_fp32"},
-    # Hugging Face's NemotronH reads neither (its mixer's biases are use_bias; the shared
-    # expert's width is moe_shared_expert_intermediate_size); residuals stay float32 here
+    # Hugging Face's NemotronH reads neither mamba_proj_bias (its mixer's biases are use_bias)
+    # nor n_shared_experts (the shared expert's width is moe_shared_expert_intermediate_size);
+    # residual_in_fp32 is a numerics choice (fx-engine's activations are float32 by default)
     "nemotron_h": {"expand", "mamba_proj_bias", "n_shared_experts", "residual_in_fp32",
                    "num_nextn_predict_layers"},
     "phi3": {"original_max_position_embeddings"},  # (read with longrope scaling alone)
@@ -208,9 +209,9 @@ def _moved(v):
 @pytest.mark.parametrize("mt", TYPES)
 def test_each_field_the_class_reads_changes_the_config_or_is_refused(mt):
     """Nothing accepted and then ignored: for each scalar field of the class's default config,
-    another value changes fx-engine's config or is refused naming a field (a field Hugging
+    another value changes fx-engine's config or is refused (a ConfigError): a field Hugging
     Face's model class reads but fx-engine's model does not would silently run another
-    model). Exceptions are listed above with their reasons."""
+    model. Exceptions are listed above with their reasons."""
     full = _hf_default(mt)
     want = _fx(full)
     skip = NOT_INFERENCE | WAIVED | READ_ELSEWHERE.get(mt, set()) | {"model_type"}

@@ -54,8 +54,9 @@ def _variants(mt: str, n: int) -> list[dict]:
            {"use_sliding_window": False, "sliding_window": 8, "layer_types": alternate},
            {"use_sliding_window": True, "sliding_window": 8, "layer_types": alternate}]
     out += [{"use_sliding_window": True, "sliding_window": 8, "max_window_layers": k} for k in range(n + 1)]
-    if mt not in ("gemma2", "gemma3_text", "gpt_oss", "cohere2", "olmo3"):
-        # (those read an explicit null window as their default one, as mlx-lm does)
+    if mt not in ("gemma2", "gemma3_text", "gpt_oss", "cohere2", "olmo3", "exaone4"):
+        # (those read an explicit null window as their default one, as mlx-lm does;
+        # Exaone4Config cannot derive layer kinds without a window: its cases below list them)
         out.append({"sliding_window": None})
     if mt == "smollm3":
         nope = [1 if i % 2 else 0 for i in range(n)]
@@ -79,7 +80,10 @@ def _cases():
 
 
 def _config(mt: str, variant: dict) -> dict:
-    d = {**tiny_config(mt), **{k: v for k, v in copy.deepcopy(variant).items() if k != "drop"}}
+    # (Exaone4Config derives layer kinds from a numeric pattern only: the tiny config's "LLLG"
+    # as the same every-4th-layer number)
+    base = {**tiny_config(mt), **({"sliding_window_pattern": 4} if mt == "exaone4" else {})}
+    d = {**base, **{k: v for k, v in copy.deepcopy(variant).items() if k != "drop"}}
     for k in variant.get("drop", ()):
         d.pop(k, None)
     return {k: v for k, v in d.items() if v is not None or k == "sliding_window"}
