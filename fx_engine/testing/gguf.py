@@ -68,7 +68,8 @@ def add_bpe_tokenizer(writer: Any, folder: str | Path, eos_id: int) -> None:
 
 
 def write_gemma_gguf(folder: str | Path, out: str | Path, arch: str = "gemma3") -> Path:
-    """The folder's Gemma 2 / 3 text model as one GGUF file at `out` (module docstring)."""
+    """The folder's Gemma 1 / 2 / 3 text model as one GGUF file at `out` (module docstring;
+    Gemma 1's post_attention_layernorm, its MLP's input norm, as ffn_norm)."""
     import gguf
 
     folder, out = Path(folder), Path(out)
@@ -85,8 +86,9 @@ def write_gemma_gguf(folder: str | Path, out: str | Path, arch: str = "gemma3") 
                            ("attention.key_length", w.add_uint32, cfg["head_dim"]),
                            ("attention.value_length", w.add_uint32, cfg["head_dim"]),
                            ("rope.freq_base", w.add_float32, cfg["rope_theta"]),
-                           ("attention.sliding_window", w.add_uint32, cfg["sliding_window"])):
-        fn(f"{arch}.{key}", value)
+                           ("attention.sliding_window", w.add_uint32, cfg.get("sliding_window"))):
+        if value is not None:
+            fn(f"{arch}.{key}", value)
     if arch == "gemma2":
         w.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
         w.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
@@ -97,7 +99,7 @@ def write_gemma_gguf(folder: str | Path, out: str | Path, arch: str = "gemma3") 
         x = np.asarray(x.astype(mx.float32))
         if name.endswith("norm.weight"):
             x = x + np.float32(1.0)
-        for pat, rep in _GEMMA_NAMES:
+        for pat, rep in ((r"post_attention_layernorm", "ffn_norm"),) * (arch == "gemma") + _GEMMA_NAMES:
             name = re.sub(pat, rep, name)
         w.add_tensor(name, x)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()

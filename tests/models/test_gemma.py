@@ -291,6 +291,46 @@ def test_gemma2_from_gguf_matches_mlx_lm(tmp_path, tiny_folder):
     _compare(fx_engine.logits(model, ids, chunk=32), _mlx_lm(folder)(mx.array([ids]))[0])
 
 
+GEMMA1 = [{}, {"num_key_value_heads": 1, "head_dim": 16, "rope_theta": 5000.0}]  # (mlx-lm: always tied)
+
+
+@pytest.mark.parametrize("overrides", GEMMA1, ids=["default", "mqa"])
+def test_gemma1_matches_mlx_lm_with_the_tanh_gelu(overrides, tiny_folder, monkeypatch):
+    """Gemma 1 (pre-norms only, its post_attention_layernorm the MLP's input norm, every
+    layer global, scaled embeddings) against mlx-lm's gemma.py with the tanh GELU: Hugging
+    Face's GemmaConfig reads the releases' hidden_act "gelu" as gelu_pytorch_tanh, and
+    llama.cpp and Google's reference run that one; mlx-lm's gemma.py applies the erf GELU,
+    so its own logits sit farther from fx-engine's than the tanh oracle's."""
+    import mlx.nn as nn
+
+    path = tiny_folder("gemma", **overrides)
+    model = fx_engine.load(path)
+    assert model.config.model_type == "gemma" and not model.config.sandwich_norms
+    ids = _ids(70, seed=3)
+    ours = fx_engine.logits(model, ids, chunk=32)
+    erf = _mlx_lm(path)(mx.array([ids]))[0]
+    monkeypatch.setattr(nn, "gelu", nn.gelu_approx)  # (mlx-lm's gemma MLP calls nn.gelu)
+    tanh = _mlx_lm(path)(mx.array([ids]))[0]
+    _compare(ours, tanh)
+    assert mx.abs(ours - tanh).max().item() < mx.abs(ours - erf).max().item() / 4
+
+
+def test_gemma1_from_gguf_matches_the_folder(tmp_path, tiny_folder):
+    """Gemma 1 as llama.cpp's converter writes it (architecture gemma; norms stored + 1; the
+    MLP's input norm as ffn_norm, gguf-py's name for it) reads as the folder it came from."""
+    gguf = pytest.importorskip("gguf")
+    folder = tiny_folder("gemma")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA, 2)
+    assert names.get_name("model.layers.0.post_attention_layernorm") == "blk.0.ffn_norm"
+    _gemma_gguf(folder, tmp_path / "m.gguf", arch="gemma")
+    model, ref = fx_engine.load(tmp_path / "m.gguf"), fx_engine.load(folder)
+    for field in ("layer_types", "attn_scale", "embed_scale", "rope_full", "qk_norm", "sandwich_norms",
+                  "attn_softcap", "final_logit_softcapping"):
+        assert getattr(model.config, field) == getattr(ref.config, field), field
+    ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    _compare(fx_engine.logits(model, ids, chunk=32), fx_engine.logits(ref, ids, chunk=32))
+
+
 def test_gemma2_sliding_layers_in_the_engine(tiny_folder):
     """Gemma 2 with a window shorter than the context (even layers sliding, as Hugging Face
     and llama.cpp run it): batched rows equal each request alone through the plain loop,

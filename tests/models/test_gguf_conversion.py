@@ -36,8 +36,11 @@ def convert(folder: Path, out: Path, arch: str, metadata: dict, permute: bool, q
     from gguf.quants import dequantize, quantize
 
     cfg = json.loads((folder / "config.json").read_text())
-    n_layers, heads, kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper().replace("-", "_")), n_layers)
+    n_layers, heads, kv = cfg.get("num_hidden_layers", cfg.get("num_layers")), cfg["num_attention_heads"], \
+        cfg["num_key_value_heads"]
+    kind = getattr(gguf.MODEL_ARCH, arch.upper().replace("-", "_"))
+    names = gguf.get_tensor_name_map(kind, n_layers)
+    arch = gguf.MODEL_ARCH_NAMES[kind]  # (the name llama.cpp writes: command-r, ernie4_5, seed_oss)
     w = gguf.GGUFWriter(str(out), arch)
     for key, value in metadata.items():
         add = (w.add_array if isinstance(value, list) else w.add_string if isinstance(value, str)
@@ -95,6 +98,13 @@ def _common(cfg: dict) -> dict:
     ("exaone4", "exaone4", False, {"sliding_window_pattern": None, "tie_word_embeddings": False}),
     ("glm4", "glm4", False, {}),  # sandwich norms, fused ffn_up, half of each head rotated
     ("glm4", "glm4", False, {"attention_bias": False, "partial_rotary_factor": 1.0}),
+    # Llama-shaped types under their own architectures, nothing permuted (ERNIE 4.5 rotates
+    # interleaved pairs, wider heads than hidden / heads; EXAONE 3 from its own tensor
+    # names; Seed-OSS with q/k/v biases)
+    ("ernie4_5", "ernie4_5", False, {}),
+    ("exaone", "exaone", False, {}),
+    ("exaone", "exaone", False, {"tie_word_embeddings": False}),
+    ("seed_oss", "seed_oss", False, {}),
 ])
 def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrides):
     import json
@@ -109,7 +119,11 @@ def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrid
         cfg["rms_norm_eps"] = cfg["layer_norm_eps"]
     if model_type == "ministral3":
         cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
+    if model_type == "exaone":  # (its config's own names)
+        cfg.update(num_hidden_layers=cfg["num_layers"], rms_norm_eps=cfg["layer_norm_epsilon"])
     md = _common(cfg)
+    if model_type in ("ernie4_5", "seed_oss"):  # TextModel's head width keys
+        md["attention.key_length"] = md["attention.value_length"] = cfg["head_dim"]
     if model_type == "ministral3":  # TextModel's YaRN keys + Ministral3Model's two
         rp = cfg["rope_parameters"]
         md.update({"rope.scaling.type": "yarn", "rope.scaling.factor": float(rp["factor"]),
@@ -151,7 +165,7 @@ def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrid
                    "attention.scale": float(cfg["attention_multiplier"]),
                    "residual_scale": float(cfg["residual_multiplier"]),
                    "logit_scale": float(cfg["logits_scaling"])})
-    oracle = convert(folder, tmp_path / "m.gguf", arch.replace("_", "-"), md, permute)
+    oracle = convert(folder, tmp_path / "m.gguf", arch, md, permute)
     model = fx_engine.load(tmp_path / "m.gguf")
     assert model.config.model_type == model_type
     if hasattr(model.params, "lm_head"):
@@ -175,6 +189,7 @@ def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrid
     # EXAONE 4 without local layers (llama.cpp 0.3.36 differs from Hugging Face and mlx-lm on
     # the hybrid pattern's NoPE global layers: not compared here)
     ("exaone4", "exaone4", False, {"sliding_window_pattern": None}), ("glm4", "glm4", False, {}),
+    ("ernie4_5", "ernie4_5", False, {}), ("exaone", "exaone", False, {}), ("seed_oss", "seed_oss", False, {}),
 ])
 def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, overrides, tiny_folder):
     """The same files (float32 throughout: llama.cpp's Q8_0 products round the activations
@@ -189,7 +204,8 @@ def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, over
         pytest.skip("llama-cpp-python (an optional peer) is not installed")
     folder = tiny_folder(model_type, **overrides)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg.setdefault("rms_norm_eps", cfg.get("norm_epsilon", cfg.get("layer_norm_eps")))
+    cfg.setdefault("rms_norm_eps", cfg.get("norm_epsilon", cfg.get("layer_norm_eps", cfg.get("layer_norm_epsilon"))))
+    cfg.setdefault("num_hidden_layers", cfg.get("num_layers"))  # (EXAONE 3's own name)
     md = _common(cfg)
     if model_type in ("starcoder2", "cohere", "cohere2"):
         md["attention.layer_norm_epsilon"] = md.pop("attention.layer_norm_rms_epsilon")
@@ -198,7 +214,7 @@ def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, over
     if model_type == "cohere2":
         md.update({"attention.key_length": cfg["head_dim"], "attention.value_length": cfg["head_dim"],
                    "attention.sliding_window": cfg["sliding_window"]})
-    if model_type in ("exaone4", "glm4"):
+    if model_type in ("exaone4", "glm4", "ernie4_5", "seed_oss"):
         md.update({"attention.key_length": cfg["head_dim"], "attention.value_length": cfg["head_dim"]})
     if model_type == "glm4":
         md["rope.dimension_count"] = int(cfg["head_dim"] * cfg["partial_rotary_factor"])

@@ -127,6 +127,15 @@ CASES = [
     # Granite: embedding, attention, residual and logits multipliers
     ("granite", {}),
     ("granite", {"tie_word_embeddings": False, "attention_bias": True, "num_key_value_heads": 1}),
+    # Llama-shaped model types with their own bias switches, names and RoPE (mlx-lm's
+    # ernie4_5.py, helium.py, seed_oss.py, internlm3.py, exaone.py)
+    ("ernie4_5", {"use_bias": True, "tie_word_embeddings": False}),
+    ("helium", {"attention_bias": True, "mlp_bias": True}),  # (no bias on o_proj)
+    ("seed_oss", {"attention_out_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+    ("internlm3", {"qkv_bias": True, "bias": True}),
+    ("exaone", {"tie_word_embeddings": False, "attention_bias": True,
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
     # longrope through the Llama family (mlx-lm's SuScaledRoPE): 8 long factors for hd 16
     ("llama", {"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0 + 0.5 * i for i in range(8)],
                                 "short_factor": [1.0] * 8, "original_max_position_embeddings": 256},

@@ -1,5 +1,11 @@
-"""Gemma 2 (`gemma2`), Gemma 3 (`gemma3_text`) and Gemma 4 (`gemma4_text`) text models as
-one pure forward, following mlx-lm 0.32's implementations (the parity oracle).
+"""Gemma (`gemma`: Gemma 1, CodeGemma), Gemma 2 (`gemma2`), Gemma 3 (`gemma3_text`) and Gemma 4
+(`gemma4_text`) text models as one pure forward, following mlx-lm 0.32's implementations (the
+parity oracle).
+
+Gemma 1 is the plain case: every layer global, one RoPE, no q/k norms, no soft-capping, and
+pre-norms only (its post_attention_layernorm is the MLP's input norm: no "sandwich"); its
+GELU is the tanh one, as Hugging Face reads the released configs' "gelu" and llama.cpp and
+Google's reference run it (mlx-lm's gemma.py uses the erf GELU).
 
 Shared by both: sliding-window layers (a ring cache entry each) interleaved with global
 layers, each kind with its own RoPE; per-head RMSNorm on q and k; "sandwich" norms around
@@ -81,7 +87,8 @@ class GemmaConfig(BaseConfig):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     rope_traditional: bool = False
-    qk_norm: bool = True  # per-head RMSNorm on q and k (Gemma 3 and 4; not Gemma 2)
+    qk_norm: bool = True  # per-head RMSNorm on q and k (Gemma 3 and 4; not Gemma 1 / 2)
+    sandwich_norms: bool = True  # norms on the attention's and MLP's outputs (not Gemma 1)
     attn_softcap: float | None = None  # Gemma 2: tanh soft-capping of the attention scores
     final_logit_softcapping: float | None = None  # Gemma 2 and 4
     # Gemma 4
@@ -209,6 +216,8 @@ def _softcap(value: Any, key: str, source: str) -> float | None:
 _GEMMA2_FIELDS = (Field("attn_logit_softcapping", _softcap, 50.0, to="attn_softcap"),
                   Field("final_logit_softcapping", _softcap, 30.0), Field("rope_traditional", BOOL, False),
                   Field("tie_word_embeddings", MAYBE_BOOL, None))
+# Gemma 1's: mlx-lm's rope_traditional, the head as Gemma 3's
+_GEMMA1_FIELDS = (Field("rope_traditional", BOOL, False), Field("tie_word_embeddings", MAYBE_BOOL, None))
 # Gemma 3's: as stated (None: not stated; the loader decides: lm_head.weight present or not)
 _GEMMA3_FIELDS = (Field("tie_word_embeddings", MAYBE_BOOL, None),)
 # Gemma 4's (its routed experts: `_EXPERT_FIELDS`, when enable_moe_block)
@@ -228,9 +237,11 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GemmaConfi
     f = read_fields(d, _FIELDS, source)
     types = _layer_kinds(d, model_type, f["num_layers"], source)
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if model_type == "gemma" and act == "gelu":  # (GemmaConfig: the releases' legacy name for the tanh GELU)
+        act = "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ConfigError(f"{source}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
-    if model_type != "gemma2":
+    if model_type not in ("gemma2",):
         refuse(d, source, "attn_logit_softcapping", lambda v: False, "mlx-lm does not apply it")
     # "vision": image tokens attend bidirectionally (multimodal); text-only runs are causal
     refuse(d, source, "use_bidirectional_attention", lambda v: v in (False, "vision"),
@@ -245,7 +256,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GemmaConfi
     bos, eos_ids = token_ids(d)
     common = dict(model_type=model_type, **f, layer_types=tuple(types), sliding_window=window, bos_token_id=bos,
                   eos_token_ids=eos_ids)
-    variant = {"gemma2": _gemma2, "gemma4_text": _gemma4}.get(model_type, _gemma3)
+    variant = {"gemma": _gemma1, "gemma2": _gemma2, "gemma4_text": _gemma4}.get(model_type, _gemma3)
     return variant(d, common, source)
 
 
@@ -260,7 +271,9 @@ def _layer_kinds(d: dict[str, Any], model_type: str, layers: int, source: str) -
     self-draft's first layers are such a model.)"""
     pattern = positive_int(d.get("sliding_window_pattern") or 6, "sliding_window_pattern", source)
     types = d.get("layer_types")
-    if types is None and model_type == "gemma2":
+    if model_type == "gemma":  # (GemmaConfig has no layer kinds: every layer global)
+        types = ["full_attention"] * layers
+    elif types is None and model_type == "gemma2":
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     elif types is None:
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
@@ -271,6 +284,19 @@ def _layer_kinds(d: dict[str, Any], model_type: str, layers: int, source: str) -
             f"{source}: layer_types must list {layers} entries of 'sliding_attention' or "
             "'full_attention'")
     return types
+
+
+def _gemma1(d: dict[str, Any], common: dict[str, Any], source: str) -> GemmaConfig:
+    """Gemma 1: Llama's block with Gemma's norms (1 + w), scaled embeddings and tanh GELU."""
+    theta = float(d.get("rope_theta") or 10_000.0)
+    if d.get("rope_scaling"):
+        raise ConfigError(f"{source}: field 'rope_scaling' is not supported for gemma")
+    refuse(d, source, "final_logit_softcapping", lambda v: v is None, "Gemma 1 has no soft-capping")
+    return GemmaConfig(
+        **common, **read_fields(d, _GEMMA1_FIELDS, source), rope_sliding=RopeSpec(theta=theta),
+        rope_full=RopeSpec(theta=theta), attn_scale=common["head_dim"] ** -0.5,
+        embed_scale=common["hidden_size"]**0.5, qk_norm=False, sandwich_norms=False,
+    )
 
 
 def _gemma2(d: dict[str, Any], common: dict[str, Any], source: str) -> GemmaConfig:
@@ -414,11 +440,11 @@ class GemmaLayer:
     q_norm: mx.array | None  # None: no q/k norms (Gemma 2)
     k_norm: mx.array | None  # None in KV-shared layers and Gemma 2
     o: Linear
-    post_attn_norm: mx.array
+    post_attn_norm: mx.array | None  # None: no sandwich norms (Gemma 1)
     pre_ff_norm: mx.array
     gate_up: Linear  # fused [gate; up] rows
     down: Linear
-    post_ff_norm: mx.array
+    post_ff_norm: mx.array | None
     # Gemma 4 per-layer inputs and output scalar
     pli_gate: Linear | None = None
     pli_proj: Linear | None = None
@@ -596,11 +622,11 @@ def forward(
             q = apply_rope(q, *rope, num, cfg.rope_traditional)
         o = attend_entry(entries[src], spec, q, geo_sliding if cfg.is_sliding(i) else geo, cfg.attn_scale, num,
                          softcap=cfg.attn_softcap).reshape(b * t, hq * d)
-        h = _add(h, rms_norm(linear(o, lp.o, num), lp.post_attn_norm, eps, num), clip)
+        h = _add(h, _post_norm(linear(o, lp.o, num), lp.post_attn_norm, eps, num), clip)
         r = _mlp(lp.gate_up, lp.down, rms_norm(h, lp.pre_ff_norm, eps, num), num)
         if lp.moe is not None:
             r = rms_norm(r, lp.moe.post_mlp_norm, eps, num) + _experts(lp.moe, h, eps, num)
-        h = _add(h, rms_norm(r, lp.post_ff_norm, eps, num), clip)
+        h = _add(h, _post_norm(r, lp.post_ff_norm, eps, num), clip)
         if pli is not None and lp.pli_gate is not None:
             g = gelu_tanh(linear(h, lp.pli_gate, num)) * pli[:, i]
             h = h + rms_norm(linear(g, lp.pli_proj, num), lp.pli_norm, eps, num)
@@ -614,6 +640,11 @@ def forward(
         return handed.reshape(b, t, -1), advanced(cache, entries, geo)
     h = rms_norm(h, p.norm, eps, num).reshape(b, t, -1)
     return h, advanced(cache, entries, geo)
+
+
+def _post_norm(x: mx.array, w: mx.array | None, eps: float, num: Numerics) -> mx.array:
+    """A sublayer's output norm (Gemma 2-4's sandwich; Gemma 1 has none)."""
+    return x if w is None else rms_norm(x, w, eps, num)
 
 
 def hidden_to_logits(p: GemmaParams, h: Float[mx.array, "*N H"]) -> Float[mx.array, "*N V"]:
@@ -639,11 +670,12 @@ LAYER = (
     Vec("q_norm", "self_attn.q_norm.weight", "head_dim", plus="norm_offset", when="qk_norm"),
     Vec("k_norm", "self_attn.k_norm.weight", "head_dim", plus="norm_offset", when="own_k_norm"),
     Lin("o", "self_attn.o_proj", "hidden_size", "q_width"),
-    Vec("post_attn_norm", "post_attention_layernorm.weight", "hidden_size", plus="norm_offset"),
+    Vec("post_attn_norm", "post_attention_layernorm.weight", "hidden_size", plus="norm_offset", when="sandwich_norms"),
     Vec("pre_ff_norm", "pre_feedforward_layernorm.weight", "hidden_size", plus="norm_offset"),
     Fused("gate_up", GATE_UP, "hidden_size"),
     Lin("down", "mlp.down_proj", "hidden_size", "intermediate_size"),
-    Vec("post_ff_norm", "post_feedforward_layernorm.weight", "hidden_size", plus="norm_offset"),
+    Vec("post_ff_norm", "post_feedforward_layernorm.weight", "hidden_size", plus="norm_offset",
+        when="sandwich_norms"),
     Lin("pli_gate", "per_layer_input_gate", _PLI, "hidden_size", when=_PLI),
     Lin("pli_proj", "per_layer_projection", "hidden_size", _PLI, when=_PLI),
     Vec("pli_norm", "post_per_layer_input_norm.weight", "hidden_size", plus="norm_offset", when=_PLI),
@@ -673,6 +705,8 @@ def assemble(cfg: GemmaConfig, src: TensorSource, opts: LoadOptions,
     to float32 weights; `norm_offset` 0 for files that store the scale itself). Projections
     of KV-shared layers, rotary buffers and activation clipping ranges in a checkpoint are
     unused (mlx-lm drops them too)."""
+    if not cfg.sandwich_norms:  # Gemma 1: its post_attention_layernorm is the MLP's input norm
+        src = renamed(src, ((r"\.post_attention_layernorm\.", ".pre_feedforward_layernorm."),))
     rd = Reader(src, opts)
     offset = (0.0 if cfg.is_gemma4 else 1.0) if norm_offset is None else norm_offset
     tied = cfg.tie_word_embeddings if cfg.is_gemma4 else not src.has("lm_head.weight")
@@ -773,8 +807,9 @@ def config_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
     arch = md.get("general.architecture")
     if arch == "gemma4":
         return _gemma4_from_gguf(md, source)
-    if arch not in ("gemma2", "gemma3"):
-        raise ConfigError(f"{source}: GGUF architecture {arch!r}: only gemma2, gemma3 and gemma4 are supported here")
+    if arch not in ("gemma", "gemma2", "gemma3"):
+        raise ConfigError(f"{source}: GGUF architecture {arch!r}: only gemma, gemma2, gemma3 and gemma4 are "
+                          "supported here")
 
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, arch, key, source, default)
@@ -795,7 +830,7 @@ def config_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
     eos, bos = md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.bos_token_id")
     big = layers == (46 if arch == "gemma2" else 62)  # the 27B models
     d = {
-        "model_type": "gemma3_text" if arch == "gemma3" else "gemma2", "hidden_size": hidden, "num_hidden_layers": layers,
+        "model_type": {"gemma3": "gemma3_text"}.get(arch, arch), "hidden_size": hidden, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": int(val("attention.head_count_kv", heads)),
         "head_dim": head_dim, "intermediate_size": int(val("feed_forward_length")),
         "rms_norm_eps": float(val("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -809,6 +844,8 @@ def config_from_gguf(md: dict[str, Any], source: str) -> GemmaConfig:
     }
     if arch == "gemma3":
         d.update(sliding_window_pattern=6, rope_local_base_freq=10_000.0, rope_scaling=scaling)
+    elif arch == "gemma":  # (Gemma 1: every layer global, no soft-capping)
+        d["rope_scaling"] = scaling
     else:
         if scaling:
             raise ConfigError(f"{source}: gemma2.rope.scaling.type is not supported")
@@ -963,8 +1000,8 @@ def checkpoint_layout(c: GemmaConfig) -> dict[str, TensorSpec]:
         out[p + "mlp.gate_proj.weight"] = S(ff, h)
         out[p + "mlp.up_proj.weight"] = S(ff, h)
         out[p + "mlp.down_proj.weight"] = S(h, ff)
-        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm"):
+        for n in (("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                   "post_feedforward_layernorm") if c.sandwich_norms else ("input_layernorm", "post_attention_layernorm")):
             out[p + n + ".weight"] = N(h)
         if c.hidden_size_per_layer_input:
             hpl = c.hidden_size_per_layer_input
@@ -995,6 +1032,8 @@ def checkpoint_layout(c: GemmaConfig) -> dict[str, TensorSpec]:
 
 
 _TINY = {
+    "gemma": {"architectures": ["GemmaForCausalLM"], "num_hidden_layers": 2, "head_dim": 32, "rms_norm_eps": 1e-6,
+              "hidden_act": "gelu", "hidden_activation": None},  # (as released: "gelu" meaning the tanh one)
     "gemma3_text": {
         "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 4, "head_dim": 16,
         "query_pre_attn_scalar": 16, "sliding_window": 16, "sliding_window_pattern": 3,
@@ -1109,11 +1148,12 @@ def tensor_split(p: GemmaParams, rank: int, size: int) -> GemmaParams:
 
 
 FAMILY = Family(
-    name="gemma", model_types=("gemma2", "gemma3_text", "gemma4_text"), config_type=GemmaConfig,
+    name="gemma", model_types=("gemma", "gemma2", "gemma3_text", "gemma4_text"), config_type=GemmaConfig,
     params_type=GemmaParams, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
     checkpoint_layout=checkpoint_layout, wrappers=MULTIMODAL_WRAPPERS,
-    gguf_architectures=("gemma2", "gemma3", "gemma4"), config_from_gguf=config_from_gguf, assemble_gguf=assemble_gguf,
+    gguf_architectures=("gemma", "gemma2", "gemma3", "gemma4"), config_from_gguf=config_from_gguf,
+    assemble_gguf=assemble_gguf,
     tensor_split=tensor_split, layer_range=layer_range, tiny_config=lambda model_type, overrides: {
         "model_type": model_type, "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384,

@@ -32,6 +32,12 @@ ALIASES: dict[str, dict[str, str]] = {
     "deepseek_v3": {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
     "glm4_moe": {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
     "nemotron_h": {"num_local_experts": "n_routed_experts"},
+    # EXAONE 3's published configs use its remote code's names; Hugging Face's ExaoneConfig
+    # maps them (and transformers 5 saves the Llama names)
+    "exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
+               "activation_function": "hidden_act"},
+    # InternLM3's remote-code names (InternLM3Config's attribute_map)
+    "internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"},
 }
 
 #: transformers 5's names of layer kinds -> the names before it (what granitemoehybrid's
@@ -66,6 +72,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                 "sliding_window_pattern": 4},
     "glm4": {"max_position_embeddings": 131072, "num_key_value_heads": 2, "rms_norm_eps": 1.5625e-07,
              "attention_bias": True},
+    "gemma": {"max_position_embeddings": 8192, "num_key_value_heads": 16},
     "gemma2": {"max_position_embeddings": 8192, "num_key_value_heads": 4, "query_pre_attn_scalar": 256},
     "gemma3_text": {"num_key_value_heads": 4, "sliding_window": 4096},
     "gemma4_text": {"num_key_value_heads": 4, "final_logit_softcapping": None, "num_kv_shared_layers": 0,
@@ -77,6 +84,13 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "lfm2": {"num_key_value_heads": 8},
     "lfm2_moe": {"num_key_value_heads": 8},
     "cohere": {"rope_theta": 500_000.0},
+    "ernie4_5": {"head_dim": 128, "max_position_embeddings": 131072, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+                 "rope_theta": 500_000.0},
+    "exaone": {"num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0},
+    "helium": {"rms_norm_eps": 1e-8, "rope_theta": 100_000.0},
+    # (InternLM3 runs as Llama, whose head_dim is the config's: the class's 128 when unsaid)
+    "internlm3": {"head_dim": 128, "max_position_embeddings": 32768, "num_key_value_heads": 2, "rms_norm_eps": 1e-5},
+    "seed_oss": {"attention_bias": True, "head_dim": 128, "max_position_embeddings": 524288, "num_key_value_heads": 8},
     "falcon_h1": {"max_position_embeddings": 8192, "num_key_value_heads": 8, "rope_theta": 10_000.0},
     "granitemoehybrid": {"max_position_embeddings": 2048, "num_local_experts": 8, "num_experts_per_tok": 2,
                          "shared_intermediate_size": 1024, "time_step_limit": [0.0, math.inf]},

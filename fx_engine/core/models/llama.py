@@ -28,7 +28,7 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, dense_layout
 from fx_engine.core.checkpoint import (Embedding, Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec,
-                                       read_tensors)
+                                       read_tensors, renamed)
 from fx_engine.core.config import (BOOL, FLOAT, INT, MAYBE_BOOL, POSITIVE_FLOAT, BaseConfig, ConfigError, Field, Same,
                                    check_rope_scaling, gguf_hf_config, gguf_value, positive_int, read_fields, token_ids)
 from fx_engine.core.models.blocks import (GATE_UP, HF_LAYER, QKV, apply_partial_rope, attention_sizes, decoder_layer,
@@ -133,15 +133,46 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
         extra["no_rope_layers"] = _nope_layers(d, layers, source)
     if model_type == "granite":
         extra.update(read_fields(d, _GRANITE_FIELDS, source))
-    attention_bias = bool(d.get("attention_bias", False))
-    qwen2 = model_type in ("qwen2", "mimo")  # MiMo's trunk is Qwen2's (q/k/v biases, none on o_proj)
+    qkv_bias, o_bias = _attention_biases(d, model_type)
+    if model_type == "ernie4_5":  # one switch for every projection's bias
+        f["mlp_bias"] = bool(d.get("use_bias", False))
+    if model_type in INTERLEAVED_ROPE:
+        f["rope_traditional"] = True
     bos, eos_ids = token_ids(d)
     return LlamaConfig(
         model_type=model_type, **f, head_dim=head_dim,
         rope_theta=theta, rope_scaling=check_rope_scaling(scaling, source),
-        qkv_bias=qwen2 or attention_bias, o_bias=attention_bias and not qwen2,
+        qkv_bias=qkv_bias, o_bias=o_bias,
         qk_norm=model_type == "qwen3", bos_token_id=bos, eos_token_ids=eos_ids, **extra,
     )
+
+
+#: llama.cpp architectures of Llama-shaped model types written under their own names (its
+#: converter permutes nothing for them; ERNIE 4.5 rotates interleaved pairs, llama.cpp's
+#: LLAMA_ROPE_TYPE_NORM, the others half-split ones)
+OWN_GGUF_ARCHS = ("ernie4_5", "exaone", "seed_oss")
+
+#: model types whose Hugging Face attention rotates interleaved pairs (its rotate_half takes
+#: x[..., 0::2] and x[..., 1::2]): mlx-lm's traditional RoPE, whatever the config says
+INTERLEAVED_ROPE = ("ernie4_5", "helium")
+
+
+def _attention_biases(d: dict[str, Any], model_type: str) -> tuple[bool, bool]:
+    """(q/k/v biases, o_proj bias) as each model class reads its config: Llama's (and
+    InternLM3's, EXAONE 3's: Hugging Face runs them as Llama) attention_bias puts both;
+    Qwen2's and MiMo's q/k/v always have one, o_proj never; ERNIE 4.5's use_bias is every
+    projection's; Helium's attention_bias is q/k/v's alone; Seed-OSS's o_proj has its own
+    switch, attention_out_bias."""
+    bias = bool(d.get("attention_bias", False))
+    if model_type in ("qwen2", "mimo"):
+        return True, False
+    if model_type == "ernie4_5":
+        return bool(d.get("use_bias", False)), bool(d.get("use_bias", False))
+    if model_type == "helium":
+        return bias, False
+    if model_type == "seed_oss":
+        return bias, bool(d.get("attention_out_bias", False))
+    return bias, bias
 
 
 def _rope_settings(d: dict[str, Any], model_type: str) -> tuple[float, dict[str, Any] | None]:
@@ -264,7 +295,7 @@ def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = No
     if arch == "mistral3":
         return _ministral3_from_gguf(md, source)
     attention = attention or {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "granite": "llama",
-                              "smollm3": "llama", "qwen2vl": "qwen2", "qwen3vl": "qwen3"}[arch]
+                              "smollm3": "llama", "qwen2vl": "qwen2", "qwen3vl": "qwen3"}.get(arch, arch)
     extra: dict[str, Any] = {}
     if arch == "granite":  # llama.cpp's granite keys for the four multipliers
         extra = {f: float(gguf_value(md, arch, key, source)) for f, key in (
@@ -296,6 +327,8 @@ def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = No
         raise ConfigError(f"{source}: partial rotary embeddings (rope.dimension_count) unsupported")
     if arch in ("qwen2vl", "qwen3vl", "qwen3vlmoe"):  # Qwen-VL text models: M-RoPE (Qwen3-VL's interleaved)
         extra = _mrope_from_gguf(md, arch, head_dim, source)
+    if arch in OWN_GGUF_ARCHS:  # (their biases: as the file's tensors say, `assemble_gguf`)
+        extra["rope_traditional"] = arch in INTERLEAVED_ROPE
     return LlamaConfig(
         model_type=arch if arch in ("granite", "smollm3") else attention,
         **extra,
@@ -537,9 +570,29 @@ GGUF_NAMES = {
 }
 
 
+# EXAONE 3's own names (its remote code's, which mlx-lm keeps) -> Llama's: Hugging Face's
+# WeightRenaming rules for model_type exaone (transformers 5's conversion_mapping.py), which
+# runs it as LlamaForCausalLM
+EXAONE_TO_HF = (
+    (r"^transformer\.wte\.", "model.embed_tokens."), (r"^transformer\.h\.", "model.layers."),
+    (r"^transformer\.ln_f\.", "model.norm."), (r"\.attn\.attention\.", ".self_attn."),
+    (r"\.self_attn\.out_proj\.", ".self_attn.o_proj."), (r"\.ln_1\.", ".input_layernorm."),
+    (r"\.ln_2\.", ".post_attention_layernorm."), (r"\.mlp\.c_fc_0\.", ".mlp.gate_proj."),
+    (r"\.mlp\.c_fc_1\.", ".mlp.up_proj."), (r"\.mlp\.c_proj\.", ".mlp.down_proj."),
+)
+# the other way, for the test checkpoints (`checkpoint_layout`)
+_HF_TO_EXAONE = (
+    (r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.layers\.", "transformer.h."),
+    (r"^model\.norm\.", "transformer.ln_f."), (r"\.self_attn\.o_proj\.", ".attn.attention.out_proj."),
+    (r"\.self_attn\.", ".attn.attention."), (r"\.input_layernorm\.", ".ln_1."),
+    (r"\.post_attention_layernorm\.", ".ln_2."), (r"\.mlp\.gate_proj\.", ".mlp.c_fc_0."),
+    (r"\.mlp\.up_proj\.", ".mlp.c_fc_1."), (r"\.mlp\.down_proj\.", ".mlp.c_proj."),
+)
+
+
 def assemble(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Params:
-    """Params from Hugging Face / mlx-community tensor names."""
-    return _assemble(cfg, src, opts)
+    """Params from Hugging Face / mlx-community tensor names (EXAONE 3's own renamed)."""
+    return _assemble(cfg, renamed(src, EXAONE_TO_HF) if cfg.model_type == "exaone" else src, opts)
 
 
 def assemble_gguf(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Params:
@@ -547,6 +600,11 @@ def assemble_gguf(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Par
     rows were permuted for interleaved RoPE, and Llama-3 rope scaling is stored as
     per-frequency factors (rope_freqs.weight)."""
     fixed = unpermuted_qk(cfg, src) if cfg.model_type in ("llama", "granite", "smollm3", "ministral3") else src
+    if cfg.model_type in OWN_GGUF_ARCHS:  # each projection's bias where the converter wrote one
+        cfg = attrs.evolve(cfg, qkv_bias=src.has("blk.0.attn_q.bias"), o_bias=src.has("blk.0.attn_output.bias"),
+                           mlp_bias=src.has("blk.0.ffn_up.bias"))
+    if cfg.model_type == "seed_oss":  # (llama.cpp names its pre-MLP norm attn_post_norm)
+        fixed = renamed(fixed, ((r"\.post_attention_norm\.", ".ffn_norm."),))
     params = _assemble(cfg, fixed, opts, GGUF_NAMES)
     if fixed.has("rope_freqs.weight"):
         # the rotation period of pair i is base^(2i/d) * factor_i
@@ -637,7 +695,17 @@ def checkpoint_layout(cfg: LlamaConfig, fused: bool = False) -> dict[str, Tensor
     out["model.norm.weight"] = TensorSpec((h,), center=1.0)
     if cfg.tie_word_embeddings is False:
         out["lm_head.weight"] = TensorSpec((v, h), scale=0.2)
+    if cfg.model_type == "exaone":  # published under EXAONE's own names
+        return {_renamed_one(name, _HF_TO_EXAONE): spec for name, spec in out.items()}
     return out
+
+
+def _renamed_one(name: str, rules: tuple[tuple[str, str], ...]) -> str:
+    import re
+
+    for pattern, repl in rules:
+        name = re.sub(pattern, repl, name)
+    return name
 
 
 def layer_range(p: Params, start: int, end: int) -> Params:
@@ -665,6 +733,13 @@ def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
             "original_max_position_embeddings": 24, "llama_4_scaling_beta": 0.1})
         cfg.setdefault("head_dim", 16)
+    if model_type in _TINY_OWN:
+        cfg.update(_TINY_OWN[model_type])
+        cfg.update(overrides)
+    if model_type == "exaone":  # EXAONE 3's config.json names (its class's attribute_map)
+        for hf, own in (("num_hidden_layers", "num_layers"), ("rms_norm_eps", "layer_norm_epsilon")):
+            cfg[own] = cfg.pop(hf)
+        cfg["activation_function"] = "silu"
     if model_type == "granite":  # Granite 3's constants, scaled to the tiny width
         for k, v in (("embedding_multiplier", 12.0), ("attention_multiplier", 0.0625),
                      ("residual_multiplier", 0.22), ("logits_scaling", 8.0),
@@ -686,10 +761,23 @@ _TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_l
          "max_position_embeddings": 2048, "tie_word_embeddings": True, "bos_token_id": 1,
          "eos_token_id": 2}
 
+# each model type's own fields in its tiny test config (as its published configs state them)
+_TINY_OWN = {
+    "ernie4_5": {"architectures": ["Ernie4_5ForCausalLM"], "use_bias": False, "head_dim": 32},  # (0.3B: 2 x the width)
+    "helium": {"architectures": ["HeliumForCausalLM"], "attention_bias": False, "mlp_bias": False, "head_dim": 16,
+               "rms_norm_eps": 1e-8, "tie_word_embeddings": False},
+    "seed_oss": {"architectures": ["SeedOssForCausalLM"], "attention_bias": True, "attention_out_bias": False,
+                 "mlp_bias": False, "head_dim": 16, "tie_word_embeddings": False},
+    "internlm3": {"architectures": ["InternLM3ForCausalLM"], "qkv_bias": False, "bias": False, "head_dim": 16,
+                  "tie_word_embeddings": False},
+    "exaone": {"architectures": ["ExaoneForCausalLM"], "rope_theta": 500000.0, "tie_word_embeddings": True},
+}
+
 FAMILY = Family(
     packs_rows=True,  # row-wise layers around blocks.self_attention (core/packing.py)
     name="llama", model_types=("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm2", "smollm3",
-                               "granite", "ministral3", "mimo"),
+                               "granite", "ministral3", "mimo", "ernie4_5", "helium", "seed_oss", "internlm3",
+                               "exaone"),
     wrappers={"mistral3": ("ministral3", {"vocab_size": 131072, "tie_word_embeddings": False}),
               # Idefics3 / SmolVLM(2): a Llama text model (images: core/vision/idefics3.py)
               "idefics3": ("llama", {}), "smolvlm": ("llama", {}),
@@ -701,7 +789,8 @@ FAMILY = Family(
     config_type=LlamaConfig, params_type=Params, config_from_hf=config_from_hf,
     assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    gguf_architectures=("llama", "qwen2", "qwen3", "granite", "smollm3", "mistral3", "qwen2vl", "qwen3vl"), config_from_gguf=config_from_gguf,
+    gguf_architectures=("llama", "qwen2", "qwen3", "granite", "smollm3", "mistral3", "qwen2vl", "qwen3vl",
+                        *OWN_GGUF_ARCHS), config_from_gguf=config_from_gguf,
     gguf_accepts=lambda md: not md.get(f"{md.get('general.architecture')}.expert_count"),
     assemble_gguf=assemble_gguf, tensor_split=shard_decoder, layer_range=layer_range,
     tiny_config=tiny_config,
