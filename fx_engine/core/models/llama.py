@@ -1,5 +1,6 @@
 """The Llama family, everything about it in one module: llama (2/3, rope scaling linear/llama3), mistral,
-qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), SmolLM2, MiMo (a Qwen2 trunk); tied or untied embeddings.
+qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), SmolLM2, MiMo (a Qwen2 trunk), ERNIE 4.5 and Helium (interleaved
+RoPE), Seed-OSS, InternLM3, EXAONE 3 (Llama under its own tensor names); tied or untied embeddings.
 Its config (from config.json and GGUF metadata), its checkpoint names (Hugging Face / mlx-community and
 llama.cpp's, with the converter's q/k permutation undone), its cache layout, its pure
 forward and output head; the decoder is shared with families of the same shape (phi3).
