@@ -331,6 +331,16 @@ def test_gemma1_from_gguf_matches_the_folder(tmp_path, tiny_folder):
     _compare(fx_engine.logits(model, ids, chunk=32), fx_engine.logits(ref, ids, chunk=32))
 
 
+def test_gemma1_gguf_matches_llama_cpp(tmp_path, tiny_folder):
+    """The same file through llama.cpp itself (where llama-cpp-python is installed): its
+    Gemma graph (tanh GELU, pre-norms, scaled embeddings) gives fx-engine's logits."""
+    pytest.importorskip("gguf")
+    from tests.gguf_tokenizer import assert_llama_cpp_logits
+
+    _gemma_gguf(tiny_folder("gemma"), tmp_path / "m.gguf", arch="gemma")
+    assert_llama_cpp_logits(tmp_path / "m.gguf", tmp_path)
+
+
 def test_gemma2_sliding_layers_in_the_engine(tiny_folder):
     """Gemma 2 with a window shorter than the context (even layers sliding, as Hugging Face
     and llama.cpp run it): batched rows equal each request alone through the plain loop,
