@@ -241,7 +241,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GemmaConfi
         act = "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ConfigError(f"{source}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
-    if model_type not in ("gemma2",):
+    if model_type != "gemma2":
         refuse(d, source, "attn_logit_softcapping", lambda v: False, "mlx-lm does not apply it")
     # "vision": image tokens attend bidirectionally (multimodal); text-only runs are causal
     refuse(d, source, "use_bidirectional_attention", lambda v: v in (False, "vision"),

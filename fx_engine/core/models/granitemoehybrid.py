@@ -1,7 +1,9 @@
 """Granite 4.0 hybrid (`granitemoehybrid`): Mamba-2 mixers and attention layers (`layer_types`),
 each followed by routed SwiGLU experts plus a shared MLP (or one dense MLP), with Granite's
 embedding / attention / residual / logits multipliers; following mlx-lm 0.32's
-granitemoehybrid.py (the parity oracle) where it agrees with the model's reference.
+granitemoehybrid.py (the parity oracle) where it agrees with the model's reference. Granite
+3.x MoE (`granitemoe`) is the case without mixers and shared MLP: every layer attention with
+RoPE, routed experts alone (mlx-lm's granitemoe.py, Hugging Face's GraniteMoe).
 
 The mixers' gated norm runs per B/C group, as Hugging Face's GraniteMoeHybrid and Bamba
 (transformers 5's GraniteMoeHybridRMSNormGated, group_size = intermediate / n_groups) and
@@ -63,6 +65,13 @@ _MAMBA_FIELDS = tuple(Field(k, POSITIVE, None) for k in ("mamba_n_heads", "mamba
 
 
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GraniteHybridConfig:
+    mt = d.get("model_type", "granitemoehybrid")
+    if mt == "granitemoe":  # every layer attention with RoPE, routed experts, no shared MLP
+        layers = d.get("num_hidden_layers")
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers <= 0:
+            raise ConfigError(f"{source}: field 'num_hidden_layers' must be a positive integer, got {layers!r}")
+        d = {**d, "layer_types": ["attention"] * layers, "position_embedding_type": "rope",
+             "shared_intermediate_size": 0}
     types = d.get("layer_types")
     if not isinstance(types, list) or not types or set(types) - {"mamba", "attention"}:
         raise ConfigError(f"{source}: layer_types must list 'mamba' / 'attention' per layer")
@@ -82,7 +91,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> GraniteHyb
                         norm_groups=m["mamba_n_groups"])
     inter = f["intermediate_size"]
     return GraniteHybridConfig(
-        model_type="granitemoehybrid", vocab_size=f["vocab_size"], hidden_size=hidden, num_layers=len(types),
+        model_type=mt, vocab_size=f["vocab_size"], hidden_size=hidden, num_layers=len(types),
         num_heads=heads, num_kv_heads=f["num_key_value_heads"], head_dim=hidden // heads, intermediate_size=inter,
         rms_norm_eps=eps,
         rope_theta=float(theta), max_position_embeddings=f["max_position_embeddings"],
@@ -321,6 +330,14 @@ def checkpoint_layout(cfg: GraniteHybridConfig) -> dict[str, TensorSpec]:
 
 
 def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    if model_type == "granitemoe":  # (Granite 3.x MoE's own fields: no layer kinds, mixers or shared MLP)
+        return {"model_type": "granitemoe", "architectures": ["GraniteMoeForCausalLM"], "vocab_size": 384,
+                "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "max_position_embeddings": 2048,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "attention_bias": False,
+                "embedding_multiplier": 12.0, "attention_multiplier": 0.125, "logits_scaling": 4.0,
+                "residual_multiplier": 0.25, "rms_norm_eps": 1e-6, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "tie_word_embeddings": True, "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2,
+                **overrides}
     return {"model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 384,
             "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4, "max_position_embeddings": 2048,
             "num_attention_heads": 4, "num_key_value_heads": 2, "attention_bias": False,
@@ -359,7 +376,7 @@ def tensor_split(p: GraniteHybridParams, rank: int, size: int) -> GraniteHybridP
 
 
 FAMILY = Family(
-    name="granitemoehybrid", model_types=("granitemoehybrid",), config_type=GraniteHybridConfig,
+    name="granitemoehybrid", model_types=("granitemoehybrid", "granitemoe"), config_type=GraniteHybridConfig,
     params_type=GraniteHybridParams, config_from_hf=config_from_hf, assemble=assemble, cache_specs=cache_specs,
     forward=forward, hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
     tensor_split=tensor_split, layer_range=layer_range, tiny_config=tiny_config,

@@ -92,6 +92,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "internlm3": {"head_dim": 128, "max_position_embeddings": 32768, "num_key_value_heads": 2, "rms_norm_eps": 1e-5},
     "seed_oss": {"attention_bias": True, "head_dim": 128, "max_position_embeddings": 524288, "num_key_value_heads": 8},
     "falcon_h1": {"max_position_embeddings": 8192, "num_key_value_heads": 8, "rope_theta": 10_000.0},
+    "granitemoe": {"max_position_embeddings": 2048, "num_local_experts": 8, "num_experts_per_tok": 2},
     "granitemoehybrid": {"max_position_embeddings": 2048, "num_local_experts": 8, "num_experts_per_tok": 2,
                          "shared_intermediate_size": 1024, "time_step_limit": [0.0, math.inf]},
     "glm4_moe": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
