@@ -669,15 +669,20 @@ GGUF_COMMON_NAMES: tuple[tuple[str, str], ...] = (
 )
 
 
-def renamed(src: TensorSource, rules: tuple[tuple[str, str], ...]) -> TensorSource:
-    """The tensors under new names: each name through every (pattern, replacement) rule in
-    order (GGUF -> Hugging Face names; the GGUF name is kept in the origin for errors)."""
+def renamed_name(name: str, rules: tuple[tuple[str, str], ...]) -> str:
+    """`name` through every (pattern, replacement) rule in order."""
     import re
 
+    for pattern, repl in rules:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def renamed(src: TensorSource, rules: tuple[tuple[str, str], ...]) -> TensorSource:
+    """The tensors under new names (`renamed_name`: GGUF -> Hugging Face names; the GGUF
+    name is kept in the origin for errors)."""
     out = TensorSource()
     for name, t in src.tensors.items():
-        new = name
-        for pattern, repl in rules:
-            new = re.sub(pattern, repl, new)
+        new = renamed_name(name, rules)
         out.tensors[new], out.origin[new] = t, f"{src.origin[name]} ({name})"
     return out

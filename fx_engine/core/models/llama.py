@@ -29,7 +29,7 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, dense_layout
 from fx_engine.core.checkpoint import (Embedding, Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec,
-                                       read_tensors, renamed)
+                                       read_tensors, renamed, renamed_name)
 from fx_engine.core.config import (BOOL, FLOAT, INT, MAYBE_BOOL, POSITIVE_FLOAT, BaseConfig, ConfigError, Field, Same,
                                    check_rope_scaling, gguf_hf_config, gguf_value, positive_int, read_fields, token_ids)
 from fx_engine.core.models.blocks import (GATE_UP, HF_LAYER, QKV, apply_partial_rope, attention_sizes, decoder_layer,
@@ -697,16 +697,8 @@ def checkpoint_layout(cfg: LlamaConfig, fused: bool = False) -> dict[str, Tensor
     if cfg.tie_word_embeddings is False:
         out["lm_head.weight"] = TensorSpec((v, h), scale=0.2)
     if cfg.model_type == "exaone":  # published under EXAONE's own names
-        return {_renamed_one(name, _HF_TO_EXAONE): spec for name, spec in out.items()}
+        return {renamed_name(name, _HF_TO_EXAONE): spec for name, spec in out.items()}
     return out
-
-
-def _renamed_one(name: str, rules: tuple[tuple[str, str], ...]) -> str:
-    import re
-
-    for pattern, repl in rules:
-        name = re.sub(pattern, repl, name)
-    return name
 
 
 def layer_range(p: Params, start: int, end: int) -> Params:
