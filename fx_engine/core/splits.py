@@ -129,7 +129,8 @@ def split_vocab(lin: Linear, rank: int, size: int) -> Linear:
         else:
             part = attrs.evolve(part, weight=padded(part.weight, 1 if part.transposed else 0),
                                 bias=padded(part.bias))
-    return attrs.evolve(part, shard=Shard("vocab", first=start, width=total))
+    # (a bias is added after the ranks' rows are gathered: the whole one, not this rank's rows)
+    return attrs.evolve(part, bias=lin.bias, shard=Shard("vocab", first=start, width=total))
 
 
 

@@ -96,6 +96,9 @@ FAMILY_CASES += [(k, "tp") for k in ("gemma4_text", "gemma4_text-keqv", "gemma4_
 # DeepSeek's latent attention (heads split, the latent cache replicated) with routed and
 # shared experts, GPT-OSS's attention sinks and biased experts
 FAMILY_CASES += [(k, "tp") for k in ("olmo2", "olmoe", "cohere2", "cohere-qknorm", "deepseek_v3", "gpt_oss")]
+# the GPT-NeoX-style blocks: Phi's parallel block with biases on every projection and the
+# head, StableLM 2 12B's parallel block with per-head q/k LayerNorms, GPT-NeoX's two norms
+FAMILY_CASES += [("phi", "tp"), ("stablelm-qknorm", "tp"), ("gpt_neox", "tp"), ("gpt_neox", "pp")]
 
 
 def _tiny(tmp_path: Path, kind: str) -> Path:
@@ -106,6 +109,8 @@ def _tiny(tmp_path: Path, kind: str) -> Path:
     extra: dict = {} if own_heads else {"num_key_value_heads": 2}
     if kind == "cohere-qknorm":
         extra.update(use_qk_norm=True)
+    if kind == "stablelm-qknorm":
+        extra.update(qk_layernorm=True, use_parallel_residual=True)
     if kind == "gemma4_text-keqv":
         extra.update(attention_k_eq_v=True, num_global_key_value_heads=2, num_key_value_heads=4,
                      num_attention_heads=8)

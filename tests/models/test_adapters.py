@@ -375,10 +375,12 @@ def test_every_adaptable_linear_of_every_family_applies_its_rows_adapter(model_t
         assert mx.abs(got[1] - base[1]).max().item() > 1e-4, f"{name}: the adapter had no effect"
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "phi3", "qwen2", "starcoder2", "olmo2"])
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "phi3", "qwen2", "starcoder2", "olmo2", "phi",
+                                        "stablelm"])
 def test_other_families_match_mlx_lm_with_its_default_keys(tmp_path, model_type, tiny_folder):
     """mlx-lm's default targets (every linear of the last num_layers layers, whatever the
-    family names them: phi3's fused qkv_proj / gate_up_proj, starcoder2's c_fc / c_proj)."""
+    family names them: phi3's fused qkv_proj / gate_up_proj, starcoder2's c_fc / c_proj,
+    phi's dense / fc1 / fc2)."""
     path = tiny_folder(model_type)
     ad = write_mlx_lm_adapter(path, tmp_path / "ad", rank=4, scale=2.0, num_layers=2, seed=3, init_scale=0.1)
     model = fx_engine.load(path)

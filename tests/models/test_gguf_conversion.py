@@ -28,28 +28,32 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def convert(folder: Path, out: Path, arch: str, metadata: dict, permute: bool, q8_mlp: bool = True) -> Path:
+def convert(folder: Path, out: Path, arch: str, metadata: dict, permute: bool, q8_mlp: bool = True,
+            prepare=None) -> Path:
     """Write `folder` as a GGUF of `arch`; returns an HF folder with the weights the file
-    holds (Q8_0 ones dequantized by the package's reference), for the mlx-lm oracle."""
+    holds (Q8_0 ones dequantized by the package's reference), for the mlx-lm oracle.
+    prepare(weights, config) -> the tensors as the converter's modify_tensors writes them
+    (Hugging Face names; the oracle keeps the folder's own)."""
     import json
 
     from gguf.quants import dequantize, quantize
 
     cfg = json.loads((folder / "config.json").read_text())
-    n_layers, heads, kv = cfg.get("num_hidden_layers", cfg.get("num_layers")), cfg["num_attention_heads"], \
-        cfg["num_key_value_heads"]
+    n_layers, heads = cfg.get("num_hidden_layers", cfg.get("num_layers")), cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads)
     kind = getattr(gguf.MODEL_ARCH, arch.upper().replace("-", "_"))
     names = gguf.get_tensor_name_map(kind, n_layers)
     arch = gguf.MODEL_ARCH_NAMES[kind]  # (the name llama.cpp writes: command-r, ernie4_5, seed_oss)
     w = gguf.GGUFWriter(str(out), arch)
     for key, value in metadata.items():
         add = (w.add_array if isinstance(value, list) else w.add_string if isinstance(value, str)
+               else w.add_bool if isinstance(value, bool)
                else w.add_float32 if isinstance(value, float) else w.add_uint32)
         add(f"{arch}.{key}", value)
     add_tokenizer(w, folder, cfg["eos_token_id"])
     weights = {k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(folder / "model.safetensors")).items()}
-    oracle = {}
-    for name, x in sorted(weights.items()):
+    oracle = dict(weights)
+    for name, x in sorted((prepare(weights, cfg) if prepare else weights).items()):
         stored = x
         if permute and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             stored = _permute(x, heads if "q_proj" in name else kv)
@@ -62,9 +66,56 @@ def convert(folder: Path, out: Path, arch: str, metadata: dict, permute: bool, q
             oracle[name] = deq
         else:
             w.add_tensor(target, stored)
-            oracle[name] = x
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return write_oracle(folder, out.parent / "oracle", oracle)
+
+
+def _neox_qkv(weights: dict, cfg: dict) -> dict:
+    """llama.cpp's GPTNeoXModel.modify_tensors: query_key_value's rows per head [q_h; k_h;
+    v_h] written as q | k | v."""
+    heads = cfg["num_attention_heads"]
+    return {n: (x.reshape(heads, 3, -1, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+                if ".attention.query_key_value." in n else x) for n, x in weights.items()}
+
+
+def _stablelm_norms(weights: dict, cfg: dict) -> dict:
+    """llama.cpp's StableLMModel.modify_tensors: each layer's per-head q / k LayerNorm
+    weights stacked into one [heads, head_dim] tensor."""
+    import re
+
+    out, stacks = {}, {}
+    for n, x in weights.items():
+        m = re.match(r"(.*_layernorm)\.norms\.(\d+)\.weight$", n)
+        if m:
+            stacks.setdefault(m.group(1) + ".weight", {})[int(m.group(2))] = x
+        else:
+            out[n] = x
+    return {**out, **{n: np.stack([h[i] for i in range(len(h))]) for n, h in stacks.items()}}
+
+
+#: the GPT-NeoX-style architectures' keys beyond `_common` (llama.cpp's Phi2Model,
+#: StableLMModel, GPTNeoXModel set_gguf_parameters)
+def _neox_keys(model_type: str, cfg: dict, md: dict) -> dict:
+    hd = cfg["hidden_size"] // cfg["num_attention_heads"]
+    frac = cfg.get("partial_rotary_factor", cfg.get("rotary_pct"))
+    md["attention.layer_norm_epsilon"] = md.pop("attention.layer_norm_rms_epsilon")
+    md["rope.dimension_count"] = int(frac * hd)
+    if model_type != "phi":
+        md["use_parallel_residual"] = bool(cfg["use_parallel_residual"])
+    if model_type == "gpt_neox":
+        del md["attention.head_count_kv"], md["rope.freq_base"]
+    return md
+
+
+def _neox_cfg(cfg: dict) -> dict:
+    """The tiny config with `_common`'s keys where GPT-NeoX's own names hold them."""
+    return {**cfg, "rms_norm_eps": cfg["layer_norm_eps"],
+            "num_key_value_heads": cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+            "rope_theta": cfg.get("rope_theta", cfg.get("rotary_emb_base"))}
+
+
+_NEOX_PREPARE = {"gpt_neox": _neox_qkv, "stablelm": _stablelm_norms}
+_NEOX_FAMILY = ("phi", "stablelm", "gpt_neox")
 
 
 def _common(cfg: dict) -> dict:
@@ -105,6 +156,15 @@ def _common(cfg: dict) -> dict:
     ("exaone", "exaone", False, {}),
     ("exaone", "exaone", False, {"tie_word_embeddings": False}),
     ("seed_oss", "seed_oss", False, {}),
+    # the GPT-NeoX-style blocks (LayerNorms, partial rotary, parallel blocks): Phi 2 with its
+    # head's bias; StableLM 2 1.6B (sequential, q/k/v biases) and 12B (parallel, per-head
+    # q/k LayerNorms stacked as llama.cpp's converter does); Pythia (query_key_value's rows
+    # reordered by the converter; its exact GELU)
+    ("phi", "phi2", False, {}),
+    ("stablelm", "stablelm", False, {}),
+    ("stablelm", "stablelm", False, {"qk_layernorm": True, "use_parallel_residual": True, "use_qkv_bias": False}),
+    ("gpt_neox", "gptneox", False, {"hidden_act": "gelu"}),
+    ("gpt_neox", "gptneox", False, {"hidden_act": "gelu", "use_parallel_residual": False}),
 ])
 def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrides):
     import json
@@ -121,7 +181,11 @@ def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrid
         cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
     if model_type == "exaone":  # (its config's own names)
         cfg.update(num_hidden_layers=cfg["num_layers"], rms_norm_eps=cfg["layer_norm_epsilon"])
+    if model_type in _NEOX_FAMILY:
+        cfg = _neox_cfg(cfg)
     md = _common(cfg)
+    if model_type in _NEOX_FAMILY:
+        md = _neox_keys(model_type, cfg, md)
     if model_type in ("ernie4_5", "seed_oss"):  # TextModel's head width keys
         md["attention.key_length"] = md["attention.value_length"] = cfg["head_dim"]
     if model_type == "ministral3":  # TextModel's YaRN keys + Ministral3Model's two
@@ -165,12 +229,17 @@ def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrid
                    "attention.scale": float(cfg["attention_multiplier"]),
                    "residual_scale": float(cfg["residual_multiplier"]),
                    "logit_scale": float(cfg["logits_scaling"])})
-    oracle = convert(folder, tmp_path / "m.gguf", arch, md, permute)
+    oracle = convert(folder, tmp_path / "m.gguf", arch, md, permute, prepare=_NEOX_PREPARE.get(model_type))
     model = fx_engine.load(tmp_path / "m.gguf")
     assert model.config.model_type == model_type
     if hasattr(model.params, "lm_head"):
         assert (model.params.lm_head is None) == bool(cfg.get("tie_word_embeddings", True))
     ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    if model_type == "gpt_neox":  # (the file's model with its exact GELU, as Hugging Face's class)
+        want = fx_engine.load(oracle)
+        assert want.config.gelu == model.config.gelu == "erf"
+        _compare(fx_engine.logits(model, ids, chunk=32), fx_engine.logits(want, ids))
+        return
     if model_type == "starcoder2":
         # llama.cpp runs the tanh GELU (as the released configs say); mlx-lm always the erf
         # one: the oracle is the same folder through fx-engine's Hugging Face path (itself
@@ -190,6 +259,9 @@ def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrid
     # the hybrid pattern's NoPE global layers: not compared here)
     ("exaone4", "exaone4", False, {"sliding_window_pattern": None}), ("glm4", "glm4", False, {}),
     ("ernie4_5", "ernie4_5", False, {}), ("exaone", "exaone", False, {}), ("seed_oss", "seed_oss", False, {}),
+    ("phi", "phi2", False, {}), ("stablelm", "stablelm", False, {}),
+    ("stablelm", "stablelm", False, {"qk_layernorm": True, "use_parallel_residual": True}),
+    ("gpt_neox", "gptneox", False, {"hidden_act": "gelu"}),
 ])
 def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, overrides, tiny_folder):
     """The same files (float32 throughout: llama.cpp's Q8_0 products round the activations
@@ -206,7 +278,11 @@ def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, over
     cfg = json.loads((folder / "config.json").read_text())
     cfg.setdefault("rms_norm_eps", cfg.get("norm_epsilon", cfg.get("layer_norm_eps", cfg.get("layer_norm_epsilon"))))
     cfg.setdefault("num_hidden_layers", cfg.get("num_layers"))  # (EXAONE 3's own name)
+    if model_type in _NEOX_FAMILY:
+        cfg = _neox_cfg(cfg)
     md = _common(cfg)
+    if model_type in _NEOX_FAMILY:
+        md = _neox_keys(model_type, cfg, md)
     if model_type in ("starcoder2", "cohere", "cohere2"):
         md["attention.layer_norm_epsilon"] = md.pop("attention.layer_norm_rms_epsilon")
     if model_type.startswith("cohere"):
@@ -222,7 +298,7 @@ def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, over
         md.update({"embedding_scale": float(cfg["embedding_multiplier"]),
                    "attention.scale": float(cfg["attention_multiplier"]),
                    "residual_scale": float(cfg["residual_multiplier"]), "logit_scale": float(cfg["logits_scaling"])})
-    convert(folder, tmp_path / "m.gguf", arch, md, permute, q8_mlp=False)
+    convert(folder, tmp_path / "m.gguf", arch, md, permute, q8_mlp=False, prepare=_NEOX_PREPARE.get(model_type))
     model = fx_engine.load(tmp_path / "m.gguf")
     ids = model.tokenizer.encode(LONG_TEXT)[:48]
     theirs, ours = llama_cpp_logits(tmp_path / "m.gguf", ids, tmp_path / "l.npy"), np.asarray(fx_engine.logits(model, ids))

@@ -166,6 +166,7 @@ NOT_INFERENCE = {
     "chunk_size_feed_forward", "num_logits_to_keep", "pad_token_id", "return_dict",
     "output_hidden_states", "output_attentions", "tie_encoder_decoder", "is_encoder_decoder",
     "is_decoder", "add_cross_attention", "tf_legacy_loss", "use_bfloat16",
+    "classifier_dropout",  # (GPT-NeoX's sequence / token classification heads')
 }
 #: fields a model type's class reads that leave fx-engine's config as it is, each for a reason
 READ_ELSEWHERE = {

@@ -1,7 +1,7 @@
 """Model families and their registry.
 
 One module per family (llama.py, gemma.py, phi3.py, moe.py, postnorm.py, gpt_oss.py,
-deepseek.py, starcoder2.py, cohere.py, and the recurrent / hybrid lfm2.py, mamba2.py,
+deepseek.py, starcoder2.py, cohere.py, neox.py, and the recurrent / hybrid lfm2.py, mamba2.py,
 nemotron_h.py, qwen3_next.py, granitemoehybrid.py, falcon_h1.py) holds everything about it as pure
 functions over frozen pytrees: its config and how it is read from config.json / GGUF
 metadata, how checkpoint tensors become its params, its cache layout, its forward and

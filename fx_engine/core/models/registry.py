@@ -17,13 +17,13 @@ from typing import Any, Union
 from fx_engine.core.cache import LayerSpec, finish_layout
 from fx_engine.core.config import ConfigError
 from fx_engine.core.models import (cohere, deepseek, falcon_h1, gemma, gpt_oss, granitemoehybrid, hf_config, lfm2, llama,
-                                   mamba2, moe, nemotron_h, phi3, postnorm, qwen3_next, starcoder2)
+                                   mamba2, moe, nemotron_h, neox, phi3, postnorm, qwen3_next, starcoder2)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import Capture, CaptureError
 from fx_engine.core.tree import tree_replace
 
 _MODULES = (llama, gemma, phi3, moe, postnorm, gpt_oss, deepseek, starcoder2, cohere, lfm2, mamba2, nemotron_h,
-            qwen3_next, granitemoehybrid, falcon_h1)
+            qwen3_next, granitemoehybrid, falcon_h1, neox)
 FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in _MODULES)
 
 #: family name -> the module that defines it (dotted name)
@@ -50,7 +50,7 @@ AnyParams = Union[
     llama.Params, gemma.GemmaParams, phi3.Phi3Params, moe.MoEParams, postnorm.PostNormParams, gpt_oss.GptOssParams,
     deepseek.DeepseekParams, starcoder2.Starcoder2Params, cohere.CohereParams, lfm2.Lfm2Params, mamba2.Mamba2Params,
     nemotron_h.NemotronHParams, qwen3_next.Qwen3NextParams, granitemoehybrid.GraniteHybridParams,
-    falcon_h1.FalconH1Params,
+    falcon_h1.FalconH1Params, neox.NeoxParams,
 ]
 
 __all__ = [
