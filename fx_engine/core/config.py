@@ -257,23 +257,28 @@ def gguf_hf_config(md: dict[str, Any], arch: str, source: str, model_type: str, 
     return d
 
 
-def gguf_grouped_experts(md: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+def gguf_grouped_experts(md: dict[str, Any], arch: str, source: str, softmax: bool = False) -> dict[str, Any]:
     """DeepSeek-V3-style routed experts from llama.cpp's keys (deepseek2, glm4moe), as
-    config.json fields: sigmoid routing only (expert_gating_func 2)."""
+    config.json fields: sigmoid routing (expert_gating_func 2); with `softmax`, DeepSeek-V2's
+    softmax routing too (1, which a file without the key means, as llama.cpp reads deepseek2),
+    given as its topk_method (group-limited where the file has groups)."""
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, arch, key, source, default)
 
-    if int(val("expert_gating_func", 2)) != 2:
-        raise ConfigError(f"{source}: {arch}.expert_gating_func {val('expert_gating_func')!r}: only "
-                          "sigmoid routing (2) is supported")
+    gating = int(val("expert_gating_func", 1 if softmax else 2))
+    if gating not in ((1, 2) if softmax else (2,)):
+        raise ConfigError(f"{source}: {arch}.expert_gating_func {gating!r}: only "
+                          + ("softmax (1) or sigmoid (2)" if softmax else "sigmoid") + " routing is supported")
+    groups = int(val("expert_group_count", 1) or 1)
+    v2 = {"topk_method": "group_limited_greedy" if groups > 1 else "greedy",
+          "norm_topk_prob": bool(val("expert_weights_norm", False))} if gating == 1 else {}
     return {"n_routed_experts": int(val("expert_count")), "num_experts_per_tok": int(val("expert_used_count")),
             "n_shared_experts": int(val("expert_shared_count", 0)),
             "moe_intermediate_size": int(val("expert_feed_forward_length")),
             "first_k_dense_replace": int(val("leading_dense_block_count", 0)),
             "routed_scaling_factor": float(val("expert_weights_scale", 1.0)),
             "norm_topk_prob": bool(val("expert_weights_norm", True)),
-            "n_group": int(val("expert_group_count", 1) or 1),
-            "topk_group": int(val("expert_group_used_count", 1) or 1)}
+            "n_group": groups, "topk_group": int(val("expert_group_used_count", 1) or 1), **v2}
 
 
 def gguf_yarn(md: dict[str, Any], arch: str, source: str, **extra: Any) -> dict[str, Any] | None:

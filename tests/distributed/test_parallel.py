@@ -79,7 +79,7 @@ FAMILY_CASES = [(k, s) for k in ("llama-q4", "qwen3", "qwen2-untied", "phi3", "s
 # per stage; Gemma 4 hands the embeddings (its per-layer inputs' source) and the K/V of a
 # KV-shared layer's source on an earlier stage with the stream (6 layers: stage 1's shared
 # layers attend over its own layer 3 and stage 0's layer 2)
-OWN_CONFIG = ["cohere2", "deepseek_v3", "gpt_oss", "lfm2", "lfm2_moe", "mamba2", "nemotron_h", "qwen3_next",
+OWN_CONFIG = ["cohere2", "deepseek_v3", "deepseek_v2", "gpt_oss", "lfm2", "lfm2_moe", "mamba2", "nemotron_h", "qwen3_next",
               "qwen3_5_moe_text", "granitemoehybrid", "falcon_h1", "gemma4_text-moe"]
 FAMILY_CASES += [(k, "pp") for k in OWN_CONFIG]
 # and over ranks (Family.tensor_split): Mamba-2 mixers' heads with their B/C groups (2 groups
@@ -99,6 +99,8 @@ FAMILY_CASES += [(k, "tp") for k in ("olmo2", "olmoe", "cohere2", "cohere-qknorm
 # the GPT-NeoX-style blocks: Phi's parallel block with biases on every projection and the
 # head, StableLM 2 12B's parallel block with per-head q/k LayerNorms, GPT-NeoX's two norms
 FAMILY_CASES += [("phi", "tp"), ("stablelm-qknorm", "tp"), ("gpt_neox", "tp"), ("gpt_neox", "pp")]
+# DeepSeek-V2-Lite's shape (one q_proj, softmax routing, two shared experts); MiniCPM's scales
+FAMILY_CASES += [("deepseek_v2", "tp"), ("minicpm", "tp")]
 
 
 def _tiny(tmp_path: Path, kind: str) -> Path:

@@ -266,19 +266,57 @@ DEEPSEEK = [
                  "num_experts_per_tok": 3}),
     ("deepseek_v3", {"attention_bias": True, "moe_layer_freq": 2, "n_group": 2, "topk_group": 1,
                      "qk_rope_head_dim": 16, "v_head_dim": 24}),
+    # DeepSeek-V2-Lite's shape (one q_proj, softmax routing over every expert, two shared
+    # experts), and DeepSeek-V2's (q LoRA, group-limited routing: 2 of 4 groups, scaled)
+    ("deepseek_v2", {}),
+    ("deepseek_v2", {"q_lora_rank": 48, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+                     "routed_scaling_factor": 16.0, "num_experts_per_tok": 3}),
 ]
 
 
 @pytest.mark.parametrize("model_type,overrides", DEEPSEEK, ids=lambda x: str(x)[:60])
 def test_deepseek_mla_matches_mlx_lm(model_type, overrides, tiny_folder):
     """Multi-head latent attention in the absorbed form (one token at a time and in chunks),
-    grouped sigmoid routing with the correction bias: mlx-lm's logits."""
+    grouped sigmoid routing with the correction bias (DeepSeek-V2: softmax routing, greedy or
+    group-limited): mlx-lm's logits."""
     path = tiny_folder(model_type, **overrides)
     model = fx_engine.load(path)
     ids = model.tokenizer.encode(LONG_TEXT)[:80]
     want = _mlx_lm(path)(mx.array([ids]))[0]
     for chunk in (1, 8, 40):
         _compare(fx_engine.logits(model, ids, chunk=chunk), want)
+
+
+def test_deepseek_v2_group_limited_routing_is_hugging_faces():
+    """DeepSeek-V2's router against Hugging Face's DeepseekV2TopkRouter written out in numpy:
+    softmax scores, the topk_group groups with the best single score kept, the top-k of
+    those (as a set: both sides leave the order unsorted), the weights the scores x scale."""
+    import numpy as np
+
+    from fx_engine.core.models.deepseek import softmax_route
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(64, 16)).astype(np.float32) * 3
+    for groups, keep, k in ((4, 2, 3), (8, 3, 6), (1, 1, 4)):
+        idx, w = softmax_route(mx.array(logits), k, groups, keep, 2.5)
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        scores = e / e.sum(-1, keepdims=True)
+        best = scores.reshape(64, groups, -1).max(-1)
+        kept = np.argsort(-best, axis=-1)[:, :keep]
+        mask = np.zeros_like(best, dtype=bool)
+        np.put_along_axis(mask, kept, True, axis=-1)
+        masked = np.where(np.repeat(mask, 16 // groups, axis=-1), scores, 0.0)
+        want = np.argsort(-masked, axis=-1)[:, :k]
+        got = np.array(idx)
+        assert all(set(a) == set(b) for a, b in zip(got, want)), (groups, keep, k)
+        np.testing.assert_allclose(np.array(w), np.take_along_axis(scores, got, -1) * 2.5, rtol=1e-6)
+
+
+def test_deepseek_v2_refusals():
+    for overrides, field in (({"norm_topk_prob": True}, "norm_topk_prob"), ({"topk_method": "noaux_tc"}, "topk_method"),
+                             ({"mlp_bias": True}, "mlp_bias")):
+        with pytest.raises(ConfigError, match=field):
+            config_from_hf({**tiny_config("deepseek_v2"), **overrides})
 
 
 def test_deepseek_cache_holds_the_latent_only(tiny_folder):
@@ -322,6 +360,46 @@ def test_deepseek_mlx_community_folder_and_engine(tmp_path, tiny_folder):
         assert [h.result().token_ids for h in draft] == refs
         again = eng.submit(prompts[1], max_tokens=20).result()
         assert again.token_ids == refs[1] and again.usage.cached_tokens >= 16
+
+
+# ------------------------------------------------------------------ minicpm
+
+
+def test_minicpm_tied_head_divides_by_the_width_ratio(tmp_path, tiny_folder):
+    """MiniCPM's head reads the final state divided by hidden_size / dim_model_base whether
+    or not it is tied (its remote code and llama.cpp; mlx-lm's tied branch leaves the
+    division out): a tied folder's logits equal those of the untied folder whose lm_head is
+    a copy of the embedding (that one checked against mlx-lm in test_parity)."""
+    import json
+    import shutil
+
+    untied = tiny_folder("minicpm")
+    tied = tmp_path / "tied"
+    shutil.copytree(untied, tied)
+    w = dict(mx.load(str(tied / "model.safetensors")))
+    w["lm_head.weight"] = w["model.embed_tokens.weight"]
+    mx.save_safetensors(str(untied.parent / "copy.safetensors"), w)
+    copy = tmp_path / "copy"
+    shutil.copytree(untied, copy)
+    shutil.move(str(untied.parent / "copy.safetensors"), copy / "model.safetensors")
+    del w["lm_head.weight"]
+    mx.save_safetensors(str(tied / "model.safetensors"), w)
+    cfg = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    a, b = fx_engine.load(tied), fx_engine.load(copy)
+    assert a.params.lm_head is None and b.params.lm_head is not None
+    ids = a.tokenizer.encode(LONG_TEXT)[:40]
+    _compare(fx_engine.logits(a, ids), fx_engine.logits(b, ids), min_positions=40)
+    assert a.config.logits_scaling == 64 / 16
+
+
+def test_minicpm_refusals():
+    with pytest.raises(ConfigError, match="dim_model_base"):
+        config_from_hf({k: v for k, v in tiny_config("minicpm").items() if k != "dim_model_base"})
+    with pytest.raises(ConfigError, match="longrope"):
+        config_from_hf({**tiny_config("minicpm"), "rope_scaling": {
+            "rope_type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8,
+            "original_max_position_embeddings": 64}})
 
 
 # ------------------------------------------------------------------ Llama-family windows, mistral3

@@ -118,6 +118,13 @@ _NEOX_PREPARE = {"gpt_neox": _neox_qkv, "stablelm": _stablelm_norms}
 _NEOX_FAMILY = ("phi", "stablelm", "gpt_neox")
 
 
+def _minicpm_keys(cfg: dict) -> dict:
+    """llama.cpp's MiniCPMModel.set_gguf_parameters: the muP scales as granite's keys."""
+    return {"embedding_scale": float(cfg["scale_emb"]),
+            "residual_scale": float(cfg["scale_depth"] / cfg["num_hidden_layers"] ** 0.5),
+            "logit_scale": float(cfg["hidden_size"] / cfg["dim_model_base"])}
+
+
 def _common(cfg: dict) -> dict:
     return {"context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"],
             "block_count": cfg["num_hidden_layers"], "feed_forward_length": cfg["intermediate_size"],
@@ -165,6 +172,8 @@ def _common(cfg: dict) -> dict:
     ("stablelm", "stablelm", False, {"qk_layernorm": True, "use_parallel_residual": True, "use_qkv_bias": False}),
     ("gpt_neox", "gptneox", False, {"hidden_act": "gelu"}),
     ("gpt_neox", "gptneox", False, {"hidden_act": "gelu", "use_parallel_residual": False}),
+    # MiniCPM: its muP scales under llama.cpp's granite-style keys, q/k permuted as Llama's
+    ("minicpm", "minicpm", True, {}),
 ])
 def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrides):
     import json
@@ -229,6 +238,8 @@ def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrid
                    "attention.scale": float(cfg["attention_multiplier"]),
                    "residual_scale": float(cfg["residual_multiplier"]),
                    "logit_scale": float(cfg["logits_scaling"])})
+    if model_type == "minicpm":
+        md.update(_minicpm_keys(cfg))
     oracle = convert(folder, tmp_path / "m.gguf", arch, md, permute, prepare=_NEOX_PREPARE.get(model_type))
     model = fx_engine.load(tmp_path / "m.gguf")
     assert model.config.model_type == model_type
@@ -261,7 +272,8 @@ def test_family_gguf_matches_mlx_lm(tmp_path, model_type, arch, permute, overrid
     ("ernie4_5", "ernie4_5", False, {}), ("exaone", "exaone", False, {}), ("seed_oss", "seed_oss", False, {}),
     ("phi", "phi2", False, {}), ("stablelm", "stablelm", False, {}),
     ("stablelm", "stablelm", False, {"qk_layernorm": True, "use_parallel_residual": True}),
-    ("gpt_neox", "gptneox", False, {"hidden_act": "gelu"}),
+    ("gpt_neox", "gptneox", False, {"hidden_act": "gelu"}), ("minicpm", "minicpm", True, {}),
+    ("minicpm", "minicpm", True, {"tie_word_embeddings": True}),
 ])
 def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, overrides, tiny_folder):
     """The same files (float32 throughout: llama.cpp's Q8_0 products round the activations
@@ -298,6 +310,8 @@ def test_family_gguf_matches_llama_cpp(tmp_path, model_type, arch, permute, over
         md.update({"embedding_scale": float(cfg["embedding_multiplier"]),
                    "attention.scale": float(cfg["attention_multiplier"]),
                    "residual_scale": float(cfg["residual_multiplier"]), "logit_scale": float(cfg["logits_scaling"])})
+    if model_type == "minicpm":
+        md.update(_minicpm_keys(cfg))
     convert(folder, tmp_path / "m.gguf", arch, md, permute, q8_mlp=False, prepare=_NEOX_PREPARE.get(model_type))
     model = fx_engine.load(tmp_path / "m.gguf")
     ids = model.tokenizer.encode(LONG_TEXT)[:48]
@@ -391,11 +405,13 @@ def test_gpt_oss_gguf_matches_mlx_lm(tmp_path, mxfp4, tiny_folder):
     _compare(fx_engine.logits(model, ids, chunk=40), ref(mx.array([ids]))[0])
 
 
-def _deepseek_gguf(folder: Path, out: Path, split_kv_b: bool) -> Path:
+def _deepseek_gguf(folder: Path, out: Path, split_kv_b: bool, gating: int | None = 2) -> Path:
     """A tiny deepseek_v3 folder as llama.cpp's converter writes deepseek2: names from its
     TensorNameMap; experts stacked; the correction bias as exp_probs_b.bias; kv_b_proj
     split into k_b [H, r, dn] and v_b [H, dv, r] with the MLA key/value lengths (newer
-    converters), or kept whole (older ones); the MLP experts as Q8_0. Returns the oracle."""
+    converters), or kept whole (older ones); the MLP experts as Q8_0. gating: the
+    expert_gating_func key (DeepSeek-V2's softmax 1; None: left out, as older V2 files).
+    Returns the oracle."""
     import json
 
     from gguf.quants import dequantize, quantize
@@ -409,16 +425,21 @@ def _deepseek_gguf(folder: Path, out: Path, split_kv_b: bool) -> Path:
     md = {"context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"],
           "block_count": n, "feed_forward_length": cfg["intermediate_size"], "attention.head_count": h,
           "attention.head_count_kv": h, "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
-          "rope.freq_base": float(cfg["rope_theta"]), "attention.q_lora_rank": cfg["q_lora_rank"],
-          "attention.kv_lora_rank": r, "rope.dimension_count": dr, "expert_count": e,
+          "rope.freq_base": float(cfg["rope_theta"]), "attention.kv_lora_rank": r, "rope.dimension_count": dr,
+          "expert_count": e,
           "expert_used_count": cfg["num_experts_per_tok"], "expert_shared_count": cfg["n_shared_experts"],
           "expert_feed_forward_length": cfg["moe_intermediate_size"],
           "leading_dense_block_count": cfg["first_k_dense_replace"],
-          "expert_weights_scale": float(cfg["routed_scaling_factor"]), "expert_gating_func": 2,
-          "expert_group_count": cfg["n_group"], "expert_group_used_count": cfg["topk_group"],
+          "expert_weights_scale": float(cfg["routed_scaling_factor"]),
           "rope.scaling.factor": float(ys["factor"]),
           "rope.scaling.original_context_length": ys["original_max_position_embeddings"],
           "rope.scaling.yarn_log_multiplier": 0.1 * float(ys["mscale_all_dim"])}
+    if cfg["q_lora_rank"]:
+        md["attention.q_lora_rank"] = cfg["q_lora_rank"]
+    if gating is not None:
+        md["expert_gating_func"] = gating
+    if cfg.get("n_group") and gating == 2:  # (the grouped routing's keys: V3's converter writes them)
+        md.update({"expert_group_count": cfg["n_group"], "expert_group_used_count": cfg["topk_group"]})
     if split_kv_b:  # MLA as one shared KV head over the latent
         md.update({"attention.head_count_kv": 1, "attention.key_length": r + dr, "attention.value_length": r,
                    "attention.key_length_mla": dn + dr, "attention.value_length_mla": dv})
@@ -471,6 +492,24 @@ def test_deepseek2_gguf_matches_mlx_lm(tmp_path, split_kv_b, tiny_folder):
                   "num_experts", "top_k", "n_group", "topk_group", "moe_layers", "num_shared_experts"):
         assert getattr(model.config, field) == getattr(want, field), field
     assert abs(model.config.attn_scale - want.attn_scale) < 1e-6
+    ids = model.tokenizer.encode(LONG_TEXT)[:80]
+    ref, _ = load_model(oracle)
+    ref.set_dtype(mx.float32)
+    _compare(fx_engine.logits(model, ids, chunk=40), ref(mx.array([ids]))[0])
+
+
+@pytest.mark.parametrize("gating", [1, None], ids=["softmax", "unsaid"])
+def test_deepseek2_gguf_of_deepseek_v2_lite(tmp_path, gating, tiny_folder):
+    """DeepSeek-V2-Lite's shape from llama.cpp's deepseek2 files: softmax routing (the
+    expert_gating_func key 1, or no key, as llama.cpp reads older V2 files), no correction
+    bias, one q_proj; against mlx-lm's deepseek_v2 on the folder holding the same weights."""
+    from mlx_lm.utils import load_model
+
+    folder = tiny_folder("deepseek_v2")
+    oracle = _deepseek_gguf(folder, tmp_path / "m.gguf", split_kv_b=True, gating=gating)
+    model = fx_engine.load(tmp_path / "m.gguf")
+    assert (model.config.model_type, model.config.topk_method, model.config.q_lora_rank) == (
+        "deepseek_v2", "greedy", None)
     ids = model.tokenizer.encode(LONG_TEXT)[:80]
     ref, _ = load_model(oracle)
     ref.set_dtype(mx.float32)

@@ -37,7 +37,8 @@ WAIVED = {
 
 #: a default config fx-engine cannot run as it stands (not a real checkpoint), made one
 DEFAULT_FIXES = {
-    "glm4_moe": {"head_dim": 128},  # 4096 / 96 heads leaves 21 rotated pairs at the 0.5 rotary fraction
+    "glm4_moe": {"head_dim": 128},
+    "deepseek_v2": {"num_experts_per_tok": 6},  # (DeepseekV2Config's None routes to no expert: V2-Lite's 6)  # 4096 / 96 heads leaves 21 rotated pairs at the 0.5 rotary fraction
     # (Lfm2MoeConfig has no default layer kinds, without which its own model cannot run: LFM2-8B-A1B's spacing)
     "lfm2_moe": {"layer_types": ["full_attention" if i % 4 == 2 else "conv" for i in range(32)]},
 }
@@ -174,6 +175,7 @@ READ_ELSEWHERE = {
     # Face derives, qk_head_dim their sum, KV heads the query heads'); the MTP layers are the
     # drafter's (core/drafters/mtp.py)
     "deepseek_v3": {"head_dim", "num_key_value_heads", "qk_head_dim", "num_nextn_predict_layers"},
+    "deepseek_v2": {"head_dim", "num_key_value_heads", "qk_head_dim"},
     "glm4_moe": {"num_nextn_predict_layers"},
     # the pattern builds layer_types, which the default config lists
     "exaone4": {"sliding_window_pattern"},

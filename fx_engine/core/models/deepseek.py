@@ -1,5 +1,6 @@
-"""DeepSeek-V3 (`deepseek_v3`) and Kimi K2 (`kimi_k2`, the same architecture), following
-mlx-lm 0.32's deepseek_v3.py (the parity oracle).
+"""DeepSeek-V3 (`deepseek_v3`), Kimi K2 (`kimi_k2`, the same architecture) and DeepSeek-V2 /
+V2.5 / V2-Lite / Coder-V2 (`deepseek_v2`), following mlx-lm 0.32's deepseek_v3.py and
+deepseek_v2.py (the parity oracles).
 
 Multi-head latent attention (MLA): queries through a low-rank pair (q_a -> RMSNorm -> q_b,
 or one q_proj), each head's query split into a "nope" part (dn dims) and a RoPE part (dr);
@@ -16,6 +17,9 @@ plus a correction bias choose the top-k experts within the `topk_group` best of 
 groups (each group scored by its two best); the weights are the sigmoid scores (without the
 bias), renormalized if `norm_topk_prob`, times `routed_scaling_factor`; shared experts
 (one SwiGLU of n_shared_experts * moe_intermediate_size) are added for every token.
+DeepSeek-V2 routes by softmax scores instead (`topk_method` greedy: the top-k of all
+experts; group_limited_greedy: within the topk_group groups holding the best single
+scores), no correction bias, the weights the scores times routed_scaling_factor.
 Checkpoints: Hugging Face's (kv_b_proj, per-expert tensors) and mlx-lm's sanitized ones
 (embed_q / unembed_out, switch_mlp stacks; mlx-community's quantized folders); the original
 FP8 checkpoints (weight_scale_inv) are dequantized as they are read (`loading.fp8`). The
@@ -69,6 +73,9 @@ class DeepseekConfig(BaseConfig):
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] = ()
+    # "noaux_tc": DeepSeek-V3's sigmoid routing with the correction bias; DeepSeek-V2's
+    # softmax routing, "greedy" or "group_limited_greedy"
+    topk_method: str = "noaux_tc"
     # RoPE on adjacent pairs (Hugging Face's rope_interleave, default true: the checkpoints'
     # layout); false: on the two halves of the rotated dims
     rope_interleave: bool = True
@@ -97,6 +104,8 @@ _EXPERT_FIELDS = (
 
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> DeepseekConfig:
     f = read_fields(d, _FIELDS, source)
+    if d.get("mlp_bias"):  # (DeepseekV2Config's; its released models have none)
+        raise ConfigError(f"{source}: field 'mlp_bias' = true is not supported")
     dn, dr, layers = f["qk_nope_head_dim"], f["qk_rope_head_dim"], f["num_layers"]
     if dr % 2:
         raise ConfigError(f"{source}: field 'qk_rope_head_dim' must be even, got {dr}")
@@ -121,13 +130,27 @@ def _attn_scale(head_dim: int, scaling: tuple[tuple[str, Any], ...] | None) -> f
 
 
 def _experts(d: dict[str, Any], layers: int, source: str) -> dict[str, Any]:
-    """DeepseekConfig's routed-expert fields: DeepSeek-V3's grouped sigmoid routing only,
+    """DeepseekConfig's routed-expert fields: DeepSeek-V3's grouped sigmoid routing, or
+    DeepSeek-V2's softmax routing (its `topk_method`; never renormalized: Hugging Face's
+    DeepseekV2TopkRouter reads no norm_topk_prob, so a config that sets it is refused),
     routed layers from first_k_dense_replace on, every moe_layer_freq-th."""
+    v2 = d["model_type"] == "deepseek_v2"
     e = read_fields(d, _EXPERT_FIELDS, source)
     experts, top_k, groups, topk_group = e["num_experts"], e["top_k"], e["n_group"], e["topk_group"]
-    if (d.get("topk_method") or "noaux_tc") != "noaux_tc" or (d.get("scoring_func") or "sigmoid") != "sigmoid":
+    method = d.get("topk_method") or ("greedy" if v2 else "noaux_tc")
+    if v2 and method not in ("greedy", "group_limited_greedy"):
+        raise ConfigError(f"{source}: topk_method {method!r} is not supported for deepseek_v2 "
+                          "(greedy, group_limited_greedy)")
+    if v2 and d.get("norm_topk_prob"):
+        raise ConfigError(f"{source}: field 'norm_topk_prob' = true is not supported for deepseek_v2 "
+                          "(Hugging Face's DeepSeek-V2 router never renormalizes; no released model sets it)")
+    if not v2 and (method != "noaux_tc" or (d.get("scoring_func") or "sigmoid") != "sigmoid"):
         raise ConfigError(f"{source}: topk_method {d.get('topk_method')!r} / scoring_func "
                           f"{d.get('scoring_func')!r} is not supported (noaux_tc with sigmoid)")
+    if v2:
+        e["norm_topk_prob"] = False
+        if method == "greedy":  # (groups play no part)
+            groups = topk_group = e["n_group"] = e["topk_group"] = 1
     if experts % groups or topk_group > groups or top_k > experts:
         raise ConfigError(f"{source}: n_routed_experts ({experts}) must split into n_group "
                           f"({groups}) groups, topk_group ({topk_group}) <= n_group, "
@@ -135,7 +158,7 @@ def _experts(d: dict[str, Any], layers: int, source: str) -> dict[str, Any]:
     if groups > 1 and experts // groups < 2:
         raise ConfigError(f"{source}: each of the n_group groups needs at least 2 experts")
     first, freq = e.pop("first_k_dense_replace"), e.pop("moe_layer_freq")
-    return {**e, "moe_layers": tuple(i >= first and i % freq == 0 for i in range(layers))}
+    return {**e, "topk_method": method, "moe_layers": tuple(i >= first and i % freq == 0 for i in range(layers))}
 
 
 @attrs.frozen
@@ -153,7 +176,7 @@ class MLA:
 @attrs.frozen
 class RoutedExperts:
     router: mx.array  # [E, H]
-    correction_bias: mx.array  # [E]
+    correction_bias: mx.array | None  # [E] (DeepSeek-V2: None)
     gate_up: Linear
     down: Linear
     shared_gate_up: Linear | None = None
@@ -226,12 +249,31 @@ def _attention(p: DeepseekParams, at: MLA, x: mx.array, entry: Any, spec: LayerS
     return linear(o, at.o, num), entry
 
 
+def softmax_route(logits: Float[mx.array, "N E"], k: int, n_group: int, topk_group: int, scale: float
+                  ) -> tuple[Int[mx.array, "N K"], Float[mx.array, "N K"]]:
+    """DeepSeek-V2's routing (Hugging Face's DeepseekV2TopkRouter): softmax scores in float32;
+    the top-k experts, among those of the topk_group groups (of n_group) whose best single
+    score is highest where groups are limited; the weights the chosen scores times `scale`."""
+    scores = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+    chosen = scores
+    if n_group > 1 and topk_group < n_group:
+        grouped = mx.unflatten(scores, axis=-1, shape=(n_group, -1))
+        worst = mx.argpartition(grouped.max(axis=-1, keepdims=True), kth=n_group - topk_group - 1,
+                                axis=-2)[..., : n_group - topk_group, :]
+        chosen = mx.flatten(mx.put_along_axis(grouped, worst, mx.array(-mx.inf), axis=-2), -2, -1)
+    idx = mx.argpartition(-chosen, kth=k - 1, axis=-1)[..., :k]
+    return idx, mx.take_along_axis(scores, idx, axis=-1) * scale
+
+
 def _mlp(cfg: DeepseekConfig, lp: DeepseekLayer, x: mx.array, num: Numerics) -> mx.array:
     if lp.experts is None:
         return swiglu_mlp(x, lp.gate_up, lp.down, num)
     ex = lp.experts
-    idx, w = grouped_route(x @ ex.router.T, ex.correction_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
-                           cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    if cfg.topk_method == "noaux_tc":
+        idx, w = grouped_route(x @ ex.router.T, ex.correction_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
+                               cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    else:
+        idx, w = softmax_route(x @ ex.router.T, cfg.top_k, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
     y = routed_mixture(x, ex.gate_up, ex.down, idx, w, lambda gu: swiglu_fused(gu, num), num)
     if ex.shared_gate_up is not None:
         y = y + swiglu_mlp(x, ex.shared_gate_up, ex.shared_down, num)
@@ -365,7 +407,8 @@ def _routed_experts(cfg: DeepseekConfig, rd: Reader, m: str) -> RoutedExperts:
                                 ("gate_proj", "up_proj", "down_proj"))
     return RoutedExperts(
         router=src.get(m + "gate.weight", (e, h), opts.where).astype(dtype),
-        correction_bias=src.get(m + "gate.e_score_correction_bias", (e,), opts.where).astype(mx.float32),
+        correction_bias=(src.get(m + "gate.e_score_correction_bias", (e,), opts.where).astype(mx.float32)
+                         if cfg.topk_method == "noaux_tc" else None),
         gate_up=fuse_experts(gate, up, dtype, keep), down=finish_experts(down, dtype, keep), **shared)
 
 
@@ -394,7 +437,8 @@ def checkpoint_layout(cfg: DeepseekConfig) -> dict[str, TensorSpec]:
         if cfg.moe_layers[i]:
             e, f = cfg.num_experts, cfg.moe_intermediate_size
             out[m + "gate.weight"] = TensorSpec((e, h), scale=0.3)
-            out[m + "gate.e_score_correction_bias"] = TensorSpec((e,), scale=0.1)
+            if cfg.topk_method == "noaux_tc":
+                out[m + "gate.e_score_correction_bias"] = TensorSpec((e,), scale=0.1)
             for j in range(e):
                 for n, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
                     out[f"{m}experts.{j}.{n}.weight"] = TensorSpec(shape)
@@ -417,7 +461,16 @@ def layer_range(p: DeepseekParams, start: int, end: int) -> DeepseekParams:
     return cut_layers(p, start, end, per_layer=("moe_layers",))
 
 
+# DeepSeek-V2-Lite's shape: one q_proj, softmax routing over every expert, two shared
+# experts, no renormalization (mlx-lm's deepseek_v2 needs a rope_scaling: YaRN, as released)
+_V2 = {"architectures": ["DeepseekV2ForCausalLM"], "q_lora_rank": None, "n_group": 1, "topk_group": 1,
+       "topk_method": "greedy", "n_shared_experts": 2, "routed_scaling_factor": 1.0, "norm_topk_prob": False}
+
+
 def tiny_config(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    if model_type == "deepseek_v2":
+        return {k: v for k, v in tiny_config("deepseek_v3", {}).items() if k != "scoring_func"} | {
+            "model_type": model_type, **_V2, **overrides}
     return {"model_type": model_type, "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
             "num_hidden_layers": 3, "intermediate_size": 128, "num_attention_heads": 4,
             "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
@@ -450,15 +503,16 @@ def assemble_gguf(cfg: DeepseekConfig, src: TensorSource, opts: LoadOptions) -> 
 
 
 def config_from_gguf(md: dict[str, Any], source: str) -> DeepseekConfig:
-    """From llama.cpp's deepseek2 metadata (sigmoid routing only: expert_gating_func 2)."""
+    """From llama.cpp's deepseek2 metadata: DeepSeek-V3's sigmoid routing (expert_gating_func
+    2), or DeepSeek-V2's softmax (1; files without the key are V2's, as llama.cpp reads them)."""
     def val(key: str, default: Any = ...) -> Any:
         return gguf_value(md, "deepseek2", key, source, default)
 
     r, dr = int(val("attention.kv_lora_rank")), int(val("rope.dimension_count"))
     mla = val("attention.key_length_mla", None)  # newer files: key_length is r + dr there
     dk = int(mla) if mla is not None else int(val("attention.key_length"))
-    d = gguf_hf_config(md, "deepseek2", source, "deepseek_v3")
-    experts = gguf_grouped_experts(md, "deepseek2", source)
+    experts = gguf_grouped_experts(md, "deepseek2", source, softmax=True)
+    d = gguf_hf_config(md, "deepseek2", source, "deepseek_v2" if experts.get("topk_method") else "deepseek_v3")
     m = float(val("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1  # llama.cpp's 0.1 * mscale_all_dim
     d.update(experts, n_shared_experts=experts["n_shared_experts"] or None, head_dim=None,
              num_key_value_heads=d["num_attention_heads"], q_lora_rank=int(val("attention.q_lora_rank", 0) or 0) or None,
@@ -490,7 +544,7 @@ def tensor_split(p: DeepseekParams, rank: int, size: int) -> DeepseekParams:
 
 
 FAMILY = Family(
-    name="deepseek", model_types=("deepseek_v3", "kimi_k2"), config_type=DeepseekConfig,
+    name="deepseek", model_types=("deepseek_v3", "kimi_k2", "deepseek_v2"), config_type=DeepseekConfig,
     params_type=DeepseekParams, config_from_hf=config_from_hf, assemble=assemble,
     cache_specs=cache_specs, forward=forward, hidden_to_logits=hidden_to_logits,
     checkpoint_layout=checkpoint_layout, layer_range=layer_range, tensor_split=tensor_split, tiny_config=tiny_config,

@@ -100,6 +100,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "nemotron_h": {"num_key_value_heads": 8, "intermediate_size": 21504, "moe_intermediate_size": 7688,
                    "moe_shared_expert_intermediate_size": 7688, "n_shared_experts": 1, "num_experts_per_tok": 2},
     "starcoder2": {"num_key_value_heads": 2, "rope_theta": 10_000.0},
+    "deepseek_v2": {"max_position_embeddings": 2048, "q_lora_rank": 1536, "n_routed_experts": 64, "n_shared_experts": 2},
     "deepseek_v3": {"first_k_dense_replace": 3, "n_routed_experts": 256, "n_shared_experts": 1, "q_lora_rank": 1536,
                     "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4},
     "qwen3_next": {**_QWEN3_NEXT, "num_key_value_heads": 2, "num_experts": 512, "num_experts_per_tok": 10,

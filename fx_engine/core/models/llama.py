@@ -1,6 +1,7 @@
 """The Llama family, everything about it in one module: llama (2/3, rope scaling linear/llama3), mistral,
 qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), SmolLM2, MiMo (a Qwen2 trunk), ERNIE 4.5 and Helium (interleaved
-RoPE), Seed-OSS, InternLM3, EXAONE 3 (Llama under its own tensor names); tied or untied embeddings.
+RoPE), Seed-OSS, InternLM3, EXAONE 3 (Llama under its own tensor names), MiniCPM 1 / 2 (muP scales as
+granite's multipliers); tied or untied embeddings.
 Its config (from config.json and GGUF metadata), its checkpoint names (Hugging Face / mlx-community and
 llama.cpp's, with the converter's q/k permutation undone), its cache layout, its pure
 forward and output head; the decoder is shared with families of the same shape (phi3).
@@ -29,7 +30,7 @@ from jaxtyping import Float, Int
 
 from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, dense_layout
 from fx_engine.core.checkpoint import (Embedding, Fused, Lin, LoadOptions, Reader, TensorSource, TensorSpec, Vec,
-                                       read_tensors, renamed, renamed_name)
+                                       WeightsError, read_tensors, renamed, renamed_name)
 from fx_engine.core.config import (BOOL, FLOAT, INT, MAYBE_BOOL, POSITIVE_FLOAT, BaseConfig, ConfigError, Field, Same,
                                    check_rope_scaling, gguf_hf_config, gguf_value, positive_int, read_fields, token_ids)
 from fx_engine.core.models.blocks import (GATE_UP, HF_LAYER, QKV, apply_partial_rope, attention_sizes, decoder_layer,
@@ -134,6 +135,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
         extra["no_rope_layers"] = _nope_layers(d, layers, source)
     if model_type == "granite":
         extra.update(read_fields(d, _GRANITE_FIELDS, source))
+    if model_type == "minicpm":
+        extra.update(_minicpm_scales(d, layers, hidden, source))
     qkv_bias, o_bias = _attention_biases(d, model_type)
     if model_type == "ernie4_5":  # one switch for every projection's bias
         f["mlp_bias"] = bool(d.get("use_bias", False))
@@ -146,6 +149,24 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
         qkv_bias=qkv_bias, o_bias=o_bias,
         qk_norm=model_type == "qwen3", bos_token_id=bos, eos_token_ids=eos_ids, **extra,
     )
+
+
+_MINICPM_FIELDS = (Field("scale_emb", POSITIVE_FLOAT), Field("scale_depth", POSITIVE_FLOAT),
+                   Field("dim_model_base", POSITIVE_FLOAT))
+
+
+def _minicpm_scales(d: dict[str, Any], layers: int, hidden: int, source: str) -> dict[str, float]:
+    """MiniCPM's muP scales as granite's multipliers (its remote code and llama.cpp's
+    minicpm): the embeddings times scale_emb, each residual branch times scale_depth /
+    sqrt(layers), the final hidden state divided by hidden_size / dim_model_base before the
+    head, tied or not (mlx-lm's minicpm.py leaves that out of a tied head). MiniCPM 4's
+    LongRoPE (a factor list per context length) is refused: this family would apply the
+    long factors at every length."""
+    if rope_type_of(d.get("rope_scaling")) == "longrope":
+        raise ConfigError(f"{source}: rope_scaling 'longrope' is not supported for minicpm")
+    f = read_fields(d, _MINICPM_FIELDS, source)
+    return {"embedding_multiplier": f["scale_emb"], "residual_multiplier": f["scale_depth"] / layers**0.5,
+            "logits_scaling": hidden / f["dim_model_base"]}
 
 
 #: llama.cpp architectures of Llama-shaped model types written under their own names (its
@@ -296,12 +317,14 @@ def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = No
     if arch == "mistral3":
         return _ministral3_from_gguf(md, source)
     attention = attention or {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "granite": "llama",
-                              "smollm3": "llama", "qwen2vl": "qwen2", "qwen3vl": "qwen3"}.get(arch, arch)
+                              "smollm3": "llama", "minicpm": "llama", "qwen2vl": "qwen2",
+                              "qwen3vl": "qwen3"}.get(arch, arch)
     extra: dict[str, Any] = {}
-    if arch == "granite":  # llama.cpp's granite keys for the four multipliers
+    if arch in ("granite", "minicpm"):  # llama.cpp's keys for the multipliers (MiniCPM's: all but attention's)
         extra = {f: float(gguf_value(md, arch, key, source)) for f, key in (
             ("embedding_multiplier", "embedding_scale"), ("attention_multiplier", "attention.scale"),
-            ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale"))}
+            ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale"))
+            if arch == "granite" or f != "attention_multiplier"}
     if arch == "smollm3":  # llama.cpp runs every 4th layer without RoPE (its fixed step)
         extra = {"no_rope_layers": tuple(i for i in range(int(gguf_value(md, arch, "block_count", source)))
                                          if (i + 1) % 4 == 0)}
@@ -331,7 +354,7 @@ def config_from_gguf(md: dict[str, Any], source: str, attention: str | None = No
     if arch in OWN_GGUF_ARCHS:  # (their biases: as the file's tensors say, `assemble_gguf`)
         extra["rope_traditional"] = arch in INTERLEAVED_ROPE
     return LlamaConfig(
-        model_type=arch if arch in ("granite", "smollm3") else attention,
+        model_type=arch if arch in ("granite", "smollm3", "minicpm") else attention,
         **extra,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -600,7 +623,11 @@ def assemble_gguf(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Par
     """Params from llama.cpp's tensor names, undoing what its converter did: llama's q/k
     rows were permuted for interleaved RoPE, and Llama-3 rope scaling is stored as
     per-frequency factors (rope_freqs.weight)."""
-    fixed = unpermuted_qk(cfg, src) if cfg.model_type in ("llama", "granite", "smollm3", "ministral3") else src
+    if src.has("rope_factors_long.weight"):  # (MiniCPM 4's LongRoPE: see _minicpm_scales)
+        raise WeightsError(f"{opts.where}: LongRoPE factors (rope_factors_long) are not supported for "
+                           f"{cfg.model_type}")
+    fixed = (unpermuted_qk(cfg, src) if cfg.model_type in ("llama", "granite", "smollm3", "ministral3", "minicpm")
+             else src)
     if cfg.model_type in OWN_GGUF_ARCHS:  # each projection's bias where the converter wrote one
         cfg = attrs.evolve(cfg, qkv_bias=src.has("blk.0.attn_q.bias"), o_bias=src.has("blk.0.attn_output.bias"),
                            mlp_bias=src.has("blk.0.ffn_up.bias"))
@@ -764,13 +791,16 @@ _TINY_OWN = {
     "internlm3": {"architectures": ["InternLM3ForCausalLM"], "qkv_bias": False, "bias": False, "head_dim": 16,
                   "tie_word_embeddings": False},
     "exaone": {"architectures": ["ExaoneForCausalLM"], "rope_theta": 500000.0, "tie_word_embeddings": True},
+    # (MiniCPM-2B's scales; untied: mlx-lm's tied head leaves the logit scale out)
+    "minicpm": {"architectures": ["MiniCPMForCausalLM"], "scale_emb": 12, "scale_depth": 1.4, "dim_model_base": 16,
+                "tie_word_embeddings": False},
 }
 
 FAMILY = Family(
     packs_rows=True,  # row-wise layers around blocks.self_attention (core/packing.py)
     name="llama", model_types=("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm2", "smollm3",
                                "granite", "ministral3", "mimo", "ernie4_5", "helium", "seed_oss", "internlm3",
-                               "exaone"),
+                               "exaone", "minicpm"),
     wrappers={"mistral3": ("ministral3", {"vocab_size": 131072, "tie_word_embeddings": False}),
               # Idefics3 / SmolVLM(2): a Llama text model (images: core/vision/idefics3.py)
               "idefics3": ("llama", {}), "smolvlm": ("llama", {}),
@@ -782,7 +812,7 @@ FAMILY = Family(
     config_type=LlamaConfig, params_type=Params, config_from_hf=config_from_hf,
     assemble=assemble, cache_specs=cache_specs, forward=forward,
     hidden_to_logits=hidden_to_logits, checkpoint_layout=checkpoint_layout,
-    gguf_architectures=("llama", "qwen2", "qwen3", "granite", "smollm3", "mistral3", "qwen2vl", "qwen3vl",
+    gguf_architectures=("llama", "qwen2", "qwen3", "granite", "smollm3", "minicpm", "mistral3", "qwen2vl", "qwen3vl",
                         *OWN_GGUF_ARCHS), config_from_gguf=config_from_gguf,
     gguf_accepts=lambda md: not md.get(f"{md.get('general.architecture')}.expert_count"),
     assemble_gguf=assemble_gguf, tensor_split=shard_decoder, layer_range=layer_range,
