@@ -402,6 +402,20 @@ def test_minicpm_refusals():
             "original_max_position_embeddings": 64}})
 
 
+def test_hunyuan_rope_alpha_and_refusals():
+    """Hunyuan's "dynamic" scaling with an alpha is a fixed base, rope_theta * alpha^(d/(d-2))
+    (Hugging Face's ntk_alpha), no scaling left; its q/k norms cannot be switched off."""
+    base = {k: v for k, v in tiny_config("hunyuan_v1_dense").items() if k != "rope_scaling"}
+    cfg = config_from_hf({**base, "rope_theta": 10000.0,
+                          "rope_scaling": {"type": "dynamic", "alpha": 1000.0, "factor": 1.0}})
+    assert cfg.rope_scaling is None and abs(cfg.rope_theta - 10000.0 * 1000.0 ** (16 / 14)) < 1e-3 * cfg.rope_theta
+    assert cfg.qk_norm and cfg.qk_norm_after_rope
+    with pytest.raises(ConfigError, match="use_qk_norm"):
+        config_from_hf({**base, "use_qk_norm": False})
+    with pytest.raises(ConfigError, match="alpha"):
+        config_from_hf({**base, "rope_scaling": {"type": "dynamic", "alpha": -1.0, "factor": 1.0}})
+
+
 # ------------------------------------------------------------------ Llama-family windows, mistral3
 
 

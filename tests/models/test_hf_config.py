@@ -168,6 +168,7 @@ NOT_INFERENCE = {
     "output_hidden_states", "output_attentions", "tie_encoder_decoder", "is_encoder_decoder",
     "is_decoder", "add_cross_attention", "tf_legacy_loss", "use_bfloat16",
     "classifier_dropout",  # (GPT-NeoX's sequence / token classification heads')
+    "eod_token_id",  # (HunYuan's end-of-document token: its tokenizer's and generation's)
 }
 #: fields a model type's class reads that leave fx-engine's config as it is, each for a reason
 READ_ELSEWHERE = {

@@ -136,6 +136,9 @@ CASES = [
     ("exaone", {"tie_word_embeddings": False, "attention_bias": True,
                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    # Hunyuan dense (mlx-lm's hunyuan_v1_dense.py): q/k norms after RoPE, biases on every
+    # attention projection, plain RoPE (its default case: NTK alpha 1000)
+    ("hunyuan_v1_dense", {"attention_bias": True, "rope_scaling": None, "tie_word_embeddings": False}),
     # longrope through the Llama family (mlx-lm's SuScaledRoPE): 8 long factors for hd 16
     ("llama", {"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0 + 0.5 * i for i in range(8)],
                                 "short_factor": [1.0] * 8, "original_max_position_embeddings": 256},

@@ -20,11 +20,12 @@ from jaxtyping import Float, Int
 from fx_engine.core.cache import (LayerSpec, StepGeometry, attend_entry, fused_write, write_entry,
                                   write_rotated_entry)
 from fx_engine.core.checkpoint import Fused, Lin, LoadOptions, Reader, finish_experts, fuse_experts
-from fx_engine.core.nn import (Linear, Numerics, add_rms_norm, apply_rope, linear, rms_norm, rope_tables, routed_mixture,
-                               scaled_rope_freqs, scaled_rope_mscale, shard_group, swiglu_fused)
+from fx_engine.core.nn import (Linear, Numerics, add_rms_norm, apply_rope, layer_norm, linear, rms_norm, rope_tables,
+                               routed_mixture, scaled_rope_freqs, scaled_rope_mscale, shard_group, swiglu_fused)
 
 __all__ = ["Attention", "DenseMlp", "decoder_layer", "Experts", "GATE_UP", "GGUF_GROUPED_EXPERT_NAMES", "HF_EXPERT_NAMES",
            "HF_LAYER", "QKV", "Reader", "STACKED_EXPERT_NAMES", "SWIGLU_MLP", "apply_partial_rope", "attention_sizes",
+           "head_norm_attention",
            "expert_stacks", "grouped_route", "mixture", "read_shared_expert", "rope_freqs", "rope_in", "rope_mscale",
            "route", "scaled_rope", "self_attention", "swiglu_mlp"]
 
@@ -173,14 +174,15 @@ def self_attention(
                                        widths[1] if widths else None, shard_group(lp.o)),
                               qkv[:, (hq + hk) * d :]], axis=-1)
     qkv = qkv.reshape(b, t, hq + 2 * hk, d)
-    if lp.q_norm is not None and not whole:  # qwen3: per-head, before RoPE
-        qk = mx.concatenate(
-            [rms_norm(qkv[:, :, :hq], lp.q_norm, eps), rms_norm(qkv[:, :, hq : hq + hk], lp.k_norm, eps)],
-            axis=2)
-    else:
-        qk = qkv[:, :, : hq + hk]
+    qk = qkv[:, :, : hq + hk]
+    per_head = lp.q_norm is not None and not whole
+    late = per_head and getattr(cfg, "qk_norm_after_rope", False)  # (Hunyuan's: on the rotated heads)
+    if per_head and not late:  # qwen3: per-head, before RoPE
+        qk = mx.concatenate([rms_norm(qk[:, :, :hq], lp.q_norm, eps), rms_norm(qk[:, :, hq:], lp.k_norm, eps)], axis=2)
     if rope is not None:
         qk = apply_partial_rope(qk, rope, d, num, cfg.rope_traditional)  # q and k together: one pass
+    if late:
+        qk = mx.concatenate([rms_norm(qk[:, :, :hq], lp.q_norm, eps), rms_norm(qk[:, :, hq:], lp.k_norm, eps)], axis=2)
     q = qk[:, :, :hq]
     if beta:  # ministral3: a query temperature growing with the position (Llama 4's)
         pos = geo.positions.astype(mx.float32)
@@ -192,6 +194,32 @@ def self_attention(
     entry = write_entry(entry, spec, k, v, geo, num)
     o = attend_entry(entry, spec, q, geo, scale, num, sinks=getattr(lp, "sinks", None))
     return linear(geo.pack(o.reshape(b * t, hq * d)), lp.o, num), entry
+
+
+def head_norm_attention(
+    p: Any, lp: Any, x: mx.array, entry: Any, spec: LayerSpec,
+    rope: tuple[mx.array, mx.array, mx.array] | None, geo: StepGeometry, traditional: bool,
+) -> tuple[mx.array, Any]:
+    """Attention whose optional q/k norms are LayerNorms over each head with a weight per
+    head (lp.q_norm [heads, head_dim], lp.k_norm [kv_heads, head_dim], no bias: Command R+'s,
+    StableLM 2 12B's), then RoPE over the rope tables' leading dims of each head (None: no
+    rotation; interleaved pairs where `traditional`); lp: qkv (fused q | k | v), o, q_norm,
+    k_norm. Normalized x [B*T, H] -> (o_proj output [B*T, H], the written cache entry)."""
+    cfg, num = p.config, p.numerics
+    b, t = geo.positions.shape
+    hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = linear(x, lp.qkv, num).reshape(b, t, hq + 2 * hk, d)
+    qk = qkv[:, :, : hq + hk]
+    if lp.q_norm is not None:
+        eps = cfg.rms_norm_eps
+        qk = mx.concatenate([lp.q_norm * layer_norm(qk[:, :, :hq], None, None, eps),
+                             lp.k_norm * layer_norm(qk[:, :, hq:], None, None, eps)], axis=2)
+    if rope is not None:
+        qk = apply_partial_rope(qk, rope, d, num, traditional)  # q and k together: one pass
+    k, v = qk[:, :, hq:].transpose(0, 2, 1, 3), qkv[:, :, hq + hk :].transpose(0, 2, 1, 3)
+    entry = write_entry(entry, spec, k, v, geo, num)  # (write first: the update may be in place)
+    o = attend_entry(entry, spec, qk[:, :, :hq], geo, d**-0.5, num)
+    return linear(o.reshape(b * t, hq * d), lp.o, num), entry
 
 
 def decoder_layer(

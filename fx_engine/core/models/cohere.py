@@ -19,16 +19,17 @@ import attrs
 import mlx.core as mx
 from jaxtyping import Float, Int
 
-from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, attend_entry, write_entry
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Norm, Reader, TensorSource,
                                        TensorSpec, Vec, read_tensors, renamed)
 from fx_engine.core.config import (BOOL, FLOAT, INT, MAYBE_BOOL, BaseConfig, ConfigError, Field, Same, gguf_hf_config,
                                    gguf_value, read_field, read_fields, token_ids)
-from fx_engine.core.models.blocks import HF_LAYER, QKV, SWIGLU_MLP, attention_sizes, rope_in, swiglu_mlp
+from fx_engine.core.models.blocks import (HF_LAYER, QKV, SWIGLU_MLP, attention_sizes, head_norm_attention, rope_in,
+                                          swiglu_mlp)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import with_tied
 from fx_engine.core.models.skeleton import PipelineStage, cut_layers, decoder_step, stage_logits
-from fx_engine.core.nn import Linear, Numerics, apply_rope, layer_norm, linear
+from fx_engine.core.nn import Linear, Numerics, layer_norm, linear
 from fx_engine.core.splits import shard_decoder
 from fx_engine.core.tree import static_field
 
@@ -138,24 +139,6 @@ def cache_specs(cfg: CohereConfig) -> tuple[LayerSpec, ...]:
                  for t in cfg.layer_types)
 
 
-def _attention(p: CohereParams, lp: CohereLayer, x: mx.array, entry: Any, spec: LayerSpec, rope: Any,
-               geo: StepGeometry) -> tuple[mx.array, Any]:
-    cfg, num = p.config, p.numerics
-    b, t = geo.positions.shape
-    hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = linear(x, lp.qkv, num).reshape(b, t, hq + 2 * hk, d)
-    q, k, v = qkv[:, :, :hq], qkv[:, :, hq : hq + hk], qkv[:, :, hq + hk :]
-    if lp.q_norm is not None:  # a LayerNorm per head with a per-head weight
-        q = lp.q_norm * layer_norm(q, None, None, cfg.rms_norm_eps)
-        k = lp.k_norm * layer_norm(k, None, None, cfg.rms_norm_eps)
-    if rope is not None:
-        qk = apply_rope(mx.concatenate([q, k], axis=2), *rope, num, True)
-        q, k = qk[:, :, :hq], qk[:, :, hq:]
-    entry = write_entry(entry, spec, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), geo, num)
-    o = attend_entry(entry, spec, q, geo, d**-0.5, num)
-    return linear(o.reshape(b * t, hq * d), lp.o, num), entry
-
-
 def forward(
     p: CohereParams, cache: KVCache, tokens: Int[mx.array, "B T"], n_valid: Int[mx.array, "B"],
     span: int | None = None,
@@ -171,7 +154,7 @@ def forward(
             geo.layer_input(h)  # the stream entering this layer (skeleton.Capture)
             x = layer_norm(h, *lp.norm, cfg.rms_norm_eps)
             use_rope = kind == "sliding_attention" or cfg.global_rope
-            a, entry = _attention(p, lp, x, entry, spec, rope if use_rope else None, geo)
+            a, entry = head_norm_attention(p, lp, x, entry, spec, rope if use_rope else None, geo, traditional=True)
             h = h + a + swiglu_mlp(x, lp.gate_up, lp.down, num)
             entries.append(entry)
         return h, entries

@@ -88,6 +88,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                  "rope_theta": 500_000.0},
     "exaone": {"num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0},
     "helium": {"rms_norm_eps": 1e-8, "rope_theta": 100_000.0},
+    "hunyuan_v1_dense": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     # (InternLM3 runs as Llama, whose head_dim is the config's: the class's 128 when unsaid)
     "internlm3": {"head_dim": 128, "max_position_embeddings": 32768, "num_key_value_heads": 2, "rms_norm_eps": 1e-5},
     "seed_oss": {"attention_bias": True, "head_dim": 128, "max_position_embeddings": 524288, "num_key_value_heads": 8},

@@ -1,7 +1,7 @@
 """The Llama family, everything about it in one module: llama (2/3, rope scaling linear/llama3), mistral,
 qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), SmolLM2, MiMo (a Qwen2 trunk), ERNIE 4.5 and Helium (interleaved
 RoPE), Seed-OSS, InternLM3, EXAONE 3 (Llama under its own tensor names), MiniCPM 1 / 2 (muP scales as
-granite's multipliers); tied or untied embeddings.
+granite's multipliers), Hunyuan dense (q/k RMSNorms after RoPE, NTK-alpha RoPE); tied or untied embeddings.
 Its config (from config.json and GGUF metadata), its checkpoint names (Hugging Face / mlx-community and
 llama.cpp's, with the converter's q/k permutation undone), its cache layout, its pure
 forward and output head; the decoder is shared with families of the same shape (phi3).
@@ -56,6 +56,7 @@ class LlamaConfig(BaseConfig):
     o_bias: bool = False  # llama attention_bias=True puts a bias on o_proj too
     mlp_bias: bool = False
     qk_norm: bool = False  # qwen3
+    qk_norm_after_rope: bool = False  # hunyuan_v1_dense: its q/k norms normalize the rotated heads
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     no_rope_layers: tuple[int, ...] = ()  # smollm3: layers whose attention has no RoPE (NoPE)
@@ -137,6 +138,9 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
         extra.update(read_fields(d, _GRANITE_FIELDS, source))
     if model_type == "minicpm":
         extra.update(_minicpm_scales(d, layers, hidden, source))
+    if model_type == "hunyuan_v1_dense":
+        theta, scaling = _ntk_alpha(d, theta, scaling, head_dim, source)
+        extra["qk_norm_after_rope"] = True
     qkv_bias, o_bias = _attention_biases(d, model_type)
     if model_type == "ernie4_5":  # one switch for every projection's bias
         f["mlp_bias"] = bool(d.get("use_bias", False))
@@ -147,8 +151,25 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
         model_type=model_type, **f, head_dim=head_dim,
         rope_theta=theta, rope_scaling=check_rope_scaling(scaling, source),
         qkv_bias=qkv_bias, o_bias=o_bias,
-        qk_norm=model_type == "qwen3", bos_token_id=bos, eos_token_ids=eos_ids, **extra,
+        qk_norm=model_type in ("qwen3", "hunyuan_v1_dense"), bos_token_id=bos, eos_token_ids=eos_ids, **extra,
     )
+
+
+def _ntk_alpha(d: dict[str, Any], theta: float, scaling: dict[str, Any] | None, head_dim: int, source: str
+               ) -> tuple[float, dict[str, Any] | None]:
+    """Hunyuan's RoPE as Hugging Face's HunYuanDenseV1 runs it: a "dynamic" scaling with an
+    `alpha` is a fixed NTK stretch of the base, rope_theta * alpha^(d / (d - 2)), and no other
+    scaling (its "ntk_alpha"). Its q/k norms are always there (the class has no switch):
+    a config turning them off (mlx-lm's use_qk_norm) is refused."""
+    if d.get("use_qk_norm") is False:
+        raise ConfigError(f"{source}: field 'use_qk_norm' = false is not supported for hunyuan_v1_dense "
+                          "(Hugging Face's class always normalizes q and k)")
+    if scaling and rope_type_of(scaling) == "dynamic" and scaling.get("alpha"):
+        alpha = scaling["alpha"]
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+            raise ConfigError(f"{source}: rope_scaling.alpha must be a positive number, got {alpha!r}")
+        return theta * float(alpha) ** (head_dim / (head_dim - 2)), None
+    return theta, scaling
 
 
 _MINICPM_FIELDS = (Field("scale_emb", POSITIVE_FLOAT), Field("scale_depth", POSITIVE_FLOAT),
@@ -614,9 +635,17 @@ _HF_TO_EXAONE = (
 )
 
 
+# Hunyuan's q/k norms' names
+_HUNYUAN_TO_HF = ((r"\.self_attn\.query_layernorm\.", ".self_attn.q_norm."),
+                  (r"\.self_attn\.key_layernorm\.", ".self_attn.k_norm."))
+_OWN_NAMES = {"exaone": EXAONE_TO_HF, "hunyuan_v1_dense": _HUNYUAN_TO_HF}
+
+
 def assemble(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Params:
-    """Params from Hugging Face / mlx-community tensor names (EXAONE 3's own renamed)."""
-    return _assemble(cfg, renamed(src, EXAONE_TO_HF) if cfg.model_type == "exaone" else src, opts)
+    """Params from Hugging Face / mlx-community tensor names (EXAONE 3's and Hunyuan's own
+    renamed)."""
+    rules = _OWN_NAMES.get(cfg.model_type)
+    return _assemble(cfg, renamed(src, rules) if rules else src, opts)
 
 
 def assemble_gguf(cfg: LlamaConfig, src: TensorSource, opts: LoadOptions) -> Params:
@@ -725,6 +754,9 @@ def checkpoint_layout(cfg: LlamaConfig, fused: bool = False) -> dict[str, Tensor
         out["lm_head.weight"] = TensorSpec((v, h), scale=0.2)
     if cfg.model_type == "exaone":  # published under EXAONE's own names
         return {renamed_name(name, _HF_TO_EXAONE): spec for name, spec in out.items()}
+    if cfg.model_type == "hunyuan_v1_dense":
+        return {name.replace(".q_norm.", ".query_layernorm.").replace(".k_norm.", ".key_layernorm."): spec
+                for name, spec in out.items()}
     return out
 
 
@@ -791,6 +823,9 @@ _TINY_OWN = {
     "internlm3": {"architectures": ["InternLM3ForCausalLM"], "qkv_bias": False, "bias": False, "head_dim": 16,
                   "tie_word_embeddings": False},
     "exaone": {"architectures": ["ExaoneForCausalLM"], "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "hunyuan_v1_dense": {"architectures": ["HunYuanDenseV1ForCausalLM"], "use_qk_norm": True, "head_dim": 16,
+                         "attention_bias": False, "tie_word_embeddings": True,
+                         "rope_scaling": {"type": "dynamic", "alpha": 1000.0, "factor": 1.0}},
     # (MiniCPM-2B's scales; untied: mlx-lm's tied head leaves the logit scale out)
     "minicpm": {"architectures": ["MiniCPMForCausalLM"], "scale_emb": 12, "scale_depth": 1.4, "dim_model_base": 16,
                 "tie_word_embeddings": False},
@@ -800,7 +835,7 @@ FAMILY = Family(
     packs_rows=True,  # row-wise layers around blocks.self_attention (core/packing.py)
     name="llama", model_types=("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm2", "smollm3",
                                "granite", "ministral3", "mimo", "ernie4_5", "helium", "seed_oss", "internlm3",
-                               "exaone", "minicpm"),
+                               "exaone", "minicpm", "hunyuan_v1_dense"),
     wrappers={"mistral3": ("ministral3", {"vocab_size": 131072, "tie_word_embeddings": False}),
               # Idefics3 / SmolVLM(2): a Llama text model (images: core/vision/idefics3.py)
               "idefics3": ("llama", {}), "smolvlm": ("llama", {}),

@@ -29,13 +29,12 @@ import mlx.core as mx
 from jaxtyping import Float, Int
 
 import fx_engine.core.models.llama as llama
-from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry, attend_entry, write_entry
+from fx_engine.core.cache import KVCache, LayerSpec, StepGeometry
 from fx_engine.core.checkpoint import (GGUF_COMMON_NAMES, Embedding, Fused, Lin, LoadOptions, Norm, Reader,
                                        TensorSource, TensorSpec, Vec, WeightsError, read_tensors, renamed)
 from fx_engine.core.config import (BOOL, FLOAT, INT, MAYBE_BOOL, ConfigError, Field, Same, check_rope_scaling,
                                    gguf_hf_config, gguf_value, positive_int, read_fields, token_ids)
-from fx_engine.core.models.blocks import (GATE_UP, QKV, apply_partial_rope, attention_sizes, config_rope,
-                                          swiglu_mlp)
+from fx_engine.core.models.blocks import GATE_UP, QKV, attention_sizes, config_rope, head_norm_attention, swiglu_mlp
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.llama import LlamaConfig
 from fx_engine.core.nn import Linear, Numerics, gelu, gelu_tanh, layer_norm, linear
@@ -143,24 +142,6 @@ class NeoxParams(llama.Params):
     """The Llama family's params pytree with NeoxLayers; norm is (weight, bias)."""
 
 
-def _attention(p: NeoxParams, lp: NeoxLayer, x: mx.array, entry: Any, spec: LayerSpec, rope: tuple,
-               geo: StepGeometry) -> tuple[mx.array, Any]:
-    cfg, num = p.config, p.numerics
-    b, t = geo.positions.shape
-    hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = linear(x, lp.qkv, num).reshape(b, t, hq + 2 * hk, d)
-    qk = qkv[:, :, : hq + hk]
-    if lp.q_norm is not None:  # a LayerNorm over each head, its own weight per head
-        eps = cfg.rms_norm_eps
-        qk = mx.concatenate([lp.q_norm * layer_norm(qk[:, :, :hq], None, None, eps),
-                             lp.k_norm * layer_norm(qk[:, :, hq:], None, None, eps)], axis=2)
-    qk = apply_partial_rope(qk, rope, d, num, False)  # q and k together: one pass
-    k, v = qk[:, :, hq:].transpose(0, 2, 1, 3), qkv[:, :, hq + hk :].transpose(0, 2, 1, 3)
-    entry = write_entry(entry, spec, k, v, geo, num)  # (write first: the update may be in place)
-    o = attend_entry(entry, spec, qk[:, :, :hq], geo, d**-0.5, num)
-    return linear(o.reshape(b * t, hq * d), lp.o, num), entry
-
-
 def _mlp(cfg: NeoxConfig, lp: NeoxLayer, x: mx.array, num: Numerics) -> mx.array:
     if not cfg.gelu:
         return swiglu_mlp(x, lp.gate_up, lp.down, num)
@@ -173,7 +154,7 @@ def _layer(p: NeoxParams, lp: NeoxLayer, h: mx.array, entry: Any, spec: LayerSpe
     cfg, num = p.config, p.numerics
     eps = cfg.rms_norm_eps
     x = layer_norm(h, *lp.attn_norm, eps)
-    a, entry = _attention(p, lp, x, entry, spec, rope, geo)
+    a, entry = head_norm_attention(p, lp, x, entry, spec, rope, geo, traditional=False)
     if cfg.parallel:  # both branches read the layer's input
         m = x if lp.mlp_norm is None else layer_norm(h, *lp.mlp_norm, eps)
         return h + a + _mlp(cfg, lp, m, num), entry
