@@ -178,11 +178,11 @@ def self_attention(
     per_head = lp.q_norm is not None and not whole
     late = per_head and getattr(cfg, "qk_norm_after_rope", False)  # (Hunyuan's: on the rotated heads)
     if per_head and not late:  # qwen3: per-head, before RoPE
-        qk = mx.concatenate([rms_norm(qk[:, :, :hq], lp.q_norm, eps), rms_norm(qk[:, :, hq:], lp.k_norm, eps)], axis=2)
+        qk = _head_rms_norms(qk, lp, hq, eps)
     if rope is not None:
         qk = apply_partial_rope(qk, rope, d, num, cfg.rope_traditional)  # q and k together: one pass
     if late:
-        qk = mx.concatenate([rms_norm(qk[:, :, :hq], lp.q_norm, eps), rms_norm(qk[:, :, hq:], lp.k_norm, eps)], axis=2)
+        qk = _head_rms_norms(qk, lp, hq, eps)
     q = qk[:, :, :hq]
     if beta:  # ministral3: a query temperature growing with the position (Llama 4's)
         pos = geo.positions.astype(mx.float32)
@@ -194,6 +194,11 @@ def self_attention(
     entry = write_entry(entry, spec, k, v, geo, num)
     o = attend_entry(entry, spec, q, geo, scale, num, sinks=getattr(lp, "sinks", None))
     return linear(geo.pack(o.reshape(b * t, hq * d)), lp.o, num), entry
+
+
+def _head_rms_norms(qk: mx.array, lp: Any, hq: int, eps: float) -> mx.array:
+    """q heads [..., :hq, d] and k heads [..., hq:, d] each RMS-normalized with their weight."""
+    return mx.concatenate([rms_norm(qk[:, :, :hq], lp.q_norm, eps), rms_norm(qk[:, :, hq:], lp.k_norm, eps)], axis=2)
 
 
 def head_norm_attention(

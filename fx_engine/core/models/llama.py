@@ -139,7 +139,9 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
     if model_type == "minicpm":
         extra.update(_minicpm_scales(d, layers, hidden, source))
     if model_type == "hunyuan_v1_dense":
-        theta, scaling = _ntk_alpha(d, theta, scaling, head_dim, source)
+        if d.get("use_qk_norm") is False:  # (Hugging Face's class always normalizes q and k)
+            raise ConfigError(f"{source}: field 'use_qk_norm' = false is not supported for hunyuan_v1_dense")
+        theta, scaling = _ntk_alpha(theta, scaling, head_dim, source)
         extra["qk_norm_after_rope"] = True
     qkv_bias, o_bias = _attention_biases(d, model_type)
     if model_type == "ernie4_5":  # one switch for every projection's bias
@@ -155,15 +157,11 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> LlamaConfi
     )
 
 
-def _ntk_alpha(d: dict[str, Any], theta: float, scaling: dict[str, Any] | None, head_dim: int, source: str
+def _ntk_alpha(theta: float, scaling: dict[str, Any] | None, head_dim: int, source: str
                ) -> tuple[float, dict[str, Any] | None]:
     """Hunyuan's RoPE as Hugging Face's HunYuanDenseV1 runs it: a "dynamic" scaling with an
     `alpha` is a fixed NTK stretch of the base, rope_theta * alpha^(d / (d - 2)), and no other
-    scaling (its "ntk_alpha"). Its q/k norms are always there (the class has no switch):
-    a config turning them off (mlx-lm's use_qk_norm) is refused."""
-    if d.get("use_qk_norm") is False:
-        raise ConfigError(f"{source}: field 'use_qk_norm' = false is not supported for hunyuan_v1_dense "
-                          "(Hugging Face's class always normalizes q and k)")
+    scaling (its "ntk_alpha")."""
     if scaling and rope_type_of(scaling) == "dynamic" and scaling.get("alpha"):
         alpha = scaling["alpha"]
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
