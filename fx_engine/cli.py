@@ -837,6 +837,8 @@ def _native_line() -> str:
              else "8-row passes of that path at every row count (the tiles would spill)")
     a8 = (f"int8 dot products ({native.int8_dot_isa()})" if native.int8_dot()
           else "a scalar int8 loop (no int8 dot-product path for this build)")
+    if native.amx():
+        a8 += "; AMX tile multiplies above 32 rows (FX_ENGINE_AMX=0 turns them off)"
     note = f"\n  fallback            {st['fallback']}" if st.get("fallback") else ""
     return (f"on, {st['threads']} threads, {native.isa()} build ({st['path']}){note}\n"
             f"  qgemm               {few}{tiles}\n"

@@ -227,6 +227,14 @@ def int8_dot_isa() -> str:
     return str(getattr(_module(), "int8_dot_isa", "unknown"))
 
 
+def amx() -> bool:
+    """Whether qmm_a8's many-row tiles (above 32 rows, interleaved weights: prefill in the
+    8-bit mode) run their integer sums on Intel AMX here: a build for AMX-INT8, the tile
+    state granted by the kernel, not turned off (FX_ENGINE_AMX=0). The same bits either way."""
+    f = getattr(_module(), "amx", None)
+    return bool(f()) if f is not None else False
+
+
 def tiled_gemm() -> bool:
     """Whether qgemm's register tile fits this build's vector registers (AVX-512); AVX2
     builds run qgemm's few-row path at every row count instead (fx-engine info)."""

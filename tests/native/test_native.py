@@ -1489,6 +1489,47 @@ def test_interleaved_weights_give_the_row_major_bits(bits: int, gs: int) -> None
         kernels.interleave16(wq[:40])
 
 
+@pytest.mark.parametrize("bits,gs,k", [(4, 32, 352), (4, 64, 512), (4, 128, 768), (8, 32, 512), (8, 16, 416),
+                                       (5, 32, 544), (6, 16, 512), (6, 16, 480), (6, 32, 256)])
+def test_amx_tiles_give_the_vnni_tiles_bits(bits: int, gs: int, k: int) -> None:
+    """On a CPU with AMX (and a kernel that grants it), qmm_a8's many-row tiles on
+    interleaved weights take their integer sums from tile multiplies (amx.h); each group's
+    float step is the VNNI tiles' (a8_step, in group order), so the bits are the same:
+    4-/8-bit interleaved blocks and 5-/6-bit planes, groups of 16 to 128 (one multiply a
+    group, or several summed in the tile), group counts that leave 1-3 groups after the
+    rounds of four (k = 352: 11 groups; 416 and 480: 26 and 30 of 16), partial row tiles (33, 40, 100 rows),
+    float16 and two-level scales. Turned off (set_amx), the VNNI tiles run: the reference."""
+    from fx_engine.core import kernels
+
+    mod = native._module()
+    if not native.amx():
+        pytest.skip("no AMX here (CPU, build or kernel): the VNNI tiles are the only ones")
+    if bits in (5, 6) and not kernels.il_planes():
+        pytest.skip("no planes layout on this build")
+    n = 48
+    q = RNG.integers(0, 1 << bits, (n, k)).astype(np.uint32)
+    wq = _stream(q, bits)
+    il = kernels.interleave16_planes(wq, bits) if bits in (5, 6) else kernels.interleave16(wq)
+    forms = [_compact_scales(n, k // gs, "float16", 1)[0]]
+    if gs in (16, 32) and (k // gs) % (256 // gs) == 0:
+        forms.append(_compact_scales(n, k // gs, "kq1" if gs == 16 else "kq", 256 // gs)[0])
+    for cs, cb in forms:
+        back = kernels.interleave16_factors if cs.dtype == mx.int16 else kernels.interleave16_groups
+        ics, icb = kernels.interleave16_groups(cs), back(cb)
+        for m in (33, 40, 100):
+            x = mx.array(RNG.standard_normal((m, k)).astype(np.float32) * 2)
+            on = np.asarray(native.qmm_a8(x, il, ics, icb, gs, bits, interleaved=True))
+            try:
+                mod.set_amx(False)
+                assert not native.amx()
+                off = np.asarray(native.qmm_a8(x, il, ics, icb, gs, bits, interleaved=True))
+            finally:
+                mod.set_amx(True)
+            assert np.array_equal(on, off), (m, cs.dtype)
+            assert np.array_equal(on[5:6], np.asarray(native.qmm_a8(x[5:6], il, ics, icb, gs, bits,
+                                                                     interleaved=True)))  # the few-row path
+
+
 def _same_products(wq, form, stored, gs: int, bits: int) -> None:
     """Every rows-layout product (qmm, qgemm, qmm_a8) at 1-40 rows, and dequantize, give the
     same bits with the scales and biases `form` as with `stored`."""

@@ -22,7 +22,8 @@
 //               qmm_a8 on its expert's matrix (only the chosen experts' bytes are read).
 //   qmm_a8:     the product with each activation row rounded to 8 bits per weight group
 //               (opt-in numerics, as llama.cpp's): exact int8 dot products (AVX-512
-//               VNNI, AVX2 vpmaddubsw), no float copy of the weights; 2-3x qmm/qgemm
+//               VNNI, AVX2 vpmaddubsw; above 32 rows AMX tile multiplies where the CPU
+//               and the kernel allow them), no float copy of the weights; 2-3x qmm/qgemm
 //               from 8 rows up.
 //   (Quant and biases come as float32, float16, bfloat16, or in GGUF's K-quant two-level
 //   form: scales.h. Each decodes to the same float32 values, so the same bits.)
@@ -44,7 +45,7 @@
 // so the same source builds for AVX-512, AVX2 and NEON.
 //
 // Layout: this file holds the MLX primitives and the Python bindings; the kernels live in
-// one header per family beside it (simd.h, pool.h, scales.h, qmatmul.h, qmm_a8.h, attention.h,
+// one header per family beside it (simd.h, pool.h, scales.h, qmatmul.h, amx.h, qmm_a8.h, attention.h,
 // pointwise.h), included below as one translation unit. build.py's cache key hashes
 // every source file of this folder.
 
@@ -66,6 +67,10 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>  // arch_prctl: the AMX tile state is granted per process (amx.h)
+#include <unistd.h>
 #endif
 
 #include <nanobind/nanobind.h>
@@ -89,7 +94,7 @@ namespace {
 #include "pool.h"       // the thread pool
 #include "scales.h"     // group scales and biases: float32, float16, bfloat16, two-level
 #include "qmatmul.h"    // dequantize, qmm, qgemm
-#include "qmm_a8.h"     // qmm_a8 (8-bit activations)
+#include "qmm_a8.h"     // qmm_a8 (8-bit activations; its AMX tiles: amx.h, included there)
 #include "attention.h"  // masked_softmax, attend
 #include "pointwise.h"  // rms_norm, swiglu, rope
 
@@ -1022,6 +1027,14 @@ NB_MODULE(_fx_native, m) {
       "a scalar loop"
 #endif
   );
+#if defined(FX_A8_AMX)
+  m.def("amx", [] { return amx_on(); }, "whether qmm_a8's many-row tiles run on AMX (built, granted, not turned off)");
+  m.def("set_amx", [](bool on) { amx_wanted() = on; }, nb::arg("on"),
+        "use AMX where granted (the default; FX_ENGINE_AMX=0 starts with it off); the same bits either way");
+#else
+  m.def("amx", [] { return false; }, "whether qmm_a8's many-row tiles run on AMX (not built for it here)");
+  m.def("set_amx", [](bool) {}, nb::arg("on"), "no AMX in this build: nothing to turn on or off");
+#endif
   m.def("gather_qmm", &gather_qmm, nb::arg("x"), nb::arg("indices"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("kind"),
         "stacked experts: x [T, 1 or k, K], indices [T, k] into w [E, N, K] -> [T, k, N]; "

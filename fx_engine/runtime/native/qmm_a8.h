@@ -549,6 +549,8 @@ inline void split_group16_quads(int8_t* xq, int tiles, int R, int K) {
 }
 #endif
 
+#include "amx.h"  // the many-row tiles on AMX (where built for it), used by qmm_a8_rows
+
 template <int R>
 void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& S, int gs, int bits, float* y, int N,
                  bool il = false) {
@@ -560,9 +562,20 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
 #else
   const bool pq = false;
 #endif
+#if defined(FX_A8_AMX)
+  // AMX: an interleaved weight's blocks (quad-major: the B tile's form) against the rows
+  // as A tiles, 16 at a time; everything else as before.
+  const bool amx = R == 16 && il && amx_fits(gs) && amx_on();
+#else
+  constexpr bool amx = false;
+#endif
   pack_a8(R, x, M, K, gs, bits == 4 || pq, xq.data(), dd.data(), xs.data());
 #if defined(FX_A8_PLANE_QUADS)
   if (pq && gs == 16) split_group16_quads(xq.data(), tiles, R, K);
+#endif
+#if defined(FX_A8_AMX)
+  std::vector<int8_t> xa(amx ? xq.size() : 0);
+  if (amx) amx_pack(xq.data(), tiles, K, gs, xa.data());
 #endif
   const int words = K * bits / 32;
   // A unit: A8_FEAT features in rows; an interleaved weight's 16-row block (two 8-feature
@@ -574,6 +587,9 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
     thread_local std::vector<uint8_t> buf;
     if (static_cast<int>(buf.size()) < 16 * K) buf.resize(static_cast<size_t>(16) * K);
     alignas(64) float out[A8_FEAT * R];
+#if defined(FX_A8_AMX)
+    if (amx) amx_configure(gs);  // per thread: the tile configuration is thread state
+#endif
     const int u1 = std::min(units, (c + 1) * per);
     float* tmp = scale_tmp(16, G);
     for (int un = c * per; un < u1; ++un) {
@@ -617,6 +633,17 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
         for (int j = 0; j < nw; ++j)
           unpack_nibbles(wq + static_cast<int64_t>(n0 + j) * words, K, buf.data() + static_cast<int64_t>(j) * K);
       }
+#if defined(FX_A8_AMX)
+      if (amx) {
+        for (int t = 0; t < tiles; ++t) {
+          const int m0 = t * R;
+          a8_amx_tile(xa.data() + static_cast<int64_t>(m0) * K, dd.data() + static_cast<int64_t>(t) * G * R,
+                      xs.data() + static_cast<int64_t>(t) * G * R, wb, ds, db, K, gs, y + static_cast<int64_t>(m0) * N + n0,
+                      N, std::min(R, M - m0));
+        }
+        continue;
+      }
+#endif
       const int step = il ? 8 : A8_FEAT;
       for (int f0 = 0; f0 < nw; f0 += step) {
         const int fw = std::min(step, nw - f0);
@@ -636,6 +663,9 @@ void qmm_a8_rows(const float* x, int M, int K, const uint32_t* wq, const Quant& 
         }
       }
     }
+#if defined(FX_A8_AMX)
+    if (amx) _tile_release();  // no tile state left for the scheduler to save
+#endif
   });
 }
 
