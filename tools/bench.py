@@ -527,6 +527,9 @@ def machine_info() -> dict[str, Any]:
         "device": str(mx.default_device()),
         # the native kernels' target (FX_ENGINE_NATIVE_ARCH measures another CPU's paths here)
         "native_arch": os.environ.get("FX_ENGINE_NATIVE_ARCH") or "native",
+        # the 8-bit mode's many-row tiles on AMX where the CPU has it (FX_ENGINE_AMX=0: off)
+        "native_amx": ("amx_tile" in flags and os.environ.get("FX_ENGINE_AMX") != "0"
+                       and not os.environ.get("FX_ENGINE_NATIVE_ARCH")),
         "loadavg_start": os.getloadavg(),
     }
 
