@@ -1,6 +1,6 @@
 // Part of fx-engine's native kernels: qmm_a8's many-row tiles on Intel AMX (tdpbsud).
-// Not a standalone header: kernels.cpp includes it after qmm_a8.h, inside its anonymous
-// namespace, as one translation unit.
+// Not a standalone header: qmm_a8.h includes it before qmm_a8_rows (it uses a8_step and
+// A8Vec from there), inside kernels.cpp's anonymous namespace, as one translation unit.
 #pragma once
 
 // ---------------------------------------------------------------- AMX tiles
@@ -14,7 +14,9 @@
 // each row's 16 features then take a8_step's two FMAs, lane by lane, in group order. A
 // vpdpbusd covers 64 products; a tile multiply 16 x 16 x 64, so the integer work (two
 // thirds of a 16-row tile's instructions with 32-value groups) leaves the vector units,
-// and what remains is the per-group float step, the formula's own cost.
+// and what remains is the per-group float step, the formula's own cost. Measured (an
+// Intel Xeon, 2 vCPUs; docs/benchmarks.md): 1.2-1.6x the VNNI tiles' speed, a 1B Q4_K_M
+// file's 8-bit prefill 1.6x (its Q6_K groups of 16 are the most integer work a float step).
 //
 // Layout: the weight block as every interleaved reader makes it, quads [K / 4][16][4]
 // (a8_tile's QM: 8-bit blocks as stored, il16_quads4, ilp_quads) is exactly the B tile's
@@ -23,7 +25,7 @@
 // [16 rows][kb] bytes in the weights' k order (amx_pack, from pack_a8's quad-major tiles),
 // each tile one contiguous load. A group of gs values is one multiply of gs / 4 quads (gs
 // 16 or 32), or gs / 64 multiplies of 64 values, summed in the tile (exact integers).
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__linux__)
 #define FX_A8_AMX 1
 
 // Whether the kernels may use AMX: built for it, granted the tile state, not turned off.
