@@ -154,9 +154,15 @@ inline void a8_amx_tile(const int8_t* xa, const float* dd, const float* xs, cons
   if (G4) {
     issue4(0);
     store4();
-    for (int g = 4; g < G4; g += 4) {
-      issue4(g);
-      for (int j = 0; j < 4; ++j) step(is[j], g - 4 + j);
+    for (int g = 4; g < G4; g += 4) {  // a tile pair is reloaded only after two float steps
+      amx_group<0>(xa, wb, K, gs, g);
+      amx_group<1>(xa, wb, K, gs, g + 1);
+      step(is[0], g - 4);
+      step(is[1], g - 3);
+      amx_group<2>(xa, wb, K, gs, g + 2);
+      amx_group<3>(xa, wb, K, gs, g + 3);
+      step(is[2], g - 2);
+      step(is[3], g - 1);
       store4();
     }
     for (int j = 0; j < 4; ++j) step(is[j], G4 - 4 + j);
