@@ -30,7 +30,8 @@
 // without VNNI) run an 8-feature version of that path at every row count (a8_few8_block:
 // vpmaddubsw/vpmaddwd, or AVX-VNNI's ymm vpdpbusd; one row on an interleaved weight both
 // halves of a 16-row block at once, a8_few16_il), the same bits again. 5-/6-bit planes
-// above 8 rows on VNNI builds: the tiles over ilp_quads' bytes.
+// above 8 rows on VNNI builds: the tiles over ilp_quads' bytes. On CPUs with AMX the tiles
+// of an interleaved weight take their integer sums from tile multiplies (amx.h), the same bits.
 constexpr int A8_FEAT = 12;  // output features per tile
 
 #if defined(__AVX512VNNI__)
