@@ -391,13 +391,31 @@ def _tiled_matmul(x2: mx.array, lin: Linear, tile: int) -> mx.array:
     if lin.quantized:  # MLX's quantized matmul is computed row by row: no BLAS involved
         y = _matmul_rows(xt, lin)
     else:
-        # [n, tile, K] @ [K, N] would be folded into one [n*tile, K] GEMM by MLX, and a BLAS
-        # may block K differently for different M (measured: MKL, K=1536, M=64 vs 8). A
-        # broadcast (stride-0, no copy) batch of weights makes MLX issue one GEMM per tile.
-        w = lin.weight if lin.transposed else lin.weight.T
-        y = xt @ mx.broadcast_to(w, (xt.shape[0], *w.shape))
+        y = _gemm_per_tile(xt, lin.weight if lin.transposed else lin.weight.T)
     y = y.reshape(-1, y.shape[-1])
     return y[:m] if pad else y
+
+
+def _gemm_per_tile(xt: Float[mx.array, "n tile K"], w: Float[mx.array, "K N"]) -> Float[mx.array, "n tile N"]:
+    """One BLAS GEMM per tile of rows. [n, tile, K] @ [K, N] would be folded into one
+    [n*tile, K] GEMM by MLX, and a BLAS may block K differently for different M (measured:
+    MKL, K=1536, M=64 vs 8). A broadcast (stride-0, no copy) batch of weights makes MLX
+    issue one GEMM per tile."""
+    return xt @ mx.broadcast_to(w, (xt.shape[0], *w.shape))
+
+
+def matmul_t(x: Float[mx.array, "N K"], w: Float[mx.array, "E K"], numerics: Numerics) -> Float[mx.array, "N E"]:
+    """x @ w.T for a plain float matrix that is not a Linear (DeepSeek's router): in the
+    batch-invariant numerics on fixed row tiles as linear's dense products, so a row's
+    logits (and so its experts) never depend on the other rows of the step (MKL on an Intel
+    CPU rounds a 4-row GEMM otherwise than a 1-row one)."""
+    if not numerics.batch_invariant:
+        return x @ w.T
+    n, tile = x.shape[0], numerics.tile
+    pad = (-n) % tile
+    xt = mx.pad(x, [(0, pad), (0, 0)]) if pad else x
+    y = _gemm_per_tile(xt.reshape(-1, tile, x.shape[1]), w.T).reshape(-1, w.shape[0])
+    return y[:n] if pad else y
 
 
 @attrs.frozen

@@ -46,7 +46,7 @@ from fx_engine.core.models.blocks import (GGUF_GROUPED_EXPERT_NAMES, HF_LAYER, S
                                           read_shared_expert, swiglu_mlp)
 from fx_engine.core.models.family import Family
 from fx_engine.core.models.skeleton import PipelineStage, cut_layers, decoder_step, stage_logits
-from fx_engine.core.nn import (Linear, Numerics, apply_rope, linear, rms_norm, rope_tables, routed_mixture,
+from fx_engine.core.nn import (Linear, Numerics, apply_rope, linear, matmul_t, rms_norm, rope_tables, routed_mixture,
                                scaled_rope_freqs, scaled_rope_mscale, swiglu_fused)
 from fx_engine.core.splits import split, split_cols, split_experts, split_mlp, split_rows, split_vocab
 from fx_engine.core.tree import static_field
@@ -270,10 +270,10 @@ def _mlp(cfg: DeepseekConfig, lp: DeepseekLayer, x: mx.array, num: Numerics) -> 
         return swiglu_mlp(x, lp.gate_up, lp.down, num)
     ex = lp.experts
     if cfg.topk_method == "noaux_tc":
-        idx, w = grouped_route(x @ ex.router.T, ex.correction_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
+        idx, w = grouped_route(matmul_t(x, ex.router, num), ex.correction_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
                                cfg.norm_topk_prob, cfg.routed_scaling_factor)
     else:
-        idx, w = softmax_route(x @ ex.router.T, cfg.top_k, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+        idx, w = softmax_route(matmul_t(x, ex.router, num), cfg.top_k, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
     y = routed_mixture(x, ex.gate_up, ex.down, idx, w, lambda gu: swiglu_fused(gu, num), num)
     if ex.shared_gate_up is not None:
         y = y + swiglu_mlp(x, ex.shared_gate_up, ex.shared_down, num)
