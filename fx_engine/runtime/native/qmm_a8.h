@@ -29,7 +29,8 @@
 // vectors along 16 features instead, with the same bits. AVX2 builds (and AVX-512 builds
 // without VNNI) run an 8-feature version of that path at every row count (a8_few8_block:
 // vpmaddubsw/vpmaddwd, or AVX-VNNI's ymm vpdpbusd; one row on an interleaved weight both
-// halves of a 16-row block at once, a8_few16_il), the same bits again. 5-/6-bit planes
+// halves of a 16-row block at once, a8_few16_il; tiles of 2-8 rows spelled out for 4-bit
+// groups of 32, a8_il4_g32_tile, and 5-/6-bit planes in groups of 16 or 32, a8_p_tile), the same bits again. 5-/6-bit planes
 // above 8 rows on VNNI builds: the tiles over ilp_quads' bytes. On CPUs with AMX the tiles
 // of an interleaved weight take their integer sums from tile multiplies (amx.h), the same bits.
 constexpr int A8_FEAT = 12;  // output features per tile
@@ -1124,6 +1125,63 @@ inline void a8_il4_g32_tile(const int8_t* xq, const float* dd, const float* xs, 
   for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + static_cast<int64_t>(m) * N + n0, acc[m]);
 }
 
+// a8_few8_blockp's tile of MR rows (2..8) on 5-/6-bit planes in groups of 16 or 32 (GGUF's
+// Q6_K: Q4_K_M's down / v matrices; Q5_K), 8 features, spelled out as a8_il4_g32_tile is:
+// each 32-k step's 8 quads built once for all rows, then per row the step's groups (groups
+// of 16: quads {0, 1, 4, 5}, then {2, 3, 6, 7}) as quad-pair sums in int16 (at most
+// 2 * 63 * 127 each: exact) widened by vpmaddwd and taken straight into each group's float
+// step, in group order. The general loop carried MR int32 sums and MR float accumulators
+// across the step, more than AVX2's 16 registers, and spilled them. The same sums, the
+// same bits.
+template <int BITS, int GS, int FMT, int MR>
+inline void a8_p_tile(const int8_t* xq, const float* dd, const float* xs, int K, const uint32_t* wq,
+                      float* y, int N, int n0, const Quant& S, int R) {
+  static_assert((BITS == 5 || BITS == 6) && (GS == 16 || GS == 32), "5-/6-bit planes in groups of 16 or 32");
+  const int steps = K / 32;
+  const uint32_t* blk = wq + static_cast<int64_t>(n0 / 16) * K * BITS / 2 + n0 % 16;  // 16 rows x K x BITS bits
+  const char* ps = static_cast<const char*>(S.s) + int64_t{n0 / 16 * 16} * S.s_row_bytes();
+  const char* pb = static_cast<const char*>(S.b) + int64_t{n0 / 16 * 16} * S.b_row_bytes();
+  const int sb = S.sb;
+  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq);
+  const __m256i nib = _mm256_set1_epi8(0x0F), mhi = _mm256_set1_epi8(BITS == 6 ? 0x30 : 0x10);
+  const __m256i one = _mm256_set1_epi16(1);
+  constexpr int G = 32 / GS;  // groups a 32-k step
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int k = 0; k < steps; ++k) {
+    const uint32_t* st = blk + int64_t{k} * 16 * BITS;
+    auto ld = [&](int at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + at)); };
+    const __m256i h0 = ld(64), h1 = BITS == 6 ? ld(80) : h0;
+    __m256i a[4], b[4];  // quads i (the even values 8i + 2j) and 4 + i (the odd ones)
+    for (int i = 0; i < 4; ++i) {
+      const __m256i w = ld(16 * i);
+      a[i] = _mm256_or_si256(_mm256_and_si256(w, nib), plane_high8<BITS>(h0, i, mhi));
+      b[i] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), nib), plane_high8<BITS>(h1, 4 + i, mhi));
+    }
+    __m256 s[G], c[G];
+    for (int j = 0; j < G; ++j) il_scales8(ps, pb, FMT, sb, G * k + j, n0 % 16, s[j], c[j]);
+    const int32_t* xg = xq4 + int64_t{8} * k * R;
+    const float* d = dd + int64_t{G} * k * R;
+    const float* e = xs + int64_t{G} * k * R;
+    for (int m = 0; m < MR; ++m) {
+      auto pair = [&](int i) {
+        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(a[i], _mm256_set1_epi32(xg[i * R + m])),
+                                                  _mm256_maddubs_epi16(b[i], _mm256_set1_epi32(xg[(4 + i) * R + m]))),
+                                 one);
+      };
+      if constexpr (G == 2) {
+        const __m256i is0 = _mm256_add_epi32(pair(0), pair(1)), is1 = _mm256_add_epi32(pair(2), pair(3));
+        acc[m] = a8_step<A8Vec<8>>(acc[m], is0, _mm256_set1_ps(d[m]), s[0], _mm256_set1_ps(e[m]), c[0]);
+        acc[m] = a8_step<A8Vec<8>>(acc[m], is1, _mm256_set1_ps(d[R + m]), s[1], _mm256_set1_ps(e[R + m]), c[1]);
+      } else {
+        const __m256i is = _mm256_add_epi32(_mm256_add_epi32(pair(0), pair(1)), _mm256_add_epi32(pair(2), pair(3)));
+        acc[m] = a8_step<A8Vec<8>>(acc[m], is, _mm256_set1_ps(d[m]), s[0], _mm256_set1_ps(e[m]), c[0]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + static_cast<int64_t>(m) * N + n0, acc[m]);
+}
+
 // Up to this many rows take a8_few16_il (5-/6-bit planes: one row). Measured, gate_up
 // 16384 x 2048 cold: 2 rows 0.77 ms against 1.14-1.21 in a8_il4_g32_tile, 4 rows 1.28 against
 // 1.51; 6 rows alike; 8 rows 2.94 against 2.32 (2 x MR accumulators spill).
@@ -1359,6 +1417,17 @@ void qmm_a8_few8(const float* x, int M, int K, const uint32_t* wq, const Quant& 
             with_fmt(S.fmt, [&](auto f) {
               with_rows<8>(std::min(R, M - t * R), [&](auto mr) {
                 a8_il4_g32_tile<decltype(f)::value, decltype(mr)::value>(xt, dt, st, K, wq, yt, N, bl * 8, S, R);
+              });
+            });
+            continue;
+          }
+        if constexpr (PLANES)
+          if ((gs == 16 || gs == 32) && nv == 8) {  // GGUF's Q6_K, Q5_K: a8_p_tile
+            with_fmt(S.fmt, [&](auto f) {
+              with_rows<8>(std::min(R, M - t * R), [&](auto mr) {
+                constexpr int F = decltype(f)::value, MR = decltype(mr)::value;
+                if (gs == 16) a8_p_tile<BITS, 16, F, MR>(xt, dt, st, K, wq, yt, N, bl * 8, S, R);
+                else a8_p_tile<BITS, 32, F, MR>(xt, dt, st, K, wq, yt, N, bl * 8, S, R);
               });
             });
             continue;
