@@ -1146,9 +1146,14 @@ inline void a8_p_tile(const int8_t* xq, const float* dd, const float* xs, int K,
   const __m256i nib = _mm256_set1_epi8(0x0F), mhi = _mm256_set1_epi8(BITS == 6 ? 0x30 : 0x10);
   const __m256i one = _mm256_set1_epi16(1);
   constexpr int G = 32 / GS;  // groups a 32-k step
+  // the next 16-row block's stream, a slice a step, from the block's first half (as
+  // a8_few8_blockp: at 2-8 rows, a batch's decode step, the weights stream from DRAM)
+  const char* next = reinterpret_cast<const char*>(wq + (static_cast<int64_t>(n0 / 16) + 1) * K * BITS / 2);
+  const int slice = n0 % 16 == 0 && n0 / 16 * 16 + 16 < N ? 64 * BITS : 0;
   __m256 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int k = 0; k < steps; ++k) {
+    for (int o = 0; o < slice; o += 64) _mm_prefetch(next + int64_t{k} * slice + o, _MM_HINT_T1);
     const uint32_t* st = blk + int64_t{k} * 16 * BITS;
     auto ld = [&](int at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + at)); };
     const __m256i h0 = ld(64), h1 = BITS == 6 ? ld(80) : h0;
